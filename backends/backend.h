@@ -1,0 +1,224 @@
+/*
+ * backends/backend.h - the compute-backend interface (private to dtrain).
+ *
+ * The core reaches tensor memory only through this struct of function
+ * pointers, so a backend is one file: backends/cpu.c (OpenBLAS + pthreads),
+ * backends/cuda.cu (cuBLAS + kernels).  Pointers named like x, y, dx are
+ * device pointers from alloc(); host pointers are named host*.  Sizes are
+ * element counts (int64_t) unless named *_bytes.  All float data is f32 and
+ * contiguous (row-major) unless strides are passed.
+ *
+ * Kernels never fail on valid arguments: the core validates shapes before it
+ * calls.  Functions returning dt_status can fail for resource reasons only.
+ *
+ * Determinism contract: for a fixed thread count every kernel gives
+ * bit-identical results run to run.  Reductions (sum, sumsq, bias_grad,
+ * reduce_axis) sum in fixed-size blocks whose partials are added in order,
+ * so their results do not depend on the thread count either.
+ *
+ * Entries marked (optional) may be NULL; the core then composes them.
+ */
+#ifndef DTRAIN_BACKEND_H
+#define DTRAIN_BACKEND_H
+
+#include "../dtrain.h"
+
+#define DT_BACKEND_IFACE_VERSION 1
+
+typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
+
+typedef struct dt_backend_params {
+    int threads;
+    int device;
+    dt_allocator allocator;   /* host allocation hooks, already defaulted */
+} dt_backend_params;
+
+typedef enum dt_unary_op {
+    DT_UNARY_RELU = 0,
+    DT_UNARY_GELU,      /* exact: 0.5 x (1 + erf(x / sqrt 2)) */
+    DT_UNARY_TANH,
+    DT_UNARY_SIGMOID
+} dt_unary_op;
+
+typedef enum dt_binary_op { DT_BIN_ADD = 0, DT_BIN_SUB, DT_BIN_MUL, DT_BIN_DIV } dt_binary_op;
+
+typedef enum dt_reduce_op { DT_RED_SUM = 0, DT_RED_MAX } dt_reduce_op;
+
+/* conv / pool geometry, NCHW */
+typedef struct dt_conv_geom {
+    int64_t n, c, h, w;      /* input */
+    int64_t kh, kw;          /* kernel */
+    int64_t stride, pad;
+    int64_t oh, ow;          /* output spatial size */
+} dt_conv_geom;
+
+typedef struct dt_backend_iface {
+    int version;             /* DT_BACKEND_IFACE_VERSION */
+    const char *name;        /* "cpu" */
+
+    /* --- lifetime -------------------------------------------------------- */
+    /* Start an instance.  On failure write a message into err. */
+    dt_status (*init)(const dt_backend_params *p, dt_backend **out, char *err, size_t err_len);
+    void (*shutdown)(dt_backend *be);
+
+    /* --- memory ----------------------------------------------------------- */
+    /* alloc returns memory aligned to 64 bytes, or NULL.  Not zeroed. */
+    void *(*alloc)(dt_backend *be, size_t bytes);
+    void (*free)(dt_backend *be, void *ptr);
+    void (*to_device)(dt_backend *be, void *dst, const void *host_src, size_t bytes);
+    void (*to_host)(dt_backend *be, void *host_dst, const void *src, size_t bytes);
+    void (*copy)(dt_backend *be, void *dst, const void *src, size_t bytes);
+    void (*memset0)(dt_backend *be, void *dst, size_t bytes);
+    /* Wait for queued work (no-op on synchronous backends). */
+    void (*sync)(dt_backend *be);
+    /* 1 when device pointers are host pointers (the CPU backend). */
+    int host_visible;
+
+    /* --- dense linear algebra ------------------------------------------- */
+    /* C (M,N) = alpha * op(A) op(B) + beta * C, row-major; op(A) is (M,K):
+     * A is (M,K) with lda, or (K,M) when ta.  Like cblas_sgemm(RowMajor). */
+    void (*gemm)(dt_backend *be, int ta, int tb, int64_t m, int64_t n, int64_t k,
+                 float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
+                 float beta, float *c, int64_t ldc);
+    /* batch independent gemms; operand i starts at a + i*stride_a etc.
+     * stride_b may be 0 (one shared B). */
+    void (*gemm_batched)(dt_backend *be, int64_t batch, int ta, int tb, int64_t m, int64_t n,
+                         int64_t k, float alpha, const float *a, int64_t lda, int64_t stride_a,
+                         const float *b, int64_t ldb, int64_t stride_b, float beta, float *c,
+                         int64_t ldc, int64_t stride_c);
+
+    /* --- elementwise ---------------------------------------------------- */
+    void (*fill)(dt_backend *be, int64_t n, float value, float *y);
+    /* y = alpha * x + beta * y   (beta = 0 means y is not read) */
+    void (*axpby)(dt_backend *be, int64_t n, float alpha, const float *x, float beta, float *y);
+    /* y = op(x) */
+    void (*unary)(dt_backend *be, dt_unary_op op, int64_t n, const float *x, float *y);
+    /* dx (+)= dy * op'(x); y = op(x) is passed too (relu/tanh/sigmoid use it).
+     * accumulate: 0 writes dx, 1 adds to it. */
+    void (*unary_backward)(dt_backend *be, dt_unary_op op, int64_t n, const float *x,
+                           const float *y, const float *dy, float *dx, int accumulate);
+    /* out[i] = a[ia] op b[ib] over an ndim index space of shape `shape`
+     * (out contiguous); a_strides / b_strides in elements, 0 on broadcast
+     * dims. ndim <= DT_MAX_DIMS. */
+    void (*binary)(dt_backend *be, dt_binary_op op, int ndim, const int64_t *shape,
+                   const float *a, const int64_t *a_strides, const float *b,
+                   const int64_t *b_strides, float *out);
+    /* Strided copy over an ndim index space: dst[dst_idx] (+)= src[src_idx].
+     * Used for contiguous(), transposes, slices and concat.  Element size
+     * elem_bytes (4 for f32/i32, 1 for u8); accumulate only for f32. */
+    void (*copy_strided)(dt_backend *be, int ndim, const int64_t *shape, size_t elem_bytes,
+                         void *dst, const int64_t *dst_strides, const void *src,
+                         const int64_t *src_strides, int accumulate);
+    /* Reduce src (contiguous, shape `shape`) into dst with dst_strides that
+     * are 0 on the dims being summed: dst (+)= sum.  Backward of broadcasting. */
+    void (*sum_to)(dt_backend *be, int ndim, const int64_t *shape, const float *src,
+                   float *dst, const int64_t *dst_strides, int accumulate);
+
+    /* --- reductions ----------------------------------------------------- */
+    /* x viewed as (outer, len, inner); y (outer, inner) = op over len. */
+    void (*reduce_axis)(dt_backend *be, dt_reduce_op op, int64_t outer, int64_t len,
+                        int64_t inner, const float *x, float *y);
+    /* Deterministic sums over all n, written to a device scalar *y. */
+    void (*sum)(dt_backend *be, int64_t n, const float *x, float *y);
+    /* Sum of squares returned to the host (gradient clipping). */
+    double (*sumsq)(dt_backend *be, int64_t n, const float *x);
+
+    /* --- softmax family, along an axis of x viewed as (outer, len, inner) - */
+    void (*softmax)(dt_backend *be, int64_t outer, int64_t len, int64_t inner,
+                    const float *x, float *y, int log);
+    /* dx (+)= softmax/log_softmax backward from y (the forward output). */
+    void (*softmax_backward)(dt_backend *be, int64_t outer, int64_t len, int64_t inner,
+                             const float *y, const float *dy, float *dx, int log, int accumulate);
+    /* Cross entropy: logits (n,c), labels (n) i32.  Writes probs (n,c) =
+     * softmax(logits) and loss (device scalar) = mean over n of -log p[label].
+     * Returns the first out-of-range label index, or -1 if all are valid. */
+    int64_t (*xent_forward)(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                            const int32_t *labels, float *probs, float *loss);
+    /* dlogits (+)= (probs - onehot(labels)) * (*dloss) / n; dloss is a device scalar. */
+    void (*xent_backward)(dt_backend *be, int64_t n, int64_t c, const float *probs,
+                          const int32_t *labels, const float *dloss, float *dlogits,
+                          int accumulate);
+
+    /* --- convolution helpers, NCHW ------------------------------------- */
+    /* x (N,C,H,W) -> col (C*KH*KW, N*OH*OW): column j = n*OH*OW + p. */
+    void (*im2col)(dt_backend *be, const dt_conv_geom *g, const float *x, float *col);
+    /* dx (N,C,H,W) (+)= fold of col (C*KH*KW, N*OH*OW). */
+    void (*col2im)(dt_backend *be, const dt_conv_geom *g, const float *col, float *dx,
+                   int accumulate);
+    /* y (N,C,inner) (+)= bias (C) broadcast; used by conv and linear (inner=1). */
+    void (*bias_add)(dt_backend *be, int64_t n, int64_t c, int64_t inner, const float *bias,
+                     float *y);
+    /* dbias (C) (+)= sum over n and inner of dy (N,C,inner). */
+    void (*bias_grad)(dt_backend *be, int64_t n, int64_t c, int64_t inner, const float *dy,
+                      float *dbias, int accumulate);
+    /* y (O, N*P) -> out (N, O, P): the GEMM layout of conv back to NCHW. */
+    void (*cnp_to_ncp)(dt_backend *be, int64_t c, int64_t n, int64_t p, const float *src,
+                       float *dst);
+    /* (N, O, P) -> (O, N*P) */
+    void (*ncp_to_cnp)(dt_backend *be, int64_t n, int64_t c, int64_t p, const float *src,
+                       float *dst);
+
+    /* --- pooling, NCHW, g->c channels, kernel kh=kw ------------------------ */
+    /* y (N,C,OH,OW); argmax (N,C,OH,OW) i32 = flat h*W+w index in the input plane
+     * (-1 if the window is all padding). */
+    void (*maxpool_forward)(dt_backend *be, const dt_conv_geom *g, const float *x, float *y,
+                            int32_t *argmax);
+    void (*maxpool_backward)(dt_backend *be, const dt_conv_geom *g, const float *dy,
+                             const int32_t *argmax, float *dx, int accumulate);
+    /* average over the window, padding counted (count_include_pad=True) */
+    void (*avgpool_forward)(dt_backend *be, const dt_conv_geom *g, const float *x, float *y);
+    void (*avgpool_backward)(dt_backend *be, const dt_conv_geom *g, const float *dy, float *dx,
+                             int accumulate);
+
+    /* --- embedding ------------------------------------------------------ */
+    /* y (n, d) = weight[idx[i]] rows.  idx validated by the core. */
+    void (*embedding_forward)(dt_backend *be, int64_t n, int64_t d, const float *weight,
+                              const int32_t *idx, float *y);
+    /* dweight[idx[i]] += dy[i] for i in order (rows not in idx untouched). */
+    void (*embedding_backward)(dt_backend *be, int64_t n, int64_t d, const int32_t *idx,
+                               const float *dy, float *dweight);
+    /* Index range check on device data: returns first i with idx[i] outside
+     * [0, limit), or -1. */
+    int64_t (*index_check)(dt_backend *be, int64_t n, const int32_t *idx, int64_t limit);
+
+    /* --- layer norm over rows of length d ------------------------------ */
+    /* y = (x - mean) * rstd * w + b; w, b may be NULL; mean, rstd (rows) saved. */
+    void (*layernorm_forward)(dt_backend *be, int64_t rows, int64_t d, const float *x,
+                              const float *w, const float *b, float eps, float *y, float *mean,
+                              float *rstd);
+    /* dx (+)=, dw +=, db += (dw/db may be NULL). */
+    void (*layernorm_backward)(dt_backend *be, int64_t rows, int64_t d, const float *x,
+                               const float *w, const float *mean, const float *rstd,
+                               const float *dy, float *dx, float *dw, float *db, int accumulate);
+
+    /* --- dropout -------------------------------------------------------- */
+    /* mask[i] = (hash(seed, i) >= p) ? 1/(1-p) : 0 (counter-based: the same
+     * seed gives the same mask whatever the thread count); y = x * mask. */
+    void (*dropout_forward)(dt_backend *be, int64_t n, float p, uint64_t seed, const float *x,
+                            float *y, float *mask);
+
+    /* --- optimizers (in place over n elements) ------------------------- */
+    /* PyTorch's SGD: g' = g + wd*w; buf = first ? g' : momentum*buf +
+     * (1-dampening)*g'; step = nesterov ? g' + momentum*buf : buf (or g' when
+     * momentum == 0, buf may be NULL); w -= lr*step. */
+    void (*sgd_update)(dt_backend *be, int64_t n, float *w, const float *g, float *buf,
+                       float lr, float momentum, float dampening, int nesterov,
+                       float weight_decay, int first);
+    /* PyTorch's Adam/AdamW at step t (1-based): decoupled=1 is AdamW
+     * (w *= 1 - lr*wd), else L2 (g += wd*w).  bc1 = 1-beta1^t, bc2 = 1-beta2^t.
+     * w -= lr * (m/bc1) / (sqrt(v/bc2) + eps). */
+    void (*adam_update)(dt_backend *be, int64_t n, float *w, const float *g, float *m,
+                        float *v, float lr, float beta1, float beta2, float eps,
+                        float weight_decay, int decoupled, float bc1, float bc2);
+
+    /* --- metrics -------------------------------------------------------- */
+    /* number of rows of logits (n,c) whose argmax (first max) equals label */
+    int64_t (*count_correct)(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                             const int32_t *labels);
+} dt_backend_iface;
+
+/* Backends compiled in expose their interface through these. */
+const dt_backend_iface *dt_backend_cpu_iface(void);
+const dt_backend_iface *dt_backend_cuda_iface(void);
+
+#endif /* DTRAIN_BACKEND_H */

@@ -1,0 +1,1886 @@
+/*
+ * backends/cpu.c - the CPU compute backend: OpenBLAS for GEMM, a small
+ * pthreads pool for every other kernel.
+ *
+ * Device pointers are host pointers (host_visible = 1).  Every kernel is a
+ * "range function" over [lo, hi) of some unit (elements, rows, planes) that
+ * parallel_for() either runs inline (small work: per-op overhead matters more
+ * than cores) or splits into contiguous static ranges over the pool.  A static
+ * partition keeps each output element computed by one fixed sequence of
+ * operations, so results are bit-identical run to run; the reductions go
+ * further and sum in fixed-size blocks combined in index order, so they do not
+ * depend on the thread count either (backend.h, "Determinism contract").
+ *
+ * In-place calls (y == x) are allowed for the elementwise kernels, so those
+ * loops use no `restrict` and rely on the compiler's runtime alias checks.
+ *
+ * Sections:
+ *   1. Tunables
+ *   2. The instance and its thread pool
+ *   3. Lifetime and memory
+ *   4. Dense linear algebra (OpenBLAS)
+ *   5. Elementwise
+ *   6. Strided index spaces: binary, copy_strided
+ *   7. Deterministic sums: sum, sumsq, sum_to, reduce_axis, bias_grad
+ *   8. Softmax and cross entropy
+ *   9. Convolution helpers
+ *  10. Pooling
+ *  11. Embedding
+ *  12. Layer norm
+ *  13. Dropout
+ *  14. Optimizers
+ *  15. Metrics
+ *  16. The interface table
+ */
+#include "backend.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Not in every cblas.h; a compatible redeclaration is harmless where it is. */
+void openblas_set_num_threads(int num_threads);
+
+/* ---------------------------------------------------------------------------
+ * 1. Tunables
+ *
+ * Grains are the least work (in elements) worth giving one thread: below two
+ * grains an op runs inline on the caller, because waking a sleeping worker
+ * costs several microseconds and an MLP step is ~30 ops in ~4 ms.
+ * ------------------------------------------------------------------------- */
+#define DT_CPU_ALIGN 64            /* alloc() alignment: one cache line, AVX-512 */
+#define DT_CPU_GRAIN_MEM 65536     /* memory-bound loops (copy, relu, axpby) */
+#define DT_CPU_GRAIN_MATH 8192     /* loops calling erf/exp/tanh per element */
+#define DT_CPU_RED_BLOCK 4096      /* deterministic sums: fixed block length */
+#define DT_CPU_RED_ROUND 1024      /* block partials held on the stack at once */
+#define DT_CPU_TILE 256            /* column tile of double accumulators */
+#define DT_CPU_SPIN 4000           /* pause-loop iterations before sleeping */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define DT_CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define DT_CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define DT_CPU_RELAX() ((void)0)
+#endif
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* ---------------------------------------------------------------------------
+ * 2. The instance and its thread pool
+ *
+ * threads-1 workers plus the caller.  A job is posted by bumping `gen`; each
+ * worker runs its part (index + 1; the caller runs part 0) and decrements
+ * `pending`.  Idle workers spin briefly, then sleep on `wake`: OpenBLAS's own
+ * threads need the same cores between our jobs.
+ * ------------------------------------------------------------------------- */
+typedef void (*dt_cpu_range_fn)(void *arg, int64_t lo, int64_t hi);
+
+typedef struct dt_cpu_worker {
+    struct dt_backend *be;
+    int index;
+    pthread_t tid;
+} dt_cpu_worker;
+
+struct dt_backend {
+    dt_allocator al;
+    int threads;
+    int nworkers;                 /* threads - 1 */
+    dt_cpu_worker *workers;
+    pthread_mutex_t mu;
+    pthread_cond_t wake;          /* workers sleep here between jobs */
+    pthread_cond_t done;          /* the caller sleeps here for the last worker */
+    atomic_uint_fast64_t gen;     /* bumped to post a job (or the stop request) */
+    atomic_int pending;           /* workers yet to finish the current job */
+    atomic_int stop;
+    /* the current job, written before gen is bumped */
+    dt_cpu_range_fn fn;
+    void *arg;
+    int64_t n;
+    int parts;
+};
+
+/* Start of part i of `parts` contiguous ranges over [0, n): floor(n*i/parts)
+ * without overflow. */
+static int64_t part_start(int64_t n, int parts, int i)
+{
+    return (n / parts) * i + (n % parts) * i / parts;
+}
+
+static uint_fast64_t pool_wait_job(dt_backend *be, uint_fast64_t seen)
+{
+    uint_fast64_t g;
+    for (int s = 0; s < DT_CPU_SPIN; s++) {
+        g = atomic_load_explicit(&be->gen, memory_order_acquire);
+        if (g != seen) return g;
+        DT_CPU_RELAX();
+    }
+    pthread_mutex_lock(&be->mu);
+    while ((g = atomic_load(&be->gen)) == seen) pthread_cond_wait(&be->wake, &be->mu);
+    pthread_mutex_unlock(&be->mu);
+    return g;
+}
+
+static void *pool_worker_main(void *p)
+{
+    dt_cpu_worker *w = p;
+    dt_backend *be = w->be;
+    uint_fast64_t seen = 0;
+    for (;;) {
+        seen = pool_wait_job(be, seen);
+        if (atomic_load(&be->stop)) break;
+        int part = w->index + 1;
+        if (part < be->parts) {
+            be->fn(be->arg, part_start(be->n, be->parts, part),
+                   part_start(be->n, be->parts, part + 1));
+        }
+        if (atomic_fetch_sub(&be->pending, 1) == 1) {
+            /* signal under the lock: the caller checks `pending` holding it */
+            pthread_mutex_lock(&be->mu);
+            pthread_cond_signal(&be->done);
+            pthread_mutex_unlock(&be->mu);
+        }
+    }
+    return NULL;
+}
+
+/* Run fn over [0, n) in contiguous static parts of at least `grain` units;
+ * inline when there is less than two grains of work or one thread. */
+static void parallel_for(dt_backend *be, int64_t n, int64_t grain, dt_cpu_range_fn fn, void *arg)
+{
+    if (n <= 0) return;
+    int64_t want = n / (grain > 0 ? grain : 1);
+    int parts = want < be->threads ? (int)want : be->threads;
+    if (parts <= 1) {
+        fn(arg, 0, n);
+        return;
+    }
+    be->fn = fn;
+    be->arg = arg;
+    be->n = n;
+    be->parts = parts;
+    atomic_store(&be->pending, be->nworkers);
+    pthread_mutex_lock(&be->mu);
+    atomic_fetch_add(&be->gen, 1);
+    pthread_cond_broadcast(&be->wake);
+    pthread_mutex_unlock(&be->mu);
+
+    fn(arg, 0, part_start(n, parts, 1));
+
+    for (int s = 0; s < DT_CPU_SPIN; s++) {
+        if (atomic_load_explicit(&be->pending, memory_order_acquire) == 0) return;
+        DT_CPU_RELAX();
+    }
+    pthread_mutex_lock(&be->mu);
+    while (atomic_load(&be->pending) != 0) pthread_cond_wait(&be->done, &be->mu);
+    pthread_mutex_unlock(&be->mu);
+}
+
+/* Parallel grain in units of `unit_work` elements each. */
+static int64_t grain_units(int64_t grain_elems, int64_t unit_work)
+{
+    return max64(1, grain_elems / max64(1, unit_work));
+}
+
+/* ---------------------------------------------------------------------------
+ * 3. Lifetime and memory
+ * ------------------------------------------------------------------------- */
+static void pool_stop(dt_backend *be, int started)
+{
+    pthread_mutex_lock(&be->mu);
+    atomic_store(&be->stop, 1);
+    atomic_fetch_add(&be->gen, 1);
+    pthread_cond_broadcast(&be->wake);
+    pthread_mutex_unlock(&be->mu);
+    for (int i = 0; i < started; i++) pthread_join(be->workers[i].tid, NULL);
+}
+
+static void cpu_shutdown(dt_backend *be)
+{
+    if (!be) return;
+    if (be->workers) pool_stop(be, be->nworkers);
+    pthread_cond_destroy(&be->done);
+    pthread_cond_destroy(&be->wake);
+    pthread_mutex_destroy(&be->mu);
+    if (be->workers) be->al.free_fn(be->workers, be->al.user);
+    be->al.free_fn(be, be->al.user);
+}
+
+static dt_status cpu_init(const dt_backend_params *p, dt_backend **out, char *err, size_t err_len)
+{
+    int threads = p->threads > 0 ? p->threads : 1;
+    int started = 0;
+    *out = NULL;
+    dt_backend *be = p->allocator.malloc_fn(sizeof *be, p->allocator.user);
+    if (!be) {
+        if (err_len) snprintf(err, err_len, "cpu backend: out of memory");
+        return DT_ENOMEM;
+    }
+    memset(be, 0, sizeof *be);
+    be->al = p->allocator;
+    be->threads = threads;
+    be->nworkers = threads - 1;
+    atomic_init(&be->gen, 0);
+    atomic_init(&be->pending, 0);
+    atomic_init(&be->stop, 0);
+    pthread_mutex_init(&be->mu, NULL);
+    pthread_cond_init(&be->wake, NULL);
+    pthread_cond_init(&be->done, NULL);
+    if (be->nworkers > 0) {
+        be->workers = be->al.malloc_fn(sizeof(dt_cpu_worker) * (size_t)be->nworkers, be->al.user);
+        if (!be->workers) {
+            if (err_len) snprintf(err, err_len, "cpu backend: out of memory for %d threads", threads);
+            goto fail;
+        }
+        for (; started < be->nworkers; started++) {
+            dt_cpu_worker *w = &be->workers[started];
+            w->be = be;
+            w->index = started;
+            if (pthread_create(&w->tid, NULL, pool_worker_main, w) != 0) {
+                if (err_len)
+                    snprintf(err, err_len, "cpu backend: cannot start worker thread %d of %d",
+                             started + 1, be->nworkers);
+                goto fail;
+            }
+        }
+    }
+    /* OpenBLAS runs the GEMMs with the same thread budget as our pool. */
+    openblas_set_num_threads(threads);
+    *out = be;
+    return DT_OK;
+
+fail:
+    if (be->workers) {
+        pool_stop(be, started);
+        be->al.free_fn(be->workers, be->al.user);
+        be->workers = NULL;
+    }
+    cpu_shutdown(be);
+    return DT_ENOMEM;
+}
+
+/* Over-allocate, align up, and stash the original pointer just before the
+ * aligned block so free() can find it. */
+static void *cpu_alloc(dt_backend *be, size_t bytes)
+{
+    size_t extra = DT_CPU_ALIGN + sizeof(void *);
+    if (bytes > SIZE_MAX - extra) return NULL;
+    char *raw = be->al.malloc_fn(bytes + extra, be->al.user);
+    if (!raw) return NULL;
+    uintptr_t a = ((uintptr_t)raw + sizeof(void *) + DT_CPU_ALIGN - 1) & ~(uintptr_t)(DT_CPU_ALIGN - 1);
+    void *aligned = (void *)a;
+    memcpy((char *)aligned - sizeof(void *), &raw, sizeof raw);
+    return aligned;
+}
+
+static void cpu_free(dt_backend *be, void *ptr)
+{
+    if (!ptr) return;
+    void *raw;
+    memcpy(&raw, (char *)ptr - sizeof(void *), sizeof raw);
+    be->al.free_fn(raw, be->al.user);
+}
+
+static void cpu_memcpy(dt_backend *be, void *dst, const void *src, size_t bytes)
+{
+    (void)be;
+    if (bytes && dst != src) memcpy(dst, src, bytes);
+}
+
+static void cpu_memset0(dt_backend *be, void *dst, size_t bytes)
+{
+    (void)be;
+    if (bytes) memset(dst, 0, bytes);
+}
+
+static void cpu_sync(dt_backend *be) { (void)be; }
+
+/* ---------------------------------------------------------------------------
+ * 4. Dense linear algebra (OpenBLAS)
+ *
+ * OpenBLAS threads the large GEMMs itself with the thread count set at init.
+ * ------------------------------------------------------------------------- */
+
+/* C (M,N) = beta*C for the K == 0 case, which cblas would reject (lda >= 1)
+ * with a message on stderr. */
+static void gemm_scale_c(int64_t m, int64_t n, float beta, float *c, int64_t ldc)
+{
+    for (int64_t i = 0; i < m; i++) {
+        float *row = c + i * ldc;
+        for (int64_t j = 0; j < n; j++) row[j] = beta == 0.0f ? 0.0f : beta * row[j];
+    }
+}
+
+/* C (M,N) = alpha op(A) op(B) + beta C; A (M,K) or (K,M) if ta; B (K,N) or (N,K) if tb */
+static void cpu_gemm(dt_backend *be, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                     const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                     int64_t ldc)
+{
+    (void)be;
+    if (m <= 0 || n <= 0) return;
+    if (k <= 0) {
+        gemm_scale_c(m, n, beta, c, ldc);
+        return;
+    }
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+}
+
+/* batch x [C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i]; stride_b may be 0.
+ * A loop of threaded GEMMs: splitting the batch over our pool with OpenBLAS
+ * at one thread would need openblas_set_num_threads() per call, which is
+ * process-wide state shared with other instances. */
+static void cpu_gemm_batched(dt_backend *be, int64_t batch, int ta, int tb, int64_t m, int64_t n,
+                             int64_t k, float alpha, const float *a, int64_t lda, int64_t stride_a,
+                             const float *b, int64_t ldb, int64_t stride_b, float beta, float *c,
+                             int64_t ldc, int64_t stride_c)
+{
+    for (int64_t i = 0; i < batch; i++)
+        cpu_gemm(be, ta, tb, m, n, k, alpha, a + i * stride_a, lda, b + i * stride_b, ldb, beta,
+                 c + i * stride_c, ldc);
+}
+
+/* ---------------------------------------------------------------------------
+ * 5. Elementwise
+ * ------------------------------------------------------------------------- */
+typedef struct ew_args {
+    int op;
+    float alpha, beta;
+    const float *x, *y, *dy;
+    float *out;
+    int accumulate;
+} ew_args;
+
+/* y (n) = value */
+static void fill_range(void *p, int64_t lo, int64_t hi)
+{
+    const ew_args *A = p;
+    float v = A->alpha, *y = A->out;
+    for (int64_t i = lo; i < hi; i++) y[i] = v;
+}
+
+static void cpu_fill(dt_backend *be, int64_t n, float value, float *y)
+{
+    ew_args A = {.alpha = value, .out = y};
+    parallel_for(be, n, DT_CPU_GRAIN_MEM, fill_range, &A);
+}
+
+/* y (n) = alpha x + beta y; beta == 0 does not read y (it may hold NaN) */
+static void axpby_range(void *p, int64_t lo, int64_t hi)
+{
+    const ew_args *A = p;
+    const float *x = A->x;
+    float *y = A->out, a = A->alpha, b = A->beta;
+    if (b == 0.0f) {
+        for (int64_t i = lo; i < hi; i++) y[i] = a * x[i];
+    } else if (b == 1.0f) {
+        for (int64_t i = lo; i < hi; i++) y[i] = a * x[i] + y[i];
+    } else {
+        for (int64_t i = lo; i < hi; i++) y[i] = a * x[i] + b * y[i];
+    }
+}
+
+static void cpu_axpby(dt_backend *be, int64_t n, float alpha, const float *x, float beta, float *y)
+{
+    ew_args A = {.alpha = alpha, .beta = beta, .x = x, .out = y};
+    parallel_for(be, n, DT_CPU_GRAIN_MEM, axpby_range, &A);
+}
+
+#define DT_SQRT1_2 0.70710678118654752440f
+#define DT_INV_SQRT_2PI 0.39894228040143267794f
+
+static float gelu_f(float x) { return 0.5f * x * (1.0f + erff(x * DT_SQRT1_2)); }
+/* d/dx [x Phi(x)] = Phi(x) + x phi(x) */
+static float gelu_grad(float x)
+{
+    float cdf = 0.5f * (1.0f + erff(x * DT_SQRT1_2));
+    float pdf = DT_INV_SQRT_2PI * expf(-0.5f * x * x);
+    return cdf + x * pdf;
+}
+static float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* y (n) = op(x) */
+static void unary_range(void *p, int64_t lo, int64_t hi)
+{
+    const ew_args *A = p;
+    const float *x = A->x;
+    float *y = A->out;
+    switch ((dt_unary_op)A->op) {
+    case DT_UNARY_RELU: /* NaN propagates, as in torch.relu */
+        for (int64_t i = lo; i < hi; i++) y[i] = x[i] < 0.0f ? 0.0f : x[i];
+        break;
+    case DT_UNARY_GELU:
+        for (int64_t i = lo; i < hi; i++) y[i] = gelu_f(x[i]);
+        break;
+    case DT_UNARY_TANH:
+        for (int64_t i = lo; i < hi; i++) y[i] = tanhf(x[i]);
+        break;
+    case DT_UNARY_SIGMOID:
+        for (int64_t i = lo; i < hi; i++) y[i] = sigmoid_f(x[i]);
+        break;
+    }
+}
+
+static int64_t unary_grain(dt_unary_op op)
+{
+    return op == DT_UNARY_RELU ? DT_CPU_GRAIN_MEM : DT_CPU_GRAIN_MATH;
+}
+
+static void cpu_unary(dt_backend *be, dt_unary_op op, int64_t n, const float *x, float *y)
+{
+    ew_args A = {.op = (int)op, .x = x, .out = y};
+    parallel_for(be, n, unary_grain(op), unary_range, &A);
+}
+
+/* dx (n) (+)= dy * op'(x), y = op(x) given.  The accumulate test sits outside
+ * the loops so each loop stays a simple vectorizable body. */
+#define DT_UNARY_BWD_LOOP(EXPR)                                                  \
+    do {                                                                         \
+        if (acc) {                                                               \
+            for (int64_t i = lo; i < hi; i++) dx[i] += (EXPR);                   \
+        } else {                                                                 \
+            for (int64_t i = lo; i < hi; i++) dx[i] = (EXPR);                    \
+        }                                                                        \
+    } while (0)
+
+static void unary_bwd_range(void *p, int64_t lo, int64_t hi)
+{
+    const ew_args *A = p;
+    const float *x = A->x, *y = A->y, *dy = A->dy;
+    float *dx = A->out;
+    int acc = A->accumulate;
+    (void)x;
+    switch ((dt_unary_op)A->op) {
+    case DT_UNARY_RELU:
+        DT_UNARY_BWD_LOOP(y[i] > 0.0f ? dy[i] : 0.0f);
+        break;
+    case DT_UNARY_GELU:
+        DT_UNARY_BWD_LOOP(dy[i] * gelu_grad(x[i]));
+        break;
+    case DT_UNARY_TANH:
+        DT_UNARY_BWD_LOOP(dy[i] * (1.0f - y[i] * y[i]));
+        break;
+    case DT_UNARY_SIGMOID:
+        DT_UNARY_BWD_LOOP(dy[i] * y[i] * (1.0f - y[i]));
+        break;
+    }
+}
+
+static void cpu_unary_backward(dt_backend *be, dt_unary_op op, int64_t n, const float *x,
+                               const float *y, const float *dy, float *dx, int accumulate)
+{
+    ew_args A = {.op = (int)op, .x = x, .y = y, .dy = dy, .out = dx, .accumulate = accumulate};
+    int64_t grain = op == DT_UNARY_GELU ? DT_CPU_GRAIN_MATH : DT_CPU_GRAIN_MEM;
+    parallel_for(be, n, grain, unary_bwd_range, &A);
+}
+
+/* ---------------------------------------------------------------------------
+ * 6. Strided index spaces: binary, copy_strided
+ *
+ * An index space is first coalesced (size-1 dims dropped, neighbours merged
+ * where every operand walks them as one dim), then walked as rows of its last
+ * dim with an odometer carrying each operand's offset.
+ * ------------------------------------------------------------------------- */
+
+/* Row-major multi-index over nd dims (nd may be 0: one point) carrying the
+ * element offsets of two strided operands. */
+typedef struct dt_cpu_odo {
+    int nd;
+    int64_t shape[DT_MAX_DIMS];
+    int64_t st[2][DT_MAX_DIMS];
+    int64_t idx[DT_MAX_DIMS];
+    int64_t off[2];
+} dt_cpu_odo;
+
+/* Jump to the lin-th point.  Requires every shape > 0. */
+static void odo_seek(dt_cpu_odo *o, int64_t lin)
+{
+    o->off[0] = o->off[1] = 0;
+    for (int d = o->nd - 1; d >= 0; d--) {
+        int64_t i = lin % o->shape[d];
+        lin /= o->shape[d];
+        o->idx[d] = i;
+        o->off[0] += i * o->st[0][d];
+        o->off[1] += i * o->st[1][d];
+    }
+}
+
+static void odo_next(dt_cpu_odo *o)
+{
+    for (int d = o->nd - 1; d >= 0; d--) {
+        o->off[0] += o->st[0][d];
+        o->off[1] += o->st[1][d];
+        if (++o->idx[d] < o->shape[d]) return;
+        o->off[0] -= o->st[0][d] * o->shape[d];
+        o->off[1] -= o->st[1][d] * o->shape[d];
+        o->idx[d] = 0;
+    }
+}
+
+static int64_t shape_numel(int nd, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int d = 0; d < nd; d++) n *= shape[d];
+    return n;
+}
+
+/* Drop size-1 dims and merge dim d into its outer neighbour when both
+ * operands step over the pair as one dim.  Returns nd >= 1. */
+static int coalesce2(int ndim, const int64_t *shape, const int64_t *s0, const int64_t *s1,
+                     int64_t *oshape, int64_t *o0, int64_t *o1)
+{
+    int nd = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 1) continue;
+        if (nd > 0 && o0[nd - 1] == s0[d] * shape[d] && o1[nd - 1] == s1[d] * shape[d]) {
+            oshape[nd - 1] *= shape[d];
+            o0[nd - 1] = s0[d];
+            o1[nd - 1] = s1[d];
+        } else {
+            oshape[nd] = shape[d];
+            o0[nd] = s0[d];
+            o1[nd] = s1[d];
+            nd++;
+        }
+    }
+    if (nd == 0) {
+        oshape[0] = 1;
+        o0[0] = o1[0] = 0;
+        nd = 1;
+    }
+    return nd;
+}
+
+static void contiguous_strides(int nd, const int64_t *shape, int64_t *st)
+{
+    int64_t s = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        st[d] = s;
+        s *= shape[d];
+    }
+}
+
+/* A coalesced space split into outer rows (odometer over dims 0..nd-2) and an
+ * inner run of `inner` elements with strides s0, s1. */
+typedef struct dt_cpu_space {
+    dt_cpu_odo rows;
+    int64_t nrows, inner, s0, s1;
+} dt_cpu_space;
+
+static void space_init(dt_cpu_space *sp, int ndim, const int64_t *shape, const int64_t *st0,
+                       const int64_t *st1)
+{
+    int64_t shp[DT_MAX_DIMS], a[DT_MAX_DIMS], b[DT_MAX_DIMS];
+    int nd = coalesce2(ndim, shape, st0, st1, shp, a, b);
+    sp->rows.nd = nd - 1;
+    for (int d = 0; d < nd - 1; d++) {
+        sp->rows.shape[d] = shp[d];
+        sp->rows.st[0][d] = a[d];
+        sp->rows.st[1][d] = b[d];
+    }
+    sp->nrows = shape_numel(nd - 1, shp);
+    sp->inner = shp[nd - 1];
+    sp->s0 = a[nd - 1];
+    sp->s1 = b[nd - 1];
+}
+
+/* ---- binary: out = a op b ------------------------------------------------ */
+
+/* one run of n: out[i] = a[i*sa] op b[i*sb], with the common stride patterns
+ * (contiguous, scalar broadcast) as plain loops the compiler vectorizes */
+#define DT_BIN_RUN(EXPR)                                                           \
+    do {                                                                           \
+        if (sa == 1 && sb == 1) {                                                  \
+            for (int64_t i = 0; i < n; i++) { float u = a[i], v = b[i]; o[i] = (EXPR); } \
+        } else if (sa == 1 && sb == 0) {                                           \
+            float v = b[0];                                                        \
+            for (int64_t i = 0; i < n; i++) { float u = a[i]; o[i] = (EXPR); }    \
+        } else if (sa == 0 && sb == 1) {                                           \
+            float u = a[0];                                                        \
+            for (int64_t i = 0; i < n; i++) { float v = b[i]; o[i] = (EXPR); }    \
+        } else {                                                                   \
+            for (int64_t i = 0; i < n; i++) {                                      \
+                float u = a[i * sa], v = b[i * sb];                                \
+                o[i] = (EXPR);                                                     \
+            }                                                                      \
+        }                                                                          \
+    } while (0)
+
+static void bin_run(dt_binary_op op, int64_t n, const float *a, int64_t sa, const float *b,
+                    int64_t sb, float *o)
+{
+    switch (op) {
+    case DT_BIN_ADD: DT_BIN_RUN(u + v); break;
+    case DT_BIN_SUB: DT_BIN_RUN(u - v); break;
+    case DT_BIN_MUL: DT_BIN_RUN(u * v); break;
+    case DT_BIN_DIV: DT_BIN_RUN(u / v); break;
+    }
+}
+
+typedef struct bin_args {
+    dt_binary_op op;
+    dt_cpu_space sp;
+    const float *a, *b;
+    float *out;
+} bin_args;
+
+/* over rows [lo, hi) of the coalesced space; out is contiguous */
+static void bin_rows(void *p, int64_t lo, int64_t hi)
+{
+    const bin_args *A = p;
+    dt_cpu_odo o = A->sp.rows;
+    int64_t n = A->sp.inner;
+    odo_seek(&o, lo);
+    for (int64_t r = lo; r < hi; r++) {
+        bin_run(A->op, n, A->a + o.off[0], A->sp.s0, A->b + o.off[1], A->sp.s1, A->out + r * n);
+        odo_next(&o);
+    }
+}
+
+/* a single run split by elements */
+static void bin_flat(void *p, int64_t lo, int64_t hi)
+{
+    const bin_args *A = p;
+    bin_run(A->op, hi - lo, A->a + lo * A->sp.s0, A->sp.s0, A->b + lo * A->sp.s1, A->sp.s1,
+            A->out + lo);
+}
+
+/* out (shape, contiguous) = a[a_strides] op b[b_strides] */
+static void cpu_binary(dt_backend *be, dt_binary_op op, int ndim, const int64_t *shape,
+                       const float *a, const int64_t *a_strides, const float *b,
+                       const int64_t *b_strides, float *out)
+{
+    if (shape_numel(ndim, shape) == 0) return;
+    bin_args A = {.op = op, .a = a, .b = b, .out = out};
+    space_init(&A.sp, ndim, shape, a_strides, b_strides);
+    int64_t grain = op == DT_BIN_DIV ? DT_CPU_GRAIN_MATH : DT_CPU_GRAIN_MEM;
+    if (A.sp.nrows == 1)
+        parallel_for(be, A.sp.inner, grain, bin_flat, &A);
+    else
+        parallel_for(be, A.sp.nrows, grain_units(grain, A.sp.inner), bin_rows, &A);
+}
+
+/* ---- copy_strided: dst[..] (+)= src[..] ---------------------------------- */
+
+typedef struct copy_args {
+    dt_cpu_space sp;             /* st0 = dst, st1 = src */
+    size_t es;
+    char *dst;
+    const char *src;
+    int accumulate;
+    int64_t tile_rows, tile_cols; /* transpose tiling (0: off) */
+} copy_args;
+
+/* one run of n elements of es bytes; strides in elements */
+static void copy_run(size_t es, int64_t n, char *dst, int64_t sd, const char *src, int64_t ss,
+                     int acc)
+{
+    if (acc) { /* f32 only */
+        float *d = (float *)dst;
+        const float *s = (const float *)src;
+        if (sd == 1 && ss == 1)
+            for (int64_t i = 0; i < n; i++) d[i] += s[i];
+        else
+            for (int64_t i = 0; i < n; i++) d[i * sd] += s[i * ss];
+        return;
+    }
+    if (sd == 1 && ss == 1) {
+        memmove(dst, src, (size_t)n * es);
+    } else if (es == 4) {
+        uint32_t *d = (uint32_t *)dst;
+        const uint32_t *s = (const uint32_t *)src;
+        if (ss == 0) {
+            uint32_t v = s[0];
+            for (int64_t i = 0; i < n; i++) d[i * sd] = v;
+        } else {
+            for (int64_t i = 0; i < n; i++) d[i * sd] = s[i * ss];
+        }
+    } else if (es == 1) {
+        uint8_t *d = (uint8_t *)dst;
+        const uint8_t *s = (const uint8_t *)src;
+        for (int64_t i = 0; i < n; i++) d[i * sd] = s[i * ss];
+    } else {
+        for (int64_t i = 0; i < n; i++) memcpy(dst + i * sd * (int64_t)es, src + i * ss * (int64_t)es, es);
+    }
+}
+
+static void copy_rows(void *p, int64_t lo, int64_t hi)
+{
+    const copy_args *A = p;
+    dt_cpu_odo o = A->sp.rows;
+    int64_t es = (int64_t)A->es;
+    odo_seek(&o, lo);
+    for (int64_t r = lo; r < hi; r++) {
+        copy_run(A->es, A->sp.inner, A->dst + o.off[0] * es, A->sp.s0, A->src + o.off[1] * es,
+                 A->sp.s1, A->accumulate);
+        odo_next(&o);
+    }
+}
+
+static void copy_flat(void *p, int64_t lo, int64_t hi)
+{
+    const copy_args *A = p;
+    int64_t es = (int64_t)A->es;
+    copy_run(A->es, hi - lo, A->dst + lo * A->sp.s0 * es, A->sp.s0, A->src + lo * A->sp.s1 * es,
+             A->sp.s1, A->accumulate);
+}
+
+/* 2-D transposes (the last two coalesced dims swap which operand is unit
+ * stride): copy 32x32 tiles so both sides stay in cache.  Unit u is one tile
+ * row band of one outer matrix. */
+#define DT_CPU_TT 32
+static void copy_tiles(void *p, int64_t lo, int64_t hi)
+{
+    const copy_args *A = p;
+    const dt_cpu_odo *R = &A->sp.rows;          /* last row dim is the matrix row */
+    int nd = R->nd;
+    int64_t rows = R->shape[nd - 1], cols = A->sp.inner;
+    int64_t dr = R->st[0][nd - 1], sr = R->st[1][nd - 1], dc = A->sp.s0, sc = A->sp.s1;
+    int64_t bands = (rows + DT_CPU_TT - 1) / DT_CPU_TT, es = (int64_t)A->es;
+    dt_cpu_odo o = *R;
+    o.nd = nd - 1;                               /* outer matrices */
+    for (int64_t u = lo; u < hi; u++) {
+        odo_seek(&o, u / bands);
+        int64_t i0 = (u % bands) * DT_CPU_TT, i1 = min64(rows, i0 + DT_CPU_TT);
+        for (int64_t j0 = 0; j0 < cols; j0 += DT_CPU_TT) {
+            int64_t j1 = min64(cols, j0 + DT_CPU_TT);
+            for (int64_t i = i0; i < i1; i++)
+                copy_run(A->es, j1 - j0, A->dst + (o.off[0] + i * dr + j0 * dc) * es, dc,
+                         A->src + (o.off[1] + i * sr + j0 * sc) * es, sc, A->accumulate);
+        }
+    }
+}
+
+static int is_transpose(const dt_cpu_space *sp)
+{
+    int nd = sp->rows.nd;
+    if (nd < 1 || sp->inner < DT_CPU_TT / 2 || sp->rows.shape[nd - 1] < DT_CPU_TT / 2) return 0;
+    return (sp->s0 == 1 && sp->rows.st[1][nd - 1] == 1) ||
+           (sp->s1 == 1 && sp->rows.st[0][nd - 1] == 1);
+}
+
+/* dst[dst_strides] (+)= src[src_strides] over `shape`; accumulate: f32 only */
+static void cpu_copy_strided(dt_backend *be, int ndim, const int64_t *shape, size_t elem_bytes,
+                             void *dst, const int64_t *dst_strides, const void *src,
+                             const int64_t *src_strides, int accumulate)
+{
+    if (shape_numel(ndim, shape) == 0) return;
+    copy_args A = {.es = elem_bytes, .dst = dst, .src = src, .accumulate = accumulate};
+    space_init(&A.sp, ndim, shape, dst_strides, src_strides);
+    int64_t inner = A.sp.inner;
+    if (A.sp.nrows == 1) {
+        parallel_for(be, inner, DT_CPU_GRAIN_MEM, copy_flat, &A);
+    } else if (is_transpose(&A.sp)) {
+        int nd = A.sp.rows.nd;
+        int64_t rows = A.sp.rows.shape[nd - 1];
+        int64_t bands = (rows + DT_CPU_TT - 1) / DT_CPU_TT;
+        int64_t units = (A.sp.nrows / rows) * bands;
+        parallel_for(be, units, grain_units(DT_CPU_GRAIN_MEM, DT_CPU_TT * inner), copy_tiles, &A);
+    } else {
+        parallel_for(be, A.sp.nrows, grain_units(DT_CPU_GRAIN_MEM, inner), copy_rows, &A);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * 7. Deterministic sums: sum, sumsq, sum_to, reduce_axis, bias_grad
+ *
+ * The unit of summation is a block of DT_CPU_RED_BLOCK consecutive elements,
+ * summed in double with 16 fixed lanes (vectorizable, fixed order).  A long
+ * run is the in-order sum of its block partials, whether those are computed
+ * inline or by the pool, so the thread count never changes a bit.  Sums over
+ * strided (outer) dims accumulate in double in index order per output.
+ * ------------------------------------------------------------------------- */
+
+/* sum (or sum of squares) of n <= DT_CPU_RED_BLOCK floats, fixed order */
+static double block_sum(const float *x, int64_t n, int sq)
+{
+    double acc[16] = {0};
+    int64_t i = 0;
+    if (sq) {
+        for (; i + 16 <= n; i += 16)
+            for (int j = 0; j < 16; j++) acc[j] += (double)x[i + j] * (double)x[i + j];
+    } else {
+        for (; i + 16 <= n; i += 16)
+            for (int j = 0; j < 16; j++) acc[j] += (double)x[i + j];
+    }
+    double tail = 0.0;
+    for (; i < n; i++) tail += sq ? (double)x[i] * (double)x[i] : (double)x[i];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0] + tail;
+}
+
+/* a run of any length: in-order sum of block partials */
+static double run_sum(const float *x, int64_t n, int sq)
+{
+    double s = 0.0;
+    for (int64_t b = 0; b < n; b += DT_CPU_RED_BLOCK) s += block_sum(x + b, min64(DT_CPU_RED_BLOCK, n - b), sq);
+    return s;
+}
+
+typedef struct psum_args {
+    const float *x;
+    int64_t n, b0;   /* elements, first block of this round */
+    int sq;
+    double *part;
+} psum_args;
+
+static void psum_blocks(void *p, int64_t lo, int64_t hi)
+{
+    const psum_args *A = p;
+    for (int64_t b = lo; b < hi; b++) {
+        int64_t start = (A->b0 + b) * DT_CPU_RED_BLOCK;
+        A->part[b] = block_sum(A->x + start, min64(DT_CPU_RED_BLOCK, A->n - start), A->sq);
+    }
+}
+
+/* run_sum() with the blocks spread over the pool; identical result */
+static double par_run_sum(dt_backend *be, const float *x, int64_t n, int sq)
+{
+    double part[DT_CPU_RED_ROUND], s = 0.0;
+    int64_t nblocks = (n + DT_CPU_RED_BLOCK - 1) / DT_CPU_RED_BLOCK;
+    psum_args A = {.x = x, .n = n, .sq = sq, .part = part};
+    for (A.b0 = 0; A.b0 < nblocks; A.b0 += DT_CPU_RED_ROUND) {
+        int64_t nb = min64(DT_CPU_RED_ROUND, nblocks - A.b0);
+        parallel_for(be, nb, grain_units(DT_CPU_GRAIN_MEM, DT_CPU_RED_BLOCK), psum_blocks, &A);
+        for (int64_t b = 0; b < nb; b++) s += part[b];
+    }
+    return s;
+}
+
+/* *y (device scalar) = sum of x (n) */
+static void cpu_sum(dt_backend *be, int64_t n, const float *x, float *y)
+{
+    *y = (float)par_run_sum(be, x, n, 0);
+}
+
+/* sum of squares of x (n), to the host */
+static double cpu_sumsq(dt_backend *be, int64_t n, const float *x)
+{
+    return par_run_sum(be, x, n, 1);
+}
+
+/* ---- sum_to: dst (+)= src summed over the dims where dst_strides == 0 ---- */
+
+/* The coalesced space is split into kept dims K (dst stride != 0) and reduced
+ * dims R.  When the last dim is reduced, each output is a sum of contiguous
+ * runs (run_sum); when it is kept, a tile of adjacent outputs accumulates
+ * rows in double (column sums, vectorized across the tile). */
+typedef struct sumto_args {
+    dt_cpu_odo k;      /* kept dims: st[0] src, st[1] dst */
+    dt_cpu_odo r;      /* reduced dims (last one excluded in run mode): st[0] src */
+    int64_t nr;        /* points in r */
+    int64_t len;       /* length of the last dim */
+    int64_t dlast;     /* dst stride of the last dim (tile mode) */
+    int64_t ntiles;
+    const float *src;
+    float *dst;
+    int accumulate;
+} sumto_args;
+
+static void store(float *d, double v, int acc) { *d = acc ? *d + (float)v : (float)v; }
+
+/* last dim reduced: outputs [lo, hi) over K */
+static void sumto_runs(void *p, int64_t lo, int64_t hi)
+{
+    const sumto_args *A = p;
+    dt_cpu_odo k = A->k, r = A->r;
+    odo_seek(&k, lo);
+    for (int64_t o = lo; o < hi; o++) {
+        double s = 0.0;
+        odo_seek(&r, 0);
+        for (int64_t q = 0; q < A->nr; q++) {
+            s += run_sum(A->src + k.off[0] + r.off[0], A->len, 0);
+            odo_next(&r);
+        }
+        store(A->dst + k.off[1], s, A->accumulate);
+        odo_next(&k);
+    }
+}
+
+/* last dim kept: units [lo, hi) = (outer kept point, tile of the last dim) */
+static void sumto_tiles(void *p, int64_t lo, int64_t hi)
+{
+    const sumto_args *A = p;
+    dt_cpu_odo k = A->k, r = A->r;
+    double acc[DT_CPU_TILE];
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t j0 = (u % A->ntiles) * DT_CPU_TILE, w = min64(DT_CPU_TILE, A->len - j0);
+        odo_seek(&k, u / A->ntiles);
+        for (int64_t j = 0; j < w; j++) acc[j] = 0.0;
+        odo_seek(&r, 0);
+        for (int64_t q = 0; q < A->nr; q++) {
+            const float *s = A->src + k.off[0] + r.off[0] + j0;
+            for (int64_t j = 0; j < w; j++) acc[j] += (double)s[j];
+            odo_next(&r);
+        }
+        float *d = A->dst + k.off[1] + j0 * A->dlast;
+        for (int64_t j = 0; j < w; j++) store(d + j * A->dlast, acc[j], A->accumulate);
+    }
+}
+
+/* dst (+)= 0 for the empty-sum case: walk only the kept dims */
+static void sum_to_zero(int nd, const int64_t *shp, const int64_t *dst_st, float *dst)
+{
+    dt_cpu_odo z = {0};
+    for (int d = 0; d < nd; d++) {
+        if (dst_st[d] == 0) continue;
+        z.shape[z.nd] = shp[d];
+        z.st[1][z.nd] = dst_st[d];
+        z.nd++;
+    }
+    int64_t nz = shape_numel(z.nd, z.shape);
+    if (nz == 0) return;
+    odo_seek(&z, 0);
+    for (int64_t i = 0; i < nz; i++, odo_next(&z)) dst[z.off[1]] = 0.0f;
+}
+
+static void sum_to_impl(dt_backend *be, int ndim, const int64_t *shape, const float *src,
+                        float *dst, const int64_t *dst_strides, int accumulate)
+{
+    int64_t sst[DT_MAX_DIMS], shp[DT_MAX_DIMS], s0[DT_MAX_DIMS], s1[DT_MAX_DIMS];
+    contiguous_strides(ndim, shape, sst);
+    int nd = coalesce2(ndim, shape, sst, dst_strides, shp, s0, s1);
+    if (shape_numel(nd, shp) == 0) {
+        if (!accumulate) sum_to_zero(nd, shp, s1, dst);
+        return;
+    }
+    sumto_args A = {.src = src, .dst = dst, .accumulate = accumulate};
+    /* a lone size-1 dim (scalar space) counts as kept: a plain copy */
+    int last_kept = s1[nd - 1] != 0 || (nd == 1 && shp[0] == 1);
+    A.len = shp[nd - 1];
+    A.dlast = s1[nd - 1];
+    for (int d = 0; d < nd - 1; d++) {
+        dt_cpu_odo *o = s1[d] != 0 ? &A.k : &A.r;
+        o->shape[o->nd] = shp[d];
+        o->st[0][o->nd] = s0[d];
+        o->st[1][o->nd] = s1[d];
+        o->nd++;
+    }
+    int64_t nk = shape_numel(A.k.nd, A.k.shape);
+    A.nr = shape_numel(A.r.nd, A.r.shape);
+    if (last_kept) {
+        A.ntiles = (A.len + DT_CPU_TILE - 1) / DT_CPU_TILE;
+        int64_t w = min64(A.len, DT_CPU_TILE) * A.nr;
+        parallel_for(be, nk * A.ntiles, grain_units(DT_CPU_GRAIN_MEM, w), sumto_tiles, &A);
+    } else if (nk == 1 && A.nr == 1) {
+        store(dst, par_run_sum(be, src, A.len, 0), accumulate); /* one long run */
+    } else {
+        parallel_for(be, nk, grain_units(DT_CPU_GRAIN_MEM, A.len * A.nr), sumto_runs, &A);
+    }
+}
+
+/* src (shape, contiguous) summed into dst[dst_strides], 0 strides reduced */
+static void cpu_sum_to(dt_backend *be, int ndim, const int64_t *shape, const float *src, float *dst,
+                       const int64_t *dst_strides, int accumulate)
+{
+    sum_to_impl(be, ndim, shape, src, dst, dst_strides, accumulate);
+}
+
+/* dbias (C) (+)= sum over N and inner of dy (N, C, inner) */
+static void cpu_bias_grad(dt_backend *be, int64_t n, int64_t c, int64_t inner, const float *dy,
+                          float *dbias, int accumulate)
+{
+    int64_t shape[3] = {n, c, inner}, st[3] = {0, 1, 0};
+    sum_to_impl(be, 3, shape, dy, dbias, st, accumulate);
+}
+
+/* ---- reduce_axis: x (outer, len, inner) -> y (outer, inner) -------------- */
+
+typedef struct rmax_args {
+    int64_t len, inner;
+    const float *x;
+    float *y;
+} rmax_args;
+
+/* NaN-propagating max, as torch.amax */
+static float max_nan(float m, float v) { return (v > m || v != v) ? v : m; }
+
+/* units: outer rows (inner == 1) or (outer, tile of inner) */
+static void rmax_units(void *p, int64_t lo, int64_t hi)
+{
+    const rmax_args *A = p;
+    int64_t len = A->len, inner = A->inner;
+    int64_t ntiles = (inner + DT_CPU_TILE - 1) / DT_CPU_TILE;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t o = u / ntiles, j0 = (u % ntiles) * DT_CPU_TILE, w = min64(DT_CPU_TILE, inner - j0);
+        const float *x = A->x + o * len * inner + j0;
+        float *y = A->y + o * inner + j0;
+        for (int64_t j = 0; j < w; j++) y[j] = len > 0 ? x[j] : -INFINITY;
+        for (int64_t l = 1; l < len; l++)
+            for (int64_t j = 0; j < w; j++) y[j] = max_nan(y[j], x[l * inner + j]);
+    }
+}
+
+static void cpu_reduce_axis(dt_backend *be, dt_reduce_op op, int64_t outer, int64_t len,
+                            int64_t inner, const float *x, float *y)
+{
+    if (op == DT_RED_SUM) {
+        int64_t shape[3] = {outer, len, inner}, st[3] = {inner, 0, 1};
+        sum_to_impl(be, 3, shape, x, y, st, 0);
+        return;
+    }
+    rmax_args A = {.len = len, .inner = inner, .x = x, .y = y};
+    int64_t ntiles = (inner + DT_CPU_TILE - 1) / DT_CPU_TILE;
+    int64_t w = max64(1, len) * min64(inner, DT_CPU_TILE);
+    parallel_for(be, outer * ntiles, grain_units(DT_CPU_GRAIN_MEM, w), rmax_units, &A);
+}
+
+/* ---------------------------------------------------------------------------
+ * 8. Softmax and cross entropy
+ *
+ * Rows (inner == 1) are the hot case and get contiguous loops; other axes
+ * walk each (outer, inner) column with stride inner.
+ * ------------------------------------------------------------------------- */
+typedef struct sm_args {
+    int64_t len, inner;
+    const float *x, *y, *dy;
+    float *out;
+    int is_log, accumulate;
+} sm_args;
+
+/* y (len, stride s) = softmax or log_softmax of x, one column */
+static void softmax_col(const float *x, float *y, int64_t len, int64_t s, int is_log)
+{
+    float m = -INFINITY;
+    for (int64_t l = 0; l < len; l++) m = max_nan(m, x[l * s]);
+    double sum = 0.0;
+    if (s == 1) {
+        for (int64_t l = 0; l < len; l++) y[l] = expf(x[l] - m);
+        sum = run_sum(y, len, 0);
+    } else {
+        for (int64_t l = 0; l < len; l++) {
+            y[l * s] = expf(x[l * s] - m);
+            sum += y[l * s];
+        }
+    }
+    if (is_log) {
+        float shift = m + (float)log(sum);
+        for (int64_t l = 0; l < len; l++) y[l * s] = x[l * s] - shift;
+    } else {
+        float r = (float)(1.0 / sum);
+        for (int64_t l = 0; l < len; l++) y[l * s] *= r;
+    }
+}
+
+/* columns [lo, hi) of (outer, inner) */
+static void softmax_cols(void *p, int64_t lo, int64_t hi)
+{
+    const sm_args *A = p;
+    for (int64_t c = lo; c < hi; c++) {
+        int64_t o = c / A->inner, i = c % A->inner, base = o * A->len * A->inner + i;
+        softmax_col(A->x + base, A->out + base, A->len, A->inner, A->is_log);
+    }
+}
+
+/* x, y (outer, len, inner): softmax over len */
+static void cpu_softmax(dt_backend *be, int64_t outer, int64_t len, int64_t inner, const float *x,
+                        float *y, int is_log)
+{
+    sm_args A = {.len = len, .inner = inner, .x = x, .out = y, .is_log = is_log};
+    parallel_for(be, outer * inner, grain_units(DT_CPU_GRAIN_MATH, len), softmax_cols, &A);
+}
+
+/* one column: softmax  dx = y (dy - <dy, y>);  log_softmax  dx = dy - exp(y) sum(dy) */
+static void softmax_bwd_col(const float *y, const float *dy, float *dx, int64_t len, int64_t s,
+                            int is_log, int acc)
+{
+    double dot = 0.0;
+    for (int64_t l = 0; l < len; l++)
+        dot += is_log ? (double)dy[l * s] : (double)dy[l * s] * y[l * s];
+    float d = (float)dot;
+    for (int64_t l = 0; l < len; l++) {
+        float g = is_log ? dy[l * s] - expf(y[l * s]) * d : y[l * s] * (dy[l * s] - d);
+        dx[l * s] = acc ? dx[l * s] + g : g;
+    }
+}
+
+static void softmax_bwd_cols(void *p, int64_t lo, int64_t hi)
+{
+    const sm_args *A = p;
+    for (int64_t c = lo; c < hi; c++) {
+        int64_t o = c / A->inner, i = c % A->inner, base = o * A->len * A->inner + i;
+        softmax_bwd_col(A->y + base, A->dy + base, A->out + base, A->len, A->inner, A->is_log,
+                        A->accumulate);
+    }
+}
+
+static void cpu_softmax_backward(dt_backend *be, int64_t outer, int64_t len, int64_t inner,
+                                 const float *y, const float *dy, float *dx, int is_log,
+                                 int accumulate)
+{
+    sm_args A = {.len = len, .inner = inner, .y = y, .dy = dy, .out = dx, .is_log = is_log,
+                 .accumulate = accumulate};
+    int64_t grain = is_log ? DT_CPU_GRAIN_MATH : DT_CPU_GRAIN_MEM;
+    parallel_for(be, outer * inner, grain_units(grain, len), softmax_bwd_cols, &A);
+}
+
+/* ---- cross entropy ------------------------------------------------------- */
+typedef struct xent_args {
+    int64_t c, r0;
+    const float *logits;
+    const int32_t *labels;
+    float *probs;
+    double *row_loss;   /* this round's rows, summed in order by the caller */
+} xent_args;
+
+/* rows [r0+lo, r0+hi): probs = softmax(logits), loss_r = logsumexp - logit[label] */
+static void xent_rows(void *p, int64_t lo, int64_t hi)
+{
+    const xent_args *A = p;
+    int64_t c = A->c;
+    for (int64_t i = lo; i < hi; i++) {
+        int64_t r = A->r0 + i;
+        const float *x = A->logits + r * c;
+        float *pr = A->probs + r * c;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < c; j++) m = max_nan(m, x[j]);
+        for (int64_t j = 0; j < c; j++) pr[j] = expf(x[j] - m);
+        double sum = run_sum(pr, c, 0);
+        float inv = (float)(1.0 / sum);
+        for (int64_t j = 0; j < c; j++) pr[j] *= inv;
+        A->row_loss[i] = log(sum) + (double)m - (double)x[A->labels[r]];
+    }
+}
+
+/* logits (n,c), labels (n) -> probs (n,c), *loss = mean_r (logsumexp - logit[label]) */
+static int64_t cpu_xent_forward(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                                const int32_t *labels, float *probs, float *loss)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (labels[i] < 0 || labels[i] >= c) return i;
+    double row_loss[DT_CPU_RED_ROUND], total = 0.0;
+    xent_args A = {.c = c, .logits = logits, .labels = labels, .probs = probs, .row_loss = row_loss};
+    for (A.r0 = 0; A.r0 < n; A.r0 += DT_CPU_RED_ROUND) {
+        int64_t nr = min64(DT_CPU_RED_ROUND, n - A.r0);
+        parallel_for(be, nr, grain_units(DT_CPU_GRAIN_MATH, c), xent_rows, &A);
+        for (int64_t i = 0; i < nr; i++) total += row_loss[i];
+    }
+    *loss = n > 0 ? (float)(total / (double)n) : 0.0f;
+    return -1;
+}
+
+typedef struct xentb_args {
+    int64_t c;
+    float scale;
+    const float *probs;
+    const int32_t *labels;
+    float *dlogits;
+    int accumulate;
+} xentb_args;
+
+static void xent_bwd_rows(void *p, int64_t lo, int64_t hi)
+{
+    const xentb_args *A = p;
+    int64_t c = A->c;
+    float s = A->scale;
+    for (int64_t r = lo; r < hi; r++) {
+        const float *pr = A->probs + r * c;
+        float *d = A->dlogits + r * c;
+        if (A->accumulate)
+            for (int64_t j = 0; j < c; j++) d[j] += pr[j] * s;
+        else
+            for (int64_t j = 0; j < c; j++) d[j] = pr[j] * s;
+        d[A->labels[r]] -= s;
+    }
+}
+
+/* dlogits (n,c) (+)= (probs - onehot(labels)) * dloss / n */
+static void cpu_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *probs,
+                              const int32_t *labels, const float *dloss, float *dlogits,
+                              int accumulate)
+{
+    if (n <= 0) return;
+    xentb_args A = {.c = c, .scale = *dloss / (float)n, .probs = probs, .labels = labels,
+                    .dlogits = dlogits, .accumulate = accumulate};
+    parallel_for(be, n, grain_units(DT_CPU_GRAIN_MEM, c), xent_bwd_rows, &A);
+}
+
+/* ---------------------------------------------------------------------------
+ * 9. Convolution helpers
+ *
+ * col (C*KH*KW, N*OH*OW): row r = (c*KH + ki)*KW + kj, column
+ * j = n*OH*OW + oh*OW + ow, holding x[n, c, oh*s - pad + ki, ow*s - pad + kj]
+ * (0 in the padding).
+ * ------------------------------------------------------------------------- */
+typedef struct conv_args {
+    const dt_conv_geom *g;
+    const float *x, *col;
+    float *out;
+    int accumulate;
+} conv_args;
+
+/* [lo, hi) of ow for which iw = ow*s - pad + kj lies in [0, W) */
+static void valid_ow(const dt_conv_geom *g, int64_t kj, int64_t *lo, int64_t *hi)
+{
+    int64_t s = g->stride, off = kj - g->pad;       /* iw = ow*s + off */
+    int64_t a = off >= 0 ? 0 : (-off + s - 1) / s;  /* first ow with iw >= 0 */
+    int64_t b = g->w - off <= 0 ? 0 : (g->w - off + s - 1) / s; /* first ow with iw >= W */
+    *lo = min64(a, g->ow);
+    *hi = max64(*lo, min64(b, g->ow));
+}
+
+/* units (c, n): the KH*KW row segments of image n, channel c */
+static void im2col_units(void *p, int64_t lo, int64_t hi)
+{
+    const conv_args *A = p;
+    const dt_conv_geom *g = A->g;
+    int64_t N = g->n, H = g->h, W = g->w, OH = g->oh, OW = g->ow, s = g->stride;
+    int64_t P = OH * OW, ncols = N * P;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t c = u / N, n = u % N;
+        const float *plane = A->x + (n * g->c + c) * H * W;
+        for (int64_t ki = 0; ki < g->kh; ki++) {
+            for (int64_t kj = 0; kj < g->kw; kj++) {
+                float *restrict dst = A->out + ((c * g->kh + ki) * g->kw + kj) * ncols + n * P;
+                int64_t w0, w1;
+                valid_ow(g, kj, &w0, &w1);
+                for (int64_t oh = 0; oh < OH; oh++, dst += OW) {
+                    int64_t ih = oh * s - g->pad + ki;
+                    if (ih < 0 || ih >= H) {
+                        memset(dst, 0, (size_t)OW * sizeof(float));
+                        continue;
+                    }
+                    const float *restrict src = plane + ih * W + kj - g->pad; /* + ow*s */
+                    for (int64_t ow = 0; ow < w0; ow++) dst[ow] = 0.0f;
+                    if (s == 1)
+                        memcpy(dst + w0, src + w0, (size_t)(w1 - w0) * sizeof(float));
+                    else
+                        for (int64_t ow = w0; ow < w1; ow++) dst[ow] = src[ow * s];
+                    for (int64_t ow = w1; ow < OW; ow++) dst[ow] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+/* x (N,C,H,W) -> col (C*KH*KW, N*OH*OW) */
+static void cpu_im2col(dt_backend *be, const dt_conv_geom *g, const float *x, float *col)
+{
+    conv_args A = {.g = g, .x = x, .out = col};
+    int64_t per_unit = g->kh * g->kw * g->oh * g->ow;
+    parallel_for(be, g->c * g->n, grain_units(DT_CPU_GRAIN_MEM, per_unit), im2col_units, &A);
+}
+
+/* units (n, c): one input plane each, so no two threads add to one element */
+static void col2im_units(void *p, int64_t lo, int64_t hi)
+{
+    const conv_args *A = p;
+    const dt_conv_geom *g = A->g;
+    int64_t C = g->c, H = g->h, W = g->w, OH = g->oh, OW = g->ow, s = g->stride;
+    int64_t P = OH * OW, ncols = g->n * P;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t n = u / C, c = u % C;
+        float *plane = A->out + u * H * W;
+        if (!A->accumulate) memset(plane, 0, (size_t)(H * W) * sizeof(float));
+        for (int64_t ki = 0; ki < g->kh; ki++) {
+            for (int64_t kj = 0; kj < g->kw; kj++) {
+                const float *src = A->col + ((c * g->kh + ki) * g->kw + kj) * ncols + n * P;
+                int64_t w0, w1;
+                valid_ow(g, kj, &w0, &w1);
+                for (int64_t oh = 0; oh < OH; oh++, src += OW) {
+                    int64_t ih = oh * s - g->pad + ki;
+                    if (ih < 0 || ih >= H) continue;
+                    float *dst = plane + ih * W + kj - g->pad; /* + ow*s */
+                    if (s == 1)
+                        for (int64_t ow = w0; ow < w1; ow++) dst[ow] += src[ow];
+                    else
+                        for (int64_t ow = w0; ow < w1; ow++) dst[ow * s] += src[ow];
+                }
+            }
+        }
+    }
+}
+
+/* dx (N,C,H,W) (+)= fold of col (C*KH*KW, N*OH*OW) */
+static void cpu_col2im(dt_backend *be, const dt_conv_geom *g, const float *col, float *dx,
+                       int accumulate)
+{
+    conv_args A = {.g = g, .col = col, .out = dx, .accumulate = accumulate};
+    int64_t per_unit = g->kh * g->kw * g->oh * g->ow;
+    parallel_for(be, g->n * g->c, grain_units(DT_CPU_GRAIN_MEM, per_unit), col2im_units, &A);
+}
+
+typedef struct chan_args {
+    int64_t n, c, p;
+    const float *src;
+    float *dst;
+} chan_args;
+
+/* y (N, C, inner) += bias (C); units are (n, c) runs of inner */
+static void bias_add_units(void *p, int64_t lo, int64_t hi)
+{
+    const chan_args *A = p;
+    int64_t inner = A->p;
+    if (inner == 1) { /* linear: rows of C */
+        for (int64_t r = lo; r < hi; r++) {
+            float *restrict y = A->dst + r * A->c;
+            const float *restrict b = A->src;
+            for (int64_t j = 0; j < A->c; j++) y[j] += b[j];
+        }
+        return;
+    }
+    for (int64_t u = lo; u < hi; u++) {
+        float *y = A->dst + u * inner, b = A->src[u % A->c];
+        for (int64_t i = 0; i < inner; i++) y[i] += b;
+    }
+}
+
+static void cpu_bias_add(dt_backend *be, int64_t n, int64_t c, int64_t inner, const float *bias,
+                         float *y)
+{
+    chan_args A = {.n = n, .c = c, .p = inner, .src = bias, .dst = y};
+    if (inner == 1)
+        parallel_for(be, n, grain_units(DT_CPU_GRAIN_MEM, c), bias_add_units, &A);
+    else
+        parallel_for(be, n * c, grain_units(DT_CPU_GRAIN_MEM, inner), bias_add_units, &A);
+}
+
+/* units (n, c): copy one run of P between (C, N*P) and (N, C, P) */
+static void cnp_to_ncp_units(void *p, int64_t lo, int64_t hi)
+{
+    const chan_args *A = p;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t n = u / A->c, c = u % A->c;
+        memcpy(A->dst + u * A->p, A->src + (c * A->n + n) * A->p, (size_t)A->p * sizeof(float));
+    }
+}
+
+static void ncp_to_cnp_units(void *p, int64_t lo, int64_t hi)
+{
+    const chan_args *A = p;
+    for (int64_t u = lo; u < hi; u++) {
+        int64_t n = u / A->c, c = u % A->c;
+        memcpy(A->dst + (c * A->n + n) * A->p, A->src + u * A->p, (size_t)A->p * sizeof(float));
+    }
+}
+
+/* src (C, N*P) -> dst (N, C, P) */
+static void cpu_cnp_to_ncp(dt_backend *be, int64_t c, int64_t n, int64_t p, const float *src,
+                           float *dst)
+{
+    chan_args A = {.n = n, .c = c, .p = p, .src = src, .dst = dst};
+    parallel_for(be, n * c, grain_units(DT_CPU_GRAIN_MEM, p), cnp_to_ncp_units, &A);
+}
+
+/* src (N, C, P) -> dst (C, N*P) */
+static void cpu_ncp_to_cnp(dt_backend *be, int64_t n, int64_t c, int64_t p, const float *src,
+                           float *dst)
+{
+    chan_args A = {.n = n, .c = c, .p = p, .src = src, .dst = dst};
+    parallel_for(be, n * c, grain_units(DT_CPU_GRAIN_MEM, p), ncp_to_cnp_units, &A);
+}
+
+/* ---------------------------------------------------------------------------
+ * 10. Pooling, NCHW, square kernel k = g->kh; units are (n, c) planes
+ * ------------------------------------------------------------------------- */
+typedef struct pool_args {
+    const dt_conv_geom *g;
+    const float *x;       /* x (forward) or dy (backward) */
+    const int32_t *argmax;
+    float *y;             /* y (forward) or dx (backward) */
+    int32_t *argmax_out;
+    int accumulate;
+} pool_args;
+
+/* y (OH,OW) = window max of x (H,W); argmax = h*W+w of the first max, -1 and
+ * -inf when the window holds only padding; NaN wins, as in PyTorch */
+static void maxpool_fwd_units(void *p, int64_t lo, int64_t hi)
+{
+    const pool_args *A = p;
+    const dt_conv_geom *g = A->g;
+    int64_t H = g->h, W = g->w, OH = g->oh, OW = g->ow, k = g->kh, s = g->stride;
+    for (int64_t u = lo; u < hi; u++) {
+        const float *x = A->x + u * H * W;
+        float *y = A->y + u * OH * OW;
+        int32_t *am = A->argmax_out + u * OH * OW;
+        for (int64_t oh = 0; oh < OH; oh++) {
+            int64_t h0 = max64(0, oh * s - g->pad), h1 = min64(H, oh * s - g->pad + k);
+            for (int64_t ow = 0; ow < OW; ow++) {
+                int64_t w0 = max64(0, ow * s - g->pad), w1 = min64(W, ow * s - g->pad + k);
+                float best = -INFINITY;
+                int64_t at = -1;
+                for (int64_t ih = h0; ih < h1; ih++)
+                    for (int64_t iw = w0; iw < w1; iw++) {
+                        float v = x[ih * W + iw];
+                        if (at < 0 || v > best || (v != v && best == best)) {
+                            best = v;
+                            at = ih * W + iw;
+                        }
+                    }
+                y[oh * OW + ow] = best;
+                am[oh * OW + ow] = (int32_t)at;
+            }
+        }
+    }
+}
+
+static void cpu_maxpool_forward(dt_backend *be, const dt_conv_geom *g, const float *x, float *y,
+                                int32_t *argmax)
+{
+    pool_args A = {.g = g, .x = x, .y = y, .argmax_out = argmax};
+    int64_t per = g->oh * g->ow * g->kh * g->kh;
+    parallel_for(be, g->n * g->c, grain_units(DT_CPU_GRAIN_MEM, per), maxpool_fwd_units, &A);
+}
+
+/* dx (H,W) (+)= dy scattered to the argmax positions */
+static void maxpool_bwd_units(void *p, int64_t lo, int64_t hi)
+{
+    const pool_args *A = p;
+    const dt_conv_geom *g = A->g;
+    int64_t HW = g->h * g->w, P = g->oh * g->ow;
+    for (int64_t u = lo; u < hi; u++) {
+        float *dx = A->y + u * HW;
+        const float *dy = A->x + u * P;
+        const int32_t *am = A->argmax + u * P;
+        if (!A->accumulate) memset(dx, 0, (size_t)HW * sizeof(float));
+        for (int64_t i = 0; i < P; i++)
+            if (am[i] >= 0) dx[am[i]] += dy[i];
+    }
+}
+
+static void cpu_maxpool_backward(dt_backend *be, const dt_conv_geom *g, const float *dy,
+                                 const int32_t *argmax, float *dx, int accumulate)
+{
+    pool_args A = {.g = g, .x = dy, .argmax = argmax, .y = dx, .accumulate = accumulate};
+    int64_t per = g->h * g->w + g->oh * g->ow;
+    parallel_for(be, g->n * g->c, grain_units(DT_CPU_GRAIN_MEM, per), maxpool_bwd_units, &A);
+}
+
+/* y (OH,OW) = window sum / (k*k): padding counts (count_include_pad=True) */
+static void avgpool_fwd_units(void *p, int64_t lo, int64_t hi)
+{
+    const pool_args *A = p;
+    const dt_conv_geom *g = A->g;
+    int64_t H = g->h, W = g->w, OH = g->oh, OW = g->ow, k = g->kh, s = g->stride;
+    float inv = 1.0f / (float)(k * k);
+    for (int64_t u = lo; u < hi; u++) {
+        const float *x = A->x + u * H * W;
+        float *y = A->y + u * OH * OW;
+        for (int64_t oh = 0; oh < OH; oh++) {
+            int64_t h0 = max64(0, oh * s - g->pad), h1 = min64(H, oh * s - g->pad + k);
+            for (int64_t ow = 0; ow < OW; ow++) {
+                int64_t w0 = max64(0, ow * s - g->pad), w1 = min64(W, ow * s - g->pad + k);
+                float sum = 0.0f;
+                for (int64_t ih = h0; ih < h1; ih++)
+                    for (int64_t iw = w0; iw < w1; iw++) sum += x[ih * W + iw];
+                y[oh * OW + ow] = sum * inv;
+            }
+        }
+    }
+}
+
+static void cpu_avgpool_forward(dt_backend *be, const dt_conv_geom *g, const float *x, float *y)
+{
+    pool_args A = {.g = g, .x = x, .y = y};
+    int64_t per = g->oh * g->ow * g->kh * g->kh;
+    parallel_for(be, g->n * g->c, grain_units(DT_CPU_GRAIN_MEM, per), avgpool_fwd_units, &A);
+}
+
+/* dx (H,W) (+)= dy / (k*k) over each window's in-image part */
+static void avgpool_bwd_units(void *p, int64_t lo, int64_t hi)
+{
+    const pool_args *A = p;
+    const dt_conv_geom *g = A->g;
+    int64_t H = g->h, W = g->w, OH = g->oh, OW = g->ow, k = g->kh, s = g->stride;
+    float inv = 1.0f / (float)(k * k);
+    for (int64_t u = lo; u < hi; u++) {
+        float *dx = A->y + u * H * W;
+        const float *dy = A->x + u * OH * OW;
+        if (!A->accumulate) memset(dx, 0, (size_t)(H * W) * sizeof(float));
+        for (int64_t oh = 0; oh < OH; oh++) {
+            int64_t h0 = max64(0, oh * s - g->pad), h1 = min64(H, oh * s - g->pad + k);
+            for (int64_t ow = 0; ow < OW; ow++) {
+                int64_t w0 = max64(0, ow * s - g->pad), w1 = min64(W, ow * s - g->pad + k);
+                float v = dy[oh * OW + ow] * inv;
+                for (int64_t ih = h0; ih < h1; ih++)
+                    for (int64_t iw = w0; iw < w1; iw++) dx[ih * W + iw] += v;
+            }
+        }
+    }
+}
+
+static void cpu_avgpool_backward(dt_backend *be, const dt_conv_geom *g, const float *dy, float *dx,
+                                 int accumulate)
+{
+    pool_args A = {.g = g, .x = dy, .y = dx, .accumulate = accumulate};
+    int64_t per = g->oh * g->ow * g->kh * g->kh;
+    parallel_for(be, g->n * g->c, grain_units(DT_CPU_GRAIN_MEM, per), avgpool_bwd_units, &A);
+}
+
+/* ---------------------------------------------------------------------------
+ * 11. Embedding
+ * ------------------------------------------------------------------------- */
+typedef struct emb_args {
+    int64_t n, d;
+    const float *src;
+    const int32_t *idx;
+    float *dst;
+} emb_args;
+
+/* y (n, d) = weight[idx[i]] */
+static void emb_fwd_rows(void *p, int64_t lo, int64_t hi)
+{
+    const emb_args *A = p;
+    for (int64_t i = lo; i < hi; i++)
+        memcpy(A->dst + i * A->d, A->src + (int64_t)A->idx[i] * A->d, (size_t)A->d * sizeof(float));
+}
+
+static void cpu_embedding_forward(dt_backend *be, int64_t n, int64_t d, const float *weight,
+                                  const int32_t *idx, float *y)
+{
+    emb_args A = {.n = n, .d = d, .src = weight, .idx = idx, .dst = y};
+    parallel_for(be, n, grain_units(DT_CPU_GRAIN_MEM, d), emb_fwd_rows, &A);
+}
+
+/* dweight[idx[i]] += dy[i] in order of i; threads split the columns [lo, hi)
+ * so repeated indices never race and keep their order */
+static void emb_bwd_cols(void *p, int64_t lo, int64_t hi)
+{
+    const emb_args *A = p;
+    for (int64_t i = 0; i < A->n; i++) {
+        float *restrict w = A->dst + (int64_t)A->idx[i] * A->d;
+        const float *restrict g = A->src + i * A->d;
+        for (int64_t j = lo; j < hi; j++) w[j] += g[j];
+    }
+}
+
+static void cpu_embedding_backward(dt_backend *be, int64_t n, int64_t d, const int32_t *idx,
+                                   const float *dy, float *dweight)
+{
+    emb_args A = {.n = n, .d = d, .src = dy, .idx = idx, .dst = dweight};
+    /* column slices below 64 floats would share cache lines between threads */
+    int64_t grain = max64(64, grain_units(DT_CPU_GRAIN_MEM, n));
+    parallel_for(be, d, grain, emb_bwd_cols, &A);
+}
+
+/* first i with idx[i] outside [0, limit), or -1 */
+static int64_t cpu_index_check(dt_backend *be, int64_t n, const int32_t *idx, int64_t limit)
+{
+    (void)be;
+    for (int64_t i = 0; i < n; i++)
+        if (idx[i] < 0 || idx[i] >= limit) return i;
+    return -1;
+}
+
+/* ---------------------------------------------------------------------------
+ * 12. Layer norm over rows of length d (biased variance, as PyTorch)
+ * ------------------------------------------------------------------------- */
+typedef struct ln_args {
+    int64_t rows, d;
+    float eps;
+    const float *x, *w, *b, *dy, *mean_in, *rstd_in;
+    float *y, *mean, *rstd, *dw, *db;
+    int accumulate;
+} ln_args;
+
+/* x (rows, d) -> y (rows, d), mean (rows), rstd (rows) */
+static void ln_fwd_rows(void *p, int64_t lo, int64_t hi)
+{
+    const ln_args *A = p;
+    int64_t d = A->d;
+    for (int64_t r = lo; r < hi; r++) {
+        const float *x = A->x + r * d;
+        float *y = A->y + r * d;
+        double mu = run_sum(x, d, 0) / (double)d, var = 0.0;
+        for (int64_t j = 0; j < d; j++) var += ((double)x[j] - mu) * ((double)x[j] - mu);
+        float m = (float)mu, rs = (float)(1.0 / sqrt(var / (double)d + (double)A->eps));
+        A->mean[r] = m;
+        A->rstd[r] = rs;
+        if (A->w && A->b)
+            for (int64_t j = 0; j < d; j++) y[j] = (x[j] - m) * rs * A->w[j] + A->b[j];
+        else if (A->w)
+            for (int64_t j = 0; j < d; j++) y[j] = (x[j] - m) * rs * A->w[j];
+        else
+            for (int64_t j = 0; j < d; j++) y[j] = (x[j] - m) * rs + (A->b ? A->b[j] : 0.0f);
+    }
+}
+
+static void cpu_layernorm_forward(dt_backend *be, int64_t rows, int64_t d, const float *x,
+                                  const float *w, const float *b, float eps, float *y, float *mean,
+                                  float *rstd)
+{
+    ln_args A = {.rows = rows, .d = d, .eps = eps, .x = x, .w = w, .b = b, .y = y, .mean = mean,
+                 .rstd = rstd};
+    parallel_for(be, rows, grain_units(DT_CPU_GRAIN_MEM, 4 * d), ln_fwd_rows, &A);
+}
+
+/* per row, xhat = (x-mean)*rstd, g = dy*w:
+ * dx (+)= rstd * (g - mean(g) - xhat * mean(g*xhat)) */
+static void ln_bwd_rows(void *p, int64_t lo, int64_t hi)
+{
+    const ln_args *A = p;
+    int64_t d = A->d;
+    for (int64_t r = lo; r < hi; r++) {
+        const float *x = A->x + r * d, *dy = A->dy + r * d;
+        float *dx = A->y + r * d, m = A->mean_in[r], rs = A->rstd_in[r];
+        double sg = 0.0, sgx = 0.0;
+        for (int64_t j = 0; j < d; j++) {
+            float g = A->w ? dy[j] * A->w[j] : dy[j];
+            sg += g;
+            sgx += (double)g * ((x[j] - m) * rs);
+        }
+        float mg = (float)(sg / (double)d), mgx = (float)(sgx / (double)d);
+        for (int64_t j = 0; j < d; j++) {
+            float g = A->w ? dy[j] * A->w[j] : dy[j];
+            float v = rs * (g - mg - (x[j] - m) * rs * mgx);
+            dx[j] = A->accumulate ? dx[j] + v : v;
+        }
+    }
+}
+
+/* dw (d) += sum_r dy*xhat, db (d) += sum_r dy; column tiles, rows in order */
+static void ln_bwd_cols(void *p, int64_t lo, int64_t hi)
+{
+    const ln_args *A = p;
+    int64_t d = A->d;
+    double aw[DT_CPU_TILE], ab[DT_CPU_TILE];
+    for (int64_t t = lo; t < hi; t++) {
+        int64_t j0 = t * DT_CPU_TILE, w = min64(DT_CPU_TILE, d - j0);
+        for (int64_t j = 0; j < w; j++) aw[j] = ab[j] = 0.0;
+        for (int64_t r = 0; r < A->rows; r++) {
+            const float *x = A->x + r * d + j0, *dy = A->dy + r * d + j0;
+            float m = A->mean_in[r], rs = A->rstd_in[r];
+            for (int64_t j = 0; j < w; j++) {
+                aw[j] += (double)(dy[j] * ((x[j] - m) * rs));
+                ab[j] += (double)dy[j];
+            }
+        }
+        for (int64_t j = 0; j < w; j++) {
+            if (A->dw) A->dw[j0 + j] += (float)aw[j];
+            if (A->db) A->db[j0 + j] += (float)ab[j];
+        }
+    }
+}
+
+static void cpu_layernorm_backward(dt_backend *be, int64_t rows, int64_t d, const float *x,
+                                   const float *w, const float *mean, const float *rstd,
+                                   const float *dy, float *dx, float *dw, float *db, int accumulate)
+{
+    ln_args A = {.rows = rows, .d = d, .x = x, .w = w, .dy = dy, .mean_in = mean, .rstd_in = rstd,
+                 .y = dx, .dw = dw, .db = db, .accumulate = accumulate};
+    parallel_for(be, rows, grain_units(DT_CPU_GRAIN_MEM, 4 * d), ln_bwd_rows, &A);
+    if (dw || db) {
+        int64_t ntiles = (d + DT_CPU_TILE - 1) / DT_CPU_TILE;
+        parallel_for(be, ntiles, grain_units(DT_CPU_GRAIN_MEM, DT_CPU_TILE * rows), ln_bwd_cols, &A);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * 13. Dropout
+ *
+ * u_i = hash(seed, i) in [0, 1) from a counter-based hash, so element i's
+ * mask never depends on which thread computes it.  The hash is 32-bit
+ * (two murmur3 finalizer rounds keyed by the seed) so the loop vectorizes
+ * without 64-bit multiplies; the high 32 bits of i re-key it.
+ * ------------------------------------------------------------------------- */
+static uint64_t splitmix64(uint64_t z)
+{
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static uint32_t fmix32(uint32_t h)
+{
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* the uniform the mask of element i is drawn from (24 bits) */
+static float dropout_uniform(uint32_t k0, uint32_t k1, uint32_t i)
+{
+    uint32_t h = fmix32(fmix32(i ^ k0) + k1);
+    return (float)(h >> 8) * 0x1p-24f;
+}
+
+typedef struct drop_args {
+    float p, scale;
+    uint64_t seed;
+    const float *x;
+    float *y, *mask;
+} drop_args;
+
+static void dropout_range(void *arg, int64_t lo, int64_t hi)
+{
+    const drop_args *A = arg;
+    const float *x = A->x;
+    float *y = A->y, *mask = A->mask, p = A->p, scale = A->scale;
+    while (lo < hi) { /* segments sharing the high 32 bits of i */
+        uint64_t hi32 = (uint64_t)lo >> 32;
+        int64_t end = min64(hi, (int64_t)((hi32 + 1) << 32));
+        uint64_t key = splitmix64(A->seed ^ splitmix64(hi32));
+        uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+        for (int64_t i = lo; i < end; i++) {
+            float m = dropout_uniform(k0, k1, (uint32_t)i) >= p ? scale : 0.0f;
+            mask[i] = m;
+            y[i] = x[i] * m;
+        }
+        lo = end;
+    }
+}
+
+/* mask (n) = u_i >= p ? 1/(1-p) : 0; y (n) = x * mask */
+static void cpu_dropout_forward(dt_backend *be, int64_t n, float p, uint64_t seed, const float *x,
+                                float *y, float *mask)
+{
+    drop_args A = {.p = p, .scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f, .seed = seed, .x = x,
+                   .y = y, .mask = mask};
+    parallel_for(be, n, DT_CPU_GRAIN_MEM / 4, dropout_range, &A);
+}
+
+/* ---------------------------------------------------------------------------
+ * 14. Optimizers, in place over n elements (torch.optim semantics)
+ * ------------------------------------------------------------------------- */
+typedef struct opt_args {
+    float *w, *buf, *m, *v;
+    const float *g;
+    float lr, momentum, dampening, wd, beta1, beta2, eps, step_size, bc2_sqrt;
+    int nesterov, first, decoupled;
+} opt_args;
+
+/* g' = g + wd w; buf = first ? g' : mom buf + (1-damp) g';
+ * step = nesterov ? g' + mom buf : buf (g' without momentum); w -= lr step */
+static void sgd_range(void *p, int64_t lo, int64_t hi)
+{
+    const opt_args *A = p;
+    float *w = A->w, *buf = A->buf, lr = A->lr, mom = A->momentum, wd = A->wd;
+    float keep = 1.0f - A->dampening;
+    const float *g = A->g;
+    if (mom == 0.0f) {
+        for (int64_t i = lo; i < hi; i++) w[i] -= lr * (g[i] + wd * w[i]);
+        return;
+    }
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = g[i] + wd * w[i];
+        float b = A->first ? gi : mom * buf[i] + keep * gi;
+        buf[i] = b;
+        w[i] -= lr * (A->nesterov ? gi + mom * b : b);
+    }
+}
+
+static void cpu_sgd_update(dt_backend *be, int64_t n, float *w, const float *g, float *buf, float lr,
+                           float momentum, float dampening, int nesterov, float weight_decay,
+                           int first)
+{
+    opt_args A = {.w = w, .buf = buf, .g = g, .lr = lr, .momentum = momentum,
+                  .dampening = dampening, .wd = weight_decay, .nesterov = nesterov, .first = first};
+    parallel_for(be, n, DT_CPU_GRAIN_MEM / 2, sgd_range, &A);
+}
+
+/* AdamW: w *= 1 - lr wd; Adam: g += wd w.  m = m + (1-b1)(g-m) (torch's lerp);
+ * v = b2 v + (1-b2) g g; w -= (lr/bc1) m / (sqrt(v)/sqrt(bc2) + eps) */
+static void adam_range(void *p, int64_t lo, int64_t hi)
+{
+    const opt_args *A = p;
+    float *w = A->w, *m = A->m, *v = A->v;
+    const float *g = A->g;
+    float wd = A->wd, decay = A->decoupled ? 1.0f - A->lr * wd : 1.0f, l2 = A->decoupled ? 0.0f : wd;
+    float b1c = 1.0f - A->beta1, b2 = A->beta2, b2c = 1.0f - A->beta2, eps = A->eps;
+    float step = A->step_size, bcs = A->bc2_sqrt;
+    for (int64_t i = lo; i < hi; i++) {
+        float wi = w[i] * decay;
+        float gi = g[i] + l2 * wi;
+        float mi = m[i] + b1c * (gi - m[i]);
+        float vi = b2 * v[i] + b2c * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        w[i] = wi - step * mi / (sqrtf(vi) / bcs + eps);
+    }
+}
+
+static void cpu_adam_update(dt_backend *be, int64_t n, float *w, const float *g, float *m, float *v,
+                            float lr, float beta1, float beta2, float eps, float weight_decay,
+                            int decoupled, float bc1, float bc2)
+{
+    opt_args A = {.w = w, .g = g, .m = m, .v = v, .lr = lr, .beta1 = beta1, .beta2 = beta2,
+                  .eps = eps, .wd = weight_decay, .decoupled = decoupled,
+                  .step_size = (float)((double)lr / (double)bc1),
+                  .bc2_sqrt = (float)sqrt((double)bc2)};
+    parallel_for(be, n, DT_CPU_GRAIN_MATH, adam_range, &A);
+}
+
+/* ---------------------------------------------------------------------------
+ * 15. Metrics
+ * ------------------------------------------------------------------------- */
+
+/* rows of logits (n,c) whose first argmax equals the label */
+static int64_t cpu_count_correct(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                                 const int32_t *labels)
+{
+    (void)be;
+    int64_t hits = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = logits + r * c;
+        int64_t best = 0;
+        for (int64_t j = 1; j < c; j++)
+            if (x[j] > x[best]) best = j;
+        hits += c > 0 && best == labels[r];
+    }
+    return hits;
+}
+
+/* ---------------------------------------------------------------------------
+ * 16. The interface table
+ * ------------------------------------------------------------------------- */
+static const dt_backend_iface dt_cpu_iface = {
+    .version = DT_BACKEND_IFACE_VERSION,
+    .name = "cpu",
+    .init = cpu_init,
+    .shutdown = cpu_shutdown,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .to_device = cpu_memcpy,
+    .to_host = cpu_memcpy,
+    .copy = cpu_memcpy,
+    .memset0 = cpu_memset0,
+    .sync = cpu_sync,
+    .host_visible = 1,
+    .gemm = cpu_gemm,
+    .gemm_batched = cpu_gemm_batched,
+    .fill = cpu_fill,
+    .axpby = cpu_axpby,
+    .unary = cpu_unary,
+    .unary_backward = cpu_unary_backward,
+    .binary = cpu_binary,
+    .copy_strided = cpu_copy_strided,
+    .sum_to = cpu_sum_to,
+    .reduce_axis = cpu_reduce_axis,
+    .sum = cpu_sum,
+    .sumsq = cpu_sumsq,
+    .softmax = cpu_softmax,
+    .softmax_backward = cpu_softmax_backward,
+    .xent_forward = cpu_xent_forward,
+    .xent_backward = cpu_xent_backward,
+    .im2col = cpu_im2col,
+    .col2im = cpu_col2im,
+    .bias_add = cpu_bias_add,
+    .bias_grad = cpu_bias_grad,
+    .cnp_to_ncp = cpu_cnp_to_ncp,
+    .ncp_to_cnp = cpu_ncp_to_cnp,
+    .maxpool_forward = cpu_maxpool_forward,
+    .maxpool_backward = cpu_maxpool_backward,
+    .avgpool_forward = cpu_avgpool_forward,
+    .avgpool_backward = cpu_avgpool_backward,
+    .embedding_forward = cpu_embedding_forward,
+    .embedding_backward = cpu_embedding_backward,
+    .index_check = cpu_index_check,
+    .layernorm_forward = cpu_layernorm_forward,
+    .layernorm_backward = cpu_layernorm_backward,
+    .dropout_forward = cpu_dropout_forward,
+    .sgd_update = cpu_sgd_update,
+    .adam_update = cpu_adam_update,
+    .count_correct = cpu_count_correct,
+};
+
+const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }

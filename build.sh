@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# build.sh - build, test and demo dtrain.
+#
+#   ./build.sh            static + shared library and examples into build/
+#   ./build.sh deps       install the Debian packages dtrain needs (as root),
+#                         otherwise print the exact apt-get line
+#   ./build.sh test       AddressSanitizer + UBSan build, run every test
+#   ./build.sh demo       train the Fashion-MNIST CNN (the main job)
+#   ./build.sh valgrind   a short training run under valgrind's leak checker
+#   ./build.sh bench      benchmarks against PyTorch (tests/bench/run.sh)
+#   ./build.sh clean
+#
+# Environment: CC (default gcc), DT_NATIVE=0 to build without -march=native.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+CC=${CC:-gcc}
+BUILD=build
+WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
+if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
+OPT="-O3 $ARCH -fno-math-errno"
+LIBS="-lopenblas -lz -lm -lpthread"
+CORE_SRC="dtrain.c backends/cpu.c"
+
+# Debian packages: why each is here is in docs/DEPENDENCIES.md.
+PKGS_BUILD="gcc make libopenblas-dev zlib1g-dev libcmocka-dev pkg-config"
+PKGS_DATA="dataset-fashion-mnist"
+PKGS_TEST="valgrind"
+PKGS_BENCH="python3-torch python3-numpy time"
+
+missing_pkgs() {
+    local m=""
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || m="$m $p"
+    done
+    echo "$m"
+}
+
+ensure_pkgs() {
+    local m
+    m=$(missing_pkgs "$@")
+    [ -z "$m" ] && return 0
+    if [ "$(id -u)" = 0 ]; then
+        echo "build.sh: installing:$m"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null
+        apt-get -o DPkg::Lock::Timeout=300 install -y -q $m >/dev/null
+    else
+        echo "build.sh: missing Debian packages:$m" >&2
+        echo "  run: sudo apt-get update && sudo apt-get install -y$m" >&2
+        exit 1
+    fi
+}
+
+build_lib() {
+    mkdir -p $BUILD/obj $BUILD/shared
+    for f in $CORE_SRC; do
+        o=$BUILD/obj/$(basename "${f%.c}").o
+        $CC $WARN $OPT -DDT_WITH_CPU -fPIC -I. -c "$f" -o "$o"
+    done
+    rm -f $BUILD/libdtrain.a
+    ar rcs $BUILD/libdtrain.a $BUILD/obj/dtrain.o $BUILD/obj/cpu.o
+    $CC -shared -o $BUILD/libdtrain.so $BUILD/obj/dtrain.o $BUILD/obj/cpu.o $LIBS
+    # the core alone must compile without any backend or BLAS header
+    $CC $WARN -O1 -I. -c dtrain.c -o $BUILD/obj/core_only.o
+}
+
+build_examples() {
+    for f in examples/*.c; do
+        $CC $WARN $OPT -I. "$f" $BUILD/libdtrain.a $LIBS -o "$BUILD/$(basename "${f%.c}")"
+    done
+}
+
+cmd_build() {
+    ensure_pkgs $PKGS_BUILD
+    build_lib
+    build_examples
+    echo "build.sh: built $BUILD/libdtrain.a, $BUILD/libdtrain.so and examples"
+}
+
+cmd_test() {
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA
+    mkdir -p $BUILD/test
+    local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+    local tests
+    tests=$(ls tests/test_*.c)
+    $CC $WARN $san -DDT_WITH_CPU -I. $CORE_SRC $tests $LIBS -lcmocka -o $BUILD/test/dtrain_tests
+    # the examples must build too (and stay warning-free)
+    for f in examples/*.c; do
+        $CC $WARN $san -DDT_WITH_CPU -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
+    done
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+        OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
+}
+
+cmd_demo() {
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA
+    build_lib
+    build_examples
+    local threads
+    threads=$(nproc)
+    echo "build.sh: training the CNN on Fashion-MNIST with $threads threads"
+    $BUILD/fashion_mnist --model cnn --epochs "${DT_EPOCHS:-6}" --threads "$threads" "$@"
+}
+
+cmd_valgrind() {
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST
+    mkdir -p $BUILD/vg
+    $CC $WARN -O1 -g -DDT_WITH_CPU -I. examples/fashion_mnist.c $CORE_SRC $LIBS -o $BUILD/vg/fashion_mnist
+    OPENBLAS_NUM_THREADS=1 valgrind --leak-check=full --show-leak-kinds=definite,indirect,possible \
+        --errors-for-leak-kinds=definite,indirect,possible --error-exitcode=3 \
+        $BUILD/vg/fashion_mnist --model mlp --epochs 1 --limit-batches 30 --threads 2
+}
+
+case "${1:-build}" in
+    build) cmd_build ;;
+    deps) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST ;;
+    test) cmd_test ;;
+    demo) shift; cmd_demo "$@" ;;
+    valgrind) cmd_valgrind ;;
+    bench) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_BENCH; build_lib; bash tests/bench/run.sh ;;
+    clean) rm -rf $BUILD ;;
+    *) echo "usage: ./build.sh [build|deps|test|demo|valgrind|bench|clean]" >&2; exit 2 ;;
+esac

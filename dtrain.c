@@ -1,0 +1,4283 @@
+/*
+ * dtrain.c - the core of dtrain.  See dtrain.h for the public API and
+ * backends/backend.h for the compute-backend interface.
+ *
+ * The core never touches tensor memory directly: every byte of tensor data is
+ * read and written by the compute backend (CPU, CUDA) through function
+ * pointers, so this file compiles without OpenBLAS, CUDA or libfabric.
+ *
+ * Sections, top to bottom:
+ *   1. Internal types
+ *   2. Errors and the context
+ *   3. Arenas (per-step memory, no malloc once warm)
+ *   4. Tensors
+ *   5. Parameters, random numbers and initialisation
+ *   6. The autograd tape and backward
+ *   7. Ops, each a forward/backward pair
+ *   8. Activation checkpointing (recompute)
+ *   9. Optimizers, schedules, gradient clipping
+ *  10. Checkpoints (safetensors)
+ *  11. Data: IDX files and the prefetching loader
+ *  12. Utilities
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "dtrain.h"
+#include "backends/backend.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zlib.h>
+
+/* ===========================================================================
+ * 1. Internal types
+ *
+ * A tensor is a header (shape, strides, data pointer) plus flags.  Step
+ * tensors live in the context's arenas and die at dt_step_reset; persistent
+ * tensors (parameters, optimizer state, loader batches) are allocated one by
+ * one and kept on a list so the context can free them.  A node is one op on
+ * the tape: its output, its inputs and what backward needs.
+ * ======================================================================== */
+
+enum {
+    T_PERSIST = 1u << 0,    /* allocated individually, on ctx->persist list */
+    T_PARAM = 1u << 1,      /* registered parameter (ctx-owned) */
+    T_REQGRAD = 1u << 2,    /* gradients flow to/through this tensor */
+    T_OWNS_DATA = 1u << 3,  /* data allocated with the tensor (not a view) */
+    T_ZERO = 1u << 4,       /* contents are logically zero, not yet written */
+    T_EXTERNAL = 1u << 5,   /* header owned by another object (loader) */
+    T_GRADBUF = 1u << 6     /* persistent gradient owned by its tensor */
+};
+
+struct dt_node;
+
+struct dt_tensor {
+    dt_ctx *ctx;
+    dt_dtype dtype;
+    int ndim;
+    int64_t shape[DT_MAX_DIMS];
+    int64_t stride[DT_MAX_DIMS];   /* in elements */
+    void *data;                    /* device pointer to element (0,...,0) */
+    unsigned flags;
+    dt_tensor *grad;               /* same shape, contiguous */
+    struct dt_node *node;          /* op that made it (NULL for leaves) */
+    char *name;                    /* persistent tensors only */
+    dt_tensor *next, *prev;        /* persistent list */
+};
+
+typedef struct dt_node dt_node;
+typedef dt_status (*dt_backward_fn)(dt_ctx *ctx, dt_node *n);
+
+#define NODE_MAX_IN 4
+struct dt_node {
+    dt_node *prev;                 /* tape: newest first */
+    const char *op;
+    dt_backward_fn backward;
+    dt_tensor *out;
+    dt_tensor *in[NODE_MAX_IN];
+    int n_in;
+    int64_t iarg[8];
+    float farg[4];
+    void *aux[4];                  /* saved buffers (arena) */
+    dt_segment_fn seg_fn;          /* recompute: the segment function */
+    void *user;                    /* recompute: its user pointer */
+};
+
+typedef struct dt_chunk {
+    struct dt_chunk *next;
+    char *base;
+    size_t size, used;
+} dt_chunk;
+
+typedef struct dt_arena {
+    int on_device;                 /* 1: backend memory, 0: host allocator */
+    dt_chunk *first, *cur;
+    size_t capacity;               /* sum of chunk sizes */
+    size_t used;                   /* bytes handed out since reset */
+    size_t peak;
+    size_t min_chunk;
+    uint64_t grows;
+} dt_arena;
+
+typedef struct dt_arena_mark {
+    dt_chunk *chunk;
+    size_t chunk_used, used;
+} dt_arena_mark;
+
+struct dt_ctx {
+    dt_allocator al;
+    const dt_backend_iface *be_iface;
+    dt_backend *be;
+    dt_status init_status;
+    dt_status last_status;
+    char err[DT_MAX_ERROR];
+    int threads;
+    uint64_t seed;
+    uint64_t rng[4];               /* xoshiro256** state for init */
+    uint64_t dropout_counter;
+    int grad_enabled, training;
+
+    dt_arena dev, host;            /* step memory */
+    dt_arena scratch_dev, scratch_host; /* recompute segments */
+    dt_arena *cur_dev, *cur_host;
+    int in_recompute;
+
+    dt_node *tape;                 /* newest node */
+    dt_tensor *persist;            /* persistent tensors */
+    size_t persistent_bytes;
+    dt_tensor **params;
+    int n_params, cap_params;
+};
+
+#define DT_DEFAULT_ARENA_BYTES ((size_t)8 << 20)
+#define DT_ARENA_ALIGN 64
+
+static dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* ===========================================================================
+ * 2. Errors and the context
+ *
+ * Every failure goes through set_error, which keeps the status and a message
+ * in the context (never a global).  Functions that return a handle return
+ * NULL and leave the message; ops given a NULL input return NULL without
+ * overwriting the message of the op that failed first.
+ * ======================================================================== */
+
+const char *dt_strerror(dt_status s)
+{
+    switch (s) {
+    case DT_OK: return "ok";
+    case DT_EINVAL: return "invalid argument";
+    case DT_ENOMEM: return "out of memory";
+    case DT_EIO: return "input/output error";
+    case DT_ECORRUPT: return "corrupt or truncated data";
+    case DT_EMISMATCH: return "mismatch";
+    case DT_ENOTSUP: return "not supported";
+    case DT_ESTATE: return "invalid state";
+    case DT_ETIMEDOUT: return "timed out";
+    case DT_EPEER: return "peer failure";
+    case DT_EOF: return "end of data";
+    }
+    return "unknown status";
+}
+
+static dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
+{
+    if (!ctx)
+        return s;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->err, sizeof ctx->err, fmt, ap);
+    va_end(ap);
+    ctx->last_status = s;
+    return s;
+}
+
+const char *dt_last_error(const dt_ctx *ctx) { return ctx ? ctx->err : "context is NULL"; }
+dt_status dt_last_status(const dt_ctx *ctx) { return ctx ? ctx->last_status : DT_EINVAL; }
+dt_status dt_ctx_status(const dt_ctx *ctx) { return ctx ? ctx->init_status : DT_EINVAL; }
+
+void dt_clear_error(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    ctx->err[0] = '\0';
+    ctx->last_status = DT_OK;
+}
+
+static void *libc_malloc(size_t n, void *u) { (void)u; return malloc(n); }
+static void *libc_realloc(void *p, size_t n, void *u) { (void)u; return realloc(p, n); }
+static void libc_free(void *p, void *u) { (void)u; free(p); }
+
+static void *host_alloc(dt_ctx *ctx, size_t n) { return ctx->al.malloc_fn(n ? n : 1, ctx->al.user); }
+static void host_free(dt_ctx *ctx, void *p) { if (p) ctx->al.free_fn(p, ctx->al.user); }
+
+static void *host_calloc(dt_ctx *ctx, size_t n)
+{
+    void *p = host_alloc(ctx, n);
+    if (p)
+        memset(p, 0, n);
+    return p;
+}
+
+static char *host_strdup(dt_ctx *ctx, const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *p = host_alloc(ctx, n);
+    if (p)
+        memcpy(p, s, n);
+    return p;
+}
+
+void dt_config_init(dt_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->backend = "cpu";
+    cfg->threads = 1;
+    cfg->seed = 0;
+    cfg->arena_bytes = DT_DEFAULT_ARENA_BYTES;
+}
+
+/* The backends compiled into this build.  The list is const: choosing one is
+ * a lookup, not a registration, so there is no global mutable state. */
+static const dt_backend_iface *find_backend(const char *name)
+{
+#ifdef DT_WITH_CPU
+    if (strcmp(name, "cpu") == 0)
+        return dt_backend_cpu_iface();
+#endif
+#ifdef DT_WITH_CUDA
+    if (strcmp(name, "cuda") == 0)
+        return dt_backend_cuda_iface();
+#endif
+    (void)name;
+    return NULL;
+}
+
+static const char *compiled_backends(void)
+{
+#if defined(DT_WITH_CPU) && defined(DT_WITH_CUDA)
+    return "cpu, cuda";
+#elif defined(DT_WITH_CPU)
+    return "cpu";
+#elif defined(DT_WITH_CUDA)
+    return "cuda";
+#else
+    return "none: build with backends/cpu.c and -DDT_WITH_CPU";
+#endif
+}
+
+static void arena_init(dt_arena *a, int on_device, size_t min_chunk)
+{
+    memset(a, 0, sizeof *a);
+    a->on_device = on_device;
+    a->min_chunk = min_chunk;
+}
+static void arena_destroy(dt_ctx *ctx, dt_arena *a);
+void dt_seed(dt_ctx *ctx, uint64_t seed);
+
+dt_ctx *dt_ctx_new(const dt_config *cfg_in)
+{
+    dt_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        dt_config_init(&cfg);
+    dt_allocator al = cfg.allocator;
+    if (!al.malloc_fn || !al.free_fn || !al.realloc_fn) {
+        /* all three hooks or none: mixing allocators would free foreign memory */
+        if (!(al.malloc_fn && al.free_fn && al.realloc_fn)) {
+            al.malloc_fn = libc_malloc;
+            al.realloc_fn = libc_realloc;
+            al.free_fn = libc_free;
+            al.user = NULL;
+        }
+    }
+    dt_ctx *ctx = al.malloc_fn(sizeof *ctx, al.user);
+    if (!ctx)
+        return NULL;
+    memset(ctx, 0, sizeof *ctx);
+    ctx->al = al;
+    ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
+    ctx->grad_enabled = 1;
+    ctx->training = 1;
+    size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
+    arena_init(&ctx->dev, 1, arena_bytes);
+    arena_init(&ctx->host, 0, (size_t)256 << 10);
+    arena_init(&ctx->scratch_dev, 1, arena_bytes / 4 + DT_ARENA_ALIGN);
+    arena_init(&ctx->scratch_host, 0, (size_t)64 << 10);
+    ctx->cur_dev = &ctx->dev;
+    ctx->cur_host = &ctx->host;
+    dt_seed(ctx, cfg.seed);
+
+    const char *name = cfg.backend ? cfg.backend : "cpu";
+    ctx->be_iface = find_backend(name);
+    if (!ctx->be_iface) {
+        ctx->init_status = set_error(ctx, DT_ENOTSUP,
+                                     "ctx: backend '%s' is not compiled in (compiled in: %s)",
+                                     name, compiled_backends());
+        return ctx;
+    }
+    if (ctx->be_iface->version != DT_BACKEND_IFACE_VERSION) {
+        ctx->init_status = set_error(ctx, DT_ENOTSUP,
+                                     "ctx: backend '%s' has interface version %d, core expects %d",
+                                     name, ctx->be_iface->version, DT_BACKEND_IFACE_VERSION);
+        return ctx;
+    }
+    dt_backend_params bp = {ctx->threads, cfg.device, al};
+    char msg[256] = "";
+    dt_status s = ctx->be_iface->init(&bp, &ctx->be, msg, sizeof msg);
+    if (s != DT_OK) {
+        ctx->be = NULL;
+        ctx->init_status = set_error(ctx, s, "ctx: backend '%s' failed to start: %s", name, msg);
+    }
+    return ctx;
+}
+
+void dt_ctx_free(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    while (ctx->persist) {
+        dt_tensor *t = ctx->persist;
+        t->flags &= ~(unsigned)T_PARAM;   /* the context may free its own */
+        dt_tensor_free(t);
+    }
+    host_free(ctx, ctx->params);
+    arena_destroy(ctx, &ctx->dev);
+    arena_destroy(ctx, &ctx->host);
+    arena_destroy(ctx, &ctx->scratch_dev);
+    arena_destroy(ctx, &ctx->scratch_host);
+    if (ctx->be)
+        ctx->be_iface->shutdown(ctx->be);
+    dt_allocator al = ctx->al;
+    al.free_fn(ctx, al.user);
+}
+
+/* Usable context: not NULL and its backend started. */
+static int ctx_ok(dt_ctx *ctx)
+{
+    return ctx && ctx->init_status == DT_OK;
+}
+
+const char *dt_backend_name(const dt_ctx *ctx)
+{
+    return ctx && ctx->be_iface ? ctx->be_iface->name : "";
+}
+int dt_ctx_threads(const dt_ctx *ctx) { return ctx ? ctx->threads : 0; }
+void dt_set_grad_enabled(dt_ctx *ctx, int e) { if (ctx) ctx->grad_enabled = e != 0; }
+int dt_grad_enabled(const dt_ctx *ctx) { return ctx ? ctx->grad_enabled : 0; }
+void dt_set_training(dt_ctx *ctx, int t) { if (ctx) ctx->training = t != 0; }
+int dt_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
+
+/* ===========================================================================
+ * 3. Arenas
+ *
+ * Step tensors and tape nodes are bump-allocated from chunked arenas.  When
+ * a step needs more than the arena holds, a new chunk is added (a heap
+ * allocation); at dt_step_reset an arena with several chunks is replaced by
+ * one chunk of the combined size.  After a step or two the arena fits the
+ * whole step and training allocates nothing (tests/ checks this with a
+ * counting allocator).
+ * ======================================================================== */
+
+static void *raw_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
+{
+    return a->on_device ? ctx->be_iface->alloc(ctx->be, n) : host_alloc(ctx, n);
+}
+
+static void raw_free(dt_ctx *ctx, dt_arena *a, void *p)
+{
+    if (!p)
+        return;
+    if (a->on_device)
+        ctx->be_iface->free(ctx->be, p);
+    else
+        host_free(ctx, p);
+}
+
+static dt_chunk *chunk_new(dt_ctx *ctx, dt_arena *a, size_t size)
+{
+    dt_chunk *c = host_alloc(ctx, sizeof *c);
+    if (!c)
+        return NULL;
+    c->base = raw_alloc(ctx, a, size);
+    if (!c->base) {
+        host_free(ctx, c);
+        return NULL;
+    }
+    c->size = size;
+    c->used = 0;
+    c->next = NULL;
+    a->capacity += size;
+    a->grows++;
+    return c;
+}
+
+static void arena_destroy(dt_ctx *ctx, dt_arena *a)
+{
+    dt_chunk *c = a->first;
+    while (c) {
+        dt_chunk *next = c->next;
+        raw_free(ctx, a, c->base);
+        host_free(ctx, c);
+        c = next;
+    }
+    a->first = a->cur = NULL;
+    a->capacity = a->used = 0;
+}
+
+static size_t align_up(size_t n) { return (n + DT_ARENA_ALIGN - 1) & ~(size_t)(DT_ARENA_ALIGN - 1); }
+
+static void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
+{
+    n = align_up(n ? n : 1);
+    for (;;) {
+        dt_chunk *c = a->cur;
+        if (c && c->size - c->used >= n) {
+            void *p = c->base + c->used;
+            c->used += n;
+            a->used += n;
+            if (a->used > a->peak)
+                a->peak = a->used;
+            return p;
+        }
+        if (c && c->next) {          /* a spare chunk kept from a release */
+            a->cur = c->next;
+            a->cur->used = 0;
+            continue;
+        }
+        size_t want = a->capacity > a->min_chunk ? a->capacity : a->min_chunk;
+        if (want < n)
+            want = n;
+        dt_chunk *fresh = chunk_new(ctx, a, want);
+        if (!fresh)
+            return NULL;
+        if (c)
+            c->next = fresh;
+        else
+            a->first = fresh;
+        a->cur = fresh;
+    }
+}
+
+/* Forget everything; coalesce several chunks into one of the total size. */
+static void arena_reset(dt_ctx *ctx, dt_arena *a)
+{
+    if (a->first && a->first->next) {
+        size_t total = a->capacity;
+        arena_destroy(ctx, a);
+        a->first = a->cur = chunk_new(ctx, a, total);
+        /* if that fails, the next alloc simply grows again */
+    }
+    if (a->first)
+        a->first->used = 0;
+    a->cur = a->first;
+    a->used = 0;
+}
+
+static dt_arena_mark arena_mark(const dt_arena *a)
+{
+    dt_arena_mark m = {a->cur, a->cur ? a->cur->used : 0, a->used};
+    return m;
+}
+
+static void arena_release(dt_arena *a, dt_arena_mark m)
+{
+    if (!m.chunk) {
+        if (a->first)
+            a->first->used = 0;
+        a->cur = a->first;
+        a->used = 0;
+        return;
+    }
+    a->cur = m.chunk;
+    a->cur->used = m.chunk_used;
+    a->used = m.used;
+}
+
+void dt_step_reset(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    ctx->tape = NULL;
+    arena_reset(ctx, &ctx->dev);
+    arena_reset(ctx, &ctx->host);
+    arena_reset(ctx, &ctx->scratch_dev);
+    arena_reset(ctx, &ctx->scratch_host);
+}
+
+void dt_mem_stats_get(const dt_ctx *ctx, dt_mem_stats *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof *out);
+    if (!ctx)
+        return;
+    out->arena_capacity = ctx->dev.capacity + ctx->scratch_dev.capacity;
+    out->arena_used = ctx->dev.used + ctx->scratch_dev.used;
+    out->arena_peak = ctx->dev.peak + ctx->scratch_dev.peak;
+    out->persistent_bytes = ctx->persistent_bytes;
+    out->arena_grows = ctx->dev.grows + ctx->host.grows + ctx->scratch_dev.grows +
+                       ctx->scratch_host.grows;
+}
+
+void dt_mem_reset_peak(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    ctx->dev.peak = ctx->dev.used;
+    ctx->scratch_dev.peak = ctx->scratch_dev.used;
+}
+
+/* ===========================================================================
+ * 4. Tensors
+ *
+ * Shapes are row-major with element strides.  Views (reshape, transpose,
+ * slice) share data and only change the header.  Kernels want contiguous
+ * data, so ops pass non-contiguous inputs through dt_contiguous first.
+ * Gradient buffers are always contiguous in the tensor's logical shape.
+ * ======================================================================== */
+
+size_t dt_dtype_size(dt_dtype t)
+{
+    switch (t) {
+    case DT_F32: case DT_I32: return 4;
+    case DT_U8: return 1;
+    case DT_BF16: case DT_F16: return 2;
+    }
+    return 0;
+}
+
+const char *dt_dtype_name(dt_dtype t)
+{
+    switch (t) {
+    case DT_F32: return "f32";
+    case DT_I32: return "i32";
+    case DT_U8: return "u8";
+    case DT_BF16: return "bf16";
+    case DT_F16: return "f16";
+    }
+    return "?";
+}
+
+static int64_t shape_numel(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= shape[i];
+    return n;
+}
+
+static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
+{
+    int64_t s = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        stride[i] = s;
+        s *= shape[i];
+    }
+}
+
+/* "(2, 3, 4)" into buf, for error messages. */
+static const char *shape_str(const dt_tensor *t, char *buf, size_t len)
+{
+    size_t o = 0;
+    o += (size_t)snprintf(buf + o, len - o, "(");
+    for (int i = 0; i < t->ndim && o < len; i++)
+        o += (size_t)snprintf(buf + o, len - o, "%s%lld", i ? ", " : "", (long long)t->shape[i]);
+    if (o < len)
+        snprintf(buf + o, len - o, ")");
+    return buf;
+}
+
+#define SHAPE(t, buf) shape_str((t), (buf), sizeof(buf))
+
+static dt_status check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape)
+{
+    if (ndim < 0 || ndim > DT_MAX_DIMS)
+        return set_error(ctx, DT_EINVAL, "%s: %d dimensions (at most %d)", op, ndim, DT_MAX_DIMS);
+    if (ndim > 0 && !shape)
+        return set_error(ctx, DT_EINVAL, "%s: shape is NULL", op);
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return set_error(ctx, DT_EINVAL, "%s: dimension %d is negative (%lld)", op, i,
+                             (long long)shape[i]);
+        if (shape[i] > 0 && n > INT64_MAX / 8 / shape[i])
+            return set_error(ctx, DT_EINVAL, "%s: shape too large", op);
+        n *= shape[i];
+    }
+    return DT_OK;
+}
+
+static void header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    memset(t, 0, sizeof *t);
+    t->ctx = ctx;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++)
+        t->shape[i] = shape[i];
+    contiguous_strides(ndim, t->shape, t->stride);
+}
+
+static size_t tensor_bytes(const dt_tensor *t)
+{
+    return (size_t)shape_numel(t->ndim, t->shape) * dt_dtype_size(t->dtype);
+}
+
+/* A step tensor with uninitialised data, in the current arenas. */
+static dt_tensor *step_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
+    if (!t) {
+        set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
+        return NULL;
+    }
+    header_init(t, ctx, dtype, ndim, shape);
+    t->data = arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
+    if (!t->data) {
+        set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
+                  tensor_bytes(t));
+        return NULL;
+    }
+    return t;
+}
+
+/* A header sharing x's data (for views), in the step arena. */
+static dt_tensor *view_header(dt_ctx *ctx, const dt_tensor *x)
+{
+    dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
+    if (!t) {
+        set_error(ctx, DT_ENOMEM, "out of host memory for a view header");
+        return NULL;
+    }
+    header_init(t, ctx, x->dtype, x->ndim, x->shape);
+    memcpy(t->stride, x->stride, sizeof t->stride);
+    t->data = x->data;
+    return t;
+}
+
+static dt_tensor *persistent_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    dt_tensor *t = host_alloc(ctx, sizeof *t);
+    if (!t) {
+        set_error(ctx, DT_ENOMEM, "tensor_new: out of host memory");
+        return NULL;
+    }
+    header_init(t, ctx, dtype, ndim, shape);
+    size_t bytes = tensor_bytes(t);
+    t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
+    if (!t->data) {
+        host_free(ctx, t);
+        set_error(ctx, DT_ENOMEM, "tensor_new: out of device memory (%zu bytes)", bytes);
+        return NULL;
+    }
+    ctx->be_iface->memset0(ctx->be, t->data, bytes);
+    t->flags = T_PERSIST | T_OWNS_DATA;
+    t->next = ctx->persist;
+    if (ctx->persist)
+        ctx->persist->prev = t;
+    ctx->persist = t;
+    ctx->persistent_bytes += bytes;
+    return t;
+}
+
+static int dtype_ok(dt_dtype d) { return d >= DT_F32 && d <= DT_F16; }
+
+dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!dtype_ok(dtype)) {
+        set_error(ctx, DT_EINVAL, "tensor_new: unknown dtype %d", (int)dtype);
+        return NULL;
+    }
+    if (check_shape(ctx, "tensor_new", ndim, shape) != DT_OK)
+        return NULL;
+    return persistent_tensor(ctx, dtype, ndim, shape);
+}
+
+dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!dtype_ok(dtype)) {
+        set_error(ctx, DT_EINVAL, "tensor_temp: unknown dtype %d", (int)dtype);
+        return NULL;
+    }
+    if (check_shape(ctx, "tensor_temp", ndim, shape) != DT_OK)
+        return NULL;
+    dt_tensor *t = step_tensor(ctx, dtype, ndim, shape);
+    if (t)
+        ctx->be_iface->memset0(ctx->be, t->data, tensor_bytes(t));
+    return t;
+}
+
+static void tensor_destroy(dt_ctx *ctx, dt_tensor *t)
+{
+    if (t->flags & T_OWNS_DATA) {
+        ctx->persistent_bytes -= tensor_bytes(t);
+        ctx->be_iface->free(ctx->be, t->data);
+    }
+    host_free(ctx, t->name);
+    host_free(ctx, t);
+}
+
+/* A persistent gradient buffer for t: not on the persistent list, freed with
+ * t, logically zero until first written. */
+static dt_status attach_persistent_grad(dt_ctx *ctx, dt_tensor *t)
+{
+    if (t->grad)
+        return DT_OK;
+    dt_tensor *g = host_alloc(ctx, sizeof *g);
+    if (!g)
+        return set_error(ctx, DT_ENOMEM, "out of host memory for a gradient");
+    header_init(g, ctx, DT_F32, t->ndim, t->shape);
+    size_t bytes = tensor_bytes(g);
+    g->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
+    if (!g->data) {
+        host_free(ctx, g);
+        return set_error(ctx, DT_ENOMEM, "out of device memory for a gradient (%zu bytes)", bytes);
+    }
+    ctx->be_iface->memset0(ctx->be, g->data, bytes);
+    g->flags = T_OWNS_DATA | T_GRADBUF;
+    ctx->persistent_bytes += bytes;
+    t->grad = g;
+    return DT_OK;
+}
+
+void dt_tensor_free(dt_tensor *t)
+{
+    if (!t || !(t->flags & T_PERSIST) || (t->flags & (T_PARAM | T_EXTERNAL)))
+        return;   /* step tensors die at dt_step_reset; params with the ctx */
+    dt_ctx *ctx = t->ctx;
+    if (t->prev)
+        t->prev->next = t->next;
+    else
+        ctx->persist = t->next;
+    if (t->next)
+        t->next->prev = t->prev;
+    if (t->grad && (t->grad->flags & T_GRADBUF))
+        tensor_destroy(ctx, t->grad);
+    tensor_destroy(ctx, t);
+}
+
+int dt_tensor_is_contiguous(const dt_tensor *t)
+{
+    if (!t)
+        return 0;
+    int64_t s = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] != 1 && t->stride[i] != s)
+            return 0;
+        s *= t->shape[i];
+    }
+    return 1;
+}
+
+/* Write zeros into a tensor whose contents are only logically zero. */
+static void materialize(dt_tensor *t)
+{
+    if (t && (t->flags & T_ZERO)) {
+        t->ctx->be_iface->memset0(t->ctx->be, t->data, tensor_bytes(t));
+        t->flags &= ~(unsigned)T_ZERO;
+    }
+}
+
+static dt_status check_tensor(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what)
+{
+    if (!t)
+        return set_error(ctx, DT_EINVAL, "%s: %s is NULL", op, what);
+    if (t->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "%s: %s belongs to another context", op, what);
+    return DT_OK;
+}
+
+/* Host <-> tensor copies handle strided views through a contiguous temp. */
+dt_status dt_tensor_set(dt_tensor *t, const void *host, int64_t count)
+{
+    if (!t)
+        return DT_EINVAL;
+    dt_ctx *ctx = t->ctx;
+    if (!host)
+        return set_error(ctx, DT_EINVAL, "tensor_set: host buffer is NULL");
+    int64_t n = shape_numel(t->ndim, t->shape);
+    if (count != n)
+        return set_error(ctx, DT_EINVAL, "tensor_set: %lld values given, tensor has %lld",
+                         (long long)count, (long long)n);
+    const dt_backend_iface *be = ctx->be_iface;
+    size_t bytes = (size_t)n * dt_dtype_size(t->dtype);
+    t->flags &= ~(unsigned)T_ZERO;
+    if (dt_tensor_is_contiguous(t)) {
+        be->to_device(ctx->be, t->data, host, bytes);
+        return DT_OK;
+    }
+    dt_arena_mark m = arena_mark(ctx->cur_dev);
+    void *tmp = arena_alloc(ctx, ctx->cur_dev, bytes);
+    if (!tmp)
+        return set_error(ctx, DT_ENOMEM, "tensor_set: out of memory");
+    int64_t cs[DT_MAX_DIMS];
+    contiguous_strides(t->ndim, t->shape, cs);
+    be->to_device(ctx->be, tmp, host, bytes);
+    be->copy_strided(ctx->be, t->ndim, t->shape, dt_dtype_size(t->dtype), t->data, t->stride, tmp,
+                     cs, 0);
+    arena_release(ctx->cur_dev, m);
+    return DT_OK;
+}
+
+dt_status dt_tensor_get(const dt_tensor *tc, void *host, int64_t count)
+{
+    if (!tc)
+        return DT_EINVAL;
+    dt_tensor *t = (dt_tensor *)tc;
+    dt_ctx *ctx = t->ctx;
+    if (!host)
+        return set_error(ctx, DT_EINVAL, "tensor_get: host buffer is NULL");
+    int64_t n = shape_numel(t->ndim, t->shape);
+    if (count != n)
+        return set_error(ctx, DT_EINVAL, "tensor_get: room for %lld values, tensor has %lld",
+                         (long long)count, (long long)n);
+    materialize(t);
+    const dt_backend_iface *be = ctx->be_iface;
+    size_t bytes = (size_t)n * dt_dtype_size(t->dtype);
+    if (dt_tensor_is_contiguous(t)) {
+        be->to_host(ctx->be, host, t->data, bytes);
+        return DT_OK;
+    }
+    dt_arena_mark m = arena_mark(ctx->cur_dev);
+    void *tmp = arena_alloc(ctx, ctx->cur_dev, bytes);
+    if (!tmp)
+        return set_error(ctx, DT_ENOMEM, "tensor_get: out of memory");
+    int64_t cs[DT_MAX_DIMS];
+    contiguous_strides(t->ndim, t->shape, cs);
+    be->copy_strided(ctx->be, t->ndim, t->shape, dt_dtype_size(t->dtype), tmp, cs, t->data,
+                     t->stride, 0);
+    be->to_host(ctx->be, host, tmp, bytes);
+    arena_release(ctx->cur_dev, m);
+    return DT_OK;
+}
+
+dt_status dt_tensor_fill(dt_tensor *t, float value)
+{
+    if (!t)
+        return DT_EINVAL;
+    dt_ctx *ctx = t->ctx;
+    if (t->dtype != DT_F32)
+        return set_error(ctx, DT_EINVAL, "tensor_fill: tensor is %s, fill needs f32",
+                         dt_dtype_name(t->dtype));
+    if (!dt_tensor_is_contiguous(t))
+        return set_error(ctx, DT_EINVAL, "tensor_fill: tensor is a non-contiguous view");
+    t->flags &= ~(unsigned)T_ZERO;
+    ctx->be_iface->fill(ctx->be, shape_numel(t->ndim, t->shape), value, t->data);
+    return DT_OK;
+}
+
+float dt_tensor_item(const dt_tensor *t)
+{
+    if (!t || shape_numel(t->ndim, t->shape) < 1)
+        return NAN;
+    materialize((dt_tensor *)t);
+    if (t->dtype == DT_F32) {
+        float v;
+        t->ctx->be_iface->to_host(t->ctx->be, &v, t->data, sizeof v);
+        return v;
+    }
+    if (t->dtype == DT_I32) {
+        int32_t v;
+        t->ctx->be_iface->to_host(t->ctx->be, &v, t->data, sizeof v);
+        return (float)v;
+    }
+    return NAN;
+}
+
+int dt_tensor_ndim(const dt_tensor *t) { return t ? t->ndim : -1; }
+
+int64_t dt_tensor_dim(const dt_tensor *t, int i)
+{
+    if (!t)
+        return -1;
+    if (i < 0)
+        i += t->ndim;
+    return (i >= 0 && i < t->ndim) ? t->shape[i] : -1;
+}
+
+int64_t dt_tensor_numel(const dt_tensor *t) { return t ? shape_numel(t->ndim, t->shape) : -1; }
+dt_dtype dt_tensor_dtype(const dt_tensor *t) { return t ? t->dtype : DT_F32; }
+const char *dt_tensor_name(const dt_tensor *t) { return t && t->name ? t->name : ""; }
+
+dt_status dt_tensor_set_name(dt_tensor *t, const char *name)
+{
+    if (!t)
+        return DT_EINVAL;
+    dt_ctx *ctx = t->ctx;
+    if (!name || strlen(name) >= DT_MAX_NAME)
+        return set_error(ctx, DT_EINVAL, "tensor_set_name: name is NULL or longer than %d",
+                         DT_MAX_NAME - 1);
+    if (!(t->flags & T_PERSIST))
+        return set_error(ctx, DT_EINVAL, "tensor_set_name: only persistent tensors have names");
+    if ((t->flags & T_PARAM) && dt_param_find(ctx, name) && dt_param_find(ctx, name) != t)
+        return set_error(ctx, DT_EINVAL, "tensor_set_name: a parameter named '%s' exists", name);
+    char *copy = host_strdup(ctx, name);
+    if (!copy)
+        return set_error(ctx, DT_ENOMEM, "tensor_set_name: out of memory");
+    host_free(ctx, t->name);
+    t->name = copy;
+    return DT_OK;
+}
+
+dt_tensor *dt_tensor_grad(const dt_tensor *t)
+{
+    if (!t || !t->grad)
+        return NULL;
+    materialize(t->grad);
+    return t->grad;
+}
+
+int dt_tensor_requires_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD) ? 1 : 0; }
+
+dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
+{
+    if (!t)
+        return DT_EINVAL;
+    if (requires && t->dtype != DT_F32)
+        return set_error(t->ctx, DT_EINVAL, "set_requires_grad: only f32 tensors have gradients");
+    if (requires && t->node == NULL && !(t->flags & T_PERSIST))
+        return set_error(t->ctx, DT_EINVAL,
+                         "set_requires_grad: only leaves made by dt_tensor_new can require grad");
+    if (requires && (t->flags & T_PERSIST) && attach_persistent_grad(t->ctx, t) != DT_OK)
+        return t->ctx->last_status;
+    if (requires)
+        t->flags |= T_REQGRAD;
+    else
+        t->flags &= ~(unsigned)T_REQGRAD;
+    return DT_OK;
+}
+
+/* ===========================================================================
+ * 5. Parameters, random numbers and initialisation
+ *
+ * Parameters are persistent tensors with a name and a persistent gradient,
+ * kept in registration order.  Random numbers come from the context's
+ * xoshiro256** generator (seeded through splitmix64), drawn on the host so
+ * every backend initialises identically.
+ * ======================================================================== */
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl64(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t xoshiro_next(uint64_t s[4])
+{
+    uint64_t r = rotl64(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl64(s[3], 45);
+    return r;
+}
+
+static void xoshiro_seed(uint64_t s[4], uint64_t seed)
+{
+    uint64_t sm = seed;
+    for (int i = 0; i < 4; i++)
+        s[i] = splitmix64(&sm);
+}
+
+/* uniform in [0, 1) with 24 random bits (exact in float) */
+static float rng_uniform(uint64_t s[4]) { return (float)(xoshiro_next(s) >> 40) * 0x1.0p-24f; }
+
+void dt_seed(dt_ctx *ctx, uint64_t seed)
+{
+    if (!ctx)
+        return;
+    ctx->seed = seed;
+    xoshiro_seed(ctx->rng, seed);
+    ctx->dropout_counter = 0;
+}
+
+dt_tensor *dt_param_new(dt_ctx *ctx, const char *name, int ndim, const int64_t *shape)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!name || !name[0] || strlen(name) >= DT_MAX_NAME) {
+        set_error(ctx, DT_EINVAL, "param_new: name must be 1..%d characters", DT_MAX_NAME - 1);
+        return NULL;
+    }
+    if (dt_param_find(ctx, name)) {
+        set_error(ctx, DT_EINVAL, "param_new: a parameter named '%s' already exists", name);
+        return NULL;
+    }
+    if (check_shape(ctx, "param_new", ndim, shape) != DT_OK)
+        return NULL;
+    if (ctx->n_params == ctx->cap_params) {
+        int cap = ctx->cap_params ? ctx->cap_params * 2 : 16;
+        dt_tensor **p = ctx->al.realloc_fn(ctx->params, (size_t)cap * sizeof *p, ctx->al.user);
+        if (!p) {
+            set_error(ctx, DT_ENOMEM, "param_new: out of memory");
+            return NULL;
+        }
+        ctx->params = p;
+        ctx->cap_params = cap;
+    }
+    dt_tensor *t = persistent_tensor(ctx, DT_F32, ndim, shape);
+    if (!t)
+        return NULL;
+    t->name = host_strdup(ctx, name);
+    if (!t->name || attach_persistent_grad(ctx, t) != DT_OK) {
+        dt_tensor_free(t);
+        set_error(ctx, DT_ENOMEM, "param_new: out of memory for '%s'", name);
+        return NULL;
+    }
+    t->flags |= T_PARAM | T_REQGRAD;
+    ctx->params[ctx->n_params++] = t;
+    return t;
+}
+
+int dt_param_count(const dt_ctx *ctx) { return ctx ? ctx->n_params : 0; }
+
+dt_tensor *dt_param_at(const dt_ctx *ctx, int i)
+{
+    return ctx && i >= 0 && i < ctx->n_params ? ctx->params[i] : NULL;
+}
+
+dt_tensor *dt_param_find(const dt_ctx *ctx, const char *name)
+{
+    if (!ctx || !name)
+        return NULL;
+    for (int i = 0; i < ctx->n_params; i++)
+        if (strcmp(ctx->params[i]->name, name) == 0)
+            return ctx->params[i];
+    return NULL;
+}
+
+void dt_zero_grad(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    for (int i = 0; i < ctx->n_params; i++)
+        if (ctx->params[i]->grad)
+            ctx->params[i]->grad->flags |= T_ZERO;   /* written lazily */
+}
+
+/* Fill t from a host generator, one value per element in index order. */
+typedef float (*sample_fn)(uint64_t s[4], float a, float b);
+
+static float sample_uniform(uint64_t s[4], float lo, float hi)
+{
+    return lo + (hi - lo) * rng_uniform(s);
+}
+
+static float sample_normal(uint64_t s[4], float mean, float std)
+{
+    /* Box-Muller; u1 in (0, 1] so log is finite */
+    float u1 = 1.0f - rng_uniform(s), u2 = rng_uniform(s);
+    return mean + std * sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
+}
+
+static dt_status init_fill(dt_ctx *ctx, dt_tensor *t, const char *op, sample_fn f, float a, float b)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (check_tensor(ctx, op, t, "tensor") != DT_OK)
+        return DT_EINVAL;
+    if (t->dtype != DT_F32)
+        return set_error(ctx, DT_EINVAL, "%s: tensor is %s, needs f32", op, dt_dtype_name(t->dtype));
+    int64_t n = shape_numel(t->ndim, t->shape);
+    float *host = host_alloc(ctx, (size_t)n * sizeof(float));
+    if (!host)
+        return set_error(ctx, DT_ENOMEM, "%s: out of memory", op);
+    for (int64_t i = 0; i < n; i++)
+        host[i] = f(ctx->rng, a, b);
+    dt_status s = dt_tensor_set(t, host, n);
+    host_free(ctx, host);
+    return s;
+}
+
+dt_status dt_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi)
+{
+    return init_fill(ctx, t, "init_uniform", sample_uniform, lo, hi);
+}
+
+dt_status dt_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std)
+{
+    return init_fill(ctx, t, "init_normal", sample_normal, mean, std);
+}
+
+/* fan_in = shape[1] * receptive field, fan_out = shape[0] * receptive field */
+static dt_status fans(dt_ctx *ctx, const char *op, const dt_tensor *t, double *fin, double *fout)
+{
+    if (!t)
+        return set_error(ctx, DT_EINVAL, "%s: tensor is NULL", op);
+    if (t->ndim < 2)
+        return set_error(ctx, DT_EINVAL, "%s: needs at least 2 dimensions, tensor has %d", op,
+                         t->ndim);
+    double rf = 1;
+    for (int i = 2; i < t->ndim; i++)
+        rf *= (double)t->shape[i];
+    *fin = (double)t->shape[1] * rf;
+    *fout = (double)t->shape[0] * rf;
+    if (*fin <= 0 || *fout <= 0)
+        return set_error(ctx, DT_EINVAL, "%s: tensor has a zero dimension", op);
+    return DT_OK;
+}
+
+dt_status dt_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a)
+{
+    double fin = 0, fout = 0;
+    if (!ctx_ok(ctx) || fans(ctx, "init_kaiming_uniform", t, &fin, &fout) != DT_OK)
+        return DT_EINVAL;
+    double bound = sqrt(3.0) * sqrt(2.0 / (1.0 + (double)a * a)) / sqrt(fin);
+    return init_fill(ctx, t, "init_kaiming_uniform", sample_uniform, (float)-bound, (float)bound);
+}
+
+dt_status dt_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a)
+{
+    double fin = 0, fout = 0;
+    if (!ctx_ok(ctx) || fans(ctx, "init_kaiming_normal", t, &fin, &fout) != DT_OK)
+        return DT_EINVAL;
+    double std = sqrt(2.0 / (1.0 + (double)a * a)) / sqrt(fin);
+    return init_fill(ctx, t, "init_kaiming_normal", sample_normal, 0.0f, (float)std);
+}
+
+dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain)
+{
+    double fin = 0, fout = 0;
+    if (!ctx_ok(ctx) || fans(ctx, "init_xavier_uniform", t, &fin, &fout) != DT_OK)
+        return DT_EINVAL;
+    double bound = gain * sqrt(6.0 / (fin + fout));
+    return init_fill(ctx, t, "init_xavier_uniform", sample_uniform, (float)-bound, (float)bound);
+}
+
+dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain)
+{
+    double fin = 0, fout = 0;
+    if (!ctx_ok(ctx) || fans(ctx, "init_xavier_normal", t, &fin, &fout) != DT_OK)
+        return DT_EINVAL;
+    double std = gain * sqrt(2.0 / (fin + fout));
+    return init_fill(ctx, t, "init_xavier_normal", sample_normal, 0.0f, (float)std);
+}
+
+dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (fan_in <= 0)
+        return set_error(ctx, DT_EINVAL, "init_bias: fan_in must be positive, got %lld",
+                         (long long)fan_in);
+    float bound = (float)(1.0 / sqrt((double)fan_in));
+    return init_fill(ctx, bias, "init_bias", sample_uniform, -bound, bound);
+}
+
+/* ===========================================================================
+ * 6. The autograd tape and backward
+ *
+ * Define-by-run: each op that has an input requiring grad appends a node to
+ * the tape.  Creation order is a topological order, so backward walks the
+ * tape newest-first and runs each node whose output received a gradient.
+ * Gradient buffers are written on first touch (acc = 0) and added to after
+ * (acc = 1), so nothing needs zeroing up front.
+ * ======================================================================== */
+
+#define BE(ctx) ((ctx)->be_iface)
+#define BEI(ctx) ((ctx)->be)
+#define FP(t) ((float *)(t)->data)
+#define IP(t) ((int32_t *)(t)->data)
+
+static int tracks(const dt_ctx *ctx, const dt_tensor *t)
+{
+    return ctx->grad_enabled && t && (t->flags & T_REQGRAD);
+}
+
+static dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+                       dt_tensor *a, dt_tensor *b, dt_tensor *c)
+{
+    dt_node *n = arena_alloc(ctx, ctx->cur_host, sizeof *n);
+    if (!n) {
+        set_error(ctx, DT_ENOMEM, "%s: out of host memory for the tape", op);
+        return NULL;
+    }
+    memset(n, 0, sizeof *n);
+    n->op = op;
+    n->backward = bw;
+    n->out = out;
+    dt_tensor *ins[3] = {a, b, c};
+    for (int i = 0; i < 3; i++)
+        if (ins[i])
+            n->in[n->n_in++] = ins[i];
+    n->prev = ctx->tape;
+    ctx->tape = n;
+    out->node = n;
+    out->flags |= T_REQGRAD;
+    return n;
+}
+
+/* The gradient buffer of t for a backward to write; *acc says whether it
+ * already holds values to add to. */
+static float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
+{
+    if (!t->grad) {
+        t->grad = step_tensor(ctx, DT_F32, t->ndim, t->shape);
+        if (!t->grad)
+            return NULL;
+        t->grad->flags |= T_ZERO;
+    }
+    *acc = !(t->grad->flags & T_ZERO);
+    t->grad->flags &= ~(unsigned)T_ZERO;
+    return FP(t->grad);
+}
+
+/* Same, for kernels that can only add: the buffer is zeroed first if new. */
+static float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
+{
+    int acc;
+    float *g = grad_target(ctx, t, &acc);
+    if (g && !acc)
+        BE(ctx)->memset0(BEI(ctx), g, tensor_bytes(t->grad));
+    return g;
+}
+
+static int needs_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
+
+static dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop)
+{
+    for (dt_node *n = tail; n && n != stop; n = n->prev) {
+        dt_tensor *g = n->out->grad;
+        if (!g || (g->flags & T_ZERO))
+            continue;                    /* no gradient reached this op */
+        dt_status s = n->backward(ctx, n);
+        if (s != DT_OK)
+            return s;
+    }
+    return DT_OK;
+}
+
+dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!loss)
+        return set_error(ctx, DT_EINVAL, "backward: loss is NULL");
+    if (loss->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "backward: loss belongs to another context");
+    if (shape_numel(loss->ndim, loss->shape) != 1 || loss->dtype != DT_F32) {
+        char sb[96];
+        return set_error(ctx, DT_EINVAL, "backward: loss must be one f32 value, got %s %s",
+                         dt_dtype_name(loss->dtype), SHAPE(loss, sb));
+    }
+    if (!(loss->flags & T_REQGRAD))
+        return set_error(ctx, DT_EINVAL, "backward: loss does not require grad "
+                                         "(no parameter reached it, or grad was disabled)");
+    if (!loss->node && !(loss->flags & T_PERSIST))
+        return set_error(ctx, DT_ESTATE, "backward: this loss's graph was already used by "
+                                         "dt_backward; run the forward again");
+    int acc;
+    float *g = grad_target(ctx, loss, &acc);
+    if (!g)
+        return ctx->last_status;
+    if (acc) {
+        float one = 1.0f;
+        float *tmp = arena_alloc(ctx, ctx->cur_dev, sizeof one);
+        if (!tmp)
+            return set_error(ctx, DT_ENOMEM, "backward: out of memory");
+        BE(ctx)->to_device(BEI(ctx), tmp, &one, sizeof one);
+        BE(ctx)->axpby(BEI(ctx), 1, 1.0f, tmp, 1.0f, g);
+    } else {
+        BE(ctx)->fill(BEI(ctx), 1, 1.0f, g);
+    }
+    dt_status s = run_tape(ctx, ctx->tape, NULL);
+    /* The tape is consumed: its outputs become plain tensors, so a second
+     * backward through the same graph is refused instead of double-counting. */
+    for (dt_node *n = ctx->tape; n; n = n->prev)
+        n->out->node = NULL;
+    ctx->tape = NULL;
+    return s;
+}
+
+/* ===========================================================================
+ * 7. Ops
+ *
+ * Each op validates its inputs (naming itself in the message), computes the
+ * output through the backend, and records a node whose backward sits right
+ * below it.  Shapes are in the comment at each op.
+ * ======================================================================== */
+
+/* Reports a NULL input unless an earlier op already failed (then its message
+ * is the useful one). */
+static int input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
+{
+    if (!ctx_ok(ctx))
+        return 0;
+    if (!x) {
+        if (ctx->last_status == DT_OK)
+            set_error(ctx, DT_EINVAL, "%s: %s is NULL", op, what);
+        return 0;
+    }
+    if (x->ctx != ctx) {
+        set_error(ctx, DT_EINVAL, "%s: %s belongs to another context", op, what);
+        return 0;
+    }
+    return 1;
+}
+
+static int f32_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
+{
+    if (!input_ok(ctx, op, x, what))
+        return 0;
+    if (x->dtype != DT_F32) {
+        set_error(ctx, x->dtype == DT_BF16 || x->dtype == DT_F16 ? DT_ENOTSUP : DT_EINVAL,
+                  "%s: %s is %s, this op computes in f32", op, what, dt_dtype_name(x->dtype));
+        return 0;
+    }
+    return 1;
+}
+
+static int norm_dim(dt_ctx *ctx, const char *op, const dt_tensor *x, int *dim)
+{
+    int d = *dim < 0 ? *dim + x->ndim : *dim;
+    if (d < 0 || d >= x->ndim) {
+        set_error(ctx, DT_EINVAL, "%s: dim %d out of range for %d dimensions", op, *dim, x->ndim);
+        return 0;
+    }
+    *dim = d;
+    return 1;
+}
+
+static dt_tensor *like(dt_ctx *ctx, const dt_tensor *x)
+{
+    return step_tensor(ctx, x->dtype, x->ndim, x->shape);
+}
+
+static float *temp_floats(dt_ctx *ctx, int64_t n)
+{
+    float *p = arena_alloc(ctx, ctx->cur_dev, (size_t)n * sizeof(float));
+    if (!p)
+        set_error(ctx, DT_ENOMEM, "out of device memory for a %lld-float temporary", (long long)n);
+    return p;
+}
+
+/* gx (+)= src, both contiguous over x's shape. */
+static dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha)
+{
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), alpha, src, acc ? 1.0f : 0.0f, gx);
+    return DT_OK;
+}
+
+/* --- 7.1 views: reshape, transpose, slice, contiguous, concat ----------- */
+
+static dt_status contiguous_backward(dt_ctx *ctx, dt_node *n)
+{
+    return acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
+}
+
+/* x any strides -> y contiguous copy */
+dt_tensor *dt_contiguous(dt_ctx *ctx, dt_tensor *x)
+{
+    if (!input_ok(ctx, "contiguous", x, "input"))
+        return NULL;
+    if (dt_tensor_is_contiguous(x))
+        return x;
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    materialize(x);
+    BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, dt_dtype_size(x->dtype), y->data, y->stride,
+                          x->data, x->stride, 0);
+    if (tracks(ctx, x) && !record(ctx, "contiguous", contiguous_backward, y, x, NULL, NULL))
+        return NULL;
+    return y;
+}
+
+static dt_tensor *need_contig(dt_ctx *ctx, dt_tensor *x)
+{
+    return dt_tensor_is_contiguous(x) ? x : dt_contiguous(ctx, x);
+}
+
+static dt_status reshape_backward(dt_ctx *ctx, dt_node *n)
+{
+    return acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
+}
+
+/* x (any) -> y (shape) sharing data; copies first if x is not contiguous */
+dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape)
+{
+    if (!input_ok(ctx, "reshape", x, "input"))
+        return NULL;
+    if (ndim < 0 || ndim > DT_MAX_DIMS || (ndim > 0 && !shape)) {
+        set_error(ctx, DT_EINVAL, "reshape: bad target (%d dimensions)", ndim);
+        return NULL;
+    }
+    int64_t want[DT_MAX_DIMS], known = 1, n = shape_numel(x->ndim, x->shape);
+    int infer = -1;
+    for (int i = 0; i < ndim; i++) {
+        want[i] = shape[i];
+        if (shape[i] == -1 && infer < 0) {
+            infer = i;
+            continue;
+        }
+        if (shape[i] < 0) {
+            set_error(ctx, DT_EINVAL, "reshape: dimension %d is %lld", i, (long long)shape[i]);
+            return NULL;
+        }
+        known *= shape[i];
+    }
+    if (infer >= 0) {
+        if (known == 0 || n % known != 0) {
+            set_error(ctx, DT_EINVAL, "reshape: cannot infer dimension %d for %lld elements",
+                      infer, (long long)n);
+            return NULL;
+        }
+        want[infer] = n / known;
+        known *= want[infer];
+    }
+    if (known != n) {
+        char sb[96];
+        set_error(ctx, DT_EINVAL, "reshape: %s has %lld elements, target has %lld", SHAPE(x, sb),
+                  (long long)n, (long long)known);
+        return NULL;
+    }
+    dt_tensor *c = need_contig(ctx, x);
+    if (!c)
+        return NULL;
+    dt_tensor *y = view_header(ctx, c);
+    if (!y)
+        return NULL;
+    y->ndim = ndim;
+    memcpy(y->shape, want, sizeof(int64_t) * (size_t)ndim);
+    contiguous_strides(ndim, y->shape, y->stride);
+    if (tracks(ctx, c) && !record(ctx, "reshape", reshape_backward, y, c, NULL, NULL))
+        return NULL;
+    return y;
+}
+
+/* x (d0..d{k-1}, dk.., ) -> (d0..d{k-1}, prod(dk..)) */
+dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim)
+{
+    if (!input_ok(ctx, "flatten", x, "input"))
+        return NULL;
+    if (x->ndim == 0)
+        return dt_reshape(ctx, x, 1, (int64_t[]){1});
+    if (!norm_dim(ctx, "flatten", x, &start_dim))
+        return NULL;
+    int64_t shape[DT_MAX_DIMS];
+    for (int i = 0; i < start_dim; i++)
+        shape[i] = x->shape[i];
+    shape[start_dim] = shape_numel(x->ndim - start_dim, x->shape + start_dim);
+    return dt_reshape(ctx, x, start_dim + 1, shape);
+}
+
+static dt_status transpose_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *y = n->out;
+    int d0 = (int)n->iarg[0], d1 = (int)n->iarg[1];
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    int64_t gs[DT_MAX_DIMS], xs[DT_MAX_DIMS];
+    contiguous_strides(y->ndim, y->shape, gs);   /* gy is contiguous in y's shape */
+    int64_t t = gs[d0];
+    gs[d0] = gs[d1];
+    gs[d1] = t;                                   /* ... read in x's index order */
+    contiguous_strides(x->ndim, x->shape, xs);
+    BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, 4, gx, xs, FP(y->grad), gs, acc);
+    return DT_OK;
+}
+
+/* x (.., a, .., b, ..) -> view (.., b, .., a, ..) */
+dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
+{
+    if (!input_ok(ctx, "transpose", x, "input"))
+        return NULL;
+    if (!norm_dim(ctx, "transpose", x, &d0) || !norm_dim(ctx, "transpose", x, &d1))
+        return NULL;
+    dt_tensor *y = view_header(ctx, x);
+    if (!y)
+        return NULL;
+    int64_t t = y->shape[d0];
+    y->shape[d0] = y->shape[d1];
+    y->shape[d1] = t;
+    t = y->stride[d0];
+    y->stride[d0] = y->stride[d1];
+    y->stride[d1] = t;
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "transpose", transpose_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = d0;
+        n->iarg[1] = d1;
+    }
+    return y;
+}
+
+static dt_status slice_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *y = n->out;
+    int dim = (int)n->iarg[0];
+    float *gx = grad_target_zeroed(ctx, x);
+    if (!gx)
+        return ctx->last_status;
+    int64_t xs[DT_MAX_DIMS], ys[DT_MAX_DIMS];
+    contiguous_strides(x->ndim, x->shape, xs);
+    contiguous_strides(y->ndim, y->shape, ys);
+    BE(ctx)->copy_strided(BEI(ctx), y->ndim, y->shape, 4, gx + n->iarg[1] * xs[dim], xs,
+                          FP(y->grad), ys, 1);
+    return DT_OK;
+}
+
+/* x (.., D, ..) -> view (.., end-start, ..) */
+dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t end)
+{
+    if (!input_ok(ctx, "slice", x, "input") || !norm_dim(ctx, "slice", x, &dim))
+        return NULL;
+    if (start < 0 || end < start || end > x->shape[dim]) {
+        set_error(ctx, DT_EINVAL, "slice: [%lld, %lld) is outside dimension %d of size %lld",
+                  (long long)start, (long long)end, dim, (long long)x->shape[dim]);
+        return NULL;
+    }
+    dt_tensor *y = view_header(ctx, x);
+    if (!y)
+        return NULL;
+    y->shape[dim] = end - start;
+    y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "slice", slice_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = dim;
+        n->iarg[1] = start;
+    }
+    return y;
+}
+
+static dt_status concat_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *y = n->out, **xs = n->aux[0];
+    int count = (int)n->iarg[0], dim = (int)n->iarg[1];
+    int64_t ys[DT_MAX_DIMS], off = 0;
+    contiguous_strides(y->ndim, y->shape, ys);
+    for (int i = 0; i < count; i++) {
+        dt_tensor *x = xs[i];
+        if (needs_grad(x)) {
+            int acc;
+            float *gx = grad_target(ctx, x, &acc);
+            if (!gx)
+                return ctx->last_status;
+            int64_t cs[DT_MAX_DIMS];
+            contiguous_strides(x->ndim, x->shape, cs);
+            BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, 4, gx, cs,
+                                  FP(y->grad) + off * ys[dim], ys, acc);
+        }
+        off += x->shape[dim];
+    }
+    return DT_OK;
+}
+
+/* xs[i] (.., d_i, ..) -> (.., sum d_i, ..) */
+dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!xs || n < 1) {
+        set_error(ctx, DT_EINVAL, "concat: needs at least one tensor");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++)
+        if (!input_ok(ctx, "concat", xs[i], "an input"))
+            return NULL;
+    dt_tensor *x0 = xs[0];
+    if (!norm_dim(ctx, "concat", x0, &dim))
+        return NULL;
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, x0->shape, sizeof shape);
+    shape[dim] = 0;
+    int track = 0;
+    for (int i = 0; i < n; i++) {
+        dt_tensor *x = xs[i];
+        int ok = x->ndim == x0->ndim && x->dtype == x0->dtype;
+        for (int d = 0; ok && d < x->ndim; d++)
+            ok = d == dim || x->shape[d] == x0->shape[d];
+        if (!ok) {
+            char s0[96], si[96];
+            set_error(ctx, DT_EINVAL, "concat: input %d is %s %s, input 0 is %s %s (dim %d)", i,
+                      dt_dtype_name(x->dtype), SHAPE(x, si), dt_dtype_name(x0->dtype),
+                      SHAPE(x0, s0), dim);
+            return NULL;
+        }
+        shape[dim] += x->shape[dim];
+        track |= tracks(ctx, x);
+    }
+    dt_tensor *y = step_tensor(ctx, x0->dtype, x0->ndim, shape);
+    if (!y)
+        return NULL;
+    size_t es = dt_dtype_size(x0->dtype);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        materialize(xs[i]);
+        BE(ctx)->copy_strided(BEI(ctx), xs[i]->ndim, xs[i]->shape, es,
+                              (char *)y->data + (size_t)(off * y->stride[dim]) * es, y->stride,
+                              xs[i]->data, xs[i]->stride, 0);
+        off += xs[i]->shape[dim];
+    }
+    if (track) {
+        dt_node *nd = record(ctx, "concat", concat_backward, y, NULL, NULL, NULL);
+        dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)n);
+        if (!nd || !saved) {
+            set_error(ctx, DT_ENOMEM, "concat: out of memory for the tape");
+            return NULL;
+        }
+        memcpy(saved, xs, sizeof(dt_tensor *) * (size_t)n);
+        nd->aux[0] = saved;
+        nd->iarg[0] = n;
+        nd->iarg[1] = dim;
+    }
+    return y;
+}
+
+/* --- 7.2 matmul and linear ---------------------------------------------- */
+
+/* The last two dims of x as a GEMM operand: row-major (t = 0) or
+ * column-major (t = 1, a transposed view) with leading dimension ld. */
+typedef struct gemm_operand {
+    const float *p;
+    int64_t ld, batch_stride;
+    int t;
+} gemm_operand;
+
+static int gemm_operand_of(const dt_tensor *x, gemm_operand *g)
+{
+    int r = x->ndim - 2, c = x->ndim - 1;
+    int64_t rows = x->shape[r], cols = x->shape[c], sr = x->stride[r], sc = x->stride[c];
+    g->p = (const float *)x->data;
+    g->batch_stride = x->ndim == 3 ? x->stride[0] : 0;
+    if ((cols == 1 || sc == 1) && (rows == 1 || sr >= cols)) {
+        g->t = 0;
+        g->ld = rows == 1 ? (cols > 1 ? cols : 1) : sr;
+        return g->ld >= 1;
+    }
+    if ((rows == 1 || sr == 1) && (cols == 1 || sc >= rows)) {
+        g->t = 1;
+        g->ld = cols == 1 ? (rows > 1 ? rows : 1) : sc;
+        return g->ld >= 1;
+    }
+    return 0;
+}
+
+static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
+    int trans_a = (int)n->iarg[0], trans_b = (int)n->iarg[1];
+    int64_t batch = n->iarg[2], m = n->iarg[3], k = n->iarg[4], nn = n->iarg[5];
+    gemm_operand A, B;
+    gemm_operand_of(a, &A);
+    gemm_operand_of(b, &B);
+    int ta = trans_a ^ A.t, tb = trans_b ^ B.t;
+    const float *dc = FP(y->grad);
+    if (needs_grad(a)) {
+        int acc;
+        float *ga = grad_target(ctx, a, &acc);
+        if (!ga)
+            return ctx->last_status;
+        int a_batched = a->ndim == 3;
+        for (int64_t i = 0; i < batch; i++) {
+            float beta = (acc || (!a_batched && i > 0)) ? 1.0f : 0.0f;
+            float *gi = ga + (a_batched ? i * m * k : 0);
+            const float *bi = B.p + i * B.batch_stride, *ci = dc + i * m * nn;
+            if (!trans_a)  /* dA (M,K) = dC (M,N) op(b)^T */
+                BE(ctx)->gemm(BEI(ctx), 0, !tb, m, k, nn, 1.0f, ci, nn, bi, B.ld, beta, gi, k);
+            else           /* dA (K,M) = op(b) (K,N) dC^T */
+                BE(ctx)->gemm(BEI(ctx), tb, 1, k, m, nn, 1.0f, bi, B.ld, ci, nn, beta, gi, m);
+        }
+    }
+    if (needs_grad(b)) {
+        int acc;
+        float *gb = grad_target(ctx, b, &acc);
+        if (!gb)
+            return ctx->last_status;
+        int b_batched = b->ndim == 3;
+        for (int64_t i = 0; i < batch; i++) {
+            float beta = (acc || (!b_batched && i > 0)) ? 1.0f : 0.0f;
+            float *gi = gb + (b_batched ? i * k * nn : 0);
+            const float *ai = A.p + i * A.batch_stride, *ci = dc + i * m * nn;
+            if (!trans_b)  /* dB (K,N) = op(a)^T dC */
+                BE(ctx)->gemm(BEI(ctx), !ta, 0, k, nn, m, 1.0f, ai, A.ld, ci, nn, beta, gi, nn);
+            else           /* dB (N,K) = dC^T op(a) */
+                BE(ctx)->gemm(BEI(ctx), 1, ta, nn, k, m, 1.0f, ci, nn, ai, A.ld, beta, gi, k);
+        }
+    }
+    return DT_OK;
+}
+
+/* a (M,K) b (K,N) -> (M,N); a (B,M,K) with b (B,K,N) or (K,N) -> (B,M,N);
+ * trans_* read that operand transposed. */
+dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int trans_b)
+{
+    if (!f32_ok(ctx, "matmul", a, "a") || !f32_ok(ctx, "matmul", b, "b"))
+        return NULL;
+    char sa[96], sb[96];
+    if (a->ndim < 2 || a->ndim > 3 || b->ndim < 2 || b->ndim > 3 ||
+        (a->ndim == 3 && b->ndim == 3 && a->shape[0] != b->shape[0])) {
+        set_error(ctx, DT_EINVAL, "matmul: a %s and b %s: need 2-D or 3-D with equal batch",
+                  SHAPE(a, sa), SHAPE(b, sb));
+        return NULL;
+    }
+    int ra = a->ndim - 2, rb = b->ndim - 2;
+    int64_t m = trans_a ? a->shape[ra + 1] : a->shape[ra];
+    int64_t k = trans_a ? a->shape[ra] : a->shape[ra + 1];
+    int64_t kb = trans_b ? b->shape[rb + 1] : b->shape[rb];
+    int64_t nn = trans_b ? b->shape[rb] : b->shape[rb + 1];
+    if (k != kb) {
+        set_error(ctx, DT_EINVAL, "matmul: inner dimensions differ: a %s%s has %lld, b %s%s has %lld",
+                  SHAPE(a, sa), trans_a ? "^T" : "", (long long)k, SHAPE(b, sb),
+                  trans_b ? "^T" : "", (long long)kb);
+        return NULL;
+    }
+    gemm_operand A, B;
+    if (!gemm_operand_of(a, &A)) {
+        if (!(a = dt_contiguous(ctx, a)))
+            return NULL;
+        gemm_operand_of(a, &A);
+    }
+    if (!gemm_operand_of(b, &B)) {
+        if (!(b = dt_contiguous(ctx, b)))
+            return NULL;
+        gemm_operand_of(b, &B);
+    }
+    materialize(a);
+    materialize(b);
+    int64_t batch = a->ndim == 3 ? a->shape[0] : (b->ndim == 3 ? b->shape[0] : 1);
+    int64_t shape[3] = {batch, m, nn};
+    int batched = a->ndim == 3 || b->ndim == 3;
+    dt_tensor *y = batched ? step_tensor(ctx, DT_F32, 3, shape)
+                           : step_tensor(ctx, DT_F32, 2, shape + 1);
+    if (!y)
+        return NULL;
+    int ta = trans_a ^ A.t, tb = trans_b ^ B.t;
+    if (batched)
+        BE(ctx)->gemm_batched(BEI(ctx), batch, ta, tb, m, nn, k, 1.0f, A.p, A.ld, A.batch_stride,
+                              B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn);
+    else
+        BE(ctx)->gemm(BEI(ctx), ta, tb, m, nn, k, 1.0f, A.p, A.ld, B.p, B.ld, 0.0f, FP(y), nn);
+    if (tracks(ctx, a) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, "matmul", matmul_backward, y, a, b, NULL);
+        if (!n)
+            return NULL;
+        int64_t args[6] = {trans_a, trans_b, batch, m, k, nn};
+        memcpy(n->iarg, args, sizeof args);
+    }
+    return y;
+}
+
+static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
+    int64_t rows = n->iarg[0], in = n->iarg[1], out = n->iarg[2];
+    const float *dy = FP(n->out->grad);
+    int acc;
+    if (needs_grad(x)) {          /* dx (N,In) = dy (N,Out) w (Out,In) */
+        float *gx = grad_target(ctx, x, &acc);
+        if (!gx)
+            return ctx->last_status;
+        BE(ctx)->gemm(BEI(ctx), 0, 0, rows, in, out, 1.0f, dy, out, FP(w), in,
+                      acc ? 1.0f : 0.0f, gx, in);
+    }
+    if (needs_grad(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
+        float *gw = grad_target(ctx, w, &acc);
+        if (!gw)
+            return ctx->last_status;
+        BE(ctx)->gemm(BEI(ctx), 1, 0, out, in, rows, 1.0f, dy, out, FP(x), in,
+                      acc ? 1.0f : 0.0f, gw, in);
+    }
+    if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */
+        float *gb = grad_target(ctx, b, &acc);
+        if (!gb)
+            return ctx->last_status;
+        BE(ctx)->bias_grad(BEI(ctx), rows, out, 1, dy, gb, acc);
+    }
+    return DT_OK;
+}
+
+/* x (..., In), w (Out, In), b (Out) or NULL -> (..., Out) = x w^T + b */
+dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
+{
+    if (!f32_ok(ctx, "linear", x, "input") || !f32_ok(ctx, "linear", w, "weight"))
+        return NULL;
+    if (b && !f32_ok(ctx, "linear", b, "bias"))
+        return NULL;
+    char sx[96], sw[96];
+    if (w->ndim != 2 || x->ndim < 1 || x->shape[x->ndim - 1] != w->shape[1]) {
+        set_error(ctx, DT_EINVAL, "linear: input %s does not match weight %s (want (..., %lld))",
+                  SHAPE(x, sx), SHAPE(w, sw), w->ndim == 2 ? (long long)w->shape[1] : -1LL);
+        return NULL;
+    }
+    if (b && (b->ndim != 1 || b->shape[0] != w->shape[0])) {
+        set_error(ctx, DT_EINVAL, "linear: bias %s does not match weight %s", SHAPE(b, sx),
+                  SHAPE(w, sw));
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)) || !(w = need_contig(ctx, w)) || (b && !(b = need_contig(ctx, b))))
+        return NULL;
+    materialize(x);
+    materialize(w);
+    int64_t in = w->shape[1], out = w->shape[0];
+    int64_t rows = shape_numel(x->ndim - 1, x->shape);
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    shape[x->ndim - 1] = out;
+    dt_tensor *y = step_tensor(ctx, DT_F32, x->ndim, shape);
+    if (!y)
+        return NULL;
+    BE(ctx)->gemm(BEI(ctx), 0, 1, rows, out, in, 1.0f, FP(x), in, FP(w), in, 0.0f, FP(y), out);
+    if (b) {
+        materialize(b);
+        BE(ctx)->bias_add(BEI(ctx), rows, out, 1, FP(b), FP(y));
+    }
+    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, "linear", linear_backward, y, x, w, b);
+        if (!n)
+            return NULL;
+        n->iarg[0] = rows;
+        n->iarg[1] = in;
+        n->iarg[2] = out;
+    }
+    return y;
+}
+
+/* --- 7.3 elementwise binary ops with broadcasting ----------------------- */
+
+/* Broadcast a and b (aligned at the last dim).  Fills the output shape and
+ * each input's strides in the output's index space (0 where broadcast). */
+static int broadcast(const dt_tensor *a, const dt_tensor *b, int *ndim, int64_t *shape,
+                     int64_t *sa, int64_t *sb)
+{
+    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
+    for (int i = 0; i < nd; i++) {
+        int ia = i - (nd - a->ndim), ib = i - (nd - b->ndim);
+        int64_t da = ia >= 0 ? a->shape[ia] : 1, db = ib >= 0 ? b->shape[ib] : 1;
+        if (da != db && da != 1 && db != 1)
+            return 0;
+        shape[i] = da == 1 ? db : da;
+        sa[i] = (ia >= 0 && da == shape[i]) ? a->stride[ia] : 0;
+        sb[i] = (ib >= 0 && db == shape[i]) ? b->stride[ib] : 0;
+    }
+    *ndim = nd;
+    return 1;
+}
+
+/* gx (+)= alpha * (src reduced over the dims x was broadcast along); src is
+ * contiguous over the output shape. */
+static dt_status acc_reduced(dt_ctx *ctx, dt_tensor *x, int nd, const int64_t *shape,
+                             const float *src, float alpha)
+{
+    int64_t nx = shape_numel(x->ndim, x->shape), ny = shape_numel(nd, shape);
+    if (nx == ny)
+        return acc_grad(ctx, x, src, alpha);
+    int64_t xs[DT_MAX_DIMS], ds[DT_MAX_DIMS];
+    contiguous_strides(x->ndim, x->shape, xs);
+    for (int i = 0; i < nd; i++) {
+        int ix = i - (nd - x->ndim);
+        ds[i] = (ix >= 0 && x->shape[ix] == shape[i]) ? xs[ix] : 0;
+    }
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    if (alpha == 1.0f) {
+        BE(ctx)->sum_to(BEI(ctx), nd, shape, src, gx, ds, acc);
+        return DT_OK;
+    }
+    float *tmp = temp_floats(ctx, nx);
+    if (!tmp)
+        return ctx->last_status;
+    BE(ctx)->sum_to(BEI(ctx), nd, shape, src, tmp, ds, 0);
+    BE(ctx)->axpby(BEI(ctx), nx, alpha, tmp, acc ? 1.0f : 0.0f, gx);
+    return DT_OK;
+}
+
+static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
+    dt_binary_op op = (dt_binary_op)n->iarg[0];
+    int nd;
+    int64_t shape[DT_MAX_DIMS], sa[DT_MAX_DIMS], sb[DT_MAX_DIMS], sy[DT_MAX_DIMS];
+    broadcast(a, b, &nd, shape, sa, sb);
+    contiguous_strides(nd, shape, sy);
+    const float *gy = FP(y->grad);
+    int64_t ny = shape_numel(nd, shape);
+    dt_status s = DT_OK;
+    if (op == DT_BIN_ADD || op == DT_BIN_SUB) {
+        if (needs_grad(a))
+            s = acc_reduced(ctx, a, nd, shape, gy, 1.0f);
+        if (s == DT_OK && needs_grad(b))
+            s = acc_reduced(ctx, b, nd, shape, gy, op == DT_BIN_SUB ? -1.0f : 1.0f);
+        return s;
+    }
+    float *tmp = temp_floats(ctx, ny);
+    if (!tmp)
+        return ctx->last_status;
+    if (op == DT_BIN_MUL) {
+        if (needs_grad(a)) {   /* da = dy * b */
+            BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(b), sb, tmp);
+            if ((s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f)) != DT_OK)
+                return s;
+        }
+        if (needs_grad(b)) {   /* db = dy * a */
+            BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(a), sa, tmp);
+            s = acc_reduced(ctx, b, nd, shape, tmp, 1.0f);
+        }
+        return s;
+    }
+    /* DIV: da = dy / b, db = -dy * y / b */
+    if (needs_grad(a)) {
+        BE(ctx)->binary(BEI(ctx), DT_BIN_DIV, nd, shape, gy, sy, FP(b), sb, tmp);
+        if ((s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f)) != DT_OK)
+            return s;
+    }
+    if (needs_grad(b)) {
+        BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(y), sy, tmp);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_DIV, nd, shape, tmp, sy, FP(b), sb, tmp);
+        s = acc_reduced(ctx, b, nd, shape, tmp, -1.0f);
+    }
+    return s;
+}
+
+static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_tensor *a,
+                            dt_tensor *b)
+{
+    if (!f32_ok(ctx, name, a, "a") || !f32_ok(ctx, name, b, "b"))
+        return NULL;
+    int nd;
+    int64_t shape[DT_MAX_DIMS], sa[DT_MAX_DIMS], sb[DT_MAX_DIMS];
+    if (!broadcast(a, b, &nd, shape, sa, sb)) {
+        char s1[96], s2[96];
+        set_error(ctx, DT_EINVAL, "%s: shapes %s and %s do not broadcast", name, SHAPE(a, s1),
+                  SHAPE(b, s2));
+        return NULL;
+    }
+    materialize(a);
+    materialize(b);
+    dt_tensor *y = step_tensor(ctx, DT_F32, nd, shape);
+    if (!y)
+        return NULL;
+    BE(ctx)->binary(BEI(ctx), op, nd, shape, FP(a), sa, FP(b), sb, FP(y));
+    if (tracks(ctx, a) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, name, binary_backward, y, a, b, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = op;
+    }
+    return y;
+}
+
+dt_tensor *dt_add(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "add", DT_BIN_ADD, a, b); }
+dt_tensor *dt_sub(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "sub", DT_BIN_SUB, a, b); }
+dt_tensor *dt_mul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "mul", DT_BIN_MUL, a, b); }
+dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "div", DT_BIN_DIV, a, b); }
+
+static dt_status scale_backward(dt_ctx *ctx, dt_node *n)
+{
+    return acc_grad(ctx, n->in[0], FP(n->out->grad), n->farg[0]);
+}
+
+/* x -> s * x */
+dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
+{
+    if (!f32_ok(ctx, "scale", x, "input") || !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), s, FP(x), 0.0f, FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "scale", scale_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->farg[0] = s;
+    }
+    return y;
+}
+
+/* --- 7.4 reductions ----------------------------------------------------- */
+
+/* gx (+)= broadcast of the scalar g * scale over x */
+static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g, float scale)
+{
+    int64_t nx = shape_numel(x->ndim, x->shape);
+    const float *src = g;
+    if (scale != 1.0f) {
+        float *tmp = temp_floats(ctx, 1);
+        if (!tmp)
+            return ctx->last_status;
+        BE(ctx)->axpby(BEI(ctx), 1, scale, g, 0.0f, tmp);
+        src = tmp;
+    }
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    int64_t one[1] = {nx}, ds[1] = {1}, ss[1] = {0};
+    BE(ctx)->copy_strided(BEI(ctx), 1, one, 4, gx, ds, src, ss, acc);
+    return DT_OK;
+}
+
+static dt_status sum_backward(dt_ctx *ctx, dt_node *n)
+{
+    return broadcast_scalar_grad(ctx, n->in[0], FP(n->out->grad), n->farg[0]);
+}
+
+static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int mean)
+{
+    if (!f32_ok(ctx, name, x, "input") || !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    dt_tensor *y = step_tensor(ctx, DT_F32, 0, NULL);
+    if (!y)
+        return NULL;
+    int64_t nx = shape_numel(x->ndim, x->shape);
+    float scale = mean ? 1.0f / (float)nx : 1.0f;
+    BE(ctx)->sum(BEI(ctx), nx, FP(x), FP(y));
+    if (mean)
+        BE(ctx)->axpby(BEI(ctx), 1, scale, FP(y), 0.0f, FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, sum_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->farg[0] = scale;
+    }
+    return y;
+}
+
+/* x (any) -> scalar */
+dt_tensor *dt_sum(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "sum", x, 0); }
+dt_tensor *dt_mean(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "mean", x, 1); }
+
+static dt_status sum_dim_backward(dt_ctx *ctx, dt_node *n)
+{
+    int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
+    const float *g = FP(n->out->grad);
+    if (n->farg[0] != 1.0f) {
+        float *tmp = temp_floats(ctx, outer * inner);
+        if (!tmp)
+            return ctx->last_status;
+        BE(ctx)->axpby(BEI(ctx), outer * inner, n->farg[0], g, 0.0f, tmp);
+        g = tmp;
+    }
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    int64_t shape[3] = {outer, len, inner}, ds[3] = {len * inner, inner, 1}, ss[3] = {inner, 0, 1};
+    BE(ctx)->copy_strided(BEI(ctx), 3, shape, 4, gx, ds, g, ss, acc);
+    return DT_OK;
+}
+
+static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int dim, int keepdim,
+                             int mean)
+{
+    if (!f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
+        !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    int64_t outer = shape_numel(dim, x->shape), len = x->shape[dim];
+    int64_t inner = shape_numel(x->ndim - dim - 1, x->shape + dim + 1);
+    int64_t shape[DT_MAX_DIMS];
+    int nd = 0;
+    for (int i = 0; i < x->ndim; i++) {
+        if (i != dim)
+            shape[nd++] = x->shape[i];
+        else if (keepdim)
+            shape[nd++] = 1;
+    }
+    dt_tensor *y = step_tensor(ctx, DT_F32, nd, shape);
+    if (!y)
+        return NULL;
+    BE(ctx)->reduce_axis(BEI(ctx), DT_RED_SUM, outer, len, inner, FP(x), FP(y));
+    float scale = mean ? 1.0f / (float)len : 1.0f;
+    if (mean)
+        BE(ctx)->axpby(BEI(ctx), outer * inner, scale, FP(y), 0.0f, FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, sum_dim_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = outer;
+        n->iarg[1] = len;
+        n->iarg[2] = inner;
+        n->farg[0] = scale;
+    }
+    return y;
+}
+
+dt_tensor *dt_sum_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
+{
+    return reduce_dim(ctx, "sum_dim", x, dim, keepdim, 0);
+}
+
+dt_tensor *dt_mean_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
+{
+    return reduce_dim(ctx, "mean_dim", x, dim, keepdim, 1);
+}
+
+/* --- 7.5 activations and softmax ---------------------------------------- */
+
+static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *y = n->out;
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->unary_backward(BEI(ctx), (dt_unary_op)n->iarg[0], shape_numel(x->ndim, x->shape),
+                            FP(x), FP(y), FP(y->grad), gx, acc);
+    return DT_OK;
+}
+
+/* x -> op(x), same shape */
+static dt_tensor *unary_op(dt_ctx *ctx, const char *name, dt_unary_op op, dt_tensor *x)
+{
+    if (!f32_ok(ctx, name, x, "input") || !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    BE(ctx)->unary(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, unary_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = op;
+    }
+    return y;
+}
+
+dt_tensor *dt_relu(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "relu", DT_UNARY_RELU, x); }
+dt_tensor *dt_gelu(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "gelu", DT_UNARY_GELU, x); }
+dt_tensor *dt_tanh(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "tanh", DT_UNARY_TANH, x); }
+dt_tensor *dt_sigmoid(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "sigmoid", DT_UNARY_SIGMOID, x); }
+
+static dt_status softmax_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->softmax_backward(BEI(ctx), n->iarg[0], n->iarg[1], n->iarg[2], FP(n->out),
+                              FP(n->out->grad), gx, (int)n->iarg[3], acc);
+    return DT_OK;
+}
+
+/* x (.., L, ..) -> softmax along dim L */
+static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int dim, int log)
+{
+    if (!f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
+        !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    int64_t outer = shape_numel(dim, x->shape), len = x->shape[dim];
+    int64_t inner = shape_numel(x->ndim - dim - 1, x->shape + dim + 1);
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    BE(ctx)->softmax(BEI(ctx), outer, len, inner, FP(x), FP(y), log);
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, softmax_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        int64_t args[4] = {outer, len, inner, log};
+        memcpy(n->iarg, args, sizeof args);
+    }
+    return y;
+}
+
+dt_tensor *dt_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "softmax", x, dim, 0); }
+dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "log_softmax", x, dim, 1); }
+
+/* --- 7.6 losses ----------------------------------------------------------- */
+
+static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->xent_backward(BEI(ctx), n->iarg[0], n->iarg[1], n->aux[0], IP(n->in[1]),
+                           FP(n->out->grad), gx, acc);
+    return DT_OK;
+}
+
+/* logits (N,C) f32, labels (N) i32 -> scalar mean cross entropy */
+dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
+{
+    if (!f32_ok(ctx, "cross_entropy", logits, "logits") ||
+        !input_ok(ctx, "cross_entropy", labels, "labels"))
+        return NULL;
+    char s1[96], s2[96];
+    if (labels->dtype != DT_I32) {
+        set_error(ctx, DT_EINVAL, "cross_entropy: labels are %s, need i32",
+                  dt_dtype_name(labels->dtype));
+        return NULL;
+    }
+    if (logits->ndim != 2 || labels->ndim != 1 || labels->shape[0] != logits->shape[0] ||
+        logits->shape[0] == 0 || logits->shape[1] == 0) {
+        set_error(ctx, DT_EINVAL, "cross_entropy: logits %s and labels %s: need (N,C) and (N), N,C > 0",
+                  SHAPE(logits, s1), SHAPE(labels, s2));
+        return NULL;
+    }
+    if (!(logits = need_contig(ctx, logits)) || !(labels = need_contig(ctx, labels)))
+        return NULL;
+    materialize(logits);
+    materialize(labels);
+    int64_t n = logits->shape[0], c = logits->shape[1];
+    float *probs = temp_floats(ctx, n * c);
+    dt_tensor *y = probs ? step_tensor(ctx, DT_F32, 0, NULL) : NULL;
+    if (!y)
+        return NULL;
+    int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), probs, FP(y));
+    if (bad >= 0) {
+        int32_t v = 0;
+        BE(ctx)->to_host(BEI(ctx), &v, IP(labels) + bad, sizeof v);
+        set_error(ctx, DT_EINVAL, "cross_entropy: label %d at index %lld is outside [0, %lld)",
+                  (int)v, (long long)bad, (long long)c);
+        return NULL;
+    }
+    if (tracks(ctx, logits)) {
+        dt_node *nd = record(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL);
+        if (!nd)
+            return NULL;
+        nd->iarg[0] = n;
+        nd->iarg[1] = c;
+        nd->aux[0] = probs;
+    }
+    return y;
+}
+
+static dt_status mse_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *p = n->in[0], *t = n->in[1];
+    int64_t cnt = shape_numel(p->ndim, p->shape);
+    float *tmp = temp_floats(ctx, cnt);
+    if (!tmp)
+        return ctx->last_status;
+    int64_t shape[1] = {cnt}, s1[1] = {1}, s0[1] = {0};
+    /* tmp = diff * dloss; dpred = 2/n tmp, dtarget = -2/n tmp */
+    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, n->aux[0], s1, FP(n->out->grad), s0, tmp);
+    float k = 2.0f / (float)cnt;
+    dt_status s = DT_OK;
+    if (needs_grad(p))
+        s = acc_grad(ctx, p, tmp, k);
+    if (s == DT_OK && needs_grad(t))
+        s = acc_grad(ctx, t, tmp, -k);
+    return s;
+}
+
+/* pred, target same shape -> scalar mean((pred - target)^2) */
+dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
+{
+    if (!f32_ok(ctx, "mse", pred, "pred") || !f32_ok(ctx, "mse", target, "target"))
+        return NULL;
+    int same = pred->ndim == target->ndim;
+    for (int i = 0; same && i < pred->ndim; i++)
+        same = pred->shape[i] == target->shape[i];
+    int64_t cnt = shape_numel(pred->ndim, pred->shape);
+    if (!same || cnt == 0) {
+        char s1[96], s2[96];
+        set_error(ctx, DT_EINVAL, "mse: pred %s and target %s must have the same non-empty shape",
+                  SHAPE(pred, s1), SHAPE(target, s2));
+        return NULL;
+    }
+    materialize(pred);
+    materialize(target);
+    float *diff = temp_floats(ctx, cnt), *sq = diff ? temp_floats(ctx, cnt) : NULL;
+    dt_tensor *y = sq ? step_tensor(ctx, DT_F32, 0, NULL) : NULL;
+    if (!y)
+        return NULL;
+    int64_t cs[DT_MAX_DIMS];
+    contiguous_strides(pred->ndim, pred->shape, cs);
+    BE(ctx)->binary(BEI(ctx), DT_BIN_SUB, pred->ndim, pred->shape, FP(pred), pred->stride,
+                    FP(target), target->stride, diff);
+    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, pred->ndim, pred->shape, diff, cs, diff, cs, sq);
+    BE(ctx)->sum(BEI(ctx), cnt, sq, FP(y));
+    BE(ctx)->axpby(BEI(ctx), 1, 1.0f / (float)cnt, FP(y), 0.0f, FP(y));
+    if (tracks(ctx, pred) || tracks(ctx, target)) {
+        dt_node *n = record(ctx, "mse", mse_backward, y, pred, target, NULL);
+        if (!n)
+            return NULL;
+        n->aux[0] = diff;
+    }
+    return y;
+}
+
+/* --- 7.7 convolution and pooling (NCHW) --------------------------------- */
+
+static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL, *y = n->out;
+    const dt_conv_geom *g = n->aux[1];
+    const float *col = n->aux[0];
+    int64_t o = w->shape[0], ckk = g->c * g->kh * g->kw, p = g->oh * g->ow, np = g->n * p;
+    const float *gy = FP(y->grad), *dyt = gy;   /* dY' (O, N*P) */
+    if (g->n > 1) {
+        float *t = temp_floats(ctx, o * np);
+        if (!t)
+            return ctx->last_status;
+        BE(ctx)->ncp_to_cnp(BEI(ctx), g->n, o, p, gy, t);
+        dyt = t;
+    }
+    int acc;
+    if (needs_grad(w)) {   /* dW (O, CKK) = dY' col^T */
+        float *gw = grad_target(ctx, w, &acc);
+        if (!gw)
+            return ctx->last_status;
+        BE(ctx)->gemm(BEI(ctx), 0, 1, o, ckk, np, 1.0f, dyt, np, col, np, acc ? 1.0f : 0.0f, gw,
+                      ckk);
+    }
+    if (b && needs_grad(b)) {
+        float *gb = grad_target(ctx, b, &acc);
+        if (!gb)
+            return ctx->last_status;
+        BE(ctx)->bias_grad(BEI(ctx), g->n, o, p, gy, gb, acc);
+    }
+    if (needs_grad(x)) {   /* dcol (CKK, N*P) = W^T dY', then fold */
+        float *dcol = temp_floats(ctx, ckk * np);
+        float *gx = dcol ? grad_target(ctx, x, &acc) : NULL;
+        if (!gx)
+            return ctx->last_status;
+        BE(ctx)->gemm(BEI(ctx), 1, 0, ckk, np, o, 1.0f, FP(w), ckk, dyt, np, 0.0f, dcol, np);
+        BE(ctx)->col2im(BEI(ctx), g, dcol, gx, acc);
+    }
+    return DT_OK;
+}
+
+static int pool_geom(dt_ctx *ctx, const char *op, const dt_tensor *x, int64_t kh, int64_t kw,
+                     int stride, int pad, dt_conv_geom *g)
+{
+    char sx[96];
+    if (x->ndim != 4) {
+        set_error(ctx, DT_EINVAL, "%s: input %s must be (N,C,H,W)", op, SHAPE(x, sx));
+        return 0;
+    }
+    if (stride < 1 || pad < 0 || kh < 1 || kw < 1) {
+        set_error(ctx, DT_EINVAL, "%s: kernel %lldx%lld, stride %d, pad %d: need kernel, stride >= 1 "
+                  "and pad >= 0", op, (long long)kh, (long long)kw, stride, pad);
+        return 0;
+    }
+    g->n = x->shape[0];
+    g->c = x->shape[1];
+    g->h = x->shape[2];
+    g->w = x->shape[3];
+    g->kh = kh;
+    g->kw = kw;
+    g->stride = stride;
+    g->pad = pad;
+    if (g->h + 2 * pad < kh || g->w + 2 * pad < kw) {
+        set_error(ctx, DT_EINVAL, "%s: kernel %lldx%lld larger than padded input %s", op,
+                  (long long)kh, (long long)kw, SHAPE(x, sx));
+        return 0;
+    }
+    g->oh = (g->h + 2 * pad - kh) / stride + 1;
+    g->ow = (g->w + 2 * pad - kw) / stride + 1;
+    return 1;
+}
+
+/* x (N,C,H,W), w (O,C,KH,KW), b (O) -> (N,O,OH,OW) by im2col + one GEMM */
+dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int stride, int pad)
+{
+    if (!f32_ok(ctx, "conv2d", x, "input") || !f32_ok(ctx, "conv2d", w, "weight") ||
+        (b && !f32_ok(ctx, "conv2d", b, "bias")))
+        return NULL;
+    char sx[96], sw[96];
+    if (w->ndim != 4) {
+        set_error(ctx, DT_EINVAL, "conv2d: weight %s must be (O,C,KH,KW)", SHAPE(w, sw));
+        return NULL;
+    }
+    dt_conv_geom geom;
+    if (!pool_geom(ctx, "conv2d", x, w->shape[2], w->shape[3], stride, pad, &geom))
+        return NULL;
+    if (x->shape[1] != w->shape[1]) {
+        set_error(ctx, DT_EINVAL, "conv2d: input %s has %lld channels, weight %s expects %lld",
+                  SHAPE(x, sx), (long long)x->shape[1], SHAPE(w, sw), (long long)w->shape[1]);
+        return NULL;
+    }
+    if (b && (b->ndim != 1 || b->shape[0] != w->shape[0])) {
+        set_error(ctx, DT_EINVAL, "conv2d: bias %s does not match %lld output channels",
+                  SHAPE(b, sx), (long long)w->shape[0]);
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)) || !(w = need_contig(ctx, w)) || (b && !(b = need_contig(ctx, b))))
+        return NULL;
+    materialize(x);
+    materialize(w);
+    int64_t o = w->shape[0], ckk = geom.c * geom.kh * geom.kw, p = geom.oh * geom.ow;
+    int64_t np = geom.n * p;
+    int64_t shape[4] = {geom.n, o, geom.oh, geom.ow};
+    dt_tensor *y = step_tensor(ctx, DT_F32, 4, shape);
+    if (!y)
+        return NULL;
+    int track = tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b);
+    dt_arena_mark mark = arena_mark(ctx->cur_dev);   /* temporaries, freed if no backward */
+    dt_conv_geom *g = track ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : &geom;
+    float *col = g ? temp_floats(ctx, ckk * np) : NULL;
+    float *yt = (col && geom.n > 1) ? temp_floats(ctx, o * np) : FP(y);
+    if (!g || !col || !yt)
+        return NULL;
+    *g = geom;
+    BE(ctx)->im2col(BEI(ctx), g, FP(x), col);
+    BE(ctx)->gemm(BEI(ctx), 0, 0, o, np, ckk, 1.0f, FP(w), ckk, col, np, 0.0f, yt, np);
+    if (geom.n > 1)
+        BE(ctx)->cnp_to_ncp(BEI(ctx), o, geom.n, p, yt, FP(y));
+    if (b) {
+        materialize(b);
+        BE(ctx)->bias_add(BEI(ctx), geom.n, o, p, FP(b), FP(y));
+    }
+    if (!track) {
+        arena_release(ctx->cur_dev, mark);
+        return y;
+    }
+    dt_node *n = record(ctx, "conv2d", conv2d_backward, y, x, w, b);
+    if (!n)
+        return NULL;
+    n->aux[0] = col;
+    n->aux[1] = g;
+    return y;
+}
+
+static dt_status maxpool_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->maxpool_backward(BEI(ctx), n->aux[1], FP(n->out->grad), n->aux[0], gx, acc);
+    return DT_OK;
+}
+
+static dt_status avgpool_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->avgpool_backward(BEI(ctx), n->aux[1], FP(n->out->grad), gx, acc);
+    return DT_OK;
+}
+
+/* x (N,C,H,W) -> (N,C,OH,OW); stride 0 means stride = kernel */
+static dt_tensor *pool_op(dt_ctx *ctx, const char *name, dt_tensor *x, int kernel, int stride,
+                          int pad, int is_max)
+{
+    if (!f32_ok(ctx, name, x, "input"))
+        return NULL;
+    if (stride == 0)
+        stride = kernel;
+    dt_conv_geom geom;
+    if (!pool_geom(ctx, name, x, kernel, kernel, stride, pad, &geom))
+        return NULL;
+    if (pad > kernel / 2) {
+        set_error(ctx, DT_EINVAL, "%s: pad %d must be at most half the kernel (%d)", name, pad,
+                  kernel);
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    int64_t shape[4] = {geom.n, geom.c, geom.oh, geom.ow};
+    dt_tensor *y = step_tensor(ctx, DT_F32, 4, shape);
+    dt_conv_geom *g = y ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : NULL;
+    int32_t *argmax = NULL;
+    if (!g)
+        return NULL;
+    *g = geom;
+    if (is_max) {
+        argmax = arena_alloc(ctx, ctx->cur_dev, (size_t)shape_numel(4, shape) * sizeof(int32_t));
+        if (!argmax) {
+            set_error(ctx, DT_ENOMEM, "%s: out of memory", name);
+            return NULL;
+        }
+        BE(ctx)->maxpool_forward(BEI(ctx), g, FP(x), FP(y), argmax);
+    } else {
+        BE(ctx)->avgpool_forward(BEI(ctx), g, FP(x), FP(y));
+    }
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL,
+                            NULL);
+        if (!n)
+            return NULL;
+        n->aux[0] = argmax;
+        n->aux[1] = g;
+    }
+    return y;
+}
+
+dt_tensor *dt_max_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad)
+{
+    return pool_op(ctx, "max_pool2d", x, kernel, stride, pad, 1);
+}
+
+dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad)
+{
+    return pool_op(ctx, "avg_pool2d", x, kernel, stride, pad, 0);
+}
+
+/* --- 7.8 embedding, layer norm, dropout ----------------------------------- */
+
+static dt_status embedding_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *w = n->in[0], *idx = n->in[1];
+    float *gw = grad_target_zeroed(ctx, w);
+    if (!gw)
+        return ctx->last_status;
+    BE(ctx)->embedding_backward(BEI(ctx), shape_numel(idx->ndim, idx->shape), w->shape[1],
+                                IP(idx), FP(n->out->grad), gw);
+    return DT_OK;
+}
+
+/* weight (V,D), idx i32 (...) -> (..., D) */
+dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx)
+{
+    if (!f32_ok(ctx, "embedding", weight, "weight") || !input_ok(ctx, "embedding", idx, "indices"))
+        return NULL;
+    char sw[96];
+    if (weight->ndim != 2 || idx->dtype != DT_I32 || idx->ndim + 1 > DT_MAX_DIMS) {
+        set_error(ctx, DT_EINVAL, "embedding: weight %s must be (V,D) and indices i32 (got %s)",
+                  SHAPE(weight, sw), dt_dtype_name(idx->dtype));
+        return NULL;
+    }
+    if (!(weight = need_contig(ctx, weight)) || !(idx = need_contig(ctx, idx)))
+        return NULL;
+    materialize(weight);
+    materialize(idx);
+    int64_t n = shape_numel(idx->ndim, idx->shape), d = weight->shape[1];
+    int64_t bad = BE(ctx)->index_check(BEI(ctx), n, IP(idx), weight->shape[0]);
+    if (bad >= 0) {
+        int32_t v = 0;
+        BE(ctx)->to_host(BEI(ctx), &v, IP(idx) + bad, sizeof v);
+        set_error(ctx, DT_EINVAL, "embedding: index %d at position %lld is outside [0, %lld)",
+                  (int)v, (long long)bad, (long long)weight->shape[0]);
+        return NULL;
+    }
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)idx->ndim);
+    shape[idx->ndim] = d;
+    dt_tensor *y = step_tensor(ctx, DT_F32, idx->ndim + 1, shape);
+    if (!y)
+        return NULL;
+    BE(ctx)->embedding_forward(BEI(ctx), n, d, FP(weight), IP(idx), FP(y));
+    if (tracks(ctx, weight) && !record(ctx, "embedding", embedding_backward, y, weight, idx, NULL))
+        return NULL;
+    return y;
+}
+
+static dt_status layer_norm_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->aux[2], *b = n->aux[3];
+    int64_t rows = n->iarg[0], d = n->iarg[1];
+    int acc = 0;
+    float *gx = needs_grad(x) ? grad_target(ctx, x, &acc) : temp_floats(ctx, rows * d);
+    float *gw = w && needs_grad(w) ? grad_target_zeroed(ctx, w) : NULL;
+    float *gb = b && needs_grad(b) ? grad_target_zeroed(ctx, b) : NULL;
+    if (!gx || (w && needs_grad(w) && !gw) || (b && needs_grad(b) && !gb))
+        return ctx->last_status;
+    BE(ctx)->layernorm_backward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, n->aux[0], n->aux[1],
+                                FP(n->out->grad), gx, gw, gb, acc);
+    return DT_OK;
+}
+
+/* x (..., D), w (D), b (D) -> (..., D) normalised over the last dim */
+dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps)
+{
+    if (!f32_ok(ctx, "layer_norm", x, "input") || (w && !f32_ok(ctx, "layer_norm", w, "weight")) ||
+        (b && !f32_ok(ctx, "layer_norm", b, "bias")))
+        return NULL;
+    char sx[96];
+    if (x->ndim < 1 || x->shape[x->ndim - 1] == 0) {
+        set_error(ctx, DT_EINVAL, "layer_norm: input %s needs a non-empty last dim", SHAPE(x, sx));
+        return NULL;
+    }
+    int64_t d = x->shape[x->ndim - 1], rows = shape_numel(x->ndim - 1, x->shape);
+    if ((w && (w->ndim != 1 || w->shape[0] != d)) || (b && (b->ndim != 1 || b->shape[0] != d))) {
+        set_error(ctx, DT_EINVAL, "layer_norm: weight and bias must be (%lld) for input %s",
+                  (long long)d, SHAPE(x, sx));
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)) || (w && !(w = need_contig(ctx, w))) ||
+        (b && !(b = need_contig(ctx, b))))
+        return NULL;
+    materialize(x);
+    materialize(w);
+    materialize(b);
+    dt_tensor *y = like(ctx, x);
+    float *mean = y ? temp_floats(ctx, rows) : NULL, *rstd = mean ? temp_floats(ctx, rows) : NULL;
+    if (!rstd)
+        return NULL;
+    BE(ctx)->layernorm_forward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, b ? FP(b) : NULL, eps,
+                               FP(y), mean, rstd);
+    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, "layer_norm", layer_norm_backward, y, x, w, b);
+        if (!n)
+            return NULL;
+        n->iarg[0] = rows;
+        n->iarg[1] = d;
+        n->aux[0] = mean;
+        n->aux[1] = rstd;
+        n->aux[2] = w;
+        n->aux[3] = b;
+    }
+    return y;
+}
+
+static dt_status dropout_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0];
+    int64_t cnt = shape_numel(x->ndim, x->shape), shape[1] = {cnt}, s1[1] = {1};
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    float *dst = acc ? temp_floats(ctx, cnt) : gx;
+    if (!dst)
+        return ctx->last_status;
+    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, FP(n->out->grad), s1, n->aux[0], s1, dst);
+    if (acc)
+        BE(ctx)->axpby(BEI(ctx), cnt, 1.0f, dst, 1.0f, gx);
+    return DT_OK;
+}
+
+/* x -> x * mask / (1-p) while training; x itself otherwise */
+dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
+{
+    if (!f32_ok(ctx, "dropout", x, "input"))
+        return NULL;
+    if (!(p >= 0.0f && p < 1.0f)) {
+        set_error(ctx, DT_EINVAL, "dropout: p = %g must be in [0, 1)", (double)p);
+        return NULL;
+    }
+    if (!ctx->training || p == 0.0f)
+        return x;
+    if (!(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    uint64_t sm = ctx->seed ^ 0xD1B54A32D192ED03ull;
+    sm += 0x9E3779B97F4A7C15ull * (ctx->dropout_counter++ + 1);
+    uint64_t seed = splitmix64(&sm);
+    int64_t cnt = shape_numel(x->ndim, x->shape);
+    dt_tensor *y = like(ctx, x);
+    float *mask = y ? temp_floats(ctx, cnt) : NULL;
+    if (!mask)
+        return NULL;
+    BE(ctx)->dropout_forward(BEI(ctx), cnt, p, seed, FP(x), FP(y), mask);
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "dropout", dropout_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->aux[0] = mask;
+    }
+    return y;
+}
+
+/* ===========================================================================
+ * 8. Activation checkpointing (recompute)
+ *
+ * The segment runs once with grad off and its intermediates in a scratch
+ * arena that is emptied right after; only the output is copied to the step
+ * arena.  Backward runs the segment again with grad on (the same dropout
+ * masks, from the saved counter), back-propagates through that sub-tape, and
+ * empties the scratch arena again.  Peak memory drops by the segment's
+ * activations; the cost is one more forward of the segment.
+ * ======================================================================== */
+
+typedef struct arena_switch {
+    dt_arena *dev, *host;
+    dt_arena_mark dev_mark, host_mark;
+} arena_switch;
+
+static arena_switch enter_scratch(dt_ctx *ctx)
+{
+    arena_switch sw = {ctx->cur_dev, ctx->cur_host, arena_mark(&ctx->scratch_dev),
+                       arena_mark(&ctx->scratch_host)};
+    ctx->cur_dev = &ctx->scratch_dev;
+    ctx->cur_host = &ctx->scratch_host;
+    return sw;
+}
+
+static void leave_scratch(dt_ctx *ctx, arena_switch sw, int release)
+{
+    ctx->cur_dev = sw.dev;
+    ctx->cur_host = sw.host;
+    if (release) {
+        arena_release(&ctx->scratch_dev, sw.dev_mark);
+        arena_release(&ctx->scratch_host, sw.host_mark);
+    }
+}
+
+static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
+{
+    dt_tensor **orig = nd->aux[0], *y = nd->out;
+    int n = (int)nd->iarg[0];
+    arena_switch sw = enter_scratch(ctx);
+    dt_node *saved_tape = ctx->tape;
+    uint64_t saved_counter = ctx->dropout_counter;
+    int saved_grad = ctx->grad_enabled;
+    dt_status s = DT_OK;
+    dt_tensor **leaf = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)(n ? n : 1));
+    if (!leaf) {
+        s = set_error(ctx, DT_ENOMEM, "recompute: out of memory");
+        goto done;
+    }
+    for (int i = 0; i < n; i++) {
+        /* leaves sharing the inputs' data, so the sub-tape stops at them */
+        if (!(leaf[i] = view_header(ctx, orig[i]))) {
+            s = ctx->last_status;
+            goto done;
+        }
+        if (needs_grad(orig[i]))
+            leaf[i]->flags |= T_REQGRAD;
+    }
+    ctx->tape = NULL;
+    ctx->dropout_counter = (uint64_t)nd->iarg[1];
+    ctx->grad_enabled = 1;
+    ctx->in_recompute = 1;
+    dt_tensor *y2 = nd->seg_fn(ctx, leaf, n, nd->user);
+    ctx->in_recompute = 0;
+    ctx->grad_enabled = saved_grad;
+    ctx->dropout_counter = saved_counter;
+    if (!y2 || y2->ndim != y->ndim || memcmp(y2->shape, y->shape, sizeof(int64_t) * (size_t)y->ndim)) {
+        s = y2 ? set_error(ctx, DT_ESTATE, "recompute: the segment returned a different shape "
+                                           "when run again (it must be deterministic)")
+               : ctx->last_status;
+        goto done;
+    }
+    y2->grad = y->grad;                    /* seed with the segment output's gradient */
+    s = run_tape(ctx, ctx->tape, NULL);
+    ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
+    ctx->cur_host = sw.host;
+    for (int i = 0; s == DT_OK && i < n; i++) {
+        dt_tensor *g = leaf[i]->grad;
+        if (needs_grad(orig[i]) && g && !(g->flags & T_ZERO) && leaf[i] != y2)
+            s = acc_grad(ctx, orig[i], FP(g), 1.0f);
+        else if (needs_grad(orig[i]) && leaf[i] == y2)
+            s = acc_grad(ctx, orig[i], FP(y->grad), 1.0f);
+    }
+done:
+    ctx->tape = saved_tape;
+    leave_scratch(ctx, sw, 1);
+    return s;
+}
+
+dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs, int n, void *user)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!fn || n < 0 || (n > 0 && !inputs)) {
+        set_error(ctx, DT_EINVAL, "recompute: needs a function and %d inputs", n);
+        return NULL;
+    }
+    int track = 0;
+    for (int i = 0; i < n; i++) {
+        if (!input_ok(ctx, "recompute", inputs[i], "an input"))
+            return NULL;
+        track |= tracks(ctx, inputs[i]);
+    }
+    if (!ctx->grad_enabled || ctx->in_recompute)
+        return fn(ctx, inputs, n, user);
+    uint64_t counter = ctx->dropout_counter;
+    arena_switch sw = enter_scratch(ctx);
+    ctx->grad_enabled = 0;
+    dt_tensor *out = fn(ctx, inputs, n, user);
+    ctx->grad_enabled = 1;
+    ctx->cur_dev = sw.dev;
+    ctx->cur_host = sw.host;
+    dt_tensor *y = out ? like(ctx, out) : NULL;
+    if (y)
+        BE(ctx)->copy_strided(BEI(ctx), out->ndim, out->shape, dt_dtype_size(out->dtype), y->data,
+                              y->stride, out->data, out->stride, 0);
+    leave_scratch(ctx, sw, 1);
+    if (!y || y->dtype != DT_F32)
+        return y;
+    (void)track;   /* parameters inside fn may need grads even if no input does */
+    dt_node *nd = record(ctx, "recompute", recompute_backward, y, NULL, NULL, NULL);
+    dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)(n ? n : 1));
+    if (!nd || !saved) {
+        set_error(ctx, DT_ENOMEM, "recompute: out of memory for the tape");
+        return NULL;
+    }
+    if (n)
+        memcpy(saved, inputs, sizeof(dt_tensor *) * (size_t)n);
+    nd->aux[0] = saved;
+    nd->iarg[0] = n;
+    nd->iarg[1] = (int64_t)counter;
+    nd->seg_fn = fn;
+    nd->user = user;
+    return y;
+}
+
+/* ===========================================================================
+ * 9. Optimizers, schedules, gradient clipping
+ *
+ * Updates follow torch.optim exactly (the backend kernels implement the
+ * formulas).  State tensors are named after their parameter so checkpoints
+ * can store them.  A parameter whose gradient is still logically zero since
+ * the last zero_grad got no gradient this step and is skipped, as PyTorch
+ * skips parameters whose .grad is None.
+ * ======================================================================== */
+
+struct dt_optim {
+    dt_ctx *ctx;
+    dt_optim_config cfg;
+    int n, per;                 /* parameters, state tensors per parameter */
+    dt_tensor **params;
+    dt_tensor **state;          /* n * per */
+    int64_t *param_steps;       /* updates each parameter received */
+    int64_t steps;
+    float base_lr, lr;
+    int has_sched;
+    dt_schedule sched;
+};
+
+void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->kind = kind;
+    cfg->lr = kind == DT_SGD ? 0.01f : 1e-3f;
+    cfg->beta1 = 0.9f;
+    cfg->beta2 = 0.999f;
+    cfg->eps = 1e-8f;
+    cfg->weight_decay = kind == DT_ADAMW ? 0.01f : 0.0f;
+}
+
+static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
+{
+    if (c->kind != DT_SGD && c->kind != DT_ADAM && c->kind != DT_ADAMW)
+        return set_error(ctx, DT_EINVAL, "optim: unknown kind %d", (int)c->kind);
+    if (!(c->lr >= 0) || !(c->weight_decay >= 0))
+        return set_error(ctx, DT_EINVAL, "optim: lr (%g) and weight_decay (%g) must be >= 0",
+                         (double)c->lr, (double)c->weight_decay);
+    if (c->kind == DT_SGD) {
+        if (!(c->momentum >= 0) || !(c->dampening >= 0 && c->dampening <= 1))
+            return set_error(ctx, DT_EINVAL, "optim: sgd momentum %g / dampening %g out of range",
+                             (double)c->momentum, (double)c->dampening);
+        if (c->nesterov && (c->momentum <= 0 || c->dampening != 0))
+            return set_error(ctx, DT_EINVAL, "optim: nesterov needs momentum > 0 and dampening 0");
+        return DT_OK;
+    }
+    if (!(c->beta1 >= 0 && c->beta1 < 1) || !(c->beta2 >= 0 && c->beta2 < 1) || !(c->eps >= 0))
+        return set_error(ctx, DT_EINVAL, "optim: adam betas (%g, %g) must be in [0,1), eps >= 0",
+                         (double)c->beta1, (double)c->beta2);
+    return DT_OK;
+}
+
+/* A persistent tensor owned by an object other than the context. */
+static dt_tensor *owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                               const char *suffix)
+{
+    dt_tensor *t = host_alloc(ctx, sizeof *t);
+    if (!t)
+        return NULL;
+    header_init(t, ctx, DT_F32, ndim, shape);
+    size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
+    t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
+    t->name = host_alloc(ctx, nl);
+    if (!t->data || !t->name) {
+        if (t->data)
+            ctx->be_iface->free(ctx->be, t->data);
+        host_free(ctx, t->name);
+        host_free(ctx, t);
+        return NULL;
+    }
+    snprintf(t->name, nl, "%s%s", name, suffix);
+    ctx->be_iface->memset0(ctx->be, t->data, bytes);
+    t->flags = T_OWNS_DATA | T_EXTERNAL;
+    ctx->persistent_bytes += bytes;
+    return t;
+}
+
+dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!cfg) {
+        set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
+        return NULL;
+    }
+    if (check_optim_config(ctx, cfg) != DT_OK)
+        return NULL;
+    dt_tensor *const *src = params ? params : ctx->params;
+    int count = params ? n : ctx->n_params;
+    if (count < 0 || (params && n < 1)) {
+        set_error(ctx, DT_EINVAL, "optim_new: %d parameters", n);
+        return NULL;
+    }
+    for (int i = 0; i < count; i++) {
+        if (!src[i] || src[i]->ctx != ctx || !(src[i]->flags & T_PARAM)) {
+            set_error(ctx, DT_EINVAL, "optim_new: entry %d is not a parameter of this context", i);
+            return NULL;
+        }
+    }
+    dt_optim *o = host_calloc(ctx, sizeof *o);
+    if (!o) {
+        set_error(ctx, DT_ENOMEM, "optim_new: out of memory");
+        return NULL;
+    }
+    o->ctx = ctx;
+    o->cfg = *cfg;
+    o->n = count;
+    o->per = cfg->kind == DT_SGD ? (cfg->momentum != 0.0f) : 2;
+    o->base_lr = o->lr = cfg->lr;
+    o->params = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count ? count : 1));
+    o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1));
+    o->param_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(count ? count : 1));
+    if (!o->params || !o->state || !o->param_steps)
+        goto fail;
+    static const char *const suffix[2][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"}};
+    for (int i = 0; i < count; i++) {
+        o->params[i] = src[i];
+        for (int j = 0; j < o->per; j++) {
+            dt_tensor *p = src[i];
+            dt_tensor *st = owned_tensor(ctx, p->ndim, p->shape, p->name,
+                                         suffix[cfg->kind != DT_SGD][j]);
+            if (!st)
+                goto fail;
+            o->state[i * o->per + j] = st;
+        }
+    }
+    return o;
+fail:
+    dt_optim_free(o);
+    set_error(ctx, DT_ENOMEM, "optim_new: out of memory for optimizer state");
+    return NULL;
+}
+
+void dt_optim_free(dt_optim *o)
+{
+    if (!o)
+        return;
+    dt_ctx *ctx = o->ctx;
+    if (o->state)
+        for (int i = 0; i < o->n * o->per; i++)
+            if (o->state[i])
+                tensor_destroy(ctx, o->state[i]);
+    host_free(ctx, o->state);
+    host_free(ctx, o->params);
+    host_free(ctx, o->param_steps);
+    host_free(ctx, o);
+}
+
+float dt_schedule_lr(const dt_schedule *s, float base, int64_t step)
+{
+    if (!s || step < 0)
+        return base;
+    switch (s->kind) {
+    case DT_SCHED_STEP:
+        if (s->step_size <= 0)
+            return base;
+        return base * powf(s->gamma, (float)(step / s->step_size));
+    case DT_SCHED_COSINE: {
+        if (step < s->warmup_steps)
+            return base * (float)(step + 1) / (float)s->warmup_steps;
+        int64_t span = s->total_steps - s->warmup_steps;
+        double q = span > 0 ? (double)(step - s->warmup_steps) / (double)span : 1.0;
+        if (q > 1)
+            q = 1;
+        return (float)(s->min_lr + (base - s->min_lr) * 0.5 * (1.0 + cos(M_PI * q)));
+    }
+    case DT_SCHED_CONSTANT:
+        break;
+    }
+    return base;
+}
+
+dt_status dt_optim_set_schedule(dt_optim *o, const dt_schedule *s)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (!s)
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: schedule is NULL");
+    if (s->kind == DT_SCHED_STEP && (s->step_size <= 0 || !(s->gamma > 0)))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: step schedule needs step_size > 0 "
+                                            "and gamma > 0");
+    if (s->kind == DT_SCHED_COSINE && (s->warmup_steps < 0 || s->total_steps < s->warmup_steps))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: cosine needs 0 <= warmup_steps "
+                                            "<= total_steps");
+    if (s->kind < DT_SCHED_CONSTANT || s->kind > DT_SCHED_COSINE)
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: unknown kind %d", (int)s->kind);
+    o->sched = *s;
+    o->has_sched = 1;
+    o->base_lr = o->lr;
+    return DT_OK;
+}
+
+dt_status dt_optim_step(dt_optim *o)
+{
+    if (!o)
+        return DT_EINVAL;
+    dt_ctx *ctx = o->ctx;
+    if (o->has_sched)
+        o->lr = dt_schedule_lr(&o->sched, o->base_lr, o->steps);
+    o->steps++;
+    const dt_optim_config *c = &o->cfg;
+    for (int i = 0; i < o->n; i++) {
+        dt_tensor *p = o->params[i], *g = p->grad;
+        if (!g || (g->flags & T_ZERO))
+            continue;
+        int64_t cnt = shape_numel(p->ndim, p->shape);
+        int64_t t = ++o->param_steps[i];
+        if (c->kind == DT_SGD) {
+            float *buf = o->per ? FP(o->state[i]) : NULL;
+            BE(ctx)->sgd_update(BEI(ctx), cnt, FP(p), FP(g), buf, o->lr, c->momentum, c->dampening,
+                                c->nesterov, c->weight_decay, t == 1);
+        } else {
+            float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
+            BE(ctx)->adam_update(BEI(ctx), cnt, FP(p), FP(g), FP(o->state[2 * i]),
+                                 FP(o->state[2 * i + 1]), o->lr, c->beta1, c->beta2, c->eps,
+                                 c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
+        }
+    }
+    return DT_OK;
+}
+
+void dt_optim_zero_grad(dt_optim *o)
+{
+    if (!o)
+        return;
+    for (int i = 0; i < o->n; i++)
+        if (o->params[i]->grad)
+            o->params[i]->grad->flags |= T_ZERO;
+}
+
+float dt_optim_lr(const dt_optim *o) { return o ? o->lr : 0.0f; }
+int64_t dt_optim_steps(const dt_optim *o) { return o ? o->steps : 0; }
+int dt_optim_state_count(const dt_optim *o) { return o ? o->n * o->per : 0; }
+
+dt_tensor *dt_optim_state_at(const dt_optim *o, int i)
+{
+    return o && i >= 0 && i < o->n * o->per ? o->state[i] : NULL;
+}
+
+dt_status dt_optim_set_lr(dt_optim *o, float lr)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (!(lr >= 0))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_lr: lr %g must be >= 0", (double)lr);
+    o->lr = o->base_lr = lr;
+    return DT_OK;
+}
+
+dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!(max_norm > 0))
+        return set_error(ctx, DT_EINVAL, "clip_grad_norm: max_norm %g must be > 0", (double)max_norm);
+    double total = 0;
+    for (int i = 0; i < ctx->n_params; i++) {
+        dt_tensor *g = ctx->params[i]->grad;
+        if (g && !(g->flags & T_ZERO))
+            total += BE(ctx)->sumsq(BEI(ctx), shape_numel(g->ndim, g->shape), FP(g));
+    }
+    double norm = sqrt(total);
+    if (norm_out)
+        *norm_out = (float)norm;
+    double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+        for (int i = 0; i < ctx->n_params; i++) {
+            dt_tensor *g = ctx->params[i]->grad;
+            if (g && !(g->flags & T_ZERO))
+                BE(ctx)->axpby(BEI(ctx), shape_numel(g->ndim, g->shape), (float)coef, FP(g), 0.0f,
+                               FP(g));
+        }
+    }
+    return DT_OK;
+}
+
+/* ===========================================================================
+ * 10. Checkpoints (safetensors)
+ *
+ * Layout: 8-byte little-endian header length, a JSON header mapping each
+ * tensor name to {"dtype","shape","data_offsets"} plus "__metadata__"
+ * (string values only), padded with spaces to 8 bytes, then the raw
+ * little-endian data in header order.  Parameters keep their names;
+ * optimizer state is stored as "optim.<param>.<state>".  Loading reads and
+ * checks the whole file before it copies anything into the model.
+ * ======================================================================== */
+
+#define DT_CKPT_MAX_HEADER ((uint64_t)100 << 20)   /* safetensors' own limit */
+#define DT_JSON_MAX_DEPTH 8
+
+typedef struct strbuf {
+    dt_ctx *ctx;
+    char *p;
+    size_t len, cap;
+    int oom;
+} strbuf;
+
+static void sb_putn(strbuf *b, const char *s, size_t n)
+{
+    if (b->oom)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 1024;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = b->ctx->al.realloc_fn(b->p, cap, b->ctx->al.user);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void sb_puts(strbuf *b, const char *s) { sb_putn(b, s, strlen(s)); }
+
+static void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(strbuf *b, const char *fmt, ...)
+{
+    char tmp[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        sb_putn(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+}
+
+static void sb_json_string(strbuf *b, const char *s)
+{
+    sb_puts(b, "\"");
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') {
+            char e[3] = {'\\', (char)ch, 0};
+            sb_puts(b, e);
+        } else if (ch < 0x20) {
+            sb_printf(b, "\\u%04x", ch);
+        } else {
+            sb_putn(b, s, 1);
+        }
+    }
+    sb_puts(b, "\"");
+}
+
+typedef struct ckpt_item {
+    const char *name;    /* safetensors key */
+    dt_tensor *t;
+} ckpt_item;
+
+static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char **names)
+{
+    int n = 0;
+    for (int i = 0; i < ctx->n_params; i++)
+        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i]};
+    if (opt) {
+        for (int i = 0; i < opt->n * opt->per; i++) {
+            size_t len = strlen(opt->state[i]->name) + 7;
+            names[i] = host_alloc(ctx, len);
+            if (!names[i])
+                return -1;
+            snprintf(names[i], len, "optim.%s", opt->state[i]->name);
+            items[n++] = (ckpt_item){names[i], opt->state[i]};
+        }
+    }
+    return n;
+}
+
+static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n)
+{
+    sb_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\"", (long long)step);
+    if (opt) {
+        sb_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
+                     "\"dtrain.optim.lr\":\"%.9g\",\"dtrain.optim.param_steps\":\"",
+                  (int)opt->cfg.kind, (long long)opt->steps, (double)opt->base_lr);
+        for (int i = 0; i < opt->n; i++)
+            sb_printf(b, "%s%lld", i ? "," : "", (long long)opt->param_steps[i]);
+        sb_puts(b, "\"");
+    }
+    sb_puts(b, "}");
+    uint64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        dt_tensor *t = items[i].t;
+        sb_puts(b, ",");
+        sb_json_string(b, items[i].name);
+        sb_puts(b, ":{\"dtype\":\"F32\",\"shape\":[");
+        for (int d = 0; d < t->ndim; d++)
+            sb_printf(b, "%s%lld", d ? "," : "", (long long)t->shape[d]);
+        uint64_t bytes = tensor_bytes(t);
+        sb_printf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
+                  (unsigned long long)(off + bytes));
+        off += bytes;
+    }
+    sb_puts(b, "}");
+    while (!b->oom && b->len % 8)
+        sb_puts(b, " ");
+}
+
+static dt_status write_all(dt_ctx *ctx, FILE *f, const void *p, size_t n, const char *path)
+{
+    if (n && fwrite(p, 1, n, f) != n)
+        return set_error(ctx, DT_EIO, "checkpoint_save: writing %s: %s", path, strerror(errno));
+    return DT_OK;
+}
+
+static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf *hdr,
+                            const ckpt_item *items, int n)
+{
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++)
+        len8[i] = (unsigned char)((uint64_t)hdr->len >> (8 * i));
+    dt_status s = write_all(ctx, f, len8, 8, tmp);
+    if (s == DT_OK)
+        s = write_all(ctx, f, hdr->p, hdr->len, tmp);
+    size_t biggest = 0;
+    for (int i = 0; i < n; i++)
+        if (tensor_bytes(items[i].t) > biggest)
+            biggest = tensor_bytes(items[i].t);
+    void *stage = s == DT_OK ? host_alloc(ctx, biggest) : NULL;
+    if (s == DT_OK && !stage)
+        s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
+    for (int i = 0; s == DT_OK && i < n; i++) {
+        dt_tensor *t = items[i].t;
+        materialize(t);
+        BE(ctx)->to_host(BEI(ctx), stage, t->data, tensor_bytes(t));  /* f32 LE on x86/arm */
+        s = write_all(ctx, f, stage, tensor_bytes(t), tmp);
+    }
+    host_free(ctx, stage);
+    if (s == DT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
+        s = set_error(ctx, DT_EIO, "checkpoint_save: syncing %s: %s", tmp, strerror(errno));
+    return s;
+}
+
+/* Sync the directory so the rename itself survives a crash. */
+static void sync_parent_dir(const char *path)
+{
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path) ? (int)(slash - path) : 1, path);
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!path || !path[0])
+        return set_error(ctx, DT_EINVAL, "checkpoint_save: path is empty");
+    if (opt && opt->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
+    int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + nstate;
+    ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(total + 1));
+    char **names = host_calloc(ctx, sizeof *names * (size_t)(nstate + 1));
+    size_t plen = strlen(path) + 5;
+    char *tmp = host_alloc(ctx, plen);
+    strbuf hdr = {ctx, NULL, 0, 0, 0};
+    FILE *f = NULL;
+    dt_status s = DT_OK;
+    if (!items || !names || !tmp || ckpt_items(ctx, opt, items, names) < 0) {
+        s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
+        goto done;
+    }
+    snprintf(tmp, plen, "%s.tmp", path);
+    ckpt_header(&hdr, opt, step, items, total);
+    if (hdr.oom) {
+        s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory for the header");
+        goto done;
+    }
+    if (!(f = fopen(tmp, "wb"))) {
+        s = set_error(ctx, DT_EIO, "checkpoint_save: cannot create %s: %s", tmp, strerror(errno));
+        goto done;
+    }
+    s = ckpt_write(ctx, f, tmp, &hdr, items, total);
+    if (fclose(f) != 0 && s == DT_OK)
+        s = set_error(ctx, DT_EIO, "checkpoint_save: closing %s: %s", tmp, strerror(errno));
+    f = NULL;
+    if (s == DT_OK && rename(tmp, path) != 0)
+        s = set_error(ctx, DT_EIO, "checkpoint_save: renaming %s to %s: %s", tmp, path,
+                      strerror(errno));
+    if (s == DT_OK)
+        sync_parent_dir(path);
+    else
+        unlink(tmp);
+done:
+    if (names)
+        for (int i = 0; i < nstate; i++)
+            host_free(ctx, names[i]);
+    host_free(ctx, names);
+    host_free(ctx, items);
+    host_free(ctx, tmp);
+    host_free(ctx, hdr.p);
+    return s;
+}
+
+/* --- a small strict JSON reader for the safetensors header -------------- */
+
+typedef struct json {
+    const char *p, *end;
+    int depth;
+} json;
+
+typedef struct st_entry {
+    char name[DT_MAX_NAME + 16];
+    int f32;
+    int ndim;
+    int64_t shape[DT_MAX_DIMS];
+    uint64_t begin, end;
+    int used;
+} st_entry;
+
+typedef struct st_file {
+    st_entry *e;
+    int n, cap;
+    int64_t step, optim_steps;
+    int optim_kind, has_optim;
+    float optim_lr;
+    char param_steps[4096];
+} st_file;
+
+static void js_ws(json *j)
+{
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
+        j->p++;
+}
+
+static int js_char(json *j, char c)
+{
+    js_ws(j);
+    if (j->p < j->end && *j->p == c) {
+        j->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* A string into out (truncation is an error); \uXXXX only below 0x80. */
+static int js_string(json *j, char *out, size_t cap)
+{
+    if (!js_char(j, '"'))
+        return 0;
+    size_t n = 0;
+    while (j->p < j->end && *j->p != '"') {
+        char c = *j->p++;
+        if (c == '\\') {
+            if (j->p >= j->end)
+                return 0;
+            char e = *j->p++;
+            switch (e) {
+            case '"': case '\\': case '/': c = e; break;
+            case 'n': c = '\n'; break;
+            case 't': c = '\t'; break;
+            case 'r': c = '\r'; break;
+            case 'b': c = '\b'; break;
+            case 'f': c = '\f'; break;
+            case 'u': {
+                if (j->end - j->p < 4)
+                    return 0;
+                unsigned v = 0;
+                for (int i = 0; i < 4; i++) {
+                    char h = *j->p++;
+                    v = v * 16 + (unsigned)(h >= '0' && h <= '9' ? h - '0'
+                                            : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                            : h >= 'A' && h <= 'F' ? h - 'A' + 10 : 99);
+                    if (v > 0xFFFF)
+                        return 0;
+                }
+                if (v >= 0x80 || v == 0)
+                    return 0;
+                c = (char)v;
+                break;
+            }
+            default: return 0;
+            }
+        } else if ((unsigned char)c < 0x20) {
+            return 0;
+        }
+        if (n + 1 >= cap)
+            return 0;
+        out[n++] = c;
+    }
+    if (j->p >= j->end)
+        return 0;
+    j->p++;
+    out[n] = '\0';
+    return 1;
+}
+
+static int js_uint(json *j, uint64_t *v)
+{
+    js_ws(j);
+    if (j->p >= j->end || *j->p < '0' || *j->p > '9')
+        return 0;
+    uint64_t x = 0;
+    while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
+        unsigned d = (unsigned)(*j->p++ - '0');
+        if (x > (UINT64_MAX - d) / 10)
+            return 0;
+        x = x * 10 + d;
+    }
+    *v = x;
+    return 1;
+}
+
+static int js_skip(json *j)
+{
+    js_ws(j);
+    if (j->p >= j->end || ++j->depth > DT_JSON_MAX_DEPTH)
+        return 0;
+    int ok = 1;
+    char c = *j->p;
+    if (c == '"') {
+        char tmp[4096];
+        ok = js_string(j, tmp, sizeof tmp);
+    } else if (c == '{' || c == '[') {
+        char close = c == '{' ? '}' : ']';
+        j->p++;
+        if (!js_char(j, close)) {
+            do {
+                if (c == '{') {
+                    char key[4096];
+                    ok = js_string(j, key, sizeof key) && js_char(j, ':');
+                }
+                ok = ok && js_skip(j);
+            } while (ok && js_char(j, ','));
+            ok = ok && js_char(j, close);
+        }
+    } else {
+        const char *s = j->p;
+        while (j->p < j->end && (strchr("-+.eE", *j->p) || (*j->p >= '0' && *j->p <= '9') ||
+                                 (*j->p >= 'a' && *j->p <= 'z')))
+            j->p++;
+        ok = j->p > s;
+    }
+    j->depth--;
+    return ok;
+}
+
+static int st_tensor_entry(json *j, st_entry *e)
+{
+    int have_dtype = 0, have_shape = 0, have_off = 0;
+    if (!js_char(j, '{'))
+        return 0;
+    if (js_char(j, '}'))
+        return 0;
+    do {
+        char key[64];
+        if (!js_string(j, key, sizeof key) || !js_char(j, ':'))
+            return 0;
+        if (strcmp(key, "dtype") == 0) {
+            char dt[16];
+            if (!js_string(j, dt, sizeof dt))
+                return 0;
+            e->f32 = strcmp(dt, "F32") == 0;
+            have_dtype = 1;
+        } else if (strcmp(key, "shape") == 0) {
+            if (!js_char(j, '['))
+                return 0;
+            e->ndim = 0;
+            if (!js_char(j, ']')) {
+                do {
+                    uint64_t v;
+                    if (e->ndim >= DT_MAX_DIMS || !js_uint(j, &v) || v > ((uint64_t)1 << 40))
+                        return 0;
+                    e->shape[e->ndim++] = (int64_t)v;
+                } while (js_char(j, ','));
+                if (!js_char(j, ']'))
+                    return 0;
+            }
+            have_shape = 1;
+        } else if (strcmp(key, "data_offsets") == 0) {
+            if (!js_char(j, '[') || !js_uint(j, &e->begin) || !js_char(j, ',') ||
+                !js_uint(j, &e->end) || !js_char(j, ']'))
+                return 0;
+            have_off = 1;
+        } else if (!js_skip(j)) {
+            return 0;
+        }
+    } while (js_char(j, ','));
+    return js_char(j, '}') && have_dtype && have_shape && have_off;
+}
+
+static int st_metadata(json *j, st_file *f)
+{
+    if (!js_char(j, '{'))
+        return 0;
+    if (js_char(j, '}'))
+        return 1;
+    do {
+        char key[128], val[4096];
+        if (!js_string(j, key, sizeof key) || !js_char(j, ':') || !js_string(j, val, sizeof val))
+            return 0;
+        char *endp = NULL;
+        if (strcmp(key, "dtrain.step") == 0)
+            f->step = strtoll(val, &endp, 10);
+        else if (strcmp(key, "dtrain.optim.steps") == 0)
+            f->optim_steps = strtoll(val, &endp, 10), f->has_optim = 1;
+        else if (strcmp(key, "dtrain.optim.kind") == 0)
+            f->optim_kind = (int)strtol(val, &endp, 10);
+        else if (strcmp(key, "dtrain.optim.lr") == 0)
+            f->optim_lr = strtof(val, &endp);
+        else if (strcmp(key, "dtrain.optim.param_steps") == 0)
+            snprintf(f->param_steps, sizeof f->param_steps, "%s", val);
+        if (endp && *endp)
+            return 0;
+    } while (js_char(j, ','));
+    return js_char(j, '}');
+}
+
+static int st_parse(dt_ctx *ctx, const char *hdr, size_t len, st_file *f)
+{
+    json j = {hdr, hdr + len, 0};
+    if (!js_char(&j, '{'))
+        return 0;
+    if (js_char(&j, '}'))
+        goto tail;
+    do {
+        char key[DT_MAX_NAME + 16];
+        if (!js_string(&j, key, sizeof key) || !js_char(&j, ':'))
+            return 0;
+        if (strcmp(key, "__metadata__") == 0) {
+            if (!st_metadata(&j, f))
+                return 0;
+            continue;
+        }
+        if (f->n == f->cap) {
+            int cap = f->cap ? f->cap * 2 : 32;
+            st_entry *e = ctx->al.realloc_fn(f->e, sizeof *e * (size_t)cap, ctx->al.user);
+            if (!e)
+                return -1;
+            f->e = e;
+            f->cap = cap;
+        }
+        st_entry *e = &f->e[f->n];
+        memset(e, 0, sizeof *e);
+        snprintf(e->name, sizeof e->name, "%s", key);
+        if (!st_tensor_entry(&j, e))
+            return 0;
+        f->n++;
+    } while (js_char(&j, ','));
+    if (!js_char(&j, '}'))
+        return 0;
+tail:
+    js_ws(&j);
+    return j.p == j.end;
+}
+
+static st_entry *st_find(st_file *f, const char *name)
+{
+    for (int i = 0; i < f->n; i++)
+        if (strcmp(f->e[i].name, name) == 0)
+            return &f->e[i];
+    return NULL;
+}
+
+/* Read a whole file.  *out is allocated with the context's allocator. */
+static dt_status read_file(dt_ctx *ctx, const char *op, const char *path, unsigned char **out,
+                           size_t *len)
+{
+    FILE *fp = fopen(path, "rb");
+    if (!fp)
+        return set_error(ctx, DT_EIO, "%s: cannot open %s: %s", op, path, strerror(errno));
+    dt_status s = DT_OK;
+    long size = -1;
+    if (fseek(fp, 0, SEEK_END) == 0)
+        size = ftell(fp);
+    if (size < 0 || fseek(fp, 0, SEEK_SET) != 0) {
+        fclose(fp);
+        return set_error(ctx, DT_EIO, "%s: cannot size %s", op, path);
+    }
+    unsigned char *buf = host_alloc(ctx, (size_t)size + 1);
+    if (!buf)
+        s = set_error(ctx, DT_ENOMEM, "%s: out of memory for %ld bytes", op, size);
+    else if (size > 0 && fread(buf, 1, (size_t)size, fp) != (size_t)size)
+        s = set_error(ctx, DT_EIO, "%s: reading %s failed", op, path);
+    fclose(fp);
+    if (s != DT_OK) {
+        host_free(ctx, buf);
+        return s;
+    }
+    *out = buf;
+    *len = (size_t)size;
+    return DT_OK;
+}
+
+/* Check one destination tensor against its entry. */
+static dt_status st_check(dt_ctx *ctx, st_file *f, const char *key, const dt_tensor *t,
+                          uint64_t data_len, const st_entry **out)
+{
+    st_entry *e = st_find(f, key);
+    if (!e)
+        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is missing from the file", key);
+    char sb[96];
+    int same = e->ndim == t->ndim;
+    for (int d = 0; same && d < e->ndim; d++)
+        same = e->shape[d] == t->shape[d];
+    if (!e->f32)
+        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is not F32", key);
+    if (!same) {
+        char fs[96];
+        size_t o = 0;
+        o += (size_t)snprintf(fs + o, sizeof fs - o, "(");
+        for (int d = 0; d < e->ndim && o < sizeof fs; d++)
+            o += (size_t)snprintf(fs + o, sizeof fs - o, "%s%lld", d ? ", " : "",
+                                  (long long)e->shape[d]);
+        if (o < sizeof fs)
+            snprintf(fs + o, sizeof fs - o, ")");
+        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' has shape %s in the file, "
+                                            "the model has %s", key, fs, SHAPE(t, sb));
+    }
+    if (e->end < e->begin || e->end > data_len || e->end - e->begin != tensor_bytes(t))
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: '%s' has data offsets [%llu, %llu] "
+                                           "outside the %llu data bytes or of the wrong size",
+                         key, (unsigned long long)e->begin, (unsigned long long)e->end,
+                         (unsigned long long)data_len);
+    e->used = 1;
+    *out = e;
+    return DT_OK;
+}
+
+static dt_status st_parse_param_steps(dt_ctx *ctx, const st_file *f, int64_t *steps, int n)
+{
+    const char *p = f->param_steps;
+    for (int i = 0; i < n; i++) {
+        char *endp;
+        errno = 0;
+        long long v = strtoll(p, &endp, 10);
+        if (endp == p || errno || v < 0 || (*endp != ',' && *endp != '\0') ||
+            (i == n - 1 && *endp != '\0'))
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: bad optimizer step list");
+        steps[i] = v;
+        p = endp + (*endp == ',');
+    }
+    return DT_OK;
+}
+
+dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64_t *step_out)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!path)
+        return set_error(ctx, DT_EINVAL, "checkpoint_load: path is NULL");
+    if (opt && opt->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "checkpoint_load: optimizer belongs to another context");
+    unsigned char *buf = NULL;
+    size_t len = 0;
+    st_file f;
+    memset(&f, 0, sizeof f);
+    int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + nstate;
+    const st_entry **map = NULL;
+    int64_t *psteps = NULL;
+    char key[DT_MAX_NAME + 16];
+    dt_status s = read_file(ctx, "checkpoint_load", path, &buf, &len);
+    if (s != DT_OK)
+        return s;
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8 && len >= 8; i++)
+        hlen |= (uint64_t)buf[i] << (8 * i);
+    if (len < 8 || hlen > DT_CKPT_MAX_HEADER || hlen > len - 8) {
+        s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is truncated or not safetensors "
+                      "(%zu bytes, header length %llu)", path, len, (unsigned long long)hlen);
+        goto done;
+    }
+    int pr = st_parse(ctx, (const char *)buf + 8, (size_t)hlen, &f);
+    if (pr <= 0) {
+        s = pr < 0 ? set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory")
+                   : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header", path);
+        goto done;
+    }
+    uint64_t data_len = len - 8 - hlen;
+    map = host_calloc(ctx, sizeof *map * (size_t)(total + 1));
+    psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? opt->n + 1 : 1));
+    if (!map || !psteps) {
+        s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+        goto done;
+    }
+    for (int i = 0; s == DT_OK && i < ctx->n_params; i++)
+        s = st_check(ctx, &f, ctx->params[i]->name, ctx->params[i], data_len, &map[i]);
+    for (int i = 0; s == DT_OK && i < nstate; i++) {
+        snprintf(key, sizeof key, "optim.%s", opt->state[i]->name);
+        s = st_check(ctx, &f, key, opt->state[i], data_len, &map[ctx->n_params + i]);
+    }
+    if (s != DT_OK)
+        goto done;
+    for (int i = 0; i < f.n; i++) {
+        if (!f.e[i].used && strncmp(f.e[i].name, "optim.", 6) != 0) {
+            s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has '%s', which is not a "
+                                             "parameter of the model", f.e[i].name);
+            goto done;
+        }
+    }
+    if (opt) {
+        if (!f.has_optim || f.optim_kind != (int)opt->cfg.kind) {
+            s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has no state for this "
+                                             "kind of optimizer");
+            goto done;
+        }
+        if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK)
+            goto done;
+    }
+    /* everything checked: now copy */
+    const unsigned char *data = buf + 8 + hlen;
+    for (int i = 0; i < total; i++) {
+        dt_tensor *t = i < ctx->n_params ? ctx->params[i] : opt->state[i - ctx->n_params];
+        BE(ctx)->to_device(BEI(ctx), t->data, data + map[i]->begin, tensor_bytes(t));
+        t->flags &= ~(unsigned)T_ZERO;
+    }
+    if (opt) {
+        opt->steps = f.optim_steps;
+        memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
+        opt->lr = opt->base_lr = f.optim_lr;
+    }
+    if (step_out)
+        *step_out = f.step;
+done:
+    host_free(ctx, map);
+    host_free(ctx, psteps);
+    host_free(ctx, f.e);
+    host_free(ctx, buf);
+    return s;
+}
+
+/* ===========================================================================
+ * 11. Data: IDX files and the prefetching loader
+ *
+ * IDX files are read through zlib's gzread, which also reads uncompressed
+ * files, so .gz and plain files take one path.  Images stay uint8 (47 MB for
+ * Fashion-MNIST's training set instead of 188 MB as floats) and are
+ * converted per batch through a 256-entry table.
+ *
+ * The loader's background thread converts batch k+1 into the spare half of
+ * a double buffer while the caller computes on batch k.  On a host-visible
+ * backend the halves are the batch tensors themselves (no copy); otherwise
+ * the main thread copies the finished half to the device.
+ * ======================================================================== */
+
+#define DT_IDX_MAX_BYTES ((uint64_t)1 << 32)   /* refuse absurd headers */
+
+struct dt_dataset {
+    dt_ctx *ctx;
+    int64_t n, c, h, w;
+    uint8_t *images;     /* n * c*h*w */
+    uint8_t *labels;     /* n */
+    int classes;
+};
+
+static dt_status gz_read_all(dt_ctx *ctx, gzFile gz, void *dst, uint64_t n, const char *path)
+{
+    uint8_t *p = dst;
+    while (n > 0) {
+        unsigned chunk = n > (1u << 30) ? (1u << 30) : (unsigned)n;
+        int got = gzread(gz, p, chunk);
+        if (got <= 0 || (unsigned)got != chunk) {
+            int zerr = 0;
+            const char *msg = gzerror(gz, &zerr);
+            return set_error(ctx, DT_ECORRUPT, "dataset: %s is truncated or corrupt (%s)", path,
+                             zerr ? msg : "unexpected end of file");
+        }
+        p += chunk;
+        n -= chunk;
+    }
+    return DT_OK;
+}
+
+/* Read an IDX header: magic 0x0000 08 ndim, then ndim big-endian u32 dims. */
+static dt_status idx_header(dt_ctx *ctx, gzFile gz, const char *path, int want_ndim,
+                            uint64_t *dims)
+{
+    unsigned char h[4];
+    dt_status s = gz_read_all(ctx, gz, h, 4, path);
+    if (s != DT_OK)
+        return s;
+    if (h[0] != 0 || h[1] != 0 || h[2] != 0x08 || h[3] != want_ndim)
+        return set_error(ctx, DT_ECORRUPT, "dataset: %s is not a uint8 IDX file with %d dims "
+                         "(magic %02x %02x %02x %02x)", path, want_ndim, h[0], h[1], h[2], h[3]);
+    uint64_t total = 1;
+    for (int i = 0; i < want_ndim; i++) {
+        unsigned char d[4];
+        if ((s = gz_read_all(ctx, gz, d, 4, path)) != DT_OK)
+            return s;
+        dims[i] = (uint64_t)d[0] << 24 | (uint64_t)d[1] << 16 | (uint64_t)d[2] << 8 | d[3];
+        total *= dims[i] ? dims[i] : 1;
+        if (dims[i] == 0 || total > DT_IDX_MAX_BYTES)
+            return set_error(ctx, DT_ECORRUPT, "dataset: %s has an impossible dimension %d = %llu",
+                             path, i, (unsigned long long)dims[i]);
+    }
+    return DT_OK;
+}
+
+static dt_status idx_load(dt_ctx *ctx, const char *path, int ndim, uint64_t *dims, uint8_t **out)
+{
+    gzFile gz = gzopen(path, "rb");
+    if (!gz)
+        return set_error(ctx, DT_EIO, "dataset: cannot open %s: %s", path, strerror(errno));
+    dt_status s = idx_header(ctx, gz, path, ndim, dims);
+    uint64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= dims[i];
+    uint8_t *buf = NULL;
+    if (s == DT_OK && !(buf = host_alloc(ctx, (size_t)n)))
+        s = set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
+    if (s == DT_OK)
+        s = gz_read_all(ctx, gz, buf, n, path);
+    gzclose(gz);
+    if (s != DT_OK) {
+        host_free(ctx, buf);
+        return s;
+    }
+    *out = buf;
+    return DT_OK;
+}
+
+dt_dataset *dt_dataset_load_idx(dt_ctx *ctx, const char *images_path, const char *labels_path)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!images_path || !labels_path) {
+        set_error(ctx, DT_EINVAL, "dataset: image and label paths are required");
+        return NULL;
+    }
+    dt_dataset *ds = host_calloc(ctx, sizeof *ds);
+    if (!ds) {
+        set_error(ctx, DT_ENOMEM, "dataset: out of memory");
+        return NULL;
+    }
+    ds->ctx = ctx;
+    uint64_t idim[3], ldim[1];
+    if (idx_load(ctx, images_path, 3, idim, &ds->images) != DT_OK ||
+        idx_load(ctx, labels_path, 1, ldim, &ds->labels) != DT_OK)
+        goto fail;
+    if (idim[0] != ldim[0]) {
+        set_error(ctx, DT_EMISMATCH, "dataset: %s has %llu images but %s has %llu labels",
+                  images_path, (unsigned long long)idim[0], labels_path,
+                  (unsigned long long)ldim[0]);
+        goto fail;
+    }
+    ds->n = (int64_t)idim[0];
+    ds->c = 1;
+    ds->h = (int64_t)idim[1];
+    ds->w = (int64_t)idim[2];
+    for (int64_t i = 0; i < ds->n; i++)
+        if (ds->labels[i] + 1 > ds->classes)
+            ds->classes = ds->labels[i] + 1;
+    return ds;
+fail:
+    dt_dataset_free(ds);
+    return NULL;
+}
+
+/* path of dir/name, preferring the .gz file when both could exist */
+static void dataset_path(char *out, size_t cap, const char *dir, const char *name)
+{
+    snprintf(out, cap, "%s/%s.gz", dir, name);
+    if (access(out, R_OK) != 0)
+        snprintf(out, cap, "%s/%s", dir, name);
+}
+
+dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (split != 0 && split != 1) {
+        set_error(ctx, DT_EINVAL, "dataset: split must be 0 (train) or 1 (test), got %d", split);
+        return NULL;
+    }
+    if (!dir)
+        dir = "/usr/share/datasets/fashion-mnist";
+    char img[4096], lab[4096];
+    const char *pre = split ? "t10k" : "train";
+    char iname[64], lname[64];
+    snprintf(iname, sizeof iname, "%s-images-idx3-ubyte", pre);
+    snprintf(lname, sizeof lname, "%s-labels-idx1-ubyte", pre);
+    dataset_path(img, sizeof img, dir, iname);
+    dataset_path(lab, sizeof lab, dir, lname);
+    if (access(img, R_OK) != 0) {
+        set_error(ctx, DT_EIO, "dataset: Fashion-MNIST not found in %s (install Debian's "
+                               "dataset-fashion-mnist: apt-get install dataset-fashion-mnist)", dir);
+        return NULL;
+    }
+    return dt_dataset_load_idx(ctx, img, lab);
+}
+
+void dt_dataset_free(dt_dataset *ds)
+{
+    if (!ds)
+        return;
+    host_free(ds->ctx, ds->images);
+    host_free(ds->ctx, ds->labels);
+    host_free(ds->ctx, ds);
+}
+
+int64_t dt_dataset_size(const dt_dataset *ds) { return ds ? ds->n : 0; }
+int dt_dataset_classes(const dt_dataset *ds) { return ds ? ds->classes : 0; }
+
+int dt_dataset_sample_shape(const dt_dataset *ds, int64_t *shape)
+{
+    if (!ds)
+        return 0;
+    if (shape) {
+        shape[0] = ds->c;
+        shape[1] = ds->h;
+        shape[2] = ds->w;
+    }
+    return 3;
+}
+
+const uint8_t *dt_dataset_image(const dt_dataset *ds, int64_t i)
+{
+    return ds && i >= 0 && i < ds->n ? ds->images + i * ds->c * ds->h * ds->w : NULL;
+}
+
+int dt_dataset_label(const dt_dataset *ds, int64_t i)
+{
+    return ds && i >= 0 && i < ds->n ? ds->labels[i] : -1;
+}
+
+/* --- the loader ---------------------------------------------------------- */
+
+typedef struct loader_slot {
+    dt_tensor *x, *y;          /* full-batch tensors (persistent) */
+    dt_tensor xv, yv;          /* headers for a short last batch */
+    float *hx;                 /* host staging (== x->data when host-visible) */
+    int32_t *hy;
+    int64_t batch_index;       /* which batch the slot holds, -1 if none */
+    int count;                 /* samples in it */
+    int ready;
+} loader_slot;
+
+struct dt_loader {
+    dt_ctx *ctx;
+    const dt_dataset *ds;
+    dt_loader_config cfg;
+    int64_t sample_elems;
+    int64_t *order;            /* this shard's sample indices for the epoch */
+    int64_t n_local, n_batches, next;
+    float lut[256];
+    loader_slot slot[2];
+    int host_visible;
+    double wait_s;
+    /* background thread */
+    pthread_t thread;
+    int has_thread, stop;
+    int64_t request;           /* batch the worker should fill, -1 if none */
+    int request_slot, busy;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+};
+
+void dt_loader_config_init(dt_loader_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->batch = 64;
+    cfg->shuffle = 1;
+    cfg->mean = 0.0f;
+    cfg->std = 1.0f;
+    cfg->prefetch = 1;
+}
+
+static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
+{
+    int64_t start = b * ld->cfg.batch, count = ld->n_local - start;
+    if (count > ld->cfg.batch)
+        count = ld->cfg.batch;
+    int64_t e = ld->sample_elems;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t idx = ld->order[start + i];
+        const uint8_t *src = ld->ds->images + idx * e;
+        float *dst = s->hx + i * e;
+        for (int64_t k = 0; k < e; k++)
+            dst[k] = ld->lut[src[k]];
+        s->hy[i] = ld->ds->labels[idx];
+    }
+    s->batch_index = b;
+    s->count = (int)count;
+}
+
+static void *loader_main(void *arg)
+{
+    dt_loader *ld = arg;
+    pthread_mutex_lock(&ld->mu);
+    for (;;) {
+        while (!ld->stop && ld->request < 0)
+            pthread_cond_wait(&ld->cv, &ld->mu);
+        if (ld->stop)
+            break;
+        int64_t b = ld->request;
+        loader_slot *s = &ld->slot[ld->request_slot];
+        ld->request = -1;
+        ld->busy = 1;
+        pthread_mutex_unlock(&ld->mu);
+        fill_batch(ld, s, b);
+        pthread_mutex_lock(&ld->mu);
+        s->ready = 1;
+        ld->busy = 0;
+        pthread_cond_broadcast(&ld->cv);
+    }
+    pthread_mutex_unlock(&ld->mu);
+    return NULL;
+}
+
+/* Ask for batch b in slot si: the worker if there is one, else right now. */
+static void loader_request(dt_loader *ld, int si, int64_t b)
+{
+    loader_slot *s = &ld->slot[si];
+    if (!ld->has_thread) {
+        fill_batch(ld, s, b);
+        s->ready = 1;
+        return;
+    }
+    pthread_mutex_lock(&ld->mu);
+    s->ready = 0;
+    ld->request = b;
+    ld->request_slot = si;
+    pthread_cond_broadcast(&ld->cv);
+    pthread_mutex_unlock(&ld->mu);
+}
+
+static void loader_quiesce(dt_loader *ld)
+{
+    if (!ld->has_thread)
+        return;
+    pthread_mutex_lock(&ld->mu);
+    ld->request = -1;
+    while (ld->busy)
+        pthread_cond_wait(&ld->cv, &ld->mu);
+    pthread_mutex_unlock(&ld->mu);
+}
+
+void dt_loader_free(dt_loader *ld)
+{
+    if (!ld)
+        return;
+    dt_ctx *ctx = ld->ctx;
+    if (ld->has_thread) {
+        pthread_mutex_lock(&ld->mu);
+        ld->stop = 1;
+        pthread_cond_broadcast(&ld->cv);
+        pthread_mutex_unlock(&ld->mu);
+        pthread_join(ld->thread, NULL);
+    }
+    if (ld->has_thread || ld->stop) {
+        pthread_mutex_destroy(&ld->mu);
+        pthread_cond_destroy(&ld->cv);
+    }
+    for (int i = 0; i < 2; i++) {
+        loader_slot *s = &ld->slot[i];
+        if (!ld->host_visible) {
+            host_free(ctx, s->hx);
+            host_free(ctx, s->hy);
+        }
+        dt_tensor_free(s->x);
+        dt_tensor_free(s->y);
+    }
+    host_free(ctx, ld->order);
+    host_free(ctx, ld);
+}
+
+static dt_status loader_alloc_slots(dt_loader *ld)
+{
+    dt_ctx *ctx = ld->ctx;
+    int64_t b = ld->cfg.batch;
+    int64_t xs[4] = {b, ld->ds->c, ld->ds->h, ld->ds->w}, ys[1] = {b};
+    for (int i = 0; i < 2; i++) {
+        loader_slot *s = &ld->slot[i];
+        s->batch_index = -1;
+        if (!(s->x = dt_tensor_new(ctx, DT_F32, 4, xs)) || !(s->y = dt_tensor_new(ctx, DT_I32, 1, ys)))
+            return ctx->last_status;
+        if (ld->host_visible) {
+            s->hx = FP(s->x);
+            s->hy = IP(s->y);
+        } else {
+            s->hx = host_alloc(ctx, (size_t)(b * ld->sample_elems) * sizeof(float));
+            s->hy = host_alloc(ctx, (size_t)b * sizeof(int32_t));
+            if (!s->hx || !s->hy)
+                return set_error(ctx, DT_ENOMEM, "loader: out of memory");
+        }
+    }
+    return DT_OK;
+}
+
+dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!ds || !cfg) {
+        set_error(ctx, DT_EINVAL, "loader: dataset and config are required");
+        return NULL;
+    }
+    int shards = cfg->shard_count > 1 ? cfg->shard_count : 1;
+    if (cfg->batch < 1 || !(cfg->std > 0) || cfg->shard_rank < 0 || cfg->shard_rank >= shards) {
+        set_error(ctx, DT_EINVAL, "loader: batch %d, std %g, shard %d of %d: need batch >= 1, "
+                  "std > 0, 0 <= shard_rank < shard_count", cfg->batch, (double)cfg->std,
+                  cfg->shard_rank, cfg->shard_count);
+        return NULL;
+    }
+    dt_loader *ld = host_calloc(ctx, sizeof *ld);
+    if (!ld) {
+        set_error(ctx, DT_ENOMEM, "loader: out of memory");
+        return NULL;
+    }
+    ld->ctx = ctx;
+    ld->ds = ds;
+    ld->cfg = *cfg;
+    ld->cfg.shard_count = shards;
+    ld->sample_elems = ds->c * ds->h * ds->w;
+    ld->host_visible = BE(ctx)->host_visible;
+    ld->request = -1;
+    for (int v = 0; v < 256; v++)
+        ld->lut[v] = ((float)v / 255.0f - cfg->mean) / cfg->std;
+    /* shards as torch's DistributedSampler: pad to a multiple of the count */
+    ld->n_local = (ds->n + shards - 1) / shards;
+    ld->order = host_alloc(ctx, sizeof(int64_t) * (size_t)(ds->n + shards));
+    if (!ld->order || loader_alloc_slots(ld) != DT_OK) {
+        if (ctx->last_status == DT_OK)
+            set_error(ctx, DT_ENOMEM, "loader: out of memory");
+        dt_loader_free(ld);
+        return NULL;
+    }
+    ld->n_batches = cfg->drop_last ? ld->n_local / cfg->batch
+                                   : (ld->n_local + cfg->batch - 1) / cfg->batch;
+    if (cfg->prefetch) {
+        if (pthread_mutex_init(&ld->mu, NULL) != 0 || pthread_cond_init(&ld->cv, NULL) != 0 ||
+            pthread_create(&ld->thread, NULL, loader_main, ld) != 0) {
+            set_error(ctx, DT_ENOMEM, "loader: cannot start the prefetch thread");
+            ld->stop = 1;
+            dt_loader_free(ld);
+            return NULL;
+        }
+        ld->has_thread = 1;
+    }
+    if (dt_loader_start_epoch(ld, 0) != DT_OK) {
+        dt_loader_free(ld);
+        return NULL;
+    }
+    return ld;
+}
+
+dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
+{
+    if (!ld)
+        return DT_EINVAL;
+    loader_quiesce(ld);
+    int64_t n = ld->ds->n, shards = ld->cfg.shard_count;
+    int64_t total = ld->n_local * shards;
+    int64_t *perm = ld->order;   /* build the global order in place, then keep our shard */
+    for (int64_t i = 0; i < n; i++)
+        perm[i] = i;
+    if (ld->cfg.shuffle) {
+        uint64_t s[4];
+        xoshiro_seed(s, ld->cfg.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(epoch + 1)));
+        for (int64_t i = n - 1; i > 0; i--) {
+            int64_t j = (int64_t)(xoshiro_next(s) % (uint64_t)(i + 1));
+            int64_t t = perm[i];
+            perm[i] = perm[j];
+            perm[j] = t;
+        }
+    }
+    for (int64_t i = n; i < total; i++)
+        perm[i] = perm[i - n];
+    for (int64_t i = 0; i < ld->n_local; i++)
+        perm[i] = perm[ld->cfg.shard_rank + i * shards];
+    ld->next = 0;
+    ld->wait_s = 0;
+    ld->slot[0].ready = ld->slot[1].ready = 0;
+    if (ld->n_batches > 0)
+        loader_request(ld, 0, 0);
+    return DT_OK;
+}
+
+static void set_batch_view(dt_tensor *view, const dt_tensor *full, int count)
+{
+    *view = *full;
+    view->shape[0] = count;
+    view->flags = T_EXTERNAL;
+    view->next = view->prev = NULL;
+}
+
+dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
+{
+    if (!ld)
+        return DT_EINVAL;
+    dt_ctx *ctx = ld->ctx;
+    if (!x || !y)
+        return set_error(ctx, DT_EINVAL, "loader_next: output pointers are NULL");
+    if (ld->next >= ld->n_batches)
+        return DT_EOF;
+    int si = (int)(ld->next % 2);
+    loader_slot *s = &ld->slot[si];
+    double t0 = dt_now();
+    if (ld->has_thread) {
+        pthread_mutex_lock(&ld->mu);
+        while (!s->ready)
+            pthread_cond_wait(&ld->cv, &ld->mu);
+        pthread_mutex_unlock(&ld->mu);
+    }
+    ld->wait_s += dt_now() - t0;
+    if (!ld->host_visible) {
+        BE(ctx)->to_device(BEI(ctx), s->x->data, s->hx,
+                           (size_t)(s->count * ld->sample_elems) * sizeof(float));
+        BE(ctx)->to_device(BEI(ctx), s->y->data, s->hy, (size_t)s->count * sizeof(int32_t));
+    }
+    ld->next++;
+    if (ld->next < ld->n_batches)    /* the other half fills while the caller computes */
+        loader_request(ld, 1 - si, ld->next);
+    if (s->count == ld->cfg.batch) {
+        *x = s->x;
+        *y = s->y;
+    } else {
+        set_batch_view(&s->xv, s->x, s->count);
+        set_batch_view(&s->yv, s->y, s->count);
+        *x = &s->xv;
+        *y = &s->yv;
+    }
+    return DT_OK;
+}
+
+int64_t dt_loader_batches(const dt_loader *ld) { return ld ? ld->n_batches : 0; }
+double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
+
+/* ===========================================================================
+ * 12. Utilities
+ * ======================================================================== */
+
+dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,
+                           int64_t *correct)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!logits || !labels || !correct)
+        return set_error(ctx, DT_EINVAL, "count_correct: logits, labels and output are required");
+    char s1[96], s2[96];
+    if (logits->dtype != DT_F32 || labels->dtype != DT_I32 || logits->ndim != 2 ||
+        labels->ndim != 1 || labels->shape[0] != logits->shape[0] ||
+        !dt_tensor_is_contiguous(logits) || !dt_tensor_is_contiguous(labels))
+        return set_error(ctx, DT_EINVAL, "count_correct: logits %s f32 and labels %s i32 must be "
+                         "contiguous (N,C) and (N)", SHAPE(logits, s1), SHAPE(labels, s2));
+    *correct = BE(ctx)->count_correct(BEI(ctx), logits->shape[0], logits->shape[1], FP(logits),
+                                      IP(labels));
+    return DT_OK;
+}
+
+double dt_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}

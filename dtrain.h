@@ -1,0 +1,437 @@
+/*
+ * dtrain.h - the whole public API of dtrain, a distributed deep-learning
+ * training framework in C.
+ *
+ * Vendor dtrain.h + dtrain.c + one compute backend (backends/cpu.c) into your
+ * program, or link build/libdtrain.a.  Everything starts from a context:
+ *
+ *     dt_config cfg;
+ *     dt_config_init(&cfg);            // defaults: cpu backend, 1 thread, seed 0
+ *     dt_ctx *ctx = dt_ctx_new(&cfg);  // NULL only when out of memory
+ *     if (dt_ctx_status(ctx) != DT_OK) puts(dt_last_error(ctx));
+ *
+ * Conventions (they hold for every function below):
+ *  - Fallible functions return dt_status.  Functions that return a handle return
+ *    NULL on failure and leave the reason in the context: dt_last_error(ctx).
+ *  - Nothing here aborts, exits or prints.  Bad input (NULL, wrong shapes,
+ *    wrong dtypes, corrupt files) gives a status and a message naming the
+ *    object and the cause.
+ *  - Ops accept NULL inputs and then return NULL without touching the error:
+ *    a chain of ops can be checked once at the end.
+ *  - Ownership is written on each function: "borrows" (the caller keeps
+ *    ownership), "new" (the caller frees it with the named function),
+ *    "ctx-owned" (freed with the context), "step" (lives until
+ *    dt_step_reset()).
+ *  - No global mutable state: two contexts never share anything, and a context
+ *    is used by one thread at a time.
+ */
+#ifndef DTRAIN_H
+#define DTRAIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DTRAIN_VERSION_MAJOR 0
+#define DTRAIN_VERSION_MINOR 1
+#define DTRAIN_VERSION_PATCH 0
+#define DTRAIN_VERSION_STRING "0.1.0"
+
+#if defined(_WIN32) && defined(DT_BUILD_SHARED)
+#define DT_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define DT_API __attribute__((visibility("default")))
+#else
+#define DT_API
+#endif
+
+/* Limits, named so callers can size their buffers. */
+#define DT_MAX_DIMS 6        /* tensors have 0..DT_MAX_DIMS dimensions */
+#define DT_MAX_NAME 128      /* parameter names, including the NUL */
+#define DT_MAX_ERROR 512     /* dt_last_error() text, including the NUL */
+
+/* ---------------------------------------------------------------------------
+ * 1. Status codes and errors
+ * ------------------------------------------------------------------------- */
+typedef enum dt_status {
+    DT_OK = 0,
+    DT_EINVAL,     /* bad argument: NULL, wrong shape, out of range */
+    DT_ENOMEM,     /* an allocation failed */
+    DT_EIO,        /* a file or device could not be read or written */
+    DT_ECORRUPT,   /* a file's contents are malformed or truncated */
+    DT_EMISMATCH,  /* two things that must agree do not (shapes, names) */
+    DT_ENOTSUP,    /* valid request this build or backend does not support */
+    DT_ESTATE,     /* call not valid in the object's current state */
+    DT_ETIMEDOUT,  /* an operation did not finish in time */
+    DT_EPEER,      /* a remote rank failed or sent something unexpected */
+    DT_EOF         /* a loader has no more batches in this epoch */
+} dt_status;
+
+/* A static string describing a status ("invalid argument"). Never NULL. */
+DT_API const char *dt_strerror(dt_status s);
+
+/* ---------------------------------------------------------------------------
+ * 2. The context
+ * ------------------------------------------------------------------------- */
+typedef struct dt_ctx dt_ctx;
+
+/* Allocator hooks: all host memory the library takes goes through these (the
+ * CPU backend's tensor memory too).  Any member left NULL uses libc. */
+typedef struct dt_allocator {
+    void *(*malloc_fn)(size_t size, void *user);
+    void *(*realloc_fn)(void *ptr, size_t size, void *user);
+    void (*free_fn)(void *ptr, void *user);
+    void *user;
+} dt_allocator;
+
+typedef struct dt_config {
+    const char *backend;      /* "cpu" (default) or "cuda" */
+    int threads;              /* compute threads; 0 means 1 */
+    uint64_t seed;            /* seeds init, dropout and shuffling */
+    dt_allocator allocator;   /* host allocation hooks */
+    size_t arena_bytes;       /* initial step arena; it grows during warm-up */
+    int device;               /* device index for accelerator backends */
+} dt_config;
+
+/* Fill *cfg with the defaults. */
+DT_API void dt_config_init(dt_config *cfg);
+
+/* New context.  Returns NULL only if the context itself cannot be allocated;
+ * otherwise check dt_ctx_status(): a context whose backend failed to start
+ * keeps the message in dt_last_error() and refuses every other call.
+ * cfg may be NULL (defaults).  new: free with dt_ctx_free. */
+DT_API dt_ctx *dt_ctx_new(const dt_config *cfg);
+DT_API void dt_ctx_free(dt_ctx *ctx);             /* NULL is fine */
+DT_API dt_status dt_ctx_status(const dt_ctx *ctx);
+
+/* The last error's message ("conv2d: input has 3 channels, weight expects
+ * 1"), or "" when none.  ctx-owned; valid until the next failing call. */
+DT_API const char *dt_last_error(const dt_ctx *ctx);
+DT_API dt_status dt_last_status(const dt_ctx *ctx);
+DT_API void dt_clear_error(dt_ctx *ctx);
+
+DT_API const char *dt_backend_name(const dt_ctx *ctx);
+DT_API int dt_ctx_threads(const dt_ctx *ctx);
+
+/* Autograd switches.  grad enabled (default 1): ops record the tape.
+ * training (default 1): dropout is active. */
+DT_API void dt_set_grad_enabled(dt_ctx *ctx, int enabled);
+DT_API int dt_grad_enabled(const dt_ctx *ctx);
+DT_API void dt_set_training(dt_ctx *ctx, int training);
+DT_API int dt_training(const dt_ctx *ctx);
+
+/* Memory accounting of the step arena and persistent tensors, in bytes. */
+typedef struct dt_mem_stats {
+    size_t arena_capacity;    /* device bytes the step arena holds */
+    size_t arena_used;        /* bytes in use now */
+    size_t arena_peak;        /* high-water mark since the last reset_peak */
+    size_t persistent_bytes;  /* parameters, gradients, optimizer state */
+    uint64_t arena_grows;     /* times the arena had to allocate */
+} dt_mem_stats;
+DT_API void dt_mem_stats_get(const dt_ctx *ctx, dt_mem_stats *out);
+DT_API void dt_mem_reset_peak(dt_ctx *ctx);
+
+/* Free every step tensor and the tape made since the last reset.  Call it
+ * once per training step (after the optimizer step).  After the first few
+ * steps the arena has its final size and a step allocates nothing. */
+DT_API void dt_step_reset(dt_ctx *ctx);
+
+/* ---------------------------------------------------------------------------
+ * 3. Tensors
+ * ------------------------------------------------------------------------- */
+typedef struct dt_tensor dt_tensor;
+
+typedef enum dt_dtype {
+    DT_F32 = 0,   /* compute type */
+    DT_I32,       /* labels and indices */
+    DT_U8,        /* raw bytes (images as stored) */
+    DT_BF16,      /* storage only for now: ops reject it with DT_ENOTSUP */
+    DT_F16        /* storage only for now */
+} dt_dtype;
+
+DT_API size_t dt_dtype_size(dt_dtype t);
+DT_API const char *dt_dtype_name(dt_dtype t);
+
+/* New persistent tensor, zero-filled.  new: free with dt_tensor_free (or it
+ * is freed with the context). */
+DT_API dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                const int64_t *shape);
+DT_API void dt_tensor_free(dt_tensor *t);         /* NULL is fine */
+
+/* New step tensor (lives until dt_step_reset), zero-filled. */
+DT_API dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                 const int64_t *shape);
+
+/* Copy host data in or out.  count is in elements and must equal numel; the
+ * host buffer's type must match the tensor's dtype.  Borrows both. */
+DT_API dt_status dt_tensor_set(dt_tensor *t, const void *host, int64_t count);
+DT_API dt_status dt_tensor_get(const dt_tensor *t, void *host, int64_t count);
+DT_API dt_status dt_tensor_fill(dt_tensor *t, float value);
+/* First element as a float (for scalar losses); NAN on error. */
+DT_API float dt_tensor_item(const dt_tensor *t);
+
+DT_API int dt_tensor_ndim(const dt_tensor *t);
+DT_API int64_t dt_tensor_dim(const dt_tensor *t, int i);  /* i < 0 counts from the end */
+DT_API int64_t dt_tensor_numel(const dt_tensor *t);
+DT_API dt_dtype dt_tensor_dtype(const dt_tensor *t);
+DT_API int dt_tensor_is_contiguous(const dt_tensor *t);
+DT_API const char *dt_tensor_name(const dt_tensor *t);   /* "" if unnamed */
+DT_API dt_status dt_tensor_set_name(dt_tensor *t, const char *name);
+
+/* Gradient tensor after dt_backward, or NULL if none.  Borrowed. */
+DT_API dt_tensor *dt_tensor_grad(const dt_tensor *t);
+DT_API int dt_tensor_requires_grad(const dt_tensor *t);
+DT_API dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires);
+
+/* ---------------------------------------------------------------------------
+ * 4. Parameters and initialisation
+ * ------------------------------------------------------------------------- */
+/* New parameter: a named, zero-filled tensor that requires grad, with a
+ * persistent gradient of the same shape.  Parameters are kept in
+ * registration order (optimizers, checkpoints and data parallelism use it).
+ * ctx-owned.  Names must be unique. */
+DT_API dt_tensor *dt_param_new(dt_ctx *ctx, const char *name, int ndim,
+                               const int64_t *shape);
+DT_API int dt_param_count(const dt_ctx *ctx);
+DT_API dt_tensor *dt_param_at(const dt_ctx *ctx, int i);          /* borrowed */
+DT_API dt_tensor *dt_param_find(const dt_ctx *ctx, const char *name);
+/* Zero every parameter's gradient. */
+DT_API void dt_zero_grad(dt_ctx *ctx);
+
+/* Initialisers draw from the context's seeded generator on the host.
+ * fan_in = dim(1) * receptive field, as PyTorch counts it. */
+DT_API dt_status dt_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi);
+DT_API dt_status dt_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std);
+/* Kaiming (He), gain sqrt(2/(1+a^2)) on fan_in: a = 0 for ReLU, a = sqrt(5)
+ * gives PyTorch's nn.Linear / nn.Conv2d default. */
+DT_API dt_status dt_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a);
+DT_API dt_status dt_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a);
+DT_API dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain);
+DT_API dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain);
+/* PyTorch's bias default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)). */
+DT_API dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in);
+/* Reseed the context's generator (init, dropout, shuffling derive from it). */
+DT_API void dt_seed(dt_ctx *ctx, uint64_t seed);
+
+/* ---------------------------------------------------------------------------
+ * 5. Ops (define-by-run autograd)
+ *
+ * Every op returns a new step tensor (freed by dt_step_reset) and records
+ * itself on the tape when grad is enabled and an input requires grad.
+ * Shapes are written as in PyTorch.  Inputs are borrowed.
+ * ------------------------------------------------------------------------- */
+
+/* Views: share memory with x. */
+DT_API dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape); /* one -1 allowed */
+DT_API dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim); /* dims >= start_dim merged */
+DT_API dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1);
+DT_API dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t end);
+/* Contiguous copy of a (possibly strided) view; returns x itself if it already is. */
+DT_API dt_tensor *dt_contiguous(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim);
+
+/* Linear algebra.
+ * matmul: a (M,K) b (K,N) -> (M,N); batched a (B,M,K) b (B,K,N) or b (K,N)
+ * -> (B,M,N).  trans_a / trans_b use the transpose of that operand. */
+DT_API dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int trans_b);
+/* linear: x (N,In), w (Out,In), b (Out) or NULL -> (N,Out) = x w^T + b. */
+DT_API dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b);
+
+/* Elementwise with NumPy/PyTorch broadcasting. */
+DT_API dt_tensor *dt_add(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
+DT_API dt_tensor *dt_sub(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
+DT_API dt_tensor *dt_mul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
+DT_API dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
+DT_API dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s);
+
+/* Reductions.  dt_sum/dt_mean: all elements -> scalar (ndim 0).
+ * *_dim: over one dim (negative counts from the end). */
+DT_API dt_tensor *dt_sum(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_mean(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_sum_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim);
+DT_API dt_tensor *dt_mean_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim);
+
+/* Activations. gelu is the exact (erf) form, as torch.nn.GELU(). */
+DT_API dt_tensor *dt_relu(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_gelu(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_tanh(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_sigmoid(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_softmax(dt_ctx *ctx, dt_tensor *x, int dim);
+DT_API dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim);
+
+/* Losses, mean over the batch -> scalar.
+ * cross_entropy: logits (N,C) f32, labels (N) i32 in [0,C). */
+DT_API dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels);
+DT_API dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target);
+
+/* Convolution and pooling, NCHW.
+ * conv2d: x (N,C,H,W), w (O,C,KH,KW), b (O) or NULL -> (N,O,OH,OW),
+ * OH = (H + 2*pad - KH)/stride + 1. */
+DT_API dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b,
+                            int stride, int pad);
+DT_API dt_tensor *dt_max_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad);
+DT_API dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad);
+
+/* embedding: weight (V,D), idx i32 any shape -> (*idx.shape, D).  The
+ * weight's gradient is written only in the rows idx uses. */
+DT_API dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx);
+/* layer_norm over the last dim: x (..., D), w (D) or NULL, b (D) or NULL. */
+DT_API dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps);
+/* dropout with probability p, scaled by 1/(1-p); identity when not
+ * training.  The mask comes from the context's seed and a step counter. */
+DT_API dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p);
+
+/* Activation checkpointing: run fn(ctx, inputs, user) without keeping its
+ * intermediate tensors; during backward it runs again to rebuild them.  fn
+ * must be deterministic (dropout inside it is replayed with the same mask)
+ * and return one tensor.  Returns that tensor (step). */
+typedef dt_tensor *(*dt_segment_fn)(dt_ctx *ctx, dt_tensor *const *inputs, int n, void *user);
+DT_API dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
+                               int n, void *user);
+
+/* ---------------------------------------------------------------------------
+ * 6. Autograd
+ * ------------------------------------------------------------------------- */
+/* Back-propagate from a scalar loss.  Parameter gradients accumulate (+=)
+ * until dt_zero_grad, so several micro-batches can be summed before one
+ * optimizer step.  The tape stays until dt_step_reset. */
+DT_API dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss);
+
+/* ---------------------------------------------------------------------------
+ * 7. Optimizers and schedules
+ * ------------------------------------------------------------------------- */
+typedef struct dt_optim dt_optim;
+
+typedef enum dt_optim_kind { DT_SGD = 0, DT_ADAM, DT_ADAMW } dt_optim_kind;
+
+typedef struct dt_optim_config {
+    dt_optim_kind kind;
+    float lr;
+    float momentum;       /* SGD */
+    float dampening;      /* SGD */
+    int nesterov;         /* SGD */
+    float weight_decay;   /* SGD/Adam: L2 added to the gradient; AdamW: decoupled */
+    float beta1, beta2, eps;   /* Adam, AdamW */
+} dt_optim_config;
+
+/* Defaults as PyTorch's: SGD lr 0.01; Adam lr 1e-3, betas (0.9, 0.999),
+ * eps 1e-8; AdamW also weight_decay 0.01. */
+DT_API void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind);
+
+/* New optimizer over params[0..n) (borrowed), or over every parameter of
+ * the context when params is NULL.  new: free with dt_optim_free. */
+DT_API dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg,
+                              dt_tensor *const *params, int n);
+DT_API void dt_optim_free(dt_optim *opt);
+/* One update from the current gradients; with a schedule, the update with
+ * index t (0-based) uses dt_schedule_lr(s, base, t).  Parameters that got no
+ * gradient since the last zero_grad are skipped (as PyTorch skips None). */
+DT_API dt_status dt_optim_step(dt_optim *opt);
+DT_API void dt_optim_zero_grad(dt_optim *opt);
+DT_API float dt_optim_lr(const dt_optim *opt);
+DT_API dt_status dt_optim_set_lr(dt_optim *opt, float lr);
+DT_API int64_t dt_optim_steps(const dt_optim *opt);
+
+/* Optimizer state as named tensors ("fc1.weight.exp_avg",
+ * "fc1.weight.momentum_buffer"), for checkpoints.  Borrowed. */
+DT_API int dt_optim_state_count(const dt_optim *opt);
+DT_API dt_tensor *dt_optim_state_at(const dt_optim *opt, int i);
+
+typedef enum dt_sched_kind { DT_SCHED_CONSTANT = 0, DT_SCHED_STEP, DT_SCHED_COSINE } dt_sched_kind;
+typedef struct dt_schedule {
+    dt_sched_kind kind;
+    int64_t step_size;     /* STEP: base * gamma^floor(step/step_size) */
+    float gamma;
+    int64_t warmup_steps;  /* COSINE: lr = base*(step+1)/warmup_steps while  */
+    int64_t total_steps;   /*   step < warmup_steps, then min_lr + (base-min_lr)*
+                            *   (1+cos(pi*q))/2, q = (step-warmup)/(total-warmup)
+                            *   clamped to [0,1] */
+    float min_lr;
+} dt_schedule;
+/* The learning rate at a step for a base rate (pure function). */
+DT_API float dt_schedule_lr(const dt_schedule *s, float base_lr, int64_t step);
+/* Attach a schedule (copied); base lr is the optimizer's lr at that moment. */
+DT_API dt_status dt_optim_set_schedule(dt_optim *opt, const dt_schedule *s);
+
+/* Scale all gradients so their global L2 norm is at most max_norm.  The norm
+ * before clipping goes to *norm_out if not NULL. */
+DT_API dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out);
+
+/* ---------------------------------------------------------------------------
+ * 8. Checkpoints (safetensors)
+ * ------------------------------------------------------------------------- */
+/* Save every parameter, the optimizer's state (if opt is not NULL) and the
+ * step to path, in the safetensors format.  Written to path.tmp, fsync'd,
+ * then renamed, so a crash mid-write leaves the old file. */
+DT_API dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
+                                    int64_t step);
+/* Load a checkpoint into the parameters (and opt's state if not NULL).
+ * The file is checked whole before anything is copied: a truncated, corrupt
+ * or mismatched file returns DT_ECORRUPT / DT_EMISMATCH and changes
+ * nothing.  step_out may be NULL. */
+DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
+                                    int64_t *step_out);
+
+/* ---------------------------------------------------------------------------
+ * 9. Data
+ * ------------------------------------------------------------------------- */
+typedef struct dt_dataset dt_dataset;
+typedef struct dt_loader dt_loader;
+
+/* Read an IDX image file and its label file (gzip or plain; zlib reads
+ * both).  Images stay uint8 in memory.  new: free with dt_dataset_free. */
+DT_API dt_dataset *dt_dataset_load_idx(dt_ctx *ctx, const char *images_path,
+                                       const char *labels_path);
+/* Fashion-MNIST as Debian's dataset-fashion-mnist installs it: dir NULL means
+ * /usr/share/datasets/fashion-mnist; split 0 = train (60000), 1 = test. */
+DT_API dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split);
+DT_API void dt_dataset_free(dt_dataset *ds);
+DT_API int64_t dt_dataset_size(const dt_dataset *ds);
+/* Sample shape without the batch dim, e.g. {1, 28, 28}; returns ndim. */
+DT_API int dt_dataset_sample_shape(const dt_dataset *ds, int64_t *shape_out);
+DT_API int dt_dataset_classes(const dt_dataset *ds);
+/* Raw access: sample i's bytes (borrowed) and its label. */
+DT_API const uint8_t *dt_dataset_image(const dt_dataset *ds, int64_t i);
+DT_API int dt_dataset_label(const dt_dataset *ds, int64_t i);
+
+typedef struct dt_loader_config {
+    int batch;            /* samples per batch */
+    int shuffle;          /* reshuffle every epoch */
+    int drop_last;        /* drop a last partial batch */
+    uint64_t seed;        /* shuffle seed; epoch e uses (seed, e) */
+    float mean, std;      /* pixel -> (pixel/255 - mean)/std */
+    int prefetch;         /* background thread fills the next batch */
+    int shard_rank;       /* this rank's shard (distributed sampling) */
+    int shard_count;      /* number of shards; 0 or 1 means all data */
+} dt_loader_config;
+DT_API void dt_loader_config_init(dt_loader_config *cfg);
+
+/* New loader over ds (borrowed; must outlive the loader).  Batches are
+ * x (B,C,H,W) f32 and y (B) i32.  new: free with dt_loader_free. */
+DT_API dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_config *cfg);
+DT_API void dt_loader_free(dt_loader *ld);
+/* Start epoch `epoch` (shuffled from seed and epoch). */
+DT_API dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch);
+/* Next batch: *x and *y are loader-owned and valid until the next call.
+ * Returns DT_EOF at the end of the epoch. */
+DT_API dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y);
+DT_API int64_t dt_loader_batches(const dt_loader *ld);
+/* Seconds the caller spent waiting for batches since the epoch started. */
+DT_API double dt_loader_wait_seconds(const dt_loader *ld);
+
+/* ---------------------------------------------------------------------------
+ * 10. Utilities
+ * ------------------------------------------------------------------------- */
+/* Number of rows of logits (N,C) whose argmax equals labels (N). */
+DT_API dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,
+                                  int64_t *correct_out);
+/* Monotonic clock in seconds. */
+DT_API double dt_now(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DTRAIN_H */

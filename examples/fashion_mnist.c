@@ -1,0 +1,329 @@
+/*
+ * examples/fashion_mnist.c - train an MLP or a CNN on Fashion-MNIST.
+ *
+ *   build/fashion_mnist --model cnn --epochs 6 --threads 2
+ *   build/fashion_mnist --model mlp --epochs 10 --save mlp.safetensors
+ *
+ * The data comes from Debian's dataset-fashion-mnist
+ * (/usr/share/datasets/fashion-mnist).  The last line printed is
+ * "test accuracy: NN.NN%".
+ */
+#include "dtrain.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define FMNIST_MEAN 0.2860f   /* pixel statistics of the training set */
+#define FMNIST_STD 0.3530f
+
+typedef struct options {
+    const char *model, *data, *save, *resume, *optim;
+    int epochs, batch, threads, limit_batches;
+    float lr;
+    unsigned long long seed;
+} options;
+
+typedef struct model {
+    int cnn;
+    dt_tensor *c1w, *c1b, *c2w, *c2b;        /* CNN convolutions */
+    dt_tensor *f1w, *f1b, *f2w, *f2b, *f3w, *f3b;
+} model;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: fashion_mnist [options]\n"
+            "  --model mlp|cnn     784-512-512-10 MLP or the 2-conv CNN (default mlp)\n"
+            "  --epochs N          training epochs (default 10)\n"
+            "  --batch N           batch size (default 128 for mlp, 64 for cnn)\n"
+            "  --lr X              learning rate (default 1e-3, Adam with cosine decay)\n"
+            "  --optim adam|sgd    optimizer (sgd uses momentum 0.9; default adam)\n"
+            "  --threads N         compute threads (default 1)\n"
+            "  --seed N            seed for init and shuffling (default 1)\n"
+            "  --save PATH         write a checkpoint after every epoch\n"
+            "  --resume PATH       continue from a checkpoint\n"
+            "  --data DIR          dataset directory (default /usr/share/datasets/fashion-mnist)\n"
+            "  --limit-batches N   stop each epoch after N batches (quick runs)\n"
+            "  --help              this text\n");
+}
+
+static int parse_int(const char *flag, const char *v, int lo, int *out)
+{
+    char *end;
+    long x = strtol(v, &end, 10);
+    if (*end || x < lo || x > 1000000000L) {
+        fprintf(stderr, "fashion_mnist: %s needs an integer >= %d, got '%s'\n", flag, lo, v);
+        return 0;
+    }
+    *out = (int)x;
+    return 1;
+}
+
+static int parse_args(int argc, char **argv, options *o)
+{
+    *o = (options){"mlp", NULL, NULL, NULL, "adam", 10, 0, 1, 0, 1e-3f, 1};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            exit(0);
+        }
+        int takes_value = strncmp(a, "--", 2) == 0;
+        if (takes_value && !v) {
+            fprintf(stderr, "fashion_mnist: %s needs a value (see --help)\n", a);
+            return 0;
+        }
+        int ok = 1;
+        if (!strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "--epochs")) ok = parse_int(a, v, 1, &o->epochs);
+        else if (!strcmp(a, "--batch")) ok = parse_int(a, v, 1, &o->batch);
+        else if (!strcmp(a, "--threads")) ok = parse_int(a, v, 1, &o->threads);
+        else if (!strcmp(a, "--limit-batches")) ok = parse_int(a, v, 1, &o->limit_batches);
+        else if (!strcmp(a, "--lr")) { char *e; o->lr = strtof(v, &e); ok = !*e && o->lr > 0; }
+        else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = !*e; }
+        else if (!strcmp(a, "--save")) o->save = v;
+        else if (!strcmp(a, "--resume")) o->resume = v;
+        else if (!strcmp(a, "--data")) o->data = v;
+        else if (!strcmp(a, "--optim")) o->optim = v;
+        else {
+            fprintf(stderr, "fashion_mnist: unknown option '%s' (see --help)\n", a);
+            return 0;
+        }
+        if (!ok) {
+            fprintf(stderr, "fashion_mnist: bad value '%s' for %s\n", v, a);
+            return 0;
+        }
+        i++;
+    }
+    if (strcmp(o->model, "mlp") && strcmp(o->model, "cnn")) {
+        fprintf(stderr, "fashion_mnist: --model must be mlp or cnn, got '%s'\n", o->model);
+        return 0;
+    }
+    if (strcmp(o->optim, "adam") && strcmp(o->optim, "sgd")) {
+        fprintf(stderr, "fashion_mnist: --optim must be adam or sgd, got '%s'\n", o->optim);
+        return 0;
+    }
+    if (!o->batch)
+        o->batch = strcmp(o->model, "cnn") ? 128 : 64;
+    return 1;
+}
+
+/* A linear layer initialised as torch.nn.Linear: kaiming_uniform(a=sqrt(5)). */
+static int linear_params(dt_ctx *ctx, const char *name, int64_t in, int64_t out, dt_tensor **w,
+                         dt_tensor **b)
+{
+    char n[64];
+    snprintf(n, sizeof n, "%s.weight", name);
+    *w = dt_param_new(ctx, n, 2, (int64_t[]){out, in});
+    snprintf(n, sizeof n, "%s.bias", name);
+    *b = dt_param_new(ctx, n, 1, (int64_t[]){out});
+    return *w && *b && dt_init_kaiming_uniform(ctx, *w, 2.2360679775f) == DT_OK &&
+           dt_init_bias(ctx, *b, in) == DT_OK;
+}
+
+static int conv_params(dt_ctx *ctx, const char *name, int64_t cin, int64_t cout, dt_tensor **w,
+                       dt_tensor **b)
+{
+    char n[64];
+    snprintf(n, sizeof n, "%s.weight", name);
+    *w = dt_param_new(ctx, n, 4, (int64_t[]){cout, cin, 3, 3});
+    snprintf(n, sizeof n, "%s.bias", name);
+    *b = dt_param_new(ctx, n, 1, (int64_t[]){cout});
+    return *w && *b && dt_init_kaiming_uniform(ctx, *w, 2.2360679775f) == DT_OK &&
+           dt_init_bias(ctx, *b, cin * 9) == DT_OK;
+}
+
+static int model_build(dt_ctx *ctx, model *m, int cnn)
+{
+    memset(m, 0, sizeof *m);
+    m->cnn = cnn;
+    if (!cnn)
+        return linear_params(ctx, "fc1", 784, 512, &m->f1w, &m->f1b) &&
+               linear_params(ctx, "fc2", 512, 512, &m->f2w, &m->f2b) &&
+               linear_params(ctx, "fc3", 512, 10, &m->f3w, &m->f3b);
+    return conv_params(ctx, "conv1", 1, 32, &m->c1w, &m->c1b) &&
+           conv_params(ctx, "conv2", 32, 64, &m->c2w, &m->c2b) &&
+           linear_params(ctx, "fc1", 3136, 128, &m->f1w, &m->f1b) &&
+           linear_params(ctx, "fc2", 128, 10, &m->f2w, &m->f2b);
+}
+
+/* x (B,1,28,28) -> logits (B,10) */
+static dt_tensor *model_forward(dt_ctx *ctx, const model *m, dt_tensor *x)
+{
+    if (!m->cnn) {
+        dt_tensor *h = dt_flatten(ctx, x, 1);
+        h = dt_relu(ctx, dt_linear(ctx, h, m->f1w, m->f1b));
+        h = dt_relu(ctx, dt_linear(ctx, h, m->f2w, m->f2b));
+        return dt_linear(ctx, h, m->f3w, m->f3b);
+    }
+    dt_tensor *h = dt_relu(ctx, dt_conv2d(ctx, x, m->c1w, m->c1b, 1, 1));
+    h = dt_max_pool2d(ctx, h, 2, 2, 0);
+    h = dt_relu(ctx, dt_conv2d(ctx, h, m->c2w, m->c2b, 1, 1));
+    h = dt_max_pool2d(ctx, h, 2, 2, 0);
+    h = dt_relu(ctx, dt_linear(ctx, dt_flatten(ctx, h, 1), m->f1w, m->f1b));
+    return dt_linear(ctx, h, m->f2w, m->f2b);
+}
+
+static void progress(int tty, int epoch, int epochs, int64_t done, int64_t total, double loss,
+                     double rate)
+{
+    if (tty) {
+        int width = 30, fill = (int)(width * done / (total ? total : 1));
+        printf("\repoch %d/%d [", epoch, epochs);
+        for (int i = 0; i < width; i++)
+            putchar(i < fill ? '=' : (i == fill ? '>' : ' '));
+        printf("] %3d%% loss %.4f %6.0f samples/s ", (int)(100 * done / (total ? total : 1)), loss,
+               rate);
+        fflush(stdout);
+    } else if (done == total || done % 100 == 0) {
+        printf("epoch %d/%d batch %lld/%lld loss %.4f %.0f samples/s\n", epoch, epochs,
+               (long long)done, (long long)total, loss, rate);
+    }
+}
+
+static int evaluate(dt_ctx *ctx, const model *m, dt_loader *ld, double *acc)
+{
+    dt_set_grad_enabled(ctx, 0);
+    dt_set_training(ctx, 0);
+    dt_loader_start_epoch(ld, 0);
+    int64_t correct = 0, seen = 0;
+    dt_tensor *x, *y;
+    dt_status s;
+    while ((s = dt_loader_next(ld, &x, &y)) == DT_OK) {
+        dt_tensor *logits = model_forward(ctx, m, x);
+        int64_t c = 0;
+        if (!logits || dt_count_correct(ctx, logits, y, &c) != DT_OK)
+            return 0;
+        correct += c;
+        seen += dt_tensor_dim(x, 0);
+        dt_step_reset(ctx);
+    }
+    dt_set_grad_enabled(ctx, 1);
+    dt_set_training(ctx, 1);
+    *acc = seen ? (double)correct / (double)seen : 0;
+    return s == DT_EOF;
+}
+
+static int fail(dt_ctx *ctx, const char *what)
+{
+    fprintf(stderr, "fashion_mnist: %s: %s\n", what, dt_last_error(ctx));
+    return 0;
+}
+
+static int train(const options *o, dt_ctx *ctx)
+{
+    int ok = 0, tty = isatty(STDOUT_FILENO);
+    model m;
+    dt_dataset *train_ds = NULL, *test_ds = NULL;
+    dt_loader *train_ld = NULL, *test_ld = NULL;
+    dt_optim *opt = NULL;
+    if (!model_build(ctx, &m, !strcmp(o->model, "cnn")))
+        return fail(ctx, "building the model");
+    if (!(train_ds = dt_dataset_fashion_mnist(ctx, o->data, 0)) ||
+        !(test_ds = dt_dataset_fashion_mnist(ctx, o->data, 1))) {
+        fail(ctx, "loading the dataset");
+        goto done;
+    }
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = o->batch;
+    lc.seed = o->seed;
+    lc.mean = FMNIST_MEAN;
+    lc.std = FMNIST_STD;
+    if (!(train_ld = dt_loader_new(ctx, train_ds, &lc)))
+        goto fail_ctx;
+    lc.batch = 1000;
+    lc.shuffle = 0;
+    if (!(test_ld = dt_loader_new(ctx, test_ds, &lc)))
+        goto fail_ctx;
+    int64_t per_epoch = dt_loader_batches(train_ld);
+    if (o->limit_batches && o->limit_batches < per_epoch)
+        per_epoch = o->limit_batches;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, strcmp(o->optim, "sgd") ? DT_ADAM : DT_SGD);
+    oc.lr = o->lr;
+    if (oc.kind == DT_SGD)
+        oc.momentum = 0.9f;
+    if (!(opt = dt_optim_new(ctx, &oc, NULL, 0)))
+        goto fail_ctx;
+    dt_schedule sched = {.kind = DT_SCHED_COSINE, .total_steps = per_epoch * o->epochs};
+    if (dt_optim_set_schedule(opt, &sched) != DT_OK)
+        goto fail_ctx;
+    int64_t step = 0;
+    if (o->resume) {
+        if (dt_checkpoint_load(ctx, opt, o->resume, &step) != DT_OK)
+            goto fail_ctx;
+        printf("resumed from %s at step %lld\n", o->resume, (long long)step);
+    }
+    printf("model %s, %d epochs, batch %d, lr %g, %d threads, %d parameters tensors\n", o->model,
+           o->epochs, o->batch, (double)o->lr, dt_ctx_threads(ctx), dt_param_count(ctx));
+    for (int epoch = (int)(step / per_epoch); epoch < o->epochs; epoch++) {
+        dt_loader_start_epoch(train_ld, epoch);
+        double t0 = dt_now(), loss_sum = 0;
+        int64_t correct = 0, seen = 0;
+        dt_tensor *x, *y;
+        for (int64_t b = 0; b < per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++) {
+            dt_tensor *logits = model_forward(ctx, &m, x);
+            dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
+            int64_t c = 0;
+            if (!loss || dt_count_correct(ctx, logits, y, &c) != DT_OK ||
+                dt_backward(ctx, loss) != DT_OK || dt_optim_step(opt) != DT_OK)
+                goto fail_ctx;
+            dt_optim_zero_grad(opt);
+            loss_sum += dt_tensor_item(loss);
+            correct += c;
+            seen += dt_tensor_dim(x, 0);
+            dt_step_reset(ctx);
+            step++;
+            progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
+                     (double)seen / (dt_now() - t0));
+        }
+        double secs = dt_now() - t0, test_acc = 0;
+        if (!evaluate(ctx, &m, test_ld, &test_acc))
+            goto fail_ctx;
+        printf("%sepoch %d: loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, "
+               "%.0f samples/s, %.1f s (data wait %.2f s)\n",
+               tty ? "\n" : "", epoch + 1, loss_sum / (double)per_epoch,
+               100.0 * (double)correct / (double)(seen ? seen : 1), 100 * test_acc,
+               (double)seen / secs, secs, dt_loader_wait_seconds(train_ld));
+        if (o->save && dt_checkpoint_save(ctx, opt, o->save, step) != DT_OK)
+            goto fail_ctx;
+    }
+    double acc = 0;
+    if (!evaluate(ctx, &m, test_ld, &acc))
+        goto fail_ctx;
+    printf("test accuracy: %.2f%%\n", 100 * acc);
+    ok = 1;
+    goto done;
+fail_ctx:
+    fail(ctx, "training");
+done:
+    dt_optim_free(opt);
+    dt_loader_free(train_ld);
+    dt_loader_free(test_ld);
+    dt_dataset_free(train_ds);
+    dt_dataset_free(test_ds);
+    return ok;
+}
+
+int main(int argc, char **argv)
+{
+    options o;
+    if (!parse_args(argc, argv, &o))
+        return 2;
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.threads = o.threads;
+    cfg.seed = o.seed;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    if (!ctx || dt_ctx_status(ctx) != DT_OK) {
+        fprintf(stderr, "fashion_mnist: %s\n", ctx ? dt_last_error(ctx) : "out of memory");
+        dt_ctx_free(ctx);
+        return 1;
+    }
+    int ok = train(&o, ctx);
+    dt_ctx_free(ctx);
+    return ok ? 0 : 1;
+}

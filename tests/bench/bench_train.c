@@ -1,0 +1,547 @@
+/*
+ * tests/bench/bench_train.c - training-step, matmul and peak-RSS benchmarks
+ * for dtrain.  Written against dtrain.h only.
+ *
+ *   bench_train [--threads N] [--mode all|mlp|cnn|matmul] [--warmup W]
+ *               [--mlp-steps S] [--cnn-steps S] [--max-seconds T]
+ *   bench_train --rss-epoch [--threads N] [--data DIR]
+ *
+ * Every result is one machine-readable line, "key=value" separated by
+ * spaces, e.g.
+ *   mlp threads=1 ms=4.12 mean=4.20 steps=200
+ *   cnn threads=1 ms=31.0 mean=31.4 steps=50
+ *   matmul threads=1 shape=128x784x512 dtrain_gflops=.. blas_gflops=.. frac=..
+ *     (shape is MxKxN: A (M,K) times B (K,N))
+ *   rss_epoch impl=dtrain threads=1 batches=469 loss=.. seconds=.. maxrss_kb=..
+ * Anything else printed starts with '#'.  Exit status 0 only on success.
+ */
+#define _GNU_SOURCE /* cblas.h (OpenBLAS) uses cpu_set_t; clock_gettime */
+
+#include <cblas.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#include "dtrain.h"
+
+/* ------------------------------------------------------------------------ */
+/* helpers                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void die_ctx(dt_ctx *ctx, const char *what)
+{
+    fprintf(stderr, "bench_train: %s failed: %s\n", what,
+            ctx ? dt_last_error(ctx) : "(no context)");
+    exit(1);
+}
+
+static void check(dt_ctx *ctx, dt_status s, const char *what)
+{
+    if (s != DT_OK) {
+        fprintf(stderr, "bench_train: %s failed: %s (%s)\n", what, dt_strerror(s),
+                dt_last_error(ctx));
+        exit(1);
+    }
+}
+
+/* splitmix64: fixed-seed synthetic data independent of the library's RNG */
+static uint64_t rng_state = 0x5eed1234abcdULL;
+static uint64_t rng_next(void)
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+static float rng_uniform(void) /* [0,1) */
+{
+    return (float)(rng_next() >> 40) * (1.0f / 16777216.0f);
+}
+static float rng_normal(void)
+{
+    float u1 = rng_uniform(), u2 = rng_uniform();
+    if (u1 < 1e-7f) u1 = 1e-7f;
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return (n % 2) ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static double mean(const double *v, int n)
+{
+    double s = 0;
+    for (int i = 0; i < n; i++) s += v[i];
+    return n ? s / n : 0;
+}
+
+static long maxrss_kb(void)
+{
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return -1;
+    return ru.ru_maxrss; /* kilobytes on Linux */
+}
+
+static dt_ctx *make_ctx(int threads, uint64_t seed)
+{
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.threads = threads;
+    cfg.seed = seed;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    if (!ctx) {
+        fprintf(stderr, "bench_train: dt_ctx_new: out of memory\n");
+        exit(1);
+    }
+    if (dt_ctx_status(ctx) != DT_OK) die_ctx(ctx, "dt_ctx_new");
+    return ctx;
+}
+
+/* Persistent tensor filled with N(0,1) (f32) or uniform labels (i32). */
+static dt_tensor *random_input(dt_ctx *ctx, int ndim, const int64_t *shape)
+{
+    dt_tensor *t = dt_tensor_new(ctx, DT_F32, ndim, shape);
+    if (!t) die_ctx(ctx, "dt_tensor_new(input)");
+    int64_t n = dt_tensor_numel(t);
+    float *h = malloc((size_t)n * sizeof *h);
+    if (!h) exit(1);
+    for (int64_t i = 0; i < n; i++) h[i] = rng_normal();
+    check(ctx, dt_tensor_set(t, h, n), "dt_tensor_set(input)");
+    free(h);
+    return t;
+}
+
+static dt_tensor *random_labels(dt_ctx *ctx, int64_t n, int classes)
+{
+    dt_tensor *t = dt_tensor_new(ctx, DT_I32, 1, &n);
+    if (!t) die_ctx(ctx, "dt_tensor_new(labels)");
+    int32_t *h = malloc((size_t)n * sizeof *h);
+    if (!h) exit(1);
+    for (int64_t i = 0; i < n; i++) h[i] = (int32_t)(rng_next() % (uint64_t)classes);
+    check(ctx, dt_tensor_set(t, h, n), "dt_tensor_set(labels)");
+    free(h);
+    return t;
+}
+
+/* PyTorch-default init: kaiming_uniform(a=sqrt(5)) + bias U(+-1/sqrt(fan_in)) */
+static dt_tensor *param(dt_ctx *ctx, const char *name, int ndim, const int64_t *shape,
+                        int64_t fan_in, int is_bias)
+{
+    dt_tensor *p = dt_param_new(ctx, name, ndim, shape);
+    if (!p) die_ctx(ctx, name);
+    if (is_bias)
+        check(ctx, dt_init_bias(ctx, p, fan_in), name);
+    else
+        check(ctx, dt_init_kaiming_uniform(ctx, p, sqrtf(5.0f)), name);
+    return p;
+}
+
+static dt_optim *make_sgd(dt_ctx *ctx)
+{
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    oc.lr = 0.01f;
+    oc.momentum = 0.9f;
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    if (!opt) die_ctx(ctx, "dt_optim_new");
+    return opt;
+}
+
+/* ------------------------------------------------------------------------ */
+/* models                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef struct mlp {
+    dt_tensor *w1, *b1, *w2, *b2, *w3, *b3;
+} mlp;
+
+static void mlp_init(dt_ctx *ctx, mlp *m)
+{
+    int64_t s1[2] = {512, 784}, s2[2] = {512, 512}, s3[2] = {10, 512};
+    int64_t b1 = 512, b2 = 512, b3 = 10;
+    m->w1 = param(ctx, "fc1.weight", 2, s1, 784, 0);
+    m->b1 = param(ctx, "fc1.bias", 1, &b1, 784, 1);
+    m->w2 = param(ctx, "fc2.weight", 2, s2, 512, 0);
+    m->b2 = param(ctx, "fc2.bias", 1, &b2, 512, 1);
+    m->w3 = param(ctx, "fc3.weight", 2, s3, 512, 0);
+    m->b3 = param(ctx, "fc3.bias", 1, &b3, 512, 1);
+}
+
+/* x (N,784) -> logits (N,10) */
+static dt_tensor *mlp_forward(dt_ctx *ctx, const mlp *m, dt_tensor *x)
+{
+    dt_tensor *h = dt_relu(ctx, dt_linear(ctx, x, m->w1, m->b1));
+    h = dt_relu(ctx, dt_linear(ctx, h, m->w2, m->b2));
+    return dt_linear(ctx, h, m->w3, m->b3);
+}
+
+typedef struct cnn {
+    dt_tensor *c1w, *c1b, *c2w, *c2b, *f1w, *f1b, *f2w, *f2b;
+} cnn;
+
+static void cnn_init(dt_ctx *ctx, cnn *m)
+{
+    int64_t c1[4] = {32, 1, 3, 3}, c2[4] = {64, 32, 3, 3};
+    int64_t f1[2] = {128, 3136}, f2[2] = {10, 128};
+    int64_t n32 = 32, n64 = 64, n128 = 128, n10 = 10;
+    m->c1w = param(ctx, "conv1.weight", 4, c1, 9, 0);
+    m->c1b = param(ctx, "conv1.bias", 1, &n32, 9, 1);
+    m->c2w = param(ctx, "conv2.weight", 4, c2, 288, 0);
+    m->c2b = param(ctx, "conv2.bias", 1, &n64, 288, 1);
+    m->f1w = param(ctx, "fc1.weight", 2, f1, 3136, 0);
+    m->f1b = param(ctx, "fc1.bias", 1, &n128, 3136, 1);
+    m->f2w = param(ctx, "fc2.weight", 2, f2, 128, 0);
+    m->f2b = param(ctx, "fc2.bias", 1, &n10, 128, 1);
+}
+
+/* x (N,1,28,28) -> logits (N,10) */
+static dt_tensor *cnn_forward(dt_ctx *ctx, const cnn *m, dt_tensor *x)
+{
+    dt_tensor *h = dt_relu(ctx, dt_conv2d(ctx, x, m->c1w, m->c1b, 1, 1));
+    h = dt_max_pool2d(ctx, h, 2, 2, 0);
+    h = dt_relu(ctx, dt_conv2d(ctx, h, m->c2w, m->c2b, 1, 1));
+    h = dt_max_pool2d(ctx, h, 2, 2, 0);
+    h = dt_flatten(ctx, h, 1);
+    h = dt_relu(ctx, dt_linear(ctx, h, m->f1w, m->f1b));
+    return dt_linear(ctx, h, m->f2w, m->f2b);
+}
+
+/* ------------------------------------------------------------------------ */
+/* training-step benchmark                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct opts {
+    int threads;
+    int warmup;
+    int mlp_steps;
+    int cnn_steps;
+    double max_seconds; /* per model, timed phase */
+    const char *mode;
+    const char *data_dir;
+    int rss_epoch;
+} opts;
+
+enum { MODEL_MLP, MODEL_CNN };
+
+/* One full training step; returns the loss value. */
+static float train_step(dt_ctx *ctx, dt_optim *opt, int model, const void *m, dt_tensor *x,
+                        dt_tensor *y)
+{
+    dt_optim_zero_grad(opt);
+    dt_tensor *logits = model == MODEL_MLP ? mlp_forward(ctx, (const mlp *)m, x)
+                                           : cnn_forward(ctx, (const cnn *)m, x);
+    dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
+    if (!loss) die_ctx(ctx, model == MODEL_MLP ? "mlp forward" : "cnn forward");
+    check(ctx, dt_backward(ctx, loss), "dt_backward");
+    check(ctx, dt_optim_step(opt), "dt_optim_step");
+    /* Read the loss before the reset frees it; this is also the sync point
+     * (a no-op copy of one float on the CPU backend). */
+    float l = dt_tensor_item(loss);
+    dt_step_reset(ctx);
+    return l;
+}
+
+static void bench_model(const opts *o, int model)
+{
+    const char *name = model == MODEL_MLP ? "mlp" : "cnn";
+    dt_ctx *ctx = make_ctx(o->threads, 1234);
+    mlp mm;
+    cnn cm;
+    const void *m;
+    dt_tensor *x, *y;
+    int64_t batch;
+    if (model == MODEL_MLP) {
+        batch = 128;
+        mlp_init(ctx, &mm);
+        m = &mm;
+        int64_t xs[2] = {batch, 784};
+        x = random_input(ctx, 2, xs);
+    } else {
+        batch = 64;
+        cnn_init(ctx, &cm);
+        m = &cm;
+        int64_t xs[4] = {batch, 1, 28, 28};
+        x = random_input(ctx, 4, xs);
+    }
+    y = random_labels(ctx, batch, 10);
+    dt_optim *opt = make_sgd(ctx);
+
+    float first = 0, last = 0;
+    for (int i = 0; i < o->warmup; i++) {
+        last = train_step(ctx, opt, model, m, x, y);
+        if (i == 0) first = last;
+        if (!isfinite(last)) {
+            fprintf(stderr, "bench_train: %s loss is %f at warm-up step %d\n", name, last, i);
+            exit(1);
+        }
+    }
+    dt_mem_stats ms0;
+    dt_mem_stats_get(ctx, &ms0);
+
+    int steps = model == MODEL_MLP ? o->mlp_steps : o->cnn_steps;
+    double *t = malloc((size_t)steps * sizeof *t);
+    if (!t) exit(1);
+    int n = 0;
+    double t_start = now_s();
+    while (n < steps) {
+        double t0 = now_s();
+        last = train_step(ctx, opt, model, m, x, y);
+        t[n++] = now_s() - t0;
+        if (n >= 5 && now_s() - t_start > o->max_seconds) break;
+    }
+    if (!isfinite(last)) {
+        fprintf(stderr, "bench_train: %s loss is %f after timing\n", name, last);
+        exit(1);
+    }
+    dt_mem_stats ms1;
+    dt_mem_stats_get(ctx, &ms1);
+    double avg = mean(t, n);
+    double med = median(t, n);
+    printf("# %s: loss %.4f -> %.4f (same batch each step); arena cap %.1f MB peak %.1f MB, "
+           "persistent %.1f MB, arena grows during timing %llu\n",
+           name, first, last, ms1.arena_capacity / 1e6, ms1.arena_peak / 1e6,
+           ms1.persistent_bytes / 1e6, (unsigned long long)(ms1.arena_grows - ms0.arena_grows));
+    printf("%s threads=%d ms=%.4f mean=%.4f min=%.4f steps=%d\n", name, o->threads, med * 1e3,
+           avg * 1e3, t[0] * 1e3, n);
+    fflush(stdout);
+    free(t);
+    dt_optim_free(opt);
+    dt_ctx_free(ctx);
+}
+
+/* ------------------------------------------------------------------------ */
+/* matmul: dt_matmul forward vs raw cblas_sgemm, same process and threads   */
+/* ------------------------------------------------------------------------ */
+
+static void bench_matmul_shape(const opts *o, dt_ctx *ctx, int64_t M, int64_t K, int64_t N)
+{
+    int64_t as[2] = {M, K}, bs[2] = {K, N};
+    dt_tensor *a = random_input(ctx, 2, as);
+    dt_tensor *b = random_input(ctx, 2, bs);
+    float *ha = malloc((size_t)(M * K) * sizeof(float));
+    float *hb = malloc((size_t)(K * N) * sizeof(float));
+    float *hc = malloc((size_t)(M * N) * sizeof(float));
+    float *hd = malloc((size_t)(M * N) * sizeof(float));
+    if (!ha || !hb || !hc || !hd) exit(1);
+    check(ctx, dt_tensor_get(a, ha, M * K), "dt_tensor_get(a)");
+    check(ctx, dt_tensor_get(b, hb, K * N), "dt_tensor_get(b)");
+
+    /* dtrain's backend may size OpenBLAS's pool itself (e.g. to 1 if it
+     * splits work over its own threads); keep its setting for dtrain's
+     * rounds and use `threads` for the raw sgemm rounds. */
+    int dt_blas_threads = openblas_get_num_threads();
+
+    double flop = 2.0 * (double)M * (double)N * (double)K;
+    /* calls per timed round: ~20 ms of work at ~50 GFLOP/s, at least 1 */
+    int per = (int)(0.02 * 50e9 / flop);
+    if (per < 1) per = 1;
+    if (per > 200) per = 200;
+
+    /* correctness check + warm-up */
+    dt_tensor *c = NULL;
+    for (int i = 0; i < 3; i++) {
+        c = dt_matmul(ctx, a, b, 0, 0);
+        if (!c) die_ctx(ctx, "dt_matmul");
+        if (i < 2) dt_step_reset(ctx);
+    }
+    check(ctx, dt_tensor_get(c, hd, M * N), "dt_tensor_get(c)");
+    dt_step_reset(ctx);
+    openblas_set_num_threads(o->threads);
+    for (int i = 0; i < 3; i++)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)N, (int)K, 1.0f, ha,
+                    (int)K, hb, (int)N, 0.0f, hc, (int)N);
+    double maxdiff = 0, maxref = 0;
+    for (int64_t i = 0; i < M * N; i++) {
+        double d = fabs((double)hc[i] - (double)hd[i]);
+        if (d > maxdiff) maxdiff = d;
+        if (fabs(hc[i]) > maxref) maxref = fabs(hc[i]);
+    }
+    if (!(maxdiff <= 1e-3 * (maxref + 1.0))) {
+        fprintf(stderr, "bench_train: dt_matmul %lldx%lldx%lld differs from sgemm: maxdiff %g\n",
+                (long long)M, (long long)K, (long long)N, maxdiff);
+        exit(1);
+    }
+
+    enum { ROUNDS_MAX = 64 };
+    double td[ROUNDS_MAX], tb[ROUNDS_MAX];
+    int rounds = 0;
+    double t_start = now_s();
+    /* alternate rounds so drift (turbo, neighbours) hits both equally */
+    while (rounds < ROUNDS_MAX) {
+        openblas_set_num_threads(dt_blas_threads);
+        double t0 = now_s();
+        for (int i = 0; i < per; i++) {
+            dt_tensor *r = dt_matmul(ctx, a, b, 0, 0);
+            if (!r) die_ctx(ctx, "dt_matmul");
+            dt_step_reset(ctx);
+        }
+        td[rounds] = (now_s() - t0) / per;
+        openblas_set_num_threads(o->threads);
+        t0 = now_s();
+        for (int i = 0; i < per; i++)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)N, (int)K, 1.0f,
+                        ha, (int)K, hb, (int)N, 0.0f, hc, (int)N);
+        tb[rounds] = (now_s() - t0) / per;
+        rounds++;
+        if (rounds >= 7 && now_s() - t_start > 1.5) break;
+    }
+    openblas_set_num_threads(dt_blas_threads);
+    double gd = flop / median(td, rounds) / 1e9;
+    double gb = flop / median(tb, rounds) / 1e9;
+    printf("matmul threads=%d shape=%lldx%lldx%lld dtrain_gflops=%.2f blas_gflops=%.2f "
+           "frac=%.4f maxdiff=%.3g rounds=%d per=%d dt_blas_threads=%d\n",
+           o->threads, (long long)M, (long long)K, (long long)N, gd, gb, gd / gb, maxdiff, rounds,
+           per, dt_blas_threads);
+    fflush(stdout);
+    free(ha);
+    free(hb);
+    free(hc);
+    free(hd);
+    dt_tensor_free(a);
+    dt_tensor_free(b);
+}
+
+static void bench_matmul(const opts *o)
+{
+    dt_ctx *ctx = make_ctx(o->threads, 99);
+    dt_set_grad_enabled(ctx, 0);
+    static const int64_t shapes[][3] = {{128, 784, 512}, {512, 512, 512}, {1024, 1024, 1024}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+        bench_matmul_shape(o, ctx, shapes[i][0], shapes[i][1], shapes[i][2]);
+    dt_ctx_free(ctx);
+}
+
+/* ------------------------------------------------------------------------ */
+/* one epoch of MLP training on Fashion-MNIST, for the peak-RSS comparison   */
+/* ------------------------------------------------------------------------ */
+
+static void rss_epoch(const opts *o)
+{
+    dt_ctx *ctx = make_ctx(o->threads, 1);
+    dt_dataset *ds = dt_dataset_fashion_mnist(ctx, o->data_dir, 0);
+    if (!ds) die_ctx(ctx, "dt_dataset_fashion_mnist");
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 128;
+    lc.shuffle = 1;
+    lc.drop_last = 0;
+    lc.seed = 1;
+    lc.mean = 0.2860f;
+    lc.std = 0.3530f;
+    dt_loader *ld = dt_loader_new(ctx, ds, &lc);
+    if (!ld) die_ctx(ctx, "dt_loader_new");
+    mlp m;
+    mlp_init(ctx, &m);
+    dt_optim *opt = make_sgd(ctx);
+
+    double t0 = now_s();
+    check(ctx, dt_loader_start_epoch(ld, 0), "dt_loader_start_epoch");
+    int64_t batches = 0;
+    double loss_sum = 0, last = 0;
+    for (;;) {
+        dt_tensor *x, *y;
+        dt_status s = dt_loader_next(ld, &x, &y);
+        if (s == DT_EOF) break;
+        check(ctx, s, "dt_loader_next");
+        dt_optim_zero_grad(opt);
+        dt_tensor *loss = dt_cross_entropy(ctx, mlp_forward(ctx, &m, dt_flatten(ctx, x, 1)), y);
+        if (!loss) die_ctx(ctx, "rss-epoch forward");
+        check(ctx, dt_backward(ctx, loss), "dt_backward");
+        check(ctx, dt_optim_step(opt), "dt_optim_step");
+        last = dt_tensor_item(loss);
+        loss_sum += last;
+        dt_step_reset(ctx);
+        batches++;
+    }
+    double secs = now_s() - t0;
+    if (batches == 0 || !isfinite(loss_sum)) {
+        fprintf(stderr, "bench_train: rss-epoch: %lld batches, loss sum %f\n",
+                (long long)batches, loss_sum);
+        exit(1);
+    }
+    dt_mem_stats ms;
+    dt_mem_stats_get(ctx, &ms);
+    printf("# rss-epoch: arena cap %.1f MB, persistent %.1f MB, loader wait %.3f s\n",
+           ms.arena_capacity / 1e6, ms.persistent_bytes / 1e6, dt_loader_wait_seconds(ld));
+    printf("rss_epoch impl=dtrain threads=%d batches=%lld loss=%.4f last=%.4f seconds=%.3f "
+           "maxrss_kb=%ld\n",
+           o->threads, (long long)batches, loss_sum / (double)batches, last, secs, maxrss_kb());
+    fflush(stdout);
+    dt_loader_free(ld);
+    dt_optim_free(opt);
+    dt_dataset_free(ds);
+    dt_ctx_free(ctx);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: bench_train [--threads N] [--mode all|mlp|cnn|matmul|train] [--warmup W]\n"
+            "                   [--mlp-steps S] [--cnn-steps S] [--max-seconds T]\n"
+            "       bench_train --rss-epoch [--threads N] [--data DIR]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv)
+{
+    opts o = {.threads = 1,
+              .warmup = 20,
+              .mlp_steps = 200,
+              .cnn_steps = 50,
+              .max_seconds = 20.0,
+              .mode = "all",
+              .data_dir = NULL,
+              .rss_epoch = 0};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--rss-epoch")) {
+            o.rss_epoch = 1;
+            continue;
+        }
+        if (!v) usage();
+        if (!strcmp(a, "--threads")) o.threads = atoi(v);
+        else if (!strcmp(a, "--mode")) o.mode = v;
+        else if (!strcmp(a, "--warmup")) o.warmup = atoi(v);
+        else if (!strcmp(a, "--mlp-steps")) o.mlp_steps = atoi(v);
+        else if (!strcmp(a, "--cnn-steps")) o.cnn_steps = atoi(v);
+        else if (!strcmp(a, "--max-seconds")) o.max_seconds = atof(v);
+        else if (!strcmp(a, "--data")) o.data_dir = v;
+        else usage();
+        i++;
+    }
+    if (o.threads < 1 || o.warmup < 1 || o.mlp_steps < 1 || o.cnn_steps < 1) usage();
+
+    if (o.rss_epoch) {
+        rss_epoch(&o);
+        return 0;
+    }
+    int all = !strcmp(o.mode, "all"), train = !strcmp(o.mode, "train");
+    int any = 0;
+    if (all || train || !strcmp(o.mode, "mlp")) bench_model(&o, MODEL_MLP), any = 1;
+    if (all || train || !strcmp(o.mode, "cnn")) bench_model(&o, MODEL_CNN), any = 1;
+    if (all || !strcmp(o.mode, "matmul")) bench_matmul(&o), any = 1;
+    if (!any) usage();
+    return 0;
+}

@@ -1,0 +1,494 @@
+/*
+ * tests/test_core_optim.c - optimizer updates against hand-computed steps
+ * (torch.optim's formulas, worked in double precision below), learning-rate
+ * schedules against their closed forms, gradient clipping and gradient
+ * accumulation.
+ *
+ * Gradients are made exact: loss = sum_i sum(p_i * c_i) gives dL/dp_i = c_i
+ * bit for bit, so each step's gradient is known without trusting backward.
+ */
+#include "test_util.h"
+
+#define RT 1e-5
+#define AT 1e-6
+
+enum { NW = 4, NB = 3, NSTEP = 3 };
+
+static const float W0[NW] = {0.5f, -1.0f, 2.0f, 0.1f};
+static const float B0[NB] = {-0.3f, 0.0f, 0.7f};
+/* gradients of w and b at steps 1..3 */
+static const float GW[NSTEP][NW] = {
+    {0.1f, -0.2f, 0.3f, 1.0f}, {-0.5f, 0.4f, 0.05f, 0.2f}, {0.25f, 0.25f, -1.0f, 0.0f}};
+static const float GB[NSTEP][NB] = {{1.0f, -1.0f, 0.5f}, {0.3f, 0.0f, -0.2f}, {-0.1f, 0.6f, 0.6f}};
+
+typedef struct fixture {
+    dt_ctx *ctx;
+    dt_tensor *w, *b;     /* params "w" (2,2) and "b" (3) */
+    dt_tensor *cw, *cb;   /* gradient constants */
+} fixture;
+
+static void fx_init(fixture *f)
+{
+    f->ctx = tu_ctx_new();
+    f->w = tu_param(f->ctx, "w", SHP(2, 2), W0);
+    f->b = tu_param(f->ctx, "b", SHP(NB), B0);
+    f->cw = tu_tensor(f->ctx, SHP(2, 2), NULL);
+    f->cb = tu_tensor(f->ctx, SHP(NB), NULL);
+}
+
+static void fx_free(fixture *f)
+{
+    dt_tensor_free(f->cw);
+    dt_tensor_free(f->cb);
+    dt_ctx_free(f->ctx);
+}
+
+/* Backward of sum(w * gw) + sum(b * gb): grads become exactly gw, gb
+ * (accumulated onto whatever is there). */
+static void fx_backward(fixture *f, const float *gw, const float *gb)
+{
+    dt_ctx *ctx = f->ctx;
+    tu_check_status(ctx, dt_tensor_set(f->cw, gw, NW), "set cw");
+    tu_check_status(ctx, dt_tensor_set(f->cb, gb, NB), "set cb");
+    dt_tensor *loss = dt_add(ctx, dt_sum(ctx, dt_mul(ctx, f->w, f->cw)),
+                             dt_sum(ctx, dt_mul(ctx, f->b, f->cb)));
+    tu_check(ctx, loss, "loss");
+    tu_check_status(ctx, dt_backward(ctx, loss), "dt_backward");
+    dt_step_reset(ctx);
+}
+
+/* Hand-computed reference, one parameter element at a time. */
+typedef struct ref_state {
+    double w, buf, m, v;
+} ref_state;
+
+static void ref_sgd(ref_state *s, double g, int t, const dt_optim_config *c)
+{
+    g += c->weight_decay * s->w;
+    if (c->momentum != 0) {
+        s->buf = t == 1 ? g : c->momentum * s->buf + (1 - c->dampening) * g;
+        g = c->nesterov ? g + c->momentum * s->buf : s->buf;
+    }
+    s->w -= c->lr * g;
+}
+
+static void ref_adam(ref_state *s, double g, int t, const dt_optim_config *c)
+{
+    if (c->kind == DT_ADAMW)
+        s->w *= 1 - (double)c->lr * c->weight_decay;
+    else
+        g += c->weight_decay * s->w;
+    s->m = c->beta1 * s->m + (1 - (double)c->beta1) * g;
+    s->v = c->beta2 * s->v + (1 - (double)c->beta2) * g * g;
+    double bc1 = 1 - pow(c->beta1, t), bc2 = 1 - pow(c->beta2, t);
+    double denom = sqrt(s->v) / sqrt(bc2) + c->eps;
+    s->w -= c->lr / bc1 * s->m / denom;
+}
+
+/* Run `steps` optimizer steps with the library and with the reference;
+ * compare parameters after every step. */
+static void run_optim(const dt_optim_config *cfg, int steps, const char *what)
+{
+    fixture f;
+    fx_init(&f);
+    dt_optim *opt = dt_optim_new(f.ctx, cfg, NULL, 0);
+    tu_check(f.ctx, opt, "dt_optim_new");
+    ref_state rw[NW] = {{0}}, rb[NB] = {{0}};
+    for (int i = 0; i < NW; i++) rw[i].w = W0[i];
+    for (int i = 0; i < NB; i++) rb[i].w = B0[i];
+
+    for (int t = 1; t <= steps; t++) {
+        dt_optim_zero_grad(opt);
+        fx_backward(&f, GW[t - 1], GB[t - 1]);
+        tu_check_status(f.ctx, dt_optim_step(opt), "dt_optim_step");
+        assert_int_equal(dt_optim_steps(opt), t);
+        double ew[NW], eb[NB];
+        for (int i = 0; i < NW; i++) {
+            (cfg->kind == DT_SGD ? ref_sgd : ref_adam)(&rw[i], GW[t - 1][i], t, cfg);
+            ew[i] = rw[i].w;
+        }
+        for (int i = 0; i < NB; i++) {
+            (cfg->kind == DT_SGD ? ref_sgd : ref_adam)(&rb[i], GB[t - 1][i], t, cfg);
+            eb[i] = rb[i].w;
+        }
+        char name[96];
+        float *gw = tu_read(f.ctx, f.w, NULL), *gb = tu_read(f.ctx, f.b, NULL);
+        snprintf(name, sizeof name, "%s: w after step %d", what, t);
+        tu_assert_close_arr(name, gw, ew, NW, RT, AT);
+        snprintf(name, sizeof name, "%s: b after step %d", what, t);
+        tu_assert_close_arr(name, gb, eb, NB, RT, AT);
+        free(gw);
+        free(gb);
+    }
+
+    /* Named state, where the header names it. */
+    const char *want = NULL;
+    double want_v[NW];
+    if (cfg->kind == DT_SGD && cfg->momentum != 0) {
+        want = "w.momentum_buffer";
+        for (int i = 0; i < NW; i++) want_v[i] = rw[i].buf;
+    } else if (cfg->kind != DT_SGD) {
+        want = "w.exp_avg";
+        for (int i = 0; i < NW; i++) want_v[i] = rw[i].m;
+    }
+    if (want) {
+        dt_tensor *st = NULL;
+        for (int i = 0; i < dt_optim_state_count(opt); i++)
+            if (strcmp(dt_tensor_name(dt_optim_state_at(opt, i)), want) == 0)
+                st = dt_optim_state_at(opt, i);
+        if (!st) fail_msg("%s: no optimizer state named %s", what, want);
+        float *sv = tu_read(f.ctx, st, NULL);
+        tu_assert_close_arr(want, sv, want_v, NW, RT, AT);
+        free(sv);
+    }
+    dt_optim_free(opt);
+    fx_free(&f);
+}
+
+static void test_optim_defaults(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    assert_int_equal(c.kind, DT_SGD);
+    assert_float_equal(c.lr, 0.01f, 0);
+    assert_float_equal(c.momentum, 0, 0);
+    assert_float_equal(c.dampening, 0, 0);
+    assert_int_equal(c.nesterov, 0);
+    assert_float_equal(c.weight_decay, 0, 0);
+    dt_optim_config_init(&c, DT_ADAM);
+    assert_int_equal(c.kind, DT_ADAM);
+    assert_float_equal(c.lr, 1e-3f, 0);
+    assert_float_equal(c.beta1, 0.9f, 0);
+    assert_float_equal(c.beta2, 0.999f, 0);
+    assert_float_equal(c.eps, 1e-8f, 0);
+    assert_float_equal(c.weight_decay, 0, 0);
+    dt_optim_config_init(&c, DT_ADAMW);
+    assert_int_equal(c.kind, DT_ADAMW);
+    assert_float_equal(c.lr, 1e-3f, 0);
+    assert_float_equal(c.weight_decay, 0.01f, 0);
+    assert_float_equal(c.beta1, 0.9f, 0);
+    assert_float_equal(c.beta2, 0.999f, 0);
+}
+
+static void test_optim_sgd_plain(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 0.1f;
+    run_optim(&c, 2, "sgd");
+}
+
+static void test_optim_sgd_momentum(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 0.1f;
+    c.momentum = 0.9f;
+    run_optim(&c, 3, "sgd momentum 0.9");
+    c.dampening = 0.5f;
+    run_optim(&c, 3, "sgd momentum 0.9 dampening 0.5");
+}
+
+static void test_optim_sgd_nesterov(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 0.1f;
+    c.momentum = 0.9f;
+    c.nesterov = 1;
+    run_optim(&c, 3, "sgd nesterov");
+}
+
+static void test_optim_sgd_weight_decay(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 0.1f;
+    c.weight_decay = 0.1f;
+    run_optim(&c, 2, "sgd weight decay");
+    c.momentum = 0.9f;
+    run_optim(&c, 3, "sgd momentum + weight decay");
+}
+
+static void test_optim_adam(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAM);
+    c.lr = 0.1f;
+    run_optim(&c, 2, "adam");
+    run_optim(&c, 3, "adam 3 steps");
+    c.weight_decay = 0.1f;
+    run_optim(&c, 2, "adam L2 weight decay");
+}
+
+static void test_optim_adamw(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAMW);
+    c.lr = 0.1f;
+    c.weight_decay = 0.1f;
+    run_optim(&c, 1, "adamw");
+    run_optim(&c, 3, "adamw 3 steps");
+}
+
+/* One hand-worked number, so the reference itself is checked too:
+ * Adam, lr 0.1, g = 0.1 on the first step: m = 0.01, v = 1e-5,
+ * m_hat = 0.1, sqrt(v_hat) = 0.1 -> w = 0.5 - 0.1 * 0.1 / (0.1 + 1e-8). */
+static void test_optim_adam_by_hand(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAM);
+    c.lr = 0.1f;
+    ref_state s = {.w = 0.5};
+    ref_adam(&s, 0.1, 1, &c);
+    assert_true(fabs(s.w - (0.5 - 0.1 * 0.1 / (0.1 + 1e-8))) < 1e-9);
+    /* AdamW wd 0.1: 0.5 * (1 - 0.01) = 0.495, then the same Adam step */
+    c.kind = DT_ADAMW;
+    c.weight_decay = 0.1f;
+    s = (ref_state){.w = 0.5};
+    ref_adam(&s, 0.1, 1, &c);
+    assert_true(fabs(s.w - (0.495 - 0.1 * 0.1 / (0.1 + 1e-8))) < 1e-8);
+
+    fixture f;
+    fx_init(&f);
+    dt_optim *opt = dt_optim_new(f.ctx, &c, NULL, 0);
+    tu_check(f.ctx, opt, "dt_optim_new");
+    fx_backward(&f, GW[0], GB[0]);
+    tu_check_status(f.ctx, dt_optim_step(opt), "step");
+    float w[NW];
+    dt_tensor_get(f.w, w, NW);
+    assert_true(tu_close(w[0], 0.495 - 0.1 * 0.1 / (0.1 + 1e-8), 1e-6, 0));
+    dt_optim_free(opt);
+    fx_free(&f);
+}
+
+/* An optimizer over a subset of the parameters leaves the others alone;
+ * lr accessors; dt_optim_zero_grad clears the gradients. */
+static void test_optim_subset_and_accessors(void **state)
+{
+    (void)state;
+    fixture f;
+    fx_init(&f);
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 0.5f;
+    dt_tensor *only[1] = {f.b};
+    dt_optim *opt = dt_optim_new(f.ctx, &c, only, 1);
+    tu_check(f.ctx, opt, "dt_optim_new");
+    assert_float_equal(dt_optim_lr(opt), 0.5f, 0);
+    assert_int_equal(dt_optim_set_lr(opt, 0.25f), DT_OK);
+    assert_float_equal(dt_optim_lr(opt), 0.25f, 0);
+    assert_int_equal(dt_optim_steps(opt), 0);
+    fx_backward(&f, GW[0], GB[0]);
+    tu_check_status(f.ctx, dt_optim_step(opt), "step");
+    TU_EXPECT(f.ctx, f.w, 1e-7, 0, 0.5, -1.0, 2.0, 0.1);
+    float *bv = tu_read(f.ctx, f.b, NULL);
+    double eb[NB];
+    for (int i = 0; i < NB; i++) eb[i] = B0[i] - 0.25 * GB[0][i];
+    tu_assert_close_arr("b", bv, eb, NB, RT, AT);
+    free(bv);
+    dt_optim_zero_grad(opt);
+    TU_EXPECT(f.ctx, dt_tensor_grad(f.b), 0, 0, 0, 0, 0);
+    /* dt_zero_grad clears every parameter's gradient */
+    TU_EXPECT(f.ctx, dt_tensor_grad(f.w), RT, AT, 0.1, -0.2, 0.3, 1.0);
+    dt_zero_grad(f.ctx);
+    TU_EXPECT(f.ctx, dt_tensor_grad(f.w), 0, 0, 0, 0, 0, 0);
+    dt_optim_free(opt);
+    dt_optim_free(NULL);
+    fx_free(&f);
+}
+
+/* ---------------------------------------------------------------------------
+ * Schedules
+ * ------------------------------------------------------------------------- */
+static void test_schedule_step(void **state)
+{
+    (void)state;
+    dt_schedule s = {.kind = DT_SCHED_STEP, .step_size = 3, .gamma = 0.5f};
+    /* lr = base * gamma^floor(step / step_size) */
+    static const int64_t steps[] = {0, 1, 2, 3, 5, 6, 10, 30};
+    for (int i = 0; i < TU_ARRAY_LEN(steps); i++) {
+        double want = 0.1 * pow(0.5, (double)(steps[i] / 3));
+        float got = dt_schedule_lr(&s, 0.1f, steps[i]);
+        if (!tu_close(got, want, 1e-6, 0))
+            fail_msg("STEP lr at step %lld: expected %.9g, got %.9g", (long long)steps[i], want,
+                     (double)got);
+    }
+    dt_schedule k = {.kind = DT_SCHED_CONSTANT};
+    assert_float_equal(dt_schedule_lr(&k, 0.3f, 0), 0.3f, 0);
+    assert_float_equal(dt_schedule_lr(&k, 0.3f, 12345), 0.3f, 0);
+}
+
+static void test_schedule_cosine_warmup(void **state)
+{
+    (void)state;
+    /* base 1, warmup 10, total 110, min 0.1:
+     *   step < 10:  lr = step / 10              (linear from 0)
+     *   10..110:    lr = 0.1 + 0.45 (1 + cos(pi (step - 10) / 100))
+     *   >= 110:     lr = 0.1 */
+    dt_schedule s = {.kind = DT_SCHED_COSINE, .warmup_steps = 10, .total_steps = 110,
+                     .min_lr = 0.1f};
+    static const int64_t steps[] = {0, 1, 5, 10, 35, 60, 85, 109, 110, 500};
+    for (int i = 0; i < TU_ARRAY_LEN(steps); i++) {
+        int64_t t = steps[i];
+        double want;
+        if (t < 10)
+            want = t / 10.0;
+        else if (t < 110)
+            want = 0.1 + 0.45 * (1 + cos(M_PI * (double)(t - 10) / 100.0));
+        else
+            want = 0.1;
+        float got = dt_schedule_lr(&s, 1.0f, t);
+        if (!tu_close(got, want, 1e-5, 1e-6))
+            fail_msg("COSINE lr at step %lld: expected %.9g, got %.9g", (long long)t, want,
+                     (double)got);
+    }
+    /* spot values worked by hand: 35 -> 0.1 + 0.45 (1 + 0.70710678) */
+    assert_true(tu_close(dt_schedule_lr(&s, 1.0f, 35), 0.868198052, 1e-5, 0));
+    assert_true(tu_close(dt_schedule_lr(&s, 1.0f, 60), 0.55, 1e-5, 0));
+    /* no warm-up: starts at base */
+    dt_schedule n = {.kind = DT_SCHED_COSINE, .warmup_steps = 0, .total_steps = 100, .min_lr = 0};
+    assert_true(tu_close(dt_schedule_lr(&n, 0.2f, 0), 0.2, 1e-6, 0));
+    assert_true(tu_close(dt_schedule_lr(&n, 0.2f, 50), 0.1, 1e-5, 0));
+    assert_true(tu_close(dt_schedule_lr(&n, 0.2f, 100), 0.0, 0, 1e-7));
+}
+
+/* With a schedule attached, update t (0-based, t = dt_optim_steps() before
+ * the step) uses dt_schedule_lr(base, t): STEP with step_size 1, gamma 0.5
+ * and base 1 gives lrs 1, 0.5, 0.25 for a constant gradient of 1. */
+static void test_schedule_drives_optimizer(void **state)
+{
+    (void)state;
+    fixture f;
+    fx_init(&f);
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 1.0f;
+    dt_tensor *only[1] = {f.w};
+    dt_optim *opt = dt_optim_new(f.ctx, &c, only, 1);
+    tu_check(f.ctx, opt, "dt_optim_new");
+    dt_schedule s = {.kind = DT_SCHED_STEP, .step_size = 1, .gamma = 0.5f};
+    assert_int_equal(dt_optim_set_schedule(opt, &s), DT_OK);
+    static const float ones[NW] = {1, 1, 1, 1};
+    double lr_sum = 0;
+    for (int t = 0; t < 3; t++) {
+        dt_optim_zero_grad(opt);
+        fx_backward(&f, ones, GB[0]);
+        tu_check_status(f.ctx, dt_optim_step(opt), "step");
+        lr_sum += pow(0.5, t);
+        assert_true(tu_close(dt_optim_lr(opt), pow(0.5, t), 1e-6, 0));
+    }
+    double want[NW];
+    for (int i = 0; i < NW; i++) want[i] = W0[i] - lr_sum;
+    float *w = tu_read(f.ctx, f.w, NULL);
+    tu_assert_close_arr("w after scheduled steps", w, want, NW, RT, AT);
+    free(w);
+    dt_optim_free(opt);
+    fx_free(&f);
+}
+
+/* ---------------------------------------------------------------------------
+ * Gradient clipping and accumulation
+ * ------------------------------------------------------------------------- */
+static void test_clip_grad_norm(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    dt_tensor *a = tu_param(ctx, "a", SHP(2), (const float[]){1, 1});
+    dt_tensor *b = tu_param(ctx, "b", SHP(1), (const float[]){1});
+    dt_tensor *ca = tu_tensor(ctx, SHP(2), (const float[]){3, 4});
+    dt_tensor *cb = tu_tensor(ctx, SHP(1), (const float[]){12});
+    for (int round = 0; round < 2; round++) {
+        dt_zero_grad(ctx);
+        dt_tensor *loss = dt_add(ctx, dt_sum(ctx, dt_mul(ctx, a, ca)), dt_sum(ctx, dt_mul(ctx, b, cb)));
+        tu_check_status(ctx, dt_backward(ctx, loss), "backward");
+        dt_step_reset(ctx);
+        /* global norm sqrt(9 + 16 + 144) = 13 */
+        float norm = -1;
+        if (round == 0) {
+            /* max 6.5: scale by 6.5 / 13 = 0.5 */
+            assert_int_equal(dt_clip_grad_norm(ctx, 6.5f, &norm), DT_OK);
+            assert_true(tu_close(norm, 13.0, 1e-6, 0));
+            TU_EXPECT(ctx, dt_tensor_grad(a), 1e-5, 0, 1.5, 2.0);
+            TU_EXPECT(ctx, dt_tensor_grad(b), 1e-5, 0, 6.0);
+        } else {
+            /* max above the norm: unchanged */
+            assert_int_equal(dt_clip_grad_norm(ctx, 100.0f, &norm), DT_OK);
+            assert_true(tu_close(norm, 13.0, 1e-6, 0));
+            TU_EXPECT(ctx, dt_tensor_grad(a), 0, 0, 3, 4);
+            TU_EXPECT(ctx, dt_tensor_grad(b), 0, 0, 12);
+            assert_int_equal(dt_clip_grad_norm(ctx, 100.0f, NULL), DT_OK);
+        }
+    }
+    dt_tensor_free(ca);
+    dt_tensor_free(cb);
+    dt_ctx_free(ctx);
+}
+
+/* Two micro-batches' backward calls sum: the gradient is twice one's. */
+static void test_grad_accumulation(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    tu_rng r = {400};
+    dt_tensor *w1 = tu_param_rand(ctx, &r, "w1", SHP(5, 3), -1, 1);
+    dt_tensor *b1 = tu_param_rand(ctx, &r, "b1", SHP(5), -1, 1);
+    dt_tensor *w2 = tu_param_rand(ctx, &r, "w2", SHP(2, 5), -1, 1);
+    float xv[12];
+    tu_fill_uniform(&r, xv, 12, -1, 1);
+    dt_tensor *x = tu_tensor(ctx, SHP(4, 3), xv);
+    dt_tensor *y = tu_tensor_i32(ctx, SHP(4), (const int32_t[]){0, 1, 1, 0});
+    dt_tensor *ps[3] = {w1, b1, w2};
+    static const int64_t n[3] = {15, 5, 10};
+    float *one[3], *two[3];
+    for (int k = 1; k <= 2; k++) {
+        dt_zero_grad(ctx);
+        for (int rep = 0; rep < k; rep++) {
+            dt_tensor *h = dt_gelu(ctx, dt_linear(ctx, x, w1, b1));
+            dt_tensor *loss = dt_cross_entropy(ctx, dt_linear(ctx, h, w2, NULL), y);
+            tu_check_status(ctx, dt_backward(ctx, loss), "backward");
+            dt_step_reset(ctx);
+        }
+        for (int i = 0; i < 3; i++) (k == 1 ? one : two)[i] = tu_read(ctx, dt_tensor_grad(ps[i]), NULL);
+    }
+    for (int i = 0; i < 3; i++) {
+        for (int64_t j = 0; j < n[i]; j++) {
+            if (one[i][j] == 0) fail_msg("param %d grad %lld is zero: test is vacuous", i, (long long)j);
+            if (!tu_close(two[i][j], 2.0 * one[i][j], 1e-6, 0))
+                fail_msg("accumulated grad of param %d [%lld]: expected 2 x %.9g, got %.9g", i,
+                         (long long)j, (double)one[i][j], (double)two[i][j]);
+        }
+        free(one[i]);
+        free(two[i]);
+    }
+    dt_tensor_free(x);
+    dt_tensor_free(y);
+    dt_ctx_free(ctx);
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_optim_defaults),
+    cmocka_unit_test(test_optim_sgd_plain),
+    cmocka_unit_test(test_optim_sgd_momentum),
+    cmocka_unit_test(test_optim_sgd_nesterov),
+    cmocka_unit_test(test_optim_sgd_weight_decay),
+    cmocka_unit_test(test_optim_adam),
+    cmocka_unit_test(test_optim_adamw),
+    cmocka_unit_test(test_optim_adam_by_hand),
+    cmocka_unit_test(test_optim_subset_and_accessors),
+    cmocka_unit_test(test_schedule_step),
+    cmocka_unit_test(test_schedule_cosine_warmup),
+    cmocka_unit_test(test_schedule_drives_optimizer),
+    cmocka_unit_test(test_clip_grad_norm),
+    cmocka_unit_test(test_grad_accumulation),
+};
+
+DT_TEST_GROUP(core_optim, tests)
