@@ -31,6 +31,7 @@
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <sys/stat.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -2778,14 +2779,18 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
         set_error(ctx, DT_EINVAL, "recompute: needs a function and %d inputs", n);
         return NULL;
     }
+    if (!ctx->grad_enabled || ctx->in_recompute) {
+        dt_tensor *y = fn(ctx, inputs, n, user);
+        if (!y && ctx->last_status == DT_OK)
+            set_error(ctx, DT_EINVAL, "recompute: the segment function returned NULL");
+        return y;
+    }
     int track = 0;
     for (int i = 0; i < n; i++) {
         if (!input_ok(ctx, "recompute", inputs[i], "an input"))
             return NULL;
         track |= tracks(ctx, inputs[i]);
     }
-    if (!ctx->grad_enabled || ctx->in_recompute)
-        return fn(ctx, inputs, n, user);
     uint64_t counter = ctx->dropout_counter;
     arena_switch sw = enter_scratch(ctx);
     ctx->grad_enabled = 0;
@@ -2793,6 +2798,8 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     ctx->grad_enabled = 1;
     ctx->cur_dev = sw.dev;
     ctx->cur_host = sw.host;
+    if (!out && ctx->last_status == DT_OK)
+        set_error(ctx, DT_EINVAL, "recompute: the segment function returned NULL");
     dt_tensor *y = out ? like(ctx, out) : NULL;
     if (y)
         BE(ctx)->copy_strided(BEI(ctx), out->ndim, out->shape, dt_dtype_size(out->dtype), y->data,
@@ -3110,6 +3117,7 @@ dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
  * ======================================================================== */
 
 #define DT_CKPT_MAX_HEADER ((uint64_t)100 << 20)   /* safetensors' own limit */
+#define DT_CKPT_MAX_FILE ((uint64_t)1 << 40)
 #define DT_JSON_MAX_DEPTH 8
 
 typedef struct strbuf {
@@ -3595,13 +3603,17 @@ static dt_status read_file(dt_ctx *ctx, const char *op, const char *path, unsign
     if (!fp)
         return set_error(ctx, DT_EIO, "%s: cannot open %s: %s", op, path, strerror(errno));
     dt_status s = DT_OK;
-    long size = -1;
-    if (fseek(fp, 0, SEEK_END) == 0)
-        size = ftell(fp);
-    if (size < 0 || fseek(fp, 0, SEEK_SET) != 0) {
+    struct stat st;
+    if (fstat(fileno(fp), &st) != 0 || !S_ISREG(st.st_mode)) {
         fclose(fp);
-        return set_error(ctx, DT_EIO, "%s: cannot size %s", op, path);
+        return set_error(ctx, DT_EIO, "%s: %s is not a regular file", op, path);
     }
+    if ((uint64_t)st.st_size > DT_CKPT_MAX_FILE) {
+        fclose(fp);
+        return set_error(ctx, DT_EIO, "%s: %s is larger than %llu bytes", op, path,
+                         (unsigned long long)DT_CKPT_MAX_FILE);
+    }
+    long size = (long)st.st_size;
     unsigned char *buf = host_alloc(ctx, (size_t)size + 1);
     if (!buf)
         s = set_error(ctx, DT_ENOMEM, "%s: out of memory for %ld bytes", op, size);
@@ -3701,7 +3713,28 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
                    : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header", path);
         goto done;
     }
-    uint64_t data_len = len - 8 - hlen;
+    uint64_t data_len = len - 8 - hlen, data_end = 0;
+    for (int i = 0; i < f.n; i++) {
+        st_entry *e = &f.e[i];
+        uint64_t want = e->f32 ? 4 : 0;
+        for (int d = 0; d < e->ndim; d++)
+            want *= (uint64_t)e->shape[d];
+        if (e->end < e->begin || e->end > data_len || (e->f32 && e->end - e->begin != want)) {
+            s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has data offsets [%llu, "
+                          "%llu] outside the %llu data bytes or of the wrong size", path,
+                          e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
+                          (unsigned long long)data_len);
+            goto done;
+        }
+        if (e->end > data_end)
+            data_end = e->end;
+    }
+    if (data_end != data_len) {
+        s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has %llu data bytes, its header "
+                      "describes %llu", path, (unsigned long long)data_len,
+                      (unsigned long long)data_end);
+        goto done;
+    }
     map = host_calloc(ctx, sizeof *map * (size_t)(total + 1));
     psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? opt->n + 1 : 1));
     if (!map || !psteps) {

@@ -16,8 +16,9 @@
  *  - Nothing here aborts, exits or prints.  Bad input (NULL, wrong shapes,
  *    wrong dtypes, corrupt files) gives a status and a message naming the
  *    object and the cause.
- *  - Ops accept NULL inputs and then return NULL without touching the error:
- *    a chain of ops can be checked once at the end.
+ *  - Ops accept NULL inputs and return NULL: the first failure's message is
+ *    kept (a NULL input sets one only when no error is pending), so a chain
+ *    of ops can be checked once at the end.
  *  - Ownership is written on each function: "borrows" (the caller keeps
  *    ownership), "new" (the caller frees it with the named function),
  *    "ctx-owned" (freed with the context), "step" (lives until
@@ -272,6 +273,7 @@ DT_API dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target);
  * OH = (H + 2*pad - KH)/stride + 1. */
 DT_API dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b,
                             int stride, int pad);
+/* Pooling: stride 0 means stride = kernel (PyTorch's default); pad <= kernel/2. */
 DT_API dt_tensor *dt_max_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad);
 DT_API dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad);
 

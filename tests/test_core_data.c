@@ -428,7 +428,7 @@ static void test_data_corrupt_idx(void **state)
     char gzp[128];
     snprintf(gzp, sizeof gzp, "%s/img.gz", dir);
     write_images(gzp, 1, N, 0x803, SIZE_MAX);
-    size_t len;
+    size_t len = 0;
     unsigned char *buf = tu_read_file(gzp, &len);
     assert_non_null(buf);
     tu_write_file(bad, buf, len / 2);

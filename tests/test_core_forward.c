@@ -161,6 +161,15 @@ static void test_fwd_init(void **state)
     assert_true(mx <= bound * (1 + 1e-6) && mx > 0.95 * bound);
     free(v);
 
+    /* xavier_normal gain 2: std = 2 sqrt(2/(fan_in+fan_out)) */
+    tu_check_status(ctx, dt_init_xavier_normal(ctx, w, 2.0f), "xavier_normal");
+    v = tu_read(ctx, w, &n);
+    s2 = 0;
+    for (int64_t i = 0; i < n; i++) s2 += (double)v[i] * v[i];
+    want_var = 4.0 * 2.0 / (I + O);
+    assert_true(fabs(s2 / n - want_var) < 0.1 * want_var);
+    free(v);
+
     /* uniform and normal */
     tu_check_status(ctx, dt_init_uniform(ctx, w, 2.0f, 3.0f), "uniform");
     v = tu_read(ctx, w, &n);

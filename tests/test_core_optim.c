@@ -249,13 +249,14 @@ static void test_optim_adam_by_hand(void **state)
     c.lr = 0.1f;
     ref_state s = {.w = 0.5};
     ref_adam(&s, 0.1, 1, &c);
-    assert_true(fabs(s.w - (0.5 - 0.1 * 0.1 / (0.1 + 1e-8))) < 1e-9);
+    /* (lr and betas are floats: agreement to float precision) */
+    assert_true(fabs(s.w - (0.5 - 0.1 * 0.1 / (0.1 + 1e-8))) < 1e-7);
     /* AdamW wd 0.1: 0.5 * (1 - 0.01) = 0.495, then the same Adam step */
     c.kind = DT_ADAMW;
     c.weight_decay = 0.1f;
     s = (ref_state){.w = 0.5};
     ref_adam(&s, 0.1, 1, &c);
-    assert_true(fabs(s.w - (0.495 - 0.1 * 0.1 / (0.1 + 1e-8))) < 1e-8);
+    assert_true(fabs(s.w - (0.495 - 0.1 * 0.1 / (0.1 + 1e-8))) < 1e-7);
 
     fixture f;
     fx_init(&f);
@@ -327,25 +328,18 @@ static void test_schedule_step(void **state)
     assert_float_equal(dt_schedule_lr(&k, 0.3f, 12345), 0.3f, 0);
 }
 
-static void test_schedule_cosine_warmup(void **state)
+/* base 1, warmup 10, total 110, min 0.1:
+ *   10..110:    lr = 0.1 + 0.45 (1 + cos(pi (step - 10) / 100))
+ *   >= 110:     lr = 0.1 */
+static void test_schedule_cosine(void **state)
 {
     (void)state;
-    /* base 1, warmup 10, total 110, min 0.1:
-     *   step < 10:  lr = step / 10              (linear from 0)
-     *   10..110:    lr = 0.1 + 0.45 (1 + cos(pi (step - 10) / 100))
-     *   >= 110:     lr = 0.1 */
     dt_schedule s = {.kind = DT_SCHED_COSINE, .warmup_steps = 10, .total_steps = 110,
                      .min_lr = 0.1f};
-    static const int64_t steps[] = {0, 1, 5, 10, 35, 60, 85, 109, 110, 500};
+    static const int64_t steps[] = {10, 11, 35, 60, 85, 109, 110, 111, 500};
     for (int i = 0; i < TU_ARRAY_LEN(steps); i++) {
         int64_t t = steps[i];
-        double want;
-        if (t < 10)
-            want = t / 10.0;
-        else if (t < 110)
-            want = 0.1 + 0.45 * (1 + cos(M_PI * (double)(t - 10) / 100.0));
-        else
-            want = 0.1;
+        double want = t < 110 ? 0.1 + 0.45 * (1 + cos(M_PI * (double)(t - 10) / 100.0)) : 0.1;
         float got = dt_schedule_lr(&s, 1.0f, t);
         if (!tu_close(got, want, 1e-5, 1e-6))
             fail_msg("COSINE lr at step %lld: expected %.9g, got %.9g", (long long)t, want,
@@ -359,6 +353,24 @@ static void test_schedule_cosine_warmup(void **state)
     assert_true(tu_close(dt_schedule_lr(&n, 0.2f, 0), 0.2, 1e-6, 0));
     assert_true(tu_close(dt_schedule_lr(&n, 0.2f, 50), 0.1, 1e-5, 0));
     assert_true(tu_close(dt_schedule_lr(&n, 0.2f, 100), 0.0, 0, 1e-7));
+}
+
+/* "linear warm-up from 0" (dtrain.h): lr = base * step / warmup for
+ * step < warmup, so step 0 has lr 0 and step warmup/2 has base/2 (as in
+ * transformers' get_cosine_schedule_with_warmup). */
+static void test_schedule_cosine_warmup_linear(void **state)
+{
+    (void)state;
+    dt_schedule s = {.kind = DT_SCHED_COSINE, .warmup_steps = 10, .total_steps = 110,
+                     .min_lr = 0.1f};
+    static const int64_t steps[] = {0, 1, 5, 9};
+    for (int i = 0; i < TU_ARRAY_LEN(steps); i++) {
+        double want = (double)(steps[i] + 1) / 10.0;   /* header: base*(step+1)/warmup */
+        float got = dt_schedule_lr(&s, 1.0f, steps[i]);
+        if (!tu_close(got, want, 1e-5, 1e-6))
+            fail_msg("COSINE warm-up lr at step %lld: expected %.9g, got %.9g",
+                     (long long)steps[i], want, (double)got);
+    }
 }
 
 /* With a schedule attached, update t (0-based, t = dt_optim_steps() before
@@ -485,7 +497,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_optim_adam_by_hand),
     cmocka_unit_test(test_optim_subset_and_accessors),
     cmocka_unit_test(test_schedule_step),
-    cmocka_unit_test(test_schedule_cosine_warmup),
+    cmocka_unit_test(test_schedule_cosine),
+    cmocka_unit_test(test_schedule_cosine_warmup_linear),
     cmocka_unit_test(test_schedule_drives_optimizer),
     cmocka_unit_test(test_clip_grad_norm),
     cmocka_unit_test(test_grad_accumulation),

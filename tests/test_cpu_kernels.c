@@ -9,8 +9,9 @@
  * pool and check that 1 and 3 threads give bit-identical results where the
  * backend promises it (reductions, dropout).
  *
- * Entry point: dt_test_cpu_kernels(), called by tests/test_main.c; returns
- * the number of failed tests.
+ * Entry points, called by tests/test_main.c: dt_test_cpu_kernels() runs the
+ * group and returns the number of failed tests; dt_test_cpu_kernels_count()
+ * is the number of tests in it.
  */
 #include <stdarg.h>
 #include <stddef.h>
@@ -25,6 +26,7 @@
 #include "backends/backend.h"
 
 int dt_test_cpu_kernels(void);
+int dt_test_cpu_kernels_count(void);
 
 /* ---------------------------------------------------------------------------
  * 1. Fixture: one instance with 1 thread and one with 3
@@ -1047,17 +1049,24 @@ static void test_count_correct(void **state)
  * ------------------------------------------------------------------------- */
 #define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)
 
+static const struct CMUnitTest cpu_kernel_tests[] = {
+    T(test_memory),          T(test_gemm),           T(test_gemm_batched),
+    T(test_fill_axpby),      T(test_unary),          T(test_binary),
+    T(test_copy_strided),    T(test_sum_to),         T(test_reduce_axis),
+    T(test_sum_sumsq_threads), T(test_reductions_threads), T(test_softmax),
+    T(test_xent),            T(test_im2col),         T(test_layout_and_bias),
+    T(test_maxpool),         T(test_avgpool),        T(test_embedding),
+    T(test_layernorm),       T(test_dropout),        T(test_sgd),
+    T(test_adam),            T(test_count_correct),
+};
+
 int dt_test_cpu_kernels(void)
 {
-    const struct CMUnitTest tests[] = {
-        T(test_memory),          T(test_gemm),           T(test_gemm_batched),
-        T(test_fill_axpby),      T(test_unary),          T(test_binary),
-        T(test_copy_strided),    T(test_sum_to),         T(test_reduce_axis),
-        T(test_sum_sumsq_threads), T(test_reductions_threads), T(test_softmax),
-        T(test_xent),            T(test_im2col),         T(test_layout_and_bias),
-        T(test_maxpool),         T(test_avgpool),        T(test_embedding),
-        T(test_layernorm),       T(test_dropout),        T(test_sgd),
-        T(test_adam),            T(test_count_correct),
-    };
-    return cmocka_run_group_tests_name("cpu_kernels", tests, NULL, NULL);
+    return cmocka_run_group_tests_name("cpu_kernels", cpu_kernel_tests, NULL, NULL);
+}
+
+/* number of tests in the group, for test_main's totals */
+int dt_test_cpu_kernels_count(void)
+{
+    return (int)(sizeof cpu_kernel_tests / sizeof cpu_kernel_tests[0]);
 }

@@ -332,15 +332,21 @@ static void bench_model(const opts *o, int model)
 /* matmul: dt_matmul forward vs raw cblas_sgemm, same process and threads   */
 /* ------------------------------------------------------------------------ */
 
+static float *alloc64(size_t bytes)
+{
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
 static void bench_matmul_shape(const opts *o, dt_ctx *ctx, int64_t M, int64_t K, int64_t N)
 {
     int64_t as[2] = {M, K}, bs[2] = {K, N};
     dt_tensor *a = random_input(ctx, 2, as);
     dt_tensor *b = random_input(ctx, 2, bs);
-    float *ha = malloc((size_t)(M * K) * sizeof(float));
-    float *hb = malloc((size_t)(K * N) * sizeof(float));
-    float *hc = malloc((size_t)(M * N) * sizeof(float));
-    float *hd = malloc((size_t)(M * N) * sizeof(float));
+    /* 64-byte aligned like dtrain's tensors, so sgemm gets the same start */
+    float *ha = alloc64((size_t)(M * K) * sizeof(float));
+    float *hb = alloc64((size_t)(K * N) * sizeof(float));
+    float *hc = alloc64((size_t)(M * N) * sizeof(float));
+    float *hd = alloc64((size_t)(M * N) * sizeof(float));
     if (!ha || !hb || !hc || !hd) exit(1);
     check(ctx, dt_tensor_get(a, ha, M * K), "dt_tensor_get(a)");
     check(ctx, dt_tensor_get(b, hb, K * N), "dt_tensor_get(b)");

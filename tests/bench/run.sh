@@ -4,10 +4,12 @@
 #
 # Runs from any cwd.  Environment knobs:
 #   THREADS="1 2"      thread counts to measure
-#   REPEATS=2          runs per side and thread count; the best median is kept
+#   REPEATS=3          runs per side and thread count; the best median is kept
 #   TORCH_PYTHON=/usr/bin/python3   interpreter that has python3-torch
 #   CC=gcc             compiler for bench_train.c (and the library fallback)
 #   STRICT=1           exit 1 when any target is missed
+#   QUIET_WAIT=15      seconds to wait for other CPU load to settle before
+#                      each measurement (0: do not wait, only warn)
 # Every time is printed next to the peer's time from the same run, with the
 # ratio; absolute numbers on their own mean little on a shared 2-core box.
 set -euo pipefail
@@ -19,8 +21,9 @@ cd "$ROOT"
 CC=${CC:-gcc}
 PY=${TORCH_PYTHON:-/usr/bin/python3}
 THREADS=${THREADS:-"1 2"}
-REPEATS=${REPEATS:-2}
+REPEATS=${REPEATS:-3}
 STRICT=${STRICT:-0}
+QUIET_WAIT=${QUIET_WAIT:-15}
 OUT="$HERE/build"
 mkdir -p "$OUT"
 BIN="$OUT/bench_train"
@@ -29,7 +32,8 @@ BIN="$OUT/bench_train"
 BENCH_CFLAGS="-std=c11 -O2 -Wall -Wextra -Werror -I$ROOT"
 LIBS="-lopenblas -lz -lm -lpthread"
 LIBA="$ROOT/build/libdtrain.a"
-if [[ -f "$LIBA" && ! "$ROOT/dtrain.c" -nt "$LIBA" && ! "$ROOT/backends/cpu.c" -nt "$LIBA" ]]; then
+if [[ -f "$LIBA" && ! "$ROOT/dtrain.c" -nt "$LIBA" && ! "$ROOT/backends/cpu.c" -nt "$LIBA" &&
+      ! "$ROOT/dtrain.h" -nt "$LIBA" && ! "$ROOT/backends/backend.h" -nt "$LIBA" ]]; then
     echo "# build: linking $LIBA"
     $CC $BENCH_CFLAGS "$HERE/bench_train.c" "$LIBA" $LIBS -o "$BIN"
 elif [[ -f "$ROOT/dtrain.c" && -f "$ROOT/backends/cpu.c" ]]; then
@@ -49,10 +53,34 @@ fi
 "$PY" -c 'import torch' 2>/dev/null || { echo "run.sh: $PY cannot import torch" >&2; exit 1; }
 
 # ------------------------------------------------------------------ run ---
+# Other work on this (small) machine skews everything: sample how busy the
+# CPUs are (from /proc/stat, over one second, while we run nothing), wait up
+# to QUIET_WAIT seconds for them to calm down, and warn if they do not.
+busy_pct() {
+    local a b
+    a=$(head -n 1 /proc/stat); sleep 1; b=$(head -n 1 /proc/stat)
+    echo "$a" "$b" | awk '{
+        n = (NF - 2) / 2                      # fields per sample after "cpu"
+        for (i = 2; i <= n + 1; i++) { t0 += $i; t1 += $(i + n + 1) }
+        idle0 = $5 + $6; idle1 = $(5 + n + 1) + $(6 + n + 1)
+        b = (t1 - t0) > 0 ? 100 * (1 - (idle1 - idle0) / (t1 - t0)) : 0
+        printf "%.0f\n", b
+    }'
+}
+busy_note() {
+    local b waited=0
+    b=$(busy_pct)
+    while (( b > 15 && waited < QUIET_WAIT )); do b=$(busy_pct); waited=$((waited + 1)); done
+    echo "# other load ($1): ${b}% of all CPUs busy$( ((waited)) && echo " (waited ${waited}s)")" >&2
+    (( b <= 15 )) || echo "# WARNING: machine is busy; ratios are noisy (REPEATS keeps the best run)" >&2
+    return 0
+}
 RES="$OUT/results.txt"
 : > "$RES"
+busy_note start
 for t in $THREADS; do
     for r in $(seq 1 "$REPEATS"); do
+        [[ $t == "${THREADS%% *}" && $r == 1 ]] || busy_note "before threads=$t repeat $r"
         echo "# threads=$t repeat $r/$REPEATS: dtrain" >&2
         OPENBLAS_NUM_THREADS=$t "$BIN" --threads "$t" |
             sed "s/^/dtrain /" | tee -a "$RES" | { grep -v '^dtrain #' >&2 || true; } || { echo "run.sh: bench_train failed" >&2; exit 1; }
@@ -95,8 +123,10 @@ $1 == "dtrain" || $1 == "torch" {
         k = impl SUBSEP kind SUBSEP kv($0, "threads"); ms = kv($0, "ms") + 0
         if (!(k in best) || ms < best[k]) best[k] = ms
     } else if (kind == "matmul" && impl == "dtrain") {
+        # keep the repeat whose raw sgemm ran fastest (the least disturbed
+        # one); dtrain and sgemm rounds alternate inside it
         k = kv($0, "threads") SUBSEP kv($0, "shape")
-        if (!(k in mmf) || kv($0, "frac") + 0 > mmf[k]) {
+        if (!(k in mmf) || kv($0, "blas_gflops") + 0 > mmb[k]) {
             mmf[k] = kv($0, "frac") + 0; mmd[k] = kv($0, "dtrain_gflops"); mmb[k] = kv($0, "blas_gflops")
         }
         if (!(kv($0, "shape") in seen)) { seen[kv($0, "shape")] = 1; shapes[++nsh] = kv($0, "shape") }
