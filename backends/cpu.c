@@ -56,11 +56,12 @@ void openblas_set_num_threads(int num_threads);
  *
  * Grains are the least work (in elements) worth giving one thread: below two
  * grains an op runs inline on the caller, because waking a sleeping worker
- * costs several microseconds and an MLP step is ~30 ops in ~4 ms.
+ * costs several microseconds, while relu on 128x512 takes ~5 us inline
+ * (measured) and an MLP step is ~30 ops in ~4 ms.
  * ------------------------------------------------------------------------- */
 #define DT_CPU_ALIGN 64            /* alloc() alignment: one cache line, AVX-512 */
 #define DT_CPU_GRAIN_MEM 65536     /* memory-bound loops (copy, relu, axpby) */
-#define DT_CPU_GRAIN_MATH 8192     /* loops calling erf/exp/tanh per element */
+#define DT_CPU_GRAIN_MATH 8192     /* loops computing exp/erf per element, divisions */
 #define DT_CPU_RED_BLOCK 4096      /* deterministic sums: fixed block length */
 #define DT_CPU_RED_ROUND 1024      /* block partials held on the stack at once */
 #define DT_CPU_TILE 256            /* column tile of double accumulators */
@@ -241,7 +242,8 @@ static dt_status cpu_init(const dt_backend_params *p, dt_backend **out, char *er
     if (be->nworkers > 0) {
         be->workers = be->al.malloc_fn(sizeof(dt_cpu_worker) * (size_t)be->nworkers, be->al.user);
         if (!be->workers) {
-            if (err_len) snprintf(err, err_len, "cpu backend: out of memory for %d threads", threads);
+            if (err_len)
+                snprintf(err, err_len, "cpu backend: out of memory for %d threads", threads);
             goto fail;
         }
         for (; started < be->nworkers; started++) {
@@ -279,8 +281,8 @@ static void *cpu_alloc(dt_backend *be, size_t bytes)
     if (bytes > SIZE_MAX - extra) return NULL;
     char *raw = be->al.malloc_fn(bytes + extra, be->al.user);
     if (!raw) return NULL;
-    uintptr_t a = ((uintptr_t)raw + sizeof(void *) + DT_CPU_ALIGN - 1) & ~(uintptr_t)(DT_CPU_ALIGN - 1);
-    void *aligned = (void *)a;
+    uintptr_t a = (uintptr_t)raw + sizeof(void *) + DT_CPU_ALIGN - 1;
+    void *aligned = (void *)(a & ~(uintptr_t)(DT_CPU_ALIGN - 1));
     memcpy((char *)aligned - sizeof(void *), &raw, sizeof raw);
     return aligned;
 }
@@ -338,18 +340,47 @@ static void cpu_gemm(dt_backend *be, int ta, int tb, int64_t m, int64_t n, int64
                 (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
 }
 
-/* batch x [C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i]; stride_b may be 0.
- * A loop of threaded GEMMs: splitting the batch over our pool with OpenBLAS
- * at one thread would need openblas_set_num_threads() per call, which is
- * process-wide state shared with other instances. */
+/* OpenBLAS runs a GEMM with m*n*k <= 65536 * 4 on the calling thread (its
+ * GEMM_MULTITHREAD_THRESHOLD), so a batch of such GEMMs would leave the other
+ * cores idle: split the batch over the pool instead (32 x 64^3 at 2 threads:
+ * 120 us split vs 234 us looped, measured).  Larger GEMMs are threaded by
+ * OpenBLAS itself and are looped (no gain from splitting, measured); that
+ * also avoids changing OpenBLAS's thread count, which is process-wide. */
+#define DT_CPU_GEMM_SERIAL_MNK (65536.0 * 4)
+
+typedef struct gemm_args {
+    int ta, tb;
+    int64_t m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+} gemm_args;
+
+static void gemm_batch_range(void *p, int64_t lo, int64_t hi)
+{
+    const gemm_args *G = p;
+    for (int64_t i = lo; i < hi; i++)
+        cpu_gemm(NULL, G->ta, G->tb, G->m, G->n, G->k, G->alpha, G->a + i * G->stride_a, G->lda,
+                 G->b + i * G->stride_b, G->ldb, G->beta, G->c + i * G->stride_c, G->ldc);
+}
+
+/* batch x [C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i]; stride_b may be 0 */
 static void cpu_gemm_batched(dt_backend *be, int64_t batch, int ta, int tb, int64_t m, int64_t n,
                              int64_t k, float alpha, const float *a, int64_t lda, int64_t stride_a,
                              const float *b, int64_t ldb, int64_t stride_b, float beta, float *c,
                              int64_t ldc, int64_t stride_c)
 {
-    for (int64_t i = 0; i < batch; i++)
-        cpu_gemm(be, ta, tb, m, n, k, alpha, a + i * stride_a, lda, b + i * stride_b, ldb, beta,
-                 c + i * stride_c, ldc);
+    gemm_args G = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb,
+                   .ldc = ldc, .stride_a = stride_a, .stride_b = stride_b, .stride_c = stride_c,
+                   .alpha = alpha, .beta = beta, .a = a, .b = b, .c = c};
+    double mnk = (double)m * (double)n * (double)k;
+    if (mnk > DT_CPU_GEMM_SERIAL_MNK) {
+        gemm_batch_range(&G, 0, batch);
+        return;
+    }
+    /* at least one 64^3-sized GEMM's work per part */
+    int64_t grain = mnk > 0 ? (int64_t)(DT_CPU_GEMM_SERIAL_MNK / mnk) : batch;
+    parallel_for(be, batch, max64(1, grain), gemm_batch_range, &G);
 }
 
 /* ---------------------------------------------------------------------------
@@ -401,11 +432,13 @@ static void cpu_axpby(dt_backend *be, int64_t n, float alpha, const float *x, fl
 /* ---- branch-free float math ---------------------------------------------
  * libm's expf/erff/tanhf are calls that keep a loop from vectorizing (3-10 ns
  * an element, measured); these inline, branch-free versions let the loops
- * that call them vectorize.  They need IEEE semantics (no -ffast-math).
- * Accuracy, checked against double libm over [-20, 20]: exp ~1 ulp (Cephes
- * polynomial), tanh ~2 ulp, Phi/erfc relative error < 1e-6 (Numerical Recipes
- * erfcc; < 4e-6 for |x| < 6, where PyTorch's Abramowitz-Stegun erf has
- * only absolute accuracy 1.5e-7), sigmoid 1.1e-7 relative. */
+ * that call them vectorize (gelu 2.8x, tanh 10x, sigmoid 5x faster on
+ * 128x512, measured).  They need IEEE semantics (no -ffast-math).
+ * Accuracy against double libm, measured: exp < 1 ulp (Cephes polynomial),
+ * tanh 1.2 ulp, sigmoid 1.1e-7 relative, normal CDF Phi 1.9e-7 absolute and
+ * 4.2e-6 relative for |x| < 6 (Numerical Recipes' erfcc, accurate in the tail
+ * where PyTorch's Abramowitz-Stegun erf has only 1.5e-7 absolute), gelu
+ * 7e-8 * (1 + |gelu|). */
 #define DT_SQRT1_2 0.70710678118654752440f
 #define DT_INV_SQRT_2PI 0.39894228040143267794f
 
@@ -564,7 +597,6 @@ static void unary_bwd_range(void *p, int64_t lo, int64_t hi)
     const float *x = A->x, *y = A->y, *dy = A->dy;
     float *dx = A->out;
     int acc = A->accumulate;
-    (void)x;
     switch ((dt_unary_op)A->op) {
     case DT_UNARY_RELU:
         DT_UNARY_BWD_LOOP(y[i] > 0.0f ? dy[i] : 0.0f);
@@ -706,7 +738,10 @@ static void space_init(dt_cpu_space *sp, int ndim, const int64_t *shape, const i
 #define DT_BIN_RUN(EXPR)                                                           \
     do {                                                                           \
         if (sa == 1 && sb == 1) {                                                  \
-            for (int64_t i = 0; i < n; i++) { float u = a[i], v = b[i]; o[i] = (EXPR); } \
+            for (int64_t i = 0; i < n; i++) {                                      \
+                float u = a[i], v = b[i];                                          \
+                o[i] = (EXPR);                                                     \
+            }                                                                      \
         } else if (sa == 1 && sb == 0) {                                           \
             float v = b[0];                                                        \
             for (int64_t i = 0; i < n; i++) { float u = a[i]; o[i] = (EXPR); }    \
@@ -815,7 +850,8 @@ static void copy_run(size_t es, int64_t n, char *dst, int64_t sd, const char *sr
         const uint8_t *s = (const uint8_t *)src;
         for (int64_t i = 0; i < n; i++) d[i * sd] = s[i * ss];
     } else {
-        for (int64_t i = 0; i < n; i++) memcpy(dst + i * sd * (int64_t)es, src + i * ss * (int64_t)es, es);
+        for (int64_t i = 0; i < n; i++)
+            memcpy(dst + i * sd * (int64_t)es, src + i * ss * (int64_t)es, es);
     }
 }
 
@@ -841,9 +877,11 @@ static void copy_flat(void *p, int64_t lo, int64_t hi)
 }
 
 /* 2-D transposes (the last two coalesced dims swap which operand is unit
- * stride): copy 32x32 tiles so both sides stay in cache.  Unit u is one tile
- * row band of one outer matrix. */
-#define DT_CPU_TT 32
+ * stride): copy 16x16 tiles so both sides stay in cache.  Unit u is one tile
+ * row band of one outer matrix.  16, not 32: with a power-of-two row pitch
+ * the strided side's lines fall in few L1 sets, and 32 of them thrash (512x1024
+ * transpose: 0.51 ns/elem at 16, 1.24 at 32, 0.60 at 8; measured). */
+#define DT_CPU_TT 16
 static void copy_tiles(void *p, int64_t lo, int64_t hi)
 {
     const copy_args *A = p;
@@ -929,7 +967,8 @@ static double block_sum(const float *x, int64_t n, int sq)
 static double run_sum(const float *x, int64_t n, int sq)
 {
     double s = 0.0;
-    for (int64_t b = 0; b < n; b += DT_CPU_RED_BLOCK) s += block_sum(x + b, min64(DT_CPU_RED_BLOCK, n - b), sq);
+    for (int64_t b = 0; b < n; b += DT_CPU_RED_BLOCK)
+        s += block_sum(x + b, min64(DT_CPU_RED_BLOCK, n - b), sq);
     return s;
 }
 
@@ -1108,7 +1147,6 @@ typedef struct rmax_args {
     float *y;
 } rmax_args;
 
-
 /* units: outer rows (inner == 1) or (outer, tile of inner) */
 static void rmax_units(void *p, int64_t lo, int64_t hi)
 {
@@ -1264,7 +1302,8 @@ static int64_t cpu_xent_forward(dt_backend *be, int64_t n, int64_t c, const floa
     for (int64_t i = 0; i < n; i++)
         if (labels[i] < 0 || labels[i] >= c) return i;
     double row_loss[DT_CPU_RED_ROUND], total = 0.0;
-    xent_args A = {.c = c, .logits = logits, .labels = labels, .probs = probs, .row_loss = row_loss};
+    xent_args A = {.c = c, .logits = logits, .labels = labels, .probs = probs,
+                   .row_loss = row_loss};
     for (A.r0 = 0; A.r0 < n; A.r0 += DT_CPU_RED_ROUND) {
         int64_t nr = min64(DT_CPU_RED_ROUND, n - A.r0);
         parallel_for(be, nr, grain_units(DT_CPU_GRAIN_MATH, c), xent_rows, &A);
@@ -1392,7 +1431,8 @@ static void col2im_units(void *p, int64_t lo, int64_t hi)
         if (!A->accumulate) memset(plane, 0, (size_t)(H * W) * sizeof(float));
         for (int64_t ki = 0; ki < g->kh; ki++) {
             for (int64_t kj = 0; kj < g->kw; kj++) {
-                const float *restrict src = A->col + ((c * g->kh + ki) * g->kw + kj) * ncols + n * P;
+                int64_t r = (c * g->kh + ki) * g->kw + kj;
+                const float *restrict src = A->col + r * ncols + n * P;
                 int64_t w0, w1;
                 valid_ow(g, kj, &w0, &w1);
                 for (int64_t oh = 0; oh < OH; oh++, src += OW) {
@@ -1504,44 +1544,99 @@ typedef struct pool_args {
     int accumulate;
 } pool_args;
 
-/* y (OH,OW) = window max of x (H,W); argmax = h*W+w of the first max, -1 and
- * -inf when the window holds only padding; a NaN takes over, as in PyTorch.
- * Loops run (ki, kj) then the output plane, so each output still sees its
- * window in row-major order, and the running max lives in y itself.  The
- * select is written with bit masks: GCC otherwise turns it into a
- * data-dependent branch.  3.5x faster than a branchy per-output loop on
- * 64x64x14x14 k2 (1.0 vs 3.6 ms, measured). */
+/* best, at <- v, i when v is larger or NaN (PyTorch's rule: a NaN takes
+ * over).  Written with bit masks: GCC otherwise turns the select into a
+ * data-dependent branch, which mispredicts on real activations. */
+static inline void max_take(float v, int64_t i, float *best, uint32_t *at)
+{
+    uint32_t take = 0u - (uint32_t)((v > *best) | (v != v));
+    *best = u2f((f2u(v) & take) | (f2u(*best) & ~take));
+    *at = ((uint32_t)i & take) | (*at & ~take);
+}
+
+/* outputs [ow0, ow1) of one row whose k x k windows lie inside the image,
+ * top-left input at ih0*W + ow*s - pad.  Inlined with k = 2 and 3 as
+ * constants, so the window loops unroll. */
+static inline void maxpool_row_inside(const float *x, int64_t W, int64_t ih0, int64_t s,
+                                      int64_t pad, int64_t k, int64_t ow0, int64_t ow1,
+                                      float *y, int32_t *am)
+{
+    for (int64_t ow = ow0; ow < ow1; ow++) {
+        int64_t base = ih0 * W + ow * s - pad;
+        float best = x[base];
+        uint32_t at = (uint32_t)base;
+        for (int64_t ki = 0; ki < k; ki++)
+            for (int64_t kj = 0; kj < k; kj++) {
+                int64_t i = base + ki * W + kj;
+                max_take(x[i], i, &best, &at);
+            }
+        y[ow] = best;
+        am[ow] = (int32_t)at;
+    }
+}
+
+/* one output whose window may reach into the padding: -inf and -1 if it
+ * holds only padding */
+static void maxpool_one_clipped(const float *x, const dt_conv_geom *g, int64_t oh, int64_t ow,
+                                float *y, int32_t *am)
+{
+    int64_t k = g->kh, s = g->stride, W = g->w;
+    int64_t h0 = max64(0, oh * s - g->pad), h1 = min64(g->h, oh * s - g->pad + k);
+    int64_t w0 = max64(0, ow * s - g->pad), w1 = min64(W, ow * s - g->pad + k);
+    float best = -INFINITY;
+    uint32_t at = (uint32_t)-1;
+    if (h0 < h1 && w0 < w1) {
+        at = (uint32_t)(h0 * W + w0);
+        best = x[at];
+    }
+    for (int64_t ih = h0; ih < h1; ih++)
+        for (int64_t iw = w0; iw < w1; iw++) max_take(x[ih * W + iw], ih * W + iw, &best, &at);
+    y[ow] = best;
+    am[ow] = (int32_t)at;
+}
+
+/* one (H,W) plane -> (OH,OW); both paths visit each window in row-major
+ * order and keep the first maximum, as PyTorch does */
+static inline void maxpool_plane(const float *x, const dt_conv_geom *g, int64_t k, float *y,
+                                 int32_t *am)
+{
+    int64_t H = g->h, W = g->w, OW = g->ow, s = g->stride, pad = g->pad;
+    /* ow whose windows are inside horizontally: ow*s >= pad, ow*s - pad + k <= W */
+    int64_t owa = min64(OW, (pad + s - 1) / s);
+    int64_t owb = W + pad - k < 0 ? 0 : min64(OW, (W + pad - k) / s + 1);
+    owb = max64(owa, owb);
+    for (int64_t oh = 0; oh < g->oh; oh++, y += OW, am += OW) {
+        int64_t ih0 = oh * s - pad;
+        if (ih0 < 0 || ih0 + k > H) {
+            for (int64_t ow = 0; ow < OW; ow++) maxpool_one_clipped(x, g, oh, ow, y, am);
+            continue;
+        }
+        for (int64_t ow = 0; ow < owa; ow++) maxpool_one_clipped(x, g, oh, ow, y, am);
+        maxpool_row_inside(x, W, ih0, s, pad, k, owa, owb, y, am);
+        for (int64_t ow = owb; ow < OW; ow++) maxpool_one_clipped(x, g, oh, ow, y, am);
+    }
+}
+
+/* y (OH,OW) = window max of x (H,W), argmax = flat h*W+w index.  Units are
+ * planes.  Register-held max with the window unrolled: 2.4x faster than
+ * updating whole output rows per window offset, which was itself 3.5x
+ * faster than a branchy per-output loop (64x64x14x14, k2: 0.87 / 2.1 /
+ * 3.6 ms, measured). */
 static void maxpool_fwd_units(void *p, int64_t lo, int64_t hi)
 {
     const pool_args *A = p;
     const dt_conv_geom *g = A->g;
-    int64_t H = g->h, W = g->w, OH = g->oh, OW = g->ow, k = g->kh, s = g->stride;
+    int64_t in = g->h * g->w, out = g->oh * g->ow;
     for (int64_t u = lo; u < hi; u++) {
-        const float *x = A->x + u * H * W;
-        float *restrict y = A->y + u * OH * OW;
-        int32_t *restrict am = A->argmax_out + u * OH * OW;
-        for (int64_t i = 0; i < OH * OW; i++) {
-            y[i] = -INFINITY;
-            am[i] = -1;
-        }
-        for (int64_t ki = 0; ki < k; ki++) {
-            for (int64_t kj = 0; kj < k; kj++) {
-                int64_t w0, w1;
-                valid_ow(g, kj, &w0, &w1);
-                for (int64_t oh = 0; oh < OH; oh++) {
-                    int64_t ih = oh * s - g->pad + ki, off = ih * W + kj - g->pad;
-                    if (ih < 0 || ih >= H) continue;
-                    float *restrict yr = y + oh * OW;
-                    int32_t *restrict ar = am + oh * OW;
-                    for (int64_t ow = w0; ow < w1; ow++) {
-                        float v = x[off + ow * s], b = yr[ow];
-                        uint32_t take = 0u - (uint32_t)((ar[ow] < 0) | (v > b) | (v != v));
-                        yr[ow] = u2f((f2u(v) & take) | (f2u(b) & ~take));
-                        ar[ow] = (int32_t)(((uint32_t)(off + ow * s) & take) | ((uint32_t)ar[ow] & ~take));
-                    }
-                }
-            }
-        }
+        const float *x = A->x + u * in;
+        float *y = A->y + u * out;
+        int32_t *am = A->argmax_out + u * out;
+        if (g->kh == 2)
+            maxpool_plane(x, g, 2, y, am);
+        else if (g->kh == 3)
+            maxpool_plane(x, g, 3, y, am);
+        else
+            maxpool_plane(x, g, g->kh, y, am);
     }
 }
 
@@ -1835,7 +1930,8 @@ static void cpu_layernorm_backward(dt_backend *be, int64_t rows, int64_t d, cons
     parallel_for(be, rows, grain_units(DT_CPU_GRAIN_MEM, 4 * d), ln_bwd_rows, &A);
     if (dw || db) {
         int64_t ntiles = (d + DT_CPU_TILE - 1) / DT_CPU_TILE;
-        parallel_for(be, ntiles, grain_units(DT_CPU_GRAIN_MEM, DT_CPU_TILE * rows), ln_bwd_cols, &A);
+        int64_t grain = grain_units(DT_CPU_GRAIN_MEM, DT_CPU_TILE * rows);
+        parallel_for(be, ntiles, grain, ln_bwd_cols, &A);
     }
 }
 
@@ -1937,9 +2033,9 @@ static void sgd_range(void *p, int64_t lo, int64_t hi)
     }
 }
 
-static void cpu_sgd_update(dt_backend *be, int64_t n, float *w, const float *g, float *buf, float lr,
-                           float momentum, float dampening, int nesterov, float weight_decay,
-                           int first)
+static void cpu_sgd_update(dt_backend *be, int64_t n, float *w, const float *g, float *buf,
+                           float lr, float momentum, float dampening, int nesterov,
+                           float weight_decay, int first)
 {
     opt_args A = {.w = w, .buf = buf, .g = g, .lr = lr, .momentum = momentum,
                   .dampening = dampening, .wd = weight_decay, .nesterov = nesterov, .first = first};
@@ -1974,7 +2070,8 @@ static void adam_range(void *p, int64_t lo, int64_t hi)
     const opt_args *A = p;
     float *w = A->w, *m = A->m, *v = A->v;
     const float *g = A->g;
-    float wd = A->wd, decay = A->decoupled ? 1.0f - A->lr * wd : 1.0f, l2 = A->decoupled ? 0.0f : wd;
+    float wd = A->wd;
+    float decay = A->decoupled ? 1.0f - A->lr * wd : 1.0f, l2 = A->decoupled ? 0.0f : wd;
     float b1c = 1.0f - A->beta1, b2 = A->beta2, b2c = 1.0f - A->beta2, eps = A->eps;
     float step = A->step_size, bcs = A->bc2_sqrt;
     float root[DT_CPU_ADAM_CHUNK];

@@ -78,8 +78,19 @@ static int teardown(void **state)
 /* ---------------------------------------------------------------------------
  * 2. Helpers
  * ------------------------------------------------------------------------- */
-static float *fvec(int64_t n) { float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float)); assert_non_null(p); return p; }
-static double *dvec(int64_t n) { double *p = calloc((size_t)(n > 0 ? n : 1), sizeof(double)); assert_non_null(p); return p; }
+static float *fvec(int64_t n)
+{
+    float *p = calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+    assert_non_null(p);
+    return p;
+}
+
+static double *dvec(int64_t n)
+{
+    double *p = calloc((size_t)(n > 0 ? n : 1), sizeof(double));
+    assert_non_null(p);
+    return p;
+}
 
 /* deterministic uniform in [-1, 1) */
 static void rfill(float *x, int64_t n, uint32_t seed)
@@ -93,7 +104,8 @@ static void rfill(float *x, int64_t n, uint32_t seed)
     }
 }
 
-static void check_close(const float *got, const double *want, int64_t n, double tol, const char *what)
+static void check_close(const float *got, const double *want, int64_t n, double tol,
+                        const char *what)
 {
     for (int64_t i = 0; i < n; i++) {
         double err = fabs((double)got[i] - want[i]);
@@ -213,6 +225,22 @@ static void test_gemm_batched(void **state)
         check_close(c + i * m * n, want, m * n, 1e-5, "gemm_batched");
     }
     free(a); free(b); free(c); free(want);
+
+    /* small GEMMs are split over the pool: 4 x 64^3 with 3 threads, beta = 1 */
+    const int B4 = 4, S = 64;
+    float *a4 = fvec(B4 * S * S), *b4 = fvec(S * S);
+    float *c4 = fvec(B4 * S * S), *c40 = fvec(B4 * S * S);
+    double *w4 = dvec(S * S);
+    rfill(a4, B4 * S * S, 50);
+    rfill(b4, S * S, 51);
+    rfill(c40, B4 * S * S, 52);
+    memcpy(c4, c40, sizeof(float) * B4 * S * S);
+    f->I->gemm_batched(f->be3, B4, 0, 0, S, S, S, 1.0f, a4, S, S * S, b4, S, 0, 1.0f, c4, S, S * S);
+    for (int i = 0; i < B4; i++) {
+        ref_gemm(0, 0, S, S, S, 1.0, a4 + i * S * S, S, b4, S, 1.0, c40 + i * S * S, S, w4);
+        check_close(c4 + i * S * S, w4, S * S, 1e-5, "gemm_batched split");
+    }
+    free(a4); free(b4); free(c4); free(c40); free(w4);
 }
 
 /* ---------------------------------------------------------------------------
@@ -278,7 +306,8 @@ static void test_unary(void **state)
                 if (op == DT_UNARY_RELU)
                     d = x[i] > 0 ? 1.0 : 0.0;
                 else
-                    d = (ref_unary((dt_unary_op)op, x[i] + h) - ref_unary((dt_unary_op)op, x[i] - h)) / (2 * h);
+                    d = (ref_unary((dt_unary_op)op, x[i] + h) -
+                         ref_unary((dt_unary_op)op, x[i] - h)) / (2 * h);
                 want[i] = dy[i] * d + (acc ? dx0[i] : 0.0);
             }
             check_close(dx, want, n, 1e-5, "unary_backward");
@@ -380,18 +409,20 @@ static void test_copy_strided(void **state)
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < 3; j++) assert_int_equal(out8[i * 3 + j], bytes[1 + i * 10 + j * 2]);
     /* batched transposes (4, 300, 201) -> (4, 201, 300), both thread counts */
-    const int64_t ts[3] = {4, 300, 201}, tsrc[3] = {300 * 201, 201, 1}, tdst[3] = {300 * 201, 1, 300};
+    const int64_t ts[3] = {4, 300, 201};
+    const int64_t tsrc[3] = {300 * 201, 201, 1}, tdst[3] = {300 * 201, 1, 300};
     int64_t tn = 4 * 300 * 201;
     float *t = fvec(tn), *u1 = fvec(tn), *u3 = fvec(tn);
     rfill(t, tn, 17);
     f->I->copy_strided(f->be1, 3, ts, 4, u1, tdst, t, tsrc, 0);
     f->I->copy_strided(f->be3, 3, ts, 4, u3, tdst, t, tsrc, 0);
+    f->I->copy_strided(f->be3, 3, ts, 4, u3, tdst, t, tsrc, 1); /* accumulate: 2x */
     for (int b = 0; b < 4; b++)
         for (int i = 0; i < 300; i++)
             for (int j = 0; j < 201; j++) {
                 float v = t[(b * 300 + i) * 201 + j];
                 assert_true(u1[(b * 201 + j) * 300 + i] == v);
-                assert_true(u3[(b * 201 + j) * 300 + i] == v);
+                assert_true(u3[(b * 201 + j) * 300 + i] == 2.0f * v);
             }
     free(t); free(u1); free(u3);
     free(src); free(dst); free(dst0); free(want);
@@ -420,7 +451,8 @@ static void test_sum_to(void **state)
     rfill(dst0, n, 19);
     struct { int64_t st[3]; int64_t n; } cases[] = {
         {{0, 1, 0}, 5}, {{7, 0, 1}, 21}, {{0, 0, 0}, 1}, {{5, 1, 0}, 15}, {{35, 7, 1}, 105},
-        {{1, 0, 0}, 3}, {{0, 7, 1}, 35}, {{1, 3, 0}, 15} /* (3,5,1) stored transposed */};
+        {{1, 0, 0}, 3}, {{0, 7, 1}, 35}, {{1, 3, 0}, 15} /* (3,5,1) stored transposed */,
+        {{0, 1, 5}, 35} /* (5,7) stored transposed */};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
         for (int acc = 0; acc < 2; acc++) {
             memcpy(dst, dst0, sizeof(float) * n);
@@ -544,7 +576,8 @@ static void test_softmax(void **state)
             for (int i = 0; i < In; i++) {
                 double z = 0;
                 for (int l = 0; l < L; l++) z += exp(x[(o * L + l) * In + i]);
-                for (int l = 0; l < L; l++) p[(o * L + l) * In + i] = exp(x[(o * L + l) * In + i]) / z;
+                for (int l = 0; l < L; l++)
+                    p[(o * L + l) * In + i] = exp(x[(o * L + l) * In + i]) / z;
             }
         for (int lg = 0; lg < 2; lg++) {
             f->I->softmax(f->be1, O, L, In, x, y, lg);
@@ -712,40 +745,52 @@ static void test_layout_and_bias(void **state)
 /* ---------------------------------------------------------------------------
  * 10. Pooling
  * ------------------------------------------------------------------------- */
-static void test_maxpool(void **state)
+/* maxpool by the definition: first maximum in row-major window order */
+static void check_maxpool(fix *f, dt_backend *be, dt_conv_geom g, uint32_t seed)
 {
-    fix *f = *state;
-    dt_conv_geom g = geom(2, 3, 7, 6, 3, 3, 2, 1);
-    int64_t xn = 2 * 3 * 7 * 6, yn = 2 * 3 * g.oh * g.ow;
+    int64_t HW = g.h * g.w, P = g.oh * g.ow, planes = g.n * g.c, xn = planes * HW, yn = planes * P;
     float *x = fvec(xn), *y = fvec(yn), *dy = fvec(yn), *dx = fvec(xn), *dx0 = fvec(xn);
     int32_t *am = calloc((size_t)yn, sizeof *am);
     double *want = dvec(xn);
-    rfill(x, xn, 32);
+    rfill(x, xn, seed);
     for (int64_t i = 0; i < xn; i++) x[i] = floorf(x[i] * 3.0f); /* ties: first max wins */
-    f->I->maxpool_forward(f->be1, &g, x, y, am);
-    for (int64_t pl = 0; pl < 6; pl++)
+    f->I->maxpool_forward(be, &g, x, y, am);
+    for (int64_t pl = 0; pl < planes; pl++)
         for (int64_t oh = 0; oh < g.oh; oh++)
             for (int64_t ow = 0; ow < g.ow; ow++) {
                 int64_t best = -1;
-                for (int64_t ki = 0; ki < 3; ki++)
-                    for (int64_t kj = 0; kj < 3; kj++) {
-                        int64_t ih = oh * 2 - 1 + ki, iw = ow * 2 - 1 + kj;
-                        if (ih < 0 || ih >= 7 || iw < 0 || iw >= 6) continue;
-                        if (best < 0 || x[pl * 42 + ih * 6 + iw] > x[pl * 42 + best]) best = ih * 6 + iw;
+                for (int64_t ki = 0; ki < g.kh; ki++)
+                    for (int64_t kj = 0; kj < g.kh; kj++) {
+                        int64_t ih = oh * g.stride - g.pad + ki, iw = ow * g.stride - g.pad + kj;
+                        if (ih < 0 || ih >= g.h || iw < 0 || iw >= g.w) continue;
+                        if (best < 0 || x[pl * HW + ih * g.w + iw] > x[pl * HW + best])
+                            best = ih * g.w + iw;
                     }
-                int64_t o = (pl * g.oh + oh) * g.ow + ow;
-                assert_int_equal(am[o], best);
-                assert_true(y[o] == x[pl * 42 + best]);
+                int64_t o = pl * P + oh * g.ow + ow;
+                if (am[o] != best)
+                    fail_msg("maxpool argmax[%lld]: %d want %lld", (long long)o, am[o],
+                             (long long)best);
+                assert_true(y[o] == x[pl * HW + best]);
             }
-    rfill(dy, yn, 33);
-    rfill(dx0, xn, 34);
+    rfill(dy, yn, seed + 1);
+    rfill(dx0, xn, seed + 2);
     for (int acc = 0; acc < 2; acc++) {
         memcpy(dx, dx0, sizeof(float) * (size_t)xn);
-        f->I->maxpool_backward(f->be1, &g, dy, am, dx, acc);
+        f->I->maxpool_backward(be, &g, dy, am, dx, acc);
         for (int64_t i = 0; i < xn; i++) want[i] = acc ? dx0[i] : 0.0;
-        for (int64_t o = 0; o < yn; o++) want[(o / (g.oh * g.ow)) * 42 + am[o]] += dy[o];
+        for (int64_t o = 0; o < yn; o++) want[(o / P) * HW + am[o]] += dy[o];
         check_close(dx, want, xn, 1e-6, "maxpool_backward");
     }
+    free(x); free(y); free(dy); free(dx); free(dx0); free(am); free(want);
+}
+
+static void test_maxpool(void **state)
+{
+    fix *f = *state;
+    check_maxpool(f, f->be1, geom(2, 3, 7, 6, 3, 3, 2, 1), 32); /* k3 with padding */
+    check_maxpool(f, f->be1, geom(2, 3, 8, 6, 2, 2, 2, 0), 33); /* k2 s2, the CNN case */
+    check_maxpool(f, f->be1, geom(1, 2, 9, 11, 4, 4, 3, 2), 34); /* generic k, clipped */
+    check_maxpool(f, f->be3, geom(16, 16, 28, 28, 2, 2, 2, 0), 35); /* through the pool */
     /* windows entirely in the padding report -1 and are skipped backward */
     dt_conv_geom pg = geom(1, 1, 2, 2, 1, 1, 1, 1); /* 4x4 output, border all padding */
     float px[4] = {1, 2, 3, 4}, py[16], pdy[16], pdx[4];
@@ -758,48 +803,64 @@ static void test_maxpool(void **state)
     }
     f->I->maxpool_backward(f->be1, &pg, pdy, pam, pdx, 0);
     for (int i = 0; i < 4; i++) assert_true(pdx[i] == 1.0f);
-    free(x); free(y); free(dy); free(dx); free(dx0); free(am); free(want);
+    /* a NaN in the window wins, as in PyTorch */
+    dt_conv_geom ng = geom(1, 1, 2, 2, 2, 2, 2, 0);
+    float nx[4] = {1, NAN, 5, 2}, ny[1];
+    int32_t nam[1];
+    f->I->maxpool_forward(f->be1, &ng, nx, ny, nam);
+    assert_true(isnan(ny[0]));
+    assert_int_equal(nam[0], 1);
+}
+
+static void check_avgpool(fix *f, dt_conv_geom g, uint32_t seed)
+{
+    int64_t HW = g.h * g.w, P = g.oh * g.ow, planes = g.n * g.c, xn = planes * HW, yn = planes * P;
+    int64_t k = g.kh;
+    float *x = fvec(xn), *y = fvec(yn), *dy = fvec(yn), *dx = fvec(xn), *dx0 = fvec(xn);
+    double *want = dvec(xn > yn ? xn : yn);
+    rfill(x, xn, seed);
+    f->I->avgpool_forward(f->be1, &g, x, y);
+    for (int64_t pl = 0; pl < planes; pl++)
+        for (int64_t oh = 0; oh < g.oh; oh++)
+            for (int64_t ow = 0; ow < g.ow; ow++) {
+                double s = 0;
+                for (int64_t ki = 0; ki < k; ki++)
+                    for (int64_t kj = 0; kj < k; kj++) {
+                        int64_t ih = oh * g.stride - g.pad + ki, iw = ow * g.stride - g.pad + kj;
+                        if (ih >= 0 && ih < g.h && iw >= 0 && iw < g.w)
+                            s += x[pl * HW + ih * g.w + iw];
+                    }
+                want[pl * P + oh * g.ow + ow] = s / (double)(k * k); /* padding counts */
+            }
+    check_close(y, want, yn, 1e-6, "avgpool");
+    rfill(dy, yn, seed + 1);
+    rfill(dx0, xn, seed + 2);
+    for (int acc = 0; acc < 2; acc++) {
+        memcpy(dx, dx0, sizeof(float) * (size_t)xn);
+        f->I->avgpool_backward(f->be1, &g, dy, dx, acc);
+        for (int64_t i = 0; i < xn; i++) want[i] = acc ? dx0[i] : 0.0;
+        for (int64_t pl = 0; pl < planes; pl++)
+            for (int64_t oh = 0; oh < g.oh; oh++)
+                for (int64_t ow = 0; ow < g.ow; ow++)
+                    for (int64_t ki = 0; ki < k; ki++)
+                        for (int64_t kj = 0; kj < k; kj++) {
+                            int64_t ih = oh * g.stride - g.pad + ki;
+                            int64_t iw = ow * g.stride - g.pad + kj;
+                            double v = dy[pl * P + oh * g.ow + ow] / (double)(k * k);
+                            if (ih >= 0 && ih < g.h && iw >= 0 && iw < g.w)
+                                want[pl * HW + ih * g.w + iw] += v;
+                        }
+        check_close(dx, want, xn, 1e-6, "avgpool_backward");
+    }
+    free(x); free(y); free(dy); free(dx); free(dx0); free(want);
 }
 
 static void test_avgpool(void **state)
 {
     fix *f = *state;
-    dt_conv_geom g = geom(2, 3, 7, 6, 3, 3, 2, 1);
-    int64_t xn = 2 * 3 * 7 * 6, yn = 2 * 3 * g.oh * g.ow;
-    float *x = fvec(xn), *y = fvec(yn), *dy = fvec(yn), *dx = fvec(xn), *dx0 = fvec(xn);
-    double *want = dvec(xn > yn ? xn : yn);
-    rfill(x, xn, 35);
-    f->I->avgpool_forward(f->be1, &g, x, y);
-    for (int64_t pl = 0; pl < 6; pl++)
-        for (int64_t oh = 0; oh < g.oh; oh++)
-            for (int64_t ow = 0; ow < g.ow; ow++) {
-                double s = 0;
-                for (int64_t ki = 0; ki < 3; ki++)
-                    for (int64_t kj = 0; kj < 3; kj++) {
-                        int64_t ih = oh * 2 - 1 + ki, iw = ow * 2 - 1 + kj;
-                        if (ih >= 0 && ih < 7 && iw >= 0 && iw < 6) s += x[pl * 42 + ih * 6 + iw];
-                    }
-                want[(pl * g.oh + oh) * g.ow + ow] = s / 9.0; /* padding counts */
-            }
-    check_close(y, want, yn, 1e-6, "avgpool");
-    rfill(dy, yn, 36);
-    rfill(dx0, xn, 37);
-    for (int acc = 0; acc < 2; acc++) {
-        memcpy(dx, dx0, sizeof(float) * (size_t)xn);
-        f->I->avgpool_backward(f->be1, &g, dy, dx, acc);
-        for (int64_t i = 0; i < xn; i++) want[i] = acc ? dx0[i] : 0.0;
-        for (int64_t pl = 0; pl < 6; pl++)
-            for (int64_t oh = 0; oh < g.oh; oh++)
-                for (int64_t ow = 0; ow < g.ow; ow++)
-                    for (int64_t ki = 0; ki < 3; ki++)
-                        for (int64_t kj = 0; kj < 3; kj++) {
-                            int64_t ih = oh * 2 - 1 + ki, iw = ow * 2 - 1 + kj;
-                            if (ih >= 0 && ih < 7 && iw >= 0 && iw < 6)
-                                want[pl * 42 + ih * 6 + iw] += dy[(pl * g.oh + oh) * g.ow + ow] / 9.0;
-                        }
-        check_close(dx, want, xn, 1e-6, "avgpool_backward");
-    }
-    free(x); free(y); free(dy); free(dx); free(dx0); free(want);
+    check_avgpool(f, geom(2, 3, 7, 6, 3, 3, 2, 1), 36);
+    check_avgpool(f, geom(2, 3, 8, 6, 2, 2, 2, 0), 37);
+    check_avgpool(f, geom(1, 2, 7, 7, 3, 3, 1, 1), 38); /* overlapping windows */
 }
 
 /* ---------------------------------------------------------------------------
@@ -810,7 +871,8 @@ static void test_embedding(void **state)
     fix *f = *state;
     const int V = 6, D = 7, N = 5;
     int32_t idx[5] = {2, 0, 2, 5, 2};
-    float *w = fvec(V * D), *y = fvec(N * D), *dy = fvec(N * D), *dw = fvec(V * D), *dw0 = fvec(V * D);
+    float *w = fvec(V * D), *y = fvec(N * D), *dy = fvec(N * D);
+    float *dw = fvec(V * D), *dw0 = fvec(V * D);
     double *want = dvec(V * D);
     rfill(w, V * D, 38);
     f->I->embedding_forward(f->be1, N, D, w, idx, y);
@@ -882,7 +944,8 @@ static void test_layernorm(void **state)
             assert_true(fabs(mean[r] - mu) < 1e-6);
             assert_true(fabs(rstd[r] - 1.0 / sqrt(var + eps)) < 1e-5 * rstd[r]);
             for (int j = 0; j < D; j++)
-                want[r * D + j] = (xd[r * D + j] - mu) / sqrt(var + eps) * (wq ? wq[j] : 1.0) + (bq ? bq[j] : 0.0);
+                want[r * D + j] = (xd[r * D + j] - mu) / sqrt(var + eps) * (wq ? wq[j] : 1.0) +
+                                  (bq ? bq[j] : 0.0);
         }
         check_close(y, want, n, 1e-5, "layernorm");
         for (int acc = 0; acc < 2; acc++) {
@@ -992,7 +1055,8 @@ static void test_sgd(void **state)
 }
 
 /* |a - b| <= rel * |b|: beta2 arrives as a float, so 1 - 0.999f is off by 1e-5 relative */
-#define assert_rel(a, b, rel) assert_true(fabs((double)(a) - (double)(b)) <= (rel) * fabs((double)(b)))
+#define assert_rel(a, b, rel) \
+    assert_true(fabs((double)(a) - (double)(b)) <= (rel) * fabs((double)(b)))
 
 static void test_adam(void **state)
 {
