@@ -2356,6 +2356,45 @@ static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
     return DT_OK;
 }
 
+static dt_status conv2d_fused_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
+    int ax = 0, aw = 0, ab = 0;
+    float *gx = needs_grad(x) ? grad_target(ctx, x, &ax) : NULL;
+    float *gw = needs_grad(w) ? grad_target(ctx, w, &aw) : NULL;
+    float *gb = b && needs_grad(b) ? grad_target(ctx, b, &ab) : NULL;
+    if ((needs_grad(x) && !gx) || (needs_grad(w) && !gw) || (b && needs_grad(b) && !gb))
+        return ctx->last_status;
+    dt_status s = BE(ctx)->conv2d_backward(BEI(ctx), n->aux[1], w->shape[0], FP(x), FP(w),
+                                           FP(n->out->grad), gx, ax, gw, aw, gb, ab);
+    return s == DT_OK ? s : set_error(ctx, s, "conv2d: backend out of scratch memory");
+}
+
+/* The backend's own convolution: nothing is kept for backward but x and w. */
+static dt_tensor *conv2d_fused(dt_ctx *ctx, const dt_conv_geom *geom, dt_tensor *x, dt_tensor *w,
+                               dt_tensor *b, dt_tensor *y, int track)
+{
+    if (b)
+        materialize(b);
+    dt_status s = BE(ctx)->conv2d_forward(BEI(ctx), geom, w->shape[0], FP(x), FP(w),
+                                          b ? FP(b) : NULL, FP(y));
+    if (s != DT_OK) {
+        set_error(ctx, s, "conv2d: backend out of scratch memory");
+        return NULL;
+    }
+    if (!track)
+        return y;
+    dt_conv_geom *g = arena_alloc(ctx, ctx->cur_host, sizeof *g);
+    dt_node *n = g ? record(ctx, "conv2d", conv2d_fused_backward, y, x, w, b) : NULL;
+    if (!n) {
+        set_error(ctx, DT_ENOMEM, "conv2d: out of memory for the tape");
+        return NULL;
+    }
+    *g = *geom;
+    n->aux[1] = g;
+    return y;
+}
+
 static int pool_geom(dt_ctx *ctx, const char *op, const dt_tensor *x, int64_t kh, int64_t kw,
                      int stride, int pad, dt_conv_geom *g)
 {
@@ -2422,6 +2461,8 @@ dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int 
     if (!y)
         return NULL;
     int track = tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b);
+    if (BE(ctx)->conv2d_forward)
+        return conv2d_fused(ctx, &geom, x, w, b, y, track);
     dt_arena_mark mark = arena_mark(ctx->cur_dev);   /* temporaries, freed if no backward */
     dt_conv_geom *g = track ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : &geom;
     float *col = g ? temp_floats(ctx, ckk * np) : NULL;

@@ -158,6 +158,20 @@ typedef struct dt_backend_iface {
     void (*ncp_to_cnp)(dt_backend *be, int64_t n, int64_t c, int64_t p, const float *src,
                        float *dst);
 
+    /* --- fused convolution (optional) --------------------------------------
+     * NULL: the core composes im2col + one GEMM over the batch + a permute.
+     * A backend can do better (the CPU one lowers one image at a time so the
+     * column buffer stays in cache and needs no permute).  Both return
+     * DT_ENOMEM if scratch memory cannot be had, before touching outputs. */
+    /* y (N,O,OH,OW) = conv(x (N,C,H,W), w (O,C,KH,KW)) + b (O), b may be NULL */
+    dt_status (*conv2d_forward)(dt_backend *be, const dt_conv_geom *g, int64_t o, const float *x,
+                                const float *w, const float *b, float *y);
+    /* From dy (N,O,OH,OW): dx (N,C,H,W), dw (O,C,KH,KW), db (O); each may be
+     * NULL (not wanted) and is written (acc 0) or added to (acc 1). */
+    dt_status (*conv2d_backward)(dt_backend *be, const dt_conv_geom *g, int64_t o, const float *x,
+                                 const float *w, const float *dy, float *dx, int acc_dx,
+                                 float *dw, int acc_dw, float *db, int acc_db);
+
     /* --- pooling, NCHW, g->c channels, kernel kh=kw ------------------------ */
     /* y (N,C,OH,OW); argmax (N,C,OH,OW) i32 = flat h*W+w index in the input plane
      * (-1 if the window is all padding). */

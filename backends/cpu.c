@@ -111,6 +111,10 @@ struct dt_backend {
     void *arg;
     int64_t n;
     int parts;
+    /* scratch for the fused convolution: one block per pool part, grown on
+     * the caller's thread (the allocator hooks need not be thread-safe) */
+    float *scratch;
+    size_t scratch_floats;
 };
 
 /* Start of part i of `parts` contiguous ranges over [0, n): floor(n*i/parts)
@@ -208,6 +212,8 @@ static void pool_stop(dt_backend *be, int started)
     for (int i = 0; i < started; i++) pthread_join(be->workers[i].tid, NULL);
 }
 
+static void cpu_free(dt_backend *be, void *ptr);
+
 static void cpu_shutdown(dt_backend *be)
 {
     if (!be) return;
@@ -216,6 +222,7 @@ static void cpu_shutdown(dt_backend *be)
     pthread_cond_destroy(&be->wake);
     pthread_mutex_destroy(&be->mu);
     if (be->workers) be->al.free_fn(be->workers, be->al.user);
+    cpu_free(be, be->scratch);
     be->al.free_fn(be, be->al.user);
 }
 
@@ -258,8 +265,11 @@ static dt_status cpu_init(const dt_backend_params *p, dt_backend **out, char *er
             }
         }
     }
-    /* OpenBLAS runs the GEMMs with the same thread budget as our pool. */
-    openblas_set_num_threads(threads);
+    /* OpenBLAS runs single-threaded; large GEMMs are split over our own pool
+     * (section 4).  OpenBLAS's pthread workers busy-wait in sched_yield
+     * between calls, which on a 2-core machine took ~25% of the CPU from
+     * our pool's elementwise work (perf, CNN step at 2 threads). */
+    openblas_set_num_threads(1);
     *out = be;
     return DT_OK;
 
@@ -325,12 +335,12 @@ static void gemm_scale_c(int64_t m, int64_t n, float beta, float *c, int64_t ldc
     }
 }
 
-/* C (M,N) = alpha op(A) op(B) + beta C; A (M,K) or (K,M) if ta; B (K,N) or (N,K) if tb */
-static void cpu_gemm(dt_backend *be, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
-                     const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
-                     int64_t ldc)
+/* One single-threaded GEMM on the calling thread (safe inside pool jobs).
+ * C (M,N) = alpha op(A) op(B) + beta C; A (M,K) or (K,M) if ta; B (K,N) or (N,K) if tb */
+static void gemm_serial(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                        const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                        float *c, int64_t ldc)
 {
-    (void)be;
     if (m <= 0 || n <= 0) return;
     if (k <= 0) {
         gemm_scale_c(m, n, beta, c, ldc);
@@ -338,6 +348,54 @@ static void cpu_gemm(dt_backend *be, int ta, int tb, int64_t m, int64_t n, int64
     }
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
                 (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+}
+
+/* GEMMs below this many multiply-adds run on the caller: waking a worker
+ * costs a few microseconds, about what 1M multiply-adds take on one core. */
+#define DT_CPU_GEMM_SPLIT_MNK (1024.0 * 1024.0)
+#define DT_CPU_GEMM_BLOCK 32      /* rows/columns per split unit */
+
+typedef struct gemm_split_args {
+    int ta, tb, by_rows;
+    int64_t m, n, k, lda, ldb, ldc;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+} gemm_split_args;
+
+/* units of DT_CPU_GEMM_BLOCK rows (by_rows) or columns of C */
+static void gemm_split_range(void *p, int64_t lo, int64_t hi)
+{
+    const gemm_split_args *G = p;
+    int64_t dim = G->by_rows ? G->m : G->n;
+    int64_t i0 = lo * DT_CPU_GEMM_BLOCK, i1 = min64(hi * DT_CPU_GEMM_BLOCK, dim);
+    if (i1 <= i0) return;
+    if (G->by_rows) /* rows i0..i1 of op(A) and C */
+        gemm_serial(G->ta, G->tb, i1 - i0, G->n, G->k, G->alpha,
+                    G->a + (G->ta ? i0 : i0 * G->lda), G->lda, G->b, G->ldb, G->beta,
+                    G->c + i0 * G->ldc, G->ldc);
+    else            /* columns i0..i1 of op(B) and C */
+        gemm_serial(G->ta, G->tb, G->m, i1 - i0, G->k, G->alpha, G->a, G->lda,
+                    G->b + (G->tb ? i0 * G->ldb : i0), G->ldb, G->beta, G->c + i0, G->ldc);
+}
+
+/* C (M,N) = alpha op(A) op(B) + beta C, split over the pool along the larger
+ * of M and N.  Each element of C is computed by one single-threaded call
+ * whose extent depends only on the thread count: deterministic. */
+static void cpu_gemm(dt_backend *be, int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha,
+                     const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                     int64_t ldc)
+{
+    double mnk = (double)m * (double)n * (double)k;
+    if (be->threads <= 1 || mnk < DT_CPU_GEMM_SPLIT_MNK || k <= 0) {
+        gemm_serial(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    gemm_split_args G = {.ta = ta, .tb = tb, .by_rows = m > n, .m = m, .n = n, .k = k,
+                         .lda = lda, .ldb = ldb, .ldc = ldc, .alpha = alpha, .beta = beta,
+                         .a = a, .b = b, .c = c};
+    int64_t units = ((G.by_rows ? m : n) + DT_CPU_GEMM_BLOCK - 1) / DT_CPU_GEMM_BLOCK;
+    parallel_for(be, units, 1, gemm_split_range, &G);
 }
 
 /* OpenBLAS runs a GEMM with m*n*k <= 65536 * 4 on the calling thread (its
@@ -360,8 +418,8 @@ static void gemm_batch_range(void *p, int64_t lo, int64_t hi)
 {
     const gemm_args *G = p;
     for (int64_t i = lo; i < hi; i++)
-        cpu_gemm(NULL, G->ta, G->tb, G->m, G->n, G->k, G->alpha, G->a + i * G->stride_a, G->lda,
-                 G->b + i * G->stride_b, G->ldb, G->beta, G->c + i * G->stride_c, G->ldc);
+        gemm_serial(G->ta, G->tb, G->m, G->n, G->k, G->alpha, G->a + i * G->stride_a, G->lda,
+                    G->b + i * G->stride_b, G->ldb, G->beta, G->c + i * G->stride_c, G->ldc);
 }
 
 /* batch x [C_i (M,N) = alpha op(A_i) op(B_i) + beta C_i]; stride_b may be 0 */
@@ -374,8 +432,10 @@ static void cpu_gemm_batched(dt_backend *be, int64_t batch, int ta, int tb, int6
                    .ldc = ldc, .stride_a = stride_a, .stride_b = stride_b, .stride_c = stride_c,
                    .alpha = alpha, .beta = beta, .a = a, .b = b, .c = c};
     double mnk = (double)m * (double)n * (double)k;
-    if (mnk > DT_CPU_GEMM_SERIAL_MNK) {
-        gemm_batch_range(&G, 0, batch);
+    if (mnk > DT_CPU_GEMM_SERIAL_MNK) {   /* big: each GEMM split over the pool */
+        for (int64_t i = 0; i < batch; i++)
+            cpu_gemm(be, ta, tb, m, n, k, alpha, a + i * stride_a, lda, b + i * stride_b, ldb,
+                     beta, c + i * stride_c, ldc);
         return;
     }
     /* at least one 64^3-sized GEMM's work per part */
@@ -1458,6 +1518,268 @@ static void cpu_col2im(dt_backend *be, const dt_conv_geom *g, const float *col, 
     parallel_for(be, g->c * g->n, grain_units(DT_CPU_GRAIN_MEM, per_unit), col2im_units, &A);
 }
 
+/* Fused convolution, one image at a time.  The pool's parts each take a
+ * contiguous run of images; per image, im2col writes a (C*KH*KW, P) column
+ * block that stays in L2 (288 x 196 floats = 225 KB for the CNN's second
+ * conv) and one single-threaded GEMM writes the NCHW output directly.  The
+ * batched lowering in the core moved a 14 MB column buffer through memory
+ * and needed two layout permutes per step.  Weight and bias gradients are
+ * summed per part and the parts added in order: deterministic for a fixed
+ * thread count. */
+typedef struct fconv_args {
+    dt_conv_geom g1;          /* geometry of one image */
+    int64_t n, o, ckk, p, chw, parts;
+    const float *x, *w, *b, *dy;
+    float *y, *dx, *dw, *db;
+    int acc_dx;
+    size_t part_floats;       /* scratch floats per part */
+    float *scratch;
+} fconv_args;
+
+static int is_pointwise(const dt_conv_geom *g)
+{
+    return g->kh == 1 && g->kw == 1 && g->stride == 1 && g->pad == 0;
+}
+
+/* "Same" convolutions (stride 1, output as large as the input) lower with
+ * whole-plane copies: row (c, ki, kj) of col is plane c shifted by
+ * (ki-pad)*W + (kj-pad) elements, with zeros where the shift leaves the
+ * image.  One memcpy per row plus a column of fix-ups, instead of one short
+ * copy per output row (14 per row for the CNN's second conv). */
+static int is_same_conv(const dt_conv_geom *g)
+{
+    return g->stride == 1 && g->oh == g->h && g->ow == g->w;
+}
+
+/* valid j range [jlo, jhi) of a plane shifted by `shift`, and the column
+ * offset dw whose wrapped-around entries must be skipped */
+static void same_span(const dt_conv_geom *g, int64_t ki, int64_t kj, int64_t *shift, int64_t *jlo,
+                      int64_t *jhi, int64_t *dw)
+{
+    int64_t P = g->h * g->w;
+    *dw = kj - g->pad;
+    *shift = (ki - g->pad) * g->w + *dw;
+    *jlo = max64(0, -*shift);
+    *jhi = max64(*jlo, min64(P, P - *shift));
+}
+
+/* entries of one col row whose column ow + dw falls outside [0, W) */
+static void zero_wrapped(float *row, const dt_conv_geom *g, int64_t dw)
+{
+    for (int64_t oh = 0; oh < g->h; oh++) {
+        float *r = row + oh * g->w;
+        for (int64_t ow = 0; ow < -dw; ow++) r[ow] = 0.0f;
+        for (int64_t ow = g->w - dw; ow < g->w; ow++) r[ow] = 0.0f;
+    }
+}
+
+static void im2col_same(const dt_conv_geom *g, const float *x, float *col)
+{
+    int64_t P = g->h * g->w;
+    for (int64_t c = 0; c < g->c; c++)
+        for (int64_t ki = 0; ki < g->kh; ki++)
+            for (int64_t kj = 0; kj < g->kw; kj++) {
+                float *dst = col + ((c * g->kh + ki) * g->kw + kj) * P;
+                int64_t shift, jlo, jhi, dw;
+                same_span(g, ki, kj, &shift, &jlo, &jhi, &dw);
+                const float *src = x + c * P;
+                memset(dst, 0, (size_t)jlo * sizeof(float));
+                memcpy(dst + jlo, src + jlo + shift, (size_t)(jhi - jlo) * sizeof(float));
+                memset(dst + jhi, 0, (size_t)(P - jhi) * sizeof(float));
+                if (dw) zero_wrapped(dst, g, dw);
+            }
+}
+
+/* dx (C,H,W) (+)= fold of col (CKK, P); col's wrapped entries are zeroed
+ * first (col is the caller's scratch), so each row is one contiguous add */
+static void col2im_same(const dt_conv_geom *g, float *col, float *dx, int accumulate)
+{
+    int64_t P = g->h * g->w;
+    if (!accumulate) memset(dx, 0, (size_t)(g->c * P) * sizeof(float));
+    for (int64_t c = 0; c < g->c; c++)
+        for (int64_t ki = 0; ki < g->kh; ki++)
+            for (int64_t kj = 0; kj < g->kw; kj++) {
+                float *src = col + ((c * g->kh + ki) * g->kw + kj) * P;
+                int64_t shift, jlo, jhi, dw;
+                same_span(g, ki, kj, &shift, &jlo, &jhi, &dw);
+                if (dw) zero_wrapped(src, g, dw);
+                float *restrict d = dx + c * P + shift;
+                const float *restrict sr = src;
+                for (int64_t j = jlo; j < jhi; j++) d[j] += sr[j];
+            }
+}
+
+/* col (CKK, P) for image x_n (C,H,W); returns x_n itself for 1x1 convs */
+static const float *image_columns(const fconv_args *A, const float *xn, float *col)
+{
+    if (is_pointwise(&A->g1)) return xn;
+    if (is_same_conv(&A->g1)) {
+        im2col_same(&A->g1, xn, col);
+        return col;
+    }
+    conv_args C = {.g = &A->g1, .x = xn, .out = col};
+    im2col_units(&C, 0, A->g1.c);
+    return col;
+}
+
+static void fconv_fwd_part(void *p, int64_t part, int64_t part_end)
+{
+    const fconv_args *A = p;
+    (void)part_end;
+    float *col = A->scratch + (size_t)part * A->part_floats;
+    int64_t n0 = part_start(A->n, (int)A->parts, (int)part);
+    int64_t n1 = part_start(A->n, (int)A->parts, (int)part + 1);
+    for (int64_t i = n0; i < n1; i++) {
+        const float *c = image_columns(A, A->x + i * A->chw, col);
+        float *yi = A->y + i * A->o * A->p;
+        /* y_i (O, P) = W (O, CKK) col (CKK, P) */
+        gemm_serial(0, 0, A->o, A->p, A->ckk, 1.0f, A->w, A->ckk, c, A->p, 0.0f, yi, A->p);
+        if (A->b)
+            for (int64_t oc = 0; oc < A->o; oc++) {
+                float *restrict row = yi + oc * A->p, bias = A->b[oc];
+                for (int64_t j = 0; j < A->p; j++) row[j] += bias;
+            }
+    }
+}
+
+static int64_t fconv_parts(const dt_backend *be, int64_t n)
+{
+    return min64(be->threads, max64(1, n));
+}
+
+static int scratch_reserve(dt_backend *be, size_t floats)
+{
+    if (floats <= be->scratch_floats) return 1;
+    float *fresh = cpu_alloc(be, floats * sizeof(float));
+    if (!fresh) return 0;
+    cpu_free(be, be->scratch);
+    be->scratch = fresh;
+    be->scratch_floats = floats;
+    return 1;
+}
+
+static void fconv_init(fconv_args *A, dt_backend *be, const dt_conv_geom *g, int64_t o)
+{
+    memset(A, 0, sizeof *A);
+    A->g1 = *g;
+    A->g1.n = 1;
+    A->n = g->n;
+    A->o = o;
+    A->ckk = g->c * g->kh * g->kw;
+    A->p = g->oh * g->ow;
+    A->chw = g->c * g->h * g->w;
+    A->parts = fconv_parts(be, g->n);
+}
+
+/* y (N,O,OH,OW) = conv(x, w) + b */
+static dt_status cpu_conv2d_forward(dt_backend *be, const dt_conv_geom *g, int64_t o,
+                                    const float *x, const float *w, const float *b, float *y)
+{
+    fconv_args A;
+    fconv_init(&A, be, g, o);
+    A.x = x;
+    A.w = w;
+    A.b = b;
+    A.y = y;
+    A.part_floats = (size_t)(A.ckk * A.p);
+    if (!scratch_reserve(be, A.part_floats * (size_t)A.parts)) return DT_ENOMEM;
+    A.scratch = be->scratch;
+    parallel_for(be, A.parts, 1, fconv_fwd_part, &A);
+    return DT_OK;
+}
+
+/* Sum of n floats in 16 independent lanes added in a fixed order: one add
+ * chain would wait on each add's latency (4 cycles) and cannot vectorise. */
+static float lane_sum(const float *restrict x, int64_t n)
+{
+    float lane[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) lane[l] += x[j + l];
+    float t = 0.0f;
+    for (; j < n; j++) t += x[j];
+    for (int l = 0; l < 16; l++) t += lane[l];
+    return t;
+}
+
+/* per part: col (CKK,P) | dcol (CKK,P) | dw partial (O,CKK) | db partial (O) */
+static void fconv_bwd_part(void *p, int64_t part, int64_t part_end)
+{
+    const fconv_args *A = p;
+    (void)part_end;
+    size_t cp = (size_t)(A->ckk * A->p);
+    float *col = A->scratch + (size_t)part * A->part_floats, *dcol = col + cp;
+    float *dwp = dcol + cp, *dbp = dwp + A->o * A->ckk;
+    int64_t n0 = part_start(A->n, (int)A->parts, (int)part);
+    int64_t n1 = part_start(A->n, (int)A->parts, (int)part + 1);
+    for (int64_t i = n0; i < n1; i++) {
+        const float *dyi = A->dy + i * A->o * A->p;
+        if (A->dw) { /* dW_part (O, CKK) += dy_i (O, P) col_i^T (P, CKK) */
+            const float *c = image_columns(A, A->x + i * A->chw, col);
+            gemm_serial(0, 1, A->o, A->ckk, A->p, 1.0f, dyi, A->p, c, A->p,
+                        i == n0 ? 0.0f : 1.0f, dwp, A->ckk);
+        }
+        if (A->db)
+            for (int64_t oc = 0; oc < A->o; oc++) {
+                float acc = lane_sum(dyi + oc * A->p, A->p);
+                dbp[oc] = i == n0 ? acc : dbp[oc] + acc;
+            }
+        if (A->dx) { /* dcol (CKK, P) = W^T (CKK, O) dy_i (O, P), folded into dx_i */
+            float *dxi = A->dx + i * A->chw;
+            if (is_pointwise(&A->g1)) {
+                gemm_serial(1, 0, A->ckk, A->p, A->o, 1.0f, A->w, A->ckk, dyi, A->p,
+                            A->acc_dx ? 1.0f : 0.0f, dxi, A->p);
+                continue;
+            }
+            gemm_serial(1, 0, A->ckk, A->p, A->o, 1.0f, A->w, A->ckk, dyi, A->p, 0.0f, dcol, A->p);
+            if (is_same_conv(&A->g1)) {
+                col2im_same(&A->g1, dcol, dxi, A->acc_dx);
+                continue;
+            }
+            conv_args C = {.g = &A->g1, .col = dcol, .out = dxi, .accumulate = A->acc_dx};
+            col2im_units(&C, 0, A->g1.c);
+        }
+    }
+}
+
+/* sum the parts' partial gradients in part order into dst (+)= */
+static void fconv_reduce(const fconv_args *A, int64_t offset, int64_t len, float *dst, int acc)
+{
+    for (int64_t j = 0; j < len; j++) {
+        float v = acc ? dst[j] : 0.0f;
+        for (int64_t q = 0; q < A->parts; q++) {
+            int64_t n0 = part_start(A->n, (int)A->parts, (int)q);
+            if (part_start(A->n, (int)A->parts, (int)q + 1) > n0)
+                v += A->scratch[(size_t)q * A->part_floats + (size_t)offset + (size_t)j];
+        }
+        dst[j] = v;
+    }
+}
+
+static dt_status cpu_conv2d_backward(dt_backend *be, const dt_conv_geom *g, int64_t o,
+                                     const float *x, const float *w, const float *dy, float *dx,
+                                     int acc_dx, float *dw, int acc_dw, float *db, int acc_db)
+{
+    fconv_args A;
+    fconv_init(&A, be, g, o);
+    A.x = x;
+    A.w = w;
+    A.dy = dy;
+    A.dx = dx;
+    A.dw = dw;
+    A.db = db;
+    A.acc_dx = acc_dx;
+    size_t cp = (size_t)(A.ckk * A.p);
+    A.part_floats = 2 * cp + (size_t)(A.o * A.ckk + A.o);
+    A.part_floats = (A.part_floats + 15) & ~(size_t)15;   /* parts on separate lines */
+    if (!scratch_reserve(be, A.part_floats * (size_t)A.parts)) return DT_ENOMEM;
+    A.scratch = be->scratch;
+    parallel_for(be, A.parts, 1, fconv_bwd_part, &A);
+    if (dw) fconv_reduce(&A, (int64_t)(2 * cp), A.o * A.ckk, dw, acc_dw);
+    if (db) fconv_reduce(&A, (int64_t)(2 * cp) + A.o * A.ckk, A.o, db, acc_db);
+    return DT_OK;
+}
+
 typedef struct chan_args {
     int64_t n, c, p;
     const float *src;
@@ -1617,6 +1939,54 @@ static inline void maxpool_plane(const float *x, const dt_conv_geom *g, int64_t 
     }
 }
 
+/* The CNN's pooling (2x2, stride 2, no padding) on one plane.  Output rows
+ * are short (14 and 7 wide), too short for a vector loop per row, so each
+ * chunk of windows is first gathered into four contiguous arrays (the
+ * window's four corners) and then reduced by one select loop over the whole
+ * chunk, which the compiler vectorises.  Same first-max and NaN rules as
+ * max_take. */
+#define DT_CPU_POOL_CHUNK 256
+
+static void maxpool2x2_plane(const float *x, int64_t W, int64_t OH, int64_t OW, float *y,
+                             int32_t *am)
+{
+    float c0[DT_CPU_POOL_CHUNK], c1[DT_CPU_POOL_CHUNK], c2[DT_CPU_POOL_CHUNK],
+        c3[DT_CPU_POOL_CHUNK];
+    int32_t at0[DT_CPU_POOL_CHUNK];
+    int64_t total = OH * OW, w32 = W;
+    for (int64_t j0 = 0; j0 < total; j0 += DT_CPU_POOL_CHUNK) {
+        int64_t len = min64(DT_CPU_POOL_CHUNK, total - j0);
+        for (int64_t j = 0; j < len; j++) {      /* gather the corners */
+            int64_t oh = (j0 + j) / OW, ow = (j0 + j) - oh * OW;
+            int64_t i = 2 * oh * W + 2 * ow;
+            c0[j] = x[i];
+            c1[j] = x[i + 1];
+            c2[j] = x[i + W];
+            c3[j] = x[i + W + 1];
+            at0[j] = (int32_t)i;
+        }
+        float *restrict yo = y + j0;
+        int32_t *restrict ao = am + j0;
+        for (int64_t j = 0; j < len; j++) {      /* vectorised selects */
+            float best = c0[j], v = c1[j];
+            int32_t at = 0;
+            int t = (v > best) | (v != v);
+            best = t ? v : best;
+            at = t ? 1 : at;
+            v = c2[j];
+            t = (v > best) | (v != v);
+            best = t ? v : best;
+            at = t ? (int32_t)w32 : at;
+            v = c3[j];
+            t = (v > best) | (v != v);
+            best = t ? v : best;
+            at = t ? (int32_t)w32 + 1 : at;
+            yo[j] = best;
+            ao[j] = at0[j] + at;
+        }
+    }
+}
+
 /* y (OH,OW) = window max of x (H,W), argmax = flat h*W+w index.  Units are
  * planes.  Register-held max with the window unrolled: 2.4x faster than
  * updating whole output rows per window offset, which was itself 3.5x
@@ -1631,7 +2001,9 @@ static void maxpool_fwd_units(void *p, int64_t lo, int64_t hi)
         const float *x = A->x + u * in;
         float *y = A->y + u * out;
         int32_t *am = A->argmax_out + u * out;
-        if (g->kh == 2)
+        if (g->kh == 2 && g->stride == 2 && g->pad == 0)
+            maxpool2x2_plane(x, g->w, g->oh, g->ow, y, am);
+        else if (g->kh == 2)
             maxpool_plane(x, g, 2, y, am);
         else if (g->kh == 3)
             maxpool_plane(x, g, 3, y, am);
@@ -2153,6 +2525,8 @@ static const dt_backend_iface dt_cpu_iface = {
     .xent_backward = cpu_xent_backward,
     .im2col = cpu_im2col,
     .col2im = cpu_col2im,
+    .conv2d_forward = cpu_conv2d_forward,
+    .conv2d_backward = cpu_conv2d_backward,
     .bias_add = cpu_bias_add,
     .bias_grad = cpu_bias_grad,
     .cnp_to_ncp = cpu_cnp_to_ncp,

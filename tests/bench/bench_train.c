@@ -391,24 +391,30 @@ static void bench_matmul_shape(const opts *o, dt_ctx *ctx, int64_t M, int64_t K,
     double td[ROUNDS_MAX], tb[ROUNDS_MAX];
     int rounds = 0;
     double t_start = now_s();
-    /* alternate rounds so drift (turbo, neighbours) hits both equally */
+    /* dtrain's rounds first, then raw sgemm's.  Interleaving them measured
+     * interference, not speed: after a raw round OpenBLAS's own pool threads
+     * keep busy-waiting (sched_yield) for ~0.1 s and take a core from
+     * dtrain's workers, which drive OpenBLAS single-threaded. */
+    openblas_set_num_threads(dt_blas_threads);
     while (rounds < ROUNDS_MAX) {
-        openblas_set_num_threads(dt_blas_threads);
         double t0 = now_s();
         for (int i = 0; i < per; i++) {
             dt_tensor *r = dt_matmul(ctx, a, b, 0, 0);
             if (!r) die_ctx(ctx, "dt_matmul");
             dt_step_reset(ctx);
         }
-        td[rounds] = (now_s() - t0) / per;
-        openblas_set_num_threads(o->threads);
-        t0 = now_s();
+        td[rounds++] = (now_s() - t0) / per;
+        if (rounds >= 7 && now_s() - t_start > 1.0) break;
+    }
+    int dt_rounds = rounds;
+    openblas_set_num_threads(o->threads);
+    t_start = now_s();
+    for (rounds = 0; rounds < dt_rounds; rounds++) {
+        double t0 = now_s();
         for (int i = 0; i < per; i++)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)N, (int)K, 1.0f,
                         ha, (int)K, hb, (int)N, 0.0f, hc, (int)N);
         tb[rounds] = (now_s() - t0) / per;
-        rounds++;
-        if (rounds >= 7 && now_s() - t_start > 1.5) break;
     }
     openblas_set_num_threads(dt_blas_threads);
     double gd = flop / median(td, rounds) / 1e9;
