@@ -78,8 +78,30 @@ cmd_build() {
     echo "build.sh: built $BUILD/libdtrain.a, $BUILD/libdtrain.so and examples"
 }
 
+# The example end to end (sanitized build): a short run that saves a
+# checkpoint, a strict safetensors read of it, a resume, and the error paths
+# of the command line.  Runs before the cmocka suite, whose summary line
+# must stay last.
+example_checks() {
+    local ex=$BUILD/test/fashion_mnist ck=$BUILD/test/ck.safetensors out
+    export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
+    rm -f "$ck"
+    out=$($ex --model cnn --epochs 1 --limit-batches 3 --batch 16 --save "$ck")
+    echo "$out" | tail -1 | grep -Eq '^test accuracy: [0-9]+\.[0-9]{2}%$' ||
+        { echo "example: no final accuracy line"; exit 1; }
+    /usr/bin/python3 tests/check_safetensors.py "$ck"
+    out=$($ex --model cnn --epochs 2 --limit-batches 3 --batch 16 --resume "$ck")
+    echo "$out" | grep -q "resumed from $ck at step 3" || { echo "example: resume failed"; exit 1; }
+    if $ex --bogus 2>/dev/null; then echo "example: unknown flag accepted"; exit 1; fi
+    if $ex --data /nonexistent 2>/dev/null; then echo "example: missing dataset accepted"; exit 1; fi
+    out=$($ex --data /nonexistent 2>&1 || true)
+    case "$out" in *"Fashion-MNIST not found"*) ;; *) echo "example: unclear dataset error"; exit 1 ;; esac
+    unset ASAN_OPTIONS
+    echo "example checks: ok"
+}
+
 cmd_test() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA python3-numpy
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local tests
@@ -89,6 +111,7 @@ cmd_test() {
     for f in examples/*.c; do
         $CC $WARN $san -DDT_WITH_CPU -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
+    example_checks
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
         OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
 }
