@@ -304,8 +304,10 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->cur_host = &ctx->host;
     dt_seed(ctx, cfg.seed);
 
-    const char *name = cfg.backend ? cfg.backend : "cpu";
-    ctx->be_iface = find_backend(name);
+    const char *name = cfg.custom_backend && cfg.custom_backend->name ? cfg.custom_backend->name
+                       : cfg.backend                                    ? cfg.backend
+                                                                        : "cpu";
+    ctx->be_iface = cfg.custom_backend ? cfg.custom_backend : find_backend(name);
     if (!ctx->be_iface) {
         ctx->init_status = set_error(ctx, DT_ENOTSUP,
                                      "ctx: backend '%s' is not compiled in (compiled in: %s)",

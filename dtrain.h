@@ -95,6 +95,10 @@ typedef struct dt_config {
     dt_allocator allocator;   /* host allocation hooks */
     size_t arena_bytes;       /* initial step arena; it grows during warm-up */
     int device;               /* device index for accelerator backends */
+    /* Advanced: a backend that is not compiled in, e.g. your own accelerator
+     * (the interface is struct dt_backend_iface in backends/backend.h).
+     * Borrowed; must outlive the context.  NULL: pick `backend` by name. */
+    const struct dt_backend_iface *custom_backend;
 } dt_config;
 
 /* Fill *cfg with the defaults. */
