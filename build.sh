@@ -100,6 +100,15 @@ example_checks() {
     echo "example checks: ok"
 }
 
+# The README's C example is a whole program: compile and run it, so the
+# documentation cannot go stale.
+readme_example() {
+    awk '/^```c$/{f=1;next} /^```$/{f=0} f' README.md > $BUILD/test/readme_example.c
+    $CC $WARN $1 -DDT_WITH_CPU -I. $BUILD/test/readme_example.c $CORE_SRC $LIBS \
+        -o $BUILD/test/readme_example
+    $BUILD/test/readme_example
+}
+
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA python3-numpy
     mkdir -p $BUILD/test
@@ -112,6 +121,7 @@ cmd_test() {
         $CC $WARN $san -DDT_WITH_CPU -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
     example_checks
+    readme_example "$san"
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
         OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
 }
