@@ -429,7 +429,65 @@ DT_API int64_t dt_loader_batches(const dt_loader *ld);
 DT_API double dt_loader_wait_seconds(const dt_loader *ld);
 
 /* ---------------------------------------------------------------------------
- * 10. Utilities
+ * 10. Processes: launcher environment and rendezvous
+ * ------------------------------------------------------------------------- */
+/* Where this process sits in a job, read from the launcher's environment,
+ * first match wins:
+ *   dtrain:   DTRAIN_RANK, DTRAIN_WORLD_SIZE, DTRAIN_LOCAL_RANK,
+ *             DTRAIN_MASTER ("host:port")
+ *   torchrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+ *             MASTER_PORT
+ *   OpenMPI:  OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE,
+ *             OMPI_COMM_WORLD_LOCAL_RANK (+ MASTER_ADDR/MASTER_PORT or
+ *             DTRAIN_MASTER)
+ *   Slurm:    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (+ the same)
+ * and otherwise a single process (rank 0 of 1).  The master defaults to
+ * 127.0.0.1:29500, as torchrun's. */
+#define DT_MAX_HOST 256
+typedef struct dt_dist_env {
+    int rank, world_size;
+    int local_rank;            /* -1 when the launcher does not say */
+    int local_world_size;      /* -1 when the launcher does not say */
+    char master_addr[DT_MAX_HOST];
+    int master_port;
+    const char *launcher;      /* "dtrain", "torchrun", "openmpi", "slurm", "none" */
+} dt_dist_env;
+/* Malformed values (not a number, rank >= world size, a port out of range)
+ * give DT_EINVAL naming the variable. */
+DT_API dt_status dt_dist_env_detect(dt_ctx *ctx, dt_dist_env *out);
+
+/* The rendezvous store: rank 0 serves a small TCP key-value store through
+ * which ranks swap transport addresses and host names.  A job token, when
+ * set, must be presented by every rank; a wrong or missing one is refused.
+ * The store binds to loopback unless told otherwise. */
+typedef struct dt_store dt_store;
+typedef struct dt_store_config {
+    const char *token;         /* NULL: DTRAIN_JOB_TOKEN, or none */
+    const char *bind_addr;     /* rank 0's listen address; NULL: DTRAIN_STORE_BIND,
+                                  else 127.0.0.1 ("0.0.0.0" for all interfaces) */
+    int timeout_ms;            /* connect and get deadline; 0: 30000 */
+} dt_store_config;
+DT_API void dt_store_config_init(dt_store_config *cfg);
+/* Rank 0 starts the server (on env->master_port; 0 picks a free port, see
+ * dt_store_port) and every rank, 0 included, connects and presents the
+ * token.  Connecting retries until the timeout, so ranks may start in any
+ * order.  new: free with dt_store_close.  Allocator hooks must be
+ * thread-safe: the server runs on its own thread. */
+DT_API dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg);
+DT_API void dt_store_close(dt_store *s);
+DT_API int dt_store_port(const dt_store *s);
+#define DT_STORE_MAX_KEY 256
+#define DT_STORE_MAX_VALUE ((size_t)1 << 20)
+/* Set key to len bytes (copied; a later set replaces). */
+DT_API dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t len);
+/* Wait until key is set (up to timeout_ms; 0 = the store's timeout), copy
+ * at most cap bytes into buf and its full length into *len.  DT_ETIMEDOUT
+ * names the key. */
+DT_API dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size_t *len,
+                              int timeout_ms);
+
+/* ---------------------------------------------------------------------------
+ * 11. Utilities
  * ------------------------------------------------------------------------- */
 /* Number of rows of logits (N,C) whose argmax equals labels (N). */
 DT_API dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,
