@@ -20,12 +20,14 @@
  *  11. Data: IDX files and the prefetching loader
  *  12. Utilities
  *  13. Processes: launcher environment and the rendezvous store
+ *  14. Communicators and collectives
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "dtrain.h"
 #include "backends/backend.h"
+#include "backends/transport.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -4390,7 +4392,7 @@ double dt_now(void)
 #define DT_DEFAULT_MASTER_PORT 29500
 #define DT_STORE_DEFAULT_TIMEOUT_MS 30000
 
-enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_REPLY = 0x80 };
+enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_REPLY = 0x80 };
 
 /* --- 13.1 the launcher's environment ---------------------------------- */
 
@@ -4545,6 +4547,8 @@ typedef struct kv_entry {
 typedef struct store_client {
     int fd;
     int hello;                 /* 1 once the token was accepted */
+    int rank;                  /* from the hello */
+    int bye;                   /* left cleanly: its close is not a death */
     unsigned char *buf;        /* partial incoming frame */
     size_t have, cap;
     char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
@@ -4700,6 +4704,11 @@ static int sv_frame(store_server *sv, store_client *c, const unsigned char *f, s
         if (rank >= (uint32_t)sv->world)
             return sv_error(c->fd, op, "rank out of range for this job");
         c->hello = 1;
+        c->rank = (int)rank;
+        return sv_reply(c->fd, op, 1, NULL, 0);
+    }
+    if (op == OP_BYE) {
+        c->bye = 1;
         return sv_reply(c->fd, op, 1, NULL, 0);
     }
     if (!c->hello)
@@ -4793,17 +4802,37 @@ static void sv_accept(store_server *sv)
     sv->cl[sv->ncl++].fd = fd;
 }
 
+/* A rank whose connection closed without a goodbye died (its process
+ * exited or was killed: the kernel closes its sockets).  Record it under
+ * "dead/<rank>" and, first death only, "dead", which stalled collectives
+ * read to name the rank that failed. */
+static void sv_record_death(store_server *sv, int rank)
+{
+    char key[32], val[16];
+    snprintf(key, sizeof key, "dead/%d", rank);
+    snprintf(val, sizeof val, "%d", rank);
+    kv_set(sv, key, (const unsigned char *)val, (uint32_t)strlen(val) + 1);
+    if (!kv_find(sv, "dead"))
+        kv_set(sv, "dead", (const unsigned char *)val, (uint32_t)strlen(val) + 1);
+}
+
 static void sv_drop_closed(store_server *sv)
 {
-    int j = 0;
+    int j = 0, died = 0;
     for (int i = 0; i < sv->ncl; i++) {
         if (sv->cl[i].fd >= 0) {
             sv->cl[j++] = sv->cl[i];
         } else {
+            if (sv->cl[i].hello && !sv->cl[i].bye) {
+                sv_record_death(sv, sv->cl[i].rank);
+                died = 1;
+            }
             sv_free(sv, sv->cl[i].buf);
         }
     }
     sv->ncl = j;
+    if (died)
+        sv_serve_waiters(sv);
 }
 
 static void *store_server_main(void *arg)
@@ -4966,11 +4995,10 @@ static int store_connect(const char *host, int port, double deadline, char *why,
 
 /* Send one request frame and read its reply into buf (up to cap bytes).
  * Returns DT_OK with *ok and *len set, or a status with the ctx message. */
-static dt_status store_call(dt_store *s, const unsigned char *req, size_t n, int op, int wait_ms,
-                            void *buf, size_t cap, int *ok, size_t *len)
+static dt_status store_call(dt_store *s, const unsigned char *req, size_t n, int op,
+                            double deadline, void *buf, size_t cap, int *ok, size_t *len)
 {
     dt_ctx *ctx = s->ctx;
-    double deadline = dt_now() + (wait_ms + 10000) / 1000.0;   /* parked get + slack */
     unsigned char hdr[10];
     put_u32(hdr, (uint32_t)n);
     if (sock_io(s->fd, hdr, 4, 1, deadline) != 0 || sock_io(s->fd, (void *)req, n, 1, deadline) != 0)
@@ -5025,7 +5053,8 @@ static dt_status store_hello(dt_store *s, const char *token)
     char msg[256];
     size_t len = 0;
     int ok = 0;
-    dt_status st = store_call(s, req, 11 + tl, OP_HELLO, 0, msg, sizeof msg - 1, &ok, &len);
+    dt_status st = store_call(s, req, 11 + tl, OP_HELLO, dt_now() + s->timeout_ms / 1000.0, msg,
+                              sizeof msg - 1, &ok, &len);
     if (st != DT_OK)
         return st;
     if (!ok) {
@@ -5036,7 +5065,16 @@ static dt_status store_hello(dt_store *s, const char *token)
     return DT_OK;
 }
 
+static dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
+                            int serve);
+
 dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
+{
+    return store_open(ctx, env, cfg, 1);
+}
+
+static dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
+                            int serve)
 {
     if (!ctx_ok(ctx))
         return NULL;
@@ -5061,7 +5099,7 @@ dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_conf
     s->timeout_ms = cfg && cfg->timeout_ms > 0 ? cfg->timeout_ms : DT_STORE_DEFAULT_TIMEOUT_MS;
     snprintf(s->addr, sizeof s->addr, "%s", env->master_addr);
     s->port = env->master_port;
-    if (env->rank == 0) {
+    if (env->rank == 0 && serve) {
         const char *bind = cfg && cfg->bind_addr ? cfg->bind_addr : getenv("DTRAIN_STORE_BIND");
         if (store_server_start(ctx, bind ? bind : "127.0.0.1", env->master_port, env->world_size,
                                token, &s->server) != DT_OK) {
@@ -5089,8 +5127,17 @@ void dt_store_close(dt_store *s)
 {
     if (!s)
         return;
-    if (s->fd >= 0)
+    if (s->fd >= 0) {
+        unsigned char bye = OP_BYE, msg[64];
+        int ok = 0;
+        size_t len = 0;
+        dt_status keep = s->ctx->last_status;
+        char keep_msg[DT_MAX_ERROR];
+        snprintf(keep_msg, sizeof keep_msg, "%s", s->ctx->err);
+        store_call(s, &bye, 1, OP_BYE, dt_now() + 1.0, msg, sizeof msg, &ok, &len);
+        set_error(s->ctx, keep, "%s", keep_msg);   /* closing leaves the last error alone */
         close(s->fd);
+    }
     store_server_stop(s->server);
     host_free(s->ctx, s);
 }
@@ -5129,7 +5176,8 @@ dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t l
     int ok = 0;
     size_t rl = 0;
     char msg[128];
-    dt_status st = store_call(s, req, n, OP_SET, 0, msg, sizeof msg, &ok, &rl);
+    dt_status st = store_call(s, req, n, OP_SET, dt_now() + s->timeout_ms / 1000.0, msg,
+                              sizeof msg, &ok, &rl);
     host_free(s->ctx, req);
     if (st == DT_OK && !ok)
         st = set_error(s->ctx, DT_EPEER, "store_set: rank 0 refused '%s'", key);
@@ -5154,9 +5202,924 @@ dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size
     memcpy(req + 3, key, kl);
     put_u32(req + 3 + kl, (uint32_t)timeout_ms);
     int ok = 0;
-    dt_status st = store_call(s, req, 7 + kl, OP_GET, timeout_ms, buf, cap, &ok, len);
+    /* the server parks the get up to timeout_ms; allow it 10 s more to answer */
+    dt_status st = store_call(s, req, 7 + kl, OP_GET, dt_now() + (timeout_ms + 10000) / 1000.0,
+                              buf, cap, &ok, len);
     if (st == DT_OK && !ok)
         st = set_error(s->ctx, DT_ETIMEDOUT, "store_get: '%s' was not set within %d ms", key,
                        timeout_ms);
     return st;
+}
+
+/* ===========================================================================
+ * 14. Communicators and collectives
+ *
+ * A communicator owns one transport endpoint and one comm thread.  Callers
+ * enqueue work items and wait on them; the thread runs them one after the
+ * other with non-blocking sends and receives, driving the transport's
+ * progress and sleeping on its completion queue.
+ *
+ * Every message's tag carries the collective's sequence number, the step and
+ * the chunk; the top 12 bits carry the collective's kind and a hash of its
+ * size, which receives ignore when matching and check afterwards.  Each
+ * collective also starts by sending a 32-byte header (kind, size, root, op)
+ * to the right ring neighbour and receiving the left one's: ranks that call
+ * different collectives see each other's header within one message latency
+ * and fail with a message naming both calls, instead of hanging or mixing
+ * data.  A peer silent for timeout_ms fails the call naming it.
+ *
+ * Algorithms: allreduce is recursive doubling (with the non-power-of-two
+ * fold) up to DT_COMM_SMALL bytes and a ring (reduce-scatter, allgather)
+ * above; broadcast is a binomial tree; allgather and reduce-scatter are the
+ * ring's halves.  Messages above DT_COMM_CHUNK bytes go in chunks.
+ * ======================================================================== */
+
+#define DT_COMM_SMALL ((size_t)64 << 10)   /* allreduce: recursive doubling below */
+#define DT_COMM_CHUNK ((size_t)4 << 20)    /* largest single message */
+#define DT_COMM_DEFAULT_TIMEOUT_MS 30000
+#define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
+
+enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER };
+static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
+                                         "reduce_scatter", "barrier"};
+
+#define TAG_HEADER_STEP 0xFFFFu
+#define TAG_CHECK_SHIFT 52
+#define TAG_MATCH_IGNORE (((uint64_t)0xFFF) << TAG_CHECK_SHIFT)
+
+struct dt_work {
+    dt_comm *comm;
+    int kind, root;
+    dt_reduce_op op;
+    float *buf;                /* allreduce, broadcast: in place; others: output */
+    const float *in;
+    int64_t n;
+    uint32_t seq;
+    int done;
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+    dt_work *next;
+};
+
+struct dt_comm {
+    dt_ctx *ctx;
+    int rank, world;
+    int timeout_ms;
+    const dt_transport_iface *tp_iface;
+    dt_transport *tp;
+    dt_store *store;
+    char provider[64];
+    uint32_t next_seq;         /* caller's side: collectives issued */
+    size_t max_msg;
+    float *scratch;            /* comm thread: reduction buffer */
+    size_t scratch_floats;
+    dt_store *watch;           /* comm thread's own store connection: who died */
+    dt_ctx *watch_errors;      /* its error sink, so the comm thread never writes ctx */
+    double last_watch;
+    int broken;                /* comm thread: a failure poisons the communicator */
+    char broken_msg[DT_MAX_ERROR];
+    pthread_t thread;
+    int has_thread, stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    dt_work *head, *tail;
+};
+
+static const dt_transport_iface *find_transport(void)
+{
+#ifdef DT_WITH_FABRIC
+    return dt_transport_fabric_iface();
+#else
+    return NULL;
+#endif
+}
+
+/* --- 14.1 tags and the header --------------------------------------------- */
+
+static uint32_t size_hash(int kind, int64_t n, int root, int op)
+{
+    uint64_t h = (uint64_t)n * 0x9E3779B97F4A7C15ull ^ (uint64_t)(root + 1) * 0xC2B2AE3D27D4EB4Full ^
+                 (uint64_t)(op + 1) * 0x165667B19E3779F9ull;
+    h ^= h >> 29;
+    return (uint32_t)(((uint32_t)kind << 8) | (uint32_t)(h & 0xFF));
+}
+
+static uint64_t make_tag(const dt_work *w, uint32_t step, uint32_t chunk)
+{
+    uint64_t check = size_hash(w->kind, w->n, w->root, w->op) & 0xFFF;
+    return check << TAG_CHECK_SHIFT | (uint64_t)(w->seq & 0xFFFFFF) << 28 |
+           (uint64_t)(step & 0xFFFF) << 12 | (chunk & 0xFFF);
+}
+
+typedef struct coll_header {
+    uint32_t magic, kind, seq, root, op, pad;
+    int64_t n;
+} coll_header;
+
+static void describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op)
+{
+    static const char *const ops[] = {"sum", "avg", "max", "min"};
+    const char *name = kind >= 1 && kind <= COLL_BARRIER ? coll_names[kind] : "an unknown call";
+    if (kind == COLL_BROADCAST)
+        snprintf(out, cap, "%s(n=%lld, root=%d)", name, (long long)n, root);
+    else if (kind == COLL_ALLREDUCE || kind == COLL_REDUCE_SCATTER)
+        snprintf(out, cap, "%s(n=%lld, %s)", name, (long long)n, op >= 0 && op < 4 ? ops[op] : "?");
+    else
+        snprintf(out, cap, "%s(n=%lld)", name, (long long)n);
+}
+
+/* --- 14.2 transfers with a deadline -------------------------------------- */
+
+static dt_status work_fail(dt_work *w, dt_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static dt_status work_fail(dt_work *w, dt_status st, const char *fmt, ...)
+{
+    if (w->status != DT_OK)
+        return w->status;   /* keep the first cause */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->msg, sizeof w->msg, fmt, ap);
+    va_end(ap);
+    w->status = st;
+    return st;
+}
+
+typedef struct xfers {
+    dt_xfer x[DT_COMM_MAX_XFERS];
+    int n;
+    coll_header hdr_out, hdr_in;
+    dt_xfer hdr_send, hdr_recv;
+    int hdr_checked, has_hdr;
+} xfers;
+
+static dt_status check_dead(dt_comm *c, dt_work *w);
+
+static dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
+                      void *buf, size_t bytes)
+{
+    char err[256] = "";
+    dt_status st;
+    if (xs->n == DT_COMM_MAX_XFERS)
+        return work_fail(w, DT_ENOTSUP, "%s: too many transfers in one step", coll_names[w->kind]);
+    dt_xfer *x = &xs->x[xs->n];
+    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    for (;;) {
+        memset(x, 0, sizeof *x);
+        x->peer = peer;
+        st = sending ? c->tp_iface->send(c->tp, peer, tag, buf, bytes, x, err, sizeof err)
+                     : c->tp_iface->recv(c->tp, peer, tag, TAG_MATCH_IGNORE, buf, bytes, x, err,
+                                         sizeof err);
+        if (st != DT_ETIMEDOUT || dt_now() >= deadline)
+            break;
+        /* back-pressured: the peer takes no data; is it alive? */
+        c->last_watch = 0;
+        if (check_dead(c, w) != DT_OK)
+            return w->status;
+    }
+    if (st != DT_OK)
+        return work_fail(w, st == DT_ETIMEDOUT ? st : DT_EPEER, "%s #%u: %s to rank %d failed: %s",
+                         coll_names[w->kind], w->seq, sending ? "send" : "receive", peer, err);
+    xs->n++;
+    return DT_OK;
+}
+
+/* Post a buffer in chunks of at most DT_COMM_CHUNK / max_msg bytes. */
+static dt_status post_chunked(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
+                              uint32_t step, void *buf, size_t bytes)
+{
+    size_t chunk = c->max_msg < DT_COMM_CHUNK ? c->max_msg : DT_COMM_CHUNK;
+    uint32_t i = 0;
+    size_t off = 0;
+    do {
+        size_t len = bytes - off < chunk ? bytes - off : chunk;
+        dt_status st = post(c, w, xs, sending, peer, make_tag(w, step, i++), (char *)buf + off, len);
+        if (st != DT_OK)
+            return st;
+        off += len;
+    } while (off < bytes);
+    return DT_OK;
+}
+
+/* The left neighbour's header arrived: does it describe our call? */
+static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
+{
+    xs->hdr_checked = 1;
+    const coll_header *h = &xs->hdr_in;
+    int left = (c->rank - 1 + c->world) % c->world;
+    if (xs->hdr_recv.status != DT_OK)
+        return work_fail(w, DT_EPEER, "%s #%u: rank %d: connection failed", coll_names[w->kind],
+                         w->seq, left);
+    if (xs->hdr_recv.len != sizeof *h || h->magic != 0x44545243u)
+        return work_fail(w, DT_EPEER, "%s #%u: rank %d sent a malformed header",
+                         coll_names[w->kind], w->seq, left);
+    if ((int)h->kind != w->kind || h->n != w->n || (int)h->root != w->root || (int)h->op != (int)w->op) {
+        char mine[96], theirs[96];
+        describe_call(mine, sizeof mine, w->kind, w->n, w->root, (int)w->op);
+        describe_call(theirs, sizeof theirs, (int)h->kind, h->n, (int)h->root, (int)h->op);
+        return work_fail(w, DT_EMISMATCH, "collective #%u: rank %d called %s, rank %d called %s",
+                         w->seq, c->rank, mine, left, theirs);
+    }
+    return DT_OK;
+}
+
+/* A stalled collective asks rank 0's store every DT_COMM_WATCH_S whether a
+ * rank died, so a killed process is named in about a second instead of
+ * after the timeout (and by every survivor, not just its neighbours). */
+#define DT_COMM_WATCH_S 0.5
+
+static dt_status check_dead(dt_comm *c, dt_work *w)
+{
+    double now = dt_now();
+    if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
+        return DT_OK;
+    c->last_watch = now;
+    char val[16] = "";
+    size_t len = 0;
+    dt_status st = dt_store_get(c->watch, "dead", val, sizeof val - 1, &len, 1);
+    if (st == DT_ETIMEDOUT)
+        return DT_OK;   /* nobody died */
+    if (st == DT_OK)
+        return work_fail(w, DT_EPEER, "%s #%u: rank %s died (its process exited without "
+                         "leaving the job)", coll_names[w->kind], w->seq, val);
+    return work_fail(w, DT_EPEER, "%s #%u: rank 0 is unreachable (dead?): %s",
+                     coll_names[w->kind], w->seq, c->watch_errors->err);
+}
+
+/* Wait for every posted transfer (and the header), checking tags, until
+ * the deadline; on failure cancel what is left so no buffer stays posted. */
+static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
+{
+    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    uint64_t want_check = (uint64_t)(size_hash(w->kind, w->n, w->root, w->op) & 0xFFF);
+    for (;;) {
+        int pending = 0, silent_peer = -1;
+        for (int i = 0; i < xs->n; i++) {
+            if (!xs->x[i].done) {
+                pending++;
+                silent_peer = xs->x[i].peer;
+            }
+        }
+        int hdr_pending = xs->has_hdr && (!xs->hdr_recv.done || !xs->hdr_send.done);
+        if (xs->has_hdr && xs->hdr_recv.done && !xs->hdr_checked && check_header(c, w, xs) != DT_OK)
+            break;
+        if (!pending && !hdr_pending)
+            break;
+        dt_xfer *done[16];
+        char err[256] = "";
+        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        if (k < 0) {
+            work_fail(w, DT_EPEER, "%s #%u: transport failure: %s", coll_names[w->kind], w->seq, err);
+            break;
+        }
+        for (int i = 0; i < k; i++) {
+            dt_xfer *x = done[i];
+            if (x->status != DT_OK && x != &xs->hdr_recv) {
+                work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
+                          "%s #%u: transfer with rank %d failed (%s)", coll_names[w->kind], w->seq,
+                          x->peer, dt_strerror(x->status));
+            } else if (x != &xs->hdr_recv && x != &xs->hdr_send && x->status == DT_OK &&
+                       ((x->tag >> TAG_CHECK_SHIFT) & 0xFFF) != want_check && x->len > 0 &&
+                       x->tag != 0) {
+                /* a data tag of another kind or size: the header explains */
+            }
+        }
+        if (w->status != DT_OK)
+            break;
+        if (k == 0 && check_dead(c, w) != DT_OK)
+            break;
+        if (k == 0) {
+            if (dt_now() >= deadline) {
+                int who = xs->has_hdr && !xs->hdr_recv.done ? (c->rank - 1 + c->world) % c->world
+                                                            : silent_peer;
+                work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
+                          coll_names[w->kind], w->seq, who, c->timeout_ms);
+                break;
+            }
+            c->tp_iface->wait(c->tp, ms_left(deadline) < 50 ? ms_left(deadline) : 50);
+        }
+    }
+    if (w->status != DT_OK) {
+        for (int i = 0; i < xs->n; i++)
+            if (!xs->x[i].done)
+                c->tp_iface->cancel(c->tp, &xs->x[i]);
+        if (xs->has_hdr && !xs->hdr_recv.done)
+            c->tp_iface->cancel(c->tp, &xs->hdr_recv);
+        if (xs->has_hdr && !xs->hdr_send.done)
+            c->tp_iface->cancel(c->tp, &xs->hdr_send);
+        return w->status;
+    }
+    xs->n = 0;
+    return DT_OK;
+}
+
+/* Send our header right and receive the left one's; checked while the
+ * collective's data moves. */
+static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
+{
+    memset(xs, 0, sizeof *xs);
+    if (c->world == 1)
+        return DT_OK;
+    xs->has_hdr = 1;
+    xs->hdr_out = (coll_header){0x44545243u, (uint32_t)w->kind, w->seq, (uint32_t)w->root,
+                                (uint32_t)w->op, 0, w->n};
+    int right = (c->rank + 1) % c->world, left = (c->rank - 1 + c->world) % c->world;
+    char err[256] = "";
+    uint64_t tag = make_tag(w, TAG_HEADER_STEP, 0);
+    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    dt_status st;
+    if (c->tp_iface->recv(c->tp, left, tag, TAG_MATCH_IGNORE, &xs->hdr_in, sizeof xs->hdr_in,
+                          &xs->hdr_recv, err, sizeof err) != DT_OK)
+        return work_fail(w, DT_EPEER, "%s #%u: cannot post a receive from rank %d: %s",
+                         coll_names[w->kind], w->seq, left, err);
+    while ((st = c->tp_iface->send(c->tp, right, tag, &xs->hdr_out, sizeof xs->hdr_out,
+                                   &xs->hdr_send, err, sizeof err)) == DT_ETIMEDOUT &&
+           dt_now() < deadline) {
+        c->last_watch = 0;   /* back-pressured: is rank `right` alive? */
+        if (check_dead(c, w) != DT_OK)
+            break;
+    }
+    if (w->status == DT_OK && st != DT_OK)
+        work_fail(w, st == DT_ETIMEDOUT ? st : DT_EPEER, "%s #%u: cannot send to rank %d: %s",
+                  coll_names[w->kind], w->seq, right, err);
+    if (w->status != DT_OK) {
+        c->tp_iface->cancel(c->tp, &xs->hdr_recv);
+        xs->has_hdr = 0;
+        return w->status;
+    }
+    return DT_OK;
+}
+
+/* --- 14.3 the algorithms ----------------------------------------------------- */
+
+static void reduce_into(float *dst, const float *src, int64_t n, dt_reduce_op op)
+{
+    if (op == DT_REDUCE_MAX)
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = src[i] > dst[i] ? src[i] : dst[i];
+    else if (op == DT_REDUCE_MIN)
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = src[i] < dst[i] ? src[i] : dst[i];
+    else
+        for (int64_t i = 0; i < n; i++)
+            dst[i] += src[i];
+}
+
+static float *comm_scratch(dt_comm *c, dt_work *w, int64_t n)
+{
+    if ((size_t)n <= c->scratch_floats)
+        return c->scratch;
+    float *p = c->ctx->al.realloc_fn(c->scratch, (size_t)n * sizeof(float), c->ctx->al.user);
+    if (!p) {
+        work_fail(w, DT_ENOMEM, "%s: out of memory for %lld floats", coll_names[w->kind],
+                  (long long)n);
+        return NULL;
+    }
+    c->scratch = p;
+    c->scratch_floats = (size_t)n;
+    return p;
+}
+
+/* Exchange with one peer: send `out`, receive into `in`, same size. */
+static dt_status exchange(dt_comm *c, dt_work *w, xfers *xs, int peer, uint32_t step, float *out,
+                          float *in, int64_t n)
+{
+    size_t bytes = (size_t)n * sizeof(float);
+    if (post_chunked(c, w, xs, 0, peer, step, in, bytes) != DT_OK ||
+        post_chunked(c, w, xs, 1, peer, step, out, bytes) != DT_OK)
+        return w->status;
+    return wait_xfers(c, w, xs);
+}
+
+/* Recursive doubling; ranks beyond the largest power of two fold into it
+ * first and get the result back at the end. */
+static dt_status allreduce_doubling(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int p2 = 1;
+    while (p2 * 2 <= c->world)
+        p2 *= 2;
+    int r = c->rank, extra = c->world - p2;
+    float *tmp = comm_scratch(c, w, w->n);
+    if (!tmp)
+        return w->status;
+    size_t bytes = (size_t)w->n * sizeof(float);
+    uint32_t step = 0;
+    if (r >= p2) {          /* fold into r - p2, then wait for the answer */
+        if (post_chunked(c, w, xs, 1, r - p2, step, w->buf, bytes) != DT_OK ||
+            post_chunked(c, w, xs, 0, r - p2, step + 1000, w->buf, bytes) != DT_OK)
+            return w->status;
+        return wait_xfers(c, w, xs);
+    }
+    if (r < extra) {
+        if (post_chunked(c, w, xs, 0, r + p2, step, tmp, bytes) != DT_OK ||
+            wait_xfers(c, w, xs) != DT_OK)
+            return w->status;
+        reduce_into(w->buf, tmp, w->n, w->op);
+    }
+    for (int mask = 1; mask < p2; mask <<= 1) {
+        step++;
+        if (exchange(c, w, xs, r ^ mask, step, w->buf, tmp, w->n) != DT_OK)
+            return w->status;
+        /* the same order on both sides keeps every rank's result identical */
+        if (r < (r ^ mask)) {
+            reduce_into(w->buf, tmp, w->n, w->op);
+        } else {
+            reduce_into(tmp, w->buf, w->n, w->op);
+            memcpy(w->buf, tmp, bytes);
+        }
+    }
+    if (r < extra) {
+        if (post_chunked(c, w, xs, 1, r + p2, 1000, w->buf, bytes) != DT_OK)
+            return w->status;
+        return wait_xfers(c, w, xs);
+    }
+    return DT_OK;
+}
+
+/* [lo, hi) of block b when n is cut into `parts` near-equal blocks */
+static void block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi)
+{
+    *lo = n / parts * b + (b < n % parts ? b : n % parts);
+    *hi = *lo + n / parts + (b < n % parts);
+}
+
+/* Ring reduce-scatter over buf cut into world blocks: afterwards block
+ * (rank + 1) % world holds the full reduction. */
+static dt_status ring_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs, float *buf, int64_t n)
+{
+    int P = c->world, r = c->rank, right = (r + 1) % P, left = (r - 1 + P) % P;
+    int64_t blo, bhi;
+    block_range(n, P, 0, &blo, &bhi);
+    float *tmp = comm_scratch(c, w, bhi - blo + 1);
+    if (!tmp)
+        return w->status;
+    for (int s = 0; s < P - 1; s++) {
+        int send_b = (r - s + P) % P, recv_b = (r - s - 1 + 2 * P) % P;
+        int64_t slo, shi, rlo, rhi;
+        block_range(n, P, send_b, &slo, &shi);
+        block_range(n, P, recv_b, &rlo, &rhi);
+        if (post_chunked(c, w, xs, 0, left, (uint32_t)s, tmp, (size_t)(rhi - rlo) * sizeof(float)) != DT_OK ||
+            post_chunked(c, w, xs, 1, right, (uint32_t)s, buf + slo, (size_t)(shi - slo) * sizeof(float)) != DT_OK ||
+            wait_xfers(c, w, xs) != DT_OK)
+            return w->status;
+        reduce_into(buf + rlo, tmp, rhi - rlo, w->op);
+    }
+    return DT_OK;
+}
+
+/* Ring allgather: block (rank + 1 - first) % world is complete here at the
+ * start; after P-1 steps every block is. */
+static dt_status ring_allgather(dt_comm *c, dt_work *w, xfers *xs, float *buf, int64_t n, int first,
+                                uint32_t step0)
+{
+    int P = c->world, r = c->rank, right = (r + 1) % P, left = (r - 1 + P) % P;
+    for (int s = 0; s < P - 1; s++) {
+        int send_b = (r + first - s + P) % P, recv_b = (r + first - s - 1 + 2 * P) % P;
+        int64_t slo, shi, rlo, rhi;
+        block_range(n, P, send_b, &slo, &shi);
+        block_range(n, P, recv_b, &rlo, &rhi);
+        if (post_chunked(c, w, xs, 0, left, step0 + (uint32_t)s, buf + rlo, (size_t)(rhi - rlo) * sizeof(float)) != DT_OK ||
+            post_chunked(c, w, xs, 1, right, step0 + (uint32_t)s, buf + slo, (size_t)(shi - slo) * sizeof(float)) != DT_OK ||
+            wait_xfers(c, w, xs) != DT_OK)
+            return w->status;
+    }
+    return DT_OK;
+}
+
+static void finish_avg(dt_comm *c, dt_work *w, float *buf, int64_t n)
+{
+    if (w->op == DT_REDUCE_AVG) {
+        float k = 1.0f / (float)c->world;
+        for (int64_t i = 0; i < n; i++)
+            buf[i] *= k;
+    }
+}
+
+static dt_status run_allreduce(dt_comm *c, dt_work *w, xfers *xs)
+{
+    if (c->world > 1 && w->n > 0) {
+        dt_status st = (size_t)w->n * sizeof(float) <= DT_COMM_SMALL || w->n < c->world
+                           ? allreduce_doubling(c, w, xs)
+                           : ring_reduce_scatter(c, w, xs, w->buf, w->n);
+        if (st == DT_OK && !((size_t)w->n * sizeof(float) <= DT_COMM_SMALL || w->n < c->world))
+            st = ring_allgather(c, w, xs, w->buf, w->n, 1, (uint32_t)c->world);
+        if (st != DT_OK)
+            return st;
+    }
+    finish_avg(c, w, w->buf, w->n);
+    return DT_OK;
+}
+
+/* binomial tree from root */
+static dt_status run_broadcast(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int P = c->world, vr = (c->rank - w->root + P) % P;
+    size_t bytes = (size_t)w->n * sizeof(float);
+    int mask = 1;
+    while (mask < P) {                 /* receive from the parent */
+        if (vr & mask) {
+            int parent = (vr - mask + w->root) % P;
+            if (post_chunked(c, w, xs, 0, parent, (uint32_t)mask, w->buf, bytes) != DT_OK ||
+                wait_xfers(c, w, xs) != DT_OK)
+                return w->status;
+            break;
+        }
+        mask <<= 1;
+    }
+    for (mask >>= 1; mask > 0; mask >>= 1) {   /* send to the children */
+        if (vr + mask < P && post_chunked(c, w, xs, 1, (vr + mask + w->root) % P, (uint32_t)mask,
+                                          w->buf, bytes) != DT_OK)
+            return w->status;
+    }
+    return wait_xfers(c, w, xs);
+}
+
+static dt_status run_allgather(dt_comm *c, dt_work *w, xfers *xs)
+{
+    memcpy(w->buf + (int64_t)c->rank * w->n, w->in, (size_t)w->n * sizeof(float));
+    if (c->world == 1 || w->n == 0)
+        return DT_OK;
+    /* blocks are exactly n each: total world*n cut into world blocks */
+    return ring_allgather(c, w, xs, w->buf, w->n * c->world, 0, 0);
+}
+
+static dt_status run_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int64_t total = w->n * c->world;
+    float *work = c->ctx->al.malloc_fn((size_t)(total ? total : 1) * sizeof(float), c->ctx->al.user);
+    if (!work)
+        return work_fail(w, DT_ENOMEM, "reduce_scatter: out of memory");
+    memcpy(work, w->in, (size_t)total * sizeof(float));
+    dt_status st = c->world > 1 && w->n > 0 ? ring_reduce_scatter(c, w, xs, work, total) : DT_OK;
+    if (st == DT_OK) {
+        /* the complete block here is (rank + 1) % world; one more ring step
+         * would move it, so send it to its owner instead */
+        int P = c->world, have = (c->rank + 1) % P, want_from = (c->rank - 1 + P) % P;
+        if (P > 1 && w->n > 0) {
+            if (post_chunked(c, w, xs, 0, want_from, 5000, w->buf, (size_t)w->n * sizeof(float)) == DT_OK &&
+                post_chunked(c, w, xs, 1, have, 5000, work + (int64_t)have * w->n,
+                             (size_t)w->n * sizeof(float)) == DT_OK)
+                wait_xfers(c, w, xs);
+            st = w->status;
+        } else {
+            memcpy(w->buf, work, (size_t)w->n * sizeof(float));
+        }
+        if (st == DT_OK)
+            finish_avg(c, w, w->buf, w->n);
+    }
+    c->ctx->al.free_fn(work, c->ctx->al.user);
+    return st;
+}
+
+static void run_work(dt_comm *c, dt_work *w)
+{
+    if (c->broken) {
+        work_fail(w, DT_ESTATE, "%s #%u: communicator failed earlier: %s", coll_names[w->kind],
+                  w->seq, c->broken_msg);
+        return;
+    }
+    xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
+    if (!xs) {
+        work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
+        return;
+    }
+    if (start_header(c, w, xs) == DT_OK) {
+        switch (w->kind) {
+        case COLL_ALLREDUCE: case COLL_BARRIER: run_allreduce(c, w, xs); break;
+        case COLL_BROADCAST: run_broadcast(c, w, xs); break;
+        case COLL_ALLGATHER: run_allgather(c, w, xs); break;
+        case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
+        }
+        if (w->status == DT_OK)
+            wait_xfers(c, w, xs);   /* the header, if the data finished first */
+    }
+    if (w->status != DT_OK) {
+        /* Close the endpoint now: a cancelled receive must not land in
+         * this record or in the caller's buffer after the call returned.
+         * The communicator refuses all later work anyway. */
+        c->broken = 1;
+        snprintf(c->broken_msg, sizeof c->broken_msg, "%s", w->msg);
+        c->tp_iface->close(c->tp);
+        c->tp = NULL;
+    }
+    c->ctx->al.free_fn(xs, c->ctx->al.user);
+}
+
+/* --- 14.4 the comm thread and the caller's side --------------------------- */
+
+static void *comm_main(void *arg)
+{
+    dt_comm *c = arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->stop && !c->head)
+            pthread_cond_wait(&c->cv, &c->mu);
+        if (!c->head)
+            break;   /* stop requested and the queue is drained */
+        dt_work *w = c->head;
+        c->head = w->next;
+        if (!c->head)
+            c->tail = NULL;
+        pthread_mutex_unlock(&c->mu);
+        run_work(c, w);
+        pthread_mutex_lock(&c->mu);
+        w->done = 1;
+        pthread_cond_broadcast(&c->cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
+                        dt_reduce_op op)
+{
+    dt_ctx *ctx = c->ctx;
+    dt_work *w = host_calloc(ctx, sizeof *w);
+    if (!w) {
+        set_error(ctx, DT_ENOMEM, "%s: out of memory", coll_names[kind]);
+        return NULL;
+    }
+    *w = (dt_work){.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n};
+    pthread_mutex_lock(&c->mu);
+    w->seq = c->next_seq++;
+    if (c->tail)
+        c->tail->next = w;
+    else
+        c->head = w;
+    c->tail = w;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return w;
+}
+
+dt_status dt_work_wait(dt_work *w)
+{
+    if (!w)
+        return DT_EINVAL;
+    dt_comm *c = w->comm;
+    pthread_mutex_lock(&c->mu);
+    while (!w->done)
+        pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    dt_status st = w->status;
+    if (st != DT_OK)
+        set_error(c->ctx, st, "%s", w->msg);
+    host_free(c->ctx, w);
+    return st;
+}
+
+static int coll_args_ok(dt_comm *c, const char *op, const void *buf, int64_t n)
+{
+    if (!c)
+        return 0;
+    if (n < 0 || (n > 0 && !buf) || n > INT64_MAX / 4 / (c->world ? c->world : 1)) {
+        set_error(c->ctx, DT_EINVAL, "%s: buffer is NULL or n = %lld is out of range", op,
+                  (long long)n);
+        return 0;
+    }
+    return 1;
+}
+
+static int op_ok(dt_comm *c, const char *name, dt_reduce_op op)
+{
+    if (op < DT_REDUCE_SUM || op > DT_REDUCE_MIN) {
+        set_error(c->ctx, DT_EINVAL, "%s: unknown reduction %d", name, (int)op);
+        return 0;
+    }
+    return 1;
+}
+
+dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
+{
+    if (!coll_args_ok(c, "allreduce", buf, n) || !op_ok(c, "allreduce", op))
+        return NULL;
+    return enqueue(c, COLL_ALLREDUCE, buf, NULL, n, 0, op);
+}
+
+static dt_status run_sync(dt_work *w) { return w ? dt_work_wait(w) : DT_EINVAL; }
+
+dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
+{
+    if (!c)
+        return DT_EINVAL;
+    dt_work *w = dt_allreduce_async(c, buf, n, op);
+    return w ? dt_work_wait(w) : c->ctx->last_status;
+}
+
+dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root)
+{
+    if (!coll_args_ok(c, "broadcast", buf, n))
+        return DT_EINVAL;
+    if (root < 0 || root >= c->world)
+        return set_error(c->ctx, DT_EINVAL, "broadcast: root %d is not a rank of %d", root,
+                         c->world);
+    return run_sync(enqueue(c, COLL_BROADCAST, buf, NULL, n, root, DT_REDUCE_SUM));
+}
+
+dt_status dt_allgather(dt_comm *c, const float *in, int64_t n, float *out)
+{
+    if (!coll_args_ok(c, "allgather", in, n) || !coll_args_ok(c, "allgather", out, n))
+        return DT_EINVAL;
+    return run_sync(enqueue(c, COLL_ALLGATHER, out, in, n, 0, DT_REDUCE_SUM));
+}
+
+dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, dt_reduce_op op)
+{
+    if (!coll_args_ok(c, "reduce_scatter", in, n) || !coll_args_ok(c, "reduce_scatter", out, n) ||
+        !op_ok(c, "reduce_scatter", op))
+        return DT_EINVAL;
+    return run_sync(enqueue(c, COLL_REDUCE_SCATTER, out, in, n, 0, op));
+}
+
+dt_status dt_barrier(dt_comm *c)
+{
+    if (!c)
+        return DT_EINVAL;
+    static float unused;   /* never read: n = 0 */
+    return run_sync(enqueue(c, COLL_BARRIER, &unused, NULL, 0, 0, DT_REDUCE_SUM));
+}
+
+/* --- 14.5 joining the job ------------------------------------------------- */
+
+void dt_comm_config_init(dt_comm_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    dt_store_config_init(&cfg->store);
+}
+
+int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
+int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
+const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
+
+/* Publish this rank's host name and read everyone's: shm needs one host. */
+static dt_status all_on_one_host(dt_comm *c, int *one_host)
+{
+    char me[DT_MAX_HOST] = "", key[32], other[DT_MAX_HOST];
+    gethostname(me, sizeof me - 1);
+    snprintf(key, sizeof key, "host/%d", c->rank);
+    dt_status st = dt_store_set(c->store, key, me, strlen(me) + 1);
+    *one_host = 1;
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        size_t len = 0;
+        snprintf(key, sizeof key, "host/%d", r);
+        st = dt_store_get(c->store, key, other, sizeof other - 1, &len, 0);
+        other[len < sizeof other ? len : sizeof other - 1] = '\0';
+        if (st == DT_OK && strcmp(other, me) != 0)
+            *one_host = 0;
+    }
+    return st;
+}
+
+static dt_status exchange_addresses(dt_comm *c)
+{
+    dt_ctx *ctx = c->ctx;
+    char err[256] = "", key[32];
+    unsigned char mine[512];
+    size_t len = sizeof mine;
+    if (c->tp_iface->get_addr(c->tp, mine, &len, err, sizeof err) != DT_OK)
+        return set_error(ctx, DT_EIO, "comm: transport address: %s", err);
+    snprintf(key, sizeof key, "addr/%d", c->rank);
+    dt_status st = dt_store_set(c->store, key, mine, len);
+    unsigned char *all = host_alloc(ctx, (size_t)c->world * sizeof mine);
+    const void **ptrs = host_alloc(ctx, sizeof *ptrs * (size_t)c->world);
+    size_t *lens = host_alloc(ctx, sizeof *lens * (size_t)c->world);
+    if (st == DT_OK && (!all || !ptrs || !lens))
+        st = set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        snprintf(key, sizeof key, "addr/%d", r);
+        ptrs[r] = all + (size_t)r * sizeof mine;
+        st = dt_store_get(c->store, key, all + (size_t)r * sizeof mine, sizeof mine, &lens[r], 0);
+        if (st == DT_OK && lens[r] > sizeof mine)
+            st = set_error(ctx, DT_EPEER, "comm: rank %d's address is too long", r);
+    }
+    if (st == DT_OK && c->tp_iface->insert_peers(c->tp, c->world, ptrs, lens, err, sizeof err) != DT_OK)
+        st = set_error(ctx, DT_EIO, "comm: inserting peer addresses: %s", err);
+    host_free(ctx, all);
+    host_free(ctx, ptrs);
+    host_free(ctx, lens);
+    return st;
+}
+
+static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    c->tp_iface = find_transport();
+    if (!c->tp_iface)
+        return set_error(ctx, DT_ENOTSUP, "comm: no transport compiled in (build with "
+                                          "backends/fabric.c, -DDT_WITH_FABRIC and -lfabric)");
+    const char *prov = cfg->transport ? cfg->transport : getenv("DTRAIN_TRANSPORT");
+    int one_host = 1;
+    if (!prov && c->world > 1 && all_on_one_host(c, &one_host) != DT_OK)
+        return ctx->last_status;
+    if (!prov)
+        prov = one_host ? "shm" : "tcp";
+    /* 200 ms: between retries of a back-pressured post the core checks
+     * whether the peer died */
+    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al,
+                              200};
+    char err[256] = "";
+    dt_status st = c->tp_iface->open(&tp, &c->tp, err, sizeof err);
+    if (st != DT_OK)
+        return set_error(ctx, st, "comm: transport '%s': %s", prov, err);
+    snprintf(c->provider, sizeof c->provider, "%s", c->tp_iface->provider(c->tp));
+    c->max_msg = c->tp_iface->max_message(c->tp);
+    if (c->max_msg == 0)
+        c->max_msg = DT_COMM_CHUNK;
+    return DT_OK;
+}
+
+/* The comm thread's own connection to the store, with its own error sink
+ * (a bare context that only holds the allocator and messages). */
+static dt_status open_watch(dt_comm *c, const dt_dist_env *env, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    if (c->world == 1)
+        return DT_OK;
+    c->watch_errors = host_calloc(ctx, sizeof *c->watch_errors);
+    if (!c->watch_errors)
+        return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    c->watch_errors->al = ctx->al;
+    dt_dist_env e = *env;
+    e.master_port = dt_store_port(c->store);
+    c->watch = store_open(c->watch_errors, &e, &cfg->store, 0);
+    if (!c->watch)
+        return set_error(ctx, c->watch_errors->last_status, "%s", c->watch_errors->err);
+    return DT_OK;
+}
+
+dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_config *cfg_in)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_comm_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        dt_comm_config_init(&cfg);
+    dt_dist_env env;
+    if (env_in)
+        env = *env_in;
+    else if (dt_dist_env_detect(ctx, &env) != DT_OK)
+        return NULL;
+    dt_comm *c = host_calloc(ctx, sizeof *c);
+    if (!c) {
+        set_error(ctx, DT_ENOMEM, "comm: out of memory");
+        return NULL;
+    }
+    c->ctx = ctx;
+    c->rank = env.rank;
+    c->world = env.world_size;
+    int t = cfg.timeout_ms;
+    const char *te = getenv("DTRAIN_TIMEOUT_MS");
+    if (t <= 0 && te)
+        t = atoi(te);
+    c->timeout_ms = t > 0 ? t : DT_COMM_DEFAULT_TIMEOUT_MS;
+    if (pthread_mutex_init(&c->mu, NULL) != 0 || pthread_cond_init(&c->cv, NULL) != 0) {
+        host_free(ctx, c);
+        set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
+        return NULL;
+    }
+    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || open_transport(c, &cfg) != DT_OK ||
+        exchange_addresses(c) != DT_OK || open_watch(c, &env, &cfg) != DT_OK)
+        goto fail;
+    if (pthread_create(&c->thread, NULL, comm_main, c) != 0) {
+        set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
+        goto fail;
+    }
+    c->has_thread = 1;
+    /* everyone's endpoint is ready before anyone sends */
+    if (dt_barrier(c) != DT_OK)
+        goto fail;
+    return c;
+fail:;
+    dt_status st = ctx->last_status;
+    char msg[DT_MAX_ERROR];
+    snprintf(msg, sizeof msg, "%s", ctx->err);
+    dt_comm_free(c);
+    set_error(ctx, st, "%s", msg);
+    return NULL;
+}
+
+void dt_comm_free(dt_comm *c)
+{
+    if (!c)
+        return;
+    if (c->has_thread) {
+        pthread_mutex_lock(&c->mu);
+        c->stop = 1;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->thread, NULL);
+    }
+    if (c->tp)
+        c->tp_iface->close(c->tp);
+    dt_store_close(c->watch);
+    host_free(c->ctx, c->watch_errors);
+    dt_store_close(c->store);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    if (c->scratch)
+        c->ctx->al.free_fn(c->scratch, c->ctx->al.user);
+    host_free(c->ctx, c);
 }

@@ -486,6 +486,50 @@ DT_API dt_status dt_store_set(dt_store *s, const char *key, const void *value, s
 DT_API dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size_t *len,
                               int timeout_ms);
 
+/* Communicator: every rank of the job, connected through a transport
+ * (libfabric shm, tcp or verbs).  One comm thread per communicator owns
+ * the transport and runs collectives from a queue; the caller enqueues and
+ * waits, so communication overlaps computation. */
+typedef struct dt_comm dt_comm;
+typedef struct dt_comm_config {
+    const char *transport;     /* "shm", "tcp", "verbs"; NULL: DTRAIN_TRANSPORT, else
+                                  shm when every rank is on one host, tcp otherwise */
+    const char *host;          /* tcp/verbs: this rank's address; NULL: DTRAIN_HOST */
+    int timeout_ms;            /* a peer silent this long fails the collective, naming
+                                  it; 0: DTRAIN_TIMEOUT_MS, else 30000 */
+    dt_store_config store;
+} dt_comm_config;
+DT_API void dt_comm_config_init(dt_comm_config *cfg);
+/* Join the job: rendezvous through the store, open the transport, swap
+ * addresses.  env NULL: dt_dist_env_detect.  Collective over all ranks.
+ * new: free with dt_comm_free. */
+DT_API dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env, const dt_comm_config *cfg);
+DT_API void dt_comm_free(dt_comm *c);
+DT_API int dt_comm_rank(const dt_comm *c);
+DT_API int dt_comm_size(const dt_comm *c);
+DT_API const char *dt_comm_transport(const dt_comm *c);   /* provider in use */
+
+typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_REDUCE_MIN } dt_reduce_op;
+
+/* Collectives on host float buffers (borrowed until the work completes).
+ * Every rank must call the same collectives in the same order with the same
+ * sizes: a rank that does not is detected and every rank's call fails with
+ * DT_EMISMATCH naming both calls.  A dead or silent peer fails the call
+ * with DT_ETIMEDOUT or DT_EPEER naming the rank; after that the
+ * communicator refuses further work (DT_ESTATE) instead of hanging. */
+typedef struct dt_work dt_work;
+/* Start an allreduce and return at once.  new: dt_work_wait frees it. */
+DT_API dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
+DT_API dt_status dt_work_wait(dt_work *w);
+DT_API dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
+DT_API dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root);
+/* out (world * n) = every rank's in (n), in rank order */
+DT_API dt_status dt_allgather(dt_comm *c, const float *in, int64_t n, float *out);
+/* in (world * n) reduced over ranks; out (n) = this rank's block */
+DT_API dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out,
+                                   dt_reduce_op op);
+DT_API dt_status dt_barrier(dt_comm *c);
+
 /* ---------------------------------------------------------------------------
  * 11. Utilities
  * ------------------------------------------------------------------------- */

@@ -42,7 +42,7 @@ typedef enum dt_unary_op {
 
 typedef enum dt_binary_op { DT_BIN_ADD = 0, DT_BIN_SUB, DT_BIN_MUL, DT_BIN_DIV } dt_binary_op;
 
-typedef enum dt_reduce_op { DT_RED_SUM = 0, DT_RED_MAX } dt_reduce_op;
+typedef enum dt_axis_op { DT_RED_SUM = 0, DT_RED_MAX } dt_axis_op;
 
 /* conv / pool geometry, NCHW */
 typedef struct dt_conv_geom {
@@ -116,7 +116,7 @@ typedef struct dt_backend_iface {
 
     /* --- reductions ----------------------------------------------------- */
     /* x viewed as (outer, len, inner); y (outer, inner) = op over len. */
-    void (*reduce_axis)(dt_backend *be, dt_reduce_op op, int64_t outer, int64_t len,
+    void (*reduce_axis)(dt_backend *be, dt_axis_op op, int64_t outer, int64_t len,
                         int64_t inner, const float *x, float *y);
     /* Deterministic sums over all n, written to a device scalar *y. */
     void (*sum)(dt_backend *be, int64_t n, const float *x, float *y);

@@ -1223,7 +1223,7 @@ static void rmax_units(void *p, int64_t lo, int64_t hi)
     }
 }
 
-static void cpu_reduce_axis(dt_backend *be, dt_reduce_op op, int64_t outer, int64_t len,
+static void cpu_reduce_axis(dt_backend *be, dt_axis_op op, int64_t outer, int64_t len,
                             int64_t inner, const float *x, float *y)
 {
     if (op == DT_RED_SUM) {

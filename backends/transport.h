@@ -34,6 +34,8 @@ typedef struct dt_transport_params {
     const char *host;         /* tcp/verbs: local IPv4 address to bind, NULL = any */
     const char *iface;        /* tcp: network interface (FI_TCP_IFACE), NULL = default */
     dt_allocator allocator;   /* host allocation hooks, already defaulted */
+    int post_timeout_ms;      /* how long send/recv retry back-pressure before giving
+                                 control back with DT_ETIMEDOUT; 0 = 30000 */
 } dt_transport_params;
 
 /* One posted transfer.  The caller owns the storage and keeps it alive (and
@@ -72,10 +74,11 @@ typedef struct dt_transport_iface {
     size_t (*max_message)(const dt_transport *t);
 
     /* Post a tagged send / receive.  DT_OK: posted (completion comes from
-     * poll); any other status: not posted, message in err.  Internally a
-     * transport retries on its own back-pressure (FI_EAGAIN) while driving
-     * progress, so callers never see "try again". Registration of buf is the
-     * transport's business (it may cache registrations). */
+     * poll); any other status: not posted, message in err.  A transport
+     * retries its own back-pressure (FI_EAGAIN) while driving progress for
+     * up to post_timeout_ms, then returns DT_ETIMEDOUT: not posted, call
+     * again (the core checks meanwhile whether the peer died).
+     * Registration of buf is the transport's business (it may cache). */
     dt_status (*send)(dt_transport *t, int peer, uint64_t tag, const void *buf, size_t len,
                       dt_xfer *x, char *err, size_t err_len);
     dt_status (*recv)(dt_transport *t, int peer, uint64_t tag, uint64_t ignore, void *buf,

@@ -477,7 +477,7 @@ static void test_reduce_axis(void **state)
     for (int s = 0; s < 4; s++) {
         int64_t O = splits[s][0], L = splits[s][1], In = splits[s][2];
         for (int op = 0; op < 2; op++) {
-            f->I->reduce_axis(f->be1, (dt_reduce_op)op, O, L, In, x, y);
+            f->I->reduce_axis(f->be1, (dt_axis_op)op, O, L, In, x, y);
             for (int64_t o = 0; o < O; o++)
                 for (int64_t i = 0; i < In; i++) {
                     double acc = op == DT_RED_SUM ? 0.0 : -INFINITY;
