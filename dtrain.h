@@ -530,6 +530,31 @@ DT_API dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float
                                    dt_reduce_op op);
 DT_API dt_status dt_barrier(dt_comm *c);
 
+/* Launching ranks on one host, like torchrun / mpirun.  Each rank gets
+ * DTRAIN_RANK, DTRAIN_WORLD_SIZE, DTRAIN_LOCAL_RANK, DTRAIN_LOCAL_WORLD_SIZE,
+ * DTRAIN_MASTER (127.0.0.1 and a free port), DTRAIN_JOB_TOKEN (random, unless
+ * already set) and DTRAIN_TRANSPORT (if given), so dt_comm_new(ctx, NULL, ..)
+ * just works.  The supervisor prefixes each line the ranks print with
+ * "[rank] ", forwards SIGINT and SIGTERM to them, and when one rank fails
+ * stops the others (SIGTERM, then SIGKILL after grace_ms). */
+typedef struct dt_spawn_config {
+    int nranks;                /* processes to start, >= 1 */
+    const char *transport;     /* DTRAIN_TRANSPORT for the ranks, or NULL */
+    int grace_ms;              /* SIGTERM -> SIGKILL delay; 0: 5000 */
+    int prefix_output;         /* 1: "[rank] " before every line of output */
+} dt_spawn_config;
+DT_API void dt_spawn_config_init(dt_spawn_config *cfg);
+/* Fork cfg->nranks workers of this program.  In each worker it returns
+ * DT_OK with *rank = its rank (the worker then runs the job and exits).  In
+ * the caller it supervises them and returns when all have ended: DT_OK with
+ * *rank = -1 if every rank exited 0, else DT_EPEER naming the first rank
+ * that failed (its exit code or signal). */
+DT_API dt_status dt_spawn(dt_ctx *ctx, const dt_spawn_config *cfg, int *rank);
+/* The same, each rank running argv (execvp); what build/dtrun does.
+ * *failed_rank (may be NULL) gets the first failed rank or -1. */
+DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
+                           int *failed_rank);
+
 /* ---------------------------------------------------------------------------
  * 11. Utilities
  * ------------------------------------------------------------------------- */

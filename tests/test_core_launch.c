@@ -1,0 +1,129 @@
+/*
+ * tests/test_core_launch.c - dt_spawn / dt_launch: the ranks' environment,
+ * prefixed output, and a failed rank stopping the job with its name.
+ */
+#include "test_util.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+static dt_ctx *new_ctx(void)
+{
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    assert_non_null(ctx);
+    return ctx;
+}
+
+/* Run fn with stdout going to a temp file; returns the captured text (malloc). */
+static char *capture_stdout(dt_status (*fn)(dt_ctx *, void *), dt_ctx *ctx, void *arg,
+                            dt_status *st)
+{
+    char path[] = "/tmp/dtrain_launch_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    fflush(stdout);
+    int saved = dup(STDOUT_FILENO);
+    dup2(fd, STDOUT_FILENO);
+    *st = fn(ctx, arg);
+    fflush(stdout);
+    dup2(saved, STDOUT_FILENO);
+    close(saved);
+    off_t len = lseek(fd, 0, SEEK_END);
+    char *text = calloc(1, (size_t)len + 1);
+    pread(fd, text, (size_t)len, 0);
+    close(fd);
+    unlink(path);
+    return text;
+}
+
+static dt_status spawn_three(dt_ctx *ctx, void *arg)
+{
+    (void)arg;
+    dt_spawn_config cfg;
+    dt_spawn_config_init(&cfg);
+    cfg.nranks = 3;
+    cfg.transport = "tcp";
+    int rank = -2;
+    dt_status st = dt_spawn(ctx, &cfg, &rank);
+    if (rank >= 0) {   /* a worker: check its environment, say hello, leave */
+        const char *r = getenv("DTRAIN_RANK"), *w = getenv("DTRAIN_WORLD_SIZE");
+        const char *m = getenv("DTRAIN_MASTER"), *t = getenv("DTRAIN_JOB_TOKEN");
+        const char *tp = getenv("DTRAIN_TRANSPORT");
+        int ok = st == DT_OK && r && atoi(r) == rank && w && !strcmp(w, "3") && m &&
+                 !strncmp(m, "127.0.0.1:", 10) && t && strlen(t) >= 16 && tp && !strcmp(tp, "tcp");
+        printf("hello from %d %s\n", rank, ok ? "env-ok" : "env-bad");
+        printf("partial line without newline");
+        fflush(stdout);
+        _exit(ok ? 0 : 1);
+    }
+    assert_int_equal(rank, -1);
+    return st;
+}
+
+static void test_spawn_env_and_prefix(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = new_ctx();
+    dt_status st;
+    char *out = capture_stdout(spawn_three, ctx, NULL, &st);
+    if (st != DT_OK)
+        fail_msg("spawn failed: %s\noutput:\n%s", dt_last_error(ctx), out);
+    for (int r = 0; r < 3; r++) {
+        char want[64];
+        snprintf(want, sizeof want, "[%d] hello from %d env-ok\n", r, r);
+        if (!strstr(out, want))
+            fail_msg("missing '%s' in:\n%s", want, out);
+        snprintf(want, sizeof want, "[%d] partial line without newline\n", r);
+        if (!strstr(out, want))
+            fail_msg("missing '%s' in:\n%s", want, out);
+    }
+    free(out);
+    dt_ctx_free(ctx);
+}
+
+static void test_launch_failure_stops_others(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = new_ctx();
+    dt_spawn_config cfg;
+    dt_spawn_config_init(&cfg);
+    cfg.nranks = 3;
+    cfg.grace_ms = 500;
+    cfg.prefix_output = 0;
+    /* rank 1 fails at once; ranks 0 and 2 would sleep for 30 s */
+    char *const argv[] = {"/bin/sh", "-c", "[ \"$DTRAIN_RANK\" = 1 ] && exit 7; exec sleep 30", NULL};
+    int failed = -2;
+    double t0 = dt_now();
+    dt_status st = dt_launch(ctx, &cfg, argv, &failed);
+    double took = dt_now() - t0;
+    assert_int_equal(st, DT_EPEER);
+    assert_int_equal(failed, 1);
+    assert_non_null(strstr(dt_last_error(ctx), "rank 1 exited with code 7"));
+    assert_true(took < 10.0);
+    /* a rank killed by a signal is named with the signal */
+    char *const killer[] = {"/bin/sh", "-c", "[ \"$DTRAIN_RANK\" = 2 ] && kill -9 $$; exec sleep 30", NULL};
+    st = dt_launch(ctx, &cfg, killer, &failed);
+    assert_int_equal(st, DT_EPEER);
+    assert_int_equal(failed, 2);
+    assert_non_null(strstr(dt_last_error(ctx), "rank 2 was killed by signal 9"));
+    /* all succeed */
+    char *const good[] = {"/bin/sh", "-c", "exit 0", NULL};
+    assert_int_equal(dt_launch(ctx, &cfg, good, &failed), DT_OK);
+    assert_int_equal(failed, -1);
+    /* a program that does not exist */
+    char *const missing[] = {"/nonexistent/prog", NULL};
+    assert_int_equal(dt_launch(ctx, &cfg, missing, &failed), DT_EPEER);
+    assert_non_null(strstr(dt_last_error(ctx), "code 127"));
+    /* bad arguments */
+    cfg.nranks = 0;
+    assert_int_equal(dt_launch(ctx, &cfg, good, &failed), DT_EINVAL);
+    assert_int_equal(dt_launch(ctx, &cfg, NULL, &failed), DT_EINVAL);
+    dt_ctx_free(ctx);
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_spawn_env_and_prefix),
+    cmocka_unit_test(test_launch_failure_stops_others),
+};
+
+DT_TEST_GROUP(core_launch, tests)
