@@ -19,11 +19,12 @@ BUILD=build
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
 OPT="-O3 $ARCH -fno-math-errno"
-LIBS="-lopenblas -lz -lm -lpthread"
-CORE_SRC="dtrain.c backends/cpu.c"
+LIBS="-lopenblas -lfabric -lz -lm -lpthread"
+CORE_SRC="dtrain.c backends/cpu.c backends/fabric.c"
+DEFS="-DDT_WITH_CPU -DDT_WITH_FABRIC"
 
 # Debian packages: why each is here is in docs/DEPENDENCIES.md.
-PKGS_BUILD="gcc make libopenblas-dev zlib1g-dev libcmocka-dev pkg-config"
+PKGS_BUILD="gcc make libopenblas-dev libfabric-dev zlib1g-dev libcmocka-dev pkg-config"
 PKGS_DATA="dataset-fashion-mnist"
 PKGS_TEST="valgrind"
 PKGS_BENCH="python3-torch python3-numpy time"
@@ -56,11 +57,12 @@ build_lib() {
     mkdir -p $BUILD/obj $BUILD/shared
     for f in $CORE_SRC; do
         o=$BUILD/obj/$(basename "${f%.c}").o
-        $CC $WARN $OPT -DDT_WITH_CPU -fPIC -I. -c "$f" -o "$o"
+        $CC $WARN $OPT $DEFS -fPIC -I. -c "$f" -o "$o"
     done
+    local objs="$BUILD/obj/dtrain.o $BUILD/obj/cpu.o $BUILD/obj/fabric.o"
     rm -f $BUILD/libdtrain.a
-    ar rcs $BUILD/libdtrain.a $BUILD/obj/dtrain.o $BUILD/obj/cpu.o
-    $CC -shared -o $BUILD/libdtrain.so $BUILD/obj/dtrain.o $BUILD/obj/cpu.o $LIBS
+    ar rcs $BUILD/libdtrain.a $objs
+    $CC -shared -o $BUILD/libdtrain.so $objs $LIBS
     # the core alone must compile without any backend or BLAS header
     $CC $WARN -O1 -I. -c dtrain.c -o $BUILD/obj/core_only.o
 }
@@ -104,7 +106,7 @@ example_checks() {
 # documentation cannot go stale.
 readme_example() {
     awk '/^```c$/{f=1;next} /^```$/{f=0} f' README.md > $BUILD/test/readme_example.c
-    $CC $WARN $1 -DDT_WITH_CPU -I. $BUILD/test/readme_example.c $CORE_SRC $LIBS \
+    $CC $WARN $1 $DEFS -I. $BUILD/test/readme_example.c $CORE_SRC $LIBS \
         -o $BUILD/test/readme_example
     $BUILD/test/readme_example
 }
@@ -115,10 +117,10 @@ cmd_test() {
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local tests
     tests=$(ls tests/test_*.c)
-    $CC $WARN $san -DDT_WITH_CPU -I. $CORE_SRC $tests $LIBS -lcmocka -o $BUILD/test/dtrain_tests
+    $CC $WARN $san $DEFS -I. $CORE_SRC $tests $LIBS -lcmocka -o $BUILD/test/dtrain_tests
     # the examples must build too (and stay warning-free)
     for f in examples/*.c; do
-        $CC $WARN $san -DDT_WITH_CPU -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
+        $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
     example_checks
     readme_example "$san"
@@ -139,7 +141,7 @@ cmd_demo() {
 cmd_valgrind() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST
     mkdir -p $BUILD/vg
-    $CC $WARN -O1 -g -DDT_WITH_CPU -I. examples/fashion_mnist.c $CORE_SRC $LIBS -o $BUILD/vg/fashion_mnist
+    $CC $WARN -O1 -g $DEFS -I. examples/fashion_mnist.c $CORE_SRC $LIBS -o $BUILD/vg/fashion_mnist
     OPENBLAS_NUM_THREADS=1 valgrind --leak-check=full --show-leak-kinds=definite,indirect,possible \
         --errors-for-leak-kinds=definite,indirect,possible --error-exitcode=3 \
         $BUILD/vg/fashion_mnist --model mlp --epochs 1 --limit-batches 30 --threads 2

@@ -4736,8 +4736,8 @@ static int sv_frame(store_server *sv, store_client *c, const unsigned char *f, s
             return sv_error(c->fd, op, "malformed get");
         uint32_t timeout_ms = get_u32(p);
         kv_entry *e = kv_find(sv, key);
-        if (e)
-            return sv_reply(c->fd, op, 1, e->val, e->len);
+        if (e || timeout_ms <= 1)   /* <= 1 ms: a poll, answered at once */
+            return sv_reply(c->fd, op, e != NULL, e ? e->val : NULL, e ? e->len : 0);
         snprintf(c->wait_key, sizeof c->wait_key, "%s", key);
         c->wait_deadline = dt_now() + timeout_ms / 1000.0;
         c->waiting = 1;
@@ -5224,8 +5224,8 @@ dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size
  * progress and sleeping on its completion queue.
  *
  * Every message's tag carries the collective's sequence number, the step and
- * the chunk; the top 12 bits carry the collective's kind and a hash of its
- * size, which receives ignore when matching and check afterwards.  Each
+ * the chunk; the top 12 bits of data tags carry the collective's kind and a
+ * hash of its size, so mismatched data never matches a receive.  Each
  * collective also starts by sending a 32-byte header (kind, size, root, op)
  * to the right ring neighbour and receiving the left one's: ranks that call
  * different collectives see each other's header within one message latency
@@ -5249,7 +5249,6 @@ static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgath
 
 #define TAG_HEADER_STEP 0xFFFFu
 #define TAG_CHECK_SHIFT 52
-#define TAG_MATCH_IGNORE (((uint64_t)0xFFF) << TAG_CHECK_SHIFT)
 
 struct dt_work {
     dt_comm *comm;
@@ -5308,9 +5307,14 @@ static uint32_t size_hash(int kind, int64_t n, int root, int op)
     return (uint32_t)(((uint32_t)kind << 8) | (uint32_t)(h & 0xFF));
 }
 
+/* Receives match tags exactly: libfabric 1.17's shm provider ignores the
+ * ignore mask for messages that arrive before their receive is posted.  The
+ * header's tag therefore leaves the kind/size bits out, so a neighbour's
+ * header always matches and its contents reveal a mismatch; data tags keep
+ * them, so mismatched data can never be taken for ours. */
 static uint64_t make_tag(const dt_work *w, uint32_t step, uint32_t chunk)
 {
-    uint64_t check = size_hash(w->kind, w->n, w->root, w->op) & 0xFFF;
+    uint64_t check = step == TAG_HEADER_STEP ? 0 : size_hash(w->kind, w->n, w->root, w->op) & 0xFFF;
     return check << TAG_CHECK_SHIFT | (uint64_t)(w->seq & 0xFFFFFF) << 28 |
            (uint64_t)(step & 0xFFFF) << 12 | (chunk & 0xFFF);
 }
@@ -5371,8 +5375,7 @@ static dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, 
         memset(x, 0, sizeof *x);
         x->peer = peer;
         st = sending ? c->tp_iface->send(c->tp, peer, tag, buf, bytes, x, err, sizeof err)
-                     : c->tp_iface->recv(c->tp, peer, tag, TAG_MATCH_IGNORE, buf, bytes, x, err,
-                                         sizeof err);
+                     : c->tp_iface->recv(c->tp, peer, tag, 0, buf, bytes, x, err, sizeof err);
         if (st != DT_ETIMEDOUT || dt_now() >= deadline)
             break;
         /* back-pressured: the peer takes no data; is it alive? */
@@ -5437,9 +5440,15 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
     if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
         return DT_OK;
     c->last_watch = now;
-    char val[16] = "";
+    char val[16] = "", why[DT_MAX_ERROR];
     size_t len = 0;
-    dt_status st = dt_store_get(c->watch, "dead", val, sizeof val - 1, &len, 1);
+    /* a rank that found a mismatch published it: fail with its words */
+    dt_status st = dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1);
+    if (st == DT_OK && len > 2) {
+        why[len < sizeof why ? len : sizeof why - 1] = '\0';
+        return work_fail(w, (dt_status)(why[0] - '0'), "%s", why + 2);
+    }
+    st = dt_store_get(c->watch, "dead", val, sizeof val - 1, &len, 1);
     if (st == DT_ETIMEDOUT)
         return DT_OK;   /* nobody died */
     if (st == DT_OK)
@@ -5454,7 +5463,6 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
 static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
     double deadline = dt_now() + c->timeout_ms / 1000.0;
-    uint64_t want_check = (uint64_t)(size_hash(w->kind, w->n, w->root, w->op) & 0xFFF);
     for (;;) {
         int pending = 0, silent_peer = -1;
         for (int i = 0; i < xs->n; i++) {
@@ -5481,10 +5489,6 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
                 work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
                           "%s #%u: transfer with rank %d failed (%s)", coll_names[w->kind], w->seq,
                           x->peer, dt_strerror(x->status));
-            } else if (x != &xs->hdr_recv && x != &xs->hdr_send && x->status == DT_OK &&
-                       ((x->tag >> TAG_CHECK_SHIFT) & 0xFFF) != want_check && x->len > 0 &&
-                       x->tag != 0) {
-                /* a data tag of another kind or size: the header explains */
             }
         }
         if (w->status != DT_OK)
@@ -5531,7 +5535,7 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
     uint64_t tag = make_tag(w, TAG_HEADER_STEP, 0);
     double deadline = dt_now() + c->timeout_ms / 1000.0;
     dt_status st;
-    if (c->tp_iface->recv(c->tp, left, tag, TAG_MATCH_IGNORE, &xs->hdr_in, sizeof xs->hdr_in,
+    if (c->tp_iface->recv(c->tp, left, tag, 0, &xs->hdr_in, sizeof xs->hdr_in,
                           &xs->hdr_recv, err, sizeof err) != DT_OK)
         return work_fail(w, DT_EPEER, "%s #%u: cannot post a receive from rank %d: %s",
                          coll_names[w->kind], w->seq, left, err);
@@ -5795,6 +5799,13 @@ static void run_work(dt_comm *c, dt_work *w)
         }
         if (w->status == DT_OK)
             wait_xfers(c, w, xs);   /* the header, if the data finished first */
+    }
+    if (w->status == DT_EMISMATCH && c->watch) {
+        /* ranks whose neighbours agree with them would only see the others
+         * leave; tell them why (status digit, '|', message) */
+        char val[DT_MAX_ERROR + 4];
+        int n = snprintf(val, sizeof val, "%d|%s", (int)w->status, w->msg);
+        dt_store_set(c->watch, "abort", val, (size_t)(n < (int)sizeof val ? n : (int)sizeof val - 1) + 1);
     }
     if (w->status != DT_OK) {
         /* Close the endpoint now: a cancelled receive must not land in

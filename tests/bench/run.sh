@@ -30,7 +30,7 @@ BIN="$OUT/bench_train"
 
 # ---------------------------------------------------------------- build ---
 BENCH_CFLAGS="-std=c11 -O2 -Wall -Wextra -Werror -I$ROOT"
-LIBS="-lopenblas -lz -lm -lpthread"
+LIBS="-lopenblas -lfabric -lz -lm -lpthread"   # libdtrain.a includes the libfabric transport
 LIBA="$ROOT/build/libdtrain.a"
 if [[ -f "$LIBA" && ! "$ROOT/dtrain.c" -nt "$LIBA" && ! "$ROOT/backends/cpu.c" -nt "$LIBA" &&
       ! "$ROOT/dtrain.h" -nt "$LIBA" && ! "$ROOT/backends/backend.h" -nt "$LIBA" ]]; then

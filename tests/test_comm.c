@@ -1,0 +1,314 @@
+/*
+ * tests/test_comm.c - collectives across forked processes on the real
+ * transports (libfabric shm and tcp): 1, 2, 3, 4 and 7 ranks, sizes 0, 1,
+ * odd lengths and 64 MiB, integer-valued data compared exactly with the
+ * closed-form answer; mismatched calls; a rank killed mid-job.
+ */
+#include "test_util.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int (*rank_fn)(dt_comm *c, int rank, int world);
+
+static dt_ctx *rank_ctx;   /* this process's context (one rank per process) */
+static dt_ctx *dt_comm_ctx_for_test(dt_comm *c) { (void)c; return rank_ctx; }
+
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof sa;
+    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    close(fd);
+    return ntohs(sa.sin_port);
+}
+
+/* One rank's process: join, run fn, leave.  Exit codes: 0 ok, 90 could not
+ * join, else fn's code.  Never returns. */
+static void rank_main(int rank, int world, int port, const char *prov, int timeout_ms, rank_fn fn)
+{
+    alarm(60);   /* a hung rank dies instead of hanging the suite */
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    rank_ctx = ctx;
+    dt_dist_env e;
+    memset(&e, 0, sizeof e);
+    e.rank = rank;
+    e.world_size = world;
+    e.local_rank = e.local_world_size = -1;
+    e.launcher = "test";
+    snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
+    e.master_port = port;
+    dt_comm_config cfg;
+    dt_comm_config_init(&cfg);
+    cfg.transport = prov;
+    cfg.host = "127.0.0.1";
+    cfg.timeout_ms = timeout_ms;
+    cfg.store.timeout_ms = 20000;
+    dt_comm *c = ctx ? dt_comm_new(ctx, &e, &cfg) : NULL;
+    if (!c) {
+        fprintf(stderr, "rank %d: %s\n", rank, ctx ? dt_last_error(ctx) : "no ctx");
+        _exit(90);
+    }
+    int code = fn(c, rank, world);
+    /* linger so rank 0's store outlives the others' last questions */
+    struct timespec linger = {1, 0};
+    nanosleep(&linger, NULL);
+    if (code)
+        fprintf(stderr, "rank %d: check %d failed: %s\n", rank, code, dt_last_error(ctx));
+    dt_comm_free(c);
+    dt_ctx_free(ctx);
+    _exit(code);
+}
+
+/* Run a job; codes[r] gets each rank's exit code (-1: killed by the deadline). */
+static void run_job(int world, const char *prov, int timeout_ms, rank_fn fn, int *codes,
+                    double seconds)
+{
+    int port = free_port();
+    pid_t pids[16];
+    fflush(NULL);
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        assert_true(pids[r] >= 0);
+        if (pids[r] == 0)
+            rank_main(r, world, port, prov, timeout_ms, fn);
+    }
+    double deadline = dt_now() + seconds;
+    for (int r = 0; r < world; r++) {
+        int status = 0;
+        for (;;) {
+            pid_t got = waitpid(pids[r], &status, WNOHANG);
+            if (got == pids[r]) {
+                codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 200 + WTERMSIG(status);
+                break;
+            }
+            if (dt_now() > deadline) {
+                kill(pids[r], SIGKILL);
+                waitpid(pids[r], &status, 0);
+                codes[r] = -1;
+                break;
+            }
+            struct timespec ts = {0, 5 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+/* --- correctness ------------------------------------------------------- */
+
+static int check_allreduce(dt_comm *c, int rank, int world, int64_t n)
+{
+    float *buf = malloc(sizeof(float) * (size_t)(n ? n : 1));
+    if (!buf)
+        return 1;
+    static const dt_reduce_op ops[] = {DT_REDUCE_SUM, DT_REDUCE_MAX, DT_REDUCE_MIN, DT_REDUCE_AVG};
+    for (int k = 0; k < 4; k++) {
+        if (n > 300000 && k > 0)
+            break;   /* 64 MiB: sum only, to keep the suite quick */
+        for (int64_t i = 0; i < n; i++)
+            buf[i] = (float)((rank + 1) * (int)(i % 97));
+        if (dt_allreduce(c, buf, n, ops[k]) != DT_OK) {
+            free(buf);
+            return 2 + k;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            double v = (double)(i % 97), want = ops[k] == DT_REDUCE_SUM   ? v * world * (world + 1) / 2
+                                                : ops[k] == DT_REDUCE_MAX ? v * world
+                                                : ops[k] == DT_REDUCE_MIN ? v
+                                                                          : v * (world + 1) / 2.0;
+            double tol = ops[k] == DT_REDUCE_AVG ? 1e-5 * (want + 1) : 0;
+            if (fabs((double)buf[i] - want) > tol) {
+                fprintf(stderr, "rank %d: op %d n %lld: [%lld] = %g, want %g\n", rank, k,
+                        (long long)n, (long long)i, (double)buf[i], want);
+                free(buf);
+                return 10 + k;
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+static int check_others(dt_comm *c, int rank, int world)
+{
+    float b[1001];
+    for (int i = 0; i < 1001; i++)   /* broadcast from the last rank */
+        b[i] = rank == world - 1 ? (float)i + 0.5f : -1.0f;
+    if (dt_broadcast(c, b, 1001, world - 1) != DT_OK)
+        return 20;
+    for (int i = 0; i < 1001; i++)
+        if (b[i] != (float)i + 0.5f)
+            return 21;
+    float in[5], out[16 * 5];
+    for (int i = 0; i < 5; i++)
+        in[i] = (float)(rank * 10 + i);
+    if (dt_allgather(c, in, 5, out) != DT_OK)
+        return 22;
+    for (int r = 0; r < world; r++)
+        for (int i = 0; i < 5; i++)
+            if (out[r * 5 + i] != (float)(r * 10 + i))
+                return 23;
+    float rin[16 * 6], rout[6];
+    for (int j = 0; j < world * 6; j++)
+        rin[j] = (float)(rank + j);
+    if (dt_reduce_scatter(c, rin, 6, rout, DT_REDUCE_SUM) != DT_OK)
+        return 24;
+    for (int i = 0; i < 6; i++)
+        if (rout[i] != (float)(world * (world - 1) / 2 + world * (rank * 6 + i)))
+            return 25;
+    if (dt_barrier(c) != DT_OK)
+        return 26;
+    /* two allreduces in flight at once, kept apart by their tags */
+    float x[3] = {1, 2, 3}, y[2] = {10, 20};
+    dt_work *w1 = dt_allreduce_async(c, x, 3, DT_REDUCE_SUM);
+    dt_work *w2 = dt_allreduce_async(c, y, 2, DT_REDUCE_MAX);
+    if (!w1 || !w2 || dt_work_wait(w1) != DT_OK || dt_work_wait(w2) != DT_OK)
+        return 27;
+    if (x[0] != (float)world || x[2] != 3.0f * world || y[1] != 20.0f)
+        return 28;
+    return 0;
+}
+
+static int job_small(dt_comm *c, int rank, int world)
+{
+    static const int64_t sizes[] = {0, 1, 7, 1001, 70001};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        int code = check_allreduce(c, rank, world, sizes[i]);
+        if (code)
+            return code;
+    }
+    return check_others(c, rank, world);
+}
+
+static int job_with_64mib(dt_comm *c, int rank, int world)
+{
+    int code = job_small(c, rank, world);
+    return code ? code : check_allreduce(c, rank, world, (int64_t)16 << 20);
+}
+
+static void expect_all_zero(int world, const int *codes, const char *what)
+{
+    for (int r = 0; r < world; r++)
+        if (codes[r] != 0)
+            fail_msg("%s: rank %d of %d exited with %d", what, r, world, codes[r]);
+}
+
+static void run_worlds(const char *prov)
+{
+    static const int worlds[] = {1, 2, 3, 4, 7};
+    int codes[16];
+    for (size_t i = 0; i < sizeof worlds / sizeof worlds[0]; i++) {
+        int w = worlds[i];
+        char what[64];
+        snprintf(what, sizeof what, "%s, %d ranks", prov, w);
+        run_job(w, prov, 30000, (w == 2 || w == 4) ? job_with_64mib : job_small, codes, 120);
+        expect_all_zero(w, codes, what);
+    }
+}
+
+static void test_collectives_shm(void **state)
+{
+    (void)state;
+    run_worlds("shm");
+}
+
+static void test_collectives_tcp(void **state)
+{
+    (void)state;
+    run_worlds("tcp");
+}
+
+/* --- mismatch and failure ----------------------------------------------- */
+
+static int job_mismatch(dt_comm *c, int rank, int world)
+{
+    (void)world;
+    float b[10] = {0};
+    dt_status st = rank == 0 ? dt_allreduce(c, b, 10, DT_REDUCE_SUM) : dt_broadcast(c, b, 10, 0);
+    if (st != DT_EMISMATCH)
+        return 30;
+    const char *m = dt_last_error(dt_comm_ctx_for_test(c));
+    if (!strstr(m, "allreduce") || !strstr(m, "broadcast"))
+        return 34;
+    return 0;
+}
+
+static int job_mismatch_msg(dt_comm *c, int rank, int world)
+{
+    (void)world;
+    float b[11] = {0};
+    dt_status st = dt_allreduce(c, b, rank == 0 ? 10 : 11, DT_REDUCE_SUM);
+    if (st != DT_EMISMATCH)
+        return 31;
+    /* every rank names both calls, the one whose neighbours agreed included */
+    const char *m = dt_last_error(dt_comm_ctx_for_test(c));
+    if (!strstr(m, "n=10") || !strstr(m, "n=11"))
+        return 33;
+    /* after a failure the communicator refuses work instead of hanging */
+    if (dt_allreduce(c, b, 10, DT_REDUCE_SUM) != DT_ESTATE)
+        return 32;
+    return 0;
+}
+
+static void test_mismatch(void **state)
+{
+    (void)state;
+    int codes[4];
+    run_job(2, "shm", 10000, job_mismatch, codes, 30);
+    expect_all_zero(2, codes, "allreduce vs broadcast");
+    run_job(3, "tcp", 10000, job_mismatch_msg, codes, 30);
+    expect_all_zero(3, codes, "allreduce n=10 vs n=11");
+}
+
+/* rank 2 dies (SIGKILL) between two allreduces; the others must fail
+ * naming it, well within the timeout */
+static int job_kill(dt_comm *c, int rank, int world)
+{
+    (void)world;
+    float b[1000];
+    for (int i = 0; i < 1000; i++)
+        b[i] = 1;
+    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
+        return 40;
+    if (rank == 2)
+        kill(getpid(), SIGKILL);
+    double t0 = dt_now();
+    dt_status st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    double took = dt_now() - t0;
+    if (st == DT_OK)
+        return 41;
+    fprintf(stderr, "rank %d noticed in %.2f s: %s\n", rank, took, "");
+    return took < 10.0 ? 0 : 42;
+}
+
+static void test_killed_rank(void **state)
+{
+    (void)state;
+    int codes[4];
+    static const char *const provs[] = {"tcp", "shm"};
+    for (int p = 0; p < 2; p++) {
+        run_job(3, provs[p], 20000, job_kill, codes, 40);
+        if (codes[0] != 0 || codes[1] != 0)
+            fail_msg("%s: survivors exited with %d and %d", provs[p], codes[0], codes[1]);
+        assert_int_equal(codes[2], 200 + SIGKILL);
+    }
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_collectives_shm),
+    cmocka_unit_test(test_collectives_tcp),
+    cmocka_unit_test(test_mismatch),
+    cmocka_unit_test(test_killed_rank),
+};
+
+DT_TEST_GROUP(comm, tests)
