@@ -6029,10 +6029,7 @@ static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
         return ctx->last_status;
     if (!prov)
         prov = one_host ? "shm" : "tcp";
-    /* 200 ms: between retries of a back-pressured post the core checks
-     * whether the peer died */
-    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al,
-                              200};
+    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al};
     char err[256] = "";
     dt_status st = c->tp_iface->open(&tp, &c->tp, err, sizeof err);
     if (st != DT_OK)

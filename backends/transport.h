@@ -18,7 +18,7 @@
  *
  * Errors: calls return dt_status and write a message into err (err_len
  * bytes) when they fail; they never print or abort.  A completion with an
- * error (peer gone, message truncated) is reported through its dt_xfer.
+ * error is reported through its dt_xfer (see status below).
  */
 #ifndef DTRAIN_TRANSPORT_H
 #define DTRAIN_TRANSPORT_H
@@ -32,10 +32,8 @@ typedef struct dt_transport dt_transport;   /* an instance, opaque to the core *
 typedef struct dt_transport_params {
     const char *provider;     /* "shm", "tcp" or "verbs" */
     const char *host;         /* tcp/verbs: local IPv4 address to bind, NULL = any */
-    const char *iface;        /* tcp: network interface (FI_TCP_IFACE), NULL = default */
+    const char *iface;        /* tcp: network interface whose IPv4 address to bind, NULL = default */
     dt_allocator allocator;   /* host allocation hooks, already defaulted */
-    int post_timeout_ms;      /* how long send/recv retry back-pressure before giving
-                                 control back with DT_ETIMEDOUT; 0 = 30000 */
 } dt_transport_params;
 
 /* One posted transfer.  The caller owns the storage and keeps it alive (and
@@ -43,8 +41,12 @@ typedef struct dt_transport_params {
  * writes the result fields before returning it from poll(). */
 typedef struct dt_xfer {
     void *priv[8];            /* the transport's (libfabric's fi_context2); first */
-    int done;                 /* set when complete (success or error) */
-    dt_status status;         /* DT_OK, DT_EPEER (peer gone), DT_EIO, DT_EMISMATCH (truncated) */
+    int done;                 /* set by poll() when complete (success or error) */
+    dt_status status;         /* DT_OK, DT_EPEER (connection failed), DT_EIO,
+                                 DT_EMISMATCH (truncated), DT_ESTATE (cancelled),
+                                 DT_ETIMEDOUT (back-pressured 30 s).  A dead peer is
+                                 NOT reliably reported: a receive from it simply never
+                                 completes, so callers need their own deadlines. */
     size_t len;               /* bytes received (recv) or sent */
     uint64_t tag;             /* the matched message's tag (recv) */
     int peer;                 /* peer posted for */
@@ -73,27 +75,33 @@ typedef struct dt_transport_iface {
     /* Largest message one send or recv may carry; the core chunks above it. */
     size_t (*max_message)(const dt_transport *t);
 
-    /* Post a tagged send / receive.  DT_OK: posted (completion comes from
-     * poll); any other status: not posted, message in err.  A transport
-     * retries its own back-pressure (FI_EAGAIN) while driving progress for
-     * up to post_timeout_ms, then returns DT_ETIMEDOUT: not posted, call
-     * again (the core checks meanwhile whether the peer died).
-     * Registration of buf is the transport's business (it may cache). */
+    /* Post a tagged send / receive.  DT_OK: accepted (completion comes from
+     * poll); any other status: not posted, message in err.  Never blocks:
+     * a post the provider refuses for back-pressure (FI_EAGAIN) is queued
+     * per peer, in order, and retried inside poll()/wait(); one still
+     * refused after 30 s completes with DT_ETIMEDOUT.  Messages between two
+     * endpoints arrive in send order.  `ignore` may be unsupported (shm
+     * ignores it for messages that arrived before the receive: DT_ENOTSUP),
+     * so callers should match exact tags.  Registration of buf is the
+     * transport's business (it caches; keep communication buffers alive). */
     dt_status (*send)(dt_transport *t, int peer, uint64_t tag, const void *buf, size_t len,
                       dt_xfer *x, char *err, size_t err_len);
     dt_status (*recv)(dt_transport *t, int peer, uint64_t tag, uint64_t ignore, void *buf,
                       size_t len, dt_xfer *x, char *err, size_t err_len);
 
-    /* Drive progress and return up to max completed transfers in done[].
-     * Returns the count (0 if none), or -1 on a transport-level failure
-     * (message in err). */
+    /* Drive progress and return up to max completed transfers in done[];
+     * a transfer's `done` is set only here (or by close), and its dt_xfer
+     * must not be reused or freed before.  Returns the count (0 if none),
+     * or -1 on a transport-level failure (message in err). */
     int (*poll)(dt_transport *t, dt_xfer **done, int max, char *err, size_t err_len);
     /* Sleep until a completion may be ready or timeout_ms passes, on the
      * completion queue's wait object where the provider has one (otherwise
      * a short poll-then-sleep).  Returns DT_OK or DT_ETIMEDOUT. */
     dt_status (*wait)(dt_transport *t, int timeout_ms);
-    /* Cancel a posted, uncompleted transfer; it completes with status
-     * DT_ESTATE (or completes normally if it raced).  Safe on completed ones. */
+    /* Cancel a posted, uncompleted receive; it completes with status
+     * DT_ESTATE (or normally if it raced).  Sends cannot be cancelled on
+     * shm or tcp: they stay pending until they complete or close() drops
+     * them.  Safe on completed transfers. */
     void (*cancel)(dt_transport *t, dt_xfer *x);
 } dt_transport_iface;
 

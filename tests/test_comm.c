@@ -90,6 +90,11 @@ static void run_job(int world, const char *prov, int timeout_ms, rank_fn fn, int
             pid_t got = waitpid(pids[r], &status, WNOHANG);
             if (got == pids[r]) {
                 codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 200 + WTERMSIG(status);
+                if (!WIFEXITED(status)) {   /* a killed rank leaves its shm region */
+                    char path[64];
+                    snprintf(path, sizeof path, "/dev/shm/%d:0:0", (int)pids[r]);
+                    unlink(path);
+                }
                 break;
             }
             if (dt_now() > deadline) {
