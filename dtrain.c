@@ -5995,7 +5995,7 @@ dt_status dt_barrier(dt_comm *c)
 {
     if (!c)
         return DT_EINVAL;
-    static float unused;   /* never read: n = 0 */
+    float unused = 0;   /* n = 0: never read; the call blocks until done */
     return run_collective(c, COLL_BARRIER, &unused, NULL, 0, 0, DT_REDUCE_SUM);
 }
 
