@@ -102,6 +102,23 @@ example_checks() {
     echo "example checks: ok"
 }
 
+# dtrun end to end: 3 ranks join through the environment, the store and
+# the token it sets, pick shm (one host), and agree on the sums.
+launcher_checks() {
+    local out
+    out=$(ASAN_OPTIONS=detect_leaks=1 timeout -k 5 60 $BUILD/test/dtrun -n 3 $BUILD/test/allreduce)
+    for r in 0 1 2; do
+        case "$out" in
+            *"[$r] rank $r of 3 over shm: sums 3 3 5 6"*) ;;
+            *) echo "launcher check: rank $r's line missing in:"; echo "$out"; exit 1 ;;
+        esac
+    done
+    out=$(DTRAIN_TRANSPORT=tcp DTRAIN_HOST=127.0.0.1 timeout -k 5 60 $BUILD/test/dtrun -n 2 $BUILD/test/allreduce)
+    case "$out" in *"[1] rank 1 of 2 over tcp;ofi_rxm: sums 1 2 1 4"*) ;;
+        *) echo "launcher check (tcp) failed:"; echo "$out"; exit 1 ;; esac
+    echo "launcher checks: ok"
+}
+
 # The README's C example is a whole program: compile and run it, so the
 # documentation cannot go stale.
 readme_example() {
@@ -123,6 +140,7 @@ cmd_test() {
         $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
     example_checks
+    launcher_checks
     readme_example "$san"
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
         OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
