@@ -129,7 +129,7 @@ readme_example() {
 }
 
 cmd_test() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA python3-numpy
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA python3-numpy iproute2 iputils-ping
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local tests
@@ -141,6 +141,7 @@ cmd_test() {
     done
     example_checks
     launcher_checks
+    bash tests/multihost.sh "$PWD/$BUILD/test"
     readme_example "$san"
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
         OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
