@@ -42,8 +42,13 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <sys/wait.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -5264,6 +5269,9 @@ struct dt_work {
     dt_work *next;
 };
 
+typedef struct seg_head seg_head;
+typedef struct seg_rank seg_rank;
+
 struct dt_comm {
     dt_ctx *ctx;
     int rank, world;
@@ -5288,6 +5296,19 @@ struct dt_comm {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     dt_work *head, *tail;
+    /* hosts (14.6) and the host segment (14.4) */
+    int nhosts, nlocal, local_index;
+    int *local_ranks;          /* global ranks on this host, ascending */
+    int *leaders;              /* lowest rank of each host, ascending */
+    int leader_index;          /* our index in leaders; -1: not a leader */
+    int use_segment;           /* every rank agreed: collectives go through segments */
+    seg_head *seg;             /* NULL: this host has one rank, or no segment */
+    seg_rank *seg_ranks;
+    char *seg_data;
+    size_t seg_bytes, seg_slot;
+    uint32_t seg_phase, seg_chunk;
+    char seg_name[64], seg_why[200];
+    int seg_linked;            /* we created it and its name still exists */
 };
 
 static const dt_transport_iface *find_transport(void)
@@ -5354,7 +5375,18 @@ static dt_status work_fail(dt_work *w, dt_status st, const char *fmt, ...)
     return st;
 }
 
+/* The ranks a transport algorithm runs over: the whole world, or one
+ * leader per host in a hierarchical allreduce.  Algorithms work in group
+ * indices and post to rank[index] (NULL: index is the rank). */
+typedef struct grp {
+    int me, size;
+    const int *rank;
+} grp;
+
+static int grp_rank(const grp *g, int i) { return g->rank ? g->rank[i] : i; }
+
 typedef struct xfers {
+    grp g;
     dt_xfer x[DT_COMM_MAX_XFERS];
     int n;
     coll_header hdr_out, hdr_in;
@@ -5414,7 +5446,7 @@ static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
 {
     xs->hdr_checked = 1;
     const coll_header *h = &xs->hdr_in;
-    int left = (c->rank - 1 + c->world) % c->world;
+    int left = grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size);
     if (xs->hdr_recv.status != DT_OK)
         return work_fail(w, DT_EPEER, "%s #%u: rank %d: connection failed", coll_names[w->kind],
                          w->seq, left);
@@ -5499,8 +5531,9 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             break;
         if (k == 0) {
             if (dt_now() >= deadline) {
-                int who = xs->has_hdr && !xs->hdr_recv.done ? (c->rank - 1 + c->world) % c->world
-                                                            : silent_peer;
+                int who = xs->has_hdr && !xs->hdr_recv.done
+                              ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
+                              : silent_peer;
                 work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
                           coll_names[w->kind], w->seq, who, c->timeout_ms);
                 break;
@@ -5526,13 +5559,15 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
  * collective's data moves. */
 static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
 {
+    grp g = xs->g;
     memset(xs, 0, sizeof *xs);
-    if (c->world == 1)
+    xs->g = g;
+    if (g.size == 1)
         return DT_OK;
     xs->has_hdr = 1;
     xs->hdr_out = (coll_header){0x44545243u, (uint32_t)w->kind, w->seq, (uint32_t)w->root,
                                 (uint32_t)w->op, 0, w->n};
-    int right = (c->rank + 1) % c->world, left = (c->rank - 1 + c->world) % c->world;
+    int right = grp_rank(&g, (g.me + 1) % g.size), left = grp_rank(&g, (g.me - 1 + g.size) % g.size);
     char err[256] = "";
     uint64_t tag = make_tag(w, TAG_HEADER_STEP, 0);
     double deadline = dt_now() + c->timeout_ms / 1000.0;
@@ -5561,7 +5596,8 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
 
 /* --- 14.3 the algorithms ----------------------------------------------------- */
 
-static void reduce_into(float *dst, const float *src, int64_t n, dt_reduce_op op)
+/* dst op= src; the two never overlap (restrict lets the loops vectorise) */
+static void reduce_into(float *restrict dst, const float *restrict src, int64_t n, dt_reduce_op op)
 {
     if (op == DT_REDUCE_MAX)
         for (int64_t i = 0; i < n; i++)
@@ -5604,30 +5640,31 @@ static dt_status exchange(dt_comm *c, dt_work *w, xfers *xs, int peer, uint32_t 
  * first and get the result back at the end. */
 static dt_status allreduce_doubling(dt_comm *c, dt_work *w, xfers *xs)
 {
+    const grp *g = &xs->g;
     int p2 = 1;
-    while (p2 * 2 <= c->world)
+    while (p2 * 2 <= g->size)
         p2 *= 2;
-    int r = c->rank, extra = c->world - p2;
+    int r = g->me, extra = g->size - p2;
     float *tmp = comm_scratch(c, w, w->n);
     if (!tmp)
         return w->status;
     size_t bytes = (size_t)w->n * sizeof(float);
     uint32_t step = 0;
     if (r >= p2) {          /* fold into r - p2, then wait for the answer */
-        if (post_chunked(c, w, xs, 1, r - p2, step, w->buf, bytes) != DT_OK ||
-            post_chunked(c, w, xs, 0, r - p2, step + 1000, w->buf, bytes) != DT_OK)
+        if (post_chunked(c, w, xs, 1, grp_rank(g, r - p2), step, w->buf, bytes) != DT_OK ||
+            post_chunked(c, w, xs, 0, grp_rank(g, r - p2), step + 1000, w->buf, bytes) != DT_OK)
             return w->status;
         return wait_xfers(c, w, xs);
     }
     if (r < extra) {
-        if (post_chunked(c, w, xs, 0, r + p2, step, tmp, bytes) != DT_OK ||
+        if (post_chunked(c, w, xs, 0, grp_rank(g, r + p2), step, tmp, bytes) != DT_OK ||
             wait_xfers(c, w, xs) != DT_OK)
             return w->status;
         reduce_into(w->buf, tmp, w->n, w->op);
     }
     for (int mask = 1; mask < p2; mask <<= 1) {
         step++;
-        if (exchange(c, w, xs, r ^ mask, step, w->buf, tmp, w->n) != DT_OK)
+        if (exchange(c, w, xs, grp_rank(g, r ^ mask), step, w->buf, tmp, w->n) != DT_OK)
             return w->status;
         /* the same order on both sides keeps every rank's result identical */
         if (r < (r ^ mask)) {
@@ -5638,7 +5675,7 @@ static dt_status allreduce_doubling(dt_comm *c, dt_work *w, xfers *xs)
         }
     }
     if (r < extra) {
-        if (post_chunked(c, w, xs, 1, r + p2, 1000, w->buf, bytes) != DT_OK)
+        if (post_chunked(c, w, xs, 1, grp_rank(g, r + p2), 1000, w->buf, bytes) != DT_OK)
             return w->status;
         return wait_xfers(c, w, xs);
     }
@@ -5656,7 +5693,8 @@ static void block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi)
  * (rank + 1) % world holds the full reduction. */
 static dt_status ring_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs, float *buf, int64_t n)
 {
-    int P = c->world, r = c->rank, right = (r + 1) % P, left = (r - 1 + P) % P;
+    int P = xs->g.size, r = xs->g.me;
+    int right = grp_rank(&xs->g, (r + 1) % P), left = grp_rank(&xs->g, (r - 1 + P) % P);
     int64_t blo, bhi;
     block_range(n, P, 0, &blo, &bhi);
     float *tmp = comm_scratch(c, w, bhi - blo + 1);
@@ -5681,7 +5719,8 @@ static dt_status ring_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs, float *b
 static dt_status ring_allgather(dt_comm *c, dt_work *w, xfers *xs, float *buf, int64_t n, int first,
                                 uint32_t step0)
 {
-    int P = c->world, r = c->rank, right = (r + 1) % P, left = (r - 1 + P) % P;
+    int P = xs->g.size, r = xs->g.me;
+    int right = grp_rank(&xs->g, (r + 1) % P), left = grp_rank(&xs->g, (r - 1 + P) % P);
     for (int s = 0; s < P - 1; s++) {
         int send_b = (r + first - s + P) % P, recv_b = (r + first - s - 1 + 2 * P) % P;
         int64_t slo, shi, rlo, rhi;
@@ -5704,17 +5743,23 @@ static void finish_avg(dt_comm *c, dt_work *w, float *buf, int64_t n)
     }
 }
 
+/* Allreduce over the group in xs, without the average's final scaling. */
+static dt_status allreduce_transport(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int P = xs->g.size;
+    if (P == 1 || w->n == 0)
+        return DT_OK;
+    if ((size_t)w->n * sizeof(float) <= DT_COMM_SMALL || w->n < P)
+        return allreduce_doubling(c, w, xs);
+    if (ring_reduce_scatter(c, w, xs, w->buf, w->n) != DT_OK)
+        return w->status;
+    return ring_allgather(c, w, xs, w->buf, w->n, 1, (uint32_t)P);
+}
+
 static dt_status run_allreduce(dt_comm *c, dt_work *w, xfers *xs)
 {
-    if (c->world > 1 && w->n > 0) {
-        dt_status st = (size_t)w->n * sizeof(float) <= DT_COMM_SMALL || w->n < c->world
-                           ? allreduce_doubling(c, w, xs)
-                           : ring_reduce_scatter(c, w, xs, w->buf, w->n);
-        if (st == DT_OK && !((size_t)w->n * sizeof(float) <= DT_COMM_SMALL || w->n < c->world))
-            st = ring_allgather(c, w, xs, w->buf, w->n, 1, (uint32_t)c->world);
-        if (st != DT_OK)
-            return st;
-    }
+    if (allreduce_transport(c, w, xs) != DT_OK)
+        return w->status;
     finish_avg(c, w, w->buf, w->n);
     return DT_OK;
 }
@@ -5780,6 +5825,383 @@ static dt_status run_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs)
     return st;
 }
 
+/* --- 14.4 the host segment ------------------------------------------------ */
+/*
+ * Ranks on one host share a segment of POSIX shared memory, the way MPI's
+ * vader and NCCL's SHM transport do.  Every local rank owns two slots of
+ * seg_slot bytes; a collective copies a chunk into its slot, publishes a
+ * phase counter, and reduces straight from the other ranks' slots.  A phase
+ * costs one store and one cache-line read instead of a libfabric message.
+ * A waiter spins for SEG_SPIN_S and then sleeps on a futex on the counter,
+ * so an idle rank gives its core back to compute.
+ *
+ * Block k of a chunk is reduced by local rank k alone, always in local-rank
+ * order, so every rank gets bit-identical results.  Slot reuse needs no
+ * extra phase: a rank writes slot (g & 1) for chunk g only after passing
+ * chunk g-1's first wait, and every rank publishes chunk g-1's first phase
+ * after it finished reading chunk g-2.
+ *
+ * Mismatch detection: each rank writes a descriptor of its call next to its
+ * counter before the call's first phase; after the first wait every rank
+ * compares the others' with its own.  Failure: a rank that fails sets the
+ * segment's abort word (with its message), which every waiter checks, and
+ * waiters ask the store who died every DT_COMM_WATCH_S, as transfers do.
+ */
+#define SEG_MAGIC 0x44545347u
+#define SEG_SLOT_DEFAULT ((size_t)256 << 10)
+#define SEG_ONE_PHASE ((size_t)16 << 10)   /* allreduce: one phase, every rank reduces all */
+#define SEG_SPIN_S 50e-6                   /* spin this long before sleeping */
+
+struct seg_rank {
+    _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
+    _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
+    _Atomic uint32_t call_phase;            /* first phase of the call described below */
+    _Atomic uint32_t kind, seq, root, op;
+    _Atomic int64_t n;
+};
+
+struct seg_head {
+    uint32_t magic, nlocal;
+    uint64_t slot_bytes, total_bytes;
+    _Atomic uint32_t aborted;
+    char why[DT_MAX_ERROR + 4];             /* status digit, '|', message */
+};
+
+static size_t seg_ranks_offset(void) { return (sizeof(seg_head) + 127) & ~(size_t)127; }
+static size_t seg_data_offset(int nlocal)
+{
+    return (seg_ranks_offset() + (size_t)nlocal * sizeof(seg_rank) + 4095) & ~(size_t)4095;
+}
+
+static void futex_wait_ms(_Atomic uint32_t *addr, uint32_t val, int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *addr)
+{
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int phase_reached(uint32_t have, uint32_t want) { return (int32_t)(have - want) >= 0; }
+
+static float *seg_slot(dt_comm *c, int q, uint32_t chunk)
+{
+    return (float *)(c->seg_data + ((size_t)q * 2 + (chunk & 1)) * c->seg_slot);
+}
+
+/* Tell the other local ranks this call failed, and why. */
+static void seg_abort(dt_comm *c, const dt_work *w)
+{
+    seg_head *h = c->seg;
+    if (!h || atomic_load(&h->aborted))
+        return;
+    snprintf(h->why, sizeof h->why, "%d|%s", (int)w->status, w->msg);
+    atomic_store(&h->aborted, 1);
+    for (int q = 0; q < c->nlocal; q++)
+        futex_wake_all(&c->seg_ranks[q].phase);
+}
+
+static dt_status seg_aborted(dt_comm *c, dt_work *w)
+{
+    const char *why = c->seg->why;
+    int st = why[0] >= '0' && why[0] <= '9' ? why[0] - '0' : DT_EPEER;
+    return work_fail(w, st == DT_OK ? DT_EPEER : (dt_status)st, "%s", why[0] && why[1] ? why + 2 : "a local rank failed");
+}
+
+/* Wait until local rank q has published phase `want`.  `patience` scales
+ * the timeout: a rank waiting on its leader's inter-host step allows more. */
+static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double patience)
+{
+    seg_rank *r = &c->seg_ranks[q];
+    double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0;
+    for (unsigned spin = 1;; spin++) {
+        if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
+            return DT_OK;
+        if (atomic_load_explicit(&c->seg->aborted, memory_order_acquire))
+            return seg_aborted(c, w);
+        if (spin % 16) {
+            cpu_relax();
+            continue;
+        }
+        double now = dt_now();
+        if (now - start < SEG_SPIN_S) {
+            sched_yield();   /* several ranks per core: let the one we wait for run */
+            continue;
+        }
+        if (check_dead(c, w) != DT_OK)
+            return w->status;
+        if (now >= deadline)
+            return work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
+                             coll_names[w->kind], w->seq, c->local_ranks[q],
+                             (int)(patience * c->timeout_ms));
+        atomic_fetch_add(&r->sleepers, 1);
+        uint32_t v = atomic_load(&r->phase);
+        if (!phase_reached(v, want) && !atomic_load(&c->seg->aborted))
+            futex_wait_ms(&r->phase, v, 20);
+        atomic_fetch_sub(&r->sleepers, 1);
+    }
+}
+
+/* Describe this rank's call next to its counter, before its first phase. */
+static uint32_t seg_announce(dt_comm *c, const dt_work *w)
+{
+    seg_rank *me = &c->seg_ranks[c->local_index];
+    uint32_t p0 = c->seg_phase + 1;
+    atomic_store_explicit(&me->call_phase, 0, memory_order_relaxed);
+    atomic_store_explicit(&me->kind, (uint32_t)w->kind, memory_order_relaxed);
+    atomic_store_explicit(&me->seq, w->seq, memory_order_relaxed);
+    atomic_store_explicit(&me->root, (uint32_t)w->root, memory_order_relaxed);
+    atomic_store_explicit(&me->op, (uint32_t)w->op, memory_order_relaxed);
+    atomic_store_explicit(&me->n, w->n, memory_order_relaxed);
+    atomic_store_explicit(&me->call_phase, p0, memory_order_release);
+    return p0;
+}
+
+/* After the first wait: does every local rank's call match ours?  A rank
+ * whose descriptor is already newer found us consistent and moved on. */
+static dt_status seg_check(dt_comm *c, dt_work *w, uint32_t p0)
+{
+    for (int q = 0; q < c->nlocal; q++) {
+        seg_rank *r = &c->seg_ranks[q];
+        if (q == c->local_index || atomic_load_explicit(&r->call_phase, memory_order_acquire) != p0)
+            continue;
+        int kind = (int)atomic_load_explicit(&r->kind, memory_order_relaxed);
+        uint32_t seq = atomic_load_explicit(&r->seq, memory_order_relaxed);
+        int root = (int)atomic_load_explicit(&r->root, memory_order_relaxed);
+        int op = (int)atomic_load_explicit(&r->op, memory_order_relaxed);
+        int64_t n = atomic_load_explicit(&r->n, memory_order_relaxed);
+        if (atomic_load_explicit(&r->call_phase, memory_order_acquire) != p0)
+            continue;
+        if (kind != w->kind || seq != w->seq || n != w->n || root != w->root || op != (int)w->op) {
+            char mine[96], theirs[96];
+            describe_call(mine, sizeof mine, w->kind, w->n, w->root, (int)w->op);
+            describe_call(theirs, sizeof theirs, kind, n, root, op);
+            if (seq != w->seq)
+                return work_fail(w, DT_EMISMATCH, "collective #%u: rank %d called %s, rank %d is "
+                                 "at collective #%u, %s", w->seq, c->rank, mine,
+                                 c->local_ranks[q], seq, theirs);
+            return work_fail(w, DT_EMISMATCH, "collective #%u: rank %d called %s, rank %d called %s",
+                             w->seq, c->rank, mine, c->local_ranks[q], theirs);
+        }
+    }
+    return DT_OK;
+}
+
+/* Publish our next phase and wait for every local rank to reach it; p0
+ * nonzero: this is the call's first phase, check the descriptors. */
+static dt_status seg_sync(dt_comm *c, dt_work *w, uint32_t p0, double patience)
+{
+    seg_rank *me = &c->seg_ranks[c->local_index];
+    uint32_t ph = ++c->seg_phase;
+    atomic_store_explicit(&me->phase, ph, memory_order_seq_cst);
+    if (atomic_load_explicit(&me->sleepers, memory_order_seq_cst))
+        futex_wake_all(&me->phase);
+    for (int q = 0; q < c->nlocal; q++)
+        if (q != c->local_index && seg_wait(c, w, q, ph, patience) != DT_OK)
+            return w->status;
+    return p0 ? seg_check(c, w, p0) : DT_OK;
+}
+
+/* dst = a op b, elementwise; nothing aliases. */
+static void reduce2(float *restrict dst, const float *restrict a, const float *restrict b, int64_t n,
+                    dt_reduce_op op)
+{
+    if (op == DT_REDUCE_MAX)
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = b[i] > a[i] ? b[i] : a[i];
+    else if (op == DT_REDUCE_MIN)
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = b[i] < a[i] ? b[i] : a[i];
+    else
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = a[i] + b[i];
+}
+
+/* dst (outside the segment) = every local rank's [lo, lo+cnt) of chunk g,
+ * reduced in local-rank order. */
+static void seg_reduce_block(dt_comm *c, float *dst, uint32_t g, int64_t lo, int64_t cnt,
+                             dt_reduce_op op)
+{
+    reduce2(dst, seg_slot(c, 0, g) + lo, seg_slot(c, 1, g) + lo, cnt, op);
+    for (int q = 2; q < c->nlocal; q++)
+        reduce_into(dst, seg_slot(c, q, g) + lo, cnt, op);
+}
+
+/* Allreduce over the host's ranks (to_all) or reduce to local rank 0 (the
+ * leader, for the hierarchical allreduce); scale: apply the average. */
+static dt_status seg_allreduce(dt_comm *c, dt_work *w, int to_all, int scale)
+{
+    int L = c->nlocal, me = c->local_index;
+    size_t bytes = (size_t)w->n * sizeof(float);
+    uint32_t p0 = seg_announce(c, w);
+    if (bytes <= SEG_ONE_PHASE) {   /* every rank (or the leader) reduces it all */
+        uint32_t g = c->seg_chunk++;
+        memcpy(seg_slot(c, me, g), w->buf, bytes);
+        if (seg_sync(c, w, p0, 1.0) != DT_OK)
+            return w->status;
+        if (w->n > 0 && (to_all || me == 0))
+            seg_reduce_block(c, w->buf, g, 0, w->n, w->op);
+        if (scale)
+            finish_avg(c, w, w->buf, w->n);
+        return DT_OK;
+    }
+    int64_t per = (int64_t)(c->seg_slot / sizeof(float));
+    for (int64_t off = 0; off < w->n; off += per) {
+        int64_t cnt = w->n - off < per ? w->n - off : per, lo, hi;
+        uint32_t g = c->seg_chunk++;
+        float *mine = seg_slot(c, me, g), *out = w->buf + off;
+        memcpy(mine, out, (size_t)cnt * sizeof(float));
+        if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
+            return w->status;
+        block_range(cnt, L, me, &lo, &hi);
+        seg_reduce_block(c, out + lo, g, lo, hi - lo, w->op);
+        if (scale)
+            finish_avg(c, w, out + lo, hi - lo);
+        memcpy(mine + lo, out + lo, (size_t)(hi - lo) * sizeof(float));
+        if (seg_sync(c, w, 0, 1.0) != DT_OK)
+            return w->status;
+        for (int q = 0; q < L && (to_all || me == 0); q++) {
+            if (q == me)
+                continue;
+            block_range(cnt, L, q, &lo, &hi);
+            memcpy(out + lo, seg_slot(c, q, g) + lo, (size_t)(hi - lo) * sizeof(float));
+        }
+    }
+    return DT_OK;
+}
+
+/* Local rank `from` gives buf to the host's other ranks.  p0 nonzero: the
+ * call's first phase (announced); patience: see seg_wait. */
+static dt_status seg_broadcast(dt_comm *c, dt_work *w, int from, float *buf, int64_t n, uint32_t p0,
+                               double patience)
+{
+    int64_t per = (int64_t)(c->seg_slot / sizeof(float)), off = 0;
+    do {
+        int64_t cnt = n - off < per ? n - off : per;
+        uint32_t g = c->seg_chunk++;
+        if (c->local_index == from)
+            memcpy(seg_slot(c, from, g), buf + off, (size_t)cnt * sizeof(float));
+        if (seg_sync(c, w, off == 0 ? p0 : 0, patience) != DT_OK)
+            return w->status;
+        if (c->local_index != from)
+            memcpy(buf + off, seg_slot(c, from, g), (size_t)cnt * sizeof(float));
+        off += cnt;
+    } while (off < n);
+    return DT_OK;
+}
+
+/* Every rank's n floats into out[rank * n], ranks all on this host. */
+static dt_status seg_allgather(dt_comm *c, dt_work *w)
+{
+    int64_t per = (int64_t)(c->seg_slot / sizeof(float)), off = 0, n = w->n;
+    uint32_t p0 = seg_announce(c, w);
+    do {
+        int64_t cnt = n - off < per ? n - off : per;
+        uint32_t g = c->seg_chunk++;
+        memcpy(seg_slot(c, c->local_index, g), w->in + off, (size_t)cnt * sizeof(float));
+        if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
+            return w->status;
+        for (int q = 0; q < c->nlocal; q++)
+            memcpy(w->buf + (int64_t)c->local_ranks[q] * n + off, seg_slot(c, q, g),
+                   (size_t)cnt * sizeof(float));
+        off += cnt;
+    } while (off < n);
+    return DT_OK;
+}
+
+/* out = block `rank` of every rank's in (world blocks of n), reduced. */
+static dt_status seg_reduce_scatter(dt_comm *c, dt_work *w)
+{
+    int L = c->nlocal, me = c->local_index;
+    int64_t per = (int64_t)(c->seg_slot / sizeof(float)) / L, off = 0, n = w->n;
+    uint32_t p0 = seg_announce(c, w);
+    do {
+        int64_t cnt = n - off < per ? n - off : per;
+        uint32_t g = c->seg_chunk++;
+        float *mine = seg_slot(c, me, g);
+        for (int q = 0; q < L; q++)   /* block of local rank q, at q * cnt */
+            memcpy(mine + q * cnt, w->in + (int64_t)c->local_ranks[q] * n + off,
+                   (size_t)cnt * sizeof(float));
+        if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
+            return w->status;
+        if (cnt > 0)
+            seg_reduce_block(c, w->buf + off, g, me * cnt, cnt, w->op);
+        off += cnt;
+    } while (off < n);
+    finish_avg(c, w, w->buf, n);
+    return DT_OK;
+}
+
+/* Every rank on this host: the collective over the segment alone. */
+static dt_status run_on_segment(dt_comm *c, dt_work *w)
+{
+    switch (w->kind) {
+    case COLL_ALLREDUCE: case COLL_BARRIER: return seg_allreduce(c, w, 1, 1);
+    case COLL_BROADCAST: {
+        int from = 0;
+        while (c->local_ranks[from] != w->root)
+            from++;
+        uint32_t p0 = seg_announce(c, w);
+        return seg_broadcast(c, w, from, w->buf, w->n, p0, 1.0);
+    }
+    case COLL_ALLGATHER: return seg_allgather(c, w);
+    case COLL_REDUCE_SCATTER: return seg_reduce_scatter(c, w);
+    }
+    return work_fail(w, DT_EINVAL, "unknown collective %d", w->kind);
+}
+
+static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
+{
+    switch (w->kind) {
+    case COLL_ALLREDUCE: case COLL_BARRIER: run_allreduce(c, w, xs); break;
+    case COLL_BROADCAST: run_broadcast(c, w, xs); break;
+    case COLL_ALLGATHER: run_allgather(c, w, xs); break;
+    case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
+    }
+    if (w->status == DT_OK)
+        wait_xfers(c, w, xs);   /* the header, if the data finished first */
+    return w->status;
+}
+
+/* Ranks on several hosts.  Allreduce (and barrier): reduce inside the host
+ * to its leader over the segment, allreduce between leaders over the
+ * transport, give the result back over the segment.  The other collectives
+ * run over the transport between all ranks; the segment and the leaders'
+ * headers still check that every rank called the same thing. */
+static dt_status run_hierarchical(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int reduce = w->kind == COLL_ALLREDUCE || w->kind == COLL_BARRIER;
+    if (c->seg) {
+        if (reduce ? seg_allreduce(c, w, 0, 0) : seg_sync(c, w, seg_announce(c, w), 1.0))
+            return w->status;
+    }
+    if (c->local_index == 0) {
+        xs->g = (grp){c->leader_index, c->nhosts, c->leaders};
+        if (start_header(c, w, xs) != DT_OK)
+            return w->status;
+        if (reduce && allreduce_transport(c, w, xs) == DT_OK)
+            finish_avg(c, w, w->buf, w->n);
+        if (w->status != DT_OK || wait_xfers(c, w, xs) != DT_OK)
+            return w->status;
+    }
+    if (reduce)
+        return c->seg ? seg_broadcast(c, w, 0, w->buf, w->n, 0, 2.0) : DT_OK;
+    xs->g = (grp){c->rank, c->world, NULL};
+    xs->has_hdr = 0;   /* checked above */
+    return run_flat(c, w, xs);
+}
+
 static void run_work(dt_comm *c, dt_work *w)
 {
     if (c->broken) {
@@ -5792,16 +6214,14 @@ static void run_work(dt_comm *c, dt_work *w)
         work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
         return;
     }
-    if (start_header(c, w, xs) == DT_OK) {
-        switch (w->kind) {
-        case COLL_ALLREDUCE: case COLL_BARRIER: run_allreduce(c, w, xs); break;
-        case COLL_BROADCAST: run_broadcast(c, w, xs); break;
-        case COLL_ALLGATHER: run_allgather(c, w, xs); break;
-        case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
-        }
-        if (w->status == DT_OK)
-            wait_xfers(c, w, xs);   /* the header, if the data finished first */
-    }
+    memset(xs, 0, sizeof *xs);
+    xs->g = (grp){c->rank, c->world, NULL};
+    if (c->use_segment && c->nhosts == 1)
+        run_on_segment(c, w);
+    else if (c->use_segment)
+        run_hierarchical(c, w, xs);
+    else if (start_header(c, w, xs) == DT_OK)
+        run_flat(c, w, xs);
     if (w->status == DT_EMISMATCH && c->watch) {
         /* ranks whose neighbours agree with them would only see the others
          * leave; tell them why (status digit, '|', message) */
@@ -5815,13 +6235,14 @@ static void run_work(dt_comm *c, dt_work *w)
          * The communicator refuses all later work anyway. */
         c->broken = 1;
         snprintf(c->broken_msg, sizeof c->broken_msg, "%s", w->msg);
+        seg_abort(c, w);
         c->tp_iface->close(c->tp);
         c->tp = NULL;
     }
     c->ctx->al.free_fn(xs, c->ctx->al.user);
 }
 
-/* --- 14.4 the comm thread and the caller's side --------------------------- */
+/* --- 14.5 the comm thread and the caller's side --------------------------- */
 
 static void *comm_main(void *arg)
 {
@@ -5938,7 +6359,8 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
     run_work(c, &w);
     pthread_mutex_lock(&c->mu);
     c->running = 0;
-    pthread_cond_broadcast(&c->cv);
+    if (c->head)   /* the comm thread waits for us only when work is queued */
+        pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     if (w.status != DT_OK)
         set_error(c->ctx, w.status, "%s", w.msg);
@@ -5999,7 +6421,7 @@ dt_status dt_barrier(dt_comm *c)
     return run_collective(c, COLL_BARRIER, &unused, NULL, 0, 0, DT_REDUCE_SUM);
 }
 
-/* --- 14.5 joining the job ------------------------------------------------- */
+/* --- 14.6 joining the job ------------------------------------------------- */
 
 void dt_comm_config_init(dt_comm_config *cfg)
 {
@@ -6012,23 +6434,168 @@ void dt_comm_config_init(dt_comm_config *cfg)
 int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
 int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
 const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
-
-/* Publish this rank's host name and read everyone's: shm needs one host. */
-static dt_status all_on_one_host(dt_comm *c, int *one_host)
+int dt_comm_hosts(const dt_comm *c) { return c ? (c->nhosts > 0 ? c->nhosts : 1) : 0; }
+const char *dt_comm_intra_host(const dt_comm *c)
 {
-    char me[DT_MAX_HOST] = "", key[32], other[DT_MAX_HOST];
-    gethostname(me, sizeof me - 1);
+    return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
+}
+
+/* Publish this rank's host name and read everyone's: ranks with the same
+ * name share a host (its segment, and one leader in the hierarchy). */
+static dt_status find_hosts(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    char me[DT_MAX_HOST] = "", key[32];
+    const char *id = cfg->host_id ? cfg->host_id : getenv("DTRAIN_HOST_ID");
+    if (id && *id)
+        snprintf(me, sizeof me, "%s", id);
+    else
+        gethostname(me, sizeof me - 1);
     snprintf(key, sizeof key, "host/%d", c->rank);
     dt_status st = dt_store_set(c->store, key, me, strlen(me) + 1);
-    *one_host = 1;
+    char (*names)[DT_MAX_HOST] = host_calloc(ctx, sizeof *names * (size_t)c->world);
+    c->local_ranks = host_alloc(ctx, sizeof(int) * (size_t)c->world);
+    c->leaders = host_alloc(ctx, sizeof(int) * (size_t)c->world);
+    if (st == DT_OK && (!names || !c->local_ranks || !c->leaders))
+        st = set_error(ctx, DT_ENOMEM, "comm: out of memory");
     for (int r = 0; st == DT_OK && r < c->world; r++) {
         size_t len = 0;
         snprintf(key, sizeof key, "host/%d", r);
-        st = dt_store_get(c->store, key, other, sizeof other - 1, &len, 0);
-        other[len < sizeof other ? len : sizeof other - 1] = '\0';
-        if (st == DT_OK && strcmp(other, me) != 0)
-            *one_host = 0;
+        st = dt_store_get(c->store, key, names[r], DT_MAX_HOST - 1, &len, 0);
+        names[r][len < DT_MAX_HOST ? len : DT_MAX_HOST - 1] = '\0';
     }
+    c->leader_index = -1;
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        int first = 1;   /* lowest rank with this name: the host's leader */
+        for (int q = 0; q < r && first; q++)
+            first = strcmp(names[q], names[r]) != 0;
+        if (first) {
+            if (r == c->rank)
+                c->leader_index = c->nhosts;
+            c->leaders[c->nhosts++] = r;
+        }
+        if (strcmp(names[r], me) == 0) {
+            if (r == c->rank)
+                c->local_index = c->nlocal;
+            c->local_ranks[c->nlocal++] = r;
+        }
+    }
+    host_free(ctx, names);
+    return st;
+}
+
+/* The host's leader creates the segment and publishes its name; the other
+ * local ranks map it.  *ok: this rank has it (or needs none). */
+static dt_status map_segment(dt_comm *c, int *ok)
+{
+    char key[32], why[160] = "";
+    int L = c->nlocal, leader = c->local_ranks[0], fd = -1;
+    *ok = 0;
+    const char *sl = getenv("DTRAIN_SEGMENT_SLOT_KIB");
+    c->seg_slot = sl && atoi(sl) >= 4 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
+    c->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
+    snprintf(key, sizeof key, "seg/%d", leader);
+    if (c->local_index == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(c->seg_name, sizeof c->seg_name, "/dtrain-%d-%lx", (int)getpid(),
+                 (unsigned long)ts.tv_nsec ^ (unsigned long)ts.tv_sec << 20);
+        fd = shm_open(c->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd >= 0)
+            c->seg_linked = 1;
+        /* reserve the pages now: a full /dev/shm is an error here, not a
+         * SIGBUS in the middle of a collective */
+        int err = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)c->seg_bytes);
+        if (err)
+            snprintf(why, sizeof why, "%s", strerror(err));
+        const char *val = err ? "" : c->seg_name;
+        dt_status st = dt_store_set(c->store, key, val, strlen(val) + 1);
+        if (st != DT_OK) {
+            if (fd >= 0)
+                close(fd);
+            return st;
+        }
+    } else {
+        size_t len = 0;
+        dt_status st = dt_store_get(c->store, key, c->seg_name, sizeof c->seg_name - 1, &len, 0);
+        if (st != DT_OK)
+            return st;
+        c->seg_name[len < sizeof c->seg_name ? len : sizeof c->seg_name - 1] = '\0';
+        if (c->seg_name[0] && (fd = shm_open(c->seg_name, O_RDWR, 0)) < 0)
+            snprintf(why, sizeof why, "%s", strerror(errno));
+    }
+    struct stat sb;
+    if (fd >= 0 && (fstat(fd, &sb) != 0 || (size_t)sb.st_size != c->seg_bytes)) {
+        snprintf(why, sizeof why, "its size is not %zu bytes (ranks disagree on "
+                 "DTRAIN_SEGMENT_SLOT_KIB?)", c->seg_bytes);
+        close(fd);
+        fd = -1;
+    }
+    if (fd >= 0) {
+        void *p = mmap(NULL, c->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED)
+            snprintf(why, sizeof why, "mmap: %s", strerror(errno));
+        else
+            c->seg = p;
+    }
+    if (!c->seg) {   /* not an error: every rank falls back to the transport */
+        snprintf(c->seg_why, sizeof c->seg_why, "no host segment: %s",
+                 why[0] ? why : "the host's leader could not create one");
+        return DT_OK;
+    }
+    c->seg_ranks = (seg_rank *)((char *)c->seg + seg_ranks_offset());
+    c->seg_data = (char *)c->seg + seg_data_offset(L);
+    if (c->local_index == 0) {
+        c->seg->magic = SEG_MAGIC;
+        c->seg->nlocal = (uint32_t)L;
+        c->seg->slot_bytes = c->seg_slot;
+        c->seg->total_bytes = c->seg_bytes;
+    }
+    *ok = 1;
+    return DT_OK;
+}
+
+static void unmap_segment(dt_comm *c)
+{
+    if (c->seg)
+        munmap(c->seg, c->seg_bytes);
+    c->seg = NULL;
+    if (c->seg_linked)
+        shm_unlink(c->seg_name);
+    c->seg_linked = 0;
+}
+
+/* Segments are used only if every rank wants them and got one: a rank that
+ * could not map its host's would otherwise wait on the others forever. */
+static dt_status setup_segments(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    const char *mode = cfg->intra_host ? cfg->intra_host : getenv("DTRAIN_INTRA_HOST");
+    int want = 1;
+    if (mode && strcmp(mode, "transport") == 0)
+        want = 0;
+    else if (mode && *mode && strcmp(mode, "segment") != 0)
+        return set_error(ctx, DT_EINVAL, "comm: intra-host mode '%s' is neither 'segment' nor "
+                         "'transport'", mode);
+    if (c->world == 1)
+        return DT_OK;
+    int ok = want;
+    if (want && c->nlocal > 1 && map_segment(c, &ok) != DT_OK)
+        return ctx->last_status;
+    char key[32], val[4];
+    snprintf(key, sizeof key, "segok/%d", c->rank);
+    dt_status st = dt_store_set(c->store, key, ok ? "1" : "0", 2);
+    c->use_segment = 1;
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        size_t len = 0;
+        snprintf(key, sizeof key, "segok/%d", r);
+        st = dt_store_get(c->store, key, val, sizeof val, &len, 0);
+        if (st == DT_OK && val[0] != '1')
+            c->use_segment = 0;
+    }
+    if (st == DT_OK && !c->use_segment)
+        unmap_segment(c);
     return st;
 }
 
@@ -6070,11 +6637,8 @@ static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
         return set_error(ctx, DT_ENOTSUP, "comm: no transport compiled in (build with "
                                           "backends/fabric.c, -DDT_WITH_FABRIC and -lfabric)");
     const char *prov = cfg->transport ? cfg->transport : getenv("DTRAIN_TRANSPORT");
-    int one_host = 1;
-    if (!prov && c->world > 1 && all_on_one_host(c, &one_host) != DT_OK)
-        return ctx->last_status;
     if (!prov)
-        prov = one_host ? "shm" : "tcp";
+        prov = c->nhosts <= 1 ? "shm" : "tcp";
     dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al};
     char err[256] = "";
     dt_status st = c->tp_iface->open(&tp, &c->tp, err, sizeof err);
@@ -6139,8 +6703,9 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
         set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
         return NULL;
     }
-    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || open_transport(c, &cfg) != DT_OK ||
-        exchange_addresses(c) != DT_OK || open_watch(c, &env, &cfg) != DT_OK)
+    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_hosts(c, &cfg) != DT_OK ||
+        open_transport(c, &cfg) != DT_OK || exchange_addresses(c) != DT_OK ||
+        open_watch(c, &env, &cfg) != DT_OK || setup_segments(c, &cfg) != DT_OK)
         goto fail;
     if (pthread_create(&c->thread, NULL, comm_main, c) != 0) {
         set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
@@ -6150,6 +6715,12 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     /* everyone's endpoint is ready before anyone sends */
     if (dt_barrier(c) != DT_OK)
         goto fail;
+    /* every local rank has mapped the segment: its name can go, so no
+     * file is left behind in /dev/shm whatever happens later */
+    if (c->seg_linked) {
+        shm_unlink(c->seg_name);
+        c->seg_linked = 0;
+    }
     return c;
 fail:;
     dt_status st = ctx->last_status;
@@ -6180,6 +6751,9 @@ void dt_comm_free(dt_comm *c)
     pthread_cond_destroy(&c->cv);
     if (c->scratch)
         c->ctx->al.free_fn(c->scratch, c->ctx->al.user);
+    unmap_segment(c);
+    host_free(c->ctx, c->local_ranks);
+    host_free(c->ctx, c->leaders);
     host_free(c->ctx, c);
 }
 
@@ -6216,6 +6790,31 @@ void dt_spawn_config_init(dt_spawn_config *cfg)
     memset(cfg, 0, sizeof *cfg);
     cfg->nranks = 1;
     cfg->prefix_output = 1;
+    cfg->bind_cpus = 1;
+}
+
+/* Rank `rank` of `nranks` keeps its share of the CPUs it may use.  Why:
+ * unbound, the scheduler's wake-up affinity tends to stack two ranks that
+ * wake each other on one CPU, and a host-segment allreduce then runs 3-4x
+ * slower for as long as they stay there (tests/bench/allreduce.sh). */
+static void bind_rank(int rank, int nranks)
+{
+    cpu_set_t all, mine;
+    if (sched_getaffinity(0, sizeof all, &all) != 0)
+        return;
+    int m = CPU_COUNT(&all);
+    if (m < nranks)
+        return;
+    int share = m / nranks, seen = 0;
+    CPU_ZERO(&mine);
+    for (int cpu = 0; cpu < CPU_SETSIZE && seen < (rank + 1) * share; cpu++) {
+        if (!CPU_ISSET(cpu, &all))
+            continue;
+        if (seen >= rank * share)
+            CPU_SET(cpu, &mine);
+        seen++;
+    }
+    sched_setaffinity(0, sizeof mine, &mine);
 }
 
 static int free_local_port(void)
@@ -6266,6 +6865,8 @@ static void rank_setup(const dt_spawn_config *cfg, int rank, int port, const cha
     setenv("DTRAIN_JOB_TOKEN", token, 1);
     if (cfg->transport)
         setenv("DTRAIN_TRANSPORT", cfg->transport, 1);
+    if (cfg->bind_cpus)
+        bind_rank(rank, cfg->nranks);
     if (out_fd >= 0) {
         dup2(out_fd, STDOUT_FILENO);
         dup2(err_fd, STDERR_FILENO);

@@ -497,6 +497,13 @@ typedef struct dt_comm_config {
     const char *host;          /* tcp/verbs: this rank's address; NULL: DTRAIN_HOST */
     int timeout_ms;            /* a peer silent this long fails the collective, naming
                                   it; 0: DTRAIN_TIMEOUT_MS, else 30000 */
+    const char *intra_host;    /* ranks on one host talk through "segment" (a shared-
+                                  memory segment; collectives reduce straight from the
+                                  other ranks' memory, and across hosts the allreduce is
+                                  hierarchical) or "transport" (everything over the
+                                  transport); NULL: DTRAIN_INTRA_HOST, else "segment" */
+    const char *host_id;       /* ranks with the same id share a host; NULL:
+                                  DTRAIN_HOST_ID, else the host name */
     dt_store_config store;
 } dt_comm_config;
 DT_API void dt_comm_config_init(dt_comm_config *cfg);
@@ -508,6 +515,9 @@ DT_API void dt_comm_free(dt_comm *c);
 DT_API int dt_comm_rank(const dt_comm *c);
 DT_API int dt_comm_size(const dt_comm *c);
 DT_API const char *dt_comm_transport(const dt_comm *c);   /* provider in use */
+DT_API int dt_comm_hosts(const dt_comm *c);                /* hosts the ranks span */
+/* "segment", "transport", or why there is no segment (borrowed) */
+DT_API const char *dt_comm_intra_host(const dt_comm *c);
 
 typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_REDUCE_MIN } dt_reduce_op;
 
@@ -542,6 +552,10 @@ typedef struct dt_spawn_config {
     const char *transport;     /* DTRAIN_TRANSPORT for the ranks, or NULL */
     int grace_ms;              /* SIGTERM -> SIGKILL delay; 0: 5000 */
     int prefix_output;         /* 1: "[rank] " before every line of output */
+    int bind_cpus;             /* 1 (default): when there are at least as many CPUs
+                                  (of those this process may use) as ranks, rank i
+                                  runs on its own contiguous share of them, like
+                                  mpirun's --bind-to core; 0: the scheduler decides */
 } dt_spawn_config;
 DT_API void dt_spawn_config_init(dt_spawn_config *cfg);
 /* Fork cfg->nranks workers of this program.  In each worker it returns

@@ -2,7 +2,7 @@
  * examples/dtrun.c - run a program as N ranks on this host (like torchrun
  * or mpirun):
  *
- *   build/dtrun -n 4 [--transport shm|tcp] [--grace MS] [--no-prefix] prog args...
+ *   build/dtrun -n 4 [--transport shm|tcp] [--grace MS] [--no-prefix] [--no-bind] prog args...
  *
  * Each rank gets DTRAIN_RANK, DTRAIN_WORLD_SIZE, DTRAIN_MASTER, a random
  * DTRAIN_JOB_TOKEN (unless one is set) and DTRAIN_TRANSPORT, so the program's
@@ -18,7 +18,7 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: dtrun -n N [--transport shm|tcp|verbs] [--grace MS] [--no-prefix] "
+    fprintf(f, "usage: dtrun -n N [--transport shm|tcp|verbs] [--grace MS] [--no-prefix] [--no-bind] "
                "[--] prog [args...]\n");
 }
 
@@ -42,6 +42,10 @@ int main(int argc, char **argv)
         }
         if (!strcmp(a, "--no-prefix")) {
             cfg.prefix_output = 0;
+            continue;
+        }
+        if (!strcmp(a, "--no-bind")) {   /* let the scheduler place the ranks */
+            cfg.bind_cpus = 0;
             continue;
         }
         if (i + 1 >= argc) {

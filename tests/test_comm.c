@@ -17,6 +17,9 @@
 typedef int (*rank_fn)(dt_comm *c, int rank, int world);
 
 static dt_ctx *rank_ctx;   /* this process's context (one rank per process) */
+/* how the next run_job's ranks join (set before forking, so inherited) */
+static const char *intra_mode = "transport";   /* dt_comm_config.intra_host */
+static int host_groups;    /* > 0: rank r claims host "h<r % host_groups>" */
 static dt_ctx *dt_comm_ctx_for_test(dt_comm *c) { (void)c; return rank_ctx; }
 
 static int free_port(void)
@@ -54,6 +57,12 @@ static void rank_main(int rank, int world, int port, const char *prov, int timeo
     cfg.host = "127.0.0.1";
     cfg.timeout_ms = timeout_ms;
     cfg.store.timeout_ms = 20000;
+    cfg.intra_host = intra_mode;
+    char host_id[16];
+    if (host_groups > 0) {
+        snprintf(host_id, sizeof host_id, "h%d", rank % host_groups);
+        cfg.host_id = host_id;
+    }
     dt_comm *c = ctx ? dt_comm_new(ctx, &e, &cfg) : NULL;
     if (!c) {
         fprintf(stderr, "rank %d: %s\n", rank, ctx ? dt_last_error(ctx) : "no ctx");
@@ -208,29 +217,76 @@ static void expect_all_zero(int world, const int *codes, const char *what)
             fail_msg("%s: rank %d of %d exited with %d", what, r, world, codes[r]);
 }
 
-static void run_worlds(const char *prov)
+/* The ranks took the path the test asked for: segment or transport, and
+ * as many hosts as host_groups makes. */
+static int check_path(dt_comm *c, int world)
+{
+    int want_hosts = host_groups > 0 ? (host_groups < world ? host_groups : world) : 1;
+    if (dt_comm_hosts(c) != want_hosts)
+        return 50;
+    int seg = world > 1 && strcmp(intra_mode, "segment") == 0;
+    if (seg != (strcmp(dt_comm_intra_host(c), "segment") == 0))
+        return 51;
+    return 0;
+}
+
+static int job_small_on_path(dt_comm *c, int rank, int world)
+{
+    int code = check_path(c, world);
+    return code ? code : job_small(c, rank, world);
+}
+
+static int job_64mib_on_path(dt_comm *c, int rank, int world)
+{
+    int code = check_path(c, world);
+    return code ? code : job_with_64mib(c, rank, world);
+}
+
+static void run_worlds(const char *prov, const char *intra, int groups)
 {
     static const int worlds[] = {1, 2, 3, 4, 7};
     int codes[16];
+    intra_mode = intra;
+    host_groups = groups;
     for (size_t i = 0; i < sizeof worlds / sizeof worlds[0]; i++) {
         int w = worlds[i];
-        char what[64];
-        snprintf(what, sizeof what, "%s, %d ranks", prov, w);
-        run_job(w, prov, 30000, (w == 2 || w == 4) ? job_with_64mib : job_small, codes, 120);
+        char what[96];
+        snprintf(what, sizeof what, "%s, %s, %d host groups, %d ranks", prov, intra, groups, w);
+        run_job(w, prov, 30000, (w == 2 || w == 4) ? job_64mib_on_path : job_small_on_path, codes,
+                120);
         expect_all_zero(w, codes, what);
     }
+    intra_mode = "transport";
+    host_groups = 0;
 }
 
+/* the transports alone (no host segment) */
 static void test_collectives_shm(void **state)
 {
     (void)state;
-    run_worlds("shm");
+    run_worlds("shm", "transport", 0);
 }
 
 static void test_collectives_tcp(void **state)
 {
     (void)state;
-    run_worlds("tcp");
+    run_worlds("tcp", "transport", 0);
+}
+
+/* every rank on one host: collectives over the shared segment */
+static void test_collectives_segment(void **state)
+{
+    (void)state;
+    run_worlds("shm", "segment", 0);
+}
+
+/* ranks claim 2 or 3 hosts (non-contiguous ranks, uneven counts):
+ * allreduce is hierarchical (segment inside, tcp between leaders) */
+static void test_collectives_hierarchical(void **state)
+{
+    (void)state;
+    run_worlds("tcp", "segment", 2);
+    run_worlds("tcp", "segment", 3);
 }
 
 /* --- mismatch and failure ----------------------------------------------- */
@@ -265,6 +321,18 @@ static int job_mismatch_msg(dt_comm *c, int rank, int world)
     return 0;
 }
 
+/* ranks 1 and 3 (one whole host of two) call n=11, the others n=10: only
+ * the leaders' headers can see it */
+static int job_mismatch_hosts(dt_comm *c, int rank, int world)
+{
+    (void)world;
+    float b[11] = {0};
+    if (dt_allreduce(c, b, rank % 2 ? 11 : 10, DT_REDUCE_SUM) != DT_EMISMATCH)
+        return 35;
+    const char *m = dt_last_error(dt_comm_ctx_for_test(c));
+    return strstr(m, "n=10") && strstr(m, "n=11") ? 0 : 36;
+}
+
 static void test_mismatch(void **state)
 {
     (void)state;
@@ -273,6 +341,18 @@ static void test_mismatch(void **state)
     expect_all_zero(2, codes, "allreduce vs broadcast");
     run_job(3, "tcp", 10000, job_mismatch_msg, codes, 30);
     expect_all_zero(3, codes, "allreduce n=10 vs n=11");
+    intra_mode = "segment";
+    run_job(2, "shm", 10000, job_mismatch, codes, 30);
+    expect_all_zero(2, codes, "segment: allreduce vs broadcast");
+    run_job(3, "shm", 10000, job_mismatch_msg, codes, 30);
+    expect_all_zero(3, codes, "segment: allreduce n=10 vs n=11");
+    host_groups = 2;
+    run_job(4, "tcp", 10000, job_mismatch_msg, codes, 30);
+    expect_all_zero(4, codes, "hierarchical: allreduce n=10 vs n=11 inside a host");
+    run_job(4, "tcp", 10000, job_mismatch_hosts, codes, 30);
+    expect_all_zero(4, codes, "hierarchical: allreduce n=10 vs n=11 between hosts");
+    intra_mode = "transport";
+    host_groups = 0;
 }
 
 /* rank 2 dies (SIGKILL) between two allreduces; the others must fail
@@ -292,7 +372,10 @@ static int job_kill(dt_comm *c, int rank, int world)
     double took = dt_now() - t0;
     if (st == DT_OK)
         return 41;
-    fprintf(stderr, "rank %d noticed in %.2f s: %s\n", rank, took, "");
+    const char *m = dt_last_error(dt_comm_ctx_for_test(c));
+    fprintf(stderr, "rank %d noticed in %.2f s: %s\n", rank, took, m);
+    if (!strstr(m, "rank 2"))
+        return 43;   /* the error must name the dead rank */
     return took < 10.0 ? 0 : 42;
 }
 
@@ -300,11 +383,18 @@ static void test_killed_rank(void **state)
 {
     (void)state;
     int codes[4];
-    static const char *const provs[] = {"tcp", "shm"};
-    for (int p = 0; p < 2; p++) {
-        run_job(3, provs[p], 20000, job_kill, codes, 40);
-        if (codes[0] != 0 || codes[1] != 0)
-            fail_msg("%s: survivors exited with %d and %d", provs[p], codes[0], codes[1]);
+    static const char *const provs[] = {"tcp", "shm", "shm", "tcp"};
+    static const char *const intra[] = {"transport", "transport", "segment", "segment"};
+    for (int p = 0; p < 4; p++) {
+        int world = p == 3 ? 4 : 3;   /* last: 2 hosts, rank 2 a non-leader on the first */
+        intra_mode = intra[p];
+        host_groups = p == 3 ? 2 : 0;
+        run_job(world, provs[p], 20000, job_kill, codes, 40);
+        intra_mode = "transport";
+        host_groups = 0;
+        for (int r = 0; r < world; r++)
+            if (r != 2 && codes[r] != 0)
+                fail_msg("%s/%s: survivor rank %d exited with %d", provs[p], intra[p], r, codes[r]);
         assert_int_equal(codes[2], 200 + SIGKILL);
     }
 }
@@ -312,6 +402,8 @@ static void test_killed_rank(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_shm),
     cmocka_unit_test(test_collectives_tcp),
+    cmocka_unit_test(test_collectives_segment),
+    cmocka_unit_test(test_collectives_hierarchical),
     cmocka_unit_test(test_mismatch),
     cmocka_unit_test(test_killed_rank),
 };
