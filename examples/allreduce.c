@@ -4,11 +4,29 @@
  *   build/dtrun -n 4 build/allreduce
  *
  * Every rank joins the job from the launcher's environment (dtrun, torchrun,
- * mpirun or srun), sums a vector across ranks and prints the result.
+ * mpirun or srun), sums a vector across ranks and prints the result, then
+ * sums 16 MiB (several chunks on every path) and checks every element.
  */
 #include "dtrain.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+
+/* 16 MiB of small integers: their sums are exact in float */
+static int big_sum_ok(dt_comm *comm, int rank, int world)
+{
+    int64_t n = (int64_t)4 << 20;
+    float *b = malloc((size_t)n * sizeof *b);
+    if (!b)
+        return 0;
+    for (int64_t i = 0; i < n; i++)
+        b[i] = (float)((i % 13) * (rank + 1));
+    int ok = dt_allreduce(comm, b, n, DT_REDUCE_SUM) == DT_OK;
+    for (int64_t i = 0; ok && i < n; i++)
+        ok = b[i] == (float)((i % 13) * world * (world + 1) / 2);
+    free(b);
+    return ok;
+}
 
 int main(void)
 {
@@ -27,8 +45,12 @@ int main(void)
     float v[4] = {(float)rank, 1.0f, (float)(rank * rank), 2.0f};
     int ok = dt_allreduce(comm, v, 4, DT_REDUCE_SUM) == DT_OK;
     if (ok)
-        printf("rank %d of %d over %s: sums %.0f %.0f %.0f %.0f\n", rank, world,
-               dt_comm_transport(comm), v[0], v[1], v[2], v[3]);
+        printf("rank %d of %d over %s: sums %.0f %.0f %.0f %.0f (%d host%s; inside a host: %s)\n",
+               rank, world, dt_comm_transport(comm), v[0], v[1], v[2], v[3], dt_comm_hosts(comm),
+               dt_comm_hosts(comm) == 1 ? "" : "s", dt_comm_intra_host(comm));
+    ok = ok && big_sum_ok(comm, rank, world);
+    if (ok)
+        printf("rank %d: 16 MiB allreduce checked\n", rank);
     else
         fprintf(stderr, "allreduce: %s\n", dt_last_error(ctx));
     dt_comm_free(comm);

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tests/multihost.sh BUILD_DIR - two "hosts" in network namespaces
-# (../shared/tools/netns-cluster.sh), one rank each, running
+# (../shared/tools/netns-cluster.sh), two ranks each, running
 # examples/allreduce: the store binds to rank 0's namespace address, each
-# rank binds tcp to its own, and the transport is chosen by itself (tcp,
-# because the hosts' names differ).  Prints "multi-host: ok" or
+# rank binds tcp to its host's, the transport is chosen by itself (tcp,
+# because the hosts' names differ), and the allreduce is hierarchical
+# (the host segment inside each namespace, tcp between the leaders).  Prints "multi-host: ok" or
 # "multi-host: skipped (reason)"; exits non-zero only on a real failure.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,27 +27,34 @@ fi
 trap 'bash "$CLUSTER" down >/dev/null 2>&1' EXIT
 A0=$(bash "$CLUSTER" addr 0) A1=$(bash "$CLUSTER" addr 1)
 PORT=29517
-common=(env DTRAIN_WORLD_SIZE=2 DTRAIN_MASTER=$A0:$PORT DTRAIN_JOB_TOKEN=multihost-test
+common=(env DTRAIN_WORLD_SIZE=4 DTRAIN_MASTER=$A0:$PORT DTRAIN_JOB_TOKEN=multihost-test
         DTRAIN_TIMEOUT_MS=20000 ASAN_OPTIONS=detect_leaks=1)
 tmp=$(mktemp -d)
-timeout -k 5 60 bash "$CLUSTER" exec 0 "${common[@]}" DTRAIN_RANK=0 DTRAIN_STORE_BIND=$A0 \
-    DTRAIN_HOST=$A0 "$BUILD/allreduce" > "$tmp/r0" 2>&1 &
-p0=$!
-timeout -k 5 60 bash "$CLUSTER" exec 1 "${common[@]}" DTRAIN_RANK=1 DTRAIN_HOST=$A1 \
-    "$BUILD/allreduce" > "$tmp/r1" 2>&1 &
-p1=$!
-wait $p0; r0=$?
-wait $p1; r1=$?
-ok=1
-grep -q "rank 0 of 2 over tcp;ofi_rxm: sums 1 2 1 4" "$tmp/r0" || ok=0
-grep -q "rank 1 of 2 over tcp;ofi_rxm: sums 1 2 1 4" "$tmp/r1" || ok=0
-if [[ $ok == 1 && $r0 == 0 && $r1 == 0 ]]; then
-    echo "multi-host: ok (rank 0 on $A0, rank 1 on $A1, tcp chosen by hostname)"
+# ranks 0 and 2 on host 0, 1 and 3 on host 1: each host's ranks are not
+# contiguous, and the leaders (0 and 1) allreduce over tcp
+pids=()
+for r in 0 1 2 3; do
+    h=$((r % 2))
+    addr=$A0; ((h)) && addr=$A1
+    bind=(); ((r == 0)) && bind=(DTRAIN_STORE_BIND=$A0)
+    timeout -k 5 60 bash "$CLUSTER" exec $h "${common[@]}" DTRAIN_RANK=$r "${bind[@]}" \
+        DTRAIN_HOST=$addr "$BUILD/allreduce" > "$tmp/r$r" 2>&1 &
+    pids+=($!)
+done
+ok=1 codes=""
+for r in 0 1 2 3; do
+    wait "${pids[$r]}"; rc=$?
+    codes+=" $rc"
+    ((rc == 0)) || ok=0
+    grep -q "rank $r of 4 over tcp;ofi_rxm: sums 6 4 14 8 (2 hosts; inside a host: segment)" "$tmp/r$r" || ok=0
+    grep -q "rank $r: 16 MiB allreduce checked" "$tmp/r$r" || ok=0
+done
+if [[ $ok == 1 ]]; then
+    echo "multi-host: ok (ranks 0,2 on $A0 and 1,3 on $A1: hierarchical allreduce, segment inside each host, tcp between leaders)"
     rm -rf "$tmp"
     exit 0
 fi
-echo "multi-host: FAILED (exit codes $r0, $r1)"
-echo "--- rank 0:"; cat "$tmp/r0"
-echo "--- rank 1:"; cat "$tmp/r1"
+echo "multi-host: FAILED (exit codes$codes)"
+for r in 0 1 2 3; do echo "--- rank $r:"; cat "$tmp/r$r"; done
 rm -rf "$tmp"
 exit 1

@@ -5,6 +5,7 @@
  * closed-form answer; mismatched calls; a rank killed mid-job.
  */
 #include "test_util.h"
+#include "backends/transport.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -399,6 +400,146 @@ static void test_killed_rank(void **state)
     }
 }
 
+
+/* --- forged and malformed messages ----------------------------------------- */
+
+static void *fm_malloc(size_t n, void *u) { (void)u; return malloc(n); }
+static void *fm_realloc(void *p, size_t n, void *u) { (void)u; return realloc(p, n); }
+static void fm_free(void *p, void *u) { (void)u; free(p); }
+
+/* A fake rank 1: joins the store and the tcp fabric by hand, like a buggy or
+ * hostile peer, and sends `bad` (len bytes) where rank 0 expects the header
+ * of collective #0 (dt_comm_new's barrier).  The tag layout is the wire
+ * format of dtrain.c 14.1: sequence << 28 | step << 12, the header's step
+ * 0xFFFF.  Exits 0 when it delivered the message. */
+static void forger_main(int port, const void *bad, size_t len)
+{
+    alarm(30);
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    dt_dist_env e;
+    memset(&e, 0, sizeof e);
+    e.rank = 1;
+    e.world_size = 2;
+    e.local_rank = e.local_world_size = -1;
+    e.launcher = "test";
+    snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
+    e.master_port = port;
+    dt_store_config sc;
+    dt_store_config_init(&sc);
+    sc.timeout_ms = 10000;
+    dt_store *st = ctx ? dt_store_open(ctx, &e, &sc) : NULL;
+    if (!st)
+        _exit(80);
+    const dt_transport_iface *f = dt_transport_fabric_iface();
+    dt_transport_params p;
+    memset(&p, 0, sizeof p);
+    p.provider = "tcp";
+    p.host = "127.0.0.1";
+    p.allocator = (dt_allocator){fm_malloc, fm_realloc, fm_free, NULL};
+    dt_transport *t = NULL;
+    char err[256], addr[2][512];
+    size_t alen[2] = {sizeof addr[1], 0};
+    if (f->open(&p, &t, err, sizeof err) != DT_OK || f->get_addr(t, addr[1], &alen[0], err, sizeof err) != DT_OK)
+        _exit(81);
+    alen[1] = alen[0];
+    memcpy(addr[0], addr[1], alen[0]);   /* addr[1]: ours; addr[0]: rank 0's, below */
+    if (dt_store_set(st, "host/1", "forger-host", 12) != DT_OK ||
+        dt_store_set(st, "addr/1", addr[1], alen[1]) != DT_OK ||
+        dt_store_set(st, "segok/1", "0", 2) != DT_OK ||
+        dt_store_get(st, "addr/0", addr[0], sizeof addr[0], &alen[0], 0) != DT_OK)
+        _exit(82);
+    const void *ptrs[2] = {addr[0], addr[1]};
+    if (f->insert_peers(t, 2, ptrs, alen, err, sizeof err) != DT_OK)
+        _exit(83);
+    uint64_t tag = (uint64_t)0 << 28 | (uint64_t)0xFFFF << 12;
+    dt_xfer x;
+    memset(&x, 0, sizeof x);
+    if (f->send(t, 0, tag, bad, len, &x, err, sizeof err) != DT_OK)
+        _exit(84);
+    double until = dt_now() + 5;
+    while (!x.done && dt_now() < until) {
+        dt_xfer *done[4];
+        if (f->poll(t, done, 4, err, sizeof err) == 0)
+            f->wait(t, 10);
+    }
+    int code = x.done && x.status == DT_OK ? 0 : 85;
+    /* stay until rank 0 has judged the message, then leave */
+    struct timespec ts = {2, 0};
+    nanosleep(&ts, NULL);
+    f->close(t);
+    dt_store_close(st);
+    dt_ctx_free(ctx);
+    _exit(code);
+}
+
+/* Rank 0 joins normally: its join barrier must fail naming rank 1 and the
+ * reason (`want`), not hang, crash or accept the message. */
+static void expect_rejected(const void *bad, size_t len, const char *want)
+{
+    int port = free_port();
+    fflush(NULL);
+    pid_t forger = fork();
+    assert_true(forger >= 0);
+    if (forger == 0)
+        forger_main(port, bad, len);
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    pid_t r0 = fork();
+    assert_true(r0 >= 0);
+    if (r0 == 0) {
+        alarm(30);
+        close(fds[0]);
+        dt_ctx *ctx = dt_ctx_new(NULL);
+        dt_dist_env e;
+        memset(&e, 0, sizeof e);
+        e.world_size = 2;
+        e.local_rank = e.local_world_size = -1;
+        e.launcher = "test";
+        snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
+        e.master_port = port;
+        dt_comm_config cfg;
+        dt_comm_config_init(&cfg);
+        cfg.transport = "tcp";
+        cfg.host = "127.0.0.1";
+        cfg.timeout_ms = 10000;
+        dt_comm *c = dt_comm_new(ctx, &e, &cfg);
+        const char *m = c ? "joined" : dt_last_error(ctx);
+        if (write(fds[1], m, strlen(m) + 1) < 0)
+            _exit(3);
+        /* linger: the forger still asks the store */
+        struct timespec ts = {3, 0};
+        nanosleep(&ts, NULL);
+        _exit(c ? 1 : 0);
+    }
+    close(fds[1]);
+    char msg[600] = "";
+    ssize_t got = 0, k;
+    while ((k = read(fds[0], msg + got, sizeof msg - 1 - (size_t)got)) > 0)
+        got += k;
+    close(fds[0]);
+    int st0 = 0, st1 = 0;
+    waitpid(r0, &st0, 0);
+    waitpid(forger, &st1, 0);
+    if (!WIFEXITED(st0) || WEXITSTATUS(st0) != 0)
+        fail_msg("rank 0 accepted a forged message (or died): status %d, '%s'", st0, msg);
+    if (!strstr(msg, "rank 1") || !strstr(msg, want))
+        fail_msg("rank 0's error '%s' should name rank 1 and say '%s'", msg, want);
+    if (!WIFEXITED(st1) || WEXITSTATUS(st1) != 0)
+        fail_msg("the forger could not deliver its message (status %d)", st1);
+}
+
+static void test_forged_messages(void **state)
+{
+    (void)state;
+    unsigned char junk[32];
+    for (size_t i = 0; i < sizeof junk; i++)
+        junk[i] = (unsigned char)(i * 37 + 11);   /* right size, wrong magic */
+    expect_rejected(junk, sizeof junk, "malformed header");
+    expect_rejected(junk, 7, "rank 1");         /* truncated */
+    uint32_t hdr[8] = {0x44545243u, 3, 0, 0, 0, 0, 5, 0};   /* allgather(n=5) */
+    expect_rejected(hdr, sizeof hdr, "allgather(n=5)");
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_shm),
     cmocka_unit_test(test_collectives_tcp),
@@ -406,6 +547,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_hierarchical),
     cmocka_unit_test(test_mismatch),
     cmocka_unit_test(test_killed_rank),
+    cmocka_unit_test(test_forged_messages),
 };
 
 DT_TEST_GROUP(comm, tests)

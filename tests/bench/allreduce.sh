@@ -115,14 +115,19 @@ run() {
         sed 's/^/    /' "$log.err" | tail -n 20 >&2
     fi
 }
-# no core binding: dtrain and Gloo do not bind either (binding measured no different here)
-MPIRUN=(mpirun --allow-run-as-root --bind-to none -np 2)
+# every peer binds each rank to its own CPU: dt_spawn does by default, mpirun
+# does by default for 2 ranks, and bench_allreduce_gloo.py does it itself
+MPIRUN=(mpirun --allow-run-as-root --bind-to core -np 2)
 for rep in $(seq 1 "$REPEATS"); do
     busy_note "before pass $rep/$REPEATS"
+    # the default on one host: collectives through the host segment
     run dtrain_shm 60 env DTRAIN_TRANSPORT=shm "$BIN_DT" --min-time "$MIN_TIME"
+    # for reference: the same over libfabric's shm provider alone
+    run dtrain_fab 60 env DTRAIN_TRANSPORT=shm DTRAIN_INTRA_HOST=transport "$BIN_DT" --no-memcpy \
+        --min-time "$MIN_TIME"
     ((HAVE_MPI)) && run mpi_vader 60 "${MPIRUN[@]}" --mca btl self,vader "$BIN_MPI" \
         --min-time "$MIN_TIME" --label "btl=vader"
-    run dtrain_tcp 60 env DTRAIN_TRANSPORT=tcp DTRAIN_HOST=127.0.0.1 "$BIN_DT" --no-memcpy \
+    run dtrain_tcp 60 env DTRAIN_TRANSPORT=tcp DTRAIN_INTRA_HOST=transport DTRAIN_HOST=127.0.0.1 "$BIN_DT" --no-memcpy \
         --min-time "$MIN_TIME"
     ((HAVE_MPI)) && run mpi_tcp 60 "${MPIRUN[@]}" --mca btl self,tcp --mca btl_tcp_if_include lo \
         "$BIN_MPI" --min-time "$MIN_TIME" --label "btl=tcp(lo)"
@@ -145,12 +150,13 @@ $1 == "memcpy" { if ($2 + 0 > mem) mem = $2 + 0; next }
 END {
     for (i = 1; i <= ns; i++) for (j = i + 1; j <= ns; j++) if (sz[j] < sz[i]) { t = sz[i]; sz[i] = sz[j]; sz[j] = t }
     printf "\n== allreduce(sum, float32), 2 ranks: bus bandwidth GB/s (best median of the repeats) ==\n"
-    printf "%-8s | %8s %8s %8s %8s %8s | %8s %8s %8s %8s\n", "", "dtrain", "MPI", "dt/MPI", "Gloo", "dt/Gloo", "dtrain", "MPI", "dt/MPI", "dt/Gloo"
-    printf "%-8s | %8s %8s %8s %8s %8s | %8s %8s %8s %8s\n", "size", "shm", "vader", "shm", "tcp", "shm", "tcp", "tcp", "tcp", "tcp"
+    printf "(dtrain shm: the host segment, the default on one host; fabric: libfabric shm alone, DTRAIN_INTRA_HOST=transport)\n"
+    printf "%-8s | %8s %8s %8s %8s %8s %8s | %8s %8s %8s %8s\n", "", "dtrain", "dtrain", "MPI", "dt/MPI", "Gloo", "dt/Gloo", "dtrain", "MPI", "dt/MPI", "dt/Gloo"
+    printf "%-8s | %8s %8s %8s %8s %8s %8s | %8s %8s %8s %8s\n", "size", "shm", "fabric", "vader", "shm", "tcp", "shm", "tcp", "tcp", "tcp", "tcp"
     for (i = 1; i <= ns; i++) {
         s = sz[i]
-        printf "%-8s | %s %s %s %s %s | %s %s %s %s\n", hsize(s),
-            bw("dtrain_shm" SUBSEP s), bw("mpi_vader" SUBSEP s), rat("dtrain_shm" SUBSEP s, "mpi_vader" SUBSEP s),
+        printf "%-8s | %s %s %s %s %s %s | %s %s %s %s\n", hsize(s),
+            bw("dtrain_shm" SUBSEP s), bw("dtrain_fab" SUBSEP s), bw("mpi_vader" SUBSEP s), rat("dtrain_shm" SUBSEP s, "mpi_vader" SUBSEP s),
             bw("gloo" SUBSEP s), rat("dtrain_shm" SUBSEP s, "gloo" SUBSEP s),
             bw("dtrain_tcp" SUBSEP s), bw("mpi_tcp" SUBSEP s), rat("dtrain_tcp" SUBSEP s, "mpi_tcp" SUBSEP s),
             rat("dtrain_tcp" SUBSEP s, "gloo" SUBSEP s)

@@ -34,7 +34,16 @@ def inputs(torch, n, r):
     return ((i * 7 + r * 131) % 1024 - 512).to(torch.float32)
 
 
+def bind(rank, world):
+    # each rank on its own share of the CPUs, as dt_spawn and mpirun do
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // world
+    if share >= 1:
+        os.sched_setaffinity(0, cpus[rank * share:(rank + 1) * share])
+
+
 def worker(rank, world, port, args, failed):
+    bind(rank, world)
     import torch
     import torch.distributed as dist
 
