@@ -5424,11 +5424,14 @@ static dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, 
     return DT_OK;
 }
 
-/* Post a buffer in chunks of at most DT_COMM_CHUNK / max_msg bytes. */
+/* Post a buffer in chunks of DT_COMM_CHUNK bytes, or larger where that
+ * would need more than 24 (the transfer list holds DT_COMM_MAX_XFERS), and
+ * never above the transport's max_msg. */
 static dt_status post_chunked(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
                               uint32_t step, void *buf, size_t bytes)
 {
-    size_t chunk = c->max_msg < DT_COMM_CHUNK ? c->max_msg : DT_COMM_CHUNK;
+    size_t chunk = bytes / 24 + 1 > DT_COMM_CHUNK ? (bytes / 24 + 4) & ~(size_t)3 : DT_COMM_CHUNK;
+    chunk = c->max_msg < chunk ? c->max_msg : chunk;
     uint32_t i = 0;
     size_t off = 0;
     do {

@@ -37,13 +37,9 @@ static int free_port(void)
     return ntohs(sa.sin_port);
 }
 
-/* One rank's process: join, run fn, leave.  Exit codes: 0 ok, 90 could not
- * join, else fn's code.  Never returns. */
-static void rank_main(int rank, int world, int port, const char *prov, int timeout_ms, rank_fn fn)
+/* The environment a launcher would give rank `rank` of `world`. */
+static dt_dist_env test_env(int rank, int world, int port)
 {
-    alarm(60);   /* a hung rank dies instead of hanging the suite */
-    dt_ctx *ctx = dt_ctx_new(NULL);
-    rank_ctx = ctx;
     dt_dist_env e;
     memset(&e, 0, sizeof e);
     e.rank = rank;
@@ -52,6 +48,17 @@ static void rank_main(int rank, int world, int port, const char *prov, int timeo
     e.launcher = "test";
     snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
     e.master_port = port;
+    return e;
+}
+
+/* One rank's process: join, run fn, leave.  Exit codes: 0 ok, 90 could not
+ * join, else fn's code.  Never returns. */
+static void rank_main(int rank, int world, int port, const char *prov, int timeout_ms, rank_fn fn)
+{
+    alarm(60);   /* a hung rank dies instead of hanging the suite */
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    rank_ctx = ctx;
+    dt_dist_env e = test_env(rank, world, port);
     dt_comm_config cfg;
     dt_comm_config_init(&cfg);
     cfg.transport = prov;
@@ -416,14 +423,7 @@ static void forger_main(int port, const void *bad, size_t len)
 {
     alarm(30);
     dt_ctx *ctx = dt_ctx_new(NULL);
-    dt_dist_env e;
-    memset(&e, 0, sizeof e);
-    e.rank = 1;
-    e.world_size = 2;
-    e.local_rank = e.local_world_size = -1;
-    e.launcher = "test";
-    snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
-    e.master_port = port;
+    dt_dist_env e = test_env(1, 2, port);
     dt_store_config sc;
     dt_store_config_init(&sc);
     sc.timeout_ms = 10000;
@@ -490,13 +490,7 @@ static void expect_rejected(const void *bad, size_t len, const char *want)
         alarm(30);
         close(fds[0]);
         dt_ctx *ctx = dt_ctx_new(NULL);
-        dt_dist_env e;
-        memset(&e, 0, sizeof e);
-        e.world_size = 2;
-        e.local_rank = e.local_world_size = -1;
-        e.launcher = "test";
-        snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
-        e.master_port = port;
+        dt_dist_env e = test_env(0, 2, port);
         dt_comm_config cfg;
         dt_comm_config_init(&cfg);
         cfg.transport = "tcp";

@@ -3,6 +3,7 @@
  *
  *   bench_allreduce [--ranks 2] [--min-time 0.5] [--min-iters 5]
  *                   [--min-bytes 4096] [--max-bytes 67108864] [--no-memcpy]
+ *                   [--late-us G]
  *
  * Forks the ranks itself with dt_spawn (or, when started by a launcher that
  * set DTRAIN_RANK, e.g. build/dtrun -n 2, runs as the rank it was given).
@@ -25,9 +26,15 @@
 #include "dtrain.h"
 
 #include <stdint.h>
+#include <time.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* --late-us: rank 0 sleeps this long before each timed call, outside its
+ * timing, so the other ranks have already waited (spun, then slept) when it
+ * arrives: its time shows what waking them costs. */
+static double late_us;
 
 static const size_t SIZES[] = {4u << 10, 16u << 10, 64u << 10, 256u << 10,
                                1u << 20, 4u << 20, 16u << 20, 64u << 20};
@@ -96,6 +103,8 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
     if (rank == 0) {
         printf("# dtrain allreduce(sum, float32): ranks=%d transport=%s provider=%s\n", P,
                tp ? tp : "(auto)", dt_comm_transport(c));
+        if (late_us > 0)
+            printf("# rank 0 arrives %.0f us late to every timed call; its times below\n", late_us);
         printf("# %10s %8s %12s %12s %s\n", "bytes", "iters", "median_us", "busbw_GBps", "check");
         fflush(stdout);
     }
@@ -180,6 +189,10 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
         /* 3. timed: each call on its own, the median reported */
         dt_barrier(c);
         for (size_t i = 0; i < iters && st == DT_OK; i++) {
+            if (rank == 0 && late_us > 0) {
+                struct timespec ts = {0, (long)(late_us * 1000)};
+                nanosleep(&ts, NULL);
+            }
             double a = dt_now();
             st = dt_allreduce(c, buf, n, DT_REDUCE_SUM);
             times[i] = dt_now() - a;
@@ -212,7 +225,7 @@ out:
 static int usage(void)
 {
     fprintf(stderr, "usage: bench_allreduce [--ranks N] [--min-time S] [--min-iters N] "
-                    "[--min-bytes B] [--max-bytes B] [--no-memcpy]\n");
+                    "[--min-bytes B] [--max-bytes B] [--no-memcpy] [--late-us G]\n");
     return 2;
 }
 
@@ -235,6 +248,10 @@ int main(int argc, char **argv)
             min_bytes = (size_t)strtoull(argv[++i], NULL, 10);
         } else if (i + 1 < argc && !strcmp(a, "--max-bytes")) {
             max_bytes = (size_t)strtoull(argv[++i], NULL, 10);
+        } else if (i + 1 < argc && !strcmp(a, "--late-us")) {
+            late_us = atof(argv[++i]);
+            if (late_us < 0 || late_us >= 1e6)
+                return usage();
         } else {
             return usage();
         }
