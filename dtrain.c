@@ -30,6 +30,7 @@
 #include "backends/backend.h"
 #include "backends/transport.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -6866,6 +6867,27 @@ static void random_token(char *out, size_t cap)
         snprintf(out + 2 * i, 3, "%02x", r[i]);
 }
 
+/* A rank killed by a signal cannot remove its shared-memory files: the
+ * libfabric shm provider's region ("<pid>:<...>") and, if it died while
+ * joining, a host segment ("dtrain-<pid>-<...>").  Its launcher does. */
+static void remove_shm_of(pid_t pid)
+{
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return;
+    char fab[32], seg[40], path[300];
+    int nf = snprintf(fab, sizeof fab, "%d:", (int)pid);
+    int ns = snprintf(seg, sizeof seg, "dtrain-%d-", (int)pid);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, fab, (size_t)nf) == 0 || strncmp(e->d_name, seg, (size_t)ns) == 0) {
+            snprintf(path, sizeof path, "/dev/shm/%.250s", e->d_name);
+            unlink(path);
+        }
+    }
+    closedir(d);
+}
+
 /* In a freshly forked rank: its environment, its output on the pipes. */
 static void rank_setup(const dt_spawn_config *cfg, int rank, int port, const char *token,
                        int out_fd, int err_fd)
@@ -6993,6 +7015,8 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
                 r[i].exited = 1;
                 r[i].status = status;
                 live--;
+                if (WIFSIGNALED(status))
+                    remove_shm_of(r[i].pid);
                 int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
                 if (!ok && *first_failed < 0) {
                     *first_failed = i;

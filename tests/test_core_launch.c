@@ -5,6 +5,8 @@
 #include "test_util.h"
 
 #include <fcntl.h>
+#include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static dt_ctx *new_ctx(void)
@@ -100,12 +102,34 @@ static void test_launch_failure_stops_others(void **state)
     assert_int_equal(failed, 1);
     assert_non_null(strstr(dt_last_error(ctx), "rank 1 exited with code 7"));
     assert_true(took < 10.0);
-    /* a rank killed by a signal is named with the signal */
-    char *const killer[] = {"/bin/sh", "-c", "[ \"$DTRAIN_RANK\" = 2 ] && kill -9 $$; exec sleep 30", NULL};
+    /* a rank killed by a signal is named with the signal, and the launcher
+     * removes the shared-memory files it could not (made here the way
+     * libfabric's shm provider and a joining host segment name them) */
+    char pidfile[] = "/tmp/dtrain_killed_XXXXXX";
+    int pfd = mkstemp(pidfile);
+    assert_true(pfd >= 0);
+    close(pfd);
+    char script[256];
+    snprintf(script, sizeof script,
+             "[ \"$DTRAIN_RANK\" = 2 ] && { echo $$ > %s; : > /dev/shm/$$:0:0; "
+             ": > /dev/shm/dtrain-$$-1; kill -9 $$; }; exec sleep 30", pidfile);
+    char *const killer[] = {"/bin/sh", "-c", script, NULL};
     st = dt_launch(ctx, &cfg, killer, &failed);
     assert_int_equal(st, DT_EPEER);
     assert_int_equal(failed, 2);
     assert_non_null(strstr(dt_last_error(ctx), "rank 2 was killed by signal 9"));
+    FILE *pf = fopen(pidfile, "r");
+    int killed_pid = 0;
+    assert_non_null(pf);
+    assert_int_equal(fscanf(pf, "%d", &killed_pid), 1);
+    fclose(pf);
+    unlink(pidfile);
+    char left[64];
+    struct stat sb;
+    snprintf(left, sizeof left, "/dev/shm/%d:0:0", killed_pid);
+    assert_int_not_equal(stat(left, &sb), 0);
+    snprintf(left, sizeof left, "/dev/shm/dtrain-%d-1", killed_pid);
+    assert_int_not_equal(stat(left, &sb), 0);
     /* all succeed */
     char *const good[] = {"/bin/sh", "-c", "exit 0", NULL};
     assert_int_equal(dt_launch(ctx, &cfg, good, &failed), DT_OK);
@@ -121,7 +145,60 @@ static void test_launch_failure_stops_others(void **state)
     dt_ctx_free(ctx);
 }
 
+/* the lowest CPU in a set, -1 if none */
+static int first_cpu(const cpu_set_t *s)
+{
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, s))
+            return c;
+    return -1;
+}
+
+static dt_status spawn_two_bound(dt_ctx *ctx, void *arg)
+{
+    (void)arg;
+    dt_spawn_config cfg;
+    dt_spawn_config_init(&cfg);   /* bind_cpus is on by default */
+    cfg.nranks = 2;
+    int rank = -2;
+    dt_status st = dt_spawn(ctx, &cfg, &rank);
+    if (rank >= 0) {
+        cpu_set_t s;
+        sched_getaffinity(0, sizeof s, &s);
+        printf("cpus %d first %d\n", CPU_COUNT(&s), first_cpu(&s));
+        fflush(stdout);
+        _exit(0);
+    }
+    return st;
+}
+
+/* With m CPUs allowed and 2 ranks, rank r gets the r-th half of them. */
+static void test_spawn_binds_cpus(void **state)
+{
+    (void)state;
+    cpu_set_t all;
+    assert_int_equal(sched_getaffinity(0, sizeof all, &all), 0);
+    int m = CPU_COUNT(&all);
+    dt_ctx *ctx = new_ctx();
+    dt_status st;
+    char *out = capture_stdout(spawn_two_bound, ctx, NULL, &st);
+    assert_int_equal(st, DT_OK);
+    for (int r = 0; r < 2; r++) {
+        char want[64];
+        int share = m >= 2 ? m / 2 : m, seen = 0, first = -1;
+        for (int c = 0; c < CPU_SETSIZE && first < 0; c++)
+            if (CPU_ISSET(c, &all) && seen++ == (m >= 2 ? r * share : 0))
+                first = c;
+        snprintf(want, sizeof want, "[%d] cpus %d first %d\n", r, share, first);
+        if (!strstr(out, want))
+            fail_msg("missing '%s' in:\n%s", want, out);
+    }
+    free(out);
+    dt_ctx_free(ctx);
+}
+
 static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_spawn_binds_cpus),
     cmocka_unit_test(test_spawn_env_and_prefix),
     cmocka_unit_test(test_launch_failure_stops_others),
 };
