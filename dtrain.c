@@ -4399,6 +4399,7 @@ double dt_now(void)
 #define DT_STORE_MAX_FRAME (DT_STORE_MAX_VALUE + DT_STORE_MAX_KEY + 64)
 #define DT_STORE_MAX_TOKEN 256
 #define DT_STORE_MAX_CLIENTS 4096
+#define DT_STORE_MAX_QUEUED ((size_t)8 << 20)   /* unsent replies before a client is dropped */
 #define DT_DEFAULT_MASTER_PORT 29500
 #define DT_STORE_DEFAULT_TIMEOUT_MS 30000
 
@@ -4561,6 +4562,8 @@ typedef struct store_client {
     int bye;                   /* left cleanly: its close is not a death */
     unsigned char *buf;        /* partial incoming frame */
     size_t have, cap;
+    unsigned char *out;        /* replies the socket has not taken yet */
+    size_t out_off, out_len, out_cap;
     char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
     double wait_deadline;
     int waiting;
@@ -4608,25 +4611,62 @@ static kv_entry *kv_find(store_server *sv, const char *key)
     return NULL;
 }
 
-/* one reply frame: op | status byte | u32 len | bytes */
-static int sv_reply(int fd, int op, int ok, const void *data, uint32_t len)
+/* Send what the client's socket takes now, without blocking; the server
+ * loop polls for room for the rest.  -1: the connection failed. */
+static int sv_flush(store_client *c)
 {
-    unsigned char hdr[10];
-    put_u32(hdr, 6 + len);
-    hdr[4] = (unsigned char)(OP_REPLY | op);
-    hdr[5] = (unsigned char)ok;
-    put_u32(hdr + 6, len);
-    double deadline = dt_now() + 5.0;   /* a client that stops reading is dropped */
-    return sock_io(fd, hdr, sizeof hdr, 1, deadline) == 0 &&
-                   (len == 0 || sock_io(fd, (void *)data, len, 1, deadline) == 0)
-               ? 0
-               : -1;
+    while (c->out_off < c->out_len) {
+        ssize_t k = send(c->fd, c->out + c->out_off, c->out_len - c->out_off,
+                         MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return 0;
+        if (k <= 0)
+            return -1;
+        c->out_off += (size_t)k;
+    }
+    c->out_off = c->out_len = 0;
+    return 0;
 }
 
-static int sv_error(int fd, int op, const char *msg)
+/* Queue one reply frame (op | status byte | u32 len | bytes) and send what
+ * fits.  Replies never block the server: a client that stops reading only
+ * grows its own queue, and is dropped past DT_STORE_MAX_QUEUED, so the
+ * other ranks' requests (and the failure detector) keep being served. */
+static int sv_reply(store_server *sv, store_client *c, int op, int ok, const void *data, uint32_t len)
 {
-    sv_reply(fd, op, 0, msg, (uint32_t)strlen(msg));
-    return -1;   /* the caller drops the client */
+    size_t pending = c->out_len - c->out_off;
+    if (pending + 10 + len > DT_STORE_MAX_QUEUED)
+        return -1;
+    if (c->out_off) {
+        memmove(c->out, c->out + c->out_off, pending);
+        c->out_off = 0;
+        c->out_len = pending;
+    }
+    if (c->out_cap < pending + 10 + len) {
+        size_t cap = pending + 10 + len + 4096;
+        unsigned char *p = sv->al.realloc_fn(c->out, cap, sv->al.user);
+        if (!p)
+            return -1;
+        c->out = p;
+        c->out_cap = cap;
+    }
+    unsigned char *h = c->out + c->out_len;
+    put_u32(h, 6 + len);
+    h[4] = (unsigned char)(OP_REPLY | op);
+    h[5] = (unsigned char)ok;
+    put_u32(h + 6, len);
+    if (len)
+        memcpy(h + 10, data, len);
+    c->out_len += 10 + (size_t)len;
+    return sv_flush(c);
+}
+
+static int sv_error(store_server *sv, store_client *c, int op, const char *msg)
+{
+    sv_reply(sv, c, op, 0, msg, (uint32_t)strlen(msg));
+    return -1;   /* the caller drops the client (the message is small: it fits the socket) */
 }
 
 static int kv_set(store_server *sv, const char *key, const unsigned char *val, uint32_t len)
@@ -4674,7 +4714,7 @@ static void sv_serve_waiters(store_server *sv)
         kv_entry *e = kv_find(sv, c->wait_key);
         if (e || now >= c->wait_deadline) {
             c->waiting = 0;
-            if (sv_reply(c->fd, OP_GET, e != NULL, e ? e->val : NULL, e ? e->len : 0) != 0) {
+            if (sv_reply(sv, c, OP_GET, e != NULL, e ? e->val : NULL, e ? e->len : 0) != 0) {
                 close(c->fd);
                 c->fd = -1;
             }
@@ -4705,51 +4745,51 @@ static int sv_frame(store_server *sv, store_client *c, const unsigned char *f, s
     int op = n ? f[0] : 0;
     if (op == OP_HELLO) {
         if (n < 11 || get_u16(p) != DT_STORE_MAGIC || get_u16(p + 2) != DT_STORE_VERSION)
-            return sv_error(c->fd, op, "not a dtrain rendezvous client of this version");
+            return sv_error(sv, c, op, "not a dtrain rendezvous client of this version");
         uint32_t rank = get_u32(p + 4), tl = get_u16(p + 8);
         if ((size_t)(end - (p + 10)) != tl)
-            return sv_error(c->fd, op, "malformed hello");
+            return sv_error(sv, c, op, "malformed hello");
         if (!token_equal((const char *)p + 10, tl, sv->token, sv->token_len))
-            return sv_error(c->fd, op, "wrong or missing job token (DTRAIN_JOB_TOKEN)");
+            return sv_error(sv, c, op, "wrong or missing job token (DTRAIN_JOB_TOKEN)");
         if (rank >= (uint32_t)sv->world)
-            return sv_error(c->fd, op, "rank out of range for this job");
+            return sv_error(sv, c, op, "rank out of range for this job");
         c->hello = 1;
         c->rank = (int)rank;
-        return sv_reply(c->fd, op, 1, NULL, 0);
+        return sv_reply(sv, c, op, 1, NULL, 0);
     }
     if (op == OP_BYE) {
         c->bye = 1;
-        return sv_reply(c->fd, op, 1, NULL, 0);
+        return sv_reply(sv, c, op, 1, NULL, 0);
     }
     if (!c->hello)
-        return sv_error(c->fd, op, "hello with the job token first");
+        return sv_error(sv, c, op, "hello with the job token first");
     if (op == OP_SET) {
         if (take_key(&p, end, key) != 0 || end - p < 4)
-            return sv_error(c->fd, op, "malformed set");
+            return sv_error(sv, c, op, "malformed set");
         uint32_t vl = get_u32(p);
         p += 4;
         if (vl > DT_STORE_MAX_VALUE || (uint32_t)(end - p) != vl)
-            return sv_error(c->fd, op, "malformed set");
+            return sv_error(sv, c, op, "malformed set");
         if (kv_set(sv, key, p, vl) != 0)
-            return sv_error(c->fd, op, "store out of memory");
-        if (sv_reply(c->fd, op, 1, NULL, 0) != 0)
+            return sv_error(sv, c, op, "store out of memory");
+        if (sv_reply(sv, c, op, 1, NULL, 0) != 0)
             return -1;
         sv_serve_waiters(sv);
         return 0;
     }
     if (op == OP_GET) {
         if (take_key(&p, end, key) != 0 || end - p != 4)
-            return sv_error(c->fd, op, "malformed get");
+            return sv_error(sv, c, op, "malformed get");
         uint32_t timeout_ms = get_u32(p);
         kv_entry *e = kv_find(sv, key);
         if (e || timeout_ms <= 1)   /* <= 1 ms: a poll, answered at once */
-            return sv_reply(c->fd, op, e != NULL, e ? e->val : NULL, e ? e->len : 0);
+            return sv_reply(sv, c, op, e != NULL, e ? e->val : NULL, e ? e->len : 0);
         snprintf(c->wait_key, sizeof c->wait_key, "%s", key);
         c->wait_deadline = dt_now() + timeout_ms / 1000.0;
         c->waiting = 1;
         return 0;
     }
-    return sv_error(c->fd, op, "unknown operation");
+    return sv_error(sv, c, op, "unknown operation");
 }
 
 /* Read what the client sent; handle every whole frame in it. */
@@ -4776,11 +4816,11 @@ static int sv_readable(store_server *sv, store_client *c)
     while (c->have >= 4) {
         uint32_t len = get_u32(c->buf);
         if (len == 0 || len > DT_STORE_MAX_FRAME)
-            return sv_error(c->fd, 0, "frame too large");
+            return sv_error(sv, c, 0, "frame too large");
         if (c->have < 4 + (size_t)len)
             break;
         if (c->waiting)
-            return sv_error(c->fd, 0, "request while a get is pending");
+            return sv_error(sv, c, 0, "request while a get is pending");
         if (sv_frame(sv, c, c->buf + 4, len) != 0)
             return -1;
         memmove(c->buf, c->buf + 4 + len, c->have - 4 - len);
@@ -4838,6 +4878,7 @@ static void sv_drop_closed(store_server *sv)
                 died = 1;
             }
             sv_free(sv, sv->cl[i].buf);
+            sv_free(sv, sv->cl[i].out);
         }
     }
     sv->ncl = j;
@@ -4861,7 +4902,8 @@ static void *store_server_main(void *arg)
         pf[0] = (struct pollfd){sv->stop_pipe[0], POLLIN, 0};
         pf[1] = (struct pollfd){sv->listen_fd, POLLIN, 0};
         for (int i = 0; i < sv->ncl; i++)
-            pf[i + 2] = (struct pollfd){sv->cl[i].fd, POLLIN, 0};
+            pf[i + 2] = (struct pollfd){sv->cl[i].fd,
+                                        (short)(POLLIN | (sv->cl[i].out_len ? POLLOUT : 0)), 0};
         int r = poll(pf, (nfds_t)sv->ncl + 2, 50);   /* 50 ms: parked GET deadlines */
         if (r < 0 && errno != EINTR)
             break;
@@ -4869,7 +4911,13 @@ static void *store_server_main(void *arg)
             break;
         int n = sv->ncl;
         for (int i = 0; r > 0 && i < n; i++) {
-            if (pf[i + 2].revents && sv_readable(sv, &sv->cl[i]) != 0) {
+            short ev = pf[i + 2].revents;
+            if (!ev)
+                continue;
+            int bad = (ev & POLLOUT) && sv_flush(&sv->cl[i]) != 0;
+            if (!bad && (ev & ~POLLOUT))
+                bad = sv_readable(sv, &sv->cl[i]) != 0;
+            if (bad) {
                 close(sv->cl[i].fd);
                 sv->cl[i].fd = -1;
             }
@@ -4891,6 +4939,7 @@ static void store_server_free(store_server *sv)
         if (sv->cl[i].fd >= 0)
             close(sv->cl[i].fd);
         sv_free(sv, sv->cl[i].buf);
+        sv_free(sv, sv->cl[i].out);
     }
     for (int i = 0; i < sv->nkv; i++) {
         sv_free(sv, sv->kv[i].key);

@@ -397,7 +397,60 @@ static void test_store_unreachable(void **state)
     dt_ctx_free(ctx);
 }
 
+/* A client that sends requests but never reads the replies must not stall
+ * the server for anyone else: its replies queue (and it is dropped past the
+ * queue's limit) while another rank's calls are answered at once. */
+static void test_store_slow_reader(void **state)
+{
+    (void)state;
+    clear_env();
+    dt_ctx *ctx = new_ctx();
+    dt_dist_env e = env_of(0, 3, 0);
+    dt_store *s = dt_store_open(ctx, &e, NULL);
+    if (!s)
+        fail_msg("%s", dt_last_error(ctx));
+    size_t big = (size_t)1 << 20;
+    unsigned char *val = calloc(1, big);
+    assert_non_null(val);
+    assert_int_equal(dt_store_set(s, "big", val, big), DT_OK);
+    int fd = raw_connect(dt_store_port(s));
+    int small = 4096;   /* a small receive buffer fills at once */
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    /* hello as rank 2 (no token in this test), then 32 GETs of 1 MiB */
+    const unsigned char hello[] = {11, 0, 0, 0, 1, 0x54, 0x44, 1, 0, 2, 0, 0, 0, 0, 0};
+    const unsigned char get[] = {10, 0, 0, 0, 3, 3, 0, 'b', 'i', 'g', 0, 0, 0, 0};   /* wait 0 ms */
+    assert_int_equal(send(fd, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+    for (int i = 0; i < 32; i++)
+        assert_int_equal(send(fd, get, sizeof get, MSG_NOSIGNAL), (ssize_t)sizeof get);
+    /* meanwhile another rank's requests are answered promptly */
+    dt_ctx *c1 = new_ctx();
+    dt_dist_env e1 = env_of(1, 3, dt_store_port(s));
+    double t_open = dt_now();
+    dt_store *s1 = dt_store_open(c1, &e1, NULL);
+    if (!s1)
+        fail_msg("%s", dt_last_error(c1));
+    double worst = dt_now() - t_open;
+    for (int i = 0; i < 20; i++) {
+        double t0 = dt_now();
+        char v[8];
+        size_t len = 0;
+        assert_int_equal(dt_store_set(s1, "k", "v", 1), DT_OK);
+        assert_int_equal(dt_store_get(s1, "k", v, sizeof v, &len, 0), DT_OK);
+        double took = dt_now() - t0;
+        worst = took > worst ? took : worst;
+    }
+    if (worst > 1.0)
+        fail_msg("another rank waited %.2f s behind a client that does not read", worst);
+    close(fd);
+    dt_store_close(s1);
+    dt_ctx_free(c1);
+    dt_store_close(s);
+    dt_ctx_free(ctx);
+    free(val);
+}
+
 static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_store_slow_reader),
     cmocka_unit_test(test_env_default),
     cmocka_unit_test(test_env_launchers),
     cmocka_unit_test(test_env_malformed),
