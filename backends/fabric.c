@@ -93,7 +93,9 @@
  * round trips, 2-core VM): no spin 100 us on shm and tcp (a nanosleep costs
  * ~60 us with timer slack); 20-50 us spin: 2 us shm, 22 us tcp. */
 #ifndef DT_FABRIC_SPIN_US
+#ifndef DT_FABRIC_SPIN_US
 #define DT_FABRIC_SPIN_US 50
+#endif
 #endif
 /* wait() without a CQ wait object (shm): sleeps between progress calls
  * grow with the time waited, between these bounds.  On shm an idle 200 ms
