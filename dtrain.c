@@ -5451,6 +5451,7 @@ typedef struct xfers {
 } xfers;
 
 static dt_status check_dead(dt_comm *c, dt_work *w);
+static void seg_heartbeat(dt_comm *c);
 
 static dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
                       void *buf, size_t bytes)
@@ -5527,20 +5528,53 @@ static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
  * after the timeout (and by every survivor, not just its neighbours). */
 #define DT_COMM_WATCH_S 0.5
 
+/* A failure reason as ranks publish it: "<status>|<message>". */
+static dt_status fail_with_reason(dt_work *w, const char *why)
+{
+    char *end;
+    long st = strtol(why, &end, 10);
+    if (*end != '|' || st <= DT_OK || st > DT_EPEER)
+        return work_fail(w, DT_EPEER, "%s", why);
+    return work_fail(w, (dt_status)st, "%s", end + 1);
+}
+
+/* The first rank to fail publishes why ("abort" in the store), so ranks
+ * that only see its consequences (a closed connection, silence) report the
+ * cause instead.  DT_OK: nobody has. */
+static dt_status published_failure(dt_comm *c, dt_work *w)
+{
+    char why[DT_MAX_ERROR + 8];
+    size_t len = 0;
+    if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1) != DT_OK ||
+        len < 3)
+        return DT_OK;
+    why[len < sizeof why ? len : sizeof why - 1] = '\0';
+    w->status = DT_OK;   /* replace a consequence by the cause */
+    return fail_with_reason(w, why);
+}
+
+static void publish_failure(dt_comm *c, const dt_work *w)
+{
+    char why[DT_MAX_ERROR + 8];
+    size_t len = 0;
+    if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1) == DT_OK)
+        return;   /* someone was first */
+    int n = snprintf(why, sizeof why, "%d|%s", (int)w->status, w->msg);
+    dt_store_set(c->watch, "abort", why, (size_t)(n < (int)sizeof why ? n : (int)sizeof why - 1) + 1);
+}
+
 static dt_status check_dead(dt_comm *c, dt_work *w)
 {
     double now = dt_now();
     if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
         return DT_OK;
     c->last_watch = now;
-    char val[16] = "", why[DT_MAX_ERROR];
+    char val[16] = "";
     size_t len = 0;
-    /* a rank that found a mismatch published it: fail with its words */
-    dt_status st = dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1);
-    if (st == DT_OK && len > 2) {
-        why[len < sizeof why ? len : sizeof why - 1] = '\0';
-        return work_fail(w, (dt_status)(why[0] - '0'), "%s", why + 2);
-    }
+    /* a rank that failed published why: fail with its words */
+    if (published_failure(c, w) != DT_OK)
+        return w->status;
+    dt_status st;
     st = dt_store_get(c->watch, "dead", val, sizeof val - 1, &len, 1);
     if (st == DT_ETIMEDOUT)
         return DT_OK;   /* nobody died */
@@ -5576,6 +5610,8 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             work_fail(w, DT_EPEER, "%s #%u: transport failure: %s", coll_names[w->kind], w->seq, err);
             break;
         }
+        if (k > 0)
+            seg_heartbeat(c);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
             if (x->status != DT_OK && x != &xs->hdr_recv) {
@@ -5697,21 +5733,21 @@ static dt_status exchange(dt_comm *c, dt_work *w, xfers *xs, int peer, uint32_t 
 
 /* Recursive doubling; ranks beyond the largest power of two fold into it
  * first and get the result back at the end. */
-static dt_status allreduce_doubling(dt_comm *c, dt_work *w, xfers *xs)
+static dt_status allreduce_doubling(dt_comm *c, dt_work *w, xfers *xs, float *buf, int64_t n)
 {
     const grp *g = &xs->g;
     int p2 = 1;
     while (p2 * 2 <= g->size)
         p2 *= 2;
     int r = g->me, extra = g->size - p2;
-    float *tmp = comm_scratch(c, w, w->n);
+    float *tmp = comm_scratch(c, w, n);
     if (!tmp)
         return w->status;
-    size_t bytes = (size_t)w->n * sizeof(float);
+    size_t bytes = (size_t)n * sizeof(float);
     uint32_t step = 0;
     if (r >= p2) {          /* fold into r - p2, then wait for the answer */
-        if (post_chunked(c, w, xs, 1, grp_rank(g, r - p2), step, w->buf, bytes) != DT_OK ||
-            post_chunked(c, w, xs, 0, grp_rank(g, r - p2), step + 1000, w->buf, bytes) != DT_OK)
+        if (post_chunked(c, w, xs, 1, grp_rank(g, r - p2), step, buf, bytes) != DT_OK ||
+            post_chunked(c, w, xs, 0, grp_rank(g, r - p2), step + 1000, buf, bytes) != DT_OK)
             return w->status;
         return wait_xfers(c, w, xs);
     }
@@ -5719,22 +5755,22 @@ static dt_status allreduce_doubling(dt_comm *c, dt_work *w, xfers *xs)
         if (post_chunked(c, w, xs, 0, grp_rank(g, r + p2), step, tmp, bytes) != DT_OK ||
             wait_xfers(c, w, xs) != DT_OK)
             return w->status;
-        reduce_into(w->buf, tmp, w->n, w->op);
+        reduce_into(buf, tmp, n, w->op);
     }
     for (int mask = 1; mask < p2; mask <<= 1) {
         step++;
-        if (exchange(c, w, xs, grp_rank(g, r ^ mask), step, w->buf, tmp, w->n) != DT_OK)
+        if (exchange(c, w, xs, grp_rank(g, r ^ mask), step, buf, tmp, n) != DT_OK)
             return w->status;
         /* the same order on both sides keeps every rank's result identical */
         if (r < (r ^ mask)) {
-            reduce_into(w->buf, tmp, w->n, w->op);
+            reduce_into(buf, tmp, n, w->op);
         } else {
-            reduce_into(tmp, w->buf, w->n, w->op);
-            memcpy(w->buf, tmp, bytes);
+            reduce_into(tmp, buf, n, w->op);
+            memcpy(buf, tmp, bytes);
         }
     }
     if (r < extra) {
-        if (post_chunked(c, w, xs, 1, grp_rank(g, r + p2), 1000, w->buf, bytes) != DT_OK)
+        if (post_chunked(c, w, xs, 1, grp_rank(g, r + p2), 1000, buf, bytes) != DT_OK)
             return w->status;
         return wait_xfers(c, w, xs);
     }
@@ -5806,10 +5842,16 @@ static void finish_avg(dt_comm *c, dt_work *w, float *buf, int64_t n)
 static dt_status allreduce_transport(dt_comm *c, dt_work *w, xfers *xs)
 {
     int P = xs->g.size;
+    if (w->kind == COLL_BARRIER && P > 2) {
+        /* The header ring only proves the left neighbour arrived; an
+         * allreduce of one float proves everyone did. */
+        float one = 0;
+        return allreduce_doubling(c, w, xs, &one, 1);
+    }
     if (P == 1 || w->n == 0)
         return DT_OK;
     if ((size_t)w->n * sizeof(float) <= c->doubling_max || w->n < P)
-        return allreduce_doubling(c, w, xs);
+        return allreduce_doubling(c, w, xs, w->buf, w->n);
     if (ring_reduce_scatter(c, w, xs, w->buf, w->n) != DT_OK)
         return w->status;
     return ring_allgather(c, w, xs, w->buf, w->n, 1, (uint32_t)P);
@@ -5849,8 +5891,10 @@ static dt_status run_broadcast(dt_comm *c, dt_work *w, xfers *xs)
 
 static dt_status run_allgather(dt_comm *c, dt_work *w, xfers *xs)
 {
+    if (w->n == 0)
+        return DT_OK;
     memcpy(w->buf + (int64_t)c->rank * w->n, w->in, (size_t)w->n * sizeof(float));
-    if (c->world == 1 || w->n == 0)
+    if (c->world == 1)
         return DT_OK;
     /* blocks are exactly n each: total world*n cut into world blocks */
     return ring_allgather(c, w, xs, w->buf, w->n * c->world, 0, 0);
@@ -5917,6 +5961,7 @@ struct seg_rank {
     _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
     _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
     _Atomic uint32_t call_phase;            /* first phase of the call described below */
+    _Atomic uint32_t progress;              /* a leader's transfers completing between hosts */
     _Atomic uint32_t kind, seq, root, op;
     _Atomic int64_t n;
 };
@@ -5961,31 +6006,47 @@ static float *seg_slot(dt_comm *c, int q, uint32_t chunk)
     return (float *)(c->seg_data + ((size_t)q * 2 + (chunk & 1)) * c->seg_slot);
 }
 
+/* A leader's transfers between hosts completed: the host's other ranks,
+ * waiting for its result, see it alive. */
+static void seg_heartbeat(dt_comm *c)
+{
+    if (c->seg && c->local_index == 0)
+        atomic_fetch_add_explicit(&c->seg_ranks[0].progress, 1, memory_order_relaxed);
+}
+
 /* Tell the other local ranks this call failed, and why. */
 static void seg_abort(dt_comm *c, const dt_work *w)
 {
     seg_head *h = c->seg;
-    if (!h || atomic_load(&h->aborted))
-        return;
+    uint32_t none = 0;
+    if (!h || !atomic_compare_exchange_strong(&h->aborted, &none, 2))
+        return;   /* another rank's reason is there (or being written) */
     snprintf(h->why, sizeof h->why, "%d|%s", (int)w->status, w->msg);
-    atomic_store(&h->aborted, 1);
+    atomic_store(&h->aborted, 1);   /* 1: the reason is complete */
     for (int q = 0; q < c->nlocal; q++)
         futex_wake_all(&c->seg_ranks[q].phase);
 }
 
 static dt_status seg_aborted(dt_comm *c, dt_work *w)
 {
-    const char *why = c->seg->why;
-    int st = why[0] >= '0' && why[0] <= '9' ? why[0] - '0' : DT_EPEER;
-    return work_fail(w, st == DT_OK ? DT_EPEER : (dt_status)st, "%s", why[0] && why[1] ? why + 2 : "a local rank failed");
+    for (int i = 0; i < 100000 && atomic_load(&c->seg->aborted) == 2; i++)
+        cpu_relax();   /* its writer is a few instructions from done */
+    if (atomic_load(&c->seg->aborted) != 1)
+        return work_fail(w, DT_EPEER, "%s #%u: a rank on this host failed", coll_names[w->kind],
+                         w->seq);
+    return fail_with_reason(w, c->seg->why);
 }
 
-/* Wait until local rank q has published phase `want`.  `patience` scales
- * the timeout: a rank waiting on its leader's inter-host step allows more. */
+/* Wait until local rank q has published phase `want`.  The timeout counts
+ * from q's last sign of life: a phase, or (a leader busy between hosts) a
+ * completed transfer.  `patience` scales it: a rank waiting on its leader's
+ * inter-host step allows more, so the leader's own, more precise error
+ * comes first. */
 static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double patience)
 {
     seg_rank *r = &c->seg_ranks[q];
     double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0;
+    uint32_t seen = atomic_load_explicit(&r->progress, memory_order_relaxed);
     for (unsigned spin = 1;; spin++) {
         if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
             return DT_OK;
@@ -6002,6 +6063,11 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
         }
         if (check_dead(c, w) != DT_OK)
             return w->status;
+        uint32_t prog = atomic_load_explicit(&r->progress, memory_order_relaxed);
+        if (prog != seen) {
+            seen = prog;
+            deadline = now + patience * c->timeout_ms / 1000.0;
+        }
         if (now >= deadline)
             return work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
                              coll_names[w->kind], w->seq, c->local_ranks[q],
@@ -6014,12 +6080,17 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
     }
 }
 
-/* Describe this rank's call next to its counter, before its first phase. */
+/* Describe this rank's call next to its counter, before its first phase.
+ * call_phase 0 means "being written", so a call never starts at phase 0:
+ * every rank skips it the same way, their counters being in step. */
 static uint32_t seg_announce(dt_comm *c, const dt_work *w)
 {
     seg_rank *me = &c->seg_ranks[c->local_index];
+    if (c->seg_phase + 1 == 0)
+        atomic_store(&me->phase, ++c->seg_phase);
     uint32_t p0 = c->seg_phase + 1;
     atomic_store_explicit(&me->call_phase, 0, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);   /* 0 ("being written") before the fields */
     atomic_store_explicit(&me->kind, (uint32_t)w->kind, memory_order_relaxed);
     atomic_store_explicit(&me->seq, w->seq, memory_order_relaxed);
     atomic_store_explicit(&me->root, (uint32_t)w->root, memory_order_relaxed);
@@ -6042,7 +6113,8 @@ static dt_status seg_check(dt_comm *c, dt_work *w, uint32_t p0)
         int root = (int)atomic_load_explicit(&r->root, memory_order_relaxed);
         int op = (int)atomic_load_explicit(&r->op, memory_order_relaxed);
         int64_t n = atomic_load_explicit(&r->n, memory_order_relaxed);
-        if (atomic_load_explicit(&r->call_phase, memory_order_acquire) != p0)
+        atomic_thread_fence(memory_order_acquire);   /* the fields before the re-check */
+        if (atomic_load_explicit(&r->call_phase, memory_order_relaxed) != p0)
             continue;
         if (kind != w->kind || seq != w->seq || n != w->n || root != w->root || op != (int)w->op) {
             char mine[96], theirs[96];
@@ -6060,7 +6132,8 @@ static dt_status seg_check(dt_comm *c, dt_work *w, uint32_t p0)
 }
 
 /* Publish our next phase and wait for every local rank to reach it; p0
- * nonzero: this is the call's first phase, check the descriptors. */
+ * nonzero: this is the call's first phase (seg_announce never returns 0),
+ * check the descriptors. */
 static dt_status seg_sync(dt_comm *c, dt_work *w, uint32_t p0, double patience)
 {
     seg_rank *me = &c->seg_ranks[c->local_index];
@@ -6118,9 +6191,10 @@ static dt_status seg_allreduce(dt_comm *c, dt_work *w, int to_all, int scale)
     int L = c->nlocal, me = c->local_index;
     size_t bytes = (size_t)w->n * sizeof(float);
     uint32_t p0 = seg_announce(c, w);
-    if (bytes <= SEG_ONE_PHASE) {   /* every rank (or the leader) reduces it all */
+    if (bytes <= SEG_ONE_PHASE && bytes <= c->seg_slot) {   /* every rank (or the leader) reduces it all */
         uint32_t g = c->seg_chunk++;
-        memcpy(seg_slot(c, me, g), w->buf, bytes);
+        if (bytes)
+            memcpy(seg_slot(c, me, g), w->buf, bytes);
         if (seg_sync(c, w, p0, 1.0) != DT_OK)
             return w->status;
         if (w->n > 0 && (to_all || me == 0))
@@ -6163,11 +6237,11 @@ static dt_status seg_broadcast(dt_comm *c, dt_work *w, int from, float *buf, int
     do {
         int64_t cnt = n - off < per ? n - off : per;
         uint32_t g = c->seg_chunk++;
-        if (c->local_index == from)
+        if (c->local_index == from && cnt > 0)
             memcpy(seg_slot(c, from, g), buf + off, (size_t)cnt * sizeof(float));
         if (seg_sync(c, w, off == 0 ? p0 : 0, patience) != DT_OK)
             return w->status;
-        if (c->local_index != from)
+        if (c->local_index != from && cnt > 0)
             memcpy(buf + off, seg_slot(c, from, g), (size_t)cnt * sizeof(float));
         off += cnt;
     } while (off < n);
@@ -6182,10 +6256,11 @@ static dt_status seg_allgather(dt_comm *c, dt_work *w)
     do {
         int64_t cnt = n - off < per ? n - off : per;
         uint32_t g = c->seg_chunk++;
-        memcpy(seg_slot(c, c->local_index, g), w->in + off, (size_t)cnt * sizeof(float));
+        if (cnt > 0)
+            memcpy(seg_slot(c, c->local_index, g), w->in + off, (size_t)cnt * sizeof(float));
         if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
             return w->status;
-        for (int q = 0; q < c->nlocal; q++)
+        for (int q = 0; q < c->nlocal && cnt > 0; q++)
             memcpy(w->buf + (int64_t)c->local_ranks[q] * n + off, seg_slot(c, q, g),
                    (size_t)cnt * sizeof(float));
         off += cnt;
@@ -6198,12 +6273,13 @@ static dt_status seg_reduce_scatter(dt_comm *c, dt_work *w)
 {
     int L = c->nlocal, me = c->local_index;
     int64_t per = seg_chunk_floats(c, w->n * L) / L, off = 0, n = w->n;
+    per = per > 0 ? per : 1;
     uint32_t p0 = seg_announce(c, w);
     do {
         int64_t cnt = n - off < per ? n - off : per;
         uint32_t g = c->seg_chunk++;
         float *mine = seg_slot(c, me, g);
-        for (int q = 0; q < L; q++)   /* block of local rank q, at q * cnt */
+        for (int q = 0; q < L && cnt > 0; q++)   /* block of local rank q, at q * cnt */
             memcpy(mine + q * cnt, w->in + (int64_t)c->local_ranks[q] * n + off,
                    (size_t)cnt * sizeof(float));
         if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
@@ -6285,23 +6361,23 @@ static void run_work(dt_comm *c, dt_work *w)
     xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
     if (!xs) {
         work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
-        return;
+    } else {
+        memset(xs, 0, sizeof *xs);
+        xs->g = (grp){c->rank, c->world, NULL};
+        if (c->use_segment && c->nhosts == 1)
+            run_on_segment(c, w);
+        else if (c->use_segment)
+            run_hierarchical(c, w, xs);
+        else if (start_header(c, w, xs) == DT_OK)
+            run_flat(c, w, xs);
     }
-    memset(xs, 0, sizeof *xs);
-    xs->g = (grp){c->rank, c->world, NULL};
-    if (c->use_segment && c->nhosts == 1)
-        run_on_segment(c, w);
-    else if (c->use_segment)
-        run_hierarchical(c, w, xs);
-    else if (start_header(c, w, xs) == DT_OK)
-        run_flat(c, w, xs);
-    if (w->status == DT_EMISMATCH && c->watch) {
-        /* ranks whose neighbours agree with them would only see the others
-         * leave; tell them why (status digit, '|', message) */
-        char val[DT_MAX_ERROR + 4];
-        int n = snprintf(val, sizeof val, "%d|%s", (int)w->status, w->msg);
-        dt_store_set(c->watch, "abort", val, (size_t)(n < (int)sizeof val ? n : (int)sizeof val - 1) + 1);
-    }
+    /* A lost connection or a silent peer is usually the consequence of
+     * another rank's failure: report the cause if one was published, else
+     * publish ours, so every rank of every host fails with the same words. */
+    if (w->status == DT_EPEER || w->status == DT_ETIMEDOUT)
+        published_failure(c, w);
+    if (w->status != DT_OK)
+        publish_failure(c, w);
     if (w->status != DT_OK) {
         /* Close the endpoint now: a cancelled receive must not land in
          * this record or in the caller's buffer after the call returned.
@@ -6312,7 +6388,8 @@ static void run_work(dt_comm *c, dt_work *w)
         c->tp_iface->close(c->tp);
         c->tp = NULL;
     }
-    c->ctx->al.free_fn(xs, c->ctx->al.user);
+    if (xs)
+        c->ctx->al.free_fn(xs, c->ctx->al.user);
 }
 
 /* --- 14.5 the comm thread and the caller's side --------------------------- */
@@ -6565,7 +6642,7 @@ static dt_status map_segment(dt_comm *c, int *ok)
     int L = c->nlocal, leader = c->local_ranks[0], fd = -1;
     *ok = 0;
     const char *sl = getenv("DTRAIN_SEGMENT_SLOT_KIB");
-    c->seg_slot = sl && atoi(sl) >= 4 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
+    c->seg_slot = sl && atoi(sl) >= 64 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
     c->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
     snprintf(key, sizeof key, "seg/%d", leader);
     if (c->local_index == 0) {
@@ -6583,11 +6660,12 @@ static dt_status map_segment(dt_comm *c, int *ok)
             snprintf(why, sizeof why, "%s", strerror(err));
         const char *val = err ? "" : c->seg_name;
         dt_status st = dt_store_set(c->store, key, val, strlen(val) + 1);
-        if (st != DT_OK) {
-            if (fd >= 0)
-                close(fd);
-            return st;
+        if ((st != DT_OK || err) && fd >= 0) {
+            close(fd);
+            fd = -1;
         }
+        if (st != DT_OK)
+            return st;
     } else {
         size_t len = 0;
         dt_status st = dt_store_get(c->store, key, c->seg_name, sizeof c->seg_name - 1, &len, 0);
@@ -6599,8 +6677,9 @@ static dt_status map_segment(dt_comm *c, int *ok)
     }
     struct stat sb;
     if (fd >= 0 && (fstat(fd, &sb) != 0 || (size_t)sb.st_size != c->seg_bytes)) {
-        snprintf(why, sizeof why, "its size is not %zu bytes (ranks disagree on "
-                 "DTRAIN_SEGMENT_SLOT_KIB?)", c->seg_bytes);
+        if (!why[0])
+            snprintf(why, sizeof why, "its size is not %zu bytes (ranks disagree on "
+                     "DTRAIN_SEGMENT_SLOT_KIB?)", c->seg_bytes);
         close(fd);
         fd = -1;
     }
@@ -6741,6 +6820,9 @@ static dt_status open_watch(dt_comm *c, const dt_dist_env *env, const dt_comm_co
     c->watch = store_open(c->watch_errors, &e, &cfg->store, 0);
     if (!c->watch)
         return set_error(ctx, c->watch_errors->last_status, "%s", c->watch_errors->err);
+    /* a hung rank 0 must not hold a collective longer than its own timeout */
+    if (c->watch->timeout_ms > c->timeout_ms)
+        c->watch->timeout_ms = c->timeout_ms;
     return DT_OK;
 }
 

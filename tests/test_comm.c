@@ -297,6 +297,45 @@ static void test_collectives_hierarchical(void **state)
     run_worlds("tcp", "segment", 3);
 }
 
+/* A barrier holds every rank until the last arrives: the last rank comes
+ * 300 ms late, and nobody may leave before it. */
+static int job_barrier_waits(dt_comm *c, int rank, int world)
+{
+    for (int round = 0; round < 2; round++) {
+        if (rank == world - 1) {
+            struct timespec ts = {0, 300 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        double t0 = dt_now();
+        if (dt_barrier(c) != DT_OK)
+            return 60;
+        if (rank != world - 1 && dt_now() - t0 < 0.25) {
+            fprintf(stderr, "rank %d left the barrier after %.3f s\n", rank, dt_now() - t0);
+            return 61;
+        }
+    }
+    return 0;
+}
+
+static void test_barrier_waits_for_all(void **state)
+{
+    (void)state;
+    int codes[4];
+    static const char *const provs[] = {"tcp", "shm", "tcp", "tcp"};
+    static const char *const intra[] = {"transport", "segment", "segment", "segment"};
+    static const int groups[] = {0, 0, 3, 2}, worlds[] = {3, 3, 3, 4};
+    for (int k = 0; k < 4; k++) {
+        intra_mode = intra[k];
+        host_groups = groups[k];
+        run_job(worlds[k], provs[k], 10000, job_barrier_waits, codes, 40);
+        intra_mode = "transport";
+        host_groups = 0;
+        char what[96];
+        snprintf(what, sizeof what, "barrier, %s/%s, %d host groups", provs[k], intra[k], groups[k]);
+        expect_all_zero(worlds[k], codes, what);
+    }
+}
+
 /* --- mismatch and failure ----------------------------------------------- */
 
 static int job_mismatch(dt_comm *c, int rank, int world)
@@ -539,6 +578,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_tcp),
     cmocka_unit_test(test_collectives_segment),
     cmocka_unit_test(test_collectives_hierarchical),
+    cmocka_unit_test(test_barrier_waits_for_all),
     cmocka_unit_test(test_mismatch),
     cmocka_unit_test(test_killed_rank),
     cmocka_unit_test(test_forged_messages),
