@@ -5443,6 +5443,7 @@ static int grp_rank(const grp *g, int i) { return g->rank ? g->rank[i] : i; }
 
 typedef struct xfers {
     grp g;
+    double patience;           /* scales timeout_ms for waits; 0 means 1 */
     dt_xfer x[DT_COMM_MAX_XFERS];
     int n;
     coll_header hdr_out, hdr_in;
@@ -5589,7 +5590,8 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
  * the deadline; on failure cancel what is left so no buffer stays posted. */
 static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
-    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->timeout_ms);
+    double deadline = dt_now() + limit_ms / 1000.0;
     for (;;) {
         int pending = 0, silent_peer = -1;
         for (int i = 0; i < xs->n; i++) {
@@ -5630,7 +5632,7 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
                               ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
                               : silent_peer;
                 work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
-                          coll_names[w->kind], w->seq, who, c->timeout_ms);
+                          coll_names[w->kind], w->seq, who, limit_ms);
                 break;
             }
             c->tp_iface->wait(c->tp, ms_left(deadline) < 50 ? ms_left(deadline) : 50);
@@ -5655,8 +5657,10 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
 {
     grp g = xs->g;
+    double patience = xs->patience;
     memset(xs, 0, sizeof *xs);
     xs->g = g;
+    xs->patience = patience;
     if (g.size == 1)
         return DT_OK;
     xs->has_hdr = 1;
@@ -6336,7 +6340,10 @@ static dt_status run_hierarchical(dt_comm *c, dt_work *w, xfers *xs)
             return w->status;
     }
     if (c->local_index == 0) {
+        /* more patient than the waits inside a host, so a rank hung there is
+         * named by its own leader before the other hosts blame the leader */
         xs->g = (grp){c->leader_index, c->nhosts, c->leaders};
+        xs->patience = 1.5;
         if (start_header(c, w, xs) != DT_OK)
             return w->status;
         if (reduce && allreduce_transport(c, w, xs) == DT_OK)
@@ -6348,6 +6355,7 @@ static dt_status run_hierarchical(dt_comm *c, dt_work *w, xfers *xs)
         return c->seg ? seg_broadcast(c, w, 0, w->buf, w->n, 0, 2.0) : DT_OK;
     xs->g = (grp){c->rank, c->world, NULL};
     xs->has_hdr = 0;   /* checked above */
+    xs->patience = 1.0;
     return run_flat(c, w, xs);
 }
 

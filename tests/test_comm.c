@@ -573,6 +573,50 @@ static void test_forged_messages(void **state)
     expect_rejected(hdr, sizeof hdr, "allgather(n=5)");
 }
 
+/* rank 2 stops (SIGSTOP: alive but silent) before the second allreduce;
+ * on 2 hosts it is a non-leader, so host 1 only sees its leader go quiet.
+ * Every survivor must fail within a few timeouts naming rank 2. */
+static int job_hang(dt_comm *c, int rank, int world)
+{
+    (void)world;
+    float b[1000];
+    for (int i = 0; i < 1000; i++)
+        b[i] = 1;
+    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
+        return 70;
+    if (rank == 2)
+        raise(SIGSTOP);
+    double t0 = dt_now();
+    dt_status st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    double took = dt_now() - t0;
+    const char *m = dt_last_error(dt_comm_ctx_for_test(c));
+    fprintf(stderr, "rank %d noticed in %.2f s: %s\n", rank, took, m);
+    if (st == DT_OK)
+        return 71;
+    if (!strstr(m, "rank 2"))
+        return 72;
+    return took < 8.0 ? 0 : 73;   /* timeout 2 s; the inter-host step allows 1.5x */
+}
+
+static void test_hung_rank(void **state)
+{
+    (void)state;
+    int codes[4];
+    static const char *const intra[] = {"transport", "segment", "segment"};
+    static const int groups[] = {0, 0, 2};
+    for (int k = 0; k < 3; k++) {
+        intra_mode = intra[k];
+        host_groups = groups[k];
+        run_job(4, "tcp", 2000, job_hang, codes, 12);
+        intra_mode = "transport";
+        host_groups = 0;
+        for (int r = 0; r < 4; r++)
+            if (r != 2 && codes[r] != 0)
+                fail_msg("%s, %d host groups: survivor rank %d exited with %d", intra[k], groups[k],
+                         r, codes[r]);
+    }
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_shm),
     cmocka_unit_test(test_collectives_tcp),
@@ -581,6 +625,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_barrier_waits_for_all),
     cmocka_unit_test(test_mismatch),
     cmocka_unit_test(test_killed_rank),
+    cmocka_unit_test(test_hung_rank),
     cmocka_unit_test(test_forged_messages),
 };
 
