@@ -5318,6 +5318,7 @@ struct dt_work {
     const float *in;
     int64_t n;
     uint32_t seq;
+    int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
     int done;
     dt_status status;
     char msg[DT_MAX_ERROR];
@@ -5344,6 +5345,7 @@ struct dt_comm {
     dt_ctx *watch_errors;      /* its error sink, so the comm thread never writes ctx */
     double last_watch;
     int broken;                /* comm thread: a failure poisons the communicator */
+    int waiting_on;            /* the rank a stalled collective waits for, -1: none */
     char broken_msg[DT_MAX_ERROR];
     pthread_t thread;
     int has_thread, stop;
@@ -5440,6 +5442,14 @@ typedef struct grp {
 } grp;
 
 static int grp_rank(const grp *g, int i) { return g->rank ? g->rank[i] : i; }
+
+static dt_status blame_silent(dt_work *w, int who, int ms)
+{
+    w->blame = who;
+    w->blame_ms = ms;
+    return work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
+                     coll_names[w->kind], w->seq, who, ms);
+}
 
 typedef struct xfers {
     grp g;
@@ -5554,6 +5564,36 @@ static dt_status published_failure(dt_comm *c, dt_work *w)
     return fail_with_reason(w, why);
 }
 
+/* A timed-out rank may have waited on a rank that was itself waiting on
+ * another: a stalled collective publishes whom it waits for ("wait/<rank>",
+ * every DT_COMM_WATCH_S), so follow that chain to the rank that is not
+ * waiting in this collective, and blame it instead of a bystander. */
+static void follow_waits(dt_comm *c, dt_work *w)
+{
+    int who = w->blame;
+    for (int hops = 0; c->watch && hops < c->world; hops++) {
+        char key[32], edge[32];
+        size_t len = 0;
+        snprintf(key, sizeof key, "wait/%d", who);
+        if (dt_store_get(c->watch, key, edge, sizeof edge - 1, &len, 1) != DT_OK)
+            break;
+        edge[len < sizeof edge ? len : sizeof edge - 1] = '\0';
+        unsigned seq;
+        int next;
+        if (sscanf(edge, "%u:%d", &seq, &next) != 2 || seq != w->seq || next < 0 ||
+            next >= c->world || next == who)
+            break;
+        who = next;
+    }
+    if (who == w->blame)
+        return;
+    int waited_on = w->blame;
+    w->status = DT_OK;
+    work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?); "
+              "rank %d was waiting on it", coll_names[w->kind], w->seq, who, w->blame_ms, waited_on);
+    w->blame = who;
+}
+
 static void publish_failure(dt_comm *c, const dt_work *w)
 {
     char why[DT_MAX_ERROR + 8];
@@ -5577,8 +5617,15 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
         return w->status;
     dt_status st;
     st = dt_store_get(c->watch, "dead", val, sizeof val - 1, &len, 1);
-    if (st == DT_ETIMEDOUT)
-        return DT_OK;   /* nobody died */
+    if (st == DT_ETIMEDOUT) {   /* nobody died: say whom we wait for (see follow_waits) */
+        if (c->waiting_on >= 0) {
+            char key[32], edge[32];
+            snprintf(key, sizeof key, "wait/%d", c->rank);
+            int n = snprintf(edge, sizeof edge, "%u:%d", w->seq, c->waiting_on);
+            dt_store_set(c->watch, key, edge, (size_t)n + 1);
+        }
+        return DT_OK;
+    }
     if (st == DT_OK)
         return work_fail(w, DT_EPEER, "%s #%u: rank %s died (its process exited without "
                          "leaving the job)", coll_names[w->kind], w->seq, val);
@@ -5624,15 +5671,15 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
         }
         if (w->status != DT_OK)
             break;
+        int who = xs->has_hdr && !xs->hdr_recv.done
+                      ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
+                      : silent_peer;
+        c->waiting_on = who;
         if (k == 0 && check_dead(c, w) != DT_OK)
             break;
         if (k == 0) {
             if (dt_now() >= deadline) {
-                int who = xs->has_hdr && !xs->hdr_recv.done
-                              ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
-                              : silent_peer;
-                work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
-                          coll_names[w->kind], w->seq, who, limit_ms);
+                blame_silent(w, who, limit_ms);
                 break;
             }
             c->tp_iface->wait(c->tp, ms_left(deadline) < 50 ? ms_left(deadline) : 50);
@@ -6065,6 +6112,7 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
             sched_yield();   /* several ranks per core: let the one we wait for run */
             continue;
         }
+        c->waiting_on = c->local_ranks[q];
         if (check_dead(c, w) != DT_OK)
             return w->status;
         uint32_t prog = atomic_load_explicit(&r->progress, memory_order_relaxed);
@@ -6073,9 +6121,7 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
             deadline = now + patience * c->timeout_ms / 1000.0;
         }
         if (now >= deadline)
-            return work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
-                             coll_names[w->kind], w->seq, c->local_ranks[q],
-                             (int)(patience * c->timeout_ms));
+            return blame_silent(w, c->local_ranks[q], (int)(patience * c->timeout_ms));
         atomic_fetch_add(&r->sleepers, 1);
         uint32_t v = atomic_load(&r->phase);
         if (!phase_reached(v, want) && !atomic_load(&c->seg->aborted))
@@ -6366,6 +6412,7 @@ static void run_work(dt_comm *c, dt_work *w)
                   w->seq, c->broken_msg);
         return;
     }
+    c->waiting_on = -1;
     xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
     if (!xs) {
         work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
@@ -6384,6 +6431,8 @@ static void run_work(dt_comm *c, dt_work *w)
      * publish ours, so every rank of every host fails with the same words. */
     if (w->status == DT_EPEER || w->status == DT_ETIMEDOUT)
         published_failure(c, w);
+    if (w->status == DT_ETIMEDOUT && w->blame >= 0)
+        follow_waits(c, w);
     if (w->status != DT_OK)
         publish_failure(c, w);
     if (w->status != DT_OK) {
@@ -6440,7 +6489,8 @@ static dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64
         set_error(ctx, DT_ENOMEM, "%s: out of memory", coll_names[kind]);
         return NULL;
     }
-    *w = (dt_work){.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n};
+    *w = (dt_work){.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n,
+                   .blame = -1};
     pthread_mutex_lock(&c->mu);
     w->seq = c->next_seq++;
     if (c->tail)
@@ -6511,7 +6561,8 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
         return DT_ESTATE;   /* busy: queue it instead */
     }
     c->running = 1;
-    dt_work w = {.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n};
+    dt_work w = {.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n,
+                 .blame = -1};
     w.seq = c->next_seq++;
     pthread_mutex_unlock(&c->mu);
     run_work(c, &w);
@@ -6857,6 +6908,7 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     c->rank = env.rank;
     c->world = env.world_size;
     c->inline_small = 1;
+    c->waiting_on = -1;
     int t = cfg.timeout_ms;
     const char *te = getenv("DTRAIN_TIMEOUT_MS");
     if (t <= 0 && te)
