@@ -10,6 +10,8 @@
 #   dtrain  bench_allreduce       DTRAIN_TRANSPORT=shm, and tcp on 127.0.0.1
 #   OpenMPI bench_allreduce_mpi   mpirun --mca btl self,vader, and self,tcp on lo
 #   Gloo    bench_allreduce_gloo.py (torch.distributed, tcp on 127.0.0.1)
+#   sockets bench_tcp_floor       plain TCP sockets on loopback, no library:
+#                                 how much of a tcp allreduce is the kernel
 # Every number is printed next to the peer's from the same run, with the
 # ratio; absolute numbers alone mean little on a shared 2-core VM.
 #
@@ -59,6 +61,10 @@ BIN_MPI="$OUT/bench_allreduce_mpi"
 timeout 120 $CC -std=c11 -D_GNU_SOURCE -O2 -march=native -Wall -Wextra -Werror -I"$ROOT" \
     "$HERE/bench_allreduce.c" "$LIBA" $LIBS -o "$BIN_DT" ||
     { echo "allreduce.sh: building bench_allreduce failed" >&2; exit 1; }
+BIN_RAW="$OUT/bench_tcp_floor"
+timeout 120 $CC -std=c11 -D_GNU_SOURCE -O2 -march=native -Wall -Wextra -Werror \
+    "$HERE/bench_tcp_floor.c" -o "$BIN_RAW" ||
+    { echo "allreduce.sh: building bench_tcp_floor failed" >&2; exit 1; }
 HAVE_MPI=1
 if ! command -v "$MPICC" >/dev/null || ! command -v mpirun >/dev/null; then
     fail "no $MPICC/mpirun (apt-get install -y openmpi-bin libopenmpi-dev): MPI columns n/a"
@@ -131,6 +137,7 @@ for rep in $(seq 1 "$REPEATS"); do
         --min-time "$MIN_TIME"
     ((HAVE_MPI)) && run mpi_tcp 60 "${MPIRUN[@]}" --mca btl self,tcp --mca btl_tcp_if_include lo \
         "$BIN_MPI" --min-time "$MIN_TIME" --label "btl=tcp(lo)"
+    run sockets_tcp 60 "$BIN_RAW" --min-time "$MIN_TIME"
     ((HAVE_GLOO)) && run gloo 120 "$PY" "$HERE/bench_allreduce_gloo.py" --min-time "$MIN_TIME"
 done
 grep -q ' FAIL$' "$RES" && fail "a result was wrong (a 'FAIL' check above)"
@@ -151,15 +158,16 @@ END {
     for (i = 1; i <= ns; i++) for (j = i + 1; j <= ns; j++) if (sz[j] < sz[i]) { t = sz[i]; sz[i] = sz[j]; sz[j] = t }
     printf "\n== allreduce(sum, float32), 2 ranks: bus bandwidth GB/s (best median of the repeats) ==\n"
     printf "(dtrain shm: the host segment, the default on one host; fabric: libfabric shm alone, DTRAIN_INTRA_HOST=transport)\n"
-    printf "%-8s | %8s %8s %8s %8s %8s %8s | %8s %8s %8s %8s\n", "", "dtrain", "dtrain", "MPI", "dt/MPI", "Gloo", "dt/Gloo", "dtrain", "MPI", "dt/MPI", "dt/Gloo"
-    printf "%-8s | %8s %8s %8s %8s %8s %8s | %8s %8s %8s %8s\n", "size", "shm", "fabric", "vader", "shm", "tcp", "shm", "tcp", "tcp", "tcp", "tcp"
+    printf "(sockets: plain TCP sockets on loopback with no library, for reference)\n"
+    printf "%-8s | %8s %8s %8s %8s %8s %8s | %8s %8s %8s %8s %8s\n", "", "dtrain", "dtrain", "MPI", "dt/MPI", "Gloo", "dt/Gloo", "dtrain", "MPI", "dt/MPI", "dt/Gloo", "sockets"
+    printf "%-8s | %8s %8s %8s %8s %8s %8s | %8s %8s %8s %8s %8s\n", "size", "shm", "fabric", "vader", "shm", "tcp", "shm", "tcp", "tcp", "tcp", "tcp", "tcp"
     for (i = 1; i <= ns; i++) {
         s = sz[i]
-        printf "%-8s | %s %s %s %s %s %s | %s %s %s %s\n", hsize(s),
+        printf "%-8s | %s %s %s %s %s %s | %s %s %s %s %s\n", hsize(s),
             bw("dtrain_shm" SUBSEP s), bw("dtrain_fab" SUBSEP s), bw("mpi_vader" SUBSEP s), rat("dtrain_shm" SUBSEP s, "mpi_vader" SUBSEP s),
             bw("gloo" SUBSEP s), rat("dtrain_shm" SUBSEP s, "gloo" SUBSEP s),
             bw("dtrain_tcp" SUBSEP s), bw("mpi_tcp" SUBSEP s), rat("dtrain_tcp" SUBSEP s, "mpi_tcp" SUBSEP s),
-            rat("dtrain_tcp" SUBSEP s, "gloo" SUBSEP s)
+            rat("dtrain_tcp" SUBSEP s, "gloo" SUBSEP s), bw("sockets_tcp" SUBSEP s)
     }
     printf "\n== latency at 4 KiB (median us per call) ==\n"
     split("shm vader tcp tcp", L, " ")
