@@ -92,6 +92,7 @@ struct dt_tensor {
     dt_tensor *grad;               /* same shape, contiguous */
     struct dt_node *node;          /* op that made it (NULL for leaves) */
     char *name;                    /* persistent tensors only */
+    int param_index;               /* T_PARAM: index in ctx->params */
     dt_tensor *next, *prev;        /* persistent list */
 };
 
@@ -157,6 +158,7 @@ struct dt_ctx {
     size_t persistent_bytes;
     dt_tensor **params;
     int n_params, cap_params;
+    struct dt_ddp *ddp;            /* attached data parallelism (16), or NULL */
 };
 
 #define DT_DEFAULT_ARENA_BYTES ((size_t)8 << 20)
@@ -164,6 +166,12 @@ struct dt_ctx {
 
 static dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* Data parallelism (16) hooks into backward (6) and the context's end. */
+static dt_status ddp_backward_begin(struct dt_ddp *d);
+static void ddp_node_done(struct dt_ddp *d, const dt_node *n);
+static dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
+static void ddp_detach(struct dt_ddp *d);
 
 /* ===========================================================================
  * 2. Errors and the context
@@ -353,6 +361,8 @@ void dt_ctx_free(dt_ctx *ctx)
 {
     if (!ctx)
         return;
+    if (ctx->ddp)
+        ddp_detach(ctx->ddp);   /* gradients back into their own buffers */
     while (ctx->persist) {
         dt_tensor *t = ctx->persist;
         t->flags &= ~(unsigned)T_PARAM;   /* the context may free its own */
@@ -756,7 +766,7 @@ static dt_status attach_persistent_grad(dt_ctx *ctx, dt_tensor *t)
         return set_error(ctx, DT_ENOMEM, "out of device memory for a gradient (%zu bytes)", bytes);
     }
     ctx->be_iface->memset0(ctx->be, g->data, bytes);
-    g->flags = T_OWNS_DATA | T_GRADBUF;
+    g->flags = T_OWNS_DATA | T_GRADBUF | T_ZERO;
     ctx->persistent_bytes += bytes;
     t->grad = g;
     return DT_OK;
@@ -1054,6 +1064,7 @@ dt_tensor *dt_param_new(dt_ctx *ctx, const char *name, int ndim, const int64_t *
         return NULL;
     }
     t->flags |= T_PARAM | T_REQGRAD;
+    t->param_index = ctx->n_params;
     ctx->params[ctx->n_params++] = t;
     return t;
 }
@@ -1263,15 +1274,19 @@ static float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
 
 static int needs_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
 
-static dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop)
+/* ddp (the top-level walk only) hears of every node once it is done, so
+ * it can start a bucket's allreduce when its gradients are final. */
+static dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_ddp *ddp)
 {
     for (dt_node *n = tail; n && n != stop; n = n->prev) {
         dt_tensor *g = n->out->grad;
-        if (!g || (g->flags & T_ZERO))
-            continue;                    /* no gradient reached this op */
-        dt_status s = n->backward(ctx, n);
-        if (s != DT_OK)
-            return s;
+        if (g && !(g->flags & T_ZERO)) {   /* else no gradient reached this op */
+            dt_status s = n->backward(ctx, n);
+            if (s != DT_OK)
+                return s;
+        }
+        if (ddp)
+            ddp_node_done(ddp, n);
     }
     return DT_OK;
 }
@@ -1295,27 +1310,34 @@ dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss)
     if (!loss->node && !(loss->flags & T_PERSIST))
         return set_error(ctx, DT_ESTATE, "backward: this loss's graph was already used by "
                                          "dt_backward; run the forward again");
+    if (ctx->ddp) {
+        dt_status s = ddp_backward_begin(ctx->ddp);
+        if (s != DT_OK)
+            return s;
+    }
     int acc;
     float *g = grad_target(ctx, loss, &acc);
     if (!g)
-        return ctx->last_status;
+        return ctx->ddp ? ddp_backward_end(ctx->ddp, ctx->last_status) : ctx->last_status;
     if (acc) {
         float one = 1.0f;
         float *tmp = arena_alloc(ctx, ctx->cur_dev, sizeof one);
-        if (!tmp)
-            return set_error(ctx, DT_ENOMEM, "backward: out of memory");
+        if (!tmp) {
+            set_error(ctx, DT_ENOMEM, "backward: out of memory");
+            return ctx->ddp ? ddp_backward_end(ctx->ddp, DT_ENOMEM) : DT_ENOMEM;
+        }
         BE(ctx)->to_device(BEI(ctx), tmp, &one, sizeof one);
         BE(ctx)->axpby(BEI(ctx), 1, 1.0f, tmp, 1.0f, g);
     } else {
         BE(ctx)->fill(BEI(ctx), 1, 1.0f, g);
     }
-    dt_status s = run_tape(ctx, ctx->tape, NULL);
+    dt_status s = run_tape(ctx, ctx->tape, NULL, ctx->ddp);
     /* The tape is consumed: its outputs become plain tensors, so a second
      * backward through the same graph is refused instead of double-counting. */
     for (dt_node *n = ctx->tape; n; n = n->prev)
         n->out->node = NULL;
     ctx->tape = NULL;
-    return s;
+    return ctx->ddp ? ddp_backward_end(ctx->ddp, s) : s;
 }
 
 /* ===========================================================================
@@ -2817,7 +2839,7 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
         goto done;
     }
     y2->grad = y->grad;                    /* seed with the segment output's gradient */
-    s = run_tape(ctx, ctx->tape, NULL);
+    s = run_tape(ctx, ctx->tape, NULL, NULL);
     ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
     ctx->cur_host = sw.host;
     for (int i = 0; s == DT_OK && i < n; i++) {
@@ -5320,6 +5342,7 @@ struct dt_work {
     uint32_t seq;
     int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
     int done;
+    double run_s;              /* seconds the work ran (comm thread or inline) */
     dt_status status;
     char msg[DT_MAX_ERROR];
     dt_work *next;
@@ -5367,6 +5390,7 @@ struct dt_comm {
     uint32_t seg_phase, seg_chunk;
     char seg_name[64], seg_why[200];
     int seg_linked;            /* we created it and its name still exists */
+    uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
 };
 
 static const dt_transport_iface *find_transport(void)
@@ -5488,6 +5512,8 @@ static dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, 
     if (st != DT_OK)
         return work_fail(w, st == DT_ETIMEDOUT ? st : DT_EPEER, "%s #%u: %s to rank %d failed: %s",
                          coll_names[w->kind], w->seq, sending ? "send" : "receive", peer, err);
+    if (sending)
+        __atomic_fetch_add(&c->bytes_sent, (uint64_t)bytes, __ATOMIC_RELAXED);
     xs->n++;
     return DT_OK;
 }
@@ -6234,6 +6260,14 @@ static void seg_reduce_block(dt_comm *c, float *dst, uint32_t g, int64_t lo, int
         reduce_into(dst, seg_slot(c, q, g) + lo, cnt, op);
 }
 
+/* Copy into our own slot for the other local ranks to read, counting the
+ * bytes as sent (dt_comm_bytes_sent). */
+static void seg_put(dt_comm *c, void *slot, const void *src, size_t bytes)
+{
+    memcpy(slot, src, bytes);
+    __atomic_fetch_add(&c->bytes_sent, (uint64_t)bytes, __ATOMIC_RELAXED);
+}
+
 /* Allreduce over the host's ranks (to_all) or reduce to local rank 0 (the
  * leader, for the hierarchical allreduce); scale: apply the average. */
 static dt_status seg_allreduce(dt_comm *c, dt_work *w, int to_all, int scale)
@@ -6244,7 +6278,7 @@ static dt_status seg_allreduce(dt_comm *c, dt_work *w, int to_all, int scale)
     if (bytes <= SEG_ONE_PHASE && bytes <= c->seg_slot) {   /* every rank (or the leader) reduces it all */
         uint32_t g = c->seg_chunk++;
         if (bytes)
-            memcpy(seg_slot(c, me, g), w->buf, bytes);
+            seg_put(c, seg_slot(c, me, g), w->buf, bytes);
         if (seg_sync(c, w, p0, 1.0) != DT_OK)
             return w->status;
         if (w->n > 0 && (to_all || me == 0))
@@ -6258,14 +6292,14 @@ static dt_status seg_allreduce(dt_comm *c, dt_work *w, int to_all, int scale)
         int64_t cnt = w->n - off < per ? w->n - off : per, lo, hi;
         uint32_t g = c->seg_chunk++;
         float *mine = seg_slot(c, me, g), *out = w->buf + off;
-        memcpy(mine, out, (size_t)cnt * sizeof(float));
+        seg_put(c, mine, out, (size_t)cnt * sizeof(float));
         if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
             return w->status;
         block_range(cnt, L, me, &lo, &hi);
         seg_reduce_block(c, out + lo, g, lo, hi - lo, w->op);
         if (scale)
             finish_avg(c, w, out + lo, hi - lo);
-        memcpy(mine + lo, out + lo, (size_t)(hi - lo) * sizeof(float));
+        seg_put(c, mine + lo, out + lo, (size_t)(hi - lo) * sizeof(float));
         if (seg_sync(c, w, 0, 1.0) != DT_OK)
             return w->status;
         for (int q = 0; q < L && (to_all || me == 0); q++) {
@@ -6288,7 +6322,7 @@ static dt_status seg_broadcast(dt_comm *c, dt_work *w, int from, float *buf, int
         int64_t cnt = n - off < per ? n - off : per;
         uint32_t g = c->seg_chunk++;
         if (c->local_index == from && cnt > 0)
-            memcpy(seg_slot(c, from, g), buf + off, (size_t)cnt * sizeof(float));
+            seg_put(c, seg_slot(c, from, g), buf + off, (size_t)cnt * sizeof(float));
         if (seg_sync(c, w, off == 0 ? p0 : 0, patience) != DT_OK)
             return w->status;
         if (c->local_index != from && cnt > 0)
@@ -6307,7 +6341,7 @@ static dt_status seg_allgather(dt_comm *c, dt_work *w)
         int64_t cnt = n - off < per ? n - off : per;
         uint32_t g = c->seg_chunk++;
         if (cnt > 0)
-            memcpy(seg_slot(c, c->local_index, g), w->in + off, (size_t)cnt * sizeof(float));
+            seg_put(c, seg_slot(c, c->local_index, g), w->in + off, (size_t)cnt * sizeof(float));
         if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
             return w->status;
         for (int q = 0; q < c->nlocal && cnt > 0; q++)
@@ -6330,7 +6364,7 @@ static dt_status seg_reduce_scatter(dt_comm *c, dt_work *w)
         uint32_t g = c->seg_chunk++;
         float *mine = seg_slot(c, me, g);
         for (int q = 0; q < L && cnt > 0; q++)   /* block of local rank q, at q * cnt */
-            memcpy(mine + q * cnt, w->in + (int64_t)c->local_ranks[q] * n + off,
+            seg_put(c, mine + q * cnt, w->in + (int64_t)c->local_ranks[q] * n + off,
                    (size_t)cnt * sizeof(float));
         if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
             return w->status;
@@ -6470,7 +6504,9 @@ static void *comm_main(void *arg)
             c->tail = NULL;
         c->running = 1;
         pthread_mutex_unlock(&c->mu);
+        double t0 = dt_now();
         run_work(c, w);
+        w->run_s = dt_now() - t0;
         pthread_mutex_lock(&c->mu);
         c->running = 0;
         w->done = 1;
@@ -6503,10 +6539,9 @@ static dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64
     return w;
 }
 
-dt_status dt_work_wait(dt_work *w)
+/* Wait for w, free it, and give the seconds it ran (run_s may be NULL). */
+static dt_status work_finish(dt_work *w, double *run_s)
 {
-    if (!w)
-        return DT_EINVAL;
     dt_comm *c = w->comm;
     pthread_mutex_lock(&c->mu);
     while (!w->done)
@@ -6515,8 +6550,15 @@ dt_status dt_work_wait(dt_work *w)
     dt_status st = w->status;
     if (st != DT_OK)
         set_error(c->ctx, st, "%s", w->msg);
+    if (run_s)
+        *run_s = w->run_s;
     host_free(c->ctx, w);
     return st;
+}
+
+dt_status dt_work_wait(dt_work *w)
+{
+    return w ? work_finish(w, NULL) : DT_EINVAL;
 }
 
 static int coll_args_ok(dt_comm *c, const char *op, const void *buf, int64_t n)
@@ -6644,6 +6686,11 @@ int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
 int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
 const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
 int dt_comm_hosts(const dt_comm *c) { return c ? (c->nhosts > 0 ? c->nhosts : 1) : 0; }
+uint64_t dt_comm_bytes_sent(const dt_comm *c)
+{
+    return c ? __atomic_load_n(&c->bytes_sent, __ATOMIC_RELAXED) : 0;
+}
+
 const char *dt_comm_intra_host(const dt_comm *c)
 {
     return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
@@ -7338,4 +7385,628 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
         return ctx ? set_error(ctx, DT_EINVAL, "launch: no program given") : DT_EINVAL;
     int unused;
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
+}
+
+/* ===========================================================================
+ * 16. Data parallelism (DDP)
+ *
+ * The gradients of the wrapped parameters live in bucket memory: each
+ * parameter's grad tensor points at its slot, so backward writes straight
+ * into what the allreduce sends (no copy).  Buckets take parameters in
+ * reverse registration order, the order backward finishes them.  Before a
+ * backward, every parameter's uses on the tape are counted; as the walk
+ * passes each node the count drops, and at zero the gradient is final.  A
+ * bucket whose gradients are all final is handed to the comm thread, but
+ * only after every lower-numbered bucket: all ranks then issue the same
+ * allreduces in the same order even when their tapes differ.
+ *
+ * Each bucket carries one extra float per parameter, 1 when this rank
+ * produced a gradient for it and 0 when not (its slot is zeroed then).
+ * The allreduce averages them with the gradients, so afterwards a
+ * parameter that no rank touched is marked gradient-less again and the
+ * optimizer skips it, as it would in one process.
+ *
+ * Two sets of bucket memory alternate: a new step (every gradient zeroed)
+ * repoints the gradients at the other set, so what the previous step's
+ * allreduces left stays intact while the next backward writes.
+ * ======================================================================== */
+
+#define DT_DDP_DEFAULT_BUCKET_BYTES ((size_t)4 << 20)
+#define DT_DDP_DIFF 240            /* chars of a model difference, as floats */
+
+typedef struct ddp_bucket {
+    int first, count;          /* d->order[first .. first + count) */
+    int64_t offset;            /* floats from the start of a set */
+    int64_t numel;             /* gradient floats; count flags follow them */
+    int pending;               /* parameters not yet final in this backward */
+    dt_work *work;             /* its allreduce, in flight */
+} ddp_bucket;
+
+struct dt_ddp {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_optim *opt;
+    dt_ddp_config cfg;
+    dt_allocator al;           /* the context's, kept for dt_ddp_free after a detach */
+    const dt_backend_iface *be_iface;
+    dt_backend *be;
+    int nparams;
+    dt_tensor **params;        /* registration order (a copy of the context's list) */
+    int *order;                /* bucket order: reverse registration */
+    int64_t *offset;           /* param -> float offset of its gradient in a set */
+    int *bucket_of;            /* param -> bucket */
+    int *uses;                 /* param -> uses left on the tape */
+    unsigned char *final;      /* param -> gradient final in this backward */
+    void **own_grad;           /* param -> the grad buffer it had before */
+    float *set[2];
+    int64_t set_floats;
+    int cur;                   /* set the gradients point at */
+    ddp_bucket *buckets;
+    int nbuckets, next_launch, ready_upto;
+    int recompute_left;        /* recompute nodes not yet walked */
+    int sync;                  /* 0: no_sync */
+    int hooks;                 /* this backward launches buckets */
+    int pending_sync;          /* buckets launched or owed; dt_ddp_sync finishes them */
+    dt_status launch_status;
+    char launch_msg[DT_MAX_ERROR];
+    double t_backward;
+    uint64_t sent_at_launch;
+    dt_ddp_stats st;
+};
+
+void dt_ddp_config_init(dt_ddp_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->overlap = 1;
+    cfg->broadcast_params = 1;
+}
+
+static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
+{
+    return d->set[set] + b->offset + b->numel;
+}
+
+static void ddp_point_grads(dt_ddp *d, int set)
+{
+    for (int i = 0; i < d->nparams; i++)
+        d->params[i]->grad->data = d->set[set] + d->offset[i];
+    d->cur = set;
+}
+
+/* --- 16.1 launching buckets during backward ------------------------------- */
+
+/* Hand bucket b to the comm thread: zero the slots of parameters that got
+ * no gradient, write the used-flags, start the average. */
+static void ddp_launch(dt_ddp *d, ddp_bucket *b)
+{
+    float *flags = ddp_flags(d, d->cur, b);
+    for (int k = 0; k < b->count; k++) {
+        dt_tensor *g = d->params[d->order[b->first + k]]->grad;
+        int used = !(g->flags & T_ZERO);
+        if (!used)
+            d->be_iface->memset0(d->be, g->data, tensor_bytes(g));
+        flags[k] = used ? 1.0f : 0.0f;
+    }
+    if (d->next_launch == 0)
+        d->sent_at_launch = dt_comm_bytes_sent(d->comm);
+    b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
+                                 DT_REDUCE_AVG);
+    if (!b->work && d->launch_status == DT_OK) {
+        d->launch_status = d->ctx->last_status;
+        snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
+    }
+    d->st.grad_bytes += (uint64_t)b->numel * sizeof(float);
+}
+
+/* Launch every ready bucket whose predecessors have all been launched. */
+static void ddp_launch_ready(dt_ddp *d)
+{
+    while (d->next_launch < d->nbuckets && d->buckets[d->next_launch].pending == 0)
+        ddp_launch(d, &d->buckets[d->next_launch++]);
+}
+
+static void ddp_param_final(dt_ddp *d, int i)
+{
+    if (d->final[i])
+        return;
+    d->final[i] = 1;
+    d->buckets[d->bucket_of[i]].pending--;
+}
+
+/* Every parameter with no uses left is final (while a recompute segment is
+ * still ahead on the tape, it may use any parameter: wait for it). */
+static void ddp_finalize_unused(dt_ddp *d)
+{
+    for (int i = 0; i < d->nparams; i++)
+        if (d->uses[i] == 0)
+            ddp_param_final(d, i);
+}
+
+static dt_status ddp_finish(dt_ddp *d);
+
+static dt_status ddp_backward_begin(dt_ddp *d)
+{
+    dt_ctx *ctx = d->ctx;
+    if (ctx->n_params != d->nparams)
+        return set_error(ctx, DT_ESTATE, "backward: %d parameters were registered after "
+                         "dt_ddp_new wrapped %d; wrap the whole model", ctx->n_params - d->nparams,
+                         d->nparams);
+    /* A second backward before dt_ddp_sync: let the first one's allreduces
+     * finish before touching the memory they reduce. */
+    if (d->pending_sync) {
+        dt_status s = ddp_finish(d);
+        if (s != DT_OK)
+            return s;
+    }
+    d->t_backward = dt_now();
+    d->hooks = 0;
+    int fresh = 1;
+    for (int i = 0; i < d->nparams && fresh; i++)
+        fresh = (d->params[i]->grad->flags & T_ZERO) != 0;
+    if (fresh)
+        ddp_point_grads(d, d->cur ^ 1);
+    if (!d->sync)
+        return DT_OK;
+    d->pending_sync = 1;
+    d->launch_status = DT_OK;
+    d->next_launch = 0;
+    if (!d->cfg.overlap)
+        return DT_OK;   /* dt_ddp_sync launches everything */
+    memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
+    memset(d->final, 0, (size_t)d->nparams);
+    d->recompute_left = 0;
+    for (const dt_node *n = ctx->tape; n; n = n->prev) {
+        if (n->seg_fn)
+            d->recompute_left++;
+        for (int k = 0; k < n->n_in; k++)
+            if ((n->in[k]->flags & T_PARAM) && n->in[k]->ctx == ctx)
+                d->uses[n->in[k]->param_index]++;
+    }
+    for (int b = 0; b < d->nbuckets; b++)
+        d->buckets[b].pending = d->buckets[b].count;
+    if (d->recompute_left == 0)
+        ddp_finalize_unused(d);
+    d->hooks = 1;
+    ddp_launch_ready(d);
+    return DT_OK;
+}
+
+static void ddp_node_done(dt_ddp *d, const dt_node *n)
+{
+    if (!d->hooks)
+        return;
+    int launch = 0;
+    if (n->seg_fn && --d->recompute_left == 0) {
+        ddp_finalize_unused(d);
+        launch = 1;
+    }
+    for (int k = 0; k < n->n_in; k++) {
+        const dt_tensor *t = n->in[k];
+        if ((t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0 &&
+            d->recompute_left == 0) {
+            ddp_param_final(d, t->param_index);
+            launch = 1;
+        }
+    }
+    if (launch)
+        ddp_launch_ready(d);
+}
+
+/* Whatever happened, every bucket is launched before backward returns (a
+ * rank that stopped launching would leave the others waiting). */
+static dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
+{
+    if (d->hooks) {
+        for (int i = 0; i < d->nparams; i++)
+            ddp_param_final(d, i);
+        ddp_launch_ready(d);
+        d->hooks = 0;
+    }
+    d->st.backward_s += dt_now() - d->t_backward;
+    return backward_status;
+}
+
+/* --- 16.2 finishing a step ------------------------------------------------ */
+
+/* Launch what is owed (no-overlap mode), wait for every bucket in order,
+ * and mark the gradients no rank produced as absent again. */
+static dt_status ddp_finish(dt_ddp *d)
+{
+    if (!d->pending_sync)
+        return DT_OK;
+    double t0 = dt_now();
+    while (d->next_launch < d->nbuckets)
+        ddp_launch(d, &d->buckets[d->next_launch++]);
+    dt_status first = d->launch_status;
+    char msg[DT_MAX_ERROR];
+    snprintf(msg, sizeof msg, "%s", d->launch_msg);
+    for (int b = 0; b < d->nbuckets; b++) {
+        if (!d->buckets[b].work)
+            continue;
+        double run = 0;
+        dt_status s = work_finish(d->buckets[b].work, &run);
+        d->buckets[b].work = NULL;
+        d->st.comm_s += run;
+        if (s != DT_OK && first == DT_OK) {
+            first = s;
+            snprintf(msg, sizeof msg, "%s", d->ctx->err);
+        }
+    }
+    d->st.exposed_s += dt_now() - t0;
+    d->pending_sync = 0;
+    if (first != DT_OK)
+        return set_error(d->ctx, first, "ddp: gradient allreduce failed: %s", msg);
+    for (int b = 0; b < d->nbuckets; b++) {
+        const ddp_bucket *bk = &d->buckets[b];
+        const float *flags = ddp_flags(d, d->cur, bk);
+        for (int k = 0; k < bk->count; k++) {
+            dt_tensor *g = d->params[d->order[bk->first + k]]->grad;
+            if (flags[k] > 0)
+                g->flags &= ~(unsigned)T_ZERO;
+            else
+                g->flags |= T_ZERO;
+        }
+    }
+    d->st.steps++;
+    d->st.bytes_sent += dt_comm_bytes_sent(d->comm) - d->sent_at_launch;
+    return DT_OK;
+}
+
+dt_status dt_ddp_sync(dt_ddp *d)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    return ddp_finish(d);
+}
+
+dt_status dt_ddp_step(dt_ddp *d)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    if (!d->opt)
+        return set_error(d->ctx, DT_ESTATE, "ddp_step: this DDP was made without an optimizer");
+    dt_status s = ddp_finish(d);
+    return s != DT_OK ? s : dt_optim_step(d->opt);
+}
+
+dt_status dt_ddp_set_sync(dt_ddp *d, int sync)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    d->sync = sync != 0;
+    return DT_OK;
+}
+
+dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out)
+{
+    if (!d || !out)
+        return DT_EINVAL;
+    *out = d->st;
+    return DT_OK;
+}
+
+void dt_ddp_stats_reset(dt_ddp *d)
+{
+    if (!d)
+        return;
+    int nb = d->st.buckets;
+    size_t cap = d->st.bucket_bytes;
+    memset(&d->st, 0, sizeof d->st);
+    d->st.buckets = nb;
+    d->st.bucket_bytes = cap;
+}
+
+/* --- 16.3 wrapping: the model check, buckets, rank 0's weights ------------ */
+
+/* "name (d0, d1)\n" per parameter, in registration order. */
+static char *ddp_describe(dt_ctx *ctx, size_t *len_out)
+{
+    size_t cap = 64, len = 0;
+    for (int i = 0; i < ctx->n_params; i++)
+        cap += strlen(ctx->params[i]->name) + 24 * DT_MAX_DIMS + 8;
+    char *s = host_alloc(ctx, cap);
+    if (!s)
+        return NULL;
+    s[0] = '\0';
+    for (int i = 0; i < ctx->n_params; i++) {
+        char sb[96];
+        len += (size_t)snprintf(s + len, cap - len, "%s %s\n", ctx->params[i]->name,
+                                SHAPE(ctx->params[i], sb));
+    }
+    *len_out = len;
+    return s;
+}
+
+/* Line k of a description (without its newline) into out; "" past the end. */
+static void ddp_line(const char *desc, int k, char *out, size_t cap)
+{
+    const char *p = desc;
+    for (; k > 0 && p; k--) {
+        p = strchr(p, '\n');
+        if (p)
+            p++;
+    }
+    size_t n = 0;
+    while (p && p[n] && p[n] != '\n')
+        n++;
+    snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), p ? p : "");
+}
+
+/* This rank's first difference from rank 0's description, or "". */
+static void ddp_diff(const char *mine, const char *root, int rank, char *out, size_t cap)
+{
+    out[0] = '\0';
+    for (int k = 0;; k++) {
+        char a[DT_MAX_NAME + 128], b[DT_MAX_NAME + 128];
+        ddp_line(root, k, a, sizeof a);
+        ddp_line(mine, k, b, sizeof b);
+        if (!a[0] && !b[0])
+            return;
+        if (strcmp(a, b) == 0)
+            continue;
+        if (!a[0])
+            snprintf(out, cap, "rank %d has an extra parameter %d, '%.90s', that rank 0 lacks", rank,
+                     k, b);
+        else if (!b[0])
+            snprintf(out, cap, "rank %d lacks parameter %d, '%.90s', that rank 0 has", rank, k, a);
+        else
+            snprintf(out, cap, "parameter %d is '%.90s' on rank 0 but '%.90s' on rank %d", k, a, b, rank);
+        return;
+    }
+}
+
+/* Every rank learns whether all models match rank 0's, and if not the
+ * first difference (the lowest rank that has one), as an error. */
+static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c)
+{
+    size_t len = 0;
+    char *mine = ddp_describe(ctx, &len);
+    float *buf = NULL;
+    char *root = NULL;
+    dt_status s = DT_ENOMEM;
+    int world = dt_comm_size(c), rank = dt_comm_rank(c);
+    float flen = (float)len;
+    if (!mine)
+        goto out;
+    if (len > (1u << 24))
+        { s = set_error(ctx, DT_ENOTSUP, "ddp_new: model description too long"); goto out; }
+    if ((s = dt_broadcast(c, &flen, 1, 0)) != DT_OK)
+        goto out;
+    size_t rlen = (size_t)flen;
+    size_t nf = rlen > (size_t)DT_DDP_DIFF * (size_t)world ? rlen : (size_t)DT_DDP_DIFF * (size_t)world;
+    buf = host_alloc(ctx, (nf + DT_DDP_DIFF) * sizeof(float));
+    root = host_alloc(ctx, rlen + 1);
+    s = DT_ENOMEM;
+    if (!buf || !root)
+        goto out;
+    for (size_t i = 0; i < rlen; i++)
+        buf[i] = rank == 0 ? (float)(unsigned char)mine[i] : 0.0f;
+    if ((s = dt_broadcast(c, buf, (int64_t)rlen, 0)) != DT_OK)
+        goto out;
+    for (size_t i = 0; i < rlen; i++)
+        root[i] = (char)(unsigned char)buf[i];
+    root[rlen] = '\0';
+    char diff[DT_DDP_DIFF];
+    ddp_diff(mine, root, rank, diff, sizeof diff);
+    float *my = buf + nf;
+    for (int i = 0; i < DT_DDP_DIFF; i++)
+        my[i] = (float)(unsigned char)diff[i];
+    if ((s = dt_allgather(c, my, DT_DDP_DIFF, buf)) != DT_OK)
+        goto out;
+    for (int r = 0; r < world; r++) {
+        if (buf[(size_t)r * DT_DDP_DIFF] == 0.0f)
+            continue;
+        for (int i = 0; i < DT_DDP_DIFF; i++)
+            diff[i] = (char)(unsigned char)buf[(size_t)r * DT_DDP_DIFF + i];
+        diff[DT_DDP_DIFF - 1] = '\0';
+        s = set_error(ctx, DT_EMISMATCH, "ddp_new: the ranks' models differ: %s", diff);
+        goto out;
+    }
+    s = DT_OK;
+out:
+    if (s == DT_ENOMEM && ctx->last_status != DT_ENOMEM)
+        set_error(ctx, DT_ENOMEM, "ddp_new: out of memory");
+    host_free(ctx, mine);
+    host_free(ctx, buf);
+    host_free(ctx, root);
+    return s;
+}
+
+static size_t ddp_bucket_cap(const dt_ddp_config *cfg)
+{
+    if (cfg->bucket_bytes)
+        return cfg->bucket_bytes;
+    const char *e = getenv("DTRAIN_BUCKET_BYTES");
+    char *end;
+    unsigned long long v = e ? strtoull(e, &end, 10) : 0;
+    return e && *e && !*end && v > 0 ? (size_t)v : DT_DDP_DEFAULT_BUCKET_BYTES;
+}
+
+/* Parameters in reverse registration order, cut into buckets of at most
+ * cap bytes of gradient (a bigger parameter gets a bucket of its own);
+ * each bucket starts on a 64-byte boundary. */
+static dt_status ddp_plan(dt_ddp *d, size_t cap)
+{
+    d->buckets = host_calloc(d->ctx, sizeof *d->buckets * (size_t)(d->nparams ? d->nparams : 1));
+    if (!d->buckets)
+        return DT_ENOMEM;
+    int64_t off = 0;
+    ddp_bucket *b = NULL;
+    for (int k = 0; k < d->nparams; k++) {
+        int i = d->nparams - 1 - k;
+        int64_t numel = dt_tensor_numel(d->params[i]);
+        if (!b || (size_t)(b->numel + numel) * sizeof(float) > cap) {
+            if (b)
+                off = (b->offset + b->numel + b->count + 15) / 16 * 16;
+            b = &d->buckets[d->nbuckets++];
+            b->first = k;
+            b->offset = off;
+        }
+        d->order[k] = i;
+        d->bucket_of[i] = (int)(b - d->buckets);
+        b->count++;
+        b->numel += numel;
+    }
+    for (int j = 0; j < d->nbuckets; j++) {   /* flags follow a bucket's gradients */
+        int64_t o = d->buckets[j].offset;
+        for (int k = 0; k < d->buckets[j].count; k++) {
+            int i = d->order[d->buckets[j].first + k];
+            d->offset[i] = o;
+            o += dt_tensor_numel(d->params[i]);
+        }
+    }
+    d->set_floats = b ? b->offset + b->numel + b->count : 1;
+    return DT_OK;
+}
+
+/* Rank 0's parameter values to every rank, packed through set 0. */
+static dt_status ddp_broadcast_params(dt_ddp *d)
+{
+    float *stage = d->set[0];
+    for (int i = 0; i < d->nparams; i++)
+        d->be_iface->copy(d->be, stage + d->offset[i], d->params[i]->data,
+                          tensor_bytes(d->params[i]));
+    dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);
+    if (s != DT_OK)
+        return s;
+    for (int i = 0; i < d->nparams; i++)
+        d->be_iface->copy(d->be, d->params[i]->data, stage + d->offset[i],
+                          tensor_bytes(d->params[i]));
+    return DT_OK;
+}
+
+static void ddp_release(dt_ddp *d)
+{
+    dt_ctx *ctx = d->ctx;
+    for (int s = 0; s < 2; s++)
+        if (d->set[s])
+            d->be_iface->free(d->be, d->set[s]);
+    host_free(ctx, d->order);
+    host_free(ctx, d->offset);
+    host_free(ctx, d->bucket_of);
+    host_free(ctx, d->uses);
+    host_free(ctx, d->final);
+    host_free(ctx, d->own_grad);
+    host_free(ctx, d->buckets);
+    host_free(ctx, d->params);
+    d->params = NULL;
+    d->set[0] = d->set[1] = NULL;
+    d->order = NULL;
+    d->offset = NULL;
+    d->bucket_of = NULL;
+    d->uses = NULL;
+    d->final = NULL;
+    d->own_grad = NULL;
+    d->buckets = NULL;
+}
+
+dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!c) {
+        set_error(ctx, DT_EINVAL, "ddp_new: communicator is NULL");
+        return NULL;
+    }
+    if (ctx->ddp) {
+        set_error(ctx, DT_ESTATE, "ddp_new: this context already has a DDP; free it first");
+        return NULL;
+    }
+    if (!ctx->be_iface->host_visible) {
+        set_error(ctx, DT_ENOTSUP, "ddp_new: the %s backend's memory is not host memory; "
+                  "data parallelism needs host-visible gradients in this build",
+                  ctx->be_iface->name);
+        return NULL;
+    }
+    if (opt && opt->ctx != ctx) {
+        set_error(ctx, DT_EINVAL, "ddp_new: the optimizer belongs to another context");
+        return NULL;
+    }
+    dt_ddp_config defaults;
+    dt_ddp_config_init(&defaults);
+    if (!cfg)
+        cfg = &defaults;
+    if (ddp_check_models(ctx, c) != DT_OK)
+        return NULL;
+    dt_ddp *d = host_calloc(ctx, sizeof *d);
+    if (!d) {
+        set_error(ctx, DT_ENOMEM, "ddp_new: out of memory");
+        return NULL;
+    }
+    *d = (dt_ddp){.ctx = ctx, .comm = c, .opt = opt, .cfg = *cfg, .al = ctx->al,
+                  .be_iface = ctx->be_iface, .be = ctx->be, .nparams = ctx->n_params,
+                  .sync = 1};
+    size_t np = (size_t)(d->nparams ? d->nparams : 1);
+    d->params = host_calloc(ctx, np * sizeof *d->params);
+    if (d->params)
+        memcpy(d->params, ctx->params, (size_t)d->nparams * sizeof *d->params);
+    d->order = host_calloc(ctx, np * sizeof *d->order);
+    d->offset = host_calloc(ctx, np * sizeof *d->offset);
+    d->bucket_of = host_calloc(ctx, np * sizeof *d->bucket_of);
+    d->uses = host_calloc(ctx, np * sizeof *d->uses);
+    d->final = host_calloc(ctx, np);
+    d->own_grad = host_calloc(ctx, np * sizeof *d->own_grad);
+    size_t cap = ddp_bucket_cap(cfg);
+    dt_status s = DT_ENOMEM;
+    if (d->params && d->order && d->offset && d->bucket_of && d->uses && d->final && d->own_grad)
+        s = ddp_plan(d, cap);
+    for (int k = 0; s == DT_OK && k < 2; k++) {
+        d->set[k] = d->be_iface->alloc(d->be, (size_t)d->set_floats * sizeof(float));
+        if (!d->set[k])
+            s = DT_ENOMEM;
+        else
+            d->be_iface->memset0(d->be, d->set[k], (size_t)d->set_floats * sizeof(float));
+    }
+    if (s != DT_OK) {
+        set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for %lld gradient floats",
+                  (long long)d->set_floats);
+    } else if (cfg->broadcast_params) {
+        s = ddp_broadcast_params(d);
+    }
+    if (s != DT_OK) {
+        ddp_release(d);
+        host_free(ctx, d);
+        return NULL;
+    }
+    /* Gradients move into set 0 (what they hold so far comes along). */
+    for (int i = 0; i < d->nparams; i++) {
+        dt_tensor *g = d->params[i]->grad;
+        d->own_grad[i] = g->data;
+        if (!(g->flags & T_ZERO))
+            d->be_iface->copy(d->be, d->set[0] + d->offset[i], g->data, tensor_bytes(g));
+    }
+    ddp_point_grads(d, 0);
+    d->st.buckets = d->nbuckets;
+    d->st.bucket_bytes = cap;
+    ctx->ddp = d;
+    return d;
+}
+
+/* Give the gradients their own buffers back (current values copied) and
+ * drop the bucket memory; the struct stays for dt_ddp_free. */
+static void ddp_detach(dt_ddp *d)
+{
+    if (!d->ctx)
+        return;
+    if (d->pending_sync)
+        ddp_finish(d);
+    for (int i = 0; i < d->nparams; i++) {
+        dt_tensor *g = d->params[i]->grad;
+        if (!(g->flags & T_ZERO))
+            d->be_iface->copy(d->be, d->own_grad[i], g->data, tensor_bytes(g));
+        g->data = d->own_grad[i];
+    }
+    d->ctx->ddp = NULL;
+    ddp_release(d);
+    d->ctx = NULL;
+}
+
+void dt_ddp_free(dt_ddp *d)
+{
+    if (!d)
+        return;
+    ddp_detach(d);
+    d->al.free_fn(d, d->al.user);
 }

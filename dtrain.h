@@ -518,6 +518,10 @@ DT_API const char *dt_comm_transport(const dt_comm *c);   /* provider in use */
 DT_API int dt_comm_hosts(const dt_comm *c);                /* hosts the ranks span */
 /* "segment", "transport", or why there is no segment (borrowed) */
 DT_API const char *dt_comm_intra_host(const dt_comm *c);
+/* Payload bytes this rank has sent to other ranks since dt_comm_new: over
+ * the transport, plus what it wrote into the host segment for the other
+ * ranks of its host to read.  Collective headers are not counted. */
+DT_API uint64_t dt_comm_bytes_sent(const dt_comm *c);
 
 typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_REDUCE_MIN } dt_reduce_op;
 
@@ -570,7 +574,80 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
                            int *failed_rank);
 
 /* ---------------------------------------------------------------------------
- * 11. Utilities
+ * 11. Data parallelism (DDP)
+ *
+ * Wrap a context's parameters and its optimizer; every rank runs the same
+ * model on its own shard of each batch:
+ *
+ *     dt_ddp *ddp = dt_ddp_new(ctx, comm, opt, NULL);   // rank 0's weights
+ *     for (...) {                                        //   go to every rank
+ *         dt_tensor *loss = dt_cross_entropy(ctx, model(ctx, x), y);
+ *         dt_backward(ctx, loss);   // buckets' allreduces start as they fill
+ *         dt_ddp_step(ddp);         // wait for the rest, average, optimizer step
+ *         dt_zero_grad(ctx);
+ *         dt_step_reset(ctx);
+ *     }
+ *
+ * While a DDP is attached, each parameter's gradient lives in a
+ * communication bucket (buckets are filled in reverse registration order,
+ * the order backward produces them).  dt_backward starts a bucket's
+ * allreduce on the comm thread the moment the last of its gradients is
+ * final and goes on with backward; buckets start in the same order on
+ * every rank.  Two sets of bucket memory alternate between steps.  A
+ * parameter that got no gradient on some rank counts as zero there; one
+ * that got none on any rank keeps no gradient (the optimizer skips it, as
+ * a single process would).
+ * ------------------------------------------------------------------------- */
+typedef struct dt_ddp dt_ddp;
+
+typedef struct dt_ddp_config {
+    size_t bucket_bytes;       /* gradient bytes per bucket, at most; 0: DTRAIN_BUCKET_BYTES,
+                                  else the default (docs/DATA_PARALLEL.md says how it was
+                                  chosen); a parameter larger than this gets its own bucket */
+    int overlap;               /* 1 (default): allreduce during backward; 0: all buckets
+                                  after backward, in dt_ddp_sync (for comparison) */
+    int broadcast_params;      /* 1 (default): dt_ddp_new copies rank 0's parameters to
+                                  every rank */
+} dt_ddp_config;
+DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
+
+/* Wrap every parameter of ctx (registered before this call) for data
+ * parallelism over c.  Collective: every rank calls it.  Ranks whose models
+ * differ (number, names, shapes or order of parameters) all fail with
+ * DT_EMISMATCH naming the first difference.  opt (borrowed, may be NULL)
+ * is what dt_ddp_step steps; ctx and c are borrowed and must outlive the
+ * DDP.  new: free with dt_ddp_free (the gradients move back into the
+ * parameters' own buffers). */
+DT_API dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *cfg);
+DT_API void dt_ddp_free(dt_ddp *d);               /* NULL is fine */
+
+/* sync 0 (no_sync, like PyTorch's DDP.no_sync()): backward only
+ * accumulates gradients locally; the next backward with sync 1 reduces the
+ * accumulated sum.  Default 1. */
+DT_API dt_status dt_ddp_set_sync(dt_ddp *d, int sync);
+/* Wait until every bucket of this step is reduced: gradients are then the
+ * average over ranks (e.g. for dt_clip_grad_norm).  Nothing to do: DT_OK. */
+DT_API dt_status dt_ddp_sync(dt_ddp *d);
+/* dt_ddp_sync, then the optimizer's step.  DT_ESTATE without an optimizer. */
+DT_API dt_status dt_ddp_step(dt_ddp *d);
+
+typedef struct dt_ddp_stats {
+    int64_t steps;             /* synchronised steps */
+    int buckets;               /* number of buckets */
+    size_t bucket_bytes;       /* the size cap in use */
+    double backward_s;         /* time inside dt_backward on the caller's thread */
+    double comm_s;             /* time the gradient allreduces ran (comm thread) */
+    double exposed_s;          /* time the caller waited for them in dt_ddp_sync:
+                                  communication not hidden behind backward */
+    uint64_t grad_bytes;       /* fp32 gradient bytes reduced (the payload) */
+    uint64_t bytes_sent;       /* bytes this rank sent for them (dt_comm_bytes_sent) */
+} dt_ddp_stats;
+/* Totals since dt_ddp_new or the last reset. */
+DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);
+DT_API void dt_ddp_stats_reset(dt_ddp *d);
+
+/* ---------------------------------------------------------------------------
+ * 12. Utilities
  * ------------------------------------------------------------------------- */
 /* Number of rows of logits (N,C) whose argmax equals labels (N). */
 DT_API dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,

@@ -5,6 +5,7 @@
  * closed-form answer; mismatched calls; a rank killed mid-job.
  */
 #include "test_util.h"
+#include "test_ranks.h"
 #include "backends/transport.h"
 
 #include <arpa/inet.h>
@@ -23,34 +24,6 @@ static const char *intra_mode = "transport";   /* dt_comm_config.intra_host */
 static int host_groups;    /* > 0: rank r claims host "h<r % host_groups>" */
 static dt_ctx *dt_comm_ctx_for_test(dt_comm *c) { (void)c; return rank_ctx; }
 
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof sa;
-    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
-    close(fd);
-    return ntohs(sa.sin_port);
-}
-
-/* The environment a launcher would give rank `rank` of `world`. */
-static dt_dist_env test_env(int rank, int world, int port)
-{
-    dt_dist_env e;
-    memset(&e, 0, sizeof e);
-    e.rank = rank;
-    e.world_size = world;
-    e.local_rank = e.local_world_size = -1;
-    e.launcher = "test";
-    snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
-    e.master_port = port;
-    return e;
-}
-
 /* One rank's process: join, run fn, leave.  Exit codes: 0 ok, 90 could not
  * join, else fn's code.  Never returns. */
 static void rank_main(int rank, int world, int port, const char *prov, int timeout_ms, rank_fn fn)
@@ -58,7 +31,7 @@ static void rank_main(int rank, int world, int port, const char *prov, int timeo
     alarm(60);   /* a hung rank dies instead of hanging the suite */
     dt_ctx *ctx = dt_ctx_new(NULL);
     rank_ctx = ctx;
-    dt_dist_env e = test_env(rank, world, port);
+    dt_dist_env e = tr_env(rank, world, port);
     dt_comm_config cfg;
     dt_comm_config_init(&cfg);
     cfg.transport = prov;
@@ -91,7 +64,7 @@ static void rank_main(int rank, int world, int port, const char *prov, int timeo
 static void run_job(int world, const char *prov, int timeout_ms, rank_fn fn, int *codes,
                     double seconds)
 {
-    int port = free_port();
+    int port = tr_free_port();
     pid_t pids[16];
     fflush(NULL);
     for (int r = 0; r < world; r++) {
@@ -100,30 +73,7 @@ static void run_job(int world, const char *prov, int timeout_ms, rank_fn fn, int
         if (pids[r] == 0)
             rank_main(r, world, port, prov, timeout_ms, fn);
     }
-    double deadline = dt_now() + seconds;
-    for (int r = 0; r < world; r++) {
-        int status = 0;
-        for (;;) {
-            pid_t got = waitpid(pids[r], &status, WNOHANG);
-            if (got == pids[r]) {
-                codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 200 + WTERMSIG(status);
-                if (!WIFEXITED(status)) {   /* a killed rank leaves its shm region */
-                    char path[64];
-                    snprintf(path, sizeof path, "/dev/shm/%d:0:0", (int)pids[r]);
-                    unlink(path);
-                }
-                break;
-            }
-            if (dt_now() > deadline) {
-                kill(pids[r], SIGKILL);
-                waitpid(pids[r], &status, 0);
-                codes[r] = -1;
-                break;
-            }
-            struct timespec ts = {0, 5 * 1000 * 1000};
-            nanosleep(&ts, NULL);
-        }
-    }
+    tr_reap(pids, world, codes, seconds);
 }
 
 /* --- correctness ------------------------------------------------------- */
@@ -466,7 +416,7 @@ static void forger_main(int port, const void *bad, size_t len)
 {
     alarm(30);
     dt_ctx *ctx = dt_ctx_new(NULL);
-    dt_dist_env e = test_env(1, 2, port);
+    dt_dist_env e = tr_env(1, 2, port);
     dt_store_config sc;
     dt_store_config_init(&sc);
     sc.timeout_ms = 10000;
@@ -519,7 +469,7 @@ static void forger_main(int port, const void *bad, size_t len)
  * reason (`want`), not hang, crash or accept the message. */
 static void expect_rejected(const void *bad, size_t len, const char *want)
 {
-    int port = free_port();
+    int port = tr_free_port();
     fflush(NULL);
     pid_t forger = fork();
     assert_true(forger >= 0);
@@ -533,7 +483,7 @@ static void expect_rejected(const void *bad, size_t len, const char *want)
         alarm(30);
         close(fds[0]);
         dt_ctx *ctx = dt_ctx_new(NULL);
-        dt_dist_env e = test_env(0, 2, port);
+        dt_dist_env e = tr_env(0, 2, port);
         dt_comm_config cfg;
         dt_comm_config_init(&cfg);
         cfg.transport = "tcp";

@@ -351,6 +351,7 @@ static void test_data_loader_shards(void **state)
     fixture f;
     fx_init(&f, 0);
     for (int shuffle = 0; shuffle < 2; shuffle++) {
+        int first[N / 2];   /* rank 0's samples in epoch 0 */
         for (int64_t epoch = 0; epoch < 2; epoch++) {
             int ids[2][N], n[2];
             for (int rank = 0; rank < 2; rank++) {
@@ -366,6 +367,12 @@ static void test_data_loader_shards(void **state)
             memcpy(all, ids[0], sizeof(int) * N / 2);
             memcpy(all + N / 2, ids[1], sizeof(int) * N / 2);
             assert_permutation(all, N, "two shards together");
+            /* reshuffled every epoch from the shared seed: rank 0's shard
+             * changes (order and membership) when shuffling, not otherwise */
+            if (epoch == 0)
+                memcpy(first, ids[0], sizeof first);
+            else
+                assert_int_equal(memcmp(first, ids[0], sizeof first) != 0, shuffle);
         }
     }
     /* shard_count 1 is all the data. */

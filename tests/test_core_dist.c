@@ -4,6 +4,7 @@
  * forked processes, job tokens, malformed clients and timeouts.
  */
 #include "test_util.h"
+#include "test_ranks.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -144,25 +145,12 @@ static void test_env_malformed(void **state)
     dt_ctx_free(ctx);
 }
 
-static dt_dist_env env_of(int rank, int world, int port)
-{
-    dt_dist_env e;
-    memset(&e, 0, sizeof e);
-    e.rank = rank;
-    e.world_size = world;
-    e.local_rank = e.local_world_size = -1;
-    e.launcher = "test";
-    snprintf(e.master_addr, sizeof e.master_addr, "127.0.0.1");
-    e.master_port = port;
-    return e;
-}
-
 static void test_store_single(void **state)
 {
     (void)state;
     clear_env();
     dt_ctx *ctx = new_ctx();
-    dt_dist_env e = env_of(0, 1, 0);
+    dt_dist_env e = tr_env(0, 1, 0);
     dt_store *s = dt_store_open(ctx, &e, NULL);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
@@ -196,7 +184,7 @@ static void test_store_single(void **state)
 static void child_rank(int rank, int world, int port, const char *token)
 {
     dt_ctx *ctx = dt_ctx_new(NULL);
-    dt_dist_env e = env_of(rank, world, port);
+    dt_dist_env e = tr_env(rank, world, port);
     dt_store_config cfg;
     dt_store_config_init(&cfg);
     cfg.token = token;
@@ -260,7 +248,7 @@ static void test_store_many_ranks(void **state)
     clear_env();
     enum { WORLD = 5 };
     dt_ctx *ctx = new_ctx();
-    dt_dist_env e = env_of(0, WORLD, 0);
+    dt_dist_env e = tr_env(0, WORLD, 0);
     dt_store_config cfg;
     dt_store_config_init(&cfg);
     cfg.token = "s3cret";
@@ -285,7 +273,7 @@ static void test_store_token_refused(void **state)
     (void)state;
     clear_env();
     dt_ctx *ctx = new_ctx();
-    dt_dist_env e = env_of(0, 3, 0);
+    dt_dist_env e = tr_env(0, 3, 0);
     dt_store_config cfg;
     dt_store_config_init(&cfg);
     cfg.token = "right-token";
@@ -294,7 +282,7 @@ static void test_store_token_refused(void **state)
         fail_msg("%s", dt_last_error(ctx));
     /* in-process clients: wrong token, missing token, rank out of range */
     dt_ctx *c2 = new_ctx();
-    dt_dist_env e1 = env_of(1, 3, dt_store_port(s));
+    dt_dist_env e1 = tr_env(1, 3, dt_store_port(s));
     dt_store_config bad;
     dt_store_config_init(&bad);
     bad.token = "wrong-token";
@@ -304,13 +292,13 @@ static void test_store_token_refused(void **state)
     bad.token = "";
     assert_null(dt_store_open(c2, &e1, &bad));
     assert_non_null(strstr(dt_last_error(c2), "job token"));
-    dt_dist_env e9 = env_of(2, 9, dt_store_port(s));   /* claims a bigger job */
+    dt_dist_env e9 = tr_env(2, 9, dt_store_port(s));   /* claims a bigger job */
     bad.token = "right-token";
     dt_store *s9 = dt_store_open(c2, &e9, &bad);
     dt_store_close(s9);
     /* world 9 passes the client's check; rank 2 < 3 passes the server's */
     assert_non_null(s9);
-    dt_dist_env e5 = env_of(5, 9, dt_store_port(s));
+    dt_dist_env e5 = tr_env(5, 9, dt_store_port(s));
     assert_null(dt_store_open(c2, &e5, &bad));
     assert_non_null(strstr(dt_last_error(c2), "rank out of range"));
     /* a forked child with the wrong token is refused too (exit 3) */
@@ -341,7 +329,7 @@ static void test_store_malformed_clients(void **state)
     (void)state;
     clear_env();
     dt_ctx *ctx = new_ctx();
-    dt_dist_env e = env_of(0, 2, 0);
+    dt_dist_env e = tr_env(0, 2, 0);
     dt_store *s = dt_store_open(ctx, &e, NULL);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
@@ -372,19 +360,9 @@ static void test_store_unreachable(void **state)
 {
     (void)state;
     clear_env();
-    /* a port nobody listens on: bind, read it, close */
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof sa;
-    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
-    int port = ntohs(sa.sin_port);
-    close(fd);
+    int port = tr_free_port();   /* a port nobody listens on */
     dt_ctx *ctx = new_ctx();
-    dt_dist_env e = env_of(1, 2, port);
+    dt_dist_env e = tr_env(1, 2, port);
     dt_store_config cfg;
     dt_store_config_init(&cfg);
     cfg.timeout_ms = 300;
@@ -405,7 +383,7 @@ static void test_store_slow_reader(void **state)
     (void)state;
     clear_env();
     dt_ctx *ctx = new_ctx();
-    dt_dist_env e = env_of(0, 3, 0);
+    dt_dist_env e = tr_env(0, 3, 0);
     dt_store *s = dt_store_open(ctx, &e, NULL);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
@@ -424,7 +402,7 @@ static void test_store_slow_reader(void **state)
         assert_int_equal(send(fd, get, sizeof get, MSG_NOSIGNAL), (ssize_t)sizeof get);
     /* meanwhile another rank's requests are answered promptly */
     dt_ctx *c1 = new_ctx();
-    dt_dist_env e1 = env_of(1, 3, dt_store_port(s));
+    dt_dist_env e1 = tr_env(1, 3, dt_store_port(s));
     double t_open = dt_now();
     dt_store *s1 = dt_store_open(c1, &e1, NULL);
     if (!s1)

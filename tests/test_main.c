@@ -32,6 +32,7 @@ GROUP(core_dist)
 GROUP(core_launch)
 GROUP(comm)
 GROUP(transport)
+GROUP(ddp)
 #undef GROUP
 
 typedef struct group {
@@ -49,7 +50,7 @@ int main(void)
 #define G(g) {#g, dt_test_##g, dt_test_##g##_count},
         G(core_forward) G(core_grad) G(core_optim) G(core_ckpt) G(core_data) G(core_errors)
         G(core_memory) G(core_backend) G(core_dist) G(core_launch) G(comm)
-        G(transport)
+        G(transport) G(ddp)
 #undef G
     };
     int total = 0, failed = 0;

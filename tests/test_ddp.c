@@ -1,0 +1,605 @@
+/*
+ * tests/test_ddp.c - data parallelism across forked ranks: N ranks with
+ * batch b end with the parameters one process gets from batch N*b (MLP
+ * and CNN, several bucket sizes, with and without overlap), gradient
+ * accumulation with no_sync, parameters some or no rank used, models that
+ * differ between ranks, a rank that dies mid-training, and misuse.
+ *
+ * Every rank computes the single-process reference itself in a second
+ * context, from the same seeded data, so nothing but the final comparison
+ * crosses between processes.
+ */
+#include "test_util.h"
+#include "test_ranks.h"
+
+typedef int (*ddp_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
+
+/* how the next job's ranks join (set before forking, so inherited) */
+static int job_timeout_ms = 20000;
+
+/* One rank: context seeded by rank (so only the broadcast can make the
+ * models agree), communicator, fn.  Exit code: 0 ok, 90 no comm, else fn's. */
+static void ddp_rank_main(int rank, int world, int port, ddp_fn fn)
+{
+    alarm(90);
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.seed = 1000 + (uint64_t)rank;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    dt_dist_env e = tr_env(rank, world, port);
+    dt_comm_config cc;
+    dt_comm_config_init(&cc);
+    cc.transport = "shm";
+    cc.timeout_ms = job_timeout_ms;
+    cc.store.timeout_ms = 20000;
+    dt_comm *c = ctx ? dt_comm_new(ctx, &e, &cc) : NULL;
+    if (!c) {
+        fprintf(stderr, "rank %d: %s\n", rank, ctx ? dt_last_error(ctx) : "no ctx");
+        _exit(90);
+    }
+    int code = fn(ctx, c, rank, world);
+    if (code)
+        fprintf(stderr, "rank %d: check %d failed: %s\n", rank, code, dt_last_error(ctx));
+    struct timespec linger = {0, 300 * 1000 * 1000};   /* rank 0's store outlives the rest */
+    nanosleep(&linger, NULL);
+    dt_comm_free(c);
+    dt_ctx_free(ctx);
+    _exit(code);
+}
+
+static void run_ddp_job(int world, ddp_fn fn, int *codes, double seconds)
+{
+    int port = tr_free_port();
+    pid_t pids[8];
+    fflush(NULL);
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        assert_true(pids[r] >= 0);
+        if (pids[r] == 0)
+            ddp_rank_main(r, world, port, fn);
+    }
+    tr_reap(pids, world, codes, seconds);
+}
+
+static void expect_all_ok(int world, ddp_fn fn)
+{
+    int codes[8];
+    run_ddp_job(world, fn, codes, 120);
+    for (int r = 0; r < world; r++) {
+        if (codes[r] != 0)
+            print_error("rank %d of %d exited with %d\n", r, world, codes[r]);
+        assert_int_equal(codes[r], 0);
+    }
+}
+
+/* --- models ---------------------------------------------------------------- */
+
+enum { IN = 24, HID = 32, CLASSES = 10, IMG = 8 };
+
+typedef struct model {
+    int cnn;
+    dt_tensor *w1, *b1, *w2, *b2;   /* MLP: fc1, fc2; CNN: conv, fc */
+} model;
+
+static int model_build(dt_ctx *ctx, model *m, int cnn)
+{
+    m->cnn = cnn;
+    if (cnn) {
+        m->w1 = dt_param_new(ctx, "conv.weight", SHP(4, 1, 3, 3));
+        m->b1 = dt_param_new(ctx, "conv.bias", SHP(4));
+        m->w2 = dt_param_new(ctx, "fc.weight", SHP(CLASSES, 4 * (IMG / 2) * (IMG / 2)));
+        m->b2 = dt_param_new(ctx, "fc.bias", SHP(CLASSES));
+    } else {
+        m->w1 = dt_param_new(ctx, "fc1.weight", SHP(HID, IN));
+        m->b1 = dt_param_new(ctx, "fc1.bias", SHP(HID));
+        m->w2 = dt_param_new(ctx, "fc2.weight", SHP(CLASSES, HID));
+        m->b2 = dt_param_new(ctx, "fc2.bias", SHP(CLASSES));
+    }
+    if (!m->w1 || !m->b1 || !m->w2 || !m->b2)
+        return 1;
+    int64_t fan1 = cnn ? 9 : IN, fan2 = cnn ? 4 * (IMG / 2) * (IMG / 2) : HID;
+    return dt_init_kaiming_uniform(ctx, m->w1, sqrtf(5.0f)) || dt_init_bias(ctx, m->b1, fan1) ||
+           dt_init_kaiming_uniform(ctx, m->w2, sqrtf(5.0f)) || dt_init_bias(ctx, m->b2, fan2);
+}
+
+static dt_tensor *model_forward(dt_ctx *ctx, const model *m, dt_tensor *x)
+{
+    if (m->cnn) {
+        dt_tensor *h = dt_relu(ctx, dt_conv2d(ctx, x, m->w1, m->b1, 1, 1));
+        h = dt_flatten(ctx, dt_max_pool2d(ctx, h, 2, 0, 0), 1);
+        return dt_linear(ctx, h, m->w2, m->b2);
+    }
+    return dt_linear(ctx, dt_relu(ctx, dt_linear(ctx, x, m->w1, m->b1)), m->w2, m->b2);
+}
+
+/* Sample i of step s, the same in every process: features and a label. */
+static void sample(int cnn, int64_t s, int64_t i, float *x, int32_t *y)
+{
+    tu_rng r = {(uint64_t)(s * 100003 + i) * 7919u + 17};
+    int n = cnn ? IMG * IMG : IN;
+    for (int k = 0; k < n; k++)
+        x[k] = tu_uniform(&r, -1.0f, 1.0f);
+    *y = (int32_t)(tu_next(&r) % CLASSES);
+}
+
+/* The batch of samples [lo, hi) of step s as tensors (step memory). */
+static int make_batch(dt_ctx *ctx, int cnn, int64_t s, int64_t lo, int64_t hi, dt_tensor **x,
+                      dt_tensor **y)
+{
+    int64_t b = hi - lo, n = cnn ? IMG * IMG : IN;
+    float *xs = malloc(sizeof(float) * (size_t)(b * n));
+    int32_t *ys = malloc(sizeof(int32_t) * (size_t)b);
+    if (!xs || !ys) {
+        free(xs);
+        free(ys);
+        return 1;
+    }
+    for (int64_t i = 0; i < b; i++)
+        sample(cnn, s, lo + i, xs + i * n, ys + i);
+    *x = cnn ? dt_tensor_temp(ctx, DT_F32, SHP(b, 1, IMG, IMG)) : dt_tensor_temp(ctx, DT_F32, SHP(b, IN));
+    *y = dt_tensor_temp(ctx, DT_I32, SHP(b));
+    int bad = !*x || !*y || dt_tensor_set(*x, xs, b * n) || dt_tensor_set(*y, ys, b);
+    free(xs);
+    free(ys);
+    return bad;
+}
+
+static dt_optim *make_optim(dt_ctx *ctx, int cnn)
+{
+    dt_optim_config oc;
+    if (cnn) {
+        dt_optim_config_init(&oc, DT_ADAM);
+        oc.lr = 0.01f;
+    } else {
+        dt_optim_config_init(&oc, DT_SGD);
+        oc.lr = 0.05f;
+        oc.momentum = 0.9f;
+        oc.weight_decay = 1e-3f;
+    }
+    return dt_optim_new(ctx, &oc, NULL, 0);
+}
+
+/* || a - b || / || b || over every parameter, a and b two contexts with the
+ * same model. */
+static double param_rel_diff(dt_ctx *a, dt_ctx *b)
+{
+    double num = 0, den = 0;
+    for (int i = 0; i < dt_param_count(a); i++) {
+        dt_tensor *pa = dt_param_at(a, i), *pb = dt_param_at(b, i);
+        int64_t n = dt_tensor_numel(pa);
+        float *va = malloc(sizeof(float) * (size_t)n), *vb = malloc(sizeof(float) * (size_t)n);
+        if (!va || !vb || dt_tensor_get(pa, va, n) || dt_tensor_get(pb, vb, n)) {
+            free(va);
+            free(vb);
+            return INFINITY;
+        }
+        for (int64_t k = 0; k < n; k++) {
+            num += ((double)va[k] - vb[k]) * ((double)va[k] - vb[k]);
+            den += (double)vb[k] * vb[k];
+        }
+        free(va);
+        free(vb);
+    }
+    return sqrt(num) / (sqrt(den) + 1e-30);
+}
+
+/* Every rank holds bit-identical parameters: each one's max and min over
+ * ranks equal its own. */
+static int params_agree(dt_ctx *ctx, dt_comm *c)
+{
+    for (int i = 0; i < dt_param_count(ctx); i++) {
+        dt_tensor *p = dt_param_at(ctx, i);
+        int64_t n = dt_tensor_numel(p);
+        float *v = malloc(sizeof(float) * (size_t)n), *hi = malloc(sizeof(float) * (size_t)n),
+              *lo = malloc(sizeof(float) * (size_t)n);
+        int bad = !v || !hi || !lo || dt_tensor_get(p, v, n);
+        if (!bad) {
+            memcpy(hi, v, sizeof(float) * (size_t)n);
+            memcpy(lo, v, sizeof(float) * (size_t)n);
+            bad = dt_allreduce(c, hi, n, DT_REDUCE_MAX) || dt_allreduce(c, lo, n, DT_REDUCE_MIN) ||
+                  memcmp(hi, v, sizeof(float) * (size_t)n) || memcmp(lo, v, sizeof(float) * (size_t)n);
+        }
+        free(v);
+        free(hi);
+        free(lo);
+        if (bad)
+            return 0;
+    }
+    return 1;
+}
+
+/* --- equivalence ------------------------------------------------------------ */
+
+enum { STEPS = 20, PER_RANK = 8 };
+
+typedef struct equiv_case {
+    int cnn;
+    size_t bucket_bytes;
+    int overlap;
+} equiv_case;
+static equiv_case cur_case;
+
+/* The reference: one process, batch world * PER_RANK, seeded as rank 0. */
+static dt_ctx *reference_run(int cnn, int world)
+{
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.seed = 1000;
+    dt_ctx *ref = dt_ctx_new(&cfg);
+    model m;
+    if (!ref || model_build(ref, &m, cnn)) {
+        dt_ctx_free(ref);
+        return NULL;
+    }
+    dt_optim *opt = make_optim(ref, cnn);
+    for (int s = 0; opt && s < STEPS; s++) {
+        dt_tensor *x, *y;
+        if (make_batch(ref, cnn, s, 0, (int64_t)world * PER_RANK, &x, &y) ||
+            dt_backward(ref, dt_cross_entropy(ref, model_forward(ref, &m, x), y)) ||
+            dt_optim_step(opt)) {
+            dt_optim_free(opt);
+            dt_ctx_free(ref);
+            return NULL;
+        }
+        dt_zero_grad(ref);
+        dt_step_reset(ref);
+    }
+    dt_optim_free(opt);
+    return ref;
+}
+
+static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    const equiv_case *ec = &cur_case;
+    model m;
+    if (model_build(ctx, &m, ec->cnn))
+        return 1;
+    dt_optim *opt = make_optim(ctx, ec->cnn);
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.bucket_bytes = ec->bucket_bytes;
+    dc.overlap = ec->overlap;
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+    if (!ddp)
+        return 2;
+    for (int s = 0; s < STEPS; s++) {
+        dt_tensor *x, *y;
+        if (make_batch(ctx, ec->cnn, s, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
+            return 3;
+        if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK)
+            return 4;
+        if (dt_ddp_step(ddp) != DT_OK)
+            return 5;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    dt_ddp_stats st;
+    dt_ddp_stats_get(ddp, &st);
+    int64_t total = 0;
+    for (int i = 0; i < dt_param_count(ctx); i++)
+        total += dt_tensor_numel(dt_param_at(ctx, i));
+    if (st.steps != STEPS || st.grad_bytes != (uint64_t)(STEPS * total * 4))
+        return 6;
+    if (world > 1 && st.bytes_sent == 0)
+        return 7;
+    if (ec->bucket_bytes == 256 && st.buckets < 3)   /* small buckets: several */
+        return 8;
+    dt_ctx *ref = reference_run(ec->cnn, world);
+    if (!ref)
+        return 9;
+    double rel = param_rel_diff(ctx, ref);
+    dt_ctx_free(ref);
+    if (!(rel <= 1e-5)) {
+        fprintf(stderr, "rank %d: relative difference %.3g from one process\n", rank, rel);
+        return 10;
+    }
+    if (!params_agree(ctx, c))
+        return 11;
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    return 0;
+}
+
+static void test_equivalence_mlp(void **state)
+{
+    (void)state;
+    const equiv_case cases[] = {{0, 0, 1}, {0, 256, 1}, {0, 256, 0}};
+    for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
+        cur_case = cases[k];
+        expect_all_ok(2, equivalence_rank);
+    }
+    cur_case = (equiv_case){0, 1024, 1};
+    expect_all_ok(3, equivalence_rank);
+}
+
+static void test_equivalence_cnn(void **state)
+{
+    (void)state;
+    cur_case = (equiv_case){1, 256, 1};
+    expect_all_ok(2, equivalence_rank);
+    cur_case = (equiv_case){1, 0, 1};
+    expect_all_ok(3, equivalence_rank);
+}
+
+/* --- gradient accumulation --------------------------------------------------- */
+
+/* Two micro-batches per step: the first with no_sync (nothing sent), the
+ * second reduces the sum.  One process doing all 2 * world micro-batches
+ * with the loss scaled by 1/world gets the same parameters. */
+static int no_sync_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    model m;
+    if (model_build(ctx, &m, 0))
+        return 1;
+    dt_optim *opt = make_optim(ctx, 0);
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    if (!ddp)
+        return 2;
+    for (int s = 0; s < 6; s++) {
+        for (int mb = 0; mb < 2; mb++) {
+            dt_tensor *x, *y;
+            int64_t lo = (int64_t)(2 * rank + mb) * PER_RANK;
+            if (make_batch(ctx, 0, s, lo, lo + PER_RANK, &x, &y))
+                return 3;
+            if (dt_ddp_set_sync(ddp, mb == 1) != DT_OK)
+                return 4;
+            uint64_t before = dt_comm_bytes_sent(c);
+            if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK)
+                return 5;
+            if (mb == 0 && dt_comm_bytes_sent(c) != before)
+                return 6;   /* no_sync sent something */
+        }
+        if (dt_ddp_step(ddp) != DT_OK)
+            return 7;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.seed = 1000;
+    dt_ctx *ref = dt_ctx_new(&cfg);
+    model rm;
+    if (!ref || model_build(ref, &rm, 0))
+        return 8;
+    dt_optim *ro = make_optim(ref, 0);
+    for (int s = 0; ro && s < 6; s++) {
+        for (int k = 0; k < 2 * world; k++) {
+            dt_tensor *x, *y;
+            if (make_batch(ref, 0, s, (int64_t)k * PER_RANK, (int64_t)(k + 1) * PER_RANK, &x, &y) ||
+                dt_backward(ref, dt_scale(ref, dt_cross_entropy(ref, model_forward(ref, &rm, x), y),
+                                          1.0f / (float)world)))
+                return 9;
+        }
+        if (dt_optim_step(ro))
+            return 10;
+        dt_zero_grad(ref);
+        dt_step_reset(ref);
+    }
+    double rel = param_rel_diff(ctx, ref);
+    dt_optim_free(ro);
+    dt_ctx_free(ref);
+    if (!(rel <= 1e-5)) {
+        fprintf(stderr, "rank %d: relative difference %.3g\n", rank, rel);
+        return 11;
+    }
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    return 0;
+}
+
+static void test_no_sync(void **state)
+{
+    (void)state;
+    expect_all_ok(2, no_sync_rank);
+}
+
+/* --- parameters without gradients ------------------------------------------- */
+
+/* loss = sum(a * x) everywhere, + sum(b * x) on rank 1 only; c unused.
+ * After the step: a's gradient is x, b's is x / world on every rank, and c
+ * has none, so SGD with weight decay leaves c alone but moves b. */
+static int unused_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    dt_tensor *a = dt_param_new(ctx, "a", SHP(5));
+    dt_tensor *b = dt_param_new(ctx, "b", SHP(5));
+    dt_tensor *u = dt_param_new(ctx, "c", SHP(5));
+    const float x[5] = {1, -2, 3, -4, 5}, init[5] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+    if (!a || !b || !u || dt_tensor_set(a, init, 5) || dt_tensor_set(b, init, 5) ||
+        dt_tensor_set(u, init, 5))
+        return 1;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    oc.lr = 0.1f;
+    oc.weight_decay = 0.5f;
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.bucket_bytes = 20;   /* one parameter per bucket */
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+    if (!ddp)
+        return 2;
+    dt_tensor *xt = dt_tensor_temp(ctx, DT_F32, SHP(5));
+    if (!xt || dt_tensor_set(xt, x, 5))
+        return 3;
+    dt_tensor *loss = dt_sum(ctx, dt_mul(ctx, a, xt));
+    if (rank == 1)
+        loss = dt_add(ctx, loss, dt_sum(ctx, dt_mul(ctx, b, xt)));
+    if (dt_backward(ctx, loss) != DT_OK || dt_ddp_sync(ddp) != DT_OK)
+        return 4;
+    float ga[5], gb[5];
+    if (dt_tensor_get(dt_tensor_grad(a), ga, 5) || dt_tensor_get(dt_tensor_grad(b), gb, 5))
+        return 5;
+    for (int i = 0; i < 5; i++)
+        if (fabsf(ga[i] - x[i]) > 1e-6f || fabsf(gb[i] - x[i] / (float)world) > 1e-6f)
+            return 6;
+    if (dt_ddp_step(ddp) != DT_OK)
+        return 7;
+    float va[5], vb[5], vc[5];
+    if (dt_tensor_get(a, va, 5) || dt_tensor_get(b, vb, 5) || dt_tensor_get(u, vc, 5))
+        return 8;
+    for (int i = 0; i < 5; i++) {
+        float want_a = 0.5f - 0.1f * (x[i] + 0.5f * 0.5f);
+        float want_b = 0.5f - 0.1f * (x[i] / (float)world + 0.5f * 0.5f);
+        if (fabsf(va[i] - want_a) > 1e-6f || fabsf(vb[i] - want_b) > 1e-6f || vc[i] != 0.5f) {
+            fprintf(stderr, "rank %d [%d]: a %g (want %g), b %g (want %g), c %g (want 0.5)\n", rank,
+                    i, (double)va[i], (double)want_a, (double)vb[i], (double)want_b, (double)vc[i]);
+            return 9;
+        }
+    }
+    dt_zero_grad(ctx);
+    dt_step_reset(ctx);
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    return 0;
+}
+
+static void test_unused_params(void **state)
+{
+    (void)state;
+    expect_all_ok(2, unused_rank);
+}
+
+/* --- models that differ ------------------------------------------------------ */
+
+static int mismatch_variant;   /* 0: a shape differs on rank 1; 1: rank 1 has an extra parameter */
+
+static int mismatch_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    model m;
+    if (model_build(ctx, &m, 0))
+        return 1;
+    if (rank == 1 && mismatch_variant == 0 && !dt_param_new(ctx, "fc3.weight", SHP(3, 4)))
+        return 1;
+    if (rank != 1 && mismatch_variant == 0 && !dt_param_new(ctx, "fc3.weight", SHP(3, 5)))
+        return 1;
+    if (rank == 1 && mismatch_variant == 1 && !dt_param_new(ctx, "extra", SHP(2)))
+        return 1;
+    dt_ddp *ddp = dt_ddp_new(ctx, c, NULL, NULL);
+    if (ddp)
+        return 2;
+    if (dt_last_status(ctx) != DT_EMISMATCH)
+        return 3;
+    const char *e = dt_last_error(ctx);
+    const char *want = mismatch_variant == 0 ? "fc3.weight (3, 5)' on rank 0 but 'fc3.weight (3, 4)' on rank 1"
+                                             : "rank 1 has an extra parameter 4, 'extra (2)'";
+    if (!strstr(e, want)) {
+        fprintf(stderr, "rank %d: message '%s' lacks '%s'\n", rank, e, want);
+        return 4;
+    }
+    /* the communicator is still usable after the refusal */
+    float v = 1;
+    return dt_allreduce(c, &v, 1, DT_REDUCE_SUM) == DT_OK && v == (float)world ? 0 : 5;
+}
+
+static void test_model_mismatch(void **state)
+{
+    (void)state;
+    for (mismatch_variant = 0; mismatch_variant < 2; mismatch_variant++)
+        expect_all_ok(3, mismatch_rank);
+}
+
+/* --- misuse ------------------------------------------------------------------ */
+
+static int misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)rank;
+    (void)world;
+    model m;
+    if (model_build(ctx, &m, 0))
+        return 1;
+    if (dt_ddp_new(ctx, NULL, NULL, NULL) || dt_last_status(ctx) != DT_EINVAL)
+        return 2;
+    dt_ddp *ddp = dt_ddp_new(ctx, c, NULL, NULL);
+    if (!ddp)
+        return 3;
+    if (dt_ddp_new(ctx, c, NULL, NULL) || dt_last_status(ctx) != DT_ESTATE)
+        return 4;
+    if (dt_ddp_step(ddp) != DT_ESTATE || !strstr(dt_last_error(ctx), "without an optimizer"))
+        return 5;
+    if (dt_ddp_sync(ddp) != DT_OK)   /* nothing pending */
+        return 6;
+    if (!dt_param_new(ctx, "late", SHP(3)))
+        return 7;
+    dt_tensor *x, *y;
+    if (make_batch(ctx, 0, 0, 0, 4, &x, &y))
+        return 8;
+    if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_ESTATE ||
+        !strstr(dt_last_error(ctx), "registered after"))
+        return 9;
+    dt_step_reset(ctx);
+    if (dt_ddp_sync(NULL) != DT_EINVAL || dt_ddp_set_sync(NULL, 0) != DT_EINVAL ||
+        dt_ddp_stats_get(ddp, NULL) != DT_EINVAL)
+        return 10;
+    dt_ddp_free(NULL);
+    /* the context may go first: it hands the gradients back */
+    return 0;
+}
+
+static void test_misuse(void **state)
+{
+    (void)state;
+    expect_all_ok(1, misuse_rank);
+}
+
+/* --- a rank dies ----------------------------------------------------------------- */
+
+/* Rank 1 exits after two steps; rank 0's next step fails naming it, within
+ * the communicator's timeout. */
+static int dead_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    model m;
+    if (model_build(ctx, &m, 0))
+        return 1;
+    dt_optim *opt = make_optim(ctx, 0);
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    if (!ddp)
+        return 2;
+    for (int s = 0; s < 5; s++) {
+        if (rank == 1 && s == 2)
+            _exit(0);   /* gone without a word */
+        dt_tensor *x, *y;
+        if (make_batch(ctx, 0, s, 0, PER_RANK, &x, &y))
+            return 3;
+        double t0 = dt_now();
+        dt_status st = dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y));
+        if (st == DT_OK)
+            st = dt_ddp_step(ddp);
+        if (s < 2 && st != DT_OK)
+            return 4;
+        if (s == 2) {
+            if (st == DT_OK || !strstr(dt_last_error(ctx), "rank 1"))
+                return 5;
+            if (dt_now() - t0 > job_timeout_ms / 1000.0 + 5)
+                return 6;
+            return 0;
+        }
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    return 7;
+}
+
+static void test_dead_rank(void **state)
+{
+    (void)state;
+    job_timeout_ms = 5000;
+    int codes[2];
+    run_ddp_job(2, dead_rank, codes, 60);
+    job_timeout_ms = 20000;
+    assert_int_equal(codes[0], 0);
+    assert_int_equal(codes[1], 0);
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_equivalence_mlp),
+    cmocka_unit_test(test_equivalence_cnn),
+    cmocka_unit_test(test_no_sync),
+    cmocka_unit_test(test_unused_params),
+    cmocka_unit_test(test_model_mismatch),
+    cmocka_unit_test(test_misuse),
+    cmocka_unit_test(test_dead_rank),
+};
+
+DT_TEST_GROUP(ddp, tests)
