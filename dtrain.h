@@ -412,6 +412,10 @@ typedef struct dt_loader_config {
     int prefetch;         /* background thread fills the next batch */
     int shard_rank;       /* this rank's shard (distributed sampling) */
     int shard_count;      /* number of shards; 0 or 1 means all data */
+    int shard_no_pad;     /* 0: shards padded to equal sizes by repeating samples, as
+                             torch's DistributedSampler (every rank runs as many
+                             batches); 1: each sample in exactly one shard, sizes
+                             differing by at most one (evaluation) */
 } dt_loader_config;
 DT_API void dt_loader_config_init(dt_loader_config *cfg);
 
@@ -645,6 +649,35 @@ typedef struct dt_ddp_stats {
 /* Totals since dt_ddp_new or the last reset. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);
 DT_API void dt_ddp_stats_reset(dt_ddp *d);
+
+/* Distributed evaluation and batch inference.  forward(ctx, x, user)
+ * returns logits (B, classes) for a batch x (B, C, H, W); it runs with grad
+ * and training off (restored afterwards).  With a communicator, rank r
+ * takes samples r, r + P, r + 2P, ... (each sample once), and the results
+ * are combined over ranks; c NULL: this process does the whole dataset. */
+typedef dt_tensor *(*dt_forward_fn)(dt_ctx *ctx, dt_tensor *x, void *user);
+typedef struct dt_eval_config {
+    int batch;                 /* samples per forward; 0: 1000 */
+    float mean, std;           /* input normalisation, as dt_loader_config (default 0, 1) */
+} dt_eval_config;
+DT_API void dt_eval_config_init(dt_eval_config *cfg);
+typedef struct dt_metrics {
+    int64_t samples;           /* the whole dataset's, summed over ranks */
+    int64_t correct;           /* argmax equals the label */
+    double accuracy;           /* correct / samples */
+    double loss;               /* mean cross-entropy */
+} dt_metrics;
+/* Collective when c is not NULL: every rank gets the whole dataset's
+ * metrics.  ds and forward's user data are borrowed. */
+DT_API dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
+                             const dt_eval_config *cfg, dt_forward_fn forward, void *user,
+                             dt_metrics *out);
+/* The predicted class (argmax of the logits) of every sample of ds, in
+ * dataset order, gathered on rank 0 into pred (dt_dataset_size(ds) int32s,
+ * borrowed; other ranks may pass NULL).  Collective when c is not NULL. */
+DT_API dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
+                            const dt_eval_config *cfg, dt_forward_fn forward, void *user,
+                            int32_t *pred);
 
 /* ---------------------------------------------------------------------------
  * 12. Utilities

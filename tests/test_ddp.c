@@ -592,6 +592,147 @@ static void test_dead_rank(void **state)
     assert_int_equal(codes[1], 0);
 }
 
+/* --- distributed evaluation and inference ------------------------------------- */
+
+enum { EV_N = 23, EV_PIX = 16, EV_CLASSES = 3 };
+static char ev_dir[64];
+
+static uint8_t ev_pixel(int k, int i) { return (uint8_t)((k * 37 + i * 11 + k * i) % 256); }
+static int ev_label(int k) { return (k * 7) % EV_CLASSES; }
+static float ev_weight(int j, int i) { return (float)((j * 5 + i * 3) % 7 - 3) * 0.1f; }
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (24 - 8 * i));
+}
+
+/* 23 images of 4x4 and their labels, as IDX files in ev_dir. */
+static void ev_write_dataset(void)
+{
+    tu_tmpdir(ev_dir, sizeof ev_dir);
+    uint8_t img[16 + EV_N * EV_PIX], lab[8 + EV_N];
+    put32(img, 0x803);
+    put32(img + 4, EV_N);
+    put32(img + 8, 4);
+    put32(img + 12, 4);
+    put32(lab, 0x801);
+    put32(lab + 4, EV_N);
+    for (int k = 0; k < EV_N; k++) {
+        for (int i = 0; i < EV_PIX; i++)
+            img[16 + k * EV_PIX + i] = ev_pixel(k, i);
+        lab[8 + k] = (uint8_t)ev_label(k);
+    }
+    char path[128];
+    snprintf(path, sizeof path, "%s/img", ev_dir);
+    tu_write_file(path, img, sizeof img);
+    snprintf(path, sizeof path, "%s/lab", ev_dir);
+    tu_write_file(path, lab, sizeof lab);
+}
+
+static dt_tensor *ev_forward(dt_ctx *ctx, dt_tensor *x, void *user)
+{
+    dt_tensor **wb = user;
+    return dt_linear(ctx, dt_flatten(ctx, x, 1), wb[0], wb[1]);
+}
+
+static dt_tensor *ev_forward_bad(dt_ctx *ctx, dt_tensor *x, void *user)
+{
+    (void)user;
+    return dt_sum(ctx, x);   /* a scalar, not (B, classes) */
+}
+
+/* The answers from first principles: logits = W x + b on normalised
+ * pixels, argmax, mean cross-entropy (double precision). */
+static void ev_reference(int32_t *pred, int64_t *correct, double *loss)
+{
+    *correct = 0;
+    *loss = 0;
+    for (int k = 0; k < EV_N; k++) {
+        double z[EV_CLASSES], mx = -1e30, se = 0;
+        for (int j = 0; j < EV_CLASSES; j++) {
+            z[j] = 0.05 * j;
+            for (int i = 0; i < EV_PIX; i++)
+                z[j] += (double)ev_weight(j, i) * (((double)ev_pixel(k, i) / 255.0 - 0.5) / 0.25);
+            mx = z[j] > mx ? z[j] : mx;
+        }
+        int best = 0;
+        for (int j = 0; j < EV_CLASSES; j++) {
+            se += exp(z[j] - mx);
+            if (z[j] > z[best])
+                best = j;
+        }
+        pred[k] = best;
+        *correct += best == ev_label(k);
+        *loss += -(z[ev_label(k)] - mx - log(se)) / EV_N;
+    }
+}
+
+static int eval_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    char img[128], lab[128];
+    snprintf(img, sizeof img, "%s/img", ev_dir);
+    snprintf(lab, sizeof lab, "%s/lab", ev_dir);
+    dt_dataset *ds = dt_dataset_load_idx(ctx, img, lab);
+    dt_tensor *wb[2] = {dt_param_new(ctx, "w", SHP(EV_CLASSES, EV_PIX)),
+                        dt_param_new(ctx, "b", SHP(EV_CLASSES))};
+    if (!ds || !wb[0] || !wb[1])
+        return 1;
+    float w[EV_CLASSES * EV_PIX], b[EV_CLASSES];
+    for (int j = 0; j < EV_CLASSES; j++) {
+        b[j] = 0.05f * (float)j;
+        for (int i = 0; i < EV_PIX; i++)
+            w[j * EV_PIX + i] = ev_weight(j, i);
+    }
+    if (dt_tensor_set(wb[0], w, EV_CLASSES * EV_PIX) || dt_tensor_set(wb[1], b, EV_CLASSES))
+        return 2;
+    int32_t want[EV_N], got[EV_N];
+    int64_t want_correct;
+    double want_loss;
+    ev_reference(want, &want_correct, &want_loss);
+    dt_eval_config ec;
+    dt_eval_config_init(&ec);
+    ec.batch = 4;   /* several batches per rank, the last one short */
+    ec.mean = 0.5f;
+    ec.std = 0.25f;
+    dt_metrics m;
+    if (dt_evaluate(ctx, c, ds, &ec, ev_forward, wb, &m) != DT_OK)
+        return 3;
+    if (m.samples != EV_N || m.correct != want_correct || fabs(m.loss - want_loss) > 1e-4 ||
+        fabs(m.accuracy - (double)want_correct / EV_N) > 1e-12) {
+        fprintf(stderr, "rank %d: samples %lld correct %lld (want %lld) loss %g (want %g)\n", rank,
+                (long long)m.samples, (long long)m.correct, (long long)want_correct, m.loss,
+                want_loss);
+        return 4;
+    }
+    if (!dt_grad_enabled(ctx) || !dt_training(ctx))
+        return 5;   /* restored */
+    memset(got, 0xff, sizeof got);
+    if (dt_predict(ctx, c, ds, &ec, ev_forward, wb, rank == 0 ? got : NULL) != DT_OK)
+        return 6;
+    if (rank == 0 && memcmp(got, want, sizeof got) != 0)
+        return 7;
+    /* a forward that returns the wrong shape is an error on that rank; the
+     * others learn that a rank failed instead of waiting */
+    if (world > 1 &&
+        dt_evaluate(ctx, c, ds, &ec, rank == 1 ? ev_forward_bad : ev_forward, wb, &m) == DT_OK)
+        return 8;
+    if (world > 1 && rank == 1 && !strstr(dt_last_error(ctx), "logits"))
+        return 9;
+    if (world > 1 && rank != 1 && !strstr(dt_last_error(ctx), "1 other rank(s) failed"))
+        return 10;
+    dt_dataset_free(ds);
+    return 0;
+}
+static void test_evaluate_predict(void **state)
+{
+    (void)state;
+    ev_write_dataset();
+    expect_all_ok(3, eval_rank);   /* 23 samples: shards of 8, 8, 7 */
+    expect_all_ok(1, eval_rank);
+    tu_rmdir(ev_dir);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_equivalence_mlp),
     cmocka_unit_test(test_equivalence_cnn),
@@ -600,6 +741,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_model_mismatch),
     cmocka_unit_test(test_misuse),
     cmocka_unit_test(test_dead_rank),
+    cmocka_unit_test(test_evaluate_predict),
 };
 
 DT_TEST_GROUP(ddp, tests)
