@@ -5,7 +5,8 @@
 #   ./build.sh deps       install the Debian packages dtrain needs (as root),
 #                         otherwise print the exact apt-get line
 #   ./build.sh test       AddressSanitizer + UBSan build, run every test
-#   ./build.sh demo       train the Fashion-MNIST CNN (the main job)
+#   ./build.sh demo       the main job: the Fashion-MNIST CNN on 2 local ranks
+#                         (DDP over shm); DT_EPOCHS, DT_RANKS to change it
 #   ./build.sh valgrind   a short training run under valgrind's leak checker
 #   ./build.sh bench      benchmarks against PyTorch (tests/bench/run.sh)
 #   ./build.sh clean
@@ -98,6 +99,12 @@ example_checks() {
     if $ex --data /nonexistent 2>/dev/null; then echo "example: missing dataset accepted"; exit 1; fi
     out=$($ex --data /nonexistent 2>&1 || true)
     case "$out" in *"Fashion-MNIST not found"*) ;; *) echo "example: unclear dataset error"; exit 1 ;; esac
+    # data parallel: 2 ranks over shm (the demo's setup, shortened)
+    out=$($ex --model cnn --epochs 1 --limit-batches 4 --batch 16 --ranks 2)
+    echo "$out" | grep -q "x 2 ranks (DDP over shm)" || { echo "example: no DDP run:"; echo "$out"; exit 1; }
+    echo "$out" | grep -q "exposed communication" || { echo "example: no step breakdown"; exit 1; }
+    echo "$out" | tail -1 | grep -Eq '^test accuracy: [0-9]+\.[0-9]{2}%$' ||
+        { echo "example: 2-rank run has no final accuracy line"; exit 1; }
     unset ASAN_OPTIONS
     echo "example checks: ok"
 }
@@ -151,10 +158,10 @@ cmd_demo() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA
     build_lib
     build_examples
-    local threads
-    threads=$(nproc)
-    echo "build.sh: training the CNN on Fashion-MNIST with $threads threads"
-    $BUILD/fashion_mnist --model cnn --epochs "${DT_EPOCHS:-6}" --threads "$threads" "$@"
+    local ranks=${DT_RANKS:-2} threads
+    threads=$(( $(nproc) / ranks )); [ "$threads" -ge 1 ] || threads=1
+    echo "build.sh: training the CNN on Fashion-MNIST: $ranks ranks over shm (DDP), $threads thread(s) each"
+    $BUILD/fashion_mnist --model cnn --epochs "${DT_EPOCHS:-6}" --ranks "$ranks" --threads "$threads" "$@"
 }
 
 cmd_valgrind() {

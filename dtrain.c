@@ -7422,7 +7422,13 @@ typedef struct ddp_bucket {
     int64_t offset;            /* floats from the start of a set */
     int64_t numel;             /* gradient floats; count flags follow them */
     int pending;               /* parameters not yet final in this backward */
-    dt_work *work;             /* its allreduce, in flight */
+    dt_work *work;             /* its allreduce (or gather), in flight */
+    /* compression (16.1): this rank's encoded bucket, everyone's, and what
+     * error feedback carries to the next step */
+    int64_t topk;              /* TOPK: entries sent */
+    size_t code_bytes;         /* encoded gradients, before the flags */
+    int64_t payload_floats;    /* encoded gradients + flags, in floats */
+    float *payload, *gathered, *residual;
 } ddp_bucket;
 
 struct dt_ddp {
@@ -7454,6 +7460,7 @@ struct dt_ddp {
     char launch_msg[DT_MAX_ERROR];
     double t_backward;
     uint64_t sent_at_launch;
+    float *scratch;            /* TOPK selection, numel of the largest bucket */
     dt_ddp_stats st;
 };
 
@@ -7464,6 +7471,7 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     memset(cfg, 0, sizeof *cfg);
     cfg->overlap = 1;
     cfg->broadcast_params = 1;
+    cfg->error_feedback = 1;
 }
 
 static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
@@ -7478,7 +7486,270 @@ static void ddp_point_grads(dt_ddp *d, int set)
     d->cur = set;
 }
 
-/* --- 16.1 launching buckets during backward ------------------------------- */
+/* --- 16.1 gradient compression ------------------------------------------- */
+
+/* Round to nearest even; NaN stays NaN. */
+static uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half, round to nearest even: overflow to infinity, subnormals kept. */
+static uint16_t f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u)
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u)   /* 65520 and up round to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal half (or zero) */
+        float v;
+        memcpy(&v, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
+    }
+    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1) - 0x38000000u;
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    if (e == 0) {
+        float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#define DDP_INT8_BLOCK 256
+
+/* Encoded size of a bucket's gradients in bytes (flags not included). */
+static size_t ddp_code_bytes(dt_compress kind, int64_t numel, int64_t topk)
+{
+    switch (kind) {
+    case DT_COMPRESS_BF16:
+    case DT_COMPRESS_FP16: return (size_t)numel * 2;
+    case DT_COMPRESS_TOPK: return (size_t)topk * 6;
+    case DT_COMPRESS_INT8:
+        return (size_t)(numel + DDP_INT8_BLOCK - 1) / DDP_INT8_BLOCK * 4 + (size_t)numel;
+    default: return (size_t)numel * 4;
+    }
+}
+
+/* The k-th smallest of v[0..n) (0-based), reordering v; deterministic. */
+static float select_kth(float *v, int64_t n, int64_t k)
+{
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi];
+        float pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] < pivot)
+                i++;
+            while (v[j] > pivot)
+                j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (k <= j)
+            hi = j;
+        else if (k >= i)
+            lo = i;
+        else
+            return v[k];
+    }
+    return v[k];
+}
+
+/* Encode g[0..n) into out; sent[i] gets what the receivers will decode for
+ * element i (error feedback keeps g - sent). */
+static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, char *out, float *sent)
+{
+    int64_t n = b->numel;
+    switch (d->cfg.compress) {
+    case DT_COMPRESS_BF16:
+    case DT_COMPRESS_FP16:
+        for (int64_t i = 0; i < n; i++) {
+            int bf = d->cfg.compress == DT_COMPRESS_BF16;
+            uint16_t h = bf ? f32_to_bf16(g[i]) : f32_to_f16(g[i]);
+            memcpy(out + 2 * i, &h, 2);
+            sent[i] = bf ? bf16_to_f32(h) : f16_to_f32(h);
+        }
+        break;
+    case DT_COMPRESS_INT8: {
+        int64_t blocks = (n + DDP_INT8_BLOCK - 1) / DDP_INT8_BLOCK;
+        for (int64_t k = 0; k < blocks; k++) {
+            int64_t lo = k * DDP_INT8_BLOCK, hi = lo + DDP_INT8_BLOCK < n ? lo + DDP_INT8_BLOCK : n;
+            float mx = 0;
+            for (int64_t i = lo; i < hi; i++)
+                mx = fabsf(g[i]) > mx ? fabsf(g[i]) : mx;
+            float scale = mx > 0 && isfinite(mx) ? mx / 127.0f : 0.0f;
+            memcpy(out + 4 * k, &scale, 4);
+            for (int64_t i = lo; i < hi; i++) {
+                int q = scale > 0 ? (int)lrintf(g[i] / scale) : 0;
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                out[4 * blocks + i] = (char)(signed char)q;
+                sent[i] = (float)q * scale;
+            }
+        }
+        break;
+    }
+    case DT_COMPRESS_TOPK: {
+        /* threshold: the k-th largest magnitude; ties taken in index order */
+        int64_t k = b->topk, taken = 0;
+        float *mag = d->scratch;
+        for (int64_t i = 0; i < n; i++)
+            mag[i] = fabsf(g[i]);
+        float t = select_kth(mag, n, n - k);
+        int64_t above = 0;
+        for (int64_t i = 0; i < n; i++)
+            above += fabsf(g[i]) > t;
+        int64_t ties = k - above;
+        for (int64_t i = 0; i < n; i++) {
+            float a = fabsf(g[i]);
+            sent[i] = 0;
+            if (taken < k && (a > t || (a == t && ties > 0))) {
+                if (!(a > t))
+                    ties--;
+                uint32_t idx = (uint32_t)i;
+                uint16_t h = f32_to_bf16(g[i]);
+                memcpy(out + 4 * taken, &idx, 4);
+                memcpy(out + 4 * k + 2 * taken, &h, 2);
+                sent[i] = bf16_to_f32(h);
+                taken++;
+            }
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* acc[0..n) += what `code` encodes (one rank's bucket). */
+static void ddp_decode_add(const dt_ddp *d, const ddp_bucket *b, const char *code, float *acc)
+{
+    int64_t n = b->numel;
+    switch (d->cfg.compress) {
+    case DT_COMPRESS_BF16:
+    case DT_COMPRESS_FP16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, code + 2 * i, 2);
+            acc[i] += d->cfg.compress == DT_COMPRESS_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+        }
+        break;
+    case DT_COMPRESS_INT8: {
+        int64_t blocks = (n + DDP_INT8_BLOCK - 1) / DDP_INT8_BLOCK;
+        for (int64_t k = 0; k < blocks; k++) {
+            float scale;
+            memcpy(&scale, code + 4 * k, 4);
+            int64_t lo = k * DDP_INT8_BLOCK, hi = lo + DDP_INT8_BLOCK < n ? lo + DDP_INT8_BLOCK : n;
+            for (int64_t i = lo; i < hi; i++)
+                acc[i] += (float)(signed char)code[4 * blocks + i] * scale;
+        }
+        break;
+    }
+    case DT_COMPRESS_TOPK:
+        for (int64_t j = 0; j < b->topk; j++) {
+            uint32_t idx;
+            uint16_t h;
+            memcpy(&idx, code + 4 * j, 4);
+            memcpy(&h, code + 4 * b->topk + 2 * j, 2);
+            if (idx < (uint64_t)n)   /* a corrupt index is dropped, never written */
+                acc[idx] += bf16_to_f32(h);
+        }
+        break;
+    default:
+        break;
+    }
+}
+
+/* Encode bucket b (its gradients, plus what error feedback kept) and start
+ * gathering every rank's encoding. */
+static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, const float *flags)
+{
+    int ef = d->cfg.error_feedback &&
+             (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8);
+    if (ef)
+        for (int64_t i = 0; i < b->numel; i++)
+            grads[i] += b->residual[i];
+    float *sent = ef ? b->residual : d->scratch + b->numel;
+    ddp_encode(d, b, grads, (char *)b->payload, sent);
+    if (ef)
+        for (int64_t i = 0; i < b->numel; i++)
+            b->residual[i] = grads[i] - sent[i];
+    memcpy((char *)b->payload + (b->payload_floats - b->count) * 4, flags,
+           (size_t)b->count * sizeof(float));
+    d->st.payload_bytes += (uint64_t)b->payload_floats * 4;
+    return enqueue(d->comm, COLL_ALLGATHER, b->gathered, b->payload, b->payload_floats, 0,
+                   DT_REDUCE_SUM);
+}
+
+/* Every rank's encoding of bucket b, decoded and summed in rank order into
+ * its gradients and flags, then averaged: the same on every rank. */
+static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
+{
+    int P = dt_comm_size(d->comm);
+    float *grads = d->set[d->cur] + b->offset, *flags = grads + b->numel;
+    memset(grads, 0, (size_t)(b->numel + b->count) * sizeof(float));
+    for (int r = 0; r < P; r++) {
+        const float *pl = b->gathered + (int64_t)r * b->payload_floats;
+        ddp_decode_add(d, b, (const char *)pl, grads);
+        for (int k = 0; k < b->count; k++)
+            flags[k] += pl[b->payload_floats - b->count + k];
+    }
+    float inv = 1.0f / (float)P;
+    for (int64_t i = 0; i < b->numel; i++)
+        grads[i] *= inv;
+}
+
+/* Buffers for compression, per bucket; error feedback starts at zero. */
+static dt_status ddp_alloc_compression(dt_ddp *d)
+{
+    int P = dt_comm_size(d->comm);
+    int64_t biggest = 1;
+    float ratio = d->cfg.topk_ratio > 0 ? d->cfg.topk_ratio : 0.01f;
+    for (int j = 0; j < d->nbuckets; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        biggest = b->numel > biggest ? b->numel : biggest;
+        b->topk = (int64_t)ceil((double)ratio * (double)b->numel);
+        b->topk = b->topk < 1 ? 1 : b->topk > b->numel ? b->numel : b->topk;
+        b->code_bytes = ddp_code_bytes(d->cfg.compress, b->numel, b->topk);
+        b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
+        b->payload = host_calloc(d->ctx, (size_t)b->payload_floats * sizeof(float));
+        b->gathered = host_calloc(d->ctx, (size_t)b->payload_floats * (size_t)P * sizeof(float));
+        b->residual = host_calloc(d->ctx, (size_t)(b->numel ? b->numel : 1) * sizeof(float));
+        if (!b->payload || !b->gathered || !b->residual)
+            return DT_ENOMEM;
+    }
+    d->scratch = host_calloc(d->ctx, (size_t)biggest * 2 * sizeof(float));
+    return d->scratch ? DT_OK : DT_ENOMEM;
+}
+
+/* --- 16.2 launching buckets during backward ------------------------------- */
 
 /* Hand bucket b to the comm thread: zero the slots of parameters that got
  * no gradient, write the used-flags, start the average. */
@@ -7492,10 +7763,15 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
             d->be_iface->memset0(d->be, g->data, tensor_bytes(g));
         flags[k] = used ? 1.0f : 0.0f;
     }
-    if (d->next_launch == 0)
+    if (b == d->buckets)   /* the step's first */
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
-    b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
-                                 DT_REDUCE_AVG);
+    if (d->cfg.compress != DT_COMPRESS_NONE) {
+        b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
+    } else {
+        b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
+                                     DT_REDUCE_AVG);
+        d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
+    }
     if (!b->work && d->launch_status == DT_OK) {
         d->launch_status = d->ctx->last_status;
         snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
@@ -7611,7 +7887,7 @@ static dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
     return backward_status;
 }
 
-/* --- 16.2 finishing a step ------------------------------------------------ */
+/* --- 16.3 finishing a step ------------------------------------------------ */
 
 /* Launch what is owed (no-overlap mode), wait for every bucket in order,
  * and mark the gradients no rank produced as absent again. */
@@ -7632,6 +7908,8 @@ static dt_status ddp_finish(dt_ddp *d)
         dt_status s = work_finish(d->buckets[b].work, &run);
         d->buckets[b].work = NULL;
         d->st.comm_s += run;
+        if (s == DT_OK && d->cfg.compress != DT_COMPRESS_NONE)
+            ddp_finish_compressed(d, &d->buckets[b]);
         if (s != DT_OK && first == DT_OK) {
             first = s;
             snprintf(msg, sizeof msg, "%s", d->ctx->err);
@@ -7701,7 +7979,7 @@ void dt_ddp_stats_reset(dt_ddp *d)
     d->st.bucket_bytes = cap;
 }
 
-/* --- 16.3 wrapping: the model check, buckets, rank 0's weights ------------ */
+/* --- 16.4 wrapping: the model check, buckets, rank 0's weights ------------ */
 
 /* "name (d0, d1)\n" per parameter, in registration order. */
 static char *ddp_describe(dt_ctx *ctx, size_t *len_out)
@@ -7817,6 +8095,22 @@ out:
     return s;
 }
 
+/* DTRAIN_COMPRESS picks the compression when the program left it at none. */
+static dt_status ddp_compress_from_env(dt_ctx *ctx, dt_ddp_config *cfg)
+{
+    static const char *const names[] = {"none", "bf16", "fp16", "topk", "int8"};
+    const char *e = getenv("DTRAIN_COMPRESS");
+    if (cfg->compress != DT_COMPRESS_NONE || !e || !*e)
+        return DT_OK;
+    for (int k = 0; k < 5; k++)
+        if (!strcmp(e, names[k])) {
+            cfg->compress = (dt_compress)k;
+            return DT_OK;
+        }
+    return set_error(ctx, DT_EINVAL, "ddp_new: DTRAIN_COMPRESS='%s': expected none, bf16, fp16, "
+                     "topk or int8", e);
+}
+
 static size_t ddp_bucket_cap(const dt_ddp_config *cfg)
 {
     if (cfg->bucket_bytes)
@@ -7892,6 +8186,13 @@ static void ddp_release(dt_ddp *d)
     host_free(ctx, d->uses);
     host_free(ctx, d->final);
     host_free(ctx, d->own_grad);
+    for (int b = 0; d->buckets && b < d->nbuckets; b++) {
+        host_free(ctx, d->buckets[b].payload);
+        host_free(ctx, d->buckets[b].gathered);
+        host_free(ctx, d->buckets[b].residual);
+    }
+    host_free(ctx, d->scratch);
+    d->scratch = NULL;
     host_free(ctx, d->buckets);
     host_free(ctx, d->params);
     d->params = NULL;
@@ -7927,10 +8228,19 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         set_error(ctx, DT_EINVAL, "ddp_new: the optimizer belongs to another context");
         return NULL;
     }
-    dt_ddp_config defaults;
-    dt_ddp_config_init(&defaults);
-    if (!cfg)
-        cfg = &defaults;
+    dt_ddp_config conf;
+    dt_ddp_config_init(&conf);
+    if (cfg)
+        conf = *cfg;
+    if (ddp_compress_from_env(ctx, &conf) != DT_OK)
+        return NULL;
+    if (conf.compress < DT_COMPRESS_NONE || conf.compress > DT_COMPRESS_INT8 ||
+        conf.topk_ratio < 0 || conf.topk_ratio > 1) {
+        set_error(ctx, DT_EINVAL, "ddp_new: compress %d, topk_ratio %g: need a dt_compress value "
+                  "and 0 <= topk_ratio <= 1", (int)conf.compress, (double)conf.topk_ratio);
+        return NULL;
+    }
+    cfg = &conf;
     if (ddp_check_models(ctx, c) != DT_OK)
         return NULL;
     dt_ddp *d = host_calloc(ctx, sizeof *d);
@@ -7962,6 +8272,8 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         else
             d->be_iface->memset0(d->be, d->set[k], (size_t)d->set_floats * sizeof(float));
     }
+    if (s == DT_OK && d->cfg.compress != DT_COMPRESS_NONE)
+        s = ddp_alloc_compression(d);
     if (s != DT_OK) {
         set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for %lld gradient floats",
                   (long long)d->set_floats);
@@ -8014,7 +8326,7 @@ void dt_ddp_free(dt_ddp *d)
     d->al.free_fn(d, d->al.user);
 }
 
-/* --- 16.4 distributed evaluation and inference --------------------------- */
+/* --- 16.5 distributed evaluation and inference --------------------------- */
 
 void dt_eval_config_init(dt_eval_config *cfg)
 {

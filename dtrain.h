@@ -604,6 +604,19 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
  * ------------------------------------------------------------------------- */
 typedef struct dt_ddp dt_ddp;
 
+/* Gradient compression on the wire.  Compressed buckets are gathered (each
+ * rank's encoded bucket to every rank) and decoded and summed in rank
+ * order, so every rank still gets identical gradients.
+ *   BF16, FP16: 2 bytes per gradient (round to nearest even).
+ *   TOPK: the largest topk_ratio of each bucket's gradients by magnitude,
+ *         as (index, bf16 value) pairs: 6 bytes each.
+ *   INT8: 1 byte per gradient plus one fp32 scale per 256.
+ * TOPK and INT8 keep what they did not send (error feedback) and add it to
+ * the next step's gradients, as Deep Gradient Compression does. */
+typedef enum dt_compress {
+    DT_COMPRESS_NONE = 0, DT_COMPRESS_BF16, DT_COMPRESS_FP16, DT_COMPRESS_TOPK, DT_COMPRESS_INT8
+} dt_compress;
+
 typedef struct dt_ddp_config {
     size_t bucket_bytes;       /* gradient bytes per bucket, at most; 0: DTRAIN_BUCKET_BYTES,
                                   else the default (docs/DATA_PARALLEL.md says how it was
@@ -612,6 +625,10 @@ typedef struct dt_ddp_config {
                                   after backward, in dt_ddp_sync (for comparison) */
     int broadcast_params;      /* 1 (default): dt_ddp_new copies rank 0's parameters to
                                   every rank */
+    dt_compress compress;      /* DT_COMPRESS_NONE (default; DTRAIN_COMPRESS=none|bf16|
+                                  fp16|topk|int8 overrides it when left at NONE) */
+    float topk_ratio;          /* TOPK: fraction of each bucket sent; 0: 0.01 */
+    int error_feedback;        /* TOPK, INT8: 1 (default) carries the unsent rest over */
 } dt_ddp_config;
 DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
 
@@ -643,7 +660,9 @@ typedef struct dt_ddp_stats {
     double comm_s;             /* time the gradient allreduces ran (comm thread) */
     double exposed_s;          /* time the caller waited for them in dt_ddp_sync:
                                   communication not hidden behind backward */
-    uint64_t grad_bytes;       /* fp32 gradient bytes reduced (the payload) */
+    uint64_t grad_bytes;       /* fp32 gradient bytes reduced (what dense would carry) */
+    uint64_t payload_bytes;    /* bytes of this rank's encoded buckets (= grad_bytes
+                                  without compression) */
     uint64_t bytes_sent;       /* bytes this rank sent for them (dt_comm_bytes_sent) */
 } dt_ddp_stats;
 /* Totals since dt_ddp_new or the last reset. */

@@ -1,8 +1,15 @@
 /*
- * examples/fashion_mnist.c - train an MLP or a CNN on Fashion-MNIST.
+ * examples/fashion_mnist.c - train an MLP or a CNN on Fashion-MNIST, on one
+ * process or data-parallel on several.
  *
  *   build/fashion_mnist --model cnn --epochs 6 --threads 2
  *   build/fashion_mnist --model mlp --epochs 10 --save mlp.safetensors
+ *   build/fashion_mnist --model cnn --ranks 2      (2 local ranks, DDP over shm)
+ *   build/dtrun -n 2 build/fashion_mnist --model cnn    (the same, any launcher)
+ *
+ * With more than one rank every rank trains on its own shard of each epoch
+ * (batch = --batch per rank) and gradients are averaged with dt_ddp; the
+ * test set is evaluated in parts and the metrics summed.  Rank 0 prints.
  *
  * The data comes from Debian's dataset-fashion-mnist
  * (/usr/share/datasets/fashion-mnist).  The last line printed is
@@ -20,7 +27,7 @@
 
 typedef struct options {
     const char *model, *data, *save, *resume, *optim;
-    int epochs, batch, threads, limit_batches;
+    int epochs, batch, threads, limit_batches, ranks;
     float lr;
     unsigned long long seed;
 } options;
@@ -40,7 +47,9 @@ static void usage(FILE *f)
             "  --batch N           batch size (default 128 for mlp, 64 for cnn)\n"
             "  --lr X              learning rate (default 1e-3, Adam with cosine decay)\n"
             "  --optim adam|sgd    optimizer (sgd uses momentum 0.9; default adam)\n"
-            "  --threads N         compute threads (default 1)\n"
+            "  --threads N         compute threads per rank (default 1)\n"
+            "  --ranks N           train data-parallel on N local processes (default 1;\n"
+            "                      under a launcher such as build/dtrun, its world size)\n"
             "  --seed N            seed for init and shuffling (default 1)\n"
             "  --save PATH         write a checkpoint after every epoch\n"
             "  --resume PATH       continue from a checkpoint\n"
@@ -63,7 +72,7 @@ static int parse_int(const char *flag, const char *v, int lo, int *out)
 
 static int parse_args(int argc, char **argv, options *o)
 {
-    *o = (options){"mlp", NULL, NULL, NULL, "adam", 10, 0, 1, 0, 1e-3f, 1};
+    *o = (options){"mlp", NULL, NULL, NULL, "adam", 10, 0, 1, 0, 1, 1e-3f, 1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -80,6 +89,7 @@ static int parse_args(int argc, char **argv, options *o)
         else if (!strcmp(a, "--epochs")) ok = parse_int(a, v, 1, &o->epochs);
         else if (!strcmp(a, "--batch")) ok = parse_int(a, v, 1, &o->batch);
         else if (!strcmp(a, "--threads")) ok = parse_int(a, v, 1, &o->threads);
+        else if (!strcmp(a, "--ranks")) ok = parse_int(a, v, 1, &o->ranks);
         else if (!strcmp(a, "--limit-batches")) ok = parse_int(a, v, 1, &o->limit_batches);
         else if (!strcmp(a, "--lr")) { char *e; o->lr = strtof(v, &e); ok = !*e && o->lr > 0; }
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = !*e; }
@@ -183,47 +193,51 @@ static void progress(int tty, int epoch, int epochs, int64_t done, int64_t total
     }
 }
 
-static int evaluate(dt_ctx *ctx, const model *m, dt_loader *ld, double *acc)
+/* dt_evaluate's forward: the model's logits for a test batch */
+static dt_tensor *eval_forward(dt_ctx *ctx, dt_tensor *x, void *user)
 {
-    dt_set_grad_enabled(ctx, 0);
-    dt_set_training(ctx, 0);
-    dt_loader_start_epoch(ld, 0);
-    int64_t correct = 0, seen = 0;
-    dt_tensor *x, *y;
-    dt_status s;
-    while ((s = dt_loader_next(ld, &x, &y)) == DT_OK) {
-        dt_tensor *logits = model_forward(ctx, m, x);
-        int64_t c = 0;
-        if (!logits || dt_count_correct(ctx, logits, y, &c) != DT_OK)
-            return 0;
-        correct += c;
-        seen += dt_tensor_dim(x, 0);
-        dt_step_reset(ctx);
-    }
-    dt_set_grad_enabled(ctx, 1);
-    dt_set_training(ctx, 1);
-    *acc = seen ? (double)correct / (double)seen : 0;
-    return s == DT_EOF;
+    return model_forward(ctx, user, x);
 }
 
-static int fail(dt_ctx *ctx, const char *what)
+static int fail(dt_ctx *ctx, int rank, const char *what)
 {
-    fprintf(stderr, "fashion_mnist: %s: %s\n", what, dt_last_error(ctx));
+    fprintf(stderr, "fashion_mnist: rank %d: %s: %s\n", rank, what, dt_last_error(ctx));
     return 0;
 }
 
-static int train(const options *o, dt_ctx *ctx)
+/* Where one epoch's time went on this rank. */
+typedef struct breakdown {
+    double total, data, exposed, comm;
+} breakdown;
+
+static void print_breakdown(const breakdown *b, int ranks)
 {
-    int ok = 0, tty = isatty(STDOUT_FILENO);
+    double compute = b->total - b->data - b->exposed;
+    printf("step time: %.1f s = compute %.1f s (%.0f%%) + exposed communication %.2f s (%.0f%%) "
+           "+ data wait %.2f s (%.0f%%)",
+           b->total, compute, 100 * compute / b->total, b->exposed, 100 * b->exposed / b->total,
+           b->data, 100 * b->data / b->total);
+    if (ranks > 1)
+        printf("; allreduce ran %.2f s, %.0f%% of it hidden behind backward",
+               b->comm, b->comm > 0 ? 100 * (1 - b->exposed / b->comm) : 100.0);
+    printf("\n");
+}
+
+/* Train on this rank; comm is NULL for a single process. */
+static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
+{
+    int ok = 0, rank = comm ? dt_comm_rank(comm) : 0, ranks = comm ? dt_comm_size(comm) : 1;
+    int tty = rank == 0 && isatty(STDOUT_FILENO), talk = rank == 0;
     model m;
     dt_dataset *train_ds = NULL, *test_ds = NULL;
-    dt_loader *train_ld = NULL, *test_ld = NULL;
+    dt_loader *train_ld = NULL;
     dt_optim *opt = NULL;
+    dt_ddp *ddp = NULL;
     if (!model_build(ctx, &m, !strcmp(o->model, "cnn")))
-        return fail(ctx, "building the model");
+        return fail(ctx, rank, "building the model");
     if (!(train_ds = dt_dataset_fashion_mnist(ctx, o->data, 0)) ||
         !(test_ds = dt_dataset_fashion_mnist(ctx, o->data, 1))) {
-        fail(ctx, "loading the dataset");
+        fail(ctx, rank, "loading the dataset");
         goto done;
     }
     dt_loader_config lc;
@@ -232,12 +246,15 @@ static int train(const options *o, dt_ctx *ctx)
     lc.seed = o->seed;
     lc.mean = FMNIST_MEAN;
     lc.std = FMNIST_STD;
+    lc.prefetch = 1;
+    lc.shard_rank = rank;    /* each rank its own shard, reshuffled every epoch */
+    lc.shard_count = ranks;
     if (!(train_ld = dt_loader_new(ctx, train_ds, &lc)))
         goto fail_ctx;
-    lc.batch = 1000;
-    lc.shuffle = 0;
-    if (!(test_ld = dt_loader_new(ctx, test_ds, &lc)))
-        goto fail_ctx;
+    dt_eval_config ec;
+    dt_eval_config_init(&ec);
+    ec.mean = FMNIST_MEAN;
+    ec.std = FMNIST_STD;
     int64_t per_epoch = dt_loader_batches(train_ld);
     if (o->limit_batches && o->limit_batches < per_epoch)
         per_epoch = o->limit_batches;
@@ -255,12 +272,25 @@ static int train(const options *o, dt_ctx *ctx)
     if (o->resume) {
         if (dt_checkpoint_load(ctx, opt, o->resume, &step) != DT_OK)
             goto fail_ctx;
-        printf("resumed from %s at step %lld\n", o->resume, (long long)step);
+        if (talk)
+            printf("resumed from %s at step %lld\n", o->resume, (long long)step);
     }
-    printf("model %s, %d epochs, batch %d, lr %g, %d threads, %d parameters tensors\n", o->model,
-           o->epochs, o->batch, (double)o->lr, dt_ctx_threads(ctx), dt_param_count(ctx));
+    /* after a resume every rank holds the same weights anyway; otherwise
+     * rank 0's initialisation goes to all */
+    if (comm && !(ddp = dt_ddp_new(ctx, comm, opt, NULL)))
+        goto fail_ctx;
+    if (talk) {
+        printf("model %s, %d epochs, batch %d", o->model, o->epochs, o->batch);
+        if (ranks > 1)
+            printf(" per rank x %d ranks (DDP over %s)", ranks, dt_comm_transport(comm));
+        printf(", lr %g, %d threads, %d parameter tensors\n", (double)o->lr, dt_ctx_threads(ctx),
+               dt_param_count(ctx));
+    }
+    breakdown all = {0, 0, 0, 0};
     for (int epoch = (int)(step / per_epoch); epoch < o->epochs; epoch++) {
         dt_loader_start_epoch(train_ld, epoch);
+        if (ddp)
+            dt_ddp_stats_reset(ddp);
         double t0 = dt_now(), loss_sum = 0;
         int64_t correct = 0, seen = 0;
         dt_tensor *x, *y;
@@ -269,7 +299,8 @@ static int train(const options *o, dt_ctx *ctx)
             dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
             int64_t c = 0;
             if (!loss || dt_count_correct(ctx, logits, y, &c) != DT_OK ||
-                dt_backward(ctx, loss) != DT_OK || dt_optim_step(opt) != DT_OK)
+                dt_backward(ctx, loss) != DT_OK ||
+                (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK)
                 goto fail_ctx;
             dt_optim_zero_grad(opt);
             loss_sum += dt_tensor_item(loss);
@@ -277,34 +308,83 @@ static int train(const options *o, dt_ctx *ctx)
             seen += dt_tensor_dim(x, 0);
             dt_step_reset(ctx);
             step++;
-            progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
-                     (double)seen / (dt_now() - t0));
+            if (talk)
+                progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
+                         (double)(seen * ranks) / (dt_now() - t0));
         }
-        double secs = dt_now() - t0, test_acc = 0;
-        if (!evaluate(ctx, &m, test_ld, &test_acc))
+        breakdown bd = {dt_now() - t0, dt_loader_wait_seconds(train_ld), 0, 0};
+        if (ddp) {
+            dt_ddp_stats st;
+            dt_ddp_stats_get(ddp, &st);
+            bd.exposed = st.exposed_s;
+            bd.comm = st.comm_s;
+        }
+        all.total += bd.total;
+        all.data += bd.data;
+        all.exposed += bd.exposed;
+        all.comm += bd.comm;
+        /* the epoch's training numbers over all ranks */
+        float sums[3] = {(float)loss_sum, (float)correct, (float)seen};
+        if (comm && dt_allreduce(comm, sums, 3, DT_REDUCE_SUM) != DT_OK)
             goto fail_ctx;
-        printf("%sepoch %d: loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, "
-               "%.0f samples/s, %.1f s (data wait %.2f s)\n",
-               tty ? "\n" : "", epoch + 1, loss_sum / (double)per_epoch,
-               100.0 * (double)correct / (double)(seen ? seen : 1), 100 * test_acc,
-               (double)seen / secs, secs, dt_loader_wait_seconds(train_ld));
-        if (o->save && dt_checkpoint_save(ctx, opt, o->save, step) != DT_OK)
+        dt_metrics tm;
+        if (dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
+            goto fail_ctx;
+        if (talk)
+            printf("%sepoch %d: loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, "
+                   "%.0f samples/s, %.1f s (data wait %.2f s, exposed comm %.2f s)\n",
+                   tty ? "\n" : "", epoch + 1, sums[0] / (double)(per_epoch * ranks),
+                   100.0 * sums[1] / (double)(sums[2] > 0 ? sums[2] : 1), 100 * tm.accuracy,
+                   (double)sums[2] / bd.total, bd.total, bd.data, bd.exposed);
+        if (o->save && rank == 0 && dt_checkpoint_save(ctx, opt, o->save, step) != DT_OK)
             goto fail_ctx;
     }
-    double acc = 0;
-    if (!evaluate(ctx, &m, test_ld, &acc))
+    dt_metrics tm;
+    if (dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
         goto fail_ctx;
-    printf("test accuracy: %.2f%%\n", 100 * acc);
+    if (talk && all.total > 0)
+        print_breakdown(&all, ranks);
+    if (talk)
+        printf("test accuracy: %.2f%%\n", 100 * tm.accuracy);
     ok = 1;
     goto done;
 fail_ctx:
-    fail(ctx, "training");
+    if (tty)
+        printf("\n");
+    fail(ctx, rank, "training");
 done:
+    dt_ddp_free(ddp);
     dt_optim_free(opt);
     dt_loader_free(train_ld);
-    dt_loader_free(test_ld);
     dt_dataset_free(train_ds);
     dt_dataset_free(test_ds);
+    return ok;
+}
+
+/* This process's part: one rank of a job (world > 1) or the whole run. */
+static int run_rank(const options *o)
+{
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.threads = o->threads;
+    cfg.seed = o->seed;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    if (!ctx || dt_ctx_status(ctx) != DT_OK) {
+        fprintf(stderr, "fashion_mnist: %s\n", ctx ? dt_last_error(ctx) : "out of memory");
+        dt_ctx_free(ctx);
+        return 0;
+    }
+    dt_dist_env env;
+    dt_comm *comm = NULL;
+    int ok = dt_dist_env_detect(ctx, &env) == DT_OK;
+    if (!ok)
+        fail(ctx, 0, "reading the launcher's environment");
+    else if (env.world_size > 1 && !(comm = dt_comm_new(ctx, &env, NULL)))
+        ok = fail(ctx, env.rank, "joining the job");
+    if (ok)
+        ok = train(o, ctx, comm);
+    dt_comm_free(comm);
+    dt_ctx_free(ctx);
     return ok;
 }
 
@@ -313,17 +393,24 @@ int main(int argc, char **argv)
     options o;
     if (!parse_args(argc, argv, &o))
         return 2;
-    dt_config cfg;
-    dt_config_init(&cfg);
-    cfg.threads = o.threads;
-    cfg.seed = o.seed;
-    dt_ctx *ctx = dt_ctx_new(&cfg);
-    if (!ctx || dt_ctx_status(ctx) != DT_OK) {
-        fprintf(stderr, "fashion_mnist: %s\n", ctx ? dt_last_error(ctx) : "out of memory");
-        dt_ctx_free(ctx);
-        return 1;
+    if (o.ranks > 1 && !getenv("DTRAIN_RANK")) {
+        /* fork the ranks here; rank 0's output goes straight to the
+         * terminal so its progress bar works */
+        dt_ctx *sup = dt_ctx_new(NULL);
+        dt_spawn_config sc;
+        dt_spawn_config_init(&sc);
+        sc.nranks = o.ranks;
+        sc.prefix_output = 0;
+        int rank = -1;
+        dt_status st = sup ? dt_spawn(sup, &sc, &rank) : DT_ENOMEM;
+        if (st == DT_OK && rank >= 0) {   /* a worker */
+            dt_ctx_free(sup);
+            return run_rank(&o) ? 0 : 1;
+        }
+        if (st != DT_OK)
+            fprintf(stderr, "fashion_mnist: %s\n", sup ? dt_last_error(sup) : "out of memory");
+        dt_ctx_free(sup);
+        return st == DT_OK ? 0 : 1;
     }
-    int ok = train(&o, ctx);
-    dt_ctx_free(ctx);
-    return ok ? 0 : 1;
+    return run_rank(&o) ? 0 : 1;
 }

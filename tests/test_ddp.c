@@ -592,6 +592,188 @@ static void test_dead_rank(void **state)
     assert_int_equal(codes[1], 0);
 }
 
+/* --- compression ------------------------------------------------------------------ */
+
+/* Gradients of sum(w * x) are x: with values every codec carries exactly,
+ * the averaged gradient is known; top-k's error feedback shows on the
+ * second step. */
+static dt_compress cur_compress;
+
+static int grads_after(dt_ctx *ctx, dt_ddp *ddp, dt_tensor *w, const float *x, float *g)
+{
+    dt_tensor *xt = dt_tensor_temp(ctx, DT_F32, SHP(8));
+    if (!xt || dt_tensor_set(xt, x, 8) || dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, w, xt))) ||
+        dt_ddp_sync(ddp) || dt_tensor_get(dt_tensor_grad(w), g, 8))
+        return 1;
+    dt_zero_grad(ctx);
+    dt_step_reset(ctx);
+    return 0;
+}
+
+static int compress_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    dt_tensor *w = dt_param_new(ctx, "w", SHP(8));
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.compress = cur_compress;
+    dc.topk_ratio = 0.25f;   /* 2 of 8 */
+    dt_ddp *ddp = w ? dt_ddp_new(ctx, c, NULL, &dc) : NULL;
+    if (!ddp)
+        return 1;
+    float g[8];
+    /* ranks hold x and 3x, so the average is 2x (rank 0: x, rank 1: 3x) */
+    const float x[8] = {8, 1, 2, 3, -4, 5, 6, 7};
+    float mine[8], want[8];
+    for (int i = 0; i < 8; i++)
+        mine[i] = x[i] * (rank == 0 ? 1.0f : 3.0f);
+    if (grads_after(ctx, ddp, w, mine, g))
+        return 2;
+    if (cur_compress == DT_COMPRESS_TOPK) {
+        /* each rank sends its two largest: 8 (index 0) and 7 (index 7) */
+        const float t1[8] = {16, 0, 0, 0, 0, 0, 0, 14};
+        memcpy(want, t1, sizeof want);
+    } else {
+        for (int i = 0; i < 8; i++)
+            want[i] = 2 * x[i];
+    }
+    for (int i = 0; i < 8; i++)
+        /* int8 steps are 8/127 and 24/127: each rank's value within half a step */
+        if (fabsf(g[i] - want[i]) > (cur_compress == DT_COMPRESS_INT8 ? 0.065f : 0.0f)) {
+            fprintf(stderr, "rank %d codec %d step 1 [%d]: %g, want %g\n", rank, (int)cur_compress,
+                    i, (double)g[i], (double)want[i]);
+            return 3;
+        }
+    if (cur_compress == DT_COMPRESS_TOPK) {
+        /* error feedback: the unsent 1..6 come back on top of the next x */
+        if (grads_after(ctx, ddp, w, mine, g))
+            return 4;
+        const float t2[8] = {0, 0, 0, 0, 0, 20, 24, 0};   /* 2*5, 2*6: (1x + 3x) * 2 / 2 */
+        for (int i = 0; i < 8; i++)
+            if (g[i] != t2[i]) {
+                fprintf(stderr, "rank %d topk step 2 [%d]: %g, want %g\n", rank, i, (double)g[i],
+                        (double)t2[i]);
+                return 5;
+            }
+    }
+    dt_ddp_stats st;
+    dt_ddp_stats_get(ddp, &st);
+    uint64_t steps = (uint64_t)st.steps;
+    size_t code = cur_compress == DT_COMPRESS_TOPK ? 2 * 6 : cur_compress == DT_COMPRESS_INT8 ? 4 + 8
+                : cur_compress == DT_COMPRESS_NONE ? 32 : 16;
+    if (st.grad_bytes != steps * 32 || st.payload_bytes != steps * ((code + 3) / 4 * 4 + 4 * (cur_compress != DT_COMPRESS_NONE))) {
+        fprintf(stderr, "rank %d: grad_bytes %llu payload %llu\n", rank,
+                (unsigned long long)st.grad_bytes, (unsigned long long)st.payload_bytes);
+        return 6;
+    }
+    (void)world;
+    dt_ddp_free(ddp);
+    return 0;
+}
+
+static void test_compression_exact(void **state)
+{
+    (void)state;
+    const dt_compress kinds[] = {DT_COMPRESS_BF16, DT_COMPRESS_FP16, DT_COMPRESS_TOPK,
+                                 DT_COMPRESS_INT8};
+    for (int k = 0; k < TU_ARRAY_LEN(kinds); k++) {
+        cur_compress = kinds[k];
+        expect_all_ok(2, compress_rank);
+    }
+}
+
+/* A real model: bf16 sends half the bytes of dense, top-k 1% at least 50x
+ * fewer, int8 about a quarter; training still follows the dense run
+ * closely (bf16) or at all (the loss falls). */
+static int bytes_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    model m;
+    if (model_build(ctx, &m, 0))
+        return 1;
+    dt_optim *opt = make_optim(ctx, 0);
+    uint64_t sent[5];
+    float first_loss = 0, last_loss = 0;
+    for (int k = 0; k < 5; k++) {
+        dt_ddp_config dc;
+        dt_ddp_config_init(&dc);
+        dc.compress = (dt_compress)k;
+        dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+        if (!ddp)
+            return 2;
+        uint64_t before = dt_comm_bytes_sent(c);
+        for (int s = 0; s < 10; s++) {
+            dt_tensor *x, *y;
+            /* one fixed batch, so the loss must fall */
+            if (make_batch(ctx, 0, 0, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
+                return 3;
+            dt_tensor *loss = dt_cross_entropy(ctx, model_forward(ctx, &m, x), y);
+            if (dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
+                return 4;
+            if (k == DT_COMPRESS_TOPK && s == 0)
+                first_loss = dt_tensor_item(loss);
+            if (k == DT_COMPRESS_TOPK)
+                last_loss = dt_tensor_item(loss);
+            dt_zero_grad(ctx);
+            dt_step_reset(ctx);
+        }
+        sent[k] = dt_comm_bytes_sent(c) - before;
+        dt_ddp_stats st;
+        dt_ddp_stats_get(ddp, &st);
+        if (st.bytes_sent != sent[k])
+            return 5;
+        dt_ddp_free(ddp);
+    }
+    double r_bf16 = (double)sent[DT_COMPRESS_BF16] / (double)sent[0];
+    double r_fp16 = (double)sent[DT_COMPRESS_FP16] / (double)sent[0];
+    double r_topk = (double)sent[0] / (double)sent[DT_COMPRESS_TOPK];
+    double r_int8 = (double)sent[DT_COMPRESS_INT8] / (double)sent[0];
+    if (rank == 0)
+        print_message("[   INFO   ] bytes sent vs dense: bf16 %.3f, fp16 %.3f, int8 %.3f, topk 1/%.1f\n",
+                      r_bf16, r_fp16, r_int8, r_topk);
+    if (r_bf16 > 0.51 || r_fp16 > 0.51 || r_int8 > 0.26 || r_topk < 50)
+        return 6;
+    if (!(last_loss < first_loss))
+        return 7;
+    dt_optim_free(opt);
+    return 0;
+}
+
+static void test_compression_bytes(void **state)
+{
+    (void)state;
+    expect_all_ok(2, bytes_rank);
+}
+
+static int compress_errors_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)rank;
+    (void)world;
+    if (!dt_param_new(ctx, "w", SHP(4)))
+        return 1;
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.topk_ratio = 1.5f;
+    if (dt_ddp_new(ctx, c, NULL, &dc) || dt_last_status(ctx) != DT_EINVAL)
+        return 2;
+    dt_ddp_config_init(&dc);
+    setenv("DTRAIN_COMPRESS", "gzip", 1);
+    if (dt_ddp_new(ctx, c, NULL, &dc) || !strstr(dt_last_error(ctx), "DTRAIN_COMPRESS='gzip'"))
+        return 3;
+    setenv("DTRAIN_COMPRESS", "int8", 1);
+    dt_ddp *d = dt_ddp_new(ctx, c, NULL, &dc);
+    unsetenv("DTRAIN_COMPRESS");
+    if (!d)
+        return 4;
+    dt_ddp_free(d);
+    return 0;
+}
+
+static void test_compression_errors(void **state)
+{
+    (void)state;
+    expect_all_ok(1, compress_errors_rank);
+}
+
 /* --- distributed evaluation and inference ------------------------------------- */
 
 enum { EV_N = 23, EV_PIX = 16, EV_CLASSES = 3 };
@@ -742,6 +924,9 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_misuse),
     cmocka_unit_test(test_dead_rank),
     cmocka_unit_test(test_evaluate_predict),
+    cmocka_unit_test(test_compression_exact),
+    cmocka_unit_test(test_compression_bytes),
+    cmocka_unit_test(test_compression_errors),
 };
 
 DT_TEST_GROUP(ddp, tests)
