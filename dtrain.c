@@ -172,6 +172,8 @@ static dt_status ddp_backward_begin(struct dt_ddp *d);
 static void ddp_node_done(struct dt_ddp *d, const dt_node *n);
 static dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
 static void ddp_detach(struct dt_ddp *d);
+static int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
+static void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
 
 /* ===========================================================================
  * 2. Errors and the context
@@ -1831,18 +1833,29 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
         BE(ctx)->gemm(BEI(ctx), 0, 0, rows, in, out, 1.0f, dy, out, FP(w), in,
                       acc ? 1.0f : 0.0f, gx, in);
     }
-    if (needs_grad(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
-        float *gw = grad_target(ctx, w, &acc);
-        if (!gw)
-            return ctx->last_status;
-        BE(ctx)->gemm(BEI(ctx), 1, 0, out, in, rows, 1.0f, dy, out, FP(x), in,
-                      acc ? 1.0f : 0.0f, gw, in);
-    }
+    /* Under DDP a large weight's gradient is made in row blocks, each sent
+     * while the next computes (16); the bias goes first so it never holds
+     * back the bucket it shares with the weight's first rows. */
+    int64_t step = needs_grad(w) ? ddp_grad_chunk_rows(ctx, w, out, in) : 0;
     if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */
         float *gb = grad_target(ctx, b, &acc);
         if (!gb)
             return ctx->last_status;
         BE(ctx)->bias_grad(BEI(ctx), rows, out, 1, dy, gb, acc);
+        if (step > 0)
+            ddp_grad_rows_done(ctx, b, out, 1);
+    }
+    if (needs_grad(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
+        float *gw = grad_target(ctx, w, &acc);
+        if (!gw)
+            return ctx->last_status;
+        for (int64_t r0 = 0; r0 < out; r0 += step > 0 ? step : out) {
+            int64_t r1 = step > 0 && r0 + step < out ? r0 + step : out;
+            BE(ctx)->gemm(BEI(ctx), 1, 0, r1 - r0, in, rows, 1.0f, dy + r0, out, FP(x), in,
+                          acc ? 1.0f : 0.0f, gw + r0 * in, in);
+            if (step > 0)
+                ddp_grad_rows_done(ctx, w, r1, in);
+        }
     }
     return DT_OK;
 }
@@ -7414,14 +7427,19 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
  * allreduces left stays intact while the next backward writes.
  * ======================================================================== */
 
-#define DT_DDP_DEFAULT_BUCKET_BYTES ((size_t)4 << 20)
+/* The default bucket: about an eighth of the gradients, within these bounds
+ * (measured in docs/PERFORMANCE.md: 256 KiB buckets hid the most on 1 Gbit/s
+ * for the benchmark MLP and CNN; large models want fewer, larger calls). */
+#define DT_DDP_MIN_BUCKET_BYTES ((size_t)256 << 10)
+#define DT_DDP_MAX_BUCKET_BYTES ((size_t)25 << 20)
 #define DT_DDP_DIFF 240            /* chars of a model difference, as floats */
 
 typedef struct ddp_bucket {
-    int first, count;          /* d->order[first .. first + count) */
-    int64_t offset;            /* floats from the start of a set */
-    int64_t numel;             /* gradient floats; count flags follow them */
-    int pending;               /* parameters not yet final in this backward */
+    int64_t offset;            /* its first gradient float in a set */
+    int64_t numel;             /* gradient floats */
+    int count;                 /* flags that follow them: every parameter's in the
+                                  last bucket, none elsewhere */
+    int64_t pending;           /* gradient floats not yet final in this backward */
     dt_work *work;             /* its allreduce (or gather), in flight */
     /* compression (16.1): this rank's encoded bucket, everyone's, and what
      * error feedback carries to the next step */
@@ -7443,12 +7461,13 @@ struct dt_ddp {
     dt_tensor **params;        /* registration order (a copy of the context's list) */
     int *order;                /* bucket order: reverse registration */
     int64_t *offset;           /* param -> float offset of its gradient in a set */
-    int *bucket_of;            /* param -> bucket */
     int *uses;                 /* param -> uses left on the tape */
-    unsigned char *final;      /* param -> gradient final in this backward */
+    int64_t *done;             /* param -> floats of its gradient final (a prefix) */
     void **own_grad;           /* param -> the grad buffer it had before */
     float *set[2];
-    int64_t set_floats;
+    int64_t set_floats;        /* gradients, then one flag per parameter */
+    int64_t grad_floats;       /* gradients: where the flags start */
+    int64_t bucket_floats;     /* the cap: buckets cut every this many floats */
     int cur;                   /* set the gradients point at */
     ddp_bucket *buckets;
     int nbuckets, next_launch, ready_upto;
@@ -7751,18 +7770,13 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
 
 /* --- 16.2 launching buckets during backward ------------------------------- */
 
-/* Hand bucket b to the comm thread: zero the slots of parameters that got
- * no gradient, write the used-flags, start the average. */
+/* Hand bucket b to the comm thread (the last one carries the used-flags)
+ * and start the average. */
 static void ddp_launch(dt_ddp *d, ddp_bucket *b)
 {
-    float *flags = ddp_flags(d, d->cur, b);
-    for (int k = 0; k < b->count; k++) {
-        dt_tensor *g = d->params[d->order[b->first + k]]->grad;
-        int used = !(g->flags & T_ZERO);
-        if (!used)
-            d->be_iface->memset0(d->be, g->data, tensor_bytes(g));
-        flags[k] = used ? 1.0f : 0.0f;
-    }
+    float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
+    for (int k = 0; k < b->count; k++)
+        flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
     if (b == d->buckets)   /* the step's first */
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
     if (d->cfg.compress != DT_COMPRESS_NONE) {
@@ -7786,12 +7800,65 @@ static void ddp_launch_ready(dt_ddp *d)
         ddp_launch(d, &d->buckets[d->next_launch++]);
 }
 
+/* Floats [done, upto) of parameter i's gradient are final: the buckets
+ * they fall in have that many fewer to wait for. */
+static void ddp_mark_final(dt_ddp *d, int i, int64_t upto)
+{
+    int64_t lo = d->offset[i] + d->done[i], hi = d->offset[i] + upto;
+    if (hi <= lo)
+        return;
+    d->done[i] = upto;
+    for (int64_t j = lo / d->bucket_floats; j < d->nbuckets && d->buckets[j].offset < hi; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        int64_t a = lo > b->offset ? lo : b->offset;
+        int64_t e = hi < b->offset + b->numel ? hi : b->offset + b->numel;
+        if (e > a)
+            b->pending -= e - a;
+    }
+}
+
+/* Parameter i's whole gradient is final; one that got none is zeroed in its
+ * slot (the other ranks may have one: this rank adds nothing). */
 static void ddp_param_final(dt_ddp *d, int i)
 {
-    if (d->final[i])
+    dt_tensor *g = d->params[i]->grad;
+    int64_t n = dt_tensor_numel(g);
+    if (d->done[i] == n)
         return;
-    d->final[i] = 1;
-    d->buckets[d->bucket_of[i]].pending--;
+    if (g->flags & T_ZERO)
+        d->be_iface->memset0(d->be, (float *)g->data + d->done[i],
+                             (size_t)(n - d->done[i]) * sizeof(float));
+    ddp_mark_final(d, i, n);
+}
+
+/* For linear's backward (7.2): rows of w's gradient to compute per block so
+ * each finished block can travel while the next computes; 0: all at once.
+ * Only for a large weight whose last use on the tape this is. */
+#define DDP_CHUNK_MIN_FLOATS 65536
+static int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols)
+{
+    dt_ddp *d = ctx->ddp;
+    if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
+        d->uses[w->param_index] != 1 || d->recompute_left > 0 ||
+        rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
+        return 0;
+    int64_t target = rows * cols / 4;   /* at least four blocks, at most a bucket each */
+    target = target < d->bucket_floats ? target : d->bucket_floats;
+    target = target > DDP_CHUNK_MIN_FLOATS / 2 ? target : DDP_CHUNK_MIN_FLOATS / 2;
+    int64_t step = target / cols > 0 ? target / cols : 1;
+    return step < rows ? step : 0;
+}
+
+static void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols)
+{
+    dt_ddp *d = ctx->ddp;
+    if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
+        d->uses[w->param_index] != 1 || d->recompute_left > 0)
+        return;   /* not this op's to declare final */
+    ddp_mark_final(d, w->param_index, rows_done * cols);
+    int before = d->next_launch;
+    ddp_launch_ready(d);
+    d->st.block_launches += d->next_launch - before;
 }
 
 /* Every parameter with no uses left is final (while a recompute segment is
@@ -7834,7 +7901,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     if (!d->cfg.overlap)
         return DT_OK;   /* dt_ddp_sync launches everything */
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
-    memset(d->final, 0, (size_t)d->nparams);
+    memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
     d->recompute_left = 0;
     for (const dt_node *n = ctx->tape; n; n = n->prev) {
         if (n->seg_fn)
@@ -7844,7 +7911,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
                 d->uses[n->in[k]->param_index]++;
     }
     for (int b = 0; b < d->nbuckets; b++)
-        d->buckets[b].pending = d->buckets[b].count;
+        d->buckets[b].pending = d->buckets[b].numel;
     if (d->recompute_left == 0)
         ddp_finalize_unused(d);
     d->hooks = 1;
@@ -7896,6 +7963,11 @@ static dt_status ddp_finish(dt_ddp *d)
     if (!d->pending_sync)
         return DT_OK;
     double t0 = dt_now();
+    if (d->next_launch < d->nbuckets) {   /* no overlap: nothing was tracked */
+        memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
+        for (int i = 0; i < d->nparams; i++)
+            ddp_param_final(d, i);
+    }
     while (d->next_launch < d->nbuckets)
         ddp_launch(d, &d->buckets[d->next_launch++]);
     dt_status first = d->launch_status;
@@ -7919,16 +7991,13 @@ static dt_status ddp_finish(dt_ddp *d)
     d->pending_sync = 0;
     if (first != DT_OK)
         return set_error(d->ctx, first, "ddp: gradient allreduce failed: %s", msg);
-    for (int b = 0; b < d->nbuckets; b++) {
-        const ddp_bucket *bk = &d->buckets[b];
-        const float *flags = ddp_flags(d, d->cur, bk);
-        for (int k = 0; k < bk->count; k++) {
-            dt_tensor *g = d->params[d->order[bk->first + k]]->grad;
-            if (flags[k] > 0)
-                g->flags &= ~(unsigned)T_ZERO;
-            else
-                g->flags |= T_ZERO;
-        }
+    const float *flags = d->set[d->cur] + d->grad_floats;
+    for (int i = 0; i < d->nparams; i++) {
+        dt_tensor *g = d->params[i]->grad;
+        if (flags[i] > 0)
+            g->flags &= ~(unsigned)T_ZERO;
+        else
+            g->flags |= T_ZERO;
     }
     d->st.steps++;
     d->st.bytes_sent += dt_comm_bytes_sent(d->comm) - d->sent_at_launch;
@@ -8111,50 +8180,53 @@ static dt_status ddp_compress_from_env(dt_ctx *ctx, dt_ddp_config *cfg)
                      "topk or int8", e);
 }
 
-static size_t ddp_bucket_cap(const dt_ddp_config *cfg)
+static size_t ddp_bucket_cap(const dt_ddp_config *cfg, const dt_ctx *ctx)
 {
     if (cfg->bucket_bytes)
         return cfg->bucket_bytes;
     const char *e = getenv("DTRAIN_BUCKET_BYTES");
     char *end;
     unsigned long long v = e ? strtoull(e, &end, 10) : 0;
-    return e && *e && !*end && v > 0 ? (size_t)v : DT_DDP_DEFAULT_BUCKET_BYTES;
+    if (e && *e && !*end && v > 0)
+        return (size_t)v;
+    size_t total = 0;
+    for (int i = 0; i < ctx->n_params; i++)
+        total += tensor_bytes(ctx->params[i]);
+    size_t cap = total / 8;
+    return cap < DT_DDP_MIN_BUCKET_BYTES ? DT_DDP_MIN_BUCKET_BYTES
+         : cap > DT_DDP_MAX_BUCKET_BYTES ? DT_DDP_MAX_BUCKET_BYTES : cap;
 }
 
-/* Parameters in reverse registration order, cut into buckets of at most
- * cap bytes of gradient (a bigger parameter gets a bucket of its own);
- * each bucket starts on a 64-byte boundary. */
+/* Gradients lie contiguous in reverse registration order (the order
+ * backward finishes them), then one flag per parameter; buckets cut that
+ * every cap bytes, so a large parameter may span several (its row blocks
+ * then travel as linear's backward makes them). */
 static dt_status ddp_plan(dt_ddp *d, size_t cap)
 {
-    d->buckets = host_calloc(d->ctx, sizeof *d->buckets * (size_t)(d->nparams ? d->nparams : 1));
-    if (!d->buckets)
-        return DT_ENOMEM;
     int64_t off = 0;
-    ddp_bucket *b = NULL;
     for (int k = 0; k < d->nparams; k++) {
         int i = d->nparams - 1 - k;
-        int64_t numel = dt_tensor_numel(d->params[i]);
-        if (!b || (size_t)(b->numel + numel) * sizeof(float) > cap) {
-            if (b)
-                off = (b->offset + b->numel + b->count + 15) / 16 * 16;
-            b = &d->buckets[d->nbuckets++];
-            b->first = k;
-            b->offset = off;
-        }
         d->order[k] = i;
-        d->bucket_of[i] = (int)(b - d->buckets);
-        b->count++;
-        b->numel += numel;
+        d->offset[i] = off;
+        off += dt_tensor_numel(d->params[i]);
     }
-    for (int j = 0; j < d->nbuckets; j++) {   /* flags follow a bucket's gradients */
-        int64_t o = d->buckets[j].offset;
-        for (int k = 0; k < d->buckets[j].count; k++) {
-            int i = d->order[d->buckets[j].first + k];
-            d->offset[i] = o;
-            o += dt_tensor_numel(d->params[i]);
-        }
+    d->grad_floats = off;
+    d->bucket_floats = cap / sizeof(float) > 0 ? (int64_t)(cap / sizeof(float)) : 1;
+    int64_t nb = off > 0 ? (off + d->bucket_floats - 1) / d->bucket_floats : 1;
+    if (nb > INT32_MAX / 2)
+        return set_error(d->ctx, DT_EINVAL, "ddp_new: bucket_bytes %zu makes %lld buckets",
+                         cap, (long long)nb);
+    d->buckets = host_calloc(d->ctx, sizeof *d->buckets * (size_t)nb);
+    if (!d->buckets)
+        return DT_ENOMEM;
+    d->nbuckets = (int)nb;
+    for (int j = 0; j < d->nbuckets; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        b->offset = (int64_t)j * d->bucket_floats;
+        b->numel = off - b->offset < d->bucket_floats ? off - b->offset : d->bucket_floats;
     }
-    d->set_floats = b ? b->offset + b->numel + b->count : 1;
+    d->buckets[d->nbuckets - 1].count = d->nparams;
+    d->set_floats = off + d->nparams > 0 ? off + d->nparams : 1;
     return DT_OK;
 }
 
@@ -8182,9 +8254,8 @@ static void ddp_release(dt_ddp *d)
             d->be_iface->free(d->be, d->set[s]);
     host_free(ctx, d->order);
     host_free(ctx, d->offset);
-    host_free(ctx, d->bucket_of);
     host_free(ctx, d->uses);
-    host_free(ctx, d->final);
+    host_free(ctx, d->done);
     host_free(ctx, d->own_grad);
     for (int b = 0; d->buckets && b < d->nbuckets; b++) {
         host_free(ctx, d->buckets[b].payload);
@@ -8199,9 +8270,8 @@ static void ddp_release(dt_ddp *d)
     d->set[0] = d->set[1] = NULL;
     d->order = NULL;
     d->offset = NULL;
-    d->bucket_of = NULL;
     d->uses = NULL;
-    d->final = NULL;
+    d->done = NULL;
     d->own_grad = NULL;
     d->buckets = NULL;
 }
@@ -8257,13 +8327,12 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         memcpy(d->params, ctx->params, (size_t)d->nparams * sizeof *d->params);
     d->order = host_calloc(ctx, np * sizeof *d->order);
     d->offset = host_calloc(ctx, np * sizeof *d->offset);
-    d->bucket_of = host_calloc(ctx, np * sizeof *d->bucket_of);
     d->uses = host_calloc(ctx, np * sizeof *d->uses);
-    d->final = host_calloc(ctx, np);
+    d->done = host_calloc(ctx, np * sizeof *d->done);
     d->own_grad = host_calloc(ctx, np * sizeof *d->own_grad);
-    size_t cap = ddp_bucket_cap(cfg);
+    size_t cap = ddp_bucket_cap(cfg, ctx);
     dt_status s = DT_ENOMEM;
-    if (d->params && d->order && d->offset && d->bucket_of && d->uses && d->final && d->own_grad)
+    if (d->params && d->order && d->offset && d->uses && d->done && d->own_grad)
         s = ddp_plan(d, cap);
     for (int k = 0; s == DT_OK && k < 2; k++) {
         d->set[k] = d->be_iface->alloc(d->be, (size_t)d->set_floats * sizeof(float));

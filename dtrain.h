@@ -618,9 +618,10 @@ typedef enum dt_compress {
 } dt_compress;
 
 typedef struct dt_ddp_config {
-    size_t bucket_bytes;       /* gradient bytes per bucket, at most; 0: DTRAIN_BUCKET_BYTES,
-                                  else the default (docs/DATA_PARALLEL.md says how it was
-                                  chosen); a parameter larger than this gets its own bucket */
+    size_t bucket_bytes;       /* gradient bytes per bucket; 0: DTRAIN_BUCKET_BYTES, else
+                                  the default (docs/DATA_PARALLEL.md says how it was
+                                  chosen).  Buckets cut the gradients every this many
+                                  bytes, so a large parameter may span several */
     int overlap;               /* 1 (default): allreduce during backward; 0: all buckets
                                   after backward, in dt_ddp_sync (for comparison) */
     int broadcast_params;      /* 1 (default): dt_ddp_new copies rank 0's parameters to
@@ -664,6 +665,9 @@ typedef struct dt_ddp_stats {
     uint64_t payload_bytes;    /* bytes of this rank's encoded buckets (= grad_bytes
                                   without compression) */
     uint64_t bytes_sent;       /* bytes this rank sent for them (dt_comm_bytes_sent) */
+    int64_t block_launches;    /* buckets started from inside a layer's backward: a large
+                                  linear weight's gradient is made in row blocks, and each
+                                  finished block travels while the next computes */
 } dt_ddp_stats;
 /* Totals since dt_ddp_new or the last reset. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);

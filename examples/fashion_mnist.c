@@ -208,6 +208,7 @@ static int fail(dt_ctx *ctx, int rank, const char *what)
 /* Where one epoch's time went on this rank. */
 typedef struct breakdown {
     double total, data, exposed, comm;
+    double sent, grad, steps;   /* gradient bytes sent and their fp32 size, steps */
 } breakdown;
 
 static void print_breakdown(const breakdown *b, int ranks)
@@ -221,6 +222,10 @@ static void print_breakdown(const breakdown *b, int ranks)
         printf("; allreduce ran %.2f s, %.0f%% of it hidden behind backward",
                b->comm, b->comm > 0 ? 100 * (1 - b->exposed / b->comm) : 100.0);
     printf("\n");
+    if (ranks > 1 && b->steps > 0 && b->sent > 0)
+        printf("gradient traffic: %.1f KiB sent per step per rank (fp32 gradients %.1f KiB: "
+               "%.1fx less)\n", b->sent / b->steps / 1024, b->grad / b->steps / 1024,
+               b->grad / b->sent);
 }
 
 /* Train on this rank; comm is NULL for a single process. */
@@ -286,7 +291,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         printf(", lr %g, %d threads, %d parameter tensors\n", (double)o->lr, dt_ctx_threads(ctx),
                dt_param_count(ctx));
     }
-    breakdown all = {0, 0, 0, 0};
+    breakdown all = {0, 0, 0, 0, 0, 0, 0};
     for (int epoch = (int)(step / per_epoch); epoch < o->epochs; epoch++) {
         dt_loader_start_epoch(train_ld, epoch);
         if (ddp)
@@ -312,12 +317,15 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                 progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
                          (double)(seen * ranks) / (dt_now() - t0));
         }
-        breakdown bd = {dt_now() - t0, dt_loader_wait_seconds(train_ld), 0, 0};
+        breakdown bd = {dt_now() - t0, dt_loader_wait_seconds(train_ld), 0, 0, 0, 0, 0};
         if (ddp) {
             dt_ddp_stats st;
             dt_ddp_stats_get(ddp, &st);
             bd.exposed = st.exposed_s;
             bd.comm = st.comm_s;
+            all.sent += (double)st.bytes_sent;
+            all.grad += (double)st.grad_bytes;
+            all.steps += (double)st.steps;
         }
         all.total += bd.total;
         all.data += bd.data;

@@ -74,17 +74,26 @@ static void expect_all_ok(int world, ddp_fn fn)
 
 /* --- models ---------------------------------------------------------------- */
 
-enum { IN = 24, HID = 32, CLASSES = 10, IMG = 8 };
+enum { IN = 24, HID = 32, CLASSES = 10, IMG = 8, WIDE_IN = 600, WIDE_HID = 256 };
+enum { MLP = 0, CNN = 1, WIDE = 2 };   /* WIDE: fc1 is big enough to be sent in row blocks */
 
 typedef struct model {
     int cnn;
     dt_tensor *w1, *b1, *w2, *b2;   /* MLP: fc1, fc2; CNN: conv, fc */
 } model;
 
-static int model_build(dt_ctx *ctx, model *m, int cnn)
+static int in_features(int kind) { return kind == CNN ? IMG * IMG : kind == WIDE ? WIDE_IN : IN; }
+
+static int model_build(dt_ctx *ctx, model *m, int kind)
 {
+    int cnn = kind == CNN;
     m->cnn = cnn;
-    if (cnn) {
+    if (kind == WIDE) {
+        m->w1 = dt_param_new(ctx, "fc1.weight", SHP(WIDE_HID, WIDE_IN));
+        m->b1 = dt_param_new(ctx, "fc1.bias", SHP(WIDE_HID));
+        m->w2 = dt_param_new(ctx, "fc2.weight", SHP(CLASSES, WIDE_HID));
+        m->b2 = dt_param_new(ctx, "fc2.bias", SHP(CLASSES));
+    } else if (cnn) {
         m->w1 = dt_param_new(ctx, "conv.weight", SHP(4, 1, 3, 3));
         m->b1 = dt_param_new(ctx, "conv.bias", SHP(4));
         m->w2 = dt_param_new(ctx, "fc.weight", SHP(CLASSES, 4 * (IMG / 2) * (IMG / 2)));
@@ -97,7 +106,8 @@ static int model_build(dt_ctx *ctx, model *m, int cnn)
     }
     if (!m->w1 || !m->b1 || !m->w2 || !m->b2)
         return 1;
-    int64_t fan1 = cnn ? 9 : IN, fan2 = cnn ? 4 * (IMG / 2) * (IMG / 2) : HID;
+    int64_t fan1 = cnn ? 9 : in_features(kind);
+    int64_t fan2 = cnn ? 4 * (IMG / 2) * (IMG / 2) : kind == WIDE ? WIDE_HID : HID;
     return dt_init_kaiming_uniform(ctx, m->w1, sqrtf(5.0f)) || dt_init_bias(ctx, m->b1, fan1) ||
            dt_init_kaiming_uniform(ctx, m->w2, sqrtf(5.0f)) || dt_init_bias(ctx, m->b2, fan2);
 }
@@ -113,20 +123,21 @@ static dt_tensor *model_forward(dt_ctx *ctx, const model *m, dt_tensor *x)
 }
 
 /* Sample i of step s, the same in every process: features and a label. */
-static void sample(int cnn, int64_t s, int64_t i, float *x, int32_t *y)
+static void sample(int kind, int64_t s, int64_t i, float *x, int32_t *y)
 {
     tu_rng r = {(uint64_t)(s * 100003 + i) * 7919u + 17};
-    int n = cnn ? IMG * IMG : IN;
+    int n = in_features(kind);
     for (int k = 0; k < n; k++)
         x[k] = tu_uniform(&r, -1.0f, 1.0f);
     *y = (int32_t)(tu_next(&r) % CLASSES);
 }
 
 /* The batch of samples [lo, hi) of step s as tensors (step memory). */
-static int make_batch(dt_ctx *ctx, int cnn, int64_t s, int64_t lo, int64_t hi, dt_tensor **x,
+static int make_batch(dt_ctx *ctx, int kind, int64_t s, int64_t lo, int64_t hi, dt_tensor **x,
                       dt_tensor **y)
 {
-    int64_t b = hi - lo, n = cnn ? IMG * IMG : IN;
+    int cnn = kind == CNN;
+    int64_t b = hi - lo, n = in_features(kind);
     float *xs = malloc(sizeof(float) * (size_t)(b * n));
     int32_t *ys = malloc(sizeof(int32_t) * (size_t)b);
     if (!xs || !ys) {
@@ -135,8 +146,8 @@ static int make_batch(dt_ctx *ctx, int cnn, int64_t s, int64_t lo, int64_t hi, d
         return 1;
     }
     for (int64_t i = 0; i < b; i++)
-        sample(cnn, s, lo + i, xs + i * n, ys + i);
-    *x = cnn ? dt_tensor_temp(ctx, DT_F32, SHP(b, 1, IMG, IMG)) : dt_tensor_temp(ctx, DT_F32, SHP(b, IN));
+        sample(kind, s, lo + i, xs + i * n, ys + i);
+    *x = cnn ? dt_tensor_temp(ctx, DT_F32, SHP(b, 1, IMG, IMG)) : dt_tensor_temp(ctx, DT_F32, SHP(b, n));
     *y = dt_tensor_temp(ctx, DT_I32, SHP(b));
     int bad = !*x || !*y || dt_tensor_set(*x, xs, b * n) || dt_tensor_set(*y, ys, b);
     free(xs);
@@ -144,10 +155,10 @@ static int make_batch(dt_ctx *ctx, int cnn, int64_t s, int64_t lo, int64_t hi, d
     return bad;
 }
 
-static dt_optim *make_optim(dt_ctx *ctx, int cnn)
+static dt_optim *make_optim(dt_ctx *ctx, int kind)
 {
     dt_optim_config oc;
-    if (cnn) {
+    if (kind == CNN) {
         dt_optim_config_init(&oc, DT_ADAM);
         oc.lr = 0.01f;
     } else {
@@ -213,28 +224,28 @@ static int params_agree(dt_ctx *ctx, dt_comm *c)
 enum { STEPS = 20, PER_RANK = 8 };
 
 typedef struct equiv_case {
-    int cnn;
+    int kind;                  /* MLP, CNN, WIDE */
     size_t bucket_bytes;
     int overlap;
 } equiv_case;
 static equiv_case cur_case;
 
 /* The reference: one process, batch world * PER_RANK, seeded as rank 0. */
-static dt_ctx *reference_run(int cnn, int world)
+static dt_ctx *reference_run(int kind, int world)
 {
     dt_config cfg;
     dt_config_init(&cfg);
     cfg.seed = 1000;
     dt_ctx *ref = dt_ctx_new(&cfg);
     model m;
-    if (!ref || model_build(ref, &m, cnn)) {
+    if (!ref || model_build(ref, &m, kind)) {
         dt_ctx_free(ref);
         return NULL;
     }
-    dt_optim *opt = make_optim(ref, cnn);
+    dt_optim *opt = make_optim(ref, kind);
     for (int s = 0; opt && s < STEPS; s++) {
         dt_tensor *x, *y;
-        if (make_batch(ref, cnn, s, 0, (int64_t)world * PER_RANK, &x, &y) ||
+        if (make_batch(ref, kind, s, 0, (int64_t)world * PER_RANK, &x, &y) ||
             dt_backward(ref, dt_cross_entropy(ref, model_forward(ref, &m, x), y)) ||
             dt_optim_step(opt)) {
             dt_optim_free(opt);
@@ -252,9 +263,9 @@ static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     const equiv_case *ec = &cur_case;
     model m;
-    if (model_build(ctx, &m, ec->cnn))
+    if (model_build(ctx, &m, ec->kind))
         return 1;
-    dt_optim *opt = make_optim(ctx, ec->cnn);
+    dt_optim *opt = make_optim(ctx, ec->kind);
     dt_ddp_config dc;
     dt_ddp_config_init(&dc);
     dc.bucket_bytes = ec->bucket_bytes;
@@ -264,7 +275,7 @@ static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 2;
     for (int s = 0; s < STEPS; s++) {
         dt_tensor *x, *y;
-        if (make_batch(ctx, ec->cnn, s, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
+        if (make_batch(ctx, ec->kind, s, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
             return 3;
         if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK)
             return 4;
@@ -284,7 +295,13 @@ static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 7;
     if (ec->bucket_bytes == 256 && st.buckets < 3)   /* small buckets: several */
         return 8;
-    dt_ctx *ref = reference_run(ec->cnn, world);
+    /* the wide fc1 is sent in row blocks as backward makes them (overlap on) */
+    if ((ec->kind == WIDE && ec->overlap) != (st.block_launches > 0)) {
+        fprintf(stderr, "rank %d: %lld buckets started from inside backward\n", rank,
+                (long long)st.block_launches);
+        return 12;
+    }
+    dt_ctx *ref = reference_run(ec->kind, world);
     if (!ref)
         return 9;
     double rel = param_rel_diff(ctx, ref);
@@ -310,6 +327,11 @@ static void test_equivalence_mlp(void **state)
     }
     cur_case = (equiv_case){0, 1024, 1};
     expect_all_ok(3, equivalence_rank);
+    /* fc1 of 256 x 600 spans several 64 KiB buckets, sent in row blocks */
+    cur_case = (equiv_case){WIDE, 65536, 1};
+    expect_all_ok(2, equivalence_rank);
+    cur_case = (equiv_case){WIDE, 65536, 0};
+    expect_all_ok(2, equivalence_rank);
 }
 
 static void test_equivalence_cnn(void **state)

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# tests/bench/ddp.sh - data parallelism, in one run:
+#   1. throughput on this host, 2 ranks x 1 thread: dtrain DDP against
+#      PyTorch DDP (gloo, python3-torch) on the same models and per-rank
+#      batch, and against dtrain's own single process with 2 threads and the
+#      doubled batch (targets: >= 1.5x PyTorch, >= 0.9x single process);
+#   2. overlap across 2 hosts in network namespaces linked at 1 Gbit/s
+#      (../shared/tools/netns-cluster.sh): exposed communication as a share
+#      of all communication (target <= 25%), and the step time against the
+#      no-overlap mode;
+#   3. compression on Fashion-MNIST (MLP, 2 ranks): test accuracy and bytes
+#      sent per step, dense against bf16, fp16, top-k 1% and int8 (targets:
+#      top-k within 0.5 points of dense with >= 50x fewer bytes; bf16 half
+#      the bytes, within 0.2 points).
+#
+#   bash tests/bench/ddp.sh      (from any cwd; about 5-8 minutes)
+#
+# Knobs: REPEATS=2 (throughput passes, best kept), EPOCHS=10 (section 3),
+# SECTIONS="1 2 3", TORCH_PYTHON=/usr/bin/python3, STRICT=1 (exit 1 on a
+# missed target).  Every ratio compares numbers taken in this run.
+set -uo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+cd "$ROOT"
+PY=${TORCH_PYTHON:-/usr/bin/python3}
+REPEATS=${REPEATS:-2}
+EPOCHS=${EPOCHS:-10}
+SECTIONS=${SECTIONS:-"1 2 3"}
+STRICT=${STRICT:-0}
+OUT="$HERE/build/ddp"
+mkdir -p "$OUT"
+CLUSTER=$ROOT/../shared/tools/netns-cluster.sh
+MISS=0
+
+timeout 300 ./build.sh >&2 || { echo "ddp.sh: ./build.sh failed" >&2; exit 1; }
+BIN="$OUT/bench_ddp"
+gcc -std=c11 -O2 -Wall -Wextra -Werror -I"$ROOT" "$HERE/bench_ddp.c" "$ROOT/build/libdtrain.a" \
+    -lopenblas -lfabric -lz -lm -lpthread -o "$BIN" || { echo "ddp.sh: building bench_ddp failed" >&2; exit 1; }
+
+# key=value from a result line
+val() { echo "$1" | tr ' ' '\n' | sed -n "s/^$2=//p"; }
+best() { # best samples_per_s over lines on stdin
+    awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^samples_per_s=/) { v = substr($i, 15) + 0; if (v > b) b = v } } END { print b + 0 }'
+}
+verdict() { if [[ $1 == 1 ]]; then echo PASS; else MISS=$((MISS + 1)); echo MISS; fi; }
+ge() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a >= b) }'; }
+
+# ------------------------------------------------- 1. throughput, one host ---
+if [[ " $SECTIONS " == *" 1 "* ]]; then
+    echo "== 1. throughput on this host: 2 ranks x 1 thread (samples/s, best of $REPEATS) =="
+    printf "%-5s %6s | %12s %12s %8s | %14s %8s\n" model batch "dtrain DDP" "PyTorch DDP" ratio \
+        "dtrain 1 proc" ratio
+    for spec in "mlp 128 300" "cnn 64 60"; do
+        read -r model batch steps <<< "$spec"
+        : > "$OUT/t_$model"
+        for rep in $(seq 1 "$REPEATS"); do
+            "$BIN" --model "$model" --batch "$batch" --steps "$steps" --ranks 2 >> "$OUT/t_$model.dt" 2>&1
+            "$BIN" --model "$model" --batch $((2 * batch)) --steps "$steps" --threads 2 >> "$OUT/t_$model.one" 2>&1
+            OMP_NUM_THREADS=1 timeout 600 "$PY" "$HERE/bench_ddp_torch.py" --model "$model" \
+                --batch "$batch" --steps $((steps / 2)) >> "$OUT/t_$model.pt" 2>&1
+        done
+        dt=$(grep '^ddp ' "$OUT/t_$model.dt" | best)
+        one=$(grep '^ddp ' "$OUT/t_$model.one" | best)
+        pt=$(grep '^ddp_torch ' "$OUT/t_$model.pt" | best)
+        r_pt=$(awk -v a="$dt" -v b="$pt" 'BEGIN { printf "%.2f", b > 0 ? a / b : 0 }')
+        r_one=$(awk -v a="$dt" -v b="$one" 'BEGIN { printf "%.2f", b > 0 ? a / b : 0 }')
+        printf "%-5s %6s | %12.0f %12.0f %7sx | %14.0f %7sx\n" "$model" "$batch" "$dt" "$pt" "$r_pt" "$one" "$r_one"
+        eval "R_PT_$model=$r_pt R_ONE_$model=$r_one"
+        rm -f "$OUT/t_$model".*
+    done
+    printf "%-60s %6sx  %s\n" "MLP: dtrain DDP >= 1.5x PyTorch DDP" "$R_PT_mlp" "$(verdict "$(ge "$R_PT_mlp" 1.5 && echo 1)")"
+    printf "%-60s %6sx  %s\n" "MLP: dtrain DDP >= 0.9x dtrain single process, 2 threads" "$R_ONE_mlp" "$(verdict "$(ge "$R_ONE_mlp" 0.9 && echo 1)")"
+    printf "%-60s %6sx  (for reference)\n" "CNN: dtrain DDP vs PyTorch DDP" "$R_PT_cnn"
+    printf "%-60s %6sx  (for reference)\n" "CNN: dtrain DDP vs dtrain single process, 2 threads" "$R_ONE_cnn"
+    echo
+fi
+
+# ------------------------------------------------ 2. overlap, 2 netns hosts ---
+if [[ " $SECTIONS " == *" 2 "* ]]; then
+    echo "== 2. overlap: 2 hosts (network namespaces) linked at 1 Gbit/s, 1 rank each =="
+    export NETNS_PREFIX=dtbo NETNS_SUBNET=10.83.0
+    if ! out=$(bash "$CLUSTER" up 2 --rate 1gbit 2>&1); then
+        echo "skipped: ${out##*error: }"
+    else
+        trap 'bash "$CLUSTER" down >/dev/null 2>&1' EXIT
+        A0=$(bash "$CLUSTER" addr 0) A1=$(bash "$CLUSTER" addr 1)
+        pair() { # bench_ddp args: rank 1 on host 1, rank 0 on host 0; prints rank 0's line
+            local port=$((29700 + RANDOM % 200))
+            bash "$CLUSTER" exec 1 env DTRAIN_RANK=1 DTRAIN_WORLD_SIZE=2 DTRAIN_MASTER="$A0:$port" \
+                DTRAIN_HOST="$A1" "$BIN" "$@" > "$OUT/r1.log" 2>&1 &
+            bash "$CLUSTER" exec 0 env DTRAIN_RANK=0 DTRAIN_WORLD_SIZE=2 DTRAIN_MASTER="$A0:$port" \
+                DTRAIN_HOST="$A0" DTRAIN_STORE_BIND="$A0" "$BIN" "$@" 2>&1 | grep '^ddp '
+            wait
+        }
+        printf "%-5s %6s | %9s %9s %9s %8s | %12s %8s\n" model batch "comm ms" "exposed" "share" \
+            "step ms" "no-overlap" speedup
+        for spec in "mlp 1024 30" "cnn 64 60"; do
+            read -r model batch steps <<< "$spec"
+            on=$(pair --model "$model" --batch "$batch" --steps "$steps" --warmup 5)
+            off=$(pair --model "$model" --batch "$batch" --steps "$steps" --warmup 5 --overlap 0)
+            share=$(val "$on" exposed_frac) s_on=$(val "$on" step_ms) s_off=$(val "$off" step_ms)
+            printf "%-5s %6s | %9s %9s %8.0f%% %8s | %12s %7.2fx\n" "$model" "$batch" "$(val "$on" comm_ms)" \
+                "$(val "$on" exposed_ms)" "$(awk -v s="$share" 'BEGIN { print 100 * s }')" "$s_on" "$s_off" \
+                "$(awk -v a="$s_off" -v b="$s_on" 'BEGIN { print b > 0 ? a / b : 0 }')"
+            eval "SHARE_$model=$share"
+            echo "  ($on)"
+        done
+        for model in mlp cnn; do
+            eval "s=\$SHARE_$model"
+            printf "%-60s %6.0f%%  %s\n" "$model: exposed communication <= 25% of communication" \
+                "$(awk -v s="$s" 'BEGIN { print 100 * s }')" "$(verdict "$(ge 0.25 "$s" && echo 1)")"
+        done
+        bash "$CLUSTER" down >/dev/null 2>&1
+        trap - EXIT
+    fi
+    echo
+fi
+
+# ------------------------------------------------------ 3. compression -------
+if [[ " $SECTIONS " == *" 3 "* ]]; then
+    echo "== 3. compression: Fashion-MNIST MLP, 2 ranks over shm, $EPOCHS epochs =="
+    printf "%-6s | %9s | %16s %10s\n" codec "test acc" "sent KiB/step" "vs dense"
+    for codec in none bf16 fp16 topk int8; do
+        log="$OUT/fm_$codec.log"
+        DTRAIN_COMPRESS=$codec build/fashion_mnist --model mlp --epochs "$EPOCHS" --ranks 2 > "$log" 2>&1
+        acc=$(sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p' "$log" | tail -1)
+        kib=$(sed -n 's/^gradient traffic: \([0-9.]*\) KiB sent per step.*/\1/p' "$log" | tail -1)
+        eval "ACC_$codec=${acc:-0} KIB_$codec=${kib:-0}"
+        printf "%-6s | %8s%% | %16s %9.1fx\n" "$codec" "${acc:-n/a}" "${kib:-n/a}" \
+            "$(awk -v d="$KIB_none" -v k="${kib:-0}" 'BEGIN { print k > 0 ? d / k : 0 }')"
+    done
+    topk_x=$(awk -v d="$KIB_none" -v k="$KIB_topk" 'BEGIN { printf "%.1f", k > 0 ? d / k : 0 }')
+    bf_x=$(awk -v d="$KIB_none" -v k="$KIB_bf16" 'BEGIN { printf "%.2f", d > 0 ? k / d : 9 }')
+    d_topk=$(awk -v a="$ACC_none" -v b="$ACC_topk" 'BEGIN { printf "%.2f", a - b }')
+    d_bf=$(awk -v a="$ACC_none" -v b="$ACC_bf16" 'BEGIN { printf "%.2f", a - b }')
+    printf "%-60s %6s   %s\n" "top-k 1%: accuracy within 0.5 points of dense (loss)" "$d_topk" "$(verdict "$(ge 0.5 "$d_topk" && echo 1)")"
+    printf "%-60s %6sx  %s\n" "top-k 1%: at least 50x fewer bytes than dense" "$topk_x" "$(verdict "$(ge "$topk_x" 50 && echo 1)")"
+    printf "%-60s %6sx  %s\n" "bf16: at most half the bytes of dense" "$bf_x" "$(verdict "$(ge 0.5 "$bf_x" && echo 1)")"
+    printf "%-60s %6s   %s\n" "bf16: accuracy within 0.2 points of dense (loss)" "$d_bf" "$(verdict "$(ge 0.2 "$d_bf" && echo 1)")"
+fi
+
+echo
+echo "$MISS target(s) missed"
+((STRICT && MISS)) && exit 1
+exit 0
