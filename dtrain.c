@@ -2942,6 +2942,8 @@ struct dt_optim {
     float base_lr, lr;
     int has_sched;
     dt_schedule sched;
+    int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
+                                   (momentum correction, 16.1); the step must not again */
 };
 
 void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
@@ -3135,7 +3137,8 @@ dt_status dt_optim_step(dt_optim *o)
         int64_t t = ++o->param_steps[i];
         if (c->kind == DT_SGD) {
             float *buf = o->per ? FP(o->state[i]) : NULL;
-            BE(ctx)->sgd_update(BEI(ctx), cnt, FP(p), FP(g), buf, o->lr, c->momentum, c->dampening,
+            BE(ctx)->sgd_update(BEI(ctx), cnt, FP(p), FP(g), buf, o->lr,
+                                o->momentum_by_ddp ? 0.0f : c->momentum, c->dampening,
                                 c->nesterov, c->weight_decay, t == 1);
         } else {
             float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
@@ -7444,9 +7447,13 @@ typedef struct ddp_bucket {
     /* compression (16.1): this rank's encoded bucket, everyone's, and what
      * error feedback carries to the next step */
     int64_t topk;              /* TOPK: entries sent */
+    int npieces;               /* TOPK: the parameters' parts in this bucket, each */
+    int64_t *pieces;           /*   (start, end, k): k chosen per parameter, as DGC does,
+                                    so small-gradient layers are not starved */
     size_t code_bytes;         /* encoded gradients, before the flags */
     int64_t payload_floats;    /* encoded gradients + flags, in floats */
     float *payload, *gathered, *residual;
+    float *velocity;           /* TOPK with SGD momentum: the momentum, kept locally */
 } ddp_bucket;
 
 struct dt_ddp {
@@ -7480,6 +7487,9 @@ struct dt_ddp {
     double t_backward;
     uint64_t sent_at_launch;
     float *scratch;            /* TOPK selection, numel of the largest bucket */
+    unsigned char *picked;     /* TOPK: which entries were sent, same size */
+    float momentum;            /* > 0: momentum correction (16.1) */
+    int64_t topk_steps;        /* TOPK: steps sent so far (the warm-up's clock) */
     dt_ddp_stats st;
 };
 
@@ -7636,28 +7646,35 @@ static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, cha
         break;
     }
     case DT_COMPRESS_TOPK: {
-        /* threshold: the k-th largest magnitude; ties taken in index order */
         int64_t k = b->topk, taken = 0;
-        float *mag = d->scratch;
-        for (int64_t i = 0; i < n; i++)
-            mag[i] = fabsf(g[i]);
-        float t = select_kth(mag, n, n - k);
-        int64_t above = 0;
-        for (int64_t i = 0; i < n; i++)
-            above += fabsf(g[i]) > t;
-        int64_t ties = k - above;
-        for (int64_t i = 0; i < n; i++) {
-            float a = fabsf(g[i]);
-            sent[i] = 0;
-            if (taken < k && (a > t || (a == t && ties > 0))) {
-                if (!(a > t))
-                    ties--;
-                uint32_t idx = (uint32_t)i;
-                uint16_t h = f32_to_bf16(g[i]);
-                memcpy(out + 4 * taken, &idx, 4);
-                memcpy(out + 4 * k + 2 * taken, &h, 2);
-                sent[i] = bf16_to_f32(h);
-                taken++;
+        for (int p = 0; p < b->npieces; p++) {
+            int64_t lo = b->pieces[3 * p], hi = b->pieces[3 * p + 1], kp = b->pieces[3 * p + 2];
+            /* threshold: the kp-th largest magnitude; ties taken in index order */
+            float *mag = d->scratch;
+            for (int64_t i = lo; i < hi; i++)
+                mag[i - lo] = fabsf(g[i]);
+            float t = select_kth(mag, hi - lo, hi - lo - kp);
+            int64_t above = 0, got = 0;
+            for (int64_t i = lo; i < hi; i++) {
+                above += fabsf(g[i]) > t;
+                d->picked[i] = 0;
+            }
+            int64_t ties = kp - above;
+            for (int64_t i = lo; i < hi; i++) {
+                float a = fabsf(g[i]);
+                sent[i] = 0;
+                if (got < kp && (a > t || (a == t && ties > 0))) {
+                    if (!(a > t))
+                        ties--;
+                    uint32_t idx = (uint32_t)i;
+                    uint16_t h = f32_to_bf16(g[i]);
+                    memcpy(out + 4 * taken, &idx, 4);
+                    memcpy(out + 4 * k + 2 * taken, &h, 2);
+                    sent[i] = bf16_to_f32(h);
+                    d->picked[i] = 1;
+                    taken++;
+                    got++;
+                }
             }
         }
         break;
@@ -7708,10 +7725,51 @@ static void ddp_decode_add(const dt_ddp *d, const ddp_bucket *b, const char *cod
 
 /* Encode bucket b (its gradients, plus what error feedback kept) and start
  * gathering every rank's encoding. */
+/* Top-k's ratio at step t: during the warm-up it falls geometrically from
+ * 25% to the configured ratio (DGC's warm-up), then stays there. */
+static double ddp_topk_ratio(const dt_ddp *d, int64_t t)
+{
+    double r = d->cfg.topk_ratio > 0 ? d->cfg.topk_ratio : 0.01;
+    int64_t w = d->cfg.topk_warmup_steps;
+    if (w <= 0 || t >= w || r >= 0.25)
+        return r;
+    double q = (double)t / (double)w;
+    return exp(log(0.25) * (1 - q) + log(r) * q);
+}
+
+/* This step's entries per piece and the payload's size. */
+static void ddp_topk_size(const dt_ddp *d, ddp_bucket *b, double ratio)
+{
+    b->topk = 0;
+    for (int p = 0; p < b->npieces; p++) {
+        int64_t len = b->pieces[3 * p + 1] - b->pieces[3 * p];
+        int64_t kp = (int64_t)ceil(ratio * (double)len);
+        kp = kp < 1 ? 1 : kp > len ? len : kp;
+        b->pieces[3 * p + 2] = kp;
+        b->topk += kp;
+    }
+    b->code_bytes = ddp_code_bytes(d->cfg.compress, b->numel, b->topk);
+    b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
+}
+
 static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, const float *flags)
 {
+    if (d->cfg.compress == DT_COMPRESS_TOPK) {
+        if (b == d->buckets)
+            d->topk_steps++;
+        ddp_topk_size(d, b, ddp_topk_ratio(d, d->topk_steps - 1));
+    }
     int ef = d->cfg.error_feedback &&
              (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8);
+    /* Momentum correction (Deep Gradient Compression): with SGD momentum m
+     * the momentum is kept here, u = m u + g, and the residual accumulates u
+     * rather than g; what is sent leaves both (momentum factor masking), and
+     * the optimizer steps without momentum. */
+    if (b->velocity)
+        for (int64_t i = 0; i < b->numel; i++) {
+            b->velocity[i] = d->momentum * b->velocity[i] + grads[i];
+            grads[i] = b->velocity[i];
+        }
     if (ef)
         for (int64_t i = 0; i < b->numel; i++)
             grads[i] += b->residual[i];
@@ -7720,6 +7778,10 @@ static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, co
     if (ef)
         for (int64_t i = 0; i < b->numel; i++)
             b->residual[i] = grads[i] - sent[i];
+    if (b->velocity)
+        for (int64_t i = 0; i < b->numel; i++)
+            if (d->picked[i])
+                b->velocity[i] = 0;
     memcpy((char *)b->payload + (b->payload_floats - b->count) * 4, flags,
            (size_t)b->count * sizeof(float));
     d->st.payload_bytes += (uint64_t)b->payload_floats * 4;
@@ -7745,27 +7807,62 @@ static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
         grads[i] *= inv;
 }
 
+/* Top-k's pieces of bucket b: each parameter's part of it sends
+ * ceil(ratio * its length) entries (at least one). */
+static dt_status ddp_plan_topk(dt_ddp *d, ddp_bucket *b, double ratio)
+{
+    b->pieces = host_calloc(d->ctx, sizeof(int64_t) * 3 * (size_t)(d->nparams ? d->nparams : 1));
+    if (!b->pieces)
+        return DT_ENOMEM;
+    b->topk = 0;
+    for (int k = 0; k < d->nparams; k++) {
+        int i = d->order[k];
+        int64_t lo = d->offset[i], hi = lo + dt_tensor_numel(d->params[i]);
+        lo = lo > b->offset ? lo : b->offset;
+        hi = hi < b->offset + b->numel ? hi : b->offset + b->numel;
+        if (hi <= lo)
+            continue;
+        int64_t *pc = &b->pieces[3 * b->npieces++];
+        pc[0] = lo - b->offset;
+        pc[1] = hi - b->offset;
+    }
+    ddp_topk_size(d, b, ratio);
+    return DT_OK;
+}
+
 /* Buffers for compression, per bucket; error feedback starts at zero. */
 static dt_status ddp_alloc_compression(dt_ddp *d)
 {
     int P = dt_comm_size(d->comm);
     int64_t biggest = 1;
-    float ratio = d->cfg.topk_ratio > 0 ? d->cfg.topk_ratio : 0.01f;
+    /* buffers for the largest ratio: the warm-up's first step */
+    double ratio = ddp_topk_ratio(d, 0);
+    const dt_optim *o = d->opt;
+    if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && o && o->cfg.kind == DT_SGD &&
+        o->cfg.momentum > 0 && !o->cfg.nesterov)
+        d->momentum = o->cfg.momentum;
     for (int j = 0; j < d->nbuckets; j++) {
         ddp_bucket *b = &d->buckets[j];
         biggest = b->numel > biggest ? b->numel : biggest;
-        b->topk = (int64_t)ceil((double)ratio * (double)b->numel);
-        b->topk = b->topk < 1 ? 1 : b->topk > b->numel ? b->numel : b->topk;
-        b->code_bytes = ddp_code_bytes(d->cfg.compress, b->numel, b->topk);
-        b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
+        if (d->cfg.compress == DT_COMPRESS_TOPK) {
+            if (ddp_plan_topk(d, b, ratio) != DT_OK)
+                return DT_ENOMEM;
+        } else {
+            b->code_bytes = ddp_code_bytes(d->cfg.compress, b->numel, 0);
+            b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
+        }
         b->payload = host_calloc(d->ctx, (size_t)b->payload_floats * sizeof(float));
         b->gathered = host_calloc(d->ctx, (size_t)b->payload_floats * (size_t)P * sizeof(float));
         b->residual = host_calloc(d->ctx, (size_t)(b->numel ? b->numel : 1) * sizeof(float));
         if (!b->payload || !b->gathered || !b->residual)
             return DT_ENOMEM;
+        if (d->momentum > 0 &&
+            !(b->velocity = host_calloc(d->ctx, (size_t)(b->numel ? b->numel : 1) * sizeof(float))))
+            return DT_ENOMEM;
     }
     d->scratch = host_calloc(d->ctx, (size_t)biggest * 2 * sizeof(float));
-    return d->scratch ? DT_OK : DT_ENOMEM;
+    d->picked = host_calloc(d->ctx, (size_t)biggest);
+    return d->scratch && d->picked ? DT_OK : DT_ENOMEM;
 }
 
 /* --- 16.2 launching buckets during backward ------------------------------- */
@@ -8261,9 +8358,13 @@ static void ddp_release(dt_ddp *d)
         host_free(ctx, d->buckets[b].payload);
         host_free(ctx, d->buckets[b].gathered);
         host_free(ctx, d->buckets[b].residual);
+        host_free(ctx, d->buckets[b].pieces);
+        host_free(ctx, d->buckets[b].velocity);
     }
     host_free(ctx, d->scratch);
+    host_free(ctx, d->picked);
     d->scratch = NULL;
+    d->picked = NULL;
     host_free(ctx, d->buckets);
     host_free(ctx, d->params);
     d->params = NULL;
@@ -8310,6 +8411,9 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                   "and 0 <= topk_ratio <= 1", (int)conf.compress, (double)conf.topk_ratio);
         return NULL;
     }
+    const char *wu = getenv("DTRAIN_TOPK_WARMUP");
+    if (conf.topk_warmup_steps <= 0 && wu && *wu)
+        conf.topk_warmup_steps = atoi(wu);
     cfg = &conf;
     if (ddp_check_models(ctx, c) != DT_OK)
         return NULL;
@@ -8362,6 +8466,8 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
             d->be_iface->copy(d->be, d->set[0] + d->offset[i], g->data, tensor_bytes(g));
     }
     ddp_point_grads(d, 0);
+    if (d->momentum > 0)
+        d->opt->momentum_by_ddp = 1;
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
     ctx->ddp = d;
@@ -8382,6 +8488,8 @@ static void ddp_detach(dt_ddp *d)
             d->be_iface->copy(d->be, d->own_grad[i], g->data, tensor_bytes(g));
         g->data = d->own_grad[i];
     }
+    if (d->momentum > 0 && d->opt)
+        d->opt->momentum_by_ddp = 0;
     d->ctx->ddp = NULL;
     ddp_release(d);
     d->ctx = NULL;
@@ -8579,4 +8687,413 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
         return set_error(ctx, DT_EPEER, "predict: %d other rank(s) failed to predict their part",
                          failed);
     return DT_OK;
+}
+
+/* ===========================================================================
+ * 17. In-process data parallelism (replicas on threads)
+ *
+ * K replica contexts, each driven by its own thread (the caller drives
+ * replica 0).  A step runs in three phases separated by barriers, so no
+ * thread ever touches another replica's context while that one computes:
+ *   1. each replica: zero its gradients, forward and backward on its rows;
+ *   2. each replica: average slice k of the (flat) gradients straight from
+ *      every replica's memory, in replica order; replica 0 also notes which
+ *      parameters any replica used;
+ *   3. each replica: copy the average into its gradients, optimizer step.
+ * A replica that fails in phase 1 is seen by all after the barrier, and all
+ * skip phases 2 and 3 together.
+ * ======================================================================== */
+
+struct dt_dp {
+    dt_ctx *ctx;               /* the caller's: errors */
+    int K;
+    dt_ctx **rc;               /* replica contexts */
+    void **model;
+    dt_optim **opt;
+    dt_dp_loss_fn loss;
+    dt_dp_free_fn free_model;
+    void *user;
+    pthread_t *thread;
+    int threads_started, stop;
+    pthread_barrier_t bar;
+    int has_bar;
+    pthread_mutex_t mu;        /* start-up: workers wait for go (1) or abort (-1) */
+    pthread_cond_t cv;
+    int go, has_mu;
+    /* the step's inputs, staged on the host */
+    float *xh;
+    int32_t *yh;
+    size_t x_cap;
+    int64_t B, feat, xshape[DT_MAX_DIMS];
+    int xndim;
+    /* the flat gradient: parameter p at poff[p], G floats in all */
+    int np;
+    int64_t *poff, G;
+    float *avg;
+    unsigned char *used;
+    float *losses;
+    dt_status *status;
+    char (*msg)[DT_MAX_ERROR];
+};
+
+void dt_dp_config_init(dt_dp_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->replicas = 2;
+    dt_config_init(&cfg->replica);
+    dt_optim_config_init(&cfg->optim, DT_SGD);
+}
+
+static int64_t dp_row(const dt_dp *dp, int k) { return dp->B * k / dp->K; }
+
+/* Phase 1 on replica k: its rows, forward and backward. */
+static dt_status dp_compute(dt_dp *dp, int k)
+{
+    dt_ctx *c = dp->rc[k];
+    dt_zero_grad(c);
+    dp->losses[k] = 0;
+    int64_t r0 = dp_row(dp, k), n = dp_row(dp, k + 1) - r0;
+    if (n == 0)
+        return DT_OK;   /* more replicas than rows: this one sits the step out */
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, dp->xshape, sizeof shape);
+    shape[0] = n;
+    dt_tensor *x = dt_tensor_temp(c, DT_F32, dp->xndim, shape);
+    dt_tensor *y = dt_tensor_temp(c, DT_I32, 1, &n);
+    if (!x || !y || dt_tensor_set(x, dp->xh + r0 * dp->feat, n * dp->feat) != DT_OK ||
+        dt_tensor_set(y, dp->yh + r0, n) != DT_OK)
+        return c->last_status;
+    dt_tensor *loss = dp->loss(c, dp->model[k], x, y, dp->user);
+    if (!loss)
+        return c->last_status != DT_OK ? c->last_status
+                                       : set_error(c, DT_EINVAL, "dp_step: the loss function "
+                                                   "returned NULL on replica %d", k);
+    dt_status s = dt_backward(c, loss);
+    if (s == DT_OK)
+        dp->losses[k] = dt_tensor_item(loss) * (float)n / (float)dp->B;
+    return s;
+}
+
+/* Phase 2 on replica k: slice k of the averaged gradients. */
+static void dp_reduce(dt_dp *dp, int k)
+{
+    int64_t lo = dp->G * k / dp->K, hi = dp->G * (k + 1) / dp->K;
+    for (int p = 0; p < dp->np; p++) {
+        int64_t a = dp->poff[p], e = dp->poff[p + 1];
+        a = a > lo ? a : lo;
+        e = e < hi ? e : hi;
+        if (e <= a)
+            continue;
+        float *out = dp->avg + a;
+        memset(out, 0, (size_t)(e - a) * sizeof(float));
+        for (int r = 0; r < dp->K; r++) {
+            const dt_tensor *g = dp->rc[r]->params[p]->grad;
+            int64_t rows = dp_row(dp, r + 1) - dp_row(dp, r);
+            if ((g->flags & T_ZERO) || rows == 0)
+                continue;
+            float w = (float)rows / (float)dp->B;
+            const float *src = (const float *)g->data + (a - dp->poff[p]);
+            for (int64_t i = 0; i < e - a; i++)
+                out[i] += w * src[i];
+        }
+    }
+    if (k == 0)
+        for (int p = 0; p < dp->np; p++) {
+            dp->used[p] = 0;
+            for (int r = 0; r < dp->K; r++)
+                dp->used[p] |= !(dp->rc[r]->params[p]->grad->flags & T_ZERO);
+        }
+}
+
+/* Phase 3 on replica k: take the average, step. */
+static dt_status dp_apply(dt_dp *dp, int k)
+{
+    dt_ctx *c = dp->rc[k];
+    for (int p = 0; p < dp->np; p++) {
+        dt_tensor *g = c->params[p]->grad;
+        if (!dp->used[p]) {
+            g->flags |= T_ZERO;
+            continue;
+        }
+        c->be_iface->copy(c->be, g->data, dp->avg + dp->poff[p],
+                          (size_t)(dp->poff[p + 1] - dp->poff[p]) * sizeof(float));
+        g->flags &= ~(unsigned)T_ZERO;
+    }
+    dt_status s = dt_optim_step(dp->opt[k]);
+    dt_step_reset(c);
+    return s;
+}
+
+/* Replica k's whole step; every replica passes the same barriers. */
+static void dp_replica_step(dt_dp *dp, int k)
+{
+    dt_status s = dp_compute(dp, k);
+    dp->status[k] = s;
+    if (s != DT_OK)
+        snprintf(dp->msg[k], DT_MAX_ERROR, "%s", dp->rc[k]->err);
+    if (dp->K > 1)
+        pthread_barrier_wait(&dp->bar);
+    int failed = 0;
+    for (int r = 0; r < dp->K; r++)
+        failed |= dp->status[r] != DT_OK;
+    if (!failed)
+        dp_reduce(dp, k);
+    if (dp->K > 1)
+        pthread_barrier_wait(&dp->bar);
+    if (failed) {
+        dt_step_reset(dp->rc[k]);
+        return;
+    }
+    s = dp_apply(dp, k);
+    if (s != DT_OK) {
+        dp->status[k] = s;
+        snprintf(dp->msg[k], DT_MAX_ERROR, "%s", dp->rc[k]->err);
+    }
+}
+
+static void *dp_worker(void *arg)
+{
+    dt_dp *dp = ((void **)arg)[0];
+    int k = (int)(intptr_t)((void **)arg)[1];
+    free(arg);
+    pthread_mutex_lock(&dp->mu);
+    while (dp->go == 0)
+        pthread_cond_wait(&dp->cv, &dp->mu);
+    int go = dp->go;
+    pthread_mutex_unlock(&dp->mu);
+    if (go < 0)
+        return NULL;   /* start-up failed */
+    for (;;) {
+        pthread_barrier_wait(&dp->bar);   /* a step (or stop) was posted */
+        if (dp->stop)
+            return NULL;
+        dp_replica_step(dp, k);
+        pthread_barrier_wait(&dp->bar);   /* the step is over */
+    }
+}
+
+dt_status dt_dp_step(dt_dp *dp, const dt_tensor *x, const dt_tensor *y, float *loss_out)
+{
+    if (!dp)
+        return DT_EINVAL;
+    dt_ctx *ctx = dp->ctx;
+    char s1[96], s2[96];
+    if (!x || !y || x->dtype != DT_F32 || y->dtype != DT_I32 || x->ndim < 1 || y->ndim != 1 ||
+        x->shape[0] != y->shape[0] || x->shape[0] < 1)
+        return set_error(ctx, DT_EINVAL, "dp_step: need x (B, ...) f32 and y (B) i32 with B >= 1, "
+                         "got %s and %s", x ? SHAPE(x, s1) : "NULL", y ? SHAPE(y, s2) : "NULL");
+    int64_t B = x->shape[0], feat = shape_numel(x->ndim, x->shape) / B;
+    size_t need = (size_t)(B * feat) * sizeof(float) + (size_t)B * sizeof(int32_t);
+    if (need > dp->x_cap) {
+        float *nx = ctx->al.realloc_fn(dp->xh, need, ctx->al.user);
+        if (!nx)
+            return set_error(ctx, DT_ENOMEM, "dp_step: out of memory for the batch");
+        dp->xh = nx;
+        dp->x_cap = need;
+    }
+    dp->yh = (int32_t *)(dp->xh + B * feat);
+    dt_status s = dt_tensor_get(x, dp->xh, B * feat);
+    if (s == DT_OK)
+        s = dt_tensor_get(y, dp->yh, B);
+    if (s != DT_OK)
+        return s;
+    dp->B = B;
+    dp->feat = feat;
+    dp->xndim = x->ndim;
+    memcpy(dp->xshape, x->shape, sizeof dp->xshape);
+    if (dp->K > 1)
+        pthread_barrier_wait(&dp->bar);   /* start the workers */
+    dp_replica_step(dp, 0);
+    if (dp->K > 1)
+        pthread_barrier_wait(&dp->bar);   /* wait for them */
+    float loss = 0;
+    for (int k = 0; k < dp->K; k++) {
+        if (dp->status[k] != DT_OK)
+            return set_error(ctx, dp->status[k], "dp_step: replica %d: %s", k, dp->msg[k]);
+        loss += dp->losses[k];
+    }
+    if (loss_out)
+        *loss_out = loss;
+    return DT_OK;
+}
+
+int dt_dp_replicas(const dt_dp *dp) { return dp ? dp->K : 0; }
+dt_ctx *dt_dp_replica(const dt_dp *dp, int k) { return dp && k >= 0 && k < dp->K ? dp->rc[k] : NULL; }
+void *dt_dp_model(const dt_dp *dp, int k) { return dp && k >= 0 && k < dp->K ? dp->model[k] : NULL; }
+
+void dt_dp_free(dt_dp *dp)
+{
+    if (!dp)
+        return;
+    dt_ctx *ctx = dp->ctx;
+    if (dp->go > 0) {   /* running: release the workers from their barrier */
+        dp->stop = 1;
+        pthread_barrier_wait(&dp->bar);
+    } else if (dp->has_mu) {   /* never started: tell the ones waiting to go */
+        pthread_mutex_lock(&dp->mu);
+        dp->go = -1;
+        pthread_cond_broadcast(&dp->cv);
+        pthread_mutex_unlock(&dp->mu);
+    }
+    for (int k = 1; k <= dp->threads_started; k++)
+        pthread_join(dp->thread[k], NULL);
+    if (dp->has_bar)
+        pthread_barrier_destroy(&dp->bar);
+    if (dp->has_mu) {
+        pthread_mutex_destroy(&dp->mu);
+        pthread_cond_destroy(&dp->cv);
+    }
+    for (int k = 0; dp->rc && k < dp->K; k++) {
+        if (dp->opt)
+            dt_optim_free(dp->opt[k]);
+        if (dp->model && dp->model[k] && dp->free_model)
+            dp->free_model(dp->model[k], dp->user);
+        dt_ctx_free(dp->rc[k]);
+    }
+    host_free(ctx, dp->rc);
+    host_free(ctx, dp->model);
+    host_free(ctx, dp->opt);
+    host_free(ctx, dp->thread);
+    host_free(ctx, dp->xh);
+    host_free(ctx, dp->poff);
+    host_free(ctx, dp->avg);
+    host_free(ctx, dp->used);
+    host_free(ctx, dp->losses);
+    host_free(ctx, dp->status);
+    host_free(ctx, dp->msg);
+    host_free(ctx, dp);
+}
+
+/* The replicas' models must match replica 0's; then they take its weights. */
+static dt_status dp_align(dt_dp *dp)
+{
+    dt_ctx *c0 = dp->rc[0];
+    dp->np = c0->n_params;
+    for (int k = 1; k < dp->K; k++) {
+        dt_ctx *c = dp->rc[k];
+        if (c->n_params != dp->np)
+            return set_error(dp->ctx, DT_EMISMATCH, "dp_new: replica %d built %d parameters, "
+                             "replica 0 built %d", k, c->n_params, dp->np);
+        for (int p = 0; p < dp->np; p++) {
+            dt_tensor *a = c0->params[p], *b = c->params[p];
+            char s1[96], s2[96];
+            int same = a->ndim == b->ndim;
+            for (int i = 0; same && i < a->ndim; i++)
+                same = a->shape[i] == b->shape[i];
+            if (strcmp(a->name, b->name) || !same)
+                return set_error(dp->ctx, DT_EMISMATCH, "dp_new: parameter %d is '%s' %s on "
+                                 "replica 0 but '%s' %s on replica %d", p, a->name, SHAPE(a, s1),
+                                 b->name, SHAPE(b, s2), k);
+            c->be_iface->copy(c->be, b->data, a->data, tensor_bytes(a));
+        }
+    }
+    dp->poff = host_calloc(dp->ctx, sizeof(int64_t) * (size_t)(dp->np + 1));
+    if (!dp->poff)
+        return DT_ENOMEM;
+    for (int p = 0; p < dp->np; p++)
+        dp->poff[p + 1] = dp->poff[p] + dt_tensor_numel(c0->params[p]);
+    dp->G = dp->poff[dp->np];
+    dp->avg = host_calloc(dp->ctx, sizeof(float) * (size_t)(dp->G ? dp->G : 1));
+    dp->used = host_calloc(dp->ctx, (size_t)(dp->np ? dp->np : 1));
+    return dp->avg && dp->used ? DT_OK : DT_ENOMEM;
+}
+
+/* Workers wait for go; only when all started is the barrier made and go
+ * set, so a failed start never leaves a thread in a barrier that cannot fill. */
+static dt_status dp_start_threads(dt_dp *dp)
+{
+    if (pthread_mutex_init(&dp->mu, NULL) != 0)
+        return set_error(dp->ctx, DT_ENOMEM, "dp_new: cannot make a mutex");
+    if (pthread_cond_init(&dp->cv, NULL) != 0) {
+        pthread_mutex_destroy(&dp->mu);
+        return set_error(dp->ctx, DT_ENOMEM, "dp_new: cannot make a condition variable");
+    }
+    dp->has_mu = 1;
+    for (int k = 1; k < dp->K; k++) {
+        void **arg = malloc(2 * sizeof(void *));
+        if (arg) {
+            arg[0] = dp;
+            arg[1] = (void *)(intptr_t)k;
+        }
+        if (!arg || pthread_create(&dp->thread[k], NULL, dp_worker, arg) != 0) {
+            free(arg);
+            return set_error(dp->ctx, DT_ENOMEM, "dp_new: cannot start replica thread %d", k);
+        }
+        dp->threads_started = k;
+    }
+    if (pthread_barrier_init(&dp->bar, NULL, (unsigned)dp->K) != 0)
+        return set_error(dp->ctx, DT_ENOMEM, "dp_new: cannot make a barrier");
+    dp->has_bar = 1;
+    pthread_mutex_lock(&dp->mu);
+    dp->go = 1;
+    pthread_cond_broadcast(&dp->cv);
+    pthread_mutex_unlock(&dp->mu);
+    return DT_OK;
+}
+
+dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_dp_loss_fn loss,
+                 dt_dp_free_fn free_model, void *user)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!cfg || !build || !loss || cfg->replicas < 1 || cfg->replicas > 1024) {
+        set_error(ctx, DT_EINVAL, "dp_new: need a config with 1..1024 replicas, a build and a loss "
+                  "function");
+        return NULL;
+    }
+    dt_dp *dp = host_calloc(ctx, sizeof *dp);
+    if (!dp) {
+        set_error(ctx, DT_ENOMEM, "dp_new: out of memory");
+        return NULL;
+    }
+    int K = cfg->replicas;
+    *dp = (dt_dp){.ctx = ctx, .K = K, .loss = loss, .free_model = free_model, .user = user};
+    dp->rc = host_calloc(ctx, sizeof *dp->rc * (size_t)K);
+    dp->model = host_calloc(ctx, sizeof *dp->model * (size_t)K);
+    dp->opt = host_calloc(ctx, sizeof *dp->opt * (size_t)K);
+    dp->thread = host_calloc(ctx, sizeof *dp->thread * (size_t)K);
+    dp->losses = host_calloc(ctx, sizeof *dp->losses * (size_t)K);
+    dp->status = host_calloc(ctx, sizeof *dp->status * (size_t)K);
+    dp->msg = host_calloc(ctx, sizeof *dp->msg * (size_t)K);
+    dt_status s = dp->rc && dp->model && dp->opt && dp->thread && dp->losses && dp->status && dp->msg
+                      ? DT_OK : set_error(ctx, DT_ENOMEM, "dp_new: out of memory");
+    for (int k = 0; s == DT_OK && k < K; k++) {
+        dt_config rcfg = cfg->replica;
+        rcfg.seed += (uint64_t)k;
+        rcfg.device += k;
+        dp->rc[k] = dt_ctx_new(&rcfg);
+        if (!dp->rc[k] || dt_ctx_status(dp->rc[k]) != DT_OK) {
+            s = set_error(ctx, dp->rc[k] ? dt_ctx_status(dp->rc[k]) : DT_ENOMEM,
+                          "dp_new: replica %d's context: %s", k,
+                          dp->rc[k] ? dp->rc[k]->err : "out of memory");
+            break;
+        }
+        if (!dp->rc[k]->be_iface->host_visible) {
+            s = set_error(ctx, DT_ENOTSUP, "dp_new: the %s backend's memory is not host memory; "
+                          "in-process data parallelism needs host-visible gradients in this build",
+                          dp->rc[k]->be_iface->name);
+            break;
+        }
+        dp->model[k] = build(dp->rc[k], k, user);
+        if (!dp->model[k]) {
+            s = set_error(ctx, dt_last_status(dp->rc[k]) != DT_OK ? dt_last_status(dp->rc[k]) : DT_EINVAL,
+                          "dp_new: building replica %d failed: %s", k, dp->rc[k]->err);
+            break;
+        }
+        dp->opt[k] = dt_optim_new(dp->rc[k], &cfg->optim, NULL, 0);
+        if (!dp->opt[k])
+            s = set_error(ctx, dt_last_status(dp->rc[k]), "dp_new: replica %d's optimizer: %s", k,
+                          dp->rc[k]->err);
+    }
+    if (s == DT_OK)
+        s = dp_align(dp);
+    if (s == DT_OK && K > 1)
+        s = dp_start_threads(dp);
+    if (s != DT_OK) {
+        dt_dp_free(dp);
+        return NULL;
+    }
+    return dp;
 }

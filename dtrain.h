@@ -628,7 +628,10 @@ typedef struct dt_ddp_config {
                                   every rank */
     dt_compress compress;      /* DT_COMPRESS_NONE (default; DTRAIN_COMPRESS=none|bf16|
                                   fp16|topk|int8 overrides it when left at NONE) */
-    float topk_ratio;          /* TOPK: fraction of each bucket sent; 0: 0.01 */
+    float topk_ratio;          /* TOPK: fraction of each parameter's gradients sent; 0: 0.01 */
+    int topk_warmup_steps;     /* TOPK: over the first this many steps the fraction falls
+                                  geometrically from 25% to topk_ratio (DGC's warm-up);
+                                  0: DTRAIN_TOPK_WARMUP, else none */
     int error_feedback;        /* TOPK, INT8: 1 (default) carries the unsent rest over */
 } dt_ddp_config;
 DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
@@ -672,6 +675,49 @@ typedef struct dt_ddp_stats {
 /* Totals since dt_ddp_new or the last reset. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);
 DT_API void dt_ddp_stats_reset(dt_ddp *d);
+
+/* In-process data parallelism, like PyTorch's DataParallel: one process, K
+ * replicas of the model, each with its own context (its own compute
+ * threads, or device replica.device + k on an accelerator backend) driven
+ * by its own thread.  Every step splits the batch between the replicas,
+ * averages their gradients (each replica reducing a slice, in parallel;
+ * the sum is taken in replica order, so runs are reproducible), and every
+ * replica applies the same optimizer step, so they stay identical.
+ * Parameters no replica gave a gradient are skipped, as in one process. */
+typedef struct dt_dp dt_dp;
+/* Build one replica's model in ctx (register its parameters, same names and
+ * shapes in every replica) and return its handle for the loss function;
+ * NULL: failure (say why with ctx's error).  Called for each replica in
+ * turn, on the caller's thread.  free_model (may be NULL) gets every handle
+ * back in dt_dp_free, or when dt_dp_new fails after building some. */
+typedef void *(*dt_dp_build_fn)(dt_ctx *ctx, int replica, void *user);
+typedef void (*dt_dp_free_fn)(void *model, void *user);
+/* The scalar loss of batch x, y on one replica (runs on its thread). */
+typedef dt_tensor *(*dt_dp_loss_fn)(dt_ctx *ctx, void *model, dt_tensor *x, dt_tensor *y,
+                                    void *user);
+typedef struct dt_dp_config {
+    int replicas;              /* K >= 1 (default 2) */
+    dt_config replica;         /* each replica's context; replica k is seeded seed + k (its
+                                  dropout differs), then all copy replica 0's weights */
+    dt_optim_config optim;     /* each replica's optimizer (default SGD) */
+} dt_dp_config;
+DT_API void dt_dp_config_init(dt_dp_config *cfg);
+/* Errors of this and every dt_dp call go to ctx (borrowed; must outlive the
+ * dt_dp).  user is borrowed.  new: free with dt_dp_free. */
+DT_API dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build,
+                        dt_dp_loss_fn loss, dt_dp_free_fn free_model, void *user);
+DT_API void dt_dp_free(dt_dp *dp);                 /* NULL is fine */
+/* One training step on x (B, ...) f32 and y (B) i32 (borrowed, in any
+ * context with host-visible memory): replica k takes rows
+ * [k B / K, (k + 1) B / K), the gradients are averaged with weights
+ * rows_k / B, and every replica steps.  *loss_out (may be NULL): the mean
+ * loss over the whole batch. */
+DT_API dt_status dt_dp_step(dt_dp *dp, const dt_tensor *x, const dt_tensor *y, float *loss_out);
+DT_API int dt_dp_replicas(const dt_dp *dp);
+/* Replica k's context and model (borrowed), e.g. replica 0's to evaluate or
+ * save a checkpoint; use them only between steps. */
+DT_API dt_ctx *dt_dp_replica(const dt_dp *dp, int k);
+DT_API void *dt_dp_model(const dt_dp *dp, int k);
 
 /* Distributed evaluation and batch inference.  forward(ctx, x, user)
  * returns logits (B, classes) for a batch x (B, C, H, W); it runs with grad

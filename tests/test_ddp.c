@@ -692,6 +692,61 @@ static int compress_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     return 0;
 }
 
+/* Top-k with SGD momentum: the momentum is applied before sparsifying
+ * (momentum correction) and sent entries leave it (masking); the optimizer
+ * then steps without momentum.  Hand-computed for momentum 0.5, lr 1. */
+static int momentum_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_tensor *w = dt_param_new(ctx, "w", SHP(8));
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    oc.lr = 1.0f;
+    oc.momentum = 0.5f;
+    dt_optim *opt = w ? dt_optim_new(ctx, &oc, NULL, 0) : NULL;
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.compress = DT_COMPRESS_TOPK;
+    dc.topk_ratio = 0.25f;
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+    if (!ddp)
+        return 1;
+    const float x[8] = {8, 1, 2, 3, -4, 5, 6, 7};
+    float mine[8], g[8], v[8];
+    for (int i = 0; i < 8; i++)
+        mine[i] = x[i] * (rank == 0 ? 1.0f : 3.0f);
+    /* step 1: u = x, top-2 of x: indices 0 and 7; step 2: u = x/2 + x on the
+     * unsent, v = the unsent x + u: top-2 are 6 (1.5 * 6 + 6) and 5 */
+    const float want[2][8] = {{16, 0, 0, 0, 0, 0, 0, 14}, {0, 0, 0, 0, 0, 25, 30, 0}};
+    for (int step = 0; step < 2; step++) {
+        dt_tensor *xt = dt_tensor_temp(ctx, DT_F32, SHP(8));
+        if (!xt || dt_tensor_set(xt, mine, 8) ||
+            dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, w, xt))) || dt_ddp_sync(ddp) ||
+            dt_tensor_get(dt_tensor_grad(w), g, 8) || dt_ddp_step(ddp))
+            return 2;
+        for (int i = 0; i < 8; i++)
+            if (g[i] != want[step][i])
+                return 3 + step;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    /* plain steps of lr 1: w = 0 - 16.. - 25..; with momentum again it would differ */
+    if (dt_tensor_get(w, v, 8))
+        return 6;
+    for (int i = 0; i < 8; i++)
+        if (v[i] != -(want[0][i] + want[1][i]))
+            return 7;
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    return 0;
+}
+
+static void test_compression_momentum(void **state)
+{
+    (void)state;
+    expect_all_ok(2, momentum_rank);
+}
+
 static void test_compression_exact(void **state)
 {
     (void)state;
@@ -709,13 +764,17 @@ static void test_compression_exact(void **state)
 static int bytes_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     (void)world;
-    model m;
-    if (model_build(ctx, &m, 0))
+    model m;   /* wide: per-parameter top-k's minimum of one entry is lost in it */
+    if (model_build(ctx, &m, WIDE))
         return 1;
-    dt_optim *opt = make_optim(ctx, 0);
+    dt_optim *opt = make_optim(ctx, WIDE);
     uint64_t sent[5];
     float first_loss = 0, last_loss = 0;
-    for (int k = 0; k < 5; k++) {
+    /* top-k first, while the loss has somewhere to fall */
+    const dt_compress order[5] = {DT_COMPRESS_TOPK, DT_COMPRESS_NONE, DT_COMPRESS_BF16,
+                                  DT_COMPRESS_FP16, DT_COMPRESS_INT8};
+    for (int j = 0; j < 5; j++) {
+        int k = (int)order[j];
         dt_ddp_config dc;
         dt_ddp_config_init(&dc);
         dc.compress = (dt_compress)k;
@@ -726,7 +785,7 @@ static int bytes_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         for (int s = 0; s < 10; s++) {
             dt_tensor *x, *y;
             /* one fixed batch, so the loss must fall */
-            if (make_batch(ctx, 0, 0, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
+            if (make_batch(ctx, WIDE, 0, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
                 return 3;
             dt_tensor *loss = dt_cross_entropy(ctx, model_forward(ctx, &m, x), y);
             if (dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
@@ -754,8 +813,10 @@ static int bytes_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                       r_bf16, r_fp16, r_int8, r_topk);
     if (r_bf16 > 0.51 || r_fp16 > 0.51 || r_int8 > 0.26 || r_topk < 50)
         return 6;
-    if (!(last_loss < first_loss))
+    if (!(last_loss < first_loss)) {
+        fprintf(stderr, "rank %d: top-k loss %g -> %g\n", rank, (double)first_loss, (double)last_loss);
         return 7;
+    }
     dt_optim_free(opt);
     return 0;
 }
@@ -794,6 +855,184 @@ static void test_compression_errors(void **state)
 {
     (void)state;
     expect_all_ok(1, compress_errors_rank);
+}
+
+/* --- in-process data parallelism (dt_dp) ------------------------------------------- */
+
+typedef struct dp_model {
+    int replica;
+    model m;
+    dt_tensor *a, *b, *c;      /* the unused-parameter model */
+} dp_model;
+
+static int dp_kind;            /* which model dp_build makes (-1: the unused-parameter one) */
+static int dp_fail_replica = -1;   /* its loss returns NULL there */
+static int dp_odd_replica = -1;    /* builds a different shape there */
+
+static void *dp_build(dt_ctx *ctx, int replica, void *user)
+{
+    (void)user;
+    dp_model *dm = calloc(1, sizeof *dm);
+    if (!dm)
+        return NULL;
+    dm->replica = replica;
+    int bad;
+    if (dp_kind < 0) {
+        const float init[6] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+        int nb = replica == dp_odd_replica ? 6 : 5;
+        dm->a = dt_param_new(ctx, "a", SHP(5));
+        dm->b = dt_param_new(ctx, "b", SHP(nb));
+        dm->c = dt_param_new(ctx, "c", SHP(5));
+        bad = !dm->a || !dm->b || !dm->c || dt_tensor_set(dm->a, init, 5) ||
+              dt_tensor_set(dm->b, init, nb) || dt_tensor_set(dm->c, init, 5);
+    } else {
+        bad = model_build(ctx, &dm->m, dp_kind);
+    }
+    if (bad) {
+        free(dm);
+        return NULL;
+    }
+    return dm;
+}
+
+static dt_tensor *dp_loss(dt_ctx *ctx, void *model_, dt_tensor *x, dt_tensor *y, void *user)
+{
+    (void)user;
+    dp_model *dm = model_;
+    if (dm->replica == dp_fail_replica)
+        return NULL;
+    if (dp_kind >= 0)
+        return dt_cross_entropy(ctx, model_forward(ctx, &dm->m, x), y);
+    /* mean over the rows of sum(a * x_row), + sum(b * x_row) on replica 1 only */
+    dt_tensor *l = dt_mean(ctx, dt_sum_dim(ctx, dt_mul(ctx, x, dm->a), 1, 0));
+    if (dm->replica == 1)
+        l = dt_add(ctx, l, dt_mean(ctx, dt_sum_dim(ctx, dt_mul(ctx, x, dm->b), 1, 0)));
+    return l;
+}
+
+static void dp_free_model(void *model_, void *user)
+{
+    (void)user;
+    free(model_);
+}
+
+static dt_dp *dp_make(dt_ctx *ctx, int K, int kind)
+{
+    dt_dp_config cfg;
+    dt_dp_config_init(&cfg);
+    cfg.replicas = K;
+    cfg.replica.seed = 1000;
+    dt_optim *tmp = NULL;
+    (void)tmp;
+    if (kind == CNN) {
+        dt_optim_config_init(&cfg.optim, DT_ADAM);
+        cfg.optim.lr = 0.01f;
+    } else if (kind >= 0) {
+        dt_optim_config_init(&cfg.optim, DT_SGD);
+        cfg.optim.lr = 0.05f;
+        cfg.optim.momentum = 0.9f;
+        cfg.optim.weight_decay = 1e-3f;
+    } else {
+        dt_optim_config_init(&cfg.optim, DT_SGD);
+        cfg.optim.lr = 0.1f;
+        cfg.optim.weight_decay = 0.5f;
+    }
+    dp_kind = kind;
+    return dt_dp_new(ctx, &cfg, dp_build, dp_loss, dp_free_model, NULL);
+}
+
+/* K replicas on batch 2 * PER_RANK = one process on the same batch. */
+static void dp_equivalence(int K, int kind)
+{
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    dt_dp *dp = dp_make(ctx, K, kind);
+    if (!dp)
+        fail_msg("dt_dp_new: %s", dt_last_error(ctx));
+    for (int s = 0; s < STEPS; s++) {
+        dt_tensor *x, *y;
+        assert_int_equal(make_batch(ctx, kind, s, 0, 2 * PER_RANK, &x, &y), 0);
+        float loss = -1;
+        if (dt_dp_step(dp, x, y, &loss) != DT_OK)
+            fail_msg("dt_dp_step: %s", dt_last_error(ctx));
+        assert_true(loss > 0);
+        dt_step_reset(ctx);
+    }
+    dt_ctx *ref = reference_run(kind, 2);
+    assert_non_null(ref);
+    for (int k = 0; k < K; k++) {
+        double rel = param_rel_diff(dt_dp_replica(dp, k), ref);
+        if (!(rel <= 1e-5))
+            fail_msg("%d replicas, model %d: replica %d differs by %.3g from one process", K, kind,
+                     k, rel);
+    }
+    /* the replicas are bit-identical to each other */
+    assert_true(param_rel_diff(dt_dp_replica(dp, K - 1), dt_dp_replica(dp, 0)) == 0.0);
+    dt_ctx_free(ref);
+    dt_dp_free(dp);
+    dt_ctx_free(ctx);
+}
+
+static void test_dp_equivalence(void **state)
+{
+    (void)state;
+    dp_equivalence(2, MLP);
+    dp_equivalence(3, MLP);   /* 16 rows: 5, 5 and 6 */
+    dp_equivalence(2, CNN);
+    dp_equivalence(1, MLP);
+}
+
+/* a used by all, b by replica 1 only, c by none (SGD with weight decay
+ * leaves c alone); failures on one replica; models that differ. */
+static void test_dp_unused_and_errors(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    dt_dp *dp = dp_make(ctx, 2, -1);
+    assert_non_null(dp);
+    const float xv[4][5] = {{1, 2, 3, 4, 5}, {1, 2, 3, 4, 5}, {-1, 0, 1, 2, 3}, {-1, 0, 1, 2, 3}};
+    const int32_t yv[4] = {0, 0, 0, 0};
+    dt_tensor *x = dt_tensor_temp(ctx, DT_F32, SHP(4, 5)), *y = dt_tensor_temp(ctx, DT_I32, SHP(4));
+    assert_int_equal(dt_tensor_set(x, xv, 20), DT_OK);
+    assert_int_equal(dt_tensor_set(y, yv, 4), DT_OK);
+    if (dt_dp_step(dp, x, y, NULL) != DT_OK)
+        fail_msg("dt_dp_step: %s", dt_last_error(ctx));
+    for (int k = 0; k < 2; k++) {
+        dp_model *dm = dt_dp_model(dp, k);
+        float a[5], b[5], c[5];
+        assert_int_equal(dt_tensor_get(dm->a, a, 5), DT_OK);
+        assert_int_equal(dt_tensor_get(dm->b, b, 5), DT_OK);
+        assert_int_equal(dt_tensor_get(dm->c, c, 5), DT_OK);
+        for (int i = 0; i < 5; i++) {
+            /* grad a: mean row = (xv0 + xv2) / 2; grad b: replica 1's mean row (xv2) * 2/4 */
+            float ga = (xv[0][i] + xv[2][i]) / 2, gb = xv[2][i] / 2;
+            assert_float_equal(a[i], 0.5f - 0.1f * (ga + 0.25f), 1e-6);
+            assert_float_equal(b[i], 0.5f - 0.1f * (gb + 0.25f), 1e-6);
+            assert_true(c[i] == 0.5f);
+        }
+    }
+    /* a replica whose loss fails: the step fails naming it; the next works */
+    dp_fail_replica = 1;
+    assert_int_equal(dt_dp_step(dp, x, y, NULL), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(ctx), "replica 1"));
+    dp_fail_replica = -1;
+    assert_int_equal(dt_dp_step(dp, x, y, NULL), DT_OK);
+    /* bad input */
+    assert_int_equal(dt_dp_step(dp, y, x, NULL), DT_EINVAL);
+    assert_int_equal(dt_dp_step(NULL, x, y, NULL), DT_EINVAL);
+    dt_dp_free(dp);
+    /* replicas that build different models */
+    dp_odd_replica = 1;
+    assert_null(dp_make(ctx, 3, -1));
+    assert_int_equal(dt_last_status(ctx), DT_EMISMATCH);
+    assert_non_null(strstr(dt_last_error(ctx), "'b' (5) on replica 0 but 'b' (6) on replica 1"));
+    dp_odd_replica = -1;
+    dt_dp_config cfg;
+    dt_dp_config_init(&cfg);
+    cfg.replicas = 0;
+    assert_null(dt_dp_new(ctx, &cfg, dp_build, dp_loss, dp_free_model, NULL));
+    assert_int_equal(dt_last_status(ctx), DT_EINVAL);
+    dt_step_reset(ctx);
+    dt_ctx_free(ctx);
 }
 
 /* --- distributed evaluation and inference ------------------------------------- */
@@ -947,8 +1186,11 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_dead_rank),
     cmocka_unit_test(test_evaluate_predict),
     cmocka_unit_test(test_compression_exact),
+    cmocka_unit_test(test_compression_momentum),
     cmocka_unit_test(test_compression_bytes),
     cmocka_unit_test(test_compression_errors),
+    cmocka_unit_test(test_dp_equivalence),
+    cmocka_unit_test(test_dp_unused_and_errors),
 };
 
 DT_TEST_GROUP(ddp, tests)
