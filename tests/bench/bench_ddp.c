@@ -4,12 +4,13 @@
  *
  *   bench_ddp [--model mlp|cnn] [--batch B] [--steps N] [--warmup W]
  *             [--threads T] [--overlap 0|1] [--bucket BYTES]
- *             [--compress none|bf16|fp16|topk|int8] [--ranks R]
+ *             [--compress none|bf16|fp16|topk|int8] [--ranks R] [--dp K]
  *
  * Ranks: under a launcher (DTRAIN_RANK set, e.g. build/dtrun or the
  * multi-host scripts) this process is one rank; else --ranks R > 1 forks R
  * local ranks (dt_spawn, bound to CPUs); else one process trains alone
- * with no communicator (the single-process baseline).
+ * with no communicator (the single-process baseline).  --dp K: one process
+ * with K in-process replicas (dt_dp), --threads each, batch B per replica.
  * Every rank trains the benchmark MLP or CNN (bench_models.h) on its own
  * fixed synthetic batch of B samples; rank 0 prints one line
  *   ddp model=mlp ranks=2 threads=1 batch=128 overlap=1 bucket=.. compress=none
@@ -23,9 +24,80 @@
 
 typedef struct bopts {
     const char *model, *compress;
-    int batch, steps, warmup, threads, overlap, ranks;
+    int batch, steps, warmup, threads, overlap, ranks, dp;
     long bucket;
 } bopts;
+
+/* dt_dp's replicas: the benchmark model in each, cross-entropy loss */
+typedef struct replica_model {
+    int cnn;
+    mlp m1;
+    cnn m2;
+} replica_model;
+
+static void *dp_build(dt_ctx *ctx, int replica, void *user)
+{
+    (void)replica;
+    replica_model *rm = calloc(1, sizeof *rm);
+    if (!rm)
+        return NULL;
+    rm->cnn = *(const int *)user;
+    if (rm->cnn)
+        cnn_init(ctx, &rm->m2);
+    else
+        mlp_init(ctx, &rm->m1);
+    return rm;
+}
+
+static dt_tensor *dp_loss(dt_ctx *ctx, void *model, dt_tensor *x, dt_tensor *y, void *user)
+{
+    (void)user;
+    replica_model *rm = model;
+    return dt_cross_entropy(ctx, rm->cnn ? cnn_forward(ctx, &rm->m2, x) : mlp_forward(ctx, &rm->m1, x), y);
+}
+
+static void dp_free(void *model, void *user)
+{
+    (void)user;
+    free(model);
+}
+
+/* One process, o->dp replicas: samples per second of dt_dp_step. */
+static int run_dp(const bopts *o)
+{
+    dt_ctx *ctx = make_ctx(1, 1);
+    int cnn_model = !strcmp(o->model, "cnn");
+    int64_t rows = (int64_t)o->batch * o->dp;
+    int64_t xs_mlp[2] = {rows, 784}, xs_cnn[4] = {rows, 1, 28, 28};
+    dt_tensor *x = cnn_model ? random_input(ctx, 4, xs_cnn) : random_input(ctx, 2, xs_mlp);
+    dt_tensor *y = random_labels(ctx, rows, 10);
+    dt_dp_config cfg;
+    dt_dp_config_init(&cfg);
+    cfg.replicas = o->dp;
+    cfg.replica.threads = o->threads;
+    cfg.replica.seed = 1;
+    cfg.optim.lr = 0.01f;
+    cfg.optim.momentum = 0.9f;
+    dt_dp *dp = dt_dp_new(ctx, &cfg, dp_build, dp_loss, dp_free, &cnn_model);
+    if (!dp)
+        die_ctx(ctx, "dt_dp_new");
+    double *t = malloc(sizeof(double) * (size_t)o->steps);
+    if (!t)
+        return 1;
+    for (int s = -o->warmup; s < o->steps; s++) {
+        double t0 = now_s();
+        check(ctx, dt_dp_step(dp, x, y, NULL), "dt_dp_step");
+        if (s >= 0)
+            t[s] = now_s() - t0;
+    }
+    double step = median(t, o->steps);
+    printf("dp model=%s replicas=%d threads=%d batch=%d step_ms=%.3f samples_per_s=%.0f\n", o->model,
+           o->dp, o->threads, o->batch, 1e3 * step, (double)rows / step);
+    free(t);
+    dt_dp_free(dp);
+    dt_ctx_free(ctx);
+    return 0;
+}
 
 static void usage(void)
 {
@@ -122,7 +194,7 @@ static int run(const bopts *o)
 
 int main(int argc, char **argv)
 {
-    bopts o = {"mlp", "none", 128, 100, 10, 1, 1, 1, 0};
+    bopts o = {"mlp", "none", 128, 100, 10, 1, 1, 1, 0, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v)
@@ -135,6 +207,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--threads")) o.threads = atoi(v);
         else if (!strcmp(a, "--overlap")) o.overlap = atoi(v);
         else if (!strcmp(a, "--ranks")) o.ranks = atoi(v);
+        else if (!strcmp(a, "--dp")) o.dp = atoi(v);
         else if (!strcmp(a, "--bucket")) o.bucket = atol(v);
         else usage();
         i++;
@@ -143,6 +216,8 @@ int main(int argc, char **argv)
         o.warmup < 0 || o.threads < 1 || o.ranks < 1)
         usage();
     compress_kind(o.compress);
+    if (o.dp > 0)
+        return run_dp(&o);
     if (o.ranks > 1 && !getenv("DTRAIN_RANK")) {
         dt_ctx *sup = make_ctx(1, 1);
         dt_spawn_config sc;

@@ -15,7 +15,7 @@
 #
 #   bash tests/bench/ddp.sh      (from any cwd; about 5-8 minutes)
 #
-# Knobs: REPEATS=2 (throughput passes, best kept), EPOCHS=10 (section 3),
+# Knobs: REPEATS=2 (throughput passes, best kept), EPOCHS=20 (section 3),
 # SECTIONS="1 2 3", TORCH_PYTHON=/usr/bin/python3, STRICT=1 (exit 1 on a
 # missed target).  Every ratio compares numbers taken in this run.
 set -uo pipefail
@@ -25,7 +25,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT"
 PY=${TORCH_PYTHON:-/usr/bin/python3}
 REPEATS=${REPEATS:-2}
-EPOCHS=${EPOCHS:-10}
+EPOCHS=${EPOCHS:-20}
 SECTIONS=${SECTIONS:-"1 2 3"}
 STRICT=${STRICT:-0}
 OUT="$HERE/build/ddp"
@@ -56,23 +56,27 @@ target() {
 # ------------------------------------------------- 1. throughput, one host ---
 if [[ " $SECTIONS " == *" 1 "* ]]; then
     echo "== 1. throughput on this host: 2 ranks x 1 thread (samples/s, best of $REPEATS) =="
-    printf "%-5s %6s | %12s %12s %8s | %14s %8s\n" model batch "dtrain DDP" "PyTorch DDP" ratio \
-        "dtrain 1 proc" ratio
+    printf "%-5s %6s | %12s %12s %8s | %14s %8s | %12s\n" model batch "dtrain DDP" "PyTorch DDP" ratio \
+        "dtrain 1 proc" ratio "dtrain DP"
+    echo "(dtrain 1 proc: one process, 2 threads, the doubled batch; dtrain DP: one process, 2 in-process replicas x 1 thread)"
     for spec in "mlp 128 300" "cnn 64 60"; do
         read -r model batch steps <<< "$spec"
         : > "$OUT/t_$model"
         for rep in $(seq 1 "$REPEATS"); do
             "$BIN" --model "$model" --batch "$batch" --steps "$steps" --ranks 2 >> "$OUT/t_$model.dt" 2>&1
             "$BIN" --model "$model" --batch $((2 * batch)) --steps "$steps" --threads 2 >> "$OUT/t_$model.one" 2>&1
+            "$BIN" --model "$model" --batch "$batch" --steps "$steps" --dp 2 >> "$OUT/t_$model.dp" 2>&1
             OMP_NUM_THREADS=1 timeout 600 "$PY" "$HERE/bench_ddp_torch.py" --model "$model" \
                 --batch "$batch" --steps $((steps / 2)) >> "$OUT/t_$model.pt" 2>&1
         done
         dt=$(grep '^ddp ' "$OUT/t_$model.dt" | best)
         one=$(grep '^ddp ' "$OUT/t_$model.one" | best)
         pt=$(grep '^ddp_torch ' "$OUT/t_$model.pt" | best)
+        dpv=$(grep '^dp ' "$OUT/t_$model.dp" | best)
         r_pt=$(ratio "$dt" "$pt")
         r_one=$(ratio "$dt" "$one")
-        printf "%-5s %6s | %12.0f %12.0f %7sx | %14.0f %7sx\n" "$model" "$batch" "$dt" "$pt" "$r_pt" "$one" "$r_one"
+        printf "%-5s %6s | %12.0f %12.0f %7sx | %14.0f %7sx | %12.0f\n" "$model" "$batch" "$dt" "$pt" "$r_pt" \
+            "$one" "$r_one" "$dpv"
         eval "R_PT_$model=$r_pt R_ONE_$model=$r_one"
         rm -f "$OUT/t_$model".*
     done
@@ -135,11 +139,12 @@ fi
 
 # ------------------------------------------------------ 3. compression -------
 if [[ " $SECTIONS " == *" 3 "* ]]; then
-    echo "== 3. compression: Fashion-MNIST MLP, 2 ranks over shm, $EPOCHS epochs =="
+    echo "== 3. compression: Fashion-MNIST MLP, 2 ranks over shm, $EPOCHS epochs, SGD momentum 0.9, lr 0.05 =="
     printf "%-6s | %9s | %16s %10s\n" codec "test acc" "sent KiB/step" "vs dense"
     for codec in none bf16 fp16 topk int8; do
         log="$OUT/fm_$codec.log"
-        DTRAIN_COMPRESS=$codec build/fashion_mnist --model mlp --epochs "$EPOCHS" --ranks 2 > "$log" 2>&1
+        DTRAIN_COMPRESS=$codec build/fashion_mnist --model mlp --epochs "$EPOCHS" --ranks 2 \
+            --optim sgd --lr 0.05 > "$log" 2>&1
         acc=$(sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p' "$log" | tail -1)
         kib=$(sed -n 's/^gradient traffic: \([0-9.]*\) KiB sent per step.*/\1/p' "$log" | tail -1)
         eval "ACC_$codec=${acc:-0} KIB_$codec=${kib:-0}"
