@@ -49,12 +49,34 @@ for r in 0 1 2 3; do
     grep -q "rank $r of 4 over tcp;ofi_rxm: sums 6 4 14 8 (2 hosts; inside a host: segment)" "$tmp/r$r" || ok=0
     grep -q "rank $r: 16 MiB allreduce checked" "$tmp/r$r" || ok=0
 done
+# data parallelism across the hosts: the example trains a few steps with
+# DDP (hierarchical gradient allreduce) and evaluates the test set split
+# over the 4 ranks
+if [[ $ok == 1 && -x $BUILD/fashion_mnist ]]; then
+    pids=()
+    for r in 0 1 2 3; do
+        h=$((r % 2))
+        addr=$A0; ((h)) && addr=$A1
+        bind=(); ((r == 0)) && bind=(DTRAIN_STORE_BIND=$A0)
+        timeout -k 5 120 bash "$CLUSTER" exec $h "${common[@]}" DTRAIN_MASTER=$A0:$((PORT + 1)) \
+            DTRAIN_RANK=$r "${bind[@]}" DTRAIN_HOST=$addr "$BUILD/fashion_mnist" --model mlp \
+            --epochs 1 --limit-batches 5 --batch 16 > "$tmp/d$r" 2>&1 &
+        pids+=($!)
+    done
+    for r in 0 1 2 3; do
+        wait "${pids[$r]}"; rc=$?
+        codes+=" ddp:$rc"
+        ((rc == 0)) || ok=0
+    done
+    grep -q "x 4 ranks (DDP over tcp;ofi_rxm)" "$tmp/d0" || ok=0
+    grep -Eq "^test accuracy: [0-9]+\.[0-9]{2}%$" "$tmp/d0" || ok=0
+fi
 if [[ $ok == 1 ]]; then
-    echo "multi-host: ok (ranks 0,2 on $A0 and 1,3 on $A1: hierarchical allreduce, segment inside each host, tcp between leaders)"
+    echo "multi-host: ok (ranks 0,2 on $A0 and 1,3 on $A1: hierarchical allreduce, segment inside each host, tcp between leaders; DDP training and evaluation across them)"
     rm -rf "$tmp"
     exit 0
 fi
 echo "multi-host: FAILED (exit codes$codes)"
-for r in 0 1 2 3; do echo "--- rank $r:"; cat "$tmp/r$r"; done
+for r in 0 1 2 3; do echo "--- rank $r:"; cat "$tmp/r$r"; [[ -f $tmp/d$r ]] && cat "$tmp/d$r"; done
 rm -rf "$tmp"
 exit 1

@@ -90,7 +90,7 @@ fi
 
 # ------------------------------------------------ 2. overlap, 2 netns hosts ---
 if [[ " $SECTIONS " == *" 2 "* ]]; then
-    echo "== 2. overlap: 2 hosts (network namespaces) linked at 1 Gbit/s, 1 rank each =="
+    echo "== 2. overlap: 2 hosts (network namespaces) linked at 1 Gbit/s, 1 rank each (medians of 3 runs) =="
     export NETNS_PREFIX=dtbo NETNS_SUBNET=10.83.0
     if ! out=$(bash "$CLUSTER" up 2 --rate 1gbit 2>&1); then
         echo "skipped: ${out##*error: }"
@@ -105,10 +105,11 @@ if [[ " $SECTIONS " == *" 2 "* ]]; then
                 DTRAIN_HOST="$A0" DTRAIN_STORE_BIND="$A0" "$BIN" "$@" 2>&1 | grep '^ddp '
             wait
         }
-        # the step time swings between runs here: 3 interleaved passes, the
-        # run with the median step time of each mode is reported
-        median_run() { sort -t= -k1,1 | awk '{ for (i = 1; i <= NF; i++) if ($i ~ /^step_ms=/) print substr($i, 9), $0 }' |
-                       sort -n | awk '{ l[NR] = $0 } END { print l[int((NR + 1) / 2)] }' | cut -d' ' -f2-; }
+        # step times and shares swing between runs here: 3 interleaved
+        # passes, and the median of each number over them is reported
+        median_of() { # KEY < lines: the median of KEY=value over the lines
+            awk -v k="$1=" '{ for (i = 1; i <= NF; i++) if (index($i, k) == 1) print substr($i, length(k) + 1) }' |
+                sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
         printf "%-5s %6s | %9s %9s %9s %8s | %12s %8s\n" model batch "comm ms" "exposed" "share" \
             "step ms" "no-overlap" speedup
         for spec in "mlp 1024 30" "cnn 64 60"; do
@@ -118,11 +119,11 @@ if [[ " $SECTIONS " == *" 2 "* ]]; then
                 pair --model "$model" --batch "$batch" --steps "$steps" --warmup 5 >> "$OUT/on"
                 pair --model "$model" --batch "$batch" --steps "$steps" --warmup 5 --overlap 0 >> "$OUT/off"
             done
-            on=$(median_run < "$OUT/on") off=$(median_run < "$OUT/off")
-            share=$(val "$on" exposed_frac) s_on=$(val "$on" step_ms) s_off=$(val "$off" step_ms)
-            printf "%-5s %6s | %9s %9s %8.0f%% %8s | %12s %7.2fx\n" "$model" "$batch" "$(val "$on" comm_ms)" \
-                "$(val "$on" exposed_ms)" "$(awk -v s="$share" 'BEGIN { print 100 * s }')" "$s_on" "$s_off" \
-                "$(ratio "$s_off" "$s_on")"
+            share=$(median_of exposed_frac < "$OUT/on") s_on=$(median_of step_ms < "$OUT/on")
+            s_off=$(median_of step_ms < "$OUT/off")
+            printf "%-5s %6s | %9s %9s %8.0f%% %8s | %12s %7.2fx\n" "$model" "$batch" \
+                "$(median_of comm_ms < "$OUT/on")" "$(median_of exposed_ms < "$OUT/on")" \
+                "$(awk -v s="$share" 'BEGIN { print 100 * s }')" "$s_on" "$s_off" "$(ratio "$s_off" "$s_on")"
             eval "SHARE_$model=$share"
             sed 's/^/  /' "$OUT/on" "$OUT/off"
         done
