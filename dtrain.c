@@ -159,6 +159,7 @@ struct dt_ctx {
     dt_tensor **params;
     int n_params, cap_params;
     struct dt_ddp *ddp;            /* attached data parallelism (16), or NULL */
+    uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
 };
 
 #define DT_DEFAULT_ARENA_BYTES ((size_t)8 << 20)
@@ -172,6 +173,7 @@ static dt_status ddp_backward_begin(struct dt_ddp *d);
 static void ddp_node_done(struct dt_ddp *d, const dt_node *n);
 static dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
 static void ddp_detach(struct dt_ddp *d);
+static void ddp_forget_optim(struct dt_ddp *d, const dt_optim *opt);
 static int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
 static void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
 
@@ -1095,6 +1097,7 @@ void dt_zero_grad(dt_ctx *ctx)
     for (int i = 0; i < ctx->n_params; i++)
         if (ctx->params[i]->grad)
             ctx->params[i]->grad->flags |= T_ZERO;   /* written lazily */
+    ctx->zero_gen++;
 }
 
 /* Fill t from a host generator, one value per element in index order. */
@@ -3073,6 +3076,8 @@ void dt_optim_free(dt_optim *o)
     host_free(ctx, o->state);
     host_free(ctx, o->params);
     host_free(ctx, o->param_steps);
+    if (ctx->ddp)
+        ddp_forget_optim(ctx->ddp, o);
     host_free(ctx, o);
 }
 
@@ -3157,6 +3162,7 @@ void dt_optim_zero_grad(dt_optim *o)
     for (int i = 0; i < o->n; i++)
         if (o->params[i]->grad)
             o->params[i]->grad->flags |= T_ZERO;
+    o->ctx->zero_gen++;
 }
 
 float dt_optim_lr(const dt_optim *o) { return o ? o->lr : 0.0f; }
@@ -7486,6 +7492,7 @@ struct dt_ddp {
     char launch_msg[DT_MAX_ERROR];
     double t_backward;
     uint64_t sent_at_launch;
+    uint64_t zero_gen;         /* ctx->zero_gen when this step's buckets started */
     float *scratch;            /* TOPK selection, numel of the largest bucket */
     unsigned char *picked;     /* TOPK: which entries were sent, same size */
     float momentum;            /* > 0: momentum correction (16.1) */
@@ -7633,8 +7640,10 @@ static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, cha
             int64_t lo = k * DDP_INT8_BLOCK, hi = lo + DDP_INT8_BLOCK < n ? lo + DDP_INT8_BLOCK : n;
             float mx = 0;
             for (int64_t i = lo; i < hi; i++)
-                mx = fabsf(g[i]) > mx ? fabsf(g[i]) : mx;
-            float scale = mx > 0 && isfinite(mx) ? mx / 127.0f : 0.0f;
+                mx = !(fabsf(g[i]) <= mx) ? fabsf(g[i]) : mx;   /* NaN wins */
+            /* a NaN or infinity makes the block's scale NaN: it reaches every
+             * rank, as it would dense */
+            float scale = isfinite(mx) ? mx / 127.0f : NAN;
             memcpy(out + 4 * k, &scale, 4);
             for (int64_t i = lo; i < hi; i++) {
                 int q = scale > 0 ? (int)lrintf(g[i] / scale) : 0;
@@ -7650,18 +7659,18 @@ static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, cha
         for (int p = 0; p < b->npieces; p++) {
             int64_t lo = b->pieces[3 * p], hi = b->pieces[3 * p + 1], kp = b->pieces[3 * p + 2];
             /* threshold: the kp-th largest magnitude; ties taken in index order */
-            float *mag = d->scratch;
+            float *mag = d->scratch;   /* NaN ranks first: it reaches everyone, as dense */
             for (int64_t i = lo; i < hi; i++)
-                mag[i - lo] = fabsf(g[i]);
+                mag[i - lo] = isnan(g[i]) ? INFINITY : fabsf(g[i]);
             float t = select_kth(mag, hi - lo, hi - lo - kp);
             int64_t above = 0, got = 0;
             for (int64_t i = lo; i < hi; i++) {
-                above += fabsf(g[i]) > t;
+                above += (isnan(g[i]) ? INFINITY : fabsf(g[i])) > t;
                 d->picked[i] = 0;
             }
             int64_t ties = kp - above;
             for (int64_t i = lo; i < hi; i++) {
-                float a = fabsf(g[i]);
+                float a = isnan(g[i]) ? INFINITY : fabsf(g[i]);
                 sent[i] = 0;
                 if (got < kp && (a > t || (a == t && ties > 0))) {
                     if (!(a > t))
@@ -7676,6 +7685,11 @@ static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, cha
                     got++;
                 }
             }
+        }
+        for (; taken < k; taken++) {   /* never reached on finite input; no stale slots */
+            uint32_t none = UINT32_MAX;
+            memset(out + 4 * k + 2 * taken, 0, 2);
+            memcpy(out + 4 * taken, &none, 4);
         }
         break;
     }
@@ -7839,7 +7853,7 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
     double ratio = ddp_topk_ratio(d, 0);
     const dt_optim *o = d->opt;
     if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && o && o->cfg.kind == DT_SGD &&
-        o->cfg.momentum > 0 && !o->cfg.nesterov)
+        o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
         d->momentum = o->cfg.momentum;
     for (int j = 0; j < d->nbuckets; j++) {
         ddp_bucket *b = &d->buckets[j];
@@ -7874,8 +7888,10 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
     float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
     for (int k = 0; k < b->count; k++)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
-    if (b == d->buckets)   /* the step's first */
+    if (b == d->buckets) {   /* the step's first */
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
+        d->zero_gen = d->ctx->zero_gen;
+    }
     if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
     } else {
@@ -7969,6 +7985,17 @@ static void ddp_finalize_unused(dt_ddp *d)
 
 static dt_status ddp_finish(dt_ddp *d);
 
+/* A node's inputs: concat keeps its (any number of) inputs aside. */
+static int node_inputs(const dt_node *n, dt_tensor *const **out)
+{
+    if (n->backward == concat_backward) {
+        *out = n->aux[0];
+        return (int)n->iarg[0];
+    }
+    *out = n->in;
+    return n->n_in;
+}
+
 static dt_status ddp_backward_begin(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
@@ -7977,7 +8004,12 @@ static dt_status ddp_backward_begin(dt_ddp *d)
                          "dt_ddp_new wrapped %d; wrap the whole model", ctx->n_params - d->nparams,
                          d->nparams);
     /* A second backward before dt_ddp_sync: let the first one's allreduces
-     * finish before touching the memory they reduce. */
+     * finish before touching the memory they reduce.  Compressed, the
+     * averaged gradient would go through error feedback a second time. */
+    if (d->pending_sync && d->cfg.compress != DT_COMPRESS_NONE)
+        return set_error(ctx, DT_ESTATE, "backward: with gradient compression, call dt_ddp_sync "
+                         "(or dt_ddp_step) before the next backward; accumulate with "
+                         "dt_ddp_set_sync(ddp, 0) instead");
     if (d->pending_sync) {
         dt_status s = ddp_finish(d);
         if (s != DT_OK)
@@ -8003,9 +8035,11 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     for (const dt_node *n = ctx->tape; n; n = n->prev) {
         if (n->seg_fn)
             d->recompute_left++;
-        for (int k = 0; k < n->n_in; k++)
-            if ((n->in[k]->flags & T_PARAM) && n->in[k]->ctx == ctx)
-                d->uses[n->in[k]->param_index]++;
+        dt_tensor *const *in;
+        int nin = node_inputs(n, &in);
+        for (int k = 0; k < nin; k++)
+            if (in[k] && (in[k]->flags & T_PARAM) && in[k]->ctx == ctx)
+                d->uses[in[k]->param_index]++;
     }
     for (int b = 0; b < d->nbuckets; b++)
         d->buckets[b].pending = d->buckets[b].numel;
@@ -8025,9 +8059,11 @@ static void ddp_node_done(dt_ddp *d, const dt_node *n)
         ddp_finalize_unused(d);
         launch = 1;
     }
-    for (int k = 0; k < n->n_in; k++) {
-        const dt_tensor *t = n->in[k];
-        if ((t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0 &&
+    dt_tensor *const *in;
+    int nin = node_inputs(n, &in);
+    for (int k = 0; k < nin; k++) {
+        const dt_tensor *t = in[k];
+        if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0 &&
             d->recompute_left == 0) {
             ddp_param_final(d, t->param_index);
             launch = 1;
@@ -8088,10 +8124,12 @@ static dt_status ddp_finish(dt_ddp *d)
     d->pending_sync = 0;
     if (first != DT_OK)
         return set_error(d->ctx, first, "ddp: gradient allreduce failed: %s", msg);
+    /* a zero_grad since the buckets started discards what they reduced */
+    int zeroed = d->ctx->zero_gen != d->zero_gen;
     const float *flags = d->set[d->cur] + d->grad_floats;
     for (int i = 0; i < d->nparams; i++) {
         dt_tensor *g = d->params[i]->grad;
-        if (flags[i] > 0)
+        if (flags[i] > 0 && !zeroed)
             g->flags &= ~(unsigned)T_ZERO;
         else
             g->flags |= T_ZERO;
@@ -8147,16 +8185,17 @@ void dt_ddp_stats_reset(dt_ddp *d)
 
 /* --- 16.4 wrapping: the model check, buckets, rank 0's weights ------------ */
 
-/* "name (d0, d1)\n" per parameter, in registration order. */
-static char *ddp_describe(dt_ctx *ctx, size_t *len_out)
+/* The DDP settings on line 0, then "name (d0, d1)" per parameter, in
+ * registration order. */
+static char *ddp_describe(dt_ctx *ctx, const char *settings, size_t *len_out)
 {
-    size_t cap = 64, len = 0;
+    size_t cap = 64 + strlen(settings), len = 0;
     for (int i = 0; i < ctx->n_params; i++)
         cap += strlen(ctx->params[i]->name) + 24 * DT_MAX_DIMS + 8;
     char *s = host_alloc(ctx, cap);
     if (!s)
         return NULL;
-    s[0] = '\0';
+    len = (size_t)snprintf(s, cap, "%s\n", settings);
     for (int i = 0; i < ctx->n_params; i++) {
         char sb[96];
         len += (size_t)snprintf(s + len, cap - len, "%s %s\n", ctx->params[i]->name,
@@ -8193,6 +8232,12 @@ static void ddp_diff(const char *mine, const char *root, int rank, char *out, si
             return;
         if (strcmp(a, b) == 0)
             continue;
+        if (k == 0) {
+            snprintf(out, cap, "the DDP settings are '%.90s' on rank 0 but '%.90s' on rank %d",
+                     a, b, rank);
+            return;
+        }
+        k--;   /* parameters start on line 1 */
         if (!a[0])
             snprintf(out, cap, "rank %d has an extra parameter %d, '%.90s', that rank 0 lacks", rank,
                      k, b);
@@ -8206,10 +8251,10 @@ static void ddp_diff(const char *mine, const char *root, int rank, char *out, si
 
 /* Every rank learns whether all models match rank 0's, and if not the
  * first difference (the lowest rank that has one), as an error. */
-static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c)
+static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
 {
     size_t len = 0;
-    char *mine = ddp_describe(ctx, &len);
+    char *mine = ddp_describe(ctx, settings, &len);
     float *buf = NULL;
     char *root = NULL;
     dt_status s = DT_ENOMEM;
@@ -8389,6 +8434,10 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         set_error(ctx, DT_ESTATE, "ddp_new: this context already has a DDP; free it first");
         return NULL;
     }
+    if (c->ctx != ctx) {
+        set_error(ctx, DT_EINVAL, "ddp_new: the communicator belongs to another context");
+        return NULL;
+    }
     if (!ctx->be_iface->host_visible) {
         set_error(ctx, DT_ENOTSUP, "ddp_new: the %s backend's memory is not host memory; "
                   "data parallelism needs host-visible gradients in this build",
@@ -8403,20 +8452,33 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     dt_ddp_config_init(&conf);
     if (cfg)
         conf = *cfg;
-    if (ddp_compress_from_env(ctx, &conf) != DT_OK)
-        return NULL;
-    if (conf.compress < DT_COMPRESS_NONE || conf.compress > DT_COMPRESS_INT8 ||
-        conf.topk_ratio < 0 || conf.topk_ratio > 1) {
-        set_error(ctx, DT_EINVAL, "ddp_new: compress %d, topk_ratio %g: need a dt_compress value "
-                  "and 0 <= topk_ratio <= 1", (int)conf.compress, (double)conf.topk_ratio);
-        return NULL;
-    }
+    /* A bad setting on one rank still joins the model check, as a
+     * difference, so no rank is left waiting in a collective. */
+    dt_status local = ddp_compress_from_env(ctx, &conf);
+    if (local == DT_OK && (conf.compress < DT_COMPRESS_NONE || conf.compress > DT_COMPRESS_INT8 ||
+                           conf.topk_ratio < 0 || conf.topk_ratio > 1))
+        local = set_error(ctx, DT_EINVAL, "ddp_new: compress %d, topk_ratio %g: need a dt_compress "
+                          "value and 0 <= topk_ratio <= 1", (int)conf.compress,
+                          (double)conf.topk_ratio);
     const char *wu = getenv("DTRAIN_TOPK_WARMUP");
     if (conf.topk_warmup_steps <= 0 && wu && *wu)
         conf.topk_warmup_steps = atoi(wu);
     cfg = &conf;
-    if (ddp_check_models(ctx, c) != DT_OK)
+    char settings[DT_MAX_ERROR + 64], local_msg[DT_MAX_ERROR];
+    snprintf(local_msg, sizeof local_msg, "%s", ctx->err);
+    if (local != DT_OK)
+        snprintf(settings, sizeof settings, "invalid: %.200s", local_msg);
+    else
+        snprintf(settings, sizeof settings, "bucket_bytes %zu, overlap %d, compress %d, topk_ratio "
+                 "%g, warmup %d, error_feedback %d", ddp_bucket_cap(cfg, ctx), cfg->overlap != 0,
+                 (int)cfg->compress, (double)cfg->topk_ratio, cfg->topk_warmup_steps,
+                 cfg->error_feedback != 0);
+    if (ddp_check_models(ctx, c, settings) != DT_OK)
         return NULL;
+    if (local != DT_OK) {   /* every rank has the same bad setting */
+        set_error(ctx, local, "%s", local_msg);
+        return NULL;
+    }
     dt_ddp *d = host_calloc(ctx, sizeof *d);
     if (!d) {
         set_error(ctx, DT_ENOMEM, "ddp_new: out of memory");
@@ -8447,10 +8509,10 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     }
     if (s == DT_OK && d->cfg.compress != DT_COMPRESS_NONE)
         s = ddp_alloc_compression(d);
-    if (s != DT_OK) {
+    if (s == DT_ENOMEM) {
         set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for %lld gradient floats",
                   (long long)d->set_floats);
-    } else if (cfg->broadcast_params) {
+    } else if (s == DT_OK && cfg->broadcast_params) {
         s = ddp_broadcast_params(d);
     }
     if (s != DT_OK) {
@@ -8472,6 +8534,12 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     d->st.bucket_bytes = cap;
     ctx->ddp = d;
     return d;
+}
+
+static void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
+{
+    if (d->opt == opt)
+        d->opt = NULL;   /* freed first: dt_ddp_step now refuses instead */
 }
 
 /* Give the gradients their own buffers back (current values copied) and
@@ -8564,8 +8632,10 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         else if (logits->ndim != 2 || logits->shape[0] != y->shape[0] || logits->dtype != DT_F32)
             s = set_error(ctx, DT_EINVAL, "evaluate: forward must return (%lld, classes) f32 "
                           "logits, got %s", (long long)y->shape[0], SHAPE(logits, sb));
+        else if (!(logits = dt_contiguous(ctx, logits)))
+            s = ctx->last_status;
         else
-            s = visit(ctx, dt_contiguous(ctx, logits), y, first, acc);
+            s = visit(ctx, logits, y, first, acc);
         first += y->shape[0];
         dt_step_reset(ctx);
         if (s != DT_OK)
@@ -8595,32 +8665,39 @@ static dt_status eval_metrics(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int6
     return DT_OK;
 }
 
+/* Counts travel as two floats, n / 4096 and n % 4096, so their sums stay
+ * exact far beyond float's 2^24. */
+static int64_t count_join(const float *hl) { return (int64_t)hl[0] * 4096 + (int64_t)hl[1]; }
+
 dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
                       dt_forward_fn forward, void *user, dt_metrics *out)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (!out)
-        return set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
+    if (c && c->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
     eval_sums e = {0, 0, 0};
-    dt_status s = eval_run(ctx, c, ds, cfg, forward, user, eval_metrics, &e);
-    /* every rank joins the sum even after a local failure (NaN marks it),
-     * so a bad rank cannot leave the others waiting */
-    float sums[4] = {(float)e.samples, (float)e.correct, (float)e.loss, s == DT_OK ? 0.0f : 1.0f};
+    dt_status s = out ? eval_run(ctx, c, ds, cfg, forward, user, eval_metrics, &e)
+                      : set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
+    /* every rank joins the sum even after a local failure (the last float
+     * counts failures), so a bad rank cannot leave the others waiting */
+    int64_t n = (int64_t)e.samples, k = (int64_t)e.correct;
+    float sums[6] = {(float)(n / 4096), (float)(n % 4096), (float)(k / 4096), (float)(k % 4096),
+                     (float)e.loss, s == DT_OK ? 0.0f : 1.0f};
     if (c) {
-        dt_status cs = dt_allreduce(c, sums, 4, DT_REDUCE_SUM);
+        dt_status cs = dt_allreduce(c, sums, 6, DT_REDUCE_SUM);
         if (cs != DT_OK)
             return cs;
     }
     if (s != DT_OK)
         return s;
-    if (sums[3] > 0)
+    if (sums[5] > 0)
         return set_error(ctx, DT_EPEER, "evaluate: %.0f other rank(s) failed to evaluate their "
-                         "part", (double)sums[3]);
-    out->samples = (int64_t)sums[0];
-    out->correct = (int64_t)sums[1];
-    out->accuracy = sums[0] > 0 ? (double)sums[1] / (double)sums[0] : 0;
-    out->loss = sums[0] > 0 ? (double)sums[2] / (double)sums[0] : 0;
+                         "part", (double)sums[5]);
+    out->samples = count_join(sums);
+    out->correct = count_join(sums + 2);
+    out->accuracy = out->samples > 0 ? (double)out->correct / (double)out->samples : 0;
+    out->loss = out->samples > 0 ? (double)sums[4] / (double)out->samples : 0;
     return DT_OK;
 }
 
@@ -8653,9 +8730,9 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    if (c && c->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "predict: the communicator belongs to another context");
     int P = c ? dt_comm_size(c) : 1, r = c ? dt_comm_rank(c) : 0;
-    if (r == 0 && !pred)
-        return set_error(ctx, DT_EINVAL, "predict: rank 0 needs an output array");
     int64_t n = dt_dataset_size(ds), per = (n + P - 1) / P;
     /* per floats for each rank's predictions, then one for its status */
     float *mine = host_alloc(ctx, sizeof(float) * (size_t)(per + 1));
@@ -8668,7 +8745,9 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
     for (int64_t i = 0; i <= per; i++)
         mine[i] = -1.0f;
     predict_acc acc = {mine};
-    dt_status s = eval_run(ctx, c, ds, cfg, forward, user, eval_argmax, &acc);
+    /* a missing output still joins the gather, so no rank waits */
+    dt_status s = r == 0 && !pred ? set_error(ctx, DT_EINVAL, "predict: rank 0 needs an output array")
+                                  : eval_run(ctx, c, ds, cfg, forward, user, eval_argmax, &acc);
     mine[per] = s == DT_OK ? 0.0f : 1.0f;
     dt_status cs = c ? dt_allgather(c, mine, per + 1, all) : DT_OK;
     if (!c)

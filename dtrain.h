@@ -637,12 +637,14 @@ typedef struct dt_ddp_config {
 DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
 
 /* Wrap every parameter of ctx (registered before this call) for data
- * parallelism over c.  Collective: every rank calls it.  Ranks whose models
- * differ (number, names, shapes or order of parameters) all fail with
- * DT_EMISMATCH naming the first difference.  opt (borrowed, may be NULL)
- * is what dt_ddp_step steps; ctx and c are borrowed and must outlive the
- * DDP.  new: free with dt_ddp_free (the gradients move back into the
- * parameters' own buffers). */
+ * parallelism over c (made with the same ctx).  Collective: every rank
+ * calls it.  Ranks whose models differ (number, names, shapes or order of
+ * parameters) or whose DDP settings differ (bucket size, overlap,
+ * compression) all fail with DT_EMISMATCH naming the first difference.
+ * opt (borrowed, may be NULL) is what dt_ddp_step steps; freeing it first
+ * is allowed (dt_ddp_step then refuses).  ctx and c are borrowed and must
+ * outlive the DDP.  new: free with dt_ddp_free (the gradients move back
+ * into the parameters' own buffers). */
 DT_API dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *cfg);
 DT_API void dt_ddp_free(dt_ddp *d);               /* NULL is fine */
 
@@ -651,7 +653,10 @@ DT_API void dt_ddp_free(dt_ddp *d);               /* NULL is fine */
  * accumulated sum.  Default 1. */
 DT_API dt_status dt_ddp_set_sync(dt_ddp *d, int sync);
 /* Wait until every bucket of this step is reduced: gradients are then the
- * average over ranks (e.g. for dt_clip_grad_norm).  Nothing to do: DT_OK. */
+ * average over ranks (e.g. for dt_clip_grad_norm).  Nothing to do: DT_OK.
+ * A dt_zero_grad between dt_backward and this call discards the step's
+ * gradients (e.g. to skip a bad batch).  With compression, call this (or
+ * dt_ddp_step) before the next dt_backward; accumulate with no_sync. */
 DT_API dt_status dt_ddp_sync(dt_ddp *d);
 /* dt_ddp_sync, then the optimizer's step.  DT_ESTATE without an optimizer. */
 DT_API dt_status dt_ddp_step(dt_ddp *d);

@@ -481,6 +481,95 @@ static void test_unused_params(void **state)
     expect_all_ok(2, unused_rank);
 }
 
+/* --- review cases: concat of parameters, zero_grad mid-step, settings --------- */
+
+/* loss = sum(concat(p, q) * z): p and q are concat's inputs, which concat
+ * keeps aside; their gradients (z's parts) must still be waited for.  Then
+ * a dt_zero_grad between backward and step discards the step. */
+static int concat_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)rank;
+    (void)world;
+    dt_tensor *p = dt_param_new(ctx, "p", SHP(5)), *q = dt_param_new(ctx, "q", SHP(3));
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    oc.lr = 1.0f;
+    dt_optim *opt = p && q ? dt_optim_new(ctx, &oc, NULL, 0) : NULL;
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.bucket_bytes = 12;   /* 3 floats a bucket */
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+    if (!ddp)
+        return 1;
+    const float z[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    for (int step = 0; step < 2; step++) {
+        dt_tensor *zt = dt_tensor_temp(ctx, DT_F32, SHP(8));
+        dt_tensor *pq[2] = {p, q};
+        if (!zt || dt_tensor_set(zt, z, 8) ||
+            dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, dt_concat(ctx, pq, 2, 0), zt))))
+            return 2;
+        if (step == 1)
+            dt_zero_grad(ctx);   /* changed my mind: no update this step */
+        if (dt_ddp_step(ddp))
+            return 3;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    float pv[5], qv[3];
+    if (dt_tensor_get(p, pv, 5) || dt_tensor_get(q, qv, 3))
+        return 4;
+    for (int i = 0; i < 5; i++)
+        if (pv[i] != -z[i])
+            return 5;   /* one step of lr 1 with gradient z; the second discarded */
+    for (int i = 0; i < 3; i++)
+        if (qv[i] != -z[5 + i])
+            return 6;
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    return 0;
+}
+
+static void test_concat_and_zero_grad(void **state)
+{
+    (void)state;
+    expect_all_ok(2, concat_rank);
+}
+
+/* Ranks with different DDP settings all fail naming them; a second
+ * backward before sync under compression is refused. */
+static int settings_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    if (!dt_param_new(ctx, "w", SHP(4)))
+        return 1;
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.compress = rank == 1 ? DT_COMPRESS_INT8 : DT_COMPRESS_NONE;
+    if (dt_ddp_new(ctx, c, NULL, &dc) || dt_last_status(ctx) != DT_EMISMATCH ||
+        !strstr(dt_last_error(ctx), "DDP settings") || !strstr(dt_last_error(ctx), "on rank 1"))
+        return 2;
+    dc.compress = DT_COMPRESS_BF16;
+    dt_ddp *d = dt_ddp_new(ctx, c, NULL, &dc);
+    if (!d)
+        return 3;
+    dt_tensor *w = dt_param_at(ctx, 0);
+    if (dt_backward(ctx, dt_sum(ctx, w)) != DT_OK)
+        return 4;
+    if (dt_backward(ctx, dt_sum(ctx, w)) != DT_ESTATE || !strstr(dt_last_error(ctx), "dt_ddp_sync"))
+        return 5;
+    if (dt_ddp_sync(d) != DT_OK)
+        return 6;
+    dt_step_reset(ctx);
+    dt_ddp_free(d);
+    return 0;
+}
+
+static void test_settings_differ(void **state)
+{
+    (void)state;
+    expect_all_ok(3, settings_rank);
+}
+
 /* --- models that differ ------------------------------------------------------ */
 
 static int mismatch_variant;   /* 0: a shape differs on rank 1; 1: rank 1 has an extra parameter */
@@ -1182,6 +1271,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_no_sync),
     cmocka_unit_test(test_unused_params),
     cmocka_unit_test(test_model_mismatch),
+    cmocka_unit_test(test_concat_and_zero_grad),
+    cmocka_unit_test(test_settings_differ),
     cmocka_unit_test(test_misuse),
     cmocka_unit_test(test_dead_rank),
     cmocka_unit_test(test_evaluate_predict),
