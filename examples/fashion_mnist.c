@@ -223,9 +223,9 @@ static void print_breakdown(const breakdown *b, int ranks)
                b->comm, b->comm > 0 ? 100 * (1 - b->exposed / b->comm) : 100.0);
     printf("\n");
     if (ranks > 1 && b->steps > 0 && b->sent > 0)
-        printf("gradient traffic: %.1f KiB sent per step per rank (fp32 gradients %.1f KiB: "
-               "%.1fx less)\n", b->sent / b->steps / 1024, b->grad / b->steps / 1024,
-               b->grad / b->sent);
+        printf("gradient traffic: %.1f KiB sent per step per rank, %.3gx the %.1f KiB of fp32 "
+               "gradients\n", b->sent / b->steps / 1024, b->sent / b->grad,
+               b->grad / b->steps / 1024);
 }
 
 /* Train on this rank; comm is NULL for a single process. */
