@@ -5350,9 +5350,10 @@ dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size
 #define DT_COMM_DEFAULT_TIMEOUT_MS 30000
 #define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
 
-enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER };
+enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
+       COLL_ALLTOALL };
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
-                                         "reduce_scatter", "barrier"};
+                                         "reduce_scatter", "barrier", "alltoall"};
 
 #define TAG_HEADER_STEP 0xFFFFu
 #define TAG_CHECK_SHIFT 52
@@ -5457,7 +5458,7 @@ typedef struct coll_header {
 static void describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op)
 {
     static const char *const ops[] = {"sum", "avg", "max", "min"};
-    const char *name = kind >= 1 && kind <= COLL_BARRIER ? coll_names[kind] : "an unknown call";
+    const char *name = kind >= 1 && kind <= COLL_ALLTOALL ? coll_names[kind] : "an unknown call";
     if (kind == COLL_BROADCAST)
         snprintf(out, cap, "%s(n=%lld, root=%d)", name, (long long)n, root);
     else if (kind == COLL_ALLREDUCE || kind == COLL_REDUCE_SCATTER)
@@ -6030,6 +6031,26 @@ static dt_status run_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs)
     return st;
 }
 
+/* Alltoall: block q of in goes to rank q, block p of buf comes from rank p.
+ * Step s sends to rank + s and receives from rank - s, so every pair of
+ * ranks exchanges once and no rank waits on two peers at a time. */
+static dt_status run_alltoall(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int P = c->world, r = c->rank;
+    size_t bytes = (size_t)w->n * sizeof(float);
+    if (w->n == 0)
+        return DT_OK;
+    memcpy(w->buf + (int64_t)r * w->n, w->in + (int64_t)r * w->n, bytes);
+    for (int s = 1; s < P; s++) {
+        int to = (r + s) % P, from = (r - s + P) % P;
+        if (post_chunked(c, w, xs, 0, from, (uint32_t)s, w->buf + (int64_t)from * w->n, bytes) != DT_OK ||
+            post_chunked(c, w, xs, 1, to, (uint32_t)s, (void *)(w->in + (int64_t)to * w->n), bytes) != DT_OK ||
+            wait_xfers(c, w, xs) != DT_OK)
+            return w->status;
+    }
+    return DT_OK;
+}
+
 /* --- 14.4 the host segment ------------------------------------------------ */
 /*
  * Ranks on one host share a segment of POSIX shared memory, the way MPI's
@@ -6164,8 +6185,19 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
             continue;
         }
         c->waiting_on = c->local_ranks[q];
-        if (check_dead(c, w) != DT_OK)
+        if (check_dead(c, w) != DT_OK) {
+            /* A rank that finished this phase and then died (or we were
+             * descheduled past its death) does not spoil a phase we have:
+             * the next wait that needs it will fail. */
+            if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want) &&
+                !atomic_load_explicit(&c->seg->aborted, memory_order_acquire) &&
+                w->status == DT_EPEER && strstr(w->msg, "died")) {
+                w->status = DT_OK;
+                w->msg[0] = '\0';
+                return DT_OK;
+            }
             return w->status;
+        }
         uint32_t prog = atomic_load_explicit(&r->progress, memory_order_relaxed);
         if (prog != seen) {
             seen = prog;
@@ -6401,6 +6433,36 @@ static dt_status seg_reduce_scatter(dt_comm *c, dt_work *w)
     return DT_OK;
 }
 
+/* Alltoall inside the host: each rank puts the blocks meant for the others
+ * in its slot; each reads its own block from every slot. */
+static dt_status seg_alltoall(dt_comm *c, dt_work *w)
+{
+    int L = c->nlocal, me = c->local_index;
+    int64_t per = seg_chunk_floats(c, w->n * L) / L, off = 0, n = w->n;
+    per = per > 0 ? per : 1;
+    uint32_t p0 = seg_announce(c, w);
+    int64_t mine_at = (int64_t)c->local_ranks[me] * n;
+    if (n > 0)
+        memcpy(w->buf + mine_at, w->in + mine_at, (size_t)n * sizeof(float));
+    do {
+        int64_t cnt = n - off < per ? n - off : per;
+        uint32_t g = c->seg_chunk++;
+        float *slot = seg_slot(c, me, g);
+        for (int q = 0; q < L && cnt > 0; q++)   /* the block for local rank q, at q * cnt */
+            if (q != me)
+                seg_put(c, slot + q * cnt, w->in + (int64_t)c->local_ranks[q] * n + off,
+                        (size_t)cnt * sizeof(float));
+        if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
+            return w->status;
+        for (int q = 0; q < L && cnt > 0; q++)
+            if (q != me)
+                memcpy(w->buf + (int64_t)c->local_ranks[q] * n + off, seg_slot(c, q, g) + me * cnt,
+                       (size_t)cnt * sizeof(float));
+        off += cnt;
+    } while (off < n);
+    return DT_OK;
+}
+
 /* Every rank on this host: the collective over the segment alone. */
 static dt_status run_on_segment(dt_comm *c, dt_work *w)
 {
@@ -6415,6 +6477,7 @@ static dt_status run_on_segment(dt_comm *c, dt_work *w)
     }
     case COLL_ALLGATHER: return seg_allgather(c, w);
     case COLL_REDUCE_SCATTER: return seg_reduce_scatter(c, w);
+    case COLL_ALLTOALL: return seg_alltoall(c, w);
     }
     return work_fail(w, DT_EINVAL, "unknown collective %d", w->kind);
 }
@@ -6426,6 +6489,7 @@ static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
     case COLL_BROADCAST: run_broadcast(c, w, xs); break;
     case COLL_ALLGATHER: run_allgather(c, w, xs); break;
     case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
+    case COLL_ALLTOALL: run_alltoall(c, w, xs); break;
     }
     if (w->status == DT_OK)
         wait_xfers(c, w, xs);   /* the header, if the data finished first */
@@ -6687,6 +6751,13 @@ dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, 
         !op_ok(c, "reduce_scatter", op))
         return DT_EINVAL;
     return run_collective(c, COLL_REDUCE_SCATTER, out, in, n, 0, op);
+}
+
+dt_status dt_alltoall(dt_comm *c, const float *in, int64_t n, float *out)
+{
+    if (!coll_args_ok(c, "alltoall", in, n) || !coll_args_ok(c, "alltoall", out, n))
+        return DT_EINVAL;
+    return run_collective(c, COLL_ALLTOALL, out, in, n, 0, DT_REDUCE_SUM);
 }
 
 dt_status dt_barrier(dt_comm *c)

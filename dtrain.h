@@ -546,6 +546,9 @@ DT_API dt_status dt_allgather(dt_comm *c, const float *in, int64_t n, float *out
 /* in (world * n) reduced over ranks; out (n) = this rank's block */
 DT_API dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out,
                                    dt_reduce_op op);
+/* in (world * n): block q goes to rank q; out (world * n): block p came
+ * from rank p (the personalised exchange of MPI_Alltoall) */
+DT_API dt_status dt_alltoall(dt_comm *c, const float *in, int64_t n, float *out);
 DT_API dt_status dt_barrier(dt_comm *c);
 
 /* Launching ranks on one host, like torchrun / mpirun.  Each rank gets

@@ -138,6 +138,19 @@ static int check_others(dt_comm *c, int rank, int world)
     for (int i = 0; i < 6; i++)
         if (rout[i] != (float)(world * (world - 1) / 2 + world * (rank * 6 + i)))
             return 25;
+    /* alltoall: rank r sends 100 r + q + i / 8 to rank q */
+    float ain[16 * 3], aout[16 * 3];
+    for (int q = 0; q < world; q++)
+        for (int i = 0; i < 3; i++)
+            ain[q * 3 + i] = (float)(100 * rank + q) + (float)i / 8;
+    if (dt_alltoall(c, ain, 3, aout) != DT_OK)
+        return 29;
+    for (int p = 0; p < world; p++)
+        for (int i = 0; i < 3; i++)
+            if (aout[p * 3 + i] != (float)(100 * p + rank) + (float)i / 8)
+                return 30;
+    if (dt_alltoall(c, ain, 0, aout) != DT_OK)
+        return 31;
     if (dt_barrier(c) != DT_OK)
         return 26;
     /* two allreduces in flight at once, kept apart by their tags */
