@@ -173,6 +173,10 @@ static dt_status ddp_backward_begin(struct dt_ddp *d);
 static void ddp_node_done(struct dt_ddp *d, const dt_node *n);
 static dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
 static void ddp_detach(struct dt_ddp *d);
+static uint16_t f32_to_bf16(float f);
+static float bf16_to_f32(uint16_t h);
+static uint16_t f32_to_f16(float f);
+static float f16_to_f32(uint16_t h);
 static void ddp_forget_optim(struct dt_ddp *d, const dt_optim *opt);
 static int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
 static void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
@@ -5351,9 +5355,10 @@ dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size
 #define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
 
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL };
+       COLL_ALLTOALL, COLL_ALLREDUCE16 };
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
-                                         "reduce_scatter", "barrier", "alltoall"};
+                                         "reduce_scatter", "barrier", "alltoall",
+                                         "16-bit allreduce"};
 
 #define TAG_HEADER_STEP 0xFFFFu
 #define TAG_CHECK_SHIFT 52
@@ -5458,7 +5463,7 @@ typedef struct coll_header {
 static void describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op)
 {
     static const char *const ops[] = {"sum", "avg", "max", "min"};
-    const char *name = kind >= 1 && kind <= COLL_ALLTOALL ? coll_names[kind] : "an unknown call";
+    const char *name = kind >= 1 && kind <= COLL_ALLREDUCE16 ? coll_names[kind] : "an unknown call";
     if (kind == COLL_BROADCAST)
         snprintf(out, cap, "%s(n=%lld, root=%d)", name, (long long)n, root);
     else if (kind == COLL_ALLREDUCE || kind == COLL_REDUCE_SCATTER)
@@ -6463,6 +6468,89 @@ static dt_status seg_alltoall(dt_comm *c, dt_work *w)
     return DT_OK;
 }
 
+/* --- 16-bit allreduce: bf16 or fp16 on the wire ---------------------------
+ * root says which (1 bf16, 2 fp16).  Each rank encodes its buffer in
+ * P blocks; an alltoall gives rank r every rank's block r; rank r sums them
+ * in rank order in fp32 (and averages), encodes its block again, and an
+ * allgather gives everyone every block.  All ranks decode the same bytes,
+ * so all get the same values; each rank sends 2 x (P-1)/P x 2 bytes per
+ * value, half of the fp32 ring's, at any P. */
+static void enc16(int codec, const float *x, int64_t n, uint16_t *out)
+{
+    for (int64_t i = 0; i < n; i++)
+        out[i] = codec == 1 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+}
+
+static float dec16(int codec, uint16_t h) { return codec == 1 ? bf16_to_f32(h) : f16_to_f32(h); }
+
+static dt_status sub_result(dt_work *w, const dt_work *sub)
+{
+    if (sub->status != DT_OK && w->status == DT_OK) {
+        w->status = sub->status;
+        snprintf(w->msg, sizeof w->msg, "%s", sub->msg);
+        w->blame = sub->blame;
+        w->blame_ms = sub->blame_ms;
+    }
+    return w->status;
+}
+
+static dt_status allreduce16(dt_comm *c, dt_work *w, xfers *xs, int on_segment)
+{
+    int P = c->world, r = c->rank, codec = w->root;
+    int64_t n = w->n, B = (n + P - 1) / P, Bf = (B + 1) / 2;   /* Bf floats hold B halves */
+    if (n == 0)
+        return DT_OK;
+    size_t bytes = (size_t)(2 * P * Bf + B) * sizeof(float);
+    float *mem = c->ctx->al.malloc_fn(bytes, c->ctx->al.user);
+    if (!mem)
+        return work_fail(w, DT_ENOMEM, "16-bit allreduce: out of memory");
+    memset(mem, 0, bytes);
+    float *send = mem, *recv = mem + (int64_t)P * Bf, *acc = recv + (int64_t)P * Bf;
+    for (int q = 0; q < P; q++) {
+        int64_t lo = q * B < n ? q * B : n, hi = lo + B < n ? lo + B : n;
+        enc16(codec, w->buf + lo, hi - lo, (uint16_t *)(send + (int64_t)q * Bf));
+    }
+    if (!on_segment && xs->has_hdr) {   /* the call's header first: the parts below have none */
+        if (wait_xfers(c, w, xs) != DT_OK)
+            goto out;
+        xs->has_hdr = 0;
+    }
+    dt_work sub = *w;
+    sub.kind = COLL_ALLTOALL;
+    sub.in = send;
+    sub.buf = recv;
+    sub.n = Bf;
+    if (sub_result(w, (on_segment ? seg_alltoall(c, &sub) : run_alltoall(c, &sub, xs), &sub)) != DT_OK)
+        goto out;
+    int64_t mlo = r * B < n ? r * B : n, mn = (mlo + B < n ? mlo + B : n) - mlo;
+    for (int p = 0; p < P; p++) {   /* rank order: the same sum everywhere */
+        const uint16_t *h = (const uint16_t *)(recv + (int64_t)p * Bf);
+        for (int64_t i = 0; i < mn; i++)
+            acc[i] += dec16(codec, h[i]);
+    }
+    if (w->op == DT_REDUCE_AVG)
+        for (int64_t i = 0; i < mn; i++)
+            acc[i] /= (float)P;
+    memset(send, 0, (size_t)Bf * sizeof(float));
+    enc16(codec, acc, mn, (uint16_t *)send);
+    dt_work sub2 = *w;
+    sub2.kind = COLL_ALLGATHER;
+    sub2.in = send;
+    sub2.buf = recv;
+    sub2.n = Bf;
+    if (sub_result(w, (on_segment ? seg_allgather(c, &sub2) : run_allgather(c, &sub2, xs), &sub2)) != DT_OK)
+        goto out;
+    for (int q = 0; q < P; q++) {
+        int64_t lo = q * B < n ? q * B : n, hi = lo + B < n ? lo + B : n;
+        const uint16_t *h = (const uint16_t *)(recv + (int64_t)q * Bf);
+        for (int64_t i = lo; i < hi; i++)
+            w->buf[i] = dec16(codec, h[i - lo]);
+    }
+out:
+    c->ctx->al.free_fn(mem, c->ctx->al.user);
+    return w->status;
+}
+
 /* Every rank on this host: the collective over the segment alone. */
 static dt_status run_on_segment(dt_comm *c, dt_work *w)
 {
@@ -6478,6 +6566,7 @@ static dt_status run_on_segment(dt_comm *c, dt_work *w)
     case COLL_ALLGATHER: return seg_allgather(c, w);
     case COLL_REDUCE_SCATTER: return seg_reduce_scatter(c, w);
     case COLL_ALLTOALL: return seg_alltoall(c, w);
+    case COLL_ALLREDUCE16: return allreduce16(c, w, NULL, 1);
     }
     return work_fail(w, DT_EINVAL, "unknown collective %d", w->kind);
 }
@@ -6490,6 +6579,7 @@ static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
     case COLL_ALLGATHER: run_allgather(c, w, xs); break;
     case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
     case COLL_ALLTOALL: run_alltoall(c, w, xs); break;
+    case COLL_ALLREDUCE16: allreduce16(c, w, xs, 0); break;
     }
     if (w->status == DT_OK)
         wait_xfers(c, w, xs);   /* the header, if the data finished first */
@@ -7963,7 +8053,13 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
         d->zero_gen = d->ctx->zero_gen;
     }
-    if (d->cfg.compress != DT_COMPRESS_NONE) {
+    if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
+        /* reduced in 16 bits on the wire, in place (14.4's allreduce16) */
+        b->work = enqueue(d->comm, COLL_ALLREDUCE16, d->set[d->cur] + b->offset, NULL,
+                          b->numel + b->count, d->cfg.compress == DT_COMPRESS_BF16 ? 1 : 2,
+                          DT_REDUCE_AVG);
+        d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
+    } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
     } else {
         b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
@@ -8184,7 +8280,7 @@ static dt_status ddp_finish(dt_ddp *d)
         dt_status s = work_finish(d->buckets[b].work, &run);
         d->buckets[b].work = NULL;
         d->st.comm_s += run;
-        if (s == DT_OK && d->cfg.compress != DT_COMPRESS_NONE)
+        if (s == DT_OK && (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
             ddp_finish_compressed(d, &d->buckets[b]);
         if (s != DT_OK && first == DT_OK) {
             first = s;
@@ -8578,7 +8674,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         else
             d->be_iface->memset0(d->be, d->set[k], (size_t)d->set_floats * sizeof(float));
     }
-    if (s == DT_OK && d->cfg.compress != DT_COMPRESS_NONE)
+    if (s == DT_OK && (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
         s = ddp_alloc_compression(d);
     if (s == DT_ENOMEM) {
         set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for %lld gradient floats",

@@ -607,10 +607,13 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
  * ------------------------------------------------------------------------- */
 typedef struct dt_ddp dt_ddp;
 
-/* Gradient compression on the wire.  Compressed buckets are gathered (each
- * rank's encoded bucket to every rank) and decoded and summed in rank
- * order, so every rank still gets identical gradients.
- *   BF16, FP16: 2 bytes per gradient (round to nearest even).
+/* Gradient compression on the wire; every rank still gets identical
+ * gradients (sums are taken in rank order from the same encoded bytes).
+ *   BF16, FP16: 2 bytes per gradient (round to nearest even), reduced by a
+ *         16-bit allreduce (alltoall of encoded blocks, fp32 sum of each
+ *         block by its owner, allgather): half the fp32 bytes at any size.
+ * TOPK and INT8 buckets are gathered (each rank's encoding to every rank)
+ * and decoded and summed in rank order.
  *   TOPK: the largest topk_ratio of each bucket's gradients by magnitude,
  *         as (index, bf16 value) pairs: 6 bytes each.
  *   INT8: 1 byte per gradient plus one fp32 scale per 256.

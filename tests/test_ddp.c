@@ -18,6 +18,7 @@ typedef int (*ddp_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
 static int job_timeout_ms = 20000;
 static const char *job_transport = "shm";      /* dt_comm_config.transport */
 static const char *job_intra = NULL;           /* dt_comm_config.intra_host (NULL: segment) */
+static int job_host_groups;                    /* > 0: rank r claims host "h<r % groups>" */
 
 /* One rank: context seeded by rank (so only the broadcast can make the
  * models agree), communicator, fn.  Exit code: 0 ok, 90 no comm, else fn's. */
@@ -34,6 +35,11 @@ static void ddp_rank_main(int rank, int world, int port, ddp_fn fn)
     cc.transport = job_transport;
     cc.host = "127.0.0.1";
     cc.intra_host = job_intra;
+    char host_id[16];
+    if (job_host_groups > 0) {
+        snprintf(host_id, sizeof host_id, "h%d", rank % job_host_groups);
+        cc.host_id = host_id;
+    }
     cc.timeout_ms = job_timeout_ms;
     cc.store.timeout_ms = 20000;
     dt_comm *c = ctx ? dt_comm_new(ctx, &e, &cc) : NULL;
@@ -801,24 +807,18 @@ static int compress_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (!ddp)
         return 1;
     float g[8];
-    /* ranks hold x and 3x, so the average is 2x (rank 0: x, rank 1: 3x) */
+    /* rank r holds (2r + 1) x, so the average is P x (the sum is P^2 x) */
     const float x[8] = {8, 1, 2, 3, -4, 5, 6, 7};
-    float mine[8], want[8];
+    float mine[8], want[8], P = (float)world;
     for (int i = 0; i < 8; i++)
-        mine[i] = x[i] * (rank == 0 ? 1.0f : 3.0f);
+        mine[i] = x[i] * (float)(2 * rank + 1);
     if (grads_after(ctx, ddp, w, mine, g))
         return 2;
-    if (cur_compress == DT_COMPRESS_TOPK) {
-        /* each rank sends its two largest: 8 (index 0) and 7 (index 7) */
-        const float t1[8] = {16, 0, 0, 0, 0, 0, 0, 14};
-        memcpy(want, t1, sizeof want);
-    } else {
-        for (int i = 0; i < 8; i++)
-            want[i] = 2 * x[i];
-    }
+    for (int i = 0; i < 8; i++)   /* top-k: each rank sends its two largest, 0 and 7 */
+        want[i] = cur_compress == DT_COMPRESS_TOPK && i != 0 && i != 7 ? 0 : P * x[i];
     for (int i = 0; i < 8; i++)
-        /* int8 steps are 8/127 and 24/127: each rank's value within half a step */
-        if (fabsf(g[i] - want[i]) > (cur_compress == DT_COMPRESS_INT8 ? 0.065f : 0.0f)) {
+        /* int8 steps are 8 (2r + 1) / 127: the average within the mean half step */
+        if (fabsf(g[i] - want[i]) > (cur_compress == DT_COMPRESS_INT8 ? 4 * P / 127 + 1e-3f : 0.0f)) {
             fprintf(stderr, "rank %d codec %d step 1 [%d]: %g, want %g\n", rank, (int)cur_compress,
                     i, (double)g[i], (double)want[i]);
             return 3;
@@ -827,20 +827,24 @@ static int compress_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         /* error feedback: the unsent 1..6 come back on top of the next x */
         if (grads_after(ctx, ddp, w, mine, g))
             return 4;
-        const float t2[8] = {0, 0, 0, 0, 0, 20, 24, 0};   /* 2*5, 2*6: (1x + 3x) * 2 / 2 */
-        for (int i = 0; i < 8; i++)
-            if (g[i] != t2[i]) {
+        for (int i = 0; i < 8; i++) {   /* 5 and 6 come back doubled: 2 P x */
+            float t2 = i == 5 || i == 6 ? 2 * P * x[i] : 0;
+            if (g[i] != t2) {
                 fprintf(stderr, "rank %d topk step 2 [%d]: %g, want %g\n", rank, i, (double)g[i],
-                        (double)t2[i]);
+                        (double)t2);
                 return 5;
             }
+        }
     }
     dt_ddp_stats st;
     dt_ddp_stats_get(ddp, &st);
     uint64_t steps = (uint64_t)st.steps;
-    size_t code = cur_compress == DT_COMPRESS_TOPK ? 2 * 6 : cur_compress == DT_COMPRESS_INT8 ? 4 + 8
-                : cur_compress == DT_COMPRESS_NONE ? 32 : 16;
-    if (st.grad_bytes != steps * 32 || st.payload_bytes != steps * ((code + 3) / 4 * 4 + 4 * (cur_compress != DT_COMPRESS_NONE))) {
+    /* payload: top-k 2 entries of 6 bytes, int8 a scale and 8 bytes, each
+     * with the flag as a float; 16-bit codecs carry gradients and flag in
+     * 2 bytes each */
+    size_t code = cur_compress == DT_COMPRESS_TOPK ? 12 + 4 : cur_compress == DT_COMPRESS_INT8 ? 12 + 4
+                : cur_compress == DT_COMPRESS_NONE ? 32 : 18;
+    if (st.grad_bytes != steps * 32 || st.payload_bytes != steps * code) {
         fprintf(stderr, "rank %d: grad_bytes %llu payload %llu\n", rank,
                 (unsigned long long)st.grad_bytes, (unsigned long long)st.payload_bytes);
         return 6;
@@ -905,6 +909,9 @@ static void test_compression_momentum(void **state)
     expect_all_ok(2, momentum_rank);
 }
 
+/* Every codec on every path: the host segment (2 ranks), the transport
+ * alone over tcp (3 ranks: the 16-bit allreduce's alltoall and ring with a
+ * world that is no power of two), and 2 hosts of 2 (hierarchical). */
 static void test_compression_exact(void **state)
 {
     (void)state;
@@ -913,6 +920,14 @@ static void test_compression_exact(void **state)
     for (int k = 0; k < TU_ARRAY_LEN(kinds); k++) {
         cur_compress = kinds[k];
         expect_all_ok(2, compress_rank);
+        job_transport = "tcp";
+        job_intra = "transport";
+        expect_all_ok(3, compress_rank);
+        job_intra = NULL;
+        job_host_groups = 2;
+        expect_all_ok(4, compress_rank);
+        job_host_groups = 0;
+        job_transport = "shm";
     }
 }
 
