@@ -6483,6 +6483,17 @@ static void enc16(int codec, const float *x, int64_t n, uint16_t *out)
 
 static float dec16(int codec, uint16_t h) { return codec == 1 ? bf16_to_f32(h) : f16_to_f32(h); }
 
+/* A part of w run as its own kind of collective, same sequence number. */
+static dt_work sub_work(const dt_work *w, int kind, const float *in, float *buf, int64_t n)
+{
+    dt_work sub = *w;
+    sub.kind = kind;
+    sub.in = in;
+    sub.buf = buf;
+    sub.n = n;
+    return sub;
+}
+
 static dt_status sub_result(dt_work *w, const dt_work *sub)
 {
     if (sub->status != DT_OK && w->status == DT_OK) {
@@ -6515,11 +6526,7 @@ static dt_status allreduce16(dt_comm *c, dt_work *w, xfers *xs, int on_segment)
             goto out;
         xs->has_hdr = 0;
     }
-    dt_work sub = *w;
-    sub.kind = COLL_ALLTOALL;
-    sub.in = send;
-    sub.buf = recv;
-    sub.n = Bf;
+    dt_work sub = sub_work(w, COLL_ALLTOALL, send, recv, Bf);
     if (sub_result(w, (on_segment ? seg_alltoall(c, &sub) : run_alltoall(c, &sub, xs), &sub)) != DT_OK)
         goto out;
     int64_t mlo = r * B < n ? r * B : n, mn = (mlo + B < n ? mlo + B : n) - mlo;
@@ -6533,11 +6540,7 @@ static dt_status allreduce16(dt_comm *c, dt_work *w, xfers *xs, int on_segment)
             acc[i] /= (float)P;
     memset(send, 0, (size_t)Bf * sizeof(float));
     enc16(codec, acc, mn, (uint16_t *)send);
-    dt_work sub2 = *w;
-    sub2.kind = COLL_ALLGATHER;
-    sub2.in = send;
-    sub2.buf = recv;
-    sub2.n = Bf;
+    dt_work sub2 = sub_work(w, COLL_ALLGATHER, send, recv, Bf);
     if (sub_result(w, (on_segment ? seg_allgather(c, &sub2) : run_allgather(c, &sub2, xs), &sub2)) != DT_OK)
         goto out;
     for (int q = 0; q < P; q++) {
