@@ -5355,13 +5355,22 @@ dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size
 #define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
 
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL, COLL_ALLREDUCE16 };
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED };
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
                                          "reduce_scatter", "barrier", "alltoall",
-                                         "16-bit allreduce"};
+                                         "16-bit allreduce", "allreduce in shared memory"};
 
 #define TAG_HEADER_STEP 0xFFFFu
 #define TAG_CHECK_SHIFT 52
+
+/* Memory every rank on the host maps (14.4): local rank q's part starts at
+ * base + q * part.  DDP keeps its gradient buckets there, so the host's
+ * allreduce reads the other ranks' gradients where backward wrote them. */
+typedef struct shm_region {
+    char *base;
+    size_t part, total;
+    int nlocal, me;
+} shm_region;
 
 struct dt_work {
     dt_comm *comm;
@@ -5369,6 +5378,7 @@ struct dt_work {
     dt_reduce_op op;
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
+    const shm_region *region;  /* COLL_ALLREDUCE_SHARED: buf lies in our part of it */
     int64_t n;
     uint32_t seq;
     int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
@@ -5421,6 +5431,7 @@ struct dt_comm {
     uint32_t seg_phase, seg_chunk;
     char seg_name[64], seg_why[200];
     int seg_linked;            /* we created it and its name still exists */
+    int regions_made;          /* shared regions set up so far (their store keys) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
 };
 
@@ -5463,7 +5474,7 @@ typedef struct coll_header {
 static void describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op)
 {
     static const char *const ops[] = {"sum", "avg", "max", "min"};
-    const char *name = kind >= 1 && kind <= COLL_ALLREDUCE16 ? coll_names[kind] : "an unknown call";
+    const char *name = kind >= 1 && kind <= COLL_ALLREDUCE_SHARED ? coll_names[kind] : "an unknown call";
     if (kind == COLL_BROADCAST)
         snprintf(out, cap, "%s(n=%lld, root=%d)", name, (long long)n, root);
     else if (kind == COLL_ALLREDUCE || kind == COLL_REDUCE_SCATTER)
@@ -6468,6 +6479,49 @@ static dt_status seg_alltoall(dt_comm *c, dt_work *w)
     return DT_OK;
 }
 
+/* Allreduce of a buffer in a shared region (DDP's buckets): no copy into
+ * slots.  Once every rank's buffer is final, local rank k reduces block k
+ * of all of them, in local-rank order as seg_reduce_block does (so results
+ * are bit-identical to the slot path), into its own buffer; then each rank
+ * copies the other blocks from their owners' buffers.  A last phase keeps
+ * every buffer unwritten until nobody reads it.  Per rank that moves
+ * about 2(L-1)/L of the buffer, against 3 + (L-1)/L through the slots. */
+static dt_status seg_allreduce_shared(dt_comm *c, dt_work *w)
+{
+    const shm_region *r = w->region;
+    int L = c->nlocal, me = c->local_index;
+    size_t off = (size_t)((char *)w->buf - (r->base + (size_t)me * r->part));
+    int64_t lo, hi, n = w->n;
+    uint32_t p0 = seg_announce(c, w);
+    if (seg_sync(c, w, p0, 1.0) != DT_OK)
+        return w->status;
+    block_range(n, L, me, &lo, &hi);
+    float tile[2048];
+    for (int64_t i = lo; i < hi; i += 2048) {
+        int64_t cnt = hi - i < 2048 ? hi - i : 2048;
+        const float *part0 = (const float *)(r->base + off) + i;
+        reduce2(tile, part0, (const float *)(r->base + r->part + off) + i, cnt, w->op);
+        for (int q = 2; q < L; q++)
+            reduce_into(tile, (const float *)(r->base + (size_t)q * r->part + off) + i, cnt, w->op);
+        finish_avg(c, w, tile, cnt);
+        memcpy(w->buf + i, tile, (size_t)cnt * sizeof(float));
+    }
+    if (seg_sync(c, w, 0, 1.0) != DT_OK)
+        return w->status;
+    for (int q = 0; q < L; q++) {
+        if (q == me)
+            continue;
+        int64_t qlo, qhi;
+        block_range(n, L, q, &qlo, &qhi);
+        memcpy(w->buf + qlo, (const float *)(r->base + (size_t)q * r->part + off) + qlo,
+               (size_t)(qhi - qlo) * sizeof(float));
+    }
+    /* what the other ranks read of ours: our part of their blocks, and our block */
+    uint64_t read_by_others = (uint64_t)(n - (hi - lo)) + (uint64_t)(L - 1) * (uint64_t)(hi - lo);
+    __atomic_fetch_add(&c->bytes_sent, read_by_others * sizeof(float), __ATOMIC_RELAXED);
+    return seg_sync(c, w, 0, 1.0);
+}
+
 /* --- 16-bit allreduce: bf16 or fp16 on the wire ---------------------------
  * root says which (1 bf16, 2 fp16).  Each rank encodes its buffer in
  * P blocks; an alltoall gives rank r every rank's block r; rank r sums them
@@ -6570,6 +6624,7 @@ static dt_status run_on_segment(dt_comm *c, dt_work *w)
     case COLL_REDUCE_SCATTER: return seg_reduce_scatter(c, w);
     case COLL_ALLTOALL: return seg_alltoall(c, w);
     case COLL_ALLREDUCE16: return allreduce16(c, w, NULL, 1);
+    case COLL_ALLREDUCE_SHARED: return seg_allreduce_shared(c, w);
     }
     return work_fail(w, DT_EINVAL, "unknown collective %d", w->kind);
 }
@@ -6577,7 +6632,7 @@ static dt_status run_on_segment(dt_comm *c, dt_work *w)
 static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
 {
     switch (w->kind) {
-    case COLL_ALLREDUCE: case COLL_BARRIER: run_allreduce(c, w, xs); break;
+    case COLL_ALLREDUCE: case COLL_BARRIER: case COLL_ALLREDUCE_SHARED: run_allreduce(c, w, xs); break;
     case COLL_BROADCAST: run_broadcast(c, w, xs); break;
     case COLL_ALLGATHER: run_allgather(c, w, xs); break;
     case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
@@ -6698,8 +6753,8 @@ static void *comm_main(void *arg)
     return NULL;
 }
 
-static dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
-                        dt_reduce_op op)
+static dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
+                           dt_reduce_op op, const shm_region *region)
 {
     dt_ctx *ctx = c->ctx;
     dt_work *w = host_calloc(ctx, sizeof *w);
@@ -6708,7 +6763,7 @@ static dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64
         return NULL;
     }
     *w = (dt_work){.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n,
-                   .blame = -1};
+                   .region = region, .blame = -1};
     pthread_mutex_lock(&c->mu);
     w->seq = c->next_seq++;
     if (c->tail)
@@ -6719,6 +6774,12 @@ static dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     return w;
+}
+
+static dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
+                        dt_reduce_op op)
+{
+    return enqueue_in(c, kind, buf, in, n, root, op, NULL);
 }
 
 /* Wait for w, free it, and give the seconds it ran (run_s may be NULL). */
@@ -7011,6 +7072,69 @@ static void unmap_segment(dt_comm *c)
     if (c->seg_linked)
         shm_unlink(c->seg_name);
     c->seg_linked = 0;
+}
+
+/* A shared region (see shm_region): every local rank gets a part of
+ * part_bytes, every rank maps all parts.  Collective over the communicator
+ * when all its ranks share this host's segment; elsewhere, or if any rank
+ * cannot map it or sets DTRAIN_SHARED_BUCKETS=0, *ok is 0 on every rank and
+ * nothing is mapped (not an error: callers use private memory).  The name
+ * is unlinked once every rank has it open, so nothing outlives the job.
+ * Free with shared_region_free. */
+static void shared_region_free(shm_region *r);
+static dt_status shared_region_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok)
+{
+    *ok = 0;
+    memset(r, 0, sizeof *r);
+    if (!c->use_segment || !c->seg || c->nhosts != 1)
+        return DT_OK;
+    int L = c->nlocal, fd = -1, created = 0;
+    size_t part = (part_bytes + 4095) & ~(size_t)4095, total = part * (size_t)L;
+    char key[DT_STORE_MAX_KEY], name[80] = "";
+    snprintf(key, sizeof key, "shared%s/%d", c->seg_name, c->regions_made++);
+    dt_status st = DT_OK;
+    if (c->local_index == 0) {
+        snprintf(name, sizeof name, "%s-r%d", c->seg_name, c->regions_made);
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        created = fd >= 0;
+        if (fd >= 0 && posix_fallocate(fd, 0, (off_t)total) != 0) {   /* see map_segment */
+            close(fd);
+            fd = -1;
+        }
+        st = dt_store_set(c->store, key, fd >= 0 ? name : "", fd >= 0 ? strlen(name) + 1 : 1);
+    } else {
+        size_t len = 0;
+        st = dt_store_get(c->store, key, name, sizeof name - 1, &len, c->timeout_ms);
+        name[len < sizeof name ? len : sizeof name - 1] = '\0';
+        if (st == DT_OK && name[0])
+            fd = shm_open(name, O_RDWR, 0);
+    }
+    struct stat sb;
+    if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == total) {
+        void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED)
+            *r = (shm_region){.base = p, .part = part, .total = total, .nlocal = L,
+                              .me = c->local_index};
+    }
+    if (fd >= 0)
+        close(fd);
+    const char *env = getenv("DTRAIN_SHARED_BUCKETS");
+    float agree = r->base && !(env && strcmp(env, "0") == 0) ? 1.0f : 0.0f;
+    if (st == DT_OK)
+        st = dt_allreduce(c, &agree, 1, DT_REDUCE_MIN);   /* also: every rank has it open */
+    if (created)
+        shm_unlink(name);
+    if (st != DT_OK || agree < 1.0f)
+        shared_region_free(r);
+    *ok = st == DT_OK && r->base;
+    return st;
+}
+
+static void shared_region_free(shm_region *r)
+{
+    if (r->base)
+        munmap(r->base, r->total);
+    memset(r, 0, sizeof *r);
 }
 
 /* Segments are used only if every rank wants them and got one: a rank that
@@ -7642,6 +7766,8 @@ struct dt_ddp {
     int64_t *done;             /* param -> floats of its gradient final (a prefix) */
     void **own_grad;           /* param -> the grad buffer it had before */
     float *set[2];
+    shm_region shared;         /* base set: the sets live in memory the host's ranks
+                                  share (uncompressed, one host), else backend memory */
     int64_t set_floats;        /* gradients, then one flag per parameter */
     int64_t grad_floats;       /* gradients: where the flags start */
     int64_t bucket_floats;     /* the cap: buckets cut every this many floats */
@@ -7650,6 +7776,7 @@ struct dt_ddp {
     int nbuckets, next_launch, ready_upto;
     int recompute_left;        /* recompute nodes not yet walked */
     int sync;                  /* 0: no_sync */
+    int overlap;               /* cfg.overlap resolved (ddp_resolve_overlap) */
     int hooks;                 /* this backward launches buckets */
     int pending_sync;          /* buckets launched or owed; dt_ddp_sync finishes them */
     dt_status launch_status;
@@ -7669,7 +7796,7 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
-    cfg->overlap = 1;
+    cfg->overlap = -1;
     cfg->broadcast_params = 1;
     cfg->error_feedback = 1;
 }
@@ -8064,6 +8191,9 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
+    } else if (d->shared.base) {   /* the other ranks read it where it is (14.4) */
+        b->work = enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
+                             b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
     } else {
         b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
                                      DT_REDUCE_AVG);
@@ -8074,6 +8204,32 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
     }
     d->st.grad_bytes += (uint64_t)b->numel * sizeof(float);
+}
+
+/* No overlap, no compression: every bucket is ready at once, and they are
+ * contiguous; one allreduce of the whole set costs the host's ranks one
+ * round of phases (or the transport one schedule) instead of one a bucket.
+ * The work hangs on bucket 0. */
+static void ddp_launch_whole(dt_ddp *d)
+{
+    ddp_bucket *last = &d->buckets[d->nbuckets - 1];
+    float *flags = ddp_flags(d, d->cur, last);
+    for (int k = 0; k < last->count; k++)
+        flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
+    d->sent_at_launch = dt_comm_bytes_sent(d->comm);
+    d->zero_gen = d->ctx->zero_gen;
+    dt_work *w = d->shared.base
+                     ? enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur], NULL,
+                                  d->set_floats, 0, DT_REDUCE_AVG, &d->shared)
+                     : dt_allreduce_async(d->comm, d->set[d->cur], d->set_floats, DT_REDUCE_AVG);
+    if (!w && d->launch_status == DT_OK) {
+        d->launch_status = d->ctx->last_status;
+        snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
+    }
+    d->buckets[0].work = w;
+    d->st.grad_bytes += (uint64_t)d->grad_floats * sizeof(float);
+    d->st.payload_bytes += (uint64_t)d->grad_floats * sizeof(float);
+    d->next_launch = d->nbuckets;
 }
 
 /* Launch every ready bucket whose predecessors have all been launched. */
@@ -8197,7 +8353,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     d->pending_sync = 1;
     d->launch_status = DT_OK;
     d->next_launch = 0;
-    if (!d->cfg.overlap)
+    if (!d->overlap)
         return DT_OK;   /* dt_ddp_sync launches everything */
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
@@ -8271,6 +8427,8 @@ static dt_status ddp_finish(dt_ddp *d)
         for (int i = 0; i < d->nparams; i++)
             ddp_param_final(d, i);
     }
+    if (d->next_launch == 0 && d->cfg.compress == DT_COMPRESS_NONE)
+        ddp_launch_whole(d);
     while (d->next_launch < d->nbuckets)
         ddp_launch(d, &d->buckets[d->next_launch++]);
     dt_status first = d->launch_status;
@@ -8346,11 +8504,12 @@ void dt_ddp_stats_reset(dt_ddp *d)
 {
     if (!d)
         return;
-    int nb = d->st.buckets;
-    size_t cap = d->st.bucket_bytes;
+    dt_ddp_stats keep = d->st;
     memset(&d->st, 0, sizeof d->st);
-    d->st.buckets = nb;
-    d->st.bucket_bytes = cap;
+    d->st.buckets = keep.buckets;
+    d->st.bucket_bytes = keep.bucket_bytes;
+    d->st.overlap = keep.overlap;
+    d->st.shared_buckets = keep.shared_buckets;
 }
 
 /* --- 16.4 wrapping: the model check, buckets, rank 0's weights ------------ */
@@ -8542,6 +8701,47 @@ static dt_status ddp_plan(dt_ddp *d, size_t cap)
     return DT_OK;
 }
 
+/* Uncompressed buckets on one host go in a region every local rank maps
+ * (shared_region_map): the allreduce then reads them in place instead of
+ * copying them through the segment's slots (docs/DATA_PARALLEL.md).  Both
+ * sets in one part; host memory, which is what the backend's is here
+ * (dt_ddp_new checks host_visible).  DT_OK with no region: private sets. */
+static dt_status ddp_alloc_sets(dt_ddp *d)
+{
+    if (d->cfg.compress != DT_COMPRESS_NONE)
+        return DT_OK;
+    size_t stride = ((size_t)d->set_floats * sizeof(float) + 127) & ~(size_t)127;
+    int ok = 0;
+    dt_status s = shared_region_map(d->comm, 2 * stride, &d->shared, &ok);
+    if (s != DT_OK || !ok)
+        return s;
+    char *mine = d->shared.base + (size_t)d->shared.me * d->shared.part;
+    memset(mine, 0, 2 * stride);
+    d->set[0] = (float *)mine;
+    d->set[1] = (float *)(mine + stride);
+    d->st.shared_buckets = 1;
+    return DT_OK;
+}
+
+/* overlap -1: does the allreduce have something to run on while backward
+ * computes?  Across hosts the comm thread mostly waits on the network.  On
+ * one host it copies memory, and needs a CPU the compute threads do not
+ * use: more CPUs in this process's affinity than compute threads (an
+ * unbound rank counts its share of the online CPUs). */
+static int ddp_auto_overlap(const dt_ddp *d)
+{
+    if (d->comm->nhosts > 1)
+        return 1;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    long cpus = online > 0 ? online : 1;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus)
+        cpus = CPU_COUNT(&set);
+    else if (d->comm->nlocal > 1)
+        cpus /= d->comm->nlocal;
+    return cpus > d->ctx->threads;
+}
+
 /* Rank 0's parameter values to every rank, packed through set 0. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
@@ -8561,9 +8761,10 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
 static void ddp_release(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
-    for (int s = 0; s < 2; s++)
+    for (int s = 0; s < 2 && !d->shared.base; s++)
         if (d->set[s])
             d->be_iface->free(d->be, d->set[s]);
+    shared_region_free(&d->shared);
     host_free(ctx, d->order);
     host_free(ctx, d->offset);
     host_free(ctx, d->uses);
@@ -8640,7 +8841,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         snprintf(settings, sizeof settings, "invalid: %.200s", local_msg);
     else
         snprintf(settings, sizeof settings, "bucket_bytes %zu, overlap %d, compress %d, topk_ratio "
-                 "%g, warmup %d, error_feedback %d", ddp_bucket_cap(cfg, ctx), cfg->overlap != 0,
+                 "%g, warmup %d, error_feedback %d", ddp_bucket_cap(cfg, ctx), cfg->overlap < 0 ? -1 : cfg->overlap != 0,
                  (int)cfg->compress, (double)cfg->topk_ratio, cfg->topk_warmup_steps,
                  cfg->error_feedback != 0);
     if (ddp_check_models(ctx, c, settings) != DT_OK)
@@ -8670,7 +8871,9 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     dt_status s = DT_ENOMEM;
     if (d->params && d->order && d->offset && d->uses && d->done && d->own_grad)
         s = ddp_plan(d, cap);
-    for (int k = 0; s == DT_OK && k < 2; k++) {
+    if (s == DT_OK)
+        s = ddp_alloc_sets(d);
+    for (int k = 0; s == DT_OK && !d->shared.base && k < 2; k++) {
         d->set[k] = d->be_iface->alloc(d->be, (size_t)d->set_floats * sizeof(float));
         if (!d->set[k])
             s = DT_ENOMEM;
@@ -8700,6 +8903,8 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     ddp_point_grads(d, 0);
     if (d->momentum > 0)
         d->opt->momentum_by_ddp = 1;
+    d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);
+    d->st.overlap = d->overlap;
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
     ctx->ddp = d;

@@ -628,8 +628,13 @@ typedef struct dt_ddp_config {
                                   the default (docs/DATA_PARALLEL.md says how it was
                                   chosen).  Buckets cut the gradients every this many
                                   bytes, so a large parameter may span several */
-    int overlap;               /* 1 (default): allreduce during backward; 0: all buckets
-                                  after backward, in dt_ddp_sync (for comparison) */
+    int overlap;               /* 1: allreduce during backward; 0: after backward, in
+                                  dt_ddp_sync, as one call when uncompressed; -1 (default):
+                                  1 when ranks span hosts (the comm thread waits on the
+                                  network) or this rank has a CPU beyond its compute
+                                  threads, else 0: on one host the allreduce is memory
+                                  copies, and on the compute threads' own CPU they would
+                                  only take turns with backward (docs/DATA_PARALLEL.md) */
     int broadcast_params;      /* 1 (default): dt_ddp_new copies rank 0's parameters to
                                   every rank */
     dt_compress compress;      /* DT_COMPRESS_NONE (default; DTRAIN_COMPRESS=none|bf16|
@@ -682,6 +687,10 @@ typedef struct dt_ddp_stats {
     int64_t block_launches;    /* buckets started from inside a layer's backward: a large
                                   linear weight's gradient is made in row blocks, and each
                                   finished block travels while the next computes */
+    int overlap;               /* the overlap in use (cfg's, -1 resolved) */
+    int shared_buckets;        /* 1: the buckets live in memory this host's ranks share,
+                                  and the allreduce reads them in place (all ranks on one
+                                  host, no compression; DTRAIN_SHARED_BUCKETS=0: off) */
 } dt_ddp_stats;
 /* Totals since dt_ddp_new or the last reset. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);

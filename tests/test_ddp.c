@@ -242,6 +242,7 @@ typedef struct equiv_case {
     int overlap;
 } equiv_case;
 static equiv_case cur_case;
+static int expect_shared = 1;   /* the buckets should be in shared memory (segment, one host) */
 
 /* FNV-1a over every parameter's bytes. */
 static char hash_path[128];
@@ -329,6 +330,13 @@ static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 7;
     if (ec->bucket_bytes == 256 && st.buckets < 3)   /* small buckets: several */
         return 8;
+    if (ec->overlap >= 0 ? st.overlap != ec->overlap : st.overlap != 0 && st.overlap != 1)
+        return 15;
+    if (st.shared_buckets != expect_shared) {
+        fprintf(stderr, "rank %d: shared_buckets %d, expected %d\n", rank, st.shared_buckets,
+                expect_shared);
+        return 14;
+    }
     /* the wide fc1 is sent in row blocks as backward makes them (overlap on) */
     if ((ec->kind == WIDE && ec->overlap) != (st.block_launches > 0)) {
         fprintf(stderr, "rank %d: %lld buckets started from inside backward\n", rank,
@@ -359,7 +367,9 @@ static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 static void test_equivalence_mlp(void **state)
 {
     (void)state;
-    const equiv_case cases[] = {{0, 0, 1}, {0, 256, 1}, {0, 256, 0}};
+    /* overlap -1: whatever this machine resolves it to (no overlap: the
+     * whole set in one allreduce) */
+    const equiv_case cases[] = {{0, 0, 1}, {0, 256, 1}, {0, 256, 0}, {0, 256, -1}};
     for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
         cur_case = cases[k];
         expect_all_ok(2, equivalence_rank);
@@ -381,8 +391,10 @@ static void test_equivalence_tcp(void **state)
     (void)state;
     job_transport = "tcp";
     job_intra = "transport";
+    expect_shared = 0;
     cur_case = (equiv_case){WIDE, 65536, 1};
     expect_all_ok(3, equivalence_rank);
+    expect_shared = 1;
     cur_compress = DT_COMPRESS_TOPK;
     expect_all_ok(2, compress_rank);
     job_transport = "shm";
@@ -390,16 +402,23 @@ static void test_equivalence_tcp(void **state)
 }
 
 /* Two runs with the same seed end bit-identical, row blocks and overlap
- * notwithstanding. */
+ * notwithstanding; a third with the buckets in private memory (reduced
+ * through the segment's slots instead of in place) too. */
 static void test_reproducible(void **state)
 {
     (void)state;
-    char dir[64], got[2][32];
+    char dir[64], got[3][32];
     tu_tmpdir(dir, sizeof dir);
     cur_case = (equiv_case){WIDE, 65536, 1};
-    for (int run = 0; run < 2; run++) {
+    for (int run = 0; run < 3; run++) {
         snprintf(hash_path, sizeof hash_path, "%s/hash%d", dir, run);
+        if (run == 2) {
+            setenv("DTRAIN_SHARED_BUCKETS", "0", 1);
+            expect_shared = 0;
+        }
         expect_all_ok(3, equivalence_rank);
+        unsetenv("DTRAIN_SHARED_BUCKETS");
+        expect_shared = 1;
         FILE *f = fopen(hash_path, "r");
         assert_non_null(f);
         assert_non_null(fgets(got[run], sizeof got[run], f));
@@ -409,6 +428,7 @@ static void test_reproducible(void **state)
     hash_path[0] = '\0';
     tu_rmdir(dir);
     assert_string_equal(got[0], got[1]);
+    assert_string_equal(got[0], got[2]);
 }
 
 static void test_equivalence_cnn(void **state)
@@ -514,6 +534,7 @@ static int unused_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_ddp_config dc;
     dt_ddp_config_init(&dc);
     dc.bucket_bytes = 20;   /* one parameter per bucket */
+    dc.overlap = 1;         /* readiness is tracked during backward */
     dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
     if (!ddp)
         return 2;
@@ -575,6 +596,7 @@ static int concat_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_ddp_config dc;
     dt_ddp_config_init(&dc);
     dc.bucket_bytes = 12;   /* 3 floats a bucket */
+    dc.overlap = 1;
     dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
     if (!ddp)
         return 1;

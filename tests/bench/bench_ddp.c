@@ -3,7 +3,7 @@
  * of the gradient communication backward hides.  Written against dtrain.h.
  *
  *   bench_ddp [--model mlp|cnn] [--batch B] [--steps N] [--warmup W]
- *             [--threads T] [--overlap 0|1] [--bucket BYTES]
+ *             [--threads T] [--overlap -1|0|1] [--bucket BYTES]
  *             [--compress none|bf16|fp16|topk|int8] [--ranks R] [--dp K]
  *
  * Ranks: under a launcher (DTRAIN_RANK set, e.g. build/dtrun or the
@@ -13,9 +13,10 @@
  * with K in-process replicas (dt_dp), --threads each, batch B per replica.
  * Every rank trains the benchmark MLP or CNN (bench_models.h) on its own
  * fixed synthetic batch of B samples; rank 0 prints one line
- *   ddp model=mlp ranks=2 threads=1 batch=128 overlap=1 bucket=.. compress=none
+ *   ddp model=mlp ranks=2 threads=1 batch=128 overlap=<in use> bucket=.. compress=none
  *       step_ms=<median> samples_per_s=<ranks*B/step> comm_ms=<per step>
  *       exposed_ms=<per step> exposed_frac=<exposed/comm> sent_kb=<per step>
+ *       buckets=<n> shared=<1: buckets in shared memory>
  * (one line; comm_ms is the time the allreduces ran on the comm thread,
  * exposed_ms the time the step waited for them after backward).
  */
@@ -102,7 +103,7 @@ static int run_dp(const bopts *o)
 static void usage(void)
 {
     fprintf(stderr, "usage: bench_ddp [--model mlp|cnn] [--batch B] [--steps N] [--warmup W] "
-                    "[--threads T] [--overlap 0|1] [--bucket BYTES] "
+                    "[--threads T] [--overlap -1|0|1] [--bucket BYTES] "
                     "[--compress none|bf16|fp16|topk|int8] [--ranks R]\n");
     exit(2);
 }
@@ -177,11 +178,11 @@ static int run(const bopts *o)
         double comm_ms = 1e3 * st.comm_s / o->steps, exp_ms = 1e3 * st.exposed_s / o->steps;
         printf("ddp model=%s ranks=%d threads=%d batch=%d overlap=%d bucket=%zu compress=%s "
                "step_ms=%.3f samples_per_s=%.0f comm_ms=%.3f exposed_ms=%.3f exposed_frac=%.3f "
-               "sent_kb=%.1f buckets=%d\n",
-               o->model, ranks, o->threads, o->batch, o->overlap, ddp ? st.bucket_bytes : 0,
+               "sent_kb=%.1f buckets=%d shared=%d\n",
+               o->model, ranks, o->threads, o->batch, ddp ? st.overlap : 0, ddp ? st.bucket_bytes : 0,
                o->compress, 1e3 * step, (double)ranks * o->batch / step, comm_ms, exp_ms,
                comm_ms > 0 ? exp_ms / comm_ms : 0, (double)sent / 1024.0 / o->steps,
-               ddp ? st.buckets : 0);
+               ddp ? st.buckets : 0, ddp ? st.shared_buckets : 0);
         fflush(stdout);
     }
     free(t);
@@ -194,7 +195,7 @@ static int run(const bopts *o)
 
 int main(int argc, char **argv)
 {
-    bopts o = {"mlp", "none", 128, 100, 10, 1, 1, 1, 0, 0};
+    bopts o = {"mlp", "none", 128, 100, 10, 1, -1, 1, 0, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v)
