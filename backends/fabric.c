@@ -56,6 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -695,6 +696,19 @@ static dt_status fab_open(const dt_transport_params *p, dt_transport **out, char
     if ((r = fi_ep_bind(t->ep, &t->av->fid, 0))) goto fail_fi;
     what = "fi_ep_bind(cq)";
     if ((r = fi_ep_bind(t->ep, &t->cq->fid, FI_TRANSMIT | FI_RECV))) goto fail_fi;
+    if (t->exact_tags_only) {
+        /* shm names its region "<pid>:<domain>:<endpoint>" by default, and a
+         * process killed before closing leaves that name in /dev/shm; a
+         * later process given the same pid then fails fi_enable with EBUSY.
+         * A name with the time and this transport's address cannot collide. */
+        char name[96];
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(name, sizeof name, "dtrain_%d_%lx_%lx%09ld", (int)getpid(), (unsigned long)(uintptr_t)t,
+                 (unsigned long)ts.tv_sec, ts.tv_nsec);
+        what = "fi_setname";
+        if ((r = fi_setname(&t->ep->fid, name, strlen(name) + 1))) goto fail_fi;
+    }
     what = "fi_enable";
     if ((r = fi_enable(t->ep))) goto fail_fi;
     {
