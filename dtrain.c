@@ -6079,9 +6079,12 @@ static dt_status run_alltoall(dt_comm *c, dt_work *w, xfers *xs)
  * A waiter spins for SEG_SPIN_S and then sleeps on a futex on the counter,
  * so an idle rank gives its core back to compute.  A collective run on the
  * caller's own thread (run_inline) spins up to SEG_SPIN_INLINE_S when the
- * host has a CPU for every local rank: that thread has nothing else to do,
- * and a futex wake-up costs more than the typical wait (DDP's one
- * allreduce a step, 2 ranks: 6.27 -> 6.15 ms a step, medians of 8).
+ * host has a CPU for every local rank, as MPI's vader and NCCL busy-poll:
+ * that thread has nothing else to do, and being woken from a futex costs
+ * more than the typical wait for the other ranks (DDP's one allreduce a
+ * step, 2 ranks of the benchmark MLP, medians of 8 interleaved runs: 6.71
+ * ms a step with a 1 ms spin, 6.20 with 20 ms).  It still yields the CPU
+ * every few iterations, and sleeps once the spin is over.
  *
  * Block k of a chunk is reduced by local rank k alone, always in local-rank
  * order, so every rank gets bit-identical results.  Slot reuse needs no
@@ -6101,7 +6104,7 @@ static dt_status run_alltoall(dt_comm *c, dt_work *w, xfers *xs)
 #define SEG_LARGE ((size_t)4 << 20)
 #define SEG_ONE_PHASE ((size_t)16 << 10)   /* allreduce: one phase, every rank reduces all */
 #define SEG_SPIN_S 50e-6                   /* spin this long before sleeping */
-#define SEG_SPIN_INLINE_S 1e-3
+#define SEG_SPIN_INLINE_S 20e-3
 
 struct seg_rank {
     _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
