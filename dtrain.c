@@ -181,6 +181,14 @@ static void ddp_forget_optim(struct dt_ddp *d, const dt_optim *opt);
 static int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
 static void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
 
+/* The parameter server (18) runs its workers' requests on the comm thread (14). */
+struct dt_work;
+struct xfers;
+static dt_status ps_run(dt_comm *c, struct dt_work *w, struct xfers *xs);
+static dt_status ps_check_servers(dt_comm *c, struct dt_work *w);
+static void ps_pushed(dt_ps *ps, int requests);
+static dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
+
 /* ===========================================================================
  * 2. Errors and the context
  *
@@ -5355,10 +5363,11 @@ dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size
 #define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
 
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED };
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_PS };
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
                                          "reduce_scatter", "barrier", "alltoall",
-                                         "16-bit allreduce", "allreduce in shared memory"};
+                                         "16-bit allreduce", "allreduce in shared memory",
+                                         "parameter-server request"};
 
 #define TAG_HEADER_STEP 0xFFFFu
 #define TAG_CHECK_SHIFT 52
@@ -5378,7 +5387,8 @@ struct dt_work {
     dt_reduce_op op;
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
-    const shm_region *region;  /* COLL_ALLREDUCE_SHARED: buf lies in our part of it */
+    const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
+                                  part); COLL_PS: the ps_call (18) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
     int64_t n;
     uint32_t seq;
@@ -5389,6 +5399,16 @@ struct dt_work {
     char msg[DT_MAX_ERROR];
     dt_work *next;
 };
+
+/* What one COLL_PS work does: a worker's request to the parameter servers
+ * (section 18), run on its comm thread. */
+enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH };
+typedef struct ps_call {
+    struct dt_ps *ps;
+    int op;
+    int64_t lo, n;             /* keys */
+    float *buf;                /* push: the floats of [lo, lo+n); pull: where they go */
+} ps_call;
 
 typedef struct seg_head seg_head;
 typedef struct seg_rank seg_rank;
@@ -5434,6 +5454,8 @@ struct dt_comm {
     char seg_name[64], seg_why[200];
     int seg_linked;            /* we created it and its name still exists */
     int regions_made;          /* shared regions set up so far (their store keys) */
+    int ps_made;               /* parameter-server jobs joined so far (their store keys) */
+    uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
 };
 
@@ -5476,7 +5498,7 @@ typedef struct coll_header {
 static void describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op)
 {
     static const char *const ops[] = {"sum", "avg", "max", "min"};
-    const char *name = kind >= 1 && kind <= COLL_ALLREDUCE_SHARED ? coll_names[kind] : "an unknown call";
+    const char *name = kind >= 1 && kind <= COLL_PS ? coll_names[kind] : "an unknown call";
     if (kind == COLL_BROADCAST)
         snprintf(out, cap, "%s(n=%lld, root=%d)", name, (long long)n, root);
     else if (kind == COLL_ALLREDUCE || kind == COLL_REDUCE_SCATTER)
@@ -5680,6 +5702,8 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
     if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
         return DT_OK;
     c->last_watch = now;
+    if (w->kind == COLL_PS)   /* other workers may come and go: only servers matter */
+        return ps_check_servers(c, w);
     char val[16] = "";
     size_t len = 0;
     /* a rank that failed published why: fail with its words */
@@ -6498,7 +6522,7 @@ static dt_status seg_alltoall(dt_comm *c, dt_work *w)
  * about 2(L-1)/L of the buffer, against 3 + (L-1)/L through the slots. */
 static dt_status seg_allreduce_shared(dt_comm *c, dt_work *w)
 {
-    const shm_region *r = w->region;
+    const shm_region *r = w->aux;
     int L = c->nlocal, me = c->local_index;
     size_t off = (size_t)((char *)w->buf - (r->base + (size_t)me * r->part));
     int64_t lo, hi, n = w->n;
@@ -6700,7 +6724,9 @@ static void run_work(dt_comm *c, dt_work *w)
     } else {
         memset(xs, 0, sizeof *xs);
         xs->g = (grp){c->rank, c->world, NULL};
-        if (c->use_segment && c->nhosts == 1)
+        if (w->kind == COLL_PS)
+            ps_run(c, w, xs);
+        else if (c->use_segment && c->nhosts == 1)
             run_on_segment(c, w);
         else if (c->use_segment)
             run_hierarchical(c, w, xs);
@@ -6764,7 +6790,7 @@ static void *comm_main(void *arg)
 }
 
 static dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
-                           dt_reduce_op op, const shm_region *region)
+                           dt_reduce_op op, const void *aux)
 {
     dt_ctx *ctx = c->ctx;
     dt_work *w = host_calloc(ctx, sizeof *w);
@@ -6773,9 +6799,9 @@ static dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, in
         return NULL;
     }
     *w = (dt_work){.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n,
-                   .region = region, .blame = -1};
+                   .aux = aux, .blame = -1};
     pthread_mutex_lock(&c->mu);
-    w->seq = c->next_seq++;
+    w->seq = kind == COLL_PS ? c->ps_requests++ : c->next_seq++;   /* collectives' order only */
     if (c->tail)
         c->tail->next = w;
     else
@@ -6848,7 +6874,7 @@ dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
  * (tests/bench/allreduce.sh profile).  `running` keeps the comm thread off
  * the transport meanwhile. */
 static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
-                            int root, dt_reduce_op op, const shm_region *region)
+                            int root, dt_reduce_op op, const void *aux)
 {
     pthread_mutex_lock(&c->mu);
     if (c->head || c->running) {
@@ -6857,7 +6883,7 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
     }
     c->running = 1;
     dt_work w = {.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n,
-                 .region = region, .spin_s = c->inline_spin_s, .blame = -1};
+                 .aux = aux, .spin_s = c->inline_spin_s, .blame = -1};
     w.seq = c->next_seq++;
     pthread_mutex_unlock(&c->mu);
     run_work(c, &w);
@@ -6872,14 +6898,14 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
 }
 
 static dt_status run_collective_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
-                                   int root, dt_reduce_op op, const shm_region *region)
+                                   int root, dt_reduce_op op, const void *aux)
 {
     if (c->inline_small) {
-        dt_status st = run_inline(c, kind, buf, in, n, root, op, region);
+        dt_status st = run_inline(c, kind, buf, in, n, root, op, aux);
         if (st != DT_ESTATE || c->broken)
             return st;
     }
-    dt_work *w = enqueue_in(c, kind, buf, in, n, root, op, region);
+    dt_work *w = enqueue_in(c, kind, buf, in, n, root, op, aux);
     return w ? dt_work_wait(w) : c->ctx->last_status;
 }
 
@@ -7766,6 +7792,7 @@ typedef struct ddp_bucket {
     int64_t payload_floats;    /* encoded gradients + flags, in floats */
     float *payload, *gathered, *residual;
     float *velocity;           /* TOPK with SGD momentum: the momentum, kept locally */
+    ps_call pcall;             /* with a parameter server: its push (alive while in flight) */
 } ddp_bucket;
 
 struct dt_ddp {
@@ -8209,6 +8236,12 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
+    } else if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
+        b->pcall = (ps_call){d->cfg.ps, PS_PUSH, b->offset, b->numel + b->count,
+                             d->set[d->cur] + b->offset};
+        b->work = enqueue_in(d->comm, COLL_PS, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
+                             &b->pcall);
+        d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     } else if (d->shared.base) {   /* the other ranks read it where it is (14.4) */
         b->work = enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
                              b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
@@ -8446,7 +8479,7 @@ static dt_status ddp_finish(dt_ddp *d)
         for (int i = 0; i < d->nparams; i++)
             ddp_param_final(d, i);
     }
-    if (d->next_launch == 0 && d->cfg.compress == DT_COMPRESS_NONE)
+    if (d->next_launch == 0 && d->cfg.compress == DT_COMPRESS_NONE && !d->cfg.ps)
         ddp_reduce_whole(d);
     while (d->next_launch < d->nbuckets)
         ddp_launch(d, &d->buckets[d->next_launch++]);
@@ -8467,10 +8500,16 @@ static dt_status ddp_finish(dt_ddp *d)
             snprintf(msg, sizeof msg, "%s", d->ctx->err);
         }
     }
+    if (first == DT_OK && d->cfg.ps) {   /* the step is pushed: the new parameters */
+        ps_pushed(d->cfg.ps, d->nbuckets);
+        if ((first = dt_ps_pull(d->cfg.ps)) != DT_OK)
+            snprintf(msg, sizeof msg, "%s", d->ctx->err);
+    }
     d->st.exposed_s += dt_now() - t0;
     d->pending_sync = 0;
     if (first != DT_OK)
-        return set_error(d->ctx, first, "ddp: gradient allreduce failed: %s", msg);
+        return set_error(d->ctx, first, "ddp: gradient %s failed: %s",
+                         d->cfg.ps ? "push or parameter pull" : "allreduce", msg);
     /* a zero_grad since the buckets started discards what they reduced */
     int zeroed = d->ctx->zero_gen != d->zero_gen;
     const float *flags = d->set[d->cur] + d->grad_floats;
@@ -8497,10 +8536,10 @@ dt_status dt_ddp_step(dt_ddp *d)
 {
     if (!d || !d->ctx)
         return DT_EINVAL;
-    if (!d->opt)
+    if (!d->opt && !d->cfg.ps)
         return set_error(d->ctx, DT_ESTATE, "ddp_step: this DDP was made without an optimizer");
     dt_status s = ddp_finish(d);
-    return s != DT_OK ? s : dt_optim_step(d->opt);
+    return s != DT_OK || d->cfg.ps ? s : dt_optim_step(d->opt);   /* servers step for a PS */
 }
 
 dt_status dt_ddp_set_sync(dt_ddp *d, int sync)
@@ -8727,7 +8766,7 @@ static dt_status ddp_plan(dt_ddp *d, size_t cap)
  * (dt_ddp_new checks host_visible).  DT_OK with no region: private sets. */
 static dt_status ddp_alloc_sets(dt_ddp *d)
 {
-    if (d->cfg.compress != DT_COMPRESS_NONE)
+    if (d->cfg.compress != DT_COMPRESS_NONE || d->cfg.ps)
         return DT_OK;
     size_t stride = ((size_t)d->set_floats * sizeof(float) + 127) & ~(size_t)127;
     int ok = 0;
@@ -8863,8 +8902,12 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                  "%g, warmup %d, error_feedback %d", ddp_bucket_cap(cfg, ctx), cfg->overlap < 0 ? -1 : cfg->overlap != 0,
                  (int)cfg->compress, (double)cfg->topk_ratio, cfg->topk_warmup_steps,
                  cfg->error_feedback != 0);
-    if (ddp_check_models(ctx, c, settings) != DT_OK)
+    if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
+        if (ddp_ps_check(ctx, c, &conf, opt) != DT_OK)
+            return NULL;
+    } else if (ddp_check_models(ctx, c, settings) != DT_OK) {
         return NULL;
+    }
     if (local != DT_OK) {   /* every rank has the same bad setting */
         set_error(ctx, local, "%s", local_msg);
         return NULL;
@@ -8904,7 +8947,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     if (s == DT_ENOMEM) {
         set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for %lld gradient floats",
                   (long long)d->set_floats);
-    } else if (s == DT_OK && cfg->broadcast_params) {
+    } else if (s == DT_OK && cfg->broadcast_params && !cfg->ps) {
         s = ddp_broadcast_params(d);
     }
     if (s != DT_OK) {
@@ -9569,4 +9612,1053 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
         return NULL;
     }
     return dp;
+}
+
+/* ===========================================================================
+ * 18. Parameter server
+ *
+ * Workers are ranks 0..W-1, servers the last S ranks.  The key space is
+ * DDP's flat layout: every parameter's floats in reverse registration
+ * order (G floats), then one "used" flag per parameter (P floats).  Server
+ * s owns the gradient keys [range[s], range[s+1]) (contiguous, balanced by
+ * bytes) and receives every flag.  A server keeps its keys as pieces (a
+ * parameter cut to its range), each a parameter of the server's own
+ * context, so the same dt_optim that steps a model steps the shard: as in
+ * one process, a parameter no worker used is skipped.
+ *
+ * Messages go over the communicator's transport, each request a ps_msg
+ * header (tag PS_TAG_REQ) and, for pushes, the floats (PS_TAG_DATA); a pull
+ * is answered with a header (PS_TAG_RESP) and the floats (PS_TAG_RDATA).
+ * Tags carry a per (worker, server) sequence number, so every message is
+ * matched exactly; their top 12 bits are all ones, which no collective's
+ * tag has (14.1).  A worker's requests run on its comm thread as work of
+ * kind COLL_PS, like a bucket's allreduce; a server runs dt_ps_serve on
+ * its own thread, owning the transport meanwhile (as run_inline does).
+ *
+ * A worker's step on a server completes when all of its G_s gradient
+ * floats and the P flags have arrived (whatever the buckets were).  BSP:
+ * when every live worker has completed step t, the server sums their
+ * gradients in worker order, averages, and steps (bit-identical to DDP's
+ * allreduce and step).  ASP/SSP: each worker's completed step is applied
+ * on its own, scaled by 1/W.  A pull from a worker that has completed c
+ * steps is answered once the slowest live worker has completed c - s
+ * (BSP: s = 0; ASP: always).
+ * ======================================================================== */
+
+#define PS_MAGIC 0x44545053u
+enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
+static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish"};
+
+typedef struct ps_msg {
+    uint32_t magic, op, seq;
+    int32_t status;            /* responses: DT_OK or the server's refusal */
+    int64_t lo, n;             /* key range */
+    int64_t clock;             /* the worker's completed steps */
+    char err[160];
+} ps_msg;
+
+static uint64_t ps_tag(int type, uint32_t seq)
+{
+    return (uint64_t)0xFFF << 52 | (uint64_t)type << 40 | seq;
+}
+
+/* A server's view of one worker. */
+typedef struct ps_peer {
+    uint32_t seq;              /* its next request */
+    int state;                 /* 0 live, 1 finished, 2 dropped (died) */
+    int64_t clock;             /* steps completed here */
+    int64_t got;               /* floats of its current step received */
+    float *push;               /* its current step: G_s gradients then P flags */
+    ps_msg hdr;                /* the request being received */
+    dt_xfer hdr_x, data_x;
+    int data_pending;
+    int64_t data_lo, data_n;
+    int op;
+} ps_peer;
+
+/* A response in flight (server side); freed when both sends complete. */
+typedef struct ps_reply {
+    ps_msg hdr;
+    dt_xfer hdr_x, data_x;
+    float *data;
+    int has_data;
+    struct ps_reply *next;
+} ps_reply;
+
+/* A pull waiting for the slow workers (server side). */
+typedef struct ps_wait {
+    int worker;
+    ps_msg req;
+    struct ps_wait *next;
+} ps_wait;
+
+struct dt_ps {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_ps_config cfg;
+    int W, S, server;          /* server: this rank's server index, -1 on workers */
+    int job;                   /* which PS job of the communicator (store keys) */
+    int finished;              /* worker: dt_ps_finish done */
+    int nparams;
+    int64_t G, P;              /* gradient floats, flags */
+    int64_t *numel, *offset;   /* parameter (registration index) -> size, flat offset */
+    int64_t *range;            /* S + 1 gradient-key boundaries */
+    char *layout;              /* "name numel\n" per parameter, registration order */
+    /* worker */
+    uint32_t *seq;             /* per server: our next request */
+    int64_t clock;             /* steps pushed */
+    float *stage;              /* G + P floats: packing pushes, receiving pulls */
+    /* server */
+    dt_ctx *sctx;              /* owns the pieces and their optimizer */
+    dt_optim *opt;
+    int npieces;
+    dt_tensor **piece;         /* in key order */
+    int64_t *piece_lo;         /* flat offset of its first float */
+    int *piece_param;          /* which parameter (registration index) */
+    ps_peer *peers;            /* W */
+    float *sum;                /* G_s gradient floats being applied */
+    int64_t applied;           /* BSP: steps applied */
+    int initialized;
+    int64_t init_got;
+    ps_reply *replies;
+    ps_wait *waits;
+    double stale_sum;
+    int64_t stale_n;
+    dt_ps_stats st;
+};
+
+void dt_ps_config_init(dt_ps_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->mode = DT_PS_BSP;
+    dt_optim_config_init(&cfg->optim, DT_SGD);
+}
+
+int dt_ps_is_server(const dt_ps *ps) { return ps && ps->server >= 0; }
+int dt_ps_workers(const dt_ps *ps) { return ps ? ps->W : 0; }
+int dt_ps_servers(const dt_ps *ps) { return ps ? ps->S : 0; }
+
+dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out)
+{
+    if (!ps || !out)
+        return DT_EINVAL;
+    *out = ps->st;
+    out->mean_staleness = ps->stale_n ? ps->stale_sum / (double)ps->stale_n : 0.0;
+    return DT_OK;
+}
+
+/* --- 18.1 layout and sharding --------------------------------------------- */
+
+/* Every parameter's "name numel" line, in registration order. */
+static char *ps_describe(dt_ctx *ctx)
+{
+    size_t cap = 64;
+    for (int i = 0; i < ctx->n_params; i++)
+        cap += strlen(ctx->params[i]->name) + 24;
+    char *s = host_alloc(ctx, cap), *p = s;
+    if (!s)
+        return NULL;
+    *p = '\0';
+    for (int i = 0; i < ctx->n_params; i++)
+        p += snprintf(p, cap - (size_t)(p - s), "%s %lld\n", ctx->params[i]->name,
+                      (long long)dt_tensor_numel(ctx->params[i]));
+    return s;
+}
+
+/* Sizes from a layout description; offsets in DDP's order (reverse
+ * registration), ranges cut by bytes. */
+static dt_status ps_plan(dt_ps *ps, const char *layout)
+{
+    dt_ctx *ctx = ps->ctx;
+    int n = 0;
+    for (const char *p = layout; *p; p++)
+        n += *p == '\n';
+    ps->nparams = n;
+    ps->numel = host_calloc(ctx, sizeof(int64_t) * (size_t)(n + 1));
+    ps->offset = host_calloc(ctx, sizeof(int64_t) * (size_t)(n + 1));
+    ps->range = host_calloc(ctx, sizeof(int64_t) * (size_t)(ps->S + 1));
+    if (!ps->numel || !ps->offset || !ps->range)
+        return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+    const char *p = layout;
+    for (int i = 0; i < n; i++) {
+        const char *sp = strchr(p, ' '), *nl = strchr(p, '\n');
+        if (!sp || !nl || sp > nl || (ps->numel[i] = strtoll(sp + 1, NULL, 10)) < 0)
+            return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed");
+        p = nl + 1;
+    }
+    int64_t off = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        ps->offset[i] = off;
+        off += ps->numel[i];
+    }
+    ps->G = off;
+    ps->P = n;
+    for (int s = 0; s <= ps->S; s++)
+        ps->range[s] = ps->G * s / ps->S;
+    return DT_OK;
+}
+
+/* --- 18.2 the worker's side ----------------------------------------------- */
+
+/* Post the sends of one request (header, then data if any) to server s. */
+static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, int s, int op,
+                                 int64_t lo, int64_t n, float *data, ps_msg *hdr)
+{
+    uint32_t seq = ps->seq[s]++;
+    *hdr = (ps_msg){.magic = PS_MAGIC, .op = (uint32_t)op, .seq = seq, .lo = lo, .n = n,
+                    .clock = ps->clock};
+    int peer = ps->W + s;
+    if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK)
+        return w->status;
+    if (data && n > 0)
+        return post(c, w, xs, 1, peer, ps_tag(PS_TAG_DATA, seq), data, (size_t)n * sizeof(float));
+    return DT_OK;
+}
+
+/* The comm thread runs a worker's request: split over the servers, post,
+ * wait (within the communicator's timeout), check the answers. */
+static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
+{
+    const ps_call *pc = w->aux;
+    dt_ps *ps = pc->ps;
+    ps_msg out[2 * 8], in[8];
+    int nout = 0, nin = 0;
+    if (ps->S > 8)
+        return work_fail(w, DT_ENOTSUP, "parameter server: at most 8 servers in this build");
+    int64_t hi = pc->lo + pc->n, glo = pc->lo, ghi = hi < ps->G ? hi : ps->G;
+    for (int s = 0; s < ps->S; s++) {
+        int64_t a = glo > ps->range[s] ? glo : ps->range[s];
+        int64_t b = ghi < ps->range[s + 1] ? ghi : ps->range[s + 1];
+        if (pc->op == PS_FINISH) {
+            if (ps_post_request(c, w, xs, ps, s, PS_FINISH, 0, 0, NULL, &out[nout++]) != DT_OK)
+                return w->status;
+            continue;
+        }
+        if (pc->op == PS_PULL) {
+            if (a >= b)
+                continue;
+            uint32_t seq = ps->seq[s];
+            if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq), &in[nin], sizeof in[nin]) ||
+                post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RDATA, seq), pc->buf + (a - pc->lo),
+                     (size_t)(b - a) * sizeof(float)))
+                return w->status;
+            nin++;
+            if (ps_post_request(c, w, xs, ps, s, PS_PULL, a, b - a, NULL, &out[nout++]) != DT_OK)
+                return w->status;
+            continue;
+        }
+        /* init, push: this server's gradient keys, and every flag */
+        if (a < b && ps_post_request(c, w, xs, ps, s, pc->op, a, b - a, pc->buf + (a - pc->lo),
+                                     &out[nout++]) != DT_OK)
+            return w->status;
+        int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
+        if (pc->op == PS_PUSH && hi > flo &&
+            ps_post_request(c, w, xs, ps, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
+                            &out[nout++]) != DT_OK)
+            return w->status;
+    }
+    xs->patience = pc->op == PS_PULL ? 2.0 : 1.0;   /* a BSP pull waits for the slowest worker */
+    if (wait_xfers(c, w, xs) != DT_OK)
+        return w->status;
+    for (int i = 0; i < nin; i++)
+        if (in[i].magic != PS_MAGIC || in[i].status != DT_OK)
+            return work_fail(w, in[i].magic != PS_MAGIC ? DT_EPEER : (dt_status)in[i].status,
+                             "parameter server: %s", in[i].magic != PS_MAGIC
+                                 ? "a server sent a malformed answer" : in[i].err);
+    return DT_OK;
+}
+
+/* A worker's request stalls: is one of the servers dead? */
+static dt_status ps_check_servers(dt_comm *c, dt_work *w)
+{
+    const ps_call *pc = w->aux;
+    for (int s = 0; s < pc->ps->S; s++) {
+        char key[32], val[16];
+        size_t len = 0;
+        snprintf(key, sizeof key, "dead/%d", pc->ps->W + s);
+        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK)
+            return work_fail(w, DT_EPEER, "parameter server: server rank %d died", pc->ps->W + s);
+    }
+    return DT_OK;
+}
+
+/* Run one request on the comm thread and wait for it. */
+static dt_status ps_call_run(dt_ps *ps, int op, int64_t lo, int64_t n, float *buf)
+{
+    ps_call pc = {ps, op, lo, n, buf};
+    dt_work *w = enqueue_in(ps->comm, COLL_PS, buf, NULL, n, 0, DT_REDUCE_SUM, &pc);
+    return w ? dt_work_wait(w) : ps->ctx->last_status;
+}
+
+/* Pack every parameter's gradient (zeros where absent) and used flag into
+ * stage, in the flat layout. */
+static void ps_pack_grads(dt_ps *ps, float *stage)
+{
+    dt_ctx *ctx = ps->ctx;
+    for (int i = 0; i < ps->nparams; i++) {
+        dt_tensor *g = ctx->params[i]->grad;
+        int used = g && !(g->flags & T_ZERO);
+        if (used)
+            ctx->be_iface->copy(ctx->be, stage + ps->offset[i], g->data, (size_t)ps->numel[i] * 4);
+        else
+            memset(stage + ps->offset[i], 0, (size_t)ps->numel[i] * sizeof(float));
+        stage[ps->G + i] = used ? 1.0f : 0.0f;
+    }
+}
+
+static void ps_unpack_params(dt_ps *ps, const float *stage)
+{
+    dt_ctx *ctx = ps->ctx;
+    for (int i = 0; i < ps->nparams; i++)
+        ctx->be_iface->copy(ctx->be, ctx->params[i]->data, stage + ps->offset[i],
+                            (size_t)ps->numel[i] * sizeof(float));
+}
+
+static int ps_worker_ok(dt_ps *ps, const char *what)
+{
+    if (!ps)
+        return 0;
+    if (ps->server >= 0) {
+        set_error(ps->ctx, DT_ESTATE, "%s: rank %d is a server (dt_ps_serve)", what, ps->comm->rank);
+        return 0;
+    }
+    return 1;
+}
+
+dt_status dt_ps_pull(dt_ps *ps)
+{
+    if (!ps_worker_ok(ps, "ps_pull"))
+        return ps ? DT_ESTATE : DT_EINVAL;
+    double t0 = dt_now();
+    dt_status s = ps_call_run(ps, PS_PULL, 0, ps->G, ps->stage);
+    ps->st.wait_s += dt_now() - t0;
+    if (s != DT_OK)
+        return s;
+    ps->st.pulls++;
+    ps_unpack_params(ps, ps->stage);
+    return DT_OK;
+}
+
+/* A step's pushes all went out (DDP's buckets, or push_pull's one). */
+static void ps_pushed(dt_ps *ps, int requests)
+{
+    ps->st.pushes += requests;
+    ps->st.steps++;
+    ps->clock++;
+}
+
+dt_status dt_ps_push_pull(dt_ps *ps)
+{
+    if (!ps_worker_ok(ps, "ps_push_pull"))
+        return ps ? DT_ESTATE : DT_EINVAL;
+    ps_pack_grads(ps, ps->stage);
+    dt_status s = ps_call_run(ps, PS_PUSH, 0, ps->G + ps->P, ps->stage);
+    if (s != DT_OK)
+        return s;
+    ps_pushed(ps, 1);
+    return dt_ps_pull(ps);
+}
+
+dt_status dt_ps_finish(dt_ps *ps)
+{
+    if (!ps_worker_ok(ps, "ps_finish"))
+        return ps ? DT_ESTATE : DT_EINVAL;
+    dt_status s = ps_call_run(ps, PS_FINISH, 0, 0, NULL);
+    ps->finished = s == DT_OK;
+    return s;
+}
+
+/* --- 18.3 the server's side ----------------------------------------------- */
+
+/* The pieces: every parameter cut to this server's keys, each a parameter
+ * of the server's own context (named after it), with the optimizer over
+ * them. */
+static dt_status ps_make_pieces(dt_ps *ps)
+{
+    dt_config cc;
+    dt_config_init(&cc);
+    cc.allocator = ps->ctx->al;
+    ps->sctx = dt_ctx_new(&cc);
+    if (!ps->sctx || dt_last_status(ps->sctx) != DT_OK)
+        return set_error(ps->ctx, DT_ENOMEM, "ps_new: cannot make the server's context");
+    int64_t lo = ps->range[ps->server], hi = ps->range[ps->server + 1];
+    ps->piece = host_calloc(ps->ctx, sizeof *ps->piece * (size_t)(ps->nparams + 1));
+    ps->piece_lo = host_calloc(ps->ctx, sizeof(int64_t) * (size_t)(ps->nparams + 1));
+    ps->piece_param = host_calloc(ps->ctx, sizeof(int) * (size_t)(ps->nparams + 1));
+    if (!ps->piece || !ps->piece_lo || !ps->piece_param)
+        return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory");
+    for (int k = ps->nparams - 1; k >= 0; k--) {   /* key order: reverse registration */
+        int64_t a = ps->offset[k] > lo ? ps->offset[k] : lo;
+        int64_t b = ps->offset[k] + ps->numel[k] < hi ? ps->offset[k] + ps->numel[k] : hi;
+        if (a >= b)
+            continue;
+        char name[48];
+        snprintf(name, sizeof name, "p%d.%lld", k, (long long)(a - ps->offset[k]));
+        int64_t len = b - a;
+        dt_tensor *t = dt_param_new(ps->sctx, name, 1, &len);
+        if (!t)
+            return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_new: %s", dt_last_error(ps->sctx));
+        ps->piece[ps->npieces] = t;
+        ps->piece_lo[ps->npieces] = a;
+        ps->piece_param[ps->npieces++] = k;
+    }
+    ps->opt = dt_optim_new(ps->sctx, &ps->cfg.optim, NULL, 0);
+    if (!ps->opt)
+        return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_new: the servers' optimizer: %s",
+                         dt_last_error(ps->sctx));
+    int64_t floats = hi - lo + ps->P;
+    ps->peers = host_calloc(ps->ctx, sizeof *ps->peers * (size_t)ps->W);
+    ps->sum = host_alloc(ps->ctx, sizeof(float) * (size_t)(floats > 0 ? floats : 1));
+    if (!ps->peers || !ps->sum)
+        return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory");
+    for (int w = 0; w < ps->W; w++)
+        if (!(ps->peers[w].push = host_calloc(ps->ctx, sizeof(float) * (size_t)(floats > 0 ? floats : 1))))
+            return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory for %d workers' pushes", ps->W);
+    return DT_OK;
+}
+
+static int64_t ps_my_floats(const dt_ps *ps)
+{
+    return ps->range[ps->server + 1] - ps->range[ps->server] + ps->P;
+}
+
+/* Where key k lands in a peer's push buffer (gradients, then flags). */
+static int64_t ps_slot(const dt_ps *ps, int64_t k)
+{
+    return k >= ps->G ? ps->range[ps->server + 1] - ps->range[ps->server] + (k - ps->G)
+                      : k - ps->range[ps->server];
+}
+
+/* Step the pieces with grads = sum (G_s floats) * scale, flags after them. */
+static dt_status ps_step(dt_ps *ps, float *sum, float scale)
+{
+    int64_t lo = ps->range[ps->server], gs = ps->range[ps->server + 1] - lo;
+    const float *flags = sum + gs;
+    for (int64_t i = 0; i < gs; i++)
+        sum[i] *= scale;
+    for (int p = 0; p < ps->npieces; p++) {
+        dt_tensor *t = ps->piece[p], *g = t->grad;
+        if (!(flags[ps->piece_param[p]] > 0)) {
+            g->flags |= T_ZERO;
+            continue;
+        }
+        ps->sctx->be_iface->copy(ps->sctx->be, g->data, sum + (ps->piece_lo[p] - lo), tensor_bytes(g));
+        g->flags &= ~(unsigned)T_ZERO;
+    }
+    dt_status s = dt_optim_step(ps->opt);
+    dt_zero_grad(ps->sctx);
+    if (s != DT_OK)
+        return set_error(ps->ctx, s, "ps_serve: optimizer step: %s", dt_last_error(ps->sctx));
+    ps->st.steps++;
+    return DT_OK;
+}
+
+static int64_t ps_min_clock(const dt_ps *ps)
+{
+    int64_t m = INT64_MAX;
+    for (int w = 0; w < ps->W; w++)
+        if (ps->peers[w].state == 0 && ps->peers[w].clock < m)
+            m = ps->peers[w].clock;
+    return m;
+}
+
+/* BSP: apply every step all live workers have completed, summing their
+ * gradients in worker order (as the allreduce sums ranks). */
+static dt_status ps_apply_bsp(dt_ps *ps)
+{
+    int64_t n = ps_my_floats(ps), gs = n - ps->P;
+    while (ps_min_clock(ps) != INT64_MAX && ps_min_clock(ps) > ps->applied) {
+        int first = 1, live = 0;
+        for (int w = 0; w < ps->W; w++) {
+            if (ps->peers[w].state != 0)
+                continue;
+            live++;
+            const float *v = ps->peers[w].push;
+            if (first)
+                memcpy(ps->sum, v, (size_t)n * sizeof(float));
+            else {
+                for (int64_t i = 0; i < gs; i++)
+                    ps->sum[i] += v[i];
+                for (int64_t i = gs; i < n; i++)
+                    ps->sum[i] = ps->sum[i] > 0 || v[i] > 0 ? 1.0f : 0.0f;
+            }
+            first = 0;
+        }
+        dt_status s = ps_step(ps, ps->sum, 1.0f / (float)live);
+        if (s != DT_OK)
+            return s;
+        ps->applied++;
+    }
+    return DT_OK;
+}
+
+/* Send a pull's answer: the header, and the keys' current values. */
+static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, dt_status status,
+                          const char *why)
+{
+    dt_comm *c = ps->comm;
+    char err[256] = "";
+    ps_reply *r = host_calloc(ps->ctx, sizeof *r);
+    if (!r)
+        return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
+    r->hdr = (ps_msg){.magic = PS_MAGIC, .op = PS_PULL, .seq = req->seq, .status = (int32_t)status,
+                      .lo = req->lo, .n = req->n, .clock = req->clock};
+    snprintf(r->hdr.err, sizeof r->hdr.err, "%s", why ? why : "");
+    int64_t n = status == DT_OK ? req->n : 0;
+    r->data = host_alloc(ps->ctx, sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!r->data) {
+        host_free(ps->ctx, r);
+        return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
+    }
+    for (int p = 0; p < ps->npieces && n > 0; p++) {   /* the pieces' values in [lo, lo+n) */
+        int64_t plo = ps->piece_lo[p], phi = plo + dt_tensor_numel(ps->piece[p]);
+        int64_t a = req->lo > plo ? req->lo : plo, b = req->lo + n < phi ? req->lo + n : phi;
+        if (a < b)
+            ps->sctx->be_iface->copy(ps->sctx->be, r->data + (a - req->lo),
+                                     (const float *)ps->piece[p]->data + (a - plo),
+                                     (size_t)(b - a) * sizeof(float));
+    }
+    r->hdr_x.user = r->data_x.user = r;
+    r->has_data = 1;
+    dt_status s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RESP, req->seq), &r->hdr,
+                                    sizeof r->hdr, &r->hdr_x, err, sizeof err);
+    if (s == DT_OK)
+        s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RDATA, req->seq), r->data,
+                              (size_t)n * sizeof(float), &r->data_x, err, sizeof err);
+    if (s != DT_OK) {
+        host_free(ps->ctx, r->data);
+        host_free(ps->ctx, r);   /* (a failed first send posted nothing) */
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", worker, err);
+    }
+    r->next = ps->replies;
+    ps->replies = r;
+    ps->st.pulls++;
+    return DT_OK;
+}
+
+/* Can worker w's pull (it has completed `clock` steps) be answered? */
+static int ps_pull_ready(dt_ps *ps, int64_t clock)
+{
+    if (!ps->initialized)
+        return 0;
+    int64_t slowest = ps_min_clock(ps);
+    if (slowest == INT64_MAX || ps->cfg.mode == DT_PS_ASP)
+        return 1;
+    int64_t s = ps->cfg.mode == DT_PS_SSP ? ps->cfg.staleness : 0;
+    return slowest >= clock - s && (ps->cfg.mode != DT_PS_BSP || ps->applied >= clock);
+}
+
+static dt_status ps_answer(dt_ps *ps, int worker, const ps_msg *req)
+{
+    int64_t slowest = ps_min_clock(ps);
+    int64_t stale = slowest == INT64_MAX ? 0 : req->clock - slowest;
+    stale = stale > 0 ? stale : 0;
+    ps->stale_sum += (double)stale;
+    ps->stale_n++;
+    if (stale > ps->st.max_staleness)
+        ps->st.max_staleness = stale;
+    return ps_send_answer(ps, worker, req, DT_OK, NULL);
+}
+
+/* Answer the waiting pulls that can be answered now. */
+static dt_status ps_answer_waiting(dt_ps *ps)
+{
+    for (ps_wait **pp = &ps->waits; *pp;) {
+        ps_wait *q = *pp;
+        if (!ps_pull_ready(ps, q->req.clock)) {
+            pp = &q->next;
+            continue;
+        }
+        *pp = q->next;
+        dt_status s = ps_answer(ps, q->worker, &q->req);
+        host_free(ps->ctx, q);
+        if (s != DT_OK)
+            return s;
+    }
+    return DT_OK;
+}
+
+static dt_status ps_post_header(dt_ps *ps, int w)
+{
+    dt_comm *c = ps->comm;
+    char err[256] = "";
+    ps_peer *p = &ps->peers[w];
+    memset(&p->hdr_x, 0, sizeof p->hdr_x);
+    p->hdr_x.user = p;
+    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_REQ, p->seq), 0, &p->hdr, sizeof p->hdr,
+                          &p->hdr_x, err, sizeof err) != DT_OK)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
+    return DT_OK;
+}
+
+/* Worker w's push (or init) data arrived. */
+static dt_status ps_on_data(dt_ps *ps, int w)
+{
+    ps_peer *p = &ps->peers[w];
+    p->data_pending = 0;
+    ps->st.pushes++;
+    int64_t n = ps_my_floats(ps), gs = n - ps->P;
+    if (p->op == PS_INIT) {   /* worker 0's starting values for our keys */
+        for (int q = 0; q < ps->npieces; q++) {
+            int64_t plo = ps->piece_lo[q], phi = plo + dt_tensor_numel(ps->piece[q]);
+            int64_t a = p->data_lo > plo ? p->data_lo : plo;
+            int64_t b = p->data_lo + p->data_n < phi ? p->data_lo + p->data_n : phi;
+            if (a < b)
+                ps->sctx->be_iface->copy(ps->sctx->be, (float *)ps->piece[q]->data + (a - plo),
+                                         p->push + ps_slot(ps, a), (size_t)(b - a) * sizeof(float));
+        }
+        ps->init_got += p->data_n;
+        ps->initialized = ps->init_got >= gs;
+        return ps_answer_waiting(ps);
+    }
+    p->got += p->data_n;
+    if (p->got < n)
+        return DT_OK;
+    p->got = 0;
+    p->clock++;
+    dt_status s;
+    if (ps->cfg.mode == DT_PS_BSP) {
+        s = ps_apply_bsp(ps);
+    } else {
+        memcpy(ps->sum, p->push, (size_t)n * sizeof(float));
+        s = ps_step(ps, ps->sum, 1.0f / (float)ps->W);
+    }
+    return s != DT_OK ? s : ps_answer_waiting(ps);
+}
+
+/* Worker w's request header arrived. */
+static dt_status ps_on_header(dt_ps *ps, int w)
+{
+    dt_comm *c = ps->comm;
+    ps_peer *p = &ps->peers[w];
+    ps_msg *h = &p->hdr;
+    char err[256] = "";
+    if (p->hdr_x.status != DT_OK || p->hdr_x.len != sizeof *h || h->magic != PS_MAGIC ||
+        h->seq != p->seq || h->op < PS_INIT || h->op > PS_FINISH)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
+    p->seq++;
+    p->op = (int)h->op;
+    if (h->op == PS_FINISH) {
+        p->state = 1;
+        dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
+        return s != DT_OK ? s : ps_answer_waiting(ps);
+    }
+    int64_t lo = ps->range[ps->server], hi = ps->range[ps->server + 1];
+    int flags = h->lo >= ps->G;
+    int in_range = h->n >= 0 && (flags ? h->lo + h->n <= ps->G + ps->P
+                                       : h->lo >= lo && h->lo + h->n <= hi);
+    if (h->op == PS_PULL) {
+        dt_status s = DT_OK;
+        if (!in_range || flags)
+            s = ps_send_answer(ps, w, h, DT_EINVAL, "pull of keys this server does not hold");
+        else if (ps_pull_ready(ps, h->clock))
+            s = ps_answer(ps, w, h);
+        else {
+            ps_wait *q = host_calloc(ps->ctx, sizeof *q);
+            if (!q)
+                return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
+            *q = (ps_wait){w, *h, NULL};
+            ps_wait **tail = &ps->waits;   /* answered in arrival order */
+            while (*tail)
+                tail = &(*tail)->next;
+            *tail = q;
+        }
+        return s != DT_OK ? s : ps_post_header(ps, w);
+    }
+    if (!in_range || (h->op == PS_INIT && (flags || w != 0)))
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %s of keys [%lld, %lld), "
+                         "not this server's", w, ps_op_names[h->op], (long long)h->lo,
+                         (long long)(h->lo + h->n));
+    p->data_lo = h->lo;
+    p->data_n = h->n;
+    p->data_pending = 1;
+    memset(&p->data_x, 0, sizeof p->data_x);
+    p->data_x.user = p;
+    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, h->seq), 0, p->push + ps_slot(ps, h->lo),
+                          (size_t)h->n * sizeof(float), &p->data_x, err, sizeof err) != DT_OK)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
+    return DT_OK;
+}
+
+/* Worker w died, left without finishing, or stays silent while others
+ * wait for it: serve without it. */
+static dt_status ps_drop(dt_ps *ps, int w)
+{
+    ps_peer *p = &ps->peers[w];
+    if (p->state != 0)
+        return DT_OK;
+    p->state = 2;
+    ps->st.dropped_workers++;
+    ps->comm->tp_iface->cancel(ps->comm->tp, &p->hdr_x);
+    if (p->data_pending)
+        ps->comm->tp_iface->cancel(ps->comm->tp, &p->data_x);
+    dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
+    return s != DT_OK ? s : ps_answer_waiting(ps);
+}
+
+/* Every DT_COMM_WATCH_S: drop workers the store reports dead, and, while a
+ * pull waits, live workers silent for the communicator's timeout. */
+static dt_status ps_watch(dt_ps *ps, double *last_seen)
+{
+    dt_comm *c = ps->comm;
+    double now = dt_now();
+    for (int w = 0; w < ps->W; w++) {
+        if (ps->peers[w].state != 0)
+            continue;
+        char key[32], val[16];
+        size_t len = 0;
+        snprintf(key, sizeof key, "dead/%d", w);
+        int dead = c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK;
+        snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, w);   /* left without finishing */
+        dead = dead || (c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK);
+        int silent = ps->waits && now - last_seen[w] > c->timeout_ms / 1000.0;
+        if ((dead || silent) && ps_drop(ps, w) != DT_OK)
+            return ps->ctx->last_status;
+    }
+    return DT_OK;
+}
+
+static int ps_is_peer(const dt_ps *ps, const void *user)
+{
+    return (const char *)user >= (const char *)ps->peers &&
+           (const char *)user < (const char *)(ps->peers + ps->W);
+}
+
+/* Free the answers whose sends both completed (after a poll's whole batch
+ * was looked at: one batch may hold both of an answer's completions). */
+static void ps_sweep_replies(dt_ps *ps)
+{
+    for (ps_reply **pp = &ps->replies; *pp;) {
+        ps_reply *r = *pp;
+        if (!r->hdr_x.done || !r->data_x.done) {
+            pp = &r->next;
+            continue;
+        }
+        *pp = r->next;
+        host_free(ps->ctx, r->data);
+        host_free(ps->ctx, r);
+    }
+}
+
+static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
+{
+    dt_comm *c = ps->comm;
+    for (int w = 0; w < ps->W; w++) {
+        last_seen[w] = dt_now();
+        if (ps_post_header(ps, w) != DT_OK)
+            return ps->ctx->last_status;
+    }
+    double last_watch = dt_now();
+    for (;;) {
+        int live = 0;
+        for (int w = 0; w < ps->W; w++)
+            live += ps->peers[w].state == 0;
+        if (!live && !ps->replies)
+            return DT_OK;
+        dt_xfer *done[16];
+        char err[256] = "";
+        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        if (k < 0)
+            return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
+        for (int i = 0; i < k; i++) {
+            dt_xfer *x = done[i];
+            if (!ps_is_peer(ps, x->user))
+                continue;   /* an answer sent: swept below */
+            ps_peer *p = x->user;
+            int w = (int)(p - ps->peers);
+            last_seen[w] = dt_now();
+            dt_status s = DT_OK;
+            if (p->state != 0)
+                continue;   /* a cancelled receive of a dropped worker */
+            if (x->status != DT_OK)
+                s = ps_drop(ps, w);
+            else if (x == &p->hdr_x)
+                s = ps_on_header(ps, w);
+            else if ((s = ps_on_data(ps, w)) == DT_OK)
+                s = ps_post_header(ps, w);
+            if (s != DT_OK)
+                return s;
+        }
+        ps_sweep_replies(ps);
+        if (k == 0) {
+            if (dt_now() - last_watch > DT_COMM_WATCH_S) {
+                last_watch = dt_now();
+                if (ps_watch(ps, last_seen) != DT_OK)
+                    return ps->ctx->last_status;
+            }
+            c->tp_iface->wait(c->tp, 20);
+        }
+    }
+}
+
+/* Transfers of ours the transport still holds. */
+static int ps_outstanding(const dt_ps *ps)
+{
+    for (int w = 0; w < ps->W; w++)
+        if (!ps->peers[w].hdr_x.done || (ps->peers[w].data_pending && !ps->peers[w].data_x.done))
+            return 1;
+    return ps->replies != NULL;
+}
+
+dt_status dt_ps_serve(dt_ps *ps)
+{
+    if (!ps)
+        return DT_EINVAL;
+    if (ps->server < 0)
+        return set_error(ps->ctx, DT_ESTATE, "ps_serve: rank %d is a worker", ps->comm->rank);
+    dt_comm *c = ps->comm;
+    double *last_seen = host_calloc(ps->ctx, sizeof(double) * (size_t)ps->W);
+    if (!last_seen)
+        return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
+    pthread_mutex_lock(&c->mu);   /* take the transport from the comm thread */
+    while (c->running || c->head)
+        pthread_cond_wait(&c->cv, &c->mu);
+    int broken = c->broken;
+    c->running = !broken;
+    pthread_mutex_unlock(&c->mu);
+    dt_status s = broken ? set_error(ps->ctx, DT_ESTATE, "ps_serve: communicator failed earlier: %s",
+                                     c->broken_msg)
+                         : ps_serve_loop(ps, last_seen);
+    for (int w = 0; !broken && w < ps->W; w++)   /* nothing of ours stays posted */
+        if (ps->peers[w].state == 0) {
+            c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
+            if (ps->peers[w].data_pending)
+                c->tp_iface->cancel(c->tp, &ps->peers[w].data_x);
+        }
+    /* Cancelled receives complete in a later poll, and after an error
+     * answers may still be on their way: give them a second, then close the
+     * transport rather than leave it holding what dt_ps_free frees. */
+    for (double end = dt_now() + 1.0; !broken && ps_outstanding(ps) && dt_now() < end;) {
+        dt_xfer *done[16];
+        char err[256];
+        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        ps_sweep_replies(ps);
+        if (k <= 0)
+            c->tp_iface->wait(c->tp, 10);
+    }
+    if (!broken && ps_outstanding(ps)) {
+        c->broken = 1;
+        snprintf(c->broken_msg, sizeof c->broken_msg, "%s", ps->ctx->err);
+        c->tp_iface->close(c->tp);
+        c->tp = NULL;
+    }
+    pthread_mutex_lock(&c->mu);
+    c->running = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    host_free(ps->ctx, last_seen);
+    return s;
+}
+
+/* With a parameter server (18) the workers alone wrap the model: the
+ * servers' keys are the layout dt_ps_new agreed, which is this DDP's. */
+static dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt)
+{
+    const dt_ps *ps = cfg->ps;
+    if (ps->comm != c || ps->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "ddp_new: the parameter server belongs to another "
+                         "communicator or context");
+    if (ps->server >= 0)
+        return set_error(ctx, DT_EINVAL, "ddp_new: rank %d is a parameter server; workers wrap "
+                         "the model, servers call dt_ps_serve", c->rank);
+    if (ps->nparams != ctx->n_params)
+        return set_error(ctx, DT_EMISMATCH, "ddp_new: %d parameters now, %d when dt_ps_new ran",
+                         ctx->n_params, ps->nparams);
+    if (opt)
+        return set_error(ctx, DT_EINVAL, "ddp_new: with a parameter server the servers step "
+                         "(dt_ps_config.optim); pass no optimizer");
+    if (cfg->compress != DT_COMPRESS_NONE)
+        return set_error(ctx, DT_ENOTSUP, "ddp_new: gradient compression with a parameter "
+                         "server is not built yet");
+    return DT_OK;
+}
+
+/* --- 18.4 joining and leaving ---------------------------------------------- */
+
+static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W, int *S)
+{
+    const char *e = getenv("DTRAIN_NUM_SERVERS");
+    if (cfg->servers <= 0)
+        cfg->servers = e && atoi(e) > 0 ? atoi(e) : 1;
+    const char *m = getenv("DTRAIN_PS_MODE");
+    if (cfg->mode == DT_PS_BSP && m && *m) {
+        if (!strcmp(m, "asp"))
+            cfg->mode = DT_PS_ASP;
+        else if (!strcmp(m, "ssp"))
+            cfg->mode = DT_PS_SSP;
+        else if (strcmp(m, "bsp"))
+            return set_error(ctx, DT_EINVAL, "ps_new: DTRAIN_PS_MODE='%s' is not bsp, asp or ssp", m);
+    }
+    const char *st = getenv("DTRAIN_PS_STALENESS");
+    if (cfg->staleness == 0 && st && *st)
+        cfg->staleness = atoi(st);
+    if (cfg->mode < DT_PS_BSP || cfg->mode > DT_PS_SSP || cfg->staleness < 0)
+        return set_error(ctx, DT_EINVAL, "ps_new: mode %d, staleness %d: need a dt_ps_mode and "
+                         "staleness >= 0", (int)cfg->mode, cfg->staleness);
+    *S = cfg->servers;
+    *W = c->world - *S;
+    if (*W < 1 || *S > 8)
+        return set_error(ctx, *S > 8 ? DT_ENOTSUP : DT_EINVAL, "ps_new: %d servers among %d ranks: "
+                         "need at least one worker and at most 8 servers", *S, c->world);
+    return DT_OK;
+}
+
+/* The first line where two layouts differ, for the error. */
+static void ps_first_difference(const char *a, const char *b, char *out, size_t cap)
+{
+    int line = 0;
+    while (*a && *b) {
+        const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
+        if (!ea || !eb || ea - a != eb - b || memcmp(a, b, (size_t)(ea - a)) != 0)
+            break;
+        a = ea + 1;
+        b = eb + 1;
+        line++;
+    }
+    int la = (int)strcspn(a, "\n"), lb = (int)strcspn(b, "\n");
+    snprintf(out, cap, "parameter %d is '%.*s' here but '%.*s' on worker 0", line,
+             la > 80 ? 80 : la, *a ? a : "(none)", lb > 80 ? 80 : lb, *b ? b : "(none)");
+}
+
+static dt_status ps_join_worker(dt_ps *ps, int job)
+{
+    dt_ctx *ctx = ps->ctx;
+    dt_comm *c = ps->comm;
+    char key[64];
+    ps->layout = ps_describe(ctx);
+    if (!ps->layout)
+        return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+    snprintf(key, sizeof key, "ps%d/layout/%d", job, c->rank);
+    dt_status s = dt_store_set(c->store, key, ps->layout, strlen(ps->layout) + 1);
+    if (s == DT_OK && c->rank != 0) {
+        size_t len = 0;
+        char *ref = host_alloc(ctx, DT_STORE_MAX_VALUE);
+        snprintf(key, sizeof key, "ps%d/layout/0", job);
+        s = ref ? dt_store_get(c->store, key, ref, DT_STORE_MAX_VALUE - 1, &len, c->timeout_ms)
+                : set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+        if (s == DT_OK) {
+            ref[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
+            if (strcmp(ref, ps->layout) != 0) {
+                char diff[240];
+                ps_first_difference(ps->layout, ref, diff, sizeof diff);
+                s = set_error(ctx, DT_EMISMATCH, "ps_new: worker %d's model differs from worker "
+                              "0's: %s", c->rank, diff);
+            }
+        }
+        host_free(ctx, ref);
+    }
+    if (s == DT_OK)
+        s = ps_plan(ps, ps->layout);
+    if (s != DT_OK)
+        return s;
+    ps->seq = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);
+    ps->stage = host_alloc(ctx, sizeof(float) * (size_t)(ps->G + ps->P + 1));
+    if (!ps->seq || !ps->stage)
+        return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
+                         (long long)(ps->G + ps->P));
+    if (c->rank == 0) {   /* our values are where everyone starts */
+        for (int i = 0; i < ps->nparams; i++)
+            ctx->be_iface->copy(ctx->be, ps->stage + ps->offset[i], ctx->params[i]->data,
+                                (size_t)ps->numel[i] * sizeof(float));
+        if ((s = ps_call_run(ps, PS_INIT, 0, ps->G, ps->stage)) != DT_OK)
+            return s;
+    }
+    return dt_ps_pull(ps);
+}
+
+static dt_status ps_join_server(dt_ps *ps, int job)
+{
+    dt_ctx *ctx = ps->ctx;
+    char key[64];
+    size_t len = 0;
+    ps->layout = host_alloc(ctx, DT_STORE_MAX_VALUE);
+    if (!ps->layout)
+        return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+    snprintf(key, sizeof key, "ps%d/layout/0", job);
+    dt_status s = dt_store_get(ps->comm->store, key, ps->layout, DT_STORE_MAX_VALUE - 1, &len,
+                               ps->comm->timeout_ms);
+    if (s != DT_OK)
+        return s;
+    ps->layout[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
+    if ((s = ps_plan(ps, ps->layout)) != DT_OK)
+        return s;
+    return ps_make_pieces(ps);
+}
+
+dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!c || c->ctx != ctx) {
+        set_error(ctx, DT_EINVAL, "ps_new: %s", c ? "the communicator belongs to another context"
+                                                  : "communicator is NULL");
+        return NULL;
+    }
+    if (!ctx->be_iface->host_visible) {
+        set_error(ctx, DT_ENOTSUP, "ps_new: the %s backend's memory is not host memory",
+                  ctx->be_iface->name);
+        return NULL;
+    }
+    dt_ps_config conf;
+    dt_ps_config_init(&conf);
+    if (cfg)
+        conf = *cfg;
+    int W = 0, S = 0;
+    if (ps_settings(ctx, c, &conf, &W, &S) != DT_OK)
+        return NULL;
+    dt_ps *ps = host_calloc(ctx, sizeof *ps);
+    if (!ps) {
+        set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+        return NULL;
+    }
+    int job = c->ps_made++;
+    *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job,
+                  .server = c->rank >= W ? c->rank - W : -1};
+    dt_status s = ps->server >= 0 ? ps_join_server(ps, job) : ps_join_worker(ps, job);
+    if (s != DT_OK) {
+        dt_ps_free(ps);
+        return NULL;
+    }
+    return ps;
+}
+
+void dt_ps_free(dt_ps *ps)
+{
+    if (!ps)
+        return;
+    dt_ctx *ctx = ps->ctx;
+    if (ps->server < 0 && !ps->finished) {   /* (also a worker whose dt_ps_new failed) */
+        char key[64];
+        snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
+        dt_store_set(ps->comm->store, key, "1", 2);
+    }
+    for (int w = 0; ps->peers && w < ps->W; w++)
+        host_free(ctx, ps->peers[w].push);
+    while (ps->replies) {   /* sends still pending belong to a transport being closed */
+        ps_reply *r = ps->replies;
+        ps->replies = r->next;
+        host_free(ctx, r->data);
+        host_free(ctx, r);
+    }
+    while (ps->waits) {
+        ps_wait *q = ps->waits;
+        ps->waits = q->next;
+        host_free(ctx, q);
+    }
+    dt_optim_free(ps->opt);
+    dt_ctx_free(ps->sctx);
+    host_free(ctx, ps->peers);
+    host_free(ctx, ps->sum);
+    host_free(ctx, ps->piece);
+    host_free(ctx, ps->piece_lo);
+    host_free(ctx, ps->piece_param);
+    host_free(ctx, ps->numel);
+    host_free(ctx, ps->offset);
+    host_free(ctx, ps->range);
+    host_free(ctx, ps->layout);
+    host_free(ctx, ps->seq);
+    host_free(ctx, ps->stage);
+    host_free(ctx, ps);
 }

@@ -623,6 +623,8 @@ typedef enum dt_compress {
     DT_COMPRESS_NONE = 0, DT_COMPRESS_BF16, DT_COMPRESS_FP16, DT_COMPRESS_TOPK, DT_COMPRESS_INT8
 } dt_compress;
 
+typedef struct dt_ps dt_ps;          /* a parameter-server job (section 12) */
+
 typedef struct dt_ddp_config {
     size_t bucket_bytes;       /* gradient bytes per bucket; 0: DTRAIN_BUCKET_BYTES, else
                                   the default (docs/DATA_PARALLEL.md says how it was
@@ -644,6 +646,9 @@ typedef struct dt_ddp_config {
                                   geometrically from 25% to topk_ratio (DGC's warm-up);
                                   0: DTRAIN_TOPK_WARMUP, else none */
     int error_feedback;        /* TOPK, INT8: 1 (default) carries the unsent rest over */
+    dt_ps *ps;                 /* not NULL: push buckets to the parameter servers and
+                                  pull the parameters back instead of allreducing
+                                  (section 12; workers only, no optimizer needed) */
 } dt_ddp_config;
 DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
 
@@ -769,7 +774,75 @@ DT_API dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
                             int32_t *pred);
 
 /* ---------------------------------------------------------------------------
- * 12. Utilities
+ * 12. Parameter server
+ *
+ * Some ranks are servers, the rest workers (ranks 0..W-1 work, the last
+ * `servers` ranks serve).  The parameters, laid out flat in DDP's bucket
+ * order, are cut into one contiguous key range per server, balanced by
+ * bytes (a large tensor may span servers).  Servers hold their range and
+ * apply the optimizer to it as pushes arrive; workers push gradients and
+ * pull parameters.  A DDP made with dt_ddp_config.ps pushes its buckets to
+ * the servers and pulls the new parameters back instead of allreducing:
+ * the same buckets, overlap and statistics (docs/PARAMETER_SERVER.md).
+ *
+ * Consistency: BSP (the servers average all workers' gradients of a step
+ * before stepping; a pull waits for that), ASP (Downpour: each worker's
+ * gradient is applied when it arrives, scaled by 1/W; pulls never wait),
+ * SSP (as ASP, but a worker more than `staleness` steps ahead of the
+ * slowest waits in its pull).
+ * ------------------------------------------------------------------------- */
+typedef enum dt_ps_mode { DT_PS_BSP = 0, DT_PS_ASP, DT_PS_SSP } dt_ps_mode;
+
+typedef struct dt_ps_config {
+    int servers;               /* server ranks; 0: DTRAIN_NUM_SERVERS, else 1 */
+    dt_ps_mode mode;           /* BSP (default; DTRAIN_PS_MODE=bsp|asp|ssp overrides it
+                                  when left at BSP) */
+    int staleness;             /* SSP: the bound s >= 0 (DTRAIN_PS_STALENESS when 0) */
+    dt_optim_config optim;     /* the servers' optimizer (dt_optim_config_init(DT_SGD)
+                                  by default) */
+} dt_ps_config;
+DT_API void dt_ps_config_init(dt_ps_config *cfg);
+
+/* Join the parameter-server job on c (made with ctx).  Collective: every
+ * rank calls it.  On workers, ctx's registered parameters are the model
+ * (every worker must register the same ones: a difference fails with
+ * DT_EMISMATCH); worker 0's values are the servers' starting point and
+ * every worker starts from them.  On servers ctx needs no model: the
+ * layout comes from worker 0.  Fewer than 1 worker or server: DT_EINVAL.
+ * ctx and c are borrowed and must outlive the PS.  new: free with
+ * dt_ps_free. */
+DT_API dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg);
+DT_API void dt_ps_free(dt_ps *ps);                 /* NULL is fine */
+DT_API int dt_ps_is_server(const dt_ps *ps);
+DT_API int dt_ps_workers(const dt_ps *ps);
+DT_API int dt_ps_servers(const dt_ps *ps);
+/* Servers: serve pushes and pulls until every worker has called
+ * dt_ps_finish (or died: it is dropped after the communicator's timeout,
+ * and the statistics count it). */
+DT_API dt_status dt_ps_serve(dt_ps *ps);
+/* Workers: push every parameter's gradient (absent ones as absent) as this
+ * worker's next step, then pull the parameters into the parameter
+ * tensors, waiting as the consistency model says.  The whole model; a DDP
+ * with .ps does the same per bucket, overlapped with backward. */
+DT_API dt_status dt_ps_push_pull(dt_ps *ps);
+/* Workers: pull the parameters without pushing (e.g. before evaluating). */
+DT_API dt_status dt_ps_pull(dt_ps *ps);
+/* Workers: this worker is done; servers stop waiting for it. */
+DT_API dt_status dt_ps_finish(dt_ps *ps);
+
+typedef struct dt_ps_stats {
+    int64_t pushes, pulls;     /* requests this rank sent (worker) or served (server) */
+    int64_t steps;             /* worker: steps pushed; server: optimizer steps applied */
+    int64_t max_staleness;     /* largest (this worker's step - slowest worker's step) a
+                                  pull was answered at (server: over all workers) */
+    double mean_staleness;
+    double wait_s;             /* worker: time spent waiting for pulls */
+    int dropped_workers;       /* server: workers that died and were dropped */
+} dt_ps_stats;
+DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
+
+/* ---------------------------------------------------------------------------
+ * 13. Utilities
  * ------------------------------------------------------------------------- */
 /* Number of rows of logits (N,C) whose argmax equals labels (N). */
 DT_API dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,

@@ -3,7 +3,9 @@
  * batch b end with the parameters one process gets from batch N*b (MLP
  * and CNN, several bucket sizes, with and without overlap), gradient
  * accumulation with no_sync, parameters some or no rank used, models that
- * differ between ranks, a rank that dies mid-training, and misuse.
+ * differ between ranks, a rank that dies mid-training, and misuse; and the
+ * parameter server (BSP equal to one process, the SSP bound, a dead
+ * worker dropped, misuse).
  *
  * Every rank computes the single-process reference itself in a second
  * context, from the same seeded data, so nothing but the final comparison
@@ -1371,6 +1373,229 @@ static void test_evaluate_predict(void **state)
     tu_rmdir(ev_dir);
 }
 
+
+/* --- parameter server ------------------------------------------------------ */
+
+static int ps_servers = 1;              /* servers in the next job */
+static dt_ps_mode ps_mode = DT_PS_BSP;
+static int ps_staleness;
+static int ps_use_ddp = 1;              /* workers step through a DDP, else dt_ps_push_pull */
+static int ps_slow_worker = -1;         /* sleeps each step */
+static int ps_die_worker = -1;          /* exits after 2 steps */
+
+static void ps_optim_config(dt_optim_config *oc)
+{
+    dt_optim_config_init(oc, DT_SGD);   /* make_optim's MLP settings */
+    oc->lr = 0.05f;
+    oc->momentum = 0.9f;
+    oc->weight_decay = 1e-3f;
+}
+
+static dt_ps *ps_join(dt_ctx *ctx, dt_comm *c)
+{
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    pc.servers = ps_servers;
+    pc.mode = ps_mode;
+    pc.staleness = ps_staleness;
+    ps_optim_config(&pc.optim);
+    return dt_ps_new(ctx, c, &pc);
+}
+
+/* A server: serve, then check what it saw.  A worker: STEPS steps on its
+ * slice of the batch, then the one-process comparison (BSP). */
+static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    int W = world - ps_servers;
+    model m;
+    if (rank < W && model_build(ctx, &m, 0))
+        return 1;
+    dt_ps *ps = ps_join(ctx, c);
+    if (!ps)
+        return 2;
+    if (dt_ps_is_server(ps)) {
+        if (dt_ps_serve(ps) != DT_OK)
+            return 3;
+        dt_ps_stats st;
+        dt_ps_stats_get(ps, &st);
+        int expect_steps = ps_mode == DT_PS_BSP ? STEPS : STEPS * W;
+        if (ps_die_worker >= 0)
+            expect_steps = st.steps;   /* checked by dropped_workers below */
+        if (st.steps != expect_steps || st.dropped_workers != (ps_die_worker >= 0)) {
+            fprintf(stderr, "server %d: %lld steps, %d dropped\n", rank, (long long)st.steps,
+                    st.dropped_workers);
+            return 4;
+        }
+        if (ps_mode == DT_PS_SSP && (st.max_staleness > ps_staleness || st.max_staleness < 1)) {
+            fprintf(stderr, "server %d: max staleness %lld, bound %d\n", rank,
+                    (long long)st.max_staleness, ps_staleness);
+            return 5;
+        }
+        if (ps_mode == DT_PS_BSP && st.max_staleness != 0)
+            return 6;
+        dt_ps_free(ps);
+        return ps_die_worker < 0 && dt_barrier(c) != DT_OK ? 14 : 0;
+    }
+    dt_ddp *ddp = NULL;
+    if (ps_use_ddp) {
+        dt_ddp_config dc;
+        dt_ddp_config_init(&dc);
+        dc.ps = ps;
+        dc.bucket_bytes = 1024;   /* several buckets, pushed as backward makes them */
+        dc.overlap = 1;
+        if (!(ddp = dt_ddp_new(ctx, c, NULL, &dc)))
+            return 7;
+    }
+    for (int s = 0; s < STEPS; s++) {
+        if (rank == ps_die_worker && s == 2)
+            _exit(0);   /* gone without a word */
+        if (rank == ps_slow_worker) {
+            struct timespec nap = {0, 30 * 1000 * 1000};
+            nanosleep(&nap, NULL);
+        }
+        dt_tensor *x, *y;
+        if (make_batch(ctx, 0, s, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
+            return 8;
+        if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK)
+            return 9;
+        if ((ddp ? dt_ddp_step(ddp) : dt_ps_push_pull(ps)) != DT_OK)
+            return 10;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    dt_ps_stats st;
+    dt_ps_stats_get(ps, &st);
+    if (st.steps != STEPS || st.pulls != STEPS + 1)   /* + the starting pull */
+        return 11;
+    if (ps_mode == DT_PS_BSP && ps_die_worker < 0) {   /* the same as one process */
+        dt_ctx *ref = reference_run(0, W);
+        double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
+        dt_ctx_free(ref);
+        if (!(rel <= 1e-5)) {
+            fprintf(stderr, "worker %d: relative difference %.3g from one process\n", rank, rel);
+            return 12;
+        }
+    }
+    if (dt_ps_finish(ps) != DT_OK)
+        return 13;
+    dt_ddp_free(ddp);
+    dt_ps_free(ps);
+    return ps_die_worker < 0 && dt_barrier(c) != DT_OK ? 14 : 0;   /* rank 0's store stays up */
+}
+
+static void ps_reset(void)
+{
+    ps_servers = 1;
+    ps_mode = DT_PS_BSP;
+    ps_staleness = 0;
+    ps_use_ddp = 1;
+    ps_slow_worker = ps_die_worker = -1;
+}
+
+/* BSP: 2 workers and 1 server end where one process with the doubled
+ * batch does (DDP's buckets pushed as backward makes them); again with
+ * dt_ps_push_pull and 2 servers, each holding part of a tensor. */
+static void test_ps_bsp_equivalence(void **state)
+{
+    (void)state;
+    ps_reset();
+    expect_all_ok(3, ps_rank);
+    ps_use_ddp = 0;
+    ps_servers = 2;
+    expect_all_ok(4, ps_rank);
+    ps_reset();
+}
+
+/* SSP with bound 2, one of 3 workers slow: the fast ones run ahead, never
+ * more than 2 steps; ASP just finishes. */
+static void test_ps_ssp_asp(void **state)
+{
+    (void)state;
+    ps_reset();
+    ps_mode = DT_PS_SSP;
+    ps_staleness = 2;
+    ps_slow_worker = 2;
+    expect_all_ok(4, ps_rank);
+    ps_mode = DT_PS_ASP;
+    expect_all_ok(4, ps_rank);
+    ps_reset();
+}
+
+/* A worker dies after 2 steps: the BSP server drops it and the other
+ * worker finishes. */
+static void test_ps_dead_worker(void **state)
+{
+    (void)state;
+    ps_reset();
+    ps_die_worker = 1;
+    job_timeout_ms = 3000;
+    expect_all_ok(3, ps_rank);
+    job_timeout_ms = 20000;
+    ps_reset();
+}
+
+static int ps_misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    pc.servers = 3;   /* no worker left */
+    if (dt_ps_new(ctx, c, &pc) || dt_last_status(ctx) != DT_EINVAL)
+        return 1;
+    pc.servers = 1;
+    pc.staleness = -1;
+    if (dt_ps_new(ctx, c, &pc) || dt_last_status(ctx) != DT_EINVAL)
+        return 2;
+    /* worker 1's model differs from worker 0's */
+    int64_t shape[2] = {3, rank == 1 ? 5 : 4};
+    if (rank < 2 && !dt_param_new(ctx, "w", 2, shape))
+        return 3;
+    pc.staleness = 0;
+    dt_ps *ps = dt_ps_new(ctx, c, &pc);
+    if (rank == 1)   /* (the barrier keeps rank 0's store up until the server is done) */
+        return ps || dt_last_status(ctx) != DT_EMISMATCH || !strstr(dt_last_error(ctx), "'w 15'") ||
+                       dt_barrier(c) != DT_OK
+                   ? 4 : 0;
+    if (!ps)
+        return 5;
+    if (rank == 2) {
+        if (dt_ps_push_pull(ps) != DT_ESTATE || dt_ps_finish(ps) != DT_ESTATE)
+            return 6;
+        if (dt_ps_serve(ps) != DT_OK)   /* worker 1 never joins: dropped after the timeout */
+            return 7;
+        dt_ps_stats st;
+        dt_ps_stats_get(ps, &st);
+        if (st.dropped_workers != 1)
+            return 8;
+    } else {
+        if (dt_ps_serve(ps) != DT_ESTATE)
+            return 9;
+        dt_ddp_config dc;
+        dt_ddp_config_init(&dc);
+        dc.ps = ps;
+        dt_optim_config oc;
+        ps_optim_config(&oc);
+        dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+        if (dt_ddp_new(ctx, c, opt, &dc) || dt_last_status(ctx) != DT_EINVAL)
+            return 10;
+        dt_optim_free(opt);
+        if (dt_ps_pull(ps) != DT_OK)   /* worker 1 is not needed for a pull at step 0 */
+            return 11;
+        if (dt_ps_finish(ps) != DT_OK)
+            return 12;
+    }
+    dt_ps_free(ps);
+    return dt_barrier(c) != DT_OK ? 13 : 0;
+}
+
+static void test_ps_misuse(void **state)
+{
+    (void)state;
+    job_timeout_ms = 2000;
+    expect_all_ok(3, ps_misuse_rank);
+    job_timeout_ms = 20000;
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_equivalence_mlp),
     cmocka_unit_test(test_equivalence_cnn),
@@ -1390,6 +1615,10 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_compression_errors),
     cmocka_unit_test(test_dp_equivalence),
     cmocka_unit_test(test_dp_unused_and_errors),
+    cmocka_unit_test(test_ps_bsp_equivalence),
+    cmocka_unit_test(test_ps_ssp_asp),
+    cmocka_unit_test(test_ps_dead_worker),
+    cmocka_unit_test(test_ps_misuse),
 };
 
 DT_TEST_GROUP(ddp, tests)
