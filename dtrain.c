@@ -9783,8 +9783,10 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
     const char *p = layout;
     for (int i = 0; i < n; i++) {
-        const char *sp = strchr(p, ' '), *nl = strchr(p, '\n');
-        if (!sp || !nl || sp > nl || (ps->numel[i] = strtoll(sp + 1, NULL, 10)) < 0)
+        const char *nl = strchr(p, '\n'), *sp = nl;
+        while (sp && sp > p && *sp != ' ')   /* the number after the line's last space */
+            sp--;
+        if (!nl || !sp || *sp != ' ' || (ps->numel[i] = strtoll(sp + 1, NULL, 10)) < 0)
             return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed");
         p = nl + 1;
     }
@@ -10124,16 +10126,19 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, dt_sta
     r->has_data = 1;
     dt_status s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RESP, req->seq), &r->hdr,
                                     sizeof r->hdr, &r->hdr_x, err, sizeof err);
-    if (s == DT_OK)
-        s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RDATA, req->seq), r->data,
-                              (size_t)n * sizeof(float), &r->data_x, err, sizeof err);
-    if (s != DT_OK) {
+    if (s != DT_OK) {   /* nothing posted */
         host_free(ps->ctx, r->data);
-        host_free(ps->ctx, r);   /* (a failed first send posted nothing) */
+        host_free(ps->ctx, r);
         return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", worker, err);
     }
-    r->next = ps->replies;
+    r->next = ps->replies;   /* the transport holds the header now: swept when it completes */
     ps->replies = r;
+    s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RDATA, req->seq), r->data,
+                          (size_t)n * sizeof(float), &r->data_x, err, sizeof err);
+    if (s != DT_OK) {
+        r->data_x.done = 1;
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", worker, err);
+    }
     ps->st.pulls++;
     return DT_OK;
 }
@@ -10291,6 +10296,15 @@ static dt_status ps_drop(dt_ps *ps, int w)
         return DT_OK;
     p->state = 2;
     ps->st.dropped_workers++;
+    for (ps_wait **pp = &ps->waits; *pp;) {   /* its waiting pull goes unanswered */
+        ps_wait *q = *pp;
+        if (q->worker != w) {
+            pp = &q->next;
+            continue;
+        }
+        *pp = q->next;
+        host_free(ps->ctx, q);
+    }
     ps->comm->tp_iface->cancel(ps->comm->tp, &p->hdr_x);
     if (p->data_pending)
         ps->comm->tp_iface->cancel(ps->comm->tp, &p->data_x);
@@ -10313,7 +10327,10 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         int dead = c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK;
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, w);   /* left without finishing */
         dead = dead || (c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK);
-        int silent = ps->waits && now - last_seen[w] > c->timeout_ms / 1000.0;
+        int waiting = 0;   /* a worker waiting in a pull is silent by design */
+        for (const ps_wait *q = ps->waits; q && !waiting; q = q->next)
+            waiting = q->worker == w;
+        int silent = ps->waits && !waiting && now - last_seen[w] > c->timeout_ms / 1000.0;
         if ((dead || silent) && ps_drop(ps, w) != DT_OK)
             return ps->ctx->last_status;
     }
@@ -10551,6 +10568,12 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
     }
     if (s == DT_OK)
         s = ps_plan(ps, ps->layout);
+    for (int i = 0; s == DT_OK && i < ps->nparams; i++)   /* e.g. a newline in a name */
+        if (i >= ctx->n_params || ps->numel[i] != dt_tensor_numel(ctx->params[i]))
+            s = set_error(ctx, DT_EINVAL, "ps_new: parameter %d's name cannot be carried in the "
+                          "layout (no newlines, please)", i);
+    if (s == DT_OK && ps->nparams != ctx->n_params)
+        s = set_error(ctx, DT_EINVAL, "ps_new: a parameter name holds a newline");
     if (s != DT_OK)
         return s;
     ps->seq = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);

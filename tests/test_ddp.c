@@ -1548,12 +1548,12 @@ static int ps_misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 2;
     /* worker 1's model differs from worker 0's */
     int64_t shape[2] = {3, rank == 1 ? 5 : 4};
-    if (rank < 2 && !dt_param_new(ctx, "w", 2, shape))
+    if (rank < 2 && !dt_param_new(ctx, "enc w", 2, shape))   /* a space in the name, too */
         return 3;
     pc.staleness = 0;
     dt_ps *ps = dt_ps_new(ctx, c, &pc);
     if (rank == 1)   /* (the barrier keeps rank 0's store up until the server is done) */
-        return ps || dt_last_status(ctx) != DT_EMISMATCH || !strstr(dt_last_error(ctx), "'w 15'") ||
+        return ps || dt_last_status(ctx) != DT_EMISMATCH || !strstr(dt_last_error(ctx), "'enc w 15'") ||
                        dt_barrier(c) != DT_OK
                    ? 4 : 0;
     if (!ps)
