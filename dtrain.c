@@ -2967,16 +2967,16 @@ void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
         return;
     memset(cfg, 0, sizeof *cfg);
     cfg->kind = kind;
-    cfg->lr = kind == DT_SGD ? 0.01f : 1e-3f;
+    cfg->lr = kind == DT_SGD || kind == DT_ADAGRAD ? 0.01f : 1e-3f;   /* torch's defaults */
     cfg->beta1 = 0.9f;
     cfg->beta2 = 0.999f;
-    cfg->eps = 1e-8f;
+    cfg->eps = kind == DT_ADAGRAD ? 1e-10f : 1e-8f;
     cfg->weight_decay = kind == DT_ADAMW ? 0.01f : 0.0f;
 }
 
 static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
 {
-    if (c->kind != DT_SGD && c->kind != DT_ADAM && c->kind != DT_ADAMW)
+    if (c->kind != DT_SGD && c->kind != DT_ADAM && c->kind != DT_ADAMW && c->kind != DT_ADAGRAD)
         return set_error(ctx, DT_EINVAL, "optim: unknown kind %d", (int)c->kind);
     if (!(c->lr >= 0) || !(c->weight_decay >= 0))
         return set_error(ctx, DT_EINVAL, "optim: lr (%g) and weight_decay (%g) must be >= 0",
@@ -2987,6 +2987,14 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
                              (double)c->momentum, (double)c->dampening);
         if (c->nesterov && (c->momentum <= 0 || c->dampening != 0))
             return set_error(ctx, DT_EINVAL, "optim: nesterov needs momentum > 0 and dampening 0");
+        return DT_OK;
+    }
+    if (c->kind == DT_ADAGRAD) {
+        if (!(c->eps >= 0))
+            return set_error(ctx, DT_EINVAL, "optim: adagrad eps %g must be >= 0", (double)c->eps);
+        if (!BE(ctx)->adagrad_update)
+            return set_error(ctx, DT_ENOTSUP, "optim: the %s backend has no AdaGrad",
+                             ctx->be_iface->name);
         return DT_OK;
     }
     if (!(c->beta1 >= 0 && c->beta1 < 1) || !(c->beta2 >= 0 && c->beta2 < 1) || !(c->eps >= 0))
@@ -3050,20 +3058,22 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
     o->ctx = ctx;
     o->cfg = *cfg;
     o->n = count;
-    o->per = cfg->kind == DT_SGD ? (cfg->momentum != 0.0f) : 2;
+    o->per = cfg->kind == DT_SGD ? (cfg->momentum != 0.0f) : cfg->kind == DT_ADAGRAD ? 1 : 2;
     o->base_lr = o->lr = cfg->lr;
     o->params = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count ? count : 1));
     o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1));
     o->param_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(count ? count : 1));
     if (!o->params || !o->state || !o->param_steps)
         goto fail;
-    static const char *const suffix[2][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"}};
+    static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
+                                             {".sum", ""}};   /* torch's state names */
     for (int i = 0; i < count; i++) {
         o->params[i] = src[i];
         for (int j = 0; j < o->per; j++) {
             dt_tensor *p = src[i];
             dt_tensor *st = owned_tensor(ctx, p->ndim, p->shape, p->name,
-                                         suffix[cfg->kind != DT_SGD][j]);
+                                         suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
+                                                                               ? 2 : 1][j]);
             if (!st)
                 goto fail;
             o->state[i * o->per + j] = st;
@@ -3157,6 +3167,9 @@ dt_status dt_optim_step(dt_optim *o)
             BE(ctx)->sgd_update(BEI(ctx), cnt, FP(p), FP(g), buf, o->lr,
                                 o->momentum_by_ddp ? 0.0f : c->momentum, c->dampening,
                                 c->nesterov, c->weight_decay, t == 1);
+        } else if (c->kind == DT_ADAGRAD) {
+            BE(ctx)->adagrad_update(BEI(ctx), cnt, FP(p), FP(g), FP(o->state[i]), o->lr, c->eps,
+                                    c->weight_decay);
         } else {
             float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
             BE(ctx)->adam_update(BEI(ctx), cnt, FP(p), FP(g), FP(o->state[2 * i]),

@@ -311,7 +311,7 @@ DT_API dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss);
  * ------------------------------------------------------------------------- */
 typedef struct dt_optim dt_optim;
 
-typedef enum dt_optim_kind { DT_SGD = 0, DT_ADAM, DT_ADAMW } dt_optim_kind;
+typedef enum dt_optim_kind { DT_SGD = 0, DT_ADAM, DT_ADAMW, DT_ADAGRAD } dt_optim_kind;
 
 typedef struct dt_optim_config {
     dt_optim_kind kind;
@@ -319,8 +319,9 @@ typedef struct dt_optim_config {
     float momentum;       /* SGD */
     float dampening;      /* SGD */
     int nesterov;         /* SGD */
-    float weight_decay;   /* SGD/Adam: L2 added to the gradient; AdamW: decoupled */
-    float beta1, beta2, eps;   /* Adam, AdamW */
+    float weight_decay;   /* SGD/Adam/AdaGrad: L2 added to the gradient; AdamW: decoupled */
+    float beta1, beta2;   /* Adam, AdamW */
+    float eps;            /* Adam, AdamW (default 1e-8), AdaGrad (default 1e-10) */
 } dt_optim_config;
 
 /* Defaults as PyTorch's: SGD lr 0.01; Adam lr 1e-3, betas (0.9, 0.999),

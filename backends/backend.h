@@ -224,6 +224,11 @@ typedef struct dt_backend_iface {
     void (*adam_update)(dt_backend *be, int64_t n, float *w, const float *g, float *m,
                         float *v, float lr, float beta1, float beta2, float eps,
                         float weight_decay, int decoupled, float bc1, float bc2);
+    /* PyTorch's Adagrad (lr_decay 0, initial accumulator 0): g' = g + wd*w;
+     * sum += g'*g'; w -= lr * g' / (sqrt(sum) + eps).  May be NULL: the
+     * backend has no AdaGrad (dt_optim_new says so). */
+    void (*adagrad_update)(dt_backend *be, int64_t n, float *w, const float *g, float *sum,
+                           float lr, float eps, float weight_decay);
 
     /* --- metrics -------------------------------------------------------- */
     /* number of rows of logits (n,c) whose argmax (first max) equals label */

@@ -2471,6 +2471,33 @@ static void cpu_adam_update(dt_backend *be, int64_t n, float *w, const float *g,
     parallel_for(be, n, DT_CPU_GRAIN_MATH, adam_range, &A);
 }
 
+/* g' = g + wd w; sum += g' g'; w -= lr g' / (sqrt(sum) + eps), chunked as
+ * Adam is so the square roots vectorize. */
+static void adagrad_range(void *p, int64_t lo, int64_t hi)
+{
+    const opt_args *A = p;
+    float *w = A->w, *sum = A->m, lr = A->lr, eps = A->eps, wd = A->wd;
+    const float *g = A->g;
+    float root[DT_CPU_ADAM_CHUNK];
+    for (int64_t c0 = lo; c0 < hi; c0 += DT_CPU_ADAM_CHUNK) {
+        int64_t c1 = min64(hi, c0 + DT_CPU_ADAM_CHUNK);
+        for (int64_t i = c0; i < c1; i++) {
+            float gi = g[i] + wd * w[i];
+            sum[i] += gi * gi;
+        }
+        sqrt_run(sum + c0, root, c1 - c0);
+        for (int64_t i = c0; i < c1; i++)
+            w[i] -= lr * (g[i] + wd * w[i]) / (root[i - c0] + eps);
+    }
+}
+
+static void cpu_adagrad_update(dt_backend *be, int64_t n, float *w, const float *g, float *sum,
+                               float lr, float eps, float weight_decay)
+{
+    opt_args A = {.w = w, .g = g, .m = sum, .lr = lr, .eps = eps, .wd = weight_decay};
+    parallel_for(be, n, DT_CPU_GRAIN_MATH, adagrad_range, &A);
+}
+
 /* ---------------------------------------------------------------------------
  * 15. Metrics
  * ------------------------------------------------------------------------- */
@@ -2543,6 +2570,7 @@ static const dt_backend_iface dt_cpu_iface = {
     .dropout_forward = cpu_dropout_forward,
     .sgd_update = cpu_sgd_update,
     .adam_update = cpu_adam_update,
+    .adagrad_update = cpu_adagrad_update,
     .count_correct = cpu_count_correct,
 };
 

@@ -85,6 +85,21 @@ static void ref_adam(ref_state *s, double g, int t, const dt_optim_config *c)
     s->w -= c->lr / bc1 * s->m / denom;
 }
 
+/* torch.optim.Adagrad (lr_decay 0, initial accumulator 0). */
+static void ref_adagrad(ref_state *s, double g, int t, const dt_optim_config *c)
+{
+    (void)t;
+    g += c->weight_decay * s->w;
+    s->v += g * g;
+    s->w -= c->lr * g / (sqrt(s->v) + c->eps);
+}
+
+typedef void (*ref_fn)(ref_state *, double, int, const dt_optim_config *);
+static ref_fn ref_for(const dt_optim_config *c)
+{
+    return c->kind == DT_SGD ? ref_sgd : c->kind == DT_ADAGRAD ? ref_adagrad : ref_adam;
+}
+
 /* Run `steps` optimizer steps with the library and with the reference;
  * compare parameters after every step. */
 static void run_optim(const dt_optim_config *cfg, int steps, const char *what)
@@ -104,11 +119,11 @@ static void run_optim(const dt_optim_config *cfg, int steps, const char *what)
         assert_int_equal(dt_optim_steps(opt), t);
         double ew[NW], eb[NB];
         for (int i = 0; i < NW; i++) {
-            (cfg->kind == DT_SGD ? ref_sgd : ref_adam)(&rw[i], GW[t - 1][i], t, cfg);
+            ref_for(cfg)(&rw[i], GW[t - 1][i], t, cfg);
             ew[i] = rw[i].w;
         }
         for (int i = 0; i < NB; i++) {
-            (cfg->kind == DT_SGD ? ref_sgd : ref_adam)(&rb[i], GB[t - 1][i], t, cfg);
+            ref_for(cfg)(&rb[i], GB[t - 1][i], t, cfg);
             eb[i] = rb[i].w;
         }
         char name[96];
@@ -127,6 +142,9 @@ static void run_optim(const dt_optim_config *cfg, int steps, const char *what)
     if (cfg->kind == DT_SGD && cfg->momentum != 0) {
         want = "w.momentum_buffer";
         for (int i = 0; i < NW; i++) want_v[i] = rw[i].buf;
+    } else if (cfg->kind == DT_ADAGRAD) {
+        want = "w.sum";
+        for (int i = 0; i < NW; i++) want_v[i] = rw[i].v;
     } else if (cfg->kind != DT_SGD) {
         want = "w.exp_avg";
         for (int i = 0; i < NW; i++) want_v[i] = rw[i].m;
@@ -236,6 +254,30 @@ static void test_optim_adamw(void **state)
     c.weight_decay = 0.1f;
     run_optim(&c, 1, "adamw");
     run_optim(&c, 3, "adamw 3 steps");
+}
+
+static void test_optim_adagrad(void **state)
+{
+    (void)state;
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAGRAD);
+    assert_float_equal(c.lr, 0.01f, 0);
+    assert_float_equal(c.eps, 1e-10f, 0);
+    c.lr = 0.1f;
+    run_optim(&c, 3, "adagrad");
+    c.weight_decay = 0.1f;
+    run_optim(&c, 2, "adagrad L2 weight decay");
+    /* by hand: w 0.5, g 0.1, lr 0.1: sum = 0.01, w = 0.5 - 0.1 * 0.1 / 0.1 */
+    ref_state r = {.w = 0.5};
+    c.weight_decay = 0;
+    ref_adagrad(&r, 0.1, 1, &c);
+    assert_true(fabs(r.w - 0.4) < 1e-7);
+    c.eps = -1;
+    fixture f;
+    fx_init(&f);
+    assert_null(dt_optim_new(f.ctx, &c, NULL, 0));
+    assert_int_equal(dt_last_status(f.ctx), DT_EINVAL);
+    fx_free(&f);
 }
 
 /* One hand-worked number, so the reference itself is checked too:
@@ -494,6 +536,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_optim_sgd_weight_decay),
     cmocka_unit_test(test_optim_adam),
     cmocka_unit_test(test_optim_adamw),
+    cmocka_unit_test(test_optim_adagrad),
     cmocka_unit_test(test_optim_adam_by_hand),
     cmocka_unit_test(test_optim_subset_and_accessors),
     cmocka_unit_test(test_schedule_step),
