@@ -5403,6 +5403,7 @@ struct dt_work {
     const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
                                   part); COLL_PS: the ps_call (18) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
+    void *owned;               /* freed with the work (a background request's memory) */
     int64_t n;
     uint32_t seq;
     int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
@@ -5414,13 +5415,28 @@ struct dt_work {
 };
 
 /* What one COLL_PS work does: a worker's request to the parameter servers
- * (section 18), run on its comm thread. */
-enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH };
+ * (section 18), run on its comm thread.  The headers live here, not on the
+ * comm thread's stack: a failed request may leave posts behind it. */
+enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL };
+#define PS_MAX_SERVERS 8
+typedef struct ps_msg {
+    uint32_t magic, op, seq;
+    int32_t status;            /* responses: DT_OK or the server's refusal */
+    int64_t lo, n;             /* dense: key range; sparse: table, rows */
+    int64_t clock;             /* the worker's completed steps */
+    char err[160];
+} ps_msg;
 typedef struct ps_call {
     struct dt_ps *ps;
     int op;
-    int64_t lo, n;             /* keys */
+    int64_t lo, n;             /* dense: keys; sparse: table, ids asked for */
     float *buf;                /* push: the floats of [lo, lo+n); pull: where they go */
+    /* sparse: each server's distinct rows (its local row numbers), as sent */
+    int64_t cnt[PS_MAX_SERVERS];
+    void *msg[PS_MAX_SERVERS];     /* push: ids then rows; pull: ids */
+    float *rows[PS_MAX_SERVERS];   /* pull: the answers */
+    int64_t *where;            /* pull: asked id i is row where[i] / 8 of server where[i] % 8 */
+    ps_msg out[2 * PS_MAX_SERVERS], in[PS_MAX_SERVERS];
 } ps_call;
 
 typedef struct seg_head seg_head;
@@ -6844,6 +6860,7 @@ static dt_status work_finish(dt_work *w, double *run_s)
         set_error(c->ctx, st, "%s", w->msg);
     if (run_s)
         *run_s = w->run_s;
+    host_free(c->ctx, w->owned);
     host_free(c->ctx, w);
     return st;
 }
@@ -8250,8 +8267,8 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
     } else if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
-        b->pcall = (ps_call){d->cfg.ps, PS_PUSH, b->offset, b->numel + b->count,
-                             d->set[d->cur] + b->offset};
+        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
+                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset};
         b->work = enqueue_in(d->comm, COLL_PS, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
                              &b->pcall);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
@@ -9660,15 +9677,8 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
 
 #define PS_MAGIC 0x44545053u
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
-static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish"};
-
-typedef struct ps_msg {
-    uint32_t magic, op, seq;
-    int32_t status;            /* responses: DT_OK or the server's refusal */
-    int64_t lo, n;             /* key range */
-    int64_t clock;             /* the worker's completed steps */
-    char err[160];
-} ps_msg;
+static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish", "sparse push",
+                                          "sparse pull"};
 
 static uint64_t ps_tag(int type, uint32_t seq)
 {
@@ -9687,7 +9697,31 @@ typedef struct ps_peer {
     int data_pending;
     int64_t data_lo, data_n;
     int op;
+    void *sdata;               /* a sparse request's ids (and rows) being received */
+    struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
 } ps_peer;
+
+/* A sparse push kept until its step is applied (BSP). */
+typedef struct ps_sparse_msg {
+    int table;
+    int64_t k, clock;
+    void *data;                /* k local row numbers (int64), then k * dim floats */
+    struct ps_sparse_msg *next;
+} ps_sparse_msg;
+
+/* A sparse table.  On a server: its rows r = i * S + server, i < count. */
+typedef struct ps_tab {
+    char *name;
+    int64_t rows, dim;
+    float scale;
+    uint64_t seed;
+    int64_t count;
+    dt_tensor *w, *state[2];   /* count x dim each; state: the optimizer's, as its kind has */
+    int64_t steps;             /* updates applied (Adam's bias correction) */
+    float *acc;                /* count x dim: gradient rows being summed */
+    int64_t *slot;             /* row -> its place in touched, or -1 */
+    int64_t *touched, ntouched;
+} ps_tab;
 
 /* A response in flight (server side); freed when both sends complete. */
 typedef struct ps_reply {
@@ -9702,6 +9736,7 @@ typedef struct ps_reply {
 typedef struct ps_wait {
     int worker;
     ps_msg req;
+    int64_t *ids;              /* a sparse pull's rows (owned) */
     struct ps_wait *next;
 } ps_wait;
 
@@ -9716,7 +9751,10 @@ struct dt_ps {
     int64_t G, P;              /* gradient floats, flags */
     int64_t *numel, *offset;   /* parameter (registration index) -> size, flat offset */
     int64_t *range;            /* S + 1 gradient-key boundaries */
-    char *layout;              /* "name numel\n" per parameter, registration order */
+    char *layout;              /* a header line, "name numel\n" per parameter in
+                                  registration order, then a line per table */
+    int ntables;
+    ps_tab *tabs;
     /* worker */
     uint32_t *seq;             /* per server: our next request */
     int64_t clock;             /* steps pushed */
@@ -9764,20 +9802,69 @@ dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out)
 
 /* --- 18.1 layout and sharding --------------------------------------------- */
 
-/* Every parameter's "name numel" line, in registration order. */
-static char *ps_describe(dt_ctx *ctx)
+/* The model as the servers see it: "dtrain-ps P T", every parameter's
+ * "name numel" line in registration order, then every table's "rows dim
+ * scale seed name" line (names last: they may hold spaces).  NULL: out of
+ * memory, or a table is unusable (said in ctx). */
+static char *ps_describe(dt_ctx *ctx, const dt_ps_config *cfg)
 {
+    if (cfg->ntables < 0 || (cfg->ntables > 0 && !cfg->tables)) {
+        set_error(ctx, DT_EINVAL, "ps_new: %d tables at %p", cfg->ntables, (const void *)cfg->tables);
+        return NULL;
+    }
     size_t cap = 64;
     for (int i = 0; i < ctx->n_params; i++)
         cap += strlen(ctx->params[i]->name) + 24;
+    for (int t = 0; t < cfg->ntables; t++) {
+        const dt_ps_table *tb = &cfg->tables[t];
+        int bad = !tb->name || !*tb->name || strchr(tb->name, '\n') || tb->rows < 1 ||
+                  tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim || !(tb->init_scale >= 0) ||
+                  isinf(tb->init_scale);
+        for (int u = 0; !bad && u < t; u++)
+            bad = !strcmp(cfg->tables[u].name, tb->name);
+        if (bad) {
+            set_error(ctx, DT_EINVAL, "ps_new: table %d ('%s', %lld x %lld, scale %g): need a "
+                      "unique name without newlines, rows and dim >= 1, a finite scale >= 0", t,
+                      tb->name ? tb->name : "(null)", (long long)tb->rows, (long long)tb->dim,
+                      (double)tb->init_scale);
+            return NULL;
+        }
+        cap += strlen(tb->name) + 96;
+    }
     char *s = host_alloc(ctx, cap), *p = s;
-    if (!s)
+    if (!s) {
+        set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
         return NULL;
-    *p = '\0';
+    }
+    p += snprintf(p, cap, "dtrain-ps %d %d\n", ctx->n_params, cfg->ntables);
     for (int i = 0; i < ctx->n_params; i++)
         p += snprintf(p, cap - (size_t)(p - s), "%s %lld\n", ctx->params[i]->name,
                       (long long)dt_tensor_numel(ctx->params[i]));
+    for (int t = 0; t < cfg->ntables; t++) {
+        const dt_ps_table *tb = &cfg->tables[t];
+        p += snprintf(p, cap - (size_t)(p - s), "%lld %lld %a %llu %s\n", (long long)tb->rows,
+                      (long long)tb->dim, (double)tb->init_scale, (unsigned long long)tb->seed,
+                      tb->name);
+    }
     return s;
+}
+
+/* One table line of the layout. */
+static int ps_parse_table(dt_ctx *ctx, const char *line, const char *nl, ps_tab *tb)
+{
+    char *e;
+    tb->rows = strtoll(line, &e, 10);
+    tb->dim = strtoll(e, &e, 10);
+    tb->scale = strtof(e, &e);
+    tb->seed = strtoull(e, &e, 10);
+    if (*e != ' ' || e >= nl || tb->rows < 1 || tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim)
+        return 0;
+    size_t len = (size_t)(nl - e - 1);
+    if (!(tb->name = host_alloc(ctx, len + 1)))
+        return 0;
+    memcpy(tb->name, e + 1, len);
+    tb->name[len] = '\0';
+    return 1;
 }
 
 /* Sizes from a layout description; offsets in DDP's order (reverse
@@ -9785,22 +9872,31 @@ static char *ps_describe(dt_ctx *ctx)
 static dt_status ps_plan(dt_ps *ps, const char *layout)
 {
     dt_ctx *ctx = ps->ctx;
-    int n = 0;
-    for (const char *p = layout; *p; p++)
-        n += *p == '\n';
+    int n = -1, nt = -1, used = 0;
+    if (sscanf(layout, "dtrain-ps %d %d\n%n", &n, &nt, &used) != 2 || used == 0 || n < 0 ||
+        nt < 0 || n > 1 << 24 || nt > 1 << 16)
+        return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed");
     ps->nparams = n;
+    ps->ntables = nt;
     ps->numel = host_calloc(ctx, sizeof(int64_t) * (size_t)(n + 1));
     ps->offset = host_calloc(ctx, sizeof(int64_t) * (size_t)(n + 1));
     ps->range = host_calloc(ctx, sizeof(int64_t) * (size_t)(ps->S + 1));
-    if (!ps->numel || !ps->offset || !ps->range)
+    ps->tabs = host_calloc(ctx, sizeof(ps_tab) * (size_t)(nt + 1));
+    if (!ps->numel || !ps->offset || !ps->range || !ps->tabs)
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
-    const char *p = layout;
-    for (int i = 0; i < n; i++) {
+    const char *p = layout + used;
+    for (int i = 0; i < n + nt; i++) {
         const char *nl = strchr(p, '\n'), *sp = nl;
         while (sp && sp > p && *sp != ' ')   /* the number after the line's last space */
             sp--;
-        if (!nl || !sp || *sp != ' ' || (ps->numel[i] = strtoll(sp + 1, NULL, 10)) < 0)
-            return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed");
+        int ok = nl && sp && *sp == ' ';
+        if (ok && i < n)
+            ok = (ps->numel[i] = strtoll(sp + 1, NULL, 10)) >= 0;
+        else if (ok)
+            ok = ps_parse_table(ctx, p, nl, &ps->tabs[i - n]);
+        if (!ok)
+            return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed "
+                             "(line %d)", i + 2);
         p = nl + 1;
     }
     int64_t off = 0;
@@ -9817,9 +9913,10 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
 
 /* --- 18.2 the worker's side ----------------------------------------------- */
 
-/* Post the sends of one request (header, then data if any) to server s. */
+/* Post the sends of one request (header, then `bytes` of data if any) to
+ * server s. */
 static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, int s, int op,
-                                 int64_t lo, int64_t n, float *data, ps_msg *hdr)
+                                 int64_t lo, int64_t n, void *data, size_t bytes, ps_msg *hdr)
 {
     uint32_t seq = ps->seq[s]++;
     *hdr = (ps_msg){.magic = PS_MAGIC, .op = (uint32_t)op, .seq = seq, .lo = lo, .n = n,
@@ -9827,61 +9924,104 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, i
     int peer = ps->W + s;
     if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK)
         return w->status;
-    if (data && n > 0)
-        return post(c, w, xs, 1, peer, ps_tag(PS_TAG_DATA, seq), data, (size_t)n * sizeof(float));
+    if (data && bytes > 0)
+        return post(c, w, xs, 1, peer, ps_tag(PS_TAG_DATA, seq), data, bytes);
     return DT_OK;
 }
 
-/* The comm thread runs a worker's request: split over the servers, post,
- * wait (within the communicator's timeout), check the answers. */
-static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
+/* Post the receives of server s's answer to the request about to go out. */
+static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, int s, ps_msg *in,
+                                void *data, size_t bytes)
 {
-    const ps_call *pc = w->aux;
+    uint32_t seq = ps->seq[s];
+    if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq), in, sizeof *in) != DT_OK)
+        return w->status;
+    return post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RDATA, seq), data, bytes);
+}
+
+/* Post a dense request: split over the servers' key ranges. */
+static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout, int *nin)
+{
     dt_ps *ps = pc->ps;
-    ps_msg out[2 * 8], in[8];
-    int nout = 0, nin = 0;
-    if (ps->S > 8)
-        return work_fail(w, DT_ENOTSUP, "parameter server: at most 8 servers in this build");
     int64_t hi = pc->lo + pc->n, glo = pc->lo, ghi = hi < ps->G ? hi : ps->G;
     for (int s = 0; s < ps->S; s++) {
         int64_t a = glo > ps->range[s] ? glo : ps->range[s];
         int64_t b = ghi < ps->range[s + 1] ? ghi : ps->range[s + 1];
         if (pc->op == PS_FINISH) {
-            if (ps_post_request(c, w, xs, ps, s, PS_FINISH, 0, 0, NULL, &out[nout++]) != DT_OK)
+            if (ps_post_request(c, w, xs, ps, s, PS_FINISH, 0, 0, NULL, 0, &pc->out[(*nout)++]))
                 return w->status;
             continue;
         }
         if (pc->op == PS_PULL) {
             if (a >= b)
                 continue;
-            uint32_t seq = ps->seq[s];
-            if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq), &in[nin], sizeof in[nin]) ||
-                post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RDATA, seq), pc->buf + (a - pc->lo),
-                     (size_t)(b - a) * sizeof(float)))
-                return w->status;
-            nin++;
-            if (ps_post_request(c, w, xs, ps, s, PS_PULL, a, b - a, NULL, &out[nout++]) != DT_OK)
+            if (ps_post_answer(c, w, xs, ps, s, &pc->in[(*nin)++], pc->buf + (a - pc->lo),
+                               (size_t)(b - a) * sizeof(float)) ||
+                ps_post_request(c, w, xs, ps, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++]))
                 return w->status;
             continue;
         }
         /* init, push: this server's gradient keys, and every flag */
         if (a < b && ps_post_request(c, w, xs, ps, s, pc->op, a, b - a, pc->buf + (a - pc->lo),
-                                     &out[nout++]) != DT_OK)
+                                     (size_t)(b - a) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
         int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
         if (pc->op == PS_PUSH && hi > flo &&
             ps_post_request(c, w, xs, ps, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
-                            &out[nout++]) != DT_OK)
+                            (size_t)(hi - flo) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
     }
-    xs->patience = pc->op == PS_PULL ? 2.0 : 1.0;   /* a BSP pull waits for the slowest worker */
+    return DT_OK;
+}
+
+/* Post a sparse request: each server its distinct rows. */
+static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout, int *nin)
+{
+    dt_ps *ps = pc->ps;
+    int64_t dim = ps->tabs[pc->lo].dim;
+    for (int s = 0; s < ps->S; s++) {
+        int64_t k = pc->cnt[s];
+        if (k == 0)
+            continue;
+        size_t idb = (size_t)k * sizeof(int64_t), rowb = (size_t)(k * dim) * sizeof(float);
+        if (pc->op == PS_SPULL &&
+            ps_post_answer(c, w, xs, ps, s, &pc->in[(*nin)++], pc->rows[s], rowb) != DT_OK)
+            return w->status;
+        if (ps_post_request(c, w, xs, ps, s, pc->op, pc->lo, k, pc->msg[s],
+                            pc->op == PS_SPUSH ? idb + rowb : idb, &pc->out[(*nout)++]) != DT_OK)
+            return w->status;
+    }
+    return DT_OK;
+}
+
+/* The comm thread runs a worker's request: split over the servers, post,
+ * wait (within the communicator's timeout), check the answers; a sparse
+ * pull's rows go where the caller asked. */
+static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
+{
+    ps_call *pc = (ps_call *)w->aux;
+    dt_ps *ps = pc->ps;
+    int nout = 0, nin = 0, sparse = pc->op == PS_SPUSH || pc->op == PS_SPULL;
+    if (ps->S > PS_MAX_SERVERS)
+        return work_fail(w, DT_ENOTSUP, "parameter server: at most %d servers in this build",
+                         PS_MAX_SERVERS);
+    if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout, &nin) != DT_OK)
+        return w->status;
+    /* a BSP pull waits for the slowest worker */
+    xs->patience = pc->op == PS_PULL || pc->op == PS_SPULL ? 2.0 : 1.0;
     if (wait_xfers(c, w, xs) != DT_OK)
         return w->status;
     for (int i = 0; i < nin; i++)
-        if (in[i].magic != PS_MAGIC || in[i].status != DT_OK)
-            return work_fail(w, in[i].magic != PS_MAGIC ? DT_EPEER : (dt_status)in[i].status,
-                             "parameter server: %s", in[i].magic != PS_MAGIC
-                                 ? "a server sent a malformed answer" : in[i].err);
+        if (pc->in[i].magic != PS_MAGIC || pc->in[i].status != DT_OK)
+            return work_fail(w, pc->in[i].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[i].status,
+                             "parameter server: %s", pc->in[i].magic != PS_MAGIC
+                                 ? "a server sent a malformed answer" : pc->in[i].err);
+    if (pc->op == PS_SPULL) {
+        int64_t dim = ps->tabs[pc->lo].dim;
+        for (int64_t i = 0; i < pc->n; i++)
+            memcpy(pc->buf + i * dim, pc->rows[pc->where[i] % 8] + (pc->where[i] / 8) * dim,
+                   (size_t)dim * sizeof(float));
+    }
     return DT_OK;
 }
 
@@ -9902,7 +10042,7 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
 /* Run one request on the comm thread and wait for it. */
 static dt_status ps_call_run(dt_ps *ps, int op, int64_t lo, int64_t n, float *buf)
 {
-    ps_call pc = {ps, op, lo, n, buf};
+    ps_call pc = {.ps = ps, .op = op, .lo = lo, .n = n, .buf = buf};
     dt_work *w = enqueue_in(ps->comm, COLL_PS, buf, NULL, n, 0, DT_REDUCE_SUM, &pc);
     return w ? dt_work_wait(w) : ps->ctx->last_status;
 }
@@ -9985,7 +10125,192 @@ dt_status dt_ps_finish(dt_ps *ps)
     return s;
 }
 
+/* Sparse requests.  The asked ids are sorted (by id, then position) so
+ * each distinct row moves once and repeated rows' gradients are summed in
+ * the caller's order: the same request gives the same bits. */
+typedef struct ps_idpos {
+    int64_t id, pos;
+} ps_idpos;
+
+static int ps_idpos_cmp(const void *a, const void *b)
+{
+    const ps_idpos *x = a, *y = b;
+    return x->id != y->id ? (x->id < y->id ? -1 : 1) : (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+/* One block holding the call and everything it sends and receives; the
+ * caller frees it (host_free) once the call is done. */
+static ps_call *ps_sparse_prepare(dt_ps *ps, const char *what, int op, int table,
+                                  const int64_t *ids, int64_t n, const float *grads, float *out)
+{
+    dt_ctx *ctx = ps->ctx;
+    if (!ps_worker_ok(ps, what))
+        return NULL;
+    if (table < 0 || table >= ps->ntables || n < 0 || (n > 0 && (!ids || (!grads && !out)))) {
+        set_error(ctx, DT_EINVAL, "%s: table %d of %d, %lld ids at %p", what, table, ps->ntables,
+                  (long long)n, (const void *)ids);
+        return NULL;
+    }
+    const ps_tab *tb = &ps->tabs[table];
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= tb->rows) {
+            set_error(ctx, DT_EINVAL, "%s: id %lld (entry %lld) is not a row of table '%s' "
+                      "(%lld rows)", what, (long long)ids[i], (long long)i, tb->name,
+                      (long long)tb->rows);
+            return NULL;
+        }
+    ps_idpos *ip = host_alloc(ctx, sizeof *ip * (size_t)(n > 0 ? n : 1));
+    if (!ip) {
+        set_error(ctx, DT_ENOMEM, "%s: out of memory for %lld ids", what, (long long)n);
+        return NULL;
+    }
+    for (int64_t i = 0; i < n; i++)
+        ip[i] = (ps_idpos){ids[i], i};
+    qsort(ip, (size_t)n, sizeof *ip, ps_idpos_cmp);
+    int64_t cnt[PS_MAX_SERVERS] = {0}, S = ps->S, dim = tb->dim;
+    for (int64_t i = 0; i < n; i++)
+        if (i == 0 || ip[i].id != ip[i - 1].id)
+            cnt[ip[i].id % S]++;
+    /* the block: the call, each server's message (and answer rows), where[] */
+    size_t bytes = sizeof(ps_call), at[PS_MAX_SERVERS], rat[PS_MAX_SERVERS];
+    for (int s = 0; s < S; s++) {
+        at[s] = bytes;
+        bytes += (size_t)cnt[s] * (sizeof(int64_t) + (op == PS_SPUSH ? (size_t)dim * 4 : 0));
+        rat[s] = bytes;
+        bytes += op == PS_SPULL ? (size_t)(cnt[s] * dim) * sizeof(float) : 0;
+    }
+    size_t wat = bytes;
+    bytes += op == PS_SPULL ? (size_t)n * sizeof(int64_t) : 0;
+    char *blk = host_calloc(ctx, bytes);
+    if (!blk) {
+        host_free(ctx, ip);
+        set_error(ctx, DT_ENOMEM, "%s: out of memory for %lld ids", what, (long long)n);
+        return NULL;
+    }
+    ps_call *pc = (ps_call *)blk;
+    *pc = (ps_call){.ps = ps, .op = op, .lo = table, .n = n, .buf = out,
+                    .where = op == PS_SPULL ? (int64_t *)(blk + wat) : NULL};
+    for (int s = 0; s < S; s++) {
+        pc->msg[s] = blk + at[s];
+        pc->rows[s] = (float *)(blk + rat[s]);
+    }
+    int64_t k[PS_MAX_SERVERS] = {0};
+    for (int64_t i = 0; i < n; i++) {
+        int s = (int)(ip[i].id % S);
+        int fresh = i == 0 || ip[i].id != ip[i - 1].id;
+        if (fresh)
+            ((int64_t *)pc->msg[s])[k[s]++] = ip[i].id / S;
+        int64_t row = k[s] - 1;
+        if (op == PS_SPULL) {
+            pc->where[ip[i].pos] = row * 8 + s;
+            continue;
+        }
+        float *g = (float *)((int64_t *)pc->msg[s] + cnt[s]) + row * dim;
+        const float *src = grads + ip[i].pos * dim;
+        for (int64_t j = 0; j < dim; j++)
+            g[j] = fresh ? src[j] : g[j] + src[j];
+    }
+    memcpy(pc->cnt, cnt, sizeof cnt);
+    host_free(ctx, ip);
+    return pc;
+}
+
+static int64_t ps_rows_in(const ps_call *pc)
+{
+    int64_t rows = 0;
+    for (int s = 0; s < pc->ps->S; s++)
+        rows += pc->cnt[s];
+    return rows;
+}
+
+dt_status dt_ps_sparse_push(dt_ps *ps, int table, const int64_t *ids, int64_t n, const float *grads)
+{
+    if (!ps)
+        return DT_EINVAL;
+    ps_call *pc = ps_sparse_prepare(ps, "ps_sparse_push", PS_SPUSH, table, ids, n, grads, NULL);
+    if (!pc)
+        return ps->ctx->last_status;
+    dt_work *w = enqueue_in(ps->comm, COLL_PS, NULL, NULL, n, 0, DT_REDUCE_SUM, pc);
+    dt_status s = w ? dt_work_wait(w) : ps->ctx->last_status;
+    if (s == DT_OK)
+        ps->st.rows_pushed += ps_rows_in(pc);
+    host_free(ps->ctx, pc);
+    return s;
+}
+
+dt_work *dt_ps_sparse_pull_async(dt_ps *ps, int table, const int64_t *ids, int64_t n,
+                                 float *rows_out)
+{
+    if (!ps)
+        return NULL;
+    ps_call *pc = ps_sparse_prepare(ps, "ps_sparse_pull", PS_SPULL, table, ids, n, NULL, rows_out);
+    if (!pc)
+        return NULL;
+    dt_work *w = enqueue_in(ps->comm, COLL_PS, rows_out, NULL, n, 0, DT_REDUCE_SUM, pc);
+    if (!w) {
+        host_free(ps->ctx, pc);
+        return NULL;
+    }
+    w->owned = pc;   /* freed by dt_work_wait */
+    ps->st.pulls++;
+    ps->st.rows_pulled += ps_rows_in(pc);
+    return w;
+}
+
+dt_status dt_ps_sparse_pull(dt_ps *ps, int table, const int64_t *ids, int64_t n, float *rows_out)
+{
+    double t0 = dt_now();
+    dt_work *w = dt_ps_sparse_pull_async(ps, table, ids, n, rows_out);
+    dt_status s = w ? dt_work_wait(w) : ps ? ps->ctx->last_status : DT_EINVAL;
+    if (ps)
+        ps->st.wait_s += dt_now() - t0;
+    return s;
+}
+
 /* --- 18.3 the server's side ----------------------------------------------- */
+
+/* Optimizer state tensors a table row needs, by the servers' optimizer. */
+static int ps_tab_states(const dt_optim_config *c)
+{
+    return c->kind == DT_SGD ? c->momentum != 0.0f : c->kind == DT_ADAGRAD ? 1 : 2;
+}
+
+/* This server's rows of a table, drawn as dt_ps_table says, with their
+ * optimizer state and the buffers that sum pushed rows. */
+static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
+{
+    dt_ctx *sx = ps->sctx;
+    int64_t S = ps->S, s = ps->server;
+    tb->count = tb->rows > s ? (tb->rows - s + S - 1) / S : 0;
+    int64_t shape[2] = {tb->count > 0 ? tb->count : 1, tb->dim};
+    static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
+                                             {".sum", ""}};
+    const dt_optim_config *oc = &ps->cfg.optim;
+    int kind = oc->kind == DT_SGD ? 0 : oc->kind == DT_ADAGRAD ? 2 : 1;
+    tb->w = owned_tensor(sx, 2, shape, tb->name, "");
+    for (int j = 0; j < ps_tab_states(oc); j++)
+        tb->state[j] = owned_tensor(sx, 2, shape, tb->name, suffix[kind][j]);
+    size_t n = (size_t)(shape[0] * tb->dim);
+    tb->acc = host_calloc(ps->ctx, n * sizeof(float));
+    tb->slot = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
+    tb->touched = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
+    if (!tb->w || (ps_tab_states(oc) > 0 && !tb->state[0]) || (ps_tab_states(oc) > 1 && !tb->state[1]) ||
+        !tb->acc || !tb->slot || !tb->touched)
+        return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory for table '%s' (%lld x %lld "
+                         "here)", tb->name, (long long)tb->count, (long long)tb->dim);
+    float *w = tb->w->data;
+    for (int64_t i = 0; i < tb->count; i++) {
+        uint64_t r = (uint64_t)(i * S + s);   /* the global row */
+        for (int64_t j = 0; j < tb->dim; j++) {
+            uint64_t h = tb->seed ^ (0x9E3779B97F4A7C15ull * (r * (uint64_t)tb->dim + (uint64_t)j + 1));
+            float u = (float)(splitmix64(&h) >> 40) * (1.0f / 16777216.0f);
+            w[i * tb->dim + j] = tb->scale * (2.0f * u - 1.0f);
+        }
+    }
+    for (int64_t i = 0; i < shape[0]; i++)
+        tb->slot[i] = -1;
+    return DT_OK;
+}
 
 /* The pieces: every parameter cut to this server's keys, each a parameter
  * of the server's own context (named after it), with the optimizer over
@@ -10023,7 +10348,11 @@ static dt_status ps_make_pieces(dt_ps *ps)
     if (!ps->opt)
         return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_new: the servers' optimizer: %s",
                          dt_last_error(ps->sctx));
+    for (int t = 0; t < ps->ntables; t++)
+        if (ps_make_table(ps, &ps->tabs[t]) != DT_OK)
+            return ps->ctx->last_status;
     int64_t floats = hi - lo + ps->P;
+    ps->initialized = hi == lo;   /* no keys here: nothing to wait for */
     ps->peers = host_calloc(ps->ctx, sizeof *ps->peers * (size_t)ps->W);
     ps->sum = host_alloc(ps->ctx, sizeof(float) * (size_t)(floats > 0 ? floats : 1));
     if (!ps->peers || !ps->sum)
@@ -10070,6 +10399,93 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
     return DT_OK;
 }
 
+/* Add k pushed rows (local row numbers ids, then k * dim floats) to the
+ * table's sums. */
+static void ps_tab_add(ps_tab *tb, int64_t k, const int64_t *ids)
+{
+    const float *g = (const float *)(ids + k);
+    for (int64_t i = 0; i < k; i++) {
+        int64_t r = ids[i];
+        if (tb->slot[r] < 0) {
+            tb->slot[r] = tb->ntouched;
+            tb->touched[tb->ntouched++] = r;
+        }
+        float *a = tb->acc + r * tb->dim;
+        for (int64_t j = 0; j < tb->dim; j++)
+            a[j] += g[i * tb->dim + j];
+    }
+}
+
+/* Step the summed rows (times scale) with the servers' optimizer, one row
+ * at a time through the backend's update (lazily, as torch's sparse
+ * gradients: rows not pushed and their state stay as they are). */
+static void ps_tab_apply(dt_ps *ps, ps_tab *tb, float scale)
+{
+    if (!tb->ntouched)
+        return;
+    const dt_optim_config *c = &ps->opt->cfg;
+    const dt_backend_iface *be = ps->sctx->be_iface;
+    float lr = ps->opt->lr, bc1 = 0, bc2 = 0;
+    int64_t d = tb->dim;
+    tb->steps++;
+    if (c->kind == DT_ADAM || c->kind == DT_ADAMW) {
+        bc1 = 1.0f - powf(c->beta1, (float)tb->steps);
+        bc2 = 1.0f - powf(c->beta2, (float)tb->steps);
+    }
+    float *w = tb->w->data, *s0 = tb->state[0] ? tb->state[0]->data : NULL;
+    float *s1 = tb->state[1] ? tb->state[1]->data : NULL;
+    for (int64_t i = 0; i < tb->ntouched; i++) {
+        int64_t r = tb->touched[i], o = r * d;
+        float *g = tb->acc + o;
+        for (int64_t j = 0; j < d; j++)
+            g[j] *= scale;
+        if (c->kind == DT_SGD)   /* momentum buffers start at zero (first = 0) */
+            be->sgd_update(ps->sctx->be, d, w + o, g, s0 ? s0 + o : NULL, lr, c->momentum,
+                           c->dampening, c->nesterov, c->weight_decay, 0);
+        else if (c->kind == DT_ADAGRAD)
+            be->adagrad_update(ps->sctx->be, d, w + o, g, s0 + o, lr, c->eps, c->weight_decay);
+        else
+            be->adam_update(ps->sctx->be, d, w + o, g, s0 + o, s1 + o, lr, c->beta1, c->beta2,
+                            c->eps, c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
+        memset(g, 0, (size_t)d * sizeof(float));
+        tb->slot[r] = -1;
+    }
+    ps->st.rows_updated += tb->ntouched;
+    tb->ntouched = 0;
+}
+
+/* BSP: the sparse pushes of step `step`, summed in worker order, applied
+ * with the step (scaled as its dense gradients are). */
+static void ps_apply_sparse_step(dt_ps *ps, int64_t step, float scale)
+{
+    for (int w = 0; w < ps->W; w++) {
+        ps_peer *p = &ps->peers[w];
+        for (ps_sparse_msg **mm = &p->held; *mm;) {
+            ps_sparse_msg *m = *mm;
+            if (m->clock != step || p->state != 0) {
+                mm = &m->next;
+                continue;
+            }
+            ps_tab_add(&ps->tabs[m->table], m->k, m->data);
+            *mm = m->next;
+            host_free(ps->ctx, m->data);
+            host_free(ps->ctx, m);
+        }
+    }
+    for (int t = 0; t < ps->ntables; t++)
+        ps_tab_apply(ps, &ps->tabs[t], scale);
+}
+
+static void ps_free_held(dt_ps *ps, ps_peer *p)
+{
+    while (p->held) {
+        ps_sparse_msg *m = p->held;
+        p->held = m->next;
+        host_free(ps->ctx, m->data);
+        host_free(ps->ctx, m);
+    }
+}
+
 static int64_t ps_min_clock(const dt_ps *ps)
 {
     int64_t m = INT64_MAX;
@@ -10104,37 +10520,53 @@ static dt_status ps_apply_bsp(dt_ps *ps)
         dt_status s = ps_step(ps, ps->sum, 1.0f / (float)live);
         if (s != DT_OK)
             return s;
+        ps_apply_sparse_step(ps, ps->applied, 1.0f / (float)live);
         ps->applied++;
     }
     return DT_OK;
 }
 
 /* Send a pull's answer: the header, and the keys' current values. */
-static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, dt_status status,
-                          const char *why)
+/* The values a pull asks for: dense keys [lo, lo+n) from the pieces, or a
+ * table's rows ids. */
+static void ps_gather(dt_ps *ps, const ps_msg *req, const int64_t *ids, float *out)
+{
+    if (req->op == PS_SPULL) {
+        const ps_tab *tb = &ps->tabs[req->lo];
+        for (int64_t i = 0; i < req->n; i++)
+            memcpy(out + i * tb->dim, (const float *)tb->w->data + ids[i] * tb->dim,
+                   (size_t)tb->dim * sizeof(float));
+        return;
+    }
+    for (int p = 0; p < ps->npieces; p++) {   /* the pieces' values in [lo, lo+n) */
+        int64_t plo = ps->piece_lo[p], phi = plo + dt_tensor_numel(ps->piece[p]);
+        int64_t a = req->lo > plo ? req->lo : plo, b = req->lo + req->n < phi ? req->lo + req->n : phi;
+        if (a < b)
+            ps->sctx->be_iface->copy(ps->sctx->be, out + (a - req->lo),
+                                     (const float *)ps->piece[p]->data + (a - plo),
+                                     (size_t)(b - a) * sizeof(float));
+    }
+}
+
+static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const int64_t *ids,
+                                dt_status status, const char *why)
 {
     dt_comm *c = ps->comm;
     char err[256] = "";
     ps_reply *r = host_calloc(ps->ctx, sizeof *r);
     if (!r)
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
-    r->hdr = (ps_msg){.magic = PS_MAGIC, .op = PS_PULL, .seq = req->seq, .status = (int32_t)status,
-                      .lo = req->lo, .n = req->n, .clock = req->clock};
+    r->hdr = (ps_msg){.magic = PS_MAGIC, .op = req->op, .seq = req->seq,
+                      .status = (int32_t)status, .lo = req->lo, .n = req->n, .clock = req->clock};
     snprintf(r->hdr.err, sizeof r->hdr.err, "%s", why ? why : "");
-    int64_t n = status == DT_OK ? req->n : 0;
+    int64_t n = status != DT_OK ? 0 : req->op == PS_SPULL ? req->n * ps->tabs[req->lo].dim : req->n;
     r->data = host_alloc(ps->ctx, sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!r->data) {
         host_free(ps->ctx, r);
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
     }
-    for (int p = 0; p < ps->npieces && n > 0; p++) {   /* the pieces' values in [lo, lo+n) */
-        int64_t plo = ps->piece_lo[p], phi = plo + dt_tensor_numel(ps->piece[p]);
-        int64_t a = req->lo > plo ? req->lo : plo, b = req->lo + n < phi ? req->lo + n : phi;
-        if (a < b)
-            ps->sctx->be_iface->copy(ps->sctx->be, r->data + (a - req->lo),
-                                     (const float *)ps->piece[p]->data + (a - plo),
-                                     (size_t)(b - a) * sizeof(float));
-    }
+    if (n > 0)
+        ps_gather(ps, req, ids, r->data);
     r->hdr_x.user = r->data_x.user = r;
     r->has_data = 1;
     dt_status s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RESP, req->seq), &r->hdr,
@@ -10153,6 +10585,8 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, dt_sta
         return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", worker, err);
     }
     ps->st.pulls++;
+    if (req->op == PS_SPULL && status == DT_OK)
+        ps->st.rows_pulled += req->n;
     return DT_OK;
 }
 
@@ -10168,7 +10602,7 @@ static int ps_pull_ready(dt_ps *ps, int64_t clock)
     return slowest >= clock - s && (ps->cfg.mode != DT_PS_BSP || ps->applied >= clock);
 }
 
-static dt_status ps_answer(dt_ps *ps, int worker, const ps_msg *req)
+static dt_status ps_answer(dt_ps *ps, int worker, const ps_msg *req, const int64_t *ids)
 {
     int64_t slowest = ps_min_clock(ps);
     int64_t stale = slowest == INT64_MAX ? 0 : req->clock - slowest;
@@ -10177,7 +10611,7 @@ static dt_status ps_answer(dt_ps *ps, int worker, const ps_msg *req)
     ps->stale_n++;
     if (stale > ps->st.max_staleness)
         ps->st.max_staleness = stale;
-    return ps_send_answer(ps, worker, req, DT_OK, NULL);
+    return ps_send_answer(ps, worker, req, ids, DT_OK, NULL);
 }
 
 /* Answer the waiting pulls that can be answered now. */
@@ -10190,7 +10624,8 @@ static dt_status ps_answer_waiting(dt_ps *ps)
             continue;
         }
         *pp = q->next;
-        dt_status s = ps_answer(ps, q->worker, &q->req);
+        dt_status s = ps_answer(ps, q->worker, &q->req, q->ids);
+        host_free(ps->ctx, q->ids);
         host_free(ps->ctx, q);
         if (s != DT_OK)
             return s;
@@ -10211,11 +10646,73 @@ static dt_status ps_post_header(dt_ps *ps, int w)
     return DT_OK;
 }
 
+/* Queue a pull until the slow workers catch up (answered in arrival order);
+ * ids (a sparse pull's, may be NULL) become the queue's. */
+static dt_status ps_hold_pull(dt_ps *ps, int w, const ps_msg *h, int64_t *ids)
+{
+    ps_wait *q = host_calloc(ps->ctx, sizeof *q);
+    if (!q) {
+        host_free(ps->ctx, ids);
+        return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
+    }
+    *q = (ps_wait){w, *h, ids, NULL};
+    ps_wait **tail = &ps->waits;
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = q;
+    return DT_OK;
+}
+
+/* A sparse request's ids (and rows) from worker w arrived. */
+static dt_status ps_on_sparse_data(dt_ps *ps, int w)
+{
+    ps_peer *p = &ps->peers[w];
+    const ps_msg *h = &p->hdr;
+    ps_tab *tb = &ps->tabs[h->lo];
+    int64_t *ids = p->sdata;
+    p->sdata = NULL;
+    for (int64_t i = 0; i < h->n; i++)
+        if (ids[i] < 0 || ids[i] >= tb->count) {
+            host_free(ps->ctx, ids);
+            return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent row %lld of table '%s', "
+                             "which has %lld rows here", w, (long long)ids[i], tb->name,
+                             (long long)tb->count);
+        }
+    if (h->op == PS_SPULL) {
+        if (!ps_pull_ready(ps, h->clock))
+            return ps_hold_pull(ps, w, h, ids);
+        dt_status s = ps_answer(ps, w, h, ids);
+        host_free(ps->ctx, ids);
+        return s;
+    }
+    ps->st.pushes++;
+    ps->st.rows_pushed += h->n;
+    if (ps->cfg.mode != DT_PS_BSP) {   /* applied now, as the dense steps are */
+        ps_tab_add(tb, h->n, ids);
+        host_free(ps->ctx, ids);
+        ps_tab_apply(ps, tb, 1.0f / (float)ps->W);
+        return ps_answer_waiting(ps);
+    }
+    ps_sparse_msg *m = host_calloc(ps->ctx, sizeof *m);
+    if (!m) {
+        host_free(ps->ctx, ids);
+        return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
+    }
+    *m = (ps_sparse_msg){(int)h->lo, h->n, h->clock, ids, NULL};
+    ps_sparse_msg **tail = &p->held;   /* kept until its step is applied */
+    while (*tail)
+        tail = &(*tail)->next;
+    *tail = m;
+    return DT_OK;
+}
+
 /* Worker w's push (or init) data arrived. */
 static dt_status ps_on_data(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
     p->data_pending = 0;
+    if (p->op == PS_SPUSH || p->op == PS_SPULL)
+        return ps_on_sparse_data(ps, w);
     ps->st.pushes++;
     int64_t n = ps_my_floats(ps), gs = n - ps->P;
     if (p->op == PS_INIT) {   /* worker 0's starting values for our keys */
@@ -10246,6 +10743,30 @@ static dt_status ps_on_data(dt_ps *ps, int w)
     return s != DT_OK ? s : ps_answer_waiting(ps);
 }
 
+/* A sparse request's header arrived: receive its ids (and rows). */
+static dt_status ps_recv_sparse(dt_ps *ps, int w)
+{
+    dt_comm *c = ps->comm;
+    ps_peer *p = &ps->peers[w];
+    const ps_msg *h = &p->hdr;
+    char err[256] = "";
+    if (h->lo < 0 || h->lo >= ps->ntables || h->n < 1 || h->n > ps->tabs[h->lo].count)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %lld rows of table "
+                         "%lld (%d tables)", w, ps_op_names[h->op], (long long)h->n,
+                         (long long)h->lo, ps->ntables);
+    size_t bytes = (size_t)h->n * (sizeof(int64_t) +
+                   (h->op == PS_SPUSH ? (size_t)ps->tabs[h->lo].dim * sizeof(float) : 0));
+    if (!(p->sdata = host_alloc(ps->ctx, bytes)))
+        return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory for %zu bytes", bytes);
+    p->data_pending = 1;
+    memset(&p->data_x, 0, sizeof p->data_x);
+    p->data_x.user = p;
+    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, h->seq), 0, p->sdata, bytes, &p->data_x,
+                          err, sizeof err) != DT_OK)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
+    return DT_OK;
+}
+
 /* Worker w's request header arrived. */
 static dt_status ps_on_header(dt_ps *ps, int w)
 {
@@ -10254,7 +10775,7 @@ static dt_status ps_on_header(dt_ps *ps, int w)
     ps_msg *h = &p->hdr;
     char err[256] = "";
     if (p->hdr_x.status != DT_OK || p->hdr_x.len != sizeof *h || h->magic != PS_MAGIC ||
-        h->seq != p->seq || h->op < PS_INIT || h->op > PS_FINISH)
+        h->seq != p->seq || h->op < PS_INIT || h->op > PS_SPULL)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
     p->seq++;
     p->op = (int)h->op;
@@ -10263,6 +10784,8 @@ static dt_status ps_on_header(dt_ps *ps, int w)
         dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
         return s != DT_OK ? s : ps_answer_waiting(ps);
     }
+    if (h->op == PS_SPUSH || h->op == PS_SPULL)
+        return ps_recv_sparse(ps, w);
     int64_t lo = ps->range[ps->server], hi = ps->range[ps->server + 1];
     int flags = h->lo >= ps->G;
     int in_range = h->n >= 0 && (flags ? h->lo + h->n <= ps->G + ps->P
@@ -10270,19 +10793,11 @@ static dt_status ps_on_header(dt_ps *ps, int w)
     if (h->op == PS_PULL) {
         dt_status s = DT_OK;
         if (!in_range || flags)
-            s = ps_send_answer(ps, w, h, DT_EINVAL, "pull of keys this server does not hold");
+            s = ps_send_answer(ps, w, h, NULL, DT_EINVAL, "pull of keys this server does not hold");
         else if (ps_pull_ready(ps, h->clock))
-            s = ps_answer(ps, w, h);
-        else {
-            ps_wait *q = host_calloc(ps->ctx, sizeof *q);
-            if (!q)
-                return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
-            *q = (ps_wait){w, *h, NULL};
-            ps_wait **tail = &ps->waits;   /* answered in arrival order */
-            while (*tail)
-                tail = &(*tail)->next;
-            *tail = q;
-        }
+            s = ps_answer(ps, w, h, NULL);
+        else
+            s = ps_hold_pull(ps, w, h, NULL);
         return s != DT_OK ? s : ps_post_header(ps, w);
     }
     if (!in_range || (h->op == PS_INIT && (flags || w != 0)))
@@ -10316,8 +10831,10 @@ static dt_status ps_drop(dt_ps *ps, int w)
             continue;
         }
         *pp = q->next;
+        host_free(ps->ctx, q->ids);
         host_free(ps->ctx, q);
     }
+    ps_free_held(ps, p);
     ps->comm->tp_iface->cancel(ps->comm->tp, &p->hdr_x);
     if (p->data_pending)
         ps->comm->tp_iface->cancel(ps->comm->tp, &p->data_x);
@@ -10548,7 +11065,7 @@ static void ps_first_difference(const char *a, const char *b, char *out, size_t 
         line++;
     }
     int la = (int)strcspn(a, "\n"), lb = (int)strcspn(b, "\n");
-    snprintf(out, cap, "parameter %d is '%.*s' here but '%.*s' on worker 0", line,
+    snprintf(out, cap, "model line %d is '%.*s' here but '%.*s' on worker 0", line + 1,
              la > 80 ? 80 : la, *a ? a : "(none)", lb > 80 ? 80 : lb, *b ? b : "(none)");
 }
 
@@ -10557,9 +11074,12 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
     dt_ctx *ctx = ps->ctx;
     dt_comm *c = ps->comm;
     char key[64];
-    ps->layout = ps_describe(ctx);
+    if (ctx->n_params < 1)
+        return set_error(ctx, DT_EINVAL, "ps_new: worker %d has no parameters (a step is "
+                         "counted by its dense push)", c->rank);
+    ps->layout = ps_describe(ctx, &ps->cfg);
     if (!ps->layout)
-        return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+        return ctx->last_status;
     snprintf(key, sizeof key, "ps%d/layout/%d", job, c->rank);
     dt_status s = dt_store_set(c->store, key, ps->layout, strlen(ps->layout) + 1);
     if (s == DT_OK && c->rank != 0) {
@@ -10653,6 +11173,7 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
     *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job,
                   .server = c->rank >= W ? c->rank - W : -1};
     dt_status s = ps->server >= 0 ? ps_join_server(ps, job) : ps_join_worker(ps, job);
+    ps->cfg.tables = NULL;   /* borrowed until now */
     if (s != DT_OK) {
         dt_ps_free(ps);
         return NULL;
@@ -10670,8 +11191,24 @@ void dt_ps_free(dt_ps *ps)
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
         dt_store_set(ps->comm->store, key, "1", 2);
     }
-    for (int w = 0; ps->peers && w < ps->W; w++)
+    for (int w = 0; ps->peers && w < ps->W; w++) {
         host_free(ctx, ps->peers[w].push);
+        host_free(ctx, ps->peers[w].sdata);
+        ps_free_held(ps, &ps->peers[w]);
+    }
+    for (int t = 0; ps->tabs && t < ps->ntables; t++) {
+        ps_tab *tb = &ps->tabs[t];
+        if (tb->w)
+            tensor_destroy(ps->sctx, tb->w);
+        for (int j = 0; j < 2; j++)
+            if (tb->state[j])
+                tensor_destroy(ps->sctx, tb->state[j]);
+        host_free(ctx, tb->name);
+        host_free(ctx, tb->acc);
+        host_free(ctx, tb->slot);
+        host_free(ctx, tb->touched);
+    }
+    host_free(ctx, ps->tabs);
     while (ps->replies) {   /* sends still pending belong to a transport being closed */
         ps_reply *r = ps->replies;
         ps->replies = r->next;
@@ -10681,6 +11218,7 @@ void dt_ps_free(dt_ps *ps)
     while (ps->waits) {
         ps_wait *q = ps->waits;
         ps->waits = q->next;
+        host_free(ctx, q->ids);
         host_free(ctx, q);
     }
     dt_optim_free(ps->opt);

@@ -794,13 +794,27 @@ DT_API dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
  * ------------------------------------------------------------------------- */
 typedef enum dt_ps_mode { DT_PS_BSP = 0, DT_PS_ASP, DT_PS_SSP } dt_ps_mode;
 
+/* A sparse embedding table, held only by the servers (row r on server
+ * r % servers) and moved by rows: a worker pulls the rows a batch uses and
+ * pushes their gradients, so a table of millions of rows costs a step only
+ * the rows it touches. */
+typedef struct dt_ps_table {
+    const char *name;          /* unique among the tables (borrowed during dt_ps_new) */
+    int64_t rows, dim;         /* >= 1 each */
+    float init_scale;          /* rows start uniform in [-init_scale, init_scale) (0: zeros), */
+    uint64_t seed;             /* drawn from a hash of (seed, row, column): the same table
+                                  whatever the number of servers */
+} dt_ps_table;
+
 typedef struct dt_ps_config {
     int servers;               /* server ranks; 0: DTRAIN_NUM_SERVERS, else 1 */
     dt_ps_mode mode;           /* BSP (default; DTRAIN_PS_MODE=bsp|asp|ssp overrides it
                                   when left at BSP) */
     int staleness;             /* SSP: the bound s >= 0 (DTRAIN_PS_STALENESS when 0) */
     dt_optim_config optim;     /* the servers' optimizer (dt_optim_config_init(DT_SGD)
-                                  by default) */
+                                  by default), for the parameters and the tables */
+    const dt_ps_table *tables; /* workers: the sparse tables (every worker the same ones; */
+    int ntables;               /* servers take worker 0's).  Borrowed during dt_ps_new. */
 } dt_ps_config;
 DT_API void dt_ps_config_init(dt_ps_config *cfg);
 
@@ -831,6 +845,28 @@ DT_API dt_status dt_ps_pull(dt_ps *ps);
 /* Workers: this worker is done; servers stop waiting for it. */
 DT_API dt_status dt_ps_finish(dt_ps *ps);
 
+/* Workers, sparse tables.  Table t's rows ids[0..n) go to rows_out (n * dim
+ * floats, row i for ids[i]), as they stand after this worker's pushed steps
+ * under the consistency model (a pull waits as dt_ps_pull does).  Ids may
+ * repeat (each distinct row moves once) and must be in [0, rows).  ids and
+ * rows_out are borrowed. */
+DT_API dt_status dt_ps_sparse_pull(dt_ps *ps, int table, const int64_t *ids, int64_t n,
+                                   float *rows_out);
+/* The same pull started in the background, e.g. the next batch's rows
+ * while this batch computes: rows_out is written by the time dt_work_wait
+ * returns; ids are copied now, rows_out stays borrowed until then.  NULL:
+ * failure (dt_last_error). */
+DT_API dt_work *dt_ps_sparse_pull_async(dt_ps *ps, int table, const int64_t *ids, int64_t n,
+                                        float *rows_out);
+/* Push gradient rows grads (n * dim floats, row i for ids[i]; repeated ids
+ * are summed) to table t as part of this worker's current step.  The
+ * servers' optimizer updates those rows only (their optimizer state too,
+ * like torch's sparse gradients): BSP with the step's dense push, once
+ * every worker's step is in; ASP and SSP at once, scaled by 1/workers.
+ * Call it before the step's dt_ps_push_pull (or DDP sync).  Borrowed. */
+DT_API dt_status dt_ps_sparse_push(dt_ps *ps, int table, const int64_t *ids, int64_t n,
+                                   const float *grads);
+
 typedef struct dt_ps_stats {
     int64_t pushes, pulls;     /* requests this rank sent (worker) or served (server) */
     int64_t steps;             /* worker: steps pushed; server: optimizer steps applied */
@@ -839,6 +875,9 @@ typedef struct dt_ps_stats {
     double mean_staleness;
     double wait_s;             /* worker: time spent waiting for pulls */
     int dropped_workers;       /* server: workers that died and were dropped */
+    int64_t rows_pushed;       /* distinct sparse rows pushed (worker: sent; server: got) */
+    int64_t rows_pulled;       /* distinct sparse rows pulled (worker: got; server: sent) */
+    int64_t rows_updated;      /* server: row updates its optimizer applied */
 } dt_ps_stats;
 DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
 

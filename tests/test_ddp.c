@@ -1596,6 +1596,169 @@ static void test_ps_misuse(void **state)
     job_timeout_ms = 20000;
 }
 
+/* --- sparse tables ---------------------------------------------------------- */
+
+enum { SP_ROWS = 1000, SP_DIM = 4 };
+static dt_optim_kind sp_kind = DT_SGD;
+static char sp_dump[96];                 /* worker 0 writes the starting rows it pulled here */
+
+static const int64_t sp_look[] = {0, 1, 2, 3, 5, 6, 17, 998, 999};   /* rows we read */
+enum { SP_NLOOK = (int)(sizeof sp_look / sizeof sp_look[0]) };
+
+static int sp_find(int64_t id)
+{
+    for (int i = 0; i < SP_NLOOK; i++)
+        if (sp_look[i] == id)
+            return i;
+    return -1;
+}
+
+/* What the servers' optimizer makes of a row's averaged gradient g
+ * (float arithmetic as the backend's). */
+static float sp_expect(float w, float g)
+{
+    if (sp_kind == DT_SGD)
+        return w - 0.5f * g;
+    return w - 0.5f * g / (sqrtf(g * g) + 1e-10f);   /* AdaGrad, first step */
+}
+
+/* Workers: pull rows, push gradients of some (worker 0: rows 5, 17, 5;
+ * worker 1: rows 17, 998), step, pull again: exactly the pushed rows moved,
+ * by the averaged gradient; the servers updated exactly those rows. */
+static int ps_sparse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    int W = 2, S = world - W;
+    dt_ps_table tb = {.name = "emb", .rows = SP_ROWS, .dim = SP_DIM, .init_scale = 0.1f, .seed = 7};
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    pc.servers = S;
+    dt_optim_config_init(&pc.optim, sp_kind);
+    pc.optim.lr = 0.5f;
+    pc.tables = &tb;
+    pc.ntables = 1;
+    if (rank < W && !dt_param_new(ctx, "bias", SHP(3)))
+        return 1;
+    dt_ps *ps = dt_ps_new(ctx, c, &pc);
+    if (!ps)
+        return 2;
+    if (dt_ps_is_server(ps)) {
+        if (dt_ps_sparse_push(ps, 0, sp_look, 1, (const float[SP_DIM]){0}) != DT_ESTATE)
+            return 3;
+        if (dt_ps_serve(ps) != DT_OK)
+            return 4;
+        dt_ps_stats st;
+        dt_ps_stats_get(ps, &st);
+        /* rows on server s: r % S == s.  Pushed: w0 {5, 17}, w1 {17, 998}. */
+        int64_t want_upd = 0, want_push = 0;
+        const int64_t touched[] = {5, 17, 998}, pushed[] = {5, 17, 17, 998};
+        for (int i = 0; i < 3; i++)
+            want_upd += touched[i] % S == rank - W;
+        for (int i = 0; i < 4; i++)
+            want_push += pushed[i] % S == rank - W;
+        if (st.rows_updated != want_upd || st.rows_pushed != want_push) {
+            fprintf(stderr, "server %d: %lld rows updated (want %lld), %lld pushed (want %lld)\n",
+                    rank, (long long)st.rows_updated, (long long)want_upd,
+                    (long long)st.rows_pushed, (long long)want_push);
+            return 5;
+        }
+        dt_ps_free(ps);
+        return dt_barrier(c) != DT_OK ? 6 : 0;
+    }
+    float before[SP_NLOOK][SP_DIM], after[SP_NLOOK][SP_DIM], again[SP_NLOOK][SP_DIM];
+    if (dt_ps_sparse_pull(ps, 0, sp_look, SP_NLOOK, &before[0][0]) != DT_OK)
+        return 7;
+    int nonzero = 0;
+    for (int i = 0; i < SP_NLOOK; i++)
+        for (int j = 0; j < SP_DIM; j++) {
+            if (!(before[i][j] >= -0.1f && before[i][j] < 0.1f))
+                return 8;
+            nonzero += before[i][j] != 0.0f;
+        }
+    if (nonzero < SP_NLOOK * SP_DIM / 2)
+        return 9;
+    if (rank == 0 && sp_dump[0]) {
+        FILE *f = fopen(sp_dump, "wb");
+        if (!f || fwrite(before, sizeof before, 1, f) != 1 || fclose(f) != 0)
+            return 10;
+    }
+    /* bad requests: nothing sent, a clear error */
+    const int64_t bad[] = {3, SP_ROWS};
+    if (dt_ps_sparse_pull(ps, 0, bad, 2, &after[0][0]) != DT_EINVAL ||
+        !strstr(dt_last_error(ctx), "1000") ||
+        dt_ps_sparse_push(ps, 1, bad, 1, &after[0][0]) != DT_EINVAL ||
+        dt_ps_sparse_pull(ps, 0, NULL, 2, &after[0][0]) != DT_EINVAL)
+        return 11;
+    const int64_t ids0[] = {5, 17, 5}, ids1[] = {17, 998};
+    float g0[3][SP_DIM], g1[2][SP_DIM];
+    for (int j = 0; j < SP_DIM; j++) {
+        g0[0][j] = 1.0f, g0[1][j] = 2.0f, g0[2][j] = 3.0f;
+        g1[0][j] = 1.0f, g1[1][j] = 1.0f;
+    }
+    if (dt_ps_sparse_push(ps, 0, rank == 0 ? ids0 : ids1, rank == 0 ? 3 : 2,
+                          rank == 0 ? &g0[0][0] : &g1[0][0]) != DT_OK)
+        return 12;
+    if (dt_ps_push_pull(ps) != DT_OK)   /* the step: BSP applies both workers' rows now */
+        return 13;
+    dt_work *w = dt_ps_sparse_pull_async(ps, 0, sp_look, SP_NLOOK, &after[0][0]);
+    if (!w || dt_work_wait(w) != DT_OK)
+        return 14;
+    /* averaged over the 2 workers: row 5 (1+3)/2, row 17 (2+1)/2, row 998 1/2 */
+    float avg[SP_NLOOK] = {0};
+    avg[sp_find(5)] = 2.0f, avg[sp_find(17)] = 1.5f, avg[sp_find(998)] = 0.5f;
+    for (int i = 0; i < SP_NLOOK; i++)
+        for (int j = 0; j < SP_DIM; j++) {
+            float want = avg[i] != 0 ? sp_expect(before[i][j], avg[i]) : before[i][j];
+            if (after[i][j] != want) {
+                fprintf(stderr, "worker %d: row %lld[%d] is %.9g, want %.9g\n", rank,
+                        (long long)sp_look[i], j, (double)after[i][j], (double)want);
+                return 15;
+            }
+        }
+    /* a pull with repeats: each asked row in place */
+    const int64_t rep[] = {998, 5, 998};
+    if (dt_ps_sparse_pull(ps, 0, rep, 3, &again[0][0]) != DT_OK ||
+        memcmp(again[0], after[sp_find(998)], sizeof again[0]) ||
+        memcmp(again[1], after[sp_find(5)], sizeof again[0]) ||
+        memcmp(again[2], after[sp_find(998)], sizeof again[0]))
+        return 16;
+    dt_ps_stats st;
+    dt_ps_stats_get(ps, &st);
+    if (st.rows_pushed != (rank == 0 ? 2 : 2) || st.rows_pulled != 2 * SP_NLOOK + 2)
+        return 17;
+    if (dt_ps_finish(ps) != DT_OK)
+        return 18;
+    dt_ps_free(ps);
+    return dt_barrier(c) != DT_OK ? 19 : 0;
+}
+
+/* Sparse push/pull with 1 and 2 servers: the same starting table either
+ * way, exactly the requested rows move, SGD and AdaGrad row updates. */
+static void test_ps_sparse(void **state)
+{
+    (void)state;
+    char one[96];
+    snprintf(one, sizeof one, "/tmp/dt_ps_sparse_%d_1", (int)getpid());
+    snprintf(sp_dump, sizeof sp_dump, "%s", one);
+    sp_kind = DT_SGD;
+    expect_all_ok(3, ps_sparse_rank);
+    snprintf(sp_dump, sizeof sp_dump, "/tmp/dt_ps_sparse_%d_2", (int)getpid());
+    sp_kind = DT_ADAGRAD;
+    expect_all_ok(4, ps_sparse_rank);
+    float a[SP_NLOOK * SP_DIM], b[SP_NLOOK * SP_DIM];
+    FILE *fa = fopen(one, "rb"), *fb = fopen(sp_dump, "rb");
+    assert_non_null(fa);
+    assert_non_null(fb);
+    assert_int_equal(fread(a, sizeof a, 1, fa), 1);
+    assert_int_equal(fread(b, sizeof b, 1, fb), 1);
+    fclose(fa);
+    fclose(fb);
+    unlink(one);
+    unlink(sp_dump);
+    assert_memory_equal(a, b, sizeof a);   /* 1 server or 2: the same table */
+    sp_dump[0] = '\0';
+    sp_kind = DT_SGD;
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_equivalence_mlp),
     cmocka_unit_test(test_equivalence_cnn),
@@ -1619,6 +1782,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_ssp_asp),
     cmocka_unit_test(test_ps_dead_worker),
     cmocka_unit_test(test_ps_misuse),
+    cmocka_unit_test(test_ps_sparse),
 };
 
 DT_TEST_GROUP(ddp, tests)
