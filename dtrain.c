@@ -187,6 +187,8 @@ struct xfers;
 static dt_status ps_run(dt_comm *c, struct dt_work *w, struct xfers *xs);
 static dt_status ps_check_servers(dt_comm *c, struct dt_work *w);
 static void ps_pushed(dt_ps *ps, int requests);
+static dt_status ps_step_pull(dt_ps *ps);
+static int64_t ps_clock(const dt_ps *ps);
 static dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
 
 /* ===========================================================================
@@ -5431,6 +5433,7 @@ typedef struct ps_call {
     int op;
     int64_t lo, n;             /* dense: keys; sparse: table, ids asked for */
     float *buf;                /* push: the floats of [lo, lo+n); pull: where they go */
+    int64_t clock;             /* the worker's completed steps when the call was made */
     /* sparse: each server's distinct rows (its local row numbers), as sent */
     int64_t cnt[PS_MAX_SERVERS];
     void *msg[PS_MAX_SERVERS];     /* push: ids then rows; pull: ids */
@@ -8268,7 +8271,8 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
     } else if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
         b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
-                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset};
+                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
+                             .clock = ps_clock(d->cfg.ps)};
         b->work = enqueue_in(d->comm, COLL_PS, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
                              &b->pcall);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
@@ -8532,7 +8536,7 @@ static dt_status ddp_finish(dt_ddp *d)
     }
     if (first == DT_OK && d->cfg.ps) {   /* the step is pushed: the new parameters */
         ps_pushed(d->cfg.ps, d->nbuckets);
-        if ((first = dt_ps_pull(d->cfg.ps)) != DT_OK)
+        if ((first = ps_step_pull(d->cfg.ps)) != DT_OK)
             snprintf(msg, sizeof msg, "%s", d->ctx->err);
     }
     d->st.exposed_s += dt_now() - t0;
@@ -9759,6 +9763,9 @@ struct dt_ps {
     uint32_t *seq;             /* per server: our next request */
     int64_t clock;             /* steps pushed */
     float *stage;              /* G + P floats: packing pushes, receiving pulls */
+    float *stage2;             /* prefetch: G floats the next step's parameters arrive in */
+    dt_work *prefetch;         /* that pull, in flight */
+    ps_call prefetch_call;
     /* server */
     dt_ctx *sctx;              /* owns the pieces and their optimizer */
     dt_optim *opt;
@@ -9915,12 +9922,14 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
 
 /* Post the sends of one request (header, then `bytes` of data if any) to
  * server s. */
-static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, int s, int op,
-                                 int64_t lo, int64_t n, void *data, size_t bytes, ps_msg *hdr)
+static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, const ps_call *pc, int s,
+                                 int op, int64_t lo, int64_t n, void *data, size_t bytes,
+                                 ps_msg *hdr)
 {
+    dt_ps *ps = pc->ps;
     uint32_t seq = ps->seq[s]++;
     *hdr = (ps_msg){.magic = PS_MAGIC, .op = (uint32_t)op, .seq = seq, .lo = lo, .n = n,
-                    .clock = ps->clock};
+                    .clock = pc->clock};
     int peer = ps->W + s;
     if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK)
         return w->status;
@@ -9948,7 +9957,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
         int64_t a = glo > ps->range[s] ? glo : ps->range[s];
         int64_t b = ghi < ps->range[s + 1] ? ghi : ps->range[s + 1];
         if (pc->op == PS_FINISH) {
-            if (ps_post_request(c, w, xs, ps, s, PS_FINISH, 0, 0, NULL, 0, &pc->out[(*nout)++]))
+            if (ps_post_request(c, w, xs, pc, s, PS_FINISH, 0, 0, NULL, 0, &pc->out[(*nout)++]))
                 return w->status;
             continue;
         }
@@ -9957,17 +9966,17 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
                 continue;
             if (ps_post_answer(c, w, xs, ps, s, &pc->in[(*nin)++], pc->buf + (a - pc->lo),
                                (size_t)(b - a) * sizeof(float)) ||
-                ps_post_request(c, w, xs, ps, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++]))
+                ps_post_request(c, w, xs, pc, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++]))
                 return w->status;
             continue;
         }
         /* init, push: this server's gradient keys, and every flag */
-        if (a < b && ps_post_request(c, w, xs, ps, s, pc->op, a, b - a, pc->buf + (a - pc->lo),
+        if (a < b && ps_post_request(c, w, xs, pc, s, pc->op, a, b - a, pc->buf + (a - pc->lo),
                                      (size_t)(b - a) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
         int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
         if (pc->op == PS_PUSH && hi > flo &&
-            ps_post_request(c, w, xs, ps, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
+            ps_post_request(c, w, xs, pc, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
                             (size_t)(hi - flo) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
     }
@@ -9987,7 +9996,7 @@ static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
         if (pc->op == PS_SPULL &&
             ps_post_answer(c, w, xs, ps, s, &pc->in[(*nin)++], pc->rows[s], rowb) != DT_OK)
             return w->status;
-        if (ps_post_request(c, w, xs, ps, s, pc->op, pc->lo, k, pc->msg[s],
+        if (ps_post_request(c, w, xs, pc, s, pc->op, pc->lo, k, pc->msg[s],
                             pc->op == PS_SPUSH ? idb + rowb : idb, &pc->out[(*nout)++]) != DT_OK)
             return w->status;
     }
@@ -10042,7 +10051,7 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
 /* Run one request on the comm thread and wait for it. */
 static dt_status ps_call_run(dt_ps *ps, int op, int64_t lo, int64_t n, float *buf)
 {
-    ps_call pc = {.ps = ps, .op = op, .lo = lo, .n = n, .buf = buf};
+    ps_call pc = {.ps = ps, .op = op, .lo = lo, .n = n, .buf = buf, .clock = ps->clock};
     dt_work *w = enqueue_in(ps->comm, COLL_PS, buf, NULL, n, 0, DT_REDUCE_SUM, &pc);
     return w ? dt_work_wait(w) : ps->ctx->last_status;
 }
@@ -10096,6 +10105,40 @@ dt_status dt_ps_pull(dt_ps *ps)
     return DT_OK;
 }
 
+/* A step's parameters.  With prefetch, those of the pull started after the
+ * previous step's push (the step computes while this step's pull runs in
+ * the background, one step stale); else pulled now. */
+static dt_status ps_step_pull(dt_ps *ps)
+{
+    if (!ps->cfg.prefetch)
+        return dt_ps_pull(ps);
+    if (ps->prefetch) {
+        double t0 = dt_now();
+        dt_status s = dt_work_wait(ps->prefetch);
+        ps->prefetch = NULL;
+        ps->st.wait_s += dt_now() - t0;
+        if (s != DT_OK)
+            return s;
+        ps->st.pulls++;
+        ps_unpack_params(ps, ps->stage2);
+    }
+    ps->prefetch_call = (ps_call){.ps = ps, .op = PS_PULL, .lo = 0, .n = ps->G, .buf = ps->stage2,
+                                  .clock = ps->clock};
+    ps->prefetch = enqueue_in(ps->comm, COLL_PS, ps->stage2, NULL, ps->G, 0, DT_REDUCE_SUM,
+                              &ps->prefetch_call);
+    return ps->prefetch ? DT_OK : ps->ctx->last_status;
+}
+
+/* Wait out a prefetch nobody will use. */
+static void ps_drop_prefetch(dt_ps *ps)
+{
+    if (ps->prefetch)
+        dt_work_wait(ps->prefetch);
+    ps->prefetch = NULL;
+}
+
+static int64_t ps_clock(const dt_ps *ps) { return ps->clock; }
+
 /* A step's pushes all went out (DDP's buckets, or push_pull's one). */
 static void ps_pushed(dt_ps *ps, int requests)
 {
@@ -10113,13 +10156,14 @@ dt_status dt_ps_push_pull(dt_ps *ps)
     if (s != DT_OK)
         return s;
     ps_pushed(ps, 1);
-    return dt_ps_pull(ps);
+    return ps_step_pull(ps);
 }
 
 dt_status dt_ps_finish(dt_ps *ps)
 {
     if (!ps_worker_ok(ps, "ps_finish"))
         return ps ? DT_ESTATE : DT_EINVAL;
+    ps_drop_prefetch(ps);
     dt_status s = ps_call_run(ps, PS_FINISH, 0, 0, NULL);
     ps->finished = s == DT_OK;
     return s;
@@ -10188,7 +10232,7 @@ static ps_call *ps_sparse_prepare(dt_ps *ps, const char *what, int op, int table
         return NULL;
     }
     ps_call *pc = (ps_call *)blk;
-    *pc = (ps_call){.ps = ps, .op = op, .lo = table, .n = n, .buf = out,
+    *pc = (ps_call){.ps = ps, .op = op, .lo = table, .n = n, .buf = out, .clock = ps->clock,
                     .where = op == PS_SPULL ? (int64_t *)(blk + wat) : NULL};
     for (int s = 0; s < S; s++) {
         pc->msg[s] = blk + at[s];
@@ -11111,7 +11155,9 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         return s;
     ps->seq = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);
     ps->stage = host_alloc(ctx, sizeof(float) * (size_t)(ps->G + ps->P + 1));
-    if (!ps->seq || !ps->stage)
+    if (ps->cfg.prefetch)
+        ps->stage2 = host_alloc(ctx, sizeof(float) * (size_t)(ps->G + 1));
+    if (!ps->seq || !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
     if (c->rank == 0) {   /* our values are where everyone starts */
@@ -11186,6 +11232,7 @@ void dt_ps_free(dt_ps *ps)
     if (!ps)
         return;
     dt_ctx *ctx = ps->ctx;
+    ps_drop_prefetch(ps);
     if (ps->server < 0 && !ps->finished) {   /* (also a worker whose dt_ps_new failed) */
         char key[64];
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
@@ -11234,5 +11281,6 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->layout);
     host_free(ctx, ps->seq);
     host_free(ctx, ps->stage);
+    host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }

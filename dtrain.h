@@ -815,6 +815,10 @@ typedef struct dt_ps_config {
                                   by default), for the parameters and the tables */
     const dt_ps_table *tables; /* workers: the sparse tables (every worker the same ones; */
     int ntables;               /* servers take worker 0's).  Borrowed during dt_ps_new. */
+    int prefetch;              /* workers: 1 pulls a step's parameters in the background
+                                  while the next step computes (double-buffered): steps
+                                  compute on parameters one step stale, and never wait for
+                                  a pull unless the servers fall behind */
 } dt_ps_config;
 DT_API void dt_ps_config_init(dt_ps_config *cfg);
 

@@ -268,7 +268,7 @@ static uint64_t params_hash(dt_ctx *ctx)
 }
 
 /* The reference: one process, batch world * PER_RANK, seeded as rank 0. */
-static dt_ctx *reference_run(int kind, int world)
+static dt_ctx *reference_run_steps(int kind, int world, int steps)
 {
     dt_config cfg;
     dt_config_init(&cfg);
@@ -280,7 +280,7 @@ static dt_ctx *reference_run(int kind, int world)
         return NULL;
     }
     dt_optim *opt = make_optim(ref, kind);
-    for (int s = 0; opt && s < STEPS; s++) {
+    for (int s = 0; opt && s < steps; s++) {
         dt_tensor *x, *y;
         if (make_batch(ref, kind, s, 0, (int64_t)world * PER_RANK, &x, &y) ||
             dt_backward(ref, dt_cross_entropy(ref, model_forward(ref, &m, x), y)) ||
@@ -294,6 +294,11 @@ static dt_ctx *reference_run(int kind, int world)
     }
     dt_optim_free(opt);
     return ref;
+}
+
+static dt_ctx *reference_run(int kind, int world)
+{
+    return reference_run_steps(kind, world, STEPS);
 }
 
 static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
@@ -1382,6 +1387,7 @@ static int ps_staleness;
 static int ps_use_ddp = 1;              /* workers step through a DDP, else dt_ps_push_pull */
 static int ps_slow_worker = -1;         /* sleeps each step */
 static int ps_die_worker = -1;          /* exits after 2 steps */
+static int ps_prefetch;                 /* workers prefetch the next step's parameters */
 
 static void ps_optim_config(dt_optim_config *oc)
 {
@@ -1398,6 +1404,7 @@ static dt_ps *ps_join(dt_ctx *ctx, dt_comm *c)
     pc.servers = ps_servers;
     pc.mode = ps_mode;
     pc.staleness = ps_staleness;
+    pc.prefetch = ps_prefetch;
     ps_optim_config(&pc.optim);
     return dt_ps_new(ctx, c, &pc);
 }
@@ -1462,12 +1469,23 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 10;
         dt_zero_grad(ctx);
         dt_step_reset(ctx);
+        if (ps_prefetch && ps_mode == DT_PS_BSP && s < 2) {   /* after step s: those of s - 1 */
+            dt_ctx *ref = reference_run_steps(0, W, s);
+            double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
+            dt_ctx_free(ref);
+            if (!(rel <= 1e-5)) {
+                fprintf(stderr, "worker %d, prefetch: after step %d: relative difference %.3g\n",
+                        rank, s, rel);
+                return 15;
+            }
+        }
     }
     dt_ps_stats st;
     dt_ps_stats_get(ps, &st);
-    if (st.steps != STEPS || st.pulls != STEPS + 1)   /* + the starting pull */
+    /* the starting pull, and each step's (prefetch: the last one is in flight) */
+    if (st.steps != STEPS || st.pulls != STEPS + 1 - ps_prefetch)
         return 11;
-    if (ps_mode == DT_PS_BSP && ps_die_worker < 0) {   /* the same as one process */
+    if (ps_mode == DT_PS_BSP && ps_die_worker < 0 && !ps_prefetch) {   /* as one process */
         dt_ctx *ref = reference_run(0, W);
         double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
         dt_ctx_free(ref);
@@ -1490,6 +1508,7 @@ static void ps_reset(void)
     ps_staleness = 0;
     ps_use_ddp = 1;
     ps_slow_worker = ps_die_worker = -1;
+    ps_prefetch = 0;
 }
 
 /* BSP: 2 workers and 1 server end where one process with the doubled
@@ -1511,6 +1530,12 @@ static void test_ps_bsp_equivalence(void **state)
 static void test_ps_ssp_asp(void **state)
 {
     (void)state;
+    ps_reset();
+    ps_prefetch = 1;   /* BSP with prefetch: steps see the parameters one step late */
+    expect_all_ok(3, ps_rank);
+    ps_use_ddp = 0;
+    ps_mode = DT_PS_ASP;
+    expect_all_ok(3, ps_rank);
     ps_reset();
     ps_mode = DT_PS_SSP;
     ps_staleness = 2;
