@@ -9702,6 +9702,9 @@ typedef struct ps_peer {
     int64_t data_lo, data_n;
     int op;
     void *sdata;               /* a sparse request's ids (and rows) being received */
+    int parked;                /* BSP: its step is in but not applied; its next request
+                                  is not read until it is (a worker runs at most one step
+                                  ahead of the slowest, its push buffer holds one step) */
     struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
 } ps_peer;
 
@@ -10147,16 +10150,23 @@ static void ps_pushed(dt_ps *ps, int requests)
     ps->clock++;
 }
 
+dt_status dt_ps_push(dt_ps *ps)
+{
+    if (!ps_worker_ok(ps, "ps_push"))
+        return ps ? DT_ESTATE : DT_EINVAL;
+    ps_pack_grads(ps, ps->stage);
+    dt_status s = ps_call_run(ps, PS_PUSH, 0, ps->G + ps->P, ps->stage);
+    if (s == DT_OK)
+        ps_pushed(ps, 1);
+    return s;
+}
+
 dt_status dt_ps_push_pull(dt_ps *ps)
 {
     if (!ps_worker_ok(ps, "ps_push_pull"))
         return ps ? DT_ESTATE : DT_EINVAL;
-    ps_pack_grads(ps, ps->stage);
-    dt_status s = ps_call_run(ps, PS_PUSH, 0, ps->G + ps->P, ps->stage);
-    if (s != DT_OK)
-        return s;
-    ps_pushed(ps, 1);
-    return ps_step_pull(ps);
+    dt_status s = dt_ps_push(ps);
+    return s != DT_OK ? s : ps_step_pull(ps);
 }
 
 dt_status dt_ps_finish(dt_ps *ps)
@@ -10541,6 +10551,8 @@ static int64_t ps_min_clock(const dt_ps *ps)
 
 /* BSP: apply every step all live workers have completed, summing their
  * gradients in worker order (as the allreduce sums ranks). */
+static dt_status ps_post_header(dt_ps *ps, int w);
+
 static dt_status ps_apply_bsp(dt_ps *ps)
 {
     int64_t n = ps_my_floats(ps), gs = n - ps->P;
@@ -10566,6 +10578,12 @@ static dt_status ps_apply_bsp(dt_ps *ps)
             return s;
         ps_apply_sparse_step(ps, ps->applied, 1.0f / (float)live);
         ps->applied++;
+        for (int w = 0; w < ps->W; w++)   /* their next requests may come in now */
+            if (ps->peers[w].state == 0 && ps->peers[w].parked && ps->peers[w].clock <= ps->applied) {
+                ps->peers[w].parked = 0;
+                if (ps_post_header(ps, w) != DT_OK)
+                    return ps->ctx->last_status;
+            }
     }
     return DT_OK;
 }
@@ -10750,6 +10768,17 @@ static dt_status ps_on_sparse_data(dt_ps *ps, int w)
     return DT_OK;
 }
 
+/* Read worker w's next request, unless (BSP) its step waits for the others. */
+static dt_status ps_next_request(dt_ps *ps, int w)
+{
+    ps_peer *p = &ps->peers[w];
+    if (ps->cfg.mode == DT_PS_BSP && p->clock > ps->applied) {
+        p->parked = 1;
+        return DT_OK;
+    }
+    return ps_post_header(ps, w);
+}
+
 /* Worker w's push (or init) data arrived. */
 static dt_status ps_on_data(dt_ps *ps, int w)
 {
@@ -10892,6 +10921,9 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
 {
     dt_comm *c = ps->comm;
     double now = dt_now();
+    int held = ps->waits != NULL;   /* does anyone wait for the others? */
+    for (int w = 0; w < ps->W; w++)
+        held |= ps->peers[w].state == 0 && ps->peers[w].parked;
     for (int w = 0; w < ps->W; w++) {
         if (ps->peers[w].state != 0)
             continue;
@@ -10901,10 +10933,10 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         int dead = c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK;
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, w);   /* left without finishing */
         dead = dead || (c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK);
-        int waiting = 0;   /* a worker waiting in a pull is silent by design */
+        int waiting = ps->peers[w].parked;   /* one waiting for us is silent by design */
         for (const ps_wait *q = ps->waits; q && !waiting; q = q->next)
             waiting = q->worker == w;
-        int silent = ps->waits && !waiting && now - last_seen[w] > c->timeout_ms / 1000.0;
+        int silent = held && !waiting && now - last_seen[w] > c->timeout_ms / 1000.0;
         if ((dead || silent) && ps_drop(ps, w) != DT_OK)
             return ps->ctx->last_status;
     }
@@ -10968,7 +11000,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
             else if (x == &p->hdr_x)
                 s = ps_on_header(ps, w);
             else if ((s = ps_on_data(ps, w)) == DT_OK)
-                s = ps_post_header(ps, w);
+                s = ps_next_request(ps, w);
             if (s != DT_OK)
                 return s;
         }

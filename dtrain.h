@@ -844,6 +844,10 @@ DT_API dt_status dt_ps_serve(dt_ps *ps);
  * tensors, waiting as the consistency model says.  The whole model; a DDP
  * with .ps does the same per bucket, overlapped with backward. */
 DT_API dt_status dt_ps_push_pull(dt_ps *ps);
+/* Workers: push without pulling, e.g. Downpour's n_push < n_fetch (pull
+ * every few steps with dt_ps_pull).  BSP: a worker's next request is read
+ * once every worker's step is in (it runs at most one step ahead). */
+DT_API dt_status dt_ps_push(dt_ps *ps);
 /* Workers: pull the parameters without pushing (e.g. before evaluating). */
 DT_API dt_status dt_ps_pull(dt_ps *ps);
 /* Workers: this worker is done; servers stop waiting for it. */

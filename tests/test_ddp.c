@@ -1388,6 +1388,7 @@ static int ps_use_ddp = 1;              /* workers step through a DDP, else dt_p
 static int ps_slow_worker = -1;         /* sleeps each step */
 static int ps_die_worker = -1;          /* exits after 2 steps */
 static int ps_prefetch;                 /* workers prefetch the next step's parameters */
+static int ps_fetch_every = 1;          /* push_pull only every k-th step, else dt_ps_push */
 
 static void ps_optim_config(dt_optim_config *oc)
 {
@@ -1465,7 +1466,9 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 8;
         if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK)
             return 9;
-        if ((ddp ? dt_ddp_step(ddp) : dt_ps_push_pull(ps)) != DT_OK)
+        dt_status st = ddp ? dt_ddp_step(ddp)
+                       : (s + 1) % ps_fetch_every ? dt_ps_push(ps) : dt_ps_push_pull(ps);
+        if (st != DT_OK)
             return 10;
         dt_zero_grad(ctx);
         dt_step_reset(ctx);
@@ -1483,9 +1486,9 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_ps_stats st;
     dt_ps_stats_get(ps, &st);
     /* the starting pull, and each step's (prefetch: the last one is in flight) */
-    if (st.steps != STEPS || st.pulls != STEPS + 1 - ps_prefetch)
+    if (st.steps != STEPS || st.pulls != STEPS / ps_fetch_every + 1 - ps_prefetch)
         return 11;
-    if (ps_mode == DT_PS_BSP && ps_die_worker < 0 && !ps_prefetch) {   /* as one process */
+    if (ps_mode == DT_PS_BSP && ps_die_worker < 0 && !ps_prefetch && ps_fetch_every == 1) {   /* as one process */
         dt_ctx *ref = reference_run(0, W);
         double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
         dt_ctx_free(ref);
@@ -1509,6 +1512,7 @@ static void ps_reset(void)
     ps_use_ddp = 1;
     ps_slow_worker = ps_die_worker = -1;
     ps_prefetch = 0;
+    ps_fetch_every = 1;
 }
 
 /* BSP: 2 workers and 1 server end where one process with the doubled
@@ -1535,6 +1539,11 @@ static void test_ps_ssp_asp(void **state)
     expect_all_ok(3, ps_rank);
     ps_use_ddp = 0;
     ps_mode = DT_PS_ASP;
+    expect_all_ok(3, ps_rank);
+    ps_reset();
+    ps_use_ddp = 0;   /* Downpour-style: pull every 3rd step; BSP holds the fast worker back */
+    ps_fetch_every = 3;
+    ps_slow_worker = 1;
     expect_all_ok(3, ps_rank);
     ps_reset();
     ps_mode = DT_PS_SSP;
