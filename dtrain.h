@@ -745,6 +745,42 @@ DT_API int dt_dp_replicas(const dt_dp *dp);
 DT_API dt_ctx *dt_dp_replica(const dt_dp *dp, int k);
 DT_API void *dt_dp_model(const dt_dp *dp, int k);
 
+/* Hogwild! (Niu et al., 2011): K threads run plain SGD on one set of
+ * parameters with no locks, for sparse problems where two steps rarely
+ * touch the same weights.  ctx's registered parameters are the shared
+ * ones; build (dt_dp_build_fn, called for each thread on the caller's
+ * thread) registers the same names and shapes in the thread's own
+ * context, and those then use ctx's memory.  Thread k runs steps k, k + K,
+ * ... < steps: loss(thread ctx, model, k, step, user) returns that step's
+ * scalar loss; the runner does backward and the update.  A 2-D parameter
+ * whose gradient only dt_embedding writes is updated in the rows the step
+ * used and no others, so a step costs the rows it touches, not the table.
+ * With threads = 1 the run is deterministic; with more, the interleaving
+ * (and so the bits) depend on timing, as Hogwild! intends. */
+typedef dt_tensor *(*dt_hogwild_loss_fn)(dt_ctx *ctx, void *model, int thread, int64_t step,
+                                         void *user);
+typedef struct dt_hogwild_config {
+    int threads;               /* K >= 1 (default 2) */
+    int64_t steps;             /* over all threads (default 1000) */
+    float lr;                  /* SGD learning rate (default 0.01) */
+    dt_config thread;          /* each thread's context (1 compute thread); thread k's is
+                                  seeded seed + k */
+} dt_hogwild_config;
+DT_API void dt_hogwild_config_init(dt_hogwild_config *cfg);
+typedef struct dt_hogwild_stats {
+    int64_t steps;             /* steps run */
+    double mean_loss;          /* over those steps */
+    int64_t rows_updated;      /* rows updated through a row log (embedding tables) */
+    int64_t dense_updates;     /* whole-tensor updates */
+} dt_hogwild_stats;
+/* Blocks until every step ran or a thread failed (the first error is
+ * returned and said in ctx; the other threads stop).  out (may be NULL):
+ * what ran.  ctx, user: borrowed; free_model (may be NULL) gets every
+ * model back before returning. */
+DT_API dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_fn build,
+                                dt_hogwild_loss_fn loss, dt_dp_free_fn free_model, void *user,
+                                dt_hogwild_stats *out);
+
 /* Distributed evaluation and batch inference.  forward(ctx, x, user)
  * returns logits (B, classes) for a batch x (B, C, H, W); it runs with grad
  * and training off (restored afterwards).  With a communicator, rank r

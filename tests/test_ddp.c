@@ -1793,6 +1793,175 @@ static void test_ps_sparse(void **state)
     sp_kind = DT_SGD;
 }
 
+/* --- Hogwild! --------------------------------------------------------------------- */
+
+enum { HW_ROWS = 20000, HW_USED = 500, HW_F = 4, HW_B = 8, HW_STEPS = 600 };
+
+typedef struct hw_model {
+    dt_tensor *emb, *w, *b;
+} hw_model;
+
+static int hw_bad_shape, hw_fail_at = -1;
+
+static void *hw_build(dt_ctx *ctx, int thread, void *user)
+{
+    (void)thread, (void)user;
+    hw_model *m = calloc(1, sizeof *m);
+    if (!m)
+        return NULL;
+    m->emb = dt_param_new(ctx, "emb", SHP(HW_ROWS, 2));
+    m->w = dt_param_new(ctx, "w", SHP(2, HW_F * 2 + hw_bad_shape));
+    m->b = dt_param_new(ctx, "b", SHP(2));
+    if (!m->emb || !m->w || !m->b) {
+        free(m);
+        return NULL;
+    }
+    return m;
+}
+
+static void hw_free(void *m, void *user)
+{
+    (void)user;
+    free(m);
+}
+
+/* Sample i: HW_F ids among the first HW_USED rows; its class is decided by
+ * the parity of the ids' sum of a hidden bit (a learnable sparse rule). */
+static void hw_sample(int64_t i, int32_t *ids, int32_t *label)
+{
+    uint64_t h = (uint64_t)i * 0x9E3779B97F4A7C15ull + 12345;
+    int score = 0;
+    for (int f = 0; f < HW_F; f++) {
+        h ^= h >> 29, h *= 0xBF58476D1CE4E5B9ull, h ^= h >> 32;
+        ids[f] = (int32_t)(h % HW_USED);
+        score += (ids[f] % 3 == 0) ? 2 : -1;
+    }
+    *label = score > 0;
+}
+
+static dt_tensor *hw_batch_loss(dt_ctx *ctx, hw_model *m, int64_t first)
+{
+    int32_t ids[HW_B * HW_F], labels[HW_B];
+    for (int i = 0; i < HW_B; i++)
+        hw_sample(first + i, ids + i * HW_F, labels + i);
+    dt_tensor *idx = dt_tensor_temp(ctx, DT_I32, SHP(HW_B, HW_F));
+    dt_tensor *y = dt_tensor_temp(ctx, DT_I32, SHP(HW_B));
+    if (!idx || !y || dt_tensor_set(idx, ids, HW_B * HW_F) || dt_tensor_set(y, labels, HW_B))
+        return NULL;
+    dt_tensor *e = dt_reshape(ctx, dt_embedding(ctx, m->emb, idx), SHP(HW_B, HW_F * 2));
+    return dt_cross_entropy(ctx, dt_linear(ctx, e, m->w, m->b), y);
+}
+
+static dt_tensor *hw_loss(dt_ctx *ctx, void *model, int thread, int64_t step, void *user)
+{
+    (void)thread, (void)user;
+    if (step == hw_fail_at)
+        return NULL;
+    return hw_batch_loss(ctx, model, step * HW_B);
+}
+
+/* Mean loss over 64 batches of held-out samples, on ctx's own model. */
+static double hw_eval(dt_ctx *ctx, hw_model *m)
+{
+    double sum = 0;
+    for (int b = 0; b < 64; b++) {
+        sum += dt_tensor_item(hw_batch_loss(ctx, m, 1000000 + b * HW_B));
+        dt_step_reset(ctx);
+    }
+    return sum / 64;
+}
+
+/* The distinct rows a step's batch uses. */
+static int64_t hw_distinct_rows(int64_t step)
+{
+    int32_t ids[HW_B * HW_F], y;
+    for (int i = 0; i < HW_B; i++)
+        hw_sample(step * HW_B + i, ids + i * HW_F, &y);
+    int64_t n = 0;
+    for (int i = 0; i < HW_B * HW_F; i++) {
+        int seen = 0;
+        for (int j = 0; j < i && !seen; j++)
+            seen = ids[j] == ids[i];
+        n += !seen;
+    }
+    return n;
+}
+
+static dt_ctx *hw_ctx(hw_model **m)
+{
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.seed = 5;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    assert_non_null(ctx);
+    *m = hw_build(ctx, 0, NULL);
+    assert_non_null(*m);
+    tu_check_status(ctx, dt_init_normal(ctx, (*m)->emb, 0, 0.1f), "init emb");
+    tu_check_status(ctx, dt_init_kaiming_uniform(ctx, (*m)->w, sqrtf(5)), "init w");
+    return ctx;
+}
+
+static void test_hogwild(void **state)
+{
+    (void)state;
+    dt_hogwild_config hc;
+    dt_hogwild_config_init(&hc);
+    hc.steps = HW_STEPS;
+    hc.lr = 0.5f;
+    /* 2 threads: the loss falls; unused rows keep their bits; only used rows were stepped */
+    hw_model *m;
+    dt_ctx *ctx = hw_ctx(&m);
+    float *emb0 = malloc(sizeof(float) * HW_ROWS * 2), *emb1 = malloc(sizeof(float) * HW_ROWS * 2);
+    assert_non_null(emb0);
+    assert_non_null(emb1);
+    dt_tensor_get(m->emb, emb0, HW_ROWS * 2);
+    double before = hw_eval(ctx, m);
+    dt_hogwild_stats st;
+    tu_check_status(ctx, dt_hogwild_run(ctx, &hc, hw_build, hw_loss, hw_free, NULL, &st), "hogwild");
+    double after = hw_eval(ctx, m);
+    if (!(after < 0.8 * before))
+        fail_msg("hogwild: held-out loss %.4f -> %.4f", before, after);
+    dt_tensor_get(m->emb, emb1, HW_ROWS * 2);
+    assert_memory_equal(emb0 + HW_USED * 2, emb1 + HW_USED * 2, sizeof(float) * (HW_ROWS - HW_USED) * 2);
+    assert_memory_not_equal(emb0, emb1, sizeof(float) * HW_USED * 2);
+    int64_t rows = 0;
+    for (int64_t s = 0; s < HW_STEPS; s++)
+        rows += hw_distinct_rows(s);
+    assert_int_equal(st.steps, HW_STEPS);
+    assert_int_equal(st.rows_updated, rows);   /* the table: never a dense update */
+    assert_int_equal(st.dense_updates, 2 * HW_STEPS);   /* w and b */
+    dt_ctx_free(ctx);
+    hw_free(m, NULL);
+
+    /* 1 thread: deterministic */
+    hc.threads = 1;
+    for (int run = 0; run < 2; run++) {
+        ctx = hw_ctx(&m);
+        tu_check_status(ctx, dt_hogwild_run(ctx, &hc, hw_build, hw_loss, hw_free, NULL, NULL), "hw 1");
+        dt_tensor_get(m->emb, run ? emb1 : emb0, HW_ROWS * 2);
+        dt_ctx_free(ctx);
+        hw_free(m, NULL);
+    }
+    assert_memory_equal(emb0, emb1, sizeof(float) * HW_ROWS * 2);
+
+    /* errors: a different model, a failing step, a bad config */
+    ctx = hw_ctx(&m);
+    hc.threads = 2;
+    hw_bad_shape = 1;
+    assert_int_equal(dt_hogwild_run(ctx, &hc, hw_build, hw_loss, hw_free, NULL, NULL), DT_EMISMATCH);
+    hw_bad_shape = 0;
+    hw_fail_at = 7;
+    assert_int_equal(dt_hogwild_run(ctx, &hc, hw_build, hw_loss, hw_free, NULL, NULL), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(ctx), "step 7"));
+    hw_fail_at = -1;
+    hc.threads = 0;
+    assert_int_equal(dt_hogwild_run(ctx, &hc, hw_build, hw_loss, hw_free, NULL, NULL), DT_EINVAL);
+    dt_ctx_free(ctx);
+    hw_free(m, NULL);
+    free(emb0);
+    free(emb1);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_equivalence_mlp),
     cmocka_unit_test(test_equivalence_cnn),
@@ -1817,6 +1986,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_dead_worker),
     cmocka_unit_test(test_ps_misuse),
     cmocka_unit_test(test_ps_sparse),
+    cmocka_unit_test(test_hogwild),
 };
 
 DT_TEST_GROUP(ddp, tests)
