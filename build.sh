@@ -109,6 +109,33 @@ example_checks() {
     echo "example checks: ok"
 }
 
+# The parameter server end to end.  Accuracy: the Fashion-MNIST MLP with 2
+# workers and 1 server in each consistency mode (optimized build, 3 epochs,
+# cosine decay on the servers); ASP and SSP must end within 1 point of BSP.
+# Sparse: the click model on 2 servers (sanitized build, small) learns.
+ps_checks() {
+    local fast=$BUILD/test/fashion_mnist_O2 out acc bsp m
+    $CC $WARN -O2 $DEFS -I. examples/fashion_mnist.c $CORE_SRC $LIBS -o "$fast"
+    for m in bsp asp ssp; do
+        out=$(timeout -k 5 300 "$fast" --ranks 3 --servers 1 --ps-mode $m --epochs 3)
+        acc=$(echo "$out" | tail -1 | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
+        [ -n "$acc" ] || { echo "ps check: $m run has no accuracy line:"; echo "$out" | tail -5; exit 1; }
+        echo "ps check: $m test accuracy $acc%"
+        if [ $m = bsp ]; then bsp=$acc
+        elif ! awk -v a="$acc" -v b="$bsp" 'BEGIN { exit !(a >= b - 1.0) }'; then
+            echo "ps check: $m is more than 1 point below bsp ($bsp%)"; exit 1
+        fi
+    done
+    out=$(ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 timeout -k 5 300 $BUILD/test/ps_sparse \
+          --ranks 4 --servers 2 --samples 100000 --test 5000 --rows 65536 --prefetch)
+    acc=$(echo "$out" | tail -1 | sed -n 's/^test auc: \([0-9.]*\)$/\1/p')
+    if [ -z "$acc" ] || ! awk -v a="$acc" 'BEGIN { exit !(a > 0.55) }'; then
+        echo "ps check: the sparse model did not learn:"; echo "$out" | tail -5; exit 1
+    fi
+    echo "ps check: sparse model test auc $acc"
+    echo "ps checks: ok"
+}
+
 # dtrun end to end: 3 ranks join through the environment, the store and
 # the token it sets, pick shm (one host), and agree on the sums.
 launcher_checks() {
@@ -147,6 +174,7 @@ cmd_test() {
         $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
     example_checks
+    ps_checks
     launcher_checks
     bash tests/multihost.sh "$PWD/$BUILD/test"
     readme_example "$san"

@@ -5482,6 +5482,7 @@ typedef struct ps_call {
     int64_t lo, n;             /* dense: keys; sparse: table, ids asked for */
     float *buf;                /* push: the floats of [lo, lo+n); pull: where they go */
     int64_t clock;             /* the worker's completed steps when the call was made */
+    int64_t stale;             /* a pull: the most stale server's answer */
     /* sparse: each server's distinct rows (its local row numbers), as sent */
     int64_t cnt[PS_MAX_SERVERS];
     void *msg[PS_MAX_SERVERS];     /* push: ids then rows; pull: ids */
@@ -10076,6 +10077,8 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
             return work_fail(w, pc->in[i].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[i].status,
                              "parameter server: %s", pc->in[i].magic != PS_MAGIC
                                  ? "a server sent a malformed answer" : pc->in[i].err);
+    for (int i = 0; i < nin; i++)
+        pc->stale = pc->in[i].clock > pc->stale ? pc->in[i].clock : pc->stale;
     if (pc->op == PS_SPULL) {
         int64_t dim = ps->tabs[pc->lo].dim;
         for (int64_t i = 0; i < pc->n; i++)
@@ -10100,11 +10103,23 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
 }
 
 /* Run one request on the comm thread and wait for it. */
+/* A pull's answer was this many steps stale: the worker's statistics. */
+static void ps_note_stale(dt_ps *ps, int64_t stale)
+{
+    ps->stale_sum += (double)stale;
+    ps->stale_n++;
+    if (stale > ps->st.max_staleness)
+        ps->st.max_staleness = stale;
+}
+
 static dt_status ps_call_run(dt_ps *ps, int op, int64_t lo, int64_t n, float *buf)
 {
     ps_call pc = {.ps = ps, .op = op, .lo = lo, .n = n, .buf = buf, .clock = ps->clock};
     dt_work *w = enqueue_in(ps->comm, COLL_PS, buf, NULL, n, 0, DT_REDUCE_SUM, &pc);
-    return w ? dt_work_wait(w) : ps->ctx->last_status;
+    dt_status s = w ? dt_work_wait(w) : ps->ctx->last_status;
+    if (s == DT_OK && op == PS_PULL)
+        ps_note_stale(ps, pc.stale);
+    return s;
 }
 
 /* Pack every parameter's gradient (zeros where absent) and used flag into
@@ -10171,6 +10186,7 @@ static dt_status ps_step_pull(dt_ps *ps)
         if (s != DT_OK)
             return s;
         ps->st.pulls++;
+        ps_note_stale(ps, ps->prefetch_call.stale);
         ps_unpack_params(ps, ps->stage2);
     }
     ps->prefetch_call = (ps_call){.ps = ps, .op = PS_PULL, .lo = 0, .n = ps->G, .buf = ps->stage2,
@@ -10447,7 +10463,8 @@ static dt_status ps_make_pieces(dt_ps *ps)
         ps->piece_param[ps->npieces++] = k;
     }
     ps->opt = dt_optim_new(ps->sctx, &ps->cfg.optim, NULL, 0);
-    if (!ps->opt)
+    if (!ps->opt || (ps->cfg.schedule.kind != DT_SCHED_CONSTANT &&
+                     dt_optim_set_schedule(ps->opt, &ps->cfg.schedule) != DT_OK))
         return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_new: the servers' optimizer: %s",
                          dt_last_error(ps->sctx));
     for (int t = 0; t < ps->ntables; t++)
@@ -10721,7 +10738,9 @@ static dt_status ps_answer(dt_ps *ps, int worker, const ps_msg *req, const int64
     ps->stale_n++;
     if (stale > ps->st.max_staleness)
         ps->st.max_staleness = stale;
-    return ps_send_answer(ps, worker, req, ids, DT_OK, NULL);
+    ps_msg r = *req;   /* the answer tells the worker how stale it is */
+    r.clock = stale;
+    return ps_send_answer(ps, worker, &r, ids, DT_OK, NULL);
 }
 
 /* Answer the waiting pulls that can be answered now. */

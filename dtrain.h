@@ -849,6 +849,9 @@ typedef struct dt_ps_config {
     int staleness;             /* SSP: the bound s >= 0 (DTRAIN_PS_STALENESS when 0) */
     dt_optim_config optim;     /* the servers' optimizer (dt_optim_config_init(DT_SGD)
                                   by default), for the parameters and the tables */
+    dt_schedule schedule;      /* its learning-rate schedule (default constant); a step is
+                                  one optimizer step: BSP one per step of all workers, ASP
+                                  and SSP one per worker's push */
     const dt_ps_table *tables; /* workers: the sparse tables (every worker the same ones; */
     int ntables;               /* servers take worker 0's).  Borrowed during dt_ps_new. */
     int prefetch;              /* workers: 1 pulls a step's parameters in the background
@@ -914,8 +917,9 @@ DT_API dt_status dt_ps_sparse_push(dt_ps *ps, int table, const int64_t *ids, int
 typedef struct dt_ps_stats {
     int64_t pushes, pulls;     /* requests this rank sent (worker) or served (server) */
     int64_t steps;             /* worker: steps pushed; server: optimizer steps applied */
-    int64_t max_staleness;     /* largest (this worker's step - slowest worker's step) a
-                                  pull was answered at (server: over all workers) */
+    int64_t max_staleness;     /* largest (the asking worker's step - the slowest worker's
+                                  step) a dense pull was answered at: this worker's pulls,
+                                  or (server) every worker's */
     double mean_staleness;
     double wait_s;             /* worker: time spent waiting for pulls */
     int dropped_workers;       /* server: workers that died and were dropped */

@@ -6,10 +6,17 @@
  *   build/fashion_mnist --model mlp --epochs 10 --save mlp.safetensors
  *   build/fashion_mnist --model cnn --ranks 2      (2 local ranks, DDP over shm)
  *   build/dtrun -n 2 build/fashion_mnist --model cnn    (the same, any launcher)
+ *   build/fashion_mnist --ranks 3 --servers 1 --ps-mode asp   (parameter server:
+ *                                    2 workers + 1 server, Downpour-style ASP)
  *
  * With more than one rank every rank trains on its own shard of each epoch
  * (batch = --batch per rank) and gradients are averaged with dt_ddp; the
  * test set is evaluated in parts and the metrics summed.  Rank 0 prints.
+ * With --servers S the last S ranks are parameter servers holding the
+ * weights and the optimizer (dt_ps); the workers push their gradients
+ * through dt_ddp's buckets and pull the weights back, in the consistency
+ * model --ps-mode says (bsp, asp, or ssp with --staleness).  Worker 0
+ * prints and evaluates.
  *
  * The data comes from Debian's dataset-fashion-mnist
  * (/usr/share/datasets/fashion-mnist).  The last line printed is
@@ -26,8 +33,8 @@
 #define FMNIST_STD 0.3530f
 
 typedef struct options {
-    const char *model, *data, *save, *resume, *optim;
-    int epochs, batch, threads, limit_batches, ranks;
+    const char *model, *data, *save, *resume, *optim, *ps_mode;
+    int epochs, batch, threads, limit_batches, ranks, servers, staleness;
     float lr;
     unsigned long long seed;
 } options;
@@ -50,6 +57,9 @@ static void usage(FILE *f)
             "  --threads N         compute threads per rank (default 1)\n"
             "  --ranks N           train data-parallel on N local processes (default 1;\n"
             "                      under a launcher such as build/dtrun, its world size)\n"
+            "  --servers N         of the ranks, N are parameter servers (default 0: DDP)\n"
+            "  --ps-mode M         bsp, asp or ssp, with --servers (default bsp)\n"
+            "  --staleness S       ssp's bound (default 2)\n"
             "  --seed N            seed for init and shuffling (default 1)\n"
             "  --save PATH         write a checkpoint after every epoch\n"
             "  --resume PATH       continue from a checkpoint\n"
@@ -72,7 +82,8 @@ static int parse_int(const char *flag, const char *v, int lo, int *out)
 
 static int parse_args(int argc, char **argv, options *o)
 {
-    *o = (options){"mlp", NULL, NULL, NULL, "adam", 10, 0, 1, 0, 1, 1e-3f, 1};
+    *o = (options){.model = "mlp", .optim = "adam", .ps_mode = "bsp", .epochs = 10, .threads = 1,
+                   .ranks = 1, .staleness = 2, .lr = 1e-3f, .seed = 1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -91,6 +102,9 @@ static int parse_args(int argc, char **argv, options *o)
         else if (!strcmp(a, "--threads")) ok = parse_int(a, v, 1, &o->threads);
         else if (!strcmp(a, "--ranks")) ok = parse_int(a, v, 1, &o->ranks);
         else if (!strcmp(a, "--limit-batches")) ok = parse_int(a, v, 1, &o->limit_batches);
+        else if (!strcmp(a, "--servers")) ok = parse_int(a, v, 0, &o->servers);
+        else if (!strcmp(a, "--staleness")) ok = parse_int(a, v, 0, &o->staleness);
+        else if (!strcmp(a, "--ps-mode")) o->ps_mode = v;
         else if (!strcmp(a, "--lr")) { char *e; o->lr = strtof(v, &e); ok = !*e && o->lr > 0; }
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = !*e; }
         else if (!strcmp(a, "--save")) o->save = v;
@@ -113,6 +127,14 @@ static int parse_args(int argc, char **argv, options *o)
     }
     if (strcmp(o->optim, "adam") && strcmp(o->optim, "sgd")) {
         fprintf(stderr, "fashion_mnist: --optim must be adam or sgd, got '%s'\n", o->optim);
+        return 0;
+    }
+    if (strcmp(o->ps_mode, "bsp") && strcmp(o->ps_mode, "asp") && strcmp(o->ps_mode, "ssp")) {
+        fprintf(stderr, "fashion_mnist: --ps-mode must be bsp, asp or ssp, got '%s'\n", o->ps_mode);
+        return 0;
+    }
+    if (o->servers && (o->ranks <= o->servers || o->resume)) {
+        fprintf(stderr, "fashion_mnist: --servers needs more --ranks than servers (and no --resume)\n");
         return 0;
     }
     if (!o->batch)
@@ -369,6 +391,119 @@ done:
     return ok;
 }
 
+/* Parameter-server training: the servers hold the weights and step them;
+ * each worker trains on its shard, its gradients pushed through dt_ddp's
+ * buckets and the weights pulled back.  Worker 0 evaluates and prints. */
+static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
+{
+    int rank = dt_comm_rank(comm), W = dt_comm_size(comm) - o->servers, ok = 0;
+    int tty = rank == 0 && isatty(STDOUT_FILENO), talk = rank == 0;
+    model m;
+    dt_dataset *train_ds = NULL, *test_ds = NULL;
+    dt_loader *ld = NULL;
+    dt_ddp *ddp = NULL;
+    if (rank < W && !model_build(ctx, &m, !strcmp(o->model, "cnn")))
+        return fail(ctx, rank, "building the model");
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    pc.servers = o->servers;
+    pc.mode = !strcmp(o->ps_mode, "asp") ? DT_PS_ASP : !strcmp(o->ps_mode, "ssp") ? DT_PS_SSP : DT_PS_BSP;
+    pc.staleness = o->staleness;
+    dt_optim_config_init(&pc.optim, strcmp(o->optim, "sgd") ? DT_ADAM : DT_SGD);
+    pc.optim.lr = o->lr;
+    if (pc.optim.kind == DT_SGD)
+        pc.optim.momentum = 0.9f;
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = o->batch;
+    lc.seed = o->seed;
+    lc.mean = FMNIST_MEAN;
+    lc.std = FMNIST_STD;
+    lc.prefetch = 1;
+    lc.shard_rank = rank;
+    lc.shard_count = W;
+    /* cosine decay over the run, counted in server steps (ASP/SSP: one per push) */
+    int64_t per_epoch = (60000 / W + o->batch - 1) / o->batch;
+    if (o->limit_batches && o->limit_batches < per_epoch)
+        per_epoch = o->limit_batches;
+    pc.schedule = (dt_schedule){.kind = DT_SCHED_COSINE,
+                                .total_steps = per_epoch * o->epochs * (pc.mode == DT_PS_BSP ? 1 : W)};
+    dt_ps *ps = dt_ps_new(ctx, comm, &pc);
+    if (!ps)
+        return fail(ctx, rank, "joining the parameter servers");
+    if (dt_ps_is_server(ps)) {
+        if (!(ok = dt_ps_serve(ps) == DT_OK))
+            fail(ctx, rank, "serving");
+        goto done;
+    }
+    if (!(train_ds = dt_dataset_fashion_mnist(ctx, o->data, 0)) ||
+        !(test_ds = dt_dataset_fashion_mnist(ctx, o->data, 1)))
+        goto fail_ctx;
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.ps = ps;
+    if (!(ld = dt_loader_new(ctx, train_ds, &lc)) || !(ddp = dt_ddp_new(ctx, comm, NULL, &dc)))
+        goto fail_ctx;
+    dt_eval_config ec;
+    dt_eval_config_init(&ec);
+    ec.mean = FMNIST_MEAN;
+    ec.std = FMNIST_STD;
+    if (per_epoch > dt_loader_batches(ld))
+        per_epoch = dt_loader_batches(ld);
+    if (talk)
+        printf("model %s, %d epochs, batch %d per worker x %d workers, %d servers (%s), %s lr %g\n",
+               o->model, o->epochs, o->batch, W, o->servers, o->ps_mode, o->optim, (double)o->lr);
+    dt_metrics tm;
+    double t_all = dt_now();
+    for (int epoch = 0; epoch < o->epochs; epoch++) {
+        dt_loader_start_epoch(ld, epoch);
+        double t0 = dt_now(), loss_sum = 0;
+        dt_tensor *x, *y;
+        for (int64_t b = 0; b < per_epoch && dt_loader_next(ld, &x, &y) == DT_OK; b++) {
+            dt_tensor *loss = dt_cross_entropy(ctx, model_forward(ctx, &m, x), y);
+            if (!loss || dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
+                goto fail_ctx;
+            loss_sum += dt_tensor_item(loss);
+            dt_zero_grad(ctx);
+            dt_step_reset(ctx);
+            if (talk)
+                progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
+                         (double)((b + 1) * o->batch) / (dt_now() - t0));
+        }
+        if (talk) {
+            if (dt_evaluate(ctx, NULL, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
+                goto fail_ctx;
+            printf("%sepoch %d: loss %.4f, test accuracy %.2f%%, %.0f samples/s on worker 0\n",
+                   tty ? "\n" : "", epoch + 1, loss_sum / (double)per_epoch, 100 * tm.accuracy,
+                   (double)(per_epoch * o->batch) / (dt_now() - t0));
+        }
+    }
+    if (talk) {   /* the servers' weights as they are now */
+        if (dt_ps_pull(ps) != DT_OK ||
+            dt_evaluate(ctx, NULL, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
+            goto fail_ctx;
+        dt_ps_stats st;
+        dt_ps_stats_get(ps, &st);
+        printf("%.1f s; pulls waited %.2f s; staleness of the answered pulls: mean %.2f, max %lld\n",
+               dt_now() - t_all, st.wait_s, st.mean_staleness, (long long)st.max_staleness);
+        printf("test accuracy: %.2f%%\n", 100 * tm.accuracy);
+    }
+    ok = dt_ps_finish(ps) == DT_OK;
+    if (ok)
+        goto done;
+fail_ctx:
+    ok = fail(ctx, rank, "training");
+done:
+    dt_ddp_free(ddp);
+    dt_ps_free(ps);
+    dt_loader_free(ld);
+    dt_dataset_free(train_ds);
+    dt_dataset_free(test_ds);
+    if (ok && dt_barrier(comm) != DT_OK)   /* rank 0 hosts the store: leave together */
+        ok = fail(ctx, rank, "leaving");
+    return ok;
+}
+
 /* This process's part: one rank of a job (world > 1) or the whole run. */
 static int run_rank(const options *o)
 {
@@ -389,8 +524,10 @@ static int run_rank(const options *o)
         fail(ctx, 0, "reading the launcher's environment");
     else if (env.world_size > 1 && !(comm = dt_comm_new(ctx, &env, NULL)))
         ok = fail(ctx, env.rank, "joining the job");
-    if (ok)
-        ok = train(o, ctx, comm);
+    if (ok && o->servers && !comm)
+        ok = fail(ctx, 0, "--servers needs a job of several ranks");
+    else if (ok)
+        ok = o->servers ? train_ps(o, ctx, comm) : train(o, ctx, comm);
     dt_comm_free(comm);
     dt_ctx_free(ctx);
     return ok;
