@@ -5630,7 +5630,20 @@ typedef struct xfers {
     coll_header hdr_out, hdr_in;
     dt_xfer hdr_send, hdr_recv;
     int hdr_checked, has_hdr;
+    const unsigned char *gone; /* parameter server: ranks gone_base + i with gone[i] died; */
+    int gone_base, gone_n;     /* their transfers are not waited for, then cancelled */
+    /* a transfer with rank `peer` failed: DT_OK if the work goes on without it
+     * (the peer is gone now), else the work's failure */
+    dt_status (*write_off)(dt_work *w, void *arg, int peer);
+    void *write_off_arg;
+    unsigned char cancelled[DT_COMM_MAX_XFERS];
 } xfers;
+
+static int xfer_gone(const xfers *xs, int peer)
+{
+    return xs->gone && peer >= xs->gone_base && peer < xs->gone_base + xs->gone_n &&
+           xs->gone[peer - xs->gone_base];
+}
 
 static dt_status check_dead(dt_comm *c, dt_work *w);
 static void seg_heartbeat(dt_comm *c);
@@ -5655,6 +5668,8 @@ static dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, 
         c->last_watch = 0;
         if (check_dead(c, w) != DT_OK)
             return w->status;
+        if (xfer_gone(xs, peer))   /* a dead server a parameter-server request can go without */
+            return work_fail(w, DT_EPEER, "%s #%u: rank %d died", coll_names[w->kind], w->seq, peer);
     }
     if (st != DT_OK)
         return work_fail(w, st == DT_ETIMEDOUT ? st : DT_EPEER, "%s #%u: %s to rank %d failed: %s",
@@ -5810,6 +5825,38 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
 
 /* Wait for every posted transfer (and the header), checking tags, until
  * the deadline; on failure cancel what is left so no buffer stays posted. */
+/* Cancel the transfers to dead peers and wait (a second) until the
+ * transport lets go of them; else fail, and the communicator closes its
+ * endpoint rather than leave them pointing at freed memory. */
+static int cancel_gone(dt_comm *c, xfers *xs)
+{
+    int left = 0;
+    for (int i = 0; i < xs->n; i++)
+        if (!xs->x[i].done && xfer_gone(xs, xs->x[i].peer)) {
+            if (!xs->cancelled[i])   /* at once: a provider may hold other peers' */
+                c->tp_iface->cancel(c->tp, &xs->x[i]);   /* completions behind it */
+            xs->cancelled[i] = 1;
+            left = 1;
+        }
+    return left;
+}
+
+static dt_status drain_gone(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int left = cancel_gone(c, xs);
+    for (double end = dt_now() + 1.0; left && dt_now() < end;) {
+        dt_xfer *done[16];
+        char err[256];
+        if (c->tp_iface->poll(c->tp, done, 16, err, sizeof err) <= 0)
+            c->tp_iface->wait(c->tp, 10);
+        left = 0;
+        for (int i = 0; i < xs->n; i++)
+            left |= !xs->x[i].done && xfer_gone(xs, xs->x[i].peer);
+    }
+    return left ? work_fail(w, DT_EPEER, "%s #%u: transfers to a dead server could not be "
+                            "cancelled", coll_names[w->kind], w->seq) : DT_OK;
+}
+
 static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
     int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->timeout_ms);
@@ -5817,7 +5864,7 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
     for (;;) {
         int pending = 0, silent_peer = -1;
         for (int i = 0; i < xs->n; i++) {
-            if (!xs->x[i].done) {
+            if (!xs->x[i].done && !xfer_gone(xs, xs->x[i].peer)) {
                 pending++;
                 silent_peer = xs->x[i].peer;
             }
@@ -5838,10 +5885,12 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             seg_heartbeat(c);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
-            if (x->status != DT_OK && x != &xs->hdr_recv) {
+            if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer)) {
                 work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
                           "%s #%u: transfer with rank %d failed (%s)", coll_names[w->kind], w->seq,
                           x->peer, dt_strerror(x->status));
+                if (xs->write_off)
+                    xs->write_off(w, xs->write_off_arg, x->peer);
             }
         }
         if (w->status != DT_OK)
@@ -5852,6 +5901,8 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
         c->waiting_on = who;
         if (k == 0 && check_dead(c, w) != DT_OK)
             break;
+        if (k == 0 && xs->gone)
+            cancel_gone(c, xs);
         if (k == 0) {
             if (dt_now() >= deadline) {
                 blame_silent(w, who, limit_ms);
@@ -5870,6 +5921,9 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             c->tp_iface->cancel(c->tp, &xs->hdr_send);
         return w->status;
     }
+    if (xs->gone && drain_gone(c, w, xs) != DT_OK)
+        return w->status;
+    memset(xs->cancelled, 0, (size_t)xs->n);
     xs->n = 0;
     return DT_OK;
 }
@@ -9801,6 +9855,8 @@ struct dt_ps {
     dt_comm *comm;
     dt_ps_config cfg;
     int W, S, server;          /* server: this rank's server index, -1 on workers */
+    int L, shard;              /* key shards (S, or S / 2 replicated); a server's shard */
+    unsigned char *gone;       /* worker: servers found dead (replicated jobs go on) */
     int job;                   /* which PS job of the communicator (store keys) */
     int finished;              /* worker: dt_ps_finish done */
     int nparams;
@@ -9895,7 +9951,8 @@ static char *ps_describe(dt_ctx *ctx, const dt_ps_config *cfg)
         set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
         return NULL;
     }
-    p += snprintf(p, cap, "dtrain-ps %d %d\n", ctx->n_params, cfg->ntables);
+    p += snprintf(p, cap, "dtrain-ps %d %d %d %d %d\n", ctx->n_params, cfg->ntables, cfg->servers,
+                  cfg->replicate != 0, (int)cfg->mode);
     for (int i = 0; i < ctx->n_params; i++)
         p += snprintf(p, cap - (size_t)(p - s), "%s %lld\n", ctx->params[i]->name,
                       (long long)dt_tensor_numel(ctx->params[i]));
@@ -9931,10 +9988,14 @@ static int ps_parse_table(dt_ctx *ctx, const char *line, const char *nl, ps_tab 
 static dt_status ps_plan(dt_ps *ps, const char *layout)
 {
     dt_ctx *ctx = ps->ctx;
-    int n = -1, nt = -1, used = 0;
-    if (sscanf(layout, "dtrain-ps %d %d\n%n", &n, &nt, &used) != 2 || used == 0 || n < 0 ||
-        nt < 0 || n > 1 << 24 || nt > 1 << 16)
+    int n = -1, nt = -1, servers = 0, repl = 0, mode = 0, used = 0;
+    if (sscanf(layout, "dtrain-ps %d %d %d %d %d\n%n", &n, &nt, &servers, &repl, &mode, &used) != 5 ||
+        used == 0 || n < 0 || nt < 0 || n > 1 << 24 || nt > 1 << 16)
         return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed");
+    if (servers != ps->S || repl != (ps->cfg.replicate != 0) || mode != (int)ps->cfg.mode)
+        return set_error(ctx, DT_EMISMATCH, "ps_new: rank %d has %d servers, replication %d, mode "
+                         "%d; worker 0 has %d, %d, %d", ps->comm->rank, ps->S,
+                         ps->cfg.replicate != 0, (int)ps->cfg.mode, servers, repl, mode);
     ps->nparams = n;
     ps->ntables = nt;
     ps->numel = host_calloc(ctx, sizeof(int64_t) * (size_t)(n + 1));
@@ -9965,12 +10026,31 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
     }
     ps->G = off;
     ps->P = n;
-    for (int s = 0; s <= ps->S; s++)
-        ps->range[s] = ps->G * s / ps->S;
+    for (int s = 0; s <= ps->L; s++)
+        ps->range[s] = ps->G * s / ps->L;
     return DT_OK;
 }
 
 /* --- 18.2 the worker's side ----------------------------------------------- */
+
+/* Replicated jobs: server s failed; if its shard's other server is alive,
+ * s is written off and the request goes on without it. */
+static dt_status ps_forgive(dt_work *w, dt_ps *ps, int s)
+{
+    if (ps->L == ps->S || ps->gone[(s + ps->L) % ps->S])
+        return w->status;
+    ps->gone[s] = 1;
+    w->status = DT_OK;
+    w->msg[0] = '\0';
+    return DT_OK;
+}
+
+/* wait_xfers' hook: a transfer with a server failed. */
+static dt_status ps_write_off(dt_work *w, void *arg, int peer)
+{
+    dt_ps *ps = arg;
+    return peer >= ps->W && peer < ps->W + ps->S ? ps_forgive(w, ps, peer - ps->W) : w->status;
+}
 
 /* Post the sends of one request (header, then `bytes` of data if any) to
  * server s. */
@@ -9983,10 +10063,10 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, const ps_cal
     *hdr = (ps_msg){.magic = PS_MAGIC, .op = (uint32_t)op, .seq = seq, .lo = lo, .n = n,
                     .clock = pc->clock};
     int peer = ps->W + s;
-    if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK)
-        return w->status;
-    if (data && bytes > 0)
-        return post(c, w, xs, 1, peer, ps_tag(PS_TAG_DATA, seq), data, bytes);
+    if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK ||
+        (data && bytes > 0 &&
+         post(c, w, xs, 1, peer, ps_tag(PS_TAG_DATA, seq), data, bytes) != DT_OK))
+        return ps_forgive(w, ps, s);
     return DT_OK;
 }
 
@@ -9995,31 +10075,44 @@ static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, in
                                 void *data, size_t bytes)
 {
     uint32_t seq = ps->seq[s];
-    if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq), in, sizeof *in) != DT_OK)
-        return w->status;
-    return post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RDATA, seq), data, bytes);
+    if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq), in, sizeof *in) != DT_OK ||
+        post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RDATA, seq), data, bytes) != DT_OK)
+        return ps_forgive(w, ps, s);
+    return DT_OK;
 }
 
-/* Post a dense request: split over the servers' key ranges. */
+/* The server shard j's pulls go to: the first of its servers alive. */
+static int ps_reader(const dt_ps *ps, int j)
+{
+    return ps->L != ps->S && ps->gone[j] ? j + ps->L : j;
+}
+
+/* Post a dense request: every live server its shard's part (pushes go to
+ * both servers of a replicated shard, pulls to one). */
 static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout, int *nin)
 {
     dt_ps *ps = pc->ps;
     int64_t hi = pc->lo + pc->n, glo = pc->lo, ghi = hi < ps->G ? hi : ps->G;
     for (int s = 0; s < ps->S; s++) {
-        int64_t a = glo > ps->range[s] ? glo : ps->range[s];
-        int64_t b = ghi < ps->range[s + 1] ? ghi : ps->range[s + 1];
+        int j = s % ps->L;
+        int64_t a = glo > ps->range[j] ? glo : ps->range[j];
+        int64_t b = ghi < ps->range[j + 1] ? ghi : ps->range[j + 1];
+        if (ps->gone[s])
+            continue;
         if (pc->op == PS_FINISH) {
             if (ps_post_request(c, w, xs, pc, s, PS_FINISH, 0, 0, NULL, 0, &pc->out[(*nout)++]))
                 return w->status;
             continue;
         }
         if (pc->op == PS_PULL) {
-            if (a >= b)
+            if (a >= b || ps_reader(ps, j) != s)
                 continue;
-            if (ps_post_answer(c, w, xs, ps, s, &pc->in[(*nin)++], pc->buf + (a - pc->lo),
+            if (ps_post_answer(c, w, xs, ps, s, &pc->in[*nin], pc->buf + (a - pc->lo),
                                (size_t)(b - a) * sizeof(float)) ||
-                ps_post_request(c, w, xs, pc, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++]))
+                (!ps->gone[s] &&
+                 ps_post_request(c, w, xs, pc, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++])))
                 return w->status;
+            *nin += !ps->gone[s];
             continue;
         }
         /* init, push: this server's gradient keys, and every flag */
@@ -10027,7 +10120,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
                                      (size_t)(b - a) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
         int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
-        if (pc->op == PS_PUSH && hi > flo &&
+        if (pc->op == PS_PUSH && hi > flo && !ps->gone[s] &&
             ps_post_request(c, w, xs, pc, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
                             (size_t)(hi - flo) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
@@ -10035,43 +10128,72 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
     return DT_OK;
 }
 
-/* Post a sparse request: each server its distinct rows. */
+/* Post a sparse request: each live server its shard's distinct rows. */
 static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout, int *nin)
 {
     dt_ps *ps = pc->ps;
     int64_t dim = ps->tabs[pc->lo].dim;
     for (int s = 0; s < ps->S; s++) {
-        int64_t k = pc->cnt[s];
-        if (k == 0)
+        int j = s % ps->L;
+        int64_t k = pc->cnt[j];
+        if (k == 0 || ps->gone[s] || (pc->op == PS_SPULL && ps_reader(ps, j) != s))
             continue;
         size_t idb = (size_t)k * sizeof(int64_t), rowb = (size_t)(k * dim) * sizeof(float);
         if (pc->op == PS_SPULL &&
-            ps_post_answer(c, w, xs, ps, s, &pc->in[(*nin)++], pc->rows[s], rowb) != DT_OK)
+            ps_post_answer(c, w, xs, ps, s, &pc->in[*nin], pc->rows[j], rowb) != DT_OK)
             return w->status;
-        if (ps_post_request(c, w, xs, pc, s, pc->op, pc->lo, k, pc->msg[s],
+        if (ps->gone[s])
+            continue;
+        *nin += pc->op == PS_SPULL;
+        if (ps_post_request(c, w, xs, pc, s, pc->op, pc->lo, k, pc->msg[j],
                             pc->op == PS_SPUSH ? idb + rowb : idb, &pc->out[(*nout)++]) != DT_OK)
             return w->status;
     }
     return DT_OK;
 }
 
+/* Did a server a pull of this round was answered from die? */
+static int ps_lost_reader(const dt_ps *ps, const unsigned char *before)
+{
+    for (int s = 0; s < ps->S; s++)
+        if (ps->gone[s] && !before[s])
+            return 1;
+    return 0;
+}
+
 /* The comm thread runs a worker's request: split over the servers, post,
  * wait (within the communicator's timeout), check the answers; a sparse
- * pull's rows go where the caller asked. */
+ * pull's rows go where the caller asked.  Replicated: a server found dead
+ * is written off, and a pull that was asking it asks again (pulls are
+ * idempotent; pushes already went to both servers of the shard). */
 static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
 {
     ps_call *pc = (ps_call *)w->aux;
     dt_ps *ps = pc->ps;
     int nout = 0, nin = 0, sparse = pc->op == PS_SPUSH || pc->op == PS_SPULL;
+    int pull = pc->op == PS_PULL || pc->op == PS_SPULL;
     if (ps->S > PS_MAX_SERVERS)
         return work_fail(w, DT_ENOTSUP, "parameter server: at most %d servers in this build",
                          PS_MAX_SERVERS);
-    if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout, &nin) != DT_OK)
-        return w->status;
-    /* a BSP pull waits for the slowest worker */
-    xs->patience = pc->op == PS_PULL || pc->op == PS_SPULL ? 2.0 : 1.0;
-    if (wait_xfers(c, w, xs) != DT_OK)
-        return w->status;
+    xs->gone = ps->gone;
+    xs->gone_base = ps->W;
+    xs->gone_n = ps->S;
+    xs->write_off = ps_write_off;
+    xs->write_off_arg = ps;
+    for (int round = 0;; round++) {
+        unsigned char before[PS_MAX_SERVERS];
+        memcpy(before, ps->gone, (size_t)ps->S);
+        nout = nin = 0;
+        if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout, &nin) != DT_OK)
+            return w->status;
+        xs->patience = pull ? 2.0 : 1.0;   /* a BSP pull waits for the slowest worker */
+        if (wait_xfers(c, w, xs) != DT_OK)
+            return w->status;
+        if (!pull || !ps_lost_reader(ps, before))
+            break;
+        if (round >= ps->S)
+            return work_fail(w, DT_EPEER, "parameter server: every server of a shard died");
+    }
     for (int i = 0; i < nin; i++)
         if (pc->in[i].magic != PS_MAGIC || pc->in[i].status != DT_OK)
             return work_fail(w, pc->in[i].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[i].status,
@@ -10092,12 +10214,16 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
 static dt_status ps_check_servers(dt_comm *c, dt_work *w)
 {
     const ps_call *pc = w->aux;
-    for (int s = 0; s < pc->ps->S; s++) {
+    dt_ps *ps = pc->ps;
+    for (int s = 0; s < ps->S; s++) {
         char key[32], val[16];
         size_t len = 0;
-        snprintf(key, sizeof key, "dead/%d", pc->ps->W + s);
-        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK)
-            return work_fail(w, DT_EPEER, "parameter server: server rank %d died", pc->ps->W + s);
+        snprintf(key, sizeof key, "dead/%d", ps->W + s);
+        if (ps->gone[s] || dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK)
+            continue;
+        work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
+        if (ps_forgive(w, ps, s) != DT_OK)   /* replicated: its twin serves on */
+            return w->status;
     }
     return DT_OK;
 }
@@ -10285,13 +10411,13 @@ static ps_call *ps_sparse_prepare(dt_ps *ps, const char *what, int op, int table
     for (int64_t i = 0; i < n; i++)
         ip[i] = (ps_idpos){ids[i], i};
     qsort(ip, (size_t)n, sizeof *ip, ps_idpos_cmp);
-    int64_t cnt[PS_MAX_SERVERS] = {0}, S = ps->S, dim = tb->dim;
+    int64_t cnt[PS_MAX_SERVERS] = {0}, S = ps->L, dim = tb->dim;
     for (int64_t i = 0; i < n; i++)
         if (i == 0 || ip[i].id != ip[i - 1].id)
             cnt[ip[i].id % S]++;
     /* the block: the call, each server's message (and answer rows), where[] */
     size_t bytes = sizeof(ps_call), at[PS_MAX_SERVERS], rat[PS_MAX_SERVERS];
-    for (int s = 0; s < S; s++) {
+    for (int s = 0; s < S; s++) {   /* (s: a shard) */
         at[s] = bytes;
         bytes += (size_t)cnt[s] * (sizeof(int64_t) + (op == PS_SPUSH ? (size_t)dim * 4 : 0));
         rat[s] = bytes;
@@ -10336,7 +10462,7 @@ static ps_call *ps_sparse_prepare(dt_ps *ps, const char *what, int op, int table
 static int64_t ps_rows_in(const ps_call *pc)
 {
     int64_t rows = 0;
-    for (int s = 0; s < pc->ps->S; s++)
+    for (int s = 0; s < pc->ps->L; s++)
         rows += pc->cnt[s];
     return rows;
 }
@@ -10398,7 +10524,7 @@ static int ps_tab_states(const dt_optim_config *c)
 static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
 {
     dt_ctx *sx = ps->sctx;
-    int64_t S = ps->S, s = ps->server;
+    int64_t S = ps->L, s = ps->shard;
     tb->count = tb->rows > s ? (tb->rows - s + S - 1) / S : 0;
     int64_t shape[2] = {tb->count > 0 ? tb->count : 1, tb->dim};
     static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
@@ -10441,7 +10567,7 @@ static dt_status ps_make_pieces(dt_ps *ps)
     ps->sctx = dt_ctx_new(&cc);
     if (!ps->sctx || dt_last_status(ps->sctx) != DT_OK)
         return set_error(ps->ctx, DT_ENOMEM, "ps_new: cannot make the server's context");
-    int64_t lo = ps->range[ps->server], hi = ps->range[ps->server + 1];
+    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
     ps->piece = host_calloc(ps->ctx, sizeof *ps->piece * (size_t)(ps->nparams + 1));
     ps->piece_lo = host_calloc(ps->ctx, sizeof(int64_t) * (size_t)(ps->nparams + 1));
     ps->piece_param = host_calloc(ps->ctx, sizeof(int) * (size_t)(ps->nparams + 1));
@@ -10484,20 +10610,20 @@ static dt_status ps_make_pieces(dt_ps *ps)
 
 static int64_t ps_my_floats(const dt_ps *ps)
 {
-    return ps->range[ps->server + 1] - ps->range[ps->server] + ps->P;
+    return ps->range[ps->shard + 1] - ps->range[ps->shard] + ps->P;
 }
 
 /* Where key k lands in a peer's push buffer (gradients, then flags). */
 static int64_t ps_slot(const dt_ps *ps, int64_t k)
 {
-    return k >= ps->G ? ps->range[ps->server + 1] - ps->range[ps->server] + (k - ps->G)
-                      : k - ps->range[ps->server];
+    return k >= ps->G ? ps->range[ps->shard + 1] - ps->range[ps->shard] + (k - ps->G)
+                      : k - ps->range[ps->shard];
 }
 
 /* Step the pieces with grads = sum (G_s floats) * scale, flags after them. */
 static dt_status ps_step(dt_ps *ps, float *sum, float scale)
 {
-    int64_t lo = ps->range[ps->server], gs = ps->range[ps->server + 1] - lo;
+    int64_t lo = ps->range[ps->shard], gs = ps->range[ps->shard + 1] - lo;
     const float *flags = sum + gs;
     for (int64_t i = 0; i < gs; i++)
         sum[i] *= scale;
@@ -10926,7 +11052,7 @@ static dt_status ps_on_header(dt_ps *ps, int w)
     }
     if (h->op == PS_SPUSH || h->op == PS_SPULL)
         return ps_recv_sparse(ps, w);
-    int64_t lo = ps->range[ps->server], hi = ps->range[ps->server + 1];
+    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
     int flags = h->lo >= ps->G;
     int in_range = h->n >= 0 && (flags ? h->lo + h->n <= ps->G + ps->P
                                        : h->lo >= lo && h->lo + h->n <= hi);
@@ -11189,6 +11315,9 @@ static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W,
                          "staleness >= 0", (int)cfg->mode, cfg->staleness);
     *S = cfg->servers;
     *W = c->world - *S;
+    if (cfg->replicate && (*S < 2 || *S % 2))
+        return set_error(ctx, DT_EINVAL, "ps_new: replication pairs the servers: %d servers is not "
+                         "an even number >= 2", *S);
     if (*W < 1 || *S > 8)
         return set_error(ctx, *S > 8 ? DT_ENOTSUP : DT_EINVAL, "ps_new: %d servers among %d ranks: "
                          "need at least one worker and at most 8 servers", *S, c->world);
@@ -11253,10 +11382,11 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
     if (s != DT_OK)
         return s;
     ps->seq = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);
+    ps->gone = host_calloc(ctx, (size_t)ps->S);
     ps->stage = host_alloc(ctx, sizeof(float) * (size_t)(ps->G + ps->P + 1));
     if (ps->cfg.prefetch)
         ps->stage2 = host_alloc(ctx, sizeof(float) * (size_t)(ps->G + 1));
-    if (!ps->seq || !ps->stage || (ps->cfg.prefetch && !ps->stage2))
+    if (!ps->seq || !ps->gone || !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
     if (c->rank == 0) {   /* our values are where everyone starts */
@@ -11315,8 +11445,10 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
         return NULL;
     }
     int job = c->ps_made++;
-    *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job,
-                  .server = c->rank >= W ? c->rank - W : -1};
+    int L = conf.replicate ? S / 2 : S;
+    *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job, .L = L,
+                  .server = c->rank >= W ? c->rank - W : -1,
+                  .shard = c->rank >= W ? (c->rank - W) % L : -1};
     dt_status s = ps->server >= 0 ? ps_join_server(ps, job) : ps_join_worker(ps, job);
     ps->cfg.tables = NULL;   /* borrowed until now */
     if (s != DT_OK) {
@@ -11379,6 +11511,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->range);
     host_free(ctx, ps->layout);
     host_free(ctx, ps->seq);
+    host_free(ctx, ps->gone);
     host_free(ctx, ps->stage);
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);

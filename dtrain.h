@@ -854,6 +854,10 @@ typedef struct dt_ps_config {
                                   and SSP one per worker's push */
     const dt_ps_table *tables; /* workers: the sparse tables (every worker the same ones; */
     int ntables;               /* servers take worker 0's).  Borrowed during dt_ps_new. */
+    int replicate;             /* 1: servers pair up, server s and s + servers/2 holding the
+                                  same shard (servers must be even); workers push to both and
+                                  pull from the first alive, so training goes on when a
+                                  server dies */
     int prefetch;              /* workers: 1 pulls a step's parameters in the background
                                   while the next step computes (double-buffered): steps
                                   compute on parameters one step stale, and never wait for

@@ -14,6 +14,8 @@
 #include "test_util.h"
 #include "test_ranks.h"
 
+#include <pthread.h>
+
 typedef int (*ddp_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
 
 /* how the next job's ranks join (set before forking, so inherited) */
@@ -1389,6 +1391,16 @@ static int ps_slow_worker = -1;         /* sleeps each step */
 static int ps_die_worker = -1;          /* exits after 2 steps */
 static int ps_prefetch;                 /* workers prefetch the next step's parameters */
 static int ps_fetch_every = 1;          /* push_pull only every k-th step, else dt_ps_push */
+static int ps_replicate;                /* servers in mirrored pairs */
+static int ps_kill_ms;                  /* the first server exits this long after serving starts */
+
+static void *ps_killer(void *arg)
+{
+    struct timespec t = {0, (long)(intptr_t)arg * 1000000L};
+    nanosleep(&t, NULL);
+    _exit(0);   /* gone without a word, mid-training */
+    return NULL;
+}
 
 static void ps_optim_config(dt_optim_config *oc)
 {
@@ -1406,6 +1418,7 @@ static dt_ps *ps_join(dt_ctx *ctx, dt_comm *c)
     pc.mode = ps_mode;
     pc.staleness = ps_staleness;
     pc.prefetch = ps_prefetch;
+    pc.replicate = ps_replicate;
     ps_optim_config(&pc.optim);
     return dt_ps_new(ctx, c, &pc);
 }
@@ -1422,6 +1435,10 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (!ps)
         return 2;
     if (dt_ps_is_server(ps)) {
+        pthread_t killer;
+        if (ps_kill_ms && rank == W &&
+            pthread_create(&killer, NULL, ps_killer, (void *)(intptr_t)ps_kill_ms) != 0)
+            return 15;
         if (dt_ps_serve(ps) != DT_OK)
             return 3;
         dt_ps_stats st;
@@ -1442,7 +1459,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         if (ps_mode == DT_PS_BSP && st.max_staleness != 0)
             return 6;
         dt_ps_free(ps);
-        return ps_die_worker < 0 && dt_barrier(c) != DT_OK ? 14 : 0;
+        return ps_die_worker < 0 && !ps_kill_ms && dt_barrier(c) != DT_OK ? 14 : 0;
     }
     dt_ddp *ddp = NULL;
     if (ps_use_ddp) {
@@ -1501,6 +1518,11 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 13;
     dt_ddp_free(ddp);
     dt_ps_free(ps);
+    if (ps_kill_ms) {   /* no barrier with a dead rank: keep rank 0's store up a while */
+        struct timespec t = {1, 500000000L};
+        nanosleep(&t, NULL);
+        return 0;
+    }
     return ps_die_worker < 0 && dt_barrier(c) != DT_OK ? 14 : 0;   /* rank 0's store stays up */
 }
 
@@ -1513,6 +1535,7 @@ static void ps_reset(void)
     ps_slow_worker = ps_die_worker = -1;
     ps_prefetch = 0;
     ps_fetch_every = 1;
+    ps_replicate = ps_kill_ms = 0;
 }
 
 /* BSP: 2 workers and 1 server end where one process with the doubled
@@ -1552,6 +1575,24 @@ static void test_ps_ssp_asp(void **state)
     expect_all_ok(4, ps_rank);
     ps_mode = DT_PS_ASP;
     expect_all_ok(4, ps_rank);
+    ps_reset();
+}
+
+/* Replicated servers: the primary of the only shard dies mid-training; its
+ * mirror serves on, and the workers end exactly where one process does
+ * (no update lost).  DDP buckets of 1 KiB: within libfabric shm's inline
+ * size (docs/PARAMETER_SERVER.md says why larger pushes are not yet safe). */
+static void test_ps_replica_failover(void **state)
+{
+    (void)state;
+    ps_reset();
+    ps_servers = 2;
+    ps_replicate = 1;
+    ps_kill_ms = 250;
+    ps_slow_worker = 1;   /* 30 ms a step: the run outlives the primary */
+    job_timeout_ms = 4000;
+    expect_all_ok(4, ps_rank);
+    job_timeout_ms = 20000;
     ps_reset();
 }
 
@@ -1984,6 +2025,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_bsp_equivalence),
     cmocka_unit_test(test_ps_ssp_asp),
     cmocka_unit_test(test_ps_dead_worker),
+    cmocka_unit_test(test_ps_replica_failover),
     cmocka_unit_test(test_ps_misuse),
     cmocka_unit_test(test_ps_sparse),
     cmocka_unit_test(test_hogwild),

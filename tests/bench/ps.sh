@@ -33,7 +33,7 @@ echo "# commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) C
 # field NAME of a "key=value ..." line
 field() { sed -n "s/.*\b$1=\([0-9.e+-]*\).*/\1/p" | head -1; }
 median() { sort -g | awk '{v[NR]=$1} END {print NR ? (NR%2 ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2) : "nan"}'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b > 0 ? a / b : 0 }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }'; }
 
 echo
 echo "## 1. dense push/pull, 1 worker + 1 server"
