@@ -107,3 +107,11 @@ da=$(grep '^test auc' "$OUT/d_full.txt" | tail -1); ga=$(grep '^torch test auc' 
 rm -f "$OUT/d_full.txt" "$OUT/g_full.txt"
 printf "dtrain %8.0f samples/s, PyTorch %8.0f samples/s: ratio %sx  (%s; %s)\n" "$d" "$g" \
     "$(ratio "$d" "$g")" "$da" "$ga"
+# the same with prefetch: the next batch's rows and the weights pulled while this batch computes
+: > "$OUT/d.txt"
+for r in $(seq "$REPEATS"); do
+    build/ps_sparse --ranks 2 --servers 1 --prefetch |
+        sed -n 's/.*trained [0-9]* samples in [0-9.]* s: \([0-9.]*\) samples\/s.*/\1/p' >> "$OUT/d.txt"
+done
+d=$(median < "$OUT/d.txt")
+printf "dtrain --prefetch %8.0f samples/s: ratio %sx to PyTorch\n" "$d" "$(ratio "$d" "$g")"
