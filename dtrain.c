@@ -168,6 +168,8 @@ struct dt_ctx {
     size_t persistent_bytes;
     dt_tensor **params;
     int n_params, cap_params;
+    dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (a parameter */
+    int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
     struct dt_ddp *ddp;            /* attached data parallelism (16), or NULL */
     uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
 };
@@ -3370,6 +3372,8 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char *
     int n = 0;
     for (int i = 0; i < ctx->n_params; i++)
         items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i]};
+    for (int i = 0; i < ctx->n_ckpt_extra; i++)
+        items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i]};
     if (opt) {
         for (int i = 0; i < opt->n * opt->per; i++) {
             size_t len = strlen(opt->state[i]->name) + 7;
@@ -3472,7 +3476,7 @@ dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
         return set_error(ctx, DT_EINVAL, "checkpoint_save: path is empty");
     if (opt && opt->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
-    int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + nstate;
+    int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + ctx->n_ckpt_extra + nstate;
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(total + 1));
     char **names = host_calloc(ctx, sizeof *names * (size_t)(nstate + 1));
     size_t plen = strlen(path) + 5;
@@ -3873,7 +3877,8 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     size_t len = 0;
     st_file f;
     memset(&f, 0, sizeof f);
-    int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + nstate;
+    int nstate = opt ? opt->n * opt->per : 0, nx = ctx->n_ckpt_extra;
+    int total = ctx->n_params + nx + nstate;
     const st_entry **map = NULL;
     int64_t *psteps = NULL;
     char key[DT_MAX_NAME + 16];
@@ -3924,9 +3929,12 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     }
     for (int i = 0; s == DT_OK && i < ctx->n_params; i++)
         s = st_check(ctx, &f, ctx->params[i]->name, ctx->params[i], data_len, &map[i]);
+    for (int i = 0; s == DT_OK && i < nx; i++)
+        s = st_check(ctx, &f, ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], data_len,
+                     &map[ctx->n_params + i]);
     for (int i = 0; s == DT_OK && i < nstate; i++) {
         snprintf(key, sizeof key, "optim.%s", opt->state[i]->name);
-        s = st_check(ctx, &f, key, opt->state[i], data_len, &map[ctx->n_params + i]);
+        s = st_check(ctx, &f, key, opt->state[i], data_len, &map[ctx->n_params + nx + i]);
     }
     if (s != DT_OK)
         goto done;
@@ -3949,7 +3957,9 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     /* everything checked: now copy */
     const unsigned char *data = buf + 8 + hlen;
     for (int i = 0; i < total; i++) {
-        dt_tensor *t = i < ctx->n_params ? ctx->params[i] : opt->state[i - ctx->n_params];
+        dt_tensor *t = i < ctx->n_params ? ctx->params[i]
+                       : i < ctx->n_params + nx ? ctx->ckpt_extra[i - ctx->n_params]
+                                                : opt->state[i - ctx->n_params - nx];
         BE(ctx)->to_device(BEI(ctx), t->data, data + map[i]->begin, tensor_bytes(t));
         t->flags &= ~(unsigned)T_ZERO;
     }
@@ -9890,6 +9900,8 @@ struct dt_ps {
     ps_wait *waits;
     double stale_sum;
     int64_t stale_n;
+    char *ckpt_path;           /* server: its checkpoint file, or NULL */
+    int resumed;               /* server: started from it (worker 0's init is not used) */
     dt_ps_stats st;
 };
 
@@ -10531,9 +10543,11 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
                                              {".sum", ""}};
     const dt_optim_config *oc = &ps->cfg.optim;
     int kind = oc->kind == DT_SGD ? 0 : oc->kind == DT_ADAGRAD ? 2 : 1;
-    tb->w = owned_tensor(sx, 2, shape, tb->name, "");
+    char name[DT_MAX_NAME];   /* (checkpoints name it; "table." keeps it off the pieces' names) */
+    snprintf(name, sizeof name, "table.%s", tb->name);
+    tb->w = owned_tensor(sx, 2, shape, name, "");
     for (int j = 0; j < ps_tab_states(oc); j++)
-        tb->state[j] = owned_tensor(sx, 2, shape, tb->name, suffix[kind][j]);
+        tb->state[j] = owned_tensor(sx, 2, shape, name, suffix[kind][j]);
     size_t n = (size_t)(shape[0] * tb->dim);
     tb->acc = host_calloc(ps->ctx, n * sizeof(float));
     tb->slot = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
@@ -10553,6 +10567,46 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
     }
     for (int64_t i = 0; i < shape[0]; i++)
         tb->slot[i] = -1;
+    return DT_OK;
+}
+
+/* Checkpoints: the tables ride along with the pieces and the optimizer. */
+static dt_status ps_resume(dt_ps *ps)
+{
+    dt_ctx *sx = ps->sctx;
+    const char *dir = ps->cfg.checkpoint_dir;
+    if (!dir || !*dir)
+        return DT_OK;
+    sx->ckpt_extra = host_calloc(ps->ctx, sizeof(dt_tensor *) * (size_t)(3 * ps->ntables + 1));
+    size_t len = strlen(dir) + 48;
+    ps->ckpt_path = host_alloc(ps->ctx, len);
+    if (!sx->ckpt_extra || !ps->ckpt_path)
+        return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory");
+    snprintf(ps->ckpt_path, len, "%s/ps-server-%d.safetensors", dir, ps->server);
+    for (int t = 0; t < ps->ntables; t++) {
+        sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].w;
+        for (int j = 0; j < 2; j++)
+            if (ps->tabs[t].state[j])
+                sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].state[j];
+    }
+    if (access(ps->ckpt_path, F_OK) != 0)
+        return DT_OK;   /* a first start */
+    if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
+        return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
+                         ps->server, dt_last_error(sx));
+    ps->resumed = ps->initialized = 1;
+    ps->st.resumed = 1;
+    return DT_OK;
+}
+
+static dt_status ps_checkpoint(dt_ps *ps)
+{
+    if (!ps->ckpt_path)
+        return DT_OK;
+    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, ps->opt->steps) != DT_OK)
+        return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_serve: checkpoint: %s",
+                         dt_last_error(ps->sctx));
+    ps->st.checkpoints++;
     return DT_OK;
 }
 
@@ -10596,6 +10650,8 @@ static dt_status ps_make_pieces(dt_ps *ps)
     for (int t = 0; t < ps->ntables; t++)
         if (ps_make_table(ps, &ps->tabs[t]) != DT_OK)
             return ps->ctx->last_status;
+    if (ps_resume(ps) != DT_OK)
+        return ps->ctx->last_status;
     int64_t floats = hi - lo + ps->P;
     ps->initialized = hi == lo;   /* no keys here: nothing to wait for */
     ps->peers = host_calloc(ps->ctx, sizeof *ps->peers * (size_t)ps->W);
@@ -10641,7 +10697,8 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
     if (s != DT_OK)
         return set_error(ps->ctx, s, "ps_serve: optimizer step: %s", dt_last_error(ps->sctx));
     ps->st.steps++;
-    return DT_OK;
+    int every = ps->cfg.checkpoint_every;
+    return every > 0 && ps->opt->steps % every == 0 ? ps_checkpoint(ps) : DT_OK;
 }
 
 /* Add k pushed rows (local row numbers ids, then k * dim floats) to the
@@ -10982,7 +11039,7 @@ static dt_status ps_on_data(dt_ps *ps, int w)
     ps->st.pushes++;
     int64_t n = ps_my_floats(ps), gs = n - ps->P;
     if (p->op == PS_INIT) {   /* worker 0's starting values for our keys */
-        for (int q = 0; q < ps->npieces; q++) {
+        for (int q = 0; q < ps->npieces && !ps->resumed; q++) {
             int64_t plo = ps->piece_lo[q], phi = plo + dt_tensor_numel(ps->piece[q]);
             int64_t a = p->data_lo > plo ? p->data_lo : plo;
             int64_t b = p->data_lo + p->data_n < phi ? p->data_lo + p->data_n : phi;
@@ -10991,7 +11048,7 @@ static dt_status ps_on_data(dt_ps *ps, int w)
                                          p->push + ps_slot(ps, a), (size_t)(b - a) * sizeof(float));
         }
         ps->init_got += p->data_n;
-        ps->initialized = ps->init_got >= gs;
+        ps->initialized = ps->resumed || ps->init_got >= gs;
         return ps_answer_waiting(ps);
     }
     p->got += p->data_n;
@@ -11237,6 +11294,8 @@ dt_status dt_ps_serve(dt_ps *ps)
     dt_status s = broken ? set_error(ps->ctx, DT_ESTATE, "ps_serve: communicator failed earlier: %s",
                                      c->broken_msg)
                          : ps_serve_loop(ps, last_seen);
+    if (s == DT_OK)   /* the final state, for a job that starts again */
+        s = ps_checkpoint(ps);
     for (int w = 0; !broken && w < ps->W; w++)   /* nothing of ours stays posted */
         if (ps->peers[w].state == 0) {
             c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
@@ -11451,6 +11510,7 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
                   .shard = c->rank >= W ? (c->rank - W) % L : -1};
     dt_status s = ps->server >= 0 ? ps_join_server(ps, job) : ps_join_worker(ps, job);
     ps->cfg.tables = NULL;   /* borrowed until now */
+    ps->cfg.checkpoint_dir = NULL;
     if (s != DT_OK) {
         dt_ps_free(ps);
         return NULL;
@@ -11500,7 +11560,13 @@ void dt_ps_free(dt_ps *ps)
         host_free(ctx, q);
     }
     dt_optim_free(ps->opt);
+    if (ps->sctx) {
+        host_free(ctx, ps->sctx->ckpt_extra);
+        ps->sctx->ckpt_extra = NULL;
+        ps->sctx->n_ckpt_extra = 0;
+    }
     dt_ctx_free(ps->sctx);
+    host_free(ctx, ps->ckpt_path);
     host_free(ctx, ps->peers);
     host_free(ctx, ps->sum);
     host_free(ctx, ps->piece);

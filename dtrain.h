@@ -858,6 +858,13 @@ typedef struct dt_ps_config {
                                   same shard (servers must be even); workers push to both and
                                   pull from the first alive, so training goes on when a
                                   server dies */
+    const char *checkpoint_dir; /* servers: save the shard (parameters, tables, optimizer
+                                  state) to <dir>/ps-server-<s>.safetensors every
+                                  checkpoint_every optimizer steps and when serving ends
+                                  (written whole, then renamed); a server that finds its
+                                  file at dt_ps_new resumes from it (workers then start
+                                  from the saved weights).  Borrowed during dt_ps_new. */
+    int checkpoint_every;
     int prefetch;              /* workers: 1 pulls a step's parameters in the background
                                   while the next step computes (double-buffered): steps
                                   compute on parameters one step stale, and never wait for
@@ -930,6 +937,8 @@ typedef struct dt_ps_stats {
     int64_t rows_pushed;       /* distinct sparse rows pushed (worker: sent; server: got) */
     int64_t rows_pulled;       /* distinct sparse rows pulled (worker: got; server: sent) */
     int64_t rows_updated;      /* server: row updates its optimizer applied */
+    int64_t checkpoints;       /* server: checkpoints written */
+    int resumed;               /* server: it started from its checkpoint */
 } dt_ps_stats;
 DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
 

@@ -15,6 +15,7 @@
 #include "test_ranks.h"
 
 #include <pthread.h>
+#include <sys/stat.h>
 
 typedef int (*ddp_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
 
@@ -1392,6 +1393,32 @@ static int ps_die_worker = -1;          /* exits after 2 steps */
 static int ps_prefetch;                 /* workers prefetch the next step's parameters */
 static int ps_fetch_every = 1;          /* push_pull only every k-th step, else dt_ps_push */
 static int ps_replicate;                /* servers in mirrored pairs */
+static char ps_ckpt_dir[96];            /* servers checkpoint here (every ps_ckpt_every steps) */
+static int ps_ckpt_every, ps_ckpt_phase; /* phase 1 saves, phase 2 resumes */
+
+/* Worker 0's parameters to or from a file next to the checkpoints; 0 when
+ * written, or read and equal. */
+static int ps_params_file(dt_ctx *ctx, int write)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/params.bin", ps_ckpt_dir);
+    FILE *f = fopen(path, write ? "wb" : "rb");
+    int bad = !f;
+    for (int i = 0; !bad && i < dt_param_count(ctx); i++) {
+        dt_tensor *p = dt_param_at(ctx, i);
+        int64_t n = dt_tensor_numel(p);
+        float *a = malloc(sizeof(float) * (size_t)n), *b = malloc(sizeof(float) * (size_t)n);
+        bad = !a || !b || dt_tensor_get(p, a, n) != DT_OK ||
+              (write ? fwrite(a, sizeof(float), (size_t)n, f) != (size_t)n
+                     : fread(b, sizeof(float), (size_t)n, f) != (size_t)n ||
+                           memcmp(a, b, sizeof(float) * (size_t)n) != 0);
+        free(a);
+        free(b);
+    }
+    if (f)
+        bad |= fclose(f) != 0;
+    return bad;
+}
 static int ps_kill_ms;                  /* the first server exits this long after serving starts */
 
 static void *ps_killer(void *arg)
@@ -1419,6 +1446,8 @@ static dt_ps *ps_join(dt_ctx *ctx, dt_comm *c)
     pc.staleness = ps_staleness;
     pc.prefetch = ps_prefetch;
     pc.replicate = ps_replicate;
+    pc.checkpoint_dir = ps_ckpt_dir[0] ? ps_ckpt_dir : NULL;
+    pc.checkpoint_every = ps_ckpt_every;
     ps_optim_config(&pc.optim);
     return dt_ps_new(ctx, c, &pc);
 }
@@ -1458,9 +1487,20 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         }
         if (ps_mode == DT_PS_BSP && st.max_staleness != 0)
             return 6;
+        /* phase 1: every ps_ckpt_every steps and at the end; phase 2: resumed */
+        int first = ps_ckpt_phase == 2 ? STEPS : 0;   /* the optimizer's steps go on */
+        if (ps_ckpt_phase &&
+            (st.resumed != (ps_ckpt_phase == 2) ||
+             st.checkpoints != (first + STEPS) / ps_ckpt_every - first / ps_ckpt_every + 1)) {
+            fprintf(stderr, "server %d: resumed %d, %lld checkpoints\n", rank, st.resumed,
+                    (long long)st.checkpoints);
+            return 16;
+        }
         dt_ps_free(ps);
         return ps_die_worker < 0 && !ps_kill_ms && dt_barrier(c) != DT_OK ? 14 : 0;
     }
+    if (ps_ckpt_phase == 2 && rank == 0 && ps_params_file(ctx, 0))
+        return 17;   /* the job starts from where the last one ended */
     dt_ddp *ddp = NULL;
     if (ps_use_ddp) {
         dt_ddp_config dc;
@@ -1505,7 +1545,10 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     /* the starting pull, and each step's (prefetch: the last one is in flight) */
     if (st.steps != STEPS || st.pulls != STEPS / ps_fetch_every + 1 - ps_prefetch)
         return 11;
-    if (ps_mode == DT_PS_BSP && ps_die_worker < 0 && !ps_prefetch && ps_fetch_every == 1) {   /* as one process */
+    if (ps_ckpt_phase == 1 && rank == 0 && ps_params_file(ctx, 1))
+        return 18;
+    if (ps_mode == DT_PS_BSP && ps_die_worker < 0 && !ps_prefetch && ps_fetch_every == 1 &&
+        ps_ckpt_phase != 2) {   /* as one process */
         dt_ctx *ref = reference_run(0, W);
         double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
         dt_ctx_free(ref);
@@ -1536,6 +1579,8 @@ static void ps_reset(void)
     ps_prefetch = 0;
     ps_fetch_every = 1;
     ps_replicate = ps_kill_ms = 0;
+    ps_ckpt_dir[0] = '\0';
+    ps_ckpt_every = ps_ckpt_phase = 0;
 }
 
 /* BSP: 2 workers and 1 server end where one process with the doubled
@@ -1593,6 +1638,33 @@ static void test_ps_replica_failover(void **state)
     job_timeout_ms = 4000;
     expect_all_ok(4, ps_rank);
     job_timeout_ms = 20000;
+    ps_reset();
+}
+
+/* Servers checkpoint their shards; a new job finds the files and resumes:
+ * its workers start from the weights the last job ended with (2 servers,
+ * one tensor split between them; SGD momentum restored too). */
+static void test_ps_checkpoint(void **state)
+{
+    (void)state;
+    ps_reset();
+    snprintf(ps_ckpt_dir, sizeof ps_ckpt_dir, "/tmp/dt_ps_ckpt_%d", (int)getpid());
+    assert_int_equal(mkdir(ps_ckpt_dir, 0700), 0);
+    ps_servers = 2;
+    ps_use_ddp = 0;
+    ps_ckpt_every = 7;
+    ps_ckpt_phase = 1;
+    expect_all_ok(4, ps_rank);
+    ps_ckpt_phase = 2;
+    expect_all_ok(4, ps_rank);
+    char path[160];
+    for (int s = 0; s < 2; s++) {
+        snprintf(path, sizeof path, "%s/ps-server-%d.safetensors", ps_ckpt_dir, s);
+        assert_int_equal(unlink(path), 0);
+    }
+    snprintf(path, sizeof path, "%s/params.bin", ps_ckpt_dir);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(rmdir(ps_ckpt_dir), 0);
     ps_reset();
 }
 
@@ -2026,6 +2098,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_ssp_asp),
     cmocka_unit_test(test_ps_dead_worker),
     cmocka_unit_test(test_ps_replica_failover),
+    cmocka_unit_test(test_ps_checkpoint),
     cmocka_unit_test(test_ps_misuse),
     cmocka_unit_test(test_ps_sparse),
     cmocka_unit_test(test_hogwild),
