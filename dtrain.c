@@ -152,6 +152,9 @@ struct dt_ctx {
     dt_status init_status;
     dt_status last_status;
     char err[DT_MAX_ERROR];
+    char warning[DT_MAX_ERROR];    /* the latest warning (dt_last_warning) */
+    dt_log_fn log_fn;
+    void *log_user;
     int threads;
     uint64_t seed;
     uint64_t rng[4];               /* xoshiro256** state for init */
@@ -243,6 +246,29 @@ static dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
 }
 
 const char *dt_last_error(const dt_ctx *ctx) { return ctx ? ctx->err : "context is NULL"; }
+const char *dt_last_warning(const dt_ctx *ctx) { return ctx ? ctx->warning : ""; }
+
+void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
+{
+    if (!ctx)
+        return;
+    ctx->log_fn = fn;
+    ctx->log_user = user;
+}
+
+/* A warning: kept for dt_last_warning, and told as dt_set_log says. */
+static void warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void warn(dt_ctx *ctx, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->warning, sizeof ctx->warning, fmt, ap);
+    va_end(ap);
+    if (ctx->log_fn)
+        ctx->log_fn(ctx->log_user, ctx->warning);
+    else if (getenv("DTRAIN_LOG") && *getenv("DTRAIN_LOG"))
+        fprintf(stderr, "dtrain: warning: %s\n", ctx->warning);
+}
 dt_status dt_last_status(const dt_ctx *ctx) { return ctx ? ctx->last_status : DT_EINVAL; }
 dt_status dt_ctx_status(const dt_ctx *ctx) { return ctx ? ctx->init_status : DT_EINVAL; }
 
@@ -11140,13 +11166,19 @@ static dt_status ps_on_header(dt_ps *ps, int w)
 
 /* Worker w died, left without finishing, or stays silent while others
  * wait for it: serve without it. */
-static dt_status ps_drop(dt_ps *ps, int w)
+static dt_status ps_drop(dt_ps *ps, int w, const char *why)
 {
     ps_peer *p = &ps->peers[w];
     if (p->state != 0)
         return DT_OK;
     p->state = 2;
     ps->st.dropped_workers++;
+    int live = 0;
+    for (int k = 0; k < ps->W; k++)
+        live += ps->peers[k].state == 0;
+    warn(ps->ctx, "parameter server %d (rank %d): dropped worker %d after %lld steps: %s; "
+         "going on with %d worker%s", ps->server, ps->comm->rank, w, (long long)p->clock, why, live,
+         live == 1 ? "" : "s");
     for (ps_wait **pp = &ps->waits; *pp;) {   /* its waiting pull goes unanswered */
         ps_wait *q = *pp;
         if (q->worker != w) {
@@ -11187,7 +11219,11 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         for (const ps_wait *q = ps->waits; q && !waiting; q = q->next)
             waiting = q->worker == w;
         int silent = held && !waiting && now - last_seen[w] > c->timeout_ms / 1000.0;
-        if ((dead || silent) && ps_drop(ps, w) != DT_OK)
+        char why[64];
+        snprintf(why, sizeof why, "%s", dead ? "it died or left without finishing" : "");
+        if (!dead)
+            snprintf(why, sizeof why, "silent for %.1f s while others waited", now - last_seen[w]);
+        if ((dead || silent) && ps_drop(ps, w, why) != DT_OK)
             return ps->ctx->last_status;
     }
     return DT_OK;
@@ -11246,7 +11282,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
             if (p->state != 0)
                 continue;   /* a cancelled receive of a dropped worker */
             if (x->status != DT_OK)
-                s = ps_drop(ps, w);
+                s = ps_drop(ps, w, "a transfer with it failed");
             else if (x == &p->hdr_x)
                 s = ps_on_header(ps, w);
             else if ((s = ps_on_data(ps, w)) == DT_OK)

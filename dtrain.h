@@ -118,6 +118,15 @@ DT_API const char *dt_last_error(const dt_ctx *ctx);
 DT_API dt_status dt_last_status(const dt_ctx *ctx);
 DT_API void dt_clear_error(dt_ctx *ctx);
 
+/* Warnings: things that went wrong but did not stop the call (a parameter
+ * server dropping a dead worker).  The library prints nothing itself: each
+ * warning goes to fn (called on the thread that met it; user borrowed), or,
+ * with no fn, to stderr only when DTRAIN_LOG is set.  fn NULL: back to that.
+ * dt_last_warning: the latest one ("" if none), ctx-owned. */
+typedef void (*dt_log_fn)(void *user, const char *msg);
+DT_API void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user);
+DT_API const char *dt_last_warning(const dt_ctx *ctx);
+
 DT_API const char *dt_backend_name(const dt_ctx *ctx);
 DT_API int dt_ctx_threads(const dt_ctx *ctx);
 

@@ -74,6 +74,8 @@ static void test_err_null_ctx(void **state)
     /* context */
     assert_int_not_equal(dt_ctx_status(NULL), DT_OK);
     assert_non_null(dt_last_error(NULL));
+    assert_string_equal(dt_last_warning(NULL), "");
+    dt_set_log(NULL, NULL, NULL);   /* ignored */
     (void)dt_last_status(NULL);
     dt_clear_error(NULL);
     (void)dt_backend_name(NULL);

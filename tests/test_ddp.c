@@ -1452,6 +1452,12 @@ static dt_ps *ps_join(dt_ctx *ctx, dt_comm *c)
     return dt_ps_new(ctx, c, &pc);
 }
 
+static void ps_count_log(void *user, const char *msg)
+{
+    (void)msg;
+    ++*(int *)user;
+}
+
 /* A server: serve, then check what it saw.  A worker: STEPS steps on its
  * slice of the batch, then the one-process comparison (BSP). */
 static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
@@ -1468,8 +1474,19 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         if (ps_kill_ms && rank == W &&
             pthread_create(&killer, NULL, ps_killer, (void *)(intptr_t)ps_kill_ms) != 0)
             return 15;
+        int warnings = 0;
+        dt_set_log(ctx, ps_count_log, &warnings);
+        if (strcmp(dt_last_warning(ctx), "") != 0)
+            return 19;
         if (dt_ps_serve(ps) != DT_OK)
             return 3;
+        /* a dropped worker is a warning, through the log function */
+        if (warnings != (ps_die_worker >= 0) ||
+            (ps_die_worker >= 0 && !strstr(dt_last_warning(ctx), "dropped worker 1 after 2 steps"))) {
+            fprintf(stderr, "server %d: %d warnings, last '%s'\n", rank, warnings,
+                    dt_last_warning(ctx));
+            return 20;
+        }
         dt_ps_stats st;
         dt_ps_stats_get(ps, &st);
         int expect_steps = ps_mode == DT_PS_BSP ? STEPS : STEPS * W;
