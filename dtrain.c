@@ -5668,9 +5668,9 @@ typedef struct xfers {
     int hdr_checked, has_hdr;
     const unsigned char *gone; /* parameter server: ranks gone_base + i with gone[i] died; */
     int gone_base, gone_n;     /* their transfers are not waited for, then cancelled */
-    /* a transfer with rank `peer` failed: DT_OK if the work goes on without it
-     * (the peer is gone now), else the work's failure */
-    dt_status (*write_off)(dt_work *w, void *arg, int peer);
+    /* a transfer with rank `peer` failed: 1 if the work goes on without it
+     * (the peer is gone now), else 0 and the work fails */
+    int (*write_off)(dt_comm *c, void *arg, int peer);
     void *write_off_arg;
     unsigned char cancelled[DT_COMM_MAX_XFERS];
 } xfers;
@@ -5921,13 +5921,11 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             seg_heartbeat(c);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
-            if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer)) {
+            if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer) &&
+                !(xs->write_off && xs->write_off(c, xs->write_off_arg, x->peer)))
                 work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
                           "%s #%u: transfer with rank %d failed (%s)", coll_names[w->kind], w->seq,
                           x->peer, dt_strerror(x->status));
-                if (xs->write_off)
-                    xs->write_off(w, xs->write_off_arg, x->peer);
-            }
         }
         if (w->status != DT_OK)
             break;
@@ -9839,6 +9837,7 @@ typedef struct ps_peer {
     dt_xfer hdr_x, data_x;
     int data_pending;
     int64_t data_lo, data_n;
+    size_t data_bytes;         /* what the data receive must bring */
     int op;
     void *sdata;               /* a sparse request's ids (and rows) being received */
     int parked;                /* BSP: its step is in but not applied; its next request
@@ -9970,16 +9969,22 @@ static char *ps_describe(dt_ctx *ctx, const dt_ps_config *cfg)
         cap += strlen(ctx->params[i]->name) + 24;
     for (int t = 0; t < cfg->ntables; t++) {
         const dt_ps_table *tb = &cfg->tables[t];
-        int bad = !tb->name || !*tb->name || strchr(tb->name, '\n') || tb->rows < 1 ||
+        static const char *const reserved[] = {".sum", ".exp_avg", ".exp_avg_sq", ".momentum_buffer"};
+        size_t nl = tb->name ? strlen(tb->name) : 0;
+        int clash = 0;   /* a name ending like an optimizer state's would collide in checkpoints */
+        for (int r = 0; r < 4; r++)
+            clash |= nl >= strlen(reserved[r]) && !strcmp(tb->name + nl - strlen(reserved[r]), reserved[r]);
+        int bad = !tb->name || !*tb->name || nl > DT_MAX_NAME - 32 || clash || strchr(tb->name, '\n') || tb->rows < 1 ||
                   tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim || !(tb->init_scale >= 0) ||
                   isinf(tb->init_scale);
         for (int u = 0; !bad && u < t; u++)
             bad = !strcmp(cfg->tables[u].name, tb->name);
         if (bad) {
-            set_error(ctx, DT_EINVAL, "ps_new: table %d ('%s', %lld x %lld, scale %g): need a "
-                      "unique name without newlines, rows and dim >= 1, a finite scale >= 0", t,
+            set_error(ctx, DT_EINVAL, "ps_new: table %d ('%.60s', %lld x %lld, scale %g): need a "
+                      "unique name of at most %d characters, without newlines or an optimizer "
+                      "state's suffix, rows and dim >= 1, a finite scale >= 0", t,
                       tb->name ? tb->name : "(null)", (long long)tb->rows, (long long)tb->dim,
-                      (double)tb->init_scale);
+                      (double)tb->init_scale, DT_MAX_NAME - 32);
             return NULL;
         }
         cap += strlen(tb->name) + 96;
@@ -10073,21 +10078,41 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
 
 /* Replicated jobs: server s failed; if its shard's other server is alive,
  * s is written off and the request goes on without it. */
-static dt_status ps_forgive(dt_work *w, dt_ps *ps, int s)
+/* Write server s off: only in a replicated job whose twin of s is alive,
+ * and only once the store says s died (a failed transfer alone may be a
+ * live server's hiccup: writing it off would let the twins drift apart).
+ * `known`: the caller saw the store say so. */
+static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
 {
-    if (ps->L == ps->S || ps->gone[(s + ps->L) % ps->S])
-        return w->status;
+    if (ps->L == ps->S || ps->gone[(s + ps->L) % ps->S] || !c->watch)
+        return 0;
+    if (!known) {   /* the death is usually published a moment after it shows */
+        char key[32], val[16];
+        size_t len = 0;
+        snprintf(key, sizeof key, "dead/%d", ps->W + s);
+        if (dt_store_get(c->watch, key, val, sizeof val, &len, c->timeout_ms / 2) != DT_OK)
+            return 0;
+    }
     ps->gone[s] = 1;
+    return 1;
+}
+
+/* A post to server s failed (the work's first failure): go on without s
+ * if it can be written off. */
+static dt_status ps_forgive(dt_comm *c, dt_work *w, dt_ps *ps, int s)
+{
+    if (!ps_write_off_server(c, ps, s, 0))
+        return w->status;
     w->status = DT_OK;
     w->msg[0] = '\0';
     return DT_OK;
 }
 
 /* wait_xfers' hook: a transfer with a server failed. */
-static dt_status ps_write_off(dt_work *w, void *arg, int peer)
+static int ps_write_off(dt_comm *c, void *arg, int peer)
 {
     dt_ps *ps = arg;
-    return peer >= ps->W && peer < ps->W + ps->S ? ps_forgive(w, ps, peer - ps->W) : w->status;
+    return peer >= ps->W && peer < ps->W + ps->S && ps_write_off_server(c, ps, peer - ps->W, 0);
 }
 
 /* Post the sends of one request (header, then `bytes` of data if any) to
@@ -10104,7 +10129,7 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, const ps_cal
     if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK ||
         (data && bytes > 0 &&
          post(c, w, xs, 1, peer, ps_tag(PS_TAG_DATA, seq), data, bytes) != DT_OK))
-        return ps_forgive(w, ps, s);
+        return ps_forgive(c, w, ps, s);
     return DT_OK;
 }
 
@@ -10115,7 +10140,7 @@ static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, in
     uint32_t seq = ps->seq[s];
     if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq), in, sizeof *in) != DT_OK ||
         post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RDATA, seq), data, bytes) != DT_OK)
-        return ps_forgive(w, ps, s);
+        return ps_forgive(c, w, ps, s);
     return DT_OK;
 }
 
@@ -10224,7 +10249,9 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
         nout = nin = 0;
         if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout, &nin) != DT_OK)
             return w->status;
-        xs->patience = pull ? 2.0 : 1.0;   /* a BSP pull waits for the slowest worker */
+        /* a BSP pull waits for the slowest worker, and so may a parked push: the
+         * server drops a silent worker after 1x, so we must outlast that */
+        xs->patience = 2.0;
         if (wait_xfers(c, w, xs) != DT_OK)
             return w->status;
         if (!pull || !ps_lost_reader(ps, before))
@@ -10232,11 +10259,13 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
         if (round >= ps->S)
             return work_fail(w, DT_EPEER, "parameter server: every server of a shard died");
     }
-    for (int i = 0; i < nin; i++)
+    for (int i = 0; i < nin; i++) {
+        pc->in[i].err[sizeof pc->in[i].err - 1] = '\0';   /* (a peer's text) */
         if (pc->in[i].magic != PS_MAGIC || pc->in[i].status != DT_OK)
             return work_fail(w, pc->in[i].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[i].status,
                              "parameter server: %s", pc->in[i].magic != PS_MAGIC
                                  ? "a server sent a malformed answer" : pc->in[i].err);
+    }
     for (int i = 0; i < nin; i++)
         pc->stale = pc->in[i].clock > pc->stale ? pc->in[i].clock : pc->stale;
     if (pc->op == PS_SPULL) {
@@ -10259,9 +10288,8 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
         snprintf(key, sizeof key, "dead/%d", ps->W + s);
         if (ps->gone[s] || dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK)
             continue;
-        work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
-        if (ps_forgive(w, ps, s) != DT_OK)   /* replicated: its twin serves on */
-            return w->status;
+        if (!ps_write_off_server(c, ps, s, 1))   /* replicated: its twin serves on */
+            return work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
     }
     return DT_OK;
 }
@@ -10360,12 +10388,17 @@ static dt_status ps_step_pull(dt_ps *ps)
     return ps->prefetch ? DT_OK : ps->ctx->last_status;
 }
 
-/* Wait out a prefetch nobody will use. */
-static void ps_drop_prefetch(dt_ps *ps)
+/* Wait out a prefetch; `keep`: its weights (the servers' last) go into the
+ * model, so a worker ends with every update. */
+static dt_status ps_end_prefetch(dt_ps *ps, int keep)
 {
-    if (ps->prefetch)
-        dt_work_wait(ps->prefetch);
+    dt_status s = ps->prefetch ? dt_work_wait(ps->prefetch) : DT_OK;
+    if (ps->prefetch && s == DT_OK && keep) {
+        ps->st.pulls++;
+        ps_unpack_params(ps, ps->stage2);
+    }
     ps->prefetch = NULL;
+    return s;
 }
 
 static int64_t ps_clock(const dt_ps *ps) { return ps->clock; }
@@ -10401,8 +10434,10 @@ dt_status dt_ps_finish(dt_ps *ps)
 {
     if (!ps_worker_ok(ps, "ps_finish"))
         return ps ? DT_ESTATE : DT_EINVAL;
-    ps_drop_prefetch(ps);
-    dt_status s = ps_call_run(ps, PS_FINISH, 0, 0, NULL);
+    dt_status s = ps_end_prefetch(ps, 1);
+    if (s != DT_OK)
+        return s;
+    s = ps_call_run(ps, PS_FINISH, 0, 0, NULL);
     ps->finished = s == DT_OK;
     return s;
 }
@@ -10723,6 +10758,12 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
     if (s != DT_OK)
         return set_error(ps->ctx, s, "ps_serve: optimizer step: %s", dt_last_error(ps->sctx));
     ps->st.steps++;
+    return DT_OK;
+}
+
+/* After a whole step (its sparse rows too): a checkpoint when one is due. */
+static dt_status ps_checkpoint_due(dt_ps *ps)
+{
     int every = ps->cfg.checkpoint_every;
     return every > 0 && ps->opt->steps % every == 0 ? ps_checkpoint(ps) : DT_OK;
 }
@@ -10753,7 +10794,10 @@ static void ps_tab_apply(dt_ps *ps, ps_tab *tb, float scale)
         return;
     const dt_optim_config *c = &ps->opt->cfg;
     const dt_backend_iface *be = ps->sctx->be_iface;
-    float lr = ps->opt->lr, bc1 = 0, bc2 = 0;
+    /* the rate the schedule gives now (ASP rows may arrive between dense steps) */
+    float lr = ps->opt->has_sched ? dt_schedule_lr(&ps->opt->sched, ps->opt->base_lr, ps->opt->steps)
+                                  : ps->opt->lr;
+    float bc1 = 0, bc2 = 0;
     int64_t d = tb->dim;
     tb->steps++;
     if (c->kind == DT_ADAM || c->kind == DT_ADAMW) {
@@ -10852,6 +10896,8 @@ static dt_status ps_apply_bsp(dt_ps *ps)
             return s;
         ps_apply_sparse_step(ps, ps->applied, 1.0f / (float)live);
         ps->applied++;
+        if ((s = ps_checkpoint_due(ps)) != DT_OK)
+            return s;
         for (int w = 0; w < ps->W; w++)   /* their next requests may come in now */
             if (ps->peers[w].state == 0 && ps->peers[w].parked && ps->peers[w].clock <= ps->applied) {
                 ps->peers[w].parked = 0;
@@ -11088,6 +11134,8 @@ static dt_status ps_on_data(dt_ps *ps, int w)
     } else {
         memcpy(ps->sum, p->push, (size_t)n * sizeof(float));
         s = ps_step(ps, ps->sum, 1.0f / (float)ps->W);
+        if (s == DT_OK)
+            s = ps_checkpoint_due(ps);
     }
     return s != DT_OK ? s : ps_answer_waiting(ps);
 }
@@ -11108,6 +11156,7 @@ static dt_status ps_recv_sparse(dt_ps *ps, int w)
     if (!(p->sdata = host_alloc(ps->ctx, bytes)))
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory for %zu bytes", bytes);
     p->data_pending = 1;
+    p->data_bytes = bytes;
     memset(&p->data_x, 0, sizeof p->data_x);
     p->data_x.user = p;
     if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, h->seq), 0, p->sdata, bytes, &p->data_x,
@@ -11155,6 +11204,7 @@ static dt_status ps_on_header(dt_ps *ps, int w)
                          (long long)(h->lo + h->n));
     p->data_lo = h->lo;
     p->data_n = h->n;
+    p->data_bytes = (size_t)h->n * sizeof(float);
     p->data_pending = 1;
     memset(&p->data_x, 0, sizeof p->data_x);
     p->data_x.user = p;
@@ -11285,6 +11335,9 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
                 s = ps_drop(ps, w, "a transfer with it failed");
             else if (x == &p->hdr_x)
                 s = ps_on_header(ps, w);
+            else if (x->len != p->data_bytes)
+                s = set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %zu bytes of %s data, "
+                              "%zu announced", w, x->len, ps_op_names[p->op], p->data_bytes);
             else if ((s = ps_on_data(ps, w)) == DT_OK)
                 s = ps_next_request(ps, w);
             if (s != DT_OK)
@@ -11559,7 +11612,7 @@ void dt_ps_free(dt_ps *ps)
     if (!ps)
         return;
     dt_ctx *ctx = ps->ctx;
-    ps_drop_prefetch(ps);
+    ps_end_prefetch(ps, 0);
     if (ps->server < 0 && !ps->finished) {   /* (also a worker whose dt_ps_new failed) */
         char key[64];
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
