@@ -10631,6 +10631,29 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
     return DT_OK;
 }
 
+/* Every server must start from the same step (or all fresh): files from
+ * different steps (a crash between two servers' saves) would make a model
+ * of two ages.  Each says its step in the store and reads the others'. */
+static dt_status ps_agree_on_resume(dt_ps *ps)
+{
+    dt_comm *c = ps->comm;
+    char key[64], mine[32], theirs[32];
+    snprintf(mine, sizeof mine, "%lld", ps->resumed ? (long long)ps->opt->steps : -1LL);
+    snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, ps->server);
+    dt_status s = dt_store_set(c->store, key, mine, strlen(mine) + 1);
+    for (int q = 0; s == DT_OK && q < ps->S; q++) {
+        size_t len = 0;
+        snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, q);
+        s = dt_store_get(c->store, key, theirs, sizeof theirs - 1, &len, c->timeout_ms);
+        theirs[s == DT_OK && len < sizeof theirs ? len : 0] = '\0';
+        if (s == DT_OK && strcmp(theirs, mine) != 0)
+            s = set_error(ps->ctx, DT_EMISMATCH, "ps_new: server %d starts from step %s, server %d "
+                          "from step %s (-1: no checkpoint): their checkpoint files are from "
+                          "different steps", ps->server, mine, q, theirs);
+    }
+    return s;
+}
+
 /* Checkpoints: the tables ride along with the pieces and the optimizer. */
 static dt_status ps_resume(dt_ps *ps)
 {
@@ -10650,14 +10673,14 @@ static dt_status ps_resume(dt_ps *ps)
             if (ps->tabs[t].state[j])
                 sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].state[j];
     }
-    if (access(ps->ckpt_path, F_OK) != 0)
-        return DT_OK;   /* a first start */
-    if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
-        return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
-                         ps->server, dt_last_error(sx));
-    ps->resumed = ps->initialized = 1;
-    ps->st.resumed = 1;
-    return DT_OK;
+    if (access(ps->ckpt_path, F_OK) == 0) {
+        if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
+            return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
+                             ps->server, dt_last_error(sx));
+        ps->resumed = ps->initialized = 1;
+        ps->st.resumed = 1;
+    }
+    return ps_agree_on_resume(ps);
 }
 
 static dt_status ps_checkpoint(dt_ps *ps)

@@ -1467,6 +1467,9 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (rank < W && model_build(ctx, &m, 0))
         return 1;
     dt_ps *ps = ps_join(ctx, c);
+    if (ps_ckpt_phase == 3)   /* the servers' files disagree: nobody starts */
+        return ps ? 21 : rank >= W && (dt_last_status(ctx) != DT_EMISMATCH ||
+                                       !strstr(dt_last_error(ctx), "different steps")) ? 22 : 0;
     if (!ps)
         return 2;
     if (dt_ps_is_server(ps)) {
@@ -1675,6 +1678,16 @@ static void test_ps_checkpoint(void **state)
     ps_ckpt_phase = 2;
     expect_all_ok(4, ps_rank);
     char path[160];
+    /* server 1's file is gone: server 0 would resume, server 1 start fresh */
+    snprintf(path, sizeof path, "%s/ps-server-1.safetensors", ps_ckpt_dir);
+    char keep[176];
+    snprintf(keep, sizeof keep, "%s.keep", path);
+    assert_int_equal(rename(path, keep), 0);
+    ps_ckpt_phase = 3;
+    job_timeout_ms = 2000;
+    expect_all_ok(4, ps_rank);
+    job_timeout_ms = 20000;
+    assert_int_equal(rename(keep, path), 0);
     for (int s = 0; s < 2; s++) {
         snprintf(path, sizeof path, "%s/ps-server-%d.safetensors", ps_ckpt_dir, s);
         assert_int_equal(unlink(path), 0);
