@@ -199,7 +199,7 @@ static void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_don
 /* The parameter server (18) runs its workers' requests on the comm thread (14). */
 struct dt_work;
 struct xfers;
-static dt_status ps_run(dt_comm *c, struct dt_work *w, struct xfers *xs);
+static dt_status ps_run(dt_comm *c, struct dt_work *w, struct xfers **xsp);
 static dt_status ps_check_servers(dt_comm *c, struct dt_work *w);
 static void ps_pushed(dt_ps *ps, int requests);
 static dt_status ps_step_pull(dt_ps *ps);
@@ -4563,6 +4563,17 @@ double dt_now(void)
 
 enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_REPLY = 0x80 };
 
+/* The key a dead rank's process is recorded under: "dead/<rank>" for the
+ * first, "dead/<rank>.<n>" for the n-th restart (14.6), so a restarted
+ * rank is not taken for dead by its predecessor's record. */
+static void dead_key(char *key, size_t cap, int rank, uint32_t inc)
+{
+    if (inc)
+        snprintf(key, cap, "dead/%d.%u", rank, inc);
+    else
+        snprintf(key, cap, "dead/%d", rank);
+}
+
 /* --- 13.1 the launcher's environment ---------------------------------- */
 
 static int env_int(dt_ctx *ctx, const char *name, int lo, int hi, int *out, dt_status *st)
@@ -4718,6 +4729,7 @@ typedef struct store_client {
     int hello;                 /* 1 once the token was accepted */
     int rank;                  /* from the hello */
     int bye;                   /* left cleanly: its close is not a death */
+    uint32_t inc;              /* its process's incarnation (0: the first; see 14.6) */
     unsigned char *buf;        /* partial incoming frame */
     size_t have, cap;
     unsigned char *out;        /* replies the socket has not taken yet */
@@ -4744,6 +4756,7 @@ struct dt_store {
     dt_ctx *ctx;
     int fd;                    /* this rank's connection */
     int rank, timeout_ms;
+    uint32_t inc;              /* our process's incarnation, said in the hello */
     store_server *server;      /* rank 0 only */
     char addr[DT_MAX_HOST];
     int port;
@@ -4905,8 +4918,10 @@ static int sv_frame(store_server *sv, store_client *c, const unsigned char *f, s
         if (n < 11 || get_u16(p) != DT_STORE_MAGIC || get_u16(p + 2) != DT_STORE_VERSION)
             return sv_error(sv, c, op, "not a dtrain rendezvous client of this version");
         uint32_t rank = get_u32(p + 4), tl = get_u16(p + 8);
-        if ((size_t)(end - (p + 10)) != tl)
+        size_t rest = (size_t)(end - (p + 10));   /* the token, then maybe an incarnation */
+        if (rest != tl && rest != (size_t)tl + 4)
             return sv_error(sv, c, op, "malformed hello");
+        c->inc = rest == (size_t)tl + 4 ? get_u32(p + 10 + tl) : 0;
         if (!token_equal((const char *)p + 10, tl, sv->token, sv->token_len))
             return sv_error(sv, c, op, "wrong or missing job token (DTRAIN_JOB_TOKEN)");
         if (rank >= (uint32_t)sv->world)
@@ -5012,12 +5027,13 @@ static void sv_accept(store_server *sv)
 
 /* A rank whose connection closed without a goodbye died (its process
  * exited or was killed: the kernel closes its sockets).  Record it under
- * "dead/<rank>" and, first death only, "dead", which stalled collectives
- * read to name the rank that failed. */
-static void sv_record_death(store_server *sv, int rank)
+ * "dead/<rank>" ("dead/<rank>.<n>" for its n-th restarted process, 14.6)
+ * and, first death only, "dead", which stalled collectives read to name
+ * the rank that failed. */
+static void sv_record_death(store_server *sv, int rank, uint32_t inc)
 {
     char key[32], val[16];
-    snprintf(key, sizeof key, "dead/%d", rank);
+    dead_key(key, sizeof key, rank, inc);
     snprintf(val, sizeof val, "%d", rank);
     kv_set(sv, key, (const unsigned char *)val, (uint32_t)strlen(val) + 1);
     if (!kv_find(sv, "dead"))
@@ -5032,7 +5048,7 @@ static void sv_drop_closed(store_server *sv)
             sv->cl[j++] = sv->cl[i];
         } else {
             if (sv->cl[i].hello && !sv->cl[i].bye) {
-                sv_record_death(sv, sv->cl[i].rank);
+                sv_record_death(sv, sv->cl[i].rank, sv->cl[i].inc);
                 died = 1;
             }
             sv_free(sv, sv->cl[i].buf);
@@ -5260,17 +5276,19 @@ static const char *store_token(const dt_store_config *cfg)
 static dt_status store_hello(dt_store *s, const char *token)
 {
     size_t tl = strlen(token);
-    unsigned char req[11 + DT_STORE_MAX_TOKEN];
+    unsigned char req[15 + DT_STORE_MAX_TOKEN];
     req[0] = OP_HELLO;
     put_u16(req + 1, DT_STORE_MAGIC);
     put_u16(req + 3, DT_STORE_VERSION);
     put_u32(req + 5, (uint32_t)s->rank);
     put_u16(req + 9, (uint32_t)tl);
     memcpy(req + 11, token, tl);
+    if (s->inc)   /* a restarted rank's process (14.6): its death has its own key */
+        put_u32(req + 11 + tl, s->inc);
     char msg[256];
     size_t len = 0;
     int ok = 0;
-    dt_status st = store_call(s, req, 11 + tl, OP_HELLO, dt_now() + s->timeout_ms / 1000.0, msg,
+    dt_status st = store_call(s, req, 11 + tl + (s->inc ? 4 : 0), OP_HELLO, dt_now() + s->timeout_ms / 1000.0, msg,
                               sizeof msg - 1, &ok, &len);
     if (st != DT_OK)
         return st;
@@ -5283,15 +5301,16 @@ static dt_status store_hello(dt_store *s, const char *token)
 }
 
 static dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
-                            int serve);
+                            int serve, uint32_t inc);
 
 dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
 {
-    return store_open(ctx, env, cfg, 1);
+    return store_open(ctx, env, cfg, 1, 0);
 }
 
+/* serve: rank 0 starts the store; inc: this process's incarnation (14.6) */
 static dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
-                            int serve)
+                            int serve, uint32_t inc)
 {
     if (!ctx_ok(ctx))
         return NULL;
@@ -5313,6 +5332,7 @@ static dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_
     s->ctx = ctx;
     s->fd = -1;
     s->rank = env->rank;
+    s->inc = inc;
     s->timeout_ms = cfg && cfg->timeout_ms > 0 ? cfg->timeout_ms : DT_STORE_DEFAULT_TIMEOUT_MS;
     snprintf(s->addr, sizeof s->addr, "%s", env->master_addr);
     s->port = env->master_port;
@@ -5503,7 +5523,7 @@ struct dt_work {
 /* What one COLL_PS work does: a worker's request to the parameter servers
  * (section 18), run on its comm thread.  The headers live here, not on the
  * comm thread's stack: a failed request may leave posts behind it. */
-enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL };
+enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO };
 #define PS_MAX_SERVERS 8
 typedef struct ps_msg {
     uint32_t magic, op, seq;
@@ -5524,7 +5544,13 @@ typedef struct ps_call {
     void *msg[PS_MAX_SERVERS];     /* push: ids then rows; pull: ids */
     float *rows[PS_MAX_SERVERS];   /* pull: the answers */
     int64_t *where;            /* pull: asked id i is row where[i] / 8 of server where[i] % 8 */
-    ps_msg out[2 * PS_MAX_SERVERS], in[PS_MAX_SERVERS];
+    ps_msg out[2 * PS_MAX_SERVERS], in[PS_MAX_SERVERS];   /* in: by server */
+    unsigned char asked[PS_MAX_SERVERS];   /* an answer is expected from this server */
+    /* restarted servers (18.6): a round goes to `only` those; what was sent */
+    unsigned char only[PS_MAX_SERVERS];
+    int use_only;
+    int64_t posted[PS_MAX_SERVERS];        /* push: floats sent to each server */
+    ps_msg hello[PS_MAX_SERVERS];
 } ps_call;
 
 typedef struct seg_head seg_head;
@@ -5572,8 +5598,11 @@ struct dt_comm {
     int seg_linked;            /* we created it and its name still exists */
     int regions_made;          /* shared regions set up so far (their store keys) */
     int ps_made;               /* parameter-server jobs joined so far (their store keys) */
+    uint32_t inc;              /* 0, or this rank's n-th restarted process (14.6: rejoined,
+                                  only the parameter server's requests work) */
     uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
+    struct xfers *graveyard;   /* comm thread: records holding orphaned sends (14.2) */
 };
 
 static const dt_transport_iface *find_transport(void)
@@ -5673,6 +5702,9 @@ typedef struct xfers {
     int (*write_off)(dt_comm *c, void *arg, int peer);
     void *write_off_arg;
     unsigned char cancelled[DT_COMM_MAX_XFERS];
+    int orphans;               /* sends to a dead peer the transport would not let go of:
+                                  this record must outlive them (kept in c->graveyard) */
+    struct xfers *next_dead;
 } xfers;
 
 static int xfer_gone(const xfers *xs, int peer)
@@ -5877,7 +5909,12 @@ static int cancel_gone(dt_comm *c, xfers *xs)
     return left;
 }
 
-static dt_status drain_gone(dt_comm *c, dt_work *w, xfers *xs)
+/* Sends to a dead peer that neither complete nor cancel (a large message's
+ * rendezvous on tcp;ofi_rxm, shm's answered sends) are orphaned: the
+ * transport keeps them, and their records (this xfers) are kept until the
+ * transport closes, so nothing it may still write is reused; the caller
+ * (ps_run) goes on with a fresh record. */
+static void drain_gone(dt_comm *c, xfers *xs)
 {
     int left = cancel_gone(c, xs);
     for (double end = dt_now() + 1.0; left && dt_now() < end;) {
@@ -5889,8 +5926,13 @@ static dt_status drain_gone(dt_comm *c, dt_work *w, xfers *xs)
         for (int i = 0; i < xs->n; i++)
             left |= !xs->x[i].done && xfer_gone(xs, xs->x[i].peer);
     }
-    return left ? work_fail(w, DT_EPEER, "%s #%u: transfers to a dead server could not be "
-                            "cancelled", coll_names[w->kind], w->seq) : DT_OK;
+    xs->orphans = left;
+}
+
+/* Is x one of this record's transfers (not an orphan of an earlier one)? */
+static int xfer_ours(const xfers *xs, const dt_xfer *x)
+{
+    return (x >= xs->x && x < xs->x + xs->n) || x == &xs->hdr_send || x == &xs->hdr_recv;
 }
 
 static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
@@ -5921,6 +5963,8 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             seg_heartbeat(c);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
+            if (!xfer_ours(xs, x))
+                continue;   /* an orphaned send (drain_gone) let go at last */
             if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer) &&
                 !(xs->write_off && xs->write_off(c, xs->write_off_arg, x->peer)))
                 work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
@@ -5955,8 +5999,10 @@ static dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             c->tp_iface->cancel(c->tp, &xs->hdr_send);
         return w->status;
     }
-    if (xs->gone && drain_gone(c, w, xs) != DT_OK)
-        return w->status;
+    if (xs->gone)
+        drain_gone(c, xs);
+    if (xs->orphans)
+        return DT_OK;   /* the caller moves to a fresh record */
     memset(xs->cancelled, 0, (size_t)xs->n);
     xs->n = 0;
     return DT_OK;
@@ -6886,6 +6932,7 @@ static void run_work(dt_comm *c, dt_work *w)
                   w->seq, c->broken_msg);
         return;
     }
+
     c->waiting_on = -1;
     xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
     if (!xs) {
@@ -6894,7 +6941,7 @@ static void run_work(dt_comm *c, dt_work *w)
         memset(xs, 0, sizeof *xs);
         xs->g = (grp){c->rank, c->world, NULL};
         if (w->kind == COLL_PS)
-            ps_run(c, w, xs);
+            ps_run(c, w, &xs);
         else if (c->use_segment && c->nhosts == 1)
             run_on_segment(c, w);
         else if (c->use_segment)
@@ -6958,10 +7005,23 @@ static void *comm_main(void *arg)
     return NULL;
 }
 
+/* A restarted rank's communicator (14.6) runs no collective: the others
+ * are mid-job, and nothing would match. */
+static dt_status rejoined_refuses(dt_comm *c, int kind)
+{
+    if (!c->inc || kind == COLL_PS)
+        return DT_OK;
+    return set_error(c->ctx, DT_ESTATE, "%s: rank %d is a restarted process that rejoined a "
+                     "running job; only parameter-server requests work on its communicator",
+                     coll_names[kind], c->rank);
+}
+
 static dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
                            dt_reduce_op op, const void *aux)
 {
     dt_ctx *ctx = c->ctx;
+    if (rejoined_refuses(c, kind) != DT_OK)
+        return NULL;
     dt_work *w = host_calloc(ctx, sizeof *w);
     if (!w) {
         set_error(ctx, DT_ENOMEM, "%s: out of memory", coll_names[kind]);
@@ -7070,6 +7130,8 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
 static dt_status run_collective_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                                    int root, dt_reduce_op op, const void *aux)
 {
+    if (rejoined_refuses(c, kind) != DT_OK)
+        return DT_ESTATE;
     if (c->inline_small) {
         dt_status st = run_inline(c, kind, buf, in, n, root, op, aux);
         if (st != DT_ESTATE || c->broken)
@@ -7156,6 +7218,84 @@ uint64_t dt_comm_bytes_sent(const dt_comm *c)
 const char *dt_comm_intra_host(const dt_comm *c)
 {
     return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
+}
+
+/* A rank whose address is already in the store is a restarted process
+ * whose predecessor died (a launcher restarting a failed parameter server):
+ * it becomes incarnation n + 1 of its rank, says so in its store hellos
+ * (so its own death is told apart from its predecessor's), swaps its new
+ * address in without the collectives the first start runs (the others
+ * are mid-job), and publishes "inc/<rank>" last, when it can be reached.
+ * Peers that talk to it (18.6) read that key and swap the address in. */
+static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    char key[48], val[16];
+    unsigned char addr[512];
+    size_t len = 0;
+    if (c->world == 1)
+        return DT_OK;
+    snprintf(key, sizeof key, "addr/%d", c->rank);
+    dt_status st = dt_store_get(c->store, key, addr, sizeof addr, &len, 1);
+    if (st == DT_ETIMEDOUT) {   /* the first process of this rank (the usual case) */
+        dt_clear_error(ctx);
+        return DT_OK;
+    }
+    if (st != DT_OK)
+        return st;
+    uint32_t before = 0;
+    snprintf(key, sizeof key, "inc/%d", c->rank);
+    if (dt_store_get(c->store, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+        val[len < sizeof val ? len : sizeof val - 1] = '\0';
+        before = (uint32_t)strtoul(val, NULL, 10);
+    }
+    dead_key(key, sizeof key, c->rank, before);
+    st = dt_store_get(c->store, key, val, sizeof val, &len, c->timeout_ms);
+    if (st == DT_ETIMEDOUT)
+        return set_error(ctx, DT_ESTATE, "comm: rank %d is already in the job and alive (its "
+                         "address is registered, its process has not died): two processes "
+                         "started with one rank?", c->rank);
+    if (st != DT_OK)
+        return st;
+    dt_dist_env e = *env;
+    e.master_port = dt_store_port(c->store);
+    dt_store *again = store_open(ctx, &e, &cfg->store, 0, before + 1);
+    if (!again)
+        return ctx->last_status;
+    dt_store_close(c->store);
+    c->store = again;
+    c->inc = before + 1;
+    return DT_OK;
+}
+
+/* The rejoined process can be reached: tell its peers. */
+static dt_status announce_rejoin(dt_comm *c)
+{
+    char key[32], val[16];
+    snprintf(key, sizeof key, "inc/%d", c->rank);
+    snprintf(val, sizeof val, "%u", c->inc);
+    return dt_store_set(c->store, key, val, strlen(val) + 1);
+}
+
+/* Comm thread: rank `peer` restarted; send to and receive from its new
+ * address (read from the store) from now on.  The caller has cancelled or
+ * drained every transfer with the old one. */
+static dt_status comm_replace_peer(dt_comm *c, int peer, char *err, size_t err_len)
+{
+    char key[32];
+    unsigned char addr[512];
+    size_t len = 0;
+    snprintf(key, sizeof key, "addr/%d", peer);
+    if (!c->watch || dt_store_get(c->watch, key, addr, sizeof addr, &len, c->timeout_ms) != DT_OK) {
+        snprintf(err, err_len, "rank %d's new address: %.200s", peer,
+                 c->watch ? c->watch_errors->err : "no store");
+        return DT_EPEER;
+    }
+    if (len > sizeof addr) {
+        snprintf(err, err_len, "rank %d's new address is too long", peer);
+        return DT_EPEER;
+    }
+    return c->tp_iface->replace_peer(c->tp, peer, addr, len, err, err_len);
 }
 
 /* Publish this rank's host name and read everyone's: ranks with the same
@@ -7448,7 +7588,7 @@ static dt_status open_watch(dt_comm *c, const dt_dist_env *env, const dt_comm_co
     c->watch_errors->al = ctx->al;
     dt_dist_env e = *env;
     e.master_port = dt_store_port(c->store);
-    c->watch = store_open(c->watch_errors, &e, &cfg->store, 0);
+    c->watch = store_open(c->watch_errors, &e, &cfg->store, 0, c->inc);
     if (!c->watch)
         return set_error(ctx, c->watch_errors->last_status, "%s", c->watch_errors->err);
     /* a hung rank 0 must not hold a collective longer than its own timeout */
@@ -7491,9 +7631,10 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
         set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
         return NULL;
     }
-    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_hosts(c, &cfg) != DT_OK ||
-        open_transport(c, &cfg) != DT_OK || exchange_addresses(c) != DT_OK ||
-        open_watch(c, &env, &cfg) != DT_OK || setup_segments(c, &cfg) != DT_OK)
+    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK ||
+        find_hosts(c, &cfg) != DT_OK || open_transport(c, &cfg) != DT_OK ||
+        exchange_addresses(c) != DT_OK || open_watch(c, &env, &cfg) != DT_OK ||
+        (!c->inc && setup_segments(c, &cfg) != DT_OK))   /* (a collective) */
         goto fail;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     c->inline_spin_s = online > 0 && c->nlocal <= online ? SEG_SPIN_INLINE_S : SEG_SPIN_S;
@@ -7502,8 +7643,9 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
         goto fail;
     }
     c->has_thread = 1;
-    /* everyone's endpoint is ready before anyone sends */
-    if (dt_barrier(c) != DT_OK)
+    /* everyone's endpoint is ready before anyone sends (a rejoined rank's
+     * peers are mid-job: it tells them instead) */
+    if (c->inc ? announce_rejoin(c) != DT_OK : dt_barrier(c) != DT_OK)
         goto fail;
     /* every local rank has mapped the segment: its name can go, so no
      * file is left behind in /dev/shm whatever happens later */
@@ -7534,6 +7676,11 @@ void dt_comm_free(dt_comm *c)
     }
     if (c->tp)
         c->tp_iface->close(c->tp);
+    while (c->graveyard) {   /* (the transport that held their sends is closed) */
+        xfers *x = c->graveyard;
+        c->graveyard = x->next_dead;
+        c->ctx->al.free_fn(x, c->ctx->al.user);
+    }
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
     dt_store_close(c->store);
@@ -9819,7 +9966,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
 #define PS_MAGIC 0x44545053u
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish", "sparse push",
-                                          "sparse pull"};
+                                          "sparse pull", "hello"};
 
 static uint64_t ps_tag(int type, uint32_t seq)
 {
@@ -9830,7 +9977,8 @@ static uint64_t ps_tag(int type, uint32_t seq)
 typedef struct ps_peer {
     uint32_t seq;              /* its next request */
     int state;                 /* 0 live, 1 finished, 2 dropped (died) */
-    int64_t clock;             /* steps completed here */
+    int64_t clock;             /* steps completed here (-1: a rejoined server awaits its hello) */
+    int64_t base;              /* rejoined server: its steps when it said hello */
     int64_t got;               /* floats of its current step received */
     float *push;               /* its current step: G_s gradients then P flags */
     ps_msg hdr;                /* the request being received */
@@ -9891,7 +10039,12 @@ struct dt_ps {
     dt_ps_config cfg;
     int W, S, server;          /* server: this rank's server index, -1 on workers */
     int L, shard;              /* key shards (S, or S / 2 replicated); a server's shard */
-    unsigned char *gone;       /* worker: servers found dead (replicated jobs go on) */
+    unsigned char *gone;       /* worker, per server: 1 dead and written off (its twin
+                                  serves), 2 dead and awaited (18.6) */
+    uint32_t *inc;             /* worker, per server: its process's incarnation */
+    double *down_since;        /* worker, per server: when it was found dead */
+    int64_t *sent, *sent_clock; /* worker, per server: floats of step sent_clock it has
+                                  (18.6: a restarted server counts them as come) */
     int job;                   /* which PS job of the communicator (store keys) */
     int finished;              /* worker: dt_ps_finish done */
     int nparams;
@@ -9927,6 +10080,7 @@ struct dt_ps {
     int64_t stale_n;
     char *ckpt_path;           /* server: its checkpoint file, or NULL */
     int resumed;               /* server: started from it (worker 0's init is not used) */
+    int syncing;               /* server, rejoined: not every live worker has said hello */
     dt_ps_stats st;
 };
 
@@ -10084,21 +10238,23 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
  * `known`: the caller saw the store say so. */
 static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
 {
-    if (ps->L == ps->S || ps->gone[(s + ps->L) % ps->S] || !c->watch)
+    int twin = ps->L != ps->S && !ps->gone[(s + ps->L) % ps->S];
+    if ((!twin && ps->cfg.rejoin_ms < 0) || !c->watch)
         return 0;
     if (!known) {   /* the death is usually published a moment after it shows */
         char key[32], val[16];
         size_t len = 0;
-        snprintf(key, sizeof key, "dead/%d", ps->W + s);
+        dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
         if (dt_store_get(c->watch, key, val, sizeof val, &len, c->timeout_ms / 2) != DT_OK)
             return 0;
     }
-    ps->gone[s] = 1;
+    ps->gone[s] = twin ? 1 : 2;   /* no twin: wait for a restarted process (18.6) */
+    ps->down_since[s] = dt_now();
     return 1;
 }
 
 /* A post to server s failed (the work's first failure): go on without s
- * if it can be written off. */
+ * if it can be written off (or waited for). */
 static dt_status ps_forgive(dt_comm *c, dt_work *w, dt_ps *ps, int s)
 {
     if (!ps_write_off_server(c, ps, s, 0))
@@ -10152,7 +10308,7 @@ static int ps_reader(const dt_ps *ps, int j)
 
 /* Post a dense request: every live server its shard's part (pushes go to
  * both servers of a replicated shard, pulls to one). */
-static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout, int *nin)
+static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout)
 {
     dt_ps *ps = pc->ps;
     int64_t hi = pc->lo + pc->n, glo = pc->lo, ghi = hi < ps->G ? hi : ps->G;
@@ -10160,7 +10316,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
         int j = s % ps->L;
         int64_t a = glo > ps->range[j] ? glo : ps->range[j];
         int64_t b = ghi < ps->range[j + 1] ? ghi : ps->range[j + 1];
-        if (ps->gone[s])
+        if (ps->gone[s] || (pc->use_only && !pc->only[s]))
             continue;
         if (pc->op == PS_FINISH) {
             if (ps_post_request(c, w, xs, pc, s, PS_FINISH, 0, 0, NULL, 0, &pc->out[(*nout)++]))
@@ -10170,44 +10326,47 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
         if (pc->op == PS_PULL) {
             if (a >= b || ps_reader(ps, j) != s)
                 continue;
-            if (ps_post_answer(c, w, xs, ps, s, &pc->in[*nin], pc->buf + (a - pc->lo),
+            if (ps_post_answer(c, w, xs, ps, s, &pc->in[s], pc->buf + (a - pc->lo),
                                (size_t)(b - a) * sizeof(float)) ||
                 (!ps->gone[s] &&
                  ps_post_request(c, w, xs, pc, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++])))
                 return w->status;
-            *nin += !ps->gone[s];
+            pc->asked[s] = !ps->gone[s];
             continue;
         }
         /* init, push: this server's gradient keys, and every flag */
         if (a < b && ps_post_request(c, w, xs, pc, s, pc->op, a, b - a, pc->buf + (a - pc->lo),
                                      (size_t)(b - a) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
+        pc->posted[s] += a < b ? b - a : 0;
         int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
         if (pc->op == PS_PUSH && hi > flo && !ps->gone[s] &&
             ps_post_request(c, w, xs, pc, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
                             (size_t)(hi - flo) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
+        pc->posted[s] += pc->op == PS_PUSH && hi > flo ? hi - flo : 0;
     }
     return DT_OK;
 }
 
 /* Post a sparse request: each live server its shard's distinct rows. */
-static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout, int *nin)
+static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int *nout)
 {
     dt_ps *ps = pc->ps;
     int64_t dim = ps->tabs[pc->lo].dim;
     for (int s = 0; s < ps->S; s++) {
         int j = s % ps->L;
         int64_t k = pc->cnt[j];
-        if (k == 0 || ps->gone[s] || (pc->op == PS_SPULL && ps_reader(ps, j) != s))
+        if (k == 0 || ps->gone[s] || (pc->op == PS_SPULL && ps_reader(ps, j) != s) ||
+            (pc->use_only && !pc->only[s]))
             continue;
         size_t idb = (size_t)k * sizeof(int64_t), rowb = (size_t)(k * dim) * sizeof(float);
         if (pc->op == PS_SPULL &&
-            ps_post_answer(c, w, xs, ps, s, &pc->in[*nin], pc->rows[j], rowb) != DT_OK)
+            ps_post_answer(c, w, xs, ps, s, &pc->in[s], pc->rows[j], rowb) != DT_OK)
             return w->status;
         if (ps->gone[s])
             continue;
-        *nin += pc->op == PS_SPULL;
+        pc->asked[s] = pc->op == PS_SPULL;
         if (ps_post_request(c, w, xs, pc, s, pc->op, pc->lo, k, pc->msg[j],
                             pc->op == PS_SPUSH ? idb + rowb : idb, &pc->out[(*nout)++]) != DT_OK)
             return w->status;
@@ -10219,21 +10378,115 @@ static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
 static int ps_lost_reader(const dt_ps *ps, const unsigned char *before)
 {
     for (int s = 0; s < ps->S; s++)
-        if (ps->gone[s] && !before[s])
+        if (ps->gone[s] == 1 && !before[s])
             return 1;
     return 0;
+}
+
+/* How long workers wait for a dead server's restart (dt_ps_config.rejoin_ms). */
+static int ps_rejoin_ms(const dt_ps *ps)
+{
+    return ps->cfg.rejoin_ms > 0 ? ps->cfg.rejoin_ms : 60000;
+}
+
+/* The incarnation rank's latest process published (0: none restarted). */
+static uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
+{
+    char key[32], val[16];
+    size_t len = 0;
+    snprintf(key, sizeof key, "inc/%d", rank);
+    if (dt_store_get(c->watch, key, val, sizeof val - 1, &len, wait_ms) != DT_OK)
+        return 0;
+    val[len < sizeof val ? len : sizeof val - 1] = '\0';
+    return (uint32_t)strtoul(val, NULL, 10);
+}
+
+/* Servers found dead without a twin (gone 2): wait until a restarted
+ * process of each has rejoined (14.6), swap its address in, and say hello
+ * (our step, and how much of it its predecessor had); the request then
+ * goes again to those servers `only` (their part of it was lost). */
+static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
+{
+    dt_ps *ps = pc->ps;
+    pc->use_only = 0;
+    memset(pc->only, 0, sizeof pc->only);
+    for (int s = 0; s < ps->S; s++) {
+        if (ps->gone[s] != 2)
+            continue;
+        int rank = ps->W + s;
+        uint32_t inc;
+        while ((inc = ps_published_inc(c, rank, 200)) <= ps->inc[s]) {
+            if (dt_now() - ps->down_since[s] > ps_rejoin_ms(ps) / 1000.0)
+                return work_fail(w, DT_EPEER, "parameter server: server rank %d died and no "
+                                 "restarted process rejoined within %d ms (dt_ps_config.rejoin_ms)",
+                                 rank, ps_rejoin_ms(ps));
+            c->tp_iface->wait(c->tp, 50);   /* (the key may hold an older restart's number) */
+        }
+        char err[256] = "";
+        if (comm_replace_peer(c, rank, err, sizeof err) != DT_OK)
+            return work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
+                             rank, err);
+        ps->inc[s] = inc;
+        ps->gone[s] = 0;
+        ps->seq[s] = 0;   /* the new process numbers our requests from 0 */
+        ps->st.rejoins++;
+        int64_t had = ps->sent_clock[s] == pc->clock ? ps->sent[s] : 0;
+        if (ps_post_request(c, w, xs, pc, s, PS_HELLO, 0, had, NULL, 0, &pc->hello[s]) != DT_OK)
+            return w->status;
+        pc->only[s] = 1;
+        pc->use_only = 1;
+        pc->posted[s] = 0;
+        pc->asked[s] = 0;
+    }
+    return DT_OK;
+}
+
+/* A push went out whole: what each server now has of this step. */
+static void ps_note_sent(dt_ps *ps, const ps_call *pc)
+{
+    for (int s = 0; pc->op == PS_PUSH && s < ps->S; s++) {
+        if (!pc->posted[s])
+            continue;
+        if (ps->sent_clock[s] != pc->clock) {
+            ps->sent_clock[s] = pc->clock;
+            ps->sent[s] = 0;
+        }
+        ps->sent[s] += pc->posted[s];
+    }
 }
 
 /* The comm thread runs a worker's request: split over the servers, post,
  * wait (within the communicator's timeout), check the answers; a sparse
  * pull's rows go where the caller asked.  Replicated: a server found dead
  * is written off, and a pull that was asking it asks again (pulls are
- * idempotent; pushes already went to both servers of the shard). */
-static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
+ * idempotent; pushes already went to both servers of the shard).  A dead
+ * server without a twin is waited for (18.6) and asked again. */
+/* The record after one that holds orphaned sends (drain_gone): a fresh
+ * one with the same settings; the old one waits in the graveyard. */
+static dt_status ps_fresh_xfers(dt_comm *c, dt_work *w, xfers **xsp)
 {
+    xfers *old = *xsp, *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
+    if (!xs)
+        return work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
+    memset(xs, 0, sizeof *xs);
+    xs->g = old->g;
+    xs->gone = old->gone;
+    xs->gone_base = old->gone_base;
+    xs->gone_n = old->gone_n;
+    xs->write_off = old->write_off;
+    xs->write_off_arg = old->write_off_arg;
+    old->next_dead = c->graveyard;
+    c->graveyard = old;
+    *xsp = xs;
+    return DT_OK;
+}
+
+static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
+{
+    xfers *xs = *xsp;
     ps_call *pc = (ps_call *)w->aux;
     dt_ps *ps = pc->ps;
-    int nout = 0, nin = 0, sparse = pc->op == PS_SPUSH || pc->op == PS_SPULL;
+    int nout = 0, sparse = pc->op == PS_SPUSH || pc->op == PS_SPULL;
     int pull = pc->op == PS_PULL || pc->op == PS_SPULL;
     if (ps->S > PS_MAX_SERVERS)
         return work_fail(w, DT_ENOTSUP, "parameter server: at most %d servers in this build",
@@ -10243,31 +10496,49 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers *xs)
     xs->gone_n = ps->S;
     xs->write_off = ps_write_off;
     xs->write_off_arg = ps;
-    for (int round = 0;; round++) {
+    memset(pc->asked, 0, sizeof pc->asked);
+    memset(pc->posted, 0, sizeof pc->posted);
+    pc->use_only = 0;
+    for (int round = 0, lost = 0;; round++) {
         unsigned char before[PS_MAX_SERVERS];
         memcpy(before, ps->gone, (size_t)ps->S);
-        nout = nin = 0;
-        if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout, &nin) != DT_OK)
+        nout = 0;
+        if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout) != DT_OK)
             return w->status;
         /* a BSP pull waits for the slowest worker, and so may a parked push: the
          * server drops a silent worker after 1x, so we must outlast that */
         xs->patience = 2.0;
         if (wait_xfers(c, w, xs) != DT_OK)
             return w->status;
+        if (xs->orphans) {
+            if (ps_fresh_xfers(c, w, xsp) != DT_OK)
+                return w->status;
+            xs = *xsp;
+        }
+        if (ps_await_rejoins(c, w, xs, pc) != DT_OK)
+            return w->status;
+        if (pc->use_only) {
+            if (round > 16 * ps->S)
+                return work_fail(w, DT_EPEER, "parameter server: servers keep dying");
+            continue;
+        }
         if (!pull || !ps_lost_reader(ps, before))
             break;
-        if (round >= ps->S)
+        if (++lost > ps->S)
             return work_fail(w, DT_EPEER, "parameter server: every server of a shard died");
+        memset(pc->asked, 0, sizeof pc->asked);   /* every pull goes again */
     }
-    for (int i = 0; i < nin; i++) {
-        pc->in[i].err[sizeof pc->in[i].err - 1] = '\0';   /* (a peer's text) */
-        if (pc->in[i].magic != PS_MAGIC || pc->in[i].status != DT_OK)
-            return work_fail(w, pc->in[i].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[i].status,
-                             "parameter server: %s", pc->in[i].magic != PS_MAGIC
-                                 ? "a server sent a malformed answer" : pc->in[i].err);
+    for (int s = 0; s < ps->S; s++) {
+        if (!pc->asked[s])
+            continue;
+        pc->in[s].err[sizeof pc->in[s].err - 1] = '\0';   /* (a peer's text) */
+        if (pc->in[s].magic != PS_MAGIC || pc->in[s].status != DT_OK)
+            return work_fail(w, pc->in[s].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[s].status,
+                             "parameter server: %s", pc->in[s].magic != PS_MAGIC
+                                 ? "a server sent a malformed answer" : pc->in[s].err);
+        pc->stale = pc->in[s].clock > pc->stale ? pc->in[s].clock : pc->stale;
     }
-    for (int i = 0; i < nin; i++)
-        pc->stale = pc->in[i].clock > pc->stale ? pc->in[i].clock : pc->stale;
+    ps_note_sent(ps, pc);
     if (pc->op == PS_SPULL) {
         int64_t dim = ps->tabs[pc->lo].dim;
         for (int64_t i = 0; i < pc->n; i++)
@@ -10285,10 +10556,10 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
     for (int s = 0; s < ps->S; s++) {
         char key[32], val[16];
         size_t len = 0;
-        snprintf(key, sizeof key, "dead/%d", ps->W + s);
+        dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
         if (ps->gone[s] || dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK)
             continue;
-        if (!ps_write_off_server(c, ps, s, 1))   /* replicated: its twin serves on */
+        if (!ps_write_off_server(c, ps, s, 1))   /* a twin serves on, or a restart is awaited */
             return work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
     }
     return DT_OK;
@@ -10439,6 +10710,11 @@ dt_status dt_ps_finish(dt_ps *ps)
         return s;
     s = ps_call_run(ps, PS_FINISH, 0, 0, NULL);
     ps->finished = s == DT_OK;
+    if (s == DT_OK) {   /* a server restarted later must not wait for our hello (18.6) */
+        char key[64];
+        snprintf(key, sizeof key, "ps%d/done/%d", ps->job, ps->comm->rank);
+        s = dt_store_set(ps->comm->store, key, "1", 2);
+    }
     return s;
 }
 
@@ -10679,7 +10955,13 @@ static dt_status ps_resume(dt_ps *ps)
                              ps->server, dt_last_error(sx));
         ps->resumed = ps->initialized = 1;
         ps->st.resumed = 1;
+        ps->st.resumed_step = ps->opt->steps;
     }
+    if (ps->comm->inc)   /* rejoining a running job: the others started long ago */
+        return ps->resumed ? DT_OK : set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a "
+                                               "restarted process, and without its checkpoint "
+                                               "(%s) it has nothing to rejoin with",
+                                               ps->comm->rank, ps->ckpt_path);
     return ps_agree_on_resume(ps);
 }
 
@@ -10734,10 +11016,14 @@ static dt_status ps_make_pieces(dt_ps *ps)
     for (int t = 0; t < ps->ntables; t++)
         if (ps_make_table(ps, &ps->tabs[t]) != DT_OK)
             return ps->ctx->last_status;
+    if (ps->comm->inc && !(ps->cfg.checkpoint_dir && *ps->cfg.checkpoint_dir))
+        return set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a restarted process; "
+                         "it can rejoin only from a checkpoint (dt_ps_config.checkpoint_dir)",
+                         ps->comm->rank);
     if (ps_resume(ps) != DT_OK)
         return ps->ctx->last_status;
     int64_t floats = hi - lo + ps->P;
-    ps->initialized = hi == lo;   /* no keys here: nothing to wait for */
+    ps->initialized = ps->resumed || hi == lo;   /* resumed, or no keys here: nothing to wait for */
     ps->peers = host_calloc(ps->ctx, sizeof *ps->peers * (size_t)ps->W);
     ps->sum = host_alloc(ps->ctx, sizeof(float) * (size_t)(floats > 0 ? floats : 1));
     if (!ps->peers || !ps->sum)
@@ -10745,6 +11031,12 @@ static dt_status ps_make_pieces(dt_ps *ps)
     for (int w = 0; w < ps->W; w++)
         if (!(ps->peers[w].push = host_calloc(ps->ctx, sizeof(float) * (size_t)(floats > 0 ? floats : 1))))
             return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory for %d workers' pushes", ps->W);
+    if (ps->comm->inc) {   /* 18.6: each worker's step is learnt from its hello */
+        ps->syncing = 1;
+        ps->st.rejoined = 1;
+        for (int w = 0; w < ps->W; w++)
+            ps->peers[w].clock = -1;
+    }
     return DT_OK;
 }
 
@@ -10881,6 +11173,8 @@ static void ps_free_held(dt_ps *ps, ps_peer *p)
     }
 }
 
+/* The slowest live worker's completed steps (INT64_MAX: none live; -1: a
+ * rejoined server has not heard from every live worker yet). */
 static int64_t ps_min_clock(const dt_ps *ps)
 {
     int64_t m = INT64_MAX;
@@ -11010,7 +11304,7 @@ static int ps_pull_ready(dt_ps *ps, int64_t clock)
 static dt_status ps_answer(dt_ps *ps, int worker, const ps_msg *req, const int64_t *ids)
 {
     int64_t slowest = ps_min_clock(ps);
-    int64_t stale = slowest == INT64_MAX ? 0 : req->clock - slowest;
+    int64_t stale = slowest == INT64_MAX || slowest < 0 ? 0 : req->clock - slowest;
     stale = stale > 0 ? stale : 0;
     ps->stale_sum += (double)stale;
     ps->stale_n++;
@@ -11117,7 +11411,9 @@ static dt_status ps_on_sparse_data(dt_ps *ps, int w)
 static dt_status ps_next_request(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
-    if (ps->cfg.mode == DT_PS_BSP && p->clock > ps->applied) {
+    /* (a rejoined server that has not heard from everyone lets each finish
+     * the step it was in: that may be what the others wait for) */
+    if (ps->cfg.mode == DT_PS_BSP && p->clock > (ps->syncing ? p->base : ps->applied)) {
         p->parked = 1;
         return DT_OK;
     }
@@ -11188,6 +11484,45 @@ static dt_status ps_recv_sparse(dt_ps *ps, int w)
     return DT_OK;
 }
 
+/* A rejoined server (18.6) has heard from every live worker: its steps
+ * count from the slowest one's, and the job goes on. */
+static dt_status ps_sync(dt_ps *ps)
+{
+    if (!ps->syncing || ps_min_clock(ps) < 0)
+        return DT_OK;
+    ps->syncing = 0;
+    ps->applied = INT64_MAX;   /* the slowest step any live worker said hello at */
+    for (int w = 0; w < ps->W; w++)
+        if (ps->peers[w].state == 0 && ps->peers[w].base < ps->applied)
+            ps->applied = ps->peers[w].base;
+    ps->applied = ps->applied == INT64_MAX ? 0 : ps->applied;
+    for (int w = 0; w < ps->W; w++)   /* parked while we waited: their steps are in */
+        if (ps->peers[w].state == 0 && ps->peers[w].parked && ps->peers[w].clock <= ps->applied) {
+            ps->peers[w].parked = 0;
+            if (ps_post_header(ps, w) != DT_OK)
+                return ps->ctx->last_status;
+        }
+    dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
+    return s != DT_OK ? s : ps_answer_waiting(ps);
+}
+
+/* A worker's first request to a restarted server: the steps it has
+ * completed, and how many floats of the next one our predecessor got
+ * (lost with it: they count as zeros). */
+static dt_status ps_on_hello(dt_ps *ps, int w)
+{
+    ps_peer *p = &ps->peers[w];
+    const ps_msg *h = &p->hdr;
+    if (!ps->comm->inc || p->clock >= 0 || h->clock < 0 || h->n < 0 || h->n >= ps_my_floats(ps))
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d said hello (step %lld, %lld "
+                         "floats in) to a server that %s", w, (long long)h->clock,
+                         (long long)h->n, ps->comm->inc ? "knows it already" : "never restarted");
+    p->clock = p->base = h->clock;
+    p->got = h->n;
+    dt_status s = ps_sync(ps);
+    return s != DT_OK ? s : ps_next_request(ps, w);
+}
+
 /* Worker w's request header arrived. */
 static dt_status ps_on_header(dt_ps *ps, int w)
 {
@@ -11196,13 +11531,18 @@ static dt_status ps_on_header(dt_ps *ps, int w)
     ps_msg *h = &p->hdr;
     char err[256] = "";
     if (p->hdr_x.status != DT_OK || p->hdr_x.len != sizeof *h || h->magic != PS_MAGIC ||
-        h->seq != p->seq || h->op < PS_INIT || h->op > PS_SPULL)
+        h->seq != p->seq || h->op < PS_INIT || h->op > PS_HELLO ||
+        (p->clock < 0 && h->op != PS_HELLO))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
     p->seq++;
     p->op = (int)h->op;
+    if (h->op == PS_HELLO)
+        return ps_on_hello(ps, w);
     if (h->op == PS_FINISH) {
         p->state = 1;
         dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
+        if (s == DT_OK)
+            s = ps_sync(ps);
         return s != DT_OK ? s : ps_answer_waiting(ps);
     }
     if (h->op == PS_SPUSH || h->op == PS_SPULL)
@@ -11267,6 +11607,8 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     if (p->data_pending)
         ps->comm->tp_iface->cancel(ps->comm->tp, &p->data_x);
     dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
+    if (s == DT_OK)
+        s = ps_sync(ps);
     return s != DT_OK ? s : ps_answer_waiting(ps);
 }
 
@@ -11288,6 +11630,14 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         int dead = c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK;
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, w);   /* left without finishing */
         dead = dead || (c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK);
+        snprintf(key, sizeof key, "ps%d/done/%d", ps->job, w);   /* finished before we restarted */
+        if (ps->peers[w].clock < 0 && c->watch &&
+            dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK) {
+            ps->peers[w].state = 1;
+            if (ps_sync(ps) != DT_OK)
+                return ps->ctx->last_status;
+            continue;
+        }
         int waiting = ps->peers[w].parked;   /* one waiting for us is silent by design */
         for (const ps_wait *q = ps->waits; q && !waiting; q = q->next)
             waiting = q->worker == w;
@@ -11554,10 +11904,15 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         return s;
     ps->seq = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);
     ps->gone = host_calloc(ctx, (size_t)ps->S);
+    ps->inc = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);
+    ps->down_since = host_calloc(ctx, sizeof(double) * (size_t)ps->S);
+    ps->sent = host_calloc(ctx, sizeof(int64_t) * (size_t)ps->S);
+    ps->sent_clock = host_calloc(ctx, sizeof(int64_t) * (size_t)ps->S);
     ps->stage = host_alloc(ctx, sizeof(float) * (size_t)(ps->G + ps->P + 1));
     if (ps->cfg.prefetch)
         ps->stage2 = host_alloc(ctx, sizeof(float) * (size_t)(ps->G + 1));
-    if (!ps->seq || !ps->gone || !ps->stage || (ps->cfg.prefetch && !ps->stage2))
+    if (!ps->seq || !ps->gone || !ps->inc || !ps->down_since || !ps->sent || !ps->sent_clock ||
+        !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
     if (c->rank == 0) {   /* our values are where everyone starts */
@@ -11690,6 +12045,10 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->layout);
     host_free(ctx, ps->seq);
     host_free(ctx, ps->gone);
+    host_free(ctx, ps->inc);
+    host_free(ctx, ps->down_since);
+    host_free(ctx, ps->sent);
+    host_free(ctx, ps->sent_clock);
     host_free(ctx, ps->stage);
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);

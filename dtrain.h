@@ -874,6 +874,14 @@ typedef struct dt_ps_config {
                                   file at dt_ps_new resumes from it (workers then start
                                   from the saved weights).  Borrowed during dt_ps_new. */
     int checkpoint_every;
+    int rejoin_ms;             /* workers: how long to wait for a dead server (without a live
+                                  replica) to be restarted before failing: 0 = 60000, < 0 =
+                                  fail at once.  The restarted process (same rank, started by
+                                  the launcher) finds its predecessor dead, rejoins through
+                                  dt_comm_new, resumes from its checkpoint in dt_ps_new (it
+                                  needs checkpoint_dir) and serves; workers send it their
+                                  current requests again.  Updates it applied after its last
+                                  checkpoint are lost, none older. */
     int prefetch;              /* workers: 1 pulls a step's parameters in the background
                                   while the next step computes (double-buffered): steps
                                   compute on parameters one step stale, and never wait for
@@ -948,6 +956,9 @@ typedef struct dt_ps_stats {
     int64_t rows_updated;      /* server: row updates its optimizer applied */
     int64_t checkpoints;       /* server: checkpoints written */
     int resumed;               /* server: it started from its checkpoint */
+    int64_t resumed_step;      /* server: the optimizer step that checkpoint was taken at */
+    int rejoined;              /* server: a restarted process that rejoined a running job */
+    int rejoins;               /* worker: restarted servers it went on with */
 } dt_ps_stats;
 DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
 

@@ -818,6 +818,15 @@ static dt_status fab_get_addr(dt_transport *t, void *buf, size_t *len, char *err
     return DT_OK;
 }
 
+/* A blob is a usable address of this provider: string formats terminated,
+ * binary ones the length of ours (libfabric trusts what it is given). */
+static int fab_addr_ok(const dt_transport *t, const void *addr, size_t len)
+{
+    if (!addr || len == 0)
+        return 0;
+    return t->info->addr_format == FI_ADDR_STR ? memchr(addr, 0, len) != NULL : len == t->addr_len;
+}
+
 static dt_status fab_insert_peers(dt_transport *t, int n, const void *const *addrs,
                                   const size_t *lens, char *err, size_t err_len)
 {
@@ -831,11 +840,8 @@ static dt_status fab_insert_peers(dt_transport *t, int n, const void *const *add
     }
     /* Check every blob before handing it to libfabric, which trusts them:
      * string formats must be terminated, binary ones the length of ours. */
-    int is_str = t->info->addr_format == FI_ADDR_STR;
     for (int i = 0; i < n; i++) {
-        int ok = addrs[i] && lens[i] > 0 &&
-                 (is_str ? memchr(addrs[i], 0, lens[i]) != NULL : lens[i] == t->addr_len);
-        if (!ok) {
+        if (!fab_addr_ok(t, addrs[i], lens[i])) {
             fab_err(err, err_len, "libfabric: peer %d's address (%zu bytes) is not a %s address",
                     i, lens[i], t->info->fabric_attr->prov_name);
             return DT_EINVAL;
@@ -864,6 +870,33 @@ static dt_status fab_insert_peers(dt_transport *t, int n, const void *const *add
     t->peers = fa;
     t->deferred = dq;
     t->n_peers = n;
+    return DT_OK;
+}
+
+static void fab_cancel(dt_transport *t, dt_xfer *x);
+
+/* The old entry stays in the AV: libfabric may still hold a send to it
+ * (shm and tcp cannot cancel sends), and removing the address under it is
+ * not safe; one stale entry per restart is cheap. */
+static dt_status fab_replace_peer(dt_transport *t, int peer, const void *addr, size_t len,
+                                  char *err, size_t err_len)
+{
+    if (!t || !t->peers || peer < 0 || peer >= t->n_peers || !fab_addr_ok(t, addr, len)) {
+        fab_err(err, err_len, "libfabric: replace_peer(%d): no such peer, or not a %s address",
+                peer, t && t->info ? t->info->fabric_attr->prov_name : "?");
+        return DT_EINVAL;
+    }
+    /* posts for the old process that never went out (each cancel unlinks one) */
+    for (size_t left = t->n_deferred; t->deferred[peer].head && left > 0; left--)
+        fab_cancel(t, t->deferred[peer].head);
+    fi_addr_t fa;
+    int r = fi_av_insert(t->av, addr, 1, &fa, 0, NULL);
+    if (r != 1) {
+        fab_err(err, err_len, "libfabric: fi_av_insert(peer %d's new address): %s", peer,
+                r < 0 ? fi_strerror(-r) : "address rejected");
+        return DT_EINVAL;
+    }
+    t->peers[peer] = fa;
     return DT_OK;
 }
 
@@ -1099,6 +1132,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
         .poll = fab_poll,
         .wait = fab_wait,
         .cancel = fab_cancel,
+        .replace_peer = fab_replace_peer,
     };
     return &iface;
 }

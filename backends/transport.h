@@ -103,6 +103,12 @@ typedef struct dt_transport_iface {
      * shm or tcp: they stay pending until they complete or close() drops
      * them.  Safe on completed transfers. */
     void (*cancel)(dt_transport *t, dt_xfer *x);
+    /* Peer `peer` restarted at a new address: send to and receive from that
+     * one from now on.  The caller first cancels (or sees complete) every
+     * transfer it posted with the old one; posts still queued for it are
+     * cancelled here. */
+    dt_status (*replace_peer)(dt_transport *t, int peer, const void *addr, size_t len,
+                              char *err, size_t err_len);
 } dt_transport_iface;
 
 /* Transports compiled in expose their interface through these. */

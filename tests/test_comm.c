@@ -22,6 +22,7 @@ static dt_ctx *rank_ctx;   /* this process's context (one rank per process) */
 /* how the next run_job's ranks join (set before forking, so inherited) */
 static const char *intra_mode = "transport";   /* dt_comm_config.intra_host */
 static int host_groups;    /* > 0: rank r claims host "h<r % host_groups>" */
+static int job_port;       /* the running job's store port (in its ranks) */
 static dt_ctx *dt_comm_ctx_for_test(dt_comm *c) { (void)c; return rank_ctx; }
 
 /* One rank's process: join, run fn, leave.  Exit codes: 0 ok, 90 could not
@@ -44,6 +45,7 @@ static void rank_main(int rank, int world, int port, const char *prov, int timeo
         snprintf(host_id, sizeof host_id, "h%d", rank % host_groups);
         cfg.host_id = host_id;
     }
+    job_port = port;
     dt_comm *c = ctx ? dt_comm_new(ctx, &e, &cfg) : NULL;
     if (!c) {
         fprintf(stderr, "rank %d: %s\n", rank, ctx ? dt_last_error(ctx) : "no ctx");
@@ -584,6 +586,40 @@ static void test_hung_rank(void **state)
     }
 }
 
+/* A second process claiming a live rank is refused (a restart is only
+ * accepted once the store has seen the first one die), and the job goes
+ * on. */
+static int job_duplicate_rank(dt_comm *c, int rank, int world)
+{
+    if (rank == 1) {
+        dt_ctx *ctx = dt_ctx_new(NULL);
+        dt_dist_env e = tr_env(1, world, job_port);
+        dt_comm_config cfg;
+        dt_comm_config_init(&cfg);
+        cfg.transport = "shm";
+        cfg.timeout_ms = 300;
+        dt_comm *twin = ctx ? dt_comm_new(ctx, &e, &cfg) : NULL;
+        int bad = !ctx || twin || dt_last_status(ctx) != DT_ESTATE ||
+                  !strstr(dt_last_error(ctx), "already in the job and alive");
+        if (bad && ctx)
+            fprintf(stderr, "duplicate rank: %s\n", dt_last_error(ctx));
+        dt_comm_free(twin);
+        dt_ctx_free(ctx);
+        if (bad)
+            return 1;
+    }
+    float x = 1.0f;
+    return dt_allreduce(c, &x, 1, DT_REDUCE_SUM) != DT_OK || x != 2.0f ? 2 : 0;
+}
+
+static void test_duplicate_rank(void **state)
+{
+    (void)state;
+    int codes[2];
+    run_job(2, "shm", 5000, job_duplicate_rank, codes, 40);
+    expect_all_zero(2, codes, "duplicate rank");
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_shm),
     cmocka_unit_test(test_collectives_tcp),
@@ -592,6 +628,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_barrier_waits_for_all),
     cmocka_unit_test(test_mismatch),
     cmocka_unit_test(test_killed_rank),
+    cmocka_unit_test(test_duplicate_rank),
     cmocka_unit_test(test_hung_rank),
     cmocka_unit_test(test_forged_messages),
 };

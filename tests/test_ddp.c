@@ -62,10 +62,10 @@ static void ddp_rank_main(int rank, int world, int port, ddp_fn fn)
     _exit(code);
 }
 
-static void run_ddp_job(int world, ddp_fn fn, int *codes, double seconds)
+/* Start world ranks on a fresh port (returned); pids[r] is rank r's. */
+static int fork_ranks(int world, ddp_fn fn, pid_t *pids)
 {
     int port = tr_free_port();
-    pid_t pids[8];
     fflush(NULL);
     for (int r = 0; r < world; r++) {
         pids[r] = fork();
@@ -73,6 +73,13 @@ static void run_ddp_job(int world, ddp_fn fn, int *codes, double seconds)
         if (pids[r] == 0)
             ddp_rank_main(r, world, port, fn);
     }
+    return port;
+}
+
+static void run_ddp_job(int world, ddp_fn fn, int *codes, double seconds)
+{
+    pid_t pids[8];
+    fork_ranks(world, fn, pids);
     tr_reap(pids, world, codes, seconds);
 }
 
@@ -1395,6 +1402,8 @@ static int ps_fetch_every = 1;          /* push_pull only every k-th step, else 
 static int ps_replicate;                /* servers in mirrored pairs */
 static char ps_ckpt_dir[96];            /* servers checkpoint here (every ps_ckpt_every steps) */
 static int ps_ckpt_every, ps_ckpt_phase; /* phase 1 saves, phase 2 resumes */
+static int ps_model = MLP;              /* the workers' model */
+static size_t ps_bucket_bytes = 1024;   /* their DDP's buckets */
 
 /* Worker 0's parameters to or from a file next to the checkpoints; 0 when
  * written, or read and equal. */
@@ -1419,11 +1428,17 @@ static int ps_params_file(dt_ctx *ctx, int write)
         bad |= fclose(f) != 0;
     return bad;
 }
-static int ps_kill_ms;                  /* the first server exits this long after serving starts */
+static int ps_kill_ms;                  /* a server exits this long after serving starts: */
+static int ps_kill_rank = -1;           /* this one (-1: the first) */
+static int ps_restarted;                /* this process is the killed rank's second */
 
 static void *ps_killer(void *arg)
 {
-    struct timespec t = {0, (long)(intptr_t)arg * 1000000L};
+    struct timespec t = {0, (long)(intptr_t)arg * 1000000L}, poll = {0, 2000000L};
+    char path[160];   /* checkpointing (2 workers): not before its first checkpoint */
+    snprintf(path, sizeof path, "%s/ps-server-%d.safetensors", ps_ckpt_dir, ps_kill_rank - 2);
+    while (ps_ckpt_dir[0] && ps_kill_rank >= 0 && access(path, F_OK) != 0)
+        nanosleep(&poll, NULL);
     nanosleep(&t, NULL);
     _exit(0);   /* gone without a word, mid-training */
     return NULL;
@@ -1464,7 +1479,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     int W = world - ps_servers;
     model m;
-    if (rank < W && model_build(ctx, &m, 0))
+    if (rank < W && model_build(ctx, &m, ps_model))
         return 1;
     dt_ps *ps = ps_join(ctx, c);
     if (ps_ckpt_phase == 3)   /* the servers' files disagree: nobody starts */
@@ -1474,7 +1489,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 2;
     if (dt_ps_is_server(ps)) {
         pthread_t killer;
-        if (ps_kill_ms && rank == W &&
+        if (ps_kill_ms && rank == (ps_kill_rank >= 0 ? ps_kill_rank : W) && !ps_restarted &&
             pthread_create(&killer, NULL, ps_killer, (void *)(intptr_t)ps_kill_ms) != 0)
             return 15;
         int warnings = 0;
@@ -1492,6 +1507,21 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         }
         dt_ps_stats st;
         dt_ps_stats_get(ps, &st);
+        if (st.rejoined != ps_restarted)
+            return 23;
+        if (ps_restarted) {   /* resumed from a checkpoint taken mid-run, and lost at most
+                                 the steps after it (BSP: one step per step of the workers) */
+            int64_t lost = STEPS - (st.resumed_step + st.steps);
+            if (!st.resumed || st.resumed_step < ps_ckpt_every || lost < 0 || lost > ps_ckpt_every) {
+                fprintf(stderr, "restarted server %d: resumed %d at step %lld, applied %lld, "
+                        "lost %lld\n", rank, st.resumed, (long long)st.resumed_step,
+                        (long long)st.steps, (long long)lost);
+                return 24;
+            }
+            dt_ps_free(ps);
+            /* the others are mid-job: no collective on a rejoined communicator */
+            return dt_barrier(c) != DT_ESTATE || !strstr(dt_last_error(ctx), "rejoined") ? 26 : 0;
+        }
         int expect_steps = ps_mode == DT_PS_BSP ? STEPS : STEPS * W;
         if (ps_die_worker >= 0)
             expect_steps = st.steps;   /* checked by dropped_workers below */
@@ -1526,7 +1556,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         dt_ddp_config dc;
         dt_ddp_config_init(&dc);
         dc.ps = ps;
-        dc.bucket_bytes = 1024;   /* several buckets, pushed as backward makes them */
+        dc.bucket_bytes = ps_bucket_bytes;   /* several buckets, pushed as backward makes them */
         dc.overlap = 1;
         if (!(ddp = dt_ddp_new(ctx, c, NULL, &dc)))
             return 7;
@@ -1539,7 +1569,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             nanosleep(&nap, NULL);
         }
         dt_tensor *x, *y;
-        if (make_batch(ctx, 0, s, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
+        if (make_batch(ctx, ps_model, s, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK, &x, &y))
             return 8;
         if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK)
             return 9;
@@ -1565,10 +1595,14 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     /* the starting pull, and each step's (prefetch: the last one is in flight) */
     if (st.steps != STEPS || st.pulls != STEPS / ps_fetch_every + 1 - ps_prefetch)
         return 11;
+    if (st.rejoins != (ps_kill_rank >= 0)) {   /* the restarted server, seen once */
+        fprintf(stderr, "worker %d: %d rejoins\n", rank, st.rejoins);
+        return 25;
+    }
     if (ps_ckpt_phase == 1 && rank == 0 && ps_params_file(ctx, 1))
         return 18;
     if (ps_mode == DT_PS_BSP && ps_die_worker < 0 && !ps_prefetch && ps_fetch_every == 1 &&
-        ps_ckpt_phase != 2) {   /* as one process */
+        ps_ckpt_phase != 2 && ps_kill_rank < 0) {   /* as one process */
         dt_ctx *ref = reference_run(0, W);
         double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
         dt_ctx_free(ref);
@@ -1598,7 +1632,10 @@ static void ps_reset(void)
     ps_slow_worker = ps_die_worker = -1;
     ps_prefetch = 0;
     ps_fetch_every = 1;
-    ps_replicate = ps_kill_ms = 0;
+    ps_replicate = ps_kill_ms = ps_restarted = 0;
+    ps_model = MLP;
+    ps_bucket_bytes = 1024;
+    ps_kill_rank = -1;
     ps_ckpt_dir[0] = '\0';
     ps_ckpt_every = ps_ckpt_phase = 0;
 }
@@ -1659,6 +1696,72 @@ static void test_ps_replica_failover(void **state)
     expect_all_ok(4, ps_rank);
     job_timeout_ms = 20000;
     ps_reset();
+}
+
+/* A job whose rank `again` gets a second process when its first exits (a
+ * launcher restarting a failed server); codes[again] is the second's. */
+static void run_ddp_job_restart(int world, ddp_fn fn, int again, int *codes, double seconds)
+{
+    pid_t pids[8];
+    int port = fork_ranks(world, fn, pids);
+    double deadline = dt_now() + seconds;
+    int status = 0;
+    while (waitpid(pids[again], &status, WNOHANG) != pids[again] && dt_now() < deadline) {
+        struct timespec ts = {0, 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    char path[64];   /* (it exited without closing its shm endpoint) */
+    snprintf(path, sizeof path, "/dev/shm/%d:0:0", (int)pids[again]);
+    unlink(path);
+    ps_restarted = 1;
+    pids[again] = fork();
+    assert_true(pids[again] >= 0);
+    if (pids[again] == 0)
+        ddp_rank_main(again, world, port, fn);
+    ps_restarted = 0;
+    tr_reap(pids, world, codes, deadline - dt_now());
+}
+
+/* Kill a server without a replica mid-run and start it again: it rejoins
+ * from its checkpoint (every 3 steps), the workers send it their current
+ * requests again and finish; it lost at most the steps after its last
+ * checkpoint (checked by the restarted server).  shm and tcp. */
+static void test_ps_rejoin(void **state)
+{
+    (void)state;
+    const char *transports[2] = {"shm", "tcp"};
+    for (int k = 0; k < 2; k++) {
+        ps_reset();
+        snprintf(ps_ckpt_dir, sizeof ps_ckpt_dir, "/tmp/dt_ps_rejoin_%d", (int)getpid());
+        assert_int_equal(mkdir(ps_ckpt_dir, 0700), 0);
+        ps_servers = 2;
+        ps_ckpt_every = 3;
+        ps_kill_ms = 60;   /* after its first checkpoint */
+        ps_kill_rank = 3;
+        ps_slow_worker = 1;   /* 30 ms a step: the run outlives the first process */
+        job_timeout_ms = 4000;
+        job_transport = transports[k];
+        if (k == 1) {   /* tcp: pushes of 256 KiB (shm: 1 KiB, see docs/PARAMETER_SERVER.md) */
+            ps_model = WIDE;
+            ps_bucket_bytes = 256 << 10;
+        }
+        int codes[8];
+        run_ddp_job_restart(4, ps_rank, 3, codes, 120);
+        job_transport = "shm";
+        job_timeout_ms = 20000;
+        for (int r = 0; r < 4; r++)
+            if (codes[r] != 0)
+                print_error("%s: rank %d exited with %d\n", transports[k], r, codes[r]);
+        for (int r = 0; r < 4; r++)
+            assert_int_equal(codes[r], 0);
+        char path[160];
+        for (int s = 0; s < 2; s++) {
+            snprintf(path, sizeof path, "%s/ps-server-%d.safetensors", ps_ckpt_dir, s);
+            assert_int_equal(unlink(path), 0);
+        }
+        assert_int_equal(rmdir(ps_ckpt_dir), 0);
+        ps_reset();
+    }
 }
 
 /* Servers checkpoint their shards; a new job finds the files and resumes:
@@ -2129,6 +2232,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_dead_worker),
     cmocka_unit_test(test_ps_replica_failover),
     cmocka_unit_test(test_ps_checkpoint),
+    cmocka_unit_test(test_ps_rejoin),
     cmocka_unit_test(test_ps_misuse),
     cmocka_unit_test(test_ps_sparse),
     cmocka_unit_test(test_hogwild),
