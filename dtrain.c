@@ -201,7 +201,10 @@ struct dt_work;
 struct xfers;
 static dt_status ps_run(dt_comm *c, struct dt_work *w, struct xfers **xsp);
 static dt_status ps_check_servers(dt_comm *c, struct dt_work *w);
+struct ps_call;
 static void ps_pushed(dt_ps *ps, int requests);
+static size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,
+                             float *residual, float *scratch, char *out);
 static dt_status ps_step_pull(dt_ps *ps);
 static int64_t ps_clock(const dt_ps *ps);
 static dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
@@ -5523,13 +5526,15 @@ struct dt_work {
 /* What one COLL_PS work does: a worker's request to the parameter servers
  * (section 18), run on its comm thread.  The headers live here, not on the
  * comm thread's stack: a failed request may leave posts behind it. */
-enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO };
+enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO, PS_CPUSH };
 #define PS_MAX_SERVERS 8
 typedef struct ps_msg {
     uint32_t magic, op, seq;
     int32_t status;            /* responses: DT_OK or the server's refusal */
     int64_t lo, n;             /* dense: key range; sparse: table, rows */
     int64_t clock;             /* the worker's completed steps */
+    int32_t code, pad;         /* a compressed push: its dt_compress */
+    int64_t k;                 /* and its entries (TOPK) */
     char err[160];
 } ps_msg;
 typedef struct ps_call {
@@ -5551,6 +5556,9 @@ typedef struct ps_call {
     int use_only;
     int64_t posted[PS_MAX_SERVERS];        /* push: floats sent to each server */
     ps_msg hello[PS_MAX_SERVERS];
+    /* a compressed push: each shard's code in msg[], its entries in cnt[] */
+    int code;
+    size_t bytes[PS_MAX_SERVERS];
 } ps_call;
 
 typedef struct seg_head seg_head;
@@ -8272,16 +8280,21 @@ static float select_kth(float *v, int64_t n, int64_t k)
     return v[k];
 }
 
-/* Encode g[0..n) into out; sent[i] gets what the receivers will decode for
- * element i (error feedback keeps g - sent). */
-static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, char *out, float *sent)
+/* Encode g[0..n) as `kind` into out; sent[i] gets what the receivers will
+ * decode for element i (error feedback keeps g - sent).  TOPK keeps
+ * pieces[3p + 2] entries of each piece [pieces[3p], pieces[3p + 1]), k in
+ * all; scratch holds n floats; picked (may be NULL) marks what was sent.
+ * DDP encodes buckets (16.1), a parameter-server push a server's part of
+ * one (18). */
+static void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
+                        int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
+                        float *sent)
 {
-    int64_t n = b->numel;
-    switch (d->cfg.compress) {
+    switch (kind) {
     case DT_COMPRESS_BF16:
     case DT_COMPRESS_FP16:
         for (int64_t i = 0; i < n; i++) {
-            int bf = d->cfg.compress == DT_COMPRESS_BF16;
+            int bf = kind == DT_COMPRESS_BF16;
             uint16_t h = bf ? f32_to_bf16(g[i]) : f32_to_f16(g[i]);
             memcpy(out + 2 * i, &h, 2);
             sent[i] = bf ? bf16_to_f32(h) : f16_to_f32(h);
@@ -8308,18 +8321,19 @@ static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, cha
         break;
     }
     case DT_COMPRESS_TOPK: {
-        int64_t k = b->topk, taken = 0;
-        for (int p = 0; p < b->npieces; p++) {
-            int64_t lo = b->pieces[3 * p], hi = b->pieces[3 * p + 1], kp = b->pieces[3 * p + 2];
+        int64_t taken = 0;
+        for (int p = 0; p < npieces; p++) {
+            int64_t lo = pieces[3 * p], hi = pieces[3 * p + 1], kp = pieces[3 * p + 2];
             /* threshold: the kp-th largest magnitude; ties taken in index order */
-            float *mag = d->scratch;   /* NaN ranks first: it reaches everyone, as dense */
+            float *mag = scratch;   /* NaN ranks first: it reaches everyone, as dense */
             for (int64_t i = lo; i < hi; i++)
                 mag[i - lo] = isnan(g[i]) ? INFINITY : fabsf(g[i]);
             float t = select_kth(mag, hi - lo, hi - lo - kp);
             int64_t above = 0, got = 0;
             for (int64_t i = lo; i < hi; i++) {
                 above += (isnan(g[i]) ? INFINITY : fabsf(g[i])) > t;
-                d->picked[i] = 0;
+                if (picked)
+                    picked[i] = 0;
             }
             int64_t ties = kp - above;
             for (int64_t i = lo; i < hi; i++) {
@@ -8333,7 +8347,8 @@ static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, cha
                     memcpy(out + 4 * taken, &idx, 4);
                     memcpy(out + 4 * k + 2 * taken, &h, 2);
                     sent[i] = bf16_to_f32(h);
-                    d->picked[i] = 1;
+                    if (picked)
+                        picked[i] = 1;
                     taken++;
                     got++;
                 }
@@ -8351,17 +8366,23 @@ static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, cha
     }
 }
 
-/* acc[0..n) += what `code` encodes (one rank's bucket). */
-static void ddp_decode_add(const dt_ddp *d, const ddp_bucket *b, const char *code, float *acc)
+static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, char *out, float *sent)
 {
-    int64_t n = b->numel;
-    switch (d->cfg.compress) {
+    grad_encode(d->cfg.compress, g, b->numel, b->pieces, b->npieces, b->topk, d->scratch,
+                d->picked, out, sent);
+}
+
+/* acc[0..n) += what `code` (n gradients as `kind`, k entries if TOPK)
+ * encodes. */
+static void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc)
+{
+    switch (kind) {
     case DT_COMPRESS_BF16:
     case DT_COMPRESS_FP16:
         for (int64_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, code + 2 * i, 2);
-            acc[i] += d->cfg.compress == DT_COMPRESS_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+            acc[i] += kind == DT_COMPRESS_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
         }
         break;
     case DT_COMPRESS_INT8: {
@@ -8376,11 +8397,11 @@ static void ddp_decode_add(const dt_ddp *d, const ddp_bucket *b, const char *cod
         break;
     }
     case DT_COMPRESS_TOPK:
-        for (int64_t j = 0; j < b->topk; j++) {
+        for (int64_t j = 0; j < k; j++) {
             uint32_t idx;
             uint16_t h;
             memcpy(&idx, code + 4 * j, 4);
-            memcpy(&h, code + 4 * b->topk + 2 * j, 2);
+            memcpy(&h, code + 4 * k + 2 * j, 2);
             if (idx < (uint64_t)n)   /* a corrupt index is dropped, never written */
                 acc[idx] += bf16_to_f32(h);
         }
@@ -8456,6 +8477,38 @@ static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, co
                    DT_REDUCE_SUM);
 }
 
+/* A compressed push to the parameter servers: each server's part of the
+ * bucket encoded on its own (18.2), error feedback as above; the servers
+ * decode, so nothing comes back to decode here. */
+static void ddp_ps_encode(dt_ddp *d, ddp_bucket *b)
+{
+    int ef = d->cfg.error_feedback &&
+             (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8);
+    if (d->cfg.compress == DT_COMPRESS_TOPK && b == d->buckets)
+        d->topk_steps++;
+    size_t bytes = ps_encode_push(d->cfg.ps, &b->pcall, d->cfg.compress,
+                                  ddp_topk_ratio(d, d->topk_steps - 1), ef ? b->residual : NULL,
+                                  d->scratch, (char *)b->payload);
+    d->st.payload_bytes += bytes + (uint64_t)b->count * sizeof(float);
+}
+
+/* Buffers for compressed pushes: a bucket's codes (at most 6 bytes a
+ * float, TOPK keeping all), its residual, and encoding scratch. */
+static dt_status ddp_alloc_ps_code(dt_ddp *d)
+{
+    int64_t biggest = 1;
+    for (int j = 0; j < d->nbuckets; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        biggest = b->numel > biggest ? b->numel : biggest;
+        b->payload = host_alloc(d->ctx, (size_t)b->numel * 6 + 16 * PS_MAX_SERVERS);
+        b->residual = host_calloc(d->ctx, (size_t)(b->numel ? b->numel : 1) * sizeof(float));
+        if (!b->payload || !b->residual)
+            return DT_ENOMEM;
+    }
+    d->scratch = host_calloc(d->ctx, (size_t)biggest * 2 * sizeof(float));
+    return d->scratch ? DT_OK : DT_ENOMEM;
+}
+
 /* Every rank's encoding of bucket b, decoded and summed in rank order into
  * its gradients and flags, then averaged: the same on every rank. */
 static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
@@ -8465,7 +8518,7 @@ static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
     memset(grads, 0, (size_t)(b->numel + b->count) * sizeof(float));
     for (int r = 0; r < P; r++) {
         const float *pl = b->gathered + (int64_t)r * b->payload_floats;
-        ddp_decode_add(d, b, (const char *)pl, grads);
+        grad_decode_add(d->cfg.compress, (const char *)pl, b->numel, b->topk, grads);
         for (int k = 0; k < b->count; k++)
             flags[k] += pl[b->payload_floats - b->count + k];
     }
@@ -8545,7 +8598,17 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
         d->zero_gen = d->ctx->zero_gen;
     }
-    if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
+    if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
+        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
+                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
+                             .clock = ps_clock(d->cfg.ps)};
+        if (d->cfg.compress != DT_COMPRESS_NONE)
+            ddp_ps_encode(d, b);
+        else
+            d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
+        b->work = enqueue_in(d->comm, COLL_PS, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
+                             &b->pcall);
+    } else if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
         /* reduced in 16 bits on the wire, in place (14.4's allreduce16) */
         b->work = enqueue(d->comm, COLL_ALLREDUCE16, d->set[d->cur] + b->offset, NULL,
                           b->numel + b->count, d->cfg.compress == DT_COMPRESS_BF16 ? 1 : 2,
@@ -8553,13 +8616,6 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
-    } else if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
-        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
-                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
-                             .clock = ps_clock(d->cfg.ps)};
-        b->work = enqueue_in(d->comm, COLL_PS, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
-                             &b->pcall);
-        d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     } else if (d->shared.base) {   /* the other ranks read it where it is (14.4) */
         b->work = enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
                              b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
@@ -8811,7 +8867,8 @@ static dt_status ddp_finish(dt_ddp *d)
         dt_status s = work_finish(d->buckets[b].work, &run);
         d->buckets[b].work = NULL;
         d->st.comm_s += run;
-        if (s == DT_OK && (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
+        if (s == DT_OK && !d->cfg.ps &&
+            (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
             ddp_finish_compressed(d, &d->buckets[b]);
         if (s != DT_OK && first == DT_OK) {
             first = s;
@@ -9260,7 +9317,10 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         else
             d->be_iface->memset0(d->be, d->set[k], (size_t)d->set_floats * sizeof(float));
     }
-    if (s == DT_OK && (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
+    if (s == DT_OK && d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)
+        s = ddp_alloc_ps_code(d);
+    else if (s == DT_OK &&
+             (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
         s = ddp_alloc_compression(d);
     if (s == DT_ENOMEM) {
         set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for %lld gradient floats",
@@ -9966,7 +10026,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
 #define PS_MAGIC 0x44545053u
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish", "sparse push",
-                                          "sparse pull", "hello"};
+                                          "sparse pull", "hello", "compressed push"};
 
 static uint64_t ps_tag(int type, uint32_t seq)
 {
@@ -10281,6 +10341,10 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, const ps_cal
     uint32_t seq = ps->seq[s]++;
     *hdr = (ps_msg){.magic = PS_MAGIC, .op = (uint32_t)op, .seq = seq, .lo = lo, .n = n,
                     .clock = pc->clock};
+    if (op == PS_CPUSH) {
+        hdr->code = pc->code;
+        hdr->k = pc->cnt[s % ps->L];
+    }
     int peer = ps->W + s;
     if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK ||
         (data && bytes > 0 &&
@@ -10334,19 +10398,63 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
             pc->asked[s] = !ps->gone[s];
             continue;
         }
-        /* init, push: this server's gradient keys, and every flag */
-        if (a < b && ps_post_request(c, w, xs, pc, s, pc->op, a, b - a, pc->buf + (a - pc->lo),
-                                     (size_t)(b - a) * sizeof(float), &pc->out[(*nout)++]))
+        /* init, push: this server's gradient keys (a compressed push: their
+         * code), and every flag */
+        if (pc->op == PS_CPUSH ? a < b && ps_post_request(c, w, xs, pc, s, PS_CPUSH, a, b - a,
+                                                          pc->msg[j], pc->bytes[j],
+                                                          &pc->out[(*nout)++])
+                               : a < b && ps_post_request(c, w, xs, pc, s, pc->op, a, b - a,
+                                                          pc->buf + (a - pc->lo),
+                                                          (size_t)(b - a) * sizeof(float),
+                                                          &pc->out[(*nout)++]))
             return w->status;
         pc->posted[s] += a < b ? b - a : 0;
         int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
-        if (pc->op == PS_PUSH && hi > flo && !ps->gone[s] &&
+        if ((pc->op == PS_PUSH || pc->op == PS_CPUSH) && hi > flo && !ps->gone[s] &&
             ps_post_request(c, w, xs, pc, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
                             (size_t)(hi - flo) * sizeof(float), &pc->out[(*nout)++]))
             return w->status;
-        pc->posted[s] += pc->op == PS_PUSH && hi > flo ? hi - flo : 0;
+        pc->posted[s] += (pc->op == PS_PUSH || pc->op == PS_CPUSH) && hi > flo ? hi - flo : 0;
     }
     return DT_OK;
+}
+
+/* Make pc (a push of gradients pc->buf, keys [lo, lo + n)) a compressed
+ * one: each shard's part encoded on its own as `kind` (TOPK keeps `ratio`
+ * of it), with error feedback when residual is given (g + residual is
+ * sent, what was not stays in residual).  scratch: 2 n floats.  Returns
+ * the code's bytes. */
+static size_t ps_encode_push(const dt_ps *ps, ps_call *pc, int kind, double ratio,
+                             float *residual, float *scratch, char *out)
+{
+    int64_t lo = pc->lo, hi = pc->lo + pc->n < ps->G ? pc->lo + pc->n : ps->G;
+    float *g = pc->buf, *sent = residual ? residual : scratch + (hi - lo);
+    size_t used = 0;
+    for (int64_t i = 0; residual && i < hi - lo; i++)
+        g[i] += residual[i];
+    for (int j = 0; j < ps->L; j++) {
+        int64_t a = lo > ps->range[j] ? lo : ps->range[j];
+        int64_t b = hi < ps->range[j + 1] ? hi : ps->range[j + 1];
+        pc->msg[j] = NULL;
+        pc->cnt[j] = 0;
+        pc->bytes[j] = 0;
+        if (a >= b)
+            continue;
+        int64_t n = b - a, k = (int64_t)ceil(ratio * (double)n);
+        k = kind != DT_COMPRESS_TOPK ? 0 : k < 1 ? 1 : k > n ? n : k;
+        int64_t piece[3] = {0, n, k};
+        grad_encode((dt_compress)kind, g + (a - lo), n, piece, 1, k, scratch, NULL, out + used,
+                    sent + (a - lo));
+        pc->msg[j] = out + used;
+        pc->cnt[j] = k;
+        pc->bytes[j] = ddp_code_bytes((dt_compress)kind, n, k);
+        used += (pc->bytes[j] + 7) & ~(size_t)7;
+    }
+    for (int64_t i = 0; residual && i < hi - lo; i++)
+        residual[i] = g[i] - sent[i];
+    pc->op = PS_CPUSH;
+    pc->code = kind;
+    return used;
 }
 
 /* Post a sparse request: each live server its shard's distinct rows. */
@@ -10444,7 +10552,7 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
 /* A push went out whole: what each server now has of this step. */
 static void ps_note_sent(dt_ps *ps, const ps_call *pc)
 {
-    for (int s = 0; pc->op == PS_PUSH && s < ps->S; s++) {
+    for (int s = 0; (pc->op == PS_PUSH || pc->op == PS_CPUSH) && s < ps->S; s++) {
         if (!pc->posted[s])
             continue;
         if (ps->sent_clock[s] != pc->clock) {
@@ -11429,6 +11537,13 @@ static dt_status ps_on_data(dt_ps *ps, int w)
         return ps_on_sparse_data(ps, w);
     ps->st.pushes++;
     int64_t n = ps_my_floats(ps), gs = n - ps->P;
+    if (p->op == PS_CPUSH) {   /* decoded into its place */
+        float *dst = p->push + ps_slot(ps, p->data_lo);
+        memset(dst, 0, (size_t)p->data_n * sizeof(float));
+        grad_decode_add((dt_compress)p->hdr.code, p->sdata, p->data_n, p->hdr.k, dst);
+        host_free(ps->ctx, p->sdata);
+        p->sdata = NULL;
+    }
     if (p->op == PS_INIT) {   /* worker 0's starting values for our keys */
         for (int q = 0; q < ps->npieces && !ps->resumed; q++) {
             int64_t plo = ps->piece_lo[q], phi = plo + dt_tensor_numel(ps->piece[q]);
@@ -11460,26 +11575,54 @@ static dt_status ps_on_data(dt_ps *ps, int w)
 }
 
 /* A sparse request's header arrived: receive its ids (and rows). */
+static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes);
+
 static dt_status ps_recv_sparse(dt_ps *ps, int w)
 {
-    dt_comm *c = ps->comm;
     ps_peer *p = &ps->peers[w];
     const ps_msg *h = &p->hdr;
-    char err[256] = "";
     if (h->lo < 0 || h->lo >= ps->ntables || h->n < 1 || h->n > ps->tabs[h->lo].count)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %lld rows of table "
                          "%lld (%d tables)", w, ps_op_names[h->op], (long long)h->n,
                          (long long)h->lo, ps->ntables);
     size_t bytes = (size_t)h->n * (sizeof(int64_t) +
                    (h->op == PS_SPUSH ? (size_t)ps->tabs[h->lo].dim * sizeof(float) : 0));
+    return ps_recv_sdata(ps, w, bytes);
+}
+
+/* A compressed push's header arrived: receive its code (decoded in
+ * ps_on_data). */
+static dt_status ps_recv_code(dt_ps *ps, int w)
+{
+    ps_peer *p = &ps->peers[w];
+    const ps_msg *h = &p->hdr;
+    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
+    int kind = h->code;
+    if (h->lo < lo || h->n < 1 || h->n > hi - h->lo || kind < DT_COMPRESS_BF16 ||
+        kind > DT_COMPRESS_INT8 || (kind == DT_COMPRESS_TOPK ? h->k < 1 || h->k > h->n : h->k != 0))
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a compressed push of keys "
+                         "[%lld, +%lld) (code %d, %lld entries); this server holds [%lld, %lld)",
+                         w, (long long)h->lo, (long long)h->n, kind, (long long)h->k,
+                         (long long)lo, (long long)hi);
+    p->data_lo = h->lo;
+    p->data_n = h->n;
+    return ps_recv_sdata(ps, w, ddp_code_bytes((dt_compress)kind, h->n, h->k));
+}
+
+/* Receive `bytes` of worker w's current request into p->sdata. */
+static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes)
+{
+    dt_comm *c = ps->comm;
+    ps_peer *p = &ps->peers[w];
+    char err[256] = "";
     if (!(p->sdata = host_alloc(ps->ctx, bytes)))
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory for %zu bytes", bytes);
     p->data_pending = 1;
     p->data_bytes = bytes;
     memset(&p->data_x, 0, sizeof p->data_x);
     p->data_x.user = p;
-    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, h->seq), 0, p->sdata, bytes, &p->data_x,
-                          err, sizeof err) != DT_OK)
+    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, p->hdr.seq), 0, p->sdata, bytes,
+                          &p->data_x, err, sizeof err) != DT_OK)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
     return DT_OK;
 }
@@ -11531,7 +11674,7 @@ static dt_status ps_on_header(dt_ps *ps, int w)
     ps_msg *h = &p->hdr;
     char err[256] = "";
     if (p->hdr_x.status != DT_OK || p->hdr_x.len != sizeof *h || h->magic != PS_MAGIC ||
-        h->seq != p->seq || h->op < PS_INIT || h->op > PS_HELLO ||
+        h->seq != p->seq || h->op < PS_INIT || h->op > PS_CPUSH ||
         (p->clock < 0 && h->op != PS_HELLO))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
     p->seq++;
@@ -11547,6 +11690,8 @@ static dt_status ps_on_header(dt_ps *ps, int w)
     }
     if (h->op == PS_SPUSH || h->op == PS_SPULL)
         return ps_recv_sparse(ps, w);
+    if (h->op == PS_CPUSH)
+        return ps_recv_code(ps, w);
     int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
     int flags = h->lo >= ps->G;
     int in_range = h->n >= 0 && (flags ? h->lo + h->n <= ps->G + ps->P
@@ -11806,9 +11951,6 @@ static dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg,
     if (opt)
         return set_error(ctx, DT_EINVAL, "ddp_new: with a parameter server the servers step "
                          "(dt_ps_config.optim); pass no optimizer");
-    if (cfg->compress != DT_COMPRESS_NONE)
-        return set_error(ctx, DT_ENOTSUP, "ddp_new: gradient compression with a parameter "
-                         "server is not built yet");
     return DT_OK;
 }
 
