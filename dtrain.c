@@ -10071,6 +10071,8 @@ typedef struct ps_tab {
     int64_t count;
     dt_tensor *w, *state[2];   /* count x dim each; state: the optimizer's, as its kind has */
     int64_t steps;             /* updates applied (Adam's bias correction) */
+    dt_tensor *steps_t;        /* steps in a checkpoint: two floats, steps >> 24 and its low
+                                  24 bits (each exact in a float) */
     float *acc;                /* count x dim: gradient rows being summed */
     int64_t *slot;             /* row -> its place in touched, or -1 */
     int64_t *touched, ntouched;
@@ -10183,10 +10185,11 @@ static char *ps_describe(dt_ctx *ctx, const dt_ps_config *cfg)
         cap += strlen(ctx->params[i]->name) + 24;
     for (int t = 0; t < cfg->ntables; t++) {
         const dt_ps_table *tb = &cfg->tables[t];
-        static const char *const reserved[] = {".sum", ".exp_avg", ".exp_avg_sq", ".momentum_buffer"};
+        static const char *const reserved[] = {".sum", ".exp_avg", ".exp_avg_sq", ".momentum_buffer",
+                                               ".steps"};
         size_t nl = tb->name ? strlen(tb->name) : 0;
         int clash = 0;   /* a name ending like an optimizer state's would collide in checkpoints */
-        for (int r = 0; r < 4; r++)
+        for (int r = 0; r < 5; r++)
             clash |= nl >= strlen(reserved[r]) && !strcmp(tb->name + nl - strlen(reserved[r]), reserved[r]);
         int bad = !tb->name || !*tb->name || nl > DT_MAX_NAME - 32 || clash || strchr(tb->name, '\n') || tb->rows < 1 ||
                   tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim || !(tb->init_scale >= 0) ||
@@ -10874,13 +10877,13 @@ static ps_call *ps_sparse_prepare(dt_ps *ps, const char *what, int op, int table
             cnt[ip[i].id % S]++;
     /* the block: the call, each server's message (and answer rows), where[] */
     size_t bytes = sizeof(ps_call), at[PS_MAX_SERVERS], rat[PS_MAX_SERVERS];
-    for (int s = 0; s < S; s++) {   /* (s: a shard) */
-        at[s] = bytes;
+    for (int s = 0; s < S; s++) {   /* (s: a shard; every part 8-byte aligned) */
+        at[s] = bytes = (bytes + 7) & ~(size_t)7;
         bytes += (size_t)cnt[s] * (sizeof(int64_t) + (op == PS_SPUSH ? (size_t)dim * 4 : 0));
         rat[s] = bytes;
         bytes += op == PS_SPULL ? (size_t)(cnt[s] * dim) * sizeof(float) : 0;
     }
-    size_t wat = bytes;
+    size_t wat = bytes = (bytes + 7) & ~(size_t)7;
     bytes += op == PS_SPULL ? (size_t)n * sizeof(int64_t) : 0;
     char *blk = host_calloc(ctx, bytes);
     if (!blk) {
@@ -10993,12 +10996,14 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
     tb->w = owned_tensor(sx, 2, shape, name, "");
     for (int j = 0; j < ps_tab_states(oc); j++)
         tb->state[j] = owned_tensor(sx, 2, shape, name, suffix[kind][j]);
+    int64_t two = 2;
+    tb->steps_t = owned_tensor(sx, 1, &two, name, ".steps");
     size_t n = (size_t)(shape[0] * tb->dim);
     tb->acc = host_calloc(ps->ctx, n * sizeof(float));
     tb->slot = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
     tb->touched = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
     if (!tb->w || (ps_tab_states(oc) > 0 && !tb->state[0]) || (ps_tab_states(oc) > 1 && !tb->state[1]) ||
-        !tb->acc || !tb->slot || !tb->touched)
+        !tb->steps_t || !tb->acc || !tb->slot || !tb->touched)
         return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory for table '%s' (%lld x %lld "
                          "here)", tb->name, (long long)tb->count, (long long)tb->dim);
     float *w = tb->w->data;
@@ -11045,7 +11050,7 @@ static dt_status ps_resume(dt_ps *ps)
     const char *dir = ps->cfg.checkpoint_dir;
     if (!dir || !*dir)
         return DT_OK;
-    sx->ckpt_extra = host_calloc(ps->ctx, sizeof(dt_tensor *) * (size_t)(3 * ps->ntables + 1));
+    sx->ckpt_extra = host_calloc(ps->ctx, sizeof(dt_tensor *) * (size_t)(4 * ps->ntables + 1));
     size_t len = strlen(dir) + 48;
     ps->ckpt_path = host_alloc(ps->ctx, len);
     if (!sx->ckpt_extra || !ps->ckpt_path)
@@ -11053,6 +11058,7 @@ static dt_status ps_resume(dt_ps *ps)
     snprintf(ps->ckpt_path, len, "%s/ps-server-%d.safetensors", dir, ps->server);
     for (int t = 0; t < ps->ntables; t++) {
         sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].w;
+        sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].steps_t;
         for (int j = 0; j < 2; j++)
             if (ps->tabs[t].state[j])
                 sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].state[j];
@@ -11061,6 +11067,10 @@ static dt_status ps_resume(dt_ps *ps)
         if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
             return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
                              ps->server, dt_last_error(sx));
+        for (int t = 0; t < ps->ntables; t++) {   /* (Adam's bias correction goes on) */
+            const float *f = ps->tabs[t].steps_t->data;
+            ps->tabs[t].steps = (int64_t)f[0] * 16777216 + (int64_t)f[1];
+        }
         ps->resumed = ps->initialized = 1;
         ps->st.resumed = 1;
         ps->st.resumed_step = ps->opt->steps;
@@ -11077,6 +11087,11 @@ static dt_status ps_checkpoint(dt_ps *ps)
 {
     if (!ps->ckpt_path)
         return DT_OK;
+    for (int t = 0; t < ps->ntables; t++) {
+        float *f = ps->tabs[t].steps_t->data;
+        f[0] = (float)(ps->tabs[t].steps >> 24);
+        f[1] = (float)(ps->tabs[t].steps & 0xFFFFFF);
+    }
     if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, ps->opt->steps) != DT_OK)
         return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_serve: checkpoint: %s",
                          dt_last_error(ps->sctx));
@@ -12147,6 +12162,8 @@ void dt_ps_free(dt_ps *ps)
         ps_tab *tb = &ps->tabs[t];
         if (tb->w)
             tensor_destroy(ps->sctx, tb->w);
+        if (tb->steps_t)
+            tensor_destroy(ps->sctx, tb->steps_t);
         for (int j = 0; j < 2; j++)
             if (tb->state[j])
                 tensor_destroy(ps->sctx, tb->state[j]);

@@ -2075,6 +2075,65 @@ static void test_ps_sparse(void **state)
     sp_kind = DT_SGD;
 }
 
+/* A table trained with Adam resumes with its step count: the second
+ * job's update of row 0 (gradient 3 after 1) is Adam's second step, not a
+ * first step again (which would move it 34% further). */
+static int sp_adam_phase;
+static char sp_adam_dir[96];
+
+static int ps_adam_table_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_ps_table tb = {.name = "emb", .rows = 4, .dim = 1, .init_scale = 0.1f, .seed = 3};
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    dt_optim_config_init(&pc.optim, DT_ADAM);
+    pc.optim.lr = 0.1f;
+    pc.tables = &tb;
+    pc.ntables = 1;
+    pc.checkpoint_dir = sp_adam_dir;
+    if (rank == 0 && !dt_param_new(ctx, "bias", SHP(2)))
+        return 1;
+    dt_ps *ps = dt_ps_new(ctx, c, &pc);
+    if (!ps)
+        return 2;
+    if (dt_ps_is_server(ps)) {
+        dt_status st = dt_ps_serve(ps);
+        dt_ps_free(ps);
+        return st != DT_OK || dt_barrier(c) != DT_OK ? 3 : 0;
+    }
+    const int64_t row = 0;
+    float before, after, g = sp_adam_phase == 1 ? 1.0f : 3.0f;
+    if (dt_ps_sparse_pull(ps, 0, &row, 1, &before) != DT_OK ||
+        dt_ps_sparse_push(ps, 0, &row, 1, &g) != DT_OK || dt_ps_push_pull(ps) != DT_OK ||
+        dt_ps_sparse_pull(ps, 0, &row, 1, &after) != DT_OK || dt_ps_finish(ps) != DT_OK)
+        return 4;
+    /* Adam (betas 0.9, 0.999): step 1 moves lr; step 2 with m = 0.39, v = 0.009999 */
+    double m = sp_adam_phase == 1 ? 0.1 : 0.39, v = sp_adam_phase == 1 ? 0.001 : 0.009999;
+    double t = sp_adam_phase, want = 0.1 * (m / (1 - pow(0.9, t))) / sqrt(v / (1 - pow(0.999, t)));
+    double moved = (double)before - (double)after;
+    if (!(fabs(moved - want) <= 1e-4 * want)) {
+        fprintf(stderr, "phase %d: row 0 moved %.7g, Adam step %d moves %.7g\n", sp_adam_phase,
+                moved, sp_adam_phase, want);
+        return 5;
+    }
+    dt_ps_free(ps);
+    return dt_barrier(c) != DT_OK ? 6 : 0;
+}
+
+static void test_ps_table_adam_resume(void **state)
+{
+    (void)state;
+    snprintf(sp_adam_dir, sizeof sp_adam_dir, "/tmp/dt_ps_adam_%d", (int)getpid());
+    assert_int_equal(mkdir(sp_adam_dir, 0700), 0);
+    for (sp_adam_phase = 1; sp_adam_phase <= 2; sp_adam_phase++)
+        expect_all_ok(2, ps_adam_table_rank);
+    char path[160];
+    snprintf(path, sizeof path, "%s/ps-server-0.safetensors", sp_adam_dir);
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(rmdir(sp_adam_dir), 0);
+}
+
 /* --- Hogwild! --------------------------------------------------------------------- */
 
 enum { HW_ROWS = 20000, HW_USED = 500, HW_F = 4, HW_B = 8, HW_STEPS = 600 };
@@ -2272,6 +2331,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_compress),
     cmocka_unit_test(test_ps_misuse),
     cmocka_unit_test(test_ps_sparse),
+    cmocka_unit_test(test_ps_table_adam_resume),
     cmocka_unit_test(test_hogwild),
 };
 
