@@ -5050,7 +5050,9 @@ static void sv_drop_closed(store_server *sv)
         if (sv->cl[i].fd >= 0) {
             sv->cl[j++] = sv->cl[i];
         } else {
-            if (sv->cl[i].hello && !sv->cl[i].bye) {
+            /* (a restarted process that leaves, even saying goodbye, is gone
+             * too: the next restart of its rank waits for this record) */
+            if (sv->cl[i].hello && (!sv->cl[i].bye || sv->cl[i].inc > 0)) {
                 sv_record_death(sv, sv->cl[i].rank, sv->cl[i].inc);
                 died = 1;
             }
@@ -5608,6 +5610,7 @@ struct dt_comm {
     int ps_made;               /* parameter-server jobs joined so far (their store keys) */
     uint32_t inc;              /* 0, or this rank's n-th restarted process (14.6: rejoined,
                                   only the parameter server's requests work) */
+    int announced;             /* a restarted process told its peers it serves */
     uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
     struct xfers *graveyard;   /* comm thread: records holding orphaned sends (14.2) */
@@ -7251,12 +7254,13 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     }
     if (st != DT_OK)
         return st;
-    uint32_t before = 0;
-    snprintf(key, sizeof key, "inc/%d", c->rank);
+    uint32_t before = 0;   /* the last process started for this rank (0: the first) */
+    snprintf(key, sizeof key, "tries/%d", c->rank);
     if (dt_store_get(c->store, key, val, sizeof val - 1, &len, 1) == DT_OK) {
         val[len < sizeof val ? len : sizeof val - 1] = '\0';
         before = (uint32_t)strtoul(val, NULL, 10);
     }
+    dt_clear_error(ctx);
     dead_key(key, sizeof key, c->rank, before);
     st = dt_store_get(c->store, key, val, sizeof val, &len, c->timeout_ms);
     if (st == DT_ETIMEDOUT)
@@ -7273,27 +7277,35 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     dt_store_close(c->store);
     c->store = again;
     c->inc = before + 1;
-    return DT_OK;
+    /* counted once our hellos say who we are (so our end is recorded):
+     * a number is never handed out twice */
+    snprintf(key, sizeof key, "tries/%d", c->rank);
+    snprintf(val, sizeof val, "%u", c->inc);
+    return dt_store_set(c->store, key, val, strlen(val) + 1);
 }
 
-/* The rejoined process can be reached: tell its peers. */
+/* The rejoined process is ready (its receives are posted: 18.6 calls this
+ * when it starts serving): tell its peers. */
 static dt_status announce_rejoin(dt_comm *c)
 {
     char key[32], val[16];
+    if (!c->inc || c->announced)
+        return DT_OK;
+    c->announced = 1;
     snprintf(key, sizeof key, "inc/%d", c->rank);
     snprintf(val, sizeof val, "%u", c->inc);
     return dt_store_set(c->store, key, val, strlen(val) + 1);
 }
 
-/* Comm thread: rank `peer` restarted; send to and receive from its new
- * address (read from the store) from now on.  The caller has cancelled or
+/* Comm thread: rank `peer` restarted as incarnation inc; send to and
+ * receive from its address (read from the store) from now on.  The caller has cancelled or
  * drained every transfer with the old one. */
-static dt_status comm_replace_peer(dt_comm *c, int peer, char *err, size_t err_len)
+static dt_status comm_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len)
 {
     char key[32];
     unsigned char addr[512];
     size_t len = 0;
-    snprintf(key, sizeof key, "addr/%d", peer);
+    snprintf(key, sizeof key, "addr/%d.%u", peer, inc);   /* that process's, not a later one's */
     if (!c->watch || dt_store_get(c->watch, key, addr, sizeof addr, &len, c->timeout_ms) != DT_OK) {
         snprintf(err, err_len, "rank %d's new address: %.200s", peer,
                  c->watch ? c->watch_errors->err : "no store");
@@ -7540,6 +7552,9 @@ static dt_status exchange_addresses(dt_comm *c)
         return set_error(ctx, DT_EIO, "comm: transport address: %s", err);
     snprintf(key, sizeof key, "addr/%d", c->rank);
     dt_status st = dt_store_set(c->store, key, mine, len);
+    snprintf(key, sizeof key, "addr/%d.%u", c->rank, c->inc);   /* (a restart's, for 14.6) */
+    if (st == DT_OK && c->inc)
+        st = dt_store_set(c->store, key, mine, len);
     unsigned char *all = host_alloc(ctx, (size_t)c->world * sizeof mine);
     const void **ptrs = host_alloc(ctx, sizeof *ptrs * (size_t)c->world);
     size_t *lens = host_alloc(ctx, sizeof *lens * (size_t)c->world);
@@ -7652,8 +7667,8 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     }
     c->has_thread = 1;
     /* everyone's endpoint is ready before anyone sends (a rejoined rank's
-     * peers are mid-job: it tells them instead) */
-    if (c->inc ? announce_rejoin(c) != DT_OK : dt_barrier(c) != DT_OK)
+     * peers are mid-job: it tells them when it serves, announce_rejoin) */
+    if (!c->inc && dt_barrier(c) != DT_OK)
         goto fail;
     /* every local rank has mapped the segment: its name can go, so no
      * file is left behind in /dev/shm whatever happens later */
@@ -10534,7 +10549,7 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
             c->tp_iface->wait(c->tp, 50);   /* (the key may hold an older restart's number) */
         }
         char err[256] = "";
-        if (comm_replace_peer(c, rank, err, sizeof err) != DT_OK)
+        if (comm_replace_peer(c, rank, inc, err, sizeof err) != DT_OK)
             return work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
                              rank, err);
         ps->inc[s] = inc;
@@ -10610,9 +10625,9 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
     memset(pc->asked, 0, sizeof pc->asked);
     memset(pc->posted, 0, sizeof pc->posted);
     pc->use_only = 0;
+    unsigned char before[PS_MAX_SERVERS];   /* the servers gone when the pulls went out */
+    memcpy(before, ps->gone, (size_t)ps->S);
     for (int round = 0, lost = 0;; round++) {
-        unsigned char before[PS_MAX_SERVERS];
-        memcpy(before, ps->gone, (size_t)ps->S);
         nout = 0;
         if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout) != DT_OK)
             return w->status;
@@ -10638,6 +10653,7 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
         if (++lost > ps->S)
             return work_fail(w, DT_EPEER, "parameter server: every server of a shard died");
         memset(pc->asked, 0, sizeof pc->asked);   /* every pull goes again */
+        memcpy(before, ps->gone, (size_t)ps->S);
     }
     for (int s = 0; s < ps->S; s++) {
         if (!pc->asked[s])
@@ -11772,6 +11788,24 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     return s != DT_OK ? s : ps_answer_waiting(ps);
 }
 
+/* Is another server dead and not yet back?  Workers wait for its restart
+ * (18.6), silent here meanwhile: no reason to drop them. */
+static int ps_server_down(dt_ps *ps)
+{
+    dt_comm *c = ps->comm;
+    for (int q = 0; q < ps->S && c->watch; q++) {
+        char key[32], val[16];
+        size_t len = 0;
+        int rank = ps->W + q;
+        if (q == ps->server)
+            continue;
+        dead_key(key, sizeof key, rank, ps_published_inc(c, rank, 1));
+        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK)
+            return 1;
+    }
+    return 0;
+}
+
 /* Every DT_COMM_WATCH_S: drop workers the store reports dead, and, while a
  * pull waits, live workers silent for the communicator's timeout. */
 static dt_status ps_watch(dt_ps *ps, double *last_seen)
@@ -11794,6 +11828,7 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         if (ps->peers[w].clock < 0 && c->watch &&
             dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK) {
             ps->peers[w].state = 1;
+            c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
             if (ps_sync(ps) != DT_OK)
                 return ps->ctx->last_status;
             continue;
@@ -11801,7 +11836,12 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         int waiting = ps->peers[w].parked;   /* one waiting for us is silent by design */
         for (const ps_wait *q = ps->waits; q && !waiting; q = q->next)
             waiting = q->worker == w;
-        int silent = held && !waiting && now - last_seen[w] > c->timeout_ms / 1000.0;
+        /* silent while others wait; or, restarted, never heard from (else we
+         * would wait forever); but not while it waits for a restarting server */
+        double quiet = now - last_seen[w], limit = c->timeout_ms / 1000.0;
+        int silent = !waiting && ((held && quiet > limit) ||
+                                  (ps->syncing && ps->peers[w].clock < 0 && quiet > 2 * limit)) &&
+                     !ps_server_down(ps);
         char why[64];
         snprintf(why, sizeof why, "%s", dead ? "it died or left without finishing" : "");
         if (!dead)
@@ -11842,6 +11882,8 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         if (ps_post_header(ps, w) != DT_OK)
             return ps->ctx->last_status;
     }
+    if (announce_rejoin(c) != DT_OK)   /* a restarted server: workers may come now */
+        return ps->ctx->last_status;
     double last_watch = dt_now();
     for (;;) {
         int live = 0;
@@ -12132,7 +12174,14 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
     *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job, .L = L,
                   .server = c->rank >= W ? c->rank - W : -1,
                   .shard = c->rank >= W ? (c->rank - W) % L : -1};
-    dt_status s = ps->server >= 0 ? ps_join_server(ps, job) : ps_join_worker(ps, job);
+    dt_status s = DT_OK;
+    if (c->inc && (ps->server < 0 || conf.replicate))   /* 18.6 */
+        s = set_error(ctx, DT_ENOTSUP, "ps_new: rank %d is a restarted process; only a server "
+                      "without a replica can rejoin a running job (%s)", c->rank,
+                      ps->server < 0 ? "a worker's restart is not supported"
+                                     : "its twin serves on in its place");
+    else
+        s = ps->server >= 0 ? ps_join_server(ps, job) : ps_join_worker(ps, job);
     ps->cfg.tables = NULL;   /* borrowed until now */
     ps->cfg.checkpoint_dir = NULL;
     if (s != DT_OK) {
