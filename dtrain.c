@@ -5535,10 +5535,20 @@ typedef struct ps_msg {
     int32_t status;            /* responses: DT_OK or the server's refusal */
     int64_t lo, n;             /* dense: key range; sparse: table, rows */
     int64_t clock;             /* the worker's completed steps */
-    int32_t code, pad;         /* a compressed push: its dt_compress */
+    int32_t code;              /* a compressed push: its dt_compress */
+    uint32_t chunk;            /* the request's data and its answer travel in pieces of
+                                  this many bytes (18: "Messages") */
     int64_t k;                 /* and its entries (TOPK) */
     char err[160];
 } ps_msg;
+/* One message's data in pieces (18.2): piece i of `pieces` is bytes
+ * [i * chunk, ...) of buf, tagged ps_tag(type, seq, i). */
+typedef struct ps_stream {
+    int peer, sending, type;
+    uint32_t seq, next, pieces;   /* next: the first piece not yet posted */
+    char *buf;
+    size_t bytes;
+} ps_stream;
 typedef struct ps_call {
     struct dt_ps *ps;
     int op;
@@ -5561,6 +5571,8 @@ typedef struct ps_call {
     /* a compressed push: each shard's code in msg[], its entries in cnt[] */
     int code;
     size_t bytes[PS_MAX_SERVERS];
+    ps_stream streams[3 * PS_MAX_SERVERS];   /* this round's data, posted as room allows */
+    int nstreams;
 } ps_call;
 
 typedef struct seg_head seg_head;
@@ -10022,9 +10034,12 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
  * Messages go over the communicator's transport, each request a ps_msg
  * header (tag PS_TAG_REQ) and, for pushes, the floats (PS_TAG_DATA); a pull
  * is answered with a header (PS_TAG_RESP) and the floats (PS_TAG_RDATA).
- * Tags carry a per (worker, server) sequence number, so every message is
- * matched exactly; their top 12 bits are all ones, which no collective's
- * tag has (14.1).  A worker's requests run on its comm thread as work of
+ * Data travels in pieces of at most the header's `chunk` bytes, a few in
+ * flight at a time, so no message exceeds the transport's limit and, on
+ * shm, none needs the receiver's answer to complete (18.2).  Tags carry a
+ * per (worker, server) sequence number and the piece's index, so every
+ * message is matched exactly; their top 12 bits are all ones, which no
+ * collective's tag has (14.1).  A worker's requests run on its comm thread as work of
  * kind COLL_PS, like a bucket's allreduce; a server runs dt_ps_serve on
  * its own thread, owning the transport meanwhile (as run_inline does).
  *
@@ -10043,9 +10058,34 @@ enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish", "sparse push",
                                           "sparse pull", "hello", "compressed push"};
 
-static uint64_t ps_tag(int type, uint32_t seq)
+/* Bits 52-63 all ones, 48-51 the type, 24-47 the piece, 0-23 the request's
+ * number (it wraps; a pair never has 2^24 requests in flight). */
+static uint64_t ps_tag(int type, uint32_t seq, uint32_t piece)
 {
-    return (uint64_t)0xFFF << 52 | (uint64_t)type << 40 | seq;
+    return (uint64_t)0xFFF << 52 | (uint64_t)type << 48 | (uint64_t)(piece & 0xFFFFFF) << 24 |
+           (seq & 0xFFFFFF);
+}
+
+/* Pieces.  A message of `bytes` is ceil(bytes / chunk) messages.  With
+ * libfabric's shm provider a send of more than its inject size (4 KiB)
+ * completes only when the receiver answers, and the sender handles those
+ * answers in order, so one such send to a process that died holds back
+ * every later one, to anyone: where a death must not stop the job
+ * (replicated or checkpointing servers) pieces on shm are PS_SHM_CHUNK. */
+#define PS_SHM_CHUNK ((size_t)4096)
+#define PS_MIN_CHUNK ((size_t)64)
+#define PS_MAX_PIECES ((uint32_t)1 << 24)
+#define PS_WINDOW 16              /* a server's pieces in flight per message */
+
+static uint64_t ps_pieces(size_t bytes, size_t chunk)
+{
+    return ((uint64_t)bytes + chunk - 1) / chunk;
+}
+
+static size_t ps_piece_len(size_t bytes, size_t chunk, uint32_t i)
+{
+    size_t off = (size_t)i * chunk;
+    return bytes - off < chunk ? bytes - off : chunk;
 }
 
 /* A server's view of one worker. */
@@ -10057,10 +10097,14 @@ typedef struct ps_peer {
     int64_t got;               /* floats of its current step received */
     float *push;               /* its current step: G_s gradients then P flags */
     ps_msg hdr;                /* the request being received */
-    dt_xfer hdr_x, data_x;
-    int data_pending;
-    int64_t data_lo, data_n;
-    size_t data_bytes;         /* what the data receive must bring */
+    dt_xfer hdr_x;
+    int64_t data_lo, data_n;   /* its data is being received, in pieces: */
+    char *data_buf;
+    size_t data_bytes;         /* what they must bring in all */
+    uint32_t data_pieces, data_next, data_got;   /* pieces: all, posted, arrived */
+    dt_xfer data_x[PS_WINDOW];
+    uint32_t data_piece[PS_WINDOW];   /* the piece each receive was posted for */
+    unsigned char data_busy[PS_WINDOW];
     int op;
     void *sdata;               /* a sparse request's ids (and rows) being received */
     int parked;                /* BSP: its step is in but not applied; its next request
@@ -10093,12 +10137,18 @@ typedef struct ps_tab {
     int64_t *touched, ntouched;
 } ps_tab;
 
-/* A response in flight (server side); freed when both sends complete. */
+/* A response in flight (server side): its header, then its data in
+ * pieces, PS_WINDOW at a time; freed when every send posted completed and
+ * nothing is left to post. */
 typedef struct ps_reply {
     ps_msg hdr;
-    dt_xfer hdr_x, data_x;
+    dt_xfer hdr_x;
     float *data;
-    int has_data;
+    int worker;
+    size_t bytes, chunk;       /* bytes 0 with pieces: an error's empty pieces */
+    uint32_t pieces, posted, stopped;   /* stopped: no more pieces go out */
+    dt_xfer data_x[PS_WINDOW];
+    unsigned char busy[PS_WINDOW];
     struct ps_reply *next;
 } ps_reply;
 
@@ -10133,6 +10183,7 @@ struct dt_ps {
     int ntables;
     ps_tab *tabs;
     /* worker */
+    size_t chunk;              /* our messages' pieces, and the answers' (18.2) */
     uint32_t *seq;             /* per server: our next request */
     int64_t clock;             /* steps pushed */
     float *stage;              /* G + P floats: packing pushes, receiving pulls */
@@ -10349,37 +10400,89 @@ static int ps_write_off(dt_comm *c, void *arg, int peer)
     return peer >= ps->W && peer < ps->W + ps->S && ps_write_off_server(c, ps, peer - ps->W, 0);
 }
 
-/* Post the sends of one request (header, then `bytes` of data if any) to
- * server s. */
-static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, const ps_call *pc, int s,
+/* A message's data, to go out (or come in) in pieces as ps_pump finds
+ * room for them. */
+static dt_status ps_add_stream(dt_work *w, ps_call *pc, int sending, int peer, int type,
+                               uint32_t seq, void *buf, size_t bytes)
+{
+    size_t chunk = pc->ps->chunk;
+    if (bytes == 0)
+        return DT_OK;
+    if (ps_pieces(bytes, chunk) > PS_MAX_PIECES || pc->nstreams == 3 * PS_MAX_SERVERS)
+        return work_fail(w, DT_ENOTSUP, "parameter server: a message of %zu bytes is more than "
+                         "%u pieces of %zu bytes (raise dt_ps_config.chunk_bytes)", bytes,
+                         PS_MAX_PIECES, chunk);
+    pc->streams[pc->nstreams++] = (ps_stream){.peer = peer, .sending = sending, .type = type,
+                                              .seq = seq, .pieces = (uint32_t)ps_pieces(bytes, chunk),
+                                              .buf = buf, .bytes = bytes};
+    return DT_OK;
+}
+
+/* Post the header of one request to server s; its `bytes` of data (if
+ * any) become a stream. */
+static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
                                  int op, int64_t lo, int64_t n, void *data, size_t bytes,
                                  ps_msg *hdr)
 {
     dt_ps *ps = pc->ps;
     uint32_t seq = ps->seq[s]++;
     *hdr = (ps_msg){.magic = PS_MAGIC, .op = (uint32_t)op, .seq = seq, .lo = lo, .n = n,
-                    .clock = pc->clock};
+                    .clock = pc->clock, .chunk = (uint32_t)ps->chunk};
     if (op == PS_CPUSH) {
         hdr->code = pc->code;
         hdr->k = pc->cnt[s % ps->L];
     }
     int peer = ps->W + s;
-    if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq), hdr, sizeof *hdr) != DT_OK ||
-        (data && bytes > 0 &&
-         post(c, w, xs, 1, peer, ps_tag(PS_TAG_DATA, seq), data, bytes) != DT_OK))
+    if (post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq, 0), hdr, sizeof *hdr) != DT_OK)
         return ps_forgive(c, w, ps, s);
+    return data ? ps_add_stream(w, pc, 1, peer, PS_TAG_DATA, seq, data, bytes) : DT_OK;
+}
+
+/* Post the receive of server s's answer header to the request about to go
+ * out; its data becomes a stream. */
+static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
+                                ps_msg *in, void *data, size_t bytes)
+{
+    dt_ps *ps = pc->ps;
+    uint32_t seq = ps->seq[s];
+    if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq, 0), in, sizeof *in) != DT_OK)
+        return ps_forgive(c, w, ps, s);
+    return ps_add_stream(w, pc, 0, ps->W + s, PS_TAG_RDATA, seq, data, bytes);
+}
+
+/* Post the streams' next pieces, taking turns, while the transfer list
+ * has room (a round's wait then sees them through); streams of servers
+ * written off are dropped. */
+static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
+{
+    dt_ps *ps = pc->ps;
+    for (int more = 1; more && xs->n < DT_COMM_MAX_XFERS;) {
+        more = 0;
+        for (int i = 0; i < pc->nstreams && xs->n < DT_COMM_MAX_XFERS; i++) {
+            ps_stream *st = &pc->streams[i];
+            int s = st->peer - ps->W;
+            if (st->next == st->pieces || ps->gone[s])
+                continue;
+            size_t len = ps_piece_len(st->bytes, ps->chunk, st->next);
+            if (post(c, w, xs, st->sending, st->peer, ps_tag(st->type, st->seq, st->next),
+                     st->buf + (size_t)st->next * ps->chunk, len) != DT_OK &&
+                ps_forgive(c, w, ps, s) != DT_OK)
+                return w->status;
+            st->next++;
+            more = 1;
+        }
+    }
     return DT_OK;
 }
 
-/* Post the receives of server s's answer to the request about to go out. */
-static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, dt_ps *ps, int s, ps_msg *in,
-                                void *data, size_t bytes)
+/* Are pieces left to post (to servers not written off)? */
+static int ps_streams_left(const ps_call *pc)
 {
-    uint32_t seq = ps->seq[s];
-    if (post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq), in, sizeof *in) != DT_OK ||
-        post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RDATA, seq), data, bytes) != DT_OK)
-        return ps_forgive(c, w, ps, s);
-    return DT_OK;
+    for (int i = 0; i < pc->nstreams; i++)
+        if (pc->streams[i].next < pc->streams[i].pieces &&
+            !pc->ps->gone[pc->streams[i].peer - pc->ps->W])
+            return 1;
+    return 0;
 }
 
 /* The server shard j's pulls go to: the first of its servers alive. */
@@ -10394,6 +10497,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
 {
     dt_ps *ps = pc->ps;
     int64_t hi = pc->lo + pc->n, glo = pc->lo, ghi = hi < ps->G ? hi : ps->G;
+    pc->nstreams = 0;
     for (int s = 0; s < ps->S; s++) {
         int j = s % ps->L;
         int64_t a = glo > ps->range[j] ? glo : ps->range[j];
@@ -10408,7 +10512,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
         if (pc->op == PS_PULL) {
             if (a >= b || ps_reader(ps, j) != s)
                 continue;
-            if (ps_post_answer(c, w, xs, ps, s, &pc->in[s], pc->buf + (a - pc->lo),
+            if (ps_post_answer(c, w, xs, pc, s, &pc->in[s], pc->buf + (a - pc->lo),
                                (size_t)(b - a) * sizeof(float)) ||
                 (!ps->gone[s] &&
                  ps_post_request(c, w, xs, pc, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++])))
@@ -10480,6 +10584,7 @@ static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
 {
     dt_ps *ps = pc->ps;
     int64_t dim = ps->tabs[pc->lo].dim;
+    pc->nstreams = 0;
     for (int s = 0; s < ps->S; s++) {
         int j = s % ps->L;
         int64_t k = pc->cnt[j];
@@ -10488,7 +10593,7 @@ static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
             continue;
         size_t idb = (size_t)k * sizeof(int64_t), rowb = (size_t)(k * dim) * sizeof(float);
         if (pc->op == PS_SPULL &&
-            ps_post_answer(c, w, xs, ps, s, &pc->in[s], pc->rows[j], rowb) != DT_OK)
+            ps_post_answer(c, w, xs, pc, s, &pc->in[s], pc->rows[j], rowb) != DT_OK)
             return w->status;
         if (ps->gone[s])
             continue;
@@ -10631,16 +10736,20 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
         nout = 0;
         if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout) != DT_OK)
             return w->status;
-        /* a BSP pull waits for the slowest worker, and so may a parked push: the
-         * server drops a silent worker after 1x, so we must outlast that */
-        xs->patience = 2.0;
-        if (wait_xfers(c, w, xs) != DT_OK)
-            return w->status;
-        if (xs->orphans) {
-            if (ps_fresh_xfers(c, w, xsp) != DT_OK)
+        do {   /* the data's pieces, as many at a time as the transfer list holds */
+            if (ps_pump(c, w, xs, pc) != DT_OK)
                 return w->status;
-            xs = *xsp;
-        }
+            /* a BSP pull waits for the slowest worker, and so may a parked push: the
+             * server drops a silent worker after 1x, so we must outlast that */
+            xs->patience = 2.0;
+            if (wait_xfers(c, w, xs) != DT_OK)
+                return w->status;
+            if (xs->orphans) {
+                if (ps_fresh_xfers(c, w, xsp) != DT_OK)
+                    return w->status;
+                xs = *xsp;
+            }
+        } while (ps_streams_left(pc));
         if (ps_await_rejoins(c, w, xs, pc) != DT_OK)
             return w->status;
         if (pc->use_only) {
@@ -11386,6 +11495,31 @@ static void ps_gather(dt_ps *ps, const ps_msg *req, const int64_t *ids, float *o
     }
 }
 
+/* Post the next pieces of answer r while it has free slots (none once
+ * its worker was dropped: nobody will take them). */
+static dt_status ps_reply_fill(dt_ps *ps, ps_reply *r)
+{
+    dt_comm *c = ps->comm;
+    char err[256] = "";
+    for (int i = 0; i < PS_WINDOW && r->posted < r->pieces && !r->stopped; i++) {
+        if (r->busy[i])
+            continue;
+        dt_xfer *x = &r->data_x[i];
+        memset(x, 0, sizeof *x);
+        x->user = r;
+        size_t len = r->bytes ? ps_piece_len(r->bytes, r->chunk, r->posted) : 0;
+        char *buf = (char *)r->data + (r->bytes ? (size_t)r->posted * r->chunk : 0);
+        if (c->tp_iface->send(c->tp, r->worker, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
+                              len, x, err, sizeof err) != DT_OK) {
+            r->stopped = 1;
+            return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", r->worker, err);
+        }
+        r->busy[i] = 1;
+        r->posted++;
+    }
+    return DT_OK;
+}
+
 static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const int64_t *ids,
                                 dt_status status, const char *why)
 {
@@ -11395,9 +11529,18 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
     if (!r)
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
     r->hdr = (ps_msg){.magic = PS_MAGIC, .op = req->op, .seq = req->seq,
-                      .status = (int32_t)status, .lo = req->lo, .n = req->n, .clock = req->clock};
+                      .status = (int32_t)status, .lo = req->lo, .n = req->n, .clock = req->clock,
+                      .chunk = req->chunk};
     snprintf(r->hdr.err, sizeof r->hdr.err, "%s", why ? why : "");
-    int64_t n = status != DT_OK ? 0 : req->op == PS_SPULL ? req->n * ps->tabs[req->lo].dim : req->n;
+    /* the worker waits for the pieces of what it asked for; a refusal sends
+     * them empty (its header says why) */
+    int64_t asked = req->op == PS_SPULL ? req->n * ps->tabs[req->lo].dim : req->n;
+    asked = req->op == PS_SPULL || (asked >= 0 && asked <= ps->G + ps->P) ? asked : 1;
+    int64_t n = status != DT_OK ? 0 : asked;
+    r->worker = worker;
+    r->chunk = req->chunk;
+    r->bytes = (size_t)n * sizeof(float);
+    r->pieces = (uint32_t)ps_pieces((size_t)asked * sizeof(float), req->chunk);
     r->data = host_alloc(ps->ctx, sizeof(float) * (size_t)(n > 0 ? n : 1));
     if (!r->data) {
         host_free(ps->ctx, r);
@@ -11405,9 +11548,8 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
     }
     if (n > 0)
         ps_gather(ps, req, ids, r->data);
-    r->hdr_x.user = r->data_x.user = r;
-    r->has_data = 1;
-    dt_status s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RESP, req->seq), &r->hdr,
+    r->hdr_x.user = r;
+    dt_status s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
                                     sizeof r->hdr, &r->hdr_x, err, sizeof err);
     if (s != DT_OK) {   /* nothing posted */
         host_free(ps->ctx, r->data);
@@ -11416,12 +11558,8 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
     }
     r->next = ps->replies;   /* the transport holds the header now: swept when it completes */
     ps->replies = r;
-    s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RDATA, req->seq), r->data,
-                          (size_t)n * sizeof(float), &r->data_x, err, sizeof err);
-    if (s != DT_OK) {
-        r->data_x.done = 1;
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", worker, err);
-    }
+    if ((s = ps_reply_fill(ps, r)) != DT_OK)
+        return s;
     ps->st.pulls++;
     if (req->op == PS_SPULL && status == DT_OK)
         ps->st.rows_pulled += req->n;
@@ -11480,7 +11618,7 @@ static dt_status ps_post_header(dt_ps *ps, int w)
     ps_peer *p = &ps->peers[w];
     memset(&p->hdr_x, 0, sizeof p->hdr_x);
     p->hdr_x.user = p;
-    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_REQ, p->seq), 0, &p->hdr, sizeof p->hdr,
+    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_REQ, p->seq, 0), 0, &p->hdr, sizeof p->hdr,
                           &p->hdr_x, err, sizeof err) != DT_OK)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
     return DT_OK;
@@ -11563,7 +11701,6 @@ static dt_status ps_next_request(dt_ps *ps, int w)
 static dt_status ps_on_data(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
-    p->data_pending = 0;
     if (p->op == PS_SPUSH || p->op == PS_SPULL)
         return ps_on_sparse_data(ps, w);
     ps->st.pushes++;
@@ -11640,22 +11777,73 @@ static dt_status ps_recv_code(dt_ps *ps, int w)
     return ps_recv_sdata(ps, w, ddp_code_bytes((dt_compress)kind, h->n, h->k));
 }
 
-/* Receive `bytes` of worker w's current request into p->sdata. */
-static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes)
+/* Post receives for the next pieces of worker w's request data while
+ * slots are free. */
+static dt_status ps_fill_recv(dt_ps *ps, int w)
 {
     dt_comm *c = ps->comm;
     ps_peer *p = &ps->peers[w];
     char err[256] = "";
+    for (int i = 0; i < PS_WINDOW && p->data_next < p->data_pieces; i++) {
+        if (p->data_busy[i])
+            continue;
+        dt_xfer *x = &p->data_x[i];
+        memset(x, 0, sizeof *x);
+        x->user = p;
+        size_t off = (size_t)p->data_next * p->hdr.chunk;
+        if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, p->hdr.seq, p->data_next), 0,
+                              p->data_buf + off, ps_piece_len(p->data_bytes, p->hdr.chunk,
+                                                              p->data_next),
+                              x, err, sizeof err) != DT_OK)
+            return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
+        p->data_busy[i] = 1;
+        p->data_piece[i] = p->data_next++;
+    }
+    return DT_OK;
+}
+
+/* Receive `bytes` of worker w's current request into buf, in pieces of
+ * the request's chunk; ps_on_data runs when the last one is in. */
+static dt_status ps_recv_pieces(dt_ps *ps, int w, void *buf, size_t bytes)
+{
+    ps_peer *p = &ps->peers[w];
+    if (ps_pieces(bytes, p->hdr.chunk) > PS_MAX_PIECES)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a request of %zu bytes in "
+                         "pieces of %u", w, bytes, p->hdr.chunk);
+    p->data_buf = buf;
+    p->data_bytes = bytes;
+    p->data_pieces = (uint32_t)ps_pieces(bytes, p->hdr.chunk);
+    p->data_next = p->data_got = 0;
+    if (p->data_pieces == 0) {   /* nothing to wait for */
+        dt_status s = ps_on_data(ps, w);
+        return s != DT_OK ? s : ps_next_request(ps, w);
+    }
+    return ps_fill_recv(ps, w);
+}
+
+/* A piece of worker w's request data arrived in receive slot i. */
+static dt_status ps_on_piece(dt_ps *ps, int w, int i)
+{
+    ps_peer *p = &ps->peers[w];
+    size_t want = ps_piece_len(p->data_bytes, p->hdr.chunk, p->data_piece[i]);
+    p->data_busy[i] = 0;
+    if (p->data_x[i].len != want)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %zu bytes as piece %u of "
+                         "its %s data, %zu expected", w, p->data_x[i].len, p->data_piece[i],
+                         ps_op_names[p->op], want);
+    if (++p->data_got < p->data_pieces)
+        return ps_fill_recv(ps, w);
+    dt_status s = ps_on_data(ps, w);
+    return s != DT_OK ? s : ps_next_request(ps, w);
+}
+
+/* Receive `bytes` of worker w's current request into p->sdata. */
+static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes)
+{
+    ps_peer *p = &ps->peers[w];
     if (!(p->sdata = host_alloc(ps->ctx, bytes)))
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory for %zu bytes", bytes);
-    p->data_pending = 1;
-    p->data_bytes = bytes;
-    memset(&p->data_x, 0, sizeof p->data_x);
-    p->data_x.user = p;
-    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, p->hdr.seq), 0, p->sdata, bytes,
-                          &p->data_x, err, sizeof err) != DT_OK)
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
-    return DT_OK;
+    return ps_recv_pieces(ps, w, p->sdata, bytes);
 }
 
 /* A rejoined server (18.6) has heard from every live worker: its steps
@@ -11700,13 +11888,12 @@ static dt_status ps_on_hello(dt_ps *ps, int w)
 /* Worker w's request header arrived. */
 static dt_status ps_on_header(dt_ps *ps, int w)
 {
-    dt_comm *c = ps->comm;
     ps_peer *p = &ps->peers[w];
     ps_msg *h = &p->hdr;
-    char err[256] = "";
     if (p->hdr_x.status != DT_OK || p->hdr_x.len != sizeof *h || h->magic != PS_MAGIC ||
         h->seq != p->seq || h->op < PS_INIT || h->op > PS_CPUSH ||
-        (p->clock < 0 && h->op != PS_HELLO))
+        (p->clock < 0 && h->op != PS_HELLO) || h->chunk < PS_MIN_CHUNK ||
+        h->chunk > ps->comm->max_msg)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
     p->seq++;
     p->op = (int)h->op;
@@ -11743,14 +11930,17 @@ static dt_status ps_on_header(dt_ps *ps, int w)
                          (long long)(h->lo + h->n));
     p->data_lo = h->lo;
     p->data_n = h->n;
-    p->data_bytes = (size_t)h->n * sizeof(float);
-    p->data_pending = 1;
-    memset(&p->data_x, 0, sizeof p->data_x);
-    p->data_x.user = p;
-    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, h->seq), 0, p->push + ps_slot(ps, h->lo),
-                          (size_t)h->n * sizeof(float), &p->data_x, err, sizeof err) != DT_OK)
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
-    return DT_OK;
+    return ps_recv_pieces(ps, w, p->push + ps_slot(ps, h->lo), (size_t)h->n * sizeof(float));
+}
+
+/* Cancel the receives posted for worker p. */
+static void ps_cancel_peer(dt_ps *ps, ps_peer *p)
+{
+    dt_comm *c = ps->comm;
+    c->tp_iface->cancel(c->tp, &p->hdr_x);
+    for (int i = 0; i < PS_WINDOW; i++)
+        if (p->data_busy[i])
+            c->tp_iface->cancel(c->tp, &p->data_x[i]);
 }
 
 /* Worker w died, left without finishing, or stays silent while others
@@ -11779,9 +11969,9 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
         host_free(ps->ctx, q);
     }
     ps_free_held(ps, p);
-    ps->comm->tp_iface->cancel(ps->comm->tp, &p->hdr_x);
-    if (p->data_pending)
-        ps->comm->tp_iface->cancel(ps->comm->tp, &p->data_x);
+    ps_cancel_peer(ps, p);
+    for (ps_reply *r = ps->replies; r; r = r->next)   /* nobody takes their other pieces */
+        r->stopped |= r->worker == w;
     dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
     if (s == DT_OK)
         s = ps_sync(ps);
@@ -11858,13 +12048,34 @@ static int ps_is_peer(const dt_ps *ps, const void *user)
            (const char *)user < (const char *)(ps->peers + ps->W);
 }
 
-/* Free the answers whose sends both completed (after a poll's whole batch
- * was looked at: one batch may hold both of an answer's completions). */
+/* Are sends of answer r still with the transport, or pieces left to go? */
+static int ps_reply_busy(const ps_reply *r)
+{
+    if (!r->hdr_x.done || (r->posted < r->pieces && !r->stopped))
+        return 1;
+    for (int i = 0; i < PS_WINDOW; i++)
+        if (r->busy[i] && !r->data_x[i].done)
+            return 1;
+    return 0;
+}
+
+/* A send of an answer completed: its slot takes the next piece. */
+static dt_status ps_on_sent(dt_ps *ps, dt_xfer *x)
+{
+    ps_reply *r = x->user;
+    if (x == &r->hdr_x)
+        return DT_OK;
+    r->busy[x - r->data_x] = 0;
+    return ps_reply_fill(ps, r);
+}
+
+/* Free the answers whose sends all completed (after a poll's whole batch
+ * was looked at: one batch may hold several of an answer's completions). */
 static void ps_sweep_replies(dt_ps *ps)
 {
     for (ps_reply **pp = &ps->replies; *pp;) {
         ps_reply *r = *pp;
-        if (!r->hdr_x.done || !r->data_x.done) {
+        if (ps_reply_busy(r)) {
             pp = &r->next;
             continue;
         }
@@ -11898,8 +12109,11 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
             return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
-            if (!ps_is_peer(ps, x->user))
-                continue;   /* an answer sent: swept below */
+            if (!ps_is_peer(ps, x->user)) {   /* a piece of an answer sent: the next one */
+                if (ps_on_sent(ps, x) != DT_OK)
+                    return ps->ctx->last_status;
+                continue;   /* (answers are swept below) */
+            }
             ps_peer *p = x->user;
             int w = (int)(p - ps->peers);
             last_seen[w] = dt_now();
@@ -11910,11 +12124,8 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
                 s = ps_drop(ps, w, "a transfer with it failed");
             else if (x == &p->hdr_x)
                 s = ps_on_header(ps, w);
-            else if (x->len != p->data_bytes)
-                s = set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %zu bytes of %s data, "
-                              "%zu announced", w, x->len, ps_op_names[p->op], p->data_bytes);
-            else if ((s = ps_on_data(ps, w)) == DT_OK)
-                s = ps_next_request(ps, w);
+            else
+                s = ps_on_piece(ps, w, (int)(x - p->data_x));
             if (s != DT_OK)
                 return s;
         }
@@ -11933,9 +12144,14 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
 /* Transfers of ours the transport still holds. */
 static int ps_outstanding(const dt_ps *ps)
 {
-    for (int w = 0; w < ps->W; w++)
-        if (!ps->peers[w].hdr_x.done || (ps->peers[w].data_pending && !ps->peers[w].data_x.done))
+    for (int w = 0; w < ps->W; w++) {
+        const ps_peer *p = &ps->peers[w];
+        for (int i = 0; i < PS_WINDOW; i++)
+            if (p->data_busy[i] && !p->data_x[i].done)
+                return 1;
+        if (!p->hdr_x.done)
             return 1;
+    }
     return ps->replies != NULL;
 }
 
@@ -11961,11 +12177,10 @@ dt_status dt_ps_serve(dt_ps *ps)
     if (s == DT_OK)   /* the final state, for a job that starts again */
         s = ps_checkpoint(ps);
     for (int w = 0; !broken && w < ps->W; w++)   /* nothing of ours stays posted */
-        if (ps->peers[w].state == 0) {
-            c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
-            if (ps->peers[w].data_pending)
-                c->tp_iface->cancel(c->tp, &ps->peers[w].data_x);
-        }
+        if (ps->peers[w].state == 0)
+            ps_cancel_peer(ps, &ps->peers[w]);
+    for (ps_reply *r = ps->replies; r; r = r->next)
+        r->stopped = 1;
     /* Cancelled receives complete in a later poll, and after an error
      * answers may still be on their way: give them a second, then close the
      * transport rather than leave it holding what dt_ps_free frees. */
@@ -11973,6 +12188,9 @@ dt_status dt_ps_serve(dt_ps *ps)
         dt_xfer *done[16];
         char err[256];
         int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        for (int i = 0; i < k; i++)
+            if (!ps_is_peer(ps, done[i]->user))
+                ps_on_sent(ps, done[i]);   /* (stopped: posts nothing) */
         ps_sweep_replies(ps);
         if (k <= 0)
             c->tp_iface->wait(c->tp, 10);
@@ -12061,6 +12279,31 @@ static void ps_first_difference(const char *a, const char *b, char *out, size_t 
              la > 80 ? 80 : la, *a ? a : "(none)", lb > 80 ? 80 : lb, *b ? b : "(none)");
 }
 
+/* The pieces our messages travel in (dt_ps_config.chunk_bytes). */
+static dt_status ps_choose_chunk(dt_ps *ps)
+{
+    dt_comm *c = ps->comm;
+    size_t chunk = ps->cfg.chunk_bytes;
+    const char *e = getenv("DTRAIN_PS_CHUNK");
+    if (chunk == 0 && e && *e) {
+        char *end;
+        unsigned long long v = strtoull(e, &end, 10);
+        if (*end || v == 0)
+            return set_error(ps->ctx, DT_EINVAL, "ps_new: DTRAIN_PS_CHUNK='%s' is not a byte "
+                             "count", e);
+        chunk = (size_t)v;
+    }
+    int shm = !strcmp(c->provider, "shm");
+    if (chunk == 0)
+        chunk = shm && (ps->cfg.replicate || ps->cfg.checkpoint_dir) ? PS_SHM_CHUNK : c->max_msg;
+    if (chunk < PS_MIN_CHUNK)
+        return set_error(ps->ctx, DT_EINVAL, "ps_new: chunk_bytes %zu is below %zu", chunk,
+                         PS_MIN_CHUNK);
+    ps->chunk = chunk < c->max_msg ? chunk : c->max_msg;   /* the transport's limit */
+    ps->chunk = ps->chunk < UINT32_MAX ? ps->chunk : (size_t)1 << 31;
+    return DT_OK;
+}
+
 static dt_status ps_join_worker(dt_ps *ps, int job)
 {
     dt_ctx *ctx = ps->ctx;
@@ -12099,6 +12342,8 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
                           "layout (no newlines, please)", i);
     if (s == DT_OK && ps->nparams != ctx->n_params)
         s = set_error(ctx, DT_EINVAL, "ps_new: a parameter name holds a newline");
+    if (s == DT_OK)
+        s = ps_choose_chunk(ps);
     if (s != DT_OK)
         return s;
     ps->seq = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);

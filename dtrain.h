@@ -882,6 +882,13 @@ typedef struct dt_ps_config {
                                   needs checkpoint_dir) and serves; workers send it their
                                   current requests again.  Updates it applied after its last
                                   checkpoint are lost, none older. */
+    size_t chunk_bytes;        /* workers: messages' data travels in pieces of at most this
+                                  many bytes (and so do the answers to them); 0: the
+                                  transport's largest message, except on shm when a server
+                                  death must not stop the job (replicate, or a
+                                  checkpoint_dir to rejoin from): 4096, libfabric shm's
+                                  inject size (docs/PARAMETER_SERVER.md, "Messages").
+                                  DTRAIN_PS_CHUNK overrides 0.  At least 64. */
     int prefetch;              /* workers: 1 pulls a step's parameters in the background
                                   while the next step computes (double-buffered): steps
                                   compute on parameters one step stale, and never wait for
