@@ -12288,7 +12288,7 @@ static dt_status ps_choose_chunk(dt_ps *ps)
     if (chunk == 0 && e && *e) {
         char *end;
         unsigned long long v = strtoull(e, &end, 10);
-        if (*end || v == 0)
+        if (*end)
             return set_error(ps->ctx, DT_EINVAL, "ps_new: DTRAIN_PS_CHUNK='%s' is not a byte "
                              "count", e);
         chunk = (size_t)v;

@@ -1405,6 +1405,7 @@ static int ps_ckpt_every, ps_ckpt_phase; /* phase 1 saves, phase 2 resumes */
 static int ps_model = MLP;              /* the workers' model */
 static dt_compress ps_compress;         /* their pushes' compression */
 static size_t ps_bucket_bytes = 1024;   /* their DDP's buckets */
+static size_t ps_chunk;                 /* dt_ps_config.chunk_bytes */
 
 /* Worker 0's parameters to or from a file next to the checkpoints; 0 when
  * written, or read and equal. */
@@ -1465,6 +1466,7 @@ static dt_ps *ps_join(dt_ctx *ctx, dt_comm *c)
     pc.replicate = ps_replicate;
     pc.checkpoint_dir = ps_ckpt_dir[0] ? ps_ckpt_dir : NULL;
     pc.checkpoint_every = ps_ckpt_every;
+    pc.chunk_bytes = ps_chunk;
     ps_optim_config(&pc.optim);
     return dt_ps_new(ctx, c, &pc);
 }
@@ -1586,7 +1588,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         dt_zero_grad(ctx);
         dt_step_reset(ctx);
         if (ps_prefetch && ps_mode == DT_PS_BSP && s < 2) {   /* after step s: those of s - 1 */
-            dt_ctx *ref = reference_run_steps(0, W, s);
+            dt_ctx *ref = reference_run_steps(ps_model, W, s);
             double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
             dt_ctx_free(ref);
             if (!(rel <= 1e-5)) {
@@ -1609,7 +1611,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 18;
     if (ps_mode == DT_PS_BSP && ps_die_worker < 0 && !ps_prefetch && ps_fetch_every == 1 &&
         ps_ckpt_phase != 2 && ps_kill_rank < 0) {   /* as one process */
-        dt_ctx *ref = reference_run(0, W), *start = reference_run_steps(0, W, 0);
+        dt_ctx *ref = reference_run(ps_model, W), *start = reference_run_steps(ps_model, W, 0);
         double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
         double moved = ref && start ? param_rel_diff(start, ref) : 0.0;   /* untrained */
         dt_ctx_free(ref);
@@ -1655,6 +1657,7 @@ static void ps_reset(void)
     ps_replicate = ps_kill_ms = ps_restarted = 0;
     ps_model = MLP;
     ps_bucket_bytes = 1024;
+    ps_chunk = 0;
     ps_compress = DT_COMPRESS_NONE;
     ps_kill_rank = -1;
     ps_ckpt_dir[0] = '\0';
@@ -1671,6 +1674,25 @@ static void test_ps_bsp_equivalence(void **state)
     expect_all_ok(3, ps_rank);
     ps_use_ddp = 0;
     ps_servers = 2;
+    expect_all_ok(4, ps_rank);
+    ps_reset();
+}
+
+/* Messages in pieces: the WIDE model's 64 KiB buckets pushed in pieces
+ * of 1000 bytes (floats cut across pieces; hundreds of pieces a request,
+ * more than a worker's transfer list holds at once) by 2 workers to 2
+ * servers, BSP, ends where one process does; and the whole model in one
+ * request (dt_ps_push_pull). */
+static void test_ps_chunked(void **state)
+{
+    (void)state;
+    ps_reset();
+    ps_model = WIDE;
+    ps_bucket_bytes = 64 << 10;
+    ps_servers = 2;
+    ps_chunk = 1000;
+    expect_all_ok(4, ps_rank);
+    ps_use_ddp = 0;
     expect_all_ok(4, ps_rank);
     ps_reset();
 }
@@ -1703,19 +1725,27 @@ static void test_ps_ssp_asp(void **state)
 
 /* Replicated servers: the primary of the only shard dies mid-training; its
  * mirror serves on, and the workers end exactly where one process does
- * (no update lost).  DDP buckets of 1 KiB: within libfabric shm's inline
- * size (docs/PARAMETER_SERVER.md says why larger pushes are not yet safe). */
+ * (no update lost).  The WIDE model in DDP buckets of 64 KiB: pushes far
+ * above libfabric shm's inject size, which travel in 4 KiB pieces (one
+ * large send in flight to the dead server would hold back every later one,
+ * docs/PARAMETER_SERVER.md, "Messages"); then the MLP in 1 KiB buckets. */
 static void test_ps_replica_failover(void **state)
 {
     (void)state;
-    ps_reset();
-    ps_servers = 2;
-    ps_replicate = 1;
-    ps_kill_ms = 250;
-    ps_slow_worker = 1;   /* 30 ms a step: the run outlives the primary */
-    job_timeout_ms = 4000;
-    expect_all_ok(4, ps_rank);
-    job_timeout_ms = 20000;
+    for (int k = 0; k < 2; k++) {
+        ps_reset();
+        ps_servers = 2;
+        ps_replicate = 1;
+        ps_kill_ms = 250;
+        ps_slow_worker = 1;   /* 30 ms a step: the run outlives the primary */
+        if (k == 0) {
+            ps_model = WIDE;
+            ps_bucket_bytes = 64 << 10;
+        }
+        job_timeout_ms = 4000;
+        expect_all_ok(4, ps_rank);
+        job_timeout_ms = 20000;
+    }
     ps_reset();
 }
 
@@ -1767,10 +1797,8 @@ static void test_ps_rejoin(void **state)
         ps_slow_worker = 1;   /* 30 ms a step: the run outlives the first process */
         job_timeout_ms = 4000;
         job_transport = transports[k];
-        if (k == 1) {   /* tcp: pushes of 256 KiB (shm: 1 KiB, see docs/PARAMETER_SERVER.md) */
-            ps_model = WIDE;
-            ps_bucket_bytes = 256 << 10;
-        }
+        ps_model = WIDE;   /* pushes of 256 KiB (shm: in 4 KiB pieces, docs/PARAMETER_SERVER.md) */
+        ps_bucket_bytes = 256 << 10;
         ps_flaky_restart = k == 0;   /* shm: the first restart dies before serving */
         int codes[8];
         run_ddp_job_restart(4, ps_rank, 3, 1 + ps_flaky_restart, codes, 120);
@@ -2334,6 +2362,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_dp_unused_and_errors),
     cmocka_unit_test(test_ps_bsp_equivalence),
     cmocka_unit_test(test_ps_ssp_asp),
+    cmocka_unit_test(test_ps_chunked),
     cmocka_unit_test(test_ps_dead_worker),
     cmocka_unit_test(test_ps_replica_failover),
     cmocka_unit_test(test_ps_checkpoint),
