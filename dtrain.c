@@ -12248,6 +12248,17 @@ static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W,
     const char *st = getenv("DTRAIN_PS_STALENESS");
     if (cfg->staleness == 0 && st && *st)
         cfg->staleness = atoi(st);
+    const char *ch = getenv("DTRAIN_PS_CHUNK");
+    if (cfg->chunk_bytes == 0 && ch && *ch) {
+        char *end;
+        unsigned long long v = strtoull(ch, &end, 10);
+        if (*end || ch[0] == '-')
+            return set_error(ctx, DT_EINVAL, "ps_new: DTRAIN_PS_CHUNK='%s' is not a byte count", ch);
+        cfg->chunk_bytes = (size_t)v;
+    }
+    if (cfg->chunk_bytes != 0 && cfg->chunk_bytes < PS_MIN_CHUNK)
+        return set_error(ctx, DT_EINVAL, "ps_new: chunk_bytes %zu is below %zu", cfg->chunk_bytes,
+                         PS_MIN_CHUNK);
     if (cfg->mode < DT_PS_BSP || cfg->mode > DT_PS_SSP || cfg->staleness < 0)
         return set_error(ctx, DT_EINVAL, "ps_new: mode %d, staleness %d: need a dt_ps_mode and "
                          "staleness >= 0", (int)cfg->mode, cfg->staleness);
@@ -12279,29 +12290,18 @@ static void ps_first_difference(const char *a, const char *b, char *out, size_t 
              la > 80 ? 80 : la, *a ? a : "(none)", lb > 80 ? 80 : lb, *b ? b : "(none)");
 }
 
-/* The pieces our messages travel in (dt_ps_config.chunk_bytes). */
-static dt_status ps_choose_chunk(dt_ps *ps)
+/* The pieces our messages travel in (dt_ps_config.chunk_bytes, checked
+ * by ps_settings): by default the transport's limit, or on shm, where a
+ * death must not stop the job, its inject size (18, "Pieces"). */
+static void ps_choose_chunk(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
     size_t chunk = ps->cfg.chunk_bytes;
-    const char *e = getenv("DTRAIN_PS_CHUNK");
-    if (chunk == 0 && e && *e) {
-        char *end;
-        unsigned long long v = strtoull(e, &end, 10);
-        if (*end)
-            return set_error(ps->ctx, DT_EINVAL, "ps_new: DTRAIN_PS_CHUNK='%s' is not a byte "
-                             "count", e);
-        chunk = (size_t)v;
-    }
-    int shm = !strcmp(c->provider, "shm");
     if (chunk == 0)
-        chunk = shm && (ps->cfg.replicate || ps->cfg.checkpoint_dir) ? PS_SHM_CHUNK : c->max_msg;
-    if (chunk < PS_MIN_CHUNK)
-        return set_error(ps->ctx, DT_EINVAL, "ps_new: chunk_bytes %zu is below %zu", chunk,
-                         PS_MIN_CHUNK);
-    ps->chunk = chunk < c->max_msg ? chunk : c->max_msg;   /* the transport's limit */
-    ps->chunk = ps->chunk < UINT32_MAX ? ps->chunk : (size_t)1 << 31;
-    return DT_OK;
+        chunk = !strcmp(c->provider, "shm") && (ps->cfg.replicate || ps->cfg.checkpoint_dir)
+                    ? PS_SHM_CHUNK : c->max_msg;
+    chunk = chunk < c->max_msg ? chunk : c->max_msg;
+    ps->chunk = chunk < UINT32_MAX ? chunk : (size_t)1 << 31;   /* (the header's field) */
 }
 
 static dt_status ps_join_worker(dt_ps *ps, int job)
@@ -12342,10 +12342,9 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
                           "layout (no newlines, please)", i);
     if (s == DT_OK && ps->nparams != ctx->n_params)
         s = set_error(ctx, DT_EINVAL, "ps_new: a parameter name holds a newline");
-    if (s == DT_OK)
-        s = ps_choose_chunk(ps);
     if (s != DT_OK)
         return s;
+    ps_choose_chunk(ps);
     ps->seq = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);
     ps->gone = host_calloc(ctx, (size_t)ps->S);
     ps->inc = host_calloc(ctx, sizeof(uint32_t) * (size_t)ps->S);

@@ -1900,6 +1900,18 @@ static int ps_misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     pc.staleness = -1;
     if (dt_ps_new(ctx, c, &pc) || dt_last_status(ctx) != DT_EINVAL)
         return 2;
+    pc.staleness = 0;   /* pieces too small to carry anything, or a word for a size */
+    pc.chunk_bytes = 10;
+    if (dt_ps_new(ctx, c, &pc) || dt_last_status(ctx) != DT_EINVAL ||
+        !strstr(dt_last_error(ctx), "chunk_bytes 10"))
+        return 2;
+    pc.chunk_bytes = 0;
+    setenv("DTRAIN_PS_CHUNK", "4k", 1);
+    int refused = !dt_ps_new(ctx, c, &pc) && dt_last_status(ctx) == DT_EINVAL &&
+                  strstr(dt_last_error(ctx), "DTRAIN_PS_CHUNK='4k'");
+    unsetenv("DTRAIN_PS_CHUNK");
+    if (!refused)
+        return 2;
     /* worker 1's model differs from worker 0's */
     int64_t shape[2] = {3, rank == 1 ? 5 : 4};
     if (rank < 2 && !dt_param_new(ctx, "enc w", 2, shape))   /* a space in the name, too */
@@ -1954,6 +1966,7 @@ static void test_ps_misuse(void **state)
 
 enum { SP_ROWS = 1000, SP_DIM = 4 };
 static dt_optim_kind sp_kind = DT_SGD;
+static size_t sp_chunk;                  /* dt_ps_config.chunk_bytes */
 static char sp_dump[96];                 /* worker 0 writes the starting rows it pulled here */
 
 static const int64_t sp_look[] = {0, 1, 2, 3, 5, 6, 17, 998, 999};   /* rows we read */
@@ -1990,6 +2003,7 @@ static int ps_sparse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     pc.optim.lr = 0.5f;
     pc.tables = &tb;
     pc.ntables = 1;
+    pc.chunk_bytes = sp_chunk;
     if (rank < W && !dt_param_new(ctx, "bias", SHP(3)))
         return 1;
     dt_ps *ps = dt_ps_new(ctx, c, &pc);
@@ -2097,7 +2111,9 @@ static void test_ps_sparse(void **state)
     expect_all_ok(3, ps_sparse_rank);
     snprintf(sp_dump, sizeof sp_dump, "/tmp/dt_ps_sparse_%d_2", (int)getpid());
     sp_kind = DT_ADAGRAD;
+    sp_chunk = 64;   /* requests and answers in pieces of 4 rows (and of 8 ids) */
     expect_all_ok(4, ps_sparse_rank);
+    sp_chunk = 0;
     float a[SP_NLOOK * SP_DIM], b[SP_NLOOK * SP_DIM];
     FILE *fa = fopen(one, "rb"), *fb = fopen(sp_dump, "rb");
     assert_non_null(fa);
