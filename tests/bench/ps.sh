@@ -2,7 +2,9 @@
 # tests/bench/ps.sh - the parameter server next to its peers, in one run:
 #   1. dense push rate and pull latency, 1 KiB .. 16 MiB, 1 worker + 1 server:
 #      dtrain (bench_ps dense) vs torch.distributed Gloo send/recv with the
-#      server applying SGD (bench_ps_gloo.py)
+#      server applying SGD (bench_ps_gloo.py); then dtrain again in 4 KiB
+#      pieces (DTRAIN_PS_CHUNK=4096: shm's setting when servers replicate or
+#      checkpoint), the price of surviving a death on shm
 #   2. sparse rows/s, 4096 distinct rows of a 2^20 x 16 table per request:
 #      dtrain (bench_ps sparse) vs the same over Gloo (index_select / index_add_)
 #   3. training throughput (samples/s summed over workers) of the benchmark
@@ -37,23 +39,29 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }'
 
 echo
 echo "## 1. dense push/pull, 1 worker + 1 server"
-printf "%-10s %14s %14s %7s %12s %12s %7s\n" bytes dt_push/s gloo_push/s ratio dt_pull_us gloo_pull_us ratio
+printf "%-10s %14s %14s %7s %12s %12s %7s %12s %7s %12s %7s\n" bytes dt_push/s gloo_push/s ratio \
+    dt_pull_us gloo_pull_us ratio 4k_push/s ratio 4k_pull_us ratio
 for bytes in 1024 4096 16384 65536 262144 1048576 4194304 16777216; do
     iters=$(( bytes >= 1048576 ? 40 : 400 ))
-    : > "$OUT/d.txt"; : > "$OUT/g.txt"
+    : > "$OUT/d.txt"; : > "$OUT/g.txt"; : > "$OUT/p.txt"
     for r in $(seq "$REPEATS"); do
         "$B" dense --bytes $bytes --iters $iters >> "$OUT/d.txt"
         "$PY" "$HERE/bench_ps_gloo.py" --dense-bytes $bytes --iters $iters --sparse-iters 0 \
             | grep '^gloo_dense' >> "$OUT/g.txt"
+        DTRAIN_PS_CHUNK=4096 "$B" dense --bytes $bytes --iters $iters >> "$OUT/p.txt"
     done
     dp=$(while read -r l; do echo "$l" | field pushes_per_s; done < "$OUT/d.txt" | median)
     gp=$(while read -r l; do echo "$l" | field pushes_per_s; done < "$OUT/g.txt" | median)
+    pp=$(while read -r l; do echo "$l" | field pushes_per_s; done < "$OUT/p.txt" | median)
     dl=$(while read -r l; do echo "$l" | field pull_us; done < "$OUT/d.txt" | median)
     gl=$(while read -r l; do echo "$l" | field pull_us; done < "$OUT/g.txt" | median)
-    printf "%-10s %14.0f %14.0f %6sx %12.1f %12.1f %6sx\n" $bytes "$dp" "$gp" "$(ratio "$dp" "$gp")" \
-        "$dl" "$gl" "$(ratio "$gl" "$dl")"
+    pl=$(while read -r l; do echo "$l" | field pull_us; done < "$OUT/p.txt" | median)
+    printf "%-10s %14.0f %14.0f %6sx %12.1f %12.1f %6sx %12.0f %6sx %12.1f %6sx\n" $bytes "$dp" "$gp" \
+        "$(ratio "$dp" "$gp")" "$dl" "$gl" "$(ratio "$gl" "$dl")" "$pp" "$(ratio "$pp" "$gp")" \
+        "$pl" "$(ratio "$gl" "$pl")"
 done
-echo "(push ratio: dtrain/gloo pushes per second; pull ratio: gloo latency / dtrain latency; >1 is dtrain faster)"
+echo "(push ratio: dtrain/gloo pushes per second; pull ratio: gloo latency / dtrain latency; >1 is dtrain faster;"
+echo " 4k: dtrain in 4 KiB pieces, the shm setting of replicated or checkpointing servers, against the same gloo)"
 
 echo
 echo "## 2. sparse rows, 4096 distinct rows of a 1048576 x 16 table per request"
