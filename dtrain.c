@@ -12059,11 +12059,14 @@ static int ps_reply_busy(const ps_reply *r)
     return 0;
 }
 
-/* A send of an answer completed: its slot takes the next piece. */
+/* A send of an answer completed: its slot takes the next piece.  (Only
+ * ours: a cancelled transfer of an earlier collective may surface here.) */
 static dt_status ps_on_sent(dt_ps *ps, dt_xfer *x)
 {
-    ps_reply *r = x->user;
-    if (x == &r->hdr_x)
+    ps_reply *r = ps->replies;
+    while (r && r != x->user)
+        r = r->next;
+    if (!r || x == &r->hdr_x)
         return DT_OK;
     r->busy[x - r->data_x] = 0;
     return ps_reply_fill(ps, r);

@@ -233,14 +233,19 @@ typedef struct breakdown {
     double sent, grad, steps;   /* gradient bytes sent and their fp32 size, steps */
 } breakdown;
 
-static void print_breakdown(const breakdown *b, int ranks)
+/* The same DDP statistics for both engines; pull_wait < 0: allreduce,
+ * else a parameter-server worker's seconds waiting for pulls (exposed
+ * communication holds them, and the pushes' exposed part). */
+static void print_breakdown(const breakdown *b, int ranks, double pull_wait)
 {
     double compute = b->total - b->data - b->exposed;
     printf("step time: %.1f s = compute %.1f s (%.0f%%) + exposed communication %.2f s (%.0f%%) "
            "+ data wait %.2f s (%.0f%%)",
            b->total, compute, 100 * compute / b->total, b->exposed, 100 * b->exposed / b->total,
            b->data, 100 * b->data / b->total);
-    if (ranks > 1)
+    if (pull_wait >= 0)
+        printf("; pushes ran %.2f s on the comm thread, pulls waited %.2f s", b->comm, pull_wait);
+    else if (ranks > 1)
         printf("; allreduce ran %.2f s, %.0f%% of it hidden behind backward",
                b->comm, b->comm > 0 ? 100 * (1 - b->exposed / b->comm) : 100.0);
     printf("\n");
@@ -373,7 +378,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     if (dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
         goto fail_ctx;
     if (talk && all.total > 0)
-        print_breakdown(&all, ranks);
+        print_breakdown(&all, ranks, -1.0);
     if (talk)
         printf("test accuracy: %.2f%%\n", 100 * tm.accuracy);
     ok = 1;
@@ -455,6 +460,7 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
                o->model, o->epochs, o->batch, W, o->servers, o->ps_mode, o->optim, (double)o->lr);
     dt_metrics tm;
     double t_all = dt_now();
+    breakdown all = {0};
     for (int epoch = 0; epoch < o->epochs; epoch++) {
         dt_loader_start_epoch(ld, epoch);
         double t0 = dt_now(), loss_sum = 0;
@@ -470,6 +476,8 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
                 progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
                          (double)((b + 1) * o->batch) / (dt_now() - t0));
         }
+        all.total += dt_now() - t0;
+        all.data += dt_loader_wait_seconds(ld);
         if (talk) {
             if (dt_evaluate(ctx, NULL, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
                 goto fail_ctx;
@@ -486,6 +494,14 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
         dt_ps_stats_get(ps, &st);
         printf("%.1f s; pulls waited %.2f s; staleness of the answered pulls: mean %.2f, max %lld\n",
                dt_now() - t_all, st.wait_s, st.mean_staleness, (long long)st.max_staleness);
+        dt_ddp_stats ds;   /* worker 0's steps, from the DDP engine's statistics */
+        dt_ddp_stats_get(ddp, &ds);
+        all.exposed = ds.exposed_s;
+        all.comm = ds.comm_s;
+        all.sent = (double)ds.bytes_sent;
+        all.grad = (double)ds.grad_bytes;
+        all.steps = (double)ds.steps;
+        print_breakdown(&all, 2, st.wait_s);
         printf("test accuracy: %.2f%%\n", 100 * tm.accuracy);
     }
     ok = dt_ps_finish(ps) == DT_OK;
