@@ -1682,7 +1682,7 @@ static void test_ps_bsp_equivalence(void **state)
  * of 1000 bytes (floats cut across pieces; hundreds of pieces a request,
  * more than a worker's transfer list holds at once) by 2 workers to 2
  * servers, BSP, ends where one process does; and the whole model in one
- * request (dt_ps_push_pull). */
+ * request (dt_ps_push_pull), on shm and on tcp. */
 static void test_ps_chunked(void **state)
 {
     (void)state;
@@ -1694,6 +1694,9 @@ static void test_ps_chunked(void **state)
     expect_all_ok(4, ps_rank);
     ps_use_ddp = 0;
     expect_all_ok(4, ps_rank);
+    job_transport = "tcp";
+    expect_all_ok(4, ps_rank);
+    job_transport = "shm";
     ps_reset();
 }
 
