@@ -120,6 +120,7 @@ struct dt_node {
     int64_t iarg[8];
     float farg[4];
     void *aux[4];                  /* saved buffers (arena) */
+    dt_precision prec;             /* autocast when recorded: backward's GEMMs use it */
     dt_segment_fn seg_fn;          /* recompute: the segment function */
     void *user;                    /* recompute: its user pointer */
 };
@@ -160,6 +161,7 @@ struct dt_ctx {
     uint64_t rng[4];               /* xoshiro256** state for init */
     uint64_t dropout_counter;
     int grad_enabled, training;
+    dt_precision autocast;         /* matmul, linear, conv2d inputs (6.1) */
 
     dt_arena dev, host;            /* step memory */
     dt_arena scratch_dev, scratch_host; /* recompute segments */
@@ -325,6 +327,8 @@ static const dt_backend_iface *find_backend(const char *name)
 #ifdef DT_WITH_CPU
     if (strcmp(name, "cpu") == 0)
         return dt_backend_cpu_iface();
+    if (strcmp(name, "cpu-staged") == 0)
+        return dt_backend_cpu_staged_iface();
 #endif
 #ifdef DT_WITH_CUDA
     if (strcmp(name, "cuda") == 0)
@@ -390,6 +394,11 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->cur_host = &ctx->host;
     dt_seed(ctx, cfg.seed);
 
+    /* DTRAIN_BACKEND runs an unchanged program on another backend (e.g. the
+     * test suite on cpu-staged); a custom backend is never replaced */
+    const char *env = getenv("DTRAIN_BACKEND");
+    if (env && *env && !cfg.custom_backend)
+        cfg.backend = env;
     const char *name = cfg.custom_backend && cfg.custom_backend->name ? cfg.custom_backend->name
                        : cfg.backend                                    ? cfg.backend
                                                                         : "cpu";
@@ -453,6 +462,18 @@ void dt_set_grad_enabled(dt_ctx *ctx, int e) { if (ctx) ctx->grad_enabled = e !=
 int dt_grad_enabled(const dt_ctx *ctx) { return ctx ? ctx->grad_enabled : 0; }
 void dt_set_training(dt_ctx *ctx, int t) { if (ctx) ctx->training = t != 0; }
 int dt_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
+
+dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
+{
+    if (!ctx)
+        return DT_EINVAL;
+    if (p < DT_PREC_F32 || p > DT_PREC_F16)
+        return set_error(ctx, DT_EINVAL, "set_autocast: %d is not a dt_precision", (int)p);
+    ctx->autocast = p;
+    return DT_OK;
+}
+
+dt_precision dt_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
 
 /* ===========================================================================
  * 3. Arenas
@@ -1289,6 +1310,24 @@ dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
 #define FP(t) ((float *)(t)->data)
 #define IP(t) ((int32_t *)(t)->data)
 
+/* Tensor memory to and from host memory: a plain copy where they are the
+ * same memory, the backend's transfer where not. */
+static void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), host, src, bytes);
+    else
+        BE(ctx)->to_host(BEI(ctx), host, src, bytes);
+}
+
+static void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), dst, host, bytes);
+    else
+        BE(ctx)->to_device(BEI(ctx), dst, host, bytes);
+}
+
 static int tracks(const dt_ctx *ctx, const dt_tensor *t)
 {
     return ctx->grad_enabled && t && (t->flags & T_REQGRAD);
@@ -1305,6 +1344,7 @@ static dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor
     memset(n, 0, sizeof *n);
     n->op = op;
     n->backward = bw;
+    n->prec = ctx->autocast;
     n->out = out;
     dt_tensor *ins[3] = {a, b, c};
     for (int i = 0; i < 3; i++)
@@ -1363,7 +1403,12 @@ static dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_d
     return DT_OK;
 }
 
-dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss)
+static dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed);
+
+dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss) { return backward_seeded(ctx, loss, 1.0f); }
+
+/* Backward from loss with d(loss) = seed (1, or a loss scale). */
+static dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
@@ -1399,9 +1444,9 @@ dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss)
             return ctx->ddp ? ddp_backward_end(ctx->ddp, DT_ENOMEM) : DT_ENOMEM;
         }
         BE(ctx)->to_device(BEI(ctx), tmp, &one, sizeof one);
-        BE(ctx)->axpby(BEI(ctx), 1, 1.0f, tmp, 1.0f, g);
+        BE(ctx)->axpby(BEI(ctx), 1, seed, tmp, 1.0f, g);
     } else {
-        BE(ctx)->fill(BEI(ctx), 1, 1.0f, g);
+        BE(ctx)->fill(BEI(ctx), 1, seed, g);
     }
     dt_status s = run_tape(ctx, ctx->tape, NULL, ctx->ddp);
     /* The tape is consumed: its outputs become plain tensors, so a second
@@ -1758,6 +1803,60 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
 
 /* --- 7.2 matmul and linear ---------------------------------------------- */
 
+/* Floats an operand of `batch` GEMMs spans: op(X) is rows x cols, stored
+ * (rows, cols) with leading dimension ld, or (cols, rows) when t. */
+static int64_t operand_extent(int t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                              int64_t stride)
+{
+    int64_t r = t ? cols : rows, c = t ? rows : cols;
+    if (r < 1 || c < 1)
+        return 1;
+    return (r - 1) * ld + c + (batch > 1 ? (batch - 1) * stride : 0);
+}
+
+/* Every GEMM of the ops goes through here.  At a reduced precision
+ * (autocast, 6.1) the backend's mixed-precision GEMM runs it; a backend
+ * without one gets operands rounded into temporaries and its f32 GEMM,
+ * which gives the same numbers: inputs at prec, products summed in f32. */
+static dt_status core_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
+                           int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                           int64_t lda, int64_t stride_a, const float *b, int64_t ldb,
+                           int64_t stride_b, float beta, float *c, int64_t ldc, int64_t stride_c)
+{
+    if (prec != DT_PREC_F32 && BE(ctx)->gemm_ex) {
+        BE(ctx)->gemm_ex(BEI(ctx), prec, batch, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                         stride_b, beta, c, ldc, stride_c);
+        return DT_OK;
+    }
+    dt_arena_mark mark = arena_mark(ctx->cur_dev);
+    if (prec != DT_PREC_F32) {
+        int64_t na = operand_extent(ta, m, k, lda, batch, stride_a);
+        int64_t nb = operand_extent(tb, k, n, ldb, batch, stride_b);
+        float *ra = temp_floats(ctx, na), *rb = ra ? temp_floats(ctx, nb) : NULL;
+        if (!rb)
+            return ctx->last_status;
+        BE(ctx)->round_prec(BEI(ctx), prec, na, a, ra);
+        BE(ctx)->round_prec(BEI(ctx), prec, nb, b, rb);
+        a = ra;
+        b = rb;
+    }
+    if (batch > 1)
+        BE(ctx)->gemm_batched(BEI(ctx), batch, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                              stride_b, beta, c, ldc, stride_c);
+    else
+        BE(ctx)->gemm(BEI(ctx), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    arena_release(ctx->cur_dev, mark);   /* queued work is stream-ordered before reuse */
+    return DT_OK;
+}
+
+/* One GEMM at a node's precision; returns from the caller on failure. */
+#define GEMM(ctx, prec, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)                   \
+    do {                                                                                       \
+        if (core_gemm(ctx, prec, 1, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, \
+                      0) != DT_OK)                                                             \
+            return ctx->last_status;                                                           \
+    } while (0)
+
 /* The last two dims of x as a GEMM operand: row-major (t = 0) or
  * column-major (t = 1, a transposed view) with leading dimension ld. */
 typedef struct gemm_operand {
@@ -1806,9 +1905,9 @@ static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
             float *gi = ga + (a_batched ? i * m * k : 0);
             const float *bi = B.p + i * B.batch_stride, *ci = dc + i * m * nn;
             if (!trans_a)  /* dA (M,K) = dC (M,N) op(b)^T */
-                BE(ctx)->gemm(BEI(ctx), 0, !tb, m, k, nn, 1.0f, ci, nn, bi, B.ld, beta, gi, k);
+                GEMM(ctx, n->prec, 0, !tb, m, k, nn, 1.0f, ci, nn, bi, B.ld, beta, gi, k);
             else           /* dA (K,M) = op(b) (K,N) dC^T */
-                BE(ctx)->gemm(BEI(ctx), tb, 1, k, m, nn, 1.0f, bi, B.ld, ci, nn, beta, gi, m);
+                GEMM(ctx, n->prec, tb, 1, k, m, nn, 1.0f, bi, B.ld, ci, nn, beta, gi, m);
         }
     }
     if (needs_grad(b)) {
@@ -1822,9 +1921,9 @@ static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
             float *gi = gb + (b_batched ? i * k * nn : 0);
             const float *ai = A.p + i * A.batch_stride, *ci = dc + i * m * nn;
             if (!trans_b)  /* dB (K,N) = op(a)^T dC */
-                BE(ctx)->gemm(BEI(ctx), !ta, 0, k, nn, m, 1.0f, ai, A.ld, ci, nn, beta, gi, nn);
+                GEMM(ctx, n->prec, !ta, 0, k, nn, m, 1.0f, ai, A.ld, ci, nn, beta, gi, nn);
             else           /* dB (N,K) = dC^T op(a) */
-                BE(ctx)->gemm(BEI(ctx), 1, ta, nn, k, m, 1.0f, ci, nn, ai, A.ld, beta, gi, k);
+                GEMM(ctx, n->prec, 1, ta, nn, k, m, 1.0f, ci, nn, ai, A.ld, beta, gi, k);
         }
     }
     return DT_OK;
@@ -1875,11 +1974,9 @@ dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int t
     if (!y)
         return NULL;
     int ta = trans_a ^ A.t, tb = trans_b ^ B.t;
-    if (batched)
-        BE(ctx)->gemm_batched(BEI(ctx), batch, ta, tb, m, nn, k, 1.0f, A.p, A.ld, A.batch_stride,
-                              B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn);
-    else
-        BE(ctx)->gemm(BEI(ctx), ta, tb, m, nn, k, 1.0f, A.p, A.ld, B.p, B.ld, 0.0f, FP(y), nn);
+    if (core_gemm(ctx, ctx->autocast, batched ? batch : 1, ta, tb, m, nn, k, 1.0f, A.p, A.ld,
+                  A.batch_stride, B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn) != DT_OK)
+        return NULL;
     if (tracks(ctx, a) || tracks(ctx, b)) {
         dt_node *n = record(ctx, "matmul", matmul_backward, y, a, b, NULL);
         if (!n)
@@ -1900,8 +1997,8 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
         float *gx = grad_target(ctx, x, &acc);
         if (!gx)
             return ctx->last_status;
-        BE(ctx)->gemm(BEI(ctx), 0, 0, rows, in, out, 1.0f, dy, out, FP(w), in,
-                      acc ? 1.0f : 0.0f, gx, in);
+        GEMM(ctx, n->prec, 0, 0, rows, in, out, 1.0f, dy, out, FP(w), in, acc ? 1.0f : 0.0f,
+             gx, in);
     }
     /* Under DDP a large weight's gradient is made in row blocks, each sent
      * while the next computes (16); the bias goes first so it never holds
@@ -1921,8 +2018,8 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
             return ctx->last_status;
         for (int64_t r0 = 0; r0 < out; r0 += step > 0 ? step : out) {
             int64_t r1 = step > 0 && r0 + step < out ? r0 + step : out;
-            BE(ctx)->gemm(BEI(ctx), 1, 0, r1 - r0, in, rows, 1.0f, dy + r0, out, FP(x), in,
-                          acc ? 1.0f : 0.0f, gw + r0 * in, in);
+            GEMM(ctx, n->prec, 1, 0, r1 - r0, in, rows, 1.0f, dy + r0, out, FP(x), in,
+                 acc ? 1.0f : 0.0f, gw + r0 * in, in);
             if (step > 0)
                 ddp_grad_rows_done(ctx, w, r1, in);
         }
@@ -1960,7 +2057,9 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
     dt_tensor *y = step_tensor(ctx, DT_F32, x->ndim, shape);
     if (!y)
         return NULL;
-    BE(ctx)->gemm(BEI(ctx), 0, 1, rows, out, in, 1.0f, FP(x), in, FP(w), in, 0.0f, FP(y), out);
+    if (core_gemm(ctx, ctx->autocast, 1, 0, 1, rows, out, in, 1.0f, FP(x), in, 0, FP(w), in, 0,
+                  0.0f, FP(y), out, 0) != DT_OK)
+        return NULL;
     if (b) {
         materialize(b);
         BE(ctx)->bias_add(BEI(ctx), rows, out, 1, FP(b), FP(y));
@@ -2462,8 +2561,7 @@ static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
         float *gw = grad_target(ctx, w, &acc);
         if (!gw)
             return ctx->last_status;
-        BE(ctx)->gemm(BEI(ctx), 0, 1, o, ckk, np, 1.0f, dyt, np, col, np, acc ? 1.0f : 0.0f, gw,
-                      ckk);
+        GEMM(ctx, n->prec, 0, 1, o, ckk, np, 1.0f, dyt, np, col, np, acc ? 1.0f : 0.0f, gw, ckk);
     }
     if (b && needs_grad(b)) {
         float *gb = grad_target(ctx, b, &acc);
@@ -2476,7 +2574,7 @@ static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
         float *gx = dcol ? grad_target(ctx, x, &acc) : NULL;
         if (!gx)
             return ctx->last_status;
-        BE(ctx)->gemm(BEI(ctx), 1, 0, ckk, np, o, 1.0f, FP(w), ckk, dyt, np, 0.0f, dcol, np);
+        GEMM(ctx, n->prec, 1, 0, ckk, np, o, 1.0f, FP(w), ckk, dyt, np, 0.0f, dcol, np);
         BE(ctx)->col2im(BEI(ctx), g, dcol, gx, acc);
     }
     return DT_OK;
@@ -2587,7 +2685,8 @@ dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int 
     if (!y)
         return NULL;
     int track = tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b);
-    if (BE(ctx)->conv2d_forward)
+    /* autocast: the composed path, whose GEMMs run at the reduced precision */
+    if (BE(ctx)->conv2d_forward && ctx->autocast == DT_PREC_F32)
         return conv2d_fused(ctx, &geom, x, w, b, y, track);
     dt_arena_mark mark = arena_mark(ctx->cur_dev);   /* temporaries, freed if no backward */
     dt_conv_geom *g = track ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : &geom;
@@ -2597,7 +2696,9 @@ dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int 
         return NULL;
     *g = geom;
     BE(ctx)->im2col(BEI(ctx), g, FP(x), col);
-    BE(ctx)->gemm(BEI(ctx), 0, 0, o, np, ckk, 1.0f, FP(w), ckk, col, np, 0.0f, yt, np);
+    if (core_gemm(ctx, ctx->autocast, 1, 0, 0, o, np, ckk, 1.0f, FP(w), ckk, 0, col, np, 0, 0.0f,
+                  yt, np, 0) != DT_OK)
+        return NULL;
     if (geom.n > 1)
         BE(ctx)->cnp_to_ncp(BEI(ctx), o, geom.n, p, yt, FP(y));
     if (b) {
@@ -3313,6 +3414,130 @@ dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
                 BE(ctx)->axpby(BEI(ctx), shape_numel(g->ndim, g->shape), (float)coef, FP(g), 0.0f,
                                FP(g));
         }
+    }
+    return DT_OK;
+}
+
+/* --- 9.1 dynamic loss scaling (fp16) --------------------------------------
+ * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
+ * squares the backend already has (in double, so no finite f32 gradient
+ * can overflow it; an inf or NaN anywhere makes it non-finite). */
+
+struct dt_loss_scaler {
+    dt_ctx *ctx;
+    dt_loss_scale_config cfg;
+    float scale;
+    int good_steps;            /* in a row since the last overflow or growth */
+    int unscaled, found_inf;   /* this step's gradients were divided by scale */
+    int64_t skipped;
+};
+
+void dt_loss_scale_config_init(dt_loss_scale_config *cfg)
+{
+    if (!cfg)
+        return;
+    cfg->init_scale = 65536.0f;
+    cfg->growth_factor = 2.0f;
+    cfg->backoff_factor = 0.5f;
+    cfg->growth_interval = 2000;
+}
+
+dt_loss_scaler *dt_loss_scaler_new(dt_ctx *ctx, const dt_loss_scale_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_loss_scale_config c;
+    dt_loss_scale_config_init(&c);
+    if (cfg)
+        c = *cfg;
+    if (!(c.init_scale > 0) || !isfinite(c.init_scale) || !(c.growth_factor >= 1) ||
+        !(c.backoff_factor > 0 && c.backoff_factor < 1) || c.growth_interval < 1) {
+        set_error(ctx, DT_EINVAL, "loss_scaler: init_scale %g, growth %g, backoff %g, interval %d: "
+                  "need scale > 0, growth >= 1, 0 < backoff < 1, interval >= 1",
+                  (double)c.init_scale, (double)c.growth_factor, (double)c.backoff_factor,
+                  c.growth_interval);
+        return NULL;
+    }
+    dt_loss_scaler *sc = host_calloc(ctx, sizeof *sc);
+    if (!sc) {
+        set_error(ctx, DT_ENOMEM, "loss_scaler: out of memory");
+        return NULL;
+    }
+    sc->ctx = ctx;
+    sc->cfg = c;
+    sc->scale = c.init_scale;
+    return sc;
+}
+
+void dt_loss_scaler_free(dt_loss_scaler *sc)
+{
+    if (sc)
+        host_free(sc->ctx, sc);
+}
+
+float dt_loss_scaler_scale(const dt_loss_scaler *sc) { return sc ? sc->scale : NAN; }
+int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc) { return sc ? sc->skipped : -1; }
+
+dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss)
+{
+    if (!sc)
+        return DT_EINVAL;
+    sc->unscaled = 0;
+    return backward_seeded(sc->ctx, loss, sc->scale);
+}
+
+dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
+{
+    if (!sc || !ctx_ok(sc->ctx))
+        return DT_EINVAL;
+    dt_ctx *ctx = sc->ctx;
+    if (!sc->unscaled) {
+        double total = 0;
+        for (int i = 0; i < ctx->n_params; i++) {
+            dt_tensor *g = ctx->params[i]->grad;
+            if (!g || (g->flags & T_ZERO))
+                continue;
+            int64_t n = shape_numel(g->ndim, g->shape);
+            BE(ctx)->axpby(BEI(ctx), n, 1.0f / sc->scale, FP(g), 0.0f, FP(g));
+            total += BE(ctx)->sumsq(BEI(ctx), n, FP(g));
+        }
+        sc->found_inf = !isfinite(total);
+        sc->unscaled = 1;
+    }
+    if (found_inf)
+        *found_inf = sc->found_inf;
+    return DT_OK;
+}
+
+dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
+{
+    if (stepped)
+        *stepped = 0;
+    if (!sc || !ctx_ok(sc->ctx))
+        return DT_EINVAL;
+    if (!opt || opt->ctx != sc->ctx)
+        return set_error(sc->ctx, DT_EINVAL, "loss_scaler_step: %s",
+                         opt ? "the optimizer belongs to another context" : "optimizer is NULL");
+    int inf;
+    dt_status s = dt_loss_scaler_unscale(sc, &inf);
+    sc->unscaled = 0;
+    if (s != DT_OK)
+        return s;
+    if (inf) {   /* skip: these gradients are garbage; a smaller scale next time */
+        sc->scale *= sc->cfg.backoff_factor;
+        sc->good_steps = 0;
+        sc->skipped++;
+        return DT_OK;
+    }
+    if ((s = dt_optim_step(opt)) != DT_OK)
+        return s;
+    if (stepped)
+        *stepped = 1;
+    if (++sc->good_steps >= sc->cfg.growth_interval) {
+        float grown = sc->scale * sc->cfg.growth_factor;
+        if (isfinite(grown))
+            sc->scale = grown;
+        sc->good_steps = 0;
     }
     return DT_OK;
 }
@@ -4208,6 +4433,8 @@ typedef struct loader_slot {
     dt_tensor xv, yv;          /* headers for a short last batch */
     float *hx;                 /* host staging (== x->data when host-visible) */
     int32_t *hy;
+    int pinned;                /* hx, hy from the backend's host_alloc */
+    uint64_t ticket;           /* the backend's copy of hx, hy to x, y (0: none) */
     int64_t batch_index;       /* which batch the slot holds, -1 if none */
     int count;                 /* samples in it */
     int ready;
@@ -4245,12 +4472,39 @@ void dt_loader_config_init(dt_loader_config *cfg)
     cfg->prefetch = 1;
 }
 
+/* Double buffering on a device: the thread that fills a slot's (pinned)
+ * host buffers also starts their copy to the device, on the backend's copy
+ * stream, while the current step computes; dt_loader_next makes the compute
+ * stream wait for it.  Before a slot is filled again, its last copy must
+ * have left the host buffers. */
+static void upload_batch(dt_loader *ld, loader_slot *s)
+{
+    const dt_backend_iface *be = BE(ld->ctx);
+    size_t xb = (size_t)(s->count * ld->sample_elems) * sizeof(float);
+    be->copy_async(BEI(ld->ctx), s->x->data, s->hx, xb, DT_COPY_H2D);
+    s->ticket = be->copy_async(BEI(ld->ctx), s->y->data, s->hy,
+                               (size_t)s->count * sizeof(int32_t), DT_COPY_H2D);
+}
+
+static void upload_wait(dt_loader *ld, loader_slot *s)
+{
+    if (s->ticket)
+        BE(ld->ctx)->copy_wait(BEI(ld->ctx), s->ticket);
+    s->ticket = 0;
+}
+
+static int uploads_async(const dt_loader *ld)
+{
+    return !ld->host_visible && BE(ld->ctx)->copy_async;
+}
+
 static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
 {
     int64_t start = b * ld->cfg.batch, count = ld->n_local - start;
     if (count > ld->cfg.batch)
         count = ld->cfg.batch;
     int64_t e = ld->sample_elems;
+    upload_wait(ld, s);
     for (int64_t i = 0; i < count; i++) {
         int64_t idx = ld->order[start + i];
         const uint8_t *src = ld->ds->images + idx * e;
@@ -4261,6 +4515,8 @@ static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
     }
     s->batch_index = b;
     s->count = (int)count;
+    if (uploads_async(ld))
+        upload_batch(ld, s);
 }
 
 static void *loader_main(void *arg)
@@ -4333,7 +4589,11 @@ void dt_loader_free(dt_loader *ld)
     }
     for (int i = 0; i < 2; i++) {
         loader_slot *s = &ld->slot[i];
-        if (!ld->host_visible) {
+        upload_wait(ld, s);
+        if (s->pinned) {
+            BE(ctx)->host_free(BEI(ctx), s->hx);
+            BE(ctx)->host_free(BEI(ctx), s->hy);
+        } else if (!ld->host_visible) {
             host_free(ctx, s->hx);
             host_free(ctx, s->hy);
         }
@@ -4342,6 +4602,27 @@ void dt_loader_free(dt_loader *ld)
     }
     host_free(ctx, ld->order);
     host_free(ctx, ld);
+}
+
+/* Page-locked staging where the backend has it (copies from pageable
+ * memory are not asynchronous); 0: use the allocator instead. */
+static int loader_pin_slot(dt_loader *ld, loader_slot *s)
+{
+    dt_ctx *ctx = ld->ctx;
+    if (!BE(ctx)->host_alloc)
+        return 0;
+    int64_t b = ld->cfg.batch;
+    s->hx = BE(ctx)->host_alloc(BEI(ctx), (size_t)(b * ld->sample_elems) * sizeof(float));
+    s->hy = BE(ctx)->host_alloc(BEI(ctx), (size_t)b * sizeof(int32_t));
+    if (s->hx && s->hy)
+        return s->pinned = 1;
+    if (s->hx)
+        BE(ctx)->host_free(BEI(ctx), s->hx);
+    if (s->hy)
+        BE(ctx)->host_free(BEI(ctx), s->hy);
+    s->hx = NULL;
+    s->hy = NULL;
+    return 0;
 }
 
 static dt_status loader_alloc_slots(dt_loader *ld)
@@ -4357,7 +4638,7 @@ static dt_status loader_alloc_slots(dt_loader *ld)
         if (ld->host_visible) {
             s->hx = FP(s->x);
             s->hy = IP(s->y);
-        } else {
+        } else if (!loader_pin_slot(ld, s)) {
             s->hx = host_alloc(ctx, (size_t)(b * ld->sample_elems) * sizeof(float));
             s->hy = host_alloc(ctx, (size_t)b * sizeof(int32_t));
             if (!s->hx || !s->hy)
@@ -4486,7 +4767,9 @@ dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
         pthread_mutex_unlock(&ld->mu);
     }
     ld->wait_s += dt_now() - t0;
-    if (!ld->host_visible) {
+    if (uploads_async(ld)) {   /* started by the filler: kernels from here on wait */
+        BE(ctx)->copy_join(BEI(ctx), s->ticket);
+    } else if (!ld->host_visible) {
         BE(ctx)->to_device(BEI(ctx), s->x->data, s->hx,
                            (size_t)(s->count * ld->sample_elems) * sizeof(float));
         BE(ctx)->to_device(BEI(ctx), s->y->data, s->hy, (size_t)s->count * sizeof(int32_t));
@@ -5520,6 +5803,7 @@ struct dt_work {
     int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
     int done;
     double run_s;              /* seconds the work ran (comm thread or inline) */
+    uint64_t ticket;           /* backend copy to wait for before running (0: none) */
     dt_status status;
     char msg[DT_MAX_ERROR];
     dt_work *next;
@@ -5600,6 +5884,8 @@ struct dt_comm {
     pthread_t thread;
     int has_thread, stop;
     int running;               /* a thread is inside run_work (it owns the transport) */
+    uint64_t stage_ticket;     /* the next work enqueued first waits for this backend copy
+                                  (DDP on a device: its bucket's device-to-host copy) */
     int inline_small;          /* blocking calls run on the caller when the queue is empty */
     double inline_spin_s;      /* their segment waits' spin (see SEG_SPIN_INLINE_S) */
     pthread_mutex_t mu;
@@ -6957,6 +7243,8 @@ static void run_work(dt_comm *c, dt_work *w)
     }
 
     c->waiting_on = -1;
+    if (w->ticket)   /* its data is still on the way from the device */
+        c->ctx->be_iface->copy_wait(c->ctx->be, w->ticket);
     xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
     if (!xs) {
         work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
@@ -7051,7 +7339,8 @@ static dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, in
         return NULL;
     }
     *w = (dt_work){.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n,
-                   .aux = aux, .blame = -1};
+                   .aux = aux, .blame = -1, .ticket = c->stage_ticket};
+    c->stage_ticket = 0;
     pthread_mutex_lock(&c->mu);
     w->seq = kind == COLL_PS ? c->ps_requests++ : c->next_seq++;   /* collectives' order only */
     if (c->tail)
@@ -8162,7 +8451,10 @@ struct dt_ddp {
     int *uses;                 /* param -> uses left on the tape */
     int64_t *done;             /* param -> floats of its gradient final (a prefix) */
     void **own_grad;           /* param -> the grad buffer it had before */
-    float *set[2];
+    float *set[2];             /* host memory the collectives use */
+    float *dset[2];            /* staged (a device backend): the gradients, on the device;
+                                  each bucket is copied to set[] to travel and back after */
+    int staged, pinned;        /* pinned: set[] from the backend's host_alloc */
     shm_region shared;         /* base set: the sets live in memory the host's ranks
                                   share (uncompressed, one host), else backend memory */
     int64_t set_floats;        /* gradients, then one flag per parameter */
@@ -8203,11 +8495,37 @@ static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
     return d->set[set] + b->offset + b->numel;
 }
 
+/* Where the gradients live: the bucket memory, or its device twin. */
+static float *ddp_grads(const dt_ddp *d, int set) { return d->staged ? d->dset[set] : d->set[set]; }
+
 static void ddp_point_grads(dt_ddp *d, int set)
 {
     for (int i = 0; i < d->nparams; i++)
-        d->params[i]->grad->data = d->set[set] + d->offset[i];
+        d->params[i]->grad->data = ddp_grads(d, set) + d->offset[i];
     d->cur = set;
+}
+
+/* Staged: start copying floats [off, off + n) of the current set's
+ * gradients to host memory; the copy stream first waits for the backward
+ * kernels queued so far.  Returns its ticket. */
+static uint64_t ddp_stage_out(dt_ddp *d, int64_t off, int64_t n)
+{
+    if (!d->staged || n <= 0)
+        return 0;
+    return d->be_iface->copy_async(d->be, d->set[d->cur] + off, d->dset[d->cur] + off,
+                                   (size_t)n * sizeof(float), DT_COPY_D2H);
+}
+
+/* Staged: the reduced gradients back to the device, before any later
+ * kernel (the optimizer) reads them. */
+static void ddp_stage_in(dt_ddp *d)
+{
+    if (!d->staged)
+        return;
+    uint64_t t = d->be_iface->copy_async(d->be, d->dset[d->cur], d->set[d->cur],
+                                         (size_t)d->grad_floats * sizeof(float), DT_COPY_H2D);
+    if (t)
+        d->be_iface->copy_join(d->be, t);
 }
 
 /* --- 16.1 gradient compression ------------------------------------------- */
@@ -8621,6 +8939,14 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
     float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
     for (int k = 0; k < b->count; k++)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
+    /* Staged: the comm thread waits for the copy before it sends; encoders
+     * read the gradients right here, so they wait now. */
+    uint64_t ticket = ddp_stage_out(d, b->offset, b->numel);
+    if (ticket && (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8 ||
+                   (d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)))
+        d->be_iface->copy_wait(d->be, ticket);
+    else
+        d->comm->stage_ticket = ticket;
     if (b == d->buckets) {   /* the step's first */
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
         d->zero_gen = d->ctx->zero_gen;
@@ -8651,6 +8977,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
+    d->comm->stage_ticket = 0;   /* not consumed if the launch failed */
     if (!b->work && d->launch_status == DT_OK) {
         d->launch_status = d->ctx->last_status;
         snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
@@ -8671,6 +8998,9 @@ static void ddp_reduce_whole(dt_ddp *d)
     d->sent_at_launch = dt_comm_bytes_sent(d->comm);
     d->zero_gen = d->ctx->zero_gen;
     double t0 = dt_now();
+    uint64_t ticket = ddp_stage_out(d, 0, d->grad_floats);
+    if (ticket)
+        d->be_iface->copy_wait(d->be, ticket);
     dt_status s = d->shared.base
                       ? run_collective_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur], NULL,
                                           d->set_floats, 0, DT_REDUCE_AVG, &d->shared)
@@ -8912,6 +9242,8 @@ static dt_status ddp_finish(dt_ddp *d)
     if (first != DT_OK)
         return set_error(d->ctx, first, "ddp: gradient %s failed: %s",
                          d->cfg.ps ? "push or parameter pull" : "allreduce", msg);
+    if (!d->cfg.ps)
+        ddp_stage_in(d);
     /* a zero_grad since the buckets started discards what they reduced */
     int zeroed = d->ctx->zero_gen != d->zero_gen;
     const float *flags = d->set[d->cur] + d->grad_floats;
@@ -9183,6 +9515,39 @@ static dt_status ddp_alloc_sets(dt_ddp *d)
     return DT_OK;
 }
 
+/* The sets, where not in shared memory: backend memory, or when staged
+ * host memory (page-locked if the backend has it) plus device twins. */
+static dt_status ddp_alloc_private_sets(dt_ddp *d)
+{
+    size_t bytes = (size_t)d->set_floats * sizeof(float);
+    for (int k = 0; k < 2; k++) {
+        float **mem = d->staged ? &d->dset[k] : d->shared.base ? NULL : &d->set[k];
+        if (!mem)
+            continue;
+        if (!(*mem = d->be_iface->alloc(d->be, bytes)))
+            return DT_ENOMEM;
+        d->be_iface->memset0(d->be, *mem, bytes);
+    }
+    if (!d->staged || d->shared.base)
+        return DT_OK;
+    if (d->be_iface->host_alloc) {
+        d->set[0] = d->be_iface->host_alloc(d->be, bytes);
+        d->set[1] = d->be_iface->host_alloc(d->be, bytes);
+        d->pinned = d->set[0] && d->set[1];
+        for (int k = 0; k < 2 && !d->pinned; k++) {
+            if (d->set[k])
+                d->be_iface->host_free(d->be, d->set[k]);
+            d->set[k] = NULL;
+        }
+    }
+    for (int k = 0; k < 2 && !d->pinned; k++)   /* no page-locked memory: ordinary */
+        if (!(d->set[k] = host_alloc(d->ctx, bytes)))
+            return DT_ENOMEM;
+    memset(d->set[0], 0, bytes);
+    memset(d->set[1], 0, bytes);
+    return DT_OK;
+}
+
 /* overlap -1: does the allreduce have something to run on while backward
  * computes?  Across hosts the comm thread mostly waits on the network.  On
  * one host it copies memory, and needs a CPU the compute threads do not
@@ -9190,7 +9555,7 @@ static dt_status ddp_alloc_sets(dt_ddp *d)
  * unbound rank counts its share of the online CPUs). */
 static int ddp_auto_overlap(const dt_ddp *d)
 {
-    if (d->comm->nhosts > 1)
+    if (d->comm->nhosts > 1 || d->staged)   /* staged: the host CPUs are idle */
         return 1;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     cpu_set_t set;
@@ -9207,23 +9572,31 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
 {
     float *stage = d->set[0];
     for (int i = 0; i < d->nparams; i++)
-        d->be_iface->copy(d->be, stage + d->offset[i], d->params[i]->data,
-                          tensor_bytes(d->params[i]));
+        be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
     dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);
     if (s != DT_OK)
         return s;
     for (int i = 0; i < d->nparams; i++)
-        d->be_iface->copy(d->be, d->params[i]->data, stage + d->offset[i],
-                          tensor_bytes(d->params[i]));
+        be_to_device(d->ctx, d->params[i]->data, stage + d->offset[i], tensor_bytes(d->params[i]));
     return DT_OK;
 }
 
 static void ddp_release(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
-    for (int s = 0; s < 2 && !d->shared.base; s++)
-        if (d->set[s])
+    for (int s = 0; s < 2; s++) {
+        if (d->dset[s])
+            d->be_iface->free(d->be, d->dset[s]);
+        d->dset[s] = NULL;
+        if (!d->set[s] || d->shared.base)
+            continue;
+        if (!d->staged)
             d->be_iface->free(d->be, d->set[s]);
+        else if (d->pinned)
+            d->be_iface->host_free(d->be, d->set[s]);
+        else
+            host_free(ctx, d->set[s]);
+    }
     shared_region_free(&d->shared);
     host_free(ctx, d->order);
     host_free(ctx, d->offset);
@@ -9269,10 +9642,9 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         set_error(ctx, DT_EINVAL, "ddp_new: the communicator belongs to another context");
         return NULL;
     }
-    if (!ctx->be_iface->host_visible) {
-        set_error(ctx, DT_ENOTSUP, "ddp_new: the %s backend's memory is not host memory; "
-                  "data parallelism needs host-visible gradients in this build",
-                  ctx->be_iface->name);
+    if (!ctx->be_iface->host_visible && !ctx->be_iface->copy_async) {
+        set_error(ctx, DT_ENOTSUP, "ddp_new: the %s backend's memory is not host memory and it "
+                  "has no asynchronous copies to stage gradients through", ctx->be_iface->name);
         return NULL;
     }
     if (opt && opt->ctx != ctx) {
@@ -9321,7 +9693,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     }
     *d = (dt_ddp){.ctx = ctx, .comm = c, .opt = opt, .cfg = *cfg, .al = ctx->al,
                   .be_iface = ctx->be_iface, .be = ctx->be, .nparams = ctx->n_params,
-                  .sync = 1};
+                  .sync = 1, .staged = !ctx->be_iface->host_visible};
     size_t np = (size_t)(d->nparams ? d->nparams : 1);
     d->params = host_calloc(ctx, np * sizeof *d->params);
     if (d->params)
@@ -9337,13 +9709,8 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         s = ddp_plan(d, cap);
     if (s == DT_OK)
         s = ddp_alloc_sets(d);
-    for (int k = 0; s == DT_OK && !d->shared.base && k < 2; k++) {
-        d->set[k] = d->be_iface->alloc(d->be, (size_t)d->set_floats * sizeof(float));
-        if (!d->set[k])
-            s = DT_ENOMEM;
-        else
-            d->be_iface->memset0(d->be, d->set[k], (size_t)d->set_floats * sizeof(float));
-    }
+    if (s == DT_OK)
+        s = ddp_alloc_private_sets(d);
     if (s == DT_OK && d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)
         s = ddp_alloc_ps_code(d);
     else if (s == DT_OK &&
@@ -9365,7 +9732,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         dt_tensor *g = d->params[i]->grad;
         d->own_grad[i] = g->data;
         if (!(g->flags & T_ZERO))
-            d->be_iface->copy(d->be, d->set[0] + d->offset[i], g->data, tensor_bytes(g));
+            d->be_iface->copy(d->be, ddp_grads(d, 0) + d->offset[i], g->data, tensor_bytes(g));
     }
     ddp_point_grads(d, 0);
     if (d->momentum > 0)
@@ -10830,7 +11197,7 @@ static void ps_pack_grads(dt_ps *ps, float *stage)
         dt_tensor *g = ctx->params[i]->grad;
         int used = g && !(g->flags & T_ZERO);
         if (used)
-            ctx->be_iface->copy(ctx->be, stage + ps->offset[i], g->data, (size_t)ps->numel[i] * 4);
+            be_to_host(ctx, stage + ps->offset[i], g->data, (size_t)ps->numel[i] * 4);
         else
             memset(stage + ps->offset[i], 0, (size_t)ps->numel[i] * sizeof(float));
         stage[ps->G + i] = used ? 1.0f : 0.0f;
@@ -10841,8 +11208,8 @@ static void ps_unpack_params(dt_ps *ps, const float *stage)
 {
     dt_ctx *ctx = ps->ctx;
     for (int i = 0; i < ps->nparams; i++)
-        ctx->be_iface->copy(ctx->be, ctx->params[i]->data, stage + ps->offset[i],
-                            (size_t)ps->numel[i] * sizeof(float));
+        be_to_device(ctx, ctx->params[i]->data, stage + ps->offset[i],
+                     (size_t)ps->numel[i] * sizeof(float));
 }
 
 static int ps_worker_ok(dt_ps *ps, const char *what)
@@ -11232,6 +11599,11 @@ static dt_status ps_make_pieces(dt_ps *ps)
     dt_config cc;
     dt_config_init(&cc);
     cc.allocator = ps->ctx->al;
+    /* a server's shard is host memory whatever the workers compute on */
+    cc.custom_backend = find_backend("cpu");
+    if (!cc.custom_backend)
+        return set_error(ps->ctx, DT_ENOTSUP, "ps_new: a parameter server needs the cpu backend "
+                         "compiled in (-DDT_WITH_CPU)");
     ps->sctx = dt_ctx_new(&cc);
     if (!ps->sctx || dt_last_status(ps->sctx) != DT_OK)
         return set_error(ps->ctx, DT_ENOMEM, "ps_new: cannot make the server's context");
@@ -12363,8 +12735,8 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
                          (long long)(ps->G + ps->P));
     if (c->rank == 0) {   /* our values are where everyone starts */
         for (int i = 0; i < ps->nparams; i++)
-            ctx->be_iface->copy(ctx->be, ps->stage + ps->offset[i], ctx->params[i]->data,
-                                (size_t)ps->numel[i] * sizeof(float));
+            be_to_host(ctx, ps->stage + ps->offset[i], ctx->params[i]->data,
+                       (size_t)ps->numel[i] * sizeof(float));
         if ((s = ps_call_run(ps, PS_INIT, 0, ps->G, ps->stage)) != DT_OK)
             return s;
     }
@@ -12397,11 +12769,6 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
     if (!c || c->ctx != ctx) {
         set_error(ctx, DT_EINVAL, "ps_new: %s", c ? "the communicator belongs to another context"
                                                   : "communicator is NULL");
-        return NULL;
-    }
-    if (!ctx->be_iface->host_visible) {
-        set_error(ctx, DT_ENOTSUP, "ps_new: the %s backend's memory is not host memory",
-                  ctx->be_iface->name);
         return NULL;
     }
     dt_ps_config conf;

@@ -166,6 +166,14 @@ typedef enum dt_dtype {
     DT_F16        /* storage only for now */
 } dt_dtype;
 
+/* Precision a matrix product reads its inputs at (mixed precision, 6). */
+typedef enum dt_precision {
+    DT_PREC_F32 = 0,   /* full f32 (the default) */
+    DT_PREC_TF32,      /* inputs rounded to 10 mantissa bits (TF32 tensor cores) */
+    DT_PREC_BF16,      /* bfloat16: f32's range, 7 mantissa bits */
+    DT_PREC_F16        /* IEEE half: 10 mantissa bits, overflows above 65504 */
+} dt_precision;
+
 DT_API size_t dt_dtype_size(dt_dtype t);
 DT_API const char *dt_dtype_name(dt_dtype t);
 
@@ -315,6 +323,17 @@ DT_API dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *
  * optimizer step.  The tape stays until dt_step_reset. */
 DT_API dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss);
 
+/* Mixed precision, as torch.autocast: while autocast is p, matmul, linear
+ * and conv2d read their inputs rounded to p and sum the products in f32
+ * (tensor cores on CUDA; the CPU rounds the same way, so CPU runs show what
+ * a GPU run's numerics will be).  Their outputs, every other op, the
+ * parameters (the f32 master weights) and the optimizer stay f32.  Backward
+ * runs each product at the precision its forward used.  DT_PREC_F32 turns it
+ * off.  Per context; set it around the forward. */
+DT_API dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p);
+DT_API dt_precision dt_autocast(const dt_ctx *ctx);
+
+
 /* ---------------------------------------------------------------------------
  * 7. Optimizers and schedules
  * ------------------------------------------------------------------------- */
@@ -375,6 +394,41 @@ DT_API dt_status dt_optim_set_schedule(dt_optim *opt, const dt_schedule *s);
 /* Scale all gradients so their global L2 norm is at most max_norm.  The norm
  * before clipping goes to *norm_out if not NULL. */
 DT_API dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out);
+
+/* Dynamic loss scaling for fp16 (torch.cuda.amp.GradScaler): small
+ * gradients that fp16 would flush to zero are kept by scaling the loss
+ * before backward; a step whose gradients overflowed is skipped and the
+ * scale halved, and after growth_interval good steps in a row it doubles.
+ *
+ *     dt_loss_scaler_backward(sc, loss);   // backward of loss * scale
+ *     dt_ddp_sync(ddp);                    // with DDP: reduced first
+ *     dt_loss_scaler_unscale(sc);          // optional: e.g. to clip norms
+ *     dt_loss_scaler_step(sc, opt, &took); // unscale, check, step or skip
+ *
+ * Overflow is checked on the reduced gradients, so with DDP every rank
+ * makes the same choice. */
+typedef struct dt_loss_scaler dt_loss_scaler;
+typedef struct dt_loss_scale_config {
+    float init_scale;        /* 65536 */
+    float growth_factor;     /* 2 */
+    float backoff_factor;    /* 0.5 */
+    int growth_interval;     /* 2000 */
+} dt_loss_scale_config;
+DT_API void dt_loss_scale_config_init(dt_loss_scale_config *cfg);
+/* cfg may be NULL (defaults).  new: free with dt_loss_scaler_free. */
+DT_API dt_loss_scaler *dt_loss_scaler_new(dt_ctx *ctx, const dt_loss_scale_config *cfg);
+DT_API void dt_loss_scaler_free(dt_loss_scaler *sc);   /* NULL is fine */
+/* dt_backward with the loss's gradient seeded with the scale. */
+DT_API dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss);
+/* Divide every parameter gradient by the scale (once per step) and note
+ * whether any is inf or NaN; *found_inf (may be NULL) gets that. */
+DT_API dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf);
+/* Unscale if not done yet; then opt's step unless a gradient overflowed,
+ * and update the scale.  *stepped (may be NULL): 1 if the step was taken. */
+DT_API dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped);
+DT_API float dt_loss_scaler_scale(const dt_loss_scaler *sc);
+/* Steps skipped for overflow since dt_loss_scaler_new. */
+DT_API int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc);
 
 /* ---------------------------------------------------------------------------
  * 8. Checkpoints (safetensors)

@@ -23,7 +23,7 @@
 
 #include "../dtrain.h"
 
-#define DT_BACKEND_IFACE_VERSION 1
+#define DT_BACKEND_IFACE_VERSION 2
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -41,6 +41,8 @@ typedef enum dt_unary_op {
 } dt_unary_op;
 
 typedef enum dt_binary_op { DT_BIN_ADD = 0, DT_BIN_SUB, DT_BIN_MUL, DT_BIN_DIV } dt_binary_op;
+
+enum { DT_COPY_H2D = 0, DT_COPY_D2H = 1 };
 
 typedef enum dt_axis_op { DT_RED_SUM = 0, DT_RED_MAX } dt_axis_op;
 
@@ -74,6 +76,28 @@ typedef struct dt_backend_iface {
     /* 1 when device pointers are host pointers (the CPU backend). */
     int host_visible;
 
+    /* --- staging between host and device (optional; NULL when
+     * host_visible, where the core reads tensor memory directly) ----------
+     * host_alloc: page-locked host memory (cudaHostAlloc), so copies from and
+     * to it are truly asynchronous; NULL if it cannot be had (the core then
+     * uses its allocator).  Free with host_free.
+     *
+     * copy_async: copy bytes on the backend's copy stream, which first waits
+     * for everything already queued on the compute stream (a device-to-host
+     * copy sees what backward wrote; a host-to-device copy cannot overwrite
+     * memory a queued kernel still reads).  dir: DT_COPY_H2D (dst device,
+     * src host) or DT_COPY_D2H.  Returns a ticket for copy_wait / copy_join,
+     * 0 if the copy is already done.  The host memory must stay valid, and
+     * unchanged for H2D, until the ticket is waited for.
+     * copy_wait: block the calling thread until ticket (and every ticket
+     * before it) is done.  copy_join: later compute-stream work waits for it
+     * (the host does not block).  All three may be called from any thread. */
+    void *(*host_alloc)(dt_backend *be, size_t bytes);
+    void (*host_free)(dt_backend *be, void *ptr);
+    uint64_t (*copy_async)(dt_backend *be, void *dst, const void *src, size_t bytes, int dir);
+    void (*copy_wait)(dt_backend *be, uint64_t ticket);
+    void (*copy_join)(dt_backend *be, uint64_t ticket);
+
     /* --- dense linear algebra ------------------------------------------- */
     /* C (M,N) = alpha * op(A) op(B) + beta * C, row-major; op(A) is (M,K):
      * A is (M,K) with lda, or (K,M) when ta.  Like cblas_sgemm(RowMajor). */
@@ -86,6 +110,18 @@ typedef struct dt_backend_iface {
                          int64_t k, float alpha, const float *a, int64_t lda, int64_t stride_a,
                          const float *b, int64_t ldb, int64_t stride_b, float beta, float *c,
                          int64_t ldc, int64_t stride_c);
+
+    /* (optional) Mixed precision: gemm_batched with every element of A and
+     * B first rounded to prec (DT_PREC_TF32: 10 mantissa bits; BF16: 7;
+     * F16: IEEE half, out of range to +-inf), products summed in f32, C f32
+     * (cublasGemmEx with f32 compute).  batch 1 is a single gemm.  NULL:
+     * the core rounds the operands with round_prec and calls gemm. */
+    void (*gemm_ex)(dt_backend *be, dt_precision prec, int64_t batch, int ta, int tb, int64_t m,
+                    int64_t n, int64_t k, float alpha, const float *a, int64_t lda,
+                    int64_t stride_a, const float *b, int64_t ldb, int64_t stride_b, float beta,
+                    float *c, int64_t ldc, int64_t stride_c);
+    /* y = x rounded to nearest even at prec (kept as f32); y may be x. */
+    void (*round_prec)(dt_backend *be, dt_precision prec, int64_t n, const float *x, float *y);
 
     /* --- elementwise ---------------------------------------------------- */
     void (*fill)(dt_backend *be, int64_t n, float value, float *y);
@@ -239,5 +275,8 @@ typedef struct dt_backend_iface {
 /* Backends compiled in expose their interface through these. */
 const dt_backend_iface *dt_backend_cpu_iface(void);
 const dt_backend_iface *dt_backend_cuda_iface(void);
+/* The CPU backend behind the device-memory code paths (host_visible 0,
+ * copies queued until waited for): how CI tests staging without a GPU. */
+const dt_backend_iface *dt_backend_cpu_staged_iface(void);
 
 #endif /* DTRAIN_BACKEND_H */

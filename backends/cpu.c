@@ -115,6 +115,11 @@ struct dt_backend {
      * the caller's thread (the allocator hooks need not be thread-safe) */
     float *scratch;
     size_t scratch_floats;
+    /* cpu-staged only (3.1): copies queued until a wait or join runs them */
+    pthread_mutex_t qmu;
+    struct staged_copy *queue;
+    size_t queued, queue_cap;
+    uint64_t tickets;             /* last ticket handed out */
 };
 
 /* Start of part i of `parts` contiguous ranges over [0, n): floor(n*i/parts)
@@ -221,6 +226,8 @@ static void cpu_shutdown(dt_backend *be)
     pthread_cond_destroy(&be->done);
     pthread_cond_destroy(&be->wake);
     pthread_mutex_destroy(&be->mu);
+    pthread_mutex_destroy(&be->qmu);
+    if (be->queue) be->al.free_fn(be->queue, be->al.user);
     if (be->workers) be->al.free_fn(be->workers, be->al.user);
     cpu_free(be, be->scratch);
     be->al.free_fn(be, be->al.user);
@@ -244,6 +251,7 @@ static dt_status cpu_init(const dt_backend_params *p, dt_backend **out, char *er
     atomic_init(&be->pending, 0);
     atomic_init(&be->stop, 0);
     pthread_mutex_init(&be->mu, NULL);
+    pthread_mutex_init(&be->qmu, NULL);
     pthread_cond_init(&be->wake, NULL);
     pthread_cond_init(&be->done, NULL);
     if (be->nworkers > 0) {
@@ -310,6 +318,60 @@ static void cpu_memcpy(dt_backend *be, void *dst, const void *src, size_t bytes)
     (void)be;
     if (bytes && dst != src) memcpy(dst, src, bytes);
 }
+
+/* --- 3.1 the staged variant ------------------------------------------------
+ * "cpu-staged" is this backend with host_visible = 0: the core then takes
+ * the paths a GPU needs (staging buffers, asynchronous copies, no direct
+ * reads of tensor memory), and CI runs them without a GPU.  An asynchronous
+ * copy is not made until someone waits for it (or for a later ticket), as
+ * if the copy stream were very slow: a reader that forgets to wait sees
+ * stale data, and a source freed before the wait is a use-after-free that
+ * AddressSanitizer reports.  Copies run in ticket order, like one stream. */
+typedef struct staged_copy {
+    void *dst;
+    const void *src;
+    size_t bytes;
+    uint64_t ticket;
+} staged_copy;
+
+static uint64_t staged_copy_async(dt_backend *be, void *dst, const void *src, size_t bytes,
+                                  int dir)
+{
+    (void)dir;
+    pthread_mutex_lock(&be->qmu);
+    if (be->queued == be->queue_cap) {
+        size_t cap = be->queue_cap ? 2 * be->queue_cap : 64;
+        staged_copy *q = be->al.realloc_fn(be->queue, cap * sizeof *q, be->al.user);
+        if (!q) {   /* no room to queue it: copy now (still correct, just not deferred) */
+            pthread_mutex_unlock(&be->qmu);
+            if (bytes) memcpy(dst, src, bytes);
+            return 0;
+        }
+        be->queue = q;
+        be->queue_cap = cap;
+    }
+    uint64_t t = ++be->tickets;
+    be->queue[be->queued++] = (staged_copy){dst, src, bytes, t};
+    pthread_mutex_unlock(&be->qmu);
+    return t;
+}
+
+/* Run every queued copy up to and including ticket t, in order. */
+static void staged_copy_wait(dt_backend *be, uint64_t t)
+{
+    pthread_mutex_lock(&be->qmu);
+    size_t k = 0;
+    while (k < be->queued && be->queue[k].ticket <= t) {
+        if (be->queue[k].bytes) memcpy(be->queue[k].dst, be->queue[k].src, be->queue[k].bytes);
+        k++;
+    }
+    memmove(be->queue, be->queue + k, (be->queued - k) * sizeof *be->queue);
+    be->queued -= k;
+    pthread_mutex_unlock(&be->qmu);
+}
+
+/* The compute stream waits: here compute is synchronous, so the copy runs now. */
+static void staged_copy_join(dt_backend *be, uint64_t t) { staged_copy_wait(be, t); }
 
 static void cpu_memset0(dt_backend *be, void *dst, size_t bytes)
 {
@@ -679,6 +741,77 @@ static void cpu_unary_backward(dt_backend *be, dt_unary_op op, int64_t n, const 
     ew_args A = {.op = (int)op, .x = x, .y = y, .dy = dy, .out = dx, .accumulate = accumulate};
     int64_t grain = op == DT_UNARY_GELU ? DT_CPU_GRAIN_MATH : DT_CPU_GRAIN_MEM;
     parallel_for(be, n, grain, unary_bwd_range, &A);
+}
+
+/* y = x rounded to nearest even at prec, kept as f32 (mixed precision: the
+ * core rounds GEMM operands with this, so CPU runs have a GPU's numerics).
+ * NaN and infinities pass through; f16 overflows to infinity and keeps
+ * subnormals, like a real half. */
+static float round_tf32(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) {
+        u += 0xfffu + ((u >> 13) & 1);
+        u &= ~0x1fffu;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float round_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) {
+        u += 0x7fffu + ((u >> 16) & 1);
+        u &= 0xffff0000u;
+    } else if (u & 0x7fffffu) {
+        u |= 0x400000u;   /* quiet NaN */
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float round_f16(float f)
+{
+    float a = fabsf(f);
+    if (!(a < 65520.0f))             /* inf, NaN, or rounds past 65504 */
+        return a != a ? f : copysignf(INFINITY, f);
+    if (a < 6.103515625e-05f) {      /* below 2^-14: a multiple of 2^-24 */
+        float q = nearbyintf(a * 16777216.0f) * (1.0f / 16777216.0f);
+        return copysignf(q, f);
+    }
+    uint32_t u;                       /* normal: keep 10 mantissa bits */
+    memcpy(&u, &a, 4);
+    u += 0xfffu + ((u >> 13) & 1);
+    u &= ~0x1fffu;
+    memcpy(&a, &u, 4);
+    return copysignf(a, f);
+}
+
+typedef struct round_args {
+    dt_precision prec;
+    const float *x;
+    float *y;
+} round_args;
+
+static void round_range(void *p, int64_t lo, int64_t hi)
+{
+    const round_args *A = p;
+    float (*fn)(float) = A->prec == DT_PREC_TF32 ? round_tf32
+                         : A->prec == DT_PREC_BF16 ? round_bf16 : round_f16;
+    for (int64_t i = lo; i < hi; i++) A->y[i] = fn(A->x[i]);
+}
+
+static void cpu_round_prec(dt_backend *be, dt_precision prec, int64_t n, const float *x, float *y)
+{
+    if (prec == DT_PREC_F32) {
+        if (y != x && n > 0) memcpy(y, x, (size_t)n * sizeof(float));
+        return;
+    }
+    round_args A = {prec, x, y};
+    parallel_for(be, n, DT_CPU_GRAIN_MEM, round_range, &A);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2521,6 +2654,48 @@ static int64_t cpu_count_correct(dt_backend *be, int64_t n, int64_t c, const flo
 /* ---------------------------------------------------------------------------
  * 16. The interface table
  * ------------------------------------------------------------------------- */
+/* The kernels both tables share. */
+#define DT_CPU_KERNELS \
+    .gemm = cpu_gemm, \
+    .gemm_batched = cpu_gemm_batched, \
+    .fill = cpu_fill, \
+    .axpby = cpu_axpby, \
+    .unary = cpu_unary, \
+    .unary_backward = cpu_unary_backward, \
+    .binary = cpu_binary, \
+    .copy_strided = cpu_copy_strided, \
+    .sum_to = cpu_sum_to, \
+    .reduce_axis = cpu_reduce_axis, \
+    .sum = cpu_sum, \
+    .sumsq = cpu_sumsq, \
+    .softmax = cpu_softmax, \
+    .softmax_backward = cpu_softmax_backward, \
+    .xent_forward = cpu_xent_forward, \
+    .xent_backward = cpu_xent_backward, \
+    .im2col = cpu_im2col, \
+    .col2im = cpu_col2im, \
+    .conv2d_forward = cpu_conv2d_forward, \
+    .conv2d_backward = cpu_conv2d_backward, \
+    .bias_add = cpu_bias_add, \
+    .bias_grad = cpu_bias_grad, \
+    .cnp_to_ncp = cpu_cnp_to_ncp, \
+    .ncp_to_cnp = cpu_ncp_to_cnp, \
+    .maxpool_forward = cpu_maxpool_forward, \
+    .maxpool_backward = cpu_maxpool_backward, \
+    .avgpool_forward = cpu_avgpool_forward, \
+    .avgpool_backward = cpu_avgpool_backward, \
+    .embedding_forward = cpu_embedding_forward, \
+    .embedding_backward = cpu_embedding_backward, \
+    .index_check = cpu_index_check, \
+    .layernorm_forward = cpu_layernorm_forward, \
+    .layernorm_backward = cpu_layernorm_backward, \
+    .dropout_forward = cpu_dropout_forward, \
+    .sgd_update = cpu_sgd_update, \
+    .adam_update = cpu_adam_update, \
+    .adagrad_update = cpu_adagrad_update, \
+    .count_correct = cpu_count_correct, \
+    .round_prec = cpu_round_prec,
+
 static const dt_backend_iface dt_cpu_iface = {
     .version = DT_BACKEND_IFACE_VERSION,
     .name = "cpu",
@@ -2534,44 +2709,30 @@ static const dt_backend_iface dt_cpu_iface = {
     .memset0 = cpu_memset0,
     .sync = cpu_sync,
     .host_visible = 1,
-    .gemm = cpu_gemm,
-    .gemm_batched = cpu_gemm_batched,
-    .fill = cpu_fill,
-    .axpby = cpu_axpby,
-    .unary = cpu_unary,
-    .unary_backward = cpu_unary_backward,
-    .binary = cpu_binary,
-    .copy_strided = cpu_copy_strided,
-    .sum_to = cpu_sum_to,
-    .reduce_axis = cpu_reduce_axis,
-    .sum = cpu_sum,
-    .sumsq = cpu_sumsq,
-    .softmax = cpu_softmax,
-    .softmax_backward = cpu_softmax_backward,
-    .xent_forward = cpu_xent_forward,
-    .xent_backward = cpu_xent_backward,
-    .im2col = cpu_im2col,
-    .col2im = cpu_col2im,
-    .conv2d_forward = cpu_conv2d_forward,
-    .conv2d_backward = cpu_conv2d_backward,
-    .bias_add = cpu_bias_add,
-    .bias_grad = cpu_bias_grad,
-    .cnp_to_ncp = cpu_cnp_to_ncp,
-    .ncp_to_cnp = cpu_ncp_to_cnp,
-    .maxpool_forward = cpu_maxpool_forward,
-    .maxpool_backward = cpu_maxpool_backward,
-    .avgpool_forward = cpu_avgpool_forward,
-    .avgpool_backward = cpu_avgpool_backward,
-    .embedding_forward = cpu_embedding_forward,
-    .embedding_backward = cpu_embedding_backward,
-    .index_check = cpu_index_check,
-    .layernorm_forward = cpu_layernorm_forward,
-    .layernorm_backward = cpu_layernorm_backward,
-    .dropout_forward = cpu_dropout_forward,
-    .sgd_update = cpu_sgd_update,
-    .adam_update = cpu_adam_update,
-    .adagrad_update = cpu_adagrad_update,
-    .count_correct = cpu_count_correct,
+    DT_CPU_KERNELS
+};
+
+/* 3.1: the same kernels behind device-memory semantics */
+static const dt_backend_iface dt_cpu_staged_iface = {
+    .version = DT_BACKEND_IFACE_VERSION,
+    .name = "cpu-staged",
+    .init = cpu_init,
+    .shutdown = cpu_shutdown,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .to_device = cpu_memcpy,
+    .to_host = cpu_memcpy,
+    .copy = cpu_memcpy,
+    .memset0 = cpu_memset0,
+    .sync = cpu_sync,
+    .host_visible = 0,
+    .host_alloc = cpu_alloc,
+    .host_free = cpu_free,
+    .copy_async = staged_copy_async,
+    .copy_wait = staged_copy_wait,
+    .copy_join = staged_copy_join,
+    DT_CPU_KERNELS
 };
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
+const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }

@@ -643,6 +643,8 @@ static void test_err_bad_backend(void **state)
     dt_config cfg;
     dt_config_init(&cfg);
     cfg.backend = "no-such-backend";
+    char *env = getenv("DTRAIN_BACKEND") ? strdup(getenv("DTRAIN_BACKEND")) : NULL;
+    unsetenv("DTRAIN_BACKEND");   /* it would replace the bad name */
     dt_ctx *ctx = dt_ctx_new(&cfg);
     assert_non_null(ctx);
     assert_int_not_equal(dt_ctx_status(ctx), DT_OK);
@@ -663,6 +665,9 @@ static void test_err_bad_backend(void **state)
     /* NULL backend name: either the default or a clean refusal */
     if (dt_ctx_status(ctx) != DT_OK) assert_true(dt_last_error(ctx)[0] != '\0');
     dt_ctx_free(ctx);
+    if (env)
+        setenv("DTRAIN_BACKEND", env, 1);
+    free(env);
 }
 
 static const struct CMUnitTest tests[] = {

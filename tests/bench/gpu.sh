@@ -1,0 +1,337 @@
+#!/usr/bin/env bash
+# tests/bench/gpu.sh - dtrain's CUDA backend next to its peers on the same
+# GPU, in one run:
+#   1. training steps (bench_gpu.c vs bench_gpu_torch.py, PyTorch eager):
+#      the benchmark MLP at batch 128 and 1024 and the CNN at batch 128,
+#      fp32 (no TF32 on either side) and autocast bf16; inputs already on
+#      the device (target: dtrain/PyTorch <= 1.00), and fed from host memory
+#      every step (for reference: what the input copy costs each side)
+#   2. matmul (bench_cublas.c): dt_matmul against the raw cuBLAS call in the
+#      same process, 1024^3, 2048^3, 4096^3 and 1024x4096x1024 (MxKxN), fp32
+#      (cublasSgemm, default and pedantic math), tf32 and bf16 (cublasGemmEx,
+#      f32 output and compute) (target: >= 0.90 of raw)
+#
+#   bash tests/bench/gpu.sh      (from any cwd; builds what it needs itself)
+#
+# Without a GPU it prints "skipped: no GPU" and exits 0.  Everything goes to
+# stdout and a copy to ${OUT:-build/bench}/gpu.txt (the parseable result
+# lines of every run to gpu_results.txt beside it).
+#
+# Knobs: REPEATS=3 (process runs per side, the sides alternating; medians
+# over runs), SECTIONS="1 2", CONFIGS=mlp:128,mlp:1024,cnn:128,
+# PRECS=fp32,bf16 (also tf32), FEEDS=device,host, SHAPES (bench_cublas
+# --shapes), TORCH_PYTHON (default: the first of /usr/bin/python3, python3
+# whose torch sees a GPU), STRICT=1 (exit 1 on a missed target),
+# BUILD_ONLY=1 (build everything and stop: works without a GPU),
+# TIMEOUT=300 (seconds per benchmark process), CUDA_HOME=/usr/local/cuda,
+# NVCC, NVCC_GENCODE (default sm_90 + sm_80), DT_NATIVE=0 (no -march=native).
+# Every ratio compares numbers taken in this run on this GPU.
+set -uo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+cd "$ROOT" || exit 1
+
+REPEATS=${REPEATS:-3}
+SECTIONS=${SECTIONS:-"1 2"}
+CONFIGS=${CONFIGS:-mlp:128,mlp:1024,cnn:128}
+PRECS=${PRECS:-fp32,bf16}
+FEEDS=${FEEDS:-device,host}
+SHAPES=${SHAPES:-1024x1024x1024,2048x2048x2048,4096x4096x4096,1024x4096x1024}
+STRICT=${STRICT:-0}
+BUILD_ONLY=${BUILD_ONLY:-0}
+TIMEOUT=${TIMEOUT:-300}
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC=${NVCC:-$CUDA_HOME/bin/nvcc}
+NVCC_GENCODE=${NVCC_GENCODE:-"-gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=sm_80"}
+CC=${CC:-gcc}
+B="$HERE/build/gpu"                       # objects and binaries
+RESDIR=${OUT:-$ROOT/build/bench}          # the copy of the output
+mkdir -p "$B" "$RESDIR"
+LOG="$RESDIR/gpu.txt"
+RES="$RESDIR/gpu_results.txt"
+
+main() {
+    local t_begin=$SECONDS
+    echo "# gpu.sh: commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(
+        [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null | head -1) ]] &&
+        echo ' + uncommitted changes'), $(date -u '+%Y-%m-%d %H:%M UTC'), $(hostname 2>/dev/null || uname -n), $(nproc) CPUs, $REPEATS repeats"
+    echo "# sources: $(for f in dtrain.h dtrain.c backends/backend.h backends/cuda.cu; do
+        [[ -f $f ]] && printf '%s %s  ' "$f" "$(sha256sum "$f" | cut -c1-12)"; done)"
+
+    # ------------------------------------------------------- GPU present? ---
+    local gpu=""
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        gpu=$(nvidia-smi -L 2>/dev/null | grep '^GPU ' || true)
+    fi
+    if [[ -z $gpu && -f $CUDA_HOME/include/cuda_runtime.h ]]; then
+        # no nvidia-smi (or it sees nothing): ask the CUDA runtime
+        if $CC -std=c11 -D_GNU_SOURCE -O2 -DBENCH_RAW_ONLY -I"$CUDA_HOME/include" "$HERE/bench_cublas.c" \
+            -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcublas -lcudart -lm \
+            -o "$B/probe" 2>/dev/null && "$B/probe" --probe >/dev/null 2>&1; then
+            gpu=$("$B/probe" --probe)
+        fi
+    fi
+    if [[ -z $gpu && $BUILD_ONLY != 1 ]]; then
+        echo "skipped: no GPU"
+        return 0
+    fi
+    [[ -n $gpu ]] && echo "# $gpu"
+    if command -v nvidia-smi >/dev/null 2>&1 && [[ -n $gpu ]]; then
+        echo "# $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,persistence_mode \
+            --format=csv,noheader 2>/dev/null | head -1)"
+        local busy
+        busy=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | head -3)
+        [[ -n $busy ]] && echo "# WARNING: other processes on the GPU: $busy"
+    fi
+
+    # --------------------------------------------------------------- build ---
+    local build_err=""
+    build || build_err=$BUILD_ERR
+    if [[ $BUILD_ONLY == 1 ]]; then
+        [[ -z $build_err ]] && { echo "# build only: done ($B)"; return 0; }
+        echo "gpu.sh: $build_err" >&2
+        return 1
+    fi
+    [[ -n $build_err ]] && echo "# ERROR: $build_err; measuring PyTorch and raw cuBLAS only"
+
+    local py=""
+    local cand
+    for cand in ${TORCH_PYTHON:-} /usr/bin/python3 python3 python; do
+        command -v "$cand" >/dev/null 2>&1 || continue
+        if "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+            py=$cand
+            break
+        fi
+    done
+    if [[ -z $py ]]; then
+        echo "# WARNING: no python whose torch sees a GPU (tried ${TORCH_PYTHON:+$TORCH_PYTHON }/usr/bin/python3 python3 python): no PyTorch columns"
+    else
+        echo "# torch: $py ($("$py" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null))"
+    fi
+
+    : > "$RES"
+    local r
+    # ------------------------------------------------ 1. training steps ---
+    if [[ " $SECTIONS " == *" 1 "* ]]; then
+        echo
+        echo "## 1. training steps: configs $CONFIGS, precisions $PRECS, feeds $FEEDS"
+        for r in $(seq 1 "$REPEATS"); do
+            if [[ -x $B/bench_gpu ]]; then
+                echo "# repeat $r/$REPEATS: dtrain"
+                timeout -k 10 "$TIMEOUT" "$B/bench_gpu" --configs "$CONFIGS" --precs "$PRECS" \
+                    --feeds "$FEEDS" 2>&1 | tee -a "$RES" ||
+                    echo "# bench_gpu exited with status ${PIPESTATUS[0]}"
+            fi
+            if [[ -n $py ]]; then
+                echo "# repeat $r/$REPEATS: torch"
+                timeout -k 10 "$TIMEOUT" "$py" "$HERE/bench_gpu_torch.py" --configs "$CONFIGS" \
+                    --precs "$PRECS" --feeds "$FEEDS" 2>&1 | tee -a "$RES" ||
+                    echo "# bench_gpu_torch.py exited with status ${PIPESTATUS[0]}"
+            fi
+        done
+    fi
+
+    # ------------------------------------------------------ 2. matmul ---
+    if [[ " $SECTIONS " == *" 2 "* ]]; then
+        echo
+        echo "## 2. matmul: shapes $SHAPES (MxKxN)"
+        local mm=$B/bench_cublas
+        [[ -x $mm ]] || mm=$B/bench_cublas_raw
+        if [[ -x $mm ]]; then
+            for r in $(seq 1 "$REPEATS"); do
+                echo "# repeat $r/$REPEATS: $(basename "$mm")"
+                timeout -k 10 "$TIMEOUT" "$mm" --shapes "$SHAPES" 2>&1 | tee -a "$RES" ||
+                    echo "# $(basename "$mm") exited with status ${PIPESTATUS[0]}"
+            done
+        else
+            echo "# ERROR: no bench_cublas binary"
+        fi
+    fi
+
+    # --------------------------------------------------------------- tables ---
+    echo
+    table "$RES"
+    local miss=$?
+    echo "# gpu.sh: $((SECONDS - t_begin)) s; results in $RES"
+    [[ -n $build_err ]] && return 1
+    ((STRICT && miss)) && return 1
+    return 0
+}
+
+# Build the benchmarks into $B.  Returns 1 with BUILD_ERR set when dtrain
+# with its CUDA backend cannot be built; the raw-cuBLAS-only bench_cublas is
+# built whenever the CUDA toolkit is there.
+BUILD_ERR=""
+build() {
+    local arch="-march=native"
+    [[ ${DT_NATIVE:-1} == 1 ]] || arch=""
+    local cinc="-I$CUDA_HOME/include"
+    local cuda_libs="-L$CUDA_HOME/lib64 -Wl,-rpath,$CUDA_HOME/lib64 -lcudart -lcublas -lstdc++"
+    local bench_cflags="-std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Werror -I$ROOT $cinc"
+    local libflags="-std=c11 -D_GNU_SOURCE -O3 $arch -fno-math-errno -I$ROOT -pthread"
+    local t0=$SECONDS
+
+    if [[ ! -f $CUDA_HOME/include/cuda_runtime.h ]]; then
+        BUILD_ERR="no CUDA toolkit at $CUDA_HOME (set CUDA_HOME)"
+        return 1
+    fi
+    echo "# build: bench_cublas (raw cuBLAS only)"
+    $CC $bench_cflags -DBENCH_RAW_ONLY "$HERE/bench_cublas.c" $cuda_libs -lm -o "$B/bench_cublas_raw" || {
+        BUILD_ERR="bench_cublas.c (raw only) does not build"
+        return 1
+    }
+    rm -f "$B/bench_gpu" "$B/bench_cublas"
+    if [[ ! -f backends/cuda.cu ]]; then
+        BUILD_ERR="backends/cuda.cu not found: no dtrain CUDA backend to measure"
+        return 1
+    fi
+    [[ -x $NVCC ]] || NVCC=$(command -v nvcc || true)
+    if [[ -z $NVCC ]]; then
+        BUILD_ERR="no nvcc (looked at $CUDA_HOME/bin/nvcc and PATH)"
+        return 1
+    fi
+
+    # nvcc in the background while gcc does the rest
+    echo "# build: $NVCC backends/cuda.cu ($NVCC_GENCODE)"
+    "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC $NVCC_GENCODE -DDT_WITH_CUDA -I. \
+        -c backends/cuda.cu -o "$B/cuda.o" > "$B/nvcc.log" 2>&1 &
+    local nvcc_pid=$!
+
+    # The CPU backend and the libfabric transport are optional here: left
+    # out (with a note) where OpenBLAS or libfabric are not installed.
+    local defs="-DDT_WITH_CUDA" objs="$B/dtrain.o $B/cuda.o" libs=""
+    if $CC $libflags -DDT_WITH_CPU -c backends/cpu.c -o "$B/cpu.o" 2> "$B/cpu.log" &&
+       echo 'int main(void){return 0;}' | $CC -x c - -lopenblas -o "$B/conftest" 2>/dev/null; then
+        defs="$defs -DDT_WITH_CPU" objs="$objs $B/cpu.o" libs="$libs -lopenblas"
+    else
+        echo "# build: note: no CPU backend (backends/cpu.c or -lopenblas failed: $(head -c 300 "$B/cpu.log"))"
+    fi
+    if $CC $libflags -DDT_WITH_FABRIC -c backends/fabric.c -o "$B/fabric.o" 2> "$B/fabric.log" &&
+       echo 'int main(void){return 0;}' | $CC -x c - -lfabric -o "$B/conftest" 2>/dev/null; then
+        defs="$defs -DDT_WITH_FABRIC" objs="$objs $B/fabric.o" libs="$libs -lfabric"
+    else
+        echo "# build: note: no libfabric transport (backends/fabric.c or -lfabric failed)"
+    fi
+    echo "# build: dtrain.c ($defs)"
+    local ok=1
+    $CC $libflags $defs -c dtrain.c -o "$B/dtrain.o" || ok=0
+    $CC $bench_cflags -c "$HERE/bench_gpu.c" -o "$B/bench_gpu.o" || ok=0
+    $CC $bench_cflags -c "$HERE/bench_cublas.c" -o "$B/bench_cublas.o" || ok=0
+    if ! wait "$nvcc_pid"; then
+        cat "$B/nvcc.log"
+        BUILD_ERR="backends/cuda.cu does not compile (nvcc)"
+        return 1
+    fi
+    grep -v '^$' "$B/nvcc.log" | head -20
+    if ((!ok)); then
+        BUILD_ERR="dtrain.c or a benchmark does not compile"
+        return 1
+    fi
+    libs="$libs -lz -lm -lpthread"
+    $CC "$B/bench_gpu.o" $objs $cuda_libs $libs -o "$B/bench_gpu" &&
+        $CC "$B/bench_cublas.o" $objs $cuda_libs $libs -o "$B/bench_cublas" || {
+        BUILD_ERR="linking the benchmarks failed"
+        return 1
+    }
+    echo "# build: done in $((SECONDS - t0)) s"
+    return 0
+}
+
+# The side-by-side tables from the result lines; returns the number of
+# missed targets (capped at 255 by the shell).
+table() {
+    awk -v repeats="$REPEATS" -v sections=" $SECTIONS " '
+    function med(list,    n, v, i, j, t) {
+        n = split(list, v, " ")
+        if (n == 0) return ""
+        for (i = 2; i <= n; i++) { t = v[i] + 0; for (j = i - 1; j >= 1 && v[j] + 0 > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
+        return (n % 2) ? v[(n + 1) / 2] + 0 : (v[n / 2] + v[n / 2 + 1]) / 2
+    }
+    function cnt(list,    v) { return split(list, v, " ") }
+    function add(arr, k, x,    t) { t = (k in arr) ? arr[k] " " x : x; arr[k] = t }
+    function verdict(ok) { if (!ok) miss++; return ok ? "PASS" : "MISS" }
+    ($1 == "dtrain" || $1 == "torch") && NF >= 6 && $3 ~ /^b[0-9]+$/ {
+        k = $2 " " $3 " " $4 " " $5
+        if (!(k in seen)) { seen[k] = 1; keys[++nk] = k }
+        if ($6 == "error") { add(err, $1 SUBSEP k, $7); next }
+        split("", f)
+        for (i = 6; i < NF; i += 2) f[$i] = $(i + 1)
+        add(step, $1 SUBSEP k, f["step_ms"]); add(sync, $1 SUBSEP k, f["sync_ms"])
+    }
+    $1 == "matmul" && NF >= 5 {
+        k = $2 " " $3
+        if (!(k in mseen)) { mseen[k] = 1; mkeys[++nm] = k }
+        split("", f)
+        for (i = 4; i < NF; i += 2) f[$i] = $(i + 1)
+        add(raw, k, f["raw_tflops"])
+        if (f["dtrain_tflops"] != "nan" && f["dtrain_tflops"] != "-nan") {
+            add(dtf, k, f["dtrain_tflops"]); add(rat, k, f["ratio"])
+            if (f["ok"] + 0 != 1) bad[k] = 1
+            if (!(k in mrel) || f["maxrel"] + 0 > mrel[k] + 0) mrel[k] = f["maxrel"]
+        }
+    }
+    END {
+        if (!nk && index(sections, " 1 ")) { printf "== 1. training step: no results ==\n\n"; miss++ }
+        if (!nm && index(sections, " 2 ")) { printf "== 2. matmul: no results ==\n\n"; miss++ }
+        if (nk) {
+            printf "== 1. training step: median ms/step over %d runs (a run: the median round of queued steps, one sync per round) ==\n", repeats
+            printf "%-4s %6s %-5s %-7s| %9s %9s %8s | %9s %9s %8s | %7s %6s\n", "net", "batch", "prec", "feed", \
+                "dtrain", "torch", "dt/torch", "dt_sync", "pt_sync", "dt/torch", "target", "result"
+            for (i = 1; i <= nk; i++) {
+                k = keys[i]; split(k, id, " ")
+                d = med(step["dtrain" SUBSEP k]); p = med(step["torch" SUBSEP k])
+                ds = med(sync["dtrain" SUBSEP k]); ps = med(sync["torch" SUBSEP k])
+                dev = id[4] == "device"
+                ds_ = d == "" ? (("dtrain" SUBSEP k) in err ? "error" : "n/a") : sprintf("%.4f", d)
+                ps_ = p == "" ? (("torch" SUBSEP k) in err ? "error" : "n/a") : sprintf("%.4f", p)
+                r_ = (d != "" && p > 0) ? sprintf("%.3f", d / p) : "-"
+                rs_ = (ds != "" && ps > 0) ? sprintf("%.3f", ds / ps) : "-"
+                res = dev ? verdict(d != "" && p > 0 && d / p <= 1.0 + 1e-9) : "(ref)"
+                printf "%-4s %6s %-5s %-7s| %9s %9s %8s | %9s %9s %8s | %7s %6s\n", id[1], substr(id[2], 2), id[3], id[4], \
+                    ds_, ps_, r_, (ds == "" ? "-" : sprintf("%.4f", ds)), (ps == "" ? "-" : sprintf("%.4f", ps)), rs_, \
+                    (dev ? "<=1.00" : "-"), res
+                nrun = cnt(step["dtrain" SUBSEP k])
+                if (nrun && nrun < repeats) printf "     (dtrain: %d of %d runs gave a result)\n", nrun, repeats
+                if (("dtrain" SUBSEP k) in err) printf "     (dtrain errors: %s)\n", err["dtrain" SUBSEP k]
+                if (("torch" SUBSEP k) in err) printf "     (torch errors: %s)\n", err["torch" SUBSEP k]
+            }
+            printf "\n-- input copy per step (host feed minus device feed, ms) --\n"
+            printf "%-4s %6s %-5s| %9s %9s\n", "net", "batch", "prec", "dtrain", "torch"
+            for (i = 1; i <= nk; i++) {
+                k = keys[i]; split(k, id, " ")
+                if (id[4] != "host") continue
+                kd = id[1] " " id[2] " " id[3] " device"
+                out = ""
+                for (s = 1; s <= 2; s++) {
+                    impl = s == 1 ? "dtrain" : "torch"
+                    h = med(step[impl SUBSEP k]); dv = med(step[impl SUBSEP kd])
+                    out = out sprintf(" %9s", (h != "" && dv != "") ? sprintf("%.4f", h - dv) : "-")
+                }
+                printf "%-4s %6s %-5s|%s\n", id[1], substr(id[2], 2), id[3], out
+            }
+            printf "\n"
+        }
+        if (nm) {
+            printf "== 2. matmul: dt_matmul vs raw cuBLAS, same process, rounds interleaved (TFLOP/s, median over %d runs) ==\n", repeats
+            printf "%-16s %-6s| %9s %9s %8s | %8s | %7s %6s\n", "MxKxN", "prec", "raw", "dtrain", "fraction", "maxrel", "target", "result"
+            for (i = 1; i <= nm; i++) {
+                k = mkeys[i]; split(k, id, " ")
+                rw = med(raw[k]); dt = med(dtf[k]); fr = med(rat[k])
+                if (dt == "") { res = verdict(0); dt_ = "n/a"; fr_ = "-"; mr = "-" }
+                else {
+                    dt_ = sprintf("%.2f", dt); fr_ = sprintf("%.3f", fr); mr = mrel[k]
+                    res = (k in bad) ? "WRONG" : verdict(fr >= 0.90 - 1e-9)
+                    if (k in bad) miss++
+                }
+                printf "%-16s %-6s| %9.2f %9s %8s | %8s | %7s %6s\n", id[1], id[2], rw, dt_, fr_, mr, ">=0.90", res
+            }
+            printf "(fraction: the median over runs of each run'"'"'s dtrain/raw; fp32 = cublasSgemm default math, fp32p = pedantic math; WRONG: dt_matmul differs from cuBLAS)\n\n"
+        }
+        printf "%d target(s) missed\n", miss
+        exit (miss > 255 ? 255 : miss)
+    }' "$1"
+}
+
+main "$@" 2>&1 | tee "$LOG"
+exit "${PIPESTATUS[0]}"
