@@ -11,7 +11,8 @@
 #   ./build.sh bench      benchmarks against PyTorch (tests/bench/run.sh)
 #   ./build.sh clean
 #
-# Environment: CC (default gcc), DT_NATIVE=0 to build without -march=native.
+# Environment: CC (default gcc), DT_NATIVE=0 to build without -march=native,
+# DT_CUDA=0 to leave the CUDA backend out even where nvcc is found.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,6 +24,35 @@ OPT="-O3 $ARCH -fno-math-errno"
 LIBS="-lopenblas -lfabric -lz -lm -lpthread"
 CORE_SRC="dtrain.c backends/cpu.c backends/fabric.c"
 DEFS="-DDT_WITH_CPU -DDT_WITH_FABRIC"
+CPU_DEFS=$DEFS CPU_LIBS=$LIBS   # builds that leave CUDA out (valgrind)
+
+# The CUDA backend is compiled whenever nvcc is found (CI always has the
+# toolkit, not always a GPU): the library then holds both backends and a
+# context picks one by name.  Without nvcc the build is CPU-only.
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC=${NVCC:-$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")}
+CUDA_OBJ=""
+if [ "${DT_CUDA:-1}" = 1 ] && [ -x "$NVCC" ]; then
+    DEFS="$DEFS -DDT_WITH_CUDA"
+    LIBS="$LIBS -L$CUDA_HOME/lib64 -Wl,-rpath,$CUDA_HOME/lib64 -lcublas -lcudart -lstdc++"
+    CUDA_OBJ=$BUILD/obj/cuda.o
+fi
+# A100 and H100 binaries, and PTX the driver can compile for newer GPUs.
+CUDA_ARCH="-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+           -gencode arch=compute_90,code=compute_90"
+
+# backends/cuda.cu -> $CUDA_OBJ, rebuilt only when it or the headers change
+build_cuda() {
+    [ -n "$CUDA_OBJ" ] || return 0
+    mkdir -p $BUILD/obj
+    if [ -f "$CUDA_OBJ" ] && [ ! backends/cuda.cu -nt "$CUDA_OBJ" ] &&
+       [ ! backends/backend.h -nt "$CUDA_OBJ" ] && [ ! dtrain.h -nt "$CUDA_OBJ" ]; then
+        return 0
+    fi
+    echo "build.sh: compiling the CUDA backend ($NVCC)"
+    "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings $CUDA_ARCH \
+        -DDT_WITH_CUDA -I. -c backends/cuda.cu -o "$CUDA_OBJ"
+}
 
 # Debian packages: why each is here is in docs/DEPENDENCIES.md.
 PKGS_BUILD="gcc make libopenblas-dev libfabric-dev zlib1g-dev libcmocka-dev pkg-config"
@@ -56,13 +86,15 @@ ensure_pkgs() {
 
 build_lib() {
     mkdir -p $BUILD/obj $BUILD/shared
+    build_cuda
     for f in $CORE_SRC; do
         o=$BUILD/obj/$(basename "${f%.c}").o
         $CC $WARN $OPT $DEFS -fPIC -I. -c "$f" -o "$o"
     done
-    local objs="$BUILD/obj/dtrain.o $BUILD/obj/cpu.o $BUILD/obj/fabric.o"
+    local objs="$BUILD/obj/dtrain.o $BUILD/obj/cpu.o $BUILD/obj/fabric.o $CUDA_OBJ"
     rm -f $BUILD/libdtrain.a
     ar rcs $BUILD/libdtrain.a $objs
+    echo "$LIBS" > $BUILD/libdtrain.ldflags   # what a program linking the library needs
     $CC -shared -o $BUILD/libdtrain.so $objs $LIBS
     # the core alone must compile without any backend or BLAS header
     $CC $WARN -O1 -I. -c dtrain.c -o $BUILD/obj/core_only.o
@@ -115,7 +147,7 @@ example_checks() {
 # Sparse: the click model on 2 servers (sanitized build, small) learns.
 ps_checks() {
     local fast=$BUILD/test/fashion_mnist_O2 out acc bsp m
-    $CC $WARN -O2 $DEFS -I. examples/fashion_mnist.c $CORE_SRC $LIBS -o "$fast"
+    $CC $WARN -O2 $DEFS -I. examples/fashion_mnist.c $CORE_SRC $CUDA_OBJ $LIBS -o "$fast"
     for m in bsp asp ssp; do
         out=$(timeout -k 5 300 "$fast" --ranks 3 --servers 1 --ps-mode $m --epochs 3)
         acc=$(echo "$out" | tail -1 | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
@@ -157,9 +189,48 @@ launcher_checks() {
 # documentation cannot go stale.
 readme_example() {
     awk '/^```c$/{f=1;next} /^```$/{f=0} f' README.md > $BUILD/test/readme_example.c
-    $CC $WARN $1 $DEFS -I. $BUILD/test/readme_example.c $CORE_SRC $LIBS \
+    $CC $WARN $1 $DEFS -I. $BUILD/test/readme_example.c $CORE_SRC $CUDA_OBJ $LIBS \
         -o $BUILD/test/readme_example
     $BUILD/test/readme_example
+}
+
+# The core and DDP suites again on cpu-staged: the CPU kernels behind a
+# device's memory rules (nothing read in place, copies that happen only when
+# waited for), so the paths a GPU takes through the core run here too.
+staged_checks() {
+    local out groups="core_forward,core_grad,core_optim,core_ckpt,core_data,core_memory,core_amp"
+    local ddp="test_equivalence,test_reproducible,test_no_sync,test_unused,test_concat"
+    ddp="$ddp,test_compression_exact,test_compression_momentum,test_ps_bsp,test_ps_chunked"
+    for run in "$groups:" "ddp:$ddp"; do
+        out=$(DTRAIN_BACKEND=cpu-staged DT_TEST_GROUPS=${run%%:*} DT_TEST_ONLY=${run#*:} \
+              ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 OPENBLAS_NUM_THREADS=1 \
+              timeout -k 5 600 $BUILD/test/dtrain_tests 2>&1) ||
+            { echo "$out" | tail -40; echo "staged checks: failed on cpu-staged"; exit 1; }
+        echo "staged checks (${run%%:*} on cpu-staged): $(echo "$out" | tail -1)"
+    done
+}
+
+# With a GPU: the Fashion-MNIST CNN on the CUDA backend must reach the CPU's
+# bar (90%), and bf16 / fp16 autocast must end within 0.3 points of fp32.
+gpu_checks() {
+    if [ -z "$CUDA_OBJ" ] || ! nvidia-smi -L >/dev/null 2>&1; then
+        echo "gpu checks: skipped: no GPU"
+        return 0
+    fi
+    local fast=$BUILD/test/fashion_mnist_O2 acc fp32 amp
+    for amp in off bf16 fp16; do
+        acc=$("$fast" --model cnn --backend cuda --epochs 6 --amp $amp | tail -1 |
+              sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
+        [ -n "$acc" ] || { echo "gpu check: the $amp run printed no accuracy"; exit 1; }
+        echo "gpu check: CNN on cuda, autocast $amp: test accuracy $acc%"
+        if [ $amp = off ]; then
+            fp32=$acc
+            awk -v a="$acc" 'BEGIN { exit !(a >= 90.0) }' ||
+                { echo "gpu check: fp32 CNN below 90%"; exit 1; }
+        elif ! awk -v a="$acc" -v b="$fp32" 'BEGIN { d = a - b; exit !(d <= 0.3 && d >= -0.3) }'; then
+            echo "gpu check: $amp is more than 0.3 points from fp32 ($fp32%)"; exit 1
+        fi
+    done
 }
 
 cmd_test() {
@@ -168,17 +239,22 @@ cmd_test() {
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local tests
     tests=$(ls tests/test_*.c)
-    $CC $WARN $san $DEFS -I. $CORE_SRC $tests $LIBS -lcmocka -o $BUILD/test/dtrain_tests
+    build_cuda
+    $CC $WARN $san $DEFS -I. $CORE_SRC $CUDA_OBJ $tests $LIBS -lcmocka -o $BUILD/test/dtrain_tests
     # the examples must build too (and stay warning-free)
     for f in examples/*.c; do
-        $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
+        $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $CUDA_OBJ $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
     example_checks
     ps_checks
     launcher_checks
     bash tests/multihost.sh "$PWD/$BUILD/test"
     readme_example "$san"
-    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    staged_checks
+    gpu_checks
+    # protect_shadow_gap=0: the CUDA driver maps memory where ASan's gap is
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1${CUDA_OBJ:+:protect_shadow_gap=0} \
+        UBSAN_OPTIONS=print_stacktrace=1 \
         OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
 }
 
@@ -195,7 +271,7 @@ cmd_demo() {
 cmd_valgrind() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST
     mkdir -p $BUILD/vg
-    $CC $WARN -O1 -g $DEFS -I. examples/fashion_mnist.c $CORE_SRC $LIBS -o $BUILD/vg/fashion_mnist
+    $CC $WARN -O1 -g $CPU_DEFS -I. examples/fashion_mnist.c $CORE_SRC $CPU_LIBS -o $BUILD/vg/fashion_mnist
     OPENBLAS_NUM_THREADS=1 valgrind --leak-check=full --show-leak-kinds=definite,indirect,possible \
         --errors-for-leak-kinds=definite,indirect,possible --error-exitcode=3 \
         $BUILD/vg/fashion_mnist --model mlp --epochs 1 --limit-batches 30 --threads 2

@@ -8,6 +8,7 @@
  *   build/dtrun -n 2 build/fashion_mnist --model cnn    (the same, any launcher)
  *   build/fashion_mnist --ranks 3 --servers 1 --ps-mode asp   (parameter server:
  *                                    2 workers + 1 server, Downpour-style ASP)
+ *   build/fashion_mnist --model cnn --backend cuda --amp bf16   (GPU, mixed precision)
  *
  * With more than one rank every rank trains on its own shard of each epoch
  * (batch = --batch per rank) and gradients are averaged with dt_ddp; the
@@ -33,8 +34,8 @@
 #define FMNIST_STD 0.3530f
 
 typedef struct options {
-    const char *model, *data, *save, *resume, *optim, *ps_mode;
-    int epochs, batch, threads, limit_batches, ranks, servers, staleness;
+    const char *model, *data, *save, *resume, *optim, *ps_mode, *backend, *amp;
+    int epochs, batch, threads, limit_batches, ranks, servers, staleness, device;
     float lr;
     unsigned long long seed;
 } options;
@@ -55,6 +56,10 @@ static void usage(FILE *f)
             "  --lr X              learning rate (default 1e-3, Adam with cosine decay)\n"
             "  --optim adam|sgd    optimizer (sgd uses momentum 0.9; default adam)\n"
             "  --threads N         compute threads per rank (default 1)\n"
+            "  --backend NAME      cpu (default) or cuda\n"
+            "  --device N          GPU index (with several ranks: N + local rank)\n"
+            "  --amp P             mixed precision: bf16, fp16 (with dynamic loss\n"
+            "                      scaling) or tf32; default off (fp32)\n"
             "  --ranks N           train data-parallel on N local processes (default 1;\n"
             "                      under a launcher such as build/dtrun, its world size)\n"
             "  --servers N         of the ranks, N are parameter servers (default 0: DDP)\n"
@@ -105,6 +110,13 @@ static int parse_args(int argc, char **argv, options *o)
         else if (!strcmp(a, "--servers")) ok = parse_int(a, v, 0, &o->servers);
         else if (!strcmp(a, "--staleness")) ok = parse_int(a, v, 0, &o->staleness);
         else if (!strcmp(a, "--ps-mode")) o->ps_mode = v;
+        else if (!strcmp(a, "--backend")) o->backend = v;
+        else if (!strcmp(a, "--device")) ok = parse_int(a, v, 0, &o->device);
+        else if (!strcmp(a, "--amp")) {
+            o->amp = v;
+            ok = !strcmp(v, "bf16") || !strcmp(v, "fp16") || !strcmp(v, "tf32") || !strcmp(v, "off");
+            if (!ok) fprintf(stderr, "fashion_mnist: --amp takes bf16, fp16, tf32 or off\n");
+        }
         else if (!strcmp(a, "--lr")) { char *e; o->lr = strtof(v, &e); ok = !*e && o->lr > 0; }
         else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = !*e; }
         else if (!strcmp(a, "--save")) o->save = v;
@@ -265,8 +277,18 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_loader *train_ld = NULL;
     dt_optim *opt = NULL;
     dt_ddp *ddp = NULL;
+    dt_loss_scaler *scaler = NULL;
     if (!model_build(ctx, &m, !strcmp(o->model, "cnn")))
         return fail(ctx, rank, "building the model");
+    /* mixed precision: the products in bf16/fp16/tf32, weights stay f32;
+     * fp16's narrow range needs the loss scaled */
+    dt_precision amp = !o->amp                   ? DT_PREC_F32
+                       : !strcmp(o->amp, "bf16") ? DT_PREC_BF16
+                       : !strcmp(o->amp, "fp16") ? DT_PREC_F16
+                       : !strcmp(o->amp, "tf32") ? DT_PREC_TF32 : DT_PREC_F32;
+    if (dt_set_autocast(ctx, amp) != DT_OK ||
+        (amp == DT_PREC_F16 && !(scaler = dt_loss_scaler_new(ctx, NULL))))
+        return fail(ctx, rank, "setting up mixed precision");
     if (!(train_ds = dt_dataset_fashion_mnist(ctx, o->data, 0)) ||
         !(test_ds = dt_dataset_fashion_mnist(ctx, o->data, 1))) {
         fail(ctx, rank, "loading the dataset");
@@ -315,8 +337,9 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         printf("model %s, %d epochs, batch %d", o->model, o->epochs, o->batch);
         if (ranks > 1)
             printf(" per rank x %d ranks (DDP over %s)", ranks, dt_comm_transport(comm));
-        printf(", lr %g, %d threads, %d parameter tensors\n", (double)o->lr, dt_ctx_threads(ctx),
-               dt_param_count(ctx));
+        printf(", lr %g, %s backend, %d threads, %d parameter tensors", (double)o->lr,
+               dt_backend_name(ctx), dt_ctx_threads(ctx), dt_param_count(ctx));
+        printf("%s%s\n", o->amp ? ", autocast " : "", o->amp ? o->amp : "");
     }
     breakdown all = {0, 0, 0, 0, 0, 0, 0};
     for (int epoch = (int)(step / per_epoch); epoch < o->epochs; epoch++) {
@@ -330,10 +353,17 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             dt_tensor *logits = model_forward(ctx, &m, x);
             dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
             int64_t c = 0;
-            if (!loss || dt_count_correct(ctx, logits, y, &c) != DT_OK ||
-                dt_backward(ctx, loss) != DT_OK ||
-                (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK)
+            if (!loss || dt_count_correct(ctx, logits, y, &c) != DT_OK)
                 goto fail_ctx;
+            if (scaler) {   /* reduced first, so every rank skips the same steps */
+                if (dt_loss_scaler_backward(scaler, loss) != DT_OK ||
+                    (ddp && dt_ddp_sync(ddp) != DT_OK) ||
+                    dt_loss_scaler_step(scaler, opt, NULL) != DT_OK)
+                    goto fail_ctx;
+            } else if (dt_backward(ctx, loss) != DT_OK ||
+                       (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK) {
+                goto fail_ctx;
+            }
             dt_optim_zero_grad(opt);
             loss_sum += dt_tensor_item(loss);
             correct += c;
@@ -379,6 +409,9 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         goto fail_ctx;
     if (talk && all.total > 0)
         print_breakdown(&all, ranks, -1.0);
+    if (talk && scaler)
+        printf("loss scale %g, %lld steps skipped for overflow\n",
+               (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));
     if (talk)
         printf("test accuracy: %.2f%%\n", 100 * tm.accuracy);
     ok = 1;
@@ -388,6 +421,7 @@ fail_ctx:
         printf("\n");
     fail(ctx, rank, "training");
 done:
+    dt_loss_scaler_free(scaler);
     dt_ddp_free(ddp);
     dt_optim_free(opt);
     dt_loader_free(train_ld);
@@ -527,6 +561,10 @@ static int run_rank(const options *o)
     dt_config_init(&cfg);
     cfg.threads = o->threads;
     cfg.seed = o->seed;
+    if (o->backend)
+        cfg.backend = o->backend;
+    const char *lr = getenv("DTRAIN_LOCAL_RANK");   /* one GPU per local rank */
+    cfg.device = o->device + (lr ? atoi(lr) : 0);
     dt_ctx *ctx = dt_ctx_new(&cfg);
     if (!ctx || dt_ctx_status(ctx) != DT_OK) {
         fprintf(stderr, "fashion_mnist: %s\n", ctx ? dt_last_error(ctx) : "out of memory");

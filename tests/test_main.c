@@ -28,11 +28,13 @@ GROUP(core_data)
 GROUP(core_errors)
 GROUP(core_memory)
 GROUP(core_backend)
+GROUP(core_amp)
 GROUP(core_dist)
 GROUP(core_launch)
 GROUP(comm)
 GROUP(transport)
 GROUP(ddp)
+GROUP(cuda)
 #undef GROUP
 
 typedef struct group {
@@ -49,8 +51,8 @@ int main(void)
         {"cpu_kernels", dt_test_cpu_kernels, dt_test_cpu_kernels_count},
 #define G(g) {#g, dt_test_##g, dt_test_##g##_count},
         G(core_forward) G(core_grad) G(core_optim) G(core_ckpt) G(core_data) G(core_errors)
-        G(core_memory) G(core_backend) G(core_dist) G(core_launch) G(comm)
-        G(transport) G(ddp)
+        G(core_memory) G(core_backend) G(core_amp) G(core_dist) G(core_launch) G(comm)
+        G(transport) G(ddp) G(cuda)
 #undef G
     };
     int total = 0, failed = 0;

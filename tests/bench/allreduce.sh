@@ -43,6 +43,8 @@ OUT="$HERE/build/allreduce"
 mkdir -p "$OUT"
 LIBS="-lopenblas -lfabric -lz -lm -lpthread"
 LIBA="$ROOT/build/libdtrain.a"
+# a library built with the CUDA backend needs its libraries too (build.sh writes them)
+[[ -f "$ROOT/build/libdtrain.ldflags" ]] && LIBS=$(cat "$ROOT/build/libdtrain.ldflags")
 FAILED=0
 fail() { echo "allreduce.sh: $*" >&2; FAILED=1; }
 

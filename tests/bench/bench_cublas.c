@@ -344,7 +344,7 @@ static int bench_one(const opts *o, cublasHandle_t h, void *ctx_v, shape_bufs *s
 /* command line                                                              */
 /* ------------------------------------------------------------------------ */
 
-static void usage(void)
+static _Noreturn void usage(void)
 {
     fprintf(stderr, "usage: bench_cublas [--device D] [--shapes MxKxN,...] "
                     "[--precs fp32,fp32p,tf32,bf16] [--rounds R] [--round-ms T]\n"
@@ -374,7 +374,7 @@ int main(int argc, char **argv)
     opts o = {.device = 0, .rounds = 11, .round_ms = 25.0};
     const char *shapes = "1024x1024x1024,2048x2048x2048,4096x4096x4096,1024x4096x1024";
     const char *precs = "fp32,fp32p,tf32,bf16";
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i];
         if (!strcmp(a, "--probe")) return probe();
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -385,7 +385,6 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--rounds")) o.rounds = atoi(v);
         else if (!strcmp(a, "--round-ms")) o.round_ms = atof(v);
         else usage();
-        i++;
     }
     if (o.rounds < 1 || o.round_ms <= 0) usage();
     for (const char *p = shapes; *p;) {

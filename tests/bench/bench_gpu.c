@@ -56,7 +56,7 @@
 enum { MODEL_MLP, MODEL_CNN };
 enum { FEED_DEVICE, FEED_HOST };
 enum { NHOST = 4 };           /* distinct host batches cycled by the host feed */
-enum { MAX_CONFIGS = 64 };
+enum { MAX_CONFIGS = 64 };   /* model x batch x precision x feed combinations */
 enum { MAX_ROUNDS = 1000 };
 
 typedef struct opts {
@@ -318,7 +318,7 @@ static int run_isolated(const opts *o, const config *c)
 /* command line                                                              */
 /* ------------------------------------------------------------------------ */
 
-static void usage(void)
+static _Noreturn void usage(void)
 {
     fprintf(stderr,
             "usage: bench_gpu [--backend cuda] [--device D] [--configs mlp:128,mlp:1024,cnn:128]\n"
@@ -355,10 +355,11 @@ int main(int argc, char **argv)
               .round_ms = 25.0,
               .max_seconds = 3.0,
               .fork = 1};
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) {
         const char *a = argv[i];
         if (!strcmp(a, "--no-fork")) {
             o.fork = 0;
+            i--; /* a flag without a value */
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -374,7 +375,6 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--round-ms")) o.round_ms = atof(v);
         else if (!strcmp(a, "--max-seconds")) o.max_seconds = atof(v);
         else usage();
-        i++;
     }
     if (o.warmup < 1 || o.sync_steps < 1 || o.rounds < 1 || o.round_ms <= 0 || o.max_seconds <= 0)
         usage();
@@ -383,7 +383,7 @@ int main(int argc, char **argv)
     int nm = split_list(o.configs, ms, MAX_CONFIGS);
     int np = split_list(o.precs, ps, 8);
     int nf = split_list(o.feeds, fs, 4);
-    config cs[MAX_CONFIGS * 8];
+    config cs[MAX_CONFIGS];
     int nc = 0;
     for (int i = 0; i < nm; i++) {
         char *colon = strchr(ms[i], ':');
@@ -398,7 +398,7 @@ int main(int argc, char **argv)
                 if (prec_parse(ps[p], &dummy) != 0) usage();
                 int feed = !strcmp(fs[f], "device") ? FEED_DEVICE
                            : !strcmp(fs[f], "host") ? FEED_HOST : -1;
-                if (feed < 0) usage();
+                if (feed < 0 || nc == MAX_CONFIGS) usage();
                 cs[nc++] = (config){model, (int64_t)batch, ps[p], feed};
             }
     }

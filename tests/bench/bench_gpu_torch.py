@@ -158,6 +158,8 @@ def main():
         if not torch.cuda.is_available():
             print("bench_gpu_torch.py: torch.cuda.is_available() is False", file=sys.stderr)
             return 1
+        if dev.index is None:  # set_device and the memory statistics want an index
+            dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         name = torch.cuda.get_device_name(dev)
     else:

@@ -36,7 +36,7 @@ MISS=0
 timeout 300 ./build.sh >&2 || { echo "ddp.sh: ./build.sh failed" >&2; exit 1; }
 BIN="$OUT/bench_ddp"
 gcc -std=c11 -O2 -Wall -Wextra -Werror -I"$ROOT" "$HERE/bench_ddp.c" "$ROOT/build/libdtrain.a" \
-    -lopenblas -lfabric -lz -lm -lpthread -o "$BIN" || { echo "ddp.sh: building bench_ddp failed" >&2; exit 1; }
+    $(cat "$ROOT/build/libdtrain.ldflags") -o "$BIN" || { echo "ddp.sh: building bench_ddp failed" >&2; exit 1; }
 
 # key=value from a result line
 val() { echo "$1" | tr ' ' '\n' | sed -n "s/^$2=//p"; }

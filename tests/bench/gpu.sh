@@ -24,7 +24,8 @@
 # whose torch sees a GPU), STRICT=1 (exit 1 on a missed target),
 # BUILD_ONLY=1 (build everything and stop: works without a GPU),
 # TIMEOUT=300 (seconds per benchmark process), CUDA_HOME=/usr/local/cuda,
-# NVCC, NVCC_GENCODE (default sm_90 + sm_80), DT_NATIVE=0 (no -march=native).
+# NVCC, NVCC_GENCODE (default sm_90 + sm_80), EXTRA_LIBS (more link flags
+# for the CUDA backend, e.g. -lcublasLt), DT_NATIVE=0 (no -march=native).
 # Every ratio compares numbers taken in this run on this GPU.
 set -uo pipefail
 
@@ -79,9 +80,10 @@ main() {
     [[ -n $gpu ]] && echo "# $gpu"
     if command -v nvidia-smi >/dev/null 2>&1 && [[ -n $gpu ]]; then
         echo "# $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,persistence_mode \
-            --format=csv,noheader 2>/dev/null | head -1)"
+            --format=csv,noheader 2>/dev/null | head -1); driver supports $(nvidia-smi 2>/dev/null |
+            grep -o 'CUDA Version: [0-9.]*' | head -1)"
         local busy
-        busy=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | head -3)
+        busy=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | grep '^[0-9]' | head -3)
         [[ -n $busy ]] && echo "# WARNING: other processes on the GPU: $busy"
     fi
 
@@ -172,6 +174,7 @@ build() {
     local libflags="-std=c11 -D_GNU_SOURCE -O3 $arch -fno-math-errno -I$ROOT -pthread"
     local t0=$SECONDS
 
+    rm -f "$B/bench_cublas_raw" "$B/bench_gpu" "$B/bench_cublas"   # never run a stale build
     if [[ ! -f $CUDA_HOME/include/cuda_runtime.h ]]; then
         BUILD_ERR="no CUDA toolkit at $CUDA_HOME (set CUDA_HOME)"
         return 1
@@ -181,7 +184,6 @@ build() {
         BUILD_ERR="bench_cublas.c (raw only) does not build"
         return 1
     }
-    rm -f "$B/bench_gpu" "$B/bench_cublas"
     if [[ ! -f backends/cuda.cu ]]; then
         BUILD_ERR="backends/cuda.cu not found: no dtrain CUDA backend to measure"
         return 1
@@ -193,7 +195,7 @@ build() {
     fi
 
     # nvcc in the background while gcc does the rest
-    echo "# build: $NVCC backends/cuda.cu ($NVCC_GENCODE)"
+    echo "# build: $NVCC backends/cuda.cu ($NVCC_GENCODE; $("$NVCC" --version | grep -o 'release [0-9.]*'))"
     "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC $NVCC_GENCODE -DDT_WITH_CUDA -I. \
         -c backends/cuda.cu -o "$B/cuda.o" > "$B/nvcc.log" 2>&1 &
     local nvcc_pid=$!
@@ -228,7 +230,7 @@ build() {
         BUILD_ERR="dtrain.c or a benchmark does not compile"
         return 1
     fi
-    libs="$libs -lz -lm -lpthread"
+    libs="$libs ${EXTRA_LIBS:-} -lz -lm -lpthread"
     $CC "$B/bench_gpu.o" $objs $cuda_libs $libs -o "$B/bench_gpu" &&
         $CC "$B/bench_cublas.o" $objs $cuda_libs $libs -o "$B/bench_cublas" || {
         BUILD_ERR="linking the benchmarks failed"
@@ -273,7 +275,6 @@ table() {
     }
     END {
         if (!nk && index(sections, " 1 ")) { printf "== 1. training step: no results ==\n\n"; miss++ }
-        if (!nm && index(sections, " 2 ")) { printf "== 2. matmul: no results ==\n\n"; miss++ }
         if (nk) {
             printf "== 1. training step: median ms/step over %d runs (a run: the median round of queued steps, one sync per round) ==\n", repeats
             printf "%-4s %6s %-5s %-7s| %9s %9s %8s | %9s %9s %8s | %7s %6s\n", "net", "batch", "prec", "feed", \
@@ -296,8 +297,12 @@ table() {
                 if (("dtrain" SUBSEP k) in err) printf "     (dtrain errors: %s)\n", err["dtrain" SUBSEP k]
                 if (("torch" SUBSEP k) in err) printf "     (torch errors: %s)\n", err["torch" SUBSEP k]
             }
-            printf "\n-- input copy per step (host feed minus device feed, ms) --\n"
-            printf "%-4s %6s %-5s| %9s %9s\n", "net", "batch", "prec", "dtrain", "torch"
+            hosts = 0
+            for (i = 1; i <= nk; i++) { split(keys[i], id, " "); if (id[4] == "host") hosts++ }
+            if (hosts) {
+                printf "\n-- input copy per step (host feed minus device feed, ms) --\n"
+                printf "%-4s %6s %-5s| %9s %9s\n", "net", "batch", "prec", "dtrain", "torch"
+            }
             for (i = 1; i <= nk; i++) {
                 k = keys[i]; split(k, id, " ")
                 if (id[4] != "host") continue
@@ -312,6 +317,7 @@ table() {
             }
             printf "\n"
         }
+        if (!nm && index(sections, " 2 ")) { printf "== 2. matmul: no results ==\n\n"; miss++ }
         if (nm) {
             printf "== 2. matmul: dt_matmul vs raw cuBLAS, same process, rounds interleaved (TFLOP/s, median over %d runs) ==\n", repeats
             printf "%-16s %-6s| %9s %9s %8s | %8s | %7s %6s\n", "MxKxN", "prec", "raw", "dtrain", "fraction", "maxrel", "target", "result"

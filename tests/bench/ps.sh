@@ -28,7 +28,7 @@ mkdir -p "$OUT"
 
 ./build.sh >/dev/null
 $CC -std=c11 -O2 -Wall -Wextra -Werror -I. "$HERE/bench_ps.c" build/libdtrain.a \
-    -lopenblas -lfabric -lz -lm -lpthread -o "$OUT/bench_ps"
+    $(cat build/libdtrain.ldflags) -o "$OUT/bench_ps"
 B="$OUT/bench_ps"
 echo "# commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) CPUs, $REPEATS repeats"
 

@@ -32,6 +32,8 @@ BIN="$OUT/bench_train"
 BENCH_CFLAGS="-std=c11 -O2 -Wall -Wextra -Werror -I$ROOT"
 LIBS="-lopenblas -lfabric -lz -lm -lpthread"   # libdtrain.a includes the libfabric transport
 LIBA="$ROOT/build/libdtrain.a"
+# a library built with the CUDA backend needs its libraries too (build.sh writes them)
+[[ -f "$ROOT/build/libdtrain.ldflags" ]] && LIBS=$(cat "$ROOT/build/libdtrain.ldflags")
 if [[ -f "$LIBA" && ! "$ROOT/dtrain.c" -nt "$LIBA" && ! "$ROOT/backends/cpu.c" -nt "$LIBA" &&
       ! "$ROOT/dtrain.h" -nt "$LIBA" && ! "$ROOT/backends/backend.h" -nt "$LIBA" ]]; then
     echo "# build: linking $LIBA"
