@@ -23,6 +23,10 @@
 
 #include "../dtrain.h"
 
+#ifdef __cplusplus   /* backends/cuda.cu is compiled as C++ */
+extern "C" {
+#endif
+
 #define DT_BACKEND_IFACE_VERSION 2
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
@@ -278,5 +282,9 @@ const dt_backend_iface *dt_backend_cuda_iface(void);
 /* The CPU backend behind the device-memory code paths (host_visible 0,
  * copies queued until waited for): how CI tests staging without a GPU. */
 const dt_backend_iface *dt_backend_cpu_staged_iface(void);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* DTRAIN_BACKEND_H */

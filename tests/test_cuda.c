@@ -188,8 +188,9 @@ static void cu_start(cu_fix *f)
         return;
     }
     if (f->G->version != DT_BACKEND_IFACE_VERSION) {
-        snprintf(f->broken, sizeof f->broken, "cuda backend has interface version %d, core expects %d",
-                 f->G->version, DT_BACKEND_IFACE_VERSION);
+        snprintf(f->broken, sizeof f->broken,
+                 "cuda backend has interface version %d, core expects %d", f->G->version,
+                 DT_BACKEND_IFACE_VERSION);
         return;
     }
     dt_status s = f->G->init(&p, &f->gb, err, sizeof err);
@@ -445,7 +446,8 @@ static void cu_compare(const char *what, const char *ref, const float *want, con
 {
     int64_t bad = 0, first = -1;
     for (int64_t i = 0; i < n; i++) {
-        double tol = atol + rtol * (scale ? scale[i] : fabs((double)want[i]));
+        double s = scale ? scale[i] : fabs((double)want[i]);
+        double tol = atol + rtol * (isfinite(s) ? s : 0.0);
         if (!cu_differs(want[i], got[i], tol)) continue;
         if (bad < 8)
             print_error("%s[%lld]: %s %.9g, cuda %.9g (|diff| %.3g, allowed %.3g)\n", what,
@@ -1113,8 +1115,9 @@ static void cu_sum_to_case(cu_fix *f, tu_rng *r, int ndim, const int64_t *shape,
     cu_buf s = cu_putf(f, hs, n), d = acc ? cu_putf(f, hd, dst_len) : cu_junk(f, dst_len);
     BOTH(sum_to, ndim, shape, P(s), P(d), dst_st, acc);
     char s0[64], s1[64];
-    cu_expect_scaled(f, d, dst_len, mag, RED_RTOL, 0.0, "sum_to shape %s dst_strides %s accumulate=%d",
-                     cu_dims(s0, sizeof s0, ndim, shape), cu_dims(s1, sizeof s1, ndim, dst_st), acc);
+    cu_expect_scaled(
+        f, d, dst_len, mag, RED_RTOL, 0.0, "sum_to shape %s dst_strides %s accumulate=%d",
+        cu_dims(s0, sizeof s0, ndim, shape), cu_dims(s1, sizeof s1, ndim, dst_st), acc);
 }
 
 static void cu_bias_grad_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c, int64_t inner, int acc)
@@ -1127,8 +1130,9 @@ static void cu_bias_grad_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c, int64_
         for (int64_t j = 0; j < c; j++) mag[j] += fabs((double)h0[j]);
     cu_buf dy = cu_putf(f, hy, total), db = acc ? cu_putf(f, h0, c) : cu_junk(f, c);
     BOTH(bias_grad, n, c, inner, P(dy), P(db), acc);
-    cu_expect_scaled(f, db, c, mag, RED_RTOL, 0.0, "bias_grad n=%lld c=%lld inner=%lld accumulate=%d",
-                     (long long)n, (long long)c, (long long)inner, acc);
+    cu_expect_scaled(f, db, c, mag, RED_RTOL, 0.0,
+                     "bias_grad n=%lld c=%lld inner=%lld accumulate=%d", (long long)n, (long long)c,
+                     (long long)inner, acc);
 }
 
 static void test_cuda_reductions(void **state)
@@ -1167,8 +1171,9 @@ static void test_cuda_reductions(void **state)
         cu_expect_scaled(f, ys, outer * inner, mag, RED_RTOL, 0.0,
                          "reduce_axis(sum) outer=%lld len=%lld inner=%lld", (long long)outer,
                          (long long)len, (long long)inner);
-        cu_expect(f, ym, outer * inner, TOL_EXACT, "reduce_axis(max) outer=%lld len=%lld inner=%lld",
-                  (long long)outer, (long long)len, (long long)inner);
+        cu_expect(f, ym, outer * inner, TOL_EXACT,
+                  "reduce_axis(max) outer=%lld len=%lld inner=%lld", (long long)outer,
+                  (long long)len, (long long)inner);
     }
 
     /* sum (a device scalar) and sumsq (to the host) */
@@ -1264,7 +1269,8 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
                   (long long)c);
     cu_expect(f, pr, n * c, TOL_TRANSC, "xent_forward n=%lld c=%lld probs", (long long)n,
               (long long)c);
-    cu_expect(f, loss, 1, TOL_TRANSC, "xent_forward n=%lld c=%lld loss", (long long)n, (long long)c);
+    cu_expect(f, loss, 1, TOL_TRANSC, "xent_forward n=%lld c=%lld loss", (long long)n,
+              (long long)c);
 
     /* backward from the CPU's probs, dloss a device scalar */
     cu_buf pb = cu_putf(f, CF(pr), n * c);
@@ -1286,11 +1292,13 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
         memcpy(l2, lab, sizeof(int32_t) * (size_t)n);
         int64_t first = bad[i].at < 0 ? n - 1 : bad[i].at;
         l2[first] = (int32_t)(bad[i].value ? bad[i].value : c);
-        if (bad[i].at2 >= 0 && bad[i].at2 < n) l2[bad[i].at2] = (int32_t)(bad[i].value2 ? bad[i].value2 : c);
+        if (bad[i].at2 >= 0 && bad[i].at2 < n)
+            l2[bad[i].at2] = (int32_t)(bad[i].value2 ? bad[i].value2 : c);
         cu_buf lb2 = cu_puti(f, l2, n), pr2 = cu_junk(f, n * c), loss2 = cu_junk(f, 1);
         BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb2), P(pr2), P(loss2));
-        if (ret[0] != first) fail_msg("xent_forward: cpu returned %lld, label %lld is the first bad",
-                                      (long long)ret[0], (long long)first);
+        if (ret[0] != first)
+            fail_msg("xent_forward: cpu returned %lld, label %lld is the first bad",
+                     (long long)ret[0], (long long)first);
         cu_expect_int(ret[0], ret[1], "xent_forward n=%lld c=%lld return (label[%lld] = %d)",
                       (long long)n, (long long)c, (long long)first, (int)l2[first]);
     }
@@ -1367,7 +1375,8 @@ static void cu_conv_case(cu_fix *f, tu_rng *r, const dt_conv_geom *g, int64_t o)
     int64_t nx = g->n * g->c * g->h * g->w, nw = o * g->c * g->kh * g->kw;
     int64_t ny = g->n * o * g->oh * g->ow;
     int64_t ckk = g->c * g->kh * g->kw, okk = o * g->kh * g->kw, npix = g->n * g->oh * g->ow;
-    float *hx = cu_rand(f, r, nx, -1, 1), *hw = cu_rand(f, r, nw, -1, 1), *hb = cu_rand(f, r, o, -1, 1);
+    float *hx = cu_rand(f, r, nx, -1, 1), *hw = cu_rand(f, r, nw, -1, 1),
+          *hb = cu_rand(f, r, o, -1, 1);
     float *ax = cu_abs(f, hx, nx), *aw = cu_abs(f, hw, nw), *ab = cu_abs(f, hb, o);
     cu_buf x = cu_putf(f, hx, nx), w = cu_putf(f, hw, nw), b = cu_putf(f, hb, o);
     dt_status st[2];
@@ -1387,7 +1396,8 @@ static void cu_conv_case(cu_fix *f, tu_rng *r, const dt_conv_geom *g, int64_t o)
     if (f->C->conv2d_backward(f->cb, g, o, ax, aw, ady, mx, 0, mw, 0, mb, 0) != DT_OK)
         fail_msg("cpu conv2d_backward failed");
     cu_buf dy = cu_putf(f, hdy, ny);
-    float *x0 = cu_rand(f, r, nx, -1, 1), *w0 = cu_rand(f, r, nw, -1, 1), *b0 = cu_rand(f, r, o, -1, 1);
+    float *x0 = cu_rand(f, r, nx, -1, 1), *w0 = cu_rand(f, r, nw, -1, 1),
+          *b0 = cu_rand(f, r, o, -1, 1);
     /* which outputs are wanted (0 none, 1 written, 2 accumulated) */
     static const int modes[][3] = {{1, 1, 1}, {2, 2, 2}, {0, 1, 0}, {1, 0, 2}, {0, 0, 1}};
     for (int i = 0; i < TU_ARRAY_LEN(modes); i++) {
@@ -1438,7 +1448,8 @@ static void cu_pool_case(cu_fix *f, tu_rng *r, const dt_conv_geom *g, int ties)
     cu_buf x = cu_putf(f, hx, nx), y = cu_junk(f, ny), am = cu_junk(f, ny);
     BOTH(maxpool_forward, g, P(x), P(y), P(am));
     cu_expect(f, y, ny, TOL_EXACT, "maxpool_forward %s%s", gd, ties ? " (ties)" : "");
-    cu_expect_same(f, am, ny, CU_I32, "maxpool_forward argmax %s%s", gd, ties ? " (ties: first max)" : "");
+    cu_expect_same(f, am, ny, CU_I32, "maxpool_forward argmax %s%s", gd,
+                   ties ? " (ties: first max)" : "");
     cu_buf amc = cu_puti(f, CI(am), ny), dy = cu_putf(f, cu_rand(f, r, ny, -1, 1), ny);
     float *x0 = cu_rand(f, r, nx, -1, 1);
     for (int acc = 0; acc < 2; acc++) {
@@ -1495,13 +1506,14 @@ static void test_cuda_conv_pool(void **state)
     /* (C, N*P) <-> (N, C, P) */
     {
         const int64_t c = 5, n = 3, p = 7, t = c * n * p;
-        cu_buf src = cu_putf(f, cu_rand(f, &r, t, -1, 1), t), d1 = cu_junk(f, t), d2 = cu_junk(f, t);
+        cu_buf src = cu_putf(f, cu_rand(f, &r, t, -1, 1), t), d1 = cu_junk(f, t),
+               d2 = cu_junk(f, t);
         BOTH(cnp_to_ncp, c, n, p, P(src), P(d1));
-        cu_expect(f, d1, t, TOL_EXACT, "cnp_to_ncp c=%lld n=%lld p=%lld", (long long)c, (long long)n,
-                  (long long)p);
+        cu_expect(f, d1, t, TOL_EXACT, "cnp_to_ncp c=%lld n=%lld p=%lld", (long long)c,
+                  (long long)n, (long long)p);
         BOTH(ncp_to_cnp, n, c, p, P(src), P(d2));
-        cu_expect(f, d2, t, TOL_EXACT, "ncp_to_cnp n=%lld c=%lld p=%lld", (long long)n, (long long)c,
-                  (long long)p);
+        cu_expect(f, d2, t, TOL_EXACT, "ncp_to_cnp n=%lld c=%lld p=%lld", (long long)n,
+                  (long long)c, (long long)p);
     }
 
     if (f->G->conv2d_forward) {
@@ -1531,8 +1543,8 @@ static void cu_embedding_case(cu_fix *f, tu_rng *r, int64_t vocab, int64_t d, in
     cu_buf w = cu_putf(f, cu_rand(f, r, vocab * d, -1, 1), vocab * d), ix = cu_puti(f, idx, n);
     cu_buf y = cu_junk(f, n * d);
     BOTH(embedding_forward, n, d, P(w), P(ix), P(y));
-    cu_expect(f, y, n * d, TOL_EXACT, "embedding_forward vocab=%lld d=%lld n=%lld", (long long)vocab,
-              (long long)d, (long long)n);
+    cu_expect(f, y, n * d, TOL_EXACT, "embedding_forward vocab=%lld d=%lld n=%lld",
+              (long long)vocab, (long long)d, (long long)n);
     /* dweight[idx[i]] += dy[i] "for i in order": the same float adds */
     cu_buf dy = cu_putf(f, cu_rand(f, r, n * d, -1, 1), n * d);
     cu_buf dw = cu_putf(f, cu_rand(f, r, vocab * d, -1, 1), vocab * d);
@@ -1554,7 +1566,8 @@ static void cu_index_check_case(cu_fix *f, tu_rng *r, int64_t n, int64_t limit, 
     if (res[0] != want) fail_msg("index_check: cpu returned %lld, expected %lld", (long long)res[0],
                                  (long long)want);
     cu_expect_int(res[0], res[1], "index_check n=%lld limit=%lld bad at %lld (%d) and %lld (%d)",
-                  (long long)n, (long long)limit, (long long)bad1, (int)v1, (long long)bad2, (int)v2);
+                  (long long)n, (long long)limit, (long long)bad1, (int)v1, (long long)bad2,
+                  (int)v2);
 }
 
 static void cu_layernorm_case(cu_fix *f, tu_rng *r, int64_t rows, int64_t d, int affine)
@@ -1580,19 +1593,21 @@ static void cu_layernorm_case(cu_fix *f, tu_rng *r, int64_t rows, int64_t d, int
     /* backward from the CPU's mean and rstd; dw, db always add */
     cu_buf mc = cu_putf(f, CF(mean), rows), rc = cu_putf(f, CF(rstd), rows);
     cu_buf dy = cu_putf(f, cu_rand(f, r, nx, -1, 1), nx);
-    float *x0 = cu_rand(f, r, nx, -1, 1), *w0 = cu_rand(f, r, d, -1, 1), *b0 = cu_rand(f, r, d, -1, 1);
+    float *x0 = cu_rand(f, r, nx, -1, 1), *w0 = cu_rand(f, r, d, -1, 1),
+          *b0 = cu_rand(f, r, d, -1, 1);
     for (int acc = 0; acc < 2; acc++) {
         cu_buf dx = acc ? cu_putf(f, x0, nx) : cu_junk(f, nx);
         cu_buf dw = cu_putf(f, w0, d), db = cu_putf(f, b0, d);
         BOTH(layernorm_backward, rows, d, P(x), affine ? P(w) : NULL, P(mc), P(rc), P(dy), P(dx),
              affine ? P(dw) : NULL, affine ? P(db) : NULL, acc);
-        cu_expect(f, dx, nx, TOL_NORM, "layernorm_backward rows=%lld d=%lld affine=%d accumulate=%d dx",
-                  (long long)rows, (long long)d, affine, acc);
+        cu_expect(f, dx, nx, TOL_NORM,
+                  "layernorm_backward rows=%lld d=%lld affine=%d accumulate=%d dx", (long long)rows,
+                  (long long)d, affine, acc);
         if (!affine) continue;
-        cu_expect(f, dw, d, TOL_NORM, "layernorm_backward rows=%lld d=%lld dw (+=)", (long long)rows,
-                  (long long)d);
-        cu_expect(f, db, d, TOL_NORM, "layernorm_backward rows=%lld d=%lld db (+=)", (long long)rows,
-                  (long long)d);
+        cu_expect(f, dw, d, TOL_NORM, "layernorm_backward rows=%lld d=%lld dw (+=)",
+                  (long long)rows, (long long)d);
+        cu_expect(f, db, d, TOL_NORM, "layernorm_backward rows=%lld d=%lld db (+=)",
+                  (long long)rows, (long long)d);
     }
 }
 
@@ -1670,12 +1685,16 @@ static void test_cuda_optimizers(void **state)
             const float lr = 1e-2f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = wdi ? 1e-2f : 0.0f;
             cu_buf w = cu_putf(f, w0, n), m = cu_putf(f, zeros, n), v = cu_putf(f, zeros, n);
             for (int t = 1; t <= 3; t++) {
-                float bc1 = (float)(1.0 - pow((double)b1, t)), bc2 = (float)(1.0 - pow((double)b2, t));
+                float bc1 = (float)(1.0 - pow((double)b1, t)),
+                      bc2 = (float)(1.0 - pow((double)b2, t));
                 cu_buf gb = cu_putf(f, g[t - 1], n);
-                BOTH(adam_update, n, P(w), P(gb), P(m), P(v), lr, b1, b2, eps, wd, decoupled, bc1, bc2);
+                BOTH(adam_update, n, P(w), P(gb), P(m), P(v), lr, b1, b2, eps, wd, decoupled, bc1,
+                     bc2);
                 const char *kind = decoupled ? "adamw" : "adam";
-                cu_expect(f, w, n, TOL_OPTIM, "adam_update (%s, wd %g) step %d w", kind, (double)wd, t);
-                cu_expect(f, m, n, TOL_OPTIM, "adam_update (%s, wd %g) step %d m", kind, (double)wd, t);
+                cu_expect(f, w, n, TOL_OPTIM, "adam_update (%s, wd %g) step %d w", kind, (double)wd,
+                          t);
+                cu_expect(f, m, n, TOL_OPTIM, "adam_update (%s, wd %g) step %d m", kind, (double)wd,
+                          t);
                 cu_expect(f, v, n, TOL_OPTIM_POS, "adam_update (%s, wd %g) step %d v", kind,
                           (double)wd, t);
             }
@@ -1692,7 +1711,8 @@ static void test_cuda_optimizers(void **state)
             cu_buf gb = cu_putf(f, g[t], n);
             BOTH(adagrad_update, n, P(w), P(gb), P(s), lr, eps, wd);
             cu_expect(f, w, n, TOL_OPTIM, "adagrad_update wd=%g step %d w", (double)wd, t + 1);
-            cu_expect(f, s, n, TOL_OPTIM_POS, "adagrad_update wd=%g step %d sum", (double)wd, t + 1);
+            cu_expect(f, s, n, TOL_OPTIM_POS, "adagrad_update wd=%g step %d sum", (double)wd,
+                      t + 1);
         }
     }
 }
@@ -1759,7 +1779,8 @@ static void cu_check_memset0(cu_fix *f, void *dev, size_t n, uint32_t tag)
     unsigned v = bad < n ? h[bad] : 0;
     free(h);
     free(want);
-    if (outside) fail_msg("memset0 of bytes 1..%zu of a %zu-byte block wrote outside its range", n - 2, n);
+    if (outside)
+        fail_msg("memset0 of bytes 1..%zu of a %zu-byte block wrote outside its range", n - 2, n);
     if (bad < n) fail_msg("memset0 of bytes 1..%zu: byte %zu is %u, expected 0", n - 2, bad, v);
 }
 
@@ -1770,7 +1791,8 @@ static void test_cuda_memory_staging(void **state)
     CU_START(f);
     tu_rng r = {0x3E3};
     const dt_backend_iface *G = f->G;
-    if (G->host_visible != 0) fail_msg("cuda backend: host_visible is %d, expected 0", G->host_visible);
+    if (G->host_visible != 0)
+        fail_msg("cuda backend: host_visible is %d, expected 0", G->host_visible);
 
     /* sizes from 1 byte to 64 MiB: aligned to 64, round trip, copy, memset0 */
     static const size_t sizes[] = {1, 3, 4, 63, 64, 65, 1000, 4096, 65537, (size_t)1 << 20,
@@ -1780,7 +1802,8 @@ static void test_cuda_memory_staging(void **state)
             size_t n = sizes[i];
             char what[96];
             void *p = cu_gpu_alloc(f, n), *q = cu_gpu_alloc(f, n);
-            if ((uintptr_t)p % 64 != 0) fail_msg("alloc(%zu) = %p is not aligned to 64 bytes", n, p);
+            if ((uintptr_t)p % 64 != 0)
+                fail_msg("alloc(%zu) = %p is not aligned to 64 bytes", n, p);
             snprintf(what, sizeof what, "alloc(%zu) round %d: to_device/to_host", n, round);
             cu_upload_pattern(f, p, n, (uint32_t)i);
             cu_check_block(f, p, n, (uint32_t)i, what);
@@ -1808,8 +1831,8 @@ static void test_cuda_memory_staging(void **state)
         for (int i = 0; i < CU_NBLOCKS; i++) {
             char what[96];
             int tag_round = round == 1 && i % 2 == 0 ? 0 : round;
-            snprintf(what, sizeof what, "block %d of %d (%zu bytes), round %d", i, CU_NBLOCKS, len[i],
-                     round);
+            snprintf(what, sizeof what, "block %d of %d (%zu bytes), round %d", i, CU_NBLOCKS,
+                     len[i], round);
             cu_check_block(f, blk[i], len[i], (uint32_t)(i * 7 + tag_round), what);
             for (int j = 0; j < i; j++) {
                 uintptr_t a0 = (uintptr_t)blk[i], a1 = a0 + len[i];
@@ -1826,11 +1849,12 @@ static void test_cuda_memory_staging(void **state)
 
     /* staging */
     if (!G->host_alloc || !G->host_free || !G->copy_async || !G->copy_wait || !G->copy_join)
-        fail_msg("cuda backend (host_visible 0) lacks staging entries: host_alloc %s, host_free %s, "
-                 "copy_async %s, copy_wait %s, copy_join %s",
-                 G->host_alloc ? "ok" : "NULL", G->host_free ? "ok" : "NULL",
-                 G->copy_async ? "ok" : "NULL", G->copy_wait ? "ok" : "NULL",
-                 G->copy_join ? "ok" : "NULL");
+        fail_msg(
+            "cuda backend (host_visible 0) lacks staging entries: host_alloc %s, host_free %s, "
+            "copy_async %s, copy_wait %s, copy_join %s",
+            G->host_alloc ? "ok" : "NULL", G->host_free ? "ok" : "NULL",
+            G->copy_async ? "ok" : "NULL", G->copy_wait ? "ok" : "NULL",
+            G->copy_join ? "ok" : "NULL");
     const int64_t n = (int64_t)1 << 22; /* 16 MiB: copies take long enough to race */
     const size_t bytes = sizeof(float) * (size_t)n;
     float *h[4];
@@ -1897,8 +1921,9 @@ static void test_cuda_memory_staging(void **state)
     G->copy_wait(f->gb, t6);
     for (int i = 0; i < 37; i++)
         if (out1[3 + i] != hb[5 + i])
-            fail_msg("staging: copy_async D2H of 37 floats at offset 5 [%d]: expected %.9g, got %.9g",
-                     i, (double)hb[5 + i], (double)out1[3 + i]);
+            fail_msg(
+                "staging: copy_async D2H of 37 floats at offset 5 [%d]: expected %.9g, got %.9g", i,
+                (double)hb[5 + i], (double)out1[3 + i]);
     G->copy_wait(f->gb, 0);
     G->copy_join(f->gb, 0);
 }
@@ -1957,10 +1982,12 @@ static void test_cuda_determinism(void **state)
         float *hx = cu_rand(f, &r, nx, -1, 1);
         float *x = cu_gpu_alloc(f, 4 * (size_t)nx);
         G->to_device(gb, x, hx, 4 * (size_t)nx);
-        float *o1 = cu_gpu_alloc(f, 4 * (size_t)(outer * inner)), *o2 = cu_gpu_alloc(f, 4 * (size_t)(outer * inner));
+        float *o1 = cu_gpu_alloc(f, 4 * (size_t)(outer * inner)),
+              *o2 = cu_gpu_alloc(f, 4 * (size_t)(outer * inner));
         G->reduce_axis(gb, DT_RED_SUM, outer, len, inner, x, o1);
         G->reduce_axis(gb, DT_RED_SUM, outer, len, inner, x, o2);
-        cu_expect_repeat(f, o1, o2, 4 * (size_t)(outer * inner), "reduce_axis(sum) (8,5000,3) twice");
+        cu_expect_repeat(f, o1, o2, 4 * (size_t)(outer * inner),
+                         "reduce_axis(sum) (8,5000,3) twice");
         /* dbias (5000) over dy (8, 5000, 3) */
         float *b1 = cu_gpu_alloc(f, 4 * (size_t)len), *b2 = cu_gpu_alloc(f, 4 * (size_t)len);
         G->bias_grad(gb, outer, len, inner, x, b1, 0);
@@ -1977,14 +2004,16 @@ static void test_cuda_determinism(void **state)
         float *hdy = cu_rand(f, &r, n * d, -1, 1), *hw = cu_rand(f, &r, vocab * d, -1, 1);
         int32_t *ix = cu_gpu_alloc(f, 4 * (size_t)n);
         float *dy = cu_gpu_alloc(f, 4 * (size_t)(n * d));
-        float *w1 = cu_gpu_alloc(f, 4 * (size_t)(vocab * d)), *w2 = cu_gpu_alloc(f, 4 * (size_t)(vocab * d));
+        float *w1 = cu_gpu_alloc(f, 4 * (size_t)(vocab * d)),
+              *w2 = cu_gpu_alloc(f, 4 * (size_t)(vocab * d));
         G->to_device(gb, ix, idx, 4 * (size_t)n);
         G->to_device(gb, dy, hdy, 4 * (size_t)(n * d));
         G->to_device(gb, w1, hw, 4 * (size_t)(vocab * d));
         G->to_device(gb, w2, hw, 4 * (size_t)(vocab * d));
         G->embedding_backward(gb, n, d, ix, dy, w1);
         G->embedding_backward(gb, n, d, ix, dy, w2);
-        cu_expect_repeat(f, w1, w2, 4 * (size_t)(vocab * d), "embedding_backward (3000 rows into 3) twice");
+        cu_expect_repeat(f, w1, w2, 4 * (size_t)(vocab * d),
+                         "embedding_backward (3000 rows into 3) twice");
     }
     {
         dt_conv_geom g = cu_geom(4, 8, 15, 13, 3, 2, 1);
@@ -2002,7 +2031,8 @@ static void test_cuda_determinism(void **state)
         G->maxpool_forward(gb, &g, x, y, am);
         G->maxpool_backward(gb, &g, dy, am, dx1, 0);
         G->maxpool_backward(gb, &g, dy, am, dx2, 0);
-        cu_expect_repeat(f, dx1, dx2, 4 * (size_t)nx, "maxpool_backward (overlapping windows) twice");
+        cu_expect_repeat(f, dx1, dx2, 4 * (size_t)nx,
+                         "maxpool_backward (overlapping windows) twice");
         G->col2im(gb, &g, col, dx1, 0);
         G->col2im(gb, &g, col, dx2, 0);
         cu_expect_repeat(f, dx1, dx2, 4 * (size_t)nx, "col2im twice");
@@ -2023,8 +2053,10 @@ static void test_cuda_determinism(void **state)
     }
     {
         const int64_t rows = 64, d = 768;
-        float *x = cu_gpu_alloc(f, 4 * (size_t)(rows * d)), *dy = cu_gpu_alloc(f, 4 * (size_t)(rows * d));
-        float *y = cu_gpu_alloc(f, 4 * (size_t)(rows * d)), *dx = cu_gpu_alloc(f, 4 * (size_t)(rows * d));
+        float *x = cu_gpu_alloc(f, 4 * (size_t)(rows * d)),
+              *dy = cu_gpu_alloc(f, 4 * (size_t)(rows * d));
+        float *y = cu_gpu_alloc(f, 4 * (size_t)(rows * d)),
+              *dx = cu_gpu_alloc(f, 4 * (size_t)(rows * d));
         float *mean = cu_gpu_alloc(f, 4 * (size_t)rows), *rstd = cu_gpu_alloc(f, 4 * (size_t)rows);
         float *w = cu_gpu_alloc(f, 4 * (size_t)d);
         float *dw1 = cu_gpu_alloc(f, 4 * (size_t)d), *dw2 = cu_gpu_alloc(f, 4 * (size_t)d);
@@ -2040,12 +2072,14 @@ static void test_cuda_determinism(void **state)
     }
     {
         const int64_t n = 4096, c = 37;
-        float *lg = cu_gpu_alloc(f, 4 * (size_t)(n * c)), *pr = cu_gpu_alloc(f, 4 * (size_t)(n * c));
+        float *lg = cu_gpu_alloc(f, 4 * (size_t)(n * c)),
+              *pr = cu_gpu_alloc(f, 4 * (size_t)(n * c));
         int32_t *lb = cu_gpu_alloc(f, 4 * (size_t)n);
         float *l1 = cu_gpu_alloc(f, 4), *l2 = cu_gpu_alloc(f, 4);
         G->to_device(gb, lg, cu_rand(f, &r, n * c, -4, 4), 4 * (size_t)(n * c));
         G->to_device(gb, lb, cu_rand_idx(f, &r, n, c), 4 * (size_t)n);
-        if (G->xent_forward(gb, n, c, lg, lb, pr, l1) != -1 || G->xent_forward(gb, n, c, lg, lb, pr, l2) != -1)
+        if (G->xent_forward(gb, n, c, lg, lb, pr, l1) != -1 ||
+            G->xent_forward(gb, n, c, lg, lb, pr, l2) != -1)
             fail_msg("cuda xent_forward rejected valid labels");
         cu_expect_repeat(f, l1, l2, 4, "xent_forward loss (4096 rows) twice");
     }
@@ -2156,9 +2190,11 @@ static void test_cuda_train_steps(void **state)
         snprintf(what, sizeof what, "%s: loss of steps 1..%d", model, CU_TRAIN_STEPS);
         cu_compare(what, "cpu", c.loss, g.loss, NULL, CU_TRAIN_STEPS, TRAIN_RTOL, TRAIN_ATOL);
         for (int i = 0; i < c.np; i++) {
-            snprintf(what, sizeof what, "%s: %s after %d SGD steps", model, c.names[i], CU_TRAIN_STEPS);
+            snprintf(what, sizeof what, "%s: %s after %d SGD steps", model, c.names[i],
+                     CU_TRAIN_STEPS);
             if (c.numel[i] != g.numel[i]) fail_msg("%s: numel differs", what);
-            cu_compare(what, "cpu", c.params[i], g.params[i], NULL, c.numel[i], TRAIN_RTOL, TRAIN_ATOL);
+            cu_compare(what, "cpu", c.params[i], g.params[i], NULL, c.numel[i], TRAIN_RTOL,
+                       TRAIN_ATOL);
         }
     }
 }
