@@ -137,6 +137,15 @@ example_checks() {
     echo "$out" | grep -q "exposed communication" || { echo "example: no step breakdown"; exit 1; }
     echo "$out" | tail -1 | grep -Eq '^test accuracy: [0-9]+\.[0-9]{2}%$' ||
         { echo "example: 2-rank run has no final accuracy line"; exit 1; }
+    # device-memory rules (cpu-staged) with fp16 autocast and loss scaling, DDP on 2 ranks
+    out=$($ex --model mlp --epochs 1 --limit-batches 4 --batch 16 --ranks 2 --backend cpu-staged \
+          --amp fp16)
+    echo "$out" | grep -q "cpu-staged backend.*autocast fp16" ||
+        { echo "example: no cpu-staged fp16 run:"; echo "$out"; exit 1; }
+    echo "$out" | grep -q "^loss scale 65536, 0 steps skipped" ||
+        { echo "example: no loss-scale line:"; echo "$out"; exit 1; }
+    echo "$out" | tail -1 | grep -Eq '^test accuracy: [0-9]+\.[0-9]{2}%$' ||
+        { echo "example: the fp16 run has no final accuracy line"; exit 1; }
     unset ASAN_OPTIONS
     echo "example checks: ok"
 }

@@ -3038,7 +3038,10 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
     ctx->dropout_counter = (uint64_t)nd->iarg[1];
     ctx->grad_enabled = 1;
     ctx->in_recompute = 1;
+    dt_precision saved_prec = ctx->autocast;   /* rerun as the forward ran */
+    ctx->autocast = nd->prec;
     dt_tensor *y2 = nd->seg_fn(ctx, leaf, n, nd->user);
+    ctx->autocast = saved_prec;
     ctx->in_recompute = 0;
     ctx->grad_enabled = saved_grad;
     ctx->dropout_counter = saved_counter;
@@ -9500,7 +9503,9 @@ static dt_status ddp_plan(dt_ddp *d, size_t cap)
  * (dt_ddp_new checks host_visible).  DT_OK with no region: private sets. */
 static dt_status ddp_alloc_sets(dt_ddp *d)
 {
-    if (d->cfg.compress != DT_COMPRESS_NONE || d->cfg.ps)
+    /* staged: the sets take device-to-host copies, which are asynchronous
+     * only into page-locked memory, and the shared region is not */
+    if (d->cfg.compress != DT_COMPRESS_NONE || d->cfg.ps || d->staged)
         return DT_OK;
     size_t stride = ((size_t)d->set_floats * sizeof(float) + 127) & ~(size_t)127;
     int ok = 0;
@@ -9673,9 +9678,10 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         snprintf(settings, sizeof settings, "invalid: %.200s", local_msg);
     else
         snprintf(settings, sizeof settings, "bucket_bytes %zu, overlap %d, compress %d, topk_ratio "
-                 "%g, warmup %d, error_feedback %d", ddp_bucket_cap(cfg, ctx), cfg->overlap < 0 ? -1 : cfg->overlap != 0,
-                 (int)cfg->compress, (double)cfg->topk_ratio, cfg->topk_warmup_steps,
-                 cfg->error_feedback != 0);
+                 "%g, warmup %d, error_feedback %d, device memory %d", ddp_bucket_cap(cfg, ctx),
+                 cfg->overlap < 0 ? -1 : cfg->overlap != 0, (int)cfg->compress,
+                 (double)cfg->topk_ratio, cfg->topk_warmup_steps, cfg->error_feedback != 0,
+                 !ctx->be_iface->host_visible);
     if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
         if (ddp_ps_check(ctx, c, &conf, opt) != DT_OK)
             return NULL;

@@ -195,6 +195,38 @@ static void test_amp_linear_backward(void **state)
     dt_ctx_free(ctx);
 }
 
+/* A recomputed segment reruns at the precision its forward had, so its
+ * gradients equal the plain bf16 run's bit for bit. */
+static dt_tensor *amp_segment(dt_ctx *ctx, dt_tensor *const *in, int n, void *user)
+{
+    (void)n;
+    return dt_relu(ctx, dt_linear(ctx, in[0], (dt_tensor *)user, NULL));
+}
+
+static void test_amp_recompute(void **state)
+{
+    (void)state;
+    enum { R = 3, IN = 9, OUT = 4 };
+    float x[R * IN], w[OUT * IN], g_plain[OUT * IN], g_re[OUT * IN];
+    tu_rng r = {9};
+    tu_fill_uniform(&r, x, R * IN, -1.0f, 1.0f);
+    tu_fill_uniform(&r, w, OUT * IN, -1.0f, 1.0f);
+    for (int pass = 0; pass < 2; pass++) {
+        dt_ctx *ctx = tu_ctx_new();
+        dt_tensor *tx = tu_tensor(ctx, SHP(R, IN), x), *tw = tu_param(ctx, "w", SHP(OUT, IN), w);
+        tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_BF16), "set_autocast");
+        dt_tensor *y = pass ? dt_recompute(ctx, amp_segment, &tx, 1, tw) : amp_segment(ctx, &tx, 1, tw);
+        dt_tensor *loss = dt_sum(ctx, y);
+        tu_check(ctx, loss, "forward");
+        tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_F32), "autocast off");
+        tu_check_status(ctx, dt_backward(ctx, loss), "backward");
+        tu_check_status(ctx, dt_tensor_get(dt_tensor_grad(tw), pass ? g_re : g_plain, OUT * IN),
+                        "grad");
+        dt_ctx_free(ctx);
+    }
+    assert_memory_equal(g_plain, g_re, sizeof g_re);
+}
+
 /* conv2d under autocast = conv2d at f32 of pre-rounded inputs (the CPU's
  * fused convolution is bypassed for the composed GEMM path). */
 static void test_amp_conv2d(void **state)
@@ -449,6 +481,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_amp_rounding),
     cmocka_unit_test(test_amp_matmul),
     cmocka_unit_test(test_amp_linear_backward),
+    cmocka_unit_test(test_amp_recompute),
     cmocka_unit_test(test_amp_conv2d),
     cmocka_unit_test(test_amp_f16_overflow),
     cmocka_unit_test(test_loss_scaler_exact),
