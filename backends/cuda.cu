@@ -204,12 +204,18 @@ static unsigned long long *red_flag(dt_backend *be)
 static double *red_result(dt_backend *be) { return be->red + DT_CUDA_RED_SLOTS + 1; }
 
 /* The CUDA runtime keeps the current device per host thread, and a kernel
- * launched onto another device's stream fails.  Entries may be called from
- * threads other than init's (the staging copies, a loader thread), so each
- * one selects the device first; device 0 is every thread's default. */
+ * launched onto another device's stream fails (cudaMalloc would allocate on
+ * the wrong device).  Entries may be called from threads other than init's
+ * (the staging copies, a loader thread), and one thread may drive instances
+ * on several devices (init selects its device on the calling thread, so a
+ * program that starts contexts on devices 0 and 1 is left on 1), so each
+ * entry selects this instance's device whenever the thread's current one
+ * differs: device 0 is not a safe default once the thread has selected
+ * another. */
 static inline void cuda_enter(const dt_backend *be)
 {
-    if (be->device != 0) (void)cudaSetDevice(be->device);
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != be->device) (void)cudaSetDevice(be->device);
 }
 
 /* ---------------------------------------------------------------------------
