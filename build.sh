@@ -262,8 +262,9 @@ cmd_test() {
     staged_checks
     gpu_checks
     # protect_shadow_gap=0: the CUDA driver maps memory where ASan's gap is
+    # and tests/lsan.supp: the driver's own allocations are not leaks of ours
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1${CUDA_OBJ:+:protect_shadow_gap=0} \
-        UBSAN_OPTIONS=print_stacktrace=1 \
+        LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp UBSAN_OPTIONS=print_stacktrace=1 \
         OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
 }
 
