@@ -210,6 +210,7 @@ staged_checks() {
     local out groups="core_forward,core_grad,core_optim,core_ckpt,core_data,core_memory,core_amp"
     local ddp="test_equivalence,test_reproducible,test_no_sync,test_unused,test_concat"
     ddp="$ddp,test_compression_exact,test_compression_momentum,test_ps_bsp,test_ps_chunked"
+    ddp="$ddp,test_dead_rank,test_misuse"
     for run in "$groups:" "ddp:$ddp"; do
         out=$(DTRAIN_BACKEND=cpu-staged DT_TEST_GROUPS=${run%%:*} DT_TEST_ONLY=${run#*:} \
               ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 OPENBLAS_NUM_THREADS=1 \

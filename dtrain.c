@@ -210,6 +210,7 @@ static size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, doub
 static dt_status ps_step_pull(dt_ps *ps);
 static int64_t ps_clock(const dt_ps *ps);
 static dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
+static dt_status ddp_for_scaler(struct dt_ddp *d, int finish);
 
 /* ===========================================================================
  * 2. Errors and the context
@@ -469,6 +470,9 @@ dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
         return DT_EINVAL;
     if (p < DT_PREC_F32 || p > DT_PREC_F16)
         return set_error(ctx, DT_EINVAL, "set_autocast: %d is not a dt_precision", (int)p);
+    if (p != DT_PREC_F32 && !ctx->be_iface->gemm_ex && !ctx->be_iface->round_prec)
+        return set_error(ctx, DT_ENOTSUP, "set_autocast: the %s backend has neither gemm_ex nor "
+                         "round_prec", ctx->be_iface->name);
     ctx->autocast = p;
     return DT_OK;
 }
@@ -1310,6 +1314,12 @@ dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
 #define FP(t) ((float *)(t)->data)
 #define IP(t) ((int32_t *)(t)->data)
 
+/* The backend can stage asynchronously (all three entries, or none used). */
+static int be_stages(const dt_backend_iface *b)
+{
+    return b->copy_async && b->copy_wait && b->copy_join;
+}
+
 /* Tensor memory to and from host memory: a plain copy where they are the
  * same memory, the backend's transfer where not. */
 static void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes)
@@ -1810,7 +1820,7 @@ static int64_t operand_extent(int t, int64_t rows, int64_t cols, int64_t ld, int
 {
     int64_t r = t ? cols : rows, c = t ? rows : cols;
     if (r < 1 || c < 1)
-        return 1;
+        return 0;
     return (r - 1) * ld + c + (batch > 1 ? (batch - 1) * stride : 0);
 }
 
@@ -1832,11 +1842,16 @@ static dt_status core_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta
     if (prec != DT_PREC_F32) {
         int64_t na = operand_extent(ta, m, k, lda, batch, stride_a);
         int64_t nb = operand_extent(tb, k, n, ldb, batch, stride_b);
-        float *ra = temp_floats(ctx, na), *rb = ra ? temp_floats(ctx, nb) : NULL;
-        if (!rb)
+        float *ra = temp_floats(ctx, na > 0 ? na : 1);
+        float *rb = ra ? temp_floats(ctx, nb > 0 ? nb : 1) : NULL;
+        if (!rb) {
+            arena_release(ctx->cur_dev, mark);
             return ctx->last_status;
-        BE(ctx)->round_prec(BEI(ctx), prec, na, a, ra);
-        BE(ctx)->round_prec(BEI(ctx), prec, nb, b, rb);
+        }
+        if (na > 0)
+            BE(ctx)->round_prec(BEI(ctx), prec, na, a, ra);
+        if (nb > 0)
+            BE(ctx)->round_prec(BEI(ctx), prec, nb, b, rb);
         a = ra;
         b = rb;
     }
@@ -3089,6 +3104,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
         track |= tracks(ctx, inputs[i]);
     }
     uint64_t counter = ctx->dropout_counter;
+    dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */
     arena_switch sw = enter_scratch(ctx);
     ctx->grad_enabled = 0;
     dt_tensor *out = fn(ctx, inputs, n, user);
@@ -3116,6 +3132,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     nd->aux[0] = saved;
     nd->iarg[0] = n;
     nd->iarg[1] = (int64_t)counter;
+    nd->prec = prec;
     nd->seg_fn = fn;
     nd->user = user;
     return y;
@@ -3431,6 +3448,7 @@ struct dt_loss_scaler {
     dt_loss_scale_config cfg;
     float scale;
     int good_steps;            /* in a row since the last overflow or growth */
+    int pending;               /* a scaled backward ran since the last step */
     int unscaled, found_inf;   /* this step's gradients were divided by scale */
     int64_t skipped;
 };
@@ -3483,10 +3501,17 @@ int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc) { return sc ? sc->skipp
 
 dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss)
 {
-    if (!sc)
+    if (!sc || !ctx_ok(sc->ctx))
         return DT_EINVAL;
-    sc->unscaled = 0;
-    return backward_seeded(sc->ctx, loss, sc->scale);
+    if (sc->unscaled)
+        return set_error(sc->ctx, DT_ESTATE, "loss_scaler_backward: this step's gradients are "
+                         "already unscaled; step first (scaled ones would be added to them)");
+    dt_status s = sc->ctx->ddp ? ddp_for_scaler(sc->ctx->ddp, 0) : DT_OK;
+    if (s != DT_OK)
+        return s;
+    if ((s = backward_seeded(sc->ctx, loss, sc->scale)) == DT_OK)
+        sc->pending = 1;
+    return s;
 }
 
 dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
@@ -3494,6 +3519,12 @@ dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
     if (!sc || !ctx_ok(sc->ctx))
         return DT_EINVAL;
     dt_ctx *ctx = sc->ctx;
+    if (!sc->pending)
+        return set_error(ctx, DT_ESTATE, "loss_scaler: no dt_loss_scaler_backward since the last "
+                         "step");
+    dt_status s = ctx->ddp ? ddp_for_scaler(ctx->ddp, 1) : DT_OK;   /* reduced first */
+    if (s != DT_OK)
+        return s;
     if (!sc->unscaled) {
         double total = 0;
         for (int i = 0; i < ctx->n_params; i++) {
@@ -3523,9 +3554,9 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
                          opt ? "the optimizer belongs to another context" : "optimizer is NULL");
     int inf;
     dt_status s = dt_loss_scaler_unscale(sc, &inf);
-    sc->unscaled = 0;
     if (s != DT_OK)
         return s;
+    sc->unscaled = sc->pending = 0;
     if (inf) {   /* skip: these gradients are garbage; a smaller scale next time */
         sc->scale *= sc->cfg.backoff_factor;
         sc->good_steps = 0;
@@ -4498,7 +4529,7 @@ static void upload_wait(dt_loader *ld, loader_slot *s)
 
 static int uploads_async(const dt_loader *ld)
 {
-    return !ld->host_visible && BE(ld->ctx)->copy_async;
+    return !ld->host_visible && be_stages(BE(ld->ctx));
 }
 
 static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
@@ -7239,6 +7270,8 @@ static dt_status run_hierarchical(dt_comm *c, dt_work *w, xfers *xs)
 
 static void run_work(dt_comm *c, dt_work *w)
 {
+    if (w->ticket)   /* its data is still on the way from the device (even if it won't go) */
+        c->ctx->be_iface->copy_wait(c->ctx->be, w->ticket);
     if (c->broken) {
         work_fail(w, DT_ESTATE, "%s #%u: communicator failed earlier: %s", coll_names[w->kind],
                   w->seq, c->broken_msg);
@@ -7246,8 +7279,6 @@ static void run_work(dt_comm *c, dt_work *w)
     }
 
     c->waiting_on = -1;
-    if (w->ticket)   /* its data is still on the way from the device */
-        c->ctx->be_iface->copy_wait(c->ctx->be, w->ticket);
     xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
     if (!xs) {
         work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
@@ -8458,6 +8489,7 @@ struct dt_ddp {
     float *dset[2];            /* staged (a device backend): the gradients, on the device;
                                   each bucket is copied to set[] to travel and back after */
     int staged, pinned;        /* pinned: set[] from the backend's host_alloc */
+    uint64_t last_ticket;      /* staged: the latest copy; waited for before freeing */
     shm_region shared;         /* base set: the sets live in memory the host's ranks
                                   share (uncompressed, one host), else backend memory */
     int64_t set_floats;        /* gradients, then one flag per parameter */
@@ -8515,8 +8547,11 @@ static uint64_t ddp_stage_out(dt_ddp *d, int64_t off, int64_t n)
 {
     if (!d->staged || n <= 0)
         return 0;
-    return d->be_iface->copy_async(d->be, d->set[d->cur] + off, d->dset[d->cur] + off,
-                                   (size_t)n * sizeof(float), DT_COPY_D2H);
+    uint64_t t = d->be_iface->copy_async(d->be, d->set[d->cur] + off, d->dset[d->cur] + off,
+                                         (size_t)n * sizeof(float), DT_COPY_D2H);
+    if (t > d->last_ticket)
+        d->last_ticket = t;
+    return t;
 }
 
 /* Staged: the reduced gradients back to the device, before any later
@@ -8529,6 +8564,8 @@ static void ddp_stage_in(dt_ddp *d)
                                          (size_t)d->grad_floats * sizeof(float), DT_COPY_H2D);
     if (t)
         d->be_iface->copy_join(d->be, t);
+    if (t > d->last_ticket)
+        d->last_ticket = t;
 }
 
 /* --- 16.1 gradient compression ------------------------------------------- */
@@ -8980,7 +9017,9 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
-    d->comm->stage_ticket = 0;   /* not consumed if the launch failed */
+    if (d->comm->stage_ticket)   /* not consumed: the launch failed; let the copy land */
+        d->be_iface->copy_wait(d->be, d->comm->stage_ticket);
+    d->comm->stage_ticket = 0;
     if (!b->work && d->launch_status == DT_OK) {
         d->launch_status = d->ctx->last_status;
         snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
@@ -9260,6 +9299,19 @@ static dt_status ddp_finish(dt_ddp *d)
     d->st.steps++;
     d->st.bytes_sent += dt_comm_bytes_sent(d->comm) - d->sent_at_launch;
     return DT_OK;
+}
+
+/* The loss scaler (9.1) over a DDP: refuse what it cannot serve; finish:
+ * the step's reduction first, so it unscales and checks averages. */
+static dt_status ddp_for_scaler(dt_ddp *d, int finish)
+{
+    if (d->cfg.ps)
+        return set_error(d->ctx, DT_ENOTSUP, "loss_scaler: with a parameter server the servers "
+                         "step on the pushed gradients before they could be unscaled or skipped");
+    if (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8)
+        return set_error(d->ctx, DT_ENOTSUP, "loss_scaler: top-k and int8 compression keep "
+                         "scaled gradients in their error feedback");
+    return finish ? ddp_finish(d) : DT_OK;
 }
 
 dt_status dt_ddp_sync(dt_ddp *d)
@@ -9589,6 +9641,8 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
 static void ddp_release(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
+    if (d->last_ticket)   /* no copy may still read or write the sets */
+        d->be_iface->copy_wait(d->be, d->last_ticket);
     for (int s = 0; s < 2; s++) {
         if (d->dset[s])
             d->be_iface->free(d->be, d->dset[s]);
@@ -9647,7 +9701,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         set_error(ctx, DT_EINVAL, "ddp_new: the communicator belongs to another context");
         return NULL;
     }
-    if (!ctx->be_iface->host_visible && !ctx->be_iface->copy_async) {
+    if (!ctx->be_iface->host_visible && !be_stages(ctx->be_iface)) {
         set_error(ctx, DT_ENOTSUP, "ddp_new: the %s backend's memory is not host memory and it "
                   "has no asynchronous copies to stage gradients through", ctx->be_iface->name);
         return NULL;

@@ -406,7 +406,13 @@ DT_API dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
  *     dt_loss_scaler_step(sc, opt, &took); // unscale, check, step or skip
  *
  * Overflow is checked on the reduced gradients, so with DDP every rank
- * makes the same choice. */
+ * makes the same choice (unscale finishes the DDP's reduction itself).
+ * One optimizer per scaler: unscale divides every parameter's gradient.
+ * Refused (DT_ENOTSUP): a DDP that pushes to a parameter server (the
+ * servers would step on scaled gradients) or uses top-k / int8 compression
+ * (their error feedback would keep scaled values).  DT_ESTATE: a step or
+ * unscale with no scaled backward since the last step, or a backward after
+ * unscale. */
 typedef struct dt_loss_scaler dt_loss_scaler;
 typedef struct dt_loss_scale_config {
     float init_scale;        /* 65536 */

@@ -412,6 +412,18 @@ static void test_loss_scaler_misuse(void **state)
     dt_loss_scaler *sc = dt_loss_scaler_new(f.ctx, NULL);
     tu_check(f.ctx, sc, "scaler_new");
     assert_int_equal(dt_loss_scaler_step(sc, NULL, NULL), DT_EINVAL);
+    /* a step needs a scaled backward since the last one (no double unscale) */
+    int took = -1;
+    assert_int_equal(dt_loss_scaler_step(sc, f.opt, &took), DT_ESTATE);
+    assert_int_equal(took, 0);
+    tu_check_status(f.ctx, dt_loss_scaler_backward(sc, sfix_loss(&f)), "backward");
+    tu_check_status(f.ctx, dt_loss_scaler_unscale(sc, NULL), "unscale");
+    dt_step_reset(f.ctx);
+    assert_int_equal(dt_loss_scaler_backward(sc, sfix_loss(&f)), DT_ESTATE);   /* after unscale */
+    tu_check_status(f.ctx, dt_loss_scaler_step(sc, f.opt, &took), "step");
+    assert_int_equal(took, 1);
+    assert_int_equal(dt_loss_scaler_step(sc, f.opt, &took), DT_ESTATE);   /* twice */
+    assert_int_equal(dt_loss_scaler_unscale(sc, NULL), DT_ESTATE);
     assert_int_equal(dt_loss_scaler_backward(sc, NULL), DT_EINVAL);
     assert_int_equal(dt_loss_scaler_backward(NULL, NULL), DT_EINVAL);
     assert_int_equal(dt_loss_scaler_unscale(NULL, NULL), DT_EINVAL);
