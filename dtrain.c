@@ -22,6 +22,12 @@
  *  13. Processes: launcher environment and the rendezvous store
  *  14. Communicators and collectives
  *  15. Launching ranks on one host
+ *  16. Data parallelism (DDP), load balancing
+ *  17. In-process data parallelism
+ *  18. Parameter server
+ *  19. Hogwild!
+ *  20. Profiler: step breakdowns, timelines, stragglers
+ *  21. Work stealing
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -146,6 +152,49 @@ typedef struct dt_arena_mark {
     size_t chunk_used, used;
 } dt_arena_mark;
 
+/* The profiler's state (20), one per context.  The phases and the step
+ * are the compute thread's alone; the event buffer and the totals the comm
+ * and loader threads add to are under mu. */
+typedef struct prof_event {
+    double t0, t1;             /* dt_now(), this rank's clock */
+    int64_t a, b;              /* step: index, samples; collective: bytes, ranks; PS call:
+                                  floats, staleness (-1: none); batch: samples; straggler:
+                                  rank, per-sample compute in ns */
+    uint8_t type, tid, what, alg;   /* what: phase, collective kind or PS op */
+    uint32_t pad;
+} prof_event;
+
+typedef struct prof_state {
+    pthread_mutex_t mu;
+    int measure;               /* phases and steps are measured (profiling or balancing) */
+    int record;                /* profiling: events kept, collectives timed */
+    dt_profile_config cfg;
+    prof_event *ev;
+    int64_t nev, cap, dropped;
+    /* the step under way (compute thread) */
+    int depth, open, had_backward;
+    double step_t0, mark, cur[6];
+    int64_t cur_samples, step_index;
+    /* totals */
+    dt_profile_stats tot;
+    double bus_bytes;          /* collectives' bytes times their bus factor */
+    double coll_s;             /* their time (busbw = bus_bytes / coll_s) */
+    double stale_sum;
+    int64_t stale_n;
+    double batch_s;            /* the loader's time preparing batches */
+    int64_t batches;
+    /* since the last cross-rank check (16: balance, stragglers) */
+    double win_compute;
+    int64_t win_steps, win_samples;
+    int balancing;             /* a DDP balances the load: keep measuring (16) */
+    int straggler;             /* the latest check's, -1: none */
+    int warned_rank;           /* the straggler last warned of, -1: none */
+    /* rank 0 after dt_profile_finish */
+    char *report;
+    dt_profile_stats *ranks;
+    int nranks;
+} prof_state;
+
 struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
@@ -177,6 +226,7 @@ struct dt_ctx {
     int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
     struct dt_ddp *ddp;            /* attached data parallelism (16), or NULL */
     uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
+    prof_state prof;               /* the profiler (20) */
 };
 
 #define DT_DEFAULT_ARENA_BYTES ((size_t)8 << 20)
@@ -211,6 +261,19 @@ static dt_status ps_step_pull(dt_ps *ps);
 static int64_t ps_clock(const dt_ps *ps);
 static dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
 static dt_status ddp_for_scaler(struct dt_ddp *d, int finish);
+
+/* The profiler (20) hears of phases, steps, collectives and batches. */
+enum { PH_DATA, PH_FORWARD, PH_BACKWARD, PH_COMM_WAIT, PH_OPTIM, PH_IDLE, PH_COUNT };
+static double prof_begin(dt_ctx *ctx);
+static void prof_end(dt_ctx *ctx, int phase, double t0);
+static void prof_step_end(dt_ctx *ctx);
+static void prof_samples(dt_ctx *ctx, int64_t n);
+static void prof_coll(dt_comm *c, const struct dt_work *w, double t0, double t1);
+static void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
+static void prof_init(dt_ctx *ctx);
+static void prof_release(dt_ctx *ctx);
+static int prof_recording(const dt_ctx *ctx);
+static dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 
 /* ===========================================================================
  * 2. Errors and the context
@@ -394,6 +457,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->cur_dev = &ctx->dev;
     ctx->cur_host = &ctx->host;
     dt_seed(ctx, cfg.seed);
+    prof_init(ctx);
 
     /* DTRAIN_BACKEND runs an unchanged program on another backend (e.g. the
      * test suite on cpu-staged); a custom backend is never replaced */
@@ -432,6 +496,7 @@ void dt_ctx_free(dt_ctx *ctx)
         return;
     if (ctx->ddp)
         ddp_detach(ctx->ddp);   /* gradients back into their own buffers */
+    prof_release(ctx);
     while (ctx->persist) {
         dt_tensor *t = ctx->persist;
         t->flags &= ~(unsigned)T_PARAM;   /* the context may free its own */
@@ -609,6 +674,7 @@ void dt_step_reset(dt_ctx *ctx)
 {
     if (!ctx)
         return;
+    prof_step_end(ctx);
     ctx->tape = NULL;
     arena_reset(ctx, &ctx->dev);
     arena_reset(ctx, &ctx->host);
@@ -1417,8 +1483,19 @@ static dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed);
 
 dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss) { return backward_seeded(ctx, loss, 1.0f); }
 
+static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed);
+
 /* Backward from loss with d(loss) = seed (1, or a loss scale). */
 static dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
+{
+    double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
+    dt_status s = backward_run(ctx, loss, seed);
+    if (t0 != 0)
+        prof_end(ctx, PH_BACKWARD, t0);
+    return s;
+}
+
+static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
@@ -3349,10 +3426,20 @@ dt_status dt_optim_set_schedule(dt_optim *o, const dt_schedule *s)
     return DT_OK;
 }
 
+static dt_status optim_step_run(dt_optim *o);
+
 dt_status dt_optim_step(dt_optim *o)
 {
     if (!o)
         return DT_EINVAL;
+    double t0 = prof_begin(o->ctx);
+    dt_status s = optim_step_run(o);
+    prof_end(o->ctx, PH_OPTIM, t0);
+    return s;
+}
+
+static dt_status optim_step_run(dt_optim *o)
+{
     dt_ctx *ctx = o->ctx;
     if (o->has_sched)
         o->lr = dt_schedule_lr(&o->sched, o->base_lr, o->steps);
@@ -4470,9 +4557,28 @@ typedef struct loader_slot {
     int pinned;                /* hx, hy from the backend's host_alloc */
     uint64_t ticket;           /* the backend's copy of hx, hy to x, y (0: none) */
     int64_t batch_index;       /* which batch the slot holds, -1 if none */
-    int count;                 /* samples in it */
+    int count;                 /* samples in it; -1: work stealing found none left */
     int ready;
+    uint64_t gen;              /* global batches: the split it was cut with */
+    int64_t offset, global;    /* its place in its global batch */
+    int stolen;                /* it came from another shard's chunk */
 } loader_slot;
+
+/* Work stealing (dt_loader_steal): where the loader is in the chunks it
+ * claimed, through its own store connection (the loader's thread claims). */
+typedef struct loader_steal {
+    dt_store *store;
+    dt_ctx *errors;            /* the connection's error sink (not the caller's ctx) */
+    int id, chunk;             /* the job-wide loader number; batches per chunk */
+    int64_t epoch;
+    int shard;                 /* the shard of the chunk in hand */
+    int64_t first, left;       /* its next batch (in that shard) and batches left */
+    int64_t own_next;          /* our shard's next chunk to claim */
+    unsigned char *dry;        /* per shard: nothing left to take there */
+    int64_t done, stolen;      /* batches given out this epoch, from other shards */
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+} loader_steal;
 
 struct dt_loader {
     dt_ctx *ctx;
@@ -4485,6 +4591,12 @@ struct dt_loader {
     loader_slot slot[2];
     int host_visible;
     double wait_s;
+    int64_t cap;               /* samples a slot holds: batch, or a whole global batch */
+    /* global batches (dt_loader_set_split): the weights, under mu */
+    double *split;
+    uint64_t split_gen;
+    int64_t cur_offset, cur_count, cur_global;   /* the batch last given out */
+    loader_steal *steal;       /* NULL: no work stealing */
     /* background thread */
     pthread_t thread;
     int has_thread, stop;
@@ -4532,15 +4644,96 @@ static int uploads_async(const dt_loader *ld)
     return !ld->host_visible && be_stages(BE(ld->ctx));
 }
 
+/* Cut `total` samples into P slices in proportion to w (largest
+ * remainders; each slice at least one sample when total >= P). */
+static void split_counts(const double *w, int P, int64_t total, int64_t *counts)
+{
+    double sum = 0;
+    for (int r = 0; r < P; r++)
+        sum += w[r];
+    int64_t given = 0;
+    for (int r = 0; r < P; r++) {
+        counts[r] = (int64_t)((double)total * w[r] / sum);
+        given += counts[r];
+    }
+    while (given < total) {   /* the largest remainders, lower ranks first on ties */
+        int best = 0;
+        double br = -1;
+        for (int r = 0; r < P; r++) {
+            double rem = (double)total * w[r] / sum - (double)counts[r];
+            if (rem > br + 1e-12) {
+                br = rem;
+                best = r;
+            }
+        }
+        counts[best]++;
+        given++;
+    }
+    for (int r = 0; r < P && total >= P; r++)
+        while (counts[r] < 1) {   /* from the largest slice */
+            int big = 0;
+            for (int q = 1; q < P; q++)
+                big = counts[q] > counts[big] ? q : big;
+            counts[big]--;
+            counts[r]++;
+        }
+}
+
+/* Global batches: this shard's slice of global batch b, cut by the split
+ * now in force (read under mu: dt_loader_set_split may be changing it). */
+static void global_slice(dt_loader *ld, int64_t b, int64_t *start, int64_t *count,
+                         int64_t *offset, int64_t *global, uint64_t *gen)
+{
+    int P = ld->cfg.shard_count, me = ld->cfg.shard_rank;
+    int64_t G = (int64_t)ld->cfg.batch * P, n = ld->ds->n;
+    int64_t total = n - b * G < G ? n - b * G : G, counts[64];
+    if (ld->has_thread)
+        pthread_mutex_lock(&ld->mu);
+    split_counts(ld->split, P, total, counts);
+    *gen = ld->split_gen;
+    if (ld->has_thread)
+        pthread_mutex_unlock(&ld->mu);
+    int64_t off = 0;
+    for (int r = 0; r < me; r++)
+        off += counts[r];
+    *start = b * G + off;
+    *count = counts[me];
+    *offset = off;
+    *global = total;
+}
+
+static int64_t steal_next(dt_loader *ld, int *shard, int *stolen);
+static void steal_start_epoch(dt_loader *ld, int64_t epoch);
+
 static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
 {
-    int64_t start = b * ld->cfg.batch, count = ld->n_local - start;
-    if (count > ld->cfg.batch)
-        count = ld->cfg.batch;
+    double t0 = dt_now();
+    int64_t start = b * ld->cfg.batch, count = ld->n_local - start, stride = 1;
+    s->offset = 0;
+    s->stolen = 0;
+    if (ld->cfg.global_batches) {
+        global_slice(ld, b, &start, &count, &s->offset, &s->global, &s->gen);
+    } else if (ld->steal) {   /* the batch a claimed chunk gives; -1: none left anywhere */
+        int shard = 0;
+        int64_t j = steal_next(ld, &shard, &s->stolen);
+        if (j < 0) {
+            s->count = -1;
+            s->batch_index = b;
+            return;
+        }
+        /* shard v's samples are perm[v], perm[v + W], ... (DistributedSampler's) */
+        start = shard + j * ld->cfg.batch * ld->cfg.shard_count;
+        stride = ld->cfg.shard_count;
+        count = ld->n_local - j * ld->cfg.batch;
+    }
+    if (count > ld->cap)
+        count = ld->cap;
+    if (!ld->cfg.global_batches)
+        s->global = count;
     int64_t e = ld->sample_elems;
     upload_wait(ld, s);
     for (int64_t i = 0; i < count; i++) {
-        int64_t idx = ld->order[start + i];
+        int64_t idx = ld->order[start + i * stride];
         const uint8_t *src = ld->ds->images + idx * e;
         float *dst = s->hx + i * e;
         for (int64_t k = 0; k < e; k++)
@@ -4551,6 +4744,7 @@ static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
     s->count = (int)count;
     if (uploads_async(ld))
         upload_batch(ld, s);
+    prof_batch(ld->ctx, count, t0, dt_now(), ld->has_thread);
 }
 
 static void *loader_main(void *arg)
@@ -4635,6 +4829,13 @@ void dt_loader_free(dt_loader *ld)
         dt_tensor_free(s->y);
     }
     host_free(ctx, ld->order);
+    host_free(ctx, ld->split);
+    if (ld->steal) {
+        dt_store_close(ld->steal->store);
+        host_free(ctx, ld->steal->errors);
+        host_free(ctx, ld->steal->dry);
+        host_free(ctx, ld->steal);
+    }
     host_free(ctx, ld);
 }
 
@@ -4645,7 +4846,7 @@ static int loader_pin_slot(dt_loader *ld, loader_slot *s)
     dt_ctx *ctx = ld->ctx;
     if (!BE(ctx)->host_alloc)
         return 0;
-    int64_t b = ld->cfg.batch;
+    int64_t b = ld->cap;
     s->hx = BE(ctx)->host_alloc(BEI(ctx), (size_t)(b * ld->sample_elems) * sizeof(float));
     s->hy = BE(ctx)->host_alloc(BEI(ctx), (size_t)b * sizeof(int32_t));
     if (s->hx && s->hy)
@@ -4662,7 +4863,7 @@ static int loader_pin_slot(dt_loader *ld, loader_slot *s)
 static dt_status loader_alloc_slots(dt_loader *ld)
 {
     dt_ctx *ctx = ld->ctx;
-    int64_t b = ld->cfg.batch;
+    int64_t b = ld->cap;
     int64_t xs[4] = {b, ld->ds->c, ld->ds->h, ld->ds->w}, ys[1] = {b};
     for (int i = 0; i < 2; i++) {
         loader_slot *s = &ld->slot[i];
@@ -4709,6 +4910,24 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     ld->sample_elems = ds->c * ds->h * ds->w;
     ld->host_visible = BE(ctx)->host_visible;
     ld->request = -1;
+    ld->cap = cfg->batch;
+    if (cfg->global_batches) {   /* a slice may grow to the whole global batch */
+        if (shards > 64) {
+            set_error(ctx, DT_EINVAL, "loader: global_batches supports at most 64 shards, "
+                      "got %d", shards);
+            host_free(ctx, ld);
+            return NULL;
+        }
+        ld->cap = (int64_t)cfg->batch * shards;
+        ld->split = host_alloc(ctx, sizeof(double) * (size_t)shards);
+        if (!ld->split) {
+            set_error(ctx, DT_ENOMEM, "loader: out of memory");
+            host_free(ctx, ld);
+            return NULL;
+        }
+        for (int r = 0; r < shards; r++)
+            ld->split[r] = 1.0;
+    }
     for (int v = 0; v < 256; v++)
         ld->lut[v] = ((float)v / 255.0f - cfg->mean) / cfg->std;
     /* shards as torch's DistributedSampler: pad to a multiple of the count
@@ -4725,6 +4944,10 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     }
     ld->n_batches = cfg->drop_last ? ld->n_local / cfg->batch
                                    : (ld->n_local + cfg->batch - 1) / cfg->batch;
+    if (cfg->global_batches) {   /* whole global batches, and a last one with a sample a shard */
+        int64_t G = ld->cap, rest = ds->n % G;
+        ld->n_batches = ds->n / G + (!cfg->drop_last && rest >= shards ? 1 : 0);
+    }
     if (cfg->prefetch) {
         if (pthread_mutex_init(&ld->mu, NULL) != 0 || pthread_cond_init(&ld->cv, NULL) != 0 ||
             pthread_create(&ld->thread, NULL, loader_main, ld) != 0) {
@@ -4764,8 +4987,11 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
     }
     for (int64_t i = n; i < total; i++)
         perm[i] = perm[i - n];
-    for (int64_t i = 0; i < ld->n_local; i++)
+    /* global batches and work stealing read the whole order */
+    for (int64_t i = 0; i < ld->n_local && !ld->cfg.global_batches && !ld->steal; i++)
         perm[i] = perm[ld->cfg.shard_rank + i * shards];
+    if (ld->steal)
+        steal_start_epoch(ld, epoch);
     ld->next = 0;
     ld->wait_s = 0;
     ld->slot[0].ready = ld->slot[1].ready = 0;
@@ -4782,14 +5008,26 @@ static void set_batch_view(dt_tensor *view, const dt_tensor *full, int count)
     view->next = view->prev = NULL;
 }
 
+static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y);
+
 dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
 {
     if (!ld)
         return DT_EINVAL;
+    double t0 = prof_begin(ld->ctx);
+    dt_status s = loader_next_run(ld, x, y);
+    if (s == DT_OK)
+        prof_samples(ld->ctx, dt_tensor_dim(*x, 0));
+    prof_end(ld->ctx, PH_DATA, t0);
+    return s;
+}
+
+static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
+{
     dt_ctx *ctx = ld->ctx;
     if (!x || !y)
         return set_error(ctx, DT_EINVAL, "loader_next: output pointers are NULL");
-    if (ld->next >= ld->n_batches)
+    if (ld->next >= ld->n_batches)   /* (work stealing: set when no chunk was left) */
         return DT_EOF;
     int si = (int)(ld->next % 2);
     loader_slot *s = &ld->slot[si];
@@ -4801,6 +5039,21 @@ dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
         pthread_mutex_unlock(&ld->mu);
     }
     ld->wait_s += dt_now() - t0;
+    if (s->count < 0) {   /* work stealing: no chunk left anywhere */
+        ld->next = ld->n_batches;
+        if (ld->steal->status != DT_OK)
+            return set_error(ctx, ld->steal->status, "%s", ld->steal->msg);
+        return DT_EOF;
+    }
+    if (ld->cfg.global_batches && s->gen != ld->split_gen)
+        fill_batch(ld, s, s->batch_index);   /* cut before the split changed: again */
+    ld->cur_offset = s->offset;
+    ld->cur_count = s->count;
+    ld->cur_global = s->global;
+    if (ld->steal) {
+        ld->steal->done++;
+        ld->steal->stolen += s->stolen;
+    }
     if (uploads_async(ld)) {   /* started by the filler: kernels from here on wait */
         BE(ctx)->copy_join(BEI(ctx), s->ticket);
     } else if (!ld->host_visible) {
@@ -4811,7 +5064,7 @@ dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     ld->next++;
     if (ld->next < ld->n_batches)    /* the other half fills while the caller computes */
         loader_request(ld, 1 - si, ld->next);
-    if (s->count == ld->cfg.batch) {
+    if (s->count == ld->cap) {
         *x = s->x;
         *y = s->y;
     } else {
@@ -4823,7 +5076,54 @@ dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     return DT_OK;
 }
 
-int64_t dt_loader_batches(const dt_loader *ld) { return ld ? ld->n_batches : 0; }
+int64_t dt_loader_batches(const dt_loader *ld)
+{
+    if (ld && ld->steal)   /* its own shard's; stealing changes how many it runs */
+        return ld->cfg.drop_last ? ld->n_local / ld->cfg.batch
+                                 : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
+    return ld ? ld->n_batches : 0;
+}
+
+dt_status dt_loader_set_split(dt_loader *ld, const double *weights, int n)
+{
+    if (!ld)
+        return DT_EINVAL;
+    if (!ld->cfg.global_batches)
+        return set_error(ld->ctx, DT_ESTATE, "loader_set_split: the loader was made without "
+                         "global_batches");
+    if (!weights || n != ld->cfg.shard_count)
+        return set_error(ld->ctx, DT_EINVAL, "loader_set_split: need %d weights, got %d%s",
+                         ld->cfg.shard_count, n, weights ? "" : " (NULL)");
+    for (int r = 0; r < n; r++)
+        if (!(weights[r] > 0) || !isfinite(weights[r]))
+            return set_error(ld->ctx, DT_EINVAL, "loader_set_split: weight %d is %g; each must "
+                             "be finite and > 0", r, weights[r]);
+    if (ld->has_thread)
+        pthread_mutex_lock(&ld->mu);
+    memcpy(ld->split, weights, sizeof(double) * (size_t)n);
+    ld->split_gen++;
+    if (ld->has_thread)
+        pthread_mutex_unlock(&ld->mu);
+    return DT_OK;
+}
+
+void dt_loader_batch_slice(const dt_loader *ld, int64_t *offset, int64_t *count, int64_t *global)
+{
+    if (offset)
+        *offset = ld ? ld->cur_offset : 0;
+    if (count)
+        *count = ld ? ld->cur_count : 0;
+    if (global)
+        *global = ld ? ld->cur_global : 0;
+}
+
+int64_t dt_loader_batches_done(const dt_loader *ld)
+{
+    return !ld ? 0 : ld->steal ? ld->steal->done : ld->next;
+}
+
+int64_t dt_loader_batches_stolen(const dt_loader *ld) { return ld && ld->steal ? ld->steal->stolen : 0; }
+
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
 /* ===========================================================================
@@ -4865,7 +5165,9 @@ double dt_now(void)
  *
  * Wire format: frames of u32 little-endian length + payload; payload byte 0
  * is the operation.  HELLO (version, rank, token), SET (key, value), GET
- * (key, timeout).  The server answers every request with one frame; a GET
+ * (key, timeout), ADD (key, i64: the key's 8-byte counter plus it, answered
+ * with the sum; work stealing's claims), TIME (answered with the server's
+ * clock: the profiler's offsets, 20).  The server answers every request with one frame; a GET
  * for a missing key is parked until the key is set or its deadline passes.
  * A client that sends anything malformed, or anything before a good HELLO,
  * is answered with an error and disconnected; the server keeps serving the
@@ -4881,7 +5183,7 @@ double dt_now(void)
 #define DT_DEFAULT_MASTER_PORT 29500
 #define DT_STORE_DEFAULT_TIMEOUT_MS 30000
 
-enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_REPLY = 0x80 };
+enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_TIME = 5, OP_ADD = 6, OP_REPLY = 0x80 };
 
 /* The key a dead rank's process is recorded under: "dead/<rank>" for the
  * first, "dead/<rank>.<n>" for the n-th restart (14.6), so a restarted
@@ -5077,6 +5379,7 @@ struct dt_store {
     int fd;                    /* this rank's connection */
     int rank, timeout_ms;
     uint32_t inc;              /* our process's incarnation, said in the hello */
+    char token[DT_STORE_MAX_TOKEN + 1];   /* the job's, for a second connection */
     store_server *server;      /* rank 0 only */
     char addr[DT_MAX_HOST];
     int port;
@@ -5266,6 +5569,36 @@ static int sv_frame(store_server *sv, store_client *c, const unsigned char *f, s
         if (kv_set(sv, key, p, vl) != 0)
             return sv_error(sv, c, op, "store out of memory");
         if (sv_reply(sv, c, op, 1, NULL, 0) != 0)
+            return -1;
+        sv_serve_waiters(sv);
+        return 0;
+    }
+    if (op == OP_TIME) {   /* rank 0's clock, for the others' offsets (20) */
+        if (n != 1)
+            return sv_error(sv, c, op, "malformed time");
+        double now = dt_now();
+        unsigned char b[8];
+        memcpy(b, &now, sizeof b);
+        return sv_reply(sv, c, op, 1, b, sizeof b);
+    }
+    if (op == OP_ADD) {   /* an atomic counter: the server handles one frame at a time */
+        if (take_key(&p, end, key) != 0 || end - p != 8)
+            return sv_error(sv, c, op, "malformed add");
+        int64_t delta, v = 0;
+        memcpy(&delta, p, sizeof delta);
+        kv_entry *e = kv_find(sv, key);
+        if (e && e->len != sizeof v) {   /* the caller's mistake: refused, not dropped */
+            const char *why = "the key holds a value that is not a counter";
+            return sv_reply(sv, c, op, 0, why, (uint32_t)strlen(why));
+        }
+        if (e)
+            memcpy(&v, e->val, sizeof v);
+        v = (int64_t)((uint64_t)v + (uint64_t)delta);
+        unsigned char b[8];
+        memcpy(b, &v, sizeof b);
+        if (kv_set(sv, key, b, sizeof b) != 0)
+            return sv_error(sv, c, op, "store out of memory");
+        if (sv_reply(sv, c, op, 1, b, sizeof b) != 0)
             return -1;
         sv_serve_waiters(sv);
         return 0;
@@ -5655,6 +5988,7 @@ static dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_
     s->fd = -1;
     s->rank = env->rank;
     s->inc = inc;
+    snprintf(s->token, sizeof s->token, "%s", token);
     s->timeout_ms = cfg && cfg->timeout_ms > 0 ? cfg->timeout_ms : DT_STORE_DEFAULT_TIMEOUT_MS;
     snprintf(s->addr, sizeof s->addr, "%s", env->master_addr);
     s->port = env->master_port;
@@ -5741,6 +6075,60 @@ dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t l
     if (st == DT_OK && !ok)
         st = set_error(s->ctx, DT_EPEER, "store_set: rank 0 refused '%s'", key);
     return st;
+}
+
+dt_status dt_store_add(dt_store *s, const char *key, int64_t delta, int64_t *value)
+{
+    if (!s)
+        return DT_EINVAL;
+    if (!store_key_ok(s, "add", key))
+        return DT_EINVAL;
+    size_t kl = strlen(key);
+    unsigned char req[1 + 2 + DT_STORE_MAX_KEY + 8], out[64];
+    req[0] = OP_ADD;
+    put_u16(req + 1, (uint32_t)kl);
+    memcpy(req + 3, key, kl);
+    memcpy(req + 3 + kl, &delta, sizeof delta);
+    int ok = 0;
+    size_t len = 0;
+    dt_status st = store_call(s, req, 11 + kl, OP_ADD, dt_now() + s->timeout_ms / 1000.0, out,
+                              sizeof out, &ok, &len);
+    if (st != DT_OK)
+        return st;
+    if (!ok || len != 8)
+        return set_error(s->ctx, DT_EINVAL, "store_add: rank 0 refused '%s': %.*s", key,
+                         (int)(len < sizeof out ? len : sizeof out), (const char *)out);
+    if (value)
+        memcpy(value, out, sizeof *value);
+    return DT_OK;
+}
+
+/* Rank 0's clock minus ours, by Cristian's method: the best of `rounds`
+ * round trips (the least delay leaves the least doubt); *rtt its time. */
+static dt_status store_clock_offset(dt_store *s, int rounds, double *offset, double *rtt)
+{
+    *offset = 0;
+    *rtt = INFINITY;
+    for (int i = 0; i < rounds; i++) {
+        unsigned char req[1] = {OP_TIME}, out[64];
+        int ok = 0;
+        size_t len = 0;
+        double t0 = dt_now();
+        dt_status st = store_call(s, req, 1, OP_TIME, t0 + s->timeout_ms / 1000.0, out,
+                                  sizeof out, &ok, &len);
+        double t1 = dt_now();
+        if (st != DT_OK)
+            return st;
+        if (!ok || len != 8)
+            return set_error(s->ctx, DT_EPEER, "store: rank 0 did not answer the clock request");
+        double server;
+        memcpy(&server, out, sizeof server);
+        if (t1 - t0 < *rtt) {
+            *rtt = t1 - t0;
+            *offset = server - (t0 + t1) / 2;
+        }
+    }
+    return DT_OK;
 }
 
 dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size_t *len,
@@ -5940,11 +6328,14 @@ struct dt_comm {
     int seg_linked;            /* we created it and its name still exists */
     int regions_made;          /* shared regions set up so far (their store keys) */
     int ps_made;               /* parameter-server jobs joined so far (their store keys) */
+    int steals_made;           /* work-stealing loaders made so far (their store keys) */
     uint32_t inc;              /* 0, or this rank's n-th restarted process (14.6: rejoined,
                                   only the parameter server's requests work) */
     int announced;             /* a restarted process told its peers it serves */
     uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
+    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (20) */
+    double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
     struct xfers *graveyard;   /* comm thread: records holding orphaned sends (14.2) */
 };
 
@@ -7340,7 +7731,9 @@ static void *comm_main(void *arg)
         pthread_mutex_unlock(&c->mu);
         double t0 = dt_now();
         run_work(c, w);
-        w->run_s = dt_now() - t0;
+        double t1 = dt_now();
+        w->run_s = t1 - t0;
+        prof_coll(c, w, t0, t1);
         pthread_mutex_lock(&c->mu);
         c->running = 0;
         w->done = 1;
@@ -7413,7 +7806,13 @@ static dt_status work_finish(dt_work *w, double *run_s)
 
 dt_status dt_work_wait(dt_work *w)
 {
-    return w ? work_finish(w, NULL) : DT_EINVAL;
+    if (!w)
+        return DT_EINVAL;
+    dt_ctx *ctx = w->comm->ctx;
+    double t0 = prof_begin(ctx);
+    dt_status st = work_finish(w, NULL);
+    prof_end(ctx, PH_COMM_WAIT, t0);
+    return st;
 }
 
 static int coll_args_ok(dt_comm *c, const char *op, const void *buf, int64_t n)
@@ -7462,7 +7861,9 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
                  .aux = aux, .spin_s = c->inline_spin_s, .blame = -1};
     w.seq = c->next_seq++;
     pthread_mutex_unlock(&c->mu);
+    double t0 = dt_now();
     run_work(c, &w);
+    prof_coll(c, &w, t0, dt_now());
     pthread_mutex_lock(&c->mu);
     c->running = 0;
     if (c->head)   /* the comm thread waits for us only when work is queued */
@@ -7473,8 +7874,8 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
     return w.status;
 }
 
-static dt_status run_collective_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
-                                   int root, dt_reduce_op op, const void *aux)
+static dt_status run_collective_wait(dt_comm *c, int kind, float *buf, const float *in,
+                                     int64_t n, int root, dt_reduce_op op, const void *aux)
 {
     if (rejoined_refuses(c, kind) != DT_OK)
         return DT_ESTATE;
@@ -7484,7 +7885,17 @@ static dt_status run_collective_in(dt_comm *c, int kind, float *buf, const float
             return st;
     }
     dt_work *w = enqueue_in(c, kind, buf, in, n, root, op, aux);
-    return w ? dt_work_wait(w) : c->ctx->last_status;
+    return w ? work_finish(w, NULL) : c->ctx->last_status;
+}
+
+/* A blocking collective: the caller's wait is communication it sees. */
+static dt_status run_collective_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                   int root, dt_reduce_op op, const void *aux)
+{
+    double t0 = prof_begin(c->ctx);
+    dt_status st = run_collective_wait(c, kind, buf, in, n, root, op, aux);
+    prof_end(c->ctx, PH_COMM_WAIT, t0);
+    return st;
 }
 
 static dt_status run_collective(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
@@ -8005,6 +8416,9 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
      * peers are mid-job: it tells them when it serves, announce_rejoin) */
     if (!c->inc && dt_barrier(c) != DT_OK)
         goto fail;
+    /* the profiler's offset to rank 0's clock (20), while the job is quiet */
+    if (store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
+        goto fail;
     /* every local rank has mapped the segment: its name can go, so no
      * file is left behind in /dev/shm whatever happens later */
     if (c->seg_linked) {
@@ -8513,6 +8927,11 @@ struct dt_ddp {
     float momentum;            /* > 0: momentum correction (16.1) */
     int64_t topk_steps;        /* TOPK: steps sent so far (the warm-up's clock) */
     dt_ddp_stats st;
+    /* the ranks' checks (20) and load balancing (16.5) */
+    int check_every;           /* profiling: steps between straggler checks; 0: none */
+    dt_loader *bal_ld;         /* balancing: the loader whose global batches it cuts */
+    int bal_every;
+    double *bal_w;             /* the split in force, one weight a rank */
 };
 
 void dt_ddp_config_init(dt_ddp_config *cfg)
@@ -8974,8 +9393,11 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
 
 /* Hand bucket b to the comm thread (the last one carries the used-flags)
  * and start the average. */
+static void ddp_weigh(dt_ddp *d, int64_t offset, int64_t numel);
+
 static void ddp_launch(dt_ddp *d, ddp_bucket *b)
 {
+    ddp_weigh(d, b->offset, b->numel);
     float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
     for (int k = 0; k < b->count; k++)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
@@ -9039,6 +9461,7 @@ static void ddp_reduce_whole(dt_ddp *d)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
     d->sent_at_launch = dt_comm_bytes_sent(d->comm);
     d->zero_gen = d->ctx->zero_gen;
+    ddp_weigh(d, 0, d->grad_floats);
     double t0 = dt_now();
     uint64_t ticket = ddp_stage_out(d, 0, d->grad_floats);
     if (ticket)
@@ -9242,7 +9665,23 @@ static dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
 
 /* Launch what is owed (no-overlap mode), wait for every bucket in order,
  * and mark the gradients no rank produced as absent again. */
+static dt_status ddp_finish_run(dt_ddp *d);
+static dt_status ddp_check_ranks(dt_ddp *d);
+
+/* The wait for the step's buckets is exposed communication. */
 static dt_status ddp_finish(dt_ddp *d)
+{
+    if (!d->pending_sync)
+        return DT_OK;
+    double t0 = prof_begin(d->ctx);
+    dt_status s = ddp_finish_run(d);
+    if (s == DT_OK)
+        s = ddp_check_ranks(d);
+    prof_end(d->ctx, PH_COMM_WAIT, t0);
+    return s;
+}
+
+static dt_status ddp_finish_run(dt_ddp *d)
 {
     if (!d->pending_sync)
         return DT_OK;
@@ -9345,6 +9784,118 @@ dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out)
         return DT_EINVAL;
     *out = d->st;
     return DT_OK;
+}
+
+/* --- 16.5 the ranks' checks and load balancing -------------------------------
+ * A balanced step's gradient is the global batch's: each rank's mean over
+ * its slice, times world * slice / global, averaged over the ranks, is the
+ * mean over the whole global batch. */
+static void ddp_weigh(dt_ddp *d, int64_t offset, int64_t numel)
+{
+    if (!d->bal_ld || numel <= 0)
+        return;
+    int64_t count, global;
+    dt_loader_batch_slice(d->bal_ld, NULL, &count, &global);
+    float w = global > 0 ? (float)((double)count * dt_comm_size(d->comm) / (double)global) : 1.0f;
+    if (w == 1.0f)
+        return;
+    float *g = ddp_grads(d, d->cur) + offset;
+    d->be_iface->axpby(d->be, numel, 0.0f, g, w, g);
+}
+
+/* After every `every` synchronised steps (the same step on every rank):
+ * swap compute rates, name a straggler, and re-cut the global batch in
+ * proportion to the rates when the shares move by more than 2 points
+ * (smaller moves are noise, and each costs the loader a re-cut batch). */
+static dt_status ddp_check_ranks(dt_ddp *d)
+{
+    int every = d->bal_ld ? d->bal_every : d->check_every;
+    if (every <= 0 || d->cfg.ps || d->st.steps == 0 || d->st.steps % every)
+        return DT_OK;
+    int P = dt_comm_size(d->comm);
+    double rates[64] = {0};
+    if (P > 64)
+        return DT_OK;
+    dt_status s = prof_exchange(d->ctx, d->comm, rates);
+    if (s != DT_OK || !d->bal_ld)
+        return s;
+    double sum = 0, old = 0, moved = 0;
+    for (int r = 0; r < P; r++) {
+        if (!(rates[r] > 0))
+            return DT_OK;   /* a rank without a closed step yet: next time */
+        sum += rates[r];
+        old += d->bal_w[r];
+    }
+    for (int r = 0; r < P; r++) {
+        double m = fabs(rates[r] / sum - d->bal_w[r] / old);
+        moved = m > moved ? m : moved;
+    }
+    if (moved <= 0.02)
+        return DT_OK;
+    for (int r = 0; r < P; r++)
+        d->bal_w[r] = rates[r] / sum;
+    return dt_loader_set_split(d->bal_ld, d->bal_w, P);
+}
+
+dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    dt_ctx *ctx = d->ctx;
+    int P = dt_comm_size(d->comm), me = dt_comm_rank(d->comm);
+    if (every <= 0)
+        every = 10;
+    /* a bad call on one rank still joins the agreement below */
+    const char *bad = !ld                             ? "the loader is NULL"
+                      : ld->ctx != ctx                 ? "the loader belongs to another context"
+                      : d->cfg.ps                      ? "not with a parameter server (its workers "
+                                                         "need not agree on a step)"
+                      : !ld->cfg.global_batches        ? "the loader needs global_batches"
+                      : ld->cfg.shard_count != P || ld->cfg.shard_rank != me
+                          ? "the loader's shards must be the ranks (shard_rank = rank, "
+                            "shard_count = world)"
+                      : P > 64                         ? "at most 64 ranks"
+                      : d->bal_ld                      ? "already balancing"
+                                                       : NULL;
+    float mine[2] = {(float)every, bad ? 1.0f : 0.0f}, *all = host_alloc(ctx, sizeof(float) * 2 * (size_t)P);
+    if (!all)
+        return set_error(ctx, DT_ENOMEM, "ddp_balance: out of memory");
+    dt_status s = run_collective_wait(d->comm, COLL_ALLGATHER, all, mine, 2, 0, DT_REDUCE_SUM, NULL);
+    int differ = -1, failed = -1;
+    for (int r = 0; s == DT_OK && r < P; r++) {
+        if (all[2 * r] != mine[0] && differ < 0)
+            differ = r;
+        if (all[2 * r + 1] != 0 && failed < 0)
+            failed = r;
+    }
+    float theirs = differ >= 0 ? all[2 * differ] : 0;
+    host_free(ctx, all);
+    if (s != DT_OK)
+        return s;
+    if (bad)
+        return set_error(ctx, DT_EINVAL, "ddp_balance: %s", bad);
+    if (failed >= 0)
+        return set_error(ctx, DT_EINVAL, "ddp_balance: rank %d refused its call", failed);
+    if (differ >= 0)
+        return set_error(ctx, DT_EMISMATCH, "ddp_balance: rank %d balances every %g steps, this "
+                         "rank every %d", differ, (double)theirs, every);
+    if (!(d->bal_w = host_alloc(ctx, sizeof(double) * (size_t)P)))
+        return set_error(ctx, DT_ENOMEM, "ddp_balance: out of memory");
+    for (int r = 0; r < P; r++)
+        d->bal_w[r] = 1.0 / P;
+    d->bal_ld = ld;
+    d->bal_every = every;
+    ctx->prof.balancing = 1;
+    __atomic_store_n(&ctx->prof.measure, 1, __ATOMIC_RELAXED);
+    return dt_loader_set_split(ld, d->bal_w, P);
+}
+
+double dt_ddp_balance_share(const dt_ddp *d)
+{
+    if (!d || !d->comm)
+        return 0;
+    int P = dt_comm_size(d->comm);
+    return d->bal_w ? d->bal_w[dt_comm_rank(d->comm)] : 1.0 / P;
 }
 
 void dt_ddp_stats_reset(dt_ddp *d)
@@ -9640,6 +10191,13 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
 
 static void ddp_release(dt_ddp *d)
 {
+    if (d->bal_ld && d->ctx) {
+        d->ctx->prof.balancing = 0;
+        __atomic_store_n(&d->ctx->prof.measure, d->ctx->prof.record, __ATOMIC_RELAXED);
+    }
+    host_free(d->ctx, d->bal_w);
+    d->bal_w = NULL;
+    d->bal_ld = NULL;
     dt_ctx *ctx = d->ctx;
     if (d->last_ticket)   /* no copy may still read or write the sets */
         d->be_iface->copy_wait(d->be, d->last_ticket);
@@ -9732,10 +10290,11 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         snprintf(settings, sizeof settings, "invalid: %.200s", local_msg);
     else
         snprintf(settings, sizeof settings, "bucket_bytes %zu, overlap %d, compress %d, topk_ratio "
-                 "%g, warmup %d, error_feedback %d, device memory %d", ddp_bucket_cap(cfg, ctx),
+                 "%g, warmup %d, error_feedback %d, device memory %d, profiler checks every %d",
+                 ddp_bucket_cap(cfg, ctx),
                  cfg->overlap < 0 ? -1 : cfg->overlap != 0, (int)cfg->compress,
                  (double)cfg->topk_ratio, cfg->topk_warmup_steps, cfg->error_feedback != 0,
-                 !ctx->be_iface->host_visible);
+                 !ctx->be_iface->host_visible, prof_recording(ctx) ? ctx->prof.cfg.check_every : 0);
     if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
         if (ddp_ps_check(ctx, c, &conf, opt) != DT_OK)
             return NULL;
@@ -9798,6 +10357,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     if (d->momentum > 0)
         d->opt->momentum_by_ddp = 1;
     d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);
+    d->check_every = prof_recording(ctx) ? ctx->prof.cfg.check_every : 0;
     d->st.overlap = d->overlap;
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
@@ -9818,7 +10378,7 @@ static void ddp_detach(dt_ddp *d)
     if (!d->ctx)
         return;
     if (d->pending_sync)
-        ddp_finish(d);
+        ddp_finish_run(d);   /* no rank check: the others may be gone */
     for (int i = 0; i < d->nparams; i++) {
         dt_tensor *g = d->params[i]->grad;
         if (!(g->flags & T_ZERO))
@@ -13162,4 +13722,1023 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
         *out = st;
     hw_cleanup(&hw, free_model);
     return s;
+}
+
+/* ===========================================================================
+ * 20. Profiler: step breakdowns, timelines, stragglers
+ *
+ * The compute thread's public calls mark phases (prof_begin/prof_end around
+ * dt_loader_next, dt_backward, the DDP's wait, blocking collectives,
+ * dt_optim_step); the gaps between them are forward (before a backward) or
+ * idle, so a step's phases add up to its wall time by construction.  Only
+ * the outermost call counts: a collective inside dt_ddp_step is the step's
+ * comm wait, not a second one.  The comm thread and the loader's thread
+ * add events under the state's mutex.
+ *
+ * At the end every rank's totals and events travel to rank 0 in one
+ * allgather (each rank's block padded to the largest), which moves them
+ * onto its own clock with the offsets the ranks measured against rank 0's
+ * store at rendezvous (Cristian's method: the best of 8 round trips, off by
+ * at most half that round trip, tens of microseconds on one host).
+ * ======================================================================== */
+
+#define PROF_DEFAULT_EVENTS 262144
+#define PROF_DEFAULT_THRESHOLD 0.15
+#define PROF_DEFAULT_EVERY 20
+#define PROF_LINK_FLOATS ((int64_t)2 << 20)   /* the link test: 8 MiB allreduces */
+
+enum { TID_COMPUTE = 1, TID_COMM = 2, TID_LOADER = 3 };
+enum { EV_PHASE = 1, EV_STEP, EV_COLL, EV_PS, EV_BATCH, EV_STRAGGLER };
+static const char *const phase_names[PH_COUNT] = {"data wait", "forward", "backward",
+                                                  "comm wait", "optimizer", "idle"};
+
+static int prof_measuring(const dt_ctx *ctx)
+{
+    return ctx && __atomic_load_n(&ctx->prof.measure, __ATOMIC_RELAXED);
+}
+
+static int prof_recording(const dt_ctx *ctx)
+{
+    return ctx && __atomic_load_n(&ctx->prof.record, __ATOMIC_RELAXED);
+}
+
+static void prof_init(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    pthread_mutex_init(&p->mu, NULL);
+    p->straggler = p->warned_rank = -1;
+    const char *env = getenv("DTRAIN_PROFILE");
+    if (env && *env && strcmp(env, "0") != 0)
+        dt_profile_start(ctx, NULL);   /* a failure (no memory) leaves it off, said in ctx */
+}
+
+static void prof_release(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    host_free(ctx, p->ev);
+    host_free(ctx, p->report);
+    host_free(ctx, p->ranks);
+    pthread_mutex_destroy(&p->mu);
+}
+
+/* Keep an event (under p->mu); past the buffer's end it is only counted. */
+static void prof_push(prof_state *p, prof_event e)
+{
+    if (!p->record)
+        return;
+    if (p->nev < p->cap)
+        p->ev[p->nev++] = e;
+    else
+        p->dropped++;
+}
+
+/* Start of a phase: its start time, 0 when not measuring, -1 when nested
+ * in another phase (not counted). */
+static double prof_begin(dt_ctx *ctx)
+{
+    if (!prof_measuring(ctx))
+        return 0;
+    prof_state *p = &ctx->prof;
+    if (p->depth++ > 0)
+        return -1;
+    return dt_now();
+}
+
+static void prof_end(dt_ctx *ctx, int phase, double t0)
+{
+    if (t0 == 0)
+        return;
+    prof_state *p = &ctx->prof;
+    if (--p->depth > 0 || t0 < 0)
+        return;
+    double t1 = dt_now();
+    if (!p->open) {
+        /* a step starts with its data or its backward; what comes before the
+         * first (set-up, a DDP's broadcast) belongs to no step */
+        if (phase != PH_DATA && phase != PH_BACKWARD)
+            return;
+        p->open = 1;
+        p->step_t0 = p->mark = t0;
+    }
+    int gap = phase == PH_BACKWARD ? PH_FORWARD : PH_IDLE;   /* the caller's own time */
+    if (t0 > p->mark)
+        p->cur[gap] += t0 - p->mark;
+    p->cur[phase] += t1 - t0;
+    pthread_mutex_lock(&p->mu);
+    if (gap == PH_FORWARD && t0 > p->mark)
+        prof_push(p, (prof_event){.t0 = p->mark, .t1 = t0, .type = EV_PHASE, .tid = TID_COMPUTE,
+                                  .what = PH_FORWARD, .a = p->step_index});
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PHASE, .tid = TID_COMPUTE,
+                              .what = (uint8_t)phase, .a = p->step_index});
+    pthread_mutex_unlock(&p->mu);
+    p->mark = t1;
+    if (phase == PH_BACKWARD)
+        p->had_backward = 1;
+}
+
+static void prof_samples(dt_ctx *ctx, int64_t n)
+{
+    if (prof_measuring(ctx))
+        ctx->prof.cur_samples += n;
+}
+
+/* dt_step_reset: the step ends if it ran a backward (an evaluation's steps
+ * stay inside the training step they interrupt, as idle time). */
+static void prof_step_end(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    if (!prof_measuring(ctx) || !p->open || !p->had_backward || p->depth)
+        return;
+    double t = dt_now();
+    p->cur[PH_IDLE] += t - p->mark;
+    double total = t - p->step_t0, compute = p->cur[PH_FORWARD] + p->cur[PH_BACKWARD] +
+                                             p->cur[PH_OPTIM];
+    pthread_mutex_lock(&p->mu);
+    dt_profile_stats *s = &p->tot;
+    s->steps++;
+    s->step_s += total;
+    s->data_s += p->cur[PH_DATA];
+    s->forward_s += p->cur[PH_FORWARD];
+    s->backward_s += p->cur[PH_BACKWARD];
+    s->comm_wait_s += p->cur[PH_COMM_WAIT];
+    s->optimizer_s += p->cur[PH_OPTIM];
+    s->idle_s += p->cur[PH_IDLE];
+    s->samples += p->cur_samples;
+    p->win_compute += compute;
+    p->win_steps++;
+    p->win_samples += p->cur_samples;
+    prof_push(p, (prof_event){.t0 = p->step_t0, .t1 = t, .type = EV_STEP, .tid = TID_COMPUTE,
+                              .a = p->step_index, .b = p->cur_samples});
+    pthread_mutex_unlock(&p->mu);
+    memset(p->cur, 0, sizeof p->cur);
+    p->cur_samples = 0;
+    p->step_index++;
+    p->step_t0 = p->mark = t;
+    p->had_backward = 0;
+}
+
+/* What the comm thread ran: the algorithm (as 14's dispatch picks it) and
+ * the NCCL-style bus factor that turns algbw into busbw (the bytes each
+ * link carries, comparable with the link's speed). */
+static const char *const coll_algs[] = {"?", "shared segment", "hierarchical", "recursive doubling",
+                                        "ring", "binomial tree", "pairwise", "16-bit ring",
+                                        "parameter server"};
+static int coll_alg(const dt_comm *c, const dt_work *w)
+{
+    if (w->kind == COLL_PS)
+        return 8;
+    if (c->use_segment && c->nhosts == 1)
+        return 1;
+    if (c->use_segment)
+        return 2;
+    switch (w->kind) {
+    case COLL_ALLREDUCE: case COLL_BARRIER: case COLL_ALLREDUCE_SHARED:
+        return (size_t)w->n * sizeof(float) <= c->doubling_max || w->n < c->world ? 3 : 4;
+    case COLL_BROADCAST: return 5;
+    case COLL_ALLTOALL: return 6;
+    case COLL_ALLREDUCE16: return 7;
+    default: return 4;
+    }
+}
+
+static double coll_bus_factor(int kind, int P)
+{
+    if (P <= 1)
+        return 0;
+    switch (kind) {
+    case COLL_ALLREDUCE: case COLL_ALLREDUCE16: case COLL_ALLREDUCE_SHARED:
+        return 2.0 * (P - 1) / P;
+    case COLL_BROADCAST: return 1.0;
+    case COLL_BARRIER: return 0.0;
+    default: return (double)(P - 1) / P;
+    }
+}
+
+static int64_t coll_bytes(const dt_work *w)
+{
+    return w->kind == COLL_BARRIER ? 0 : w->n * (w->kind == COLL_ALLREDUCE16 ? 2 : 4);
+}
+
+static void prof_coll(dt_comm *c, const dt_work *w, double t0, double t1)
+{
+    dt_ctx *ctx = c->ctx;
+    if (!prof_recording(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    if (w->kind == COLL_PS) {
+        const ps_call *pc = w->aux;
+        int pull = pc && (pc->op == PS_PULL || pc->op == PS_SPULL);
+        p->tot.ps_calls++;
+        p->tot.ps_latency_s += t1 - t0;
+        p->tot.comm_s += t1 - t0;
+        if (pull && w->status == DT_OK) {
+            p->stale_sum += (double)pc->stale;
+            p->stale_n++;
+            if (pc->stale > p->tot.ps_max_staleness)
+                p->tot.ps_max_staleness = pc->stale;
+        }
+        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PS, .tid = TID_COMM,
+                                  .what = (uint8_t)(pc ? pc->op : 0), .a = w->n,
+                                  .b = pull ? pc->stale : -1});
+    } else {
+        int64_t bytes = coll_bytes(w);
+        p->tot.collectives++;
+        p->tot.coll_bytes += (uint64_t)bytes;
+        p->tot.comm_s += t1 - t0;
+        p->bus_bytes += (double)bytes * coll_bus_factor(w->kind, c->world);
+        p->coll_s += t1 - t0;
+        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_COLL, .tid = TID_COMM,
+                                  .what = (uint8_t)w->kind, .alg = (uint8_t)coll_alg(c, w),
+                                  .a = bytes, .b = c->world});
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread)
+{
+    if (!prof_recording(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->batch_s += t1 - t0;
+    p->batches++;
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_BATCH,
+                              .tid = on_thread ? TID_LOADER : TID_COMPUTE, .a = samples});
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* --- 20.1 the public side ---------------------------------------------------- */
+
+void dt_profile_config_init(dt_profile_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+}
+
+static void prof_resolve(dt_profile_config *c)
+{
+    if (c->max_events <= 0)
+        c->max_events = PROF_DEFAULT_EVENTS;
+    if (!(c->straggler_threshold > 0)) {
+        const char *e = getenv("DTRAIN_STRAGGLER");
+        double v = e && *e ? strtod(e, NULL) : 0;
+        c->straggler_threshold = v > 0 ? v : PROF_DEFAULT_THRESHOLD;
+    }
+    if (c->check_every <= 0)
+        c->check_every = PROF_DEFAULT_EVERY;
+}
+
+dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    prof_state *p = &ctx->prof;
+    dt_profile_config c;
+    dt_profile_config_init(&c);
+    if (cfg)
+        c = *cfg;
+    prof_resolve(&c);
+    prof_event *ev = host_alloc(ctx, sizeof *ev * (size_t)c.max_events);
+    if (!ev)
+        return set_error(ctx, DT_ENOMEM, "profile_start: out of memory for %d events",
+                         c.max_events);
+    pthread_mutex_lock(&p->mu);
+    prof_event *old = p->ev;
+    p->ev = ev;
+    p->cap = c.max_events;
+    p->nev = p->dropped = 0;
+    p->cfg = c;
+    memset(&p->tot, 0, sizeof p->tot);
+    p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
+    p->stale_n = p->batches = 0;
+    p->win_compute = 0;
+    p->win_steps = p->win_samples = 0;
+    p->straggler = p->warned_rank = -1;
+    memset(p->cur, 0, sizeof p->cur);
+    p->cur_samples = 0;
+    p->open = p->had_backward = 0;
+    __atomic_store_n(&p->measure, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->record, 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&p->mu);
+    host_free(ctx, old);
+    return DT_OK;
+}
+
+int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
+
+static void prof_fill(const prof_state *p, dt_profile_stats *out)
+{
+    *out = p->tot;
+    out->busbw = p->coll_s > 0 ? p->bus_bytes / p->coll_s / 1e9 : 0;
+    out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
+    out->events = p->nev;
+    out->dropped = p->dropped;
+}
+
+dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
+{
+    if (!ctx || !out)
+        return DT_EINVAL;
+    prof_state *p = (prof_state *)&ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    prof_fill(p, out);
+    pthread_mutex_unlock(&p->mu);
+    return DT_OK;
+}
+
+const char *dt_profile_report(const dt_ctx *ctx)
+{
+    return ctx && ctx->prof.report ? ctx->prof.report : "";
+}
+
+dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *out)
+{
+    if (!ctx || !out)
+        return DT_EINVAL;
+    if (!ctx->prof.ranks || rank < 0 || rank >= ctx->prof.nranks)
+        return set_error((dt_ctx *)ctx, DT_ESTATE, "profile_rank_stats: no totals for rank %d "
+                         "(they are on rank 0 after dt_profile_finish)", rank);
+    *out = ctx->prof.ranks[rank];
+    return DT_OK;
+}
+
+int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
+
+/* --- 20.2 the ranks' check during training (16 calls it) ------------------ */
+
+/* Each rank's compute per sample over the window: the slowest is a
+ * straggler if it is more than the threshold above the median.  Per sample,
+ * so a rank that balancing gave fewer samples is still seen as slow. */
+static int prof_find_straggler(const double *per_sample, int P, double threshold, double *median)
+{
+    double sorted[64];
+    int n = 0;
+    for (int r = 0; r < P && n < 64; r++)
+        if (per_sample[r] > 0)
+            sorted[n++] = per_sample[r];
+    if (n < 2)
+        return -1;
+    for (int i = 1; i < n; i++)   /* insertion sort: P is small */
+        for (int j = i; j > 0 && sorted[j] < sorted[j - 1]; j--) {
+            double t = sorted[j];
+            sorted[j] = sorted[j - 1];
+            sorted[j - 1] = t;
+        }
+    *median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+    int worst = -1;
+    for (int r = 0; r < P; r++)
+        if (per_sample[r] > *median * (1 + threshold) &&
+            (worst < 0 || per_sample[r] > per_sample[worst]))
+            worst = r;
+    return worst;
+}
+
+/* Called by a DDP on every rank at the same step: swap the windows, name a
+ * straggler, hand each rank's rate (samples per second of compute) back
+ * for balancing (rates: P doubles, 0 where unknown).  DT_OK with nothing
+ * done when no rank has a closed step yet. */
+static dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
+{
+    prof_state *p = &ctx->prof;
+    int P = c->world;
+    float mine[3] = {(float)p->win_compute, (float)p->win_steps, (float)p->win_samples};
+    float *all = host_alloc(ctx, sizeof(float) * 3 * (size_t)P);
+    double *per = host_alloc(ctx, sizeof(double) * (size_t)P);
+    if (!all || !per) {
+        host_free(ctx, all);
+        host_free(ctx, per);
+        return set_error(ctx, DT_ENOMEM, "profiler: out of memory");
+    }
+    dt_status st = run_collective_wait(c, COLL_ALLGATHER, all, mine, 3, 0, DT_REDUCE_SUM, NULL);
+    if (st == DT_OK) {
+        p->win_compute = 0;
+        p->win_steps = p->win_samples = 0;
+        for (int r = 0; r < P; r++) {
+            double comp = all[3 * r], samples = all[3 * r + 2];
+            per[r] = samples > 0 ? comp / samples : 0;
+            rates[r] = comp > 0 ? samples / comp : 0;
+        }
+        double median = 0;
+        int s = prof_find_straggler(per, P, p->cfg.straggler_threshold > 0
+                                                ? p->cfg.straggler_threshold
+                                                : PROF_DEFAULT_THRESHOLD, &median);
+        p->straggler = s;
+        if (s >= 0) {
+            if (s == c->rank) {
+                pthread_mutex_lock(&p->mu);
+                p->tot.straggler_warnings++;
+                pthread_mutex_unlock(&p->mu);
+            }
+            double now = dt_now();
+            pthread_mutex_lock(&p->mu);
+            prof_push(p, (prof_event){.t0 = now, .t1 = now, .type = EV_STRAGGLER,
+                                      .tid = TID_COMPUTE, .a = s, .b = (int64_t)(per[s] * 1e9)});
+            pthread_mutex_unlock(&p->mu);
+            if (s != p->warned_rank)
+                warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
+                     "median %.3f ms of %d ranks (dt_ddp_balance evens this out)", s,
+                     per[s] * 1e3, 100 * (per[s] / median - 1), median * 1e3, P);
+        }
+        p->warned_rank = s;
+    }
+    host_free(ctx, all);
+    host_free(ctx, per);
+    return st;
+}
+
+/* --- 20.3 the end of the job: gather, trace, report ------------------------- */
+
+typedef struct prof_blob_head {
+    uint64_t magic;
+    int64_t nev;
+    double offset;             /* add to this rank's clock to get rank 0's */
+    double batch_s;            /* the loader's time preparing batches */
+    int64_t batches;
+    dt_profile_stats st;
+} prof_blob_head;
+#define PROF_BLOB_MAGIC 0x50524F46444Eull
+
+/* A growing text buffer for the report (the context's allocator). */
+typedef struct textbuf {
+    dt_ctx *ctx;
+    char *s;
+    size_t len, cap;
+    int oom;
+} textbuf;
+
+static void tb_printf(textbuf *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tb_printf(textbuf *t, const char *fmt, ...)
+{
+    if (t->oom)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(t->s ? t->s + t->len : NULL, t->s ? t->cap - t->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0)
+            return;
+        if (t->s && t->len + (size_t)n < t->cap) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = (t->cap ? t->cap * 2 : 4096) + (size_t)n;
+        char *s = t->ctx->al.realloc_fn(t->s, cap, t->ctx->al.user);
+        if (!s) {
+            t->oom = 1;
+            return;
+        }
+        t->s = s;
+        t->cap = cap;
+    }
+}
+
+/* This rank's totals and events, laid out in floats for the allgather. */
+static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
+{
+    prof_state *p = &ctx->prof;
+    size_t bytes = sizeof(prof_blob_head) + (size_t)p->nev * sizeof(prof_event);
+    *nfloats = (int64_t)((bytes + 3) / 4);
+    float *buf = host_calloc(ctx, (size_t)*nfloats * sizeof(float));
+    if (!buf)
+        return NULL;
+    prof_blob_head h = {.magic = PROF_BLOB_MAGIC, .nev = p->nev, .offset = offset,
+                        .batch_s = p->batch_s, .batches = p->batches};
+    prof_fill(p, &h.st);
+    memcpy(buf, &h, sizeof h);
+    if (p->nev)
+        memcpy((char *)buf + sizeof h, p->ev, (size_t)p->nev * sizeof(prof_event));
+    return buf;
+}
+
+/* The link's bandwidth as the profiler compares with: the best of three
+ * 8 MiB allreduces (after one to warm up), as bus bandwidth in GB/s. */
+static dt_status prof_link_test(dt_ctx *ctx, dt_comm *c, double *busbw)
+{
+    *busbw = 0;
+    float *buf = host_calloc(ctx, (size_t)PROF_LINK_FLOATS * sizeof(float));
+    if (!buf)
+        return set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for the link test");
+    double best = INFINITY;
+    dt_status st = DT_OK;
+    for (int i = 0; i < 4 && st == DT_OK; i++) {
+        double t0 = dt_now();
+        st = run_collective_wait(c, COLL_ALLREDUCE, buf, NULL, PROF_LINK_FLOATS, 0,
+                                 DT_REDUCE_SUM, NULL);
+        double t = dt_now() - t0;
+        if (i > 0 && t < best)
+            best = t;
+    }
+    host_free(ctx, buf);
+    if (st == DT_OK && best > 0 && best < INFINITY)
+        *busbw = coll_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
+    return st;
+}
+
+static void json_event_head(FILE *f, int *first, const char *ph, int pid, int tid, double ts)
+{
+    fprintf(f, "%s\n{\"ph\":\"%s\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f", *first ? "" : ",", ph, pid,
+            tid, ts);
+    *first = 0;
+}
+
+static const char *ps_op_name(int op)
+{
+    switch (op) {
+    case PS_PUSH: return "ps push";
+    case PS_CPUSH: return "ps push (compressed)";
+    case PS_PULL: return "ps pull";
+    case PS_SPUSH: return "ps sparse push";
+    case PS_SPULL: return "ps sparse pull";
+    case PS_INIT: return "ps init";
+    case PS_FINISH: return "ps finish";
+    default: return "ps call";
+    }
+}
+
+/* One event as trace-event JSON; ts and dur in microseconds since base. */
+static void json_event(FILE *f, int *first, int rank, const prof_event *e, double shift)
+{
+    double ts = (e->t0 + shift) * 1e6, dur = (e->t1 - e->t0) * 1e6;
+    if (e->type == EV_STRAGGLER) {
+        json_event_head(f, first, "i", rank, TID_COMPUTE, ts);
+        fprintf(f, ",\"s\":\"g\",\"name\":\"straggler: rank %lld\",\"cat\":\"straggler\","
+                "\"args\":{\"rank\":%lld,\"compute_ms_per_sample\":%.4f}}",
+                (long long)e->a, (long long)e->a, (double)e->b / 1e6);
+        return;
+    }
+    json_event_head(f, first, "X", rank, e->tid, ts);
+    fprintf(f, ",\"dur\":%.3f", dur);
+    switch (e->type) {
+    case EV_PHASE:
+        fprintf(f, ",\"name\":\"%s\",\"cat\":\"phase\",\"args\":{\"step\":%lld}}",
+                phase_names[e->what < PH_COUNT ? e->what : PH_IDLE], (long long)e->a);
+        break;
+    case EV_STEP:
+        fprintf(f, ",\"name\":\"step %lld\",\"cat\":\"step\",\"args\":{\"step\":%lld,"
+                "\"samples\":%lld}}", (long long)e->a, (long long)e->a, (long long)e->b);
+        break;
+    case EV_COLL: {
+        double algbw = dur > 0 ? (double)e->a / (dur * 1e3) : 0;   /* bytes/us/1e3 = GB/s */
+        fprintf(f, ",\"name\":\"%s\",\"cat\":\"comm\",\"args\":{\"bytes\":%lld,\"algorithm\":"
+                "\"%s\",\"ranks\":%lld,\"algbw_GBps\":%.4f,\"busbw_GBps\":%.4f}}",
+                e->what <= COLL_PS ? coll_names[e->what] : "?", (long long)e->a,
+                coll_algs[e->alg < 9 ? e->alg : 0], (long long)e->b, algbw,
+                algbw * coll_bus_factor(e->what, (int)e->b));
+        break;
+    }
+    case EV_PS:
+        fprintf(f, ",\"name\":\"%s\",\"cat\":\"ps\",\"args\":{\"floats\":%lld,\"latency_ms\":%.4f",
+                ps_op_name(e->what), (long long)e->a, dur / 1e3);
+        if (e->b >= 0)
+            fprintf(f, ",\"staleness\":%lld", (long long)e->b);
+        fprintf(f, "}}");
+        break;
+    default:
+        fprintf(f, ",\"name\":\"batch\",\"cat\":\"data\",\"args\":{\"samples\":%lld}}",
+                (long long)e->a);
+        break;
+    }
+}
+
+/* Rank 0: the merged trace, every rank's clock moved onto rank 0's and
+ * time counted from the earliest event. */
+static dt_status prof_write_trace(dt_ctx *ctx, const char *path, float *all, int64_t stride,
+                                  int P)
+{
+    double base = INFINITY;
+    for (int r = 0; r < P; r++) {
+        const prof_blob_head *h = (const prof_blob_head *)(all + r * stride);
+        const prof_event *ev = (const prof_event *)(h + 1);
+        for (int64_t i = 0; i < h->nev; i++)
+            if (ev[i].t0 + h->offset < base)
+                base = ev[i].t0 + h->offset;
+    }
+    if (!(base < INFINITY))
+        base = 0;
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return set_error(ctx, DT_EIO, "profile_finish: cannot write the trace %s: %s", tmp,
+                         strerror(errno));
+    static const char *const tnames[] = {"", "compute", "comm", "loader"};
+    int first = 1;
+    fprintf(f, "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"dtrain %s\","
+            "\"ranks\":%d},\"traceEvents\":[", DTRAIN_VERSION_STRING, P);
+    for (int r = 0; r < P; r++) {
+        const prof_blob_head *h = (const prof_blob_head *)(all + r * stride);
+        json_event_head(f, &first, "M", r, 0, 0);
+        fprintf(f, ",\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}}", r);
+        json_event_head(f, &first, "M", r, 0, 0);
+        fprintf(f, ",\"name\":\"process_sort_index\",\"args\":{\"sort_index\":%d}}", r);
+        for (int t = 1; t <= 3; t++) {
+            json_event_head(f, &first, "M", r, t, 0);
+            fprintf(f, ",\"name\":\"thread_name\",\"args\":{\"name\":\"%s\"}}", tnames[t]);
+            json_event_head(f, &first, "M", r, t, 0);
+            fprintf(f, ",\"name\":\"thread_sort_index\",\"args\":{\"sort_index\":%d}}", t);
+        }
+        const prof_event *ev = (const prof_event *)(h + 1);
+        for (int64_t i = 0; i < h->nev; i++)
+            json_event(f, &first, r, &ev[i], h->offset - base);
+    }
+    fprintf(f, "\n]}\n");
+    int bad = ferror(f) != 0;
+    bad |= fclose(f) != 0;
+    if (bad || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return set_error(ctx, DT_EIO, "profile_finish: writing the trace %s failed", path);
+    }
+    return DT_OK;
+}
+
+static double per_step(double s, int64_t steps) { return steps ? s / (double)steps * 1e3 : 0; }
+
+/* Rank 0's report from every rank's totals. */
+static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
+                               const char *trace_path)
+{
+    textbuf t = {.ctx = ctx};
+    const dt_profile_stats *s0 = &h[0]->st;
+    tb_printf(&t, "dtrain profile: %d rank%s, %lld steps on rank 0", P, P > 1 ? "s" : "",
+              (long long)s0->steps);
+    if (trace_path)
+        tb_printf(&t, ", timeline in %s", trace_path);
+    tb_printf(&t, "\nper step, ms:\n rank  steps     step     data  forward backward comm wait "
+              "optimizer    idle | comm ran  samples/s\n");
+    int slow = 0;
+    double sum_step = 0;
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = &h[r]->st;
+        int64_t n = s->steps;
+        tb_printf(&t, "%5d %6lld %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %7.2f | %8.2f %10.0f\n", r,
+                  (long long)n, per_step(s->step_s, n), per_step(s->data_s, n),
+                  per_step(s->forward_s, n), per_step(s->backward_s, n),
+                  per_step(s->comm_wait_s, n), per_step(s->optimizer_s, n),
+                  per_step(s->idle_s, n), per_step(s->comm_s, n),
+                  s->step_s > 0 ? (double)s->samples / s->step_s : 0);
+        if (per_step(s->step_s, n) > per_step(h[slow]->st.step_s, h[slow]->st.steps))
+            slow = r;
+        sum_step += per_step(s->step_s, n);
+    }
+    /* the slowest rank and its largest phase */
+    const dt_profile_stats *ss = &h[slow]->st;
+    double ph[PH_COUNT] = {ss->data_s, ss->forward_s, ss->backward_s, ss->comm_wait_s,
+                           ss->optimizer_s, ss->idle_s};
+    int big = 0;
+    for (int k = 1; k < PH_COUNT; k++)
+        big = ph[k] > ph[big] ? k : big;
+    if (ss->steps)
+        tb_printf(&t, "slowest rank: %d, %.2f ms per step; its largest phase: %s, %.2f ms (%.0f%%)\n",
+                  slow, per_step(ss->step_s, ss->steps), phase_names[big],
+                  per_step(ph[big], ss->steps), ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
+    /* stragglers: compute per sample against the median, over the whole run */
+    double per[64] = {0}, median = 0;
+    int Pm = P < 64 ? P : 64;
+    for (int r = 0; r < Pm; r++) {
+        const dt_profile_stats *s = &h[r]->st;
+        per[r] = s->samples ? (s->forward_s + s->backward_s + s->optimizer_s) / (double)s->samples : 0;
+    }
+    double thr = ctx->prof.cfg.straggler_threshold > 0 ? ctx->prof.cfg.straggler_threshold
+                                                       : PROF_DEFAULT_THRESHOLD;
+    int strag = prof_find_straggler(per, Pm, thr, &median);
+    int any = 0;
+    for (int r = 0; r < Pm; r++) {
+        if (!(median > 0) || !(per[r] > median * (1 + thr)))
+            continue;
+        tb_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
+                  "%.3f ms (threshold %.0f%%; named in %d checks during training)\n", r,
+                  per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
+                  h[r]->st.straggler_warnings);
+        any = 1;
+    }
+    if (!any && P > 1)
+        tb_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
+                  "median)\n", 100 * thr);
+    /* communication */
+    uint64_t bytes = 0;
+    double busbw = 0, comm_s = 0, exposed = 0, steps_s = 0;
+    int64_t colls = 0, ps_calls = 0;
+    for (int r = 0; r < P; r++) {
+        bytes += h[r]->st.coll_bytes;
+        colls += h[r]->st.collectives;
+        comm_s += h[r]->st.comm_s;
+        exposed += h[r]->st.comm_wait_s;
+        steps_s += h[r]->st.step_s;
+        ps_calls += h[r]->st.ps_calls;
+    }
+    busbw = s0->busbw;
+    if (colls)
+        tb_printf(&t, "communication: %lld collectives on rank 0, %.1f MB; bus bandwidth %.3f GB/s "
+                  "= %.0f%% of the link's %.3f GB/s (8 MiB allreduces, measured at the end); "
+                  "%.0f%% of the run's communication time was exposed\n",
+                  (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
+                  link > 0 ? 100 * busbw / link : 0, link,
+                  comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
+    if (ps_calls) {
+        for (int r = 0; r < P; r++) {
+            const dt_profile_stats *s = &h[r]->st;
+            if (s->ps_calls)
+                tb_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
+                          "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
+                          s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
+                          (long long)s->ps_max_staleness);
+        }
+    }
+    /* hints */
+    double tot_step = 0, tot_data = 0, tot_wait = 0, tot_idle = 0;
+    for (int r = 0; r < P; r++) {
+        tot_step += h[r]->st.step_s;
+        tot_data += h[r]->st.data_s;
+        tot_wait += h[r]->st.comm_wait_s;
+        tot_idle += h[r]->st.idle_s;
+    }
+    int hints = 0;
+    if (tot_step > 0 && tot_wait / tot_step > 0.15) {
+        tb_printf(&t, "%shint: exposed communication is %.0f%% of the step time: larger buckets "
+                  "(dt_ddp_config.bucket_bytes) so fewer, bigger allreduces overlap backward, or "
+                  "compression (DTRAIN_COMPRESS=bf16 halves the bytes)%s\n", hints++ ? "" : "",
+                  100 * tot_wait / tot_step,
+                  strag >= 0 ? "; part of it is the others waiting for the straggler" : "");
+    }
+    if (tot_step > 0 && tot_data / tot_step > 0.05) {
+        double mb = 0;
+        int64_t nb = 0;
+        for (int r = 0; r < P; r++) {
+            mb += h[r]->batch_s;
+            nb += h[r]->batches;
+        }
+        tb_printf(&t, "hint: data wait is %.0f%% of the step time: the loader prepares a batch in "
+                  "%.2f ms against a step of %.2f ms; turn on prefetch (dt_loader_config.prefetch) "
+                  "or give the loader more CPU (fewer compute threads per rank)\n",
+                  100 * tot_data / tot_step, nb ? mb / (double)nb * 1e3 : 0, sum_step / P);
+        hints++;
+    }
+    if (strag >= 0) {
+        tb_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
+                  "thermal limits), or balance the load (dt_ddp_balance cuts each global batch "
+                  "by measured speed)\n", strag);
+        hints++;
+    }
+    if (tot_step > 0 && tot_idle / tot_step > 0.10) {
+        tb_printf(&t, "hint: idle is %.0f%% of the step time: time in the program's own code "
+                  "between dtrain calls (evaluation, logging, reading the loss every step)\n",
+                  100 * tot_idle / tot_step);
+        hints++;
+    }
+    if (P > 1 && link > 0 && busbw > 0 && busbw < 0.3 * link && bytes > 0) {
+        tb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: many small "
+                  "buckets are bound by latency; larger buckets move the same bytes in fewer "
+                  "calls\n", 100 * busbw / link);
+        hints++;
+    }
+    if (!hints)
+        tb_printf(&t, "no hints: nothing stands out\n");
+    if (t.oom) {
+        ctx->al.free_fn(t.s, ctx->al.user);
+        return NULL;
+    }
+    return t.s;
+}
+
+dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    prof_state *p = &ctx->prof;
+    if (!prof_recording(ctx))
+        return DT_OK;
+    if (c && c->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "profile_finish: the communicator belongs to another "
+                         "context");
+    /* stop recording first: the gathers below are not part of the job */
+    __atomic_store_n(&p->record, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->measure, p->balancing, __ATOMIC_RELAXED);
+    if (!trace_path) {
+        const char *e = getenv("DTRAIN_TRACE");
+        trace_path = e && *e ? e : NULL;
+    }
+    int P = c ? c->world : 1, rank = c ? c->rank : 0;
+    double link = 0;
+    dt_status st = c && P > 1 ? prof_link_test(ctx, c, &link) : DT_OK;
+    int64_t n = 0;
+    pthread_mutex_lock(&p->mu);
+    float *mine = st == DT_OK ? prof_pack(ctx, c ? c->clock_offset : 0, &n) : NULL;
+    pthread_mutex_unlock(&p->mu);
+    if (st == DT_OK && !mine)
+        st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
+    /* everyone's size, then everyone's block padded to the largest; a rank
+     * that failed above still joins, with an empty block (size 0) */
+    float nf = (float)(mine ? n : 0), *sizes = host_calloc(ctx, sizeof(float) * (size_t)P);
+    float *all = NULL;
+    int64_t stride = 0;
+    dt_status cs = DT_OK;
+    if (!sizes)
+        cs = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
+    else if (c && P > 1)
+        cs = run_collective_wait(c, COLL_ALLGATHER, sizes, &nf, 1, 0, DT_REDUCE_SUM, NULL);
+    else
+        sizes[0] = nf;
+    for (int r = 0; cs == DT_OK && r < P; r++)
+        stride = (int64_t)sizes[r] > stride ? (int64_t)sizes[r] : stride;
+    int ok_all = cs == DT_OK;
+    for (int r = 0; ok_all && r < P; r++)
+        ok_all = sizes[r] >= (float)(sizeof(prof_blob_head) / 4);
+    float *pad = NULL;
+    if (cs == DT_OK && stride > 0) {
+        pad = host_calloc(ctx, (size_t)stride * sizeof(float));
+        all = host_alloc(ctx, (size_t)stride * (size_t)P * sizeof(float));
+        if (!pad || !all) {
+            /* every rank must still run the allgather: this one sends zeros */
+            cs = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for %lld floats",
+                           (long long)(stride * P));
+        }
+        if (pad && mine)
+            memcpy(pad, mine, (size_t)n * sizeof(float));
+        if (c && P > 1 && pad && all)
+            cs = run_collective_wait(c, COLL_ALLGATHER, all, pad, stride, 0, DT_REDUCE_SUM, NULL);
+        else if (pad && all)
+            memcpy(all, pad, (size_t)stride * sizeof(float));
+    }
+    if (st == DT_OK)
+        st = cs;
+    if (st == DT_OK && !ok_all)
+        st = set_error(ctx, DT_EPEER, "profile_finish: a rank could not pack its profile");
+    if (st == DT_OK && rank == 0) {
+        const prof_blob_head **heads = host_alloc(ctx, sizeof *heads * (size_t)P);
+        dt_profile_stats *ranks = host_alloc(ctx, sizeof *ranks * (size_t)P);
+        if (!heads || !ranks)
+            st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
+        for (int r = 0; st == DT_OK && r < P; r++) {
+            heads[r] = (const prof_blob_head *)(all + r * stride);
+            if (heads[r]->magic != PROF_BLOB_MAGIC ||
+                (int64_t)(sizeof(prof_blob_head) + (size_t)heads[r]->nev * sizeof(prof_event)) >
+                    stride * 4)
+                st = set_error(ctx, DT_EPEER, "profile_finish: rank %d's profile is malformed", r);
+            else
+                ranks[r] = heads[r]->st, ranks[r].rank = r;
+        }
+        if (st == DT_OK && trace_path)
+            st = prof_write_trace(ctx, trace_path, all, stride, P);
+        if (st == DT_OK) {
+            char *rep = prof_build_report(ctx, heads, P, link, trace_path);
+            if (!rep)
+                st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for the report");
+            host_free(ctx, p->report);
+            p->report = rep;
+            host_free(ctx, p->ranks);
+            p->ranks = ranks;
+            p->nranks = P;
+            ranks = NULL;
+        }
+        host_free(ctx, heads);
+        host_free(ctx, ranks);
+    }
+    host_free(ctx, mine);
+    host_free(ctx, sizes);
+    host_free(ctx, pad);
+    host_free(ctx, all);
+    return st;
+}
+
+/* ===========================================================================
+ * 21. Work stealing (the loader's chunks, claimed through the store)
+ *
+ * Chunk k of shard v is claimed by adding 1 to "steal/<id>/<epoch>/<v>/<k>"
+ * in the rendezvous store: whoever gets 1 has it.  The owner claims its
+ * chunks front to back; a thief draws from the shard's back counter
+ * ("…/<v>/back") and claims the chunk that far from the end, so owner and
+ * thieves meet in the middle and a failed claim means the rest of that
+ * side is taken.
+ * ======================================================================== */
+
+static int64_t steal_batches_per_shard(const dt_loader *ld)
+{
+    return ld->cfg.drop_last ? ld->n_local / ld->cfg.batch
+                             : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
+}
+
+static void steal_start_epoch(dt_loader *ld, int64_t epoch)
+{
+    loader_steal *st = ld->steal;
+    st->epoch = epoch;
+    st->left = 0;
+    st->own_next = 0;
+    st->done = st->stolen = 0;
+    memset(st->dry, 0, (size_t)ld->cfg.shard_count);
+    ld->n_batches = INT64_MAX;   /* until no chunk is left */
+}
+
+/* Claim chunk k of shard v: 1 ours, 0 taken, -1 the store failed. */
+static int steal_claim(dt_loader *ld, int v, int64_t k)
+{
+    loader_steal *st = ld->steal;
+    char key[96];
+    snprintf(key, sizeof key, "steal/%d/%lld/%d/%lld", st->id, (long long)st->epoch, v,
+             (long long)k);
+    int64_t got = 0;
+    if (dt_store_add(st->store, key, 1, &got) != DT_OK) {
+        st->status = st->errors->last_status;
+        snprintf(st->msg, sizeof st->msg, "loader: work stealing: %.400s", st->errors->err);
+        return -1;
+    }
+    return got == 1;
+}
+
+/* The next batch to prepare: its shard and index in that shard, or -1. */
+static int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
+{
+    loader_steal *st = ld->steal;
+    int W = ld->cfg.shard_count, me = ld->cfg.shard_rank;
+    int64_t nb = steal_batches_per_shard(ld), chunks = (nb + st->chunk - 1) / st->chunk;
+    while (st->left == 0 && st->status == DT_OK) {
+        int v = -1;
+        int64_t k = -1;
+        if (!st->dry[me]) {   /* our own shard, front to back */
+            k = st->own_next++;
+            v = me;
+        } else {              /* another's, from the back, trying the shards in turn */
+            for (int i = 1; i < W && v < 0; i++) {
+                int q = (me + i) % W;
+                if (st->dry[q])
+                    continue;
+                char key[96];
+                snprintf(key, sizeof key, "steal/%d/%lld/%d/back", st->id, (long long)st->epoch, q);
+                int64_t j = 0;
+                if (dt_store_add(st->store, key, 1, &j) != DT_OK) {
+                    st->status = st->errors->last_status;
+                    snprintf(st->msg, sizeof st->msg, "loader: work stealing: %.400s",
+                             st->errors->err);
+                    return -1;
+                }
+                k = chunks - j;   /* j counts from 1 */
+                v = q;
+            }
+            if (v < 0)
+                return -1;   /* every shard is dry: the epoch is over */
+        }
+        int got = k >= 0 && k < chunks ? steal_claim(ld, v, k) : 0;
+        if (got < 0)
+            return -1;
+        if (!got) {   /* owner and thieves met: nothing more on that side */
+            st->dry[v] = 1;
+            continue;
+        }
+        st->shard = v;
+        st->first = k * st->chunk;
+        st->left = nb - st->first < st->chunk ? nb - st->first : st->chunk;
+    }
+    if (st->status != DT_OK)
+        return -1;
+    *shard = st->shard;
+    *stolen = st->shard != me;
+    st->left--;
+    return st->first++;
+}
+
+dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
+{
+    if (!ld)
+        return DT_EINVAL;
+    dt_ctx *ctx = ld->ctx;
+    if (!c || chunk_batches < 1)
+        return set_error(ctx, DT_EINVAL, "loader_steal: need a communicator and chunk_batches "
+                         ">= 1 (got %d)", chunk_batches);
+    if (ld->cfg.global_batches || ld->steal)
+        return set_error(ctx, DT_ESTATE, "loader_steal: %s", ld->steal ? "already stealing"
+                         : "not with global_batches");
+    loader_quiesce(ld);
+    loader_steal *st = host_calloc(ctx, sizeof *st);
+    if (!st || !(st->dry = host_calloc(ctx, (size_t)ld->cfg.shard_count)) ||
+        !(st->errors = host_calloc(ctx, sizeof *st->errors))) {
+        if (st) {
+            host_free(ctx, st->dry);
+            host_free(ctx, st);
+        }
+        return set_error(ctx, DT_ENOMEM, "loader_steal: out of memory");
+    }
+    st->errors->al = ctx->al;
+    st->chunk = chunk_batches;
+    st->id = c->steals_made++;
+    /* the loader's thread claims: it needs a connection of its own */
+    dt_dist_env e = {.rank = c->rank, .world_size = c->world, .local_rank = -1,
+                     .local_world_size = -1, .master_port = dt_store_port(c->store),
+                     .launcher = "dtrain"};
+    snprintf(e.master_addr, sizeof e.master_addr, "%s", c->store->addr);
+    dt_store_config sc;
+    dt_store_config_init(&sc);
+    sc.token = c->store->token;
+    sc.timeout_ms = c->store->timeout_ms;
+    st->store = store_open(st->errors, &e, &sc, 0, c->inc);
+    if (!st->store) {
+        dt_status s = set_error(ctx, st->errors->last_status, "loader_steal: %s", st->errors->err);
+        host_free(ctx, st->errors);
+        host_free(ctx, st->dry);
+        host_free(ctx, st);
+        return s;
+    }
+    ld->steal = st;
+    return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }

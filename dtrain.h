@@ -456,6 +456,7 @@ DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path
  * ------------------------------------------------------------------------- */
 typedef struct dt_dataset dt_dataset;
 typedef struct dt_loader dt_loader;
+typedef struct dt_comm dt_comm;     /* a communicator (section 10) */
 
 /* Read an IDX image file and its label file (gzip or plain; zlib reads
  * both).  Images stay uint8 in memory.  new: free with dt_dataset_free. */
@@ -486,6 +487,14 @@ typedef struct dt_loader_config {
                              torch's DistributedSampler (every rank runs as many
                              batches); 1: each sample in exactly one shard, sizes
                              differing by at most one (evaluation) */
+    int global_batches;   /* 1: shards slice global batches instead: the epoch is cut
+                             into batches of batch * shard_count samples, in the order
+                             an unsharded loader with that batch would give them, and
+                             each shard takes its slice of every one (equal slices until
+                             dt_loader_set_split), so the shards' batches together are
+                             exactly the global batches.  A last global batch with
+                             fewer samples than shards is dropped.  For load balancing
+                             (dt_ddp_balance) */
 } dt_loader_config;
 DT_API void dt_loader_config_init(dt_loader_config *cfg);
 
@@ -501,6 +510,32 @@ DT_API dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y);
 DT_API int64_t dt_loader_batches(const dt_loader *ld);
 /* Seconds the caller spent waiting for batches since the epoch started. */
 DT_API double dt_loader_wait_seconds(const dt_loader *ld);
+/* global_batches loaders: from the next batch on, each global batch is cut
+ * between the shards in proportion to weights[0..n) (n = shard_count, each
+ * > 0; rounded so the slices add up, each at least one sample).  Every
+ * shard must be given the same weights.  A batch already prefetched is
+ * cut again.  weights borrowed. */
+DT_API dt_status dt_loader_set_split(dt_loader *ld, const double *weights, int n);
+/* The current batch's place in its global batch: this shard's first sample
+ * and count, and the global batch's size (all may be NULL).  A loader
+ * without global_batches: offset 0 and count = global = its batch. */
+DT_API void dt_loader_batch_slice(const dt_loader *ld, int64_t *offset, int64_t *count,
+                                  int64_t *global);
+/* Work stealing for asynchronous training (a parameter server in ASP or SSP,
+ * where workers need not run as many steps): every epoch, each shard is cut
+ * into chunks of chunk_batches batches; a worker takes its own shard's
+ * chunks from the front and, when they run out, takes the last untaken
+ * chunk of the shard with the most left, so fast workers process what slow
+ * ones have not reached.  Every sample of the epoch is still processed
+ * exactly once over all workers; an epoch ends (DT_EOF) when no chunk is
+ * left anywhere.  Claims go through c's rendezvous store (one round trip a
+ * chunk).  Call it on every worker before dt_loader_start_epoch; c is
+ * borrowed and must outlive the loader.  Not with global_batches. */
+DT_API dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches);
+/* Batches this loader has given out this epoch, and how many of those came
+ * from other shards' chunks (work stealing). */
+DT_API int64_t dt_loader_batches_done(const dt_loader *ld);
+DT_API int64_t dt_loader_batches_stolen(const dt_loader *ld);
 
 /* ---------------------------------------------------------------------------
  * 10. Processes: launcher environment and rendezvous
@@ -554,6 +589,10 @@ DT_API int dt_store_port(const dt_store *s);
 #define DT_STORE_MAX_VALUE ((size_t)1 << 20)
 /* Set key to len bytes (copied; a later set replaces). */
 DT_API dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t len);
+/* Add delta to key's counter (8 bytes; a missing key counts from 0) and
+ * give the sum in *value (may be NULL): atomic, as torch's store.add.  A key
+ * holding something else than a counter: DT_EINVAL. */
+DT_API dt_status dt_store_add(dt_store *s, const char *key, int64_t delta, int64_t *value);
 /* Wait until key is set (up to timeout_ms; 0 = the store's timeout), copy
  * at most cap bytes into buf and its full length into *len.  DT_ETIMEDOUT
  * names the key. */
@@ -564,7 +603,6 @@ DT_API dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t ca
  * (libfabric shm, tcp or verbs).  One comm thread per communicator owns
  * the transport and runs collectives from a queue; the caller enqueues and
  * waits, so communication overlaps computation. */
-typedef struct dt_comm dt_comm;
 typedef struct dt_comm_config {
     const char *transport;     /* "shm", "tcp", "verbs"; NULL: DTRAIN_TRANSPORT, else
                                   shm when every rank is on one host, tcp otherwise */
@@ -770,6 +808,24 @@ typedef struct dt_ddp_stats {
 /* Totals since dt_ddp_new or the last reset. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);
 DT_API void dt_ddp_stats_reset(dt_ddp *d);
+
+/* Dynamic load balancing for ranks of unequal speed.  ld (borrowed; made
+ * with global_batches, shard_rank = this rank, shard_count = the world) is
+ * the loader this DDP's steps read.  Every `every` steps (0: 10) the ranks
+ * swap their measured compute rates (samples per second of forward,
+ * backward and optimizer) and each global batch is cut in proportion to
+ * them (dt_loader_set_split), so a slow rank gets fewer samples and no rank
+ * waits for it.  Each rank's gradient is weighted by its share of the
+ * global batch (count * world / global) before the average, so a step
+ * computes the gradient of the whole global batch, whatever the cut:
+ * results equal those of one process with the global batch, up to float
+ * rounding (the cut, being measured, differs from run to run, so runs are
+ * not bit-identical).  Collective: every rank calls it, with the same
+ * every, before its first step.  Not with a parameter server. */
+DT_API dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every);
+/* This rank's share of the global batch in use (1 / world without
+ * balancing). */
+DT_API double dt_ddp_balance_share(const dt_ddp *d);
 
 /* In-process data parallelism, like PyTorch's DataParallel: one process, K
  * replicas of the model, each with its own context (its own compute
@@ -1030,7 +1086,88 @@ typedef struct dt_ps_stats {
 DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
 
 /* ---------------------------------------------------------------------------
- * 13. Utilities
+ * 13. Profiler: where a step's time goes, timelines, stragglers
+ *
+ * Off by default; dt_profile_start(ctx, NULL) or DTRAIN_PROFILE=1 in the
+ * environment (read by dt_ctx_new) turns it on.  It then measures each
+ * training step of the context, on the thread that drives it:
+ *   data wait    inside dt_loader_next
+ *   forward      from the end of the previous phase to the start of dt_backward
+ *   backward     inside dt_backward (a DDP's buckets start their allreduces here)
+ *   comm wait    waiting for communication: the buckets still in flight in
+ *                dt_ddp_sync / dt_ddp_step (exposed communication), blocking
+ *                collectives, dt_work_wait, parameter-server pulls
+ *   optimizer    inside dt_optim_step
+ *   idle         the rest: the caller's own code between dtrain's calls
+ * and these add up to the step's wall time.  A step ends at the
+ * dt_step_reset after a dt_backward.  The comm thread times every
+ * collective (bytes, algorithm, algbw, busbw) and parameter-server call
+ * (latency, staleness of the answer), the loader's thread every batch it
+ * prepares; with the phases they make a timeline kept in memory.
+ *
+ * Phases are host time: on an accelerator backend, whose kernels run
+ * asynchronously, a phase ends when its work is queued, and the wait for it
+ * shows up where the host next waits for the device.
+ *
+ * With a DDP made after the profiler started, the ranks swap their compute
+ * times every check_every steps; a rank whose compute per step exceeds the
+ * median by more than straggler_threshold is a straggler, told as a warning
+ * (dt_set_log) naming it.
+ * ------------------------------------------------------------------------- */
+typedef struct dt_profile_config {
+    int max_events;            /* timeline events kept on this rank; 0: 262144 (later ones
+                                  are counted as dropped) */
+    double straggler_threshold; /* 0: DTRAIN_STRAGGLER, else 0.15 (15% above the median) */
+    int check_every;           /* steps between the ranks' checks; 0: 20 */
+} dt_profile_config;
+DT_API void dt_profile_config_init(dt_profile_config *cfg);
+/* Start (or restart, clearing what was recorded) profiling ctx.  cfg may be
+ * NULL (defaults).  DT_ENOMEM when the event buffer cannot be had. */
+DT_API dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg);
+DT_API int dt_profiling(const dt_ctx *ctx);
+
+typedef struct dt_profile_stats {
+    int rank;                  /* the communicator's, 0 without one */
+    int64_t steps;             /* training steps measured */
+    double step_s;             /* their wall time; the six phases below add up to it */
+    double data_s, forward_s, backward_s, comm_wait_s, optimizer_s, idle_s;
+    double comm_s;             /* time collectives ran on the comm thread, hidden or not */
+    int64_t collectives;       /* collectives run (parameter-server calls not included) */
+    uint64_t coll_bytes;       /* their payload bytes */
+    double busbw;              /* bytes-weighted bus bandwidth they ran at, GB/s */
+    int64_t ps_calls;          /* parameter-server calls (pushes and pulls) */
+    double ps_latency_s;       /* their total latency */
+    int64_t ps_max_staleness;  /* pulls: the largest staleness answered */
+    double ps_mean_staleness;
+    int64_t samples;           /* samples the loaders gave this context's steps */
+    int64_t events, dropped;   /* timeline events kept and not kept */
+    int straggler_warnings;    /* checks that found this rank a straggler */
+} dt_profile_stats;
+/* This rank's totals so far.  ctx borrowed. */
+DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);
+
+/* End of the job, collective over c (NULL: this process alone): every
+ * rank's totals and timeline go to rank 0, which writes the merged
+ * timeline to trace_path (NULL: DTRAIN_TRACE, else no file) as Chrome
+ * trace events (chrome://tracing, ui.perfetto.dev): one process row per
+ * rank, threads for compute, comm and loader, every rank's clock moved onto
+ * rank 0's by the offset estimated at rendezvous.  Rank 0 then builds the
+ * report: a breakdown table per rank, the slowest rank and phase, the
+ * stragglers, communication efficiency against the link's bandwidth
+ * (measured here with a few large allreduces), and hints.  Profiling stops.
+ * A no-op (DT_OK) when ctx is not profiling, so programs may always call
+ * it; every rank must then be off. */
+DT_API dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path);
+/* Rank 0, after dt_profile_finish: the report (ctx-owned text, "" before or
+ * elsewhere), and rank r's totals. */
+DT_API const char *dt_profile_report(const dt_ctx *ctx);
+DT_API dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *out);
+/* The rank the latest check named a straggler (the slowest, if several), or
+ * -1.  Every rank gets the same answer. */
+DT_API int dt_profile_straggler(const dt_ctx *ctx);
+
+/* ---------------------------------------------------------------------------
+ * 14. Utilities
  * ------------------------------------------------------------------------- */
 /* Number of rows of logits (N,C) whose argmax equals labels (N). */
 DT_API dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,

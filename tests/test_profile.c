@@ -1,0 +1,865 @@
+/*
+ * tests/test_profile.c - the profiler and load balancing: a step's phases
+ * add up to the wall time measured around the loop; the merged trace of a
+ * 2-rank DDP run is valid JSON with both ranks' events; a slowed rank is
+ * named a straggler (warning and report); global batches cut between
+ * shards are exactly an unsharded loader's batches; balanced DDP with a
+ * slow rank ends with the parameters of one process on the global batch;
+ * work stealing processes every sample exactly once and the fast worker
+ * takes the slow one's chunks; the store's counters.
+ */
+#include "test_util.h"
+#include "test_ranks.h"
+
+#include <ctype.h>
+#include <math.h>
+#include <stdio.h>
+#include <sys/stat.h>
+
+enum { SIDE = 8, PIXELS = SIDE * SIDE, NSAMPLES = 600, CLASSES = 10, HID = 32 };
+
+/* --- a dataset whose pixels say which sample they are ---------------------- */
+
+static void put_be32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)(v >> 24);
+    p[1] = (uint8_t)(v >> 16);
+    p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
+}
+
+static uint8_t pixel(int k, int i)
+{
+    if (i == 0)
+        return (uint8_t)(k & 255);
+    if (i == 1)
+        return (uint8_t)(k >> 8);
+    return (uint8_t)((k * 131 + i * 71 + (k * i) % 17) & 255);
+}
+
+static void write_file(const char *path, const uint8_t *buf, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(buf, 1, len, f), len);
+    fclose(f);
+}
+
+typedef struct data {
+    char dir[64], img[128], lab[128];
+} data;
+
+static void data_make(data *d, int n)
+{
+    tu_tmpdir(d->dir, sizeof d->dir);
+    snprintf(d->img, sizeof d->img, "%s/img", d->dir);
+    snprintf(d->lab, sizeof d->lab, "%s/lab", d->dir);
+    size_t il = 16 + (size_t)n * PIXELS, ll = 8 + (size_t)n;
+    uint8_t *im = malloc(il), *lb = malloc(ll);
+    assert_true(im && lb);
+    put_be32(im, 0x803);
+    put_be32(im + 4, (uint32_t)n);
+    put_be32(im + 8, SIDE);
+    put_be32(im + 12, SIDE);
+    put_be32(lb, 0x801);
+    put_be32(lb + 4, (uint32_t)n);
+    for (int k = 0; k < n; k++) {
+        for (int i = 0; i < PIXELS; i++)
+            im[16 + (size_t)k * PIXELS + i] = pixel(k, i);
+        lb[8 + k] = (uint8_t)((k * 7) % CLASSES);
+    }
+    write_file(d->img, im, il);
+    write_file(d->lab, lb, ll);
+    free(im);
+    free(lb);
+}
+
+/* The sample a loaded row is (the loader maps pixel b to b / 255). */
+static int sample_of(const float *row)
+{
+    return (int)lrintf(row[0] * 255.0f) + 256 * (int)lrintf(row[1] * 255.0f);
+}
+
+/* --- a small MLP ------------------------------------------------------------ */
+
+typedef struct mlp {
+    dt_tensor *w1, *b1, *w2, *b2;
+} mlp;
+
+static int mlp_build(dt_ctx *ctx, mlp *m)
+{
+    m->w1 = dt_param_new(ctx, "fc1.weight", SHP(HID, PIXELS));
+    m->b1 = dt_param_new(ctx, "fc1.bias", SHP(HID));
+    m->w2 = dt_param_new(ctx, "fc2.weight", SHP(CLASSES, HID));
+    m->b2 = dt_param_new(ctx, "fc2.bias", SHP(CLASSES));
+    if (!m->w1 || !m->b1 || !m->w2 || !m->b2)
+        return 1;
+    return dt_init_kaiming_uniform(ctx, m->w1, 2.2360679775f) != DT_OK ||
+           dt_init_bias(ctx, m->b1, PIXELS) != DT_OK ||
+           dt_init_kaiming_uniform(ctx, m->w2, 2.2360679775f) != DT_OK ||
+           dt_init_bias(ctx, m->b2, HID) != DT_OK;
+}
+
+static dt_tensor *mlp_loss(dt_ctx *ctx, const mlp *m, dt_tensor *x, dt_tensor *y)
+{
+    dt_tensor *h = dt_flatten(ctx, x, 1);
+    h = dt_relu(ctx, dt_linear(ctx, h, m->w1, m->b1));
+    return dt_cross_entropy(ctx, dt_linear(ctx, h, m->w2, m->b2), y);
+}
+
+/* Burn CPU for s seconds: a slower rank, as far as the profiler can tell. */
+static void spin(double s)
+{
+    double end = dt_now() + s;
+    volatile double x = 0;
+    while (dt_now() < end)
+        x += 1.0;
+}
+
+/* --- a minimal JSON checker (RFC 8259's grammar, no semantics) --------------- */
+
+typedef struct jp {
+    const char *p, *end;
+} jp;
+
+static void j_ws(jp *j)
+{
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\n' || *j->p == '\r' || *j->p == '\t'))
+        j->p++;
+}
+
+static int j_value(jp *j, int depth);
+
+static int j_string(jp *j)
+{
+    if (j->p >= j->end || *j->p != '"')
+        return 0;
+    for (j->p++; j->p < j->end; j->p++) {
+        if (*j->p == '"') {
+            j->p++;
+            return 1;
+        }
+        if ((unsigned char)*j->p < 0x20)
+            return 0;
+        if (*j->p == '\\')
+            j->p++;
+    }
+    return 0;
+}
+
+static int j_number(jp *j)
+{
+    const char *s = j->p;
+    if (j->p < j->end && *j->p == '-')
+        j->p++;
+    while (j->p < j->end && (isdigit((unsigned char)*j->p) || *j->p == '.' || *j->p == 'e' ||
+                             *j->p == 'E' || *j->p == '+' || *j->p == '-'))
+        j->p++;
+    return j->p > s && isdigit((unsigned char)j->p[-1]);
+}
+
+static int j_seq(jp *j, char close, int object, int depth)
+{
+    j->p++;
+    j_ws(j);
+    if (j->p < j->end && *j->p == close) {
+        j->p++;
+        return 1;
+    }
+    for (;;) {
+        j_ws(j);
+        if (object) {
+            if (!j_string(j))
+                return 0;
+            j_ws(j);
+            if (j->p >= j->end || *j->p++ != ':')
+                return 0;
+        }
+        if (!j_value(j, depth + 1))
+            return 0;
+        j_ws(j);
+        if (j->p < j->end && *j->p == ',') {
+            j->p++;
+            continue;
+        }
+        if (j->p < j->end && *j->p == close) {
+            j->p++;
+            return 1;
+        }
+        return 0;
+    }
+}
+
+static int j_value(jp *j, int depth)
+{
+    j_ws(j);
+    if (j->p >= j->end || depth > 64)
+        return 0;
+    switch (*j->p) {
+    case '{': return j_seq(j, '}', 1, depth);
+    case '[': return j_seq(j, ']', 0, depth);
+    case '"': return j_string(j);
+    case 't': return (j->p += 4) <= j->end && !strncmp(j->p - 4, "true", 4);
+    case 'f': return (j->p += 5) <= j->end && !strncmp(j->p - 5, "false", 5);
+    case 'n': return (j->p += 4) <= j->end && !strncmp(j->p - 4, "null", 4);
+    default: return j_number(j);
+    }
+}
+
+static char *read_all(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    assert_non_null(buf);
+    assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
+    buf[n] = 0;
+    fclose(f);
+    *len = (size_t)n;
+    return buf;
+}
+
+static int count_of(const char *hay, const char *needle)
+{
+    int n = 0;
+    for (const char *p = strstr(hay, needle); p; p = strstr(p + 1, needle))
+        n++;
+    return n;
+}
+
+static int json_valid(const char *s, size_t len)
+{
+    jp j = {s, s + len};
+    if (!j_value(&j, 0))
+        return 0;
+    j_ws(&j);
+    return j.p == j.end;
+}
+
+/* --- one process: the phases add up to the measured loop -------------------- */
+
+static void test_phases_single(void **state)
+{
+    (void)state;
+    data d;
+    data_make(&d, NSAMPLES);
+    dt_ctx *ctx = tu_ctx_new();
+    assert_int_equal(dt_profile_start(ctx, NULL), DT_OK);
+    assert_true(dt_profiling(ctx));
+    dt_dataset *ds = dt_dataset_load_idx(ctx, d.img, d.lab);
+    tu_check(ctx, ds, "load");
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 32;
+    dt_loader *ld = dt_loader_new(ctx, ds, &lc);
+    tu_check(ctx, ld, "loader");
+    mlp m;
+    assert_int_equal(mlp_build(ctx, &m), 0);
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    enum { STEPS = 15 };
+    double t0 = dt_now();
+    dt_tensor *x, *y;
+    for (int s = 0; s < STEPS; s++) {
+        assert_int_equal(dt_loader_next(ld, &x, &y), DT_OK);
+        dt_tensor *loss = mlp_loss(ctx, &m, x, y);
+        assert_int_equal(dt_backward(ctx, loss), DT_OK);
+        assert_int_equal(dt_optim_step(opt), DT_OK);
+        dt_optim_zero_grad(opt);
+        dt_step_reset(ctx);
+    }
+    double loop = dt_now() - t0;
+    dt_profile_stats st;
+    assert_int_equal(dt_profile_get(ctx, &st), DT_OK);
+    assert_int_equal(st.steps, STEPS);
+    assert_int_equal(st.samples, STEPS * 32);
+    double sum = st.data_s + st.forward_s + st.backward_s + st.comm_wait_s + st.optimizer_s +
+                 st.idle_s;
+    assert_true(fabs(sum - st.step_s) <= 1e-9 * STEPS + 1e-6 * st.step_s);
+    /* the steps cover the loop: only the first loader_next's entry is outside */
+    assert_true(fabs(st.step_s - loop) <= 0.05 * loop);
+    assert_true(st.forward_s > 0 && st.backward_s > 0 && st.optimizer_s > 0 && st.data_s > 0);
+    assert_true(st.comm_wait_s == 0);
+    /* the trace of one process: valid JSON, each step's phases and batches */
+    char path[160];
+    snprintf(path, sizeof path, "%s/trace.json", d.dir);
+    assert_int_equal(dt_profile_finish(ctx, NULL, path), DT_OK);
+    assert_false(dt_profiling(ctx));
+    size_t len = 0;
+    char *js = read_all(path, &len);
+    assert_non_null(js);
+    assert_true(json_valid(js, len));
+    assert_int_equal(count_of(js, "\"name\":\"backward\""), STEPS);
+    assert_int_equal(count_of(js, "\"name\":\"optimizer\""), STEPS);
+    assert_int_equal(count_of(js, "\"name\":\"forward\""), STEPS);
+    assert_int_equal(count_of(js, "\"cat\":\"step\""), STEPS);
+    assert_true(count_of(js, "\"name\":\"batch\"") >= STEPS);
+    free(js);
+    const char *rep = dt_profile_report(ctx);
+    assert_non_null(strstr(rep, "dtrain profile: 1 rank"));
+    assert_non_null(strstr(rep, "backward"));
+    dt_profile_stats r0;
+    assert_int_equal(dt_profile_rank_stats(ctx, 0, &r0), DT_OK);
+    assert_int_equal(r0.steps, STEPS);
+    assert_int_equal(dt_profile_rank_stats(ctx, 1, &r0), DT_ESTATE);
+    /* off: finish is a no-op, nothing is measured */
+    assert_int_equal(dt_profile_finish(ctx, NULL, path), DT_OK);
+    dt_optim_free(opt);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    dt_ctx_free(ctx);
+    tu_rmdir(d.dir);
+}
+
+/* --- forked ranks --------------------------------------------------------------- */
+
+typedef int (*rank_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
+static data job_data;           /* set before forking: inherited */
+static char job_trace[192];
+
+static void rank_main(int rank, int world, int port, rank_fn fn)
+{
+    alarm(100);
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.seed = 7;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    dt_dist_env e = tr_env(rank, world, port);
+    dt_comm_config cc;
+    dt_comm_config_init(&cc);
+    cc.transport = "shm";
+    cc.host = "127.0.0.1";
+    cc.timeout_ms = 20000;
+    cc.store.timeout_ms = 20000;
+    dt_comm *c = ctx ? dt_comm_new(ctx, &e, &cc) : NULL;
+    if (!c) {
+        fprintf(stderr, "rank %d: %s\n", rank, ctx ? dt_last_error(ctx) : "no ctx");
+        _exit(90);
+    }
+    int code = fn(ctx, c, rank, world);
+    if (code)
+        fprintf(stderr, "rank %d: check %d failed: %s\n", rank, code, dt_last_error(ctx));
+    struct timespec linger = {0, 300 * 1000 * 1000};
+    nanosleep(&linger, NULL);
+    dt_comm_free(c);
+    dt_ctx_free(ctx);
+    _exit(code);
+}
+
+static void run_ranks(int world, rank_fn fn)
+{
+    pid_t pids[8];
+    int codes[8], port = tr_free_port();
+    fflush(NULL);
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        assert_true(pids[r] >= 0);
+        if (pids[r] == 0)
+            rank_main(r, world, port, fn);
+    }
+    tr_reap(pids, world, codes, 110);
+    for (int r = 0; r < world; r++) {
+        if (codes[r] != 0)
+            print_error("rank %d of %d exited with %d\n", r, world, codes[r]);
+        assert_int_equal(codes[r], 0);
+    }
+}
+
+/* Train `steps` DDP steps on a sharded loader; rank `slow_rank` burns
+ * `slow` times its forward and backward time more before its backward.
+ * The loop time goes to *loop. */
+static int ddp_train(dt_ctx *ctx, dt_comm *c, dt_loader *ld, dt_ddp *ddp, dt_optim *opt,
+                     const mlp *m, int steps, int slow_rank, double slow, double *loop)
+{
+    double t0 = dt_now();
+    dt_tensor *x, *y;
+    for (int s = 0; s < steps; s++) {
+        if (dt_loader_next(ld, &x, &y) != DT_OK)
+            return 10;
+        double f0 = dt_now();
+        dt_tensor *loss = mlp_loss(ctx, m, x, y);
+        if (dt_comm_rank(c) == slow_rank)
+            spin(slow * (dt_now() - f0) + 0.0004 * slow * (double)dt_tensor_dim(x, 0) / 16);
+        if (dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
+            return 11;
+        (void)opt;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    *loop = dt_now() - t0;
+    return 0;
+}
+
+static int trace_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_profile_config pc;
+    dt_profile_config_init(&pc);
+    pc.check_every = 5;
+    if (dt_profile_start(ctx, &pc) != DT_OK)
+        return 1;
+    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 16;
+    lc.shard_rank = rank;
+    lc.shard_count = dt_comm_size(c);
+    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+    mlp m;
+    if (!ld || mlp_build(ctx, &m))
+        return 2;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    double loop = 0;
+    if (!ddp || ddp_train(ctx, c, ld, ddp, opt, &m, 15, -1, 0, &loop))
+        return 3;
+    /* every rank's own loop time, for rank 0 to compare with its phases */
+    float mine = (float)loop, loops[2] = {0, 0};
+    if (dt_allgather(c, &mine, 1, loops) != DT_OK)
+        return 4;
+    if (dt_profile_finish(ctx, c, rank == 0 ? job_trace : NULL) != DT_OK)
+        return 5;
+    if (rank == 0) {
+        for (int r = 0; r < 2; r++) {
+            dt_profile_stats st;
+            if (dt_profile_rank_stats(ctx, r, &st) != DT_OK)
+                return 6;
+            double sum = st.data_s + st.forward_s + st.backward_s + st.comm_wait_s +
+                         st.optimizer_s + st.idle_s;
+            if (st.steps != 15 || fabs(sum - st.step_s) > 1e-6 * st.step_s + 1e-9)
+                return 7;
+            if (fabs(st.step_s - loops[r]) > 0.05 * loops[r]) {
+                fprintf(stderr, "rank %d: phases %.4f s, loop %.4f s\n", r, st.step_s,
+                        (double)loops[r]);
+                return 8;
+            }
+            if (st.collectives < 15 || st.coll_bytes == 0 || !(st.busbw > 0))
+                return 9;
+        }
+        const char *rep = dt_profile_report(ctx);
+        if (!strstr(rep, "dtrain profile: 2 ranks") || !strstr(rep, "communication:") ||
+            !strstr(rep, "link's")) {
+            fprintf(stderr, "report:\n%s\n", rep);
+            return 12;
+        }
+    }
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    return 0;
+}
+
+static void test_trace_two_ranks(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    snprintf(job_trace, sizeof job_trace, "%s/trace.json", job_data.dir);
+    run_ranks(2, trace_rank);
+    size_t len = 0;
+    char *js = read_all(job_trace, &len);
+    assert_non_null(js);
+    assert_true(json_valid(js, len));
+    assert_non_null(strstr(js, "\"traceEvents\""));
+    /* both ranks' rows, each with phases on compute and collectives on comm */
+    for (int r = 0; r < 2; r++) {
+        char k[64];
+        snprintf(k, sizeof k, "{\"ph\":\"X\",\"pid\":%d,\"tid\":1,", r);
+        assert_true(count_of(js, k) >= 15 * 4);
+        snprintf(k, sizeof k, "{\"ph\":\"X\",\"pid\":%d,\"tid\":2,", r);
+        assert_true(count_of(js, k) >= 15);
+        snprintf(k, sizeof k, "\"name\":\"rank %d\"", r);
+        assert_int_equal(count_of(js, k), 1);
+    }
+    assert_int_equal(count_of(js, "\"name\":\"backward\""), 30);
+    assert_true(count_of(js, "\"busbw_GBps\"") >= 30);
+    free(js);
+    tu_rmdir(job_data.dir);
+}
+
+/* --- stragglers ----------------------------------------------------------------- */
+
+static char last_warning[512];
+static void keep_warning(void *user, const char *msg)
+{
+    (void)user;
+    if (strstr(msg, "straggler"))
+        snprintf(last_warning, sizeof last_warning, "%s", msg);
+}
+
+static int straggler_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_set_log(ctx, keep_warning, NULL);
+    dt_profile_config pc;
+    dt_profile_config_init(&pc);
+    pc.check_every = 5;
+    if (dt_profile_start(ctx, &pc) != DT_OK)
+        return 1;
+    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 16;
+    lc.shard_rank = rank;
+    lc.shard_count = dt_comm_size(c);
+    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+    mlp m;
+    if (!ld || mlp_build(ctx, &m))
+        return 2;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    double loop;
+    if (!ddp || ddp_train(ctx, c, ld, ddp, opt, &m, 16, 1, 2.0, &loop))
+        return 3;
+    /* every rank heard the same verdict, and was told */
+    if (dt_profile_straggler(ctx) != 1 || !strstr(last_warning, "straggler: rank 1 ")) {
+        fprintf(stderr, "straggler %d, warning '%s'\n", dt_profile_straggler(ctx), last_warning);
+        return 4;
+    }
+    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+        return 5;
+    if (rank == 0 && (!strstr(dt_profile_report(ctx), "straggler: rank 1 computes") ||
+                      strstr(dt_profile_report(ctx), "straggler: rank 0"))) {
+        fprintf(stderr, "report:\n%s\n", dt_profile_report(ctx));
+        return 6;
+    }
+    dt_profile_stats st;
+    dt_profile_get(ctx, &st);
+    if ((rank == 1) != (st.straggler_warnings > 0))
+        return 7;
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    return 0;
+}
+
+static void test_straggler(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    run_ranks(2, straggler_rank);
+    tu_rmdir(job_data.dir);
+}
+
+/* --- global batches ---------------------------------------------------------------- */
+
+/* Every sample index of the loader's next batch, into out; returns count. */
+static int64_t batch_samples(dt_loader *ld, int *out)
+{
+    dt_tensor *x, *y;
+    if (dt_loader_next(ld, &x, &y) != DT_OK)
+        return -1;
+    int64_t n = dt_tensor_dim(x, 0);
+    float *p = malloc(sizeof(float) * (size_t)(n * PIXELS));
+    assert_non_null(p);
+    assert_int_equal(dt_tensor_get(x, p, n * PIXELS), DT_OK);
+    for (int64_t i = 0; i < n; i++)
+        out[i] = sample_of(p + i * PIXELS);
+    free(p);
+    return n;
+}
+
+static void test_global_batches(void **state)
+{
+    (void)state;
+    data d;
+    data_make(&d, 250);
+    dt_ctx *ctx = tu_ctx_new();
+    dt_dataset *ds = dt_dataset_load_idx(ctx, d.img, d.lab);
+    tu_check(ctx, ds, "load");
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 24;
+    lc.seed = 5;
+    dt_loader *whole = dt_loader_new(ctx, ds, &lc);   /* batch 24 */
+    lc.batch = 8;
+    lc.shard_count = 3;
+    lc.global_batches = 1;
+    dt_loader *sh[3];
+    for (int r = 0; r < 3; r++) {
+        lc.shard_rank = r;
+        lc.prefetch = r != 1;   /* with and without the prefetch thread */
+        sh[r] = dt_loader_new(ctx, ds, &lc);
+        tu_check(ctx, sh[r], "loader");
+    }
+    /* 250 = 10 x 24 + 10: the last global batch has 10 >= 3 samples */
+    assert_int_equal(dt_loader_batches(sh[0]), 11);
+    assert_int_equal(dt_loader_batches(whole), 11);
+    const double w[2][3] = {{1, 1, 1}, {3, 1, 0.5}};
+    int got[72], want[24];
+    for (int b = 0; b < 11; b++) {
+        if (b == 4)   /* a new split from batch 5 on (batch 4 already prefetched: re-cut) */
+            for (int r = 0; r < 3; r++)
+                assert_int_equal(dt_loader_set_split(sh[r], w[1], 3), DT_OK);
+        int64_t nw = batch_samples(whole, want), k = 0;
+        for (int r = 0; r < 3; r++) {
+            int64_t off, cnt, glob;
+            int64_t n = batch_samples(sh[r], got + k);
+            dt_loader_batch_slice(sh[r], &off, &cnt, &glob);
+            assert_int_equal(off, k);
+            assert_int_equal(cnt, n);
+            assert_int_equal(glob, nw);
+            assert_true(n >= 1);
+            k += n;
+        }
+        assert_int_equal(k, nw);
+        for (int64_t i = 0; i < nw; i++)
+            assert_int_equal(got[i], want[i]);
+        if (b >= 4 && b < 10) {   /* 24 cut 3 : 1 : 0.5 */
+            int64_t cnt;
+            dt_loader_batch_slice(sh[0], NULL, &cnt, NULL);
+            assert_int_equal(cnt, 16);
+        }
+    }
+    dt_tensor *x, *y;
+    assert_int_equal(dt_loader_next(sh[0], &x, &y), DT_EOF);
+    /* misuse */
+    const double bad[3] = {1, 0, 1};
+    assert_int_equal(dt_loader_set_split(sh[0], bad, 3), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(ctx), "weight 1"));
+    assert_int_equal(dt_loader_set_split(sh[0], w[0], 2), DT_EINVAL);
+    assert_int_equal(dt_loader_set_split(whole, w[0], 1), DT_ESTATE);
+    for (int r = 0; r < 3; r++)
+        dt_loader_free(sh[r]);
+    dt_loader_free(whole);
+    dt_dataset_free(ds);
+    dt_ctx_free(ctx);
+    tu_rmdir(d.dir);
+}
+
+/* --- balanced DDP equals one process on the global batch ------------------------- */
+
+enum { BAL_STEPS = 18, BAL_BATCH = 16 };
+
+static int train_reference(float *out, int64_t nfloats)
+{
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.seed = 7;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 2 * BAL_BATCH;
+    lc.seed = 3;
+    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+    mlp m;
+    if (!ld || mlp_build(ctx, &m))
+        return 1;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    oc.lr = 0.1f;
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    dt_tensor *x, *y;
+    for (int s = 0; s < BAL_STEPS; s++) {
+        if (dt_loader_next(ld, &x, &y) != DT_OK || dt_backward(ctx, mlp_loss(ctx, &m, x, y)) ||
+            dt_optim_step(opt))
+            return 2;
+        dt_optim_zero_grad(opt);
+        dt_step_reset(ctx);
+    }
+    int64_t k = 0;
+    for (int i = 0; i < dt_param_count(ctx); i++) {
+        const dt_tensor *p = dt_param_at(ctx, i);
+        int64_t n = dt_tensor_numel(p);
+        if (k + n > nfloats)
+            return 3;
+        if (dt_tensor_get(p, out + k, n) != DT_OK)
+            return 4;
+        k += n;
+    }
+    dt_optim_free(opt);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    dt_ctx_free(ctx);
+    return 0;
+}
+
+static int balance_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = BAL_BATCH;
+    lc.seed = 3;
+    lc.shard_rank = rank;
+    lc.shard_count = world;
+    lc.global_batches = 1;
+    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+    mlp m;
+    if (!ld || mlp_build(ctx, &m))
+        return 1;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    oc.lr = 0.1f;
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    if (!ddp || dt_ddp_balance(ddp, ld, 4) != DT_OK)
+        return 2;
+    double loop;
+    if (ddp_train(ctx, c, ld, ddp, opt, &m, BAL_STEPS, 1, 3.0, &loop))
+        return 3;
+    /* the slow rank now gets the smaller slice, and the slices add up */
+    double share = dt_ddp_balance_share(ddp);
+    int64_t cnt, glob;
+    dt_loader_batch_slice(ld, NULL, &cnt, &glob);
+    float mine[2] = {(float)share, (float)cnt}, all[4];
+    if (dt_allgather(c, mine, 2, all) != DT_OK)
+        return 4;
+    if (!(all[0] > 0.55f) || all[1] + all[3] != (float)glob) {
+        fprintf(stderr, "shares %.3f %.3f, counts %g + %g of %lld\n", (double)all[0],
+                (double)all[2], (double)all[1], (double)all[3], (long long)glob);
+        return 5;
+    }
+    float ref[HID * PIXELS + HID + CLASSES * HID + CLASSES];
+    if (train_reference(ref, (int64_t)(sizeof ref / sizeof ref[0])))
+        return 6;
+    int64_t k = 0;
+    double worst = 0;
+    for (int i = 0; i < dt_param_count(ctx); i++) {
+        const dt_tensor *p = dt_param_at(ctx, i);
+        float v[HID * PIXELS];
+        if (dt_tensor_numel(p) > HID * PIXELS || dt_tensor_get(p, v, dt_tensor_numel(p)) != DT_OK)
+            return 9;
+        for (int64_t j = 0; j < dt_tensor_numel(p); j++, k++) {
+            double e = fabs((double)v[j] - ref[k]) / (fabs((double)ref[k]) + 1e-3);
+            worst = e > worst ? e : worst;
+        }
+    }
+    if (worst > 1e-5) {
+        fprintf(stderr, "rank %d: largest relative difference from one process %.3g\n", rank,
+                worst);
+        return 7;
+    }
+    /* misuse: a second balance, and a loader without global batches */
+    if (dt_ddp_balance(ddp, ld, 4) != DT_EINVAL || !strstr(dt_last_error(ctx), "already"))
+        return 8;
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    return 0;
+}
+
+static void test_balance_equivalence(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    run_ranks(2, balance_rank);
+    tu_rmdir(job_data.dir);
+}
+
+/* --- work stealing ------------------------------------------------------------------ */
+
+static int steal_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 10;
+    lc.seed = 9;
+    lc.shard_rank = rank;
+    lc.shard_count = world;
+    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+    if (!ld || dt_loader_steal(ld, c, 2) != DT_OK)
+        return 1;
+    /* every sample of the epoch: counted here, summed over the ranks */
+    float seen[NSAMPLES + 1];
+    memset(seen, 0, sizeof seen);
+    for (int epoch = 0; epoch < 2; epoch++) {
+        if (epoch && dt_loader_start_epoch(ld, epoch) != DT_OK)
+            return 2;
+        int ids[10];
+        int64_t n;
+        while ((n = batch_samples(ld, ids)) > 0) {
+            for (int64_t i = 0; i < n; i++)
+                seen[ids[i]] += 1;
+            if (rank == 1)   /* the slow worker */
+                spin(0.004);
+        }
+        if (n != -1 || dt_last_status(ctx) != DT_OK)
+            return 3;
+    }
+    seen[NSAMPLES] = (float)dt_loader_batches_stolen(ld);
+    float all[3 * (NSAMPLES + 1)];
+    if (dt_allgather(c, seen, NSAMPLES + 1, all) != DT_OK)
+        return 4;
+    for (int k = 0; k < NSAMPLES; k++) {
+        float tot = 0;
+        for (int r = 0; r < world; r++)
+            tot += all[r * (NSAMPLES + 1) + k];
+        if (tot != 2.0f) {   /* once per epoch: 600 = 3 x 200, no padding */
+            fprintf(stderr, "sample %d seen %g times in 2 epochs\n", k, (double)tot);
+            return 5;
+        }
+    }
+    /* the fast workers took chunks of the slow one's shard */
+    if (!(all[NSAMPLES] + all[2 * (NSAMPLES + 1) + NSAMPLES] > 0) ||
+        all[1 * (NSAMPLES + 1) + NSAMPLES] > all[NSAMPLES]) {
+        fprintf(stderr, "stolen: %g %g %g\n", (double)all[NSAMPLES],
+                (double)all[2 * NSAMPLES + 1], (double)all[3 * NSAMPLES + 2]);
+        return 6;
+    }
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    return 0;
+}
+
+static void test_work_stealing(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    run_ranks(3, steal_rank);
+    tu_rmdir(job_data.dir);
+}
+
+/* --- the store's counters -------------------------------------------------------------- */
+
+static void test_store_add(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    dt_dist_env e = tr_env(0, 1, 0);
+    dt_store *s = dt_store_open(ctx, &e, NULL);
+    tu_check(ctx, s, "store");
+    int64_t v = 0;
+    assert_int_equal(dt_store_add(s, "n", 5, &v), DT_OK);
+    assert_int_equal(v, 5);
+    assert_int_equal(dt_store_add(s, "n", -7, &v), DT_OK);
+    assert_int_equal(v, -2);
+    int64_t raw = 0;
+    size_t len = 0;
+    assert_int_equal(dt_store_get(s, "n", &raw, sizeof raw, &len, 100), DT_OK);
+    assert_int_equal(len, 8);
+    assert_int_equal(raw, -2);
+    assert_int_equal(dt_store_set(s, "text", "abc", 3), DT_OK);
+    assert_int_equal(dt_store_add(s, "text", 1, &v), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(ctx), "not a counter"));
+    /* refused, not dropped: the connection still works */
+    assert_int_equal(dt_store_add(s, "n", 2, NULL), DT_OK);
+    assert_int_equal(dt_store_add(s, "", 1, &v), DT_EINVAL);
+    dt_store_close(s);
+    dt_ctx_free(ctx);
+}
+
+static const struct CMUnitTest profile_tests[] = {
+    cmocka_unit_test(test_phases_single),
+    cmocka_unit_test(test_trace_two_ranks),
+    cmocka_unit_test(test_straggler),
+    cmocka_unit_test(test_global_batches),
+    cmocka_unit_test(test_balance_equivalence),
+    cmocka_unit_test(test_work_stealing),
+    cmocka_unit_test(test_store_add),
+};
+
+DT_TEST_GROUP(profile, profile_tests)
