@@ -4570,7 +4570,8 @@ typedef struct loader_steal {
     dt_store *store;
     dt_ctx *errors;            /* the connection's error sink (not the caller's ctx) */
     int id, chunk;             /* the job-wide loader number; batches per chunk */
-    int64_t epoch;
+    int64_t gen;               /* start_epoch calls so far: the claims' namespace (every
+                                  worker starts the same epochs, so they agree) */
     int shard;                 /* the shard of the chunk in hand */
     int64_t first, left;       /* its next batch (in that shard) and batches left */
     int64_t own_next;          /* our shard's next chunk to claim */
@@ -13851,8 +13852,9 @@ static void prof_step_end(dt_ctx *ctx)
         return;
     double t = dt_now();
     p->cur[PH_IDLE] += t - p->mark;
-    double total = t - p->step_t0, compute = p->cur[PH_FORWARD] + p->cur[PH_BACKWARD] +
-                                             p->cur[PH_OPTIM];
+    /* compute, for the ranks' comparison: what grows with the batch (the
+     * optimizer costs every rank the same, whatever its share) */
+    double total = t - p->step_t0, compute = p->cur[PH_FORWARD] + p->cur[PH_BACKWARD];
     pthread_mutex_lock(&p->mu);
     dt_profile_stats *s = &p->tot;
     s->steps++;
@@ -14373,6 +14375,11 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
         int64_t n = s->steps;
+        if (!n) {   /* a parameter server, or a rank that ran no training step */
+            tb_printf(&t, "%5d      0   (no training steps%s)\n", r,
+                      s->ps_calls ? "" : "; a parameter server serves on its own thread");
+            continue;
+        }
         tb_printf(&t, "%5d %6lld %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %7.2f | %8.2f %10.0f\n", r,
                   (long long)n, per_step(s->step_s, n), per_step(s->data_s, n),
                   per_step(s->forward_s, n), per_step(s->backward_s, n),
@@ -14399,7 +14406,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     int Pm = P < 64 ? P : 64;
     for (int r = 0; r < Pm; r++) {
         const dt_profile_stats *s = &h[r]->st;
-        per[r] = s->samples ? (s->forward_s + s->backward_s + s->optimizer_s) / (double)s->samples : 0;
+        per[r] = s->samples ? (s->forward_s + s->backward_s) / (double)s->samples : 0;
     }
     double thr = ctx->prof.cfg.straggler_threshold > 0 ? ctx->prof.cfg.straggler_threshold
                                                        : PROF_DEFAULT_THRESHOLD;
@@ -14409,7 +14416,8 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         if (!(median > 0) || !(per[r] > median * (1 + thr)))
             continue;
         tb_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
-                  "%.3f ms (threshold %.0f%%; named in %d checks during training)\n", r,
+                  "%.3f ms of forward and backward (threshold %.0f%%; named in %d checks during "
+                  "training)\n", r,
                   per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
                   h[r]->st.straggler_warnings);
         any = 1;
@@ -14457,11 +14465,15 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     }
     int hints = 0;
     if (tot_step > 0 && tot_wait / tot_step > 0.15) {
-        tb_printf(&t, "%shint: exposed communication is %.0f%% of the step time: larger buckets "
-                  "(dt_ddp_config.bucket_bytes) so fewer, bigger allreduces overlap backward, or "
-                  "compression (DTRAIN_COMPRESS=bf16 halves the bytes)%s\n", hints++ ? "" : "",
+        tb_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
                   100 * tot_wait / tot_step,
+                  ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
+                             "compression (DTRAIN_COMPRESS=bf16 halves the bytes)"
+                           : "larger buckets (dt_ddp_config.bucket_bytes) so fewer, bigger "
+                             "allreduces overlap backward, or compression (DTRAIN_COMPRESS=bf16 "
+                             "halves the bytes)",
                   strag >= 0 ? "; part of it is the others waiting for the straggler" : "");
+        hints++;
     }
     if (tot_step > 0 && tot_data / tot_step > 0.05) {
         double mb = 0;
@@ -14478,8 +14490,9 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     }
     if (strag >= 0) {
         tb_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
-                  "thermal limits), or balance the load (dt_ddp_balance cuts each global batch "
-                  "by measured speed)\n", strag);
+                  "thermal limits), or balance the load (%s)\n", strag,
+                  ps_calls ? "dt_loader_steal: idle workers take the slow one's chunks"
+                           : "dt_ddp_balance cuts each global batch by measured speed");
         hints++;
     }
     if (tot_step > 0 && tot_idle / tot_step > 0.10) {
@@ -14489,9 +14502,10 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         hints++;
     }
     if (P > 1 && link > 0 && busbw > 0 && busbw < 0.3 * link && bytes > 0) {
-        tb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: many small "
-                  "buckets are bound by latency; larger buckets move the same bytes in fewer "
-                  "calls\n", 100 * busbw / link);
+        tb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: small buckets "
+                  "are bound by latency (larger buckets move the same bytes in fewer calls), and "
+                  "during training the allreduces share CPU and memory with compute\n",
+                  100 * busbw / link);
         hints++;
     }
     if (!hints)
@@ -14606,8 +14620,9 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
 /* ===========================================================================
  * 21. Work stealing (the loader's chunks, claimed through the store)
  *
- * Chunk k of shard v is claimed by adding 1 to "steal/<id>/<epoch>/<v>/<k>"
- * in the rendezvous store: whoever gets 1 has it.  The owner claims its
+ * Chunk k of shard v is claimed by adding 1 to "steal/<id>/<g>/<v>/<k>" in
+ * the rendezvous store (g counts the loader's epoch starts, so a restarted
+ * epoch claims afresh): whoever gets 1 has it.  The owner claims its
  * chunks front to back; a thief draws from the shard's back counter
  * ("…/<v>/back") and claims the chunk that far from the end, so owner and
  * thieves meet in the middle and a failed claim means the rest of that
@@ -14623,7 +14638,8 @@ static int64_t steal_batches_per_shard(const dt_loader *ld)
 static void steal_start_epoch(dt_loader *ld, int64_t epoch)
 {
     loader_steal *st = ld->steal;
-    st->epoch = epoch;
+    (void)epoch;   /* the order is the epoch's; the claims are this start's */
+    st->gen++;
     st->left = 0;
     st->own_next = 0;
     st->done = st->stolen = 0;
@@ -14636,7 +14652,7 @@ static int steal_claim(dt_loader *ld, int v, int64_t k)
 {
     loader_steal *st = ld->steal;
     char key[96];
-    snprintf(key, sizeof key, "steal/%d/%lld/%d/%lld", st->id, (long long)st->epoch, v,
+    snprintf(key, sizeof key, "steal/%d/%lld/%d/%lld", st->id, (long long)st->gen, v,
              (long long)k);
     int64_t got = 0;
     if (dt_store_add(st->store, key, 1, &got) != DT_OK) {
@@ -14665,7 +14681,7 @@ static int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
                 if (st->dry[q])
                     continue;
                 char key[96];
-                snprintf(key, sizeof key, "steal/%d/%lld/%d/back", st->id, (long long)st->epoch, q);
+                snprintf(key, sizeof key, "steal/%d/%lld/%d/back", st->id, (long long)st->gen, q);
                 int64_t j = 0;
                 if (dt_store_add(st->store, key, 1, &j) != DT_OK) {
                     st->status = st->errors->last_status;

@@ -525,12 +525,14 @@ DT_API void dt_loader_batch_slice(const dt_loader *ld, int64_t *offset, int64_t 
  * where workers need not run as many steps): every epoch, each shard is cut
  * into chunks of chunk_batches batches; a worker takes its own shard's
  * chunks from the front and, when they run out, takes the last untaken
- * chunk of the shard with the most left, so fast workers process what slow
+ * chunk of another shard (trying them in turn), so fast workers process what slow
  * ones have not reached.  Every sample of the epoch is still processed
  * exactly once over all workers; an epoch ends (DT_EOF) when no chunk is
  * left anywhere.  Claims go through c's rendezvous store (one round trip a
- * chunk).  Call it on every worker before dt_loader_start_epoch; c is
- * borrowed and must outlive the loader.  Not with global_batches. */
+ * chunk).  Call it on every worker, then start the same epochs in the same
+ * order on every worker (each start claims afresh); it starts epoch 0
+ * itself.  c is borrowed and must outlive the loader.  Not with
+ * global_batches. */
 DT_API dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches);
 /* Batches this loader has given out this epoch, and how many of those came
  * from other shards' chunks (work stealing). */

@@ -9,6 +9,10 @@
  *   build/fashion_mnist --ranks 3 --servers 1 --ps-mode asp   (parameter server:
  *                                    2 workers + 1 server, Downpour-style ASP)
  *   build/fashion_mnist --model cnn --backend cuda --amp bf16   (GPU, mixed precision)
+ *   build/fashion_mnist --ranks 2 --profile --trace t.json   (step breakdown per rank,
+ *                                    report and a timeline for chrome://tracing)
+ *   build/fashion_mnist --ranks 2 --slow 1:2 --balance   (rank 1 twice as slow; batches
+ *                                    cut by measured speed)
  *
  * With more than one rank every rank trains on its own shard of each epoch
  * (batch = --batch per rank) and gradients are averaged with dt_ddp; the
@@ -35,8 +39,10 @@
 
 typedef struct options {
     const char *model, *data, *save, *resume, *optim, *ps_mode, *backend, *amp;
+    const char *trace, *loss_log;
     int epochs, batch, threads, limit_batches, ranks, servers, staleness, device;
-    float lr;
+    int profile, balance, steal, slow_rank;
+    float lr, slow_factor;
     unsigned long long seed;
 } options;
 
@@ -70,6 +76,16 @@ static void usage(FILE *f)
             "  --resume PATH       continue from a checkpoint\n"
             "  --data DIR          dataset directory (default /usr/share/datasets/fashion-mnist)\n"
             "  --limit-batches N   stop each epoch after N batches (quick runs)\n"
+            "  --profile           profile every rank; rank 0 prints the report at the end\n"
+            "                      (DTRAIN_PROFILE=1 does the same)\n"
+            "  --trace PATH        with --profile: the merged timeline (Chrome trace JSON)\n"
+            "  --slow R:F          make rank R F times slower (it burns CPU for F-1 times its\n"
+            "                      forward and backward time): a straggler to find\n"
+            "  --balance           cut each global batch between the ranks by measured speed\n"
+            "                      (dt_ddp_balance; batch = per rank at equal speed)\n"
+            "  --steal N           with --servers in asp/ssp: idle workers take chunks of N\n"
+            "                      batches from slow ones (dt_loader_steal)\n"
+            "  --loss-log PATH     rank 0 appends 'seconds,loss' every 10 steps (a plot)\n"
             "  --help              this text\n");
 }
 
@@ -88,14 +104,15 @@ static int parse_int(const char *flag, const char *v, int lo, int *out)
 static int parse_args(int argc, char **argv, options *o)
 {
     *o = (options){.model = "mlp", .optim = "adam", .ps_mode = "bsp", .epochs = 10, .threads = 1,
-                   .ranks = 1, .staleness = 2, .lr = 1e-3f, .seed = 1};
+                   .ranks = 1, .staleness = 2, .lr = 1e-3f, .seed = 1, .slow_rank = -1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             exit(0);
         }
-        int takes_value = strncmp(a, "--", 2) == 0;
+        int takes_value = strncmp(a, "--", 2) == 0 && strcmp(a, "--profile") &&
+                          strcmp(a, "--balance");
         if (takes_value && !v) {
             fprintf(stderr, "fashion_mnist: %s needs a value (see --help)\n", a);
             return 0;
@@ -123,6 +140,22 @@ static int parse_args(int argc, char **argv, options *o)
         else if (!strcmp(a, "--resume")) o->resume = v;
         else if (!strcmp(a, "--data")) o->data = v;
         else if (!strcmp(a, "--optim")) o->optim = v;
+        else if (!strcmp(a, "--trace")) o->trace = v;
+        else if (!strcmp(a, "--loss-log")) o->loss_log = v;
+        else if (!strcmp(a, "--steal")) ok = parse_int(a, v, 1, &o->steal);
+        else if (!strcmp(a, "--slow")) {
+            char *e;
+            o->slow_rank = (int)strtol(v, &e, 10);
+            ok = *e == ':' && o->slow_rank >= 0;
+            if (ok) {
+                o->slow_factor = strtof(e + 1, &e);
+                ok = !*e && o->slow_factor >= 1;
+            }
+        }
+        else if (!strcmp(a, "--profile") || !strcmp(a, "--balance")) {
+            *(!strcmp(a, "--profile") ? &o->profile : &o->balance) = 1;
+            continue;   /* takes no value */
+        }
         else {
             fprintf(stderr, "fashion_mnist: unknown option '%s' (see --help)\n", a);
             return 0;
@@ -267,6 +300,34 @@ static void print_breakdown(const breakdown *b, int ranks, double pull_wait)
                b->grad / b->steps / 1024);
 }
 
+/* --slow: burn the CPU for s seconds (a slower machine, as dtrain sees it). */
+static void spin(double s)
+{
+    double end = dt_now() + s;
+    volatile double x = 0;
+    while (dt_now() < end)
+        x += 1.0;
+}
+
+/* --loss-log: one "seconds,loss" line (rank 0). */
+static void log_loss(FILE *f, double t, double loss)
+{
+    if (f)
+        fprintf(f, "%.3f,%.5f\n", t, loss);
+}
+
+/* The profiler's end: every rank joins; rank 0 prints the report. */
+static int finish_profile(const options *o, dt_ctx *ctx, dt_comm *comm, int talk)
+{
+    if (!dt_profiling(ctx))
+        return 1;
+    if (dt_profile_finish(ctx, comm, o->trace) != DT_OK)
+        return 0;
+    if (talk)
+        printf("%s", dt_profile_report(ctx));
+    return 1;
+}
+
 /* Train on this rank; comm is NULL for a single process. */
 static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
 {
@@ -280,6 +341,11 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_loss_scaler *scaler = NULL;
     if (!model_build(ctx, &m, !strcmp(o->model, "cnn")))
         return fail(ctx, rank, "building the model");
+    if (o->profile && !dt_profiling(ctx) && dt_profile_start(ctx, NULL) != DT_OK)
+        return fail(ctx, rank, "starting the profiler");
+    FILE *loss_log = talk && o->loss_log ? fopen(o->loss_log, "w") : NULL;
+    if (loss_log)
+        fprintf(loss_log, "seconds,loss\n");
     /* mixed precision: the products in bf16/fp16/tf32, weights stay f32;
      * fp16's narrow range needs the loss scaled */
     dt_precision amp = !o->amp                   ? DT_PREC_F32
@@ -303,6 +369,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     lc.prefetch = 1;
     lc.shard_rank = rank;    /* each rank its own shard, reshuffled every epoch */
     lc.shard_count = ranks;
+    lc.global_batches = o->balance && ranks > 1;   /* slices of global batches, cut by speed */
     if (!(train_ld = dt_loader_new(ctx, train_ds, &lc)))
         goto fail_ctx;
     dt_eval_config ec;
@@ -333,6 +400,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
      * rank 0's initialisation goes to all */
     if (comm && !(ddp = dt_ddp_new(ctx, comm, opt, NULL)))
         goto fail_ctx;
+    if (ddp && o->balance && dt_ddp_balance(ddp, train_ld, 10) != DT_OK)
+        goto fail_ctx;
     if (talk) {
         printf("model %s, %d epochs, batch %d", o->model, o->epochs, o->batch);
         if (ranks > 1)
@@ -342,6 +411,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         printf("%s%s\n", o->amp ? ", autocast " : "", o->amp ? o->amp : "");
     }
     breakdown all = {0, 0, 0, 0, 0, 0, 0};
+    double t_start = dt_now(), last_bwd = 0;
     for (int epoch = (int)(step / per_epoch); epoch < o->epochs; epoch++) {
         dt_loader_start_epoch(train_ld, epoch);
         if (ddp)
@@ -350,22 +420,31 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         int64_t correct = 0, seen = 0;
         dt_tensor *x, *y;
         for (int64_t b = 0; b < per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++) {
+            double tf = dt_now();
             dt_tensor *logits = model_forward(ctx, &m, x);
             dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
             int64_t c = 0;
             if (!loss || dt_count_correct(ctx, logits, y, &c) != DT_OK)
                 goto fail_ctx;
+            if (rank == o->slow_rank)   /* F times slower: F - 1 more forwards and backwards */
+                spin((o->slow_factor - 1) * (dt_now() - tf + last_bwd));
+            double tb = dt_now();
             if (scaler) {   /* reduced first, so every rank skips the same steps */
                 if (dt_loss_scaler_backward(scaler, loss) != DT_OK ||
                     (ddp && dt_ddp_sync(ddp) != DT_OK) ||
                     dt_loss_scaler_step(scaler, opt, NULL) != DT_OK)
                     goto fail_ctx;
-            } else if (dt_backward(ctx, loss) != DT_OK ||
-                       (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK) {
-                goto fail_ctx;
+            } else {
+                if (dt_backward(ctx, loss) != DT_OK)
+                    goto fail_ctx;
+                last_bwd = dt_now() - tb;   /* backward alone, for --slow */
+                if ((ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK)
+                    goto fail_ctx;
             }
             dt_optim_zero_grad(opt);
             loss_sum += dt_tensor_item(loss);
+            if (loss_log && step % 10 == 0)
+                log_loss(loss_log, dt_now() - t_start, dt_tensor_item(loss));
             correct += c;
             seen += dt_tensor_dim(x, 0);
             dt_step_reset(ctx);
@@ -409,6 +488,11 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         goto fail_ctx;
     if (talk && all.total > 0)
         print_breakdown(&all, ranks, -1.0);
+    if (talk && ddp && o->balance)
+        printf("load balancing: rank 0's share of each global batch %.1f%%\n",
+               100 * dt_ddp_balance_share(ddp));
+    if (!finish_profile(o, ctx, comm, talk))
+        goto fail_ctx;
     if (talk && scaler)
         printf("loss scale %g, %lld steps skipped for overflow\n",
                (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));
@@ -421,6 +505,8 @@ fail_ctx:
         printf("\n");
     fail(ctx, rank, "training");
 done:
+    if (loss_log)
+        fclose(loss_log);
     dt_loss_scaler_free(scaler);
     dt_ddp_free(ddp);
     dt_optim_free(opt);
@@ -443,6 +529,8 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_ddp *ddp = NULL;
     if (rank < W && !model_build(ctx, &m, !strcmp(o->model, "cnn")))
         return fail(ctx, rank, "building the model");
+    if (o->profile && !dt_profiling(ctx) && dt_profile_start(ctx, NULL) != DT_OK)
+        return fail(ctx, rank, "starting the profiler");
     dt_ps_config pc;
     dt_ps_config_init(&pc);
     pc.servers = o->servers;
@@ -483,11 +571,17 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
     dc.ps = ps;
     if (!(ld = dt_loader_new(ctx, train_ds, &lc)) || !(ddp = dt_ddp_new(ctx, comm, NULL, &dc)))
         goto fail_ctx;
+    if (o->steal && pc.mode != DT_PS_BSP) {   /* workers need not run as many steps */
+        if (dt_loader_steal(ld, comm, o->steal) != DT_OK)
+            goto fail_ctx;
+        if (!o->limit_batches)
+            per_epoch = INT64_MAX;   /* until no chunk is left */
+    }
     dt_eval_config ec;
     dt_eval_config_init(&ec);
     ec.mean = FMNIST_MEAN;
     ec.std = FMNIST_STD;
-    if (per_epoch > dt_loader_batches(ld))
+    if (per_epoch > dt_loader_batches(ld) && !(o->steal && pc.mode != DT_PS_BSP))
         per_epoch = dt_loader_batches(ld);
     if (talk)
         printf("model %s, %d epochs, batch %d per worker x %d workers, %d servers (%s), %s lr %g\n",
@@ -499,25 +593,33 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
         dt_loader_start_epoch(ld, epoch);
         double t0 = dt_now(), loss_sum = 0;
         dt_tensor *x, *y;
-        for (int64_t b = 0; b < per_epoch && dt_loader_next(ld, &x, &y) == DT_OK; b++) {
+        int64_t b = 0;
+        for (; b < per_epoch && dt_loader_next(ld, &x, &y) == DT_OK; b++) {
+            double tf = dt_now();
             dt_tensor *loss = dt_cross_entropy(ctx, model_forward(ctx, &m, x), y);
+            if (rank == o->slow_rank && loss)
+                spin((o->slow_factor - 1) * 2 * (dt_now() - tf));
             if (!loss || dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
                 goto fail_ctx;
             loss_sum += dt_tensor_item(loss);
             dt_zero_grad(ctx);
             dt_step_reset(ctx);
-            if (talk)
+            if (talk && per_epoch < INT64_MAX)
                 progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
                          (double)((b + 1) * o->batch) / (dt_now() - t0));
         }
+        if (talk && o->steal && pc.mode != DT_PS_BSP)
+            printf("epoch %d: worker 0 ran %lld batches, %lld of them taken from other "
+                   "workers' shards\n", epoch + 1, (long long)b,
+                   (long long)dt_loader_batches_stolen(ld));
         all.total += dt_now() - t0;
         all.data += dt_loader_wait_seconds(ld);
         if (talk) {
             if (dt_evaluate(ctx, NULL, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
                 goto fail_ctx;
             printf("%sepoch %d: loss %.4f, test accuracy %.2f%%, %.0f samples/s on worker 0\n",
-                   tty ? "\n" : "", epoch + 1, loss_sum / (double)per_epoch, 100 * tm.accuracy,
-                   (double)(per_epoch * o->batch) / (dt_now() - t0));
+                   tty ? "\n" : "", epoch + 1, loss_sum / (double)(b ? b : 1), 100 * tm.accuracy,
+                   (double)(b * o->batch) / (dt_now() - t0));
         }
     }
     if (talk) {   /* the servers' weights as they are now */
@@ -544,6 +646,8 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
 fail_ctx:
     ok = fail(ctx, rank, "training");
 done:
+    if (ok && !finish_profile(o, ctx, comm, talk))   /* servers too: it is collective */
+        ok = fail(ctx, rank, "finishing the profile");
     dt_ddp_free(ddp);
     dt_ps_free(ps);
     dt_loader_free(ld);
