@@ -14071,7 +14071,7 @@ int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler :
 /* --- 20.2 the ranks' check during training (16 calls it) ------------------ */
 
 /* Each rank's compute per sample over the window: the slowest is a
- * straggler if it is more than the threshold above the median.  Per sample,
+ * straggler if it is more than the threshold above the (lower) median.  Per sample,
  * so a rank that balancing gave fewer samples is still seen as slow. */
 static int prof_find_straggler(const double *per_sample, int P, double threshold, double *median)
 {
@@ -14088,7 +14088,9 @@ static int prof_find_straggler(const double *per_sample, int P, double threshold
             sorted[j] = sorted[j - 1];
             sorted[j - 1] = t;
         }
-    *median = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+    /* the lower median: with two ranks, the faster one (the midpoint would
+     * halve the gap a slow rank opens) */
+    *median = n % 2 ? sorted[n / 2] : sorted[n / 2 - 1];
     int worst = -1;
     for (int r = 0; r < P; r++)
         if (per_sample[r] > *median * (1 + threshold) &&
@@ -14501,7 +14503,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                   100 * tot_idle / tot_step);
         hints++;
     }
-    if (P > 1 && link > 0 && busbw > 0 && busbw < 0.3 * link && bytes > 0) {
+    if (P > 1 && link > 0 && busbw > 0 && busbw < 0.3 * link && bytes > 0 && strag < 0) {
         tb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: small buckets "
                   "are bound by latency (larger buckets move the same bytes in fewer calls), and "
                   "during training the allreduces share CPU and memory with compute\n",
