@@ -395,30 +395,54 @@ static int ddp_train(dt_ctx *ctx, dt_comm *c, dt_loader *ld, dt_ddp *ddp, dt_opt
     return 0;
 }
 
-static int trace_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+/* A profiled DDP job's pieces: profiler (checks every 5 steps), this
+ * rank's shard of job_data, the MLP, SGD and the DDP. */
+typedef struct job {
+    dt_dataset *ds;
+    dt_loader *ld;
+    mlp m;
+    dt_optim *opt;
+    dt_ddp *ddp;
+} job;
+
+static int job_start(dt_ctx *ctx, dt_comm *c, int profile, job *j)
 {
-    (void)world;
+    memset(j, 0, sizeof *j);
     dt_profile_config pc;
     dt_profile_config_init(&pc);
     pc.check_every = 5;
-    if (dt_profile_start(ctx, &pc) != DT_OK)
+    if (profile && dt_profile_start(ctx, &pc) != DT_OK)
         return 1;
-    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+    j->ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
     dt_loader_config lc;
     dt_loader_config_init(&lc);
     lc.batch = 16;
-    lc.shard_rank = rank;
+    lc.shard_rank = dt_comm_rank(c);
     lc.shard_count = dt_comm_size(c);
-    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
-    mlp m;
-    if (!ld || mlp_build(ctx, &m))
+    j->ld = j->ds ? dt_loader_new(ctx, j->ds, &lc) : NULL;
+    if (!j->ld || mlp_build(ctx, &j->m))
         return 2;
     dt_optim_config oc;
     dt_optim_config_init(&oc, DT_SGD);
-    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
-    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    j->opt = dt_optim_new(ctx, &oc, NULL, 0);
+    j->ddp = j->opt ? dt_ddp_new(ctx, c, j->opt, NULL) : NULL;
+    return j->ddp ? 0 : 3;
+}
+
+static void job_end(job *j)
+{
+    dt_ddp_free(j->ddp);
+    dt_optim_free(j->opt);
+    dt_loader_free(j->ld);
+    dt_dataset_free(j->ds);
+}
+
+static int trace_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    job j;
     double loop = 0;
-    if (!ddp || ddp_train(ctx, c, ld, ddp, opt, &m, 15, -1, 0, &loop))
+    if (job_start(ctx, c, 1, &j) || ddp_train(ctx, c, j.ld, j.ddp, j.opt, &j.m, 15, -1, 0, &loop))
         return 3;
     /* every rank's own loop time, for rank 0 to compare with its phases */
     float mine = (float)loop, loops[2] = {0, 0};
@@ -450,10 +474,7 @@ static int trace_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 12;
         }
     }
-    dt_ddp_free(ddp);
-    dt_optim_free(opt);
-    dt_loader_free(ld);
-    dt_dataset_free(ds);
+    job_end(&j);
     return 0;
 }
 
@@ -498,27 +519,9 @@ static int straggler_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     (void)world;
     dt_set_log(ctx, keep_warning, NULL);
-    dt_profile_config pc;
-    dt_profile_config_init(&pc);
-    pc.check_every = 5;
-    if (dt_profile_start(ctx, &pc) != DT_OK)
-        return 1;
-    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
-    dt_loader_config lc;
-    dt_loader_config_init(&lc);
-    lc.batch = 16;
-    lc.shard_rank = rank;
-    lc.shard_count = dt_comm_size(c);
-    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
-    mlp m;
-    if (!ld || mlp_build(ctx, &m))
-        return 2;
-    dt_optim_config oc;
-    dt_optim_config_init(&oc, DT_SGD);
-    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
-    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    job j;
     double loop;
-    if (!ddp || ddp_train(ctx, c, ld, ddp, opt, &m, 16, 1, 2.0, &loop))
+    if (job_start(ctx, c, 1, &j) || ddp_train(ctx, c, j.ld, j.ddp, j.opt, &j.m, 16, 1, 2.0, &loop))
         return 3;
     /* every rank heard the same verdict, and was told */
     if (dt_profile_straggler(ctx) != 1 || !strstr(last_warning, "straggler: rank 1 ")) {
@@ -536,10 +539,7 @@ static int straggler_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_profile_get(ctx, &st);
     if ((rank == 1) != (st.straggler_warnings > 0))
         return 7;
-    dt_ddp_free(ddp);
-    dt_optim_free(opt);
-    dt_loader_free(ld);
-    dt_dataset_free(ds);
+    job_end(&j);
     return 0;
 }
 
@@ -823,6 +823,135 @@ static void test_work_stealing(void **state)
     tu_rmdir(job_data.dir);
 }
 
+/* --- misuse ------------------------------------------------------------------------------ */
+
+static int misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    job j;
+    if (job_start(ctx, c, 0, &j))
+        return 1;
+    /* the loader has no global batches: every rank refuses, none hangs */
+    if (dt_ddp_balance(j.ddp, j.ld, 4) != DT_EINVAL || !strstr(dt_last_error(ctx), "global_batches"))
+        return 2;
+    /* one rank's bad call: the other, whose call was good, hears of it */
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 8;
+    lc.shard_rank = rank;
+    lc.shard_count = 2;
+    lc.global_batches = 1;
+    dt_loader *gl = dt_loader_new(ctx, j.ds, &lc);
+    if (!gl || dt_ddp_balance(j.ddp, rank == 1 ? NULL : gl, 4) != DT_EINVAL ||
+        !strstr(dt_last_error(ctx), rank == 1 ? "NULL" : "rank 1 refused"))
+        return 3;
+    dt_loader_free(gl);
+    if (dt_loader_steal(j.ld, c, 0) != DT_EINVAL || dt_loader_steal(j.ld, NULL, 2) != DT_EINVAL)
+        return 4;
+    /* profiling off: finish is a no-op on every rank */
+    if (dt_profile_finish(ctx, c, "/nonexistent/x.json") != DT_OK || dt_profiling(ctx))
+        return 5;
+    /* on, a trace path rank 0 cannot write: rank 0 fails, saying so */
+    if (dt_profile_start(ctx, NULL) != DT_OK)
+        return 6;
+    dt_status st = dt_profile_finish(ctx, c, rank == 0 ? "/nonexistent/dir/x.json" : NULL);
+    if (rank == 0 && (st != DT_EIO || !strstr(dt_last_error(ctx), "/nonexistent/dir/x.json")))
+        return 7;
+    if (rank == 1 && st != DT_OK)
+        return 8;
+    job_end(&j);
+    return 0;
+}
+
+static void test_misuse(void **state)
+{
+    (void)state;
+    data_make(&job_data, 200);
+    run_ranks(2, misuse_rank);
+    /* arguments */
+    assert_int_equal(dt_profile_get(NULL, NULL), DT_EINVAL);
+    assert_int_equal(dt_profile_start(NULL, NULL), DT_EINVAL);
+    assert_int_equal(dt_profile_straggler(NULL), -1);
+    assert_string_equal(dt_profile_report(NULL), "");
+    assert_int_equal(dt_ddp_balance(NULL, NULL, 1), DT_EINVAL);
+    assert_int_equal(dt_loader_set_split(NULL, NULL, 0), DT_EINVAL);
+    tu_rmdir(job_data.dir);
+}
+
+/* --- the parameter server's calls ------------------------------------------------------------ */
+
+static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    int W = world - 1;
+    mlp m;
+    if (rank < W && mlp_build(ctx, &m))
+        return 1;
+    if (dt_profile_start(ctx, NULL) != DT_OK)
+        return 2;
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    pc.servers = 1;
+    pc.mode = DT_PS_ASP;
+    dt_ps *ps = dt_ps_new(ctx, c, &pc);
+    if (!ps)
+        return 3;
+    if (dt_ps_is_server(ps)) {
+        if (dt_ps_serve(ps) != DT_OK)
+            return 4;
+    } else {
+        dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+        dt_loader_config lc;
+        dt_loader_config_init(&lc);
+        lc.batch = 16;
+        lc.shard_rank = rank;
+        lc.shard_count = W;
+        dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+        dt_tensor *x, *y;
+        for (int s = 0; ld && s < 12; s++) {
+            if (dt_loader_next(ld, &x, &y) != DT_OK ||
+                dt_backward(ctx, mlp_loss(ctx, &m, x, y)) != DT_OK || dt_ps_push_pull(ps) != DT_OK)
+                return 5;
+            if (rank == 1)
+                spin(0.002);
+            dt_zero_grad(ctx);
+            dt_step_reset(ctx);
+        }
+        dt_profile_stats st;
+        dt_profile_get(ctx, &st);
+        if (!ld || st.steps != 12 || st.ps_calls < 24 || !(st.ps_latency_s > 0) ||
+            st.ps_max_staleness < 0)
+            return 6;
+        dt_loader_free(ld);
+        dt_dataset_free(ds);
+        if (dt_ps_finish(ps) != DT_OK)
+            return 7;
+    }
+    if (dt_profile_finish(ctx, c, rank == 0 ? job_trace : NULL) != DT_OK)
+        return 8;
+    if (rank == 0 && (!strstr(dt_profile_report(ctx), "parameter server, rank 0:") ||
+                      !strstr(dt_profile_report(ctx), "no training steps")))
+        return 9;
+    dt_ps_free(ps);
+    return dt_barrier(c) != DT_OK ? 10 : 0;
+}
+
+static void test_ps_calls(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    snprintf(job_trace, sizeof job_trace, "%s/trace.json", job_data.dir);
+    run_ranks(3, ps_profile_rank);
+    size_t len = 0;
+    char *js = read_all(job_trace, &len);
+    assert_non_null(js);
+    assert_true(json_valid(js, len));
+    assert_true(count_of(js, "\"name\":\"ps pull\"") >= 24);
+    assert_true(count_of(js, "\"staleness\":") >= 24);
+    assert_true(count_of(js, "\"latency_ms\":") >= 48);
+    free(js);
+    tu_rmdir(job_data.dir);
+}
+
 /* --- the store's counters -------------------------------------------------------------- */
 
 static void test_store_add(void **state)
@@ -859,6 +988,8 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_global_batches),
     cmocka_unit_test(test_balance_equivalence),
     cmocka_unit_test(test_work_stealing),
+    cmocka_unit_test(test_misuse),
+    cmocka_unit_test(test_ps_calls),
     cmocka_unit_test(test_store_add),
 };
 
