@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define FMNIST_MEAN 0.2860f   /* pixel statistics of the training set */
@@ -79,8 +80,8 @@ static void usage(FILE *f)
             "  --profile           profile every rank; rank 0 prints the report at the end\n"
             "                      (DTRAIN_PROFILE=1 does the same)\n"
             "  --trace PATH        with --profile: the merged timeline (Chrome trace JSON)\n"
-            "  --slow R:F          make rank R F times slower (it burns CPU for F-1 times its\n"
-            "                      forward and backward time): a straggler to find\n"
+            "  --slow R:F          make rank R F times slower (it burns F-1 times its forward\n"
+            "                      and backward CPU time, on its own thread): a straggler\n"
             "  --balance           cut each global batch between the ranks by measured speed\n"
             "                      (dt_ddp_balance; batch = per rank at equal speed)\n"
             "  --steal N           with --servers in asp/ssp: idle workers take chunks of N\n"
@@ -290,9 +291,9 @@ static void print_breakdown(const breakdown *b, int ranks, double pull_wait)
            b->data, 100 * b->data / b->total);
     if (pull_wait >= 0)
         printf("; pushes ran %.2f s on the comm thread, pulls waited %.2f s", b->comm, pull_wait);
-    else if (ranks > 1)
+    else if (ranks > 1)   /* the wait can exceed the run (waiting to start): none hidden */
         printf("; allreduce ran %.2f s, %.0f%% of it hidden behind backward",
-               b->comm, b->comm > 0 ? 100 * (1 - b->exposed / b->comm) : 100.0);
+               b->comm, b->comm > b->exposed ? 100 * (1 - b->exposed / b->comm) : 0.0);
     printf("\n");
     if (ranks > 1 && b->steps > 0 && b->sent > 0)
         printf("gradient traffic: %.1f KiB sent per step per rank, %.3gx the %.1f KiB of fp32 "
@@ -300,12 +301,21 @@ static void print_breakdown(const breakdown *b, int ranks, double pull_wait)
                b->grad / b->steps / 1024);
 }
 
-/* --slow: burn the CPU for s seconds (a slower machine, as dtrain sees it). */
+/* --slow works in this thread's CPU time, so "F times slower" holds even
+ * when the machine is oversubscribed (wall time would count the waits). */
+static double cpu_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Burn s seconds of this thread's CPU (a slower machine, as dtrain sees it). */
 static void spin(double s)
 {
-    double end = dt_now() + s;
+    double end = cpu_now() + s;
     volatile double x = 0;
-    while (dt_now() < end)
+    while (cpu_now() < end)
         x += 1.0;
 }
 
@@ -420,15 +430,15 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         int64_t correct = 0, seen = 0;
         dt_tensor *x, *y;
         for (int64_t b = 0; b < per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++) {
-            double tf = dt_now();
+            double tf = cpu_now();
             dt_tensor *logits = model_forward(ctx, &m, x);
             dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
             int64_t c = 0;
             if (!loss || dt_count_correct(ctx, logits, y, &c) != DT_OK)
                 goto fail_ctx;
             if (rank == o->slow_rank)   /* F times slower: F - 1 more forwards and backwards */
-                spin((o->slow_factor - 1) * (dt_now() - tf + last_bwd));
-            double tb = dt_now();
+                spin((o->slow_factor - 1) * (cpu_now() - tf + last_bwd));
+            double tb = cpu_now();
             if (scaler) {   /* reduced first, so every rank skips the same steps */
                 if (dt_loss_scaler_backward(scaler, loss) != DT_OK ||
                     (ddp && dt_ddp_sync(ddp) != DT_OK) ||
@@ -437,7 +447,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             } else {
                 if (dt_backward(ctx, loss) != DT_OK)
                     goto fail_ctx;
-                last_bwd = dt_now() - tb;   /* backward alone, for --slow */
+                last_bwd = cpu_now() - tb;   /* backward alone, for --slow */
                 if ((ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK)
                     goto fail_ctx;
             }
@@ -595,10 +605,10 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
         dt_tensor *x, *y;
         int64_t b = 0;
         for (; b < per_epoch && dt_loader_next(ld, &x, &y) == DT_OK; b++) {
-            double tf = dt_now();
+            double tf = cpu_now();
             dt_tensor *loss = dt_cross_entropy(ctx, model_forward(ctx, &m, x), y);
-            if (rank == o->slow_rank && loss)
-                spin((o->slow_factor - 1) * 2 * (dt_now() - tf));
+            if (rank == o->slow_rank && loss)   /* backward costs about twice the forward */
+                spin((o->slow_factor - 1) * 3 * (cpu_now() - tf));
             if (!loss || dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
                 goto fail_ctx;
             loss_sum += dt_tensor_item(loss);
