@@ -9,6 +9,8 @@
 #                         (DDP over shm); DT_EPOCHS, DT_RANKS to change it
 #   ./build.sh valgrind   a short training run under valgrind's leak checker
 #   ./build.sh bench      benchmarks against PyTorch (tests/bench/run.sh)
+#   ./build.sh install PREFIX   the header, both libraries and dtrain.pc
+#                         (pkg-config) under PREFIX (default /usr/local)
 #   ./build.sh clean
 #
 # Environment: CC (default gcc), DT_NATIVE=0 to build without -march=native,
@@ -84,8 +86,16 @@ ensure_pkgs() {
     fi
 }
 
+# The version from dtrain.h: "0.1.0", or its major number with "major".
+dt_version() {
+    local v
+    v=$(sed -n 's/^#define DTRAIN_VERSION_STRING "\(.*\)"$/\1/p' dtrain.h)
+    if [ "${1:-}" = major ]; then echo "${v%%.*}"; else echo "$v"; fi
+}
+
 build_lib() {
     mkdir -p $BUILD/obj $BUILD/shared
+    printf 'DTRAIN_%s {\n  global: dt_*;\n  local: *;\n};\n' "$(dt_version major)" > $BUILD/dtrain.map
     build_cuda
     for f in $CORE_SRC; do
         o=$BUILD/obj/$(basename "${f%.c}").o
@@ -95,7 +105,11 @@ build_lib() {
     rm -f $BUILD/libdtrain.a
     ar rcs $BUILD/libdtrain.a $objs
     echo "$LIBS" > $BUILD/libdtrain.ldflags   # what a program linking the library needs
-    $CC -shared -o $BUILD/libdtrain.so $objs $LIBS
+    # the soname carries the API's major version; only dt_ symbols leave it
+    $CC -shared -o $BUILD/libdtrain.so.$(dt_version) -Wl,-soname,libdtrain.so.$(dt_version major) \
+        -Wl,--version-script=$BUILD/dtrain.map $objs $LIBS
+    ln -sf libdtrain.so.$(dt_version) $BUILD/libdtrain.so.$(dt_version major)
+    ln -sf libdtrain.so.$(dt_version major) $BUILD/libdtrain.so
     # the core alone must compile without any backend or BLAS header
     $CC $WARN -O1 -I. -c dtrain.c -o $BUILD/obj/core_only.o
 }
@@ -305,6 +319,66 @@ PY
     echo "profile checks: ok"
 }
 
+# ./build.sh install PREFIX: include/dtrain.h, lib/libdtrain.{a,so*} and
+# lib/pkgconfig/dtrain.pc.  Static linking takes `pkg-config --static`.
+cmd_install() {
+    local prefix=${1:-/usr/local}
+    build_lib
+    mkdir -p "$prefix/include" "$prefix/lib/pkgconfig"
+    cp dtrain.h "$prefix/include/"
+    cp $BUILD/libdtrain.a $BUILD/libdtrain.so.$(dt_version) "$prefix/lib/"
+    ln -sf libdtrain.so.$(dt_version) "$prefix/lib/libdtrain.so.$(dt_version major)"
+    ln -sf libdtrain.so.$(dt_version major) "$prefix/lib/libdtrain.so"
+    {
+        echo "prefix=$prefix"
+        echo 'includedir=${prefix}/include'
+        echo 'libdir=${prefix}/lib'
+        echo
+        echo "Name: dtrain"
+        echo "Description: distributed deep-learning training in C (OpenBLAS CPU, CUDA, libfabric)"
+        echo "Version: $(dt_version)"
+        echo 'Cflags: -I${includedir}'
+        echo 'Libs: -L${libdir} -ldtrain'
+        echo "Libs.private: $LIBS"
+    } > "$prefix/lib/pkgconfig/dtrain.pc"
+    echo "build.sh: installed dtrain $(dt_version) under $prefix (pkg-config: $prefix/lib/pkgconfig)"
+}
+
+# Embedding end to end.  Vendoring: dtrain.h, dtrain.c and the backend's
+# files copied into an empty directory with a program, compiled with one cc
+# line, CPU-only without libfabric and with it.  Installing: the program
+# built with `pkg-config --cflags --libs dtrain` against a fresh prefix,
+# shared and static.  And the shared library exports dt_ symbols only,
+# under a soname carrying the major version.
+embed_checks() {
+    local dir out bad
+    dir=$(mktemp -d)
+    cp dtrain.h dtrain.c tests/embed/vendored.c "$dir/"
+    mkdir "$dir/backends"
+    cp backends/backend.h backends/shape.h backends/transport.h backends/cpu.c backends/fabric.c \
+       "$dir/backends/"
+    (cd "$dir" && $CC $WARN -O2 -DDT_WITH_CPU vendored.c dtrain.c backends/cpu.c \
+        -lopenblas -lz -lm -lpthread -o v_cpu && ./v_cpu) ||
+        { echo "embed check: the CPU-only vendored build failed"; exit 1; }
+    (cd "$dir" && $CC $WARN -O2 -DDT_WITH_CPU -DDT_WITH_FABRIC vendored.c dtrain.c backends/cpu.c \
+        backends/fabric.c -lopenblas -lfabric -lz -lm -lpthread -o v_fab && ./v_fab) ||
+        { echo "embed check: the vendored build with libfabric failed"; exit 1; }
+    cmd_install "$dir/prefix" >/dev/null
+    (cd "$dir" && export PKG_CONFIG_PATH="$dir/prefix/lib/pkgconfig" &&
+        $CC $WARN vendored.c $(pkg-config --cflags --libs dtrain) -o v_pc &&
+        LD_LIBRARY_PATH="$dir/prefix/lib" ./v_pc &&
+        $CC $WARN vendored.c $(pkg-config --cflags dtrain) "$dir/prefix/lib/libdtrain.a" \
+            $(pkg-config --libs --static dtrain | sed 's/-ldtrain//') -o v_static && ./v_static) ||
+        { echo "embed check: building against the installed prefix with pkg-config failed"; exit 1; }
+    out=$(readelf -d "$dir/prefix/lib/libdtrain.so" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
+    [ "$out" = "libdtrain.so.$(dt_version major)" ] ||
+        { echo "embed check: soname '$out', expected libdtrain.so.$(dt_version major)"; exit 1; }
+    bad=$(nm -D --defined-only "$dir/prefix/lib/libdtrain.so" | awk '$3 !~ /^dt_/ && $3 !~ /^DTRAIN_/ {print $3}')
+    [ -z "$bad" ] || { echo "embed check: exported symbols without dt_: $bad"; exit 1; }
+    rm -rf "$dir"
+    echo "embed checks: vendored (cpu; cpu + libfabric), pkg-config (shared; static), soname $out: ok"
+}
+
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA python3-numpy iproute2 iputils-ping
     mkdir -p $BUILD/test
@@ -318,6 +392,7 @@ cmd_test() {
         $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $CUDA_OBJ $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
     example_checks
+    embed_checks
     ps_checks
     launcher_checks
     bash tests/multihost.sh "$PWD/$BUILD/test"
@@ -359,6 +434,7 @@ case "${1:-build}" in
     demo) shift; cmd_demo "$@" ;;
     valgrind) cmd_valgrind ;;
     bench) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_BENCH; build_lib; bash tests/bench/run.sh ;;
+    install) shift; ensure_pkgs $PKGS_BUILD; cmd_install "$@" ;;
     clean) rm -rf $BUILD ;;
     *) echo "usage: ./build.sh [build|deps|test|demo|valgrind|bench|clean]" >&2; exit 2 ;;
 esac
