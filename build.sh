@@ -351,7 +351,7 @@ cmd_install() {
 # shared and static.  And the shared library exports dt_ symbols only,
 # under a soname carrying the major version.
 embed_checks() {
-    local dir out bad
+    local dir out out_so bad
     dir=$(mktemp -d)
     cp dtrain.h dtrain.c tests/embed/vendored.c "$dir/"
     mkdir "$dir/backends"
@@ -370,13 +370,26 @@ embed_checks() {
         $CC $WARN vendored.c $(pkg-config --cflags dtrain) "$dir/prefix/lib/libdtrain.a" \
             $(pkg-config --libs --static dtrain | sed 's/-ldtrain//') -o v_static && ./v_static) ||
         { echo "embed check: building against the installed prefix with pkg-config failed"; exit 1; }
-    out=$(readelf -d "$dir/prefix/lib/libdtrain.so" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
-    [ "$out" = "libdtrain.so.$(dt_version major)" ] ||
-        { echo "embed check: soname '$out', expected libdtrain.so.$(dt_version major)"; exit 1; }
+    out_so=$(readelf -d "$dir/prefix/lib/libdtrain.so" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
+    [ "$out_so" = "libdtrain.so.$(dt_version major)" ] ||
+        { echo "embed check: soname '$out_so', expected libdtrain.so.$(dt_version major)"; exit 1; }
     bad=$(nm -D --defined-only "$dir/prefix/lib/libdtrain.so" | awk '$3 !~ /^dt_/ && $3 !~ /^DTRAIN_/ {print $3}')
     [ -z "$bad" ] || { echo "embed check: exported symbols without dt_: $bad"; exit 1; }
+    # the small embedding example: a line fitted to y = 3 size - 2 age + 10 + noise
+    awk 'BEGIN { srand(7); print "size,age,price"; for (i = 0; i < 500; i++) { s = 50 + 100 * rand();
+         a = 30 * rand(); n = (rand() + rand() + rand() - 1.5) * 2;
+         printf "%.3f,%.3f,%.4f\n", s, a, 3 * s - 2 * a + 10 + n } }' > "$dir/h.csv"
+    out=$(ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 $BUILD/test/csv_regress "$dir/h.csv")
+    echo "$out" | awk '/R\^2/ { r2 = $NF } /^price =/ { s = $3; a = $6; c = $NF }
+        END { exit !(r2 >= 0.999 && s > 2.95 && s < 3.05 && a > -2.05 && a < -1.95 && c > 9 && c < 11) }' ||
+        { echo "embed check: csv_regress did not recover the line:"; echo "$out"; exit 1; }
+    printf 'a,b\n1,2\n3,x\n' > "$dir/bad.csv"
+    if $BUILD/test/csv_regress "$dir/bad.csv" 2>/dev/null; then
+        echo "embed check: csv_regress accepted a malformed file"; exit 1
+    fi
     rm -rf "$dir"
-    echo "embed checks: vendored (cpu; cpu + libfabric), pkg-config (shared; static), soname $out: ok"
+    echo "embed checks: vendored (cpu; cpu + libfabric), pkg-config (shared; static), soname $out_so,"
+    echo "  csv_regress: $(echo "$out" | tail -1): ok"
 }
 
 cmd_test() {
