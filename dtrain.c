@@ -3685,10 +3685,11 @@ typedef struct strbuf {
     int oom;
 } strbuf;
 
-static void sb_putn(strbuf *b, const char *s, size_t n)
+/* Room for n more bytes and the NUL; 0 when out of memory. */
+static int sb_reserve(strbuf *b, size_t n)
 {
     if (b->oom)
-        return;
+        return 0;
     if (b->len + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap * 2 : 1024;
         while (cap < b->len + n + 1)
@@ -3696,11 +3697,18 @@ static void sb_putn(strbuf *b, const char *s, size_t n)
         char *p = b->ctx->al.realloc_fn(b->p, cap, b->ctx->al.user);
         if (!p) {
             b->oom = 1;
-            return;
+            return 0;
         }
         b->p = p;
         b->cap = cap;
     }
+    return 1;
+}
+
+static void sb_putn(strbuf *b, const char *s, size_t n)
+{
+    if (!sb_reserve(b, n))
+        return;
     memcpy(b->p + b->len, s, n);
     b->len += n;
     b->p[b->len] = '\0';
@@ -3711,13 +3719,16 @@ static void sb_puts(strbuf *b, const char *s) { sb_putn(b, s, strlen(s)); }
 static void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sb_printf(strbuf *b, const char *fmt, ...)
 {
-    char tmp[256];
-    va_list ap;
+    va_list ap, again;
     va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_copy(again, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap);   /* the length, then the text in place */
+    if (n > 0 && sb_reserve(b, (size_t)n)) {
+        vsnprintf(b->p + b->len, (size_t)n + 1, fmt, again);
+        b->len += (size_t)n;
+    }
+    va_end(again);
     va_end(ap);
-    if (n > 0)
-        sb_putn(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
 }
 
 static void sb_json_string(strbuf *b, const char *s)
@@ -14164,41 +14175,6 @@ typedef struct prof_blob_head {
 } prof_blob_head;
 #define PROF_BLOB_MAGIC 0x50524F46444Eull
 
-/* A growing text buffer for the report (the context's allocator). */
-typedef struct textbuf {
-    dt_ctx *ctx;
-    char *s;
-    size_t len, cap;
-    int oom;
-} textbuf;
-
-static void tb_printf(textbuf *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void tb_printf(textbuf *t, const char *fmt, ...)
-{
-    if (t->oom)
-        return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(t->s ? t->s + t->len : NULL, t->s ? t->cap - t->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0)
-            return;
-        if (t->s && t->len + (size_t)n < t->cap) {
-            t->len += (size_t)n;
-            return;
-        }
-        size_t cap = (t->cap ? t->cap * 2 : 4096) + (size_t)n;
-        char *s = t->ctx->al.realloc_fn(t->s, cap, t->ctx->al.user);
-        if (!s) {
-            t->oom = 1;
-            return;
-        }
-        t->s = s;
-        t->cap = cap;
-    }
-}
-
 /* This rank's totals and events, laid out in floats for the allgather. */
 static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
 {
@@ -14364,13 +14340,13 @@ static double per_step(double s, int64_t steps) { return steps ? s / (double)ste
 static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                const char *trace_path)
 {
-    textbuf t = {.ctx = ctx};
+    strbuf t = {.ctx = ctx};
     const dt_profile_stats *s0 = &h[0]->st;
-    tb_printf(&t, "dtrain profile: %d rank%s, %lld steps on rank 0", P, P > 1 ? "s" : "",
+    sb_printf(&t, "dtrain profile: %d rank%s, %lld steps on rank 0", P, P > 1 ? "s" : "",
               (long long)s0->steps);
     if (trace_path)
-        tb_printf(&t, ", timeline in %s", trace_path);
-    tb_printf(&t, "\nper step, ms:\n rank  steps     step     data  forward backward comm wait "
+        sb_printf(&t, ", timeline in %s", trace_path);
+    sb_printf(&t, "\nper step, ms:\n rank  steps     step     data  forward backward comm wait "
               "optimizer    idle | comm ran  samples/s\n");
     int slow = 0;
     double sum_step = 0;
@@ -14378,11 +14354,11 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         const dt_profile_stats *s = &h[r]->st;
         int64_t n = s->steps;
         if (!n) {   /* a parameter server, or a rank that ran no training step */
-            tb_printf(&t, "%5d      0   (no training steps%s)\n", r,
+            sb_printf(&t, "%5d      0   (no training steps%s)\n", r,
                       s->ps_calls ? "" : "; a parameter server serves on its own thread");
             continue;
         }
-        tb_printf(&t, "%5d %6lld %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %7.2f | %8.2f %10.0f\n", r,
+        sb_printf(&t, "%5d %6lld %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %7.2f | %8.2f %10.0f\n", r,
                   (long long)n, per_step(s->step_s, n), per_step(s->data_s, n),
                   per_step(s->forward_s, n), per_step(s->backward_s, n),
                   per_step(s->comm_wait_s, n), per_step(s->optimizer_s, n),
@@ -14400,7 +14376,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int k = 1; k < PH_COUNT; k++)
         big = ph[k] > ph[big] ? k : big;
     if (ss->steps)
-        tb_printf(&t, "slowest rank: %d, %.2f ms per step; its largest phase: %s, %.2f ms (%.0f%%)\n",
+        sb_printf(&t, "slowest rank: %d, %.2f ms per step; its largest phase: %s, %.2f ms (%.0f%%)\n",
                   slow, per_step(ss->step_s, ss->steps), phase_names[big],
                   per_step(ph[big], ss->steps), ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
     /* stragglers: compute per sample against the median, over the whole run */
@@ -14417,7 +14393,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int r = 0; r < Pm; r++) {
         if (!(median > 0) || !(per[r] > median * (1 + thr)))
             continue;
-        tb_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
+        sb_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
                   "%.3f ms of forward and backward (threshold %.0f%%; named in %d checks during "
                   "training)\n", r,
                   per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
@@ -14425,7 +14401,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         any = 1;
     }
     if (!any && P > 1)
-        tb_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
+        sb_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
                   "median)\n", 100 * thr);
     /* communication */
     uint64_t bytes = 0;
@@ -14441,7 +14417,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     }
     busbw = s0->busbw;
     if (colls)
-        tb_printf(&t, "communication: %lld collectives on rank 0, %.1f MB; bus bandwidth %.3f GB/s "
+        sb_printf(&t, "communication: %lld collectives on rank 0, %.1f MB; bus bandwidth %.3f GB/s "
                   "= %.0f%% of the link's %.3f GB/s (8 MiB allreduces, measured at the end); "
                   "%.0f%% of the run's communication time was exposed\n",
                   (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
@@ -14451,7 +14427,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         for (int r = 0; r < P; r++) {
             const dt_profile_stats *s = &h[r]->st;
             if (s->ps_calls)
-                tb_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
+                sb_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
                           "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
                           s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
                           (long long)s->ps_max_staleness);
@@ -14467,7 +14443,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     }
     int hints = 0;
     if (tot_step > 0 && tot_wait / tot_step > 0.15) {
-        tb_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
+        sb_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
                   100 * tot_wait / tot_step,
                   ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
                              "compression (DTRAIN_COMPRESS=bf16 halves the bytes)"
@@ -14484,39 +14460,39 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
             mb += h[r]->batch_s;
             nb += h[r]->batches;
         }
-        tb_printf(&t, "hint: data wait is %.0f%% of the step time: the loader prepares a batch in "
+        sb_printf(&t, "hint: data wait is %.0f%% of the step time: the loader prepares a batch in "
                   "%.2f ms against a step of %.2f ms; turn on prefetch (dt_loader_config.prefetch) "
                   "or give the loader more CPU (fewer compute threads per rank)\n",
                   100 * tot_data / tot_step, nb ? mb / (double)nb * 1e3 : 0, sum_step / P);
         hints++;
     }
     if (strag >= 0) {
-        tb_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
+        sb_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
                   "thermal limits), or balance the load (%s)\n", strag,
                   ps_calls ? "dt_loader_steal: idle workers take the slow one's chunks"
                            : "dt_ddp_balance cuts each global batch by measured speed");
         hints++;
     }
     if (tot_step > 0 && tot_idle / tot_step > 0.10) {
-        tb_printf(&t, "hint: idle is %.0f%% of the step time: time in the program's own code "
+        sb_printf(&t, "hint: idle is %.0f%% of the step time: time in the program's own code "
                   "between dtrain calls (evaluation, logging, reading the loss every step)\n",
                   100 * tot_idle / tot_step);
         hints++;
     }
     if (P > 1 && link > 0 && busbw > 0 && busbw < 0.3 * link && bytes > 0 && strag < 0) {
-        tb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: small buckets "
+        sb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: small buckets "
                   "are bound by latency (larger buckets move the same bytes in fewer calls), and "
                   "during training the allreduces share CPU and memory with compute\n",
                   100 * busbw / link);
         hints++;
     }
     if (!hints)
-        tb_printf(&t, "no hints: nothing stands out\n");
+        sb_printf(&t, "no hints: nothing stands out\n");
     if (t.oom) {
-        ctx->al.free_fn(t.s, ctx->al.user);
+        host_free(ctx, t.p);
         return NULL;
     }
-    return t.s;
+    return t.p;
 }
 
 dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
