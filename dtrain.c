@@ -14364,7 +14364,10 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                   per_step(s->comm_wait_s, n), per_step(s->optimizer_s, n),
                   per_step(s->idle_s, n), per_step(s->comm_s, n),
                   s->step_s > 0 ? (double)s->samples / s->step_s : 0);
-        if (per_step(s->step_s, n) > per_step(h[slow]->st.step_s, h[slow]->st.steps))
+        /* in lockstep every rank's step is as long; the slowest is the one
+         * busiest in it (the others spend the difference waiting) */
+        if (per_step(s->step_s - s->comm_wait_s, n) >
+            per_step(h[slow]->st.step_s - h[slow]->st.comm_wait_s, h[slow]->st.steps))
             slow = r;
         sum_step += per_step(s->step_s, n);
     }
@@ -14376,8 +14379,10 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int k = 1; k < PH_COUNT; k++)
         big = ph[k] > ph[big] ? k : big;
     if (ss->steps)
-        sb_printf(&t, "slowest rank: %d, %.2f ms per step; its largest phase: %s, %.2f ms (%.0f%%)\n",
-                  slow, per_step(ss->step_s, ss->steps), phase_names[big],
+        sb_printf(&t, "slowest rank: %d, busy %.2f ms of its %.2f ms step (the rest waiting on "
+                  "communication); its largest phase: %s, %.2f ms (%.0f%%)\n", slow,
+                  per_step(ss->step_s - ss->comm_wait_s, ss->steps),
+                  per_step(ss->step_s, ss->steps), phase_names[big],
                   per_step(ph[big], ss->steps), ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
     /* stragglers: compute per sample against the median, over the whole run */
     double per[64] = {0}, median = 0;
