@@ -5383,6 +5383,7 @@ typedef struct store_server {
     int nkv, cap_kv;
     store_client *cl;
     int ncl, cap_cl;
+    double drain_until;        /* stopping: serve until the others leave or then */
     pthread_t thread;
 } store_server;
 
@@ -5727,11 +5728,29 @@ static void sv_drop_closed(store_server *sv)
         sv_serve_waiters(sv);
 }
 
+/* Other ranks still connected (said hello, not goodbye)?  Rank 0's own
+ * connections do not count: they are its own, closing. */
+static int sv_others_connected(const store_server *sv)
+{
+    for (int i = 0; i < sv->ncl; i++)
+        if (sv->cl[i].fd >= 0 && sv->cl[i].hello && !sv->cl[i].bye && sv->cl[i].rank != 0)
+            return 1;
+    return 0;
+}
+
+/* Asked to stop: at once, or (drain_until set) once the other ranks left. */
+static int sv_done_draining(const store_server *sv)
+{
+    double until;
+    __atomic_load(&sv->drain_until, &until, __ATOMIC_ACQUIRE);
+    return until <= 0 || dt_now() >= until || !sv_others_connected(sv);
+}
+
 static void *store_server_main(void *arg)
 {
     store_server *sv = arg;
     struct pollfd *pf = NULL;
-    int cap_pf = 0;
+    int cap_pf = 0, stopping = 0;
     for (;;) {
         if (cap_pf < sv->ncl + 2) {
             cap_pf = sv->ncl + 16;
@@ -5748,7 +5767,13 @@ static void *store_server_main(void *arg)
         int r = poll(pf, (nfds_t)sv->ncl + 2, 50);   /* 50 ms: parked GET deadlines */
         if (r < 0 && errno != EINTR)
             break;
-        if (pf[0].revents)
+        if (pf[0].revents) {
+            char x;
+            stopping = 1;
+            ssize_t k = read(sv->stop_pipe[0], &x, 1);
+            (void)k;
+        }
+        if (stopping && sv_done_draining(sv))
             break;
         int n = sv->ncl;
         for (int i = 0; r > 0 && i < n; i++) {
@@ -5837,10 +5862,16 @@ static dt_status store_server_start(dt_ctx *ctx, const char *bind_addr, int port
     return DT_OK;
 }
 
-static void store_server_stop(store_server *sv)
+/* drain_ms > 0: keep serving until every other rank has closed its
+ * connections, up to drain_ms (see dt_comm_free for why). */
+static void store_server_stop(store_server *sv, int drain_ms)
 {
     if (!sv)
         return;
+    if (drain_ms > 0) {
+        double until = dt_now() + drain_ms / 1000.0;
+        __atomic_store(&sv->drain_until, &until, __ATOMIC_RELEASE);
+    }
     ssize_t w = write(sv->stop_pipe[1], "x", 1);
     (void)w;
     pthread_join(sv->thread, NULL);
@@ -6028,7 +6059,8 @@ static dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_
     return s;
 }
 
-void dt_store_close(dt_store *s)
+/* drain_ms: on rank 0, see store_server_stop. */
+static void store_close(dt_store *s, int drain_ms)
 {
     if (!s)
         return;
@@ -6043,9 +6075,11 @@ void dt_store_close(dt_store *s)
         set_error(s->ctx, keep, "%s", keep_msg);   /* closing leaves the last error alone */
         close(s->fd);
     }
-    store_server_stop(s->server);
+    store_server_stop(s->server, drain_ms);
     host_free(s->ctx, s);
 }
+
+void dt_store_close(dt_store *s) { store_close(s, 0); }
 
 int dt_store_port(const dt_store *s) { return s ? s->port : -1; }
 
@@ -6540,6 +6574,9 @@ static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
  * rank died, so a killed process is named in about a second instead of
  * after the timeout (and by every survivor, not just its neighbours). */
 #define DT_COMM_WATCH_S 0.5
+
+/* How long rank 0's dt_comm_free waits for the others to leave (13.3). */
+#define DT_COMM_DRAIN_MS 10000
 
 /* A failure reason as ranks publish it: "<status>|<message>". */
 static dt_status fail_with_reason(dt_work *w, const char *why)
@@ -8467,7 +8504,11 @@ void dt_comm_free(dt_comm *c)
     }
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
-    dt_store_close(c->store);
+    /* Rank 0 leaves its last collective as soon as its own part is done,
+     * while others may still wait for each other's last messages and ask
+     * the store about the dead meanwhile: a store gone then would read as
+     * rank 0's death.  So the store stays until they have left (bounded). */
+    store_close(c->store, c->timeout_ms < DT_COMM_DRAIN_MS ? c->timeout_ms : DT_COMM_DRAIN_MS);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     if (c->scratch)

@@ -266,20 +266,31 @@ static void test_collectives_hierarchical(void **state)
  * 500 ms late, and nobody may leave within 300 ms. */
 static int job_barrier_waits(dt_comm *c, int rank, int world)
 {
-    /* line up first: ranks leave dt_comm_new at different times (seconds
-     * apart under TSan), and the rounds below time from a common start */
+    /* Every rank runs on this host, so dt_now() is one clock: after each
+     * barrier the late rank sends the time it entered (as two floats, hi
+     * and lo, summed with zeros so they arrive exact), and every rank must
+     * have left after it.  No margins: a loaded machine cannot fail this,
+     * a barrier that lets a rank through early always does. */
     if (dt_barrier(c) != DT_OK)
         return 62;
     for (int round = 0; round < 2; round++) {
+        double entered = 0;
         if (rank == world - 1) {
-            struct timespec ts = {0, 500 * 1000 * 1000};
+            struct timespec ts = {0, 200 * 1000 * 1000};
             nanosleep(&ts, NULL);
+            entered = dt_now();
         }
-        double t0 = dt_now();
         if (dt_barrier(c) != DT_OK)
             return 60;
-        if (rank != world - 1 && dt_now() - t0 < 0.3) {
-            fprintf(stderr, "rank %d left the barrier after %.3f s\n", rank, dt_now() - t0);
+        double left = dt_now();
+        float t[2] = {(float)entered, 0};
+        t[1] = (float)(entered - (double)t[0]);
+        if (dt_allreduce(c, t, 2, DT_REDUCE_SUM) != DT_OK)
+            return 63;
+        double last_in = (double)t[0] + (double)t[1];
+        if (left < last_in) {
+            fprintf(stderr, "rank %d left the barrier %.6f s before rank %d entered it\n", rank,
+                    last_in - left, world - 1);
             return 61;
         }
     }
