@@ -970,6 +970,68 @@ static void materialize(dt_tensor *t)
     }
 }
 
+/* A persistent tensor over the caller's memory (no T_OWNS_DATA: freeing
+ * it leaves the memory alone).  Only where the backend computes on host
+ * memory: a device backend would read a host pointer as its own. */
+dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape,
+                          void *host)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!dtype_ok(dtype)) {
+        set_error(ctx, DT_EINVAL, "tensor_wrap: unknown dtype %d", (int)dtype);
+        return NULL;
+    }
+    if (check_shape(ctx, "tensor_wrap", ndim, shape) != DT_OK)
+        return NULL;
+    if (!host || (uintptr_t)host % dt_dtype_size(dtype)) {
+        set_error(ctx, DT_EINVAL, "tensor_wrap: host memory is %s", host ? "misaligned for its "
+                  "dtype" : "NULL");
+        return NULL;
+    }
+    if (!ctx->be_iface->host_visible) {
+        set_error(ctx, DT_ENOTSUP, "tensor_wrap: the %s backend does not compute on host memory "
+                  "(copy in with dt_tensor_set)", dt_backend_name(ctx));
+        return NULL;
+    }
+    dt_tensor *t = host_alloc(ctx, sizeof *t);
+    if (!t) {
+        set_error(ctx, DT_ENOMEM, "tensor_wrap: out of host memory");
+        return NULL;
+    }
+    header_init(t, ctx, dtype, ndim, shape);
+    t->data = host;
+    t->flags = T_PERSIST;
+    t->next = ctx->persist;
+    if (ctx->persist)
+        ctx->persist->prev = t;
+    ctx->persist = t;
+    return t;
+}
+
+void *dt_tensor_data(dt_tensor *t)
+{
+    if (!t)
+        return NULL;
+    dt_ctx *ctx = t->ctx;
+    if (!ctx->be_iface->host_visible) {
+        set_error(ctx, DT_ENOTSUP, "tensor_data: the %s backend's memory is not host memory "
+                  "(copy out with dt_tensor_get)", dt_backend_name(ctx));
+        return NULL;
+    }
+    materialize(t);   /* a lazily zeroed gradient: the memory must say so */
+    return t->data;
+}
+
+int64_t dt_tensor_stride(const dt_tensor *t, int i)
+{
+    if (!t || t->ndim == 0)
+        return t ? 1 : 0;
+    if (i < 0)
+        i += t->ndim;
+    return i >= 0 && i < t->ndim ? t->stride[i] : 0;
+}
+
 static dt_status check_tensor(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what)
 {
     if (!t)

@@ -195,6 +195,26 @@ DT_API dt_status dt_tensor_fill(dt_tensor *t, float value);
 /* First element as a float (for scalar losses); NAN on error. */
 DT_API float dt_tensor_item(const dt_tensor *t);
 
+/* Zero-copy access for bindings (NumPy) on backends that compute on host
+ * memory (cpu); others give NULL / DT_ENOTSUP with a message.
+ *
+ * dt_tensor_wrap: a new persistent tensor over the caller's memory (host,
+ * borrowed: it must stay valid and unmoved until dt_tensor_free, and is
+ * never freed by dtrain), contiguous, aligned to the dtype's size.  new:
+ * free with dt_tensor_free (or with the context).
+ *
+ * dt_tensor_data: the address of element (0,...,0); the tensor's strides
+ * (dt_tensor_stride, in elements) say where the others are.  Valid while
+ * the tensor lives (a step tensor until dt_step_reset).  A gradient that
+ * dt_zero_grad zeroed lazily is written with zeros first, so call it again
+ * after a zero_grad rather than keep an old pointer's view of one. */
+DT_API dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape,
+                                 void *host);
+DT_API void *dt_tensor_data(dt_tensor *t);
+/* Stride of dim i in elements (i < 0 counts from the end); 0 when out of
+ * range. */
+DT_API int64_t dt_tensor_stride(const dt_tensor *t, int i);
+
 DT_API int dt_tensor_ndim(const dt_tensor *t);
 DT_API int64_t dt_tensor_dim(const dt_tensor *t, int i);  /* i < 0 counts from the end */
 DT_API int64_t dt_tensor_numel(const dt_tensor *t);

@@ -315,11 +315,74 @@ static void test_determinism(void **state)
     if (memcmp(&d, &e, sizeof d) != 0) fail_msg("same seed, 2 threads: parameters differ");
 }
 
+/* Zero-copy (for bindings): a wrapped buffer is the tensor's memory both
+ * ways, dt_tensor_data with the strides reads views in place, and backends
+ * without host memory refuse with a message. */
+static void test_zero_copy(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    float buf[6] = {1, 2, 3, 4, 5, 6};
+    dt_tensor *a = dt_tensor_wrap(ctx, DT_F32, 2, (int64_t[]){2, 3}, buf);
+    tu_check(ctx, a, "wrap");
+    assert_ptr_equal(dt_tensor_data(a), buf);
+    float s = dt_tensor_item(dt_sum(ctx, a));
+    assert_true(s == 21.0f);
+    buf[0] = 101;   /* the caller's writes are the tensor's contents */
+    assert_true(dt_tensor_item(dt_sum(ctx, a)) == 121.0f);
+    assert_int_equal(dt_tensor_fill(a, 0.5f), DT_OK);   /* and the other way */
+    assert_true(buf[5] == 0.5f);
+    /* a transposed view: same memory, strides (1, 3) */
+    dt_tensor *t = dt_transpose(ctx, a, 0, 1);
+    assert_ptr_equal(dt_tensor_data(t), buf);
+    assert_int_equal(dt_tensor_stride(t, 0), 1);
+    assert_int_equal(dt_tensor_stride(t, -1), 3);
+    assert_int_equal(dt_tensor_stride(t, 2), 0);
+    dt_step_reset(ctx);
+    dt_tensor_free(a);   /* leaves buf alone (ASan would see a bad free) */
+    buf[1] = 7;
+    /* a lazily zeroed gradient reads as zeros through its pointer */
+    dt_tensor *w = dt_param_new(ctx, "w", 1, (int64_t[]){4});
+    tu_check(ctx, w, "param");
+    assert_int_equal(dt_tensor_fill(w, 1), DT_OK);
+    dt_tensor *loss = dt_sum(ctx, dt_mul(ctx, w, w));
+    assert_int_equal(dt_backward(ctx, loss), DT_OK);
+    float *g = dt_tensor_data(dt_tensor_grad(w));
+    assert_true(g[0] == 2.0f && g[3] == 2.0f);
+    dt_step_reset(ctx);
+    dt_zero_grad(ctx);
+    g = dt_tensor_data(dt_tensor_grad(w));
+    assert_true(g[0] == 0.0f && g[3] == 0.0f);
+    /* refused: misaligned, NULL */
+    char raw[16];
+    assert_null(dt_tensor_wrap(ctx, DT_F32, 1, (int64_t[]){2}, raw + 1));
+    assert_int_equal(dt_last_status(ctx), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(ctx), "misaligned"));
+    assert_null(dt_tensor_wrap(ctx, DT_F32, 1, (int64_t[]){2}, NULL));
+    assert_null(dt_tensor_data(NULL));
+    dt_ctx_free(ctx);
+    /* a backend whose memory is not the host's */
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.backend = "cpu-staged";
+    ctx = dt_ctx_new(&cfg);
+    assert_int_equal(dt_ctx_status(ctx), DT_OK);
+    assert_null(dt_tensor_wrap(ctx, DT_F32, 2, (int64_t[]){2, 3}, buf));
+    assert_int_equal(dt_last_status(ctx), DT_ENOTSUP);
+    assert_non_null(strstr(dt_last_error(ctx), "cpu-staged"));
+    dt_tensor *d = dt_tensor_new(ctx, DT_F32, 1, (int64_t[]){3});
+    assert_non_null(d);
+    assert_null(dt_tensor_data(d));
+    assert_int_equal(dt_last_status(ctx), DT_ENOTSUP);
+    dt_ctx_free(ctx);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_mem_warm_step_allocates_nothing),
     cmocka_unit_test(test_mem_stats),
     cmocka_unit_test(test_mem_recompute_lowers_peak),
     cmocka_unit_test(test_determinism),
+    cmocka_unit_test(test_zero_copy),
 };
 
 DT_TEST_GROUP(core_memory, tests)
