@@ -860,28 +860,29 @@ static dt_tensor *persistent_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const
 
 static int dtype_ok(dt_dtype d) { return d >= DT_F32 && d <= DT_F16; }
 
-dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+/* The checks every tensor constructor makes; 1: go on. */
+static int new_tensor_ok(dt_ctx *ctx, const char *op, dt_dtype dtype, int ndim,
+                         const int64_t *shape)
 {
     if (!ctx_ok(ctx))
-        return NULL;
+        return 0;
     if (!dtype_ok(dtype)) {
-        set_error(ctx, DT_EINVAL, "tensor_new: unknown dtype %d", (int)dtype);
-        return NULL;
+        set_error(ctx, DT_EINVAL, "%s: unknown dtype %d", op, (int)dtype);
+        return 0;
     }
-    if (check_shape(ctx, "tensor_new", ndim, shape) != DT_OK)
+    return check_shape(ctx, op, ndim, shape) == DT_OK;
+}
+
+dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    if (!new_tensor_ok(ctx, "tensor_new", dtype, ndim, shape))
         return NULL;
     return persistent_tensor(ctx, dtype, ndim, shape);
 }
 
 dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (!dtype_ok(dtype)) {
-        set_error(ctx, DT_EINVAL, "tensor_temp: unknown dtype %d", (int)dtype);
-        return NULL;
-    }
-    if (check_shape(ctx, "tensor_temp", ndim, shape) != DT_OK)
+    if (!new_tensor_ok(ctx, "tensor_temp", dtype, ndim, shape))
         return NULL;
     dt_tensor *t = step_tensor(ctx, dtype, ndim, shape);
     if (t)
@@ -976,13 +977,7 @@ static void materialize(dt_tensor *t)
 dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape,
                           void *host)
 {
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (!dtype_ok(dtype)) {
-        set_error(ctx, DT_EINVAL, "tensor_wrap: unknown dtype %d", (int)dtype);
-        return NULL;
-    }
-    if (check_shape(ctx, "tensor_wrap", ndim, shape) != DT_OK)
+    if (!new_tensor_ok(ctx, "tensor_wrap", dtype, ndim, shape))
         return NULL;
     if (!host || (uintptr_t)host % dt_dtype_size(dtype)) {
         set_error(ctx, DT_EINVAL, "tensor_wrap: host memory is %s", host ? "misaligned for its "
