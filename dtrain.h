@@ -23,8 +23,25 @@
  *    ownership), "new" (the caller frees it with the named function),
  *    "ctx-owned" (freed with the context), "step" (lives until
  *    dt_step_reset()).
- *  - No global mutable state: two contexts never share anything, and a context
- *    is used by one thread at a time.
+ *  - A call whose first argument (the context or object it works on) is
+ *    NULL gives DT_EINVAL (or a NULL, 0, -1, NAN or "" result) and no
+ *    message: there is no context to keep one.  A context whose backend
+ *    failed to start refuses calls the same way (dt_last_error says why).
+ *  - Any call that allocates may fail with DT_ENOMEM; that is not repeated
+ *    below.  Each function lists the other statuses it can give.
+ *  - dt_*_config_init(cfg) fills *cfg with the defaults written at its fields
+ *    (NULL is ignored).
+ *  - Free what you made with a context (optimizers, datasets, loaders,
+ *    communicators, ...) before the context; its tensors go with it.
+ *  - Threads.  No global mutable state: two contexts never share anything,
+ *    and each may be driven by its own thread.  A context, and everything
+ *    made with it, is used by one thread at a time; exceptions are noted
+ *    where they apply.  Functions that take no handle (dt_strerror,
+ *    dt_dtype_size, dt_dtype_name, dt_schedule_lr, dt_now, the
+ *    *_config_init) are safe on any thread.  The threads the library starts
+ *    for itself (a store's server, a communicator's comm thread, a loader's
+ *    prefetch thread) never write a context's error, and of your code call
+ *    only the allocator hooks and a custom backend's entries.
  */
 #ifndef DTRAIN_H
 #define DTRAIN_H
@@ -71,7 +88,8 @@ typedef enum dt_status {
     DT_EOF         /* a loader has no more batches in this epoch */
 } dt_status;
 
-/* A static string describing a status ("invalid argument"). Never NULL. */
+/* A static string describing a status ("invalid argument"); "unknown
+ * status" for a value outside the enum.  Never NULL. */
 DT_API const char *dt_strerror(dt_status s);
 
 /* ---------------------------------------------------------------------------
@@ -80,7 +98,10 @@ DT_API const char *dt_strerror(dt_status s);
 typedef struct dt_ctx dt_ctx;
 
 /* Allocator hooks: all host memory the library takes goes through these (the
- * CPU backend's tensor memory too).  Any member left NULL uses libc. */
+ * CPU backend's tensor memory too).  Set all three or none: with any left
+ * NULL, all three are libc's.  They must be thread-safe once the library
+ * runs threads (a store or communicator, a prefetching loader, dt_dp,
+ * dt_hogwild_run): those call them too. */
 typedef struct dt_allocator {
     void *(*malloc_fn)(size_t size, void *user);
     void *(*realloc_fn)(void *ptr, size_t size, void *user);
@@ -91,7 +112,7 @@ typedef struct dt_allocator {
 typedef struct dt_config {
     const char *backend;      /* "cpu" (default) or "cuda" */
     int threads;              /* compute threads; 0 means 1 */
-    uint64_t seed;            /* seeds init, dropout and shuffling */
+    uint64_t seed;            /* seeds init and dropout (loaders have their own) */
     dt_allocator allocator;   /* host allocation hooks */
     size_t arena_bytes;       /* initial step arena; it grows during warm-up */
     int device;               /* device index for accelerator backends */
@@ -106,27 +127,36 @@ DT_API void dt_config_init(dt_config *cfg);
 
 /* New context.  Returns NULL only if the context itself cannot be allocated;
  * otherwise check dt_ctx_status(): a context whose backend failed to start
- * keeps the message in dt_last_error() and refuses every other call.
- * cfg may be NULL (defaults).  new: free with dt_ctx_free. */
+ * keeps the message in dt_last_error() and refuses every other call
+ * (DT_ENOTSUP: backend not compiled in or of another interface version; or
+ * the backend's own status).  cfg may be NULL (defaults).  new: free with
+ * dt_ctx_free.  Safe on any thread (it touches no other context). */
 DT_API dt_ctx *dt_ctx_new(const dt_config *cfg);
-DT_API void dt_ctx_free(dt_ctx *ctx);             /* NULL is fine */
+/* Frees its tensors and parameters and detaches a DDP (waiting for a step
+ * still being reduced).  NULL is fine. */
+DT_API void dt_ctx_free(dt_ctx *ctx);
+/* DT_OK, or why the backend failed to start (DT_EINVAL for NULL). */
 DT_API dt_status dt_ctx_status(const dt_ctx *ctx);
 
 /* The last error's message ("conv2d: input has 3 channels, weight expects
- * 1"), or "" when none.  ctx-owned; valid until the next failing call. */
+ * 1"), or "" when none.  ctx-owned; valid until the next failing call.
+ * dt_last_status: that error's status.  Calls that succeed leave both as
+ * they are; dt_clear_error resets them to "" and DT_OK. */
 DT_API const char *dt_last_error(const dt_ctx *ctx);
 DT_API dt_status dt_last_status(const dt_ctx *ctx);
 DT_API void dt_clear_error(dt_ctx *ctx);
 
 /* Warnings: things that went wrong but did not stop the call (a parameter
- * server dropping a dead worker).  The library prints nothing itself: each
- * warning goes to fn (called on the thread that met it; user borrowed), or,
+ * server dropping a dead worker, a straggler).  The library prints nothing
+ * itself: each warning goes to fn (called on the thread that met it, inside
+ * dt_ps_serve or a DDP's sync, never a library thread; user borrowed), or,
  * with no fn, to stderr only when DTRAIN_LOG is set.  fn NULL: back to that.
  * dt_last_warning: the latest one ("" if none), ctx-owned. */
 typedef void (*dt_log_fn)(void *user, const char *msg);
 DT_API void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user);
 DT_API const char *dt_last_warning(const dt_ctx *ctx);
 
+/* The backend's name ("cpu"; "" if none) and its compute threads. */
 DT_API const char *dt_backend_name(const dt_ctx *ctx);
 DT_API int dt_ctx_threads(const dt_ctx *ctx);
 
@@ -145,6 +175,7 @@ typedef struct dt_mem_stats {
     size_t persistent_bytes;  /* parameters, gradients, optimizer state */
     uint64_t arena_grows;     /* times the arena had to allocate */
 } dt_mem_stats;
+/* Fill *out (zeros for a NULL ctx); reset_peak: arena_peak = arena_used. */
 DT_API void dt_mem_stats_get(const dt_ctx *ctx, dt_mem_stats *out);
 DT_API void dt_mem_reset_peak(dt_ctx *ctx);
 
@@ -174,25 +205,33 @@ typedef enum dt_precision {
     DT_PREC_F16        /* IEEE half: 10 mantissa bits, overflows above 65504 */
 } dt_precision;
 
+/* Bytes per element (0 for an unknown dtype) and name ("f32"; "?"). */
 DT_API size_t dt_dtype_size(dt_dtype t);
 DT_API const char *dt_dtype_name(dt_dtype t);
 
 /* New persistent tensor, zero-filled.  new: free with dt_tensor_free (or it
- * is freed with the context). */
+ * is freed with the context).  DT_EINVAL: unknown dtype, ndim outside
+ * 0..DT_MAX_DIMS, NULL shape, a negative or too large dimension. */
 DT_API dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim,
                                 const int64_t *shape);
-DT_API void dt_tensor_free(dt_tensor *t);         /* NULL is fine */
+/* NULL is fine; does nothing to parameters (freed with the context), step
+ * tensors and a loader's batches. */
+DT_API void dt_tensor_free(dt_tensor *t);
 
-/* New step tensor (lives until dt_step_reset), zero-filled. */
+/* New step tensor (lives until dt_step_reset), zero-filled.  Errors as
+ * dt_tensor_new. */
 DT_API dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim,
                                  const int64_t *shape);
 
 /* Copy host data in or out.  count is in elements and must equal numel; the
- * host buffer's type must match the tensor's dtype.  Borrows both. */
+ * host buffer's type must match the tensor's dtype.  Borrows both.
+ * DT_EINVAL: host NULL or count != numel. */
 DT_API dt_status dt_tensor_set(dt_tensor *t, const void *host, int64_t count);
 DT_API dt_status dt_tensor_get(const dt_tensor *t, void *host, int64_t count);
+/* Every element = value.  DT_EINVAL: not f32, or a non-contiguous view. */
 DT_API dt_status dt_tensor_fill(dt_tensor *t, float value);
-/* First element as a float (for scalar losses); NAN on error. */
+/* First element as a float (for scalar losses; i32 converted); NAN for
+ * NULL, an empty tensor or another dtype. */
 DT_API float dt_tensor_item(const dt_tensor *t);
 
 /* Zero-copy access for bindings (NumPy) on backends that compute on host
@@ -201,7 +240,8 @@ DT_API float dt_tensor_item(const dt_tensor *t);
  * dt_tensor_wrap: a new persistent tensor over the caller's memory (host,
  * borrowed: it must stay valid and unmoved until dt_tensor_free, and is
  * never freed by dtrain), contiguous, aligned to the dtype's size.  new:
- * free with dt_tensor_free (or with the context).
+ * free with dt_tensor_free (or with the context).  DT_EINVAL: host NULL or
+ * misaligned, or as dt_tensor_new.
  *
  * dt_tensor_data: the address of element (0,...,0); the tensor's strides
  * (dt_tensor_stride, in elements) say where the others are.  Valid while
@@ -212,20 +252,29 @@ DT_API dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const in
                                  void *host);
 DT_API void *dt_tensor_data(dt_tensor *t);
 /* Stride of dim i in elements (i < 0 counts from the end); 0 when out of
- * range. */
+ * range, 1 for a 0-dim tensor. */
 DT_API int64_t dt_tensor_stride(const dt_tensor *t, int i);
 
+/* Shape queries.  For NULL: ndim, dim and numel give -1, dtype DT_F32,
+ * is_contiguous 0.  dt_tensor_dim: -1 when i is out of range. */
 DT_API int dt_tensor_ndim(const dt_tensor *t);
 DT_API int64_t dt_tensor_dim(const dt_tensor *t, int i);  /* i < 0 counts from the end */
 DT_API int64_t dt_tensor_numel(const dt_tensor *t);
 DT_API dt_dtype dt_tensor_dtype(const dt_tensor *t);
 DT_API int dt_tensor_is_contiguous(const dt_tensor *t);
-DT_API const char *dt_tensor_name(const dt_tensor *t);   /* "" if unnamed */
+DT_API const char *dt_tensor_name(const dt_tensor *t);   /* "" if unnamed; borrowed */
+/* Name a persistent tensor (name copied).  DT_EINVAL: name NULL or longer
+ * than DT_MAX_NAME - 1, a step tensor, or another parameter's name. */
 DT_API dt_status dt_tensor_set_name(dt_tensor *t, const char *name);
 
-/* Gradient tensor after dt_backward, or NULL if none.  Borrowed. */
+/* Gradient tensor after dt_backward, or NULL if none.  Borrowed: a
+ * persistent tensor's lives with it, a step tensor's until dt_step_reset.  A
+ * gradient zeroed lazily by dt_zero_grad is written with zeros first. */
 DT_API dt_tensor *dt_tensor_grad(const dt_tensor *t);
 DT_API int dt_tensor_requires_grad(const dt_tensor *t);
+/* requires 1: backward gives t a gradient (a persistent tensor gets a
+ * persistent buffer).  DT_EINVAL: t is not f32, or is a step tensor no op
+ * made (dt_tensor_temp). */
 DT_API dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires);
 
 /* ---------------------------------------------------------------------------
@@ -234,17 +283,23 @@ DT_API dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires);
 /* New parameter: a named, zero-filled tensor that requires grad, with a
  * persistent gradient of the same shape.  Parameters are kept in
  * registration order (optimizers, checkpoints and data parallelism use it).
- * ctx-owned.  Names must be unique. */
+ * ctx-owned.  Names must be unique.  DT_EINVAL: name empty, longer than
+ * DT_MAX_NAME - 1 or taken; a bad shape (as dt_tensor_new). */
 DT_API dt_tensor *dt_param_new(dt_ctx *ctx, const char *name, int ndim,
                                const int64_t *shape);
+/* Parameters registered so far; the i-th, or the one named name (NULL when
+ * there is none).  Borrowed. */
 DT_API int dt_param_count(const dt_ctx *ctx);
-DT_API dt_tensor *dt_param_at(const dt_ctx *ctx, int i);          /* borrowed */
+DT_API dt_tensor *dt_param_at(const dt_ctx *ctx, int i);
 DT_API dt_tensor *dt_param_find(const dt_ctx *ctx, const char *name);
-/* Zero every parameter's gradient. */
+/* Zero every parameter's gradient (lazily: a flag, written on first use).
+ * With a DDP, a zero_grad before dt_ddp_sync discards that step. */
 DT_API void dt_zero_grad(dt_ctx *ctx);
 
 /* Initialisers draw from the context's seeded generator on the host.
- * fan_in = dim(1) * receptive field, as PyTorch counts it. */
+ * fan_in = dim(1) * receptive field, as PyTorch counts it.  DT_EINVAL: t
+ * NULL, of another context or not f32; kaiming and xavier: fewer than 2
+ * dims or a zero one; init_bias: fan_in <= 0. */
 DT_API dt_status dt_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi);
 DT_API dt_status dt_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std);
 /* Kaiming (He), gain sqrt(2/(1+a^2)) on fan_in: a = 0 for ReLU, a = sqrt(5)
@@ -255,7 +310,8 @@ DT_API dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain);
 DT_API dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain);
 /* PyTorch's bias default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)). */
 DT_API dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in);
-/* Reseed the context's generator (init, dropout, shuffling derive from it). */
+/* Reseed the context's generator (init and dropout derive from it; a
+ * loader shuffles from its own seed); dropout's step counter restarts. */
 DT_API void dt_seed(dt_ctx *ctx, uint64_t seed);
 
 /* ---------------------------------------------------------------------------
@@ -263,12 +319,16 @@ DT_API void dt_seed(dt_ctx *ctx, uint64_t seed);
  *
  * Every op returns a new step tensor (freed by dt_step_reset) and records
  * itself on the tape when grad is enabled and an input requires grad.
- * Shapes are written as in PyTorch.  Inputs are borrowed.
+ * Shapes are written as in PyTorch.  Inputs are borrowed.  On failure an op
+ * returns NULL with the reason in the context: DT_EINVAL for an input of
+ * another context, a shape, dim, index or argument out of range, or a
+ * dtype the op does not take (DT_ENOTSUP for bf16 and f16).
  * ------------------------------------------------------------------------- */
 
-/* Views: share memory with x. */
-DT_API dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape); /* one -1 allowed */
-DT_API dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim); /* dims >= start_dim merged */
+/* Views: share memory with x (reshape and flatten copy a non-contiguous x
+ * first).  reshape: one -1 allowed; flatten: dims >= start_dim merged. */
+DT_API dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape);
+DT_API dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim);
 DT_API dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1);
 DT_API dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t end);
 /* Contiguous copy of a (possibly strided) view; returns x itself if it already is. */
@@ -330,7 +390,10 @@ DT_API dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p);
 /* Activation checkpointing: run fn(ctx, inputs, user) without keeping its
  * intermediate tensors; during backward it runs again to rebuild them.  fn
  * must be deterministic (dropout inside it is replayed with the same mask)
- * and return one tensor.  Returns that tensor (step). */
+ * and return one tensor.  Returns that tensor (step).  fn runs on the
+ * caller's thread, here and in dt_backward; the input tensors (not the
+ * array) and user stay borrowed until then.  A rerun whose shape differs
+ * fails that backward (DT_ESTATE). */
 typedef dt_tensor *(*dt_segment_fn)(dt_ctx *ctx, dt_tensor *const *inputs, int n, void *user);
 DT_API dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
                                int n, void *user);
@@ -340,7 +403,13 @@ DT_API dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *
  * ------------------------------------------------------------------------- */
 /* Back-propagate from a scalar loss.  Parameter gradients accumulate (+=)
  * until dt_zero_grad, so several micro-batches can be summed before one
- * optimizer step.  The tape stays until dt_step_reset. */
+ * optimizer step.  The graph is used up: its tensors stay until
+ * dt_step_reset, but a second backward through it gives DT_ESTATE (run the
+ * forward again).  DT_EINVAL: loss NULL, of another context, not one f32
+ * value, or not requiring grad.  With a DDP: DT_ESTATE for parameters
+ * registered after dt_ddp_new, or a compressed DDP not synced since the
+ * last backward; and the errors of finishing the previous step's
+ * reduction, as dt_ddp_sync. */
 DT_API dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss);
 
 /* Mixed precision, as torch.autocast: while autocast is p, matmul, linear
@@ -349,7 +418,8 @@ DT_API dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss);
  * a GPU run's numerics will be).  Their outputs, every other op, the
  * parameters (the f32 master weights) and the optimizer stay f32.  Backward
  * runs each product at the precision its forward used.  DT_PREC_F32 turns it
- * off.  Per context; set it around the forward. */
+ * off.  Per context; set it around the forward.  DT_EINVAL: p is not a
+ * dt_precision; DT_ENOTSUP: the backend cannot round to it. */
 DT_API dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p);
 DT_API dt_precision dt_autocast(const dt_ctx *ctx);
 
@@ -377,21 +447,29 @@ typedef struct dt_optim_config {
 DT_API void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind);
 
 /* New optimizer over params[0..n) (borrowed), or over every parameter of
- * the context when params is NULL.  new: free with dt_optim_free. */
+ * the context when params is NULL.  new: free with dt_optim_free.
+ * DT_EINVAL: cfg NULL or out of range (kind, lr, weight_decay, momentum,
+ * dampening, nesterov, betas, eps), n < 1, or an entry that is not a
+ * parameter of ctx; DT_ENOTSUP: AdaGrad on a backend without it. */
 DT_API dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg,
                               dt_tensor *const *params, int n);
-DT_API void dt_optim_free(dt_optim *opt);
+DT_API void dt_optim_free(dt_optim *opt);          /* NULL is fine */
 /* One update from the current gradients; with a schedule, the update with
  * index t (0-based) uses dt_schedule_lr(s, base, t).  Parameters that got no
- * gradient since the last zero_grad are skipped (as PyTorch skips None). */
+ * gradient since the last zero_grad are skipped (as PyTorch skips None).
+ * Fails only for NULL. */
 DT_API dt_status dt_optim_step(dt_optim *opt);
+/* dt_zero_grad for this optimizer's parameters only. */
 DT_API void dt_optim_zero_grad(dt_optim *opt);
+/* The learning rate the last step used (before any: the base). */
 DT_API float dt_optim_lr(const dt_optim *opt);
+/* Set the lr, and a schedule's base.  DT_EINVAL: lr < 0 or NaN. */
 DT_API dt_status dt_optim_set_lr(dt_optim *opt, float lr);
-DT_API int64_t dt_optim_steps(const dt_optim *opt);
+DT_API int64_t dt_optim_steps(const dt_optim *opt);   /* steps taken */
 
 /* Optimizer state as named tensors ("fc1.weight.exp_avg",
- * "fc1.weight.momentum_buffer"), for checkpoints.  Borrowed. */
+ * "fc1.weight.momentum_buffer"), for checkpoints.  Borrowed: owned by opt
+ * (freed with it).  dt_optim_state_at: NULL when i is out of range. */
 DT_API int dt_optim_state_count(const dt_optim *opt);
 DT_API dt_tensor *dt_optim_state_at(const dt_optim *opt, int i);
 
@@ -406,13 +484,17 @@ typedef struct dt_schedule {
                             *   clamped to [0,1] */
     float min_lr;
 } dt_schedule;
-/* The learning rate at a step for a base rate (pure function). */
+/* The learning rate at a step for a base rate (pure function; s NULL or
+ * step < 0: base_lr). */
 DT_API float dt_schedule_lr(const dt_schedule *s, float base_lr, int64_t step);
-/* Attach a schedule (copied); base lr is the optimizer's lr at that moment. */
+/* Attach a schedule (copied); base lr is the optimizer's lr at that moment.
+ * DT_EINVAL: s NULL, an unknown kind, STEP with step_size or gamma <= 0,
+ * COSINE without 0 <= warmup_steps <= total_steps. */
 DT_API dt_status dt_optim_set_schedule(dt_optim *opt, const dt_schedule *s);
 
 /* Scale all gradients so their global L2 norm is at most max_norm.  The norm
- * before clipping goes to *norm_out if not NULL. */
+ * before clipping goes to *norm_out if not NULL.  With a DDP, call it after
+ * dt_ddp_sync.  DT_EINVAL: max_norm <= 0. */
 DT_API dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out);
 
 /* Dynamic loss scaling for fp16 (torch.cuda.amp.GradScaler): small
@@ -441,18 +523,22 @@ typedef struct dt_loss_scale_config {
     int growth_interval;     /* 2000 */
 } dt_loss_scale_config;
 DT_API void dt_loss_scale_config_init(dt_loss_scale_config *cfg);
-/* cfg may be NULL (defaults).  new: free with dt_loss_scaler_free. */
+/* cfg may be NULL (defaults).  new: free with dt_loss_scaler_free.
+ * DT_EINVAL unless init_scale > 0, growth_factor >= 1, 0 < backoff_factor
+ * < 1 and growth_interval >= 1. */
 DT_API dt_loss_scaler *dt_loss_scaler_new(dt_ctx *ctx, const dt_loss_scale_config *cfg);
 DT_API void dt_loss_scaler_free(dt_loss_scaler *sc);   /* NULL is fine */
-/* dt_backward with the loss's gradient seeded with the scale. */
+/* dt_backward with the loss's gradient seeded with the scale; its errors. */
 DT_API dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss);
 /* Divide every parameter gradient by the scale (once per step) and note
- * whether any is inf or NaN; *found_inf (may be NULL) gets that. */
+ * whether any is inf or NaN; *found_inf (may be NULL) gets that.  With a
+ * DDP, dt_ddp_sync's errors. */
 DT_API dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf);
 /* Unscale if not done yet; then opt's step unless a gradient overflowed,
- * and update the scale.  *stepped (may be NULL): 1 if the step was taken. */
+ * and update the scale.  *stepped (may be NULL): 1 if the step was taken.
+ * DT_EINVAL: opt NULL or of another context. */
 DT_API dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped);
-DT_API float dt_loss_scaler_scale(const dt_loss_scaler *sc);
+DT_API float dt_loss_scaler_scale(const dt_loss_scaler *sc);   /* now; NAN for NULL */
 /* Steps skipped for overflow since dt_loss_scaler_new. */
 DT_API int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc);
 
@@ -461,36 +547,50 @@ DT_API int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc);
  * ------------------------------------------------------------------------- */
 /* Save every parameter, the optimizer's state (if opt is not NULL) and the
  * step to path, in the safetensors format.  Written to path.tmp, fsync'd,
- * then renamed, so a crash mid-write leaves the old file. */
+ * then renamed, so a crash mid-write leaves the old file.  DT_EINVAL: path
+ * empty, opt of another context; DT_EIO: path.tmp cannot be written,
+ * synced or renamed. */
 DT_API dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
                                     int64_t step);
 /* Load a checkpoint into the parameters (and opt's state if not NULL).
  * The file is checked whole before anything is copied: a truncated, corrupt
- * or mismatched file returns DT_ECORRUPT / DT_EMISMATCH and changes
- * nothing.  step_out may be NULL. */
+ * or mismatched file returns DT_ECORRUPT / DT_EMISMATCH (a parameter missing,
+ * extra or of another shape; no state for opt's kind) and changes nothing.
+ * DT_EIO: the file cannot be read; DT_EINVAL: path NULL, opt of another
+ * context.  step_out may be NULL. */
 DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
                                     int64_t *step_out);
 
 /* ---------------------------------------------------------------------------
  * 9. Data
+ *
+ * A dataset is read-only once loaded: loaders of any context, on any
+ * thread, may share it.  A loader is used by its context's thread; its
+ * prefetch thread fills the next batch meanwhile.
  * ------------------------------------------------------------------------- */
 typedef struct dt_dataset dt_dataset;
 typedef struct dt_loader dt_loader;
 typedef struct dt_comm dt_comm;     /* a communicator (section 10) */
 
 /* Read an IDX image file and its label file (gzip or plain; zlib reads
- * both).  Images stay uint8 in memory.  new: free with dt_dataset_free. */
+ * both).  Images stay uint8 in memory.  new: free with dt_dataset_free.
+ * DT_EINVAL: a path NULL; DT_EIO: a file cannot be opened; DT_ECORRUPT: not
+ * a uint8 IDX file, or truncated; DT_EMISMATCH: image and label counts
+ * differ. */
 DT_API dt_dataset *dt_dataset_load_idx(dt_ctx *ctx, const char *images_path,
                                        const char *labels_path);
 /* Fashion-MNIST as Debian's dataset-fashion-mnist installs it: dir NULL means
- * /usr/share/datasets/fashion-mnist; split 0 = train (60000), 1 = test. */
+ * /usr/share/datasets/fashion-mnist; split 0 = train (60000), 1 = test.
+ * DT_EINVAL: another split; DT_EIO: not installed there; as load_idx. */
 DT_API dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split);
-DT_API void dt_dataset_free(dt_dataset *ds);
-DT_API int64_t dt_dataset_size(const dt_dataset *ds);
-/* Sample shape without the batch dim, e.g. {1, 28, 28}; returns ndim. */
+DT_API void dt_dataset_free(dt_dataset *ds);       /* NULL is fine */
+DT_API int64_t dt_dataset_size(const dt_dataset *ds);   /* samples; 0 for NULL */
+/* Sample shape without the batch dim, e.g. {1, 28, 28}, into shape_out
+ * (3 entries, may be NULL); returns ndim (0 for NULL). */
 DT_API int dt_dataset_sample_shape(const dt_dataset *ds, int64_t *shape_out);
-DT_API int dt_dataset_classes(const dt_dataset *ds);
-/* Raw access: sample i's bytes (borrowed) and its label. */
+DT_API int dt_dataset_classes(const dt_dataset *ds);    /* largest label + 1 */
+/* Raw access: sample i's bytes (borrowed, valid while ds lives) and its
+ * label; NULL and -1 when i is out of range. */
 DT_API const uint8_t *dt_dataset_image(const dt_dataset *ds, int64_t i);
 DT_API int dt_dataset_label(const dt_dataset *ds, int64_t i);
 
@@ -516,17 +616,23 @@ typedef struct dt_loader_config {
                              fewer samples than shards is dropped.  For load balancing
                              (dt_ddp_balance) */
 } dt_loader_config;
+/* Defaults: batch 64, shuffle 1, prefetch 1, mean 0, std 1, the rest 0. */
 DT_API void dt_loader_config_init(dt_loader_config *cfg);
 
 /* New loader over ds (borrowed; must outlive the loader).  Batches are
- * x (B,C,H,W) f32 and y (B) i32.  new: free with dt_loader_free. */
+ * x (B,C,H,W) f32 and y (B) i32.  new: free with dt_loader_free.  It starts
+ * epoch 0.  DT_EINVAL: ds or cfg NULL, batch < 1, std <= 0, shard_rank
+ * outside [0, shard_count), global_batches with more than 64 shards. */
 DT_API dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_config *cfg);
-DT_API void dt_loader_free(dt_loader *ld);
-/* Start epoch `epoch` (shuffled from seed and epoch). */
+DT_API void dt_loader_free(dt_loader *ld);         /* NULL is fine; stops its thread */
+/* Start epoch `epoch` (shuffled from seed and epoch); the batches given out
+ * before are no longer valid.  Fails only for NULL. */
 DT_API dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch);
 /* Next batch: *x and *y are loader-owned and valid until the next call.
- * Returns DT_EOF at the end of the epoch. */
+ * Returns DT_EOF at the end of the epoch.  DT_EINVAL: x or y NULL; with
+ * work stealing, the store's error (DT_EPEER, DT_ETIMEDOUT). */
 DT_API dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y);
+/* Batches per epoch (with work stealing: its own shard's). */
 DT_API int64_t dt_loader_batches(const dt_loader *ld);
 /* Seconds the caller spent waiting for batches since the epoch started. */
 DT_API double dt_loader_wait_seconds(const dt_loader *ld);
@@ -534,7 +640,8 @@ DT_API double dt_loader_wait_seconds(const dt_loader *ld);
  * between the shards in proportion to weights[0..n) (n = shard_count, each
  * > 0; rounded so the slices add up, each at least one sample).  Every
  * shard must be given the same weights.  A batch already prefetched is
- * cut again.  weights borrowed. */
+ * cut again.  weights borrowed.  DT_ESTATE: not a global_batches loader;
+ * DT_EINVAL: n != shard_count, a weight that is not a finite number > 0. */
 DT_API dt_status dt_loader_set_split(dt_loader *ld, const double *weights, int n);
 /* The current batch's place in its global batch: this shard's first sample
  * and count, and the global batch's size (all may be NULL).  A loader
@@ -552,7 +659,9 @@ DT_API void dt_loader_batch_slice(const dt_loader *ld, int64_t *offset, int64_t 
  * chunk).  Call it on every worker, then start the same epochs in the same
  * order on every worker (each start claims afresh); it starts epoch 0
  * itself.  c is borrowed and must outlive the loader.  Not with
- * global_batches. */
+ * global_batches.  The loader opens a store connection of its own for
+ * claims.  DT_EINVAL: c NULL, chunk_batches < 1; DT_ESTATE: global_batches
+ * or already stealing; the store's errors when connecting. */
 DT_API dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches);
 /* Batches this loader has given out this epoch, and how many of those came
  * from other shards' chunks (work stealing). */
@@ -583,8 +692,9 @@ typedef struct dt_dist_env {
     int master_port;
     const char *launcher;      /* "dtrain", "torchrun", "openmpi", "slurm", "none" */
 } dt_dist_env;
-/* Malformed values (not a number, rank >= world size, a port out of range)
- * give DT_EINVAL naming the variable. */
+/* Fill *out.  Malformed values (not a number, rank >= world size, a port
+ * out of range, a rank without its world size) give DT_EINVAL naming the
+ * variable; so does out NULL. */
 DT_API dt_status dt_dist_env_detect(dt_ctx *ctx, dt_dist_env *out);
 
 /* The rendezvous store: rank 0 serves a small TCP key-value store through
@@ -603,13 +713,22 @@ DT_API void dt_store_config_init(dt_store_config *cfg);
  * dt_store_port) and every rank, 0 included, connects and presents the
  * token.  Connecting retries until the timeout, so ranks may start in any
  * order.  new: free with dt_store_close.  Allocator hooks must be
- * thread-safe: the server runs on its own thread. */
+ * thread-safe: the server runs on its own thread.  DT_EINVAL: env invalid,
+ * token over 256 bytes, bind_addr not IPv4; DT_EIO: rank 0 cannot listen;
+ * DT_ETIMEDOUT: rank 0 not reached in time; DT_EPEER: refused (token).
+ * The calls on one dt_store are not thread-safe (one connection); use it
+ * on its context's thread. */
 DT_API dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg);
+/* NULL is fine.  On rank 0 this stops the server: the other ranks' calls
+ * then fail (DT_EPEER). */
 DT_API void dt_store_close(dt_store *s);
-DT_API int dt_store_port(const dt_store *s);
+DT_API int dt_store_port(const dt_store *s);      /* rank 0's port; -1 for NULL */
 #define DT_STORE_MAX_KEY 256
 #define DT_STORE_MAX_VALUE ((size_t)1 << 20)
-/* Set key to len bytes (copied; a later set replaces). */
+/* Set key to len bytes (copied; a later set replaces).  Errors of all
+ * three: DT_EINVAL for a key not 1..DT_STORE_MAX_KEY bytes (set: a value
+ * over DT_STORE_MAX_VALUE or NULL), DT_EPEER when rank 0's store is gone or
+ * refuses, DT_ETIMEDOUT when it does not answer. */
 DT_API dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t len);
 /* Add delta to key's counter (8 bytes; a missing key counts from 0) and
  * give the sum in *value (may be NULL): atomic, as torch's store.add.  A key
@@ -617,7 +736,7 @@ DT_API dt_status dt_store_set(dt_store *s, const char *key, const void *value, s
 DT_API dt_status dt_store_add(dt_store *s, const char *key, int64_t delta, int64_t *value);
 /* Wait until key is set (up to timeout_ms; 0 = the store's timeout), copy
  * at most cap bytes into buf and its full length into *len.  DT_ETIMEDOUT
- * names the key. */
+ * names the key.  DT_EINVAL: len NULL, or buf NULL with cap > 0. */
 DT_API dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size_t *len,
                               int timeout_ms);
 
@@ -643,18 +762,23 @@ typedef struct dt_comm_config {
 DT_API void dt_comm_config_init(dt_comm_config *cfg);
 /* Join the job: rendezvous through the store, open the transport, swap
  * addresses.  env NULL: dt_dist_env_detect.  Collective over all ranks.
- * new: free with dt_comm_free. */
+ * new: free with dt_comm_free.  Errors: dt_store_open's; DT_ENOTSUP: no
+ * transport compiled in; DT_EIO (or the transport's own status): the
+ * transport failed; DT_ETIMEDOUT, DT_EPEER: a rank did not join. */
 DT_API dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env, const dt_comm_config *cfg);
+/* NULL is fine.  Rank 0 keeps the store up until the other ranks have left
+ * (at most 10 s, or the timeout if shorter), so its call may block. */
 DT_API void dt_comm_free(dt_comm *c);
-DT_API int dt_comm_rank(const dt_comm *c);
-DT_API int dt_comm_size(const dt_comm *c);
+DT_API int dt_comm_rank(const dt_comm *c);        /* -1 for NULL */
+DT_API int dt_comm_size(const dt_comm *c);        /* ranks; 0 for NULL */
 DT_API const char *dt_comm_transport(const dt_comm *c);   /* provider in use */
 DT_API int dt_comm_hosts(const dt_comm *c);                /* hosts the ranks span */
 /* "segment", "transport", or why there is no segment (borrowed) */
 DT_API const char *dt_comm_intra_host(const dt_comm *c);
 /* Payload bytes this rank has sent to other ranks since dt_comm_new: over
  * the transport, plus what it wrote into the host segment for the other
- * ranks of its host to read.  Collective headers are not counted. */
+ * ranks of its host to read.  Collective headers are not counted.  An
+ * atomic counter: any thread may read it while c lives. */
 DT_API uint64_t dt_comm_bytes_sent(const dt_comm *c);
 
 typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_REDUCE_MIN } dt_reduce_op;
@@ -664,10 +788,16 @@ typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_
  * sizes: a rank that does not is detected and every rank's call fails with
  * DT_EMISMATCH naming both calls.  A dead or silent peer fails the call
  * with DT_ETIMEDOUT or DT_EPEER naming the rank; after that the
- * communicator refuses further work (DT_ESTATE) instead of hanging. */
+ * communicator refuses further work (DT_ESTATE) instead of hanging.  Bad
+ * arguments (a NULL buffer, n < 0, a root or op out of range) give
+ * DT_EINVAL on this rank alone, before anything is sent.  One thread (the
+ * context's) issues a communicator's calls: the ranks' order depends on it. */
 typedef struct dt_work dt_work;
-/* Start an allreduce and return at once.  new: dt_work_wait frees it. */
+/* Start an allreduce and return at once.  new: dt_work_wait frees it; NULL
+ * on bad arguments.  The collective's own errors come from dt_work_wait. */
 DT_API dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
+/* Wait for w, free it and return its status.  Call it once, on the
+ * context's thread (it writes the context's error); DT_EINVAL for NULL. */
 DT_API dt_status dt_work_wait(dt_work *w);
 DT_API dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
 DT_API dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root);
@@ -698,15 +828,20 @@ typedef struct dt_spawn_config {
                                   runs on its own contiguous share of them, like
                                   mpirun's --bind-to core; 0: the scheduler decides */
 } dt_spawn_config;
+/* Defaults: nranks 1, prefix_output 1, bind_cpus 1, the rest 0. */
 DT_API void dt_spawn_config_init(dt_spawn_config *cfg);
 /* Fork cfg->nranks workers of this program.  In each worker it returns
  * DT_OK with *rank = its rank (the worker then runs the job and exits).  In
  * the caller it supervises them and returns when all have ended: DT_OK with
  * *rank = -1 if every rank exited 0, else DT_EPEER naming the first rank
- * that failed (its exit code or signal). */
+ * that failed (its exit code or signal).  DT_EINVAL: nranks outside
+ * 1..1024, rank NULL; DT_EIO: no free port, pipe or fork failed.  The
+ * workers are fork()s of the caller: call it before anything starts a
+ * thread (a store, communicator, prefetching loader, dt_dp). */
 DT_API dt_status dt_spawn(dt_ctx *ctx, const dt_spawn_config *cfg, int *rank);
 /* The same, each rank running argv (execvp); what build/dtrun does.
- * *failed_rank (may be NULL) gets the first failed rank or -1. */
+ * *failed_rank (may be NULL) gets the first failed rank or -1.  A program
+ * that cannot be run exits 127 (DT_EPEER).  DT_EINVAL: argv empty. */
 DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
                            int *failed_rank);
 
@@ -733,7 +868,11 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
  * every rank.  Two sets of bucket memory alternate between steps.  A
  * parameter that got no gradient on some rank counts as zero there; one
  * that got none on any rank keeps no gradient (the optimizer skips it, as
- * a single process would).
+ * a single process would).  The comm thread reads and writes the buckets
+ * until dt_ddp_sync (or dt_ddp_step) returns: gradients are final only then.
+ * Calls that finish a step (dt_ddp_sync, dt_ddp_step, the next dt_backward)
+ * give its reduction's errors: DT_EMISMATCH, DT_ETIMEDOUT, DT_EPEER, and
+ * DT_ESTATE once the communicator has failed.
  * ------------------------------------------------------------------------- */
 typedef struct dt_ddp dt_ddp;
 
@@ -790,13 +929,17 @@ DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
  * opt (borrowed, may be NULL) is what dt_ddp_step steps; freeing it first
  * is allowed (dt_ddp_step then refuses).  ctx and c are borrowed and must
  * outlive the DDP.  new: free with dt_ddp_free (the gradients move back
- * into the parameters' own buffers). */
+ * into the parameters' own buffers).  DT_EINVAL: c NULL or of another
+ * context, opt of another context, bad compression settings; DT_ESTATE: ctx
+ * already has a DDP; DT_ENOTSUP: a device backend without asynchronous
+ * copies; and the collectives' errors. */
 DT_API dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *cfg);
-DT_API void dt_ddp_free(dt_ddp *d);               /* NULL is fine */
+/* NULL is fine.  Waits for a step still being reduced. */
+DT_API void dt_ddp_free(dt_ddp *d);
 
 /* sync 0 (no_sync, like PyTorch's DDP.no_sync()): backward only
  * accumulates gradients locally; the next backward with sync 1 reduces the
- * accumulated sum.  Default 1. */
+ * accumulated sum.  Default 1.  Fails only for NULL. */
 DT_API dt_status dt_ddp_set_sync(dt_ddp *d, int sync);
 /* Wait until every bucket of this step is reduced: gradients are then the
  * average over ranks (e.g. for dt_clip_grad_norm).  Nothing to do: DT_OK.
@@ -804,7 +947,8 @@ DT_API dt_status dt_ddp_set_sync(dt_ddp *d, int sync);
  * gradients (e.g. to skip a bad batch).  With compression, call this (or
  * dt_ddp_step) before the next dt_backward; accumulate with no_sync. */
 DT_API dt_status dt_ddp_sync(dt_ddp *d);
-/* dt_ddp_sync, then the optimizer's step.  DT_ESTATE without an optimizer. */
+/* dt_ddp_sync, then the optimizer's step.  DT_ESTATE without an optimizer.
+ * With a parameter server, no local step: the servers step. */
 DT_API dt_status dt_ddp_step(dt_ddp *d);
 
 typedef struct dt_ddp_stats {
@@ -827,7 +971,8 @@ typedef struct dt_ddp_stats {
                                   and the allreduce reads them in place (all ranks on one
                                   host, no compression; DTRAIN_SHARED_BUCKETS=0: off) */
 } dt_ddp_stats;
-/* Totals since dt_ddp_new or the last reset. */
+/* Totals since dt_ddp_new or the last reset (which keeps the settings:
+ * buckets, bucket_bytes, overlap, shared_buckets).  DT_EINVAL: NULL. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);
 DT_API void dt_ddp_stats_reset(dt_ddp *d);
 
@@ -843,7 +988,10 @@ DT_API void dt_ddp_stats_reset(dt_ddp *d);
  * results equal those of one process with the global batch, up to float
  * rounding (the cut, being measured, differs from run to run, so runs are
  * not bit-identical).  Collective: every rank calls it, with the same
- * every, before its first step.  Not with a parameter server. */
+ * every, before its first step.  Not with a parameter server.  A bad call
+ * on any rank fails it on all: DT_EINVAL (loader NULL, of another context,
+ * without global_batches or with other shards; a PS; over 64 ranks;
+ * already balancing), DT_EMISMATCH (every differs). */
 DT_API dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every);
 /* This rank's share of the global batch in use (1 / world without
  * balancing). */
@@ -865,7 +1013,8 @@ typedef struct dt_dp dt_dp;
  * back in dt_dp_free, or when dt_dp_new fails after building some. */
 typedef void *(*dt_dp_build_fn)(dt_ctx *ctx, int replica, void *user);
 typedef void (*dt_dp_free_fn)(void *model, void *user);
-/* The scalar loss of batch x, y on one replica (runs on its thread). */
+/* The scalar loss of batch x, y on one replica (runs on its thread; the
+ * replicas' calls overlap, so what user points to is shared by K threads). */
 typedef dt_tensor *(*dt_dp_loss_fn)(dt_ctx *ctx, void *model, dt_tensor *x, dt_tensor *y,
                                     void *user);
 typedef struct dt_dp_config {
@@ -876,19 +1025,28 @@ typedef struct dt_dp_config {
 } dt_dp_config;
 DT_API void dt_dp_config_init(dt_dp_config *cfg);
 /* Errors of this and every dt_dp call go to ctx (borrowed; must outlive the
- * dt_dp).  user is borrowed.  new: free with dt_dp_free. */
+ * dt_dp).  user is borrowed.  new: free with dt_dp_free.  The caller's
+ * thread drives replica 0 and K - 1 threads the others; the replicas'
+ * allocator hooks are called from all of them.  DT_EINVAL: replicas
+ * outside 1..1024, build or loss NULL, a build that failed; DT_ENOTSUP: a
+ * backend without host memory; DT_EMISMATCH: replicas' parameters differ;
+ * a replica context's or optimizer's own error. */
 DT_API dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build,
                         dt_dp_loss_fn loss, dt_dp_free_fn free_model, void *user);
-DT_API void dt_dp_free(dt_dp *dp);                 /* NULL is fine */
+/* NULL is fine.  Stops the threads, frees the replicas (free_model gets
+ * each model back) and their contexts. */
+DT_API void dt_dp_free(dt_dp *dp);
 /* One training step on x (B, ...) f32 and y (B) i32 (borrowed, in any
  * context with host-visible memory): replica k takes rows
  * [k B / K, (k + 1) B / K), the gradients are averaged with weights
  * rows_k / B, and every replica steps.  *loss_out (may be NULL): the mean
- * loss over the whole batch. */
+ * loss over the whole batch.  DT_EINVAL: x, y not as above; a replica's
+ * failure (its status, the message naming it): no replica steps. */
 DT_API dt_status dt_dp_step(dt_dp *dp, const dt_tensor *x, const dt_tensor *y, float *loss_out);
-DT_API int dt_dp_replicas(const dt_dp *dp);
-/* Replica k's context and model (borrowed), e.g. replica 0's to evaluate or
- * save a checkpoint; use them only between steps. */
+DT_API int dt_dp_replicas(const dt_dp *dp);       /* K; 0 for NULL */
+/* Replica k's context and model (borrowed; NULL when k is out of range),
+ * e.g. replica 0's to evaluate or save a checkpoint; use them only between
+ * steps, on the caller's thread. */
 DT_API dt_ctx *dt_dp_replica(const dt_dp *dp, int k);
 DT_API void *dt_dp_model(const dt_dp *dp, int k);
 
@@ -923,7 +1081,12 @@ typedef struct dt_hogwild_stats {
 /* Blocks until every step ran or a thread failed (the first error is
  * returned and said in ctx; the other threads stop).  out (may be NULL):
  * what ran.  ctx, user: borrowed; free_model (may be NULL) gets every
- * model back before returning. */
+ * model back before returning.  loss runs on K threads at once (thread 0
+ * is the caller's), each on its own context; build and free_model on the
+ * caller's.  DT_EINVAL: threads outside 1..1024, steps < 0, lr < 0, build
+ * or loss NULL, ctx without parameters, a thread context or build that
+ * failed; DT_ENOTSUP: parameters not in host memory; DT_EMISMATCH: a
+ * thread's model differs; a failing step's status. */
 DT_API dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_fn build,
                                 dt_hogwild_loss_fn loss, dt_dp_free_fn free_model, void *user,
                                 dt_hogwild_stats *out);
@@ -946,13 +1109,19 @@ typedef struct dt_metrics {
     double loss;               /* mean cross-entropy */
 } dt_metrics;
 /* Collective when c is not NULL: every rank gets the whole dataset's
- * metrics.  ds and forward's user data are borrowed. */
+ * metrics.  ds and forward's user data are borrowed.  It runs a loader of
+ * its own and calls dt_step_reset(ctx) after each batch, so step tensors
+ * made before the call are gone after it.  DT_EINVAL: ds, forward or out
+ * NULL, std <= 0, c of another context, forward returned NULL or not
+ * (B, classes) f32; DT_EPEER: another rank failed its part; and the
+ * collectives' errors. */
 DT_API dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
                              const dt_eval_config *cfg, dt_forward_fn forward, void *user,
                              dt_metrics *out);
 /* The predicted class (argmax of the logits) of every sample of ds, in
  * dataset order, gathered on rank 0 into pred (dt_dataset_size(ds) int32s,
- * borrowed; other ranks may pass NULL).  Collective when c is not NULL. */
+ * borrowed; other ranks may pass NULL).  Collective when c is not NULL.
+ * As dt_evaluate otherwise (rank 0's pred NULL: DT_EINVAL). */
 DT_API dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
                             const dt_eval_config *cfg, dt_forward_fn forward, void *user,
                             int32_t *pred);
@@ -974,6 +1143,11 @@ DT_API dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
  * gradient is applied when it arrives, scaled by 1/W; pulls never wait),
  * SSP (as ASP, but a worker more than `staleness` steps ahead of the
  * slowest waits in its pull).
+ *
+ * A worker's requests run on its communicator's comm thread; the dt_ps
+ * itself is used on its context's thread.  Worker calls on a server give
+ * DT_ESTATE; a failed request gives DT_EPEER or DT_ETIMEDOUT naming the
+ * server (or the status the server answered with).
  * ------------------------------------------------------------------------- */
 typedef enum dt_ps_mode { DT_PS_BSP = 0, DT_PS_ASP, DT_PS_SSP } dt_ps_mode;
 
@@ -1041,20 +1215,28 @@ DT_API void dt_ps_config_init(dt_ps_config *cfg);
  * every worker starts from them.  On servers ctx needs no model: the
  * layout comes from worker 0.  Fewer than 1 worker or server: DT_EINVAL.
  * ctx and c are borrowed and must outlive the PS.  new: free with
- * dt_ps_free. */
+ * dt_ps_free.  Also DT_EINVAL for bad settings or tables (the ranks' must
+ * agree: DT_EMISMATCH); DT_ENOTSUP: a restarted worker or replicated
+ * server; and the store's and requests' errors. */
 DT_API dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg);
-DT_API void dt_ps_free(dt_ps *ps);                 /* NULL is fine */
+/* NULL is fine.  A worker that did not finish tells the servers it left. */
+DT_API void dt_ps_free(dt_ps *ps);
+/* This rank's role, and the job's worker and server counts (0 for NULL). */
 DT_API int dt_ps_is_server(const dt_ps *ps);
 DT_API int dt_ps_workers(const dt_ps *ps);
 DT_API int dt_ps_servers(const dt_ps *ps);
 /* Servers: serve pushes and pulls until every worker has called
  * dt_ps_finish (or died: it is dropped after the communicator's timeout,
- * and the statistics count it). */
+ * and the statistics count it; a warning, dt_set_log).  Takes the
+ * transport from the comm thread meanwhile.  DT_ESTATE: a worker, or the
+ * communicator failed earlier; DT_EPEER: the transport failed or a worker
+ * sent a malformed request; checkpoint writing: DT_EIO. */
 DT_API dt_status dt_ps_serve(dt_ps *ps);
 /* Workers: push every parameter's gradient (absent ones as absent) as this
  * worker's next step, then pull the parameters into the parameter
  * tensors, waiting as the consistency model says.  The whole model; a DDP
- * with .ps does the same per bucket, overlapped with backward. */
+ * with .ps does the same per bucket, overlapped with backward.  With
+ * prefetch, the pull is the one started after the previous push. */
 DT_API dt_status dt_ps_push_pull(dt_ps *ps);
 /* Workers: push without pulling, e.g. Downpour's n_push < n_fetch (pull
  * every few steps with dt_ps_pull).  BSP: a worker's next request is read
@@ -1062,20 +1244,22 @@ DT_API dt_status dt_ps_push_pull(dt_ps *ps);
 DT_API dt_status dt_ps_push(dt_ps *ps);
 /* Workers: pull the parameters without pushing (e.g. before evaluating). */
 DT_API dt_status dt_ps_pull(dt_ps *ps);
-/* Workers: this worker is done; servers stop waiting for it. */
+/* Workers: this worker is done; servers stop waiting for it.  A prefetched
+ * pull is waited for first (its weights kept). */
 DT_API dt_status dt_ps_finish(dt_ps *ps);
 
 /* Workers, sparse tables.  Table t's rows ids[0..n) go to rows_out (n * dim
  * floats, row i for ids[i]), as they stand after this worker's pushed steps
  * under the consistency model (a pull waits as dt_ps_pull does).  Ids may
  * repeat (each distinct row moves once) and must be in [0, rows).  ids and
- * rows_out are borrowed. */
+ * rows_out are borrowed.  DT_EINVAL: no such table, n < 0, NULL arrays, an
+ * id out of range (also for the two below). */
 DT_API dt_status dt_ps_sparse_pull(dt_ps *ps, int table, const int64_t *ids, int64_t n,
                                    float *rows_out);
 /* The same pull started in the background, e.g. the next batch's rows
  * while this batch computes: rows_out is written by the time dt_work_wait
- * returns; ids are copied now, rows_out stays borrowed until then.  NULL:
- * failure (dt_last_error). */
+ * returns; ids are copied now, rows_out stays borrowed until then.  new:
+ * dt_work_wait frees it.  NULL: failure (dt_last_error). */
 DT_API dt_work *dt_ps_sparse_pull_async(dt_ps *ps, int table, const int64_t *ids, int64_t n,
                                         float *rows_out);
 /* Push gradient rows grads (n * dim floats, row i for ids[i]; repeated ids
@@ -1105,6 +1289,7 @@ typedef struct dt_ps_stats {
     int rejoined;              /* server: a restarted process that rejoined a running job */
     int rejoins;               /* worker: restarted servers it went on with */
 } dt_ps_stats;
+/* This rank's totals since dt_ps_new.  DT_EINVAL: NULL. */
 DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
 
 /* ---------------------------------------------------------------------------
@@ -1135,6 +1320,10 @@ DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
  * times every check_every steps; a rank whose compute per step exceeds the
  * median by more than straggler_threshold is a straggler, told as a warning
  * (dt_set_log) naming it.
+ *
+ * The comm and loader threads add their events under the profiler's mutex,
+ * so dt_profiling and dt_profile_get may be called from any thread while
+ * the context lives; the other calls belong to the context's thread.
  * ------------------------------------------------------------------------- */
 typedef struct dt_profile_config {
     int max_events;            /* timeline events kept on this rank; 0: 262144 (later ones
@@ -1146,7 +1335,7 @@ DT_API void dt_profile_config_init(dt_profile_config *cfg);
 /* Start (or restart, clearing what was recorded) profiling ctx.  cfg may be
  * NULL (defaults).  DT_ENOMEM when the event buffer cannot be had. */
 DT_API dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg);
-DT_API int dt_profiling(const dt_ctx *ctx);
+DT_API int dt_profiling(const dt_ctx *ctx);       /* 1 while recording */
 
 typedef struct dt_profile_stats {
     int rank;                  /* the communicator's, 0 without one */
@@ -1165,7 +1354,7 @@ typedef struct dt_profile_stats {
     int64_t events, dropped;   /* timeline events kept and not kept */
     int straggler_warnings;    /* checks that found this rank a straggler */
 } dt_profile_stats;
-/* This rank's totals so far.  ctx borrowed. */
+/* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);
 
 /* End of the job, collective over c (NULL: this process alone): every
@@ -1178,10 +1367,12 @@ DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);
  * stragglers, communication efficiency against the link's bandwidth
  * (measured here with a few large allreduces), and hints.  Profiling stops.
  * A no-op (DT_OK) when ctx is not profiling, so programs may always call
- * it; every rank must then be off. */
+ * it; every rank must then be off.  DT_EINVAL: c of another context; DT_EIO:
+ * the trace cannot be written; DT_EPEER: a rank's profile is missing or
+ * malformed; and the collectives' errors. */
 DT_API dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path);
 /* Rank 0, after dt_profile_finish: the report (ctx-owned text, "" before or
- * elsewhere), and rank r's totals. */
+ * elsewhere), and rank r's totals (DT_ESTATE where there are none). */
 DT_API const char *dt_profile_report(const dt_ctx *ctx);
 DT_API dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *out);
 /* The rank the latest check named a straggler (the slowest, if several), or
@@ -1191,10 +1382,11 @@ DT_API int dt_profile_straggler(const dt_ctx *ctx);
 /* ---------------------------------------------------------------------------
  * 14. Utilities
  * ------------------------------------------------------------------------- */
-/* Number of rows of logits (N,C) whose argmax equals labels (N). */
+/* Number of rows of logits (N,C) whose argmax equals labels (N).
+ * DT_EINVAL: an argument NULL, or not contiguous f32 (N,C) and i32 (N). */
 DT_API dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,
                                   int64_t *correct_out);
-/* Monotonic clock in seconds. */
+/* Monotonic clock in seconds (CLOCK_MONOTONIC).  Thread-safe. */
 DT_API double dt_now(void);
 
 #ifdef __cplusplus
