@@ -191,6 +191,45 @@ ps_checks() {
     echo "ps checks: ok"
 }
 
+# The Python binding (bindings/python) on Debian's python3 + numpy.  Its unit
+# tests run against a sanitized libdtrain.so (ASan and UBSan preloaded into
+# the interpreter): layouts of the mirrored structs, errors with the C
+# message, zero copy, lifetimes, gradients, checkpoints, DDP under dtrun
+# and a dead peer.  Then the Fashion-MNIST example in Python must reach the
+# C example's accuracy to the digit with the same seed, alone and as 2 DDP
+# ranks under the launcher (optimized library and programs).
+python_checks() {
+    local py=/usr/bin/python3 so=$BUILD/test/pysan/libdtrain.so c p want got
+    local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+    mkdir -p $BUILD/test/pysan
+    $CC $WARN $san -fPIC -shared $CPU_DEFS -I. $CORE_SRC $CPU_LIBS -o $so
+    DTRAIN_LIB=$PWD/$so DTRUN=$PWD/$BUILD/test/dtrun CC=$CC \
+        LD_PRELOAD="$($CC -print-file-name=libasan.so) $($CC -print-file-name=libubsan.so)" \
+        ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 OPENBLAS_NUM_THREADS=1 \
+        $py bindings/python/tests/test_dtrain.py > $BUILD/test/python.log 2>&1 ||
+        { tail -40 $BUILD/test/python.log; echo "python checks: the binding's tests failed"; exit 1; }
+    tail -1 $BUILD/test/python.log
+    build_examples
+    for ranks in 1 2; do
+        if [ $ranks = 1 ]; then
+            c=$($BUILD/fashion_mnist --epochs 1 --limit-batches 150 --seed 4)
+            p=$(DTRAIN_LIB=$PWD/$BUILD/libdtrain.so $py bindings/python/examples/fashion_mnist.py \
+                --epochs 1 --limit-batches 150 --seed 4)
+        else
+            c=$($BUILD/fashion_mnist --epochs 1 --limit-batches 100 --seed 4 --ranks 2)
+            p=$(DTRAIN_LIB=$PWD/$BUILD/libdtrain.so $BUILD/dtrun -n 2 $py \
+                bindings/python/examples/fashion_mnist.py --epochs 1 --limit-batches 100 --seed 4)
+        fi
+        want=$(echo "$c" | sed -n 's/^test accuracy: //p')
+        got=$(echo "$p" | sed -n 's/^\(\[0\] \)\{0,1\}test accuracy: //p')
+        if [ -z "$want" ] || [ "$want" != "$got" ]; then
+            echo "python checks: $ranks rank(s): the Python example reached '$got', C '$want':"
+            echo "$p" | tail -5; exit 1
+        fi
+        echo "python checks: $ranks rank(s): Python and C example both reach $want test accuracy"
+    done
+}
+
 # dtrun end to end: 3 ranks join through the environment, the store and
 # the token it sets, pick shm (one host), and agree on the sums.
 launcher_checks() {
@@ -407,6 +446,7 @@ cmd_test() {
     example_checks
     embed_checks
     ps_checks
+    python_checks
     launcher_checks
     bash tests/multihost.sh "$PWD/$BUILD/test"
     readme_example "$san"

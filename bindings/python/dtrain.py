@@ -1,0 +1,1176 @@
+"""dtrain for Python: a ctypes binding over libdtrain.so.
+
+    import dtrain
+    ctx = dtrain.Context(seed=1)
+    w = ctx.param("fc.weight", (10, 784)); dtrain.init_kaiming_uniform(w, 5 ** 0.5)
+    b = ctx.param("fc.bias", (10,));        dtrain.init_bias(b, 784)
+    opt = dtrain.Optimizer(ctx, "adam", lr=1e-3)
+    loss = dtrain.cross_entropy(dtrain.linear(x, w, b), y)
+    ctx.backward(loss); opt.step(); opt.zero_grad(); ctx.step_reset()
+
+One module, no compiled part: it finds the shared library through
+DTRAIN_LIB, then ../../build/libdtrain.so next to this file, then the
+system's libdtrain.so.0 (./build.sh install).  The C API is in dtrain.h;
+this module follows it name for name (dt_linear -> dtrain.linear).
+
+Errors: every C failure raises a dtrain.Error subclass (InvalidArgument is
+also a ValueError, Timeout a TimeoutError, PeerError a ConnectionError, ...)
+whose message is the C library's own (dt_last_error).
+
+Lifetimes, as in C:
+  - tensors made by ops are step tensors: dt_step_reset (ctx.step_reset())
+    frees them.  Using one afterwards raises BadState instead of reading
+    freed memory; so does a loader batch after the loader's next batch.
+  - parameters live as long as the context; Context.tensor / from_numpy
+    tensors until freed (or garbage-collected).
+  - Tensor.numpy() is a view of the tensor's memory (no copy) on the CPU
+    backend: it is valid as long as the tensor is (a step tensor's view
+    until step_reset).  Tensor.numpy(copy=True) for a lasting copy.
+  - from_numpy(array) wraps the array's memory (no copy) when it is
+    C-contiguous, aligned and of a dtrain dtype (float32, int32, uint8),
+    else copies; the tensor keeps the array alive.
+  - Context.close() (or the with-block's end) frees everything made from it.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import weakref
+from collections import namedtuple
+
+import numpy as np
+
+__all__ = [
+    "Error", "InvalidArgument", "OutOfMemory", "FileError", "CorruptFile", "Mismatch",
+    "NotSupported", "BadState", "Timeout", "PeerError",
+    "Context", "Tensor", "Optimizer", "Dataset", "Loader", "Comm", "DDP", "Metrics",
+    "DistEnv", "evaluate", "count_correct", "checkpoint_save", "checkpoint_load", "now",
+    "library_path",
+]
+
+# --- 1. the library -----------------------------------------------------------------------
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find_library():
+    env = os.environ.get("DTRAIN_LIB")
+    if env:
+        return env
+    local = os.path.join(_HERE, "..", "..", "build", "libdtrain.so")
+    if os.path.exists(local):
+        return os.path.normpath(local)
+    return ctypes.util.find_library("dtrain") or "libdtrain.so.0"
+
+
+library_path = _find_library()
+_lib = ctypes.CDLL(library_path)
+
+_P, _I, _I64, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
+_F, _D, _S, _SZ = ctypes.c_float, ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def _fn(name, restype, *argtypes):
+    f = getattr(_lib, name)
+    f.restype = restype
+    f.argtypes = list(argtypes)
+    return f
+
+
+# --- 2. the C structs (bindings/python/tests checks their layout against C's) -------------
+
+class dt_config(ctypes.Structure):
+    _fields_ = [("backend", _S), ("threads", _I), ("seed", _U64),
+                ("malloc_fn", _P), ("realloc_fn", _P), ("free_fn", _P), ("alloc_user", _P),
+                ("arena_bytes", _SZ), ("device", _I), ("custom_backend", _P)]
+
+
+class dt_mem_stats(ctypes.Structure):
+    _fields_ = [("arena_capacity", _SZ), ("arena_used", _SZ), ("arena_peak", _SZ),
+                ("persistent_bytes", _SZ), ("arena_grows", _U64)]
+
+
+class dt_optim_config(ctypes.Structure):
+    _fields_ = [("kind", _I), ("lr", _F), ("momentum", _F), ("dampening", _F),
+                ("nesterov", _I), ("weight_decay", _F), ("beta1", _F), ("beta2", _F),
+                ("eps", _F)]
+
+
+class dt_schedule(ctypes.Structure):
+    _fields_ = [("kind", _I), ("step_size", _I64), ("gamma", _F), ("warmup_steps", _I64),
+                ("total_steps", _I64), ("min_lr", _F)]
+
+
+class dt_loader_config(ctypes.Structure):
+    _fields_ = [("batch", _I), ("shuffle", _I), ("drop_last", _I), ("seed", _U64),
+                ("mean", _F), ("std", _F), ("prefetch", _I), ("shard_rank", _I),
+                ("shard_count", _I), ("shard_no_pad", _I), ("global_batches", _I)]
+
+
+class dt_dist_env(ctypes.Structure):
+    _fields_ = [("rank", _I), ("world_size", _I), ("local_rank", _I),
+                ("local_world_size", _I), ("master_addr", ctypes.c_char * 256),
+                ("master_port", _I), ("launcher", _S)]
+
+
+class dt_store_config(ctypes.Structure):
+    _fields_ = [("token", _S), ("bind_addr", _S), ("timeout_ms", _I)]
+
+
+class dt_comm_config(ctypes.Structure):
+    _fields_ = [("transport", _S), ("host", _S), ("timeout_ms", _I), ("intra_host", _S),
+                ("host_id", _S), ("store", dt_store_config)]
+
+
+class dt_ddp_config(ctypes.Structure):
+    _fields_ = [("bucket_bytes", _SZ), ("overlap", _I), ("broadcast_params", _I),
+                ("compress", _I), ("topk_ratio", _F), ("topk_warmup_steps", _I),
+                ("error_feedback", _I), ("ps", _P)]
+
+
+class dt_ddp_stats(ctypes.Structure):
+    _fields_ = [("steps", _I64), ("buckets", _I), ("bucket_bytes", _SZ),
+                ("backward_s", _D), ("comm_s", _D), ("exposed_s", _D),
+                ("grad_bytes", _U64), ("payload_bytes", _U64), ("bytes_sent", _U64),
+                ("block_launches", _I64), ("overlap", _I), ("shared_buckets", _I)]
+
+
+class dt_eval_config(ctypes.Structure):
+    _fields_ = [("batch", _I), ("mean", _F), ("std", _F)]
+
+
+class dt_metrics(ctypes.Structure):
+    _fields_ = [("samples", _I64), ("correct", _I64), ("accuracy", _D), ("loss", _D)]
+
+
+class dt_profile_config(ctypes.Structure):
+    _fields_ = [("max_events", _I), ("straggler_threshold", _D), ("check_every", _I)]
+
+
+class dt_profile_stats(ctypes.Structure):
+    _fields_ = [("rank", _I), ("steps", _I64), ("step_s", _D), ("data_s", _D),
+                ("forward_s", _D), ("backward_s", _D), ("comm_wait_s", _D),
+                ("optimizer_s", _D), ("idle_s", _D), ("comm_s", _D), ("collectives", _I64),
+                ("coll_bytes", _U64), ("busbw", _D), ("ps_calls", _I64),
+                ("ps_latency_s", _D), ("ps_max_staleness", _I64), ("ps_mean_staleness", _D),
+                ("samples", _I64), ("events", _I64), ("dropped", _I64),
+                ("straggler_warnings", _I)]
+
+
+_STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_schedule, dt_loader_config,
+            dt_dist_env, dt_store_config, dt_comm_config, dt_ddp_config, dt_ddp_stats,
+            dt_eval_config, dt_metrics, dt_profile_config, dt_profile_stats]
+
+_FORWARD_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P)   # dt_tensor *(*)(dt_ctx *, dt_tensor *, void *)
+_LOG_FN = ctypes.CFUNCTYPE(None, _P, _S)
+
+# --- 3. the functions ---------------------------------------------------------------------
+
+_C = type("C", (), {})()   # a namespace of the declared C functions
+for _name, _res, _args in [
+    ("dt_strerror", _S, [_I]),
+    ("dt_config_init", None, [ctypes.POINTER(dt_config)]),
+    ("dt_ctx_new", _P, [ctypes.POINTER(dt_config)]),
+    ("dt_ctx_free", None, [_P]),
+    ("dt_ctx_status", _I, [_P]),
+    ("dt_last_error", _S, [_P]),
+    ("dt_last_status", _I, [_P]),
+    ("dt_clear_error", None, [_P]),
+    ("dt_set_log", None, [_P, _LOG_FN, _P]),
+    ("dt_last_warning", _S, [_P]),
+    ("dt_backend_name", _S, [_P]),
+    ("dt_ctx_threads", _I, [_P]),
+    ("dt_set_grad_enabled", None, [_P, _I]),
+    ("dt_grad_enabled", _I, [_P]),
+    ("dt_set_training", None, [_P, _I]),
+    ("dt_training", _I, [_P]),
+    ("dt_mem_stats_get", None, [_P, ctypes.POINTER(dt_mem_stats)]),
+    ("dt_step_reset", None, [_P]),
+    ("dt_seed", None, [_P, _U64]),
+    # tensors
+    ("dt_tensor_new", _P, [_P, _I, _I, _I64P]),
+    ("dt_tensor_wrap", _P, [_P, _I, _I, _I64P, _P]),
+    ("dt_tensor_free", None, [_P]),
+    ("dt_tensor_set", _I, [_P, _P, _I64]),
+    ("dt_tensor_get", _I, [_P, _P, _I64]),
+    ("dt_tensor_fill", _I, [_P, _F]),
+    ("dt_tensor_item", _F, [_P]),
+    ("dt_tensor_data", _P, [_P]),
+    ("dt_tensor_stride", _I64, [_P, _I]),
+    ("dt_tensor_ndim", _I, [_P]),
+    ("dt_tensor_dim", _I64, [_P, _I]),
+    ("dt_tensor_numel", _I64, [_P]),
+    ("dt_tensor_dtype", _I, [_P]),
+    ("dt_tensor_name", _S, [_P]),
+    ("dt_tensor_grad", _P, [_P]),
+    ("dt_tensor_requires_grad", _I, [_P]),
+    ("dt_tensor_set_requires_grad", _I, [_P, _I]),
+    # parameters and init
+    ("dt_param_new", _P, [_P, _S, _I, _I64P]),
+    ("dt_param_count", _I, [_P]),
+    ("dt_param_at", _P, [_P, _I]),
+    ("dt_param_find", _P, [_P, _S]),
+    ("dt_zero_grad", None, [_P]),
+    ("dt_init_uniform", _I, [_P, _P, _F, _F]),
+    ("dt_init_normal", _I, [_P, _P, _F, _F]),
+    ("dt_init_kaiming_uniform", _I, [_P, _P, _F]),
+    ("dt_init_kaiming_normal", _I, [_P, _P, _F]),
+    ("dt_init_xavier_uniform", _I, [_P, _P, _F]),
+    ("dt_init_xavier_normal", _I, [_P, _P, _F]),
+    ("dt_init_bias", _I, [_P, _P, _I64]),
+    # ops
+    ("dt_reshape", _P, [_P, _P, _I, _I64P]),
+    ("dt_flatten", _P, [_P, _P, _I]),
+    ("dt_transpose", _P, [_P, _P, _I, _I]),
+    ("dt_slice", _P, [_P, _P, _I, _I64, _I64]),
+    ("dt_contiguous", _P, [_P, _P]),
+    ("dt_concat", _P, [_P, ctypes.POINTER(_P), _I, _I]),
+    ("dt_matmul", _P, [_P, _P, _P, _I, _I]),
+    ("dt_linear", _P, [_P, _P, _P, _P]),
+    ("dt_add", _P, [_P, _P, _P]),
+    ("dt_sub", _P, [_P, _P, _P]),
+    ("dt_mul", _P, [_P, _P, _P]),
+    ("dt_div", _P, [_P, _P, _P]),
+    ("dt_scale", _P, [_P, _P, _F]),
+    ("dt_sum", _P, [_P, _P]),
+    ("dt_mean", _P, [_P, _P]),
+    ("dt_sum_dim", _P, [_P, _P, _I, _I]),
+    ("dt_mean_dim", _P, [_P, _P, _I, _I]),
+    ("dt_relu", _P, [_P, _P]),
+    ("dt_gelu", _P, [_P, _P]),
+    ("dt_tanh", _P, [_P, _P]),
+    ("dt_sigmoid", _P, [_P, _P]),
+    ("dt_softmax", _P, [_P, _P, _I]),
+    ("dt_log_softmax", _P, [_P, _P, _I]),
+    ("dt_cross_entropy", _P, [_P, _P, _P]),
+    ("dt_mse", _P, [_P, _P, _P]),
+    ("dt_conv2d", _P, [_P, _P, _P, _P, _I, _I]),
+    ("dt_max_pool2d", _P, [_P, _P, _I, _I, _I]),
+    ("dt_avg_pool2d", _P, [_P, _P, _I, _I, _I]),
+    ("dt_embedding", _P, [_P, _P, _P]),
+    ("dt_layer_norm", _P, [_P, _P, _P, _P, _F]),
+    ("dt_dropout", _P, [_P, _P, _F]),
+    ("dt_backward", _I, [_P, _P]),
+    ("dt_clip_grad_norm", _I, [_P, _F, ctypes.POINTER(_F)]),
+    ("dt_count_correct", _I, [_P, _P, _P, ctypes.POINTER(_I64)]),
+    ("dt_now", _D, []),
+    # optimizers
+    ("dt_optim_config_init", None, [ctypes.POINTER(dt_optim_config), _I]),
+    ("dt_optim_new", _P, [_P, ctypes.POINTER(dt_optim_config), ctypes.POINTER(_P), _I]),
+    ("dt_optim_free", None, [_P]),
+    ("dt_optim_step", _I, [_P]),
+    ("dt_optim_zero_grad", None, [_P]),
+    ("dt_optim_lr", _F, [_P]),
+    ("dt_optim_set_lr", _I, [_P, _F]),
+    ("dt_optim_steps", _I64, [_P]),
+    ("dt_optim_set_schedule", _I, [_P, ctypes.POINTER(dt_schedule)]),
+    ("dt_schedule_lr", _F, [ctypes.POINTER(dt_schedule), _F, _I64]),
+    # checkpoints
+    ("dt_checkpoint_save", _I, [_P, _P, _S, _I64]),
+    ("dt_checkpoint_load", _I, [_P, _P, _S, ctypes.POINTER(_I64)]),
+    # data
+    ("dt_dataset_load_idx", _P, [_P, _S, _S]),
+    ("dt_dataset_fashion_mnist", _P, [_P, _S, _I]),
+    ("dt_dataset_free", None, [_P]),
+    ("dt_dataset_size", _I64, [_P]),
+    ("dt_dataset_sample_shape", _I, [_P, _I64P]),
+    ("dt_dataset_classes", _I, [_P]),
+    ("dt_dataset_image", _P, [_P, _I64]),
+    ("dt_dataset_label", _I, [_P, _I64]),
+    ("dt_loader_config_init", None, [ctypes.POINTER(dt_loader_config)]),
+    ("dt_loader_new", _P, [_P, _P, ctypes.POINTER(dt_loader_config)]),
+    ("dt_loader_free", None, [_P]),
+    ("dt_loader_start_epoch", _I, [_P, _I64]),
+    ("dt_loader_next", _I, [_P, ctypes.POINTER(_P), ctypes.POINTER(_P)]),
+    ("dt_loader_batches", _I64, [_P]),
+    ("dt_loader_wait_seconds", _D, [_P]),
+    # processes
+    ("dt_dist_env_detect", _I, [_P, ctypes.POINTER(dt_dist_env)]),
+    ("dt_comm_config_init", None, [ctypes.POINTER(dt_comm_config)]),
+    ("dt_comm_new", _P, [_P, ctypes.POINTER(dt_dist_env), ctypes.POINTER(dt_comm_config)]),
+    ("dt_comm_free", None, [_P]),
+    ("dt_comm_rank", _I, [_P]),
+    ("dt_comm_size", _I, [_P]),
+    ("dt_comm_transport", _S, [_P]),
+    ("dt_allreduce", _I, [_P, _P, _I64, _I]),
+    ("dt_broadcast", _I, [_P, _P, _I64, _I]),
+    ("dt_allgather", _I, [_P, _P, _I64, _P]),
+    ("dt_barrier", _I, [_P]),
+    # DDP and evaluation
+    ("dt_ddp_config_init", None, [ctypes.POINTER(dt_ddp_config)]),
+    ("dt_ddp_new", _P, [_P, _P, _P, ctypes.POINTER(dt_ddp_config)]),
+    ("dt_ddp_free", None, [_P]),
+    ("dt_ddp_set_sync", _I, [_P, _I]),
+    ("dt_ddp_sync", _I, [_P]),
+    ("dt_ddp_step", _I, [_P]),
+    ("dt_ddp_stats_get", _I, [_P, ctypes.POINTER(dt_ddp_stats)]),
+    ("dt_ddp_stats_reset", None, [_P]),
+    ("dt_eval_config_init", None, [ctypes.POINTER(dt_eval_config)]),
+    ("dt_evaluate", _I, [_P, _P, _P, ctypes.POINTER(dt_eval_config), _FORWARD_FN, _P,
+                         ctypes.POINTER(dt_metrics)]),
+    # profiler
+    ("dt_profile_config_init", None, [ctypes.POINTER(dt_profile_config)]),
+    ("dt_profile_start", _I, [_P, ctypes.POINTER(dt_profile_config)]),
+    ("dt_profiling", _I, [_P]),
+    ("dt_profile_get", _I, [_P, ctypes.POINTER(dt_profile_stats)]),
+    ("dt_profile_finish", _I, [_P, _P, _S]),
+    ("dt_profile_report", _S, [_P]),
+    ("dt_profile_straggler", _I, [_P]),
+]:
+    setattr(_C, _name[3:], _fn(_name, _res, *_args))
+
+now = _C.now
+
+
+def _b(s):
+    return None if s is None else s.encode()
+
+
+# --- 4. errors ------------------------------------------------------------------------------
+
+class Error(Exception):
+    """A dtrain call failed; str(e) is the C library's message, e.status its dt_status."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class InvalidArgument(Error, ValueError): pass          # DT_EINVAL
+class OutOfMemory(Error, MemoryError): pass             # DT_ENOMEM
+class FileError(Error, OSError): pass                   # DT_EIO
+class CorruptFile(Error): pass                          # DT_ECORRUPT
+class Mismatch(Error, ValueError): pass                 # DT_EMISMATCH
+class NotSupported(Error, NotImplementedError): pass    # DT_ENOTSUP
+class BadState(Error, RuntimeError): pass               # DT_ESTATE
+class Timeout(Error, TimeoutError): pass                # DT_ETIMEDOUT
+class PeerError(Error, ConnectionError): pass           # DT_EPEER
+
+
+_ERRORS = {1: InvalidArgument, 2: OutOfMemory, 3: FileError, 4: CorruptFile, 5: Mismatch,
+           6: NotSupported, 7: BadState, 8: Timeout, 9: PeerError}
+_EOF = 10
+
+_DTYPES = {0: np.float32, 1: np.int32, 2: np.uint8, 3: None, 4: np.float16}
+_DT_OF = {np.dtype(np.float32): 0, np.dtype(np.int32): 1, np.dtype(np.uint8): 2}
+
+
+def _error(status, message):
+    return _ERRORS.get(status, Error)(status, message)
+
+
+# --- 5. the context -------------------------------------------------------------------------
+
+class _Life:
+    """What a borrowed or step handle's validity hangs on: alive while gen is unchanged."""
+    __slots__ = ("gen",)
+
+    def __init__(self):
+        self.gen = 0
+
+
+class Context:
+    """dt_ctx: a backend, the parameters, the step arena and the last error.
+
+    Used by one thread at a time (as in C).  close() frees everything made
+    from it: optimizers, loaders, DDPs, communicators and tensors."""
+
+    def __init__(self, backend="cpu", threads=1, seed=0, device=0, arena_bytes=0):
+        cfg = dt_config()
+        _C.config_init(ctypes.byref(cfg))
+        cfg.backend = _b(backend)
+        cfg.threads = threads
+        cfg.seed = seed
+        cfg.device = device
+        cfg.arena_bytes = arena_bytes
+        self._h = _C.ctx_new(ctypes.byref(cfg))
+        if not self._h:
+            raise OutOfMemory(2, "dt_ctx_new: out of memory")
+        self.step = _Life()   # step tensors die when step.gen moves on
+        self._children = []   # weakrefs of what must be freed before the context
+        self._deferred = []   # persistent tensors to free at the next step_reset
+        self._log = None
+        st = _C.ctx_status(self._h)
+        if st:
+            msg = _C.last_error(self._h).decode()
+            _C.ctx_free(self._h)
+            self._h = None
+            raise _error(st, msg)
+
+    # handles and errors
+    @property
+    def handle(self):
+        if not self._h:
+            raise BadState(7, "the context is closed")
+        return self._h
+
+    def error(self):
+        """The exception for the context's last error."""
+        return _error(_C.last_status(self._h) or 1, _C.last_error(self._h).decode())
+
+    def check(self, status):
+        if status:
+            raise _error(status, _C.last_error(self._h).decode())
+
+    def _adopt(self, obj):
+        if len(self._children) > 64:
+            self._children = [r for r in self._children if r() is not None]
+        self._children.append(weakref.ref(obj))
+
+    def close(self):
+        """Free the context and everything made from it (dt_ctx_free)."""
+        if not self._h:
+            return
+        for order in range(4):   # DDPs, then loaders/optimizers, datasets, communicators
+            for ref in self._children:
+                obj = ref()
+                if obj is not None and obj._close_order == order:
+                    obj.close()
+        self._children = []
+        self._deferred = []
+        self.step.gen += 1
+        _C.ctx_free(self._h)
+        self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # state
+    @property
+    def backend(self):
+        return _C.backend_name(self.handle).decode()
+
+    @property
+    def threads(self):
+        return _C.ctx_threads(self.handle)
+
+    @property
+    def grad_enabled(self):
+        return bool(_C.grad_enabled(self.handle))
+
+    @grad_enabled.setter
+    def grad_enabled(self, on):
+        _C.set_grad_enabled(self.handle, int(bool(on)))
+
+    @property
+    def training(self):
+        return bool(_C.training(self.handle))
+
+    @training.setter
+    def training(self, on):
+        _C.set_training(self.handle, int(bool(on)))
+
+    def seed(self, seed):
+        _C.seed(self.handle, seed)
+
+    def set_log(self, fn):
+        """Warnings go to fn(message) (on the thread that met them); None: back to stderr
+        when DTRAIN_LOG is set."""
+        if fn is None:
+            self._log = None
+            _C.set_log(self.handle, _LOG_FN(), None)
+            return
+        self._log = _LOG_FN(lambda user, msg: fn(msg.decode(errors="replace")))
+        _C.set_log(self.handle, self._log, None)
+
+    @property
+    def last_warning(self):
+        return _C.last_warning(self.handle).decode()
+
+    def mem_stats(self):
+        s = dt_mem_stats()
+        _C.mem_stats_get(self.handle, ctypes.byref(s))
+        return {f: getattr(s, f) for f, _ in s._fields_}
+
+    # the step
+    def step_reset(self):
+        """Free this step's tensors and tape (dt_step_reset): once per training step."""
+        _C.step_reset(self.handle)
+        self._step_ended()
+
+    def _step_ended(self):
+        self.step.gen += 1
+        # the tape that may have held them is gone: now they can go
+        deferred, self._deferred = self._deferred, []
+        for h, _keep in deferred:
+            _C.tensor_free(h)
+
+    def backward(self, loss):
+        self.check(_C.backward(self.handle, loss.handle))
+
+    def zero_grad(self):
+        _C.zero_grad(self.handle)
+
+    def clip_grad_norm(self, max_norm):
+        """Scale the gradients to a global L2 norm of at most max_norm; the norm before."""
+        norm = _F()
+        self.check(_C.clip_grad_norm(self.handle, max_norm, ctypes.byref(norm)))
+        return norm.value
+
+    # tensors
+    def tensor(self, shape, dtype=np.float32):
+        """A new zero-filled persistent tensor."""
+        shape = tuple(shape)
+        h = _C.tensor_new(self.handle, _dtype_code(dtype), len(shape), _shape(shape))
+        return Tensor._made(self, h, None, owned=True)
+
+    def from_numpy(self, array, copy=False):
+        """A persistent tensor with the array's contents: its memory itself (no copy) when
+        the array is C-contiguous, aligned, of float32/int32/uint8, and the backend computes
+        on host memory; else (or copy=True) a copy, float arrays as float32."""
+        a = np.asarray(array)
+        if a.dtype not in _DT_OF:
+            a = a.astype(np.float32 if a.dtype.kind == "f" else np.int32)
+        shape = a.shape
+        if (not copy and a.flags.c_contiguous and a.flags.aligned and a.flags.writeable
+                and self.backend == "cpu"):
+            h = _C.tensor_wrap(self.handle, _DT_OF[a.dtype], a.ndim, _shape(shape),
+                               a.ctypes.data)
+            t = Tensor._made(self, h, None, owned=True)
+            t._keep = a
+            return t
+        a = np.ascontiguousarray(a)
+        t = self.tensor(shape, a.dtype)
+        self.check(_C.tensor_set(t.handle, a.ctypes.data, a.size))
+        return t
+
+    # parameters
+    def param(self, name, shape):
+        """A new parameter (zero-filled, requires grad), owned by the context."""
+        shape = tuple(shape)
+        h = _C.param_new(self.handle, _b(name), len(shape), _shape(shape))
+        return Tensor._made(self, h, None)
+
+    def params(self):
+        return [Tensor._made(self, _C.param_at(self.handle, i), None)
+                for i in range(_C.param_count(self.handle))]
+
+    def param_find(self, name):
+        h = _C.param_find(self.handle, _b(name))
+        return Tensor._made(self, h, None) if h else None
+
+
+def _dtype_code(dtype):
+    d = np.dtype(dtype)
+    if d not in _DT_OF:
+        raise InvalidArgument(1, "dtype %s: dtrain tensors are float32, int32 or uint8" % d)
+    return _DT_OF[d]
+
+
+def _shape(shape):
+    return (ctypes.c_int64 * max(len(shape), 1))(*shape)
+
+
+# --- 6. tensors -----------------------------------------------------------------------------
+
+class _View:
+    """The array interface of a tensor's memory; keeps the Tensor alive as the array's base."""
+
+    def __init__(self, tensor, ptr, shape, strides, typestr):
+        self._tensor = tensor
+        self.__array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                    "strides": strides, "version": 3}
+
+
+class Tensor:
+    """dt_tensor.  Step tensors (what ops return) are valid until ctx.step_reset()."""
+    __slots__ = ("ctx", "_h", "_life", "_gen", "_owned", "_keep", "__weakref__")
+
+    @classmethod
+    def _made(cls, ctx, h, life, owned=False):
+        if not h:
+            raise ctx.error()
+        t = cls.__new__(cls)
+        t.ctx = ctx
+        t._h = h
+        t._life = life
+        t._gen = life.gen if life is not None else 0
+        t._owned = owned
+        t._keep = None
+        return t
+
+    @property
+    def handle(self):
+        if self._life is not None and self._life.gen != self._gen:
+            raise BadState(7, "this tensor is gone: it belonged to a finished step "
+                              "(ctx.step_reset) or to a loader's earlier batch")
+        if not self._h or not self.ctx._h:
+            raise BadState(7, "this tensor was freed (or its context closed)")
+        return self._h
+
+    def free(self):
+        """Free a persistent tensor (parameters stay: they are the context's).  Its memory
+        goes at the next step_reset: this step's tape may still read it."""
+        if self._owned and self._h and self.ctx._h:
+            self.ctx._deferred.append((self._h, self._keep))
+        self._h = None
+        self._keep = None
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:
+            pass
+
+    # shape and contents
+    @property
+    def shape(self):
+        h = self.handle
+        return tuple(_C.tensor_dim(h, i) for i in range(_C.tensor_ndim(h)))
+
+    @property
+    def ndim(self):
+        return _C.tensor_ndim(self.handle)
+
+    @property
+    def dtype(self):
+        return np.dtype(_DTYPES[_C.tensor_dtype(self.handle)])
+
+    def numel(self):
+        return _C.tensor_numel(self.handle)
+
+    @property
+    def name(self):
+        return _C.tensor_name(self.handle).decode()
+
+    def item(self):
+        return float(_C.tensor_item(self.handle))
+
+    def numpy(self, copy=False):
+        """A NumPy array of the contents: a view of the tensor's memory (CPU backend), valid
+        as long as the tensor; copy=True, or a device backend: a copy."""
+        h = self.handle
+        dtype = self.dtype
+        shape = self.shape
+        if not copy:
+            ptr = _C.tensor_data(h)
+            if ptr:
+                isz = dtype.itemsize
+                strides = tuple(_C.tensor_stride(h, i) * isz for i in range(len(shape)))
+                return np.asarray(_View(self, ptr, shape, strides, dtype.str))
+            _C.clear_error(self.ctx.handle)   # no host memory: copy instead
+        out = np.empty(shape, dtype)
+        self.ctx.check(_C.tensor_get(h, out.ctypes.data, out.size))
+        return out
+
+    def copy_from(self, array):
+        """Copy an array's values in (dt_tensor_set); shapes' sizes must match."""
+        a = np.ascontiguousarray(array, dtype=self.dtype)
+        self.ctx.check(_C.tensor_set(self.handle, a.ctypes.data, a.size))
+
+    def fill(self, value):
+        self.ctx.check(_C.tensor_fill(self.handle, value))
+
+    @property
+    def grad(self):
+        g = _C.tensor_grad(self.handle)
+        return Tensor._made(self.ctx, g, self._life) if g else None
+
+    @property
+    def requires_grad(self):
+        return bool(_C.tensor_requires_grad(self.handle))
+
+    @requires_grad.setter
+    def requires_grad(self, on):
+        self.ctx.check(_C.tensor_set_requires_grad(self.handle, int(bool(on))))
+
+    def __repr__(self):
+        if not self._h or (self._life is not None and self._life.gen != self._gen):
+            return "<dtrain.Tensor (gone)>"
+        return "<dtrain.Tensor %s %s%s>" % (self.shape, self.dtype,
+                                            " " + self.name if self.name else "")
+
+    # operators: ops, recorded on the tape
+    def __add__(self, o): return add(self, o)
+    def __sub__(self, o): return sub(self, o)
+    def __mul__(self, o): return scale(self, o) if isinstance(o, (int, float)) else mul(self, o)
+    def __truediv__(self, o): return scale(self, 1.0 / o) if isinstance(o, (int, float)) else div(self, o)
+    def __matmul__(self, o): return matmul(self, o)
+    def __neg__(self): return scale(self, -1.0)
+
+
+# --- 7. ops: each returns a step tensor, recorded on the tape -------------------------------
+
+def _op(fn, x, *args):
+    ctx = x.ctx
+    return Tensor._made(ctx, fn(ctx._h, *args), ctx.step)
+
+
+def _h(t):
+    return None if t is None else t.handle
+
+
+def reshape(x, shape):
+    shape = tuple(shape)
+    return _op(_C.reshape, x, x.handle, len(shape), _shape(shape))
+
+
+def flatten(x, start_dim=1): return _op(_C.flatten, x, x.handle, start_dim)
+def transpose(x, d0, d1): return _op(_C.transpose, x, x.handle, d0, d1)
+def slice(x, dim, start, end): return _op(_C.slice, x, x.handle, dim, start, end)
+def contiguous(x): return _op(_C.contiguous, x, x.handle)
+
+
+def concat(xs, dim=0):
+    hs = (_P * len(xs))(*[t.handle for t in xs])
+    return _op(_C.concat, xs[0], hs, len(xs), dim)
+
+
+def matmul(a, b, trans_a=False, trans_b=False):
+    return _op(_C.matmul, a, a.handle, b.handle, int(trans_a), int(trans_b))
+
+
+def linear(x, w, b=None): return _op(_C.linear, x, x.handle, w.handle, _h(b))
+def add(a, b): return _op(_C.add, a, a.handle, b.handle)
+def sub(a, b): return _op(_C.sub, a, a.handle, b.handle)
+def mul(a, b): return _op(_C.mul, a, a.handle, b.handle)
+def div(a, b): return _op(_C.div, a, a.handle, b.handle)
+def scale(x, s): return _op(_C.scale, x, x.handle, s)
+
+
+def sum(x, dim=None, keepdim=False):
+    if dim is None:
+        return _op(_C.sum, x, x.handle)
+    return _op(_C.sum_dim, x, x.handle, dim, int(keepdim))
+
+
+def mean(x, dim=None, keepdim=False):
+    if dim is None:
+        return _op(_C.mean, x, x.handle)
+    return _op(_C.mean_dim, x, x.handle, dim, int(keepdim))
+
+
+def relu(x): return _op(_C.relu, x, x.handle)
+def gelu(x): return _op(_C.gelu, x, x.handle)
+def tanh(x): return _op(_C.tanh, x, x.handle)
+def sigmoid(x): return _op(_C.sigmoid, x, x.handle)
+def softmax(x, dim=-1): return _op(_C.softmax, x, x.handle, dim)
+def log_softmax(x, dim=-1): return _op(_C.log_softmax, x, x.handle, dim)
+def cross_entropy(logits, labels): return _op(_C.cross_entropy, logits, logits.handle, labels.handle)
+def mse(pred, target): return _op(_C.mse, pred, pred.handle, target.handle)
+
+
+def conv2d(x, w, b=None, stride=1, pad=0):
+    return _op(_C.conv2d, x, x.handle, w.handle, _h(b), stride, pad)
+
+
+def max_pool2d(x, kernel, stride=0, pad=0): return _op(_C.max_pool2d, x, x.handle, kernel, stride, pad)
+def avg_pool2d(x, kernel, stride=0, pad=0): return _op(_C.avg_pool2d, x, x.handle, kernel, stride, pad)
+def embedding(weight, idx): return _op(_C.embedding, weight, weight.handle, idx.handle)
+
+
+def layer_norm(x, w=None, b=None, eps=1e-5):
+    return _op(_C.layer_norm, x, x.handle, _h(w), _h(b), eps)
+
+
+def dropout(x, p): return _op(_C.dropout, x, x.handle, p)
+
+
+def count_correct(logits, labels):
+    """Rows of logits whose argmax equals the label."""
+    n = ctypes.c_int64()
+    logits.ctx.check(_C.count_correct(logits.ctx._h, logits.handle, labels.handle,
+                                      ctypes.byref(n)))
+    return n.value
+
+
+# initialisers (on the context's seeded generator)
+def _init(fn, t, *args):
+    t.ctx.check(fn(t.ctx._h, t.handle, *args))
+
+
+def init_uniform(t, lo, hi): _init(_C.init_uniform, t, lo, hi)
+def init_normal(t, mean=0.0, std=1.0): _init(_C.init_normal, t, mean, std)
+def init_kaiming_uniform(t, a=0.0): _init(_C.init_kaiming_uniform, t, a)
+def init_kaiming_normal(t, a=0.0): _init(_C.init_kaiming_normal, t, a)
+def init_xavier_uniform(t, gain=1.0): _init(_C.init_xavier_uniform, t, gain)
+def init_xavier_normal(t, gain=1.0): _init(_C.init_xavier_normal, t, gain)
+def init_bias(t, fan_in): _init(_C.init_bias, t, fan_in)
+
+
+# --- 8. optimizers --------------------------------------------------------------------------
+
+_OPTIMS = {"sgd": 0, "adam": 1, "adamw": 2, "adagrad": 3}
+_SCHEDS = {"constant": 0, "step": 1, "cosine": 2}
+
+
+class _Handle:
+    """An object over a C handle that the context outlives: close() frees it (the
+    context closes it first when it closes), and so does the garbage collector."""
+    _close_order = 1   # the context closes order 0 first (DDPs), 3 last (communicators)
+    _what = "object"
+    _h = None
+
+    def _own(self, ctx, h):
+        self.ctx = ctx
+        self._h = h
+        if not h:
+            raise ctx.error()
+        ctx._adopt(self)
+
+    @property
+    def handle(self):
+        if not self._h:
+            raise BadState(7, "the %s is closed" % self._what)
+        return self._h
+
+    def close(self):
+        if self._h and self.ctx._h:
+            self._free(self._h)
+        self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Optimizer(_Handle):
+    """dt_optim over params (default: every parameter of the context).  kind: sgd, adam,
+    adamw, adagrad; keyword arguments are dt_optim_config's fields (lr, momentum, ...,
+    betas=(b1, b2)); unset ones keep PyTorch's defaults."""
+    _close_order = 1
+    _what = "optimizer"
+    _free = staticmethod(_C.optim_free)
+
+    def __init__(self, ctx, kind="adam", params=None, betas=None, **cfg):
+        if kind not in _OPTIMS:
+            raise InvalidArgument(1, "optimizer kind '%s': one of %s" % (kind, ", ".join(_OPTIMS)))
+        c = dt_optim_config()
+        _C.optim_config_init(ctypes.byref(c), _OPTIMS[kind])
+        for k, v in cfg.items():
+            if k not in dict(c._fields_):
+                raise InvalidArgument(1, "optimizer: no setting '%s'" % k)
+            setattr(c, k, v)
+        if betas is not None:
+            c.beta1, c.beta2 = betas
+        hs, n = None, 0
+        if params is not None:
+            n = len(params)
+            hs = (_P * max(n, 1))(*[p.handle for p in params])
+        self._own(ctx, _C.optim_new(ctx.handle, ctypes.byref(c), hs, n))
+
+    def step(self):
+        self.ctx.check(_C.optim_step(self.handle))
+
+    def zero_grad(self):
+        _C.optim_zero_grad(self.handle)
+
+    @property
+    def lr(self):
+        return _C.optim_lr(self.handle)
+
+    @lr.setter
+    def lr(self, v):
+        self.ctx.check(_C.optim_set_lr(self.handle, v))
+
+    @property
+    def steps(self):
+        return _C.optim_steps(self.handle)
+
+    def set_schedule(self, kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0,
+                     step_size=0, gamma=0.1):
+        s = dt_schedule(kind=_SCHEDS[kind], step_size=step_size, gamma=gamma,
+                        warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
+        self.ctx.check(_C.optim_set_schedule(self.handle, ctypes.byref(s)))
+
+
+
+def checkpoint_save(ctx, path, opt=None, step=0):
+    """Parameters, opt's state and the step to path (safetensors, written atomically)."""
+    ctx.check(_C.checkpoint_save(ctx.handle, opt.handle if opt else None, _b(path), step))
+
+
+def checkpoint_load(ctx, path, opt=None):
+    """Load a checkpoint (checked whole first: a bad file changes nothing); its step."""
+    step = ctypes.c_int64()
+    ctx.check(_C.checkpoint_load(ctx.handle, opt.handle if opt else None, _b(path),
+                                 ctypes.byref(step)))
+    return step.value
+
+
+# --- 9. data --------------------------------------------------------------------------------
+
+class Dataset(_Handle):
+    """dt_dataset: images (uint8) and labels in memory."""
+    _close_order = 2
+    _what = "dataset"
+    _free = staticmethod(_C.dataset_free)
+
+    def __init__(self, ctx, handle):
+        self._own(ctx, handle)
+
+    @classmethod
+    def fashion_mnist(cls, ctx, split="train", dir=None):
+        """Fashion-MNIST as Debian's dataset-fashion-mnist installs it (dir None)."""
+        return cls(ctx, _C.dataset_fashion_mnist(ctx.handle, _b(dir), 0 if split == "train" else 1))
+
+    @classmethod
+    def load_idx(cls, ctx, images_path, labels_path):
+        return cls(ctx, _C.dataset_load_idx(ctx.handle, _b(images_path), _b(labels_path)))
+
+    def __len__(self):
+        return _C.dataset_size(self.handle)
+
+    @property
+    def sample_shape(self):
+        s = (ctypes.c_int64 * 6)()
+        n = _C.dataset_sample_shape(self.handle, s)
+        return tuple(s[:n])
+
+    @property
+    def classes(self):
+        return _C.dataset_classes(self.handle)
+
+    def image(self, i):
+        """Sample i's pixels, a read-only uint8 view of the dataset's memory."""
+        if not 0 <= i < len(self):
+            raise IndexError("sample %d of %d" % (i, len(self)))
+        shape = self.sample_shape
+        a = np.asarray(_View(self, _C.dataset_image(self.handle, i), shape, None, "|u1"))
+        a.flags.writeable = False
+        return a
+
+    def label(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError("sample %d of %d" % (i, len(self)))
+        return _C.dataset_label(self.handle, i)
+
+
+
+class Loader(_Handle):
+    """dt_loader: batches x (B,C,H,W) float32 and y (B) int32.  Keyword arguments are
+    dt_loader_config's fields (batch, shuffle, seed, mean, std, prefetch, shard_rank,
+    shard_count, ...).  A batch's tensors are valid until the next batch."""
+    _close_order = 1
+    _what = "loader"
+    _free = staticmethod(_C.loader_free)
+
+    def __init__(self, ctx, dataset, **cfg):
+        c = dt_loader_config()
+        _C.loader_config_init(ctypes.byref(c))
+        for k, v in cfg.items():
+            if k not in dict(c._fields_):
+                raise InvalidArgument(1, "loader: no setting '%s'" % k)
+            setattr(c, k, int(v) if isinstance(v, bool) else v)
+        self.dataset = dataset   # borrowed by C: kept alive here
+        self.batch_life = _Life()
+        self._x, self._y = _P(), _P()
+        self._own(ctx, _C.loader_new(ctx.handle, dataset.handle, ctypes.byref(c)))
+
+    def __len__(self):
+        """Batches per epoch."""
+        return _C.loader_batches(self.handle)
+
+    def start_epoch(self, epoch):
+        self.batch_life.gen += 1
+        self.ctx.check(_C.loader_start_epoch(self.handle, epoch))
+
+    def next(self):
+        """The next batch (x, y), or None at the end of the epoch."""
+        self.batch_life.gen += 1
+        st = _C.loader_next(self.handle, ctypes.byref(self._x), ctypes.byref(self._y))
+        if st == _EOF:
+            return None
+        self.ctx.check(st)
+        ctx, life = self.ctx, self.batch_life
+        return Tensor._made(ctx, self._x.value, life), Tensor._made(ctx, self._y.value, life)
+
+    def epoch(self, epoch):
+        """Iterate over one epoch's batches."""
+        self.start_epoch(epoch)
+        while True:
+            b = self.next()
+            if b is None:
+                return
+            yield b
+
+    @property
+    def wait_seconds(self):
+        return _C.loader_wait_seconds(self.handle)
+
+    def close(self):
+        super().close()
+        self.batch_life.gen += 1
+
+
+# --- 10. processes: launcher environment, communicator, DDP ---------------------------------
+
+DistEnv = namedtuple("DistEnv", "rank world_size local_rank local_world_size master_addr "
+                                "master_port launcher")
+
+
+def dist_env(ctx):
+    """Where this process sits in its job, from the launcher's environment (dtrun,
+    torchrun, mpirun, srun); a single process is rank 0 of 1."""
+    e = dt_dist_env()
+    ctx.check(_C.dist_env_detect(ctx.handle, ctypes.byref(e)))
+    return DistEnv(e.rank, e.world_size, e.local_rank, e.local_world_size,
+                   e.master_addr.decode(), e.master_port, (e.launcher or b"").decode())
+
+
+_REDUCE = {"sum": 0, "avg": 1, "max": 2, "min": 3}
+
+
+def _f32_buffer(a, what):
+    if not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+            and a.flags.writeable):
+        raise InvalidArgument(1, "%s: needs a writeable C-contiguous float32 array" % what)
+    return a.ctypes.data
+
+
+class Comm(_Handle):
+    """dt_comm: every rank of the job started by a launcher (collective: every rank makes
+    one).  transport: shm, tcp, verbs or None (shm on one host, else tcp)."""
+    _close_order = 3
+    _what = "communicator"
+    _free = staticmethod(_C.comm_free)
+
+    def __init__(self, ctx, transport=None, timeout_ms=0):
+        c = dt_comm_config()
+        _C.comm_config_init(ctypes.byref(c))
+        c.transport = _b(transport)
+        c.timeout_ms = timeout_ms
+        self._own(ctx, _C.comm_new(ctx.handle, None, ctypes.byref(c)))
+
+    @property
+    def rank(self):
+        return _C.comm_rank(self.handle)
+
+    @property
+    def size(self):
+        return _C.comm_size(self.handle)
+
+    @property
+    def transport(self):
+        return _C.comm_transport(self.handle).decode()
+
+    def allreduce(self, array, op="sum"):
+        """In place on a float32 array (its memory is the buffer: no copy)."""
+        self.ctx.check(_C.allreduce(self.handle, _f32_buffer(array, "allreduce"), array.size,
+                                    _REDUCE[op]))
+        return array
+
+    def broadcast(self, array, root=0):
+        self.ctx.check(_C.broadcast(self.handle, _f32_buffer(array, "broadcast"), array.size,
+                                    root))
+        return array
+
+    def allgather(self, array):
+        """Every rank's array, stacked in rank order: shape (size, *array.shape)."""
+        a = np.ascontiguousarray(array, dtype=np.float32)
+        out = np.empty((self.size,) + a.shape, np.float32)
+        self.ctx.check(_C.allgather(self.handle, a.ctypes.data, a.size, out.ctypes.data))
+        return out
+
+    def barrier(self):
+        self.ctx.check(_C.barrier(self.handle))
+
+
+
+_COMPRESS = {"none": 0, "bf16": 1, "fp16": 2, "topk": 3, "int8": 4}
+
+
+class DDP(_Handle):
+    """dt_ddp: data parallelism over comm for every parameter of ctx (collective).  rank
+    0's parameters go to every rank; backward starts the bucketed allreduces; step() waits,
+    averages and steps opt.  Keyword arguments: dt_ddp_config's fields (bucket_bytes,
+    overlap, compress="bf16", ...)."""
+    _close_order = 0
+    _what = "DDP"
+    _free = staticmethod(_C.ddp_free)
+
+    def __init__(self, ctx, comm, opt=None, compress="none", **cfg):
+        c = dt_ddp_config()
+        _C.ddp_config_init(ctypes.byref(c))
+        c.compress = _COMPRESS[compress]
+        for k, v in cfg.items():
+            if k not in dict(c._fields_) or k == "ps":
+                raise InvalidArgument(1, "ddp: no setting '%s'" % k)
+            setattr(c, k, v)
+        self.comm, self.opt = comm, opt   # borrowed by C: kept alive here
+        self._own(ctx, _C.ddp_new(ctx.handle, comm.handle, opt.handle if opt else None,
+                                  ctypes.byref(c)))
+
+    def sync(self):
+        self.ctx.check(_C.ddp_sync(self.handle))
+
+    def step(self):
+        self.ctx.check(_C.ddp_step(self.handle))
+
+    def set_sync(self, on):
+        """False: backward only accumulates locally (PyTorch's no_sync())."""
+        self.ctx.check(_C.ddp_set_sync(self.handle, int(bool(on))))
+
+    def stats(self, reset=False):
+        s = dt_ddp_stats()
+        self.ctx.check(_C.ddp_stats_get(self.handle, ctypes.byref(s)))
+        if reset:
+            _C.ddp_stats_reset(self.handle)
+        return {f: getattr(s, f) for f, _ in s._fields_}
+
+
+
+# --- 11. evaluation and the profiler --------------------------------------------------------
+
+Metrics = namedtuple("Metrics", "samples correct accuracy loss")
+
+
+def evaluate(ctx, dataset, forward, comm=None, batch=1000, mean=0.0, std=1.0):
+    """dt_evaluate: forward(x) -> logits over the whole dataset, grad and training off;
+    with comm, split over the ranks (collective) and combined.  Returns Metrics."""
+    cfg = dt_eval_config()
+    _C.eval_config_init(ctypes.byref(cfg))
+    cfg.batch, cfg.mean, cfg.std = batch, mean, std
+    failure = []
+    call_life = _Life()
+
+    def trampoline(ctx_h, x_h, user):
+        try:
+            y = forward(Tensor._made(ctx, x_h, call_life))
+            return y.handle
+        except BaseException as e:   # said after dt_evaluate returns
+            failure.append(e)
+            return None
+
+    cb = _FORWARD_FN(trampoline)
+    out = dt_metrics()
+    st = _C.evaluate(ctx.handle, comm.handle if comm else None, dataset.handle,
+                     ctypes.byref(cfg), cb, None, ctypes.byref(out))
+    call_life.gen += 1
+    ctx._step_ended()   # dt_evaluate resets the step arena between batches
+    if failure:
+        raise failure[0]
+    ctx.check(st)
+    return Metrics(out.samples, out.correct, out.accuracy, out.loss)
+
+
+def profile_start(ctx, max_events=0, straggler_threshold=0.0, check_every=0):
+    c = dt_profile_config(max_events=max_events, straggler_threshold=straggler_threshold,
+                          check_every=check_every)
+    ctx.check(_C.profile_start(ctx.handle, ctypes.byref(c)))
+
+
+def profile_stats(ctx):
+    s = dt_profile_stats()
+    ctx.check(_C.profile_get(ctx.handle, ctypes.byref(s)))
+    return {f: getattr(s, f) for f, _ in s._fields_}
+
+
+def profile_finish(ctx, comm=None, trace_path=None):
+    """Collective: the timeline to trace_path (rank 0) and the report; rank 0 gets the
+    report's text, other ranks ""."""
+    ctx.check(_C.profile_finish(ctx.handle, comm.handle if comm else None, _b(trace_path)))
+    return _C.profile_report(ctx.handle).decode()

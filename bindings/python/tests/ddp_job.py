@@ -1,0 +1,83 @@
+"""One rank of the Python DDP tests (run by test_dtrain.py).
+
+    ddp_job.py ddp DIR      under a launcher: DDP on this rank's half of each batch;
+                            writes DIR/rank<r>.npy (and rank 0 DIR/init.npy)
+    ddp_job.py single DIR   one process on the whole batch: DIR/single.npy
+    ddp_job.py die -        rank 1 exits after 2 steps; rank 0 prints the error it gets
+"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import dtrain as dt  # noqa: E402
+
+B, STEPS = 16, 20   # samples per rank per step, steps
+
+
+def mlp_params(ctx, sizes):
+    """Linear layers sizes[0] -> sizes[1] -> ..., initialised as torch.nn.Linear."""
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        w = ctx.param("l%d.weight" % i, (b, a))
+        bias = ctx.param("l%d.bias" % i, (b,))
+        dt.init_kaiming_uniform(w, 5 ** 0.5)
+        dt.init_bias(bias, a)
+        layers.append((w, bias))
+    return layers
+
+
+def forward(layers, x):
+    h = dt.relu(dt.linear(x, *layers[0]))
+    return dt.linear(h, *layers[1])
+
+
+def flat(ctx):
+    return np.concatenate([p.numpy().ravel() for p in ctx.params()])
+
+
+def data(step):
+    rng = np.random.default_rng(step)   # the global batch of this step
+    x = rng.standard_normal((2 * B, 16)).astype(np.float32)
+    t = np.tanh(x[:, :4] * 2 + x[:, 4:8]).astype(np.float32)
+    return x, t
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    with dt.Context(seed=11) as ctx:
+        comm = dt.Comm(ctx) if mode != "single" else None
+        rank = comm.rank if comm else 0
+        layers = mlp_params(ctx, (16, 32, 4))
+        opt = dt.Optimizer(ctx, "sgd", lr=0.05, momentum=0.9)
+        ddp = dt.DDP(ctx, comm, opt) if comm else None
+        if mode == "ddp" and rank == 0:
+            np.save(os.path.join(out, "init.npy"), flat(ctx))
+        try:
+            for step in range(STEPS):
+                if mode == "die" and rank == 1 and step == 2:
+                    os._exit(3)   # no goodbye: the process just ends
+                x, t = data(step)
+                if comm:
+                    x, t = x[rank * B:(rank + 1) * B], t[rank * B:(rank + 1) * B]
+                loss = dt.mse(forward(layers, ctx.from_numpy(x)), ctx.from_numpy(t))
+                ctx.backward(loss)
+                (ddp or opt).step()
+                opt.zero_grad()
+                ctx.step_reset()
+        except dt.Error as e:
+            print("rank %d: step %d raised %s: %s" % (rank, step, type(e).__name__, e))
+            return 0 if mode == "die" and "rank 1" in str(e) else 1
+        if mode == "die":
+            print("rank %d: no error after rank 1 left" % rank)
+            return 2
+        np.save(os.path.join(out, "single.npy" if mode == "single" else "rank%d.npy" % rank),
+                flat(ctx))
+        if comm:
+            comm.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

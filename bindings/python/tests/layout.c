@@ -1,0 +1,92 @@
+/* Prints every C struct the Python binding mirrors, as "struct field offset
+ * size" lines and "struct - sizeof", for tests/test_dtrain.py to compare
+ * with the ctypes layouts (a field added in dtrain.h and not in dtrain.py
+ * shows up as a size mismatch). */
+#include <stddef.h>
+#include <stdio.h>
+
+#include "dtrain.h"
+
+#define F(s, name, path) \
+    printf(#s " " #name " %zu %zu\n", offsetof(s, path), sizeof(((s *)0)->path))
+#define END(s) printf(#s " - %zu\n", sizeof(s))
+
+int main(void)
+{
+    F(dt_config, backend, backend); F(dt_config, threads, threads); F(dt_config, seed, seed);
+    F(dt_config, malloc_fn, allocator.malloc_fn); F(dt_config, realloc_fn, allocator.realloc_fn);
+    F(dt_config, free_fn, allocator.free_fn); F(dt_config, alloc_user, allocator.user);
+    F(dt_config, arena_bytes, arena_bytes); F(dt_config, device, device);
+    F(dt_config, custom_backend, custom_backend); END(dt_config);
+
+    F(dt_mem_stats, arena_capacity, arena_capacity); F(dt_mem_stats, arena_used, arena_used);
+    F(dt_mem_stats, arena_peak, arena_peak); F(dt_mem_stats, persistent_bytes, persistent_bytes);
+    F(dt_mem_stats, arena_grows, arena_grows); END(dt_mem_stats);
+
+    F(dt_optim_config, kind, kind); F(dt_optim_config, lr, lr);
+    F(dt_optim_config, momentum, momentum); F(dt_optim_config, dampening, dampening);
+    F(dt_optim_config, nesterov, nesterov); F(dt_optim_config, weight_decay, weight_decay);
+    F(dt_optim_config, beta1, beta1); F(dt_optim_config, beta2, beta2);
+    F(dt_optim_config, eps, eps); END(dt_optim_config);
+
+    F(dt_schedule, kind, kind); F(dt_schedule, step_size, step_size); F(dt_schedule, gamma, gamma);
+    F(dt_schedule, warmup_steps, warmup_steps); F(dt_schedule, total_steps, total_steps);
+    F(dt_schedule, min_lr, min_lr); END(dt_schedule);
+
+    F(dt_loader_config, batch, batch); F(dt_loader_config, shuffle, shuffle);
+    F(dt_loader_config, drop_last, drop_last); F(dt_loader_config, seed, seed);
+    F(dt_loader_config, mean, mean); F(dt_loader_config, std, std);
+    F(dt_loader_config, prefetch, prefetch); F(dt_loader_config, shard_rank, shard_rank);
+    F(dt_loader_config, shard_count, shard_count); F(dt_loader_config, shard_no_pad, shard_no_pad);
+    F(dt_loader_config, global_batches, global_batches); END(dt_loader_config);
+
+    F(dt_dist_env, rank, rank); F(dt_dist_env, world_size, world_size);
+    F(dt_dist_env, local_rank, local_rank); F(dt_dist_env, local_world_size, local_world_size);
+    F(dt_dist_env, master_addr, master_addr); F(dt_dist_env, master_port, master_port);
+    F(dt_dist_env, launcher, launcher); END(dt_dist_env);
+
+    F(dt_store_config, token, token); F(dt_store_config, bind_addr, bind_addr);
+    F(dt_store_config, timeout_ms, timeout_ms); END(dt_store_config);
+
+    F(dt_comm_config, transport, transport); F(dt_comm_config, host, host);
+    F(dt_comm_config, timeout_ms, timeout_ms); F(dt_comm_config, intra_host, intra_host);
+    F(dt_comm_config, host_id, host_id); F(dt_comm_config, store, store); END(dt_comm_config);
+
+    F(dt_ddp_config, bucket_bytes, bucket_bytes); F(dt_ddp_config, overlap, overlap);
+    F(dt_ddp_config, broadcast_params, broadcast_params); F(dt_ddp_config, compress, compress);
+    F(dt_ddp_config, topk_ratio, topk_ratio); F(dt_ddp_config, topk_warmup_steps, topk_warmup_steps);
+    F(dt_ddp_config, error_feedback, error_feedback); F(dt_ddp_config, ps, ps); END(dt_ddp_config);
+
+    F(dt_ddp_stats, steps, steps); F(dt_ddp_stats, buckets, buckets);
+    F(dt_ddp_stats, bucket_bytes, bucket_bytes); F(dt_ddp_stats, backward_s, backward_s);
+    F(dt_ddp_stats, comm_s, comm_s); F(dt_ddp_stats, exposed_s, exposed_s);
+    F(dt_ddp_stats, grad_bytes, grad_bytes); F(dt_ddp_stats, payload_bytes, payload_bytes);
+    F(dt_ddp_stats, bytes_sent, bytes_sent); F(dt_ddp_stats, block_launches, block_launches);
+    F(dt_ddp_stats, overlap, overlap); F(dt_ddp_stats, shared_buckets, shared_buckets);
+    END(dt_ddp_stats);
+
+    F(dt_eval_config, batch, batch); F(dt_eval_config, mean, mean); F(dt_eval_config, std, std);
+    END(dt_eval_config);
+
+    F(dt_metrics, samples, samples); F(dt_metrics, correct, correct);
+    F(dt_metrics, accuracy, accuracy); F(dt_metrics, loss, loss); END(dt_metrics);
+
+    F(dt_profile_config, max_events, max_events);
+    F(dt_profile_config, straggler_threshold, straggler_threshold);
+    F(dt_profile_config, check_every, check_every); END(dt_profile_config);
+
+    F(dt_profile_stats, rank, rank); F(dt_profile_stats, steps, steps);
+    F(dt_profile_stats, step_s, step_s); F(dt_profile_stats, data_s, data_s);
+    F(dt_profile_stats, forward_s, forward_s); F(dt_profile_stats, backward_s, backward_s);
+    F(dt_profile_stats, comm_wait_s, comm_wait_s); F(dt_profile_stats, optimizer_s, optimizer_s);
+    F(dt_profile_stats, idle_s, idle_s); F(dt_profile_stats, comm_s, comm_s);
+    F(dt_profile_stats, collectives, collectives); F(dt_profile_stats, coll_bytes, coll_bytes);
+    F(dt_profile_stats, busbw, busbw); F(dt_profile_stats, ps_calls, ps_calls);
+    F(dt_profile_stats, ps_latency_s, ps_latency_s);
+    F(dt_profile_stats, ps_max_staleness, ps_max_staleness);
+    F(dt_profile_stats, ps_mean_staleness, ps_mean_staleness);
+    F(dt_profile_stats, samples, samples); F(dt_profile_stats, events, events);
+    F(dt_profile_stats, dropped, dropped);
+    F(dt_profile_stats, straggler_warnings, straggler_warnings); END(dt_profile_stats);
+    return 0;
+}

@@ -1,0 +1,343 @@
+"""Tests of the Python binding (Debian's python3 + python3-numpy).
+
+    /usr/bin/python3 bindings/python/tests/test_dtrain.py
+
+Environment: DTRAIN_LIB (the shared library; default build/libdtrain.so), DTRUN (the
+launcher; default build/dtrun), CC (to compile layout.c; default cc).  Ends with a line
+"python: N passed, N failed".
+"""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import dtrain as dt  # noqa: E402
+from ddp_job import mlp_params  # noqa: E402
+
+DTRUN = os.environ.get("DTRUN", os.path.join(ROOT, "build", "dtrun"))
+JOB = os.path.join(HERE, "ddp_job.py")
+FMNIST = "/usr/share/datasets/fashion-mnist"
+
+
+def small_mlp(ctx, sizes=(6, 5, 3)):
+    return mlp_params(ctx, sizes)
+
+
+def mlp_forward(layers, x):
+    for i, (w, b) in enumerate(layers):
+        x = dt.linear(x, w, b)
+        if i + 1 < len(layers):
+            x = dt.relu(x)
+    return x
+
+
+class Layout(unittest.TestCase):
+    def test_structs_match_c(self):
+        """Every ctypes struct has C's field offsets and sizes and C's sizeof."""
+        with tempfile.TemporaryDirectory() as d:
+            exe = os.path.join(d, "layout")
+            subprocess.run([os.environ.get("CC", "cc"), "-std=c11", "-I", ROOT,
+                            os.path.join(HERE, "layout.c"), "-o", exe], check=True)
+            lines = subprocess.run([exe], check=True, capture_output=True,
+                                   text=True).stdout.split("\n")
+        structs = {s.__name__: s for s in dt._STRUCTS}
+        seen = set()
+        for line in filter(None, lines):
+            name, field, *nums = line.split()
+            self.assertIn(name, structs, "layout.c prints %s, dtrain.py lacks it" % name)
+            s = structs[name]
+            seen.add(name)
+            if field == "-":
+                self.assertEqual(ctypes_sizeof(s), int(nums[0]), "sizeof(%s)" % name)
+                continue
+            f = getattr(s, field)
+            self.assertEqual((f.offset, f.size), (int(nums[0]), int(nums[1])),
+                             "%s.%s: (offset, size) differ from C's" % (name, field))
+        self.assertEqual(seen, set(structs), "structs layout.c does not check")
+
+
+def ctypes_sizeof(s):
+    import ctypes
+    return ctypes.sizeof(s)
+
+
+class Errors(unittest.TestCase):
+    def test_c_message_raised(self):
+        with dt.Context() as ctx:
+            x = ctx.tensor((4, 3))
+            w = ctx.tensor((5, 7))
+            with self.assertRaises(dt.InvalidArgument) as cm:
+                dt.linear(x, w)
+            e = cm.exception
+            self.assertIsInstance(e, ValueError)
+            self.assertEqual(e.status, 1)
+            self.assertIn("linear", str(e))
+            self.assertIn("7", str(e))   # the C message names the shapes
+            self.assertEqual(str(e), e.message)
+            # the context goes on working
+            y = dt.linear(x, ctx.tensor((5, 3)))
+            self.assertEqual(y.shape, (4, 5))
+
+    def test_bad_backend(self):
+        with self.assertRaises(dt.Error) as cm:
+            dt.Context(backend="no-such-backend")
+        self.assertIn("no-such-backend", str(cm.exception))
+
+    def test_corrupt_and_missing_checkpoint(self):
+        with dt.Context(seed=3) as ctx, tempfile.TemporaryDirectory() as d:
+            small_mlp(ctx)
+            bad = os.path.join(d, "bad.safetensors")
+            with open(bad, "wb") as f:
+                f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+            before = [p.numpy(copy=True) for p in ctx.params()]
+            with self.assertRaises(dt.CorruptFile) as cm:
+                dt.checkpoint_load(ctx, bad)
+            self.assertIn("bad.safetensors", str(cm.exception))
+            for p, b in zip(ctx.params(), before):   # nothing changed
+                np.testing.assert_array_equal(p.numpy(), b)
+            with self.assertRaises(dt.FileError) as cm:
+                dt.checkpoint_load(ctx, os.path.join(d, "missing.safetensors"))
+            self.assertIsInstance(cm.exception, OSError)
+
+    def test_settings_checked(self):
+        with dt.Context() as ctx:
+            with self.assertRaises(dt.InvalidArgument):
+                dt.Optimizer(ctx, "adam", lr=1e-3, no_such_thing=1)
+            with self.assertRaises(dt.InvalidArgument):
+                dt.Optimizer(ctx, "rmsprop")
+            with self.assertRaises(dt.InvalidArgument):
+                ctx.tensor((2,), np.float64)
+
+
+class ZeroCopy(unittest.TestCase):
+    def test_from_numpy_wraps(self):
+        with dt.Context() as ctx:
+            a = np.arange(12, dtype=np.float32).reshape(3, 4)
+            t = ctx.from_numpy(a)
+            v = t.numpy()
+            self.assertEqual(v.ctypes.data, a.ctypes.data)   # the same memory
+            self.assertTrue(np.shares_memory(v, a))
+            self.assertEqual(dt.sum(t).item(), 66.0)
+            a[0, 0] = 100                                    # numpy writes, dtrain reads
+            self.assertEqual(dt.sum(t).item(), 166.0)
+            t.fill(2.0)                                      # dtrain writes, numpy reads
+            self.assertTrue((a == 2.0).all())
+            del a
+            self.assertEqual(dt.sum(t).item(), 24.0)         # the tensor keeps the array
+
+    def test_copies_when_it_must(self):
+        with dt.Context() as ctx:
+            a = np.arange(12, dtype=np.float64).reshape(3, 4)
+            t = ctx.from_numpy(a)                            # float64: converted
+            self.assertEqual(t.dtype, np.float32)
+            np.testing.assert_array_equal(t.numpy(), a.astype(np.float32))
+            b = np.arange(12, dtype=np.float32).reshape(3, 4).T   # not C-contiguous
+            t = ctx.from_numpy(b)
+            self.assertFalse(np.shares_memory(t.numpy(), b))
+            np.testing.assert_array_equal(t.numpy(), b)
+            c = np.arange(6, dtype=np.float32)
+            t = ctx.from_numpy(c, copy=True)
+            self.assertFalse(np.shares_memory(t.numpy(), c))
+
+    def test_views_of_params_and_strides(self):
+        with dt.Context(seed=1) as ctx:
+            (w, b), = small_mlp(ctx, (4, 3))
+            wv = w.numpy()                                   # a live view of the weights
+            before = wv.copy()
+            x = ctx.from_numpy(np.ones((2, 4), np.float32))
+            ctx.backward(dt.mean(dt.linear(x, w, b)))
+            g = w.grad.numpy(copy=True)
+            opt = dt.Optimizer(ctx, "sgd", lr=0.5)
+            opt.step()
+            np.testing.assert_allclose(wv, before - 0.5 * g, rtol=1e-6)
+            t = dt.transpose(w, 0, 1)                        # strided view, no copy
+            tv = t.numpy()
+            self.assertEqual(tv.ctypes.data, wv.ctypes.data)
+            np.testing.assert_array_equal(tv, wv.T)
+
+    def test_dataset_image_is_a_view(self):
+        with dt.Context() as ctx:
+            ds = dt.Dataset.fashion_mnist(ctx, "test")
+            self.assertEqual(len(ds), 10000)
+            img = ds.image(0)
+            self.assertEqual(img.shape, (1, 28, 28))
+            self.assertEqual(img.dtype, np.uint8)
+            self.assertFalse(img.flags.writeable)
+            self.assertTrue(0 <= ds.label(0) < ds.classes)
+            with self.assertRaises(IndexError):
+                ds.image(10000)
+
+
+class Lifetimes(unittest.TestCase):
+    def test_step_tensor_after_reset(self):
+        with dt.Context() as ctx:
+            y = dt.relu(ctx.tensor((3,)))
+            ctx.step_reset()
+            with self.assertRaises(dt.BadState):
+                y.numpy()
+            self.assertIn("gone", repr(y))
+
+    def test_loader_batch_after_next(self):
+        with dt.Context() as ctx:
+            ds = dt.Dataset.fashion_mnist(ctx, "test")
+            ld = dt.Loader(ctx, ds, batch=32)
+            ld.start_epoch(0)
+            x, y = ld.next()
+            self.assertEqual(x.shape, (32, 1, 28, 28))
+            self.assertEqual(y.dtype, np.int32)
+            ld.next()
+            with self.assertRaises(dt.BadState):
+                x.shape
+
+    def test_closed_context(self):
+        ctx = dt.Context()
+        p = ctx.param("w", (2,))
+        opt = dt.Optimizer(ctx, "sgd")
+        ctx.close()
+        with self.assertRaises(dt.BadState):
+            p.numpy()
+        with self.assertRaises(dt.BadState):
+            opt.step()
+        ctx.close()   # twice is fine
+
+
+class Training(unittest.TestCase):
+    def test_gradients_match_numpy(self):
+        """linear + relu + linear + mse: dtrain's gradients equal NumPy's by hand."""
+        with dt.Context(seed=7) as ctx:
+            layers = small_mlp(ctx)
+            rng = np.random.default_rng(0)
+            xa = rng.standard_normal((8, 6)).astype(np.float32)
+            ta = rng.standard_normal((8, 3)).astype(np.float32)
+            loss = dt.mse(mlp_forward(layers, ctx.from_numpy(xa)), ctx.from_numpy(ta))
+            ctx.backward(loss)
+            (w0, b0), (w1, b1) = [(w.numpy(), b.numpy()) for w, b in layers]
+            h = xa @ w0.T + b0
+            r = np.maximum(h, 0)
+            out = r @ w1.T + b1
+            self.assertAlmostEqual(loss.item(), float(((out - ta) ** 2).mean()), places=5)
+            d_out = 2 * (out - ta) / out.size
+            gw1, gb1 = d_out.T @ r, d_out.sum(0)
+            d_h = (d_out @ w1) * (h > 0)
+            gw0, gb0 = d_h.T @ xa, d_h.sum(0)
+            for got, want in [(layers[1][0], gw1), (layers[1][1], gb1), (layers[0][0], gw0),
+                              (layers[0][1], gb0)]:
+                np.testing.assert_allclose(got.grad.numpy(), want, rtol=1e-4, atol=1e-6)
+
+    def train_fmnist(self, seed, steps=15):
+        with dt.Context(seed=seed) as ctx:
+            layers = small_mlp(ctx, (784, 32, 10))
+            ds = dt.Dataset.fashion_mnist(ctx, "train")
+            ld = dt.Loader(ctx, ds, batch=64, seed=seed, mean=0.286, std=0.353, prefetch=1)
+            opt = dt.Optimizer(ctx, "adam", lr=1e-3)
+            losses = []
+            for i, (x, y) in enumerate(ld.epoch(0)):
+                loss = dt.cross_entropy(mlp_forward(layers, dt.flatten(x)), y)
+                ctx.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                ctx.step_reset()
+                if i + 1 == steps:
+                    break
+            return losses, [p.numpy(copy=True) for p in ctx.params()]
+
+    def test_reproducible_and_learning(self):
+        l1, p1 = self.train_fmnist(5)
+        l2, p2 = self.train_fmnist(5)
+        _, p3 = self.train_fmnist(6)
+        self.assertEqual(l1, l2)
+        for a, b in zip(p1, p2):
+            np.testing.assert_array_equal(a, b)        # bit-identical
+        self.assertFalse(all(np.array_equal(a, c) for a, c in zip(p1, p3)))
+        self.assertLess(np.mean(l1[-5:]), l1[0] - 0.3)   # it learns
+
+    def test_checkpoint_round_trip(self):
+        with dt.Context(seed=2) as ctx, tempfile.TemporaryDirectory() as d:
+            layers = small_mlp(ctx)
+            opt = dt.Optimizer(ctx, "adam", lr=1e-2)
+            x = ctx.from_numpy(np.ones((2, 6), np.float32))
+            ctx.backward(dt.mean(mlp_forward(layers, x)))
+            opt.step()
+            path = os.path.join(d, "c.safetensors")
+            dt.checkpoint_save(ctx, path, opt, step=42)
+            saved = [p.numpy(copy=True) for p in ctx.params()]
+            for p in ctx.params():
+                p.fill(0.0)
+            self.assertEqual(dt.checkpoint_load(ctx, path, opt), 42)
+            for p, s in zip(ctx.params(), saved):
+                np.testing.assert_array_equal(p.numpy(), s)
+
+    def test_evaluate_and_its_callback_errors(self):
+        with dt.Context(seed=1) as ctx:
+            layers = small_mlp(ctx, (784, 10))
+            ds = dt.Dataset.fashion_mnist(ctx, "test")
+            m = dt.evaluate(ctx, ds, lambda x: mlp_forward(layers, dt.flatten(x)), batch=2000)
+            self.assertEqual(m.samples, 10000)
+            self.assertTrue(0.0 <= m.accuracy <= 1.0 and m.loss > 0)
+
+            def broken(x):
+                raise KeyError("from the forward")
+            with self.assertRaises(KeyError):
+                dt.evaluate(ctx, ds, broken)
+            self.assertTrue(ctx.grad_enabled)   # restored
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Distributed(unittest.TestCase):
+    def test_ddp_under_the_launcher(self):
+        """2 ranks under dtrun: DDP's parameters are the same on both ranks and equal one
+        process's on the global batch (within 1e-5 relative)."""
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([DTRUN, "-n", "2", sys.executable, JOB, "ddp", d],
+                               capture_output=True, text=True, timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            r = subprocess.run([sys.executable, JOB, "single", d], capture_output=True,
+                               text=True, timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            p0 = np.load(os.path.join(d, "rank0.npy"))
+            p1 = np.load(os.path.join(d, "rank1.npy"))
+            one = np.load(os.path.join(d, "single.npy"))
+            init = np.load(os.path.join(d, "init.npy"))
+        np.testing.assert_array_equal(p0, p1)
+        self.assertGreater(np.abs(p0 - init).max(), 1e-3)   # it trained
+        rel = np.abs(p0 - one).max() / np.abs(one).max()
+        self.assertLess(rel, 1e-5)
+
+    def test_dead_peer_raises_naming_it(self):
+        """Rank 1 exits mid-job: rank 0's next step raises a dtrain error naming rank 1."""
+        port = free_port()
+        procs = []
+        for rank in range(2):
+            env = dict(os.environ, DTRAIN_RANK=str(rank), DTRAIN_WORLD_SIZE="2",
+                       DTRAIN_MASTER="127.0.0.1:%d" % port, DTRAIN_TIMEOUT_MS="20000")
+            procs.append(subprocess.Popen([sys.executable, JOB, "die", "-"], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        outs = [p.communicate(timeout=120) for p in procs]
+        self.assertEqual(procs[1].returncode, 3, outs[1])
+        self.assertEqual(procs[0].returncode, 0, outs[0])
+        self.assertIn("rank 1", outs[0][0])
+        self.assertRegex(outs[0][0], r"raised (PeerError|Timeout)")
+
+
+if __name__ == "__main__":
+    result = unittest.main(exit=False, verbosity=2).result
+    failed = len(result.failures) + len(result.errors)
+    print("python: %d passed, %d failed" % (result.testsRun - failed, failed))
+    sys.exit(1 if failed else 0)
