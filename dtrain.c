@@ -531,7 +531,7 @@ int dt_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
 
 dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
 {
-    if (!ctx)
+    if (!ctx_ok(ctx))   /* a failed context has no backend to ask */
         return DT_EINVAL;
     if (p < DT_PREC_F32 || p > DT_PREC_F16)
         return set_error(ctx, DT_EINVAL, "set_autocast: %d is not a dt_precision", (int)p);
@@ -1020,8 +1020,8 @@ void *dt_tensor_data(dt_tensor *t)
 
 int64_t dt_tensor_stride(const dt_tensor *t, int i)
 {
-    if (!t || t->ndim == 0)
-        return t ? 1 : 0;
+    if (!t)
+        return 0;
     if (i < 0)
         i += t->ndim;
     return i >= 0 && i < t->ndim ? t->stride[i] : 0;
@@ -3472,9 +3472,11 @@ dt_status dt_optim_set_schedule(dt_optim *o, const dt_schedule *s)
     if (s->kind == DT_SCHED_STEP && (s->step_size <= 0 || !(s->gamma > 0)))
         return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: step schedule needs step_size > 0 "
                                             "and gamma > 0");
-    if (s->kind == DT_SCHED_COSINE && (s->warmup_steps < 0 || s->total_steps < s->warmup_steps))
-        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: cosine needs 0 <= warmup_steps "
-                                            "<= total_steps");
+    /* total_steps 0 would train at min_lr from the first step: silently nothing */
+    if (s->kind == DT_SCHED_COSINE &&
+        (s->warmup_steps < 0 || s->total_steps <= 0 || s->total_steps < s->warmup_steps))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: cosine needs total_steps > 0 "
+                                            "and 0 <= warmup_steps <= total_steps");
     if (s->kind < DT_SCHED_CONSTANT || s->kind > DT_SCHED_COSINE)
         return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: unknown kind %d", (int)s->kind);
     o->sched = *s;
@@ -13699,8 +13701,10 @@ static dt_status hw_apply(hogwild *hw, hw_thread *t)
         }
         if (l && !l->dense) {
             int64_t d = p->shape[1];
+            /* the error goes in the worker's own ctx: hw_fail reads it from
+             * there, and the caller's ctx belongs to the caller's thread */
             if (!l->mark && !(l->mark = host_calloc(tc, (size_t)p->shape[0])))
-                return set_error(hw->ctx, DT_ENOMEM, "hogwild: out of memory");
+                return set_error(tc, DT_ENOMEM, "out of memory for a row log's marks");
             for (int64_t j = 0; j < l->n; j++) {
                 int64_t r = l->rows[j];
                 if (l->mark[r])

@@ -252,7 +252,7 @@ DT_API dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const in
                                  void *host);
 DT_API void *dt_tensor_data(dt_tensor *t);
 /* Stride of dim i in elements (i < 0 counts from the end); 0 when out of
- * range, 1 for a 0-dim tensor. */
+ * range (any i, for a 0-dim tensor). */
 DT_API int64_t dt_tensor_stride(const dt_tensor *t, int i);
 
 /* Shape queries.  For NULL: ndim, dim and numel give -1, dtype DT_F32,
@@ -489,7 +489,7 @@ typedef struct dt_schedule {
 DT_API float dt_schedule_lr(const dt_schedule *s, float base_lr, int64_t step);
 /* Attach a schedule (copied); base lr is the optimizer's lr at that moment.
  * DT_EINVAL: s NULL, an unknown kind, STEP with step_size or gamma <= 0,
- * COSINE without 0 <= warmup_steps <= total_steps. */
+ * COSINE without total_steps > 0 and 0 <= warmup_steps <= total_steps. */
 DT_API dt_status dt_optim_set_schedule(dt_optim *opt, const dt_schedule *s);
 
 /* Scale all gradients so their global L2 norm is at most max_norm.  The norm

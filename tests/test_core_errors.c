@@ -578,6 +578,7 @@ static void test_err_optim_and_sched(void **state)
     dt_schedule cz = {.kind = DT_SCHED_COSINE, .warmup_steps = 0, .total_steps = 0};
     float lr0 = dt_schedule_lr(&cz, 0.1f, 0);
     assert_false(isnan(lr0));
+    EXPECT_STATUS_ERROR(ctx, dt_optim_set_schedule(opt, &cz));   /* would train at min_lr */
     dt_schedule bad = {.kind = (dt_sched_kind)9};
     EXPECT_STATUS_ERROR(ctx, dt_optim_set_schedule(opt, &bad));
     EXPECT_STATUS_ERROR(ctx, dt_clip_grad_norm(ctx, -1.0f, NULL));
@@ -656,6 +657,24 @@ static void test_err_bad_backend(void **state)
     assert_null(dt_optim_new(ctx, &oc, NULL, 0));
     assert_int_not_equal(dt_checkpoint_save(ctx, NULL, "/tmp/dtrain-never-written", 0), DT_OK);
     assert_int_not_equal(access("/tmp/dtrain-never-written", F_OK), 0);
+    /* every call that reaches the backend checks first: none may crash */
+    assert_int_not_equal(dt_set_autocast(ctx, DT_PREC_BF16), DT_OK);
+    float buf[2] = {0, 0};
+    assert_null(dt_tensor_wrap(ctx, DT_F32, SHP(2), buf));
+    assert_null(dt_tensor_temp(ctx, DT_F32, SHP(2)));
+    assert_null(dt_dataset_fashion_mnist(ctx, NULL, 1));
+    assert_null(dt_loss_scaler_new(ctx, NULL));
+    assert_int_not_equal(dt_profile_start(ctx, NULL), DT_OK);
+    assert_int_not_equal(dt_clip_grad_norm(ctx, 1.0f, NULL), DT_OK);
+    assert_int_not_equal(dt_backward(ctx, NULL), DT_OK);
+    int64_t correct = 0;
+    assert_int_not_equal(dt_count_correct(ctx, NULL, NULL, &correct), DT_OK);
+    dt_mem_stats ms;
+    dt_mem_stats_get(ctx, &ms);
+    dt_zero_grad(ctx);
+    dt_seed(ctx, 3);
+    dt_set_grad_enabled(ctx, 0);
+    dt_set_training(ctx, 0);
     dt_step_reset(ctx);
     dt_ctx_free(ctx);
 
