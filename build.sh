@@ -256,6 +256,37 @@ readme_example() {
     $BUILD/test/readme_example
 }
 
+# docs/API.md stays true: every DT_API function of dtrain.h has exactly one
+# row there, and every ```c block compiles warning-free (whole programs and
+# whole functions, each with its own includes); the programs link and run.
+api_doc_checks() {
+    local dir f n missing="" b ran=0
+    dir=$(mktemp -d)
+    for f in $(grep '^DT_API' dtrain.h | grep -o 'dt_[a-z0-9_]*(' | tr -d '(' | sort -u); do
+        n=$(grep -c "^| \`$f(" docs/API.md || true)
+        [ "$n" = 1 ] || missing="$missing $f($n rows)"
+    done
+    [ -z "$missing" ] || { echo "api doc checks: not documented once in docs/API.md:$missing"; exit 1; }
+    awk -v d="$dir" '/^```c$/ { n++; f = 1; next } /^```$/ { f = 0 }
+        f { print > sprintf("%s/blk_%02d.c", d, n) }' docs/API.md
+    for f in $CORE_SRC; do   # compiled once, linked into each program
+        $CC $WARN -O1 $CPU_DEFS -I. -c "$f" -o "$dir/$(basename "${f%.c}").o"
+    done
+    for b in "$dir"/blk_*.c; do
+        if grep -q 'int main(' "$b"; then
+            $CC $WARN -O1 -I. "$b" "$dir"/*.o $CPU_LIBS -o "${b%.c}" &&
+                (cd "$dir" && timeout -k 5 120 "${b%.c}" > "${b%.c}.out") ||
+                { echo "api doc checks: $(basename "$b") ($(head -c 300 "$b" | head -3)) failed"; exit 1; }
+            ran=$((ran + 1))
+        else
+            $CC $WARN -fsyntax-only -I. "$b" ||
+                { echo "api doc checks: $(basename "$b") does not compile"; exit 1; }
+        fi
+    done
+    echo "api doc checks: $(ls "$dir"/blk_*.c | wc -l) examples compile, $ran programs run: ok"
+    rm -rf "$dir"
+}
+
 # The core and DDP suites again on cpu-staged: the CPU kernels behind a
 # device's memory rules (nothing read in place, copies that happen only when
 # waited for), so the paths a GPU takes through the core run here too.
@@ -450,6 +481,7 @@ cmd_test() {
     launcher_checks
     bash tests/multihost.sh "$PWD/$BUILD/test"
     readme_example "$san"
+    api_doc_checks
     staged_checks
     amp_checks
     profile_checks
