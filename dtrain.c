@@ -5455,6 +5455,8 @@ struct dt_store {
     store_server *server;      /* rank 0 only */
     char addr[DT_MAX_HOST];
     int port;
+    char prefix[64];           /* a process group's namespace, put before every key but
+                                  those written "/key" (the job's own: "/dead") */
 };
 
 static void *sv_alloc(store_server *sv, size_t n) { return sv->al.malloc_fn(n ? n : 1, sv->al.user); }
@@ -6152,11 +6154,32 @@ static int store_key_ok(dt_store *s, const char *op, const char *key)
     return 1;
 }
 
-dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t len)
+/* The key as the server stores it: in the store's namespace (a process
+ * group's), or "/key": the job's.  NULL when too long (error set). */
+static const char *store_wire_key(dt_store *s, const char *op, const char *key,
+                                  char out[DT_STORE_MAX_KEY + 1])
 {
+    if (!store_key_ok(s, op, key))
+        return NULL;
+    if (key[0] == '/')
+        return key + 1;
+    if (!s->prefix[0])
+        return key;
+    if ((size_t)snprintf(out, DT_STORE_MAX_KEY + 1, "%s%s", s->prefix, key) > DT_STORE_MAX_KEY) {
+        set_error(s->ctx, DT_EINVAL, "store_%s: key '%s' is too long in namespace '%s'", op, key,
+                  s->prefix);
+        return NULL;
+    }
+    return out;
+}
+
+dt_status dt_store_set(dt_store *s, const char *key_in, const void *value, size_t len)
+{
+    char full[DT_STORE_MAX_KEY + 1];
     if (!s)
         return DT_EINVAL;
-    if (!store_key_ok(s, "set", key))
+    const char *key = store_wire_key(s, "set", key_in, full);
+    if (!key)
         return DT_EINVAL;
     if (len > DT_STORE_MAX_VALUE || (len && !value))
         return set_error(s->ctx, DT_EINVAL, "store_set: value must be at most %zu bytes",
@@ -6182,11 +6205,13 @@ dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t l
     return st;
 }
 
-dt_status dt_store_add(dt_store *s, const char *key, int64_t delta, int64_t *value)
+dt_status dt_store_add(dt_store *s, const char *key_in, int64_t delta, int64_t *value)
 {
+    char full[DT_STORE_MAX_KEY + 1];
     if (!s)
         return DT_EINVAL;
-    if (!store_key_ok(s, "add", key))
+    const char *key = store_wire_key(s, "add", key_in, full);
+    if (!key)
         return DT_EINVAL;
     size_t kl = strlen(key);
     unsigned char req[1 + 2 + DT_STORE_MAX_KEY + 8], out[64];
@@ -6236,12 +6261,14 @@ static dt_status store_clock_offset(dt_store *s, int rounds, double *offset, dou
     return DT_OK;
 }
 
-dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t cap, size_t *len,
+dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, size_t *len,
                        int timeout_ms)
 {
+    char full[DT_STORE_MAX_KEY + 1];
     if (!s)
         return DT_EINVAL;
-    if (!store_key_ok(s, "get", key))
+    const char *key = store_wire_key(s, "get", key_in, full);
+    if (!key)
         return DT_EINVAL;
     if ((cap && !buf) || !len)
         return set_error(s->ctx, DT_EINVAL, "store_get: buffer and length are required");
@@ -6442,6 +6469,13 @@ struct dt_comm {
     double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (20) */
     double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
     struct xfers *graveyard;   /* comm thread: records holding orphaned sends (14.2) */
+    /* process groups (14.7) */
+    dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
+    int *members;              /* a group's: the job rank of each group rank; NULL: the job */
+    char label[96];            /* a group's: "group [1 3]: ", before its errors */
+    int splits_made;           /* dt_comm_split calls so far (their store keys) */
+    uint32_t *p2p_sent, *p2p_recvd;   /* point-to-point messages to / from each rank so far
+                                  (caller's side; the k-th send meets the k-th receive) */
 };
 
 static const dt_transport_iface *find_transport(void)
@@ -6702,6 +6736,37 @@ static void publish_failure(dt_comm *c, const dt_work *w)
     dt_store_set(c->watch, "abort", why, (size_t)(n < (int)sizeof why ? n : (int)sizeof why - 1) + 1);
 }
 
+/* A process group's check: deaths are recorded in the job's namespace
+ * under job ranks ("/dead" the first, "/dead/<rank>" each); only a member's
+ * death fails the group's work (others' the deadline still covers). */
+static dt_status group_check_dead(dt_comm *c, dt_work *w)
+{
+    char val[16] = "", key[40];
+    size_t len = 0;
+    int dead = -1;
+    dt_status st = dt_store_get(c->watch, "/dead", val, sizeof val - 1, &len, 1);
+    if (st == DT_OK)
+        dead = atoi(val);
+    int g = -1;
+    for (int i = 0; dead >= 0 && i < c->world; i++)
+        if (c->members[i] == dead)
+            g = i;
+    if (g < 0 && st != DT_ETIMEDOUT && st != DT_OK)
+        return c->waiting_on >= 0 && c->members[c->waiting_on] == 0
+                   ? work_fail(w, DT_EPEER, "%s #%u: job rank 0 is unreachable (dead?): %s",
+                               coll_names[w->kind], w->seq, c->watch_errors->err)
+                   : DT_OK;
+    if (g < 0 && c->waiting_on >= 0) {   /* the first death was not a member's: ours? */
+        snprintf(key, sizeof key, "/dead/%d", c->members[c->waiting_on]);
+        if (dt_store_get(c->watch, key, val, sizeof val - 1, &len, 1) == DT_OK)
+            g = c->waiting_on;
+    }
+    if (g < 0)
+        return DT_OK;
+    return work_fail(w, DT_EPEER, "%s #%u: rank %d (job rank %d) died (its process exited "
+                     "without leaving the job)", coll_names[w->kind], w->seq, g, c->members[g]);
+}
+
 static dt_status check_dead(dt_comm *c, dt_work *w)
 {
     double now = dt_now();
@@ -6716,6 +6781,8 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
     if (published_failure(c, w) != DT_OK)
         return w->status;
     dt_status st;
+    if (c->members)
+        return group_check_dead(c, w);
     st = dt_store_get(c->watch, "dead", val, sizeof val - 1, &len, 1);
     if (st == DT_ETIMEDOUT) {   /* nobody died: say whom we wait for (see follow_waits) */
         if (c->waiting_on >= 0) {
@@ -7904,7 +7971,7 @@ static dt_status work_finish(dt_work *w, double *run_s)
     pthread_mutex_unlock(&c->mu);
     dt_status st = w->status;
     if (st != DT_OK)
-        set_error(c->ctx, st, "%s", w->msg);
+        set_error(c->ctx, st, "%s%s", c->label, w->msg);
     if (run_s)
         *run_s = w->run_s;
     host_free(c->ctx, w->owned);
@@ -7978,7 +8045,7 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
         pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     if (w.status != DT_OK)
-        set_error(c->ctx, w.status, "%s", w.msg);
+        set_error(c->ctx, w.status, "%s%s", c->label, w.msg);
     return w.status;
 }
 
@@ -8454,7 +8521,7 @@ static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
 
 /* The comm thread's own connection to the store, with its own error sink
  * (a bare context that only holds the allocator and messages). */
-static dt_status open_watch(dt_comm *c, const dt_dist_env *env, const dt_comm_config *cfg)
+static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
 {
     dt_ctx *ctx = c->ctx;
     if (c->world == 1)
@@ -8463,14 +8530,76 @@ static dt_status open_watch(dt_comm *c, const dt_dist_env *env, const dt_comm_co
     if (!c->watch_errors)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
     c->watch_errors->al = ctx->al;
-    dt_dist_env e = *env;
-    e.master_port = dt_store_port(c->store);
-    c->watch = store_open(c->watch_errors, &e, &cfg->store, 0, c->inc);
+    dt_store_config sc = cfg->store;
+    sc.token = c->store->token;   /* (a group's cfg may not carry the job's) */
+    c->watch = store_open(c->watch_errors, &c->job, &sc, 0, c->inc);
     if (!c->watch)
         return set_error(ctx, c->watch_errors->last_status, "%s", c->watch_errors->err);
+    snprintf(c->watch->prefix, sizeof c->watch->prefix, "%s", c->store->prefix);
     /* a hung rank 0 must not hold a collective longer than its own timeout */
     if (c->watch->timeout_ms > c->timeout_ms)
         c->watch->timeout_ms = c->timeout_ms;
+    return DT_OK;
+}
+
+/* A communicator's memory and lock, before it connects. */
+static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_config *cfg)
+{
+    dt_comm *c = host_calloc(ctx, sizeof *c);
+    if (!c) {
+        set_error(ctx, DT_ENOMEM, "comm: out of memory");
+        return NULL;
+    }
+    c->ctx = ctx;
+    c->rank = rank;
+    c->world = world;
+    c->inline_small = 1;
+    c->waiting_on = -1;
+    int t = cfg->timeout_ms;
+    const char *te = getenv("DTRAIN_TIMEOUT_MS");
+    if (t <= 0 && te)
+        t = atoi(te);
+    c->timeout_ms = t > 0 ? t : DT_COMM_DEFAULT_TIMEOUT_MS;
+    if (pthread_mutex_init(&c->mu, NULL) != 0 || pthread_cond_init(&c->cv, NULL) != 0) {
+        host_free(ctx, c);
+        set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
+        return NULL;
+    }
+    return c;
+}
+
+/* Everything after the store: hosts, the transport and its addresses, the
+ * watch connection, the host segment, the comm thread; collective over the
+ * communicator's ranks (the job's, or a group's through its namespace). */
+static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    if (find_hosts(c, cfg) != DT_OK || open_transport(c, cfg) != DT_OK ||
+        exchange_addresses(c) != DT_OK || open_watch(c, cfg) != DT_OK ||
+        (!c->inc && setup_segments(c, cfg) != DT_OK))   /* (a collective) */
+        return ctx->last_status;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    c->inline_spin_s = online > 0 && c->nlocal <= online ? SEG_SPIN_INLINE_S : SEG_SPIN_S;
+    c->p2p_sent = host_calloc(ctx, sizeof *c->p2p_sent * (size_t)c->world);
+    c->p2p_recvd = host_calloc(ctx, sizeof *c->p2p_recvd * (size_t)c->world);
+    if (!c->p2p_sent || !c->p2p_recvd)
+        return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
+        return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
+    c->has_thread = 1;
+    /* everyone's endpoint is ready before anyone sends (a rejoined rank's
+     * peers are mid-job: it tells them when it serves, announce_rejoin) */
+    if (!c->inc && dt_barrier(c) != DT_OK)
+        return ctx->last_status;
+    /* the profiler's offset to rank 0's clock (20), while the job is quiet */
+    if (!c->members && store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
+        return ctx->last_status;
+    /* every local rank has mapped the segment: its name can go, so no
+     * file is left behind in /dev/shm whatever happens later */
+    if (c->seg_linked) {
+        shm_unlink(c->seg_name);
+        c->seg_linked = 0;
+    }
     return DT_OK;
 }
 
@@ -8488,51 +8617,15 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
         env = *env_in;
     else if (dt_dist_env_detect(ctx, &env) != DT_OK)
         return NULL;
-    dt_comm *c = host_calloc(ctx, sizeof *c);
-    if (!c) {
-        set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    dt_comm *c = comm_alloc(ctx, env.rank, env.world_size, &cfg);
+    if (!c)
         return NULL;
-    }
-    c->ctx = ctx;
-    c->rank = env.rank;
-    c->world = env.world_size;
-    c->inline_small = 1;
-    c->waiting_on = -1;
-    int t = cfg.timeout_ms;
-    const char *te = getenv("DTRAIN_TIMEOUT_MS");
-    if (t <= 0 && te)
-        t = atoi(te);
-    c->timeout_ms = t > 0 ? t : DT_COMM_DEFAULT_TIMEOUT_MS;
-    if (pthread_mutex_init(&c->mu, NULL) != 0 || pthread_cond_init(&c->cv, NULL) != 0) {
-        host_free(ctx, c);
-        set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
-        return NULL;
-    }
-    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK ||
-        find_hosts(c, &cfg) != DT_OK || open_transport(c, &cfg) != DT_OK ||
-        exchange_addresses(c) != DT_OK || open_watch(c, &env, &cfg) != DT_OK ||
-        (!c->inc && setup_segments(c, &cfg) != DT_OK))   /* (a collective) */
+    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
         goto fail;
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    c->inline_spin_s = online > 0 && c->nlocal <= online ? SEG_SPIN_INLINE_S : SEG_SPIN_S;
-    if (pthread_create(&c->thread, NULL, comm_main, c) != 0) {
-        set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
+    c->job = env;
+    c->job.master_port = dt_store_port(c->store);
+    if (comm_connect(c, &cfg) != DT_OK)
         goto fail;
-    }
-    c->has_thread = 1;
-    /* everyone's endpoint is ready before anyone sends (a rejoined rank's
-     * peers are mid-job: it tells them when it serves, announce_rejoin) */
-    if (!c->inc && dt_barrier(c) != DT_OK)
-        goto fail;
-    /* the profiler's offset to rank 0's clock (20), while the job is quiet */
-    if (store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
-        goto fail;
-    /* every local rank has mapped the segment: its name can go, so no
-     * file is left behind in /dev/shm whatever happens later */
-    if (c->seg_linked) {
-        shm_unlink(c->seg_name);
-        c->seg_linked = 0;
-    }
     return c;
 fail:;
     dt_status st = ctx->last_status;
@@ -8575,7 +8668,130 @@ void dt_comm_free(dt_comm *c)
     unmap_segment(c);
     host_free(c->ctx, c->local_ranks);
     host_free(c->ctx, c->leaders);
+    host_free(c->ctx, c->members);
+    host_free(c->ctx, c->p2p_sent);
+    host_free(c->ctx, c->p2p_recvd);
     host_free(c->ctx, c);
+}
+
+/* --- 14.7 process groups ------------------------------------------------- */
+
+/* Every rank's (color, key) through the parent's store; the ranks of our
+ * color in (key, parent rank) order, as job ranks, into members (n of them;
+ * *me: our index). */
+static dt_status split_members(dt_comm *p, int color, int key, int *members, int *n, int *me)
+{
+    dt_ctx *ctx = p->ctx;
+    char k[48], v[32];
+    int id = p->splits_made++;
+    snprintf(k, sizeof k, "split/%d/%d", id, p->rank);
+    int vl = snprintf(v, sizeof v, "%d %d", color, key);
+    dt_status st = dt_store_set(p->store, k, v, (size_t)vl + 1);
+    int *keys = host_alloc(ctx, sizeof *keys * (size_t)p->world);
+    if (st == DT_OK && !keys)
+        st = set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
+    *n = 0;
+    for (int r = 0; st == DT_OK && r < p->world; r++) {
+        size_t len = 0;
+        int col = 0, ky = 0;
+        snprintf(k, sizeof k, "split/%d/%d", id, r);
+        st = dt_store_get(p->store, k, v, sizeof v - 1, &len, 0);
+        v[len < sizeof v ? len : sizeof v - 1] = '\0';
+        if (st == DT_OK && sscanf(v, "%d %d", &col, &ky) != 2)
+            st = set_error(ctx, DT_EPEER, "comm_split: rank %d sent '%s'", r, v);
+        if (st != DT_OK || col != color)
+            continue;
+        int i = (*n)++;   /* insertion sort by (key, rank): groups are small */
+        while (i > 0 && keys[i - 1] > ky)
+            keys[i] = keys[i - 1], members[i] = members[i - 1], i--;
+        keys[i] = ky;
+        members[i] = r;
+    }
+    for (int i = 0; st == DT_OK && i < *n; i++) {
+        if (members[i] == p->rank)
+            *me = i;
+        members[i] = p->members ? p->members[members[i]] : members[i];   /* job ranks */
+    }
+    host_free(ctx, keys);
+    return st;
+}
+
+static void group_label(dt_comm *c)
+{
+    int off = snprintf(c->label, sizeof c->label, "group [");
+    for (int i = 0; i < c->world && off < (int)sizeof c->label - 24; i++)
+        off += snprintf(c->label + off, sizeof c->label - (size_t)off, i ? " %d" : "%d",
+                        c->members[i]);
+    snprintf(c->label + off, sizeof c->label - (size_t)off, "%s]: ",
+             off >= (int)sizeof c->label - 24 ? " ..." : "");
+}
+
+dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config *cfg_in)
+{
+    if (!parent)
+        return NULL;
+    dt_ctx *ctx = parent->ctx;
+    if (color < 0) {
+        set_error(ctx, DT_EINVAL, "comm_split: color %d: must be >= 0", color);
+        return NULL;
+    }
+    if (parent->broken || parent->inc) {
+        set_error(ctx, DT_ESTATE, "comm_split: %s", parent->broken ? parent->broken_msg :
+                  "a restarted process's communicator makes no groups");
+        return NULL;
+    }
+    dt_comm_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        dt_comm_config_init(&cfg);
+    if (!cfg.timeout_ms)
+        cfg.timeout_ms = parent->timeout_ms;
+    int id = parent->splits_made, n = 0, me = 0;
+    int *members = host_alloc(ctx, sizeof *members * (size_t)parent->world);
+    if (!members) {
+        set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
+        return NULL;
+    }
+    if (split_members(parent, color, key, members, &n, &me) != DT_OK) {
+        host_free(ctx, members);
+        return NULL;
+    }
+    dt_comm *c = comm_alloc(ctx, me, n, &cfg);
+    if (!c) {
+        host_free(ctx, members);
+        return NULL;
+    }
+    c->members = members;
+    c->job = parent->job;
+    c->clock_offset = parent->clock_offset;
+    c->clock_rtt = parent->clock_rtt;
+    group_label(c);
+    cfg.store.token = parent->store->token;
+    if (!(c->store = store_open(ctx, &c->job, &cfg.store, 0, 0)))
+        goto fail;
+    if ((size_t)snprintf(c->store->prefix, sizeof c->store->prefix, "%sg%d.%d/",
+                         parent->store->prefix, id, color) >= sizeof c->store->prefix) {
+        set_error(ctx, DT_ENOTSUP, "comm_split: groups nested too deep");
+        goto fail;
+    }
+    if (comm_connect(c, &cfg) != DT_OK)
+        goto fail;
+    return c;
+fail:;
+    dt_status st = ctx->last_status;
+    char msg[DT_MAX_ERROR];
+    snprintf(msg, sizeof msg, "%s", ctx->err);
+    dt_comm_free(c);
+    set_error(ctx, st, "comm_split: %.480s", msg);
+    return NULL;
+}
+
+int dt_comm_job_rank(const dt_comm *c, int rank)
+{
+    if (!c || rank < 0 || rank >= c->world)
+        return -1;
+    return c->members ? c->members[rank] : rank;
 }
 
 /* ===========================================================================

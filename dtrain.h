@@ -781,6 +781,22 @@ DT_API const char *dt_comm_intra_host(const dt_comm *c);
  * atomic counter: any thread may read it while c lives. */
 DT_API uint64_t dt_comm_bytes_sent(const dt_comm *c);
 
+/* Process groups (sub-communicators), as MPI_Comm_split / ncclCommSplit:
+ * collective over parent's ranks; the ranks that pass the same color (>= 0)
+ * form one new communicator, ranked by key then parent rank.  It is a whole
+ * dt_comm: every collective, DDP, dt_send/dt_recv work on it, in ranks
+ * 0..size-1 of the group, with its own endpoint, comm thread and host
+ * segment (a group's calls never wait for another group's).  Its errors
+ * start "group [job ranks]: ", then name group ranks.  cfg NULL: the
+ * environment's defaults (pass the parent's config if you gave it one;
+ * its timeout_ms 0: the parent's).  The parent (and the job's rank 0 store)
+ * must outlive it.  new: free with dt_comm_free (before the parent).
+ * DT_EINVAL: color < 0; DT_ESTATE: parent failed earlier. */
+DT_API dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config *cfg);
+/* The rank in the whole job of this communicator's rank `rank` (itself for
+ * the job's own communicator); -1 out of range. */
+DT_API int dt_comm_job_rank(const dt_comm *c, int rank);
+
 typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_REDUCE_MIN } dt_reduce_op;
 
 /* Collectives on host float buffers (borrowed until the work completes).

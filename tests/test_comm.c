@@ -631,6 +631,104 @@ static void test_duplicate_rank(void **state)
     expect_all_zero(2, codes, "duplicate rank");
 }
 
+/* --- process groups --------------------------------------------------- */
+
+/* 4 ranks split by parity with key -rank (so in reverse order); each
+ * group's collectives interleave with the job's; a group split again gives
+ * singletons; a negative color is refused. */
+static int job_split(dt_comm *c, int rank, int world)
+{
+    dt_ctx *ctx = dt_comm_ctx_for_test(c);
+    dt_comm *g = dt_comm_split(c, rank % 2, -rank, NULL);
+    if (!g)
+        return 70;
+    int gr = dt_comm_rank(g);
+    if (dt_comm_size(g) != 2 || gr != (rank < 2 ? 1 : 0))
+        return 71;
+    if (dt_comm_job_rank(g, gr) != rank || dt_comm_job_rank(g, 2) != -1 ||
+        dt_comm_job_rank(c, 3) != 3)
+        return 72;
+    for (int round = 0; round < 3; round++) {
+        float x = (float)(rank + 1), y = 1;
+        if (dt_allreduce(g, &x, 1, DT_REDUCE_SUM) != DT_OK || x != (rank % 2 ? 6.0f : 4.0f))
+            return 73;
+        if (dt_allreduce(c, &y, 1, DT_REDUCE_SUM) != DT_OK || y != (float)world)
+            return 74;
+    }
+    float b[3] = {(float)rank, (float)rank, (float)rank};   /* group rank 0: job rank 2 or 3 */
+    if (dt_broadcast(g, b, 3, 0) != DT_OK || b[2] != (rank % 2 ? 3.0f : 2.0f))
+        return 75;
+    dt_comm *h = dt_comm_split(g, gr, 0, NULL);
+    float z = 5;
+    if (!h || dt_comm_size(h) != 1 || dt_comm_job_rank(h, 0) != rank ||
+        dt_allreduce(h, &z, 1, DT_REDUCE_SUM) != DT_OK || z != 5)
+        return 76;
+    dt_comm_free(h);
+    if (dt_comm_split(c, -1, 0, NULL) || dt_last_status(ctx) != DT_EINVAL)
+        return 77;
+    if (dt_barrier(g) != DT_OK)
+        return 78;
+    dt_comm_free(g);
+    return 0;
+}
+
+static void test_process_groups(void **state)
+{
+    (void)state;
+    int codes[4];
+    static const char *const provs[] = {"shm", "tcp"};
+    static const char *const intra[] = {"segment", "transport"};
+    for (int k = 0; k < 2; k++) {
+        intra_mode = intra[k];
+        run_job(4, provs[k], 20000, job_split, codes, 60);
+        intra_mode = "transport";
+        char what[64];
+        snprintf(what, sizeof what, "process groups over %s/%s", provs[k], intra[k]);
+        expect_all_zero(4, codes, what);
+    }
+}
+
+/* Job rank 3 dies: its group partner (job rank 1) fails naming it, while
+ * the other group goes on working. */
+static int job_group_death(dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_comm *g = dt_comm_split(c, rank % 2, rank, NULL);
+    float x = 1;
+    if (!g || dt_allreduce(g, &x, 1, DT_REDUCE_SUM) != DT_OK)
+        return 80;
+    if (rank == 3)
+        kill(getpid(), SIGKILL);
+    double t0 = dt_now();
+    dt_status st = dt_allreduce(g, &x, 1, DT_REDUCE_SUM);
+    const char *m = dt_last_error(dt_comm_ctx_for_test(c));
+    if (rank == 1) {
+        fprintf(stderr, "rank 1 noticed in %.2f s: %s\n", dt_now() - t0, m);
+        if (st == DT_OK)
+            return 81;
+        if (!strstr(m, "job rank 3") || !strstr(m, "group [1 3]"))
+            return 82;
+        return dt_now() - t0 < 10.0 ? 0 : 83;
+    }
+    if (st != DT_OK || x != 4)   /* the other group: unaffected */
+        return 84;
+    dt_comm_free(g);
+    return 0;
+}
+
+static void test_process_group_death(void **state)
+{
+    (void)state;
+    int codes[4];
+    intra_mode = "segment";
+    run_job(4, "shm", 20000, job_group_death, codes, 60);
+    intra_mode = "transport";
+    for (int r = 0; r < 3; r++)
+        if (codes[r] != 0)
+            fail_msg("survivor rank %d exited with %d", r, codes[r]);
+    assert_int_equal(codes[3], 200 + SIGKILL);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_shm),
     cmocka_unit_test(test_collectives_tcp),
@@ -642,6 +740,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_duplicate_rank),
     cmocka_unit_test(test_hung_rank),
     cmocka_unit_test(test_forged_messages),
+    cmocka_unit_test(test_process_groups),
+    cmocka_unit_test(test_process_group_death),
 };
 
 DT_TEST_GROUP(comm, tests)
