@@ -8568,6 +8568,19 @@ static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_confi
     return c;
 }
 
+/* Free a communicator that failed to connect, keeping the failure's message
+ * (freeing it may set others); NULL. */
+static dt_comm *comm_abandon(dt_comm *c, const char *what)
+{
+    dt_ctx *ctx = c->ctx;
+    dt_status st = ctx->last_status;
+    char msg[DT_MAX_ERROR];
+    snprintf(msg, sizeof msg, "%s", ctx->err);
+    dt_comm_free(c);
+    set_error(ctx, st, "%s%.480s", what, msg);
+    return NULL;
+}
+
 /* Everything after the store: hosts, the transport and its addresses, the
  * watch connection, the host segment, the comm thread; collective over the
  * communicator's ranks (the job's, or a group's through its namespace). */
@@ -8627,13 +8640,8 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     if (comm_connect(c, &cfg) != DT_OK)
         goto fail;
     return c;
-fail:;
-    dt_status st = ctx->last_status;
-    char msg[DT_MAX_ERROR];
-    snprintf(msg, sizeof msg, "%s", ctx->err);
-    dt_comm_free(c);
-    set_error(ctx, st, "%s", msg);
-    return NULL;
+fail:
+    return comm_abandon(c, "");
 }
 
 void dt_comm_free(dt_comm *c)
@@ -8778,13 +8786,8 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
     if (comm_connect(c, &cfg) != DT_OK)
         goto fail;
     return c;
-fail:;
-    dt_status st = ctx->last_status;
-    char msg[DT_MAX_ERROR];
-    snprintf(msg, sizeof msg, "%s", ctx->err);
-    dt_comm_free(c);
-    set_error(ctx, st, "comm_split: %.480s", msg);
-    return NULL;
+fail:
+    return comm_abandon(c, "comm_split: ");
 }
 
 int dt_comm_job_rank(const dt_comm *c, int rank)
