@@ -6324,11 +6324,11 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
 #define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
 
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_PS };
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_PS, COLL_P2P };
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
                                          "reduce_scatter", "barrier", "alltoall",
                                          "16-bit allreduce", "allreduce in shared memory",
-                                         "parameter-server request"};
+                                         "parameter-server request", "send/recv"};
 
 #define TAG_HEADER_STEP 0xFFFFu
 #define TAG_CHECK_SHIFT 52
@@ -6517,7 +6517,7 @@ typedef struct coll_header {
 static void describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op)
 {
     static const char *const ops[] = {"sum", "avg", "max", "min"};
-    const char *name = kind >= 1 && kind <= COLL_PS ? coll_names[kind] : "an unknown call";
+    const char *name = kind >= 1 && kind <= COLL_P2P ? coll_names[kind] : "an unknown call";
     if (kind == COLL_BROADCAST)
         snprintf(out, cap, "%s(n=%lld, root=%d)", name, (long long)n, root);
     else if (kind == COLL_ALLREDUCE || kind == COLL_REDUCE_SCATTER)
@@ -7834,6 +7834,57 @@ static dt_status run_hierarchical(dt_comm *c, dt_work *w, xfers *xs)
     return run_flat(c, w, xs);
 }
 
+/* --- 14.4b point to point ------------------------------------------------- */
+
+/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
+ * (either may be absent), posted together so an exchange cannot deadlock.
+ * Tags: the check bits say "point to point" (no collective has them), the
+ * sequence is the pair's message count, so the k-th send from a rank meets
+ * the k-th receive posted for it; large messages go in max_msg chunks. */
+typedef struct p2p_call {
+    const float *send;
+    int64_t ns;
+    int dst;
+    float *recv;
+    int64_t nr;
+    int src;
+    uint32_t sseq, rseq;
+} p2p_call;
+
+static uint64_t p2p_tag(uint32_t seq, uint32_t chunk)
+{
+    return (uint64_t)(COLL_P2P << 8) << TAG_CHECK_SHIFT | (uint64_t)(seq & 0xFFFFFF) << 28 |
+           (uint64_t)(chunk & 0xFFFFFFu);
+}
+
+static void run_p2p(dt_comm *c, dt_work *w, xfers *xs)
+{
+    const p2p_call *p = w->aux;
+    size_t chunk = c->max_msg, sb = (size_t)p->ns * sizeof(float), rb = (size_t)p->nr * sizeof(float);
+    size_t rchunks = 0;
+    for (size_t off = 0, k = 0; p->nr >= 0 && p->src >= 0 && (off < rb || k == 0); off += chunk, k++) {
+        size_t len = rb - off < chunk ? rb - off : chunk;
+        rchunks++;
+        if (post(c, w, xs, 0, p->src, p2p_tag(p->rseq, (uint32_t)k), (char *)p->recv + off, len) !=
+            DT_OK)
+            return;
+    }
+    for (size_t off = 0, k = 0; p->dst >= 0 && (off < sb || k == 0); off += chunk, k++) {
+        size_t len = sb - off < chunk ? sb - off : chunk;
+        if (post(c, w, xs, 1, p->dst, p2p_tag(p->sseq, (uint32_t)k), (char *)p->send + off, len) !=
+            DT_OK)
+            return;
+    }
+    if (wait_xfers(c, w, xs) != DT_OK)
+        return;
+    size_t got = 0;   /* the receives came first in xs (wait_xfers keeps them) */
+    for (size_t i = 0; p->src >= 0 && i < rchunks; i++)
+        got += xs->x[i].len;
+    if (p->src >= 0 && got != rb)
+        work_fail(w, DT_EMISMATCH, "recv: rank %d sent %zu floats, %lld expected", p->src,
+                  got / sizeof(float), (long long)p->nr);
+}
+
 static void run_work(dt_comm *c, dt_work *w)
 {
     if (w->ticket)   /* its data is still on the way from the device (even if it won't go) */
@@ -7853,6 +7904,8 @@ static void run_work(dt_comm *c, dt_work *w)
         xs->g = (grp){c->rank, c->world, NULL};
         if (w->kind == COLL_PS)
             ps_run(c, w, &xs);
+        else if (w->kind == COLL_P2P)
+            run_p2p(c, w, xs);
         else if (c->use_segment && c->nhosts == 1)
             run_on_segment(c, w);
         else if (c->use_segment)
@@ -7944,7 +7997,8 @@ static dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, in
                    .aux = aux, .blame = -1, .ticket = c->stage_ticket};
     c->stage_ticket = 0;
     pthread_mutex_lock(&c->mu);
-    w->seq = kind == COLL_PS ? c->ps_requests++ : c->next_seq++;   /* collectives' order only */
+    /* collectives' order only: requests and point-to-point messages have their own */
+    w->seq = kind == COLL_PS ? c->ps_requests++ : kind == COLL_P2P ? 0 : c->next_seq++;
     if (c->tail)
         c->tail->next = w;
     else
@@ -8034,7 +8088,7 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
     c->running = 1;
     dt_work w = {.comm = c, .kind = kind, .root = root, .op = op, .buf = buf, .in = in, .n = n,
                  .aux = aux, .spin_s = c->inline_spin_s, .blame = -1};
-    w.seq = c->next_seq++;
+    w.seq = kind == COLL_P2P ? 0 : c->next_seq++;
     pthread_mutex_unlock(&c->mu);
     double t0 = dt_now();
     run_work(c, &w);
@@ -8126,6 +8180,46 @@ dt_status dt_barrier(dt_comm *c)
         return DT_EINVAL;
     float unused = 0;   /* n = 0: never read; the call blocks until done */
     return run_collective(c, COLL_BARRIER, &unused, NULL, 0, 0, DT_REDUCE_SUM);
+}
+
+static dt_status p2p_run(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
+                         int64_t nr, int src)
+{
+    if (!c)
+        return DT_EINVAL;
+    const char *op = dst >= 0 && src >= 0 ? "sendrecv" : dst >= 0 ? "send" : "recv";
+    if ((dst >= 0 && !coll_args_ok(c, op, send, ns)) || (src >= 0 && !coll_args_ok(c, op, recv, nr)))
+        return DT_EINVAL;
+    if (dst >= c->world || src >= c->world || dst == c->rank || src == c->rank)
+        return set_error(c->ctx, DT_EINVAL, "%s: peer %d: must be another rank of 0..%d", op,
+                         dst == c->rank || dst >= c->world ? dst : src, c->world - 1);
+    if ((size_t)(ns > nr ? ns : nr) * sizeof(float) / (c->max_msg ? c->max_msg : 1) >= 0xFFFFFF)
+        return set_error(c->ctx, DT_EINVAL, "%s: message too large", op);
+    p2p_call call = {send, ns, dst, recv, nr, src, 0, 0};
+    pthread_mutex_lock(&c->mu);   /* counted in call order, like the peer's */
+    if (dst >= 0)
+        call.sseq = c->p2p_sent[dst]++;
+    if (src >= 0)
+        call.rseq = c->p2p_recvd[src]++;
+    pthread_mutex_unlock(&c->mu);
+    return run_collective_in(c, COLL_P2P, recv, send, dst >= 0 ? ns : nr, dst >= 0 ? dst : src,
+                             DT_REDUCE_SUM, &call);
+}
+
+dt_status dt_send(dt_comm *c, const float *buf, int64_t n, int dst)
+{
+    return p2p_run(c, buf, n, dst < 0 ? INT32_MAX : dst, NULL, 0, -1);
+}
+
+dt_status dt_recv(dt_comm *c, float *buf, int64_t n, int src)
+{
+    return p2p_run(c, NULL, 0, -1, buf, n, src < 0 ? INT32_MAX : src);
+}
+
+dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv, int64_t nr,
+                      int src)
+{
+    return p2p_run(c, send, ns, dst < 0 ? INT32_MAX : dst, recv, nr, src < 0 ? INT32_MAX : src);
 }
 
 /* --- 14.6 joining the job ------------------------------------------------- */
@@ -14585,7 +14679,7 @@ static void json_event(FILE *f, int *first, int rank, const prof_event *e, doubl
         double algbw = dur > 0 ? (double)e->a / (dur * 1e3) : 0;   /* bytes/us/1e3 = GB/s */
         fprintf(f, ",\"name\":\"%s\",\"cat\":\"comm\",\"args\":{\"bytes\":%lld,\"algorithm\":"
                 "\"%s\",\"ranks\":%lld,\"algbw_GBps\":%.4f,\"busbw_GBps\":%.4f}}",
-                e->what <= COLL_PS ? coll_names[e->what] : "?", (long long)e->a,
+                e->what <= COLL_P2P ? coll_names[e->what] : "?", (long long)e->a,
                 coll_algs[e->alg < 9 ? e->alg : 0], (long long)e->b, algbw,
                 algbw * coll_bus_factor(e->what, (int)e->b));
         break;

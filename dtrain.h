@@ -781,6 +781,22 @@ DT_API const char *dt_comm_intra_host(const dt_comm *c);
  * atomic counter: any thread may read it while c lives. */
 DT_API uint64_t dt_comm_bytes_sent(const dt_comm *c);
 
+/* Point to point, for pipelines (activations forward, their gradients
+ * back): host float buffers, borrowed for the call.  dt_send returns when
+ * the message has left buf, which for a large one means once dst has posted
+ * its receive (as MPI_Send may wait); dt_recv when n floats from src have
+ * arrived.  Messages between two ranks pair in order: the k-th send to a
+ * rank meets its k-th receive from us.  dt_sendrecv posts both together,
+ * so two ranks exchanging with each other cannot deadlock.  Not
+ * collectives: other ranks take no part and do not count them.  A dead or
+ * silent peer fails the call naming it (and, as for collectives, the
+ * communicator then refuses further work).  DT_EINVAL: a peer out of range
+ * or this rank; DT_EMISMATCH: src sent a different number of floats. */
+DT_API dt_status dt_send(dt_comm *c, const float *buf, int64_t n, int dst);
+DT_API dt_status dt_recv(dt_comm *c, float *buf, int64_t n, int src);
+DT_API dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
+                             int64_t nr, int src);
+
 /* Process groups (sub-communicators), as MPI_Comm_split / ncclCommSplit:
  * collective over parent's ranks; the ranks that pass the same color (>= 0)
  * form one new communicator, ranked by key then parent rank.  It is a whole

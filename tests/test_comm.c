@@ -631,6 +631,73 @@ static void test_duplicate_rank(void **state)
     expect_all_zero(2, codes, "duplicate rank");
 }
 
+/* --- point to point ---------------------------------------------------- */
+
+/* 3 ranks: a ring exchange by dt_sendrecv (a large message, in chunks, and
+ * an empty one), ordered sends of several sizes from rank 0 to rank 1,
+ * then a receive expecting more than was sent fails with DT_EMISMATCH. */
+static int job_p2p(dt_comm *c, int rank, int world)
+{
+    dt_ctx *ctx = dt_comm_ctx_for_test(c);
+    int64_t big = (int64_t)3 << 20;   /* 12 MiB: several of any transport's messages */
+    float *out = malloc((size_t)big * sizeof *out), *in = malloc((size_t)big * sizeof *in);
+    if (!out || !in)
+        return 90;
+    for (int64_t i = 0; i < big; i++)
+        out[i] = (float)(rank * 1000 + i % 997);
+    int right = (rank + 1) % world, left = (rank + world - 1) % world;
+    if (dt_sendrecv(c, out, big, right, in, big, left) != DT_OK)
+        return 91;
+    for (int64_t i = 0; i < big; i += 4099)
+        if (in[i] != (float)(left * 1000 + i % 997))
+            return 92;
+    if (dt_sendrecv(c, out, 0, right, in, 0, left) != DT_OK)
+        return 93;
+    float v[4];
+    if (rank == 0) {
+        for (int k = 1; k <= 3; k++) {
+            for (int i = 0; i < k; i++)
+                v[i] = (float)(10 * k + i);
+            if (dt_send(c, v, k, 1) != DT_OK)
+                return 94;
+        }
+    } else if (rank == 1) {
+        for (int k = 1; k <= 3; k++)
+            if (dt_recv(c, v, k, 0) != DT_OK || v[0] != (float)(10 * k) ||
+                v[k - 1] != (float)(10 * k + k - 1))
+                return 95;
+    }
+    if (dt_send(c, v, 1, rank) != DT_EINVAL || dt_recv(c, v, 1, world) != DT_EINVAL)
+        return 96;
+    int code = 0;
+    if (rank == 2 && dt_send(c, v, 2, 0) != DT_OK)
+        code = 97;
+    if (rank == 0) {
+        dt_status st = dt_recv(c, v, 3, 2);
+        if (st != DT_EMISMATCH && st != DT_EPEER)
+            code = 98;
+        else if (!strstr(dt_last_error(ctx), "rank 2"))
+            code = 99;
+        fprintf(stderr, "rank 0: a short message: %s\n", dt_last_error(ctx));
+    }
+    free(out);
+    free(in);
+    return code;
+}
+
+static void test_point_to_point(void **state)
+{
+    (void)state;
+    int codes[3];
+    static const char *const provs[] = {"shm", "tcp"};
+    for (int k = 0; k < 2; k++) {
+        run_job(3, provs[k], 20000, job_p2p, codes, 60);
+        char what[64];
+        snprintf(what, sizeof what, "point to point over %s", provs[k]);
+        expect_all_zero(3, codes, what);
+    }
+}
+
 /* --- process groups --------------------------------------------------- */
 
 /* 4 ranks split by parity with key -rank (so in reverse order); each
@@ -658,6 +725,9 @@ static int job_split(dt_comm *c, int rank, int world)
     float b[3] = {(float)rank, (float)rank, (float)rank};   /* group rank 0: job rank 2 or 3 */
     if (dt_broadcast(g, b, 3, 0) != DT_OK || b[2] != (rank % 2 ? 3.0f : 2.0f))
         return 75;
+    float mine[2] = {(float)rank, 1}, theirs[2] = {-1, -1};   /* the partner: rank ^ 2 */
+    if (dt_sendrecv(g, mine, 2, 1 - gr, theirs, 2, 1 - gr) != DT_OK || theirs[0] != (float)(rank ^ 2))
+        return 79;
     dt_comm *h = dt_comm_split(g, gr, 0, NULL);
     float z = 5;
     if (!h || dt_comm_size(h) != 1 || dt_comm_job_rank(h, 0) != rank ||
@@ -740,6 +810,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_duplicate_rank),
     cmocka_unit_test(test_hung_rank),
     cmocka_unit_test(test_forged_messages),
+    cmocka_unit_test(test_point_to_point),
     cmocka_unit_test(test_process_groups),
     cmocka_unit_test(test_process_group_death),
 };
