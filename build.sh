@@ -291,7 +291,7 @@ api_doc_checks() {
 # device's memory rules (nothing read in place, copies that happen only when
 # waited for), so the paths a GPU takes through the core run here too.
 staged_checks() {
-    local out groups="core_forward,core_grad,core_optim,core_ckpt,core_data,core_memory,core_amp"
+    local out groups="core_forward,core_grad,core_optim,core_ckpt,core_data,core_memory,core_amp,parallel"
     local ddp="test_equivalence,test_reproducible,test_no_sync,test_unused,test_concat"
     ddp="$ddp,test_compression_exact,test_compression_momentum,test_ps_bsp,test_ps_chunked"
     ddp="$ddp,test_dead_rank,test_misuse"

@@ -1385,6 +1385,9 @@ typedef struct dt_profile_stats {
     int64_t samples;           /* samples the loaders gave this context's steps */
     int64_t events, dropped;   /* timeline events kept and not kept */
     int straggler_warnings;    /* checks that found this rank a straggler */
+    double pipe_wait_s;        /* of comm_wait_s: a pipeline stage waiting for its
+                                  neighbours (the bubble, 14) */
+    double pipe_bubble_ideal;  /* the latest pipeline step's (stages-1)/(m+stages-1) */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);
@@ -1412,7 +1415,145 @@ DT_API dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_s
 DT_API int dt_profile_straggler(const dt_ctx *ctx);
 
 /* ---------------------------------------------------------------------------
- * 14. Utilities
+ * 14. Model parallelism: pipelines and tensor-parallel layers
+ *
+ * For a model too large or too slow for one rank.  Both work over a
+ * communicator (usually a group from dt_comm_split) and compose with DDP
+ * over another group: with 4 ranks, pipe = split(color rank / 2) and dp =
+ * split(color rank % 2) give 2 stages x 2 data-parallel replicas.
+ *
+ * A pipeline puts consecutive stages of a sequential model on the ranks of
+ * its communicator (stage = rank), splits each batch into micro-batches and
+ * runs them so that stages work at once: activations go forward and their
+ * gradients back with dt_send/dt_recv.  Two schedules:
+ *   DT_PIPE_GPIPE  fill-drain: all forwards, then all backwards; a stage
+ *                  holds every micro-batch's activations.
+ *   DT_PIPE_1F1B   one forward, one backward in the steady state (PipeDream-
+ *                  flush, as Megatron-LM): stage s holds at most stages - s
+ *                  micro-batches' activations, whatever their number.
+ * Both run backwards in micro-batch order and give the same gradients, which
+ * are the whole batch's (each micro-batch's loss is weighted by its share of
+ * the batch): a pipelined model trains like the unsplit one.  The idle time
+ * while a stage waits for its neighbours is the bubble, ideally
+ * (stages - 1) / (micro_batches + stages - 1) of a step.
+ * ------------------------------------------------------------------------- */
+typedef struct dt_pipe dt_pipe;
+
+typedef enum { DT_PIPE_GPIPE = 0, DT_PIPE_1F1B = 1 } dt_pipe_schedule;
+
+/* One stage's forward of one micro-batch.  x: stage 0, its rows of the
+ * batch given to dt_pipe_step (a view); later stages, the previous stage's
+ * output (a leaf that requires grad).  y: on the last stage, the micro-
+ * batch's rows of the targets (a view); NULL elsewhere.  Returns the
+ * stage's output (f32, the micro-batch in dim 0, other dims the same for
+ * every micro-batch), or on the last stage the micro-batch's mean loss (one
+ * f32), made with ops in ctx; NULL fails the step with ctx's error.  Its
+ * step tensors live until the micro-batch's backward. */
+typedef dt_tensor *(*dt_stage_fn)(dt_ctx *ctx, dt_tensor *x, dt_tensor *y, void *user);
+
+typedef struct dt_pipe_config {
+    int micro_batches;         /* m >= 1 (default 4); a batch of B rows splits into m parts
+                                  of B/m rows (the first B%m one more); B >= m */
+    dt_pipe_schedule schedule; /* default DT_PIPE_1F1B */
+} dt_pipe_config;
+DT_API void dt_pipe_config_init(dt_pipe_config *cfg);
+
+/* This rank's stage (its rank in c, of dt_comm_size(c) stages) running fn
+ * with user.  cfg NULL: defaults; every stage must pass the same
+ * micro_batches and schedule (checked at the first step: DT_EMISMATCH).
+ * ctx and c (of ctx) borrowed, must outlive it; with a DDP on ctx (over
+ * other ranks), its gradients are reduced during the last micro-batch's
+ * backward.  new: free with dt_pipe_free.  NULL and ctx's error:
+ * DT_EINVAL (NULL ctx, c or fn, c of another context, micro_batches < 1). */
+DT_API dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg, dt_stage_fn fn,
+                            void *user);
+DT_API void dt_pipe_free(dt_pipe *p);              /* NULL is fine */
+/* One training step's forward and backward through every stage, collective
+ * over the pipeline's ranks: afterwards each stage's parameters hold the
+ * batch's gradients (added to what they held), for dt_optim_step or
+ * dt_ddp_step.  x: the batch's inputs on stage 0 (ignored elsewhere); y: its
+ * targets on the last stage (ignored elsewhere); both borrowed, rows in dim
+ * 0.  loss_out (may be NULL): the last stage's batch mean loss; NAN on the
+ * others.  Needs grad enabled.  The micro-batches' memory is the pipeline's
+ * and is reused next step (call dt_step_reset between steps as usual).
+ * DT_EINVAL: x or y missing where needed, B < m, a stage output of the wrong
+ * kind or shape; DT_EMISMATCH: the stages disagree on B, m or the schedule;
+ * a neighbour's failure or death fails the step naming it (a stage that
+ * fails publishes why, so its neighbours do not wait for the timeout). */
+DT_API dt_status dt_pipe_step(dt_pipe *p, const dt_tensor *x, const dt_tensor *y, float *loss_out);
+DT_API int dt_pipe_stage(const dt_pipe *p);       /* this rank's stage; -1 for NULL */
+DT_API int dt_pipe_stages(const dt_pipe *p);      /* 0 for NULL */
+
+typedef struct dt_pipe_stats {
+    int64_t steps;             /* dt_pipe_step calls that succeeded */
+    int64_t micro_batches;     /* their micro-batches */
+    double step_s;             /* wall time inside those steps */
+    double compute_s;          /* this stage's forwards and backwards */
+    double wait_s;             /* blocked on a neighbour: the bubble plus transfers */
+    double bubble;             /* wait_s / step_s, measured */
+    double bubble_ideal;       /* (stages - 1) / (m + stages - 1) */
+    uint64_t bytes_sent;       /* activations and gradients sent */
+    int in_flight_peak;        /* most micro-batches whose activations were held at once */
+    size_t act_bytes_peak;     /* their memory then (step tensors of the stage) */
+} dt_pipe_stats;
+/* Totals since dt_pipe_new or the last reset.  DT_EINVAL: p or out NULL. */
+DT_API dt_status dt_pipe_stats_get(const dt_pipe *p, dt_pipe_stats *out);
+DT_API void dt_pipe_stats_reset(dt_pipe *p);
+
+/* Balanced partitioning.  dt_layer_times measures, on this rank, each
+ * layer of a sequential model (layer i maps the previous one's output to
+ * its own): forward and backward of each alone on sample's shape, the
+ * median of reps runs after one warm-up, in seconds (ms_out[i], n entries).
+ * With c (may be NULL) the times are averaged over its ranks, so every rank
+ * gets the same numbers and so the same partition.  The parameters'
+ * gradients are zeroed afterwards, and step memory reset.  DT_EINVAL: a
+ * NULL argument, n < 1, reps < 1; a layer's failure with its error. */
+typedef dt_tensor *(*dt_layer_fn)(dt_ctx *ctx, dt_tensor *x, void *user);
+DT_API dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers,
+                                void *const *users, int n, const dt_tensor *sample, int reps,
+                                double *ms_out);
+/* Split n layers of costs cost[0..n-1] (>= 0) into `stages` consecutive
+ * runs minimising the largest run's total (ties: the earliest boundaries);
+ * stage s gets layers first[s] .. first[s+1]-1, first has stages + 1
+ * entries (first[0] = 0, first[stages] = n), each stage at least one
+ * layer.  Deterministic: the same costs give the same split on every rank.
+ * DT_EINVAL: NULL, stages < 1, n < stages, a negative or non-finite cost. */
+DT_API dt_status dt_pipe_partition(const double *cost, int n, int stages, int *first);
+
+/* Tensor parallelism (Megatron-LM) over the ranks of c (of ctx), as autograd
+ * ops; every rank of c runs the same ops in the same order (they are
+ * collectives) on tensors of the same shapes.
+ *   dt_tp_copy    forward x; backward allreduce-sums the gradient ("f")
+ *   dt_tp_reduce  forward allreduce-sum of x; backward the gradient ("g")
+ *   dt_tp_gather  forward the ranks' x concatenated along the last dim;
+ *                 backward this rank's slice of the gradient
+ *   dt_tp_split   forward this rank's slice of the last dim (size/ranks);
+ *                 backward gathers the gradient
+ * Layers: a column-parallel linear holds rows [r*O/p, (r+1)*O/p) of the
+ * full weight (O, I) and of its bias: w (O/p, I), b (O/p) or NULL; its
+ * output is this rank's columns, or all of them with gather_output.  A
+ * row-parallel linear holds columns [r*I/p, (r+1)*I/p): w (O, I/p), and the
+ * whole bias b (O) or NULL, added once after the sum; its input is this
+ * rank's columns (input_is_split, as a column-parallel layer gives them) or
+ * the whole input.  Column then row is Megatron's MLP: one allreduce
+ * forward and one backward.  Errors as for the ops and collectives. */
+DT_API dt_tensor *dt_tp_copy(dt_ctx *ctx, dt_comm *c, dt_tensor *x);
+DT_API dt_tensor *dt_tp_reduce(dt_ctx *ctx, dt_comm *c, dt_tensor *x);
+DT_API dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x);
+DT_API dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x);
+DT_API dt_tensor *dt_tp_linear_col(dt_ctx *ctx, dt_comm *c, dt_tensor *x, dt_tensor *w,
+                                   dt_tensor *b, int gather_output);
+DT_API dt_tensor *dt_tp_linear_row(dt_ctx *ctx, dt_comm *c, dt_tensor *x, dt_tensor *w,
+                                   dt_tensor *b, int input_is_split);
+/* Copy this rank's block of `full` along dim (size / ranks of c) into
+ * shard, e.g. to start tensor-parallel weights from an unsplit model's.
+ * full and shard may be in different contexts; borrowed.  Local (no
+ * communication).  DT_EINVAL: NULL, dim out of range, size not divisible by
+ * the ranks, or shard's shape not the block's. */
+DT_API dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tensor *shard);
+
+/* ---------------------------------------------------------------------------
+ * 15. Utilities
  * ------------------------------------------------------------------------- */
 /* Number of rows of logits (N,C) whose argmax equals labels (N).
  * DT_EINVAL: an argument NULL, or not contiguous f32 (N,C) and i32 (N). */

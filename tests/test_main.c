@@ -36,6 +36,7 @@ GROUP(transport)
 GROUP(ddp)
 GROUP(cuda)
 GROUP(profile)
+GROUP(parallel)
 #undef GROUP
 
 typedef struct group {
@@ -53,7 +54,7 @@ int main(void)
 #define G(g) {#g, dt_test_##g, dt_test_##g##_count},
         G(core_forward) G(core_grad) G(core_optim) G(core_ckpt) G(core_data) G(core_errors)
         G(core_memory) G(core_backend) G(core_amp) G(core_dist) G(core_launch) G(comm)
-        G(transport) G(ddp) G(profile) G(cuda)
+        G(transport) G(ddp) G(profile) G(parallel) G(cuda)
 #undef G
     };
     int total = 0, failed = 0;

@@ -155,7 +155,7 @@ class dt_profile_stats(ctypes.Structure):
                 ("coll_bytes", _U64), ("busbw", _D), ("ps_calls", _I64),
                 ("ps_latency_s", _D), ("ps_max_staleness", _I64), ("ps_mean_staleness", _D),
                 ("samples", _I64), ("events", _I64), ("dropped", _I64),
-                ("straggler_warnings", _I)]
+                ("straggler_warnings", _I), ("pipe_wait_s", _D), ("pipe_bubble_ideal", _D)]
 
 
 _STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_schedule, dt_loader_config,
