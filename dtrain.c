@@ -15370,22 +15370,28 @@ static int64_t shape_tail(int ndim, const int64_t *shape)   /* floats per row */
 
 /* Send ns floats of sbuf to dst and/or receive nr into rbuf from src (-1:
  * none), timed as waiting on a neighbour: the bubble. */
-static dt_status pipe_xfer(dt_pipe *p, int64_t ns, int dst, int64_t nr, int src)
+static dt_status pipe_p2p(dt_pipe *p, const float *send, int64_t ns, int dst, float *recv,
+                          int64_t nr, int src)
 {
     dt_ctx *ctx = p->ctx;
-    if (src >= 0 && pipe_reserve(p, &p->rbuf, &p->rbuf_n, nr) != DT_OK)
-        return ctx->last_status;
     double t0 = prof_begin(ctx), w0 = dt_now();
-    dt_status s = p2p_run(p->comm, dst >= 0 ? p->sbuf : NULL, dst >= 0 ? ns : 0, dst,
-                          src >= 0 ? p->rbuf : NULL, src >= 0 ? nr : 0, src);
+    dt_status s = p2p_run(p->comm, send, ns, dst, recv, nr, src);
     double w = dt_now() - w0;
     p->wait_s += w;
-    if (t0 > 0)
-        ctx->prof.cur_pipe += w;
+    if (t0 > 0 && ctx->prof.open)   /* (a wait before the first step opens counts nowhere) */
+        ctx->prof.cur_pipe += dt_now() - t0;
     prof_end(ctx, PH_COMM_WAIT, t0);
     if (dst >= 0)
         p->bytes += (uint64_t)ns * sizeof(float);
     return s;
+}
+
+static dt_status pipe_xfer(dt_pipe *p, int64_t ns, int dst, int64_t nr, int src)
+{
+    if (src >= 0 && pipe_reserve(p, &p->rbuf, &p->rbuf_n, nr) != DT_OK)
+        return p->ctx->last_status;
+    return pipe_p2p(p, dst >= 0 ? p->sbuf : NULL, dst >= 0 ? ns : 0, dst,
+                    src >= 0 ? p->rbuf : NULL, src >= 0 ? nr : 0, src);
 }
 
 static int64_t pipe_in_floats(const dt_pipe *p, int i)
@@ -15406,16 +15412,14 @@ static dt_status pipe_send_header(dt_pipe *p)
     for (int d = 0; d < p->out_ndim; d++)
         h[5 + d] = (float)p->out_shape[d];
     p->header_sent = 1;
-    return p2p_run(p->comm, h, PIPE_HEADER, p->stage + 1, NULL, 0, -1);
+    return pipe_p2p(p, h, PIPE_HEADER, p->stage + 1, NULL, 0, -1);
 }
 
 static dt_status pipe_recv_header(dt_pipe *p)
 {
     dt_ctx *ctx = p->ctx;
     float h[PIPE_HEADER];
-    double w0 = dt_now();
-    dt_status s = p2p_run(p->comm, NULL, 0, -1, h, PIPE_HEADER, p->stage - 1);
-    p->wait_s += dt_now() - w0;
+    dt_status s = pipe_p2p(p, NULL, 0, -1, h, PIPE_HEADER, p->stage - 1);
     if (s != DT_OK)
         return s;
     p->header_recvd = 1;
@@ -15847,40 +15851,32 @@ dt_status dt_pipe_step(dt_pipe *p, const dt_tensor *x, const dt_tensor *y, float
 
 /* --- 22.6 balanced partitioning ------------------------------------------------ */
 
-/* Layer i alone, forward and backward, on a copy of its input that requires
- * grad; one warm-up, then the median of reps. */
-static dt_status layer_time(dt_ctx *ctx, dt_layer_fn fn, void *user, dt_tensor *in, int reps,
-                            double *out_s)
+/* Layer fn alone, forward and backward once, on a copy of its input that
+ * requires grad; in seconds. */
+static dt_status layer_time(dt_ctx *ctx, dt_layer_fn fn, void *user, dt_tensor *in, double *out_s)
 {
-    double t[64];
-    int kept = 0;
-    for (int r = 0; r <= reps; r++) {
-        double t0 = dt_now();
-        uint64_t errors = ctx->errors;
-        dt_tensor *y = fn(ctx, in, user);
-        dt_tensor *loss = y ? dt_sum(ctx, y) : NULL;
-        dt_status s = loss ? dt_backward(ctx, loss) : DT_OK;
-        if (!loss || s != DT_OK)
-            return ctx->errors != errors ? ctx->last_status
-                   : set_error(ctx, DT_EINVAL, "layer_times: a layer returned NULL");
-        float probe;   /* wait for an asynchronous backend's work */
-        if (in->grad)
-            BE(ctx)->to_host(BEI(ctx), &probe, in->grad->data, sizeof probe);
-        else
-            (void)dt_tensor_item(loss);
-        double dt = dt_now() - t0;
-        dt_step_reset(ctx);
-        if (r > 0 && kept < 64)
-            t[kept++] = dt;
-    }
-    for (int i = 1; i < kept; i++)   /* insertion sort: a few values */
-        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
-            double v = t[j];
-            t[j] = t[j - 1];
-            t[j - 1] = v;
-        }
-    *out_s = t[kept / 2];
+    double t0 = dt_now();
+    uint64_t errors = ctx->errors;
+    dt_tensor *y = fn(ctx, in, user);
+    dt_tensor *loss = y ? dt_sum(ctx, y) : NULL;
+    dt_status s = loss ? dt_backward(ctx, loss) : DT_OK;
+    if (!loss || s != DT_OK)
+        return ctx->errors != errors ? ctx->last_status
+               : set_error(ctx, DT_EINVAL, "layer_times: a layer returned NULL");
+    float probe;   /* wait for an asynchronous backend's work */
+    if (in->grad)
+        BE(ctx)->to_host(BEI(ctx), &probe, in->grad->data, sizeof probe);
+    else
+        (void)dt_tensor_item(loss);
+    *out_s = dt_now() - t0;
+    dt_step_reset(ctx);
     return DT_OK;
+}
+
+static int cmp_double_asc(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
 }
 
 /* Every layer's input, kept as persistent copies (each layer's is the
@@ -15927,20 +15923,36 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     if (!in)
         return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
     int measure = ctx->prof.measure;   /* these are not training steps */
+    struct dt_ddp *ddp = ctx->ddp;     /* nor are their backwards a DDP's */
     ctx->prof.measure = 0;
+    ctx->ddp = NULL;
     dt_step_reset(ctx);
     dt_status s = layer_inputs(ctx, layers, users, n, sample, in);
+    /* round robin over the layers, one warm-up round: a machine's slow
+     * spells then touch every layer alike instead of one layer's runs */
+    double *t = s == DT_OK ? host_alloc(ctx, sizeof *t * (size_t)n * (size_t)reps) : NULL;
+    if (s == DT_OK && !t)
+        s = set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
+    for (int r = 0; s == DT_OK && r <= reps; r++)
+        for (int i = 0; s == DT_OK && i < n; i++) {
+            double sec = 0;
+            s = layer_time(ctx, layers[i], users ? users[i] : NULL, in[i], &sec);
+            if (r > 0)
+                t[(size_t)i * (size_t)reps + (size_t)(r - 1)] = sec;
+        }
     for (int i = 0; s == DT_OK && i < n; i++) {
-        double sec = 0;
-        s = layer_time(ctx, layers[i], users ? users[i] : NULL, in[i], reps, &sec);
-        ms_out[i] = sec * 1e3;
+        double *ti = t + (size_t)i * (size_t)reps;
+        qsort(ti, (size_t)reps, sizeof *ti, cmp_double_asc);
+        ms_out[i] = (reps % 2 ? ti[reps / 2] : (ti[reps / 2 - 1] + ti[reps / 2]) / 2) * 1e3;
     }
+    host_free(ctx, t);
     dt_step_reset(ctx);
     dt_zero_grad(ctx);
     for (int i = 0; i < n; i++)
         dt_tensor_free(in[i]);
     host_free(ctx, in);
     ctx->prof.measure = measure;
+    ctx->ddp = ddp;
     if (s == DT_OK && c) {   /* the ranks' mean, the same on every rank */
         float *f = host_alloc(ctx, sizeof *f * (size_t)n);
         if (!f)

@@ -1502,11 +1502,13 @@ DT_API void dt_pipe_stats_reset(dt_pipe *p);
 
 /* Balanced partitioning.  dt_layer_times measures, on this rank, each
  * layer of a sequential model (layer i maps the previous one's output to
- * its own): forward and backward of each alone on sample's shape, the
- * median of reps runs after one warm-up, in seconds (ms_out[i], n entries).
+ * its own): forward and backward of each alone, on its input computed
+ * from sample, in milliseconds (ms_out[i], n entries): the median of reps
+ * runs, taken round robin over the layers after one warm-up round.
  * With c (may be NULL) the times are averaged over its ranks, so every rank
- * gets the same numbers and so the same partition.  The parameters'
- * gradients are zeroed afterwards, and step memory reset.  DT_EINVAL: a
+ * gets the same numbers and so the same partition (a DDP on ctx takes no
+ * part).  The parameters' gradients are zeroed afterwards, and step memory
+ * reset.  DT_EINVAL: a
  * NULL argument, n < 1, reps < 1; a layer's failure with its error. */
 typedef dt_tensor *(*dt_layer_fn)(dt_ctx *ctx, dt_tensor *x, void *user);
 DT_API dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers,

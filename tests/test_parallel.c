@@ -218,9 +218,34 @@ typedef struct pipe_run {
     dt_pipe_config cfg;
     dt_comm *dp;               /* a DDP over these ranks (the hybrid), or NULL */
     int replica, replicas;     /* this one trains on its share of each batch */
+    int profile;               /* profile the run and check the pipeline's part */
     dt_pipe_stats st;
     float loss;                /* the last step's (last stage) */
 } pipe_run;
+
+/* The profiler saw every step, the pipeline's wait as part of comm wait,
+ * and its ideal bubble; rank 0's report has a line per stage. */
+static int check_profile(dt_comm *c, const pipe_run *r)
+{
+    dt_ctx *ctx = rank_ctx;
+    dt_profile_stats ps;
+    int m = r->cfg.micro_batches;
+    if (dt_profile_get(ctx, &ps) != DT_OK || ps.steps != STEPS || !(ps.pipe_wait_s > 0) ||
+        ps.pipe_wait_s > ps.comm_wait_s + 1e-9 || !(ps.forward_s > 0) || !(ps.backward_s > 0) ||
+        fabs(ps.pipe_bubble_ideal - 1.0 / (m + 1)) > 1e-12) {
+        fprintf(stderr, "profile: %lld steps, pipe wait %.4f of comm wait %.4f s, ideal %.4f\n",
+                (long long)ps.steps, ps.pipe_wait_s, ps.comm_wait_s, ps.pipe_bubble_ideal);
+        return 1;
+    }
+    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+        return 2;
+    if (dt_comm_rank(c) == 0 && (!strstr(dt_profile_report(ctx), "pipeline, rank 0: waits") ||
+                                 !strstr(dt_profile_report(ctx), "pipeline, rank 1: waits"))) {
+        fprintf(stderr, "%s", dt_profile_report(ctx));
+        return 3;
+    }
+    return 0;
+}
 
 /* Stage rank(c) trains STEPS steps in rank_ctx under parameters named tag,
  * then checks them against the reference.  1x: a failure, with a message. */
@@ -239,6 +264,8 @@ static int pipe_train(dt_comm *c, pipe_run *r, const char *tag, mlp *part)
     if (!p || (r->dp && !ddp))
         return 12;
     int rows = BATCH / r->replicas, r0 = r->replica * rows;
+    if (r->profile && dt_profile_start(ctx, NULL) != DT_OK)
+        return 17;
     float xb[BATCH * 12];
     int32_t yb[BATCH];
     dt_tensor *x = dt_tensor_new(ctx, DT_F32, 2, (const int64_t[]){rows, widths[0]});
@@ -263,6 +290,8 @@ static int pipe_train(dt_comm *c, pipe_run *r, const char *tag, mlp *part)
             code = 16;
     }
     dt_pipe_stats_get(p, &r->st);
+    if (code == 0 && r->profile && check_profile(c, r))
+        code = 18;
     dt_ddp_free(ddp);
     dt_pipe_free(p);
     dt_optim_free(opt);
@@ -307,6 +336,7 @@ static int job_pipe2(dt_comm *c, int rank, int world)
             r->cfg.micro_batches = ms[k];
             r->cfg.schedule = sch ? DT_PIPE_1F1B : DT_PIPE_GPIPE;
             r->replicas = 1;
+            r->profile = k == 1 && sch == 1;
             int code = pipe_train(c, r, tag, &parts[sch]);
             if (code)
                 return code;
@@ -520,6 +550,52 @@ static int job_pipe_bad_args(dt_comm *c, int rank, int world)
     return code;
 }
 
+/* Stage 1 is killed in its third step: stage 0 fails naming rank 1, in
+ * far less than the 20 s timeout. */
+static dt_tensor *dying_stage(dt_ctx *ctx, dt_tensor *x, dt_tensor *y, void *user)
+{
+    if (steps_seen++ == 2 * 4 + 2)
+        kill(getpid(), SIGKILL);
+    return mlp_stage(ctx, x, y, user);
+}
+
+static int job_pipe_death(dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_ctx *ctx = rank_ctx;
+    static const int first[] = {0, 2, NL};
+    mlp part, init;
+    dt_ctx *ref = dt_ctx_new(NULL);
+    dt_seed(ref, 42);
+    if (mlp_make(ref, "i", &init, 0, NL, NULL) ||
+        mlp_make(ctx, "e", &part, first[rank], first[rank + 1], &init))
+        return 64;
+    steps_seen = 0;
+    dt_pipe *p = dt_pipe_new(ctx, c, NULL, rank == 1 ? dying_stage : mlp_stage, &part);
+    dt_tensor *x = dt_tensor_new(ctx, DT_F32, 2, (const int64_t[]){BATCH, widths[0]});
+    dt_tensor *y = dt_tensor_new(ctx, DT_I32, 1, (const int64_t[]){BATCH});
+    dt_tensor_fill(x, 0.5f);
+    dt_tensor_fill(y, 1);
+    int code = 0;
+    for (int k = 0; k < 4 && code == 0; k++) {
+        double t0 = dt_now();
+        dt_status st = dt_pipe_step(p, rank == 0 ? x : NULL, rank == 1 ? y : NULL, NULL);
+        dt_step_reset(ctx);
+        dt_zero_grad(ctx);
+        if (k < 2 && st != DT_OK)
+            code = 65;
+        if (k == 2) {
+            fprintf(stderr, "stage 0 noticed in %.2f s: %s\n", dt_now() - t0, dt_last_error(ctx));
+            if (st == DT_OK || !strstr(dt_last_error(ctx), "rank 1") || dt_now() - t0 > 10)
+                code = 66;
+            break;
+        }
+    }
+    dt_pipe_free(p);
+    dt_ctx_free(ref);
+    return code;
+}
+
 static void test_pipeline_errors(void **state)
 {
     (void)state;
@@ -528,6 +604,10 @@ static void test_pipeline_errors(void **state)
     expect_all_zero(2, codes, "pipeline errors");
     run_job(2, 20000, job_pipe_bad_args, codes, 120);
     expect_all_zero(2, codes, "pipeline: stage 0's bad arguments");
+    run_job(2, 20000, job_pipe_death, codes, 120);
+    if (codes[0] != 0)
+        fail_msg("pipeline: stage 0 exited with %d after stage 1 died", codes[0]);
+    assert_int_equal(codes[1], 200 + SIGKILL);
 }
 
 /* --- tensor parallelism ----------------------------------------------------- */

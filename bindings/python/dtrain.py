@@ -34,6 +34,7 @@ Lifetimes, as in C:
 
 import ctypes
 import ctypes.util
+import math
 import os
 import weakref
 from collections import namedtuple
@@ -162,7 +163,20 @@ _STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_schedule, dt_loader_con
             dt_dist_env, dt_store_config, dt_comm_config, dt_ddp_config, dt_ddp_stats,
             dt_eval_config, dt_metrics, dt_profile_config, dt_profile_stats]
 
+class dt_pipe_config(ctypes.Structure):
+    _fields_ = [("micro_batches", _I), ("schedule", _I)]
+
+
+class dt_pipe_stats(ctypes.Structure):
+    _fields_ = [("steps", _I64), ("micro_batches", _I64), ("step_s", _D), ("compute_s", _D),
+                ("wait_s", _D), ("bubble", _D), ("bubble_ideal", _D), ("bytes_sent", _U64),
+                ("in_flight_peak", _I), ("act_bytes_peak", _SZ)]
+
+
+_STRUCTS += [dt_pipe_config, dt_pipe_stats]
+
 _FORWARD_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P)   # dt_tensor *(*)(dt_ctx *, dt_tensor *, void *)
+_STAGE_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P, _P)   # (ctx, x, y, user) -> dt_tensor *
 _LOG_FN = ctypes.CFUNCTYPE(None, _P, _S)
 
 # --- 3. the functions ---------------------------------------------------------------------
@@ -309,6 +323,29 @@ for _name, _res, _args in [
     ("dt_eval_config_init", None, [ctypes.POINTER(dt_eval_config)]),
     ("dt_evaluate", _I, [_P, _P, _P, ctypes.POINTER(dt_eval_config), _FORWARD_FN, _P,
                          ctypes.POINTER(dt_metrics)]),
+    # point to point, groups, model parallelism
+    ("dt_comm_split", _P, [_P, _I, _I, ctypes.POINTER(dt_comm_config)]),
+    ("dt_comm_job_rank", _I, [_P, _I]),
+    ("dt_send", _I, [_P, _P, _I64, _I]),
+    ("dt_recv", _I, [_P, _P, _I64, _I]),
+    ("dt_sendrecv", _I, [_P, _P, _I64, _I, _P, _I64, _I]),
+    ("dt_pipe_config_init", None, [ctypes.POINTER(dt_pipe_config)]),
+    ("dt_pipe_new", _P, [_P, _P, ctypes.POINTER(dt_pipe_config), _STAGE_FN, _P]),
+    ("dt_pipe_free", None, [_P]),
+    ("dt_pipe_step", _I, [_P, _P, _P, ctypes.POINTER(_F)]),
+    ("dt_pipe_stage", _I, [_P]),
+    ("dt_pipe_stages", _I, [_P]),
+    ("dt_pipe_stats_get", _I, [_P, ctypes.POINTER(dt_pipe_stats)]),
+    ("dt_pipe_stats_reset", None, [_P]),
+    ("dt_layer_times", _I, [_P, _P, _P, _P, _I, _P, _I, ctypes.POINTER(_D)]),
+    ("dt_pipe_partition", _I, [ctypes.POINTER(_D), _I, _I, ctypes.POINTER(_I)]),
+    ("dt_tp_copy", _P, [_P, _P, _P]),
+    ("dt_tp_reduce", _P, [_P, _P, _P]),
+    ("dt_tp_gather", _P, [_P, _P, _P]),
+    ("dt_tp_split", _P, [_P, _P, _P]),
+    ("dt_tp_linear_col", _P, [_P, _P, _P, _P, _P, _I]),
+    ("dt_tp_linear_row", _P, [_P, _P, _P, _P, _P, _I]),
+    ("dt_tp_shard", _I, [_P, _P, _I, _P]),
     # profiler
     ("dt_profile_config_init", None, [ctypes.POINTER(dt_profile_config)]),
     ("dt_profile_start", _I, [_P, ctypes.POINTER(dt_profile_config)]),
@@ -1078,6 +1115,42 @@ class Comm(_Handle):
     def barrier(self):
         self.ctx.check(_C.barrier(self.handle))
 
+    # point to point: float32 arrays, borrowed for the call
+    def send(self, array, dst):
+        a = np.ascontiguousarray(array, dtype=np.float32)
+        self.ctx.check(_C.send(self.handle, a.ctypes.data, a.size, dst))
+
+    def recv(self, array, src):
+        """Into a float32 array in place; the sender must send exactly array.size floats."""
+        self.ctx.check(_C.recv(self.handle, _f32_buffer(array, "recv"), array.size, src))
+        return array
+
+    def sendrecv(self, send, dst, recv, src):
+        a = np.ascontiguousarray(send, dtype=np.float32)
+        self.ctx.check(_C.sendrecv(self.handle, a.ctypes.data, a.size, dst,
+                                   _f32_buffer(recv, "sendrecv"), recv.size, src))
+        return recv
+
+    def split(self, color, key=0):
+        """dt_comm_split (collective): the ranks passing the same color form a Group,
+        ranked by key then rank.  Close it (or the context) before this communicator."""
+        return Group(self, color, key)
+
+    def job_rank(self, rank):
+        return _C.comm_job_rank(self.handle, rank)
+
+
+class Group(Comm):
+    """A process group from Comm.split: a whole communicator over some of the ranks."""
+    _close_order = 2
+    _what = "process group"
+
+    def __init__(self, parent, color, key):
+        c = dt_comm_config()
+        _C.comm_config_init(ctypes.byref(c))
+        self.parent = parent
+        self._own(parent.ctx, _C.comm_split(parent.handle, color, key, ctypes.byref(c)))
+
 
 
 _COMPRESS = {"none": 0, "bf16": 1, "fp16": 2, "topk": 3, "int8": 4}
@@ -1121,6 +1194,132 @@ class DDP(_Handle):
             _C.ddp_stats_reset(self.handle)
         return {f: getattr(s, f) for f, _ in s._fields_}
 
+
+
+_SCHEDULES = {"gpipe": 0, "1f1b": 1}
+
+
+class Pipe(_Handle):
+    """dt_pipe: this rank's stage of a pipeline over comm's ranks (stage = comm.rank).
+    stage(x, y) runs one micro-batch: x its input (stage 0: rows of step's x; later: the
+    previous stage's output), y the targets' rows on the last stage (else None); it
+    returns the stage's output, or the micro-batch's mean loss on the last stage.  The
+    tensors given to it are valid only during step()."""
+    _close_order = 1
+    _what = "pipeline"
+    _free = staticmethod(_C.pipe_free)
+
+    def __init__(self, ctx, comm, stage, micro_batches=4, schedule="1f1b"):
+        c = dt_pipe_config()
+        _C.pipe_config_init(ctypes.byref(c))
+        c.micro_batches = micro_batches
+        if schedule not in _SCHEDULES:
+            raise InvalidArgument(1, "pipe: schedule is 'gpipe' or '1f1b', not %r" % schedule)
+        c.schedule = _SCHEDULES[schedule]
+        self.comm, self._stage, self._failure = comm, stage, []
+        self._life = _Life()
+        self._cb = _STAGE_FN(self._trampoline)   # kept alive as long as C may call it
+        self._own(ctx, _C.pipe_new(ctx.handle, comm.handle, ctypes.byref(c), self._cb, None))
+
+    def _trampoline(self, ctx_h, x_h, y_h, user):
+        try:
+            x = Tensor._made(self.ctx, x_h, self._life)
+            y = Tensor._made(self.ctx, y_h, self._life) if y_h else None
+            return self._stage(x, y).handle
+        except BaseException as e:   # raised after step returns; the step fails
+            self._failure.append(e)
+            return None
+
+    @property
+    def stage(self):
+        return _C.pipe_stage(self.handle)
+
+    @property
+    def stages(self):
+        return _C.pipe_stages(self.handle)
+
+    def step(self, x=None, y=None):
+        """One step's forward and backward (collective over the pipeline): x on stage 0,
+        y on the last stage.  Returns the batch's mean loss on the last stage, else None."""
+        loss = _F(0.0)
+        st = _C.pipe_step(self.handle, _h(x), _h(y), ctypes.byref(loss))
+        self._life.gen += 1
+        if self._failure:
+            e, self._failure = self._failure[0], []
+            raise e
+        self.ctx.check(st)
+        return None if math.isnan(loss.value) else loss.value
+
+    def stats(self, reset=False):
+        s = dt_pipe_stats()
+        self.ctx.check(_C.pipe_stats_get(self.handle, ctypes.byref(s)))
+        if reset:
+            _C.pipe_stats_reset(self.handle)
+        return {f: getattr(s, f) for f, _ in s._fields_}
+
+
+_LAYER_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P)
+
+
+def layer_times(ctx, layers, sample, reps=5, comm=None):
+    """dt_layer_times: each layer(x) -> y of a sequential model timed forward and backward
+    alone, in ms (averaged over comm's ranks when given).  Leaves gradients zeroed."""
+    n = len(layers)
+    failure = []
+    life = _Life()
+
+    def make(fn):
+        def trampoline(ctx_h, x_h, user):
+            try:
+                return fn(Tensor._made(ctx, x_h, life)).handle
+            except BaseException as e:
+                failure.append(e)
+                return None
+        return _LAYER_FN(trampoline)
+
+    cbs = [make(fn) for fn in layers]
+    fns = (_LAYER_FN * n)(*cbs)
+    out = (_D * n)()
+    st = _C.layer_times(ctx.handle, comm.handle if comm else None, fns, None, n,
+                        sample.handle, reps, out)
+    life.gen += 1
+    ctx._step_ended()
+    if failure:
+        raise failure[0]
+    ctx.check(st)
+    return list(out)
+
+
+def pipe_partition(costs, stages):
+    """dt_pipe_partition: the first layer of each stage (stages + 1 entries, the last
+    len(costs)), minimising the largest stage's total cost."""
+    n = len(costs)
+    first = (_I * (stages + 1))()
+    st = _C.pipe_partition((_D * max(n, 1))(*costs), n, stages, first)
+    if st:
+        raise _error(st, "pipe_partition: needs stages >= 1, at least as many layers, and "
+                         "finite costs >= 0")
+    return list(first)
+
+
+# tensor parallelism: ops over the ranks of comm (collectives: every rank runs them alike)
+def tp_copy(comm, x): return _op(_C.tp_copy, x, comm.handle, x.handle)
+def tp_reduce(comm, x): return _op(_C.tp_reduce, x, comm.handle, x.handle)
+def tp_gather(comm, x): return _op(_C.tp_gather, x, comm.handle, x.handle)
+def tp_split(comm, x): return _op(_C.tp_split, x, comm.handle, x.handle)
+
+
+def tp_linear_col(comm, x, w, b=None, gather_output=False):
+    return _op(_C.tp_linear_col, x, comm.handle, x.handle, w.handle, _h(b), int(gather_output))
+
+
+def tp_linear_row(comm, x, w, b=None, input_is_split=False):
+    return _op(_C.tp_linear_row, x, comm.handle, x.handle, w.handle, _h(b), int(input_is_split))
+
+
+def tp_shard(comm, full, dim, shard):
+    """Copy this rank's block of full along dim into shard (local)."""
+    shard.ctx.check(_C.tp_shard(comm.handle, full.handle, dim, shard.handle))
 
 
 # --- 11. evaluation and the profiler --------------------------------------------------------

@@ -87,6 +87,18 @@ int main(void)
     F(dt_profile_stats, ps_mean_staleness, ps_mean_staleness);
     F(dt_profile_stats, samples, samples); F(dt_profile_stats, events, events);
     F(dt_profile_stats, dropped, dropped);
-    F(dt_profile_stats, straggler_warnings, straggler_warnings); END(dt_profile_stats);
+    F(dt_profile_stats, straggler_warnings, straggler_warnings);
+    F(dt_profile_stats, pipe_wait_s, pipe_wait_s);
+    F(dt_profile_stats, pipe_bubble_ideal, pipe_bubble_ideal); END(dt_profile_stats);
+
+    F(dt_pipe_config, micro_batches, micro_batches); F(dt_pipe_config, schedule, schedule);
+    END(dt_pipe_config);
+
+    F(dt_pipe_stats, steps, steps); F(dt_pipe_stats, micro_batches, micro_batches);
+    F(dt_pipe_stats, step_s, step_s); F(dt_pipe_stats, compute_s, compute_s);
+    F(dt_pipe_stats, wait_s, wait_s); F(dt_pipe_stats, bubble, bubble);
+    F(dt_pipe_stats, bubble_ideal, bubble_ideal); F(dt_pipe_stats, bytes_sent, bytes_sent);
+    F(dt_pipe_stats, in_flight_peak, in_flight_peak);
+    F(dt_pipe_stats, act_bytes_peak, act_bytes_peak); END(dt_pipe_stats);
     return 0;
 }

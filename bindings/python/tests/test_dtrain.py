@@ -300,6 +300,17 @@ def free_port():
 
 
 class Distributed(unittest.TestCase):
+    def test_model_parallel_under_the_launcher(self):
+        """2 ranks under dtrun: a 2-stage pipeline (Pipe) and a 2-way tensor-parallel MLP
+        (tp_linear_col/row) each end within 1e-5 of the unsplit model trained alone;
+        groups and sendrecv work (parallel_job.py asserts on every rank)."""
+        r = subprocess.run([DTRUN, "-n", "2", sys.executable,
+                            os.path.join(HERE, "parallel_job.py")],
+                           capture_output=True, text=True, timeout=240)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("rank 0: ok", r.stdout)
+        self.assertIn("rank 1: ok", r.stdout)
+
     def test_ddp_under_the_launcher(self):
         """2 ranks under dtrun: DDP's parameters are the same on both ranks and equal one
         process's on the global batch (within 1e-5 relative)."""
