@@ -446,14 +446,28 @@ static dt_tensor *failing_stage(dt_ctx *ctx, dt_tensor *x, dt_tensor *y, void *u
     return mlp_stage(ctx, x, y, user);
 }
 
+/* This rank's half of the seeded model (layers 0-1 or 2-3) in rank_ctx. */
+static int half_model(int rank, mlp *part)
+{
+    static const int first[] = {0, 2, NL};
+    mlp init;
+    dt_ctx *ref = dt_ctx_new(NULL);
+    if (!ref)
+        return 1;
+    dt_seed(ref, 42);
+    int bad = mlp_make(ref, "i", &init, 0, NL, NULL) ||
+              mlp_make(rank_ctx, "e", part, first[rank], first[rank + 1], &init);
+    dt_ctx_free(ref);
+    return bad;
+}
+
 /* Bad arguments fail on this rank alone, before anything is sent; a stage
  * whose function fails makes its neighbour fail quickly with its words. */
 static int job_pipe_errors(dt_comm *c, int rank, int world)
 {
     (void)world;
     dt_ctx *ctx = rank_ctx;
-    static const int first[] = {0, 2, NL};
-    mlp part, init;
+    mlp part;
     dt_pipe_config pc;
     dt_pipe_config_init(&pc);
     if (pc.micro_batches != 4 || pc.schedule != DT_PIPE_1F1B)
@@ -465,10 +479,7 @@ static int job_pipe_errors(dt_comm *c, int rank, int world)
         dt_pipe_step(NULL, NULL, NULL, NULL) != DT_EINVAL || dt_pipe_stage(NULL) != -1 ||
         dt_pipe_stages(NULL) != 0)
         return 52;
-    dt_ctx *ref = dt_ctx_new(NULL);
-    dt_seed(ref, 42);
-    if (mlp_make(ref, "i", &init, 0, NL, NULL) || mlp_make(ctx, "e", &part, first[rank],
-                                                          first[rank + 1], &init))
+    if (half_model(rank, &part))
         return 53;
     dt_pipe *p = dt_pipe_new(ctx, c, NULL, failing_stage, &part);
     if (!p || dt_pipe_stage(p) != rank || dt_pipe_stages(p) != 2)
@@ -511,7 +522,6 @@ static int job_pipe_errors(dt_comm *c, int rank, int world)
     }
     (void)t_fail;
     dt_pipe_free(p);
-    dt_ctx_free(ref);
     return code;
 }
 
@@ -521,12 +531,8 @@ static int job_pipe_bad_args(dt_comm *c, int rank, int world)
 {
     (void)world;
     dt_ctx *ctx = rank_ctx;
-    static const int first[] = {0, 2, NL};
-    mlp part, init;
-    dt_ctx *ref = dt_ctx_new(NULL);
-    dt_seed(ref, 42);
-    if (mlp_make(ref, "i", &init, 0, NL, NULL) ||
-        mlp_make(ctx, "e", &part, first[rank], first[rank + 1], &init))
+    mlp part;
+    if (half_model(rank, &part))
         return 61;
     dt_pipe_config pc;
     dt_pipe_config_init(&pc);
@@ -546,7 +552,6 @@ static int job_pipe_bad_args(dt_comm *c, int rank, int world)
     if (rank == 1 && (st == DT_OK || !strstr(m, "pipeline stage 0 failed") || took > 10))
         code = 63;
     dt_pipe_free(p);
-    dt_ctx_free(ref);
     return code;
 }
 
@@ -563,12 +568,8 @@ static int job_pipe_death(dt_comm *c, int rank, int world)
 {
     (void)world;
     dt_ctx *ctx = rank_ctx;
-    static const int first[] = {0, 2, NL};
-    mlp part, init;
-    dt_ctx *ref = dt_ctx_new(NULL);
-    dt_seed(ref, 42);
-    if (mlp_make(ref, "i", &init, 0, NL, NULL) ||
-        mlp_make(ctx, "e", &part, first[rank], first[rank + 1], &init))
+    mlp part;
+    if (half_model(rank, &part))
         return 64;
     steps_seen = 0;
     dt_pipe *p = dt_pipe_new(ctx, c, NULL, rank == 1 ? dying_stage : mlp_stage, &part);
@@ -592,7 +593,6 @@ static int job_pipe_death(dt_comm *c, int rank, int world)
         }
     }
     dt_pipe_free(p);
-    dt_ctx_free(ref);
     return code;
 }
 
