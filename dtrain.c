@@ -222,6 +222,7 @@ struct dt_ctx {
 
     dt_node *tape;                 /* newest node */
     dt_tensor *persist;            /* persistent tensors */
+    dt_tensor *doomed;             /* freed while the tape may read them: at dt_step_reset */
     size_t persistent_bytes;
     dt_tensor **params;
     int n_params, cap_params;
@@ -426,6 +427,7 @@ static void arena_init(dt_arena *a, int on_device, size_t min_chunk)
     a->min_chunk = min_chunk;
 }
 static void arena_destroy(dt_ctx *ctx, dt_arena *a);
+static void free_doomed(dt_ctx *ctx);
 void dt_seed(dt_ctx *ctx, uint64_t seed);
 
 dt_ctx *dt_ctx_new(const dt_config *cfg_in)
@@ -501,6 +503,8 @@ void dt_ctx_free(dt_ctx *ctx)
     if (ctx->ddp)
         ddp_detach(ctx->ddp);   /* gradients back into their own buffers */
     prof_release(ctx);
+    ctx->tape = NULL;   /* nothing will read the tensors now */
+    free_doomed(ctx);
     while (ctx->persist) {
         dt_tensor *t = ctx->persist;
         t->flags &= ~(unsigned)T_PARAM;   /* the context may free its own */
@@ -680,6 +684,7 @@ void dt_step_reset(dt_ctx *ctx)
         return;
     prof_step_end(ctx);
     ctx->tape = NULL;
+    free_doomed(ctx);
     arena_reset(ctx, &ctx->dev);
     arena_reset(ctx, &ctx->host);
     arena_reset(ctx, &ctx->scratch_dev);
@@ -937,6 +942,13 @@ static dt_status attach_persistent_grad(dt_ctx *ctx, dt_tensor *t)
     return DT_OK;
 }
 
+static void persistent_destroy(dt_ctx *ctx, dt_tensor *t)
+{
+    if (t->grad && (t->grad->flags & T_GRADBUF))
+        tensor_destroy(ctx, t->grad);
+    tensor_destroy(ctx, t);
+}
+
 void dt_tensor_free(dt_tensor *t)
 {
     if (!t || !(t->flags & T_PERSIST) || (t->flags & (T_PARAM | T_EXTERNAL)))
@@ -948,9 +960,22 @@ void dt_tensor_free(dt_tensor *t)
         ctx->persist = t->next;
     if (t->next)
         t->next->prev = t->prev;
-    if (t->grad && (t->grad->flags & T_GRADBUF))
-        tensor_destroy(ctx, t->grad);
-    tensor_destroy(ctx, t);
+    if (ctx->tape) {   /* a recorded op may read it in backward: keep it to the step's end */
+        t->prev = NULL;
+        t->next = ctx->doomed;
+        ctx->doomed = t;
+        return;
+    }
+    persistent_destroy(ctx, t);
+}
+
+static void free_doomed(dt_ctx *ctx)
+{
+    while (ctx->doomed) {
+        dt_tensor *t = ctx->doomed;
+        ctx->doomed = t->next;
+        persistent_destroy(ctx, t);
+    }
 }
 
 int dt_tensor_is_contiguous(const dt_tensor *t)
@@ -11063,6 +11088,7 @@ struct dt_dp {
     dt_dp_free_fn free_model;
     void *user;
     pthread_t *thread;
+    struct dp_arg { struct dt_dp *dp; int k; } *args;   /* each worker's */
     int threads_started, stop;
     pthread_barrier_t bar;
     int has_bar;
@@ -11204,9 +11230,8 @@ static void dp_replica_step(dt_dp *dp, int k)
 
 static void *dp_worker(void *arg)
 {
-    dt_dp *dp = ((void **)arg)[0];
-    int k = (int)(intptr_t)((void **)arg)[1];
-    free(arg);
+    dt_dp *dp = ((struct dp_arg *)arg)->dp;
+    int k = ((struct dp_arg *)arg)->k;
     pthread_mutex_lock(&dp->mu);
     while (dp->go == 0)
         pthread_cond_wait(&dp->cv, &dp->mu);
@@ -11305,6 +11330,7 @@ void dt_dp_free(dt_dp *dp)
     host_free(ctx, dp->model);
     host_free(ctx, dp->opt);
     host_free(ctx, dp->thread);
+    host_free(ctx, dp->args);
     host_free(ctx, dp->xh);
     host_free(ctx, dp->poff);
     host_free(ctx, dp->avg);
@@ -11361,15 +11387,9 @@ static dt_status dp_start_threads(dt_dp *dp)
     }
     dp->has_mu = 1;
     for (int k = 1; k < dp->K; k++) {
-        void **arg = malloc(2 * sizeof(void *));
-        if (arg) {
-            arg[0] = dp;
-            arg[1] = (void *)(intptr_t)k;
-        }
-        if (!arg || pthread_create(&dp->thread[k], NULL, dp_worker, arg) != 0) {
-            free(arg);
+        dp->args[k] = (struct dp_arg){dp, k};
+        if (pthread_create(&dp->thread[k], NULL, dp_worker, &dp->args[k]) != 0)
             return set_error(dp->ctx, DT_ENOMEM, "dp_new: cannot start replica thread %d", k);
-        }
         dp->threads_started = k;
     }
     if (pthread_barrier_init(&dp->bar, NULL, (unsigned)dp->K) != 0)
@@ -11403,10 +11423,12 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
     dp->model = host_calloc(ctx, sizeof *dp->model * (size_t)K);
     dp->opt = host_calloc(ctx, sizeof *dp->opt * (size_t)K);
     dp->thread = host_calloc(ctx, sizeof *dp->thread * (size_t)K);
+    dp->args = host_calloc(ctx, sizeof *dp->args * (size_t)K);
     dp->losses = host_calloc(ctx, sizeof *dp->losses * (size_t)K);
     dp->status = host_calloc(ctx, sizeof *dp->status * (size_t)K);
     dp->msg = host_calloc(ctx, sizeof *dp->msg * (size_t)K);
-    dt_status s = dp->rc && dp->model && dp->opt && dp->thread && dp->losses && dp->status && dp->msg
+    dt_status s = dp->rc && dp->model && dp->opt && dp->thread && dp->args && dp->losses &&
+                          dp->status && dp->msg
                       ? DT_OK : set_error(ctx, DT_ENOMEM, "dp_new: out of memory");
     for (int k = 0; s == DT_OK && k < K; k++) {
         dt_config rcfg = cfg->replica;

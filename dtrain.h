@@ -215,7 +215,9 @@ DT_API const char *dt_dtype_name(dt_dtype t);
 DT_API dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim,
                                 const int64_t *shape);
 /* NULL is fine; does nothing to parameters (freed with the context), step
- * tensors and a loader's batches. */
+ * tensors and a loader's batches.  The tensor is gone for the caller at
+ * once; while the step's ops are recorded (before dt_backward), its memory
+ * is kept until dt_step_reset, since backward may still read it. */
 DT_API void dt_tensor_free(dt_tensor *t);
 
 /* New step tensor (lives until dt_step_reset), zero-filled.  Errors as
