@@ -9133,7 +9133,9 @@ static void signal_ranks(spawn_rank *r, int n, int sig)
 static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int sfd,
                      int *first_failed)
 {
-    int n = cfg->nranks, live = n, grace = cfg->grace_ms > 0 ? cfg->grace_ms : 5000;
+    int n = cfg->nranks, live = 0, grace = cfg->grace_ms > 0 ? cfg->grace_ms : 5000;
+    for (int i = 0; i < n; i++)   /* ranks that never started count as exited */
+        live += !r[i].exited;
     double kill_at = 0;
     struct pollfd *pf = host_alloc(ctx, sizeof *pf * (size_t)(2 * n + 1));
     int *owner = host_alloc(ctx, sizeof *owner * (size_t)(2 * n + 1));
@@ -9222,8 +9224,9 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
     dt_status st = DT_OK;
     fflush(NULL);
     for (int i = 0; i < n && st == DT_OK; i++) {
-        int po[2] = {-1, -1}, pe[2] = {-1, -1};
-        if (cfg->prefix_output && (pipe2(po, O_CLOEXEC) != 0 || pipe2(pe, O_CLOEXEC) != 0)) {
+        int po[2] = {-1, -1}, pe[2] = {-1, -1}, ep[2] = {-1, -1};
+        if ((cfg->prefix_output && (pipe2(po, O_CLOEXEC) != 0 || pipe2(pe, O_CLOEXEC) != 0)) ||
+            (argv && pipe2(ep, O_CLOEXEC) != 0)) {
             st = set_error(ctx, DT_EIO, "spawn: pipe: %s", strerror(errno));
             break;
         }
@@ -9237,14 +9240,34 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
             if (sfd >= 0)
                 close(sfd);
             rank_setup(cfg, i, port, token, po[1], pe[1]);
-            if (argv) {
+            if (argv) {   /* a failed exec's errno goes back through ep (closed by a good one) */
+                close(ep[0]);
                 execvp(argv[0], argv);
-                fprintf(stderr, "dtrun: cannot run %s: %s\n", argv[0], strerror(errno));
-                _exit(127);
+                int e = errno;
+                ssize_t w = write(ep[1], &e, sizeof e);
+                _exit(w == (ssize_t)sizeof e ? 127 : 126);
             }
             host_free(ctx, r);
             *rank_out = i;
             return DT_OK;   /* this process is rank i now */
+        }
+        if (argv) {
+            int e = 0;
+            close(ep[1]);
+            ssize_t got;
+            while ((got = read(ep[0], &e, sizeof e)) < 0 && errno == EINTR) {
+            }
+            close(ep[0]);
+            if (got == (ssize_t)sizeof e) {   /* nothing ran: no rank to supervise */
+                waitpid(pid, NULL, 0);
+                pid = -1;
+                for (int k = 0; k < 2; k++)
+                    if ((k ? pe[0] : po[0]) >= 0)
+                        close(k ? pe[0] : po[0]);
+                po[0] = pe[0] = -1;
+                first_failed = i;
+                st = set_error(ctx, DT_EIO, "launch: cannot run %s: %s", argv[0], strerror(e));
+            }
         }
         r[i].pid = pid;
         r[i].s[0] = (spawn_stream){.fd = po[0], .out = STDOUT_FILENO};

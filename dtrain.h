@@ -874,8 +874,9 @@ DT_API void dt_spawn_config_init(dt_spawn_config *cfg);
  * thread (a store, communicator, prefetching loader, dt_dp). */
 DT_API dt_status dt_spawn(dt_ctx *ctx, const dt_spawn_config *cfg, int *rank);
 /* The same, each rank running argv (execvp); what build/dtrun does.
- * *failed_rank (may be NULL) gets the first failed rank or -1.  A program
- * that cannot be run exits 127 (DT_EPEER).  DT_EINVAL: argv empty. */
+ * *failed_rank (may be NULL) gets the first failed rank or -1.  DT_EIO
+ * naming the program and why when it cannot be run (the ranks started
+ * before it are stopped); DT_EINVAL: argv empty. */
 DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
                            int *failed_rank);
 
