@@ -185,6 +185,7 @@ typedef struct prof_state {
     int64_t stale_n;
     double batch_s;            /* the loader's time preparing batches */
     int64_t batches;
+    int64_t batches_prefetched; /* of them, made on a loader's own thread */
     /* since the last cross-rank check (16: balance, stragglers) */
     double win_compute;
     int64_t win_steps, win_samples;
@@ -14454,6 +14455,7 @@ static void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int o
     pthread_mutex_lock(&p->mu);
     p->batch_s += t1 - t0;
     p->batches++;
+    p->batches_prefetched += on_thread != 0;
     prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_BATCH,
                               .tid = on_thread ? TID_LOADER : TID_COMPUTE, .a = samples});
     pthread_mutex_unlock(&p->mu);
@@ -14503,7 +14505,7 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     p->cfg = c;
     memset(&p->tot, 0, sizeof p->tot);
     p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
-    p->stale_n = p->batches = 0;
+    p->stale_n = p->batches = p->batches_prefetched = 0;
     p->win_compute = 0;
     p->win_steps = p->win_samples = 0;
     p->straggler = p->warned_rank = -1;
@@ -14649,7 +14651,7 @@ typedef struct prof_blob_head {
     int64_t nev;
     double offset;             /* add to this rank's clock to get rank 0's */
     double batch_s;            /* the loader's time preparing batches */
-    int64_t batches;
+    int64_t batches, batches_prefetched;
     dt_profile_stats st;
 } prof_blob_head;
 #define PROF_BLOB_MAGIC 0x50524F46444Eull
@@ -14664,7 +14666,8 @@ static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
     if (!buf)
         return NULL;
     prof_blob_head h = {.magic = PROF_BLOB_MAGIC, .nev = p->nev, .offset = offset,
-                        .batch_s = p->batch_s, .batches = p->batches};
+                        .batch_s = p->batch_s, .batches = p->batches,
+                        .batches_prefetched = p->batches_prefetched};
     prof_fill(p, &h.st);
     memcpy(buf, &h, sizeof h);
     if (p->nev)
@@ -14946,15 +14949,20 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     }
     if (tot_step > 0 && tot_data / tot_step > 0.05) {
         double mb = 0;
-        int64_t nb = 0;
+        int64_t nb = 0, pre = 0;
         for (int r = 0; r < P; r++) {
             mb += h[r]->batch_s;
             nb += h[r]->batches;
+            pre += h[r]->batches_prefetched;
         }
         sb_printf(&t, "hint: data wait is %.0f%% of the step time: the loader prepares a batch in "
-                  "%.2f ms against a step of %.2f ms; turn on prefetch (dt_loader_config.prefetch) "
-                  "or give the loader more CPU (fewer compute threads per rank)\n",
-                  100 * tot_data / tot_step, nb ? mb / (double)nb * 1e3 : 0, sum_step / P);
+                  "%.2f ms against a step of %.2f ms; %s\n",
+                  100 * tot_data / tot_step, nb ? mb / (double)nb * 1e3 : 0, sum_step / P,
+                  nb && pre == nb
+                      ? "prefetch is on, so its thread cannot keep up: give it a CPU of its own "
+                        "(fewer compute threads per rank) or do less per sample"
+                      : "turn on prefetch (dt_loader_config.prefetch) or give the loader more "
+                        "CPU (fewer compute threads per rank)");
         hints++;
     }
     if (strag >= 0) {

@@ -316,6 +316,48 @@ static void test_phases_single(void **state)
     tu_rmdir(d.dir);
 }
 
+/* The data hint says what to do: with prefetch off, turn it on; with it on
+ * (its thread still too slow for a step that does almost nothing), give the
+ * thread a CPU. */
+static void test_data_hint(void **state)
+{
+    (void)state;
+    data d;
+    data_make(&d, NSAMPLES);
+    for (int prefetch = 0; prefetch < 2; prefetch++) {
+        dt_ctx *ctx = tu_ctx_new();
+        assert_int_equal(dt_profile_start(ctx, NULL), DT_OK);
+        dt_dataset *ds = dt_dataset_load_idx(ctx, d.img, d.lab);
+        tu_check(ctx, ds, "load");
+        dt_loader_config lc;
+        dt_loader_config_init(&lc);
+        lc.batch = 64;
+        lc.prefetch = prefetch;
+        dt_loader *ld = dt_loader_new(ctx, ds, &lc);
+        tu_check(ctx, ld, "loader");
+        dt_tensor *w = tu_param(ctx, "w", SHP(1), NULL);
+        dt_tensor *x, *y;
+        for (int s = 0; s < 12; s++) {   /* a step of nothing but its data */
+            if (dt_loader_next(ld, &x, &y) == DT_EOF) {
+                dt_loader_start_epoch(ld, s);
+                assert_int_equal(dt_loader_next(ld, &x, &y), DT_OK);
+            }
+            assert_int_equal(dt_backward(ctx, dt_sum(ctx, w)), DT_OK);
+            dt_step_reset(ctx);
+        }
+        assert_int_equal(dt_profile_finish(ctx, NULL, NULL), DT_OK);
+        const char *rep = dt_profile_report(ctx);
+        const char *want = prefetch ? "prefetch is on, so its thread cannot keep up"
+                                    : "turn on prefetch (dt_loader_config.prefetch)";
+        if (!strstr(rep, want))
+            fail_msg("prefetch %d: the report lacks \"%s\":\n%s", prefetch, want, rep);
+        dt_loader_free(ld);
+        dt_dataset_free(ds);
+        dt_ctx_free(ctx);
+    }
+    tu_rmdir(d.dir);
+}
+
 /* --- forked ranks --------------------------------------------------------------- */
 
 typedef int (*rank_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
@@ -983,6 +1025,7 @@ static void test_store_add(void **state)
 
 static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_phases_single),
+    cmocka_unit_test(test_data_hint),
     cmocka_unit_test(test_trace_two_ranks),
     cmocka_unit_test(test_straggler),
     cmocka_unit_test(test_global_batches),
