@@ -198,12 +198,12 @@ ps_checks() {
 pipeline_checks() {
     local ex=$BUILD/test/pipeline_mnist out a1 a2 a4
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
-    acc_of() { echo "$1" | tail -1 | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p'; }
+    acc_of() { echo "$1" | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p' | tail -1; }
     out=$($ex --stages 1 --limit-batches 60 --seed 4); a1=$(acc_of "$out")
     out=$($ex --stages 2 --limit-batches 60 --seed 4); a2=$(acc_of "$out")
     echo "$out" | grep -q "stage 1 of replica 0: bubble" || { echo "pipeline check: no stage line:"; echo "$out"; exit 1; }
     if [ -z "$a1" ] || [ -z "$a2" ] || ! awk -v a="$a1" -v b="$a2" 'BEGIN { exit !(a - b < 0.2 && b - a < 0.2) }'; then
-        echo "pipeline check: 1 stage $a1%, 2 stages $a2%: not the same model"; exit 1
+        echo "pipeline check: 1 stage $a1%, 2 stages $a2%: not the same model:"; echo "$out" | tail -8; exit 1
     fi
     out=$(timeout -k 5 300 $BUILD/test/dtrun -n 4 $ex --stages 2 --replicas 2 --limit-batches 30 --seed 4)
     a4=$(acc_of "$(echo "$out" | grep "test accuracy" | sed "s/^\[[0-9]*\] //")")

@@ -268,22 +268,36 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *job)
         else if (rank == S - 1)   /* replica 0's last stage has the loss */
             printf("epoch %d: train loss %.4f over %lld batches\n", e + 1,
                    loss_sum / (double)(b ? b : 1), (long long)b);
+        fflush(stdout);   /* before rank 0's lines: a pipe would hold it to exit */
     }
     int64_t correct = 0;
     if (ok && !evaluate(o, ctx, pipe, &mine, test_ds, replica, &correct))
         ok = fail(ctx, rank, "evaluating");
-    float tot[2] = {(float)correct, ok ? 0.0f : 1.0f};
-    if (job && dt_allreduce(job, tot, 2, DT_REDUCE_SUM) != DT_OK)
-        ok = fail(ctx, rank, "summing the test results");
+    /* one allreduce gathers the test results and every stage's bubble, so
+     * that rank 0 prints them all in order (the ranks share one terminal) */
+    int n = job ? dt_comm_size(job) : 1;
+    float *tot = calloc((size_t)(2 + 3 * n), sizeof *tot);
+    if (!tot)
+        return fail(ctx, rank, "allocating the results");
+    tot[0] = (float)correct;
+    tot[1] = ok ? 0.0f : 1.0f;
     if (p) {
         dt_pipe_stats ps;
         dt_pipe_stats_get(p, &ps);
-        printf("stage %d of replica %d: bubble %.1f%% of the step (ideal %.1f%%), held at most "
-               "%d micro-batches\n", st, replica, 100 * ps.bubble, 100 * ps.bubble_ideal,
-               ps.in_flight_peak);
+        tot[2 + 3 * rank] = (float)ps.bubble;
+        tot[3 + 3 * rank] = (float)ps.bubble_ideal;
+        tot[4 + 3 * rank] = (float)ps.in_flight_peak;
     }
-    if (ok && rank == 0 && tot[1] == 0)
+    if (job && dt_allreduce(job, tot, 2 + 3 * n, DT_REDUCE_SUM) != DT_OK)
+        ok = fail(ctx, rank, "summing the test results");
+    for (int r = 0; ok && p && rank == 0 && r < n; r++)
+        printf("stage %d of replica %d: bubble %.1f%% of the step (ideal %.1f%%), held at most "
+               "%d micro-batches\n", r % S, r / S, 100 * tot[2 + 3 * r], 100 * tot[3 + 3 * r],
+               (int)tot[4 + 3 * r]);
+    int passed = ok && tot[1] == 0;
+    if (passed && rank == 0)
         printf("test accuracy: %.2f%%\n", 100.0 * tot[0] / (double)dt_dataset_size(test_ds));
+    free(tot);
     dt_ddp_free(ddp);
     dt_pipe_free(p);
     dt_optim_free(opt);
@@ -292,7 +306,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *job)
     dt_dataset_free(train_ds);
     dt_comm_free(dp);
     dt_comm_free(pipe);
-    return ok && tot[1] == 0;
+    return passed;
 }
 
 static int parse(int argc, char **argv, options *o)
