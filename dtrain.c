@@ -9062,6 +9062,10 @@ static void rank_setup(const dt_spawn_config *cfg, int rank, int port, const cha
     setenv("DTRAIN_JOB_TOKEN", token, 1);
     if (cfg->transport)
         setenv("DTRAIN_TRANSPORT", cfg->transport, 1);
+    /* keeps the PSM libraries under libfabric from installing signal
+     * handlers that exit() inside a signal (backends/fabric.c says more) */
+    setenv("IPATH_NO_BACKTRACE", "1", 0);
+    setenv("HFI_NO_BACKTRACE", "1", 0);
     if (cfg->bind_cpus)
         bind_rank(rank, cfg->nranks);
     if (out_fd >= 0) {

@@ -849,7 +849,9 @@ DT_API dt_status dt_barrier(dt_comm *c);
  * DTRAIN_RANK, DTRAIN_WORLD_SIZE, DTRAIN_LOCAL_RANK, DTRAIN_LOCAL_WORLD_SIZE,
  * DTRAIN_MASTER (127.0.0.1 and a free port), DTRAIN_JOB_TOKEN (random, unless
  * already set) and DTRAIN_TRANSPORT (if given), so dt_comm_new(ctx, NULL, ..)
- * just works.  The supervisor prefixes each line the ranks print with
+ * just works, plus IPATH_NO_BACKTRACE=1 and HFI_NO_BACKTRACE=1 (unless set),
+ * which keep libfabric's PSM libraries from taking the signals (see
+ * docs/DEPENDENCIES.md).  The supervisor prefixes each line the ranks print with
  * "[rank] ", forwards SIGINT and SIGTERM to them, and when one rank fails
  * stops the others (SIGTERM, then SIGKILL after grace_ms). */
 typedef struct dt_spawn_config {

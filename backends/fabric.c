@@ -41,14 +41,20 @@
  *  - All our memory comes from the allocator in the params.  libfabric's own
  *    (fi_info, providers) comes from libc: it has no allocator hooks.
  *
- * Nothing here prints, aborts or changes the environment.
+ * Nothing here prints, aborts or changes the environment, with one exception
+ * at load time: see "Signal handlers of libfabric's dependencies".
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE   /* dladdr */
+#endif
 #include "transport.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -65,6 +71,48 @@
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
+
+/* ---------------------------------------------------------------------------
+ * Signal handlers of libfabric's dependencies
+ * ------------------------------------------------------------------------- */
+
+/* Debian's libfabric links the PSM providers' libraries, and the
+ * constructor of libinfinipath (and of libpsm2 in some builds) installs
+ * handlers for SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL and SIGABRT in every
+ * program that links libfabric, whether it uses PSM or not.  On SIGINT or
+ * SIGTERM the handler calls exit(1) from inside the signal, so a launcher's
+ * SIGTERM runs the exit handlers at whatever instruction the process was;
+ * on a crash it writes a backtrace file into the working directory and calls
+ * exit(1) again, which deadlocks when the crash happened during exit (a
+ * rank that never dies, so its launcher never returns: CI saw exactly
+ * that).  Dependencies' constructors run before ours, so here the default
+ * action comes back for each of these signals whose handler lives in one of
+ * those libraries.  Handlers anyone else installed, before or after, are
+ * left alone.  (IPATH_NO_BACKTRACE=1 stops libinfinipath at the source;
+ * dt_spawn sets it for the programs it starts.) */
+static int handler_is_psm(const struct sigaction *sa)
+{
+    void *h = (sa->sa_flags & SA_SIGINFO) ? (void *)sa->sa_sigaction : (void *)sa->sa_handler;
+    Dl_info di;
+    if (sa->sa_handler == SIG_DFL || sa->sa_handler == SIG_IGN || !dladdr(h, &di) ||
+        !di.dli_fname)
+        return 0;
+    return strstr(di.dli_fname, "libinfinipath") || strstr(di.dli_fname, "libpsm");
+}
+
+__attribute__((constructor)) static void fab_drop_psm_signal_handlers(void)
+{
+    static const int sigs[] = {SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL, SIGABRT};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction sa;
+        if (sigaction(sigs[i], NULL, &sa) != 0 || !handler_is_psm(&sa))
+            continue;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = SIG_DFL;
+        sigemptyset(&sa.sa_mask);
+        (void)sigaction(sigs[i], &sa, NULL);
+    }
+}
 
 /* ---------------------------------------------------------------------------
  * Limits

@@ -4,9 +4,12 @@
  */
 #include "test_util.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static dt_ctx *new_ctx(void)
@@ -198,7 +201,41 @@ static void test_spawn_binds_cpus(void **state)
     dt_ctx_free(ctx);
 }
 
+/* Debian's libfabric links libinfinipath, whose constructor installs
+ * handlers that call exit() inside SIGTERM (exit handlers at any
+ * instruction) and deadlock on a crash during exit.  backends/fabric.c puts
+ * the default actions back as it loads: no handler may live in a PSM
+ * library, and a process sent SIGTERM dies of it instead of exiting 1. */
+static void test_no_psm_signal_handlers(void **state)
+{
+    (void)state;
+    const int sigs[] = {SIGINT, SIGTERM, SIGSEGV, SIGBUS, SIGILL, SIGABRT};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction sa;
+        assert_int_equal(sigaction(sigs[i], NULL, &sa), 0);
+        if (sa.sa_handler == SIG_DFL || sa.sa_handler == SIG_IGN)
+            continue;
+        Dl_info di;
+        void *h = (sa.sa_flags & SA_SIGINFO) ? (void *)sa.sa_sigaction : (void *)sa.sa_handler;
+        if (dladdr(h, &di) && di.dli_fname &&
+            (strstr(di.dli_fname, "infinipath") || strstr(di.dli_fname, "libpsm")))
+            fail_msg("signal %d is handled by %s", sigs[i], di.dli_fname);
+    }
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0)
+        for (;;)
+            pause();
+    assert_int_equal(kill(pid, SIGTERM), 0);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (!WIFSIGNALED(status) || WTERMSIG(status) != SIGTERM)
+        fail_msg("SIGTERM: the process %s %d", WIFEXITED(status) ? "exited with" : "died of signal",
+                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+}
+
 static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_no_psm_signal_handlers),
     cmocka_unit_test(test_spawn_binds_cpus),
     cmocka_unit_test(test_spawn_env_and_prefix),
     cmocka_unit_test(test_launch_failure_stops_others),

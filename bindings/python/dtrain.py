@@ -34,8 +34,11 @@ Lifetimes, as in C:
 
 import ctypes
 import ctypes.util
+import faulthandler
 import math
 import os
+import signal
+import threading
 import weakref
 from collections import namedtuple
 
@@ -64,8 +67,26 @@ def _find_library():
     return ctypes.util.find_library("dtrain") or "libdtrain.so.0"
 
 
+def _restore_python_signal_handlers():
+    """Loading libdtrain loads libfabric and, on Debian, libinfinipath, whose
+    constructor takes SIGINT, SIGTERM, SIGSEGV and others for itself; dtrain's
+    fabric backend puts the default actions back (backends/fabric.c).  Python's
+    own handlers come back here, so that Ctrl-C still raises KeyboardInterrupt
+    and faulthandler still reports crashes."""
+    if threading.current_thread() is not threading.main_thread():
+        return   # only the main thread may set handlers; Python's stay lost
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSEGV, signal.SIGBUS,
+                signal.SIGILL, signal.SIGABRT):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            signal.signal(sig, handler)
+    if faulthandler.is_enabled():
+        faulthandler.enable()
+
+
 library_path = _find_library()
 _lib = ctypes.CDLL(library_path)
+_restore_python_signal_handlers()
 
 _P, _I, _I64, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
 _F, _D, _S, _SZ = ctypes.c_float, ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t

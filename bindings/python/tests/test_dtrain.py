@@ -7,6 +7,7 @@ launcher; default build/dtrun), CC (to compile layout.c; default cc).  Ends with
 "python: N passed, N failed".
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,17 @@ def mlp_forward(layers, x):
         if i + 1 < len(layers):
             x = dt.relu(x)
     return x
+
+
+class Signals(unittest.TestCase):
+    def test_ctrl_c_still_raises_keyboard_interrupt(self):
+        """Loading the library (libfabric, libinfinipath under it) leaves Python's
+        SIGINT handler in place: SIGINT raises KeyboardInterrupt, it does not
+        end the interpreter."""
+        with self.assertRaises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 1.0)   # let the handler run
+        self.assertIs(signal.getsignal(signal.SIGINT), signal.default_int_handler)
 
 
 class Layout(unittest.TestCase):
