@@ -486,31 +486,41 @@ embed_checks() {
     echo "  csv_regress: $(echo "$out" | tail -1): ok"
 }
 
+# Run a check and say how long it took (CI's budget is 30 minutes on 2 cores).
+timed() {
+    local t0=$SECONDS
+    "$@"
+    echo "build.sh: ${1##*/}${2:+ ${2##*/}}: $((SECONDS - t0)) s"
+}
+
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA python3-numpy iproute2 iputils-ping
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local tests
     tests=$(ls tests/test_*.c)
+    local t0=$SECONDS
     build_cuda
     $CC $WARN $san $DEFS -I. $CORE_SRC $CUDA_OBJ $tests $LIBS -lcmocka -o $BUILD/test/dtrain_tests
     # the examples must build too (and stay warning-free)
     for f in examples/*.c; do
         $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $CUDA_OBJ $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
     done
-    example_checks
-    embed_checks
-    ps_checks
-    pipeline_checks
-    python_checks
-    launcher_checks
-    bash tests/multihost.sh "$PWD/$BUILD/test"
-    readme_example "$san"
-    api_doc_checks
-    staged_checks
-    amp_checks
-    profile_checks
-    gpu_checks
+    echo "build.sh: compiling the tests and examples: $((SECONDS - t0)) s"
+    timed example_checks
+    timed embed_checks
+    timed ps_checks
+    timed pipeline_checks
+    timed python_checks
+    timed launcher_checks
+    timed bash tests/multihost.sh "$PWD/$BUILD/test"
+    timed readme_example "$san"
+    timed api_doc_checks
+    timed staged_checks
+    timed amp_checks
+    timed profile_checks
+    timed gpu_checks
+    echo "build.sh: the checks took $SECONDS s; the unit suite follows"
     # protect_shadow_gap=0: the CUDA driver maps memory where ASan's gap is
     # and tests/lsan.supp: the driver's own allocations are not leaks of ours
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1${CUDA_OBJ:+:protect_shadow_gap=0} \
