@@ -93,15 +93,53 @@ dt_version() {
     if [ "${1:-}" = major ]; then echo "${v%%.*}"; else echo "$v"; fi
 }
 
-build_lib() {
-    mkdir -p $BUILD/obj $BUILD/shared
-    printf 'DTRAIN_%s {\n  global: dt_*;\n  local: *;\n};\n' "$(dt_version major)" > $BUILD/dtrain.map
-    build_cuda
-    for f in $CORE_SRC; do
-        o=$BUILD/obj/$(basename "${f%.c}").o
-        $CC $WARN $OPT $DEFS -fPIC -I. -c "$f" -o "$o"
+# Run the commands read from stdin, one per line, as many at once as there
+# are cores (longest first is best); after all have ended, fails if any did.
+run_parallel() {
+    local max running=0 failed=0 cmd
+    max=$(nproc)
+    while IFS= read -r cmd; do
+        [ -n "$cmd" ] || continue
+        bash -c "$cmd" &
+        running=$((running + 1))
+        if [ $running -ge "$max" ]; then
+            wait -n || failed=1
+            running=$((running - 1))
+        fi
     done
+    while [ $running -gt 0 ]; do
+        wait -n || failed=1
+        running=$((running - 1))
+    done
+    return $failed
+}
+
+# The library's compile commands: its objects (-O3, PIC), and the core alone,
+# which must compile without any backend or BLAS header.
+lib_compile_cmds() {
+    local f
+    for f in $CORE_SRC; do
+        echo "$CC $WARN $OPT $DEFS -fPIC -I. -c $f -o $BUILD/obj/$(basename "${f%.c}").o"
+    done
+    echo "$CC $WARN -O1 -I. -c dtrain.c -o $BUILD/obj/core_only.o"
+}
+
+# The library is current when it was built with these flags after every
+# source and header last changed (and after the CUDA object).
+LIB_STAMP=$BUILD/obj/lib.stamp
+lib_is_current() {
+    local f
+    [ -f "$LIB_STAMP" ] && [ -f $BUILD/libdtrain.so ] && [ -f $BUILD/libdtrain.a ] || return 1
+    [ "$(cat "$LIB_STAMP")" = "$CC $WARN $OPT $DEFS $LIBS" ] || return 1
+    for f in $CORE_SRC dtrain.h backends/*.h $CUDA_OBJ; do
+        [ "$f" -nt "$LIB_STAMP" ] && return 1
+    done
+    return 0
+}
+
+link_lib() {
     local objs="$BUILD/obj/dtrain.o $BUILD/obj/cpu.o $BUILD/obj/fabric.o $CUDA_OBJ"
+    printf 'DTRAIN_%s {\n  global: dt_*;\n  local: *;\n};\n' "$(dt_version major)" > $BUILD/dtrain.map
     rm -f $BUILD/libdtrain.a
     ar rcs $BUILD/libdtrain.a $objs
     echo "$LIBS" > $BUILD/libdtrain.ldflags   # what a program linking the library needs
@@ -110,8 +148,19 @@ build_lib() {
         -Wl,--version-script=$BUILD/dtrain.map $objs $LIBS
     ln -sf libdtrain.so.$(dt_version) $BUILD/libdtrain.so.$(dt_version major)
     ln -sf libdtrain.so.$(dt_version major) $BUILD/libdtrain.so
-    # the core alone must compile without any backend or BLAS header
-    $CC $WARN -O1 -I. -c dtrain.c -o $BUILD/obj/core_only.o
+    echo "$CC $WARN $OPT $DEFS $LIBS" > "$LIB_STAMP"
+}
+
+# libdtrain.a and libdtrain.so, compiled on every core (nvcc alongside),
+# or nothing at all when they are current.
+build_lib() {
+    mkdir -p $BUILD/obj $BUILD/shared
+    lib_is_current && return 0
+    build_cuda &
+    local nv=$!
+    lib_compile_cmds | run_parallel
+    wait $nv
+    link_lib
 }
 
 build_examples() {
@@ -170,7 +219,6 @@ example_checks() {
 # Sparse: the click model on 2 servers (sanitized build, small) learns.
 ps_checks() {
     local fast=$BUILD/test/fashion_mnist_O2 out acc bsp m
-    $CC $WARN -O2 $DEFS -I. examples/fashion_mnist.c $CORE_SRC $CUDA_OBJ $LIBS -o "$fast"
     for m in bsp asp ssp; do
         out=$(timeout -k 5 300 "$fast" --ranks 3 --servers 1 --ps-mode $m --epochs 3)
         acc=$(echo "$out" | tail -1 | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
@@ -224,9 +272,6 @@ pipeline_checks() {
 # ranks under the launcher (optimized library and programs).
 python_checks() {
     local py=/usr/bin/python3 so=$BUILD/test/pysan/libdtrain.so c p want got
-    local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-    mkdir -p $BUILD/test/pysan
-    $CC $WARN $san -fPIC -shared $CPU_DEFS -I. $CORE_SRC $CPU_LIBS -o $so
     DTRAIN_LIB=$PWD/$so DTRUN=$PWD/$BUILD/test/dtrun CC=$CC \
         LD_PRELOAD="$($CC -print-file-name=libasan.so) $($CC -print-file-name=libubsan.so)" \
         ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 OPENBLAS_NUM_THREADS=1 \
@@ -275,8 +320,9 @@ launcher_checks() {
 # documentation cannot go stale.
 readme_example() {
     awk '/^```c$/{f=1;next} /^```$/{f=0} f' README.md > $BUILD/test/readme_example.c
-    $CC $WARN $1 $DEFS -I. $BUILD/test/readme_example.c $CORE_SRC $CUDA_OBJ $LIBS \
-        -o $BUILD/test/readme_example
+    local o=$BUILD/test/obj
+    $CC $WARN $1 $DEFS -I. $BUILD/test/readme_example.c $o/dtrain.o $o/cpu.o $o/fabric.o \
+        $CUDA_OBJ $LIBS -o $BUILD/test/readme_example
     $BUILD/test/readme_example
 }
 
@@ -293,12 +339,9 @@ api_doc_checks() {
     [ -z "$missing" ] || { echo "api doc checks: not documented once in docs/API.md:$missing"; exit 1; }
     awk -v d="$dir" '/^```c$/ { n++; f = 1; next } /^```$/ { f = 0 }
         f { print > sprintf("%s/blk_%02d.c", d, n) }' docs/API.md
-    for f in $CORE_SRC; do   # compiled once, linked into each program
-        $CC $WARN -O1 $CPU_DEFS -I. -c "$f" -o "$dir/$(basename "${f%.c}").o"
-    done
     for b in "$dir"/blk_*.c; do
         if grep -q 'int main(' "$b"; then
-            $CC $WARN -O1 -I. "$b" "$dir"/*.o $CPU_LIBS -o "${b%.c}" &&
+            $CC $WARN -O1 -I. "$b" $BUILD/libdtrain.a $LIBS -o "${b%.c}" &&
                 (cd "$dir" && timeout -k 5 120 "${b%.c}" > "${b%.c}.out") ||
                 { echo "api doc checks: $(basename "$b") ($(head -c 300 "$b" | head -3)) failed"; exit 1; }
             ran=$((ran + 1))
@@ -451,12 +494,13 @@ embed_checks() {
     mkdir "$dir/backends"
     cp backends/backend.h backends/shape.h backends/transport.h backends/cpu.c backends/fabric.c \
        "$dir/backends/"
-    (cd "$dir" && $CC $WARN -O2 -DDT_WITH_CPU vendored.c dtrain.c backends/cpu.c \
-        -lopenblas -lz -lm -lpthread -o v_cpu && ./v_cpu) ||
-        { echo "embed check: the CPU-only vendored build failed"; exit 1; }
-    (cd "$dir" && $CC $WARN -O2 -DDT_WITH_CPU -DDT_WITH_FABRIC vendored.c dtrain.c backends/cpu.c \
-        backends/fabric.c -lopenblas -lfabric -lz -lm -lpthread -o v_fab && ./v_fab) ||
-        { echo "embed check: the vendored build with libfabric failed"; exit 1; }
+    printf '%s\n' "cd $dir && $CC $WARN -O2 -DDT_WITH_CPU vendored.c dtrain.c backends/cpu.c \
+        -lopenblas -lz -lm -lpthread -o v_cpu" \
+        "cd $dir && $CC $WARN -O2 -DDT_WITH_CPU -DDT_WITH_FABRIC vendored.c dtrain.c backends/cpu.c \
+        backends/fabric.c -lopenblas -lfabric -lz -lm -lpthread -o v_fab" | run_parallel ||
+        { echo "embed check: a vendored build did not compile"; exit 1; }
+    (cd "$dir" && ./v_cpu) || { echo "embed check: the CPU-only vendored build failed"; exit 1; }
+    (cd "$dir" && ./v_fab) || { echo "embed check: the vendored build with libfabric failed"; exit 1; }
     cmd_install "$dir/prefix" >/dev/null
     (cd "$dir" && export PKG_CONFIG_PATH="$dir/prefix/lib/pkgconfig" &&
         $CC $WARN vendored.c $(pkg-config --cflags --libs dtrain) -o v_pc &&
@@ -486,27 +530,57 @@ embed_checks() {
     echo "  csv_regress: $(echo "$out" | tail -1): ok"
 }
 
+# Everything the checks run, each source compiled once, on every core, with
+# nvcc alongside: the core, the tests and the examples sanitized (the core's
+# objects linked into the unit suite, the examples and the README's program),
+# the library (-O3; the fast example and build_examples link it), and the
+# sanitized shared library the Python binding's tests load (no CUDA: ASan in
+# an interpreter is enough to debug).
+build_test_programs() {
+    local san=$1 o=$BUILD/test/obj py=$BUILD/test/pysan f n tobj=""
+    local core="$o/dtrain.o $o/cpu.o $o/fabric.o $CUDA_OBJ"
+    mkdir -p $o $py $BUILD/obj $BUILD/shared
+    build_cuda &
+    local nv=$!
+    {
+        for f in $CORE_SRC; do   # the long ones first
+            n=$(basename "${f%.c}")
+            echo "$CC $WARN $san $DEFS -I. -c $f -o $o/$n.o"
+            echo "$CC $WARN $san -fPIC $CPU_DEFS -I. -c $f -o $py/$n.o"
+        done
+        lib_is_current || lib_compile_cmds
+        echo "$CC $WARN -O2 $DEFS -I. -c examples/fashion_mnist.c -o $o/fashion_mnist_O2.o"
+        for f in tests/test_*.c examples/*.c; do
+            echo "$CC $WARN $san $DEFS -I. -c $f -o $o/$(basename "${f%.c}").o"
+        done
+    } | run_parallel
+    wait $nv
+    lib_is_current || link_lib
+    for f in tests/test_*.c; do tobj="$tobj $o/$(basename "${f%.c}").o"; done
+    $CC $san $core $tobj $LIBS -lcmocka -o $BUILD/test/dtrain_tests
+    for f in examples/*.c; do   # the examples must build too (and stay warning-free)
+        n=$(basename "${f%.c}")
+        $CC $san $o/$n.o $core $LIBS -o $BUILD/test/$n
+    done
+    $CC $o/fashion_mnist_O2.o $BUILD/libdtrain.a $LIBS -o $BUILD/test/fashion_mnist_O2
+    $CC $san -shared $py/dtrain.o $py/cpu.o $py/fabric.o $CPU_LIBS -o $py/libdtrain.so
+}
+
 # Run a check and say how long it took (CI's budget is 30 minutes on 2 cores).
 timed() {
-    local t0=$SECONDS
+    local t0=$SECONDS what=${1##*/}
+    [ "$what" != bash ] || what=${2##*/}
     "$@"
-    echo "build.sh: ${1##*/}${2:+ ${2##*/}}: $((SECONDS - t0)) s"
+    echo "build.sh: $what: $((SECONDS - t0)) s"
 }
 
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA python3-numpy iproute2 iputils-ping
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-    local tests
-    tests=$(ls tests/test_*.c)
     local t0=$SECONDS
-    build_cuda
-    $CC $WARN $san $DEFS -I. $CORE_SRC $CUDA_OBJ $tests $LIBS -lcmocka -o $BUILD/test/dtrain_tests
-    # the examples must build too (and stay warning-free)
-    for f in examples/*.c; do
-        $CC $WARN $san $DEFS -I. "$f" $CORE_SRC $CUDA_OBJ $LIBS -o "$BUILD/test/$(basename "${f%.c}")"
-    done
-    echo "build.sh: compiling the tests and examples: $((SECONDS - t0)) s"
+    build_test_programs "$san"
+    echo "build.sh: compiling the library, the tests and the examples: $((SECONDS - t0)) s"
     timed example_checks
     timed embed_checks
     timed ps_checks
