@@ -131,7 +131,7 @@ lib_is_current() {
     local f
     [ -f "$LIB_STAMP" ] && [ -f $BUILD/libdtrain.so ] && [ -f $BUILD/libdtrain.a ] || return 1
     [ "$(cat "$LIB_STAMP")" = "$CC $WARN $OPT $DEFS $LIBS" ] || return 1
-    for f in $CORE_SRC dtrain.h backends/*.h $CUDA_OBJ; do
+    for f in $CORE_SRC dtrain.h backends/*.h $CUDA_OBJ ${CUDA_OBJ:+backends/cuda.cu}; do
         [ "$f" -nt "$LIB_STAMP" ] && return 1
     done
     return 0

@@ -9063,7 +9063,8 @@ static void rank_setup(const dt_spawn_config *cfg, int rank, int port, const cha
     if (cfg->transport)
         setenv("DTRAIN_TRANSPORT", cfg->transport, 1);
     /* keeps the PSM libraries under libfabric from installing signal
-     * handlers that exit() inside a signal (backends/fabric.c says more) */
+     * handlers that end the process from inside a signal (backends/fabric.c
+     * says more) */
     setenv("IPATH_NO_BACKTRACE", "1", 0);
     setenv("HFI_NO_BACKTRACE", "1", 0);
     if (cfg->bind_cpus)
