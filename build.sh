@@ -5,6 +5,9 @@
 #   ./build.sh deps       install the Debian packages dtrain needs (as root),
 #                         otherwise print the exact apt-get line
 #   ./build.sh test       AddressSanitizer + UBSan build, run every test
+#                         (DT_BUILD_ONLY=1: build the test programs, run nothing)
+#   ./build.sh gpu        the GPU checks alone (cuda group, suites on cuda,
+#                         the CNN on the GPU); DT_PREBUILT=1 skips the build
 #   ./build.sh demo       the main job: the Fashion-MNIST CNN on 2 local ranks
 #                         (DDP over shm); DT_EPOCHS, DT_RANKS to change it
 #   ./build.sh valgrind   a short training run under valgrind's leak checker
@@ -357,11 +360,12 @@ api_doc_checks() {
 # The core and DDP suites again on cpu-staged: the CPU kernels behind a
 # device's memory rules (nothing read in place, copies that happen only when
 # waited for), so the paths a GPU takes through the core run here too.
+DEVICE_GROUPS="core_forward,core_grad,core_optim,core_ckpt,core_data,core_memory,core_amp,parallel"
+DEVICE_DDP="test_equivalence,test_reproducible,test_no_sync,test_unused,test_concat"
+DEVICE_DDP="$DEVICE_DDP,test_compression_exact,test_compression_momentum,test_ps_bsp,test_ps_chunked"
+DEVICE_DDP="$DEVICE_DDP,test_dead_rank,test_misuse"
 staged_checks() {
-    local out groups="core_forward,core_grad,core_optim,core_ckpt,core_data,core_memory,core_amp,parallel"
-    local ddp="test_equivalence,test_reproducible,test_no_sync,test_unused,test_concat"
-    ddp="$ddp,test_compression_exact,test_compression_momentum,test_ps_bsp,test_ps_chunked"
-    ddp="$ddp,test_dead_rank,test_misuse"
+    local out groups=$DEVICE_GROUPS ddp=$DEVICE_DDP
     for run in "$groups:" "ddp:$ddp"; do
         out=$(DTRAIN_BACKEND=cpu-staged DT_TEST_GROUPS=${run%%:*} DT_TEST_ONLY=${run#*:} \
               ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 OPENBLAS_NUM_THREADS=1 \
@@ -390,27 +394,74 @@ amp_checks() {
     done
 }
 
-# With a GPU: the Fashion-MNIST CNN on the CUDA backend must reach the CPU's
-# bar (90%), and bf16 / fp16 autocast must end within 0.3 points of fp32.
+# With a GPU (a build with the CUDA backend, and nvidia-smi sees one):
+#  - the core suites and the DDP tests of staged_checks with
+#    DTRAIN_BACKEND=cuda: the device paths on real device memory, the DDP
+#    tests as 2 ranks sharing the GPU;
+#  - the Fashion-MNIST CNN on the GPU: fp32 must reach the CPU's bar (90%),
+#    bf16 and fp16 autocast must end within 0.3 points of fp32.
+# They run at once (each log in build/test/gpu_*.log, its tail printed on a
+# failure).  The cuda group of the unit suite (every op against the CPU
+# backend) runs with the rest of the suite in `test`, alone in `gpu`.
+gpu_present() { [ -n "$CUDA_OBJ" ] && nvidia-smi -L >/dev/null 2>&1; }
+
 gpu_checks() {
-    if [ -z "$CUDA_OBJ" ] || ! nvidia-smi -L >/dev/null 2>&1; then
-        echo "gpu checks: skipped: no GPU"
-        return 0
-    fi
-    local fast=$BUILD/test/fashion_mnist_O2 acc fp32 amp
-    for amp in off bf16 fp16; do
-        acc=$("$fast" --model cnn --backend cuda --epochs 6 --amp $amp | tail -1 |
-              sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
-        [ -n "$acc" ] || { echo "gpu check: the $amp run printed no accuracy"; exit 1; }
-        echo "gpu check: CNN on cuda, autocast $amp: test accuracy $acc%"
-        if [ $amp = off ]; then
-            fp32=$acc
-            awk -v a="$acc" 'BEGIN { exit !(a >= 90.0) }' ||
-                { echo "gpu check: fp32 CNN below 90%"; exit 1; }
-        elif ! awk -v a="$acc" -v b="$fp32" 'BEGIN { d = a - b; exit !(d <= 0.3 && d >= -0.3) }'; then
-            echo "gpu check: $amp is more than 0.3 points from fp32 ($fp32%)"; exit 1
+    if ! gpu_present; then echo "gpu checks: skipped: no GPU"; return 0; fi
+    local t=$BUILD/test fast=$BUILD/test/fashion_mnist_O2 amp failed=0 acc fp32 log
+    export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:protect_shadow_gap=0
+    export LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp OPENBLAS_NUM_THREADS=1
+    {
+        echo "DTRAIN_BACKEND=cuda DT_TEST_GROUPS=$DEVICE_GROUPS timeout -k 5 300 $t/dtrain_tests > $t/gpu_core.log 2>&1"
+        echo "DTRAIN_BACKEND=cuda DT_TEST_GROUPS=ddp DT_TEST_ONLY=$DEVICE_DDP timeout -k 5 300 $t/dtrain_tests > $t/gpu_ddp.log 2>&1"
+        for amp in off bf16 fp16; do
+            echo "timeout -k 5 300 $fast --model cnn --backend cuda --epochs 6 --amp $amp > $t/gpu_cnn_$amp.log 2>&1"
+        done
+    } | run_parallel || true
+    for log in gpu_core gpu_ddp; do
+        if tail -1 "$t/$log.log" | grep -q ' 0 failed'; then
+            echo "gpu checks: ${log#gpu_} suites on cuda: $(tail -1 "$t/$log.log")"
+        else
+            tail -40 "$t/$log.log"; echo "gpu checks: the ${log#gpu_} suites failed on cuda"; failed=1
         fi
     done
+    for amp in off bf16 fp16; do
+        acc=$(tail -1 "$t/gpu_cnn_$amp.log" | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
+        if [ -z "$acc" ]; then
+            tail -5 "$t/gpu_cnn_$amp.log"; echo "gpu check: the $amp run printed no accuracy"; failed=1
+            continue
+        fi
+        echo "gpu check: CNN on cuda, autocast $amp: test accuracy $acc%" \
+             "(last $(grep '^epoch [0-9]*:' "$t/gpu_cnn_$amp.log" | tail -1))"
+        if [ $amp = off ]; then
+            fp32=$acc
+            awk -v a="$acc" 'BEGIN { exit !(a >= 90.0) }' || { echo "gpu check: fp32 CNN below 90%"; failed=1; }
+        elif [ -n "${fp32:-}" ] && ! awk -v a="$acc" -v b="$fp32" 'BEGIN { d = a - b; exit !(d <= 0.3 && d >= -0.3) }'; then
+            echo "gpu check: $amp is more than 0.3 points from fp32 ($fp32%)"; failed=1
+        fi
+    done
+    unset ASAN_OPTIONS LSAN_OPTIONS OPENBLAS_NUM_THREADS
+    [ $failed = 0 ] || exit 1
+    echo "gpu checks: ok"
+}
+
+# ./build.sh gpu: the GPU's share of `test` alone: the cuda group of the
+# unit suite, then gpu_checks.  Builds the sanitized programs first, unless
+# DT_PREBUILT=1 (programs built elsewhere by `./build.sh test` or
+# `DT_BUILD_ONLY=1 ./build.sh test`, copied with the tree).
+cmd_gpu() {
+    local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+    if [ "${DT_PREBUILT:-0}" != 1 ]; then
+        ensure_pkgs $PKGS_BUILD $PKGS_DATA
+        mkdir -p $BUILD/test
+        build_test_programs "$san"
+    fi
+    if ! gpu_present; then echo "gpu checks: skipped: no GPU"; return 0; fi
+    local rc=0
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:protect_shadow_gap=0 \
+        LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp UBSAN_OPTIONS=print_stacktrace=1 \
+        OPENBLAS_NUM_THREADS=1 DT_TEST_GROUPS=cuda timeout -k 5 300 $BUILD/test/dtrain_tests || rc=1
+    (timed gpu_checks) || rc=1
+    return $rc
 }
 
 # The profiler end to end (optimized build): a 2-rank run's merged trace
@@ -581,6 +632,7 @@ cmd_test() {
     local t0=$SECONDS
     build_test_programs "$san"
     echo "build.sh: compiling the library, the tests and the examples: $((SECONDS - t0)) s"
+    [ "${DT_BUILD_ONLY:-0}" = 0 ] || return 0
     timed example_checks
     timed embed_checks
     timed ps_checks
@@ -625,10 +677,11 @@ case "${1:-build}" in
     build) cmd_build ;;
     deps) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST ;;
     test) cmd_test ;;
+    gpu) cmd_gpu ;;
     demo) shift; cmd_demo "$@" ;;
     valgrind) cmd_valgrind ;;
     bench) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_BENCH; build_lib; bash tests/bench/run.sh ;;
     install) shift; ensure_pkgs $PKGS_BUILD; cmd_install "$@" ;;
     clean) rm -rf $BUILD ;;
-    *) echo "usage: ./build.sh [build|deps|test|demo|valgrind|bench|clean]" >&2; exit 2 ;;
+    *) echo "usage: ./build.sh [build|deps|test|gpu|demo|valgrind|bench|install|clean]" >&2; exit 2 ;;
 esac

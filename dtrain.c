@@ -239,6 +239,7 @@ struct dt_ctx {
 
 static dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+static dt_status be_fault(dt_ctx *ctx, const char *what);   /* section 6 */
 
 /* Data parallelism (16) hooks into backward (6) and the context's end. */
 static dt_status ddp_backward_begin(struct dt_ddp *d);
@@ -1115,7 +1116,7 @@ dt_status dt_tensor_get(const dt_tensor *tc, void *host, int64_t count)
     size_t bytes = (size_t)n * dt_dtype_size(t->dtype);
     if (dt_tensor_is_contiguous(t)) {
         be->to_host(ctx->be, host, t->data, bytes);
-        return DT_OK;
+        return be_fault(ctx, "tensor_get");
     }
     dt_arena_mark m = arena_mark(ctx->cur_dev);
     void *tmp = arena_alloc(ctx, ctx->cur_dev, bytes);
@@ -1127,7 +1128,7 @@ dt_status dt_tensor_get(const dt_tensor *tc, void *host, int64_t count)
                      t->stride, 0);
     be->to_host(ctx->be, host, tmp, bytes);
     arena_release(ctx->cur_dev, m);
-    return DT_OK;
+    return be_fault(ctx, "tensor_get");
 }
 
 dt_status dt_tensor_fill(dt_tensor *t, float value)
@@ -1153,12 +1154,12 @@ float dt_tensor_item(const dt_tensor *t)
     if (t->dtype == DT_F32) {
         float v;
         t->ctx->be_iface->to_host(t->ctx->be, &v, t->data, sizeof v);
-        return v;
+        return be_fault(t->ctx, "tensor_item") == DT_OK ? v : NAN;
     }
     if (t->dtype == DT_I32) {
         int32_t v;
         t->ctx->be_iface->to_host(t->ctx->be, &v, t->data, sizeof v);
-        return (float)v;
+        return be_fault(t->ctx, "tensor_item") == DT_OK ? (float)v : NAN;
     }
     return NAN;
 }
@@ -1491,6 +1492,22 @@ static void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes)
         BE(ctx)->to_device(BEI(ctx), dst, host, bytes);
 }
 
+/* A failure underneath the backend (backend.h, fault: a refused launch, a
+ * cuBLAS error, a lost device) as this context's error, "what: message";
+ * DT_OK when there is none.  Polled wherever results reach the user (a
+ * tensor read, a loss, a count, the end of backward and of a step), so a
+ * dead GPU is an error there, never a silent zero. */
+static dt_status be_fault(dt_ctx *ctx, const char *what)
+{
+    if (!BE(ctx)->fault)
+        return DT_OK;
+    char msg[200] = "";
+    dt_status s = BE(ctx)->fault(BEI(ctx), msg, sizeof msg);
+    if (s == DT_OK)
+        return DT_OK;
+    return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
+}
+
 static int tracks(const dt_ctx *ctx, const dt_tensor *t)
 {
     return ctx->grad_enabled && t && (t->flags & T_REQGRAD);
@@ -1578,6 +1595,8 @@ static dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
     dt_status s = backward_run(ctx, loss, seed);
+    if (s == DT_OK && ctx)
+        s = be_fault(ctx, "backward");
     if (t0 != 0)
         prof_end(ctx, PH_BACKWARD, t0);
     return s;
@@ -2657,6 +2676,8 @@ dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
     if (!y)
         return NULL;
     int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), probs, FP(y));
+    if (be_fault(ctx, "cross_entropy") != DT_OK)
+        return NULL;
     if (bad >= 0) {
         int32_t v = 0;
         BE(ctx)->to_host(BEI(ctx), &v, IP(labels) + bad, sizeof v);
@@ -3041,6 +3062,8 @@ dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx)
     materialize(idx);
     int64_t n = shape_numel(idx->ndim, idx->shape), d = weight->shape[1];
     int64_t bad = BE(ctx)->index_check(BEI(ctx), n, IP(idx), weight->shape[0]);
+    if (be_fault(ctx, "embedding") != DT_OK)
+        return NULL;
     if (bad >= 0) {
         int32_t v = 0;
         BE(ctx)->to_host(BEI(ctx), &v, IP(idx) + bad, sizeof v);
@@ -3535,6 +3558,8 @@ dt_status dt_optim_step(dt_optim *o)
         return DT_EINVAL;
     double t0 = prof_begin(o->ctx);
     dt_status s = optim_step_run(o);
+    if (s == DT_OK)
+        s = be_fault(o->ctx, "optim_step");
     prof_end(o->ctx, PH_OPTIM, t0);
     return s;
 }
@@ -3611,6 +3636,9 @@ dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
         if (g && !(g->flags & T_ZERO))
             total += BE(ctx)->sumsq(BEI(ctx), shape_numel(g->ndim, g->shape), FP(g));
     }
+    dt_status fs = be_fault(ctx, "clip_grad_norm");
+    if (fs != DT_OK)
+        return fs;
     double norm = sqrt(total);
     if (norm_out)
         *norm_out = (float)norm;
@@ -3723,6 +3751,9 @@ dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
             BE(ctx)->axpby(BEI(ctx), n, 1.0f / sc->scale, FP(g), 0.0f, FP(g));
             total += BE(ctx)->sumsq(BEI(ctx), n, FP(g));
         }
+        dt_status fs = be_fault(ctx, "loss_scaler");
+        if (fs != DT_OK)
+            return fs;
         sc->found_inf = !isfinite(total);
         sc->unscaled = 1;
     }
@@ -5256,8 +5287,12 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
         !dt_tensor_is_contiguous(logits) || !dt_tensor_is_contiguous(labels))
         return set_error(ctx, DT_EINVAL, "count_correct: logits %s f32 and labels %s i32 must be "
                          "contiguous (N,C) and (N)", SHAPE(logits, s1), SHAPE(labels, s2));
-    *correct = BE(ctx)->count_correct(BEI(ctx), logits->shape[0], logits->shape[1], FP(logits),
-                                      IP(labels));
+    int64_t got = BE(ctx)->count_correct(BEI(ctx), logits->shape[0], logits->shape[1], FP(logits),
+                                         IP(labels));
+    dt_status s = be_fault(ctx, "count_correct");
+    if (s != DT_OK)
+        return s;
+    *correct = got;
     return DT_OK;
 }
 

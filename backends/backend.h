@@ -10,6 +10,12 @@
  *
  * Kernels never fail on valid arguments: the core validates shapes before it
  * calls.  Functions returning dt_status can fail for resource reasons only.
+ * A device can still fail underneath (a launch refused, a cuBLAS error, an
+ * illegal address that poisons the context): such a backend records the
+ * first failure and reports it through fault(), which the core polls where
+ * it hands results to the user (section "faults" below); the value-returning
+ * entries then return their documented "failed" values, never a plausible
+ * result.
  *
  * Determinism contract: for a fixed thread count every kernel gives
  * bit-identical results run to run.  Reductions (sum, sumsq, bias_grad,
@@ -27,7 +33,7 @@
 extern "C" {
 #endif
 
-#define DT_BACKEND_IFACE_VERSION 2
+#define DT_BACKEND_IFACE_VERSION 3
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -274,6 +280,18 @@ typedef struct dt_backend_iface {
     /* number of rows of logits (n,c) whose argmax (first max) equals label */
     int64_t (*count_correct)(dt_backend *be, int64_t n, int64_t c, const float *logits,
                              const int32_t *labels);
+
+    /* --- faults (optional; NULL: the backend cannot fail underneath) -------
+     * The first failure since init (a kernel launch, a cuBLAS call, a copy,
+     * an asynchronous fault found at a sync), sticky: once set, every later
+     * call reports it again, and the instance computes nothing trustworthy
+     * any more (a CUDA context that saw an illegal address is lost for
+     * good).  Returns DT_OK, or the failure's status with its message in
+     * err.  Cheap: reads a flag; it does not synchronize.  After a fault
+     * the value-returning entries return: sumsq NaN, xent_forward and
+     * index_check -1 (the caller must ask fault() before trusting "all
+     * valid"), count_correct -1. */
+    dt_status (*fault)(dt_backend *be, char *err, size_t err_len);
 } dt_backend_iface;
 
 /* Backends compiled in expose their interface through these. */

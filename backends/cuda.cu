@@ -23,6 +23,10 @@
  *
  * Kernels use grid-stride loops over int64 indices with a capped grid
  * (grid_for); kernels assume valid arguments (the core validates shapes).
+ * What can still fail underneath (a launch, a cuBLAS call, a copy, a kernel's
+ * fault found at a sync) is checked where it is issued and kept as the
+ * instance's sticky first fault, which fault() reports (section 2, "the
+ * fault record"); nothing here prints or aborts.
  * Written as C-like CUDA C++ (no exceptions, new/delete, STL or iostream) so
  * the object links into C programs with -lcudart -lcublas.
  *
@@ -60,6 +64,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---------------------------------------------------------------------------
@@ -76,6 +81,13 @@
 #define DT_CUDA_RED_PARTS 1024     /* partials per output, at most */
 #define DT_CUDA_ROW_LONG 2048      /* rows this long get a block each, else a warp */
 #define DT_CUDA_MIN_CC 8           /* kernels are built for sm_80 and sm_90 */
+#define DT_CUDA_FAULT_MSG 320      /* bytes kept of the first fault's message */
+#define DT_CUDA_PACK_ALIGN 8       /* gemm_ex's packed rows and entries, elements */
+
+/* init's message when there is nothing to run on (no driver, no device).  The
+ * tests match this prefix to report "skipped: no GPU", so no other failure
+ * may begin with it (device_check). */
+#define DT_CUDA_NO_DEVICE_MSG "cuda: no CUDA device is visible"
 
 #define DT_GRID_LOOP(i, n)                                                          \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);      \
@@ -182,7 +194,12 @@ struct dt_backend {
     cudaEvent_t tickets[DT_CUDA_TICKETS];
     int ntickets;                 /* events created (for a partial init) */
     pthread_mutex_t mu;           /* the pool, the scratch and the tickets */
-    int mu_ready;
+    pthread_mutex_t fault_mu;     /* writers of the fault record; a leaf lock */
+    int mu_ready;                 /* both mutexes exist */
+    /* the first failure underneath, sticky (backend.h, "faults") */
+    int faulted;                  /* 1 once fault_status and fault_msg are final */
+    dt_status fault_status;
+    char fault_msg[DT_CUDA_FAULT_MSG];
     uint64_t ticket_last;         /* last ticket issued */
     uint64_t ticket_fenced;       /* compute stream already waits for these */
     /* device memory pool (section 3) */
@@ -203,6 +220,79 @@ static unsigned long long *red_flag(dt_backend *be)
 }
 static double *red_result(dt_backend *be) { return be->red + DT_CUDA_RED_SLOTS + 1; }
 
+/* ---- the fault record -----------------------------------------------------
+ * Every kernel launch, cuBLAS call, copy, memset, event and stream operation
+ * is checked where it is issued; the first failure is kept with where it
+ * happened, later ones are dropped (they are mostly its echoes: a context
+ * that saw an illegal address fails every call after it).  A fault found at
+ * a synchronization may come from any kernel queued before it; the location
+ * is where it surfaced (CUDA_LAUNCH_BLOCKING=1 makes the two the same).
+ * Writers take fault_mu, which is never held while taking another lock, so
+ * code that holds mu can record.  Readers only load `faulted`, stored with
+ * release after the record is complete and never changed again, so fault()
+ * and the hot-path checks take no lock. */
+static dt_status status_of(cudaError_t e)
+{
+    return e == cudaErrorMemoryAllocation ? DT_ENOMEM : DT_EIO;
+}
+
+static int cuda_faulted(const dt_backend *be)
+{
+    return __atomic_load_n(&be->faulted, __ATOMIC_ACQUIRE);
+}
+
+static void fault_record(dt_backend *be, dt_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void fault_record(dt_backend *be, dt_status s, const char *fmt, ...)
+{
+    if (!be->mu_ready || cuda_faulted(be)) return;
+    pthread_mutex_lock(&be->fault_mu);
+    if (!be->faulted) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(be->fault_msg, sizeof be->fault_msg, fmt, ap);
+        va_end(ap);
+        be->fault_status = s;
+        __atomic_store_n(&be->faulted, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&be->fault_mu);
+}
+
+/* call is the call's source text (named up to its '('); fn and line say
+ * where it was issued */
+static void fault_cuda(dt_backend *be, cudaError_t e, const char *call, const char *fn, int line)
+{
+    fault_record(be, status_of(e), "cuda: %.*s failed: %s (%s, %s:%d)",
+                 (int)strcspn(call, "("), call, cudaGetErrorString(e), fn, __FILE__, line);
+}
+
+static inline int cuda_ok(dt_backend *be, cudaError_t e, const char *call, const char *fn,
+                          int line)
+{
+    if (e != cudaSuccess) fault_cuda(be, e, call, fn, line);
+    return e == cudaSuccess;
+}
+
+static inline int blas_ok(dt_backend *be, cublasStatus_t b, const char *call, const char *fn,
+                          int line)
+{
+    if (b == CUBLAS_STATUS_SUCCESS) return 1;
+    fault_record(be, b == CUBLAS_STATUS_ALLOC_FAILED ? DT_ENOMEM : DT_EIO,
+                 "cuda: %.*s failed: %s (%s, %s:%d)", (int)strcspn(call, "("), call,
+                 cublasGetStatusString(b), fn, __FILE__, line);
+    return 0;
+}
+
+/* 1 if the CUDA runtime call succeeded, else 0 with the fault recorded */
+#define DT_CUDA_OK(be, call) cuda_ok((be), (call), #call, __func__, __LINE__)
+/* the same for a cuBLAS call */
+#define DT_BLAS_OK(be, call) blas_ok((be), (call), #call, __func__, __LINE__)
+/* Right after every <<<>>>: a refused launch (bad configuration, no code for
+ * this device, a context already lost) shows only in cudaGetLastError, which
+ * also clears it, so the error is recorded here or lost. */
+#define DT_LAUNCHED(be) cuda_ok((be), cudaGetLastError(), "kernel launch", __func__, __LINE__)
+
 /* The CUDA runtime keeps the current device per host thread, and a kernel
  * launched onto another device's stream fails (cudaMalloc would allocate on
  * the wrong device).  Entries may be called from threads other than init's
@@ -212,10 +302,11 @@ static double *red_result(dt_backend *be) { return be->red + DT_CUDA_RED_SLOTS +
  * entry selects this instance's device whenever the thread's current one
  * differs: device 0 is not a safe default once the thread has selected
  * another. */
-static inline void cuda_enter(const dt_backend *be)
+static inline void cuda_enter(dt_backend *be)
 {
     int cur = -1;
-    if (cudaGetDevice(&cur) != cudaSuccess || cur != be->device) (void)cudaSetDevice(be->device);
+    if (cudaGetDevice(&cur) != cudaSuccess || cur != be->device)
+        DT_CUDA_OK(be, cudaSetDevice(be->device));
 }
 
 /* ---------------------------------------------------------------------------
@@ -355,24 +446,30 @@ static int freelist_push(dt_backend *be, int cls, void *p)
  * them, so both streams drain first. */
 static void pool_release_cached(dt_backend *be)
 {
-    if (be->compute) (void)cudaStreamSynchronize(be->compute);
-    if (be->copy) (void)cudaStreamSynchronize(be->copy);
+    if (be->compute) DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
+    if (be->copy) DT_CUDA_OK(be, cudaStreamSynchronize(be->copy));
     for (int c = 0; c < DT_CUDA_CLASSES; c++) {
         dt_cuda_freelist *fl = &be->cached[c];
-        for (int64_t i = 0; i < fl->count; i++) (void)cudaFree(fl->ptrs[i]);
+        for (int64_t i = 0; i < fl->count; i++) DT_CUDA_OK(be, cudaFree(fl->ptrs[i]));
         fl->count = 0;
     }
 }
 
-/* cudaMalloc; on failure release the cache and try once more */
+/* cudaMalloc; when out of memory release the cache and try once more.  Out
+ * of memory is the caller's DT_ENOMEM, not a fault; any other failure (a lost
+ * context) is. */
 static void *device_malloc(dt_backend *be, size_t bytes)
 {
     void *p = NULL;
-    if (cudaMalloc(&p, bytes) == cudaSuccess) return p;
-    (void)cudaGetLastError();   /* the out-of-memory error is not sticky: clear it */
-    pool_release_cached(be);
-    if (cudaMalloc(&p, bytes) == cudaSuccess) return p;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();   /* not sticky: clear it */
+        pool_release_cached(be);
+        e = cudaMalloc(&p, bytes);
+    }
+    if (e == cudaSuccess) return p;
     (void)cudaGetLastError();
+    if (e != cudaErrorMemoryAllocation) fault_cuda(be, e, "cudaMalloc", __func__, __LINE__);
     return NULL;
 }
 
@@ -382,7 +479,8 @@ static void *device_malloc(dt_backend *be, size_t bytes)
 static void copy_fence(dt_backend *be)
 {
     if (be->ticket_last <= be->ticket_fenced) return;
-    (void)cudaStreamWaitEvent(be->compute, be->tickets[be->ticket_last % DT_CUDA_TICKETS], 0);
+    cudaEvent_t last = be->tickets[be->ticket_last % DT_CUDA_TICKETS];
+    DT_CUDA_OK(be, cudaStreamWaitEvent(be->compute, last, 0));
     be->ticket_fenced = be->ticket_last;
 }
 
@@ -401,7 +499,7 @@ static void *cuda_alloc(dt_backend *be, size_t bytes)
         if (reused)
             fl->count++;                   /* still in the stack's array */
         else
-            (void)cudaFree(p);
+            DT_CUDA_OK(be, cudaFree(p));
         p = NULL;
     }
     pthread_mutex_unlock(&be->mu);
@@ -419,8 +517,8 @@ static void cuda_free(dt_backend *be, void *ptr)
         live_remove(be, slot);
         copy_fence(be);
         if (!freelist_push(be, cls, ptr)) {   /* no host memory for the cache */
-            (void)cudaStreamSynchronize(be->compute);
-            (void)cudaFree(ptr);
+            DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
+            DT_CUDA_OK(be, cudaFree(ptr));
         }
     }
     pthread_mutex_unlock(&be->mu);
@@ -452,11 +550,6 @@ static void set_err(char *err, size_t err_len, const char *fmt, ...)
     va_end(ap);
 }
 
-static dt_status status_of(cudaError_t e)
-{
-    return e == cudaErrorMemoryAllocation ? DT_ENOMEM : DT_EIO;
-}
-
 static __global__ void fill_kernel(int64_t n, float v, float *y);
 
 static void cuda_shutdown(dt_backend *be)
@@ -479,21 +572,68 @@ static void cuda_shutdown(dt_backend *be)
     if (be->fence) (void)cudaEventDestroy(be->fence);
     if (be->copy) (void)cudaStreamDestroy(be->copy);
     if (be->compute) (void)cudaStreamDestroy(be->compute);
-    if (be->mu_ready) pthread_mutex_destroy(&be->mu);
+    if (be->mu_ready) {
+        pthread_mutex_destroy(&be->mu);
+        pthread_mutex_destroy(&be->fault_mu);
+    }
     be->al.free_fn(be, be->al.user);
+}
+
+/* The number of visible devices.  DT_ENOTSUP with DT_CUDA_NO_DEVICE_MSG only
+ * when there is nothing to run on: no NVIDIA driver (driver version 0, or
+ * the link-time stub library standing in for it), or a driver that sees no
+ * device.  Everything else is DT_EIO: a driver too old for this build's
+ * runtime, or one that cannot start, means a GPU is there but broken, and a
+ * test that reported "skipped: no GPU" would hide it.  cudaGetDeviceCount
+ * alone cannot tell the two apart: with no driver installed it answers
+ * cudaErrorInsufficientDriver, as it does for an old one. */
+static dt_status device_count(int *count, char *err, size_t err_len)
+{
+    int drv = 0, rt = 0;
+    cudaError_t e = cudaDriverGetVersion(&drv);
+    if (e == cudaErrorStubLibrary || (e == cudaSuccess && drv == 0)) {
+        set_err(err, err_len, DT_CUDA_NO_DEVICE_MSG " (no NVIDIA driver is installed)");
+        (void)cudaGetLastError();
+        return DT_ENOTSUP;
+    }
+    if (e != cudaSuccess) {
+        set_err(err, err_len, "cuda: cannot read the NVIDIA driver's version (%s)",
+                cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        return DT_EIO;
+    }
+    e = cudaGetDeviceCount(count);
+    (void)cudaGetLastError();
+    if (e == cudaErrorNoDevice || (e == cudaSuccess && *count <= 0)) {
+        const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+        set_err(err, err_len, DT_CUDA_NO_DEVICE_MSG " (NVIDIA driver %d.%d sees none%s%s%s)",
+                drv / 1000, drv % 1000 / 10, vis ? "; CUDA_VISIBLE_DEVICES=\"" : "",
+                vis ? vis : "", vis ? "\"" : "");
+        return DT_ENOTSUP;
+    }
+    if (e == cudaErrorInsufficientDriver) {
+        (void)cudaRuntimeGetVersion(&rt);
+        set_err(err, err_len,
+                "cuda: the NVIDIA driver (version %d.%d) is older than this build's CUDA "
+                "runtime (%d.%d); update the driver",
+                drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
+        return DT_EIO;
+    }
+    if (e != cudaSuccess) {
+        set_err(err, err_len, "cuda: cannot start CUDA with NVIDIA driver %d.%d (%s: %s)",
+                drv / 1000, drv % 1000 / 10, cudaGetErrorName(e), cudaGetErrorString(e));
+        return DT_EIO;
+    }
+    return DT_OK;
 }
 
 /* Is there a usable device `device`?  Selects it. */
 static dt_status device_check(int device, char *err, size_t err_len)
 {
     int count = 0, major = 0, minor = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count <= 0) {
-        set_err(err, err_len, "cuda: no CUDA device is visible (cudaGetDeviceCount: %s)",
-                e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-        (void)cudaGetLastError();
-        return DT_ENOTSUP;
-    }
+    cudaError_t e;
+    dt_status s = device_count(&count, err, err_len);
+    if (s != DT_OK) return s;
     if (device < 0 || device >= count) {
         set_err(err, err_len, "cuda: device %d does not exist (%d visible: 0..%d)", device, count,
                 count - 1);
@@ -512,7 +652,7 @@ static dt_status device_check(int device, char *err, size_t err_len)
         set_err(err, err_len,
                 "cuda: device %d has compute capability %d.%d; this build needs %d.0 or newer",
                 device, major, minor, DT_CUDA_MIN_CC);
-        return DT_ENOTSUP;
+        return DT_EIO;   /* a GPU is there: not "no device" */
     }
     return DT_OK;
 }
@@ -543,7 +683,8 @@ static dt_status start_device(dt_backend *be, char *err, size_t err_len)
                                                         cudaSuccess) {
         set_err(err, err_len, "cuda: device %d cannot run this build's kernels (%s)", be->device,
                 cudaGetErrorString(e));
-        return DT_ENOTSUP;
+        (void)cudaGetLastError();
+        return DT_EIO;
     }
     return DT_OK;
 fail:
@@ -553,9 +694,13 @@ fail:
     return status_of(e);
 }
 
-/* cuBLAS on the compute stream, plain fp32 math: DEFAULT_MATH never uses
- * TF32 tensor cores for fp32 GEMMs (only an explicit FAST_TF32 compute type
- * does, section 6), and no atomics, so GEMMs are reproducible run to run. */
+/* cuBLAS on the compute stream.  f32 GEMMs run CUBLAS_COMPUTE_32F under
+ * CUBLAS_DEFAULT_MATH, which never uses TF32: cuBLAS converts f32 inputs to
+ * TF32 only under CUBLAS_TF32_TENSOR_OP_MATH or with the compute type
+ * CUBLAS_COMPUTE_32F_FAST_TF32 (section 6 asks for the latter for
+ * DT_PREC_TF32 only), and NVIDIA_TF32_OVERRIDE can only turn TF32 off.  Not
+ * CUBLAS_COMPUTE_32F_PEDANTIC, which also rules out kernels that are exact
+ * f32 but faster.  No atomics, so GEMMs are reproducible run to run. */
 static dt_status start_blas(dt_backend *be, char *err, size_t err_len)
 {
     cublasStatus_t b = cublasCreate(&be->blas);
@@ -594,6 +739,12 @@ static dt_status cuda_init(const dt_backend_params *p, dt_backend **out, char *e
         s = DT_ENOMEM;
         goto fail;
     }
+    if (pthread_mutex_init(&be->fault_mu, NULL) != 0) {
+        pthread_mutex_destroy(&be->mu);
+        set_err(err, err_len, "cuda: cannot create a mutex");
+        s = DT_ENOMEM;
+        goto fail;
+    }
     be->mu_ready = 1;
     if ((s = start_device(be, err, err_len)) != DT_OK) goto fail;
     if ((s = start_blas(be, err, err_len)) != DT_OK) goto fail;
@@ -602,6 +753,15 @@ static dt_status cuda_init(const dt_backend_params *p, dt_backend **out, char *e
 fail:
     cuda_shutdown(be);
     return s;
+}
+
+/* The first failure underneath since init, or DT_OK; reads the flag only
+ * (see "the fault record", section 2). */
+static dt_status cuda_fault(dt_backend *be, char *err, size_t err_len)
+{
+    if (!cuda_faulted(be)) return DT_OK;
+    set_err(err, err_len, "%s", be->fault_msg);
+    return be->fault_status;
 }
 
 /* ---------------------------------------------------------------------------
@@ -615,55 +775,57 @@ static void cuda_to_device(dt_backend *be, void *dst, const void *host_src, size
 {
     if (!bytes) return;
     cuda_enter(be);
-    (void)cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, be->compute);
-    (void)cudaStreamSynchronize(be->compute);
+    DT_CUDA_OK(be, cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, be->compute));
+    DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
 }
 
 static void cuda_to_host(dt_backend *be, void *host_dst, const void *src, size_t bytes)
 {
     if (!bytes) return;
     cuda_enter(be);
-    (void)cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, be->compute);
-    (void)cudaStreamSynchronize(be->compute);
+    DT_CUDA_OK(be, cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, be->compute));
+    DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
 }
 
 static void cuda_copy(dt_backend *be, void *dst, const void *src, size_t bytes)
 {
     if (!bytes || dst == src) return;
     cuda_enter(be);
-    (void)cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, be->compute);
+    DT_CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, be->compute));
 }
 
 static void cuda_memset0(dt_backend *be, void *dst, size_t bytes)
 {
     if (!bytes) return;
     cuda_enter(be);
-    (void)cudaMemsetAsync(dst, 0, bytes, be->compute);
+    DT_CUDA_OK(be, cudaMemsetAsync(dst, 0, bytes, be->compute));
 }
 
 static void cuda_sync(dt_backend *be)
 {
     cuda_enter(be);
-    (void)cudaStreamSynchronize(be->compute);
+    DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
 }
 
-/* page-locked host memory, NULL if it cannot be had */
+/* page-locked host memory, NULL if it cannot be had (the core then uses its
+ * allocator); a failure other than running out is a fault, as in
+ * device_malloc */
 static void *cuda_host_alloc(dt_backend *be, size_t bytes)
 {
     void *p = NULL;
     cuda_enter(be);
-    if (cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return NULL;
-    }
-    return p;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable);
+    if (e == cudaSuccess) return p;
+    (void)cudaGetLastError();
+    if (e != cudaErrorMemoryAllocation) fault_cuda(be, e, "cudaHostAlloc", __func__, __LINE__);
+    return NULL;
 }
 
 static void cuda_host_free(dt_backend *be, void *ptr)
 {
     if (!ptr) return;
     cuda_enter(be);
-    (void)cudaFreeHost(ptr);
+    DT_CUDA_OK(be, cudaFreeHost(ptr));
 }
 
 /* Ticket t's completion is recorded in tickets[t % DT_CUDA_TICKETS].  A later
@@ -676,10 +838,10 @@ static uint64_t cuda_copy_async(dt_backend *be, void *dst, const void *src, size
     cuda_enter(be);
     pthread_mutex_lock(&be->mu);   /* ticket order == copy-stream order */
     uint64_t t = ++be->ticket_last;
-    (void)cudaEventRecord(be->fence, be->compute);
-    (void)cudaStreamWaitEvent(be->copy, be->fence, 0);
-    (void)cudaMemcpyAsync(dst, src, bytes, kind, be->copy);
-    (void)cudaEventRecord(be->tickets[t % DT_CUDA_TICKETS], be->copy);
+    DT_CUDA_OK(be, cudaEventRecord(be->fence, be->compute));
+    DT_CUDA_OK(be, cudaStreamWaitEvent(be->copy, be->fence, 0));
+    DT_CUDA_OK(be, cudaMemcpyAsync(dst, src, bytes, kind, be->copy));
+    DT_CUDA_OK(be, cudaEventRecord(be->tickets[t % DT_CUDA_TICKETS], be->copy));
     pthread_mutex_unlock(&be->mu);
     return t;
 }
@@ -698,7 +860,7 @@ static void cuda_copy_wait(dt_backend *be, uint64_t ticket)
 {
     cuda_enter(be);
     cudaEvent_t ev = ticket_event(be, ticket);
-    if (ev) (void)cudaEventSynchronize(ev);
+    if (ev) DT_CUDA_OK(be, cudaEventSynchronize(ev));
 }
 
 static void cuda_copy_join(dt_backend *be, uint64_t ticket)
@@ -706,7 +868,7 @@ static void cuda_copy_join(dt_backend *be, uint64_t ticket)
     cuda_enter(be);
     cudaEvent_t ev = ticket_event(be, ticket);
     if (!ev) return;
-    (void)cudaStreamWaitEvent(be->compute, ev, 0);
+    DT_CUDA_OK(be, cudaStreamWaitEvent(be->compute, ev, 0));
     pthread_mutex_lock(&be->mu);
     if (ticket > be->ticket_fenced) be->ticket_fenced = ticket;
     pthread_mutex_unlock(&be->mu);
@@ -748,14 +910,14 @@ static void blas_run(dt_backend *be, const gemm_args *G, const void *a, int64_t 
     cublasOperation_t oa = G->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasOperation_t ob = G->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (G->batch == 1)
-        (void)cublasGemmEx_64(be->blas, ob, oa, G->n, G->m, G->k, &G->alpha, b, t, G->ldb, a, t,
-                              G->lda, &G->beta, G->c, CUDA_R_32F, G->ldc, compute,
-                              CUBLAS_GEMM_DEFAULT);
+        DT_BLAS_OK(be, cublasGemmEx_64(be->blas, ob, oa, G->n, G->m, G->k, &G->alpha, b, t,
+                                       G->ldb, a, t, G->lda, &G->beta, G->c, CUDA_R_32F, G->ldc,
+                                       compute, CUBLAS_GEMM_DEFAULT));
     else
-        (void)cublasGemmStridedBatchedEx_64(be->blas, ob, oa, G->n, G->m, G->k, &G->alpha, b, t,
-                                            G->ldb, sb, a, t, G->lda, sa, &G->beta, G->c,
-                                            CUDA_R_32F, G->ldc, G->sc, G->batch, compute,
-                                            CUBLAS_GEMM_DEFAULT);
+        DT_BLAS_OK(be, cublasGemmStridedBatchedEx_64(
+                           be->blas, ob, oa, G->n, G->m, G->k, &G->alpha, b, t, G->ldb, sb, a, t,
+                           G->lda, sa, &G->beta, G->c, CUDA_R_32F, G->ldc, G->sc, G->batch,
+                           compute, CUBLAS_GEMM_DEFAULT));
 }
 
 /* 1 if there is nothing to multiply (done here), 0 if cuBLAS should run */
@@ -766,6 +928,7 @@ static int gemm_trivial(dt_backend *be, const gemm_args *G)
     int64_t total = G->batch * G->m * G->n;
     gemm_scale_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         G->batch, G->m, G->n, G->beta, G->c, G->ldc, G->sc);
+    DT_LAUNCHED(be);
     return 1;
 }
 
@@ -851,18 +1014,24 @@ static void cuda_round_prec(dt_backend *be, dt_precision prec, int64_t n, const 
     cuda_enter(be);
     if (prec == DT_PREC_F32) {
         if (x != y)
-            (void)cudaMemcpyAsync(y, x, (size_t)n * sizeof(float), cudaMemcpyDeviceToDevice,
-                                  be->compute);
+            DT_CUDA_OK(be, cudaMemcpyAsync(y, x, (size_t)n * sizeof(float),
+                                           cudaMemcpyDeviceToDevice, be->compute));
         return;
     }
     round_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>((int)prec, n,
                                                                                     x, y);
+    DT_LAUNCHED(be);
 }
 
 /* ---- gemm_ex: operands rounded into scratch, then one cuBLAS call --------
- * The operands' whole strided extents, (rows-1)*ld + cols elements per batch
- * entry, are packed entry after entry (a stride of 0, one shared operand, is
- * packed once), keeping ld.  BF16 / F16 become __nv_bfloat16 / __half
+ * Each operand is packed entry after entry (a stride of 0, one shared
+ * operand, is packed once) as rows of DT_CUDA_PACK_ALIGN-rounded length: the
+ * packed ld, so every row and every batch entry, starts at a multiple of 8
+ * elements (16 bytes of bf16 / f16), and B's copy starts 256-byte aligned
+ * like A's (the pool's blocks are).  cuBLAS picks its tensor-core kernels
+ * only for such aligned pointers, ld and batch strides; the caller's ld and
+ * strides are whatever the tensors had (a slice, an odd K), and the gaps
+ * between rows are not copied.  BF16 / F16 become __nv_bfloat16 / __half
  * (round to nearest even, out of range to inf) for tensor cores with f32
  * accumulation.  TF32 is rounded to nearest even in f32 and then run with
  * CUBLAS_COMPUTE_32F_FAST_TF32: the tensor cores' own f32->tf32 conversion
@@ -874,55 +1043,72 @@ static void cuda_round_prec(dt_backend *be, dt_precision prec, int64_t n, const 
  * scratch at all, TF32 runs FAST_TF32 on the raw operands (the hardware's
  * rounding) and BF16 / F16 run in plain f32 (more accurate than asked). */
 
-/* dst (nb, ext) = src entries of ext elements, stride apart, rounded to prec
- * and stored as f32 (TF32), __nv_bfloat16 or __half */
-static __global__ void pack_kernel(int prec, int64_t nb, int64_t ext, int64_t stride,
-                                   const float *src, void *dst)
+/* one row-major operand as stored: nb entries of (rows, cols) with leading
+ * dimension ld, stride elements apart; pld is its packed leading dimension */
+typedef struct pack_shape {
+    int64_t nb, rows, cols, ld, stride, pld;
+} pack_shape;
+
+/* dst (nb, rows, pld) = src (nb, rows, cols) rounded to prec, stored as f32
+ * (TF32), __nv_bfloat16 or __half; columns cols..pld-1 are left as they are
+ * (cuBLAS never reads them) */
+static __global__ void pack_kernel(int prec, pack_shape S, const float *src, void *dst)
 {
-    DT_GRID_LOOP(i, nb * ext) {
-        int64_t b = i / ext, e = i - b * ext;
-        float v = src[b * stride + e];
+    DT_GRID_LOOP(i, S.nb * S.rows * S.cols) {
+        int64_t e = i % S.cols, t = i / S.cols, r = t % S.rows, b = t / S.rows;
+        float v = src[b * S.stride + r * S.ld + e];
+        int64_t o = (b * S.rows + r) * S.pld + e;
         if (prec == DT_PREC_TF32)
-            ((float *)dst)[i] = round_tf32(v);
+            ((float *)dst)[o] = round_tf32(v);
         else if (prec == DT_PREC_BF16)
-            ((__nv_bfloat16 *)dst)[i] = __float2bfloat16_rn(v);
+            ((__nv_bfloat16 *)dst)[o] = __float2bfloat16_rn(v);
         else
-            ((__half *)dst)[i] = __float2half_rn(v);
+            ((__half *)dst)[o] = __float2half_rn(v);
     }
 }
 
-static void pack_operand(dt_backend *be, dt_precision prec, int64_t nb, int64_t ext,
-                         int64_t stride, const float *src, void *dst)
+static void pack_operand(dt_backend *be, dt_precision prec, const pack_shape *S, const float *src,
+                         void *dst)
 {
-    pack_kernel<<<grid_for(nb * ext, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
-        (int)prec, nb, ext, stride, src, dst);
+    int64_t total = S->nb * S->rows * S->cols;
+    pack_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
+        (int)prec, *S, src, dst);
+    DT_LAUNCHED(be);
 }
 
-/* elements from a row-major (rows, cols) operand's first to its last */
-static int64_t operand_extent(int64_t rows, int64_t cols, int64_t ld)
+/* Operand (rows, cols, ld, stride) of G, entries to pack, packed ld.  One
+ * entry when the batch is 1 or the operand is shared (stride 0). */
+static pack_shape pack_shape_of(const gemm_args *G, int64_t rows, int64_t cols, int64_t ld,
+                                int64_t stride)
 {
-    return (rows - 1) * ld + cols;
+    pack_shape S = {(G->batch == 1 || stride == 0) ? 1 : G->batch, rows, cols, ld, stride,
+                    (cols + DT_CUDA_PACK_ALIGN - 1) / DT_CUDA_PACK_ALIGN * DT_CUDA_PACK_ALIGN};
+    return S;
 }
 
 /* Run G at prec through rounded copies in the scratch; 0 (nothing queued) if
  * the scratch cannot be had. */
 static int gemm_ex_scratch(dt_backend *be, dt_precision prec, const gemm_args *G)
 {
-    int64_t ea = G->ta ? operand_extent(G->k, G->m, G->lda) : operand_extent(G->m, G->k, G->lda);
-    int64_t eb = G->tb ? operand_extent(G->n, G->k, G->ldb) : operand_extent(G->k, G->n, G->ldb);
-    int64_t na = (G->batch == 1 || G->sa == 0) ? 1 : G->batch;
-    int64_t nb = (G->batch == 1 || G->sb == 0) ? 1 : G->batch;
+    pack_shape A = G->ta ? pack_shape_of(G, G->k, G->m, G->lda, G->sa)
+                         : pack_shape_of(G, G->m, G->k, G->lda, G->sa);
+    pack_shape B = G->tb ? pack_shape_of(G, G->n, G->k, G->ldb, G->sb)
+                         : pack_shape_of(G, G->k, G->n, G->ldb, G->sb);
+    int64_t ea = A.rows * A.pld, eb = B.rows * B.pld;   /* packed entry sizes */
     size_t es = prec == DT_PREC_TF32 ? sizeof(float) : sizeof(__half);
-    size_t a_bytes = ((size_t)(na * ea) * es + 255) & ~(size_t)255;
-    if (!scratch_reserve(be, a_bytes + (size_t)(nb * eb) * es)) return 0;
-    void *sa = be->scratch, *sb = (char *)be->scratch + a_bytes;
-    pack_operand(be, prec, na, ea, G->sa, G->a, sa);
-    pack_operand(be, prec, nb, eb, G->sb, G->b, sb);
-    int64_t psa = na > 1 ? ea : 0, psb = nb > 1 ? eb : 0;
+    size_t a_bytes = ((size_t)(A.nb * ea) * es + 255) & ~(size_t)255;
+    if (!scratch_reserve(be, a_bytes + (size_t)(B.nb * eb) * es)) return 0;
+    void *pa = be->scratch, *pb = (char *)be->scratch + a_bytes;
+    pack_operand(be, prec, &A, G->a, pa);
+    pack_operand(be, prec, &B, G->b, pb);
+    gemm_args P = *G;   /* the packed operands' leading dimensions */
+    P.lda = A.pld;
+    P.ldb = B.pld;
+    int64_t psa = A.nb > 1 ? ea : 0, psb = B.nb > 1 ? eb : 0;
     if (prec == DT_PREC_TF32)
-        blas_run(be, G, sa, psa, sb, psb, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32);
+        blas_run(be, &P, pa, psa, pb, psb, CUDA_R_32F, CUBLAS_COMPUTE_32F_FAST_TF32);
     else
-        blas_run(be, G, sa, psa, sb, psb, prec == DT_PREC_BF16 ? CUDA_R_16BF : CUDA_R_16F,
+        blas_run(be, &P, pa, psa, pb, psb, prec == DT_PREC_BF16 ? CUDA_R_16BF : CUDA_R_16F,
                  CUBLAS_COMPUTE_32F);
     return 1;
 }
@@ -974,6 +1160,7 @@ static void cuda_fill(dt_backend *be, int64_t n, float value, float *y)
     if (n <= 0) return;
     cuda_enter(be);
     fill_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(n, value, y);
+    DT_LAUNCHED(be);
 }
 
 /* y (n) = alpha x + beta y; beta == 0 does not read y (it may hold NaN) */
@@ -995,6 +1182,7 @@ static void cuda_axpby(dt_backend *be, int64_t n, float alpha, const float *x, f
     cuda_enter(be);
     axpby_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(n, alpha, x,
                                                                                     beta, y);
+    DT_LAUNCHED(be);
 }
 
 #define DT_INV_SQRT_2PI 0.39894228040143267794f
@@ -1041,6 +1229,7 @@ static void cuda_unary(dt_backend *be, dt_unary_op op, int64_t n, const float *x
     cuda_enter(be);
     unary_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>((int)op, n, x,
                                                                                     y);
+    DT_LAUNCHED(be);
 }
 
 /* dx (n) (+)= dy * op'(x) */
@@ -1060,6 +1249,7 @@ static void cuda_unary_backward(dt_backend *be, dt_unary_op op, int64_t n, const
     cuda_enter(be);
     unary_bwd_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         (int)op, n, x, y, dy, dx, accumulate);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1147,6 +1337,7 @@ static void cuda_binary(dt_backend *be, dt_binary_op op, int ndim, const int64_t
             (int)op, n, a, D.st[0][0], b, D.st[1][0], out);
     else
         binary_kernel<<<grid, DT_CUDA_THREADS, 0, be->compute>>>((int)op, n, D, a, b, out);
+    DT_LAUNCHED(be);
 }
 
 /* ---- copy_strided: dst[..] (+)= src[..] (st[0] dst, st[1] src) ---------- */
@@ -1191,13 +1382,16 @@ static void cuda_copy_strided(dt_backend *be, int ndim, const int64_t *shape, si
     cudaStream_t s = be->compute;
     if (accumulate) { /* f32 only */
         copy_acc_kernel<<<grid, DT_CUDA_THREADS, 0, s>>>(n, D, (float *)dst, (const float *)src);
+        DT_LAUNCHED(be);
         return;
     }
     if (D.nd == 1 && D.st[0][0] == 1 && D.st[1][0] == 1) {
-        (void)cudaMemcpyAsync(dst, src, (size_t)n * elem_bytes, cudaMemcpyDeviceToDevice, s);
+        DT_CUDA_OK(be,
+                   cudaMemcpyAsync(dst, src, (size_t)n * elem_bytes, cudaMemcpyDeviceToDevice, s));
         return;
     }
     copy_kernel<<<grid, DT_CUDA_THREADS, 0, s>>>(n, D, (int64_t)elem_bytes, dst, src);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1300,8 +1494,10 @@ static void sum_parts_run(dt_backend *be, const dt_cuda_dims *K, int64_t nk, con
 {
     dim3 grid((unsigned)np, (unsigned)nk);
     sum_parts_kernel<<<grid, DT_CUDA_THREADS, 0, be->compute>>>(*K, nr, *R, np, sq, src, be->red);
+    DT_LAUNCHED(be);
     sum_finish_kernel<<<grid_for(nk, 1), DT_CUDA_THREADS, 0, be->compute>>>(
         nk, *K, np, be->red, div, dst, acc, dout);
+    DT_LAUNCHED(be);
 }
 
 /* src (shape, contiguous) summed into dst[dst_strides], 0 strides reduced */
@@ -1330,6 +1526,7 @@ static void sum_to_impl(dt_backend *be, int ndim, const int64_t *shape, const fl
     }
     sum_thread_kernel<<<grid_for(nk, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         nk, K, nr, R, src, dst, acc);
+    DT_LAUNCHED(be);
 }
 
 static void cuda_sum_to(dt_backend *be, int ndim, const int64_t *shape, const float *src,
@@ -1356,9 +1553,13 @@ static void cuda_sum(dt_backend *be, int64_t n, const float *x, float *y)
     sum_to_impl(be, 1, shape, x, y, st, 0);
 }
 
-/* sum of squares of x (n), to the host (waits) */
+/* Sum of squares of x (n), to the host (waits).  NaN once the instance has a
+ * fault (an earlier one, or one in this call: the launches record theirs, the
+ * sync surfaces the kernels'), so gradient clipping and the fp16 loss scaler
+ * see an overflow rather than a clean 0. */
 static double cuda_sumsq(dt_backend *be, int64_t n, const float *x)
 {
+    if (cuda_faulted(be)) return NAN;
     if (n <= 0) return 0.0;
     cuda_enter(be);
     dt_cuda_dims K, R;
@@ -1370,9 +1571,10 @@ static double cuda_sumsq(dt_backend *be, int64_t n, const float *x)
     int64_t np = min64((n + DT_CUDA_RED_CHUNK - 1) / DT_CUDA_RED_CHUNK, DT_CUDA_RED_PARTS);
     sum_parts_run(be, &K, 1, &R, n, (int)np, 1, x, 1.0, NULL, 0, red_result(be));
     double s = 0.0;
-    (void)cudaMemcpyAsync(&s, red_result(be), sizeof s, cudaMemcpyDeviceToHost, be->compute);
-    (void)cudaStreamSynchronize(be->compute);
-    return s;
+    DT_CUDA_OK(be, cudaMemcpyAsync(&s, red_result(be), sizeof s, cudaMemcpyDeviceToHost,
+                                   be->compute));
+    DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
+    return cuda_faulted(be) ? NAN : s;
 }
 
 /* y (outer, inner) = max over len of x (outer, len, inner); -inf if len 0 */
@@ -1400,6 +1602,7 @@ static void cuda_reduce_axis(dt_backend *be, dt_axis_op op, int64_t outer, int64
     if (outer * inner <= 0) return;
     rmax_kernel<<<grid_for(outer * inner, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         outer, len, inner, x, y);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1478,6 +1681,7 @@ static void cuda_softmax(dt_backend *be, int64_t outer, int64_t len, int64_t inn
     else
         softmax_rows_kernel<<<grid_rows(outer, g), DT_CUDA_THREADS, 0, s>>>(g, outer, len, x, y,
                                                                            is_log);
+    DT_LAUNCHED(be);
 }
 
 /* softmax: dx = y (dy - <dy, y>);  log_softmax: dx = dy - exp(y) sum(dy) */
@@ -1540,6 +1744,7 @@ static void cuda_softmax_backward(dt_backend *be, int64_t outer, int64_t len, in
     else
         softmax_bwd_rows_kernel<<<grid_rows(outer, g), DT_CUDA_THREADS, 0, s>>>(
             g, outer, len, y, dy, dx, is_log, accumulate);
+    DT_LAUNCHED(be);
 }
 
 /* ---- index checks (labels, embedding indices) ----------------------------
@@ -1552,16 +1757,23 @@ static __global__ void index_check_kernel(int64_t n, const int32_t *idx, int64_t
         if (idx[i] < 0 || (int64_t)idx[i] >= limit) atomicMin(first, (unsigned long long)i);
 }
 
-/* first i with idx[i] outside [0, limit), or -1; waits for the answer */
+/* First i with idx[i] outside [0, limit), or -1; waits for the answer.
+ * Also -1 when the instance has a fault (then `first` was never read back):
+ * backend.h has the caller ask fault() before it trusts "all valid", and the
+ * fault is recorded before this returns (a failed launch at once, a kernel's
+ * fault at the sync). */
 static int64_t index_check_run(dt_backend *be, int64_t n, const int32_t *idx, int64_t limit)
 {
-    if (n <= 0) return -1;
+    if (cuda_faulted(be) || n <= 0) return -1;
     unsigned long long *flag = red_flag(be), first = 0;
-    (void)cudaMemsetAsync(flag, 0xff, sizeof *flag, be->compute);
+    DT_CUDA_OK(be, cudaMemsetAsync(flag, 0xff, sizeof *flag, be->compute));
     index_check_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, idx, limit, flag);
-    (void)cudaMemcpyAsync(&first, flag, sizeof first, cudaMemcpyDeviceToHost, be->compute);
-    if (cudaStreamSynchronize(be->compute) != cudaSuccess) return -1;
+    DT_LAUNCHED(be);
+    DT_CUDA_OK(be, cudaMemcpyAsync(&first, flag, sizeof first, cudaMemcpyDeviceToHost,
+                                   be->compute));
+    DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
+    if (cuda_faulted(be)) return -1;
     return first == ~0ull ? -1 : (int64_t)first;
 }
 
@@ -1608,11 +1820,14 @@ static __global__ void xent_rows_kernel(int64_t n, int64_t c, const float *logit
 static int64_t cuda_xent_forward(dt_backend *be, int64_t n, int64_t c, const float *logits,
                                  const int32_t *labels, float *probs, float *loss)
 {
+    if (cuda_faulted(be)) return -1;   /* the caller asks fault() */
     cuda_enter(be);
     int64_t bad = index_check_run(be, n, labels, c);
     if (bad >= 0) return bad;
+    if (cuda_faulted(be)) return -1;   /* the check itself failed: queue nothing more */
     if (n <= 0 || c <= 0) {
         fill_kernel<<<1, 32, 0, be->compute>>>(1, 0.0f, loss);
+        DT_LAUNCHED(be);
         return -1;
     }
     int np = (int)min64((n + 63) / 64, DT_CUDA_RED_PARTS);
@@ -1620,8 +1835,10 @@ static int64_t cuda_xent_forward(dt_backend *be, int64_t n, int64_t c, const flo
     memset(&K, 0, sizeof K);
     xent_rows_kernel<<<np, DT_CUDA_THREADS, 0, be->compute>>>(n, c, logits, labels, probs, np,
                                                              be->red);
+    DT_LAUNCHED(be);
     sum_finish_kernel<<<1, DT_CUDA_THREADS, 0, be->compute>>>(1, K, np, be->red, (double)n, loss,
                                                               0, NULL);
+    DT_LAUNCHED(be);
     return -1;
 }
 
@@ -1647,6 +1864,7 @@ static void cuda_xent_backward(dt_backend *be, int64_t n, int64_t c, const float
     cuda_enter(be);
     xent_bwd_kernel<<<grid_for(n * c, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, c, probs, labels, dloss, dlogits, accumulate);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1679,6 +1897,7 @@ static void cuda_im2col(dt_backend *be, const dt_conv_geom *g, const float *x, f
     cuda_enter(be);
     im2col_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(*g, x,
                                                                                          col);
+    DT_LAUNCHED(be);
 }
 
 /* dx (N,C,H,W) (+)= fold of col (C*KH*KW, N*OH*OW) */
@@ -1712,6 +1931,7 @@ static void cuda_col2im(dt_backend *be, const dt_conv_geom *g, const float *col,
     cuda_enter(be);
     col2im_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         *g, col, dx, accumulate);
+    DT_LAUNCHED(be);
 }
 
 /* y (N, C, inner) += bias (C) */
@@ -1729,6 +1949,7 @@ static void cuda_bias_add(dt_backend *be, int64_t n, int64_t c, int64_t inner, c
     cuda_enter(be);
     bias_add_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         total, c, inner, bias, y);
+    DT_LAUNCHED(be);
 }
 
 /* to_ncp: src (C, N*P) -> dst (N, C, P); else dst (C, N*P) <- src (N, C, P).
@@ -1753,6 +1974,7 @@ static void cuda_cnp_to_ncp(dt_backend *be, int64_t c, int64_t n, int64_t p, con
     cuda_enter(be);
     permute_cnp_kernel<<<grid_for(n * c * p, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, c, p, src, dst, 1);
+    DT_LAUNCHED(be);
 }
 
 static void cuda_ncp_to_cnp(dt_backend *be, int64_t n, int64_t c, int64_t p, const float *src,
@@ -1762,6 +1984,7 @@ static void cuda_ncp_to_cnp(dt_backend *be, int64_t n, int64_t c, int64_t p, con
     cuda_enter(be);
     permute_cnp_kernel<<<grid_for(n * c * p, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, c, p, src, dst, 0);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1818,6 +2041,7 @@ static void cuda_maxpool_forward(dt_backend *be, const dt_conv_geom *g, const fl
     cuda_enter(be);
     maxpool_fwd_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         *g, x, y, argmax);
+    DT_LAUNCHED(be);
 }
 
 /* dx (N,C,H,W) (+)= dy routed by argmax */
@@ -1848,6 +2072,7 @@ static void cuda_maxpool_backward(dt_backend *be, const dt_conv_geom *g, const f
     cuda_enter(be);
     maxpool_bwd_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         *g, dy, argmax, dx, accumulate);
+    DT_LAUNCHED(be);
 }
 
 /* y (N,C,OH,OW) = window sum / (k*k), padding counted (count_include_pad) */
@@ -1878,6 +2103,7 @@ static void cuda_avgpool_forward(dt_backend *be, const dt_conv_geom *g, const fl
     cuda_enter(be);
     avgpool_fwd_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         *g, x, y);
+    DT_LAUNCHED(be);
 }
 
 /* dx (N,C,H,W) (+)= dy / (k*k) over the windows holding each element */
@@ -1910,6 +2136,7 @@ static void cuda_avgpool_backward(dt_backend *be, const dt_conv_geom *g, const f
     cuda_enter(be);
     avgpool_bwd_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         *g, dy, dx, accumulate);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1933,25 +2160,223 @@ static void cuda_embedding_forward(dt_backend *be, int64_t n, int64_t d, const f
     cuda_enter(be);
     emb_fwd_kernel<<<grid_for(n * d, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, d, weight, idx, y);
+    DT_LAUNCHED(be);
 }
 
-/* dweight[idx[i]] += dy[i] for i in order: a thread owns column j and walks
- * i in order, so repeated indices add in cpu.c's order with no atomics */
-static __global__ void emb_bwd_kernel(int64_t n, int64_t d, const int32_t *idx, const float *dy,
-                                      float *dweight)
+/* ---- embedding backward ----------------------------------------------------
+ * dweight[idx[i]] += dy[i] for i in order.  cpu.c gives each thread columns
+ * that walk i in order, so each row's updates land in increasing i.  A GPU
+ * thread per column doing the same is serial over n, so instead the
+ * positions are grouped by index: a stable LSD radix sort of the pairs
+ * (idx[i], i), 8 bits a pass, keeps each index's positions in increasing i.
+ * Then a warp per (run of equal indices, 32 columns) starts from dweight's
+ * value and adds the run's dy rows in that order: cpu.c's additions in
+ * cpu.c's order, with no float atomics.  Integer atomics only count digits
+ * in shared memory and list the runs (the list's order changes no sum).
+ *
+ * The sort needs 16 bytes of pool scratch per position.  Without it, for
+ * small n (launch overhead) or for n >= 2^31 (32-bit positions) the
+ * thread-per-column kernel runs; both paths give the same bits. */
+#define DT_EMB_SORT_MIN 64      /* n from which the sort runs (a guess: not yet measured) */
+#define DT_EMB_TILE 4096        /* positions per block and per digit count */
+#define DT_EMB_RADIX 256        /* 8-bit digits; one thread per digit */
+#define DT_EMB_PASSES 4         /* 32-bit keys (the core has checked idx >= 0) */
+#define DT_EMB_SCAN_THREADS 1024
+
+static_assert(DT_CUDA_THREADS == DT_EMB_RADIX, "the sort's blocks have a thread per digit");
+static_assert(DT_EMB_PASSES % 2 == 0, "the sorted pairs end in the second buffer");
+
+/* a thread owns column j and walks i in order (the fallback) */
+static __global__ void emb_bwd_cols_kernel(int64_t n, int64_t d, const int32_t *idx,
+                                           const float *dy, float *dweight)
 {
     DT_GRID_LOOP(j, d) {
         for (int64_t i = 0; i < n; i++) dweight[(int64_t)idx[i] * d + j] += dy[i * d + j];
     }
 }
 
+/* hist[digit * ntiles + tile] = the tile's keys with that digit */
+static __global__ void emb_hist_kernel(int64_t n, int64_t ntiles, int shift, const uint32_t *keys,
+                                       uint32_t *hist)
+{
+    __shared__ uint32_t cnt[DT_EMB_RADIX];
+    for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        cnt[threadIdx.x] = 0;
+        __syncthreads();
+        int64_t lo = t * DT_EMB_TILE, hi = min64(n, lo + DT_EMB_TILE);
+        for (int64_t i = lo + threadIdx.x; i < hi; i += DT_EMB_RADIX)
+            atomicAdd(&cnt[(keys[i] >> shift) & (DT_EMB_RADIX - 1)], 1u);
+        __syncthreads();
+        hist[threadIdx.x * ntiles + t] = cnt[threadIdx.x];   /* then cleared by this thread */
+    }
+}
+
+/* v (m) = its exclusive prefix sums, in one block: each thread sums a
+ * contiguous part, the part totals are scanned across the block (warp
+ * shuffles, then the warp totals), and each part is rewritten */
+static __global__ void emb_scan_kernel(int64_t m, uint32_t *v)
+{
+    __shared__ uint32_t wtot[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int64_t lo = part_start(m, blockDim.x, threadIdx.x);
+    int64_t hi = part_start(m, blockDim.x, threadIdx.x + 1);
+    uint32_t own = 0;
+    for (int64_t i = lo; i < hi; i++) own += v[i];
+    uint32_t x = own;   /* inclusive scan of the warp's parts */
+    for (int off = 1; off < 32; off <<= 1) {
+        uint32_t y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+    }
+    if (lane == 31) wtot[w] = x;
+    __syncthreads();
+    if (w == 0) {   /* inclusive scan of the warp totals */
+        uint32_t y = lane < nw ? wtot[lane] : 0;
+        for (int off = 1; off < 32; off <<= 1) {
+            uint32_t z = __shfl_up_sync(0xffffffffu, y, off);
+            if (lane >= off) y += z;
+        }
+        wtot[lane] = y;
+    }
+    __syncthreads();
+    uint32_t run = x - own + (w > 0 ? wtot[w - 1] : 0);
+    for (int64_t i = lo; i < hi; i++) {
+        uint32_t c = v[i];
+        v[i] = run;
+        run += c;
+    }
+}
+
+/* One stable pass: a tile's pairs go, in tile order, to off[digit * ntiles +
+ * tile] (the scanned counts) plus the same-digit keys before them in the
+ * tile.  The tile goes in rounds of 256; a key's rank in its round is the
+ * same-digit keys of earlier warps (wcnt) plus those of earlier lanes of its
+ * own warp (__match_any_sync).  vals NULL: the values are the positions. */
+static __global__ void emb_scatter_kernel(int64_t n, int64_t ntiles, int shift,
+                                          const uint32_t *keys, const uint32_t *vals,
+                                          const uint32_t *off, uint32_t *okeys, uint32_t *ovals)
+{
+    const int nw = DT_EMB_RADIX / 32, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __shared__ uint32_t base[DT_EMB_RADIX];   /* next slot of each digit */
+    __shared__ uint32_t wcnt[DT_EMB_RADIX / 32][DT_EMB_RADIX];
+    const unsigned before = (1u << lane) - 1u;
+    for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        base[threadIdx.x] = off[threadIdx.x * ntiles + t];
+        int64_t lo = t * DT_EMB_TILE, hi = min64(n, lo + DT_EMB_TILE);
+        for (int64_t r0 = lo; r0 < hi; r0 += DT_EMB_RADIX) {
+            for (int q = 0; q < nw; q++) wcnt[q][threadIdx.x] = 0;   /* this thread's column */
+            __syncthreads();
+            int64_t i = r0 + threadIdx.x;
+            int ok = i < hi;
+            uint32_t key = ok ? keys[i] : 0;
+            uint32_t dig = ok ? (key >> shift) & (DT_EMB_RADIX - 1) : DT_EMB_RADIX;
+            unsigned peers = __match_any_sync(0xffffffffu, dig);
+            if (ok && lane == __ffs(peers) - 1) wcnt[w][dig] = __popc(peers);
+            __syncthreads();
+            if (ok) {
+                uint32_t p = base[dig] + __popc(peers & before);
+                for (int q = 0; q < w; q++) p += wcnt[q][dig];
+                okeys[p] = key;
+                ovals[p] = vals ? vals[i] : (uint32_t)i;
+            }
+            __syncthreads();
+            uint32_t round = 0;   /* column threadIdx.x again: no barrier before clearing */
+            for (int q = 0; q < nw; q++) round += wcnt[q][threadIdx.x];
+            base[threadIdx.x] += round;
+        }
+    }
+}
+
+/* runs[(*nruns)++] = s for each s where a run of equal sorted keys starts */
+static __global__ void emb_runs_kernel(int64_t n, const uint32_t *keys, uint32_t *runs,
+                                       uint32_t *nruns)
+{
+    DT_GRID_LOOP(s, n)
+        if (s == 0 || keys[s] != keys[s - 1]) runs[atomicAdd(nruns, 1u)] = (uint32_t)s;
+}
+
+/* A warp per (run, 32 columns): lane j adds, in sorted order (increasing i),
+ * the dy rows of the run's positions to dweight's row.  The warp reads 32
+ * keys and positions at a time; the run ends at the first other key. */
+static __global__ void emb_apply_kernel(int64_t n, int64_t d, const uint32_t *keys,
+                                        const uint32_t *pos, const uint32_t *runs,
+                                        const uint32_t *nruns, const float *dy, float *dweight)
+{
+    const int lane = threadIdx.x & 31;
+    int64_t chunks = (d + 31) / 32, items = (int64_t)*nruns * chunks;
+    int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t it = warp; it < items; it += nwarps) {
+        int64_t s = runs[it / chunks], j = (it % chunks) * 32 + lane;
+        uint32_t key = keys[s];
+        float *wr = dweight + (int64_t)key * d;
+        float v = j < d ? wr[j] : 0.0f;
+        for (int64_t t0 = s;; t0 += 32) {
+            int64_t t = t0 + lane;
+            int same = t < n && keys[t] == key;
+            int cnt = __popc(__ballot_sync(0xffffffffu, same));   /* keys sorted: a prefix */
+            uint32_t p = same ? pos[t] : 0;
+#pragma unroll 8
+            for (int q = 0; q < cnt; q++) {
+                int64_t i = __shfl_sync(0xffffffffu, p, q);
+                if (j < d) v += dy[i * d + j];
+            }
+            if (cnt < 32) break;
+        }
+        if (j < d) wr[j] = v;
+    }
+}
+
+/* The sorted path; 0 (nothing queued) if its scratch cannot be had. */
+static int emb_bwd_sorted(dt_backend *be, int64_t n, int64_t d, const int32_t *idx,
+                          const float *dy, float *dweight)
+{
+    int64_t ntiles = (n + DT_EMB_TILE - 1) / DT_EMB_TILE, m = DT_EMB_RADIX * ntiles;
+    size_t vec = ((size_t)n * sizeof(uint32_t) + 255) & ~(size_t)255;
+    size_t hist_bytes = ((size_t)m * sizeof(uint32_t) + 255) & ~(size_t)255;
+    char *buf = (char *)cuda_alloc(be, 4 * vec + hist_bytes + sizeof(uint32_t));
+    if (!buf) return 0;
+    uint32_t *key[2] = {(uint32_t *)buf, (uint32_t *)(buf + 2 * vec)};
+    uint32_t *pos[2] = {(uint32_t *)(buf + vec), (uint32_t *)(buf + 3 * vec)};
+    uint32_t *hist = (uint32_t *)(buf + 4 * vec), *nruns = (uint32_t *)(buf + 4 * vec + hist_bytes);
+    cudaStream_t s = be->compute;
+    unsigned tiles = grid_for(ntiles, 1);
+    const uint32_t *kin = (const uint32_t *)idx, *pin = NULL;   /* pass 0 reads idx itself */
+    for (int pass = 0; pass < DT_EMB_PASSES; pass++) {
+        int shift = 8 * pass, o = pass & 1;
+        emb_hist_kernel<<<tiles, DT_EMB_RADIX, 0, s>>>(n, ntiles, shift, kin, hist);
+        DT_LAUNCHED(be);
+        emb_scan_kernel<<<1, DT_EMB_SCAN_THREADS, 0, s>>>(m, hist);
+        DT_LAUNCHED(be);
+        emb_scatter_kernel<<<tiles, DT_EMB_RADIX, 0, s>>>(n, ntiles, shift, kin, pin, hist, key[o],
+                                                          pos[o]);
+        DT_LAUNCHED(be);
+        kin = key[o];
+        pin = pos[o];
+    }
+    /* the sorted pairs are in key[1], pos[1]; key[0] holds the run list */
+    DT_CUDA_OK(be, cudaMemsetAsync(nruns, 0, sizeof *nruns, s));
+    emb_runs_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, s>>>(n, kin, key[0],
+                                                                            nruns);
+    DT_LAUNCHED(be);
+    int64_t chunks = (d + 31) / 32;
+    emb_apply_kernel<<<grid_for(n * chunks, DT_CUDA_THREADS / 32), DT_CUDA_THREADS, 0, s>>>(
+        n, d, kin, pin, key[0], nruns, dy, dweight);
+    DT_LAUNCHED(be);
+    cuda_free(be, buf);   /* stream order: its next owner's work runs after these kernels */
+    return 1;
+}
+
+/* dweight[idx[i]] += dy[i] for i in order (rows not in idx untouched) */
 static void cuda_embedding_backward(dt_backend *be, int64_t n, int64_t d, const int32_t *idx,
                                     const float *dy, float *dweight)
 {
     if (n <= 0 || d <= 0) return;
     cuda_enter(be);
-    emb_bwd_kernel<<<grid_for(d, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(n, d, idx,
-                                                                                      dy, dweight);
+    if (n >= DT_EMB_SORT_MIN && n <= INT32_MAX && emb_bwd_sorted(be, n, d, idx, dy, dweight))
+        return;
+    emb_bwd_cols_kernel<<<grid_for(d, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
+        n, d, idx, dy, dweight);
+    DT_LAUNCHED(be);
 }
 
 static int64_t cuda_index_check(dt_backend *be, int64_t n, const int32_t *idx, int64_t limit)
@@ -2008,6 +2433,7 @@ static void cuda_layernorm_forward(dt_backend *be, int64_t rows, int64_t d, cons
     int g = row_group(d);
     ln_fwd_kernel<<<grid_rows(rows, g), DT_CUDA_THREADS, 0, be->compute>>>(g, rows, d, x, w, b,
                                                                           eps, y, mean, rstd);
+    DT_LAUNCHED(be);
 }
 
 /* per row, xhat = (x-mean)*rstd, g = dy*w:
@@ -2081,9 +2507,12 @@ static void cuda_layernorm_backward(dt_backend *be, int64_t rows, int64_t d, con
     int g = row_group(d);
     ln_bwd_rows_kernel<<<grid_rows(rows, g), DT_CUDA_THREADS, 0, s>>>(g, rows, d, x, w, mean,
                                                                      rstd, dy, dx, accumulate);
-    if (dw || db)
+    DT_LAUNCHED(be);
+    if (dw || db) {
         ln_bwd_cols_kernel<<<grid_for(d, 32), dim3(32, 8), 0, s>>>(rows, d, x, mean, rstd, dy, dw,
                                                                    db);
+        DT_LAUNCHED(be);
+    }
 }
 
 /* ---------------------------------------------------------------------------
@@ -2140,6 +2569,7 @@ static void cuda_dropout_forward(dt_backend *be, int64_t n, float p, uint64_t se
     float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
     dropout_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, p, scale, seed, dropout_key(seed, 0), x, y, mask);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2172,6 +2602,7 @@ static void cuda_sgd_update(dt_backend *be, int64_t n, float *w, const float *g,
     cuda_enter(be);
     sgd_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, w, g, buf, lr, momentum, 1.0f - dampening, nesterov, weight_decay, first);
+    DT_LAUNCHED(be);
 }
 
 /* AdamW: w *= 1 - lr wd; Adam: g += wd w.  m = m + (1-b1)(g-m) (torch's lerp);
@@ -2201,6 +2632,7 @@ static void cuda_adam_update(dt_backend *be, int64_t n, float *w, const float *g
     float step = (float)((double)lr / (double)bc1), bcs = (float)sqrt((double)bc2);
     adam_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, w, g, m, v, decay, l2, 1.0f - beta1, beta2, 1.0f - beta2, eps, step, bcs);
+    DT_LAUNCHED(be);
 }
 
 /* g' = g + wd w; sum += g' g'; w -= lr g' / (sqrt(sum) + eps) */
@@ -2222,6 +2654,7 @@ static void cuda_adagrad_update(dt_backend *be, int64_t n, float *w, const float
     cuda_enter(be);
     adagrad_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
         n, w, g, sum, lr, eps, weight_decay);
+    DT_LAUNCHED(be);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2264,19 +2697,22 @@ static __global__ void count_correct_kernel(int64_t n, int64_t c, const float *l
     }
 }
 
-/* rows of logits (n,c) whose first argmax equals the label; waits */
+/* rows of logits (n,c) whose first argmax equals the label; waits.  -1 once
+ * the instance has a fault, never a count read from a failed copy. */
 static int64_t cuda_count_correct(dt_backend *be, int64_t n, int64_t c, const float *logits,
                                   const int32_t *labels)
 {
+    if (cuda_faulted(be)) return -1;
     if (n <= 0 || c <= 0) return 0;
     cuda_enter(be);
     unsigned long long *hits = red_flag(be), h = 0;
-    (void)cudaMemsetAsync(hits, 0, sizeof *hits, be->compute);
+    DT_CUDA_OK(be, cudaMemsetAsync(hits, 0, sizeof *hits, be->compute));
     count_correct_kernel<<<grid_rows(n, 32), DT_CUDA_THREADS, 0, be->compute>>>(n, c, logits,
                                                                                 labels, hits);
-    (void)cudaMemcpyAsync(&h, hits, sizeof h, cudaMemcpyDeviceToHost, be->compute);
-    if (cudaStreamSynchronize(be->compute) != cudaSuccess) return 0;
-    return (int64_t)h;
+    DT_LAUNCHED(be);
+    DT_CUDA_OK(be, cudaMemcpyAsync(&h, hits, sizeof h, cudaMemcpyDeviceToHost, be->compute));
+    DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
+    return cuda_faulted(be) ? -1 : (int64_t)h;
 }
 
 /* ---------------------------------------------------------------------------
@@ -2344,6 +2780,7 @@ static const dt_backend_iface dt_cuda_iface = {
     .adam_update = cuda_adam_update,
     .adagrad_update = cuda_adagrad_update,
     .count_correct = cuda_count_correct,
+    .fault = cuda_fault,
 };
 
 extern "C" const dt_backend_iface *dt_backend_cuda_iface(void) { return &dt_cuda_iface; }

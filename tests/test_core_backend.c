@@ -172,11 +172,97 @@ static void test_custom_backend_version(void **state)
     dt_ctx_free(ctx);
 }
 
+/* A backend whose device fails underneath (backend.h, fault): the CPU
+ * backend with a fault() that reports a lost device once fault_on is set.
+ * Every call that hands a result to the user must then fail with the
+ * backend's message instead of returning what the dead device left:
+ * today's CUDA failure modes, caught here without a GPU. */
+static int fault_on;
+
+static dt_status fault_report(dt_backend *be, char *err, size_t err_len)
+{
+    (void)be;
+    if (!fault_on)
+        return DT_OK;
+    snprintf(err, err_len, "test: an illegal memory access was encountered");
+    return DT_EIO;
+}
+
+static void assert_device_failure(dt_ctx *ctx, dt_status s)
+{
+    assert_int_equal(s, DT_EIO);
+    assert_non_null(strstr(dt_last_error(ctx), "device failure: test: an illegal memory access"));
+}
+
+static void test_backend_fault_reaches_the_user(void **state)
+{
+    (void)state;
+    dt_backend_iface faulty = *dt_backend_cpu_iface();
+    faulty.fault = fault_report;
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.custom_backend = &faulty;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    assert_int_equal(dt_ctx_status(ctx), DT_OK);
+    fault_on = 0;
+    dt_tensor *w = dt_param_new(ctx, "w", 2, (int64_t[]){3, 4});
+    dt_tensor *x = dt_tensor_new(ctx, DT_F32, 2, (int64_t[]){2, 4});
+    dt_tensor *y = dt_tensor_new(ctx, DT_I32, 1, (int64_t[]){2});
+    assert_non_null(w);
+    assert_non_null(x);
+    assert_non_null(y);
+    float xv[8] = {1, 2, 3, 4, -1, 0.5f, 2, 0};
+    int32_t yv[2] = {0, 2};
+    assert_int_equal(dt_tensor_set(x, xv, 8), DT_OK);
+    assert_int_equal(dt_tensor_set(y, yv, 2), DT_OK);
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    assert_non_null(opt);
+
+    /* healthy: the same calls succeed */
+    dt_tensor *logits = dt_linear(ctx, x, w, NULL);
+    dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
+    assert_non_null(loss);
+    assert_int_equal(dt_backward(ctx, loss), DT_OK);
+    assert_int_equal(dt_optim_step(opt), DT_OK);
+    dt_step_reset(ctx);
+
+    /* the device dies between the forward and each result */
+    logits = dt_linear(ctx, x, w, NULL);
+    assert_non_null(logits);
+    fault_on = 1;
+    assert_null(dt_cross_entropy(ctx, logits, y));
+    assert_device_failure(ctx, DT_EIO);
+    float out[8];
+    assert_device_failure(ctx, dt_tensor_get(x, out, 8));
+    assert_true(isnan(dt_tensor_item(x)));
+    int64_t correct = 12345;
+    assert_device_failure(ctx, dt_count_correct(ctx, logits, y, &correct));
+    assert_int_equal(correct, 12345);   /* not overwritten with a made-up count */
+    dt_step_reset(ctx);
+
+    fault_on = 0;
+    logits = dt_linear(ctx, x, w, NULL);
+    loss = dt_cross_entropy(ctx, logits, y);
+    assert_non_null(loss);
+    fault_on = 1;
+    assert_device_failure(ctx, dt_backward(ctx, loss));
+    float norm = -1;
+    assert_device_failure(ctx, dt_clip_grad_norm(ctx, 1.0f, &norm));
+    assert_device_failure(ctx, dt_optim_step(opt));
+    fault_on = 0;
+    dt_step_reset(ctx);
+    dt_optim_free(opt);
+    dt_ctx_free(ctx);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_conv_same_3x3),
     cmocka_unit_test(test_conv_strided),
     cmocka_unit_test(test_conv_pointwise_and_single_image),
     cmocka_unit_test(test_custom_backend_version),
+    cmocka_unit_test(test_backend_fault_reaches_the_user),
 };
 
 DT_TEST_GROUP(core_backend, tests)

@@ -8,17 +8,28 @@
  * to_device, the op run, sync, to_host, and the result compared with the
  * CPU's under the tolerances of section 1, each with the reason for its
  * size.  Outputs start as 0xFF bytes (NaN, -1) on both backends, so a kernel
- * that reads an output it should only write shows up as a difference.
- * Where the CPU backend could share a bug with the CUDA one (rounding to
- * bf16/fp16/tf32, mixed-precision GEMM), a reference computed here from
- * first principles is checked too.  The last test runs three SGD steps of a
- * small MLP and a small CNN through the public API on a "cuda" and a "cpu"
- * context and compares the parameters.
+ * that reads an output it should only write shows up as a difference, and
+ * one that never runs leaves NaN where the CPU has a value.  Where the CPU
+ * backend could share a bug with the CUDA one (rounding to bf16/fp16/tf32,
+ * mixed-precision GEMM), a reference computed here from first principles is
+ * checked too.  The last test runs three SGD steps of a small MLP and a
+ * small CNN through the public API on a "cuda" and a "cpu" context and
+ * compares the parameters.
+ *
+ * Every CUDA result is read back only after asking the backend's fault()
+ * (backend.h, "faults"): a launch or cuBLAS call that failed underneath
+ * leaves outputs unwritten and makes index_check / xent_forward answer "all
+ * valid", so a fault fails the test with the backend's message (function
+ * cu_check_fault, called from cu_fetch_ptr and cu_expect_int).
  *
  * Without a GPU -- a build without DT_WITH_CUDA, or the CUDA backend's init
- * failing (no device visible) -- each test prints "skipped: no GPU" (the
- * reason once) and counts as skipped: the group never fails or touches a
- * backend on a machine without one.
+ * returning DT_ENOTSUP with a message that starts "cuda: no CUDA device is
+ * visible" (no driver, or no device) -- each test prints "skipped: no GPU"
+ * (the reason once) and counts as skipped: the group never fails or touches
+ * a backend on a machine without one.  Any other init failure (a device
+ * that cannot run the kernels built in, cuBLAS failing to start, a wrong
+ * interface version) fails every test with the backend's message: a
+ * machine with a GPU must not pass by skipping.
  *
  * Sections:
  *   1. Tolerances
@@ -66,7 +77,8 @@ static const cu_tol TOL_EXACT = {0.0, 0.0};
  * where gcc -O1 does not, so results differ by a few ulps; near
  * cancellation (1 - y*y of tanh' at |y| ~ 1, a*x + b*y) by a few ulps of
  * the O(1) operands, which 2.5e-7 absolute (4 ulps of 1) covers.  Division
- * is here too: it is 2 ulps under -use_fast_math. */
+ * is here too (correctly rounded: build.sh passes no -use_fast_math, under
+ * which it would be 2 ulps). */
 static const cu_tol TOL_ARITH = {1e-6, 2.5e-7};
 
 /* exp, erf, tanh, log: the CPU uses its own polynomials (exp < 1 ulp, tanh
@@ -82,14 +94,37 @@ static const cu_tol TOL_TRANSC = {1e-5, 1e-6};
  * weight gradients a sum over rows.  Values are O(1): 1e-5 both ways. */
 static const cu_tol TOL_NORM = {1e-5, 1e-5};
 
-/* Optimizer updates, compared after each of 3 steps: a handful of roundings
- * per step on O(1) values, square roots (exact on both), one division, and
- * bias corrections formed in double (CPU) or float: 2e-6 relative is ~30
- * ulps over the three steps; 1e-8 absolute is for weights and momenta that
- * land near zero by cancellation (w - lr * step with lr * step ~ 1e-2). */
-static const cu_tol TOL_OPTIM = {2e-6, 1e-8};
-/* Adam's v and AdaGrad's sum add only positive terms: relative alone. */
-static const cu_tol TOL_OPTIM_POS = {2e-6, 0.0};
+/* Optimizer updates (section 12), compared after each of 3 steps.  Every
+ * state is a chain of linear combinations per step (g' = g + wd w; buf =
+ * mom buf + (1-d) g'; Adam's m + (1-b1)(g' - m); w - lr step), and nvcc
+ * contracts a*b + c into one FMA where the CPU rounds a*b first: each
+ * combination may differ by a few ulps of its OPERANDS, not of its result.
+ * Near cancellation (w - lr*step landing near 0, a momentum changing sign)
+ * that is far more than the ulps of the result, and a difference made at
+ * step 1 is carried into steps 2 and 3, by when the value may have moved
+ * to near zero: with |w| ~ 1 one ulp is 6e-8, which an absolute 1e-8 does
+ * not cover.  So each value v is allowed
+ *     OPT_RTOL |v_cpu| + OPT_ULPS * M
+ * with M an error budget carried along in double from the CPU's states
+ * (cu_opt_sgd, cu_opt_adam, cu_opt_adagrad): for s = a x + b y,
+ *     M_s = |a| M_x + |b| M_y + |a x| + |b y|
+ * (what x and y bring along, plus the operands of this combination), inputs
+ * (g, the starting w and states) having M = 0.  OPT_ULPS = 2.5e-7 is 4
+ * ulps of 1 (4 * 2^-24) per unit of operand magnitude, as TOL_ARITH: each
+ * backend rounds each combination at most twice (product, then sum), each
+ * rounding <= 2^-24 of its operands.  A quotient q = a / (sqrt(v) + eps)
+ * (Adam, AdaGrad) brings M_a / (sqrt(v) + eps), half of v's relative budget
+ * (sqrt halves it), and its own roundings: sqrt, / sqrt(bc2), + eps, the
+ * product with lr and the division, correctly rounded on both (nvcc's
+ * default -prec-div / -prec-sqrt; build.sh passes no -use_fast_math): 5
+ * per backend, 10 ulps of |q|, counted as OPT_QUOT_UNITS = 4 units of 4
+ * ulps.  OPT_RTOL (2e-6, ~34 ulps of the value over three steps) stays the
+ * tight relative bound away from cancellation, and Adam's v and AdaGrad's
+ * sum, which add positive terms, get it too.  A wrong formula moves a value
+ * by ~lr |g| >= 1e-3, far above OPT_ULPS * M (M is a few units: ~1e-6). */
+#define OPT_RTOL 2e-6
+#define OPT_ULPS 2.5e-7
+#define OPT_QUOT_UNITS 4.0
 
 /* Sums (sum, sum_to, reduce_axis sum, bias_grad), relative to the sum of
  * the magnitudes of the terms: the CPU sums in double, a GPU tree in f32
@@ -136,7 +171,7 @@ static const cu_tol TOL_OPTIM_POS = {2e-6, 0.0};
  *    with the allocator defaulted to libc), and every buffer the test made,
  *    freed in teardown so a failing test leaks nothing.
  * ------------------------------------------------------------------------- */
-enum { CU_HOST = 0, CU_CPU_MEM, CU_GPU_MEM, CU_PINNED };
+enum { CU_HOST = 0, CU_CPU_MEM, CU_GPU_MEM, CU_PINNED, CU_CTX, CU_OPTIM };
 
 typedef struct cu_mem {
     void *p;
@@ -148,6 +183,7 @@ typedef struct cu_fix {
     dt_backend *cb, *gb;
     char why[320];                   /* why there is no GPU: the skip */
     char broken[320];                /* a setup failure: fails the test */
+    int fault_failed;                /* the test already failed on a fault */
     cu_mem *mem;
     int nmem, capmem;
 } cu_fix;
@@ -168,6 +204,10 @@ static void cu_libc_free(void *p, void *u)
     (void)u;
     free(p);
 }
+
+/* How the CUDA backend's init begins its message when there is no device
+ * to run on (no driver, or no device visible): the only failure that skips. */
+#define CU_NO_DEVICE "cuda: no CUDA device is visible"
 
 /* Start the CUDA instance; only when it is up, the CPU one. */
 static void cu_start(cu_fix *f)
@@ -196,8 +236,9 @@ static void cu_start(cu_fix *f)
     dt_status s = f->G->init(&p, &f->gb, err, sizeof err);
     if (s != DT_OK) {
         f->gb = NULL;
-        snprintf(f->why, sizeof f->why, "cuda backend init: %s (%s)", err[0] ? err : "no message",
-                 dt_strerror(s));
+        int no_device = s == DT_ENOTSUP && strncmp(err, CU_NO_DEVICE, strlen(CU_NO_DEVICE)) == 0;
+        snprintf(no_device ? f->why : f->broken, sizeof f->why, "cuda backend init: %s (%s)",
+                 err[0] ? err : "no message", dt_strerror(s));
         return;
     }
     if (!f->gb) {
@@ -228,11 +269,24 @@ static int cu_setup(void **state)
     return 0;
 }
 
+/* Frees everything; returns -1 (cmocka counts the test as failed) when the
+ * CUDA backend reports a fault that the test has not failed on already:
+ * work queued after the last read-back that failed underneath. */
 static int cu_teardown(void **state)
 {
     cu_fix *f = *state;
     if (!f) return 0;
-    if (f->gb) f->G->sync(f->gb);
+    int rc = 0;
+    if (f->gb) {
+        f->G->sync(f->gb);
+        char err[256] = "";
+        dt_status s = f->G->fault ? f->G->fault(f->gb, err, sizeof err) : DT_OK;
+        if (s != DT_OK && !f->fault_failed) {
+            print_error("cuda backend fault after the test's last check: %s (%s)\n",
+                        err[0] ? err : "no message", dt_strerror(s));
+            rc = -1;
+        }
+    }
     for (int i = f->nmem - 1; i >= 0; i--) {
         void *p = f->mem[i].p;
         switch (f->mem[i].kind) {
@@ -240,6 +294,8 @@ static int cu_teardown(void **state)
         case CU_CPU_MEM: f->C->free(f->cb, p); break;
         case CU_GPU_MEM: f->G->free(f->gb, p); break;
         case CU_PINNED: f->G->host_free(f->gb, p); break;
+        case CU_CTX: dt_ctx_free(p); break;
+        case CU_OPTIM: dt_optim_free(p); break;
         }
     }
     free(f->mem);
@@ -247,7 +303,7 @@ static int cu_teardown(void **state)
     if (f->cb) f->C->shutdown(f->cb);
     free(f);
     *state = NULL;
-    return 0;
+    return rc;
 }
 
 /* 1 when both backends are up; otherwise the test is skipped (no GPU) or
@@ -288,12 +344,14 @@ static void cu_track(cu_fix *f, void *p, int kind)
     f->nmem++;
 }
 
-/* forget p (the test freed it itself) */
+/* forget p (the test freed it itself); the others keep their order, so
+ * teardown still frees an optimizer before its context */
 static void cu_untrack(cu_fix *f, void *p)
 {
     for (int i = f->nmem - 1; i >= 0; i--)
         if (f->mem[i].p == p) {
-            f->mem[i] = f->mem[--f->nmem];
+            memmove(&f->mem[i], &f->mem[i + 1], sizeof *f->mem * (size_t)(f->nmem - i - 1));
+            f->nmem--;
             return;
         }
 }
@@ -391,13 +449,55 @@ static cu_buf cu_puti(cu_fix *f, const int32_t *host, int64_t n)
 }
 static cu_buf cu_junk(cu_fix *f, int64_t n) { return cu_put(f, NULL, 4 * (size_t)n); }
 
-/* the CUDA buffer's bytes, after sync, in new host memory */
+/* Wait for the CUDA instance, then fail the test if it reports a fault
+ * (backend.h, "faults": sticky, found at a sync at the latest).  Called
+ * wherever a CUDA result reaches the host, before it is trusted. */
+static int cu_fault_text(cu_fix *f, const char *where, char *msg, size_t len)
+{
+    f->G->sync(f->gb);
+    if (!f->G->fault) return 0;
+    char err[256] = "";
+    dt_status s = f->G->fault(f->gb, err, sizeof err);
+    if (s == DT_OK) return 0;
+    f->fault_failed = 1;
+    snprintf(msg, len, "cuda backend fault (found at %s): %s (%s)", where,
+             err[0] ? err : "no message", dt_strerror(s));
+    return 1;
+}
+static void cu_check_fault(cu_fix *f, const char *where)
+{
+    char msg[400];
+    if (cu_fault_text(f, where, msg, sizeof msg)) fail_msg("%s", msg);
+}
+
+/* the CUDA buffer's bytes, after sync, in new host memory (first filled
+ * with 0xA5, which no check expects, so a to_host that copies nothing
+ * shows) */
 static void *cu_fetch_ptr(cu_fix *f, const void *dev, size_t bytes)
 {
     void *h = cu_host(f, bytes);
+    memset(h, 0xA5, bytes);
     f->G->sync(f->gb);
     f->G->to_host(f->gb, h, dev, bytes);
+    cu_check_fault(f, "a read-back");
     return h;
+}
+
+/* bytes copies of `byte` into CUDA memory */
+static void cu_gpu_fill(cu_fix *f, void *dev, size_t bytes, int byte)
+{
+    void *h = cu_host(f, bytes);
+    memset(h, byte, bytes);
+    f->G->to_device(f->gb, dev, h, bytes);
+}
+
+/* The two outputs of a "twice, bit-identical" check start different (0xFF:
+ * NaN / -1; 0x7F: 3.39e38 / 2139062143), so a kernel that writes nothing,
+ * or not all of its output, fails the comparison. */
+static void cu_gpu_pair(cu_fix *f, void *run1, void *run2, size_t bytes)
+{
+    cu_gpu_fill(f, run1, bytes, 0xFF);
+    cu_gpu_fill(f, run2, bytes, 0x7F);
 }
 static void *cu_fetch(cu_fix *f, cu_buf b) { return cu_fetch_ptr(f, b.g, b.bytes); }
 
@@ -530,9 +630,13 @@ cu_expect_same(cu_fix *f, cu_buf b, int64_t n, int kind, const char *fmt, ...)
                  (long long)bad, (long long)n, (long long)first);
 }
 
-static __attribute__((format(printf, 3, 4))) void cu_expect_int(int64_t cpu, int64_t cuda,
-                                                                const char *fmt, ...)
+/* a value returned to the host (a status, a count, an index), after the
+ * fault check: a faulted backend returns -1, "all labels valid" */
+static __attribute__((format(printf, 4, 5))) void cu_expect_int(cu_fix *f, int64_t cpu,
+                                                                int64_t cuda, const char *fmt,
+                                                                ...)
 {
+    cu_check_fault(f, "a value returned to the host");
     if (cpu == cuda) return;
     char what[256];
     va_list ap;
@@ -1187,6 +1291,7 @@ static void test_cuda_reductions(void **state)
         BOTH(sum, n, P(x), P(s));
         cu_expect_scaled(f, s, 1, &mag, RED_RTOL, 0.0, "sum n=%lld", (long long)n);
         BOTH_RET(ss, sumsq, n, P(x));
+        cu_check_fault(f, "sumsq");
         if (!(fabs(ss[1] - ss[0]) <= RED_RTOL * ss[0]))
             fail_msg("sumsq n=%lld: cpu %.17g, cuda %.17g", (long long)n, ss[0], ss[1]);
     }
@@ -1265,8 +1370,8 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
     BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb), P(pr), P(loss));
     if (ret[0] != -1) fail_msg("xent_forward n=%lld c=%lld: cpu returned %lld for valid labels",
                                (long long)n, (long long)c, (long long)ret[0]);
-    cu_expect_int(ret[0], ret[1], "xent_forward n=%lld c=%lld return (valid labels)", (long long)n,
-                  (long long)c);
+    cu_expect_int(f, ret[0], ret[1], "xent_forward n=%lld c=%lld return (valid labels)",
+                  (long long)n, (long long)c);
     cu_expect(f, pr, n * c, TOL_TRANSC, "xent_forward n=%lld c=%lld probs", (long long)n,
               (long long)c);
     cu_expect(f, loss, 1, TOL_TRANSC, "xent_forward n=%lld c=%lld loss", (long long)n,
@@ -1299,7 +1404,7 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
         if (ret[0] != first)
             fail_msg("xent_forward: cpu returned %lld, label %lld is the first bad",
                      (long long)ret[0], (long long)first);
-        cu_expect_int(ret[0], ret[1], "xent_forward n=%lld c=%lld return (label[%lld] = %d)",
+        cu_expect_int(f, ret[0], ret[1], "xent_forward n=%lld c=%lld return (label[%lld] = %d)",
                       (long long)n, (long long)c, (long long)first, (int)l2[first]);
     }
 }
@@ -1338,7 +1443,7 @@ static void test_cuda_softmax_xent(void **state)
     cu_buf lg = cu_putf(f, hl, n * c), lb = cu_puti(f, lab, n);
     int64_t hits[2];
     BOTH_RET(hits, count_correct, n, c, P(lg), P(lb));
-    cu_expect_int(hits[0], hits[1], "count_correct n=%lld c=%lld", (long long)n, (long long)c);
+    cu_expect_int(f, hits[0], hits[1], "count_correct n=%lld c=%lld", (long long)n, (long long)c);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1386,7 +1491,7 @@ static void cu_conv_case(cu_fix *f, tu_rng *r, const dt_conv_geom *g, int64_t o)
             fail_msg("cpu conv2d_forward failed");
         cu_buf y = cu_junk(f, ny);
         BOTH_RET(st, conv2d_forward, g, o, P(x), P(w), with_b ? P(b) : NULL, P(y));
-        cu_expect_int(st[0], st[1], "conv2d_forward %s o=%lld status", gd, (long long)o);
+        cu_expect_int(f, st[0], st[1], "conv2d_forward %s o=%lld status", gd, (long long)o);
         cu_expect_scaled(f, y, ny, cu_to_double(f, m, ny, NULL), GEMM_RTOL * sqrt((double)ckk), 0.0,
                          "conv2d_forward %s o=%lld bias=%d", gd, (long long)o, with_b);
     }
@@ -1407,7 +1512,7 @@ static void cu_conv_case(cu_fix *f, tu_rng *r, const dt_conv_geom *g, int64_t o)
         cu_buf db = mdb == 2 ? cu_putf(f, b0, o) : cu_junk(f, o);
         BOTH_RET(st, conv2d_backward, g, o, P(x), P(w), P(dy), mdx ? P(dx) : NULL, mdx == 2,
                  mdw ? P(dw) : NULL, mdw == 2, mdb ? P(db) : NULL, mdb == 2);
-        cu_expect_int(st[0], st[1], "conv2d_backward %s o=%lld status", gd, (long long)o);
+        cu_expect_int(f, st[0], st[1], "conv2d_backward %s o=%lld status", gd, (long long)o);
         if (mdx)
             cu_expect_scaled(f, dx, nx, cu_to_double(f, mx, nx, mdx == 2 ? x0 : NULL),
                              GEMM_RTOL * sqrt((double)okk), 0.0,
@@ -1452,18 +1557,31 @@ static void cu_pool_case(cu_fix *f, tu_rng *r, const dt_conv_geom *g, int ties)
                    ties ? " (ties: first max)" : "");
     cu_buf amc = cu_puti(f, CI(am), ny), dy = cu_putf(f, cu_rand(f, r, ny, -1, 1), ny);
     float *x0 = cu_rand(f, r, nx, -1, 1);
+    /* The backward passes and the average are sums (of the dy of every
+     * window an input is the max of / lies in; of a window's x), added in
+     * an order of each backend's own and cancelling to near zero at times:
+     * compared as sums, relative to the same computation on magnitudes
+     * (the CPU's, on |dy| and |x|). */
+    float *ady = cu_abs(f, CF(dy), ny);
+    float *mmax = cu_hf(f, nx), *mavg = cu_hf(f, ny), *mavgb = cu_hf(f, nx);
+    f->C->maxpool_backward(f->cb, g, ady, CI(amc), mmax, 0);
+    f->C->avgpool_forward(f->cb, g, cu_abs(f, hx, nx), mavg);
+    f->C->avgpool_backward(f->cb, g, ady, mavgb, 0);
     for (int acc = 0; acc < 2; acc++) {
         cu_buf dx = acc ? cu_putf(f, x0, nx) : cu_junk(f, nx);
         BOTH(maxpool_backward, g, P(dy), P(amc), P(dx), acc);
-        cu_expect(f, dx, nx, TOL_ARITH, "maxpool_backward %s accumulate=%d", gd, acc);
+        cu_expect_scaled(f, dx, nx, cu_to_double(f, mmax, nx, acc ? x0 : NULL), RED_RTOL, 0.0,
+                         "maxpool_backward %s accumulate=%d", gd, acc);
     }
     cu_buf ya = cu_junk(f, ny);
     BOTH(avgpool_forward, g, P(x), P(ya));
-    cu_expect(f, ya, ny, TOL_ARITH, "avgpool_forward %s", gd);
+    cu_expect_scaled(f, ya, ny, cu_to_double(f, mavg, ny, NULL), RED_RTOL, 0.0,
+                     "avgpool_forward %s", gd);
     for (int acc = 0; acc < 2; acc++) {
         cu_buf dx = acc ? cu_putf(f, x0, nx) : cu_junk(f, nx);
         BOTH(avgpool_backward, g, P(dy), P(dx), acc);
-        cu_expect(f, dx, nx, TOL_ARITH, "avgpool_backward %s accumulate=%d", gd, acc);
+        cu_expect_scaled(f, dx, nx, cu_to_double(f, mavgb, nx, acc ? x0 : NULL), RED_RTOL, 0.0,
+                         "avgpool_backward %s accumulate=%d", gd, acc);
     }
 }
 
@@ -1485,10 +1603,15 @@ static void test_cuda_conv_pool(void **state)
         cu_expect(f, col, ncol, TOL_EXACT, "im2col %s", gd);
         cu_buf colr = cu_putf(f, cu_rand(f, &r, ncol, -1, 1), ncol);
         float *x0 = cu_rand(f, &r, nx, -1, 1);
+        /* each dx sums up to KH*KW column entries in an order of its own:
+         * relative to their magnitudes (the CPU's fold of |col|), as sums */
+        float *mcol = cu_hf(f, nx);
+        f->C->col2im(f->cb, g, cu_abs(f, CF(colr), ncol), mcol, 0);
         for (int acc = 0; acc < 2; acc++) {
             cu_buf dx = acc ? cu_putf(f, x0, nx) : cu_junk(f, nx);
             BOTH(col2im, g, P(colr), P(dx), acc);
-            cu_expect(f, dx, nx, TOL_ARITH, "col2im %s accumulate=%d", gd, acc);
+            cu_expect_scaled(f, dx, nx, cu_to_double(f, mcol, nx, acc ? x0 : NULL), RED_RTOL, 0.0,
+                             "col2im %s accumulate=%d", gd, acc);
         }
     }
 
@@ -1565,9 +1688,34 @@ static void cu_index_check_case(cu_fix *f, tu_rng *r, int64_t n, int64_t limit, 
     int64_t want = bad1 >= 0 ? bad1 : -1;
     if (res[0] != want) fail_msg("index_check: cpu returned %lld, expected %lld", (long long)res[0],
                                  (long long)want);
-    cu_expect_int(res[0], res[1], "index_check n=%lld limit=%lld bad at %lld (%d) and %lld (%d)",
+    cu_expect_int(f, res[0], res[1], "index_check n=%lld limit=%lld bad at %lld (%d) and %lld (%d)",
                   (long long)n, (long long)limit, (long long)bad1, (int)v1, (long long)bad2,
                   (int)v2);
+}
+
+/* Magnitudes of layernorm_backward's sums over rows, for cu_expect_scaled:
+ * dw[j] (+)= sum of dy x^ and db[j] (+)= sum of dy, with x^ = (x - mean)
+ * rstd from the given (CPU's) mean and rstd, plus |w0|, |b0| (NULL: 0),
+ * the values they are added to.  A GPU sums the rows in f32 in an order of
+ * its own: its error is relative to these, not to a result that may cancel
+ * to near zero. */
+static void cu_ln_grad_mag(cu_fix *f, int64_t rows, int64_t d, const float *x, const float *mean,
+                           const float *rstd, const float *dy, const float *w0, const float *b0,
+                           double **mdw, double **mdb)
+{
+    double *mw = cu_hd(f, d), *mb = cu_hd(f, d);
+    for (int64_t j = 0; j < d; j++) {
+        mw[j] = w0 ? fabs((double)w0[j]) : 0.0;
+        mb[j] = b0 ? fabs((double)b0[j]) : 0.0;
+    }
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < d; j++) {
+            double xh = ((double)x[i * d + j] - (double)mean[i]) * (double)rstd[i];
+            mw[j] += fabs((double)dy[i * d + j] * xh);
+            mb[j] += fabs((double)dy[i * d + j]);
+        }
+    *mdw = mw;
+    *mdb = mb;
 }
 
 static void cu_layernorm_case(cu_fix *f, tu_rng *r, int64_t rows, int64_t d, int affine)
@@ -1595,6 +1743,8 @@ static void cu_layernorm_case(cu_fix *f, tu_rng *r, int64_t rows, int64_t d, int
     cu_buf dy = cu_putf(f, cu_rand(f, r, nx, -1, 1), nx);
     float *x0 = cu_rand(f, r, nx, -1, 1), *w0 = cu_rand(f, r, d, -1, 1),
           *b0 = cu_rand(f, r, d, -1, 1);
+    double *mdw, *mdb;
+    cu_ln_grad_mag(f, rows, d, hx, CF(mc), CF(rc), CF(dy), w0, b0, &mdw, &mdb);
     for (int acc = 0; acc < 2; acc++) {
         cu_buf dx = acc ? cu_putf(f, x0, nx) : cu_junk(f, nx);
         cu_buf dw = cu_putf(f, w0, d), db = cu_putf(f, b0, d);
@@ -1604,10 +1754,12 @@ static void cu_layernorm_case(cu_fix *f, tu_rng *r, int64_t rows, int64_t d, int
                   "layernorm_backward rows=%lld d=%lld affine=%d accumulate=%d dx", (long long)rows,
                   (long long)d, affine, acc);
         if (!affine) continue;
-        cu_expect(f, dw, d, TOL_NORM, "layernorm_backward rows=%lld d=%lld dw (+=)",
-                  (long long)rows, (long long)d);
-        cu_expect(f, db, d, TOL_NORM, "layernorm_backward rows=%lld d=%lld db (+=)",
-                  (long long)rows, (long long)d);
+        cu_expect_scaled(f, dw, d, mdw, TOL_NORM.rtol, TOL_NORM.atol,
+                         "layernorm_backward rows=%lld d=%lld dw (+=)", (long long)rows,
+                         (long long)d);
+        cu_expect_scaled(f, db, d, mdb, TOL_NORM.rtol, TOL_NORM.atol,
+                         "layernorm_backward rows=%lld d=%lld db (+=)", (long long)rows,
+                         (long long)d);
     }
 }
 
@@ -1649,8 +1801,105 @@ static void test_cuda_embedding_layernorm_dropout(void **state)
 }
 
 /* ---------------------------------------------------------------------------
- * 12. Optimizers: 3 steps each, compared after every step
+ * 12. Optimizers: 3 steps each, compared after every step, each value
+ *     within OPT_RTOL |cpu| + OPT_ULPS M (section 1), the budget M carried
+ *     along by cu_opt_* from the CPU's states before and after each step,
+ *     following the operations in the order both backends do them
+ *     (backends/cpu.c and backends/cuda.cu, "optimizers").
  * ------------------------------------------------------------------------- */
+static float *cu_copyf(cu_fix *f, const float *x, int64_t n)
+{
+    float *p = cu_hf(f, n);
+    memcpy(p, x, sizeof(float) * (size_t)n);
+    return p;
+}
+
+/* |cuda - cpu| <= rtol |cpu| + OPT_ULPS M[i] */
+static __attribute__((format(printf, 6, 7))) void
+cu_expect_opt(cu_fix *f, cu_buf b, int64_t n, const double *M, double rtol, const char *fmt, ...)
+{
+    char what[320];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    if (k >= 0 && (size_t)k < sizeof what)
+        snprintf(what + k, sizeof what - (size_t)k, " (allowed %g |cpu| + %g M)", rtol, OPT_ULPS);
+    const float *want = CF(b);
+    double *allowed = cu_hd(f, n);
+    for (int64_t i = 0; i < n; i++) allowed[i] = rtol * fabs((double)want[i]) + OPT_ULPS * M[i];
+    cu_compare(what, "cpu", want, cu_fetch(f, b), allowed, n, 1.0, 0.0);
+}
+
+/* SGD, one step; wp, bp: w and buf before it, w, b: after.
+ *   g' = g + wd w
+ *   b  = first ? g' : mom b + (1-damp) g'       (no momentum: no b)
+ *   s  = nesterov ? g' + mom b : b              (no momentum: g')
+ *   w  = w - lr s                                                        */
+static void cu_opt_sgd(int64_t n, double *Mw, double *Mb, const float *wp, const float *bp,
+                       const float *w, const float *b, const float *g, float lr, float mom,
+                       float damp, int nesterov, float wd, int first)
+{
+    const double keep = 1.0 - (double)damp, dwd = wd, dmom = mom;
+    for (int64_t i = 0; i < n; i++) {
+        double aw = fabs((double)wp[i]), gi = (double)g[i] + dwd * wp[i];
+        double Mg = dwd * Mw[i] + fabs((double)g[i]) + dwd * aw, Ms;
+        if (mom == 0.0f) {
+            Ms = Mg;
+        } else {
+            Mb[i] = first ? Mg : dmom * (Mb[i] + fabs((double)bp[i])) + keep * (Mg + fabs(gi));
+            Ms = nesterov ? Mg + fabs(gi) + dmom * (Mb[i] + fabs((double)b[i])) : Mb[i];
+        }
+        Mw[i] += (double)lr * Ms + aw + fabs((double)wp[i] - (double)w[i]);
+    }
+}
+
+/* Adam / AdamW, one step; wp, mp, vp before it, m, v after.
+ *   decay = 1 - lr wd (AdamW) or 1,  l2 = 0 (AdamW) or wd
+ *   g' = g + l2 (w decay)
+ *   m  = m + (1-b1) (g' - m)
+ *   v  = b2 v + (1-b2) g' g'
+ *   q  = (lr/bc1) m / (sqrt(v) / sqrt(bc2) + eps)
+ *   w  = w decay - q                                                     */
+static void cu_opt_adam(int64_t n, double *Mw, double *Mm, double *Mv, const float *wp,
+                        const float *mp, const float *vp, const float *m, const float *v,
+                        const float *g, float lr, float b1, float b2, float eps, float wd,
+                        int decoupled, float bc1, float bc2)
+{
+    const double decay = decoupled ? 1.0 - (double)lr * wd : 1.0, l2 = decoupled ? 0.0 : wd;
+    const double b1c = 1.0 - (double)b1, b2c = 1.0 - (double)b2, db2 = b2;
+    const double step = (double)lr / bc1, bcs = sqrt((double)bc2);
+    for (int64_t i = 0; i < n; i++) {
+        double awd = fabs((double)wp[i]) * decay, gi = (double)g[i] + l2 * wp[i] * decay;
+        double Mg = l2 * (decay * Mw[i] + awd) + fabs((double)g[i]) + l2 * awd;
+        double d = gi - mp[i], Md = Mg + Mm[i] + fabs(gi) + fabs((double)mp[i]);
+        Mm[i] += b1c * Md + fabs((double)mp[i]) + b1c * fabs(d);
+        Mv[i] = db2 * (Mv[i] + fabs((double)vp[i])) + b2c * (2.0 * fabs(gi) * Mg + 2.0 * gi * gi);
+        double den = sqrt((double)v[i]) / bcs + eps, q = step * m[i] / den;
+        double relv = v[i] > 0.0f ? 0.5 * Mv[i] / v[i] : 0.0;
+        double Mq = step * Mm[i] / den + fabs(q) * (relv + OPT_QUOT_UNITS);
+        /* w decay rounds once more (AdamW; exact for decay 1), then - q */
+        Mw[i] = decay * Mw[i] + (decoupled ? 2.0 : 1.0) * awd + Mq + fabs(q);
+    }
+}
+
+/* AdaGrad, one step; wp, sp before it, s after.
+ *   g' = g + wd w;  s = s + g' g';  w = w - lr g' / (sqrt(s) + eps)       */
+static void cu_opt_adagrad(int64_t n, double *Mw, double *Ms, const float *wp, const float *sp,
+                           const float *s, const float *g, float lr, float eps, float wd)
+{
+    const double dwd = wd;
+    for (int64_t i = 0; i < n; i++) {
+        double aw = fabs((double)wp[i]), gi = (double)g[i] + dwd * wp[i];
+        double Mg = dwd * Mw[i] + fabs((double)g[i]) + dwd * aw;
+        Ms[i] += fabs((double)sp[i]) + 2.0 * gi * gi + 2.0 * fabs(gi) * Mg;
+        double den = sqrt((double)s[i]) + eps, q = (double)lr * gi / den;
+        double rels = s[i] > 0.0f ? 0.5 * Ms[i] / s[i] : 0.0;
+        double Mq = (double)lr * Mg / den + fabs(q) * (rels + OPT_QUOT_UNITS);
+        Mw[i] += aw + fabs(q) + Mq;
+    }
+}
+
 static void test_cuda_optimizers(void **state)
 {
     CU_START(f);
@@ -1666,17 +1915,22 @@ static void test_cuda_optimizers(void **state)
     for (int i = 0; i < TU_ARRAY_LEN(sgd); i++) {
         cu_buf w = cu_putf(f, w0, n), buf = cu_junk(f, n); /* first step must not read buf */
         int mom = sgd[i].mom != 0.0f;
+        double *Mw = cu_hd(f, n), *Mb = cu_hd(f, n);
         for (int t = 0; t < 3; t++) {
+            float *wp = cu_copyf(f, CF(w), n), *bp = cu_copyf(f, CF(buf), n);
             cu_buf gb = cu_putf(f, g[t], n);
             BOTH(sgd_update, n, P(w), P(gb), mom ? P(buf) : NULL, sgd[i].lr, sgd[i].mom,
                  sgd[i].damp, sgd[i].nesterov, sgd[i].wd, t == 0);
-            cu_expect(f, w, n, TOL_OPTIM,
-                      "sgd_update lr=%g momentum=%g dampening=%g nesterov=%d wd=%g step %d w",
-                      (double)sgd[i].lr, (double)sgd[i].mom, (double)sgd[i].damp, sgd[i].nesterov,
-                      (double)sgd[i].wd, t + 1);
+            cu_opt_sgd(n, Mw, Mb, wp, bp, CF(w), CF(buf), g[t], sgd[i].lr, sgd[i].mom,
+                       sgd[i].damp, sgd[i].nesterov, sgd[i].wd, t == 0);
+            cu_expect_opt(f, w, n, Mw, OPT_RTOL,
+                          "sgd_update lr=%g momentum=%g dampening=%g nesterov=%d wd=%g step %d w",
+                          (double)sgd[i].lr, (double)sgd[i].mom, (double)sgd[i].damp,
+                          sgd[i].nesterov, (double)sgd[i].wd, t + 1);
             if (mom)
-                cu_expect(f, buf, n, TOL_OPTIM, "sgd_update momentum=%g nesterov=%d step %d buf",
-                          (double)sgd[i].mom, sgd[i].nesterov, t + 1);
+                cu_expect_opt(f, buf, n, Mb, OPT_RTOL,
+                              "sgd_update momentum=%g nesterov=%d step %d buf",
+                              (double)sgd[i].mom, sgd[i].nesterov, t + 1);
         }
     }
 
@@ -1684,19 +1938,24 @@ static void test_cuda_optimizers(void **state)
         for (int wdi = 0; wdi < 2; wdi++) {
             const float lr = 1e-2f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = wdi ? 1e-2f : 0.0f;
             cu_buf w = cu_putf(f, w0, n), m = cu_putf(f, zeros, n), v = cu_putf(f, zeros, n);
+            double *Mw = cu_hd(f, n), *Mm = cu_hd(f, n), *Mv = cu_hd(f, n);
             for (int t = 1; t <= 3; t++) {
                 float bc1 = (float)(1.0 - pow((double)b1, t)),
                       bc2 = (float)(1.0 - pow((double)b2, t));
+                float *wp = cu_copyf(f, CF(w), n), *mp = cu_copyf(f, CF(m), n),
+                      *vp = cu_copyf(f, CF(v), n);
                 cu_buf gb = cu_putf(f, g[t - 1], n);
                 BOTH(adam_update, n, P(w), P(gb), P(m), P(v), lr, b1, b2, eps, wd, decoupled, bc1,
                      bc2);
+                cu_opt_adam(n, Mw, Mm, Mv, wp, mp, vp, CF(m), CF(v), g[t - 1], lr, b1, b2, eps, wd,
+                            decoupled, bc1, bc2);
                 const char *kind = decoupled ? "adamw" : "adam";
-                cu_expect(f, w, n, TOL_OPTIM, "adam_update (%s, wd %g) step %d w", kind, (double)wd,
-                          t);
-                cu_expect(f, m, n, TOL_OPTIM, "adam_update (%s, wd %g) step %d m", kind, (double)wd,
-                          t);
-                cu_expect(f, v, n, TOL_OPTIM_POS, "adam_update (%s, wd %g) step %d v", kind,
-                          (double)wd, t);
+                cu_expect_opt(f, w, n, Mw, OPT_RTOL, "adam_update (%s, wd %g) step %d w", kind,
+                              (double)wd, t);
+                cu_expect_opt(f, m, n, Mm, OPT_RTOL, "adam_update (%s, wd %g) step %d m", kind,
+                              (double)wd, t);
+                cu_expect_opt(f, v, n, Mv, OPT_RTOL, "adam_update (%s, wd %g) step %d v", kind,
+                              (double)wd, t);
             }
         }
 
@@ -1707,12 +1966,16 @@ static void test_cuda_optimizers(void **state)
     for (int wdi = 0; wdi < 2; wdi++) {
         const float lr = 0.1f, eps = 1e-10f, wd = wdi ? 1e-2f : 0.0f;
         cu_buf w = cu_putf(f, w0, n), s = cu_putf(f, zeros, n);
+        double *Mw = cu_hd(f, n), *Ms = cu_hd(f, n);
         for (int t = 0; t < 3; t++) {
+            float *wp = cu_copyf(f, CF(w), n), *sp = cu_copyf(f, CF(s), n);
             cu_buf gb = cu_putf(f, g[t], n);
             BOTH(adagrad_update, n, P(w), P(gb), P(s), lr, eps, wd);
-            cu_expect(f, w, n, TOL_OPTIM, "adagrad_update wd=%g step %d w", (double)wd, t + 1);
-            cu_expect(f, s, n, TOL_OPTIM_POS, "adagrad_update wd=%g step %d sum", (double)wd,
-                      t + 1);
+            cu_opt_adagrad(n, Mw, Ms, wp, sp, CF(s), g[t], lr, eps, wd);
+            cu_expect_opt(f, w, n, Mw, OPT_RTOL, "adagrad_update wd=%g step %d w", (double)wd,
+                          t + 1);
+            cu_expect_opt(f, s, n, Ms, OPT_RTOL, "adagrad_update wd=%g step %d sum", (double)wd,
+                          t + 1);
         }
     }
 }
@@ -1736,8 +1999,14 @@ static void cu_check_block(cu_fix *f, const void *dev, size_t n, uint32_t tag, c
         free(want);
         fail_msg("out of host memory");
     }
+    char fm[400];
     f->G->sync(f->gb);
     f->G->to_host(f->gb, h, dev, n);
+    if (cu_fault_text(f, what, fm, sizeof fm)) {
+        free(h);
+        free(want);
+        fail_msg("%s", fm);
+    }
     cu_pattern(want, n, tag);
     for (size_t i = 0; i < n; i++)
         if (h[i] != want[i]) {
@@ -1769,8 +2038,14 @@ static void cu_check_memset0(cu_fix *f, void *dev, size_t n, uint32_t tag)
         free(want);
         fail_msg("out of host memory");
     }
+    char fm[400];
     f->G->sync(f->gb);
     f->G->to_host(f->gb, h, dev, n);
+    if (cu_fault_text(f, "memset0", fm, sizeof fm)) {
+        free(h);
+        free(want);
+        fail_msg("%s", fm);
+    }
     cu_pattern(want, n, tag);
     size_t bad = n;
     for (size_t j = 1; j + 1 < n && bad == n; j++)
@@ -1807,6 +2082,7 @@ static void test_cuda_memory_staging(void **state)
             snprintf(what, sizeof what, "alloc(%zu) round %d: to_device/to_host", n, round);
             cu_upload_pattern(f, p, n, (uint32_t)i);
             cu_check_block(f, p, n, (uint32_t)i, what);
+            cu_upload_pattern(f, q, n, (uint32_t)i ^ 0x5Au); /* a copy that does nothing fails */
             G->copy(f->gb, q, p, n);
             snprintf(what, sizeof what, "alloc(%zu) round %d: copy", n, round);
             cu_check_block(f, q, n, (uint32_t)i, what);
@@ -1869,6 +2145,8 @@ static void test_cuda_memory_staging(void **state)
         }
     }
     float *ha = h[0], *hb = h[1], *out1 = h[2], *out2 = h[3];
+    memset(out1, 0xA5, bytes); /* no value below: a copy that does nothing fails */
+    memset(out2, 0xA5, bytes);
     tu_fill_uniform(&r, ha, n, -1, 1);
     tu_fill_uniform(&r, hb, n, -1, 1);
     float *old_a = cu_hf(f, n), *old_b = cu_hf(f, n);
@@ -1888,6 +2166,7 @@ static void test_cuda_memory_staging(void **state)
     uint64_t t4 = G->copy_async(f->gb, out2, dc, bytes, DT_COPY_D2H);
     G->copy_wait(f->gb, t4);
     G->copy_wait(f->gb, t3);
+    cu_check_fault(f, "copy_wait");
     for (int64_t i = 0; i < n; i++) {
         float want1 = 2.0f * old_a[i] + old_b[i], want2 = -old_a[i];
         if (out1[i] != want1)
@@ -1919,6 +2198,7 @@ static void test_cuda_memory_staging(void **state)
     /* small copies at odd offsets, a ticket 0 (already done) waits fine */
     uint64_t t6 = G->copy_async(f->gb, out1 + 3, da + 5, 37 * sizeof(float), DT_COPY_D2H);
     G->copy_wait(f->gb, t6);
+    cu_check_fault(f, "copy_wait");
     for (int i = 0; i < 37; i++)
         if (out1[3 + i] != hb[5 + i])
             fail_msg(
@@ -1926,12 +2206,17 @@ static void test_cuda_memory_staging(void **state)
                 (double)hb[5 + i], (double)out1[3 + i]);
     G->copy_wait(f->gb, 0);
     G->copy_join(f->gb, 0);
+    cu_check_fault(f, "copy_wait / copy_join of ticket 0");
 }
 
 /* ---------------------------------------------------------------------------
  * 14. Determinism: the same op twice gives the same bits (backend.h's
  *     contract), and reductions at sizes around block boundaries agree
- *     with the CPU
+ *     with the CPU.  The two outputs of each pair start different
+ *     (cu_gpu_pair), so a kernel that writes nothing fails; an output that
+ *     is added to (embedding_backward, layernorm's dw) starts equal in both
+ *     runs, and the first run is also compared with the CPU, which shows
+ *     that the kernel ran.
  * ------------------------------------------------------------------------- */
 static void test_cuda_determinism(void **state)
 {
@@ -1945,11 +2230,13 @@ static void test_cuda_determinism(void **state)
         const int64_t m = 200, n = 300, k = 256;
         float *ha = cu_rand(f, &r, m * k, -1, 1), *hb = cu_rand(f, &r, n * k, -1, 1);
         cu_buf a = cu_putf(f, ha, m * k), b = cu_putf(f, hb, n * k);
-        cu_buf c1 = cu_junk(f, m * n), c2 = cu_junk(f, m * n);
+        cu_buf c1 = cu_junk(f, m * n);
+        float *c2 = cu_gpu_alloc(f, c1.bytes);
+        cu_gpu_pair(f, c1.g, c2, c1.bytes);
         f->C->gemm(f->cb, 0, 1, m, n, k, 1.0f, CF(a), k, CF(b), k, 0.0f, CF(c1), n);
         G->gemm(gb, 0, 1, m, n, k, 1.0f, a.g, k, b.g, k, 0.0f, c1.g, n);
-        G->gemm(gb, 0, 1, m, n, k, 1.0f, a.g, k, b.g, k, 0.0f, c2.g, n);
-        cu_expect_repeat(f, c1.g, c2.g, c1.bytes, "gemm 200x300x256 twice");
+        G->gemm(gb, 0, 1, m, n, k, 1.0f, a.g, k, b.g, k, 0.0f, c2, n);
+        cu_expect_repeat(f, c1.g, c2, c1.bytes, "gemm 200x300x256 twice");
         cu_gemm s = {.batch = 1, .ta = 0, .tb = 1, .m = m, .n = n, .k = k, .alpha = 1.0f,
                      .beta = 0.0f, .lda = k, .ldb = k, .ldc = n, .c = CF(c1)};
         double *mag = cu_hd(f, m * n);
@@ -1965,110 +2252,130 @@ static void test_cuda_determinism(void **state)
         float *hx = cu_rand(f, &r, n, -1, 1);
         double mag = 0;
         for (int64_t j = 0; j < n; j++) mag += fabs((double)hx[j]);
-        cu_buf x = cu_putf(f, hx, n), s1 = cu_junk(f, 1), s2 = cu_junk(f, 1);
+        cu_buf x = cu_putf(f, hx, n), s1 = cu_junk(f, 1);
+        float *s2 = cu_gpu_alloc(f, 4);
+        cu_gpu_pair(f, s1.g, s2, 4);
         f->C->sum(f->cb, n, CF(x), CF(s1));
         G->sum(gb, n, x.g, s1.g);
-        G->sum(gb, n, x.g, s2.g);
-        cu_expect_repeat(f, s1.g, s2.g, 4, "sum n=%lld twice", (long long)n);
+        G->sum(gb, n, x.g, s2);
+        cu_expect_repeat(f, s1.g, s2, 4, "sum n=%lld twice", (long long)n);
         cu_expect_scaled(f, s1, 1, &mag, RED_RTOL, 0.0, "sum n=%lld", (long long)n);
         double q1 = G->sumsq(gb, n, x.g), q2 = G->sumsq(gb, n, x.g);
+        double qc = f->C->sumsq(f->cb, n, CF(x));
+        cu_check_fault(f, "sumsq"); /* a faulted sumsq is NaN twice, the same bits */
         if (memcmp(&q1, &q2, sizeof q1) != 0)
             fail_msg("sumsq n=%lld twice: %.17g vs %.17g", (long long)n, q1, q2);
+        if (!(fabs(q1 - qc) <= RED_RTOL * qc))
+            fail_msg("sumsq n=%lld: cpu %.17g, cuda %.17g", (long long)n, qc, q1);
     }
 
     /* the other reductions and scatter-adds, twice each */
     {
         const int64_t outer = 8, len = 5000, inner = 3, nx = outer * len * inner;
+        const size_t no = 4 * (size_t)(outer * inner), nb = 4 * (size_t)len;
         float *hx = cu_rand(f, &r, nx, -1, 1);
         float *x = cu_gpu_alloc(f, 4 * (size_t)nx);
         G->to_device(gb, x, hx, 4 * (size_t)nx);
-        float *o1 = cu_gpu_alloc(f, 4 * (size_t)(outer * inner)),
-              *o2 = cu_gpu_alloc(f, 4 * (size_t)(outer * inner));
+        float *o1 = cu_gpu_alloc(f, no), *o2 = cu_gpu_alloc(f, no);
+        cu_gpu_pair(f, o1, o2, no);
         G->reduce_axis(gb, DT_RED_SUM, outer, len, inner, x, o1);
         G->reduce_axis(gb, DT_RED_SUM, outer, len, inner, x, o2);
-        cu_expect_repeat(f, o1, o2, 4 * (size_t)(outer * inner),
-                         "reduce_axis(sum) (8,5000,3) twice");
+        cu_expect_repeat(f, o1, o2, no, "reduce_axis(sum) (8,5000,3) twice");
         /* dbias (5000) over dy (8, 5000, 3) */
-        float *b1 = cu_gpu_alloc(f, 4 * (size_t)len), *b2 = cu_gpu_alloc(f, 4 * (size_t)len);
+        float *b1 = cu_gpu_alloc(f, nb), *b2 = cu_gpu_alloc(f, nb);
+        cu_gpu_pair(f, b1, b2, nb);
         G->bias_grad(gb, outer, len, inner, x, b1, 0);
         G->bias_grad(gb, outer, len, inner, x, b2, 0);
-        cu_expect_repeat(f, b1, b2, 4 * (size_t)len, "bias_grad (8,5000,3) twice");
+        cu_expect_repeat(f, b1, b2, nb, "bias_grad (8,5000,3) twice");
         static const int64_t shp[3] = {8, 5000, 3}, dst[3] = {0, 0, 1};
+        cu_gpu_pair(f, o1, o2, 4 * 3); /* they hold reduce_axis's equal results */
         G->sum_to(gb, 3, shp, x, o1, dst, 0);
         G->sum_to(gb, 3, shp, x, o2, dst, 0);
         cu_expect_repeat(f, o1, o2, 4 * 3, "sum_to (8,5000,3) -> (3) twice");
     }
     {
+        /* dweight += dy rows: both runs start from the same weights; the
+         * first is compared with the CPU (exact: the same adds in order) */
         const int64_t vocab = 3, d = 5, n = 3000;
         int32_t *idx = cu_rand_idx(f, &r, n, vocab);
         float *hdy = cu_rand(f, &r, n * d, -1, 1), *hw = cu_rand(f, &r, vocab * d, -1, 1);
-        int32_t *ix = cu_gpu_alloc(f, 4 * (size_t)n);
-        float *dy = cu_gpu_alloc(f, 4 * (size_t)(n * d));
-        float *w1 = cu_gpu_alloc(f, 4 * (size_t)(vocab * d)),
-              *w2 = cu_gpu_alloc(f, 4 * (size_t)(vocab * d));
-        G->to_device(gb, ix, idx, 4 * (size_t)n);
-        G->to_device(gb, dy, hdy, 4 * (size_t)(n * d));
-        G->to_device(gb, w1, hw, 4 * (size_t)(vocab * d));
-        G->to_device(gb, w2, hw, 4 * (size_t)(vocab * d));
-        G->embedding_backward(gb, n, d, ix, dy, w1);
-        G->embedding_backward(gb, n, d, ix, dy, w2);
-        cu_expect_repeat(f, w1, w2, 4 * (size_t)(vocab * d),
-                         "embedding_backward (3000 rows into 3) twice");
+        cu_buf ix = cu_puti(f, idx, n), dy = cu_putf(f, hdy, n * d), w1 = cu_putf(f, hw, vocab * d);
+        float *w2 = cu_gpu_alloc(f, w1.bytes);
+        G->to_device(gb, w2, hw, w1.bytes);
+        f->C->embedding_backward(f->cb, n, d, CI(ix), CF(dy), CF(w1));
+        G->embedding_backward(gb, n, d, ix.g, dy.g, w1.g);
+        G->embedding_backward(gb, n, d, ix.g, dy.g, w2);
+        cu_expect_repeat(f, w1.g, w2, w1.bytes, "embedding_backward (3000 rows into 3) twice");
+        cu_expect(f, w1, vocab * d, TOL_EXACT, "embedding_backward (3000 rows into 3), run 1");
     }
     {
         dt_conv_geom g = cu_geom(4, 8, 15, 13, 3, 2, 1);
         int64_t nx = g.n * g.c * g.h * g.w, ny = g.n * g.c * g.oh * g.ow;
         int64_t ncol = g.c * g.kh * g.kw * g.n * g.oh * g.ow;
-        float *x = cu_gpu_alloc(f, 4 * (size_t)nx), *y = cu_gpu_alloc(f, 4 * (size_t)ny);
+        const size_t bx = 4 * (size_t)nx;
+        float *x = cu_gpu_alloc(f, bx), *y = cu_gpu_alloc(f, 4 * (size_t)ny);
         int32_t *am = cu_gpu_alloc(f, 4 * (size_t)ny);
         float *dy = cu_gpu_alloc(f, 4 * (size_t)ny), *col = cu_gpu_alloc(f, 4 * (size_t)ncol);
-        float *dx1 = cu_gpu_alloc(f, 4 * (size_t)nx), *dx2 = cu_gpu_alloc(f, 4 * (size_t)nx);
+        float *dx1 = cu_gpu_alloc(f, bx), *dx2 = cu_gpu_alloc(f, bx);
         float *hx = cu_hf(f, nx);
         tu_fill_distinct(&r, hx, nx, 0.01f);
-        G->to_device(gb, x, hx, 4 * (size_t)nx);
+        G->to_device(gb, x, hx, bx);
         G->to_device(gb, dy, cu_rand(f, &r, ny, -1, 1), 4 * (size_t)ny);
         G->to_device(gb, col, cu_rand(f, &r, ncol, -1, 1), 4 * (size_t)ncol);
         G->maxpool_forward(gb, &g, x, y, am);
+        cu_gpu_pair(f, dx1, dx2, bx);
         G->maxpool_backward(gb, &g, dy, am, dx1, 0);
         G->maxpool_backward(gb, &g, dy, am, dx2, 0);
-        cu_expect_repeat(f, dx1, dx2, 4 * (size_t)nx,
-                         "maxpool_backward (overlapping windows) twice");
+        cu_expect_repeat(f, dx1, dx2, bx, "maxpool_backward (overlapping windows) twice");
+        cu_gpu_pair(f, dx1, dx2, bx);
         G->col2im(gb, &g, col, dx1, 0);
         G->col2im(gb, &g, col, dx2, 0);
-        cu_expect_repeat(f, dx1, dx2, 4 * (size_t)nx, "col2im twice");
+        cu_expect_repeat(f, dx1, dx2, bx, "col2im twice");
         if (G->conv2d_backward) {
             const int64_t o = 6, nw = o * g.c * g.kh * g.kw, nyo = g.n * o * g.oh * g.ow;
-            float *w = cu_gpu_alloc(f, 4 * (size_t)nw), *dyo = cu_gpu_alloc(f, 4 * (size_t)nyo);
-            float *dw1 = cu_gpu_alloc(f, 4 * (size_t)nw), *dw2 = cu_gpu_alloc(f, 4 * (size_t)nw);
-            float *db1 = cu_gpu_alloc(f, 4 * (size_t)o), *db2 = cu_gpu_alloc(f, 4 * (size_t)o);
-            G->to_device(gb, w, cu_rand(f, &r, nw, -1, 1), 4 * (size_t)nw);
+            const size_t bw = 4 * (size_t)nw, bb = 4 * (size_t)o;
+            float *w = cu_gpu_alloc(f, bw), *dyo = cu_gpu_alloc(f, 4 * (size_t)nyo);
+            float *dw1 = cu_gpu_alloc(f, bw), *dw2 = cu_gpu_alloc(f, bw);
+            float *db1 = cu_gpu_alloc(f, bb), *db2 = cu_gpu_alloc(f, bb);
+            G->to_device(gb, w, cu_rand(f, &r, nw, -1, 1), bw);
             G->to_device(gb, dyo, cu_rand(f, &r, nyo, -1, 1), 4 * (size_t)nyo);
+            cu_gpu_pair(f, dx1, dx2, bx);
+            cu_gpu_pair(f, dw1, dw2, bw);
+            cu_gpu_pair(f, db1, db2, bb);
             if (G->conv2d_backward(gb, &g, o, x, w, dyo, dx1, 0, dw1, 0, db1, 0) != DT_OK ||
                 G->conv2d_backward(gb, &g, o, x, w, dyo, dx2, 0, dw2, 0, db2, 0) != DT_OK)
                 fail_msg("cuda conv2d_backward failed");
-            cu_expect_repeat(f, dx1, dx2, 4 * (size_t)nx, "conv2d_backward dx twice");
-            cu_expect_repeat(f, dw1, dw2, 4 * (size_t)nw, "conv2d_backward dw twice");
-            cu_expect_repeat(f, db1, db2, 4 * (size_t)o, "conv2d_backward db twice");
+            cu_expect_repeat(f, dx1, dx2, bx, "conv2d_backward dx twice");
+            cu_expect_repeat(f, dw1, dw2, bw, "conv2d_backward dw twice");
+            cu_expect_repeat(f, db1, db2, bb, "conv2d_backward db twice");
         }
     }
     {
-        const int64_t rows = 64, d = 768;
-        float *x = cu_gpu_alloc(f, 4 * (size_t)(rows * d)),
-              *dy = cu_gpu_alloc(f, 4 * (size_t)(rows * d));
-        float *y = cu_gpu_alloc(f, 4 * (size_t)(rows * d)),
-              *dx = cu_gpu_alloc(f, 4 * (size_t)(rows * d));
-        float *mean = cu_gpu_alloc(f, 4 * (size_t)rows), *rstd = cu_gpu_alloc(f, 4 * (size_t)rows);
-        float *w = cu_gpu_alloc(f, 4 * (size_t)d);
-        float *dw1 = cu_gpu_alloc(f, 4 * (size_t)d), *dw2 = cu_gpu_alloc(f, 4 * (size_t)d);
-        G->to_device(gb, x, cu_rand(f, &r, rows * d, -1, 1), 4 * (size_t)(rows * d));
-        G->to_device(gb, dy, cu_rand(f, &r, rows * d, -1, 1), 4 * (size_t)(rows * d));
-        G->to_device(gb, w, cu_rand(f, &r, d, 0.5f, 1.5f), 4 * (size_t)d);
-        G->memset0(gb, dw1, 4 * (size_t)d);
-        G->memset0(gb, dw2, 4 * (size_t)d);
-        G->layernorm_forward(gb, rows, d, x, w, NULL, 1e-5f, y, mean, rstd);
-        G->layernorm_backward(gb, rows, d, x, w, mean, rstd, dy, dx, dw1, NULL, 0);
-        G->layernorm_backward(gb, rows, d, x, w, mean, rstd, dy, dx, dw2, NULL, 0);
-        cu_expect_repeat(f, dw1, dw2, 4 * (size_t)d, "layernorm_backward dw (64 rows) twice");
+        /* dw += over 64 rows, from the CPU's mean and rstd: both runs
+         * start from zeros; run 1 is compared with the CPU's dw too */
+        const int64_t rows = 64, d = 768, nx = rows * d;
+        cu_buf x = cu_putf(f, cu_rand(f, &r, nx, -1, 1), nx);
+        cu_buf dy = cu_putf(f, cu_rand(f, &r, nx, -1, 1), nx);
+        cu_buf w = cu_putf(f, cu_rand(f, &r, d, 0.5f, 1.5f), d);
+        float *y = cu_hf(f, nx), *mean = cu_hf(f, rows), *rstd = cu_hf(f, rows);
+        float *dxc = cu_hf(f, nx);
+        f->C->layernorm_forward(f->cb, rows, d, CF(x), CF(w), NULL, 1e-5f, y, mean, rstd);
+        cu_buf mc = cu_putf(f, mean, rows), rc = cu_putf(f, rstd, rows);
+        cu_buf dw1 = cu_putf(f, cu_hf(f, d), d); /* zeros on both */
+        float *dw2 = cu_gpu_alloc(f, dw1.bytes), *dx1 = cu_gpu_alloc(f, 4 * (size_t)nx),
+              *dx2 = cu_gpu_alloc(f, 4 * (size_t)nx);
+        G->memset0(gb, dw2, dw1.bytes);
+        cu_gpu_pair(f, dx1, dx2, 4 * (size_t)nx);
+        f->C->layernorm_backward(f->cb, rows, d, CF(x), CF(w), CF(mc), CF(rc), CF(dy), dxc,
+                                 CF(dw1), NULL, 0);
+        G->layernorm_backward(gb, rows, d, x.g, w.g, mc.g, rc.g, dy.g, dx1, dw1.g, NULL, 0);
+        G->layernorm_backward(gb, rows, d, x.g, w.g, mc.g, rc.g, dy.g, dx2, dw2, NULL, 0);
+        cu_expect_repeat(f, dw1.g, dw2, dw1.bytes, "layernorm_backward dw (64 rows) twice");
+        cu_expect_repeat(f, dx1, dx2, 4 * (size_t)nx, "layernorm_backward dx (64 rows) twice");
+        double *mdw, *mdb;
+        cu_ln_grad_mag(f, rows, d, CF(x), mean, rstd, CF(dy), NULL, NULL, &mdw, &mdb);
+        cu_expect_scaled(f, dw1, d, mdw, TOL_NORM.rtol, TOL_NORM.atol,
+                         "layernorm_backward dw (64 rows), run 1");
     }
     {
         const int64_t n = 4096, c = 37;
@@ -2078,20 +2385,30 @@ static void test_cuda_determinism(void **state)
         float *l1 = cu_gpu_alloc(f, 4), *l2 = cu_gpu_alloc(f, 4);
         G->to_device(gb, lg, cu_rand(f, &r, n * c, -4, 4), 4 * (size_t)(n * c));
         G->to_device(gb, lb, cu_rand_idx(f, &r, n, c), 4 * (size_t)n);
-        if (G->xent_forward(gb, n, c, lg, lb, pr, l1) != -1 ||
-            G->xent_forward(gb, n, c, lg, lb, pr, l2) != -1)
-            fail_msg("cuda xent_forward rejected valid labels");
+        cu_gpu_pair(f, l1, l2, 4);
+        int64_t ret1 = G->xent_forward(gb, n, c, lg, lb, pr, l1);
+        int64_t ret2 = G->xent_forward(gb, n, c, lg, lb, pr, l2);
+        cu_check_fault(f, "xent_forward"); /* a faulted one answers -1, "valid" */
+        if (ret1 != -1 || ret2 != -1)
+            fail_msg("cuda xent_forward rejected valid labels (returned %lld, %lld)",
+                     (long long)ret1, (long long)ret2);
         cu_expect_repeat(f, l1, l2, 4, "xent_forward loss (4096 rows) twice");
     }
 }
 
 /* ---------------------------------------------------------------------------
  * 15. Three SGD steps through the public API on a "cuda" and a "cpu"
- *     context: a small MLP and a small CNN (conv2d + max_pool2d + linear)
+ *     context: a small MLP and a small CNN (conv2d + max_pool2d + linear).
+ *     Each context is given its backend as cfg.custom_backend, never by
+ *     name: dt_ctx_new replaces a named backend with $DTRAIN_BACKEND (the
+ *     suite may run under DTRAIN_BACKEND=cuda or cpu-staged), which would
+ *     compare a backend with itself; a custom backend it keeps.  Each
+ *     context's dt_backend_name is checked too.
  * ------------------------------------------------------------------------- */
 #define CU_TRAIN_STEPS 3
 
 typedef struct cu_trained {
+    char backend[32]; /* dt_backend_name of the context */
     int np;
     const char *names[4];
     float *params[4];
@@ -2099,21 +2416,25 @@ typedef struct cu_trained {
     float loss[CU_TRAIN_STEPS];
 } cu_trained;
 
-static void cu_train(cu_fix *f, const char *backend, int cnn, cu_trained *out)
+/* be: the backend (f->C or f->G); the context and the optimizer are
+ * freed in teardown if a check fails on the way */
+static void cu_train(cu_fix *f, const dt_backend_iface *be, int cnn, cu_trained *out)
 {
     dt_config cfg;
     dt_config_init(&cfg);
-    cfg.backend = backend;
+    cfg.backend = be->name;
+    cfg.custom_backend = be;
     cfg.threads = 1;
     cfg.seed = 7;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     assert_non_null(ctx);
-    if (dt_ctx_status(ctx) != DT_OK) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "%s", dt_last_error(ctx));
-        dt_ctx_free(ctx);
-        fail_msg("dt_ctx_new(backend \"%s\"): %s", backend, msg);
-    }
+    cu_track(f, ctx, CU_CTX);
+    if (dt_ctx_status(ctx) != DT_OK)
+        fail_msg("dt_ctx_new(backend \"%s\"): %s", be->name, dt_last_error(ctx));
+    snprintf(out->backend, sizeof out->backend, "%s", dt_backend_name(ctx));
+    if (strcmp(out->backend, be->name) != 0)
+        fail_msg("dt_ctx_new with custom_backend \"%s\": the context runs on \"%s\"", be->name,
+                 out->backend);
     tu_rng r = {cnn ? 0xC77u : 0x3A9u}; /* the same parameters and data on both */
     dt_tensor *ps[4], *x, *y;
     static const char *mlp_names[4] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
@@ -2145,6 +2466,7 @@ static void cu_train(cu_fix *f, const char *backend, int cnn, cu_trained *out)
     oc.momentum = 0.9f;
     dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
     tu_check(ctx, opt, "dt_optim_new");
+    cu_track(f, opt, CU_OPTIM);
     for (int step = 0; step < CU_TRAIN_STEPS; step++) {
         dt_optim_zero_grad(opt);
         dt_tensor *logits;
@@ -2172,7 +2494,9 @@ static void cu_train(cu_fix *f, const char *backend, int cnn, cu_trained *out)
         out->numel[i] = n;
         out->names[i] = names[i];
     }
+    cu_untrack(f, opt);
     dt_optim_free(opt);
+    cu_untrack(f, ctx);
     dt_ctx_free(ctx);
 }
 
@@ -2183,8 +2507,10 @@ static void test_cuda_train_steps(void **state)
         cu_trained c, g;
         memset(&c, 0, sizeof c);
         memset(&g, 0, sizeof g);
-        cu_train(f, "cpu", cnn, &c);
-        cu_train(f, "cuda", cnn, &g);
+        cu_train(f, f->C, cnn, &c);
+        cu_train(f, f->G, cnn, &g);
+        if (strcmp(c.backend, g.backend) == 0)
+            fail_msg("the reference and the tested context both run on \"%s\"", c.backend);
         const char *model = cnn ? "cnn" : "mlp";
         char what[128];
         snprintf(what, sizeof what, "%s: loss of steps 1..%d", model, CU_TRAIN_STEPS);

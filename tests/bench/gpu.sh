@@ -23,6 +23,7 @@
 # --shapes), TORCH_PYTHON (default: the first of /usr/bin/python3, python3
 # whose torch sees a GPU), STRICT=1 (exit 1 on a missed target),
 # BUILD_ONLY=1 (build everything and stop: works without a GPU),
+# PREBUILT=1 (run the binaries a BUILD_ONLY=1 run left in tests/bench/build/gpu),
 # TIMEOUT=300 (seconds per benchmark process), CUDA_HOME=/usr/local/cuda,
 # NVCC, NVCC_GENCODE (default sm_90 + sm_80), EXTRA_LIBS (more link flags
 # for the CUDA backend, e.g. -lcublasLt), DT_NATIVE=0 (no -march=native).
@@ -174,6 +175,10 @@ build() {
     local libflags="-std=c11 -D_GNU_SOURCE -O3 $arch -fno-math-errno -I$ROOT -pthread"
     local t0=$SECONDS
 
+    if [[ ${PREBUILT:-0} == 1 && -x $B/bench_gpu && -x $B/bench_cublas ]]; then
+        echo "# build: PREBUILT=1: the binaries already in $B"
+        return 0
+    fi
     rm -f "$B/bench_cublas_raw" "$B/bench_gpu" "$B/bench_cublas"   # never run a stale build
     if [[ ! -f $CUDA_HOME/include/cuda_runtime.h ]]; then
         BUILD_ERR="no CUDA toolkit at $CUDA_HOME (set CUDA_HOME)"
