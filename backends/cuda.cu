@@ -644,7 +644,12 @@ static dt_status device_check(int device, char *err, size_t err_len)
             cudaSuccess ||
         (e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) !=
             cudaSuccess) {
-        set_err(err, err_len, "cuda: cannot select device %d (%s)", device, cudaGetErrorString(e));
+        /* the classic cause: CUDA was started in a parent, then fork()ed */
+        set_err(err, err_len, "cuda: cannot select device %d (%s)%s", device, cudaGetErrorString(e),
+                e == cudaErrorInitializationError
+                    ? "; a process forked after its parent started CUDA cannot use it: start "
+                      "GPU contexts after dt_spawn or fork, or launch ranks with dtrun"
+                    : "");
         (void)cudaGetLastError();
         return DT_EIO;
     }
@@ -1049,30 +1054,67 @@ typedef struct pack_shape {
     int64_t nb, rows, cols, ld, stride, pld;
 } pack_shape;
 
-/* dst (nb, rows, pld) = src (nb, rows, cols) rounded to prec, stored as f32
- * (TF32), __nv_bfloat16 or __half; columns cols..pld-1 are left as they are
- * (cuBLAS never reads them) */
-static __global__ void pack_kernel(int prec, pack_shape S, const float *src, void *dst)
+/* element o of the packed copy = v rounded to prec, stored as f32 (TF32),
+ * __nv_bfloat16 or __half */
+static __device__ inline void pack_store(int prec, void *dst, int64_t o, float v)
 {
-    DT_GRID_LOOP(i, S.nb * S.rows * S.cols) {
-        int64_t e = i % S.cols, t = i / S.cols, r = t % S.rows, b = t / S.rows;
-        float v = src[b * S.stride + r * S.ld + e];
-        int64_t o = (b * S.rows + r) * S.pld + e;
-        if (prec == DT_PREC_TF32)
-            ((float *)dst)[o] = round_tf32(v);
-        else if (prec == DT_PREC_BF16)
-            ((__nv_bfloat16 *)dst)[o] = __float2bfloat16_rn(v);
-        else
-            ((__half *)dst)[o] = __float2half_rn(v);
+    if (prec == DT_PREC_TF32)
+        ((float *)dst)[o] = round_tf32(v);
+    else if (prec == DT_PREC_BF16)
+        ((__nv_bfloat16 *)dst)[o] = __float2bfloat16_rn(v);
+    else
+        ((__half *)dst)[o] = __float2half_rn(v);
+}
+
+/* four of them from one 16-byte load, in one 16- or 8-byte store (o is a
+ * multiple of 4 and the packed rows start 16-byte aligned) */
+static __device__ inline void pack_store4(int prec, void *dst, int64_t o, float4 v)
+{
+    if (prec == DT_PREC_TF32) {
+        float4 r = make_float4(round_tf32(v.x), round_tf32(v.y), round_tf32(v.z), round_tf32(v.w));
+        *(float4 *)((float *)dst + o) = r;
+    } else if (prec == DT_PREC_BF16) {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+        uint2 u = make_uint2(*(uint32_t *)&lo, *(uint32_t *)&hi);
+        *(uint2 *)((__nv_bfloat16 *)dst + o) = u;
+    } else {
+        __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+        uint2 u = make_uint2(*(uint32_t *)&lo, *(uint32_t *)&hi);
+        *(uint2 *)((__half *)dst + o) = u;
+    }
+}
+
+/* dst (nb, rows, pld) = src (nb, rows, cols) rounded to prec; columns
+ * cols..pld-1 are left as they are (cuBLAS never reads them).  Packing is
+ * pure bandwidth, on every mixed-precision GEMM: a row per grid row (one
+ * 64-bit division a row, none an element), 16-byte loads when vec (the
+ * source rows are 16-byte aligned and cols a multiple of 4). */
+static __global__ void pack_kernel(int prec, pack_shape S, const float *src, void *dst, int vec)
+{
+    int64_t nrows = S.nb * S.rows, step = (int64_t)gridDim.x * blockDim.x;
+    int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t rr = blockIdx.y; rr < nrows; rr += gridDim.y) {
+        int64_t b = rr / S.rows, r = rr - b * S.rows;
+        const float *row = src + b * S.stride + r * S.ld;
+        int64_t o = rr * S.pld;
+        if (vec) {
+            for (int64_t e4 = first; e4 < S.cols / 4; e4 += step)
+                pack_store4(prec, dst, o + 4 * e4, ((const float4 *)row)[e4]);
+        } else {
+            for (int64_t e = first; e < S.cols; e += step) pack_store(prec, dst, o + e, row[e]);
+        }
     }
 }
 
 static void pack_operand(dt_backend *be, dt_precision prec, const pack_shape *S, const float *src,
                          void *dst)
 {
-    int64_t total = S->nb * S->rows * S->cols;
-    pack_kernel<<<grid_for(total, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
-        (int)prec, *S, src, dst);
+    int vec = S->cols % 4 == 0 && S->ld % 4 == 0 && (S->nb == 1 || S->stride % 4 == 0) &&
+              (uintptr_t)src % 16 == 0;
+    int64_t per_row = vec ? S->cols / 4 : S->cols, nrows = S->nb * S->rows;
+    unsigned across = grid_for(per_row, DT_CUDA_THREADS);   /* blocks along a row, <= 16 */
+    dim3 grid(across < 16 ? across : 16, (unsigned)min64(nrows, 65535));
+    pack_kernel<<<grid, DT_CUDA_THREADS, 0, be->compute>>>((int)prec, *S, src, dst, vec);
     DT_LAUNCHED(be);
 }
 

@@ -7,6 +7,8 @@ data shapes and the same timing, on one CUDA device.
                      [--precs fp32,bf16] [--feeds device,host] [--warmup W]
                      [--sync-steps S] [--rounds R] [--round-ms T] [--max-seconds T]
                      [--steps N]
+  bench_gpu_torch.py --matmul MxKxN,... [--mm-precs fp32,tf32,bf16] [--device D]
+                     [--rounds R] [--round-ms T]
 
 Precisions: fp32 (TF32 off for matmul and cuDNN, as dtrain's plain f32),
 tf32 (TF32 on for both), bf16 (torch.autocast(dtype=torch.bfloat16), TF32
@@ -21,6 +23,19 @@ steps queued back to back with one loss.item() (the sync) at its end;
 sync_ms: median of single steps each ending with loss.item().  A failed
 configuration prints "torch mlp b128 fp32 device error WHY".  Other lines
 start with '#'.  --steps N is a smoke test: N steps in every phase.
+
+--matmul: the PyTorch peer of bench_cublas.c instead of the training
+steps.  For each shape and precision, torch.matmul(A, B) on seeded random
+f32 A (M,K) and B (K,N): fp32 with allow_tf32 off, tf32 with it on, bf16
+under torch.autocast(dtype=torch.bfloat16) on the f32 tensors, so both
+operands are converted on every call as dt_matmul does under bf16 autocast
+(autocast caches casts only of leaf tensors that require grad; these do
+not).  Timing as bench_cublas.c: 3 warm-up calls, `per` back-to-back calls
+making a round of about --round-ms, --rounds rounds (default 11) each timed
+on the host clock up to torch.cuda.synchronize(), the median round kept:
+  torchmm 4096x4096x4096 bf16 torch_tflops 412.30 per 40 rounds 11
+(TFLOP/s = 2*M*K*N / seconds per call / 1e12).  A failed case prints
+"torchmm 4096x4096x4096 bf16 error WHY".
 """
 import argparse
 import contextlib
@@ -135,6 +150,70 @@ def run_config(model_name, batch, prec, feed, args, dev):
           f"min_ms {min(tr) * 1e3:.4f} per {per} rounds {len(tr)} loss {last:.4f}", flush=True)
 
 
+def mm_round(a, b, per, amp, dev):
+    """`per` products queued back to back and a sync; seconds per product."""
+    t0 = time.perf_counter()
+    with amp():
+        for _ in range(per):
+            torch.matmul(a, b)
+    sync(dev)
+    return (time.perf_counter() - t0) / per
+
+
+def run_matmul(m, k, n, prec, args, dev):
+    # a (M,K), b (K,N) f32 -> (M,N): f32, or bf16 under autocast
+    torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
+    g = torch.Generator().manual_seed(1234)
+    a = torch.randn((m, k), generator=g).to(dev)
+    b = torch.randn((k, n), generator=g).to(dev)
+    if prec == "bf16":
+        amp = lambda: torch.autocast(device_type=dev.type, dtype=torch.bfloat16)
+    else:
+        amp = contextlib.nullcontext
+    for _ in range(3):
+        mm_round(a, b, 1, amp, dev)
+    t1 = mm_round(a, b, 3, amp, dev)
+    per = min(max(math.ceil(args.round_ms * 1e-3 / max(t1, 1e-9)), 1), 5000)
+    ts = [mm_round(a, b, per, amp, dev) for _ in range(args.rounds)]
+    tflops = 2.0 * m * k * n / statistics.median(ts) / 1e12
+    print(f"torchmm {m}x{k}x{n} {prec} torch_tflops {tflops:.2f} per {per} "
+          f"rounds {len(ts)}", flush=True)
+
+
+def matmul_main(p, args, dev, name):
+    shapes = []
+    for spec in args.matmul.split(","):
+        dims = spec.split("x")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            p.error(f"bad shape '{spec}' (want MxKxN)")
+        shapes.append(tuple(int(d) for d in dims))
+    if args.rounds < 1 or args.round_ms <= 0:
+        p.error("--rounds and --round-ms must be positive")
+    precs = args.mm_precs.split(",")
+    for prec in precs:
+        if prec not in ("fp32", "tf32", "bf16"):
+            p.error(f"bad matmul precision '{prec}'")
+    print(f"# torch matmul: torch {torch.__version__}, cuda {torch.version.cuda}, device {name}; "
+          f"rounds {args.rounds} of ~{args.round_ms:.0f} ms", flush=True)
+
+    failed = 0
+    for m, k, n in shapes:
+        for prec in precs:
+            try:
+                run_matmul(m, k, n, prec, args, dev)
+            except Exception as e:  # report it and go on with the others
+                failed += 1
+                why = f"{type(e).__name__}: {e}".splitlines()[0]
+                print(f"# torchmm {m}x{k}x{n} {prec}: {why}", file=sys.stderr)
+                print(f"torchmm {m}x{k}x{n} {prec} error {type(e).__name__}", flush=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if failed:
+        print(f"# {failed} of {len(shapes) * len(precs)} matmul cases failed")
+    return 1 if failed else 0
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
@@ -143,12 +222,18 @@ def main():
     p.add_argument("--feeds", default="device,host")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--sync-steps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds (default 20; 11 with --matmul, as bench_cublas)")
     p.add_argument("--round-ms", type=float, default=25.0)
     p.add_argument("--max-seconds", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=0,
                    help="smoke test: N warm-up, synced and per-round steps, 1 round")
+    p.add_argument("--matmul", default="", metavar="SHAPES",
+                   help="time torch.matmul on MxKxN,... instead of the training steps")
+    p.add_argument("--mm-precs", default="fp32,tf32,bf16")
     args = p.parse_args()
+    if args.rounds is None:
+        args.rounds = 11 if args.matmul else 20
     if args.steps:
         args.warmup = args.sync_steps = args.steps
         args.rounds = 1
@@ -164,6 +249,8 @@ def main():
         name = torch.cuda.get_device_name(dev)
     else:
         name = "cpu"
+    if args.matmul:
+        return matmul_main(p, args, dev, name)
     print(f"# bench_gpu_torch: torch {torch.__version__} (CUDA {torch.version.cuda}, cuDNN "
           f"{torch.backends.cudnn.version() if dev.type == 'cuda' else '-'}), device {name}, "
           f"cudnn.benchmark={torch.backends.cudnn.benchmark}, warm-up {args.warmup}, "

@@ -9,7 +9,11 @@
 #   2. matmul (bench_cublas.c): dt_matmul against the raw cuBLAS call in the
 #      same process, 1024^3, 2048^3, 4096^3 and 1024x4096x1024 (MxKxN), fp32
 #      (cublasSgemm, default and pedantic math), tf32 and bf16 (cublasGemmEx,
-#      f32 output and compute) (target: >= 0.90 of raw)
+#      f32 output and compute) (target: >= 0.90 of raw); and, for reference,
+#      torch.matmul on the same shapes (bench_gpu_torch.py --matmul: f32
+#      inputs, bf16 under torch.autocast, which like dt_matmul converts both
+#      operands on every call, while the raw bf16 call is fed bf16 operands
+#      converted once before timing)
 #
 #   bash tests/bench/gpu.sh      (from any cwd; builds what it needs itself)
 #
@@ -141,15 +145,19 @@ main() {
         echo "## 2. matmul: shapes $SHAPES (MxKxN)"
         local mm=$B/bench_cublas
         [[ -x $mm ]] || mm=$B/bench_cublas_raw
-        if [[ -x $mm ]]; then
-            for r in $(seq 1 "$REPEATS"); do
+        [[ -x $mm ]] || echo "# ERROR: no bench_cublas binary"
+        for r in $(seq 1 "$REPEATS"); do
+            if [[ -x $mm ]]; then
                 echo "# repeat $r/$REPEATS: $(basename "$mm")"
                 timeout -k 10 "$TIMEOUT" "$mm" --shapes "$SHAPES" 2>&1 | tee -a "$RES" ||
                     echo "# $(basename "$mm") exited with status ${PIPESTATUS[0]}"
-            done
-        else
-            echo "# ERROR: no bench_cublas binary"
-        fi
+            fi
+            if [[ -n $py ]]; then
+                echo "# repeat $r/$REPEATS: torch matmul"
+                timeout -k 10 "$TIMEOUT" "$py" "$HERE/bench_gpu_torch.py" --matmul "$SHAPES" 2>&1 |
+                    tee -a "$RES" || echo "# bench_gpu_torch.py --matmul exited with status ${PIPESTATUS[0]}"
+            fi
+        done
     fi
 
     # --------------------------------------------------------------- tables ---
@@ -278,6 +286,7 @@ table() {
             if (!(k in mrel) || f["maxrel"] + 0 > mrel[k] + 0) mrel[k] = f["maxrel"]
         }
     }
+    $1 == "torchmm" && NF >= 5 && $4 == "torch_tflops" && $5 != "nan" && $5 != "-nan" { add(ptf, $2 " " $3, $5); npt++ }
     END {
         if (!nk && index(sections, " 1 ")) { printf "== 1. training step: no results ==\n\n"; miss++ }
         if (nk) {
@@ -325,7 +334,8 @@ table() {
         if (!nm && index(sections, " 2 ")) { printf "== 2. matmul: no results ==\n\n"; miss++ }
         if (nm) {
             printf "== 2. matmul: dt_matmul vs raw cuBLAS, same process, rounds interleaved (TFLOP/s, median over %d runs) ==\n", repeats
-            printf "%-16s %-6s| %9s %9s %8s | %8s | %7s %6s\n", "MxKxN", "prec", "raw", "dtrain", "fraction", "maxrel", "target", "result"
+            printf "%-16s %-6s| %9s %9s %8s | %8s %8s | %8s | %7s %6s\n", "MxKxN", "prec", "raw", "dtrain", "fraction", \
+                "torch", "dt/torch", "maxrel", "target", "result"
             for (i = 1; i <= nm; i++) {
                 k = mkeys[i]; split(k, id, " ")
                 rw = med(raw[k]); dt = med(dtf[k]); fr = med(rat[k])
@@ -335,9 +345,14 @@ table() {
                     res = (k in bad) ? "WRONG" : verdict(fr >= 0.90 - 1e-9)
                     if (k in bad) miss++
                 }
-                printf "%-16s %-6s| %9.2f %9s %8s | %8s | %7s %6s\n", id[1], id[2], rw, dt_, fr_, mr, ">=0.90", res
+                pt = med(ptf[id[1] " " (id[2] == "fp32p" ? "fp32" : id[2])])
+                pt_ = pt == "" ? "-" : sprintf("%.2f", pt)
+                dp_ = (dt != "" && pt > 0) ? sprintf("%.3f", dt / pt) : "-"
+                printf "%-16s %-6s| %9.2f %9s %8s | %8s %8s | %8s | %7s %6s\n", id[1], id[2], rw, dt_, fr_, pt_, dp_, mr, ">=0.90", res
             }
-            printf "(fraction: the median over runs of each run'"'"'s dtrain/raw; fp32 = cublasSgemm default math, fp32p = pedantic math; WRONG: dt_matmul differs from cuBLAS)\n\n"
+            printf "(fraction: the median over runs of each run'"'"'s dtrain/raw; fp32 = cublasSgemm default math, fp32p = pedantic math; WRONG: dt_matmul differs from cuBLAS)\n"
+            if (npt) printf "(torch: torch.matmul on the same f32 inputs, median over runs, in its own process; bf16 under torch.autocast, converting both operands each call like dt_matmul; tf32 with allow_tf32; the fp32p row shows torch fp32; dt/torch: median dtrain / median torch)\n"
+            printf "\n"
         }
         printf "%d target(s) missed\n", miss
         exit (miss > 255 ? 255 : miss)
