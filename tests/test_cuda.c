@@ -677,6 +677,9 @@ typedef struct cu_gemm {
     float alpha, beta;
     int shared_b;    /* stride_b 0 */
     int batched;     /* call gemm_batched (else gemm, batch 1) */
+    int aligned;     /* no padding: leading dimensions and strides as dense
+                      * (multiples of 4 here), so the CUDA backend's direct
+                      * TF32 path (tf32_direct_ok) is taken */
     /* made by cu_gemm_make: host operands and their layout */
     float *a, *b, *c;
     int64_t na, nb, nc, lda, ldb, ldc, sa, sb, sc;
@@ -711,12 +714,13 @@ static void cu_gemm_make(cu_fix *f, tu_rng *r, cu_gemm *s)
 {
     int64_t ar = s->ta ? s->k : s->m, ac = s->ta ? s->m : s->k;
     int64_t br = s->tb ? s->n : s->k, bc = s->tb ? s->k : s->n;
-    s->lda = ac + 3;
-    s->ldb = bc + 2;
-    s->ldc = s->n + 5;
-    s->sa = ar * s->lda + 7;
-    s->sb = s->shared_b ? 0 : br * s->ldb + 5;
-    s->sc = s->m * s->ldc + 3;
+    int pad = !s->aligned;
+    s->lda = ac + 3 * pad;
+    s->ldb = bc + 2 * pad;
+    s->ldc = s->n + 5 * pad;
+    s->sa = ar * s->lda + 7 * pad;
+    s->sb = s->shared_b ? 0 : br * s->ldb + 5 * pad;
+    s->sc = s->m * s->ldc + 3 * pad;
     s->a = cu_blocks(f, r, s->batch, ar, ac, s->lda, s->sa, &s->na, 0);
     s->b = cu_blocks(f, r, s->shared_b ? 1 : s->batch, br, bc, s->ldb, s->sb, &s->nb, 0);
     s->c = cu_blocks(f, r, s->batch, s->m, s->n, s->ldc, s->sc, &s->nc, s->beta == 0.0f);
@@ -980,12 +984,21 @@ static void cu_grid_fill(tu_rng *r, dt_precision prec, float *h, float *exact, i
             }
 }
 
-/* gemm_ex on grid operands against the exact result */
+/* gemm_ex on grid operands against the exact result: the small padded shape,
+ * or (size > 0) size^3 dense, where the CUDA backend may skip packing (TF32
+ * read by the tensor cores straight from f32: the grid shows whether they
+ * rounded to nearest even).  With k <= 256 every partial sum of grid
+ * products (multiples of 1/64 below 2^14) is exact in f32. */
 static void cu_run_gemm_ex_grid(cu_fix *f, tu_rng *r, dt_precision prec, int ta, int tb,
-                                float beta)
+                                float beta, int64_t size)
 {
     cu_gemm s = {.batch = 2, .ta = ta, .tb = tb, .m = 13, .n = 11, .k = 29, .alpha = 1.0f,
                  .beta = beta, .batched = 1};
+    if (size > 0) {
+        s.batch = 1;
+        s.m = s.n = s.k = size;
+        s.aligned = 1;
+    }
     cu_gemm_make(f, r, &s);
     float *ea = cu_hf(f, s.na), *eb = cu_hf(f, s.nb);
     cu_grid_fill(r, prec, s.a, ea, s.batch, ta ? s.k : s.m, ta ? s.m : s.k, s.lda, s.sa);
@@ -1058,10 +1071,12 @@ static void test_cuda_precision(void **state)
         bs.beta = 0.0f;
         cu_run_gemm_ex(f, &r, precs[pi], bs, NULL);
         if (precs[pi] == DT_PREC_F32) continue;
-        cu_run_gemm_ex_grid(f, &r, precs[pi], 0, 0, 0.0f);
-        cu_run_gemm_ex_grid(f, &r, precs[pi], 1, 0, 1.0f);
-        cu_run_gemm_ex_grid(f, &r, precs[pi], 0, 1, 1.0f);
-        cu_run_gemm_ex_grid(f, &r, precs[pi], 1, 1, 0.0f);
+        cu_run_gemm_ex_grid(f, &r, precs[pi], 0, 0, 0.0f, 0);
+        cu_run_gemm_ex_grid(f, &r, precs[pi], 1, 0, 1.0f, 0);
+        cu_run_gemm_ex_grid(f, &r, precs[pi], 0, 1, 1.0f, 0);
+        cu_run_gemm_ex_grid(f, &r, precs[pi], 1, 1, 0.0f, 0);
+        cu_run_gemm_ex_grid(f, &r, precs[pi], 0, 0, 0.0f, 256);
+        cu_run_gemm_ex_grid(f, &r, precs[pi], 1, 1, 1.0f, 256);
     }
     cu_gemm range = {.batch = 1, .m = 3, .n = 4, .k = 5, .alpha = 1.0f, .beta = 0.0f,
                      .batched = 1};
