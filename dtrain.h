@@ -145,6 +145,14 @@ DT_API dt_status dt_ctx_status(const dt_ctx *ctx);
 DT_API const char *dt_last_error(const dt_ctx *ctx);
 DT_API dt_status dt_last_status(const dt_ctx *ctx);
 DT_API void dt_clear_error(dt_ctx *ctx);
+/* Device failures.  A GPU can fail underneath a call that queued work and
+ * returned (a lost device, an illegal address, a refused launch).  The
+ * calls that hand results back check for it and fail with DT_EIO (DT_ENOMEM
+ * for device memory) and "device failure: ..." in the message:
+ * dt_tensor_get, dt_tensor_item (NaN), dt_cross_entropy and dt_embedding
+ * (NULL), dt_count_correct, dt_backward, dt_optim_step, dt_clip_grad_norm
+ * and the loss scaler's calls.  Such a failure is sticky: the context's
+ * device computes nothing trustworthy after it; free the context. */
 
 /* Warnings: things that went wrong but did not stop the call (a parameter
  * server dropping a dead worker, a straggler).  The library prints nothing
@@ -459,7 +467,7 @@ DT_API void dt_optim_free(dt_optim *opt);          /* NULL is fine */
 /* One update from the current gradients; with a schedule, the update with
  * index t (0-based) uses dt_schedule_lr(s, base, t).  Parameters that got no
  * gradient since the last zero_grad are skipped (as PyTorch skips None).
- * Fails only for NULL. */
+ * Fails for NULL, or a device failure (section 2). */
 DT_API dt_status dt_optim_step(dt_optim *opt);
 /* dt_zero_grad for this optimizer's parameters only. */
 DT_API void dt_optim_zero_grad(dt_optim *opt);
