@@ -160,6 +160,19 @@ def mm_round(a, b, per, amp, dev):
     return (time.perf_counter() - t0) / per
 
 
+def run_case(label, fn):
+    """Run one case; on an exception print "<label> error <type>" (the
+    table's error line, and the reason to stderr) and go on: 1 if it failed."""
+    try:
+        fn()
+        return 0
+    except Exception as e:  # report it and go on with the others
+        why = f"{type(e).__name__}: {e}".splitlines()[0]
+        print(f"# {label}: {why}", file=sys.stderr)
+        print(f"{label} error {type(e).__name__}", flush=True)
+        return 1
+
+
 def run_matmul(m, k, n, prec, args, dev):
     # a (M,K), b (K,N) f32 -> (M,N): f32, or bf16 under autocast
     torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
@@ -199,13 +212,8 @@ def matmul_main(p, args, dev, name):
     failed = 0
     for m, k, n in shapes:
         for prec in precs:
-            try:
-                run_matmul(m, k, n, prec, args, dev)
-            except Exception as e:  # report it and go on with the others
-                failed += 1
-                why = f"{type(e).__name__}: {e}".splitlines()[0]
-                print(f"# torchmm {m}x{k}x{n} {prec}: {why}", file=sys.stderr)
-                print(f"torchmm {m}x{k}x{n} {prec} error {type(e).__name__}", flush=True)
+            failed += run_case(f"torchmm {m}x{k}x{n} {prec}",
+                               lambda: run_matmul(m, k, n, prec, args, dev))
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -272,13 +280,8 @@ def main():
 
     failed = 0
     for m, b, prec, feed in configs:
-        try:
-            run_config(m, b, prec, feed, args, dev)
-        except Exception as e:  # report it and go on with the others
-            failed += 1
-            why = f"{type(e).__name__}: {e}".splitlines()[0]
-            print(f"# torch {m} b{b} {prec} {feed}: {why}", file=sys.stderr)
-            print(f"torch {m} b{b} {prec} {feed} error {type(e).__name__}", flush=True)
+        failed += run_case(f"torch {m} b{b} {prec} {feed}",
+                           lambda: run_config(m, b, prec, feed, args, dev))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
