@@ -1,0 +1,164 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 3. Arenas
+ *
+ * Step tensors and tape nodes are bump-allocated from chunked arenas.  When
+ * a step needs more than the arena holds, a new chunk is added (a heap
+ * allocation); at dt_step_reset an arena with several chunks is replaced by
+ * one chunk of the combined size.  After a step or two the arena fits the
+ * whole step and training allocates nothing (tests/ checks this with a
+ * counting allocator).
+ * ======================================================================== */
+
+static void *raw_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
+{
+    return a->on_device ? ctx->be_iface->alloc(ctx->be, n) : host_alloc(ctx, n);
+}
+
+static void raw_free(dt_ctx *ctx, dt_arena *a, void *p)
+{
+    if (!p)
+        return;
+    if (a->on_device)
+        ctx->be_iface->free(ctx->be, p);
+    else
+        host_free(ctx, p);
+}
+
+static dt_chunk *chunk_new(dt_ctx *ctx, dt_arena *a, size_t size)
+{
+    dt_chunk *c = host_alloc(ctx, sizeof *c);
+    if (!c)
+        return NULL;
+    c->base = raw_alloc(ctx, a, size);
+    if (!c->base) {
+        host_free(ctx, c);
+        return NULL;
+    }
+    c->size = size;
+    c->used = 0;
+    c->next = NULL;
+    a->capacity += size;
+    a->grows++;
+    return c;
+}
+
+DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a)
+{
+    dt_chunk *c = a->first;
+    while (c) {
+        dt_chunk *next = c->next;
+        raw_free(ctx, a, c->base);
+        host_free(ctx, c);
+        c = next;
+    }
+    a->first = a->cur = NULL;
+    a->capacity = a->used = 0;
+}
+
+static size_t align_up(size_t n) { return (n + DT_ARENA_ALIGN - 1) & ~(size_t)(DT_ARENA_ALIGN - 1); }
+
+DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
+{
+    n = align_up(n ? n : 1);
+    for (;;) {
+        dt_chunk *c = a->cur;
+        if (c && c->size - c->used >= n) {
+            void *p = c->base + c->used;
+            c->used += n;
+            a->used += n;
+            if (a->used > a->peak)
+                a->peak = a->used;
+            return p;
+        }
+        if (c && c->next) {          /* a spare chunk kept from a release */
+            a->cur = c->next;
+            a->cur->used = 0;
+            continue;
+        }
+        size_t want = a->capacity > a->min_chunk ? a->capacity : a->min_chunk;
+        if (want < n)
+            want = n;
+        dt_chunk *fresh = chunk_new(ctx, a, want);
+        if (!fresh)
+            return NULL;
+        if (c)
+            c->next = fresh;
+        else
+            a->first = fresh;
+        a->cur = fresh;
+    }
+}
+
+/* Forget everything; coalesce several chunks into one of the total size. */
+DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
+{
+    if (a->first && a->first->next) {
+        size_t total = a->capacity;
+        arena_destroy(ctx, a);
+        a->first = a->cur = chunk_new(ctx, a, total);
+        /* if that fails, the next alloc simply grows again */
+    }
+    if (a->first)
+        a->first->used = 0;
+    a->cur = a->first;
+    a->used = 0;
+}
+
+DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a)
+{
+    dt_arena_mark m = {a->cur, a->cur ? a->cur->used : 0, a->used};
+    return m;
+}
+
+DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m)
+{
+    if (!m.chunk) {
+        if (a->first)
+            a->first->used = 0;
+        a->cur = a->first;
+        a->used = 0;
+        return;
+    }
+    a->cur = m.chunk;
+    a->cur->used = m.chunk_used;
+    a->used = m.used;
+}
+
+void dt_step_reset(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    prof_step_end(ctx);
+    ctx->tape = NULL;
+    free_doomed(ctx);
+    arena_reset(ctx, &ctx->dev);
+    arena_reset(ctx, &ctx->host);
+    arena_reset(ctx, &ctx->scratch_dev);
+    arena_reset(ctx, &ctx->scratch_host);
+}
+
+void dt_mem_stats_get(const dt_ctx *ctx, dt_mem_stats *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof *out);
+    if (!ctx)
+        return;
+    out->arena_capacity = ctx->dev.capacity + ctx->scratch_dev.capacity;
+    out->arena_used = ctx->dev.used + ctx->scratch_dev.used;
+    out->arena_peak = ctx->dev.peak + ctx->scratch_dev.peak;
+    out->persistent_bytes = ctx->persistent_bytes;
+    out->arena_grows = ctx->dev.grows + ctx->host.grows + ctx->scratch_dev.grows +
+                       ctx->scratch_host.grows;
+}
+
+void dt_mem_reset_peak(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    ctx->dev.peak = ctx->dev.used;
+    ctx->scratch_dev.peak = ctx->scratch_dev.used;
+}
+

@@ -1,0 +1,203 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 6. The autograd tape and backward
+ *
+ * Define-by-run: each op that has an input requiring grad appends a node to
+ * the tape.  Creation order is a topological order, so backward walks the
+ * tape newest-first and runs each node whose output received a gradient.
+ * Gradient buffers are written on first touch (acc = 0) and added to after
+ * (acc = 1), so nothing needs zeroing up front.
+ * ======================================================================== */
+
+/* The backend can stage asynchronously (all three entries, or none used). */
+DT_PRIVATE int be_stages(const dt_backend_iface *b)
+{
+    return b->copy_async && b->copy_wait && b->copy_join;
+}
+
+/* Tensor memory to and from host memory: a plain copy where they are the
+ * same memory, the backend's transfer where not. */
+DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), host, src, bytes);
+    else
+        BE(ctx)->to_host(BEI(ctx), host, src, bytes);
+}
+
+DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), dst, host, bytes);
+    else
+        BE(ctx)->to_device(BEI(ctx), dst, host, bytes);
+}
+
+/* A failure underneath the backend (backend.h, fault: a refused launch, a
+ * cuBLAS error, a lost device) as this context's error, "what: message";
+ * DT_OK when there is none.  Polled wherever results reach the user (a
+ * tensor read, a loss, a count, the end of backward and of a step), so a
+ * dead GPU is an error there, never a silent zero. */
+DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
+{
+    if (!BE(ctx)->fault)
+        return DT_OK;
+    char msg[200] = "";
+    dt_status s = BE(ctx)->fault(BEI(ctx), msg, sizeof msg);
+    if (s == DT_OK)
+        return DT_OK;
+    return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
+}
+
+DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t)
+{
+    return ctx->grad_enabled && t && (t->flags & T_REQGRAD);
+}
+
+DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+                       dt_tensor *a, dt_tensor *b, dt_tensor *c)
+{
+    dt_node *n = arena_alloc(ctx, ctx->cur_host, sizeof *n);
+    if (!n) {
+        set_error(ctx, DT_ENOMEM, "%s: out of host memory for the tape", op);
+        return NULL;
+    }
+    memset(n, 0, sizeof *n);
+    n->op = op;
+    n->backward = bw;
+    n->prec = ctx->autocast;
+    n->out = out;
+    dt_tensor *ins[3] = {a, b, c};
+    for (int i = 0; i < 3; i++)
+        if (ins[i])
+            n->in[n->n_in++] = ins[i];
+    n->prev = ctx->tape;
+    ctx->tape = n;
+    out->node = n;
+    out->flags |= T_REQGRAD;
+    return n;
+}
+
+/* The gradient buffer of t for a backward to write; *acc says whether it
+ * already holds values to add to. */
+DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
+{
+    if (t->rowlog)   /* this op may write every row */
+        t->rowlog->dense = 1;
+    if (!t->grad) {
+        t->grad = step_tensor(ctx, DT_F32, t->ndim, t->shape);
+        if (!t->grad)
+            return NULL;
+        t->grad->flags |= T_ZERO;
+    }
+    *acc = !(t->grad->flags & T_ZERO);
+    t->grad->flags &= ~(unsigned)T_ZERO;
+    return FP(t->grad);
+}
+
+/* Same, for kernels that can only add: the buffer is zeroed first if new. */
+DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
+{
+    int acc;
+    float *g = grad_target(ctx, t, &acc);
+    if (g && !acc)
+        BE(ctx)->memset0(BEI(ctx), g, tensor_bytes(t->grad));
+    return g;
+}
+
+DT_PRIVATE int needs_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
+
+/* ddp (the top-level walk only) hears of every node once it is done, so
+ * it can start a bucket's allreduce when its gradients are final. */
+DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_ddp *ddp)
+{
+    for (dt_node *n = tail; n && n != stop; n = n->prev) {
+        dt_tensor *g = n->out->grad;
+        if (g && !(g->flags & T_ZERO)) {   /* else no gradient reached this op */
+            dt_status s = n->backward(ctx, n);
+            if (s != DT_OK)
+                return s;
+        }
+        if (ddp)
+            ddp_node_done(ddp, n);
+    }
+    return DT_OK;
+}
+
+dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss) { return backward_seeded(ctx, loss, 1.0f); }
+
+static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed);
+
+/* Backward from loss with d(loss) = seed (1, or a loss scale). */
+DT_PRIVATE dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
+{
+    double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
+    dt_status s = backward_run(ctx, loss, seed);
+    if (s == DT_OK && ctx)
+        s = be_fault(ctx, "backward");
+    if (t0 != 0)
+        prof_end(ctx, PH_BACKWARD, t0);
+    return s;
+}
+
+static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!loss)
+        return set_error(ctx, DT_EINVAL, "backward: loss is NULL");
+    if (loss->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "backward: loss belongs to another context");
+    if (shape_numel(loss->ndim, loss->shape) != 1 || loss->dtype != DT_F32) {
+        char sb[96];
+        return set_error(ctx, DT_EINVAL, "backward: loss must be one f32 value, got %s %s",
+                         dt_dtype_name(loss->dtype), SHAPE(loss, sb));
+    }
+    if (!(loss->flags & T_REQGRAD))
+        return set_error(ctx, DT_EINVAL, "backward: loss does not require grad "
+                                         "(no parameter reached it, or grad was disabled)");
+    if (!loss->node && !(loss->flags & T_PERSIST))
+        return set_error(ctx, DT_ESTATE, "backward: this loss's graph was already used by "
+                                         "dt_backward; run the forward again");
+    return backward_tape(ctx, loss, NULL, seed);
+}
+
+/* Run ctx->tape backward from out, whose gradient is seed_grad (device
+ * memory, out's shape, contiguous) or else the constant seed, and consume
+ * the tape.  A pipeline (22) calls it with one micro-batch's tape. */
+DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed)
+{
+    if (ctx->ddp) {
+        dt_status s = ddp_backward_begin(ctx->ddp);
+        if (s != DT_OK)
+            return s;
+    }
+    int acc;
+    float *g = grad_target(ctx, out, &acc);
+    if (!g)
+        return ctx->ddp ? ddp_backward_end(ctx->ddp, ctx->last_status) : ctx->last_status;
+    int64_t n = shape_numel(out->ndim, out->shape);
+    if (seed_grad) {
+        BE(ctx)->axpby(BEI(ctx), n, 1.0f, seed_grad, acc ? 1.0f : 0.0f, g);
+    } else if (acc) {
+        float one = 1.0f;
+        float *tmp = arena_alloc(ctx, ctx->cur_dev, sizeof one);
+        if (!tmp) {
+            set_error(ctx, DT_ENOMEM, "backward: out of memory");
+            return ctx->ddp ? ddp_backward_end(ctx->ddp, DT_ENOMEM) : DT_ENOMEM;
+        }
+        BE(ctx)->to_device(BEI(ctx), tmp, &one, sizeof one);
+        BE(ctx)->axpby(BEI(ctx), 1, seed, tmp, 1.0f, g);
+    } else {
+        BE(ctx)->fill(BEI(ctx), 1, seed, g);
+    }
+    dt_status s = run_tape(ctx, ctx->tape, NULL, ctx->ddp);
+    /* The tape is consumed: its outputs become plain tensors, so a second
+     * backward through the same graph is refused instead of double-counting. */
+    for (dt_node *n = ctx->tape; n; n = n->prev)
+        n->out->node = NULL;
+    ctx->tape = NULL;
+    return ctx->ddp ? ddp_backward_end(ctx->ddp, s) : s;
+}
+

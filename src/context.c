@@ -1,0 +1,270 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 2. Errors and the context
+ *
+ * Every failure goes through set_error, which keeps the status and a message
+ * in the context (never a global).  Functions that return a handle return
+ * NULL and leave the message; ops given a NULL input return NULL without
+ * overwriting the message of the op that failed first.
+ * ======================================================================== */
+
+const char *dt_strerror(dt_status s)
+{
+    switch (s) {
+    case DT_OK: return "ok";
+    case DT_EINVAL: return "invalid argument";
+    case DT_ENOMEM: return "out of memory";
+    case DT_EIO: return "input/output error";
+    case DT_ECORRUPT: return "corrupt or truncated data";
+    case DT_EMISMATCH: return "mismatch";
+    case DT_ENOTSUP: return "not supported";
+    case DT_ESTATE: return "invalid state";
+    case DT_ETIMEDOUT: return "timed out";
+    case DT_EPEER: return "peer failure";
+    case DT_EOF: return "end of data";
+    }
+    return "unknown status";
+}
+
+DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
+{
+    if (!ctx)
+        return s;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->err, sizeof ctx->err, fmt, ap);
+    va_end(ap);
+    ctx->last_status = s;
+    ctx->errors++;
+    return s;
+}
+
+const char *dt_last_error(const dt_ctx *ctx) { return ctx ? ctx->err : "context is NULL"; }
+const char *dt_last_warning(const dt_ctx *ctx) { return ctx ? ctx->warning : ""; }
+
+void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
+{
+    if (!ctx)
+        return;
+    ctx->log_fn = fn;
+    ctx->log_user = user;
+}
+DT_PRIVATE void warn(dt_ctx *ctx, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->warning, sizeof ctx->warning, fmt, ap);
+    va_end(ap);
+    if (ctx->log_fn)
+        ctx->log_fn(ctx->log_user, ctx->warning);
+    else if (getenv("DTRAIN_LOG") && *getenv("DTRAIN_LOG"))
+        fprintf(stderr, "dtrain: warning: %s\n", ctx->warning);
+}
+dt_status dt_last_status(const dt_ctx *ctx) { return ctx ? ctx->last_status : DT_EINVAL; }
+dt_status dt_ctx_status(const dt_ctx *ctx) { return ctx ? ctx->init_status : DT_EINVAL; }
+
+void dt_clear_error(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    ctx->err[0] = '\0';
+    ctx->last_status = DT_OK;
+}
+
+static void *libc_malloc(size_t n, void *u) { (void)u; return malloc(n); }
+static void *libc_realloc(void *p, size_t n, void *u) { (void)u; return realloc(p, n); }
+static void libc_free(void *p, void *u) { (void)u; free(p); }
+
+DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n) { return ctx->al.malloc_fn(n ? n : 1, ctx->al.user); }
+DT_PRIVATE void host_free(dt_ctx *ctx, void *p) { if (p) ctx->al.free_fn(p, ctx->al.user); }
+
+DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n)
+{
+    void *p = host_alloc(ctx, n);
+    if (p)
+        memset(p, 0, n);
+    return p;
+}
+
+DT_PRIVATE char *host_strdup(dt_ctx *ctx, const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *p = host_alloc(ctx, n);
+    if (p)
+        memcpy(p, s, n);
+    return p;
+}
+
+void dt_config_init(dt_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->backend = "cpu";
+    cfg->threads = 1;
+    cfg->seed = 0;
+    cfg->arena_bytes = DT_DEFAULT_ARENA_BYTES;
+}
+
+/* The backends compiled into this build.  The list is const: choosing one is
+ * a lookup, not a registration, so there is no global mutable state. */
+DT_PRIVATE const dt_backend_iface *find_backend(const char *name)
+{
+#ifdef DT_WITH_CPU
+    if (strcmp(name, "cpu") == 0)
+        return dt_backend_cpu_iface();
+    if (strcmp(name, "cpu-staged") == 0)
+        return dt_backend_cpu_staged_iface();
+#endif
+#ifdef DT_WITH_CUDA
+    if (strcmp(name, "cuda") == 0)
+        return dt_backend_cuda_iface();
+#endif
+    (void)name;
+    return NULL;
+}
+
+static const char *compiled_backends(void)
+{
+#if defined(DT_WITH_CPU) && defined(DT_WITH_CUDA)
+    return "cpu, cuda";
+#elif defined(DT_WITH_CPU)
+    return "cpu";
+#elif defined(DT_WITH_CUDA)
+    return "cuda";
+#else
+    return "none: build with backends/cpu.c and -DDT_WITH_CPU";
+#endif
+}
+
+DT_PRIVATE void arena_init(dt_arena *a, int on_device, size_t min_chunk)
+{
+    memset(a, 0, sizeof *a);
+    a->on_device = on_device;
+    a->min_chunk = min_chunk;
+}
+void dt_seed(dt_ctx *ctx, uint64_t seed);
+
+dt_ctx *dt_ctx_new(const dt_config *cfg_in)
+{
+    dt_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        dt_config_init(&cfg);
+    dt_allocator al = cfg.allocator;
+    if (!al.malloc_fn || !al.free_fn || !al.realloc_fn) {
+        /* all three hooks or none: mixing allocators would free foreign memory */
+        if (!(al.malloc_fn && al.free_fn && al.realloc_fn)) {
+            al.malloc_fn = libc_malloc;
+            al.realloc_fn = libc_realloc;
+            al.free_fn = libc_free;
+            al.user = NULL;
+        }
+    }
+    dt_ctx *ctx = al.malloc_fn(sizeof *ctx, al.user);
+    if (!ctx)
+        return NULL;
+    memset(ctx, 0, sizeof *ctx);
+    ctx->al = al;
+    ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
+    ctx->grad_enabled = 1;
+    ctx->training = 1;
+    size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
+    arena_init(&ctx->dev, 1, arena_bytes);
+    arena_init(&ctx->host, 0, (size_t)256 << 10);
+    arena_init(&ctx->scratch_dev, 1, arena_bytes / 4 + DT_ARENA_ALIGN);
+    arena_init(&ctx->scratch_host, 0, (size_t)64 << 10);
+    ctx->cur_dev = &ctx->dev;
+    ctx->cur_host = &ctx->host;
+    dt_seed(ctx, cfg.seed);
+    prof_init(ctx);
+
+    /* DTRAIN_BACKEND runs an unchanged program on another backend (e.g. the
+     * test suite on cpu-staged); a custom backend is never replaced */
+    const char *env = getenv("DTRAIN_BACKEND");
+    if (env && *env && !cfg.custom_backend)
+        cfg.backend = env;
+    const char *name = cfg.custom_backend && cfg.custom_backend->name ? cfg.custom_backend->name
+                       : cfg.backend                                    ? cfg.backend
+                                                                        : "cpu";
+    ctx->be_iface = cfg.custom_backend ? cfg.custom_backend : find_backend(name);
+    if (!ctx->be_iface) {
+        ctx->init_status = set_error(ctx, DT_ENOTSUP,
+                                     "ctx: backend '%s' is not compiled in (compiled in: %s)",
+                                     name, compiled_backends());
+        return ctx;
+    }
+    if (ctx->be_iface->version != DT_BACKEND_IFACE_VERSION) {
+        ctx->init_status = set_error(ctx, DT_ENOTSUP,
+                                     "ctx: backend '%s' has interface version %d, core expects %d",
+                                     name, ctx->be_iface->version, DT_BACKEND_IFACE_VERSION);
+        return ctx;
+    }
+    dt_backend_params bp = {ctx->threads, cfg.device, al};
+    char msg[256] = "";
+    dt_status s = ctx->be_iface->init(&bp, &ctx->be, msg, sizeof msg);
+    if (s != DT_OK) {
+        ctx->be = NULL;
+        ctx->init_status = set_error(ctx, s, "ctx: backend '%s' failed to start: %s", name, msg);
+    }
+    return ctx;
+}
+
+void dt_ctx_free(dt_ctx *ctx)
+{
+    if (!ctx)
+        return;
+    if (ctx->ddp)
+        ddp_detach(ctx->ddp);   /* gradients back into their own buffers */
+    prof_release(ctx);
+    ctx->tape = NULL;   /* nothing will read the tensors now */
+    free_doomed(ctx);
+    while (ctx->persist) {
+        dt_tensor *t = ctx->persist;
+        t->flags &= ~(unsigned)T_PARAM;   /* the context may free its own */
+        dt_tensor_free(t);
+    }
+    host_free(ctx, ctx->params);
+    arena_destroy(ctx, &ctx->dev);
+    arena_destroy(ctx, &ctx->host);
+    arena_destroy(ctx, &ctx->scratch_dev);
+    arena_destroy(ctx, &ctx->scratch_host);
+    if (ctx->be)
+        ctx->be_iface->shutdown(ctx->be);
+    dt_allocator al = ctx->al;
+    al.free_fn(ctx, al.user);
+}
+
+/* Usable context: not NULL and its backend started. */
+DT_PRIVATE int ctx_ok(dt_ctx *ctx)
+{
+    return ctx && ctx->init_status == DT_OK;
+}
+
+const char *dt_backend_name(const dt_ctx *ctx)
+{
+    return ctx && ctx->be_iface ? ctx->be_iface->name : "";
+}
+int dt_ctx_threads(const dt_ctx *ctx) { return ctx ? ctx->threads : 0; }
+void dt_set_grad_enabled(dt_ctx *ctx, int e) { if (ctx) ctx->grad_enabled = e != 0; }
+int dt_grad_enabled(const dt_ctx *ctx) { return ctx ? ctx->grad_enabled : 0; }
+void dt_set_training(dt_ctx *ctx, int t) { if (ctx) ctx->training = t != 0; }
+int dt_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
+
+dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
+{
+    if (!ctx_ok(ctx))   /* a failed context has no backend to ask */
+        return DT_EINVAL;
+    if (p < DT_PREC_F32 || p > DT_PREC_F16)
+        return set_error(ctx, DT_EINVAL, "set_autocast: %d is not a dt_precision", (int)p);
+    if (p != DT_PREC_F32 && !ctx->be_iface->gemm_ex && !ctx->be_iface->round_prec)
+        return set_error(ctx, DT_ENOTSUP, "set_autocast: the %s backend has neither gemm_ex nor "
+                         "round_prec", ctx->be_iface->name);
+    ctx->autocast = p;
+    return DT_OK;
+}
+
+dt_precision dt_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
+

@@ -1,0 +1,1683 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 16. Data parallelism (DDP)
+ *
+ * The gradients of the wrapped parameters live in bucket memory: each
+ * parameter's grad tensor points at its slot, so backward writes straight
+ * into what the allreduce sends (no copy).  Buckets take parameters in
+ * reverse registration order, the order backward finishes them.  Before a
+ * backward, every parameter's uses on the tape are counted; as the walk
+ * passes each node the count drops, and at zero the gradient is final.  A
+ * bucket whose gradients are all final is handed to the comm thread, but
+ * only after every lower-numbered bucket: all ranks then issue the same
+ * allreduces in the same order even when their tapes differ.
+ *
+ * Each bucket carries one extra float per parameter, 1 when this rank
+ * produced a gradient for it and 0 when not (its slot is zeroed then).
+ * The allreduce averages them with the gradients, so afterwards a
+ * parameter that no rank touched is marked gradient-less again and the
+ * optimizer skips it, as it would in one process.
+ *
+ * Two sets of bucket memory alternate: a new step (every gradient zeroed)
+ * repoints the gradients at the other set, so what the previous step's
+ * allreduces left stays intact while the next backward writes.
+ * ======================================================================== */
+
+/* The default bucket: about an eighth of the gradients, within these bounds
+ * (measured in docs/PERFORMANCE.md: 256 KiB buckets hid the most on 1 Gbit/s
+ * for the benchmark MLP and CNN; large models want fewer, larger calls). */
+#define DT_DDP_MIN_BUCKET_BYTES ((size_t)256 << 10)
+#define DT_DDP_MAX_BUCKET_BYTES ((size_t)25 << 20)
+#define DT_DDP_DIFF 240            /* chars of a model difference, as floats */
+
+void dt_ddp_config_init(dt_ddp_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->overlap = -1;
+    cfg->broadcast_params = 1;
+    cfg->error_feedback = 1;
+}
+
+static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
+{
+    return d->set[set] + b->offset + b->numel;
+}
+
+/* Where the gradients live: the bucket memory, or its device twin. */
+static float *ddp_grads(const dt_ddp *d, int set) { return d->staged ? d->dset[set] : d->set[set]; }
+
+static void ddp_point_grads(dt_ddp *d, int set)
+{
+    for (int i = 0; i < d->nparams; i++)
+        d->params[i]->grad->data = ddp_grads(d, set) + d->offset[i];
+    d->cur = set;
+}
+
+/* Staged: start copying floats [off, off + n) of the current set's
+ * gradients to host memory; the copy stream first waits for the backward
+ * kernels queued so far.  Returns its ticket. */
+static uint64_t ddp_stage_out(dt_ddp *d, int64_t off, int64_t n)
+{
+    if (!d->staged || n <= 0)
+        return 0;
+    uint64_t t = d->be_iface->copy_async(d->be, d->set[d->cur] + off, d->dset[d->cur] + off,
+                                         (size_t)n * sizeof(float), DT_COPY_D2H);
+    if (t > d->last_ticket)
+        d->last_ticket = t;
+    return t;
+}
+
+/* Staged: the reduced gradients back to the device, before any later
+ * kernel (the optimizer) reads them. */
+static void ddp_stage_in(dt_ddp *d)
+{
+    if (!d->staged)
+        return;
+    uint64_t t = d->be_iface->copy_async(d->be, d->dset[d->cur], d->set[d->cur],
+                                         (size_t)d->grad_floats * sizeof(float), DT_COPY_H2D);
+    if (t)
+        d->be_iface->copy_join(d->be, t);
+    if (t > d->last_ticket)
+        d->last_ticket = t;
+}
+
+/* --- 16.1 gradient compression ------------------------------------------- */
+
+/* Round to nearest even; NaN stays NaN. */
+DT_PRIVATE uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+DT_PRIVATE float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half, round to nearest even: overflow to infinity, subnormals kept. */
+DT_PRIVATE uint16_t f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u)
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u)   /* 65520 and up round to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal half (or zero) */
+        float v;
+        memcpy(&v, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
+    }
+    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1) - 0x38000000u;
+    return (uint16_t)(sign | (r >> 13));
+}
+
+DT_PRIVATE float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    if (e == 0) {
+        float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#define DDP_INT8_BLOCK 256
+
+/* Encoded size of a bucket's gradients in bytes (flags not included). */
+DT_PRIVATE size_t ddp_code_bytes(dt_compress kind, int64_t numel, int64_t topk)
+{
+    switch (kind) {
+    case DT_COMPRESS_BF16:
+    case DT_COMPRESS_FP16: return (size_t)numel * 2;
+    case DT_COMPRESS_TOPK: return (size_t)topk * 6;
+    case DT_COMPRESS_INT8:
+        return (size_t)(numel + DDP_INT8_BLOCK - 1) / DDP_INT8_BLOCK * 4 + (size_t)numel;
+    default: return (size_t)numel * 4;
+    }
+}
+
+/* The k-th smallest of v[0..n) (0-based), reordering v; deterministic. */
+static float select_kth(float *v, int64_t n, int64_t k)
+{
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi];
+        float pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] < pivot)
+                i++;
+            while (v[j] > pivot)
+                j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (k <= j)
+            hi = j;
+        else if (k >= i)
+            lo = i;
+        else
+            return v[k];
+    }
+    return v[k];
+}
+
+/* Encode g[0..n) as `kind` into out; sent[i] gets what the receivers will
+ * decode for element i (error feedback keeps g - sent).  TOPK keeps
+ * pieces[3p + 2] entries of each piece [pieces[3p], pieces[3p + 1]), k in
+ * all; scratch holds n floats; picked (may be NULL) marks what was sent.
+ * DDP encodes buckets (16.1), a parameter-server push a server's part of
+ * one (18). */
+DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
+                        int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
+                        float *sent)
+{
+    switch (kind) {
+    case DT_COMPRESS_BF16:
+    case DT_COMPRESS_FP16:
+        for (int64_t i = 0; i < n; i++) {
+            int bf = kind == DT_COMPRESS_BF16;
+            uint16_t h = bf ? f32_to_bf16(g[i]) : f32_to_f16(g[i]);
+            memcpy(out + 2 * i, &h, 2);
+            sent[i] = bf ? bf16_to_f32(h) : f16_to_f32(h);
+        }
+        break;
+    case DT_COMPRESS_INT8: {
+        int64_t blocks = (n + DDP_INT8_BLOCK - 1) / DDP_INT8_BLOCK;
+        for (int64_t k = 0; k < blocks; k++) {
+            int64_t lo = k * DDP_INT8_BLOCK, hi = lo + DDP_INT8_BLOCK < n ? lo + DDP_INT8_BLOCK : n;
+            float mx = 0;
+            for (int64_t i = lo; i < hi; i++)
+                mx = !(fabsf(g[i]) <= mx) ? fabsf(g[i]) : mx;   /* NaN wins */
+            /* a NaN or infinity makes the block's scale NaN: it reaches every
+             * rank, as it would dense */
+            float scale = isfinite(mx) ? mx / 127.0f : NAN;
+            memcpy(out + 4 * k, &scale, 4);
+            for (int64_t i = lo; i < hi; i++) {
+                int q = scale > 0 ? (int)lrintf(g[i] / scale) : 0;
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                out[4 * blocks + i] = (char)(signed char)q;
+                sent[i] = (float)q * scale;
+            }
+        }
+        break;
+    }
+    case DT_COMPRESS_TOPK: {
+        int64_t taken = 0;
+        for (int p = 0; p < npieces; p++) {
+            int64_t lo = pieces[3 * p], hi = pieces[3 * p + 1], kp = pieces[3 * p + 2];
+            /* threshold: the kp-th largest magnitude; ties taken in index order */
+            float *mag = scratch;   /* NaN ranks first: it reaches everyone, as dense */
+            for (int64_t i = lo; i < hi; i++)
+                mag[i - lo] = isnan(g[i]) ? INFINITY : fabsf(g[i]);
+            float t = select_kth(mag, hi - lo, hi - lo - kp);
+            int64_t above = 0, got = 0;
+            for (int64_t i = lo; i < hi; i++) {
+                above += (isnan(g[i]) ? INFINITY : fabsf(g[i])) > t;
+                if (picked)
+                    picked[i] = 0;
+            }
+            int64_t ties = kp - above;
+            for (int64_t i = lo; i < hi; i++) {
+                float a = isnan(g[i]) ? INFINITY : fabsf(g[i]);
+                sent[i] = 0;
+                if (got < kp && (a > t || (a == t && ties > 0))) {
+                    if (!(a > t))
+                        ties--;
+                    uint32_t idx = (uint32_t)i;
+                    uint16_t h = f32_to_bf16(g[i]);
+                    memcpy(out + 4 * taken, &idx, 4);
+                    memcpy(out + 4 * k + 2 * taken, &h, 2);
+                    sent[i] = bf16_to_f32(h);
+                    if (picked)
+                        picked[i] = 1;
+                    taken++;
+                    got++;
+                }
+            }
+        }
+        for (; taken < k; taken++) {   /* never reached on finite input; no stale slots */
+            uint32_t none = UINT32_MAX;
+            memset(out + 4 * k + 2 * taken, 0, 2);
+            memcpy(out + 4 * taken, &none, 4);
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, char *out, float *sent)
+{
+    grad_encode(d->cfg.compress, g, b->numel, b->pieces, b->npieces, b->topk, d->scratch,
+                d->picked, out, sent);
+}
+
+/* acc[0..n) += what `code` (n gradients as `kind`, k entries if TOPK)
+ * encodes. */
+DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc)
+{
+    switch (kind) {
+    case DT_COMPRESS_BF16:
+    case DT_COMPRESS_FP16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, code + 2 * i, 2);
+            acc[i] += kind == DT_COMPRESS_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+        }
+        break;
+    case DT_COMPRESS_INT8: {
+        int64_t blocks = (n + DDP_INT8_BLOCK - 1) / DDP_INT8_BLOCK;
+        for (int64_t k = 0; k < blocks; k++) {
+            float scale;
+            memcpy(&scale, code + 4 * k, 4);
+            int64_t lo = k * DDP_INT8_BLOCK, hi = lo + DDP_INT8_BLOCK < n ? lo + DDP_INT8_BLOCK : n;
+            for (int64_t i = lo; i < hi; i++)
+                acc[i] += (float)(signed char)code[4 * blocks + i] * scale;
+        }
+        break;
+    }
+    case DT_COMPRESS_TOPK:
+        for (int64_t j = 0; j < k; j++) {
+            uint32_t idx;
+            uint16_t h;
+            memcpy(&idx, code + 4 * j, 4);
+            memcpy(&h, code + 4 * k + 2 * j, 2);
+            if (idx < (uint64_t)n)   /* a corrupt index is dropped, never written */
+                acc[idx] += bf16_to_f32(h);
+        }
+        break;
+    default:
+        break;
+    }
+}
+
+/* Encode bucket b (its gradients, plus what error feedback kept) and start
+ * gathering every rank's encoding. */
+/* Top-k's ratio at step t: during the warm-up it falls geometrically from
+ * 25% to the configured ratio (DGC's warm-up), then stays there. */
+static double ddp_topk_ratio(const dt_ddp *d, int64_t t)
+{
+    double r = d->cfg.topk_ratio > 0 ? d->cfg.topk_ratio : 0.01;
+    int64_t w = d->cfg.topk_warmup_steps;
+    if (w <= 0 || t >= w || r >= 0.25)
+        return r;
+    double q = (double)t / (double)w;
+    return exp(log(0.25) * (1 - q) + log(r) * q);
+}
+
+/* This step's entries per piece and the payload's size. */
+static void ddp_topk_size(const dt_ddp *d, ddp_bucket *b, double ratio)
+{
+    b->topk = 0;
+    for (int p = 0; p < b->npieces; p++) {
+        int64_t len = b->pieces[3 * p + 1] - b->pieces[3 * p];
+        int64_t kp = (int64_t)ceil(ratio * (double)len);
+        kp = kp < 1 ? 1 : kp > len ? len : kp;
+        b->pieces[3 * p + 2] = kp;
+        b->topk += kp;
+    }
+    b->code_bytes = ddp_code_bytes(d->cfg.compress, b->numel, b->topk);
+    b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
+}
+
+static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, const float *flags)
+{
+    if (d->cfg.compress == DT_COMPRESS_TOPK) {
+        if (b == d->buckets)
+            d->topk_steps++;
+        ddp_topk_size(d, b, ddp_topk_ratio(d, d->topk_steps - 1));
+    }
+    int ef = d->cfg.error_feedback &&
+             (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8);
+    /* Momentum correction (Deep Gradient Compression): with SGD momentum m
+     * the momentum is kept here, u = m u + g, and the residual accumulates u
+     * rather than g; what is sent leaves both (momentum factor masking), and
+     * the optimizer steps without momentum. */
+    if (b->velocity)
+        for (int64_t i = 0; i < b->numel; i++) {
+            b->velocity[i] = d->momentum * b->velocity[i] + grads[i];
+            grads[i] = b->velocity[i];
+        }
+    if (ef)
+        for (int64_t i = 0; i < b->numel; i++)
+            grads[i] += b->residual[i];
+    float *sent = ef ? b->residual : d->scratch + b->numel;
+    ddp_encode(d, b, grads, (char *)b->payload, sent);
+    if (ef)
+        for (int64_t i = 0; i < b->numel; i++)
+            b->residual[i] = grads[i] - sent[i];
+    if (b->velocity)
+        for (int64_t i = 0; i < b->numel; i++)
+            if (d->picked[i])
+                b->velocity[i] = 0;
+    memcpy((char *)b->payload + (b->payload_floats - b->count) * 4, flags,
+           (size_t)b->count * sizeof(float));
+    d->st.payload_bytes += (uint64_t)b->payload_floats * 4;
+    return enqueue(d->comm, COLL_ALLGATHER, b->gathered, b->payload, b->payload_floats, 0,
+                   DT_REDUCE_SUM);
+}
+
+/* A compressed push to the parameter servers: each server's part of the
+ * bucket encoded on its own (18.2), error feedback as above; the servers
+ * decode, so nothing comes back to decode here. */
+static void ddp_ps_encode(dt_ddp *d, ddp_bucket *b)
+{
+    int ef = d->cfg.error_feedback &&
+             (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8);
+    if (d->cfg.compress == DT_COMPRESS_TOPK && b == d->buckets)
+        d->topk_steps++;
+    size_t bytes = ps_encode_push(d->cfg.ps, &b->pcall, d->cfg.compress,
+                                  ddp_topk_ratio(d, d->topk_steps - 1), ef ? b->residual : NULL,
+                                  d->scratch, (char *)b->payload);
+    d->st.payload_bytes += bytes + (uint64_t)b->count * sizeof(float);
+}
+
+/* Buffers for compressed pushes: a bucket's codes (at most 6 bytes a
+ * float, TOPK keeping all), its residual, and encoding scratch. */
+static dt_status ddp_alloc_ps_code(dt_ddp *d)
+{
+    int64_t biggest = 1;
+    for (int j = 0; j < d->nbuckets; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        biggest = b->numel > biggest ? b->numel : biggest;
+        b->payload = host_alloc(d->ctx, (size_t)b->numel * 6 + 16 * PS_MAX_SERVERS);
+        b->residual = host_calloc(d->ctx, (size_t)(b->numel ? b->numel : 1) * sizeof(float));
+        if (!b->payload || !b->residual)
+            return DT_ENOMEM;
+    }
+    d->scratch = host_calloc(d->ctx, (size_t)biggest * 2 * sizeof(float));
+    return d->scratch ? DT_OK : DT_ENOMEM;
+}
+
+/* Every rank's encoding of bucket b, decoded and summed in rank order into
+ * its gradients and flags, then averaged: the same on every rank. */
+static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
+{
+    int P = dt_comm_size(d->comm);
+    float *grads = d->set[d->cur] + b->offset, *flags = grads + b->numel;
+    memset(grads, 0, (size_t)(b->numel + b->count) * sizeof(float));
+    for (int r = 0; r < P; r++) {
+        const float *pl = b->gathered + (int64_t)r * b->payload_floats;
+        grad_decode_add(d->cfg.compress, (const char *)pl, b->numel, b->topk, grads);
+        for (int k = 0; k < b->count; k++)
+            flags[k] += pl[b->payload_floats - b->count + k];
+    }
+    float inv = 1.0f / (float)P;
+    for (int64_t i = 0; i < b->numel; i++)
+        grads[i] *= inv;
+}
+
+/* Top-k's pieces of bucket b: each parameter's part of it sends
+ * ceil(ratio * its length) entries (at least one). */
+static dt_status ddp_plan_topk(dt_ddp *d, ddp_bucket *b, double ratio)
+{
+    b->pieces = host_calloc(d->ctx, sizeof(int64_t) * 3 * (size_t)(d->nparams ? d->nparams : 1));
+    if (!b->pieces)
+        return DT_ENOMEM;
+    b->topk = 0;
+    for (int k = 0; k < d->nparams; k++) {
+        int i = d->order[k];
+        int64_t lo = d->offset[i], hi = lo + dt_tensor_numel(d->params[i]);
+        lo = lo > b->offset ? lo : b->offset;
+        hi = hi < b->offset + b->numel ? hi : b->offset + b->numel;
+        if (hi <= lo)
+            continue;
+        int64_t *pc = &b->pieces[3 * b->npieces++];
+        pc[0] = lo - b->offset;
+        pc[1] = hi - b->offset;
+    }
+    ddp_topk_size(d, b, ratio);
+    return DT_OK;
+}
+
+/* Buffers for compression, per bucket; error feedback starts at zero. */
+static dt_status ddp_alloc_compression(dt_ddp *d)
+{
+    int P = dt_comm_size(d->comm);
+    int64_t biggest = 1;
+    /* buffers for the largest ratio: the warm-up's first step */
+    double ratio = ddp_topk_ratio(d, 0);
+    const dt_optim *o = d->opt;
+    if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && o && o->cfg.kind == DT_SGD &&
+        o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
+        d->momentum = o->cfg.momentum;
+    for (int j = 0; j < d->nbuckets; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        biggest = b->numel > biggest ? b->numel : biggest;
+        if (d->cfg.compress == DT_COMPRESS_TOPK) {
+            if (ddp_plan_topk(d, b, ratio) != DT_OK)
+                return DT_ENOMEM;
+        } else {
+            b->code_bytes = ddp_code_bytes(d->cfg.compress, b->numel, 0);
+            b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
+        }
+        b->payload = host_calloc(d->ctx, (size_t)b->payload_floats * sizeof(float));
+        b->gathered = host_calloc(d->ctx, (size_t)b->payload_floats * (size_t)P * sizeof(float));
+        b->residual = host_calloc(d->ctx, (size_t)(b->numel ? b->numel : 1) * sizeof(float));
+        if (!b->payload || !b->gathered || !b->residual)
+            return DT_ENOMEM;
+        if (d->momentum > 0 &&
+            !(b->velocity = host_calloc(d->ctx, (size_t)(b->numel ? b->numel : 1) * sizeof(float))))
+            return DT_ENOMEM;
+    }
+    d->scratch = host_calloc(d->ctx, (size_t)biggest * 2 * sizeof(float));
+    d->picked = host_calloc(d->ctx, (size_t)biggest);
+    return d->scratch && d->picked ? DT_OK : DT_ENOMEM;
+}
+
+/* --- 16.2 launching buckets during backward ------------------------------- */
+
+/* Hand bucket b to the comm thread (the last one carries the used-flags)
+ * and start the average. */
+static void ddp_weigh(dt_ddp *d, int64_t offset, int64_t numel);
+
+static void ddp_launch(dt_ddp *d, ddp_bucket *b)
+{
+    ddp_weigh(d, b->offset, b->numel);
+    float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
+    for (int k = 0; k < b->count; k++)
+        flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
+    /* Staged: the comm thread waits for the copy before it sends; encoders
+     * read the gradients right here, so they wait now. */
+    uint64_t ticket = ddp_stage_out(d, b->offset, b->numel);
+    if (ticket && (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8 ||
+                   (d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)))
+        d->be_iface->copy_wait(d->be, ticket);
+    else
+        d->comm->stage_ticket = ticket;
+    if (b == d->buckets) {   /* the step's first */
+        d->sent_at_launch = dt_comm_bytes_sent(d->comm);
+        d->zero_gen = d->ctx->zero_gen;
+    }
+    if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
+        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
+                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
+                             .clock = ps_clock(d->cfg.ps)};
+        if (d->cfg.compress != DT_COMPRESS_NONE)
+            ddp_ps_encode(d, b);
+        else
+            d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
+        b->work = enqueue_in(d->comm, COLL_PS, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
+                             &b->pcall);
+    } else if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
+        /* reduced in 16 bits on the wire, in place (14.4's allreduce16) */
+        b->work = enqueue(d->comm, COLL_ALLREDUCE16, d->set[d->cur] + b->offset, NULL,
+                          b->numel + b->count, d->cfg.compress == DT_COMPRESS_BF16 ? 1 : 2,
+                          DT_REDUCE_AVG);
+        d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
+    } else if (d->cfg.compress != DT_COMPRESS_NONE) {
+        b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
+    } else if (d->shared.base) {   /* the other ranks read it where it is (14.4) */
+        b->work = enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
+                             b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
+    } else {
+        b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
+                                     DT_REDUCE_AVG);
+        d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
+    }
+    if (d->comm->stage_ticket)   /* not consumed: the launch failed; let the copy land */
+        d->be_iface->copy_wait(d->be, d->comm->stage_ticket);
+    d->comm->stage_ticket = 0;
+    if (!b->work && d->launch_status == DT_OK) {
+        d->launch_status = d->ctx->last_status;
+        snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
+    }
+    d->st.grad_bytes += (uint64_t)b->numel * sizeof(float);
+}
+
+/* No overlap, no compression: every bucket is ready at once, and they are
+ * contiguous; one allreduce of the whole set costs the host's ranks one
+ * round of phases (or the transport one schedule) instead of one a bucket,
+ * and it runs right here (the comm thread idle: no hand-over). */
+static void ddp_reduce_whole(dt_ddp *d)
+{
+    ddp_bucket *last = &d->buckets[d->nbuckets - 1];
+    float *flags = ddp_flags(d, d->cur, last);
+    for (int k = 0; k < last->count; k++)
+        flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
+    d->sent_at_launch = dt_comm_bytes_sent(d->comm);
+    d->zero_gen = d->ctx->zero_gen;
+    ddp_weigh(d, 0, d->grad_floats);
+    double t0 = dt_now();
+    uint64_t ticket = ddp_stage_out(d, 0, d->grad_floats);
+    if (ticket)
+        d->be_iface->copy_wait(d->be, ticket);
+    dt_status s = d->shared.base
+                      ? run_collective_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur], NULL,
+                                          d->set_floats, 0, DT_REDUCE_AVG, &d->shared)
+                      : dt_allreduce(d->comm, d->set[d->cur], d->set_floats, DT_REDUCE_AVG);
+    d->st.comm_s += dt_now() - t0;
+    if (s != DT_OK && d->launch_status == DT_OK) {
+        d->launch_status = s;
+        snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
+    }
+    d->st.grad_bytes += (uint64_t)d->grad_floats * sizeof(float);
+    d->st.payload_bytes += (uint64_t)d->grad_floats * sizeof(float);
+    d->next_launch = d->nbuckets;
+}
+
+/* Launch every ready bucket whose predecessors have all been launched. */
+static void ddp_launch_ready(dt_ddp *d)
+{
+    while (d->next_launch < d->nbuckets && d->buckets[d->next_launch].pending == 0)
+        ddp_launch(d, &d->buckets[d->next_launch++]);
+}
+
+/* Floats [done, upto) of parameter i's gradient are final: the buckets
+ * they fall in have that many fewer to wait for. */
+static void ddp_mark_final(dt_ddp *d, int i, int64_t upto)
+{
+    int64_t lo = d->offset[i] + d->done[i], hi = d->offset[i] + upto;
+    if (hi <= lo)
+        return;
+    d->done[i] = upto;
+    for (int64_t j = lo / d->bucket_floats; j < d->nbuckets && d->buckets[j].offset < hi; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        int64_t a = lo > b->offset ? lo : b->offset;
+        int64_t e = hi < b->offset + b->numel ? hi : b->offset + b->numel;
+        if (e > a)
+            b->pending -= e - a;
+    }
+}
+
+/* Parameter i's whole gradient is final; one that got none is zeroed in its
+ * slot (the other ranks may have one: this rank adds nothing). */
+static void ddp_param_final(dt_ddp *d, int i)
+{
+    dt_tensor *g = d->params[i]->grad;
+    int64_t n = dt_tensor_numel(g);
+    if (d->done[i] == n)
+        return;
+    if (g->flags & T_ZERO)
+        d->be_iface->memset0(d->be, (float *)g->data + d->done[i],
+                             (size_t)(n - d->done[i]) * sizeof(float));
+    ddp_mark_final(d, i, n);
+}
+
+/* For linear's backward (7.2): rows of w's gradient to compute per block so
+ * each finished block can travel while the next computes; 0: all at once.
+ * Only for a large weight whose last use on the tape this is. */
+#define DDP_CHUNK_MIN_FLOATS 65536
+DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols)
+{
+    dt_ddp *d = ctx->ddp;
+    if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
+        d->uses[w->param_index] != 1 || d->recompute_left > 0 ||
+        rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
+        return 0;
+    int64_t target = rows * cols / 4;   /* at least four blocks, at most a bucket each */
+    target = target < d->bucket_floats ? target : d->bucket_floats;
+    target = target > DDP_CHUNK_MIN_FLOATS / 2 ? target : DDP_CHUNK_MIN_FLOATS / 2;
+    int64_t step = target / cols > 0 ? target / cols : 1;
+    return step < rows ? step : 0;
+}
+
+DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols)
+{
+    dt_ddp *d = ctx->ddp;
+    if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
+        d->uses[w->param_index] != 1 || d->recompute_left > 0)
+        return;   /* not this op's to declare final */
+    ddp_mark_final(d, w->param_index, rows_done * cols);
+    int before = d->next_launch;
+    ddp_launch_ready(d);
+    d->st.block_launches += d->next_launch - before;
+}
+
+/* Every parameter with no uses left is final (while a recompute segment is
+ * still ahead on the tape, it may use any parameter: wait for it). */
+static void ddp_finalize_unused(dt_ddp *d)
+{
+    for (int i = 0; i < d->nparams; i++)
+        if (d->uses[i] == 0)
+            ddp_param_final(d, i);
+}
+
+static dt_status ddp_finish(dt_ddp *d);
+
+/* A node's inputs: concat keeps its (any number of) inputs aside. */
+static int node_inputs(const dt_node *n, dt_tensor *const **out)
+{
+    if (n->backward == concat_backward) {
+        *out = n->aux[0];
+        return (int)n->iarg[0];
+    }
+    *out = n->in;
+    return n->n_in;
+}
+
+DT_PRIVATE dt_status ddp_backward_begin(dt_ddp *d)
+{
+    dt_ctx *ctx = d->ctx;
+    if (ctx->n_params != d->nparams)
+        return set_error(ctx, DT_ESTATE, "backward: %d parameters were registered after "
+                         "dt_ddp_new wrapped %d; wrap the whole model", ctx->n_params - d->nparams,
+                         d->nparams);
+    /* A second backward before dt_ddp_sync: let the first one's allreduces
+     * finish before touching the memory they reduce.  Compressed, the
+     * averaged gradient would go through error feedback a second time. */
+    if (d->pending_sync && d->cfg.compress != DT_COMPRESS_NONE)
+        return set_error(ctx, DT_ESTATE, "backward: with gradient compression, call dt_ddp_sync "
+                         "(or dt_ddp_step) before the next backward; accumulate with "
+                         "dt_ddp_set_sync(ddp, 0) instead");
+    if (d->pending_sync) {
+        dt_status s = ddp_finish(d);
+        if (s != DT_OK)
+            return s;
+    }
+    d->t_backward = dt_now();
+    d->hooks = 0;
+    int fresh = 1;
+    for (int i = 0; i < d->nparams && fresh; i++)
+        fresh = (d->params[i]->grad->flags & T_ZERO) != 0;
+    if (fresh)
+        ddp_point_grads(d, d->cur ^ 1);
+    if (!d->sync)
+        return DT_OK;
+    d->pending_sync = 1;
+    d->launch_status = DT_OK;
+    d->next_launch = 0;
+    if (!d->overlap)
+        return DT_OK;   /* dt_ddp_sync launches everything */
+    memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
+    memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
+    d->recompute_left = 0;
+    for (const dt_node *n = ctx->tape; n; n = n->prev) {
+        if (n->seg_fn)
+            d->recompute_left++;
+        dt_tensor *const *in;
+        int nin = node_inputs(n, &in);
+        for (int k = 0; k < nin; k++)
+            if (in[k] && (in[k]->flags & T_PARAM) && in[k]->ctx == ctx)
+                d->uses[in[k]->param_index]++;
+    }
+    for (int b = 0; b < d->nbuckets; b++)
+        d->buckets[b].pending = d->buckets[b].numel;
+    if (d->recompute_left == 0)
+        ddp_finalize_unused(d);
+    d->hooks = 1;
+    ddp_launch_ready(d);
+    return DT_OK;
+}
+
+DT_PRIVATE void ddp_node_done(dt_ddp *d, const dt_node *n)
+{
+    if (!d->hooks)
+        return;
+    int launch = 0;
+    if (n->seg_fn && --d->recompute_left == 0) {
+        ddp_finalize_unused(d);
+        launch = 1;
+    }
+    dt_tensor *const *in;
+    int nin = node_inputs(n, &in);
+    for (int k = 0; k < nin; k++) {
+        const dt_tensor *t = in[k];
+        if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0 &&
+            d->recompute_left == 0) {
+            ddp_param_final(d, t->param_index);
+            launch = 1;
+        }
+    }
+    if (launch)
+        ddp_launch_ready(d);
+}
+
+/* Whatever happened, every bucket is launched before backward returns (a
+ * rank that stopped launching would leave the others waiting). */
+DT_PRIVATE dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
+{
+    if (d->hooks) {
+        for (int i = 0; i < d->nparams; i++)
+            ddp_param_final(d, i);
+        ddp_launch_ready(d);
+        d->hooks = 0;
+    }
+    d->st.backward_s += dt_now() - d->t_backward;
+    return backward_status;
+}
+
+/* --- 16.3 finishing a step ------------------------------------------------ */
+
+/* Launch what is owed (no-overlap mode), wait for every bucket in order,
+ * and mark the gradients no rank produced as absent again. */
+static dt_status ddp_finish_run(dt_ddp *d);
+static dt_status ddp_check_ranks(dt_ddp *d);
+
+/* The wait for the step's buckets is exposed communication. */
+static dt_status ddp_finish(dt_ddp *d)
+{
+    if (!d->pending_sync)
+        return DT_OK;
+    double t0 = prof_begin(d->ctx);
+    dt_status s = ddp_finish_run(d);
+    if (s == DT_OK)
+        s = ddp_check_ranks(d);
+    prof_end(d->ctx, PH_COMM_WAIT, t0);
+    return s;
+}
+
+static dt_status ddp_finish_run(dt_ddp *d)
+{
+    if (!d->pending_sync)
+        return DT_OK;
+    double t0 = dt_now();
+    if (d->next_launch < d->nbuckets) {   /* no overlap: nothing was tracked */
+        memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
+        for (int i = 0; i < d->nparams; i++)
+            ddp_param_final(d, i);
+    }
+    if (d->next_launch == 0 && d->cfg.compress == DT_COMPRESS_NONE && !d->cfg.ps)
+        ddp_reduce_whole(d);
+    while (d->next_launch < d->nbuckets)
+        ddp_launch(d, &d->buckets[d->next_launch++]);
+    dt_status first = d->launch_status;
+    char msg[DT_MAX_ERROR];
+    snprintf(msg, sizeof msg, "%s", d->launch_msg);
+    for (int b = 0; b < d->nbuckets; b++) {
+        if (!d->buckets[b].work)
+            continue;
+        double run = 0;
+        dt_status s = work_finish(d->buckets[b].work, &run);
+        d->buckets[b].work = NULL;
+        d->st.comm_s += run;
+        if (s == DT_OK && !d->cfg.ps &&
+            (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
+            ddp_finish_compressed(d, &d->buckets[b]);
+        if (s != DT_OK && first == DT_OK) {
+            first = s;
+            snprintf(msg, sizeof msg, "%s", d->ctx->err);
+        }
+    }
+    if (first == DT_OK && d->cfg.ps) {   /* the step is pushed: the new parameters */
+        ps_pushed(d->cfg.ps, d->nbuckets);
+        if ((first = ps_step_pull(d->cfg.ps)) != DT_OK)
+            snprintf(msg, sizeof msg, "%s", d->ctx->err);
+    }
+    d->st.exposed_s += dt_now() - t0;
+    d->pending_sync = 0;
+    if (first != DT_OK)
+        return set_error(d->ctx, first, "ddp: gradient %s failed: %s",
+                         d->cfg.ps ? "push or parameter pull" : "allreduce", msg);
+    if (!d->cfg.ps)
+        ddp_stage_in(d);
+    /* a zero_grad since the buckets started discards what they reduced */
+    int zeroed = d->ctx->zero_gen != d->zero_gen;
+    const float *flags = d->set[d->cur] + d->grad_floats;
+    for (int i = 0; i < d->nparams; i++) {
+        dt_tensor *g = d->params[i]->grad;
+        if (flags[i] > 0 && !zeroed)
+            g->flags &= ~(unsigned)T_ZERO;
+        else
+            g->flags |= T_ZERO;
+    }
+    d->st.steps++;
+    d->st.bytes_sent += dt_comm_bytes_sent(d->comm) - d->sent_at_launch;
+    return DT_OK;
+}
+
+/* The loss scaler (9.1) over a DDP: refuse what it cannot serve; finish:
+ * the step's reduction first, so it unscales and checks averages. */
+DT_PRIVATE dt_status ddp_for_scaler(dt_ddp *d, int finish)
+{
+    if (d->cfg.ps)
+        return set_error(d->ctx, DT_ENOTSUP, "loss_scaler: with a parameter server the servers "
+                         "step on the pushed gradients before they could be unscaled or skipped");
+    if (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8)
+        return set_error(d->ctx, DT_ENOTSUP, "loss_scaler: top-k and int8 compression keep "
+                         "scaled gradients in their error feedback");
+    return finish ? ddp_finish(d) : DT_OK;
+}
+
+dt_status dt_ddp_sync(dt_ddp *d)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    return ddp_finish(d);
+}
+
+dt_status dt_ddp_step(dt_ddp *d)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    if (!d->opt && !d->cfg.ps)
+        return set_error(d->ctx, DT_ESTATE, "ddp_step: this DDP was made without an optimizer");
+    dt_status s = ddp_finish(d);
+    return s != DT_OK || d->cfg.ps ? s : dt_optim_step(d->opt);   /* servers step for a PS */
+}
+
+dt_status dt_ddp_set_sync(dt_ddp *d, int sync)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    d->sync = sync != 0;
+    return DT_OK;
+}
+
+dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out)
+{
+    if (!d || !out)
+        return DT_EINVAL;
+    *out = d->st;
+    return DT_OK;
+}
+
+/* --- 16.5 the ranks' checks and load balancing -------------------------------
+ * A balanced step's gradient is the global batch's: each rank's mean over
+ * its slice, times world * slice / global, averaged over the ranks, is the
+ * mean over the whole global batch. */
+static void ddp_weigh(dt_ddp *d, int64_t offset, int64_t numel)
+{
+    if (!d->bal_ld || numel <= 0)
+        return;
+    int64_t count, global;
+    dt_loader_batch_slice(d->bal_ld, NULL, &count, &global);
+    float w = global > 0 ? (float)((double)count * dt_comm_size(d->comm) / (double)global) : 1.0f;
+    if (w == 1.0f)
+        return;
+    float *g = ddp_grads(d, d->cur) + offset;
+    d->be_iface->axpby(d->be, numel, 0.0f, g, w, g);
+}
+
+/* After every `every` synchronised steps (the same step on every rank):
+ * swap compute rates, name a straggler, and re-cut the global batch in
+ * proportion to the rates when the shares move by more than 2 points
+ * (smaller moves are noise, and each costs the loader a re-cut batch). */
+static dt_status ddp_check_ranks(dt_ddp *d)
+{
+    int every = d->bal_ld ? d->bal_every : d->check_every;
+    if (every <= 0 || d->cfg.ps || d->st.steps == 0 || d->st.steps % every)
+        return DT_OK;
+    int P = dt_comm_size(d->comm);
+    double rates[64] = {0};
+    if (P > 64)
+        return DT_OK;
+    dt_status s = prof_exchange(d->ctx, d->comm, rates);
+    if (s != DT_OK || !d->bal_ld)
+        return s;
+    double sum = 0, old = 0, moved = 0;
+    for (int r = 0; r < P; r++) {
+        if (!(rates[r] > 0))
+            return DT_OK;   /* a rank without a closed step yet: next time */
+        sum += rates[r];
+        old += d->bal_w[r];
+    }
+    for (int r = 0; r < P; r++) {
+        double m = fabs(rates[r] / sum - d->bal_w[r] / old);
+        moved = m > moved ? m : moved;
+    }
+    if (moved <= 0.02)
+        return DT_OK;
+    for (int r = 0; r < P; r++)
+        d->bal_w[r] = rates[r] / sum;
+    return dt_loader_set_split(d->bal_ld, d->bal_w, P);
+}
+
+dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    dt_ctx *ctx = d->ctx;
+    int P = dt_comm_size(d->comm), me = dt_comm_rank(d->comm);
+    if (every <= 0)
+        every = 10;
+    /* a bad call on one rank still joins the agreement below */
+    const char *bad = !ld                             ? "the loader is NULL"
+                      : ld->ctx != ctx                 ? "the loader belongs to another context"
+                      : d->cfg.ps                      ? "not with a parameter server (its workers "
+                                                         "need not agree on a step)"
+                      : !ld->cfg.global_batches        ? "the loader needs global_batches"
+                      : ld->cfg.shard_count != P || ld->cfg.shard_rank != me
+                          ? "the loader's shards must be the ranks (shard_rank = rank, "
+                            "shard_count = world)"
+                      : P > 64                         ? "at most 64 ranks"
+                      : d->bal_ld                      ? "already balancing"
+                                                       : NULL;
+    float mine[2] = {(float)every, bad ? 1.0f : 0.0f}, *all = host_alloc(ctx, sizeof(float) * 2 * (size_t)P);
+    if (!all)
+        return set_error(ctx, DT_ENOMEM, "ddp_balance: out of memory");
+    dt_status s = run_collective_wait(d->comm, COLL_ALLGATHER, all, mine, 2, 0, DT_REDUCE_SUM, NULL);
+    int differ = -1, failed = -1;
+    for (int r = 0; s == DT_OK && r < P; r++) {
+        if (all[2 * r] != mine[0] && differ < 0)
+            differ = r;
+        if (all[2 * r + 1] != 0 && failed < 0)
+            failed = r;
+    }
+    float theirs = differ >= 0 ? all[2 * differ] : 0;
+    host_free(ctx, all);
+    if (s != DT_OK)
+        return s;
+    if (bad)
+        return set_error(ctx, DT_EINVAL, "ddp_balance: %s", bad);
+    if (failed >= 0)
+        return set_error(ctx, DT_EINVAL, "ddp_balance: rank %d refused its call", failed);
+    if (differ >= 0)
+        return set_error(ctx, DT_EMISMATCH, "ddp_balance: rank %d balances every %g steps, this "
+                         "rank every %d", differ, (double)theirs, every);
+    if (!(d->bal_w = host_alloc(ctx, sizeof(double) * (size_t)P)))
+        return set_error(ctx, DT_ENOMEM, "ddp_balance: out of memory");
+    for (int r = 0; r < P; r++)
+        d->bal_w[r] = 1.0 / P;
+    d->bal_ld = ld;
+    d->bal_every = every;
+    ctx->prof.balancing = 1;
+    __atomic_store_n(&ctx->prof.measure, 1, __ATOMIC_RELAXED);
+    return dt_loader_set_split(ld, d->bal_w, P);
+}
+
+double dt_ddp_balance_share(const dt_ddp *d)
+{
+    if (!d || !d->comm)
+        return 0;
+    int P = dt_comm_size(d->comm);
+    return d->bal_w ? d->bal_w[dt_comm_rank(d->comm)] : 1.0 / P;
+}
+
+void dt_ddp_stats_reset(dt_ddp *d)
+{
+    if (!d)
+        return;
+    dt_ddp_stats keep = d->st;
+    memset(&d->st, 0, sizeof d->st);
+    d->st.buckets = keep.buckets;
+    d->st.bucket_bytes = keep.bucket_bytes;
+    d->st.overlap = keep.overlap;
+    d->st.shared_buckets = keep.shared_buckets;
+}
+
+/* --- 16.4 wrapping: the model check, buckets, rank 0's weights ------------ */
+
+/* The DDP settings on line 0, then "name (d0, d1)" per parameter, in
+ * registration order. */
+static char *ddp_describe(dt_ctx *ctx, const char *settings, size_t *len_out)
+{
+    size_t cap = 64 + strlen(settings), len = 0;
+    for (int i = 0; i < ctx->n_params; i++)
+        cap += strlen(ctx->params[i]->name) + 24 * DT_MAX_DIMS + 8;
+    char *s = host_alloc(ctx, cap);
+    if (!s)
+        return NULL;
+    len = (size_t)snprintf(s, cap, "%s\n", settings);
+    for (int i = 0; i < ctx->n_params; i++) {
+        char sb[96];
+        len += (size_t)snprintf(s + len, cap - len, "%s %s\n", ctx->params[i]->name,
+                                SHAPE(ctx->params[i], sb));
+    }
+    *len_out = len;
+    return s;
+}
+
+/* Line k of a description (without its newline) into out; "" past the end. */
+static void ddp_line(const char *desc, int k, char *out, size_t cap)
+{
+    const char *p = desc;
+    for (; k > 0 && p; k--) {
+        p = strchr(p, '\n');
+        if (p)
+            p++;
+    }
+    size_t n = 0;
+    while (p && p[n] && p[n] != '\n')
+        n++;
+    snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), p ? p : "");
+}
+
+/* This rank's first difference from rank 0's description, or "". */
+static void ddp_diff(const char *mine, const char *root, int rank, char *out, size_t cap)
+{
+    out[0] = '\0';
+    for (int k = 0;; k++) {
+        char a[DT_MAX_NAME + 128], b[DT_MAX_NAME + 128];
+        ddp_line(root, k, a, sizeof a);
+        ddp_line(mine, k, b, sizeof b);
+        if (!a[0] && !b[0])
+            return;
+        if (strcmp(a, b) == 0)
+            continue;
+        if (k == 0) {
+            snprintf(out, cap, "the DDP settings are '%.90s' on rank 0 but '%.90s' on rank %d",
+                     a, b, rank);
+            return;
+        }
+        k--;   /* parameters start on line 1 */
+        if (!a[0])
+            snprintf(out, cap, "rank %d has an extra parameter %d, '%.90s', that rank 0 lacks", rank,
+                     k, b);
+        else if (!b[0])
+            snprintf(out, cap, "rank %d lacks parameter %d, '%.90s', that rank 0 has", rank, k, a);
+        else
+            snprintf(out, cap, "parameter %d is '%.90s' on rank 0 but '%.90s' on rank %d", k, a, b, rank);
+        return;
+    }
+}
+
+/* Every rank learns whether all models match rank 0's, and if not the
+ * first difference (the lowest rank that has one), as an error. */
+static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
+{
+    size_t len = 0;
+    char *mine = ddp_describe(ctx, settings, &len);
+    float *buf = NULL;
+    char *root = NULL;
+    dt_status s = DT_ENOMEM;
+    int world = dt_comm_size(c), rank = dt_comm_rank(c);
+    float flen = (float)len;
+    if (!mine)
+        goto out;
+    if (len > (1u << 24))
+        { s = set_error(ctx, DT_ENOTSUP, "ddp_new: model description too long"); goto out; }
+    if ((s = dt_broadcast(c, &flen, 1, 0)) != DT_OK)
+        goto out;
+    size_t rlen = (size_t)flen;
+    size_t nf = rlen > (size_t)DT_DDP_DIFF * (size_t)world ? rlen : (size_t)DT_DDP_DIFF * (size_t)world;
+    buf = host_alloc(ctx, (nf + DT_DDP_DIFF) * sizeof(float));
+    root = host_alloc(ctx, rlen + 1);
+    s = DT_ENOMEM;
+    if (!buf || !root)
+        goto out;
+    for (size_t i = 0; i < rlen; i++)
+        buf[i] = rank == 0 ? (float)(unsigned char)mine[i] : 0.0f;
+    if ((s = dt_broadcast(c, buf, (int64_t)rlen, 0)) != DT_OK)
+        goto out;
+    for (size_t i = 0; i < rlen; i++)
+        root[i] = (char)(unsigned char)buf[i];
+    root[rlen] = '\0';
+    char diff[DT_DDP_DIFF];
+    ddp_diff(mine, root, rank, diff, sizeof diff);
+    float *my = buf + nf;
+    for (int i = 0; i < DT_DDP_DIFF; i++)
+        my[i] = (float)(unsigned char)diff[i];
+    if ((s = dt_allgather(c, my, DT_DDP_DIFF, buf)) != DT_OK)
+        goto out;
+    for (int r = 0; r < world; r++) {
+        if (buf[(size_t)r * DT_DDP_DIFF] == 0.0f)
+            continue;
+        for (int i = 0; i < DT_DDP_DIFF; i++)
+            diff[i] = (char)(unsigned char)buf[(size_t)r * DT_DDP_DIFF + i];
+        diff[DT_DDP_DIFF - 1] = '\0';
+        s = set_error(ctx, DT_EMISMATCH, "ddp_new: the ranks' models differ: %s", diff);
+        goto out;
+    }
+    s = DT_OK;
+out:
+    if (s == DT_ENOMEM && ctx->last_status != DT_ENOMEM)
+        set_error(ctx, DT_ENOMEM, "ddp_new: out of memory");
+    host_free(ctx, mine);
+    host_free(ctx, buf);
+    host_free(ctx, root);
+    return s;
+}
+
+/* DTRAIN_COMPRESS picks the compression when the program left it at none. */
+static dt_status ddp_compress_from_env(dt_ctx *ctx, dt_ddp_config *cfg)
+{
+    static const char *const names[] = {"none", "bf16", "fp16", "topk", "int8"};
+    const char *e = getenv("DTRAIN_COMPRESS");
+    if (cfg->compress != DT_COMPRESS_NONE || !e || !*e)
+        return DT_OK;
+    for (int k = 0; k < 5; k++)
+        if (!strcmp(e, names[k])) {
+            cfg->compress = (dt_compress)k;
+            return DT_OK;
+        }
+    return set_error(ctx, DT_EINVAL, "ddp_new: DTRAIN_COMPRESS='%s': expected none, bf16, fp16, "
+                     "topk or int8", e);
+}
+
+static size_t ddp_bucket_cap(const dt_ddp_config *cfg, const dt_ctx *ctx)
+{
+    if (cfg->bucket_bytes)
+        return cfg->bucket_bytes;
+    const char *e = getenv("DTRAIN_BUCKET_BYTES");
+    char *end;
+    unsigned long long v = e ? strtoull(e, &end, 10) : 0;
+    if (e && *e && !*end && v > 0)
+        return (size_t)v;
+    size_t total = 0;
+    for (int i = 0; i < ctx->n_params; i++)
+        total += tensor_bytes(ctx->params[i]);
+    size_t cap = total / 8;
+    return cap < DT_DDP_MIN_BUCKET_BYTES ? DT_DDP_MIN_BUCKET_BYTES
+         : cap > DT_DDP_MAX_BUCKET_BYTES ? DT_DDP_MAX_BUCKET_BYTES : cap;
+}
+
+/* Gradients lie contiguous in reverse registration order (the order
+ * backward finishes them), then one flag per parameter; buckets cut that
+ * every cap bytes, so a large parameter may span several (its row blocks
+ * then travel as linear's backward makes them). */
+static dt_status ddp_plan(dt_ddp *d, size_t cap)
+{
+    int64_t off = 0;
+    for (int k = 0; k < d->nparams; k++) {
+        int i = d->nparams - 1 - k;
+        d->order[k] = i;
+        d->offset[i] = off;
+        off += dt_tensor_numel(d->params[i]);
+    }
+    d->grad_floats = off;
+    d->bucket_floats = cap / sizeof(float) > 0 ? (int64_t)(cap / sizeof(float)) : 1;
+    int64_t nb = off > 0 ? (off + d->bucket_floats - 1) / d->bucket_floats : 1;
+    if (nb > INT32_MAX / 2)
+        return set_error(d->ctx, DT_EINVAL, "ddp_new: bucket_bytes %zu makes %lld buckets",
+                         cap, (long long)nb);
+    d->buckets = host_calloc(d->ctx, sizeof *d->buckets * (size_t)nb);
+    if (!d->buckets)
+        return DT_ENOMEM;
+    d->nbuckets = (int)nb;
+    for (int j = 0; j < d->nbuckets; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        b->offset = (int64_t)j * d->bucket_floats;
+        b->numel = off - b->offset < d->bucket_floats ? off - b->offset : d->bucket_floats;
+    }
+    d->buckets[d->nbuckets - 1].count = d->nparams;
+    d->set_floats = off + d->nparams > 0 ? off + d->nparams : 1;
+    return DT_OK;
+}
+
+/* Uncompressed buckets on one host go in a region every local rank maps
+ * (shared_region_map): the allreduce then reads them in place instead of
+ * copying them through the segment's slots (docs/DATA_PARALLEL.md).  Both
+ * sets in one part; host memory, which is what the backend's is here
+ * (dt_ddp_new checks host_visible).  DT_OK with no region: private sets. */
+static dt_status ddp_alloc_sets(dt_ddp *d)
+{
+    /* staged: the sets take device-to-host copies, which are asynchronous
+     * only into page-locked memory, and the shared region is not */
+    if (d->cfg.compress != DT_COMPRESS_NONE || d->cfg.ps || d->staged)
+        return DT_OK;
+    size_t stride = ((size_t)d->set_floats * sizeof(float) + 127) & ~(size_t)127;
+    int ok = 0;
+    dt_status s = shared_region_map(d->comm, 2 * stride, &d->shared, &ok);
+    if (s != DT_OK || !ok)
+        return s;
+    char *mine = d->shared.base + (size_t)d->shared.me * d->shared.part;
+    memset(mine, 0, 2 * stride);
+    d->set[0] = (float *)mine;
+    d->set[1] = (float *)(mine + stride);
+    d->st.shared_buckets = 1;
+    return DT_OK;
+}
+
+/* The sets, where not in shared memory: backend memory, or when staged
+ * host memory (page-locked if the backend has it) plus device twins. */
+static dt_status ddp_alloc_private_sets(dt_ddp *d)
+{
+    size_t bytes = (size_t)d->set_floats * sizeof(float);
+    for (int k = 0; k < 2; k++) {
+        float **mem = d->staged ? &d->dset[k] : d->shared.base ? NULL : &d->set[k];
+        if (!mem)
+            continue;
+        if (!(*mem = d->be_iface->alloc(d->be, bytes)))
+            return DT_ENOMEM;
+        d->be_iface->memset0(d->be, *mem, bytes);
+    }
+    if (!d->staged || d->shared.base)
+        return DT_OK;
+    if (d->be_iface->host_alloc) {
+        d->set[0] = d->be_iface->host_alloc(d->be, bytes);
+        d->set[1] = d->be_iface->host_alloc(d->be, bytes);
+        d->pinned = d->set[0] && d->set[1];
+        for (int k = 0; k < 2 && !d->pinned; k++) {
+            if (d->set[k])
+                d->be_iface->host_free(d->be, d->set[k]);
+            d->set[k] = NULL;
+        }
+    }
+    for (int k = 0; k < 2 && !d->pinned; k++)   /* no page-locked memory: ordinary */
+        if (!(d->set[k] = host_alloc(d->ctx, bytes)))
+            return DT_ENOMEM;
+    memset(d->set[0], 0, bytes);
+    memset(d->set[1], 0, bytes);
+    return DT_OK;
+}
+
+/* overlap -1: does the allreduce have something to run on while backward
+ * computes?  Across hosts the comm thread mostly waits on the network.  On
+ * one host it copies memory, and needs a CPU the compute threads do not
+ * use: more CPUs in this process's affinity than compute threads (an
+ * unbound rank counts its share of the online CPUs). */
+static int ddp_auto_overlap(const dt_ddp *d)
+{
+    if (d->comm->nhosts > 1 || d->staged)   /* staged: the host CPUs are idle */
+        return 1;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    long cpus = online > 0 ? online : 1;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus)
+        cpus = CPU_COUNT(&set);
+    else if (d->comm->nlocal > 1)
+        cpus /= d->comm->nlocal;
+    return cpus > d->ctx->threads;
+}
+
+/* Rank 0's parameter values to every rank, packed through set 0. */
+static dt_status ddp_broadcast_params(dt_ddp *d)
+{
+    float *stage = d->set[0];
+    for (int i = 0; i < d->nparams; i++)
+        be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
+    dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);
+    if (s != DT_OK)
+        return s;
+    for (int i = 0; i < d->nparams; i++)
+        be_to_device(d->ctx, d->params[i]->data, stage + d->offset[i], tensor_bytes(d->params[i]));
+    return DT_OK;
+}
+
+static void ddp_release(dt_ddp *d)
+{
+    if (d->bal_ld && d->ctx) {
+        d->ctx->prof.balancing = 0;
+        __atomic_store_n(&d->ctx->prof.measure, d->ctx->prof.record, __ATOMIC_RELAXED);
+    }
+    host_free(d->ctx, d->bal_w);
+    d->bal_w = NULL;
+    d->bal_ld = NULL;
+    dt_ctx *ctx = d->ctx;
+    if (d->last_ticket)   /* no copy may still read or write the sets */
+        d->be_iface->copy_wait(d->be, d->last_ticket);
+    for (int s = 0; s < 2; s++) {
+        if (d->dset[s])
+            d->be_iface->free(d->be, d->dset[s]);
+        d->dset[s] = NULL;
+        if (!d->set[s] || d->shared.base)
+            continue;
+        if (!d->staged)
+            d->be_iface->free(d->be, d->set[s]);
+        else if (d->pinned)
+            d->be_iface->host_free(d->be, d->set[s]);
+        else
+            host_free(ctx, d->set[s]);
+    }
+    shared_region_free(&d->shared);
+    host_free(ctx, d->order);
+    host_free(ctx, d->offset);
+    host_free(ctx, d->uses);
+    host_free(ctx, d->done);
+    host_free(ctx, d->own_grad);
+    for (int b = 0; d->buckets && b < d->nbuckets; b++) {
+        host_free(ctx, d->buckets[b].payload);
+        host_free(ctx, d->buckets[b].gathered);
+        host_free(ctx, d->buckets[b].residual);
+        host_free(ctx, d->buckets[b].pieces);
+        host_free(ctx, d->buckets[b].velocity);
+    }
+    host_free(ctx, d->scratch);
+    host_free(ctx, d->picked);
+    d->scratch = NULL;
+    d->picked = NULL;
+    host_free(ctx, d->buckets);
+    host_free(ctx, d->params);
+    d->params = NULL;
+    d->set[0] = d->set[1] = NULL;
+    d->order = NULL;
+    d->offset = NULL;
+    d->uses = NULL;
+    d->done = NULL;
+    d->own_grad = NULL;
+    d->buckets = NULL;
+}
+
+dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!c) {
+        set_error(ctx, DT_EINVAL, "ddp_new: communicator is NULL");
+        return NULL;
+    }
+    if (ctx->ddp) {
+        set_error(ctx, DT_ESTATE, "ddp_new: this context already has a DDP; free it first");
+        return NULL;
+    }
+    if (c->ctx != ctx) {
+        set_error(ctx, DT_EINVAL, "ddp_new: the communicator belongs to another context");
+        return NULL;
+    }
+    if (!ctx->be_iface->host_visible && !be_stages(ctx->be_iface)) {
+        set_error(ctx, DT_ENOTSUP, "ddp_new: the %s backend's memory is not host memory and it "
+                  "has no asynchronous copies to stage gradients through", ctx->be_iface->name);
+        return NULL;
+    }
+    if (opt && opt->ctx != ctx) {
+        set_error(ctx, DT_EINVAL, "ddp_new: the optimizer belongs to another context");
+        return NULL;
+    }
+    dt_ddp_config conf;
+    dt_ddp_config_init(&conf);
+    if (cfg)
+        conf = *cfg;
+    /* A bad setting on one rank still joins the model check, as a
+     * difference, so no rank is left waiting in a collective. */
+    dt_status local = ddp_compress_from_env(ctx, &conf);
+    if (local == DT_OK && (conf.compress < DT_COMPRESS_NONE || conf.compress > DT_COMPRESS_INT8 ||
+                           conf.topk_ratio < 0 || conf.topk_ratio > 1))
+        local = set_error(ctx, DT_EINVAL, "ddp_new: compress %d, topk_ratio %g: need a dt_compress "
+                          "value and 0 <= topk_ratio <= 1", (int)conf.compress,
+                          (double)conf.topk_ratio);
+    const char *wu = getenv("DTRAIN_TOPK_WARMUP");
+    if (conf.topk_warmup_steps <= 0 && wu && *wu)
+        conf.topk_warmup_steps = atoi(wu);
+    cfg = &conf;
+    char settings[DT_MAX_ERROR + 64], local_msg[DT_MAX_ERROR];
+    snprintf(local_msg, sizeof local_msg, "%s", ctx->err);
+    if (local != DT_OK)
+        snprintf(settings, sizeof settings, "invalid: %.200s", local_msg);
+    else
+        snprintf(settings, sizeof settings, "bucket_bytes %zu, overlap %d, compress %d, topk_ratio "
+                 "%g, warmup %d, error_feedback %d, device memory %d, profiler checks every %d",
+                 ddp_bucket_cap(cfg, ctx),
+                 cfg->overlap < 0 ? -1 : cfg->overlap != 0, (int)cfg->compress,
+                 (double)cfg->topk_ratio, cfg->topk_warmup_steps, cfg->error_feedback != 0,
+                 !ctx->be_iface->host_visible, prof_recording(ctx) ? ctx->prof.cfg.check_every : 0);
+    if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
+        if (ddp_ps_check(ctx, c, &conf, opt) != DT_OK)
+            return NULL;
+    } else if (ddp_check_models(ctx, c, settings) != DT_OK) {
+        return NULL;
+    }
+    if (local != DT_OK) {   /* every rank has the same bad setting */
+        set_error(ctx, local, "%s", local_msg);
+        return NULL;
+    }
+    dt_ddp *d = host_calloc(ctx, sizeof *d);
+    if (!d) {
+        set_error(ctx, DT_ENOMEM, "ddp_new: out of memory");
+        return NULL;
+    }
+    *d = (dt_ddp){.ctx = ctx, .comm = c, .opt = opt, .cfg = *cfg, .al = ctx->al,
+                  .be_iface = ctx->be_iface, .be = ctx->be, .nparams = ctx->n_params,
+                  .sync = 1, .staged = !ctx->be_iface->host_visible};
+    size_t np = (size_t)(d->nparams ? d->nparams : 1);
+    d->params = host_calloc(ctx, np * sizeof *d->params);
+    if (d->params)
+        memcpy(d->params, ctx->params, (size_t)d->nparams * sizeof *d->params);
+    d->order = host_calloc(ctx, np * sizeof *d->order);
+    d->offset = host_calloc(ctx, np * sizeof *d->offset);
+    d->uses = host_calloc(ctx, np * sizeof *d->uses);
+    d->done = host_calloc(ctx, np * sizeof *d->done);
+    d->own_grad = host_calloc(ctx, np * sizeof *d->own_grad);
+    size_t cap = ddp_bucket_cap(cfg, ctx);
+    dt_status s = DT_ENOMEM;
+    if (d->params && d->order && d->offset && d->uses && d->done && d->own_grad)
+        s = ddp_plan(d, cap);
+    if (s == DT_OK)
+        s = ddp_alloc_sets(d);
+    if (s == DT_OK)
+        s = ddp_alloc_private_sets(d);
+    if (s == DT_OK && d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)
+        s = ddp_alloc_ps_code(d);
+    else if (s == DT_OK &&
+             (d->cfg.compress == DT_COMPRESS_TOPK || d->cfg.compress == DT_COMPRESS_INT8))
+        s = ddp_alloc_compression(d);
+    if (s == DT_ENOMEM) {
+        set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for %lld gradient floats",
+                  (long long)d->set_floats);
+    } else if (s == DT_OK && cfg->broadcast_params && !cfg->ps) {
+        s = ddp_broadcast_params(d);
+    }
+    if (s != DT_OK) {
+        ddp_release(d);
+        host_free(ctx, d);
+        return NULL;
+    }
+    /* Gradients move into set 0 (what they hold so far comes along). */
+    for (int i = 0; i < d->nparams; i++) {
+        dt_tensor *g = d->params[i]->grad;
+        d->own_grad[i] = g->data;
+        if (!(g->flags & T_ZERO))
+            d->be_iface->copy(d->be, ddp_grads(d, 0) + d->offset[i], g->data, tensor_bytes(g));
+    }
+    ddp_point_grads(d, 0);
+    if (d->momentum > 0)
+        d->opt->momentum_by_ddp = 1;
+    d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);
+    d->check_every = prof_recording(ctx) ? ctx->prof.cfg.check_every : 0;
+    d->st.overlap = d->overlap;
+    d->st.buckets = d->nbuckets;
+    d->st.bucket_bytes = cap;
+    ctx->ddp = d;
+    return d;
+}
+
+DT_PRIVATE void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
+{
+    if (d->opt == opt)
+        d->opt = NULL;   /* freed first: dt_ddp_step now refuses instead */
+}
+
+/* Give the gradients their own buffers back (current values copied) and
+ * drop the bucket memory; the struct stays for dt_ddp_free. */
+DT_PRIVATE void ddp_detach(dt_ddp *d)
+{
+    if (!d->ctx)
+        return;
+    if (d->pending_sync)
+        ddp_finish_run(d);   /* no rank check: the others may be gone */
+    for (int i = 0; i < d->nparams; i++) {
+        dt_tensor *g = d->params[i]->grad;
+        if (!(g->flags & T_ZERO))
+            d->be_iface->copy(d->be, d->own_grad[i], g->data, tensor_bytes(g));
+        g->data = d->own_grad[i];
+    }
+    if (d->momentum > 0 && d->opt)
+        d->opt->momentum_by_ddp = 0;
+    d->ctx->ddp = NULL;
+    ddp_release(d);
+    d->ctx = NULL;
+}
+
+void dt_ddp_free(dt_ddp *d)
+{
+    if (!d)
+        return;
+    ddp_detach(d);
+    d->al.free_fn(d, d->al.user);
+}
+
+/* --- 16.5 distributed evaluation and inference --------------------------- */
+
+void dt_eval_config_init(dt_eval_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->batch = 1000;
+    cfg->std = 1.0f;
+}
+
+/* The part of ds this rank evaluates: samples rank, rank + P, ..., each
+ * sample on exactly one rank; in order, never shuffled. */
+static dt_loader *eval_loader(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
+                              const dt_eval_config *cfg)
+{
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = cfg->batch > 0 ? cfg->batch : 1000;
+    lc.shuffle = 0;
+    lc.mean = cfg->mean;
+    lc.std = cfg->std;
+    lc.shard_rank = c ? dt_comm_rank(c) : 0;
+    lc.shard_count = c ? dt_comm_size(c) : 1;
+    lc.shard_no_pad = 1;
+    return dt_loader_new(ctx, ds, &lc);
+}
+
+static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
+                          dt_forward_fn forward, void *user, eval_visit visit, void *acc)
+{
+    dt_eval_config defaults;
+    dt_eval_config_init(&defaults);
+    if (!cfg)
+        cfg = &defaults;
+    if (!ds || !forward)
+        return set_error(ctx, DT_EINVAL, "evaluate: dataset and forward function are required");
+    if (!(cfg->std > 0))
+        return set_error(ctx, DT_EINVAL, "evaluate: std must be > 0, got %g", (double)cfg->std);
+    dt_loader *ld = eval_loader(ctx, c, ds, cfg);
+    if (!ld)
+        return ctx->last_status;
+    int grad = ctx->grad_enabled, training = ctx->training;
+    ctx->grad_enabled = ctx->training = 0;
+    dt_status s;
+    int64_t first = 0;
+    dt_tensor *x, *y;
+    while ((s = dt_loader_next(ld, &x, &y)) == DT_OK) {
+        dt_tensor *logits = forward(ctx, x, user);
+        char sb[96];
+        if (!logits)
+            s = ctx->last_status != DT_OK ? ctx->last_status
+                                          : set_error(ctx, DT_EINVAL, "evaluate: forward returned NULL");
+        else if (logits->ndim != 2 || logits->shape[0] != y->shape[0] || logits->dtype != DT_F32)
+            s = set_error(ctx, DT_EINVAL, "evaluate: forward must return (%lld, classes) f32 "
+                          "logits, got %s", (long long)y->shape[0], SHAPE(logits, sb));
+        else if (!(logits = dt_contiguous(ctx, logits)))
+            s = ctx->last_status;
+        else
+            s = visit(ctx, logits, y, first, acc);
+        first += y->shape[0];
+        dt_step_reset(ctx);
+        if (s != DT_OK)
+            break;
+    }
+    ctx->grad_enabled = grad;
+    ctx->training = training;
+    dt_loader_free(ld);
+    return s == DT_EOF ? DT_OK : s;
+}
+
+static dt_status eval_metrics(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first, void *acc)
+{
+    (void)first;
+    eval_sums *e = acc;
+    int64_t correct = 0;
+    dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
+    if (!loss || dt_count_correct(ctx, logits, y, &correct) != DT_OK)
+        return ctx->last_status;
+    e->samples += (double)y->shape[0];
+    e->correct += (double)correct;
+    e->loss += (double)dt_tensor_item(loss) * (double)y->shape[0];
+    return DT_OK;
+}
+
+/* Counts travel as two floats, n / 4096 and n % 4096, so their sums stay
+ * exact far beyond float's 2^24. */
+static int64_t count_join(const float *hl) { return (int64_t)hl[0] * 4096 + (int64_t)hl[1]; }
+
+dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
+                      dt_forward_fn forward, void *user, dt_metrics *out)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (c && c->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
+    eval_sums e = {0, 0, 0};
+    dt_status s = out ? eval_run(ctx, c, ds, cfg, forward, user, eval_metrics, &e)
+                      : set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
+    /* every rank joins the sum even after a local failure (the last float
+     * counts failures), so a bad rank cannot leave the others waiting */
+    int64_t n = (int64_t)e.samples, k = (int64_t)e.correct;
+    float sums[6] = {(float)(n / 4096), (float)(n % 4096), (float)(k / 4096), (float)(k % 4096),
+                     (float)e.loss, s == DT_OK ? 0.0f : 1.0f};
+    if (c) {
+        dt_status cs = dt_allreduce(c, sums, 6, DT_REDUCE_SUM);
+        if (cs != DT_OK)
+            return cs;
+    }
+    if (s != DT_OK)
+        return s;
+    if (sums[5] > 0)
+        return set_error(ctx, DT_EPEER, "evaluate: %.0f other rank(s) failed to evaluate their "
+                         "part", (double)sums[5]);
+    out->samples = count_join(sums);
+    out->correct = count_join(sums + 2);
+    out->accuracy = out->samples > 0 ? (double)out->correct / (double)out->samples : 0;
+    out->loss = out->samples > 0 ? (double)sums[4] / (double)out->samples : 0;
+    return DT_OK;
+}
+
+static dt_status eval_argmax(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first, void *acc)
+{
+    predict_acc *p = acc;
+    int64_t b = logits->shape[0], k = logits->shape[1];
+    float *host = host_alloc(ctx, sizeof(float) * (size_t)(b * k));
+    if (!host)
+        return set_error(ctx, DT_ENOMEM, "predict: out of memory");
+    (void)y;
+    dt_status s = dt_tensor_get(logits, host, b * k);
+    for (int64_t i = 0; s == DT_OK && i < b; i++) {
+        int64_t best = 0;
+        for (int64_t j = 1; j < k; j++)
+            if (host[i * k + j] > host[i * k + best])
+                best = j;
+        p->local[first + i] = (float)best;
+    }
+    host_free(ctx, host);
+    return s;
+}
+
+dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
+                     dt_forward_fn forward, void *user, int32_t *pred)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (c && c->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "predict: the communicator belongs to another context");
+    int P = c ? dt_comm_size(c) : 1, r = c ? dt_comm_rank(c) : 0;
+    int64_t n = dt_dataset_size(ds), per = (n + P - 1) / P;
+    /* per floats for each rank's predictions, then one for its status */
+    float *mine = host_alloc(ctx, sizeof(float) * (size_t)(per + 1));
+    float *all = host_alloc(ctx, sizeof(float) * (size_t)(per + 1) * (size_t)P);
+    if (!mine || !all) {
+        host_free(ctx, mine);
+        host_free(ctx, all);
+        return set_error(ctx, DT_ENOMEM, "predict: out of memory for %lld predictions", (long long)n);
+    }
+    for (int64_t i = 0; i <= per; i++)
+        mine[i] = -1.0f;
+    predict_acc acc = {mine};
+    /* a missing output still joins the gather, so no rank waits */
+    dt_status s = r == 0 && !pred ? set_error(ctx, DT_EINVAL, "predict: rank 0 needs an output array")
+                                  : eval_run(ctx, c, ds, cfg, forward, user, eval_argmax, &acc);
+    mine[per] = s == DT_OK ? 0.0f : 1.0f;
+    dt_status cs = c ? dt_allgather(c, mine, per + 1, all) : DT_OK;
+    if (!c)
+        memcpy(all, mine, sizeof(float) * (size_t)(per + 1));
+    int failed = 0;
+    for (int q = 0; cs == DT_OK && q < P; q++)
+        failed += all[(size_t)q * (size_t)(per + 1) + (size_t)per] > 0;
+    if (cs == DT_OK && s == DT_OK && failed == 0 && r == 0)
+        for (int64_t i = 0; i < n; i++)   /* sample i was rank i % P's (i / P)-th */
+            pred[i] = (int32_t)all[(size_t)(i % P) * (size_t)(per + 1) + (size_t)(i / P)];
+    host_free(ctx, mine);
+    host_free(ctx, all);
+    if (cs != DT_OK || s != DT_OK)
+        return cs != DT_OK ? cs : s;
+    if (failed)
+        return set_error(ctx, DT_EPEER, "predict: %d other rank(s) failed to predict their part",
+                         failed);
+    return DT_OK;
+}
+

@@ -1,0 +1,1199 @@
+/*
+ * src/internal.h - what the core's modules share: the system headers, the
+ * internal types, the macros and each module's functions for the others.
+ * Included by every module (src/NAME.c); pasted once at the top of the generated
+ * dtrain.c (./build.sh amalgamate).
+ */
+#ifndef DTRAIN_INTERNAL_H
+#define DTRAIN_INTERNAL_H
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "../dtrain.h"
+#include "../backends/backend.h"
+#include "../backends/transport.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/wait.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <zlib.h>
+
+
+/* Internal functions: extern while the modules are compiled one by one (the
+ * development build), static in the generated dtrain.c, which defines
+ * DT_PRIVATE as static before it pastes this header. */
+#ifndef DT_PRIVATE
+#define DT_PRIVATE
+#endif
+/* ===========================================================================
+ * 1. Internal types
+ *
+ * A tensor is a header (shape, strides, data pointer) plus flags.  Step
+ * tensors live in the context's arenas and die at dt_step_reset; persistent
+ * tensors (parameters, optimizer state, loader batches) are allocated one by
+ * one and kept on a list so the context can free them.  A node is one op on
+ * the tape: its output, its inputs and what backward needs.
+ * ======================================================================== */
+
+enum {
+    T_PERSIST = 1u << 0,    /* allocated individually, on ctx->persist list */
+    T_PARAM = 1u << 1,      /* registered parameter (ctx-owned) */
+    T_REQGRAD = 1u << 2,    /* gradients flow to/through this tensor */
+    T_OWNS_DATA = 1u << 3,  /* data allocated with the tensor (not a view) */
+    T_ZERO = 1u << 4,       /* contents are logically zero, not yet written */
+    T_EXTERNAL = 1u << 5,   /* header owned by another object (loader) */
+    T_GRADBUF = 1u << 6     /* persistent gradient owned by its tensor */
+};
+
+struct dt_node;
+
+struct dt_tensor {
+    dt_ctx *ctx;
+    dt_dtype dtype;
+    int ndim;
+    int64_t shape[DT_MAX_DIMS];
+    int64_t stride[DT_MAX_DIMS];   /* in elements */
+    void *data;                    /* device pointer to element (0,...,0) */
+    unsigned flags;
+    dt_tensor *grad;               /* same shape, contiguous */
+    struct dt_node *node;          /* op that made it (NULL for leaves) */
+    char *name;                    /* persistent tensors only */
+    int param_index;               /* T_PARAM: index in ctx->params */
+    dt_tensor *next, *prev;        /* persistent list */
+    struct row_log *rowlog;        /* Hogwild! (19): the gradient rows embedding wrote */
+};
+
+/* The rows of a 2-D parameter's gradient that backward wrote through
+ * dt_embedding, while the gradient's memory is known to be zero elsewhere;
+ * dense: another op wrote all of it this step. */
+typedef struct row_log {
+    int64_t *rows, n, cap;
+    int dense;
+    unsigned char *mark;       /* per row: already in rows (while applying) */
+} row_log;
+
+typedef struct dt_node dt_node;
+typedef dt_status (*dt_backward_fn)(dt_ctx *ctx, dt_node *n);
+
+#define NODE_MAX_IN 4
+struct dt_node {
+    dt_node *prev;                 /* tape: newest first */
+    const char *op;
+    dt_backward_fn backward;
+    dt_tensor *out;
+    dt_tensor *in[NODE_MAX_IN];
+    int n_in;
+    int64_t iarg[8];
+    float farg[4];
+    void *aux[4];                  /* saved buffers (arena) */
+    dt_precision prec;             /* autocast when recorded: backward's GEMMs use it */
+    dt_segment_fn seg_fn;          /* recompute: the segment function */
+    void *user;                    /* recompute: its user pointer */
+};
+
+typedef struct dt_chunk {
+    struct dt_chunk *next;
+    char *base;
+    size_t size, used;
+} dt_chunk;
+
+typedef struct dt_arena {
+    int on_device;                 /* 1: backend memory, 0: host allocator */
+    dt_chunk *first, *cur;
+    size_t capacity;               /* sum of chunk sizes */
+    size_t used;                   /* bytes handed out since reset */
+    size_t peak;
+    size_t min_chunk;
+    uint64_t grows;
+} dt_arena;
+
+typedef struct dt_arena_mark {
+    dt_chunk *chunk;
+    size_t chunk_used, used;
+} dt_arena_mark;
+
+/* The profiler's state (20), one per context.  The phases and the step
+ * are the compute thread's alone; the event buffer and the totals the comm
+ * and loader threads add to are under mu. */
+typedef struct prof_event {
+    double t0, t1;             /* dt_now(), this rank's clock */
+    int64_t a, b;              /* step: index, samples; collective: bytes, ranks; PS call:
+                                  floats, staleness (-1: none); batch: samples; straggler:
+                                  rank, per-sample compute in ns */
+    uint8_t type, tid, what, alg;   /* what: phase, collective kind or PS op */
+    uint32_t pad;
+} prof_event;
+
+typedef struct prof_state {
+    pthread_mutex_t mu;
+    int measure;               /* phases and steps are measured (profiling or balancing) */
+    int record;                /* profiling: events kept, collectives timed */
+    dt_profile_config cfg;
+    prof_event *ev;
+    int64_t nev, cap, dropped;
+    /* the step under way (compute thread) */
+    int depth, open, had_backward;
+    double step_t0, mark, cur[6];
+    double cur_pipe;           /* of cur[PH_COMM_WAIT]: waiting for pipeline neighbours (22) */
+    int64_t cur_samples, step_index;
+    /* totals */
+    dt_profile_stats tot;
+    double bus_bytes;          /* collectives' bytes times their bus factor */
+    double coll_s;             /* their time (busbw = bus_bytes / coll_s) */
+    double stale_sum;
+    int64_t stale_n;
+    double batch_s;            /* the loader's time preparing batches */
+    int64_t batches;
+    int64_t batches_prefetched; /* of them, made on a loader's own thread */
+    /* since the last cross-rank check (16: balance, stragglers) */
+    double win_compute;
+    int64_t win_steps, win_samples;
+    int balancing;             /* a DDP balances the load: keep measuring (16) */
+    int straggler;             /* the latest check's, -1: none */
+    int warned_rank;           /* the straggler last warned of, -1: none */
+    /* rank 0 after dt_profile_finish */
+    char *report;
+    dt_profile_stats *ranks;
+    int nranks;
+} prof_state;
+
+struct dt_ctx {
+    dt_allocator al;
+    const dt_backend_iface *be_iface;
+    dt_backend *be;
+    dt_status init_status;
+    dt_status last_status;
+    char err[DT_MAX_ERROR];
+    char warning[DT_MAX_ERROR];    /* the latest warning (dt_last_warning) */
+    uint64_t errors;               /* set_error calls so far (was this error set just now?) */
+    dt_log_fn log_fn;
+    void *log_user;
+    int threads;
+    uint64_t seed;
+    uint64_t rng[4];               /* xoshiro256** state for init */
+    uint64_t dropout_counter;
+    int grad_enabled, training;
+    dt_precision autocast;         /* matmul, linear, conv2d inputs (6.1) */
+
+    dt_arena dev, host;            /* step memory */
+    dt_arena scratch_dev, scratch_host; /* recompute segments */
+    dt_arena *cur_dev, *cur_host;
+    int in_recompute;
+
+    dt_node *tape;                 /* newest node */
+    dt_tensor *persist;            /* persistent tensors */
+    dt_tensor *doomed;             /* freed while the tape may read them: at dt_step_reset */
+    size_t persistent_bytes;
+    dt_tensor **params;
+    int n_params, cap_params;
+    dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (a parameter */
+    int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
+    struct dt_ddp *ddp;            /* attached data parallelism (16), or NULL */
+    uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
+    prof_state prof;               /* the profiler (20) */
+};
+
+#define DT_DEFAULT_ARENA_BYTES ((size_t)8 << 20)
+#define DT_ARENA_ALIGN 64
+
+/* The parameter server (18) runs its workers' requests on the comm thread (14). */
+struct dt_work;
+struct xfers;
+struct ps_call;
+
+/* The profiler (20) hears of phases, steps, collectives and batches. */
+enum { PH_DATA, PH_FORWARD, PH_BACKWARD, PH_COMM_WAIT, PH_OPTIM, PH_IDLE, PH_COUNT };
+
+
+/* ===========================================================================
+ * Types and macros of the modules that others use
+ * ======================================================================== */
+
+/* --- src/tensor.c --- */
+
+#define SHAPE(t, buf) shape_str((t), (buf), sizeof(buf))
+/* --- src/param.c --- */
+
+/* Fill t from a host generator, one value per element in index order. */
+typedef float (*sample_fn)(uint64_t s[4], float a, float b);
+/* --- src/autograd.c --- */
+
+#define BE(ctx) ((ctx)->be_iface)
+#define BEI(ctx) ((ctx)->be)
+#define FP(t) ((float *)(t)->data)
+#define IP(t) ((int32_t *)(t)->data)
+/* --- src/ops.c --- */
+
+/* The last two dims of x as a GEMM operand: row-major (t = 0) or
+ * column-major (t = 1, a transposed view) with leading dimension ld. */
+typedef struct gemm_operand {
+    const float *p;
+    int64_t ld, batch_stride;
+    int t;
+} gemm_operand;
+/* --- src/recompute.c --- */
+
+typedef struct arena_switch {
+    dt_arena *dev, *host;
+    dt_arena_mark dev_mark, host_mark;
+} arena_switch;
+/* --- src/optim.c --- */
+
+struct dt_optim {
+    dt_ctx *ctx;
+    dt_optim_config cfg;
+    int n, per;                 /* parameters, state tensors per parameter */
+    dt_tensor **params;
+    dt_tensor **state;          /* n * per */
+    int64_t *param_steps;       /* updates each parameter received */
+    int64_t steps;
+    float base_lr, lr;
+    int has_sched;
+    dt_schedule sched;
+    int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
+                                   (momentum correction, 16.1); the step must not again */
+};
+
+/* --- 9.1 dynamic loss scaling (fp16) --------------------------------------
+ * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
+ * squares the backend already has (in double, so no finite f32 gradient
+ * can overflow it; an inf or NaN anywhere makes it non-finite). */
+
+struct dt_loss_scaler {
+    dt_ctx *ctx;
+    dt_loss_scale_config cfg;
+    float scale;
+    int good_steps;            /* in a row since the last overflow or growth */
+    int pending;               /* a scaled backward ran since the last step */
+    int unscaled, found_inf;   /* this step's gradients were divided by scale */
+    int64_t skipped;
+};
+/* --- src/ckpt.c --- */
+
+typedef struct strbuf {
+    dt_ctx *ctx;
+    char *p;
+    size_t len, cap;
+    int oom;
+} strbuf;
+
+typedef struct ckpt_item {
+    const char *name;    /* safetensors key */
+    dt_tensor *t;
+} ckpt_item;
+
+/* --- a small strict JSON reader for the safetensors header -------------- */
+
+typedef struct json {
+    const char *p, *end;
+    int depth;
+} json;
+
+typedef struct st_entry {
+    char name[DT_MAX_NAME + 16];
+    int f32;
+    int ndim;
+    int64_t shape[DT_MAX_DIMS];
+    uint64_t begin, end;
+    int used;
+} st_entry;
+
+typedef struct st_file {
+    st_entry *e;
+    int n, cap;
+    int64_t step, optim_steps;
+    int optim_kind, has_optim;
+    float optim_lr;
+    char param_steps[4096];
+} st_file;
+/* --- src/data.c --- */
+
+struct dt_dataset {
+    dt_ctx *ctx;
+    int64_t n, c, h, w;
+    uint8_t *images;     /* n * c*h*w */
+    uint8_t *labels;     /* n */
+    int classes;
+};
+
+/* --- the loader ---------------------------------------------------------- */
+
+typedef struct loader_slot {
+    dt_tensor *x, *y;          /* full-batch tensors (persistent) */
+    dt_tensor xv, yv;          /* headers for a short last batch */
+    float *hx;                 /* host staging (== x->data when host-visible) */
+    int32_t *hy;
+    int pinned;                /* hx, hy from the backend's host_alloc */
+    uint64_t ticket;           /* the backend's copy of hx, hy to x, y (0: none) */
+    int64_t batch_index;       /* which batch the slot holds, -1 if none */
+    int count;                 /* samples in it; -1: work stealing found none left */
+    int ready;
+    uint64_t gen;              /* global batches: the split it was cut with */
+    int64_t offset, global;    /* its place in its global batch */
+    int stolen;                /* it came from another shard's chunk */
+} loader_slot;
+
+/* Work stealing (dt_loader_steal): where the loader is in the chunks it
+ * claimed, through its own store connection (the loader's thread claims). */
+typedef struct loader_steal {
+    dt_store *store;
+    dt_ctx *errors;            /* the connection's error sink (not the caller's ctx) */
+    int id, chunk;             /* the job-wide loader number; batches per chunk */
+    int64_t gen;               /* start_epoch calls so far: the claims' namespace (every
+                                  worker starts the same epochs, so they agree) */
+    int shard;                 /* the shard of the chunk in hand */
+    int64_t first, left;       /* its next batch (in that shard) and batches left */
+    int64_t own_next;          /* our shard's next chunk to claim */
+    unsigned char *dry;        /* per shard: nothing left to take there */
+    int64_t done, stolen;      /* batches given out this epoch, from other shards */
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+} loader_steal;
+
+struct dt_loader {
+    dt_ctx *ctx;
+    const dt_dataset *ds;
+    dt_loader_config cfg;
+    int64_t sample_elems;
+    int64_t *order;            /* this shard's sample indices for the epoch */
+    int64_t n_local, n_batches, next;
+    float lut[256];
+    loader_slot slot[2];
+    int host_visible;
+    double wait_s;
+    int64_t cap;               /* samples a slot holds: batch, or a whole global batch */
+    /* global batches (dt_loader_set_split): the weights, under mu */
+    double *split;
+    uint64_t split_gen;
+    int64_t cur_offset, cur_count, cur_global;   /* the batch last given out */
+    loader_steal *steal;       /* NULL: no work stealing */
+    /* background thread */
+    pthread_t thread;
+    int has_thread, stop;
+    int64_t request;           /* batch the worker should fill, -1 if none */
+    int request_slot, busy;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+};
+/* --- src/store.c --- */
+#define DT_STORE_MAX_TOKEN 256
+
+enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_TIME = 5, OP_ADD = 6, OP_REPLY = 0x80 };
+
+typedef struct launcher_vars {
+    const char *name, *rank, *world, *local_rank, *local_world;
+} launcher_vars;
+
+/* --- 13.3 the server (rank 0, its own thread) ---------------------------- */
+
+typedef struct kv_entry {
+    char *key;
+    unsigned char *val;
+    uint32_t len;
+} kv_entry;
+
+typedef struct store_client {
+    int fd;
+    int hello;                 /* 1 once the token was accepted */
+    int rank;                  /* from the hello */
+    int bye;                   /* left cleanly: its close is not a death */
+    uint32_t inc;              /* its process's incarnation (0: the first; see 14.6) */
+    unsigned char *buf;        /* partial incoming frame */
+    size_t have, cap;
+    unsigned char *out;        /* replies the socket has not taken yet */
+    size_t out_off, out_len, out_cap;
+    char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
+    double wait_deadline;
+    int waiting;
+} store_client;
+
+typedef struct store_server {
+    dt_allocator al;
+    int listen_fd, port, world;
+    int stop_pipe[2];
+    char token[DT_STORE_MAX_TOKEN + 1];
+    size_t token_len;
+    kv_entry *kv;
+    int nkv, cap_kv;
+    store_client *cl;
+    int ncl, cap_cl;
+    double drain_until;        /* stopping: serve until the others leave or then */
+    pthread_t thread;
+} store_server;
+
+struct dt_store {
+    dt_ctx *ctx;
+    int fd;                    /* this rank's connection */
+    int rank, timeout_ms;
+    uint32_t inc;              /* our process's incarnation, said in the hello */
+    char token[DT_STORE_MAX_TOKEN + 1];   /* the job's, for a second connection */
+    store_server *server;      /* rank 0 only */
+    char addr[DT_MAX_HOST];
+    int port;
+    char prefix[64];           /* a process group's namespace, put before every key but
+                                  those written "/key" (the job's own: "/dead") */
+};
+/* --- src/comm.c --- */
+#define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
+
+enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_PS, COLL_P2P };
+
+/* Memory every rank on the host maps (14.4): local rank q's part starts at
+ * base + q * part.  DDP keeps its gradient buckets there, so the host's
+ * allreduce reads the other ranks' gradients where backward wrote them. */
+typedef struct shm_region {
+    char *base;
+    size_t part, total;
+    int nlocal, me;
+} shm_region;
+
+struct dt_work {
+    dt_comm *comm;
+    int kind, root;
+    dt_reduce_op op;
+    float *buf;                /* allreduce, broadcast: in place; others: output */
+    const float *in;
+    const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
+                                  part); COLL_PS: the ps_call (18) */
+    double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
+    void *owned;               /* freed with the work (a background request's memory) */
+    int64_t n;
+    uint32_t seq;
+    int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
+    int done;
+    double run_s;              /* seconds the work ran (comm thread or inline) */
+    uint64_t ticket;           /* backend copy to wait for before running (0: none) */
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+    dt_work *next;
+};
+
+/* What one COLL_PS work does: a worker's request to the parameter servers
+ * (section 18), run on its comm thread.  The headers live here, not on the
+ * comm thread's stack: a failed request may leave posts behind it. */
+enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO, PS_CPUSH };
+#define PS_MAX_SERVERS 8
+typedef struct ps_msg {
+    uint32_t magic, op, seq;
+    int32_t status;            /* responses: DT_OK or the server's refusal */
+    int64_t lo, n;             /* dense: key range; sparse: table, rows */
+    int64_t clock;             /* the worker's completed steps */
+    int32_t code;              /* a compressed push: its dt_compress */
+    uint32_t chunk;            /* the request's data and its answer travel in pieces of
+                                  this many bytes (18: "Messages") */
+    int64_t k;                 /* and its entries (TOPK) */
+    char err[160];
+} ps_msg;
+/* One message's data in pieces (18.2): piece i of `pieces` is bytes
+ * [i * chunk, ...) of buf, tagged ps_tag(type, seq, i). */
+typedef struct ps_stream {
+    int peer, sending, type;
+    uint32_t seq, next, pieces;   /* next: the first piece not yet posted */
+    char *buf;
+    size_t bytes;
+} ps_stream;
+typedef struct ps_call {
+    struct dt_ps *ps;
+    int op;
+    int64_t lo, n;             /* dense: keys; sparse: table, ids asked for */
+    float *buf;                /* push: the floats of [lo, lo+n); pull: where they go */
+    int64_t clock;             /* the worker's completed steps when the call was made */
+    int64_t stale;             /* a pull: the most stale server's answer */
+    /* sparse: each server's distinct rows (its local row numbers), as sent */
+    int64_t cnt[PS_MAX_SERVERS];
+    void *msg[PS_MAX_SERVERS];     /* push: ids then rows; pull: ids */
+    float *rows[PS_MAX_SERVERS];   /* pull: the answers */
+    int64_t *where;            /* pull: asked id i is row where[i] / 8 of server where[i] % 8 */
+    ps_msg out[2 * PS_MAX_SERVERS], in[PS_MAX_SERVERS];   /* in: by server */
+    unsigned char asked[PS_MAX_SERVERS];   /* an answer is expected from this server */
+    /* restarted servers (18.6): a round goes to `only` those; what was sent */
+    unsigned char only[PS_MAX_SERVERS];
+    int use_only;
+    int64_t posted[PS_MAX_SERVERS];        /* push: floats sent to each server */
+    ps_msg hello[PS_MAX_SERVERS];
+    /* a compressed push: each shard's code in msg[], its entries in cnt[] */
+    int code;
+    size_t bytes[PS_MAX_SERVERS];
+    ps_stream streams[3 * PS_MAX_SERVERS];   /* this round's data, posted as room allows */
+    int nstreams;
+} ps_call;
+
+typedef struct seg_head seg_head;
+typedef struct seg_rank seg_rank;
+
+struct dt_comm {
+    dt_ctx *ctx;
+    int rank, world;
+    int timeout_ms;
+    const dt_transport_iface *tp_iface;
+    dt_transport *tp;
+    dt_store *store;
+    char provider[64];
+    uint32_t next_seq;         /* caller's side: collectives issued */
+    size_t max_msg;
+    size_t doubling_max;       /* allreduce: recursive doubling up to here */
+    float *scratch;            /* comm thread: reduction buffer */
+    size_t scratch_floats;
+    dt_store *watch;           /* comm thread's own store connection: who died */
+    dt_ctx *watch_errors;      /* its error sink, so the comm thread never writes ctx */
+    double last_watch;
+    int broken;                /* comm thread: a failure poisons the communicator */
+    int waiting_on;            /* the rank a stalled collective waits for, -1: none */
+    char broken_msg[DT_MAX_ERROR];
+    pthread_t thread;
+    int has_thread, stop;
+    int running;               /* a thread is inside run_work (it owns the transport) */
+    uint64_t stage_ticket;     /* the next work enqueued first waits for this backend copy
+                                  (DDP on a device: its bucket's device-to-host copy) */
+    int inline_small;          /* blocking calls run on the caller when the queue is empty */
+    double inline_spin_s;      /* their segment waits' spin (see SEG_SPIN_INLINE_S) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    dt_work *head, *tail;
+    /* hosts (14.6) and the host segment (14.4) */
+    int nhosts, nlocal, local_index;
+    int *local_ranks;          /* global ranks on this host, ascending */
+    int *leaders;              /* lowest rank of each host, ascending */
+    int leader_index;          /* our index in leaders; -1: not a leader */
+    int use_segment;           /* every rank agreed: collectives go through segments */
+    seg_head *seg;             /* NULL: this host has one rank, or no segment */
+    seg_rank *seg_ranks;
+    char *seg_data;
+    size_t seg_bytes, seg_slot;
+    uint32_t seg_phase, seg_chunk;
+    char seg_name[64], seg_why[200];
+    int seg_linked;            /* we created it and its name still exists */
+    int regions_made;          /* shared regions set up so far (their store keys) */
+    int ps_made;               /* parameter-server jobs joined so far (their store keys) */
+    int steals_made;           /* work-stealing loaders made so far (their store keys) */
+    uint32_t inc;              /* 0, or this rank's n-th restarted process (14.6: rejoined,
+                                  only the parameter server's requests work) */
+    int announced;             /* a restarted process told its peers it serves */
+    uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
+    uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
+    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (20) */
+    double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
+    struct xfers *graveyard;   /* comm thread: records holding orphaned sends (14.2) */
+    /* process groups (14.7) */
+    dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
+    int *members;              /* a group's: the job rank of each group rank; NULL: the job */
+    char label[96];            /* a group's: "group [1 3]: ", before its errors */
+    int splits_made;           /* dt_comm_split calls so far (their store keys) */
+    uint32_t *p2p_sent, *p2p_recvd;   /* point-to-point messages to / from each rank so far
+                                  (caller's side; the k-th send meets the k-th receive) */
+};
+
+typedef struct coll_header {
+    uint32_t magic, kind, seq, root, op, pad;
+    int64_t n;
+} coll_header;
+
+/* The ranks a transport algorithm runs over: the whole world, or one
+ * leader per host in a hierarchical allreduce.  Algorithms work in group
+ * indices and post to rank[index] (NULL: index is the rank). */
+typedef struct grp {
+    int me, size;
+    const int *rank;
+} grp;
+
+typedef struct xfers {
+    grp g;
+    double patience;           /* scales timeout_ms for waits; 0 means 1 */
+    dt_xfer x[DT_COMM_MAX_XFERS];
+    int n;
+    coll_header hdr_out, hdr_in;
+    dt_xfer hdr_send, hdr_recv;
+    int hdr_checked, has_hdr;
+    const unsigned char *gone; /* parameter server: ranks gone_base + i with gone[i] died; */
+    int gone_base, gone_n;     /* their transfers are not waited for, then cancelled */
+    /* a transfer with rank `peer` failed: 1 if the work goes on without it
+     * (the peer is gone now), else 0 and the work fails */
+    int (*write_off)(dt_comm *c, void *arg, int peer);
+    void *write_off_arg;
+    unsigned char cancelled[DT_COMM_MAX_XFERS];
+    int orphans;               /* sends to a dead peer the transport would not let go of:
+                                  this record must outlive them (kept in c->graveyard) */
+    struct xfers *next_dead;
+} xfers;
+
+/* A stalled collective asks rank 0's store every DT_COMM_WATCH_S whether a
+ * rank died, so a killed process is named in about a second instead of
+ * after the timeout (and by every survivor, not just its neighbours). */
+#define DT_COMM_WATCH_S 0.5
+
+struct seg_rank {
+    _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
+    _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
+    _Atomic uint32_t call_phase;            /* first phase of the call described below */
+    _Atomic uint32_t progress;              /* a leader's transfers completing between hosts */
+    _Atomic uint32_t kind, seq, root, op;
+    _Atomic int64_t n;
+};
+
+struct seg_head {
+    uint32_t magic, nlocal;
+    uint64_t slot_bytes, total_bytes;
+    _Atomic uint32_t aborted;
+    char why[DT_MAX_ERROR + 4];             /* status digit, '|', message */
+};
+
+/* --- 14.4b point to point ------------------------------------------------- */
+
+/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
+ * (either may be absent), posted together so an exchange cannot deadlock.
+ * Tags: the check bits say "point to point" (no collective has them), the
+ * sequence is the pair's message count, so the k-th send from a rank meets
+ * the k-th receive posted for it; large messages go in max_msg chunks. */
+typedef struct p2p_call {
+    const float *send;
+    int64_t ns;
+    int dst;
+    float *recv;
+    int64_t nr;
+    int src;
+    uint32_t sseq, rseq;
+} p2p_call;
+/* --- src/launch.c --- */
+#define DT_SPAWN_LINE 4096
+
+typedef struct spawn_stream {
+    int fd;                    /* read end, -1 once closed */
+    int out;                   /* 1 or 2 */
+    char buf[DT_SPAWN_LINE];
+    size_t have;
+} spawn_stream;
+
+typedef struct spawn_rank {
+    pid_t pid;
+    int exited, status;
+    spawn_stream s[2];
+} spawn_rank;
+/* --- src/ddp.c --- */
+
+typedef struct ddp_bucket {
+    int64_t offset;            /* its first gradient float in a set */
+    int64_t numel;             /* gradient floats */
+    int count;                 /* flags that follow them: every parameter's in the
+                                  last bucket, none elsewhere */
+    int64_t pending;           /* gradient floats not yet final in this backward */
+    dt_work *work;             /* its allreduce (or gather), in flight */
+    /* compression (16.1): this rank's encoded bucket, everyone's, and what
+     * error feedback carries to the next step */
+    int64_t topk;              /* TOPK: entries sent */
+    int npieces;               /* TOPK: the parameters' parts in this bucket, each */
+    int64_t *pieces;           /*   (start, end, k): k chosen per parameter, as DGC does,
+                                    so small-gradient layers are not starved */
+    size_t code_bytes;         /* encoded gradients, before the flags */
+    int64_t payload_floats;    /* encoded gradients + flags, in floats */
+    float *payload, *gathered, *residual;
+    float *velocity;           /* TOPK with SGD momentum: the momentum, kept locally */
+    ps_call pcall;             /* with a parameter server: its push (alive while in flight) */
+} ddp_bucket;
+
+struct dt_ddp {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_optim *opt;
+    dt_ddp_config cfg;
+    dt_allocator al;           /* the context's, kept for dt_ddp_free after a detach */
+    const dt_backend_iface *be_iface;
+    dt_backend *be;
+    int nparams;
+    dt_tensor **params;        /* registration order (a copy of the context's list) */
+    int *order;                /* bucket order: reverse registration */
+    int64_t *offset;           /* param -> float offset of its gradient in a set */
+    int *uses;                 /* param -> uses left on the tape */
+    int64_t *done;             /* param -> floats of its gradient final (a prefix) */
+    void **own_grad;           /* param -> the grad buffer it had before */
+    float *set[2];             /* host memory the collectives use */
+    float *dset[2];            /* staged (a device backend): the gradients, on the device;
+                                  each bucket is copied to set[] to travel and back after */
+    int staged, pinned;        /* pinned: set[] from the backend's host_alloc */
+    uint64_t last_ticket;      /* staged: the latest copy; waited for before freeing */
+    shm_region shared;         /* base set: the sets live in memory the host's ranks
+                                  share (uncompressed, one host), else backend memory */
+    int64_t set_floats;        /* gradients, then one flag per parameter */
+    int64_t grad_floats;       /* gradients: where the flags start */
+    int64_t bucket_floats;     /* the cap: buckets cut every this many floats */
+    int cur;                   /* set the gradients point at */
+    ddp_bucket *buckets;
+    int nbuckets, next_launch, ready_upto;
+    int recompute_left;        /* recompute nodes not yet walked */
+    int sync;                  /* 0: no_sync */
+    int overlap;               /* cfg.overlap resolved (ddp_resolve_overlap) */
+    int hooks;                 /* this backward launches buckets */
+    int pending_sync;          /* buckets launched or owed; dt_ddp_sync finishes them */
+    dt_status launch_status;
+    char launch_msg[DT_MAX_ERROR];
+    double t_backward;
+    uint64_t sent_at_launch;
+    uint64_t zero_gen;         /* ctx->zero_gen when this step's buckets started */
+    float *scratch;            /* TOPK selection, numel of the largest bucket */
+    unsigned char *picked;     /* TOPK: which entries were sent, same size */
+    float momentum;            /* > 0: momentum correction (16.1) */
+    int64_t topk_steps;        /* TOPK: steps sent so far (the warm-up's clock) */
+    dt_ddp_stats st;
+    /* the ranks' checks (20) and load balancing (16.5) */
+    int check_every;           /* profiling: steps between straggler checks; 0: none */
+    dt_loader *bal_ld;         /* balancing: the loader whose global batches it cuts */
+    int bal_every;
+    double *bal_w;             /* the split in force, one weight a rank */
+};
+
+/* Run forward over this rank's part; per batch, visit(logits, labels,
+ * first local index).  Grad and training are off meanwhile. */
+typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first,
+                                void *acc);
+
+typedef struct eval_sums {
+    double samples, correct, loss;
+} eval_sums;
+
+typedef struct predict_acc {
+    float *local;              /* this rank's predictions, in its sample order */
+} predict_acc;
+/* --- src/replicas.c --- */
+
+struct dt_dp {
+    dt_ctx *ctx;               /* the caller's: errors */
+    int K;
+    dt_ctx **rc;               /* replica contexts */
+    void **model;
+    dt_optim **opt;
+    dt_dp_loss_fn loss;
+    dt_dp_free_fn free_model;
+    void *user;
+    pthread_t *thread;
+    struct dp_arg { struct dt_dp *dp; int k; } *args;   /* each worker's */
+    int threads_started, stop;
+    pthread_barrier_t bar;
+    int has_bar;
+    pthread_mutex_t mu;        /* start-up: workers wait for go (1) or abort (-1) */
+    pthread_cond_t cv;
+    int go, has_mu;
+    /* the step's inputs, staged on the host */
+    float *xh;
+    int32_t *yh;
+    size_t x_cap;
+    int64_t B, feat, xshape[DT_MAX_DIMS];
+    int xndim;
+    /* the flat gradient: parameter p at poff[p], G floats in all */
+    int np;
+    int64_t *poff, G;
+    float *avg;
+    unsigned char *used;
+    float *losses;
+    dt_status *status;
+    char (*msg)[DT_MAX_ERROR];
+};
+/* --- src/ps.c --- */
+enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
+#define PS_WINDOW 16              /* a server's pieces in flight per message */
+
+/* A server's view of one worker. */
+typedef struct ps_peer {
+    uint32_t seq;              /* its next request */
+    int state;                 /* 0 live, 1 finished, 2 dropped (died) */
+    int64_t clock;             /* steps completed here (-1: a rejoined server awaits its hello) */
+    int64_t base;              /* rejoined server: its steps when it said hello */
+    int64_t got;               /* floats of its current step received */
+    float *push;               /* its current step: G_s gradients then P flags */
+    ps_msg hdr;                /* the request being received */
+    dt_xfer hdr_x;
+    int64_t data_lo, data_n;   /* its data is being received, in pieces: */
+    char *data_buf;
+    size_t data_bytes;         /* what they must bring in all */
+    uint32_t data_pieces, data_next, data_got;   /* pieces: all, posted, arrived */
+    dt_xfer data_x[PS_WINDOW];
+    uint32_t data_piece[PS_WINDOW];   /* the piece each receive was posted for */
+    unsigned char data_busy[PS_WINDOW];
+    int op;
+    void *sdata;               /* a sparse request's ids (and rows) being received */
+    int parked;                /* BSP: its step is in but not applied; its next request
+                                  is not read until it is (a worker runs at most one step
+                                  ahead of the slowest, its push buffer holds one step) */
+    struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
+} ps_peer;
+
+/* A sparse push kept until its step is applied (BSP). */
+typedef struct ps_sparse_msg {
+    int table;
+    int64_t k, clock;
+    void *data;                /* k local row numbers (int64), then k * dim floats */
+    struct ps_sparse_msg *next;
+} ps_sparse_msg;
+
+/* A sparse table.  On a server: its rows r = i * S + server, i < count. */
+typedef struct ps_tab {
+    char *name;
+    int64_t rows, dim;
+    float scale;
+    uint64_t seed;
+    int64_t count;
+    dt_tensor *w, *state[2];   /* count x dim each; state: the optimizer's, as its kind has */
+    int64_t steps;             /* updates applied (Adam's bias correction) */
+    dt_tensor *steps_t;        /* steps in a checkpoint: two floats, steps >> 24 and its low
+                                  24 bits (each exact in a float) */
+    float *acc;                /* count x dim: gradient rows being summed */
+    int64_t *slot;             /* row -> its place in touched, or -1 */
+    int64_t *touched, ntouched;
+} ps_tab;
+
+/* A response in flight (server side): its header, then its data in
+ * pieces, PS_WINDOW at a time; freed when every send posted completed and
+ * nothing is left to post. */
+typedef struct ps_reply {
+    ps_msg hdr;
+    dt_xfer hdr_x;
+    float *data;
+    int worker;
+    size_t bytes, chunk;       /* bytes 0 with pieces: an error's empty pieces */
+    uint32_t pieces, posted, stopped;   /* stopped: no more pieces go out */
+    dt_xfer data_x[PS_WINDOW];
+    unsigned char busy[PS_WINDOW];
+    struct ps_reply *next;
+} ps_reply;
+
+/* A pull waiting for the slow workers (server side). */
+typedef struct ps_wait {
+    int worker;
+    ps_msg req;
+    int64_t *ids;              /* a sparse pull's rows (owned) */
+    struct ps_wait *next;
+} ps_wait;
+
+struct dt_ps {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_ps_config cfg;
+    int W, S, server;          /* server: this rank's server index, -1 on workers */
+    int L, shard;              /* key shards (S, or S / 2 replicated); a server's shard */
+    unsigned char *gone;       /* worker, per server: 1 dead and written off (its twin
+                                  serves), 2 dead and awaited (18.6) */
+    uint32_t *inc;             /* worker, per server: its process's incarnation */
+    double *down_since;        /* worker, per server: when it was found dead */
+    int64_t *sent, *sent_clock; /* worker, per server: floats of step sent_clock it has
+                                  (18.6: a restarted server counts them as come) */
+    int job;                   /* which PS job of the communicator (store keys) */
+    int finished;              /* worker: dt_ps_finish done */
+    int nparams;
+    int64_t G, P;              /* gradient floats, flags */
+    int64_t *numel, *offset;   /* parameter (registration index) -> size, flat offset */
+    int64_t *range;            /* S + 1 gradient-key boundaries */
+    char *layout;              /* a header line, "name numel\n" per parameter in
+                                  registration order, then a line per table */
+    int ntables;
+    ps_tab *tabs;
+    /* worker */
+    size_t chunk;              /* our messages' pieces, and the answers' (18.2) */
+    uint32_t *seq;             /* per server: our next request */
+    int64_t clock;             /* steps pushed */
+    float *stage;              /* G + P floats: packing pushes, receiving pulls */
+    float *stage2;             /* prefetch: G floats the next step's parameters arrive in */
+    dt_work *prefetch;         /* that pull, in flight */
+    ps_call prefetch_call;
+    /* server */
+    dt_ctx *sctx;              /* owns the pieces and their optimizer */
+    dt_optim *opt;
+    int npieces;
+    dt_tensor **piece;         /* in key order */
+    int64_t *piece_lo;         /* flat offset of its first float */
+    int *piece_param;          /* which parameter (registration index) */
+    ps_peer *peers;            /* W */
+    float *sum;                /* G_s gradient floats being applied */
+    int64_t applied;           /* BSP: steps applied */
+    int initialized;
+    int64_t init_got;
+    ps_reply *replies;
+    ps_wait *waits;
+    double stale_sum;
+    int64_t stale_n;
+    char *ckpt_path;           /* server: its checkpoint file, or NULL */
+    int resumed;               /* server: started from it (worker 0's init is not used) */
+    int syncing;               /* server, rejoined: not every live worker has said hello */
+    dt_ps_stats st;
+};
+
+/* Sparse requests.  The asked ids are sorted (by id, then position) so
+ * each distinct row moves once and repeated rows' gradients are summed in
+ * the caller's order: the same request gives the same bits. */
+typedef struct ps_idpos {
+    int64_t id, pos;
+} ps_idpos;
+/* --- src/hogwild.c --- */
+
+typedef struct hw_thread {
+    struct hogwild *hw;
+    int k;
+    dt_ctx *ctx;
+    void *model;
+    pthread_t tid;
+    int started;
+    double loss_sum;
+    int64_t steps, rows, dense;
+} hw_thread;
+
+typedef struct hogwild {
+    dt_ctx *ctx;
+    dt_hogwild_config cfg;
+    dt_hogwild_loss_fn loss;
+    void *user;
+    hw_thread *t;
+    int stop;                  /* atomic: a thread failed */
+    pthread_mutex_t mu;
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+} hogwild;
+/* --- src/profile.c --- */
+
+enum { TID_COMPUTE = 1, TID_COMM = 2, TID_LOADER = 3 };
+enum { EV_PHASE = 1, EV_STEP, EV_COLL, EV_PS, EV_BATCH, EV_STRAGGLER };
+
+/* --- 20.3 the end of the job: gather, trace, report ------------------------- */
+
+typedef struct prof_blob_head {
+    uint64_t magic;
+    int64_t nev;
+    double offset;             /* add to this rank's clock to get rank 0's */
+    double batch_s;            /* the loader's time preparing batches */
+    int64_t batches, batches_prefetched;
+    dt_profile_stats st;
+} prof_blob_head;
+/* --- src/parallel.c --- */
+
+typedef struct pipe_slot {
+    dt_arena dev, host;
+    int busy;                  /* holds a micro-batch whose backward has not run */
+} pipe_slot;
+
+typedef struct pipe_mb {
+    int64_t off, rows;         /* its rows of the batch */
+    dt_tensor *in;             /* stage > 0: the received activation (a leaf) */
+    dt_tensor *out;            /* the stage's output, or the loss on the last stage */
+    dt_node *tape;             /* its forward's tape, until its backward */
+} pipe_mb;
+
+struct dt_pipe {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_pipe_config cfg;
+    dt_stage_fn fn;
+    void *user;
+    int stage, stages;
+    pipe_slot *slots;
+    int nslots;
+    pipe_mb *mb;
+    int failed;                /* a step failed: the neighbours were told, no more steps */
+    /* the step under way */
+    int64_t batch;
+    int in_ndim, out_ndim;     /* the input's (stage > 0) and output's (not last) shapes, */
+    int64_t in_shape[DT_MAX_DIMS], out_shape[DT_MAX_DIMS];   /* dim 0: micro-batch 0's rows */
+    int header_sent, header_recvd;
+    float *sbuf, *rbuf;        /* host staging of what is sent and received */
+    int64_t sbuf_n, rbuf_n;
+    double loss, wait_s, compute_s;
+    uint64_t bytes;
+    dt_pipe_stats st;
+};
+
+/* --- 22.3 a micro-batch's forward and backward --------------------------------- */
+
+typedef struct pipe_arenas {
+    dt_arena *dev, *host;
+    dt_node *tape;
+} pipe_arenas;
+
+/* ===========================================================================
+ * What each module offers the others
+ * ======================================================================== */
+
+/* src/context.c */
+DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* A warning: kept for dt_last_warning, and told as dt_set_log says. */
+DT_PRIVATE void warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
+DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
+DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n);
+DT_PRIVATE char *host_strdup(dt_ctx *ctx, const char *s);
+DT_PRIVATE const dt_backend_iface *find_backend(const char *name);
+DT_PRIVATE void arena_init(dt_arena *a, int on_device, size_t min_chunk);
+DT_PRIVATE int ctx_ok(dt_ctx *ctx);
+
+/* src/arena.c */
+DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
+DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n);
+DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a);
+DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
+DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
+
+/* src/tensor.c */
+DT_PRIVATE int64_t shape_numel(int ndim, const int64_t *shape);
+DT_PRIVATE void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride);
+DT_PRIVATE const char *shape_str(const dt_tensor *t, char *buf, size_t len);
+DT_PRIVATE dt_status check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape);
+DT_PRIVATE void header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
+DT_PRIVATE size_t tensor_bytes(const dt_tensor *t);
+DT_PRIVATE dt_tensor *step_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
+DT_PRIVATE dt_tensor *view_header(dt_ctx *ctx, const dt_tensor *x);
+DT_PRIVATE dt_tensor *persistent_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
+DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
+DT_PRIVATE dt_status attach_persistent_grad(dt_ctx *ctx, dt_tensor *t);
+DT_PRIVATE void free_doomed(dt_ctx *ctx);
+DT_PRIVATE void materialize(dt_tensor *t);
+DT_PRIVATE dt_status check_tensor(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
+
+/* src/param.c */
+DT_PRIVATE uint64_t splitmix64(uint64_t *s);
+DT_PRIVATE uint64_t xoshiro_next(uint64_t s[4]);
+DT_PRIVATE void xoshiro_seed(uint64_t s[4], uint64_t seed);
+
+/* src/autograd.c */
+DT_PRIVATE int be_stages(const dt_backend_iface *b);
+DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes);
+DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes);
+DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
+DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t);
+DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+                       dt_tensor *a, dt_tensor *b, dt_tensor *c);
+DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
+DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
+DT_PRIVATE int needs_grad(const dt_tensor *t);
+DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_ddp *ddp);
+DT_PRIVATE dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed);
+DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed);
+
+/* src/ops.c */
+DT_PRIVATE int input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what);
+DT_PRIVATE int f32_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what);
+DT_PRIVATE dt_tensor *like(dt_ctx *ctx, const dt_tensor *x);
+DT_PRIVATE float *temp_floats(dt_ctx *ctx, int64_t n);
+DT_PRIVATE dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha);
+DT_PRIVATE dt_tensor *need_contig(dt_ctx *ctx, dt_tensor *x);
+DT_PRIVATE dt_status concat_backward(dt_ctx *ctx, dt_node *n);
+
+/* src/optim.c */
+DT_PRIVATE dt_tensor *owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                               const char *suffix);
+
+/* src/ckpt.c */
+DT_PRIVATE void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* src/data.c */
+DT_PRIVATE void loader_quiesce(dt_loader *ld);
+
+/* src/store.c */
+DT_PRIVATE void dead_key(char *key, size_t cap, int rank, uint32_t inc);
+DT_PRIVATE int ms_left(double deadline);
+DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
+                            int serve, uint32_t inc);
+DT_PRIVATE void store_close(dt_store *s, int drain_ms);
+DT_PRIVATE dt_status store_clock_offset(dt_store *s, int rounds, double *offset, double *rtt);
+
+/* src/comm.c */
+DT_PRIVATE const char *comm_coll_name(int kind);
+/* --- 14.2 transfers with a deadline -------------------------------------- */
+
+DT_PRIVATE dt_status work_fail(dt_work *w, dt_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+DT_PRIVATE dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
+                      void *buf, size_t bytes);
+DT_PRIVATE dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
+DT_PRIVATE float *seg_slot(dt_comm *c, int q, uint32_t chunk);
+DT_PRIVATE dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
+                           dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
+                        dt_reduce_op op);
+DT_PRIVATE dt_status work_finish(dt_work *w, double *run_s);
+DT_PRIVATE dt_status run_collective_wait(dt_comm *c, int kind, float *buf, const float *in,
+                                     int64_t n, int root, dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_status run_collective_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                   int root, dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_status p2p_run(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
+                         int64_t nr, int src);
+DT_PRIVATE dt_status announce_rejoin(dt_comm *c);
+DT_PRIVATE dt_status comm_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len);
+DT_PRIVATE dt_status shared_region_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok);
+/* A shared region (see shm_region): every local rank gets a part of
+ * part_bytes, every rank maps all parts.  Collective over the communicator
+ * when all its ranks share this host's segment; elsewhere, or if any rank
+ * cannot map it or sets DTRAIN_SHARED_BUCKETS=0, *ok is 0 on every rank and
+ * nothing is mapped (not an error: callers use private memory).  The name
+ * is unlinked once every rank has it open, so nothing outlives the job.
+ * Free with shared_region_free. */
+DT_PRIVATE void shared_region_free(shm_region *r);
+
+/* src/ddp.c */
+DT_PRIVATE uint16_t f32_to_bf16(float f);
+DT_PRIVATE float bf16_to_f32(uint16_t h);
+DT_PRIVATE uint16_t f32_to_f16(float f);
+DT_PRIVATE float f16_to_f32(uint16_t h);
+DT_PRIVATE size_t ddp_code_bytes(dt_compress kind, int64_t numel, int64_t topk);
+DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
+                        int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
+                        float *sent);
+DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
+DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
+DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
+   /* section 6 */
+
+/* Data parallelism (16) hooks into backward (6) and the context's end. */
+DT_PRIVATE dt_status ddp_backward_begin(struct dt_ddp *d);
+DT_PRIVATE void ddp_node_done(struct dt_ddp *d, const dt_node *n);
+DT_PRIVATE dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
+DT_PRIVATE dt_status ddp_for_scaler(struct dt_ddp *d, int finish);
+DT_PRIVATE void ddp_forget_optim(struct dt_ddp *d, const dt_optim *opt);
+DT_PRIVATE void ddp_detach(struct dt_ddp *d);
+
+/* src/ps.c */
+DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,
+                             float *residual, float *scratch, char *out);
+DT_PRIVATE dt_status ps_run(dt_comm *c, struct dt_work *w, struct xfers **xsp);
+DT_PRIVATE dt_status ps_check_servers(dt_comm *c, struct dt_work *w);
+DT_PRIVATE dt_status ps_step_pull(dt_ps *ps);
+DT_PRIVATE int64_t ps_clock(const dt_ps *ps);
+DT_PRIVATE void ps_pushed(dt_ps *ps, int requests);
+DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
+
+/* src/profile.c */
+DT_PRIVATE int prof_recording(const dt_ctx *ctx);
+DT_PRIVATE void prof_init(dt_ctx *ctx);
+DT_PRIVATE void prof_release(dt_ctx *ctx);
+DT_PRIVATE double prof_begin(dt_ctx *ctx);
+DT_PRIVATE void prof_end(dt_ctx *ctx, int phase, double t0);
+DT_PRIVATE void prof_samples(dt_ctx *ctx, int64_t n);
+DT_PRIVATE void prof_step_end(dt_ctx *ctx);
+DT_PRIVATE void prof_coll(dt_comm *c, const struct dt_work *w, double t0, double t1);
+DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
+DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
+
+/* src/steal.c */
+DT_PRIVATE void steal_start_epoch(dt_loader *ld, int64_t epoch);
+DT_PRIVATE int64_t steal_next(dt_loader *ld, int *shard, int *stolen);
+
+#endif /* DTRAIN_INTERNAL_H */

@@ -1,0 +1,1522 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 7. Ops
+ *
+ * Each op validates its inputs (naming itself in the message), computes the
+ * output through the backend, and records a node whose backward sits right
+ * below it.  Shapes are in the comment at each op.
+ * ======================================================================== */
+
+/* Reports a NULL input unless an earlier op already failed (then its message
+ * is the useful one). */
+DT_PRIVATE int input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
+{
+    if (!ctx_ok(ctx))
+        return 0;
+    if (!x) {
+        if (ctx->last_status == DT_OK)
+            set_error(ctx, DT_EINVAL, "%s: %s is NULL", op, what);
+        return 0;
+    }
+    if (x->ctx != ctx) {
+        set_error(ctx, DT_EINVAL, "%s: %s belongs to another context", op, what);
+        return 0;
+    }
+    return 1;
+}
+
+DT_PRIVATE int f32_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
+{
+    if (!input_ok(ctx, op, x, what))
+        return 0;
+    if (x->dtype != DT_F32) {
+        set_error(ctx, x->dtype == DT_BF16 || x->dtype == DT_F16 ? DT_ENOTSUP : DT_EINVAL,
+                  "%s: %s is %s, this op computes in f32", op, what, dt_dtype_name(x->dtype));
+        return 0;
+    }
+    return 1;
+}
+
+static int norm_dim(dt_ctx *ctx, const char *op, const dt_tensor *x, int *dim)
+{
+    int d = *dim < 0 ? *dim + x->ndim : *dim;
+    if (d < 0 || d >= x->ndim) {
+        set_error(ctx, DT_EINVAL, "%s: dim %d out of range for %d dimensions", op, *dim, x->ndim);
+        return 0;
+    }
+    *dim = d;
+    return 1;
+}
+
+DT_PRIVATE dt_tensor *like(dt_ctx *ctx, const dt_tensor *x)
+{
+    return step_tensor(ctx, x->dtype, x->ndim, x->shape);
+}
+
+DT_PRIVATE float *temp_floats(dt_ctx *ctx, int64_t n)
+{
+    float *p = arena_alloc(ctx, ctx->cur_dev, (size_t)n * sizeof(float));
+    if (!p)
+        set_error(ctx, DT_ENOMEM, "out of device memory for a %lld-float temporary", (long long)n);
+    return p;
+}
+
+/* gx (+)= src, both contiguous over x's shape. */
+DT_PRIVATE dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha)
+{
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), alpha, src, acc ? 1.0f : 0.0f, gx);
+    return DT_OK;
+}
+
+/* --- 7.1 views: reshape, transpose, slice, contiguous, concat ----------- */
+
+static dt_status contiguous_backward(dt_ctx *ctx, dt_node *n)
+{
+    return acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
+}
+
+/* x any strides -> y contiguous copy */
+dt_tensor *dt_contiguous(dt_ctx *ctx, dt_tensor *x)
+{
+    if (!input_ok(ctx, "contiguous", x, "input"))
+        return NULL;
+    if (dt_tensor_is_contiguous(x))
+        return x;
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    materialize(x);
+    BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, dt_dtype_size(x->dtype), y->data, y->stride,
+                          x->data, x->stride, 0);
+    if (tracks(ctx, x) && !record(ctx, "contiguous", contiguous_backward, y, x, NULL, NULL))
+        return NULL;
+    return y;
+}
+
+DT_PRIVATE dt_tensor *need_contig(dt_ctx *ctx, dt_tensor *x)
+{
+    return dt_tensor_is_contiguous(x) ? x : dt_contiguous(ctx, x);
+}
+
+static dt_status reshape_backward(dt_ctx *ctx, dt_node *n)
+{
+    return acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
+}
+
+/* x (any) -> y (shape) sharing data; copies first if x is not contiguous */
+dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape)
+{
+    if (!input_ok(ctx, "reshape", x, "input"))
+        return NULL;
+    if (ndim < 0 || ndim > DT_MAX_DIMS || (ndim > 0 && !shape)) {
+        set_error(ctx, DT_EINVAL, "reshape: bad target (%d dimensions)", ndim);
+        return NULL;
+    }
+    int64_t want[DT_MAX_DIMS], known = 1, n = shape_numel(x->ndim, x->shape);
+    int infer = -1;
+    for (int i = 0; i < ndim; i++) {
+        want[i] = shape[i];
+        if (shape[i] == -1 && infer < 0) {
+            infer = i;
+            continue;
+        }
+        if (shape[i] < 0) {
+            set_error(ctx, DT_EINVAL, "reshape: dimension %d is %lld", i, (long long)shape[i]);
+            return NULL;
+        }
+        known *= shape[i];
+    }
+    if (infer >= 0) {
+        if (known == 0 || n % known != 0) {
+            set_error(ctx, DT_EINVAL, "reshape: cannot infer dimension %d for %lld elements",
+                      infer, (long long)n);
+            return NULL;
+        }
+        want[infer] = n / known;
+        known *= want[infer];
+    }
+    if (known != n) {
+        char sb[96];
+        set_error(ctx, DT_EINVAL, "reshape: %s has %lld elements, target has %lld", SHAPE(x, sb),
+                  (long long)n, (long long)known);
+        return NULL;
+    }
+    dt_tensor *c = need_contig(ctx, x);
+    if (!c)
+        return NULL;
+    dt_tensor *y = view_header(ctx, c);
+    if (!y)
+        return NULL;
+    y->ndim = ndim;
+    memcpy(y->shape, want, sizeof(int64_t) * (size_t)ndim);
+    contiguous_strides(ndim, y->shape, y->stride);
+    if (tracks(ctx, c) && !record(ctx, "reshape", reshape_backward, y, c, NULL, NULL))
+        return NULL;
+    return y;
+}
+
+/* x (d0..d{k-1}, dk.., ) -> (d0..d{k-1}, prod(dk..)) */
+dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim)
+{
+    if (!input_ok(ctx, "flatten", x, "input"))
+        return NULL;
+    if (x->ndim == 0)
+        return dt_reshape(ctx, x, 1, (int64_t[]){1});
+    if (!norm_dim(ctx, "flatten", x, &start_dim))
+        return NULL;
+    int64_t shape[DT_MAX_DIMS];
+    for (int i = 0; i < start_dim; i++)
+        shape[i] = x->shape[i];
+    shape[start_dim] = shape_numel(x->ndim - start_dim, x->shape + start_dim);
+    return dt_reshape(ctx, x, start_dim + 1, shape);
+}
+
+static dt_status transpose_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *y = n->out;
+    int d0 = (int)n->iarg[0], d1 = (int)n->iarg[1];
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    int64_t gs[DT_MAX_DIMS], xs[DT_MAX_DIMS];
+    contiguous_strides(y->ndim, y->shape, gs);   /* gy is contiguous in y's shape */
+    int64_t t = gs[d0];
+    gs[d0] = gs[d1];
+    gs[d1] = t;                                   /* ... read in x's index order */
+    contiguous_strides(x->ndim, x->shape, xs);
+    BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, 4, gx, xs, FP(y->grad), gs, acc);
+    return DT_OK;
+}
+
+/* x (.., a, .., b, ..) -> view (.., b, .., a, ..) */
+dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
+{
+    if (!input_ok(ctx, "transpose", x, "input"))
+        return NULL;
+    if (!norm_dim(ctx, "transpose", x, &d0) || !norm_dim(ctx, "transpose", x, &d1))
+        return NULL;
+    dt_tensor *y = view_header(ctx, x);
+    if (!y)
+        return NULL;
+    int64_t t = y->shape[d0];
+    y->shape[d0] = y->shape[d1];
+    y->shape[d1] = t;
+    t = y->stride[d0];
+    y->stride[d0] = y->stride[d1];
+    y->stride[d1] = t;
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "transpose", transpose_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = d0;
+        n->iarg[1] = d1;
+    }
+    return y;
+}
+
+static dt_status slice_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *y = n->out;
+    int dim = (int)n->iarg[0];
+    float *gx = grad_target_zeroed(ctx, x);
+    if (!gx)
+        return ctx->last_status;
+    int64_t xs[DT_MAX_DIMS], ys[DT_MAX_DIMS];
+    contiguous_strides(x->ndim, x->shape, xs);
+    contiguous_strides(y->ndim, y->shape, ys);
+    BE(ctx)->copy_strided(BEI(ctx), y->ndim, y->shape, 4, gx + n->iarg[1] * xs[dim], xs,
+                          FP(y->grad), ys, 1);
+    return DT_OK;
+}
+
+/* x (.., D, ..) -> view (.., end-start, ..) */
+dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t end)
+{
+    if (!input_ok(ctx, "slice", x, "input") || !norm_dim(ctx, "slice", x, &dim))
+        return NULL;
+    if (start < 0 || end < start || end > x->shape[dim]) {
+        set_error(ctx, DT_EINVAL, "slice: [%lld, %lld) is outside dimension %d of size %lld",
+                  (long long)start, (long long)end, dim, (long long)x->shape[dim]);
+        return NULL;
+    }
+    dt_tensor *y = view_header(ctx, x);
+    if (!y)
+        return NULL;
+    y->shape[dim] = end - start;
+    y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "slice", slice_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = dim;
+        n->iarg[1] = start;
+    }
+    return y;
+}
+
+DT_PRIVATE dt_status concat_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *y = n->out, **xs = n->aux[0];
+    int count = (int)n->iarg[0], dim = (int)n->iarg[1];
+    int64_t ys[DT_MAX_DIMS], off = 0;
+    contiguous_strides(y->ndim, y->shape, ys);
+    for (int i = 0; i < count; i++) {
+        dt_tensor *x = xs[i];
+        if (needs_grad(x)) {
+            int acc;
+            float *gx = grad_target(ctx, x, &acc);
+            if (!gx)
+                return ctx->last_status;
+            int64_t cs[DT_MAX_DIMS];
+            contiguous_strides(x->ndim, x->shape, cs);
+            BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, 4, gx, cs,
+                                  FP(y->grad) + off * ys[dim], ys, acc);
+        }
+        off += x->shape[dim];
+    }
+    return DT_OK;
+}
+
+/* xs[i] (.., d_i, ..) -> (.., sum d_i, ..) */
+dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!xs || n < 1) {
+        set_error(ctx, DT_EINVAL, "concat: needs at least one tensor");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++)
+        if (!input_ok(ctx, "concat", xs[i], "an input"))
+            return NULL;
+    dt_tensor *x0 = xs[0];
+    if (!norm_dim(ctx, "concat", x0, &dim))
+        return NULL;
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, x0->shape, sizeof shape);
+    shape[dim] = 0;
+    int track = 0;
+    for (int i = 0; i < n; i++) {
+        dt_tensor *x = xs[i];
+        int ok = x->ndim == x0->ndim && x->dtype == x0->dtype;
+        for (int d = 0; ok && d < x->ndim; d++)
+            ok = d == dim || x->shape[d] == x0->shape[d];
+        if (!ok) {
+            char s0[96], si[96];
+            set_error(ctx, DT_EINVAL, "concat: input %d is %s %s, input 0 is %s %s (dim %d)", i,
+                      dt_dtype_name(x->dtype), SHAPE(x, si), dt_dtype_name(x0->dtype),
+                      SHAPE(x0, s0), dim);
+            return NULL;
+        }
+        shape[dim] += x->shape[dim];
+        track |= tracks(ctx, x);
+    }
+    dt_tensor *y = step_tensor(ctx, x0->dtype, x0->ndim, shape);
+    if (!y)
+        return NULL;
+    size_t es = dt_dtype_size(x0->dtype);
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        materialize(xs[i]);
+        BE(ctx)->copy_strided(BEI(ctx), xs[i]->ndim, xs[i]->shape, es,
+                              (char *)y->data + (size_t)(off * y->stride[dim]) * es, y->stride,
+                              xs[i]->data, xs[i]->stride, 0);
+        off += xs[i]->shape[dim];
+    }
+    if (track) {
+        dt_node *nd = record(ctx, "concat", concat_backward, y, NULL, NULL, NULL);
+        dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)n);
+        if (!nd || !saved) {
+            set_error(ctx, DT_ENOMEM, "concat: out of memory for the tape");
+            return NULL;
+        }
+        memcpy(saved, xs, sizeof(dt_tensor *) * (size_t)n);
+        nd->aux[0] = saved;
+        nd->iarg[0] = n;
+        nd->iarg[1] = dim;
+    }
+    return y;
+}
+
+/* --- 7.2 matmul and linear ---------------------------------------------- */
+
+/* Floats an operand of `batch` GEMMs spans: op(X) is rows x cols, stored
+ * (rows, cols) with leading dimension ld, or (cols, rows) when t. */
+static int64_t operand_extent(int t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                              int64_t stride)
+{
+    int64_t r = t ? cols : rows, c = t ? rows : cols;
+    if (r < 1 || c < 1)
+        return 0;
+    return (r - 1) * ld + c + (batch > 1 ? (batch - 1) * stride : 0);
+}
+
+/* Every GEMM of the ops goes through here.  At a reduced precision
+ * (autocast, 6.1) the backend's mixed-precision GEMM runs it; a backend
+ * without one gets operands rounded into temporaries and its f32 GEMM,
+ * which gives the same numbers: inputs at prec, products summed in f32. */
+static dt_status core_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
+                           int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                           int64_t lda, int64_t stride_a, const float *b, int64_t ldb,
+                           int64_t stride_b, float beta, float *c, int64_t ldc, int64_t stride_c)
+{
+    if (prec != DT_PREC_F32 && BE(ctx)->gemm_ex) {
+        BE(ctx)->gemm_ex(BEI(ctx), prec, batch, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                         stride_b, beta, c, ldc, stride_c);
+        return DT_OK;
+    }
+    dt_arena_mark mark = arena_mark(ctx->cur_dev);
+    if (prec != DT_PREC_F32) {
+        int64_t na = operand_extent(ta, m, k, lda, batch, stride_a);
+        int64_t nb = operand_extent(tb, k, n, ldb, batch, stride_b);
+        float *ra = temp_floats(ctx, na > 0 ? na : 1);
+        float *rb = ra ? temp_floats(ctx, nb > 0 ? nb : 1) : NULL;
+        if (!rb) {
+            arena_release(ctx->cur_dev, mark);
+            return ctx->last_status;
+        }
+        if (na > 0)
+            BE(ctx)->round_prec(BEI(ctx), prec, na, a, ra);
+        if (nb > 0)
+            BE(ctx)->round_prec(BEI(ctx), prec, nb, b, rb);
+        a = ra;
+        b = rb;
+    }
+    if (batch > 1)
+        BE(ctx)->gemm_batched(BEI(ctx), batch, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
+                              stride_b, beta, c, ldc, stride_c);
+    else
+        BE(ctx)->gemm(BEI(ctx), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    arena_release(ctx->cur_dev, mark);   /* queued work is stream-ordered before reuse */
+    return DT_OK;
+}
+
+/* One GEMM at a node's precision; returns from the caller on failure. */
+#define GEMM(ctx, prec, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)                   \
+    do {                                                                                       \
+        if (core_gemm(ctx, prec, 1, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, \
+                      0) != DT_OK)                                                             \
+            return ctx->last_status;                                                           \
+    } while (0)
+
+static int gemm_operand_of(const dt_tensor *x, gemm_operand *g)
+{
+    int r = x->ndim - 2, c = x->ndim - 1;
+    int64_t rows = x->shape[r], cols = x->shape[c], sr = x->stride[r], sc = x->stride[c];
+    g->p = (const float *)x->data;
+    g->batch_stride = x->ndim == 3 ? x->stride[0] : 0;
+    if ((cols == 1 || sc == 1) && (rows == 1 || sr >= cols)) {
+        g->t = 0;
+        g->ld = rows == 1 ? (cols > 1 ? cols : 1) : sr;
+        return g->ld >= 1;
+    }
+    if ((rows == 1 || sr == 1) && (cols == 1 || sc >= rows)) {
+        g->t = 1;
+        g->ld = cols == 1 ? (rows > 1 ? rows : 1) : sc;
+        return g->ld >= 1;
+    }
+    return 0;
+}
+
+static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
+    int trans_a = (int)n->iarg[0], trans_b = (int)n->iarg[1];
+    int64_t batch = n->iarg[2], m = n->iarg[3], k = n->iarg[4], nn = n->iarg[5];
+    gemm_operand A, B;
+    gemm_operand_of(a, &A);
+    gemm_operand_of(b, &B);
+    int ta = trans_a ^ A.t, tb = trans_b ^ B.t;
+    const float *dc = FP(y->grad);
+    if (needs_grad(a)) {
+        int acc;
+        float *ga = grad_target(ctx, a, &acc);
+        if (!ga)
+            return ctx->last_status;
+        int a_batched = a->ndim == 3;
+        for (int64_t i = 0; i < batch; i++) {
+            float beta = (acc || (!a_batched && i > 0)) ? 1.0f : 0.0f;
+            float *gi = ga + (a_batched ? i * m * k : 0);
+            const float *bi = B.p + i * B.batch_stride, *ci = dc + i * m * nn;
+            if (!trans_a)  /* dA (M,K) = dC (M,N) op(b)^T */
+                GEMM(ctx, n->prec, 0, !tb, m, k, nn, 1.0f, ci, nn, bi, B.ld, beta, gi, k);
+            else           /* dA (K,M) = op(b) (K,N) dC^T */
+                GEMM(ctx, n->prec, tb, 1, k, m, nn, 1.0f, bi, B.ld, ci, nn, beta, gi, m);
+        }
+    }
+    if (needs_grad(b)) {
+        int acc;
+        float *gb = grad_target(ctx, b, &acc);
+        if (!gb)
+            return ctx->last_status;
+        int b_batched = b->ndim == 3;
+        for (int64_t i = 0; i < batch; i++) {
+            float beta = (acc || (!b_batched && i > 0)) ? 1.0f : 0.0f;
+            float *gi = gb + (b_batched ? i * k * nn : 0);
+            const float *ai = A.p + i * A.batch_stride, *ci = dc + i * m * nn;
+            if (!trans_b)  /* dB (K,N) = op(a)^T dC */
+                GEMM(ctx, n->prec, !ta, 0, k, nn, m, 1.0f, ai, A.ld, ci, nn, beta, gi, nn);
+            else           /* dB (N,K) = dC^T op(a) */
+                GEMM(ctx, n->prec, 1, ta, nn, k, m, 1.0f, ci, nn, ai, A.ld, beta, gi, k);
+        }
+    }
+    return DT_OK;
+}
+
+/* a (M,K) b (K,N) -> (M,N); a (B,M,K) with b (B,K,N) or (K,N) -> (B,M,N);
+ * trans_* read that operand transposed. */
+dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int trans_b)
+{
+    if (!f32_ok(ctx, "matmul", a, "a") || !f32_ok(ctx, "matmul", b, "b"))
+        return NULL;
+    char sa[96], sb[96];
+    if (a->ndim < 2 || a->ndim > 3 || b->ndim < 2 || b->ndim > 3 ||
+        (a->ndim == 3 && b->ndim == 3 && a->shape[0] != b->shape[0])) {
+        set_error(ctx, DT_EINVAL, "matmul: a %s and b %s: need 2-D or 3-D with equal batch",
+                  SHAPE(a, sa), SHAPE(b, sb));
+        return NULL;
+    }
+    int ra = a->ndim - 2, rb = b->ndim - 2;
+    int64_t m = trans_a ? a->shape[ra + 1] : a->shape[ra];
+    int64_t k = trans_a ? a->shape[ra] : a->shape[ra + 1];
+    int64_t kb = trans_b ? b->shape[rb + 1] : b->shape[rb];
+    int64_t nn = trans_b ? b->shape[rb] : b->shape[rb + 1];
+    if (k != kb) {
+        set_error(ctx, DT_EINVAL, "matmul: inner dimensions differ: a %s%s has %lld, b %s%s has %lld",
+                  SHAPE(a, sa), trans_a ? "^T" : "", (long long)k, SHAPE(b, sb),
+                  trans_b ? "^T" : "", (long long)kb);
+        return NULL;
+    }
+    gemm_operand A, B;
+    if (!gemm_operand_of(a, &A)) {
+        if (!(a = dt_contiguous(ctx, a)))
+            return NULL;
+        gemm_operand_of(a, &A);
+    }
+    if (!gemm_operand_of(b, &B)) {
+        if (!(b = dt_contiguous(ctx, b)))
+            return NULL;
+        gemm_operand_of(b, &B);
+    }
+    materialize(a);
+    materialize(b);
+    int64_t batch = a->ndim == 3 ? a->shape[0] : (b->ndim == 3 ? b->shape[0] : 1);
+    int64_t shape[3] = {batch, m, nn};
+    int batched = a->ndim == 3 || b->ndim == 3;
+    dt_tensor *y = batched ? step_tensor(ctx, DT_F32, 3, shape)
+                           : step_tensor(ctx, DT_F32, 2, shape + 1);
+    if (!y)
+        return NULL;
+    int ta = trans_a ^ A.t, tb = trans_b ^ B.t;
+    if (core_gemm(ctx, ctx->autocast, batched ? batch : 1, ta, tb, m, nn, k, 1.0f, A.p, A.ld,
+                  A.batch_stride, B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn) != DT_OK)
+        return NULL;
+    if (tracks(ctx, a) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, "matmul", matmul_backward, y, a, b, NULL);
+        if (!n)
+            return NULL;
+        int64_t args[6] = {trans_a, trans_b, batch, m, k, nn};
+        memcpy(n->iarg, args, sizeof args);
+    }
+    return y;
+}
+
+static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
+    int64_t rows = n->iarg[0], in = n->iarg[1], out = n->iarg[2];
+    const float *dy = FP(n->out->grad);
+    int acc;
+    if (needs_grad(x)) {          /* dx (N,In) = dy (N,Out) w (Out,In) */
+        float *gx = grad_target(ctx, x, &acc);
+        if (!gx)
+            return ctx->last_status;
+        GEMM(ctx, n->prec, 0, 0, rows, in, out, 1.0f, dy, out, FP(w), in, acc ? 1.0f : 0.0f,
+             gx, in);
+    }
+    /* Under DDP a large weight's gradient is made in row blocks, each sent
+     * while the next computes (16); the bias goes first so it never holds
+     * back the bucket it shares with the weight's first rows. */
+    int64_t step = needs_grad(w) ? ddp_grad_chunk_rows(ctx, w, out, in) : 0;
+    if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */
+        float *gb = grad_target(ctx, b, &acc);
+        if (!gb)
+            return ctx->last_status;
+        BE(ctx)->bias_grad(BEI(ctx), rows, out, 1, dy, gb, acc);
+        if (step > 0)
+            ddp_grad_rows_done(ctx, b, out, 1);
+    }
+    if (needs_grad(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
+        float *gw = grad_target(ctx, w, &acc);
+        if (!gw)
+            return ctx->last_status;
+        for (int64_t r0 = 0; r0 < out; r0 += step > 0 ? step : out) {
+            int64_t r1 = step > 0 && r0 + step < out ? r0 + step : out;
+            GEMM(ctx, n->prec, 1, 0, r1 - r0, in, rows, 1.0f, dy + r0, out, FP(x), in,
+                 acc ? 1.0f : 0.0f, gw + r0 * in, in);
+            if (step > 0)
+                ddp_grad_rows_done(ctx, w, r1, in);
+        }
+    }
+    return DT_OK;
+}
+
+/* x (..., In), w (Out, In), b (Out) or NULL -> (..., Out) = x w^T + b */
+dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
+{
+    if (!f32_ok(ctx, "linear", x, "input") || !f32_ok(ctx, "linear", w, "weight"))
+        return NULL;
+    if (b && !f32_ok(ctx, "linear", b, "bias"))
+        return NULL;
+    char sx[96], sw[96];
+    if (w->ndim != 2 || x->ndim < 1 || x->shape[x->ndim - 1] != w->shape[1]) {
+        set_error(ctx, DT_EINVAL, "linear: input %s does not match weight %s (want (..., %lld))",
+                  SHAPE(x, sx), SHAPE(w, sw), w->ndim == 2 ? (long long)w->shape[1] : -1LL);
+        return NULL;
+    }
+    if (b && (b->ndim != 1 || b->shape[0] != w->shape[0])) {
+        set_error(ctx, DT_EINVAL, "linear: bias %s does not match weight %s", SHAPE(b, sx),
+                  SHAPE(w, sw));
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)) || !(w = need_contig(ctx, w)) || (b && !(b = need_contig(ctx, b))))
+        return NULL;
+    materialize(x);
+    materialize(w);
+    int64_t in = w->shape[1], out = w->shape[0];
+    int64_t rows = shape_numel(x->ndim - 1, x->shape);
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    shape[x->ndim - 1] = out;
+    dt_tensor *y = step_tensor(ctx, DT_F32, x->ndim, shape);
+    if (!y)
+        return NULL;
+    if (core_gemm(ctx, ctx->autocast, 1, 0, 1, rows, out, in, 1.0f, FP(x), in, 0, FP(w), in, 0,
+                  0.0f, FP(y), out, 0) != DT_OK)
+        return NULL;
+    if (b) {
+        materialize(b);
+        BE(ctx)->bias_add(BEI(ctx), rows, out, 1, FP(b), FP(y));
+    }
+    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, "linear", linear_backward, y, x, w, b);
+        if (!n)
+            return NULL;
+        n->iarg[0] = rows;
+        n->iarg[1] = in;
+        n->iarg[2] = out;
+    }
+    return y;
+}
+
+/* --- 7.3 elementwise binary ops with broadcasting ----------------------- */
+
+/* Broadcast a and b (aligned at the last dim).  Fills the output shape and
+ * each input's strides in the output's index space (0 where broadcast). */
+static int broadcast(const dt_tensor *a, const dt_tensor *b, int *ndim, int64_t *shape,
+                     int64_t *sa, int64_t *sb)
+{
+    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
+    for (int i = 0; i < nd; i++) {
+        int ia = i - (nd - a->ndim), ib = i - (nd - b->ndim);
+        int64_t da = ia >= 0 ? a->shape[ia] : 1, db = ib >= 0 ? b->shape[ib] : 1;
+        if (da != db && da != 1 && db != 1)
+            return 0;
+        shape[i] = da == 1 ? db : da;
+        sa[i] = (ia >= 0 && da == shape[i]) ? a->stride[ia] : 0;
+        sb[i] = (ib >= 0 && db == shape[i]) ? b->stride[ib] : 0;
+    }
+    *ndim = nd;
+    return 1;
+}
+
+/* gx (+)= alpha * (src reduced over the dims x was broadcast along); src is
+ * contiguous over the output shape. */
+static dt_status acc_reduced(dt_ctx *ctx, dt_tensor *x, int nd, const int64_t *shape,
+                             const float *src, float alpha)
+{
+    int64_t nx = shape_numel(x->ndim, x->shape), ny = shape_numel(nd, shape);
+    if (nx == ny)
+        return acc_grad(ctx, x, src, alpha);
+    int64_t xs[DT_MAX_DIMS], ds[DT_MAX_DIMS];
+    contiguous_strides(x->ndim, x->shape, xs);
+    for (int i = 0; i < nd; i++) {
+        int ix = i - (nd - x->ndim);
+        ds[i] = (ix >= 0 && x->shape[ix] == shape[i]) ? xs[ix] : 0;
+    }
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    if (alpha == 1.0f) {
+        BE(ctx)->sum_to(BEI(ctx), nd, shape, src, gx, ds, acc);
+        return DT_OK;
+    }
+    float *tmp = temp_floats(ctx, nx);
+    if (!tmp)
+        return ctx->last_status;
+    BE(ctx)->sum_to(BEI(ctx), nd, shape, src, tmp, ds, 0);
+    BE(ctx)->axpby(BEI(ctx), nx, alpha, tmp, acc ? 1.0f : 0.0f, gx);
+    return DT_OK;
+}
+
+static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
+    dt_binary_op op = (dt_binary_op)n->iarg[0];
+    int nd;
+    int64_t shape[DT_MAX_DIMS], sa[DT_MAX_DIMS], sb[DT_MAX_DIMS], sy[DT_MAX_DIMS];
+    broadcast(a, b, &nd, shape, sa, sb);
+    contiguous_strides(nd, shape, sy);
+    const float *gy = FP(y->grad);
+    int64_t ny = shape_numel(nd, shape);
+    dt_status s = DT_OK;
+    if (op == DT_BIN_ADD || op == DT_BIN_SUB) {
+        if (needs_grad(a))
+            s = acc_reduced(ctx, a, nd, shape, gy, 1.0f);
+        if (s == DT_OK && needs_grad(b))
+            s = acc_reduced(ctx, b, nd, shape, gy, op == DT_BIN_SUB ? -1.0f : 1.0f);
+        return s;
+    }
+    float *tmp = temp_floats(ctx, ny);
+    if (!tmp)
+        return ctx->last_status;
+    if (op == DT_BIN_MUL) {
+        if (needs_grad(a)) {   /* da = dy * b */
+            BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(b), sb, tmp);
+            if ((s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f)) != DT_OK)
+                return s;
+        }
+        if (needs_grad(b)) {   /* db = dy * a */
+            BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(a), sa, tmp);
+            s = acc_reduced(ctx, b, nd, shape, tmp, 1.0f);
+        }
+        return s;
+    }
+    /* DIV: da = dy / b, db = -dy * y / b */
+    if (needs_grad(a)) {
+        BE(ctx)->binary(BEI(ctx), DT_BIN_DIV, nd, shape, gy, sy, FP(b), sb, tmp);
+        if ((s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f)) != DT_OK)
+            return s;
+    }
+    if (needs_grad(b)) {
+        BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(y), sy, tmp);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_DIV, nd, shape, tmp, sy, FP(b), sb, tmp);
+        s = acc_reduced(ctx, b, nd, shape, tmp, -1.0f);
+    }
+    return s;
+}
+
+static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_tensor *a,
+                            dt_tensor *b)
+{
+    if (!f32_ok(ctx, name, a, "a") || !f32_ok(ctx, name, b, "b"))
+        return NULL;
+    int nd;
+    int64_t shape[DT_MAX_DIMS], sa[DT_MAX_DIMS], sb[DT_MAX_DIMS];
+    if (!broadcast(a, b, &nd, shape, sa, sb)) {
+        char s1[96], s2[96];
+        set_error(ctx, DT_EINVAL, "%s: shapes %s and %s do not broadcast", name, SHAPE(a, s1),
+                  SHAPE(b, s2));
+        return NULL;
+    }
+    materialize(a);
+    materialize(b);
+    dt_tensor *y = step_tensor(ctx, DT_F32, nd, shape);
+    if (!y)
+        return NULL;
+    BE(ctx)->binary(BEI(ctx), op, nd, shape, FP(a), sa, FP(b), sb, FP(y));
+    if (tracks(ctx, a) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, name, binary_backward, y, a, b, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = op;
+    }
+    return y;
+}
+
+dt_tensor *dt_add(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "add", DT_BIN_ADD, a, b); }
+dt_tensor *dt_sub(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "sub", DT_BIN_SUB, a, b); }
+dt_tensor *dt_mul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "mul", DT_BIN_MUL, a, b); }
+dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "div", DT_BIN_DIV, a, b); }
+
+static dt_status scale_backward(dt_ctx *ctx, dt_node *n)
+{
+    return acc_grad(ctx, n->in[0], FP(n->out->grad), n->farg[0]);
+}
+
+/* x -> s * x */
+dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
+{
+    if (!f32_ok(ctx, "scale", x, "input") || !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), s, FP(x), 0.0f, FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "scale", scale_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->farg[0] = s;
+    }
+    return y;
+}
+
+/* --- 7.4 reductions ----------------------------------------------------- */
+
+/* gx (+)= broadcast of the scalar g * scale over x */
+static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g, float scale)
+{
+    int64_t nx = shape_numel(x->ndim, x->shape);
+    const float *src = g;
+    if (scale != 1.0f) {
+        float *tmp = temp_floats(ctx, 1);
+        if (!tmp)
+            return ctx->last_status;
+        BE(ctx)->axpby(BEI(ctx), 1, scale, g, 0.0f, tmp);
+        src = tmp;
+    }
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    int64_t one[1] = {nx}, ds[1] = {1}, ss[1] = {0};
+    BE(ctx)->copy_strided(BEI(ctx), 1, one, 4, gx, ds, src, ss, acc);
+    return DT_OK;
+}
+
+static dt_status sum_backward(dt_ctx *ctx, dt_node *n)
+{
+    return broadcast_scalar_grad(ctx, n->in[0], FP(n->out->grad), n->farg[0]);
+}
+
+static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int mean)
+{
+    if (!f32_ok(ctx, name, x, "input") || !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    dt_tensor *y = step_tensor(ctx, DT_F32, 0, NULL);
+    if (!y)
+        return NULL;
+    int64_t nx = shape_numel(x->ndim, x->shape);
+    float scale = mean ? 1.0f / (float)nx : 1.0f;
+    BE(ctx)->sum(BEI(ctx), nx, FP(x), FP(y));
+    if (mean)
+        BE(ctx)->axpby(BEI(ctx), 1, scale, FP(y), 0.0f, FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, sum_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->farg[0] = scale;
+    }
+    return y;
+}
+
+/* x (any) -> scalar */
+dt_tensor *dt_sum(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "sum", x, 0); }
+dt_tensor *dt_mean(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "mean", x, 1); }
+
+static dt_status sum_dim_backward(dt_ctx *ctx, dt_node *n)
+{
+    int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
+    const float *g = FP(n->out->grad);
+    if (n->farg[0] != 1.0f) {
+        float *tmp = temp_floats(ctx, outer * inner);
+        if (!tmp)
+            return ctx->last_status;
+        BE(ctx)->axpby(BEI(ctx), outer * inner, n->farg[0], g, 0.0f, tmp);
+        g = tmp;
+    }
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    int64_t shape[3] = {outer, len, inner}, ds[3] = {len * inner, inner, 1}, ss[3] = {inner, 0, 1};
+    BE(ctx)->copy_strided(BEI(ctx), 3, shape, 4, gx, ds, g, ss, acc);
+    return DT_OK;
+}
+
+static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int dim, int keepdim,
+                             int mean)
+{
+    if (!f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
+        !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    int64_t outer = shape_numel(dim, x->shape), len = x->shape[dim];
+    int64_t inner = shape_numel(x->ndim - dim - 1, x->shape + dim + 1);
+    int64_t shape[DT_MAX_DIMS];
+    int nd = 0;
+    for (int i = 0; i < x->ndim; i++) {
+        if (i != dim)
+            shape[nd++] = x->shape[i];
+        else if (keepdim)
+            shape[nd++] = 1;
+    }
+    dt_tensor *y = step_tensor(ctx, DT_F32, nd, shape);
+    if (!y)
+        return NULL;
+    BE(ctx)->reduce_axis(BEI(ctx), DT_RED_SUM, outer, len, inner, FP(x), FP(y));
+    float scale = mean ? 1.0f / (float)len : 1.0f;
+    if (mean)
+        BE(ctx)->axpby(BEI(ctx), outer * inner, scale, FP(y), 0.0f, FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, sum_dim_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = outer;
+        n->iarg[1] = len;
+        n->iarg[2] = inner;
+        n->farg[0] = scale;
+    }
+    return y;
+}
+
+dt_tensor *dt_sum_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
+{
+    return reduce_dim(ctx, "sum_dim", x, dim, keepdim, 0);
+}
+
+dt_tensor *dt_mean_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
+{
+    return reduce_dim(ctx, "mean_dim", x, dim, keepdim, 1);
+}
+
+/* --- 7.5 activations and softmax ---------------------------------------- */
+
+static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *y = n->out;
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->unary_backward(BEI(ctx), (dt_unary_op)n->iarg[0], shape_numel(x->ndim, x->shape),
+                            FP(x), FP(y), FP(y->grad), gx, acc);
+    return DT_OK;
+}
+
+/* x -> op(x), same shape */
+static dt_tensor *unary_op(dt_ctx *ctx, const char *name, dt_unary_op op, dt_tensor *x)
+{
+    if (!f32_ok(ctx, name, x, "input") || !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    BE(ctx)->unary(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y));
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, unary_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->iarg[0] = op;
+    }
+    return y;
+}
+
+dt_tensor *dt_relu(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "relu", DT_UNARY_RELU, x); }
+dt_tensor *dt_gelu(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "gelu", DT_UNARY_GELU, x); }
+dt_tensor *dt_tanh(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "tanh", DT_UNARY_TANH, x); }
+dt_tensor *dt_sigmoid(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "sigmoid", DT_UNARY_SIGMOID, x); }
+
+static dt_status softmax_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->softmax_backward(BEI(ctx), n->iarg[0], n->iarg[1], n->iarg[2], FP(n->out),
+                              FP(n->out->grad), gx, (int)n->iarg[3], acc);
+    return DT_OK;
+}
+
+/* x (.., L, ..) -> softmax along dim L */
+static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int dim, int log)
+{
+    if (!f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
+        !(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    int64_t outer = shape_numel(dim, x->shape), len = x->shape[dim];
+    int64_t inner = shape_numel(x->ndim - dim - 1, x->shape + dim + 1);
+    dt_tensor *y = like(ctx, x);
+    if (!y)
+        return NULL;
+    BE(ctx)->softmax(BEI(ctx), outer, len, inner, FP(x), FP(y), log);
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, softmax_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        int64_t args[4] = {outer, len, inner, log};
+        memcpy(n->iarg, args, sizeof args);
+    }
+    return y;
+}
+
+dt_tensor *dt_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "softmax", x, dim, 0); }
+dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "log_softmax", x, dim, 1); }
+
+/* --- 7.6 losses ----------------------------------------------------------- */
+
+static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->xent_backward(BEI(ctx), n->iarg[0], n->iarg[1], n->aux[0], IP(n->in[1]),
+                           FP(n->out->grad), gx, acc);
+    return DT_OK;
+}
+
+/* logits (N,C) f32, labels (N) i32 -> scalar mean cross entropy */
+dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
+{
+    if (!f32_ok(ctx, "cross_entropy", logits, "logits") ||
+        !input_ok(ctx, "cross_entropy", labels, "labels"))
+        return NULL;
+    char s1[96], s2[96];
+    if (labels->dtype != DT_I32) {
+        set_error(ctx, DT_EINVAL, "cross_entropy: labels are %s, need i32",
+                  dt_dtype_name(labels->dtype));
+        return NULL;
+    }
+    if (logits->ndim != 2 || labels->ndim != 1 || labels->shape[0] != logits->shape[0] ||
+        logits->shape[0] == 0 || logits->shape[1] == 0) {
+        set_error(ctx, DT_EINVAL, "cross_entropy: logits %s and labels %s: need (N,C) and (N), N,C > 0",
+                  SHAPE(logits, s1), SHAPE(labels, s2));
+        return NULL;
+    }
+    if (!(logits = need_contig(ctx, logits)) || !(labels = need_contig(ctx, labels)))
+        return NULL;
+    materialize(logits);
+    materialize(labels);
+    int64_t n = logits->shape[0], c = logits->shape[1];
+    float *probs = temp_floats(ctx, n * c);
+    dt_tensor *y = probs ? step_tensor(ctx, DT_F32, 0, NULL) : NULL;
+    if (!y)
+        return NULL;
+    int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), probs, FP(y));
+    if (be_fault(ctx, "cross_entropy") != DT_OK)
+        return NULL;
+    if (bad >= 0) {
+        int32_t v = 0;
+        BE(ctx)->to_host(BEI(ctx), &v, IP(labels) + bad, sizeof v);
+        set_error(ctx, DT_EINVAL, "cross_entropy: label %d at index %lld is outside [0, %lld)",
+                  (int)v, (long long)bad, (long long)c);
+        return NULL;
+    }
+    if (tracks(ctx, logits)) {
+        dt_node *nd = record(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL);
+        if (!nd)
+            return NULL;
+        nd->iarg[0] = n;
+        nd->iarg[1] = c;
+        nd->aux[0] = probs;
+    }
+    return y;
+}
+
+static dt_status mse_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *p = n->in[0], *t = n->in[1];
+    int64_t cnt = shape_numel(p->ndim, p->shape);
+    float *tmp = temp_floats(ctx, cnt);
+    if (!tmp)
+        return ctx->last_status;
+    int64_t shape[1] = {cnt}, s1[1] = {1}, s0[1] = {0};
+    /* tmp = diff * dloss; dpred = 2/n tmp, dtarget = -2/n tmp */
+    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, n->aux[0], s1, FP(n->out->grad), s0, tmp);
+    float k = 2.0f / (float)cnt;
+    dt_status s = DT_OK;
+    if (needs_grad(p))
+        s = acc_grad(ctx, p, tmp, k);
+    if (s == DT_OK && needs_grad(t))
+        s = acc_grad(ctx, t, tmp, -k);
+    return s;
+}
+
+/* pred, target same shape -> scalar mean((pred - target)^2) */
+dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
+{
+    if (!f32_ok(ctx, "mse", pred, "pred") || !f32_ok(ctx, "mse", target, "target"))
+        return NULL;
+    int same = pred->ndim == target->ndim;
+    for (int i = 0; same && i < pred->ndim; i++)
+        same = pred->shape[i] == target->shape[i];
+    int64_t cnt = shape_numel(pred->ndim, pred->shape);
+    if (!same || cnt == 0) {
+        char s1[96], s2[96];
+        set_error(ctx, DT_EINVAL, "mse: pred %s and target %s must have the same non-empty shape",
+                  SHAPE(pred, s1), SHAPE(target, s2));
+        return NULL;
+    }
+    materialize(pred);
+    materialize(target);
+    float *diff = temp_floats(ctx, cnt), *sq = diff ? temp_floats(ctx, cnt) : NULL;
+    dt_tensor *y = sq ? step_tensor(ctx, DT_F32, 0, NULL) : NULL;
+    if (!y)
+        return NULL;
+    int64_t cs[DT_MAX_DIMS];
+    contiguous_strides(pred->ndim, pred->shape, cs);
+    BE(ctx)->binary(BEI(ctx), DT_BIN_SUB, pred->ndim, pred->shape, FP(pred), pred->stride,
+                    FP(target), target->stride, diff);
+    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, pred->ndim, pred->shape, diff, cs, diff, cs, sq);
+    BE(ctx)->sum(BEI(ctx), cnt, sq, FP(y));
+    BE(ctx)->axpby(BEI(ctx), 1, 1.0f / (float)cnt, FP(y), 0.0f, FP(y));
+    if (tracks(ctx, pred) || tracks(ctx, target)) {
+        dt_node *n = record(ctx, "mse", mse_backward, y, pred, target, NULL);
+        if (!n)
+            return NULL;
+        n->aux[0] = diff;
+    }
+    return y;
+}
+
+/* --- 7.7 convolution and pooling (NCHW) --------------------------------- */
+
+static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL, *y = n->out;
+    const dt_conv_geom *g = n->aux[1];
+    const float *col = n->aux[0];
+    int64_t o = w->shape[0], ckk = g->c * g->kh * g->kw, p = g->oh * g->ow, np = g->n * p;
+    const float *gy = FP(y->grad), *dyt = gy;   /* dY' (O, N*P) */
+    if (g->n > 1) {
+        float *t = temp_floats(ctx, o * np);
+        if (!t)
+            return ctx->last_status;
+        BE(ctx)->ncp_to_cnp(BEI(ctx), g->n, o, p, gy, t);
+        dyt = t;
+    }
+    int acc;
+    if (needs_grad(w)) {   /* dW (O, CKK) = dY' col^T */
+        float *gw = grad_target(ctx, w, &acc);
+        if (!gw)
+            return ctx->last_status;
+        GEMM(ctx, n->prec, 0, 1, o, ckk, np, 1.0f, dyt, np, col, np, acc ? 1.0f : 0.0f, gw, ckk);
+    }
+    if (b && needs_grad(b)) {
+        float *gb = grad_target(ctx, b, &acc);
+        if (!gb)
+            return ctx->last_status;
+        BE(ctx)->bias_grad(BEI(ctx), g->n, o, p, gy, gb, acc);
+    }
+    if (needs_grad(x)) {   /* dcol (CKK, N*P) = W^T dY', then fold */
+        float *dcol = temp_floats(ctx, ckk * np);
+        float *gx = dcol ? grad_target(ctx, x, &acc) : NULL;
+        if (!gx)
+            return ctx->last_status;
+        GEMM(ctx, n->prec, 1, 0, ckk, np, o, 1.0f, FP(w), ckk, dyt, np, 0.0f, dcol, np);
+        BE(ctx)->col2im(BEI(ctx), g, dcol, gx, acc);
+    }
+    return DT_OK;
+}
+
+static dt_status conv2d_fused_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
+    int ax = 0, aw = 0, ab = 0;
+    float *gx = needs_grad(x) ? grad_target(ctx, x, &ax) : NULL;
+    float *gw = needs_grad(w) ? grad_target(ctx, w, &aw) : NULL;
+    float *gb = b && needs_grad(b) ? grad_target(ctx, b, &ab) : NULL;
+    if ((needs_grad(x) && !gx) || (needs_grad(w) && !gw) || (b && needs_grad(b) && !gb))
+        return ctx->last_status;
+    dt_status s = BE(ctx)->conv2d_backward(BEI(ctx), n->aux[1], w->shape[0], FP(x), FP(w),
+                                           FP(n->out->grad), gx, ax, gw, aw, gb, ab);
+    return s == DT_OK ? s : set_error(ctx, s, "conv2d: backend out of scratch memory");
+}
+
+/* The backend's own convolution: nothing is kept for backward but x and w. */
+static dt_tensor *conv2d_fused(dt_ctx *ctx, const dt_conv_geom *geom, dt_tensor *x, dt_tensor *w,
+                               dt_tensor *b, dt_tensor *y, int track)
+{
+    if (b)
+        materialize(b);
+    dt_status s = BE(ctx)->conv2d_forward(BEI(ctx), geom, w->shape[0], FP(x), FP(w),
+                                          b ? FP(b) : NULL, FP(y));
+    if (s != DT_OK) {
+        set_error(ctx, s, "conv2d: backend out of scratch memory");
+        return NULL;
+    }
+    if (!track)
+        return y;
+    dt_conv_geom *g = arena_alloc(ctx, ctx->cur_host, sizeof *g);
+    dt_node *n = g ? record(ctx, "conv2d", conv2d_fused_backward, y, x, w, b) : NULL;
+    if (!n) {
+        set_error(ctx, DT_ENOMEM, "conv2d: out of memory for the tape");
+        return NULL;
+    }
+    *g = *geom;
+    n->aux[1] = g;
+    return y;
+}
+
+static int pool_geom(dt_ctx *ctx, const char *op, const dt_tensor *x, int64_t kh, int64_t kw,
+                     int stride, int pad, dt_conv_geom *g)
+{
+    char sx[96];
+    if (x->ndim != 4) {
+        set_error(ctx, DT_EINVAL, "%s: input %s must be (N,C,H,W)", op, SHAPE(x, sx));
+        return 0;
+    }
+    if (stride < 1 || pad < 0 || kh < 1 || kw < 1) {
+        set_error(ctx, DT_EINVAL, "%s: kernel %lldx%lld, stride %d, pad %d: need kernel, stride >= 1 "
+                  "and pad >= 0", op, (long long)kh, (long long)kw, stride, pad);
+        return 0;
+    }
+    g->n = x->shape[0];
+    g->c = x->shape[1];
+    g->h = x->shape[2];
+    g->w = x->shape[3];
+    g->kh = kh;
+    g->kw = kw;
+    g->stride = stride;
+    g->pad = pad;
+    if (g->h + 2 * pad < kh || g->w + 2 * pad < kw) {
+        set_error(ctx, DT_EINVAL, "%s: kernel %lldx%lld larger than padded input %s", op,
+                  (long long)kh, (long long)kw, SHAPE(x, sx));
+        return 0;
+    }
+    g->oh = (g->h + 2 * pad - kh) / stride + 1;
+    g->ow = (g->w + 2 * pad - kw) / stride + 1;
+    return 1;
+}
+
+/* x (N,C,H,W), w (O,C,KH,KW), b (O) -> (N,O,OH,OW) by im2col + one GEMM */
+dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int stride, int pad)
+{
+    if (!f32_ok(ctx, "conv2d", x, "input") || !f32_ok(ctx, "conv2d", w, "weight") ||
+        (b && !f32_ok(ctx, "conv2d", b, "bias")))
+        return NULL;
+    char sx[96], sw[96];
+    if (w->ndim != 4) {
+        set_error(ctx, DT_EINVAL, "conv2d: weight %s must be (O,C,KH,KW)", SHAPE(w, sw));
+        return NULL;
+    }
+    dt_conv_geom geom;
+    if (!pool_geom(ctx, "conv2d", x, w->shape[2], w->shape[3], stride, pad, &geom))
+        return NULL;
+    if (x->shape[1] != w->shape[1]) {
+        set_error(ctx, DT_EINVAL, "conv2d: input %s has %lld channels, weight %s expects %lld",
+                  SHAPE(x, sx), (long long)x->shape[1], SHAPE(w, sw), (long long)w->shape[1]);
+        return NULL;
+    }
+    if (b && (b->ndim != 1 || b->shape[0] != w->shape[0])) {
+        set_error(ctx, DT_EINVAL, "conv2d: bias %s does not match %lld output channels",
+                  SHAPE(b, sx), (long long)w->shape[0]);
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)) || !(w = need_contig(ctx, w)) || (b && !(b = need_contig(ctx, b))))
+        return NULL;
+    materialize(x);
+    materialize(w);
+    int64_t o = w->shape[0], ckk = geom.c * geom.kh * geom.kw, p = geom.oh * geom.ow;
+    int64_t np = geom.n * p;
+    int64_t shape[4] = {geom.n, o, geom.oh, geom.ow};
+    dt_tensor *y = step_tensor(ctx, DT_F32, 4, shape);
+    if (!y)
+        return NULL;
+    int track = tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b);
+    /* autocast: the composed path, whose GEMMs run at the reduced precision */
+    if (BE(ctx)->conv2d_forward && ctx->autocast == DT_PREC_F32)
+        return conv2d_fused(ctx, &geom, x, w, b, y, track);
+    dt_arena_mark mark = arena_mark(ctx->cur_dev);   /* temporaries, freed if no backward */
+    dt_conv_geom *g = track ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : &geom;
+    float *col = g ? temp_floats(ctx, ckk * np) : NULL;
+    float *yt = (col && geom.n > 1) ? temp_floats(ctx, o * np) : FP(y);
+    if (!g || !col || !yt)
+        return NULL;
+    *g = geom;
+    BE(ctx)->im2col(BEI(ctx), g, FP(x), col);
+    if (core_gemm(ctx, ctx->autocast, 1, 0, 0, o, np, ckk, 1.0f, FP(w), ckk, 0, col, np, 0, 0.0f,
+                  yt, np, 0) != DT_OK)
+        return NULL;
+    if (geom.n > 1)
+        BE(ctx)->cnp_to_ncp(BEI(ctx), o, geom.n, p, yt, FP(y));
+    if (b) {
+        materialize(b);
+        BE(ctx)->bias_add(BEI(ctx), geom.n, o, p, FP(b), FP(y));
+    }
+    if (!track) {
+        arena_release(ctx->cur_dev, mark);
+        return y;
+    }
+    dt_node *n = record(ctx, "conv2d", conv2d_backward, y, x, w, b);
+    if (!n)
+        return NULL;
+    n->aux[0] = col;
+    n->aux[1] = g;
+    return y;
+}
+
+static dt_status maxpool_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->maxpool_backward(BEI(ctx), n->aux[1], FP(n->out->grad), n->aux[0], gx, acc);
+    return DT_OK;
+}
+
+static dt_status avgpool_backward(dt_ctx *ctx, dt_node *n)
+{
+    int acc;
+    float *gx = grad_target(ctx, n->in[0], &acc);
+    if (!gx)
+        return ctx->last_status;
+    BE(ctx)->avgpool_backward(BEI(ctx), n->aux[1], FP(n->out->grad), gx, acc);
+    return DT_OK;
+}
+
+/* x (N,C,H,W) -> (N,C,OH,OW); stride 0 means stride = kernel */
+static dt_tensor *pool_op(dt_ctx *ctx, const char *name, dt_tensor *x, int kernel, int stride,
+                          int pad, int is_max)
+{
+    if (!f32_ok(ctx, name, x, "input"))
+        return NULL;
+    if (stride == 0)
+        stride = kernel;
+    dt_conv_geom geom;
+    if (!pool_geom(ctx, name, x, kernel, kernel, stride, pad, &geom))
+        return NULL;
+    if (pad > kernel / 2) {
+        set_error(ctx, DT_EINVAL, "%s: pad %d must be at most half the kernel (%d)", name, pad,
+                  kernel);
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    int64_t shape[4] = {geom.n, geom.c, geom.oh, geom.ow};
+    dt_tensor *y = step_tensor(ctx, DT_F32, 4, shape);
+    dt_conv_geom *g = y ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : NULL;
+    int32_t *argmax = NULL;
+    if (!g)
+        return NULL;
+    *g = geom;
+    if (is_max) {
+        argmax = arena_alloc(ctx, ctx->cur_dev, (size_t)shape_numel(4, shape) * sizeof(int32_t));
+        if (!argmax) {
+            set_error(ctx, DT_ENOMEM, "%s: out of memory", name);
+            return NULL;
+        }
+        BE(ctx)->maxpool_forward(BEI(ctx), g, FP(x), FP(y), argmax);
+    } else {
+        BE(ctx)->avgpool_forward(BEI(ctx), g, FP(x), FP(y));
+    }
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL,
+                            NULL);
+        if (!n)
+            return NULL;
+        n->aux[0] = argmax;
+        n->aux[1] = g;
+    }
+    return y;
+}
+
+dt_tensor *dt_max_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad)
+{
+    return pool_op(ctx, "max_pool2d", x, kernel, stride, pad, 1);
+}
+
+dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad)
+{
+    return pool_op(ctx, "avg_pool2d", x, kernel, stride, pad, 0);
+}
+
+/* --- 7.8 embedding, layer norm, dropout ----------------------------------- */
+
+/* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
+ * (its memory is zero outside the logged rows), so a step costs the rows it
+ * touches.  0: the log cannot grow (the caller goes dense). */
+static int row_log_add(dt_ctx *ctx, row_log *l, const int32_t *idx, int64_t n)
+{
+    if (l->n + n > l->cap) {
+        int64_t cap = (l->n + n) * 2;
+        int64_t *r = ctx->al.realloc_fn(l->rows, (size_t)cap * sizeof *r, ctx->al.user);
+        if (!r)
+            return 0;
+        l->rows = r;
+        l->cap = cap;
+    }
+    for (int64_t i = 0; i < n; i++)
+        l->rows[l->n++] = idx[i];
+    return 1;
+}
+
+static dt_status embedding_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *w = n->in[0], *idx = n->in[1];
+    int64_t count = shape_numel(idx->ndim, idx->shape);
+    float *gw;
+    if (w->rowlog && !w->rowlog->dense && w->grad && ctx->be_iface->host_visible &&
+        row_log_add(ctx, w->rowlog, IP(idx), count)) {
+        w->grad->flags &= ~(unsigned)T_ZERO;   /* zero already, outside the logged rows */
+        gw = FP(w->grad);
+    } else {
+        gw = grad_target_zeroed(ctx, w);
+    }
+    if (!gw)
+        return ctx->last_status;
+    BE(ctx)->embedding_backward(BEI(ctx), shape_numel(idx->ndim, idx->shape), w->shape[1],
+                                IP(idx), FP(n->out->grad), gw);
+    return DT_OK;
+}
+
+/* weight (V,D), idx i32 (...) -> (..., D) */
+dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx)
+{
+    if (!f32_ok(ctx, "embedding", weight, "weight") || !input_ok(ctx, "embedding", idx, "indices"))
+        return NULL;
+    char sw[96];
+    if (weight->ndim != 2 || idx->dtype != DT_I32 || idx->ndim + 1 > DT_MAX_DIMS) {
+        set_error(ctx, DT_EINVAL, "embedding: weight %s must be (V,D) and indices i32 (got %s)",
+                  SHAPE(weight, sw), dt_dtype_name(idx->dtype));
+        return NULL;
+    }
+    if (!(weight = need_contig(ctx, weight)) || !(idx = need_contig(ctx, idx)))
+        return NULL;
+    materialize(weight);
+    materialize(idx);
+    int64_t n = shape_numel(idx->ndim, idx->shape), d = weight->shape[1];
+    int64_t bad = BE(ctx)->index_check(BEI(ctx), n, IP(idx), weight->shape[0]);
+    if (be_fault(ctx, "embedding") != DT_OK)
+        return NULL;
+    if (bad >= 0) {
+        int32_t v = 0;
+        BE(ctx)->to_host(BEI(ctx), &v, IP(idx) + bad, sizeof v);
+        set_error(ctx, DT_EINVAL, "embedding: index %d at position %lld is outside [0, %lld)",
+                  (int)v, (long long)bad, (long long)weight->shape[0]);
+        return NULL;
+    }
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)idx->ndim);
+    shape[idx->ndim] = d;
+    dt_tensor *y = step_tensor(ctx, DT_F32, idx->ndim + 1, shape);
+    if (!y)
+        return NULL;
+    BE(ctx)->embedding_forward(BEI(ctx), n, d, FP(weight), IP(idx), FP(y));
+    if (tracks(ctx, weight) && !record(ctx, "embedding", embedding_backward, y, weight, idx, NULL))
+        return NULL;
+    return y;
+}
+
+static dt_status layer_norm_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *w = n->aux[2], *b = n->aux[3];
+    int64_t rows = n->iarg[0], d = n->iarg[1];
+    int acc = 0;
+    float *gx = needs_grad(x) ? grad_target(ctx, x, &acc) : temp_floats(ctx, rows * d);
+    float *gw = w && needs_grad(w) ? grad_target_zeroed(ctx, w) : NULL;
+    float *gb = b && needs_grad(b) ? grad_target_zeroed(ctx, b) : NULL;
+    if (!gx || (w && needs_grad(w) && !gw) || (b && needs_grad(b) && !gb))
+        return ctx->last_status;
+    BE(ctx)->layernorm_backward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, n->aux[0], n->aux[1],
+                                FP(n->out->grad), gx, gw, gb, acc);
+    return DT_OK;
+}
+
+/* x (..., D), w (D), b (D) -> (..., D) normalised over the last dim */
+dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps)
+{
+    if (!f32_ok(ctx, "layer_norm", x, "input") || (w && !f32_ok(ctx, "layer_norm", w, "weight")) ||
+        (b && !f32_ok(ctx, "layer_norm", b, "bias")))
+        return NULL;
+    char sx[96];
+    if (x->ndim < 1 || x->shape[x->ndim - 1] == 0) {
+        set_error(ctx, DT_EINVAL, "layer_norm: input %s needs a non-empty last dim", SHAPE(x, sx));
+        return NULL;
+    }
+    int64_t d = x->shape[x->ndim - 1], rows = shape_numel(x->ndim - 1, x->shape);
+    if ((w && (w->ndim != 1 || w->shape[0] != d)) || (b && (b->ndim != 1 || b->shape[0] != d))) {
+        set_error(ctx, DT_EINVAL, "layer_norm: weight and bias must be (%lld) for input %s",
+                  (long long)d, SHAPE(x, sx));
+        return NULL;
+    }
+    if (!(x = need_contig(ctx, x)) || (w && !(w = need_contig(ctx, w))) ||
+        (b && !(b = need_contig(ctx, b))))
+        return NULL;
+    materialize(x);
+    materialize(w);
+    materialize(b);
+    dt_tensor *y = like(ctx, x);
+    float *mean = y ? temp_floats(ctx, rows) : NULL, *rstd = mean ? temp_floats(ctx, rows) : NULL;
+    if (!rstd)
+        return NULL;
+    BE(ctx)->layernorm_forward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, b ? FP(b) : NULL, eps,
+                               FP(y), mean, rstd);
+    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
+        dt_node *n = record(ctx, "layer_norm", layer_norm_backward, y, x, w, b);
+        if (!n)
+            return NULL;
+        n->iarg[0] = rows;
+        n->iarg[1] = d;
+        n->aux[0] = mean;
+        n->aux[1] = rstd;
+        n->aux[2] = w;
+        n->aux[3] = b;
+    }
+    return y;
+}
+
+static dt_status dropout_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0];
+    int64_t cnt = shape_numel(x->ndim, x->shape), shape[1] = {cnt}, s1[1] = {1};
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    float *dst = acc ? temp_floats(ctx, cnt) : gx;
+    if (!dst)
+        return ctx->last_status;
+    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, FP(n->out->grad), s1, n->aux[0], s1, dst);
+    if (acc)
+        BE(ctx)->axpby(BEI(ctx), cnt, 1.0f, dst, 1.0f, gx);
+    return DT_OK;
+}
+
+/* x -> x * mask / (1-p) while training; x itself otherwise */
+dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
+{
+    if (!f32_ok(ctx, "dropout", x, "input"))
+        return NULL;
+    if (!(p >= 0.0f && p < 1.0f)) {
+        set_error(ctx, DT_EINVAL, "dropout: p = %g must be in [0, 1)", (double)p);
+        return NULL;
+    }
+    if (!ctx->training || p == 0.0f)
+        return x;
+    if (!(x = need_contig(ctx, x)))
+        return NULL;
+    materialize(x);
+    uint64_t sm = ctx->seed ^ 0xD1B54A32D192ED03ull;
+    sm += 0x9E3779B97F4A7C15ull * (ctx->dropout_counter++ + 1);
+    uint64_t seed = splitmix64(&sm);
+    int64_t cnt = shape_numel(x->ndim, x->shape);
+    dt_tensor *y = like(ctx, x);
+    float *mask = y ? temp_floats(ctx, cnt) : NULL;
+    if (!mask)
+        return NULL;
+    BE(ctx)->dropout_forward(BEI(ctx), cnt, p, seed, FP(x), FP(y), mask);
+    if (tracks(ctx, x)) {
+        dt_node *n = record(ctx, "dropout", dropout_backward, y, x, NULL, NULL);
+        if (!n)
+            return NULL;
+        n->aux[0] = mask;
+    }
+    return y;
+}
+

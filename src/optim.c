@@ -1,0 +1,430 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 9. Optimizers, schedules, gradient clipping
+ *
+ * Updates follow torch.optim exactly (the backend kernels implement the
+ * formulas).  State tensors are named after their parameter so checkpoints
+ * can store them.  A parameter whose gradient is still logically zero since
+ * the last zero_grad got no gradient this step and is skipped, as PyTorch
+ * skips parameters whose .grad is None.
+ * ======================================================================== */
+
+void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->kind = kind;
+    cfg->lr = kind == DT_SGD || kind == DT_ADAGRAD ? 0.01f : 1e-3f;   /* torch's defaults */
+    cfg->beta1 = 0.9f;
+    cfg->beta2 = 0.999f;
+    cfg->eps = kind == DT_ADAGRAD ? 1e-10f : 1e-8f;
+    cfg->weight_decay = kind == DT_ADAMW ? 0.01f : 0.0f;
+}
+
+static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
+{
+    if (c->kind != DT_SGD && c->kind != DT_ADAM && c->kind != DT_ADAMW && c->kind != DT_ADAGRAD)
+        return set_error(ctx, DT_EINVAL, "optim: unknown kind %d", (int)c->kind);
+    if (!(c->lr >= 0) || !(c->weight_decay >= 0))
+        return set_error(ctx, DT_EINVAL, "optim: lr (%g) and weight_decay (%g) must be >= 0",
+                         (double)c->lr, (double)c->weight_decay);
+    if (c->kind == DT_SGD) {
+        if (!(c->momentum >= 0) || !(c->dampening >= 0 && c->dampening <= 1))
+            return set_error(ctx, DT_EINVAL, "optim: sgd momentum %g / dampening %g out of range",
+                             (double)c->momentum, (double)c->dampening);
+        if (c->nesterov && (c->momentum <= 0 || c->dampening != 0))
+            return set_error(ctx, DT_EINVAL, "optim: nesterov needs momentum > 0 and dampening 0");
+        return DT_OK;
+    }
+    if (c->kind == DT_ADAGRAD) {
+        if (!(c->eps >= 0))
+            return set_error(ctx, DT_EINVAL, "optim: adagrad eps %g must be >= 0", (double)c->eps);
+        if (!BE(ctx)->adagrad_update)
+            return set_error(ctx, DT_ENOTSUP, "optim: the %s backend has no AdaGrad",
+                             ctx->be_iface->name);
+        return DT_OK;
+    }
+    if (!(c->beta1 >= 0 && c->beta1 < 1) || !(c->beta2 >= 0 && c->beta2 < 1) || !(c->eps >= 0))
+        return set_error(ctx, DT_EINVAL, "optim: adam betas (%g, %g) must be in [0,1), eps >= 0",
+                         (double)c->beta1, (double)c->beta2);
+    return DT_OK;
+}
+
+/* A persistent tensor owned by an object other than the context. */
+DT_PRIVATE dt_tensor *owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                               const char *suffix)
+{
+    dt_tensor *t = host_alloc(ctx, sizeof *t);
+    if (!t)
+        return NULL;
+    header_init(t, ctx, DT_F32, ndim, shape);
+    size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
+    t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
+    t->name = host_alloc(ctx, nl);
+    if (!t->data || !t->name) {
+        if (t->data)
+            ctx->be_iface->free(ctx->be, t->data);
+        host_free(ctx, t->name);
+        host_free(ctx, t);
+        return NULL;
+    }
+    snprintf(t->name, nl, "%s%s", name, suffix);
+    ctx->be_iface->memset0(ctx->be, t->data, bytes);
+    t->flags = T_OWNS_DATA | T_EXTERNAL;
+    ctx->persistent_bytes += bytes;
+    return t;
+}
+
+dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!cfg) {
+        set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
+        return NULL;
+    }
+    if (check_optim_config(ctx, cfg) != DT_OK)
+        return NULL;
+    dt_tensor *const *src = params ? params : ctx->params;
+    int count = params ? n : ctx->n_params;
+    if (count < 0 || (params && n < 1)) {
+        set_error(ctx, DT_EINVAL, "optim_new: %d parameters", n);
+        return NULL;
+    }
+    for (int i = 0; i < count; i++) {
+        if (!src[i] || src[i]->ctx != ctx || !(src[i]->flags & T_PARAM)) {
+            set_error(ctx, DT_EINVAL, "optim_new: entry %d is not a parameter of this context", i);
+            return NULL;
+        }
+    }
+    dt_optim *o = host_calloc(ctx, sizeof *o);
+    if (!o) {
+        set_error(ctx, DT_ENOMEM, "optim_new: out of memory");
+        return NULL;
+    }
+    o->ctx = ctx;
+    o->cfg = *cfg;
+    o->n = count;
+    o->per = cfg->kind == DT_SGD ? (cfg->momentum != 0.0f) : cfg->kind == DT_ADAGRAD ? 1 : 2;
+    o->base_lr = o->lr = cfg->lr;
+    o->params = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count ? count : 1));
+    o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1));
+    o->param_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(count ? count : 1));
+    if (!o->params || !o->state || !o->param_steps)
+        goto fail;
+    static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
+                                             {".sum", ""}};   /* torch's state names */
+    for (int i = 0; i < count; i++) {
+        o->params[i] = src[i];
+        for (int j = 0; j < o->per; j++) {
+            dt_tensor *p = src[i];
+            dt_tensor *st = owned_tensor(ctx, p->ndim, p->shape, p->name,
+                                         suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
+                                                                               ? 2 : 1][j]);
+            if (!st)
+                goto fail;
+            o->state[i * o->per + j] = st;
+        }
+    }
+    return o;
+fail:
+    dt_optim_free(o);
+    set_error(ctx, DT_ENOMEM, "optim_new: out of memory for optimizer state");
+    return NULL;
+}
+
+void dt_optim_free(dt_optim *o)
+{
+    if (!o)
+        return;
+    dt_ctx *ctx = o->ctx;
+    if (o->state)
+        for (int i = 0; i < o->n * o->per; i++)
+            if (o->state[i])
+                tensor_destroy(ctx, o->state[i]);
+    host_free(ctx, o->state);
+    host_free(ctx, o->params);
+    host_free(ctx, o->param_steps);
+    if (ctx->ddp)
+        ddp_forget_optim(ctx->ddp, o);
+    host_free(ctx, o);
+}
+
+float dt_schedule_lr(const dt_schedule *s, float base, int64_t step)
+{
+    if (!s || step < 0)
+        return base;
+    switch (s->kind) {
+    case DT_SCHED_STEP:
+        if (s->step_size <= 0)
+            return base;
+        return base * powf(s->gamma, (float)(step / s->step_size));
+    case DT_SCHED_COSINE: {
+        if (step < s->warmup_steps)
+            return base * (float)(step + 1) / (float)s->warmup_steps;
+        int64_t span = s->total_steps - s->warmup_steps;
+        double q = span > 0 ? (double)(step - s->warmup_steps) / (double)span : 1.0;
+        if (q > 1)
+            q = 1;
+        return (float)(s->min_lr + (base - s->min_lr) * 0.5 * (1.0 + cos(M_PI * q)));
+    }
+    case DT_SCHED_CONSTANT:
+        break;
+    }
+    return base;
+}
+
+dt_status dt_optim_set_schedule(dt_optim *o, const dt_schedule *s)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (!s)
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: schedule is NULL");
+    if (s->kind == DT_SCHED_STEP && (s->step_size <= 0 || !(s->gamma > 0)))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: step schedule needs step_size > 0 "
+                                            "and gamma > 0");
+    /* total_steps 0 would train at min_lr from the first step: silently nothing */
+    if (s->kind == DT_SCHED_COSINE &&
+        (s->warmup_steps < 0 || s->total_steps <= 0 || s->total_steps < s->warmup_steps))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: cosine needs total_steps > 0 "
+                                            "and 0 <= warmup_steps <= total_steps");
+    if (s->kind < DT_SCHED_CONSTANT || s->kind > DT_SCHED_COSINE)
+        return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: unknown kind %d", (int)s->kind);
+    o->sched = *s;
+    o->has_sched = 1;
+    o->base_lr = o->lr;
+    return DT_OK;
+}
+
+static dt_status optim_step_run(dt_optim *o);
+
+dt_status dt_optim_step(dt_optim *o)
+{
+    if (!o)
+        return DT_EINVAL;
+    double t0 = prof_begin(o->ctx);
+    dt_status s = optim_step_run(o);
+    if (s == DT_OK)
+        s = be_fault(o->ctx, "optim_step");
+    prof_end(o->ctx, PH_OPTIM, t0);
+    return s;
+}
+
+static dt_status optim_step_run(dt_optim *o)
+{
+    dt_ctx *ctx = o->ctx;
+    if (o->has_sched)
+        o->lr = dt_schedule_lr(&o->sched, o->base_lr, o->steps);
+    o->steps++;
+    const dt_optim_config *c = &o->cfg;
+    for (int i = 0; i < o->n; i++) {
+        dt_tensor *p = o->params[i], *g = p->grad;
+        if (!g || (g->flags & T_ZERO))
+            continue;
+        int64_t cnt = shape_numel(p->ndim, p->shape);
+        int64_t t = ++o->param_steps[i];
+        if (c->kind == DT_SGD) {
+            float *buf = o->per ? FP(o->state[i]) : NULL;
+            BE(ctx)->sgd_update(BEI(ctx), cnt, FP(p), FP(g), buf, o->lr,
+                                o->momentum_by_ddp ? 0.0f : c->momentum, c->dampening,
+                                c->nesterov, c->weight_decay, t == 1);
+        } else if (c->kind == DT_ADAGRAD) {
+            BE(ctx)->adagrad_update(BEI(ctx), cnt, FP(p), FP(g), FP(o->state[i]), o->lr, c->eps,
+                                    c->weight_decay);
+        } else {
+            float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
+            BE(ctx)->adam_update(BEI(ctx), cnt, FP(p), FP(g), FP(o->state[2 * i]),
+                                 FP(o->state[2 * i + 1]), o->lr, c->beta1, c->beta2, c->eps,
+                                 c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
+        }
+    }
+    return DT_OK;
+}
+
+void dt_optim_zero_grad(dt_optim *o)
+{
+    if (!o)
+        return;
+    for (int i = 0; i < o->n; i++)
+        if (o->params[i]->grad)
+            o->params[i]->grad->flags |= T_ZERO;
+    o->ctx->zero_gen++;
+}
+
+float dt_optim_lr(const dt_optim *o) { return o ? o->lr : 0.0f; }
+int64_t dt_optim_steps(const dt_optim *o) { return o ? o->steps : 0; }
+int dt_optim_state_count(const dt_optim *o) { return o ? o->n * o->per : 0; }
+
+dt_tensor *dt_optim_state_at(const dt_optim *o, int i)
+{
+    return o && i >= 0 && i < o->n * o->per ? o->state[i] : NULL;
+}
+
+dt_status dt_optim_set_lr(dt_optim *o, float lr)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (!(lr >= 0))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_lr: lr %g must be >= 0", (double)lr);
+    o->lr = o->base_lr = lr;
+    return DT_OK;
+}
+
+dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!(max_norm > 0))
+        return set_error(ctx, DT_EINVAL, "clip_grad_norm: max_norm %g must be > 0", (double)max_norm);
+    double total = 0;
+    for (int i = 0; i < ctx->n_params; i++) {
+        dt_tensor *g = ctx->params[i]->grad;
+        if (g && !(g->flags & T_ZERO))
+            total += BE(ctx)->sumsq(BEI(ctx), shape_numel(g->ndim, g->shape), FP(g));
+    }
+    dt_status fs = be_fault(ctx, "clip_grad_norm");
+    if (fs != DT_OK)
+        return fs;
+    double norm = sqrt(total);
+    if (norm_out)
+        *norm_out = (float)norm;
+    double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+        for (int i = 0; i < ctx->n_params; i++) {
+            dt_tensor *g = ctx->params[i]->grad;
+            if (g && !(g->flags & T_ZERO))
+                BE(ctx)->axpby(BEI(ctx), shape_numel(g->ndim, g->shape), (float)coef, FP(g), 0.0f,
+                               FP(g));
+        }
+    }
+    return DT_OK;
+}
+
+void dt_loss_scale_config_init(dt_loss_scale_config *cfg)
+{
+    if (!cfg)
+        return;
+    cfg->init_scale = 65536.0f;
+    cfg->growth_factor = 2.0f;
+    cfg->backoff_factor = 0.5f;
+    cfg->growth_interval = 2000;
+}
+
+dt_loss_scaler *dt_loss_scaler_new(dt_ctx *ctx, const dt_loss_scale_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_loss_scale_config c;
+    dt_loss_scale_config_init(&c);
+    if (cfg)
+        c = *cfg;
+    if (!(c.init_scale > 0) || !isfinite(c.init_scale) || !(c.growth_factor >= 1) ||
+        !(c.backoff_factor > 0 && c.backoff_factor < 1) || c.growth_interval < 1) {
+        set_error(ctx, DT_EINVAL, "loss_scaler: init_scale %g, growth %g, backoff %g, interval %d: "
+                  "need scale > 0, growth >= 1, 0 < backoff < 1, interval >= 1",
+                  (double)c.init_scale, (double)c.growth_factor, (double)c.backoff_factor,
+                  c.growth_interval);
+        return NULL;
+    }
+    dt_loss_scaler *sc = host_calloc(ctx, sizeof *sc);
+    if (!sc) {
+        set_error(ctx, DT_ENOMEM, "loss_scaler: out of memory");
+        return NULL;
+    }
+    sc->ctx = ctx;
+    sc->cfg = c;
+    sc->scale = c.init_scale;
+    return sc;
+}
+
+void dt_loss_scaler_free(dt_loss_scaler *sc)
+{
+    if (sc)
+        host_free(sc->ctx, sc);
+}
+
+float dt_loss_scaler_scale(const dt_loss_scaler *sc) { return sc ? sc->scale : NAN; }
+int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc) { return sc ? sc->skipped : -1; }
+
+dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss)
+{
+    if (!sc || !ctx_ok(sc->ctx))
+        return DT_EINVAL;
+    if (sc->unscaled)
+        return set_error(sc->ctx, DT_ESTATE, "loss_scaler_backward: this step's gradients are "
+                         "already unscaled; step first (scaled ones would be added to them)");
+    dt_status s = sc->ctx->ddp ? ddp_for_scaler(sc->ctx->ddp, 0) : DT_OK;
+    if (s != DT_OK)
+        return s;
+    if ((s = backward_seeded(sc->ctx, loss, sc->scale)) == DT_OK)
+        sc->pending = 1;
+    return s;
+}
+
+dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
+{
+    if (!sc || !ctx_ok(sc->ctx))
+        return DT_EINVAL;
+    dt_ctx *ctx = sc->ctx;
+    if (!sc->pending)
+        return set_error(ctx, DT_ESTATE, "loss_scaler: no dt_loss_scaler_backward since the last "
+                         "step");
+    dt_status s = ctx->ddp ? ddp_for_scaler(ctx->ddp, 1) : DT_OK;   /* reduced first */
+    if (s != DT_OK)
+        return s;
+    if (!sc->unscaled) {
+        double total = 0;
+        for (int i = 0; i < ctx->n_params; i++) {
+            dt_tensor *g = ctx->params[i]->grad;
+            if (!g || (g->flags & T_ZERO))
+                continue;
+            int64_t n = shape_numel(g->ndim, g->shape);
+            BE(ctx)->axpby(BEI(ctx), n, 1.0f / sc->scale, FP(g), 0.0f, FP(g));
+            total += BE(ctx)->sumsq(BEI(ctx), n, FP(g));
+        }
+        dt_status fs = be_fault(ctx, "loss_scaler");
+        if (fs != DT_OK)
+            return fs;
+        sc->found_inf = !isfinite(total);
+        sc->unscaled = 1;
+    }
+    if (found_inf)
+        *found_inf = sc->found_inf;
+    return DT_OK;
+}
+
+dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
+{
+    if (stepped)
+        *stepped = 0;
+    if (!sc || !ctx_ok(sc->ctx))
+        return DT_EINVAL;
+    if (!opt || opt->ctx != sc->ctx)
+        return set_error(sc->ctx, DT_EINVAL, "loss_scaler_step: %s",
+                         opt ? "the optimizer belongs to another context" : "optimizer is NULL");
+    int inf;
+    dt_status s = dt_loss_scaler_unscale(sc, &inf);
+    if (s != DT_OK)
+        return s;
+    sc->unscaled = sc->pending = 0;
+    if (inf) {   /* skip: these gradients are garbage; a smaller scale next time */
+        sc->scale *= sc->cfg.backoff_factor;
+        sc->good_steps = 0;
+        sc->skipped++;
+        return DT_OK;
+    }
+    if ((s = dt_optim_step(opt)) != DT_OK)
+        return s;
+    if (stepped)
+        *stepped = 1;
+    if (++sc->good_steps >= sc->cfg.growth_interval) {
+        float grown = sc->scale * sc->cfg.growth_factor;
+        if (isfinite(grown))
+            sc->scale = grown;
+        sc->good_steps = 0;
+    }
+    return DT_OK;
+}
+

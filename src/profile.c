@@ -1,0 +1,885 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 20. Profiler: step breakdowns, timelines, stragglers
+ *
+ * The compute thread's public calls mark phases (prof_begin/prof_end around
+ * dt_loader_next, dt_backward, the DDP's wait, blocking collectives,
+ * dt_optim_step); the gaps between them are forward (before a backward) or
+ * idle, so a step's phases add up to its wall time by construction.  Only
+ * the outermost call counts: a collective inside dt_ddp_step is the step's
+ * comm wait, not a second one.  The comm thread and the loader's thread
+ * add events under the state's mutex.
+ *
+ * At the end every rank's totals and events travel to rank 0 in one
+ * allgather (each rank's block padded to the largest), which moves them
+ * onto its own clock with the offsets the ranks measured against rank 0's
+ * store at rendezvous (Cristian's method: the best of 8 round trips, off by
+ * at most half that round trip, tens of microseconds on one host).
+ * ======================================================================== */
+
+#define PROF_DEFAULT_EVENTS 262144
+#define PROF_DEFAULT_THRESHOLD 0.15
+#define PROF_DEFAULT_EVERY 20
+#define PROF_LINK_FLOATS ((int64_t)2 << 20)   /* the link test: 8 MiB allreduces */
+static const char *const phase_names[PH_COUNT] = {"data wait", "forward", "backward",
+                                                  "comm wait", "optimizer", "idle"};
+
+static int prof_measuring(const dt_ctx *ctx)
+{
+    return ctx && __atomic_load_n(&ctx->prof.measure, __ATOMIC_RELAXED);
+}
+
+DT_PRIVATE int prof_recording(const dt_ctx *ctx)
+{
+    return ctx && __atomic_load_n(&ctx->prof.record, __ATOMIC_RELAXED);
+}
+
+DT_PRIVATE void prof_init(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    pthread_mutex_init(&p->mu, NULL);
+    p->straggler = p->warned_rank = -1;
+    const char *env = getenv("DTRAIN_PROFILE");
+    if (env && *env && strcmp(env, "0") != 0)
+        dt_profile_start(ctx, NULL);   /* a failure (no memory) leaves it off, said in ctx */
+}
+
+DT_PRIVATE void prof_release(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    host_free(ctx, p->ev);
+    host_free(ctx, p->report);
+    host_free(ctx, p->ranks);
+    pthread_mutex_destroy(&p->mu);
+}
+
+/* Keep an event (under p->mu); past the buffer's end it is only counted. */
+static void prof_push(prof_state *p, prof_event e)
+{
+    if (!p->record)
+        return;
+    if (p->nev < p->cap)
+        p->ev[p->nev++] = e;
+    else
+        p->dropped++;
+}
+
+/* Start of a phase: its start time, 0 when not measuring, -1 when nested
+ * in another phase (not counted). */
+DT_PRIVATE double prof_begin(dt_ctx *ctx)
+{
+    if (!prof_measuring(ctx))
+        return 0;
+    prof_state *p = &ctx->prof;
+    if (p->depth++ > 0)
+        return -1;
+    return dt_now();
+}
+
+DT_PRIVATE void prof_end(dt_ctx *ctx, int phase, double t0)
+{
+    if (t0 == 0)
+        return;
+    prof_state *p = &ctx->prof;
+    if (--p->depth > 0 || t0 < 0)
+        return;
+    double t1 = dt_now();
+    if (!p->open) {
+        /* a step starts with its data or its backward; what comes before the
+         * first (set-up, a DDP's broadcast) belongs to no step */
+        if (phase != PH_DATA && phase != PH_BACKWARD && phase != PH_FORWARD)   /* (22 times it) */
+            return;
+        p->open = 1;
+        p->step_t0 = p->mark = t0;
+    }
+    int gap = phase == PH_BACKWARD ? PH_FORWARD : PH_IDLE;   /* the caller's own time */
+    if (t0 > p->mark)
+        p->cur[gap] += t0 - p->mark;
+    p->cur[phase] += t1 - t0;
+    pthread_mutex_lock(&p->mu);
+    if (gap == PH_FORWARD && t0 > p->mark)
+        prof_push(p, (prof_event){.t0 = p->mark, .t1 = t0, .type = EV_PHASE, .tid = TID_COMPUTE,
+                                  .what = PH_FORWARD, .a = p->step_index});
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PHASE, .tid = TID_COMPUTE,
+                              .what = (uint8_t)phase, .a = p->step_index});
+    pthread_mutex_unlock(&p->mu);
+    p->mark = t1;
+    if (phase == PH_BACKWARD)
+        p->had_backward = 1;
+}
+
+DT_PRIVATE void prof_samples(dt_ctx *ctx, int64_t n)
+{
+    if (prof_measuring(ctx))
+        ctx->prof.cur_samples += n;
+}
+
+/* dt_step_reset: the step ends if it ran a backward (an evaluation's steps
+ * stay inside the training step they interrupt, as idle time). */
+DT_PRIVATE void prof_step_end(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    if (!prof_measuring(ctx) || !p->open || !p->had_backward || p->depth)
+        return;
+    double t = dt_now();
+    p->cur[PH_IDLE] += t - p->mark;
+    /* compute, for the ranks' comparison: what grows with the batch (the
+     * optimizer costs every rank the same, whatever its share) */
+    double total = t - p->step_t0, compute = p->cur[PH_FORWARD] + p->cur[PH_BACKWARD];
+    pthread_mutex_lock(&p->mu);
+    dt_profile_stats *s = &p->tot;
+    s->steps++;
+    s->step_s += total;
+    s->data_s += p->cur[PH_DATA];
+    s->forward_s += p->cur[PH_FORWARD];
+    s->backward_s += p->cur[PH_BACKWARD];
+    s->comm_wait_s += p->cur[PH_COMM_WAIT];
+    s->optimizer_s += p->cur[PH_OPTIM];
+    s->idle_s += p->cur[PH_IDLE];
+    s->pipe_wait_s += p->cur_pipe;
+    s->samples += p->cur_samples;
+    p->win_compute += compute;
+    p->win_steps++;
+    p->win_samples += p->cur_samples;
+    prof_push(p, (prof_event){.t0 = p->step_t0, .t1 = t, .type = EV_STEP, .tid = TID_COMPUTE,
+                              .a = p->step_index, .b = p->cur_samples});
+    pthread_mutex_unlock(&p->mu);
+    memset(p->cur, 0, sizeof p->cur);
+    p->cur_pipe = 0;
+    p->cur_samples = 0;
+    p->step_index++;
+    p->step_t0 = p->mark = t;
+    p->had_backward = 0;
+}
+
+/* What the comm thread ran: the algorithm (as 14's dispatch picks it) and
+ * the NCCL-style bus factor that turns algbw into busbw (the bytes each
+ * link carries, comparable with the link's speed). */
+static const char *const coll_algs[] = {"?", "shared segment", "hierarchical", "recursive doubling",
+                                        "ring", "binomial tree", "pairwise", "16-bit ring",
+                                        "parameter server"};
+static int coll_alg(const dt_comm *c, const dt_work *w)
+{
+    if (w->kind == COLL_PS)
+        return 8;
+    if (c->use_segment && c->nhosts == 1)
+        return 1;
+    if (c->use_segment)
+        return 2;
+    switch (w->kind) {
+    case COLL_ALLREDUCE: case COLL_BARRIER: case COLL_ALLREDUCE_SHARED:
+        return (size_t)w->n * sizeof(float) <= c->doubling_max || w->n < c->world ? 3 : 4;
+    case COLL_BROADCAST: return 5;
+    case COLL_ALLTOALL: return 6;
+    case COLL_ALLREDUCE16: return 7;
+    default: return 4;
+    }
+}
+
+static double coll_bus_factor(int kind, int P)
+{
+    if (P <= 1)
+        return 0;
+    switch (kind) {
+    case COLL_ALLREDUCE: case COLL_ALLREDUCE16: case COLL_ALLREDUCE_SHARED:
+        return 2.0 * (P - 1) / P;
+    case COLL_BROADCAST: return 1.0;
+    case COLL_BARRIER: return 0.0;
+    default: return (double)(P - 1) / P;
+    }
+}
+
+static int64_t coll_bytes(const dt_work *w)
+{
+    return w->kind == COLL_BARRIER ? 0 : w->n * (w->kind == COLL_ALLREDUCE16 ? 2 : 4);
+}
+
+DT_PRIVATE void prof_coll(dt_comm *c, const dt_work *w, double t0, double t1)
+{
+    dt_ctx *ctx = c->ctx;
+    if (!prof_recording(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    if (w->kind == COLL_PS) {
+        const ps_call *pc = w->aux;
+        int pull = pc && (pc->op == PS_PULL || pc->op == PS_SPULL);
+        p->tot.ps_calls++;
+        p->tot.ps_latency_s += t1 - t0;
+        p->tot.comm_s += t1 - t0;
+        if (pull && w->status == DT_OK) {
+            p->stale_sum += (double)pc->stale;
+            p->stale_n++;
+            if (pc->stale > p->tot.ps_max_staleness)
+                p->tot.ps_max_staleness = pc->stale;
+        }
+        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PS, .tid = TID_COMM,
+                                  .what = (uint8_t)(pc ? pc->op : 0), .a = w->n,
+                                  .b = pull ? pc->stale : -1});
+    } else {
+        int64_t bytes = coll_bytes(w);
+        p->tot.collectives++;
+        p->tot.coll_bytes += (uint64_t)bytes;
+        p->tot.comm_s += t1 - t0;
+        p->bus_bytes += (double)bytes * coll_bus_factor(w->kind, c->world);
+        p->coll_s += t1 - t0;
+        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_COLL, .tid = TID_COMM,
+                                  .what = (uint8_t)w->kind, .alg = (uint8_t)coll_alg(c, w),
+                                  .a = bytes, .b = c->world});
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread)
+{
+    if (!prof_recording(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->batch_s += t1 - t0;
+    p->batches++;
+    p->batches_prefetched += on_thread != 0;
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_BATCH,
+                              .tid = on_thread ? TID_LOADER : TID_COMPUTE, .a = samples});
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* --- 20.1 the public side ---------------------------------------------------- */
+
+void dt_profile_config_init(dt_profile_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+}
+
+static void prof_resolve(dt_profile_config *c)
+{
+    if (c->max_events <= 0)
+        c->max_events = PROF_DEFAULT_EVENTS;
+    if (!(c->straggler_threshold > 0)) {
+        const char *e = getenv("DTRAIN_STRAGGLER");
+        double v = e && *e ? strtod(e, NULL) : 0;
+        c->straggler_threshold = v > 0 ? v : PROF_DEFAULT_THRESHOLD;
+    }
+    if (c->check_every <= 0)
+        c->check_every = PROF_DEFAULT_EVERY;
+}
+
+dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    prof_state *p = &ctx->prof;
+    dt_profile_config c;
+    dt_profile_config_init(&c);
+    if (cfg)
+        c = *cfg;
+    prof_resolve(&c);
+    prof_event *ev = host_alloc(ctx, sizeof *ev * (size_t)c.max_events);
+    if (!ev)
+        return set_error(ctx, DT_ENOMEM, "profile_start: out of memory for %d events",
+                         c.max_events);
+    pthread_mutex_lock(&p->mu);
+    prof_event *old = p->ev;
+    p->ev = ev;
+    p->cap = c.max_events;
+    p->nev = p->dropped = 0;
+    p->cfg = c;
+    memset(&p->tot, 0, sizeof p->tot);
+    p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
+    p->stale_n = p->batches = p->batches_prefetched = 0;
+    p->win_compute = 0;
+    p->win_steps = p->win_samples = 0;
+    p->straggler = p->warned_rank = -1;
+    memset(p->cur, 0, sizeof p->cur);
+    p->cur_pipe = 0;
+    p->cur_samples = 0;
+    p->open = p->had_backward = 0;
+    __atomic_store_n(&p->measure, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->record, 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&p->mu);
+    host_free(ctx, old);
+    return DT_OK;
+}
+
+int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
+
+static void prof_fill(const prof_state *p, dt_profile_stats *out)
+{
+    *out = p->tot;
+    out->busbw = p->coll_s > 0 ? p->bus_bytes / p->coll_s / 1e9 : 0;
+    out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
+    out->events = p->nev;
+    out->dropped = p->dropped;
+}
+
+dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
+{
+    if (!ctx || !out)
+        return DT_EINVAL;
+    prof_state *p = (prof_state *)&ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    prof_fill(p, out);
+    pthread_mutex_unlock(&p->mu);
+    return DT_OK;
+}
+
+const char *dt_profile_report(const dt_ctx *ctx)
+{
+    return ctx && ctx->prof.report ? ctx->prof.report : "";
+}
+
+dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *out)
+{
+    if (!ctx || !out)
+        return DT_EINVAL;
+    if (!ctx->prof.ranks || rank < 0 || rank >= ctx->prof.nranks)
+        return set_error((dt_ctx *)ctx, DT_ESTATE, "profile_rank_stats: no totals for rank %d "
+                         "(they are on rank 0 after dt_profile_finish)", rank);
+    *out = ctx->prof.ranks[rank];
+    return DT_OK;
+}
+
+int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
+
+/* --- 20.2 the ranks' check during training (16 calls it) ------------------ */
+
+/* Each rank's compute per sample over the window: the slowest is a
+ * straggler if it is more than the threshold above the (lower) median.  Per sample,
+ * so a rank that balancing gave fewer samples is still seen as slow. */
+static int prof_find_straggler(const double *per_sample, int P, double threshold, double *median)
+{
+    double sorted[64];
+    int n = 0;
+    for (int r = 0; r < P && n < 64; r++)
+        if (per_sample[r] > 0)
+            sorted[n++] = per_sample[r];
+    if (n < 2)
+        return -1;
+    for (int i = 1; i < n; i++)   /* insertion sort: P is small */
+        for (int j = i; j > 0 && sorted[j] < sorted[j - 1]; j--) {
+            double t = sorted[j];
+            sorted[j] = sorted[j - 1];
+            sorted[j - 1] = t;
+        }
+    /* the lower median: with two ranks, the faster one (the midpoint would
+     * halve the gap a slow rank opens) */
+    *median = n % 2 ? sorted[n / 2] : sorted[n / 2 - 1];
+    int worst = -1;
+    for (int r = 0; r < P; r++)
+        if (per_sample[r] > *median * (1 + threshold) &&
+            (worst < 0 || per_sample[r] > per_sample[worst]))
+            worst = r;
+    return worst;
+}
+
+/* Called by a DDP on every rank at the same step: swap the windows, name a
+ * straggler, hand each rank's rate (samples per second of compute) back
+ * for balancing (rates: P doubles, 0 where unknown).  DT_OK with nothing
+ * done when no rank has a closed step yet. */
+DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
+{
+    prof_state *p = &ctx->prof;
+    int P = c->world;
+    float mine[3] = {(float)p->win_compute, (float)p->win_steps, (float)p->win_samples};
+    float *all = host_alloc(ctx, sizeof(float) * 3 * (size_t)P);
+    double *per = host_alloc(ctx, sizeof(double) * (size_t)P);
+    if (!all || !per) {
+        host_free(ctx, all);
+        host_free(ctx, per);
+        return set_error(ctx, DT_ENOMEM, "profiler: out of memory");
+    }
+    dt_status st = run_collective_wait(c, COLL_ALLGATHER, all, mine, 3, 0, DT_REDUCE_SUM, NULL);
+    if (st == DT_OK) {
+        p->win_compute = 0;
+        p->win_steps = p->win_samples = 0;
+        for (int r = 0; r < P; r++) {
+            double comp = all[3 * r], samples = all[3 * r + 2];
+            per[r] = samples > 0 ? comp / samples : 0;
+            rates[r] = comp > 0 ? samples / comp : 0;
+        }
+        double median = 0;
+        int s = prof_find_straggler(per, P, p->cfg.straggler_threshold > 0
+                                                ? p->cfg.straggler_threshold
+                                                : PROF_DEFAULT_THRESHOLD, &median);
+        p->straggler = s;
+        if (s >= 0) {
+            if (s == c->rank) {
+                pthread_mutex_lock(&p->mu);
+                p->tot.straggler_warnings++;
+                pthread_mutex_unlock(&p->mu);
+            }
+            double now = dt_now();
+            pthread_mutex_lock(&p->mu);
+            prof_push(p, (prof_event){.t0 = now, .t1 = now, .type = EV_STRAGGLER,
+                                      .tid = TID_COMPUTE, .a = s, .b = (int64_t)(per[s] * 1e9)});
+            pthread_mutex_unlock(&p->mu);
+            if (s != p->warned_rank)
+                warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
+                     "median %.3f ms of %d ranks (dt_ddp_balance evens this out)", s,
+                     per[s] * 1e3, 100 * (per[s] / median - 1), median * 1e3, P);
+        }
+        p->warned_rank = s;
+    }
+    host_free(ctx, all);
+    host_free(ctx, per);
+    return st;
+}
+#define PROF_BLOB_MAGIC 0x50524F46444Eull
+
+/* This rank's totals and events, laid out in floats for the allgather. */
+static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
+{
+    prof_state *p = &ctx->prof;
+    size_t bytes = sizeof(prof_blob_head) + (size_t)p->nev * sizeof(prof_event);
+    *nfloats = (int64_t)((bytes + 3) / 4);
+    float *buf = host_calloc(ctx, (size_t)*nfloats * sizeof(float));
+    if (!buf)
+        return NULL;
+    prof_blob_head h = {.magic = PROF_BLOB_MAGIC, .nev = p->nev, .offset = offset,
+                        .batch_s = p->batch_s, .batches = p->batches,
+                        .batches_prefetched = p->batches_prefetched};
+    prof_fill(p, &h.st);
+    memcpy(buf, &h, sizeof h);
+    if (p->nev)
+        memcpy((char *)buf + sizeof h, p->ev, (size_t)p->nev * sizeof(prof_event));
+    return buf;
+}
+
+/* The link's bandwidth as the profiler compares with: the best of three
+ * 8 MiB allreduces (after one to warm up), as bus bandwidth in GB/s. */
+static dt_status prof_link_test(dt_ctx *ctx, dt_comm *c, double *busbw)
+{
+    *busbw = 0;
+    float *buf = host_calloc(ctx, (size_t)PROF_LINK_FLOATS * sizeof(float));
+    if (!buf)
+        return set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for the link test");
+    double best = INFINITY;
+    dt_status st = DT_OK;
+    for (int i = 0; i < 4 && st == DT_OK; i++) {
+        double t0 = dt_now();
+        st = run_collective_wait(c, COLL_ALLREDUCE, buf, NULL, PROF_LINK_FLOATS, 0,
+                                 DT_REDUCE_SUM, NULL);
+        double t = dt_now() - t0;
+        if (i > 0 && t < best)
+            best = t;
+    }
+    host_free(ctx, buf);
+    if (st == DT_OK && best > 0 && best < INFINITY)
+        *busbw = coll_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
+    return st;
+}
+
+static void json_event_head(FILE *f, int *first, const char *ph, int pid, int tid, double ts)
+{
+    fprintf(f, "%s\n{\"ph\":\"%s\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f", *first ? "" : ",", ph, pid,
+            tid, ts);
+    *first = 0;
+}
+
+static const char *ps_op_name(int op)
+{
+    switch (op) {
+    case PS_PUSH: return "ps push";
+    case PS_CPUSH: return "ps push (compressed)";
+    case PS_PULL: return "ps pull";
+    case PS_SPUSH: return "ps sparse push";
+    case PS_SPULL: return "ps sparse pull";
+    case PS_INIT: return "ps init";
+    case PS_FINISH: return "ps finish";
+    default: return "ps call";
+    }
+}
+
+/* One event as trace-event JSON; ts and dur in microseconds since base. */
+static void json_event(FILE *f, int *first, int rank, const prof_event *e, double shift)
+{
+    double ts = (e->t0 + shift) * 1e6, dur = (e->t1 - e->t0) * 1e6;
+    if (e->type == EV_STRAGGLER) {
+        json_event_head(f, first, "i", rank, TID_COMPUTE, ts);
+        fprintf(f, ",\"s\":\"g\",\"name\":\"straggler: rank %lld\",\"cat\":\"straggler\","
+                "\"args\":{\"rank\":%lld,\"compute_ms_per_sample\":%.4f}}",
+                (long long)e->a, (long long)e->a, (double)e->b / 1e6);
+        return;
+    }
+    json_event_head(f, first, "X", rank, e->tid, ts);
+    fprintf(f, ",\"dur\":%.3f", dur);
+    switch (e->type) {
+    case EV_PHASE:
+        fprintf(f, ",\"name\":\"%s\",\"cat\":\"phase\",\"args\":{\"step\":%lld}}",
+                phase_names[e->what < PH_COUNT ? e->what : PH_IDLE], (long long)e->a);
+        break;
+    case EV_STEP:
+        fprintf(f, ",\"name\":\"step %lld\",\"cat\":\"step\",\"args\":{\"step\":%lld,"
+                "\"samples\":%lld}}", (long long)e->a, (long long)e->a, (long long)e->b);
+        break;
+    case EV_COLL: {
+        double algbw = dur > 0 ? (double)e->a / (dur * 1e3) : 0;   /* bytes/us/1e3 = GB/s */
+        fprintf(f, ",\"name\":\"%s\",\"cat\":\"comm\",\"args\":{\"bytes\":%lld,\"algorithm\":"
+                "\"%s\",\"ranks\":%lld,\"algbw_GBps\":%.4f,\"busbw_GBps\":%.4f}}",
+                e->what <= COLL_P2P ? comm_coll_name(e->what) : "?", (long long)e->a,
+                coll_algs[e->alg < 9 ? e->alg : 0], (long long)e->b, algbw,
+                algbw * coll_bus_factor(e->what, (int)e->b));
+        break;
+    }
+    case EV_PS:
+        fprintf(f, ",\"name\":\"%s\",\"cat\":\"ps\",\"args\":{\"floats\":%lld,\"latency_ms\":%.4f",
+                ps_op_name(e->what), (long long)e->a, dur / 1e3);
+        if (e->b >= 0)
+            fprintf(f, ",\"staleness\":%lld", (long long)e->b);
+        fprintf(f, "}}");
+        break;
+    default:
+        fprintf(f, ",\"name\":\"batch\",\"cat\":\"data\",\"args\":{\"samples\":%lld}}",
+                (long long)e->a);
+        break;
+    }
+}
+
+/* Rank 0: the merged trace, every rank's clock moved onto rank 0's and
+ * time counted from the earliest event. */
+static dt_status prof_write_trace(dt_ctx *ctx, const char *path, float *all, int64_t stride,
+                                  int P)
+{
+    double base = INFINITY;
+    for (int r = 0; r < P; r++) {
+        const prof_blob_head *h = (const prof_blob_head *)(all + r * stride);
+        const prof_event *ev = (const prof_event *)(h + 1);
+        for (int64_t i = 0; i < h->nev; i++)
+            if (ev[i].t0 + h->offset < base)
+                base = ev[i].t0 + h->offset;
+    }
+    if (!(base < INFINITY))
+        base = 0;
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return set_error(ctx, DT_EIO, "profile_finish: cannot write the trace %s: %s", tmp,
+                         strerror(errno));
+    static const char *const tnames[] = {"", "compute", "comm", "loader"};
+    int first = 1;
+    fprintf(f, "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"dtrain %s\","
+            "\"ranks\":%d},\"traceEvents\":[", DTRAIN_VERSION_STRING, P);
+    for (int r = 0; r < P; r++) {
+        const prof_blob_head *h = (const prof_blob_head *)(all + r * stride);
+        json_event_head(f, &first, "M", r, 0, 0);
+        fprintf(f, ",\"name\":\"process_name\",\"args\":{\"name\":\"rank %d\"}}", r);
+        json_event_head(f, &first, "M", r, 0, 0);
+        fprintf(f, ",\"name\":\"process_sort_index\",\"args\":{\"sort_index\":%d}}", r);
+        for (int t = 1; t <= 3; t++) {
+            json_event_head(f, &first, "M", r, t, 0);
+            fprintf(f, ",\"name\":\"thread_name\",\"args\":{\"name\":\"%s\"}}", tnames[t]);
+            json_event_head(f, &first, "M", r, t, 0);
+            fprintf(f, ",\"name\":\"thread_sort_index\",\"args\":{\"sort_index\":%d}}", t);
+        }
+        const prof_event *ev = (const prof_event *)(h + 1);
+        for (int64_t i = 0; i < h->nev; i++)
+            json_event(f, &first, r, &ev[i], h->offset - base);
+    }
+    fprintf(f, "\n]}\n");
+    int bad = ferror(f) != 0;
+    bad |= fclose(f) != 0;
+    if (bad || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return set_error(ctx, DT_EIO, "profile_finish: writing the trace %s failed", path);
+    }
+    return DT_OK;
+}
+
+static double per_step(double s, int64_t steps) { return steps ? s / (double)steps * 1e3 : 0; }
+
+/* Rank 0's report from every rank's totals. */
+static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
+                               const char *trace_path)
+{
+    strbuf t = {.ctx = ctx};
+    const dt_profile_stats *s0 = &h[0]->st;
+    sb_printf(&t, "dtrain profile: %d rank%s, %lld steps on rank 0", P, P > 1 ? "s" : "",
+              (long long)s0->steps);
+    if (trace_path)
+        sb_printf(&t, ", timeline in %s", trace_path);
+    sb_printf(&t, "\nper step, ms:\n rank  steps     step     data  forward backward comm wait "
+              "optimizer    idle | comm ran  samples/s\n");
+    int slow = 0;
+    double sum_step = 0;
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = &h[r]->st;
+        int64_t n = s->steps;
+        if (!n) {   /* a parameter server, or a rank that ran no training step */
+            sb_printf(&t, "%5d      0   (no training steps%s)\n", r,
+                      s->ps_calls ? "" : "; a parameter server serves on its own thread");
+            continue;
+        }
+        sb_printf(&t, "%5d %6lld %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %7.2f | %8.2f %10.0f\n", r,
+                  (long long)n, per_step(s->step_s, n), per_step(s->data_s, n),
+                  per_step(s->forward_s, n), per_step(s->backward_s, n),
+                  per_step(s->comm_wait_s, n), per_step(s->optimizer_s, n),
+                  per_step(s->idle_s, n), per_step(s->comm_s, n),
+                  s->step_s > 0 ? (double)s->samples / s->step_s : 0);
+        /* in lockstep every rank's step is as long; the slowest is the one
+         * busiest in it (the others spend the difference waiting) */
+        if (per_step(s->step_s - s->comm_wait_s, n) >
+            per_step(h[slow]->st.step_s - h[slow]->st.comm_wait_s, h[slow]->st.steps))
+            slow = r;
+        sum_step += per_step(s->step_s, n);
+    }
+    /* the slowest rank and its largest phase */
+    const dt_profile_stats *ss = &h[slow]->st;
+    double ph[PH_COUNT] = {ss->data_s, ss->forward_s, ss->backward_s, ss->comm_wait_s,
+                           ss->optimizer_s, ss->idle_s};
+    int big = 0;
+    for (int k = 1; k < PH_COUNT; k++)
+        big = ph[k] > ph[big] ? k : big;
+    if (ss->steps)
+        sb_printf(&t, "slowest rank: %d, busy %.2f ms of its %.2f ms step (the rest waiting on "
+                  "communication); its largest phase: %s, %.2f ms (%.0f%%)\n", slow,
+                  per_step(ss->step_s - ss->comm_wait_s, ss->steps),
+                  per_step(ss->step_s, ss->steps), phase_names[big],
+                  per_step(ph[big], ss->steps), ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
+    /* stragglers: compute per sample against the median, over the whole run */
+    double per[64] = {0}, median = 0;
+    int Pm = P < 64 ? P : 64;
+    for (int r = 0; r < Pm; r++) {
+        const dt_profile_stats *s = &h[r]->st;
+        per[r] = s->samples ? (s->forward_s + s->backward_s) / (double)s->samples : 0;
+    }
+    double thr = ctx->prof.cfg.straggler_threshold > 0 ? ctx->prof.cfg.straggler_threshold
+                                                       : PROF_DEFAULT_THRESHOLD;
+    int strag = prof_find_straggler(per, Pm, thr, &median);
+    int any = 0;
+    for (int r = 0; r < Pm; r++) {
+        if (!(median > 0) || !(per[r] > median * (1 + thr)))
+            continue;
+        sb_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
+                  "%.3f ms of forward and backward (threshold %.0f%%; named in %d checks during "
+                  "training)\n", r,
+                  per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
+                  h[r]->st.straggler_warnings);
+        any = 1;
+    }
+    if (!any && P > 1)
+        sb_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
+                  "median)\n", 100 * thr);
+    /* communication */
+    uint64_t bytes = 0;
+    double busbw = 0, comm_s = 0, exposed = 0, steps_s = 0;
+    int64_t colls = 0, ps_calls = 0;
+    for (int r = 0; r < P; r++) {
+        bytes += h[r]->st.coll_bytes;
+        colls += h[r]->st.collectives;
+        comm_s += h[r]->st.comm_s;
+        exposed += h[r]->st.comm_wait_s;
+        steps_s += h[r]->st.step_s;
+        ps_calls += h[r]->st.ps_calls;
+    }
+    busbw = s0->busbw;
+    if (colls)
+        sb_printf(&t, "communication: %lld collectives on rank 0, %.1f MB; bus bandwidth %.3f GB/s "
+                  "= %.0f%% of the link's %.3f GB/s (8 MiB allreduces, measured at the end); "
+                  "%.0f%% of the run's communication time was exposed\n",
+                  (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
+                  link > 0 ? 100 * busbw / link : 0, link,
+                  comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
+    if (ps_calls) {
+        for (int r = 0; r < P; r++) {
+            const dt_profile_stats *s = &h[r]->st;
+            if (s->ps_calls)
+                sb_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
+                          "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
+                          s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
+                          (long long)s->ps_max_staleness);
+        }
+    }
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = &h[r]->st;
+        if (s->pipe_wait_s > 0 && s->step_s > 0)
+            sb_printf(&t, "pipeline, rank %d: waits for its neighbours %.1f%% of the step (the "
+                      "bubble; ideally %.1f%%)\n", r, 100 * s->pipe_wait_s / s->step_s,
+                      100 * s->pipe_bubble_ideal);
+    }
+    /* hints */
+    double tot_step = 0, tot_data = 0, tot_wait = 0, tot_idle = 0;
+    for (int r = 0; r < P; r++) {
+        tot_step += h[r]->st.step_s;
+        tot_data += h[r]->st.data_s;
+        tot_wait += h[r]->st.comm_wait_s;
+        tot_idle += h[r]->st.idle_s;
+    }
+    int hints = 0;
+    if (tot_step > 0 && tot_wait / tot_step > 0.15) {
+        sb_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
+                  100 * tot_wait / tot_step,
+                  ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
+                             "compression (DTRAIN_COMPRESS=bf16 halves the bytes)"
+                           : "larger buckets (dt_ddp_config.bucket_bytes) so fewer, bigger "
+                             "allreduces overlap backward, or compression (DTRAIN_COMPRESS=bf16 "
+                             "halves the bytes)",
+                  strag >= 0 ? "; part of it is the others waiting for the straggler" : "");
+        hints++;
+    }
+    if (tot_step > 0 && tot_data / tot_step > 0.05) {
+        double mb = 0;
+        int64_t nb = 0, pre = 0;
+        for (int r = 0; r < P; r++) {
+            mb += h[r]->batch_s;
+            nb += h[r]->batches;
+            pre += h[r]->batches_prefetched;
+        }
+        sb_printf(&t, "hint: data wait is %.0f%% of the step time: the loader prepares a batch in "
+                  "%.2f ms against a step of %.2f ms; %s\n",
+                  100 * tot_data / tot_step, nb ? mb / (double)nb * 1e3 : 0, sum_step / P,
+                  nb && pre == nb
+                      ? "prefetch is on, so its thread cannot keep up: give it a CPU of its own "
+                        "(fewer compute threads per rank) or do less per sample"
+                      : "turn on prefetch (dt_loader_config.prefetch) or give the loader more "
+                        "CPU (fewer compute threads per rank)");
+        hints++;
+    }
+    if (strag >= 0) {
+        sb_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
+                  "thermal limits), or balance the load (%s)\n", strag,
+                  ps_calls ? "dt_loader_steal: idle workers take the slow one's chunks"
+                           : "dt_ddp_balance cuts each global batch by measured speed");
+        hints++;
+    }
+    if (tot_step > 0 && tot_idle / tot_step > 0.10) {
+        sb_printf(&t, "hint: idle is %.0f%% of the step time: time in the program's own code "
+                  "between dtrain calls (evaluation, logging, reading the loss every step)\n",
+                  100 * tot_idle / tot_step);
+        hints++;
+    }
+    if (P > 1 && link > 0 && busbw > 0 && busbw < 0.3 * link && bytes > 0 && strag < 0) {
+        sb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: small buckets "
+                  "are bound by latency (larger buckets move the same bytes in fewer calls), and "
+                  "during training the allreduces share CPU and memory with compute\n",
+                  100 * busbw / link);
+        hints++;
+    }
+    double pipe_wait = 0, pipe_ideal = 0;
+    for (int r = 0; r < P; r++) {
+        pipe_wait += h[r]->st.pipe_wait_s;
+        pipe_ideal = h[r]->st.pipe_bubble_ideal > pipe_ideal ? h[r]->st.pipe_bubble_ideal
+                                                             : pipe_ideal;
+    }
+    if (tot_step > 0 && pipe_wait / tot_step > 0.15) {
+        sb_printf(&t, "hint: pipeline stages wait for each other %.0f%% of the step time "
+                  "(ideally %.0f%%): more micro-batches (dt_pipe_config.micro_batches) shrink the "
+                  "bubble; %s\n", 100 * pipe_wait / tot_step, 100 * pipe_ideal,
+                  pipe_wait / tot_step > pipe_ideal + 0.1
+                      ? "beyond the ideal, the stages are unequal: split by measured time "
+                        "(dt_layer_times, dt_pipe_partition)"
+                      : "the rest is the schedule's fill and drain");
+        hints++;
+    }
+    if (!hints)
+        sb_printf(&t, "no hints: nothing stands out\n");
+    if (t.oom) {
+        host_free(ctx, t.p);
+        return NULL;
+    }
+    return t.p;
+}
+
+dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    prof_state *p = &ctx->prof;
+    if (!prof_recording(ctx))
+        return DT_OK;
+    if (c && c->ctx != ctx)
+        return set_error(ctx, DT_EINVAL, "profile_finish: the communicator belongs to another "
+                         "context");
+    /* stop recording first: the gathers below are not part of the job */
+    __atomic_store_n(&p->record, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->measure, p->balancing, __ATOMIC_RELAXED);
+    if (!trace_path) {
+        const char *e = getenv("DTRAIN_TRACE");
+        trace_path = e && *e ? e : NULL;
+    }
+    int P = c ? c->world : 1, rank = c ? c->rank : 0;
+    double link = 0;
+    dt_status st = c && P > 1 ? prof_link_test(ctx, c, &link) : DT_OK;
+    int64_t n = 0;
+    pthread_mutex_lock(&p->mu);
+    float *mine = st == DT_OK ? prof_pack(ctx, c ? c->clock_offset : 0, &n) : NULL;
+    pthread_mutex_unlock(&p->mu);
+    if (st == DT_OK && !mine)
+        st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
+    /* everyone's size, then everyone's block padded to the largest; a rank
+     * that failed above still joins, with an empty block (size 0) */
+    float nf = (float)(mine ? n : 0), *sizes = host_calloc(ctx, sizeof(float) * (size_t)P);
+    float *all = NULL;
+    int64_t stride = 0;
+    dt_status cs = DT_OK;
+    if (!sizes)
+        cs = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
+    else if (c && P > 1)
+        cs = run_collective_wait(c, COLL_ALLGATHER, sizes, &nf, 1, 0, DT_REDUCE_SUM, NULL);
+    else
+        sizes[0] = nf;
+    for (int r = 0; cs == DT_OK && r < P; r++)
+        stride = (int64_t)sizes[r] > stride ? (int64_t)sizes[r] : stride;
+    int ok_all = cs == DT_OK;
+    for (int r = 0; ok_all && r < P; r++)
+        ok_all = sizes[r] >= (float)(sizeof(prof_blob_head) / 4);
+    float *pad = NULL;
+    if (cs == DT_OK && stride > 0) {
+        pad = host_calloc(ctx, (size_t)stride * sizeof(float));
+        all = host_alloc(ctx, (size_t)stride * (size_t)P * sizeof(float));
+        if (!pad || !all) {
+            /* every rank must still run the allgather: this one sends zeros */
+            cs = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for %lld floats",
+                           (long long)(stride * P));
+        }
+        if (pad && mine)
+            memcpy(pad, mine, (size_t)n * sizeof(float));
+        if (c && P > 1 && pad && all)
+            cs = run_collective_wait(c, COLL_ALLGATHER, all, pad, stride, 0, DT_REDUCE_SUM, NULL);
+        else if (pad && all)
+            memcpy(all, pad, (size_t)stride * sizeof(float));
+    }
+    if (st == DT_OK)
+        st = cs;
+    if (st == DT_OK && !ok_all)
+        st = set_error(ctx, DT_EPEER, "profile_finish: a rank could not pack its profile");
+    if (st == DT_OK && rank == 0) {
+        const prof_blob_head **heads = host_alloc(ctx, sizeof *heads * (size_t)P);
+        dt_profile_stats *ranks = host_alloc(ctx, sizeof *ranks * (size_t)P);
+        if (!heads || !ranks)
+            st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
+        for (int r = 0; st == DT_OK && r < P; r++) {
+            heads[r] = (const prof_blob_head *)(all + r * stride);
+            if (heads[r]->magic != PROF_BLOB_MAGIC ||
+                (int64_t)(sizeof(prof_blob_head) + (size_t)heads[r]->nev * sizeof(prof_event)) >
+                    stride * 4)
+                st = set_error(ctx, DT_EPEER, "profile_finish: rank %d's profile is malformed", r);
+            else
+                ranks[r] = heads[r]->st, ranks[r].rank = r;
+        }
+        if (st == DT_OK && trace_path)
+            st = prof_write_trace(ctx, trace_path, all, stride, P);
+        if (st == DT_OK) {
+            char *rep = prof_build_report(ctx, heads, P, link, trace_path);
+            if (!rep)
+                st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for the report");
+            host_free(ctx, p->report);
+            p->report = rep;
+            host_free(ctx, p->ranks);
+            p->ranks = ranks;
+            p->nranks = P;
+            ranks = NULL;
+        }
+        host_free(ctx, heads);
+        host_free(ctx, ranks);
+    }
+    host_free(ctx, mine);
+    host_free(ctx, sizes);
+    host_free(ctx, pad);
+    host_free(ctx, all);
+    return st;
+}
+

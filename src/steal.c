@@ -1,0 +1,144 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * 21. Work stealing (the loader's chunks, claimed through the store)
+ *
+ * Chunk k of shard v is claimed by adding 1 to "steal/<id>/<g>/<v>/<k>" in
+ * the rendezvous store (g counts the loader's epoch starts, so a restarted
+ * epoch claims afresh): whoever gets 1 has it.  The owner claims its
+ * chunks front to back; a thief draws from the shard's back counter
+ * ("…/<v>/back") and claims the chunk that far from the end, so owner and
+ * thieves meet in the middle and a failed claim means the rest of that
+ * side is taken.
+ * ======================================================================== */
+
+static int64_t steal_batches_per_shard(const dt_loader *ld)
+{
+    return ld->cfg.drop_last ? ld->n_local / ld->cfg.batch
+                             : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
+}
+
+DT_PRIVATE void steal_start_epoch(dt_loader *ld, int64_t epoch)
+{
+    loader_steal *st = ld->steal;
+    (void)epoch;   /* the order is the epoch's; the claims are this start's */
+    st->gen++;
+    st->left = 0;
+    st->own_next = 0;
+    st->done = st->stolen = 0;
+    memset(st->dry, 0, (size_t)ld->cfg.shard_count);
+    ld->n_batches = INT64_MAX;   /* until no chunk is left */
+}
+
+/* Claim chunk k of shard v: 1 ours, 0 taken, -1 the store failed. */
+static int steal_claim(dt_loader *ld, int v, int64_t k)
+{
+    loader_steal *st = ld->steal;
+    char key[96];
+    snprintf(key, sizeof key, "steal/%d/%lld/%d/%lld", st->id, (long long)st->gen, v,
+             (long long)k);
+    int64_t got = 0;
+    if (dt_store_add(st->store, key, 1, &got) != DT_OK) {
+        st->status = st->errors->last_status;
+        snprintf(st->msg, sizeof st->msg, "loader: work stealing: %.400s", st->errors->err);
+        return -1;
+    }
+    return got == 1;
+}
+
+/* The next batch to prepare: its shard and index in that shard, or -1. */
+DT_PRIVATE int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
+{
+    loader_steal *st = ld->steal;
+    int W = ld->cfg.shard_count, me = ld->cfg.shard_rank;
+    int64_t nb = steal_batches_per_shard(ld), chunks = (nb + st->chunk - 1) / st->chunk;
+    while (st->left == 0 && st->status == DT_OK) {
+        int v = -1;
+        int64_t k = -1;
+        if (!st->dry[me]) {   /* our own shard, front to back */
+            k = st->own_next++;
+            v = me;
+        } else {              /* another's, from the back, trying the shards in turn */
+            for (int i = 1; i < W && v < 0; i++) {
+                int q = (me + i) % W;
+                if (st->dry[q])
+                    continue;
+                char key[96];
+                snprintf(key, sizeof key, "steal/%d/%lld/%d/back", st->id, (long long)st->gen, q);
+                int64_t j = 0;
+                if (dt_store_add(st->store, key, 1, &j) != DT_OK) {
+                    st->status = st->errors->last_status;
+                    snprintf(st->msg, sizeof st->msg, "loader: work stealing: %.400s",
+                             st->errors->err);
+                    return -1;
+                }
+                k = chunks - j;   /* j counts from 1 */
+                v = q;
+            }
+            if (v < 0)
+                return -1;   /* every shard is dry: the epoch is over */
+        }
+        int got = k >= 0 && k < chunks ? steal_claim(ld, v, k) : 0;
+        if (got < 0)
+            return -1;
+        if (!got) {   /* owner and thieves met: nothing more on that side */
+            st->dry[v] = 1;
+            continue;
+        }
+        st->shard = v;
+        st->first = k * st->chunk;
+        st->left = nb - st->first < st->chunk ? nb - st->first : st->chunk;
+    }
+    if (st->status != DT_OK)
+        return -1;
+    *shard = st->shard;
+    *stolen = st->shard != me;
+    st->left--;
+    return st->first++;
+}
+
+dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
+{
+    if (!ld)
+        return DT_EINVAL;
+    dt_ctx *ctx = ld->ctx;
+    if (!c || chunk_batches < 1)
+        return set_error(ctx, DT_EINVAL, "loader_steal: need a communicator and chunk_batches "
+                         ">= 1 (got %d)", chunk_batches);
+    if (ld->cfg.global_batches || ld->steal)
+        return set_error(ctx, DT_ESTATE, "loader_steal: %s", ld->steal ? "already stealing"
+                         : "not with global_batches");
+    loader_quiesce(ld);
+    loader_steal *st = host_calloc(ctx, sizeof *st);
+    if (!st || !(st->dry = host_calloc(ctx, (size_t)ld->cfg.shard_count)) ||
+        !(st->errors = host_calloc(ctx, sizeof *st->errors))) {
+        if (st) {
+            host_free(ctx, st->dry);
+            host_free(ctx, st);
+        }
+        return set_error(ctx, DT_ENOMEM, "loader_steal: out of memory");
+    }
+    st->errors->al = ctx->al;
+    st->chunk = chunk_batches;
+    st->id = c->steals_made++;
+    /* the loader's thread claims: it needs a connection of its own */
+    dt_dist_env e = {.rank = c->rank, .world_size = c->world, .local_rank = -1,
+                     .local_world_size = -1, .master_port = dt_store_port(c->store),
+                     .launcher = "dtrain"};
+    snprintf(e.master_addr, sizeof e.master_addr, "%s", c->store->addr);
+    dt_store_config sc;
+    dt_store_config_init(&sc);
+    sc.token = c->store->token;
+    sc.timeout_ms = c->store->timeout_ms;
+    st->store = store_open(st->errors, &e, &sc, 0, c->inc);
+    if (!st->store) {
+        dt_status s = set_error(ctx, st->errors->last_status, "loader_steal: %s", st->errors->err);
+        host_free(ctx, st->errors);
+        host_free(ctx, st->dry);
+        host_free(ctx, st);
+        return s;
+    }
+    ld->steal = st;
+    return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
+}
+
