@@ -6,6 +6,8 @@
 #                         otherwise print the exact apt-get line
 #   ./build.sh test       AddressSanitizer + UBSan build, run every test
 #                         (DT_BUILD_ONLY=1: build the test programs, run nothing)
+#   ./build.sh amalgamate write dtrain.c from the modules in src/ (commit it;
+#                         `test` fails when it is stale)
 #   ./build.sh gpu        the GPU checks alone (cuda group, suites on cuda,
 #                         the CNN on the GPU); DT_PREBUILT=1 skips the build
 #   ./build.sh demo       the main job: the Fashion-MNIST CNN on 2 local ranks
@@ -798,5 +800,5 @@ case "${1:-build}" in
     bench) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_BENCH; build_lib; bash tests/bench/run.sh ;;
     install) shift; ensure_pkgs $PKGS_BUILD; cmd_install "$@" ;;
     clean) rm -rf $BUILD ;;
-    *) echo "usage: ./build.sh [build|deps|test|gpu|demo|valgrind|bench|install|clean]" >&2; exit 2 ;;
+    *) echo "usage: ./build.sh [build|deps|test|amalgamate|gpu|demo|valgrind|bench|install|clean]" >&2; exit 2 ;;
 esac

@@ -93,7 +93,7 @@ struct dt_tensor {
     char *name;                    /* persistent tensors only */
     int param_index;               /* T_PARAM: index in ctx->params */
     dt_tensor *next, *prev;        /* persistent list */
-    struct row_log *rowlog;        /* Hogwild! (19): the gradient rows embedding wrote */
+    struct row_log *rowlog;        /* Hogwild! (src/hogwild.c): the gradient rows embedding wrote */
 };
 
 /* The rows of a 2-D parameter's gradient that backward wrote through
@@ -145,7 +145,7 @@ typedef struct dt_arena_mark {
     size_t chunk_used, used;
 } dt_arena_mark;
 
-/* The profiler's state (20), one per context.  The phases and the step
+/* The profiler's state (src/profile.c), one per context.  The phases and the step
  * are the compute thread's alone; the event buffer and the totals the comm
  * and loader threads add to are under mu. */
 typedef struct prof_event {
@@ -167,7 +167,7 @@ typedef struct prof_state {
     /* the step under way (compute thread) */
     int depth, open, had_backward;
     double step_t0, mark, cur[6];
-    double cur_pipe;           /* of cur[PH_COMM_WAIT]: waiting for pipeline neighbours (22) */
+    double cur_pipe;           /* of cur[PH_COMM_WAIT]: waiting for pipeline neighbours (src/parallel.c) */
     int64_t cur_samples, step_index;
     /* totals */
     dt_profile_stats tot;
@@ -181,7 +181,7 @@ typedef struct prof_state {
     /* since the last cross-rank check (16: balance, stragglers) */
     double win_compute;
     int64_t win_steps, win_samples;
-    int balancing;             /* a DDP balances the load: keep measuring (16) */
+    int balancing;             /* a DDP balances the load: keep measuring (src/ddp.c) */
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
     /* rank 0 after dt_profile_finish */
@@ -206,7 +206,7 @@ struct dt_ctx {
     uint64_t rng[4];               /* xoshiro256** state for init */
     uint64_t dropout_counter;
     int grad_enabled, training;
-    dt_precision autocast;         /* matmul, linear, conv2d inputs (6.1) */
+    dt_precision autocast;         /* matmul, linear, conv2d inputs (src/autograd.c) */
 
     dt_arena dev, host;            /* step memory */
     dt_arena scratch_dev, scratch_host; /* recompute segments */
@@ -221,20 +221,20 @@ struct dt_ctx {
     int n_params, cap_params;
     dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (a parameter */
     int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
-    struct dt_ddp *ddp;            /* attached data parallelism (16), or NULL */
+    struct dt_ddp *ddp;            /* attached data parallelism (src/ddp.c), or NULL */
     uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
-    prof_state prof;               /* the profiler (20) */
+    prof_state prof;               /* the profiler (src/profile.c) */
 };
 
 #define DT_DEFAULT_ARENA_BYTES ((size_t)8 << 20)
 #define DT_ARENA_ALIGN 64
 
-/* The parameter server (18) runs its workers' requests on the comm thread (14). */
+/* The parameter server (src/ps.c) runs its workers' requests on the comm thread (src/comm.c). */
 struct dt_work;
 struct xfers;
 struct ps_call;
 
-/* The profiler (20) hears of phases, steps, collectives and batches. */
+/* The profiler (src/profile.c) hears of phases, steps, collectives and batches. */
 enum { PH_DATA, PH_FORWARD, PH_BACKWARD, PH_COMM_WAIT, PH_OPTIM, PH_IDLE, PH_COUNT };
 
 
@@ -472,7 +472,7 @@ struct dt_store {
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
        COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_PS, COLL_P2P };
 
-/* Memory every rank on the host maps (14.4): local rank q's part starts at
+/* Memory every rank on the host maps (src/comm.c): local rank q's part starts at
  * base + q * part.  DDP keeps its gradient buckets there, so the host's
  * allreduce reads the other ranks' gradients where backward wrote them. */
 typedef struct shm_region {
@@ -488,7 +488,7 @@ struct dt_work {
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
     const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
-                                  part); COLL_PS: the ps_call (18) */
+                                  part); COLL_PS: the ps_call (src/ps.c) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
     void *owned;               /* freed with the work (a background request's memory) */
     int64_t n;
@@ -503,7 +503,7 @@ struct dt_work {
 };
 
 /* What one COLL_PS work does: a worker's request to the parameter servers
- * (section 18), run on its comm thread.  The headers live here, not on the
+ * (src/ps.c), run on its comm thread.  The headers live here, not on the
  * comm thread's stack: a failed request may leave posts behind it. */
 enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO, PS_CPUSH };
 #define PS_MAX_SERVERS 8
@@ -518,7 +518,7 @@ typedef struct ps_msg {
     int64_t k;                 /* and its entries (TOPK) */
     char err[160];
 } ps_msg;
-/* One message's data in pieces (18.2): piece i of `pieces` is bytes
+/* One message's data in pieces (src/ps.c): piece i of `pieces` is bytes
  * [i * chunk, ...) of buf, tagged ps_tag(type, seq, i). */
 typedef struct ps_stream {
     int peer, sending, type;
@@ -540,7 +540,7 @@ typedef struct ps_call {
     int64_t *where;            /* pull: asked id i is row where[i] / 8 of server where[i] % 8 */
     ps_msg out[2 * PS_MAX_SERVERS], in[PS_MAX_SERVERS];   /* in: by server */
     unsigned char asked[PS_MAX_SERVERS];   /* an answer is expected from this server */
-    /* restarted servers (18.6): a round goes to `only` those; what was sent */
+    /* restarted servers (src/ps.c): a round goes to `only` those; what was sent */
     unsigned char only[PS_MAX_SERVERS];
     int use_only;
     int64_t posted[PS_MAX_SERVERS];        /* push: floats sent to each server */
@@ -584,7 +584,7 @@ struct dt_comm {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     dt_work *head, *tail;
-    /* hosts (14.6) and the host segment (14.4) */
+    /* hosts (src/comm.c) and the host segment (src/comm.c) */
     int nhosts, nlocal, local_index;
     int *local_ranks;          /* global ranks on this host, ascending */
     int *leaders;              /* lowest rank of each host, ascending */
@@ -605,10 +605,10 @@ struct dt_comm {
     int announced;             /* a restarted process told its peers it serves */
     uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
-    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (20) */
+    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
     double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
-    struct xfers *graveyard;   /* comm thread: records holding orphaned sends (14.2) */
-    /* process groups (14.7) */
+    struct xfers *graveyard;   /* comm thread: records holding orphaned sends (src/comm.c) */
+    /* process groups (src/comm.c) */
     dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
     int *members;              /* a group's: the job rank of each group rank; NULL: the job */
     char label[96];            /* a group's: "group [1 3]: ", before its errors */
@@ -711,7 +711,7 @@ typedef struct ddp_bucket {
                                   last bucket, none elsewhere */
     int64_t pending;           /* gradient floats not yet final in this backward */
     dt_work *work;             /* its allreduce (or gather), in flight */
-    /* compression (16.1): this rank's encoded bucket, everyone's, and what
+    /* compression (src/ddp.c): this rank's encoded bucket, everyone's, and what
      * error feedback carries to the next step */
     int64_t topk;              /* TOPK: entries sent */
     int npieces;               /* TOPK: the parameters' parts in this bucket, each */
@@ -764,10 +764,10 @@ struct dt_ddp {
     uint64_t zero_gen;         /* ctx->zero_gen when this step's buckets started */
     float *scratch;            /* TOPK selection, numel of the largest bucket */
     unsigned char *picked;     /* TOPK: which entries were sent, same size */
-    float momentum;            /* > 0: momentum correction (16.1) */
+    float momentum;            /* > 0: momentum correction (src/ddp.c) */
     int64_t topk_steps;        /* TOPK: steps sent so far (the warm-up's clock) */
     dt_ddp_stats st;
-    /* the ranks' checks (20) and load balancing (16.5) */
+    /* the ranks' checks (src/profile.c) and load balancing (src/ddp.c) */
     int check_every;           /* profiling: steps between straggler checks; 0: none */
     dt_loader *bal_ld;         /* balancing: the loader whose global batches it cuts */
     int bal_every;
@@ -903,7 +903,7 @@ struct dt_ps {
     int W, S, server;          /* server: this rank's server index, -1 on workers */
     int L, shard;              /* key shards (S, or S / 2 replicated); a server's shard */
     unsigned char *gone;       /* worker, per server: 1 dead and written off (its twin
-                                  serves), 2 dead and awaited (18.6) */
+                                  serves), 2 dead and awaited (src/ps.c) */
     uint32_t *inc;             /* worker, per server: its process's incarnation */
     double *down_since;        /* worker, per server: when it was found dead */
     int64_t *sent, *sent_clock; /* worker, per server: floats of step sent_clock it has
@@ -919,7 +919,7 @@ struct dt_ps {
     int ntables;
     ps_tab *tabs;
     /* worker */
-    size_t chunk;              /* our messages' pieces, and the answers' (18.2) */
+    size_t chunk;              /* our messages' pieces, and the answers' (src/ps.c) */
     uint32_t *seq;             /* per server: our next request */
     int64_t clock;             /* steps pushed */
     float *stage;              /* G + P floats: packing pushes, receiving pulls */
@@ -1169,9 +1169,9 @@ DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const i
 DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
 DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
 DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
-   /* section 6 */
+   /* src/autograd.c */
 
-/* Data parallelism (16) hooks into backward (6) and the context's end. */
+/* Data parallelism (src/ddp.c) hooks into backward (src/autograd.c) and the context's end. */
 DT_PRIVATE dt_status ddp_backward_begin(struct dt_ddp *d);
 DT_PRIVATE void ddp_node_done(struct dt_ddp *d, const dt_node *n);
 DT_PRIVATE dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
@@ -2552,7 +2552,7 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed)
 
 /* Run ctx->tape backward from out, whose gradient is seed_grad (device
  * memory, out's shape, contiguous) or else the constant seed, and consume
- * the tape.  A pipeline (22) calls it with one micro-batch's tape. */
+ * the tape.  A pipeline (src/parallel.c) calls it with one micro-batch's tape. */
 DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed)
 {
     if (ctx->ddp) {
@@ -3132,7 +3132,7 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
              gx, in);
     }
     /* Under DDP a large weight's gradient is made in row blocks, each sent
-     * while the next computes (16); the bias goes first so it never holds
+     * while the next computes (src/ddp.c); the bias goes first so it never holds
      * back the bucket it shares with the weight's first rows. */
     int64_t step = needs_grad(w) ? ddp_grad_chunk_rows(ctx, w, out, in) : 0;
     if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */
@@ -6125,7 +6125,7 @@ double dt_now(void)
 #define DT_STORE_DEFAULT_TIMEOUT_MS 30000
 
 /* The key a dead rank's process is recorded under: "dead/<rank>" for the
- * first, "dead/<rank>.<n>" for the n-th restart (14.6), so a restarted
+ * first, "dead/<rank>.<n>" for the n-th restart (src/comm.c), so a restarted
  * rank is not taken for dead by its predecessor's record. */
 DT_PRIVATE void dead_key(char *key, size_t cap, int rank, uint32_t inc)
 {
@@ -6461,7 +6461,7 @@ static int sv_frame(store_server *sv, store_client *c, const unsigned char *f, s
         sv_serve_waiters(sv);
         return 0;
     }
-    if (op == OP_TIME) {   /* rank 0's clock, for the others' offsets (20) */
+    if (op == OP_TIME) {   /* rank 0's clock, for the others' offsets (src/profile.c) */
         if (n != 1)
             return sv_error(sv, c, op, "malformed time");
         double now = dt_now();
@@ -6856,7 +6856,7 @@ static dt_status store_hello(dt_store *s, const char *token)
     put_u32(req + 5, (uint32_t)s->rank);
     put_u16(req + 9, (uint32_t)tl);
     memcpy(req + 11, token, tl);
-    if (s->inc)   /* a restarted rank's process (14.6): its death has its own key */
+    if (s->inc)   /* a restarted rank's process (src/comm.c): its death has its own key */
         put_u32(req + 11 + tl, s->inc);
     char msg[256];
     size_t len = 0;
@@ -6878,7 +6878,7 @@ dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_conf
     return store_open(ctx, env, cfg, 1, 0);
 }
 
-/* serve: rank 0 starts the store; inc: this process's incarnation (14.6) */
+/* serve: rank 0 starts the store; inc: this process's incarnation (src/comm.c) */
 DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
                             int serve, uint32_t inc)
 {
@@ -7298,7 +7298,7 @@ static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
     return DT_OK;
 }
 
-/* How long rank 0's dt_comm_free waits for the others to leave (13.3). */
+/* How long rank 0's dt_comm_free waits for the others to leave (src/store.c). */
 #define DT_COMM_DRAIN_MS 10000
 
 /* A failure reason as ranks publish it: "<status>|<message>". */
@@ -8568,7 +8568,7 @@ static void *comm_main(void *arg)
     return NULL;
 }
 
-/* A restarted rank's communicator (14.6) runs no collective: the others
+/* A restarted rank's communicator runs no collective: the others
  * are mid-job, and nothing would match. */
 static dt_status rejoined_refuses(dt_comm *c, int kind)
 {
@@ -8849,7 +8849,7 @@ const char *dt_comm_intra_host(const dt_comm *c)
  * (so its own death is told apart from its predecessor's), swaps its new
  * address in without the collectives the first start runs (the others
  * are mid-job), and publishes "inc/<rank>" last, when it can be reached.
- * Peers that talk to it (18.6) read that key and swap the address in. */
+ * Peers that talk to it (src/ps.c) read that key and swap the address in. */
 static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_config *cfg)
 {
     dt_ctx *ctx = c->ctx;
@@ -9286,7 +9286,7 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
      * peers are mid-job: it tells them when it serves, announce_rejoin) */
     if (!c->inc && dt_barrier(c) != DT_OK)
         return ctx->last_status;
-    /* the profiler's offset to rank 0's clock (20), while the job is quiet */
+    /* the profiler's offset to rank 0's clock (src/profile.c), while the job is quiet */
     if (!c->members && store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
         return ctx->last_status;
     /* every local rank has mapped the segment: its name can go, so no
@@ -10051,8 +10051,8 @@ static float select_kth(float *v, int64_t n, int64_t k)
  * decode for element i (error feedback keeps g - sent).  TOPK keeps
  * pieces[3p + 2] entries of each piece [pieces[3p], pieces[3p + 1]), k in
  * all; scratch holds n floats; picked (may be NULL) marks what was sent.
- * DDP encodes buckets (16.1), a parameter-server push a server's part of
- * one (18). */
+ * DDP encodes buckets, a parameter-server push a server's part of
+ * one (src/ps.c). */
 DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
                         float *sent)
@@ -10245,7 +10245,7 @@ static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, co
 }
 
 /* A compressed push to the parameter servers: each server's part of the
- * bucket encoded on its own (18.2), error feedback as above; the servers
+ * bucket encoded on its own (src/ps.c), error feedback as above; the servers
  * decode, so nothing comes back to decode here. */
 static void ddp_ps_encode(dt_ddp *d, ddp_bucket *b)
 {
@@ -10376,7 +10376,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
         d->zero_gen = d->ctx->zero_gen;
     }
-    if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
+    if (d->cfg.ps) {   /* pushed to the servers (src/ps.c); dt_ddp_sync pulls */
         b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
                              .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
                              .clock = ps_clock(d->cfg.ps)};
@@ -10394,7 +10394,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
-    } else if (d->shared.base) {   /* the other ranks read it where it is (14.4) */
+    } else if (d->shared.base) {   /* the other ranks read it where it is (src/comm.c) */
         b->work = enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
                              b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
     } else {
@@ -10481,7 +10481,7 @@ static void ddp_param_final(dt_ddp *d, int i)
     ddp_mark_final(d, i, n);
 }
 
-/* For linear's backward (7.2): rows of w's gradient to compute per block so
+/* For linear's backward (src/ops.c): rows of w's gradient to compute per block so
  * each finished block can travel while the next computes; 0: all at once.
  * Only for a large weight whose last use on the tape this is. */
 #define DDP_CHUNK_MIN_FLOATS 65536
@@ -10703,7 +10703,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
     return DT_OK;
 }
 
-/* The loss scaler (9.1) over a DDP: refuse what it cannot serve; finish:
+/* The loss scaler (src/optim.c) over a DDP: refuse what it cannot serve; finish:
  * the step's reduction first, so it unscales and checks averages. */
 DT_PRIVATE dt_status ddp_for_scaler(dt_ddp *d, int finish)
 {
@@ -11943,10 +11943,10 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
  * is answered with a header (PS_TAG_RESP) and the floats (PS_TAG_RDATA).
  * Data travels in pieces of at most the header's `chunk` bytes, a few in
  * flight at a time, so no message exceeds the transport's limit and, on
- * shm, none needs the receiver's answer to complete (18.2).  Tags carry a
+ * shm, none needs the receiver's answer to complete.  Tags carry a
  * per (worker, server) sequence number and the piece's index, so every
  * message is matched exactly; their top 12 bits are all ones, which no
- * collective's tag has (14.1).  A worker's requests run on its comm thread as work of
+ * collective's tag has (src/comm.c).  A worker's requests run on its comm thread as work of
  * kind COLL_PS, like a bucket's allreduce; a server runs dt_ps_serve on
  * its own thread, owning the transport meanwhile (as run_inline does).
  *
@@ -12158,7 +12158,7 @@ static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
         if (dt_store_get(c->watch, key, val, sizeof val, &len, c->timeout_ms / 2) != DT_OK)
             return 0;
     }
-    ps->gone[s] = twin ? 1 : 2;   /* no twin: wait for a restarted process (18.6) */
+    ps->gone[s] = twin ? 1 : 2;   /* no twin: wait for a restarted process */
     ps->down_since[s] = dt_now();
     return 1;
 }
@@ -12414,7 +12414,7 @@ static uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
 }
 
 /* Servers found dead without a twin (gone 2): wait until a restarted
- * process of each has rejoined (14.6), swap its address in, and say hello
+ * process of each has rejoined (src/comm.c), swap its address in, and say hello
  * (our step, and how much of it its predecessor had); the request then
  * goes again to those servers `only` (their part of it was lost). */
 static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
@@ -12472,7 +12472,7 @@ static void ps_note_sent(dt_ps *ps, const ps_call *pc)
  * pull's rows go where the caller asked.  Replicated: a server found dead
  * is written off, and a pull that was asking it asks again (pulls are
  * idempotent; pushes already went to both servers of the shard).  A dead
- * server without a twin is waited for (18.6) and asked again. */
+ * server without a twin is waited for and asked again. */
 /* The record after one that holds orphaned sends (drain_gone): a fresh
  * one with the same settings; the old one waits in the graveyard. */
 static dt_status ps_fresh_xfers(dt_comm *c, dt_work *w, xfers **xsp)
@@ -12727,7 +12727,7 @@ dt_status dt_ps_finish(dt_ps *ps)
         return s;
     s = ps_call_run(ps, PS_FINISH, 0, 0, NULL);
     ps->finished = s == DT_OK;
-    if (s == DT_OK) {   /* a server restarted later must not wait for our hello (18.6) */
+    if (s == DT_OK) {   /* a server restarted later must not wait for our hello */
         char key[64];
         snprintf(key, sizeof key, "ps%d/done/%d", ps->job, ps->comm->rank);
         s = dt_store_set(ps->comm->store, key, "1", 2);
@@ -13625,7 +13625,7 @@ static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes)
     return ps_recv_pieces(ps, w, p->sdata, bytes);
 }
 
-/* A rejoined server (18.6) has heard from every live worker: its steps
+/* A rejoined server has heard from every live worker: its steps
  * count from the slowest one's, and the job goes on. */
 static dt_status ps_sync(dt_ps *ps)
 {
@@ -13758,7 +13758,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
 }
 
 /* Is another server dead and not yet back?  Workers wait for its restart
- * (18.6), silent here meanwhile: no reason to drop them. */
+ *, silent here meanwhile: no reason to drop them. */
 static int ps_server_down(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
@@ -13991,7 +13991,7 @@ dt_status dt_ps_serve(dt_ps *ps)
     return s;
 }
 
-/* With a parameter server (18) the workers alone wrap the model: the
+/* With a parameter server the workers alone wrap the model: the
  * servers' keys are the layout dt_ps_new agreed, which is this DDP's. */
 DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt)
 {
@@ -14293,7 +14293,7 @@ void dt_ps_free(dt_ps *ps)
  * context (tape, activations, gradients) whose parameters point at the
  * caller's, step the shared parameters with no locks.  Races are the
  * algorithm: on a sparse problem two steps rarely touch the same rows.
- * 2-D parameters get a row log (section 6's embedding backward writes it):
+ * 2-D parameters get a row log (src/autograd.c's embedding backward writes it):
  * while only dt_embedding writes their gradient, a step updates and clears
  * just the rows it used, so a step over a table of millions of rows costs
  * the rows it touches.  Any other op's gradient makes the step dense.

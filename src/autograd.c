@@ -165,7 +165,7 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed)
 
 /* Run ctx->tape backward from out, whose gradient is seed_grad (device
  * memory, out's shape, contiguous) or else the constant seed, and consume
- * the tape.  A pipeline (22) calls it with one micro-batch's tape. */
+ * the tape.  A pipeline (src/parallel.c) calls it with one micro-batch's tape. */
 DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed)
 {
     if (ctx->ddp) {

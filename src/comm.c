@@ -194,7 +194,7 @@ static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
     return DT_OK;
 }
 
-/* How long rank 0's dt_comm_free waits for the others to leave (13.3). */
+/* How long rank 0's dt_comm_free waits for the others to leave (src/store.c). */
 #define DT_COMM_DRAIN_MS 10000
 
 /* A failure reason as ranks publish it: "<status>|<message>". */
@@ -1464,7 +1464,7 @@ static void *comm_main(void *arg)
     return NULL;
 }
 
-/* A restarted rank's communicator (14.6) runs no collective: the others
+/* A restarted rank's communicator runs no collective: the others
  * are mid-job, and nothing would match. */
 static dt_status rejoined_refuses(dt_comm *c, int kind)
 {
@@ -1745,7 +1745,7 @@ const char *dt_comm_intra_host(const dt_comm *c)
  * (so its own death is told apart from its predecessor's), swaps its new
  * address in without the collectives the first start runs (the others
  * are mid-job), and publishes "inc/<rank>" last, when it can be reached.
- * Peers that talk to it (18.6) read that key and swap the address in. */
+ * Peers that talk to it (src/ps.c) read that key and swap the address in. */
 static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_config *cfg)
 {
     dt_ctx *ctx = c->ctx;
@@ -2182,7 +2182,7 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
      * peers are mid-job: it tells them when it serves, announce_rejoin) */
     if (!c->inc && dt_barrier(c) != DT_OK)
         return ctx->last_status;
-    /* the profiler's offset to rank 0's clock (20), while the job is quiet */
+    /* the profiler's offset to rank 0's clock (src/profile.c), while the job is quiet */
     if (!c->members && store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
         return ctx->last_status;
     /* every local rank has mapped the segment: its name can go, so no

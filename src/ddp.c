@@ -185,8 +185,8 @@ static float select_kth(float *v, int64_t n, int64_t k)
  * decode for element i (error feedback keeps g - sent).  TOPK keeps
  * pieces[3p + 2] entries of each piece [pieces[3p], pieces[3p + 1]), k in
  * all; scratch holds n floats; picked (may be NULL) marks what was sent.
- * DDP encodes buckets (16.1), a parameter-server push a server's part of
- * one (18). */
+ * DDP encodes buckets, a parameter-server push a server's part of
+ * one (src/ps.c). */
 DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
                         float *sent)
@@ -379,7 +379,7 @@ static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, co
 }
 
 /* A compressed push to the parameter servers: each server's part of the
- * bucket encoded on its own (18.2), error feedback as above; the servers
+ * bucket encoded on its own (src/ps.c), error feedback as above; the servers
  * decode, so nothing comes back to decode here. */
 static void ddp_ps_encode(dt_ddp *d, ddp_bucket *b)
 {
@@ -510,7 +510,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
         d->zero_gen = d->ctx->zero_gen;
     }
-    if (d->cfg.ps) {   /* pushed to the servers (18); dt_ddp_sync pulls */
+    if (d->cfg.ps) {   /* pushed to the servers (src/ps.c); dt_ddp_sync pulls */
         b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
                              .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
                              .clock = ps_clock(d->cfg.ps)};
@@ -528,7 +528,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
-    } else if (d->shared.base) {   /* the other ranks read it where it is (14.4) */
+    } else if (d->shared.base) {   /* the other ranks read it where it is (src/comm.c) */
         b->work = enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
                              b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
     } else {
@@ -615,7 +615,7 @@ static void ddp_param_final(dt_ddp *d, int i)
     ddp_mark_final(d, i, n);
 }
 
-/* For linear's backward (7.2): rows of w's gradient to compute per block so
+/* For linear's backward (src/ops.c): rows of w's gradient to compute per block so
  * each finished block can travel while the next computes; 0: all at once.
  * Only for a large weight whose last use on the tape this is. */
 #define DDP_CHUNK_MIN_FLOATS 65536
@@ -837,7 +837,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
     return DT_OK;
 }
 
-/* The loss scaler (9.1) over a DDP: refuse what it cannot serve; finish:
+/* The loss scaler (src/optim.c) over a DDP: refuse what it cannot serve; finish:
  * the step's reduction first, so it unscales and checks averages. */
 DT_PRIVATE dt_status ddp_for_scaler(dt_ddp *d, int finish)
 {

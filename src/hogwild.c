@@ -7,7 +7,7 @@
  * context (tape, activations, gradients) whose parameters point at the
  * caller's, step the shared parameters with no locks.  Races are the
  * algorithm: on a sparse problem two steps rarely touch the same rows.
- * 2-D parameters get a row log (section 6's embedding backward writes it):
+ * 2-D parameters get a row log (src/autograd.c's embedding backward writes it):
  * while only dt_embedding writes their gradient, a step updates and clears
  * just the rows it used, so a step over a table of millions of rows costs
  * the rows it touches.  Any other op's gradient makes the step dense.

@@ -84,7 +84,7 @@ struct dt_tensor {
     char *name;                    /* persistent tensors only */
     int param_index;               /* T_PARAM: index in ctx->params */
     dt_tensor *next, *prev;        /* persistent list */
-    struct row_log *rowlog;        /* Hogwild! (19): the gradient rows embedding wrote */
+    struct row_log *rowlog;        /* Hogwild! (src/hogwild.c): the gradient rows embedding wrote */
 };
 
 /* The rows of a 2-D parameter's gradient that backward wrote through
@@ -136,7 +136,7 @@ typedef struct dt_arena_mark {
     size_t chunk_used, used;
 } dt_arena_mark;
 
-/* The profiler's state (20), one per context.  The phases and the step
+/* The profiler's state (src/profile.c), one per context.  The phases and the step
  * are the compute thread's alone; the event buffer and the totals the comm
  * and loader threads add to are under mu. */
 typedef struct prof_event {
@@ -158,7 +158,7 @@ typedef struct prof_state {
     /* the step under way (compute thread) */
     int depth, open, had_backward;
     double step_t0, mark, cur[6];
-    double cur_pipe;           /* of cur[PH_COMM_WAIT]: waiting for pipeline neighbours (22) */
+    double cur_pipe;           /* of cur[PH_COMM_WAIT]: waiting for pipeline neighbours (src/parallel.c) */
     int64_t cur_samples, step_index;
     /* totals */
     dt_profile_stats tot;
@@ -172,7 +172,7 @@ typedef struct prof_state {
     /* since the last cross-rank check (16: balance, stragglers) */
     double win_compute;
     int64_t win_steps, win_samples;
-    int balancing;             /* a DDP balances the load: keep measuring (16) */
+    int balancing;             /* a DDP balances the load: keep measuring (src/ddp.c) */
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
     /* rank 0 after dt_profile_finish */
@@ -197,7 +197,7 @@ struct dt_ctx {
     uint64_t rng[4];               /* xoshiro256** state for init */
     uint64_t dropout_counter;
     int grad_enabled, training;
-    dt_precision autocast;         /* matmul, linear, conv2d inputs (6.1) */
+    dt_precision autocast;         /* matmul, linear, conv2d inputs (src/autograd.c) */
 
     dt_arena dev, host;            /* step memory */
     dt_arena scratch_dev, scratch_host; /* recompute segments */
@@ -212,20 +212,20 @@ struct dt_ctx {
     int n_params, cap_params;
     dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (a parameter */
     int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
-    struct dt_ddp *ddp;            /* attached data parallelism (16), or NULL */
+    struct dt_ddp *ddp;            /* attached data parallelism (src/ddp.c), or NULL */
     uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
-    prof_state prof;               /* the profiler (20) */
+    prof_state prof;               /* the profiler (src/profile.c) */
 };
 
 #define DT_DEFAULT_ARENA_BYTES ((size_t)8 << 20)
 #define DT_ARENA_ALIGN 64
 
-/* The parameter server (18) runs its workers' requests on the comm thread (14). */
+/* The parameter server (src/ps.c) runs its workers' requests on the comm thread (src/comm.c). */
 struct dt_work;
 struct xfers;
 struct ps_call;
 
-/* The profiler (20) hears of phases, steps, collectives and batches. */
+/* The profiler (src/profile.c) hears of phases, steps, collectives and batches. */
 enum { PH_DATA, PH_FORWARD, PH_BACKWARD, PH_COMM_WAIT, PH_OPTIM, PH_IDLE, PH_COUNT };
 
 
@@ -463,7 +463,7 @@ struct dt_store {
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
        COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_PS, COLL_P2P };
 
-/* Memory every rank on the host maps (14.4): local rank q's part starts at
+/* Memory every rank on the host maps (src/comm.c): local rank q's part starts at
  * base + q * part.  DDP keeps its gradient buckets there, so the host's
  * allreduce reads the other ranks' gradients where backward wrote them. */
 typedef struct shm_region {
@@ -479,7 +479,7 @@ struct dt_work {
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
     const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
-                                  part); COLL_PS: the ps_call (18) */
+                                  part); COLL_PS: the ps_call (src/ps.c) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
     void *owned;               /* freed with the work (a background request's memory) */
     int64_t n;
@@ -494,7 +494,7 @@ struct dt_work {
 };
 
 /* What one COLL_PS work does: a worker's request to the parameter servers
- * (section 18), run on its comm thread.  The headers live here, not on the
+ * (src/ps.c), run on its comm thread.  The headers live here, not on the
  * comm thread's stack: a failed request may leave posts behind it. */
 enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO, PS_CPUSH };
 #define PS_MAX_SERVERS 8
@@ -509,7 +509,7 @@ typedef struct ps_msg {
     int64_t k;                 /* and its entries (TOPK) */
     char err[160];
 } ps_msg;
-/* One message's data in pieces (18.2): piece i of `pieces` is bytes
+/* One message's data in pieces (src/ps.c): piece i of `pieces` is bytes
  * [i * chunk, ...) of buf, tagged ps_tag(type, seq, i). */
 typedef struct ps_stream {
     int peer, sending, type;
@@ -531,7 +531,7 @@ typedef struct ps_call {
     int64_t *where;            /* pull: asked id i is row where[i] / 8 of server where[i] % 8 */
     ps_msg out[2 * PS_MAX_SERVERS], in[PS_MAX_SERVERS];   /* in: by server */
     unsigned char asked[PS_MAX_SERVERS];   /* an answer is expected from this server */
-    /* restarted servers (18.6): a round goes to `only` those; what was sent */
+    /* restarted servers (src/ps.c): a round goes to `only` those; what was sent */
     unsigned char only[PS_MAX_SERVERS];
     int use_only;
     int64_t posted[PS_MAX_SERVERS];        /* push: floats sent to each server */
@@ -575,7 +575,7 @@ struct dt_comm {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     dt_work *head, *tail;
-    /* hosts (14.6) and the host segment (14.4) */
+    /* hosts (src/comm.c) and the host segment (src/comm.c) */
     int nhosts, nlocal, local_index;
     int *local_ranks;          /* global ranks on this host, ascending */
     int *leaders;              /* lowest rank of each host, ascending */
@@ -596,10 +596,10 @@ struct dt_comm {
     int announced;             /* a restarted process told its peers it serves */
     uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
-    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (20) */
+    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
     double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
-    struct xfers *graveyard;   /* comm thread: records holding orphaned sends (14.2) */
-    /* process groups (14.7) */
+    struct xfers *graveyard;   /* comm thread: records holding orphaned sends (src/comm.c) */
+    /* process groups (src/comm.c) */
     dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
     int *members;              /* a group's: the job rank of each group rank; NULL: the job */
     char label[96];            /* a group's: "group [1 3]: ", before its errors */
@@ -702,7 +702,7 @@ typedef struct ddp_bucket {
                                   last bucket, none elsewhere */
     int64_t pending;           /* gradient floats not yet final in this backward */
     dt_work *work;             /* its allreduce (or gather), in flight */
-    /* compression (16.1): this rank's encoded bucket, everyone's, and what
+    /* compression (src/ddp.c): this rank's encoded bucket, everyone's, and what
      * error feedback carries to the next step */
     int64_t topk;              /* TOPK: entries sent */
     int npieces;               /* TOPK: the parameters' parts in this bucket, each */
@@ -755,10 +755,10 @@ struct dt_ddp {
     uint64_t zero_gen;         /* ctx->zero_gen when this step's buckets started */
     float *scratch;            /* TOPK selection, numel of the largest bucket */
     unsigned char *picked;     /* TOPK: which entries were sent, same size */
-    float momentum;            /* > 0: momentum correction (16.1) */
+    float momentum;            /* > 0: momentum correction (src/ddp.c) */
     int64_t topk_steps;        /* TOPK: steps sent so far (the warm-up's clock) */
     dt_ddp_stats st;
-    /* the ranks' checks (20) and load balancing (16.5) */
+    /* the ranks' checks (src/profile.c) and load balancing (src/ddp.c) */
     int check_every;           /* profiling: steps between straggler checks; 0: none */
     dt_loader *bal_ld;         /* balancing: the loader whose global batches it cuts */
     int bal_every;
@@ -894,7 +894,7 @@ struct dt_ps {
     int W, S, server;          /* server: this rank's server index, -1 on workers */
     int L, shard;              /* key shards (S, or S / 2 replicated); a server's shard */
     unsigned char *gone;       /* worker, per server: 1 dead and written off (its twin
-                                  serves), 2 dead and awaited (18.6) */
+                                  serves), 2 dead and awaited (src/ps.c) */
     uint32_t *inc;             /* worker, per server: its process's incarnation */
     double *down_since;        /* worker, per server: when it was found dead */
     int64_t *sent, *sent_clock; /* worker, per server: floats of step sent_clock it has
@@ -910,7 +910,7 @@ struct dt_ps {
     int ntables;
     ps_tab *tabs;
     /* worker */
-    size_t chunk;              /* our messages' pieces, and the answers' (18.2) */
+    size_t chunk;              /* our messages' pieces, and the answers' (src/ps.c) */
     uint32_t *seq;             /* per server: our next request */
     int64_t clock;             /* steps pushed */
     float *stage;              /* G + P floats: packing pushes, receiving pulls */
@@ -1160,9 +1160,9 @@ DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const i
 DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
 DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
 DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
-   /* section 6 */
+   /* src/autograd.c */
 
-/* Data parallelism (16) hooks into backward (6) and the context's end. */
+/* Data parallelism (src/ddp.c) hooks into backward (src/autograd.c) and the context's end. */
 DT_PRIVATE dt_status ddp_backward_begin(struct dt_ddp *d);
 DT_PRIVATE void ddp_node_done(struct dt_ddp *d, const dt_node *n);
 DT_PRIVATE dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);

@@ -541,7 +541,7 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
              gx, in);
     }
     /* Under DDP a large weight's gradient is made in row blocks, each sent
-     * while the next computes (16); the bias goes first so it never holds
+     * while the next computes (src/ddp.c); the bias goes first so it never holds
      * back the bucket it shares with the weight's first rows. */
     int64_t step = needs_grad(w) ? ddp_grad_chunk_rows(ctx, w, out, in) : 0;
     if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */

@@ -17,10 +17,10 @@
  * is answered with a header (PS_TAG_RESP) and the floats (PS_TAG_RDATA).
  * Data travels in pieces of at most the header's `chunk` bytes, a few in
  * flight at a time, so no message exceeds the transport's limit and, on
- * shm, none needs the receiver's answer to complete (18.2).  Tags carry a
+ * shm, none needs the receiver's answer to complete.  Tags carry a
  * per (worker, server) sequence number and the piece's index, so every
  * message is matched exactly; their top 12 bits are all ones, which no
- * collective's tag has (14.1).  A worker's requests run on its comm thread as work of
+ * collective's tag has (src/comm.c).  A worker's requests run on its comm thread as work of
  * kind COLL_PS, like a bucket's allreduce; a server runs dt_ps_serve on
  * its own thread, owning the transport meanwhile (as run_inline does).
  *
@@ -232,7 +232,7 @@ static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
         if (dt_store_get(c->watch, key, val, sizeof val, &len, c->timeout_ms / 2) != DT_OK)
             return 0;
     }
-    ps->gone[s] = twin ? 1 : 2;   /* no twin: wait for a restarted process (18.6) */
+    ps->gone[s] = twin ? 1 : 2;   /* no twin: wait for a restarted process */
     ps->down_since[s] = dt_now();
     return 1;
 }
@@ -488,7 +488,7 @@ static uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
 }
 
 /* Servers found dead without a twin (gone 2): wait until a restarted
- * process of each has rejoined (14.6), swap its address in, and say hello
+ * process of each has rejoined (src/comm.c), swap its address in, and say hello
  * (our step, and how much of it its predecessor had); the request then
  * goes again to those servers `only` (their part of it was lost). */
 static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
@@ -546,7 +546,7 @@ static void ps_note_sent(dt_ps *ps, const ps_call *pc)
  * pull's rows go where the caller asked.  Replicated: a server found dead
  * is written off, and a pull that was asking it asks again (pulls are
  * idempotent; pushes already went to both servers of the shard).  A dead
- * server without a twin is waited for (18.6) and asked again. */
+ * server without a twin is waited for and asked again. */
 /* The record after one that holds orphaned sends (drain_gone): a fresh
  * one with the same settings; the old one waits in the graveyard. */
 static dt_status ps_fresh_xfers(dt_comm *c, dt_work *w, xfers **xsp)
@@ -801,7 +801,7 @@ dt_status dt_ps_finish(dt_ps *ps)
         return s;
     s = ps_call_run(ps, PS_FINISH, 0, 0, NULL);
     ps->finished = s == DT_OK;
-    if (s == DT_OK) {   /* a server restarted later must not wait for our hello (18.6) */
+    if (s == DT_OK) {   /* a server restarted later must not wait for our hello */
         char key[64];
         snprintf(key, sizeof key, "ps%d/done/%d", ps->job, ps->comm->rank);
         s = dt_store_set(ps->comm->store, key, "1", 2);
@@ -1699,7 +1699,7 @@ static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes)
     return ps_recv_pieces(ps, w, p->sdata, bytes);
 }
 
-/* A rejoined server (18.6) has heard from every live worker: its steps
+/* A rejoined server has heard from every live worker: its steps
  * count from the slowest one's, and the job goes on. */
 static dt_status ps_sync(dt_ps *ps)
 {
@@ -1832,7 +1832,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
 }
 
 /* Is another server dead and not yet back?  Workers wait for its restart
- * (18.6), silent here meanwhile: no reason to drop them. */
+ *, silent here meanwhile: no reason to drop them. */
 static int ps_server_down(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
@@ -2065,7 +2065,7 @@ dt_status dt_ps_serve(dt_ps *ps)
     return s;
 }
 
-/* With a parameter server (18) the workers alone wrap the model: the
+/* With a parameter server the workers alone wrap the model: the
  * servers' keys are the layout dt_ps_new agreed, which is this DDP's. */
 DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt)
 {

@@ -28,7 +28,7 @@
 #define DT_STORE_DEFAULT_TIMEOUT_MS 30000
 
 /* The key a dead rank's process is recorded under: "dead/<rank>" for the
- * first, "dead/<rank>.<n>" for the n-th restart (14.6), so a restarted
+ * first, "dead/<rank>.<n>" for the n-th restart (src/comm.c), so a restarted
  * rank is not taken for dead by its predecessor's record. */
 DT_PRIVATE void dead_key(char *key, size_t cap, int rank, uint32_t inc)
 {
@@ -364,7 +364,7 @@ static int sv_frame(store_server *sv, store_client *c, const unsigned char *f, s
         sv_serve_waiters(sv);
         return 0;
     }
-    if (op == OP_TIME) {   /* rank 0's clock, for the others' offsets (20) */
+    if (op == OP_TIME) {   /* rank 0's clock, for the others' offsets (src/profile.c) */
         if (n != 1)
             return sv_error(sv, c, op, "malformed time");
         double now = dt_now();
@@ -759,7 +759,7 @@ static dt_status store_hello(dt_store *s, const char *token)
     put_u32(req + 5, (uint32_t)s->rank);
     put_u16(req + 9, (uint32_t)tl);
     memcpy(req + 11, token, tl);
-    if (s->inc)   /* a restarted rank's process (14.6): its death has its own key */
+    if (s->inc)   /* a restarted rank's process (src/comm.c): its death has its own key */
         put_u32(req + 11 + tl, s->inc);
     char msg[256];
     size_t len = 0;
@@ -781,7 +781,7 @@ dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_conf
     return store_open(ctx, env, cfg, 1, 0);
 }
 
-/* serve: rank 0 starts the store; inc: this process's incarnation (14.6) */
+/* serve: rank 0 starts the store; inc: this process's incarnation (src/comm.c) */
 DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
                             int serve, uint32_t inc)
 {
