@@ -38,31 +38,43 @@ DEFS="-DDT_WITH_CPU -DDT_WITH_FABRIC"
 CPU_DEFS=$DEFS CPU_LIBS=$LIBS   # builds that leave CUDA out (valgrind)
 
 # The CUDA backend is compiled whenever nvcc is found (CI always has the
-# toolkit, not always a GPU): the library then holds both backends and a
-# context picks one by name.  Without nvcc the build is CPU-only.
+# toolkit, not always a GPU).  The library and the programs linking it keep
+# it out: it is build/libdtrain_cuda.so, which the core loads when a
+# context asks for "cuda" (src/context.c), so CPU programs never map cuBLAS.
+# The development build (the unit suite, the sanitized examples) compiles
+# it in instead (-DDT_WITH_CUDA, DEV_DEFS / DEV_LIBS), as a vendored build
+# can.  Without nvcc the build is CPU-only.
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 NVCC=${NVCC:-$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")}
-CUDA_OBJ=""
+CUDA_OBJ="" CUDA_PLUGIN=""
+DEV_DEFS=$DEFS DEV_LIBS=$LIBS
+CUDA_LIBS="-L$CUDA_HOME/lib64 -Wl,-rpath,$CUDA_HOME/lib64 -lcublas -lcudart -lstdc++"
 if [ "${DT_CUDA:-1}" = 1 ] && [ -x "$NVCC" ]; then
-    DEFS="$DEFS -DDT_WITH_CUDA"
-    LIBS="$LIBS -L$CUDA_HOME/lib64 -Wl,-rpath,$CUDA_HOME/lib64 -lcublas -lcudart -lstdc++"
+    DEV_DEFS="$DEFS -DDT_WITH_CUDA"
+    DEV_LIBS="$LIBS $CUDA_LIBS"
     CUDA_OBJ=$BUILD/obj/cuda.o
+    CUDA_PLUGIN=$BUILD/libdtrain_cuda.so
 fi
 # A100 and H100 binaries, and PTX the driver can compile for newer GPUs.
 CUDA_ARCH="-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
            -gencode arch=compute_90,code=compute_90"
 
-# backends/cuda.cu -> $CUDA_OBJ, rebuilt only when it or the headers change
+# backends/cuda.cu -> $CUDA_OBJ and the loadable $CUDA_PLUGIN (which
+# exports dt_backend_cuda_iface alone), each rebuilt only when stale
 build_cuda() {
     [ -n "$CUDA_OBJ" ] || return 0
-    mkdir -p $BUILD/obj
-    if [ -f "$CUDA_OBJ" ] && [ ! backends/cuda.cu -nt "$CUDA_OBJ" ] &&
-       [ ! backends/backend.h -nt "$CUDA_OBJ" ] && [ ! dtrain.h -nt "$CUDA_OBJ" ]; then
-        return 0
+    mkdir -p $BUILD/obj $BUILD/test
+    if stale "$CUDA_OBJ" backends/cuda.cu backends/backend.h backends/shape.h dtrain.h; then
+        echo "build.sh: compiling the CUDA backend ($NVCC)"
+        "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings $CUDA_ARCH \
+            -DDT_WITH_CUDA -I. -c backends/cuda.cu -o "$CUDA_OBJ"
     fi
-    echo "build.sh: compiling the CUDA backend ($NVCC)"
-    "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings $CUDA_ARCH \
-        -DDT_WITH_CUDA -I. -c backends/cuda.cu -o "$CUDA_OBJ"
+    if stale "$CUDA_PLUGIN" "$CUDA_OBJ"; then
+        printf '{\n  global: dt_backend_cuda_iface;\n  local: *;\n};\n' > $BUILD/cuda.map
+        $CC -shared -Wl,--version-script=$BUILD/cuda.map "$CUDA_OBJ" $CUDA_LIBS -o "$CUDA_PLUGIN"
+    fi
+    # programs in build/test find it beside them (src/context.c, load_cuda_plugin)
+    ln -sf ../libdtrain_cuda.so $BUILD/test/libdtrain_cuda.so
 }
 
 # dtrain.c, generated from src/ (SQLite's amalgamation): src/internal.h
@@ -190,20 +202,20 @@ lib_compile_cmds() {
 }
 
 # The library is current when it was built with these flags after every
-# source and header last changed (and after the CUDA object).
+# source and header last changed.
 LIB_STAMP=$BUILD/obj/lib.stamp
 lib_is_current() {
     local f
     [ -f "$LIB_STAMP" ] && [ -f $BUILD/libdtrain.so ] && [ -f $BUILD/libdtrain.a ] || return 1
     [ "$(cat "$LIB_STAMP")" = "$CC $WARN $OPT $DEFS $LIBS" ] || return 1
-    for f in $CORE_SRC dtrain.h backends/*.h $CUDA_OBJ ${CUDA_OBJ:+backends/cuda.cu}; do
+    for f in $CORE_SRC dtrain.h backends/*.h; do
         [ "$f" -nt "$LIB_STAMP" ] && return 1
     done
     return 0
 }
 
 link_lib() {
-    local objs="$BUILD/obj/dtrain.o $BUILD/obj/cpu.o $BUILD/obj/fabric.o $CUDA_OBJ"
+    local objs="$BUILD/obj/dtrain.o $BUILD/obj/cpu.o $BUILD/obj/fabric.o"
     printf 'DTRAIN_%s {\n  global: dt_*;\n  local: *;\n};\n' "$(dt_version major)" > $BUILD/dtrain.map
     rm -f $BUILD/libdtrain.a
     ar rcs $BUILD/libdtrain.a $objs
@@ -220,12 +232,11 @@ link_lib() {
 # or nothing at all when they are current.
 build_lib() {
     mkdir -p $BUILD/obj $BUILD/shared
-    lib_is_current && return 0
     build_cuda &
     local nv=$!
-    lib_compile_cmds | run_parallel
+    lib_is_current || lib_compile_cmds | run_parallel
     wait $nv
-    link_lib
+    lib_is_current || link_lib
 }
 
 build_examples() {
@@ -276,6 +287,38 @@ example_checks() {
         { echo "example: the fp16 run has no final accuracy line"; exit 1; }
     unset ASAN_OPTIONS
     echo "example checks: ok"
+}
+
+# The CUDA backend loads on demand: a program linking the library maps no
+# CUDA library; --backend cuda loads build/libdtrain_cuda.so (which, on a
+# machine without a GPU, then says there is none); a missing plugin is a
+# clear error.
+plugin_checks() {
+    [ -n "$CUDA_PLUGIN" ] || { echo "plugin checks: skipped: no nvcc, no CUDA backend"; return 0; }
+    local fast=$BUILD/test/fashion_mnist_O2 out
+    if ldd "$fast" | grep -E 'libcublas|libcudart'; then
+        echo "plugin check: a program linking libdtrain maps CUDA libraries"; exit 1
+    fi
+    if out=$(DTRAIN_CUDA_LIB=/nonexistent/libdtrain_cuda.so "$fast" --backend cuda --epochs 1 \
+             --limit-batches 1 2>&1); then
+        echo "plugin check: --backend cuda ran without its plugin"; exit 1
+    fi
+    case "$out" in *"backend 'cuda' cannot be loaded (/nonexistent/libdtrain_cuda.so"*) ;;
+        *) echo "plugin check: unclear error without the plugin:"; echo "$out"; exit 1 ;; esac
+    if gpu_present; then echo "plugin checks: ok (gpu_checks train through the plugin)"; return 0; fi
+    if out=$("$fast" --backend cuda --epochs 1 --limit-batches 1 2>&1); then
+        echo "plugin check: no GPU here, yet --backend cuda ran"; exit 1
+    fi
+    case "$out" in *"cuda: no CUDA device is visible"*) ;;
+        *) echo "plugin check: the plugin did not load and start:"; echo "$out"; exit 1 ;; esac
+    echo "plugin checks: CPU programs map no CUDA library; --backend cuda loads the plugin," \
+         "which finds no GPU here"
+}
+
+# Every module calls down only, but for the listed calls that wait for hooks
+# (tests/layers.py, docs/DESIGN.md).
+layer_checks() {
+    /usr/bin/python3 tests/layers.py
 }
 
 # The parameter server end to end.  Accuracy: the Fashion-MNIST MLP with 2
@@ -388,7 +431,7 @@ readme_example() {
     awk '/^```c$/{f=1;next} /^```$/{f=0} f' README.md > $BUILD/test/readme_example.c
     local o=$BUILD/obj
     $CC $WARN $1 $DEFS -I. $BUILD/test/readme_example.c $o/dtrain.o $o/cpu.o $o/fabric.o \
-        $CUDA_OBJ $LIBS -o $BUILD/test/readme_example
+        $LIBS -o $BUILD/test/readme_example
     $BUILD/test/readme_example
 }
 
@@ -597,6 +640,7 @@ cmd_install() {
     cp $BUILD/libdtrain.a $BUILD/libdtrain.so.$(dt_version) "$prefix/lib/"
     ln -sf libdtrain.so.$(dt_version) "$prefix/lib/libdtrain.so.$(dt_version major)"
     ln -sf libdtrain.so.$(dt_version major) "$prefix/lib/libdtrain.so"
+    [ -z "$CUDA_PLUGIN" ] || cp "$CUDA_PLUGIN" "$prefix/lib/"   # loaded on demand, beside it
     {
         echo "prefix=$prefix"
         echo 'includedir=${prefix}/include'
@@ -715,18 +759,19 @@ build_test_programs() {
     local nv=$!
     {
         lib_is_current || lib_compile_cmds
-        obj_compile_cmds $o "$WARN $san $DEFS" 1
+        obj_compile_cmds $o "$WARN $san $DEV_DEFS" 1
         obj_compile_cmds $py "$WARN $san -fPIC $CPU_DEFS"
-        stale $o/fashion_mnist_O2.o examples/fashion_mnist.c dtrain.h &&
+        if stale $o/fashion_mnist_O2.o examples/fashion_mnist.c dtrain.h; then
             echo "$CC $WARN -O2 $DEFS -I. -c examples/fashion_mnist.c -o $o/fashion_mnist_O2.o"
+        fi
     } | run_parallel
     wait $nv
     lib_is_current || link_lib
     for f in tests/test_*.c; do tobj="$tobj $o/$(basename "${f%.c}").o"; done
-    $CC $san $core $tobj $LIBS -lcmocka -o $BUILD/test/dtrain_tests
+    $CC $san $core $tobj $DEV_LIBS -lcmocka -o $BUILD/test/dtrain_tests
     for f in examples/*.c; do   # the examples must build too (and stay warning-free)
         n=$(basename "${f%.c}")
-        $CC $san $o/$n.o $core $LIBS -o $BUILD/test/$n
+        $CC $san $o/$n.o $core $DEV_LIBS -o $BUILD/test/$n
     done
     $CC $o/fashion_mnist_O2.o $BUILD/libdtrain.a $LIBS -o $BUILD/test/fashion_mnist_O2
     $CC $san -shared $pycore $CPU_LIBS -o $py/libdtrain.so
@@ -746,10 +791,12 @@ cmd_test() {
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local t0=$SECONDS
     amalgamation_check
+    layer_checks
     build_test_programs "$san"
     echo "build.sh: compiling the library, the tests and the examples: $((SECONDS - t0)) s"
     [ "${DT_BUILD_ONLY:-0}" = 0 ] || return 0
     timed example_checks
+    timed plugin_checks
     timed embed_checks
     timed ps_checks
     timed pipeline_checks

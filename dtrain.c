@@ -23,6 +23,7 @@
 #include "backends/transport.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -58,8 +59,11 @@
 #ifndef DT_PRIVATE
 #define DT_PRIVATE
 #endif
+
+/* The CUDA backend as a shared object (src/context.c, load_cuda_plugin) */
+#define DT_CUDA_PLUGIN "libdtrain_cuda.so"
 /* ===========================================================================
- * 1. Internal types
+ * Internal types
  *
  * A tensor is a header (shape, strides, data pointer) plus flags.  Step
  * tensors live in the context's arenas and die at dt_step_reset; persistent
@@ -194,6 +198,7 @@ struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
     dt_backend *be;
+    void *be_plugin;               /* dlopen handle of a loaded backend, or NULL */
     dt_status init_status;
     dt_status last_status;
     char err[DT_MAX_ERROR];
@@ -1038,10 +1043,70 @@ typedef struct pipe_arenas {
 } pipe_arenas;
 
 /* ===========================================================================
+ * bf16 and IEEE half, bit for bit as the backends round (DDP and the
+ * parameter server's compressed messages, checkpoints of 16-bit tensors)
+ * ======================================================================== */
+
+/* Round to nearest even; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half, round to nearest even: overflow to infinity, subnormals kept. */
+static inline uint16_t f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u)
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u)   /* 65520 and up round to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal half (or zero) */
+        float v;
+        memcpy(&v, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
+    }
+    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1) - 0x38000000u;
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    if (e == 0) {
+        float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ===========================================================================
  * What each module offers the others
  * ======================================================================== */
 
 /* src/context.c */
+DT_PRIVATE int be_stages(const dt_backend_iface *b);
+DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes);
+DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes);
+DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* A warning: kept for dt_last_warning, and told as dt_set_log says. */
@@ -1083,10 +1148,6 @@ DT_PRIVATE uint64_t xoshiro_next(uint64_t s[4]);
 DT_PRIVATE void xoshiro_seed(uint64_t s[4], uint64_t seed);
 
 /* src/autograd.c */
-DT_PRIVATE int be_stages(const dt_backend_iface *b);
-DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes);
-DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes);
-DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t);
 DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
@@ -1158,10 +1219,6 @@ DT_PRIVATE dt_status shared_region_map(dt_comm *c, size_t part_bytes, shm_region
 DT_PRIVATE void shared_region_free(shm_region *r);
 
 /* src/ddp.c */
-DT_PRIVATE uint16_t f32_to_bf16(float f);
-DT_PRIVATE float bf16_to_f32(uint16_t h);
-DT_PRIVATE uint16_t f32_to_f16(float f);
-DT_PRIVATE float f16_to_f32(uint16_t h);
 DT_PRIVATE size_t ddp_code_bytes(dt_compress kind, int64_t numel, int64_t topk);
 DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
@@ -1214,7 +1271,7 @@ DT_PRIVATE int64_t steal_next(dt_loader *ld, int *shard, int *stolen);
 /* ======= src/context.c ======= */
 
 /* ===========================================================================
- * 2. Errors and the context
+ * Errors and the context
  *
  * Every failure goes through set_error, which keeps the status and a message
  * in the context (never a global).  Functions that return a handle return
@@ -1343,12 +1400,67 @@ static const char *compiled_backends(void)
 #if defined(DT_WITH_CPU) && defined(DT_WITH_CUDA)
     return "cpu, cuda";
 #elif defined(DT_WITH_CPU)
-    return "cpu";
+    return "cpu; cuda loads from " DT_CUDA_PLUGIN " when asked for";
 #elif defined(DT_WITH_CUDA)
     return "cuda";
 #else
     return "none: build with backends/cpu.c and -DDT_WITH_CPU";
 #endif
+}
+
+/* The CUDA backend, when it is not compiled in, is a shared object loaded
+ * when a context asks for "cuda" (as ggml loads its backends): a CPU program
+ * never maps cuBLAS and the CUDA runtime (~150 MB of its RSS), and starts
+ * on a machine without them.  Tried in order: $DTRAIN_CUDA_LIB; the
+ * directory of the library or program this code is in; the loader's own
+ * search (LD_LIBRARY_PATH, RUNPATH, the system's directories).  Each
+ * context holds its own handle (dlopen counts them), closed in
+ * dt_ctx_free.  NULL with the reasons in why when none loads. */
+static void *open_plugin(const char *path, char *why, size_t len)
+{
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);   /* CUDA does not unload */
+    if (!h) {
+        size_t used = strlen(why);
+        const char *e = dlerror();
+        snprintf(why + used, len - used, "%s%s", used ? "; " : "", e ? e : path);
+    }
+    return h;
+}
+
+static void *load_cuda_plugin(char *why, size_t len)
+{
+    const char *env = getenv("DTRAIN_CUDA_LIB");
+    if (env && *env)
+        return open_plugin(env, why, len);
+    void *h = NULL;
+    Dl_info self;
+    char path[PATH_MAX];
+    if (dladdr((void *)load_cuda_plugin, &self) && self.dli_fname && strchr(self.dli_fname, '/')) {
+        const char *slash = strrchr(self.dli_fname, '/');
+        snprintf(path, sizeof path, "%.*s/%s", (int)(slash - self.dli_fname), self.dli_fname,
+                 DT_CUDA_PLUGIN);
+        h = open_plugin(path, why, len);
+    }
+    return h ? h : open_plugin(DT_CUDA_PLUGIN, why, len);
+}
+
+static const dt_backend_iface *load_backend(dt_ctx *ctx, const char *name, char *why, size_t len)
+{
+    why[0] = '\0';
+    if (strcmp(name, "cuda") != 0)
+        return NULL;
+    void *h = load_cuda_plugin(why, len);
+    if (!h)
+        return NULL;
+    const dt_backend_iface *(*get)(void) =
+        (const dt_backend_iface *(*)(void))dlsym(h, "dt_backend_cuda_iface");
+    if (!get) {
+        snprintf(why, len, "%s has no dt_backend_cuda_iface", DT_CUDA_PLUGIN);
+        dlclose(h);
+        return NULL;
+    }
+    ctx->be_plugin = h;
+    return get();
 }
 
 DT_PRIVATE void arena_init(dt_arena *a, int on_device, size_t min_chunk)
@@ -1403,10 +1515,15 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
                        : cfg.backend                                    ? cfg.backend
                                                                         : "cpu";
     ctx->be_iface = cfg.custom_backend ? cfg.custom_backend : find_backend(name);
+    char why[512] = "";
+    if (!ctx->be_iface)
+        ctx->be_iface = load_backend(ctx, name, why, sizeof why);
     if (!ctx->be_iface) {
-        ctx->init_status = set_error(ctx, DT_ENOTSUP,
-                                     "ctx: backend '%s' is not compiled in (compiled in: %s)",
-                                     name, compiled_backends());
+        ctx->init_status =
+            why[0] ? set_error(ctx, DT_ENOTSUP, "ctx: backend '%s' cannot be loaded (%s); build "
+                               "it with nvcc (./build.sh) or point DTRAIN_CUDA_LIB at it", name, why)
+                   : set_error(ctx, DT_ENOTSUP, "ctx: backend '%s' is not compiled in (compiled "
+                               "in: %s)", name, compiled_backends());
         return ctx;
     }
     if (ctx->be_iface->version != DT_BACKEND_IFACE_VERSION) {
@@ -1446,6 +1563,8 @@ void dt_ctx_free(dt_ctx *ctx)
     arena_destroy(ctx, &ctx->scratch_host);
     if (ctx->be)
         ctx->be_iface->shutdown(ctx->be);
+    if (ctx->be_plugin)
+        dlclose(ctx->be_plugin);
     dt_allocator al = ctx->al;
     al.free_fn(ctx, al.user);
 }
@@ -1481,11 +1600,52 @@ dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
 
 dt_precision dt_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
 
+/* --- the backend, as the other modules reach it ---------------------------- */
+
+/* The backend can stage asynchronously (all three entries, or none used). */
+DT_PRIVATE int be_stages(const dt_backend_iface *b)
+{
+    return b->copy_async && b->copy_wait && b->copy_join;
+}
+
+/* Tensor memory to and from host memory: a plain copy where they are the
+ * same memory, the backend's transfer where not. */
+DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), host, src, bytes);
+    else
+        BE(ctx)->to_host(BEI(ctx), host, src, bytes);
+}
+
+DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), dst, host, bytes);
+    else
+        BE(ctx)->to_device(BEI(ctx), dst, host, bytes);
+}
+
+/* A failure underneath the backend (backend.h, fault: a refused launch, a
+ * cuBLAS error, a lost device) as this context's error, "what: message";
+ * DT_OK when there is none.  Polled wherever results reach the user (a
+ * tensor read, a loss, a count, the end of backward and of a step), so a
+ * dead GPU is an error there, never a silent zero. */
+DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
+{
+    if (!BE(ctx)->fault)
+        return DT_OK;
+    char msg[200] = "";
+    dt_status s = BE(ctx)->fault(BEI(ctx), msg, sizeof msg);
+    if (s == DT_OK)
+        return DT_OK;
+    return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
+}
 
 /* ======= src/arena.c ======= */
 
 /* ===========================================================================
- * 3. Arenas
+ * Arenas
  *
  * Step tensors and tape nodes are bump-allocated from chunked arenas.  When
  * a step needs more than the arena holds, a new chunk is added (a heap
@@ -1650,7 +1810,7 @@ void dt_mem_reset_peak(dt_ctx *ctx)
 /* ======= src/tensor.c ======= */
 
 /* ===========================================================================
- * 4. Tensors
+ * Tensors
  *
  * Shapes are row-major with element strides.  Views (reshape, transpose,
  * slice) share data and only change the header.  Kernels want contiguous
@@ -2162,7 +2322,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
 /* ======= src/param.c ======= */
 
 /* ===========================================================================
- * 5. Parameters, random numbers and initialisation
+ * Parameters, random numbers and initialisation
  *
  * Parameters are persistent tensors with a name and a persistent gradient,
  * kept in registration order.  Random numbers come from the context's
@@ -2388,7 +2548,7 @@ dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
 /* ======= src/autograd.c ======= */
 
 /* ===========================================================================
- * 6. The autograd tape and backward
+ * The autograd tape and backward
  *
  * Define-by-run: each op that has an input requiring grad appends a node to
  * the tape.  Creation order is a topological order, so backward walks the
@@ -2396,46 +2556,6 @@ dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
  * Gradient buffers are written on first touch (acc = 0) and added to after
  * (acc = 1), so nothing needs zeroing up front.
  * ======================================================================== */
-
-/* The backend can stage asynchronously (all three entries, or none used). */
-DT_PRIVATE int be_stages(const dt_backend_iface *b)
-{
-    return b->copy_async && b->copy_wait && b->copy_join;
-}
-
-/* Tensor memory to and from host memory: a plain copy where they are the
- * same memory, the backend's transfer where not. */
-DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes)
-{
-    if (BE(ctx)->host_visible)
-        BE(ctx)->copy(BEI(ctx), host, src, bytes);
-    else
-        BE(ctx)->to_host(BEI(ctx), host, src, bytes);
-}
-
-DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes)
-{
-    if (BE(ctx)->host_visible)
-        BE(ctx)->copy(BEI(ctx), dst, host, bytes);
-    else
-        BE(ctx)->to_device(BEI(ctx), dst, host, bytes);
-}
-
-/* A failure underneath the backend (backend.h, fault: a refused launch, a
- * cuBLAS error, a lost device) as this context's error, "what: message";
- * DT_OK when there is none.  Polled wherever results reach the user (a
- * tensor read, a loss, a count, the end of backward and of a step), so a
- * dead GPU is an error there, never a silent zero. */
-DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
-{
-    if (!BE(ctx)->fault)
-        return DT_OK;
-    char msg[200] = "";
-    dt_status s = BE(ctx)->fault(BEI(ctx), msg, sizeof msg);
-    if (s == DT_OK)
-        return DT_OK;
-    return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
-}
 
 DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t)
 {
@@ -2592,7 +2712,7 @@ DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *see
 /* ======= src/ops.c ======= */
 
 /* ===========================================================================
- * 7. Ops
+ * Ops
  *
  * Each op validates its inputs (naming itself in the message), computes the
  * output through the backend, and records a node whose backward sits right
@@ -2664,7 +2784,7 @@ DT_PRIVATE dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float
     return DT_OK;
 }
 
-/* --- 7.1 views: reshape, transpose, slice, contiguous, concat ----------- */
+/* --- views: reshape, transpose, slice, contiguous, concat ----------- */
 
 static dt_status contiguous_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -2935,7 +3055,7 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
     return y;
 }
 
-/* --- 7.2 matmul and linear ---------------------------------------------- */
+/* --- matmul and linear ---------------------------------------------- */
 
 /* Floats an operand of `batch` GEMMs spans: op(X) is rows x cols, stored
  * (rows, cols) with leading dimension ld, or (cols, rows) when t. */
@@ -3206,7 +3326,7 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
     return y;
 }
 
-/* --- 7.3 elementwise binary ops with broadcasting ----------------------- */
+/* --- elementwise binary ops with broadcasting ----------------------- */
 
 /* Broadcast a and b (aligned at the last dim).  Fills the output shape and
  * each input's strides in the output's index space (0 where broadcast). */
@@ -3361,7 +3481,7 @@ dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
     return y;
 }
 
-/* --- 7.4 reductions ----------------------------------------------------- */
+/* --- reductions ----------------------------------------------------- */
 
 /* gx (+)= broadcast of the scalar g * scale over x */
 static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g, float scale)
@@ -3481,7 +3601,7 @@ dt_tensor *dt_mean_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
     return reduce_dim(ctx, "mean_dim", x, dim, keepdim, 1);
 }
 
-/* --- 7.5 activations and softmax ---------------------------------------- */
+/* --- activations and softmax ---------------------------------------- */
 
 static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -3556,7 +3676,7 @@ static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int di
 dt_tensor *dt_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "softmax", x, dim, 0); }
 dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "log_softmax", x, dim, 1); }
 
-/* --- 7.6 losses ----------------------------------------------------------- */
+/* --- losses ----------------------------------------------------------- */
 
 static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -3673,7 +3793,7 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     return y;
 }
 
-/* --- 7.7 convolution and pooling (NCHW) --------------------------------- */
+/* --- convolution and pooling (NCHW) --------------------------------- */
 
 static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -3927,7 +4047,7 @@ dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int 
     return pool_op(ctx, "avg_pool2d", x, kernel, stride, pad, 0);
 }
 
-/* --- 7.8 embedding, layer norm, dropout ----------------------------------- */
+/* --- embedding, layer norm, dropout ----------------------------------- */
 
 /* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
  * (its memory is zero outside the logged rows), so a step costs the rows it
@@ -4115,7 +4235,7 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
 /* ======= src/recompute.c ======= */
 
 /* ===========================================================================
- * 8. Activation checkpointing (recompute)
+ * Activation checkpointing (recompute)
  *
  * The segment runs once with grad off and its intermediates in a scratch
  * arena that is emptied right after; only the output is copied to the step
@@ -4260,7 +4380,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
 /* ======= src/optim.c ======= */
 
 /* ===========================================================================
- * 9. Optimizers, schedules, gradient clipping
+ * Optimizers, schedules, gradient clipping
  *
  * Updates follow torch.optim exactly (the backend kernels implement the
  * formulas).  State tensors are named after their parameter so checkpoints
@@ -4691,7 +4811,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
 /* ======= src/ckpt.c ======= */
 
 /* ===========================================================================
- * 10. Checkpoints (safetensors)
+ * Checkpoints (safetensors)
  *
  * Layout: 8-byte little-endian header length, a JSON header mapping each
  * tensor name to {"dtype","shape","data_offsets"} plus "__metadata__"
@@ -5356,7 +5476,7 @@ done:
 /* ======= src/data.c ======= */
 
 /* ===========================================================================
- * 11. Data: IDX files and the prefetching loader
+ * Data: IDX files and the prefetching loader
  *
  * IDX files are read through zlib's gzread, which also reads uncompressed
  * files, so .gz and plain files take one path.  Images stay uint8 (47 MB for
@@ -6062,7 +6182,7 @@ double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.
 /* ======= src/util.c ======= */
 
 /* ===========================================================================
- * 12. Utilities
+ * Utilities
  * ======================================================================== */
 
 dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,
@@ -6098,7 +6218,7 @@ double dt_now(void)
 /* ======= src/store.c ======= */
 
 /* ===========================================================================
- * 13. Processes: launcher environment and the rendezvous store
+ * Processes: launcher environment and the rendezvous store
  *
  * Rank, world size and the master address come from whichever launcher
  * started us (dtrain's own, torchrun, mpirun, srun).  Rank 0 then serves a
@@ -6135,7 +6255,7 @@ DT_PRIVATE void dead_key(char *key, size_t cap, int rank, uint32_t inc)
         snprintf(key, cap, "dead/%d", rank);
 }
 
-/* --- 13.1 the launcher's environment ---------------------------------- */
+/* --- the launcher's environment ---------------------------------- */
 
 static int env_int(dt_ctx *ctx, const char *name, int lo, int hi, int *out, dt_status *st)
 {
@@ -6231,7 +6351,7 @@ dt_status dt_dist_env_detect(dt_ctx *ctx, dt_dist_env *e)
     return detect_master(ctx, e);
 }
 
-/* --- 13.2 framing over blocking sockets with deadlines ------------------- */
+/* --- framing over blocking sockets with deadlines ------------------- */
 
 DT_PRIVATE int ms_left(double deadline)
 {
@@ -6753,7 +6873,7 @@ static void store_server_stop(store_server *sv, int drain_ms)
     store_server_free(sv);
 }
 
-/* --- 13.4 the client (every rank) ---------------------------------------- */
+/* --- the client (every rank) ---------------------------------------- */
 
 void dt_store_config_init(dt_store_config *cfg)
 {
@@ -7105,7 +7225,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
 /* ======= src/comm.c ======= */
 
 /* ===========================================================================
- * 14. Communicators and collectives
+ * Communicators and collectives
  *
  * A communicator owns one transport endpoint and one comm thread.  Callers
  * enqueue work items and wait on them; the thread runs them one after the
@@ -7160,7 +7280,7 @@ static const dt_transport_iface *find_transport(void)
 #endif
 }
 
-/* --- 14.1 tags and the header --------------------------------------------- */
+/* --- tags and the header --------------------------------------------- */
 
 static uint32_t size_hash(int kind, int64_t n, int root, int op)
 {
@@ -7588,7 +7708,7 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
     return DT_OK;
 }
 
-/* --- 14.3 the algorithms ----------------------------------------------------- */
+/* --- the algorithms ----------------------------------------------------- */
 
 /* dst op= src; the two never overlap (restrict lets the loops vectorise) */
 static void reduce_into(float *restrict dst, const float *restrict src, int64_t n, dt_reduce_op op)
@@ -7847,7 +7967,7 @@ static dt_status run_alltoall(dt_comm *c, dt_work *w, xfers *xs)
     return DT_OK;
 }
 
-/* --- 14.4 the host segment ------------------------------------------------ */
+/* --- the host segment ------------------------------------------------ */
 /*
  * Ranks on one host share a segment of POSIX shared memory, the way MPI's
  * vader and NCCL's SHM transport do.  Every local rank owns two slots of
@@ -8533,7 +8653,7 @@ static void run_work(dt_comm *c, dt_work *w)
         c->ctx->al.free_fn(xs, c->ctx->al.user);
 }
 
-/* --- 14.5 the comm thread and the caller's side --------------------------- */
+/* --- the comm thread and the caller's side --------------------------- */
 
 static void *comm_main(void *arg)
 {
@@ -8819,7 +8939,7 @@ dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float 
     return p2p_run(c, send, ns, dst < 0 ? INT32_MAX : dst, recv, nr, src < 0 ? INT32_MAX : src);
 }
 
-/* --- 14.6 joining the job ------------------------------------------------- */
+/* --- joining the job ------------------------------------------------- */
 
 void dt_comm_config_init(dt_comm_config *cfg)
 {
@@ -9364,7 +9484,7 @@ void dt_comm_free(dt_comm *c)
     host_free(c->ctx, c);
 }
 
-/* --- 14.7 process groups ------------------------------------------------- */
+/* --- process groups ------------------------------------------------- */
 
 /* Every rank's (color, key) through the parent's store; the ranks of our
  * color in (key, parent rank) order, as job ranks, into members (n of them;
@@ -9483,7 +9603,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
 /* ======= src/launch.c ======= */
 
 /* ===========================================================================
- * 15. Launching ranks on one host
+ * Launching ranks on one host
  *
  * The supervisor forks the ranks with their stdout and stderr on pipes,
  * then loops on poll(): copy complete lines out with a "[rank] " prefix,
@@ -9867,7 +9987,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
 /* ======= src/ddp.c ======= */
 
 /* ===========================================================================
- * 16. Data parallelism (DDP)
+ * Data parallelism (DDP)
  *
  * The gradients of the wrapped parameters live in bucket memory: each
  * parameter's grad tensor points at its slot, so backward writes straight
@@ -9950,58 +10070,7 @@ static void ddp_stage_in(dt_ddp *d)
         d->last_ticket = t;
 }
 
-/* --- 16.1 gradient compression ------------------------------------------- */
-
-/* Round to nearest even; NaN stays NaN. */
-DT_PRIVATE uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-DT_PRIVATE float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* IEEE half, round to nearest even: overflow to infinity, subnormals kept. */
-DT_PRIVATE uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u)
-        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
-    if (ax >= 0x477ff000u)   /* 65520 and up round to infinity */
-        return (uint16_t)(sign | 0x7c00u);
-    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal half (or zero) */
-        float v;
-        memcpy(&v, &ax, 4);
-        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
-    }
-    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1) - 0x38000000u;
-    return (uint16_t)(sign | (r >> 13));
-}
-
-DT_PRIVATE float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
-    if (e == 0) {
-        float v = (float)m * (1.0f / 16777216.0f);
-        return sign ? -v : v;
-    }
-    u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+/* --- gradient compression ------------------------------------------- */
 
 #define DDP_INT8_BLOCK 256
 
@@ -10352,7 +10421,7 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
     return d->scratch && d->picked ? DT_OK : DT_ENOMEM;
 }
 
-/* --- 16.2 launching buckets during backward ------------------------------- */
+/* --- launching buckets during backward ------------------------------- */
 
 /* Hand bucket b to the comm thread (the last one carries the used-flags)
  * and start the average. */
@@ -10624,7 +10693,7 @@ DT_PRIVATE dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
     return backward_status;
 }
 
-/* --- 16.3 finishing a step ------------------------------------------------ */
+/* --- finishing a step ------------------------------------------------ */
 
 /* Launch what is owed (no-overlap mode), wait for every bucket in order,
  * and mark the gradients no rank produced as absent again. */
@@ -10749,7 +10818,7 @@ dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out)
     return DT_OK;
 }
 
-/* --- 16.5 the ranks' checks and load balancing -------------------------------
+/* --- the ranks' checks and load balancing -------------------------------
  * A balanced step's gradient is the global batch's: each rank's mean over
  * its slice, times world * slice / global, averaged over the ranks, is the
  * mean over the whole global batch. */
@@ -10873,7 +10942,7 @@ void dt_ddp_stats_reset(dt_ddp *d)
     d->st.shared_buckets = keep.shared_buckets;
 }
 
-/* --- 16.4 wrapping: the model check, buckets, rank 0's weights ------------ */
+/* --- wrapping: the model check, buckets, rank 0's weights ------------ */
 
 /* The DDP settings on line 0, then "name (d0, d1)" per parameter, in
  * registration order. */
@@ -11363,7 +11432,7 @@ void dt_ddp_free(dt_ddp *d)
     d->al.free_fn(d, d->al.user);
 }
 
-/* --- 16.5 distributed evaluation and inference --------------------------- */
+/* --- distributed evaluation and inference --------------------------- */
 
 void dt_eval_config_init(dt_eval_config *cfg)
 {
@@ -11551,7 +11620,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
 /* ======= src/replicas.c ======= */
 
 /* ===========================================================================
- * 17. In-process data parallelism (replicas on threads)
+ * In-process data parallelism (replicas on threads)
  *
  * K replica contexts, each driven by its own thread (the caller drives
  * replica 0).  A step runs in three phases separated by barriers, so no
@@ -11927,7 +11996,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_
 /* ======= src/ps.c ======= */
 
 /* ===========================================================================
- * 18. Parameter server
+ * Parameter server
  *
  * Workers are ranks 0..W-1, servers the last S ranks.  The key space is
  * DDP's flat layout: every parameter's floats in reverse registration
@@ -12015,7 +12084,7 @@ dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out)
     return DT_OK;
 }
 
-/* --- 18.1 layout and sharding --------------------------------------------- */
+/* --- layout and sharding --------------------------------------------- */
 
 /* The model as the servers see it: "dtrain-ps P T", every parameter's
  * "name numel" line in registration order, then every table's "rows dim
@@ -12138,7 +12207,7 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
     return DT_OK;
 }
 
-/* --- 18.2 the worker's side ----------------------------------------------- */
+/* --- the worker's side ----------------------------------------------- */
 
 /* Replicated jobs: server s failed; if its shard's other server is alive,
  * s is written off and the request goes on without it. */
@@ -12870,7 +12939,7 @@ dt_status dt_ps_sparse_pull(dt_ps *ps, int table, const int64_t *ids, int64_t n,
     return s;
 }
 
-/* --- 18.3 the server's side ----------------------------------------------- */
+/* --- the server's side ----------------------------------------------- */
 
 /* Optimizer state tensors a table row needs, by the servers' optimizer. */
 static int ps_tab_states(const dt_optim_config *c)
@@ -14011,7 +14080,7 @@ DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
     return DT_OK;
 }
 
-/* --- 18.4 joining and leaving ---------------------------------------------- */
+/* --- joining and leaving ---------------------------------------------- */
 
 static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W, int *S)
 {
@@ -14287,7 +14356,7 @@ void dt_ps_free(dt_ps *ps)
 /* ======= src/hogwild.c ======= */
 
 /* ===========================================================================
- * 19. Hogwild!
+ * Hogwild!
  *
  * Niu, Recht, Re and Wright's lock-free SGD: K threads, each with its own
  * context (tape, activations, gradients) whose parameters point at the
@@ -14497,7 +14566,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
 /* ======= src/profile.c ======= */
 
 /* ===========================================================================
- * 20. Profiler: step breakdowns, timelines, stragglers
+ * Profiler: step breakdowns, timelines, stragglers
  *
  * The compute thread's public calls mark phases (prof_begin/prof_end around
  * dt_loader_next, dt_backward, the DDP's wait, blocking collectives,
@@ -14741,7 +14810,7 @@ DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, i
     pthread_mutex_unlock(&p->mu);
 }
 
-/* --- 20.1 the public side ---------------------------------------------------- */
+/* --- the public side ---------------------------------------------------- */
 
 void dt_profile_config_init(dt_profile_config *cfg)
 {
@@ -14840,7 +14909,7 @@ dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *o
 
 int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
 
-/* --- 20.2 the ranks' check during training (16 calls it) ------------------ */
+/* --- the ranks' check during training (16 calls it) ------------------ */
 
 /* Each rank's compute per sample over the window: the slowest is a
  * straggler if it is more than the threshold above the (lower) median.  Per sample,
@@ -15383,7 +15452,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
 /* ======= src/steal.c ======= */
 
 /* ===========================================================================
- * 21. Work stealing (the loader's chunks, claimed through the store)
+ * Work stealing (the loader's chunks, claimed through the store)
  *
  * Chunk k of shard v is claimed by adding 1 to "steal/<id>/<g>/<v>/<k>" in
  * the rendezvous store (g counts the loader's epoch starts, so a restarted
@@ -15528,7 +15597,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
 /* ======= src/parallel.c ======= */
 
 /* ===========================================================================
- * 22. Model parallelism: pipelines and tensor-parallel layers
+ * Model parallelism: pipelines and tensor-parallel layers
  *
  * A pipeline stage runs each micro-batch's forward on an empty tape of its
  * own and in arenas of its own: one slot per micro-batch it may hold at once
@@ -15541,7 +15610,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
  * or backward is a collective on a host copy.
  * ======================================================================== */
 
-/* --- 22.1 the pipeline's state ----------------------------------------------- */
+/* --- the pipeline's state ----------------------------------------------- */
 
 #define PIPE_MAGIC 7919.0f
 #define PIPE_HEADER (5 + DT_MAX_DIMS)   /* magic, B, m, schedule, ndim, shape */
@@ -15640,7 +15709,7 @@ void dt_pipe_stats_reset(dt_pipe *p)
         memset(&p->st, 0, sizeof p->st);
 }
 
-/* --- 22.2 messages between stages --------------------------------------------- */
+/* --- messages between stages --------------------------------------------- */
 
 static dt_status pipe_reserve(dt_pipe *p, float **buf, int64_t *cap, int64_t n)
 {
@@ -15909,7 +15978,7 @@ static dt_status pipe_backward(dt_pipe *p, int i, int last_mb)
     return s;
 }
 
-/* --- 22.4 the schedules ------------------------------------------------------ */
+/* --- the schedules ------------------------------------------------------ */
 
 static dt_status pipe_recv_fwd(dt_pipe *p, int i)
 {
@@ -16019,7 +16088,7 @@ static dt_status pipe_run_1f1b(dt_pipe *p, const dt_tensor *x, const dt_tensor *
     return DT_OK;
 }
 
-/* --- 22.5 a step ------------------------------------------------------------ */
+/* --- a step ------------------------------------------------------------ */
 
 static dt_status pipe_args_ok(dt_pipe *p, const dt_tensor *x, const dt_tensor *y)
 {
@@ -16135,7 +16204,7 @@ dt_status dt_pipe_step(dt_pipe *p, const dt_tensor *x, const dt_tensor *y, float
     return DT_OK;
 }
 
-/* --- 22.6 balanced partitioning ------------------------------------------------ */
+/* --- balanced partitioning ------------------------------------------------ */
 
 /* Layer fn alone, forward and backward once, on a copy of its input that
  * requires grad; in seconds. */
@@ -16311,7 +16380,7 @@ dt_status dt_pipe_partition(const double *cost, int n, int stages, int *first)
     return DT_OK;
 }
 
-/* --- 22.7 tensor parallelism -------------------------------------------------- */
+/* --- tensor parallelism -------------------------------------------------- */
 
 static int tp_ok(dt_ctx *ctx, const char *op, dt_comm *c, const dt_tensor *x)
 {

@@ -128,8 +128,9 @@ DT_API void dt_config_init(dt_config *cfg);
 /* New context.  Returns NULL only if the context itself cannot be allocated;
  * otherwise check dt_ctx_status(): a context whose backend failed to start
  * keeps the message in dt_last_error() and refuses every other call
- * (DT_ENOTSUP: backend not compiled in or of another interface version; or
- * the backend's own status).  cfg may be NULL (defaults).  new: free with
+ * (DT_ENOTSUP: backend not compiled in, its shared object not loadable
+ * ("cuda": libdtrain_cuda.so, see docs/GPU.md), or of another interface
+ * version; or the backend's own status).  cfg may be NULL (defaults).  new: free with
  * dt_ctx_free.  Safe on any thread (it touches no other context). */
 DT_API dt_ctx *dt_ctx_new(const dt_config *cfg);
 /* Frees its tensors and parameters and detaches a DDP (waiting for a step

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 3. Arenas
+ * Arenas
  *
  * Step tensors and tape nodes are bump-allocated from chunked arenas.  When
  * a step needs more than the arena holds, a new chunk is added (a heap

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 6. The autograd tape and backward
+ * The autograd tape and backward
  *
  * Define-by-run: each op that has an input requiring grad appends a node to
  * the tape.  Creation order is a topological order, so backward walks the
@@ -9,46 +9,6 @@
  * Gradient buffers are written on first touch (acc = 0) and added to after
  * (acc = 1), so nothing needs zeroing up front.
  * ======================================================================== */
-
-/* The backend can stage asynchronously (all three entries, or none used). */
-DT_PRIVATE int be_stages(const dt_backend_iface *b)
-{
-    return b->copy_async && b->copy_wait && b->copy_join;
-}
-
-/* Tensor memory to and from host memory: a plain copy where they are the
- * same memory, the backend's transfer where not. */
-DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes)
-{
-    if (BE(ctx)->host_visible)
-        BE(ctx)->copy(BEI(ctx), host, src, bytes);
-    else
-        BE(ctx)->to_host(BEI(ctx), host, src, bytes);
-}
-
-DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes)
-{
-    if (BE(ctx)->host_visible)
-        BE(ctx)->copy(BEI(ctx), dst, host, bytes);
-    else
-        BE(ctx)->to_device(BEI(ctx), dst, host, bytes);
-}
-
-/* A failure underneath the backend (backend.h, fault: a refused launch, a
- * cuBLAS error, a lost device) as this context's error, "what: message";
- * DT_OK when there is none.  Polled wherever results reach the user (a
- * tensor read, a loss, a count, the end of backward and of a step), so a
- * dead GPU is an error there, never a silent zero. */
-DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
-{
-    if (!BE(ctx)->fault)
-        return DT_OK;
-    char msg[200] = "";
-    dt_status s = BE(ctx)->fault(BEI(ctx), msg, sizeof msg);
-    if (s == DT_OK)
-        return DT_OK;
-    return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
-}
 
 DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t)
 {

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 10. Checkpoints (safetensors)
+ * Checkpoints (safetensors)
  *
  * Layout: 8-byte little-endian header length, a JSON header mapping each
  * tensor name to {"dtype","shape","data_offsets"} plus "__metadata__"

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 14. Communicators and collectives
+ * Communicators and collectives
  *
  * A communicator owns one transport endpoint and one comm thread.  Callers
  * enqueue work items and wait on them; the thread runs them one after the
@@ -56,7 +56,7 @@ static const dt_transport_iface *find_transport(void)
 #endif
 }
 
-/* --- 14.1 tags and the header --------------------------------------------- */
+/* --- tags and the header --------------------------------------------- */
 
 static uint32_t size_hash(int kind, int64_t n, int root, int op)
 {
@@ -484,7 +484,7 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
     return DT_OK;
 }
 
-/* --- 14.3 the algorithms ----------------------------------------------------- */
+/* --- the algorithms ----------------------------------------------------- */
 
 /* dst op= src; the two never overlap (restrict lets the loops vectorise) */
 static void reduce_into(float *restrict dst, const float *restrict src, int64_t n, dt_reduce_op op)
@@ -743,7 +743,7 @@ static dt_status run_alltoall(dt_comm *c, dt_work *w, xfers *xs)
     return DT_OK;
 }
 
-/* --- 14.4 the host segment ------------------------------------------------ */
+/* --- the host segment ------------------------------------------------ */
 /*
  * Ranks on one host share a segment of POSIX shared memory, the way MPI's
  * vader and NCCL's SHM transport do.  Every local rank owns two slots of
@@ -1429,7 +1429,7 @@ static void run_work(dt_comm *c, dt_work *w)
         c->ctx->al.free_fn(xs, c->ctx->al.user);
 }
 
-/* --- 14.5 the comm thread and the caller's side --------------------------- */
+/* --- the comm thread and the caller's side --------------------------- */
 
 static void *comm_main(void *arg)
 {
@@ -1715,7 +1715,7 @@ dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float 
     return p2p_run(c, send, ns, dst < 0 ? INT32_MAX : dst, recv, nr, src < 0 ? INT32_MAX : src);
 }
 
-/* --- 14.6 joining the job ------------------------------------------------- */
+/* --- joining the job ------------------------------------------------- */
 
 void dt_comm_config_init(dt_comm_config *cfg)
 {
@@ -2260,7 +2260,7 @@ void dt_comm_free(dt_comm *c)
     host_free(c->ctx, c);
 }
 
-/* --- 14.7 process groups ------------------------------------------------- */
+/* --- process groups ------------------------------------------------- */
 
 /* Every rank's (color, key) through the parent's store; the ranks of our
  * color in (key, parent rank) order, as job ranks, into members (n of them;

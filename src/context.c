@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 2. Errors and the context
+ * Errors and the context
  *
  * Every failure goes through set_error, which keeps the status and a message
  * in the context (never a global).  Functions that return a handle return
@@ -130,12 +130,67 @@ static const char *compiled_backends(void)
 #if defined(DT_WITH_CPU) && defined(DT_WITH_CUDA)
     return "cpu, cuda";
 #elif defined(DT_WITH_CPU)
-    return "cpu";
+    return "cpu; cuda loads from " DT_CUDA_PLUGIN " when asked for";
 #elif defined(DT_WITH_CUDA)
     return "cuda";
 #else
     return "none: build with backends/cpu.c and -DDT_WITH_CPU";
 #endif
+}
+
+/* The CUDA backend, when it is not compiled in, is a shared object loaded
+ * when a context asks for "cuda" (as ggml loads its backends): a CPU program
+ * never maps cuBLAS and the CUDA runtime (~150 MB of its RSS), and starts
+ * on a machine without them.  Tried in order: $DTRAIN_CUDA_LIB; the
+ * directory of the library or program this code is in; the loader's own
+ * search (LD_LIBRARY_PATH, RUNPATH, the system's directories).  Each
+ * context holds its own handle (dlopen counts them), closed in
+ * dt_ctx_free.  NULL with the reasons in why when none loads. */
+static void *open_plugin(const char *path, char *why, size_t len)
+{
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);   /* CUDA does not unload */
+    if (!h) {
+        size_t used = strlen(why);
+        const char *e = dlerror();
+        snprintf(why + used, len - used, "%s%s", used ? "; " : "", e ? e : path);
+    }
+    return h;
+}
+
+static void *load_cuda_plugin(char *why, size_t len)
+{
+    const char *env = getenv("DTRAIN_CUDA_LIB");
+    if (env && *env)
+        return open_plugin(env, why, len);
+    void *h = NULL;
+    Dl_info self;
+    char path[PATH_MAX];
+    if (dladdr((void *)load_cuda_plugin, &self) && self.dli_fname && strchr(self.dli_fname, '/')) {
+        const char *slash = strrchr(self.dli_fname, '/');
+        snprintf(path, sizeof path, "%.*s/%s", (int)(slash - self.dli_fname), self.dli_fname,
+                 DT_CUDA_PLUGIN);
+        h = open_plugin(path, why, len);
+    }
+    return h ? h : open_plugin(DT_CUDA_PLUGIN, why, len);
+}
+
+static const dt_backend_iface *load_backend(dt_ctx *ctx, const char *name, char *why, size_t len)
+{
+    why[0] = '\0';
+    if (strcmp(name, "cuda") != 0)
+        return NULL;
+    void *h = load_cuda_plugin(why, len);
+    if (!h)
+        return NULL;
+    const dt_backend_iface *(*get)(void) =
+        (const dt_backend_iface *(*)(void))dlsym(h, "dt_backend_cuda_iface");
+    if (!get) {
+        snprintf(why, len, "%s has no dt_backend_cuda_iface", DT_CUDA_PLUGIN);
+        dlclose(h);
+        return NULL;
+    }
+    ctx->be_plugin = h;
+    return get();
 }
 
 DT_PRIVATE void arena_init(dt_arena *a, int on_device, size_t min_chunk)
@@ -190,10 +245,15 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
                        : cfg.backend                                    ? cfg.backend
                                                                         : "cpu";
     ctx->be_iface = cfg.custom_backend ? cfg.custom_backend : find_backend(name);
+    char why[512] = "";
+    if (!ctx->be_iface)
+        ctx->be_iface = load_backend(ctx, name, why, sizeof why);
     if (!ctx->be_iface) {
-        ctx->init_status = set_error(ctx, DT_ENOTSUP,
-                                     "ctx: backend '%s' is not compiled in (compiled in: %s)",
-                                     name, compiled_backends());
+        ctx->init_status =
+            why[0] ? set_error(ctx, DT_ENOTSUP, "ctx: backend '%s' cannot be loaded (%s); build "
+                               "it with nvcc (./build.sh) or point DTRAIN_CUDA_LIB at it", name, why)
+                   : set_error(ctx, DT_ENOTSUP, "ctx: backend '%s' is not compiled in (compiled "
+                               "in: %s)", name, compiled_backends());
         return ctx;
     }
     if (ctx->be_iface->version != DT_BACKEND_IFACE_VERSION) {
@@ -233,6 +293,8 @@ void dt_ctx_free(dt_ctx *ctx)
     arena_destroy(ctx, &ctx->scratch_host);
     if (ctx->be)
         ctx->be_iface->shutdown(ctx->be);
+    if (ctx->be_plugin)
+        dlclose(ctx->be_plugin);
     dt_allocator al = ctx->al;
     al.free_fn(ctx, al.user);
 }
@@ -268,3 +330,44 @@ dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
 
 dt_precision dt_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
 
+/* --- the backend, as the other modules reach it ---------------------------- */
+
+/* The backend can stage asynchronously (all three entries, or none used). */
+DT_PRIVATE int be_stages(const dt_backend_iface *b)
+{
+    return b->copy_async && b->copy_wait && b->copy_join;
+}
+
+/* Tensor memory to and from host memory: a plain copy where they are the
+ * same memory, the backend's transfer where not. */
+DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), host, src, bytes);
+    else
+        BE(ctx)->to_host(BEI(ctx), host, src, bytes);
+}
+
+DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes)
+{
+    if (BE(ctx)->host_visible)
+        BE(ctx)->copy(BEI(ctx), dst, host, bytes);
+    else
+        BE(ctx)->to_device(BEI(ctx), dst, host, bytes);
+}
+
+/* A failure underneath the backend (backend.h, fault: a refused launch, a
+ * cuBLAS error, a lost device) as this context's error, "what: message";
+ * DT_OK when there is none.  Polled wherever results reach the user (a
+ * tensor read, a loss, a count, the end of backward and of a step), so a
+ * dead GPU is an error there, never a silent zero. */
+DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
+{
+    if (!BE(ctx)->fault)
+        return DT_OK;
+    char msg[200] = "";
+    dt_status s = BE(ctx)->fault(BEI(ctx), msg, sizeof msg);
+    if (s == DT_OK)
+        return DT_OK;
+    return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
+}

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 11. Data: IDX files and the prefetching loader
+ * Data: IDX files and the prefetching loader
  *
  * IDX files are read through zlib's gzread, which also reads uncompressed
  * files, so .gz and plain files take one path.  Images stay uint8 (47 MB for

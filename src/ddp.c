@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 16. Data parallelism (DDP)
+ * Data parallelism (DDP)
  *
  * The gradients of the wrapped parameters live in bucket memory: each
  * parameter's grad tensor points at its slot, so backward writes straight
@@ -84,58 +84,7 @@ static void ddp_stage_in(dt_ddp *d)
         d->last_ticket = t;
 }
 
-/* --- 16.1 gradient compression ------------------------------------------- */
-
-/* Round to nearest even; NaN stays NaN. */
-DT_PRIVATE uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-DT_PRIVATE float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* IEEE half, round to nearest even: overflow to infinity, subnormals kept. */
-DT_PRIVATE uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u)
-        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
-    if (ax >= 0x477ff000u)   /* 65520 and up round to infinity */
-        return (uint16_t)(sign | 0x7c00u);
-    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal half (or zero) */
-        float v;
-        memcpy(&v, &ax, 4);
-        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
-    }
-    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1) - 0x38000000u;
-    return (uint16_t)(sign | (r >> 13));
-}
-
-DT_PRIVATE float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
-    if (e == 0) {
-        float v = (float)m * (1.0f / 16777216.0f);
-        return sign ? -v : v;
-    }
-    u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+/* --- gradient compression ------------------------------------------- */
 
 #define DDP_INT8_BLOCK 256
 
@@ -486,7 +435,7 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
     return d->scratch && d->picked ? DT_OK : DT_ENOMEM;
 }
 
-/* --- 16.2 launching buckets during backward ------------------------------- */
+/* --- launching buckets during backward ------------------------------- */
 
 /* Hand bucket b to the comm thread (the last one carries the used-flags)
  * and start the average. */
@@ -758,7 +707,7 @@ DT_PRIVATE dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
     return backward_status;
 }
 
-/* --- 16.3 finishing a step ------------------------------------------------ */
+/* --- finishing a step ------------------------------------------------ */
 
 /* Launch what is owed (no-overlap mode), wait for every bucket in order,
  * and mark the gradients no rank produced as absent again. */
@@ -883,7 +832,7 @@ dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out)
     return DT_OK;
 }
 
-/* --- 16.5 the ranks' checks and load balancing -------------------------------
+/* --- the ranks' checks and load balancing -------------------------------
  * A balanced step's gradient is the global batch's: each rank's mean over
  * its slice, times world * slice / global, averaged over the ranks, is the
  * mean over the whole global batch. */
@@ -1007,7 +956,7 @@ void dt_ddp_stats_reset(dt_ddp *d)
     d->st.shared_buckets = keep.shared_buckets;
 }
 
-/* --- 16.4 wrapping: the model check, buckets, rank 0's weights ------------ */
+/* --- wrapping: the model check, buckets, rank 0's weights ------------ */
 
 /* The DDP settings on line 0, then "name (d0, d1)" per parameter, in
  * registration order. */
@@ -1497,7 +1446,7 @@ void dt_ddp_free(dt_ddp *d)
     d->al.free_fn(d, d->al.user);
 }
 
-/* --- 16.5 distributed evaluation and inference --------------------------- */
+/* --- distributed evaluation and inference --------------------------- */
 
 void dt_eval_config_init(dt_eval_config *cfg)
 {

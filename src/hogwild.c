@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 19. Hogwild!
+ * Hogwild!
  *
  * Niu, Recht, Re and Wright's lock-free SGD: K threads, each with its own
  * context (tape, activations, gradients) whose parameters point at the

@@ -14,6 +14,7 @@
 #include "../backends/transport.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -49,8 +50,11 @@
 #ifndef DT_PRIVATE
 #define DT_PRIVATE
 #endif
+
+/* The CUDA backend as a shared object (src/context.c, load_cuda_plugin) */
+#define DT_CUDA_PLUGIN "libdtrain_cuda.so"
 /* ===========================================================================
- * 1. Internal types
+ * Internal types
  *
  * A tensor is a header (shape, strides, data pointer) plus flags.  Step
  * tensors live in the context's arenas and die at dt_step_reset; persistent
@@ -185,6 +189,7 @@ struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
     dt_backend *be;
+    void *be_plugin;               /* dlopen handle of a loaded backend, or NULL */
     dt_status init_status;
     dt_status last_status;
     char err[DT_MAX_ERROR];
@@ -1029,10 +1034,70 @@ typedef struct pipe_arenas {
 } pipe_arenas;
 
 /* ===========================================================================
+ * bf16 and IEEE half, bit for bit as the backends round (DDP and the
+ * parameter server's compressed messages, checkpoints of 16-bit tensors)
+ * ======================================================================== */
+
+/* Round to nearest even; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half, round to nearest even: overflow to infinity, subnormals kept. */
+static inline uint16_t f32_to_f16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u)
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u)   /* 65520 and up round to infinity */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal half (or zero) */
+        float v;
+        memcpy(&v, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
+    }
+    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1) - 0x38000000u;
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    if (e == 0) {
+        float v = (float)m * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ===========================================================================
  * What each module offers the others
  * ======================================================================== */
 
 /* src/context.c */
+DT_PRIVATE int be_stages(const dt_backend_iface *b);
+DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes);
+DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes);
+DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* A warning: kept for dt_last_warning, and told as dt_set_log says. */
@@ -1074,10 +1139,6 @@ DT_PRIVATE uint64_t xoshiro_next(uint64_t s[4]);
 DT_PRIVATE void xoshiro_seed(uint64_t s[4], uint64_t seed);
 
 /* src/autograd.c */
-DT_PRIVATE int be_stages(const dt_backend_iface *b);
-DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes);
-DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t bytes);
-DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t);
 DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
@@ -1149,10 +1210,6 @@ DT_PRIVATE dt_status shared_region_map(dt_comm *c, size_t part_bytes, shm_region
 DT_PRIVATE void shared_region_free(shm_region *r);
 
 /* src/ddp.c */
-DT_PRIVATE uint16_t f32_to_bf16(float f);
-DT_PRIVATE float bf16_to_f32(uint16_t h);
-DT_PRIVATE uint16_t f32_to_f16(float f);
-DT_PRIVATE float f16_to_f32(uint16_t h);
 DT_PRIVATE size_t ddp_code_bytes(dt_compress kind, int64_t numel, int64_t topk);
 DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 15. Launching ranks on one host
+ * Launching ranks on one host
  *
  * The supervisor forks the ranks with their stdout and stderr on pipes,
  * then loops on poll(): copy complete lines out with a "[rank] " prefix,

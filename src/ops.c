@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 7. Ops
+ * Ops
  *
  * Each op validates its inputs (naming itself in the message), computes the
  * output through the backend, and records a node whose backward sits right
@@ -73,7 +73,7 @@ DT_PRIVATE dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float
     return DT_OK;
 }
 
-/* --- 7.1 views: reshape, transpose, slice, contiguous, concat ----------- */
+/* --- views: reshape, transpose, slice, contiguous, concat ----------- */
 
 static dt_status contiguous_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -344,7 +344,7 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
     return y;
 }
 
-/* --- 7.2 matmul and linear ---------------------------------------------- */
+/* --- matmul and linear ---------------------------------------------- */
 
 /* Floats an operand of `batch` GEMMs spans: op(X) is rows x cols, stored
  * (rows, cols) with leading dimension ld, or (cols, rows) when t. */
@@ -615,7 +615,7 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
     return y;
 }
 
-/* --- 7.3 elementwise binary ops with broadcasting ----------------------- */
+/* --- elementwise binary ops with broadcasting ----------------------- */
 
 /* Broadcast a and b (aligned at the last dim).  Fills the output shape and
  * each input's strides in the output's index space (0 where broadcast). */
@@ -770,7 +770,7 @@ dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
     return y;
 }
 
-/* --- 7.4 reductions ----------------------------------------------------- */
+/* --- reductions ----------------------------------------------------- */
 
 /* gx (+)= broadcast of the scalar g * scale over x */
 static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g, float scale)
@@ -890,7 +890,7 @@ dt_tensor *dt_mean_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
     return reduce_dim(ctx, "mean_dim", x, dim, keepdim, 1);
 }
 
-/* --- 7.5 activations and softmax ---------------------------------------- */
+/* --- activations and softmax ---------------------------------------- */
 
 static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -965,7 +965,7 @@ static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int di
 dt_tensor *dt_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "softmax", x, dim, 0); }
 dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_op(ctx, "log_softmax", x, dim, 1); }
 
-/* --- 7.6 losses ----------------------------------------------------------- */
+/* --- losses ----------------------------------------------------------- */
 
 static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -1082,7 +1082,7 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     return y;
 }
 
-/* --- 7.7 convolution and pooling (NCHW) --------------------------------- */
+/* --- convolution and pooling (NCHW) --------------------------------- */
 
 static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -1336,7 +1336,7 @@ dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int 
     return pool_op(ctx, "avg_pool2d", x, kernel, stride, pad, 0);
 }
 
-/* --- 7.8 embedding, layer norm, dropout ----------------------------------- */
+/* --- embedding, layer norm, dropout ----------------------------------- */
 
 /* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
  * (its memory is zero outside the logged rows), so a step costs the rows it

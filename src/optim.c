@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 9. Optimizers, schedules, gradient clipping
+ * Optimizers, schedules, gradient clipping
  *
  * Updates follow torch.optim exactly (the backend kernels implement the
  * formulas).  State tensors are named after their parameter so checkpoints

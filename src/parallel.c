@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 22. Model parallelism: pipelines and tensor-parallel layers
+ * Model parallelism: pipelines and tensor-parallel layers
  *
  * A pipeline stage runs each micro-batch's forward on an empty tape of its
  * own and in arenas of its own: one slot per micro-batch it may hold at once
@@ -14,7 +14,7 @@
  * or backward is a collective on a host copy.
  * ======================================================================== */
 
-/* --- 22.1 the pipeline's state ----------------------------------------------- */
+/* --- the pipeline's state ----------------------------------------------- */
 
 #define PIPE_MAGIC 7919.0f
 #define PIPE_HEADER (5 + DT_MAX_DIMS)   /* magic, B, m, schedule, ndim, shape */
@@ -113,7 +113,7 @@ void dt_pipe_stats_reset(dt_pipe *p)
         memset(&p->st, 0, sizeof p->st);
 }
 
-/* --- 22.2 messages between stages --------------------------------------------- */
+/* --- messages between stages --------------------------------------------- */
 
 static dt_status pipe_reserve(dt_pipe *p, float **buf, int64_t *cap, int64_t n)
 {
@@ -382,7 +382,7 @@ static dt_status pipe_backward(dt_pipe *p, int i, int last_mb)
     return s;
 }
 
-/* --- 22.4 the schedules ------------------------------------------------------ */
+/* --- the schedules ------------------------------------------------------ */
 
 static dt_status pipe_recv_fwd(dt_pipe *p, int i)
 {
@@ -492,7 +492,7 @@ static dt_status pipe_run_1f1b(dt_pipe *p, const dt_tensor *x, const dt_tensor *
     return DT_OK;
 }
 
-/* --- 22.5 a step ------------------------------------------------------------ */
+/* --- a step ------------------------------------------------------------ */
 
 static dt_status pipe_args_ok(dt_pipe *p, const dt_tensor *x, const dt_tensor *y)
 {
@@ -608,7 +608,7 @@ dt_status dt_pipe_step(dt_pipe *p, const dt_tensor *x, const dt_tensor *y, float
     return DT_OK;
 }
 
-/* --- 22.6 balanced partitioning ------------------------------------------------ */
+/* --- balanced partitioning ------------------------------------------------ */
 
 /* Layer fn alone, forward and backward once, on a copy of its input that
  * requires grad; in seconds. */
@@ -784,7 +784,7 @@ dt_status dt_pipe_partition(const double *cost, int n, int stages, int *first)
     return DT_OK;
 }
 
-/* --- 22.7 tensor parallelism -------------------------------------------------- */
+/* --- tensor parallelism -------------------------------------------------- */
 
 static int tp_ok(dt_ctx *ctx, const char *op, dt_comm *c, const dt_tensor *x)
 {

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 5. Parameters, random numbers and initialisation
+ * Parameters, random numbers and initialisation
  *
  * Parameters are persistent tensors with a name and a persistent gradient,
  * kept in registration order.  Random numbers come from the context's

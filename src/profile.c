@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 20. Profiler: step breakdowns, timelines, stragglers
+ * Profiler: step breakdowns, timelines, stragglers
  *
  * The compute thread's public calls mark phases (prof_begin/prof_end around
  * dt_loader_next, dt_backward, the DDP's wait, blocking collectives,
@@ -245,7 +245,7 @@ DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, i
     pthread_mutex_unlock(&p->mu);
 }
 
-/* --- 20.1 the public side ---------------------------------------------------- */
+/* --- the public side ---------------------------------------------------- */
 
 void dt_profile_config_init(dt_profile_config *cfg)
 {
@@ -344,7 +344,7 @@ dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *o
 
 int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
 
-/* --- 20.2 the ranks' check during training (16 calls it) ------------------ */
+/* --- the ranks' check during training (16 calls it) ------------------ */
 
 /* Each rank's compute per sample over the window: the slowest is a
  * straggler if it is more than the threshold above the (lower) median.  Per sample,

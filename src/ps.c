@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 18. Parameter server
+ * Parameter server
  *
  * Workers are ranks 0..W-1, servers the last S ranks.  The key space is
  * DDP's flat layout: every parameter's floats in reverse registration
@@ -89,7 +89,7 @@ dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out)
     return DT_OK;
 }
 
-/* --- 18.1 layout and sharding --------------------------------------------- */
+/* --- layout and sharding --------------------------------------------- */
 
 /* The model as the servers see it: "dtrain-ps P T", every parameter's
  * "name numel" line in registration order, then every table's "rows dim
@@ -212,7 +212,7 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
     return DT_OK;
 }
 
-/* --- 18.2 the worker's side ----------------------------------------------- */
+/* --- the worker's side ----------------------------------------------- */
 
 /* Replicated jobs: server s failed; if its shard's other server is alive,
  * s is written off and the request goes on without it. */
@@ -944,7 +944,7 @@ dt_status dt_ps_sparse_pull(dt_ps *ps, int table, const int64_t *ids, int64_t n,
     return s;
 }
 
-/* --- 18.3 the server's side ----------------------------------------------- */
+/* --- the server's side ----------------------------------------------- */
 
 /* Optimizer state tensors a table row needs, by the servers' optimizer. */
 static int ps_tab_states(const dt_optim_config *c)
@@ -2085,7 +2085,7 @@ DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
     return DT_OK;
 }
 
-/* --- 18.4 joining and leaving ---------------------------------------------- */
+/* --- joining and leaving ---------------------------------------------- */
 
 static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W, int *S)
 {

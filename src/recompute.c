@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 8. Activation checkpointing (recompute)
+ * Activation checkpointing (recompute)
  *
  * The segment runs once with grad off and its intermediates in a scratch
  * arena that is emptied right after; only the output is copied to the step

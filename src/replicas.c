@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 17. In-process data parallelism (replicas on threads)
+ * In-process data parallelism (replicas on threads)
  *
  * K replica contexts, each driven by its own thread (the caller drives
  * replica 0).  A step runs in three phases separated by barriers, so no

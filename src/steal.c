@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 21. Work stealing (the loader's chunks, claimed through the store)
+ * Work stealing (the loader's chunks, claimed through the store)
  *
  * Chunk k of shard v is claimed by adding 1 to "steal/<id>/<g>/<v>/<k>" in
  * the rendezvous store (g counts the loader's epoch starts, so a restarted

@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 13. Processes: launcher environment and the rendezvous store
+ * Processes: launcher environment and the rendezvous store
  *
  * Rank, world size and the master address come from whichever launcher
  * started us (dtrain's own, torchrun, mpirun, srun).  Rank 0 then serves a
@@ -38,7 +38,7 @@ DT_PRIVATE void dead_key(char *key, size_t cap, int rank, uint32_t inc)
         snprintf(key, cap, "dead/%d", rank);
 }
 
-/* --- 13.1 the launcher's environment ---------------------------------- */
+/* --- the launcher's environment ---------------------------------- */
 
 static int env_int(dt_ctx *ctx, const char *name, int lo, int hi, int *out, dt_status *st)
 {
@@ -134,7 +134,7 @@ dt_status dt_dist_env_detect(dt_ctx *ctx, dt_dist_env *e)
     return detect_master(ctx, e);
 }
 
-/* --- 13.2 framing over blocking sockets with deadlines ------------------- */
+/* --- framing over blocking sockets with deadlines ------------------- */
 
 DT_PRIVATE int ms_left(double deadline)
 {
@@ -656,7 +656,7 @@ static void store_server_stop(store_server *sv, int drain_ms)
     store_server_free(sv);
 }
 
-/* --- 13.4 the client (every rank) ---------------------------------------- */
+/* --- the client (every rank) ---------------------------------------- */
 
 void dt_store_config_init(dt_store_config *cfg)
 {

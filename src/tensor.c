@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 4. Tensors
+ * Tensors
  *
  * Shapes are row-major with element strides.  Views (reshape, transpose,
  * slice) share data and only change the header.  Kernels want contiguous

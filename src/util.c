@@ -1,7 +1,7 @@
 #include "internal.h"
 
 /* ===========================================================================
- * 12. Utilities
+ * Utilities
  * ======================================================================== */
 
 dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,

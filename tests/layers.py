@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""tests/layers.py - the core's modules call down only.
+
+    /usr/bin/python3 tests/layers.py          (from the repository root)
+
+Every function a module of src/ defines belongs to it: its DT_PRIVATE
+functions, its statics and the public dt_ functions defined there.  LAYERS
+orders the modules, bottom first; a module that names a function of a
+module in a higher layer calls upward.  Each such call must be one of
+ALLOWED: the calls of today that wait for a hook the lower module offers
+(docs/DESIGN.md).  Exits 1, naming the calls, on any other upward call, and
+on an ALLOWED call that no longer happens (so the list can only shrink).
+Prints one line "layer check: ..." either way.
+"""
+import re
+import sys
+
+# Bottom first.  Modules in one tuple are one layer and call each other freely.
+LAYERS = [
+    ("context", "arena", "tensor", "param", "util"),
+    ("autograd",), ("ops",), ("recompute",), ("optim",), ("ckpt",), ("data",),
+    ("store",), ("comm",), ("launch",), ("ddp",), ("replicas",), ("ps",), ("hogwild",),
+    ("profile",), ("steal",), ("parallel",),
+]
+
+# Upward calls of today, caller -> the functions it calls above it.  Each is
+# to become a hook: the profiler's recording (prof_begin/prof_end and the
+# like) moves below the layers that record, and DDP, the parameter server
+# and work stealing register with autograd, ops, the optimizer, comm and the
+# loader instead of being called by them.
+ALLOWED = {
+    "context": {"ddp_detach", "prof_init", "prof_release"},
+    "arena": {"prof_step_end"},
+    "autograd": {"ddp_backward_begin", "ddp_backward_end", "ddp_node_done", "prof_begin",
+                 "prof_end"},
+    "ops": {"ddp_grad_chunk_rows", "ddp_grad_rows_done"},
+    "optim": {"ddp_for_scaler", "ddp_forget_optim", "prof_begin", "prof_end"},
+    "data": {"prof_batch", "prof_begin", "prof_end", "prof_samples", "steal_next",
+             "steal_start_epoch", "dt_store_close"},
+    "comm": {"prof_begin", "prof_coll", "prof_end", "ps_check_servers", "ps_run"},
+    "ddp": {"prof_begin", "prof_end", "prof_exchange", "prof_recording", "ddp_ps_check",
+            "ps_clock", "ps_encode_push", "ps_pushed", "ps_step_pull"},
+}
+
+
+def code_of(path):
+    """The file without comments, strings and character constants."""
+    text = open(path).read()
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    text = re.sub(r'"(\\.|[^"\\\n])*"', '""', text)
+    return re.sub(r"'(\\.|[^'\\\n])*'", "''", text)
+
+
+# a definition at column 0: [DT_PRIVATE|static] [type...] name(args) {
+DEFINITION = re.compile(r"^(?:DT_PRIVATE |static )?[A-Za-z_][\w \*]*?\b(\w+)\s*\([^;{]*\)\s*\{",
+                        re.M)
+
+
+def main():
+    modules = [m for layer in LAYERS for m in layer]
+    layer_of = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    code = {m: code_of(f"src/{m}.c") for m in modules}
+    owner = {}
+    for m in modules:
+        for name in DEFINITION.findall(code[m]):
+            owner.setdefault(name, m)
+    bad, used = [], set()
+    for m in modules:
+        for name in sorted(set(re.findall(r"[A-Za-z_]\w*", code[m]))):
+            o = owner.get(name)
+            if not o or layer_of[o] <= layer_of[m]:
+                continue
+            if name in ALLOWED.get(m, ()):
+                used.add((m, name))
+            else:
+                bad.append(f"src/{m}.c calls {name}() of src/{o}.c, a higher layer")
+    gone = [f"ALLOWED lists {m} -> {n}(), which no longer happens: remove it"
+            for m, names in sorted(ALLOWED.items()) for n in sorted(names) if (m, n) not in used]
+    for line in bad + gone:
+        print(f"layer check: {line}")
+    if bad or gone:
+        print(f"layer check: failed ({len(bad)} upward calls, {len(gone)} stale entries)")
+        return 1
+    print(f"layer check: {len(modules)} modules in {len(LAYERS)} layers call down only, "
+          f"but for {len(used)} listed calls that wait for hooks")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
