@@ -742,6 +742,34 @@ obj_compile_cmds() {
     return 0
 }
 
+# The README's vendoring recipe, exactly as written: for each case of its
+# ```sh block ("# one process: FILES" or "# several processes ...: the
+# same files and MORE", then the cc line), only those files are copied into
+# an empty directory with tests/embed/vendored.c as prog.c, and the cc line
+# must build a program that runs.
+readme_vendoring_checks() {
+    local block files="" line dir n=0
+    block=$(awk '/^- \*\*Vendoring\.\*\*/ {v = 1} v && /^  ```sh$/ {f = 1; next}
+                 f && /^  ```$/ {exit} f {sub(/^  /, ""); print}' README.md)
+    [ -n "$block" ] || { echo "readme vendoring check: no \`\`\`sh block under Vendoring"; exit 1; }
+    while IFS= read -r line; do
+        case "$line" in
+            "# one process: "*) files=${line#*: } ;;
+            "# several processes"*) files="$files ${line#*the same files and }" ;;
+            cc\ *)
+                dir=$(mktemp -d)
+                (cd "$dir" && mkdir backends) && for f in $files; do cp "$f" "$dir/$f"; done
+                cp tests/embed/vendored.c "$dir/prog.c"
+                (cd "$dir" && eval "$line" && ./a.out) > "$dir/out" 2>&1 ||
+                    { cat "$dir/out"; echo "readme vendoring check: failed: $line (files: $files)"; exit 1; }
+                rm -rf "$dir"
+                n=$((n + 1)) ;;
+        esac
+    done <<< "$block"
+    [ $n = 2 ] || { echo "readme vendoring check: $n cc lines, expected 2"; exit 1; }
+    echo "readme vendoring checks: both of the README's recipes build and run"
+}
+
 # Everything the checks run, on every core, with nvcc alongside, compiled
 # again only where stale.  The development build compiles the core as its
 # modules (src/*.c, separately and incrementally), sanitized, into the unit
@@ -798,6 +826,7 @@ cmd_test() {
     timed example_checks
     timed plugin_checks
     timed embed_checks
+    timed readme_vendoring_checks
     timed ps_checks
     timed pipeline_checks
     timed python_checks
