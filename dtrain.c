@@ -194,6 +194,29 @@ typedef struct prof_state {
     int nranks;
 } prof_state;
 
+/* What the lower layers let a higher one do inside their work, instead of
+ * calling up: DDP registers these while it is attached (src/ddp.c,
+ * ddp_grad_hooks), as PyTorch's autograd offers gradient hooks to its DDP
+ * reducer.  Each gets the context's ddp as its user pointer and runs only
+ * while one is attached (a pipeline detaches it around a micro-batch). */
+typedef struct dt_grad_hooks {
+    /* autograd: a backward starts; every node of the top-level walk is done
+     * (its gradients may be final); it ended with s (returns what to report) */
+    dt_status (*backward_begin)(void *user);
+    void (*node_done)(void *user, const dt_node *n);
+    dt_status (*backward_end)(void *user, dt_status s);
+    /* ops (linear's backward): rows of w's gradient to make per block, 0 for
+     * all at once; rows 0..rows_done of it are final */
+    int64_t (*grad_chunk_rows)(void *user, const dt_tensor *w, int64_t rows, int64_t cols);
+    void (*grad_rows_done)(void *user, const dt_tensor *w, int64_t rows_done, int64_t cols);
+    /* optim: the loss scaler wants the reduced gradients (finish: wait for
+     * them); an optimizer is being freed */
+    dt_status (*before_unscale)(void *user, int finish);
+    void (*optim_freed)(void *user, const dt_optim *o);
+    /* context: it is being freed */
+    void (*ctx_freed)(void *user);
+} dt_grad_hooks;
+
 struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
@@ -227,6 +250,7 @@ struct dt_ctx {
     dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (a parameter */
     int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
     struct dt_ddp *ddp;            /* attached data parallelism (src/ddp.c), or NULL */
+    const dt_grad_hooks *grad_hooks;   /* its hooks, called with ddp while it is set */
     uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
     prof_state prof;               /* the profiler (src/profile.c) */
 };
@@ -1154,7 +1178,7 @@ DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_te
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
 DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE int needs_grad(const dt_tensor *t);
-DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_ddp *ddp);
+DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked);
 DT_PRIVATE dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed);
 DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed);
 
@@ -1224,17 +1248,6 @@ DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const i
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
                         float *sent);
 DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
-DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
-DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
-   /* src/autograd.c */
-
-/* Data parallelism (src/ddp.c) hooks into backward (src/autograd.c) and the context's end. */
-DT_PRIVATE dt_status ddp_backward_begin(struct dt_ddp *d);
-DT_PRIVATE void ddp_node_done(struct dt_ddp *d, const dt_node *n);
-DT_PRIVATE dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
-DT_PRIVATE dt_status ddp_for_scaler(struct dt_ddp *d, int finish);
-DT_PRIVATE void ddp_forget_optim(struct dt_ddp *d, const dt_optim *opt);
-DT_PRIVATE void ddp_detach(struct dt_ddp *d);
 
 /* src/ps.c */
 DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,
@@ -1547,7 +1560,7 @@ void dt_ctx_free(dt_ctx *ctx)
     if (!ctx)
         return;
     if (ctx->ddp)
-        ddp_detach(ctx->ddp);   /* gradients back into their own buffers */
+        ctx->grad_hooks->ctx_freed(ctx->ddp);   /* DDP gives the gradients their buffers back */
     prof_release(ctx);
     ctx->tape = NULL;   /* nothing will read the tensors now */
     free_doomed(ctx);
@@ -2615,9 +2628,10 @@ DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
 
 DT_PRIVATE int needs_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
 
-/* ddp (the top-level walk only) hears of every node once it is done, so
- * it can start a bucket's allreduce when its gradients are final. */
-DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_ddp *ddp)
+/* With hooked (the top-level walk only), the attached DDP hears of every
+ * node once it is done, so it can start a bucket's allreduce when its
+ * gradients are final (dt_grad_hooks). */
+DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked)
 {
     for (dt_node *n = tail; n && n != stop; n = n->prev) {
         dt_tensor *g = n->out->grad;
@@ -2626,8 +2640,8 @@ DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct 
             if (s != DT_OK)
                 return s;
         }
-        if (ddp)
-            ddp_node_done(ddp, n);
+        if (hooked && ctx->ddp)
+            ctx->grad_hooks->node_done(ctx->ddp, n);
     }
     return DT_OK;
 }
@@ -2670,20 +2684,26 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed)
     return backward_tape(ctx, loss, NULL, seed);
 }
 
+/* A backward ended with s: what to report (the attached DDP's say). */
+static dt_status backward_ended(dt_ctx *ctx, dt_status s)
+{
+    return ctx->ddp ? ctx->grad_hooks->backward_end(ctx->ddp, s) : s;
+}
+
 /* Run ctx->tape backward from out, whose gradient is seed_grad (device
  * memory, out's shape, contiguous) or else the constant seed, and consume
  * the tape.  A pipeline (src/parallel.c) calls it with one micro-batch's tape. */
 DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed)
 {
     if (ctx->ddp) {
-        dt_status s = ddp_backward_begin(ctx->ddp);
+        dt_status s = ctx->grad_hooks->backward_begin(ctx->ddp);
         if (s != DT_OK)
             return s;
     }
     int acc;
     float *g = grad_target(ctx, out, &acc);
     if (!g)
-        return ctx->ddp ? ddp_backward_end(ctx->ddp, ctx->last_status) : ctx->last_status;
+        return backward_ended(ctx, ctx->last_status);
     int64_t n = shape_numel(out->ndim, out->shape);
     if (seed_grad) {
         BE(ctx)->axpby(BEI(ctx), n, 1.0f, seed_grad, acc ? 1.0f : 0.0f, g);
@@ -2692,20 +2712,20 @@ DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *see
         float *tmp = arena_alloc(ctx, ctx->cur_dev, sizeof one);
         if (!tmp) {
             set_error(ctx, DT_ENOMEM, "backward: out of memory");
-            return ctx->ddp ? ddp_backward_end(ctx->ddp, DT_ENOMEM) : DT_ENOMEM;
+            return backward_ended(ctx, DT_ENOMEM);
         }
         BE(ctx)->to_device(BEI(ctx), tmp, &one, sizeof one);
         BE(ctx)->axpby(BEI(ctx), 1, seed, tmp, 1.0f, g);
     } else {
         BE(ctx)->fill(BEI(ctx), 1, seed, g);
     }
-    dt_status s = run_tape(ctx, ctx->tape, NULL, ctx->ddp);
+    dt_status s = run_tape(ctx, ctx->tape, NULL, 1);
     /* The tape is consumed: its outputs become plain tensors, so a second
      * backward through the same graph is refused instead of double-counting. */
     for (dt_node *n = ctx->tape; n; n = n->prev)
         n->out->node = NULL;
     ctx->tape = NULL;
-    return ctx->ddp ? ddp_backward_end(ctx->ddp, s) : s;
+    return backward_ended(ctx, s);
 }
 
 
@@ -3254,14 +3274,15 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
     /* Under DDP a large weight's gradient is made in row blocks, each sent
      * while the next computes (src/ddp.c); the bias goes first so it never holds
      * back the bucket it shares with the weight's first rows. */
-    int64_t step = needs_grad(w) ? ddp_grad_chunk_rows(ctx, w, out, in) : 0;
+    int64_t step = needs_grad(w) && ctx->ddp ? ctx->grad_hooks->grad_chunk_rows(ctx->ddp, w, out, in)
+                                             : 0;
     if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */
         float *gb = grad_target(ctx, b, &acc);
         if (!gb)
             return ctx->last_status;
         BE(ctx)->bias_grad(BEI(ctx), rows, out, 1, dy, gb, acc);
         if (step > 0)
-            ddp_grad_rows_done(ctx, b, out, 1);
+            ctx->grad_hooks->grad_rows_done(ctx->ddp, b, out, 1);
     }
     if (needs_grad(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
         float *gw = grad_target(ctx, w, &acc);
@@ -3272,7 +3293,7 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
             GEMM(ctx, n->prec, 1, 0, r1 - r0, in, rows, 1.0f, dy + r0, out, FP(x), in,
                  acc ? 1.0f : 0.0f, gw + r0 * in, in);
             if (step > 0)
-                ddp_grad_rows_done(ctx, w, r1, in);
+                ctx->grad_hooks->grad_rows_done(ctx->ddp, w, r1, in);
         }
     }
     return DT_OK;
@@ -4305,7 +4326,7 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
         goto done;
     }
     y2->grad = y->grad;                    /* seed with the segment output's gradient */
-    s = run_tape(ctx, ctx->tape, NULL, NULL);
+    s = run_tape(ctx, ctx->tape, NULL, 0);
     ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
     ctx->cur_host = sw.host;
     for (int i = 0; s == DT_OK && i < n; i++) {
@@ -4527,7 +4548,7 @@ void dt_optim_free(dt_optim *o)
     host_free(ctx, o->params);
     host_free(ctx, o->param_steps);
     if (ctx->ddp)
-        ddp_forget_optim(ctx->ddp, o);
+        ctx->grad_hooks->optim_freed(ctx->ddp, o);
     host_free(ctx, o);
 }
 
@@ -4734,7 +4755,7 @@ dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss)
     if (sc->unscaled)
         return set_error(sc->ctx, DT_ESTATE, "loss_scaler_backward: this step's gradients are "
                          "already unscaled; step first (scaled ones would be added to them)");
-    dt_status s = sc->ctx->ddp ? ddp_for_scaler(sc->ctx->ddp, 0) : DT_OK;
+    dt_status s = sc->ctx->ddp ? sc->ctx->grad_hooks->before_unscale(sc->ctx->ddp, 0) : DT_OK;
     if (s != DT_OK)
         return s;
     if ((s = backward_seeded(sc->ctx, loss, sc->scale)) == DT_OK)
@@ -4750,7 +4771,7 @@ dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
     if (!sc->pending)
         return set_error(ctx, DT_ESTATE, "loss_scaler: no dt_loss_scaler_backward since the last "
                          "step");
-    dt_status s = ctx->ddp ? ddp_for_scaler(ctx->ddp, 1) : DT_OK;   /* reduced first */
+    dt_status s = ctx->ddp ? ctx->grad_hooks->before_unscale(ctx->ddp, 1) : DT_OK;   /* reduced first */
     if (s != DT_OK)
         return s;
     if (!sc->unscaled) {
@@ -10010,6 +10031,9 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
  * allreduces left stays intact while the next backward writes.
  * ======================================================================== */
 
+static const dt_grad_hooks ddp_grad_hooks;   /* at the end of this file */
+
+
 /* The default bucket: about an eighth of the gradients, within these bounds
  * (measured in docs/PERFORMANCE.md: 256 KiB buckets hid the most on 1 Gbit/s
  * for the benchmark MLP and CNN; large models want fewer, larger calls). */
@@ -10554,9 +10578,10 @@ static void ddp_param_final(dt_ddp *d, int i)
  * each finished block can travel while the next computes; 0: all at once.
  * Only for a large weight whose last use on the tape this is. */
 #define DDP_CHUNK_MIN_FLOATS 65536
-DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols)
+static int64_t ddp_grad_chunk_rows(void *user, const dt_tensor *w, int64_t rows, int64_t cols)
 {
-    dt_ddp *d = ctx->ddp;
+    dt_ddp *d = user;
+    dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
         d->uses[w->param_index] != 1 || d->recompute_left > 0 ||
         rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
@@ -10568,9 +10593,10 @@ DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t 
     return step < rows ? step : 0;
 }
 
-DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols)
+static void ddp_grad_rows_done(void *user, const dt_tensor *w, int64_t rows_done, int64_t cols)
 {
-    dt_ddp *d = ctx->ddp;
+    dt_ddp *d = user;
+    dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
         d->uses[w->param_index] != 1 || d->recompute_left > 0)
         return;   /* not this op's to declare final */
@@ -10602,7 +10628,7 @@ static int node_inputs(const dt_node *n, dt_tensor *const **out)
     return n->n_in;
 }
 
-DT_PRIVATE dt_status ddp_backward_begin(dt_ddp *d)
+static dt_status ddp_backward_begin(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
     if (ctx->n_params != d->nparams)
@@ -10656,7 +10682,7 @@ DT_PRIVATE dt_status ddp_backward_begin(dt_ddp *d)
     return DT_OK;
 }
 
-DT_PRIVATE void ddp_node_done(dt_ddp *d, const dt_node *n)
+static void ddp_node_done(dt_ddp *d, const dt_node *n)
 {
     if (!d->hooks)
         return;
@@ -10681,7 +10707,7 @@ DT_PRIVATE void ddp_node_done(dt_ddp *d, const dt_node *n)
 
 /* Whatever happened, every bucket is launched before backward returns (a
  * rank that stopped launching would leave the others waiting). */
-DT_PRIVATE dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
+static dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
 {
     if (d->hooks) {
         for (int i = 0; i < d->nparams; i++)
@@ -10774,7 +10800,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
 
 /* The loss scaler (src/optim.c) over a DDP: refuse what it cannot serve; finish:
  * the step's reduction first, so it unscales and checks averages. */
-DT_PRIVATE dt_status ddp_for_scaler(dt_ddp *d, int finish)
+static dt_status ddp_for_scaler(dt_ddp *d, int finish)
 {
     if (d->cfg.ps)
         return set_error(d->ctx, DT_ENOTSUP, "loss_scaler: with a parameter server the servers "
@@ -11394,10 +11420,11 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
     ctx->ddp = d;
+    ctx->grad_hooks = &ddp_grad_hooks;
     return d;
 }
 
-DT_PRIVATE void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
+static void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
 {
     if (d->opt == opt)
         d->opt = NULL;   /* freed first: dt_ddp_step now refuses instead */
@@ -11405,7 +11432,7 @@ DT_PRIVATE void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
 
 /* Give the gradients their own buffers back (current values copied) and
  * drop the bucket memory; the struct stays for dt_ddp_free. */
-DT_PRIVATE void ddp_detach(dt_ddp *d)
+static void ddp_detach(dt_ddp *d)
 {
     if (!d->ctx)
         return;
@@ -11420,6 +11447,7 @@ DT_PRIVATE void ddp_detach(dt_ddp *d)
     if (d->momentum > 0 && d->opt)
         d->opt->momentum_by_ddp = 0;
     d->ctx->ddp = NULL;
+    d->ctx->grad_hooks = NULL;
     ddp_release(d);
     d->ctx = NULL;
 }
@@ -11616,6 +11644,25 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
     return DT_OK;
 }
 
+/* --- the hooks DDP registers with the lower layers (dt_grad_hooks) ------- */
+
+static dt_status hook_backward_begin(void *u) { return ddp_backward_begin(u); }
+static void hook_node_done(void *u, const dt_node *n) { ddp_node_done(u, n); }
+static dt_status hook_backward_end(void *u, dt_status s) { return ddp_backward_end(u, s); }
+static dt_status hook_before_unscale(void *u, int finish) { return ddp_for_scaler(u, finish); }
+static void hook_optim_freed(void *u, const dt_optim *o) { ddp_forget_optim(u, o); }
+static void hook_ctx_freed(void *u) { ddp_detach(u); }
+
+static const dt_grad_hooks ddp_grad_hooks = {
+    .backward_begin = hook_backward_begin,
+    .node_done = hook_node_done,
+    .backward_end = hook_backward_end,
+    .grad_chunk_rows = ddp_grad_chunk_rows,
+    .grad_rows_done = ddp_grad_rows_done,
+    .before_unscale = hook_before_unscale,
+    .optim_freed = hook_optim_freed,
+    .ctx_freed = hook_ctx_freed,
+};
 
 /* ======= src/replicas.c ======= */
 

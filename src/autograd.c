@@ -68,9 +68,10 @@ DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
 
 DT_PRIVATE int needs_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
 
-/* ddp (the top-level walk only) hears of every node once it is done, so
- * it can start a bucket's allreduce when its gradients are final. */
-DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_ddp *ddp)
+/* With hooked (the top-level walk only), the attached DDP hears of every
+ * node once it is done, so it can start a bucket's allreduce when its
+ * gradients are final (dt_grad_hooks). */
+DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked)
 {
     for (dt_node *n = tail; n && n != stop; n = n->prev) {
         dt_tensor *g = n->out->grad;
@@ -79,8 +80,8 @@ DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct 
             if (s != DT_OK)
                 return s;
         }
-        if (ddp)
-            ddp_node_done(ddp, n);
+        if (hooked && ctx->ddp)
+            ctx->grad_hooks->node_done(ctx->ddp, n);
     }
     return DT_OK;
 }
@@ -123,20 +124,26 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed)
     return backward_tape(ctx, loss, NULL, seed);
 }
 
+/* A backward ended with s: what to report (the attached DDP's say). */
+static dt_status backward_ended(dt_ctx *ctx, dt_status s)
+{
+    return ctx->ddp ? ctx->grad_hooks->backward_end(ctx->ddp, s) : s;
+}
+
 /* Run ctx->tape backward from out, whose gradient is seed_grad (device
  * memory, out's shape, contiguous) or else the constant seed, and consume
  * the tape.  A pipeline (src/parallel.c) calls it with one micro-batch's tape. */
 DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed)
 {
     if (ctx->ddp) {
-        dt_status s = ddp_backward_begin(ctx->ddp);
+        dt_status s = ctx->grad_hooks->backward_begin(ctx->ddp);
         if (s != DT_OK)
             return s;
     }
     int acc;
     float *g = grad_target(ctx, out, &acc);
     if (!g)
-        return ctx->ddp ? ddp_backward_end(ctx->ddp, ctx->last_status) : ctx->last_status;
+        return backward_ended(ctx, ctx->last_status);
     int64_t n = shape_numel(out->ndim, out->shape);
     if (seed_grad) {
         BE(ctx)->axpby(BEI(ctx), n, 1.0f, seed_grad, acc ? 1.0f : 0.0f, g);
@@ -145,19 +152,19 @@ DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *see
         float *tmp = arena_alloc(ctx, ctx->cur_dev, sizeof one);
         if (!tmp) {
             set_error(ctx, DT_ENOMEM, "backward: out of memory");
-            return ctx->ddp ? ddp_backward_end(ctx->ddp, DT_ENOMEM) : DT_ENOMEM;
+            return backward_ended(ctx, DT_ENOMEM);
         }
         BE(ctx)->to_device(BEI(ctx), tmp, &one, sizeof one);
         BE(ctx)->axpby(BEI(ctx), 1, seed, tmp, 1.0f, g);
     } else {
         BE(ctx)->fill(BEI(ctx), 1, seed, g);
     }
-    dt_status s = run_tape(ctx, ctx->tape, NULL, ctx->ddp);
+    dt_status s = run_tape(ctx, ctx->tape, NULL, 1);
     /* The tape is consumed: its outputs become plain tensors, so a second
      * backward through the same graph is refused instead of double-counting. */
     for (dt_node *n = ctx->tape; n; n = n->prev)
         n->out->node = NULL;
     ctx->tape = NULL;
-    return ctx->ddp ? ddp_backward_end(ctx->ddp, s) : s;
+    return backward_ended(ctx, s);
 }
 

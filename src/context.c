@@ -277,7 +277,7 @@ void dt_ctx_free(dt_ctx *ctx)
     if (!ctx)
         return;
     if (ctx->ddp)
-        ddp_detach(ctx->ddp);   /* gradients back into their own buffers */
+        ctx->grad_hooks->ctx_freed(ctx->ddp);   /* DDP gives the gradients their buffers back */
     prof_release(ctx);
     ctx->tape = NULL;   /* nothing will read the tensors now */
     free_doomed(ctx);

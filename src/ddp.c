@@ -24,6 +24,9 @@
  * allreduces left stays intact while the next backward writes.
  * ======================================================================== */
 
+static const dt_grad_hooks ddp_grad_hooks;   /* at the end of this file */
+
+
 /* The default bucket: about an eighth of the gradients, within these bounds
  * (measured in docs/PERFORMANCE.md: 256 KiB buckets hid the most on 1 Gbit/s
  * for the benchmark MLP and CNN; large models want fewer, larger calls). */
@@ -568,9 +571,10 @@ static void ddp_param_final(dt_ddp *d, int i)
  * each finished block can travel while the next computes; 0: all at once.
  * Only for a large weight whose last use on the tape this is. */
 #define DDP_CHUNK_MIN_FLOATS 65536
-DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols)
+static int64_t ddp_grad_chunk_rows(void *user, const dt_tensor *w, int64_t rows, int64_t cols)
 {
-    dt_ddp *d = ctx->ddp;
+    dt_ddp *d = user;
+    dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
         d->uses[w->param_index] != 1 || d->recompute_left > 0 ||
         rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
@@ -582,9 +586,10 @@ DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t 
     return step < rows ? step : 0;
 }
 
-DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols)
+static void ddp_grad_rows_done(void *user, const dt_tensor *w, int64_t rows_done, int64_t cols)
 {
-    dt_ddp *d = ctx->ddp;
+    dt_ddp *d = user;
+    dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
         d->uses[w->param_index] != 1 || d->recompute_left > 0)
         return;   /* not this op's to declare final */
@@ -616,7 +621,7 @@ static int node_inputs(const dt_node *n, dt_tensor *const **out)
     return n->n_in;
 }
 
-DT_PRIVATE dt_status ddp_backward_begin(dt_ddp *d)
+static dt_status ddp_backward_begin(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
     if (ctx->n_params != d->nparams)
@@ -670,7 +675,7 @@ DT_PRIVATE dt_status ddp_backward_begin(dt_ddp *d)
     return DT_OK;
 }
 
-DT_PRIVATE void ddp_node_done(dt_ddp *d, const dt_node *n)
+static void ddp_node_done(dt_ddp *d, const dt_node *n)
 {
     if (!d->hooks)
         return;
@@ -695,7 +700,7 @@ DT_PRIVATE void ddp_node_done(dt_ddp *d, const dt_node *n)
 
 /* Whatever happened, every bucket is launched before backward returns (a
  * rank that stopped launching would leave the others waiting). */
-DT_PRIVATE dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
+static dt_status ddp_backward_end(dt_ddp *d, dt_status backward_status)
 {
     if (d->hooks) {
         for (int i = 0; i < d->nparams; i++)
@@ -788,7 +793,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
 
 /* The loss scaler (src/optim.c) over a DDP: refuse what it cannot serve; finish:
  * the step's reduction first, so it unscales and checks averages. */
-DT_PRIVATE dt_status ddp_for_scaler(dt_ddp *d, int finish)
+static dt_status ddp_for_scaler(dt_ddp *d, int finish)
 {
     if (d->cfg.ps)
         return set_error(d->ctx, DT_ENOTSUP, "loss_scaler: with a parameter server the servers "
@@ -1408,10 +1413,11 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
     ctx->ddp = d;
+    ctx->grad_hooks = &ddp_grad_hooks;
     return d;
 }
 
-DT_PRIVATE void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
+static void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
 {
     if (d->opt == opt)
         d->opt = NULL;   /* freed first: dt_ddp_step now refuses instead */
@@ -1419,7 +1425,7 @@ DT_PRIVATE void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
 
 /* Give the gradients their own buffers back (current values copied) and
  * drop the bucket memory; the struct stays for dt_ddp_free. */
-DT_PRIVATE void ddp_detach(dt_ddp *d)
+static void ddp_detach(dt_ddp *d)
 {
     if (!d->ctx)
         return;
@@ -1434,6 +1440,7 @@ DT_PRIVATE void ddp_detach(dt_ddp *d)
     if (d->momentum > 0 && d->opt)
         d->opt->momentum_by_ddp = 0;
     d->ctx->ddp = NULL;
+    d->ctx->grad_hooks = NULL;
     ddp_release(d);
     d->ctx = NULL;
 }
@@ -1630,3 +1637,22 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
     return DT_OK;
 }
 
+/* --- the hooks DDP registers with the lower layers (dt_grad_hooks) ------- */
+
+static dt_status hook_backward_begin(void *u) { return ddp_backward_begin(u); }
+static void hook_node_done(void *u, const dt_node *n) { ddp_node_done(u, n); }
+static dt_status hook_backward_end(void *u, dt_status s) { return ddp_backward_end(u, s); }
+static dt_status hook_before_unscale(void *u, int finish) { return ddp_for_scaler(u, finish); }
+static void hook_optim_freed(void *u, const dt_optim *o) { ddp_forget_optim(u, o); }
+static void hook_ctx_freed(void *u) { ddp_detach(u); }
+
+static const dt_grad_hooks ddp_grad_hooks = {
+    .backward_begin = hook_backward_begin,
+    .node_done = hook_node_done,
+    .backward_end = hook_backward_end,
+    .grad_chunk_rows = ddp_grad_chunk_rows,
+    .grad_rows_done = ddp_grad_rows_done,
+    .before_unscale = hook_before_unscale,
+    .optim_freed = hook_optim_freed,
+    .ctx_freed = hook_ctx_freed,
+};

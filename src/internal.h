@@ -185,6 +185,29 @@ typedef struct prof_state {
     int nranks;
 } prof_state;
 
+/* What the lower layers let a higher one do inside their work, instead of
+ * calling up: DDP registers these while it is attached (src/ddp.c,
+ * ddp_grad_hooks), as PyTorch's autograd offers gradient hooks to its DDP
+ * reducer.  Each gets the context's ddp as its user pointer and runs only
+ * while one is attached (a pipeline detaches it around a micro-batch). */
+typedef struct dt_grad_hooks {
+    /* autograd: a backward starts; every node of the top-level walk is done
+     * (its gradients may be final); it ended with s (returns what to report) */
+    dt_status (*backward_begin)(void *user);
+    void (*node_done)(void *user, const dt_node *n);
+    dt_status (*backward_end)(void *user, dt_status s);
+    /* ops (linear's backward): rows of w's gradient to make per block, 0 for
+     * all at once; rows 0..rows_done of it are final */
+    int64_t (*grad_chunk_rows)(void *user, const dt_tensor *w, int64_t rows, int64_t cols);
+    void (*grad_rows_done)(void *user, const dt_tensor *w, int64_t rows_done, int64_t cols);
+    /* optim: the loss scaler wants the reduced gradients (finish: wait for
+     * them); an optimizer is being freed */
+    dt_status (*before_unscale)(void *user, int finish);
+    void (*optim_freed)(void *user, const dt_optim *o);
+    /* context: it is being freed */
+    void (*ctx_freed)(void *user);
+} dt_grad_hooks;
+
 struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
@@ -218,6 +241,7 @@ struct dt_ctx {
     dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (a parameter */
     int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
     struct dt_ddp *ddp;            /* attached data parallelism (src/ddp.c), or NULL */
+    const dt_grad_hooks *grad_hooks;   /* its hooks, called with ddp while it is set */
     uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
     prof_state prof;               /* the profiler (src/profile.c) */
 };
@@ -1145,7 +1169,7 @@ DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_te
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
 DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE int needs_grad(const dt_tensor *t);
-DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, struct dt_ddp *ddp);
+DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked);
 DT_PRIVATE dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed);
 DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed);
 
@@ -1215,17 +1239,6 @@ DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const i
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
                         float *sent);
 DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
-DT_PRIVATE int64_t ddp_grad_chunk_rows(dt_ctx *ctx, const dt_tensor *w, int64_t rows, int64_t cols);
-DT_PRIVATE void ddp_grad_rows_done(dt_ctx *ctx, const dt_tensor *w, int64_t rows_done, int64_t cols);
-   /* src/autograd.c */
-
-/* Data parallelism (src/ddp.c) hooks into backward (src/autograd.c) and the context's end. */
-DT_PRIVATE dt_status ddp_backward_begin(struct dt_ddp *d);
-DT_PRIVATE void ddp_node_done(struct dt_ddp *d, const dt_node *n);
-DT_PRIVATE dt_status ddp_backward_end(struct dt_ddp *d, dt_status backward_status);
-DT_PRIVATE dt_status ddp_for_scaler(struct dt_ddp *d, int finish);
-DT_PRIVATE void ddp_forget_optim(struct dt_ddp *d, const dt_optim *opt);
-DT_PRIVATE void ddp_detach(struct dt_ddp *d);
 
 /* src/ps.c */
 DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,

@@ -543,14 +543,15 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
     /* Under DDP a large weight's gradient is made in row blocks, each sent
      * while the next computes (src/ddp.c); the bias goes first so it never holds
      * back the bucket it shares with the weight's first rows. */
-    int64_t step = needs_grad(w) ? ddp_grad_chunk_rows(ctx, w, out, in) : 0;
+    int64_t step = needs_grad(w) && ctx->ddp ? ctx->grad_hooks->grad_chunk_rows(ctx->ddp, w, out, in)
+                                             : 0;
     if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */
         float *gb = grad_target(ctx, b, &acc);
         if (!gb)
             return ctx->last_status;
         BE(ctx)->bias_grad(BEI(ctx), rows, out, 1, dy, gb, acc);
         if (step > 0)
-            ddp_grad_rows_done(ctx, b, out, 1);
+            ctx->grad_hooks->grad_rows_done(ctx->ddp, b, out, 1);
     }
     if (needs_grad(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
         float *gw = grad_target(ctx, w, &acc);
@@ -561,7 +562,7 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
             GEMM(ctx, n->prec, 1, 0, r1 - r0, in, rows, 1.0f, dy + r0, out, FP(x), in,
                  acc ? 1.0f : 0.0f, gw + r0 * in, in);
             if (step > 0)
-                ddp_grad_rows_done(ctx, w, r1, in);
+                ctx->grad_hooks->grad_rows_done(ctx->ddp, w, r1, in);
         }
     }
     return DT_OK;

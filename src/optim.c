@@ -148,7 +148,7 @@ void dt_optim_free(dt_optim *o)
     host_free(ctx, o->params);
     host_free(ctx, o->param_steps);
     if (ctx->ddp)
-        ddp_forget_optim(ctx->ddp, o);
+        ctx->grad_hooks->optim_freed(ctx->ddp, o);
     host_free(ctx, o);
 }
 
@@ -355,7 +355,7 @@ dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss)
     if (sc->unscaled)
         return set_error(sc->ctx, DT_ESTATE, "loss_scaler_backward: this step's gradients are "
                          "already unscaled; step first (scaled ones would be added to them)");
-    dt_status s = sc->ctx->ddp ? ddp_for_scaler(sc->ctx->ddp, 0) : DT_OK;
+    dt_status s = sc->ctx->ddp ? sc->ctx->grad_hooks->before_unscale(sc->ctx->ddp, 0) : DT_OK;
     if (s != DT_OK)
         return s;
     if ((s = backward_seeded(sc->ctx, loss, sc->scale)) == DT_OK)
@@ -371,7 +371,7 @@ dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
     if (!sc->pending)
         return set_error(ctx, DT_ESTATE, "loss_scaler: no dt_loss_scaler_backward since the last "
                          "step");
-    dt_status s = ctx->ddp ? ddp_for_scaler(ctx->ddp, 1) : DT_OK;   /* reduced first */
+    dt_status s = ctx->ddp ? ctx->grad_hooks->before_unscale(ctx->ddp, 1) : DT_OK;   /* reduced first */
     if (s != DT_OK)
         return s;
     if (!sc->unscaled) {

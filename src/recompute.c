@@ -71,7 +71,7 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
         goto done;
     }
     y2->grad = y->grad;                    /* seed with the segment output's gradient */
-    s = run_tape(ctx, ctx->tape, NULL, NULL);
+    s = run_tape(ctx, ctx->tape, NULL, 0);
     ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
     ctx->cur_host = sw.host;
     for (int i = 0; s == DT_OK && i < n; i++) {

@@ -24,17 +24,15 @@ LAYERS = [
 ]
 
 # Upward calls of today, caller -> the functions it calls above it.  Each is
-# to become a hook: the profiler's recording (prof_begin/prof_end and the
-# like) moves below the layers that record, and DDP, the parameter server
-# and work stealing register with autograd, ops, the optimizer, comm and the
-# loader instead of being called by them.
+# to go: the profiler's recording (prof_begin/prof_end and the like) moves
+# below the layers that record, and the parameter server and work stealing
+# register hooks with comm, DDP and the loader, as DDP does with autograd,
+# ops, the optimizer and the context (dt_grad_hooks in src/internal.h).
 ALLOWED = {
-    "context": {"ddp_detach", "prof_init", "prof_release"},
+    "context": {"prof_init", "prof_release"},
     "arena": {"prof_step_end"},
-    "autograd": {"ddp_backward_begin", "ddp_backward_end", "ddp_node_done", "prof_begin",
-                 "prof_end"},
-    "ops": {"ddp_grad_chunk_rows", "ddp_grad_rows_done"},
-    "optim": {"ddp_for_scaler", "ddp_forget_optim", "prof_begin", "prof_end"},
+    "autograd": {"prof_begin", "prof_end"},
+    "optim": {"prof_begin", "prof_end"},
     "data": {"prof_batch", "prof_begin", "prof_end", "prof_samples", "steal_next",
              "steal_start_epoch", "dt_store_close"},
     "comm": {"prof_begin", "prof_coll", "prof_end", "ps_check_servers", "ps_run"},
