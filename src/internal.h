@@ -255,6 +255,9 @@ struct xfers;
 struct ps_call;
 
 /* The profiler (src/profile.c) hears of phases, steps, collectives and batches. */
+#define PROF_DEFAULT_EVENTS 262144
+#define PROF_DEFAULT_THRESHOLD 0.15   /* a straggler: 15% above the median */
+#define PROF_DEFAULT_EVERY 20
 enum { PH_DATA, PH_FORWARD, PH_BACKWARD, PH_COMM_WAIT, PH_OPTIM, PH_IDLE, PH_COUNT };
 
 
@@ -1117,6 +1120,23 @@ static inline float f16_to_f32(uint16_t h)
  * What each module offers the others
  * ======================================================================== */
 
+/* src/record.c */
+DT_PRIVATE int prof_recording(const dt_ctx *ctx);
+DT_PRIVATE void prof_init(dt_ctx *ctx);
+DT_PRIVATE void prof_release(dt_ctx *ctx);
+DT_PRIVATE double prof_begin(dt_ctx *ctx);
+DT_PRIVATE void prof_end(dt_ctx *ctx, int phase, double t0);
+DT_PRIVATE void prof_samples(dt_ctx *ctx, int64_t n);
+DT_PRIVATE void prof_step_end(dt_ctx *ctx);
+DT_PRIVATE void prof_coll(dt_comm *c, const struct dt_work *w, double t0, double t1);
+DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
+DT_PRIVATE void prof_push(prof_state *p, prof_event e);
+DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
+DT_PRIVATE double coll_bus_factor(int kind, int P);
+DT_PRIVATE int64_t coll_bytes(const dt_work *w);
+DT_PRIVATE const char *prof_phase_name(int phase);
+DT_PRIVATE const char *prof_alg_name(int alg);
+
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
 DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes);
@@ -1251,15 +1271,6 @@ DT_PRIVATE void ps_pushed(dt_ps *ps, int requests);
 DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
 
 /* src/profile.c */
-DT_PRIVATE int prof_recording(const dt_ctx *ctx);
-DT_PRIVATE void prof_init(dt_ctx *ctx);
-DT_PRIVATE void prof_release(dt_ctx *ctx);
-DT_PRIVATE double prof_begin(dt_ctx *ctx);
-DT_PRIVATE void prof_end(dt_ctx *ctx, int phase, double t0);
-DT_PRIVATE void prof_samples(dt_ctx *ctx, int64_t n);
-DT_PRIVATE void prof_step_end(dt_ctx *ctx);
-DT_PRIVATE void prof_coll(dt_comm *c, const struct dt_work *w, double t0, double t1);
-DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 
 /* src/steal.c */

@@ -17,27 +17,22 @@ import sys
 
 # Bottom first.  Modules in one tuple are one layer and call each other freely.
 LAYERS = [
-    ("context", "arena", "tensor", "param", "util"),
+    ("context", "arena", "tensor", "param", "util", "record"),
     ("autograd",), ("ops",), ("recompute",), ("optim",), ("ckpt",), ("data",),
     ("store",), ("comm",), ("launch",), ("ddp",), ("replicas",), ("ps",), ("hogwild",),
     ("profile",), ("steal",), ("parallel",),
 ]
 
 # Upward calls of today, caller -> the functions it calls above it.  Each is
-# to go: the profiler's recording (prof_begin/prof_end and the like) moves
-# below the layers that record, and the parameter server and work stealing
-# register hooks with comm, DDP and the loader, as DDP does with autograd,
-# ops, the optimizer and the context (dt_grad_hooks in src/internal.h).
+# to go: the parameter server, work stealing and the profiler's rank
+# exchange are to register hooks with comm, DDP and the loader, as DDP does
+# with autograd, ops, the optimizer and the context (dt_grad_hooks in
+# src/internal.h).
 ALLOWED = {
-    "context": {"prof_init", "prof_release"},
-    "arena": {"prof_step_end"},
-    "autograd": {"prof_begin", "prof_end"},
-    "optim": {"prof_begin", "prof_end"},
-    "data": {"prof_batch", "prof_begin", "prof_end", "prof_samples", "steal_next",
-             "steal_start_epoch", "dt_store_close"},
-    "comm": {"prof_begin", "prof_coll", "prof_end", "ps_check_servers", "ps_run"},
-    "ddp": {"prof_begin", "prof_end", "prof_exchange", "prof_recording", "ddp_ps_check",
-            "ps_clock", "ps_encode_push", "ps_pushed", "ps_step_pull"},
+    "data": {"steal_next", "steal_start_epoch", "dt_store_close"},
+    "comm": {"ps_check_servers", "ps_run"},
+    "ddp": {"prof_exchange", "ddp_ps_check", "ps_clock", "ps_encode_push", "ps_pushed",
+            "ps_step_pull"},
 }
 
 
@@ -48,6 +43,12 @@ def code_of(path):
     text = re.sub(r"//[^\n]*", " ", text)
     text = re.sub(r'"(\\.|[^"\\\n])*"', '""', text)
     return re.sub(r"'(\\.|[^'\\\n])*'", "''", text)
+
+
+def names_used(code):
+    """Identifiers in code, but not members (after '.' or '->')."""
+    return {m.group(1) for m in re.finditer(r"(?<![.>\w])([A-Za-z_]\w*)", code)
+            if not code[:m.start()].rstrip().endswith(("->", "."))}
 
 
 # a definition at column 0: [DT_PRIVATE|static] [type...] name(args) {
@@ -65,7 +66,7 @@ def main():
             owner.setdefault(name, m)
     bad, used = [], set()
     for m in modules:
-        for name in sorted(set(re.findall(r"[A-Za-z_]\w*", code[m]))):
+        for name in sorted(names_used(code[m])):
             o = owner.get(name)
             if not o or layer_of[o] <= layer_of[m]:
                 continue

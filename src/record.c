@@ -1,0 +1,331 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * The profiler's recording: phases, steps, collectives, batches
+ *
+ * What the layers call while they work, so it sits with the bottom layer:
+ * the compute thread's public calls mark phases (prof_begin/prof_end around
+ * dt_loader_next, dt_backward, the DDP's wait, blocking collectives,
+ * dt_optim_step); the gaps between them are forward (before a backward) or
+ * idle, so a step's phases add up to its wall time by construction.  Only
+ * the outermost call counts: a collective inside dt_ddp_step is the step's
+ * comm wait, not a second one.  The comm thread and the loader's thread
+ * add events under the state's mutex.  The exchange between ranks, the
+ * trace and the report are src/profile.c's.
+ * ======================================================================== */
+
+static const char *const phase_names[PH_COUNT] = {"data wait", "forward", "backward",
+                                                  "comm wait", "optimizer", "idle"};
+
+static int prof_measuring(const dt_ctx *ctx)
+{
+    return ctx && __atomic_load_n(&ctx->prof.measure, __ATOMIC_RELAXED);
+}
+
+DT_PRIVATE int prof_recording(const dt_ctx *ctx)
+{
+    return ctx && __atomic_load_n(&ctx->prof.record, __ATOMIC_RELAXED);
+}
+
+DT_PRIVATE void prof_init(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    pthread_mutex_init(&p->mu, NULL);
+    p->straggler = p->warned_rank = -1;
+    const char *env = getenv("DTRAIN_PROFILE");
+    if (env && *env && strcmp(env, "0") != 0)
+        dt_profile_start(ctx, NULL);   /* a failure (no memory) leaves it off, said in ctx */
+}
+
+DT_PRIVATE void prof_release(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    host_free(ctx, p->ev);
+    host_free(ctx, p->report);
+    host_free(ctx, p->ranks);
+    pthread_mutex_destroy(&p->mu);
+}
+
+/* Keep an event (under p->mu); past the buffer's end it is only counted. */
+DT_PRIVATE void prof_push(prof_state *p, prof_event e)
+{
+    if (!p->record)
+        return;
+    if (p->nev < p->cap)
+        p->ev[p->nev++] = e;
+    else
+        p->dropped++;
+}
+
+/* Start of a phase: its start time, 0 when not measuring, -1 when nested
+ * in another phase (not counted). */
+DT_PRIVATE double prof_begin(dt_ctx *ctx)
+{
+    if (!prof_measuring(ctx))
+        return 0;
+    prof_state *p = &ctx->prof;
+    if (p->depth++ > 0)
+        return -1;
+    return dt_now();
+}
+
+DT_PRIVATE void prof_end(dt_ctx *ctx, int phase, double t0)
+{
+    if (t0 == 0)
+        return;
+    prof_state *p = &ctx->prof;
+    if (--p->depth > 0 || t0 < 0)
+        return;
+    double t1 = dt_now();
+    if (!p->open) {
+        /* a step starts with its data or its backward; what comes before the
+         * first (set-up, a DDP's broadcast) belongs to no step */
+        if (phase != PH_DATA && phase != PH_BACKWARD && phase != PH_FORWARD)   /* (22 times it) */
+            return;
+        p->open = 1;
+        p->step_t0 = p->mark = t0;
+    }
+    int gap = phase == PH_BACKWARD ? PH_FORWARD : PH_IDLE;   /* the caller's own time */
+    if (t0 > p->mark)
+        p->cur[gap] += t0 - p->mark;
+    p->cur[phase] += t1 - t0;
+    pthread_mutex_lock(&p->mu);
+    if (gap == PH_FORWARD && t0 > p->mark)
+        prof_push(p, (prof_event){.t0 = p->mark, .t1 = t0, .type = EV_PHASE, .tid = TID_COMPUTE,
+                                  .what = PH_FORWARD, .a = p->step_index});
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PHASE, .tid = TID_COMPUTE,
+                              .what = (uint8_t)phase, .a = p->step_index});
+    pthread_mutex_unlock(&p->mu);
+    p->mark = t1;
+    if (phase == PH_BACKWARD)
+        p->had_backward = 1;
+}
+
+DT_PRIVATE void prof_samples(dt_ctx *ctx, int64_t n)
+{
+    if (prof_measuring(ctx))
+        ctx->prof.cur_samples += n;
+}
+
+/* dt_step_reset: the step ends if it ran a backward (an evaluation's steps
+ * stay inside the training step they interrupt, as idle time). */
+DT_PRIVATE void prof_step_end(dt_ctx *ctx)
+{
+    prof_state *p = &ctx->prof;
+    if (!prof_measuring(ctx) || !p->open || !p->had_backward || p->depth)
+        return;
+    double t = dt_now();
+    p->cur[PH_IDLE] += t - p->mark;
+    /* compute, for the ranks' comparison: what grows with the batch (the
+     * optimizer costs every rank the same, whatever its share) */
+    double total = t - p->step_t0, compute = p->cur[PH_FORWARD] + p->cur[PH_BACKWARD];
+    pthread_mutex_lock(&p->mu);
+    dt_profile_stats *s = &p->tot;
+    s->steps++;
+    s->step_s += total;
+    s->data_s += p->cur[PH_DATA];
+    s->forward_s += p->cur[PH_FORWARD];
+    s->backward_s += p->cur[PH_BACKWARD];
+    s->comm_wait_s += p->cur[PH_COMM_WAIT];
+    s->optimizer_s += p->cur[PH_OPTIM];
+    s->idle_s += p->cur[PH_IDLE];
+    s->pipe_wait_s += p->cur_pipe;
+    s->samples += p->cur_samples;
+    p->win_compute += compute;
+    p->win_steps++;
+    p->win_samples += p->cur_samples;
+    prof_push(p, (prof_event){.t0 = p->step_t0, .t1 = t, .type = EV_STEP, .tid = TID_COMPUTE,
+                              .a = p->step_index, .b = p->cur_samples});
+    pthread_mutex_unlock(&p->mu);
+    memset(p->cur, 0, sizeof p->cur);
+    p->cur_pipe = 0;
+    p->cur_samples = 0;
+    p->step_index++;
+    p->step_t0 = p->mark = t;
+    p->had_backward = 0;
+}
+
+/* What the comm thread ran: the algorithm (as 14's dispatch picks it) and
+ * the NCCL-style bus factor that turns algbw into busbw (the bytes each
+ * link carries, comparable with the link's speed). */
+static const char *const coll_algs[] = {"?", "shared segment", "hierarchical", "recursive doubling",
+                                        "ring", "binomial tree", "pairwise", "16-bit ring",
+                                        "parameter server"};
+
+/* The names of an event's phase and of a collective's algorithm, for the
+ * trace and the report ("backward", "ring"). */
+DT_PRIVATE const char *prof_phase_name(int phase)
+{
+    return phase_names[phase >= 0 && phase < PH_COUNT ? phase : PH_IDLE];
+}
+
+DT_PRIVATE const char *prof_alg_name(int alg)
+{
+    return coll_algs[alg >= 0 && alg < (int)(sizeof coll_algs / sizeof coll_algs[0]) ? alg : 0];
+}
+static int coll_alg(const dt_comm *c, const dt_work *w)
+{
+    if (w->kind == COLL_PS)
+        return 8;
+    if (c->use_segment && c->nhosts == 1)
+        return 1;
+    if (c->use_segment)
+        return 2;
+    switch (w->kind) {
+    case COLL_ALLREDUCE: case COLL_BARRIER: case COLL_ALLREDUCE_SHARED:
+        return (size_t)w->n * sizeof(float) <= c->doubling_max || w->n < c->world ? 3 : 4;
+    case COLL_BROADCAST: return 5;
+    case COLL_ALLTOALL: return 6;
+    case COLL_ALLREDUCE16: return 7;
+    default: return 4;
+    }
+}
+
+DT_PRIVATE double coll_bus_factor(int kind, int P)
+{
+    if (P <= 1)
+        return 0;
+    switch (kind) {
+    case COLL_ALLREDUCE: case COLL_ALLREDUCE16: case COLL_ALLREDUCE_SHARED:
+        return 2.0 * (P - 1) / P;
+    case COLL_BROADCAST: return 1.0;
+    case COLL_BARRIER: return 0.0;
+    default: return (double)(P - 1) / P;
+    }
+}
+
+DT_PRIVATE int64_t coll_bytes(const dt_work *w)
+{
+    return w->kind == COLL_BARRIER ? 0 : w->n * (w->kind == COLL_ALLREDUCE16 ? 2 : 4);
+}
+
+DT_PRIVATE void prof_coll(dt_comm *c, const dt_work *w, double t0, double t1)
+{
+    dt_ctx *ctx = c->ctx;
+    if (!prof_recording(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    if (w->kind == COLL_PS) {
+        const ps_call *pc = w->aux;
+        int pull = pc && (pc->op == PS_PULL || pc->op == PS_SPULL);
+        p->tot.ps_calls++;
+        p->tot.ps_latency_s += t1 - t0;
+        p->tot.comm_s += t1 - t0;
+        if (pull && w->status == DT_OK) {
+            p->stale_sum += (double)pc->stale;
+            p->stale_n++;
+            if (pc->stale > p->tot.ps_max_staleness)
+                p->tot.ps_max_staleness = pc->stale;
+        }
+        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PS, .tid = TID_COMM,
+                                  .what = (uint8_t)(pc ? pc->op : 0), .a = w->n,
+                                  .b = pull ? pc->stale : -1});
+    } else {
+        int64_t bytes = coll_bytes(w);
+        p->tot.collectives++;
+        p->tot.coll_bytes += (uint64_t)bytes;
+        p->tot.comm_s += t1 - t0;
+        p->bus_bytes += (double)bytes * coll_bus_factor(w->kind, c->world);
+        p->coll_s += t1 - t0;
+        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_COLL, .tid = TID_COMM,
+                                  .what = (uint8_t)w->kind, .alg = (uint8_t)coll_alg(c, w),
+                                  .a = bytes, .b = c->world});
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread)
+{
+    if (!prof_recording(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->batch_s += t1 - t0;
+    p->batches++;
+    p->batches_prefetched += on_thread != 0;
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_BATCH,
+                              .tid = on_thread ? TID_LOADER : TID_COMPUTE, .a = samples});
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* --- the public side ---------------------------------------------------- */
+
+void dt_profile_config_init(dt_profile_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+}
+
+static void prof_resolve(dt_profile_config *c)
+{
+    if (c->max_events <= 0)
+        c->max_events = PROF_DEFAULT_EVENTS;
+    if (!(c->straggler_threshold > 0)) {
+        const char *e = getenv("DTRAIN_STRAGGLER");
+        double v = e && *e ? strtod(e, NULL) : 0;
+        c->straggler_threshold = v > 0 ? v : PROF_DEFAULT_THRESHOLD;
+    }
+    if (c->check_every <= 0)
+        c->check_every = PROF_DEFAULT_EVERY;
+}
+
+dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    prof_state *p = &ctx->prof;
+    dt_profile_config c;
+    dt_profile_config_init(&c);
+    if (cfg)
+        c = *cfg;
+    prof_resolve(&c);
+    prof_event *ev = host_alloc(ctx, sizeof *ev * (size_t)c.max_events);
+    if (!ev)
+        return set_error(ctx, DT_ENOMEM, "profile_start: out of memory for %d events",
+                         c.max_events);
+    pthread_mutex_lock(&p->mu);
+    prof_event *old = p->ev;
+    p->ev = ev;
+    p->cap = c.max_events;
+    p->nev = p->dropped = 0;
+    p->cfg = c;
+    memset(&p->tot, 0, sizeof p->tot);
+    p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
+    p->stale_n = p->batches = p->batches_prefetched = 0;
+    p->win_compute = 0;
+    p->win_steps = p->win_samples = 0;
+    p->straggler = p->warned_rank = -1;
+    memset(p->cur, 0, sizeof p->cur);
+    p->cur_pipe = 0;
+    p->cur_samples = 0;
+    p->open = p->had_backward = 0;
+    __atomic_store_n(&p->measure, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->record, 1, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&p->mu);
+    host_free(ctx, old);
+    return DT_OK;
+}
+
+int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
+
+DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
+{
+    *out = p->tot;
+    out->busbw = p->coll_s > 0 ? p->bus_bytes / p->coll_s / 1e9 : 0;
+    out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
+    out->events = p->nev;
+    out->dropped = p->dropped;
+}
+
+dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
+{
+    if (!ctx || !out)
+        return DT_EINVAL;
+    prof_state *p = (prof_state *)&ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    prof_fill(p, out);
+    pthread_mutex_unlock(&p->mu);
+    return DT_OK;
+}
