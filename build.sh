@@ -27,8 +27,8 @@ CC=${CC:-gcc}
 BUILD=build
 # The core's modules (src/NAME.c), bottom layer first: the order of the
 # generated dtrain.c, and the layers docs/DESIGN.md describes.
-SRC_MODULES="context arena tensor param util record autograd ops recompute optim ckpt data store comm
-             launch ddp replicas ps hogwild profile steal parallel"
+SRC_MODULES="context arena tensor param util record autograd ops recompute optim ckpt store data
+             comm launch profile ddp replicas ps hogwild steal parallel"
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
 OPT="-O3 $ARCH -fno-math-errno"

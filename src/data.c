@@ -292,7 +292,7 @@ static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
         global_slice(ld, b, &start, &count, &s->offset, &s->global, &s->gen);
     } else if (ld->steal) {   /* the batch a claimed chunk gives; -1: none left anywhere */
         int shard = 0;
-        int64_t j = steal_next(ld, &shard, &s->stolen);
+        int64_t j = ld->source->next(ld, &shard, &s->stolen);
         if (j < 0) {
             s->count = -1;
             s->batch_index = b;
@@ -407,12 +407,8 @@ void dt_loader_free(dt_loader *ld)
     }
     host_free(ctx, ld->order);
     host_free(ctx, ld->split);
-    if (ld->steal) {
-        dt_store_close(ld->steal->store);
-        host_free(ctx, ld->steal->errors);
-        host_free(ctx, ld->steal->dry);
-        host_free(ctx, ld->steal);
-    }
+    if (ld->steal)
+        ld->source->release(ld);
     host_free(ctx, ld);
 }
 
@@ -568,7 +564,7 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
     for (int64_t i = 0; i < ld->n_local && !ld->cfg.global_batches && !ld->steal; i++)
         perm[i] = perm[ld->cfg.shard_rank + i * shards];
     if (ld->steal)
-        steal_start_epoch(ld, epoch);
+        ld->source->start_epoch(ld, epoch);
     ld->next = 0;
     ld->wait_s = 0;
     ld->slot[0].ready = ld->slot[1].ready = 0;

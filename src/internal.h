@@ -406,6 +406,17 @@ typedef struct loader_steal {
     char msg[DT_MAX_ERROR];
 } loader_steal;
 
+/* What the loader lets a higher layer decide, instead of calling it: work
+ * stealing registers these in dt_loader_steal (src/steal.c, steal_source).
+ * next: the batch of the chunk in hand (its shard, whether stolen), -1 when
+ * none is left anywhere; start_epoch: a new epoch's chunks; release: the
+ * loader is being freed. */
+typedef struct loader_source {
+    int64_t (*next)(dt_loader *ld, int *shard, int *stolen);
+    void (*start_epoch)(dt_loader *ld, int64_t epoch);
+    void (*release)(dt_loader *ld);
+} loader_source;
+
 struct dt_loader {
     dt_ctx *ctx;
     const dt_dataset *ds;
@@ -423,6 +434,7 @@ struct dt_loader {
     uint64_t split_gen;
     int64_t cur_offset, cur_count, cur_global;   /* the batch last given out */
     loader_steal *steal;       /* NULL: no work stealing */
+    const loader_source *source;   /* with steal: where batches come from */
     /* background thread */
     pthread_t thread;
     int has_thread, stop;
@@ -1274,7 +1286,5 @@ DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 
 /* src/steal.c */
-DT_PRIVATE void steal_start_epoch(dt_loader *ld, int64_t epoch);
-DT_PRIVATE int64_t steal_next(dt_loader *ld, int *shard, int *stolen);
 
 #endif /* DTRAIN_INTERNAL_H */

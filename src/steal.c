@@ -18,7 +18,7 @@ static int64_t steal_batches_per_shard(const dt_loader *ld)
                              : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
 }
 
-DT_PRIVATE void steal_start_epoch(dt_loader *ld, int64_t epoch)
+static void steal_start_epoch(dt_loader *ld, int64_t epoch)
 {
     loader_steal *st = ld->steal;
     (void)epoch;   /* the order is the epoch's; the claims are this start's */
@@ -47,7 +47,7 @@ static int steal_claim(dt_loader *ld, int v, int64_t k)
 }
 
 /* The next batch to prepare: its shard and index in that shard, or -1. */
-DT_PRIVATE int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
+static int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
 {
     loader_steal *st = ld->steal;
     int W = ld->cfg.shard_count, me = ld->cfg.shard_rank;
@@ -97,6 +97,23 @@ DT_PRIVATE int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
     return st->first++;
 }
 
+/* the loader is being freed: its claims' connection and state */
+static void steal_release(dt_loader *ld)
+{
+    dt_ctx *ctx = ld->ctx;
+    dt_store_close(ld->steal->store);
+    host_free(ctx, ld->steal->errors);
+    host_free(ctx, ld->steal->dry);
+    host_free(ctx, ld->steal);
+    ld->steal = NULL;
+}
+
+static const loader_source steal_source = {
+    .next = steal_next,
+    .start_epoch = steal_start_epoch,
+    .release = steal_release,
+};
+
 dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
 {
     if (!ld)
@@ -139,6 +156,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
         return s;
     }
     ld->steal = st;
+    ld->source = &steal_source;
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 

@@ -18,21 +18,18 @@ import sys
 # Bottom first.  Modules in one tuple are one layer and call each other freely.
 LAYERS = [
     ("context", "arena", "tensor", "param", "util", "record"),
-    ("autograd",), ("ops",), ("recompute",), ("optim",), ("ckpt",), ("data",),
-    ("store",), ("comm",), ("launch",), ("ddp",), ("replicas",), ("ps",), ("hogwild",),
-    ("profile",), ("steal",), ("parallel",),
+    ("autograd",), ("ops",), ("recompute",), ("optim",), ("ckpt",), ("store",), ("data",),
+    ("comm",), ("launch",), ("profile",), ("ddp",), ("replicas",), ("ps",), ("hogwild",),
+    ("steal",), ("parallel",),
 ]
 
 # Upward calls of today, caller -> the functions it calls above it.  Each is
-# to go: the parameter server, work stealing and the profiler's rank
-# exchange are to register hooks with comm, DDP and the loader, as DDP does
-# with autograd, ops, the optimizer and the context (dt_grad_hooks in
-# src/internal.h).
+# to go: the parameter server is to register hooks with comm and DDP, as
+# DDP does with autograd, ops, the optimizer and the context (dt_grad_hooks)
+# and work stealing with the loader (loader_source, src/internal.h).
 ALLOWED = {
-    "data": {"steal_next", "steal_start_epoch", "dt_store_close"},
     "comm": {"ps_check_servers", "ps_run"},
-    "ddp": {"prof_exchange", "ddp_ps_check", "ps_clock", "ps_encode_push", "ps_pushed",
-            "ps_step_pull"},
+    "ddp": {"ddp_ps_check", "ps_clock", "ps_encode_push", "ps_pushed", "ps_step_pull"},
 }
 
 
