@@ -28,7 +28,7 @@ BUILD=build
 # The core's modules (src/NAME.c), bottom layer first: the order of the
 # generated dtrain.c, and the layers docs/DESIGN.md describes.
 SRC_MODULES="context arena tensor param util record autograd ops recompute optim ckpt store data
-             comm launch profile ddp replicas ps hogwild steal parallel"
+             comm launch profile codec ps ddp replicas hogwild steal parallel"
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
 OPT="-O3 $ARCH -fno-math-errno"
@@ -315,8 +315,7 @@ plugin_checks() {
          "which finds no GPU here"
 }
 
-# Every module calls down only, but for the listed calls that wait for hooks
-# (tests/layers.py, docs/DESIGN.md).
+# Every module of src/ calls down only (tests/layers.py, docs/DESIGN.md).
 layer_checks() {
     /usr/bin/python3 tests/layers.py
 }

@@ -300,7 +300,7 @@ static dt_status check_dead(dt_comm *c, dt_work *w)
         return DT_OK;
     c->last_watch = now;
     if (w->kind == COLL_PS)   /* other workers may come and go: only servers matter */
-        return ps_check_servers(c, w);
+        return c->ps_ops->check_dead(c, w);
     char val[16] = "";
     size_t len = 0;
     /* a rank that failed published why: fail with its words */
@@ -1396,7 +1396,7 @@ static void run_work(dt_comm *c, dt_work *w)
         memset(xs, 0, sizeof *xs);
         xs->g = (grp){c->rank, c->world, NULL};
         if (w->kind == COLL_PS)
-            ps_run(c, w, &xs);
+            c->ps_ops->run(c, w, &xs);
         else if (w->kind == COLL_P2P)
             run_p2p(c, w, xs);
         else if (c->use_segment && c->nhosts == 1)

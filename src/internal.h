@@ -590,6 +590,15 @@ typedef struct ps_call {
 typedef struct seg_head seg_head;
 typedef struct seg_rank seg_rank;
 
+/* How the comm thread runs work of a kind defined above it: the parameter
+ * server registers these with its communicator (src/ps.c, ps_comm_ops)
+ * before its first request.  run: carry out w (COLL_PS) with the transfers
+ * in *xsp; check_dead: the periodic check while w waits on peers. */
+typedef struct comm_ext_ops {
+    dt_status (*run)(dt_comm *c, struct dt_work *w, struct xfers **xsp);
+    dt_status (*check_dead)(dt_comm *c, struct dt_work *w);
+} comm_ext_ops;
+
 struct dt_comm {
     dt_ctx *ctx;
     int rank, world;
@@ -634,6 +643,7 @@ struct dt_comm {
     int seg_linked;            /* we created it and its name still exists */
     int regions_made;          /* shared regions set up so far (their store keys) */
     int ps_made;               /* parameter-server jobs joined so far (their store keys) */
+    const comm_ext_ops *ps_ops;   /* how to run COLL_PS work (set by dt_ps_new) */
     int steals_made;           /* work-stealing loaders made so far (their store keys) */
     uint32_t inc;              /* 0, or this rank's n-th restarted process (14.6: rejoined,
                                   only the parameter server's requests work) */
@@ -1149,6 +1159,13 @@ DT_PRIVATE int64_t coll_bytes(const dt_work *w);
 DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE const char *prof_alg_name(int alg);
 
+/* src/codec.c */
+DT_PRIVATE size_t grad_code_bytes(dt_compress kind, int64_t numel, int64_t topk);
+DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
+                        int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
+                        float *sent);
+DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
+
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
 DT_PRIVATE void be_to_host(dt_ctx *ctx, void *host, const void *src, size_t bytes);
@@ -1266,17 +1283,10 @@ DT_PRIVATE dt_status shared_region_map(dt_comm *c, size_t part_bytes, shm_region
 DT_PRIVATE void shared_region_free(shm_region *r);
 
 /* src/ddp.c */
-DT_PRIVATE size_t ddp_code_bytes(dt_compress kind, int64_t numel, int64_t topk);
-DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
-                        int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
-                        float *sent);
-DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
 
 /* src/ps.c */
 DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,
                              float *residual, float *scratch, char *out);
-DT_PRIVATE dt_status ps_run(dt_comm *c, struct dt_work *w, struct xfers **xsp);
-DT_PRIVATE dt_status ps_check_servers(dt_comm *c, struct dt_work *w);
 DT_PRIVATE dt_status ps_step_pull(dt_ps *ps);
 DT_PRIVATE int64_t ps_clock(const dt_ps *ps);
 DT_PRIVATE void ps_pushed(dt_ps *ps, int requests);

@@ -424,7 +424,7 @@ DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, ps_call *pc, int kind, double 
                     sent + (a - lo));
         pc->msg[j] = out + used;
         pc->cnt[j] = k;
-        pc->bytes[j] = ddp_code_bytes((dt_compress)kind, n, k);
+        pc->bytes[j] = grad_code_bytes((dt_compress)kind, n, k);
         used += (pc->bytes[j] + 7) & ~(size_t)7;
     }
     for (int64_t i = 0; residual && i < hi - lo; i++)
@@ -567,7 +567,7 @@ static dt_status ps_fresh_xfers(dt_comm *c, dt_work *w, xfers **xsp)
     return DT_OK;
 }
 
-DT_PRIVATE dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
+static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
 {
     xfers *xs = *xsp;
     ps_call *pc = (ps_call *)w->aux;
@@ -640,7 +640,7 @@ DT_PRIVATE dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
 }
 
 /* A worker's request stalls: is one of the servers dead? */
-DT_PRIVATE dt_status ps_check_servers(dt_comm *c, dt_work *w)
+static dt_status ps_check_servers(dt_comm *c, dt_work *w)
 {
     const ps_call *pc = w->aux;
     dt_ps *ps = pc->ps;
@@ -655,6 +655,8 @@ DT_PRIVATE dt_status ps_check_servers(dt_comm *c, dt_work *w)
     }
     return DT_OK;
 }
+
+static const comm_ext_ops ps_comm_ops = {.run = ps_run, .check_dead = ps_check_servers};
 
 /* Run one request on the comm thread and wait for it. */
 /* A pull's answer was this many steps stale: the worker's statistics. */
@@ -1627,7 +1629,7 @@ static dt_status ps_recv_code(dt_ps *ps, int w)
                          (long long)lo, (long long)hi);
     p->data_lo = h->lo;
     p->data_n = h->n;
-    return ps_recv_sdata(ps, w, ddp_code_bytes((dt_compress)kind, h->n, h->k));
+    return ps_recv_sdata(ps, w, grad_code_bytes((dt_compress)kind, h->n, h->k));
 }
 
 /* Post receives for the next pieces of worker w's request data while
@@ -2265,6 +2267,7 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
         return NULL;
     }
     int job = c->ps_made++;
+    c->ps_ops = &ps_comm_ops;   /* before any request reaches the comm thread */
     int L = conf.replicate ? S / 2 : S;
     *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job, .L = L,
                   .server = c->rank >= W ? c->rank - W : -1,
