@@ -12,6 +12,7 @@
 #include "../dtrain.h"
 #include "../backends/backend.h"
 #include "../backends/transport.h"
+#include "../backends/shape.h"   /* shape_numel, contiguous_strides: one home with the backends */
 
 #include <dirent.h>
 #include <dlfcn.h>
@@ -1191,8 +1192,6 @@ DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 
 /* src/tensor.c */
-DT_PRIVATE int64_t shape_numel(int ndim, const int64_t *shape);
-DT_PRIVATE void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride);
 DT_PRIVATE const char *shape_str(const dt_tensor *t, char *buf, size_t len);
 DT_PRIVATE dt_status check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape);
 DT_PRIVATE void header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);

@@ -31,23 +31,6 @@ const char *dt_dtype_name(dt_dtype t)
     return "?";
 }
 
-DT_PRIVATE int64_t shape_numel(int ndim, const int64_t *shape)
-{
-    int64_t n = 1;
-    for (int i = 0; i < ndim; i++)
-        n *= shape[i];
-    return n;
-}
-
-DT_PRIVATE void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
-{
-    int64_t s = 1;
-    for (int i = ndim - 1; i >= 0; i--) {
-        stride[i] = s;
-        s *= shape[i];
-    }
-}
-
 /* "(2, 3, 4)" into buf, for error messages. */
 DT_PRIVATE const char *shape_str(const dt_tensor *t, char *buf, size_t len)
 {
