@@ -129,6 +129,16 @@ struct dt_node {
     void *user;                    /* recompute: its user pointer */
 };
 
+/* What an op keeps for its backward, by position in the node (iarg, farg,
+ * aux): record_op copies it in, so an op records with one call,
+ * record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
+ *           &(node_args){.i = {dim, start}}). */
+typedef struct node_args {
+    int64_t i[8];
+    float f[4];
+    void *aux[4];
+} node_args;
+
 typedef struct dt_chunk {
     struct dt_chunk *next;
     char *base;
@@ -1223,6 +1233,8 @@ DT_PRIVATE void xoshiro_seed(uint64_t s[4], uint64_t seed);
 DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t);
 DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
+DT_PRIVATE dt_node *record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args);
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
 DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE int needs_grad(const dt_tensor *t);
@@ -2980,6 +2992,25 @@ DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_te
     return n;
 }
 
+/* record, then the node's arguments from args (node_args); NULL, with the
+ * context's error set, when the tape has no room. */
+_Static_assert(sizeof(((node_args *)0)->i) == sizeof(((dt_node *)0)->iarg) &&
+                   sizeof(((node_args *)0)->f) == sizeof(((dt_node *)0)->farg) &&
+                   sizeof(((node_args *)0)->aux) == sizeof(((dt_node *)0)->aux),
+               "node_args mirrors dt_node's arguments");
+
+DT_PRIVATE dt_node *record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args)
+{
+    dt_node *n = record(ctx, op, bw, out, a, b, c);
+    if (n) {
+        memcpy(n->iarg, args->i, sizeof n->iarg);
+        memcpy(n->farg, args->f, sizeof n->farg);
+        memcpy(n->aux, args->aux, sizeof n->aux);
+    }
+    return n;
+}
+
 /* The gradient buffer of t for a backward to write; *acc says whether it
  * already holds values to add to. */
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
@@ -3322,13 +3353,10 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
     t = y->stride[d0];
     y->stride[d0] = y->stride[d1];
     y->stride[d1] = t;
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "transpose", transpose_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = d0;
-        n->iarg[1] = d1;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {d0, d1}}))
+        return NULL;
     return y;
 }
 
@@ -3362,13 +3390,10 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
         return NULL;
     y->shape[dim] = end - start;
     y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "slice", slice_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = dim;
-        n->iarg[1] = start;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {dim, start}}))
+        return NULL;
     return y;
 }
 
@@ -3629,13 +3654,10 @@ dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int t
     if (core_gemm(ctx, ctx->autocast, batched ? batch : 1, ta, tb, m, nn, k, 1.0f, A.p, A.ld,
                   A.batch_stride, B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn) != DT_OK)
         return NULL;
-    if (tracks(ctx, a) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, "matmul", matmul_backward, y, a, b, NULL);
-        if (!n)
-            return NULL;
-        int64_t args[6] = {trans_a, trans_b, batch, m, k, nn};
-        memcpy(n->iarg, args, sizeof args);
-    }
+    if ((tracks(ctx, a) || tracks(ctx, b)) &&
+        !record_op(ctx, "matmul", matmul_backward, y, a, b, NULL,
+                   &(node_args){.i = {trans_a, trans_b, batch, m, k, nn}}))
+        return NULL;
     return y;
 }
 
@@ -3717,14 +3739,10 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
         materialize(b);
         BE(ctx)->bias_add(BEI(ctx), rows, out, 1, FP(b), FP(y));
     }
-    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, "linear", linear_backward, y, x, w, b);
-        if (!n)
-            return NULL;
-        n->iarg[0] = rows;
-        n->iarg[1] = in;
-        n->iarg[2] = out;
-    }
+    if ((tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) &&
+        !record_op(ctx, "linear", linear_backward, y, x, w, b,
+                   &(node_args){.i = {rows, in, out}}))
+        return NULL;
     return y;
 }
 
@@ -3845,12 +3863,10 @@ static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_t
     if (!y)
         return NULL;
     BE(ctx)->binary(BEI(ctx), op, nd, shape, FP(a), sa, FP(b), sb, FP(y));
-    if (tracks(ctx, a) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, name, binary_backward, y, a, b, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = op;
-    }
+    if ((tracks(ctx, a) || tracks(ctx, b)) &&
+        !record_op(ctx, name, binary_backward, y, a, b, NULL,
+                   &(node_args){.i = {op}}))
+        return NULL;
     return y;
 }
 
@@ -3874,12 +3890,10 @@ dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
     if (!y)
         return NULL;
     BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), s, FP(x), 0.0f, FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "scale", scale_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->farg[0] = s;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "scale", scale_backward, y, x, NULL, NULL,
+                   &(node_args){.f = {s}}))
+        return NULL;
     return y;
 }
 
@@ -3924,12 +3938,10 @@ static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int me
     BE(ctx)->sum(BEI(ctx), nx, FP(x), FP(y));
     if (mean)
         BE(ctx)->axpby(BEI(ctx), 1, scale, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, sum_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->farg[0] = scale;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, sum_backward, y, x, NULL, NULL,
+                   &(node_args){.f = {scale}}))
+        return NULL;
     return y;
 }
 
@@ -3981,15 +3993,10 @@ static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int di
     float scale = mean ? 1.0f / (float)len : 1.0f;
     if (mean)
         BE(ctx)->axpby(BEI(ctx), outer * inner, scale, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, sum_dim_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = outer;
-        n->iarg[1] = len;
-        n->iarg[2] = inner;
-        n->farg[0] = scale;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, sum_dim_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {outer, len, inner}, .f = {scale}}))
+        return NULL;
     return y;
 }
 
@@ -4027,12 +4034,10 @@ static dt_tensor *unary_op(dt_ctx *ctx, const char *name, dt_unary_op op, dt_ten
     if (!y)
         return NULL;
     BE(ctx)->unary(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, unary_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = op;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, unary_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {op}}))
+        return NULL;
     return y;
 }
 
@@ -4065,13 +4070,10 @@ static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int di
     if (!y)
         return NULL;
     BE(ctx)->softmax(BEI(ctx), outer, len, inner, FP(x), FP(y), log);
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, softmax_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        int64_t args[4] = {outer, len, inner, log};
-        memcpy(n->iarg, args, sizeof args);
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, softmax_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {outer, len, inner, log}}))
+        return NULL;
     return y;
 }
 
@@ -4128,14 +4130,10 @@ dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
                   (int)v, (long long)bad, (long long)c);
         return NULL;
     }
-    if (tracks(ctx, logits)) {
-        dt_node *nd = record(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL);
-        if (!nd)
-            return NULL;
-        nd->iarg[0] = n;
-        nd->iarg[1] = c;
-        nd->aux[0] = probs;
-    }
+    if (tracks(ctx, logits) &&
+        !record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
+                   &(node_args){.i = {n, c}, .aux = {probs}}))
+        return NULL;
     return y;
 }
 
@@ -4186,12 +4184,10 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, pred->ndim, pred->shape, diff, cs, diff, cs, sq);
     BE(ctx)->sum(BEI(ctx), cnt, sq, FP(y));
     BE(ctx)->axpby(BEI(ctx), 1, 1.0f / (float)cnt, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, pred) || tracks(ctx, target)) {
-        dt_node *n = record(ctx, "mse", mse_backward, y, pred, target, NULL);
-        if (!n)
-            return NULL;
-        n->aux[0] = diff;
-    }
+    if ((tracks(ctx, pred) || tracks(ctx, target)) &&
+        !record_op(ctx, "mse", mse_backward, y, pred, target, NULL,
+                   &(node_args){.aux = {diff}}))
+        return NULL;
     return y;
 }
 
@@ -4428,14 +4424,10 @@ static dt_tensor *pool_op(dt_ctx *ctx, const char *name, dt_tensor *x, int kerne
     } else {
         BE(ctx)->avgpool_forward(BEI(ctx), g, FP(x), FP(y));
     }
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL,
-                            NULL);
-        if (!n)
-            return NULL;
-        n->aux[0] = argmax;
-        n->aux[1] = g;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL, NULL,
+                   &(node_args){.aux = {argmax, g}}))
+        return NULL;
     return y;
 }
 
@@ -4570,17 +4562,10 @@ dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, 
         return NULL;
     BE(ctx)->layernorm_forward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, b ? FP(b) : NULL, eps,
                                FP(y), mean, rstd);
-    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, "layer_norm", layer_norm_backward, y, x, w, b);
-        if (!n)
-            return NULL;
-        n->iarg[0] = rows;
-        n->iarg[1] = d;
-        n->aux[0] = mean;
-        n->aux[1] = rstd;
-        n->aux[2] = w;
-        n->aux[3] = b;
-    }
+    if ((tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) &&
+        !record_op(ctx, "layer_norm", layer_norm_backward, y, x, w, b,
+                   &(node_args){.i = {rows, d}, .aux = {mean, rstd, w, b}}))
+        return NULL;
     return y;
 }
 
@@ -4624,12 +4609,10 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
     if (!mask)
         return NULL;
     BE(ctx)->dropout_forward(BEI(ctx), cnt, p, seed, FP(x), FP(y), mask);
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "dropout", dropout_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->aux[0] = mask;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "dropout", dropout_backward, y, x, NULL, NULL,
+                   &(node_args){.aux = {mask}}))
+        return NULL;
     return y;
 }
 

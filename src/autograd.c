@@ -39,6 +39,25 @@ DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_te
     return n;
 }
 
+/* record, then the node's arguments from args (node_args); NULL, with the
+ * context's error set, when the tape has no room. */
+_Static_assert(sizeof(((node_args *)0)->i) == sizeof(((dt_node *)0)->iarg) &&
+                   sizeof(((node_args *)0)->f) == sizeof(((dt_node *)0)->farg) &&
+                   sizeof(((node_args *)0)->aux) == sizeof(((dt_node *)0)->aux),
+               "node_args mirrors dt_node's arguments");
+
+DT_PRIVATE dt_node *record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args)
+{
+    dt_node *n = record(ctx, op, bw, out, a, b, c);
+    if (n) {
+        memcpy(n->iarg, args->i, sizeof n->iarg);
+        memcpy(n->farg, args->f, sizeof n->farg);
+        memcpy(n->aux, args->aux, sizeof n->aux);
+    }
+    return n;
+}
+
 /* The gradient buffer of t for a backward to write; *acc says whether it
  * already holds values to add to. */
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)

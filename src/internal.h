@@ -120,6 +120,16 @@ struct dt_node {
     void *user;                    /* recompute: its user pointer */
 };
 
+/* What an op keeps for its backward, by position in the node (iarg, farg,
+ * aux): record_op copies it in, so an op records with one call,
+ * record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
+ *           &(node_args){.i = {dim, start}}). */
+typedef struct node_args {
+    int64_t i[8];
+    float f[4];
+    void *aux[4];
+} node_args;
+
 typedef struct dt_chunk {
     struct dt_chunk *next;
     char *base;
@@ -1214,6 +1224,8 @@ DT_PRIVATE void xoshiro_seed(uint64_t s[4], uint64_t seed);
 DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t);
 DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
+DT_PRIVATE dt_node *record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args);
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
 DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE int needs_grad(const dt_tensor *t);

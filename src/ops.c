@@ -210,13 +210,10 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
     t = y->stride[d0];
     y->stride[d0] = y->stride[d1];
     y->stride[d1] = t;
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "transpose", transpose_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = d0;
-        n->iarg[1] = d1;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {d0, d1}}))
+        return NULL;
     return y;
 }
 
@@ -250,13 +247,10 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
         return NULL;
     y->shape[dim] = end - start;
     y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "slice", slice_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = dim;
-        n->iarg[1] = start;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {dim, start}}))
+        return NULL;
     return y;
 }
 
@@ -517,13 +511,10 @@ dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int t
     if (core_gemm(ctx, ctx->autocast, batched ? batch : 1, ta, tb, m, nn, k, 1.0f, A.p, A.ld,
                   A.batch_stride, B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn) != DT_OK)
         return NULL;
-    if (tracks(ctx, a) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, "matmul", matmul_backward, y, a, b, NULL);
-        if (!n)
-            return NULL;
-        int64_t args[6] = {trans_a, trans_b, batch, m, k, nn};
-        memcpy(n->iarg, args, sizeof args);
-    }
+    if ((tracks(ctx, a) || tracks(ctx, b)) &&
+        !record_op(ctx, "matmul", matmul_backward, y, a, b, NULL,
+                   &(node_args){.i = {trans_a, trans_b, batch, m, k, nn}}))
+        return NULL;
     return y;
 }
 
@@ -605,14 +596,10 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
         materialize(b);
         BE(ctx)->bias_add(BEI(ctx), rows, out, 1, FP(b), FP(y));
     }
-    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, "linear", linear_backward, y, x, w, b);
-        if (!n)
-            return NULL;
-        n->iarg[0] = rows;
-        n->iarg[1] = in;
-        n->iarg[2] = out;
-    }
+    if ((tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) &&
+        !record_op(ctx, "linear", linear_backward, y, x, w, b,
+                   &(node_args){.i = {rows, in, out}}))
+        return NULL;
     return y;
 }
 
@@ -733,12 +720,10 @@ static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_t
     if (!y)
         return NULL;
     BE(ctx)->binary(BEI(ctx), op, nd, shape, FP(a), sa, FP(b), sb, FP(y));
-    if (tracks(ctx, a) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, name, binary_backward, y, a, b, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = op;
-    }
+    if ((tracks(ctx, a) || tracks(ctx, b)) &&
+        !record_op(ctx, name, binary_backward, y, a, b, NULL,
+                   &(node_args){.i = {op}}))
+        return NULL;
     return y;
 }
 
@@ -762,12 +747,10 @@ dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
     if (!y)
         return NULL;
     BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), s, FP(x), 0.0f, FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "scale", scale_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->farg[0] = s;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "scale", scale_backward, y, x, NULL, NULL,
+                   &(node_args){.f = {s}}))
+        return NULL;
     return y;
 }
 
@@ -812,12 +795,10 @@ static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int me
     BE(ctx)->sum(BEI(ctx), nx, FP(x), FP(y));
     if (mean)
         BE(ctx)->axpby(BEI(ctx), 1, scale, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, sum_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->farg[0] = scale;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, sum_backward, y, x, NULL, NULL,
+                   &(node_args){.f = {scale}}))
+        return NULL;
     return y;
 }
 
@@ -869,15 +850,10 @@ static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int di
     float scale = mean ? 1.0f / (float)len : 1.0f;
     if (mean)
         BE(ctx)->axpby(BEI(ctx), outer * inner, scale, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, sum_dim_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = outer;
-        n->iarg[1] = len;
-        n->iarg[2] = inner;
-        n->farg[0] = scale;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, sum_dim_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {outer, len, inner}, .f = {scale}}))
+        return NULL;
     return y;
 }
 
@@ -915,12 +891,10 @@ static dt_tensor *unary_op(dt_ctx *ctx, const char *name, dt_unary_op op, dt_ten
     if (!y)
         return NULL;
     BE(ctx)->unary(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y));
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, unary_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->iarg[0] = op;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, unary_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {op}}))
+        return NULL;
     return y;
 }
 
@@ -953,13 +927,10 @@ static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int di
     if (!y)
         return NULL;
     BE(ctx)->softmax(BEI(ctx), outer, len, inner, FP(x), FP(y), log);
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, softmax_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        int64_t args[4] = {outer, len, inner, log};
-        memcpy(n->iarg, args, sizeof args);
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, softmax_backward, y, x, NULL, NULL,
+                   &(node_args){.i = {outer, len, inner, log}}))
+        return NULL;
     return y;
 }
 
@@ -1016,14 +987,10 @@ dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
                   (int)v, (long long)bad, (long long)c);
         return NULL;
     }
-    if (tracks(ctx, logits)) {
-        dt_node *nd = record(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL);
-        if (!nd)
-            return NULL;
-        nd->iarg[0] = n;
-        nd->iarg[1] = c;
-        nd->aux[0] = probs;
-    }
+    if (tracks(ctx, logits) &&
+        !record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
+                   &(node_args){.i = {n, c}, .aux = {probs}}))
+        return NULL;
     return y;
 }
 
@@ -1074,12 +1041,10 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, pred->ndim, pred->shape, diff, cs, diff, cs, sq);
     BE(ctx)->sum(BEI(ctx), cnt, sq, FP(y));
     BE(ctx)->axpby(BEI(ctx), 1, 1.0f / (float)cnt, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, pred) || tracks(ctx, target)) {
-        dt_node *n = record(ctx, "mse", mse_backward, y, pred, target, NULL);
-        if (!n)
-            return NULL;
-        n->aux[0] = diff;
-    }
+    if ((tracks(ctx, pred) || tracks(ctx, target)) &&
+        !record_op(ctx, "mse", mse_backward, y, pred, target, NULL,
+                   &(node_args){.aux = {diff}}))
+        return NULL;
     return y;
 }
 
@@ -1316,14 +1281,10 @@ static dt_tensor *pool_op(dt_ctx *ctx, const char *name, dt_tensor *x, int kerne
     } else {
         BE(ctx)->avgpool_forward(BEI(ctx), g, FP(x), FP(y));
     }
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL,
-                            NULL);
-        if (!n)
-            return NULL;
-        n->aux[0] = argmax;
-        n->aux[1] = g;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL, NULL,
+                   &(node_args){.aux = {argmax, g}}))
+        return NULL;
     return y;
 }
 
@@ -1458,17 +1419,10 @@ dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, 
         return NULL;
     BE(ctx)->layernorm_forward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, b ? FP(b) : NULL, eps,
                                FP(y), mean, rstd);
-    if (tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) {
-        dt_node *n = record(ctx, "layer_norm", layer_norm_backward, y, x, w, b);
-        if (!n)
-            return NULL;
-        n->iarg[0] = rows;
-        n->iarg[1] = d;
-        n->aux[0] = mean;
-        n->aux[1] = rstd;
-        n->aux[2] = w;
-        n->aux[3] = b;
-    }
+    if ((tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) &&
+        !record_op(ctx, "layer_norm", layer_norm_backward, y, x, w, b,
+                   &(node_args){.i = {rows, d}, .aux = {mean, rstd, w, b}}))
+        return NULL;
     return y;
 }
 
@@ -1512,12 +1466,10 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
     if (!mask)
         return NULL;
     BE(ctx)->dropout_forward(BEI(ctx), cnt, p, seed, FP(x), FP(y), mask);
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "dropout", dropout_backward, y, x, NULL, NULL);
-        if (!n)
-            return NULL;
-        n->aux[0] = mask;
-    }
+    if (tracks(ctx, x) &&
+        !record_op(ctx, "dropout", dropout_backward, y, x, NULL, NULL,
+                   &(node_args){.aux = {mask}}))
+        return NULL;
     return y;
 }
 
