@@ -27,8 +27,8 @@ CC=${CC:-gcc}
 BUILD=build
 # The core's modules (src/NAME.c), bottom layer first: the order of the
 # generated dtrain.c, and the layers docs/DESIGN.md describes.
-SRC_MODULES="context arena tensor param util record autograd ops recompute optim ckpt store data
-             comm launch profile codec ps ddp replicas hogwild steal parallel"
+SRC_MODULES="context arena tensor param util record autograd ops ops_nn recompute optim ckpt store data
+             comm seg join eval launch profile codec ps ps_server ddp replicas hogwild steal parallel"
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
 OPT="-O3 $ARCH -fno-math-errno"
@@ -64,7 +64,7 @@ CUDA_ARCH="-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_
 build_cuda() {
     [ -n "$CUDA_OBJ" ] || return 0
     mkdir -p $BUILD/obj $BUILD/test
-    if stale "$CUDA_OBJ" backends/cuda.cu backends/backend.h backends/shape.h dtrain.h; then
+    if stale "$CUDA_OBJ" backends/cuda.cu backends/backend.h backends/shape.h backends/half.h dtrain.h; then
         echo "build.sh: compiling the CUDA backend ($NVCC)"
         "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-Wall,-Wextra -Werror all-warnings $CUDA_ARCH \
             -DDT_WITH_CUDA -I. -c backends/cuda.cu -o "$CUDA_OBJ"
@@ -666,7 +666,7 @@ embed_checks() {
     dir=$(mktemp -d)
     cp dtrain.h dtrain.c tests/embed/vendored.c "$dir/"
     mkdir "$dir/backends"
-    cp backends/backend.h backends/shape.h backends/transport.h backends/cpu.c backends/fabric.c \
+    cp backends/backend.h backends/shape.h backends/half.h backends/transport.h backends/cpu.c backends/fabric.c \
        "$dir/backends/"
     printf '%s\n' "cd $dir && $CC $WARN -O2 -DDT_WITH_CPU vendored.c dtrain.c backends/cpu.c \
         -lopenblas -lz -lm -lpthread -o v_cpu" \

@@ -33,6 +33,7 @@
  *  16. The interface table
  */
 #include "backend.h"
+#include "half.h"
 #include "shape.h"
 
 #include <cblas.h>
@@ -744,53 +745,8 @@ static void cpu_unary_backward(dt_backend *be, dt_unary_op op, int64_t n, const 
     parallel_for(be, n, grain, unary_bwd_range, &A);
 }
 
-/* y = x rounded to nearest even at prec, kept as f32 (mixed precision: the
- * core rounds GEMM operands with this, so CPU runs have a GPU's numerics).
- * NaN and infinities pass through; f16 overflows to infinity and keeps
- * subnormals, like a real half. */
-static float round_tf32(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) != 0x7f800000u) {
-        u += 0xfffu + ((u >> 13) & 1);
-        u &= ~0x1fffu;
-    }
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static float round_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) != 0x7f800000u) {
-        u += 0x7fffu + ((u >> 16) & 1);
-        u &= 0xffff0000u;
-    } else if (u & 0x7fffffu) {
-        u |= 0x400000u;   /* quiet NaN */
-    }
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static float round_f16(float f)
-{
-    float a = fabsf(f);
-    if (!(a < 65520.0f))             /* inf, NaN, or rounds past 65504 */
-        return a != a ? f : copysignf(INFINITY, f);
-    if (a < 6.103515625e-05f) {      /* below 2^-14: a multiple of 2^-24 */
-        float q = nearbyintf(a * 16777216.0f) * (1.0f / 16777216.0f);
-        return copysignf(q, f);
-    }
-    uint32_t u;                       /* normal: keep 10 mantissa bits */
-    memcpy(&u, &a, 4);
-    u += 0xfffu + ((u >> 13) & 1);
-    u &= ~0x1fffu;
-    memcpy(&a, &u, 4);
-    return copysignf(a, f);
-}
-
+/* y = x rounded to nearest even at prec, kept as f32 (round_tf32,
+ * round_bf16, round_f16: half.h, the bits the core and CUDA give too) */
 typedef struct round_args {
     dt_precision prec;
     const float *x;

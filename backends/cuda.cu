@@ -54,6 +54,7 @@
 #include <stdint.h>
 
 #include "backend.h"   /* extern "C" inside */
+#include "half.h"
 #include "shape.h"
 
 #include <cublas_v2.h>
@@ -1042,39 +1043,7 @@ static void cuda_gemm(dt_backend *be, int ta, int tb, int64_t m, int64_t n, int6
 }
 
 /* ---- rounding to a precision, kept as f32, bit for bit as cpu.c's -------
- * Round to nearest even on the bits: adding 0x7fff (or 0xfff) plus the
- * lowest kept bit carries into the kept bits exactly when the dropped part
- * is above half, or half with the kept part odd; a carry out of the
- * mantissa bumps the exponent (up to infinity), which is the right answer.
- * Subnormals round at the fixed spacing of the format's subnormals.  NaN and
- * infinity pass through (BF16 quiets a NaN, as cpu.c does). */
-
-/* bfloat16: 7 explicit mantissa bits */
-static __device__ inline float round_bf16(float x)
-{
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7f800000u) == 0x7f800000u)
-        return (u & 0x7fffffu) ? __uint_as_float(u | 0x400000u) : x;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return __uint_as_float(u & 0xffff0000u);
-}
-
-/* TF32: 10 explicit mantissa bits, f32's exponent range */
-static __device__ inline float round_tf32(float x)
-{
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7f800000u) == 0x7f800000u) return x;
-    u += 0xfffu + ((u >> 13) & 1u);
-    return __uint_as_float(u & 0xffffe000u);
-}
-
-/* IEEE half: nearest even, subnormals kept (spacing 2^-24), 65520 and up to
- * infinity -- exactly __float2half_rn (dtrain.c's f32_to_f16) and back */
-static __device__ inline float round_f16(float x)
-{
-    return x != x ? x : __half2float(__float2half_rn(x));
-}
-
+ * round_tf32, round_bf16, round_f16: half.h, compiled for the device too */
 static __device__ inline float round_to(int prec, float x)
 {
     switch (prec) {

@@ -132,7 +132,7 @@ void dt_step_reset(dt_ctx *ctx)
         return;
     prof_step_end(ctx);
     ctx->tape = NULL;
-    free_doomed(ctx);
+    tensor_free_doomed(ctx);
     arena_reset(ctx, &ctx->dev);
     arena_reset(ctx, &ctx->host);
     arena_reset(ctx, &ctx->scratch_dev);

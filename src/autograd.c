@@ -10,12 +10,12 @@
  * (acc = 1), so nothing needs zeroing up front.
  * ======================================================================== */
 
-DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t)
+DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t)
 {
     return ctx->grad_enabled && t && (t->flags & T_REQGRAD);
 }
 
-DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c)
 {
     dt_node *n = arena_alloc(ctx, ctx->cur_host, sizeof *n);
@@ -46,10 +46,10 @@ _Static_assert(sizeof(((node_args *)0)->i) == sizeof(((dt_node *)0)->iarg) &&
                    sizeof(((node_args *)0)->aux) == sizeof(((dt_node *)0)->aux),
                "node_args mirrors dt_node's arguments");
 
-DT_PRIVATE dt_node *record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                            dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args)
 {
-    dt_node *n = record(ctx, op, bw, out, a, b, c);
+    dt_node *n = tape_record(ctx, op, bw, out, a, b, c);
     if (n) {
         memcpy(n->iarg, args->i, sizeof n->iarg);
         memcpy(n->farg, args->f, sizeof n->farg);
@@ -65,7 +65,7 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
     if (t->rowlog)   /* this op may write every row */
         t->rowlog->dense = 1;
     if (!t->grad) {
-        t->grad = step_tensor(ctx, DT_F32, t->ndim, t->shape);
+        t->grad = tensor_step_new(ctx, DT_F32, t->ndim, t->shape);
         if (!t->grad)
             return NULL;
         t->grad->flags |= T_ZERO;
@@ -85,12 +85,12 @@ DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
     return g;
 }
 
-DT_PRIVATE int needs_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
+DT_PRIVATE int grad_needed(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
 
 /* With hooked (the top-level walk only), the attached DDP hears of every
  * node once it is done, so it can start a bucket's allreduce when its
  * gradients are final (dt_grad_hooks). */
-DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked)
+DT_PRIVATE dt_status tape_run(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked)
 {
     for (dt_node *n = tail; n && n != stop; n = n->prev) {
         dt_tensor *g = n->out->grad;
@@ -99,18 +99,18 @@ DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hoo
             if (s != DT_OK)
                 return s;
         }
-        if (hooked && ctx->ddp)
-            ctx->grad_hooks->node_done(ctx->ddp, n);
+        if (hooked && ctx->hook_user)
+            ctx->grad_hooks->node_done(ctx->hook_user, n);
     }
     return DT_OK;
 }
 
-dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss) { return backward_seeded(ctx, loss, 1.0f); }
+dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss) { return tape_backward_seeded(ctx, loss, 1.0f); }
 
 static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed);
 
 /* Backward from loss with d(loss) = seed (1, or a loss scale). */
-DT_PRIVATE dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
+DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
     dt_status s = backward_run(ctx, loss, seed);
@@ -140,22 +140,22 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed)
     if (!loss->node && !(loss->flags & T_PERSIST))
         return set_error(ctx, DT_ESTATE, "backward: this loss's graph was already used by "
                                          "dt_backward; run the forward again");
-    return backward_tape(ctx, loss, NULL, seed);
+    return tape_backward(ctx, loss, NULL, seed);
 }
 
 /* A backward ended with s: what to report (the attached DDP's say). */
 static dt_status backward_ended(dt_ctx *ctx, dt_status s)
 {
-    return ctx->ddp ? ctx->grad_hooks->backward_end(ctx->ddp, s) : s;
+    return ctx->hook_user ? ctx->grad_hooks->backward_end(ctx->hook_user, s) : s;
 }
 
 /* Run ctx->tape backward from out, whose gradient is seed_grad (device
  * memory, out's shape, contiguous) or else the constant seed, and consume
  * the tape.  A pipeline (src/parallel.c) calls it with one micro-batch's tape. */
-DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed)
+DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed)
 {
-    if (ctx->ddp) {
-        dt_status s = ctx->grad_hooks->backward_begin(ctx->ddp);
+    if (ctx->hook_user) {
+        dt_status s = ctx->grad_hooks->backward_begin(ctx->hook_user);
         if (s != DT_OK)
             return s;
     }
@@ -178,7 +178,7 @@ DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *see
     } else {
         BE(ctx)->fill(BEI(ctx), 1, seed, g);
     }
-    dt_status s = run_tape(ctx, ctx->tape, NULL, 1);
+    dt_status s = tape_run(ctx, ctx->tape, NULL, 1);
     /* The tape is consumed: its outputs become plain tensors, so a second
      * backward through the same graph is refused instead of double-counting. */
     for (dt_node *n = ctx->tape; n; n = n->prev)

@@ -15,65 +15,21 @@
 #define DT_CKPT_MAX_FILE ((uint64_t)1 << 40)
 #define DT_JSON_MAX_DEPTH 8
 
-/* Room for n more bytes and the NUL; 0 when out of memory. */
-static int sb_reserve(strbuf *b, size_t n)
+static void strbuf_json_string(strbuf *b, const char *s)
 {
-    if (b->oom)
-        return 0;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 1024;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = b->ctx->al.realloc_fn(b->p, cap, b->ctx->al.user);
-        if (!p) {
-            b->oom = 1;
-            return 0;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    return 1;
-}
-
-static void sb_putn(strbuf *b, const char *s, size_t n)
-{
-    if (!sb_reserve(b, n))
-        return;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void sb_puts(strbuf *b, const char *s) { sb_putn(b, s, strlen(s)); }
-DT_PRIVATE void sb_printf(strbuf *b, const char *fmt, ...)
-{
-    va_list ap, again;
-    va_start(ap, fmt);
-    va_copy(again, ap);
-    int n = vsnprintf(NULL, 0, fmt, ap);   /* the length, then the text in place */
-    if (n > 0 && sb_reserve(b, (size_t)n)) {
-        vsnprintf(b->p + b->len, (size_t)n + 1, fmt, again);
-        b->len += (size_t)n;
-    }
-    va_end(again);
-    va_end(ap);
-}
-
-static void sb_json_string(strbuf *b, const char *s)
-{
-    sb_puts(b, "\"");
+    strbuf_puts(b, "\"");
     for (; *s; s++) {
         unsigned char ch = (unsigned char)*s;
         if (ch == '"' || ch == '\\') {
             char e[3] = {'\\', (char)ch, 0};
-            sb_puts(b, e);
+            strbuf_puts(b, e);
         } else if (ch < 0x20) {
-            sb_printf(b, "\\u%04x", ch);
+            strbuf_printf(b, "\\u%04x", ch);
         } else {
-            sb_putn(b, s, 1);
+            strbuf_putn(b, s, 1);
         }
     }
-    sb_puts(b, "\"");
+    strbuf_puts(b, "\"");
 }
 
 static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char **names)
@@ -98,32 +54,32 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char *
 
 static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n)
 {
-    sb_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\"", (long long)step);
+    strbuf_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\"", (long long)step);
     if (opt) {
-        sb_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
+        strbuf_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
                      "\"dtrain.optim.lr\":\"%.9g\",\"dtrain.optim.param_steps\":\"",
-                  (int)opt->cfg.kind, (long long)opt->steps, (double)opt->base_lr);
+                      (int)opt->cfg.kind, (long long)opt->steps, (double)opt->base_lr);
         for (int i = 0; i < opt->n; i++)
-            sb_printf(b, "%s%lld", i ? "," : "", (long long)opt->param_steps[i]);
-        sb_puts(b, "\"");
+            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)opt->param_steps[i]);
+        strbuf_puts(b, "\"");
     }
-    sb_puts(b, "}");
+    strbuf_puts(b, "}");
     uint64_t off = 0;
     for (int i = 0; i < n; i++) {
         dt_tensor *t = items[i].t;
-        sb_puts(b, ",");
-        sb_json_string(b, items[i].name);
-        sb_puts(b, ":{\"dtype\":\"F32\",\"shape\":[");
+        strbuf_puts(b, ",");
+        strbuf_json_string(b, items[i].name);
+        strbuf_puts(b, ":{\"dtype\":\"F32\",\"shape\":[");
         for (int d = 0; d < t->ndim; d++)
-            sb_printf(b, "%s%lld", d ? "," : "", (long long)t->shape[d]);
+            strbuf_printf(b, "%s%lld", d ? "," : "", (long long)t->shape[d]);
         uint64_t bytes = tensor_bytes(t);
-        sb_printf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
-                  (unsigned long long)(off + bytes));
+        strbuf_printf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
+                      (unsigned long long)(off + bytes));
         off += bytes;
     }
-    sb_puts(b, "}");
+    strbuf_puts(b, "}");
     while (!b->oom && b->len % 8)
-        sb_puts(b, " ");
+        strbuf_puts(b, " ");
 }
 
 static dt_status write_all(dt_ctx *ctx, FILE *f, const void *p, size_t n, const char *path)
@@ -151,7 +107,7 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
     for (int i = 0; s == DT_OK && i < n; i++) {
         dt_tensor *t = items[i].t;
-        materialize(t);
+        tensor_materialize(t);
         BE(ctx)->to_host(BEI(ctx), stage, t->data, tensor_bytes(t));  /* f32 LE on x86/arm */
         s = write_all(ctx, f, stage, tensor_bytes(t), tmp);
     }

@@ -11,7 +11,7 @@
 #define DDP_INT8_BLOCK 256
 
 /* Encoded size of a bucket's gradients in bytes (flags not included). */
-DT_PRIVATE size_t grad_code_bytes(dt_compress kind, int64_t numel, int64_t topk)
+DT_PRIVATE size_t codec_bytes(dt_compress kind, int64_t numel, int64_t topk)
 {
     switch (kind) {
     case DT_COMPRESS_BF16:
@@ -58,7 +58,7 @@ static float select_kth(float *v, int64_t n, int64_t k)
  * all; scratch holds n floats; picked (may be NULL) marks what was sent.
  * DDP encodes buckets, a parameter-server push a server's part of
  * one (src/ps.c). */
-DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
+DT_PRIVATE void codec_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
                         float *sent)
 {
@@ -140,7 +140,7 @@ DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const i
 
 /* acc[0..n) += what `code` (n gradients as `kind`, k entries if TOPK)
  * encodes. */
-DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc)
+DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc)
 {
     switch (kind) {
     case DT_COMPRESS_BF16:

@@ -109,7 +109,7 @@ void dt_config_init(dt_config *cfg)
 
 /* The backends compiled into this build.  The list is const: choosing one is
  * a lookup, not a registration, so there is no global mutable state. */
-DT_PRIVATE const dt_backend_iface *find_backend(const char *name)
+DT_PRIVATE const dt_backend_iface *ctx_find_backend(const char *name)
 {
 #ifdef DT_WITH_CPU
     if (strcmp(name, "cpu") == 0)
@@ -193,7 +193,7 @@ static const dt_backend_iface *load_backend(dt_ctx *ctx, const char *name, char 
     return get();
 }
 
-DT_PRIVATE void arena_init(dt_arena *a, int on_device, size_t min_chunk)
+DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk)
 {
     memset(a, 0, sizeof *a);
     a->on_device = on_device;
@@ -227,10 +227,10 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->grad_enabled = 1;
     ctx->training = 1;
     size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
-    arena_init(&ctx->dev, 1, arena_bytes);
-    arena_init(&ctx->host, 0, (size_t)256 << 10);
-    arena_init(&ctx->scratch_dev, 1, arena_bytes / 4 + DT_ARENA_ALIGN);
-    arena_init(&ctx->scratch_host, 0, (size_t)64 << 10);
+    ctx_arena_init(&ctx->dev, 1, arena_bytes);
+    ctx_arena_init(&ctx->host, 0, (size_t)256 << 10);
+    ctx_arena_init(&ctx->scratch_dev, 1, arena_bytes / 4 + DT_ARENA_ALIGN);
+    ctx_arena_init(&ctx->scratch_host, 0, (size_t)64 << 10);
     ctx->cur_dev = &ctx->dev;
     ctx->cur_host = &ctx->host;
     dt_seed(ctx, cfg.seed);
@@ -244,7 +244,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     const char *name = cfg.custom_backend && cfg.custom_backend->name ? cfg.custom_backend->name
                        : cfg.backend                                    ? cfg.backend
                                                                         : "cpu";
-    ctx->be_iface = cfg.custom_backend ? cfg.custom_backend : find_backend(name);
+    ctx->be_iface = cfg.custom_backend ? cfg.custom_backend : ctx_find_backend(name);
     char why[512] = "";
     if (!ctx->be_iface)
         ctx->be_iface = load_backend(ctx, name, why, sizeof why);
@@ -276,11 +276,11 @@ void dt_ctx_free(dt_ctx *ctx)
 {
     if (!ctx)
         return;
-    if (ctx->ddp)
-        ctx->grad_hooks->ctx_freed(ctx->ddp);   /* DDP gives the gradients their buffers back */
+    if (ctx->hook_user)
+        ctx->grad_hooks->ctx_freed(ctx->hook_user);   /* DDP gives the gradients their buffers back */
     prof_release(ctx);
     ctx->tape = NULL;   /* nothing will read the tensors now */
-    free_doomed(ctx);
+    tensor_free_doomed(ctx);
     while (ctx->persist) {
         dt_tensor *t = ctx->persist;
         t->flags &= ~(unsigned)T_PARAM;   /* the context may free its own */

@@ -550,9 +550,9 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
         perm[i] = i;
     if (ld->cfg.shuffle) {
         uint64_t s[4];
-        xoshiro_seed(s, ld->cfg.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(epoch + 1)));
+        param_rng_seed(s, ld->cfg.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(epoch + 1)));
         for (int64_t i = n - 1; i > 0; i--) {
-            int64_t j = (int64_t)(xoshiro_next(s) % (uint64_t)(i + 1));
+            int64_t j = (int64_t)(param_rng_next(s) % (uint64_t)(i + 1));
             int64_t t = perm[i];
             perm[i] = perm[j];
             perm[j] = t;

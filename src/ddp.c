@@ -91,8 +91,8 @@ static void ddp_stage_in(dt_ddp *d)
 
 static void ddp_encode(const dt_ddp *d, const ddp_bucket *b, const float *g, char *out, float *sent)
 {
-    grad_encode(d->cfg.compress, g, b->numel, b->pieces, b->npieces, b->topk, d->scratch,
-                d->picked, out, sent);
+    codec_encode(d->cfg.compress, g, b->numel, b->pieces, b->npieces, b->topk, d->scratch,
+                 d->picked, out, sent);
 }
 
 /* Encode bucket b (its gradients, plus what error feedback kept) and start
@@ -120,7 +120,7 @@ static void ddp_topk_size(const dt_ddp *d, ddp_bucket *b, double ratio)
         b->pieces[3 * p + 2] = kp;
         b->topk += kp;
     }
-    b->code_bytes = grad_code_bytes(d->cfg.compress, b->numel, b->topk);
+    b->code_bytes = codec_bytes(d->cfg.compress, b->numel, b->topk);
     b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
 }
 
@@ -157,8 +157,8 @@ static dt_work *ddp_launch_compressed(dt_ddp *d, ddp_bucket *b, float *grads, co
     memcpy((char *)b->payload + (b->payload_floats - b->count) * 4, flags,
            (size_t)b->count * sizeof(float));
     d->st.payload_bytes += (uint64_t)b->payload_floats * 4;
-    return enqueue(d->comm, COLL_ALLGATHER, b->gathered, b->payload, b->payload_floats, 0,
-                   DT_REDUCE_SUM);
+    return comm_enqueue(d->comm, COLL_ALLGATHER, b->gathered, b->payload, b->payload_floats, 0,
+                        DT_REDUCE_SUM);
 }
 
 /* A compressed push to the parameter servers: each server's part of the
@@ -202,7 +202,7 @@ static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
     memset(grads, 0, (size_t)(b->numel + b->count) * sizeof(float));
     for (int r = 0; r < P; r++) {
         const float *pl = b->gathered + (int64_t)r * b->payload_floats;
-        grad_decode_add(d->cfg.compress, (const char *)pl, b->numel, b->topk, grads);
+        codec_decode_add(d->cfg.compress, (const char *)pl, b->numel, b->topk, grads);
         for (int k = 0; k < b->count; k++)
             flags[k] += pl[b->payload_floats - b->count + k];
     }
@@ -252,7 +252,7 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
             if (ddp_plan_topk(d, b, ratio) != DT_OK)
                 return DT_ENOMEM;
         } else {
-            b->code_bytes = grad_code_bytes(d->cfg.compress, b->numel, 0);
+            b->code_bytes = codec_bytes(d->cfg.compress, b->numel, 0);
             b->payload_floats = (int64_t)((b->code_bytes + 3) / 4) + b->count;
         }
         b->payload = host_calloc(d->ctx, (size_t)b->payload_floats * sizeof(float));
@@ -301,19 +301,19 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
             ddp_ps_encode(d, b);
         else
             d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
-        b->work = enqueue_in(d->comm, COLL_PS, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
-                             &b->pcall);
+        b->work = comm_enqueue_in(d->comm, COLL_EXT, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
+                                  &b->pcall);
     } else if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
-        /* reduced in 16 bits on the wire, in place (14.4's allreduce16) */
-        b->work = enqueue(d->comm, COLL_ALLREDUCE16, d->set[d->cur] + b->offset, NULL,
-                          b->numel + b->count, d->cfg.compress == DT_COMPRESS_BF16 ? 1 : 2,
-                          DT_REDUCE_AVG);
+        /* reduced in 16 bits on the wire, in place (comm.c's allreduce16) */
+        b->work = comm_enqueue(d->comm, COLL_ALLREDUCE16, d->set[d->cur] + b->offset, NULL,
+                               b->numel + b->count, d->cfg.compress == DT_COMPRESS_BF16 ? 1 : 2,
+                               DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
-    } else if (d->shared.base) {   /* the other ranks read it where it is (src/comm.c) */
-        b->work = enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
-                             b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
+    } else if (d->shared.base) {   /* the other ranks read it where it is (src/join.c) */
+        b->work = comm_enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
+                                  b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
     } else {
         b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
                                      DT_REDUCE_AVG);
@@ -347,7 +347,7 @@ static void ddp_reduce_whole(dt_ddp *d)
     if (ticket)
         d->be_iface->copy_wait(d->be, ticket);
     dt_status s = d->shared.base
-                      ? run_collective_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur], NULL,
+                      ? comm_run_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur], NULL,
                                           d->set_floats, 0, DT_REDUCE_AVG, &d->shared)
                       : dt_allreduce(d->comm, d->set[d->cur], d->set_floats, DT_REDUCE_AVG);
     d->st.comm_s += dt_now() - t0;
@@ -444,7 +444,7 @@ static dt_status ddp_finish(dt_ddp *d);
 /* A node's inputs: concat keeps its (any number of) inputs aside. */
 static int node_inputs(const dt_node *n, dt_tensor *const **out)
 {
-    if (n->backward == concat_backward) {
+    if (n->backward == op_concat_backward) {
         *out = n->aux[0];
         return (int)n->iarg[0];
     }
@@ -584,7 +584,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
         if (!d->buckets[b].work)
             continue;
         double run = 0;
-        dt_status s = work_finish(d->buckets[b].work, &run);
+        dt_status s = comm_work_finish(d->buckets[b].work, &run);
         d->buckets[b].work = NULL;
         d->st.comm_s += run;
         if (s == DT_OK && !d->cfg.ps &&
@@ -742,7 +742,7 @@ dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
     float mine[2] = {(float)every, bad ? 1.0f : 0.0f}, *all = host_alloc(ctx, sizeof(float) * 2 * (size_t)P);
     if (!all)
         return set_error(ctx, DT_ENOMEM, "ddp_balance: out of memory");
-    dt_status s = run_collective_wait(d->comm, COLL_ALLGATHER, all, mine, 2, 0, DT_REDUCE_SUM, NULL);
+    dt_status s = comm_run_wait(d->comm, COLL_ALLGATHER, all, mine, 2, 0, DT_REDUCE_SUM, NULL);
     int differ = -1, failed = -1;
     for (int r = 0; s == DT_OK && r < P; r++) {
         if (all[2 * r] != mine[0] && differ < 0)
@@ -982,7 +982,7 @@ static dt_status ddp_plan(dt_ddp *d, size_t cap)
 }
 
 /* Uncompressed buckets on one host go in a region every local rank maps
- * (shared_region_map): the allreduce then reads them in place instead of
+ * (join_shared_map): the allreduce then reads them in place instead of
  * copying them through the segment's slots (docs/DATA_PARALLEL.md).  Both
  * sets in one part; host memory, which is what the backend's is here
  * (dt_ddp_new checks host_visible).  DT_OK with no region: private sets. */
@@ -994,7 +994,7 @@ static dt_status ddp_alloc_sets(dt_ddp *d)
         return DT_OK;
     size_t stride = ((size_t)d->set_floats * sizeof(float) + 127) & ~(size_t)127;
     int ok = 0;
-    dt_status s = shared_region_map(d->comm, 2 * stride, &d->shared, &ok);
+    dt_status s = join_shared_map(d->comm, 2 * stride, &d->shared, &ok);
     if (s != DT_OK || !ok)
         return s;
     char *mine = d->shared.base + (size_t)d->shared.me * d->shared.part;
@@ -1057,6 +1057,14 @@ static int ddp_auto_overlap(const dt_ddp *d)
     return cpus > d->ctx->threads;
 }
 
+
+/* The DDP attached to ctx, or NULL (for the layers above: a pipeline's
+ * micro-batches decide which backward reduces) */
+DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx)
+{
+    return ctx->grad_hooks == &ddp_grad_hooks ? ctx->hook_user : NULL;
+}
+
 /* Rank 0's parameter values to every rank, packed through set 0. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
@@ -1096,7 +1104,7 @@ static void ddp_release(dt_ddp *d)
         else
             host_free(ctx, d->set[s]);
     }
-    shared_region_free(&d->shared);
+    join_shared_free(&d->shared);
     host_free(ctx, d->order);
     host_free(ctx, d->offset);
     host_free(ctx, d->uses);
@@ -1133,7 +1141,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         set_error(ctx, DT_EINVAL, "ddp_new: communicator is NULL");
         return NULL;
     }
-    if (ctx->ddp) {
+    if (ctx->hook_user) {
         set_error(ctx, DT_ESTATE, "ddp_new: this context already has a DDP; free it first");
         return NULL;
     }
@@ -1178,7 +1186,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                  (double)cfg->topk_ratio, cfg->topk_warmup_steps, cfg->error_feedback != 0,
                  !ctx->be_iface->host_visible, prof_recording(ctx) ? ctx->prof.cfg.check_every : 0);
     if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
-        if (ddp_ps_check(ctx, c, &conf, opt) != DT_OK)
+        if (ps_ddp_check(ctx, c, &conf, opt) != DT_OK)
             return NULL;
     } else if (ddp_check_models(ctx, c, settings) != DT_OK) {
         return NULL;
@@ -1243,7 +1251,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     d->st.overlap = d->overlap;
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
-    ctx->ddp = d;
+    ctx->hook_user = d;
     ctx->grad_hooks = &ddp_grad_hooks;
     return d;
 }
@@ -1270,7 +1278,7 @@ static void ddp_detach(dt_ddp *d)
     }
     if (d->momentum > 0 && d->opt)
         d->opt->momentum_by_ddp = 0;
-    d->ctx->ddp = NULL;
+    d->ctx->hook_user = NULL;
     d->ctx->grad_hooks = NULL;
     ddp_release(d);
     d->ctx = NULL;
@@ -1282,190 +1290,6 @@ void dt_ddp_free(dt_ddp *d)
         return;
     ddp_detach(d);
     d->al.free_fn(d, d->al.user);
-}
-
-/* --- distributed evaluation and inference --------------------------- */
-
-void dt_eval_config_init(dt_eval_config *cfg)
-{
-    if (!cfg)
-        return;
-    memset(cfg, 0, sizeof *cfg);
-    cfg->batch = 1000;
-    cfg->std = 1.0f;
-}
-
-/* The part of ds this rank evaluates: samples rank, rank + P, ..., each
- * sample on exactly one rank; in order, never shuffled. */
-static dt_loader *eval_loader(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
-                              const dt_eval_config *cfg)
-{
-    dt_loader_config lc;
-    dt_loader_config_init(&lc);
-    lc.batch = cfg->batch > 0 ? cfg->batch : 1000;
-    lc.shuffle = 0;
-    lc.mean = cfg->mean;
-    lc.std = cfg->std;
-    lc.shard_rank = c ? dt_comm_rank(c) : 0;
-    lc.shard_count = c ? dt_comm_size(c) : 1;
-    lc.shard_no_pad = 1;
-    return dt_loader_new(ctx, ds, &lc);
-}
-
-static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
-                          dt_forward_fn forward, void *user, eval_visit visit, void *acc)
-{
-    dt_eval_config defaults;
-    dt_eval_config_init(&defaults);
-    if (!cfg)
-        cfg = &defaults;
-    if (!ds || !forward)
-        return set_error(ctx, DT_EINVAL, "evaluate: dataset and forward function are required");
-    if (!(cfg->std > 0))
-        return set_error(ctx, DT_EINVAL, "evaluate: std must be > 0, got %g", (double)cfg->std);
-    dt_loader *ld = eval_loader(ctx, c, ds, cfg);
-    if (!ld)
-        return ctx->last_status;
-    int grad = ctx->grad_enabled, training = ctx->training;
-    ctx->grad_enabled = ctx->training = 0;
-    dt_status s;
-    int64_t first = 0;
-    dt_tensor *x, *y;
-    while ((s = dt_loader_next(ld, &x, &y)) == DT_OK) {
-        dt_tensor *logits = forward(ctx, x, user);
-        char sb[96];
-        if (!logits)
-            s = ctx->last_status != DT_OK ? ctx->last_status
-                                          : set_error(ctx, DT_EINVAL, "evaluate: forward returned NULL");
-        else if (logits->ndim != 2 || logits->shape[0] != y->shape[0] || logits->dtype != DT_F32)
-            s = set_error(ctx, DT_EINVAL, "evaluate: forward must return (%lld, classes) f32 "
-                          "logits, got %s", (long long)y->shape[0], SHAPE(logits, sb));
-        else if (!(logits = dt_contiguous(ctx, logits)))
-            s = ctx->last_status;
-        else
-            s = visit(ctx, logits, y, first, acc);
-        first += y->shape[0];
-        dt_step_reset(ctx);
-        if (s != DT_OK)
-            break;
-    }
-    ctx->grad_enabled = grad;
-    ctx->training = training;
-    dt_loader_free(ld);
-    return s == DT_EOF ? DT_OK : s;
-}
-
-static dt_status eval_metrics(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first, void *acc)
-{
-    (void)first;
-    eval_sums *e = acc;
-    int64_t correct = 0;
-    dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
-    if (!loss || dt_count_correct(ctx, logits, y, &correct) != DT_OK)
-        return ctx->last_status;
-    e->samples += (double)y->shape[0];
-    e->correct += (double)correct;
-    e->loss += (double)dt_tensor_item(loss) * (double)y->shape[0];
-    return DT_OK;
-}
-
-/* Counts travel as two floats, n / 4096 and n % 4096, so their sums stay
- * exact far beyond float's 2^24. */
-static int64_t count_join(const float *hl) { return (int64_t)hl[0] * 4096 + (int64_t)hl[1]; }
-
-dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
-                      dt_forward_fn forward, void *user, dt_metrics *out)
-{
-    if (!ctx_ok(ctx))
-        return DT_EINVAL;
-    if (c && c->ctx != ctx)
-        return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
-    eval_sums e = {0, 0, 0};
-    dt_status s = out ? eval_run(ctx, c, ds, cfg, forward, user, eval_metrics, &e)
-                      : set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
-    /* every rank joins the sum even after a local failure (the last float
-     * counts failures), so a bad rank cannot leave the others waiting */
-    int64_t n = (int64_t)e.samples, k = (int64_t)e.correct;
-    float sums[6] = {(float)(n / 4096), (float)(n % 4096), (float)(k / 4096), (float)(k % 4096),
-                     (float)e.loss, s == DT_OK ? 0.0f : 1.0f};
-    if (c) {
-        dt_status cs = dt_allreduce(c, sums, 6, DT_REDUCE_SUM);
-        if (cs != DT_OK)
-            return cs;
-    }
-    if (s != DT_OK)
-        return s;
-    if (sums[5] > 0)
-        return set_error(ctx, DT_EPEER, "evaluate: %.0f other rank(s) failed to evaluate their "
-                         "part", (double)sums[5]);
-    out->samples = count_join(sums);
-    out->correct = count_join(sums + 2);
-    out->accuracy = out->samples > 0 ? (double)out->correct / (double)out->samples : 0;
-    out->loss = out->samples > 0 ? (double)sums[4] / (double)out->samples : 0;
-    return DT_OK;
-}
-
-static dt_status eval_argmax(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first, void *acc)
-{
-    predict_acc *p = acc;
-    int64_t b = logits->shape[0], k = logits->shape[1];
-    float *host = host_alloc(ctx, sizeof(float) * (size_t)(b * k));
-    if (!host)
-        return set_error(ctx, DT_ENOMEM, "predict: out of memory");
-    (void)y;
-    dt_status s = dt_tensor_get(logits, host, b * k);
-    for (int64_t i = 0; s == DT_OK && i < b; i++) {
-        int64_t best = 0;
-        for (int64_t j = 1; j < k; j++)
-            if (host[i * k + j] > host[i * k + best])
-                best = j;
-        p->local[first + i] = (float)best;
-    }
-    host_free(ctx, host);
-    return s;
-}
-
-dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
-                     dt_forward_fn forward, void *user, int32_t *pred)
-{
-    if (!ctx_ok(ctx))
-        return DT_EINVAL;
-    if (c && c->ctx != ctx)
-        return set_error(ctx, DT_EINVAL, "predict: the communicator belongs to another context");
-    int P = c ? dt_comm_size(c) : 1, r = c ? dt_comm_rank(c) : 0;
-    int64_t n = dt_dataset_size(ds), per = (n + P - 1) / P;
-    /* per floats for each rank's predictions, then one for its status */
-    float *mine = host_alloc(ctx, sizeof(float) * (size_t)(per + 1));
-    float *all = host_alloc(ctx, sizeof(float) * (size_t)(per + 1) * (size_t)P);
-    if (!mine || !all) {
-        host_free(ctx, mine);
-        host_free(ctx, all);
-        return set_error(ctx, DT_ENOMEM, "predict: out of memory for %lld predictions", (long long)n);
-    }
-    for (int64_t i = 0; i <= per; i++)
-        mine[i] = -1.0f;
-    predict_acc acc = {mine};
-    /* a missing output still joins the gather, so no rank waits */
-    dt_status s = r == 0 && !pred ? set_error(ctx, DT_EINVAL, "predict: rank 0 needs an output array")
-                                  : eval_run(ctx, c, ds, cfg, forward, user, eval_argmax, &acc);
-    mine[per] = s == DT_OK ? 0.0f : 1.0f;
-    dt_status cs = c ? dt_allgather(c, mine, per + 1, all) : DT_OK;
-    if (!c)
-        memcpy(all, mine, sizeof(float) * (size_t)(per + 1));
-    int failed = 0;
-    for (int q = 0; cs == DT_OK && q < P; q++)
-        failed += all[(size_t)q * (size_t)(per + 1) + (size_t)per] > 0;
-    if (cs == DT_OK && s == DT_OK && failed == 0 && r == 0)
-        for (int64_t i = 0; i < n; i++)   /* sample i was rank i % P's (i / P)-th */
-            pred[i] = (int32_t)all[(size_t)(i % P) * (size_t)(per + 1) + (size_t)(i / P)];
-    host_free(ctx, mine);
-    host_free(ctx, all);
-    if (cs != DT_OK || s != DT_OK)
-        return cs != DT_OK ? cs : s;
-    if (failed)
-        return set_error(ctx, DT_EPEER, "predict: %d other rank(s) failed to predict their part",
-                         failed);
-    return DT_OK;
 }
 
 /* --- the hooks DDP registers with the lower layers (dt_grad_hooks) ------- */

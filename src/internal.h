@@ -13,6 +13,7 @@
 #include "../backends/backend.h"
 #include "../backends/transport.h"
 #include "../backends/shape.h"   /* shape_numel, contiguous_strides: one home with the backends */
+#include "../backends/half.h"    /* f32_to_bf16, f16_to_f32, ...: the same bits as the backends */
 
 #include <dirent.h>
 #include <dlfcn.h>
@@ -121,8 +122,8 @@ struct dt_node {
 };
 
 /* What an op keeps for its backward, by position in the node (iarg, farg,
- * aux): record_op copies it in, so an op records with one call,
- * record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
+ * aux): tape_record_op copies it in, so an op records with one call,
+ * tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
  *           &(node_args){.i = {dim, start}}). */
 typedef struct node_args {
     int64_t i[8];
@@ -199,8 +200,9 @@ typedef struct prof_state {
 /* What the lower layers let a higher one do inside their work, instead of
  * calling up: DDP registers these while it is attached (src/ddp.c,
  * ddp_grad_hooks), as PyTorch's autograd offers gradient hooks to its DDP
- * reducer.  Each gets the context's ddp as its user pointer and runs only
- * while one is attached (a pipeline detaches it around a micro-batch). */
+ * reducer.  Each gets ctx->hook_user (the attached DDP) as its user pointer
+ * and runs only while it is set (a pipeline clears it around a layer's
+ * timing runs). */
 typedef struct dt_grad_hooks {
     /* autograd: a backward starts; every node of the top-level walk is done
      * (its gradients may be final); it ended with s (returns what to report) */
@@ -249,11 +251,13 @@ struct dt_ctx {
     size_t persistent_bytes;
     dt_tensor **params;
     int n_params, cap_params;
-    dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (a parameter */
-    int n_ckpt_extra;              /* server's tables, 18); borrowed, NULL normally */
-    struct dt_ddp *ddp;            /* attached data parallelism (src/ddp.c), or NULL */
-    const dt_grad_hooks *grad_hooks;   /* its hooks, called with ddp while it is set */
-    uint64_t zero_gen;             /* bumped by every zero_grad (16 notices one mid-step) */
+    dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (src/ckpt.c): */
+    int n_ckpt_extra;              /* a parameter server's tables; borrowed, NULL normally */
+    /* the hooks a higher layer registered (DDP: src/ddp.c, ddp_grad_hooks)
+     * and their user pointer; they run only while hook_user is set */
+    void *hook_user;
+    const dt_grad_hooks *grad_hooks;
+    uint64_t zero_gen;             /* bumped by every zero_grad (DDP notices one mid-step) */
     prof_state prof;               /* the profiler (src/profile.c) */
 };
 
@@ -278,7 +282,7 @@ enum { PH_DATA, PH_FORWARD, PH_BACKWARD, PH_COMM_WAIT, PH_OPTIM, PH_IDLE, PH_COU
 
 /* --- src/tensor.c --- */
 
-#define SHAPE(t, buf) shape_str((t), (buf), sizeof(buf))
+#define SHAPE(t, buf) tensor_shape_str((t), (buf), sizeof(buf))
 /* --- src/param.c --- */
 
 /* Fill t from a host generator, one value per element in index order. */
@@ -318,10 +322,10 @@ struct dt_optim {
     int has_sched;
     dt_schedule sched;
     int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
-                                   (momentum correction, 16.1); the step must not again */
+                                   (momentum correction, src/ddp.c); the step must not again */
 };
 
-/* --- 9.1 dynamic loss scaling (fp16) --------------------------------------
+/* --- dynamic loss scaling (fp16) ------------------------------------------
  * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
  * squares the backend already has (in double, so no finite f32 gradient
  * can overflow it; an inf or NaN anywhere makes it non-finite). */
@@ -463,7 +467,7 @@ typedef struct launcher_vars {
     const char *name, *rank, *world, *local_rank, *local_world;
 } launcher_vars;
 
-/* --- 13.3 the server (rank 0, its own thread) ---------------------------- */
+/* --- the store's server (rank 0, its own thread) ------------------------- */
 
 typedef struct kv_entry {
     char *key;
@@ -476,7 +480,7 @@ typedef struct store_client {
     int hello;                 /* 1 once the token was accepted */
     int rank;                  /* from the hello */
     int bye;                   /* left cleanly: its close is not a death */
-    uint32_t inc;              /* its process's incarnation (0: the first; see 14.6) */
+    uint32_t inc;              /* its process's incarnation (0: the first; see find_rejoin) */
     unsigned char *buf;        /* partial incoming frame */
     size_t have, cap;
     unsigned char *out;        /* replies the socket has not taken yet */
@@ -513,12 +517,32 @@ struct dt_store {
                                   those written "/key" (the job's own: "/dead") */
 };
 /* --- src/comm.c --- */
+/* allreduce: recursive doubling up to this many bytes, ring above.  On tcp
+ * one round of whole-buffer exchange beats the ring's two rounds up to
+ * 256 KiB (bench_allreduce, 2 ranks, 256 KiB: 2.0-2.4 GB/s against 1.8);
+ * on libfabric shm the ring wins from 64 KiB on. */
+#define DT_COMM_SMALL ((size_t)64 << 10)
+#define DT_COMM_SMALL_TCP ((size_t)256 << 10)
+#define DT_COMM_CHUNK ((size_t)4 << 20)    /* largest single message */
+#define DT_COMM_DEFAULT_TIMEOUT_MS 30000
+#define TAG_CHECK_SHIFT 52
+#define DT_COMM_DRAIN_MS 10000
+#define SEG_MAGIC 0x44545347u
+#define SEG_SLOT_DEFAULT ((size_t)1 << 20)
+#define SEG_SPIN_S 50e-6                   /* spin this long before sleeping */
+#define SEG_SPIN_INLINE_S 20e-3
+
 #define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
 
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_PS, COLL_P2P };
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_EXT, COLL_P2P };
 
-/* Memory every rank on the host maps (src/comm.c): local rank q's part starts at
+/* The algorithm a work ran with, as run_work chose it (src/comm.c); the
+ * profiler reads it from the work's record (prof_coll, prof_alg_name). */
+enum { COMM_ALG_NONE, COMM_ALG_SEGMENT, COMM_ALG_HIERARCHICAL, COMM_ALG_DOUBLING, COMM_ALG_RING,
+       COMM_ALG_TREE, COMM_ALG_PAIRWISE, COMM_ALG_RING16, COMM_ALG_EXT, COMM_ALG_P2P };
+
+/* Memory every rank on the host maps (src/join.c): local rank q's part starts at
  * base + q * part.  DDP keeps its gradient buckets there, so the host's
  * allreduce reads the other ranks' gradients where backward wrote them. */
 typedef struct shm_region {
@@ -534,7 +558,7 @@ struct dt_work {
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
     const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
-                                  part); COLL_PS: the ps_call (src/ps.c) */
+                                  part); COLL_EXT: the extension's request (a ps_call) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
     void *owned;               /* freed with the work (a background request's memory) */
     int64_t n;
@@ -542,13 +566,19 @@ struct dt_work {
     int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
     int done;
     double run_s;              /* seconds the work ran (comm thread or inline) */
+    /* its record, for the profiler: the algorithm (COMM_ALG_*); COLL_EXT:
+     * what the extension did (its op code) and how stale its answer was
+     * (-1: not a read) */
+    uint8_t alg;
+    int ext_what;
+    int64_t ext_stale;
     uint64_t ticket;           /* backend copy to wait for before running (0: none) */
     dt_status status;
     char msg[DT_MAX_ERROR];
     dt_work *next;
 };
 
-/* What one COLL_PS work does: a worker's request to the parameter servers
+/* What one COLL_EXT work of the parameter server does: a worker's request to the parameter servers
  * (src/ps.c), run on its comm thread.  The headers live here, not on the
  * comm thread's stack: a failed request may leave posts behind it. */
 enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO, PS_CPUSH };
@@ -603,8 +633,9 @@ typedef struct seg_rank seg_rank;
 
 /* How the comm thread runs work of a kind defined above it: the parameter
  * server registers these with its communicator (src/ps.c, ps_comm_ops)
- * before its first request.  run: carry out w (COLL_PS) with the transfers
- * in *xsp; check_dead: the periodic check while w waits on peers. */
+ * before its first request.  run: carry out w (COLL_EXT) with the transfers
+ * in *xsp, and fill its record (ext_what, ext_stale); check_dead: the
+ * periodic check while w waits on peers. */
 typedef struct comm_ext_ops {
     dt_status (*run)(dt_comm *c, struct dt_work *w, struct xfers **xsp);
     dt_status (*check_dead)(dt_comm *c, struct dt_work *w);
@@ -639,7 +670,7 @@ struct dt_comm {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     dt_work *head, *tail;
-    /* hosts (src/comm.c) and the host segment (src/comm.c) */
+    /* hosts (src/join.c) and the host segment (src/seg.c) */
     int nhosts, nlocal, local_index;
     int *local_ranks;          /* global ranks on this host, ascending */
     int *leaders;              /* lowest rank of each host, ascending */
@@ -653,18 +684,18 @@ struct dt_comm {
     char seg_name[64], seg_why[200];
     int seg_linked;            /* we created it and its name still exists */
     int regions_made;          /* shared regions set up so far (their store keys) */
-    int ps_made;               /* parameter-server jobs joined so far (their store keys) */
-    const comm_ext_ops *ps_ops;   /* how to run COLL_PS work (set by dt_ps_new) */
+    int ext_jobs;              /* extension jobs (parameter servers) joined so far (their store keys) */
+    const comm_ext_ops *ext_ops;  /* how to run COLL_EXT work (set by dt_ps_new) */
     int steals_made;           /* work-stealing loaders made so far (their store keys) */
-    uint32_t inc;              /* 0, or this rank's n-th restarted process (14.6: rejoined,
+    uint32_t inc;              /* 0, or this rank's n-th restarted process (find_rejoin: rejoined,
                                   only the parameter server's requests work) */
     int announced;             /* a restarted process told its peers it serves */
-    uint32_t ps_requests;      /* parameter-server requests issued (not collectives) */
+    uint32_t ext_requests;     /* COLL_EXT requests issued (not collectives: no sequence) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
     double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
     double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
     struct xfers *graveyard;   /* comm thread: records holding orphaned sends (src/comm.c) */
-    /* process groups (src/comm.c) */
+    /* process groups (src/join.c) */
     dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
     int *members;              /* a group's: the job rank of each group rank; NULL: the job */
     char label[96];            /* a group's: "group [1 3]: ", before its errors */
@@ -727,7 +758,7 @@ struct seg_head {
     char why[DT_MAX_ERROR + 4];             /* status digit, '|', message */
 };
 
-/* --- 14.4b point to point ------------------------------------------------- */
+/* --- point to point ------------------------------------------------------- */
 
 /* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
  * (either may be absent), posted together so an exchange cannot deadlock.
@@ -877,6 +908,17 @@ struct dt_dp {
     char (*msg)[DT_MAX_ERROR];
 };
 /* --- src/ps.c --- */
+#define PS_MAGIC 0x44545053u
+/* Pieces.  A message of `bytes` is ceil(bytes / chunk) messages.  With
+ * libfabric's shm provider a send of more than its inject size (4 KiB)
+ * completes only when the receiver answers, and the sender handles those
+ * answers in order, so one such send to a process that died holds back
+ * every later one, to anyone: where a death must not stop the job
+ * (replicated or checkpointing servers) pieces on shm are PS_SHM_CHUNK. */
+#define PS_SHM_CHUNK ((size_t)4096)
+#define PS_MIN_CHUNK ((size_t)64)
+#define PS_MAX_PIECES ((uint32_t)1 << 24)
+
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 #define PS_WINDOW 16              /* a server's pieces in flight per message */
 
@@ -959,11 +1001,11 @@ struct dt_ps {
     int W, S, server;          /* server: this rank's server index, -1 on workers */
     int L, shard;              /* key shards (S, or S / 2 replicated); a server's shard */
     unsigned char *gone;       /* worker, per server: 1 dead and written off (its twin
-                                  serves), 2 dead and awaited (src/ps.c) */
+                                  serves), 2 dead and awaited (src/ps_server.c) */
     uint32_t *inc;             /* worker, per server: its process's incarnation */
     double *down_since;        /* worker, per server: when it was found dead */
     int64_t *sent, *sent_clock; /* worker, per server: floats of step sent_clock it has
-                                  (18.6: a restarted server counts them as come) */
+                                  (a restarted server counts them as come) */
     int job;                   /* which PS job of the communicator (store keys) */
     int finished;              /* worker: dt_ps_finish done */
     int nparams;
@@ -1039,7 +1081,7 @@ typedef struct hogwild {
 enum { TID_COMPUTE = 1, TID_COMM = 2, TID_LOADER = 3 };
 enum { EV_PHASE = 1, EV_STEP, EV_COLL, EV_PS, EV_BATCH, EV_STRAGGLER };
 
-/* --- 20.3 the end of the job: gather, trace, report ------------------------- */
+/* --- the profiler at the end of the job: gather, trace, report ---------------------- */
 
 typedef struct prof_blob_head {
     uint64_t magic;
@@ -1086,68 +1128,12 @@ struct dt_pipe {
     dt_pipe_stats st;
 };
 
-/* --- 22.3 a micro-batch's forward and backward --------------------------------- */
+/* --- a pipeline's micro-batch forward and backward ------------------------------ */
 
 typedef struct pipe_arenas {
     dt_arena *dev, *host;
     dt_node *tape;
 } pipe_arenas;
-
-/* ===========================================================================
- * bf16 and IEEE half, bit for bit as the backends round (DDP and the
- * parameter server's compressed messages, checkpoints of 16-bit tensors)
- * ======================================================================== */
-
-/* Round to nearest even; NaN stays NaN. */
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* IEEE half, round to nearest even: overflow to infinity, subnormals kept. */
-static inline uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u)
-        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
-    if (ax >= 0x477ff000u)   /* 65520 and up round to infinity */
-        return (uint16_t)(sign | 0x7c00u);
-    if (ax < 0x38800000u) {  /* below 2^-14: a subnormal half (or zero) */
-        float v;
-        memcpy(&v, &ax, 4);
-        return (uint16_t)(sign | (uint32_t)lrintf(v * 16777216.0f));
-    }
-    uint32_t r = ax + 0xfffu + ((ax >> 13) & 1) - 0x38000000u;
-    return (uint16_t)(sign | (r >> 13));
-}
-
-static inline float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
-    if (e == 0) {
-        float v = (float)m * (1.0f / 16777216.0f);
-        return sign ? -v : v;
-    }
-    u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* ===========================================================================
  * What each module offers the others
@@ -1165,17 +1151,17 @@ DT_PRIVATE void prof_coll(dt_comm *c, const struct dt_work *w, double t0, double
 DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
 DT_PRIVATE void prof_push(prof_state *p, prof_event e);
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
-DT_PRIVATE double coll_bus_factor(int kind, int P);
-DT_PRIVATE int64_t coll_bytes(const dt_work *w);
+DT_PRIVATE double prof_bus_factor(int kind, int P);
+DT_PRIVATE int64_t prof_coll_bytes(const dt_work *w);
 DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE const char *prof_alg_name(int alg);
 
 /* src/codec.c */
-DT_PRIVATE size_t grad_code_bytes(dt_compress kind, int64_t numel, int64_t topk);
-DT_PRIVATE void grad_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
+DT_PRIVATE size_t codec_bytes(dt_compress kind, int64_t numel, int64_t topk);
+DT_PRIVATE void codec_encode(dt_compress kind, const float *g, int64_t n, const int64_t *pieces,
                         int npieces, int64_t k, float *scratch, unsigned char *picked, char *out,
                         float *sent);
-DT_PRIVATE void grad_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
+DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, int64_t k, float *acc);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
@@ -1190,8 +1176,8 @@ DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
 DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE char *host_strdup(dt_ctx *ctx, const char *s);
-DT_PRIVATE const dt_backend_iface *find_backend(const char *name);
-DT_PRIVATE void arena_init(dt_arena *a, int on_device, size_t min_chunk);
+DT_PRIVATE const dt_backend_iface *ctx_find_backend(const char *name);
+DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk);
 DT_PRIVATE int ctx_ok(dt_ctx *ctx);
 
 /* src/arena.c */
@@ -1202,98 +1188,137 @@ DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 
 /* src/tensor.c */
-DT_PRIVATE const char *shape_str(const dt_tensor *t, char *buf, size_t len);
-DT_PRIVATE dt_status check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape);
-DT_PRIVATE void header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
+DT_PRIVATE const char *tensor_shape_str(const dt_tensor *t, char *buf, size_t len);
+DT_PRIVATE dt_status tensor_check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape);
+DT_PRIVATE void tensor_header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE size_t tensor_bytes(const dt_tensor *t);
-DT_PRIVATE dt_tensor *step_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
-DT_PRIVATE dt_tensor *view_header(dt_ctx *ctx, const dt_tensor *x);
-DT_PRIVATE dt_tensor *persistent_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
+DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
+DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x);
+DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
-DT_PRIVATE dt_status attach_persistent_grad(dt_ctx *ctx, dt_tensor *t);
-DT_PRIVATE void free_doomed(dt_ctx *ctx);
-DT_PRIVATE void materialize(dt_tensor *t);
-DT_PRIVATE dt_status check_tensor(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
+DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t);
+DT_PRIVATE void tensor_free_doomed(dt_ctx *ctx);
+DT_PRIVATE void tensor_materialize(dt_tensor *t);
+DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
 
 /* src/param.c */
-DT_PRIVATE uint64_t splitmix64(uint64_t *s);
-DT_PRIVATE uint64_t xoshiro_next(uint64_t s[4]);
-DT_PRIVATE void xoshiro_seed(uint64_t s[4], uint64_t seed);
+DT_PRIVATE uint64_t param_splitmix64(uint64_t *s);
+DT_PRIVATE uint64_t param_rng_next(uint64_t s[4]);
+DT_PRIVATE void param_rng_seed(uint64_t s[4], uint64_t seed);
+
+/* src/util.c */
+DT_PRIVATE void strbuf_putn(strbuf *b, const char *s, size_t n);
+DT_PRIVATE void strbuf_puts(strbuf *b, const char *s);
+DT_PRIVATE void strbuf_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* src/autograd.c */
-DT_PRIVATE int tracks(const dt_ctx *ctx, const dt_tensor *t);
-DT_PRIVATE dt_node *record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t);
+DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
-DT_PRIVATE dt_node *record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
+DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                            dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args);
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
 DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
-DT_PRIVATE int needs_grad(const dt_tensor *t);
-DT_PRIVATE dt_status run_tape(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked);
-DT_PRIVATE dt_status backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed);
-DT_PRIVATE dt_status backward_tape(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed);
+DT_PRIVATE int grad_needed(const dt_tensor *t);
+DT_PRIVATE dt_status tape_run(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hooked);
+DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed);
+DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *seed_grad, float seed);
 
 /* src/ops.c */
-DT_PRIVATE int input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what);
-DT_PRIVATE int f32_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what);
-DT_PRIVATE dt_tensor *like(dt_ctx *ctx, const dt_tensor *x);
-DT_PRIVATE float *temp_floats(dt_ctx *ctx, int64_t n);
-DT_PRIVATE dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha);
-DT_PRIVATE dt_tensor *need_contig(dt_ctx *ctx, dt_tensor *x);
-DT_PRIVATE dt_status concat_backward(dt_ctx *ctx, dt_node *n);
+DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what);
+DT_PRIVATE int op_f32_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what);
+DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x);
+DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n);
+DT_PRIVATE dt_status op_acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha);
+DT_PRIVATE dt_tensor *op_need_contig(dt_ctx *ctx, dt_tensor *x);
+DT_PRIVATE dt_status op_concat_backward(dt_ctx *ctx, dt_node *n);
+DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
+                             int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                             int64_t lda, int64_t stride_a, const float *b, int64_t ldb,
+                             int64_t stride_b, float beta, float *c, int64_t ldc, int64_t stride_c);
+/* One GEMM at a node's precision; returns from the caller on failure. */
+#define GEMM(ctx, prec, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)                   \
+    do {                                                                                       \
+        if (op_gemm(ctx, prec, 1, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, \
+                    0) != DT_OK)                                                             \
+            return ctx->last_status;                                                           \
+    } while (0)
 
 /* src/optim.c */
-DT_PRIVATE dt_tensor *owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                const char *suffix);
-
-/* src/ckpt.c */
-DT_PRIVATE void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* src/data.c */
 DT_PRIVATE void loader_quiesce(dt_loader *ld);
 
 /* src/store.c */
-DT_PRIVATE void dead_key(char *key, size_t cap, int rank, uint32_t inc);
-DT_PRIVATE int ms_left(double deadline);
+DT_PRIVATE void store_dead_key(char *key, size_t cap, int rank, uint32_t inc);
+DT_PRIVATE int store_ms_left(double deadline);
 DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
                             int serve, uint32_t inc);
 DT_PRIVATE void store_close(dt_store *s, int drain_ms);
 DT_PRIVATE dt_status store_clock_offset(dt_store *s, int rounds, double *offset, double *rtt);
 
-/* src/comm.c */
+/* src/comm.c: the comm thread, transfers with a deadline, the collectives */
 DT_PRIVATE const char *comm_coll_name(int kind);
-/* --- 14.2 transfers with a deadline -------------------------------------- */
-
-DT_PRIVATE dt_status work_fail(dt_work *w, dt_status st, const char *fmt, ...)
+DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-DT_PRIVATE dt_status post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
-                      void *buf, size_t bytes);
-DT_PRIVATE dt_status wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
-DT_PRIVATE float *seg_slot(dt_comm *c, int q, uint32_t chunk);
-DT_PRIVATE dt_work *enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
-                           dt_reduce_op op, const void *aux);
-DT_PRIVATE dt_work *enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n, int root,
-                        dt_reduce_op op);
-DT_PRIVATE dt_status work_finish(dt_work *w, double *run_s);
-DT_PRIVATE dt_status run_collective_wait(dt_comm *c, int kind, float *buf, const float *in,
-                                     int64_t n, int root, dt_reduce_op op, const void *aux);
-DT_PRIVATE dt_status run_collective_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms);
+DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
+DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w);
+DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
+DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
+                               uint64_t tag, void *buf, size_t bytes);
+DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
+DT_PRIVATE void comm_block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi);
+DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src, int64_t n,
+                                 dt_reduce_op op);
+DT_PRIVATE void comm_finish_avg(dt_comm *c, dt_work *w, float *buf, int64_t n);
+DT_PRIVATE const dt_transport_iface *comm_find_transport(void);
+DT_PRIVATE void *comm_main(void *arg);
+DT_PRIVATE dt_work *comm_enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                    int root, dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_work *comm_enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                 int root, dt_reduce_op op);
+DT_PRIVATE dt_status comm_work_finish(dt_work *w, double *run_s);
+DT_PRIVATE dt_status comm_run_wait(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                                    int root, dt_reduce_op op, const void *aux);
-DT_PRIVATE dt_status p2p_run(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
-                         int64_t nr, int src);
-DT_PRIVATE dt_status announce_rejoin(dt_comm *c);
-DT_PRIVATE dt_status comm_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len);
-DT_PRIVATE dt_status shared_region_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok);
+DT_PRIVATE dt_status comm_run_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                 int root, dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_status comm_p2p_run(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
+                                  int64_t nr, int src);
+
+/* src/seg.c: the host segment's collectives */
+DT_PRIVATE size_t seg_ranks_offset(void);
+DT_PRIVATE size_t seg_data_offset(int nlocal);
+DT_PRIVATE float *seg_slot_at(dt_comm *c, int q, uint32_t chunk);
+DT_PRIVATE void seg_heartbeat(dt_comm *c);
+DT_PRIVATE void seg_abort(dt_comm *c, const dt_work *w);
+DT_PRIVATE uint32_t seg_announce(dt_comm *c, const dt_work *w);
+DT_PRIVATE dt_status seg_sync(dt_comm *c, dt_work *w, uint32_t p0, double patience);
+DT_PRIVATE dt_status seg_allreduce(dt_comm *c, dt_work *w, int to_all, int scale);
+DT_PRIVATE dt_status seg_broadcast(dt_comm *c, dt_work *w, int from, float *buf, int64_t n,
+                                   uint32_t p0, double patience);
+DT_PRIVATE dt_status seg_allgather(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_reduce_scatter(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_allreduce_shared(dt_comm *c, dt_work *w);
+
+/* src/join.c: joining the job, a restarted rank, shared regions */
+DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c);
+DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len);
 /* A shared region (see shm_region): every local rank gets a part of
  * part_bytes, every rank maps all parts.  Collective over the communicator
  * when all its ranks share this host's segment; elsewhere, or if any rank
  * cannot map it or sets DTRAIN_SHARED_BUCKETS=0, *ok is 0 on every rank and
  * nothing is mapped (not an error: callers use private memory).  The name
  * is unlinked once every rank has it open, so nothing outlives the job.
- * Free with shared_region_free. */
-DT_PRIVATE void shared_region_free(shm_region *r);
+ * Free with join_shared_free. */
+DT_PRIVATE dt_status join_shared_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok);
+DT_PRIVATE void join_shared_free(shm_region *r);
 
 /* src/ddp.c */
+DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx);
 
 /* src/ps.c */
 DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,
@@ -1301,7 +1326,16 @@ DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, 
 DT_PRIVATE dt_status ps_step_pull(dt_ps *ps);
 DT_PRIVATE int64_t ps_clock(const dt_ps *ps);
 DT_PRIVATE void ps_pushed(dt_ps *ps, int requests);
-DT_PRIVATE dt_status ddp_ps_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
+DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
+DT_PRIVATE const char *ps_op_name(int op);
+DT_PRIVATE uint64_t ps_tag(int type, uint32_t seq, uint32_t piece);
+DT_PRIVATE uint64_t ps_pieces(size_t bytes, size_t chunk);
+DT_PRIVATE size_t ps_piece_len(size_t bytes, size_t chunk, uint32_t i);
+DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
+
+/* src/ps_server.c */
+DT_PRIVATE void ps_free_held(dt_ps *ps, ps_peer *p);
+DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps);
 
 /* src/profile.c */
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);

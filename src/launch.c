@@ -70,7 +70,7 @@ static void random_token(char *out, size_t cap)
     if (fd < 0 || read(fd, r, sizeof r) != (ssize_t)sizeof r) {
         uint64_t s = (uint64_t)getpid() ^ (uint64_t)(dt_now() * 1e9);
         for (size_t i = 0; i < sizeof r; i++)
-            r[i] = (unsigned char)splitmix64(&s);
+            r[i] = (unsigned char)param_splitmix64(&s);
     }
     if (fd >= 0)
         close(fd);

@@ -10,7 +10,7 @@
 
 /* Reports a NULL input unless an earlier op already failed (then its message
  * is the useful one). */
-DT_PRIVATE int input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
+DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
 {
     if (!ctx_ok(ctx))
         return 0;
@@ -26,9 +26,9 @@ DT_PRIVATE int input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const c
     return 1;
 }
 
-DT_PRIVATE int f32_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
+DT_PRIVATE int op_f32_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
 {
-    if (!input_ok(ctx, op, x, what))
+    if (!op_input_ok(ctx, op, x, what))
         return 0;
     if (x->dtype != DT_F32) {
         set_error(ctx, x->dtype == DT_BF16 || x->dtype == DT_F16 ? DT_ENOTSUP : DT_EINVAL,
@@ -49,12 +49,12 @@ static int norm_dim(dt_ctx *ctx, const char *op, const dt_tensor *x, int *dim)
     return 1;
 }
 
-DT_PRIVATE dt_tensor *like(dt_ctx *ctx, const dt_tensor *x)
+DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x)
 {
-    return step_tensor(ctx, x->dtype, x->ndim, x->shape);
+    return tensor_step_new(ctx, x->dtype, x->ndim, x->shape);
 }
 
-DT_PRIVATE float *temp_floats(dt_ctx *ctx, int64_t n)
+DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n)
 {
     float *p = arena_alloc(ctx, ctx->cur_dev, (size_t)n * sizeof(float));
     if (!p)
@@ -63,7 +63,7 @@ DT_PRIVATE float *temp_floats(dt_ctx *ctx, int64_t n)
 }
 
 /* gx (+)= src, both contiguous over x's shape. */
-DT_PRIVATE dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha)
+DT_PRIVATE dt_status op_acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha)
 {
     int acc;
     float *gx = grad_target(ctx, x, &acc);
@@ -77,41 +77,41 @@ DT_PRIVATE dt_status acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float
 
 static dt_status contiguous_backward(dt_ctx *ctx, dt_node *n)
 {
-    return acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
+    return op_acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
 }
 
 /* x any strides -> y contiguous copy */
 dt_tensor *dt_contiguous(dt_ctx *ctx, dt_tensor *x)
 {
-    if (!input_ok(ctx, "contiguous", x, "input"))
+    if (!op_input_ok(ctx, "contiguous", x, "input"))
         return NULL;
     if (dt_tensor_is_contiguous(x))
         return x;
-    dt_tensor *y = like(ctx, x);
+    dt_tensor *y = op_like(ctx, x);
     if (!y)
         return NULL;
-    materialize(x);
+    tensor_materialize(x);
     BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, dt_dtype_size(x->dtype), y->data, y->stride,
                           x->data, x->stride, 0);
-    if (tracks(ctx, x) && !record(ctx, "contiguous", contiguous_backward, y, x, NULL, NULL))
+    if (tape_tracks(ctx, x) && !tape_record(ctx, "contiguous", contiguous_backward, y, x, NULL, NULL))
         return NULL;
     return y;
 }
 
-DT_PRIVATE dt_tensor *need_contig(dt_ctx *ctx, dt_tensor *x)
+DT_PRIVATE dt_tensor *op_need_contig(dt_ctx *ctx, dt_tensor *x)
 {
     return dt_tensor_is_contiguous(x) ? x : dt_contiguous(ctx, x);
 }
 
 static dt_status reshape_backward(dt_ctx *ctx, dt_node *n)
 {
-    return acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
+    return op_acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
 }
 
 /* x (any) -> y (shape) sharing data; copies first if x is not contiguous */
 dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape)
 {
-    if (!input_ok(ctx, "reshape", x, "input"))
+    if (!op_input_ok(ctx, "reshape", x, "input"))
         return NULL;
     if (ndim < 0 || ndim > DT_MAX_DIMS || (ndim > 0 && !shape)) {
         set_error(ctx, DT_EINVAL, "reshape: bad target (%d dimensions)", ndim);
@@ -146,16 +146,16 @@ dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape)
                   (long long)n, (long long)known);
         return NULL;
     }
-    dt_tensor *c = need_contig(ctx, x);
+    dt_tensor *c = op_need_contig(ctx, x);
     if (!c)
         return NULL;
-    dt_tensor *y = view_header(ctx, c);
+    dt_tensor *y = tensor_view_header(ctx, c);
     if (!y)
         return NULL;
     y->ndim = ndim;
     memcpy(y->shape, want, sizeof(int64_t) * (size_t)ndim);
     contiguous_strides(ndim, y->shape, y->stride);
-    if (tracks(ctx, c) && !record(ctx, "reshape", reshape_backward, y, c, NULL, NULL))
+    if (tape_tracks(ctx, c) && !tape_record(ctx, "reshape", reshape_backward, y, c, NULL, NULL))
         return NULL;
     return y;
 }
@@ -163,7 +163,7 @@ dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape)
 /* x (d0..d{k-1}, dk.., ) -> (d0..d{k-1}, prod(dk..)) */
 dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim)
 {
-    if (!input_ok(ctx, "flatten", x, "input"))
+    if (!op_input_ok(ctx, "flatten", x, "input"))
         return NULL;
     if (x->ndim == 0)
         return dt_reshape(ctx, x, 1, (int64_t[]){1});
@@ -197,11 +197,11 @@ static dt_status transpose_backward(dt_ctx *ctx, dt_node *n)
 /* x (.., a, .., b, ..) -> view (.., b, .., a, ..) */
 dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
 {
-    if (!input_ok(ctx, "transpose", x, "input"))
+    if (!op_input_ok(ctx, "transpose", x, "input"))
         return NULL;
     if (!norm_dim(ctx, "transpose", x, &d0) || !norm_dim(ctx, "transpose", x, &d1))
         return NULL;
-    dt_tensor *y = view_header(ctx, x);
+    dt_tensor *y = tensor_view_header(ctx, x);
     if (!y)
         return NULL;
     int64_t t = y->shape[d0];
@@ -210,9 +210,9 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
     t = y->stride[d0];
     y->stride[d0] = y->stride[d1];
     y->stride[d1] = t;
-    if (tracks(ctx, x) &&
-        !record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
-                   &(node_args){.i = {d0, d1}}))
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
+                        &(node_args){.i = {d0, d1}}))
         return NULL;
     return y;
 }
@@ -235,26 +235,26 @@ static dt_status slice_backward(dt_ctx *ctx, dt_node *n)
 /* x (.., D, ..) -> view (.., end-start, ..) */
 dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t end)
 {
-    if (!input_ok(ctx, "slice", x, "input") || !norm_dim(ctx, "slice", x, &dim))
+    if (!op_input_ok(ctx, "slice", x, "input") || !norm_dim(ctx, "slice", x, &dim))
         return NULL;
     if (start < 0 || end < start || end > x->shape[dim]) {
         set_error(ctx, DT_EINVAL, "slice: [%lld, %lld) is outside dimension %d of size %lld",
                   (long long)start, (long long)end, dim, (long long)x->shape[dim]);
         return NULL;
     }
-    dt_tensor *y = view_header(ctx, x);
+    dt_tensor *y = tensor_view_header(ctx, x);
     if (!y)
         return NULL;
     y->shape[dim] = end - start;
     y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
-    if (tracks(ctx, x) &&
-        !record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
-                   &(node_args){.i = {dim, start}}))
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
+                        &(node_args){.i = {dim, start}}))
         return NULL;
     return y;
 }
 
-DT_PRIVATE dt_status concat_backward(dt_ctx *ctx, dt_node *n)
+DT_PRIVATE dt_status op_concat_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *y = n->out, **xs = n->aux[0];
     int count = (int)n->iarg[0], dim = (int)n->iarg[1];
@@ -262,7 +262,7 @@ DT_PRIVATE dt_status concat_backward(dt_ctx *ctx, dt_node *n)
     contiguous_strides(y->ndim, y->shape, ys);
     for (int i = 0; i < count; i++) {
         dt_tensor *x = xs[i];
-        if (needs_grad(x)) {
+        if (grad_needed(x)) {
             int acc;
             float *gx = grad_target(ctx, x, &acc);
             if (!gx)
@@ -287,7 +287,7 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
         return NULL;
     }
     for (int i = 0; i < n; i++)
-        if (!input_ok(ctx, "concat", xs[i], "an input"))
+        if (!op_input_ok(ctx, "concat", xs[i], "an input"))
             return NULL;
     dt_tensor *x0 = xs[0];
     if (!norm_dim(ctx, "concat", x0, &dim))
@@ -309,22 +309,22 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
             return NULL;
         }
         shape[dim] += x->shape[dim];
-        track |= tracks(ctx, x);
+        track |= tape_tracks(ctx, x);
     }
-    dt_tensor *y = step_tensor(ctx, x0->dtype, x0->ndim, shape);
+    dt_tensor *y = tensor_step_new(ctx, x0->dtype, x0->ndim, shape);
     if (!y)
         return NULL;
     size_t es = dt_dtype_size(x0->dtype);
     int64_t off = 0;
     for (int i = 0; i < n; i++) {
-        materialize(xs[i]);
+        tensor_materialize(xs[i]);
         BE(ctx)->copy_strided(BEI(ctx), xs[i]->ndim, xs[i]->shape, es,
                               (char *)y->data + (size_t)(off * y->stride[dim]) * es, y->stride,
                               xs[i]->data, xs[i]->stride, 0);
         off += xs[i]->shape[dim];
     }
     if (track) {
-        dt_node *nd = record(ctx, "concat", concat_backward, y, NULL, NULL, NULL);
+        dt_node *nd = tape_record(ctx, "concat", op_concat_backward, y, NULL, NULL, NULL);
         dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)n);
         if (!nd || !saved) {
             set_error(ctx, DT_ENOMEM, "concat: out of memory for the tape");
@@ -352,13 +352,13 @@ static int64_t operand_extent(int t, int64_t rows, int64_t cols, int64_t ld, int
 }
 
 /* Every GEMM of the ops goes through here.  At a reduced precision
- * (autocast, 6.1) the backend's mixed-precision GEMM runs it; a backend
+ * (autocast, dt_set_autocast) the backend's mixed-precision GEMM runs it; a backend
  * without one gets operands rounded into temporaries and its f32 GEMM,
  * which gives the same numbers: inputs at prec, products summed in f32. */
-static dt_status core_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
-                           int64_t m, int64_t n, int64_t k, float alpha, const float *a,
-                           int64_t lda, int64_t stride_a, const float *b, int64_t ldb,
-                           int64_t stride_b, float beta, float *c, int64_t ldc, int64_t stride_c)
+DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
+                             int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                             int64_t lda, int64_t stride_a, const float *b, int64_t ldb,
+                             int64_t stride_b, float beta, float *c, int64_t ldc, int64_t stride_c)
 {
     if (prec != DT_PREC_F32 && BE(ctx)->gemm_ex) {
         BE(ctx)->gemm_ex(BEI(ctx), prec, batch, ta, tb, m, n, k, alpha, a, lda, stride_a, b, ldb,
@@ -369,8 +369,8 @@ static dt_status core_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta
     if (prec != DT_PREC_F32) {
         int64_t na = operand_extent(ta, m, k, lda, batch, stride_a);
         int64_t nb = operand_extent(tb, k, n, ldb, batch, stride_b);
-        float *ra = temp_floats(ctx, na > 0 ? na : 1);
-        float *rb = ra ? temp_floats(ctx, nb > 0 ? nb : 1) : NULL;
+        float *ra = op_temp_floats(ctx, na > 0 ? na : 1);
+        float *rb = ra ? op_temp_floats(ctx, nb > 0 ? nb : 1) : NULL;
         if (!rb) {
             arena_release(ctx->cur_dev, mark);
             return ctx->last_status;
@@ -390,14 +390,6 @@ static dt_status core_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta
     arena_release(ctx->cur_dev, mark);   /* queued work is stream-ordered before reuse */
     return DT_OK;
 }
-
-/* One GEMM at a node's precision; returns from the caller on failure. */
-#define GEMM(ctx, prec, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)                   \
-    do {                                                                                       \
-        if (core_gemm(ctx, prec, 1, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, \
-                      0) != DT_OK)                                                             \
-            return ctx->last_status;                                                           \
-    } while (0)
 
 static int gemm_operand_of(const dt_tensor *x, gemm_operand *g)
 {
@@ -428,7 +420,7 @@ static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
     gemm_operand_of(b, &B);
     int ta = trans_a ^ A.t, tb = trans_b ^ B.t;
     const float *dc = FP(y->grad);
-    if (needs_grad(a)) {
+    if (grad_needed(a)) {
         int acc;
         float *ga = grad_target(ctx, a, &acc);
         if (!ga)
@@ -444,7 +436,7 @@ static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
                 GEMM(ctx, n->prec, tb, 1, k, m, nn, 1.0f, bi, B.ld, ci, nn, beta, gi, m);
         }
     }
-    if (needs_grad(b)) {
+    if (grad_needed(b)) {
         int acc;
         float *gb = grad_target(ctx, b, &acc);
         if (!gb)
@@ -467,7 +459,7 @@ static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
  * trans_* read that operand transposed. */
 dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int trans_b)
 {
-    if (!f32_ok(ctx, "matmul", a, "a") || !f32_ok(ctx, "matmul", b, "b"))
+    if (!op_f32_ok(ctx, "matmul", a, "a") || !op_f32_ok(ctx, "matmul", b, "b"))
         return NULL;
     char sa[96], sb[96];
     if (a->ndim < 2 || a->ndim > 3 || b->ndim < 2 || b->ndim > 3 ||
@@ -498,22 +490,22 @@ dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int t
             return NULL;
         gemm_operand_of(b, &B);
     }
-    materialize(a);
-    materialize(b);
+    tensor_materialize(a);
+    tensor_materialize(b);
     int64_t batch = a->ndim == 3 ? a->shape[0] : (b->ndim == 3 ? b->shape[0] : 1);
     int64_t shape[3] = {batch, m, nn};
     int batched = a->ndim == 3 || b->ndim == 3;
-    dt_tensor *y = batched ? step_tensor(ctx, DT_F32, 3, shape)
-                           : step_tensor(ctx, DT_F32, 2, shape + 1);
+    dt_tensor *y = batched ? tensor_step_new(ctx, DT_F32, 3, shape)
+                           : tensor_step_new(ctx, DT_F32, 2, shape + 1);
     if (!y)
         return NULL;
     int ta = trans_a ^ A.t, tb = trans_b ^ B.t;
-    if (core_gemm(ctx, ctx->autocast, batched ? batch : 1, ta, tb, m, nn, k, 1.0f, A.p, A.ld,
-                  A.batch_stride, B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn) != DT_OK)
+    if (op_gemm(ctx, ctx->autocast, batched ? batch : 1, ta, tb, m, nn, k, 1.0f, A.p, A.ld,
+                A.batch_stride, B.p, B.ld, B.batch_stride, 0.0f, FP(y), nn, m * nn) != DT_OK)
         return NULL;
-    if ((tracks(ctx, a) || tracks(ctx, b)) &&
-        !record_op(ctx, "matmul", matmul_backward, y, a, b, NULL,
-                   &(node_args){.i = {trans_a, trans_b, batch, m, k, nn}}))
+    if ((tape_tracks(ctx, a) || tape_tracks(ctx, b)) &&
+        !tape_record_op(ctx, "matmul", matmul_backward, y, a, b, NULL,
+                        &(node_args){.i = {trans_a, trans_b, batch, m, k, nn}}))
         return NULL;
     return y;
 }
@@ -524,7 +516,7 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
     int64_t rows = n->iarg[0], in = n->iarg[1], out = n->iarg[2];
     const float *dy = FP(n->out->grad);
     int acc;
-    if (needs_grad(x)) {          /* dx (N,In) = dy (N,Out) w (Out,In) */
+    if (grad_needed(x)) {          /* dx (N,In) = dy (N,Out) w (Out,In) */
         float *gx = grad_target(ctx, x, &acc);
         if (!gx)
             return ctx->last_status;
@@ -534,17 +526,17 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
     /* Under DDP a large weight's gradient is made in row blocks, each sent
      * while the next computes (src/ddp.c); the bias goes first so it never holds
      * back the bucket it shares with the weight's first rows. */
-    int64_t step = needs_grad(w) && ctx->ddp ? ctx->grad_hooks->grad_chunk_rows(ctx->ddp, w, out, in)
+    int64_t step = grad_needed(w) && ctx->hook_user ? ctx->grad_hooks->grad_chunk_rows(ctx->hook_user, w, out, in)
                                              : 0;
-    if (b && needs_grad(b)) {     /* db (Out) = sum over N of dy */
+    if (b && grad_needed(b)) {     /* db (Out) = sum over N of dy */
         float *gb = grad_target(ctx, b, &acc);
         if (!gb)
             return ctx->last_status;
         BE(ctx)->bias_grad(BEI(ctx), rows, out, 1, dy, gb, acc);
         if (step > 0)
-            ctx->grad_hooks->grad_rows_done(ctx->ddp, b, out, 1);
+            ctx->grad_hooks->grad_rows_done(ctx->hook_user, b, out, 1);
     }
-    if (needs_grad(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
+    if (grad_needed(w)) {          /* dw (Out,In) = dy^T (Out,N) x (N,In) */
         float *gw = grad_target(ctx, w, &acc);
         if (!gw)
             return ctx->last_status;
@@ -553,7 +545,7 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
             GEMM(ctx, n->prec, 1, 0, r1 - r0, in, rows, 1.0f, dy + r0, out, FP(x), in,
                  acc ? 1.0f : 0.0f, gw + r0 * in, in);
             if (step > 0)
-                ctx->grad_hooks->grad_rows_done(ctx->ddp, w, r1, in);
+                ctx->grad_hooks->grad_rows_done(ctx->hook_user, w, r1, in);
         }
     }
     return DT_OK;
@@ -562,9 +554,9 @@ static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
 /* x (..., In), w (Out, In), b (Out) or NULL -> (..., Out) = x w^T + b */
 dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
 {
-    if (!f32_ok(ctx, "linear", x, "input") || !f32_ok(ctx, "linear", w, "weight"))
+    if (!op_f32_ok(ctx, "linear", x, "input") || !op_f32_ok(ctx, "linear", w, "weight"))
         return NULL;
-    if (b && !f32_ok(ctx, "linear", b, "bias"))
+    if (b && !op_f32_ok(ctx, "linear", b, "bias"))
         return NULL;
     char sx[96], sw[96];
     if (w->ndim != 2 || x->ndim < 1 || x->shape[x->ndim - 1] != w->shape[1]) {
@@ -577,28 +569,28 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
                   SHAPE(w, sw));
         return NULL;
     }
-    if (!(x = need_contig(ctx, x)) || !(w = need_contig(ctx, w)) || (b && !(b = need_contig(ctx, b))))
+    if (!(x = op_need_contig(ctx, x)) || !(w = op_need_contig(ctx, w)) || (b && !(b = op_need_contig(ctx, b))))
         return NULL;
-    materialize(x);
-    materialize(w);
+    tensor_materialize(x);
+    tensor_materialize(w);
     int64_t in = w->shape[1], out = w->shape[0];
     int64_t rows = shape_numel(x->ndim - 1, x->shape);
     int64_t shape[DT_MAX_DIMS];
     memcpy(shape, x->shape, sizeof shape);
     shape[x->ndim - 1] = out;
-    dt_tensor *y = step_tensor(ctx, DT_F32, x->ndim, shape);
+    dt_tensor *y = tensor_step_new(ctx, DT_F32, x->ndim, shape);
     if (!y)
         return NULL;
-    if (core_gemm(ctx, ctx->autocast, 1, 0, 1, rows, out, in, 1.0f, FP(x), in, 0, FP(w), in, 0,
-                  0.0f, FP(y), out, 0) != DT_OK)
+    if (op_gemm(ctx, ctx->autocast, 1, 0, 1, rows, out, in, 1.0f, FP(x), in, 0, FP(w), in, 0,
+                0.0f, FP(y), out, 0) != DT_OK)
         return NULL;
     if (b) {
-        materialize(b);
+        tensor_materialize(b);
         BE(ctx)->bias_add(BEI(ctx), rows, out, 1, FP(b), FP(y));
     }
-    if ((tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) &&
-        !record_op(ctx, "linear", linear_backward, y, x, w, b,
-                   &(node_args){.i = {rows, in, out}}))
+    if ((tape_tracks(ctx, x) || tape_tracks(ctx, w) || tape_tracks(ctx, b)) &&
+        !tape_record_op(ctx, "linear", linear_backward, y, x, w, b,
+                        &(node_args){.i = {rows, in, out}}))
         return NULL;
     return y;
 }
@@ -631,7 +623,7 @@ static dt_status acc_reduced(dt_ctx *ctx, dt_tensor *x, int nd, const int64_t *s
 {
     int64_t nx = shape_numel(x->ndim, x->shape), ny = shape_numel(nd, shape);
     if (nx == ny)
-        return acc_grad(ctx, x, src, alpha);
+        return op_acc_grad(ctx, x, src, alpha);
     int64_t xs[DT_MAX_DIMS], ds[DT_MAX_DIMS];
     contiguous_strides(x->ndim, x->shape, xs);
     for (int i = 0; i < nd; i++) {
@@ -646,7 +638,7 @@ static dt_status acc_reduced(dt_ctx *ctx, dt_tensor *x, int nd, const int64_t *s
         BE(ctx)->sum_to(BEI(ctx), nd, shape, src, gx, ds, acc);
         return DT_OK;
     }
-    float *tmp = temp_floats(ctx, nx);
+    float *tmp = op_temp_floats(ctx, nx);
     if (!tmp)
         return ctx->last_status;
     BE(ctx)->sum_to(BEI(ctx), nd, shape, src, tmp, ds, 0);
@@ -666,34 +658,34 @@ static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
     int64_t ny = shape_numel(nd, shape);
     dt_status s = DT_OK;
     if (op == DT_BIN_ADD || op == DT_BIN_SUB) {
-        if (needs_grad(a))
+        if (grad_needed(a))
             s = acc_reduced(ctx, a, nd, shape, gy, 1.0f);
-        if (s == DT_OK && needs_grad(b))
+        if (s == DT_OK && grad_needed(b))
             s = acc_reduced(ctx, b, nd, shape, gy, op == DT_BIN_SUB ? -1.0f : 1.0f);
         return s;
     }
-    float *tmp = temp_floats(ctx, ny);
+    float *tmp = op_temp_floats(ctx, ny);
     if (!tmp)
         return ctx->last_status;
     if (op == DT_BIN_MUL) {
-        if (needs_grad(a)) {   /* da = dy * b */
+        if (grad_needed(a)) {   /* da = dy * b */
             BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(b), sb, tmp);
             if ((s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f)) != DT_OK)
                 return s;
         }
-        if (needs_grad(b)) {   /* db = dy * a */
+        if (grad_needed(b)) {   /* db = dy * a */
             BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(a), sa, tmp);
             s = acc_reduced(ctx, b, nd, shape, tmp, 1.0f);
         }
         return s;
     }
     /* DIV: da = dy / b, db = -dy * y / b */
-    if (needs_grad(a)) {
+    if (grad_needed(a)) {
         BE(ctx)->binary(BEI(ctx), DT_BIN_DIV, nd, shape, gy, sy, FP(b), sb, tmp);
         if ((s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f)) != DT_OK)
             return s;
     }
-    if (needs_grad(b)) {
+    if (grad_needed(b)) {
         BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(y), sy, tmp);
         BE(ctx)->binary(BEI(ctx), DT_BIN_DIV, nd, shape, tmp, sy, FP(b), sb, tmp);
         s = acc_reduced(ctx, b, nd, shape, tmp, -1.0f);
@@ -704,7 +696,7 @@ static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
 static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_tensor *a,
                             dt_tensor *b)
 {
-    if (!f32_ok(ctx, name, a, "a") || !f32_ok(ctx, name, b, "b"))
+    if (!op_f32_ok(ctx, name, a, "a") || !op_f32_ok(ctx, name, b, "b"))
         return NULL;
     int nd;
     int64_t shape[DT_MAX_DIMS], sa[DT_MAX_DIMS], sb[DT_MAX_DIMS];
@@ -714,15 +706,15 @@ static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_t
                   SHAPE(b, s2));
         return NULL;
     }
-    materialize(a);
-    materialize(b);
-    dt_tensor *y = step_tensor(ctx, DT_F32, nd, shape);
+    tensor_materialize(a);
+    tensor_materialize(b);
+    dt_tensor *y = tensor_step_new(ctx, DT_F32, nd, shape);
     if (!y)
         return NULL;
     BE(ctx)->binary(BEI(ctx), op, nd, shape, FP(a), sa, FP(b), sb, FP(y));
-    if ((tracks(ctx, a) || tracks(ctx, b)) &&
-        !record_op(ctx, name, binary_backward, y, a, b, NULL,
-                   &(node_args){.i = {op}}))
+    if ((tape_tracks(ctx, a) || tape_tracks(ctx, b)) &&
+        !tape_record_op(ctx, name, binary_backward, y, a, b, NULL,
+                        &(node_args){.i = {op}}))
         return NULL;
     return y;
 }
@@ -734,22 +726,23 @@ dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ct
 
 static dt_status scale_backward(dt_ctx *ctx, dt_node *n)
 {
-    return acc_grad(ctx, n->in[0], FP(n->out->grad), n->farg[0]);
+    float alpha = n->farg[0];
+    return op_acc_grad(ctx, n->in[0], FP(n->out->grad), alpha);
 }
 
 /* x -> s * x */
 dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
 {
-    if (!f32_ok(ctx, "scale", x, "input") || !(x = need_contig(ctx, x)))
+    if (!op_f32_ok(ctx, "scale", x, "input") || !(x = op_need_contig(ctx, x)))
         return NULL;
-    materialize(x);
-    dt_tensor *y = like(ctx, x);
+    tensor_materialize(x);
+    dt_tensor *y = op_like(ctx, x);
     if (!y)
         return NULL;
     BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), s, FP(x), 0.0f, FP(y));
-    if (tracks(ctx, x) &&
-        !record_op(ctx, "scale", scale_backward, y, x, NULL, NULL,
-                   &(node_args){.f = {s}}))
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, "scale", scale_backward, y, x, NULL, NULL,
+                        &(node_args){.f = {s}}))
         return NULL;
     return y;
 }
@@ -762,7 +755,7 @@ static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g
     int64_t nx = shape_numel(x->ndim, x->shape);
     const float *src = g;
     if (scale != 1.0f) {
-        float *tmp = temp_floats(ctx, 1);
+        float *tmp = op_temp_floats(ctx, 1);
         if (!tmp)
             return ctx->last_status;
         BE(ctx)->axpby(BEI(ctx), 1, scale, g, 0.0f, tmp);
@@ -779,15 +772,16 @@ static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g
 
 static dt_status sum_backward(dt_ctx *ctx, dt_node *n)
 {
-    return broadcast_scalar_grad(ctx, n->in[0], FP(n->out->grad), n->farg[0]);
+    float scale = n->farg[0];   /* 1, or 1/n for a mean */
+    return broadcast_scalar_grad(ctx, n->in[0], FP(n->out->grad), scale);
 }
 
 static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int mean)
 {
-    if (!f32_ok(ctx, name, x, "input") || !(x = need_contig(ctx, x)))
+    if (!op_f32_ok(ctx, name, x, "input") || !(x = op_need_contig(ctx, x)))
         return NULL;
-    materialize(x);
-    dt_tensor *y = step_tensor(ctx, DT_F32, 0, NULL);
+    tensor_materialize(x);
+    dt_tensor *y = tensor_step_new(ctx, DT_F32, 0, NULL);
     if (!y)
         return NULL;
     int64_t nx = shape_numel(x->ndim, x->shape);
@@ -795,9 +789,9 @@ static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int me
     BE(ctx)->sum(BEI(ctx), nx, FP(x), FP(y));
     if (mean)
         BE(ctx)->axpby(BEI(ctx), 1, scale, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, x) &&
-        !record_op(ctx, name, sum_backward, y, x, NULL, NULL,
-                   &(node_args){.f = {scale}}))
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, name, sum_backward, y, x, NULL, NULL,
+                        &(node_args){.f = {scale}}))
         return NULL;
     return y;
 }
@@ -811,7 +805,7 @@ static dt_status sum_dim_backward(dt_ctx *ctx, dt_node *n)
     int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
     const float *g = FP(n->out->grad);
     if (n->farg[0] != 1.0f) {
-        float *tmp = temp_floats(ctx, outer * inner);
+        float *tmp = op_temp_floats(ctx, outer * inner);
         if (!tmp)
             return ctx->last_status;
         BE(ctx)->axpby(BEI(ctx), outer * inner, n->farg[0], g, 0.0f, tmp);
@@ -829,10 +823,10 @@ static dt_status sum_dim_backward(dt_ctx *ctx, dt_node *n)
 static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int dim, int keepdim,
                              int mean)
 {
-    if (!f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
-        !(x = need_contig(ctx, x)))
+    if (!op_f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
+        !(x = op_need_contig(ctx, x)))
         return NULL;
-    materialize(x);
+    tensor_materialize(x);
     int64_t outer = shape_numel(dim, x->shape), len = x->shape[dim];
     int64_t inner = shape_numel(x->ndim - dim - 1, x->shape + dim + 1);
     int64_t shape[DT_MAX_DIMS];
@@ -843,16 +837,16 @@ static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int di
         else if (keepdim)
             shape[nd++] = 1;
     }
-    dt_tensor *y = step_tensor(ctx, DT_F32, nd, shape);
+    dt_tensor *y = tensor_step_new(ctx, DT_F32, nd, shape);
     if (!y)
         return NULL;
     BE(ctx)->reduce_axis(BEI(ctx), DT_RED_SUM, outer, len, inner, FP(x), FP(y));
     float scale = mean ? 1.0f / (float)len : 1.0f;
     if (mean)
         BE(ctx)->axpby(BEI(ctx), outer * inner, scale, FP(y), 0.0f, FP(y));
-    if (tracks(ctx, x) &&
-        !record_op(ctx, name, sum_dim_backward, y, x, NULL, NULL,
-                   &(node_args){.i = {outer, len, inner}, .f = {scale}}))
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, name, sum_dim_backward, y, x, NULL, NULL,
+                        &(node_args){.i = {outer, len, inner}, .f = {scale}}))
         return NULL;
     return y;
 }
@@ -876,24 +870,25 @@ static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, x, &acc);
     if (!gx)
         return ctx->last_status;
-    BE(ctx)->unary_backward(BEI(ctx), (dt_unary_op)n->iarg[0], shape_numel(x->ndim, x->shape),
-                            FP(x), FP(y), FP(y->grad), gx, acc);
+    dt_unary_op op = (dt_unary_op)n->iarg[0];
+    BE(ctx)->unary_backward(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y), FP(y->grad),
+                            gx, acc);
     return DT_OK;
 }
 
 /* x -> op(x), same shape */
 static dt_tensor *unary_op(dt_ctx *ctx, const char *name, dt_unary_op op, dt_tensor *x)
 {
-    if (!f32_ok(ctx, name, x, "input") || !(x = need_contig(ctx, x)))
+    if (!op_f32_ok(ctx, name, x, "input") || !(x = op_need_contig(ctx, x)))
         return NULL;
-    materialize(x);
-    dt_tensor *y = like(ctx, x);
+    tensor_materialize(x);
+    dt_tensor *y = op_like(ctx, x);
     if (!y)
         return NULL;
     BE(ctx)->unary(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y));
-    if (tracks(ctx, x) &&
-        !record_op(ctx, name, unary_backward, y, x, NULL, NULL,
-                   &(node_args){.i = {op}}))
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, name, unary_backward, y, x, NULL, NULL,
+                        &(node_args){.i = {op}}))
         return NULL;
     return y;
 }
@@ -909,27 +904,29 @@ static dt_status softmax_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    BE(ctx)->softmax_backward(BEI(ctx), n->iarg[0], n->iarg[1], n->iarg[2], FP(n->out),
-                              FP(n->out->grad), gx, (int)n->iarg[3], acc);
+    int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
+    int log = (int)n->iarg[3];
+    BE(ctx)->softmax_backward(BEI(ctx), outer, len, inner, FP(n->out), FP(n->out->grad), gx, log,
+                              acc);
     return DT_OK;
 }
 
 /* x (.., L, ..) -> softmax along dim L */
 static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int dim, int log)
 {
-    if (!f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
-        !(x = need_contig(ctx, x)))
+    if (!op_f32_ok(ctx, name, x, "input") || !norm_dim(ctx, name, x, &dim) ||
+        !(x = op_need_contig(ctx, x)))
         return NULL;
-    materialize(x);
+    tensor_materialize(x);
     int64_t outer = shape_numel(dim, x->shape), len = x->shape[dim];
     int64_t inner = shape_numel(x->ndim - dim - 1, x->shape + dim + 1);
-    dt_tensor *y = like(ctx, x);
+    dt_tensor *y = op_like(ctx, x);
     if (!y)
         return NULL;
     BE(ctx)->softmax(BEI(ctx), outer, len, inner, FP(x), FP(y), log);
-    if (tracks(ctx, x) &&
-        !record_op(ctx, name, softmax_backward, y, x, NULL, NULL,
-                   &(node_args){.i = {outer, len, inner, log}}))
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, name, softmax_backward, y, x, NULL, NULL,
+                        &(node_args){.i = {outer, len, inner, log}}))
         return NULL;
     return y;
 }
@@ -945,16 +942,17 @@ static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    BE(ctx)->xent_backward(BEI(ctx), n->iarg[0], n->iarg[1], n->aux[0], IP(n->in[1]),
-                           FP(n->out->grad), gx, acc);
+    int64_t rows = n->iarg[0], classes = n->iarg[1];
+    const float *probs = n->aux[0];   /* softmax of the logits, kept by the forward */
+    BE(ctx)->xent_backward(BEI(ctx), rows, classes, probs, IP(n->in[1]), FP(n->out->grad), gx, acc);
     return DT_OK;
 }
 
 /* logits (N,C) f32, labels (N) i32 -> scalar mean cross entropy */
 dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
 {
-    if (!f32_ok(ctx, "cross_entropy", logits, "logits") ||
-        !input_ok(ctx, "cross_entropy", labels, "labels"))
+    if (!op_f32_ok(ctx, "cross_entropy", logits, "logits") ||
+        !op_input_ok(ctx, "cross_entropy", labels, "labels"))
         return NULL;
     char s1[96], s2[96];
     if (labels->dtype != DT_I32) {
@@ -968,13 +966,13 @@ dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
                   SHAPE(logits, s1), SHAPE(labels, s2));
         return NULL;
     }
-    if (!(logits = need_contig(ctx, logits)) || !(labels = need_contig(ctx, labels)))
+    if (!(logits = op_need_contig(ctx, logits)) || !(labels = op_need_contig(ctx, labels)))
         return NULL;
-    materialize(logits);
-    materialize(labels);
+    tensor_materialize(logits);
+    tensor_materialize(labels);
     int64_t n = logits->shape[0], c = logits->shape[1];
-    float *probs = temp_floats(ctx, n * c);
-    dt_tensor *y = probs ? step_tensor(ctx, DT_F32, 0, NULL) : NULL;
+    float *probs = op_temp_floats(ctx, n * c);
+    dt_tensor *y = probs ? tensor_step_new(ctx, DT_F32, 0, NULL) : NULL;
     if (!y)
         return NULL;
     int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), probs, FP(y));
@@ -987,9 +985,9 @@ dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
                   (int)v, (long long)bad, (long long)c);
         return NULL;
     }
-    if (tracks(ctx, logits) &&
-        !record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
-                   &(node_args){.i = {n, c}, .aux = {probs}}))
+    if (tape_tracks(ctx, logits) &&
+        !tape_record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
+                        &(node_args){.i = {n, c}, .aux = {probs}}))
         return NULL;
     return y;
 }
@@ -998,25 +996,26 @@ static dt_status mse_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *p = n->in[0], *t = n->in[1];
     int64_t cnt = shape_numel(p->ndim, p->shape);
-    float *tmp = temp_floats(ctx, cnt);
+    float *tmp = op_temp_floats(ctx, cnt);
     if (!tmp)
         return ctx->last_status;
     int64_t shape[1] = {cnt}, s1[1] = {1}, s0[1] = {0};
     /* tmp = diff * dloss; dpred = 2/n tmp, dtarget = -2/n tmp */
-    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, n->aux[0], s1, FP(n->out->grad), s0, tmp);
+    const float *diff = n->aux[0];   /* pred - target, kept by the forward */
+    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, diff, s1, FP(n->out->grad), s0, tmp);
     float k = 2.0f / (float)cnt;
     dt_status s = DT_OK;
-    if (needs_grad(p))
-        s = acc_grad(ctx, p, tmp, k);
-    if (s == DT_OK && needs_grad(t))
-        s = acc_grad(ctx, t, tmp, -k);
+    if (grad_needed(p))
+        s = op_acc_grad(ctx, p, tmp, k);
+    if (s == DT_OK && grad_needed(t))
+        s = op_acc_grad(ctx, t, tmp, -k);
     return s;
 }
 
 /* pred, target same shape -> scalar mean((pred - target)^2) */
 dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
 {
-    if (!f32_ok(ctx, "mse", pred, "pred") || !f32_ok(ctx, "mse", target, "target"))
+    if (!op_f32_ok(ctx, "mse", pred, "pred") || !op_f32_ok(ctx, "mse", target, "target"))
         return NULL;
     int same = pred->ndim == target->ndim;
     for (int i = 0; same && i < pred->ndim; i++)
@@ -1028,10 +1027,10 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
                   SHAPE(pred, s1), SHAPE(target, s2));
         return NULL;
     }
-    materialize(pred);
-    materialize(target);
-    float *diff = temp_floats(ctx, cnt), *sq = diff ? temp_floats(ctx, cnt) : NULL;
-    dt_tensor *y = sq ? step_tensor(ctx, DT_F32, 0, NULL) : NULL;
+    tensor_materialize(pred);
+    tensor_materialize(target);
+    float *diff = op_temp_floats(ctx, cnt), *sq = diff ? op_temp_floats(ctx, cnt) : NULL;
+    dt_tensor *y = sq ? tensor_step_new(ctx, DT_F32, 0, NULL) : NULL;
     if (!y)
         return NULL;
     int64_t cs[DT_MAX_DIMS];
@@ -1041,435 +1040,9 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, pred->ndim, pred->shape, diff, cs, diff, cs, sq);
     BE(ctx)->sum(BEI(ctx), cnt, sq, FP(y));
     BE(ctx)->axpby(BEI(ctx), 1, 1.0f / (float)cnt, FP(y), 0.0f, FP(y));
-    if ((tracks(ctx, pred) || tracks(ctx, target)) &&
-        !record_op(ctx, "mse", mse_backward, y, pred, target, NULL,
-                   &(node_args){.aux = {diff}}))
+    if ((tape_tracks(ctx, pred) || tape_tracks(ctx, target)) &&
+        !tape_record_op(ctx, "mse", mse_backward, y, pred, target, NULL,
+                        &(node_args){.aux = {diff}}))
         return NULL;
     return y;
 }
-
-/* --- convolution and pooling (NCHW) --------------------------------- */
-
-static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
-{
-    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL, *y = n->out;
-    const dt_conv_geom *g = n->aux[1];
-    const float *col = n->aux[0];
-    int64_t o = w->shape[0], ckk = g->c * g->kh * g->kw, p = g->oh * g->ow, np = g->n * p;
-    const float *gy = FP(y->grad), *dyt = gy;   /* dY' (O, N*P) */
-    if (g->n > 1) {
-        float *t = temp_floats(ctx, o * np);
-        if (!t)
-            return ctx->last_status;
-        BE(ctx)->ncp_to_cnp(BEI(ctx), g->n, o, p, gy, t);
-        dyt = t;
-    }
-    int acc;
-    if (needs_grad(w)) {   /* dW (O, CKK) = dY' col^T */
-        float *gw = grad_target(ctx, w, &acc);
-        if (!gw)
-            return ctx->last_status;
-        GEMM(ctx, n->prec, 0, 1, o, ckk, np, 1.0f, dyt, np, col, np, acc ? 1.0f : 0.0f, gw, ckk);
-    }
-    if (b && needs_grad(b)) {
-        float *gb = grad_target(ctx, b, &acc);
-        if (!gb)
-            return ctx->last_status;
-        BE(ctx)->bias_grad(BEI(ctx), g->n, o, p, gy, gb, acc);
-    }
-    if (needs_grad(x)) {   /* dcol (CKK, N*P) = W^T dY', then fold */
-        float *dcol = temp_floats(ctx, ckk * np);
-        float *gx = dcol ? grad_target(ctx, x, &acc) : NULL;
-        if (!gx)
-            return ctx->last_status;
-        GEMM(ctx, n->prec, 1, 0, ckk, np, o, 1.0f, FP(w), ckk, dyt, np, 0.0f, dcol, np);
-        BE(ctx)->col2im(BEI(ctx), g, dcol, gx, acc);
-    }
-    return DT_OK;
-}
-
-static dt_status conv2d_fused_backward(dt_ctx *ctx, dt_node *n)
-{
-    dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
-    int ax = 0, aw = 0, ab = 0;
-    float *gx = needs_grad(x) ? grad_target(ctx, x, &ax) : NULL;
-    float *gw = needs_grad(w) ? grad_target(ctx, w, &aw) : NULL;
-    float *gb = b && needs_grad(b) ? grad_target(ctx, b, &ab) : NULL;
-    if ((needs_grad(x) && !gx) || (needs_grad(w) && !gw) || (b && needs_grad(b) && !gb))
-        return ctx->last_status;
-    dt_status s = BE(ctx)->conv2d_backward(BEI(ctx), n->aux[1], w->shape[0], FP(x), FP(w),
-                                           FP(n->out->grad), gx, ax, gw, aw, gb, ab);
-    return s == DT_OK ? s : set_error(ctx, s, "conv2d: backend out of scratch memory");
-}
-
-/* The backend's own convolution: nothing is kept for backward but x and w. */
-static dt_tensor *conv2d_fused(dt_ctx *ctx, const dt_conv_geom *geom, dt_tensor *x, dt_tensor *w,
-                               dt_tensor *b, dt_tensor *y, int track)
-{
-    if (b)
-        materialize(b);
-    dt_status s = BE(ctx)->conv2d_forward(BEI(ctx), geom, w->shape[0], FP(x), FP(w),
-                                          b ? FP(b) : NULL, FP(y));
-    if (s != DT_OK) {
-        set_error(ctx, s, "conv2d: backend out of scratch memory");
-        return NULL;
-    }
-    if (!track)
-        return y;
-    dt_conv_geom *g = arena_alloc(ctx, ctx->cur_host, sizeof *g);
-    dt_node *n = g ? record(ctx, "conv2d", conv2d_fused_backward, y, x, w, b) : NULL;
-    if (!n) {
-        set_error(ctx, DT_ENOMEM, "conv2d: out of memory for the tape");
-        return NULL;
-    }
-    *g = *geom;
-    n->aux[1] = g;
-    return y;
-}
-
-static int pool_geom(dt_ctx *ctx, const char *op, const dt_tensor *x, int64_t kh, int64_t kw,
-                     int stride, int pad, dt_conv_geom *g)
-{
-    char sx[96];
-    if (x->ndim != 4) {
-        set_error(ctx, DT_EINVAL, "%s: input %s must be (N,C,H,W)", op, SHAPE(x, sx));
-        return 0;
-    }
-    if (stride < 1 || pad < 0 || kh < 1 || kw < 1) {
-        set_error(ctx, DT_EINVAL, "%s: kernel %lldx%lld, stride %d, pad %d: need kernel, stride >= 1 "
-                  "and pad >= 0", op, (long long)kh, (long long)kw, stride, pad);
-        return 0;
-    }
-    g->n = x->shape[0];
-    g->c = x->shape[1];
-    g->h = x->shape[2];
-    g->w = x->shape[3];
-    g->kh = kh;
-    g->kw = kw;
-    g->stride = stride;
-    g->pad = pad;
-    if (g->h + 2 * pad < kh || g->w + 2 * pad < kw) {
-        set_error(ctx, DT_EINVAL, "%s: kernel %lldx%lld larger than padded input %s", op,
-                  (long long)kh, (long long)kw, SHAPE(x, sx));
-        return 0;
-    }
-    g->oh = (g->h + 2 * pad - kh) / stride + 1;
-    g->ow = (g->w + 2 * pad - kw) / stride + 1;
-    return 1;
-}
-
-/* x (N,C,H,W), w (O,C,KH,KW), b (O) -> (N,O,OH,OW) by im2col + one GEMM */
-dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int stride, int pad)
-{
-    if (!f32_ok(ctx, "conv2d", x, "input") || !f32_ok(ctx, "conv2d", w, "weight") ||
-        (b && !f32_ok(ctx, "conv2d", b, "bias")))
-        return NULL;
-    char sx[96], sw[96];
-    if (w->ndim != 4) {
-        set_error(ctx, DT_EINVAL, "conv2d: weight %s must be (O,C,KH,KW)", SHAPE(w, sw));
-        return NULL;
-    }
-    dt_conv_geom geom;
-    if (!pool_geom(ctx, "conv2d", x, w->shape[2], w->shape[3], stride, pad, &geom))
-        return NULL;
-    if (x->shape[1] != w->shape[1]) {
-        set_error(ctx, DT_EINVAL, "conv2d: input %s has %lld channels, weight %s expects %lld",
-                  SHAPE(x, sx), (long long)x->shape[1], SHAPE(w, sw), (long long)w->shape[1]);
-        return NULL;
-    }
-    if (b && (b->ndim != 1 || b->shape[0] != w->shape[0])) {
-        set_error(ctx, DT_EINVAL, "conv2d: bias %s does not match %lld output channels",
-                  SHAPE(b, sx), (long long)w->shape[0]);
-        return NULL;
-    }
-    if (!(x = need_contig(ctx, x)) || !(w = need_contig(ctx, w)) || (b && !(b = need_contig(ctx, b))))
-        return NULL;
-    materialize(x);
-    materialize(w);
-    int64_t o = w->shape[0], ckk = geom.c * geom.kh * geom.kw, p = geom.oh * geom.ow;
-    int64_t np = geom.n * p;
-    int64_t shape[4] = {geom.n, o, geom.oh, geom.ow};
-    dt_tensor *y = step_tensor(ctx, DT_F32, 4, shape);
-    if (!y)
-        return NULL;
-    int track = tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b);
-    /* autocast: the composed path, whose GEMMs run at the reduced precision */
-    if (BE(ctx)->conv2d_forward && ctx->autocast == DT_PREC_F32)
-        return conv2d_fused(ctx, &geom, x, w, b, y, track);
-    dt_arena_mark mark = arena_mark(ctx->cur_dev);   /* temporaries, freed if no backward */
-    dt_conv_geom *g = track ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : &geom;
-    float *col = g ? temp_floats(ctx, ckk * np) : NULL;
-    float *yt = (col && geom.n > 1) ? temp_floats(ctx, o * np) : FP(y);
-    if (!g || !col || !yt)
-        return NULL;
-    *g = geom;
-    BE(ctx)->im2col(BEI(ctx), g, FP(x), col);
-    if (core_gemm(ctx, ctx->autocast, 1, 0, 0, o, np, ckk, 1.0f, FP(w), ckk, 0, col, np, 0, 0.0f,
-                  yt, np, 0) != DT_OK)
-        return NULL;
-    if (geom.n > 1)
-        BE(ctx)->cnp_to_ncp(BEI(ctx), o, geom.n, p, yt, FP(y));
-    if (b) {
-        materialize(b);
-        BE(ctx)->bias_add(BEI(ctx), geom.n, o, p, FP(b), FP(y));
-    }
-    if (!track) {
-        arena_release(ctx->cur_dev, mark);
-        return y;
-    }
-    dt_node *n = record(ctx, "conv2d", conv2d_backward, y, x, w, b);
-    if (!n)
-        return NULL;
-    n->aux[0] = col;
-    n->aux[1] = g;
-    return y;
-}
-
-static dt_status maxpool_backward(dt_ctx *ctx, dt_node *n)
-{
-    int acc;
-    float *gx = grad_target(ctx, n->in[0], &acc);
-    if (!gx)
-        return ctx->last_status;
-    BE(ctx)->maxpool_backward(BEI(ctx), n->aux[1], FP(n->out->grad), n->aux[0], gx, acc);
-    return DT_OK;
-}
-
-static dt_status avgpool_backward(dt_ctx *ctx, dt_node *n)
-{
-    int acc;
-    float *gx = grad_target(ctx, n->in[0], &acc);
-    if (!gx)
-        return ctx->last_status;
-    BE(ctx)->avgpool_backward(BEI(ctx), n->aux[1], FP(n->out->grad), gx, acc);
-    return DT_OK;
-}
-
-/* x (N,C,H,W) -> (N,C,OH,OW); stride 0 means stride = kernel */
-static dt_tensor *pool_op(dt_ctx *ctx, const char *name, dt_tensor *x, int kernel, int stride,
-                          int pad, int is_max)
-{
-    if (!f32_ok(ctx, name, x, "input"))
-        return NULL;
-    if (stride == 0)
-        stride = kernel;
-    dt_conv_geom geom;
-    if (!pool_geom(ctx, name, x, kernel, kernel, stride, pad, &geom))
-        return NULL;
-    if (pad > kernel / 2) {
-        set_error(ctx, DT_EINVAL, "%s: pad %d must be at most half the kernel (%d)", name, pad,
-                  kernel);
-        return NULL;
-    }
-    if (!(x = need_contig(ctx, x)))
-        return NULL;
-    materialize(x);
-    int64_t shape[4] = {geom.n, geom.c, geom.oh, geom.ow};
-    dt_tensor *y = step_tensor(ctx, DT_F32, 4, shape);
-    dt_conv_geom *g = y ? arena_alloc(ctx, ctx->cur_host, sizeof *g) : NULL;
-    int32_t *argmax = NULL;
-    if (!g)
-        return NULL;
-    *g = geom;
-    if (is_max) {
-        argmax = arena_alloc(ctx, ctx->cur_dev, (size_t)shape_numel(4, shape) * sizeof(int32_t));
-        if (!argmax) {
-            set_error(ctx, DT_ENOMEM, "%s: out of memory", name);
-            return NULL;
-        }
-        BE(ctx)->maxpool_forward(BEI(ctx), g, FP(x), FP(y), argmax);
-    } else {
-        BE(ctx)->avgpool_forward(BEI(ctx), g, FP(x), FP(y));
-    }
-    if (tracks(ctx, x) &&
-        !record_op(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL, NULL,
-                   &(node_args){.aux = {argmax, g}}))
-        return NULL;
-    return y;
-}
-
-dt_tensor *dt_max_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad)
-{
-    return pool_op(ctx, "max_pool2d", x, kernel, stride, pad, 1);
-}
-
-dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int pad)
-{
-    return pool_op(ctx, "avg_pool2d", x, kernel, stride, pad, 0);
-}
-
-/* --- embedding, layer norm, dropout ----------------------------------- */
-
-/* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
- * (its memory is zero outside the logged rows), so a step costs the rows it
- * touches.  0: the log cannot grow (the caller goes dense). */
-static int row_log_add(dt_ctx *ctx, row_log *l, const int32_t *idx, int64_t n)
-{
-    if (l->n + n > l->cap) {
-        int64_t cap = (l->n + n) * 2;
-        int64_t *r = ctx->al.realloc_fn(l->rows, (size_t)cap * sizeof *r, ctx->al.user);
-        if (!r)
-            return 0;
-        l->rows = r;
-        l->cap = cap;
-    }
-    for (int64_t i = 0; i < n; i++)
-        l->rows[l->n++] = idx[i];
-    return 1;
-}
-
-static dt_status embedding_backward(dt_ctx *ctx, dt_node *n)
-{
-    dt_tensor *w = n->in[0], *idx = n->in[1];
-    int64_t count = shape_numel(idx->ndim, idx->shape);
-    float *gw;
-    if (w->rowlog && !w->rowlog->dense && w->grad && ctx->be_iface->host_visible &&
-        row_log_add(ctx, w->rowlog, IP(idx), count)) {
-        w->grad->flags &= ~(unsigned)T_ZERO;   /* zero already, outside the logged rows */
-        gw = FP(w->grad);
-    } else {
-        gw = grad_target_zeroed(ctx, w);
-    }
-    if (!gw)
-        return ctx->last_status;
-    BE(ctx)->embedding_backward(BEI(ctx), shape_numel(idx->ndim, idx->shape), w->shape[1],
-                                IP(idx), FP(n->out->grad), gw);
-    return DT_OK;
-}
-
-/* weight (V,D), idx i32 (...) -> (..., D) */
-dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx)
-{
-    if (!f32_ok(ctx, "embedding", weight, "weight") || !input_ok(ctx, "embedding", idx, "indices"))
-        return NULL;
-    char sw[96];
-    if (weight->ndim != 2 || idx->dtype != DT_I32 || idx->ndim + 1 > DT_MAX_DIMS) {
-        set_error(ctx, DT_EINVAL, "embedding: weight %s must be (V,D) and indices i32 (got %s)",
-                  SHAPE(weight, sw), dt_dtype_name(idx->dtype));
-        return NULL;
-    }
-    if (!(weight = need_contig(ctx, weight)) || !(idx = need_contig(ctx, idx)))
-        return NULL;
-    materialize(weight);
-    materialize(idx);
-    int64_t n = shape_numel(idx->ndim, idx->shape), d = weight->shape[1];
-    int64_t bad = BE(ctx)->index_check(BEI(ctx), n, IP(idx), weight->shape[0]);
-    if (be_fault(ctx, "embedding") != DT_OK)
-        return NULL;
-    if (bad >= 0) {
-        int32_t v = 0;
-        BE(ctx)->to_host(BEI(ctx), &v, IP(idx) + bad, sizeof v);
-        set_error(ctx, DT_EINVAL, "embedding: index %d at position %lld is outside [0, %lld)",
-                  (int)v, (long long)bad, (long long)weight->shape[0]);
-        return NULL;
-    }
-    int64_t shape[DT_MAX_DIMS];
-    memcpy(shape, idx->shape, sizeof(int64_t) * (size_t)idx->ndim);
-    shape[idx->ndim] = d;
-    dt_tensor *y = step_tensor(ctx, DT_F32, idx->ndim + 1, shape);
-    if (!y)
-        return NULL;
-    BE(ctx)->embedding_forward(BEI(ctx), n, d, FP(weight), IP(idx), FP(y));
-    if (tracks(ctx, weight) && !record(ctx, "embedding", embedding_backward, y, weight, idx, NULL))
-        return NULL;
-    return y;
-}
-
-static dt_status layer_norm_backward(dt_ctx *ctx, dt_node *n)
-{
-    dt_tensor *x = n->in[0], *w = n->aux[2], *b = n->aux[3];
-    int64_t rows = n->iarg[0], d = n->iarg[1];
-    int acc = 0;
-    float *gx = needs_grad(x) ? grad_target(ctx, x, &acc) : temp_floats(ctx, rows * d);
-    float *gw = w && needs_grad(w) ? grad_target_zeroed(ctx, w) : NULL;
-    float *gb = b && needs_grad(b) ? grad_target_zeroed(ctx, b) : NULL;
-    if (!gx || (w && needs_grad(w) && !gw) || (b && needs_grad(b) && !gb))
-        return ctx->last_status;
-    BE(ctx)->layernorm_backward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, n->aux[0], n->aux[1],
-                                FP(n->out->grad), gx, gw, gb, acc);
-    return DT_OK;
-}
-
-/* x (..., D), w (D), b (D) -> (..., D) normalised over the last dim */
-dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps)
-{
-    if (!f32_ok(ctx, "layer_norm", x, "input") || (w && !f32_ok(ctx, "layer_norm", w, "weight")) ||
-        (b && !f32_ok(ctx, "layer_norm", b, "bias")))
-        return NULL;
-    char sx[96];
-    if (x->ndim < 1 || x->shape[x->ndim - 1] == 0) {
-        set_error(ctx, DT_EINVAL, "layer_norm: input %s needs a non-empty last dim", SHAPE(x, sx));
-        return NULL;
-    }
-    int64_t d = x->shape[x->ndim - 1], rows = shape_numel(x->ndim - 1, x->shape);
-    if ((w && (w->ndim != 1 || w->shape[0] != d)) || (b && (b->ndim != 1 || b->shape[0] != d))) {
-        set_error(ctx, DT_EINVAL, "layer_norm: weight and bias must be (%lld) for input %s",
-                  (long long)d, SHAPE(x, sx));
-        return NULL;
-    }
-    if (!(x = need_contig(ctx, x)) || (w && !(w = need_contig(ctx, w))) ||
-        (b && !(b = need_contig(ctx, b))))
-        return NULL;
-    materialize(x);
-    materialize(w);
-    materialize(b);
-    dt_tensor *y = like(ctx, x);
-    float *mean = y ? temp_floats(ctx, rows) : NULL, *rstd = mean ? temp_floats(ctx, rows) : NULL;
-    if (!rstd)
-        return NULL;
-    BE(ctx)->layernorm_forward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, b ? FP(b) : NULL, eps,
-                               FP(y), mean, rstd);
-    if ((tracks(ctx, x) || tracks(ctx, w) || tracks(ctx, b)) &&
-        !record_op(ctx, "layer_norm", layer_norm_backward, y, x, w, b,
-                   &(node_args){.i = {rows, d}, .aux = {mean, rstd, w, b}}))
-        return NULL;
-    return y;
-}
-
-static dt_status dropout_backward(dt_ctx *ctx, dt_node *n)
-{
-    dt_tensor *x = n->in[0];
-    int64_t cnt = shape_numel(x->ndim, x->shape), shape[1] = {cnt}, s1[1] = {1};
-    int acc;
-    float *gx = grad_target(ctx, x, &acc);
-    if (!gx)
-        return ctx->last_status;
-    float *dst = acc ? temp_floats(ctx, cnt) : gx;
-    if (!dst)
-        return ctx->last_status;
-    BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, FP(n->out->grad), s1, n->aux[0], s1, dst);
-    if (acc)
-        BE(ctx)->axpby(BEI(ctx), cnt, 1.0f, dst, 1.0f, gx);
-    return DT_OK;
-}
-
-/* x -> x * mask / (1-p) while training; x itself otherwise */
-dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
-{
-    if (!f32_ok(ctx, "dropout", x, "input"))
-        return NULL;
-    if (!(p >= 0.0f && p < 1.0f)) {
-        set_error(ctx, DT_EINVAL, "dropout: p = %g must be in [0, 1)", (double)p);
-        return NULL;
-    }
-    if (!ctx->training || p == 0.0f)
-        return x;
-    if (!(x = need_contig(ctx, x)))
-        return NULL;
-    materialize(x);
-    uint64_t sm = ctx->seed ^ 0xD1B54A32D192ED03ull;
-    sm += 0x9E3779B97F4A7C15ull * (ctx->dropout_counter++ + 1);
-    uint64_t seed = splitmix64(&sm);
-    int64_t cnt = shape_numel(x->ndim, x->shape);
-    dt_tensor *y = like(ctx, x);
-    float *mask = y ? temp_floats(ctx, cnt) : NULL;
-    if (!mask)
-        return NULL;
-    BE(ctx)->dropout_forward(BEI(ctx), cnt, p, seed, FP(x), FP(y), mask);
-    if (tracks(ctx, x) &&
-        !record_op(ctx, "dropout", dropout_backward, y, x, NULL, NULL,
-                   &(node_args){.aux = {mask}}))
-        return NULL;
-    return y;
-}
-

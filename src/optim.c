@@ -53,13 +53,13 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
 }
 
 /* A persistent tensor owned by an object other than the context. */
-DT_PRIVATE dt_tensor *owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                const char *suffix)
 {
     dt_tensor *t = host_alloc(ctx, sizeof *t);
     if (!t)
         return NULL;
-    header_init(t, ctx, DT_F32, ndim, shape);
+    tensor_header_init(t, ctx, DT_F32, ndim, shape);
     size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
     t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
     t->name = host_alloc(ctx, nl);
@@ -120,8 +120,8 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
         o->params[i] = src[i];
         for (int j = 0; j < o->per; j++) {
             dt_tensor *p = src[i];
-            dt_tensor *st = owned_tensor(ctx, p->ndim, p->shape, p->name,
-                                         suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
+            dt_tensor *st = optim_owned_tensor(ctx, p->ndim, p->shape, p->name,
+                                               suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
                                                                                ? 2 : 1][j]);
             if (!st)
                 goto fail;
@@ -147,8 +147,8 @@ void dt_optim_free(dt_optim *o)
     host_free(ctx, o->state);
     host_free(ctx, o->params);
     host_free(ctx, o->param_steps);
-    if (ctx->ddp)
-        ctx->grad_hooks->optim_freed(ctx->ddp, o);
+    if (ctx->hook_user)
+        ctx->grad_hooks->optim_freed(ctx->hook_user, o);
     host_free(ctx, o);
 }
 
@@ -355,10 +355,10 @@ dt_status dt_loss_scaler_backward(dt_loss_scaler *sc, dt_tensor *loss)
     if (sc->unscaled)
         return set_error(sc->ctx, DT_ESTATE, "loss_scaler_backward: this step's gradients are "
                          "already unscaled; step first (scaled ones would be added to them)");
-    dt_status s = sc->ctx->ddp ? sc->ctx->grad_hooks->before_unscale(sc->ctx->ddp, 0) : DT_OK;
+    dt_status s = sc->ctx->hook_user ? sc->ctx->grad_hooks->before_unscale(sc->ctx->hook_user, 0) : DT_OK;
     if (s != DT_OK)
         return s;
-    if ((s = backward_seeded(sc->ctx, loss, sc->scale)) == DT_OK)
+    if ((s = tape_backward_seeded(sc->ctx, loss, sc->scale)) == DT_OK)
         sc->pending = 1;
     return s;
 }
@@ -371,7 +371,7 @@ dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
     if (!sc->pending)
         return set_error(ctx, DT_ESTATE, "loss_scaler: no dt_loss_scaler_backward since the last "
                          "step");
-    dt_status s = ctx->ddp ? ctx->grad_hooks->before_unscale(ctx->ddp, 1) : DT_OK;   /* reduced first */
+    dt_status s = ctx->hook_user ? ctx->grad_hooks->before_unscale(ctx->hook_user, 1) : DT_OK;   /* reduced first */
     if (s != DT_OK)
         return s;
     if (!sc->unscaled) {

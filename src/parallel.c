@@ -71,8 +71,8 @@ dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg_in, dt_s
         return NULL;
     }
     for (int i = 0; i < p->nslots; i++) {
-        arena_init(&p->slots[i].dev, 1, (size_t)1 << 20);
-        arena_init(&p->slots[i].host, 0, (size_t)64 << 10);
+        ctx_arena_init(&p->slots[i].dev, 1, (size_t)1 << 20);
+        ctx_arena_init(&p->slots[i].host, 0, (size_t)64 << 10);
     }
     return p;
 }
@@ -141,7 +141,7 @@ static dt_status pipe_p2p(dt_pipe *p, const float *send, int64_t ns, int dst, fl
 {
     dt_ctx *ctx = p->ctx;
     double t0 = prof_begin(ctx), w0 = dt_now();
-    dt_status s = p2p_run(p->comm, send, ns, dst, recv, nr, src);
+    dt_status s = comm_p2p_run(p->comm, send, ns, dst, recv, nr, src);
     double w = dt_now() - w0;
     p->wait_s += w;
     if (t0 > 0 && ctx->prof.open)   /* (a wait before the first step opens counts nowhere) */
@@ -272,7 +272,7 @@ static dt_status pipe_forward_run(dt_pipe *p, int i, const dt_tensor *x, const d
         int64_t shape[DT_MAX_DIMS];
         memcpy(shape, p->in_shape, sizeof shape);
         shape[0] = mb->rows;
-        if ((xi = step_tensor(ctx, DT_F32, p->in_ndim, shape))) {
+        if ((xi = tensor_step_new(ctx, DT_F32, p->in_ndim, shape))) {
             be_to_device(ctx, xi->data, p->rbuf, tensor_bytes(xi));
             xi->flags |= T_REQGRAD;
         }
@@ -298,7 +298,7 @@ static dt_status pipe_forward_run(dt_pipe *p, int i, const dt_tensor *x, const d
     if (!(out = dt_contiguous(ctx, out)))
         return ctx->last_status;
     mb->out = out;
-    materialize(out);
+    tensor_materialize(out);
     if (pipe_reserve(p, &p->sbuf, &p->sbuf_n, pipe_out_floats(p, i)) != DT_OK)
         return ctx->last_status;
     be_to_host(ctx, p->sbuf, out->data, tensor_bytes(out));
@@ -348,20 +348,20 @@ static dt_status pipe_backward(dt_pipe *p, int i, int last_mb)
     const float *seed = NULL;
     dt_status s = DT_OK;
     if (!pipe_last(p)) {
-        dt_tensor *g = like(ctx, mb->out);
+        dt_tensor *g = op_like(ctx, mb->out);
         if (!g)
             s = ctx->last_status;
         else
             be_to_device(ctx, g->data, p->rbuf, tensor_bytes(g));
         seed = g ? FP(g) : NULL;
     }
-    struct dt_ddp *d = ctx->ddp;
+    struct dt_ddp *d = ddp_attached(ctx);
     int sync = d ? d->sync : 0;
     if (d)
         d->sync = sync && last_mb;
     double t0 = prof_begin(ctx), w0 = dt_now();
     if (s == DT_OK)
-        s = backward_tape(ctx, mb->out, seed, (float)((double)mb->rows / (double)p->batch));
+        s = tape_backward(ctx, mb->out, seed, (float)((double)mb->rows / (double)p->batch));
     p->compute_s += dt_now() - w0;
     prof_end(ctx, PH_BACKWARD, t0);
     if (d)
@@ -653,7 +653,7 @@ static dt_status layer_inputs(dt_ctx *ctx, dt_layer_fn const *layers, void *cons
             s = ctx->last_status;
             break;
         }
-        materialize(x);
+        tensor_materialize(x);
         BE(ctx)->copy(BEI(ctx), in[i]->data, x->data, tensor_bytes(x));
         if (x->dtype == DT_F32 && (s = dt_tensor_set_requires_grad(in[i], 1)) != DT_OK)
             break;
@@ -682,9 +682,9 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     if (!in)
         return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
     int measure = ctx->prof.measure;   /* these are not training steps */
-    struct dt_ddp *ddp = ctx->ddp;     /* nor are their backwards a DDP's */
+    void *hook_user = ctx->hook_user;  /* nor are their backwards a DDP's */
     ctx->prof.measure = 0;
-    ctx->ddp = NULL;
+    ctx->hook_user = NULL;
     dt_step_reset(ctx);
     dt_status s = layer_inputs(ctx, layers, users, n, sample, in);
     /* round robin over the layers, one warm-up round: a machine's slow
@@ -711,7 +711,7 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
         dt_tensor_free(in[i]);
     host_free(ctx, in);
     ctx->prof.measure = measure;
-    ctx->ddp = ddp;
+    ctx->hook_user = hook_user;
     if (s == DT_OK && c) {   /* the ranks' mean, the same on every rank */
         float *f = host_alloc(ctx, sizeof *f * (size_t)n);
         if (!f)
@@ -788,7 +788,7 @@ dt_status dt_pipe_partition(const double *cost, int n, int stages, int *first)
 
 static int tp_ok(dt_ctx *ctx, const char *op, dt_comm *c, const dt_tensor *x)
 {
-    if (!f32_ok(ctx, op, x, "input"))
+    if (!op_f32_ok(ctx, op, x, "input"))
         return 0;
     if (!c || c->ctx != ctx) {
         set_error(ctx, DT_EINVAL, "%s: %s", op, c ? "the communicator belongs to another context"
@@ -826,7 +826,7 @@ static dt_tensor *tp_gather_rows(dt_ctx *ctx, dt_comm *c, const float *h, int64_
     int p = c->world;
     float *all = arena_alloc(ctx, ctx->cur_host, (size_t)(rows * k * p + 1) * sizeof(float));
     float *side = arena_alloc(ctx, ctx->cur_host, (size_t)(rows * k * p + 1) * sizeof(float));
-    dt_tensor *y = step_tensor(ctx, DT_F32, ndim, shape);
+    dt_tensor *y = tensor_step_new(ctx, DT_F32, ndim, shape);
     if (!all || !side || !y) {
         set_error(ctx, DT_ENOMEM, "tensor parallel: out of memory for a gather");
         return NULL;
@@ -842,23 +842,23 @@ static dt_status tp_copy_backward(dt_ctx *ctx, dt_node *n)
 {
     int64_t cnt = shape_numel(n->out->ndim, n->out->shape);
     float *h = tp_to_host(ctx, FP(n->out->grad), cnt);
-    float *sum = h ? temp_floats(ctx, cnt) : NULL;
+    float *sum = h ? op_temp_floats(ctx, cnt) : NULL;
     if (!sum)
         return ctx->last_status;
     dt_status s = dt_allreduce(n->aux[0], h, cnt, DT_REDUCE_SUM);
     if (s != DT_OK)
         return s;
     be_to_device(ctx, sum, h, (size_t)cnt * sizeof(float));
-    return acc_grad(ctx, n->in[0], sum, 1.0f);
+    return op_acc_grad(ctx, n->in[0], sum, 1.0f);
 }
 
 dt_tensor *dt_tp_copy(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
 {
     if (!tp_ok(ctx, "tp_copy", c, x))
         return NULL;
-    dt_tensor *y = view_header(ctx, x);
-    if (y && tracks(ctx, x)) {
-        dt_node *n = record(ctx, "tp_copy", tp_copy_backward, y, x, NULL, NULL);
+    dt_tensor *y = tensor_view_header(ctx, x);
+    if (y && tape_tracks(ctx, x)) {
+        dt_node *n = tape_record(ctx, "tp_copy", tp_copy_backward, y, x, NULL, NULL);
         if (!n)
             return NULL;
         n->aux[0] = c;
@@ -868,21 +868,21 @@ dt_tensor *dt_tp_copy(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
 
 static dt_status tp_reduce_backward(dt_ctx *ctx, dt_node *n)
 {
-    return acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
+    return op_acc_grad(ctx, n->in[0], FP(n->out->grad), 1.0f);
 }
 
 dt_tensor *dt_tp_reduce(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
 {
-    if (!tp_ok(ctx, "tp_reduce", c, x) || !(x = need_contig(ctx, x)))
+    if (!tp_ok(ctx, "tp_reduce", c, x) || !(x = op_need_contig(ctx, x)))
         return NULL;
-    materialize(x);
+    tensor_materialize(x);
     int64_t cnt = shape_numel(x->ndim, x->shape);
     float *h = tp_to_host(ctx, FP(x), cnt);
-    dt_tensor *y = h ? like(ctx, x) : NULL;
+    dt_tensor *y = h ? op_like(ctx, x) : NULL;
     if (!y || dt_allreduce(c, h, cnt, DT_REDUCE_SUM) != DT_OK)
         return NULL;
     be_to_device(ctx, y->data, h, (size_t)cnt * sizeof(float));
-    if (tracks(ctx, x) && !record(ctx, "tp_reduce", tp_reduce_backward, y, x, NULL, NULL))
+    if (tape_tracks(ctx, x) && !tape_record(ctx, "tp_reduce", tp_reduce_backward, y, x, NULL, NULL))
         return NULL;
     return y;
 }
@@ -908,13 +908,13 @@ static dt_status tp_gather_backward(dt_ctx *ctx, dt_node *n)
 
 dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
 {
-    if (!tp_ok(ctx, "tp_gather", c, x) || !(x = need_contig(ctx, x)))
+    if (!tp_ok(ctx, "tp_gather", c, x) || !(x = op_need_contig(ctx, x)))
         return NULL;
     if (x->ndim < 1) {
         set_error(ctx, DT_EINVAL, "tp_gather: needs at least one dimension");
         return NULL;
     }
-    materialize(x);
+    tensor_materialize(x);
     int64_t k = x->shape[x->ndim - 1], cnt = shape_numel(x->ndim, x->shape);
     int64_t shape[DT_MAX_DIMS];
     memcpy(shape, x->shape, sizeof shape);
@@ -923,8 +923,8 @@ dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     dt_tensor *y = h ? tp_gather_rows(ctx, c, h, k ? cnt / k : 0, k, x->ndim, shape) : NULL;
     if (!y)
         return NULL;
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "tp_gather", tp_gather_backward, y, x, NULL, NULL);
+    if (tape_tracks(ctx, x)) {
+        dt_node *n = tape_record(ctx, "tp_gather", tp_gather_backward, y, x, NULL, NULL);
         if (!n)
             return NULL;
         n->aux[0] = c;
@@ -939,7 +939,7 @@ static dt_status tp_split_backward(dt_ctx *ctx, dt_node *n)
     int64_t k = y->shape[y->ndim - 1], cnt = shape_numel(y->ndim, y->shape);
     float *h = tp_to_host(ctx, FP(y->grad), cnt);
     dt_tensor *g = h ? tp_gather_rows(ctx, c, h, k ? cnt / k : 0, k, x->ndim, x->shape) : NULL;
-    return g ? acc_grad(ctx, x, FP(g), 1.0f) : ctx->last_status;
+    return g ? op_acc_grad(ctx, x, FP(g), 1.0f) : ctx->last_status;
 }
 
 dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
@@ -952,19 +952,19 @@ dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
                   (long long)last, c->world);
         return NULL;
     }
-    dt_tensor *v = view_header(ctx, x);   /* this rank's columns, then a contiguous copy */
+    dt_tensor *v = tensor_view_header(ctx, x);   /* this rank's columns, then a contiguous copy */
     if (!v)
         return NULL;
     int64_t k = last / c->world;
     v->shape[x->ndim - 1] = k;
     v->data = FP(x) + (int64_t)c->rank * k * x->stride[x->ndim - 1];
-    materialize(x);
-    dt_tensor *y = like(ctx, v);
+    tensor_materialize(x);
+    dt_tensor *y = op_like(ctx, v);
     if (!y)
         return NULL;
     BE(ctx)->copy_strided(BEI(ctx), v->ndim, v->shape, 4, y->data, y->stride, v->data, v->stride, 0);
-    if (tracks(ctx, x)) {
-        dt_node *n = record(ctx, "tp_split", tp_split_backward, y, x, NULL, NULL);
+    if (tape_tracks(ctx, x)) {
+        dt_node *n = tape_record(ctx, "tp_split", tp_split_backward, y, x, NULL, NULL);
         if (!n)
             return NULL;
         n->aux[0] = c;

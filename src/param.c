@@ -9,7 +9,7 @@
  * every backend initialises identically.
  * ======================================================================== */
 
-DT_PRIVATE uint64_t splitmix64(uint64_t *s)
+DT_PRIVATE uint64_t param_splitmix64(uint64_t *s)
 {
     uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -19,7 +19,7 @@ DT_PRIVATE uint64_t splitmix64(uint64_t *s)
 
 static uint64_t rotl64(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-DT_PRIVATE uint64_t xoshiro_next(uint64_t s[4])
+DT_PRIVATE uint64_t param_rng_next(uint64_t s[4])
 {
     uint64_t r = rotl64(s[1] * 5, 7) * 9;
     uint64_t t = s[1] << 17;
@@ -32,22 +32,22 @@ DT_PRIVATE uint64_t xoshiro_next(uint64_t s[4])
     return r;
 }
 
-DT_PRIVATE void xoshiro_seed(uint64_t s[4], uint64_t seed)
+DT_PRIVATE void param_rng_seed(uint64_t s[4], uint64_t seed)
 {
     uint64_t sm = seed;
     for (int i = 0; i < 4; i++)
-        s[i] = splitmix64(&sm);
+        s[i] = param_splitmix64(&sm);
 }
 
 /* uniform in [0, 1) with 24 random bits (exact in float) */
-static float rng_uniform(uint64_t s[4]) { return (float)(xoshiro_next(s) >> 40) * 0x1.0p-24f; }
+static float rng_uniform(uint64_t s[4]) { return (float)(param_rng_next(s) >> 40) * 0x1.0p-24f; }
 
 void dt_seed(dt_ctx *ctx, uint64_t seed)
 {
     if (!ctx)
         return;
     ctx->seed = seed;
-    xoshiro_seed(ctx->rng, seed);
+    param_rng_seed(ctx->rng, seed);
     ctx->dropout_counter = 0;
 }
 
@@ -63,7 +63,7 @@ dt_tensor *dt_param_new(dt_ctx *ctx, const char *name, int ndim, const int64_t *
         set_error(ctx, DT_EINVAL, "param_new: a parameter named '%s' already exists", name);
         return NULL;
     }
-    if (check_shape(ctx, "param_new", ndim, shape) != DT_OK)
+    if (tensor_check_shape(ctx, "param_new", ndim, shape) != DT_OK)
         return NULL;
     if (ctx->n_params == ctx->cap_params) {
         int cap = ctx->cap_params ? ctx->cap_params * 2 : 16;
@@ -75,11 +75,11 @@ dt_tensor *dt_param_new(dt_ctx *ctx, const char *name, int ndim, const int64_t *
         ctx->params = p;
         ctx->cap_params = cap;
     }
-    dt_tensor *t = persistent_tensor(ctx, DT_F32, ndim, shape);
+    dt_tensor *t = tensor_persistent_new(ctx, DT_F32, ndim, shape);
     if (!t)
         return NULL;
     t->name = host_strdup(ctx, name);
-    if (!t->name || attach_persistent_grad(ctx, t) != DT_OK) {
+    if (!t->name || tensor_attach_grad(ctx, t) != DT_OK) {
         dt_tensor_free(t);
         set_error(ctx, DT_ENOMEM, "param_new: out of memory for '%s'", name);
         return NULL;
@@ -133,7 +133,7 @@ static dt_status init_fill(dt_ctx *ctx, dt_tensor *t, const char *op, sample_fn 
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (check_tensor(ctx, op, t, "tensor") != DT_OK)
+    if (tensor_check(ctx, op, t, "tensor") != DT_OK)
         return DT_EINVAL;
     if (t->dtype != DT_F32)
         return set_error(ctx, DT_EINVAL, "%s: tensor is %s, needs f32", op, dt_dtype_name(t->dtype));

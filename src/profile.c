@@ -32,7 +32,7 @@ dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *o
 
 int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
 
-/* --- the ranks' check during training (16 calls it) ------------------ */
+/* --- the ranks' check during training (DDP's step calls it) ----------- */
 
 /* Each rank's compute per sample over the window: the slowest is a
  * straggler if it is more than the threshold above the (lower) median.  Per sample,
@@ -79,7 +79,7 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
         host_free(ctx, per);
         return set_error(ctx, DT_ENOMEM, "profiler: out of memory");
     }
-    dt_status st = run_collective_wait(c, COLL_ALLGATHER, all, mine, 3, 0, DT_REDUCE_SUM, NULL);
+    dt_status st = comm_run_wait(c, COLL_ALLGATHER, all, mine, 3, 0, DT_REDUCE_SUM, NULL);
     if (st == DT_OK) {
         p->win_compute = 0;
         p->win_steps = p->win_samples = 0;
@@ -148,7 +148,7 @@ static dt_status prof_link_test(dt_ctx *ctx, dt_comm *c, double *busbw)
     dt_status st = DT_OK;
     for (int i = 0; i < 4 && st == DT_OK; i++) {
         double t0 = dt_now();
-        st = run_collective_wait(c, COLL_ALLREDUCE, buf, NULL, PROF_LINK_FLOATS, 0,
+        st = comm_run_wait(c, COLL_ALLREDUCE, buf, NULL, PROF_LINK_FLOATS, 0,
                                  DT_REDUCE_SUM, NULL);
         double t = dt_now() - t0;
         if (i > 0 && t < best)
@@ -156,7 +156,7 @@ static dt_status prof_link_test(dt_ctx *ctx, dt_comm *c, double *busbw)
     }
     host_free(ctx, buf);
     if (st == DT_OK && best > 0 && best < INFINITY)
-        *busbw = coll_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
+        *busbw = prof_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
     return st;
 }
 
@@ -167,7 +167,7 @@ static void json_event_head(FILE *f, int *first, const char *ph, int pid, int ti
     *first = 0;
 }
 
-static const char *ps_op_name(int op)
+static const char *trace_ps_name(int op)
 {
     switch (op) {
     case PS_PUSH: return "ps push";
@@ -209,12 +209,12 @@ static void json_event(FILE *f, int *first, int rank, const prof_event *e, doubl
                 "\"%s\",\"ranks\":%lld,\"algbw_GBps\":%.4f,\"busbw_GBps\":%.4f}}",
                 e->what <= COLL_P2P ? comm_coll_name(e->what) : "?", (long long)e->a,
                 prof_alg_name(e->alg), (long long)e->b, algbw,
-                algbw * coll_bus_factor(e->what, (int)e->b));
+                algbw * prof_bus_factor(e->what, (int)e->b));
         break;
     }
     case EV_PS:
         fprintf(f, ",\"name\":\"%s\",\"cat\":\"ps\",\"args\":{\"floats\":%lld,\"latency_ms\":%.4f",
-                ps_op_name(e->what), (long long)e->a, dur / 1e3);
+                trace_ps_name(e->what), (long long)e->a, dur / 1e3);
         if (e->b >= 0)
             fprintf(f, ",\"staleness\":%lld", (long long)e->b);
         fprintf(f, "}}");
@@ -285,28 +285,28 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
 {
     strbuf t = {.ctx = ctx};
     const dt_profile_stats *s0 = &h[0]->st;
-    sb_printf(&t, "dtrain profile: %d rank%s, %lld steps on rank 0", P, P > 1 ? "s" : "",
-              (long long)s0->steps);
+    strbuf_printf(&t, "dtrain profile: %d rank%s, %lld steps on rank 0", P, P > 1 ? "s" : "",
+                  (long long)s0->steps);
     if (trace_path)
-        sb_printf(&t, ", timeline in %s", trace_path);
-    sb_printf(&t, "\nper step, ms:\n rank  steps     step     data  forward backward comm wait "
-              "optimizer    idle | comm ran  samples/s\n");
+        strbuf_printf(&t, ", timeline in %s", trace_path);
+    strbuf_printf(&t, "\nper step, ms:\n rank  steps     step     data  forward backward comm wait "
+                  "optimizer    idle | comm ran  samples/s\n");
     int slow = 0;
     double sum_step = 0;
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
         int64_t n = s->steps;
         if (!n) {   /* a parameter server, or a rank that ran no training step */
-            sb_printf(&t, "%5d      0   (no training steps%s)\n", r,
-                      s->ps_calls ? "" : "; a parameter server serves on its own thread");
+            strbuf_printf(&t, "%5d      0   (no training steps%s)\n", r,
+                          s->ps_calls ? "" : "; a parameter server serves on its own thread");
             continue;
         }
-        sb_printf(&t, "%5d %6lld %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %7.2f | %8.2f %10.0f\n", r,
-                  (long long)n, per_step(s->step_s, n), per_step(s->data_s, n),
-                  per_step(s->forward_s, n), per_step(s->backward_s, n),
-                  per_step(s->comm_wait_s, n), per_step(s->optimizer_s, n),
-                  per_step(s->idle_s, n), per_step(s->comm_s, n),
-                  s->step_s > 0 ? (double)s->samples / s->step_s : 0);
+        strbuf_printf(&t, "%5d %6lld %8.2f %8.2f %8.2f %8.2f %9.2f %9.2f %7.2f | %8.2f %10.0f\n", r,
+                      (long long)n, per_step(s->step_s, n), per_step(s->data_s, n),
+                      per_step(s->forward_s, n), per_step(s->backward_s, n),
+                      per_step(s->comm_wait_s, n), per_step(s->optimizer_s, n),
+                      per_step(s->idle_s, n), per_step(s->comm_s, n),
+                      s->step_s > 0 ? (double)s->samples / s->step_s : 0);
         /* in lockstep every rank's step is as long; the slowest is the one
          * busiest in it (the others spend the difference waiting) */
         if (per_step(s->step_s - s->comm_wait_s, n) >
@@ -322,11 +322,11 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int k = 1; k < PH_COUNT; k++)
         big = ph[k] > ph[big] ? k : big;
     if (ss->steps)
-        sb_printf(&t, "slowest rank: %d, busy %.2f ms of its %.2f ms step (the rest waiting on "
-                  "communication); its largest phase: %s, %.2f ms (%.0f%%)\n", slow,
-                  per_step(ss->step_s - ss->comm_wait_s, ss->steps),
-                  per_step(ss->step_s, ss->steps), prof_phase_name(big),
-                  per_step(ph[big], ss->steps), ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
+        strbuf_printf(&t, "slowest rank: %d, busy %.2f ms of its %.2f ms step (the rest waiting on "
+                      "communication); its largest phase: %s, %.2f ms (%.0f%%)\n", slow,
+                      per_step(ss->step_s - ss->comm_wait_s, ss->steps),
+                      per_step(ss->step_s, ss->steps), prof_phase_name(big),
+                      per_step(ph[big], ss->steps), ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
     /* stragglers: compute per sample against the median, over the whole run */
     double per[64] = {0}, median = 0;
     int Pm = P < 64 ? P : 64;
@@ -341,16 +341,16 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int r = 0; r < Pm; r++) {
         if (!(median > 0) || !(per[r] > median * (1 + thr)))
             continue;
-        sb_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
-                  "%.3f ms of forward and backward (threshold %.0f%%; named in %d checks during "
-                  "training)\n", r,
-                  per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
-                  h[r]->st.straggler_warnings);
+        strbuf_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
+                      "%.3f ms of forward and backward (threshold %.0f%%; named in %d checks during "
+                      "training)\n", r,
+                      per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
+                      h[r]->st.straggler_warnings);
         any = 1;
     }
     if (!any && P > 1)
-        sb_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
-                  "median)\n", 100 * thr);
+        strbuf_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
+                      "median)\n", 100 * thr);
     /* communication */
     uint64_t bytes = 0;
     double busbw = 0, comm_s = 0, exposed = 0, steps_s = 0;
@@ -365,28 +365,28 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     }
     busbw = s0->busbw;
     if (colls)
-        sb_printf(&t, "communication: %lld collectives on rank 0, %.1f MB; bus bandwidth %.3f GB/s "
-                  "= %.0f%% of the link's %.3f GB/s (8 MiB allreduces, measured at the end); "
-                  "%.0f%% of the run's communication time was exposed\n",
-                  (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
-                  link > 0 ? 100 * busbw / link : 0, link,
-                  comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
+        strbuf_printf(&t, "communication: %lld collectives on rank 0, %.1f MB; bus bandwidth %.3f GB/s "
+                      "= %.0f%% of the link's %.3f GB/s (8 MiB allreduces, measured at the end); "
+                      "%.0f%% of the run's communication time was exposed\n",
+                      (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
+                      link > 0 ? 100 * busbw / link : 0, link,
+                      comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
     if (ps_calls) {
         for (int r = 0; r < P; r++) {
             const dt_profile_stats *s = &h[r]->st;
             if (s->ps_calls)
-                sb_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
-                          "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
-                          s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
-                          (long long)s->ps_max_staleness);
+                strbuf_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
+                              "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
+                              s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
+                              (long long)s->ps_max_staleness);
         }
     }
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
         if (s->pipe_wait_s > 0 && s->step_s > 0)
-            sb_printf(&t, "pipeline, rank %d: waits for its neighbours %.1f%% of the step (the "
-                      "bubble; ideally %.1f%%)\n", r, 100 * s->pipe_wait_s / s->step_s,
-                      100 * s->pipe_bubble_ideal);
+            strbuf_printf(&t, "pipeline, rank %d: waits for its neighbours %.1f%% of the step (the "
+                          "bubble; ideally %.1f%%)\n", r, 100 * s->pipe_wait_s / s->step_s,
+                          100 * s->pipe_bubble_ideal);
     }
     /* hints */
     double tot_step = 0, tot_data = 0, tot_wait = 0, tot_idle = 0;
@@ -398,14 +398,14 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     }
     int hints = 0;
     if (tot_step > 0 && tot_wait / tot_step > 0.15) {
-        sb_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
-                  100 * tot_wait / tot_step,
-                  ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
+        strbuf_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
+                      100 * tot_wait / tot_step,
+                      ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
                              "compression (DTRAIN_COMPRESS=bf16 halves the bytes)"
                            : "larger buckets (dt_ddp_config.bucket_bytes) so fewer, bigger "
                              "allreduces overlap backward, or compression (DTRAIN_COMPRESS=bf16 "
                              "halves the bytes)",
-                  strag >= 0 ? "; part of it is the others waiting for the straggler" : "");
+                      strag >= 0 ? "; part of it is the others waiting for the straggler" : "");
         hints++;
     }
     if (tot_step > 0 && tot_data / tot_step > 0.05) {
@@ -416,10 +416,10 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
             nb += h[r]->batches;
             pre += h[r]->batches_prefetched;
         }
-        sb_printf(&t, "hint: data wait is %.0f%% of the step time: the loader prepares a batch in "
-                  "%.2f ms against a step of %.2f ms; %s\n",
-                  100 * tot_data / tot_step, nb ? mb / (double)nb * 1e3 : 0, sum_step / P,
-                  nb && pre == nb
+        strbuf_printf(&t, "hint: data wait is %.0f%% of the step time: the loader prepares a batch in "
+                      "%.2f ms against a step of %.2f ms; %s\n",
+                      100 * tot_data / tot_step, nb ? mb / (double)nb * 1e3 : 0, sum_step / P,
+                      nb && pre == nb
                       ? "prefetch is on, so its thread cannot keep up: give it a CPU of its own "
                         "(fewer compute threads per rank) or do less per sample"
                       : "turn on prefetch (dt_loader_config.prefetch) or give the loader more "
@@ -427,23 +427,23 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         hints++;
     }
     if (strag >= 0) {
-        sb_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
-                  "thermal limits), or balance the load (%s)\n", strag,
-                  ps_calls ? "dt_loader_steal: idle workers take the slow one's chunks"
+        strbuf_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
+                      "thermal limits), or balance the load (%s)\n", strag,
+                      ps_calls ? "dt_loader_steal: idle workers take the slow one's chunks"
                            : "dt_ddp_balance cuts each global batch by measured speed");
         hints++;
     }
     if (tot_step > 0 && tot_idle / tot_step > 0.10) {
-        sb_printf(&t, "hint: idle is %.0f%% of the step time: time in the program's own code "
-                  "between dtrain calls (evaluation, logging, reading the loss every step)\n",
-                  100 * tot_idle / tot_step);
+        strbuf_printf(&t, "hint: idle is %.0f%% of the step time: time in the program's own code "
+                      "between dtrain calls (evaluation, logging, reading the loss every step)\n",
+                      100 * tot_idle / tot_step);
         hints++;
     }
     if (P > 1 && link > 0 && busbw > 0 && busbw < 0.3 * link && bytes > 0 && strag < 0) {
-        sb_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: small buckets "
-                  "are bound by latency (larger buckets move the same bytes in fewer calls), and "
-                  "during training the allreduces share CPU and memory with compute\n",
-                  100 * busbw / link);
+        strbuf_printf(&t, "hint: collectives ran at %.0f%% of the link's bandwidth: small buckets "
+                      "are bound by latency (larger buckets move the same bytes in fewer calls), and "
+                      "during training the allreduces share CPU and memory with compute\n",
+                      100 * busbw / link);
         hints++;
     }
     double pipe_wait = 0, pipe_ideal = 0;
@@ -453,17 +453,17 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                                                              : pipe_ideal;
     }
     if (tot_step > 0 && pipe_wait / tot_step > 0.15) {
-        sb_printf(&t, "hint: pipeline stages wait for each other %.0f%% of the step time "
-                  "(ideally %.0f%%): more micro-batches (dt_pipe_config.micro_batches) shrink the "
-                  "bubble; %s\n", 100 * pipe_wait / tot_step, 100 * pipe_ideal,
-                  pipe_wait / tot_step > pipe_ideal + 0.1
+        strbuf_printf(&t, "hint: pipeline stages wait for each other %.0f%% of the step time "
+                      "(ideally %.0f%%): more micro-batches (dt_pipe_config.micro_batches) shrink the "
+                      "bubble; %s\n", 100 * pipe_wait / tot_step, 100 * pipe_ideal,
+                      pipe_wait / tot_step > pipe_ideal + 0.1
                       ? "beyond the ideal, the stages are unequal: split by measured time "
                         "(dt_layer_times, dt_pipe_partition)"
                       : "the rest is the schedule's fill and drain");
         hints++;
     }
     if (!hints)
-        sb_printf(&t, "no hints: nothing stands out\n");
+        strbuf_printf(&t, "no hints: nothing stands out\n");
     if (t.oom) {
         host_free(ctx, t.p);
         return NULL;
@@ -506,7 +506,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     if (!sizes)
         cs = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
     else if (c && P > 1)
-        cs = run_collective_wait(c, COLL_ALLGATHER, sizes, &nf, 1, 0, DT_REDUCE_SUM, NULL);
+        cs = comm_run_wait(c, COLL_ALLGATHER, sizes, &nf, 1, 0, DT_REDUCE_SUM, NULL);
     else
         sizes[0] = nf;
     for (int r = 0; cs == DT_OK && r < P; r++)
@@ -526,7 +526,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
         if (pad && mine)
             memcpy(pad, mine, (size_t)n * sizeof(float));
         if (c && P > 1 && pad && all)
-            cs = run_collective_wait(c, COLL_ALLGATHER, all, pad, stride, 0, DT_REDUCE_SUM, NULL);
+            cs = comm_run_wait(c, COLL_ALLGATHER, all, pad, stride, 0, DT_REDUCE_SUM, NULL);
         else if (pad && all)
             memcpy(all, pad, (size_t)stride * sizeof(float));
     }

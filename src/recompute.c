@@ -46,11 +46,11 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
     }
     for (int i = 0; i < n; i++) {
         /* leaves sharing the inputs' data, so the sub-tape stops at them */
-        if (!(leaf[i] = view_header(ctx, orig[i]))) {
+        if (!(leaf[i] = tensor_view_header(ctx, orig[i]))) {
             s = ctx->last_status;
             goto done;
         }
-        if (needs_grad(orig[i]))
+        if (grad_needed(orig[i]))
             leaf[i]->flags |= T_REQGRAD;
     }
     ctx->tape = NULL;
@@ -71,15 +71,15 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
         goto done;
     }
     y2->grad = y->grad;                    /* seed with the segment output's gradient */
-    s = run_tape(ctx, ctx->tape, NULL, 0);
+    s = tape_run(ctx, ctx->tape, NULL, 0);
     ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
     ctx->cur_host = sw.host;
     for (int i = 0; s == DT_OK && i < n; i++) {
         dt_tensor *g = leaf[i]->grad;
-        if (needs_grad(orig[i]) && g && !(g->flags & T_ZERO) && leaf[i] != y2)
-            s = acc_grad(ctx, orig[i], FP(g), 1.0f);
-        else if (needs_grad(orig[i]) && leaf[i] == y2)
-            s = acc_grad(ctx, orig[i], FP(y->grad), 1.0f);
+        if (grad_needed(orig[i]) && g && !(g->flags & T_ZERO) && leaf[i] != y2)
+            s = op_acc_grad(ctx, orig[i], FP(g), 1.0f);
+        else if (grad_needed(orig[i]) && leaf[i] == y2)
+            s = op_acc_grad(ctx, orig[i], FP(y->grad), 1.0f);
     }
 done:
     ctx->tape = saved_tape;
@@ -103,9 +103,9 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     }
     int track = 0;
     for (int i = 0; i < n; i++) {
-        if (!input_ok(ctx, "recompute", inputs[i], "an input"))
+        if (!op_input_ok(ctx, "recompute", inputs[i], "an input"))
             return NULL;
-        track |= tracks(ctx, inputs[i]);
+        track |= tape_tracks(ctx, inputs[i]);
     }
     uint64_t counter = ctx->dropout_counter;
     dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */
@@ -117,7 +117,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     ctx->cur_host = sw.host;
     if (!out && ctx->last_status == DT_OK)
         set_error(ctx, DT_EINVAL, "recompute: the segment function returned NULL");
-    dt_tensor *y = out ? like(ctx, out) : NULL;
+    dt_tensor *y = out ? op_like(ctx, out) : NULL;
     if (y)
         BE(ctx)->copy_strided(BEI(ctx), out->ndim, out->shape, dt_dtype_size(out->dtype), y->data,
                               y->stride, out->data, out->stride, 0);
@@ -125,7 +125,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     if (!y || y->dtype != DT_F32)
         return y;
     (void)track;   /* parameters inside fn may need grads even if no input does */
-    dt_node *nd = record(ctx, "recompute", recompute_backward, y, NULL, NULL, NULL);
+    dt_node *nd = tape_record(ctx, "recompute", recompute_backward, y, NULL, NULL, NULL);
     dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)(n ? n : 1));
     if (!nd || !saved) {
         set_error(ctx, DT_ENOMEM, "recompute: out of memory for the tape");

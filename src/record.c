@@ -80,7 +80,7 @@ DT_PRIVATE void prof_end(dt_ctx *ctx, int phase, double t0)
     if (!p->open) {
         /* a step starts with its data or its backward; what comes before the
          * first (set-up, a DDP's broadcast) belongs to no step */
-        if (phase != PH_DATA && phase != PH_BACKWARD && phase != PH_FORWARD)   /* (22 times it) */
+        if (phase != PH_DATA && phase != PH_BACKWARD && phase != PH_FORWARD)   /* (a pipeline's stages time it) */
             return;
         p->open = 1;
         p->step_t0 = p->mark = t0;
@@ -150,7 +150,7 @@ DT_PRIVATE void prof_step_end(dt_ctx *ctx)
  * link carries, comparable with the link's speed). */
 static const char *const coll_algs[] = {"?", "shared segment", "hierarchical", "recursive doubling",
                                         "ring", "binomial tree", "pairwise", "16-bit ring",
-                                        "parameter server"};
+                                        "parameter server", "send/recv"};   /* by COMM_ALG_* */
 
 /* The names of an event's phase and of a collective's algorithm, for the
  * trace and the report ("backward", "ring"). */
@@ -163,25 +163,7 @@ DT_PRIVATE const char *prof_alg_name(int alg)
 {
     return coll_algs[alg >= 0 && alg < (int)(sizeof coll_algs / sizeof coll_algs[0]) ? alg : 0];
 }
-static int coll_alg(const dt_comm *c, const dt_work *w)
-{
-    if (w->kind == COLL_PS)
-        return 8;
-    if (c->use_segment && c->nhosts == 1)
-        return 1;
-    if (c->use_segment)
-        return 2;
-    switch (w->kind) {
-    case COLL_ALLREDUCE: case COLL_BARRIER: case COLL_ALLREDUCE_SHARED:
-        return (size_t)w->n * sizeof(float) <= c->doubling_max || w->n < c->world ? 3 : 4;
-    case COLL_BROADCAST: return 5;
-    case COLL_ALLTOALL: return 6;
-    case COLL_ALLREDUCE16: return 7;
-    default: return 4;
-    }
-}
-
-DT_PRIVATE double coll_bus_factor(int kind, int P)
+DT_PRIVATE double prof_bus_factor(int kind, int P)
 {
     if (P <= 1)
         return 0;
@@ -194,7 +176,7 @@ DT_PRIVATE double coll_bus_factor(int kind, int P)
     }
 }
 
-DT_PRIVATE int64_t coll_bytes(const dt_work *w)
+DT_PRIVATE int64_t prof_coll_bytes(const dt_work *w)
 {
     return w->kind == COLL_BARRIER ? 0 : w->n * (w->kind == COLL_ALLREDUCE16 ? 2 : 4);
 }
@@ -206,30 +188,28 @@ DT_PRIVATE void prof_coll(dt_comm *c, const dt_work *w, double t0, double t1)
         return;
     prof_state *p = &ctx->prof;
     pthread_mutex_lock(&p->mu);
-    if (w->kind == COLL_PS) {
-        const ps_call *pc = w->aux;
-        int pull = pc && (pc->op == PS_PULL || pc->op == PS_SPULL);
+    if (w->kind == COLL_EXT) {   /* a parameter server's request: its record says what it was */
+        int pull = w->ext_stale >= 0;
         p->tot.ps_calls++;
         p->tot.ps_latency_s += t1 - t0;
         p->tot.comm_s += t1 - t0;
         if (pull && w->status == DT_OK) {
-            p->stale_sum += (double)pc->stale;
+            p->stale_sum += (double)w->ext_stale;
             p->stale_n++;
-            if (pc->stale > p->tot.ps_max_staleness)
-                p->tot.ps_max_staleness = pc->stale;
+            if (w->ext_stale > p->tot.ps_max_staleness)
+                p->tot.ps_max_staleness = w->ext_stale;
         }
         prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PS, .tid = TID_COMM,
-                                  .what = (uint8_t)(pc ? pc->op : 0), .a = w->n,
-                                  .b = pull ? pc->stale : -1});
+                                  .what = (uint8_t)w->ext_what, .a = w->n, .b = w->ext_stale});
     } else {
-        int64_t bytes = coll_bytes(w);
+        int64_t bytes = prof_coll_bytes(w);
         p->tot.collectives++;
         p->tot.coll_bytes += (uint64_t)bytes;
         p->tot.comm_s += t1 - t0;
-        p->bus_bytes += (double)bytes * coll_bus_factor(w->kind, c->world);
+        p->bus_bytes += (double)bytes * prof_bus_factor(w->kind, c->world);
         p->coll_s += t1 - t0;
         prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_COLL, .tid = TID_COMM,
-                                  .what = (uint8_t)w->kind, .alg = (uint8_t)coll_alg(c, w),
+                                  .what = (uint8_t)w->kind, .alg = w->alg,
                                   .a = bytes, .b = c->world});
     }
     pthread_mutex_unlock(&p->mu);

@@ -28,9 +28,9 @@
 #define DT_STORE_DEFAULT_TIMEOUT_MS 30000
 
 /* The key a dead rank's process is recorded under: "dead/<rank>" for the
- * first, "dead/<rank>.<n>" for the n-th restart (src/comm.c), so a restarted
+ * first, "dead/<rank>.<n>" for the n-th restart (src/join.c), so a restarted
  * rank is not taken for dead by its predecessor's record. */
-DT_PRIVATE void dead_key(char *key, size_t cap, int rank, uint32_t inc)
+DT_PRIVATE void store_dead_key(char *key, size_t cap, int rank, uint32_t inc)
 {
     if (inc)
         snprintf(key, cap, "dead/%d.%u", rank, inc);
@@ -136,7 +136,7 @@ dt_status dt_dist_env_detect(dt_ctx *ctx, dt_dist_env *e)
 
 /* --- framing over blocking sockets with deadlines ------------------- */
 
-DT_PRIVATE int ms_left(double deadline)
+DT_PRIVATE int store_ms_left(double deadline)
 {
     double left = (deadline - dt_now()) * 1000.0;
     return left <= 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
@@ -148,7 +148,7 @@ static int sock_io(int fd, void *buf, size_t n, int writing, double deadline)
     char *p = buf;
     while (n > 0) {
         struct pollfd pf = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
-        int r = poll(&pf, 1, ms_left(deadline));
+        int r = poll(&pf, 1, store_ms_left(deadline));
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0)
@@ -471,13 +471,13 @@ static void sv_accept(store_server *sv)
 
 /* A rank whose connection closed without a goodbye died (its process
  * exited or was killed: the kernel closes its sockets).  Record it under
- * "dead/<rank>" ("dead/<rank>.<n>" for its n-th restarted process, 14.6)
+ * "dead/<rank>" ("dead/<rank>.<n>" for its n-th restarted process: find_rejoin)
  * and, first death only, "dead", which stalled collectives read to name
  * the rank that failed. */
 static void sv_record_death(store_server *sv, int rank, uint32_t inc)
 {
     char key[32], val[16];
-    dead_key(key, sizeof key, rank, inc);
+    store_dead_key(key, sizeof key, rank, inc);
     snprintf(val, sizeof val, "%d", rank);
     kv_set(sv, key, (const unsigned char *)val, (uint32_t)strlen(val) + 1);
     if (!kv_find(sv, "dead"))
@@ -759,7 +759,7 @@ static dt_status store_hello(dt_store *s, const char *token)
     put_u32(req + 5, (uint32_t)s->rank);
     put_u16(req + 9, (uint32_t)tl);
     memcpy(req + 11, token, tl);
-    if (s->inc)   /* a restarted rank's process (src/comm.c): its death has its own key */
+    if (s->inc)   /* a restarted rank's process (src/join.c): its death has its own key */
         put_u32(req + 11 + tl, s->inc);
     char msg[256];
     size_t len = 0;
@@ -781,7 +781,7 @@ dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_conf
     return store_open(ctx, env, cfg, 1, 0);
 }
 
-/* serve: rank 0 starts the store; inc: this process's incarnation (src/comm.c) */
+/* serve: rank 0 starts the store; inc: this process's incarnation (src/join.c) */
 DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
                             int serve, uint32_t inc)
 {

@@ -32,7 +32,7 @@ const char *dt_dtype_name(dt_dtype t)
 }
 
 /* "(2, 3, 4)" into buf, for error messages. */
-DT_PRIVATE const char *shape_str(const dt_tensor *t, char *buf, size_t len)
+DT_PRIVATE const char *tensor_shape_str(const dt_tensor *t, char *buf, size_t len)
 {
     size_t o = 0;
     o += (size_t)snprintf(buf + o, len - o, "(");
@@ -43,7 +43,7 @@ DT_PRIVATE const char *shape_str(const dt_tensor *t, char *buf, size_t len)
     return buf;
 }
 
-DT_PRIVATE dt_status check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape)
+DT_PRIVATE dt_status tensor_check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape)
 {
     if (ndim < 0 || ndim > DT_MAX_DIMS)
         return set_error(ctx, DT_EINVAL, "%s: %d dimensions (at most %d)", op, ndim, DT_MAX_DIMS);
@@ -61,7 +61,7 @@ DT_PRIVATE dt_status check_shape(dt_ctx *ctx, const char *op, int ndim, const in
     return DT_OK;
 }
 
-DT_PRIVATE void header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+DT_PRIVATE void tensor_header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {
     memset(t, 0, sizeof *t);
     t->ctx = ctx;
@@ -78,14 +78,14 @@ DT_PRIVATE size_t tensor_bytes(const dt_tensor *t)
 }
 
 /* A step tensor with uninitialised data, in the current arenas. */
-DT_PRIVATE dt_tensor *step_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
         set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
         return NULL;
     }
-    header_init(t, ctx, dtype, ndim, shape);
+    tensor_header_init(t, ctx, dtype, ndim, shape);
     t->data = arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
     if (!t->data) {
         set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
@@ -96,27 +96,27 @@ DT_PRIVATE dt_tensor *step_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const i
 }
 
 /* A header sharing x's data (for views), in the step arena. */
-DT_PRIVATE dt_tensor *view_header(dt_ctx *ctx, const dt_tensor *x)
+DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x)
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
         set_error(ctx, DT_ENOMEM, "out of host memory for a view header");
         return NULL;
     }
-    header_init(t, ctx, x->dtype, x->ndim, x->shape);
+    tensor_header_init(t, ctx, x->dtype, x->ndim, x->shape);
     memcpy(t->stride, x->stride, sizeof t->stride);
     t->data = x->data;
     return t;
 }
 
-DT_PRIVATE dt_tensor *persistent_tensor(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {
     dt_tensor *t = host_alloc(ctx, sizeof *t);
     if (!t) {
         set_error(ctx, DT_ENOMEM, "tensor_new: out of host memory");
         return NULL;
     }
-    header_init(t, ctx, dtype, ndim, shape);
+    tensor_header_init(t, ctx, dtype, ndim, shape);
     size_t bytes = tensor_bytes(t);
     t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
     if (!t->data) {
@@ -146,21 +146,21 @@ static int new_tensor_ok(dt_ctx *ctx, const char *op, dt_dtype dtype, int ndim,
         set_error(ctx, DT_EINVAL, "%s: unknown dtype %d", op, (int)dtype);
         return 0;
     }
-    return check_shape(ctx, op, ndim, shape) == DT_OK;
+    return tensor_check_shape(ctx, op, ndim, shape) == DT_OK;
 }
 
 dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {
     if (!new_tensor_ok(ctx, "tensor_new", dtype, ndim, shape))
         return NULL;
-    return persistent_tensor(ctx, dtype, ndim, shape);
+    return tensor_persistent_new(ctx, dtype, ndim, shape);
 }
 
 dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {
     if (!new_tensor_ok(ctx, "tensor_temp", dtype, ndim, shape))
         return NULL;
-    dt_tensor *t = step_tensor(ctx, dtype, ndim, shape);
+    dt_tensor *t = tensor_step_new(ctx, dtype, ndim, shape);
     if (t)
         ctx->be_iface->memset0(ctx->be, t->data, tensor_bytes(t));
     return t;
@@ -188,14 +188,14 @@ DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t)
 
 /* A persistent gradient buffer for t: not on the persistent list, freed with
  * t, logically zero until first written. */
-DT_PRIVATE dt_status attach_persistent_grad(dt_ctx *ctx, dt_tensor *t)
+DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t)
 {
     if (t->grad)
         return DT_OK;
     dt_tensor *g = host_alloc(ctx, sizeof *g);
     if (!g)
         return set_error(ctx, DT_ENOMEM, "out of host memory for a gradient");
-    header_init(g, ctx, DT_F32, t->ndim, t->shape);
+    tensor_header_init(g, ctx, DT_F32, t->ndim, t->shape);
     size_t bytes = tensor_bytes(g);
     g->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
     if (!g->data) {
@@ -236,7 +236,7 @@ void dt_tensor_free(dt_tensor *t)
     persistent_destroy(ctx, t);
 }
 
-DT_PRIVATE void free_doomed(dt_ctx *ctx)
+DT_PRIVATE void tensor_free_doomed(dt_ctx *ctx)
 {
     while (ctx->doomed) {
         dt_tensor *t = ctx->doomed;
@@ -259,7 +259,7 @@ int dt_tensor_is_contiguous(const dt_tensor *t)
 }
 
 /* Write zeros into a tensor whose contents are only logically zero. */
-DT_PRIVATE void materialize(dt_tensor *t)
+DT_PRIVATE void tensor_materialize(dt_tensor *t)
 {
     if (t && (t->flags & T_ZERO)) {
         t->ctx->be_iface->memset0(t->ctx->be, t->data, tensor_bytes(t));
@@ -290,7 +290,7 @@ dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *
         set_error(ctx, DT_ENOMEM, "tensor_wrap: out of host memory");
         return NULL;
     }
-    header_init(t, ctx, dtype, ndim, shape);
+    tensor_header_init(t, ctx, dtype, ndim, shape);
     t->data = host;
     t->flags = T_PERSIST;
     t->next = ctx->persist;
@@ -310,7 +310,7 @@ void *dt_tensor_data(dt_tensor *t)
                   "(copy out with dt_tensor_get)", dt_backend_name(ctx));
         return NULL;
     }
-    materialize(t);   /* a lazily zeroed gradient: the memory must say so */
+    tensor_materialize(t);   /* a lazily zeroed gradient: the memory must say so */
     return t->data;
 }
 
@@ -323,7 +323,7 @@ int64_t dt_tensor_stride(const dt_tensor *t, int i)
     return i >= 0 && i < t->ndim ? t->stride[i] : 0;
 }
 
-DT_PRIVATE dt_status check_tensor(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what)
+DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what)
 {
     if (!t)
         return set_error(ctx, DT_EINVAL, "%s: %s is NULL", op, what);
@@ -376,7 +376,7 @@ dt_status dt_tensor_get(const dt_tensor *tc, void *host, int64_t count)
     if (count != n)
         return set_error(ctx, DT_EINVAL, "tensor_get: room for %lld values, tensor has %lld",
                          (long long)count, (long long)n);
-    materialize(t);
+    tensor_materialize(t);
     const dt_backend_iface *be = ctx->be_iface;
     size_t bytes = (size_t)n * dt_dtype_size(t->dtype);
     if (dt_tensor_is_contiguous(t)) {
@@ -415,7 +415,7 @@ float dt_tensor_item(const dt_tensor *t)
 {
     if (!t || shape_numel(t->ndim, t->shape) < 1)
         return NAN;
-    materialize((dt_tensor *)t);
+    tensor_materialize((dt_tensor *)t);
     if (t->dtype == DT_F32) {
         float v;
         t->ctx->be_iface->to_host(t->ctx->be, &v, t->data, sizeof v);
@@ -468,7 +468,7 @@ dt_tensor *dt_tensor_grad(const dt_tensor *t)
 {
     if (!t || !t->grad)
         return NULL;
-    materialize(t->grad);
+    tensor_materialize(t->grad);
     return t->grad;
 }
 
@@ -483,7 +483,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     if (requires && t->node == NULL && !(t->flags & T_PERSIST))
         return set_error(t->ctx, DT_EINVAL,
                          "set_requires_grad: only leaves made by dt_tensor_new can require grad");
-    if (requires && (t->flags & T_PERSIST) && attach_persistent_grad(t->ctx, t) != DT_OK)
+    if (requires && (t->flags & T_PERSIST) && tensor_attach_grad(t->ctx, t) != DT_OK)
         return t->ctx->last_status;
     if (requires)
         t->flags |= T_REQGRAD;

@@ -4,6 +4,57 @@
  * Utilities
  * ======================================================================== */
 
+/* --- a growing string (checkpoint headers, the profiler's report) --- */
+
+/* Room for n more bytes and the NUL; 0 when out of memory. */
+static int strbuf_reserve(strbuf *b, size_t n)
+{
+    if (b->oom)
+        return 0;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 1024;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = b->ctx->al.realloc_fn(b->p, cap, b->ctx->al.user);
+        if (!p) {
+            b->oom = 1;
+            return 0;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    return 1;
+}
+
+DT_PRIVATE void strbuf_putn(strbuf *b, const char *s, size_t n)
+{
+    if (!strbuf_reserve(b, n))
+        return;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+DT_PRIVATE void strbuf_puts(strbuf *b, const char *s)
+{
+    strbuf_putn(b, s, strlen(s));
+}
+
+DT_PRIVATE void strbuf_printf(strbuf *b, const char *fmt, ...)
+{
+    va_list ap, again;
+    va_start(ap, fmt);
+    va_copy(again, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap);   /* the length, then the text in place */
+    if (n > 0 && strbuf_reserve(b, (size_t)n)) {
+        vsnprintf(b->p + b->len, (size_t)n + 1, fmt, again);
+        b->len += (size_t)n;
+    }
+    va_end(again);
+    va_end(ap);
+}
+
+
 dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor *labels,
                            int64_t *correct)
 {

@@ -9,6 +9,10 @@ orders the modules, bottom first; a module that names a function of a
 module in a higher layer calls upward, which must be one of ALLOWED (empty
 today; docs/DESIGN.md).  Exits 1, naming the calls, on any other upward
 call, and on an ALLOWED call that no longer happens.
+
+It also checks names: every DT_PRIVATE function (what a module offers the
+others) starts with one of its module's PREFIXES, so a call says where it
+goes.  Statics are the file's own and need none.
 Prints one line "layer check: ..." either way.
 """
 import re
@@ -17,8 +21,8 @@ import sys
 # Bottom first.  Modules in one tuple are one layer and call each other freely.
 LAYERS = [
     ("context", "arena", "tensor", "param", "util", "record"),
-    ("autograd",), ("ops",), ("recompute",), ("optim",), ("ckpt",), ("store",), ("data",),
-    ("comm",), ("launch",), ("profile",), ("codec",), ("ps",), ("ddp",), ("replicas",),
+    ("autograd",), ("ops", "ops_nn"), ("recompute",), ("optim",), ("ckpt",), ("store",), ("data",),
+    ("comm", "seg"), ("join",), ("eval",), ("launch",), ("profile",), ("codec",), ("ps", "ps_server"), ("ddp",), ("replicas",),
     ("hogwild",), ("steal",), ("parallel",),
 ]
 
@@ -27,6 +31,28 @@ LAYERS = [
 # higher one registers (dt_grad_hooks, loader_source, comm_ext_ops in
 # src/internal.h), as PyTorch's autograd offers hooks to its DDP reducer.
 ALLOWED = {}
+
+# The prefixes of each module's DT_PRIVATE functions.  The context's error
+# helpers (set_error, warn) are the whole core's vocabulary and exempt.
+PREFIXES = {
+    "context": ("ctx_", "host_", "be_"), "arena": ("arena_",), "tensor": ("tensor_",),
+    "param": ("param_",), "util": ("util_", "strbuf_"), "record": ("prof_",),
+    "autograd": ("tape_", "grad_"), "ops": ("op_",), "ops_nn": ("op_",), "eval": ("eval_",), "recompute": ("recompute_",),
+    "optim": ("optim_",), "ckpt": ("ckpt_",), "store": ("store_",), "data": ("loader_", "data_"),
+    "comm": ("comm_",), "seg": ("seg_",), "join": ("join_",), "launch": ("launch_",), "profile": ("prof_",), "codec": ("codec_",),
+    "ps": ("ps_",), "ps_server": ("ps_",), "ddp": ("ddp_",), "replicas": ("replicas_",), "hogwild": ("hogwild_",),
+    "steal": ("steal_",), "parallel": ("parallel_", "pipe_"),
+}
+EXEMPT = {"set_error", "warn"}
+OFFERED = re.compile(r"^DT_PRIVATE [A-Za-z_][\w \*]*?\b(\w+)\s*\(", re.M)
+
+
+def misnamed(modules, code):
+    """DT_PRIVATE functions whose names lack their module's prefix."""
+    return [f"src/{m}.c offers {name}(), which lacks the module's prefix "
+            f"({', '.join(PREFIXES[m])})"
+            for m in modules for name in OFFERED.findall(code[m])
+            if name not in EXEMPT and not name.startswith(PREFIXES[m])]
 
 
 def code_of(path):
@@ -69,12 +95,15 @@ def main():
                 bad.append(f"src/{m}.c calls {name}() of src/{o}.c, a higher layer")
     gone = [f"ALLOWED lists {m} -> {n}(), which no longer happens: remove it"
             for m, names in sorted(ALLOWED.items()) for n in sorted(names) if (m, n) not in used]
-    for line in bad + gone:
+    names = misnamed(modules, code)
+    for line in bad + gone + names:
         print(f"layer check: {line}")
-    if bad or gone:
-        print(f"layer check: failed ({len(bad)} upward calls, {len(gone)} stale entries)")
+    if bad or gone or names:
+        print(f"layer check: failed ({len(bad)} upward calls, {len(gone)} stale entries, "
+              f"{len(names)} names without their module's prefix)")
         return 1
-    print(f"layer check: {len(modules)} modules in {len(LAYERS)} layers call down only"
+    print(f"layer check: {len(modules)} modules in {len(LAYERS)} layers call down only, "
+          "each offering names with its prefix"
           + (f", but for {len(used)} listed calls" if used else ""))
     return 0
 

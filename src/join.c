@@ -1,0 +1,668 @@
+#include "internal.h"
+
+/* ===========================================================================
+ * Joining the job: a communicator's rendezvous (the store, the transport's
+ * addresses, the host segment, a restarted rank's rejoin), its end, and
+ * process groups (dt_comm_split).  The comm thread and the collectives it
+ * runs are src/comm.c; the host segment's collectives src/seg.c.
+ * ======================================================================== */
+
+/* --- joining the job ------------------------------------------------- */
+
+void dt_comm_config_init(dt_comm_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    dt_store_config_init(&cfg->store);
+}
+
+int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
+int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
+const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
+int dt_comm_hosts(const dt_comm *c) { return c ? (c->nhosts > 0 ? c->nhosts : 1) : 0; }
+uint64_t dt_comm_bytes_sent(const dt_comm *c)
+{
+    return c ? __atomic_load_n(&c->bytes_sent, __ATOMIC_RELAXED) : 0;
+}
+
+const char *dt_comm_intra_host(const dt_comm *c)
+{
+    return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
+}
+
+/* A rank whose address is already in the store is a restarted process
+ * whose predecessor died (a launcher restarting a failed parameter server):
+ * it becomes incarnation n + 1 of its rank, says so in its store hellos
+ * (so its own death is told apart from its predecessor's), swaps its new
+ * address in without the collectives the first start runs (the others
+ * are mid-job), and publishes "inc/<rank>" last, when it can be reached.
+ * Peers that talk to it (src/ps.c) read that key and swap the address in. */
+static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    char key[48], val[16];
+    unsigned char addr[512];
+    size_t len = 0;
+    if (c->world == 1)
+        return DT_OK;
+    snprintf(key, sizeof key, "addr/%d", c->rank);
+    dt_status st = dt_store_get(c->store, key, addr, sizeof addr, &len, 1);
+    if (st == DT_ETIMEDOUT) {   /* the first process of this rank (the usual case) */
+        dt_clear_error(ctx);
+        return DT_OK;
+    }
+    if (st != DT_OK)
+        return st;
+    uint32_t before = 0;   /* the last process started for this rank (0: the first) */
+    snprintf(key, sizeof key, "tries/%d", c->rank);
+    if (dt_store_get(c->store, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+        val[len < sizeof val ? len : sizeof val - 1] = '\0';
+        before = (uint32_t)strtoul(val, NULL, 10);
+    }
+    dt_clear_error(ctx);
+    store_dead_key(key, sizeof key, c->rank, before);
+    st = dt_store_get(c->store, key, val, sizeof val, &len, c->timeout_ms);
+    if (st == DT_ETIMEDOUT)
+        return set_error(ctx, DT_ESTATE, "comm: rank %d is already in the job and alive (its "
+                         "address is registered, its process has not died): two processes "
+                         "started with one rank?", c->rank);
+    if (st != DT_OK)
+        return st;
+    dt_dist_env e = *env;
+    e.master_port = dt_store_port(c->store);
+    dt_store *again = store_open(ctx, &e, &cfg->store, 0, before + 1);
+    if (!again)
+        return ctx->last_status;
+    dt_store_close(c->store);
+    c->store = again;
+    c->inc = before + 1;
+    /* counted once our hellos say who we are (so our end is recorded):
+     * a number is never handed out twice */
+    snprintf(key, sizeof key, "tries/%d", c->rank);
+    snprintf(val, sizeof val, "%u", c->inc);
+    return dt_store_set(c->store, key, val, strlen(val) + 1);
+}
+
+/* The rejoined process is ready (its receives are posted: dt_ps_new calls
+ * this when a restarted server starts serving): tell its peers. */
+DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c)
+{
+    char key[32], val[16];
+    if (!c->inc || c->announced)
+        return DT_OK;
+    c->announced = 1;
+    snprintf(key, sizeof key, "inc/%d", c->rank);
+    snprintf(val, sizeof val, "%u", c->inc);
+    return dt_store_set(c->store, key, val, strlen(val) + 1);
+}
+
+/* Comm thread: rank `peer` restarted as incarnation inc; send to and
+ * receive from its address (read from the store) from now on.  The caller has cancelled or
+ * drained every transfer with the old one. */
+DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len)
+{
+    char key[32];
+    unsigned char addr[512];
+    size_t len = 0;
+    snprintf(key, sizeof key, "addr/%d.%u", peer, inc);   /* that process's, not a later one's */
+    if (!c->watch || dt_store_get(c->watch, key, addr, sizeof addr, &len, c->timeout_ms) != DT_OK) {
+        snprintf(err, err_len, "rank %d's new address: %.200s", peer,
+                 c->watch ? c->watch_errors->err : "no store");
+        return DT_EPEER;
+    }
+    if (len > sizeof addr) {
+        snprintf(err, err_len, "rank %d's new address is too long", peer);
+        return DT_EPEER;
+    }
+    return c->tp_iface->replace_peer(c->tp, peer, addr, len, err, err_len);
+}
+
+/* Publish this rank's host name and read everyone's: ranks with the same
+ * name share a host (its segment, and one leader in the hierarchy). */
+static dt_status find_hosts(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    char me[DT_MAX_HOST] = "", key[32];
+    const char *id = cfg->host_id ? cfg->host_id : getenv("DTRAIN_HOST_ID");
+    if (id && *id)
+        snprintf(me, sizeof me, "%s", id);
+    else
+        gethostname(me, sizeof me - 1);
+    snprintf(key, sizeof key, "host/%d", c->rank);
+    dt_status st = dt_store_set(c->store, key, me, strlen(me) + 1);
+    char (*names)[DT_MAX_HOST] = host_calloc(ctx, sizeof *names * (size_t)c->world);
+    c->local_ranks = host_alloc(ctx, sizeof(int) * (size_t)c->world);
+    c->leaders = host_alloc(ctx, sizeof(int) * (size_t)c->world);
+    if (st == DT_OK && (!names || !c->local_ranks || !c->leaders))
+        st = set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        size_t len = 0;
+        snprintf(key, sizeof key, "host/%d", r);
+        st = dt_store_get(c->store, key, names[r], DT_MAX_HOST - 1, &len, 0);
+        names[r][len < DT_MAX_HOST ? len : DT_MAX_HOST - 1] = '\0';
+    }
+    c->leader_index = -1;
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        int first = 1;   /* lowest rank with this name: the host's leader */
+        for (int q = 0; q < r && first; q++)
+            first = strcmp(names[q], names[r]) != 0;
+        if (first) {
+            if (r == c->rank)
+                c->leader_index = c->nhosts;
+            c->leaders[c->nhosts++] = r;
+        }
+        if (strcmp(names[r], me) == 0) {
+            if (r == c->rank)
+                c->local_index = c->nlocal;
+            c->local_ranks[c->nlocal++] = r;
+        }
+    }
+    host_free(ctx, names);
+    return st;
+}
+
+/* The host's leader creates the segment and publishes its name; the other
+ * local ranks map it.  *ok: this rank has it (or needs none). */
+static dt_status map_segment(dt_comm *c, int *ok)
+{
+    char key[32], why[160] = "";
+    int L = c->nlocal, leader = c->local_ranks[0], fd = -1;
+    *ok = 0;
+    const char *sl = getenv("DTRAIN_SEGMENT_SLOT_KIB");
+    c->seg_slot = sl && atoi(sl) >= 64 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
+    c->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
+    snprintf(key, sizeof key, "seg/%d", leader);
+    if (c->local_index == 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        snprintf(c->seg_name, sizeof c->seg_name, "/dtrain-%d-%lx", (int)getpid(),
+                 (unsigned long)ts.tv_nsec ^ (unsigned long)ts.tv_sec << 20);
+        fd = shm_open(c->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd >= 0)
+            c->seg_linked = 1;
+        /* reserve the pages now: a full /dev/shm is an error here, not a
+         * SIGBUS in the middle of a collective */
+        int err = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)c->seg_bytes);
+        if (err)
+            snprintf(why, sizeof why, "%s", strerror(err));
+        const char *val = err ? "" : c->seg_name;
+        dt_status st = dt_store_set(c->store, key, val, strlen(val) + 1);
+        if ((st != DT_OK || err) && fd >= 0) {
+            close(fd);
+            fd = -1;
+        }
+        if (st != DT_OK)
+            return st;
+    } else {
+        size_t len = 0;
+        dt_status st = dt_store_get(c->store, key, c->seg_name, sizeof c->seg_name - 1, &len, 0);
+        if (st != DT_OK)
+            return st;
+        c->seg_name[len < sizeof c->seg_name ? len : sizeof c->seg_name - 1] = '\0';
+        if (c->seg_name[0] && (fd = shm_open(c->seg_name, O_RDWR, 0)) < 0)
+            snprintf(why, sizeof why, "%s", strerror(errno));
+    }
+    struct stat sb;
+    if (fd >= 0 && (fstat(fd, &sb) != 0 || (size_t)sb.st_size != c->seg_bytes)) {
+        if (!why[0])
+            snprintf(why, sizeof why, "its size is not %zu bytes (ranks disagree on "
+                     "DTRAIN_SEGMENT_SLOT_KIB?)", c->seg_bytes);
+        close(fd);
+        fd = -1;
+    }
+    if (fd >= 0) {
+        void *p = mmap(NULL, c->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED)
+            snprintf(why, sizeof why, "mmap: %s", strerror(errno));
+        else
+            c->seg = p;
+    }
+    if (!c->seg) {   /* not an error: every rank falls back to the transport */
+        snprintf(c->seg_why, sizeof c->seg_why, "no host segment: %s",
+                 why[0] ? why : "the host's leader could not create one");
+        return DT_OK;
+    }
+    c->seg_ranks = (seg_rank *)((char *)c->seg + seg_ranks_offset());
+    c->seg_data = (char *)c->seg + seg_data_offset(L);
+    if (c->local_index == 0) {
+        c->seg->magic = SEG_MAGIC;
+        c->seg->nlocal = (uint32_t)L;
+        c->seg->slot_bytes = c->seg_slot;
+        c->seg->total_bytes = c->seg_bytes;
+    }
+    *ok = 1;
+    return DT_OK;
+}
+
+static void unmap_segment(dt_comm *c)
+{
+    if (c->seg)
+        munmap(c->seg, c->seg_bytes);
+    c->seg = NULL;
+    if (c->seg_linked)
+        shm_unlink(c->seg_name);
+    c->seg_linked = 0;
+}
+DT_PRIVATE dt_status join_shared_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok)
+{
+    *ok = 0;
+    memset(r, 0, sizeof *r);
+    if (!c->use_segment || !c->seg || c->nhosts != 1)
+        return DT_OK;
+    int L = c->nlocal, fd = -1, created = 0;
+    size_t part = (part_bytes + 4095) & ~(size_t)4095, total = part * (size_t)L;
+    char key[DT_STORE_MAX_KEY], name[80] = "";
+    snprintf(key, sizeof key, "shared%s/%d", c->seg_name, c->regions_made++);
+    dt_status st = DT_OK;
+    if (c->local_index == 0) {
+        snprintf(name, sizeof name, "%s-r%d", c->seg_name, c->regions_made);
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        created = fd >= 0;
+        if (fd >= 0 && posix_fallocate(fd, 0, (off_t)total) != 0) {   /* see map_segment */
+            close(fd);
+            fd = -1;
+        }
+        st = dt_store_set(c->store, key, fd >= 0 ? name : "", fd >= 0 ? strlen(name) + 1 : 1);
+    } else {
+        size_t len = 0;
+        st = dt_store_get(c->store, key, name, sizeof name - 1, &len, c->timeout_ms);
+        name[len < sizeof name ? len : sizeof name - 1] = '\0';
+        if (st == DT_OK && name[0])
+            fd = shm_open(name, O_RDWR, 0);
+    }
+    struct stat sb;
+    if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == total) {
+        void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED)
+            *r = (shm_region){.base = p, .part = part, .total = total, .nlocal = L,
+                              .me = c->local_index};
+    }
+    if (fd >= 0)
+        close(fd);
+    const char *env = getenv("DTRAIN_SHARED_BUCKETS");
+    float agree = r->base && !(env && strcmp(env, "0") == 0) ? 1.0f : 0.0f;
+    if (st == DT_OK)
+        st = dt_allreduce(c, &agree, 1, DT_REDUCE_MIN);   /* also: every rank has it open */
+    if (created)
+        shm_unlink(name);
+    if (st != DT_OK || agree < 1.0f)
+        join_shared_free(r);
+    *ok = st == DT_OK && r->base;
+    return st;
+}
+
+DT_PRIVATE void join_shared_free(shm_region *r)
+{
+    if (r->base)
+        munmap(r->base, r->total);
+    memset(r, 0, sizeof *r);
+}
+
+/* Segments are used only if every rank wants them and got one: a rank that
+ * could not map its host's would otherwise wait on the others forever. */
+static dt_status setup_segments(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    const char *mode = cfg->intra_host ? cfg->intra_host : getenv("DTRAIN_INTRA_HOST");
+    int want = 1;
+    if (mode && strcmp(mode, "transport") == 0)
+        want = 0;
+    else if (mode && *mode && strcmp(mode, "segment") != 0)
+        return set_error(ctx, DT_EINVAL, "comm: intra-host mode '%s' is neither 'segment' nor "
+                         "'transport'", mode);
+    if (c->world == 1)
+        return DT_OK;
+    int ok = want;
+    if (want && c->nlocal > 1 && map_segment(c, &ok) != DT_OK)
+        return ctx->last_status;
+    char key[32], val[4];
+    snprintf(key, sizeof key, "segok/%d", c->rank);
+    dt_status st = dt_store_set(c->store, key, ok ? "1" : "0", 2);
+    c->use_segment = 1;
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        size_t len = 0;
+        snprintf(key, sizeof key, "segok/%d", r);
+        st = dt_store_get(c->store, key, val, sizeof val, &len, 0);
+        if (st == DT_OK && val[0] != '1')
+            c->use_segment = 0;
+    }
+    if (st == DT_OK && !c->use_segment)
+        unmap_segment(c);
+    return st;
+}
+
+static dt_status exchange_addresses(dt_comm *c)
+{
+    dt_ctx *ctx = c->ctx;
+    char err[256] = "", key[32];
+    unsigned char mine[512];
+    size_t len = sizeof mine;
+    if (c->tp_iface->get_addr(c->tp, mine, &len, err, sizeof err) != DT_OK)
+        return set_error(ctx, DT_EIO, "comm: transport address: %s", err);
+    snprintf(key, sizeof key, "addr/%d", c->rank);
+    dt_status st = dt_store_set(c->store, key, mine, len);
+    snprintf(key, sizeof key, "addr/%d.%u", c->rank, c->inc);   /* (a restart's: find_rejoin) */
+    if (st == DT_OK && c->inc)
+        st = dt_store_set(c->store, key, mine, len);
+    unsigned char *all = host_alloc(ctx, (size_t)c->world * sizeof mine);
+    const void **ptrs = host_alloc(ctx, sizeof *ptrs * (size_t)c->world);
+    size_t *lens = host_alloc(ctx, sizeof *lens * (size_t)c->world);
+    if (st == DT_OK && (!all || !ptrs || !lens))
+        st = set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    for (int r = 0; st == DT_OK && r < c->world; r++) {
+        snprintf(key, sizeof key, "addr/%d", r);
+        ptrs[r] = all + (size_t)r * sizeof mine;
+        st = dt_store_get(c->store, key, all + (size_t)r * sizeof mine, sizeof mine, &lens[r], 0);
+        if (st == DT_OK && lens[r] > sizeof mine)
+            st = set_error(ctx, DT_EPEER, "comm: rank %d's address is too long", r);
+    }
+    if (st == DT_OK && c->tp_iface->insert_peers(c->tp, c->world, ptrs, lens, err, sizeof err) != DT_OK)
+        st = set_error(ctx, DT_EIO, "comm: inserting peer addresses: %s", err);
+    host_free(ctx, all);
+    host_free(ctx, ptrs);
+    host_free(ctx, lens);
+    return st;
+}
+
+static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    c->tp_iface = comm_find_transport();
+    if (!c->tp_iface)
+        return set_error(ctx, DT_ENOTSUP, "comm: no transport compiled in (build with "
+                                          "backends/fabric.c, -DDT_WITH_FABRIC and -lfabric)");
+    const char *prov = cfg->transport ? cfg->transport : getenv("DTRAIN_TRANSPORT");
+    if (!prov)
+        prov = c->nhosts <= 1 ? "shm" : "tcp";
+    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al};
+    char err[256] = "";
+    dt_status st = c->tp_iface->open(&tp, &c->tp, err, sizeof err);
+    if (st != DT_OK)
+        return set_error(ctx, st, "comm: transport '%s': %s", prov, err);
+    snprintf(c->provider, sizeof c->provider, "%s", c->tp_iface->provider(c->tp));
+    c->doubling_max = strncmp(c->provider, "tcp", 3) == 0 ? DT_COMM_SMALL_TCP : DT_COMM_SMALL;
+    c->max_msg = c->tp_iface->max_message(c->tp);
+    if (c->max_msg == 0)
+        c->max_msg = DT_COMM_CHUNK;
+    return DT_OK;
+}
+
+/* The comm thread's own connection to the store, with its own error sink
+ * (a bare context that only holds the allocator and messages). */
+static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    if (c->world == 1)
+        return DT_OK;
+    c->watch_errors = host_calloc(ctx, sizeof *c->watch_errors);
+    if (!c->watch_errors)
+        return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    c->watch_errors->al = ctx->al;
+    dt_store_config sc = cfg->store;
+    sc.token = c->store->token;   /* (a group's cfg may not carry the job's) */
+    c->watch = store_open(c->watch_errors, &c->job, &sc, 0, c->inc);
+    if (!c->watch)
+        return set_error(ctx, c->watch_errors->last_status, "%s", c->watch_errors->err);
+    snprintf(c->watch->prefix, sizeof c->watch->prefix, "%s", c->store->prefix);
+    /* a hung rank 0 must not hold a collective longer than its own timeout */
+    if (c->watch->timeout_ms > c->timeout_ms)
+        c->watch->timeout_ms = c->timeout_ms;
+    return DT_OK;
+}
+
+/* A communicator's memory and lock, before it connects. */
+static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_config *cfg)
+{
+    dt_comm *c = host_calloc(ctx, sizeof *c);
+    if (!c) {
+        set_error(ctx, DT_ENOMEM, "comm: out of memory");
+        return NULL;
+    }
+    c->ctx = ctx;
+    c->rank = rank;
+    c->world = world;
+    c->inline_small = 1;
+    c->waiting_on = -1;
+    int t = cfg->timeout_ms;
+    const char *te = getenv("DTRAIN_TIMEOUT_MS");
+    if (t <= 0 && te)
+        t = atoi(te);
+    c->timeout_ms = t > 0 ? t : DT_COMM_DEFAULT_TIMEOUT_MS;
+    if (pthread_mutex_init(&c->mu, NULL) != 0 || pthread_cond_init(&c->cv, NULL) != 0) {
+        host_free(ctx, c);
+        set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
+        return NULL;
+    }
+    return c;
+}
+
+/* Free a communicator that failed to connect, keeping the failure's message
+ * (freeing it may set others); NULL. */
+static dt_comm *comm_abandon(dt_comm *c, const char *what)
+{
+    dt_ctx *ctx = c->ctx;
+    dt_status st = ctx->last_status;
+    char msg[DT_MAX_ERROR];
+    snprintf(msg, sizeof msg, "%s", ctx->err);
+    dt_comm_free(c);
+    set_error(ctx, st, "%s%.480s", what, msg);
+    return NULL;
+}
+
+/* Everything after the store: hosts, the transport and its addresses, the
+ * watch connection, the host segment, the comm thread; collective over the
+ * communicator's ranks (the job's, or a group's through its namespace). */
+static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
+{
+    dt_ctx *ctx = c->ctx;
+    if (find_hosts(c, cfg) != DT_OK || open_transport(c, cfg) != DT_OK ||
+        exchange_addresses(c) != DT_OK || open_watch(c, cfg) != DT_OK ||
+        (!c->inc && setup_segments(c, cfg) != DT_OK))   /* (a collective) */
+        return ctx->last_status;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    c->inline_spin_s = online > 0 && c->nlocal <= online ? SEG_SPIN_INLINE_S : SEG_SPIN_S;
+    c->p2p_sent = host_calloc(ctx, sizeof *c->p2p_sent * (size_t)c->world);
+    c->p2p_recvd = host_calloc(ctx, sizeof *c->p2p_recvd * (size_t)c->world);
+    if (!c->p2p_sent || !c->p2p_recvd)
+        return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
+        return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
+    c->has_thread = 1;
+    /* everyone's endpoint is ready before anyone sends (a rejoined rank's
+     * peers are mid-job: it tells them when it serves, join_announce_rejoin) */
+    if (!c->inc && dt_barrier(c) != DT_OK)
+        return ctx->last_status;
+    /* the profiler's offset to rank 0's clock (src/profile.c), while the job is quiet */
+    if (!c->members && store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
+        return ctx->last_status;
+    /* every local rank has mapped the segment: its name can go, so no
+     * file is left behind in /dev/shm whatever happens later */
+    if (c->seg_linked) {
+        shm_unlink(c->seg_name);
+        c->seg_linked = 0;
+    }
+    return DT_OK;
+}
+
+dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_config *cfg_in)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_comm_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        dt_comm_config_init(&cfg);
+    dt_dist_env env;
+    if (env_in)
+        env = *env_in;
+    else if (dt_dist_env_detect(ctx, &env) != DT_OK)
+        return NULL;
+    dt_comm *c = comm_alloc(ctx, env.rank, env.world_size, &cfg);
+    if (!c)
+        return NULL;
+    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
+        goto fail;
+    c->job = env;
+    c->job.master_port = dt_store_port(c->store);
+    if (comm_connect(c, &cfg) != DT_OK)
+        goto fail;
+    return c;
+fail:
+    return comm_abandon(c, "");
+}
+
+void dt_comm_free(dt_comm *c)
+{
+    if (!c)
+        return;
+    if (c->has_thread) {
+        pthread_mutex_lock(&c->mu);
+        c->stop = 1;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->thread, NULL);
+    }
+    if (c->tp)
+        c->tp_iface->close(c->tp);
+    while (c->graveyard) {   /* (the transport that held their sends is closed) */
+        xfers *x = c->graveyard;
+        c->graveyard = x->next_dead;
+        c->ctx->al.free_fn(x, c->ctx->al.user);
+    }
+    dt_store_close(c->watch);
+    host_free(c->ctx, c->watch_errors);
+    /* Rank 0 leaves its last collective as soon as its own part is done,
+     * while others may still wait for each other's last messages and ask
+     * the store about the dead meanwhile: a store gone then would read as
+     * rank 0's death.  So the store stays until they have left (bounded). */
+    store_close(c->store, c->timeout_ms < DT_COMM_DRAIN_MS ? c->timeout_ms : DT_COMM_DRAIN_MS);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    if (c->scratch)
+        c->ctx->al.free_fn(c->scratch, c->ctx->al.user);
+    unmap_segment(c);
+    host_free(c->ctx, c->local_ranks);
+    host_free(c->ctx, c->leaders);
+    host_free(c->ctx, c->members);
+    host_free(c->ctx, c->p2p_sent);
+    host_free(c->ctx, c->p2p_recvd);
+    host_free(c->ctx, c);
+}
+
+/* --- process groups ------------------------------------------------- */
+
+/* Every rank's (color, key) through the parent's store; the ranks of our
+ * color in (key, parent rank) order, as job ranks, into members (n of them;
+ * *me: our index). */
+static dt_status split_members(dt_comm *p, int color, int key, int *members, int *n, int *me)
+{
+    dt_ctx *ctx = p->ctx;
+    char k[48], v[32];
+    int id = p->splits_made++;
+    snprintf(k, sizeof k, "split/%d/%d", id, p->rank);
+    int vl = snprintf(v, sizeof v, "%d %d", color, key);
+    dt_status st = dt_store_set(p->store, k, v, (size_t)vl + 1);
+    int *keys = host_alloc(ctx, sizeof *keys * (size_t)p->world);
+    if (st == DT_OK && !keys)
+        st = set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
+    *n = 0;
+    for (int r = 0; st == DT_OK && r < p->world; r++) {
+        size_t len = 0;
+        int col = 0, ky = 0;
+        snprintf(k, sizeof k, "split/%d/%d", id, r);
+        st = dt_store_get(p->store, k, v, sizeof v - 1, &len, 0);
+        v[len < sizeof v ? len : sizeof v - 1] = '\0';
+        if (st == DT_OK && sscanf(v, "%d %d", &col, &ky) != 2)
+            st = set_error(ctx, DT_EPEER, "comm_split: rank %d sent '%s'", r, v);
+        if (st != DT_OK || col != color)
+            continue;
+        int i = (*n)++;   /* insertion sort by (key, rank): groups are small */
+        while (i > 0 && keys[i - 1] > ky)
+            keys[i] = keys[i - 1], members[i] = members[i - 1], i--;
+        keys[i] = ky;
+        members[i] = r;
+    }
+    for (int i = 0; st == DT_OK && i < *n; i++) {
+        if (members[i] == p->rank)
+            *me = i;
+        members[i] = p->members ? p->members[members[i]] : members[i];   /* job ranks */
+    }
+    host_free(ctx, keys);
+    return st;
+}
+
+static void group_label(dt_comm *c)
+{
+    int off = snprintf(c->label, sizeof c->label, "group [");
+    for (int i = 0; i < c->world && off < (int)sizeof c->label - 24; i++)
+        off += snprintf(c->label + off, sizeof c->label - (size_t)off, i ? " %d" : "%d",
+                        c->members[i]);
+    snprintf(c->label + off, sizeof c->label - (size_t)off, "%s]: ",
+             off >= (int)sizeof c->label - 24 ? " ..." : "");
+}
+
+dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config *cfg_in)
+{
+    if (!parent)
+        return NULL;
+    dt_ctx *ctx = parent->ctx;
+    if (color < 0) {
+        set_error(ctx, DT_EINVAL, "comm_split: color %d: must be >= 0", color);
+        return NULL;
+    }
+    if (parent->broken || parent->inc) {
+        set_error(ctx, DT_ESTATE, "comm_split: %s", parent->broken ? parent->broken_msg :
+                  "a restarted process's communicator makes no groups");
+        return NULL;
+    }
+    dt_comm_config cfg;
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        dt_comm_config_init(&cfg);
+    if (!cfg.timeout_ms)
+        cfg.timeout_ms = parent->timeout_ms;
+    int id = parent->splits_made, n = 0, me = 0;
+    int *members = host_alloc(ctx, sizeof *members * (size_t)parent->world);
+    if (!members) {
+        set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
+        return NULL;
+    }
+    if (split_members(parent, color, key, members, &n, &me) != DT_OK) {
+        host_free(ctx, members);
+        return NULL;
+    }
+    dt_comm *c = comm_alloc(ctx, me, n, &cfg);
+    if (!c) {
+        host_free(ctx, members);
+        return NULL;
+    }
+    c->members = members;
+    c->job = parent->job;
+    c->clock_offset = parent->clock_offset;
+    c->clock_rtt = parent->clock_rtt;
+    group_label(c);
+    cfg.store.token = parent->store->token;
+    if (!(c->store = store_open(ctx, &c->job, &cfg.store, 0, 0)))
+        goto fail;
+    if ((size_t)snprintf(c->store->prefix, sizeof c->store->prefix, "%sg%d.%d/",
+                         parent->store->prefix, id, color) >= sizeof c->store->prefix) {
+        set_error(ctx, DT_ENOTSUP, "comm_split: groups nested too deep");
+        goto fail;
+    }
+    if (comm_connect(c, &cfg) != DT_OK)
+        goto fail;
+    return c;
+fail:
+    return comm_abandon(c, "comm_split: ");
+}
+
+int dt_comm_job_rank(const dt_comm *c, int rank)
+{
+    if (!c || rank < 0 || rank >= c->world)
+        return -1;
+    return c->members ? c->members[rank] : rank;
+}
