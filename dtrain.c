@@ -1285,6 +1285,9 @@ DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src,
 DT_PRIVATE void comm_finish_avg(dt_comm *c, dt_work *w, float *buf, int64_t n);
 DT_PRIVATE const dt_transport_iface *comm_find_transport(void);
 DT_PRIVATE void *comm_main(void *arg);
+DT_PRIVATE dt_status comm_take_transport(dt_comm *c, char *why, size_t why_len);
+DT_PRIVATE void comm_release_transport(dt_comm *c);
+DT_PRIVATE void comm_break(dt_comm *c, const char *msg);
 DT_PRIVATE dt_work *comm_enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                                     int root, dt_reduce_op op, const void *aux);
 DT_PRIVATE dt_work *comm_enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
@@ -8578,11 +8581,8 @@ static void run_work(dt_comm *c, dt_work *w)
         /* Close the endpoint now: a cancelled receive must not land in
          * this record or in the caller's buffer after the call returned.
          * The communicator refuses all later work anyway. */
-        c->broken = 1;
-        snprintf(c->broken_msg, sizeof c->broken_msg, "%s", w->msg);
         seg_abort(c, w);
-        c->tp_iface->close(c->tp);
-        c->tp = NULL;
+        comm_break(c, w->msg);
     }
     if (xs)
         c->ctx->al.free_fn(xs, c->ctx->al.user);
@@ -8729,6 +8729,43 @@ dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
  * woken back costs two kernel wake-ups, two thirds of a 4 KiB allreduce
  * (tests/bench/allreduce.sh profile).  `running` keeps the comm thread off
  * the transport meanwhile. */
+/* A caller takes the transport from the comm thread for a while (a
+ * parameter server serves on its own thread): once the thread is idle and
+ * its queue empty, it runs nothing until comm_release_transport.  A
+ * communicator that failed earlier is not taken: its message goes to why. */
+DT_PRIVATE dt_status comm_take_transport(dt_comm *c, char *why, size_t why_len)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->running || c->head)
+        pthread_cond_wait(&c->cv, &c->mu);
+    int broken = c->broken;
+    if (broken)
+        snprintf(why, why_len, "%s", c->broken_msg);
+    else
+        c->running = 1;
+    pthread_mutex_unlock(&c->mu);
+    return broken ? DT_ESTATE : DT_OK;
+}
+
+DT_PRIVATE void comm_release_transport(dt_comm *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->running = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* The communicator fails for good with msg: the endpoint closes (nothing
+ * may land in a caller's memory after this) and every later call is
+ * refused with msg.  The caller holds the transport. */
+DT_PRIVATE void comm_break(dt_comm *c, const char *msg)
+{
+    c->broken = 1;
+    snprintf(c->broken_msg, sizeof c->broken_msg, "%s", msg);
+    c->tp_iface->close(c->tp);
+    c->tp = NULL;
+}
+
 static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                             int root, dt_reduce_op op, const void *aux)
 {
@@ -13629,14 +13666,9 @@ dt_status dt_ps_serve(dt_ps *ps)
     double *last_seen = host_calloc(ps->ctx, sizeof(double) * (size_t)ps->W);
     if (!last_seen)
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
-    pthread_mutex_lock(&c->mu);   /* take the transport from the comm thread */
-    while (c->running || c->head)
-        pthread_cond_wait(&c->cv, &c->mu);
-    int broken = c->broken;
-    c->running = !broken;
-    pthread_mutex_unlock(&c->mu);
-    dt_status s = broken ? set_error(ps->ctx, DT_ESTATE, "ps_serve: communicator failed earlier: %s",
-                                     c->broken_msg)
+    char why[DT_MAX_ERROR];
+    int broken = comm_take_transport(c, why, sizeof why) != DT_OK;
+    dt_status s = broken ? set_error(ps->ctx, DT_ESTATE, "ps_serve: communicator failed earlier: %s", why)
                          : ps_serve_loop(ps, last_seen);
     if (s == DT_OK)   /* the final state, for a job that starts again */
         s = ps_checkpoint(ps);
@@ -13659,16 +13691,10 @@ dt_status dt_ps_serve(dt_ps *ps)
         if (k <= 0)
             c->tp_iface->wait(c->tp, 10);
     }
-    if (!broken && ps_outstanding(ps)) {
-        c->broken = 1;
-        snprintf(c->broken_msg, sizeof c->broken_msg, "%s", ps->ctx->err);
-        c->tp_iface->close(c->tp);
-        c->tp = NULL;
-    }
-    pthread_mutex_lock(&c->mu);
-    c->running = 0;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    if (!broken && ps_outstanding(ps))
+        comm_break(c, ps->ctx->err);
+    if (!broken)
+        comm_release_transport(c);
     host_free(ps->ctx, last_seen);
     return s;
 }

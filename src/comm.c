@@ -976,11 +976,8 @@ static void run_work(dt_comm *c, dt_work *w)
         /* Close the endpoint now: a cancelled receive must not land in
          * this record or in the caller's buffer after the call returned.
          * The communicator refuses all later work anyway. */
-        c->broken = 1;
-        snprintf(c->broken_msg, sizeof c->broken_msg, "%s", w->msg);
         seg_abort(c, w);
-        c->tp_iface->close(c->tp);
-        c->tp = NULL;
+        comm_break(c, w->msg);
     }
     if (xs)
         c->ctx->al.free_fn(xs, c->ctx->al.user);
@@ -1127,6 +1124,43 @@ dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
  * woken back costs two kernel wake-ups, two thirds of a 4 KiB allreduce
  * (tests/bench/allreduce.sh profile).  `running` keeps the comm thread off
  * the transport meanwhile. */
+/* A caller takes the transport from the comm thread for a while (a
+ * parameter server serves on its own thread): once the thread is idle and
+ * its queue empty, it runs nothing until comm_release_transport.  A
+ * communicator that failed earlier is not taken: its message goes to why. */
+DT_PRIVATE dt_status comm_take_transport(dt_comm *c, char *why, size_t why_len)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->running || c->head)
+        pthread_cond_wait(&c->cv, &c->mu);
+    int broken = c->broken;
+    if (broken)
+        snprintf(why, why_len, "%s", c->broken_msg);
+    else
+        c->running = 1;
+    pthread_mutex_unlock(&c->mu);
+    return broken ? DT_ESTATE : DT_OK;
+}
+
+DT_PRIVATE void comm_release_transport(dt_comm *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->running = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* The communicator fails for good with msg: the endpoint closes (nothing
+ * may land in a caller's memory after this) and every later call is
+ * refused with msg.  The caller holds the transport. */
+DT_PRIVATE void comm_break(dt_comm *c, const char *msg)
+{
+    c->broken = 1;
+    snprintf(c->broken_msg, sizeof c->broken_msg, "%s", msg);
+    c->tp_iface->close(c->tp);
+    c->tp = NULL;
+}
+
 static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                             int root, dt_reduce_op op, const void *aux)
 {

@@ -1276,6 +1276,9 @@ DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src,
 DT_PRIVATE void comm_finish_avg(dt_comm *c, dt_work *w, float *buf, int64_t n);
 DT_PRIVATE const dt_transport_iface *comm_find_transport(void);
 DT_PRIVATE void *comm_main(void *arg);
+DT_PRIVATE dt_status comm_take_transport(dt_comm *c, char *why, size_t why_len);
+DT_PRIVATE void comm_release_transport(dt_comm *c);
+DT_PRIVATE void comm_break(dt_comm *c, const char *msg);
 DT_PRIVATE dt_work *comm_enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                                     int root, dt_reduce_op op, const void *aux);
 DT_PRIVATE dt_work *comm_enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n,

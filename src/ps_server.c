@@ -1084,14 +1084,9 @@ dt_status dt_ps_serve(dt_ps *ps)
     double *last_seen = host_calloc(ps->ctx, sizeof(double) * (size_t)ps->W);
     if (!last_seen)
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
-    pthread_mutex_lock(&c->mu);   /* take the transport from the comm thread */
-    while (c->running || c->head)
-        pthread_cond_wait(&c->cv, &c->mu);
-    int broken = c->broken;
-    c->running = !broken;
-    pthread_mutex_unlock(&c->mu);
-    dt_status s = broken ? set_error(ps->ctx, DT_ESTATE, "ps_serve: communicator failed earlier: %s",
-                                     c->broken_msg)
+    char why[DT_MAX_ERROR];
+    int broken = comm_take_transport(c, why, sizeof why) != DT_OK;
+    dt_status s = broken ? set_error(ps->ctx, DT_ESTATE, "ps_serve: communicator failed earlier: %s", why)
                          : ps_serve_loop(ps, last_seen);
     if (s == DT_OK)   /* the final state, for a job that starts again */
         s = ps_checkpoint(ps);
@@ -1114,16 +1109,10 @@ dt_status dt_ps_serve(dt_ps *ps)
         if (k <= 0)
             c->tp_iface->wait(c->tp, 10);
     }
-    if (!broken && ps_outstanding(ps)) {
-        c->broken = 1;
-        snprintf(c->broken_msg, sizeof c->broken_msg, "%s", ps->ctx->err);
-        c->tp_iface->close(c->tp);
-        c->tp = NULL;
-    }
-    pthread_mutex_lock(&c->mu);
-    c->running = 0;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
+    if (!broken && ps_outstanding(ps))
+        comm_break(c, ps->ctx->err);
+    if (!broken)
+        comm_release_transport(c);
     host_free(ps->ctx, last_seen);
     return s;
 }
