@@ -596,21 +596,150 @@ DT_API dt_dataset *dt_dataset_load_idx(dt_ctx *ctx, const char *images_path,
 DT_API dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split);
 DT_API void dt_dataset_free(dt_dataset *ds);       /* NULL is fine */
 DT_API int64_t dt_dataset_size(const dt_dataset *ds);   /* samples; 0 for NULL */
-/* Sample shape without the batch dim, e.g. {1, 28, 28}, into shape_out
- * (3 entries, may be NULL); returns ndim (0 for NULL). */
+/* The input's shape without the batch dim, e.g. {1, 28, 28}, into
+ * shape_out (room for DT_MAX_DIMS - 1 entries, may be NULL); returns its
+ * ndim (0 for NULL). */
 DT_API int dt_dataset_sample_shape(const dt_dataset *ds, int64_t *shape_out);
-DT_API int dt_dataset_classes(const dt_dataset *ds);    /* largest label + 1 */
-/* Raw access: sample i's bytes (borrowed, valid while ds lives) and its
- * label; NULL and -1 when i is out of range. */
+/* Scalar integer targets (labels): the largest + 1; 0 for other targets
+ * and for callback datasets. */
+DT_API int dt_dataset_classes(const dt_dataset *ds);
+/* Raw access for u8 inputs held in memory (IDX, u8 arrays): sample i's
+ * bytes (borrowed, valid while ds lives), NULL otherwise or when i is out
+ * of range; and its label for a scalar integer target, -1 otherwise. */
 DT_API const uint8_t *dt_dataset_image(const dt_dataset *ds, int64_t i);
 DT_API int dt_dataset_label(const dt_dataset *ds, int64_t i);
+
+/* Your own data.  A dataset is n samples, each an input and a target of
+ * fixed shapes and element types (a dt_sample_field each, without the batch
+ * dim; ndim 0 is a scalar, e.g. a class label).  Element types: DT_F32,
+ * DT_I32, DT_U8, DT_BF16, DT_F16.  A loader's batches are x (B, input
+ * shape) and y (B, target shape): i32 for DT_I32 inputs (token ids) and for
+ * DT_I32 or DT_U8 targets (labels), f32 for everything else (bf16 and f16
+ * widened, u8 inputs as their values, or value/255 with dt_dataset_normalize).
+ * Everything a loader and dt_evaluate do works for every kind. */
+typedef struct dt_sample_field {
+    dt_dtype dtype;
+    int ndim;                         /* 0..DT_MAX_DIMS-1 */
+    int64_t shape[DT_MAX_DIMS - 1];
+} dt_sample_field;
+
+/* From your arrays: inputs holds n samples of `input`, targets n of
+ * `target`, each contiguous and row-major.  copy 0: used in place, without
+ * a copy (both arrays borrowed: keep them alive and unchanged until
+ * dt_dataset_free); copy 1: copied now.  new: free with dt_dataset_free.
+ * DT_EINVAL: NULLs, n < 1, a field with an unsupported dtype or a bad
+ * shape; DT_ENOMEM. */
+DT_API dt_dataset *dt_dataset_from_memory(dt_ctx *ctx, int64_t n, const dt_sample_field *input,
+                                          const void *inputs, const dt_sample_field *target,
+                                          const void *targets, int copy);
+/* From raw binary files of samples back to back (little-endian, no
+ * header), memory-mapped: n is the inputs file's size over one input's
+ * bytes, and the targets file must hold as many.  DT_EIO: a file cannot
+ * be opened or mapped; DT_ECORRUPT: a size that is not a whole number of
+ * samples, or the two files disagree on n. */
+DT_API dt_dataset *dt_dataset_load_raw(dt_ctx *ctx, const char *inputs_path,
+                                       const dt_sample_field *input, const char *targets_path,
+                                       const dt_sample_field *target);
+/* From NumPy .npy files (format 1.0-3.0), memory-mapped and checked
+ * against their headers: the first dim is the sample count (the same in
+ * both), the rest a sample's shape.  dtypes <f4 <i4 |u1 <f2 map to DT_F32,
+ * DT_I32, DT_U8, DT_F16; <f8 and <i8 (NumPy's defaults) are converted to
+ * f32 and i32 on load (i8 values must fit).  DT_ECORRUPT, naming the
+ * field: bad magic or version, a header that is not the dict NumPy writes,
+ * an unsupported descr, fortran_order True, a shape that is not a tuple of
+ * non-negative ints, data shorter or longer than the shape says. */
+DT_API dt_dataset *dt_dataset_load_npy(dt_ctx *ctx, const char *inputs_path,
+                                       const char *targets_path);
+/* CSV: numeric columns, one sample a row.  The target is one column (by
+ * name, which needs a header, or by number: 0 is the first, -1 the last);
+ * the input is the other columns as f32, a vector.  classify 1: the
+ * targets are class labels (whole numbers >= 0, y i32); 0: numbers (y f32,
+ * a scalar per sample). */
+typedef struct dt_csv_config {
+    char delimiter;                   /* ',' */
+    int header;                       /* 1: the first row names the columns; 0: none;
+                                         -1: a header when the first row is not all numbers */
+    const char *target_name;          /* NULL: use target_column */
+    int target_column;                /* -1 (the last) */
+    int classify;                     /* 1 */
+} dt_csv_config;
+DT_API void dt_csv_config_init(dt_csv_config *cfg);
+/* DT_EIO: cannot read path; DT_ECORRUPT, naming line and column: a field
+ * that is not a number, a row with another number of fields, no data rows,
+ * a label that is not a whole number >= 0; DT_EINVAL: target_name not in
+ * the header (or no header), target_column out of range, a single column. */
+DT_API dt_dataset *dt_dataset_load_csv(dt_ctx *ctx, const char *path, const dt_csv_config *cfg);
+/* A token stream for a language model: samples are windows of context + 1
+ * consecutive tokens, input the first `context`, target the next
+ * `context` (both i32).  Windows start every `stride` tokens, or, with
+ * stride 0, `samples` windows start at random places (from seed).  Only
+ * tokens [first, first + count) are used (count < 0: to the end), so one
+ * array serves a training and a validation split. */
+typedef struct dt_token_config {
+    int64_t context;                  /* T; 64 */
+    int64_t stride;                   /* 0: random windows; default `context` */
+    int64_t samples;                  /* with stride 0: how many windows */
+    uint64_t seed;
+    int64_t first, count;             /* 0, -1 */
+} dt_token_config;
+DT_API void dt_token_config_init(dt_token_config *cfg);
+/* tokens: ntokens ids of token_bytes bytes each (1: u8, 2: u16, 4: i32,
+ * little-endian).  copy 0: borrowed (keep it alive), 1: copied.  DT_EINVAL:
+ * token_bytes not 1, 2 or 4, context < 1, fewer than context + 1 tokens in
+ * range, stride < 0, stride 0 with samples < 1, a negative i32 id. */
+DT_API dt_dataset *dt_dataset_from_tokens(dt_ctx *ctx, const void *tokens, int64_t ntokens,
+                                          int token_bytes, int copy, const dt_token_config *cfg);
+/* The same from a file of raw token ids (memory-mapped).  DT_EIO: cannot
+ * open or map it; DT_ECORRUPT: its size is not a whole number of ids. */
+DT_API dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_bytes,
+                                          const dt_token_config *cfg);
+/* From a callback: fill(user, i, input, target) writes sample i (the
+ * fields' bytes, row-major) and returns 0, or nonzero on failure, which the
+ * loader reports (DT_EIO, naming the sample) from dt_loader_next.  It is
+ * called from the loader's thread, for one sample at a time.  user is
+ * borrowed. */
+typedef int (*dt_sample_fn)(void *user, int64_t i, void *input, void *target);
+DT_API dt_dataset *dt_dataset_from_callback(dt_ctx *ctx, int64_t n, const dt_sample_field *input,
+                                            const dt_sample_field *target, dt_sample_fn fill,
+                                            void *user);
+/* Samples [first, first + count) of ds as a dataset of their own (a view:
+ * ds is borrowed and must outlive it).  new: free with dt_dataset_free.
+ * DT_EINVAL: ds NULL, the range outside ds. */
+DT_API dt_dataset *dt_dataset_subset(dt_ctx *ctx, const dt_dataset *ds, int64_t first,
+                                     int64_t count);
+/* The input's and the target's field (either pointer may be NULL).
+ * DT_EINVAL: ds NULL. */
+DT_API dt_status dt_dataset_fields(const dt_dataset *ds, dt_sample_field *input,
+                                   dt_sample_field *target);
+/* Sample i's raw input and target bytes, copied into input and target
+ * (room for one field each; either may be NULL).  DT_EINVAL: ds NULL, i
+ * out of range; a callback's failure: DT_EIO. */
+DT_API dt_status dt_dataset_sample(const dt_dataset *ds, int64_t i, void *input, void *target);
+
+/* Normalisation, as torchvision's ToTensor and Normalize, applied by the
+ * loaders and dt_evaluate made after the call: u8 inputs become value/255
+ * when scale_u8 is 1, then x = (x - mean[k]) / std[k], where k is the
+ * element's channel (n = the input's first dim), its feature (n = the
+ * input's element count) or 0 (n = 1); n = 0: no mean and std.  mean and
+ * std are copied.  IDX datasets start with scale_u8 1.  DT_EINVAL: ds
+ * NULL, n another count, a std <= 0, mean or std NULL with n > 0;
+ * DT_ENOTSUP: an i32 input (token ids are not normalised). */
+DT_API dt_status dt_dataset_normalize(dt_dataset *ds, int scale_u8, int n, const float *mean,
+                                      const float *std);
+/* The inputs' mean and standard deviation (population) per channel (n =
+ * the first dim), per feature (n = the element count) or over all (n = 1),
+ * after the u8 scaling set by dt_dataset_normalize but before its mean and
+ * std: what to pass it.  DT_EINVAL: as dt_dataset_normalize. */
+DT_API dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std);
 
 typedef struct dt_loader_config {
     int batch;            /* samples per batch */
     int shuffle;          /* reshuffle every epoch */
     int drop_last;        /* drop a last partial batch */
     uint64_t seed;        /* shuffle seed; epoch e uses (seed, e) */
-    float mean, std;      /* pixel -> (pixel/255 - mean)/std */
+    float mean, std;      /* f32 inputs -> (x - mean)/std, after the dataset's own
+                             normalisation (dt_dataset_normalize: IDX pixels are
+                             pixel/255 then); 0 and 1 leave them as they are */
     int prefetch;         /* background thread fills the next batch */
     int shard_rank;       /* this rank's shard (distributed sampling) */
     int shard_count;      /* number of shards; 0 or 1 means all data */
@@ -631,7 +760,8 @@ typedef struct dt_loader_config {
 DT_API void dt_loader_config_init(dt_loader_config *cfg);
 
 /* New loader over ds (borrowed; must outlive the loader).  Batches are
- * x (B,C,H,W) f32 and y (B) i32.  new: free with dt_loader_free.  It starts
+ * x (B, input shape) and y (B, target shape), typed as section 9 says
+ * (Fashion-MNIST: x (B,1,28,28) f32, y (B) i32).  new: free with dt_loader_free.  It starts
  * epoch 0.  DT_EINVAL: ds or cfg NULL, batch < 1, std <= 0, shard_rank
  * outside [0, shard_count), global_batches with more than 64 shards. */
 DT_API dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_config *cfg);

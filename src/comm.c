@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * Communicators and collectives
@@ -34,6 +34,48 @@ DT_PRIVATE const char *comm_coll_name(int kind)
 {
     return kind >= 1 && kind < (int)(sizeof coll_names / sizeof coll_names[0]) ? coll_names[kind]
                                                                              : "?";
+}
+
+/* The algorithms' names, by COMM_ALG_*, for the trace and the report */
+static const char *const coll_algs[] = {"?", "shared segment", "hierarchical", "recursive doubling",
+                                        "ring", "binomial tree", "pairwise", "16-bit ring",
+                                        "parameter server", "send/recv"};
+
+DT_PRIVATE const char *comm_alg_name(int alg)
+{
+    return coll_algs[alg >= 0 && alg < (int)(sizeof coll_algs / sizeof coll_algs[0]) ? alg : 0];
+}
+
+/* Bytes over the busiest link per byte of a collective's buffer, for the
+ * bus bandwidth that NCCL's tests report. */
+DT_PRIVATE double comm_bus_factor(int kind, int P)
+{
+    if (P <= 1)
+        return 0;
+    switch (kind) {
+    case COLL_ALLREDUCE: case COLL_ALLREDUCE16: case COLL_ALLREDUCE_SHARED:
+        return 2.0 * (P - 1) / P;
+    case COLL_BROADCAST: return 1.0;
+    case COLL_BARRIER: return 0.0;
+    default: return (double)(P - 1) / P;
+    }
+}
+
+static int64_t coll_bytes(const dt_work *w)
+{
+    return w->kind == COLL_BARRIER ? 0 : w->n * (w->kind == COLL_ALLREDUCE16 ? 2 : 4);
+}
+
+/* What the comm thread just ran, for the profiler (src/record.c). */
+static void comm_record(dt_comm *c, const dt_work *w, double t0, double t1)
+{
+    if (w->kind == COLL_EXT) {
+        prof_ext(c->ctx, t0, t1, w->ext_what, w->n, w->ext_stale, w->status == DT_OK);
+        return;
+    }
+    int64_t bytes = coll_bytes(w);
+    prof_coll(c->ctx, t0, t1, w->kind, w->alg, bytes, (double)bytes * comm_bus_factor(w->kind, c->world),
+              c->world);
 }
 
 #define TAG_HEADER_STEP 0xFFFFu
@@ -1008,7 +1050,7 @@ DT_PRIVATE void *comm_main(void *arg)
         run_work(c, w);
         double t1 = dt_now();
         w->run_s = t1 - t0;
-        prof_coll(c, w, t0, t1);
+        comm_record(c, w, t0, t1);
         pthread_mutex_lock(&c->mu);
         c->running = 0;
         w->done = 1;
@@ -1176,7 +1218,7 @@ static dt_status run_inline(dt_comm *c, int kind, float *buf, const float *in, i
     pthread_mutex_unlock(&c->mu);
     double t0 = dt_now();
     run_work(c, &w);
-    prof_coll(c, &w, t0, dt_now());
+    comm_record(c, &w, t0, dt_now());
     pthread_mutex_lock(&c->mu);
     c->running = 0;
     if (c->head)   /* the comm thread waits for us only when work is queued */

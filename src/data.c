@@ -1,190 +1,13 @@
 #include "internal.h"
 
 /* ===========================================================================
- * Data: IDX files and the prefetching loader
- *
- * IDX files are read through zlib's gzread, which also reads uncompressed
- * files, so .gz and plain files take one path.  Images stay uint8 (47 MB for
- * Fashion-MNIST's training set instead of 188 MB as floats) and are
- * converted per batch through a 256-entry table.
+ * The prefetching loader (datasets: src/dataset.c, src/dataset_io.c)
  *
  * The loader's background thread converts batch k+1 into the spare half of
  * a double buffer while the caller computes on batch k.  On a host-visible
  * backend the halves are the batch tensors themselves (no copy); otherwise
  * the main thread copies the finished half to the device.
  * ======================================================================== */
-
-#define DT_IDX_MAX_BYTES ((uint64_t)1 << 32)   /* refuse absurd headers */
-
-static dt_status gz_read_all(dt_ctx *ctx, gzFile gz, void *dst, uint64_t n, const char *path)
-{
-    uint8_t *p = dst;
-    while (n > 0) {
-        unsigned chunk = n > (1u << 30) ? (1u << 30) : (unsigned)n;
-        int got = gzread(gz, p, chunk);
-        if (got <= 0 || (unsigned)got != chunk) {
-            int zerr = 0;
-            const char *msg = gzerror(gz, &zerr);
-            return set_error(ctx, DT_ECORRUPT, "dataset: %s is truncated or corrupt (%s)", path,
-                             zerr ? msg : "unexpected end of file");
-        }
-        p += chunk;
-        n -= chunk;
-    }
-    return DT_OK;
-}
-
-/* Read an IDX header: magic 0x0000 08 ndim, then ndim big-endian u32 dims. */
-static dt_status idx_header(dt_ctx *ctx, gzFile gz, const char *path, int want_ndim,
-                            uint64_t *dims)
-{
-    unsigned char h[4];
-    dt_status s = gz_read_all(ctx, gz, h, 4, path);
-    if (s != DT_OK)
-        return s;
-    if (h[0] != 0 || h[1] != 0 || h[2] != 0x08 || h[3] != want_ndim)
-        return set_error(ctx, DT_ECORRUPT, "dataset: %s is not a uint8 IDX file with %d dims "
-                         "(magic %02x %02x %02x %02x)", path, want_ndim, h[0], h[1], h[2], h[3]);
-    uint64_t total = 1;
-    for (int i = 0; i < want_ndim; i++) {
-        unsigned char d[4];
-        if ((s = gz_read_all(ctx, gz, d, 4, path)) != DT_OK)
-            return s;
-        dims[i] = (uint64_t)d[0] << 24 | (uint64_t)d[1] << 16 | (uint64_t)d[2] << 8 | d[3];
-        total *= dims[i] ? dims[i] : 1;
-        if (dims[i] == 0 || total > DT_IDX_MAX_BYTES)
-            return set_error(ctx, DT_ECORRUPT, "dataset: %s has an impossible dimension %d = %llu",
-                             path, i, (unsigned long long)dims[i]);
-    }
-    return DT_OK;
-}
-
-static dt_status idx_load(dt_ctx *ctx, const char *path, int ndim, uint64_t *dims, uint8_t **out)
-{
-    gzFile gz = gzopen(path, "rb");
-    if (!gz)
-        return set_error(ctx, DT_EIO, "dataset: cannot open %s: %s", path, strerror(errno));
-    dt_status s = idx_header(ctx, gz, path, ndim, dims);
-    uint64_t n = 1;
-    for (int i = 0; i < ndim; i++)
-        n *= dims[i];
-    uint8_t *buf = NULL;
-    if (s == DT_OK && !(buf = host_alloc(ctx, (size_t)n)))
-        s = set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
-    if (s == DT_OK)
-        s = gz_read_all(ctx, gz, buf, n, path);
-    gzclose(gz);
-    if (s != DT_OK) {
-        host_free(ctx, buf);
-        return s;
-    }
-    *out = buf;
-    return DT_OK;
-}
-
-dt_dataset *dt_dataset_load_idx(dt_ctx *ctx, const char *images_path, const char *labels_path)
-{
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (!images_path || !labels_path) {
-        set_error(ctx, DT_EINVAL, "dataset: image and label paths are required");
-        return NULL;
-    }
-    dt_dataset *ds = host_calloc(ctx, sizeof *ds);
-    if (!ds) {
-        set_error(ctx, DT_ENOMEM, "dataset: out of memory");
-        return NULL;
-    }
-    ds->ctx = ctx;
-    uint64_t idim[3], ldim[1];
-    if (idx_load(ctx, images_path, 3, idim, &ds->images) != DT_OK ||
-        idx_load(ctx, labels_path, 1, ldim, &ds->labels) != DT_OK)
-        goto fail;
-    if (idim[0] != ldim[0]) {
-        set_error(ctx, DT_EMISMATCH, "dataset: %s has %llu images but %s has %llu labels",
-                  images_path, (unsigned long long)idim[0], labels_path,
-                  (unsigned long long)ldim[0]);
-        goto fail;
-    }
-    ds->n = (int64_t)idim[0];
-    ds->c = 1;
-    ds->h = (int64_t)idim[1];
-    ds->w = (int64_t)idim[2];
-    for (int64_t i = 0; i < ds->n; i++)
-        if (ds->labels[i] + 1 > ds->classes)
-            ds->classes = ds->labels[i] + 1;
-    return ds;
-fail:
-    dt_dataset_free(ds);
-    return NULL;
-}
-
-/* path of dir/name, preferring the .gz file when both could exist */
-static void dataset_path(char *out, size_t cap, const char *dir, const char *name)
-{
-    snprintf(out, cap, "%s/%s.gz", dir, name);
-    if (access(out, R_OK) != 0)
-        snprintf(out, cap, "%s/%s", dir, name);
-}
-
-dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split)
-{
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (split != 0 && split != 1) {
-        set_error(ctx, DT_EINVAL, "dataset: split must be 0 (train) or 1 (test), got %d", split);
-        return NULL;
-    }
-    if (!dir)
-        dir = "/usr/share/datasets/fashion-mnist";
-    char img[4096], lab[4096];
-    const char *pre = split ? "t10k" : "train";
-    char iname[64], lname[64];
-    snprintf(iname, sizeof iname, "%s-images-idx3-ubyte", pre);
-    snprintf(lname, sizeof lname, "%s-labels-idx1-ubyte", pre);
-    dataset_path(img, sizeof img, dir, iname);
-    dataset_path(lab, sizeof lab, dir, lname);
-    if (access(img, R_OK) != 0) {
-        set_error(ctx, DT_EIO, "dataset: Fashion-MNIST not found in %s (install Debian's "
-                               "dataset-fashion-mnist: apt-get install dataset-fashion-mnist)", dir);
-        return NULL;
-    }
-    return dt_dataset_load_idx(ctx, img, lab);
-}
-
-void dt_dataset_free(dt_dataset *ds)
-{
-    if (!ds)
-        return;
-    host_free(ds->ctx, ds->images);
-    host_free(ds->ctx, ds->labels);
-    host_free(ds->ctx, ds);
-}
-
-int64_t dt_dataset_size(const dt_dataset *ds) { return ds ? ds->n : 0; }
-int dt_dataset_classes(const dt_dataset *ds) { return ds ? ds->classes : 0; }
-
-int dt_dataset_sample_shape(const dt_dataset *ds, int64_t *shape)
-{
-    if (!ds)
-        return 0;
-    if (shape) {
-        shape[0] = ds->c;
-        shape[1] = ds->h;
-        shape[2] = ds->w;
-    }
-    return 3;
-}
-
-const uint8_t *dt_dataset_image(const dt_dataset *ds, int64_t i)
-{
-    return ds && i >= 0 && i < ds->n ? ds->images + i * ds->c * ds->h * ds->w : NULL;
-}
-
-int dt_dataset_label(const dt_dataset *ds, int64_t i)
-{
-    return ds && i >= 0 && i < ds->n ? ds->labels[i] : -1;
-}
 
 void dt_loader_config_init(dt_loader_config *cfg)
 {
@@ -206,10 +29,9 @@ void dt_loader_config_init(dt_loader_config *cfg)
 static void upload_batch(dt_loader *ld, loader_slot *s)
 {
     const dt_backend_iface *be = BE(ld->ctx);
-    size_t xb = (size_t)(s->count * ld->sample_elems) * sizeof(float);
+    size_t xb = (size_t)(s->count * ld->x_elems) * 4, yb = (size_t)(s->count * ld->y_elems) * 4;
     be->copy_async(BEI(ld->ctx), s->x->data, s->hx, xb, DT_COPY_H2D);
-    s->ticket = be->copy_async(BEI(ld->ctx), s->y->data, s->hy,
-                               (size_t)s->count * sizeof(int32_t), DT_COPY_H2D);
+    s->ticket = be->copy_async(BEI(ld->ctx), s->y->data, s->hy, yb, DT_COPY_H2D);
 }
 
 static void upload_wait(dt_loader *ld, loader_slot *s)
@@ -307,16 +129,12 @@ static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
         count = ld->cap;
     if (!ld->cfg.global_batches)
         s->global = count;
-    int64_t e = ld->sample_elems;
     upload_wait(ld, s);
-    for (int64_t i = 0; i < count; i++) {
-        int64_t idx = ld->order[start + i * stride];
-        const uint8_t *src = ld->ds->images + idx * e;
-        float *dst = s->hx + i * e;
-        for (int64_t k = 0; k < e; k++)
-            dst[k] = ld->lut[src[k]];
-        s->hy[i] = ld->ds->labels[idx];
-    }
+    s->status = DT_OK;
+    for (int64_t i = 0; i < count && s->status == DT_OK; i++)
+        s->status = dataset_read(ld->ds, &ld->xf, ld->order[start + i * stride],
+                                 (char *)s->hx + 4 * i * ld->x_elems,
+                                 (char *)s->hy + 4 * i * ld->y_elems, s->msg, sizeof s->msg);
     s->batch_index = b;
     s->count = (int)count;
     if (uploads_async(ld))
@@ -407,6 +225,7 @@ void dt_loader_free(dt_loader *ld)
     }
     host_free(ctx, ld->order);
     host_free(ctx, ld->split);
+    dataset_xform_free(ctx, &ld->xf);
     if (ld->steal)
         ld->source->release(ld);
     host_free(ctx, ld);
@@ -420,8 +239,8 @@ static int loader_pin_slot(dt_loader *ld, loader_slot *s)
     if (!BE(ctx)->host_alloc)
         return 0;
     int64_t b = ld->cap;
-    s->hx = BE(ctx)->host_alloc(BEI(ctx), (size_t)(b * ld->sample_elems) * sizeof(float));
-    s->hy = BE(ctx)->host_alloc(BEI(ctx), (size_t)b * sizeof(int32_t));
+    s->hx = BE(ctx)->host_alloc(BEI(ctx), (size_t)(b * ld->x_elems) * 4);
+    s->hy = BE(ctx)->host_alloc(BEI(ctx), (size_t)(b * ld->y_elems) * 4);
     if (s->hx && s->hy)
         return s->pinned = 1;
     if (s->hx)
@@ -436,19 +255,24 @@ static int loader_pin_slot(dt_loader *ld, loader_slot *s)
 static dt_status loader_alloc_slots(dt_loader *ld)
 {
     dt_ctx *ctx = ld->ctx;
-    int64_t b = ld->cap;
-    int64_t xs[4] = {b, ld->ds->c, ld->ds->h, ld->ds->w}, ys[1] = {b};
+    int64_t b = ld->cap, xs[DT_MAX_DIMS] = {b}, ys[DT_MAX_DIMS] = {b};
+    const ds_field *in = &ld->ds->in, *tgt = &ld->ds->tgt;
+    for (int d = 0; d < in->f.ndim; d++)
+        xs[d + 1] = in->f.shape[d];
+    for (int d = 0; d < tgt->f.ndim; d++)
+        ys[d + 1] = tgt->f.shape[d];
     for (int i = 0; i < 2; i++) {
         loader_slot *s = &ld->slot[i];
         s->batch_index = -1;
-        if (!(s->x = dt_tensor_new(ctx, DT_F32, 4, xs)) || !(s->y = dt_tensor_new(ctx, DT_I32, 1, ys)))
+        if (!(s->x = dt_tensor_new(ctx, ld->x_dtype, in->f.ndim + 1, xs)) ||
+            !(s->y = dt_tensor_new(ctx, ld->y_dtype, tgt->f.ndim + 1, ys)))
             return ctx->last_status;
         if (ld->host_visible) {
-            s->hx = FP(s->x);
-            s->hy = IP(s->y);
+            s->hx = s->x->data;
+            s->hy = s->y->data;
         } else if (!loader_pin_slot(ld, s)) {
-            s->hx = host_alloc(ctx, (size_t)(b * ld->sample_elems) * sizeof(float));
-            s->hy = host_alloc(ctx, (size_t)b * sizeof(int32_t));
+            s->hx = host_alloc(ctx, (size_t)(b * ld->x_elems) * 4);
+            s->hy = host_alloc(ctx, (size_t)(b * ld->y_elems) * 4);
             if (!s->hx || !s->hy)
                 return set_error(ctx, DT_ENOMEM, "loader: out of memory");
         }
@@ -471,6 +295,11 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
                   cfg->shard_rank, cfg->shard_count);
         return NULL;
     }
+    if (ds->in.f.dtype == DT_I32 && (cfg->mean != 0.0f || cfg->std != 1.0f)) {
+        set_error(ctx, DT_EINVAL, "loader: mean %g and std %g apply to f32 inputs; this dataset's "
+                  "inputs are i32 (token ids)", (double)cfg->mean, (double)cfg->std);
+        return NULL;
+    }
     dt_loader *ld = host_calloc(ctx, sizeof *ld);
     if (!ld) {
         set_error(ctx, DT_ENOMEM, "loader: out of memory");
@@ -480,7 +309,10 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     ld->ds = ds;
     ld->cfg = *cfg;
     ld->cfg.shard_count = shards;
-    ld->sample_elems = ds->c * ds->h * ds->w;
+    ld->x_elems = ds->in.elems;
+    ld->y_elems = ds->tgt.elems;
+    ld->x_dtype = dataset_batch_dtype(&ds->in, 0);
+    ld->y_dtype = dataset_batch_dtype(&ds->tgt, 1);
     ld->host_visible = BE(ctx)->host_visible;
     ld->request = -1;
     ld->cap = cfg->batch;
@@ -501,15 +333,14 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
         for (int r = 0; r < shards; r++)
             ld->split[r] = 1.0;
     }
-    for (int v = 0; v < 256; v++)
-        ld->lut[v] = ((float)v / 255.0f - cfg->mean) / cfg->std;
     /* shards as torch's DistributedSampler: pad to a multiple of the count
      * (every rank runs as many batches), or for evaluation each sample once */
     ld->n_local = (ds->n + shards - 1) / shards;
     if (cfg->shard_no_pad)
         ld->n_local = (ds->n - cfg->shard_rank + shards - 1) / shards;
     ld->order = host_alloc(ctx, sizeof(int64_t) * (size_t)(ds->n + shards));
-    if (!ld->order || loader_alloc_slots(ld) != DT_OK) {
+    if (!ld->order || dataset_xform_init(ds, cfg->mean, cfg->std, &ld->xf) != DT_OK ||
+        loader_alloc_slots(ld) != DT_OK) {
         if (ctx->last_status == DT_OK)
             set_error(ctx, DT_ENOMEM, "loader: out of memory");
         dt_loader_free(ld);
@@ -620,6 +451,10 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     }
     if (ld->cfg.global_batches && s->gen != ld->split_gen)
         fill_batch(ld, s, s->batch_index);   /* cut before the split changed: again */
+    if (s->status != DT_OK) {   /* a sample could not be read: this epoch ends here */
+        ld->next = ld->n_batches;
+        return set_error(ctx, s->status, "%s", s->msg);
+    }
     ld->cur_offset = s->offset;
     ld->cur_count = s->count;
     ld->cur_global = s->global;
@@ -630,9 +465,8 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     if (uploads_async(ld)) {   /* started by the filler: kernels from here on wait */
         BE(ctx)->copy_join(BEI(ctx), s->ticket);
     } else if (!ld->host_visible) {
-        BE(ctx)->to_device(BEI(ctx), s->x->data, s->hx,
-                           (size_t)(s->count * ld->sample_elems) * sizeof(float));
-        BE(ctx)->to_device(BEI(ctx), s->y->data, s->hy, (size_t)s->count * sizeof(int32_t));
+        BE(ctx)->to_device(BEI(ctx), s->x->data, s->hx, (size_t)(s->count * ld->x_elems) * 4);
+        BE(ctx)->to_device(BEI(ctx), s->y->data, s->hy, (size_t)(s->count * ld->y_elems) * 4);
     }
     ld->next++;
     if (ld->next < ld->n_batches)    /* the other half fills while the caller computes */

@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * Evaluation and inference over a dataset (dt_evaluate, dt_predict): alone,

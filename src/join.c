@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * Joining the job: a communicator's rendezvous (the store, the transport's

@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * Launching ranks on one host

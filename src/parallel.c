@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * Model parallelism: pipelines and tensor-parallel layers

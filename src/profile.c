@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * Profiler: step breakdowns, timelines, stragglers
@@ -156,7 +156,7 @@ static dt_status prof_link_test(dt_ctx *ctx, dt_comm *c, double *busbw)
     }
     host_free(ctx, buf);
     if (st == DT_OK && best > 0 && best < INFINITY)
-        *busbw = prof_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
+        *busbw = comm_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
     return st;
 }
 
@@ -208,8 +208,8 @@ static void json_event(FILE *f, int *first, int rank, const prof_event *e, doubl
         fprintf(f, ",\"name\":\"%s\",\"cat\":\"comm\",\"args\":{\"bytes\":%lld,\"algorithm\":"
                 "\"%s\",\"ranks\":%lld,\"algbw_GBps\":%.4f,\"busbw_GBps\":%.4f}}",
                 e->what <= COLL_P2P ? comm_coll_name(e->what) : "?", (long long)e->a,
-                prof_alg_name(e->alg), (long long)e->b, algbw,
-                algbw * prof_bus_factor(e->what, (int)e->b));
+                comm_alg_name(e->alg), (long long)e->b, algbw,
+                algbw * comm_bus_factor(e->what, (int)e->b));
         break;
     }
     case EV_PS:

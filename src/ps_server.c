@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * The parameter server's server side: its shard of the parameters, the

@@ -148,9 +148,6 @@ DT_PRIVATE void prof_step_end(dt_ctx *ctx)
 /* What the comm thread ran: the algorithm (as 14's dispatch picks it) and
  * the NCCL-style bus factor that turns algbw into busbw (the bytes each
  * link carries, comparable with the link's speed). */
-static const char *const coll_algs[] = {"?", "shared segment", "hierarchical", "recursive doubling",
-                                        "ring", "binomial tree", "pairwise", "16-bit ring",
-                                        "parameter server", "send/recv"};   /* by COMM_ALG_* */
 
 /* The names of an event's phase and of a collective's algorithm, for the
  * trace and the report ("backward", "ring"). */
@@ -159,59 +156,47 @@ DT_PRIVATE const char *prof_phase_name(int phase)
     return phase_names[phase >= 0 && phase < PH_COUNT ? phase : PH_IDLE];
 }
 
-DT_PRIVATE const char *prof_alg_name(int alg)
-{
-    return coll_algs[alg >= 0 && alg < (int)(sizeof coll_algs / sizeof coll_algs[0]) ? alg : 0];
-}
-DT_PRIVATE double prof_bus_factor(int kind, int P)
-{
-    if (P <= 1)
-        return 0;
-    switch (kind) {
-    case COLL_ALLREDUCE: case COLL_ALLREDUCE16: case COLL_ALLREDUCE_SHARED:
-        return 2.0 * (P - 1) / P;
-    case COLL_BROADCAST: return 1.0;
-    case COLL_BARRIER: return 0.0;
-    default: return (double)(P - 1) / P;
-    }
-}
 
-DT_PRIVATE int64_t prof_coll_bytes(const dt_work *w)
+/* The comm thread ran a collective (kind, the algorithm it chose, bytes
+ * per rank, bytes over the busiest link, ranks) from t0 to t1. */
+DT_PRIVATE void prof_coll(dt_ctx *ctx, double t0, double t1, int kind, int alg, int64_t bytes,
+                          double bus_bytes, int world)
 {
-    return w->kind == COLL_BARRIER ? 0 : w->n * (w->kind == COLL_ALLREDUCE16 ? 2 : 4);
-}
-
-DT_PRIVATE void prof_coll(dt_comm *c, const dt_work *w, double t0, double t1)
-{
-    dt_ctx *ctx = c->ctx;
     if (!prof_recording(ctx))
         return;
     prof_state *p = &ctx->prof;
     pthread_mutex_lock(&p->mu);
-    if (w->kind == COLL_EXT) {   /* a parameter server's request: its record says what it was */
-        int pull = w->ext_stale >= 0;
-        p->tot.ps_calls++;
-        p->tot.ps_latency_s += t1 - t0;
-        p->tot.comm_s += t1 - t0;
-        if (pull && w->status == DT_OK) {
-            p->stale_sum += (double)w->ext_stale;
-            p->stale_n++;
-            if (w->ext_stale > p->tot.ps_max_staleness)
-                p->tot.ps_max_staleness = w->ext_stale;
-        }
-        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PS, .tid = TID_COMM,
-                                  .what = (uint8_t)w->ext_what, .a = w->n, .b = w->ext_stale});
-    } else {
-        int64_t bytes = prof_coll_bytes(w);
-        p->tot.collectives++;
-        p->tot.coll_bytes += (uint64_t)bytes;
-        p->tot.comm_s += t1 - t0;
-        p->bus_bytes += (double)bytes * prof_bus_factor(w->kind, c->world);
-        p->coll_s += t1 - t0;
-        prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_COLL, .tid = TID_COMM,
-                                  .what = (uint8_t)w->kind, .alg = w->alg,
-                                  .a = bytes, .b = c->world});
+    p->tot.collectives++;
+    p->tot.coll_bytes += (uint64_t)bytes;
+    p->tot.comm_s += t1 - t0;
+    p->bus_bytes += bus_bytes;
+    p->coll_s += t1 - t0;
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_COLL, .tid = TID_COMM,
+                              .what = (uint8_t)kind, .alg = (uint8_t)alg, .a = bytes, .b = world});
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The comm thread ran an extension's request (a parameter server's: what,
+ * n floats) from t0 to t1; a read answered with the given staleness (-1:
+ * not a read), ok when it succeeded. */
+DT_PRIVATE void prof_ext(dt_ctx *ctx, double t0, double t1, int what, int64_t n, int64_t stale,
+                         int ok)
+{
+    if (!prof_recording(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->tot.ps_calls++;
+    p->tot.ps_latency_s += t1 - t0;
+    p->tot.comm_s += t1 - t0;
+    if (stale >= 0 && ok) {
+        p->stale_sum += (double)stale;
+        p->stale_n++;
+        if (stale > p->tot.ps_max_staleness)
+            p->tot.ps_max_staleness = stale;
     }
+    prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PS, .tid = TID_COMM,
+                              .what = (uint8_t)what, .a = n, .b = stale});
     pthread_mutex_unlock(&p->mu);
 }
 

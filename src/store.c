@@ -1,4 +1,4 @@
-#include "internal.h"
+#include "dist.h"
 
 /* ===========================================================================
  * Processes: launcher environment and the rendezvous store

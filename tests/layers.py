@@ -10,6 +10,10 @@ module in a higher layer calls upward, which must be one of ALLOWED (empty
 today; docs/DESIGN.md).  Exits 1, naming the calls, on any other upward
 call, and on an ALLOWED call that no longer happens.
 
+Modules below the rendezvous store (the first distributed module) include
+src/internal.h alone, never src/dist.h (the distributed modules' types and
+offers).
+
 It also checks names: every DT_PRIVATE function (what a module offers the
 others) starts with one of its module's PREFIXES, so a call says where it
 goes.  Statics are the file's own and need none.
@@ -21,7 +25,7 @@ import sys
 # Bottom first.  Modules in one tuple are one layer and call each other freely.
 LAYERS = [
     ("context", "arena", "tensor", "param", "util", "record"),
-    ("autograd",), ("ops", "ops_nn"), ("recompute",), ("optim",), ("ckpt",), ("store",), ("data",),
+    ("autograd",), ("ops", "ops_nn"), ("recompute",), ("optim",), ("ckpt",), ("dataset", "dataset_io"), ("data",), ("store",),
     ("comm", "seg"), ("join",), ("eval",), ("launch",), ("profile",), ("codec",), ("ps", "ps_server"), ("ddp",), ("replicas",),
     ("hogwild",), ("steal",), ("parallel",),
 ]
@@ -38,7 +42,7 @@ PREFIXES = {
     "context": ("ctx_", "host_", "be_"), "arena": ("arena_",), "tensor": ("tensor_",),
     "param": ("param_",), "util": ("util_", "strbuf_"), "record": ("prof_",),
     "autograd": ("tape_", "grad_"), "ops": ("op_",), "ops_nn": ("op_",), "eval": ("eval_",), "recompute": ("recompute_",),
-    "optim": ("optim_",), "ckpt": ("ckpt_",), "store": ("store_",), "data": ("loader_", "data_"),
+    "optim": ("optim_",), "ckpt": ("ckpt_",), "store": ("store_",), "data": ("loader_", "data_"), "dataset": ("dataset_",), "dataset_io": ("dataset_",),
     "comm": ("comm_",), "seg": ("seg_",), "join": ("join_",), "launch": ("launch_",), "profile": ("prof_",), "codec": ("codec_",),
     "ps": ("ps_",), "ps_server": ("ps_",), "ddp": ("ddp_",), "replicas": ("replicas_",), "hogwild": ("hogwild_",),
     "steal": ("steal_",), "parallel": ("parallel_", "pipe_"),
@@ -75,6 +79,13 @@ DEFINITION = re.compile(r"^(?:DT_PRIVATE |static )?[A-Za-z_][\w \*]*?\b(\w+)\s*\
                         re.M)
 
 
+def dist_below_store(modules, layer_of):
+    """Modules below the first distributed one (the store) that include src/dist.h."""
+    return [f"src/{m}.c includes dist.h, the distributed modules' header, from below store"
+            for m in modules if layer_of[m] < layer_of["store"]
+            and re.search(r'^#include "dist\.h"', open(f"src/{m}.c").read(), re.M)]
+
+
 def main():
     modules = [m for layer in LAYERS for m in layer]
     layer_of = {m: i for i, layer in enumerate(LAYERS) for m in layer}
@@ -95,12 +106,12 @@ def main():
                 bad.append(f"src/{m}.c calls {name}() of src/{o}.c, a higher layer")
     gone = [f"ALLOWED lists {m} -> {n}(), which no longer happens: remove it"
             for m, names in sorted(ALLOWED.items()) for n in sorted(names) if (m, n) not in used]
-    names = misnamed(modules, code)
+    names = misnamed(modules, code) + dist_below_store(modules, layer_of)
     for line in bad + gone + names:
         print(f"layer check: {line}")
     if bad or gone or names:
         print(f"layer check: failed ({len(bad)} upward calls, {len(gone)} stale entries, "
-              f"{len(names)} names without their module's prefix)")
+              f"{len(names)} names without their module's prefix or headers out of place)")
         return 1
     print(f"layer check: {len(modules)} modules in {len(LAYERS)} layers call down only, "
           "each offering names with its prefix"

@@ -25,6 +25,7 @@ GROUP(core_grad)
 GROUP(core_optim)
 GROUP(core_ckpt)
 GROUP(core_data)
+GROUP(core_dataset)
 GROUP(core_errors)
 GROUP(core_memory)
 GROUP(core_backend)
@@ -52,7 +53,7 @@ int main(void)
     const group groups[] = {
         {"cpu_kernels", dt_test_cpu_kernels, dt_test_cpu_kernels_count},
 #define G(g) {#g, dt_test_##g, dt_test_##g##_count},
-        G(core_forward) G(core_grad) G(core_optim) G(core_ckpt) G(core_data) G(core_errors)
+        G(core_forward) G(core_grad) G(core_optim) G(core_ckpt) G(core_data) G(core_dataset) G(core_errors)
         G(core_memory) G(core_backend) G(core_amp) G(core_dist) G(core_launch) G(comm)
         G(transport) G(ddp) G(profile) G(parallel) G(cuda)
 #undef G

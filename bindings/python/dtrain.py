@@ -91,6 +91,7 @@ _restore_python_signal_handlers()
 _P, _I, _I64, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
 _F, _D, _S, _SZ = ctypes.c_float, ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t
 _I64P = ctypes.POINTER(ctypes.c_int64)
+_FP = ctypes.POINTER(ctypes.c_float)
 
 
 def _fn(name, restype, *argtypes):
@@ -128,6 +129,20 @@ class dt_loader_config(ctypes.Structure):
     _fields_ = [("batch", _I), ("shuffle", _I), ("drop_last", _I), ("seed", _U64),
                 ("mean", _F), ("std", _F), ("prefetch", _I), ("shard_rank", _I),
                 ("shard_count", _I), ("shard_no_pad", _I), ("global_batches", _I)]
+
+
+class dt_sample_field(ctypes.Structure):
+    _fields_ = [("dtype", _I), ("ndim", _I), ("shape", _I64 * 5)]
+
+
+class dt_token_config(ctypes.Structure):
+    _fields_ = [("context", _I64), ("stride", _I64), ("samples", _I64), ("seed", _U64),
+                ("first", _I64), ("count", _I64)]
+
+
+class dt_csv_config(ctypes.Structure):
+    _fields_ = [("delimiter", ctypes.c_char), ("header", _I), ("target_name", _S),
+                ("target_column", _I), ("classify", _I)]
 
 
 class dt_dist_env(ctypes.Structure):
@@ -194,7 +209,7 @@ class dt_pipe_stats(ctypes.Structure):
                 ("in_flight_peak", _I), ("act_bytes_peak", _SZ)]
 
 
-_STRUCTS += [dt_pipe_config, dt_pipe_stats]
+_STRUCTS += [dt_pipe_config, dt_pipe_stats, dt_sample_field, dt_token_config, dt_csv_config]
 
 _FORWARD_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P)   # dt_tensor *(*)(dt_ctx *, dt_tensor *, void *)
 _STAGE_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P, _P)   # (ctx, x, y, user) -> dt_tensor *
@@ -313,6 +328,16 @@ for _name, _res, _args in [
     ("dt_dataset_classes", _I, [_P]),
     ("dt_dataset_image", _P, [_P, _I64]),
     ("dt_dataset_label", _I, [_P, _I64]),
+    ("dt_dataset_from_memory", _P, [_P, _I64, ctypes.POINTER(dt_sample_field), _P,
+                                    ctypes.POINTER(dt_sample_field), _P, _I]),
+    ("dt_dataset_load_npy", _P, [_P, _S, _S]),
+    ("dt_csv_config_init", None, [ctypes.POINTER(dt_csv_config)]),
+    ("dt_dataset_load_csv", _P, [_P, _S, ctypes.POINTER(dt_csv_config)]),
+    ("dt_token_config_init", None, [ctypes.POINTER(dt_token_config)]),
+    ("dt_dataset_from_tokens", _P, [_P, _P, _I64, _I, _I, ctypes.POINTER(dt_token_config)]),
+    ("dt_dataset_subset", _P, [_P, _P, _I64, _I64]),
+    ("dt_dataset_normalize", _I, [_P, _I, _I, _FP, _FP]),
+    ("dt_dataset_stats", _I, [_P, _I, _FP, _FP]),
     ("dt_loader_config_init", None, [ctypes.POINTER(dt_loader_config)]),
     ("dt_loader_new", _P, [_P, _P, ctypes.POINTER(dt_loader_config)]),
     ("dt_loader_free", None, [_P]),
@@ -961,14 +986,115 @@ def checkpoint_load(ctx, path, opt=None):
 
 # --- 9. data --------------------------------------------------------------------------------
 
+# NumPy dtypes a dataset holds as they are (dt_dtype numbers)
+_DS_DT = {np.dtype(np.float32): 0, np.dtype(np.int32): 1, np.dtype(np.uint8): 2,
+          np.dtype(np.float16): 4}
+
+
+def _field_of(a):
+    """dt_sample_field of one sample of array a (its first dim is the samples)."""
+    if a.ndim < 1 or a.ndim > 6:
+        raise ValueError("a dataset array needs 1 to 6 dims (the first: samples), got %d" % a.ndim)
+    f = dt_sample_field()
+    f.dtype = _DS_DT[a.dtype]
+    f.ndim = a.ndim - 1
+    for d, n in enumerate(a.shape[1:]):
+        f.shape[d] = n
+    return f
+
+
+def _dataset_array(a, what):
+    """a itself when dtrain can hold it in place (C order, a dtype it reads), else a
+    converted copy: float64 -> float32, other ints -> int32."""
+    a = np.asarray(a)
+    if a.dtype not in _DS_DT:
+        if a.dtype.kind == "f":
+            a = a.astype(np.float32)
+        elif a.dtype.kind in "iub":
+            a = a.astype(np.int32)
+        else:
+            raise TypeError("%s: dtype %s is not a number type" % (what, a.dtype))
+    return np.ascontiguousarray(a)
+
+
 class Dataset(_Handle):
-    """dt_dataset: images (uint8) and labels in memory."""
+    """dt_dataset: n samples, each an input and a target (section 9 of dtrain.h)."""
     _close_order = 2
     _what = "dataset"
     _free = staticmethod(_C.dataset_free)
+    _keep = ()
 
-    def __init__(self, ctx, handle):
+    def __init__(self, ctx, handle, keep=()):
         self._own(ctx, handle)
+        self._keep = keep   # arrays and datasets it reads in place: alive as long as it is
+
+    @classmethod
+    def from_numpy(cls, ctx, x, y, copy=False):
+        """Inputs x and targets y (first dim: samples).  Without copy, C-ordered float32,
+        int32, uint8 or float16 arrays are used in place (zero copy): do not change them
+        while the dataset lives; other arrays are converted once."""
+        x, y = _dataset_array(x, "inputs"), _dataset_array(y, "targets")
+        if len(x) != len(y):
+            raise ValueError("%d inputs but %d targets" % (len(x), len(y)))
+        fx, fy = _field_of(x), _field_of(y)
+        h = _C.dataset_from_memory(ctx.handle, len(x), ctypes.byref(fx), x.ctypes.data,
+                                   ctypes.byref(fy), y.ctypes.data, 1 if copy else 0)
+        return cls(ctx, h, () if copy else (x, y))
+
+    @classmethod
+    def from_tokens(cls, ctx, tokens, context=64, stride=None, samples=0, seed=0, first=0,
+                    count=-1):
+        """Windows of a 1-D token array (uint8, uint16 or int32; used in place) for a
+        language model: x the first `context` ids, y the next `context`.  stride None:
+        `context`; 0: `samples` random windows from seed."""
+        t = np.asarray(tokens)
+        if t.dtype not in (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32)):
+            t = t.astype(np.int32)
+        t = np.ascontiguousarray(t)
+        cfg = dt_token_config()
+        _C.token_config_init(ctypes.byref(cfg))
+        cfg.context, cfg.stride = context, context if stride is None else stride
+        cfg.samples, cfg.seed, cfg.first, cfg.count = samples, seed, first, count
+        h = _C.dataset_from_tokens(ctx.handle, t.ctypes.data, t.size, t.itemsize, 0,
+                                   ctypes.byref(cfg))
+        return cls(ctx, h, (t,))
+
+    @classmethod
+    def load_npy(cls, ctx, inputs_path, targets_path):
+        return cls(ctx, _C.dataset_load_npy(ctx.handle, _b(inputs_path), _b(targets_path)))
+
+    @classmethod
+    def load_csv(cls, ctx, path, target=-1, classify=True, header=-1, delimiter=","):
+        """target: a column name (needs a header) or number (-1: the last)."""
+        cfg = dt_csv_config()
+        _C.csv_config_init(ctypes.byref(cfg))
+        name = _b(target) if isinstance(target, str) else None
+        cfg.target_name = name
+        if name is None:
+            cfg.target_column = target
+        cfg.classify, cfg.header, cfg.delimiter = int(classify), header, delimiter.encode()
+        return cls(ctx, _C.dataset_load_csv(ctx.handle, _b(path), ctypes.byref(cfg)))
+
+    def subset(self, first, count):
+        """Samples [first, first + count) as a dataset (a view of this one)."""
+        return Dataset(self.ctx, _C.dataset_subset(self.ctx.handle, self.handle, first, count),
+                       (self,))
+
+    def normalize(self, mean=None, std=None, scale_u8=False):
+        """u8 inputs / 255 (scale_u8), then (x - mean) / std per channel, per element or
+        overall (as many values as channels, elements or one)."""
+        m = np.ascontiguousarray(np.atleast_1d(mean if mean is not None else []), np.float32)
+        s = np.ascontiguousarray(np.atleast_1d(std if std is not None else []), np.float32)
+        if m.size != s.size:
+            raise ValueError("%d means but %d stds" % (m.size, s.size))
+        self.ctx.check(_C.dataset_normalize(self.handle, int(scale_u8), m.size,
+                                            m.ctypes.data_as(_FP), s.ctypes.data_as(_FP)))
+
+    def stats(self, n=1):
+        """The inputs' (mean, std) arrays per channel (n = channels), element or overall."""
+        m, s = np.empty(n, np.float32), np.empty(n, np.float32)
+        self.ctx.check(_C.dataset_stats(self.handle, n, m.ctypes.data_as(_FP), s.ctypes.data_as(_FP)))
+        return m, s
 
     @classmethod
     def fashion_mnist(cls, ctx, split="train", dir=None):

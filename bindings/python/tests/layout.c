@@ -40,6 +40,17 @@ int main(void)
     F(dt_loader_config, shard_count, shard_count); F(dt_loader_config, shard_no_pad, shard_no_pad);
     F(dt_loader_config, global_batches, global_batches); END(dt_loader_config);
 
+    F(dt_sample_field, dtype, dtype); F(dt_sample_field, ndim, ndim);
+    F(dt_sample_field, shape, shape); END(dt_sample_field);
+
+    F(dt_token_config, context, context); F(dt_token_config, stride, stride);
+    F(dt_token_config, samples, samples); F(dt_token_config, seed, seed);
+    F(dt_token_config, first, first); F(dt_token_config, count, count); END(dt_token_config);
+
+    F(dt_csv_config, delimiter, delimiter); F(dt_csv_config, header, header);
+    F(dt_csv_config, target_name, target_name); F(dt_csv_config, target_column, target_column);
+    F(dt_csv_config, classify, classify); END(dt_csv_config);
+
     F(dt_dist_env, rank, rank); F(dt_dist_env, world_size, world_size);
     F(dt_dist_env, local_rank, local_rank); F(dt_dist_env, local_world_size, local_world_size);
     F(dt_dist_env, master_addr, master_addr); F(dt_dist_env, master_port, master_port);

@@ -188,6 +188,79 @@ class ZeroCopy(unittest.TestCase):
                 ds.image(10000)
 
 
+class Datasets(unittest.TestCase):
+    def batches(self, ds, **cfg):
+        with_ld = dt.Loader(ds.ctx, ds, **cfg)
+        out = []
+        for x, y in with_ld.epoch(0):
+            out.append((x.numpy(copy=True), y.numpy(copy=True)))
+        with_ld.close()
+        return out
+
+    def test_numpy_arrays_zero_copy(self):
+        with dt.Context() as ctx:
+            x = np.arange(40 * 3, dtype=np.float32).reshape(40, 3)
+            y = (np.arange(40) % 4).astype(np.int64)          # NumPy's default int: converted
+            ds = dt.Dataset.from_numpy(ctx, x, y)
+            self.assertEqual(len(ds), 40)
+            self.assertEqual(ds.classes, 4)
+            x[5, 1] = -7.0                                     # read in place: seen by the loader
+            got = self.batches(ds, batch=8, shuffle=True, seed=2)
+            rows = np.concatenate([b[0] for b in got])
+            labels = np.concatenate([b[1] for b in got])
+            order = np.argsort(rows[:, 0])
+            np.testing.assert_array_equal(rows[order], x)
+            np.testing.assert_array_equal(labels[order], np.arange(40) % 4)
+            copied = dt.Dataset.from_numpy(ctx, x, y, copy=True)
+            x[5, 1] = 0.0
+            first = self.batches(copied, batch=40, shuffle=False)[0][0]
+            self.assertEqual(first[5, 1], -7.0)                 # the copy kept the old value
+
+    def test_tokens_subset_and_normalize(self):
+        with dt.Context() as ctx:
+            text = np.frombuffer(b"hello world, hello dtrain " * 4, dtype=np.uint8)
+            ds = dt.Dataset.from_tokens(ctx, text, context=8, stride=1)
+            self.assertEqual(len(ds), text.size - 8)
+            x, y = self.batches(ds, batch=len(ds), shuffle=False)[0]
+            self.assertEqual(x.dtype, np.int32)
+            np.testing.assert_array_equal(x[3], text[3:11])
+            np.testing.assert_array_equal(y[3], text[4:12])
+            val = ds.subset(len(ds) - 10, 10)
+            self.assertEqual(len(val), 10)
+            feats = np.random.default_rng(0).normal(3.0, 2.0, size=(64, 5)).astype(np.float32)
+            fds = dt.Dataset.from_numpy(ctx, feats, np.zeros(64, np.int32))
+            m, s = fds.stats(5)
+            np.testing.assert_allclose(m, feats.mean(0), rtol=1e-5)
+            np.testing.assert_allclose(s, feats.std(0), rtol=1e-4)
+            fds.normalize(m, s)
+            z = self.batches(fds, batch=64, shuffle=False)[0][0]
+            np.testing.assert_allclose(z, (feats - m) / s, rtol=1e-5, atol=1e-6)
+            with self.assertRaises(dt.InvalidArgument):
+                fds.normalize([1.0, 2.0], [1.0, 1.0])          # 2 fits no axis of 5 features
+
+    def test_csv_and_npy_files(self):
+        with dt.Context() as ctx, tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "t.csv")
+            with open(p, "w") as f:
+                f.write("w,h,kind\n1.5,2,1\n3,4.25,0\n")
+            ds = dt.Dataset.load_csv(ctx, p, target="kind")
+            x, y = self.batches(ds, batch=2, shuffle=False)[0]
+            np.testing.assert_array_equal(x, [[1.5, 2], [3, 4.25]])
+            np.testing.assert_array_equal(y, [1, 0])
+            with open(p, "w") as f:
+                f.write("w,h,kind\n1.5,oops,1\n")
+            with self.assertRaises(dt.CorruptFile) as cm:
+                dt.Dataset.load_csv(ctx, p, target="kind")
+            self.assertIn("row 2, column 2", str(cm.exception))
+            xs = np.arange(12, dtype=np.float32).reshape(4, 3)
+            np.save(os.path.join(d, "x.npy"), xs)
+            np.save(os.path.join(d, "y.npy"), np.array([0, 1, 1, 0]))
+            nds = dt.Dataset.load_npy(ctx, os.path.join(d, "x.npy"), os.path.join(d, "y.npy"))
+            x, y = self.batches(nds, batch=4, shuffle=False)[0]
+            np.testing.assert_array_equal(x, xs)
+            np.testing.assert_array_equal(y, [0, 1, 1, 0])
+
+
 class Lifetimes(unittest.TestCase):
     def test_step_tensor_after_reset(self):
         with dt.Context() as ctx:

@@ -1,0 +1,788 @@
+/*
+ * src/dist.h - what only the distributed modules share (private): the
+ * rendezvous store's, the communicator's and the comm thread's types, the
+ * parameter server's, DDP's, in-process replicas', Hogwild!'s, the
+ * profiler's exchange and the pipelines', and the functions those modules
+ * offer each other.  src/internal.h (the core's types and helpers) comes
+ * first; the modules below the communicator (context to data) include
+ * only that.
+ */
+#ifndef DTRAIN_DIST_H
+#define DTRAIN_DIST_H
+#include "internal.h"
+
+/* --- src/store.c --- */
+#define DT_STORE_MAX_TOKEN 256
+
+enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_TIME = 5, OP_ADD = 6, OP_REPLY = 0x80 };
+
+typedef struct launcher_vars {
+    const char *name, *rank, *world, *local_rank, *local_world;
+} launcher_vars;
+
+/* --- the store's server (rank 0, its own thread) ------------------------- */
+
+typedef struct kv_entry {
+    char *key;
+    unsigned char *val;
+    uint32_t len;
+} kv_entry;
+
+typedef struct store_client {
+    int fd;
+    int hello;                 /* 1 once the token was accepted */
+    int rank;                  /* from the hello */
+    int bye;                   /* left cleanly: its close is not a death */
+    uint32_t inc;              /* its process's incarnation (0: the first; see find_rejoin) */
+    unsigned char *buf;        /* partial incoming frame */
+    size_t have, cap;
+    unsigned char *out;        /* replies the socket has not taken yet */
+    size_t out_off, out_len, out_cap;
+    char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
+    double wait_deadline;
+    int waiting;
+} store_client;
+
+typedef struct store_server {
+    dt_allocator al;
+    int listen_fd, port, world;
+    int stop_pipe[2];
+    char token[DT_STORE_MAX_TOKEN + 1];
+    size_t token_len;
+    kv_entry *kv;
+    int nkv, cap_kv;
+    store_client *cl;
+    int ncl, cap_cl;
+    double drain_until;        /* stopping: serve until the others leave or then */
+    pthread_t thread;
+} store_server;
+
+struct dt_store {
+    dt_ctx *ctx;
+    int fd;                    /* this rank's connection */
+    int rank, timeout_ms;
+    uint32_t inc;              /* our process's incarnation, said in the hello */
+    char token[DT_STORE_MAX_TOKEN + 1];   /* the job's, for a second connection */
+    store_server *server;      /* rank 0 only */
+    char addr[DT_MAX_HOST];
+    int port;
+    char prefix[64];           /* a process group's namespace, put before every key but
+                                  those written "/key" (the job's own: "/dead") */
+};
+/* --- src/comm.c --- */
+/* allreduce: recursive doubling up to this many bytes, ring above.  On tcp
+ * one round of whole-buffer exchange beats the ring's two rounds up to
+ * 256 KiB (bench_allreduce, 2 ranks, 256 KiB: 2.0-2.4 GB/s against 1.8);
+ * on libfabric shm the ring wins from 64 KiB on. */
+#define DT_COMM_SMALL ((size_t)64 << 10)
+#define DT_COMM_SMALL_TCP ((size_t)256 << 10)
+#define DT_COMM_CHUNK ((size_t)4 << 20)    /* largest single message */
+#define DT_COMM_DEFAULT_TIMEOUT_MS 30000
+#define TAG_CHECK_SHIFT 52
+#define DT_COMM_DRAIN_MS 10000
+#define SEG_MAGIC 0x44545347u
+#define SEG_SLOT_DEFAULT ((size_t)1 << 20)
+#define SEG_SPIN_S 50e-6                   /* spin this long before sleeping */
+#define SEG_SPIN_INLINE_S 20e-3
+
+#define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
+
+enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_EXT, COLL_P2P };
+
+/* The algorithm a work ran with, as run_work chose it (src/comm.c); the
+ * profiler gets it with the rest of the record (comm_record, comm_alg_name). */
+enum { COMM_ALG_NONE, COMM_ALG_SEGMENT, COMM_ALG_HIERARCHICAL, COMM_ALG_DOUBLING, COMM_ALG_RING,
+       COMM_ALG_TREE, COMM_ALG_PAIRWISE, COMM_ALG_RING16, COMM_ALG_EXT, COMM_ALG_P2P };
+
+/* Memory every rank on the host maps (src/join.c): local rank q's part starts at
+ * base + q * part.  DDP keeps its gradient buckets there, so the host's
+ * allreduce reads the other ranks' gradients where backward wrote them. */
+typedef struct shm_region {
+    char *base;
+    size_t part, total;
+    int nlocal, me;
+} shm_region;
+
+struct dt_work {
+    dt_comm *comm;
+    int kind, root;
+    dt_reduce_op op;
+    float *buf;                /* allreduce, broadcast: in place; others: output */
+    const float *in;
+    const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
+                                  part); COLL_EXT: the extension's request (a ps_call) */
+    double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
+    void *owned;               /* freed with the work (a background request's memory) */
+    int64_t n;
+    uint32_t seq;
+    int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
+    int done;
+    double run_s;              /* seconds the work ran (comm thread or inline) */
+    /* its record, for the profiler: the algorithm (COMM_ALG_*); COLL_EXT:
+     * what the extension did (its op code) and how stale its answer was
+     * (-1: not a read) */
+    uint8_t alg;
+    int ext_what;
+    int64_t ext_stale;
+    uint64_t ticket;           /* backend copy to wait for before running (0: none) */
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+    dt_work *next;
+};
+
+/* What one COLL_EXT work of the parameter server does: a worker's request to the parameter servers
+ * (src/ps.c), run on its comm thread.  The headers live here, not on the
+ * comm thread's stack: a failed request may leave posts behind it. */
+enum { PS_INIT = 1, PS_PUSH, PS_PULL, PS_FINISH, PS_SPUSH, PS_SPULL, PS_HELLO, PS_CPUSH };
+#define PS_MAX_SERVERS 8
+typedef struct ps_msg {
+    uint32_t magic, op, seq;
+    int32_t status;            /* responses: DT_OK or the server's refusal */
+    int64_t lo, n;             /* dense: key range; sparse: table, rows */
+    int64_t clock;             /* the worker's completed steps */
+    int32_t code;              /* a compressed push: its dt_compress */
+    uint32_t chunk;            /* the request's data and its answer travel in pieces of
+                                  this many bytes (18: "Messages") */
+    int64_t k;                 /* and its entries (TOPK) */
+    char err[160];
+} ps_msg;
+/* One message's data in pieces (src/ps.c): piece i of `pieces` is bytes
+ * [i * chunk, ...) of buf, tagged ps_tag(type, seq, i). */
+typedef struct ps_stream {
+    int peer, sending, type;
+    uint32_t seq, next, pieces;   /* next: the first piece not yet posted */
+    char *buf;
+    size_t bytes;
+} ps_stream;
+typedef struct ps_call {
+    struct dt_ps *ps;
+    int op;
+    int64_t lo, n;             /* dense: keys; sparse: table, ids asked for */
+    float *buf;                /* push: the floats of [lo, lo+n); pull: where they go */
+    int64_t clock;             /* the worker's completed steps when the call was made */
+    int64_t stale;             /* a pull: the most stale server's answer */
+    /* sparse: each server's distinct rows (its local row numbers), as sent */
+    int64_t cnt[PS_MAX_SERVERS];
+    void *msg[PS_MAX_SERVERS];     /* push: ids then rows; pull: ids */
+    float *rows[PS_MAX_SERVERS];   /* pull: the answers */
+    int64_t *where;            /* pull: asked id i is row where[i] / 8 of server where[i] % 8 */
+    ps_msg out[2 * PS_MAX_SERVERS], in[PS_MAX_SERVERS];   /* in: by server */
+    unsigned char asked[PS_MAX_SERVERS];   /* an answer is expected from this server */
+    /* restarted servers (src/ps.c): a round goes to `only` those; what was sent */
+    unsigned char only[PS_MAX_SERVERS];
+    int use_only;
+    int64_t posted[PS_MAX_SERVERS];        /* push: floats sent to each server */
+    ps_msg hello[PS_MAX_SERVERS];
+    /* a compressed push: each shard's code in msg[], its entries in cnt[] */
+    int code;
+    size_t bytes[PS_MAX_SERVERS];
+    ps_stream streams[3 * PS_MAX_SERVERS];   /* this round's data, posted as room allows */
+    int nstreams;
+} ps_call;
+
+typedef struct seg_head seg_head;
+typedef struct seg_rank seg_rank;
+
+/* How the comm thread runs work of a kind defined above it: the parameter
+ * server registers these with its communicator (src/ps.c, ps_comm_ops)
+ * before its first request.  run: carry out w (COLL_EXT) with the transfers
+ * in *xsp, and fill its record (ext_what, ext_stale); check_dead: the
+ * periodic check while w waits on peers. */
+typedef struct comm_ext_ops {
+    dt_status (*run)(dt_comm *c, struct dt_work *w, struct xfers **xsp);
+    dt_status (*check_dead)(dt_comm *c, struct dt_work *w);
+} comm_ext_ops;
+
+struct dt_comm {
+    dt_ctx *ctx;
+    int rank, world;
+    int timeout_ms;
+    const dt_transport_iface *tp_iface;
+    dt_transport *tp;
+    dt_store *store;
+    char provider[64];
+    uint32_t next_seq;         /* caller's side: collectives issued */
+    size_t max_msg;
+    size_t doubling_max;       /* allreduce: recursive doubling up to here */
+    float *scratch;            /* comm thread: reduction buffer */
+    size_t scratch_floats;
+    dt_store *watch;           /* comm thread's own store connection: who died */
+    dt_ctx *watch_errors;      /* its error sink, so the comm thread never writes ctx */
+    double last_watch;
+    int broken;                /* comm thread: a failure poisons the communicator */
+    int waiting_on;            /* the rank a stalled collective waits for, -1: none */
+    char broken_msg[DT_MAX_ERROR];
+    pthread_t thread;
+    int has_thread, stop;
+    int running;               /* a thread is inside run_work (it owns the transport) */
+    uint64_t stage_ticket;     /* the next work enqueued first waits for this backend copy
+                                  (DDP on a device: its bucket's device-to-host copy) */
+    int inline_small;          /* blocking calls run on the caller when the queue is empty */
+    double inline_spin_s;      /* their segment waits' spin (see SEG_SPIN_INLINE_S) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    dt_work *head, *tail;
+    /* hosts (src/join.c) and the host segment (src/seg.c) */
+    int nhosts, nlocal, local_index;
+    int *local_ranks;          /* global ranks on this host, ascending */
+    int *leaders;              /* lowest rank of each host, ascending */
+    int leader_index;          /* our index in leaders; -1: not a leader */
+    int use_segment;           /* every rank agreed: collectives go through segments */
+    seg_head *seg;             /* NULL: this host has one rank, or no segment */
+    seg_rank *seg_ranks;
+    char *seg_data;
+    size_t seg_bytes, seg_slot;
+    uint32_t seg_phase, seg_chunk;
+    char seg_name[64], seg_why[200];
+    int seg_linked;            /* we created it and its name still exists */
+    int regions_made;          /* shared regions set up so far (their store keys) */
+    int ext_jobs;              /* extension jobs (parameter servers) joined so far (their store keys) */
+    const comm_ext_ops *ext_ops;  /* how to run COLL_EXT work (set by dt_ps_new) */
+    int steals_made;           /* work-stealing loaders made so far (their store keys) */
+    uint32_t inc;              /* 0, or this rank's n-th restarted process (find_rejoin: rejoined,
+                                  only the parameter server's requests work) */
+    int announced;             /* a restarted process told its peers it serves */
+    uint32_t ext_requests;     /* COLL_EXT requests issued (not collectives: no sequence) */
+    uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
+    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
+    double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
+    struct xfers *graveyard;   /* comm thread: records holding orphaned sends (src/comm.c) */
+    /* process groups (src/join.c) */
+    dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
+    int *members;              /* a group's: the job rank of each group rank; NULL: the job */
+    char label[96];            /* a group's: "group [1 3]: ", before its errors */
+    int splits_made;           /* dt_comm_split calls so far (their store keys) */
+    uint32_t *p2p_sent, *p2p_recvd;   /* point-to-point messages to / from each rank so far
+                                  (caller's side; the k-th send meets the k-th receive) */
+};
+
+typedef struct coll_header {
+    uint32_t magic, kind, seq, root, op, pad;
+    int64_t n;
+} coll_header;
+
+/* The ranks a transport algorithm runs over: the whole world, or one
+ * leader per host in a hierarchical allreduce.  Algorithms work in group
+ * indices and post to rank[index] (NULL: index is the rank). */
+typedef struct grp {
+    int me, size;
+    const int *rank;
+} grp;
+
+typedef struct xfers {
+    grp g;
+    double patience;           /* scales timeout_ms for waits; 0 means 1 */
+    dt_xfer x[DT_COMM_MAX_XFERS];
+    int n;
+    coll_header hdr_out, hdr_in;
+    dt_xfer hdr_send, hdr_recv;
+    int hdr_checked, has_hdr;
+    const unsigned char *gone; /* parameter server: ranks gone_base + i with gone[i] died; */
+    int gone_base, gone_n;     /* their transfers are not waited for, then cancelled */
+    /* a transfer with rank `peer` failed: 1 if the work goes on without it
+     * (the peer is gone now), else 0 and the work fails */
+    int (*write_off)(dt_comm *c, void *arg, int peer);
+    void *write_off_arg;
+    unsigned char cancelled[DT_COMM_MAX_XFERS];
+    int orphans;               /* sends to a dead peer the transport would not let go of:
+                                  this record must outlive them (kept in c->graveyard) */
+    struct xfers *next_dead;
+} xfers;
+
+/* A stalled collective asks rank 0's store every DT_COMM_WATCH_S whether a
+ * rank died, so a killed process is named in about a second instead of
+ * after the timeout (and by every survivor, not just its neighbours). */
+#define DT_COMM_WATCH_S 0.5
+
+struct seg_rank {
+    _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
+    _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
+    _Atomic uint32_t call_phase;            /* first phase of the call described below */
+    _Atomic uint32_t progress;              /* a leader's transfers completing between hosts */
+    _Atomic uint32_t kind, seq, root, op;
+    _Atomic int64_t n;
+};
+
+struct seg_head {
+    uint32_t magic, nlocal;
+    uint64_t slot_bytes, total_bytes;
+    _Atomic uint32_t aborted;
+    char why[DT_MAX_ERROR + 4];             /* status digit, '|', message */
+};
+
+/* --- point to point ------------------------------------------------------- */
+
+/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
+ * (either may be absent), posted together so an exchange cannot deadlock.
+ * Tags: the check bits say "point to point" (no collective has them), the
+ * sequence is the pair's message count, so the k-th send from a rank meets
+ * the k-th receive posted for it; large messages go in max_msg chunks. */
+typedef struct p2p_call {
+    const float *send;
+    int64_t ns;
+    int dst;
+    float *recv;
+    int64_t nr;
+    int src;
+    uint32_t sseq, rseq;
+} p2p_call;
+/* --- src/launch.c --- */
+#define DT_SPAWN_LINE 4096
+
+typedef struct spawn_stream {
+    int fd;                    /* read end, -1 once closed */
+    int out;                   /* 1 or 2 */
+    char buf[DT_SPAWN_LINE];
+    size_t have;
+} spawn_stream;
+
+typedef struct spawn_rank {
+    pid_t pid;
+    int exited, status;
+    spawn_stream s[2];
+} spawn_rank;
+/* --- src/ddp.c --- */
+
+typedef struct ddp_bucket {
+    int64_t offset;            /* its first gradient float in a set */
+    int64_t numel;             /* gradient floats */
+    int count;                 /* flags that follow them: every parameter's in the
+                                  last bucket, none elsewhere */
+    int64_t pending;           /* gradient floats not yet final in this backward */
+    dt_work *work;             /* its allreduce (or gather), in flight */
+    /* compression (src/ddp.c): this rank's encoded bucket, everyone's, and what
+     * error feedback carries to the next step */
+    int64_t topk;              /* TOPK: entries sent */
+    int npieces;               /* TOPK: the parameters' parts in this bucket, each */
+    int64_t *pieces;           /*   (start, end, k): k chosen per parameter, as DGC does,
+                                    so small-gradient layers are not starved */
+    size_t code_bytes;         /* encoded gradients, before the flags */
+    int64_t payload_floats;    /* encoded gradients + flags, in floats */
+    float *payload, *gathered, *residual;
+    float *velocity;           /* TOPK with SGD momentum: the momentum, kept locally */
+    ps_call pcall;             /* with a parameter server: its push (alive while in flight) */
+} ddp_bucket;
+
+struct dt_ddp {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_optim *opt;
+    dt_ddp_config cfg;
+    dt_allocator al;           /* the context's, kept for dt_ddp_free after a detach */
+    const dt_backend_iface *be_iface;
+    dt_backend *be;
+    int nparams;
+    dt_tensor **params;        /* registration order (a copy of the context's list) */
+    int *order;                /* bucket order: reverse registration */
+    int64_t *offset;           /* param -> float offset of its gradient in a set */
+    int *uses;                 /* param -> uses left on the tape */
+    int64_t *done;             /* param -> floats of its gradient final (a prefix) */
+    void **own_grad;           /* param -> the grad buffer it had before */
+    float *set[2];             /* host memory the collectives use */
+    float *dset[2];            /* staged (a device backend): the gradients, on the device;
+                                  each bucket is copied to set[] to travel and back after */
+    int staged, pinned;        /* pinned: set[] from the backend's host_alloc */
+    uint64_t last_ticket;      /* staged: the latest copy; waited for before freeing */
+    shm_region shared;         /* base set: the sets live in memory the host's ranks
+                                  share (uncompressed, one host), else backend memory */
+    int64_t set_floats;        /* gradients, then one flag per parameter */
+    int64_t grad_floats;       /* gradients: where the flags start */
+    int64_t bucket_floats;     /* the cap: buckets cut every this many floats */
+    int cur;                   /* set the gradients point at */
+    ddp_bucket *buckets;
+    int nbuckets, next_launch, ready_upto;
+    int recompute_left;        /* recompute nodes not yet walked */
+    int sync;                  /* 0: no_sync */
+    int overlap;               /* cfg.overlap resolved (ddp_resolve_overlap) */
+    int hooks;                 /* this backward launches buckets */
+    int pending_sync;          /* buckets launched or owed; dt_ddp_sync finishes them */
+    dt_status launch_status;
+    char launch_msg[DT_MAX_ERROR];
+    double t_backward;
+    uint64_t sent_at_launch;
+    uint64_t zero_gen;         /* ctx->zero_gen when this step's buckets started */
+    float *scratch;            /* TOPK selection, numel of the largest bucket */
+    unsigned char *picked;     /* TOPK: which entries were sent, same size */
+    float momentum;            /* > 0: momentum correction (src/ddp.c) */
+    int64_t topk_steps;        /* TOPK: steps sent so far (the warm-up's clock) */
+    dt_ddp_stats st;
+    /* the ranks' checks (src/profile.c) and load balancing (src/ddp.c) */
+    int check_every;           /* profiling: steps between straggler checks; 0: none */
+    dt_loader *bal_ld;         /* balancing: the loader whose global batches it cuts */
+    int bal_every;
+    double *bal_w;             /* the split in force, one weight a rank */
+};
+
+/* Run forward over this rank's part; per batch, visit(logits, labels,
+ * first local index).  Grad and training are off meanwhile. */
+typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first,
+                                void *acc);
+
+typedef struct eval_sums {
+    double samples, correct, loss;
+} eval_sums;
+
+typedef struct predict_acc {
+    float *local;              /* this rank's predictions, in its sample order */
+} predict_acc;
+/* --- src/replicas.c --- */
+
+struct dt_dp {
+    dt_ctx *ctx;               /* the caller's: errors */
+    int K;
+    dt_ctx **rc;               /* replica contexts */
+    void **model;
+    dt_optim **opt;
+    dt_dp_loss_fn loss;
+    dt_dp_free_fn free_model;
+    void *user;
+    pthread_t *thread;
+    struct dp_arg { struct dt_dp *dp; int k; } *args;   /* each worker's */
+    int threads_started, stop;
+    pthread_barrier_t bar;
+    int has_bar;
+    pthread_mutex_t mu;        /* start-up: workers wait for go (1) or abort (-1) */
+    pthread_cond_t cv;
+    int go, has_mu;
+    /* the step's inputs, staged on the host */
+    float *xh;
+    int32_t *yh;
+    size_t x_cap;
+    int64_t B, feat, xshape[DT_MAX_DIMS];
+    int xndim;
+    /* the flat gradient: parameter p at poff[p], G floats in all */
+    int np;
+    int64_t *poff, G;
+    float *avg;
+    unsigned char *used;
+    float *losses;
+    dt_status *status;
+    char (*msg)[DT_MAX_ERROR];
+};
+/* --- src/ps.c --- */
+#define PS_MAGIC 0x44545053u
+/* Pieces.  A message of `bytes` is ceil(bytes / chunk) messages.  With
+ * libfabric's shm provider a send of more than its inject size (4 KiB)
+ * completes only when the receiver answers, and the sender handles those
+ * answers in order, so one such send to a process that died holds back
+ * every later one, to anyone: where a death must not stop the job
+ * (replicated or checkpointing servers) pieces on shm are PS_SHM_CHUNK. */
+#define PS_SHM_CHUNK ((size_t)4096)
+#define PS_MIN_CHUNK ((size_t)64)
+#define PS_MAX_PIECES ((uint32_t)1 << 24)
+
+enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
+#define PS_WINDOW 16              /* a server's pieces in flight per message */
+
+/* A server's view of one worker. */
+typedef struct ps_peer {
+    uint32_t seq;              /* its next request */
+    int state;                 /* 0 live, 1 finished, 2 dropped (died) */
+    int64_t clock;             /* steps completed here (-1: a rejoined server awaits its hello) */
+    int64_t base;              /* rejoined server: its steps when it said hello */
+    int64_t got;               /* floats of its current step received */
+    float *push;               /* its current step: G_s gradients then P flags */
+    ps_msg hdr;                /* the request being received */
+    dt_xfer hdr_x;
+    int64_t data_lo, data_n;   /* its data is being received, in pieces: */
+    char *data_buf;
+    size_t data_bytes;         /* what they must bring in all */
+    uint32_t data_pieces, data_next, data_got;   /* pieces: all, posted, arrived */
+    dt_xfer data_x[PS_WINDOW];
+    uint32_t data_piece[PS_WINDOW];   /* the piece each receive was posted for */
+    unsigned char data_busy[PS_WINDOW];
+    int op;
+    void *sdata;               /* a sparse request's ids (and rows) being received */
+    int parked;                /* BSP: its step is in but not applied; its next request
+                                  is not read until it is (a worker runs at most one step
+                                  ahead of the slowest, its push buffer holds one step) */
+    struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
+} ps_peer;
+
+/* A sparse push kept until its step is applied (BSP). */
+typedef struct ps_sparse_msg {
+    int table;
+    int64_t k, clock;
+    void *data;                /* k local row numbers (int64), then k * dim floats */
+    struct ps_sparse_msg *next;
+} ps_sparse_msg;
+
+/* A sparse table.  On a server: its rows r = i * S + server, i < count. */
+typedef struct ps_tab {
+    char *name;
+    int64_t rows, dim;
+    float scale;
+    uint64_t seed;
+    int64_t count;
+    dt_tensor *w, *state[2];   /* count x dim each; state: the optimizer's, as its kind has */
+    int64_t steps;             /* updates applied (Adam's bias correction) */
+    dt_tensor *steps_t;        /* steps in a checkpoint: two floats, steps >> 24 and its low
+                                  24 bits (each exact in a float) */
+    float *acc;                /* count x dim: gradient rows being summed */
+    int64_t *slot;             /* row -> its place in touched, or -1 */
+    int64_t *touched, ntouched;
+} ps_tab;
+
+/* A response in flight (server side): its header, then its data in
+ * pieces, PS_WINDOW at a time; freed when every send posted completed and
+ * nothing is left to post. */
+typedef struct ps_reply {
+    ps_msg hdr;
+    dt_xfer hdr_x;
+    float *data;
+    int worker;
+    size_t bytes, chunk;       /* bytes 0 with pieces: an error's empty pieces */
+    uint32_t pieces, posted, stopped;   /* stopped: no more pieces go out */
+    dt_xfer data_x[PS_WINDOW];
+    unsigned char busy[PS_WINDOW];
+    struct ps_reply *next;
+} ps_reply;
+
+/* A pull waiting for the slow workers (server side). */
+typedef struct ps_wait {
+    int worker;
+    ps_msg req;
+    int64_t *ids;              /* a sparse pull's rows (owned) */
+    struct ps_wait *next;
+} ps_wait;
+
+struct dt_ps {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_ps_config cfg;
+    int W, S, server;          /* server: this rank's server index, -1 on workers */
+    int L, shard;              /* key shards (S, or S / 2 replicated); a server's shard */
+    unsigned char *gone;       /* worker, per server: 1 dead and written off (its twin
+                                  serves), 2 dead and awaited (src/ps_server.c) */
+    uint32_t *inc;             /* worker, per server: its process's incarnation */
+    double *down_since;        /* worker, per server: when it was found dead */
+    int64_t *sent, *sent_clock; /* worker, per server: floats of step sent_clock it has
+                                  (a restarted server counts them as come) */
+    int job;                   /* which PS job of the communicator (store keys) */
+    int finished;              /* worker: dt_ps_finish done */
+    int nparams;
+    int64_t G, P;              /* gradient floats, flags */
+    int64_t *numel, *offset;   /* parameter (registration index) -> size, flat offset */
+    int64_t *range;            /* S + 1 gradient-key boundaries */
+    char *layout;              /* a header line, "name numel\n" per parameter in
+                                  registration order, then a line per table */
+    int ntables;
+    ps_tab *tabs;
+    /* worker */
+    size_t chunk;              /* our messages' pieces, and the answers' (src/ps.c) */
+    uint32_t *seq;             /* per server: our next request */
+    int64_t clock;             /* steps pushed */
+    float *stage;              /* G + P floats: packing pushes, receiving pulls */
+    float *stage2;             /* prefetch: G floats the next step's parameters arrive in */
+    dt_work *prefetch;         /* that pull, in flight */
+    ps_call prefetch_call;
+    /* server */
+    dt_ctx *sctx;              /* owns the pieces and their optimizer */
+    dt_optim *opt;
+    int npieces;
+    dt_tensor **piece;         /* in key order */
+    int64_t *piece_lo;         /* flat offset of its first float */
+    int *piece_param;          /* which parameter (registration index) */
+    ps_peer *peers;            /* W */
+    float *sum;                /* G_s gradient floats being applied */
+    int64_t applied;           /* BSP: steps applied */
+    int initialized;
+    int64_t init_got;
+    ps_reply *replies;
+    ps_wait *waits;
+    double stale_sum;
+    int64_t stale_n;
+    char *ckpt_path;           /* server: its checkpoint file, or NULL */
+    int resumed;               /* server: started from it (worker 0's init is not used) */
+    int syncing;               /* server, rejoined: not every live worker has said hello */
+    dt_ps_stats st;
+};
+
+/* Sparse requests.  The asked ids are sorted (by id, then position) so
+ * each distinct row moves once and repeated rows' gradients are summed in
+ * the caller's order: the same request gives the same bits. */
+typedef struct ps_idpos {
+    int64_t id, pos;
+} ps_idpos;
+/* --- src/hogwild.c --- */
+
+typedef struct hw_thread {
+    struct hogwild *hw;
+    int k;
+    dt_ctx *ctx;
+    void *model;
+    pthread_t tid;
+    int started;
+    double loss_sum;
+    int64_t steps, rows, dense;
+} hw_thread;
+
+typedef struct hogwild {
+    dt_ctx *ctx;
+    dt_hogwild_config cfg;
+    dt_hogwild_loss_fn loss;
+    void *user;
+    hw_thread *t;
+    int stop;                  /* atomic: a thread failed */
+    pthread_mutex_t mu;
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+} hogwild;
+/* --- src/profile.c --- */
+
+/* --- the profiler at the end of the job: gather, trace, report ---------------------- */
+
+typedef struct prof_blob_head {
+    uint64_t magic;
+    int64_t nev;
+    double offset;             /* add to this rank's clock to get rank 0's */
+    double batch_s;            /* the loader's time preparing batches */
+    int64_t batches, batches_prefetched;
+    dt_profile_stats st;
+} prof_blob_head;
+/* --- src/parallel.c --- */
+
+typedef struct pipe_slot {
+    dt_arena dev, host;
+    int busy;                  /* holds a micro-batch whose backward has not run */
+} pipe_slot;
+
+typedef struct pipe_mb {
+    int64_t off, rows;         /* its rows of the batch */
+    dt_tensor *in;             /* stage > 0: the received activation (a leaf) */
+    dt_tensor *out;            /* the stage's output, or the loss on the last stage */
+    dt_node *tape;             /* its forward's tape, until its backward */
+} pipe_mb;
+
+struct dt_pipe {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_pipe_config cfg;
+    dt_stage_fn fn;
+    void *user;
+    int stage, stages;
+    pipe_slot *slots;
+    int nslots;
+    pipe_mb *mb;
+    int failed;                /* a step failed: the neighbours were told, no more steps */
+    /* the step under way */
+    int64_t batch;
+    int in_ndim, out_ndim;     /* the input's (stage > 0) and output's (not last) shapes, */
+    int64_t in_shape[DT_MAX_DIMS], out_shape[DT_MAX_DIMS];   /* dim 0: micro-batch 0's rows */
+    int header_sent, header_recvd;
+    float *sbuf, *rbuf;        /* host staging of what is sent and received */
+    int64_t sbuf_n, rbuf_n;
+    double loss, wait_s, compute_s;
+    uint64_t bytes;
+    dt_pipe_stats st;
+};
+
+/* --- a pipeline's micro-batch forward and backward ------------------------------ */
+
+typedef struct pipe_arenas {
+    dt_arena *dev, *host;
+    dt_node *tape;
+} pipe_arenas;
+
+/* ===========================================================================
+ * What each distributed module offers the others
+ * ======================================================================== */
+
+/* src/store.c */
+DT_PRIVATE void store_dead_key(char *key, size_t cap, int rank, uint32_t inc);
+DT_PRIVATE int store_ms_left(double deadline);
+DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
+                            int serve, uint32_t inc);
+DT_PRIVATE void store_close(dt_store *s, int drain_ms);
+DT_PRIVATE dt_status store_clock_offset(dt_store *s, int rounds, double *offset, double *rtt);
+
+/* src/comm.c: the comm thread, transfers with a deadline, the collectives */
+DT_PRIVATE const char *comm_coll_name(int kind);
+DT_PRIVATE const char *comm_alg_name(int alg);
+DT_PRIVATE double comm_bus_factor(int kind, int P);
+DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms);
+DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
+DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w);
+DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
+DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
+                               uint64_t tag, void *buf, size_t bytes);
+DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
+DT_PRIVATE void comm_block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi);
+DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src, int64_t n,
+                                 dt_reduce_op op);
+DT_PRIVATE void comm_finish_avg(dt_comm *c, dt_work *w, float *buf, int64_t n);
+DT_PRIVATE const dt_transport_iface *comm_find_transport(void);
+DT_PRIVATE void *comm_main(void *arg);
+DT_PRIVATE dt_status comm_take_transport(dt_comm *c, char *why, size_t why_len);
+DT_PRIVATE void comm_release_transport(dt_comm *c);
+DT_PRIVATE void comm_break(dt_comm *c, const char *msg);
+DT_PRIVATE dt_work *comm_enqueue_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                    int root, dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_work *comm_enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                 int root, dt_reduce_op op);
+DT_PRIVATE dt_status comm_work_finish(dt_work *w, double *run_s);
+DT_PRIVATE dt_status comm_run_wait(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                   int root, dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_status comm_run_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
+                                 int root, dt_reduce_op op, const void *aux);
+DT_PRIVATE dt_status comm_p2p_run(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
+                                  int64_t nr, int src);
+
+/* src/seg.c: the host segment's collectives */
+DT_PRIVATE size_t seg_ranks_offset(void);
+DT_PRIVATE size_t seg_data_offset(int nlocal);
+DT_PRIVATE float *seg_slot_at(dt_comm *c, int q, uint32_t chunk);
+DT_PRIVATE void seg_heartbeat(dt_comm *c);
+DT_PRIVATE void seg_abort(dt_comm *c, const dt_work *w);
+DT_PRIVATE uint32_t seg_announce(dt_comm *c, const dt_work *w);
+DT_PRIVATE dt_status seg_sync(dt_comm *c, dt_work *w, uint32_t p0, double patience);
+DT_PRIVATE dt_status seg_allreduce(dt_comm *c, dt_work *w, int to_all, int scale);
+DT_PRIVATE dt_status seg_broadcast(dt_comm *c, dt_work *w, int from, float *buf, int64_t n,
+                                   uint32_t p0, double patience);
+DT_PRIVATE dt_status seg_allgather(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_reduce_scatter(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_allreduce_shared(dt_comm *c, dt_work *w);
+
+/* src/join.c: joining the job, a restarted rank, shared regions */
+DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c);
+DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len);
+/* A shared region (see shm_region): every local rank gets a part of
+ * part_bytes, every rank maps all parts.  Collective over the communicator
+ * when all its ranks share this host's segment; elsewhere, or if any rank
+ * cannot map it or sets DTRAIN_SHARED_BUCKETS=0, *ok is 0 on every rank and
+ * nothing is mapped (not an error: callers use private memory).  The name
+ * is unlinked once every rank has it open, so nothing outlives the job.
+ * Free with join_shared_free. */
+DT_PRIVATE dt_status join_shared_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok);
+DT_PRIVATE void join_shared_free(shm_region *r);
+
+/* src/ddp.c */
+DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx);
+
+/* src/ps.c */
+DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,
+                             float *residual, float *scratch, char *out);
+DT_PRIVATE dt_status ps_step_pull(dt_ps *ps);
+DT_PRIVATE int64_t ps_clock(const dt_ps *ps);
+DT_PRIVATE void ps_pushed(dt_ps *ps, int requests);
+DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *cfg, const dt_optim *opt);
+DT_PRIVATE const char *ps_op_name(int op);
+DT_PRIVATE uint64_t ps_tag(int type, uint32_t seq, uint32_t piece);
+DT_PRIVATE uint64_t ps_pieces(size_t bytes, size_t chunk);
+DT_PRIVATE size_t ps_piece_len(size_t bytes, size_t chunk, uint32_t i);
+DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
+
+/* src/ps_server.c */
+DT_PRIVATE void ps_free_held(dt_ps *ps, ps_peer *p);
+DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps);
+
+/* src/profile.c */
+DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
+
+/* src/steal.c */
+
+#endif /* DTRAIN_DIST_H */
