@@ -372,6 +372,13 @@ DT_API dt_tensor *dt_relu(dt_ctx *ctx, dt_tensor *x);
 DT_API dt_tensor *dt_gelu(dt_ctx *ctx, dt_tensor *x);
 DT_API dt_tensor *dt_tanh(dt_ctx *ctx, dt_tensor *x);
 DT_API dt_tensor *dt_sigmoid(dt_ctx *ctx, dt_tensor *x);
+/* GPT-2's gelu, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), as
+ * torch's GELU(approximate="tanh"); and exp, log (-inf at 0, NaN below),
+ * sqrt (NaN below 0), elementwise. */
+DT_API dt_tensor *dt_gelu_tanh(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_exp(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_log(dt_ctx *ctx, dt_tensor *x);
+DT_API dt_tensor *dt_sqrt(dt_ctx *ctx, dt_tensor *x);
 DT_API dt_tensor *dt_softmax(dt_ctx *ctx, dt_tensor *x, int dim);
 DT_API dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim);
 
@@ -394,6 +401,15 @@ DT_API dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int strid
 DT_API dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx);
 /* layer_norm over the last dim: x (..., D), w (D) or NULL, b (D) or NULL. */
 DT_API dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps);
+/* Scaled dot-product attention, as torch's F.scaled_dot_product_attention:
+ * q, k, v of one shape (..., T, D) (e.g. (B, heads, T, D)) -> (..., T, D) =
+ * softmax(scale q k^T + mask) v per leading index, scale 0 meaning
+ * 1/sqrt(D); mask (T, T) f32 is added to the scores (-inf blocks; no
+ * gradient) and may be NULL; causal blocks key j > query i.  Fused: the
+ * (T, T) scores are never kept; backward recomputes them from the row
+ * log-sum-exps.  DT_EINVAL: shapes; DT_ENOTSUP: a backend without it. */
+DT_API dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v,
+                               dt_tensor *mask, int causal, float scale);
 /* dropout with probability p, scaled by 1/(1-p); identity when not
  * training.  The mask comes from the context's seed and a step counter. */
 DT_API dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p);

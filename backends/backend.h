@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-#define DT_BACKEND_IFACE_VERSION 3
+#define DT_BACKEND_IFACE_VERSION 4
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -47,7 +47,11 @@ typedef enum dt_unary_op {
     DT_UNARY_RELU = 0,
     DT_UNARY_GELU,      /* exact: 0.5 x (1 + erf(x / sqrt 2)) */
     DT_UNARY_TANH,
-    DT_UNARY_SIGMOID
+    DT_UNARY_SIGMOID,
+    DT_UNARY_GELU_TANH, /* GPT-2's: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+    DT_UNARY_EXP,
+    DT_UNARY_LOG,       /* log(x): -inf at 0, NaN below */
+    DT_UNARY_SQRT
 } dt_unary_op;
 
 typedef enum dt_binary_op { DT_BIN_ADD = 0, DT_BIN_SUB, DT_BIN_MUL, DT_BIN_DIV } dt_binary_op;
@@ -292,6 +296,22 @@ typedef struct dt_backend_iface {
      * index_check -1 (the caller must ask fault() before trusting "all
      * valid"), count_correct -1. */
     dt_status (*fault)(dt_backend *be, char *err, size_t err_len);
+
+    /* --- attention (optional; NULL: dt_attention says the backend has none)
+     * bh independent heads, each q, k, v, o (t, d) contiguous at h * t * d.
+     * Scores s = scale q k^T (t, t), plus mask (t, t) when not NULL (added,
+     * -inf blocks), with s[i][j] = -inf for j > i when causal; o = softmax(s)
+     * v; lse (bh, t) = the log-sum-exp of each score row, all that backward
+     * keeps (it recomputes the scores).  Backward writes dq, dk, dv (no
+     * accumulation).  Both return DT_ENOMEM if scratch memory cannot be had,
+     * before touching outputs. */
+    dt_status (*attention_forward)(dt_backend *be, int64_t bh, int64_t t, int64_t d, float scale,
+                                   int causal, const float *mask, const float *q, const float *k,
+                                   const float *v, float *o, float *lse);
+    dt_status (*attention_backward)(dt_backend *be, int64_t bh, int64_t t, int64_t d, float scale,
+                                    int causal, const float *mask, const float *q, const float *k,
+                                    const float *v, const float *o, const float *lse,
+                                    const float *dout, float *dq, float *dk, float *dv);
 } dt_backend_iface;
 
 /* Backends compiled in expose their interface through these. */

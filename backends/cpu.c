@@ -653,6 +653,18 @@ static inline float gelu_grad(float x)
 }
 static inline float sigmoid_f(float x) { return 1.0f / (1.0f + dt_expf(-x)); }
 
+/* GPT-2's tanh form of gelu, and its derivative */
+#define DT_GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
+static inline float gelu_tanh_f(float x)
+{
+    return 0.5f * x * (1.0f + dt_tanhf(DT_GELU_K * (x + 0.044715f * x * x * x)));
+}
+static inline float gelu_tanh_grad(float x)
+{
+    float t = dt_tanhf(DT_GELU_K * (x + 0.044715f * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * DT_GELU_K * (1.0f + 0.134145f * x * x);
+}
+
 /* NaN-propagating max, as torch.amax */
 static inline float max_nan(float m, float v) { return ((v > m) | (v != v)) ? v : m; }
 
@@ -689,6 +701,18 @@ static void unary_range(void *p, int64_t lo, int64_t hi)
         break;
     case DT_UNARY_SIGMOID:
         for (int64_t i = lo; i < hi; i++) y[i] = sigmoid_f(x[i]);
+        break;
+    case DT_UNARY_GELU_TANH:
+        for (int64_t i = lo; i < hi; i++) y[i] = gelu_tanh_f(x[i]);
+        break;
+    case DT_UNARY_EXP:
+        for (int64_t i = lo; i < hi; i++) y[i] = dt_expf(x[i]);
+        break;
+    case DT_UNARY_LOG:
+        for (int64_t i = lo; i < hi; i++) y[i] = logf(x[i]);
+        break;
+    case DT_UNARY_SQRT:
+        for (int64_t i = lo; i < hi; i++) y[i] = sqrtf(x[i]);
         break;
     }
 }
@@ -734,6 +758,18 @@ static void unary_bwd_range(void *p, int64_t lo, int64_t hi)
     case DT_UNARY_SIGMOID:
         DT_UNARY_BWD_LOOP(dy[i] * y[i] * (1.0f - y[i]));
         break;
+    case DT_UNARY_GELU_TANH:
+        DT_UNARY_BWD_LOOP(dy[i] * gelu_tanh_grad(x[i]));
+        break;
+    case DT_UNARY_EXP:
+        DT_UNARY_BWD_LOOP(dy[i] * y[i]);
+        break;
+    case DT_UNARY_LOG:
+        DT_UNARY_BWD_LOOP(dy[i] / x[i]);
+        break;
+    case DT_UNARY_SQRT:
+        DT_UNARY_BWD_LOOP(dy[i] * 0.5f / y[i]);
+        break;
     }
 }
 
@@ -741,7 +777,8 @@ static void cpu_unary_backward(dt_backend *be, dt_unary_op op, int64_t n, const 
                                const float *y, const float *dy, float *dx, int accumulate)
 {
     ew_args A = {.op = (int)op, .x = x, .y = y, .dy = dy, .out = dx, .accumulate = accumulate};
-    int64_t grain = op == DT_UNARY_GELU ? DT_CPU_GRAIN_MATH : DT_CPU_GRAIN_MEM;
+    int64_t grain = op == DT_UNARY_GELU || op == DT_UNARY_GELU_TANH ? DT_CPU_GRAIN_MATH
+                                                                      : DT_CPU_GRAIN_MEM;
     parallel_for(be, n, grain, unary_bwd_range, &A);
 }
 
@@ -2566,9 +2603,123 @@ static int64_t cpu_count_correct(dt_backend *be, int64_t n, int64_t c, const flo
 }
 
 /* ---------------------------------------------------------------------------
+ * 15b. Attention: one head at a time over the pool, its scores in a (t, t)
+ * scratch block of the calling part (two in backward); nothing but the
+ * row log-sum-exp is kept between forward and backward.
+ * ------------------------------------------------------------------------- */
+typedef struct attn_args {
+    int64_t t, d;
+    float scale;
+    int causal;
+    const float *mask, *q, *k, *v, *o, *lse_in, *dout;
+    float *out, *lse, *dq, *dk, *dv;
+    float *scratch;            /* per part: 2 t*t floats */
+    atomic_int next_slot;
+} attn_args;
+
+/* p (t, t) = exp(scores - lse) for head h; with lse NULL the row log-sum-
+ * exps are computed (into lse_out) first.  Recomputed in backward from the
+ * same calls, so forward's and backward's probabilities are the same bits. */
+static void attn_probs(const attn_args *A, int64_t h, const float *lse, float *lse_out, float *p)
+{
+    int64_t t = A->t, d = A->d;
+    gemm_serial(0, 1, t, t, d, A->scale, A->q + h * t * d, d, A->k + h * t * d, d, 0.0f, p, t);
+    for (int64_t i = 0; i < t; i++) {
+        float *row = p + i * t;
+        for (int64_t j = 0; A->mask && j < t; j++)
+            row[j] += A->mask[i * t + j];
+        for (int64_t j = i + 1; A->causal && j < t; j++)
+            row[j] = -INFINITY;
+        float l;
+        if (lse) {
+            l = lse[i];
+        } else {
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < t; j++)
+                m = row[j] > m ? row[j] : m;
+            for (int64_t j = 0; j < t; j++)
+                sum += dt_expf(row[j] - m);
+            l = m + logf(sum);
+            lse_out[i] = l;
+        }
+        for (int64_t j = 0; j < t; j++)
+            row[j] = dt_expf(row[j] - l);
+    }
+}
+
+static void attn_fwd_range(void *arg, int64_t lo, int64_t hi)
+{
+    attn_args *A = arg;
+    int64_t t = A->t, d = A->d;
+    float *p = A->scratch + (size_t)atomic_fetch_add(&A->next_slot, 1) * 2 * (size_t)(t * t);
+    for (int64_t h = lo; h < hi; h++) {
+        attn_probs(A, h, NULL, A->lse + h * t, p);
+        gemm_serial(0, 0, t, d, t, 1.0f, p, t, A->v + h * t * d, d, 0.0f, A->out + h * t * d, d);
+    }
+}
+
+static void attn_bwd_range(void *arg, int64_t lo, int64_t hi)
+{
+    attn_args *A = arg;
+    int64_t t = A->t, d = A->d;
+    float *p = A->scratch + (size_t)atomic_fetch_add(&A->next_slot, 1) * 2 * (size_t)(t * t);
+    float *ds = p + t * t;
+    for (int64_t h = lo; h < hi; h++) {
+        const float *q = A->q + h * t * d, *k = A->k + h * t * d, *v = A->v + h * t * d;
+        const float *o = A->o + h * t * d, *dout = A->dout + h * t * d;
+        attn_probs(A, h, A->lse_in + h * t, NULL, p);
+        gemm_serial(1, 0, t, d, t, 1.0f, p, t, dout, d, 0.0f, A->dv + h * t * d, d);   /* P^T dO */
+        gemm_serial(0, 1, t, t, d, 1.0f, dout, d, v, d, 0.0f, ds, t);                  /* dO V^T */
+        for (int64_t i = 0; i < t; i++) {   /* dS = P (dP - rowsum(dO o O)) */
+            float di = 0.0f;
+            for (int64_t e = 0; e < d; e++)
+                di += dout[i * d + e] * o[i * d + e];
+            for (int64_t j = 0; j < t; j++)
+                ds[i * t + j] = p[i * t + j] * (ds[i * t + j] - di);
+        }
+        gemm_serial(0, 0, t, d, t, A->scale, ds, t, k, d, 0.0f, A->dq + h * t * d, d);
+        gemm_serial(1, 0, t, d, t, A->scale, ds, t, q, d, 0.0f, A->dk + h * t * d, d);
+    }
+}
+
+/* A part per thread at most, each with its own scratch. */
+static dt_status attn_run(dt_backend *be, int64_t bh, attn_args *A, dt_cpu_range_fn fn)
+{
+    size_t per = 2 * (size_t)(A->t * A->t) * sizeof(float);
+    A->scratch = be->al.malloc_fn(per * (size_t)(be->threads > 0 ? be->threads : 1), be->al.user);
+    if (!A->scratch)
+        return DT_ENOMEM;
+    atomic_init(&A->next_slot, 0);
+    parallel_for(be, bh, 1, fn, A);
+    be->al.free_fn(A->scratch, be->al.user);
+    return DT_OK;
+}
+
+static dt_status cpu_attention_forward(dt_backend *be, int64_t bh, int64_t t, int64_t d,
+                                       float scale, int causal, const float *mask, const float *q,
+                                       const float *k, const float *v, float *o, float *lse)
+{
+    attn_args A = {.t = t, .d = d, .scale = scale, .causal = causal, .mask = mask, .q = q,
+                   .k = k, .v = v, .out = o, .lse = lse};
+    return attn_run(be, bh, &A, attn_fwd_range);
+}
+
+static dt_status cpu_attention_backward(dt_backend *be, int64_t bh, int64_t t, int64_t d,
+                                        float scale, int causal, const float *mask,
+                                        const float *q, const float *k, const float *v,
+                                        const float *o, const float *lse, const float *dout,
+                                        float *dq, float *dk, float *dv)
+{
+    attn_args A = {.t = t, .d = d, .scale = scale, .causal = causal, .mask = mask, .q = q,
+                   .k = k, .v = v, .o = o, .lse_in = lse, .dout = dout, .dq = dq, .dk = dk,
+                   .dv = dv};
+    return attn_run(be, bh, &A, attn_bwd_range);
+}
+
+/* The kernels both tables share. */
+/* ---------------------------------------------------------------------------
  * 16. The interface table
  * ------------------------------------------------------------------------- */
-/* The kernels both tables share. */
 #define DT_CPU_KERNELS \
     .gemm = cpu_gemm, \
     .gemm_batched = cpu_gemm_batched, \
@@ -2608,7 +2759,9 @@ static int64_t cpu_count_correct(dt_backend *be, int64_t n, int64_t c, const flo
     .adam_update = cpu_adam_update, \
     .adagrad_update = cpu_adagrad_update, \
     .count_correct = cpu_count_correct, \
-    .round_prec = cpu_round_prec,
+    .round_prec = cpu_round_prec, \
+    .attention_forward = cpu_attention_forward, \
+    .attention_backward = cpu_attention_backward,
 
 static const dt_backend_iface dt_cpu_iface = {
     .version = DT_BACKEND_IFACE_VERSION,

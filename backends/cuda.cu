@@ -48,6 +48,7 @@
  *  15. Dropout
  *  16. Optimizers
  *  17. Metrics
+ *  17b. Attention
  *  18. The interface table
  */
 #include <stddef.h>
@@ -1307,12 +1308,28 @@ static __device__ inline float gelu_grad(float x)
 }
 static __device__ inline float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/* GPT-2's tanh form of gelu, and its derivative (as cpu.c) */
+#define DT_GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
+static __device__ inline float gelu_tanh_f(float x)
+{
+    return 0.5f * x * (1.0f + tanhf(DT_GELU_K * (x + 0.044715f * x * x * x)));
+}
+static __device__ inline float gelu_tanh_grad(float x)
+{
+    float t = tanhf(DT_GELU_K * (x + 0.044715f * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * DT_GELU_K * (1.0f + 0.134145f * x * x);
+}
+
 static __device__ inline float unary_f(int op, float x)
 {
     switch (op) {
     case DT_UNARY_RELU: return x < 0.0f ? 0.0f : x;   /* NaN propagates, as torch.relu */
     case DT_UNARY_GELU: return gelu_f(x);
     case DT_UNARY_TANH: return tanhf(x);
+    case DT_UNARY_GELU_TANH: return gelu_tanh_f(x);
+    case DT_UNARY_EXP: return expf(x);
+    case DT_UNARY_LOG: return logf(x);
+    case DT_UNARY_SQRT: return sqrtf(x);
     default: return sigmoid_f(x);
     }
 }
@@ -1324,6 +1341,10 @@ static __device__ inline float unary_grad(int op, float x, float y, float dy)
     case DT_UNARY_RELU: return y > 0.0f ? dy : 0.0f;
     case DT_UNARY_GELU: return dy * gelu_grad(x);
     case DT_UNARY_TANH: return dy * (1.0f - y * y);
+    case DT_UNARY_GELU_TANH: return dy * gelu_tanh_grad(x);
+    case DT_UNARY_EXP: return dy * y;
+    case DT_UNARY_LOG: return dy / x;
+    case DT_UNARY_SQRT: return dy * 0.5f / y;
     default: return dy * y * (1.0f - y);
     }
 }
@@ -2827,6 +2848,123 @@ static int64_t cuda_count_correct(dt_backend *be, int64_t n, int64_t c, const fl
 }
 
 /* ---------------------------------------------------------------------------
+ * 17b. Attention: the (t, t) scores of every head in pool scratch for the
+ *      call, cuBLAS strided-batched GEMMs, a warp per score row; only the
+ *      row log-sum-exps outlive the call (backward recomputes the scores)
+ * ------------------------------------------------------------------------- */
+
+/* Row r of bh*t: s = s + mask, -inf past the diagonal when causal; with
+ * have_lse 0 its log-sum-exp goes to lse[r] first; then s = exp(s - lse). */
+static __global__ void attn_probs_kernel(int64_t rows, int64_t t, int causal, const float *mask,
+                                         float *s, float *lse, int have_lse)
+{
+    int lane = threadIdx.x & 31;
+    int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = warp; r < rows; r += warps) {
+        int64_t i = r % t;
+        float *row = s + r * t;
+        float m = -INFINITY;
+        for (int64_t j = lane; j < t; j += 32) {
+            float v = row[j] + (mask ? mask[i * t + j] : 0.0f);
+            v = causal && j > i ? -INFINITY : v;
+            row[j] = v;
+            m = max_nan(m, v);
+        }
+        float l;
+        if (have_lse) {
+            l = lse[r];
+        } else {
+            m = warp_max(m);
+            double sum = 0.0;
+            for (int64_t j = lane; j < t; j += 32)
+                sum += (double)expf(row[j] - m);
+            sum = warp_sum(sum);
+            l = m + logf((float)sum);
+            if (lane == 0)
+                lse[r] = l;
+        }
+        __syncwarp();
+        for (int64_t j = lane; j < t; j += 32)
+            row[j] = expf(row[j] - l);
+    }
+}
+
+/* Row r: ds = p (ds - <dout, o>) over the row's keys. */
+static __global__ void attn_ds_kernel(int64_t rows, int64_t t, int64_t d, const float *p,
+                                      const float *dout, const float *o, float *ds)
+{
+    int lane = threadIdx.x & 31;
+    int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = warp; r < rows; r += warps) {
+        double di = 0.0;
+        for (int64_t e = lane; e < d; e += 32)
+            di += (double)dout[r * d + e] * (double)o[r * d + e];
+        float dif = (float)warp_sum(di);
+        for (int64_t j = lane; j < t; j += 32)
+            ds[r * t + j] = p[r * t + j] * (ds[r * t + j] - dif);
+    }
+}
+
+static unsigned attn_grid(int64_t rows) { return grid_for(rows, DT_CUDA_THREADS / 32); }
+
+/* p (bh, t, t) = the probabilities of every head (lse given, or computed) */
+static void attn_probs(dt_backend *be, int64_t bh, int64_t t, int64_t d, float scale, int causal,
+                       const float *mask, const float *q, const float *k, float *p, float *lse,
+                       int have_lse)
+{
+    gemm_args S = {0, 1, bh, t, t, d, scale, 0.0f, q, k, p, d, d, t, t * d, t * d, t * t};
+    gemm_f32(be, &S);
+    attn_probs_kernel<<<attn_grid(bh * t), DT_CUDA_THREADS, 0, be->compute>>>(
+        bh * t, t, causal, mask, p, lse, have_lse);
+    DT_LAUNCHED(be);
+}
+
+static dt_status cuda_attention_forward(dt_backend *be, int64_t bh, int64_t t, int64_t d,
+                                        float scale, int causal, const float *mask,
+                                        const float *q, const float *k, const float *v, float *o,
+                                        float *lse)
+{
+    if (bh <= 0 || t <= 0 || d <= 0) return DT_OK;
+    cuda_enter(be);
+    float *p = (float *)cuda_alloc(be, sizeof(float) * (size_t)(bh * t * t));
+    if (!p) return DT_ENOMEM;
+    attn_probs(be, bh, t, d, scale, causal, mask, q, k, p, lse, 0);
+    gemm_args O = {0, 0, bh, t, d, t, 1.0f, 0.0f, p, v, o, t, d, d, t * t, t * d, t * d};
+    gemm_f32(be, &O);
+    cuda_free(be, p);
+    return DT_OK;
+}
+
+static dt_status cuda_attention_backward(dt_backend *be, int64_t bh, int64_t t, int64_t d,
+                                         float scale, int causal, const float *mask,
+                                         const float *q, const float *k, const float *v,
+                                         const float *o, const float *lse, const float *dout,
+                                         float *dq, float *dk, float *dv)
+{
+    if (bh <= 0 || t <= 0 || d <= 0) return DT_OK;
+    cuda_enter(be);
+    float *p = (float *)cuda_alloc(be, sizeof(float) * (size_t)(2 * bh * t * t));
+    if (!p) return DT_ENOMEM;
+    float *ds = p + bh * t * t;
+    attn_probs(be, bh, t, d, scale, causal, mask, q, k, p, (float *)lse, 1);
+    gemm_args dV = {1, 0, bh, t, d, t, 1.0f, 0.0f, p, dout, dv, t, d, d, t * t, t * d, t * d};
+    gemm_args dP = {0, 1, bh, t, t, d, 1.0f, 0.0f, dout, v, ds, d, d, t, t * d, t * d, t * t};
+    gemm_f32(be, &dV);
+    gemm_f32(be, &dP);
+    attn_ds_kernel<<<attn_grid(bh * t), DT_CUDA_THREADS, 0, be->compute>>>(bh * t, t, d, p, dout,
+                                                                         o, ds);
+    DT_LAUNCHED(be);
+    gemm_args dQ = {0, 0, bh, t, d, t, scale, 0.0f, ds, k, dq, t, d, d, t * t, t * d, t * d};
+    gemm_args dK = {1, 0, bh, t, d, t, scale, 0.0f, ds, q, dk, t, d, d, t * t, t * d, t * d};
+    gemm_f32(be, &dQ);
+    gemm_f32(be, &dK);
+    cuda_free(be, p);
+    return DT_OK;
+}
+
+/* ---------------------------------------------------------------------------
  * 18. The interface table
  *
  * conv2d_forward / conv2d_backward are left NULL: the core lowers convolution
@@ -2892,6 +3030,8 @@ static const dt_backend_iface dt_cuda_iface = {
     .adagrad_update = cuda_adagrad_update,
     .count_correct = cuda_count_correct,
     .fault = cuda_fault,
+    .attention_forward = cuda_attention_forward,
+    .attention_backward = cuda_attention_backward,
 };
 
 extern "C" const dt_backend_iface *dt_backend_cuda_iface(void) { return &dt_cuda_iface; }

@@ -897,6 +897,13 @@ dt_tensor *dt_relu(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "relu", DT_
 dt_tensor *dt_gelu(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "gelu", DT_UNARY_GELU, x); }
 dt_tensor *dt_tanh(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "tanh", DT_UNARY_TANH, x); }
 dt_tensor *dt_sigmoid(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "sigmoid", DT_UNARY_SIGMOID, x); }
+dt_tensor *dt_gelu_tanh(dt_ctx *ctx, dt_tensor *x)
+{
+    return unary_op(ctx, "gelu_tanh", DT_UNARY_GELU_TANH, x);
+}
+dt_tensor *dt_exp(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "exp", DT_UNARY_EXP, x); }
+dt_tensor *dt_log(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "log", DT_UNARY_LOG, x); }
+dt_tensor *dt_sqrt(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "sqrt", DT_UNARY_SQRT, x); }
 
 static dt_status softmax_backward(dt_ctx *ctx, dt_node *n)
 {

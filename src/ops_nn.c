@@ -436,3 +436,94 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
         return NULL;
     return y;
 }
+
+/* --- attention ----------------------------------------------------------- */
+
+static dt_status attention_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *q = n->in[0], *k = n->in[1], *v = n->in[2], *o = n->out;
+    int64_t bh = n->iarg[0], t = n->iarg[1], d = n->iarg[2];
+    int causal = (int)n->iarg[3];
+    float scale = n->farg[0];
+    const float *lse = n->aux[0], *mask = n->aux[1];   /* kept by the forward */
+    int64_t cnt = bh * t * d;
+    float *tmp = op_temp_floats(ctx, 3 * cnt);
+    if (!tmp)
+        return ctx->last_status;
+    dt_status s = BE(ctx)->attention_backward(BEI(ctx), bh, t, d, scale, causal, mask, FP(q),
+                                              FP(k), FP(v), FP(o), lse, FP(o->grad), tmp,
+                                              tmp + cnt, tmp + 2 * cnt);
+    if (s != DT_OK)
+        return set_error(ctx, s, "attention: out of memory for the backward's scratch");
+    dt_tensor *in[3] = {q, k, v};
+    for (int i = 0; i < 3 && s == DT_OK; i++)
+        if (grad_needed(in[i]))
+            s = op_acc_grad(ctx, in[i], tmp + i * cnt, 1.0f);
+    return s;
+}
+
+/* q, k, v checked: f32, one shape (..., T, D) of at least 2 dims; mask
+ * (T, T) f32 or NULL. */
+static int attention_args_ok(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v,
+                             dt_tensor *mask)
+{
+    if (!op_f32_ok(ctx, "attention", q, "q") || !op_f32_ok(ctx, "attention", k, "k") ||
+        !op_f32_ok(ctx, "attention", v, "v") || (mask && !op_f32_ok(ctx, "attention", mask, "mask")))
+        return 0;
+    char sq[96], sk[96], sv[96];
+    int same = q->ndim == k->ndim && q->ndim == v->ndim;
+    for (int i = 0; same && i < q->ndim; i++)
+        same = q->shape[i] == k->shape[i] && q->shape[i] == v->shape[i];
+    if (q->ndim < 2 || !same || dt_tensor_numel(q) == 0) {
+        set_error(ctx, DT_EINVAL, "attention: q %s, k %s, v %s must have one shape (..., T, D)",
+                  SHAPE(q, sq), SHAPE(k, sk), SHAPE(v, sv));
+        return 0;
+    }
+    int64_t t = q->shape[q->ndim - 2];
+    if (mask && (mask->ndim != 2 || mask->shape[0] != t || mask->shape[1] != t)) {
+        set_error(ctx, DT_EINVAL, "attention: mask %s must be (%lld, %lld)", SHAPE(mask, sq),
+                  (long long)t, (long long)t);
+        return 0;
+    }
+    if (!BE(ctx)->attention_forward || !BE(ctx)->attention_backward) {
+        set_error(ctx, DT_ENOTSUP, "attention: the %s backend has no attention",
+                  ctx->be_iface->name);
+        return 0;
+    }
+    return 1;
+}
+
+dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, dt_tensor *mask,
+                        int causal, float scale)
+{
+    if (!attention_args_ok(ctx, q, k, v, mask))
+        return NULL;
+    int64_t t = q->shape[q->ndim - 2], d = q->shape[q->ndim - 1];
+    int64_t bh = shape_numel(q->ndim - 2, q->shape);
+    if (scale == 0.0f)
+        scale = 1.0f / sqrtf((float)d);
+    if (!(q = op_need_contig(ctx, q)) || !(k = op_need_contig(ctx, k)) ||
+        !(v = op_need_contig(ctx, v)) || (mask && !(mask = op_need_contig(ctx, mask))))
+        return NULL;
+    tensor_materialize(q);
+    tensor_materialize(k);
+    tensor_materialize(v);
+    tensor_materialize(mask);
+    dt_tensor *o = op_like(ctx, q);
+    float *lse = o ? op_temp_floats(ctx, bh * t) : NULL;
+    if (!lse)
+        return NULL;
+    const float *m = mask ? FP(mask) : NULL;
+    dt_status s = BE(ctx)->attention_forward(BEI(ctx), bh, t, d, scale, causal != 0, m, FP(q),
+                                             FP(k), FP(v), FP(o), lse);
+    if (s != DT_OK) {
+        set_error(ctx, s, "attention: out of memory for the scores' scratch");
+        return NULL;
+    }
+    if ((tape_tracks(ctx, q) || tape_tracks(ctx, k) || tape_tracks(ctx, v)) &&
+        !tape_record_op(ctx, "attention", attention_backward, o, q, k, v,
+                        &(node_args){.i = {bh, t, d, causal != 0}, .f = {scale},
+                                     .aux = {lse, (void *)m}}))
+        return NULL;
+    return o;
+}

@@ -85,7 +85,11 @@ static dt_tensor *f_unary(dt_ctx *ctx, dt_tensor *const *in, void *u)
     case 0: return dt_relu(ctx, in[0]);
     case 1: return dt_gelu(ctx, in[0]);
     case 2: return dt_tanh(ctx, in[0]);
-    default: return dt_sigmoid(ctx, in[0]);
+    case 3: return dt_sigmoid(ctx, in[0]);
+    case 4: return dt_gelu_tanh(ctx, in[0]);
+    case 5: return dt_exp(ctx, in[0]);
+    case 6: return dt_log(ctx, in[0]);
+    default: return dt_sqrt(ctx, in[0]);
     }
 }
 
@@ -380,13 +384,16 @@ static void test_grad_sum_mean_dim(void **state)
 static void test_grad_activations(void **state)
 {
     (void)state;
-    static const char *names[4] = {"relu", "gelu", "tanh", "sigmoid"};
-    for (int op = 0; op < 4; op++) {
+    static const char *names[8] = {"relu", "gelu", "tanh", "sigmoid", "gelu_tanh", "exp", "log",
+                                   "sqrt"};
+    for (int op = 0; op < 8; op++) {
         dt_ctx *ctx = tu_ctx_new();
         tu_rng r = {130 + (uint64_t)op};
         float v[15];
         if (op == 0) {
             tu_fill_away_from_zero(&r, v, 15);
+        } else if (op >= 6) {   /* log, sqrt: their domain, away from 0 */
+            tu_fill_uniform(&r, v, 15, 0.5f, 3.0f);
         } else {
             tu_fill_uniform(&r, v, 15, -2, 2);
         }
@@ -590,6 +597,97 @@ static void test_grad_layer_norm(void **state)
                       f_layer_norm, &a, in, affine ? 3 : 1, 3e-3, RTOL, ATOL);
         dt_ctx_free(ctx);
     }
+}
+
+/* ---------------------------------------------------------------------------
+ * Attention: the forward against softmax(scale q k^T + mask) v computed here
+ * in double, and the gradient of q, k and v by finite differences
+ * ------------------------------------------------------------------------- */
+
+static dt_tensor *f_attention(dt_ctx *ctx, dt_tensor *const *in, void *u)
+{
+    op_args *a = u;
+    return dt_attention(ctx, in[0], in[1], in[2], a->aux, a->i0, a->f0);
+}
+
+/* The reference for one (..., T, D) problem of `heads` heads. */
+static void attention_ref(const float *q, const float *k, const float *v, const float *mask,
+                          int causal, double scale, int heads, int t, int d, double *out)
+{
+    for (int h = 0; h < heads; h++)
+        for (int i = 0; i < t; i++) {
+            double s[16], m = -INFINITY, sum = 0;
+            for (int j = 0; j < t; j++) {
+                s[j] = 0;
+                for (int e = 0; e < d; e++)
+                    s[j] += (double)q[(h * t + i) * d + e] * k[(h * t + j) * d + e];
+                s[j] = s[j] * scale + (mask ? mask[i * t + j] : 0.0);
+                if (causal && j > i)
+                    s[j] = -INFINITY;
+                m = s[j] > m ? s[j] : m;
+            }
+            for (int j = 0; j < t; j++)
+                sum += exp(s[j] - m);
+            for (int e = 0; e < d; e++) {
+                double acc = 0;
+                for (int j = 0; j < t; j++)
+                    acc += exp(s[j] - m) / sum * v[(h * t + j) * d + e];
+                out[(h * t + i) * d + e] = acc;
+            }
+        }
+}
+
+static void test_grad_attention(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 2, T = 5, D = 3, N = B * H * T * D };
+    for (int variant = 0; variant < 3; variant++) {   /* plain, causal, causal + mask */
+        dt_ctx *ctx = tu_ctx_new();
+        tu_rng r = {260 + (uint64_t)variant};
+        float qv[N], kv[N], vv[N], mv[T * T];
+        tu_fill_uniform(&r, qv, N, -1, 1);
+        tu_fill_uniform(&r, kv, N, -1, 1);
+        tu_fill_uniform(&r, vv, N, -1, 1);
+        tu_fill_uniform(&r, mv, T * T, -1, 1);
+        mv[2 * T + 1] = -INFINITY;   /* a blocked pair */
+        dt_tensor *in[3] = {tu_param(ctx, "q", SHP(B, H, T, D), qv),
+                            tu_param(ctx, "k", SHP(B, H, T, D), kv),
+                            tu_param(ctx, "v", SHP(B, H, T, D), vv)};
+        op_args a = {.i0 = variant > 0, .f0 = variant == 1 ? 0.7f : 0.0f,
+                     .aux = variant == 2 ? tu_tensor(ctx, SHP(T, T), mv) : NULL};
+        double scale = variant == 1 ? 0.7 : 1.0 / sqrt((double)D), want[N];
+        attention_ref(qv, kv, vv, variant == 2 ? mv : NULL, variant > 0, scale, B * H, T, D, want);
+        float *got = tu_read(ctx, f_attention(ctx, in, &a), NULL);
+        tu_assert_close_arr("attention forward", got, want, N, 1e-5, 1e-6);
+        free(got);
+        tu_grad_check(ctx, "attention", f_attention, &a, in, 3, EPS, RTOL, ATOL);
+        dt_ctx_free(ctx);
+    }
+    /* one head per task: the same bits with 1 and 3 threads */
+    float *bits[2];
+    for (int th = 0; th < 2; th++) {
+        dt_ctx *c = tu_ctx_new_with(5, th ? 3 : 1);
+        tu_rng r = {270};
+        dt_tensor *in[3];
+        for (int i = 0; i < 3; i++)
+            in[i] = tu_param_rand(c, &r, i == 0 ? "q" : i == 1 ? "k" : "v", SHP(3, 4, 33, 8), -1, 1);
+        op_args a = {.i0 = 1};
+        bits[th] = tu_read(c, f_attention(c, in, &a), NULL);
+        dt_ctx_free(c);
+    }
+    assert_memory_equal(bits[0], bits[1], sizeof(float) * 3 * 4 * 33 * 8);
+    free(bits[0]);
+    free(bits[1]);
+
+    /* shapes that differ, and a mask of the wrong size */
+    dt_ctx *ctx = tu_ctx_new();
+    dt_tensor *q = dt_tensor_new(ctx, DT_F32, SHP(2, 4, 3)), *k = dt_tensor_new(ctx, DT_F32, SHP(2, 5, 3));
+    assert_null(dt_attention(ctx, q, k, q, NULL, 1, 0));
+    tu_assert_error_mentions(ctx, "attention");
+    dt_tensor *m = dt_tensor_new(ctx, DT_F32, SHP(3, 3));
+    assert_null(dt_attention(ctx, q, q, q, m, 0, 0));
+    tu_assert_error_mentions(ctx, "mask");
+    dt_ctx_free(ctx);
 }
 
 /* ---------------------------------------------------------------------------
@@ -821,6 +919,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_grad_concat),
     cmocka_unit_test(test_grad_embedding),
     cmocka_unit_test(test_grad_layer_norm),
+    cmocka_unit_test(test_grad_attention),
     cmocka_unit_test(test_grad_dropout),
     cmocka_unit_test(test_grad_recompute),
     cmocka_unit_test(test_grad_recompute_dropout),

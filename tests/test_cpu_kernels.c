@@ -278,6 +278,11 @@ static double ref_unary(dt_unary_op op, double x)
     case DT_UNARY_GELU: return 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
     case DT_UNARY_TANH: return tanh(x);
     case DT_UNARY_SIGMOID: return 1.0 / (1.0 + exp(-x));
+    case DT_UNARY_GELU_TANH:
+        return 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
+    case DT_UNARY_EXP: return exp(x);
+    case DT_UNARY_LOG: return log(x);
+    case DT_UNARY_SQRT: return sqrt(x);
     }
     return 0;
 }
@@ -293,7 +298,13 @@ static void test_unary(void **state)
     x[0] = 0.0f;
     rfill(dy, n, 9);
     rfill(dx0, n, 10);
-    for (int op = 0; op < 4; op++) {
+    float *xpos = fvec(n);   /* log, sqrt: (0.25, 4.25) */
+    for (int i = 0; i < n; i++) xpos[i] = fabsf(x[i]) + 0.25f;
+    for (int op = 0; op < 8; op++) {
+        float *xs = x;
+        if (op == DT_UNARY_LOG || op == DT_UNARY_SQRT) {
+            x = xpos;
+        }
         f->I->unary(f->be1, (dt_unary_op)op, n, x, y);
         for (int i = 0; i < n; i++) want[i] = ref_unary((dt_unary_op)op, x[i]);
         check_close(y, want, n, 2e-6, "unary");
@@ -312,7 +323,9 @@ static void test_unary(void **state)
             }
             check_close(dx, want, n, 1e-5, "unary_backward");
         }
+        x = xs;
     }
+    free(xpos);
     /* in place, and the pool: 1 and 3 threads agree */
     const int big = 200003;
     float *a = fvec(big), *b = fvec(big);

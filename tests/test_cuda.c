@@ -1087,7 +1087,8 @@ static void test_cuda_precision(void **state)
  * 7. Elementwise and strided: fill, axpby, unary (+ backward), binary with
  *    broadcasting, copy_strided
  * ------------------------------------------------------------------------- */
-static const char *const cu_unary_names[] = {"relu", "gelu", "tanh", "sigmoid"};
+static const char *const cu_unary_names[] = {"relu", "gelu", "tanh", "sigmoid", "gelu_tanh",
+                                             "exp", "log", "sqrt"};
 static const char *const cu_binary_names[] = {"add", "sub", "mul", "div"};
 
 static void cu_binary_case(cu_fix *f, tu_rng *r, int ndim, const int64_t *shape,
@@ -1134,8 +1135,9 @@ static void test_cuda_elementwise(void **state)
     }
 
     /* unary and unary_backward, accumulate 0 and 1 */
-    for (int op = 0; op < 4; op++) {
-        float *hx = cu_rand(f, &r, n, -6, 6);
+    for (int op = 0; op < 8; op++) {
+        int positive = op == DT_UNARY_LOG || op == DT_UNARY_SQRT;
+        float *hx = positive ? cu_rand(f, &r, n, 0.01f, 6) : cu_rand(f, &r, n, -6, 6);
         if (op == DT_UNARY_RELU) { /* NaN propagates, as torch.relu (backends/cpu.c) */
             hx[0] = NAN;
             hx[1] = INFINITY;
@@ -1151,7 +1153,8 @@ static void test_cuda_elementwise(void **state)
         /* both differentiate at the CPU's y */
         cu_buf yc = cu_putf(f, CF(yo), n), dy = cu_putf(f, cu_rand(f, &r, n, -1, 1), n);
         float *dx0 = cu_rand(f, &r, n, -1, 1);
-        cu_tol bt = op == DT_UNARY_RELU ? TOL_EXACT : op == DT_UNARY_GELU ? TOL_TRANSC : TOL_ARITH;
+        cu_tol bt = op == DT_UNARY_RELU ? TOL_EXACT
+                    : op == DT_UNARY_GELU || op == DT_UNARY_GELU_TANH ? TOL_TRANSC : TOL_ARITH;
         for (int acc = 0; acc < 2; acc++) {
             cu_buf dx = acc ? cu_putf(f, dx0, n) : cu_junk(f, n);
             BOTH(unary_backward, (dt_unary_op)op, n, P(x), P(yc), P(dy), P(dx), acc);
@@ -1778,6 +1781,49 @@ static void cu_layernorm_case(cu_fix *f, tu_rng *r, int64_t rows, int64_t d, int
     }
 }
 
+/* Attention: each score is a d-term dot product, each output a t-term sum
+ * of probabilities (exp of differences) times values, and backward adds
+ * two more such sums; cuBLAS and OpenBLAS sum in other orders and the exp
+ * differs by a few ulps (TOL_TRANSC): 1e-4 relative, 2e-5 absolute on O(1)
+ * values. */
+static const cu_tol TOL_ATTN = {1e-4, 2e-5};
+
+static void cu_attention_case(cu_fix *f, tu_rng *r, int64_t bh, int64_t t, int64_t d, int causal,
+                              int masked)
+{
+    int64_t n = bh * t * d;
+    cu_buf q = cu_putf(f, cu_rand(f, r, n, -1, 1), n), k = cu_putf(f, cu_rand(f, r, n, -1, 1), n);
+    cu_buf v = cu_putf(f, cu_rand(f, r, n, -1, 1), n);
+    float *hm = cu_rand(f, r, t * t, -1, 1);
+    hm[t + 0] = -INFINITY;   /* query 1 never sees key 0 */
+    cu_buf m = cu_putf(f, hm, t * t);
+    cu_buf o = cu_junk(f, n), lse = cu_junk(f, bh * t);
+    float scale = 1.0f / sqrtf((float)d);
+    dt_status st[2];
+    BOTH_RET(st, attention_forward, bh, t, d, scale, causal, masked ? P(m) : NULL, P(q), P(k),
+             P(v), P(o), P(lse));
+    assert_int_equal(st[0], DT_OK);
+    assert_int_equal(st[1], DT_OK);
+    cu_expect(f, o, n, TOL_ATTN, "attention_forward bh=%lld t=%lld d=%lld causal=%d mask=%d o",
+              (long long)bh, (long long)t, (long long)d, causal, masked);
+    cu_expect(f, lse, bh * t, TOL_ATTN, "attention_forward t=%lld causal=%d lse", (long long)t,
+              causal);
+    /* backward from the CPU's o and lse */
+    cu_buf oc = cu_putf(f, CF(o), n), lc = cu_putf(f, CF(lse), bh * t);
+    cu_buf dout = cu_putf(f, cu_rand(f, r, n, -1, 1), n);
+    cu_buf dq = cu_junk(f, n), dk = cu_junk(f, n), dv = cu_junk(f, n);
+    BOTH_RET(st, attention_backward, bh, t, d, scale, causal, masked ? P(m) : NULL, P(q), P(k),
+             P(v), P(oc), P(lc), P(dout), P(dq), P(dk), P(dv));
+    assert_int_equal(st[0], DT_OK);
+    assert_int_equal(st[1], DT_OK);
+    cu_expect(f, dq, n, TOL_ATTN, "attention_backward t=%lld d=%lld causal=%d dq", (long long)t,
+              (long long)d, causal);
+    cu_expect(f, dk, n, TOL_ATTN, "attention_backward t=%lld d=%lld causal=%d dk", (long long)t,
+              (long long)d, causal);
+    cu_expect(f, dv, n, TOL_ATTN, "attention_backward t=%lld d=%lld causal=%d dv", (long long)t,
+              (long long)d, causal);
+}
+
 static void test_cuda_embedding_layernorm_dropout(void **state)
 {
     CU_START(f);
@@ -1792,6 +1838,10 @@ static void test_cuda_embedding_layernorm_dropout(void **state)
     cu_index_check_case(f, &r, 100003, 1000, 70001, 1000, 99999, -1);
     cu_index_check_case(f, &r, 100003, 1000, 100002, INT32_MIN, -1, 0);
     cu_index_check_case(f, &r, 100003, 1000, -1, 0, -1, 0);
+
+    cu_attention_case(f, &r, 6, 37, 16, 1, 1);
+    cu_attention_case(f, &r, 2, 130, 64, 0, 0);
+    cu_attention_case(f, &r, 48, 64, 32, 1, 0);
 
     for (int affine = 0; affine < 2; affine++) {
         cu_layernorm_case(f, &r, 13, 67, affine);
