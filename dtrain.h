@@ -383,8 +383,14 @@ DT_API dt_tensor *dt_softmax(dt_ctx *ctx, dt_tensor *x, int dim);
 DT_API dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim);
 
 /* Losses, mean over the batch -> scalar.
- * cross_entropy: logits (N,C) f32, labels (N) i32 in [0,C). */
+ * cross_entropy: logits (..., C) f32 (e.g. (N, C), or a language model's
+ * (B, T, V)), labels (...) i32 in [0, C), as torch's F.cross_entropy.
+ * _ignore: labels equal to ignore_index (e.g. -100, or a padding id) add
+ * no loss and no gradient, and the mean is over the others (NaN when none
+ * is left, as torch). */
 DT_API dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels);
+DT_API dt_tensor *dt_cross_entropy_ignore(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels,
+                                          int ignore_index);
 DT_API dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target);
 
 /* Convolution and pooling, NCHW.

@@ -54,6 +54,9 @@ typedef enum dt_unary_op {
     DT_UNARY_SQRT
 } dt_unary_op;
 
+/* xent_forward / xent_backward's `ignore` when no label is ignored */
+#define DT_XENT_KEEP_ALL INT64_MIN
+
 typedef enum dt_binary_op { DT_BIN_ADD = 0, DT_BIN_SUB, DT_BIN_MUL, DT_BIN_DIV } dt_binary_op;
 
 enum { DT_COPY_H2D = 0, DT_COPY_D2H = 1 };
@@ -179,15 +182,21 @@ typedef struct dt_backend_iface {
     /* dx (+)= softmax/log_softmax backward from y (the forward output). */
     void (*softmax_backward)(dt_backend *be, int64_t outer, int64_t len, int64_t inner,
                              const float *y, const float *dy, float *dx, int log, int accumulate);
-    /* Cross entropy: logits (n,c), labels (n) i32.  Writes probs (n,c) =
-     * softmax(logits) and loss (device scalar) = mean over n of -log p[label].
-     * Returns the first out-of-range label index, or -1 if all are valid. */
+    /* Cross entropy: logits (n,c), labels (n) i32.  Rows whose label equals
+     * ignore are skipped (no loss, no gradient); DT_XENT_KEEP_ALL skips none.
+     * Writes probs (n,c) = softmax(logits) and loss (device scalar) = the sum
+     * over the other rows of -log p[label], divided by `kept` (their count,
+     * which the core knows).  Returns the first index of a label that is
+     * neither in range nor ignored, or -1 if there is none. */
     int64_t (*xent_forward)(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                            const int32_t *labels, float *probs, float *loss);
-    /* dlogits (+)= (probs - onehot(labels)) * (*dloss) / n; dloss is a device scalar. */
+                            const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                            float *loss);
+    /* dlogits (+)= (probs - onehot(labels)) * (*dloss) / kept on the rows not
+     * ignored; ignored rows get 0 (or keep their value when accumulating).
+     * dloss is a device scalar. */
     void (*xent_backward)(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                          const int32_t *labels, const float *dloss, float *dlogits,
-                          int accumulate);
+                          const int32_t *labels, int64_t ignore, int64_t kept,
+                          const float *dloss, float *dlogits, int accumulate);
 
     /* --- convolution helpers, NCHW ------------------------------------- */
     /* x (N,C,H,W) -> col (C*KH*KW, N*OH*OW): column j = n*OH*OW + p. */

@@ -1414,7 +1414,7 @@ static void cpu_softmax_backward(dt_backend *be, int64_t outer, int64_t len, int
 
 /* ---- cross entropy ------------------------------------------------------- */
 typedef struct xent_args {
-    int64_t c, r0;
+    int64_t c, r0, ignore;
     const float *logits;
     const int32_t *labels;
     float *probs;
@@ -1435,30 +1435,33 @@ static void xent_rows(void *p, int64_t lo, int64_t hi)
         double sum = run_sum(pr, c, 0);
         float inv = (float)(1.0 / sum);
         for (int64_t j = 0; j < c; j++) pr[j] *= inv;
-        A->row_loss[i] = log(sum) + (double)m - (double)x[A->labels[r]];
+        A->row_loss[i] = A->labels[r] == A->ignore ? 0.0
+                                                   : log(sum) + (double)m - (double)x[A->labels[r]];
     }
 }
 
-/* logits (n,c), labels (n) -> probs (n,c), *loss = mean_r (logsumexp - logit[label]) */
+/* logits (n,c), labels (n) -> probs (n,c), *loss = sum over kept rows of
+ * (logsumexp - logit[label]) / kept */
 static int64_t cpu_xent_forward(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                                const int32_t *labels, float *probs, float *loss)
+                                const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                                float *loss)
 {
     for (int64_t i = 0; i < n; i++)
-        if (labels[i] < 0 || labels[i] >= c) return i;
+        if ((labels[i] < 0 || labels[i] >= c) && labels[i] != ignore) return i;
     double row_loss[DT_CPU_RED_ROUND], total = 0.0;
-    xent_args A = {.c = c, .logits = logits, .labels = labels, .probs = probs,
+    xent_args A = {.c = c, .ignore = ignore, .logits = logits, .labels = labels, .probs = probs,
                    .row_loss = row_loss};
     for (A.r0 = 0; A.r0 < n; A.r0 += DT_CPU_RED_ROUND) {
         int64_t nr = min64(DT_CPU_RED_ROUND, n - A.r0);
         parallel_for(be, nr, grain_units(DT_CPU_GRAIN_MATH, c), xent_rows, &A);
         for (int64_t i = 0; i < nr; i++) total += row_loss[i];
     }
-    *loss = n > 0 ? (float)(total / (double)n) : 0.0f;
+    *loss = n > 0 ? (float)(total / (double)kept) : 0.0f;   /* kept 0: NaN, as torch */
     return -1;
 }
 
 typedef struct xentb_args {
-    int64_t c;
+    int64_t c, ignore;
     float scale;
     const float *probs;
     const int32_t *labels;
@@ -1474,6 +1477,10 @@ static void xent_bwd_rows(void *p, int64_t lo, int64_t hi)
     for (int64_t r = lo; r < hi; r++) {
         const float *pr = A->probs + r * c;
         float *d = A->dlogits + r * c;
+        if (A->labels[r] == A->ignore) {   /* no gradient */
+            for (int64_t j = 0; !A->accumulate && j < c; j++) d[j] = 0.0f;
+            continue;
+        }
         if (A->accumulate)
             for (int64_t j = 0; j < c; j++) d[j] += pr[j] * s;
         else
@@ -1482,14 +1489,14 @@ static void xent_bwd_rows(void *p, int64_t lo, int64_t hi)
     }
 }
 
-/* dlogits (n,c) (+)= (probs - onehot(labels)) * dloss / n */
+/* dlogits (n,c) (+)= (probs - onehot(labels)) * dloss / kept, kept rows only */
 static void cpu_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                              const int32_t *labels, const float *dloss, float *dlogits,
-                              int accumulate)
+                              const int32_t *labels, int64_t ignore, int64_t kept,
+                              const float *dloss, float *dlogits, int accumulate)
 {
     if (n <= 0) return;
-    xentb_args A = {.c = c, .scale = *dloss / (float)n, .probs = probs, .labels = labels,
-                    .dlogits = dlogits, .accumulate = accumulate};
+    xentb_args A = {.c = c, .ignore = ignore, .scale = *dloss / (float)kept, .probs = probs,
+                    .labels = labels, .dlogits = dlogits, .accumulate = accumulate};
     parallel_for(be, n, grain_units(DT_CPU_GRAIN_MEM, c), xent_bwd_rows, &A);
 }
 

@@ -1883,10 +1883,11 @@ static void cuda_softmax_backward(dt_backend *be, int64_t outer, int64_t len, in
  * The first bad index is the minimum over threads: an integer atomicMin, exact
  * whatever the order. */
 static __global__ void index_check_kernel(int64_t n, const int32_t *idx, int64_t limit,
-                                          unsigned long long *first)
+                                          int64_t ignore, unsigned long long *first)
 {
     DT_GRID_LOOP(i, n)
-        if (idx[i] < 0 || (int64_t)idx[i] >= limit) atomicMin(first, (unsigned long long)i);
+        if ((idx[i] < 0 || (int64_t)idx[i] >= limit) && (int64_t)idx[i] != ignore)
+            atomicMin(first, (unsigned long long)i);
 }
 
 /* First i with idx[i] outside [0, limit), or -1; waits for the answer.
@@ -1894,13 +1895,14 @@ static __global__ void index_check_kernel(int64_t n, const int32_t *idx, int64_t
  * backend.h has the caller ask fault() before it trusts "all valid", and the
  * fault is recorded before this returns (a failed launch at once, a kernel's
  * fault at the sync). */
-static int64_t index_check_run(dt_backend *be, int64_t n, const int32_t *idx, int64_t limit)
+static int64_t index_check_run(dt_backend *be, int64_t n, const int32_t *idx, int64_t limit,
+                               int64_t ignore)
 {
     if (cuda_faulted(be) || n <= 0) return -1;
     unsigned long long *flag = red_flag(be), first = 0;
     DT_CUDA_OK(be, cudaMemsetAsync(flag, 0xff, sizeof *flag, be->compute));
     index_check_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
-        n, idx, limit, flag);
+        n, idx, limit, ignore, flag);
     DT_LAUNCHED(be);
     DT_CUDA_OK(be, cudaMemcpyAsync(&first, flag, sizeof first, cudaMemcpyDeviceToHost,
                                    be->compute));
@@ -1914,8 +1916,8 @@ static int64_t index_check_run(dt_backend *be, int64_t n, const int32_t *idx, in
  * turn, each warp adding its rows' losses in order; the block adds the warps'
  * sums in warp order into part[p]; sum_finish adds the parts (fixed tree). */
 static __global__ void xent_rows_kernel(int64_t n, int64_t c, const float *logits,
-                                        const int32_t *labels, float *probs, int nparts,
-                                        double *part)
+                                        const int32_t *labels, int64_t ignore, float *probs,
+                                        int nparts, double *part)
 {
     __shared__ double wsum[DT_CUDA_THREADS / 32];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = DT_CUDA_THREADS / 32;
@@ -1935,7 +1937,8 @@ static __global__ void xent_rows_kernel(int64_t n, int64_t c, const float *logit
         s = warp_sum(s);
         float inv = (float)(1.0 / s);
         for (int64_t j = lane; j < c; j += 32) pr[j] *= inv;
-        acc += log(s) + (double)m - (double)x[labels[r]];   /* logsumexp - logit[label] */
+        if ((int64_t)labels[r] != ignore)   /* logsumexp - logit[label] */
+            acc += log(s) + (double)m - (double)x[labels[r]];
     }
     if (lane == 0) wsum[w] = acc;
     __syncthreads();
@@ -1950,11 +1953,12 @@ static __global__ void xent_rows_kernel(int64_t n, int64_t c, const float *logit
  * Labels are checked first (one wait), as the CPU does, so nothing is
  * written when one is out of range. */
 static int64_t cuda_xent_forward(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                                 const int32_t *labels, float *probs, float *loss)
+                                 const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                                 float *loss)
 {
     if (cuda_faulted(be)) return -1;   /* the caller asks fault() */
     cuda_enter(be);
-    int64_t bad = index_check_run(be, n, labels, c);
+    int64_t bad = index_check_run(be, n, labels, c, ignore);
     if (bad >= 0) return bad;
     if (cuda_faulted(be)) return -1;   /* the check itself failed: queue nothing more */
     if (n <= 0 || c <= 0) {
@@ -1965,23 +1969,27 @@ static int64_t cuda_xent_forward(dt_backend *be, int64_t n, int64_t c, const flo
     int np = (int)min64((n + 63) / 64, DT_CUDA_RED_PARTS);
     dt_cuda_dims K;
     memset(&K, 0, sizeof K);
-    xent_rows_kernel<<<np, DT_CUDA_THREADS, 0, be->compute>>>(n, c, logits, labels, probs, np,
-                                                             be->red);
+    xent_rows_kernel<<<np, DT_CUDA_THREADS, 0, be->compute>>>(n, c, logits, labels, ignore, probs,
+                                                             np, be->red);
     DT_LAUNCHED(be);
-    sum_finish_kernel<<<1, DT_CUDA_THREADS, 0, be->compute>>>(1, K, np, be->red, (double)n, loss,
-                                                              0, NULL);
+    sum_finish_kernel<<<1, DT_CUDA_THREADS, 0, be->compute>>>(1, K, np, be->red, (double)kept,
+                                                              loss, 0, NULL);
     DT_LAUNCHED(be);
     return -1;
 }
 
 /* dlogits (n,c) (+)= (probs - onehot(labels)) * dloss / n, in cpu.c's order */
 static __global__ void xent_bwd_kernel(int64_t n, int64_t c, const float *probs,
-                                       const int32_t *labels, const float *dloss, float *dlogits,
-                                       int acc)
+                                       const int32_t *labels, int64_t ignore, int64_t kept,
+                                       const float *dloss, float *dlogits, int acc)
 {
-    float s = *dloss / (float)n;
+    float s = *dloss / (float)kept;
     DT_GRID_LOOP(i, n * c) {
         int64_t r = i / c, j = i - r * c;
+        if ((int64_t)labels[r] == ignore) {   /* no gradient */
+            if (!acc) dlogits[i] = 0.0f;
+            continue;
+        }
         float v = acc ? dlogits[i] + probs[i] * s : probs[i] * s;
         if (j == (int64_t)labels[r]) v -= s;
         dlogits[i] = v;
@@ -1989,13 +1997,13 @@ static __global__ void xent_bwd_kernel(int64_t n, int64_t c, const float *probs,
 }
 
 static void cuda_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                               const int32_t *labels, const float *dloss, float *dlogits,
-                               int accumulate)
+                               const int32_t *labels, int64_t ignore, int64_t kept,
+                               const float *dloss, float *dlogits, int accumulate)
 {
     if (n <= 0 || c <= 0) return;
     cuda_enter(be);
     xent_bwd_kernel<<<grid_for(n * c, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
-        n, c, probs, labels, dloss, dlogits, accumulate);
+        n, c, probs, labels, ignore, kept, dloss, dlogits, accumulate);
     DT_LAUNCHED(be);
 }
 
@@ -2514,7 +2522,7 @@ static void cuda_embedding_backward(dt_backend *be, int64_t n, int64_t d, const 
 static int64_t cuda_index_check(dt_backend *be, int64_t n, const int32_t *idx, int64_t limit)
 {
     cuda_enter(be);
-    return index_check_run(be, n, idx, limit);
+    return index_check_run(be, n, idx, limit, DT_XENT_KEEP_ALL);
 }
 
 /* ---------------------------------------------------------------------------

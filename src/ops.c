@@ -949,14 +949,39 @@ static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    int64_t rows = n->iarg[0], classes = n->iarg[1];
+    int64_t rows = n->iarg[0], classes = n->iarg[1], ignore = n->iarg[2], kept = n->iarg[3];
     const float *probs = n->aux[0];   /* softmax of the logits, kept by the forward */
-    BE(ctx)->xent_backward(BEI(ctx), rows, classes, probs, IP(n->in[1]), FP(n->out->grad), gx, acc);
+    BE(ctx)->xent_backward(BEI(ctx), rows, classes, probs, IP(n->in[1]), ignore, kept,
+                           FP(n->out->grad), gx, acc);
     return DT_OK;
 }
 
-/* logits (N,C) f32, labels (N) i32 -> scalar mean cross entropy */
-dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
+/* Labels that are not `ignore`: counted on the host (the backends divide
+ * by it; a copy of n ints, where the label check already waits anyway). */
+static int64_t xent_kept(dt_ctx *ctx, const dt_tensor *labels, int64_t n, int64_t ignore)
+{
+    if (ignore == DT_XENT_KEEP_ALL)
+        return n;
+    const int32_t *h = IP(labels);
+    int32_t *copy = NULL;
+    if (!BE(ctx)->host_visible) {
+        if (!(copy = host_alloc(ctx, sizeof *copy * (size_t)n))) {
+            set_error(ctx, DT_ENOMEM, "cross_entropy: out of memory");
+            return -1;
+        }
+        BE(ctx)->to_host(BEI(ctx), copy, IP(labels), sizeof *copy * (size_t)n);
+        h = copy;
+    }
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; i++)
+        kept += h[i] != ignore;
+    host_free(ctx, copy);
+    return kept;
+}
+
+/* logits (..., C) f32, labels (...) i32 of the same leading shape -> the
+ * mean over the labels that are not `ignore` of -log softmax[label] */
+static dt_tensor *xent_op(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels, int64_t ignore)
 {
     if (!op_f32_ok(ctx, "cross_entropy", logits, "logits") ||
         !op_input_ok(ctx, "cross_entropy", labels, "labels"))
@@ -967,22 +992,26 @@ dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
                   dt_dtype_name(labels->dtype));
         return NULL;
     }
-    if (logits->ndim != 2 || labels->ndim != 1 || labels->shape[0] != logits->shape[0] ||
-        logits->shape[0] == 0 || logits->shape[1] == 0) {
-        set_error(ctx, DT_EINVAL, "cross_entropy: logits %s and labels %s: need (N,C) and (N), N,C > 0",
-                  SHAPE(logits, s1), SHAPE(labels, s2));
+    int same = logits->ndim >= 2 && labels->ndim == logits->ndim - 1;
+    for (int d = 0; same && d < labels->ndim; d++)
+        same = labels->shape[d] == logits->shape[d];
+    if (!same || dt_tensor_numel(logits) == 0) {
+        set_error(ctx, DT_EINVAL, "cross_entropy: logits %s and labels %s: need (..., C) and (...), "
+                  "not empty", SHAPE(logits, s1), SHAPE(labels, s2));
         return NULL;
     }
     if (!(logits = op_need_contig(ctx, logits)) || !(labels = op_need_contig(ctx, labels)))
         return NULL;
     tensor_materialize(logits);
     tensor_materialize(labels);
-    int64_t n = logits->shape[0], c = logits->shape[1];
-    float *probs = op_temp_floats(ctx, n * c);
+    int64_t c = logits->shape[logits->ndim - 1], n = dt_tensor_numel(labels);
+    int64_t kept = xent_kept(ctx, labels, n, ignore);
+    float *probs = kept >= 0 ? op_temp_floats(ctx, n * c) : NULL;
     dt_tensor *y = probs ? tensor_step_new(ctx, DT_F32, 0, NULL) : NULL;
     if (!y)
         return NULL;
-    int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), probs, FP(y));
+    int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), ignore, kept,
+                                        probs, FP(y));
     if (be_fault(ctx, "cross_entropy") != DT_OK)
         return NULL;
     if (bad >= 0) {
@@ -994,9 +1023,20 @@ dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
     }
     if (tape_tracks(ctx, logits) &&
         !tape_record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
-                        &(node_args){.i = {n, c}, .aux = {probs}}))
+                        &(node_args){.i = {n, c, ignore, kept}, .aux = {probs}}))
         return NULL;
     return y;
+}
+
+dt_tensor *dt_cross_entropy(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels)
+{
+    return xent_op(ctx, logits, labels, DT_XENT_KEEP_ALL);
+}
+
+dt_tensor *dt_cross_entropy_ignore(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels,
+                                   int ignore_index)
+{
+    return xent_op(ctx, logits, labels, ignore_index);
 }
 
 static dt_status mse_backward(dt_ctx *ctx, dt_node *n)

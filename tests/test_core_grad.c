@@ -101,7 +101,9 @@ static dt_tensor *f_softmax(dt_ctx *ctx, dt_tensor *const *in, void *u)
 
 static dt_tensor *f_xent(dt_ctx *ctx, dt_tensor *const *in, void *u)
 {
-    return dt_cross_entropy(ctx, in[0], ((op_args *)u)->aux);
+    op_args *a = u;
+    return a->i0 ? dt_cross_entropy_ignore(ctx, in[0], a->aux, a->i1)
+                 : dt_cross_entropy(ctx, in[0], a->aux);
 }
 
 static dt_tensor *f_mse(dt_ctx *ctx, dt_tensor *const *in, void *u)
@@ -432,6 +434,51 @@ static void test_grad_cross_entropy(void **state)
     tu_grad_check(ctx, "cross_entropy", f_xent, &a, in, 1, EPS, RTOL, 5e-4);
     dt_tensor_free(a.aux);
     dt_ctx_free(ctx);
+}
+
+/* A language model's loss: logits (B, T, V), labels (B, T) with ignored
+ * positions; the value against the mean over the kept positions computed
+ * here, and the gradient (zero on the ignored rows) by differences. */
+static void test_grad_cross_entropy_sequence(void **state)
+{
+    (void)state;
+    enum { B = 2, T = 3, V = 5 };
+    for (int ignore = 0; ignore < 2; ignore++) {
+        dt_ctx *ctx = tu_ctx_new();
+        tu_rng r = {151 + (uint64_t)ignore};
+        float lv[B * T * V];
+        tu_fill_uniform(&r, lv, B * T * V, -2, 2);
+        dt_tensor *in[1] = {tu_param(ctx, "logits", SHP(B, T, V), lv)};
+        const int32_t labels[B * T] = {1, -100, 4, 0, 3, -100};
+        const int32_t plain[B * T] = {1, 2, 4, 0, 3, 0};
+        const int32_t *lab = ignore ? labels : plain;
+        op_args a = {.i0 = ignore, .i1 = -100, .aux = tu_tensor_i32(ctx, SHP(B, T), lab)};
+        double want = 0;
+        int kept = 0;
+        for (int i = 0; i < B * T; i++) {
+            if (lab[i] == -100)
+                continue;
+            double m = -1e30, se = 0;
+            for (int c = 0; c < V; c++)
+                m = lv[i * V + c] > m ? lv[i * V + c] : m;
+            for (int c = 0; c < V; c++)
+                se += exp(lv[i * V + c] - m);
+            want += log(se) + m - lv[i * V + lab[i]];
+            kept++;
+        }
+        dt_tensor *loss = f_xent(ctx, in, &a);
+        tu_check(ctx, loss, "cross_entropy (B,T,V)");
+        assert_true(tu_close(dt_tensor_item(loss), want / kept, 1e-5, 1e-6));
+        tu_grad_check(ctx, ignore ? "cross_entropy_ignore (B,T,V)" : "cross_entropy (B,T,V)",
+                      f_xent, &a, in, 1, EPS, RTOL, 5e-4);
+        if (ignore) {   /* the ignored rows got exactly nothing */
+            float *g = tu_read(ctx, dt_tensor_grad(in[0]), NULL);
+            for (int c = 0; c < V; c++)
+                assert_true(g[1 * V + c] == 0.0f && g[5 * V + c] == 0.0f);
+            free(g);
+        }
+        dt_ctx_free(ctx);
+    }
 }
 
 static void test_grad_mse(void **state)
@@ -920,6 +967,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_grad_embedding),
     cmocka_unit_test(test_grad_layer_norm),
     cmocka_unit_test(test_grad_attention),
+    cmocka_unit_test(test_grad_cross_entropy_sequence),
     cmocka_unit_test(test_grad_dropout),
     cmocka_unit_test(test_grad_recompute),
     cmocka_unit_test(test_grad_recompute_dropout),

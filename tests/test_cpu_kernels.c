@@ -628,7 +628,7 @@ static void test_xent(void **state)
     int32_t labels[5] = {0, 6, 3, 3, 1};
     rfill(x, n * c, 26);
     for (int i = 0; i < n * c; i++) x[i] = x[i] * 30.0f + 50.0f; /* large: needs the max shift */
-    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, labels, probs, &loss), -1);
+    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, labels, DT_XENT_KEEP_ALL, n, probs, &loss), -1);
     double total = 0;
     for (int r = 0; r < n; r++) {
         double m = -INFINITY, z = 0;
@@ -644,7 +644,7 @@ static void test_xent(void **state)
     rfill(d0, n * c, 27);
     for (int acc = 0; acc < 2; acc++) {
         memcpy(d, d0, sizeof(float) * n * c);
-        f->I->xent_backward(f->be1, n, c, probs, labels, &dloss, d, acc);
+        f->I->xent_backward(f->be1, n, c, probs, labels, DT_XENT_KEEP_ALL, n, &dloss, d, acc);
         for (int r = 0; r < n; r++)
             for (int j = 0; j < c; j++)
                 want[r * c + j] = ((double)probs[r * c + j] - (j == labels[r])) * 2.0 / n +
@@ -653,9 +653,9 @@ static void test_xent(void **state)
     }
     /* bad labels: the first one is reported */
     int32_t bad[5] = {0, -1, 7, 3, 1};
-    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, probs, &loss), 1);
+    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, DT_XENT_KEEP_ALL, n, probs, &loss), 1);
     bad[1] = 2;
-    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, probs, &loss), 2);
+    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, DT_XENT_KEEP_ALL, n, probs, &loss), 2);
     free(x); free(probs); free(d); free(d0); free(want);
 }
 

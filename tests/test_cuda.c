@@ -1385,7 +1385,7 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
     cu_buf lg = cu_putf(f, hl, n * c), lb = cu_puti(f, lab, n);
     cu_buf pr = cu_junk(f, n * c), loss = cu_junk(f, 1);
     int64_t ret[2];
-    BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb), P(pr), P(loss));
+    BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb), DT_XENT_KEEP_ALL, n, P(pr), P(loss));
     if (ret[0] != -1) fail_msg("xent_forward n=%lld c=%lld: cpu returned %lld for valid labels",
                                (long long)n, (long long)c, (long long)ret[0]);
     cu_expect_int(f, ret[0], ret[1], "xent_forward n=%lld c=%lld return (valid labels)",
@@ -1402,7 +1402,7 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
     for (int acc = 0; acc < 2; acc++) {
         cu_buf dl = cu_putf(f, &dls[acc], 1);
         cu_buf dx = acc ? cu_putf(f, h0, n * c) : cu_junk(f, n * c);
-        BOTH(xent_backward, n, c, P(pb), P(lb), P(dl), P(dx), acc);
+        BOTH(xent_backward, n, c, P(pb), P(lb), DT_XENT_KEEP_ALL, n, P(dl), P(dx), acc);
         cu_expect(f, dx, n * c, TOL_ARITH, "xent_backward n=%lld c=%lld dloss=%g accumulate=%d",
                   (long long)n, (long long)c, (double)dls[acc], acc);
     }
@@ -1418,12 +1418,32 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
         if (bad[i].at2 >= 0 && bad[i].at2 < n)
             l2[bad[i].at2] = (int32_t)(bad[i].value2 ? bad[i].value2 : c);
         cu_buf lb2 = cu_puti(f, l2, n), pr2 = cu_junk(f, n * c), loss2 = cu_junk(f, 1);
-        BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb2), P(pr2), P(loss2));
+        BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb2), DT_XENT_KEEP_ALL, n, P(pr2), P(loss2));
         if (ret[0] != first)
             fail_msg("xent_forward: cpu returned %lld, label %lld is the first bad",
                      (long long)ret[0], (long long)first);
         cu_expect_int(f, ret[0], ret[1], "xent_forward n=%lld c=%lld return (label[%lld] = %d)",
                       (long long)n, (long long)c, (long long)first, (int)l2[first]);
+    }
+    /* an ignored label (-100, outside the range) on every third row */
+    int32_t *li = cu_hi(f, n);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; i++) {
+        li[i] = i % 3 == 1 ? -100 : lab[i];
+        kept += li[i] != -100;
+    }
+    cu_buf lbi = cu_puti(f, li, n), pri = cu_junk(f, n * c), lossi = cu_junk(f, 1);
+    BOTH_RET(ret, xent_forward, n, c, P(lg), P(lbi), -100, kept, P(pri), P(lossi));
+    assert_int_equal(ret[0], -1);
+    cu_expect_int(f, ret[0], ret[1], "xent_forward ignore -100 return");
+    cu_expect(f, lossi, 1, TOL_TRANSC, "xent_forward n=%lld c=%lld ignore -100 loss", (long long)n,
+              (long long)c);
+    cu_buf pbi = cu_putf(f, CF(pri), n * c);
+    for (int acc = 0; acc < 2; acc++) {
+        cu_buf dl = cu_putf(f, &dls[acc], 1);
+        cu_buf dx = acc ? cu_putf(f, h0, n * c) : cu_junk(f, n * c);
+        BOTH(xent_backward, n, c, P(pbi), P(lbi), -100, kept, P(dl), P(dx), acc);
+        cu_expect(f, dx, n * c, TOL_ARITH, "xent_backward ignore -100 accumulate=%d", acc);
     }
 }
 
@@ -2451,8 +2471,8 @@ static void test_cuda_determinism(void **state)
         G->to_device(gb, lg, cu_rand(f, &r, n * c, -4, 4), 4 * (size_t)(n * c));
         G->to_device(gb, lb, cu_rand_idx(f, &r, n, c), 4 * (size_t)n);
         cu_gpu_pair(f, l1, l2, 4);
-        int64_t ret1 = G->xent_forward(gb, n, c, lg, lb, pr, l1);
-        int64_t ret2 = G->xent_forward(gb, n, c, lg, lb, pr, l2);
+        int64_t ret1 = G->xent_forward(gb, n, c, lg, lb, DT_XENT_KEEP_ALL, n, pr, l1);
+        int64_t ret2 = G->xent_forward(gb, n, c, lg, lb, DT_XENT_KEEP_ALL, n, pr, l2);
         cu_check_fault(f, "xent_forward"); /* a faulted one answers -1, "valid" */
         if (ret1 != -1 || ret2 != -1)
             fail_msg("cuda xent_forward rejected valid labels (returned %lld, %lld)",
