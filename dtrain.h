@@ -321,6 +321,26 @@ DT_API dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain);
 DT_API dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain);
 /* PyTorch's bias default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)). */
 DT_API dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in);
+/* Layers: a model in a few lines, without init constants.  Each makes
+ * parameters named "<name>.weight" and "<name>.bias" (PyTorch's names, so
+ * checkpoints line up) with PyTorch's default initialisation:
+ *   linear: weight (out, in) kaiming_uniform(a = sqrt 5), bias (out)
+ *     U(+-1/sqrt(in)), as nn.Linear (use with dt_linear);
+ *   conv2d: weight (out, in, k, k), bias (out), the same with fan_in
+ *     in*k*k, as nn.Conv2d;
+ *   embedding: weight (num, dim) N(0, 1), as nn.Embedding;
+ *   layer_norm: weight (dim) ones, bias (dim) zeros, as nn.LayerNorm.
+ * bias 0: no bias (*b set NULL, b may be NULL).  The draws come from the
+ * context's generator in this order.  DT_EINVAL: a name empty or too long,
+ * taken, sizes < 1, NULL outputs. */
+DT_API dt_status dt_linear_params(dt_ctx *ctx, const char *name, int64_t in, int64_t out,
+                                  int bias, dt_tensor **w, dt_tensor **b);
+DT_API dt_status dt_conv2d_params(dt_ctx *ctx, const char *name, int64_t in_channels,
+                                  int64_t out_channels, int kernel, int bias, dt_tensor **w,
+                                  dt_tensor **b);
+DT_API dt_tensor *dt_embedding_params(dt_ctx *ctx, const char *name, int64_t num, int64_t dim);
+DT_API dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int bias,
+                                      dt_tensor **w, dt_tensor **b);
 /* Reseed the context's generator (init and dropout derive from it; a
  * loader shuffles from its own seed); dropout's step counter restarts. */
 DT_API void dt_seed(dt_ctx *ctx, uint64_t seed);

@@ -223,3 +223,95 @@ dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
     return init_fill(ctx, bias, "init_bias", sample_uniform, -bound, bound);
 }
 
+
+/* --- layers: parameters with PyTorch's default initialisation ---------- */
+
+/* "<name>.<what>" as a new parameter of ndim dims; NULL with the error set */
+static dt_tensor *layer_param(dt_ctx *ctx, const char *fn, const char *name, const char *what,
+                              int ndim, const int64_t *shape)
+{
+    char full[DT_MAX_NAME];
+    if (!name || !*name || (size_t)snprintf(full, sizeof full, "%s.%s", name, what) >= sizeof full) {
+        set_error(ctx, DT_EINVAL, "%s: the name must be non-empty and shorter than %d bytes with "
+                  "\".%s\"", fn, DT_MAX_NAME, what);
+        return NULL;
+    }
+    return dt_param_new(ctx, full, ndim, shape);
+}
+
+/* weight kaiming_uniform(a = sqrt 5), bias U(+-1/sqrt(fan_in)), as
+ * torch.nn.Linear and Conv2d's reset_parameters */
+static dt_status layer_weight_bias(dt_ctx *ctx, const char *fn, const char *name, int ndim,
+                                   const int64_t *wshape, int64_t fan_in, int bias,
+                                   dt_tensor **w, dt_tensor **b)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!w || (bias && !b))
+        return set_error(ctx, DT_EINVAL, "%s: output pointers are NULL", fn);
+    for (int d = 0; d < ndim; d++)
+        if (wshape[d] < 1)
+            return set_error(ctx, DT_EINVAL, "%s: sizes must be >= 1", fn);
+    dt_tensor *wt = layer_param(ctx, fn, name, "weight", ndim, wshape);
+    if (!wt || dt_init_kaiming_uniform(ctx, wt, sqrtf(5.0f)) != DT_OK)
+        return ctx->last_status;
+    *w = wt;
+    if (!bias) {
+        if (b)
+            *b = NULL;
+        return DT_OK;
+    }
+    dt_tensor *bt = layer_param(ctx, fn, name, "bias", 1, wshape);
+    if (!bt || dt_init_bias(ctx, bt, fan_in) != DT_OK)
+        return ctx->last_status;
+    *b = bt;
+    return DT_OK;
+}
+
+dt_status dt_linear_params(dt_ctx *ctx, const char *name, int64_t in, int64_t out, int bias,
+                           dt_tensor **w, dt_tensor **b)
+{
+    int64_t shape[2] = {out, in};
+    return layer_weight_bias(ctx, "linear_params", name, 2, shape, in, bias, w, b);
+}
+
+dt_status dt_conv2d_params(dt_ctx *ctx, const char *name, int64_t in_channels,
+                           int64_t out_channels, int kernel, int bias, dt_tensor **w, dt_tensor **b)
+{
+    int64_t shape[4] = {out_channels, in_channels, kernel, kernel};
+    return layer_weight_bias(ctx, "conv2d_params", name, 4, shape,
+                             in_channels * (int64_t)kernel * kernel, bias, w, b);
+}
+
+dt_tensor *dt_embedding_params(dt_ctx *ctx, const char *name, int64_t num, int64_t dim)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (num < 1 || dim < 1) {
+        set_error(ctx, DT_EINVAL, "embedding_params: sizes must be >= 1, got %lld x %lld",
+                  (long long)num, (long long)dim);
+        return NULL;
+    }
+    int64_t shape[2] = {num, dim};
+    dt_tensor *w = layer_param(ctx, "embedding_params", name, "weight", 2, shape);
+    return w && dt_init_normal(ctx, w, 0.0f, 1.0f) == DT_OK ? w : NULL;   /* as nn.Embedding */
+}
+
+dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int bias,
+                               dt_tensor **w, dt_tensor **b)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!w || (bias && !b) || dim < 1)
+        return set_error(ctx, DT_EINVAL, "layer_norm_params: need dim >= 1 and output pointers");
+    int64_t shape[1] = {dim};
+    dt_tensor *wt = layer_param(ctx, "layer_norm_params", name, "weight", 1, shape);
+    if (!wt || dt_tensor_fill(wt, 1.0f) != DT_OK)   /* ones and zeros: no draw */
+        return ctx->last_status;
+    *w = wt;
+    if (b)
+        *b = NULL;
+    if (bias && !(*b = layer_param(ctx, "layer_norm_params", name, "bias", 1, shape)))
+        return ctx->last_status;
+    return DT_OK;
+}

@@ -116,6 +116,70 @@ static void test_fwd_params(void **state)
     dt_ctx_free(ctx);
 }
 
+/* max |v| and mean v^2 over n values */
+static void moments(const float *v, int64_t n, double *mx, double *ms)
+{
+    *mx = 0;
+    *ms = 0;
+    for (int64_t i = 0; i < n; i++) {
+        *mx = fmax(*mx, fabs(v[i]));
+        *ms += (double)v[i] * v[i] / (double)n;
+    }
+}
+
+/* Layers: PyTorch's names, shapes and default initialisation. */
+static void test_fwd_layer_params(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new_with(3, 1);
+    dt_tensor *w, *b;
+    double mx, ms;
+    int64_t n;
+    /* linear 300 -> 400: weight bound 1/sqrt(300) (kaiming a = sqrt 5), bias the same */
+    tu_check_status(ctx, dt_linear_params(ctx, "fc", 300, 400, 1, &w, &b), "linear_params");
+    assert_ptr_equal(dt_param_find(ctx, "fc.weight"), w);
+    assert_ptr_equal(dt_param_find(ctx, "fc.bias"), b);
+    tu_assert_shape(w, SHP(400, 300));
+    tu_assert_shape(b, SHP(400));
+    float *v = tu_read(ctx, w, &n);
+    moments(v, n, &mx, &ms);
+    double bound = 1.0 / sqrt(300.0);
+    assert_true(mx <= bound * (1 + 1e-6) && mx > 0.99 * bound);
+    assert_true(fabs(ms - bound * bound / 3) < 0.05 * bound * bound / 3);
+    free(v);
+    v = tu_read(ctx, b, &n);
+    moments(v, n, &mx, &ms);
+    assert_true(mx <= bound * (1 + 1e-6) && mx > 0.9 * bound);
+    free(v);
+    /* conv2d 3 -> 8, k 5: fan_in 75 */
+    tu_check_status(ctx, dt_conv2d_params(ctx, "conv", 3, 8, 5, 0, &w, &b), "conv2d_params");
+    assert_null(b);
+    assert_null(dt_param_find(ctx, "conv.bias"));
+    tu_assert_shape(w, SHP(8, 3, 5, 5));
+    v = tu_read(ctx, w, &n);
+    moments(v, n, &mx, &ms);
+    assert_true(mx <= 1.0 / sqrt(75.0) * (1 + 1e-6));
+    free(v);
+    /* embedding: N(0, 1) */
+    w = dt_embedding_params(ctx, "wte", 500, 40);
+    tu_check(ctx, w, "embedding_params");
+    v = tu_read(ctx, w, &n);
+    moments(v, n, &mx, &ms);
+    assert_true(fabs(ms - 1.0) < 0.05 && mx > 3.0);
+    free(v);
+    /* layer norm: ones and zeros */
+    tu_check_status(ctx, dt_layer_norm_params(ctx, "ln", 6, 1, &w, &b), "layer_norm_params");
+    TU_EXPECT(ctx, w, 0, 0, 1, 1, 1, 1, 1, 1);
+    TU_EXPECT(ctx, b, 0, 0, 0, 0, 0, 0, 0, 0);
+    /* a name taken, an empty one, sizes */
+    assert_int_equal(dt_linear_params(ctx, "fc", 3, 4, 1, &w, &b), DT_EINVAL);
+    tu_assert_error_mentions(ctx, "fc.weight");
+    assert_int_equal(dt_linear_params(ctx, "", 3, 4, 1, &w, &b), DT_EINVAL);
+    assert_int_equal(dt_linear_params(ctx, "x", 0, 4, 1, &w, &b), DT_EINVAL);
+    assert_null(dt_embedding_params(ctx, "e", 0, 4));
+    dt_ctx_free(ctx);
+}
+
 /* Initialisers: bounds and moments against the formulas in the header. */
 static void test_fwd_init(void **state)
 {
@@ -664,6 +728,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_fwd_tensor_basics),
     cmocka_unit_test(test_fwd_params),
     cmocka_unit_test(test_fwd_init),
+    cmocka_unit_test(test_fwd_layer_params),
     cmocka_unit_test(test_fwd_matmul),
     cmocka_unit_test(test_fwd_broadcast),
     cmocka_unit_test(test_fwd_reductions),
