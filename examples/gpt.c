@@ -1,0 +1,446 @@
+/*
+ * examples/gpt.c - a character-level GPT (as nanoGPT's shakespeare_char) on
+ * the text of Debian's `fortunes` package.
+ *
+ *   build/gpt [--steps 300] [--batch 12] [--context 64] [--layers 4]
+ *             [--heads 4] [--embd 128] [--lr 1e-3] [--eval-every 100]
+ *             [--eval-batches 20] [--ranks N] [--threads N] [--seed S]
+ *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
+ *             [--optim adamw|sgd]
+ *
+ * Bytes are the tokens (a 256-entry vocabulary).  The text is split 90/10:
+ * training samples are windows at random places of the first 90%, and the
+ * validation loss is measured every --eval-every steps on windows of the
+ * last 10%.  With --ranks N (or under any launcher) the ranks train
+ * data-parallel.  At the end it saves a checkpoint (--save) and prints a
+ * sample of --sample generated characters.
+ */
+#include <dirent.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "dtrain.h"
+
+typedef struct options {
+    int steps, batch, context, layers, heads, embd, eval_every, eval_batches, ranks, threads;
+    int sample;
+    float lr;
+    uint64_t seed;
+    const char *save, *data, *backend, *optim;
+} options;
+
+typedef struct block {
+    dt_tensor *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b;
+    dt_tensor *ln2_w, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
+} block;
+
+typedef struct gpt {
+    int layers, heads, embd, context;
+    dt_tensor *wte, *wpe, *lnf_w, *lnf_b;
+    block *h;
+} gpt;
+
+/* --- the text ------------------------------------------------------------ */
+
+/* Every plain fortune file in dir (not the .dat indexes or .u8 links),
+ * in name order, concatenated. */
+static char *read_fortunes(const char *dir, int64_t *len)
+{
+    struct dirent **names;
+    int n = scandir(dir, &names, NULL, alphasort);
+    if (n < 0)
+        return NULL;
+    char *text = NULL;
+    *len = 0;
+    for (int i = 0; i < n; i++) {
+        const char *nm = names[i]->d_name;
+        size_t l = strlen(nm);
+        char path[4096];
+        struct stat st;
+        snprintf(path, sizeof path, "%s/%s", dir, nm);
+        int plain = nm[0] != '.' && !(l > 4 && strcmp(nm + l - 4, ".dat") == 0) &&
+                    !(l > 3 && strcmp(nm + l - 3, ".u8") == 0) && stat(path, &st) == 0 &&
+                    S_ISREG(st.st_mode);
+        FILE *f = plain ? fopen(path, "rb") : NULL;
+        char *more = f ? realloc(text, (size_t)(*len + st.st_size)) : NULL;
+        if (more) {
+            text = more;
+            *len += (int64_t)fread(text + *len, 1, (size_t)st.st_size, f);
+        }
+        if (f)
+            fclose(f);
+        free(names[i]);
+    }
+    free(names);
+    return text;
+}
+
+/* --- the model ------------------------------------------------------------ */
+
+/* nanoGPT's initialisation: N(0, 0.02) weights and embeddings, zero biases,
+ * the residual projections N(0, 0.02/sqrt(2 layers)) */
+static int gpt_init(dt_ctx *ctx, gpt *m)
+{
+    char nm[64];
+    int C = m->embd;
+    float std = 0.02f, proj_std = 0.02f / sqrtf(2.0f * (float)m->layers);
+    if (!(m->wte = dt_embedding_params(ctx, "wte", 256, C)) ||
+        !(m->wpe = dt_embedding_params(ctx, "wpe", m->context, C)) ||
+        dt_init_normal(ctx, m->wte, 0, std) != DT_OK || dt_init_normal(ctx, m->wpe, 0, std) != DT_OK)
+        return 0;
+    m->h = calloc((size_t)m->layers, sizeof *m->h);
+    for (int l = 0; m->h && l < m->layers; l++) {
+        block *b = &m->h[l];
+        struct { const char *name; int in, out; dt_tensor **w, **b; float std; } lin[4] = {
+            {"attn", C, 3 * C, &b->attn_w, &b->attn_b, std},
+            {"proj", C, C, &b->proj_w, &b->proj_b, proj_std},
+            {"fc", C, 4 * C, &b->fc_w, &b->fc_b, std},
+            {"fc2", 4 * C, C, &b->fc2_w, &b->fc2_b, proj_std}};
+        snprintf(nm, sizeof nm, "h.%d.ln1", l);
+        if (dt_layer_norm_params(ctx, nm, C, 1, &b->ln1_w, &b->ln1_b) != DT_OK)
+            return 0;
+        snprintf(nm, sizeof nm, "h.%d.ln2", l);
+        if (dt_layer_norm_params(ctx, nm, C, 1, &b->ln2_w, &b->ln2_b) != DT_OK)
+            return 0;
+        for (int k = 0; k < 4; k++) {
+            snprintf(nm, sizeof nm, "h.%d.%s", l, lin[k].name);
+            if (dt_linear_params(ctx, nm, lin[k].in, lin[k].out, 1, lin[k].w, lin[k].b) != DT_OK ||
+                dt_init_normal(ctx, *lin[k].w, 0, lin[k].std) != DT_OK ||
+                dt_tensor_fill(*lin[k].b, 0.0f) != DT_OK)
+                return 0;
+        }
+    }
+    return m->h && dt_layer_norm_params(ctx, "ln_f", C, 1, &m->lnf_w, &m->lnf_b) == DT_OK;
+}
+
+/* (B*T, C) -> (B, heads, T, C/heads), a copy laid out for attention */
+static dt_tensor *heads_of(dt_ctx *ctx, const gpt *m, dt_tensor *x, int64_t B, int64_t T)
+{
+    int64_t shape[4] = {B, T, m->heads, m->embd / m->heads};
+    return dt_contiguous(ctx, dt_transpose(ctx, dt_reshape(ctx, x, 4, shape), 1, 2));
+}
+
+static dt_tensor *attention_block(dt_ctx *ctx, const gpt *m, const block *b, dt_tensor *x,
+                                  int64_t B, int64_t T)
+{
+    int64_t C = m->embd;
+    dt_tensor *h = dt_layer_norm(ctx, x, b->ln1_w, b->ln1_b, 1e-5f);
+    dt_tensor *qkv = dt_linear(ctx, h, b->attn_w, b->attn_b);   /* (B*T, 3C) */
+    dt_tensor *q = heads_of(ctx, m, dt_slice(ctx, qkv, 1, 0, C), B, T);
+    dt_tensor *k = heads_of(ctx, m, dt_slice(ctx, qkv, 1, C, 2 * C), B, T);
+    dt_tensor *v = heads_of(ctx, m, dt_slice(ctx, qkv, 1, 2 * C, 3 * C), B, T);
+    dt_tensor *y = dt_attention(ctx, q, k, v, NULL, 1, 0.0f);   /* (B, heads, T, D) */
+    int64_t flat[2] = {B * T, C};
+    y = dt_reshape(ctx, dt_transpose(ctx, y, 1, 2), 2, flat);
+    return dt_add(ctx, x, dt_linear(ctx, y, b->proj_w, b->proj_b));
+}
+
+static dt_tensor *mlp_block(dt_ctx *ctx, const block *b, dt_tensor *x)
+{
+    dt_tensor *h = dt_layer_norm(ctx, x, b->ln2_w, b->ln2_b, 1e-5f);
+    h = dt_gelu_tanh(ctx, dt_linear(ctx, h, b->fc_w, b->fc_b));
+    return dt_add(ctx, x, dt_linear(ctx, h, b->fc2_w, b->fc2_b));
+}
+
+/* idx (B, T) i32 -> logits (B, T, 256) */
+static dt_tensor *gpt_forward(dt_ctx *ctx, const gpt *m, dt_tensor *idx)
+{
+    int64_t B = dt_tensor_dim(idx, 0), T = dt_tensor_dim(idx, 1), C = m->embd;
+    int32_t pos[4096];
+    for (int64_t t = 0; t < T; t++)
+        pos[t] = (int32_t)t;
+    int64_t tshape[1] = {T}, flat[2] = {B * T, C}, out[3] = {B, T, 256};
+    dt_tensor *p = dt_tensor_temp(ctx, DT_I32, 1, tshape);
+    if (!p || dt_tensor_set(p, pos, T) != DT_OK)
+        return NULL;
+    dt_tensor *x = dt_add(ctx, dt_embedding(ctx, m->wte, idx), dt_embedding(ctx, m->wpe, p));
+    x = dt_reshape(ctx, x, 2, flat);
+    for (int l = 0; x && l < m->layers; l++)
+        x = mlp_block(ctx, &m->h[l], attention_block(ctx, m, &m->h[l], x, B, T));
+    x = dt_layer_norm(ctx, x, m->lnf_w, m->lnf_b, 1e-5f);
+    return dt_reshape(ctx, dt_matmul(ctx, x, m->wte, 0, 1), 3, out);   /* tied: x wte^T */
+}
+
+/* --- training --------------------------------------------------------------- */
+
+static dt_loader *make_loader(dt_ctx *ctx, const dt_dataset *ds, const options *o, int rank,
+                              int ranks, int shuffle)
+{
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = o->batch;
+    lc.shuffle = shuffle;
+    lc.drop_last = 1;
+    lc.seed = o->seed;
+    lc.shard_rank = rank;
+    lc.shard_count = ranks;
+    lc.global_batches = ranks > 1;   /* the ranks' batches make the one-process batch */
+    return dt_loader_new(ctx, ds, &lc);
+}
+
+/* The mean loss over the first n batches of the validation windows. */
+static double val_loss(dt_ctx *ctx, const gpt *m, dt_loader *ld, int n)
+{
+    dt_set_grad_enabled(ctx, 0);
+    dt_loader_start_epoch(ld, 0);
+    double sum = 0;
+    int k = 0;
+    dt_tensor *x, *y;
+    while (k < n && dt_loader_next(ld, &x, &y) == DT_OK) {
+        dt_tensor *loss = dt_cross_entropy(ctx, gpt_forward(ctx, m, x), y);
+        if (!loss)
+            break;
+        sum += dt_tensor_item(loss);
+        k++;
+        dt_step_reset(ctx);
+    }
+    dt_set_grad_enabled(ctx, 1);
+    return k ? sum / k : NAN;
+}
+
+/* n characters after a newline, each drawn from softmax(logits) of the
+ * last position (seeded). */
+static void sample(dt_ctx *ctx, const gpt *m, int n, uint64_t seed)
+{
+    int32_t *text = malloc(sizeof *text * (size_t)(n + 1));
+    float *all = malloc(sizeof *all * 256 * (size_t)m->context);
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    int len = 1;
+    if (!text || !all)
+        goto done;
+    text[0] = '\n';
+    dt_set_grad_enabled(ctx, 0);
+    for (int i = 0; i < n; i++) {
+        int start = len > m->context ? len - m->context : 0, T = len - start;
+        int64_t shape[2] = {1, T};
+        dt_tensor *idx = dt_tensor_temp(ctx, DT_I32, 2, shape);
+        dt_tensor *logits = idx && dt_tensor_set(idx, text + start, T) == DT_OK
+                                ? gpt_forward(ctx, m, idx) : NULL;
+        if (!logits || dt_tensor_get(logits, all, (int64_t)T * 256) != DT_OK)
+            break;
+        const float *l = all + (size_t)(T - 1) * 256;
+        double mx = -INFINITY, z = 0;
+        for (int c = 0; c < 256; c++)
+            mx = l[c] > mx ? l[c] : mx;
+        for (int c = 0; c < 256; c++)
+            z += exp(l[c] - mx);
+        s ^= s << 13;   /* xorshift64 */
+        s ^= s >> 7;
+        s ^= s << 17;
+        double u = (double)(s >> 11) / 9007199254740992.0 * z;
+        int c = 0;
+        while (c < 255 && (u -= exp(l[c] - mx)) > 0)
+            c++;
+        putchar(c);
+        text[len++] = c;
+        dt_step_reset(ctx);
+    }
+    putchar('\n');
+    dt_set_grad_enabled(ctx, 1);
+done:
+    free(text);
+    free(all);
+}
+
+static int fail(dt_ctx *ctx, const char *what)
+{
+    fprintf(stderr, "gpt: %s: %s\n", what, dt_last_error(ctx));
+    return 0;
+}
+
+static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
+{
+    int rank = comm ? dt_comm_rank(comm) : 0, ranks = comm ? dt_comm_size(comm) : 1;
+    int64_t len;
+    char *text = read_fortunes(o->data, &len);
+    if (!text || len < 1000) {
+        fprintf(stderr, "gpt: no text in %s (install Debian's fortunes: apt-get install "
+                        "fortunes)\n", o->data);
+        free(text);
+        return 0;
+    }
+    int64_t cut = len * 9 / 10;
+    dt_token_config tc;
+    dt_token_config_init(&tc);
+    tc.context = o->context;
+    tc.stride = 1;            /* every window of the training text, shuffled */
+    tc.count = cut;
+    dt_dataset *train_ds = dt_dataset_from_tokens(ctx, text, len, 1, 0, &tc);
+    tc.first = cut;
+    tc.count = len - cut;
+    tc.stride = o->context;   /* validation: windows side by side */
+    dt_dataset *val_ds = dt_dataset_from_tokens(ctx, text, len, 1, 0, &tc);
+    gpt m = {.layers = o->layers, .heads = o->heads, .embd = o->embd, .context = o->context};
+    dt_loader *ld = NULL, *vl = NULL;
+    dt_optim *opt = NULL;
+    dt_ddp *ddp = NULL;
+    int ok = 0;
+    if (!train_ds || !val_ds || !gpt_init(ctx, &m)) {
+        fail(ctx, "building the model");
+        goto done;
+    }
+    dt_optim_config oc;
+    int sgd = o->optim && strcmp(o->optim, "sgd") == 0;
+    dt_optim_config_init(&oc, sgd ? DT_SGD : DT_ADAMW);
+    oc.lr = o->lr;
+    if (sgd) {
+        oc.momentum = 0.9f;
+    } else {
+        oc.weight_decay = 0.1f;
+        oc.beta2 = 0.99f;   /* nanoGPT's shakespeare_char */
+    }
+    if (!(ld = make_loader(ctx, train_ds, o, rank, ranks, 1)) ||
+        !(vl = make_loader(ctx, val_ds, o, 0, 1, 0)) || !(opt = dt_optim_new(ctx, &oc, NULL, 0)) ||
+        (comm && !(ddp = dt_ddp_new(ctx, comm, opt, NULL)))) {
+        fail(ctx, "setting up training");
+        goto done;
+    }
+    if (rank == 0)
+        printf("gpt: %lld bytes of fortunes (%lld train, %lld val), %d layers, %d heads, %d "
+               "channels, context %d, batch %d x %d rank(s), %d parameter tensors, %s backend\n",
+               (long long)len, (long long)cut, (long long)(len - cut), o->layers, o->heads, o->embd,
+               o->context, o->batch, ranks, dt_param_count(ctx), dt_backend_name(ctx));
+    double t0 = dt_now();
+    int64_t epoch = 0;
+    for (int step = 1; step <= o->steps; step++) {
+        dt_tensor *x, *y;
+        dt_status s = dt_loader_next(ld, &x, &y);
+        if (s == DT_EOF) {
+            dt_loader_start_epoch(ld, ++epoch);
+            s = dt_loader_next(ld, &x, &y);
+        }
+        dt_tensor *loss = s == DT_OK ? dt_cross_entropy(ctx, gpt_forward(ctx, &m, x), y) : NULL;
+        if (!loss || dt_backward(ctx, loss) != DT_OK ||
+            (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK) {
+            fail(ctx, "training");
+            goto done;
+        }
+        float train_loss = dt_tensor_item(loss);
+        dt_optim_zero_grad(opt);
+        dt_step_reset(ctx);
+        if (rank == 0 && (step % o->eval_every == 0 || step == o->steps))
+            printf("step %d: train loss %.4f, val loss %.4f, %.1f ms/step\n", step, train_loss,
+                   val_loss(ctx, &m, vl, o->eval_batches), (dt_now() - t0) * 1e3 / step);
+    }
+    if (rank == 0 && o->save && dt_checkpoint_save(ctx, opt, o->save, o->steps) != DT_OK) {
+        fail(ctx, "saving");
+        goto done;
+    }
+    if (rank == 0 && o->sample > 0) {
+        printf("sample:\n");
+        sample(ctx, &m, o->sample, o->seed);
+    }
+    ok = !comm || dt_barrier(comm) == DT_OK;
+done:
+    dt_ddp_free(ddp);
+    dt_loader_free(ld);
+    dt_loader_free(vl);
+    dt_dataset_free(train_ds);
+    dt_dataset_free(val_ds);
+    free(m.h);
+    free(text);
+    return ok;
+}
+
+/* --- the command line --------------------------------------------------------- */
+
+static int parse_args(int argc, char **argv, options *o)
+{
+    *o = (options){.steps = 300, .batch = 12, .context = 64, .layers = 4, .heads = 4,
+                   .embd = 128, .eval_every = 100, .eval_batches = 20, .ranks = 1, .threads = 1,
+                   .sample = 300, .lr = 1e-3f, .seed = 1337, .data = "/usr/share/games/fortunes"};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int *ints[] = {&o->steps, &o->batch, &o->context, &o->layers, &o->heads, &o->embd,
+                       &o->eval_every, &o->eval_batches, &o->ranks, &o->threads, &o->sample};
+        const char *names[] = {"--steps", "--batch", "--context", "--layers", "--heads", "--embd",
+                               "--eval-every", "--eval-batches", "--ranks", "--threads", "--sample"};
+        int k = 0;
+        while (k < 11 && strcmp(a, names[k]) != 0)
+            k++;
+        if (!v) {
+            fprintf(stderr, "gpt: %s needs a value\n", a);
+            return 0;
+        }
+        if (k < 11)
+            *ints[k] = atoi(v);
+        else if (strcmp(a, "--lr") == 0)
+            o->lr = (float)atof(v);
+        else if (strcmp(a, "--seed") == 0)
+            o->seed = strtoull(v, NULL, 10);
+        else if (strcmp(a, "--save") == 0)
+            o->save = v;
+        else if (strcmp(a, "--data") == 0)
+            o->data = v;
+        else if (strcmp(a, "--backend") == 0)
+            o->backend = v;
+        else if (strcmp(a, "--optim") == 0 && (strcmp(v, "adamw") == 0 || strcmp(v, "sgd") == 0))
+            o->optim = v;
+        else {
+            fprintf(stderr, "gpt: unknown option '%s' (see the comment at the top of "
+                            "examples/gpt.c)\n", a);
+            return 0;
+        }
+        i++;
+    }
+    if (o->steps < 1 || o->batch < 1 || o->context < 1 || o->context > 1024 || o->layers < 1 ||
+        o->heads < 1 || o->embd % o->heads != 0 || o->eval_every < 1 || o->ranks < 1) {
+        fprintf(stderr, "gpt: sizes must be >= 1, context <= 1024, embd a multiple of heads\n");
+        return 0;
+    }
+    return 1;
+}
+
+static int run_rank(const options *o)
+{
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.threads = o->threads;
+    cfg.seed = o->seed;
+    if (o->backend)
+        cfg.backend = o->backend;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    if (!ctx || dt_ctx_status(ctx) != DT_OK) {
+        fprintf(stderr, "gpt: %s\n", ctx ? dt_last_error(ctx) : "out of memory");
+        dt_ctx_free(ctx);
+        return 0;
+    }
+    dt_dist_env env;
+    dt_comm *comm = NULL;
+    int ok = dt_dist_env_detect(ctx, &env) == DT_OK || fail(ctx, "reading the launcher's environment");
+    if (ok && env.world_size > 1 && !(comm = dt_comm_new(ctx, &env, NULL)))
+        ok = fail(ctx, "joining the job");
+    if (ok)
+        ok = train(o, ctx, comm);
+    dt_comm_free(comm);
+    dt_ctx_free(ctx);
+    return ok;
+}
+
+int main(int argc, char **argv)
+{
+    options o;
+    if (!parse_args(argc, argv, &o))
+        return 2;
+    if (o.ranks > 1 && !getenv("DTRAIN_RANK")) {
+        dt_ctx *sup = dt_ctx_new(NULL);
+        dt_spawn_config sc;
+        dt_spawn_config_init(&sc);
+        sc.nranks = o.ranks;
+        sc.prefix_output = 0;
+        int rank = -1;
+        dt_status st = sup ? dt_spawn(sup, &sc, &rank) : DT_ENOMEM;
+        if (st == DT_OK && rank >= 0) {
+            dt_ctx_free(sup);
+            return run_rank(&o) ? 0 : 1;
+        }
+        if (st != DT_OK)
+            fprintf(stderr, "gpt: %s\n", sup ? dt_last_error(sup) : "out of memory");
+        dt_ctx_free(sup);
+        return st == DT_OK ? 0 : 1;
+    }
+    return run_rank(&o) ? 0 : 1;
+}
