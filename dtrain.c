@@ -126,7 +126,8 @@ struct dt_node {
     void *aux[4];                  /* saved buffers (arena) */
     dt_precision prec;             /* autocast when recorded: backward's GEMMs use it */
     dt_segment_fn seg_fn;          /* recompute: the segment function */
-    void *user;                    /* recompute: its user pointer */
+    void *user;                    /* recompute, a custom op: the user pointer */
+    dt_custom_backward_fn custom;  /* a custom op's backward (dt_custom_op) */
 };
 
 /* What an op keeps for its backward, by position in the node (iarg, farg,
@@ -358,6 +359,7 @@ typedef struct strbuf {
 typedef struct ckpt_item {
     const char *name;    /* safetensors key */
     dt_tensor *t;
+    dt_dtype store;      /* as stored: DT_F32, DT_BF16 or DT_F16 */
 } ckpt_item;
 
 /* --- a small strict JSON reader for the safetensors header -------------- */
@@ -369,7 +371,7 @@ typedef struct json {
 
 typedef struct st_entry {
     char name[DT_MAX_NAME + 16];
-    int f32;
+    int dtype;           /* DT_F32, DT_BF16, DT_F16, or -1 for another type */
     int ndim;
     int64_t shape[DT_MAX_DIMS];
     uint64_t begin, end;
@@ -383,6 +385,9 @@ typedef struct st_file {
     int optim_kind, has_optim;
     float optim_lr;
     char param_steps[4096];
+    const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
+    char want_val[4096];
+    int found;
 } st_file;
 /* --- src/data.c --- */
 
@@ -1063,6 +1068,8 @@ typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, in
 
 typedef struct eval_sums {
     double samples, correct, loss;
+    double sum, count;         /* the metric's (LOSS, USER) */
+    const dt_eval_config *cfg;
 } eval_sums;
 
 typedef struct predict_acc {
@@ -4455,6 +4462,86 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     return y;
 }
 
+/* --- custom ops (dt_custom_op) ---------------------------------------------- */
+
+static dt_status custom_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *grads[NODE_MAX_IN] = {0};
+    int grad = ctx->grad_enabled;
+    ctx->grad_enabled = 0;
+    uint64_t errors = ctx->errors;
+    dt_status s = n->custom(ctx, n->in, n->n_in, n->out, n->out->grad, grads, n->user);
+    ctx->grad_enabled = grad;
+    if (s != DT_OK)
+        return ctx->errors != errors ? ctx->last_status
+                                     : set_error(ctx, s, "%s: its backward returned %d", n->op, (int)s);
+    for (int i = 0; s == DT_OK && i < n->n_in; i++) {
+        dt_tensor *g = grads[i], *x = n->in[i];
+        if (!g || !grad_needed(x))
+            continue;
+        char sg[96], sx[96];
+        int same = g->dtype == DT_F32 && g->ndim == x->ndim;
+        for (int d = 0; same && d < x->ndim; d++)
+            same = g->shape[d] == x->shape[d];
+        if (!same)
+            return set_error(ctx, DT_EINVAL, "%s: its backward gave a gradient %s %s for input %d "
+                             "%s", n->op, SHAPE(g, sg), dt_dtype_name(g->dtype), i, SHAPE(x, sx));
+        if (!(g = op_need_contig(ctx, g)))
+            return ctx->last_status;
+        tensor_materialize(g);
+        s = op_acc_grad(ctx, x, FP(g), 1.0f);
+    }
+    return s;
+}
+
+dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs, int n,
+                        dt_custom_forward_fn forward, dt_custom_backward_fn backward, void *user)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!name || !inputs || n < 1 || n > 3 || !forward || !backward) {
+        set_error(ctx, DT_EINVAL, "custom_op: a name, 1 to 3 inputs and both functions are "
+                  "required");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++)
+        if (!op_input_ok(ctx, name, inputs[i], "input"))
+            return NULL;
+    int grad = ctx->grad_enabled, tracks = 0;
+    for (int i = 0; i < n; i++)
+        tracks |= tape_tracks(ctx, inputs[i]);
+    ctx->grad_enabled = 0;
+    uint64_t errors = ctx->errors;
+    dt_tensor *out = forward(ctx, inputs, n, user);
+    ctx->grad_enabled = grad;
+    int is_input = 0;
+    for (int i = 0; out && i < n; i++)
+        is_input |= out == inputs[i];
+    if (!out || is_input) {
+        if (!out && ctx->errors != errors)
+            return NULL;
+        set_error(ctx, DT_EINVAL, "%s: forward returned %s", name, out ? "one of its inputs"
+                                                                      : "NULL");
+        return NULL;
+    }
+    if (!tracks)
+        return out;
+    size_t len = strlen(name) + 1;
+    char *copy = arena_alloc(ctx, ctx->cur_host, len);
+    dt_node *nd = copy ? tape_record(ctx, copy, custom_backward, out, inputs[0],
+                                     n > 1 ? inputs[1] : NULL, n > 2 ? inputs[2] : NULL)
+                       : NULL;
+    if (!nd) {
+        if (!copy)
+            set_error(ctx, DT_ENOMEM, "%s: out of host memory for the tape", name);
+        return NULL;
+    }
+    memcpy(copy, name, len);
+    nd->custom = backward;
+    nd->user = user;
+    return out;
+}
+
 /* ======= src/ops_nn.c ======= */
 
 /* ===========================================================================
@@ -5595,13 +5682,26 @@ static void strbuf_json_string(strbuf *b, const char *s)
     strbuf_puts(b, "\"");
 }
 
-static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char **names)
+static const char *st_dtype_name(dt_dtype t)
+{
+    return t == DT_BF16 ? "BF16" : t == DT_F16 ? "F16" : "F32";
+}
+
+static uint64_t st_bytes(const dt_tensor *t, dt_dtype store)
+{
+    return (uint64_t)dt_tensor_numel(t) * (store == DT_F32 ? 4 : 2);
+}
+
+/* What a checkpoint holds: the parameters (stored as `store`), the extra
+ * tensors and the optimizer's state (f32). */
+static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_item *items,
+                      char **names)
 {
     int n = 0;
     for (int i = 0; i < ctx->n_params; i++)
-        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i]};
+        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i], store};
     for (int i = 0; i < ctx->n_ckpt_extra; i++)
-        items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i]};
+        items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32};
     if (opt) {
         for (int i = 0; i < opt->n * opt->per; i++) {
             size_t len = strlen(opt->state[i]->name) + 7;
@@ -5609,15 +5709,22 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char *
             if (!names[i])
                 return -1;
             snprintf(names[i], len, "optim.%s", opt->state[i]->name);
-            items[n++] = (ckpt_item){names[i], opt->state[i]};
+            items[n++] = (ckpt_item){names[i], opt->state[i], DT_F32};
         }
     }
     return n;
 }
 
-static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n)
+static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n,
+                        const dt_checkpoint_config *cfg)
 {
     strbuf_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\"", (long long)step);
+    for (int i = 0; i < cfg->n_meta; i++) {
+        strbuf_puts(b, ",");
+        strbuf_json_string(b, cfg->meta_keys[i]);
+        strbuf_puts(b, ":");
+        strbuf_json_string(b, cfg->meta_values[i]);
+    }
     if (opt) {
         strbuf_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
                      "\"dtrain.optim.lr\":\"%.9g\",\"dtrain.optim.param_steps\":\"",
@@ -5632,10 +5739,10 @@ static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt
         dt_tensor *t = items[i].t;
         strbuf_puts(b, ",");
         strbuf_json_string(b, items[i].name);
-        strbuf_puts(b, ":{\"dtype\":\"F32\",\"shape\":[");
+        strbuf_printf(b, ":{\"dtype\":\"%s\",\"shape\":[", st_dtype_name(items[i].store));
         for (int d = 0; d < t->ndim; d++)
             strbuf_printf(b, "%s%lld", d ? "," : "", (long long)t->shape[d]);
-        uint64_t bytes = tensor_bytes(t);
+        uint64_t bytes = st_bytes(t, items[i].store);
         strbuf_printf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
                       (unsigned long long)(off + bytes));
         off += bytes;
@@ -5672,7 +5779,12 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
         dt_tensor *t = items[i].t;
         tensor_materialize(t);
         BE(ctx)->to_host(BEI(ctx), stage, t->data, tensor_bytes(t));  /* f32 LE on x86/arm */
-        s = write_all(ctx, f, stage, tensor_bytes(t), tmp);
+        int64_t cnt = dt_tensor_numel(t);
+        uint16_t *h = stage;   /* 16-bit storage: rounded in place, front to back */
+        for (int64_t k = 0; items[i].store != DT_F32 && k < cnt; k++)
+            h[k] = items[i].store == DT_BF16 ? f32_to_bf16(((float *)stage)[k])
+                                             : f32_to_f16(((float *)stage)[k]);
+        s = write_all(ctx, f, stage, st_bytes(t, items[i].store), tmp);
     }
     host_free(ctx, stage);
     if (s == DT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
@@ -5696,12 +5808,55 @@ static void sync_parent_dir(const char *path)
     }
 }
 
+void dt_checkpoint_config_init(dt_checkpoint_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->dtype = DT_F32;
+    cfg->strict = 1;
+}
+
+/* Keys of the caller's metadata: present, not ours, not repeated. */
+static dt_status ckpt_meta_ok(dt_ctx *ctx, const dt_checkpoint_config *cfg)
+{
+    if (cfg->n_meta < 0 || (cfg->n_meta > 0 && (!cfg->meta_keys || !cfg->meta_values)))
+        return set_error(ctx, DT_EINVAL, "checkpoint_save: %d metadata pairs without their arrays",
+                         cfg->n_meta);
+    for (int i = 0; i < cfg->n_meta; i++) {
+        const char *k = cfg->meta_keys[i];
+        if (!k || !*k || !cfg->meta_values[i] || strcmp(k, "format") == 0 ||
+            strncmp(k, "dtrain.", 7) == 0)
+            return set_error(ctx, DT_EINVAL, "checkpoint_save: metadata %d: a key (not \"format\" "
+                             "nor \"dtrain.*\") and a value are required", i);
+        for (int j = 0; j < i; j++)
+            if (strcmp(cfg->meta_keys[j], k) == 0)
+                return set_error(ctx, DT_EINVAL, "checkpoint_save: metadata key '%s' twice", k);
+    }
+    return DT_OK;
+}
+
 dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step)
+{
+    return dt_checkpoint_save_ex(ctx, opt, path, step, NULL);
+}
+
+dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+                                const dt_checkpoint_config *cfg)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    dt_checkpoint_config def;
+    dt_checkpoint_config_init(&def);
+    if (!cfg)
+        cfg = &def;
     if (!path || !path[0])
         return set_error(ctx, DT_EINVAL, "checkpoint_save: path is empty");
+    if (cfg->dtype != DT_F32 && cfg->dtype != DT_BF16 && cfg->dtype != DT_F16)
+        return set_error(ctx, DT_EINVAL, "checkpoint_save: parameters are stored as f32, bf16 or "
+                         "f16, not %s", dt_dtype_name(cfg->dtype));
+    if (ckpt_meta_ok(ctx, cfg) != DT_OK)
+        return ctx->last_status;
     if (opt && opt->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
     int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + ctx->n_ckpt_extra + nstate;
@@ -5712,12 +5867,12 @@ dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
     strbuf hdr = {ctx, NULL, 0, 0, 0};
     FILE *f = NULL;
     dt_status s = DT_OK;
-    if (!items || !names || !tmp || ckpt_items(ctx, opt, items, names) < 0) {
+    if (!items || !names || !tmp || ckpt_items(ctx, opt, cfg->dtype, items, names) < 0) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
         goto done;
     }
     snprintf(tmp, plen, "%s.tmp", path);
-    ckpt_header(&hdr, opt, step, items, total);
+    ckpt_header(&hdr, opt, step, items, total, cfg);
     if (hdr.oom) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory for the header");
         goto done;
@@ -5881,7 +6036,8 @@ static int st_tensor_entry(json *j, st_entry *e)
             char dt[16];
             if (!js_string(j, dt, sizeof dt))
                 return 0;
-            e->f32 = strcmp(dt, "F32") == 0;
+            e->dtype = strcmp(dt, "F32") == 0 ? DT_F32 : strcmp(dt, "BF16") == 0 ? DT_BF16
+                       : strcmp(dt, "F16") == 0 ? DT_F16 : -1;
             have_dtype = 1;
         } else if (strcmp(key, "shape") == 0) {
             if (!js_char(j, '['))
@@ -5921,6 +6077,10 @@ static int st_metadata(json *j, st_file *f)
         if (!js_string(j, key, sizeof key) || !js_char(j, ':') || !js_string(j, val, sizeof val))
             return 0;
         char *endp = NULL;
+        if (f->want_key && strcmp(key, f->want_key) == 0) {
+            snprintf(f->want_val, sizeof f->want_val, "%s", val);
+            f->found = 1;
+        }
         if (strcmp(key, "dtrain.step") == 0)
             f->step = strtoll(val, &endp, 10);
         else if (strcmp(key, "dtrain.optim.steps") == 0)
@@ -6017,20 +6177,39 @@ static dt_status read_file(dt_ctx *ctx, const char *op, const char *path, unsign
     return DT_OK;
 }
 
-/* Check one destination tensor against its entry. */
+static uint64_t st_entry_esize(const st_entry *e)
+{
+    return e->dtype == DT_F32 ? 4 : e->dtype == DT_BF16 || e->dtype == DT_F16 ? 2 : 0;
+}
+
+/* How a destination tensor fits the file's entry key. */
+enum { ST_FITS, ST_MISSING, ST_MISMATCHED };
+
+static int st_fit(st_file *f, const char *key, const dt_tensor *t, st_entry **out)
+{
+    st_entry *e = st_find(f, key);
+    *out = e;
+    if (!e)
+        return ST_MISSING;
+    int same = e->ndim == t->ndim && e->dtype >= 0;
+    for (int d = 0; same && d < e->ndim; d++)
+        same = e->shape[d] == t->shape[d];
+    return same ? ST_FITS : ST_MISMATCHED;
+}
+
+/* Check one destination tensor against its entry (strict: any misfit is an
+ * error). */
 static dt_status st_check(dt_ctx *ctx, st_file *f, const char *key, const dt_tensor *t,
                           uint64_t data_len, const st_entry **out)
 {
-    st_entry *e = st_find(f, key);
-    if (!e)
+    st_entry *e;
+    int fit = st_fit(f, key, t, &e);
+    if (fit == ST_MISSING)
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is missing from the file", key);
     char sb[96];
-    int same = e->ndim == t->ndim;
-    for (int d = 0; same && d < e->ndim; d++)
-        same = e->shape[d] == t->shape[d];
-    if (!e->f32)
-        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is not F32", key);
-    if (!same) {
+    if (e->dtype < 0)
+        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is not F32, BF16 or F16", key);
+    if (fit == ST_MISMATCHED) {
         char fs[96];
         size_t o = 0;
         o += (size_t)snprintf(fs + o, sizeof fs - o, "(");
@@ -6042,7 +6221,8 @@ static dt_status st_check(dt_ctx *ctx, st_file *f, const char *key, const dt_ten
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' has shape %s in the file, "
                                             "the model has %s", key, fs, SHAPE(t, sb));
     }
-    if (e->end < e->begin || e->end > data_len || e->end - e->begin != tensor_bytes(t))
+    if (e->end < e->begin || e->end > data_len ||
+        e->end - e->begin != (uint64_t)dt_tensor_numel(t) * st_entry_esize(e))
         return set_error(ctx, DT_ECORRUPT, "checkpoint_load: '%s' has data offsets [%llu, %llu] "
                                            "outside the %llu data bytes or of the wrong size",
                          key, (unsigned long long)e->begin, (unsigned long long)e->end,
@@ -6050,6 +6230,16 @@ static dt_status st_check(dt_ctx *ctx, st_file *f, const char *key, const dt_ten
     e->used = 1;
     *out = e;
     return DT_OK;
+}
+
+/* "missing: a, b; unexpected: c" grows one name at a time, cut at its size */
+static void report_name(dt_checkpoint_report *r, const char *kind, const char *name)
+{
+    size_t l = strlen(r->names);
+    const char *last = strrchr(r->names, ';');
+    int same_kind = l && strncmp(last ? last + 2 : r->names, kind, strlen(kind)) == 0;
+    snprintf(r->names + l, sizeof r->names - l, "%s%s%s%s", l ? (same_kind ? ", " : "; ") : "",
+             same_kind ? "" : kind, same_kind ? "" : ": ", name);
 }
 
 static dt_status st_parse_param_steps(dt_ctx *ctx, const st_file *f, int64_t *steps, int n)
@@ -6068,16 +6258,125 @@ static dt_status st_parse_param_steps(dt_ctx *ctx, const st_file *f, int64_t *st
     return DT_OK;
 }
 
+/* Read path whole, parse and check its header and the data's extent. */
+static dt_status st_open(dt_ctx *ctx, const char *path, unsigned char **buf, size_t *len,
+                         st_file *f, uint64_t *hlen_out)
+{
+    dt_status s = read_file(ctx, "checkpoint_load", path, buf, len);
+    if (s != DT_OK)
+        return s;
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8 && *len >= 8; i++)
+        hlen |= (uint64_t)(*buf)[i] << (8 * i);
+    if (*len < 8 || hlen > DT_CKPT_MAX_HEADER || hlen > *len - 8)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is truncated or not safetensors "
+                         "(%zu bytes, header length %llu)", path, *len, (unsigned long long)hlen);
+    int pr = st_parse(ctx, (const char *)*buf + 8, (size_t)hlen, f);
+    if (pr <= 0)
+        return pr < 0 ? set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory")
+                      : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header",
+                                  path);
+    uint64_t data_len = *len - 8 - hlen, data_end = 0;
+    for (int i = 0; i < f->n; i++) {
+        st_entry *e = &f->e[i];
+        uint64_t want = st_entry_esize(e);
+        for (int d = 0; d < e->ndim; d++)
+            want *= (uint64_t)e->shape[d];
+        if (e->end < e->begin || e->end > data_len || (e->dtype >= 0 && e->end - e->begin != want))
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has data offsets [%llu, "
+                             "%llu] outside the %llu data bytes or of the wrong size", path,
+                             e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
+                             (unsigned long long)data_len);
+        if (e->end > data_end)
+            data_end = e->end;
+    }
+    if (data_end != data_len)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has %llu data bytes, its header "
+                         "describes %llu", path, (unsigned long long)data_len,
+                         (unsigned long long)data_end);
+    *hlen_out = hlen;
+    return DT_OK;
+}
+
+/* The parameters: strict, each must fit; otherwise those that fit, the
+ * rest reported. */
+static dt_status st_map_params(dt_ctx *ctx, st_file *f, uint64_t data_len, int strict,
+                               const st_entry **map, dt_checkpoint_report *r)
+{
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && i < ctx->n_params; i++) {
+        dt_tensor *t = ctx->params[i];
+        st_entry *e = NULL;
+        int fit = strict ? ST_FITS : st_fit(f, t->name, t, &e);
+        if (fit == ST_FITS) {
+            s = st_check(ctx, f, t->name, t, data_len, &map[i]);
+            r->loaded += s == DT_OK;
+        } else if (fit == ST_MISSING) {
+            r->missing++;
+            report_name(r, "missing", t->name);
+        } else {
+            e->used = 1;
+            r->mismatched++;
+            report_name(r, "mismatched", t->name);
+        }
+    }
+    for (int i = 0; s == DT_OK && i < f->n; i++) {
+        if (f->e[i].used || strncmp(f->e[i].name, "optim.", 6) == 0)
+            continue;
+        if (strict)
+            return set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has '%s', which is not "
+                             "a parameter of the model", f->e[i].name);
+        r->unexpected++;
+        report_name(r, "unexpected", f->e[i].name);
+    }
+    return s;
+}
+
+/* One entry's data into t: f32 as it is, 16-bit widened on the host. */
+static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const unsigned char *data)
+{
+    const unsigned char *src = data + e->begin;
+    int64_t n = dt_tensor_numel(t);
+    float *wide = NULL;
+    if (e->dtype != DT_F32) {
+        if (!(wide = host_alloc(ctx, sizeof *wide * (size_t)(n ? n : 1))))
+            return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+        for (int64_t k = 0; k < n; k++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * k, 2);
+            wide[k] = e->dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+        }
+        src = (const unsigned char *)wide;
+    }
+    BE(ctx)->to_device(BEI(ctx), t->data, src, tensor_bytes(t));
+    t->flags &= ~(unsigned)T_ZERO;
+    host_free(ctx, wide);
+    return DT_OK;
+}
+
 dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64_t *step_out)
+{
+    return dt_checkpoint_load_ex(ctx, opt, path, NULL, step_out, NULL);
+}
+
+dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+                                const dt_checkpoint_config *cfg, int64_t *step_out,
+                                dt_checkpoint_report *report)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    int strict = !cfg || cfg->strict;
+    dt_checkpoint_report rep;
+    memset(&rep, 0, sizeof rep);
     if (!path)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: path is NULL");
     if (opt && opt->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: optimizer belongs to another context");
+    if (opt && !strict)
+        return set_error(ctx, DT_EINVAL, "checkpoint_load: a non-strict load takes no optimizer");
     unsigned char *buf = NULL;
     size_t len = 0;
+    uint64_t hlen = 0;
     st_file f;
     memset(&f, 0, sizeof f);
     int nstate = opt ? opt->n * opt->per : 0, nx = ctx->n_ckpt_extra;
@@ -6085,53 +6384,16 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     const st_entry **map = NULL;
     int64_t *psteps = NULL;
     char key[DT_MAX_NAME + 16];
-    dt_status s = read_file(ctx, "checkpoint_load", path, &buf, &len);
+    dt_status s = st_open(ctx, path, &buf, &len, &f, &hlen);
     if (s != DT_OK)
-        return s;
-    uint64_t hlen = 0;
-    for (int i = 0; i < 8 && len >= 8; i++)
-        hlen |= (uint64_t)buf[i] << (8 * i);
-    if (len < 8 || hlen > DT_CKPT_MAX_HEADER || hlen > len - 8) {
-        s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is truncated or not safetensors "
-                      "(%zu bytes, header length %llu)", path, len, (unsigned long long)hlen);
         goto done;
-    }
-    int pr = st_parse(ctx, (const char *)buf + 8, (size_t)hlen, &f);
-    if (pr <= 0) {
-        s = pr < 0 ? set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory")
-                   : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header", path);
-        goto done;
-    }
-    uint64_t data_len = len - 8 - hlen, data_end = 0;
-    for (int i = 0; i < f.n; i++) {
-        st_entry *e = &f.e[i];
-        uint64_t want = e->f32 ? 4 : 0;
-        for (int d = 0; d < e->ndim; d++)
-            want *= (uint64_t)e->shape[d];
-        if (e->end < e->begin || e->end > data_len || (e->f32 && e->end - e->begin != want)) {
-            s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has data offsets [%llu, "
-                          "%llu] outside the %llu data bytes or of the wrong size", path,
-                          e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
-                          (unsigned long long)data_len);
-            goto done;
-        }
-        if (e->end > data_end)
-            data_end = e->end;
-    }
-    if (data_end != data_len) {
-        s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has %llu data bytes, its header "
-                      "describes %llu", path, (unsigned long long)data_len,
-                      (unsigned long long)data_end);
-        goto done;
-    }
+    uint64_t data_len = len - 8 - hlen;
     map = host_calloc(ctx, sizeof *map * (size_t)(total + 1));
     psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? opt->n + 1 : 1));
     if (!map || !psteps) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
         goto done;
     }
-    for (int i = 0; s == DT_OK && i < ctx->n_params; i++)
-        s = st_check(ctx, &f, ctx->params[i]->name, ctx->params[i], data_len, &map[i]);
     for (int i = 0; s == DT_OK && i < nx; i++)
         s = st_check(ctx, &f, ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], data_len,
                      &map[ctx->n_params + i]);
@@ -6139,15 +6401,8 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
         snprintf(key, sizeof key, "optim.%s", opt->state[i]->name);
         s = st_check(ctx, &f, key, opt->state[i], data_len, &map[ctx->n_params + nx + i]);
     }
-    if (s != DT_OK)
+    if (s != DT_OK || (s = st_map_params(ctx, &f, data_len, strict, map, &rep)) != DT_OK)
         goto done;
-    for (int i = 0; i < f.n; i++) {
-        if (!f.e[i].used && strncmp(f.e[i].name, "optim.", 6) != 0) {
-            s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has '%s', which is not a "
-                                             "parameter of the model", f.e[i].name);
-            goto done;
-        }
-    }
     if (opt) {
         if (!f.has_optim || f.optim_kind != (int)opt->cfg.kind) {
             s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has no state for this "
@@ -6159,20 +6414,22 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     }
     /* everything checked: now copy */
     const unsigned char *data = buf + 8 + hlen;
-    for (int i = 0; i < total; i++) {
+    for (int i = 0; s == DT_OK && i < total; i++) {
         dt_tensor *t = i < ctx->n_params ? ctx->params[i]
                        : i < ctx->n_params + nx ? ctx->ckpt_extra[i - ctx->n_params]
                                                 : opt->state[i - ctx->n_params - nx];
-        BE(ctx)->to_device(BEI(ctx), t->data, data + map[i]->begin, tensor_bytes(t));
-        t->flags &= ~(unsigned)T_ZERO;
+        if (map[i])
+            s = st_copy(ctx, t, map[i], data);
     }
-    if (opt) {
+    if (s == DT_OK && opt) {
         opt->steps = f.optim_steps;
         memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
         opt->lr = opt->base_lr = f.optim_lr;
     }
-    if (step_out)
+    if (s == DT_OK && step_out)
         *step_out = f.step;
+    if (s == DT_OK && report)
+        *report = rep;
 done:
     host_free(ctx, map);
     host_free(ctx, psteps);
@@ -6181,6 +6438,29 @@ done:
     return s;
 }
 
+dt_status dt_checkpoint_metadata(dt_ctx *ctx, const char *path, const char *key, char *value,
+                                 size_t len)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!path || !key || !value || len == 0)
+        return set_error(ctx, DT_EINVAL, "checkpoint_metadata: path, key and a value buffer are "
+                         "required");
+    unsigned char *buf = NULL;
+    size_t flen = 0;
+    uint64_t hlen = 0;
+    st_file f;
+    memset(&f, 0, sizeof f);
+    f.want_key = key;
+    dt_status s = st_open(ctx, path, &buf, &flen, &f, &hlen);
+    if (s == DT_OK && !f.found)
+        s = set_error(ctx, DT_EMISMATCH, "checkpoint_metadata: %s has no metadata '%s'", path, key);
+    if (s == DT_OK)
+        snprintf(value, len, "%s", f.want_val);
+    host_free(ctx, f.e);
+    host_free(ctx, buf);
+    return s;
+}
 
 /* ======= src/dataset.c ======= */
 
@@ -11552,6 +11832,9 @@ static dt_loader *eval_loader(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
     return dt_loader_new(ctx, ds, &lc);
 }
 
+static dt_status eval_loss(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc);
+static dt_status eval_user(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc);
+
 static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
                           dt_forward_fn forward, void *user, eval_visit visit, void *acc)
 {
@@ -11563,6 +11846,7 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         return set_error(ctx, DT_EINVAL, "evaluate: dataset and forward function are required");
     if (!(cfg->std > 0))
         return set_error(ctx, DT_EINVAL, "evaluate: std must be > 0, got %g", (double)cfg->std);
+    int need_2d = visit != eval_loss && visit != eval_user;   /* classes: argmax, accuracy */
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
@@ -11577,7 +11861,8 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         if (!logits)
             s = ctx->last_status != DT_OK ? ctx->last_status
                                           : set_error(ctx, DT_EINVAL, "evaluate: forward returned NULL");
-        else if (logits->ndim != 2 || logits->shape[0] != y->shape[0] || logits->dtype != DT_F32)
+        else if (need_2d && (logits->ndim != 2 || logits->shape[0] != y->shape[0] ||
+                             logits->dtype != DT_F32))
             s = set_error(ctx, DT_EINVAL, "evaluate: forward must return (%lld, classes) f32 "
                           "logits, got %s", (long long)y->shape[0], SHAPE(logits, sb));
         else if (!(logits = dt_contiguous(ctx, logits)))
@@ -11609,6 +11894,47 @@ static dt_status eval_metrics(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int6
     return DT_OK;
 }
 
+/* DT_METRIC_LOSS: the batch's mean loss times its target elements (those
+ * not ignored) */
+static dt_status eval_loss(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc)
+{
+    (void)first;
+    eval_sums *e = acc;
+    int64_t n = dt_tensor_numel(y), kept = n;
+    dt_tensor *loss;
+    if (y->dtype == DT_I32) {
+        int32_t *h = host_alloc(ctx, sizeof *h * (size_t)(n ? n : 1));
+        if (!h)
+            return set_error(ctx, DT_ENOMEM, "evaluate: out of memory");
+        dt_status s = dt_tensor_get(y, h, n);
+        for (int64_t i = 0; s == DT_OK && i < n; i++)
+            kept -= h[i] == -100;
+        host_free(ctx, h);
+        if (s != DT_OK)
+            return s;
+        loss = dt_cross_entropy_ignore(ctx, out, y, -100);
+    } else {
+        loss = dt_mse(ctx, out, y);
+    }
+    if (!loss)
+        return ctx->last_status;
+    if (kept > 0)
+        e->sum += (double)dt_tensor_item(loss) * (double)kept;
+    e->count += (double)kept;
+    e->samples += (double)y->shape[0];
+    return DT_OK;
+}
+
+static dt_status eval_user(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc)
+{
+    (void)first;
+    eval_sums *e = acc;
+    e->samples += (double)y->shape[0];
+    dt_status s = e->cfg->metric_fn(ctx, out, y, e->cfg->metric_user, &e->sum, &e->count);
+    return s == DT_OK ? DT_OK : ctx->last_status != DT_OK ? ctx->last_status
+                      : set_error(ctx, s, "evaluate: the metric function returned %d", (int)s);
+}
+
 /* Counts travel as two floats, n / 4096 and n % 4096, so their sums stay
  * exact far beyond float's 2^24. */
 static int64_t count_join(const float *hl) { return (int64_t)hl[0] * 4096 + (int64_t)hl[1]; }
@@ -11620,28 +11946,47 @@ dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_ev
         return DT_EINVAL;
     if (c && c->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
-    eval_sums e = {0, 0, 0};
-    dt_status s = out ? eval_run(ctx, c, ds, cfg, forward, user, eval_metrics, &e)
-                      : set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
+    dt_eval_config defaults;
+    dt_eval_config_init(&defaults);
+    const dt_eval_config *ec = cfg ? cfg : &defaults;
+    eval_sums e = {0, 0, 0, 0, 0, ec};
+    eval_visit visit = ec->metric == DT_METRIC_LOSS ? eval_loss
+                       : ec->metric == DT_METRIC_USER ? eval_user : eval_metrics;
+    dt_status s = DT_OK;
+    if (!out)
+        s = set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
+    else if ((unsigned)ec->metric > DT_METRIC_USER || (ec->metric == DT_METRIC_USER && !ec->metric_fn))
+        s = set_error(ctx, DT_EINVAL, "evaluate: metric %d unknown, or USER without metric_fn",
+                      (int)ec->metric);
+    else
+        s = eval_run(ctx, c, ds, cfg, forward, user, visit, &e);
     /* every rank joins the sum even after a local failure (the last float
      * counts failures), so a bad rank cannot leave the others waiting */
-    int64_t n = (int64_t)e.samples, k = (int64_t)e.correct;
-    float sums[6] = {(float)(n / 4096), (float)(n % 4096), (float)(k / 4096), (float)(k % 4096),
-                     (float)e.loss, s == DT_OK ? 0.0f : 1.0f};
+    int64_t n = (int64_t)e.samples, k = (int64_t)e.correct, m = (int64_t)e.count;
+    float sums[9] = {(float)(n / 4096), (float)(n % 4096), (float)(k / 4096), (float)(k % 4096),
+                     (float)e.loss, (float)e.sum, (float)(m / 4096), (float)(m % 4096),
+                     s == DT_OK ? 0.0f : 1.0f};
     if (c) {
-        dt_status cs = dt_allreduce(c, sums, 6, DT_REDUCE_SUM);
+        dt_status cs = dt_allreduce(c, sums, 9, DT_REDUCE_SUM);
         if (cs != DT_OK)
             return cs;
     }
     if (s != DT_OK)
         return s;
-    if (sums[5] > 0)
+    if (sums[8] > 0)
         return set_error(ctx, DT_EPEER, "evaluate: %.0f other rank(s) failed to evaluate their "
-                         "part", (double)sums[5]);
+                         "part", (double)sums[8]);
+    double count = c ? (double)count_join(sums + 6) : e.count, sum = c ? (double)sums[5] : e.sum;
     out->samples = count_join(sums);
     out->correct = count_join(sums + 2);
     out->accuracy = out->samples > 0 ? (double)out->correct / (double)out->samples : 0;
     out->loss = out->samples > 0 ? (double)sums[4] / (double)out->samples : 0;
+    if (ec->metric == DT_METRIC_CLASSIFY)
+        out->value = out->accuracy;
+    else
+        out->value = out->loss = count > 0 ? sum / count : NAN;
+    if (ec->metric == DT_METRIC_USER)
+        out->loss = 0;
     return DT_OK;
 }
 

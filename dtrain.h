@@ -427,6 +427,28 @@ DT_API dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int strid
 DT_API dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx);
 /* layer_norm over the last dim: x (..., D), w (D) or NULL, b (D) or NULL. */
 DT_API dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, float eps);
+/* Your own op, with its own backward, from outside the library (as a
+ * torch.autograd.Function).  dt_custom_op calls forward(ctx, inputs, n,
+ * user) with gradients off: it computes the output any way it likes (ops,
+ * or dt_tensor_set of host results) and returns it, a new step tensor (not
+ * an input).  When some input needs a gradient the output is recorded on
+ * the tape, and backward later gets the inputs, the output and its
+ * gradient dout, and sets grads[i] (NULL on entry) to the gradient of input
+ * i, an f32 tensor of its shape made with ops or dt_tensor_temp; it runs
+ * with gradients off, and dtrain adds each grads[i] to input i's gradient
+ * (one left NULL adds nothing; those of inputs needing none are ignored).
+ * n is 1 to 3; name is copied; user is borrowed.  Returns the output, or
+ * NULL: DT_EINVAL (NULLs, n out of range, forward returned NULL or an
+ * input), or forward's own error; a failing backward, or a grads[i] of
+ * another shape or type, stops dt_backward with that error. */
+typedef dt_tensor *(*dt_custom_forward_fn)(dt_ctx *ctx, dt_tensor *const *inputs, int n,
+                                           void *user);
+typedef dt_status (*dt_custom_backward_fn)(dt_ctx *ctx, dt_tensor *const *inputs, int n,
+                                           dt_tensor *out, dt_tensor *dout, dt_tensor **grads,
+                                           void *user);
+DT_API dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs, int n,
+                               dt_custom_forward_fn forward, dt_custom_backward_fn backward,
+                               void *user);
 /* Scaled dot-product attention, as torch's F.scaled_dot_product_attention:
  * q, k, v of one shape (..., T, D) (e.g. (B, heads, T, D)) -> (..., T, D) =
  * softmax(scale q k^T + mask) v per leading index, scale 0 meaning
@@ -613,6 +635,47 @@ DT_API dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char
  * context.  step_out may be NULL. */
 DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
                                     int64_t *step_out);
+
+/* More control, as torch's save and load_state_dict(strict=False) give. */
+typedef struct dt_checkpoint_config {
+    dt_dtype dtype;            /* save: parameters as DT_F32 (default), DT_BF16 or DT_F16
+                                  (rounded to nearest even; optimizer state stays f32) */
+    int n_meta;                /* save: your metadata, n_meta key/value strings (borrowed);
+                                  keys other than "format" and those starting "dtrain." */
+    const char *const *meta_keys;
+    const char *const *meta_values;
+    int strict;                /* load: 1 (default) as dt_checkpoint_load; 0: load each
+                                  parameter the file has with its shape, leave the others,
+                                  ignore the file's extra tensors, and report them */
+} dt_checkpoint_config;
+/* What a non-strict load did: parameters loaded, the model's missing from
+ * the file, the file's that the model lacks, those of another shape or a
+ * non-float type; names lists them ("missing: a, b; unexpected: c; ..."),
+ * cut at its size. */
+typedef struct dt_checkpoint_report {
+    int loaded, missing, unexpected, mismatched;
+    char names[512];
+} dt_checkpoint_report;
+DT_API void dt_checkpoint_config_init(dt_checkpoint_config *cfg);
+/* dt_checkpoint_save with cfg (NULL: the defaults).  DT_EINVAL also: a
+ * dtype other than f32, bf16, f16; a metadata key NULL, empty, reserved or
+ * repeated, a value NULL. */
+DT_API dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path,
+                                       int64_t step, const dt_checkpoint_config *cfg);
+/* dt_checkpoint_load with cfg (NULL: strict); F32, BF16 and F16 tensors are
+ * read (widened to f32).  report may be NULL.  A non-strict load takes no
+ * optimizer (opt must be NULL: DT_EINVAL), and a file that is truncated or
+ * corrupt is still refused whole. */
+DT_API dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+                                       const dt_checkpoint_config *cfg, int64_t *step_out,
+                                       dt_checkpoint_report *report);
+/* The value of metadata key in the checkpoint at path (a NUL-terminated
+ * string into value, cut at len); the file is read and checked whole, as
+ * for a load.  DT_EINVAL:
+ * NULLs, len 0; DT_EIO, DT_ECORRUPT as dt_checkpoint_load; DT_EMISMATCH:
+ * no such key. */
+DT_API dt_status dt_checkpoint_metadata(dt_ctx *ctx, const char *path, const char *key,
+                                        char *value, size_t len);
 
 /* ---------------------------------------------------------------------------
  * 9. Data
@@ -1315,24 +1378,38 @@ DT_API dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp
  * takes samples r, r + P, r + 2P, ... (each sample once), and the results
  * are combined over ranks; c NULL: this process does the whole dataset. */
 typedef dt_tensor *(*dt_forward_fn)(dt_ctx *ctx, dt_tensor *x, void *user);
+/* What dt_evaluate measures.  CLASSIFY (the default): forward returns
+ * (B, classes) logits for scalar labels; accuracy and mean cross entropy.
+ * LOSS: the mean loss per target element: cross entropy of (..., C) logits
+ * against i32 targets (labels -100 ignored, as torch), MSE against f32
+ * targets.  USER: metric_fn adds each batch's part to a sum and a count;
+ * the value is their ratio over the dataset (and the ranks). */
+typedef enum dt_metric { DT_METRIC_CLASSIFY = 0, DT_METRIC_LOSS, DT_METRIC_USER } dt_metric;
+typedef dt_status (*dt_metric_fn)(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, void *user,
+                                  double *sum, double *count);
 typedef struct dt_eval_config {
     int batch;                 /* samples per forward; 0: 1000 */
     float mean, std;           /* input normalisation, as dt_loader_config (default 0, 1) */
+    dt_metric metric;
+    dt_metric_fn metric_fn;    /* DT_METRIC_USER: called per batch; borrows metric_user */
+    void *metric_user;
 } dt_eval_config;
 DT_API void dt_eval_config_init(dt_eval_config *cfg);
 typedef struct dt_metrics {
     int64_t samples;           /* the whole dataset's, summed over ranks */
     int64_t correct;           /* argmax equals the label */
-    double accuracy;           /* correct / samples */
-    double loss;               /* mean cross-entropy */
+    double accuracy;           /* correct / samples (CLASSIFY) */
+    double loss;               /* mean cross-entropy (CLASSIFY), mean loss (LOSS) */
+    double value;              /* the metric: accuracy, mean loss, or the user's sum / count */
 } dt_metrics;
 /* Collective when c is not NULL: every rank gets the whole dataset's
  * metrics.  ds and forward's user data are borrowed.  It runs a loader of
  * its own and calls dt_step_reset(ctx) after each batch, so step tensors
  * made before the call are gone after it.  DT_EINVAL: ds, forward or out
- * NULL, std <= 0, c of another context, forward returned NULL or not
- * (B, classes) f32; DT_EPEER: another rank failed its part; and the
- * collectives' errors. */
+ * NULL, std <= 0, c of another context, an unknown metric or USER without
+ * metric_fn, forward returned NULL or (CLASSIFY) not (B, classes) f32;
+ * the loss's and metric_fn's errors; DT_EPEER: another rank failed its
+ * part; and the collectives' errors. */
 DT_API dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
                              const dt_eval_config *cfg, dt_forward_fn forward, void *user,
                              dt_metrics *out);

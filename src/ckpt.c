@@ -32,13 +32,26 @@ static void strbuf_json_string(strbuf *b, const char *s)
     strbuf_puts(b, "\"");
 }
 
-static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char **names)
+static const char *st_dtype_name(dt_dtype t)
+{
+    return t == DT_BF16 ? "BF16" : t == DT_F16 ? "F16" : "F32";
+}
+
+static uint64_t st_bytes(const dt_tensor *t, dt_dtype store)
+{
+    return (uint64_t)dt_tensor_numel(t) * (store == DT_F32 ? 4 : 2);
+}
+
+/* What a checkpoint holds: the parameters (stored as `store`), the extra
+ * tensors and the optimizer's state (f32). */
+static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_item *items,
+                      char **names)
 {
     int n = 0;
     for (int i = 0; i < ctx->n_params; i++)
-        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i]};
+        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i], store};
     for (int i = 0; i < ctx->n_ckpt_extra; i++)
-        items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i]};
+        items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32};
     if (opt) {
         for (int i = 0; i < opt->n * opt->per; i++) {
             size_t len = strlen(opt->state[i]->name) + 7;
@@ -46,15 +59,22 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, ckpt_item *items, char *
             if (!names[i])
                 return -1;
             snprintf(names[i], len, "optim.%s", opt->state[i]->name);
-            items[n++] = (ckpt_item){names[i], opt->state[i]};
+            items[n++] = (ckpt_item){names[i], opt->state[i], DT_F32};
         }
     }
     return n;
 }
 
-static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n)
+static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n,
+                        const dt_checkpoint_config *cfg)
 {
     strbuf_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\"", (long long)step);
+    for (int i = 0; i < cfg->n_meta; i++) {
+        strbuf_puts(b, ",");
+        strbuf_json_string(b, cfg->meta_keys[i]);
+        strbuf_puts(b, ":");
+        strbuf_json_string(b, cfg->meta_values[i]);
+    }
     if (opt) {
         strbuf_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
                      "\"dtrain.optim.lr\":\"%.9g\",\"dtrain.optim.param_steps\":\"",
@@ -69,10 +89,10 @@ static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt
         dt_tensor *t = items[i].t;
         strbuf_puts(b, ",");
         strbuf_json_string(b, items[i].name);
-        strbuf_puts(b, ":{\"dtype\":\"F32\",\"shape\":[");
+        strbuf_printf(b, ":{\"dtype\":\"%s\",\"shape\":[", st_dtype_name(items[i].store));
         for (int d = 0; d < t->ndim; d++)
             strbuf_printf(b, "%s%lld", d ? "," : "", (long long)t->shape[d]);
-        uint64_t bytes = tensor_bytes(t);
+        uint64_t bytes = st_bytes(t, items[i].store);
         strbuf_printf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
                       (unsigned long long)(off + bytes));
         off += bytes;
@@ -109,7 +129,12 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
         dt_tensor *t = items[i].t;
         tensor_materialize(t);
         BE(ctx)->to_host(BEI(ctx), stage, t->data, tensor_bytes(t));  /* f32 LE on x86/arm */
-        s = write_all(ctx, f, stage, tensor_bytes(t), tmp);
+        int64_t cnt = dt_tensor_numel(t);
+        uint16_t *h = stage;   /* 16-bit storage: rounded in place, front to back */
+        for (int64_t k = 0; items[i].store != DT_F32 && k < cnt; k++)
+            h[k] = items[i].store == DT_BF16 ? f32_to_bf16(((float *)stage)[k])
+                                             : f32_to_f16(((float *)stage)[k]);
+        s = write_all(ctx, f, stage, st_bytes(t, items[i].store), tmp);
     }
     host_free(ctx, stage);
     if (s == DT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
@@ -133,12 +158,55 @@ static void sync_parent_dir(const char *path)
     }
 }
 
+void dt_checkpoint_config_init(dt_checkpoint_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->dtype = DT_F32;
+    cfg->strict = 1;
+}
+
+/* Keys of the caller's metadata: present, not ours, not repeated. */
+static dt_status ckpt_meta_ok(dt_ctx *ctx, const dt_checkpoint_config *cfg)
+{
+    if (cfg->n_meta < 0 || (cfg->n_meta > 0 && (!cfg->meta_keys || !cfg->meta_values)))
+        return set_error(ctx, DT_EINVAL, "checkpoint_save: %d metadata pairs without their arrays",
+                         cfg->n_meta);
+    for (int i = 0; i < cfg->n_meta; i++) {
+        const char *k = cfg->meta_keys[i];
+        if (!k || !*k || !cfg->meta_values[i] || strcmp(k, "format") == 0 ||
+            strncmp(k, "dtrain.", 7) == 0)
+            return set_error(ctx, DT_EINVAL, "checkpoint_save: metadata %d: a key (not \"format\" "
+                             "nor \"dtrain.*\") and a value are required", i);
+        for (int j = 0; j < i; j++)
+            if (strcmp(cfg->meta_keys[j], k) == 0)
+                return set_error(ctx, DT_EINVAL, "checkpoint_save: metadata key '%s' twice", k);
+    }
+    return DT_OK;
+}
+
 dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step)
+{
+    return dt_checkpoint_save_ex(ctx, opt, path, step, NULL);
+}
+
+dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+                                const dt_checkpoint_config *cfg)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    dt_checkpoint_config def;
+    dt_checkpoint_config_init(&def);
+    if (!cfg)
+        cfg = &def;
     if (!path || !path[0])
         return set_error(ctx, DT_EINVAL, "checkpoint_save: path is empty");
+    if (cfg->dtype != DT_F32 && cfg->dtype != DT_BF16 && cfg->dtype != DT_F16)
+        return set_error(ctx, DT_EINVAL, "checkpoint_save: parameters are stored as f32, bf16 or "
+                         "f16, not %s", dt_dtype_name(cfg->dtype));
+    if (ckpt_meta_ok(ctx, cfg) != DT_OK)
+        return ctx->last_status;
     if (opt && opt->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
     int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + ctx->n_ckpt_extra + nstate;
@@ -149,12 +217,12 @@ dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
     strbuf hdr = {ctx, NULL, 0, 0, 0};
     FILE *f = NULL;
     dt_status s = DT_OK;
-    if (!items || !names || !tmp || ckpt_items(ctx, opt, items, names) < 0) {
+    if (!items || !names || !tmp || ckpt_items(ctx, opt, cfg->dtype, items, names) < 0) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
         goto done;
     }
     snprintf(tmp, plen, "%s.tmp", path);
-    ckpt_header(&hdr, opt, step, items, total);
+    ckpt_header(&hdr, opt, step, items, total, cfg);
     if (hdr.oom) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory for the header");
         goto done;
@@ -318,7 +386,8 @@ static int st_tensor_entry(json *j, st_entry *e)
             char dt[16];
             if (!js_string(j, dt, sizeof dt))
                 return 0;
-            e->f32 = strcmp(dt, "F32") == 0;
+            e->dtype = strcmp(dt, "F32") == 0 ? DT_F32 : strcmp(dt, "BF16") == 0 ? DT_BF16
+                       : strcmp(dt, "F16") == 0 ? DT_F16 : -1;
             have_dtype = 1;
         } else if (strcmp(key, "shape") == 0) {
             if (!js_char(j, '['))
@@ -358,6 +427,10 @@ static int st_metadata(json *j, st_file *f)
         if (!js_string(j, key, sizeof key) || !js_char(j, ':') || !js_string(j, val, sizeof val))
             return 0;
         char *endp = NULL;
+        if (f->want_key && strcmp(key, f->want_key) == 0) {
+            snprintf(f->want_val, sizeof f->want_val, "%s", val);
+            f->found = 1;
+        }
         if (strcmp(key, "dtrain.step") == 0)
             f->step = strtoll(val, &endp, 10);
         else if (strcmp(key, "dtrain.optim.steps") == 0)
@@ -454,20 +527,39 @@ static dt_status read_file(dt_ctx *ctx, const char *op, const char *path, unsign
     return DT_OK;
 }
 
-/* Check one destination tensor against its entry. */
+static uint64_t st_entry_esize(const st_entry *e)
+{
+    return e->dtype == DT_F32 ? 4 : e->dtype == DT_BF16 || e->dtype == DT_F16 ? 2 : 0;
+}
+
+/* How a destination tensor fits the file's entry key. */
+enum { ST_FITS, ST_MISSING, ST_MISMATCHED };
+
+static int st_fit(st_file *f, const char *key, const dt_tensor *t, st_entry **out)
+{
+    st_entry *e = st_find(f, key);
+    *out = e;
+    if (!e)
+        return ST_MISSING;
+    int same = e->ndim == t->ndim && e->dtype >= 0;
+    for (int d = 0; same && d < e->ndim; d++)
+        same = e->shape[d] == t->shape[d];
+    return same ? ST_FITS : ST_MISMATCHED;
+}
+
+/* Check one destination tensor against its entry (strict: any misfit is an
+ * error). */
 static dt_status st_check(dt_ctx *ctx, st_file *f, const char *key, const dt_tensor *t,
                           uint64_t data_len, const st_entry **out)
 {
-    st_entry *e = st_find(f, key);
-    if (!e)
+    st_entry *e;
+    int fit = st_fit(f, key, t, &e);
+    if (fit == ST_MISSING)
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is missing from the file", key);
     char sb[96];
-    int same = e->ndim == t->ndim;
-    for (int d = 0; same && d < e->ndim; d++)
-        same = e->shape[d] == t->shape[d];
-    if (!e->f32)
-        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is not F32", key);
-    if (!same) {
+    if (e->dtype < 0)
+        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is not F32, BF16 or F16", key);
+    if (fit == ST_MISMATCHED) {
         char fs[96];
         size_t o = 0;
         o += (size_t)snprintf(fs + o, sizeof fs - o, "(");
@@ -479,7 +571,8 @@ static dt_status st_check(dt_ctx *ctx, st_file *f, const char *key, const dt_ten
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' has shape %s in the file, "
                                             "the model has %s", key, fs, SHAPE(t, sb));
     }
-    if (e->end < e->begin || e->end > data_len || e->end - e->begin != tensor_bytes(t))
+    if (e->end < e->begin || e->end > data_len ||
+        e->end - e->begin != (uint64_t)dt_tensor_numel(t) * st_entry_esize(e))
         return set_error(ctx, DT_ECORRUPT, "checkpoint_load: '%s' has data offsets [%llu, %llu] "
                                            "outside the %llu data bytes or of the wrong size",
                          key, (unsigned long long)e->begin, (unsigned long long)e->end,
@@ -487,6 +580,16 @@ static dt_status st_check(dt_ctx *ctx, st_file *f, const char *key, const dt_ten
     e->used = 1;
     *out = e;
     return DT_OK;
+}
+
+/* "missing: a, b; unexpected: c" grows one name at a time, cut at its size */
+static void report_name(dt_checkpoint_report *r, const char *kind, const char *name)
+{
+    size_t l = strlen(r->names);
+    const char *last = strrchr(r->names, ';');
+    int same_kind = l && strncmp(last ? last + 2 : r->names, kind, strlen(kind)) == 0;
+    snprintf(r->names + l, sizeof r->names - l, "%s%s%s%s", l ? (same_kind ? ", " : "; ") : "",
+             same_kind ? "" : kind, same_kind ? "" : ": ", name);
 }
 
 static dt_status st_parse_param_steps(dt_ctx *ctx, const st_file *f, int64_t *steps, int n)
@@ -505,16 +608,125 @@ static dt_status st_parse_param_steps(dt_ctx *ctx, const st_file *f, int64_t *st
     return DT_OK;
 }
 
+/* Read path whole, parse and check its header and the data's extent. */
+static dt_status st_open(dt_ctx *ctx, const char *path, unsigned char **buf, size_t *len,
+                         st_file *f, uint64_t *hlen_out)
+{
+    dt_status s = read_file(ctx, "checkpoint_load", path, buf, len);
+    if (s != DT_OK)
+        return s;
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8 && *len >= 8; i++)
+        hlen |= (uint64_t)(*buf)[i] << (8 * i);
+    if (*len < 8 || hlen > DT_CKPT_MAX_HEADER || hlen > *len - 8)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is truncated or not safetensors "
+                         "(%zu bytes, header length %llu)", path, *len, (unsigned long long)hlen);
+    int pr = st_parse(ctx, (const char *)*buf + 8, (size_t)hlen, f);
+    if (pr <= 0)
+        return pr < 0 ? set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory")
+                      : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header",
+                                  path);
+    uint64_t data_len = *len - 8 - hlen, data_end = 0;
+    for (int i = 0; i < f->n; i++) {
+        st_entry *e = &f->e[i];
+        uint64_t want = st_entry_esize(e);
+        for (int d = 0; d < e->ndim; d++)
+            want *= (uint64_t)e->shape[d];
+        if (e->end < e->begin || e->end > data_len || (e->dtype >= 0 && e->end - e->begin != want))
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has data offsets [%llu, "
+                             "%llu] outside the %llu data bytes or of the wrong size", path,
+                             e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
+                             (unsigned long long)data_len);
+        if (e->end > data_end)
+            data_end = e->end;
+    }
+    if (data_end != data_len)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has %llu data bytes, its header "
+                         "describes %llu", path, (unsigned long long)data_len,
+                         (unsigned long long)data_end);
+    *hlen_out = hlen;
+    return DT_OK;
+}
+
+/* The parameters: strict, each must fit; otherwise those that fit, the
+ * rest reported. */
+static dt_status st_map_params(dt_ctx *ctx, st_file *f, uint64_t data_len, int strict,
+                               const st_entry **map, dt_checkpoint_report *r)
+{
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && i < ctx->n_params; i++) {
+        dt_tensor *t = ctx->params[i];
+        st_entry *e = NULL;
+        int fit = strict ? ST_FITS : st_fit(f, t->name, t, &e);
+        if (fit == ST_FITS) {
+            s = st_check(ctx, f, t->name, t, data_len, &map[i]);
+            r->loaded += s == DT_OK;
+        } else if (fit == ST_MISSING) {
+            r->missing++;
+            report_name(r, "missing", t->name);
+        } else {
+            e->used = 1;
+            r->mismatched++;
+            report_name(r, "mismatched", t->name);
+        }
+    }
+    for (int i = 0; s == DT_OK && i < f->n; i++) {
+        if (f->e[i].used || strncmp(f->e[i].name, "optim.", 6) == 0)
+            continue;
+        if (strict)
+            return set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has '%s', which is not "
+                             "a parameter of the model", f->e[i].name);
+        r->unexpected++;
+        report_name(r, "unexpected", f->e[i].name);
+    }
+    return s;
+}
+
+/* One entry's data into t: f32 as it is, 16-bit widened on the host. */
+static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const unsigned char *data)
+{
+    const unsigned char *src = data + e->begin;
+    int64_t n = dt_tensor_numel(t);
+    float *wide = NULL;
+    if (e->dtype != DT_F32) {
+        if (!(wide = host_alloc(ctx, sizeof *wide * (size_t)(n ? n : 1))))
+            return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+        for (int64_t k = 0; k < n; k++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * k, 2);
+            wide[k] = e->dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+        }
+        src = (const unsigned char *)wide;
+    }
+    BE(ctx)->to_device(BEI(ctx), t->data, src, tensor_bytes(t));
+    t->flags &= ~(unsigned)T_ZERO;
+    host_free(ctx, wide);
+    return DT_OK;
+}
+
 dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64_t *step_out)
+{
+    return dt_checkpoint_load_ex(ctx, opt, path, NULL, step_out, NULL);
+}
+
+dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+                                const dt_checkpoint_config *cfg, int64_t *step_out,
+                                dt_checkpoint_report *report)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    int strict = !cfg || cfg->strict;
+    dt_checkpoint_report rep;
+    memset(&rep, 0, sizeof rep);
     if (!path)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: path is NULL");
     if (opt && opt->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: optimizer belongs to another context");
+    if (opt && !strict)
+        return set_error(ctx, DT_EINVAL, "checkpoint_load: a non-strict load takes no optimizer");
     unsigned char *buf = NULL;
     size_t len = 0;
+    uint64_t hlen = 0;
     st_file f;
     memset(&f, 0, sizeof f);
     int nstate = opt ? opt->n * opt->per : 0, nx = ctx->n_ckpt_extra;
@@ -522,53 +734,16 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     const st_entry **map = NULL;
     int64_t *psteps = NULL;
     char key[DT_MAX_NAME + 16];
-    dt_status s = read_file(ctx, "checkpoint_load", path, &buf, &len);
+    dt_status s = st_open(ctx, path, &buf, &len, &f, &hlen);
     if (s != DT_OK)
-        return s;
-    uint64_t hlen = 0;
-    for (int i = 0; i < 8 && len >= 8; i++)
-        hlen |= (uint64_t)buf[i] << (8 * i);
-    if (len < 8 || hlen > DT_CKPT_MAX_HEADER || hlen > len - 8) {
-        s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is truncated or not safetensors "
-                      "(%zu bytes, header length %llu)", path, len, (unsigned long long)hlen);
         goto done;
-    }
-    int pr = st_parse(ctx, (const char *)buf + 8, (size_t)hlen, &f);
-    if (pr <= 0) {
-        s = pr < 0 ? set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory")
-                   : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header", path);
-        goto done;
-    }
-    uint64_t data_len = len - 8 - hlen, data_end = 0;
-    for (int i = 0; i < f.n; i++) {
-        st_entry *e = &f.e[i];
-        uint64_t want = e->f32 ? 4 : 0;
-        for (int d = 0; d < e->ndim; d++)
-            want *= (uint64_t)e->shape[d];
-        if (e->end < e->begin || e->end > data_len || (e->f32 && e->end - e->begin != want)) {
-            s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has data offsets [%llu, "
-                          "%llu] outside the %llu data bytes or of the wrong size", path,
-                          e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
-                          (unsigned long long)data_len);
-            goto done;
-        }
-        if (e->end > data_end)
-            data_end = e->end;
-    }
-    if (data_end != data_len) {
-        s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has %llu data bytes, its header "
-                      "describes %llu", path, (unsigned long long)data_len,
-                      (unsigned long long)data_end);
-        goto done;
-    }
+    uint64_t data_len = len - 8 - hlen;
     map = host_calloc(ctx, sizeof *map * (size_t)(total + 1));
     psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? opt->n + 1 : 1));
     if (!map || !psteps) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
         goto done;
     }
-    for (int i = 0; s == DT_OK && i < ctx->n_params; i++)
-        s = st_check(ctx, &f, ctx->params[i]->name, ctx->params[i], data_len, &map[i]);
     for (int i = 0; s == DT_OK && i < nx; i++)
         s = st_check(ctx, &f, ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], data_len,
                      &map[ctx->n_params + i]);
@@ -576,15 +751,8 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
         snprintf(key, sizeof key, "optim.%s", opt->state[i]->name);
         s = st_check(ctx, &f, key, opt->state[i], data_len, &map[ctx->n_params + nx + i]);
     }
-    if (s != DT_OK)
+    if (s != DT_OK || (s = st_map_params(ctx, &f, data_len, strict, map, &rep)) != DT_OK)
         goto done;
-    for (int i = 0; i < f.n; i++) {
-        if (!f.e[i].used && strncmp(f.e[i].name, "optim.", 6) != 0) {
-            s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has '%s', which is not a "
-                                             "parameter of the model", f.e[i].name);
-            goto done;
-        }
-    }
     if (opt) {
         if (!f.has_optim || f.optim_kind != (int)opt->cfg.kind) {
             s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has no state for this "
@@ -596,20 +764,22 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     }
     /* everything checked: now copy */
     const unsigned char *data = buf + 8 + hlen;
-    for (int i = 0; i < total; i++) {
+    for (int i = 0; s == DT_OK && i < total; i++) {
         dt_tensor *t = i < ctx->n_params ? ctx->params[i]
                        : i < ctx->n_params + nx ? ctx->ckpt_extra[i - ctx->n_params]
                                                 : opt->state[i - ctx->n_params - nx];
-        BE(ctx)->to_device(BEI(ctx), t->data, data + map[i]->begin, tensor_bytes(t));
-        t->flags &= ~(unsigned)T_ZERO;
+        if (map[i])
+            s = st_copy(ctx, t, map[i], data);
     }
-    if (opt) {
+    if (s == DT_OK && opt) {
         opt->steps = f.optim_steps;
         memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
         opt->lr = opt->base_lr = f.optim_lr;
     }
-    if (step_out)
+    if (s == DT_OK && step_out)
         *step_out = f.step;
+    if (s == DT_OK && report)
+        *report = rep;
 done:
     host_free(ctx, map);
     host_free(ctx, psteps);
@@ -618,3 +788,26 @@ done:
     return s;
 }
 
+dt_status dt_checkpoint_metadata(dt_ctx *ctx, const char *path, const char *key, char *value,
+                                 size_t len)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!path || !key || !value || len == 0)
+        return set_error(ctx, DT_EINVAL, "checkpoint_metadata: path, key and a value buffer are "
+                         "required");
+    unsigned char *buf = NULL;
+    size_t flen = 0;
+    uint64_t hlen = 0;
+    st_file f;
+    memset(&f, 0, sizeof f);
+    f.want_key = key;
+    dt_status s = st_open(ctx, path, &buf, &flen, &f, &hlen);
+    if (s == DT_OK && !f.found)
+        s = set_error(ctx, DT_EMISMATCH, "checkpoint_metadata: %s has no metadata '%s'", path, key);
+    if (s == DT_OK)
+        snprintf(value, len, "%s", f.want_val);
+    host_free(ctx, f.e);
+    host_free(ctx, buf);
+    return s;
+}

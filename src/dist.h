@@ -421,6 +421,8 @@ typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, in
 
 typedef struct eval_sums {
     double samples, correct, loss;
+    double sum, count;         /* the metric's (LOSS, USER) */
+    const dt_eval_config *cfg;
 } eval_sums;
 
 typedef struct predict_acc {

@@ -31,6 +31,9 @@ static dt_loader *eval_loader(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
     return dt_loader_new(ctx, ds, &lc);
 }
 
+static dt_status eval_loss(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc);
+static dt_status eval_user(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc);
+
 static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
                           dt_forward_fn forward, void *user, eval_visit visit, void *acc)
 {
@@ -42,6 +45,7 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         return set_error(ctx, DT_EINVAL, "evaluate: dataset and forward function are required");
     if (!(cfg->std > 0))
         return set_error(ctx, DT_EINVAL, "evaluate: std must be > 0, got %g", (double)cfg->std);
+    int need_2d = visit != eval_loss && visit != eval_user;   /* classes: argmax, accuracy */
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
@@ -56,7 +60,8 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         if (!logits)
             s = ctx->last_status != DT_OK ? ctx->last_status
                                           : set_error(ctx, DT_EINVAL, "evaluate: forward returned NULL");
-        else if (logits->ndim != 2 || logits->shape[0] != y->shape[0] || logits->dtype != DT_F32)
+        else if (need_2d && (logits->ndim != 2 || logits->shape[0] != y->shape[0] ||
+                             logits->dtype != DT_F32))
             s = set_error(ctx, DT_EINVAL, "evaluate: forward must return (%lld, classes) f32 "
                           "logits, got %s", (long long)y->shape[0], SHAPE(logits, sb));
         else if (!(logits = dt_contiguous(ctx, logits)))
@@ -88,6 +93,47 @@ static dt_status eval_metrics(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int6
     return DT_OK;
 }
 
+/* DT_METRIC_LOSS: the batch's mean loss times its target elements (those
+ * not ignored) */
+static dt_status eval_loss(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc)
+{
+    (void)first;
+    eval_sums *e = acc;
+    int64_t n = dt_tensor_numel(y), kept = n;
+    dt_tensor *loss;
+    if (y->dtype == DT_I32) {
+        int32_t *h = host_alloc(ctx, sizeof *h * (size_t)(n ? n : 1));
+        if (!h)
+            return set_error(ctx, DT_ENOMEM, "evaluate: out of memory");
+        dt_status s = dt_tensor_get(y, h, n);
+        for (int64_t i = 0; s == DT_OK && i < n; i++)
+            kept -= h[i] == -100;
+        host_free(ctx, h);
+        if (s != DT_OK)
+            return s;
+        loss = dt_cross_entropy_ignore(ctx, out, y, -100);
+    } else {
+        loss = dt_mse(ctx, out, y);
+    }
+    if (!loss)
+        return ctx->last_status;
+    if (kept > 0)
+        e->sum += (double)dt_tensor_item(loss) * (double)kept;
+    e->count += (double)kept;
+    e->samples += (double)y->shape[0];
+    return DT_OK;
+}
+
+static dt_status eval_user(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t first, void *acc)
+{
+    (void)first;
+    eval_sums *e = acc;
+    e->samples += (double)y->shape[0];
+    dt_status s = e->cfg->metric_fn(ctx, out, y, e->cfg->metric_user, &e->sum, &e->count);
+    return s == DT_OK ? DT_OK : ctx->last_status != DT_OK ? ctx->last_status
+                      : set_error(ctx, s, "evaluate: the metric function returned %d", (int)s);
+}
+
 /* Counts travel as two floats, n / 4096 and n % 4096, so their sums stay
  * exact far beyond float's 2^24. */
 static int64_t count_join(const float *hl) { return (int64_t)hl[0] * 4096 + (int64_t)hl[1]; }
@@ -99,28 +145,47 @@ dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_ev
         return DT_EINVAL;
     if (c && c->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
-    eval_sums e = {0, 0, 0};
-    dt_status s = out ? eval_run(ctx, c, ds, cfg, forward, user, eval_metrics, &e)
-                      : set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
+    dt_eval_config defaults;
+    dt_eval_config_init(&defaults);
+    const dt_eval_config *ec = cfg ? cfg : &defaults;
+    eval_sums e = {0, 0, 0, 0, 0, ec};
+    eval_visit visit = ec->metric == DT_METRIC_LOSS ? eval_loss
+                       : ec->metric == DT_METRIC_USER ? eval_user : eval_metrics;
+    dt_status s = DT_OK;
+    if (!out)
+        s = set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
+    else if ((unsigned)ec->metric > DT_METRIC_USER || (ec->metric == DT_METRIC_USER && !ec->metric_fn))
+        s = set_error(ctx, DT_EINVAL, "evaluate: metric %d unknown, or USER without metric_fn",
+                      (int)ec->metric);
+    else
+        s = eval_run(ctx, c, ds, cfg, forward, user, visit, &e);
     /* every rank joins the sum even after a local failure (the last float
      * counts failures), so a bad rank cannot leave the others waiting */
-    int64_t n = (int64_t)e.samples, k = (int64_t)e.correct;
-    float sums[6] = {(float)(n / 4096), (float)(n % 4096), (float)(k / 4096), (float)(k % 4096),
-                     (float)e.loss, s == DT_OK ? 0.0f : 1.0f};
+    int64_t n = (int64_t)e.samples, k = (int64_t)e.correct, m = (int64_t)e.count;
+    float sums[9] = {(float)(n / 4096), (float)(n % 4096), (float)(k / 4096), (float)(k % 4096),
+                     (float)e.loss, (float)e.sum, (float)(m / 4096), (float)(m % 4096),
+                     s == DT_OK ? 0.0f : 1.0f};
     if (c) {
-        dt_status cs = dt_allreduce(c, sums, 6, DT_REDUCE_SUM);
+        dt_status cs = dt_allreduce(c, sums, 9, DT_REDUCE_SUM);
         if (cs != DT_OK)
             return cs;
     }
     if (s != DT_OK)
         return s;
-    if (sums[5] > 0)
+    if (sums[8] > 0)
         return set_error(ctx, DT_EPEER, "evaluate: %.0f other rank(s) failed to evaluate their "
-                         "part", (double)sums[5]);
+                         "part", (double)sums[8]);
+    double count = c ? (double)count_join(sums + 6) : e.count, sum = c ? (double)sums[5] : e.sum;
     out->samples = count_join(sums);
     out->correct = count_join(sums + 2);
     out->accuracy = out->samples > 0 ? (double)out->correct / (double)out->samples : 0;
     out->loss = out->samples > 0 ? (double)sums[4] / (double)out->samples : 0;
+    if (ec->metric == DT_METRIC_CLASSIFY)
+        out->value = out->accuracy;
+    else
+        out->value = out->loss = count > 0 ? sum / count : NAN;
+    if (ec->metric == DT_METRIC_USER)
+        out->loss = 0;
     return DT_OK;
 }
 

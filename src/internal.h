@@ -117,7 +117,8 @@ struct dt_node {
     void *aux[4];                  /* saved buffers (arena) */
     dt_precision prec;             /* autocast when recorded: backward's GEMMs use it */
     dt_segment_fn seg_fn;          /* recompute: the segment function */
-    void *user;                    /* recompute: its user pointer */
+    void *user;                    /* recompute, a custom op: the user pointer */
+    dt_custom_backward_fn custom;  /* a custom op's backward (dt_custom_op) */
 };
 
 /* What an op keeps for its backward, by position in the node (iarg, farg,
@@ -349,6 +350,7 @@ typedef struct strbuf {
 typedef struct ckpt_item {
     const char *name;    /* safetensors key */
     dt_tensor *t;
+    dt_dtype store;      /* as stored: DT_F32, DT_BF16 or DT_F16 */
 } ckpt_item;
 
 /* --- a small strict JSON reader for the safetensors header -------------- */
@@ -360,7 +362,7 @@ typedef struct json {
 
 typedef struct st_entry {
     char name[DT_MAX_NAME + 16];
-    int f32;
+    int dtype;           /* DT_F32, DT_BF16, DT_F16, or -1 for another type */
     int ndim;
     int64_t shape[DT_MAX_DIMS];
     uint64_t begin, end;
@@ -374,6 +376,9 @@ typedef struct st_file {
     int optim_kind, has_optim;
     float optim_lr;
     char param_steps[4096];
+    const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
+    char want_val[4096];
+    int found;
 } st_file;
 /* --- src/data.c --- */
 

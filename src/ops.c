@@ -1093,3 +1093,83 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
         return NULL;
     return y;
 }
+
+/* --- custom ops (dt_custom_op) ---------------------------------------------- */
+
+static dt_status custom_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *grads[NODE_MAX_IN] = {0};
+    int grad = ctx->grad_enabled;
+    ctx->grad_enabled = 0;
+    uint64_t errors = ctx->errors;
+    dt_status s = n->custom(ctx, n->in, n->n_in, n->out, n->out->grad, grads, n->user);
+    ctx->grad_enabled = grad;
+    if (s != DT_OK)
+        return ctx->errors != errors ? ctx->last_status
+                                     : set_error(ctx, s, "%s: its backward returned %d", n->op, (int)s);
+    for (int i = 0; s == DT_OK && i < n->n_in; i++) {
+        dt_tensor *g = grads[i], *x = n->in[i];
+        if (!g || !grad_needed(x))
+            continue;
+        char sg[96], sx[96];
+        int same = g->dtype == DT_F32 && g->ndim == x->ndim;
+        for (int d = 0; same && d < x->ndim; d++)
+            same = g->shape[d] == x->shape[d];
+        if (!same)
+            return set_error(ctx, DT_EINVAL, "%s: its backward gave a gradient %s %s for input %d "
+                             "%s", n->op, SHAPE(g, sg), dt_dtype_name(g->dtype), i, SHAPE(x, sx));
+        if (!(g = op_need_contig(ctx, g)))
+            return ctx->last_status;
+        tensor_materialize(g);
+        s = op_acc_grad(ctx, x, FP(g), 1.0f);
+    }
+    return s;
+}
+
+dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs, int n,
+                        dt_custom_forward_fn forward, dt_custom_backward_fn backward, void *user)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    if (!name || !inputs || n < 1 || n > 3 || !forward || !backward) {
+        set_error(ctx, DT_EINVAL, "custom_op: a name, 1 to 3 inputs and both functions are "
+                  "required");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++)
+        if (!op_input_ok(ctx, name, inputs[i], "input"))
+            return NULL;
+    int grad = ctx->grad_enabled, tracks = 0;
+    for (int i = 0; i < n; i++)
+        tracks |= tape_tracks(ctx, inputs[i]);
+    ctx->grad_enabled = 0;
+    uint64_t errors = ctx->errors;
+    dt_tensor *out = forward(ctx, inputs, n, user);
+    ctx->grad_enabled = grad;
+    int is_input = 0;
+    for (int i = 0; out && i < n; i++)
+        is_input |= out == inputs[i];
+    if (!out || is_input) {
+        if (!out && ctx->errors != errors)
+            return NULL;
+        set_error(ctx, DT_EINVAL, "%s: forward returned %s", name, out ? "one of its inputs"
+                                                                      : "NULL");
+        return NULL;
+    }
+    if (!tracks)
+        return out;
+    size_t len = strlen(name) + 1;
+    char *copy = arena_alloc(ctx, ctx->cur_host, len);
+    dt_node *nd = copy ? tape_record(ctx, copy, custom_backward, out, inputs[0],
+                                     n > 1 ? inputs[1] : NULL, n > 2 ? inputs[2] : NULL)
+                       : NULL;
+    if (!nd) {
+        if (!copy)
+            set_error(ctx, DT_ENOMEM, "%s: out of host memory for the tape", name);
+        return NULL;
+    }
+    memcpy(copy, name, len);
+    nd->custom = backward;
+    nd->user = user;
+    return out;
+}

@@ -573,7 +573,7 @@ static void test_ckpt_corrupt_entries(void **state)
         {"negative data_offsets", {good_w, good_b}, 2},
         {"wrong shape for fc.weight", {good_w, good_b}, 2},
         {"wrong rank for fc.bias", {good_w, good_b}, 2},
-        {"dtype F16 for fc.weight", {good_w, good_b}, 2},
+        {"dtype I64 for fc.weight", {good_w, good_b}, 2},
         {"missing fc.bias", {good_w}, 1},
         {"missing fc.weight", {good_b}, 1},
     };
@@ -597,8 +597,8 @@ static void test_ckpt_corrupt_entries(void **state)
     cases[6].e[1].ndim = 2;
     cases[6].e[1].shape[0] = 1;
     cases[6].e[1].shape[1] = 3;
-    cases[7].e[0].dtype = "F16";
-    cases[7].e[0].n = NW / 2; /* F16 byte size */
+    cases[7].e[0].dtype = "I64";
+    /* (its data keeps the F32 size: an unknown dtype is refused before sizes matter) */
     for (int i = 0; i < TU_ARRAY_LEN(cases); i++) {
         st_write(bad, cases[i].e, cases[i].n, NULL);
         expect_refused(&f, NULL, bad, cases[i].what);
@@ -670,6 +670,143 @@ static void test_ckpt_mismatched_model(void **state)
     tu_rmdir(dir);
 }
 
+/* bf16 by hand: round to nearest even on the bits (finite values) */
+static float ref_bf16(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1)) & 0xffff0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* Parameters stored as bf16 or f16: the file says so and is half the
+ * size, a load gives the rounded values (f16: within its 2^-11 relative
+ * step), and the optimizer's state stays f32, bit for bit. */
+static void test_ckpt_16bit(void **state)
+{
+    (void)state;
+    char dir[64], path[128];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/h.safetensors", dir);
+    for (int k = 0; k < 2; k++) {
+        dt_dtype dt = k ? DT_F16 : DT_BF16;
+        fixture a;
+        fx_init(&a, 21, 1);
+        tu_rng r = {5};
+        fx_step(&a, &r);
+        dt_checkpoint_config cc;
+        dt_checkpoint_config_init(&cc);
+        cc.dtype = dt;
+        tu_check_status(a.ctx, dt_checkpoint_save_ex(a.ctx, a.opt, path, 1, &cc), "save 16-bit");
+        size_t len;
+        unsigned char *raw = tu_read_file(path, &len);
+        assert_non_null(strstr((const char *)raw + 8, k ? "\"F16\"" : "\"BF16\""));
+        free(raw);
+        fixture b;
+        fx_init(&b, 22, 1);
+        tu_check_status(b.ctx, dt_checkpoint_load(b.ctx, b.opt, path, NULL), "load 16-bit");
+        float *wa = tu_read(a.ctx, a.w, NULL), *wb = tu_read(b.ctx, b.w, NULL);
+        for (int i = 0; i < NW; i++)
+            assert_true(k ? fabs(wb[i] - wa[i]) <= fabs(wa[i]) * 0x1p-11 : wb[i] == ref_bf16(wa[i]));
+        free(wa);
+        free(wb);
+        float *ma = tu_read(a.ctx, dt_optim_state_at(a.opt, 0), NULL);
+        float *mb = tu_read(b.ctx, dt_optim_state_at(b.opt, 0), NULL);
+        assert_memory_equal(ma, mb, sizeof(float) * NW);
+        free(ma);
+        free(mb);
+        fx_free(&a);
+        fx_free(&b);
+    }
+    dt_ctx *ctx = tu_ctx_new();
+    dt_checkpoint_config cc;
+    dt_checkpoint_config_init(&cc);
+    cc.dtype = DT_I32;
+    assert_int_equal(dt_checkpoint_save_ex(ctx, NULL, path, 0, &cc), DT_EINVAL);
+    dt_ctx_free(ctx);
+    tu_rmdir(dir);
+}
+
+/* The caller's metadata is written and read back; reserved and repeated
+ * keys are refused. */
+static void test_ckpt_metadata(void **state)
+{
+    (void)state;
+    char dir[64], path[128], val[64];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/m.safetensors", dir);
+    fixture a;
+    fx_init(&a, 23, 0);
+    const char *keys[2] = {"model", "note"}, *vals[2] = {"gpt-4x128", "a \"quoted\" note"};
+    dt_checkpoint_config cc;
+    dt_checkpoint_config_init(&cc);
+    cc.n_meta = 2;
+    cc.meta_keys = keys;
+    cc.meta_values = vals;
+    tu_check_status(a.ctx, dt_checkpoint_save_ex(a.ctx, NULL, path, 7, &cc), "save");
+    tu_check_status(a.ctx, dt_checkpoint_metadata(a.ctx, path, "note", val, sizeof val), "note");
+    assert_string_equal(val, "a \"quoted\" note");
+    tu_check_status(a.ctx, dt_checkpoint_metadata(a.ctx, path, "model", val, sizeof val), "model");
+    assert_string_equal(val, "gpt-4x128");
+    tu_check_status(a.ctx, dt_checkpoint_metadata(a.ctx, path, "dtrain.step", val, sizeof val), "");
+    assert_string_equal(val, "7");
+    assert_int_equal(dt_checkpoint_metadata(a.ctx, path, "nope", val, sizeof val), DT_EMISMATCH);
+    keys[1] = "dtrain.x";
+    assert_int_equal(dt_checkpoint_save_ex(a.ctx, NULL, path, 0, &cc), DT_EINVAL);
+    keys[1] = "model";
+    assert_int_equal(dt_checkpoint_save_ex(a.ctx, NULL, path, 0, &cc), DT_EINVAL);
+    tu_assert_error_mentions(a.ctx, "twice");
+    fx_free(&a);
+    tu_rmdir(dir);
+}
+
+/* Non-strict: what fits by name and shape loads, the rest is reported and
+ * left alone. */
+static void test_ckpt_non_strict(void **state)
+{
+    (void)state;
+    char dir[64], path[128];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/n.safetensors", dir);
+    fixture a;
+    fx_init(&a, 24, 0);
+    dt_tensor *head = tu_param(a.ctx, "head.weight", SHP(2), (const float[]){7, 8});
+    (void)head;
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 0), "save");
+    dt_ctx *ctx = tu_ctx_new();
+    dt_tensor *w = tu_param(ctx, "fc.weight", SHP(3, 4), NULL);       /* fits */
+    dt_tensor *b = tu_param(ctx, "fc.bias", SHP(5), NULL);            /* another shape */
+    dt_tensor *n = tu_param(ctx, "new.weight", SHP(2), (const float[]){1, 2});   /* missing */
+    dt_tensor_fill(b, 3.0f);
+    dt_checkpoint_config cc;
+    dt_checkpoint_config_init(&cc);
+    cc.strict = 0;
+    dt_checkpoint_report rep;
+    tu_check_status(ctx, dt_checkpoint_load_ex(ctx, NULL, path, &cc, NULL, &rep), "non-strict");
+    assert_int_equal(rep.loaded, 1);
+    assert_int_equal(rep.missing, 1);
+    assert_int_equal(rep.mismatched, 1);
+    assert_int_equal(rep.unexpected, 1);
+    assert_string_equal(rep.names, "mismatched: fc.bias; missing: new.weight; unexpected: head.weight");
+    float *wa = tu_read(a.ctx, a.w, NULL), *wb = tu_read(ctx, w, NULL);
+    assert_memory_equal(wa, wb, sizeof(float) * NW);
+    free(wa);
+    free(wb);
+    TU_EXPECT(ctx, b, 0, 0, 3, 3, 3, 3, 3);
+    TU_EXPECT(ctx, n, 0, 0, 1, 2);
+    /* strict refuses the same file; a non-strict load takes no optimizer */
+    assert_int_equal(dt_checkpoint_load(ctx, NULL, path, NULL), DT_EMISMATCH);
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    assert_int_equal(dt_checkpoint_load_ex(ctx, opt, path, &cc, NULL, NULL), DT_EINVAL);
+    dt_optim_free(opt);
+    dt_ctx_free(ctx);
+    fx_free(&a);
+    tu_rmdir(dir);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ckpt_roundtrip),
     cmocka_unit_test(test_ckpt_file_layout),
@@ -679,6 +816,9 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ckpt_corrupt_entries),
     cmocka_unit_test(test_ckpt_mismatched_model),
     cmocka_unit_test(test_ckpt_load_directory),
+    cmocka_unit_test(test_ckpt_16bit),
+    cmocka_unit_test(test_ckpt_metadata),
+    cmocka_unit_test(test_ckpt_non_strict),
 };
 
 DT_TEST_GROUP(core_ckpt, tests)

@@ -666,6 +666,28 @@ static dt_tensor *lin_forward(dt_ctx *ctx, dt_tensor *x, void *user)
     return dt_matmul(ctx, flat, m->w, 0, 0);
 }
 
+static dt_status odd_labels(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, void *user, double *sum,
+                            double *count)
+{
+    (void)ctx;
+    (void)out;
+    (void)user;
+    int32_t lab[64];
+    int64_t b = dt_tensor_dim(y, 0);
+    dt_status st = dt_tensor_get(y, lab, b);
+    for (int64_t i = 0; st == DT_OK && i < b; i++)
+        *sum += lab[i] % 2;
+    *count += (double)b;
+    return st;
+}
+
+/* column 0 of the classifier's logits, as a (B) prediction */
+static dt_tensor *first_output(dt_ctx *ctx, dt_tensor *x, void *user)
+{
+    dt_tensor *z = lin_forward(ctx, x, user);
+    return dt_reshape(ctx, dt_slice(ctx, z, 1, 0, 1), 1, (const int64_t[]){dt_tensor_dim(z, 0)});
+}
+
 static void test_dataset_evaluate(void **state)
 {
     (void)state;
@@ -707,6 +729,37 @@ static void test_dataset_evaluate(void **state)
     assert_int_equal(out.samples, N_SAMPLES);
     assert_int_equal(out.correct, correct);
     assert_true(tu_close(out.loss, loss / N_SAMPLES, 1e-5, 1e-6));
+    assert_true(out.value == out.accuracy);
+    /* the mean loss as the metric: the same cross entropy */
+    ec.metric = DT_METRIC_LOSS;
+    tu_check_status(ctx, dt_evaluate(ctx, NULL, ds, &ec, lin_forward, &m, &out), "loss metric");
+    assert_true(tu_close(out.value, loss / N_SAMPLES, 1e-5, 1e-6));
+    /* the user's: the share of samples whose label is odd, from y alone */
+    ec.metric = DT_METRIC_USER;
+    ec.metric_fn = odd_labels;
+    tu_check_status(ctx, dt_evaluate(ctx, NULL, ds, &ec, lin_forward, &m, &out), "user metric");
+    int odd = 0;
+    for (int i = 0; i < N_SAMPLES; i++)
+        odd += y[i] % 2;
+    assert_true(fabs(out.value - (double)odd / N_SAMPLES) < 1e-12);
+    ec.metric_fn = NULL;
+    assert_int_equal(dt_evaluate(ctx, NULL, ds, &ec, lin_forward, &m, &out), DT_EINVAL);
+    dt_dataset_free(ds);
+    /* regression: MSE against f32 targets */
+    float t[N_SAMPLES];
+    double mse = 0;
+    for (int i = 0; i < N_SAMPLES; i++) {
+        t[i] = (float)i * 0.01f;
+        double z = 0;
+        for (int k = 0; k < ELEMS; k++)
+            z += (double)x[i * ELEMS + k] * wv[k * 5];
+        mse += (z - t[i]) * (z - t[i]);
+    }
+    dt_sample_field scalar = {DT_F32, 0, {0}};
+    ds = dt_dataset_from_memory(ctx, N_SAMPLES, &VEC_F32, x, &scalar, t, 0);
+    ec.metric = DT_METRIC_LOSS;
+    tu_check_status(ctx, dt_evaluate(ctx, NULL, ds, &ec, first_output, &m, &out), "mse metric");
+    assert_true(tu_close(out.value, mse / N_SAMPLES, 1e-5, 1e-7));
     dt_dataset_free(ds);
     dt_ctx_free(ctx);
 }

@@ -647,6 +647,80 @@ static void test_grad_layer_norm(void **state)
 }
 
 /* ---------------------------------------------------------------------------
+ * A custom op from outside the library: y = x * w * w elementwise, its
+ * forward on the host, its backward with ops: dx = dy w^2, dw = 2 dy x w
+ * ------------------------------------------------------------------------- */
+
+static dt_tensor *xw2_forward(dt_ctx *ctx, dt_tensor *const *in, int n, void *user)
+{
+    (void)n;
+    (*(int *)user)++;
+    int64_t cnt = dt_tensor_numel(in[0]);
+    float x[64], w[64];
+    if (cnt > 64 || dt_tensor_get(in[0], x, cnt) != DT_OK || dt_tensor_get(in[1], w, cnt) != DT_OK)
+        return NULL;
+    for (int64_t i = 0; i < cnt; i++)
+        x[i] *= w[i] * w[i];
+    int64_t shape[DT_MAX_DIMS];
+    for (int d = 0; d < dt_tensor_ndim(in[0]); d++)
+        shape[d] = dt_tensor_dim(in[0], d);
+    dt_tensor *y = dt_tensor_temp(ctx, DT_F32, dt_tensor_ndim(in[0]), shape);
+    return y && dt_tensor_set(y, x, cnt) == DT_OK ? y : NULL;
+}
+
+static dt_status xw2_backward(dt_ctx *ctx, dt_tensor *const *in, int n, dt_tensor *out,
+                              dt_tensor *dout, dt_tensor **grads, void *user)
+{
+    (void)n;
+    (void)out;
+    (void)user;
+    dt_tensor *x = in[0], *w = in[1];
+    grads[0] = dt_mul(ctx, dout, dt_mul(ctx, w, w));
+    grads[1] = dt_scale(ctx, dt_mul(ctx, dt_mul(ctx, dout, x), w), 2.0f);
+    return grads[0] && grads[1] ? DT_OK : dt_last_status(ctx);
+}
+
+/* a backward that gives a gradient of the wrong shape */
+static dt_status bad_backward(dt_ctx *ctx, dt_tensor *const *in, int n, dt_tensor *out,
+                              dt_tensor *dout, dt_tensor **grads, void *user)
+{
+    (void)in;
+    (void)n;
+    (void)out;
+    (void)dout;
+    (void)user;
+    grads[0] = dt_tensor_temp(ctx, DT_F32, SHP(2));
+    return DT_OK;
+}
+
+static dt_tensor *f_custom(dt_ctx *ctx, dt_tensor *const *in, void *u)
+{
+    /* used twice, so its gradients add up with another op's */
+    dt_tensor *y = dt_custom_op(ctx, "xw2", in, 2, xw2_forward, xw2_backward, u);
+    return y ? dt_add(ctx, y, dt_mul(ctx, in[0], in[1])) : NULL;
+}
+
+static void test_grad_custom_op(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    tu_rng r = {280};
+    dt_tensor *in[2] = {tu_param_rand(ctx, &r, "x", SHP(3, 4), -1, 1),
+                        tu_param_rand(ctx, &r, "w", SHP(3, 4), -1, 1)};
+    int calls = 0;
+    tu_grad_check(ctx, "custom op", f_custom, &calls, in, 2, EPS, RTOL, ATOL);
+    assert_true(calls > 0);
+    /* no inputs; a gradient of another shape stops backward, naming the op */
+    assert_null(dt_custom_op(ctx, "bad", in, 0, xw2_forward, xw2_backward, &calls));
+    tu_assert_error_mentions(ctx, "custom_op");
+    dt_tensor *y = dt_custom_op(ctx, "misshapen", in, 2, xw2_forward, bad_backward, &calls);
+    tu_check(ctx, y, "custom op");
+    assert_int_equal(dt_backward(ctx, dt_sum(ctx, y)), DT_EINVAL);
+    tu_assert_error_mentions(ctx, "misshapen");
+    dt_ctx_free(ctx);
+}
+
+/* ---------------------------------------------------------------------------
  * Attention: the forward against softmax(scale q k^T + mask) v computed here
  * in double, and the gradient of q, k and v by finite differences
  * ------------------------------------------------------------------------- */
@@ -967,6 +1041,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_grad_embedding),
     cmocka_unit_test(test_grad_layer_norm),
     cmocka_unit_test(test_grad_attention),
+    cmocka_unit_test(test_grad_custom_op),
     cmocka_unit_test(test_grad_cross_entropy_sequence),
     cmocka_unit_test(test_grad_dropout),
     cmocka_unit_test(test_grad_recompute),

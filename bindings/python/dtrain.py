@@ -174,11 +174,13 @@ class dt_ddp_stats(ctypes.Structure):
 
 
 class dt_eval_config(ctypes.Structure):
-    _fields_ = [("batch", _I), ("mean", _F), ("std", _F)]
+    _fields_ = [("batch", _I), ("mean", _F), ("std", _F), ("metric", _I), ("metric_fn", _P),
+                ("metric_user", _P)]
 
 
 class dt_metrics(ctypes.Structure):
-    _fields_ = [("samples", _I64), ("correct", _I64), ("accuracy", _D), ("loss", _D)]
+    _fields_ = [("samples", _I64), ("correct", _I64), ("accuracy", _D), ("loss", _D),
+                ("value", _D)]
 
 
 class dt_profile_config(ctypes.Structure):
@@ -289,6 +291,17 @@ for _name, _res, _args in [
     ("dt_mean_dim", _P, [_P, _P, _I, _I]),
     ("dt_relu", _P, [_P, _P]),
     ("dt_gelu", _P, [_P, _P]),
+    ("dt_gelu_tanh", _P, [_P, _P]),
+    ("dt_exp", _P, [_P, _P]),
+    ("dt_log", _P, [_P, _P]),
+    ("dt_sqrt", _P, [_P, _P]),
+    ("dt_attention", _P, [_P, _P, _P, _P, _P, _I, _F]),
+    ("dt_cross_entropy_ignore", _P, [_P, _P, _P, _I]),
+    ("dt_linear_params", _I, [_P, _S, _I64, _I64, _I, ctypes.POINTER(_P), ctypes.POINTER(_P)]),
+    ("dt_conv2d_params", _I, [_P, _S, _I64, _I64, _I, _I, ctypes.POINTER(_P),
+                              ctypes.POINTER(_P)]),
+    ("dt_embedding_params", _P, [_P, _S, _I64, _I64]),
+    ("dt_layer_norm_params", _I, [_P, _S, _I64, _I, ctypes.POINTER(_P), ctypes.POINTER(_P)]),
     ("dt_tanh", _P, [_P, _P]),
     ("dt_sigmoid", _P, [_P, _P]),
     ("dt_softmax", _P, [_P, _P, _I]),
@@ -635,6 +648,29 @@ class Context:
         h = _C.param_new(self.handle, _b(name), len(shape), _shape(shape))
         return Tensor._made(self, h, None)
 
+    def _pair(self, fn, *args):
+        w, b = _P(), _P()
+        self.check(fn(self.handle, *args, ctypes.byref(w), ctypes.byref(b)))
+        return (Tensor._made(self, w.value, None),
+                Tensor._made(self, b.value, None) if b.value else None)
+
+    def linear_params(self, name, in_features, out_features, bias=True):
+        """(weight (out, in), bias (out) or None) as nn.Linear initialises them."""
+        return self._pair(_C.linear_params, _b(name), in_features, out_features, int(bias))
+
+    def conv2d_params(self, name, in_channels, out_channels, kernel, bias=True):
+        return self._pair(_C.conv2d_params, _b(name), in_channels, out_channels, kernel,
+                          int(bias))
+
+    def embedding_params(self, name, num, dim):
+        h = _C.embedding_params(self.handle, _b(name), num, dim)
+        if not h:
+            raise self.error()
+        return Tensor._made(self, h, None)
+
+    def layer_norm_params(self, name, dim, bias=True):
+        return self._pair(_C.layer_norm_params, _b(name), dim, int(bias))
+
     def params(self):
         return [Tensor._made(self, _C.param_at(self.handle, i), None)
                 for i in range(_C.param_count(self.handle))]
@@ -836,6 +872,19 @@ def mean(x, dim=None, keepdim=False):
 
 def relu(x): return _op(_C.relu, x, x.handle)
 def gelu(x): return _op(_C.gelu, x, x.handle)
+def gelu_tanh(x): return _op(_C.gelu_tanh, x, x.handle)
+def exp(x): return _op(_C.exp, x, x.handle)
+def log(x): return _op(_C.log, x, x.handle)
+def sqrt(x): return _op(_C.sqrt, x, x.handle)
+
+
+def attention(q, k, v, mask=None, causal=False, scale=0.0):
+    """softmax(scale q k^T + mask) v over (..., T, D), fused (dt_attention)."""
+    return _op(_C.attention, q, q.handle, k.handle, v.handle, _h(mask), int(causal), scale)
+
+
+def cross_entropy_ignore(logits, labels, ignore_index=-100):
+    return _op(_C.cross_entropy_ignore, logits, logits.handle, labels.handle, ignore_index)
 def tanh(x): return _op(_C.tanh, x, x.handle)
 def sigmoid(x): return _op(_C.sigmoid, x, x.handle)
 def softmax(x, dim=-1): return _op(_C.softmax, x, x.handle, dim)
@@ -1471,15 +1520,20 @@ def tp_shard(comm, full, dim, shard):
 
 # --- 11. evaluation and the profiler --------------------------------------------------------
 
-Metrics = namedtuple("Metrics", "samples correct accuracy loss")
+Metrics = namedtuple("Metrics", "samples correct accuracy loss value")
+_METRICS = {"classify": 0, "loss": 1}
 
 
-def evaluate(ctx, dataset, forward, comm=None, batch=1000, mean=0.0, std=1.0):
+def evaluate(ctx, dataset, forward, comm=None, batch=1000, mean=0.0, std=1.0, metric="classify"):
     """dt_evaluate: forward(x) -> logits over the whole dataset, grad and training off;
-    with comm, split over the ranks (collective) and combined.  Returns Metrics."""
+    with comm, split over the ranks (collective) and combined.  metric: "classify"
+    (accuracy and mean cross entropy) or "loss" (the mean loss per target element).
+    Returns Metrics."""
     cfg = dt_eval_config()
     _C.eval_config_init(ctypes.byref(cfg))
-    cfg.batch, cfg.mean, cfg.std = batch, mean, std
+    if metric not in _METRICS:
+        raise InvalidArgument(1, "evaluate: metric is one of %s" % ", ".join(_METRICS))
+    cfg.batch, cfg.mean, cfg.std, cfg.metric = batch, mean, std, _METRICS[metric]
     failure = []
     call_life = _Life()
 
@@ -1500,7 +1554,7 @@ def evaluate(ctx, dataset, forward, comm=None, batch=1000, mean=0.0, std=1.0):
     if failure:
         raise failure[0]
     ctx.check(st)
-    return Metrics(out.samples, out.correct, out.accuracy, out.loss)
+    return Metrics(out.samples, out.correct, out.accuracy, out.loss, out.value)
 
 
 def profile_start(ctx, max_events=0, straggler_threshold=0.0, check_every=0):

@@ -77,10 +77,12 @@ int main(void)
     END(dt_ddp_stats);
 
     F(dt_eval_config, batch, batch); F(dt_eval_config, mean, mean); F(dt_eval_config, std, std);
-    END(dt_eval_config);
+    F(dt_eval_config, metric, metric); F(dt_eval_config, metric_fn, metric_fn);
+    F(dt_eval_config, metric_user, metric_user); END(dt_eval_config);
 
     F(dt_metrics, samples, samples); F(dt_metrics, correct, correct);
-    F(dt_metrics, accuracy, accuracy); F(dt_metrics, loss, loss); END(dt_metrics);
+    F(dt_metrics, accuracy, accuracy); F(dt_metrics, loss, loss); F(dt_metrics, value, value);
+    END(dt_metrics);
 
     F(dt_profile_config, max_events, max_events);
     F(dt_profile_config, straggler_threshold, straggler_threshold);

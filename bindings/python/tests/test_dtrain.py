@@ -261,6 +261,37 @@ class Datasets(unittest.TestCase):
             np.testing.assert_array_equal(y, [0, 1, 1, 0])
 
 
+class Transformer(unittest.TestCase):
+    def test_attention_layers_and_loss_against_numpy(self):
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.standard_normal((2, 2, 5, 3)).astype(np.float32) for _ in range(3))
+        with dt.Context() as ctx:
+            out = dt.attention(ctx.from_numpy(q), ctx.from_numpy(k), ctx.from_numpy(v),
+                               causal=True).numpy(copy=True)
+            s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(3.0)
+            s[..., np.triu_indices(5, 1)[0], np.triu_indices(5, 1)[1]] = -np.inf
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            np.testing.assert_allclose(out, p @ v, rtol=1e-5, atol=1e-6)
+            w, b = ctx.linear_params("fc", 8, 4)
+            self.assertEqual((w.shape, b.shape), ((4, 8), (4,)))
+            self.assertIsNotNone(ctx.param_find("fc.bias"))
+            lw, lb = ctx.layer_norm_params("ln", 8)
+            np.testing.assert_array_equal(lw.numpy(), np.ones(8, np.float32))
+            emb = ctx.embedding_params("wte", 16, 8)
+            self.assertEqual(emb.shape, (16, 8))
+            logits = rng.standard_normal((2, 3, 4)).astype(np.float32)
+            labels = np.array([[1, -100, 3], [0, 2, -100]], dtype=np.int32)
+            loss = dt.cross_entropy_ignore(ctx.from_numpy(logits), ctx.from_numpy(labels)).item()
+            keep = labels != -100
+            lg = logits[keep]
+            lse = np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1)) + lg.max(1)
+            want = np.mean(lse - lg[np.arange(len(lg)), labels[keep]])
+            self.assertAlmostEqual(loss, float(want), places=5)
+            np.testing.assert_allclose(dt.sqrt(ctx.from_numpy(np.array([4.0, 9.0],
+                                       np.float32))).numpy(), [2.0, 3.0])
+
+
 class Lifetimes(unittest.TestCase):
     def test_step_tensor_after_reset(self):
         with dt.Context() as ctx:
