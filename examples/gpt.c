@@ -6,9 +6,16 @@
  *             [--heads 4] [--embd 128] [--lr 1e-3] [--eval-every 100]
  *             [--eval-batches 20] [--ranks N] [--threads N] [--seed S]
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
- *             [--optim adamw|sgd]
+ *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
  *
- * Bytes are the tokens (a 256-entry vocabulary).  The text is split 90/10:
+ * Each report's ms/step is the training steps' time (evaluation left out),
+ * from step 6 on once there are more than 5.
+ *
+ * --save-init saves the initial weights, --dump appends every step's batch
+ * (x then y, int32) to FILE: what tests/gpt_crosscheck.py feeds PyTorch.
+ *
+ * Bytes are the tokens (a 256-entry vocabulary; --vocab N makes the
+ * embedding and the output N wide, as a benchmark of GPT-2's shape).  The text is split 90/10:
  * training samples are windows at random places of the first 90%, and the
  * validation loss is measured every --eval-every steps on windows of the
  * last 10%.  With --ranks N (or under any launcher) the ranks train
@@ -26,10 +33,10 @@
 
 typedef struct options {
     int steps, batch, context, layers, heads, embd, eval_every, eval_batches, ranks, threads;
-    int sample;
+    int sample, vocab;
     float lr;
     uint64_t seed;
-    const char *save, *data, *backend, *optim;
+    const char *save, *data, *backend, *optim, *save_init, *dump;
 } options;
 
 typedef struct block {
@@ -38,7 +45,7 @@ typedef struct block {
 } block;
 
 typedef struct gpt {
-    int layers, heads, embd, context;
+    int layers, heads, embd, context, vocab;
     dt_tensor *wte, *wpe, *lnf_w, *lnf_b;
     block *h;
 } gpt;
@@ -87,7 +94,7 @@ static int gpt_init(dt_ctx *ctx, gpt *m)
     char nm[64];
     int C = m->embd;
     float std = 0.02f, proj_std = 0.02f / sqrtf(2.0f * (float)m->layers);
-    if (!(m->wte = dt_embedding_params(ctx, "wte", 256, C)) ||
+    if (!(m->wte = dt_embedding_params(ctx, "wte", m->vocab, C)) ||
         !(m->wpe = dt_embedding_params(ctx, "wpe", m->context, C)) ||
         dt_init_normal(ctx, m->wte, 0, std) != DT_OK || dt_init_normal(ctx, m->wpe, 0, std) != DT_OK)
         return 0;
@@ -145,14 +152,14 @@ static dt_tensor *mlp_block(dt_ctx *ctx, const block *b, dt_tensor *x)
     return dt_add(ctx, x, dt_linear(ctx, h, b->fc2_w, b->fc2_b));
 }
 
-/* idx (B, T) i32 -> logits (B, T, 256) */
+/* idx (B, T) i32 -> logits (B, T, vocab) */
 static dt_tensor *gpt_forward(dt_ctx *ctx, const gpt *m, dt_tensor *idx)
 {
     int64_t B = dt_tensor_dim(idx, 0), T = dt_tensor_dim(idx, 1), C = m->embd;
     int32_t pos[4096];
     for (int64_t t = 0; t < T; t++)
         pos[t] = (int32_t)t;
-    int64_t tshape[1] = {T}, flat[2] = {B * T, C}, out[3] = {B, T, 256};
+    int64_t tshape[1] = {T}, flat[2] = {B * T, C}, out[3] = {B, T, m->vocab};
     dt_tensor *p = dt_tensor_temp(ctx, DT_I32, 1, tshape);
     if (!p || dt_tensor_set(p, pos, T) != DT_OK)
         return NULL;
@@ -206,7 +213,8 @@ static double val_loss(dt_ctx *ctx, const gpt *m, dt_loader *ld, int n)
 static void sample(dt_ctx *ctx, const gpt *m, int n, uint64_t seed)
 {
     int32_t *text = malloc(sizeof *text * (size_t)(n + 1));
-    float *all = malloc(sizeof *all * 256 * (size_t)m->context);
+    int64_t V = m->vocab;   /* bytes are drawn from the first 256 */
+    float *all = malloc(sizeof *all * (size_t)V * (size_t)m->context);
     uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
     int len = 1;
     if (!text || !all)
@@ -219,9 +227,9 @@ static void sample(dt_ctx *ctx, const gpt *m, int n, uint64_t seed)
         dt_tensor *idx = dt_tensor_temp(ctx, DT_I32, 2, shape);
         dt_tensor *logits = idx && dt_tensor_set(idx, text + start, T) == DT_OK
                                 ? gpt_forward(ctx, m, idx) : NULL;
-        if (!logits || dt_tensor_get(logits, all, (int64_t)T * 256) != DT_OK)
+        if (!logits || dt_tensor_get(logits, all, (int64_t)T * V) != DT_OK)
             break;
-        const float *l = all + (size_t)(T - 1) * 256;
+        const float *l = all + (size_t)(T - 1) * (size_t)V;
         double mx = -INFINITY, z = 0;
         for (int c = 0; c < 256; c++)
             mx = l[c] > mx ? l[c] : mx;
@@ -243,6 +251,17 @@ static void sample(dt_ctx *ctx, const gpt *m, int n, uint64_t seed)
 done:
     free(text);
     free(all);
+}
+
+/* x and y of a batch, int32, appended to f */
+static int dump_batch(FILE *f, dt_tensor *x, dt_tensor *y)
+{
+    int64_t n = dt_tensor_numel(x);
+    int32_t *buf = malloc(sizeof *buf * (size_t)n);
+    int ok = buf && dt_tensor_get(x, buf, n) == DT_OK && fwrite(buf, 4, (size_t)n, f) == (size_t)n &&
+             dt_tensor_get(y, buf, n) == DT_OK && fwrite(buf, 4, (size_t)n, f) == (size_t)n;
+    free(buf);
+    return ok;
 }
 
 static int fail(dt_ctx *ctx, const char *what)
@@ -273,7 +292,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     tc.count = len - cut;
     tc.stride = o->context;   /* validation: windows side by side */
     dt_dataset *val_ds = dt_dataset_from_tokens(ctx, text, len, 1, 0, &tc);
-    gpt m = {.layers = o->layers, .heads = o->heads, .embd = o->embd, .context = o->context};
+    gpt m = {.layers = o->layers, .heads = o->heads, .embd = o->embd, .context = o->context,
+             .vocab = o->vocab};
     dt_loader *ld = NULL, *vl = NULL;
     dt_optim *opt = NULL;
     dt_ddp *ddp = NULL;
@@ -303,7 +323,16 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                "channels, context %d, batch %d x %d rank(s), %d parameter tensors, %s backend\n",
                (long long)len, (long long)cut, (long long)(len - cut), o->layers, o->heads, o->embd,
                o->context, o->batch, ranks, dt_param_count(ctx), dt_backend_name(ctx));
-    double t0 = dt_now();
+    if (rank == 0 && o->save_init && dt_checkpoint_save(ctx, NULL, o->save_init, 0) != DT_OK) {
+        fail(ctx, "saving the initial weights");
+        goto done;
+    }
+    FILE *dump = rank == 0 && o->dump ? fopen(o->dump, "wb") : NULL;
+    if (rank == 0 && o->dump && !dump) {
+        fprintf(stderr, "gpt: cannot write %s\n", o->dump);
+        goto done;
+    }
+    double t0 = dt_now(), t5 = t0, eval_s = 0;   /* ms/step leaves out evaluation */
     int64_t epoch = 0;
     for (int step = 1; step <= o->steps; step++) {
         dt_tensor *x, *y;
@@ -312,19 +341,32 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             dt_loader_start_epoch(ld, ++epoch);
             s = dt_loader_next(ld, &x, &y);
         }
+        if (dump && s == DT_OK && !dump_batch(dump, x, y))
+            s = DT_EIO;
         dt_tensor *loss = s == DT_OK ? dt_cross_entropy(ctx, gpt_forward(ctx, &m, x), y) : NULL;
         if (!loss || dt_backward(ctx, loss) != DT_OK ||
             (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK) {
             fail(ctx, "training");
+            if (dump)
+                fclose(dump);
             goto done;
         }
         float train_loss = dt_tensor_item(loss);
         dt_optim_zero_grad(opt);
         dt_step_reset(ctx);
-        if (rank == 0 && (step % o->eval_every == 0 || step == o->steps))
-            printf("step %d: train loss %.4f, val loss %.4f, %.1f ms/step\n", step, train_loss,
-                   val_loss(ctx, &m, vl, o->eval_batches), (dt_now() - t0) * 1e3 / step);
+        if (step == 5)   /* the timing starts after 5 warm-up steps */
+            t5 = dt_now(), eval_s = 0;
+        if (rank == 0 && (step % o->eval_every == 0 || step == o->steps)) {
+            double te = dt_now(), ms = step > 5 ? (te - t5 - eval_s) * 1e3 / (step - 5)
+                                                : (te - t0) * 1e3 / step;
+            double vl_loss = val_loss(ctx, &m, vl, o->eval_batches);
+            eval_s += dt_now() - te;
+            printf("step %d: train loss %.4f, val loss %.4f, %.2f ms/step\n", step, train_loss,
+                   vl_loss, ms);
+        }
     }
+    if (dump)
+        fclose(dump);
     if (rank == 0 && o->save && dt_checkpoint_save(ctx, opt, o->save, o->steps) != DT_OK) {
         fail(ctx, "saving");
         goto done;
@@ -351,21 +393,24 @@ static int parse_args(int argc, char **argv, options *o)
 {
     *o = (options){.steps = 300, .batch = 12, .context = 64, .layers = 4, .heads = 4,
                    .embd = 128, .eval_every = 100, .eval_batches = 20, .ranks = 1, .threads = 1,
-                   .sample = 300, .lr = 1e-3f, .seed = 1337, .data = "/usr/share/games/fortunes"};
+                   .sample = 300, .vocab = 256, .lr = 1e-3f, .seed = 1337,
+                   .data = "/usr/share/games/fortunes"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int *ints[] = {&o->steps, &o->batch, &o->context, &o->layers, &o->heads, &o->embd,
-                       &o->eval_every, &o->eval_batches, &o->ranks, &o->threads, &o->sample};
+                       &o->eval_every, &o->eval_batches, &o->ranks, &o->threads, &o->sample,
+                       &o->vocab};
         const char *names[] = {"--steps", "--batch", "--context", "--layers", "--heads", "--embd",
-                               "--eval-every", "--eval-batches", "--ranks", "--threads", "--sample"};
+                               "--eval-every", "--eval-batches", "--ranks", "--threads", "--sample",
+                               "--vocab"};
         int k = 0;
-        while (k < 11 && strcmp(a, names[k]) != 0)
+        while (k < 12 && strcmp(a, names[k]) != 0)
             k++;
         if (!v) {
             fprintf(stderr, "gpt: %s needs a value\n", a);
             return 0;
         }
-        if (k < 11)
+        if (k < 12)
             *ints[k] = atoi(v);
         else if (strcmp(a, "--lr") == 0)
             o->lr = (float)atof(v);
@@ -377,6 +422,10 @@ static int parse_args(int argc, char **argv, options *o)
             o->data = v;
         else if (strcmp(a, "--backend") == 0)
             o->backend = v;
+        else if (strcmp(a, "--save-init") == 0)
+            o->save_init = v;
+        else if (strcmp(a, "--dump") == 0)
+            o->dump = v;
         else if (strcmp(a, "--optim") == 0 && (strcmp(v, "adamw") == 0 || strcmp(v, "sgd") == 0))
             o->optim = v;
         else {
@@ -387,8 +436,10 @@ static int parse_args(int argc, char **argv, options *o)
         i++;
     }
     if (o->steps < 1 || o->batch < 1 || o->context < 1 || o->context > 1024 || o->layers < 1 ||
-        o->heads < 1 || o->embd % o->heads != 0 || o->eval_every < 1 || o->ranks < 1) {
-        fprintf(stderr, "gpt: sizes must be >= 1, context <= 1024, embd a multiple of heads\n");
+        o->heads < 1 || o->embd % o->heads != 0 || o->eval_every < 1 || o->ranks < 1 ||
+        o->vocab < 256) {
+        fprintf(stderr, "gpt: sizes must be >= 1, context <= 1024, embd a multiple of heads, "
+                        "vocab >= 256\n");
         return 0;
     }
     return 1;

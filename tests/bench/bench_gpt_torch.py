@@ -1,0 +1,89 @@
+#!/usr/bin/python3
+"""PyTorch peer of examples/gpt.c for tests/bench/gpt.sh: the same GPT (tied
+embeddings, pre-norm blocks, causal attention, GPT-2's tanh gelu), AdamW
+(betas 0.9, 0.99, weight decay 0.1), batches of random byte windows.
+
+  bench_gpt_torch.py --layers L --heads H --embd C --context T --batch B
+                     --vocab V --steps N --threads K
+
+Prints "gpt impl=torch ms=<mean ms per step after 5 warm-up steps> steps=N
+maxrss_kb=<peak RSS>"; other lines start with '#'.  Run with Debian's
+/usr/bin/python3 (python3-torch 1.13, which has no F.scaled_dot_product_attention:
+attention is written out, as nanoGPT does without flash attention).
+"""
+import argparse
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, C, H):
+        super().__init__()
+        self.H = H
+        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.attn, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.fc, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x, mask):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2)
+                   for t in self.attn(self.ln1(x)).split(C, dim=2))
+        att = (q @ k.transpose(-2, -1)) * (C // self.H) ** -0.5
+        y = F.softmax(att.masked_fill(mask[:T, :T], float("-inf")), dim=-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, V, T, L, H, C):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+        self.h = nn.ModuleList(Block(C, H) for _ in range(L))
+        self.ln_f = nn.LayerNorm(C)
+        self.register_buffer("mask", torch.ones(T, T, dtype=torch.bool).triu(1))
+        for name, p in self.named_parameters():   # nanoGPT's init, as examples/gpt.c's
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln" not in name:
+                std = 0.02 / (2 * L) ** 0.5 if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.h:
+            x = b(x, self.mask)
+        return self.ln_f(x) @ self.wte.weight.T
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for k, v in (("layers", 4), ("heads", 4), ("embd", 128), ("context", 64), ("batch", 12),
+                 ("vocab", 256), ("steps", 30), ("threads", 1)):
+        p.add_argument("--" + k, type=int, default=v)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(1337)
+    m = GPT(a.vocab, a.context, a.layers, a.heads, a.embd)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    g = torch.Generator().manual_seed(7)
+    t5 = None
+    for step in range(1, a.steps + 1):
+        x = torch.randint(0, 256, (a.batch, a.context + 1), generator=g)
+        loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, a.vocab), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step == 5:
+            t5 = time.perf_counter()
+    ms = (time.perf_counter() - t5) * 1e3 / (a.steps - 5)
+    print("# torch %s, %d threads, loss %.4f" % (torch.__version__, a.threads, loss.item()))
+    print("gpt impl=torch ms=%.2f steps=%d maxrss_kb=%d" % (
+        ms, a.steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+
+
+if __name__ == "__main__":
+    main()
