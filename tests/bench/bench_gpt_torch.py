@@ -53,10 +53,15 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.h:
             x = b(x, self.mask)
         return self.ln_f(x) @ self.wte.weight.T
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main():
@@ -64,21 +69,26 @@ def main():
     for k, v in (("layers", 4), ("heads", 4), ("embd", 128), ("context", 64), ("batch", 12),
                  ("vocab", 256), ("steps", 30), ("threads", 1)):
         p.add_argument("--" + k, type=int, default=v)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1337)
-    m = GPT(a.vocab, a.context, a.layers, a.heads, a.embd)
+    dev = torch.device(a.device)
+    m = GPT(a.vocab, a.context, a.layers, a.heads, a.embd).to(dev)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     g = torch.Generator().manual_seed(7)
     t5 = None
     for step in range(1, a.steps + 1):
-        x = torch.randint(0, 256, (a.batch, a.context + 1), generator=g)
+        x = torch.randint(0, 256, (a.batch, a.context + 1), generator=g).to(dev)
         loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, a.vocab), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        loss.item()   # the loss read every step, as examples/gpt.c does (a sync on a GPU)
         if step == 5:
+            sync(dev)
             t5 = time.perf_counter()
+    sync(dev)
     ms = (time.perf_counter() - t5) * 1e3 / (a.steps - 5)
     print("# torch %s, %d threads, loss %.4f" % (torch.__version__, a.threads, loss.item()))
     print("gpt impl=torch ms=%.2f steps=%d maxrss_kb=%d" % (
