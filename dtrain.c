@@ -3585,6 +3585,55 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
     return y;
 }
 
+static dt_status permute_backward(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *x = n->in[0], *y = n->out;
+    int acc;
+    float *gx = grad_target(ctx, x, &acc);
+    if (!gx)
+        return ctx->last_status;
+    int64_t gy[DT_MAX_DIMS], gs[DT_MAX_DIMS], xs[DT_MAX_DIMS];
+    contiguous_strides(y->ndim, y->shape, gy);   /* gy is contiguous in y's shape */
+    for (int i = 0; i < y->ndim; i++)
+        gs[n->iarg[i]] = gy[i];                   /* x's dim dims[i] is y's dim i */
+    contiguous_strides(x->ndim, x->shape, xs);
+    BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, 4, gx, xs, FP(y->grad), gs, acc);
+    return DT_OK;
+}
+
+/* x -> view with dim i = x's dim dims[i] (a permutation of 0..ndim-1) */
+dt_tensor *dt_permute(dt_ctx *ctx, dt_tensor *x, int ndim, const int *dims)
+{
+    if (!op_input_ok(ctx, "permute", x, "input"))
+        return NULL;
+    int seen[DT_MAX_DIMS] = {0}, ok = dims && ndim == x->ndim;
+    for (int i = 0; ok && i < ndim; i++) {
+        ok = dims[i] >= 0 && dims[i] < ndim && !seen[dims[i]];
+        if (ok)
+            seen[dims[i]] = 1;
+    }
+    if (!ok) {
+        char sx[96];
+        set_error(ctx, DT_EINVAL, "permute: %d dims for input %s: need a permutation of its %d "
+                  "dims", ndim, SHAPE(x, sx), x->ndim);
+        return NULL;
+    }
+    dt_tensor *y = tensor_view_header(ctx, x);
+    if (!y)
+        return NULL;
+    node_args args;
+    memset(&args, 0, sizeof args);
+    for (int i = 0; i < ndim; i++) {
+        y->shape[i] = x->shape[dims[i]];
+        y->stride[i] = x->stride[dims[i]];
+        args.i[i] = dims[i];
+    }
+    if (tape_tracks(ctx, x) &&
+        !tape_record_op(ctx, "permute", permute_backward, y, x, NULL, NULL, &args))
+        return NULL;
+    return y;
+}
+
 static dt_status slice_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *y = n->out;
@@ -4014,6 +4063,39 @@ static dt_status acc_reduced(dt_ctx *ctx, dt_tensor *x, int nd, const int64_t *s
     return DT_OK;
 }
 
+/* y = a^b: da = dy b a^(b-1), db = dy y log(a), as torch.pow */
+static dt_status pow_backward(dt_ctx *ctx, dt_node *n, int nd, const int64_t *shape,
+                              const int64_t *sa, const int64_t *sb, const int64_t *sy, float *tmp)
+{
+    dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
+    const float *gy = FP(y->grad);
+    dt_status s = DT_OK;
+    if (grad_needed(a)) {
+        int64_t nb = dt_tensor_numel(b), one_s[1] = {0}, flat[1] = {nb}, unit[1] = {1};
+        float *bm1 = op_temp_floats(ctx, nb), *one = op_temp_floats(ctx, 1);
+        if (!bm1 || !one)
+            return ctx->last_status;
+        BE(ctx)->fill(BEI(ctx), 1, 1.0f, one);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_SUB, 1, flat, FP(b), unit, one, one_s, bm1);   /* b - 1 */
+        BE(ctx)->binary(BEI(ctx), DT_BIN_POW, nd, shape, FP(a), sa, bm1, sb, tmp);      /* a^(b-1) */
+        BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, tmp, sy, FP(b), sb, tmp);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, tmp, sy, gy, sy, tmp);
+        if ((s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f)) != DT_OK)
+            return s;
+    }
+    if (grad_needed(b)) {
+        int64_t na = dt_tensor_numel(a);
+        float *la = op_temp_floats(ctx, na);
+        if (!la)
+            return ctx->last_status;
+        BE(ctx)->unary(BEI(ctx), DT_UNARY_LOG, na, FP(a), la);                        /* log a */
+        BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, gy, sy, FP(y), sy, tmp);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, nd, shape, tmp, sy, la, sa, tmp);
+        s = acc_reduced(ctx, b, nd, shape, tmp, 1.0f);
+    }
+    return s;
+}
+
 static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
@@ -4047,6 +4129,15 @@ static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
         }
         return s;
     }
+    if (op == DT_BIN_KEEP || op == DT_BIN_DROP) {   /* the mask b has no gradient */
+        if (grad_needed(a)) {
+            BE(ctx)->binary(BEI(ctx), op, nd, shape, gy, sy, FP(b), sb, tmp);
+            s = acc_reduced(ctx, a, nd, shape, tmp, 1.0f);
+        }
+        return s;
+    }
+    if (op == DT_BIN_POW)
+        return pow_backward(ctx, n, nd, shape, sa, sb, sy, tmp);
     /* DIV: da = dy / b, db = -dy * y / b */
     if (grad_needed(a)) {
         BE(ctx)->binary(BEI(ctx), DT_BIN_DIV, nd, shape, gy, sy, FP(b), sb, tmp);
@@ -4088,6 +4179,49 @@ static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_t
 }
 
 dt_tensor *dt_add(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "add", DT_BIN_ADD, a, b); }
+
+/* a, b made contiguous first: pow's backward takes log(a) and b - 1
+ * elementwise in their own layouts */
+dt_tensor *dt_pow(dt_ctx *ctx, dt_tensor *a, dt_tensor *b)
+{
+    if (!op_f32_ok(ctx, "pow", a, "a") || !op_f32_ok(ctx, "pow", b, "b") ||
+        !(a = op_need_contig(ctx, a)) || !(b = op_need_contig(ctx, b)))
+        return NULL;
+    return binary_op(ctx, "pow", DT_BIN_POW, a, b);
+}
+
+/* a scalar as a (1) step tensor */
+static dt_tensor *scalar_tensor(dt_ctx *ctx, float v)
+{
+    int64_t one[1] = {1};
+    dt_tensor *t = tensor_step_new(ctx, DT_F32, 1, one);
+    if (t)
+        BE(ctx)->fill(BEI(ctx), 1, v, FP(t));
+    return t;
+}
+
+dt_tensor *dt_pow_scalar(dt_ctx *ctx, dt_tensor *x, float p)
+{
+    dt_tensor *e = op_input_ok(ctx, "pow", x, "x") ? scalar_tensor(ctx, p) : NULL;
+    return e ? dt_pow(ctx, x, e) : NULL;
+}
+
+/* cond != 0 ? a : b elementwise, broadcasting; selects, so an infinite
+ * branch not taken leaves no NaN.  cond gets no gradient. */
+dt_tensor *dt_where(dt_ctx *ctx, dt_tensor *cond, dt_tensor *a, dt_tensor *b)
+{
+    dt_tensor *ka = binary_op(ctx, "where", DT_BIN_KEEP, a, cond);
+    dt_tensor *kb = ka ? binary_op(ctx, "where", DT_BIN_DROP, b, cond) : NULL;
+    return kb ? dt_add(ctx, ka, kb) : NULL;
+}
+
+dt_tensor *dt_masked_fill(dt_ctx *ctx, dt_tensor *x, dt_tensor *mask, float value)
+{
+    dt_tensor *v = op_input_ok(ctx, "masked_fill", x, "x") ? scalar_tensor(ctx, value) : NULL;
+    dt_tensor *kept = v ? binary_op(ctx, "masked_fill", DT_BIN_DROP, x, mask) : NULL;
+    dt_tensor *filled = kept ? binary_op(ctx, "masked_fill", DT_BIN_KEEP, v, mask) : NULL;
+    return filled ? dt_add(ctx, kept, filled) : NULL;
+}
 dt_tensor *dt_sub(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "sub", DT_BIN_SUB, a, b); }
 dt_tensor *dt_mul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "mul", DT_BIN_MUL, a, b); }
 dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "div", DT_BIN_DIV, a, b); }

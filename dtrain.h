@@ -362,6 +362,9 @@ DT_API dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t 
 DT_API dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim);
 DT_API dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1);
 DT_API dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t end);
+/* view whose dim i is x's dim dims[i] (dims: a permutation of 0..ndim-1,
+ * ndim = x's), as torch's permute.  DT_EINVAL: not a permutation. */
+DT_API dt_tensor *dt_permute(dt_ctx *ctx, dt_tensor *x, int ndim, const int *dims);
 /* Contiguous copy of a (possibly strided) view; returns x itself if it already is. */
 DT_API dt_tensor *dt_contiguous(dt_ctx *ctx, dt_tensor *x);
 DT_API dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim);
@@ -379,6 +382,16 @@ DT_API dt_tensor *dt_sub(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
 DT_API dt_tensor *dt_mul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
 DT_API dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
 DT_API dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s);
+/* a^b elementwise with broadcasting (gradients to both, as torch.pow;
+ * log(a) in b's gradient: NaN for a < 0); pow_scalar: x^p. */
+DT_API dt_tensor *dt_pow(dt_ctx *ctx, dt_tensor *a, dt_tensor *b);
+DT_API dt_tensor *dt_pow_scalar(dt_ctx *ctx, dt_tensor *x, float p);
+/* where: cond != 0 ? a : b, broadcasting the three (cond f32, e.g. 0/1);
+ * masked_fill: value where mask != 0, x elsewhere.  They select rather
+ * than multiply, so an infinite value (-INFINITY, an attention mask's)
+ * never makes a NaN.  cond and mask get no gradient. */
+DT_API dt_tensor *dt_where(dt_ctx *ctx, dt_tensor *cond, dt_tensor *a, dt_tensor *b);
+DT_API dt_tensor *dt_masked_fill(dt_ctx *ctx, dt_tensor *x, dt_tensor *mask, float value);
 
 /* Reductions.  dt_sum/dt_mean: all elements -> scalar (ndim 0).
  * *_dim: over one dim (negative counts from the end). */

@@ -57,7 +57,11 @@ typedef enum dt_unary_op {
 /* xent_forward / xent_backward's `ignore` when no label is ignored */
 #define DT_XENT_KEEP_ALL INT64_MIN
 
-typedef enum dt_binary_op { DT_BIN_ADD = 0, DT_BIN_SUB, DT_BIN_MUL, DT_BIN_DIV } dt_binary_op;
+/* KEEP: a where b != 0, else 0; DROP: 0 where b != 0, else a (selects, not
+ * products: an infinite a never turns into NaN); POW: a to the power b. */
+typedef enum dt_binary_op {
+    DT_BIN_ADD = 0, DT_BIN_SUB, DT_BIN_MUL, DT_BIN_DIV, DT_BIN_KEEP, DT_BIN_DROP, DT_BIN_POW
+} dt_binary_op;
 
 enum { DT_COPY_H2D = 0, DT_COPY_D2H = 1 };
 

@@ -908,6 +908,9 @@ static void bin_run(dt_binary_op op, int64_t n, const float *a, int64_t sa, cons
     case DT_BIN_SUB: DT_BIN_RUN(u - v); break;
     case DT_BIN_MUL: DT_BIN_RUN(u * v); break;
     case DT_BIN_DIV: DT_BIN_RUN(u / v); break;
+    case DT_BIN_KEEP: DT_BIN_RUN(v != 0.0f ? u : 0.0f); break;
+    case DT_BIN_DROP: DT_BIN_RUN(v != 0.0f ? 0.0f : u); break;
+    case DT_BIN_POW: DT_BIN_RUN(powf(u, v)); break;
     }
 }
 
@@ -947,7 +950,7 @@ static void cpu_binary(dt_backend *be, dt_binary_op op, int ndim, const int64_t 
     if (shape_numel(ndim, shape) == 0) return;
     bin_args A = {.op = op, .a = a, .b = b, .out = out};
     space_init(&A.sp, ndim, shape, a_strides, b_strides);
-    int64_t grain = op == DT_BIN_DIV ? DT_CPU_GRAIN_MATH : DT_CPU_GRAIN_MEM;
+    int64_t grain = op == DT_BIN_DIV || op == DT_BIN_POW ? DT_CPU_GRAIN_MATH : DT_CPU_GRAIN_MEM;
     if (A.sp.nrows == 1)
         parallel_for(be, A.sp.inner, grain, bin_flat, &A);
     else

@@ -1433,6 +1433,9 @@ static __device__ inline float bin_f(int op, float u, float v)
     case DT_BIN_ADD: return u + v;
     case DT_BIN_SUB: return u - v;
     case DT_BIN_MUL: return u * v;
+    case DT_BIN_KEEP: return v != 0.0f ? u : 0.0f;
+    case DT_BIN_DROP: return v != 0.0f ? 0.0f : u;
+    case DT_BIN_POW: return powf(u, v);
     default: return u / v;
     }
 }

@@ -700,6 +700,72 @@ static dt_tensor *f_custom(dt_ctx *ctx, dt_tensor *const *in, void *u)
     return y ? dt_add(ctx, y, dt_mul(ctx, in[0], in[1])) : NULL;
 }
 
+static dt_tensor *f_permute(dt_ctx *ctx, dt_tensor *const *in, void *u)
+{
+    (void)u;
+    static const int dims[3] = {2, 0, 1};
+    return dt_permute(ctx, in[0], 3, dims);
+}
+
+static dt_tensor *f_pow(dt_ctx *ctx, dt_tensor *const *in, void *u)
+{
+    return ((op_args *)u)->i0 ? dt_pow_scalar(ctx, in[0], 2.5f) : dt_pow(ctx, in[0], in[1]);
+}
+
+/* where and masked_fill, with a finite x so that the finite differences see
+ * only the selected branch */
+static dt_tensor *f_where(dt_ctx *ctx, dt_tensor *const *in, void *u)
+{
+    op_args *a = u;
+    return a->i0 ? dt_masked_fill(ctx, in[0], a->aux, -3.5f) : dt_where(ctx, a->aux, in[0], in[1]);
+}
+
+/* permute, pow, where and masked_fill: values against their definitions,
+ * gradients by differences; -inf filled without a NaN */
+static void test_grad_tensor_ops(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    tu_rng r = {290};
+    dt_tensor *x = tu_param_rand(ctx, &r, "x", SHP(2, 3, 4), -1, 1);
+    float *xv = tu_read(ctx, x, NULL), *pv = tu_read(ctx, f_permute(ctx, &x, NULL), NULL);
+    for (int i = 0; i < 2; i++)   /* y[k][i][j] = x[i][j][k] */
+        for (int j = 0; j < 3; j++)
+            for (int k = 0; k < 4; k++)
+                assert_true(pv[(k * 2 + i) * 3 + j] == xv[(i * 3 + j) * 4 + k]);
+    free(xv);
+    free(pv);
+    tu_grad_check(ctx, "permute", f_permute, NULL, &x, 1, EPS, RTOL, ATOL);
+    dt_tensor *pin[2] = {tu_param_rand(ctx, &r, "a", SHP(3, 4), 0.5f, 2),
+                         tu_param_rand(ctx, &r, "b", SHP(4), -1.5f, 1.5f)};
+    op_args pa = {.i0 = 0};
+    tu_grad_check(ctx, "pow", f_pow, &pa, pin, 2, EPS, RTOL, ATOL);
+    pa.i0 = 1;
+    tu_grad_check(ctx, "pow_scalar", f_pow, &pa, pin, 1, EPS, RTOL, ATOL);
+    float cv[4] = {1, 0, 0, 1};
+    dt_tensor *win[2] = {tu_param_rand(ctx, &r, "wa", SHP(3, 4), -1, 1),
+                         tu_param_rand(ctx, &r, "wb", SHP(3, 4), -1, 1)};
+    op_args wa = {.i0 = 0, .aux = tu_tensor(ctx, SHP(4), cv)};
+    tu_grad_check(ctx, "where", f_where, &wa, win, 2, EPS, RTOL, ATOL);
+    wa.i0 = 1;
+    tu_grad_check(ctx, "masked_fill", f_where, &wa, win, 1, EPS, RTOL, ATOL);
+    float *a = tu_read(ctx, win[0], NULL), *b = tu_read(ctx, win[1], NULL);
+    float *w = tu_read(ctx, dt_where(ctx, wa.aux, win[0], win[1]), NULL);
+    for (int i = 0; i < 12; i++)
+        assert_true(w[i] == (cv[i % 4] != 0 ? a[i] : b[i]));
+    free(w);
+    w = tu_read(ctx, dt_masked_fill(ctx, win[0], wa.aux, -INFINITY), NULL);
+    for (int i = 0; i < 12; i++)
+        assert_true(cv[i % 4] != 0 ? w[i] == -INFINITY : w[i] == a[i]);
+    free(w);
+    free(a);
+    free(b);
+    static const int bad[3] = {0, 0, 1};
+    assert_null(dt_permute(ctx, x, 3, bad));
+    tu_assert_error_mentions(ctx, "permutation");
+    dt_ctx_free(ctx);
+}
+
 static void test_grad_custom_op(void **state)
 {
     (void)state;
@@ -1042,6 +1108,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_grad_layer_norm),
     cmocka_unit_test(test_grad_attention),
     cmocka_unit_test(test_grad_custom_op),
+    cmocka_unit_test(test_grad_tensor_ops),
     cmocka_unit_test(test_grad_cross_entropy_sequence),
     cmocka_unit_test(test_grad_dropout),
     cmocka_unit_test(test_grad_recompute),

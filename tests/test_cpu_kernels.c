@@ -348,6 +348,9 @@ static double ref_bin(dt_binary_op op, double a, double b)
     case DT_BIN_SUB: return a - b;
     case DT_BIN_MUL: return a * b;
     case DT_BIN_DIV: return a / b;
+    case DT_BIN_KEEP: return b != 0 ? a : 0;
+    case DT_BIN_DROP: return b != 0 ? 0 : a;
+    case DT_BIN_POW: return pow(a, b);
     }
     return 0;
 }
@@ -362,22 +365,31 @@ static void test_binary(void **state)
     rfill(a, n, 12);
     rfill(b, n, 13);
     for (int i = 0; i < n; i++) b[i] += 2.0f; /* safe divisor */
+    float *apos = fvec(n), *mask = fvec(n);   /* pow's bases > 0; keep/drop's 0/1 masks */
+    for (int i = 0; i < n; i++) {
+        apos[i] = fabsf(a[i]) + 0.1f;
+        mask[i] = (float)(i % 3 == 0);
+    }
     /* a stored as (7,5,3) read transposed; b cases: contiguous, (1,5,1), scalar, (3,1,7) */
     const int64_t at[3] = {1, 3, 15}, ac[3] = {35, 7, 1};
     const int64_t bs[4][3] = {{35, 7, 1}, {0, 1, 0}, {0, 0, 0}, {7, 0, 1}};
-    for (int op = 0; op < 4; op++)
+    for (int op = 0; op < 7; op++)
         for (int bc = 0; bc < 4; bc++)
             for (int t = 0; t < 2; t++) {
                 const int64_t *as = t ? at : ac;
-                f->I->binary(f->be1, (dt_binary_op)op, 3, shape, a, as, b, bs[bc], out);
+                const float *av = op == DT_BIN_POW ? apos : a;
+                const float *bv = op == DT_BIN_KEEP || op == DT_BIN_DROP ? mask : b;
+                f->I->binary(f->be1, (dt_binary_op)op, 3, shape, av, as, bv, bs[bc], out);
                 for (int i = 0; i < 3; i++)
                     for (int j = 0; j < 5; j++)
                         for (int k = 0; k < 7; k++)
                             want[(i * 5 + j) * 7 + k] = ref_bin(
-                                (dt_binary_op)op, a[i * as[0] + j * as[1] + k * as[2]],
-                                b[i * bs[bc][0] + j * bs[bc][1] + k * bs[bc][2]]);
-                check_close(out, want, n, 1e-6, "binary");
+                                (dt_binary_op)op, av[i * as[0] + j * as[1] + k * as[2]],
+                                bv[i * bs[bc][0] + j * bs[bc][1] + k * bs[bc][2]]);
+                check_close(out, want, n, op == DT_BIN_POW ? 2e-6 : 1e-6, "binary");
             }
+    free(apos);
+    free(mask);
     /* large row broadcast through the pool */
     const int64_t big[2] = {1000, 257};
     const int64_t cs[2] = {257, 1}, rs[2] = {0, 1};

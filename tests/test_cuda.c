@@ -1089,7 +1089,7 @@ static void test_cuda_precision(void **state)
  * ------------------------------------------------------------------------- */
 static const char *const cu_unary_names[] = {"relu", "gelu", "tanh", "sigmoid", "gelu_tanh",
                                              "exp", "log", "sqrt"};
-static const char *const cu_binary_names[] = {"add", "sub", "mul", "div"};
+static const char *const cu_binary_names[] = {"add", "sub", "mul", "div", "keep", "drop", "pow"};
 
 static void cu_binary_case(cu_fix *f, tu_rng *r, int ndim, const int64_t *shape,
                            const int64_t *as, int64_t na, const int64_t *bs, int64_t nb)
@@ -1098,10 +1098,14 @@ static void cu_binary_case(cu_fix *f, tu_rng *r, int ndim, const int64_t *shape,
     float *ha = cu_rand(f, r, na, -2.0f, 2.0f), *hb = cu_rand_away(f, r, nb);
     cu_buf a = cu_putf(f, ha, na), b = cu_putf(f, hb, nb);
     char s0[64], s1[64], s2[64];
-    for (int op = 0; op < 4; op++) {
+    float *hm = cu_rand(f, r, nb, 0, 1);   /* keep/drop: a 0/1 mask */
+    for (int64_t i = 0; i < nb; i++) hm[i] = hm[i] < 0.5f ? 0.0f : 1.0f;
+    cu_buf m = cu_putf(f, hm, nb);
+    for (int op = 0; op < 7; op++) {
         cu_buf out = cu_junk(f, n);
-        BOTH(binary, (dt_binary_op)op, ndim, shape, P(a), as, P(b), bs, P(out));
-        cu_expect(f, out, n, op == DT_BIN_DIV ? TOL_ARITH : TOL_EXACT,
+        int masked = op == DT_BIN_KEEP || op == DT_BIN_DROP;
+        BOTH(binary, (dt_binary_op)op, ndim, shape, P(a), as, masked ? P(m) : P(b), bs, P(out));
+        cu_expect(f, out, n, op == DT_BIN_DIV ? TOL_ARITH : op == DT_BIN_POW ? TOL_TRANSC : TOL_EXACT,
                   "binary(%s) shape %s a_strides %s b_strides %s", cu_binary_names[op],
                   cu_dims(s0, sizeof s0, ndim, shape), cu_dims(s1, sizeof s1, ndim, as),
                   cu_dims(s2, sizeof s2, ndim, bs));

@@ -292,6 +292,11 @@ for _name, _res, _args in [
     ("dt_relu", _P, [_P, _P]),
     ("dt_gelu", _P, [_P, _P]),
     ("dt_gelu_tanh", _P, [_P, _P]),
+    ("dt_permute", _P, [_P, _P, _I, ctypes.POINTER(_I)]),
+    ("dt_pow", _P, [_P, _P, _P]),
+    ("dt_pow_scalar", _P, [_P, _P, _F]),
+    ("dt_where", _P, [_P, _P, _P, _P]),
+    ("dt_masked_fill", _P, [_P, _P, _P, _F]),
     ("dt_exp", _P, [_P, _P]),
     ("dt_log", _P, [_P, _P]),
     ("dt_sqrt", _P, [_P, _P]),
@@ -873,6 +878,22 @@ def mean(x, dim=None, keepdim=False):
 def relu(x): return _op(_C.relu, x, x.handle)
 def gelu(x): return _op(_C.gelu, x, x.handle)
 def gelu_tanh(x): return _op(_C.gelu_tanh, x, x.handle)
+
+
+def permute(x, *dims):
+    d = (_I * len(dims))(*dims)
+    return _op(_C.permute, x, x.handle, len(dims), d)
+
+
+def pow(a, b):
+    """a ** b: b a Tensor (broadcast) or a number."""
+    if isinstance(b, Tensor):
+        return _op(_C.pow, a, a.handle, b.handle)
+    return _op(_C.pow_scalar, a, a.handle, float(b))
+
+
+def where(cond, a, b): return _op(_C.where, a, cond.handle, a.handle, b.handle)
+def masked_fill(x, mask, value): return _op(_C.masked_fill, x, x.handle, mask.handle, float(value))
 def exp(x): return _op(_C.exp, x, x.handle)
 def log(x): return _op(_C.log, x, x.handle)
 def sqrt(x): return _op(_C.sqrt, x, x.handle)

@@ -290,6 +290,15 @@ class Transformer(unittest.TestCase):
             self.assertAlmostEqual(loss, float(want), places=5)
             np.testing.assert_allclose(dt.sqrt(ctx.from_numpy(np.array([4.0, 9.0],
                                        np.float32))).numpy(), [2.0, 3.0])
+            a = rng.standard_normal((2, 3, 4)).astype(np.float32)
+            np.testing.assert_array_equal(dt.permute(ctx.from_numpy(a), 2, 0, 1).numpy(copy=True),
+                                          a.transpose(2, 0, 1))
+            m = np.array([1, 0, 0, 1], np.float32)
+            got = dt.masked_fill(ctx.from_numpy(a), ctx.from_numpy(m), -np.inf).numpy(copy=True)
+            np.testing.assert_array_equal(got, np.where(m != 0, -np.inf, a))
+            pa = np.abs(a) + 0.5
+            np.testing.assert_allclose(dt.pow(ctx.from_numpy(pa), 1.5).numpy(), pa ** 1.5,
+                                       rtol=1e-6)
 
 
 class Lifetimes(unittest.TestCase):
