@@ -434,6 +434,15 @@ python_checks() {
         fi
         echo "python checks: $ranks rank(s): Python and C example both reach $want test accuracy"
     done
+    # the GPT twin, its text a NumPy array: the same training losses as the C example
+    c=$(OPENBLAS_NUM_THREADS=1 $BUILD/gpt --steps 30 --eval-every 15 --eval-batches 2 --sample 0 |
+        sed -n 's/^step \([0-9]*\): train loss \([0-9.]*\),.*/\1 \2/p')
+    p=$(DTRAIN_LIB=$PWD/$BUILD/libdtrain.so OPENBLAS_NUM_THREADS=1 $py bindings/python/examples/gpt.py \
+        --steps 30 --eval-every 15 --eval-batches 2 | sed -n 's/^step \([0-9]*\): train loss \([0-9.]*\),.*/\1 \2/p')
+    if [ -z "$c" ] || [ "$c" != "$p" ]; then
+        echo "python checks: the GPT twin's losses '$p' differ from C's '$c'"; exit 1
+    fi
+    echo "python checks: the GPT twin and the C example have the same train losses ($(echo $c))"
 }
 
 # dtrun end to end: 3 ranks join through the environment, the store and
