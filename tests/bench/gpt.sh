@@ -6,14 +6,19 @@
 #           batch 12, 256-byte vocabulary
 #   124M:   GPT-2 124M's shape: 12 layers, 12 heads, 768 channels, context 64,
 #           batch 4, vocabulary 50257
-# Targets (issue 22): dtrain/torch <= 0.8 for ms/step; peak RSS <= 0.5.
+# and llm.c's train_gpt2.c (../shared/peers/llm.c, compiled here with -Ofast
+# -march=native -fopenmp from a copy in build/bench whose batch size and step
+# count are set by sed; it reads dtrain's initial weights and the same text,
+# converted by tests/bench/llmc_files.py; 2 OpenMP threads).
+# Targets (issue 22): dtrain/torch <= 0.8 and dtrain/llm.c <= 0.4 for
+# ms/step; peak RSS <= 0.5 of torch's.
 #
 #   bash tests/bench/gpt.sh          (builds what it needs; REPEATS=3 runs a side)
 #
 # dtrain trains on Debian's fortunes text, torch on random byte windows: the
 # same shapes, so the same arithmetic.  Medians over REPEATS runs; the sides
-# alternate.  llm.c (../shared/peers/llm.c) is not measured here yet.  Last, the
-# correctness cross-check against PyTorch (tests/gpt_crosscheck.py).
+# alternate (llm.c: LLMC_REPEATS=1 run, its 124M steps take seconds each).
+# Last, the correctness cross-check against PyTorch (tests/gpt_crosscheck.py).
 set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -30,6 +35,10 @@ TIMEF=/usr/bin/time
 declare -A ARGS=([small]="--layers 4 --heads 4 --embd 128 --context 64 --batch 12 --vocab 256"
                  [124M]="--layers 12 --heads 12 --embd 768 --context 64 --batch 4 --vocab 50257")
 declare -A STEPS=([small]=60 [124M]=15)
+declare -A LAYOUT=([small]="4 4 64" [124M]="12 12 64")   # llm.c's layers, heads, max T
+declare -A BATCH=([small]=12 [124M]=4)
+LLMC=${LLMC:-$ROOT/../shared/peers/llm.c}
+LLMC_REPEATS=${LLMC_REPEATS:-1}
 RES="$OUT/gpt_results.txt"
 : > "$RES"
 for cfg in small 124M; do
@@ -49,17 +58,44 @@ for cfg in small 124M; do
               echo "$line" | sed -n 's/.*maxrss_kb=\([0-9]*\).*/\1/p')" | tee -a "$RES"
     done
 done
+# llm.c: its files from dtrain's initial weights, then its own timing of each step
+if [[ -f $LLMC/train_gpt2.c ]]; then
+    sed -e 's/int B = 4;/int B = LLMC_B;/' -e 's/step <= 40/step <= LLMC_STEPS/' \
+        "$LLMC/train_gpt2.c" > "$OUT/train_gpt2_bench.c"
+    for cfg in small 124M; do
+        s=${STEPS[$cfg]}
+        gcc -Ofast -march=native -fopenmp -DLLMC_B="${BATCH[$cfg]}" -DLLMC_STEPS="$s" -I"$LLMC" \
+            "$OUT/train_gpt2_bench.c" -lm -o "$OUT/llmc_$cfg" || { echo "gpt.sh: llm.c did not build"; exit 1; }
+        rm -rf "$OUT/llmc_$cfg.d"
+        # shellcheck disable=SC2086
+        build/gpt ${ARGS[$cfg]} --steps 1 --eval-every 1 --eval-batches 1 --sample 0 \
+            --save-init "$OUT/llmc_init.st" > /dev/null &&
+            "$PY" "$HERE/llmc_files.py" "$OUT/llmc_init.st" /usr/share/games/fortunes \
+                "$OUT/llmc_$cfg.d" ${LAYOUT[$cfg]} || { echo "gpt.sh: llm.c's files failed"; exit 1; }
+        for r in $(seq 1 "$LLMC_REPEATS"); do
+            ms=$(cd "$OUT/llmc_$cfg.d" && OMP_NUM_THREADS=$THREADS "$OUT/llmc_$cfg" |
+                 sed -n 's/^step \([0-9]*\): .*(took \([0-9.]*\) ms)$/\1 \2/p' |
+                 awk '$1 >= 5 { t += $2; n++ } END { if (n) printf "%.2f", t / n }')
+            echo "$cfg llmc ms=$ms rss_kb=0" | tee -a "$RES"
+        done
+    done
+else
+    echo "gpt.sh: no llm.c at $LLMC: its column stays empty"
+fi
 echo
-echo "config  dtrain ms  torch ms  dt/torch (<=0.80)  dtrain MB  torch MB  dt/torch RSS (<=0.50)"
+echo "config  dtrain ms  torch ms  dt/torch (<=0.80)  dtrain MB  torch MB  dt/torch RSS (<=0.50)  llm.c ms  dt/llm.c (<=0.40)"
 for cfg in small 124M; do
     awk -v c="$cfg" '
         function med(a, n,    i, j, t) { for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++)
             if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t } return a[int((n + 1) / 2)] }
         $1 == c { split($3, m, "="); split($4, r, "=");
-                  if ($2 == "dtrain") { dm[++nd] = m[2]; dr[nd] = r[2] } else { tm[++nt] = m[2]; tr[nt] = r[2] } }
+                  if ($2 == "dtrain") { dm[++nd] = m[2]; dr[nd] = r[2] }
+                  else if ($2 == "torch") { tm[++nt] = m[2]; tr[nt] = r[2] }
+                  else if (m[2] != "") lm[++nl] = m[2] }
         END { a = med(dm, nd); b = med(tm, nt); x = med(dr, nd); y = med(tr, nt);
-              printf "%-6s  %9.2f  %8.2f  %17.3f  %9.1f  %8.1f  %21.3f\n", c, a, b, a / b,
-                     x / 1024, y / 1024, x / y }' "$RES"
+              printf "%-6s  %9.2f  %8.2f  %17.3f  %9.1f  %8.1f  %21.3f", c, a, b, a / b,
+                     x / 1024, y / 1024, x / y
+              if (nl) { l = med(lm, nl); printf "  %8.2f  %17.3f\n", l, a / l } else printf "\n" }' "$RES"
 done
 echo
 echo "crosscheck against PyTorch (tests/gpt_crosscheck.py): the same weights and batches, 20 AdamW steps"
