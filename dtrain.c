@@ -555,6 +555,7 @@ DT_PRIVATE int ctx_ok(dt_ctx *ctx);
 DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n);
 DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a);
+DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 
@@ -1920,6 +1921,18 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
         a->first->used = 0;
     a->cur = a->first;
     a->used = 0;
+}
+
+/* An empty arena back to at most `cap` bytes in one chunk (after work with
+ * larger steps, such as evaluation's batches, so training does not keep
+ * their memory).  Does nothing when it is not larger or holds data. */
+DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap)
+{
+    if (a->used || a->capacity <= cap)
+        return;
+    arena_destroy(ctx, a);
+    if (cap)
+        a->first = a->cur = chunk_new(ctx, a, cap);   /* on failure: grows again on use */
 }
 
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a)
@@ -11981,6 +11994,9 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     if (!(cfg->std > 0))
         return set_error(ctx, DT_EINVAL, "evaluate: std must be > 0, got %g", (double)cfg->std);
     int need_2d = visit != eval_loss && visit != eval_user;   /* classes: argmax, accuracy */
+    /* evaluation batches may be larger than training's: the step arenas go
+     * back to their size afterwards (arena_shrink) */
+    size_t cap_dev = ctx->dev.capacity, cap_host = ctx->host.capacity;
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
@@ -12011,6 +12027,8 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     ctx->grad_enabled = grad;
     ctx->training = training;
     dt_loader_free(ld);
+    arena_shrink(ctx, &ctx->dev, cap_dev);
+    arena_shrink(ctx, &ctx->host, cap_host);
     return s == DT_EOF ? DT_OK : s;
 }
 

@@ -106,6 +106,18 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
     a->used = 0;
 }
 
+/* An empty arena back to at most `cap` bytes in one chunk (after work with
+ * larger steps, such as evaluation's batches, so training does not keep
+ * their memory).  Does nothing when it is not larger or holds data. */
+DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap)
+{
+    if (a->used || a->capacity <= cap)
+        return;
+    arena_destroy(ctx, a);
+    if (cap)
+        a->first = a->cur = chunk_new(ctx, a, cap);   /* on failure: grows again on use */
+}
+
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a)
 {
     dt_arena_mark m = {a->cur, a->cur ? a->cur->used : 0, a->used};

@@ -46,6 +46,9 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     if (!(cfg->std > 0))
         return set_error(ctx, DT_EINVAL, "evaluate: std must be > 0, got %g", (double)cfg->std);
     int need_2d = visit != eval_loss && visit != eval_user;   /* classes: argmax, accuracy */
+    /* evaluation batches may be larger than training's: the step arenas go
+     * back to their size afterwards (arena_shrink) */
+    size_t cap_dev = ctx->dev.capacity, cap_host = ctx->host.capacity;
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
@@ -76,6 +79,8 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     ctx->grad_enabled = grad;
     ctx->training = training;
     dt_loader_free(ld);
+    arena_shrink(ctx, &ctx->dev, cap_dev);
+    arena_shrink(ctx, &ctx->host, cap_host);
     return s == DT_EOF ? DT_OK : s;
 }
 

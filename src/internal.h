@@ -546,6 +546,7 @@ DT_PRIVATE int ctx_ok(dt_ctx *ctx);
 DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n);
 DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a);
+DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 

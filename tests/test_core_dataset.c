@@ -681,6 +681,13 @@ static dt_status odd_labels(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, void *use
     return st;
 }
 
+/* the classifier, after a large scratch tensor (the arena grows) */
+static dt_tensor *big_forward(dt_ctx *ctx, dt_tensor *x, void *user)
+{
+    return dt_tensor_temp(ctx, DT_F32, 1, (const int64_t[]){4 << 20}) ? lin_forward(ctx, x, user)
+                                                                       : NULL;
+}
+
 /* column 0 of the classifier's logits, as a (B) prediction */
 static dt_tensor *first_output(dt_ctx *ctx, dt_tensor *x, void *user)
 {
@@ -744,6 +751,16 @@ static void test_dataset_evaluate(void **state)
     assert_true(fabs(out.value - (double)odd / N_SAMPLES) < 1e-12);
     ec.metric_fn = NULL;
     assert_int_equal(dt_evaluate(ctx, NULL, ds, &ec, lin_forward, &m, &out), DT_EINVAL);
+    /* evaluation's larger steps do not stay in the arena */
+    ec.metric = DT_METRIC_CLASSIFY;
+    dt_step_reset(ctx);
+    dt_mem_stats before, after;
+    dt_mem_stats_get(ctx, &before);
+    tu_check_status(ctx, dt_evaluate(ctx, NULL, ds, &ec, big_forward, &m, &out), "big steps");
+    dt_mem_stats_get(ctx, &after);
+    assert_true(after.arena_peak >= ((size_t)16 << 20));   /* it did grow meanwhile */
+    assert_true(after.arena_capacity <= before.arena_capacity);
+    assert_int_equal(out.correct, correct);
     dt_dataset_free(ds);
     /* regression: MSE against f32 targets */
     float t[N_SAMPLES];
