@@ -1401,7 +1401,7 @@ typedef enum dt_metric { DT_METRIC_CLASSIFY = 0, DT_METRIC_LOSS, DT_METRIC_USER 
 typedef dt_status (*dt_metric_fn)(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, void *user,
                                   double *sum, double *count);
 typedef struct dt_eval_config {
-    int batch;                 /* samples per forward; 0: 1000 */
+    int batch;                 /* samples per forward; 0: 128 */
     float mean, std;           /* input normalisation, as dt_loader_config (default 0, 1) */
     dt_metric metric;
     dt_metric_fn metric_fn;    /* DT_METRIC_USER: called per batch; borrows metric_user */

@@ -10,7 +10,7 @@ void dt_eval_config_init(dt_eval_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
-    cfg->batch = 1000;
+    cfg->batch = 128;   /* as training's: 1000 took the CNN example's peak RSS to 491 MB, 128 to 118 */
     cfg->std = 1.0f;
 }
 
@@ -21,7 +21,7 @@ static dt_loader *eval_loader(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
 {
     dt_loader_config lc;
     dt_loader_config_init(&lc);
-    lc.batch = cfg->batch > 0 ? cfg->batch : 1000;
+    lc.batch = cfg->batch > 0 ? cfg->batch : 128;
     lc.shuffle = 0;
     lc.mean = cfg->mean;
     lc.std = cfg->std;

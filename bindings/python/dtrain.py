@@ -1545,7 +1545,7 @@ Metrics = namedtuple("Metrics", "samples correct accuracy loss value")
 _METRICS = {"classify": 0, "loss": 1}
 
 
-def evaluate(ctx, dataset, forward, comm=None, batch=1000, mean=0.0, std=1.0, metric="classify"):
+def evaluate(ctx, dataset, forward, comm=None, batch=128, mean=0.0, std=1.0, metric="classify"):
     """dt_evaluate: forward(x) -> logits over the whole dataset, grad and training off;
     with comm, split over the ranks (collective) and combined.  metric: "classify"
     (accuracy and mean cross entropy) or "loss" (the mean loss per target element).
