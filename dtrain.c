@@ -80,7 +80,8 @@ enum {
     T_OWNS_DATA = 1u << 3,  /* data allocated with the tensor (not a view) */
     T_ZERO = 1u << 4,       /* contents are logically zero, not yet written */
     T_EXTERNAL = 1u << 5,   /* header owned by another object (loader) */
-    T_GRADBUF = 1u << 6     /* persistent gradient owned by its tensor */
+    T_GRADBUF = 1u << 6,    /* persistent gradient owned by its tensor */
+    T_RETAIN = 1u << 7      /* dt_retain_grad: backward keeps this op output's gradient */
 };
 
 struct dt_node;
@@ -146,9 +147,19 @@ typedef struct dt_chunk {
     size_t size, used;
 } dt_chunk;
 
+/* A block given back to its arena before the reset (arena_give_back). */
+typedef struct dt_arena_hole {
+    dt_chunk *chunk;
+    size_t offset, size;
+} dt_arena_hole;
+
+#define DT_ARENA_HOLES 64
+
 typedef struct dt_arena {
     int on_device;                 /* 1: backend memory, 0: host allocator */
     dt_chunk *first, *cur;
+    dt_arena_hole holes[DT_ARENA_HOLES];   /* reusable blocks, in no order */
+    int n_holes;
     size_t capacity;               /* sum of chunk sizes */
     size_t used;                   /* bytes handed out since reset */
     size_t peak;
@@ -558,12 +569,16 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
+DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n);
+DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n);
 
 /* src/tensor.c */
 DT_PRIVATE const char *tensor_shape_str(const dt_tensor *t, char *buf, size_t len);
 DT_PRIVATE dt_status tensor_check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape);
 DT_PRIVATE void tensor_header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE size_t tensor_bytes(const dt_tensor *t);
+DT_PRIVATE dt_tensor *tensor_step_new_reusing(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                              const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x);
 DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
@@ -1826,6 +1841,11 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
  * one chunk of the combined size.  After a step or two the arena fits the
  * whole step and training allocates nothing (tests/ checks this with a
  * counting allocator).
+ *
+ * Backward gives the gradient of each op output back once its op has run
+ * (tape_run): arena_give_back keeps the block as a hole and
+ * arena_alloc_reuse hands holes out again (best fit, split), so a backward
+ * holds a few live gradients rather than all of them.
  * ======================================================================== */
 
 static void *raw_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
@@ -1872,6 +1892,7 @@ DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a)
     }
     a->first = a->cur = NULL;
     a->capacity = a->used = 0;
+    a->n_holes = 0;
 }
 
 static size_t align_up(size_t n) { return (n + DT_ARENA_ALIGN - 1) & ~(size_t)(DT_ARENA_ALIGN - 1); }
@@ -1921,6 +1942,7 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
         a->first->used = 0;
     a->cur = a->first;
     a->used = 0;
+    a->n_holes = 0;
 }
 
 /* An empty arena back to at most `cap` bytes in one chunk (after work with
@@ -1941,8 +1963,26 @@ DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a)
     return m;
 }
 
+/* Whether the hole lies at or after the mark (allocated after it). */
+static int hole_after(const dt_arena_hole *h, dt_arena_mark m)
+{
+    if (!m.chunk)
+        return 1;
+    if (h->chunk == m.chunk)
+        return h->offset >= m.chunk_used;
+    for (const dt_chunk *c = m.chunk->next; c; c = c->next)
+        if (c == h->chunk)
+            return 1;
+    return 0;
+}
+
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m)
 {
+    for (int i = 0; i < a->n_holes;)   /* holes above the mark are free space again */
+        if (hole_after(&a->holes[i], m))
+            a->holes[i] = a->holes[--a->n_holes];
+        else
+            i++;
     if (!m.chunk) {
         if (a->first)
             a->first->used = 0;
@@ -1953,6 +1993,45 @@ DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m)
     a->cur = m.chunk;
     a->cur->used = m.chunk_used;
     a->used = m.used;
+}
+
+/* Keep [p, p+n) of a's current step for arena_alloc_reuse.  Returns 0 (the
+ * block simply stays used until the reset) when p is not in a or the table
+ * is full. */
+DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n)
+{
+    if (!p || a->n_holes == DT_ARENA_HOLES)
+        return 0;
+    for (dt_chunk *c = a->first; c; c = c->next) {
+        char *b = p;
+        if (b >= c->base && b < c->base + c->used) {
+            a->holes[a->n_holes++] = (dt_arena_hole){c, (size_t)(b - c->base), align_up(n)};
+            return 1;
+        }
+        if (c == a->cur)
+            break;
+    }
+    return 0;
+}
+
+/* n bytes from the smallest hole that holds them (its rest stays a hole),
+ * else from the bump pointer as arena_alloc. */
+DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n)
+{
+    n = align_up(n ? n : 1);
+    int best = -1;
+    for (int i = 0; i < a->n_holes; i++)
+        if (a->holes[i].size >= n && (best < 0 || a->holes[i].size < a->holes[best].size))
+            best = i;
+    if (best < 0)
+        return arena_alloc(ctx, a, n);
+    dt_arena_hole *h = &a->holes[best];
+    void *p = h->chunk->base + h->offset;
+    h->offset += n;
+    h->size -= n;
+    if (!h->size)
+        *h = a->holes[--a->n_holes];
+    return p;   /* a->used (the bump extent, what the step touched) is unchanged */
 }
 
 void dt_step_reset(dt_ctx *ctx)
@@ -2071,8 +2150,8 @@ DT_PRIVATE size_t tensor_bytes(const dt_tensor *t)
     return (size_t)shape_numel(t->ndim, t->shape) * dt_dtype_size(t->dtype);
 }
 
-/* A step tensor with uninitialised data, in the current arenas. */
-DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+static dt_tensor *step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape,
+                           int reuse)
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
@@ -2080,13 +2159,28 @@ DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, con
         return NULL;
     }
     tensor_header_init(t, ctx, dtype, ndim, shape);
-    t->data = arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
+    t->data = reuse ? arena_alloc_reuse(ctx, ctx->cur_dev, tensor_bytes(t))
+                    : arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
     if (!t->data) {
         set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
                   tensor_bytes(t));
         return NULL;
     }
     return t;
+}
+
+/* A step tensor with uninitialised data, in the current arenas. */
+DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    return step_new(ctx, dtype, ndim, shape, 0);
+}
+
+/* The same, in memory a backward gave back if some fits (gradients:
+ * grad_target); such memory must not be held past its step. */
+DT_PRIVATE dt_tensor *tensor_step_new_reusing(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                              const int64_t *shape)
+{
+    return step_new(ctx, dtype, ndim, shape, 1);
 }
 
 /* A header sharing x's data (for views), in the step arena. */
@@ -2464,6 +2558,14 @@ dt_tensor *dt_tensor_grad(const dt_tensor *t)
         return NULL;
     tensor_materialize(t->grad);
     return t->grad;
+}
+
+dt_status dt_retain_grad(dt_tensor *t)
+{
+    if (!t)
+        return DT_EINVAL;
+    t->flags |= T_RETAIN;
+    return DT_OK;
 }
 
 int dt_tensor_requires_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD) ? 1 : 0; }
@@ -3256,7 +3358,7 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
     if (t->rowlog)   /* this op may write every row */
         t->rowlog->dense = 1;
     if (!t->grad) {
-        t->grad = tensor_step_new(ctx, DT_F32, t->ndim, t->shape);
+        t->grad = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
         if (!t->grad)
             return NULL;
         t->grad->flags |= T_ZERO;
@@ -3278,6 +3380,22 @@ DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
 
 DT_PRIVATE int grad_needed(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
 
+/* Once node n has run, nobody reads its output's gradient again (the tape
+ * runs newest first and every reader of n->out comes after n), so its
+ * memory goes back to the arena for the gradients still to come, as
+ * PyTorch frees a non-leaf's grad.  Kept: leaves, persistent tensors,
+ * outputs a later node re-recorded, and dt_retain_grad's. */
+static void grad_release(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *t = n->out, *g = t->grad;
+    if (!g || t->node != n || (t->flags & (T_PERSIST | T_RETAIN)) || (g->flags & T_PERSIST))
+        return;
+    size_t bytes = tensor_bytes(g);
+    if (arena_give_back(&ctx->dev, g->data, bytes) ||
+        arena_give_back(&ctx->scratch_dev, g->data, bytes))
+        t->grad = NULL;
+}
+
 /* With hooked (the top-level walk only), the attached DDP hears of every
  * node once it is done, so it can start a bucket's allreduce when its
  * gradients are final (dt_grad_hooks). */
@@ -3292,6 +3410,7 @@ DT_PRIVATE dt_status tape_run(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hoo
         }
         if (hooked && ctx->hook_user)
             ctx->grad_hooks->node_done(ctx->hook_user, n);
+        grad_release(ctx, n);
     }
     return DT_OK;
 }

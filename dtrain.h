@@ -280,8 +280,15 @@ DT_API dt_status dt_tensor_set_name(dt_tensor *t, const char *name);
 
 /* Gradient tensor after dt_backward, or NULL if none.  Borrowed: a
  * persistent tensor's lives with it, a step tensor's until dt_step_reset.  A
- * gradient zeroed lazily by dt_zero_grad is written with zeros first. */
+ * gradient zeroed lazily by dt_zero_grad is written with zeros first.  As in
+ * PyTorch, an op's output (a tensor that is not a leaf) keeps its gradient
+ * only after dt_retain_grad: backward reuses that memory once the op's
+ * backward has run, so a step holds a few such gradients, not all. */
 DT_API dt_tensor *dt_tensor_grad(const dt_tensor *t);
+/* Keep t's gradient through dt_backward (PyTorch's retain_grad); call it
+ * before the backward.  Leaves and parameters always keep theirs.
+ * DT_EINVAL: t NULL. */
+DT_API dt_status dt_retain_grad(dt_tensor *t);
 DT_API int dt_tensor_requires_grad(const dt_tensor *t);
 /* requires 1: backward gives t a gradient (a persistent tensor gets a
  * persistent buffer).  DT_EINVAL: t is not f32, or is a step tensor no op

@@ -7,9 +7,13 @@
  *             [--eval-batches 20] [--ranks N] [--threads N] [--seed S]
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
  *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
+ *             [--seconds S]
  *
  * Each report's ms/step is the training steps' time (evaluation left out),
- * from step 6 on once there are more than 5.
+ * from step 6 on once there are more than 5.  --seconds S ends training
+ * once its steps (evaluation left out) have taken S seconds, then reports
+ * the validation loss: what tests/bench/gpt.sh compares with PyTorch after
+ * the same wall-clock budget (one process only).
  *
  * --save-init saves the initial weights, --dump appends every step's batch
  * (x then y, int32) to FILE: what tests/gpt_crosscheck.py feeds PyTorch.
@@ -35,6 +39,7 @@ typedef struct options {
     int steps, batch, context, layers, heads, embd, eval_every, eval_batches, ranks, threads;
     int sample, vocab;
     float lr;
+    double seconds;   /* > 0: a training-time budget (--seconds) */
     uint64_t seed;
     const char *save, *data, *backend, *optim, *save_init, *dump;
 } options;
@@ -332,9 +337,14 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         fprintf(stderr, "gpt: cannot write %s\n", o->dump);
         goto done;
     }
-    double t0 = dt_now(), t5 = t0, eval_s = 0;   /* ms/step leaves out evaluation */
+    if (o->seconds > 0 && comm) {
+        fprintf(stderr, "gpt: --seconds is for one process\n");
+        goto done;
+    }
+    double t0 = dt_now(), t5 = t0, eval_s = 0, eval_all = 0;   /* ms/step leaves out evaluation */
     int64_t epoch = 0;
-    for (int step = 1; step <= o->steps; step++) {
+    int last = o->steps;
+    for (int step = 1; step <= last; step++) {
         dt_tensor *x, *y;
         dt_status s = dt_loader_next(ld, &x, &y);
         if (s == DT_EOF) {
@@ -356,13 +366,20 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         dt_step_reset(ctx);
         if (step == 5)   /* the timing starts after 5 warm-up steps */
             t5 = dt_now(), eval_s = 0;
-        if (rank == 0 && (step % o->eval_every == 0 || step == o->steps)) {
+        if (o->seconds > 0 && dt_now() - t0 - eval_all >= o->seconds)
+            last = step;   /* the budget is spent: this is the last step */
+        if (rank == 0 && (step % o->eval_every == 0 || step == last)) {
             double te = dt_now(), ms = step > 5 ? (te - t5 - eval_s) * 1e3 / (step - 5)
                                                 : (te - t0) * 1e3 / step;
+            double trained_s = te - t0 - eval_all;
             double vl_loss = val_loss(ctx, &m, vl, o->eval_batches);
             eval_s += dt_now() - te;
+            eval_all += dt_now() - te;
             printf("step %d: train loss %.4f, val loss %.4f, %.2f ms/step\n", step, train_loss,
                    vl_loss, ms);
+            if (o->seconds > 0 && step == last)
+                printf("budget: %d steps in %.1f s of training, val loss %.4f over %d batches\n",
+                       step, trained_s, vl_loss, o->eval_batches);
         }
     }
     if (dump)
@@ -414,6 +431,8 @@ static int parse_args(int argc, char **argv, options *o)
             *ints[k] = atoi(v);
         else if (strcmp(a, "--lr") == 0)
             o->lr = (float)atof(v);
+        else if (strcmp(a, "--seconds") == 0)
+            o->seconds = atof(v);
         else if (strcmp(a, "--seed") == 0)
             o->seed = strtoull(v, NULL, 10);
         else if (strcmp(a, "--save") == 0)
@@ -437,9 +456,9 @@ static int parse_args(int argc, char **argv, options *o)
     }
     if (o->steps < 1 || o->batch < 1 || o->context < 1 || o->context > 1024 || o->layers < 1 ||
         o->heads < 1 || o->embd % o->heads != 0 || o->eval_every < 1 || o->ranks < 1 ||
-        o->vocab < 256) {
+        o->vocab < 256 || o->seconds < 0 || (o->seconds > 0 && o->ranks > 1)) {
         fprintf(stderr, "gpt: sizes must be >= 1, context <= 1024, embd a multiple of heads, "
-                        "vocab >= 256\n");
+                        "vocab >= 256, --seconds >= 0 and with one rank\n");
         return 0;
     }
     return 1;

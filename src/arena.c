@@ -9,6 +9,11 @@
  * one chunk of the combined size.  After a step or two the arena fits the
  * whole step and training allocates nothing (tests/ checks this with a
  * counting allocator).
+ *
+ * Backward gives the gradient of each op output back once its op has run
+ * (tape_run): arena_give_back keeps the block as a hole and
+ * arena_alloc_reuse hands holes out again (best fit, split), so a backward
+ * holds a few live gradients rather than all of them.
  * ======================================================================== */
 
 static void *raw_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
@@ -55,6 +60,7 @@ DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a)
     }
     a->first = a->cur = NULL;
     a->capacity = a->used = 0;
+    a->n_holes = 0;
 }
 
 static size_t align_up(size_t n) { return (n + DT_ARENA_ALIGN - 1) & ~(size_t)(DT_ARENA_ALIGN - 1); }
@@ -104,6 +110,7 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
         a->first->used = 0;
     a->cur = a->first;
     a->used = 0;
+    a->n_holes = 0;
 }
 
 /* An empty arena back to at most `cap` bytes in one chunk (after work with
@@ -124,8 +131,26 @@ DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a)
     return m;
 }
 
+/* Whether the hole lies at or after the mark (allocated after it). */
+static int hole_after(const dt_arena_hole *h, dt_arena_mark m)
+{
+    if (!m.chunk)
+        return 1;
+    if (h->chunk == m.chunk)
+        return h->offset >= m.chunk_used;
+    for (const dt_chunk *c = m.chunk->next; c; c = c->next)
+        if (c == h->chunk)
+            return 1;
+    return 0;
+}
+
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m)
 {
+    for (int i = 0; i < a->n_holes;)   /* holes above the mark are free space again */
+        if (hole_after(&a->holes[i], m))
+            a->holes[i] = a->holes[--a->n_holes];
+        else
+            i++;
     if (!m.chunk) {
         if (a->first)
             a->first->used = 0;
@@ -136,6 +161,45 @@ DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m)
     a->cur = m.chunk;
     a->cur->used = m.chunk_used;
     a->used = m.used;
+}
+
+/* Keep [p, p+n) of a's current step for arena_alloc_reuse.  Returns 0 (the
+ * block simply stays used until the reset) when p is not in a or the table
+ * is full. */
+DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n)
+{
+    if (!p || a->n_holes == DT_ARENA_HOLES)
+        return 0;
+    for (dt_chunk *c = a->first; c; c = c->next) {
+        char *b = p;
+        if (b >= c->base && b < c->base + c->used) {
+            a->holes[a->n_holes++] = (dt_arena_hole){c, (size_t)(b - c->base), align_up(n)};
+            return 1;
+        }
+        if (c == a->cur)
+            break;
+    }
+    return 0;
+}
+
+/* n bytes from the smallest hole that holds them (its rest stays a hole),
+ * else from the bump pointer as arena_alloc. */
+DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n)
+{
+    n = align_up(n ? n : 1);
+    int best = -1;
+    for (int i = 0; i < a->n_holes; i++)
+        if (a->holes[i].size >= n && (best < 0 || a->holes[i].size < a->holes[best].size))
+            best = i;
+    if (best < 0)
+        return arena_alloc(ctx, a, n);
+    dt_arena_hole *h = &a->holes[best];
+    void *p = h->chunk->base + h->offset;
+    h->offset += n;
+    h->size -= n;
+    if (!h->size)
+        *h = a->holes[--a->n_holes];
+    return p;   /* a->used (the bump extent, what the step touched) is unchanged */
 }
 
 void dt_step_reset(dt_ctx *ctx)

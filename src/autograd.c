@@ -65,7 +65,7 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
     if (t->rowlog)   /* this op may write every row */
         t->rowlog->dense = 1;
     if (!t->grad) {
-        t->grad = tensor_step_new(ctx, DT_F32, t->ndim, t->shape);
+        t->grad = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
         if (!t->grad)
             return NULL;
         t->grad->flags |= T_ZERO;
@@ -87,6 +87,22 @@ DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t)
 
 DT_PRIVATE int grad_needed(const dt_tensor *t) { return t && (t->flags & T_REQGRAD); }
 
+/* Once node n has run, nobody reads its output's gradient again (the tape
+ * runs newest first and every reader of n->out comes after n), so its
+ * memory goes back to the arena for the gradients still to come, as
+ * PyTorch frees a non-leaf's grad.  Kept: leaves, persistent tensors,
+ * outputs a later node re-recorded, and dt_retain_grad's. */
+static void grad_release(dt_ctx *ctx, dt_node *n)
+{
+    dt_tensor *t = n->out, *g = t->grad;
+    if (!g || t->node != n || (t->flags & (T_PERSIST | T_RETAIN)) || (g->flags & T_PERSIST))
+        return;
+    size_t bytes = tensor_bytes(g);
+    if (arena_give_back(&ctx->dev, g->data, bytes) ||
+        arena_give_back(&ctx->scratch_dev, g->data, bytes))
+        t->grad = NULL;
+}
+
 /* With hooked (the top-level walk only), the attached DDP hears of every
  * node once it is done, so it can start a bucket's allreduce when its
  * gradients are final (dt_grad_hooks). */
@@ -101,6 +117,7 @@ DT_PRIVATE dt_status tape_run(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hoo
         }
         if (hooked && ctx->hook_user)
             ctx->grad_hooks->node_done(ctx->hook_user, n);
+        grad_release(ctx, n);
     }
     return DT_OK;
 }

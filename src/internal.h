@@ -71,7 +71,8 @@ enum {
     T_OWNS_DATA = 1u << 3,  /* data allocated with the tensor (not a view) */
     T_ZERO = 1u << 4,       /* contents are logically zero, not yet written */
     T_EXTERNAL = 1u << 5,   /* header owned by another object (loader) */
-    T_GRADBUF = 1u << 6     /* persistent gradient owned by its tensor */
+    T_GRADBUF = 1u << 6,    /* persistent gradient owned by its tensor */
+    T_RETAIN = 1u << 7      /* dt_retain_grad: backward keeps this op output's gradient */
 };
 
 struct dt_node;
@@ -137,9 +138,19 @@ typedef struct dt_chunk {
     size_t size, used;
 } dt_chunk;
 
+/* A block given back to its arena before the reset (arena_give_back). */
+typedef struct dt_arena_hole {
+    dt_chunk *chunk;
+    size_t offset, size;
+} dt_arena_hole;
+
+#define DT_ARENA_HOLES 64
+
 typedef struct dt_arena {
     int on_device;                 /* 1: backend memory, 0: host allocator */
     dt_chunk *first, *cur;
+    dt_arena_hole holes[DT_ARENA_HOLES];   /* reusable blocks, in no order */
+    int n_holes;
     size_t capacity;               /* sum of chunk sizes */
     size_t used;                   /* bytes handed out since reset */
     size_t peak;
@@ -549,12 +560,16 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
+DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n);
+DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n);
 
 /* src/tensor.c */
 DT_PRIVATE const char *tensor_shape_str(const dt_tensor *t, char *buf, size_t len);
 DT_PRIVATE dt_status tensor_check_shape(dt_ctx *ctx, const char *op, int ndim, const int64_t *shape);
 DT_PRIVATE void tensor_header_init(dt_tensor *t, dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE size_t tensor_bytes(const dt_tensor *t);
+DT_PRIVATE dt_tensor *tensor_step_new_reusing(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                              const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x);
 DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);

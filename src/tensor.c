@@ -77,8 +77,8 @@ DT_PRIVATE size_t tensor_bytes(const dt_tensor *t)
     return (size_t)shape_numel(t->ndim, t->shape) * dt_dtype_size(t->dtype);
 }
 
-/* A step tensor with uninitialised data, in the current arenas. */
-DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+static dt_tensor *step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape,
+                           int reuse)
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
@@ -86,13 +86,28 @@ DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, con
         return NULL;
     }
     tensor_header_init(t, ctx, dtype, ndim, shape);
-    t->data = arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
+    t->data = reuse ? arena_alloc_reuse(ctx, ctx->cur_dev, tensor_bytes(t))
+                    : arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
     if (!t->data) {
         set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
                   tensor_bytes(t));
         return NULL;
     }
     return t;
+}
+
+/* A step tensor with uninitialised data, in the current arenas. */
+DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
+{
+    return step_new(ctx, dtype, ndim, shape, 0);
+}
+
+/* The same, in memory a backward gave back if some fits (gradients:
+ * grad_target); such memory must not be held past its step. */
+DT_PRIVATE dt_tensor *tensor_step_new_reusing(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                              const int64_t *shape)
+{
+    return step_new(ctx, dtype, ndim, shape, 1);
 }
 
 /* A header sharing x's data (for views), in the step arena. */
@@ -470,6 +485,14 @@ dt_tensor *dt_tensor_grad(const dt_tensor *t)
         return NULL;
     tensor_materialize(t->grad);
     return t->grad;
+}
+
+dt_status dt_retain_grad(dt_tensor *t)
+{
+    if (!t)
+        return DT_EINVAL;
+    t->flags |= T_RETAIN;
+    return DT_OK;
 }
 
 int dt_tensor_requires_grad(const dt_tensor *t) { return t && (t->flags & T_REQGRAD) ? 1 : 0; }

@@ -4,6 +4,8 @@
  *    step makes none;
  *  - activation checkpointing (dt_recompute) lowers the step arena's peak
  *    and leaves the gradients unchanged;
+ *  - backward gives op outputs' gradients back to the arena (a chain of k
+ *    ops holds a few, not k), and dt_retain_grad keeps one;
  *  - the same seed and thread count give bit-identical training.
  */
 #include "test_util.h"
@@ -174,6 +176,73 @@ static void test_mem_stats(void **state)
     dt_mem_reset_peak(ctx);
     dt_mem_stats_get(ctx, &s3);
     assert_true(s3.arena_peak < s2.arena_used);
+    dt_ctx_free(ctx);
+}
+
+/* A chain of K elementwise ops over an (R, R) leaf: forward holds K step
+ * tensors; backward without reuse would add K gradients, with it it holds
+ * about two at a time. */
+enum { CHAIN_K = 24, CHAIN_R = 128 };
+
+static dt_tensor *chain_forward(dt_ctx *ctx, dt_tensor *x, dt_tensor **mid)
+{
+    dt_tensor *h = x;
+    for (int i = 0; i < CHAIN_K; i++) {
+        h = i % 2 ? dt_tanh(ctx, h) : dt_scale(ctx, h, 0.9f);
+        if (i == CHAIN_K / 2)
+            *mid = h;
+    }
+    return dt_sum(ctx, dt_mul(ctx, h, h));
+}
+
+static void test_mem_backward_reuses_grads(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    tu_rng r = {7};
+    float *v = malloc(CHAIN_R * CHAIN_R * sizeof *v);
+    tu_fill_uniform(&r, v, CHAIN_R * CHAIN_R, -1, 1);
+    dt_tensor *x = tu_param(ctx, "x", SHP(CHAIN_R, CHAIN_R), v);
+    size_t one = CHAIN_R * CHAIN_R * sizeof(float);
+    dt_mem_stats fwd, bwd;
+    for (int retain = 0; retain < 2; retain++) {
+        dt_mem_reset_peak(ctx);
+        dt_tensor *mid = NULL, *loss = chain_forward(ctx, x, &mid);
+        tu_check(ctx, loss, "chain");
+        if (retain)
+            tu_check_status(ctx, dt_retain_grad(mid), "retain_grad");
+        dt_mem_stats_get(ctx, &fwd);
+        tu_check_status(ctx, dt_backward(ctx, loss), "backward");
+        dt_mem_stats_get(ctx, &bwd);
+        /* CHAIN_K op outputs' gradients at most 3 at a time (+1 kept) */
+        assert_true(bwd.arena_peak - fwd.arena_used <= (size_t)(3 + retain) * one + 4096);
+        assert_non_null(dt_tensor_grad(x));            /* a leaf keeps its gradient */
+        if (!retain) {
+            assert_null(dt_tensor_grad(mid));          /* given back, as PyTorch */
+        } else {
+            /* d loss / d mid, by the chain rule from mid onwards, in doubles */
+            int64_t n;
+            float *m = tu_read(ctx, mid, &n), *g = tu_read(ctx, dt_tensor_grad(mid), &n);
+            for (int64_t e = 0; e < n; e += 97) {
+                double h = m[e], d = 1;
+                for (int i = CHAIN_K / 2 + 1; i < CHAIN_K; i++) {
+                    if (i % 2) {
+                        h = tanh(h);
+                        d *= 1 - h * h;
+                    } else {
+                        h *= 0.9f;
+                        d *= 0.9f;
+                    }
+                }
+                assert_true(tu_close(g[e], 2 * h * d, 1e-4, 1e-6));
+            }
+            free(m);
+            free(g);
+        }
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    free(v);
     dt_ctx_free(ctx);
 }
 
@@ -415,6 +484,7 @@ static void test_free_during_step(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_mem_warm_step_allocates_nothing),
     cmocka_unit_test(test_mem_stats),
+    cmocka_unit_test(test_mem_backward_reuses_grads),
     cmocka_unit_test(test_mem_recompute_lowers_peak),
     cmocka_unit_test(test_determinism),
     cmocka_unit_test(test_zero_copy),

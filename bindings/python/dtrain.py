@@ -256,6 +256,7 @@ for _name, _res, _args in [
     ("dt_tensor_dtype", _I, [_P]),
     ("dt_tensor_name", _S, [_P]),
     ("dt_tensor_grad", _P, [_P]),
+    ("dt_retain_grad", _I, [_P]),
     ("dt_tensor_requires_grad", _I, [_P]),
     ("dt_tensor_set_requires_grad", _I, [_P, _I]),
     # parameters and init
@@ -800,6 +801,12 @@ class Tensor:
     def grad(self):
         g = _C.tensor_grad(self.handle)
         return Tensor._made(self.ctx, g, self._life) if g else None
+
+    def retain_grad(self):
+        """Keep this op output's gradient through the next backward (as
+        torch.Tensor.retain_grad); without it .grad of a non-leaf is None."""
+        self.ctx.check(_C.retain_grad(self.handle))
+        return self
 
     @property
     def requires_grad(self):

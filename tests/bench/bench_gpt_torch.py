@@ -7,13 +7,23 @@ embeddings, pre-norm blocks, causal attention, GPT-2's tanh gelu), AdamW
                      --vocab V --steps N --threads K
 
 Prints "gpt impl=torch ms=<mean ms per step after 5 warm-up steps> steps=N
-maxrss_kb=<peak RSS>"; other lines start with '#'.  Run with Debian's
+maxrss_kb=<peak RSS>"; other lines start with '#'.
+
+With --seconds S it trains on the text of --data (Debian's fortunes, read
+and split 90/10 as examples/gpt.c does: random windows of the first 90%)
+until its steps have taken S seconds, then prints "gpt impl=torch budget
+steps=N seconds=S val_loss=L": the mean loss over the first --eval-batches
+batches of validation windows laid side by side, as examples/gpt.c's
+--seconds run reports.  Run with Debian's
 /usr/bin/python3 (python3-torch 1.13, which has no F.scaled_dot_product_attention:
 attention is written out, as nanoGPT does without flash attention).
 """
 import argparse
+import os
 import resource
 import time
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +69,50 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.wte.weight.T
 
 
+def read_fortunes(d):
+    """Every plain fortune file of d in name order, as examples/gpt.c reads them."""
+    parts = []
+    for name in sorted(os.listdir(d)):
+        path = os.path.join(d, name)
+        if (name.startswith(".") or name.endswith((".dat", ".u8")) or not os.path.isfile(path)):
+            continue
+        with open(path, "rb") as f:
+            parts.append(f.read())
+    return np.frombuffer(b"".join(parts), dtype=np.uint8)
+
+
+def val_loss(m, text, cut, a):
+    """Mean loss over the first eval_batches batches of side-by-side windows."""
+    T, B = a.context, a.batch
+    starts = np.arange(cut, len(text) - T, T)[:a.eval_batches * B]
+    total, k = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(starts) - B + 1, B):
+            w = torch.from_numpy(np.stack([text[s:s + T + 1] for s in starts[i:i + B]]).astype(np.int64))
+            total += F.cross_entropy(m(w[:, :-1]).reshape(-1, a.vocab), w[:, 1:].reshape(-1)).item()
+            k += 1
+    return total / k
+
+
+def budget_run(m, opt, a):
+    text = read_fortunes(a.data)
+    cut = len(text) * 9 // 10
+    g = np.random.default_rng(7)
+    t0, steps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < a.seconds:
+        starts = g.integers(0, cut - a.context, size=a.batch)
+        w = torch.from_numpy(np.stack([text[s:s + a.context + 1] for s in starts]).astype(np.int64))
+        loss = F.cross_entropy(m(w[:, :-1]).reshape(-1, a.vocab), w[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()
+        steps += 1
+    seconds = time.perf_counter() - t0
+    print("gpt impl=torch budget steps=%d seconds=%.1f val_loss=%.4f" % (
+        steps, seconds, val_loss(m, text, cut, a)))
+
+
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -70,12 +124,18 @@ def main():
                  ("vocab", 256), ("steps", 30), ("threads", 1)):
         p.add_argument("--" + k, type=int, default=v)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--seconds", type=float, default=0)
+    p.add_argument("--eval-batches", type=int, default=100)
+    p.add_argument("--data", default="/usr/share/games/fortunes")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1337)
     dev = torch.device(a.device)
     m = GPT(a.vocab, a.context, a.layers, a.heads, a.embd).to(dev)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    if a.seconds > 0:
+        budget_run(m, opt, a)
+        return
     g = torch.Generator().manual_seed(7)
     t5 = None
     for step in range(1, a.steps + 1):

@@ -175,6 +175,18 @@ class ZeroCopy(unittest.TestCase):
             self.assertEqual(tv.ctypes.data, wv.ctypes.data)
             np.testing.assert_array_equal(tv, wv.T)
 
+    def test_retain_grad_keeps_an_intermediate(self):
+        with dt.Context(seed=1) as ctx:
+            (w, b), = small_mlp(ctx, (4, 3))
+            x = ctx.from_numpy(np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4))
+            y = dt.linear(x, w, b).retain_grad()
+            z = dt.tanh(y)                                   # not retained
+            ctx.backward(dt.sum(dt.mul(z, z)))
+            t = np.tanh(y.numpy())
+            np.testing.assert_allclose(y.grad.numpy(), 2 * t * (1 - t * t), rtol=1e-5, atol=1e-7)
+            self.assertIsNone(z.grad)                        # given back, as in PyTorch
+            self.assertIsNotNone(w.grad)
+
     def test_dataset_image_is_a_view(self):
         with dt.Context() as ctx:
             ds = dt.Dataset.fashion_mnist(ctx, "test")
