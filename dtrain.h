@@ -158,7 +158,8 @@ DT_API void dt_clear_error(dt_ctx *ctx);
 /* Warnings: things that went wrong but did not stop the call (a parameter
  * server dropping a dead worker, a straggler).  The library prints nothing
  * itself: each warning goes to fn (called on the thread that met it, inside
- * dt_ps_serve or a DDP's sync, never a library thread; user borrowed), or,
+ * dt_ps_serve, a DDP's sync or a checkpoint load, never a library thread;
+ * user borrowed), or,
  * with no fn, to stderr only when DTRAIN_LOG is set.  fn NULL: back to that.
  * dt_last_warning: the latest one ("" if none), ctx-owned. */
 typedef void (*dt_log_fn)(void *user, const char *msg);
@@ -641,17 +642,25 @@ DT_API int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc);
  * 8. Checkpoints (safetensors)
  * ------------------------------------------------------------------------- */
 /* Save every parameter, the optimizer's state (if opt is not NULL) and the
- * step to path, in the safetensors format.  Written to path.tmp, fsync'd,
- * then renamed, so a crash mid-write leaves the old file.  DT_EINVAL: path
- * empty, opt of another context; DT_EIO: path.tmp cannot be written,
- * synced or renamed. */
+ * step to path, in the safetensors format, with a CRC-32 (zlib's) of each
+ * tensor's data and of the header in the metadata ("dtrain.crc32.<name>",
+ * "dtrain.header_crc32").  Written to path.tmp, fsync'd, then renamed, so a
+ * crash mid-write leaves the old file.  DT_EINVAL: path empty, opt of
+ * another context; DT_EIO: path.tmp cannot be written, synced or renamed. */
 DT_API dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
                                     int64_t step);
 /* Load a checkpoint into the parameters (and opt's state if not NULL).
- * The file is checked whole before anything is copied: a truncated, corrupt
- * or mismatched file returns DT_ECORRUPT / DT_EMISMATCH (a parameter missing,
- * extra or of another shape; no state for opt's kind) and changes nothing.
- * DT_EIO: the file cannot be read; DT_EINVAL: path NULL, opt of another
+ * The file is checked whole before anything is copied, and a refused file
+ * changes nothing (parameters, optimizer, *step_out).  DT_ECORRUPT: truncated;
+ * a malformed header; tensors whose data offsets do not tile the data
+ * exactly (overlaps, holes, out of range) or that are named twice;
+ * dtrain's metadata incomplete, unknown ("dtrain.*" keys this version does
+ * not write), malformed or inconsistent; a checksum that does not match
+ * (any flipped bit of a file dtrain wrote).  A file without checksums (from
+ * another tool) loads, with a note through dt_set_log.  DT_EMISMATCH: a
+ * parameter missing, extra or of another shape; no state for opt's kind.
+ * DT_EIO: not a regular file (a FIFO, a directory, a device: opened without
+ * blocking, never read) or unreadable; DT_EINVAL: path NULL, opt of another
  * context.  step_out may be NULL. */
 DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
                                     int64_t *step_out);
@@ -1117,7 +1126,10 @@ DT_API dt_status dt_barrier(dt_comm *c);
  * which keep libfabric's PSM libraries from taking the signals (see
  * docs/DEPENDENCIES.md).  The supervisor prefixes each line the ranks print with
  * "[rank] ", forwards SIGINT and SIGTERM to them, and when one rank fails
- * stops the others (SIGTERM, then SIGKILL after grace_ms). */
+ * stops the others (SIGTERM, then SIGKILL after grace_ms).  Each rank leads
+ * its own process group and the signals go to the groups, so a rank that is
+ * a shell wrapper stops with its children; once every rank has exited, the
+ * output still in the pipes is read for at most 2 s. */
 typedef struct dt_spawn_config {
     int nranks;                /* processes to start, >= 1 */
     const char *transport;     /* DTRAIN_TRANSPORT for the ranks, or NULL */

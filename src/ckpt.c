@@ -15,9 +15,9 @@
 #define DT_CKPT_MAX_FILE ((uint64_t)1 << 40)
 #define DT_JSON_MAX_DEPTH 8
 
-static void strbuf_json_string(strbuf *b, const char *s)
+/* s escaped for inside a JSON string, without the quotes. */
+static void strbuf_json_body(strbuf *b, const char *s)
 {
-    strbuf_puts(b, "\"");
     for (; *s; s++) {
         unsigned char ch = (unsigned char)*s;
         if (ch == '"' || ch == '\\') {
@@ -29,6 +29,12 @@ static void strbuf_json_string(strbuf *b, const char *s)
             strbuf_putn(b, s, 1);
         }
     }
+}
+
+static void strbuf_json_string(strbuf *b, const char *s)
+{
+    strbuf_puts(b, "\"");
+    strbuf_json_body(b, s);
     strbuf_puts(b, "\"");
 }
 
@@ -65,10 +71,38 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_ite
     return n;
 }
 
-static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n,
-                        const dt_checkpoint_config *cfg)
+/* The checksum of a header whose dtrain.header_crc32 field is taken as
+ * 00000000 (h is changed while it runs, and restored). */
+static uint32_t st_header_crc(unsigned char *h, size_t len)
 {
-    strbuf_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\"", (long long)step);
+    static const char key[] = "\"dtrain.header_crc32\":\"";
+    unsigned char *at = memmem(h, len, key, sizeof key - 1), keep[8];
+    if (!at || (size_t)(at - h) + sizeof key - 1 + 8 > len)
+        return 0;
+    at += sizeof key - 1;
+    memcpy(keep, at, 8);
+    memset(at, '0', 8);
+    uint32_t crc = (uint32_t)crc32_z(0, h, len);
+    memcpy(at, keep, 8);
+    return crc;
+}
+
+#define ST_HEADER_CRC_KEY "\"dtrain.header_crc32\":\""
+
+/* The JSON header; crc: each item's data checksum (NULL: zeros, the same
+ * length, for a first pass written before the data); hcrc: the header's
+ * own, computed with this field 00000000 (st_header_crc). */
+static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n,
+                        const dt_checkpoint_config *cfg, const uint32_t *crc, uint32_t hcrc)
+{
+    strbuf_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\","
+                  "\"dtrain.checksum\":\"crc32\"," ST_HEADER_CRC_KEY "%08x\"", (long long)step,
+                  (unsigned)hcrc);
+    for (int i = 0; i < n; i++) {
+        strbuf_puts(b, ",\"dtrain.crc32.");
+        strbuf_json_body(b, items[i].name);
+        strbuf_printf(b, "\":\"%08x\"", crc ? (unsigned)crc[i] : 0u);
+    }
     for (int i = 0; i < cfg->n_meta; i++) {
         strbuf_puts(b, ",");
         strbuf_json_string(b, cfg->meta_keys[i]);
@@ -109,8 +143,9 @@ static dt_status write_all(dt_ctx *ctx, FILE *f, const void *p, size_t n, const 
     return DT_OK;
 }
 
+/* The length, the header and the data; crc[i]: item i's data checksum. */
 static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf *hdr,
-                            const ckpt_item *items, int n)
+                            const ckpt_item *items, int n, uint32_t *crc)
 {
     unsigned char len8[8];
     for (int i = 0; i < 8; i++)
@@ -134,9 +169,34 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
         for (int64_t k = 0; items[i].store != DT_F32 && k < cnt; k++)
             h[k] = items[i].store == DT_BF16 ? f32_to_bf16(((float *)stage)[k])
                                              : f32_to_f16(((float *)stage)[k]);
-        s = write_all(ctx, f, stage, st_bytes(t, items[i].store), tmp);
+        size_t bytes = (size_t)st_bytes(t, items[i].store);
+        crc[i] = (uint32_t)crc32_z(0, stage, bytes);
+        s = write_all(ctx, f, stage, bytes, tmp);
     }
     host_free(ctx, stage);
+    return s;
+}
+
+/* The header again, now with the checksums (the same length: 8 hex digits
+ * each), then everything to disk. */
+static dt_status ckpt_finish(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf *first,
+                             const dt_optim *opt, int64_t step, const ckpt_item *items, int n,
+                             const dt_checkpoint_config *cfg, const uint32_t *crc)
+{
+    strbuf hdr = {ctx, NULL, 0, 0, 0};
+    ckpt_header(&hdr, opt, step, items, n, cfg, crc, 0);
+    uint32_t hcrc = hdr.oom ? 0 : st_header_crc((unsigned char *)hdr.p, hdr.len);
+    hdr.len = 0;
+    ckpt_header(&hdr, opt, step, items, n, cfg, crc, hcrc);
+    dt_status s = DT_OK;
+    if (hdr.oom || hdr.len != first->len)
+        s = set_error(ctx, hdr.oom ? DT_ENOMEM : DT_EIO, "checkpoint_save: %s",
+                      hdr.oom ? "out of memory for the header" : "the header changed length");
+    else if (fseek(f, 8, SEEK_SET) != 0)
+        s = set_error(ctx, DT_EIO, "checkpoint_save: seeking in %s: %s", tmp, strerror(errno));
+    else
+        s = write_all(ctx, f, hdr.p, hdr.len, tmp);
+    host_free(ctx, hdr.p);
     if (s == DT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
         s = set_error(ctx, DT_EIO, "checkpoint_save: syncing %s: %s", tmp, strerror(errno));
     return s;
@@ -211,18 +271,19 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
     int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + ctx->n_ckpt_extra + nstate;
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(total + 1));
+    uint32_t *crc = host_calloc(ctx, sizeof *crc * (size_t)(total + 1));
     char **names = host_calloc(ctx, sizeof *names * (size_t)(nstate + 1));
     size_t plen = strlen(path) + 5;
     char *tmp = host_alloc(ctx, plen);
     strbuf hdr = {ctx, NULL, 0, 0, 0};
     FILE *f = NULL;
     dt_status s = DT_OK;
-    if (!items || !names || !tmp || ckpt_items(ctx, opt, cfg->dtype, items, names) < 0) {
+    if (!items || !crc || !names || !tmp || ckpt_items(ctx, opt, cfg->dtype, items, names) < 0) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
         goto done;
     }
     snprintf(tmp, plen, "%s.tmp", path);
-    ckpt_header(&hdr, opt, step, items, total, cfg);
+    ckpt_header(&hdr, opt, step, items, total, cfg, NULL, 0);
     if (hdr.oom) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory for the header");
         goto done;
@@ -231,7 +292,9 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
         s = set_error(ctx, DT_EIO, "checkpoint_save: cannot create %s: %s", tmp, strerror(errno));
         goto done;
     }
-    s = ckpt_write(ctx, f, tmp, &hdr, items, total);
+    s = ckpt_write(ctx, f, tmp, &hdr, items, total, crc);
+    if (s == DT_OK)
+        s = ckpt_finish(ctx, f, tmp, &hdr, opt, step, items, total, cfg, crc);
     if (fclose(f) != 0 && s == DT_OK)
         s = set_error(ctx, DT_EIO, "checkpoint_save: closing %s: %s", tmp, strerror(errno));
     f = NULL;
@@ -248,6 +311,7 @@ done:
             host_free(ctx, names[i]);
     host_free(ctx, names);
     host_free(ctx, items);
+    host_free(ctx, crc);
     host_free(ctx, tmp);
     host_free(ctx, hdr.p);
     return s;
@@ -416,6 +480,112 @@ static int st_tensor_entry(json *j, st_entry *e)
     return js_char(j, '}') && have_dtype && have_shape && have_off;
 }
 
+/* A decimal integer >= 0 that is all of s. */
+static int meta_i64(const char *s, int64_t *out)
+{
+    if (*s < '0' || *s > '9')
+        return 0;
+    char *endp;
+    errno = 0;
+    long long v = strtoll(s, &endp, 10);
+    if (errno || *endp)
+        return 0;
+    *out = v;
+    return 1;
+}
+
+/* Exactly 8 hex digits. */
+static int meta_crc(const char *s, uint32_t *out)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 8; i++) {
+        char c = s[i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0)
+            return 0;
+        v = v << 4 | (uint32_t)d;
+    }
+    *out = v;
+    return s[8] == '\0';
+}
+
+static int meta_bad(st_file *f, const char *key, const char *what)
+{
+    snprintf(f->why, sizeof f->why, "metadata '%.*s' %s", DT_MAX_NAME + 16, key, what);
+    return 0;
+}
+
+static int meta_keep_crc(st_file *f, const char *name, uint32_t crc)
+{
+    if (f->n_crc == f->cap_crc) {
+        int cap = f->cap_crc ? f->cap_crc * 2 : 32;
+        st_crc *c = f->ctx->al.realloc_fn(f->crc, sizeof *c * (size_t)cap, f->ctx->al.user);
+        if (!c)
+            return -1;
+        f->crc = c;
+        f->cap_crc = cap;
+    }
+    size_t len = strlen(name);
+    if (len >= sizeof f->crc[0].name)   /* longer than any entry's name */
+        return meta_bad(f, name, "is a checksum for a name no tensor can have");
+    memcpy(f->crc[f->n_crc].name, name, len + 1);
+    f->crc[f->n_crc++].crc = crc;
+    return 1;
+}
+
+/* One dtrain.* key: known, well formed, given once.  1 ok, 0 bad (f->why),
+ * -1 out of memory. */
+static int meta_dtrain(st_file *f, const char *key, const char *val)
+{
+    static const struct { const char *key; unsigned bit; } known[] = {
+        {"dtrain.step", ST_STEP},           {"dtrain.optim.kind", ST_OPT_KIND},
+        {"dtrain.optim.steps", ST_OPT_STEPS}, {"dtrain.optim.lr", ST_OPT_LR},
+        {"dtrain.optim.param_steps", ST_OPT_PSTEPS}, {"dtrain.checksum", ST_CHECKSUM},
+        {"dtrain.header_crc32", ST_HEADER_CRC}};
+    if (strncmp(key, "dtrain.crc32.", 13) == 0) {
+        uint32_t crc;
+        if (!meta_crc(val, &crc))
+            return meta_bad(f, key, "is not 8 hex digits");
+        return meta_keep_crc(f, key + 13, crc);
+    }
+    unsigned bit = 0;
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+        if (strcmp(key, known[i].key) == 0)
+            bit = known[i].bit;
+    if (!bit)
+        return meta_bad(f, key, "is not a key dtrain writes");
+    if (f->seen & bit)
+        return meta_bad(f, key, "is given twice");
+    f->seen |= bit;
+    int64_t v = 0;
+    char *endp;
+    switch (bit) {
+    case ST_STEP:
+        return meta_i64(val, &f->step) || meta_bad(f, key, "is not an integer >= 0");
+    case ST_OPT_STEPS:
+        return meta_i64(val, &f->optim_steps) || meta_bad(f, key, "is not an integer >= 0");
+    case ST_OPT_KIND:
+        if (!meta_i64(val, &v) || v > DT_ADAGRAD)
+            return meta_bad(f, key, "is not an optimizer kind");
+        f->optim_kind = (int)v;
+        return 1;
+    case ST_OPT_LR:
+        f->optim_lr = strtof(val, &endp);
+        return (endp != val && !*endp && isfinite(f->optim_lr) && f->optim_lr >= 0) ||
+               meta_bad(f, key, "is not a learning rate >= 0");
+    case ST_OPT_PSTEPS:
+        if (!(f->param_steps = host_alloc(f->ctx, strlen(val) + 1)))
+            return -1;
+        strcpy(f->param_steps, val);
+        return 1;
+    case ST_HEADER_CRC:
+        return meta_crc(val, &f->header_crc) || meta_bad(f, key, "is not 8 hex digits");
+    default:   /* ST_CHECKSUM */
+        return strcmp(val, "crc32") == 0 || meta_bad(f, key, "names no checksum dtrain knows");
+    }
+}
+
+/* "__metadata__": string values; dtrain's own keys checked (meta_dtrain). */
 static int st_metadata(json *j, st_file *f)
 {
     if (!js_char(j, '{'))
@@ -423,26 +593,19 @@ static int st_metadata(json *j, st_file *f)
     if (js_char(j, '}'))
         return 1;
     do {
-        char key[128], val[4096];
-        if (!js_string(j, key, sizeof key) || !js_char(j, ':') || !js_string(j, val, sizeof val))
+        char key[DT_MAX_NAME + 48];
+        if (!js_string(j, key, sizeof key) || !js_char(j, ':') ||
+            !js_string(j, f->val, f->val_cap))
             return 0;
-        char *endp = NULL;
         if (f->want_key && strcmp(key, f->want_key) == 0) {
-            snprintf(f->want_val, sizeof f->want_val, "%s", val);
+            snprintf(f->want_val, sizeof f->want_val, "%s", f->val);
             f->found = 1;
         }
-        if (strcmp(key, "dtrain.step") == 0)
-            f->step = strtoll(val, &endp, 10);
-        else if (strcmp(key, "dtrain.optim.steps") == 0)
-            f->optim_steps = strtoll(val, &endp, 10), f->has_optim = 1;
-        else if (strcmp(key, "dtrain.optim.kind") == 0)
-            f->optim_kind = (int)strtol(val, &endp, 10);
-        else if (strcmp(key, "dtrain.optim.lr") == 0)
-            f->optim_lr = strtof(val, &endp);
-        else if (strcmp(key, "dtrain.optim.param_steps") == 0)
-            snprintf(f->param_steps, sizeof f->param_steps, "%s", val);
-        if (endp && *endp)
-            return 0;
+        if (strncmp(key, "dtrain.", 7) == 0) {
+            int r = meta_dtrain(f, key, f->val);
+            if (r <= 0)
+                return r;
+        }
     } while (js_char(j, ','));
     return js_char(j, '}');
 }
@@ -493,37 +656,46 @@ static st_entry *st_find(st_file *f, const char *name)
     return NULL;
 }
 
-/* Read a whole file.  *out is allocated with the context's allocator. */
+/* Read a whole regular file.  Opened without blocking and checked before
+ * any read, so a FIFO, a device or a directory is refused instead of
+ * waited on.  *out is allocated with the context's allocator. */
 static dt_status read_file(dt_ctx *ctx, const char *op, const char *path, unsigned char **out,
                            size_t *len)
 {
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0)
         return set_error(ctx, DT_EIO, "%s: cannot open %s: %s", op, path, strerror(errno));
-    dt_status s = DT_OK;
     struct stat st;
-    if (fstat(fileno(fp), &st) != 0 || !S_ISREG(st.st_mode)) {
-        fclose(fp);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
         return set_error(ctx, DT_EIO, "%s: %s is not a regular file", op, path);
     }
     if ((uint64_t)st.st_size > DT_CKPT_MAX_FILE) {
-        fclose(fp);
+        close(fd);
         return set_error(ctx, DT_EIO, "%s: %s is larger than %llu bytes", op, path,
                          (unsigned long long)DT_CKPT_MAX_FILE);
     }
-    long size = (long)st.st_size;
-    unsigned char *buf = host_alloc(ctx, (size_t)size + 1);
-    if (!buf)
-        s = set_error(ctx, DT_ENOMEM, "%s: out of memory for %ld bytes", op, size);
-    else if (size > 0 && fread(buf, 1, (size_t)size, fp) != (size_t)size)
-        s = set_error(ctx, DT_EIO, "%s: reading %s failed", op, path);
-    fclose(fp);
+    size_t size = (size_t)st.st_size, got = 0;
+    unsigned char *buf = host_alloc(ctx, size + 1);
+    dt_status s = buf ? DT_OK : set_error(ctx, DT_ENOMEM, "%s: out of memory for %zu bytes", op,
+                                          size);
+    while (s == DT_OK && got < size) {
+        ssize_t r = read(fd, buf + got, size - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            s = set_error(ctx, DT_EIO, "%s: reading %s failed%s%s", op, path, r ? ": " : "",
+                          r ? strerror(errno) : " (it shrank)");
+        else
+            got += (size_t)r;
+    }
+    close(fd);
     if (s != DT_OK) {
         host_free(ctx, buf);
         return s;
     }
     *out = buf;
-    *len = (size_t)size;
+    *len = size;
     return DT_OK;
 }
 
@@ -594,13 +766,13 @@ static void report_name(dt_checkpoint_report *r, const char *kind, const char *n
 
 static dt_status st_parse_param_steps(dt_ctx *ctx, const st_file *f, int64_t *steps, int n)
 {
-    const char *p = f->param_steps;
+    const char *p = f->param_steps ? f->param_steps : "";
     for (int i = 0; i < n; i++) {
         char *endp;
         errno = 0;
         long long v = strtoll(p, &endp, 10);
-        if (endp == p || errno || v < 0 || (*endp != ',' && *endp != '\0') ||
-            (i == n - 1 && *endp != '\0'))
+        if (endp == p || errno || v < 0 || v > f->optim_steps || *p < '0' || *p > '9' ||
+            (*endp != ',' && *endp != '\0') || (i == n - 1 && *endp != '\0'))
             return set_error(ctx, DT_ECORRUPT, "checkpoint_load: bad optimizer step list");
         steps[i] = v;
         p = endp + (*endp == ',');
@@ -608,7 +780,151 @@ static dt_status st_parse_param_steps(dt_ctx *ctx, const st_file *f, int64_t *st
     return DT_OK;
 }
 
-/* Read path whole, parse and check its header and the data's extent. */
+static int entry_by_begin(const void *x, const void *y)
+{
+    const st_entry *a = *(const st_entry *const *)x, *b = *(const st_entry *const *)y;
+    return a->begin < b->begin ? -1 : a->begin > b->begin ? 1 : a->end < b->end ? -1 : a->end > b->end;
+}
+
+static int entry_by_name(const void *x, const void *y)
+{
+    return strcmp((*(const st_entry *const *)x)->name, (*(const st_entry *const *)y)->name);
+}
+
+/* Each entry: a known size that fits the data; together, names unique and
+ * offsets that tile the data exactly (no overlap, no hole), as the
+ * safetensors library requires. */
+static dt_status st_check_layout(dt_ctx *ctx, const char *path, st_file *f, uint64_t data_len)
+{
+    for (int i = 0; i < f->n; i++) {
+        st_entry *e = &f->e[i];
+        uint64_t want = st_entry_esize(e);
+        for (int d = 0; d < e->ndim; d++)
+            want *= (uint64_t)e->shape[d];
+        if (e->end < e->begin || e->end > data_len || (e->dtype >= 0 && e->end - e->begin != want))
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has data offsets [%llu, "
+                             "%llu] outside the %llu data bytes or of the wrong size", path,
+                             e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
+                             (unsigned long long)data_len);
+    }
+    st_entry **order = host_alloc(ctx, sizeof *order * (size_t)(f->n + 1));
+    if (!order)
+        return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+    for (int i = 0; i < f->n; i++)
+        order[i] = &f->e[i];
+    dt_status s = DT_OK;
+    qsort(order, (size_t)f->n, sizeof *order, entry_by_name);
+    for (int i = 1; s == DT_OK && i < f->n; i++)
+        if (strcmp(order[i - 1]->name, order[i]->name) == 0)
+            s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s names '%s' twice", path,
+                          order[i]->name);
+    qsort(order, (size_t)f->n, sizeof *order, entry_by_begin);
+    uint64_t at = 0;
+    for (int i = 0; s == DT_OK && i < f->n; i++) {
+        if (order[i]->begin != at)
+            s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' starts at data byte %llu, "
+                          "where the previous tensor ends at %llu (%s)", path, order[i]->name,
+                          (unsigned long long)order[i]->begin, (unsigned long long)at,
+                          order[i]->begin < at ? "overlapping" : "a hole");
+        at = order[i]->end;
+    }
+    host_free(ctx, order);
+    if (s == DT_OK && at != data_len)
+        s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has %llu data bytes, its header "
+                      "describes %llu", path, (unsigned long long)data_len, (unsigned long long)at);
+    return s;
+}
+
+static int by_string(const void *x, const void *y)
+{
+    return strcmp(*(const char *const *)x, *(const char *const *)y);
+}
+
+/* How many parameters have optimizer state ("optim.<param>.<state>"). */
+static int st_state_params(dt_ctx *ctx, const st_file *f)
+{
+    const char **names = host_alloc(ctx, sizeof *names * (size_t)(f->n + 1));
+    if (!names)
+        return -1;
+    int k = 0, distinct = 0;
+    for (int i = 0; i < f->n; i++)
+        if (strncmp(f->e[i].name, "optim.", 6) == 0 && strrchr(f->e[i].name, '.') > f->e[i].name + 5)
+            names[k++] = f->e[i].name + 6;
+    qsort(names, (size_t)k, sizeof *names, by_string);
+    for (int i = 0; i < k; i++) {   /* the same <param>: the same text up to the last '.' */
+        size_t li = (size_t)(strrchr(names[i], '.') - names[i]);
+        distinct += !i || li != (size_t)(strrchr(names[i - 1], '.') - names[i - 1]) ||
+                    strncmp(names[i], names[i - 1], li) != 0;
+    }
+    host_free(ctx, names);
+    return distinct;
+}
+
+/* dtrain.optim.param_steps: integers in [0, optim.steps], one for each
+ * parameter that has state in the file (when any has). */
+static dt_status st_check_param_steps(dt_ctx *ctx, const char *path, const st_file *f)
+{
+    int count = 0;
+    for (const char *p = f->param_steps; p && *p; count++) {
+        char *endp;
+        errno = 0;
+        long long v = strtoll(p, &endp, 10);
+        if (*p < '0' || *p > '9' || errno || v > f->optim_steps || (*endp != ',' && *endp) ||
+            (*endp == ',' && !endp[1]))
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: dtrain.optim.param_steps "
+                             "is not a list of step counts up to dtrain.optim.steps (%lld)", path,
+                             (long long)f->optim_steps);
+        p = endp + (*endp == ',');
+    }
+    int with_state = st_state_params(ctx, f);
+    if (with_state < 0)
+        return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+    if (with_state > 0 && count != with_state)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: dtrain.optim.param_steps has %d "
+                         "entries, the file has state for %d parameters", path, count, with_state);
+    return DT_OK;
+}
+
+/* dtrain's metadata: what a file dtrain wrote must hold, consistent with
+ * its tensors; checksums attached to their entries. */
+static dt_status st_check_meta(dt_ctx *ctx, const char *path, st_file *f)
+{
+    int has_optim_state = 0;
+    for (int i = 0; i < f->n; i++)
+        has_optim_state |= strncmp(f->e[i].name, "optim.", 6) == 0;
+    if ((f->seen || f->n_crc) && !(f->seen & ST_STEP))
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has dtrain metadata without "
+                         "'dtrain.step'", path);
+    unsigned opt = f->seen & ST_OPT_ALL;
+    if ((opt && opt != ST_OPT_ALL) || (has_optim_state && !opt))
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: the optimizer's metadata "
+                         "(dtrain.optim.kind, .steps, .lr, .param_steps) is incomplete", path);
+    dt_status s = opt ? st_check_param_steps(ctx, path, f) : DT_OK;
+    if (s != DT_OK)
+        return s;
+    if ((f->n_crc || (f->seen & ST_HEADER_CRC)) && !(f->seen & ST_CHECKSUM))
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has checksums without "
+                         "'dtrain.checksum'", path);
+    if ((f->seen & ST_CHECKSUM) && !(f->seen & ST_HEADER_CRC))
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has no 'dtrain.header_crc32'",
+                         path);
+    for (int i = 0; i < f->n_crc; i++) {
+        st_entry *e = st_find(f, f->crc[i].name);
+        if (!e || e->has_crc)
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: checksum key for '%s', %s",
+                             path, f->crc[i].name, e ? "given twice" : "which it does not hold");
+        e->has_crc = 1;
+        e->crc = f->crc[i].crc;
+    }
+    for (int i = 0; (f->seen & ST_CHECKSUM) && i < f->n; i++)
+        if (!f->e[i].has_crc)
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has no checksum "
+                             "(dtrain.crc32.%s)", path, f->e[i].name, f->e[i].name);
+    return DT_OK;
+}
+
+/* Read path whole, parse and check its header, the data's layout and
+ * dtrain's metadata. */
 static dt_status st_open(dt_ctx *ctx, const char *path, unsigned char **buf, size_t *len,
                          st_file *f, uint64_t *hlen_out)
 {
@@ -621,31 +937,54 @@ static dt_status st_open(dt_ctx *ctx, const char *path, unsigned char **buf, siz
     if (*len < 8 || hlen > DT_CKPT_MAX_HEADER || hlen > *len - 8)
         return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is truncated or not safetensors "
                          "(%zu bytes, header length %llu)", path, *len, (unsigned long long)hlen);
+    f->ctx = ctx;
+    f->val_cap = (size_t)hlen + 1;
+    if (!(f->val = host_alloc(ctx, f->val_cap)))
+        return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
     int pr = st_parse(ctx, (const char *)*buf + 8, (size_t)hlen, f);
     if (pr <= 0)
         return pr < 0 ? set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory")
-                      : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header",
-                                  path);
-    uint64_t data_len = *len - 8 - hlen, data_end = 0;
-    for (int i = 0; i < f->n; i++) {
-        st_entry *e = &f->e[i];
-        uint64_t want = st_entry_esize(e);
-        for (int d = 0; d < e->ndim; d++)
-            want *= (uint64_t)e->shape[d];
-        if (e->end < e->begin || e->end > data_len || (e->dtype >= 0 && e->end - e->begin != want))
-            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' has data offsets [%llu, "
-                             "%llu] outside the %llu data bytes or of the wrong size", path,
-                             e->name, (unsigned long long)e->begin, (unsigned long long)e->end,
-                             (unsigned long long)data_len);
-        if (e->end > data_end)
-            data_end = e->end;
-    }
-    if (data_end != data_len)
-        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has %llu data bytes, its header "
-                         "describes %llu", path, (unsigned long long)data_len,
-                         (unsigned long long)data_end);
+                      : set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has a malformed header%s%s",
+                                  path, f->why[0] ? ": " : "", f->why);
+    if ((s = st_check_layout(ctx, path, f, *len - 8 - hlen)) != DT_OK ||
+        (s = st_check_meta(ctx, path, f)) != DT_OK)
+        return s;
+    uint32_t hcrc = (f->seen & ST_HEADER_CRC) ? st_header_crc(*buf + 8, (size_t)hlen) : 0;
+    if (hcrc != f->header_crc)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: the header does not match its "
+                         "checksum (%08x, the file says %08x): the file is corrupt", path,
+                         (unsigned)hcrc, (unsigned)f->header_crc);
     *hlen_out = hlen;
     return DT_OK;
+}
+
+/* Every entry's data against its checksum; a file without any (another
+ * tool's) is loaded with a note (dt_set_log). */
+static dt_status st_verify(dt_ctx *ctx, const char *path, const st_file *f,
+                           const unsigned char *data)
+{
+    if (!(f->seen & ST_CHECKSUM)) {
+        warn(ctx, "checkpoint_load: %s has no checksums (not written by this dtrain): its data "
+                  "cannot be verified", path);
+        return DT_OK;
+    }
+    for (int i = 0; i < f->n; i++) {
+        const st_entry *e = &f->e[i];
+        uint32_t crc = (uint32_t)crc32_z(0, data + e->begin, (size_t)(e->end - e->begin));
+        if (crc != e->crc)
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: the data of '%s' does not "
+                             "match its checksum (%08x, the file says %08x): the file is corrupt",
+                             path, e->name, (unsigned)crc, (unsigned)e->crc);
+    }
+    return DT_OK;
+}
+
+static void st_file_free(dt_ctx *ctx, st_file *f)
+{
+    host_free(ctx, f->e);
+    host_free(ctx, f->crc);
+    host_free(ctx, f->val);
+    host_free(ctx, f->param_steps);
 }
 
 /* The parameters: strict, each must fit; otherwise those that fit, the
@@ -754,7 +1093,7 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
     if (s != DT_OK || (s = st_map_params(ctx, &f, data_len, strict, map, &rep)) != DT_OK)
         goto done;
     if (opt) {
-        if (!f.has_optim || f.optim_kind != (int)opt->cfg.kind) {
+        if ((f.seen & ST_OPT_ALL) != ST_OPT_ALL || f.optim_kind != (int)opt->cfg.kind) {
             s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has no state for this "
                                              "kind of optimizer");
             goto done;
@@ -762,8 +1101,10 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
         if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK)
             goto done;
     }
-    /* everything checked: now copy */
     const unsigned char *data = buf + 8 + hlen;
+    if ((s = st_verify(ctx, path, &f, data)) != DT_OK)
+        goto done;
+    /* everything checked: now copy */
     for (int i = 0; s == DT_OK && i < total; i++) {
         dt_tensor *t = i < ctx->n_params ? ctx->params[i]
                        : i < ctx->n_params + nx ? ctx->ckpt_extra[i - ctx->n_params]
@@ -783,7 +1124,7 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
 done:
     host_free(ctx, map);
     host_free(ctx, psteps);
-    host_free(ctx, f.e);
+    st_file_free(ctx, &f);
     host_free(ctx, buf);
     return s;
 }
@@ -807,7 +1148,7 @@ dt_status dt_checkpoint_metadata(dt_ctx *ctx, const char *path, const char *key,
         s = set_error(ctx, DT_EMISMATCH, "checkpoint_metadata: %s has no metadata '%s'", path, key);
     if (s == DT_OK)
         snprintf(value, len, "%s", f.want_val);
-    host_free(ctx, f.e);
+    st_file_free(ctx, &f);
     host_free(ctx, buf);
     return s;
 }

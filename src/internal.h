@@ -378,15 +378,38 @@ typedef struct st_entry {
     int64_t shape[DT_MAX_DIMS];
     uint64_t begin, end;
     int used;
+    int has_crc;         /* dtrain.crc32.<name> gave crc */
+    uint32_t crc;
 } st_entry;
 
+/* The dtrain.* metadata keys a checkpoint may hold (st_file.seen). */
+enum {
+    ST_STEP = 1, ST_OPT_KIND = 2, ST_OPT_STEPS = 4, ST_OPT_LR = 8, ST_OPT_PSTEPS = 16,
+    ST_CHECKSUM = 32, ST_HEADER_CRC = 64,
+    ST_OPT_ALL = ST_OPT_KIND | ST_OPT_STEPS | ST_OPT_LR | ST_OPT_PSTEPS
+};
+
+/* A dtrain.crc32.<name> key, kept until the entries are known. */
+typedef struct st_crc {
+    char name[DT_MAX_NAME + 16];
+    uint32_t crc;
+} st_crc;
+
 typedef struct st_file {
+    dt_ctx *ctx;               /* its allocator */
     st_entry *e;
     int n, cap;
+    unsigned seen;             /* ST_* keys present */
     int64_t step, optim_steps;
-    int optim_kind, has_optim;
+    int optim_kind;
     float optim_lr;
-    char param_steps[4096];
+    uint32_t header_crc;       /* dtrain.header_crc32 */
+    char *param_steps;         /* host_alloc'ed: any length */
+    st_crc *crc;
+    int n_crc, cap_crc;
+    char *val;                 /* scratch for one metadata value (the header's length) */
+    size_t val_cap;
+    char why[DT_MAX_NAME + 96];   /* what was wrong with the metadata */
     const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
     char want_val[4096];
     int found;

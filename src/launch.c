@@ -8,9 +8,15 @@
  * reap exited ranks, forward SIGINT/SIGTERM (read from a signalfd while
  * those signals are blocked, so no handler and no global state), and after
  * the first failure terminate the others, then kill them after grace_ms.
+ *
+ * Each rank leads its own process group, and signals go to the group, so a
+ * rank that is a shell wrapper stops with its children (whose open pipes
+ * would otherwise keep the drain waiting).  Once every rank has exited the
+ * drain is bounded (DT_SPAWN_DRAIN_S).
  * ======================================================================== */
 
 #define DT_SPAWN_MAX_RANKS 1024
+#define DT_SPAWN_DRAIN_S 2.0   /* output still read after the last rank exited */
 
 void dt_spawn_config_init(dt_spawn_config *cfg)
 {
@@ -181,11 +187,28 @@ static void stream_read(spawn_stream *st, int rank)
     stream_flush(st, rank, 0);
 }
 
-static void signal_ranks(spawn_rank *r, int n, int sig)
+/* sig to each rank's process group: the live ranks', and with exited_too
+ * also what remains of the exited ranks' (their children). */
+static void signal_ranks(spawn_rank *r, int n, int sig, int exited_too)
+{
+    for (int i = 0; i < n; i++) {
+        if (r[i].pid <= 0 || (r[i].exited && !exited_too))
+            continue;
+        if (kill(-r[i].pid, sig) != 0 && !r[i].exited)
+            kill(r[i].pid, sig);   /* not a group leader (setpgid failed): the rank alone */
+    }
+}
+
+/* After the drain's deadline: what the streams still hold, then close them. */
+static void streams_close(spawn_rank *r, int n)
 {
     for (int i = 0; i < n; i++)
-        if (!r[i].exited && r[i].pid > 0)
-            kill(r[i].pid, sig);
+        for (int j = 0; j < 2; j++)
+            if (r[i].s[j].fd >= 0) {
+                stream_flush(&r[i].s[j], i, 1);
+                close(r[i].s[j].fd);
+                r[i].s[j].fd = -1;
+            }
 }
 
 /* Supervise until every rank exited and every pipe drained. */
@@ -195,11 +218,11 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
     int n = cfg->nranks, live = 0, grace = cfg->grace_ms > 0 ? cfg->grace_ms : 5000;
     for (int i = 0; i < n; i++)   /* ranks that never started count as exited */
         live += !r[i].exited;
-    double kill_at = 0;
+    double kill_at = 0, drain_until = 0;
     struct pollfd *pf = host_alloc(ctx, sizeof *pf * (size_t)(2 * n + 1));
     int *owner = host_alloc(ctx, sizeof *owner * (size_t)(2 * n + 1));
     if (!pf || !owner) {
-        signal_ranks(r, n, SIGKILL);
+        signal_ranks(r, n, SIGKILL, 1);
         host_free(ctx, pf);
         host_free(ctx, owner);
         return -1;
@@ -216,6 +239,12 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
                 }
         if (live == 0 && open_streams == 0)
             break;
+        if (live == 0 && drain_until == 0)
+            drain_until = dt_now() + DT_SPAWN_DRAIN_S;
+        if (live == 0 && dt_now() >= drain_until) {   /* a rank's leftover child holds a pipe */
+            streams_close(r, n);
+            break;
+        }
         poll(pf, (nfds_t)k, 50);
         for (int i = 1; i < k; i++)
             if (pf[i].revents)
@@ -223,7 +252,7 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
         if (sfd >= 0 && (pf[0].revents & POLLIN)) {
             struct signalfd_siginfo si;
             if (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
-                signal_ranks(r, n, (int)si.ssi_signo);   /* forward Ctrl-C / TERM */
+                signal_ranks(r, n, (int)si.ssi_signo, 1);   /* forward Ctrl-C / TERM */
         }
         for (int i = 0; i < n; i++) {
             if (r[i].exited)
@@ -238,13 +267,13 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
                 int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
                 if (!ok && *first_failed < 0) {
                     *first_failed = i;
-                    signal_ranks(r, n, SIGTERM);
+                    signal_ranks(r, n, SIGTERM, 1);
                     kill_at = dt_now() + grace / 1000.0;
                 }
             }
         }
-        if (kill_at > 0 && live > 0 && dt_now() >= kill_at) {
-            signal_ranks(r, n, SIGKILL);
+        if (kill_at > 0 && dt_now() >= kill_at) {   /* ranks or their children left */
+            signal_ranks(r, n, SIGKILL, 1);
             kill_at = 0;
         }
     }
@@ -295,6 +324,7 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
             break;
         }
         if (pid == 0) {
+            setpgid(0, 0);   /* its own process group: signals reach its children too */
             pthread_sigmask(SIG_SETMASK, &old, NULL);
             if (sfd >= 0)
                 close(sfd);
@@ -310,6 +340,7 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
             *rank_out = i;
             return DT_OK;   /* this process is rank i now */
         }
+        setpgid(pid, pid);   /* also here, so no signal can come before the child's own call */
         if (argv) {
             int e = 0;
             close(ep[1]);
@@ -336,9 +367,8 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
         if (pe[1] >= 0)
             close(pe[1]);
     }
-    if (st != DT_OK) {   /* could not start them all: stop the ones that run */
-        signal_ranks(r, n, SIGKILL);
-    }
+    if (st != DT_OK)   /* could not start them all: stop the ones that run */
+        signal_ranks(r, n, SIGKILL, 1);
     for (int i = 0; i < n; i++)
         if (r[i].pid <= 0) {
             r[i].exited = 1;

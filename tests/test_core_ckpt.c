@@ -6,7 +6,9 @@
  */
 #include "test_util.h"
 
+#include <inttypes.h>
 #include <sys/stat.h>
+#include <zlib.h>
 
 enum { NW = 12, NB = 3 };
 
@@ -374,6 +376,8 @@ static void test_ckpt_file_layout(void **state)
     tu_rmdir(dir);
 }
 
+static void keep_note(void *user, const char *msg) { snprintf(user, 512, "%s", msg); }
+
 /* A file written by hand, as PyTorch's safetensors would: entries in
  * another order than the registration order, no dtrain metadata. */
 static void test_ckpt_load_foreign_file(void **state)
@@ -390,7 +394,11 @@ static void test_ckpt_load_foreign_file(void **state)
     st_write(path, e, 2, NULL);
     fixture f;
     fx_init(&f, 6, 0);
+    char note[512] = "";
+    dt_set_log(f.ctx, keep_note, note);
     tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, NULL, path, NULL), "load foreign file");
+    /* loaded, with a note that nothing could verify its data */
+    if (!strstr(note, "no checksums") || !strstr(note, path)) fail_msg("note: '%s'", note);
     float gw[NW], gb[NB];
     fx_get(&f, gw, gb);
     assert_memory_equal(gw, w, sizeof w);
@@ -404,10 +412,32 @@ static void test_ckpt_load_foreign_file(void **state)
  * ------------------------------------------------------------------------- */
 /* A load that must be refused: an error status and message, and the
  * parameters untouched.  Prints the problem and returns 0 if not. */
+/* The optimizer's state and step counts, flattened (for "untouched"). */
+static float *opt_snapshot(dt_optim *opt, size_t *n_out)
+{
+    size_t n = 0;
+    for (int i = 0; opt && i < dt_optim_state_count(opt); i++)
+        n += (size_t)dt_tensor_numel(dt_optim_state_at(opt, i));
+    float *v = malloc(sizeof *v * (n + 2));
+    assert_non_null(v);
+    size_t k = 0;
+    for (int i = 0; opt && i < dt_optim_state_count(opt); i++) {
+        dt_tensor *t = dt_optim_state_at(opt, i);
+        assert_int_equal(dt_tensor_get(t, v + k, dt_tensor_numel(t)), DT_OK);
+        k += (size_t)dt_tensor_numel(t);
+    }
+    v[k++] = opt ? (float)dt_optim_steps(opt) : 0;
+    v[k++] = opt ? dt_optim_lr(opt) : 0;
+    *n_out = k;
+    return v;
+}
+
 static int check_refused(fixture *f, dt_optim *opt, const char *path, const char *what)
 {
     float w0[NW], b0[NB], w1[NW], b1[NB];
     fx_get(f, w0, b0);
+    size_t ns0, ns1;
+    float *s0 = opt_snapshot(opt, &ns0);
     int64_t step = 12345;
     int ok = 1;
     dt_status s = dt_checkpoint_load(f->ctx, opt, path, &step);
@@ -420,10 +450,17 @@ static int check_refused(fixture *f, dt_optim *opt, const char *path, const char
         ok = 0;
     }
     fx_get(f, w1, b1);
+    float *s1 = opt_snapshot(opt, &ns1);
     if (s != DT_OK && (memcmp(w0, w1, sizeof w0) || memcmp(b0, b1, sizeof b0))) {
         print_error("%s: parameters changed by a refused load\n", what);
         ok = 0;
     }
+    if (s != DT_OK && (ns0 != ns1 || memcmp(s0, s1, ns0 * sizeof *s0) || step != 12345)) {
+        print_error("%s: optimizer or step changed by a refused load\n", what);
+        ok = 0;
+    }
+    free(s0);
+    free(s1);
     /* restore whatever a wrong load did, so the next case starts clean */
     dt_tensor_set(f->w, w0, NW);
     dt_tensor_set(f->b, b0, NB);
@@ -621,6 +658,334 @@ static void test_ckpt_corrupt_entries(void **state)
     tu_rmdir(dir);
 }
 
+/* ---------------------------------------------------------------------------
+ * The corruption sweep: a real checkpoint (parameters and Adam's state)
+ * changed one way at a time, each refused with a message and nothing
+ * changed.  Header edits are tried twice: as they are (the header checksum
+ * no longer matches) and with dtrain.header_crc32 recomputed, so each check
+ * behind the checksum (layout, keys, values) is shown to hold on its own.
+ * ------------------------------------------------------------------------- */
+typedef struct sweep {
+    fixture *f;
+    const unsigned char *buf;   /* the good file */
+    size_t len, n;              /* its length, its header's */
+    const char *bad;            /* where each case is written */
+    int failures, cases;
+} sweep;
+
+/* The header checksum as dtrain computes it (its own field as zeros). */
+static void fix_header_crc(char *h, size_t len)
+{
+    static const char key[] = "\"dtrain.header_crc32\":\"";
+    char *at = strstr(h, key);
+    if (!at) return;
+    at += sizeof key - 1;
+    memset(at, '0', 8);
+    char hex[9];
+    snprintf(hex, sizeof hex, "%08lx", crc32(0, (const unsigned char *)h, (uInt)len));
+    memcpy(at, hex, 8);
+}
+
+/* Write header h (any length) followed by the good file's data, with `extra`
+ * zero bytes after it; then expect the load refused, with and without the
+ * optimizer. */
+static void sweep_try(sweep *w, const char *h, size_t extra, const char *what)
+{
+    size_t hl = strlen(h), dl = w->len - 8 - w->n;
+    unsigned char *out = calloc(8 + hl + dl + extra, 1);
+    assert_non_null(out);
+    put_le64(out, hl);
+    memcpy(out + 8, h, hl);
+    memcpy(out + 8 + hl, w->buf + 8 + w->n, dl);
+    tu_write_file(w->bad, out, 8 + hl + dl + extra);
+    free(out);
+    w->cases++;
+    w->failures += !check_refused(w->f, NULL, w->bad, what);
+    w->failures += !check_refused(w->f, w->f->opt, w->bad, what);
+}
+
+/* The header with the first `from` replaced by `to` (NULL if absent). */
+static char *header_edit(const sweep *w, const char *from, const char *to)
+{
+    char *h = malloc(w->n + 1);
+    assert_non_null(h);
+    memcpy(h, w->buf + 8, w->n);
+    h[w->n] = 0;
+    char *at = strstr(h, from);
+    if (!at) {
+        free(h);
+        return NULL;
+    }
+    size_t fl = strlen(from), tl = strlen(to), hl = strlen(h);
+    char *out = malloc(hl - fl + tl + 1);
+    assert_non_null(out);
+    memcpy(out, h, (size_t)(at - h));
+    memcpy(out + (at - h), to, tl);
+    strcpy(out + (at - h) + tl, at + fl);
+    free(h);
+    return out;
+}
+
+/* One edit, tried stale and with the header checksum fixed. */
+static void sweep_edit(sweep *w, const char *from, const char *to, size_t extra, const char *what)
+{
+    char *h = header_edit(w, from, to);
+    if (!h) fail_msg("%s: '%s' is not in the header", what, from);
+    char label[256];
+    snprintf(label, sizeof label, "%s (header checksum stale)", what);
+    sweep_try(w, h, extra, label);
+    fix_header_crc(h, strlen(h));
+    snprintf(label, sizeof label, "%s (header checksum recomputed)", what);
+    sweep_try(w, h, extra, label);
+    free(h);
+}
+
+/* The k-th "data_offsets":[b,e] of the header, as text and numbers. */
+static int nth_offsets(const sweep *w, int k, char *text, size_t cap, uint64_t *b, uint64_t *e)
+{
+    char *h = malloc(w->n + 1);
+    assert_non_null(h);
+    memcpy(h, w->buf + 8, w->n);
+    h[w->n] = 0;
+    const char *at = h;
+    for (int i = 0; at && i <= k; i++) {
+        at = strstr(at, "\"data_offsets\":[");
+        if (at && i < k) at++;
+    }
+    int ok = at && sscanf(at, "\"data_offsets\":[%" SCNu64 ",%" SCNu64 "]", b, e) == 2;
+    if (ok) snprintf(text, cap, "\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]", *b, *e);
+    free(h);
+    return ok;
+}
+
+static void sweep_offsets(sweep *w)
+{
+    char from[96], to[96];
+    uint64_t b, e, last_b = 0, last_e = 0;
+    int k = 0, last = -1;
+    while (nth_offsets(w, k, from, sizeof from, &b, &e)) {
+        if (e > last_e) last = k, last_b = b, last_e = e;
+        k++;
+    }
+    assert_true(k >= 4 && last >= 0);
+    nth_offsets(w, last, from, sizeof from, &b, &e);
+    snprintf(to, sizeof to, "\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]", last_b - 4, last_e - 4);
+    sweep_edit(w, from, to, 0, "the last tensor overlapping the one before it");
+    snprintf(to, sizeof to, "\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]", last_b + 4, last_e + 4);
+    sweep_edit(w, from, to, 4, "a 4-byte hole before the last tensor");
+    snprintf(to, sizeof to, "\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]", last_b + 8, last_e + 8);
+    sweep_edit(w, from, to, 0, "the last tensor past the end of the data");
+    snprintf(to, sizeof to, "\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]", last_b, last_e + 4);
+    sweep_edit(w, from, to, 4, "the last tensor 4 bytes longer than its shape");
+    snprintf(to, sizeof to, "\"data_offsets\":[0,%" PRIu64 "]", last_e - last_b);
+    sweep_edit(w, from, to, 0, "the last tensor at offset 0, over the first");
+    /* two tensors swapping places: each still in range, the checksums catch it */
+    char from0[96];
+    uint64_t b0, e0;
+    nth_offsets(w, 0, from0, sizeof from0, &b0, &e0);
+    if (e0 - b0 == last_e - last_b && last != 0) {
+        char *h = header_edit(w, from0, "@@FIRST@@");
+        assert_non_null(h);
+        char *at = strstr(h, from);
+        assert_non_null(at);
+        char to0[96];
+        snprintf(to0, sizeof to0, "\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]", last_b, last_e);
+        /* (rebuilt by hand: two replacements) */
+        size_t need = strlen(h) + 2 * sizeof to0;
+        char *out = malloc(need);
+        assert_non_null(out);
+        snprintf(out, need, "%.*s%s%s", (int)(at - h), h, from0, at + strlen(from));
+        char *mark = strstr(out, "@@FIRST@@");
+        assert_non_null(mark);
+        char *fin = malloc(need);
+        assert_non_null(fin);
+        snprintf(fin, need, "%.*s%s%s", (int)(mark - out), out, to0, mark + 9);
+        fix_header_crc(fin, strlen(fin));
+        sweep_try(w, fin, 0, "two same-size tensors' offsets swapped (checksums recomputed)");
+        free(fin);
+        free(out);
+        free(h);
+    }
+}
+
+static void sweep_types_and_shapes(sweep *w)
+{
+    static const char *dtypes[] = {"\"dtype\":\"F16\"", "\"dtype\":\"BF16\"", "\"dtype\":\"I32\"",
+                                   "\"dtype\":\"F64\"", "\"dtype\":\"f32\"", "\"dtype\":\"\""};
+    for (int i = 0; i < TU_ARRAY_LEN(dtypes); i++) {
+        char what[96];
+        snprintf(what, sizeof what, "the first tensor's dtype as %s", dtypes[i]);
+        sweep_edit(w, "\"dtype\":\"F32\"", dtypes[i], 0, what);
+    }
+    static const char *shapes[] = {"\"shape\":[4,3]", "\"shape\":[12]", "\"shape\":[3,4,1]",
+                                   "\"shape\":[2,6]", "\"shape\":[3,5]", "\"shape\":[]"};
+    for (int i = 0; i < TU_ARRAY_LEN(shapes); i++) {
+        char what[96];
+        snprintf(what, sizeof what, "fc.weight's shape as %s", shapes[i]);
+        sweep_edit(w, "\"shape\":[3,4]", shapes[i], 0, what);
+    }
+}
+
+/* Every dtrain.* key of the file: removed, renamed (last letter, prefix). */
+static void sweep_keys(sweep *w)
+{
+    char *h = malloc(w->n + 1);
+    assert_non_null(h);
+    memcpy(h, w->buf + 8, w->n);
+    h[w->n] = 0;
+    int keys = 0;
+    for (const char *at = strstr(h, ",\"dtrain."); at; at = strstr(at + 1, ",\"dtrain.")) {
+        const char *kend = strstr(at + 2, "\":\"");
+        const char *vend = kend ? strchr(kend + 3, '"') : NULL;
+        assert_non_null(vend);
+        char pair[512], key[256], what[400], to[512];
+        snprintf(pair, sizeof pair, "%.*s", (int)(vend + 1 - at), at);
+        snprintf(key, sizeof key, "%.*s", (int)(kend + 1 - (at + 1)), at + 1);
+        snprintf(what, sizeof what, "metadata %s removed", key);
+        sweep_edit(w, pair, "", 0, what);
+        snprintf(to, sizeof to, "%s", pair);
+        char *last = to + 1 + strlen(key) - 2;          /* the key's last letter */
+        *last = *last == 'x' ? 'y' : 'x';
+        snprintf(what, sizeof what, "metadata %s renamed (last letter)", key);
+        sweep_edit(w, pair, to, 0, what);
+        snprintf(to, sizeof to, "%s", pair);
+        memcpy(to + 2, "dtrajn", 6);
+        snprintf(what, sizeof what, "metadata %s renamed (prefix)", key);
+        sweep_edit(w, pair, to, 0, what);
+        keys++;
+    }
+    free(h);
+    assert_true(keys >= 10);   /* step, checksum, header crc, 4 optimizer keys, a crc per tensor */
+    sweep_edit(w, "\"dtrain.step\":\"", "\"dtrain.unknown\":\"1\",\"dtrain.step\":\"", 0,
+               "an unknown dtrain.* key");
+    sweep_edit(w, "\"dtrain.step\":\"", "\"dtrain.step\":\"1\",\"dtrain.step\":\"", 0,
+               "dtrain.step twice");
+    sweep_edit(w, "\"dtrain.step\":\"", "\"dtrain.step\":\"-", 0, "a negative step");
+    sweep_edit(w, "\"dtrain.step\":\"", "\"dtrain.step\":\"x", 0, "a step that is not a number");
+    sweep_edit(w, "\"dtrain.optim.lr\":\"", "\"dtrain.optim.lr\":\"-", 0, "a negative lr");
+    sweep_edit(w, "\"dtrain.optim.kind\":\"", "\"dtrain.optim.kind\":\"9", 0, "optimizer kind 9x");
+    sweep_edit(w, "\"dtrain.optim.param_steps\":\"", "\"dtrain.optim.param_steps\":\"9", 0,
+               "a parameter with more steps than the optimizer");
+    sweep_edit(w, "\"dtrain.optim.param_steps\":\"", "\"dtrain.optim.param_steps\":\"1,", 0,
+               "one parameter step too many");
+    sweep_edit(w, "\"dtrain.checksum\":\"crc32\"", "\"dtrain.checksum\":\"md5\"", 0,
+               "an unknown checksum");
+    sweep_edit(w, "\"dtrain.crc32.fc.bias\":\"", "\"dtrain.crc32.fc.bias\":\"0", 0,
+               "a 9-digit checksum");
+    sweep_edit(w, "\"dtrain.crc32.fc.bias\":\"", "\"dtrain.crc32.nothing\":\"00000000\","
+               "\"dtrain.crc32.fc.bias\":\"", 0, "a checksum for a tensor the file lacks");
+}
+
+static void sweep_flips(sweep *w)
+{
+    tu_rng r = {7041};
+    unsigned char *mod = malloc(w->len);
+    assert_non_null(mod);
+    int bad = 0;
+    for (int k = 0; k < 300; k++) {   /* one bit of the length or the header */
+        memcpy(mod, w->buf, w->len);
+        size_t at = (size_t)(tu_next(&r) % (8 + w->n));
+        mod[at] ^= (unsigned char)(1u << (tu_next(&r) % 8));
+        tu_write_file(w->bad, mod, w->len);
+        char what[96];
+        snprintf(what, sizeof what, "a bit flipped in header byte %zu", at);
+        bad += !check_refused(w->f, w->f->opt, w->bad, what);
+    }
+    for (int k = 0; k < 200; k++) {   /* one bit of the data */
+        memcpy(mod, w->buf, w->len);
+        size_t at = 8 + w->n + (size_t)(tu_next(&r) % (w->len - 8 - w->n));
+        mod[at] ^= (unsigned char)(1u << (tu_next(&r) % 8));
+        tu_write_file(w->bad, mod, w->len);
+        char what[96];
+        snprintf(what, sizeof what, "a bit flipped in data byte %zu", at - 8 - w->n);
+        bad += !check_refused(w->f, k % 2 ? w->f->opt : NULL, w->bad, what);
+    }
+    free(mod);
+    w->failures += bad;
+}
+
+static void sweep_paths(sweep *w, const char *dir)
+{
+    char p[200], q[200];
+    snprintf(p, sizeof p, "%s/fifo", dir);
+    assert_int_equal(mkfifo(p, 0600), 0);
+    w->failures += !check_refused(w->f, w->f->opt, p, "a FIFO (nobody writing)");
+    snprintf(p, sizeof p, "%s/loop_a", dir);
+    snprintf(q, sizeof q, "%s/loop_b", dir);
+    assert_int_equal(symlink(q, p), 0);
+    assert_int_equal(symlink(p, q), 0);
+    w->failures += !check_refused(w->f, w->f->opt, p, "a symlink loop");
+    snprintf(p, sizeof p, "%s/dangling", dir);
+    assert_int_equal(symlink("/nonexistent/x.safetensors", p), 0);
+    w->failures += !check_refused(w->f, w->f->opt, p, "a dangling symlink");
+    w->failures += !check_refused(w->f, w->f->opt, dir, "a directory");
+    w->failures += !check_refused(w->f, w->f->opt, "/dev/zero", "a character device");
+    tu_write_file(w->bad, "", 0);
+    w->failures += !check_refused(w->f, w->f->opt, w->bad, "an empty file");
+    for (size_t cut = 1; cut < w->len; cut += cut < 16 ? 1 : (cut < 8 + w->n ? 97 : 13)) {
+        tu_write_file(w->bad, w->buf, cut);
+        char what[96];
+        snprintf(what, sizeof what, "the file cut to %zu of %zu bytes", cut, w->len);
+        w->failures += !check_refused(w->f, w->f->opt, w->bad, what);
+    }
+    const uint64_t lens[] = {w->n - 1, w->n + 1, w->n - 8, w->n + 8, w->n * 2, 0};
+    unsigned char *mod = malloc(w->len);
+    assert_non_null(mod);
+    for (int i = 0; i < TU_ARRAY_LEN(lens); i++) {
+        memcpy(mod, w->buf, w->len);
+        put_le64(mod, lens[i]);
+        tu_write_file(w->bad, mod, w->len);
+        char what[96];
+        snprintf(what, sizeof what, "header length %llu for %zu", (unsigned long long)lens[i], w->n);
+        w->failures += !check_refused(w->f, w->f->opt, w->bad, what);
+    }
+    free(mod);
+}
+
+static void test_ckpt_corruption_sweep(void **state)
+{
+    (void)state;
+    char dir[64], path[128], bad[160];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/good.safetensors", dir);
+    snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+    fixture a, f;
+    fx_init(&a, 21, 1);
+    tu_rng r = {505};
+    fx_step(&a, &r);
+    fx_step(&a, &r);
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 2), "save");
+    size_t len = 0;
+    unsigned char *buf = tu_read_file(path, &len);
+    assert_non_null(buf);
+    fx_init(&f, 22, 1);
+    fx_step(&f, &r);   /* f's optimizer has state of its own to keep */
+    sweep w = {&f, buf, len, (size_t)le64(buf), bad, 0, 0};
+    sweep_offsets(&w);
+    sweep_types_and_shapes(&w);
+    sweep_keys(&w);
+    sweep_flips(&w);
+    sweep_paths(&w, dir);
+    print_message("corruption sweep: %d header edits (x2), 500 bit flips, paths, cuts: "
+                  "%d not refused cleanly\n", w.cases, w.failures);
+    if (w.failures) fail_msg("%d corrupt checkpoints were not refused cleanly", w.failures);
+    /* nothing was trained: the good file still loads, and training goes on */
+    int64_t step = 0;
+    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, f.opt, path, &step), "load the good file");
+    assert_int_equal(step, 2);
+    float w0[NW], b0[NB], w1[NW], b1[NB];
+    fx_get(&a, w0, b0);
+    fx_get(&f, w1, b1);
+    assert_memory_equal(w0, w1, sizeof w0);
+    assert_memory_equal(b0, b1, sizeof b0);
+    assert_int_equal(dt_optim_steps(f.opt), 2);
+    fx_step(&f, &r);
+    free(buf);
+    fx_free(&a);
+    fx_free(&f);
+    tu_rmdir(dir);
+}
+
 /* A directory given as the checkpoint path: fopen succeeds on Linux, so
  * the size must be checked (it is not a regular file). */
 static void test_ckpt_load_directory(void **state)
@@ -813,6 +1178,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ckpt_load_foreign_file),
     cmocka_unit_test(test_ckpt_corrupt_truncated),
     cmocka_unit_test(test_ckpt_corrupt_header),
+    cmocka_unit_test(test_ckpt_corruption_sweep),
     cmocka_unit_test(test_ckpt_corrupt_entries),
     cmocka_unit_test(test_ckpt_mismatched_model),
     cmocka_unit_test(test_ckpt_load_directory),

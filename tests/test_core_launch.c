@@ -5,6 +5,7 @@
 #include "test_util.h"
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
@@ -149,6 +150,86 @@ static void test_launch_failure_stops_others(void **state)
     dt_ctx_free(ctx);
 }
 
+/* Whether pid is gone within `wait_s` seconds (reparented children are
+ * reaped by init, so kill(pid, 0) ends with ESRCH). */
+static int gone_within(int pid, double wait_s)
+{
+    double t0 = dt_now();
+    while (dt_now() - t0 < wait_s) {
+        if (kill(pid, 0) != 0 && errno == ESRCH)
+            return 1;
+        usleep(20000);
+    }
+    return 0;
+}
+
+static int read_pid(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    int pid = 0;
+    if (f && fscanf(f, "%d", &pid) != 1)
+        pid = 0;
+    if (f)
+        fclose(f);
+    return pid;
+}
+
+/* Ranks that are shell wrappers: their children (which hold the output
+ * pipes) stop with them, and the launcher returns at once. */
+static void test_launch_stops_whole_ranks(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = new_ctx();
+    dt_spawn_config cfg;
+    dt_spawn_config_init(&cfg);
+    cfg.nranks = 3;
+    cfg.grace_ms = 500;
+    cfg.prefix_output = 1;   /* pipes: a leftover child would keep them open */
+    char dir[64], script[512];
+    tu_tmpdir(dir, sizeof dir);
+    /* every rank starts a child that would sleep 30 s; rank 1 then fails */
+    snprintf(script, sizeof script,
+             "sleep 30 & echo $! > %s/child.$DTRAIN_RANK; "
+             "[ \"$DTRAIN_RANK\" = 1 ] && { sleep 0.3; exit 5; }; wait", dir);
+    char *const argv[] = {"/bin/sh", "-c", script, NULL};
+    int failed = -2;
+    double t0 = dt_now();
+    dt_status st = dt_launch(ctx, &cfg, argv, &failed);
+    double took = dt_now() - t0;
+    assert_int_equal(st, DT_EPEER);
+    assert_int_equal(failed, 1);
+    print_message("launch with shell wrappers: rank 1 failed, returned after %.2f s\n", took);
+    assert_true(took < 3.0);   /* not the children's 30 s */
+    for (int r = 0; r < 3; r++) {
+        char path[128];
+        snprintf(path, sizeof path, "%s/child.%d", dir, r);
+        int pid = read_pid(path);
+        assert_true(pid > 0);
+        if (!gone_within(pid, 2.0)) {
+            kill(pid, SIGKILL);
+            fail_msg("rank %d's child %d outlived the job", r, pid);
+        }
+    }
+    /* all ranks succeed but each leaves a child holding its output pipe:
+     * the drain is bounded, the job's result is success */
+    snprintf(script, sizeof script, "sleep 30 & echo $! > %s/bg.$DTRAIN_RANK; exit 0", dir);
+    char *const bg[] = {"/bin/sh", "-c", script, NULL};
+    t0 = dt_now();
+    assert_int_equal(dt_launch(ctx, &cfg, bg, &failed), DT_OK);
+    took = dt_now() - t0;
+    print_message("launch, children left holding the pipes: returned after %.2f s\n", took);
+    assert_true(took < 6.0);
+    for (int r = 0; r < 3; r++) {   /* (not the launcher's to stop: a success) */
+        char path[128];
+        snprintf(path, sizeof path, "%s/bg.%d", dir, r);
+        int pid = read_pid(path);
+        if (pid > 0)
+            kill(pid, SIGKILL);
+    }
+    tu_rmdir(dir);
+    dt_ctx_free(ctx);
+}
+
 /* the lowest CPU in a set, -1 if none */
 static int first_cpu(const cpu_set_t *s)
 {
@@ -239,6 +320,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_spawn_binds_cpus),
     cmocka_unit_test(test_spawn_env_and_prefix),
     cmocka_unit_test(test_launch_failure_stops_others),
+    cmocka_unit_test(test_launch_stops_whole_ranks),
 };
 
 DT_TEST_GROUP(core_launch, tests)
