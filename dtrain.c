@@ -754,6 +754,13 @@ struct dt_store {
     int port;
     char prefix[64];           /* a process group's namespace, put before every key but
                                   those written "/key" (the job's own: "/dead") */
+    int owed;                  /* replies rank 0 still owes to calls that gave up on them
+                                  (store_call skips them first, so none passes for another's) */
+    int broken;                /* a call gave up mid-frame: the stream cannot be followed */
+    int silent_ms;             /* > 0: the last call got nothing from rank 0, which last
+                                  answered this long before */
+    double last_answer;        /* when rank 0 last answered */
+    double until;              /* > 0: no call waits past this time (store_limit) */
 };
 /* --- src/comm.c --- */
 /* allreduce: recursive doubling up to this many bytes, ring above.  On tcp
@@ -898,6 +905,7 @@ struct dt_comm {
     double last_watch;
     int broken;                /* comm thread: a failure poisons the communicator */
     int waiting_on;            /* the rank a stalled collective waits for, -1: none */
+    int wait_published;        /* this collective wrote "wait/<rank>" (cleared when it ends well) */
     char broken_msg[DT_MAX_ERROR];
     pthread_t thread;
     int has_thread, stop;
@@ -1383,6 +1391,8 @@ DT_PRIVATE int store_ms_left(double deadline);
 DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
                             int serve, uint32_t inc);
 DT_PRIVATE void store_close(dt_store *s, int drain_ms);
+DT_PRIVATE void store_limit(dt_store *s, double until);
+DT_PRIVATE int store_silent_ms(const dt_store *s);
 DT_PRIVATE dt_status store_clock_offset(dt_store *s, int rounds, double *offset, double *rtt);
 
 /* src/comm.c: the comm thread, transfers with a deadline, the collectives */
@@ -1393,7 +1403,8 @@ DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, .
     __attribute__((format(printf, 3, 4)));
 DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms);
 DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
-DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
+DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
                                uint64_t tag, void *buf, size_t bytes);
@@ -7717,6 +7728,36 @@ static dt_status idx_header(dt_ctx *ctx, gzFile gz, const char *path, int want_n
     return DT_OK;
 }
 
+/* The n bytes after the header, into memory that grows with what the file
+ * really holds (at most twice it): a header may claim gigabytes of a tiny or
+ * compressed file, and must not get them allocated (found by fuzz_idx). */
+static dt_status idx_read_body(dt_ctx *ctx, gzFile gz, uint64_t n, const char *path, uint8_t **out)
+{
+    uint64_t have = 0, cap = n < ((uint64_t)1 << 20) ? n : ((uint64_t)1 << 20);
+    uint8_t *buf = host_alloc(ctx, (size_t)cap);
+    dt_status s = buf ? DT_OK : set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
+    while (s == DT_OK && have < n) {
+        if (have == cap) {
+            uint64_t more = cap * 2 < n ? cap * 2 : n;
+            uint8_t *b = ctx->al.realloc_fn(buf, (size_t)more, ctx->al.user);
+            if (!b) {
+                s = set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
+                break;
+            }
+            buf = b;
+            cap = more;
+        }
+        s = gz_read_all(ctx, gz, buf + have, cap - have, path);
+        have = cap;
+    }
+    if (s != DT_OK) {
+        host_free(ctx, buf);
+        return s;
+    }
+    *out = buf;
+    return DT_OK;
+}
+
 static dt_status idx_load(dt_ctx *ctx, const char *path, int ndim, uint64_t *dims, uint8_t **out)
 {
     gzFile gz = gzopen(path, "rb");
@@ -7727,10 +7768,8 @@ static dt_status idx_load(dt_ctx *ctx, const char *path, int ndim, uint64_t *dim
     for (int i = 0; i < ndim; i++)
         n *= dims[i];
     uint8_t *buf = NULL;
-    if (s == DT_OK && !(buf = host_alloc(ctx, (size_t)n)))
-        s = set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
     if (s == DT_OK)
-        s = gz_read_all(ctx, gz, buf, n, path);
+        s = idx_read_body(ctx, gz, n, path, &buf);
     gzclose(gz);
     if (s != DT_OK) {
         host_free(ctx, buf);
@@ -9101,10 +9140,15 @@ DT_PRIVATE int store_ms_left(double deadline)
     return left <= 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
 }
 
-/* Move exactly n bytes, or fail at the deadline / on a closed socket. */
-static int sock_io(int fd, void *buf, size_t n, int writing, double deadline)
+/* Move exactly n bytes, or fail at the deadline (-2) / on a closed socket
+ * (-1); *moved: how many did move. */
+static int sock_io(int fd, void *buf, size_t n, int writing, double deadline, size_t *moved)
 {
     char *p = buf;
+    size_t dummy;
+    if (!moved)
+        moved = &dummy;
+    *moved = 0;
     while (n > 0) {
         struct pollfd pf = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
         int r = poll(&pf, 1, store_ms_left(deadline));
@@ -9119,6 +9163,7 @@ static int sock_io(int fd, void *buf, size_t n, int writing, double deadline)
             return -1;
         p += k;
         n -= (size_t)k;
+        *moved += (size_t)k;
     }
     return 0;
 }
@@ -9661,42 +9706,138 @@ static int store_connect(const char *host, int port, double deadline, char *why,
     return fd;
 }
 
-/* Send one request frame and read its reply into buf (up to cap bytes).
- * Returns DT_OK with *ok and *len set, or a status with the ctx message. */
-static dt_status store_call(dt_store *s, const unsigned char *req, size_t n, int op,
-                            double deadline, void *buf, size_t cap, int *ok, size_t *len)
+/* No call of s waits past `until` (0: each its own deadline).  The
+ * communicator bounds its watch's calls by the collective's deadline, so a
+ * silent rank 0 cannot hold a survivor past it. */
+DT_PRIVATE void store_limit(dt_store *s, double until)
 {
-    dt_ctx *ctx = s->ctx;
-    unsigned char hdr[10];
-    put_u32(hdr, (uint32_t)n);
-    if (sock_io(s->fd, hdr, 4, 1, deadline) != 0 || sock_io(s->fd, (void *)req, n, 1, deadline) != 0)
-        return set_error(ctx, DT_EPEER, "store: lost the connection to rank 0 (%s:%d)", s->addr,
-                         s->port);
-    int r = sock_io(s->fd, hdr, sizeof hdr, 0, deadline);
-    if (r != 0)
-        return set_error(ctx, r == -2 ? DT_ETIMEDOUT : DT_EPEER,
-                         "store: rank 0 (%s:%d) %s", s->addr, s->port,
-                         r == -2 ? "did not answer in time" : "closed the connection");
-    uint32_t flen = get_u32(hdr), vlen = get_u32(hdr + 6);
-    if (hdr[4] != (OP_REPLY | op) || flen != 6 + vlen || vlen > DT_STORE_MAX_FRAME)
-        return set_error(ctx, DT_EPEER, "store: malformed reply from rank 0");
-    *ok = hdr[5];
-    *len = vlen;
+    if (s)
+        s->until = until;
+}
+
+/* > 0: the last call heard nothing from rank 0 for that many ms (rank 0,
+ * whose process serves the store, is stopped or hung); 0: it answered. */
+DT_PRIVATE int store_silent_ms(const dt_store *s) { return s ? s->silent_ms : 0; }
+
+static dt_status store_gone_silent(dt_store *s)
+{
+    s->silent_ms = (int)((dt_now() - s->last_answer) * 1000.0) + 1;
+    return set_error(s->ctx, DT_ETIMEDOUT, "store: rank 0 (%s:%d, which serves the store) sent "
+                     "nothing for %d ms: it is silent (stopped or hung?)", s->addr, s->port,
+                     s->silent_ms);
+}
+
+/* Read (into buf, up to cap; the rest drained) the payload of a reply
+ * whose header said vlen bytes. */
+static int read_payload(dt_store *s, uint32_t vlen, void *buf, size_t cap, double deadline)
+{
     unsigned char tmp[256];
-    for (uint32_t got = 0; got < vlen;) {   /* what does not fit in buf is drained */
+    for (uint32_t got = 0; got < vlen;) {
         uint32_t chunk = vlen - got;
         unsigned char *dst = tmp;
-        if (got < cap) {
+        if (buf && got < cap) {
             dst = (unsigned char *)buf + got;
             if (chunk > cap - got)
                 chunk = (uint32_t)(cap - got);
         } else if (chunk > sizeof tmp) {
             chunk = sizeof tmp;
         }
-        if (sock_io(s->fd, dst, chunk, 0, deadline) != 0)
-            return set_error(ctx, DT_EPEER, "store: reply from rank 0 cut short");
+        int r = sock_io(s->fd, dst, chunk, 0, deadline, NULL);
+        if (r != 0)
+            return r;
         got += chunk;
     }
+    return 0;
+}
+
+/* One reply frame's header; 0, -1 (closed or malformed), -2 (nothing came
+ * by the deadline: the stream is still whole), -3 (cut off mid-frame). */
+static int read_reply_header(dt_store *s, unsigned char hdr[10], double deadline)
+{
+    size_t moved = 0;
+    int r = sock_io(s->fd, hdr, 10, 0, deadline, &moved);
+    if (r == -2 && moved > 0)
+        return -3;
+    if (r != 0)
+        return r;
+    uint32_t flen = get_u32(hdr), vlen = get_u32(hdr + 6);
+    return flen != 6 + vlen || vlen > DT_STORE_MAX_FRAME ? -1 : 0;
+}
+
+/* Replies that earlier calls gave up on, read and dropped. */
+static int skip_owed(dt_store *s, double deadline)
+{
+    while (s->owed > 0) {
+        unsigned char hdr[10];
+        int r = read_reply_header(s, hdr, deadline);
+        if (r == 0 && (r = read_payload(s, get_u32(hdr + 6), NULL, 0, deadline)) == -2)
+            r = -3;
+        if (r != 0)
+            return r;
+        s->owed--;
+    }
+    return 0;
+}
+
+/* Send one request frame and read its reply into buf (up to cap bytes).
+ * Returns DT_OK with *ok and *len set, or a status with the ctx message:
+ * DT_ETIMEDOUT when rank 0 stayed silent (store_silent_ms says how long),
+ * DT_EPEER when the connection failed.  A reply that does not come in time
+ * stays owed and is skipped by the next call. */
+static dt_status store_call(dt_store *s, const unsigned char *req, size_t n, int op,
+                            double deadline, void *buf, size_t cap, int *ok, size_t *len)
+{
+    dt_ctx *ctx = s->ctx;
+    if (s->until > 0 && s->until < deadline)
+        deadline = s->until;
+    if (s->broken)
+        return set_error(ctx, DT_EPEER, "store: the connection to rank 0 (%s:%d) broke after it "
+                         "went silent", s->addr, s->port);
+    int r = skip_owed(s, deadline);
+    if (r == -2)
+        return store_gone_silent(s);
+    if (r != 0) {
+        s->broken = r == -3;
+        return r == -3 ? store_gone_silent(s)
+                       : set_error(ctx, DT_EPEER, "store: lost the connection to rank 0 (%s:%d)",
+                                   s->addr, s->port);
+    }
+    unsigned char hdr[10];
+    size_t moved = 0, moved2 = 0;
+    put_u32(hdr, (uint32_t)n);
+    r = sock_io(s->fd, hdr, 4, 1, deadline, &moved);
+    if (r == 0)
+        r = sock_io(s->fd, (void *)req, n, 1, deadline, &moved2);
+    if (r != 0) {
+        s->broken = r == -2 && moved + moved2 > 0;   /* half a request sent */
+        return r == -2 ? store_gone_silent(s)
+                       : set_error(ctx, DT_EPEER, "store: lost the connection to rank 0 (%s:%d)",
+                                   s->addr, s->port);
+    }
+    r = read_reply_header(s, hdr, deadline);
+    if (r == -2) {
+        s->owed++;   /* the answer may still come: the next call skips it */
+        return store_gone_silent(s);
+    }
+    if (r == -3) {
+        s->broken = 1;
+        return store_gone_silent(s);
+    }
+    if (r != 0 || hdr[4] != (OP_REPLY | op))
+        return set_error(ctx, DT_EPEER, r ? "store: rank 0 (%s:%d) closed the connection"
+                                          : "store: malformed reply from rank 0 (%s:%d)",
+                         s->addr, s->port);
+    uint32_t vlen = get_u32(hdr + 6);
+    *ok = hdr[5];
+    *len = vlen;
+    r = read_payload(s, vlen, buf, cap, deadline);
+    if (r != 0) {
+        s->broken = r == -2;
+        return r == -2 ? store_gone_silent(s)
+                       : set_error(ctx, DT_EPEER, "store: reply from rank 0 cut short");
+    }
+    s->silent_ms = 0;
+    s->last_answer = dt_now();
     return DT_OK;
 }
 
@@ -9780,6 +9921,7 @@ DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_st
     }
     char why[DT_MAX_HOST + 128];
     s->fd = store_connect(s->addr, s->port, dt_now() + s->timeout_ms / 1000.0, why, sizeof why);
+    s->last_answer = dt_now();
     if (s->fd < 0) {
         set_error(ctx, DT_ETIMEDOUT, "store: rank %d cannot reach rank 0 at %s:%d within %d ms: %s",
                   s->rank, s->addr, s->port, s->timeout_ms, why);
@@ -10134,7 +10276,7 @@ DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, i
             break;
         /* back-pressured: the peer takes no data; is it alive? */
         c->last_watch = 0;
-        if (comm_check_dead(c, w) != DT_OK)
+        if (comm_check_dead(c, w, deadline) != DT_OK)
             return w->status;
         if (xfer_gone(xs, peer))   /* a dead server a parameter-server request can go without */
             return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d died", coll_names[w->kind], w->seq, peer);
@@ -10204,12 +10346,12 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
 
 /* The first rank to fail publishes why ("abort" in the store), so ranks
  * that only see its consequences (a closed connection, silence) report the
- * cause instead.  DT_OK: nobody has. */
-static dt_status published_failure(dt_comm *c, dt_work *w)
+ * cause instead.  DT_OK: nobody has (within park_ms).  */
+static dt_status published_failure(dt_comm *c, dt_work *w, int park_ms)
 {
     char why[DT_MAX_ERROR + 8];
     size_t len = 0;
-    if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1) != DT_OK ||
+    if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, park_ms) != DT_OK ||
         len < 3)
         return DT_OK;
     why[len < sizeof why ? len : sizeof why - 1] = '\0';
@@ -10219,8 +10361,9 @@ static dt_status published_failure(dt_comm *c, dt_work *w)
 
 /* A timed-out rank may have waited on a rank that was itself waiting on
  * another: a stalled collective publishes whom it waits for ("wait/<rank>",
- * every DT_COMM_WATCH_S), so follow that chain to the rank that is not
- * waiting in this collective, and blame it instead of a bystander. */
+ * every DT_COMM_WATCH_S, cleared when it ends well), so follow that chain
+ * to the rank that is not waiting, in this collective or an earlier one it
+ * is stuck in, and blame it instead of a bystander. */
 static void follow_waits(dt_comm *c, dt_work *w)
 {
     int who = w->blame;
@@ -10233,7 +10376,9 @@ static void follow_waits(dt_comm *c, dt_work *w)
         edge[len < sizeof edge ? len : sizeof edge - 1] = '\0';
         unsigned seq;
         int next;
-        if (sscanf(edge, "%u:%d", &seq, &next) != 2 || seq != w->seq || next < 0 ||
+        /* (an edge of an earlier collective: that rank is still stuck in it,
+         * since a collective that ends well clears its edge) */
+        if (sscanf(edge, "%u:%d", &seq, &next) != 2 || seq > w->seq || next < 0 ||
             next >= c->world || next == who)
             break;
         who = next;
@@ -10288,18 +10433,14 @@ static dt_status group_check_dead(dt_comm *c, dt_work *w)
                           "without leaving the job)", coll_names[w->kind], w->seq, g, c->members[g]);
 }
 
-DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w)
+static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
 {
-    double now = dt_now();
-    if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
-        return DT_OK;
-    c->last_watch = now;
     if (w->kind == COLL_EXT)   /* other workers may come and go: only servers matter */
         return c->ext_ops->check_dead(c, w);
     char val[16] = "";
     size_t len = 0;
     /* a rank that failed published why: fail with its words */
-    if (published_failure(c, w) != DT_OK)
+    if (published_failure(c, w, 1) != DT_OK)
         return w->status;
     dt_status st;
     if (c->members)
@@ -10311,6 +10452,7 @@ DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w)
             snprintf(key, sizeof key, "wait/%d", c->rank);
             int n = snprintf(edge, sizeof edge, "%u:%d", w->seq, c->waiting_on);
             dt_store_set(c->watch, key, edge, (size_t)n + 1);
+            c->wait_published = 1;
         }
         return DT_OK;
     }
@@ -10319,6 +10461,89 @@ DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w)
                               "leaving the job)", coll_names[w->kind], w->seq, val);
     return comm_work_fail(w, DT_EPEER, "%s #%u: rank 0 is unreachable (dead?): %s",
                           coll_names[w->kind], w->seq, c->watch_errors->err);
+}
+
+/* Job rank 0 serves the store from its own process: when the store says
+ * nothing for this long, rank 0 is silent (stopped or hung), whoever this
+ * rank was waiting on. */
+static double store_patience_s(const dt_comm *c)
+{
+    return c->timeout_ms / 2000.0 < 1.0 ? c->timeout_ms / 2000.0 : 1.0;
+}
+
+static dt_status rank0_silent(dt_comm *c, dt_work *w)
+{
+    int me0 = -1;   /* rank 0 of the job in this communicator's numbering */
+    for (int i = 0; i < c->world; i++)
+        if ((c->members ? c->members[i] : i) == 0)
+            me0 = i;
+    char waited[64] = "";
+    if (c->waiting_on >= 0 && c->waiting_on != me0)
+        snprintf(waited, sizeof waited, "; this rank was waiting on rank %d", c->waiting_on);
+    int ms = store_silent_ms(c->watch);
+    w->status = DT_OK;
+    comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: %s 0 is silent: it and the store it serves sent "
+                   "nothing for %d ms (stopped or hung?)%s", coll_names[w->kind], w->seq,
+                   c->members ? "job rank" : "rank", ms, waited);
+    w->blame = me0;
+    w->blame_ms = ms;
+    return w->status;
+}
+
+/* Every DT_COMM_WATCH_S of a wait: has a rank died or published a failure?
+ * The store's answers may take until the wait's deadline (at least
+ * store_patience_s): a silent store fails the work naming rank 0. */
+DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline)
+{
+    double now = dt_now();
+    if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
+        return DT_OK;
+    c->last_watch = now;
+    double least = now + store_patience_s(c);
+    store_limit(c->watch, deadline > least ? deadline : least);
+    dt_status st = check_dead_in_store(c, w);
+    store_limit(c->watch, 0);
+    if (st == DT_OK && store_silent_ms(c->watch) > 0)
+        return rank0_silent(c, w);
+    return st;
+}
+
+/* A wait's loop, frozen past the timeout between two turns (this process
+ * was stopped, or starved): the other ranks have given up on it by now, so
+ * what it finishes would be half a collective.  Fail instead. */
+DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last)
+{
+    double now = dt_now(), gap = now - *last;
+    *last = now;
+    if (gap * 1000.0 <= c->timeout_ms)
+        return DT_OK;
+    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: this rank (%d) did not run for %d ms, past "
+                          "the %d ms timeout (stopped or starved?): the others have given up on it",
+                          coll_names[w->kind], w->seq, c->rank, (int)(gap * 1000.0), c->timeout_ms);
+}
+
+/* A failed work: the cause if another rank published one, the rank at the
+ * end of a chain of waits, and ours published for the others.  The store's
+ * answers get store_patience_s: a store silent that long means rank 0 is. */
+static void explain_failure(dt_comm *c, dt_work *w)
+{
+    if (!c->watch)
+        return;
+    store_limit(c->watch, dt_now() + store_patience_s(c));
+    int silent = store_silent_ms(c->watch) > 0;   /* already, in a wait's check */
+    if (!silent && (w->status == DT_EPEER || w->status == DT_ETIMEDOUT))
+        published_failure(c, w, 1);
+    silent = silent || store_silent_ms(c->watch) > 0;
+    if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0)
+        follow_waits(c, w);
+    silent = silent || store_silent_ms(c->watch) > 0;
+    if (!silent)
+        publish_failure(c, w);
+    silent = silent || store_silent_ms(c->watch) > 0;
+    if (silent && w->status == DT_ETIMEDOUT && !strstr(w->msg, "0 is silent") &&
+        !strstr(w->msg, "did not run for"))
+        rank0_silent(c, w);
+    store_limit(c->watch, 0);
 }
 
 /* Wait for every posted transfer (and the header), checking tags, until
@@ -10368,9 +10593,11 @@ static int xfer_ours(const xfers *xs, const dt_xfer *x)
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
     int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->timeout_ms);
-    double deadline = dt_now() + limit_ms / 1000.0;
+    double deadline = dt_now() + limit_ms / 1000.0, turn = dt_now();
     for (;;) {
         int pending = 0, silent_peer = -1;
+        if (comm_check_stall(c, w, &turn) != DT_OK)
+            break;
         for (int i = 0; i < xs->n; i++) {
             if (!xs->x[i].done && !xfer_gone(xs, xs->x[i].peer)) {
                 pending++;
@@ -10407,7 +10634,7 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
                       ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
                       : silent_peer;
         c->waiting_on = who;
-        if (k == 0 && comm_check_dead(c, w) != DT_OK)
+        if (k == 0 && comm_check_dead(c, w, deadline) != DT_OK)
             break;
         if (k == 0 && xs->gone)
             cancel_gone(c, xs);
@@ -10465,7 +10692,7 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
                                    &xs->hdr_send, err, sizeof err)) == DT_ETIMEDOUT &&
            dt_now() < deadline) {
         c->last_watch = 0;   /* back-pressured: is rank `right` alive? */
-        if (comm_check_dead(c, w) != DT_OK)
+        if (comm_check_dead(c, w, deadline) != DT_OK)
             break;
     }
     if (w->status == DT_OK && st != DT_OK)
@@ -10940,6 +11167,19 @@ static void run_p2p(dt_comm *c, dt_work *w, xfers *xs)
                        got / sizeof(float), (long long)p->nr);
 }
 
+/* A stalled collective that ended well says it waits no more, so no later
+ * timeout follows its edge (follow_waits). */
+static void clear_wait(dt_comm *c, const dt_work *w)
+{
+    char key[32], edge[32];
+    snprintf(key, sizeof key, "wait/%d", c->rank);
+    int n = snprintf(edge, sizeof edge, "%u:-1", w->seq);
+    store_limit(c->watch, dt_now() + store_patience_s(c));
+    dt_store_set(c->watch, key, edge, (size_t)n + 1);
+    store_limit(c->watch, 0);
+    c->wait_published = 0;
+}
+
 static void run_work(dt_comm *c, dt_work *w)
 {
     if (w->ticket)   /* its data is still on the way from the device (even if it won't go) */
@@ -10951,6 +11191,7 @@ static void run_work(dt_comm *c, dt_work *w)
     }
 
     c->waiting_on = -1;
+    c->wait_published = 0;
     xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
     if (!xs) {
         comm_work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
@@ -10974,12 +11215,8 @@ static void run_work(dt_comm *c, dt_work *w)
     /* A lost connection or a silent peer is usually the consequence of
      * another rank's failure: report the cause if one was published, else
      * publish ours, so every rank of every host fails with the same words. */
-    if (w->status == DT_EPEER || w->status == DT_ETIMEDOUT)
-        published_failure(c, w);
-    if (w->status == DT_ETIMEDOUT && w->blame >= 0)
-        follow_waits(c, w);
     if (w->status != DT_OK)
-        publish_failure(c, w);
+        explain_failure(c, w);
     if (w->status != DT_OK) {
         /* Close the endpoint now: a cancelled receive must not land in
          * this record or in the caller's buffer after the call returned.
@@ -10987,6 +11224,8 @@ static void run_work(dt_comm *c, dt_work *w)
         seg_abort(c, w);
         comm_break(c, w->msg);
     }
+    if (w->status == DT_OK && c->wait_published)
+        clear_wait(c, w);
     if (xs)
         c->ctx->al.free_fn(xs, c->ctx->al.user);
 }
@@ -11422,7 +11661,7 @@ static dt_status seg_aborted(dt_comm *c, dt_work *w)
 static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double patience)
 {
     seg_rank *r = &c->seg_ranks[q];
-    double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0;
+    double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0, turn = start;
     uint32_t seen = atomic_load_explicit(&r->progress, memory_order_relaxed);
     for (unsigned spin = 1;; spin++) {
         if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
@@ -11438,8 +11677,10 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
             sched_yield();   /* several ranks per core: let the one we wait for run */
             continue;
         }
+        if (comm_check_stall(c, w, &turn) != DT_OK)
+            return w->status;
         c->waiting_on = c->local_ranks[q];
-        if (comm_check_dead(c, w) != DT_OK) {
+        if (comm_check_dead(c, w, deadline) != DT_OK) {
             /* A rank that finished this phase and then died (or we were
              * descheduled past its death) does not spoil a phase we have:
              * the next wait that needs it will fail. */
@@ -13457,14 +13698,13 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       "median)\n", 100 * thr);
     /* communication */
     uint64_t bytes = 0;
-    double busbw = 0, comm_s = 0, exposed = 0, steps_s = 0;
+    double busbw = 0, comm_s = 0, exposed = 0;
     int64_t colls = 0, ps_calls = 0;
     for (int r = 0; r < P; r++) {
         bytes += h[r]->st.coll_bytes;
         colls += h[r]->st.collectives;
         comm_s += h[r]->st.comm_s;
         exposed += h[r]->st.comm_wait_s;
-        steps_s += h[r]->st.step_s;
         ps_calls += h[r]->st.ps_calls;
     }
     busbw = s0->busbw;

@@ -1003,7 +1003,9 @@ DT_API int dt_store_port(const dt_store *s);      /* rank 0's port; -1 for NULL 
 /* Set key to len bytes (copied; a later set replaces).  Errors of all
  * three: DT_EINVAL for a key not 1..DT_STORE_MAX_KEY bytes (set: a value
  * over DT_STORE_MAX_VALUE or NULL), DT_EPEER when rank 0's store is gone or
- * refuses, DT_ETIMEDOUT when it does not answer. */
+ * refuses, DT_ETIMEDOUT when it does not answer in time (the message says
+ * rank 0 is silent; an answer that comes later is skipped, never taken for
+ * a later call's). */
 DT_API dt_status dt_store_set(dt_store *s, const char *key, const void *value, size_t len);
 /* Add delta to key's counter (8 bytes; a missing key counts from 0) and
  * give the sum in *value (may be NULL): atomic, as torch's store.add.  A key
@@ -1024,7 +1026,11 @@ typedef struct dt_comm_config {
                                   shm when every rank is on one host, tcp otherwise */
     const char *host;          /* tcp/verbs: this rank's address; NULL: DTRAIN_HOST */
     int timeout_ms;            /* a peer silent this long fails the collective, naming
-                                  it; 0: DTRAIN_TIMEOUT_MS, else 30000 */
+                                  it (rank 0 too: its store's silence says so; a wait
+                                  on a host's leader allows 1.5x); a rank that itself
+                                  did not run this long inside a wait (stopped) fails
+                                  the collective it was in; 0: DTRAIN_TIMEOUT_MS, else
+                                  30000 */
     const char *intra_host;    /* ranks on one host talk through "segment" (a shared-
                                   memory segment; collectives reduce straight from the
                                   other ranks' memory, and across hosts the allreduce is

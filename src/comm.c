@@ -168,7 +168,7 @@ DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, i
             break;
         /* back-pressured: the peer takes no data; is it alive? */
         c->last_watch = 0;
-        if (comm_check_dead(c, w) != DT_OK)
+        if (comm_check_dead(c, w, deadline) != DT_OK)
             return w->status;
         if (xfer_gone(xs, peer))   /* a dead server a parameter-server request can go without */
             return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d died", coll_names[w->kind], w->seq, peer);
@@ -238,12 +238,12 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
 
 /* The first rank to fail publishes why ("abort" in the store), so ranks
  * that only see its consequences (a closed connection, silence) report the
- * cause instead.  DT_OK: nobody has. */
-static dt_status published_failure(dt_comm *c, dt_work *w)
+ * cause instead.  DT_OK: nobody has (within park_ms).  */
+static dt_status published_failure(dt_comm *c, dt_work *w, int park_ms)
 {
     char why[DT_MAX_ERROR + 8];
     size_t len = 0;
-    if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1) != DT_OK ||
+    if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, park_ms) != DT_OK ||
         len < 3)
         return DT_OK;
     why[len < sizeof why ? len : sizeof why - 1] = '\0';
@@ -253,8 +253,9 @@ static dt_status published_failure(dt_comm *c, dt_work *w)
 
 /* A timed-out rank may have waited on a rank that was itself waiting on
  * another: a stalled collective publishes whom it waits for ("wait/<rank>",
- * every DT_COMM_WATCH_S), so follow that chain to the rank that is not
- * waiting in this collective, and blame it instead of a bystander. */
+ * every DT_COMM_WATCH_S, cleared when it ends well), so follow that chain
+ * to the rank that is not waiting, in this collective or an earlier one it
+ * is stuck in, and blame it instead of a bystander. */
 static void follow_waits(dt_comm *c, dt_work *w)
 {
     int who = w->blame;
@@ -267,7 +268,9 @@ static void follow_waits(dt_comm *c, dt_work *w)
         edge[len < sizeof edge ? len : sizeof edge - 1] = '\0';
         unsigned seq;
         int next;
-        if (sscanf(edge, "%u:%d", &seq, &next) != 2 || seq != w->seq || next < 0 ||
+        /* (an edge of an earlier collective: that rank is still stuck in it,
+         * since a collective that ends well clears its edge) */
+        if (sscanf(edge, "%u:%d", &seq, &next) != 2 || seq > w->seq || next < 0 ||
             next >= c->world || next == who)
             break;
         who = next;
@@ -322,18 +325,14 @@ static dt_status group_check_dead(dt_comm *c, dt_work *w)
                           "without leaving the job)", coll_names[w->kind], w->seq, g, c->members[g]);
 }
 
-DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w)
+static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
 {
-    double now = dt_now();
-    if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
-        return DT_OK;
-    c->last_watch = now;
     if (w->kind == COLL_EXT)   /* other workers may come and go: only servers matter */
         return c->ext_ops->check_dead(c, w);
     char val[16] = "";
     size_t len = 0;
     /* a rank that failed published why: fail with its words */
-    if (published_failure(c, w) != DT_OK)
+    if (published_failure(c, w, 1) != DT_OK)
         return w->status;
     dt_status st;
     if (c->members)
@@ -345,6 +344,7 @@ DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w)
             snprintf(key, sizeof key, "wait/%d", c->rank);
             int n = snprintf(edge, sizeof edge, "%u:%d", w->seq, c->waiting_on);
             dt_store_set(c->watch, key, edge, (size_t)n + 1);
+            c->wait_published = 1;
         }
         return DT_OK;
     }
@@ -353,6 +353,89 @@ DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w)
                               "leaving the job)", coll_names[w->kind], w->seq, val);
     return comm_work_fail(w, DT_EPEER, "%s #%u: rank 0 is unreachable (dead?): %s",
                           coll_names[w->kind], w->seq, c->watch_errors->err);
+}
+
+/* Job rank 0 serves the store from its own process: when the store says
+ * nothing for this long, rank 0 is silent (stopped or hung), whoever this
+ * rank was waiting on. */
+static double store_patience_s(const dt_comm *c)
+{
+    return c->timeout_ms / 2000.0 < 1.0 ? c->timeout_ms / 2000.0 : 1.0;
+}
+
+static dt_status rank0_silent(dt_comm *c, dt_work *w)
+{
+    int me0 = -1;   /* rank 0 of the job in this communicator's numbering */
+    for (int i = 0; i < c->world; i++)
+        if ((c->members ? c->members[i] : i) == 0)
+            me0 = i;
+    char waited[64] = "";
+    if (c->waiting_on >= 0 && c->waiting_on != me0)
+        snprintf(waited, sizeof waited, "; this rank was waiting on rank %d", c->waiting_on);
+    int ms = store_silent_ms(c->watch);
+    w->status = DT_OK;
+    comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: %s 0 is silent: it and the store it serves sent "
+                   "nothing for %d ms (stopped or hung?)%s", coll_names[w->kind], w->seq,
+                   c->members ? "job rank" : "rank", ms, waited);
+    w->blame = me0;
+    w->blame_ms = ms;
+    return w->status;
+}
+
+/* Every DT_COMM_WATCH_S of a wait: has a rank died or published a failure?
+ * The store's answers may take until the wait's deadline (at least
+ * store_patience_s): a silent store fails the work naming rank 0. */
+DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline)
+{
+    double now = dt_now();
+    if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
+        return DT_OK;
+    c->last_watch = now;
+    double least = now + store_patience_s(c);
+    store_limit(c->watch, deadline > least ? deadline : least);
+    dt_status st = check_dead_in_store(c, w);
+    store_limit(c->watch, 0);
+    if (st == DT_OK && store_silent_ms(c->watch) > 0)
+        return rank0_silent(c, w);
+    return st;
+}
+
+/* A wait's loop, frozen past the timeout between two turns (this process
+ * was stopped, or starved): the other ranks have given up on it by now, so
+ * what it finishes would be half a collective.  Fail instead. */
+DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last)
+{
+    double now = dt_now(), gap = now - *last;
+    *last = now;
+    if (gap * 1000.0 <= c->timeout_ms)
+        return DT_OK;
+    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: this rank (%d) did not run for %d ms, past "
+                          "the %d ms timeout (stopped or starved?): the others have given up on it",
+                          coll_names[w->kind], w->seq, c->rank, (int)(gap * 1000.0), c->timeout_ms);
+}
+
+/* A failed work: the cause if another rank published one, the rank at the
+ * end of a chain of waits, and ours published for the others.  The store's
+ * answers get store_patience_s: a store silent that long means rank 0 is. */
+static void explain_failure(dt_comm *c, dt_work *w)
+{
+    if (!c->watch)
+        return;
+    store_limit(c->watch, dt_now() + store_patience_s(c));
+    int silent = store_silent_ms(c->watch) > 0;   /* already, in a wait's check */
+    if (!silent && (w->status == DT_EPEER || w->status == DT_ETIMEDOUT))
+        published_failure(c, w, 1);
+    silent = silent || store_silent_ms(c->watch) > 0;
+    if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0)
+        follow_waits(c, w);
+    silent = silent || store_silent_ms(c->watch) > 0;
+    if (!silent)
+        publish_failure(c, w);
+    silent = silent || store_silent_ms(c->watch) > 0;
+    if (silent && w->status == DT_ETIMEDOUT && !strstr(w->msg, "0 is silent") &&
+        !strstr(w->msg, "did not run for"))
+        rank0_silent(c, w);
+    store_limit(c->watch, 0);
 }
 
 /* Wait for every posted transfer (and the header), checking tags, until
@@ -402,9 +485,11 @@ static int xfer_ours(const xfers *xs, const dt_xfer *x)
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
     int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->timeout_ms);
-    double deadline = dt_now() + limit_ms / 1000.0;
+    double deadline = dt_now() + limit_ms / 1000.0, turn = dt_now();
     for (;;) {
         int pending = 0, silent_peer = -1;
+        if (comm_check_stall(c, w, &turn) != DT_OK)
+            break;
         for (int i = 0; i < xs->n; i++) {
             if (!xs->x[i].done && !xfer_gone(xs, xs->x[i].peer)) {
                 pending++;
@@ -441,7 +526,7 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
                       ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
                       : silent_peer;
         c->waiting_on = who;
-        if (k == 0 && comm_check_dead(c, w) != DT_OK)
+        if (k == 0 && comm_check_dead(c, w, deadline) != DT_OK)
             break;
         if (k == 0 && xs->gone)
             cancel_gone(c, xs);
@@ -499,7 +584,7 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
                                    &xs->hdr_send, err, sizeof err)) == DT_ETIMEDOUT &&
            dt_now() < deadline) {
         c->last_watch = 0;   /* back-pressured: is rank `right` alive? */
-        if (comm_check_dead(c, w) != DT_OK)
+        if (comm_check_dead(c, w, deadline) != DT_OK)
             break;
     }
     if (w->status == DT_OK && st != DT_OK)
@@ -974,6 +1059,19 @@ static void run_p2p(dt_comm *c, dt_work *w, xfers *xs)
                        got / sizeof(float), (long long)p->nr);
 }
 
+/* A stalled collective that ended well says it waits no more, so no later
+ * timeout follows its edge (follow_waits). */
+static void clear_wait(dt_comm *c, const dt_work *w)
+{
+    char key[32], edge[32];
+    snprintf(key, sizeof key, "wait/%d", c->rank);
+    int n = snprintf(edge, sizeof edge, "%u:-1", w->seq);
+    store_limit(c->watch, dt_now() + store_patience_s(c));
+    dt_store_set(c->watch, key, edge, (size_t)n + 1);
+    store_limit(c->watch, 0);
+    c->wait_published = 0;
+}
+
 static void run_work(dt_comm *c, dt_work *w)
 {
     if (w->ticket)   /* its data is still on the way from the device (even if it won't go) */
@@ -985,6 +1083,7 @@ static void run_work(dt_comm *c, dt_work *w)
     }
 
     c->waiting_on = -1;
+    c->wait_published = 0;
     xfers *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
     if (!xs) {
         comm_work_fail(w, DT_ENOMEM, "%s: out of memory", coll_names[w->kind]);
@@ -1008,12 +1107,8 @@ static void run_work(dt_comm *c, dt_work *w)
     /* A lost connection or a silent peer is usually the consequence of
      * another rank's failure: report the cause if one was published, else
      * publish ours, so every rank of every host fails with the same words. */
-    if (w->status == DT_EPEER || w->status == DT_ETIMEDOUT)
-        published_failure(c, w);
-    if (w->status == DT_ETIMEDOUT && w->blame >= 0)
-        follow_waits(c, w);
     if (w->status != DT_OK)
-        publish_failure(c, w);
+        explain_failure(c, w);
     if (w->status != DT_OK) {
         /* Close the endpoint now: a cancelled receive must not land in
          * this record or in the caller's buffer after the call returned.
@@ -1021,6 +1116,8 @@ static void run_work(dt_comm *c, dt_work *w)
         seg_abort(c, w);
         comm_break(c, w->msg);
     }
+    if (w->status == DT_OK && c->wait_published)
+        clear_wait(c, w);
     if (xs)
         c->ctx->al.free_fn(xs, c->ctx->al.user);
 }

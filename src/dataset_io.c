@@ -56,6 +56,36 @@ static dt_status idx_header(dt_ctx *ctx, gzFile gz, const char *path, int want_n
     return DT_OK;
 }
 
+/* The n bytes after the header, into memory that grows with what the file
+ * really holds (at most twice it): a header may claim gigabytes of a tiny or
+ * compressed file, and must not get them allocated (found by fuzz_idx). */
+static dt_status idx_read_body(dt_ctx *ctx, gzFile gz, uint64_t n, const char *path, uint8_t **out)
+{
+    uint64_t have = 0, cap = n < ((uint64_t)1 << 20) ? n : ((uint64_t)1 << 20);
+    uint8_t *buf = host_alloc(ctx, (size_t)cap);
+    dt_status s = buf ? DT_OK : set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
+    while (s == DT_OK && have < n) {
+        if (have == cap) {
+            uint64_t more = cap * 2 < n ? cap * 2 : n;
+            uint8_t *b = ctx->al.realloc_fn(buf, (size_t)more, ctx->al.user);
+            if (!b) {
+                s = set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
+                break;
+            }
+            buf = b;
+            cap = more;
+        }
+        s = gz_read_all(ctx, gz, buf + have, cap - have, path);
+        have = cap;
+    }
+    if (s != DT_OK) {
+        host_free(ctx, buf);
+        return s;
+    }
+    *out = buf;
+    return DT_OK;
+}
+
 static dt_status idx_load(dt_ctx *ctx, const char *path, int ndim, uint64_t *dims, uint8_t **out)
 {
     gzFile gz = gzopen(path, "rb");
@@ -66,10 +96,8 @@ static dt_status idx_load(dt_ctx *ctx, const char *path, int ndim, uint64_t *dim
     for (int i = 0; i < ndim; i++)
         n *= dims[i];
     uint8_t *buf = NULL;
-    if (s == DT_OK && !(buf = host_alloc(ctx, (size_t)n)))
-        s = set_error(ctx, DT_ENOMEM, "dataset: out of memory for %s", path);
     if (s == DT_OK)
-        s = gz_read_all(ctx, gz, buf, n, path);
+        s = idx_read_body(ctx, gz, n, path, &buf);
     gzclose(gz);
     if (s != DT_OK) {
         host_free(ctx, buf);

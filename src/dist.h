@@ -68,6 +68,13 @@ struct dt_store {
     int port;
     char prefix[64];           /* a process group's namespace, put before every key but
                                   those written "/key" (the job's own: "/dead") */
+    int owed;                  /* replies rank 0 still owes to calls that gave up on them
+                                  (store_call skips them first, so none passes for another's) */
+    int broken;                /* a call gave up mid-frame: the stream cannot be followed */
+    int silent_ms;             /* > 0: the last call got nothing from rank 0, which last
+                                  answered this long before */
+    double last_answer;        /* when rank 0 last answered */
+    double until;              /* > 0: no call waits past this time (store_limit) */
 };
 /* --- src/comm.c --- */
 /* allreduce: recursive doubling up to this many bytes, ring above.  On tcp
@@ -212,6 +219,7 @@ struct dt_comm {
     double last_watch;
     int broken;                /* comm thread: a failure poisons the communicator */
     int waiting_on;            /* the rank a stalled collective waits for, -1: none */
+    int wait_published;        /* this collective wrote "wait/<rank>" (cleared when it ends well) */
     char broken_msg[DT_MAX_ERROR];
     pthread_t thread;
     int has_thread, stop;
@@ -697,6 +705,8 @@ DT_PRIVATE int store_ms_left(double deadline);
 DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg,
                             int serve, uint32_t inc);
 DT_PRIVATE void store_close(dt_store *s, int drain_ms);
+DT_PRIVATE void store_limit(dt_store *s, double until);
+DT_PRIVATE int store_silent_ms(const dt_store *s);
 DT_PRIVATE dt_status store_clock_offset(dt_store *s, int rounds, double *offset, double *rtt);
 
 /* src/comm.c: the comm thread, transfers with a deadline, the collectives */
@@ -707,7 +717,8 @@ DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, .
     __attribute__((format(printf, 3, 4)));
 DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms);
 DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
-DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
+DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
                                uint64_t tag, void *buf, size_t bytes);

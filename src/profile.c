@@ -353,14 +353,13 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       "median)\n", 100 * thr);
     /* communication */
     uint64_t bytes = 0;
-    double busbw = 0, comm_s = 0, exposed = 0, steps_s = 0;
+    double busbw = 0, comm_s = 0, exposed = 0;
     int64_t colls = 0, ps_calls = 0;
     for (int r = 0; r < P; r++) {
         bytes += h[r]->st.coll_bytes;
         colls += h[r]->st.collectives;
         comm_s += h[r]->st.comm_s;
         exposed += h[r]->st.comm_wait_s;
-        steps_s += h[r]->st.step_s;
         ps_calls += h[r]->st.ps_calls;
     }
     busbw = s0->busbw;

@@ -106,7 +106,7 @@ static dt_status seg_aborted(dt_comm *c, dt_work *w)
 static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double patience)
 {
     seg_rank *r = &c->seg_ranks[q];
-    double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0;
+    double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0, turn = start;
     uint32_t seen = atomic_load_explicit(&r->progress, memory_order_relaxed);
     for (unsigned spin = 1;; spin++) {
         if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
@@ -122,8 +122,10 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
             sched_yield();   /* several ranks per core: let the one we wait for run */
             continue;
         }
+        if (comm_check_stall(c, w, &turn) != DT_OK)
+            return w->status;
         c->waiting_on = c->local_ranks[q];
-        if (comm_check_dead(c, w) != DT_OK) {
+        if (comm_check_dead(c, w, deadline) != DT_OK) {
             /* A rank that finished this phase and then died (or we were
              * descheduled past its death) does not spoil a phase we have:
              * the next wait that needs it will fail. */

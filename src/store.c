@@ -142,10 +142,15 @@ DT_PRIVATE int store_ms_left(double deadline)
     return left <= 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
 }
 
-/* Move exactly n bytes, or fail at the deadline / on a closed socket. */
-static int sock_io(int fd, void *buf, size_t n, int writing, double deadline)
+/* Move exactly n bytes, or fail at the deadline (-2) / on a closed socket
+ * (-1); *moved: how many did move. */
+static int sock_io(int fd, void *buf, size_t n, int writing, double deadline, size_t *moved)
 {
     char *p = buf;
+    size_t dummy;
+    if (!moved)
+        moved = &dummy;
+    *moved = 0;
     while (n > 0) {
         struct pollfd pf = {fd, (short)(writing ? POLLOUT : POLLIN), 0};
         int r = poll(&pf, 1, store_ms_left(deadline));
@@ -160,6 +165,7 @@ static int sock_io(int fd, void *buf, size_t n, int writing, double deadline)
             return -1;
         p += k;
         n -= (size_t)k;
+        *moved += (size_t)k;
     }
     return 0;
 }
@@ -702,42 +708,138 @@ static int store_connect(const char *host, int port, double deadline, char *why,
     return fd;
 }
 
-/* Send one request frame and read its reply into buf (up to cap bytes).
- * Returns DT_OK with *ok and *len set, or a status with the ctx message. */
-static dt_status store_call(dt_store *s, const unsigned char *req, size_t n, int op,
-                            double deadline, void *buf, size_t cap, int *ok, size_t *len)
+/* No call of s waits past `until` (0: each its own deadline).  The
+ * communicator bounds its watch's calls by the collective's deadline, so a
+ * silent rank 0 cannot hold a survivor past it. */
+DT_PRIVATE void store_limit(dt_store *s, double until)
 {
-    dt_ctx *ctx = s->ctx;
-    unsigned char hdr[10];
-    put_u32(hdr, (uint32_t)n);
-    if (sock_io(s->fd, hdr, 4, 1, deadline) != 0 || sock_io(s->fd, (void *)req, n, 1, deadline) != 0)
-        return set_error(ctx, DT_EPEER, "store: lost the connection to rank 0 (%s:%d)", s->addr,
-                         s->port);
-    int r = sock_io(s->fd, hdr, sizeof hdr, 0, deadline);
-    if (r != 0)
-        return set_error(ctx, r == -2 ? DT_ETIMEDOUT : DT_EPEER,
-                         "store: rank 0 (%s:%d) %s", s->addr, s->port,
-                         r == -2 ? "did not answer in time" : "closed the connection");
-    uint32_t flen = get_u32(hdr), vlen = get_u32(hdr + 6);
-    if (hdr[4] != (OP_REPLY | op) || flen != 6 + vlen || vlen > DT_STORE_MAX_FRAME)
-        return set_error(ctx, DT_EPEER, "store: malformed reply from rank 0");
-    *ok = hdr[5];
-    *len = vlen;
+    if (s)
+        s->until = until;
+}
+
+/* > 0: the last call heard nothing from rank 0 for that many ms (rank 0,
+ * whose process serves the store, is stopped or hung); 0: it answered. */
+DT_PRIVATE int store_silent_ms(const dt_store *s) { return s ? s->silent_ms : 0; }
+
+static dt_status store_gone_silent(dt_store *s)
+{
+    s->silent_ms = (int)((dt_now() - s->last_answer) * 1000.0) + 1;
+    return set_error(s->ctx, DT_ETIMEDOUT, "store: rank 0 (%s:%d, which serves the store) sent "
+                     "nothing for %d ms: it is silent (stopped or hung?)", s->addr, s->port,
+                     s->silent_ms);
+}
+
+/* Read (into buf, up to cap; the rest drained) the payload of a reply
+ * whose header said vlen bytes. */
+static int read_payload(dt_store *s, uint32_t vlen, void *buf, size_t cap, double deadline)
+{
     unsigned char tmp[256];
-    for (uint32_t got = 0; got < vlen;) {   /* what does not fit in buf is drained */
+    for (uint32_t got = 0; got < vlen;) {
         uint32_t chunk = vlen - got;
         unsigned char *dst = tmp;
-        if (got < cap) {
+        if (buf && got < cap) {
             dst = (unsigned char *)buf + got;
             if (chunk > cap - got)
                 chunk = (uint32_t)(cap - got);
         } else if (chunk > sizeof tmp) {
             chunk = sizeof tmp;
         }
-        if (sock_io(s->fd, dst, chunk, 0, deadline) != 0)
-            return set_error(ctx, DT_EPEER, "store: reply from rank 0 cut short");
+        int r = sock_io(s->fd, dst, chunk, 0, deadline, NULL);
+        if (r != 0)
+            return r;
         got += chunk;
     }
+    return 0;
+}
+
+/* One reply frame's header; 0, -1 (closed or malformed), -2 (nothing came
+ * by the deadline: the stream is still whole), -3 (cut off mid-frame). */
+static int read_reply_header(dt_store *s, unsigned char hdr[10], double deadline)
+{
+    size_t moved = 0;
+    int r = sock_io(s->fd, hdr, 10, 0, deadline, &moved);
+    if (r == -2 && moved > 0)
+        return -3;
+    if (r != 0)
+        return r;
+    uint32_t flen = get_u32(hdr), vlen = get_u32(hdr + 6);
+    return flen != 6 + vlen || vlen > DT_STORE_MAX_FRAME ? -1 : 0;
+}
+
+/* Replies that earlier calls gave up on, read and dropped. */
+static int skip_owed(dt_store *s, double deadline)
+{
+    while (s->owed > 0) {
+        unsigned char hdr[10];
+        int r = read_reply_header(s, hdr, deadline);
+        if (r == 0 && (r = read_payload(s, get_u32(hdr + 6), NULL, 0, deadline)) == -2)
+            r = -3;
+        if (r != 0)
+            return r;
+        s->owed--;
+    }
+    return 0;
+}
+
+/* Send one request frame and read its reply into buf (up to cap bytes).
+ * Returns DT_OK with *ok and *len set, or a status with the ctx message:
+ * DT_ETIMEDOUT when rank 0 stayed silent (store_silent_ms says how long),
+ * DT_EPEER when the connection failed.  A reply that does not come in time
+ * stays owed and is skipped by the next call. */
+static dt_status store_call(dt_store *s, const unsigned char *req, size_t n, int op,
+                            double deadline, void *buf, size_t cap, int *ok, size_t *len)
+{
+    dt_ctx *ctx = s->ctx;
+    if (s->until > 0 && s->until < deadline)
+        deadline = s->until;
+    if (s->broken)
+        return set_error(ctx, DT_EPEER, "store: the connection to rank 0 (%s:%d) broke after it "
+                         "went silent", s->addr, s->port);
+    int r = skip_owed(s, deadline);
+    if (r == -2)
+        return store_gone_silent(s);
+    if (r != 0) {
+        s->broken = r == -3;
+        return r == -3 ? store_gone_silent(s)
+                       : set_error(ctx, DT_EPEER, "store: lost the connection to rank 0 (%s:%d)",
+                                   s->addr, s->port);
+    }
+    unsigned char hdr[10];
+    size_t moved = 0, moved2 = 0;
+    put_u32(hdr, (uint32_t)n);
+    r = sock_io(s->fd, hdr, 4, 1, deadline, &moved);
+    if (r == 0)
+        r = sock_io(s->fd, (void *)req, n, 1, deadline, &moved2);
+    if (r != 0) {
+        s->broken = r == -2 && moved + moved2 > 0;   /* half a request sent */
+        return r == -2 ? store_gone_silent(s)
+                       : set_error(ctx, DT_EPEER, "store: lost the connection to rank 0 (%s:%d)",
+                                   s->addr, s->port);
+    }
+    r = read_reply_header(s, hdr, deadline);
+    if (r == -2) {
+        s->owed++;   /* the answer may still come: the next call skips it */
+        return store_gone_silent(s);
+    }
+    if (r == -3) {
+        s->broken = 1;
+        return store_gone_silent(s);
+    }
+    if (r != 0 || hdr[4] != (OP_REPLY | op))
+        return set_error(ctx, DT_EPEER, r ? "store: rank 0 (%s:%d) closed the connection"
+                                          : "store: malformed reply from rank 0 (%s:%d)",
+                         s->addr, s->port);
+    uint32_t vlen = get_u32(hdr + 6);
+    *ok = hdr[5];
+    *len = vlen;
+    r = read_payload(s, vlen, buf, cap, deadline);
+    if (r != 0) {
+        s->broken = r == -2;
+        return r == -2 ? store_gone_silent(s)
+                       : set_error(ctx, DT_EPEER, "store: reply from rank 0 cut short");
+    }
+    s->silent_ms = 0;
+    s->last_answer = dt_now();
     return DT_OK;
 }
 
@@ -821,6 +923,7 @@ DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_st
     }
     char why[DT_MAX_HOST + 128];
     s->fd = store_connect(s->addr, s->port, dt_now() + s->timeout_ms / 1000.0, why, sizeof why);
+    s->last_answer = dt_now();
     if (s->fd < 0) {
         set_error(ctx, DT_ETIMEDOUT, "store: rank %d cannot reach rank 0 at %s:%d within %d ms: %s",
                   s->rank, s->addr, s->port, s->timeout_ms, why);

@@ -12,6 +12,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <pthread.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -597,6 +598,131 @@ static void test_hung_rank(void **state)
     }
 }
 
+/* --- a silent rank, whichever it is ---------------------------------------
+ * The victim's second allreduce starts at once; a thread of its own stops
+ * the whole process (SIGSTOP) 100 ms in, so it freezes inside the wait.
+ * The others join 300 ms late and wait on it.  Every survivor must fail
+ * within the timeout (+ margin) naming the victim; then the harness sends
+ * SIGCONT and the victim must fail too: what it would finish is half a
+ * collective, the others having given up. */
+static int silent_victim;
+
+static void *stop_me_soon(void *arg)
+{
+    (void)arg;
+    struct timespec ts = {0, 100 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    raise(SIGSTOP);
+    return NULL;
+}
+
+static int job_silent(dt_comm *c, int rank, int world)
+{
+    float b[1000];
+    for (int i = 0; i < 1000; i++)
+        b[i] = 1;
+    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK || b[0] != (float)world)
+        return 70;
+    pthread_t th;
+    if (rank == silent_victim) {
+        if (pthread_create(&th, NULL, stop_me_soon, NULL) != 0)
+            return 75;
+    } else {
+        struct timespec late = {0, 300 * 1000 * 1000};
+        nanosleep(&late, NULL);
+    }
+    /* A rank whose part of a collective was done before the victim froze
+     * may finish it (its data is whole): the next one needs the victim. */
+    double t0 = dt_now(), t1 = t0;
+    dt_status st = DT_OK;
+    int k;
+    for (k = 2; k < 6 && st == DT_OK; k++) {
+        t1 = dt_now();
+        st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    }
+    double now = dt_now();
+    const char *m = dt_last_error(dt_comm_ctx_for_test(c));
+    fprintf(stderr, "rank %d%s: allreduce #%d %s after %.2f s (%.2f s since #2): %s\n", rank,
+            rank == silent_victim ? " (the stopped one)" : "", k - 1,
+            st == DT_OK ? "ok" : "failed", now - t1, now - t0, st == DT_OK ? "" : m);
+    if (rank == silent_victim) {
+        pthread_join(th, NULL);
+        return st == DT_OK ? 74 : 0;   /* resumed, it must fail too */
+    }
+    char want[32];
+    snprintf(want, sizeof want, "rank %d", silent_victim);
+    if (st == DT_OK)
+        return 71;
+    if (!strstr(m, want) || !strstr(m, silent_victim == 0 ? "silent" : "sent nothing") ||
+        strstr(m, "malformed"))
+        return 72;
+    /* 2 s timeout: within 2 T (the waits on a leader allow 1.5 T) + 1 s */
+    return now - t1 < 2 * 2.0 + 1.0 ? 0 : 73;
+}
+
+/* Fork the ranks; once every survivor has exited, SIGCONT the victim. */
+static void run_silent_job(int world, const char *prov, int victim, int *codes)
+{
+    int port = tr_free_port();
+    pid_t pids[16];
+    silent_victim = victim;
+    fflush(NULL);
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        assert_true(pids[r] >= 0);
+        if (pids[r] == 0)
+            rank_main(r, world, port, prov, 2000, job_silent);
+    }
+    pid_t others[16];
+    int oc[16], n = 0;
+    for (int r = 0; r < world; r++)
+        if (r != victim)
+            others[n++] = pids[r];
+    tr_reap(others, n, oc, 20);
+    for (int r = 0, k = 0; r < world; r++)
+        if (r != victim)
+            codes[r] = oc[k++];
+    kill(pids[victim], SIGCONT);
+    tr_reap(&pids[victim], 1, &codes[victim], 15);
+}
+
+static void test_silent_rank_any(void **state)
+{
+    (void)state;
+    struct {
+        int world, victim, groups;
+        const char *prov, *intra, *what;
+    } cases[] = {
+        {2, 0, 0, "shm", "transport", "rank 0 of 2, shm"},
+        {2, 1, 0, "shm", "transport", "rank 1 of 2, shm"},
+        {2, 0, 0, "tcp", "transport", "rank 0 of 2, tcp"},
+        {3, 0, 0, "tcp", "transport", "rank 0 of 3, tcp"},
+        {3, 1, 0, "shm", "transport", "rank 1 (middle) of 3, shm"},
+        {4, 0, 0, "shm", "transport", "rank 0 of 4, shm"},
+        {4, 2, 0, "tcp", "transport", "rank 2 (middle) of 4, tcp"},
+        {2, 0, 0, "tcp", "segment", "rank 0 of 2, host segment"},
+        {3, 1, 0, "tcp", "segment", "rank 1 of 3, host segment"},
+        {4, 0, 2, "tcp", "segment", "rank 0 of 4 (host 0's leader), 2 hosts"},
+        {4, 1, 2, "tcp", "segment", "rank 1 of 4 (host 1's leader), 2 hosts"},
+    };
+    int bad = 0;
+    for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
+        int codes[16];
+        intra_mode = cases[k].intra;
+        host_groups = cases[k].groups;
+        fprintf(stderr, "-- silent %s\n", cases[k].what);
+        run_silent_job(cases[k].world, cases[k].prov, cases[k].victim, codes);
+        intra_mode = "transport";
+        host_groups = 0;
+        for (int r = 0; r < cases[k].world; r++)
+            if (codes[r] != 0) {
+                fprintf(stderr, "silent %s: rank %d exited with %d\n", cases[k].what, r, codes[r]);
+                bad++;
+            }
+    }
+    if (bad) fail_msg("%d ranks did not end as they should", bad);
+}
+
 /* A second process claiming a live rank is refused (a restart is only
  * accepted once the store has seen the first one die), and the job goes
  * on. */
@@ -809,6 +935,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_killed_rank),
     cmocka_unit_test(test_duplicate_rank),
     cmocka_unit_test(test_hung_rank),
+    cmocka_unit_test(test_silent_rank_any),
     cmocka_unit_test(test_forged_messages),
     cmocka_unit_test(test_point_to_point),
     cmocka_unit_test(test_process_groups),

@@ -459,6 +459,49 @@ static void test_data_corrupt_idx(void **state)
     tu_rmdir(dir);
 }
 
+/* An allocator that refuses anything over 64 MiB, so a load that trusts a
+ * header's claim fails with DT_ENOMEM instead of DT_ECORRUPT. */
+static void *small_malloc(size_t n, void *u) { (void)u; return n > ((size_t)64 << 20) ? NULL : malloc(n); }
+static void *small_realloc(void *p, size_t n, void *u)
+{
+    (void)u;
+    return n > ((size_t)64 << 20) ? NULL : realloc(p, n);
+}
+static void small_free(void *p, void *u) { (void)u; free(p); }
+
+/* Found by tests/fuzz/fuzz_idx.c (its corpus keeps the input as
+ * regress-huge-count): a 40-byte file whose header claims 587 M images of
+ * 2x2 was given 2.3 GB before a byte of data was read.  The memory now
+ * grows with the data the file holds: the file is refused as truncated. */
+static void test_data_idx_header_claims_too_much(void **state)
+{
+    (void)state;
+    char dir[64], img[128], lab[128];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(img, sizeof img, "%s/img", dir);
+    snprintf(lab, sizeof lab, "%s/lab", dir);
+    uint8_t hdr[16 + 24];
+    put_be32(hdr, 0x803);
+    put_be32(hdr + 4, 0x23000003u);
+    put_be32(hdr + 8, 2);
+    put_be32(hdr + 12, 2);
+    memset(hdr + 16, 0xff, sizeof hdr - 16);
+    for (int gz = 0; gz < 2; gz++) {
+        write_bytes(img, gz, hdr, sizeof hdr);
+        write_labels(lab, gz, N, 0x801, SIZE_MAX);
+        dt_config cfg;
+        dt_config_init(&cfg);
+        cfg.allocator = (dt_allocator){small_malloc, small_realloc, small_free, NULL};
+        dt_ctx *ctx = dt_ctx_new(&cfg);
+        assert_non_null(ctx);
+        assert_null(dt_dataset_load_idx(ctx, img, lab));
+        if (dt_last_status(ctx) != DT_ECORRUPT || !strstr(dt_last_error(ctx), "truncated"))
+            fail_msg("gz %d: %s (%s)", gz, dt_last_error(ctx), dt_strerror(dt_last_status(ctx)));
+        dt_ctx_free(ctx);
+    }
+    tu_rmdir(dir);
+}
+
 /* ---------------------------------------------------------------------------
  * Fashion-MNIST, checked against our own read of the gzip files.
  * ------------------------------------------------------------------------- */
@@ -560,6 +603,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_data_loader_prefetch),
     cmocka_unit_test(test_data_loader_shards),
     cmocka_unit_test(test_data_corrupt_idx),
+    cmocka_unit_test(test_data_idx_header_claims_too_much),
     cmocka_unit_test(test_data_fashion_mnist),
 };
 

@@ -2319,7 +2319,9 @@ static void test_hogwild(void **state)
     dt_hogwild_stats st;
     tu_check_status(ctx, dt_hogwild_run(ctx, &hc, hw_build, hw_loss, hw_free, NULL, &st), "hogwild");
     double after = hw_eval(ctx, m);
-    if (!(after < 0.8 * before))
+    print_message("hogwild: held-out loss %.4f -> %.4f (%.3f of the start)\n", before, after,
+                  after / before);
+    if (!(after < 0.3 * before))   /* measured: 0.151 of the start (0.6949 -> 0.1052) */
         fail_msg("hogwild: held-out loss %.4f -> %.4f", before, after);
     dt_tensor_get(m->emb, emb1, HW_ROWS * 2);
     assert_memory_equal(emb0 + HW_USED * 2, emb1 + HW_USED * 2, sizeof(float) * (HW_ROWS - HW_USED) * 2);

@@ -5,7 +5,8 @@
  *
  * Each group exports dt_test_<group>() (runs it, returns its failure
  * count) and dt_test_<group>_count() (its number of tests; test_util.h's
- * DT_TEST_GROUP defines both).  The CPU kernel group lives in
+ * DT_TEST_GROUP defines both).  A filter (DT_TEST_GROUPS, DT_TEST_ONLY)
+ * that selects no test at all is an error: a typo must not pass as green.  The CPU kernel group lives in
  * test_cpu_kernels.c; its count function is optional (weak) so that file
  * can adopt the convention on its own schedule: without it, its passes
  * cannot be counted and a note says so.
@@ -81,7 +82,13 @@ int main(void)
     }
     int skipped = dt_test_skipped;
     if (skipped) fprintf(stdout, "%d skipped\n", skipped);
-    fprintf(stdout, "%d passed, %d failed\n", total - failed - skipped, failed);
+    if (total == 0) {
+        fprintf(stdout, "no test matched DT_TEST_GROUPS='%s' DT_TEST_ONLY='%s'\n",
+                only ? only : "", getenv("DT_TEST_ONLY") ? getenv("DT_TEST_ONLY") : "");
+        failed = 1;
+    }
+    fprintf(stdout, "%d passed, %d failed\n", total - failed - skipped > 0 ? total - failed - skipped : 0,
+            failed);
     fflush(stdout);
     return failed ? 1 : 0;
 }
