@@ -7103,6 +7103,74 @@ dt_status dt_checkpoint_metadata(dt_ctx *ctx, const char *path, const char *key,
     return s;
 }
 
+/* Whether path is a dtrain checkpoint that passes every check of a load;
+ * its step then. */
+static int ckpt_complete(dt_ctx *ctx, const char *path, int64_t *step)
+{
+    unsigned char *buf = NULL;
+    size_t len = 0;
+    uint64_t hlen = 0;
+    st_file f;
+    memset(&f, 0, sizeof f);
+    dt_status s = st_open(ctx, path, &buf, &len, &f, &hlen);
+    if (s == DT_OK && !(f.seen & ST_STEP))
+        s = set_error(ctx, DT_ECORRUPT, "checkpoint_latest: %s has no dtrain.step", path);
+    if (s == DT_OK && (f.seen & ST_CHECKSUM))
+        s = st_verify(ctx, path, &f, buf + 8 + hlen);
+    *step = f.step;
+    st_file_free(ctx, &f);
+    host_free(ctx, buf);
+    return s == DT_OK;
+}
+
+dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t cap, int64_t *step)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!dir || !path || cap == 0)
+        return set_error(ctx, DT_EINVAL, "checkpoint_latest: dir and a path buffer are required");
+    path[0] = '\0';
+    if (step)
+        *step = -1;
+    DIR *d = opendir(dir);
+    if (!d)
+        return set_error(ctx, DT_EIO, "checkpoint_latest: cannot read %s: %s", dir,
+                         strerror(errno));
+    int64_t best = -1;
+    size_t dl = strlen(dir);
+    dt_status s = DT_OK;
+    struct dirent *e;
+    while (s == DT_OK && (e = readdir(d)) != NULL) {
+        size_t nl = strlen(e->d_name);
+        if (nl < 12 || strcmp(e->d_name + nl - 12, ".safetensors") != 0)
+            continue;
+        char *full = host_alloc(ctx, dl + nl + 2);
+        if (!full) {
+            s = set_error(ctx, DT_ENOMEM, "checkpoint_latest: out of memory");
+            break;
+        }
+        snprintf(full, dl + nl + 2, "%s%s%s", dir, dl && dir[dl - 1] == '/' ? "" : "/", e->d_name);
+        int64_t at = -1;
+        if (!ckpt_complete(ctx, full, &at))
+            warn(ctx, "checkpoint_latest: skipping %s: %s", full, dt_last_error(ctx));
+        else if (at > best && dl + nl + 2 > cap)
+            s = set_error(ctx, DT_EINVAL, "checkpoint_latest: %s does not fit in %zu bytes", full,
+                          cap);
+        else if (at > best) {
+            best = at;
+            snprintf(path, cap, "%s", full);
+        }
+        host_free(ctx, full);
+    }
+    closedir(d);
+    if (s == DT_OK) {
+        dt_clear_error(ctx);
+        if (step)
+            *step = best;
+    }
+    return s;
+}
+
 /* ======= src/dataset.c ======= */
 
 /* ===========================================================================
@@ -13038,9 +13106,11 @@ static void remove_shm_of(pid_t pid)
 
 /* In a freshly forked rank: its environment, its output on the pipes. */
 static void rank_setup(const dt_spawn_config *cfg, int rank, int port, const char *token,
-                       int out_fd, int err_fd)
+                       int attempt, int out_fd, int err_fd)
 {
     char v[64];
+    snprintf(v, sizeof v, "%d", attempt);
+    setenv("DTRAIN_RESTART", v, 1);   /* 0, then 1, 2, ... after each restart */
     snprintf(v, sizeof v, "%d", rank);
     setenv("DTRAIN_RANK", v, 1);
     setenv("DTRAIN_LOCAL_RANK", v, 1);
@@ -13144,7 +13214,7 @@ static void streams_close(spawn_rank *r, int n)
 
 /* Supervise until every rank exited and every pipe drained. */
 static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int sfd,
-                     int *first_failed)
+                     int *first_failed, int *interrupted)
 {
     int n = cfg->nranks, live = 0, grace = cfg->grace_ms > 0 ? cfg->grace_ms : 5000;
     for (int i = 0; i < n; i++)   /* ranks that never started count as exited */
@@ -13182,8 +13252,10 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
                 stream_read(&r[owner[i] / 2].s[owner[i] % 2], owner[i] / 2);
         if (sfd >= 0 && (pf[0].revents & POLLIN)) {
             struct signalfd_siginfo si;
-            if (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
+            if (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {
                 signal_ranks(r, n, (int)si.ssi_signo, 1);   /* forward Ctrl-C / TERM */
+                *interrupted = 1;   /* the user's stop: no restart */
+            }
         }
         for (int i = 0; i < n; i++) {
             if (r[i].exited)
@@ -13213,22 +13285,14 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
     return 0;
 }
 
-static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
-                            int *rank_out, int *failed_out)
+/* One run of the whole job (attempt 0, or a restart). */
+static dt_status spawn_once(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
+                            const char *token, int attempt, int *rank_out, int *failed_out,
+                            int *interrupted)
 {
-    if (!ctx_ok(ctx))
-        return DT_EINVAL;
-    if (!cfg || cfg->nranks < 1 || cfg->nranks > DT_SPAWN_MAX_RANKS)
-        return set_error(ctx, DT_EINVAL, "spawn: nranks must be 1..%d", DT_SPAWN_MAX_RANKS);
     int port = free_local_port();
     if (port < 0)
         return set_error(ctx, DT_EIO, "spawn: no free local port for the rendezvous");
-    char token[40];
-    const char *env_token = getenv("DTRAIN_JOB_TOKEN");
-    if (env_token && strlen(env_token) < sizeof token)
-        snprintf(token, sizeof token, "%s", env_token);
-    else
-        random_token(token, sizeof token);
     int n = cfg->nranks, first_failed = -1;
     spawn_rank *r = host_calloc(ctx, sizeof *r * (size_t)n);
     if (!r)
@@ -13259,7 +13323,7 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
             pthread_sigmask(SIG_SETMASK, &old, NULL);
             if (sfd >= 0)
                 close(sfd);
-            rank_setup(cfg, i, port, token, po[1], pe[1]);
+            rank_setup(cfg, i, port, token, attempt, po[1], pe[1]);
             if (argv) {   /* a failed exec's errno goes back through ep (closed by a good one) */
                 close(ep[0]);
                 execvp(argv[0], argv);
@@ -13305,7 +13369,7 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
             r[i].exited = 1;
             r[i].s[0].fd = r[i].s[1].fd = -1;
         }
-    if (supervise(ctx, cfg, r, sfd, &first_failed) != 0 && st == DT_OK)
+    if (supervise(ctx, cfg, r, sfd, &first_failed, interrupted) != 0 && st == DT_OK)
         st = set_error(ctx, DT_ENOMEM, "spawn: out of memory while supervising");
     if (sfd >= 0)
         close(sfd);
@@ -13325,6 +13389,51 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
     if (rank_out)
         *rank_out = -1;
     return st;
+}
+
+/* The job, started again after a failure up to cfg->max_restarts times
+ * (a program that cannot be started at all is not retried).  With
+ * min_ranks, a rank that failed first in two runs in a row is taken for
+ * one that cannot run again: the next run has one rank fewer (the others
+ * renumbered), as long as min_ranks are left. */
+static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
+                            int *rank_out, int *failed_out)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!cfg || cfg->nranks < 1 || cfg->nranks > DT_SPAWN_MAX_RANKS || cfg->max_restarts < 0 ||
+        cfg->min_ranks < 0 || cfg->min_ranks > cfg->nranks)
+        return set_error(ctx, DT_EINVAL, "spawn: nranks must be 1..%d, max_restarts >= 0 and "
+                         "min_ranks 0..nranks", DT_SPAWN_MAX_RANKS);
+    char token[40];
+    const char *env_token = getenv("DTRAIN_JOB_TOKEN");
+    if (env_token && strlen(env_token) < sizeof token)
+        snprintf(token, sizeof token, "%s", env_token);
+    else
+        random_token(token, sizeof token);
+    dt_spawn_config run = *cfg;
+    int last_failed = -1;
+    for (int attempt = 0;; attempt++) {
+        int failed = -1, interrupted = 0;
+        dt_status st = spawn_once(ctx, &run, argv, token, attempt, rank_out, &failed, &interrupted);
+        if (*rank_out >= 0)
+            return DT_OK;   /* a rank (dt_spawn): this process runs it */
+        if (failed_out)
+            *failed_out = failed;
+        if (st != DT_EPEER || interrupted || attempt >= cfg->max_restarts)
+            return st;
+        int drop = cfg->min_ranks > 0 && failed == last_failed && run.nranks > cfg->min_ranks;
+        warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
+             attempt + 1, cfg->max_restarts,
+             drop ? " with one rank fewer: this rank failed first twice in a row" : "");
+        if (drop) {
+            run.nranks--;
+            last_failed = -1;
+        } else {
+            last_failed = failed;
+        }
+        dt_clear_error(ctx);
+    }
 }
 
 dt_status dt_spawn(dt_ctx *ctx, const dt_spawn_config *cfg, int *rank)

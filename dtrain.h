@@ -698,6 +698,16 @@ DT_API dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const c
 DT_API dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
                                        const dt_checkpoint_config *cfg, int64_t *step_out,
                                        dt_checkpoint_report *report);
+/* The newest complete checkpoint in dir: of its regular files named
+ * "*.safetensors", the one with the highest "dtrain.step" among those that
+ * pass every check of a load (layout, metadata, checksums), its path into
+ * path (cut at cap: DT_EINVAL) and its step into *step (may be NULL).  None:
+ * DT_OK with path "" and *step -1.  Files that fail the checks are skipped
+ * with a note through dt_set_log.  What an elastic restart resumes from
+ * (dtrun --max-restarts; the examples' --resume auto).  DT_EINVAL: NULLs,
+ * cap 0; DT_EIO: dir cannot be read. */
+DT_API dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t cap,
+                                      int64_t *step);
 /* The value of metadata key in the checkpoint at path (a NUL-terminated
  * string into value, cut at len); the file is read and checked whole, as
  * for a load.  DT_EINVAL:
@@ -1140,6 +1150,20 @@ typedef struct dt_spawn_config {
     int nranks;                /* processes to start, >= 1 */
     const char *transport;     /* DTRAIN_TRANSPORT for the ranks, or NULL */
     int grace_ms;              /* SIGTERM -> SIGKILL delay; 0: 5000 */
+    int max_restarts;          /* 0 (default): a failed rank ends the job; N: the job is
+                                  started again (all ranks, a new rendezvous, each with
+                                  DTRAIN_RESTART=1, 2, ...) up to N times, as torchrun's
+                                  --max-restarts; each restart is told through dt_set_log.
+                                  Not after SIGINT/SIGTERM, nor when the program cannot
+                                  be started.  The program resumes from its newest
+                                  checkpoint (dt_checkpoint_latest) */
+    int min_ranks;             /* with max_restarts: 0 (default) restarts with all ranks;
+                                  M: a rank that failed first in two runs in a row is
+                                  taken for one that cannot run again, and the next run
+                                  has one rank fewer (renumbered 0..n-2), down to M
+                                  (torchrun's --nnodes MIN:MAX for ranks of one host).
+                                  The program keeps its global batch (see --global-batch
+                                  in examples/fashion_mnist.c) */
     int prefix_output;         /* 1: "[rank] " before every line of output */
     int bind_cpus;             /* 1 (default): when there are at least as many CPUs
                                   (of those this process may use) as ranks, rank i
@@ -1152,8 +1176,10 @@ DT_API void dt_spawn_config_init(dt_spawn_config *cfg);
  * DT_OK with *rank = its rank (the worker then runs the job and exits).  In
  * the caller it supervises them and returns when all have ended: DT_OK with
  * *rank = -1 if every rank exited 0, else DT_EPEER naming the first rank
- * that failed (its exit code or signal).  DT_EINVAL: nranks outside
- * 1..1024, rank NULL; DT_EIO: no free port, pipe or fork failed.  The
+ * that failed (its exit code or signal; with max_restarts, of the last
+ * run).  DT_EINVAL: nranks outside 1..1024, max_restarts < 0, min_ranks
+ * outside 0..nranks, rank NULL;
+ * DT_EIO: no free port, pipe or fork failed.  The
  * workers are fork()s of the caller: call it before anything starts a
  * thread (a store, communicator, prefetching loader, dt_dp). */
 DT_API dt_status dt_spawn(dt_ctx *ctx, const dt_spawn_config *cfg, int *rank);

@@ -32,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -42,7 +43,7 @@ typedef struct options {
     const char *model, *data, *save, *resume, *optim, *ps_mode, *backend, *amp;
     const char *trace, *loss_log;
     int epochs, batch, threads, limit_batches, ranks, servers, staleness, device;
-    int profile, balance, steal, slow_rank;
+    int profile, balance, steal, slow_rank, global_batch;
     float lr, slow_factor;
     unsigned long long seed;
 } options;
@@ -60,6 +61,9 @@ static void usage(FILE *f)
             "  --model mlp|cnn     784-512-512-10 MLP or the 2-conv CNN (default mlp)\n"
             "  --epochs N          training epochs (default 10)\n"
             "  --batch N           batch size (default 128 for mlp, 64 for cnn)\n"
+            "  --global-batch G    G samples a step over all ranks (each G / ranks), in the\n"
+            "                      order one process would take them: the same training\n"
+            "                      on any number of ranks (dtrun --min-ranks)\n"
             "  --lr X              learning rate (default 1e-3, Adam with cosine decay)\n"
             "  --optim adam|sgd    optimizer (sgd uses momentum 0.9; default adam)\n"
             "  --threads N         compute threads per rank (default 1)\n"
@@ -73,8 +77,10 @@ static void usage(FILE *f)
             "  --ps-mode M         bsp, asp or ssp, with --servers (default bsp)\n"
             "  --staleness S       ssp's bound (default 2)\n"
             "  --seed N            seed for init and shuffling (default 1)\n"
-            "  --save PATH         write a checkpoint after every epoch\n"
-            "  --resume PATH       continue from a checkpoint\n"
+            "  --save PATH         write a checkpoint after every epoch (PATH ending in '/':\n"
+            "                      a directory, one file per epoch, DIR/step-N.safetensors)\n"
+            "  --resume PATH|auto  continue from a checkpoint; auto: the newest complete one\n"
+            "                      --save wrote, if any (what dtrun --max-restarts needs)\n"
             "  --data DIR          dataset directory (default /usr/share/datasets/fashion-mnist)\n"
             "  --limit-batches N   stop each epoch after N batches (quick runs)\n"
             "  --profile           profile every rank; rank 0 prints the report at the end\n"
@@ -122,6 +128,7 @@ static int parse_args(int argc, char **argv, options *o)
         if (!strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "--epochs")) ok = parse_int(a, v, 1, &o->epochs);
         else if (!strcmp(a, "--batch")) ok = parse_int(a, v, 1, &o->batch);
+        else if (!strcmp(a, "--global-batch")) ok = parse_int(a, v, 1, &o->global_batch);
         else if (!strcmp(a, "--threads")) ok = parse_int(a, v, 1, &o->threads);
         else if (!strcmp(a, "--ranks")) ok = parse_int(a, v, 1, &o->ranks);
         else if (!strcmp(a, "--limit-batches")) ok = parse_int(a, v, 1, &o->limit_batches);
@@ -179,8 +186,13 @@ static int parse_args(int argc, char **argv, options *o)
         fprintf(stderr, "fashion_mnist: --ps-mode must be bsp, asp or ssp, got '%s'\n", o->ps_mode);
         return 0;
     }
-    if (o->servers && (o->ranks <= o->servers || o->resume)) {
-        fprintf(stderr, "fashion_mnist: --servers needs more --ranks than servers (and no --resume)\n");
+    if (o->resume && !strcmp(o->resume, "auto") && !o->save) {
+        fprintf(stderr, "fashion_mnist: --resume auto needs --save (where to look)\n");
+        return 0;
+    }
+    if (o->servers && (o->ranks <= o->servers || o->resume || o->global_batch)) {
+        fprintf(stderr, "fashion_mnist: --servers needs more --ranks than servers (and no "
+                        "--resume or --global-batch)\n");
         return 0;
     }
     if (!o->batch)
@@ -242,6 +254,41 @@ static dt_tensor *model_forward(dt_ctx *ctx, const model *m, dt_tensor *x)
     h = dt_max_pool2d(ctx, h, 2, 2, 0);
     h = dt_relu(ctx, dt_linear(ctx, dt_flatten(ctx, h, 1), m->f1w, m->f1b));
     return dt_linear(ctx, h, m->f2w, m->f2b);
+}
+
+/* --save PATH: a file, replaced every epoch; PATH ending in '/': a
+ * directory (made if missing) of one file per epoch. */
+static int save_epoch(dt_ctx *ctx, dt_optim *opt, const char *save, int64_t step)
+{
+    size_t l = strlen(save);
+    if (l == 0 || save[l - 1] != '/')
+        return dt_checkpoint_save(ctx, opt, save, step) == DT_OK;
+    char path[4096];
+    mkdir(save, 0755);   /* (an error shows in the save) */
+    snprintf(path, sizeof path, "%sstep-%lld.safetensors", save, (long long)step);
+    return dt_checkpoint_save(ctx, opt, path, step) == DT_OK;
+}
+
+/* Where to resume from: --resume PATH, or with "auto" the newest complete
+ * checkpoint --save wrote ("" when there is none yet: a fresh start). */
+static int resume_path(dt_ctx *ctx, const options *o, char *path, size_t cap)
+{
+    path[0] = '\0';
+    if (!o->resume)
+        return 1;
+    if (strcmp(o->resume, "auto") != 0) {
+        snprintf(path, cap, "%s", o->resume);
+        return 1;
+    }
+    size_t l = strlen(o->save);
+    if (l && o->save[l - 1] == '/') {
+        struct stat st;
+        return stat(o->save, &st) != 0 ||
+               dt_checkpoint_latest(ctx, o->save, path, cap, NULL) == DT_OK;
+    }
+    if (access(o->save, F_OK) == 0)
+        snprintf(path, cap, "%s", o->save);
+    return 1;
 }
 
 static void progress(int tty, int epoch, int epochs, int64_t done, int64_t total, double loss,
@@ -373,13 +420,21 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_loader_config lc;
     dt_loader_config_init(&lc);
     lc.batch = o->batch;
+    if (o->global_batch && o->global_batch % ranks) {
+        fprintf(stderr, "fashion_mnist: --global-batch %d is not a multiple of %d ranks\n",
+                o->global_batch, ranks);
+        goto done;
+    }
+    if (o->global_batch)
+        lc.batch = o->global_batch / ranks;
     lc.seed = o->seed;
     lc.mean = FMNIST_MEAN;
     lc.std = FMNIST_STD;
     lc.prefetch = 1;
     lc.shard_rank = rank;    /* each rank its own shard, reshuffled every epoch */
     lc.shard_count = ranks;
-    lc.global_batches = o->balance && ranks > 1;   /* slices of global batches, cut by speed */
+    /* slices of global batches: cut by speed (--balance), or evenly (--global-batch) */
+    lc.global_batches = (o->balance || o->global_batch) && ranks > 1;
     if (!(train_ld = dt_loader_new(ctx, train_ds, &lc)))
         goto fail_ctx;
     dt_eval_config ec;
@@ -400,11 +455,18 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     if (dt_optim_set_schedule(opt, &sched) != DT_OK)
         goto fail_ctx;
     int64_t step = 0;
-    if (o->resume) {
-        if (dt_checkpoint_load(ctx, opt, o->resume, &step) != DT_OK)
+    char from[4096];
+    if (!resume_path(ctx, o, from, sizeof from))
+        goto fail_ctx;
+    if (from[0]) {
+        if (dt_checkpoint_load(ctx, opt, from, &step) != DT_OK)
             goto fail_ctx;
         if (talk)
-            printf("resumed from %s at step %lld\n", o->resume, (long long)step);
+            printf("resumed from %s at step %lld (restart %s)\n", from, (long long)step,
+                   getenv("DTRAIN_RESTART") ? getenv("DTRAIN_RESTART") : "0");
+    } else if (talk && o->resume) {
+        printf("resumed from nothing: no checkpoint yet, starting at step 0 (restart %s)\n",
+               getenv("DTRAIN_RESTART") ? getenv("DTRAIN_RESTART") : "0");
     }
     /* after a resume every rank holds the same weights anyway; otherwise
      * rank 0's initialisation goes to all */
@@ -413,7 +475,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     if (ddp && o->balance && dt_ddp_balance(ddp, train_ld, 10) != DT_OK)
         goto fail_ctx;
     if (talk) {
-        printf("model %s, %d epochs, batch %d", o->model, o->epochs, o->batch);
+        printf("model %s, %d epochs, batch %d", o->model, o->epochs, (int)lc.batch);
         if (ranks > 1)
             printf(" per rank x %d ranks (DDP over %s)", ranks, dt_comm_transport(comm));
         printf(", lr %g, %s backend, %d threads, %d parameter tensors", (double)o->lr,
@@ -490,7 +552,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                    tty ? "\n" : "", epoch + 1, sums[0] / (double)(per_epoch * ranks),
                    100.0 * sums[1] / (double)(sums[2] > 0 ? sums[2] : 1), 100 * tm.accuracy,
                    (double)sums[2] / bd.total, bd.total, bd.data, bd.exposed);
-        if (o->save && rank == 0 && dt_checkpoint_save(ctx, opt, o->save, step) != DT_OK)
+        if (o->save && rank == 0 && !save_epoch(ctx, opt, o->save, step))
             goto fail_ctx;
     }
     dt_metrics tm;

@@ -1152,3 +1152,71 @@ dt_status dt_checkpoint_metadata(dt_ctx *ctx, const char *path, const char *key,
     host_free(ctx, buf);
     return s;
 }
+
+/* Whether path is a dtrain checkpoint that passes every check of a load;
+ * its step then. */
+static int ckpt_complete(dt_ctx *ctx, const char *path, int64_t *step)
+{
+    unsigned char *buf = NULL;
+    size_t len = 0;
+    uint64_t hlen = 0;
+    st_file f;
+    memset(&f, 0, sizeof f);
+    dt_status s = st_open(ctx, path, &buf, &len, &f, &hlen);
+    if (s == DT_OK && !(f.seen & ST_STEP))
+        s = set_error(ctx, DT_ECORRUPT, "checkpoint_latest: %s has no dtrain.step", path);
+    if (s == DT_OK && (f.seen & ST_CHECKSUM))
+        s = st_verify(ctx, path, &f, buf + 8 + hlen);
+    *step = f.step;
+    st_file_free(ctx, &f);
+    host_free(ctx, buf);
+    return s == DT_OK;
+}
+
+dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t cap, int64_t *step)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!dir || !path || cap == 0)
+        return set_error(ctx, DT_EINVAL, "checkpoint_latest: dir and a path buffer are required");
+    path[0] = '\0';
+    if (step)
+        *step = -1;
+    DIR *d = opendir(dir);
+    if (!d)
+        return set_error(ctx, DT_EIO, "checkpoint_latest: cannot read %s: %s", dir,
+                         strerror(errno));
+    int64_t best = -1;
+    size_t dl = strlen(dir);
+    dt_status s = DT_OK;
+    struct dirent *e;
+    while (s == DT_OK && (e = readdir(d)) != NULL) {
+        size_t nl = strlen(e->d_name);
+        if (nl < 12 || strcmp(e->d_name + nl - 12, ".safetensors") != 0)
+            continue;
+        char *full = host_alloc(ctx, dl + nl + 2);
+        if (!full) {
+            s = set_error(ctx, DT_ENOMEM, "checkpoint_latest: out of memory");
+            break;
+        }
+        snprintf(full, dl + nl + 2, "%s%s%s", dir, dl && dir[dl - 1] == '/' ? "" : "/", e->d_name);
+        int64_t at = -1;
+        if (!ckpt_complete(ctx, full, &at))
+            warn(ctx, "checkpoint_latest: skipping %s: %s", full, dt_last_error(ctx));
+        else if (at > best && dl + nl + 2 > cap)
+            s = set_error(ctx, DT_EINVAL, "checkpoint_latest: %s does not fit in %zu bytes", full,
+                          cap);
+        else if (at > best) {
+            best = at;
+            snprintf(path, cap, "%s", full);
+        }
+        host_free(ctx, full);
+    }
+    closedir(d);
+    if (s == DT_OK) {
+        dt_clear_error(ctx);
+        if (step)
+            *step = best;
+    }
+    return s;
+}

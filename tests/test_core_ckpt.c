@@ -986,6 +986,48 @@ static void test_ckpt_corruption_sweep(void **state)
     tu_rmdir(dir);
 }
 
+/* dt_checkpoint_latest: the highest step among the files that pass every
+ * check; a corrupt newer one is skipped with a note. */
+static void test_ckpt_latest(void **state)
+{
+    (void)state;
+    char dir[64], p[160], got[256];
+    tu_tmpdir(dir, sizeof dir);
+    fixture f;
+    fx_init(&f, 31, 1);
+    char note[512] = "";
+    dt_set_log(f.ctx, keep_note, note);
+    int64_t step = 99;
+    tu_check_status(f.ctx, dt_checkpoint_latest(f.ctx, dir, got, sizeof got, &step), "empty dir");
+    assert_string_equal(got, "");
+    assert_int_equal(step, -1);
+    const int steps[] = {1, 5, 3, 9};
+    for (int i = 0; i < 4; i++) {
+        snprintf(p, sizeof p, "%s/step-%d.safetensors", dir, steps[i]);
+        tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, f.opt, p, steps[i]), "save");
+    }
+    snprintf(p, sizeof p, "%s/notes.txt", dir);
+    tu_write_file(p, "not a checkpoint", 16);
+    snprintf(p, sizeof p, "%s/step-9.safetensors", dir);   /* the newest, flipped */
+    size_t len = 0;
+    unsigned char *buf = tu_read_file(p, &len);
+    assert_non_null(buf);
+    buf[len - 3] ^= 0x10;
+    tu_write_file(p, buf, len);
+    free(buf);
+    tu_check_status(f.ctx, dt_checkpoint_latest(f.ctx, dir, got, sizeof got, &step), "latest");
+    snprintf(p, sizeof p, "%s/step-5.safetensors", dir);
+    assert_string_equal(got, p);
+    assert_int_equal(step, 5);
+    if (!strstr(note, "step-9.safetensors") || !strstr(note, "checksum")) fail_msg("note: %s", note);
+    assert_int_equal(dt_checkpoint_latest(f.ctx, dir, got, 8, &step), DT_EINVAL);   /* too small */
+    snprintf(p, sizeof p, "%s/nope", dir);
+    assert_int_equal(dt_checkpoint_latest(f.ctx, p, got, sizeof got, &step), DT_EIO);
+    assert_int_equal(dt_checkpoint_latest(f.ctx, NULL, got, sizeof got, &step), DT_EINVAL);
+    fx_free(&f);
+    tu_rmdir(dir);
+}
+
 /* A directory given as the checkpoint path: fopen succeeds on Linux, so
  * the size must be checked (it is not a regular file). */
 static void test_ckpt_load_directory(void **state)
@@ -1179,6 +1221,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ckpt_corrupt_truncated),
     cmocka_unit_test(test_ckpt_corrupt_header),
     cmocka_unit_test(test_ckpt_corruption_sweep),
+    cmocka_unit_test(test_ckpt_latest),
     cmocka_unit_test(test_ckpt_corrupt_entries),
     cmocka_unit_test(test_ckpt_mismatched_model),
     cmocka_unit_test(test_ckpt_load_directory),

@@ -230,6 +230,68 @@ static void test_launch_stops_whole_ranks(void **state)
     dt_ctx_free(ctx);
 }
 
+/* The launcher's notes, one per line. */
+static void keep_notes(void *user, const char *msg)
+{
+    char *buf = user;
+    size_t l = strlen(buf);
+    snprintf(buf + l, 4096 - l, "%s\n", msg);
+}
+
+static int count_of(const char *hay, const char *needle)
+{
+    int n = 0;
+    for (const char *p = strstr(hay, needle); p; p = strstr(p + 1, needle))
+        n++;
+    return n;
+}
+
+/* max_restarts: a rank that fails on the first run only is restarted with
+ * the whole job (DTRAIN_RESTART counts the runs); one that always fails ends
+ * the job after the restarts, and each restart is told. */
+static void test_launch_restarts(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = new_ctx();
+    char notes[4096] = "";
+    dt_set_log(ctx, keep_notes, notes);
+    dt_spawn_config cfg;
+    dt_spawn_config_init(&cfg);
+    cfg.nranks = 3;
+    cfg.grace_ms = 500;
+    cfg.prefix_output = 0;
+    cfg.max_restarts = 2;
+    /* first run: rank 1 fails, the others would sleep (they are stopped);
+     * second run (DTRAIN_RESTART=1): all succeed */
+    char *const once[] = {"/bin/sh", "-c",
+                          "if [ \"$DTRAIN_RESTART\" = 0 ]; then [ \"$DTRAIN_RANK\" = 1 ] && "
+                          "{ sleep 0.2; exit 3; }; exec sleep 30; fi; "
+                          "[ \"$DTRAIN_RESTART\" = 1 ] || exit 4; exit 0", NULL};
+    int failed = -2;
+    assert_int_equal(dt_launch(ctx, &cfg, once, &failed), DT_OK);
+    assert_int_equal(failed, -1);
+    if (count_of(notes, "restarting the job (restart 1 of 2)") != 1 ||
+        !strstr(notes, "rank 1 exited with code 3") || count_of(notes, "restart 2") != 0)
+        fail_msg("notes:\n%s", notes);
+    notes[0] = '\0';
+    char *const always[] = {"/bin/sh", "-c", "[ \"$DTRAIN_RANK\" = 2 ] && exit 5; exec sleep 30",
+                            NULL};
+    double t0 = dt_now();
+    assert_int_equal(dt_launch(ctx, &cfg, always, &failed), DT_EPEER);
+    assert_int_equal(failed, 2);
+    assert_true(dt_now() - t0 < 10.0);
+    assert_non_null(strstr(dt_last_error(ctx), "rank 2 exited with code 5"));
+    if (count_of(notes, "restarting the job") != 2) fail_msg("notes:\n%s", notes);
+    /* not restarted: a program that cannot run; bad settings */
+    notes[0] = '\0';
+    char *const missing[] = {"/nonexistent/prog", NULL};
+    assert_int_equal(dt_launch(ctx, &cfg, missing, &failed), DT_EIO);
+    assert_int_equal(count_of(notes, "restarting"), 0);
+    cfg.max_restarts = -1;
+    assert_int_equal(dt_launch(ctx, &cfg, once, &failed), DT_EINVAL);
+    dt_ctx_free(ctx);
+}
+
 /* the lowest CPU in a set, -1 if none */
 static int first_cpu(const cpu_set_t *s)
 {
@@ -321,6 +383,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_spawn_env_and_prefix),
     cmocka_unit_test(test_launch_failure_stops_others),
     cmocka_unit_test(test_launch_stops_whole_ranks),
+    cmocka_unit_test(test_launch_restarts),
 };
 
 DT_TEST_GROUP(core_launch, tests)
