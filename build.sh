@@ -274,12 +274,16 @@ example_checks() {
     if $ex --data /nonexistent 2>/dev/null; then echo "example: missing dataset accepted"; exit 1; fi
     out=$($ex --data /nonexistent 2>&1 || true)
     case "$out" in *"Fashion-MNIST not found"*) ;; *) echo "example: unclear dataset error"; exit 1 ;; esac
-    # data parallel: 2 ranks over shm (the demo's setup, shortened)
-    out=$($ex --model cnn --epochs 1 --limit-batches 4 --batch 16 --ranks 2)
+    # data parallel: 2 ranks over shm (the demo's setup, shortened) train the
+    # model that one process does with both ranks' batches at once: the
+    # gradients were averaged, not only sent (their sum order differs: 1e-5)
+    out=$($ex --model cnn --epochs 1 --limit-batches 4 --batch 16 --ranks 2 --save "$ck.ddp")
     echo "$out" | grep -q "x 2 ranks (DDP over shm)" || { echo "example: no DDP run:"; echo "$out"; exit 1; }
     echo "$out" | grep -q "exposed communication" || { echo "example: no step breakdown"; exit 1; }
-    echo "$out" | tail -1 | grep -Eq '^test accuracy: [0-9]+\.[0-9]{2}%$' ||
-        { echo "example: 2-rank run has no final accuracy line"; exit 1; }
+    $ex --model cnn --epochs 1 --limit-batches 4 --batch 32 --save "$ck.one" > /dev/null ||
+        { echo "example: the 1-process batch-32 run failed"; exit 1; }
+    /usr/bin/python3 tests/compare_safetensors.py "$ck.ddp" "$ck.one" 1e-5 ||
+        { echo "example: 2-rank DDP is not the 1-process run of the global batch"; exit 1; }
     # device-memory rules (cpu-staged) with fp16 autocast and loss scaling, DDP on 2 ranks
     out=$($ex --model mlp --epochs 1 --limit-batches 4 --batch 16 --ranks 2 --backend cpu-staged \
           --amp fp16)
@@ -376,11 +380,19 @@ ps_checks() {
     done
     out=$(ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 timeout -k 5 300 $BUILD/test/ps_sparse \
           --ranks 4 --servers 2 --samples 100000 --test 5000 --rows 65536 --prefetch)
+    # The reference: the AUC of the hidden model that drew the labels (0.89-0.90).
+    # One epoch over 100k samples of 8 x 200k categories gets 0.587-0.608 (seeds
+    # 0-3), a fifth of the way from chance; a table the servers never update
+    # leaves the dense layers 0.517-0.523.  The floor: 15% of the way.
     acc=$(echo "$out" | tail -1 | sed -n 's/^test auc: \([0-9.]*\)$/\1/p')
-    if [ -z "$acc" ] || ! awk -v a="$acc" 'BEGIN { exit !(a > 0.55) }'; then
-        echo "ps check: the sparse model did not learn:"; echo "$out" | tail -5; exit 1
+    local best
+    best=$(echo "$out" | sed -n "s/.*the hidden model's own auc: \([0-9.]*\)$/\1/p")
+    if [ -z "$acc" ] || [ -z "$best" ] ||
+       ! awk -v a="$acc" -v b="$best" 'BEGIN { exit !(a - 0.5 >= 0.15 * (b - 0.5)) }'; then
+        echo "ps check: the sparse model did not learn (auc $acc; the hidden model's $best):"
+        echo "$out" | tail -5; exit 1
     fi
-    echo "ps check: sparse model test auc $acc"
+    echo "ps check: sparse model test auc $acc (the hidden model's: $best)"
     echo "ps checks: ok"
 }
 
@@ -938,7 +950,8 @@ build_test_programs() {
 # regress-* inputs, besides a unit test).  `./build.sh fuzz [SECONDS]` runs
 # each for SECONDS (default 60); `./build.sh test` runs each for
 # FUZZ_SECONDS (5) when clang and its fuzzer runtime are installed.
-FUZZERS="safetensors idx npy csv tokens store"
+FUZZERS="safetensors idx npy csv tokens store comm ps"
+FUZZ_WHOLE=" store comm ps "   # these include dtrain.c, to reach internal functions
 
 fuzz_build() {
     local f=$BUILD/fuzz cc=${FUZZ_CC:-clang} n
@@ -949,7 +962,7 @@ fuzz_build() {
       echo "$cc $flags -fsanitize=fuzzer-no-link -c backends/cpu.c -o $f/cpu.o"; } | run_parallel ||
         return 1
     for n in $FUZZERS; do
-        if [ "$n" = store ]; then   # it includes dtrain.c, to reach the server's parser
+        if [[ $FUZZ_WHOLE == *" $n "* ]]; then
             echo "$cc $flags -fsanitize=fuzzer tests/fuzz/fuzz_$n.c $f/cpu.o -lopenblas -lz -lm -lpthread -o $f/fuzz_$n"
         else
             echo "$cc $flags -fsanitize=fuzzer tests/fuzz/fuzz_$n.c $f/dtrain.o $f/cpu.o -lopenblas -lz -lm -lpthread -o $f/fuzz_$n"

@@ -1167,6 +1167,7 @@ struct dt_dp {
 #define PS_SHM_CHUNK ((size_t)4096)
 #define PS_MIN_CHUNK ((size_t)64)
 #define PS_MAX_PIECES ((uint32_t)1 << 24)
+#define PS_MAX_KEYS ((int64_t)1 << 50)   /* parameters' floats a layout may give */
 
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 #define PS_WINDOW 16              /* a server's pieces in flight per message */
@@ -1406,6 +1407,7 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
+DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
                                uint64_t tag, void *buf, size_t bytes);
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
@@ -1472,6 +1474,8 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
 DT_PRIVATE const char *ps_op_name(int op);
 DT_PRIVATE uint64_t ps_tag(int type, uint32_t seq, uint32_t piece);
 DT_PRIVATE uint64_t ps_pieces(size_t bytes, size_t chunk);
+DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t len);
+DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in);
 DT_PRIVATE size_t ps_piece_len(size_t bytes, size_t chunk, uint32_t i);
 DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
 
@@ -10378,26 +10382,35 @@ static dt_status post_chunked(dt_comm *c, dt_work *w, xfers *xs, int sending, in
     return DT_OK;
 }
 
+/* Whether the len bytes h that rank `left` sent as its header describe
+ * call w of rank `me`; the failure goes into w.  Depends on its arguments
+ * only (tests/fuzz/fuzz_comm.c drives it with any bytes). */
+DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len)
+{
+    if (len != sizeof *h || h->magic != 0x44545243u)
+        return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d sent a malformed header",
+                              coll_names[w->kind], w->seq, left);
+    if (h->kind != (uint32_t)w->kind || h->n != w->n || h->root != (uint32_t)w->root ||
+        h->op != (uint32_t)w->op) {
+        char mine[96], theirs[96];
+        comm_describe_call(mine, sizeof mine, w->kind, w->n, w->root, (int)w->op);
+        comm_describe_call(theirs, sizeof theirs, h->kind > COLL_P2P ? -1 : (int)h->kind, h->n,
+                           (int)h->root, h->op > 3 ? -1 : (int)h->op);
+        return comm_work_fail(w, DT_EMISMATCH, "collective #%u: rank %d called %s, rank %d called %s",
+                              w->seq, me, mine, left, theirs);
+    }
+    return DT_OK;
+}
+
 /* The left neighbour's header arrived: does it describe our call? */
 static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
 {
     xs->hdr_checked = 1;
-    const coll_header *h = &xs->hdr_in;
     int left = grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size);
     if (xs->hdr_recv.status != DT_OK)
         return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d: connection failed", coll_names[w->kind],
                               w->seq, left);
-    if (xs->hdr_recv.len != sizeof *h || h->magic != 0x44545243u)
-        return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d sent a malformed header",
-                              coll_names[w->kind], w->seq, left);
-    if ((int)h->kind != w->kind || h->n != w->n || (int)h->root != w->root || (int)h->op != (int)w->op) {
-        char mine[96], theirs[96];
-        comm_describe_call(mine, sizeof mine, w->kind, w->n, w->root, (int)w->op);
-        comm_describe_call(theirs, sizeof theirs, (int)h->kind, h->n, (int)h->root, (int)h->op);
-        return comm_work_fail(w, DT_EMISMATCH, "collective #%u: rank %d called %s, rank %d called %s",
-                              w->seq, c->rank, mine, left, theirs);
-    }
-    return DT_OK;
+    return comm_header_check(w, c->rank, left, &xs->hdr_in, xs->hdr_recv.len);
 }
 
 /* How long rank 0's dt_comm_free waits for the others to leave (src/store.c). */
@@ -10407,9 +10420,11 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
 {
     char *end;
     long st = strtol(why, &end, 10);
-    if (*end != '|' || st <= DT_OK || st > DT_EPEER)
-        return comm_work_fail(w, DT_EPEER, "%s", why);
-    return comm_work_fail(w, (dt_status)st, "%s", end + 1);
+    int coded = *end == '|' && st > DT_OK && st <= DT_EPEER;
+    const char *text = coded ? end + 1 : why;
+    if (!*text)   /* (the store holds whatever a rank wrote) */
+        text = "another rank failed and gave no reason";
+    return comm_work_fail(w, coded ? (dt_status)st : DT_EPEER, "%s", text);
 }
 
 /* The first rank to fail publishes why ("abort" in the store), so ranks
@@ -14357,7 +14372,8 @@ static int ps_parse_table(dt_ctx *ctx, const char *line, const char *nl, ps_tab 
     tb->dim = strtoll(e, &e, 10);
     tb->scale = strtof(e, &e);
     tb->seed = strtoull(e, &e, 10);
-    if (*e != ' ' || e >= nl || tb->rows < 1 || tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim)
+    if (*e != ' ' || e >= nl || tb->rows < 1 || tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim ||
+        !isfinite(tb->scale) || tb->scale < 0)
         return 0;
     size_t len = (size_t)(nl - e - 1);
     if (!(tb->name = host_alloc(ctx, len + 1)))
@@ -14394,8 +14410,8 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
         while (sp && sp > p && *sp != ' ')   /* the number after the line's last space */
             sp--;
         int ok = nl && sp && *sp == ' ';
-        if (ok && i < n)
-            ok = (ps->numel[i] = strtoll(sp + 1, NULL, 10)) >= 0;
+        if (ok && i < n)   /* (a bound that keeps every sum of them, in bytes, in range) */
+            ok = (ps->numel[i] = strtoll(sp + 1, NULL, 10)) >= 0 && ps->numel[i] <= PS_MAX_KEYS;
         else if (ok)
             ok = ps_parse_table(ctx, p, nl, &ps->tabs[i - n]);
         if (!ok)
@@ -14407,6 +14423,9 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
     for (int i = n - 1; i >= 0; i--) {
         ps->offset[i] = off;
         off += ps->numel[i];
+        if (off > PS_MAX_KEYS)
+            return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout has more than %lld "
+                             "parameters", (long long)PS_MAX_KEYS);
     }
     ps->G = off;
     ps->P = n;
@@ -14825,11 +14844,8 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
     for (int s = 0; s < ps->S; s++) {
         if (!pc->asked[s])
             continue;
-        pc->in[s].err[sizeof pc->in[s].err - 1] = '\0';   /* (a peer's text) */
-        if (pc->in[s].magic != PS_MAGIC || pc->in[s].status != DT_OK)
-            return comm_work_fail(w, pc->in[s].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[s].status,
-                                  "parameter server: %s", pc->in[s].magic != PS_MAGIC
-                                 ? "a server sent a malformed answer" : pc->in[s].err);
+        if (ps_answer_check(w, &pc->in[s]) != DT_OK)
+            return w->status;
         pc->stale = pc->in[s].clock > pc->stale ? pc->in[s].clock : pc->stale;
     }
     ps_note_sent(ps, pc);
@@ -14839,6 +14855,20 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
             memcpy(pc->buf + i * dim, pc->rows[pc->where[i] % 8] + (pc->where[i] / 8) * dim,
                    (size_t)dim * sizeof(float));
     }
+    return DT_OK;
+}
+
+/* What a server's answer header says: DT_OK, or its refusal (a status in
+ * range, with the server's text), or that it is malformed; in w.  in->err
+ * is terminated here (a peer's text).  tests/fuzz/fuzz_ps.c drives it. */
+DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in)
+{
+    in->err[sizeof in->err - 1] = '\0';
+    if (in->magic != PS_MAGIC || in->status < DT_OK || in->status > DT_EPEER ||
+        (in->status != DT_OK && !in->err[0]))
+        return comm_work_fail(w, DT_EPEER, "parameter server: a server sent a malformed answer");
+    if (in->status != DT_OK)
+        return comm_work_fail(w, (dt_status)in->status, "parameter server: %s", in->err);
     return DT_OK;
 }
 
@@ -16098,11 +16128,7 @@ static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes);
 static dt_status ps_recv_sparse(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
-    const ps_msg *h = &p->hdr;
-    if (h->lo < 0 || h->lo >= ps->ntables || h->n < 1 || h->n > ps->tabs[h->lo].count)
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %lld rows of table "
-                         "%lld (%d tables)", w, ps_op_name(h->op), (long long)h->n,
-                         (long long)h->lo, ps->ntables);
+    const ps_msg *h = &p->hdr;   /* (checked by ps_check_request) */
     size_t bytes = (size_t)h->n * (sizeof(int64_t) +
                    (h->op == PS_SPUSH ? (size_t)ps->tabs[h->lo].dim * sizeof(float) : 0));
     return ps_recv_sdata(ps, w, bytes);
@@ -16113,18 +16139,10 @@ static dt_status ps_recv_sparse(dt_ps *ps, int w)
 static dt_status ps_recv_code(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
-    const ps_msg *h = &p->hdr;
-    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
-    int kind = h->code;
-    if (h->lo < lo || h->n < 1 || h->n > hi - h->lo || kind < DT_COMPRESS_BF16 ||
-        kind > DT_COMPRESS_INT8 || (kind == DT_COMPRESS_TOPK ? h->k < 1 || h->k > h->n : h->k != 0))
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a compressed push of keys "
-                         "[%lld, +%lld) (code %d, %lld entries); this server holds [%lld, %lld)",
-                         w, (long long)h->lo, (long long)h->n, kind, (long long)h->k,
-                         (long long)lo, (long long)hi);
+    const ps_msg *h = &p->hdr;   /* (checked by ps_check_request) */
     p->data_lo = h->lo;
     p->data_n = h->n;
-    return ps_recv_sdata(ps, w, codec_bytes((dt_compress)kind, h->n, h->k));
+    return ps_recv_sdata(ps, w, codec_bytes((dt_compress)h->code, h->n, h->k));
 }
 
 /* Post receives for the next pieces of worker w's request data while
@@ -16235,16 +16253,94 @@ static dt_status ps_on_hello(dt_ps *ps, int w)
     return s != DT_OK ? s : ps_next_request(ps, w);
 }
 
+/* Whether dense keys [h->lo, h->lo + h->n) are this server's; *flags: they
+ * are step flags (keys from G on).  Overflow-safe: lo and n are a peer's. */
+static int ps_dense_in_range(const dt_ps *ps, const ps_msg *h, int *flags)
+{
+    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
+    *flags = h->lo >= ps->G;
+    if (h->n < 0)
+        return 0;
+    if (*flags)
+        return h->lo <= ps->G + ps->P && h->n <= ps->G + ps->P - h->lo;
+    return h->lo >= lo && h->lo <= hi && h->n <= hi - h->lo;
+}
+
+/* The sizes a sparse or compressed request's fields give, checked. */
+static dt_status ps_check_sparse(dt_ps *ps, int w, const ps_msg *h)
+{
+    if (h->lo < 0 || h->lo >= ps->ntables || h->n < 1 || h->n > ps->tabs[h->lo].count)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %lld rows of table "
+                         "%lld (%d tables)", w, ps_op_name(h->op), (long long)h->n,
+                         (long long)h->lo, ps->ntables);
+    return DT_OK;
+}
+
+static dt_status ps_check_code(dt_ps *ps, int w, const ps_msg *h)
+{
+    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
+    int kind = h->code;
+    if (h->lo < lo || h->lo > hi || h->n < 1 || h->n > hi - h->lo || kind < DT_COMPRESS_BF16 ||
+        kind > DT_COMPRESS_INT8 || (kind == DT_COMPRESS_TOPK ? h->k < 1 || h->k > h->n : h->k != 0))
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a compressed push of keys "
+                         "[%lld, +%lld) (code %d, %lld entries); this server holds [%lld, %lld)",
+                         w, (long long)h->lo, (long long)h->n, kind, (long long)h->k,
+                         (long long)lo, (long long)hi);
+    return DT_OK;
+}
+
+/* The bytes a request's data (push) or its answer (pull) takes. */
+static uint64_t ps_request_bytes(const dt_ps *ps, const ps_msg *h)
+{
+    switch (h->op) {
+    case PS_SPUSH: return (uint64_t)h->n * (sizeof(int64_t) + (uint64_t)ps->tabs[h->lo].dim * 4);
+    case PS_SPULL: return (uint64_t)h->n * (uint64_t)ps->tabs[h->lo].dim * 4;
+    case PS_CPUSH: return codec_bytes((dt_compress)h->code, h->n, h->k);
+    case PS_HELLO:
+    case PS_FINISH: return 0;
+    default: return h->n >= 0 && h->n <= ps->G + ps->P ? (uint64_t)h->n * 4 : 0;
+    }
+}
+
+/* Whether worker w's request header h (len bytes arrived) is one this
+ * server can act on: every field that a later step indexes or sizes with
+ * is checked here, without overflow, so nothing after it trusts the peer
+ * (a pull of keys not held is answered with a refusal, not an error).
+ * Depends on the server's layout only (tests/fuzz/fuzz_ps.c drives it). */
+DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t len)
+{
+    const ps_peer *p = &ps->peers[w];
+    if (len != sizeof *h || h->magic != PS_MAGIC || h->seq != p->seq || h->op < PS_INIT ||
+        h->op > PS_CPUSH || (p->clock < 0 && h->op != PS_HELLO) || h->chunk < PS_MIN_CHUNK ||
+        h->chunk > ps->comm->max_msg)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
+    dt_status s = DT_OK;
+    int flags;
+    if (h->op == PS_SPUSH || h->op == PS_SPULL)
+        s = ps_check_sparse(ps, w, h);
+    else if (h->op == PS_CPUSH)
+        s = ps_check_code(ps, w, h);
+    else if ((h->op == PS_PUSH || h->op == PS_INIT) &&
+             (!ps_dense_in_range(ps, h, &flags) || (h->op == PS_INIT && (flags || w != 0))))
+        s = set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %s of keys [%lld, +%lld), "
+                      "not this server's", w, ps_op_name(h->op), (long long)h->lo,
+                      (long long)h->n);
+    if (s == DT_OK && ps_pieces(ps_request_bytes(ps, h), h->chunk) > PS_MAX_PIECES)
+        s = set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %llu bytes in pieces "
+                      "of %u", w, ps_op_name(h->op),
+                      (unsigned long long)ps_request_bytes(ps, h), h->chunk);
+    return s;
+}
+
 /* Worker w's request header arrived. */
 static dt_status ps_on_header(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
     ps_msg *h = &p->hdr;
-    if (p->hdr_x.status != DT_OK || p->hdr_x.len != sizeof *h || h->magic != PS_MAGIC ||
-        h->seq != p->seq || h->op < PS_INIT || h->op > PS_CPUSH ||
-        (p->clock < 0 && h->op != PS_HELLO) || h->chunk < PS_MIN_CHUNK ||
-        h->chunk > ps->comm->max_msg)
+    if (p->hdr_x.status != DT_OK)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
+    if (ps_check_request(ps, w, h, p->hdr_x.len) != DT_OK)
+        return ps->ctx->last_status;
     p->seq++;
     p->op = (int)h->op;
     if (h->op == PS_HELLO)
@@ -16260,10 +16356,7 @@ static dt_status ps_on_header(dt_ps *ps, int w)
         return ps_recv_sparse(ps, w);
     if (h->op == PS_CPUSH)
         return ps_recv_code(ps, w);
-    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
-    int flags = h->lo >= ps->G;
-    int in_range = h->n >= 0 && (flags ? h->lo + h->n <= ps->G + ps->P
-                                       : h->lo >= lo && h->lo + h->n <= hi);
+    int flags, in_range = ps_dense_in_range(ps, h, &flags);
     if (h->op == PS_PULL) {
         dt_status s = DT_OK;
         if (!in_range || flags)
@@ -16274,10 +16367,6 @@ static dt_status ps_on_header(dt_ps *ps, int w)
             s = ps_hold_pull(ps, w, h, NULL);
         return s != DT_OK ? s : ps_post_header(ps, w);
     }
-    if (!in_range || (h->op == PS_INIT && (flags || w != 0)))
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %s of keys [%lld, %lld), "
-                         "not this server's", w, ps_op_name(h->op), (long long)h->lo,
-                         (long long)(h->lo + h->n));
     p->data_lo = h->lo;
     p->data_n = h->n;
     return ps_recv_pieces(ps, w, p->push + ps_slot(ps, h->lo), (size_t)h->n * sizeof(float));

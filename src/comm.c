@@ -202,26 +202,35 @@ static dt_status post_chunked(dt_comm *c, dt_work *w, xfers *xs, int sending, in
     return DT_OK;
 }
 
+/* Whether the len bytes h that rank `left` sent as its header describe
+ * call w of rank `me`; the failure goes into w.  Depends on its arguments
+ * only (tests/fuzz/fuzz_comm.c drives it with any bytes). */
+DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len)
+{
+    if (len != sizeof *h || h->magic != 0x44545243u)
+        return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d sent a malformed header",
+                              coll_names[w->kind], w->seq, left);
+    if (h->kind != (uint32_t)w->kind || h->n != w->n || h->root != (uint32_t)w->root ||
+        h->op != (uint32_t)w->op) {
+        char mine[96], theirs[96];
+        comm_describe_call(mine, sizeof mine, w->kind, w->n, w->root, (int)w->op);
+        comm_describe_call(theirs, sizeof theirs, h->kind > COLL_P2P ? -1 : (int)h->kind, h->n,
+                           (int)h->root, h->op > 3 ? -1 : (int)h->op);
+        return comm_work_fail(w, DT_EMISMATCH, "collective #%u: rank %d called %s, rank %d called %s",
+                              w->seq, me, mine, left, theirs);
+    }
+    return DT_OK;
+}
+
 /* The left neighbour's header arrived: does it describe our call? */
 static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
 {
     xs->hdr_checked = 1;
-    const coll_header *h = &xs->hdr_in;
     int left = grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size);
     if (xs->hdr_recv.status != DT_OK)
         return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d: connection failed", coll_names[w->kind],
                               w->seq, left);
-    if (xs->hdr_recv.len != sizeof *h || h->magic != 0x44545243u)
-        return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d sent a malformed header",
-                              coll_names[w->kind], w->seq, left);
-    if ((int)h->kind != w->kind || h->n != w->n || (int)h->root != w->root || (int)h->op != (int)w->op) {
-        char mine[96], theirs[96];
-        comm_describe_call(mine, sizeof mine, w->kind, w->n, w->root, (int)w->op);
-        comm_describe_call(theirs, sizeof theirs, (int)h->kind, h->n, (int)h->root, (int)h->op);
-        return comm_work_fail(w, DT_EMISMATCH, "collective #%u: rank %d called %s, rank %d called %s",
-                              w->seq, c->rank, mine, left, theirs);
-    }
-    return DT_OK;
+    return comm_header_check(w, c->rank, left, &xs->hdr_in, xs->hdr_recv.len);
 }
 
 /* How long rank 0's dt_comm_free waits for the others to leave (src/store.c). */
@@ -231,9 +240,11 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
 {
     char *end;
     long st = strtol(why, &end, 10);
-    if (*end != '|' || st <= DT_OK || st > DT_EPEER)
-        return comm_work_fail(w, DT_EPEER, "%s", why);
-    return comm_work_fail(w, (dt_status)st, "%s", end + 1);
+    int coded = *end == '|' && st > DT_OK && st <= DT_EPEER;
+    const char *text = coded ? end + 1 : why;
+    if (!*text)   /* (the store holds whatever a rank wrote) */
+        text = "another rank failed and gave no reason";
+    return comm_work_fail(w, coded ? (dt_status)st : DT_EPEER, "%s", text);
 }
 
 /* The first rank to fail publishes why ("abort" in the store), so ranks

@@ -481,6 +481,7 @@ struct dt_dp {
 #define PS_SHM_CHUNK ((size_t)4096)
 #define PS_MIN_CHUNK ((size_t)64)
 #define PS_MAX_PIECES ((uint32_t)1 << 24)
+#define PS_MAX_KEYS ((int64_t)1 << 50)   /* parameters' floats a layout may give */
 
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 #define PS_WINDOW 16              /* a server's pieces in flight per message */
@@ -720,6 +721,7 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
+DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
                                uint64_t tag, void *buf, size_t bytes);
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
@@ -786,6 +788,8 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
 DT_PRIVATE const char *ps_op_name(int op);
 DT_PRIVATE uint64_t ps_tag(int type, uint32_t seq, uint32_t piece);
 DT_PRIVATE uint64_t ps_pieces(size_t bytes, size_t chunk);
+DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t len);
+DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in);
 DT_PRIVATE size_t ps_piece_len(size_t bytes, size_t chunk, uint32_t i);
 DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
 

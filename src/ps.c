@@ -151,7 +151,8 @@ static int ps_parse_table(dt_ctx *ctx, const char *line, const char *nl, ps_tab 
     tb->dim = strtoll(e, &e, 10);
     tb->scale = strtof(e, &e);
     tb->seed = strtoull(e, &e, 10);
-    if (*e != ' ' || e >= nl || tb->rows < 1 || tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim)
+    if (*e != ' ' || e >= nl || tb->rows < 1 || tb->dim < 1 || tb->rows > INT64_MAX / 8 / tb->dim ||
+        !isfinite(tb->scale) || tb->scale < 0)
         return 0;
     size_t len = (size_t)(nl - e - 1);
     if (!(tb->name = host_alloc(ctx, len + 1)))
@@ -188,8 +189,8 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
         while (sp && sp > p && *sp != ' ')   /* the number after the line's last space */
             sp--;
         int ok = nl && sp && *sp == ' ';
-        if (ok && i < n)
-            ok = (ps->numel[i] = strtoll(sp + 1, NULL, 10)) >= 0;
+        if (ok && i < n)   /* (a bound that keeps every sum of them, in bytes, in range) */
+            ok = (ps->numel[i] = strtoll(sp + 1, NULL, 10)) >= 0 && ps->numel[i] <= PS_MAX_KEYS;
         else if (ok)
             ok = ps_parse_table(ctx, p, nl, &ps->tabs[i - n]);
         if (!ok)
@@ -201,6 +202,9 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
     for (int i = n - 1; i >= 0; i--) {
         ps->offset[i] = off;
         off += ps->numel[i];
+        if (off > PS_MAX_KEYS)
+            return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout has more than %lld "
+                             "parameters", (long long)PS_MAX_KEYS);
     }
     ps->G = off;
     ps->P = n;
@@ -619,11 +623,8 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
     for (int s = 0; s < ps->S; s++) {
         if (!pc->asked[s])
             continue;
-        pc->in[s].err[sizeof pc->in[s].err - 1] = '\0';   /* (a peer's text) */
-        if (pc->in[s].magic != PS_MAGIC || pc->in[s].status != DT_OK)
-            return comm_work_fail(w, pc->in[s].magic != PS_MAGIC ? DT_EPEER : (dt_status)pc->in[s].status,
-                                  "parameter server: %s", pc->in[s].magic != PS_MAGIC
-                                 ? "a server sent a malformed answer" : pc->in[s].err);
+        if (ps_answer_check(w, &pc->in[s]) != DT_OK)
+            return w->status;
         pc->stale = pc->in[s].clock > pc->stale ? pc->in[s].clock : pc->stale;
     }
     ps_note_sent(ps, pc);
@@ -633,6 +634,20 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
             memcpy(pc->buf + i * dim, pc->rows[pc->where[i] % 8] + (pc->where[i] / 8) * dim,
                    (size_t)dim * sizeof(float));
     }
+    return DT_OK;
+}
+
+/* What a server's answer header says: DT_OK, or its refusal (a status in
+ * range, with the server's text), or that it is malformed; in w.  in->err
+ * is terminated here (a peer's text).  tests/fuzz/fuzz_ps.c drives it. */
+DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in)
+{
+    in->err[sizeof in->err - 1] = '\0';
+    if (in->magic != PS_MAGIC || in->status < DT_OK || in->status > DT_EPEER ||
+        (in->status != DT_OK && !in->err[0]))
+        return comm_work_fail(w, DT_EPEER, "parameter server: a server sent a malformed answer");
+    if (in->status != DT_OK)
+        return comm_work_fail(w, (dt_status)in->status, "parameter server: %s", in->err);
     return DT_OK;
 }
 

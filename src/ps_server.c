@@ -664,11 +664,7 @@ static dt_status ps_recv_sdata(dt_ps *ps, int w, size_t bytes);
 static dt_status ps_recv_sparse(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
-    const ps_msg *h = &p->hdr;
-    if (h->lo < 0 || h->lo >= ps->ntables || h->n < 1 || h->n > ps->tabs[h->lo].count)
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %lld rows of table "
-                         "%lld (%d tables)", w, ps_op_name(h->op), (long long)h->n,
-                         (long long)h->lo, ps->ntables);
+    const ps_msg *h = &p->hdr;   /* (checked by ps_check_request) */
     size_t bytes = (size_t)h->n * (sizeof(int64_t) +
                    (h->op == PS_SPUSH ? (size_t)ps->tabs[h->lo].dim * sizeof(float) : 0));
     return ps_recv_sdata(ps, w, bytes);
@@ -679,18 +675,10 @@ static dt_status ps_recv_sparse(dt_ps *ps, int w)
 static dt_status ps_recv_code(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
-    const ps_msg *h = &p->hdr;
-    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
-    int kind = h->code;
-    if (h->lo < lo || h->n < 1 || h->n > hi - h->lo || kind < DT_COMPRESS_BF16 ||
-        kind > DT_COMPRESS_INT8 || (kind == DT_COMPRESS_TOPK ? h->k < 1 || h->k > h->n : h->k != 0))
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a compressed push of keys "
-                         "[%lld, +%lld) (code %d, %lld entries); this server holds [%lld, %lld)",
-                         w, (long long)h->lo, (long long)h->n, kind, (long long)h->k,
-                         (long long)lo, (long long)hi);
+    const ps_msg *h = &p->hdr;   /* (checked by ps_check_request) */
     p->data_lo = h->lo;
     p->data_n = h->n;
-    return ps_recv_sdata(ps, w, codec_bytes((dt_compress)kind, h->n, h->k));
+    return ps_recv_sdata(ps, w, codec_bytes((dt_compress)h->code, h->n, h->k));
 }
 
 /* Post receives for the next pieces of worker w's request data while
@@ -801,16 +789,94 @@ static dt_status ps_on_hello(dt_ps *ps, int w)
     return s != DT_OK ? s : ps_next_request(ps, w);
 }
 
+/* Whether dense keys [h->lo, h->lo + h->n) are this server's; *flags: they
+ * are step flags (keys from G on).  Overflow-safe: lo and n are a peer's. */
+static int ps_dense_in_range(const dt_ps *ps, const ps_msg *h, int *flags)
+{
+    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
+    *flags = h->lo >= ps->G;
+    if (h->n < 0)
+        return 0;
+    if (*flags)
+        return h->lo <= ps->G + ps->P && h->n <= ps->G + ps->P - h->lo;
+    return h->lo >= lo && h->lo <= hi && h->n <= hi - h->lo;
+}
+
+/* The sizes a sparse or compressed request's fields give, checked. */
+static dt_status ps_check_sparse(dt_ps *ps, int w, const ps_msg *h)
+{
+    if (h->lo < 0 || h->lo >= ps->ntables || h->n < 1 || h->n > ps->tabs[h->lo].count)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %lld rows of table "
+                         "%lld (%d tables)", w, ps_op_name(h->op), (long long)h->n,
+                         (long long)h->lo, ps->ntables);
+    return DT_OK;
+}
+
+static dt_status ps_check_code(dt_ps *ps, int w, const ps_msg *h)
+{
+    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
+    int kind = h->code;
+    if (h->lo < lo || h->lo > hi || h->n < 1 || h->n > hi - h->lo || kind < DT_COMPRESS_BF16 ||
+        kind > DT_COMPRESS_INT8 || (kind == DT_COMPRESS_TOPK ? h->k < 1 || h->k > h->n : h->k != 0))
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a compressed push of keys "
+                         "[%lld, +%lld) (code %d, %lld entries); this server holds [%lld, %lld)",
+                         w, (long long)h->lo, (long long)h->n, kind, (long long)h->k,
+                         (long long)lo, (long long)hi);
+    return DT_OK;
+}
+
+/* The bytes a request's data (push) or its answer (pull) takes. */
+static uint64_t ps_request_bytes(const dt_ps *ps, const ps_msg *h)
+{
+    switch (h->op) {
+    case PS_SPUSH: return (uint64_t)h->n * (sizeof(int64_t) + (uint64_t)ps->tabs[h->lo].dim * 4);
+    case PS_SPULL: return (uint64_t)h->n * (uint64_t)ps->tabs[h->lo].dim * 4;
+    case PS_CPUSH: return codec_bytes((dt_compress)h->code, h->n, h->k);
+    case PS_HELLO:
+    case PS_FINISH: return 0;
+    default: return h->n >= 0 && h->n <= ps->G + ps->P ? (uint64_t)h->n * 4 : 0;
+    }
+}
+
+/* Whether worker w's request header h (len bytes arrived) is one this
+ * server can act on: every field that a later step indexes or sizes with
+ * is checked here, without overflow, so nothing after it trusts the peer
+ * (a pull of keys not held is answered with a refusal, not an error).
+ * Depends on the server's layout only (tests/fuzz/fuzz_ps.c drives it). */
+DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t len)
+{
+    const ps_peer *p = &ps->peers[w];
+    if (len != sizeof *h || h->magic != PS_MAGIC || h->seq != p->seq || h->op < PS_INIT ||
+        h->op > PS_CPUSH || (p->clock < 0 && h->op != PS_HELLO) || h->chunk < PS_MIN_CHUNK ||
+        h->chunk > ps->comm->max_msg)
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
+    dt_status s = DT_OK;
+    int flags;
+    if (h->op == PS_SPUSH || h->op == PS_SPULL)
+        s = ps_check_sparse(ps, w, h);
+    else if (h->op == PS_CPUSH)
+        s = ps_check_code(ps, w, h);
+    else if ((h->op == PS_PUSH || h->op == PS_INIT) &&
+             (!ps_dense_in_range(ps, h, &flags) || (h->op == PS_INIT && (flags || w != 0))))
+        s = set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %s of keys [%lld, +%lld), "
+                      "not this server's", w, ps_op_name(h->op), (long long)h->lo,
+                      (long long)h->n);
+    if (s == DT_OK && ps_pieces(ps_request_bytes(ps, h), h->chunk) > PS_MAX_PIECES)
+        s = set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a %s of %llu bytes in pieces "
+                      "of %u", w, ps_op_name(h->op),
+                      (unsigned long long)ps_request_bytes(ps, h), h->chunk);
+    return s;
+}
+
 /* Worker w's request header arrived. */
 static dt_status ps_on_header(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
     ps_msg *h = &p->hdr;
-    if (p->hdr_x.status != DT_OK || p->hdr_x.len != sizeof *h || h->magic != PS_MAGIC ||
-        h->seq != p->seq || h->op < PS_INIT || h->op > PS_CPUSH ||
-        (p->clock < 0 && h->op != PS_HELLO) || h->chunk < PS_MIN_CHUNK ||
-        h->chunk > ps->comm->max_msg)
+    if (p->hdr_x.status != DT_OK)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
+    if (ps_check_request(ps, w, h, p->hdr_x.len) != DT_OK)
+        return ps->ctx->last_status;
     p->seq++;
     p->op = (int)h->op;
     if (h->op == PS_HELLO)
@@ -826,10 +892,7 @@ static dt_status ps_on_header(dt_ps *ps, int w)
         return ps_recv_sparse(ps, w);
     if (h->op == PS_CPUSH)
         return ps_recv_code(ps, w);
-    int64_t lo = ps->range[ps->shard], hi = ps->range[ps->shard + 1];
-    int flags = h->lo >= ps->G;
-    int in_range = h->n >= 0 && (flags ? h->lo + h->n <= ps->G + ps->P
-                                       : h->lo >= lo && h->lo + h->n <= hi);
+    int flags, in_range = ps_dense_in_range(ps, h, &flags);
     if (h->op == PS_PULL) {
         dt_status s = DT_OK;
         if (!in_range || flags)
@@ -840,10 +903,6 @@ static dt_status ps_on_header(dt_ps *ps, int w)
             s = ps_hold_pull(ps, w, h, NULL);
         return s != DT_OK ? s : ps_post_header(ps, w);
     }
-    if (!in_range || (h->op == PS_INIT && (flags || w != 0)))
-        return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent %s of keys [%lld, %lld), "
-                         "not this server's", w, ps_op_name(h->op), (long long)h->lo,
-                         (long long)(h->lo + h->n));
     p->data_lo = h->lo;
     p->data_n = h->n;
     return ps_recv_pieces(ps, w, p->push + ps_slot(ps, h->lo), (size_t)h->n * sizeof(float));

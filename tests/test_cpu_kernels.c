@@ -114,6 +114,15 @@ static void check_close(const float *got, const double *want, int64_t n, double 
     }
 }
 
+/* The two outputs of a "1 and 3 threads, bit-identical" pair start
+ * different (0xFF: NaN; 0x7F: 3.39e38), so a kernel that leaves any of its
+ * output unwritten fails check_same. */
+static void poison_pair(float *a, float *b, int64_t n)
+{
+    memset(a, 0xFF, (size_t)n * sizeof(float));
+    memset(b, 0x7F, (size_t)n * sizeof(float));
+}
+
 static void check_same(const float *a, const float *b, int64_t n, const char *what)
 {
     if (memcmp(a, b, (size_t)n * sizeof(float)) != 0) {
@@ -334,6 +343,9 @@ static void test_unary(void **state)
     f->I->unary(f->be1, DT_UNARY_GELU, big, a, a);
     f->I->unary(f->be3, DT_UNARY_GELU, big, b, b);
     check_same(a, b, big, "gelu threads");
+    rfill(b, big, 11);   /* in place: both must also be GELU of the input */
+    for (int i = 0; i < big; i += 997)
+        assert_true(fabs(a[i] - ref_unary(DT_UNARY_GELU, b[i])) < 1e-6);
     free(a); free(b);
     free(x); free(y); free(dy); free(dx); free(dx0); free(want);
 }
@@ -396,6 +408,7 @@ static void test_binary(void **state)
     float *x = fvec(1000 * 257), *row = fvec(257), *o1 = fvec(1000 * 257), *o3 = fvec(1000 * 257);
     rfill(x, 1000 * 257, 14);
     rfill(row, 257, 15);
+    poison_pair(o1, o3, 1000 * 257);
     f->I->binary(f->be1, DT_BIN_MUL, 2, big, x, cs, row, rs, o1);
     f->I->binary(f->be3, DT_BIN_MUL, 2, big, x, cs, row, rs, o3);
     check_same(o1, o3, 1000 * 257, "binary threads");
@@ -554,6 +567,7 @@ static void test_reductions_threads(void **state)
     double *want = dvec(C * P);
     rfill(x, n, 22);
     /* bias_grad over (N, C, P) */
+    poison_pair(a, b, C * P);
     f->I->bias_grad(f->be1, N, C, P, x, a, 0);
     f->I->bias_grad(f->be3, N, C, P, x, b, 0);
     check_same(a, b, C, "bias_grad threads");
@@ -564,14 +578,17 @@ static void test_reductions_threads(void **state)
     }
     check_close(a, want, C, 1e-6, "bias_grad");
     /* reduce over the outer dim (column sums) and the inner dim (row sums) */
+    poison_pair(a, b, C * P);
     f->I->reduce_axis(f->be1, DT_RED_SUM, 1, N, C * P, x, a);
     f->I->reduce_axis(f->be3, DT_RED_SUM, 1, N, C * P, x, b);
     check_same(a, b, C * P, "reduce cols threads");
+    poison_pair(a, b, C * P);
     f->I->reduce_axis(f->be1, DT_RED_SUM, N * C, P, 1, x, a);
     f->I->reduce_axis(f->be3, DT_RED_SUM, N * C, P, 1, x, b);
     check_same(a, b, N * C, "reduce rows threads");
     /* one long sum_to into a scalar */
     const int64_t shp[3] = {N, C, P}, zero[3] = {0, 0, 0};
+    poison_pair(a, b, C * P);
     f->I->sum_to(f->be1, 3, shp, x, a, zero, 0);
     f->I->sum_to(f->be3, 3, shp, x, b, zero, 0);
     check_same(a, b, 1, "sum_to scalar threads");
@@ -1020,6 +1037,8 @@ static void test_dropout(void **state)
     const float p = 0.3f, scale = 1.0f / (1.0f - p);
     float *x = fvec(n), *y1 = fvec(n), *m1 = fvec(n), *y3 = fvec(n), *m3 = fvec(n);
     rfill(x, n, 46);
+    poison_pair(y1, y3, n);
+    poison_pair(m1, m3, n);
     f->I->dropout_forward(f->be1, n, p, 1234, x, y1, m1);
     f->I->dropout_forward(f->be3, n, p, 1234, x, y3, m3);
     check_same(m1, m3, n, "dropout mask threads");
@@ -1037,6 +1056,7 @@ static void test_dropout(void **state)
     int64_t differ = 0;
     for (int64_t i = 0; i < n; i++) differ += m1[i] != m3[i];
     assert_true(differ > n / 4);
+    memset(m3, 0x7F, 1001 * sizeof(float));
     f->I->dropout_forward(f->be3, 1001, p, 1234, x, y3, m3); /* a prefix: same elements */
     check_same(m1, m3, 1001, "dropout prefix");
     /* p = 0 keeps everything with scale 1 */

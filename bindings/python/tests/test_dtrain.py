@@ -421,6 +421,23 @@ class Training(unittest.TestCase):
             self.assertEqual(m.samples, 10000)
             self.assertTrue(0.0 <= m.accuracy <= 1.0 and m.loss > 0)
 
+            # against a direct computation: the logits of all samples at once, in numpy
+            # (float64); labels agree with the model on about 60% of them, and 1000 rows
+            # in batches of 128 leave a partial last batch
+            rng = np.random.default_rng(5)
+            x = rng.standard_normal((1000, 784)).astype(np.float32)
+            logits = mlp_forward(layers, ctx.from_numpy(x)).numpy().astype(np.float64)
+            y = np.where(rng.random(1000) < 0.6, logits.argmax(1),
+                         rng.integers(0, 10, 1000)).astype(np.int32)
+            z = logits - logits.max(1, keepdims=True)
+            ce = np.log(np.exp(z).sum(1)) - z[np.arange(1000), y]
+            correct = int((logits.argmax(1) == y).sum())
+            m = dt.evaluate(ctx, dt.Dataset.from_numpy(ctx, x.reshape(1000, 1, 28, 28), y),
+                            lambda t: mlp_forward(layers, dt.flatten(t)), batch=128)
+            self.assertEqual((m.samples, m.correct), (1000, correct))
+            self.assertAlmostEqual(m.accuracy, correct / 1000, places=6)
+            self.assertLess(abs(m.loss - ce.mean()), 1e-5 * ce.mean())
+
             def broken(x):
                 raise KeyError("from the forward")
             with self.assertRaises(KeyError):
