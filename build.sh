@@ -993,6 +993,7 @@ fuzz_run() {
 }
 
 fuzz_available() {
+    mkdir -p "$BUILD"   # (a fresh clone has none yet)
     command -v "${FUZZ_CC:-clang}" > /dev/null &&
         echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; (void)n; return 0; }' |
         "${FUZZ_CC:-clang}" -x c -fsanitize=fuzzer - -o "$BUILD/fuzz_probe" 2> /dev/null

@@ -71,12 +71,49 @@ if [[ $ok == 1 && -x $BUILD/fashion_mnist ]]; then
     grep -q "x 4 ranks (DDP over tcp;ofi_rxm)" "$tmp/d0" || ok=0
     grep -Eq "^test accuracy: [0-9]+\.[0-9]{2}%$" "$tmp/d0" || ok=0
 fi
+# A link goes down: host 1's cable (its port on the switch) is pulled while
+# the 4 ranks train with DDP and a 3 s timeout.  Nobody may hang: every rank
+# ends with an error within 3 timeouts + 5 s of the cut, and those on host
+# 0 say that a rank of host 1 went silent (the tcp connections stay open,
+# nothing comes: the silent-peer path, not a closed-connection one).
+linkdown=""
+if [[ $ok == 1 && -x $BUILD/fashion_mnist ]]; then
+    pids=()
+    for r in 0 1 2 3; do
+        h=$((r % 2))
+        addr=$A0; ((h)) && addr=$A1
+        bind=(); ((r == 0)) && bind=(DTRAIN_STORE_BIND=$A0)
+        timeout -k 5 120 bash "$CLUSTER" exec $h "${common[@]}" DTRAIN_MASTER=$A0:$((PORT + 2)) \
+            DTRAIN_TIMEOUT_MS=3000 DTRAIN_RANK=$r "${bind[@]}" DTRAIN_HOST=$addr \
+            "$BUILD/fashion_mnist" --model mlp --epochs 3 --batch 16 > "$tmp/l$r" 2>&1 &
+        pids+=($!)
+    done
+    sleep 6   # started, and training (its progress lines are buffered: not to wait on)
+    ip -n "${NETNS_PREFIX}sw" link set p1 down
+    cut=$EPOCHREALTIME
+    for r in 0 1 2 3; do
+        wait "${pids[$r]}"; rc=$?
+        took=$(awk -v a="$EPOCHREALTIME" -v b="$cut" 'BEGIN { printf "%.1f", a - b }')
+        codes+=" link:$rc"
+        ((rc != 0 && rc != 124 && rc != 137)) || ok=0   # an error, not success or a hang
+        linkdown+=$'\n'"  rank $r: exit $rc after $took s: $(grep -m1 '^fashion_mnist:' "$tmp/l$r")"
+    done
+    awk -v t="$took" 'BEGIN { exit !(t <= 3 * 3 + 5) }' || { ok=0; echo "multi-host: ranks took $took s after the cut"; }
+    for r in 0 2; do
+        grep -Eq "rank [13].*(sent nothing|is silent)|(rank [13]) (died|is silent)" "$tmp/l$r" || ok=0
+    done
+fi
 if [[ $ok == 1 ]]; then
-    echo "multi-host: ok (ranks 0,2 on $A0 and 1,3 on $A1: hierarchical allreduce, segment inside each host, tcp between leaders; DDP training and evaluation across them)"
+    echo "multi-host: a link down:$linkdown"
+    echo "multi-host: ok (ranks 0,2 on $A0 and 1,3 on $A1: hierarchical allreduce, segment inside each host, tcp between leaders; DDP training and evaluation across them; a link going down)"
     rm -rf "$tmp"
     exit 0
 fi
 echo "multi-host: FAILED (exit codes$codes)"
-for r in 0 1 2 3; do echo "--- rank $r:"; cat "$tmp/r$r"; [[ -f $tmp/d$r ]] && cat "$tmp/d$r"; done
+for r in 0 1 2 3; do
+    echo "--- rank $r:"; cat "$tmp/r$r"
+    [[ -f $tmp/d$r ]] && cat "$tmp/d$r"
+    [[ -f $tmp/l$r ]] && tail -5 "$tmp/l$r"
+done
 rm -rf "$tmp"
 exit 1

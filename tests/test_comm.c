@@ -559,6 +559,7 @@ static void test_forged_messages(void **state)
     expect_rejected(junk, 7, "malformed header");   /* truncated: refused, not timed out */
     uint32_t hdr[8] = {0x44545243u, 3, 0, 0, 0, 0, 5, 0};   /* allgather(n=5) */
     expect_rejected(hdr, sizeof hdr, "allgather(n=5)");
+    expect_rejected(hdr, 7, "malformed header");   /* the right magic, cut short */
 }
 
 /* rank 2 stops (SIGSTOP: alive but silent) before the second allreduce;

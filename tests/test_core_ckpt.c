@@ -7,7 +7,10 @@
 #include "test_util.h"
 
 #include <inttypes.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <zlib.h>
 
 enum { NW = 12, NB = 3 };
@@ -1214,6 +1217,101 @@ static void test_ckpt_non_strict(void **state)
     tu_rmdir(dir);
 }
 
+/* --- kill -9 during a save ---------------------------------------------- */
+
+enum { KILL_N = 1 << 22 };   /* 16 MiB of parameter: a save takes milliseconds */
+
+/* A process that saves value v (= its step) to path again and again,
+ * writing a byte to `ready` before each save starts.  Never returns. */
+static void kill_saver(const char *path, int value, int ready)
+{
+    dt_ctx *ctx = tu_ctx_new();
+    dt_tensor *p = ctx ? dt_param_new(ctx, "big", 1, (const int64_t[]){KILL_N}) : NULL;
+    if (!p || dt_tensor_fill(p, (float)value) != DT_OK)
+        _exit(2);
+    for (;;) {
+        if (write(ready, "s", 1) != 1 || dt_checkpoint_save(ctx, NULL, path, value) != DT_OK)
+            _exit(3);
+    }
+}
+
+/* What path holds now: every element the same value, the file's step that
+ * value; returns it (the test fails on anything else). */
+static int kill_loaded_value(dt_ctx *ctx, dt_tensor *p, float *buf, const char *path)
+{
+    int64_t step = -1;
+    tu_check_status(ctx, dt_checkpoint_load(ctx, NULL, path, &step), "load after the kill");
+    assert_int_equal(dt_tensor_get(p, buf, KILL_N), DT_OK);
+    for (int64_t i = 1; i < KILL_N; i++)
+        if (buf[i] != buf[0])
+            fail_msg("a torn checkpoint: element %lld is %g, element 0 %g", (long long)i,
+                     (double)buf[i], (double)buf[0]);
+    assert_true(buf[0] == (float)step);
+    return (int)step;
+}
+
+/* SIGKILL a process at random moments inside its saves: the checkpoint at
+ * the path is always a whole earlier save (the first, or one that
+ * completed), never a torn or empty file, and a save's leftover .tmp
+ * neither breaks the next save nor counts as a checkpoint. */
+static void test_ckpt_kill_during_save(void **state)
+{
+    (void)state;
+    char dir[64], path[160], tmp[176], got[256];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/ckpt.safetensors", dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    dt_ctx *ctx = tu_ctx_new();
+    dt_tensor *p = dt_param_new(ctx, "big", 1, (const int64_t[]){KILL_N});
+    tu_check(ctx, p, "param");
+    dt_tensor_fill(p, 1.0f);
+    double t0 = dt_now();
+    tu_check_status(ctx, dt_checkpoint_save(ctx, NULL, path, 1), "first save");
+    double save_s = dt_now() - t0;
+    float *buf = malloc(sizeof(float) * KILL_N);
+    assert_non_null(buf);
+    tu_rng r = {77};
+    int mid = 0, newest = 1, kills = 12;   /* newest: the last whole save's value */
+    for (int k = 0; k < kills; k++) {
+        int ready[2];
+        assert_int_equal(pipe(ready), 0);
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            close(ready[0]);
+            kill_saver(path, 2 + k, ready[1]);
+        }
+        close(ready[1]);
+        char c;
+        for (int starts = 0; starts < 2; starts++)   /* into its second save */
+            assert_int_equal(read(ready[0], &c, 1), 1);
+        usleep((useconds_t)(tu_uniform(&r, 0, 1.2f) * save_s * 1e6));   /* inside save 2 mostly */
+        kill(pid, SIGKILL);
+        int st;
+        waitpid(pid, &st, 0);
+        assert_true(WIFSIGNALED(st));
+        close(ready[0]);
+        mid += access(tmp, F_OK) == 0;   /* it died between creating .tmp and renaming it */
+        int v = kill_loaded_value(ctx, p, buf, path);
+        assert_int_equal(v, 2 + k);   /* its first save was whole before its second began */
+        newest = v;
+    }
+    print_message("kill -9 during a save: %d of %d kills left a .tmp (a save of %.0f ms); every "
+                  "load was a whole save\n", mid, kills, save_s * 1e3);
+    assert_true(mid >= 2);   /* the kills did land inside saves */
+    int64_t step = -1;
+    tu_check_status(ctx, dt_checkpoint_latest(ctx, dir, got, sizeof got, &step), "latest");
+    assert_string_equal(got, path);
+    assert_int_equal(step, newest);
+    dt_tensor_fill(p, 5.0f);   /* a save over a leftover .tmp */
+    tu_check_status(ctx, dt_checkpoint_save(ctx, NULL, path, 5), "save after the kills");
+    assert_int_equal(kill_loaded_value(ctx, p, buf, path), 5);
+    assert_int_equal(access(tmp, F_OK), -1);
+    free(buf);
+    dt_ctx_free(ctx);
+    tu_rmdir(dir);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ckpt_roundtrip),
     cmocka_unit_test(test_ckpt_file_layout),
@@ -1228,6 +1326,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ckpt_16bit),
     cmocka_unit_test(test_ckpt_metadata),
     cmocka_unit_test(test_ckpt_non_strict),
+    cmocka_unit_test(test_ckpt_kill_during_save),
 };
 
 DT_TEST_GROUP(core_ckpt, tests)
