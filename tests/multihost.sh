@@ -33,14 +33,24 @@ tmp=$(mktemp -d)
 # ranks 0 and 2 on host 0, 1 and 3 on host 1: each host's ranks are not
 # contiguous, and the leaders (0 and 1) allreduce over tcp
 pids=()
-for r in 0 1 2 3; do
-    h=$((r % 2))
-    addr=$A0; ((h)) && addr=$A1
-    bind=(); ((r == 0)) && bind=(DTRAIN_STORE_BIND=$A0)
-    timeout -k 5 60 bash "$CLUSTER" exec $h "${common[@]}" DTRAIN_RANK=$r "${bind[@]}" \
-        DTRAIN_HOST=$addr "$BUILD/allreduce" > "$tmp/r$r" 2>&1 &
-    pids+=($!)
-done
+# start_ranks OUT SECONDS VAR=VALUE... -- PROGRAM ARGS...: ranks 0-3 on their
+# hosts, in the background (pids in pids[]), rank r's output in $tmp/OUT$r
+start_ranks() {
+    local out=$1 secs=$2 r h addr bind env=()
+    shift 2
+    while [[ $1 != -- ]]; do env+=("$1"); shift; done
+    shift
+    pids=()
+    for r in 0 1 2 3; do
+        h=$((r % 2))
+        addr=$A0; ((h)) && addr=$A1
+        bind=(); ((r == 0)) && bind=(DTRAIN_STORE_BIND=$A0)
+        timeout -k 5 "$secs" bash "$CLUSTER" exec $h "${common[@]}" "${env[@]}" DTRAIN_RANK=$r \
+            "${bind[@]}" DTRAIN_HOST=$addr "$@" > "$tmp/$out$r" 2>&1 &
+        pids+=($!)
+    done
+}
+start_ranks r 60 -- "$BUILD/allreduce"
 ok=1 codes=""
 for r in 0 1 2 3; do
     wait "${pids[$r]}"; rc=$?
@@ -53,16 +63,8 @@ done
 # DDP (hierarchical gradient allreduce) and evaluates the test set split
 # over the 4 ranks
 if [[ $ok == 1 && -x $BUILD/fashion_mnist ]]; then
-    pids=()
-    for r in 0 1 2 3; do
-        h=$((r % 2))
-        addr=$A0; ((h)) && addr=$A1
-        bind=(); ((r == 0)) && bind=(DTRAIN_STORE_BIND=$A0)
-        timeout -k 5 120 bash "$CLUSTER" exec $h "${common[@]}" DTRAIN_MASTER=$A0:$((PORT + 1)) \
-            DTRAIN_RANK=$r "${bind[@]}" DTRAIN_HOST=$addr "$BUILD/fashion_mnist" --model mlp \
-            --epochs 1 --limit-batches 5 --batch 16 > "$tmp/d$r" 2>&1 &
-        pids+=($!)
-    done
+    start_ranks d 120 DTRAIN_MASTER=$A0:$((PORT + 1)) -- "$BUILD/fashion_mnist" --model mlp \
+        --epochs 1 --limit-batches 5 --batch 16
     for r in 0 1 2 3; do
         wait "${pids[$r]}"; rc=$?
         codes+=" ddp:$rc"
@@ -78,16 +80,8 @@ fi
 # nothing comes: the silent-peer path, not a closed-connection one).
 linkdown=""
 if [[ $ok == 1 && -x $BUILD/fashion_mnist ]]; then
-    pids=()
-    for r in 0 1 2 3; do
-        h=$((r % 2))
-        addr=$A0; ((h)) && addr=$A1
-        bind=(); ((r == 0)) && bind=(DTRAIN_STORE_BIND=$A0)
-        timeout -k 5 120 bash "$CLUSTER" exec $h "${common[@]}" DTRAIN_MASTER=$A0:$((PORT + 2)) \
-            DTRAIN_TIMEOUT_MS=3000 DTRAIN_RANK=$r "${bind[@]}" DTRAIN_HOST=$addr \
-            "$BUILD/fashion_mnist" --model mlp --epochs 3 --batch 16 > "$tmp/l$r" 2>&1 &
-        pids+=($!)
-    done
+    start_ranks l 120 DTRAIN_MASTER=$A0:$((PORT + 2)) DTRAIN_TIMEOUT_MS=3000 -- \
+        "$BUILD/fashion_mnist" --model mlp --epochs 3 --batch 16
     sleep 6   # started, and training (its progress lines are buffered: not to wait on)
     ip -n "${NETNS_PREFIX}sw" link set p1 down
     cut=$EPOCHREALTIME
