@@ -1882,6 +1882,56 @@ DT_API dt_tensor *dt_tp_linear_row(dt_ctx *ctx, dt_comm *c, dt_tensor *x, dt_ten
 DT_API dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tensor *shard);
 
 /* ---------------------------------------------------------------------------
+ * 14b. Live monitoring: a web page and Prometheus metrics of a running job
+ *
+ * Opt-in.  Every rank calls dt_monitor_start (not collective: no rank waits
+ * for another); each starts a thread that, every interval, reads its
+ * profiler's totals (dt_profile_get; the profiler is started if it was not)
+ * and the scalars given to dt_monitor_log, and publishes a small summary
+ * through the rendezvous store on a connection of its own.  Rank 0's thread
+ * gathers the summaries, works out each rank's step phases, throughput and
+ * liveness over the last interval, the slowest rank and why (as the
+ * profiler's end-of-job report), and serves over HTTP from the server's own
+ * threads (backends/http.c, libmicrohttpd):
+ *   /            a self-contained page (no network fetches), live
+ *   /api/state   the current state as JSON
+ *   /events      Server-Sent Events: the state, each interval
+ *   /metrics     Prometheus text exposition (dtrain_* families)
+ * The training loop never waits for the monitor or a browser: both threads
+ * only take the monitor's lock for copies.  Read-only (GET and HEAD);
+ * requests over 16 KiB and more than 16 connections are refused.  Bound to
+ * loopback unless told otherwise; bound elsewhere, every request needs the
+ * job's token ("Authorization: Bearer T" or ?token=T).
+ * ------------------------------------------------------------------------- */
+typedef struct dt_monitor dt_monitor;
+typedef struct dt_monitor_config {
+    const char *listen;        /* rank 0: "[host:]port" to serve on; NULL: DTRAIN_MONITOR, else
+                                  "127.0.0.1:0" (any free port; dt_monitor_port says which) */
+    double interval_s;         /* how often ranks publish and the page updates; 0: 1 s */
+    const char *token;         /* needed by requests when not on loopback; NULL: the job's
+                                  (DTRAIN_JOB_TOKEN), else "" (then only loopback is allowed) */
+} dt_monitor_config;
+DT_API void dt_monitor_config_init(dt_monitor_config *cfg);
+/* Start monitoring ctx (and c's ranks; c NULL: this process alone).  cfg
+ * may be NULL.  Returns a new monitor, freed by dt_monitor_stop, or NULL
+ * with ctx's error: DT_ENOTSUP when dtrain was built without an HTTP server
+ * (rank 0 only); DT_EINVAL: a bad listen address, or one off loopback
+ * without a token; DT_EIO: the address cannot be bound; the store's errors. */
+DT_API dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *cfg);
+/* Record a scalar of this rank at step (a training loss, a learning rate,
+ * a validation loss...): the page plots its history, /metrics gives the
+ * latest.  name: letters, digits and '_' (at most 23); "loss", "lr" and
+ * "val_loss" become dtrain_loss, dtrain_learning_rate and
+ * dtrain_validation_loss, others dtrain_metric{name="..."}.  At most 8
+ * names.  Cheap: a copy under the monitor's lock.  DT_EINVAL: NULL, a bad
+ * name, a 9th name. */
+DT_API dt_status dt_monitor_log(dt_monitor *m, const char *name, int64_t step, double value);
+/* Rank 0: the port it serves on; -1 elsewhere or for NULL. */
+DT_API int dt_monitor_port(const dt_monitor *m);
+/* Stop the threads and the server; closes open streams.  NULL is a no-op. */
+DT_API void dt_monitor_stop(dt_monitor *m);
+
+/* ---------------------------------------------------------------------------
  * 15. Utilities
  * ------------------------------------------------------------------------- */
 /* Number of rows of logits (N,C) whose argmax equals labels (N).

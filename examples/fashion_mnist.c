@@ -41,12 +41,15 @@
 
 typedef struct options {
     const char *model, *data, *save, *resume, *optim, *ps_mode, *backend, *amp;
-    const char *trace, *loss_log;
+    const char *trace, *loss_log, *monitor;
     int epochs, batch, threads, limit_batches, ranks, servers, staleness, device;
     int profile, balance, steal, slow_rank, global_batch;
     float lr, slow_factor;
     unsigned long long seed;
 } options;
+
+/* The live monitor (--monitor), when on: the training loops log to it. */
+static dt_monitor *monitor;
 
 typedef struct model {
     int cnn;
@@ -93,6 +96,8 @@ static void usage(FILE *f)
             "  --steal N           with --servers in asp/ssp: idle workers take chunks of N\n"
             "                      batches from slow ones (dt_loader_steal)\n"
             "  --loss-log PATH     rank 0 appends 'seconds,loss' every 10 steps (a plot)\n"
+            "  --monitor [H:]PORT  rank 0 serves a live page and Prometheus metrics there\n"
+            "                      (DTRAIN_MONITOR does the same; 0: any free port)\n"
             "  --help              this text\n");
 }
 
@@ -150,6 +155,7 @@ static int parse_args(int argc, char **argv, options *o)
         else if (!strcmp(a, "--optim")) o->optim = v;
         else if (!strcmp(a, "--trace")) o->trace = v;
         else if (!strcmp(a, "--loss-log")) o->loss_log = v;
+        else if (!strcmp(a, "--monitor")) o->monitor = v;
         else if (!strcmp(a, "--steal")) ok = parse_int(a, v, 1, &o->steal);
         else if (!strcmp(a, "--slow")) {
             char *e;
@@ -515,6 +521,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             }
             dt_optim_zero_grad(opt);
             loss_sum += dt_tensor_item(loss);
+            if (monitor)
+                dt_monitor_log(monitor, "loss", step, dt_tensor_item(loss));
             if (loss_log && step % 10 == 0)
                 log_loss(loss_log, dt_now() - t_start, dt_tensor_item(loss));
             correct += c;
@@ -546,6 +554,10 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         dt_metrics tm;
         if (dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
             goto fail_ctx;
+        if (monitor) {
+            dt_monitor_log(monitor, "val_loss", step, tm.loss);
+            dt_monitor_log(monitor, "test_accuracy", step, tm.accuracy);
+        }
         if (talk)
             printf("%sepoch %d: loss %.4f, train accuracy %.2f%%, test accuracy %.2f%%, "
                    "%.0f samples/s, %.1f s (data wait %.2f s, exposed comm %.2f s)\n",
@@ -754,10 +766,22 @@ static int run_rank(const options *o)
         fail(ctx, 0, "reading the launcher's environment");
     else if (env.world_size > 1 && !(comm = dt_comm_new(ctx, &env, NULL)))
         ok = fail(ctx, env.rank, "joining the job");
+    if (ok && (o->monitor || getenv("DTRAIN_MONITOR"))) {
+        dt_monitor_config mc;
+        dt_monitor_config_init(&mc);
+        mc.listen = o->monitor;
+        if (!(monitor = dt_monitor_start(ctx, comm, &mc)))
+            ok = fail(ctx, comm ? dt_comm_rank(comm) : 0, "starting the monitor");
+        else if (dt_monitor_port(monitor) >= 0)
+            printf("monitor: http://127.0.0.1:%d/ (metrics at /metrics)\n", dt_monitor_port(monitor));
+        fflush(stdout);
+    }
     if (ok && o->servers && !comm)
         ok = fail(ctx, 0, "--servers needs a job of several ranks");
     else if (ok)
         ok = o->servers ? train_ps(o, ctx, comm) : train(o, ctx, comm);
+    dt_monitor_stop(monitor);
+    monitor = NULL;
     dt_comm_free(comm);
     dt_ctx_free(ctx);
     return ok;

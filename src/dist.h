@@ -797,8 +797,13 @@ DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
 DT_PRIVATE void ps_free_held(dt_ps *ps, ps_peer *p);
 DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps);
 
+/* src/join.c */
+DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
+
 /* src/profile.c */
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
+DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median);
+DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 
 /* src/steal.c */
 

@@ -12,6 +12,7 @@
 #include "../dtrain.h"
 #include "../backends/backend.h"
 #include "../backends/transport.h"
+#include "../backends/http.h"
 #include "../backends/shape.h"   /* shape_numel, contiguous_strides: one home with the backends */
 #include "../backends/half.h"    /* f32_to_bf16, f16_to_f32, ...: the same bits as the backends */
 

@@ -366,6 +366,26 @@ static dt_status exchange_addresses(dt_comm *c)
     return st;
 }
 
+/* Another connection to c's store, for a thread of a module above (work
+ * stealing's loader thread, the monitor's) that must not share c's:
+ * the same job, token, timeout and namespace.  Errors go to `errors`, a
+ * sink of that thread's own (ctx's state belongs to the caller's thread). */
+DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors)
+{
+    dt_dist_env e = {.rank = c->rank, .world_size = c->world, .local_rank = -1,
+                     .local_world_size = -1, .master_port = dt_store_port(c->store),
+                     .launcher = "dtrain"};
+    snprintf(e.master_addr, sizeof e.master_addr, "%s", c->store->addr);
+    dt_store_config sc;
+    dt_store_config_init(&sc);
+    sc.token = c->store->token;
+    sc.timeout_ms = c->store->timeout_ms;
+    dt_store *s = store_open(errors, &e, &sc, 0, c->inc);
+    if (s)
+        snprintf(s->prefix, sizeof s->prefix, "%s", c->store->prefix);
+    return s;
+}
+
 static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
 {
     dt_ctx *ctx = c->ctx;

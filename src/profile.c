@@ -37,7 +37,7 @@ int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler :
 /* Each rank's compute per sample over the window: the slowest is a
  * straggler if it is more than the threshold above the (lower) median.  Per sample,
  * so a rank that balancing gave fewer samples is still seen as slow. */
-static int prof_find_straggler(const double *per_sample, int P, double threshold, double *median)
+DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median)
 {
     double sorted[64];
     int n = 0;
@@ -279,6 +279,36 @@ static dt_status prof_write_trace(dt_ctx *ctx, const char *path, float *all, int
 
 static double per_step(double s, int64_t steps) { return steps ? s / (double)steps * 1e3 : 0; }
 
+/* The slowest of P ranks (their totals, or one interval's): in lockstep
+ * every rank's step is as long, so it is the one busiest in its step (the
+ * others spend the difference waiting); why gets the sentence the report
+ * and the monitor (src/monitor.c) give, with its largest phase.  -1 (and
+ * why "") when no rank ran a step. */
+DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap)
+{
+    int slow = -1;
+    for (int r = 0; r < P; r++)
+        if (st[r] && st[r]->steps &&
+            (slow < 0 || per_step(st[r]->step_s - st[r]->comm_wait_s, st[r]->steps) >
+                             per_step(st[slow]->step_s - st[slow]->comm_wait_s, st[slow]->steps)))
+            slow = r;
+    why[0] = '\0';
+    if (slow < 0)
+        return -1;
+    const dt_profile_stats *ss = st[slow];
+    double ph[PH_COUNT] = {ss->data_s, ss->forward_s, ss->backward_s, ss->comm_wait_s,
+                           ss->optimizer_s, ss->idle_s};
+    int big = 0;
+    for (int k = 1; k < PH_COUNT; k++)
+        big = ph[k] > ph[big] ? k : big;
+    snprintf(why, cap, "slowest rank: %d, busy %.2f ms of its %.2f ms step (the rest waiting on "
+             "communication); its largest phase: %s, %.2f ms (%.0f%%)", slow,
+             per_step(ss->step_s - ss->comm_wait_s, ss->steps), per_step(ss->step_s, ss->steps),
+             prof_phase_name(big), per_step(ph[big], ss->steps),
+             ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
+    return slow;
+}
+
 /* Rank 0's report from every rank's totals. */
 static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                const char *trace_path)
@@ -291,7 +321,6 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         strbuf_printf(&t, ", timeline in %s", trace_path);
     strbuf_printf(&t, "\nper step, ms:\n rank  steps     step     data  forward backward comm wait "
                   "optimizer    idle | comm ran  samples/s\n");
-    int slow = 0;
     double sum_step = 0;
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
@@ -307,26 +336,15 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       per_step(s->comm_wait_s, n), per_step(s->optimizer_s, n),
                       per_step(s->idle_s, n), per_step(s->comm_s, n),
                       s->step_s > 0 ? (double)s->samples / s->step_s : 0);
-        /* in lockstep every rank's step is as long; the slowest is the one
-         * busiest in it (the others spend the difference waiting) */
-        if (per_step(s->step_s - s->comm_wait_s, n) >
-            per_step(h[slow]->st.step_s - h[slow]->st.comm_wait_s, h[slow]->st.steps))
-            slow = r;
         sum_step += per_step(s->step_s, n);
     }
-    /* the slowest rank and its largest phase */
-    const dt_profile_stats *ss = &h[slow]->st;
-    double ph[PH_COUNT] = {ss->data_s, ss->forward_s, ss->backward_s, ss->comm_wait_s,
-                           ss->optimizer_s, ss->idle_s};
-    int big = 0;
-    for (int k = 1; k < PH_COUNT; k++)
-        big = ph[k] > ph[big] ? k : big;
-    if (ss->steps)
-        strbuf_printf(&t, "slowest rank: %d, busy %.2f ms of its %.2f ms step (the rest waiting on "
-                      "communication); its largest phase: %s, %.2f ms (%.0f%%)\n", slow,
-                      per_step(ss->step_s - ss->comm_wait_s, ss->steps),
-                      per_step(ss->step_s, ss->steps), prof_phase_name(big),
-                      per_step(ph[big], ss->steps), ss->step_s > 0 ? 100 * ph[big] / ss->step_s : 0);
+    const dt_profile_stats *all[64] = {0};
+    int Ps = P < 64 ? P : 64;
+    for (int r = 0; r < Ps; r++)
+        all[r] = &h[r]->st;
+    char why[320];
+    if (prof_slowest(all, Ps, why, sizeof why) >= 0)
+        strbuf_printf(&t, "%s\n", why);
     /* stragglers: compute per sample against the median, over the whole run */
     double per[64] = {0}, median = 0;
     int Pm = P < 64 ? P : 64;

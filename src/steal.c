@@ -139,15 +139,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     st->chunk = chunk_batches;
     st->id = c->steals_made++;
     /* the loader's thread claims: it needs a connection of its own */
-    dt_dist_env e = {.rank = c->rank, .world_size = c->world, .local_rank = -1,
-                     .local_world_size = -1, .master_port = dt_store_port(c->store),
-                     .launcher = "dtrain"};
-    snprintf(e.master_addr, sizeof e.master_addr, "%s", c->store->addr);
-    dt_store_config sc;
-    dt_store_config_init(&sc);
-    sc.token = c->store->token;
-    sc.timeout_ms = c->store->timeout_ms;
-    st->store = store_open(st->errors, &e, &sc, 0, c->inc);
+    st->store = join_own_store(c, st->errors);
     if (!st->store) {
         dt_status s = set_error(ctx, st->errors->last_status, "loader_steal: %s", st->errors->err);
         host_free(ctx, st->errors);

@@ -27,7 +27,7 @@ LAYERS = [
     ("context", "arena", "tensor", "param", "util", "record"),
     ("autograd",), ("ops", "ops_nn"), ("recompute",), ("optim",), ("ckpt",), ("dataset", "dataset_io"), ("data",), ("store",),
     ("comm", "seg"), ("join",), ("eval",), ("launch",), ("profile",), ("codec",), ("ps", "ps_server"), ("ddp",), ("replicas",),
-    ("hogwild",), ("steal",), ("parallel",),
+    ("hogwild",), ("steal",), ("parallel",), ("monitor",),
 ]
 
 # Upward calls allowed, caller -> the functions it may call above it: none
@@ -45,7 +45,7 @@ PREFIXES = {
     "optim": ("optim_",), "ckpt": ("ckpt_",), "store": ("store_",), "data": ("loader_", "data_"), "dataset": ("dataset_",), "dataset_io": ("dataset_",),
     "comm": ("comm_",), "seg": ("seg_",), "join": ("join_",), "launch": ("launch_",), "profile": ("prof_",), "codec": ("codec_",),
     "ps": ("ps_",), "ps_server": ("ps_",), "ddp": ("ddp_",), "replicas": ("replicas_",), "hogwild": ("hogwild_",),
-    "steal": ("steal_",), "parallel": ("parallel_", "pipe_"),
+    "steal": ("steal_",), "parallel": ("parallel_", "pipe_"), "monitor": ("mon_",),
 }
 EXEMPT = {"set_error", "warn"}
 OFFERED = re.compile(r"^DT_PRIVATE [A-Za-z_][\w \*]*?\b(\w+)\s*\(", re.M)

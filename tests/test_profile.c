@@ -15,6 +15,10 @@
 #include <math.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 enum { SIDE = 8, PIXELS = SIDE * SIDE, NSAMPLES = 600, CLASSES = 10, HID = 32 };
 
@@ -1023,6 +1027,92 @@ static void test_store_add(void **state)
     dt_ctx_free(ctx);
 }
 
+/* --- the live monitor, one process (the 2-rank job: monitor_checks) ------- */
+
+/* GET path from 127.0.0.1:port; the status, the body into out. */
+static int http_get(int port, const char *path, char *out, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
+    if (write(fd, req, (size_t)n) != n) {
+        close(fd);
+        return -1;
+    }
+    size_t got = 0;
+    ssize_t k;
+    while (got + 1 < cap && (k = read(fd, out + got, cap - 1 - got)) > 0)
+        got += (size_t)k;
+    out[got] = '\0';
+    close(fd);
+    int status = -1;
+    sscanf(out, "HTTP/1.1 %d", &status);
+    return status;
+}
+
+static void test_monitor_one_process(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    dt_monitor_config mc;
+    dt_monitor_config_init(&mc);
+    assert_true(mc.interval_s == 1.0 && mc.listen == NULL);
+    const char *bad[] = {"http://x", "127.0.0.1:99999", "nohost:80"};
+    for (int i = 0; i < 3; i++) {   /* not [host:]port with an IPv4 host */
+        mc.listen = bad[i];
+        assert_null(dt_monitor_start(ctx, NULL, &mc));
+        assert_int_equal(dt_last_status(ctx), DT_EINVAL);
+    }
+    mc.listen = "0.0.0.0:0";   /* off loopback, no token */
+    mc.token = "";
+    assert_null(dt_monitor_start(ctx, NULL, &mc));
+    assert_non_null(strstr(dt_last_error(ctx), "needs a token"));
+    mc.listen = "127.0.0.1:0";
+    mc.token = NULL;
+    mc.interval_s = 0.2;
+    dt_monitor *m = dt_monitor_start(ctx, NULL, &mc);
+    tu_check(ctx, m, "monitor_start");
+    assert_true(dt_profiling(ctx));   /* started for it */
+    int port = dt_monitor_port(m);
+    assert_true(port > 0);
+    assert_int_equal(dt_monitor_port(NULL), -1);
+    /* names: letters, digits, '_', at most 23; at most 8 of them */
+    assert_int_equal(dt_monitor_log(m, "has space", 0, 1), DT_EINVAL);
+    assert_int_equal(dt_monitor_log(m, "a_name_of_24_characters_", 0, 1), DT_EINVAL);
+    assert_int_equal(dt_monitor_log(NULL, "loss", 0, 1), DT_EINVAL);
+    char name[16];
+    for (int i = 0; i < 8; i++) {
+        snprintf(name, sizeof name, "m%d", i);
+        tu_check_status(ctx, dt_monitor_log(m, name, i, 0.5 * i), "monitor_log");
+    }
+    tu_check_status(ctx, dt_monitor_log(m, "m3", 9, 7.25), "monitor_log again");   /* updates */
+    assert_int_equal(dt_monitor_log(m, "ninth", 0, 1), DT_EINVAL);
+    usleep(500 * 1000);   /* two intervals */
+    char *body = malloc(1 << 16);
+    assert_non_null(body);
+    assert_int_equal(http_get(port, "/api/state", body, 1 << 16), 200);
+    assert_non_null(strstr(body, "\"world\":1"));
+    assert_non_null(strstr(body, "\"m3\":7.25"));
+    assert_int_equal(http_get(port, "/metrics", body, 1 << 16), 200);
+    assert_non_null(strstr(body, "dtrain_metric{rank=\"0\",name=\"m3\"} 7.25"));
+    assert_non_null(strstr(body, "# TYPE dtrain_steps_total counter"));
+    assert_int_equal(http_get(port, "/", body, 1 << 16), 200);
+    assert_non_null(strstr(body, "<title>dtrain monitor</title>"));
+    assert_int_equal(http_get(port, "/nothing", body, 1 << 16), 404);
+    dt_monitor_stop(m);
+    assert_int_equal(http_get(port, "/metrics", body, 1 << 16), -1);   /* nobody listens */
+    dt_monitor_stop(NULL);
+    free(body);
+    dt_ctx_free(ctx);
+}
+
 static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_phases_single),
     cmocka_unit_test(test_data_hint),
@@ -1034,6 +1124,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_misuse),
     cmocka_unit_test(test_ps_calls),
     cmocka_unit_test(test_store_add),
+    cmocka_unit_test(test_monitor_one_process),
 };
 
 DT_TEST_GROUP(profile, profile_tests)
