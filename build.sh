@@ -1015,6 +1015,16 @@ monitor_checks() {
     else
         echo "monitor check: no chromium: the page's rendering not checked"
     fi
+    # rank 1 stopped (SIGSTOP): silent on the page and down in /metrics
+    # within 3 intervals; rank 0 (waiting for it in an allreduce) still up
+    local r1
+    r1=$(/usr/bin/python3 -c 'import json, sys, urllib.request as u
+print(json.load(u.urlopen(sys.argv[1]))["ranks"][1]["pid"])' "http://127.0.0.1:$MON_PORT/api/state")
+    [ "${r1:-0}" -gt 1 ] || { kill $MON_PID; echo "monitor check: rank 1's pid not given"; exit 1; }
+    kill -STOP $r1
+    sleep 5
+    /usr/bin/python3 tests/monitor_check.py $MON_PORT 2 --silent 1 || { kill -CONT $r1; kill $MON_PID; exit 1; }
+    kill -CONT $r1
     kill $MON_PID; wait $MON_PID 2>/dev/null
     DTRAIN_JOB_TOKEN=monitor-check-token monitor_job $log $fast --model mlp --epochs 100 \
         --monitor 0.0.0.0:0

@@ -33,6 +33,7 @@ typedef struct mon_summary {
     double step_s, phase[PH_COUNT], comm_s, busbw, ps_latency_s, ps_mean_stale;
     double coll_bytes;
     int straggler;                 /* the profiler's latest check named it */
+    int pid;                       /* its process */
     int nscalars;
     char name[MON_SCALARS][MON_NAME];
     int64_t at[MON_SCALARS];
@@ -123,6 +124,7 @@ static void mon_take(dt_monitor *m, mon_summary *s)
     s->ps_mean_stale = st.ps_mean_staleness;
     s->coll_bytes = (double)st.coll_bytes;
     s->straggler = dt_profile_straggler(m->ctx) == m->rank;
+    s->pid = (int)getpid();
     pthread_mutex_lock(&m->mu);
     s->nscalars = m->nscalars;
     memcpy(s->name, m->sname, sizeof s->name);
@@ -132,17 +134,18 @@ static void mon_take(dt_monitor *m, mon_summary *s)
 }
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
- * collectives ps_calls ps_latency ps_max ps_mean straggler n (name at value)*" */
+ * collectives ps_calls ps_latency ps_max ps_mean straggler pid n (name at
+ * value)*" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
     int n = snprintf(out, cap, "dtmon1 %.6f %lld %lld %.9g", s->t, (long long)s->steps,
                      (long long)s->samples, s->step_s);
     for (int k = 0; k < PH_COUNT; k++)
         n += snprintf(out + n, cap - (size_t)n, " %.9g", s->phase[k]);
-    n += snprintf(out + n, cap - (size_t)n, " %.9g %.17g %.9g %lld %lld %.9g %lld %.9g %d %d",
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.17g %.9g %lld %lld %.9g %lld %.9g %d %d %d",
                   s->comm_s, s->coll_bytes, s->busbw, (long long)s->collectives,
                   (long long)s->ps_calls, s->ps_latency_s, (long long)s->ps_max_stale,
-                  s->ps_mean_stale, s->straggler, s->nscalars);
+                  s->ps_mean_stale, s->straggler, s->pid, s->nscalars);
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
@@ -168,11 +171,11 @@ static int mon_decode(const char *line, mon_summary *s)
     long long steps, samples, colls, ps_calls, ps_max;
     int used = 0;
     if (sscanf(line, "dtmon1 %lf %lld %lld %lf %lf %lf %lf %lf %lf %lf %lf %lf %lf %lld %lld %lf "
-                     "%lld %lf %d %d%n",
+                     "%lld %lf %d %d %d%n",
                &s->t, &steps, &samples, &s->step_s, &s->phase[0], &s->phase[1], &s->phase[2],
                &s->phase[3], &s->phase[4], &s->phase[5], &s->comm_s, &s->coll_bytes, &s->busbw,
                &colls, &ps_calls, &s->ps_latency_s, &ps_max, &s->ps_mean_stale, &s->straggler,
-               &s->nscalars, &used) != 20 ||
+               &s->pid, &s->nscalars, &used) != 21 ||
         s->nscalars < 0 || s->nscalars > MON_SCALARS)
         return 0;
     s->steps = steps;
@@ -361,8 +364,8 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
 {
     const mon_rank *x = &m->ranks[r];
     const mon_summary *s = &x->cur;
-    strbuf_printf(b, "{\"rank\":%d,\"status\":\"%s\",\"steps\":%lld,", r, mon_status(m, x, now),
-                  (long long)s->steps);
+    strbuf_printf(b, "{\"rank\":%d,\"pid\":%d,\"status\":\"%s\",\"steps\":%lld,", r, s->pid,
+                  mon_status(m, x, now), (long long)s->steps);
     jnum(b, "last_seen_s", x->have ? now - x->seen : NAN);
     strbuf_puts(b, ",");
     jnum(b, "step_ms", x->step_ms);

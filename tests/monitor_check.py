@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""tests/monitor_check.py PORT WORLD [TOKEN] - what a running job's monitor
+"""tests/monitor_check.py PORT WORLD [TOKEN | --silent RANK] - what a running job's monitor
 serves (src/monitor.c), checked from outside as a user's tools see it:
 
   /metrics    parsed by prometheus_client's own text-format parser: every
@@ -11,6 +11,7 @@ serves (src/monitor.c), checked from outside as a user's tools see it:
   bad input   a request line that is not HTTP, a 20 KiB header, a POST, an
               unknown path each get an error status; training goes on
   TOKEN       (the server is off loopback) no token: 401; the token: 200
+  --silent R  (rank R was stopped) only that: R is "silent" and down
 
 Prints "monitor check: ..." lines; exits 1 on the first failure.
 """
@@ -24,7 +25,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 PORT, WORLD = int(sys.argv[1]), int(sys.argv[2])
-TOKEN = sys.argv[3] if len(sys.argv) > 3 else None
+SILENT = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "--silent" else None
+TOKEN = sys.argv[3] if len(sys.argv) > 3 and SILENT is None else None
 BASE = f"http://127.0.0.1:{PORT}"
 FAMILIES = {   # name (as the parser gives it: counters without _total) -> type
     "dtrain_world_size": "gauge", "dtrain_up": "gauge", "dtrain_last_seen_seconds": "gauge",
@@ -182,6 +184,21 @@ def check_token():
     print("monitor check: off loopback: no token 401, a wrong one 401, the job's 200")
 
 
+def check_silent(rank):
+    s = json.loads(get("/api/state")[2])
+    status = {r["rank"]: r["status"] for r in s["ranks"]}
+    up = {x.labels["rank"]: x.value for f in text_string_to_metric_families(get("/metrics")[2])
+          if f.name == "dtrain_up" for x in f.samples}
+    if status[rank] != "silent" or up[str(rank)] != 0:
+        fail(f"rank {rank} stopped: status {status[rank]}, dtrain_up {up[str(rank)]}")
+    if any(status[r] != "up" or up[str(r)] != 1 for r in status if r != rank):
+        fail(f"the others: {status}, {up}")
+    print(f"monitor check: rank {rank} stopped: 'silent' on the page, dtrain_up 0; the others up")
+    sys.exit(0)
+
+
+if SILENT is not None:
+    check_silent(SILENT)
 if TOKEN:
     check_token()
 check_metrics()
