@@ -997,6 +997,37 @@ monitor_page_steps() {   # the step count the rendered page shows, and its ranks
         grep -o 'data-rank="[0-9]*"\|id="steps">[0-9]*' | sort -u | tr '\n' ' '
 }
 
+# One of two parameter servers slowed: rank 3 stopped and resumed every
+# 100 ms (SIGSTOP/SIGCONT) for 6 s of a 4-rank job (2 workers, 2 servers).
+# /api/state and /metrics must name rank 3 while it happens, and the
+# end-of-job report after it.
+monitor_ps_check() {
+    local log=$1 fast=$2 pid i
+    monitor_job $log $fast --ranks 4 --servers 2 --ps-mode asp --model mlp --epochs 2 --monitor 0
+    pid=$(/usr/bin/python3 -c 'import json, sys, urllib.request as u
+print(json.load(u.urlopen(sys.argv[1]))["ranks"][3]["pid"])' "http://127.0.0.1:$MON_PORT/api/state")
+    for i in $(seq 1 30); do kill -STOP $pid; sleep 0.1; kill -CONT $pid; sleep 0.1; done
+    /usr/bin/python3 - "$MON_PORT" <<'PY' || { kill $MON_PID; exit 1; }
+import json, sys, urllib.request as u
+from prometheus_client.parser import text_string_to_metric_families
+base = f"http://127.0.0.1:{sys.argv[1]}"
+s = json.load(u.urlopen(base + "/api/state"))
+stalled = {x.labels["rank"]: x.value
+           for f in text_string_to_metric_families(u.urlopen(base + "/metrics").read().decode())
+           if f.name == "dtrain_ps_server_stalled_seconds" for x in f.samples}
+if s["slow_server"] != 3 or "rank 3 did not run" not in s["server_why"] or \
+        sorted(stalled) != ["2", "3"] or not stalled["3"] > stalled["2"]:
+    sys.exit(f"monitor check: the slowed server is not named: {s['slow_server']}, "
+             f"'{s['server_why']}', stalled {stalled}")
+print(f"monitor check: server rank 3 slowed: /api/state says \"{s['server_why']}\"; "
+      f"dtrain_ps_server_stalled_seconds_total {stalled}")
+PY
+    wait $MON_PID || { tail -20 $log; echo "monitor check: the parameter-server job failed"; exit 1; }
+    grep -q "^slowest parameter server: parameter server rank 3 did not run" $log ||
+        { grep "parameter server" $log; echo "monitor check: the report does not name rank 3"; exit 1; }
+    echo "monitor check: the report: $(grep '^slowest parameter server' $log)"
+}
+
 monitor_checks() {
     local fast=$BUILD/test/fashion_mnist_O2 log=$BUILD/test/monitor.log a b sa sb
     monitor_job $log $fast --ranks 2 --model mlp --epochs 100 --monitor 0
@@ -1026,6 +1057,7 @@ print(json.load(u.urlopen(sys.argv[1]))["ranks"][1]["pid"])' "http://127.0.0.1:$
     /usr/bin/python3 tests/monitor_check.py $MON_PORT 2 --silent 1 || { kill -CONT $r1; kill $MON_PID; exit 1; }
     kill -CONT $r1
     kill $MON_PID; wait $MON_PID 2>/dev/null
+    monitor_ps_check $log $fast
     DTRAIN_JOB_TOKEN=monitor-check-token monitor_job $log $fast --model mlp --epochs 100 \
         --monitor 0.0.0.0:0
     /usr/bin/python3 tests/monitor_check.py $MON_PORT 1 monitor-check-token || { kill $MON_PID; exit 1; }

@@ -568,6 +568,7 @@ DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, i
 DT_PRIVATE void prof_push(prof_state *p, prof_event e);
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
 DT_PRIVATE const char *prof_phase_name(int phase);
+DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
@@ -1172,6 +1173,8 @@ struct dt_dp {
 
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 #define PS_WINDOW 16              /* a server's pieces in flight per message */
+#define PS_POLL_S 0.02            /* a server waits this long for traffic per turn */
+#define PS_STALL_SLACK_S 0.05     /* a longer gap between its turns: it did not run */
 
 /* A server's view of one worker. */
 typedef struct ps_peer {
@@ -1491,6 +1494,7 @@ DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median);
 DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 
 /* src/steal.c */
 
@@ -3322,6 +3326,23 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
     out->events = p->nev;
     out->dropped = p->dropped;
+}
+
+/* A parameter server's own figures so far (src/ps_server.c's loop), into
+ * the totals: what the report and the monitor say of each server. */
+DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv)
+{
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->tot.ps_serve_s = sv->ps_serve_s;
+    p->tot.ps_busy_s = sv->ps_busy_s;
+    p->tot.ps_stalled_s = sv->ps_stalled_s;
+    p->tot.ps_served = sv->ps_served;
+    p->tot.ps_bytes_in = sv->ps_bytes_in;
+    p->tot.ps_bytes_out = sv->ps_bytes_out;
+    p->tot.ps_queue_max = sv->ps_queue_max;
+    p->tot.ps_keys = sv->ps_keys;
+    pthread_mutex_unlock(&p->mu);
 }
 
 dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
@@ -13804,6 +13825,54 @@ DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why,
     return slow;
 }
 
+/* The parameter server that holds the job back, from the servers' own
+ * figures (prof_ps_serving), and why, into why: one that did not run for
+ * 10% of its time or more (the most of them: a stopped process, or a host
+ * that starves it); else one busy 60% of its time or more, with a share of
+ * the keys well above the others' (a hot shard) or not (too many workers
+ * for the servers).  -1 when none stands out.  Shared with the monitor
+ * (src/monitor.c), which passes one interval's figures. */
+DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap)
+{
+    int stalled = -1, busy = -1, servers = 0;
+    double keys = 0;
+    why[0] = '\0';
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !(s->ps_serve_s > 0))
+            continue;
+        servers++;
+        keys += (double)s->ps_keys;
+        if (s->ps_stalled_s >= 0.1 * s->ps_serve_s &&
+            (stalled < 0 || s->ps_stalled_s / s->ps_serve_s >
+                                st[stalled]->ps_stalled_s / st[stalled]->ps_serve_s))
+            stalled = r;
+        if (s->ps_busy_s >= 0.6 * s->ps_serve_s &&
+            (busy < 0 || s->ps_busy_s / s->ps_serve_s > st[busy]->ps_busy_s / st[busy]->ps_serve_s))
+            busy = r;
+    }
+    if (stalled >= 0) {
+        const dt_profile_stats *s = st[stalled];
+        snprintf(why, cap, "parameter server rank %d did not run for %.0f%% of its time (the "
+                 "process was stopped, or its host starves it): every worker's pulls and pushes "
+                 "wait for it; check that host, not the number of servers", stalled,
+                 100 * s->ps_stalled_s / s->ps_serve_s);
+        return stalled;
+    }
+    if (busy >= 0) {
+        const dt_profile_stats *s = st[busy];
+        double share = keys > 0 ? (double)s->ps_keys / keys : 0;
+        snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time and holds %.0f%% "
+                 "of the keys: %s", busy, 100 * s->ps_busy_s / s->ps_serve_s, 100 * share,
+                 servers > 1 && share > 1.5 / servers
+                 ? "its shard is hot (too many keys on one server): split the largest tensors "
+                   "or use more servers"
+                 : "too many workers per server: more servers (dt_ps_config.servers)");
+        return busy;
+    }
+    return -1;
+}
+
 /* Rank 0's report from every rank's totals. */
 static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                const char *trace_path)
@@ -13883,6 +13952,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
                       link > 0 ? 100 * busbw / link : 0, link,
                       comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
+    char slow_server[320] = "";
     if (ps_calls) {
         for (int r = 0; r < P; r++) {
             const dt_profile_stats *s = &h[r]->st;
@@ -13891,7 +13961,17 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                               "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
                               s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
                               (long long)s->ps_max_staleness);
+            if (s->ps_serve_s > 0)
+                strbuf_printf(&t, "parameter server, rank %d serving: %lld requests in %.1f s, busy "
+                              "%.0f%%, not running %.0f%%, %.1f MB in, %.1f MB out, up to %lld "
+                              "waiting, %lld keys\n", r, (long long)s->ps_served, s->ps_serve_s,
+                              100 * s->ps_busy_s / s->ps_serve_s,
+                              100 * s->ps_stalled_s / s->ps_serve_s, s->ps_bytes_in / 1e6,
+                              s->ps_bytes_out / 1e6, (long long)s->ps_queue_max,
+                              (long long)s->ps_keys);
         }
+        if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0)
+            strbuf_printf(&t, "slowest parameter server: %s\n", slow_server);
     }
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
@@ -13912,7 +13992,8 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     if (tot_step > 0 && tot_wait / tot_step > 0.15) {
         strbuf_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
                       100 * tot_wait / tot_step,
-                      ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
+                      slow_server[0] ? "mostly waiting for the slowest parameter server (above)"
+                      : ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
                              "compression (DTRAIN_COMPRESS=bf16 halves the bytes)"
                            : "larger buckets (dt_ddp_config.bucket_bytes) so fewer, bigger "
                              "allreduces overlap backward, or compression (DTRAIN_COMPRESS=bf16 "
@@ -16571,9 +16652,44 @@ static void ps_sweep_replies(dt_ps *ps)
     }
 }
 
+/* What the loop measures of itself, for the report and the monitor
+ * (prof_ps_serving): its time busy, and its time not running (a gap
+ * between two turns beyond the 20 ms poll wait and 50 ms of slack: the
+ * process was stopped, or its host starved it). */
+typedef struct ps_meter {
+    dt_profile_stats sv;   /* its ps_ fields */
+    double t0, idle_from, published;
+} ps_meter;
+
+static void ps_meter_turn(ps_meter *mt, double now)
+{
+    double gap = now - mt->idle_from;
+    if (gap > PS_POLL_S + PS_STALL_SLACK_S)
+        mt->sv.ps_stalled_s += gap - PS_POLL_S;
+}
+
+static void ps_meter_publish(dt_ps *ps, ps_meter *mt, double now, int force)
+{
+    if (!force && now - mt->published < 0.1)
+        return;
+    int64_t waiting = 0;
+    for (const ps_wait *q = ps->waits; q; q = q->next)
+        waiting++;
+    for (int w = 0; w < ps->W; w++)
+        waiting += ps->peers[w].parked;
+    mt->sv.ps_queue_max = waiting > mt->sv.ps_queue_max ? waiting : mt->sv.ps_queue_max;
+    mt->sv.ps_serve_s = now - mt->t0;
+    mt->sv.ps_served = ps->st.pushes + ps->st.pulls;
+    mt->sv.ps_keys = ps_my_floats(ps);
+    mt->published = now;
+    prof_ps_serving(ps->ctx, &mt->sv);
+}
+
 static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
 {
     dt_comm *c = ps->comm;
+    ps_meter mt = {.t0 = dt_now()};
+    mt.idle_from = mt.t0;
     for (int w = 0; w < ps->W; w++) {
         last_seen[w] = dt_now();
         if (ps_post_header(ps, w) != DT_OK)
@@ -16586,15 +16702,20 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         int live = 0;
         for (int w = 0; w < ps->W; w++)
             live += ps->peers[w].state == 0;
-        if (!live && !ps->replies)
+        if (!live && !ps->replies) {
+            ps_meter_publish(ps, &mt, dt_now(), 1);
             return DT_OK;
+        }
         dt_xfer *done[16];
         char err[256] = "";
+        double turn = dt_now();
+        ps_meter_turn(&mt, turn);
         int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
         if (k < 0)
             return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
+            *(ps_is_peer(ps, x->user) ? &mt.sv.ps_bytes_in : &mt.sv.ps_bytes_out) += (double)x->len;
             if (!ps_is_peer(ps, x->user)) {   /* a piece of an answer sent: the next one */
                 if (ps_on_sent(ps, x) != DT_OK)
                     return ps->ctx->last_status;
@@ -16616,13 +16737,19 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
                 return s;
         }
         ps_sweep_replies(ps);
+        if (k > 0)
+            mt.sv.ps_busy_s += dt_now() - turn;
+        ps_meter_publish(ps, &mt, dt_now(), 0);
         if (k == 0) {
             if (dt_now() - last_watch > DT_COMM_WATCH_S) {
                 last_watch = dt_now();
                 if (ps_watch(ps, last_seen) != DT_OK)
                     return ps->ctx->last_status;
             }
-            c->tp_iface->wait(c->tp, 20);
+            mt.idle_from = dt_now();
+            c->tp_iface->wait(c->tp, (int)(PS_POLL_S * 1e3));
+        } else {
+            mt.idle_from = dt_now();
         }
     }
 }
@@ -19847,7 +19974,8 @@ static const char mon_page[] =
     "function row(r,s,max){\n"
     "  const tot=PH.reduce((a,p)=>a+(r.phases_ms[p]||0),0)||1;\n"
     "  const bar=PH.map(p=>`<span title=\"${p}: ${f(r.phases_ms[p],2)} ms\" style=\"width:${100*(r.phases_ms[p]||0)/tot*(r.step_ms||0)/(max||1)}%;background:${COL[p]}\"></span>`).join(\"\");\n"
-    "  const flags=[r.rank===s.slowest\?\"slowest\":\"\",r.straggler\?'<span class=\"strag\">straggler</span>':\"\"].filter(x=>x).join(\" \");\n"
+    "  const sv=r.server\?`server: busy ${f(100*r.server.busy,0)}%, not running ${f(100*r.server.stalled,0)}%, ${r.server.keys} keys`:\"\";\n"
+    "  const flags=[r.rank===s.slowest\?\"slowest\":\"\",r.rank===s.slow_server\?'<span class=\"strag\">slow server</span>':\"\",r.straggler\?'<span class=\"strag\">straggler</span>':\"\",sv].filter(x=>x).join(\" \");\n"
     "  return `<tr data-rank=\"${r.rank}\" class=\"${r.rank===s.slowest\?\"slow\":\"\"}\"><td class=\"l\">${r.rank}</td><td class=\"l ${r.status}\">${r.status}${r.status!==\"up\"\?\" (\"+f(r.last_seen_s,0)+\" s)\":\"\"}</td>`+\n"
     "   `<td class=\"steps\">${r.steps}</td><td>${f(r.step_ms,2)}</td><td class=\"l\"><div class=\"bar\">${bar}</div></td><td>${f(r.samples_per_s,0)}</td>`+\n"
     "   `<td>${f(r.busbw_GBps,3)}</td><td>${f(r.bytes_per_s/1e6,1)}</td><td>${r.ps_calls\?f(r.ps_latency_ms,2):\"-\"}</td><td>${r.ps_calls\?f(r.ps_mean_staleness,2)+\" / \"+r.ps_max_staleness:\"-\"}</td><td class=\"l\">${flags}</td></tr>`;\n"
@@ -19856,7 +19984,7 @@ static const char mon_page[] =
     "  state=s;\n"
     "  const up=s.ranks.filter(r=>r.status===\"up\").length, r0=s.ranks[0]||{steps:0};\n"
     "  document.getElementById(\"job\").innerHTML=`${s.world} rank${s.world>1\?\"s\":\"\"}, <b>${up}</b> up &middot; step <b id=\"steps\">${r0.steps}</b> on rank 0 &middot; ${f(s.ranks.reduce((a,r)=>a+(r.samples_per_s||0),0),0)} samples/s &middot; up ${f(s.uptime_s,0)} s`;\n"
-    "  document.getElementById(\"why\").textContent=s.why||\"not enough intervals yet\";\n"
+    "  document.getElementById(\"why\").textContent=s.server_why||s.why||\"not enough intervals yet\";\n"
     "  const bad=s.ranks.filter(r=>r.status!==\"up\").map(r=>`rank ${r.rank} ${r.status}`);\n"
     "  document.getElementById(\"strag\").innerHTML=(s.straggler>=0\?`<span class=\"strag\">straggler: rank ${s.straggler}</span> (computes more than 15% above the median per sample) `:\"\")+\n"
     "    (bad.length\?`<span class=\"died\">${esc(bad.join(\", \"))}</span>`:\"\");\n"
@@ -19951,6 +20079,7 @@ typedef struct mon_summary {
     double coll_bytes;
     int straggler;                 /* the profiler's latest check named it */
     int pid;                       /* its process */
+    dt_profile_stats sv;           /* a parameter server's ps_serve_s ... ps_keys */
     int nscalars;
     char name[MON_SCALARS][MON_NAME];
     int64_t at[MON_SCALARS];
@@ -20005,6 +20134,8 @@ struct dt_monitor {
     uint64_t version;
     char why[320];                 /* the slowest rank and why */
     int slowest, straggler;
+    char server_why[320];          /* the parameter server holding the job back, and why */
+    int slow_server;
 };
 
 static const char *const mon_phase_key[PH_COUNT] = {"data", "forward", "backward", "comm_wait",
@@ -20042,6 +20173,7 @@ static void mon_take(dt_monitor *m, mon_summary *s)
     s->coll_bytes = (double)st.coll_bytes;
     s->straggler = dt_profile_straggler(m->ctx) == m->rank;
     s->pid = (int)getpid();
+    s->sv = st;
     pthread_mutex_lock(&m->mu);
     s->nscalars = m->nscalars;
     memcpy(s->name, m->sname, sizeof s->name);
@@ -20051,7 +20183,8 @@ static void mon_take(dt_monitor *m, mon_summary *s)
 }
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
- * collectives ps_calls ps_latency ps_max ps_mean straggler pid n (name at
+ * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
+ * serve busy stalled served bytes_in bytes_out queue_max keys, n (name at
  * value)*" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
@@ -20059,10 +20192,14 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
                      (long long)s->samples, s->step_s);
     for (int k = 0; k < PH_COUNT; k++)
         n += snprintf(out + n, cap - (size_t)n, " %.9g", s->phase[k]);
-    n += snprintf(out + n, cap - (size_t)n, " %.9g %.17g %.9g %lld %lld %.9g %lld %.9g %d %d %d",
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.17g %.9g %lld %lld %.9g %lld %.9g %d %d",
                   s->comm_s, s->coll_bytes, s->busbw, (long long)s->collectives,
                   (long long)s->ps_calls, s->ps_latency_s, (long long)s->ps_max_stale,
-                  s->ps_mean_stale, s->straggler, s->pid, s->nscalars);
+                  s->ps_mean_stale, s->straggler, s->pid);
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %d",
+                  s->sv.ps_serve_s, s->sv.ps_busy_s, s->sv.ps_stalled_s, (long long)s->sv.ps_served,
+                  s->sv.ps_bytes_in, s->sv.ps_bytes_out, (long long)s->sv.ps_queue_max,
+                  (long long)s->sv.ps_keys, s->nscalars);
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
@@ -20088,12 +20225,11 @@ static int mon_decode(const char *line, mon_summary *s)
     long long steps, samples, colls, ps_calls, ps_max;
     int used = 0;
     if (sscanf(line, "dtmon1 %lf %lld %lld %lf %lf %lf %lf %lf %lf %lf %lf %lf %lf %lld %lld %lf "
-                     "%lld %lf %d %d %d%n",
+                     "%lld %lf %d %d%n",
                &s->t, &steps, &samples, &s->step_s, &s->phase[0], &s->phase[1], &s->phase[2],
                &s->phase[3], &s->phase[4], &s->phase[5], &s->comm_s, &s->coll_bytes, &s->busbw,
                &colls, &ps_calls, &s->ps_latency_s, &ps_max, &s->ps_mean_stale, &s->straggler,
-               &s->pid, &s->nscalars, &used) != 21 ||
-        s->nscalars < 0 || s->nscalars > MON_SCALARS)
+               &s->pid, &used) != 20)
         return 0;
     s->steps = steps;
     s->samples = samples;
@@ -20101,15 +20237,27 @@ static int mon_decode(const char *line, mon_summary *s)
     s->ps_calls = ps_calls;
     s->ps_max_stale = ps_max;
     const char *p = line + used;
+    long long served, qmax, keys;
+    int k = 0;
+    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %d%n", &s->sv.ps_serve_s, &s->sv.ps_busy_s,
+               &s->sv.ps_stalled_s, &served, &s->sv.ps_bytes_in, &s->sv.ps_bytes_out, &qmax, &keys,
+               &s->nscalars, &k) != 9 ||
+        s->nscalars < 0 || s->nscalars > MON_SCALARS)
+        return 0;
+    s->sv.ps_served = served;
+    s->sv.ps_queue_max = qmax;
+    s->sv.ps_keys = keys;
+    p += k;
     for (int i = 0; i < s->nscalars; i++) {
         char name[MON_NAME];
         long long at;
-        int k = 0;
-        if (sscanf(p, " %23s %lld %lf%n", name, &at, &s->value[i], &k) != 3 || !mon_name_ok(name))
+        int used_here = 0;
+        if (sscanf(p, " %23s %lld %lf%n", name, &at, &s->value[i], &used_here) != 3 ||
+            !mon_name_ok(name))
             return 0;
         memcpy(s->name[i], name, sizeof name);
         s->at[i] = at;
-        p += k;
+        p += used_here;
     }
     return 1;
 }
@@ -20217,6 +20365,23 @@ static void mon_diagnose(dt_monitor *m)
         snprintf(m->why, sizeof m->why, "one rank");
     double median = 0;
     m->straggler = prof_find_straggler(per, P, PROF_DEFAULT_THRESHOLD, &median);
+    /* the parameter servers over the interval */
+    dt_profile_stats sv[64];
+    const dt_profile_stats *servers[64];
+    for (int r = 0; r < P; r++) {
+        const mon_rank *x = &m->ranks[r];
+        const dt_profile_stats *a = &x->prev.sv, *b = &x->cur.sv;
+        servers[r] = NULL;
+        if (!x->have_prev || !(b->ps_serve_s > a->ps_serve_s))
+            continue;
+        memset(&sv[r], 0, sizeof sv[r]);
+        sv[r].ps_serve_s = b->ps_serve_s - a->ps_serve_s;
+        sv[r].ps_busy_s = b->ps_busy_s - a->ps_busy_s;
+        sv[r].ps_stalled_s = b->ps_stalled_s - a->ps_stalled_s;
+        sv[r].ps_keys = b->ps_keys;
+        servers[r] = &sv[r];
+    }
+    m->slow_server = prof_slow_server(servers, P, m->server_why, sizeof m->server_why);
 }
 
 static void mon_add_point(dt_monitor *m, double now)
@@ -20301,6 +20466,19 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
     jnum(b, "ps_latency_ms", s->ps_calls ? s->ps_latency_s / (double)s->ps_calls * 1e3 : NAN);
     strbuf_printf(b, ",\"ps_max_staleness\":%lld,", (long long)s->ps_max_stale);
     jnum(b, "ps_mean_staleness", s->ps_mean_stale);
+    if (s->sv.ps_serve_s > 0) {   /* a parameter server's own figures, over the run */
+        const dt_profile_stats *v = &s->sv;
+        strbuf_printf(b, ",\"server\":{\"served\":%lld,\"keys\":%lld,\"queue_max\":%lld,",
+                      (long long)v->ps_served, (long long)v->ps_keys, (long long)v->ps_queue_max);
+        jnum(b, "busy", v->ps_busy_s / v->ps_serve_s);
+        strbuf_puts(b, ",");
+        jnum(b, "stalled", v->ps_stalled_s / v->ps_serve_s);
+        strbuf_puts(b, ",");
+        jnum(b, "bytes_in", v->ps_bytes_in);
+        strbuf_puts(b, ",");
+        jnum(b, "bytes_out", v->ps_bytes_out);
+        strbuf_puts(b, "}");
+    }
     strbuf_puts(b, ",\"scalars\":{");
     for (int i = 0; i < s->nscalars; i++) {
         if (i)
@@ -20319,7 +20497,9 @@ static char *mon_render_state(dt_monitor *m, double now, int whole)
     jnum(&b, "uptime_s", now - m->t0);
     strbuf_printf(&b, ",\"slowest\":%d,", m->slowest);
     jstr(&b, "why", m->why);
-    strbuf_printf(&b, ",\"straggler\":%d,\"ranks\":[", m->straggler);
+    strbuf_printf(&b, ",\"straggler\":%d,\"slow_server\":%d,", m->straggler, m->slow_server);
+    jstr(&b, "server_why", m->server_why);
+    strbuf_puts(&b, ",\"ranks\":[");
     for (int r = 0; r < m->world; r++) {
         if (r)
             strbuf_puts(&b, ",");
@@ -20398,6 +20578,14 @@ MON_FIELD(f_ps_calls, (double)s->ps_calls)
 MON_FIELD(f_ps_lat, s->ps_latency_s)
 MON_FIELD(f_ps_max, (double)s->ps_max_stale)
 MON_FIELD(f_ps_mean, s->ps_mean_stale)
+MON_FIELD(f_sv_serve, s->sv.ps_serve_s > 0 ? s->sv.ps_serve_s : NAN)
+MON_FIELD(f_sv_busy, s->sv.ps_serve_s > 0 ? s->sv.ps_busy_s : NAN)
+MON_FIELD(f_sv_stalled, s->sv.ps_serve_s > 0 ? s->sv.ps_stalled_s : NAN)
+MON_FIELD(f_sv_served, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_served : NAN)
+MON_FIELD(f_sv_in, s->sv.ps_serve_s > 0 ? s->sv.ps_bytes_in : NAN)
+MON_FIELD(f_sv_out, s->sv.ps_serve_s > 0 ? s->sv.ps_bytes_out : NAN)
+MON_FIELD(f_sv_queue, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_queue_max : NAN)
+MON_FIELD(f_sv_keys, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_keys : NAN)
 
 static void prom_scalars(dt_monitor *m, strbuf *b)
 {
@@ -20467,6 +20655,23 @@ static char *mon_render_metrics(dt_monitor *m, double now)
                   "The largest staleness (steps) of the parameters the rank pulled.", f_ps_max, now);
     prom_per_rank(m, &b, "dtrain_ps_staleness_mean", "gauge",
                   "The mean staleness (steps) of the parameters the rank pulled.", f_ps_mean, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_seconds_total", "counter",
+                  "Wall time a parameter server rank has served.", f_sv_serve, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_busy_seconds_total", "counter",
+                  "Of it, time handling requests and applying steps.", f_sv_busy, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_stalled_seconds_total", "counter",
+                  "Of it, time the server did not run when it should have (stopped or starved).",
+                  f_sv_stalled, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_requests_total", "counter",
+                  "Requests a parameter server answered or applied.", f_sv_served, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_received_bytes_total", "counter",
+                  "Bytes a parameter server received.", f_sv_in, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_sent_bytes_total", "counter",
+                  "Bytes a parameter server sent.", f_sv_out, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_queue_max", "gauge",
+                  "The most requests waiting at a parameter server at once.", f_sv_queue, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_keys", "gauge",
+                  "Floats a parameter server holds.", f_sv_keys, now);
     prom_scalars(m, &b);
     if (b.oom) {
         host_free(m->errors, b.p);
@@ -20746,7 +20951,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
         m->cfg = *cfg;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
-    m->slowest = m->straggler = -1;
+    m->slowest = m->straggler = m->slow_server = -1;
     m->t0 = dt_now();
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);

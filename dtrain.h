@@ -1715,6 +1715,17 @@ typedef struct dt_profile_stats {
     double pipe_wait_s;        /* of comm_wait_s: a pipeline stage waiting for its
                                   neighbours (the bubble, 14) */
     double pipe_bubble_ideal;  /* the latest pipeline step's (stages-1)/(m+stages-1) */
+    /* a parameter server's own rank, while in dt_ps_serve: */
+    double ps_serve_s;         /* wall time serving */
+    double ps_busy_s;          /* of it, handling requests and applying steps */
+    double ps_stalled_s;       /* of it, not running when it should have: gaps in its loop
+                                  beyond its 20 ms poll and 50 ms of slack (a stopped
+                                  process, or a host that starves it) */
+    int64_t ps_served;         /* requests it answered or applied */
+    double ps_bytes_in, ps_bytes_out;
+    int64_t ps_queue_max;      /* the most requests waiting at once (held pulls, parked
+                                  workers) */
+    int64_t ps_keys;           /* floats it holds (its shard and the step flags) */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);

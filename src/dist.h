@@ -485,6 +485,8 @@ struct dt_dp {
 
 enum { PS_TAG_REQ = 1, PS_TAG_DATA, PS_TAG_RESP, PS_TAG_RDATA };
 #define PS_WINDOW 16              /* a server's pieces in flight per message */
+#define PS_POLL_S 0.02            /* a server waits this long for traffic per turn */
+#define PS_STALL_SLACK_S 0.05     /* a longer gap between its turns: it did not run */
 
 /* A server's view of one worker. */
 typedef struct ps_peer {
@@ -804,6 +806,7 @@ DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median);
 DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 
 /* src/steal.c */
 

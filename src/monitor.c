@@ -34,6 +34,7 @@ typedef struct mon_summary {
     double coll_bytes;
     int straggler;                 /* the profiler's latest check named it */
     int pid;                       /* its process */
+    dt_profile_stats sv;           /* a parameter server's ps_serve_s ... ps_keys */
     int nscalars;
     char name[MON_SCALARS][MON_NAME];
     int64_t at[MON_SCALARS];
@@ -88,6 +89,8 @@ struct dt_monitor {
     uint64_t version;
     char why[320];                 /* the slowest rank and why */
     int slowest, straggler;
+    char server_why[320];          /* the parameter server holding the job back, and why */
+    int slow_server;
 };
 
 static const char *const mon_phase_key[PH_COUNT] = {"data", "forward", "backward", "comm_wait",
@@ -125,6 +128,7 @@ static void mon_take(dt_monitor *m, mon_summary *s)
     s->coll_bytes = (double)st.coll_bytes;
     s->straggler = dt_profile_straggler(m->ctx) == m->rank;
     s->pid = (int)getpid();
+    s->sv = st;
     pthread_mutex_lock(&m->mu);
     s->nscalars = m->nscalars;
     memcpy(s->name, m->sname, sizeof s->name);
@@ -134,7 +138,8 @@ static void mon_take(dt_monitor *m, mon_summary *s)
 }
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
- * collectives ps_calls ps_latency ps_max ps_mean straggler pid n (name at
+ * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
+ * serve busy stalled served bytes_in bytes_out queue_max keys, n (name at
  * value)*" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
@@ -142,10 +147,14 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
                      (long long)s->samples, s->step_s);
     for (int k = 0; k < PH_COUNT; k++)
         n += snprintf(out + n, cap - (size_t)n, " %.9g", s->phase[k]);
-    n += snprintf(out + n, cap - (size_t)n, " %.9g %.17g %.9g %lld %lld %.9g %lld %.9g %d %d %d",
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.17g %.9g %lld %lld %.9g %lld %.9g %d %d",
                   s->comm_s, s->coll_bytes, s->busbw, (long long)s->collectives,
                   (long long)s->ps_calls, s->ps_latency_s, (long long)s->ps_max_stale,
-                  s->ps_mean_stale, s->straggler, s->pid, s->nscalars);
+                  s->ps_mean_stale, s->straggler, s->pid);
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %d",
+                  s->sv.ps_serve_s, s->sv.ps_busy_s, s->sv.ps_stalled_s, (long long)s->sv.ps_served,
+                  s->sv.ps_bytes_in, s->sv.ps_bytes_out, (long long)s->sv.ps_queue_max,
+                  (long long)s->sv.ps_keys, s->nscalars);
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
@@ -171,12 +180,11 @@ static int mon_decode(const char *line, mon_summary *s)
     long long steps, samples, colls, ps_calls, ps_max;
     int used = 0;
     if (sscanf(line, "dtmon1 %lf %lld %lld %lf %lf %lf %lf %lf %lf %lf %lf %lf %lf %lld %lld %lf "
-                     "%lld %lf %d %d %d%n",
+                     "%lld %lf %d %d%n",
                &s->t, &steps, &samples, &s->step_s, &s->phase[0], &s->phase[1], &s->phase[2],
                &s->phase[3], &s->phase[4], &s->phase[5], &s->comm_s, &s->coll_bytes, &s->busbw,
                &colls, &ps_calls, &s->ps_latency_s, &ps_max, &s->ps_mean_stale, &s->straggler,
-               &s->pid, &s->nscalars, &used) != 21 ||
-        s->nscalars < 0 || s->nscalars > MON_SCALARS)
+               &s->pid, &used) != 20)
         return 0;
     s->steps = steps;
     s->samples = samples;
@@ -184,15 +192,27 @@ static int mon_decode(const char *line, mon_summary *s)
     s->ps_calls = ps_calls;
     s->ps_max_stale = ps_max;
     const char *p = line + used;
+    long long served, qmax, keys;
+    int k = 0;
+    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %d%n", &s->sv.ps_serve_s, &s->sv.ps_busy_s,
+               &s->sv.ps_stalled_s, &served, &s->sv.ps_bytes_in, &s->sv.ps_bytes_out, &qmax, &keys,
+               &s->nscalars, &k) != 9 ||
+        s->nscalars < 0 || s->nscalars > MON_SCALARS)
+        return 0;
+    s->sv.ps_served = served;
+    s->sv.ps_queue_max = qmax;
+    s->sv.ps_keys = keys;
+    p += k;
     for (int i = 0; i < s->nscalars; i++) {
         char name[MON_NAME];
         long long at;
-        int k = 0;
-        if (sscanf(p, " %23s %lld %lf%n", name, &at, &s->value[i], &k) != 3 || !mon_name_ok(name))
+        int used_here = 0;
+        if (sscanf(p, " %23s %lld %lf%n", name, &at, &s->value[i], &used_here) != 3 ||
+            !mon_name_ok(name))
             return 0;
         memcpy(s->name[i], name, sizeof name);
         s->at[i] = at;
-        p += k;
+        p += used_here;
     }
     return 1;
 }
@@ -300,6 +320,23 @@ static void mon_diagnose(dt_monitor *m)
         snprintf(m->why, sizeof m->why, "one rank");
     double median = 0;
     m->straggler = prof_find_straggler(per, P, PROF_DEFAULT_THRESHOLD, &median);
+    /* the parameter servers over the interval */
+    dt_profile_stats sv[64];
+    const dt_profile_stats *servers[64];
+    for (int r = 0; r < P; r++) {
+        const mon_rank *x = &m->ranks[r];
+        const dt_profile_stats *a = &x->prev.sv, *b = &x->cur.sv;
+        servers[r] = NULL;
+        if (!x->have_prev || !(b->ps_serve_s > a->ps_serve_s))
+            continue;
+        memset(&sv[r], 0, sizeof sv[r]);
+        sv[r].ps_serve_s = b->ps_serve_s - a->ps_serve_s;
+        sv[r].ps_busy_s = b->ps_busy_s - a->ps_busy_s;
+        sv[r].ps_stalled_s = b->ps_stalled_s - a->ps_stalled_s;
+        sv[r].ps_keys = b->ps_keys;
+        servers[r] = &sv[r];
+    }
+    m->slow_server = prof_slow_server(servers, P, m->server_why, sizeof m->server_why);
 }
 
 static void mon_add_point(dt_monitor *m, double now)
@@ -384,6 +421,19 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
     jnum(b, "ps_latency_ms", s->ps_calls ? s->ps_latency_s / (double)s->ps_calls * 1e3 : NAN);
     strbuf_printf(b, ",\"ps_max_staleness\":%lld,", (long long)s->ps_max_stale);
     jnum(b, "ps_mean_staleness", s->ps_mean_stale);
+    if (s->sv.ps_serve_s > 0) {   /* a parameter server's own figures, over the run */
+        const dt_profile_stats *v = &s->sv;
+        strbuf_printf(b, ",\"server\":{\"served\":%lld,\"keys\":%lld,\"queue_max\":%lld,",
+                      (long long)v->ps_served, (long long)v->ps_keys, (long long)v->ps_queue_max);
+        jnum(b, "busy", v->ps_busy_s / v->ps_serve_s);
+        strbuf_puts(b, ",");
+        jnum(b, "stalled", v->ps_stalled_s / v->ps_serve_s);
+        strbuf_puts(b, ",");
+        jnum(b, "bytes_in", v->ps_bytes_in);
+        strbuf_puts(b, ",");
+        jnum(b, "bytes_out", v->ps_bytes_out);
+        strbuf_puts(b, "}");
+    }
     strbuf_puts(b, ",\"scalars\":{");
     for (int i = 0; i < s->nscalars; i++) {
         if (i)
@@ -402,7 +452,9 @@ static char *mon_render_state(dt_monitor *m, double now, int whole)
     jnum(&b, "uptime_s", now - m->t0);
     strbuf_printf(&b, ",\"slowest\":%d,", m->slowest);
     jstr(&b, "why", m->why);
-    strbuf_printf(&b, ",\"straggler\":%d,\"ranks\":[", m->straggler);
+    strbuf_printf(&b, ",\"straggler\":%d,\"slow_server\":%d,", m->straggler, m->slow_server);
+    jstr(&b, "server_why", m->server_why);
+    strbuf_puts(&b, ",\"ranks\":[");
     for (int r = 0; r < m->world; r++) {
         if (r)
             strbuf_puts(&b, ",");
@@ -481,6 +533,14 @@ MON_FIELD(f_ps_calls, (double)s->ps_calls)
 MON_FIELD(f_ps_lat, s->ps_latency_s)
 MON_FIELD(f_ps_max, (double)s->ps_max_stale)
 MON_FIELD(f_ps_mean, s->ps_mean_stale)
+MON_FIELD(f_sv_serve, s->sv.ps_serve_s > 0 ? s->sv.ps_serve_s : NAN)
+MON_FIELD(f_sv_busy, s->sv.ps_serve_s > 0 ? s->sv.ps_busy_s : NAN)
+MON_FIELD(f_sv_stalled, s->sv.ps_serve_s > 0 ? s->sv.ps_stalled_s : NAN)
+MON_FIELD(f_sv_served, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_served : NAN)
+MON_FIELD(f_sv_in, s->sv.ps_serve_s > 0 ? s->sv.ps_bytes_in : NAN)
+MON_FIELD(f_sv_out, s->sv.ps_serve_s > 0 ? s->sv.ps_bytes_out : NAN)
+MON_FIELD(f_sv_queue, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_queue_max : NAN)
+MON_FIELD(f_sv_keys, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_keys : NAN)
 
 static void prom_scalars(dt_monitor *m, strbuf *b)
 {
@@ -550,6 +610,23 @@ static char *mon_render_metrics(dt_monitor *m, double now)
                   "The largest staleness (steps) of the parameters the rank pulled.", f_ps_max, now);
     prom_per_rank(m, &b, "dtrain_ps_staleness_mean", "gauge",
                   "The mean staleness (steps) of the parameters the rank pulled.", f_ps_mean, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_seconds_total", "counter",
+                  "Wall time a parameter server rank has served.", f_sv_serve, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_busy_seconds_total", "counter",
+                  "Of it, time handling requests and applying steps.", f_sv_busy, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_stalled_seconds_total", "counter",
+                  "Of it, time the server did not run when it should have (stopped or starved).",
+                  f_sv_stalled, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_requests_total", "counter",
+                  "Requests a parameter server answered or applied.", f_sv_served, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_received_bytes_total", "counter",
+                  "Bytes a parameter server received.", f_sv_in, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_sent_bytes_total", "counter",
+                  "Bytes a parameter server sent.", f_sv_out, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_queue_max", "gauge",
+                  "The most requests waiting at a parameter server at once.", f_sv_queue, now);
+    prom_per_rank(m, &b, "dtrain_ps_server_keys", "gauge",
+                  "Floats a parameter server holds.", f_sv_keys, now);
     prom_scalars(m, &b);
     if (b.oom) {
         host_free(m->errors, b.p);
@@ -829,7 +906,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
         m->cfg = *cfg;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
-    m->slowest = m->straggler = -1;
+    m->slowest = m->straggler = m->slow_server = -1;
     m->t0 = dt_now();
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);

@@ -309,6 +309,54 @@ DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why,
     return slow;
 }
 
+/* The parameter server that holds the job back, from the servers' own
+ * figures (prof_ps_serving), and why, into why: one that did not run for
+ * 10% of its time or more (the most of them: a stopped process, or a host
+ * that starves it); else one busy 60% of its time or more, with a share of
+ * the keys well above the others' (a hot shard) or not (too many workers
+ * for the servers).  -1 when none stands out.  Shared with the monitor
+ * (src/monitor.c), which passes one interval's figures. */
+DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap)
+{
+    int stalled = -1, busy = -1, servers = 0;
+    double keys = 0;
+    why[0] = '\0';
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !(s->ps_serve_s > 0))
+            continue;
+        servers++;
+        keys += (double)s->ps_keys;
+        if (s->ps_stalled_s >= 0.1 * s->ps_serve_s &&
+            (stalled < 0 || s->ps_stalled_s / s->ps_serve_s >
+                                st[stalled]->ps_stalled_s / st[stalled]->ps_serve_s))
+            stalled = r;
+        if (s->ps_busy_s >= 0.6 * s->ps_serve_s &&
+            (busy < 0 || s->ps_busy_s / s->ps_serve_s > st[busy]->ps_busy_s / st[busy]->ps_serve_s))
+            busy = r;
+    }
+    if (stalled >= 0) {
+        const dt_profile_stats *s = st[stalled];
+        snprintf(why, cap, "parameter server rank %d did not run for %.0f%% of its time (the "
+                 "process was stopped, or its host starves it): every worker's pulls and pushes "
+                 "wait for it; check that host, not the number of servers", stalled,
+                 100 * s->ps_stalled_s / s->ps_serve_s);
+        return stalled;
+    }
+    if (busy >= 0) {
+        const dt_profile_stats *s = st[busy];
+        double share = keys > 0 ? (double)s->ps_keys / keys : 0;
+        snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time and holds %.0f%% "
+                 "of the keys: %s", busy, 100 * s->ps_busy_s / s->ps_serve_s, 100 * share,
+                 servers > 1 && share > 1.5 / servers
+                 ? "its shard is hot (too many keys on one server): split the largest tensors "
+                   "or use more servers"
+                 : "too many workers per server: more servers (dt_ps_config.servers)");
+        return busy;
+    }
+    return -1;
+}
+
 /* Rank 0's report from every rank's totals. */
 static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                const char *trace_path)
@@ -388,6 +436,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
                       link > 0 ? 100 * busbw / link : 0, link,
                       comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
+    char slow_server[320] = "";
     if (ps_calls) {
         for (int r = 0; r < P; r++) {
             const dt_profile_stats *s = &h[r]->st;
@@ -396,7 +445,17 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                               "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
                               s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
                               (long long)s->ps_max_staleness);
+            if (s->ps_serve_s > 0)
+                strbuf_printf(&t, "parameter server, rank %d serving: %lld requests in %.1f s, busy "
+                              "%.0f%%, not running %.0f%%, %.1f MB in, %.1f MB out, up to %lld "
+                              "waiting, %lld keys\n", r, (long long)s->ps_served, s->ps_serve_s,
+                              100 * s->ps_busy_s / s->ps_serve_s,
+                              100 * s->ps_stalled_s / s->ps_serve_s, s->ps_bytes_in / 1e6,
+                              s->ps_bytes_out / 1e6, (long long)s->ps_queue_max,
+                              (long long)s->ps_keys);
         }
+        if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0)
+            strbuf_printf(&t, "slowest parameter server: %s\n", slow_server);
     }
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
@@ -417,7 +476,8 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     if (tot_step > 0 && tot_wait / tot_step > 0.15) {
         strbuf_printf(&t, "hint: exposed communication is %.0f%% of the step time: %s%s\n",
                       100 * tot_wait / tot_step,
-                      ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
+                      slow_server[0] ? "mostly waiting for the slowest parameter server (above)"
+                      : ps_calls ? "pull in the background (dt_ps_config.prefetch), more servers, or "
                              "compression (DTRAIN_COMPRESS=bf16 halves the bytes)"
                            : "larger buckets (dt_ddp_config.bucket_bytes) so fewer, bigger "
                              "allreduces overlap backward, or compression (DTRAIN_COMPRESS=bf16 "

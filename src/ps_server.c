@@ -1063,9 +1063,44 @@ static void ps_sweep_replies(dt_ps *ps)
     }
 }
 
+/* What the loop measures of itself, for the report and the monitor
+ * (prof_ps_serving): its time busy, and its time not running (a gap
+ * between two turns beyond the 20 ms poll wait and 50 ms of slack: the
+ * process was stopped, or its host starved it). */
+typedef struct ps_meter {
+    dt_profile_stats sv;   /* its ps_ fields */
+    double t0, idle_from, published;
+} ps_meter;
+
+static void ps_meter_turn(ps_meter *mt, double now)
+{
+    double gap = now - mt->idle_from;
+    if (gap > PS_POLL_S + PS_STALL_SLACK_S)
+        mt->sv.ps_stalled_s += gap - PS_POLL_S;
+}
+
+static void ps_meter_publish(dt_ps *ps, ps_meter *mt, double now, int force)
+{
+    if (!force && now - mt->published < 0.1)
+        return;
+    int64_t waiting = 0;
+    for (const ps_wait *q = ps->waits; q; q = q->next)
+        waiting++;
+    for (int w = 0; w < ps->W; w++)
+        waiting += ps->peers[w].parked;
+    mt->sv.ps_queue_max = waiting > mt->sv.ps_queue_max ? waiting : mt->sv.ps_queue_max;
+    mt->sv.ps_serve_s = now - mt->t0;
+    mt->sv.ps_served = ps->st.pushes + ps->st.pulls;
+    mt->sv.ps_keys = ps_my_floats(ps);
+    mt->published = now;
+    prof_ps_serving(ps->ctx, &mt->sv);
+}
+
 static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
 {
     dt_comm *c = ps->comm;
+    ps_meter mt = {.t0 = dt_now()};
+    mt.idle_from = mt.t0;
     for (int w = 0; w < ps->W; w++) {
         last_seen[w] = dt_now();
         if (ps_post_header(ps, w) != DT_OK)
@@ -1078,15 +1113,20 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         int live = 0;
         for (int w = 0; w < ps->W; w++)
             live += ps->peers[w].state == 0;
-        if (!live && !ps->replies)
+        if (!live && !ps->replies) {
+            ps_meter_publish(ps, &mt, dt_now(), 1);
             return DT_OK;
+        }
         dt_xfer *done[16];
         char err[256] = "";
+        double turn = dt_now();
+        ps_meter_turn(&mt, turn);
         int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
         if (k < 0)
             return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
+            *(ps_is_peer(ps, x->user) ? &mt.sv.ps_bytes_in : &mt.sv.ps_bytes_out) += (double)x->len;
             if (!ps_is_peer(ps, x->user)) {   /* a piece of an answer sent: the next one */
                 if (ps_on_sent(ps, x) != DT_OK)
                     return ps->ctx->last_status;
@@ -1108,13 +1148,19 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
                 return s;
         }
         ps_sweep_replies(ps);
+        if (k > 0)
+            mt.sv.ps_busy_s += dt_now() - turn;
+        ps_meter_publish(ps, &mt, dt_now(), 0);
         if (k == 0) {
             if (dt_now() - last_watch > DT_COMM_WATCH_S) {
                 last_watch = dt_now();
                 if (ps_watch(ps, last_seen) != DT_OK)
                     return ps->ctx->last_status;
             }
-            c->tp_iface->wait(c->tp, 20);
+            mt.idle_from = dt_now();
+            c->tp_iface->wait(c->tp, (int)(PS_POLL_S * 1e3));
+        } else {
+            mt.idle_from = dt_now();
         }
     }
 }

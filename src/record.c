@@ -284,6 +284,23 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->dropped = p->dropped;
 }
 
+/* A parameter server's own figures so far (src/ps_server.c's loop), into
+ * the totals: what the report and the monitor say of each server. */
+DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv)
+{
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->tot.ps_serve_s = sv->ps_serve_s;
+    p->tot.ps_busy_s = sv->ps_busy_s;
+    p->tot.ps_stalled_s = sv->ps_stalled_s;
+    p->tot.ps_served = sv->ps_served;
+    p->tot.ps_bytes_in = sv->ps_bytes_in;
+    p->tot.ps_bytes_out = sv->ps_bytes_out;
+    p->tot.ps_queue_max = sv->ps_queue_max;
+    p->tot.ps_keys = sv->ps_keys;
+    pthread_mutex_unlock(&p->mu);
+}
+
 dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
 {
     if (!ctx || !out)

@@ -39,6 +39,10 @@ FAMILIES = {   # name (as the parser gives it: counters without _total) -> type
     "dtrain_ps_latency_seconds": "counter", "dtrain_ps_staleness_max": "gauge",
     "dtrain_ps_staleness_mean": "gauge", "dtrain_loss": "gauge", "dtrain_learning_rate": "gauge",
     "dtrain_validation_loss": "gauge", "dtrain_metric": "gauge",
+    "dtrain_ps_server_seconds": "counter", "dtrain_ps_server_busy_seconds": "counter",
+    "dtrain_ps_server_stalled_seconds": "counter", "dtrain_ps_server_requests": "counter",
+    "dtrain_ps_server_received_bytes": "counter", "dtrain_ps_server_sent_bytes": "counter",
+    "dtrain_ps_server_queue_max": "gauge", "dtrain_ps_server_keys": "gauge",
 }
 PHASES = {"data", "forward", "backward", "comm_wait", "optimizer", "idle"}
 
