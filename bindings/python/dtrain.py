@@ -194,7 +194,10 @@ class dt_profile_stats(ctypes.Structure):
                 ("coll_bytes", _U64), ("busbw", _D), ("ps_calls", _I64),
                 ("ps_latency_s", _D), ("ps_max_staleness", _I64), ("ps_mean_staleness", _D),
                 ("samples", _I64), ("events", _I64), ("dropped", _I64),
-                ("straggler_warnings", _I), ("pipe_wait_s", _D), ("pipe_bubble_ideal", _D)]
+                ("straggler_warnings", _I), ("pipe_wait_s", _D), ("pipe_bubble_ideal", _D),
+                ("ps_serve_s", _D), ("ps_busy_s", _D), ("ps_stalled_s", _D), ("ps_served", _I64),
+                ("ps_bytes_in", _D), ("ps_bytes_out", _D), ("ps_queue_max", _I64),
+                ("ps_keys", _I64)]
 
 
 _STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_schedule, dt_loader_config,

@@ -102,7 +102,12 @@ int main(void)
     F(dt_profile_stats, dropped, dropped);
     F(dt_profile_stats, straggler_warnings, straggler_warnings);
     F(dt_profile_stats, pipe_wait_s, pipe_wait_s);
-    F(dt_profile_stats, pipe_bubble_ideal, pipe_bubble_ideal); END(dt_profile_stats);
+    F(dt_profile_stats, pipe_bubble_ideal, pipe_bubble_ideal);
+    F(dt_profile_stats, ps_serve_s, ps_serve_s); F(dt_profile_stats, ps_busy_s, ps_busy_s);
+    F(dt_profile_stats, ps_stalled_s, ps_stalled_s); F(dt_profile_stats, ps_served, ps_served);
+    F(dt_profile_stats, ps_bytes_in, ps_bytes_in); F(dt_profile_stats, ps_bytes_out, ps_bytes_out);
+    F(dt_profile_stats, ps_queue_max, ps_queue_max); F(dt_profile_stats, ps_keys, ps_keys);
+    END(dt_profile_stats);
 
     F(dt_pipe_config, micro_batches, micro_batches); F(dt_pipe_config, schedule, schedule);
     END(dt_pipe_config);
