@@ -1043,6 +1043,7 @@ monitor_checks() {
             kill $MON_PID; echo "monitor check: the rendered page: '$a' then '$b'"; exit 1
         fi
         echo "monitor check: headless Chromium renders both ranks; the page's step count $sa, 2 s later $sb"
+        /usr/bin/python3 tests/monitor_page64.py || { kill $MON_PID; exit 1; }
     else
         echo "monitor check: no chromium: the page's rendering not checked"
     fi
