@@ -7,7 +7,7 @@
  *             [--eval-batches 20] [--ranks N] [--threads N] [--seed S]
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
  *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
- *             [--seconds S]
+ *             [--seconds S] [--monitor [HOST:]PORT]
  *
  * Each report's ms/step is the training steps' time (evaluation left out),
  * from step 6 on once there are more than 5.  --seconds S ends training
@@ -24,7 +24,9 @@
  * validation loss is measured every --eval-every steps on windows of the
  * last 10%.  With --ranks N (or under any launcher) the ranks train
  * data-parallel.  At the end it saves a checkpoint (--save) and prints a
- * sample of --sample generated characters.
+ * sample of --sample generated characters.  --monitor (or DTRAIN_MONITOR)
+ * makes rank 0 serve a live page and Prometheus metrics (docs/MONITOR.md),
+ * with the training loss, learning rate and validation loss.
  */
 #include <dirent.h>
 #include <math.h>
@@ -41,8 +43,11 @@ typedef struct options {
     float lr;
     double seconds;   /* > 0: a training-time budget (--seconds) */
     uint64_t seed;
-    const char *save, *data, *backend, *optim, *save_init, *dump;
+    const char *save, *data, *backend, *optim, *save_init, *dump, *monitor;
 } options;
+
+/* The live monitor (--monitor), when on: training logs its scalars to it. */
+static dt_monitor *monitor;
 
 typedef struct block {
     dt_tensor *ln1_w, *ln1_b, *attn_w, *attn_b, *proj_w, *proj_b;
@@ -362,6 +367,10 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             goto done;
         }
         float train_loss = dt_tensor_item(loss);
+        if (monitor) {
+            dt_monitor_log(monitor, "loss", step, train_loss);
+            dt_monitor_log(monitor, "lr", step, o->lr);
+        }
         dt_optim_zero_grad(opt);
         dt_step_reset(ctx);
         if (step == 5)   /* the timing starts after 5 warm-up steps */
@@ -373,6 +382,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                                                 : (te - t0) * 1e3 / step;
             double trained_s = te - t0 - eval_all;
             double vl_loss = val_loss(ctx, &m, vl, o->eval_batches);
+            if (monitor)
+                dt_monitor_log(monitor, "val_loss", step, vl_loss);
             eval_s += dt_now() - te;
             eval_all += dt_now() - te;
             printf("step %d: train loss %.4f, val loss %.4f, %.2f ms/step\n", step, train_loss,
@@ -445,6 +456,8 @@ static int parse_args(int argc, char **argv, options *o)
             o->save_init = v;
         else if (strcmp(a, "--dump") == 0)
             o->dump = v;
+        else if (strcmp(a, "--monitor") == 0)
+            o->monitor = v;
         else if (strcmp(a, "--optim") == 0 && (strcmp(v, "adamw") == 0 || strcmp(v, "sgd") == 0))
             o->optim = v;
         else {
@@ -483,8 +496,20 @@ static int run_rank(const options *o)
     int ok = dt_dist_env_detect(ctx, &env) == DT_OK || fail(ctx, "reading the launcher's environment");
     if (ok && env.world_size > 1 && !(comm = dt_comm_new(ctx, &env, NULL)))
         ok = fail(ctx, "joining the job");
+    if (ok && (o->monitor || getenv("DTRAIN_MONITOR"))) {
+        dt_monitor_config mc;
+        dt_monitor_config_init(&mc);
+        mc.listen = o->monitor;
+        if (!(monitor = dt_monitor_start(ctx, comm, &mc)))
+            ok = fail(ctx, "starting the monitor");
+        else if (dt_monitor_port(monitor) >= 0)
+            printf("monitor: http://127.0.0.1:%d/ (metrics at /metrics)\n", dt_monitor_port(monitor));
+        fflush(stdout);
+    }
     if (ok)
         ok = train(o, ctx, comm);
+    dt_monitor_stop(monitor);
+    monitor = NULL;
     dt_comm_free(comm);
     dt_ctx_free(ctx);
     return ok;
