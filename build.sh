@@ -97,6 +97,7 @@ amalgamate() {
  *
  * The core of dtrain, one file to vendor with dtrain.h and a backend (see
  * README.md).  Internal functions are static here (DT_PRIVATE).
+ * SPDX-License-Identifier: MIT (the LICENSE file; copy it with this file)
  */
 #define DT_PRIVATE static
 EOT

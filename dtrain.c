@@ -5,6 +5,7 @@
  *
  * The core of dtrain, one file to vendor with dtrain.h and a backend (see
  * README.md).  Internal functions are static here (DT_PRIVATE).
+ * SPDX-License-Identifier: MIT (the LICENSE file; copy it with this file)
  */
 #define DT_PRIVATE static
 /*
@@ -1514,6 +1515,13 @@ DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *
  * NULL and leave the message; ops given a NULL input return NULL without
  * overwriting the message of the op that failed first.
  * ======================================================================== */
+
+int dt_version(void)
+{
+    return DTRAIN_VERSION_MAJOR * 10000 + DTRAIN_VERSION_MINOR * 100 + DTRAIN_VERSION_PATCH;
+}
+
+const char *dt_version_string(void) { return DTRAIN_VERSION_STRING; }
 
 const char *dt_strerror(dt_status s)
 {

@@ -1,6 +1,7 @@
 /*
  * dtrain.h - the whole public API of dtrain, a distributed deep-learning
  * training framework in C.
+ * SPDX-License-Identifier: MIT (the LICENSE file; copy it with this file)
  *
  * Vendor dtrain.h + dtrain.c + one compute backend (backends/cpu.c) into your
  * program, or link build/libdtrain.a.  Everything starts from a context:
@@ -91,6 +92,13 @@ typedef enum dt_status {
 /* A static string describing a status ("invalid argument"); "unknown
  * status" for a value outside the enum.  Never NULL. */
 DT_API const char *dt_strerror(dt_status s);
+
+/* The library's own version, at run time (DTRAIN_VERSION_* above are the
+ * header's, fixed when the caller was compiled): MAJOR * 10000 + MINOR *
+ * 100 + PATCH, and "MAJOR.MINOR.PATCH" (a static string).  A program or a
+ * binding that loads libdtrain.so compares them with what it was built for. */
+DT_API int dt_version(void);
+DT_API const char *dt_version_string(void);
 
 /* ---------------------------------------------------------------------------
  * 2. The context

@@ -9,6 +9,13 @@
  * overwriting the message of the op that failed first.
  * ======================================================================== */
 
+int dt_version(void)
+{
+    return DTRAIN_VERSION_MAJOR * 10000 + DTRAIN_VERSION_MINOR * 100 + DTRAIN_VERSION_PATCH;
+}
+
+const char *dt_version_string(void) { return DTRAIN_VERSION_STRING; }
+
 const char *dt_strerror(dt_status s)
 {
     switch (s) {

@@ -58,6 +58,14 @@ static void test_err_strerror(void **state)
     }
     assert_non_null(dt_strerror((dt_status)999));
     assert_non_null(dt_strerror((dt_status)-1));
+    /* the library's version is the header's (one build); its string says the same */
+    assert_int_equal(dt_version(), DTRAIN_VERSION_MAJOR * 10000 + DTRAIN_VERSION_MINOR * 100 +
+                                       DTRAIN_VERSION_PATCH);
+    assert_string_equal(dt_version_string(), DTRAIN_VERSION_STRING);
+    char v[32];
+    snprintf(v, sizeof v, "%d.%d.%d", dt_version() / 10000, dt_version() / 100 % 100,
+             dt_version() % 100);
+    assert_string_equal(v, dt_version_string());
     assert_non_null(dt_dtype_name(DT_F32));
     assert_non_null(dt_dtype_name((dt_dtype)999));
 }
