@@ -14423,7 +14423,8 @@ void dt_ps_config_init(dt_ps_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
-    cfg->mode = DT_PS_BSP;
+    cfg->mode = DT_PS_MODE_AUTO;   /* the environment's to choose, unless the program does */
+    cfg->staleness = -1;
     dt_optim_config_init(&cfg->optim, DT_SGD);
 }
 
@@ -15330,17 +15331,21 @@ static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W,
     if (cfg->servers <= 0)
         cfg->servers = e && atoi(e) > 0 ? atoi(e) : 1;
     const char *m = getenv("DTRAIN_PS_MODE");
-    if (cfg->mode == DT_PS_BSP && m && *m) {
-        if (!strcmp(m, "asp"))
+    if (cfg->mode == DT_PS_MODE_AUTO) {   /* unset: the environment's, else BSP */
+        cfg->mode = DT_PS_BSP;
+        if (m && *m && !strcmp(m, "asp"))
             cfg->mode = DT_PS_ASP;
-        else if (!strcmp(m, "ssp"))
+        else if (m && *m && !strcmp(m, "ssp"))
             cfg->mode = DT_PS_SSP;
-        else if (strcmp(m, "bsp"))
+        else if (m && *m && strcmp(m, "bsp"))
             return set_error(ctx, DT_EINVAL, "ps_new: DTRAIN_PS_MODE='%s' is not bsp, asp or ssp", m);
     }
     const char *st = getenv("DTRAIN_PS_STALENESS");
-    if (cfg->staleness == 0 && st && *st)
-        cfg->staleness = atoi(st);
+    if (cfg->staleness < 0 && cfg->staleness != -1)
+        return set_error(ctx, DT_EINVAL, "ps_new: staleness %d: need >= 0 (or -1: unset)",
+                         cfg->staleness);
+    if (cfg->staleness == -1)
+        cfg->staleness = st && *st && atoi(st) > 0 ? atoi(st) : 0;
     const char *ch = getenv("DTRAIN_PS_CHUNK");
     if (cfg->chunk_bytes == 0 && ch && *ch) {
         char *end;
@@ -16883,6 +16888,8 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     cfg->overlap = -1;
     cfg->broadcast_params = 1;
     cfg->error_feedback = 1;
+    cfg->compress = DT_COMPRESS_AUTO;   /* the environment's to choose, unless the program does */
+    cfg->topk_warmup_steps = -1;
 }
 
 static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
@@ -17756,12 +17763,16 @@ out:
     return s;
 }
 
-/* DTRAIN_COMPRESS picks the compression when the program left it at none. */
+/* DTRAIN_COMPRESS picks the compression when the program left it unset
+ * (DT_COMPRESS_AUTO); else none.  A value the program set is kept. */
 static dt_status ddp_compress_from_env(dt_ctx *ctx, dt_ddp_config *cfg)
 {
     static const char *const names[] = {"none", "bf16", "fp16", "topk", "int8"};
     const char *e = getenv("DTRAIN_COMPRESS");
-    if (cfg->compress != DT_COMPRESS_NONE || !e || !*e)
+    if (cfg->compress != DT_COMPRESS_AUTO)
+        return DT_OK;
+    cfg->compress = DT_COMPRESS_NONE;
+    if (!e || !*e)
         return DT_OK;
     for (int k = 0; k < 5; k++)
         if (!strcmp(e, names[k])) {
@@ -18012,8 +18023,8 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                           "value and 0 <= topk_ratio <= 1", (int)conf.compress,
                           (double)conf.topk_ratio);
     const char *wu = getenv("DTRAIN_TOPK_WARMUP");
-    if (conf.topk_warmup_steps <= 0 && wu && *wu)
-        conf.topk_warmup_steps = atoi(wu);
+    if (conf.topk_warmup_steps < 0)
+        conf.topk_warmup_steps = wu && *wu && atoi(wu) > 0 ? atoi(wu) : 0;
     cfg = &conf;
     char settings[DT_MAX_ERROR + 64], local_msg[DT_MAX_ERROR];
     snprintf(local_msg, sizeof local_msg, "%s", ctx->err);

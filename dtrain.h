@@ -32,6 +32,14 @@
  *    below.  Each function lists the other statuses it can give.
  *  - dt_*_config_init(cfg) fills *cfg with the defaults written at its fields
  *    (NULL is ignored).
+ *  - Environment variables (DTRAIN_COMPRESS, DTRAIN_BUCKET_BYTES,
+ *    DTRAIN_TIMEOUT_MS, DTRAIN_TRANSPORT, DTRAIN_PS_MODE, ...) fill only
+ *    fields the program left unset: a field an environment variable may set
+ *    starts, in its *_config_init, at a value that means "unset" (0 or NULL
+ *    where those are no valid choice; DT_COMPRESS_AUTO, DT_PS_MODE_AUTO or -1
+ *    where they are), and any value the program writes is kept whatever the
+ *    environment says.  Variables that switch a feature on (DTRAIN_PROFILE,
+ *    DTRAIN_LOG) only add what no call asked for.
  *  - Free what you made with a context (optimizers, datasets, loaders,
  *    communicators, ...) before the context; its tensors go with it.
  *  - Threads.  No global mutable state: two contexts never share anything,
@@ -1242,6 +1250,7 @@ typedef struct dt_ddp dt_ddp;
  * TOPK and INT8 keep what they did not send (error feedback) and add it to
  * the next step's gradients, as Deep Gradient Compression does. */
 typedef enum dt_compress {
+    DT_COMPRESS_AUTO = -1,     /* unset: DTRAIN_COMPRESS, else none (dt_ddp_config_init's) */
     DT_COMPRESS_NONE = 0, DT_COMPRESS_BF16, DT_COMPRESS_FP16, DT_COMPRESS_TOPK, DT_COMPRESS_INT8
 } dt_compress;
 
@@ -1261,12 +1270,13 @@ typedef struct dt_ddp_config {
                                   only take turns with backward (docs/DATA_PARALLEL.md) */
     int broadcast_params;      /* 1 (default): dt_ddp_new copies rank 0's parameters to
                                   every rank */
-    dt_compress compress;      /* DT_COMPRESS_NONE (default; DTRAIN_COMPRESS=none|bf16|
-                                  fp16|topk|int8 overrides it when left at NONE) */
+    dt_compress compress;      /* DT_COMPRESS_AUTO (default): DTRAIN_COMPRESS=none|bf16|
+                                  fp16|topk|int8, else none; any other value is the
+                                  program's, which the environment does not change */
     float topk_ratio;          /* TOPK: fraction of each parameter's gradients sent; 0: 0.01 */
     int topk_warmup_steps;     /* TOPK: over the first this many steps the fraction falls
                                   geometrically from 25% to topk_ratio (DGC's warm-up);
-                                  0: DTRAIN_TOPK_WARMUP, else none */
+                                  0: none; -1 (default): DTRAIN_TOPK_WARMUP, else none */
     int error_feedback;        /* TOPK, INT8: 1 (default) carries the unsent rest over */
     dt_ps *ps;                 /* not NULL: push buckets to the parameter servers and
                                   pull the parameters back instead of allreducing
@@ -1516,7 +1526,10 @@ DT_API dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds,
  * DT_ESTATE; a failed request gives DT_EPEER or DT_ETIMEDOUT naming the
  * server (or the status the server answered with).
  * ------------------------------------------------------------------------- */
-typedef enum dt_ps_mode { DT_PS_BSP = 0, DT_PS_ASP, DT_PS_SSP } dt_ps_mode;
+typedef enum dt_ps_mode {
+    DT_PS_MODE_AUTO = -1,      /* unset: DTRAIN_PS_MODE, else BSP (dt_ps_config_init's) */
+    DT_PS_BSP = 0, DT_PS_ASP, DT_PS_SSP
+} dt_ps_mode;
 
 /* A sparse embedding table, held only by the servers (row r on server
  * r % servers) and moved by rows: a worker pulls the rows a batch uses and
@@ -1532,9 +1545,10 @@ typedef struct dt_ps_table {
 
 typedef struct dt_ps_config {
     int servers;               /* server ranks; 0: DTRAIN_NUM_SERVERS, else 1 */
-    dt_ps_mode mode;           /* BSP (default; DTRAIN_PS_MODE=bsp|asp|ssp overrides it
-                                  when left at BSP) */
-    int staleness;             /* SSP: the bound s >= 0 (DTRAIN_PS_STALENESS when 0) */
+    dt_ps_mode mode;           /* DT_PS_MODE_AUTO (default): DTRAIN_PS_MODE=bsp|asp|ssp,
+                                  else BSP; a mode the program sets is kept */
+    int staleness;             /* SSP: the bound s >= 0; -1 (default): DTRAIN_PS_STALENESS,
+                                  else 0 */
     dt_optim_config optim;     /* the servers' optimizer (dt_optim_config_init(DT_SGD)
                                   by default), for the parameters and the tables */
     dt_schedule schedule;      /* its learning-rate schedule (default constant); a step is

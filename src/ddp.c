@@ -42,6 +42,8 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     cfg->overlap = -1;
     cfg->broadcast_params = 1;
     cfg->error_feedback = 1;
+    cfg->compress = DT_COMPRESS_AUTO;   /* the environment's to choose, unless the program does */
+    cfg->topk_warmup_steps = -1;
 }
 
 static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
@@ -915,12 +917,16 @@ out:
     return s;
 }
 
-/* DTRAIN_COMPRESS picks the compression when the program left it at none. */
+/* DTRAIN_COMPRESS picks the compression when the program left it unset
+ * (DT_COMPRESS_AUTO); else none.  A value the program set is kept. */
 static dt_status ddp_compress_from_env(dt_ctx *ctx, dt_ddp_config *cfg)
 {
     static const char *const names[] = {"none", "bf16", "fp16", "topk", "int8"};
     const char *e = getenv("DTRAIN_COMPRESS");
-    if (cfg->compress != DT_COMPRESS_NONE || !e || !*e)
+    if (cfg->compress != DT_COMPRESS_AUTO)
+        return DT_OK;
+    cfg->compress = DT_COMPRESS_NONE;
+    if (!e || !*e)
         return DT_OK;
     for (int k = 0; k < 5; k++)
         if (!strcmp(e, names[k])) {
@@ -1171,8 +1177,8 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                           "value and 0 <= topk_ratio <= 1", (int)conf.compress,
                           (double)conf.topk_ratio);
     const char *wu = getenv("DTRAIN_TOPK_WARMUP");
-    if (conf.topk_warmup_steps <= 0 && wu && *wu)
-        conf.topk_warmup_steps = atoi(wu);
+    if (conf.topk_warmup_steps < 0)
+        conf.topk_warmup_steps = wu && *wu && atoi(wu) > 0 ? atoi(wu) : 0;
     cfg = &conf;
     char settings[DT_MAX_ERROR + 64], local_msg[DT_MAX_ERROR];
     snprintf(local_msg, sizeof local_msg, "%s", ctx->err);

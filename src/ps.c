@@ -69,7 +69,8 @@ void dt_ps_config_init(dt_ps_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
-    cfg->mode = DT_PS_BSP;
+    cfg->mode = DT_PS_MODE_AUTO;   /* the environment's to choose, unless the program does */
+    cfg->staleness = -1;
     dt_optim_config_init(&cfg->optim, DT_SGD);
 }
 
@@ -976,17 +977,21 @@ static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W,
     if (cfg->servers <= 0)
         cfg->servers = e && atoi(e) > 0 ? atoi(e) : 1;
     const char *m = getenv("DTRAIN_PS_MODE");
-    if (cfg->mode == DT_PS_BSP && m && *m) {
-        if (!strcmp(m, "asp"))
+    if (cfg->mode == DT_PS_MODE_AUTO) {   /* unset: the environment's, else BSP */
+        cfg->mode = DT_PS_BSP;
+        if (m && *m && !strcmp(m, "asp"))
             cfg->mode = DT_PS_ASP;
-        else if (!strcmp(m, "ssp"))
+        else if (m && *m && !strcmp(m, "ssp"))
             cfg->mode = DT_PS_SSP;
-        else if (strcmp(m, "bsp"))
+        else if (m && *m && strcmp(m, "bsp"))
             return set_error(ctx, DT_EINVAL, "ps_new: DTRAIN_PS_MODE='%s' is not bsp, asp or ssp", m);
     }
     const char *st = getenv("DTRAIN_PS_STALENESS");
-    if (cfg->staleness == 0 && st && *st)
-        cfg->staleness = atoi(st);
+    if (cfg->staleness < 0 && cfg->staleness != -1)
+        return set_error(ctx, DT_EINVAL, "ps_new: staleness %d: need >= 0 (or -1: unset)",
+                         cfg->staleness);
+    if (cfg->staleness == -1)
+        cfg->staleness = st && *st && atoi(st) > 0 ? atoi(st) : 0;
     const char *ch = getenv("DTRAIN_PS_CHUNK");
     if (cfg->chunk_bytes == 0 && ch && *ch) {
         char *end;

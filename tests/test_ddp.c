@@ -1071,6 +1071,54 @@ static void test_compression_errors(void **state)
     expect_all_ok(1, compress_errors_rank);
 }
 
+/* The environment applies only to what the program left unset: with
+ * DTRAIN_COMPRESS=int8 set, a config straight from dt_ddp_config_init
+ * compresses (a payload about a quarter of the gradients), and one whose
+ * program said DT_COMPRESS_NONE does not. */
+static int env_rule_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    model m;
+    if (model_build(ctx, &m, WIDE))
+        return 1;
+    dt_optim *opt = make_optim(ctx, WIDE);
+    setenv("DTRAIN_COMPRESS", "int8", 1);
+    for (int k = 0; k < 2; k++) {
+        dt_ddp_config dc;
+        dt_ddp_config_init(&dc);
+        if (dc.compress != DT_COMPRESS_AUTO || dc.topk_warmup_steps != -1)
+            return 2;
+        if (k == 1)
+            dc.compress = DT_COMPRESS_NONE;   /* the program's choice */
+        dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+        dt_tensor *x, *y;
+        if (!ddp || make_batch(ctx, WIDE, 0, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK,
+                               &x, &y))
+            return 3;
+        dt_tensor *loss = dt_cross_entropy(ctx, model_forward(ctx, &m, x), y);
+        if (dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
+            return 4;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+        dt_ddp_stats st;
+        dt_ddp_stats_get(ddp, &st);
+        dt_ddp_free(ddp);
+        if (st.grad_bytes == 0 || (k == 0 && !(st.payload_bytes * 3 < st.grad_bytes)) ||
+            (k == 1 && st.payload_bytes != st.grad_bytes))
+            return 5 + k;
+    }
+    unsetenv("DTRAIN_COMPRESS");
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    return pc.mode == DT_PS_MODE_AUTO && pc.staleness == -1 ? 0 : 7;
+}
+
+static void test_env_applies_only_when_unset(void **state)
+{
+    (void)state;
+    expect_all_ok(2, env_rule_rank);
+}
+
 /* --- in-process data parallelism (dt_dp) ------------------------------------------- */
 
 typedef struct dp_model {
@@ -1904,7 +1952,7 @@ static int ps_misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_ps_new(ctx, c, &pc) || dt_last_status(ctx) != DT_EINVAL)
         return 1;
     pc.servers = 1;
-    pc.staleness = -1;
+    pc.staleness = -2;   /* (-1 is "unset") */
     if (dt_ps_new(ctx, c, &pc) || dt_last_status(ctx) != DT_EINVAL)
         return 2;
     pc.staleness = 0;   /* pieces too small to carry anything, or a word for a size */
@@ -2383,6 +2431,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_compression_momentum),
     cmocka_unit_test(test_compression_bytes),
     cmocka_unit_test(test_compression_errors),
+    cmocka_unit_test(test_env_applies_only_when_unset),
     cmocka_unit_test(test_dp_equivalence),
     cmocka_unit_test(test_dp_unused_and_errors),
     cmocka_unit_test(test_ps_bsp_equivalence),

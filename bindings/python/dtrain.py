@@ -1380,7 +1380,7 @@ class Group(Comm):
 
 
 
-_COMPRESS = {"none": 0, "bf16": 1, "fp16": 2, "topk": 3, "int8": 4}
+_COMPRESS = {"auto": -1, "none": 0, "bf16": 1, "fp16": 2, "topk": 3, "int8": 4}
 
 
 class DDP(_Handle):
@@ -1392,10 +1392,10 @@ class DDP(_Handle):
     _what = "DDP"
     _free = staticmethod(_C.ddp_free)
 
-    def __init__(self, ctx, comm, opt=None, compress="none", **cfg):
+    def __init__(self, ctx, comm, opt=None, compress="auto", **cfg):
         c = dt_ddp_config()
         _C.ddp_config_init(ctypes.byref(c))
-        c.compress = _COMPRESS[compress]
+        c.compress = _COMPRESS[compress]   # "auto": DTRAIN_COMPRESS, else none
         for k, v in cfg.items():
             if k not in dict(c._fields_) or k == "ps":
                 raise InvalidArgument(1, "ddp: no setting '%s'" % k)
