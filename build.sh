@@ -377,6 +377,15 @@ gpt_checks() {
         { echo "gpt check: 2-rank run failed"; exit 1; }
     /usr/bin/python3 tests/compare_safetensors.py $t/gpt_1.safetensors $t/gpt_2.safetensors 1e-5 ||
         { echo "gpt check: 2 ranks differ from 1 process"; exit 1; }
+    # strict arguments (examples/args.h): junk, overflow, out of range, unknown, stray
+    local bad
+    for bad in "--steps 12abc" "--steps 99999999999999" "--steps 0" "--lr x" "--vocab 10" \
+               "--seed -1" "--bogus 1" "--steps" "extra"; do
+        # shellcheck disable=SC2086
+        out=$("$g" $bad 2>&1 >/dev/null) && { echo "gpt check: '$bad' was accepted"; exit 1; }
+        [ -n "$out" ] || { echo "gpt check: '$bad' refused without a message"; exit 1; }
+    done
+    echo "gpt check: 9 malformed command lines refused, each with a message"
     echo "gpt checks: ok"
 }
 

@@ -29,6 +29,7 @@
  * with the training loss, learning rate and validation loss.
  */
 #include <dirent.h>
+#include <getopt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,8 @@
 #include <sys/stat.h>
 
 #include "dtrain.h"
+
+#include "args.h"
 
 typedef struct options {
     int steps, batch, context, layers, heads, embd, eval_every, eval_batches, ranks, threads;
@@ -423,55 +426,69 @@ static int parse_args(int argc, char **argv, options *o)
                    .embd = 128, .eval_every = 100, .eval_batches = 20, .ranks = 1, .threads = 1,
                    .sample = 300, .vocab = 256, .lr = 1e-3f, .seed = 1337,
                    .data = "/usr/share/games/fortunes"};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int *ints[] = {&o->steps, &o->batch, &o->context, &o->layers, &o->heads, &o->embd,
-                       &o->eval_every, &o->eval_batches, &o->ranks, &o->threads, &o->sample,
-                       &o->vocab};
-        const char *names[] = {"--steps", "--batch", "--context", "--layers", "--heads", "--embd",
-                               "--eval-every", "--eval-batches", "--ranks", "--threads", "--sample",
-                               "--vocab"};
-        int k = 0;
-        while (k < 12 && strcmp(a, names[k]) != 0)
-            k++;
-        if (!v) {
-            fprintf(stderr, "gpt: %s needs a value\n", a);
+    /* the integer options: flag, target, range */
+    struct { const char *name; int *v; int lo, hi; } ints[] = {
+        {"steps", &o->steps, 1, 1 << 30},     {"batch", &o->batch, 1, 1 << 20},
+        {"context", &o->context, 1, 1024},    {"layers", &o->layers, 1, 1024},
+        {"heads", &o->heads, 1, 1024},        {"embd", &o->embd, 1, 1 << 16},
+        {"eval-every", &o->eval_every, 1, 1 << 30}, {"eval-batches", &o->eval_batches, 1, 1 << 20},
+        {"ranks", &o->ranks, 1, 1024},        {"threads", &o->threads, 1, 1024},
+        {"sample", &o->sample, 0, 1 << 20},   {"vocab", &o->vocab, 256, 1 << 24}};
+    enum { NINTS = sizeof ints / sizeof ints[0] };
+    static const char *const strs[] = {"lr", "seconds", "seed", "save", "data", "backend",
+                                       "save-init", "dump", "optim", "monitor"};
+    enum { NSTRS = sizeof strs / sizeof strs[0] };
+    struct option longs[NINTS + NSTRS + 2];
+    for (int k = 0; k < NINTS; k++)
+        longs[k] = (struct option){ints[k].name, required_argument, NULL, 1000 + k};
+    for (int k = 0; k < NSTRS; k++)
+        longs[NINTS + k] = (struct option){strs[k], required_argument, NULL, 2000 + k};
+    longs[NINTS + NSTRS] = (struct option){"help", no_argument, NULL, 'h'};
+    longs[NINTS + NSTRS + 1] = (struct option){NULL, 0, NULL, 0};
+    int c;
+    double d;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
+        if (c >= 1000 && c < 1000 + NINTS) {
+            if (!args_int("gpt", ints[c - 1000].name, optarg, ints[c - 1000].lo, ints[c - 1000].hi,
+                          ints[c - 1000].v))
+                return 0;
+            continue;
+        }
+        switch (c) {
+        case 2000: if (!args_double("gpt", "lr", optarg, 1e-9, 10, &d)) return 0;
+                   o->lr = (float)d; break;
+        case 2001: if (!args_double("gpt", "seconds", optarg, 0, 1e9, &o->seconds)) return 0;
+                   break;
+        case 2002: if (!args_u64("gpt", "seed", optarg, &o->seed)) return 0; break;
+        case 2003: o->save = optarg; break;
+        case 2004: o->data = optarg; break;
+        case 2005: o->backend = optarg; break;
+        case 2006: o->save_init = optarg; break;
+        case 2007: o->dump = optarg; break;
+        case 2008:
+            if (strcmp(optarg, "adamw") != 0 && strcmp(optarg, "sgd") != 0) {
+                fprintf(stderr, "gpt: --optim '%s': expected adamw or sgd\n", optarg);
+                return 0;
+            }
+            o->optim = optarg;
+            break;
+        case 2009: o->monitor = optarg; break;
+        case 'h':
+            printf("usage: see the comment at the top of examples/gpt.c\n");
+            exit(0);
+        default:
+            fprintf(stderr, "gpt: unknown option or missing value: '%s' (see the comment at the "
+                            "top of examples/gpt.c)\n", argv[optind - 1]);
             return 0;
         }
-        if (k < 12)
-            *ints[k] = atoi(v);
-        else if (strcmp(a, "--lr") == 0)
-            o->lr = (float)atof(v);
-        else if (strcmp(a, "--seconds") == 0)
-            o->seconds = atof(v);
-        else if (strcmp(a, "--seed") == 0)
-            o->seed = strtoull(v, NULL, 10);
-        else if (strcmp(a, "--save") == 0)
-            o->save = v;
-        else if (strcmp(a, "--data") == 0)
-            o->data = v;
-        else if (strcmp(a, "--backend") == 0)
-            o->backend = v;
-        else if (strcmp(a, "--save-init") == 0)
-            o->save_init = v;
-        else if (strcmp(a, "--dump") == 0)
-            o->dump = v;
-        else if (strcmp(a, "--monitor") == 0)
-            o->monitor = v;
-        else if (strcmp(a, "--optim") == 0 && (strcmp(v, "adamw") == 0 || strcmp(v, "sgd") == 0))
-            o->optim = v;
-        else {
-            fprintf(stderr, "gpt: unknown option '%s' (see the comment at the top of "
-                            "examples/gpt.c)\n", a);
-            return 0;
-        }
-        i++;
     }
-    if (o->steps < 1 || o->batch < 1 || o->context < 1 || o->context > 1024 || o->layers < 1 ||
-        o->heads < 1 || o->embd % o->heads != 0 || o->eval_every < 1 || o->ranks < 1 ||
-        o->vocab < 256 || o->seconds < 0 || (o->seconds > 0 && o->ranks > 1)) {
-        fprintf(stderr, "gpt: sizes must be >= 1, context <= 1024, embd a multiple of heads, "
-                        "vocab >= 256, --seconds >= 0 and with one rank\n");
+    if (optind < argc) {
+        fprintf(stderr, "gpt: unexpected argument '%s'\n", argv[optind]);
+        return 0;
+    }
+    if (o->embd % o->heads != 0 || (o->seconds > 0 && o->ranks > 1)) {
+        fprintf(stderr, "gpt: embd must be a multiple of heads, and --seconds is for one rank\n");
         return 0;
     }
     return 1;
