@@ -839,7 +839,8 @@ embed_checks() {
     dir=$(mktemp -d)
     cp dtrain.h dtrain.c tests/embed/vendored.c "$dir/"
     mkdir "$dir/backends"
-    cp backends/backend.h backends/shape.h backends/half.h backends/transport.h backends/cpu.c backends/fabric.c \
+    cp backends/backend.h backends/shape.h backends/half.h backends/transport.h backends/http.h \
+       backends/cpu.c backends/fabric.c \
        "$dir/backends/"
     printf '%s\n' "cd $dir && $CC $WARN -O2 -DDT_WITH_CPU vendored.c dtrain.c backends/cpu.c \
         -lopenblas -lz -lm -lpthread -o v_cpu" \
