@@ -786,7 +786,8 @@ for r in (0, 1):
     n = sum(1 for e in mine if e["cat"] == "step")
     assert n == 40, f"rank {r}: {n} steps"
     assert comm and all(e["args"]["busbw_GBps"] >= 0 for e in comm), f"rank {r}: no collectives"
-    assert abs(phases - steps) <= 0.05 * steps, f"rank {r}: phases {phases} us, steps {steps} us"
+    # the phases tile each step (idle too): only the trace's rounding may differ
+    assert abs(phases - steps) <= 0.005 * steps, f"rank {r}: phases {phases} us, steps {steps} us"
     print(f"profile check: rank {r}: 40 steps, phases {phases/1e3:.1f} ms of {steps/1e3:.1f} ms, "
           f"{len(comm)} collectives")
 PY

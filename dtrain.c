@@ -3142,9 +3142,11 @@ DT_PRIVATE void prof_end(dt_ctx *ctx, int phase, double t0)
         p->cur[gap] += t0 - p->mark;
     p->cur[phase] += t1 - t0;
     pthread_mutex_lock(&p->mu);
-    if (gap == PH_FORWARD && t0 > p->mark)
+    /* the caller's own time since the last phase is a phase of the timeline
+     * too (forward before a backward, else idle): the step's phases tile it */
+    if (t0 > p->mark)
         prof_push(p, (prof_event){.t0 = p->mark, .t1 = t0, .type = EV_PHASE, .tid = TID_COMPUTE,
-                                  .what = PH_FORWARD, .a = p->step_index});
+                                  .what = (uint8_t)gap, .a = p->step_index});
     prof_push(p, (prof_event){.t0 = t0, .t1 = t1, .type = EV_PHASE, .tid = TID_COMPUTE,
                               .what = (uint8_t)phase, .a = p->step_index});
     pthread_mutex_unlock(&p->mu);
@@ -3186,6 +3188,9 @@ DT_PRIVATE void prof_step_end(dt_ctx *ctx)
     p->win_compute += compute;
     p->win_steps++;
     p->win_samples += p->cur_samples;
+    if (t > p->mark)   /* the idle end of the step */
+        prof_push(p, (prof_event){.t0 = p->mark, .t1 = t, .type = EV_PHASE, .tid = TID_COMPUTE,
+                                  .what = PH_IDLE, .a = p->step_index});
     prof_push(p, (prof_event){.t0 = p->step_t0, .t1 = t, .type = EV_STEP, .tid = TID_COMPUTE,
                               .a = p->step_index, .b = p->cur_samples});
     pthread_mutex_unlock(&p->mu);
