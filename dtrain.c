@@ -1523,6 +1523,49 @@ int dt_version(void)
 
 const char *dt_version_string(void) { return DTRAIN_VERSION_STRING; }
 
+size_t dt_struct_size(const char *name)
+{
+    static const struct {
+        const char *name;
+        size_t size;
+    } sizes[] = {
+        {"dt_allocator", sizeof(dt_allocator)},
+        {"dt_config", sizeof(dt_config)},
+        {"dt_mem_stats", sizeof(dt_mem_stats)},
+        {"dt_optim_config", sizeof(dt_optim_config)},
+        {"dt_schedule", sizeof(dt_schedule)},
+        {"dt_loss_scale_config", sizeof(dt_loss_scale_config)},
+        {"dt_checkpoint_config", sizeof(dt_checkpoint_config)},
+        {"dt_checkpoint_report", sizeof(dt_checkpoint_report)},
+        {"dt_sample_field", sizeof(dt_sample_field)},
+        {"dt_csv_config", sizeof(dt_csv_config)},
+        {"dt_token_config", sizeof(dt_token_config)},
+        {"dt_loader_config", sizeof(dt_loader_config)},
+        {"dt_dist_env", sizeof(dt_dist_env)},
+        {"dt_store_config", sizeof(dt_store_config)},
+        {"dt_comm_config", sizeof(dt_comm_config)},
+        {"dt_spawn_config", sizeof(dt_spawn_config)},
+        {"dt_ddp_config", sizeof(dt_ddp_config)},
+        {"dt_ddp_stats", sizeof(dt_ddp_stats)},
+        {"dt_dp_config", sizeof(dt_dp_config)},
+        {"dt_hogwild_config", sizeof(dt_hogwild_config)},
+        {"dt_hogwild_stats", sizeof(dt_hogwild_stats)},
+        {"dt_eval_config", sizeof(dt_eval_config)},
+        {"dt_metrics", sizeof(dt_metrics)},
+        {"dt_ps_table", sizeof(dt_ps_table)},
+        {"dt_ps_config", sizeof(dt_ps_config)},
+        {"dt_ps_stats", sizeof(dt_ps_stats)},
+        {"dt_profile_config", sizeof(dt_profile_config)},
+        {"dt_profile_stats", sizeof(dt_profile_stats)},
+        {"dt_pipe_config", sizeof(dt_pipe_config)},
+        {"dt_pipe_stats", sizeof(dt_pipe_stats)},
+        {"dt_monitor_config", sizeof(dt_monitor_config)}};
+    for (size_t i = 0; name && i < sizeof sizes / sizeof sizes[0]; i++)
+        if (strcmp(name, sizes[i].name) == 0)
+            return sizes[i].size;
+    return 0;
+}
+
 const char *dt_strerror(dt_status s)
 {
     switch (s) {

@@ -107,6 +107,11 @@ DT_API const char *dt_strerror(dt_status s);
  * binding that loads libdtrain.so compares them with what it was built for. */
 DT_API int dt_version(void);
 DT_API const char *dt_version_string(void);
+/* sizeof the public struct named name ("dt_config", "dt_ddp_config", ...,
+ * every struct this header defines) as this library was built, 0 for a
+ * name it does not know: what a binding that mirrors the structs compares
+ * its own layouts with when it loads the library. */
+DT_API size_t dt_struct_size(const char *name);
 
 /* ---------------------------------------------------------------------------
  * 2. The context

@@ -66,6 +66,12 @@ static void test_err_strerror(void **state)
     snprintf(v, sizeof v, "%d.%d.%d", dt_version() / 10000, dt_version() / 100 % 100,
              dt_version() % 100);
     assert_string_equal(v, dt_version_string());
+    /* the library's struct sizes are this header's (one build); unknown: 0 */
+    assert_int_equal(dt_struct_size("dt_config"), sizeof(dt_config));
+    assert_int_equal(dt_struct_size("dt_profile_stats"), sizeof(dt_profile_stats));
+    assert_int_equal(dt_struct_size("dt_monitor_config"), sizeof(dt_monitor_config));
+    assert_int_equal(dt_struct_size("dt_nothing"), 0);
+    assert_int_equal(dt_struct_size(NULL), 0);
     assert_non_null(dt_dtype_name(DT_F32));
     assert_non_null(dt_dtype_name((dt_dtype)999));
 }

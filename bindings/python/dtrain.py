@@ -427,6 +427,39 @@ for _name, _res, _args in [
 
 now = _C.now
 
+# The C API this module mirrors: the library it loaded must be this release's
+# (major and minor), and every struct it mirrors must have the library's size.
+API_VERSION = (0, 1)
+
+
+def _check_library(version, struct_size, path=None):
+    """Refuse (ImportError, saying what and where) a library of another release, or
+    one whose struct sizes differ from this module's mirrors.  version: dt_version();
+    struct_size(name) -> dt_struct_size."""
+    path = path or library_path
+    if (version // 10000, version // 100 % 100) != API_VERSION:
+        raise ImportError("dtrain: %s is version %d.%d.%d; this module mirrors the C API of %d.%d "
+                          "(use the dtrain.py of that release, or that library)"
+                          % ((path, version // 10000, version // 100 % 100, version % 100)
+                             + API_VERSION))
+    for cls in _MIRRORED:
+        n = struct_size(cls.__name__.encode())
+        if n != ctypes.sizeof(cls):
+            raise ImportError("dtrain: %s's %s is %d bytes, this module's %d: the library and the "
+                              "module are from different builds" % (path, cls.__name__, n,
+                                                                    ctypes.sizeof(cls)))
+
+
+_MIRRORED = [c for c in list(globals().values())
+             if isinstance(c, type) and issubclass(c, ctypes.Structure) and c.__name__.startswith("dt_")]
+try:
+    _version = _fn("dt_version", _I)
+    _struct_size = _fn("dt_struct_size", _SZ, _S)
+except AttributeError:
+    raise ImportError("dtrain: %s has no dt_version or dt_struct_size: a library older than this "
+                      "module" % library_path) from None
+_check_library(_version(), _struct_size)
+
 
 def _b(s):
     return None if s is None else s.encode()

@@ -81,6 +81,23 @@ def ctypes_sizeof(s):
     return ctypes.sizeof(s)
 
 
+class LibraryCheck(unittest.TestCase):
+    def test_refuses_another_release_or_layout(self):
+        """At import the module compares the library's version and struct sizes with its own
+        (dtrain._check_library); here with a made-up library: another minor version, then one
+        struct a word longer.  The real one passed at import."""
+        real = dt._struct_size
+        with self.assertRaisesRegex(ImportError, r"is version 0\.2\.0; this module mirrors the C API of 0\.1"):
+            dt._check_library(200, real, "libfake.so")
+
+        def longer(name):
+            return real(name) + (8 if name == b"dt_ddp_config" else 0)
+        with self.assertRaisesRegex(ImportError, r"libfake.so's dt_ddp_config is \d+ bytes, this module's"):
+            dt._check_library(dt._version(), longer, "libfake.so")
+        dt._check_library(dt._version(), real)   # the loaded library: accepted
+        self.assertGreaterEqual(len(dt._MIRRORED), 19)
+
+
 class Errors(unittest.TestCase):
     def test_c_message_raised(self):
         with dt.Context() as ctx:
