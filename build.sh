@@ -1040,6 +1040,54 @@ PY
     echo "monitor check: the report: $(grep '^slowest parameter server' $log)"
 }
 
+# A rank that dies in a job that goes on: 2 workers and 2 servers (ASP)
+# started as separate processes (a launcher would stop the others), worker 1
+# SIGKILLed: within 2 s it is "died" on rank 0's page, and rank 0 keeps
+# training (its steps rise) to its test accuracy (its end-of-job collectives
+# then fail on the dead rank, as they should).  Pieces of 4 KiB
+# (DTRAIN_PS_CHUNK): on shm a larger send to a dead process holds back the
+# server's later sends (docs/PARAMETER_SERVER.md, "Messages").
+monitor_died_check() {
+    local log=$1 fast=$2 r pids=() port=$((29800 + RANDOM % 100)) r1 i
+    for r in 0 1 2 3; do
+        DTRAIN_RANK=$r DTRAIN_WORLD_SIZE=4 DTRAIN_MASTER=127.0.0.1:$port DTRAIN_JOB_TOKEN=died-check \
+            DTRAIN_PS_CHUNK=4096 timeout -k 5 180 $fast --ranks 4 --servers 2 --ps-mode asp \
+            --model mlp --epochs 3 --monitor 0 > $log.$r 2>&1 &
+        pids+=($!)
+    done
+    MON_PORT=""
+    for i in $(seq 1 100); do
+        MON_PORT=$(sed -n 's|^monitor: http://127.0.0.1:\([0-9]*\)/.*|\1|p' $log.0)
+        [ -n "$MON_PORT" ] && break
+        sleep 0.2
+    done
+    sleep 2
+    r1=$(/usr/bin/python3 -c 'import json, sys, urllib.request as u
+print(json.load(u.urlopen(sys.argv[1]))["ranks"][1]["pid"])' "http://127.0.0.1:$MON_PORT/api/state") ||
+        { kill "${pids[@]}"; echo "monitor check: no state from the PS job"; exit 1; }
+    kill -9 "$r1"
+    sleep 2
+    /usr/bin/python3 - "$MON_PORT" <<'PY' || { kill "${pids[@]}"; exit 1; }
+import json, sys, time, urllib.request as u
+url = f"http://127.0.0.1:{sys.argv[1]}/api/state"
+a = json.load(u.urlopen(url))
+time.sleep(1.5)
+b = json.load(u.urlopen(url))
+status = [r["status"] for r in b["ranks"]]
+if status[1] != "died" or status[0] != "up" or not b["ranks"][0]["steps"] > a["ranks"][0]["steps"]:
+    sys.exit(f"monitor check: worker 1 killed: statuses {status}, rank 0's steps "
+             f"{a['ranks'][0]['steps']} -> {b['ranks'][0]['steps']}")
+print(f"monitor check: worker 1 killed (SIGKILL): 'died' on the page; rank 0 goes on, steps "
+      f"{a['ranks'][0]['steps']} -> {b['ranks'][0]['steps']}")
+PY
+    wait "${pids[0]}" || true   # (its end-of-job collectives include the dead rank: an error)
+    grep -q "^test accuracy: " $log.0 ||
+        { tail -5 $log.0; kill "${pids[@]}" 2> /dev/null; echo "monitor check: rank 0 did not finish training after the death"; exit 1; }
+    echo "monitor check: rank 0 trained to the end after the death: $(grep '^test accuracy: ' $log.0)"
+    kill "${pids[@]}" 2> /dev/null || true
+    wait 2> /dev/null || true
+}
+
 monitor_checks() {
     local fast=$BUILD/test/fashion_mnist_O2 log=$BUILD/test/monitor.log a b sa sb
     monitor_job $log $fast --ranks 2 --model mlp --epochs 100 --monitor 0
@@ -1071,6 +1119,7 @@ print(json.load(u.urlopen(sys.argv[1]))["ranks"][1]["pid"])' "http://127.0.0.1:$
     kill -CONT $r1
     kill $MON_PID; wait $MON_PID 2>/dev/null || true   # (killed: not a failure)
     monitor_ps_check $log $fast
+    monitor_died_check $log $fast
     DTRAIN_JOB_TOKEN=monitor-check-token monitor_job $log $fast --model mlp --epochs 100 \
         --monitor 0.0.0.0:0
     /usr/bin/python3 tests/monitor_check.py $MON_PORT 1 monitor-check-token || { kill $MON_PID; exit 1; }
