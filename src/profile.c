@@ -312,14 +312,17 @@ DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why,
 /* The parameter server that holds the job back, from the servers' own
  * figures (prof_ps_serving), and why, into why: one that did not run for
  * 10% of its time or more (the most of them: a stopped process, or a host
- * that starves it); else one busy 60% of its time or more, with a share of
- * the keys well above the others' (a hot shard) or not (too many workers
- * for the servers).  -1 when none stands out.  Shared with the monitor
- * (src/monitor.c), which passes one interval's figures. */
+ * that starves it); else one busy 60% of its time or more.  Busy with a
+ * share of the keys or of the bytes well above its fair one (1.5 / servers)
+ * its shard is hot: dense keys are cut evenly (src/ps.c), so a hot shard
+ * is mostly sparse rows that the data asks for more (rows go to server
+ * id % servers); busy without, the servers have too many workers.  -1
+ * when none stands out.  Shared with the monitor (src/monitor.c), which
+ * passes one interval's figures. */
 DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap)
 {
     int stalled = -1, busy = -1, servers = 0;
-    double keys = 0;
+    double keys = 0, bytes = 0;
     why[0] = '\0';
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = st[r];
@@ -327,6 +330,7 @@ DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *
             continue;
         servers++;
         keys += (double)s->ps_keys;
+        bytes += s->ps_bytes_in + s->ps_bytes_out;
         if (s->ps_stalled_s >= 0.1 * s->ps_serve_s &&
             (stalled < 0 || s->ps_stalled_s / s->ps_serve_s >
                                 st[stalled]->ps_stalled_s / st[stalled]->ps_serve_s))
@@ -343,18 +347,20 @@ DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *
                  100 * s->ps_stalled_s / s->ps_serve_s);
         return stalled;
     }
-    if (busy >= 0) {
-        const dt_profile_stats *s = st[busy];
-        double share = keys > 0 ? (double)s->ps_keys / keys : 0;
-        snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time and holds %.0f%% "
-                 "of the keys: %s", busy, 100 * s->ps_busy_s / s->ps_serve_s, 100 * share,
-                 servers > 1 && share > 1.5 / servers
-                 ? "its shard is hot (too many keys on one server): split the largest tensors "
-                   "or use more servers"
+    if (busy < 0)
+        return -1;
+    const dt_profile_stats *s = st[busy];
+    double kshare = keys > 0 ? (double)s->ps_keys / keys : 0;
+    double bshare = bytes > 0 ? (s->ps_bytes_in + s->ps_bytes_out) / bytes : 0;
+    int hot = servers > 1 && (kshare > 1.5 / servers || bshare > 1.5 / servers);
+    snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time and holds %.0f%% of "
+             "the keys, %.0f%% of the traffic: %s", busy, 100 * s->ps_busy_s / s->ps_serve_s,
+             100 * kshare, 100 * bshare,
+             hot ? "its shard is hot (more than its share of the keys or of the traffic on one "
+                   "server): spread the rows the data asks for most (sparse ids go to server "
+                   "id % servers) or split the largest tensors"
                  : "too many workers per server: more servers (dt_ps_config.servers)");
-        return busy;
-    }
-    return -1;
+    return busy;
 }
 
 /* Rank 0's report from every rank's totals. */

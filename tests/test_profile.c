@@ -6,10 +6,12 @@
  * shards are exactly an unsharded loader's batches; balanced DDP with a
  * slow rank ends with the parameters of one process on the global batch;
  * work stealing processes every sample exactly once and the fast worker
- * takes the slow one's chunks; the store's counters.
+ * takes the slow one's chunks; the store's counters; the parameter-server
+ * diagnosis on made-up figures (each of its verdicts).
  */
 #include "test_util.h"
 #include "test_ranks.h"
+#include "src/dist.h"   /* prof_slow_server: the diagnosis, tested on made-up figures */
 
 #include <ctype.h>
 #include <math.h>
@@ -1113,6 +1115,63 @@ static void test_monitor_one_process(void **state)
     dt_ctx_free(ctx);
 }
 
+/* --- the diagnosis itself, on figures made up to cover each case ----------- */
+
+/* A server's figures: serve seconds, busy, not running, keys, bytes. */
+static dt_profile_stats server_figures(double serve, double busy, double stalled, int64_t keys,
+                                       double bytes)
+{
+    dt_profile_stats s = {0};
+    s.ps_serve_s = serve;
+    s.ps_busy_s = busy;
+    s.ps_stalled_s = stalled;
+    s.ps_keys = keys;
+    s.ps_bytes_in = s.ps_bytes_out = bytes / 2;
+    return s;
+}
+
+/* prof_slow_server (src/profile.c), the report's and the monitor's verdict
+ * on the servers: a stopped server beats a busy one; a busy server with
+ * its fair share of keys and bytes means too many workers, with more than
+ * its share (keys or bytes) a hot shard; nobody busy or stopped: none.
+ * Workers (no serve time) and missing ranks are not servers. */
+static void test_server_diagnosis(void **state)
+{
+    (void)state;
+    char why[320];
+    dt_profile_stats worker = {.steps = 10, .step_s = 1}, a, b;
+    const dt_profile_stats *st[4] = {&worker, NULL, &a, &b};
+    /* calm: 30% and 20% busy, balanced */
+    a = server_figures(10, 3, 0, 500, 1e9), b = server_figures(10, 2, 0, 500, 1e9);
+    assert_int_equal(prof_slow_server(st, 4, why, sizeof why), -1);
+    assert_string_equal(why, "");
+    /* rank 3 stopped 40% of its time, rank 2 busier: the stopped one */
+    a = server_figures(10, 9, 0, 500, 1e9), b = server_figures(10, 2, 4, 500, 1e9);
+    assert_int_equal(prof_slow_server(st, 4, why, sizeof why), 3);
+    assert_non_null(strstr(why, "rank 3 did not run for 40%"));
+    /* both busy, balanced: the busier, and too many workers */
+    a = server_figures(10, 7, 0, 500, 1e9), b = server_figures(10, 8, 0, 500, 1e9);
+    assert_int_equal(prof_slow_server(st, 4, why, sizeof why), 3);
+    assert_non_null(strstr(why, "busy 80%"));
+    assert_non_null(strstr(why, "too many workers per server"));
+    /* rank 2 busy with 80% of the bytes (sparse rows hot), keys even: hot */
+    a = server_figures(10, 7, 0, 500, 4e9), b = server_figures(10, 2, 0, 500, 1e9);
+    assert_int_equal(prof_slow_server(st, 4, why, sizeof why), 2);
+    assert_non_null(strstr(why, "50% of the keys, 80% of the traffic: its shard is hot"));
+    /* rank 2 busy with 90% of the keys: hot too */
+    a = server_figures(10, 7, 0, 900, 1e9), b = server_figures(10, 2, 0, 100, 1e9);
+    assert_int_equal(prof_slow_server(st, 4, why, sizeof why), 2);
+    assert_non_null(strstr(why, "its shard is hot"));
+    /* one server holds everything by design: busy means too many workers */
+    const dt_profile_stats *one[2] = {&worker, &a};
+    assert_int_equal(prof_slow_server(one, 2, why, sizeof why), 1);
+    assert_non_null(strstr(why, "100% of the keys, 100% of the traffic: too many workers"));
+    /* a short buffer is cut, not overrun (ASan would see it) */
+    char tiny[16];
+    assert_int_equal(prof_slow_server(one, 2, tiny, sizeof tiny), 1);
+    assert_int_equal(strlen(tiny), sizeof tiny - 1);
+}
+
 static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_phases_single),
     cmocka_unit_test(test_data_hint),
@@ -1125,6 +1184,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_ps_calls),
     cmocka_unit_test(test_store_add),
     cmocka_unit_test(test_monitor_one_process),
+    cmocka_unit_test(test_server_diagnosis),
 };
 
 DT_TEST_GROUP(profile, profile_tests)
