@@ -584,6 +584,11 @@ DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
 DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE char *host_strdup(dt_ctx *ctx, const char *s);
+/* A caller's config struct read by dtrain.h's rule ("Config structs") */
+DT_PRIVATE int ctx_config_read(void *own, size_t own_size, const void *cfg, const char *fn,
+                               const char *type, char *why, size_t cap);
+DT_PRIVATE dt_status ctx_config_in(dt_ctx *ctx, void *own, size_t own_size, const void *cfg,
+                                   const char *fn, const char *type);
 DT_PRIVATE const dt_backend_iface *ctx_find_backend(const char *name);
 DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk);
 DT_PRIVATE int ctx_ok(dt_ctx *ctx);
@@ -1658,10 +1663,50 @@ void dt_config_init(dt_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->backend = "cpu";
     cfg->threads = 1;
     cfg->seed = 0;
     cfg->arena_bytes = DT_DEFAULT_ARENA_BYTES;
+}
+
+/* Read a caller's config struct (cfg) into own (own_size bytes, holding
+ * the *_init defaults) by the rule in dtrain.h ("Config structs"): its
+ * first struct_size bytes replace the defaults; 0 (said in why, for fn
+ * and the struct's type name) when it skipped its *_init, or comes from a
+ * newer header with fields set past own_size.  Beyond own_size + 4096
+ * bytes no header could have grown: refused unread, as corrupt. */
+DT_PRIVATE int ctx_config_read(void *own, size_t own_size, const void *cfg, const char *fn,
+                               const char *type, char *why, size_t cap)
+{
+    size_t given;
+    memcpy(&given, cfg, sizeof given);
+    if (given < sizeof given || given > own_size + 4096) {
+        snprintf(why, cap, "%s: the %s's struct_size is %zu: fill it with %s_init first (this "
+                 "library's %s is %zu bytes)", fn, type, given, type, type, own_size);
+        return 0;
+    }
+    for (size_t i = own_size; i < given; i++)
+        if (((const unsigned char *)cfg)[i]) {
+            snprintf(why, cap, "%s: the %s is %zu bytes with fields set past this library's %zu "
+                     "(dtrain %s): the program was built against a newer dtrain.h; build it "
+                     "against this one, or use the newer library", fn, type, given, own_size,
+                     DTRAIN_VERSION_STRING);
+            return 0;
+        }
+    memcpy(own, cfg, given < own_size ? given : own_size);
+    memcpy(own, &own_size, sizeof own_size);   /* the struct is now this library's size */
+    return 1;
+}
+
+/* ctx_config_read for a function with a context: the refusal is its error. */
+DT_PRIVATE dt_status ctx_config_in(dt_ctx *ctx, void *own, size_t own_size, const void *cfg,
+                                   const char *fn, const char *type)
+{
+    char why[320];
+    if (!ctx_config_read(own, own_size, cfg, fn, type, why, sizeof why))
+        return set_error(ctx, DT_EINVAL, "%s", why);
+    return DT_OK;
 }
 
 /* The backends compiled into this build.  The list is const: choosing one is
@@ -1761,9 +1806,10 @@ void dt_seed(dt_ctx *ctx, uint64_t seed);
 dt_ctx *dt_ctx_new(const dt_config *cfg_in)
 {
     dt_config cfg;
-    if (cfg_in)
-        cfg = *cfg_in;
-    else
+    dt_config_init(&cfg);
+    char bad_cfg[320] = "";   /* a refused cfg_in: a context of defaults that says why */
+    if (cfg_in && !ctx_config_read(&cfg, sizeof cfg, cfg_in, "ctx_new", "dt_config", bad_cfg,
+                                   sizeof bad_cfg))
         dt_config_init(&cfg);
     dt_allocator al = cfg.allocator;
     if (!al.malloc_fn || !al.free_fn || !al.realloc_fn) {
@@ -1793,6 +1839,10 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     dt_seed(ctx, cfg.seed);
     prof_init(ctx);
 
+    if (bad_cfg[0]) {
+        ctx->init_status = set_error(ctx, DT_EINVAL, "%s", bad_cfg);
+        return ctx;
+    }
     /* DTRAIN_BACKEND runs an unchanged program on another backend (e.g. the
      * test suite on cpu-staged); a custom backend is never replaced */
     const char *env = getenv("DTRAIN_BACKEND");
@@ -3321,6 +3371,7 @@ void dt_profile_config_init(dt_profile_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
 }
 
 static void prof_resolve(dt_profile_config *c)
@@ -3343,8 +3394,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     prof_state *p = &ctx->prof;
     dt_profile_config c;
     dt_profile_config_init(&c);
-    if (cfg)
-        c = *cfg;
+    if (cfg && ctx_config_in(ctx, &c, sizeof c, cfg, "profile_start", "dt_profile_config") != DT_OK)
+        return ctx->last_status;
     prof_resolve(&c);
     prof_event *ev = host_alloc(ctx, sizeof *ev * (size_t)c.max_events);
     if (!ev)
@@ -5621,6 +5672,7 @@ void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->kind = kind;
     cfg->lr = kind == DT_SGD || kind == DT_ADAGRAD ? 0.01f : 1e-3f;   /* torch's defaults */
     cfg->beta1 = 0.9f;
@@ -5691,6 +5743,12 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
         set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
         return NULL;
     }
+    dt_optim_config own;   /* defaults of the caller's kind where its struct ends before them */
+    int has_kind = cfg->struct_size >= offsetof(dt_optim_config, kind) + sizeof cfg->kind;
+    dt_optim_config_init(&own, has_kind ? cfg->kind : DT_SGD);
+    if (ctx_config_in(ctx, &own, sizeof own, cfg, "optim_new", "dt_optim_config") != DT_OK)
+        return NULL;
+    cfg = &own;
     if (check_optim_config(ctx, cfg) != DT_OK)
         return NULL;
     dt_tensor *const *src = params ? params : ctx->params;
@@ -5912,6 +5970,8 @@ void dt_loss_scale_config_init(dt_loss_scale_config *cfg)
 {
     if (!cfg)
         return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->init_scale = 65536.0f;
     cfg->growth_factor = 2.0f;
     cfg->backoff_factor = 0.5f;
@@ -5924,8 +5984,9 @@ dt_loss_scaler *dt_loss_scaler_new(dt_ctx *ctx, const dt_loss_scale_config *cfg)
         return NULL;
     dt_loss_scale_config c;
     dt_loss_scale_config_init(&c);
-    if (cfg)
-        c = *cfg;
+    if (cfg && ctx_config_in(ctx, &c, sizeof c, cfg,
+                             "loss_scaler", "dt_loss_scale_config") != DT_OK)
+        return NULL;
     if (!(c.init_scale > 0) || !isfinite(c.init_scale) || !(c.growth_factor >= 1) ||
         !(c.backoff_factor > 0 && c.backoff_factor < 1) || c.growth_interval < 1) {
         set_error(ctx, DT_EINVAL, "loss_scaler: init_scale %g, growth %g, backoff %g, interval %d: "
@@ -6260,6 +6321,7 @@ void dt_checkpoint_config_init(dt_checkpoint_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->dtype = DT_F32;
     cfg->strict = 1;
 }
@@ -6295,8 +6357,10 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
         return DT_EINVAL;
     dt_checkpoint_config def;
     dt_checkpoint_config_init(&def);
-    if (!cfg)
-        cfg = &def;
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg,
+                             "checkpoint_save", "dt_checkpoint_config") != DT_OK)
+        return ctx->last_status;
+    cfg = &def;
     if (!path || !path[0])
         return set_error(ctx, DT_EINVAL, "checkpoint_save: path is empty");
     if (cfg->dtype != DT_F32 && cfg->dtype != DT_BF16 && cfg->dtype != DT_F16)
@@ -7091,7 +7155,13 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    int strict = !cfg || cfg->strict;
+    dt_checkpoint_config def;
+    dt_checkpoint_config_init(&def);
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg,
+                             "checkpoint_load", "dt_checkpoint_config") != DT_OK)
+        return ctx->last_status;
+    cfg = &def;
+    int strict = cfg->strict;
     dt_checkpoint_report rep;
     memset(&rep, 0, sizeof rep);
     if (!path)
@@ -8211,6 +8281,7 @@ void dt_csv_config_init(dt_csv_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->delimiter = ',';
     cfg->header = -1;
     cfg->target_column = -1;
@@ -8413,8 +8484,10 @@ dt_dataset *dt_dataset_load_csv(dt_ctx *ctx, const char *path, const dt_csv_conf
         return NULL;
     dt_csv_config def;
     dt_csv_config_init(&def);
-    if (!cfg)
-        cfg = &def;
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg,
+                             "dataset_load_csv", "dt_csv_config") != DT_OK)
+        return NULL;
+    cfg = &def;
     if (!path || !cfg->delimiter || cfg->delimiter == '"' || cfg->delimiter == '\n') {
         set_error(ctx, DT_EINVAL, "dataset_load_csv: a path and a delimiter are required");
         return NULL;
@@ -8465,6 +8538,7 @@ void dt_token_config_init(dt_token_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->context = 64;
     cfg->stride = 64;
     cfg->count = -1;
@@ -8511,8 +8585,9 @@ static dt_dataset *token_dataset(dt_ctx *ctx, const char *what, const uint8_t *t
 {
     dt_token_config def;
     dt_token_config_init(&def);
-    if (!cfg)
-        cfg = &def;
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg, what, "dt_token_config") != DT_OK)
+        return NULL;
+    cfg = &def;
     int64_t first = cfg->first, count = cfg->count < 0 ? ntokens - cfg->first : cfg->count;
     if (token_bytes != 1 && token_bytes != 2 && token_bytes != 4) {
         set_error(ctx, DT_EINVAL, "%s: token_bytes %d is not 1, 2 or 4", what, token_bytes);
@@ -8631,6 +8706,7 @@ void dt_loader_config_init(dt_loader_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->batch = 64;
     cfg->shuffle = 1;
     cfg->mean = 0.0f;
@@ -8905,6 +8981,11 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
         set_error(ctx, DT_EINVAL, "loader: dataset and config are required");
         return NULL;
     }
+    dt_loader_config own;
+    dt_loader_config_init(&own);
+    if (ctx_config_in(ctx, &own, sizeof own, cfg, "loader", "dt_loader_config") != DT_OK)
+        return NULL;
+    cfg = &own;
     int shards = cfg->shard_count > 1 ? cfg->shard_count : 1;
     if (cfg->batch < 1 || !(cfg->std > 0) || cfg->shard_rank < 0 || cfg->shard_rank >= shards) {
         set_error(ctx, DT_EINVAL, "loader: batch %d, std %g, shard %d of %d: need batch >= 1, "
@@ -9821,6 +9902,7 @@ void dt_store_config_init(dt_store_config *cfg)
 {
     if (cfg)
         memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
 }
 
 /* Connect to host:port, retrying until the deadline (rank 0 may be late). */
@@ -10033,7 +10115,12 @@ static dt_status store_hello(dt_store *s, const char *token)
 
 dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
 {
-    return store_open(ctx, env, cfg, 1, 0);
+    dt_store_config own;
+    dt_store_config_init(&own);
+    if (cfg && ctx_ok(ctx) &&
+        ctx_config_in(ctx, &own, sizeof own, cfg, "store_open", "dt_store_config") != DT_OK)
+        return NULL;
+    return store_open(ctx, env, &own, 1, 0);
 }
 
 /* serve: rank 0 starts the store; inc: this process's incarnation (src/join.c) */
@@ -12183,6 +12270,7 @@ void dt_comm_config_init(dt_comm_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     dt_store_config_init(&cfg->store);
 }
 
@@ -12680,10 +12768,11 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     if (!ctx_ok(ctx))
         return NULL;
     dt_comm_config cfg;
-    if (cfg_in)
-        cfg = *cfg_in;
-    else
-        dt_comm_config_init(&cfg);
+    dt_comm_config_init(&cfg);
+    if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
+                                "comm_new", "dt_comm_config") != DT_OK)
+        return NULL;
+    cfg.store.struct_size = sizeof cfg.store;   /* embedded: read whole (dtrain.h) */
     dt_dist_env env;
     if (env_in)
         env = *env_in;
@@ -12808,10 +12897,10 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         return NULL;
     }
     dt_comm_config cfg;
-    if (cfg_in)
-        cfg = *cfg_in;
-    else
-        dt_comm_config_init(&cfg);
+    dt_comm_config_init(&cfg);
+    if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
+                                "comm_split", "dt_comm_config") != DT_OK)
+        return NULL;
     if (!cfg.timeout_ms)
         cfg.timeout_ms = parent->timeout_ms;
     int id = parent->splits_made, n = 0, me = 0;
@@ -12868,6 +12957,7 @@ void dt_eval_config_init(dt_eval_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->batch = 128;   /* as training's: 1000 took the CNN example's peak RSS to 491 MB, 128 to 118 */
     cfg->std = 1.0f;
 }
@@ -12897,8 +12987,10 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
 {
     dt_eval_config defaults;
     dt_eval_config_init(&defaults);
-    if (!cfg)
-        cfg = &defaults;
+    if (cfg && ctx_config_in(ctx, &defaults, sizeof defaults, cfg,
+                             "evaluate", "dt_eval_config") != DT_OK)
+        return ctx->last_status;
+    cfg = &defaults;
     if (!ds || !forward)
         return set_error(ctx, DT_EINVAL, "evaluate: dataset and forward function are required");
     if (!(cfg->std > 0))
@@ -13010,18 +13102,22 @@ dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_ev
         return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
     dt_eval_config defaults;
     dt_eval_config_init(&defaults);
-    const dt_eval_config *ec = cfg ? cfg : &defaults;
+    dt_status s = cfg ? ctx_config_in(ctx, &defaults, sizeof defaults, cfg,
+                                      "evaluate", "dt_eval_config")
+                      : DT_OK;
+    const dt_eval_config *ec = &defaults;
     eval_sums e = {0, 0, 0, 0, 0, ec};
     eval_visit visit = ec->metric == DT_METRIC_LOSS ? eval_loss
                        : ec->metric == DT_METRIC_USER ? eval_user : eval_metrics;
-    dt_status s = DT_OK;
-    if (!out)
+    if (s != DT_OK)
+        ;   /* (said; it still joins the sum below) */
+    else if (!out)
         s = set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
     else if ((unsigned)ec->metric > DT_METRIC_USER || (ec->metric == DT_METRIC_USER && !ec->metric_fn))
         s = set_error(ctx, DT_EINVAL, "evaluate: metric %d unknown, or USER without metric_fn",
                       (int)ec->metric);
     else
-        s = eval_run(ctx, c, ds, cfg, forward, user, visit, &e);
+        s = eval_run(ctx, c, ds, ec, forward, user, visit, &e);
     /* every rank joins the sum even after a local failure (the last float
      * counts failures), so a bad rank cannot leave the others waiting */
     int64_t n = (int64_t)e.samples, k = (int64_t)e.correct, m = (int64_t)e.count;
@@ -13140,6 +13236,7 @@ void dt_spawn_config_init(dt_spawn_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->nranks = 1;
     cfg->prefix_output = 1;
     cfg->bind_cpus = 1;
@@ -13514,11 +13611,15 @@ static dt_status spawn_once(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
  * min_ranks, a rank that failed first in two runs in a row is taken for
  * one that cannot run again: the next run has one rank fewer (the others
  * renumbered), as long as min_ranks are left. */
-static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
+static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg_in, char *const argv[],
                             int *rank_out, int *failed_out)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    dt_spawn_config own, *cfg = cfg_in ? &own : NULL;
+    dt_spawn_config_init(&own);
+    if (cfg_in && ctx_config_in(ctx, &own, sizeof own, cfg_in, "spawn", "dt_spawn_config") != DT_OK)
+        return ctx->last_status;
     if (!cfg || cfg->nranks < 1 || cfg->nranks > DT_SPAWN_MAX_RANKS || cfg->max_restarts < 0 ||
         cfg->min_ranks < 0 || cfg->min_ranks > cfg->nranks)
         return set_error(ctx, DT_EINVAL, "spawn: nranks must be 1..%d, max_restarts >= 0 and "
@@ -14477,6 +14578,7 @@ void dt_ps_config_init(dt_ps_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->mode = DT_PS_MODE_AUTO;   /* the environment's to choose, unless the program does */
     cfg->staleness = -1;
     dt_optim_config_init(&cfg->optim, DT_SGD);
@@ -15550,8 +15652,9 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
     }
     dt_ps_config conf;
     dt_ps_config_init(&conf);
-    if (cfg)
-        conf = *cfg;
+    if (cfg && ctx_config_in(ctx, &conf, sizeof conf, cfg, "ps_new", "dt_ps_config") != DT_OK)
+        return NULL;
+    conf.optim.struct_size = sizeof conf.optim;   /* embedded: read whole (dtrain.h) */
     int W = 0, S = 0;
     if (ps_settings(ctx, c, &conf, &W, &S) != DT_OK)
         return NULL;
@@ -16939,6 +17042,7 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->overlap = -1;
     cfg->broadcast_params = 1;
     cfg->error_feedback = 1;
@@ -18066,11 +18170,12 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     }
     dt_ddp_config conf;
     dt_ddp_config_init(&conf);
-    if (cfg)
-        conf = *cfg;
     /* A bad setting on one rank still joins the model check, as a
      * difference, so no rank is left waiting in a collective. */
-    dt_status local = ddp_compress_from_env(ctx, &conf);
+    dt_status local = cfg ? ctx_config_in(ctx, &conf, sizeof conf, cfg, "ddp_new", "dt_ddp_config")
+                          : DT_OK;
+    if (local == DT_OK)
+        local = ddp_compress_from_env(ctx, &conf);
     if (local == DT_OK && (conf.compress < DT_COMPRESS_NONE || conf.compress > DT_COMPRESS_INT8 ||
                            conf.topk_ratio < 0 || conf.topk_ratio > 1))
         local = set_error(ctx, DT_EINVAL, "ddp_new: compress %d, topk_ratio %g: need a dt_compress "
@@ -18240,6 +18345,7 @@ void dt_dp_config_init(dt_dp_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->replicas = 2;
     dt_config_init(&cfg->replica);
     dt_optim_config_init(&cfg->optim, DT_SGD);
@@ -18526,11 +18632,17 @@ static dt_status dp_start_threads(dt_dp *dp)
     return DT_OK;
 }
 
-dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_dp_loss_fn loss,
+dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, dt_dp_loss_fn loss,
                  dt_dp_free_fn free_model, void *user)
 {
     if (!ctx_ok(ctx))
         return NULL;
+    dt_dp_config own, *cfg = cfg_in ? &own : NULL;
+    dt_dp_config_init(&own);
+    if (cfg_in && ctx_config_in(ctx, &own, sizeof own, cfg_in, "dp_new", "dt_dp_config") != DT_OK)
+        return NULL;
+    own.replica.struct_size = sizeof own.replica;   /* embedded: read whole (dtrain.h) */
+    own.optim.struct_size = sizeof own.optim;
     if (!cfg || !build || !loss || cfg->replicas < 1 || cfg->replicas > 1024) {
         set_error(ctx, DT_EINVAL, "dp_new: need a config with 1..1024 replicas, a build and a loss "
                   "function");
@@ -18614,6 +18726,7 @@ void dt_hogwild_config_init(dt_hogwild_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->threads = 2;
     cfg->steps = 1000;
     cfg->lr = 0.01f;
@@ -18743,6 +18856,12 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    dt_hogwild_config own;
+    dt_hogwild_config_init(&own);
+    if (cfg && ctx_config_in(ctx, &own, sizeof own, cfg, "hogwild", "dt_hogwild_config") != DT_OK)
+        return ctx->last_status;
+    own.thread.struct_size = sizeof own.thread;   /* embedded: read whole (dtrain.h) */
+    cfg = cfg ? &own : NULL;
     if (!cfg || !build || !loss || cfg->threads < 1 || cfg->threads > 1024 || cfg->steps < 0 ||
         !(cfg->lr >= 0))
         return set_error(ctx, DT_EINVAL, "hogwild: need a config with 1..1024 threads, steps >= 0, "
@@ -18985,6 +19104,7 @@ void dt_pipe_config_init(dt_pipe_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->micro_batches = 4;
     cfg->schedule = DT_PIPE_1F1B;
 }
@@ -18998,8 +19118,9 @@ dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg_in, dt_s
         return NULL;
     dt_pipe_config cfg;
     dt_pipe_config_init(&cfg);
-    if (cfg_in)
-        cfg = *cfg_in;
+    if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
+                                "pipe_new", "dt_pipe_config") != DT_OK)
+        return NULL;
     if (!c || !fn || c->ctx != ctx) {
         set_error(ctx, DT_EINVAL, "pipe_new: %s", !c ? "communicator is NULL" : !fn
                   ? "stage function is NULL" : "the communicator belongs to another context");
@@ -20219,6 +20340,7 @@ void dt_monitor_config_init(dt_monitor_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->interval_s = 1.0;
 }
 
@@ -21010,6 +21132,11 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
         set_error(ctx, DT_EINVAL, "monitor_start: the communicator belongs to another context");
         return NULL;
     }
+    dt_monitor_config own;
+    dt_monitor_config_init(&own);
+    if (cfg && ctx_config_in(ctx, &own, sizeof own, cfg,
+                             "monitor_start", "dt_monitor_config") != DT_OK)
+        return NULL;
     dt_monitor *m = host_calloc(ctx, sizeof *m);
     if (!m) {
         set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
@@ -21019,9 +21146,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     m->comm = c;
     m->rank = c ? c->rank : 0;
     m->world = c ? c->world : 1;
-    dt_monitor_config_init(&m->cfg);
-    if (cfg)
-        m->cfg = *cfg;
+    m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
     m->slowest = m->straggler = m->slow_server = -1;

@@ -223,6 +223,7 @@ void dt_checkpoint_config_init(dt_checkpoint_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->dtype = DT_F32;
     cfg->strict = 1;
 }
@@ -258,8 +259,10 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
         return DT_EINVAL;
     dt_checkpoint_config def;
     dt_checkpoint_config_init(&def);
-    if (!cfg)
-        cfg = &def;
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg,
+                             "checkpoint_save", "dt_checkpoint_config") != DT_OK)
+        return ctx->last_status;
+    cfg = &def;
     if (!path || !path[0])
         return set_error(ctx, DT_EINVAL, "checkpoint_save: path is empty");
     if (cfg->dtype != DT_F32 && cfg->dtype != DT_BF16 && cfg->dtype != DT_F16)
@@ -1054,7 +1057,13 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    int strict = !cfg || cfg->strict;
+    dt_checkpoint_config def;
+    dt_checkpoint_config_init(&def);
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg,
+                             "checkpoint_load", "dt_checkpoint_config") != DT_OK)
+        return ctx->last_status;
+    cfg = &def;
+    int strict = cfg->strict;
     dt_checkpoint_report rep;
     memset(&rep, 0, sizeof rep);
     if (!path)

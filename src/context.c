@@ -151,10 +151,50 @@ void dt_config_init(dt_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->backend = "cpu";
     cfg->threads = 1;
     cfg->seed = 0;
     cfg->arena_bytes = DT_DEFAULT_ARENA_BYTES;
+}
+
+/* Read a caller's config struct (cfg) into own (own_size bytes, holding
+ * the *_init defaults) by the rule in dtrain.h ("Config structs"): its
+ * first struct_size bytes replace the defaults; 0 (said in why, for fn
+ * and the struct's type name) when it skipped its *_init, or comes from a
+ * newer header with fields set past own_size.  Beyond own_size + 4096
+ * bytes no header could have grown: refused unread, as corrupt. */
+DT_PRIVATE int ctx_config_read(void *own, size_t own_size, const void *cfg, const char *fn,
+                               const char *type, char *why, size_t cap)
+{
+    size_t given;
+    memcpy(&given, cfg, sizeof given);
+    if (given < sizeof given || given > own_size + 4096) {
+        snprintf(why, cap, "%s: the %s's struct_size is %zu: fill it with %s_init first (this "
+                 "library's %s is %zu bytes)", fn, type, given, type, type, own_size);
+        return 0;
+    }
+    for (size_t i = own_size; i < given; i++)
+        if (((const unsigned char *)cfg)[i]) {
+            snprintf(why, cap, "%s: the %s is %zu bytes with fields set past this library's %zu "
+                     "(dtrain %s): the program was built against a newer dtrain.h; build it "
+                     "against this one, or use the newer library", fn, type, given, own_size,
+                     DTRAIN_VERSION_STRING);
+            return 0;
+        }
+    memcpy(own, cfg, given < own_size ? given : own_size);
+    memcpy(own, &own_size, sizeof own_size);   /* the struct is now this library's size */
+    return 1;
+}
+
+/* ctx_config_read for a function with a context: the refusal is its error. */
+DT_PRIVATE dt_status ctx_config_in(dt_ctx *ctx, void *own, size_t own_size, const void *cfg,
+                                   const char *fn, const char *type)
+{
+    char why[320];
+    if (!ctx_config_read(own, own_size, cfg, fn, type, why, sizeof why))
+        return set_error(ctx, DT_EINVAL, "%s", why);
+    return DT_OK;
 }
 
 /* The backends compiled into this build.  The list is const: choosing one is
@@ -254,9 +294,10 @@ void dt_seed(dt_ctx *ctx, uint64_t seed);
 dt_ctx *dt_ctx_new(const dt_config *cfg_in)
 {
     dt_config cfg;
-    if (cfg_in)
-        cfg = *cfg_in;
-    else
+    dt_config_init(&cfg);
+    char bad_cfg[320] = "";   /* a refused cfg_in: a context of defaults that says why */
+    if (cfg_in && !ctx_config_read(&cfg, sizeof cfg, cfg_in, "ctx_new", "dt_config", bad_cfg,
+                                   sizeof bad_cfg))
         dt_config_init(&cfg);
     dt_allocator al = cfg.allocator;
     if (!al.malloc_fn || !al.free_fn || !al.realloc_fn) {
@@ -286,6 +327,10 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     dt_seed(ctx, cfg.seed);
     prof_init(ctx);
 
+    if (bad_cfg[0]) {
+        ctx->init_status = set_error(ctx, DT_EINVAL, "%s", bad_cfg);
+        return ctx;
+    }
     /* DTRAIN_BACKEND runs an unchanged program on another backend (e.g. the
      * test suite on cpu-staged); a custom backend is never replaced */
     const char *env = getenv("DTRAIN_BACKEND");

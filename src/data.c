@@ -14,6 +14,7 @@ void dt_loader_config_init(dt_loader_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->batch = 64;
     cfg->shuffle = 1;
     cfg->mean = 0.0f;
@@ -288,6 +289,11 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
         set_error(ctx, DT_EINVAL, "loader: dataset and config are required");
         return NULL;
     }
+    dt_loader_config own;
+    dt_loader_config_init(&own);
+    if (ctx_config_in(ctx, &own, sizeof own, cfg, "loader", "dt_loader_config") != DT_OK)
+        return NULL;
+    cfg = &own;
     int shards = cfg->shard_count > 1 ? cfg->shard_count : 1;
     if (cfg->batch < 1 || !(cfg->std > 0) || cfg->shard_rank < 0 || cfg->shard_rank >= shards) {
         set_error(ctx, DT_EINVAL, "loader: batch %d, std %g, shard %d of %d: need batch >= 1, "

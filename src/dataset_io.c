@@ -384,6 +384,7 @@ void dt_csv_config_init(dt_csv_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->delimiter = ',';
     cfg->header = -1;
     cfg->target_column = -1;
@@ -586,8 +587,10 @@ dt_dataset *dt_dataset_load_csv(dt_ctx *ctx, const char *path, const dt_csv_conf
         return NULL;
     dt_csv_config def;
     dt_csv_config_init(&def);
-    if (!cfg)
-        cfg = &def;
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg,
+                             "dataset_load_csv", "dt_csv_config") != DT_OK)
+        return NULL;
+    cfg = &def;
     if (!path || !cfg->delimiter || cfg->delimiter == '"' || cfg->delimiter == '\n') {
         set_error(ctx, DT_EINVAL, "dataset_load_csv: a path and a delimiter are required");
         return NULL;
@@ -638,6 +641,7 @@ void dt_token_config_init(dt_token_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->context = 64;
     cfg->stride = 64;
     cfg->count = -1;
@@ -684,8 +688,9 @@ static dt_dataset *token_dataset(dt_ctx *ctx, const char *what, const uint8_t *t
 {
     dt_token_config def;
     dt_token_config_init(&def);
-    if (!cfg)
-        cfg = &def;
+    if (cfg && ctx_config_in(ctx, &def, sizeof def, cfg, what, "dt_token_config") != DT_OK)
+        return NULL;
+    cfg = &def;
     int64_t first = cfg->first, count = cfg->count < 0 ? ntokens - cfg->first : cfg->count;
     if (token_bytes != 1 && token_bytes != 2 && token_bytes != 4) {
         set_error(ctx, DT_EINVAL, "%s: token_bytes %d is not 1, 2 or 4", what, token_bytes);

@@ -39,6 +39,7 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->overlap = -1;
     cfg->broadcast_params = 1;
     cfg->error_feedback = 1;
@@ -1166,11 +1167,12 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     }
     dt_ddp_config conf;
     dt_ddp_config_init(&conf);
-    if (cfg)
-        conf = *cfg;
     /* A bad setting on one rank still joins the model check, as a
      * difference, so no rank is left waiting in a collective. */
-    dt_status local = ddp_compress_from_env(ctx, &conf);
+    dt_status local = cfg ? ctx_config_in(ctx, &conf, sizeof conf, cfg, "ddp_new", "dt_ddp_config")
+                          : DT_OK;
+    if (local == DT_OK)
+        local = ddp_compress_from_env(ctx, &conf);
     if (local == DT_OK && (conf.compress < DT_COMPRESS_NONE || conf.compress > DT_COMPRESS_INT8 ||
                            conf.topk_ratio < 0 || conf.topk_ratio > 1))
         local = set_error(ctx, DT_EINVAL, "ddp_new: compress %d, topk_ratio %g: need a dt_compress "

@@ -10,6 +10,7 @@ void dt_eval_config_init(dt_eval_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->batch = 128;   /* as training's: 1000 took the CNN example's peak RSS to 491 MB, 128 to 118 */
     cfg->std = 1.0f;
 }
@@ -39,8 +40,10 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
 {
     dt_eval_config defaults;
     dt_eval_config_init(&defaults);
-    if (!cfg)
-        cfg = &defaults;
+    if (cfg && ctx_config_in(ctx, &defaults, sizeof defaults, cfg,
+                             "evaluate", "dt_eval_config") != DT_OK)
+        return ctx->last_status;
+    cfg = &defaults;
     if (!ds || !forward)
         return set_error(ctx, DT_EINVAL, "evaluate: dataset and forward function are required");
     if (!(cfg->std > 0))
@@ -152,18 +155,22 @@ dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_ev
         return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
     dt_eval_config defaults;
     dt_eval_config_init(&defaults);
-    const dt_eval_config *ec = cfg ? cfg : &defaults;
+    dt_status s = cfg ? ctx_config_in(ctx, &defaults, sizeof defaults, cfg,
+                                      "evaluate", "dt_eval_config")
+                      : DT_OK;
+    const dt_eval_config *ec = &defaults;
     eval_sums e = {0, 0, 0, 0, 0, ec};
     eval_visit visit = ec->metric == DT_METRIC_LOSS ? eval_loss
                        : ec->metric == DT_METRIC_USER ? eval_user : eval_metrics;
-    dt_status s = DT_OK;
-    if (!out)
+    if (s != DT_OK)
+        ;   /* (said; it still joins the sum below) */
+    else if (!out)
         s = set_error(ctx, DT_EINVAL, "evaluate: output is NULL");
     else if ((unsigned)ec->metric > DT_METRIC_USER || (ec->metric == DT_METRIC_USER && !ec->metric_fn))
         s = set_error(ctx, DT_EINVAL, "evaluate: metric %d unknown, or USER without metric_fn",
                       (int)ec->metric);
     else
-        s = eval_run(ctx, c, ds, cfg, forward, user, visit, &e);
+        s = eval_run(ctx, c, ds, ec, forward, user, visit, &e);
     /* every rank joins the sum even after a local failure (the last float
      * counts failures), so a bad rank cannot leave the others waiting */
     int64_t n = (int64_t)e.samples, k = (int64_t)e.correct, m = (int64_t)e.count;

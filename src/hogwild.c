@@ -18,6 +18,7 @@ void dt_hogwild_config_init(dt_hogwild_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->threads = 2;
     cfg->steps = 1000;
     cfg->lr = 0.01f;
@@ -147,6 +148,12 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    dt_hogwild_config own;
+    dt_hogwild_config_init(&own);
+    if (cfg && ctx_config_in(ctx, &own, sizeof own, cfg, "hogwild", "dt_hogwild_config") != DT_OK)
+        return ctx->last_status;
+    own.thread.struct_size = sizeof own.thread;   /* embedded: read whole (dtrain.h) */
+    cfg = cfg ? &own : NULL;
     if (!cfg || !build || !loss || cfg->threads < 1 || cfg->threads > 1024 || cfg->steps < 0 ||
         !(cfg->lr >= 0))
         return set_error(ctx, DT_EINVAL, "hogwild: need a config with 1..1024 threads, steps >= 0, "

@@ -574,6 +574,11 @@ DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
 DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE char *host_strdup(dt_ctx *ctx, const char *s);
+/* A caller's config struct read by dtrain.h's rule ("Config structs") */
+DT_PRIVATE int ctx_config_read(void *own, size_t own_size, const void *cfg, const char *fn,
+                               const char *type, char *why, size_t cap);
+DT_PRIVATE dt_status ctx_config_in(dt_ctx *ctx, void *own, size_t own_size, const void *cfg,
+                                   const char *fn, const char *type);
 DT_PRIVATE const dt_backend_iface *ctx_find_backend(const char *name);
 DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk);
 DT_PRIVATE int ctx_ok(dt_ctx *ctx);

@@ -14,6 +14,7 @@ void dt_comm_config_init(dt_comm_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     dt_store_config_init(&cfg->store);
 }
 
@@ -511,10 +512,11 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     if (!ctx_ok(ctx))
         return NULL;
     dt_comm_config cfg;
-    if (cfg_in)
-        cfg = *cfg_in;
-    else
-        dt_comm_config_init(&cfg);
+    dt_comm_config_init(&cfg);
+    if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
+                                "comm_new", "dt_comm_config") != DT_OK)
+        return NULL;
+    cfg.store.struct_size = sizeof cfg.store;   /* embedded: read whole (dtrain.h) */
     dt_dist_env env;
     if (env_in)
         env = *env_in;
@@ -639,10 +641,10 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         return NULL;
     }
     dt_comm_config cfg;
-    if (cfg_in)
-        cfg = *cfg_in;
-    else
-        dt_comm_config_init(&cfg);
+    dt_comm_config_init(&cfg);
+    if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
+                                "comm_split", "dt_comm_config") != DT_OK)
+        return NULL;
     if (!cfg.timeout_ms)
         cfg.timeout_ms = parent->timeout_ms;
     int id = parent->splits_made, n = 0, me = 0;

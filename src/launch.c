@@ -23,6 +23,7 @@ void dt_spawn_config_init(dt_spawn_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->nranks = 1;
     cfg->prefix_output = 1;
     cfg->bind_cpus = 1;
@@ -397,11 +398,15 @@ static dt_status spawn_once(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
  * min_ranks, a rank that failed first in two runs in a row is taken for
  * one that cannot run again: the next run has one rank fewer (the others
  * renumbered), as long as min_ranks are left. */
-static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
+static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg_in, char *const argv[],
                             int *rank_out, int *failed_out)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
+    dt_spawn_config own, *cfg = cfg_in ? &own : NULL;
+    dt_spawn_config_init(&own);
+    if (cfg_in && ctx_config_in(ctx, &own, sizeof own, cfg_in, "spawn", "dt_spawn_config") != DT_OK)
+        return ctx->last_status;
     if (!cfg || cfg->nranks < 1 || cfg->nranks > DT_SPAWN_MAX_RANKS || cfg->max_restarts < 0 ||
         cfg->min_ranks < 0 || cfg->min_ranks > cfg->nranks)
         return set_error(ctx, DT_EINVAL, "spawn: nranks must be 1..%d, max_restarts >= 0 and "

@@ -101,6 +101,7 @@ void dt_monitor_config_init(dt_monitor_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->interval_s = 1.0;
 }
 
@@ -892,6 +893,11 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
         set_error(ctx, DT_EINVAL, "monitor_start: the communicator belongs to another context");
         return NULL;
     }
+    dt_monitor_config own;
+    dt_monitor_config_init(&own);
+    if (cfg && ctx_config_in(ctx, &own, sizeof own, cfg,
+                             "monitor_start", "dt_monitor_config") != DT_OK)
+        return NULL;
     dt_monitor *m = host_calloc(ctx, sizeof *m);
     if (!m) {
         set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
@@ -901,9 +907,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     m->comm = c;
     m->rank = c ? c->rank : 0;
     m->world = c ? c->world : 1;
-    dt_monitor_config_init(&m->cfg);
-    if (cfg)
-        m->cfg = *cfg;
+    m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
     m->slowest = m->straggler = m->slow_server = -1;

@@ -15,6 +15,7 @@ void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->kind = kind;
     cfg->lr = kind == DT_SGD || kind == DT_ADAGRAD ? 0.01f : 1e-3f;   /* torch's defaults */
     cfg->beta1 = 0.9f;
@@ -85,6 +86,12 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
         set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
         return NULL;
     }
+    dt_optim_config own;   /* defaults of the caller's kind where its struct ends before them */
+    int has_kind = cfg->struct_size >= offsetof(dt_optim_config, kind) + sizeof cfg->kind;
+    dt_optim_config_init(&own, has_kind ? cfg->kind : DT_SGD);
+    if (ctx_config_in(ctx, &own, sizeof own, cfg, "optim_new", "dt_optim_config") != DT_OK)
+        return NULL;
+    cfg = &own;
     if (check_optim_config(ctx, cfg) != DT_OK)
         return NULL;
     dt_tensor *const *src = params ? params : ctx->params;
@@ -306,6 +313,8 @@ void dt_loss_scale_config_init(dt_loss_scale_config *cfg)
 {
     if (!cfg)
         return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->init_scale = 65536.0f;
     cfg->growth_factor = 2.0f;
     cfg->backoff_factor = 0.5f;
@@ -318,8 +327,9 @@ dt_loss_scaler *dt_loss_scaler_new(dt_ctx *ctx, const dt_loss_scale_config *cfg)
         return NULL;
     dt_loss_scale_config c;
     dt_loss_scale_config_init(&c);
-    if (cfg)
-        c = *cfg;
+    if (cfg && ctx_config_in(ctx, &c, sizeof c, cfg,
+                             "loss_scaler", "dt_loss_scale_config") != DT_OK)
+        return NULL;
     if (!(c.init_scale > 0) || !isfinite(c.init_scale) || !(c.growth_factor >= 1) ||
         !(c.backoff_factor > 0 && c.backoff_factor < 1) || c.growth_interval < 1) {
         set_error(ctx, DT_EINVAL, "loss_scaler: init_scale %g, growth %g, backoff %g, interval %d: "

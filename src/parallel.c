@@ -24,6 +24,7 @@ void dt_pipe_config_init(dt_pipe_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->micro_batches = 4;
     cfg->schedule = DT_PIPE_1F1B;
 }
@@ -37,8 +38,9 @@ dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg_in, dt_s
         return NULL;
     dt_pipe_config cfg;
     dt_pipe_config_init(&cfg);
-    if (cfg_in)
-        cfg = *cfg_in;
+    if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
+                                "pipe_new", "dt_pipe_config") != DT_OK)
+        return NULL;
     if (!c || !fn || c->ctx != ctx) {
         set_error(ctx, DT_EINVAL, "pipe_new: %s", !c ? "communicator is NULL" : !fn
                   ? "stage function is NULL" : "the communicator belongs to another context");

@@ -69,6 +69,7 @@ void dt_ps_config_init(dt_ps_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->mode = DT_PS_MODE_AUTO;   /* the environment's to choose, unless the program does */
     cfg->staleness = -1;
     dt_optim_config_init(&cfg->optim, DT_SGD);
@@ -1142,8 +1143,9 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
     }
     dt_ps_config conf;
     dt_ps_config_init(&conf);
-    if (cfg)
-        conf = *cfg;
+    if (cfg && ctx_config_in(ctx, &conf, sizeof conf, cfg, "ps_new", "dt_ps_config") != DT_OK)
+        return NULL;
+    conf.optim.struct_size = sizeof conf.optim;   /* embedded: read whole (dtrain.h) */
     int W = 0, S = 0;
     if (ps_settings(ctx, c, &conf, &W, &S) != DT_OK)
         return NULL;

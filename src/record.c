@@ -226,6 +226,7 @@ void dt_profile_config_init(dt_profile_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
 }
 
 static void prof_resolve(dt_profile_config *c)
@@ -248,8 +249,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     prof_state *p = &ctx->prof;
     dt_profile_config c;
     dt_profile_config_init(&c);
-    if (cfg)
-        c = *cfg;
+    if (cfg && ctx_config_in(ctx, &c, sizeof c, cfg, "profile_start", "dt_profile_config") != DT_OK)
+        return ctx->last_status;
     prof_resolve(&c);
     prof_event *ev = host_alloc(ctx, sizeof *ev * (size_t)c.max_events);
     if (!ev)

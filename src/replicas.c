@@ -20,6 +20,7 @@ void dt_dp_config_init(dt_dp_config *cfg)
     if (!cfg)
         return;
     memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
     cfg->replicas = 2;
     dt_config_init(&cfg->replica);
     dt_optim_config_init(&cfg->optim, DT_SGD);
@@ -306,11 +307,17 @@ static dt_status dp_start_threads(dt_dp *dp)
     return DT_OK;
 }
 
-dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg, dt_dp_build_fn build, dt_dp_loss_fn loss,
+dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, dt_dp_loss_fn loss,
                  dt_dp_free_fn free_model, void *user)
 {
     if (!ctx_ok(ctx))
         return NULL;
+    dt_dp_config own, *cfg = cfg_in ? &own : NULL;
+    dt_dp_config_init(&own);
+    if (cfg_in && ctx_config_in(ctx, &own, sizeof own, cfg_in, "dp_new", "dt_dp_config") != DT_OK)
+        return NULL;
+    own.replica.struct_size = sizeof own.replica;   /* embedded: read whole (dtrain.h) */
+    own.optim.struct_size = sizeof own.optim;
     if (!cfg || !build || !loss || cfg->replicas < 1 || cfg->replicas > 1024) {
         set_error(ctx, DT_EINVAL, "dp_new: need a config with 1..1024 replicas, a build and a loss "
                   "function");

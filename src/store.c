@@ -668,6 +668,7 @@ void dt_store_config_init(dt_store_config *cfg)
 {
     if (cfg)
         memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
 }
 
 /* Connect to host:port, retrying until the deadline (rank 0 may be late). */
@@ -880,7 +881,12 @@ static dt_status store_hello(dt_store *s, const char *token)
 
 dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
 {
-    return store_open(ctx, env, cfg, 1, 0);
+    dt_store_config own;
+    dt_store_config_init(&own);
+    if (cfg && ctx_ok(ctx) &&
+        ctx_config_in(ctx, &own, sizeof own, cfg, "store_open", "dt_store_config") != DT_OK)
+        return NULL;
+    return store_open(ctx, env, &own, 1, 0);
 }
 
 /* serve: rank 0 starts the store; inc: this process's incarnation (src/join.c) */

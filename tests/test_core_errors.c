@@ -703,6 +703,88 @@ static void test_err_bad_backend(void **state)
     free(env);
 }
 
+/* Config structs by dtrain.h's rule ("Config structs"): a caller built
+ * against an older header (a shorter struct_size) gets the *_init defaults
+ * for the fields it does not have, whatever bytes lie past its struct; one
+ * that skipped *_init (struct_size 0) or comes from a newer header with a
+ * field set past this library's struct is refused, naming the struct. */
+static void test_err_config_struct_sizes(void **state)
+{
+    (void)state;
+    /* an older dt_config: only backend; threads and seed past it are junk */
+    dt_config old;
+    dt_config_init(&old);
+    old.struct_size = offsetof(dt_config, threads);
+    old.threads = 77;
+    dt_ctx *ctx = dt_ctx_new(&old);
+    assert_int_equal(dt_ctx_status(ctx), DT_OK);
+    assert_int_equal(dt_ctx_threads(ctx), 1);   /* the default, not 77 */
+    dt_ctx_free(ctx);
+    dt_config none;
+    memset(&none, 0, sizeof none);   /* never initialised */
+    ctx = dt_ctx_new(&none);
+    assert_int_equal(dt_ctx_status(ctx), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(ctx), 
+                           "dt_config's struct_size is 0: fill it with dt_config_init"));
+    dt_ctx_free(ctx);
+
+    ctx = dt_ctx_new(NULL);
+    float x[10] = {0};
+    int32_t y[10] = {0};
+    dt_sample_field in = {DT_F32, 1, {1}}, tg = {DT_I32, 0, {0}};
+    dt_dataset *ds = dt_dataset_from_memory(ctx, 10, &in, x, &tg, y, 0);
+    assert_non_null(ds);
+    /* an older dt_loader_config that ends before prefetch: the shard fields
+     * past it (junk here: shard 5 of 7) take their defaults, one shard */
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 3;
+    lc.struct_size = offsetof(dt_loader_config, prefetch);
+    lc.shard_rank = 5;
+    lc.shard_count = 7;
+    dt_loader *ld = dt_loader_new(ctx, ds, &lc);
+    assert_non_null(ld);
+    assert_int_equal(dt_loader_batches(ld), 4);   /* 10 samples in 3s, all of them: no shards */
+    dt_loader_free(ld);
+    /* a newer header's struct, 16 bytes longer: all zero past ours is fine */
+    unsigned char big[sizeof(dt_loader_config) + 16] = {0};
+    dt_loader_config_init((dt_loader_config *)big);
+    ((dt_loader_config *)big)->batch = 5;
+    ((dt_loader_config *)big)->struct_size = sizeof big;
+    ld = dt_loader_new(ctx, ds, (dt_loader_config *)big);
+    assert_non_null(ld);
+    assert_int_equal(dt_loader_batches(ld), 2);
+    dt_loader_free(ld);
+    big[sizeof(dt_loader_config) + 3] = 1;   /* a field this library does not know, set */
+    assert_null(dt_loader_new(ctx, ds, (dt_loader_config *)big));
+    assert_int_equal(dt_last_status(ctx), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(ctx), "built against a newer dtrain.h"));
+    /* struct_size beyond any header: refused without reading past ours */
+    lc.struct_size = (size_t)1 << 40;
+    assert_null(dt_loader_new(ctx, ds, &lc));
+    assert_non_null(strstr(dt_last_error(ctx), "dt_loader_config's struct_size is 1099511627776"));
+    /* an older dt_optim_config that ends after lr: Adam's defaults for the rest */
+    float w0 = 0;
+    int64_t one = 1;
+    dt_tensor *w = dt_param_new(ctx, "w", 1, &one);
+    dt_tensor_set(w, &w0, 1);
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_ADAM);
+    oc.struct_size = offsetof(dt_optim_config, momentum);
+    oc.lr = 0.5f;
+    oc.beta1 = oc.beta2 = oc.eps = -3.0f;   /* junk past the caller's struct */
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    assert_non_null(opt);
+    assert_true(dt_optim_lr(opt) == 0.5f);
+    dt_optim_free(opt);
+    oc.struct_size = 0;
+    assert_null(dt_optim_new(ctx, &oc, NULL, 0));
+    assert_non_null(strstr(dt_last_error(ctx), 
+                           "optim_new: the dt_optim_config's struct_size is 0"));
+    dt_dataset_free(ds);
+    dt_ctx_free(ctx);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_err_strerror),
     cmocka_unit_test(test_err_null_ctx),
@@ -714,6 +796,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_err_optim_and_sched),
     cmocka_unit_test(test_err_data_misuse),
     cmocka_unit_test(test_err_bad_backend),
+    cmocka_unit_test(test_err_config_struct_sizes),
 };
 
 DT_TEST_GROUP(core_errors, tests)

@@ -104,7 +104,8 @@ def _fn(name, restype, *argtypes):
 # --- 2. the C structs (bindings/python/tests checks their layout against C's) -------------
 
 class dt_config(ctypes.Structure):
-    _fields_ = [("backend", _S), ("threads", _I), ("seed", _U64),
+    _fields_ = [("struct_size", _SZ),
+                ("backend", _S), ("threads", _I), ("seed", _U64),
                 ("malloc_fn", _P), ("realloc_fn", _P), ("free_fn", _P), ("alloc_user", _P),
                 ("arena_bytes", _SZ), ("device", _I), ("custom_backend", _P)]
 
@@ -115,7 +116,8 @@ class dt_mem_stats(ctypes.Structure):
 
 
 class dt_optim_config(ctypes.Structure):
-    _fields_ = [("kind", _I), ("lr", _F), ("momentum", _F), ("dampening", _F),
+    _fields_ = [("struct_size", _SZ),
+                ("kind", _I), ("lr", _F), ("momentum", _F), ("dampening", _F),
                 ("nesterov", _I), ("weight_decay", _F), ("beta1", _F), ("beta2", _F),
                 ("eps", _F)]
 
@@ -126,7 +128,8 @@ class dt_schedule(ctypes.Structure):
 
 
 class dt_loader_config(ctypes.Structure):
-    _fields_ = [("batch", _I), ("shuffle", _I), ("drop_last", _I), ("seed", _U64),
+    _fields_ = [("struct_size", _SZ),
+                ("batch", _I), ("shuffle", _I), ("drop_last", _I), ("seed", _U64),
                 ("mean", _F), ("std", _F), ("prefetch", _I), ("shard_rank", _I),
                 ("shard_count", _I), ("shard_no_pad", _I), ("global_batches", _I)]
 
@@ -136,12 +139,14 @@ class dt_sample_field(ctypes.Structure):
 
 
 class dt_token_config(ctypes.Structure):
-    _fields_ = [("context", _I64), ("stride", _I64), ("samples", _I64), ("seed", _U64),
+    _fields_ = [("struct_size", _SZ),
+                ("context", _I64), ("stride", _I64), ("samples", _I64), ("seed", _U64),
                 ("first", _I64), ("count", _I64)]
 
 
 class dt_csv_config(ctypes.Structure):
-    _fields_ = [("delimiter", ctypes.c_char), ("header", _I), ("target_name", _S),
+    _fields_ = [("struct_size", _SZ),
+                ("delimiter", ctypes.c_char), ("header", _I), ("target_name", _S),
                 ("target_column", _I), ("classify", _I)]
 
 
@@ -152,16 +157,19 @@ class dt_dist_env(ctypes.Structure):
 
 
 class dt_store_config(ctypes.Structure):
-    _fields_ = [("token", _S), ("bind_addr", _S), ("timeout_ms", _I)]
+    _fields_ = [("struct_size", _SZ),
+                ("token", _S), ("bind_addr", _S), ("timeout_ms", _I)]
 
 
 class dt_comm_config(ctypes.Structure):
-    _fields_ = [("transport", _S), ("host", _S), ("timeout_ms", _I), ("intra_host", _S),
+    _fields_ = [("struct_size", _SZ),
+                ("transport", _S), ("host", _S), ("timeout_ms", _I), ("intra_host", _S),
                 ("host_id", _S), ("store", dt_store_config)]
 
 
 class dt_ddp_config(ctypes.Structure):
-    _fields_ = [("bucket_bytes", _SZ), ("overlap", _I), ("broadcast_params", _I),
+    _fields_ = [("struct_size", _SZ),
+                ("bucket_bytes", _SZ), ("overlap", _I), ("broadcast_params", _I),
                 ("compress", _I), ("topk_ratio", _F), ("topk_warmup_steps", _I),
                 ("error_feedback", _I), ("ps", _P)]
 
@@ -174,7 +182,8 @@ class dt_ddp_stats(ctypes.Structure):
 
 
 class dt_eval_config(ctypes.Structure):
-    _fields_ = [("batch", _I), ("mean", _F), ("std", _F), ("metric", _I), ("metric_fn", _P),
+    _fields_ = [("struct_size", _SZ),
+                ("batch", _I), ("mean", _F), ("std", _F), ("metric", _I), ("metric_fn", _P),
                 ("metric_user", _P)]
 
 
@@ -184,7 +193,8 @@ class dt_metrics(ctypes.Structure):
 
 
 class dt_profile_config(ctypes.Structure):
-    _fields_ = [("max_events", _I), ("straggler_threshold", _D), ("check_every", _I)]
+    _fields_ = [("struct_size", _SZ),
+                ("max_events", _I), ("straggler_threshold", _D), ("check_every", _I)]
 
 
 class dt_profile_stats(ctypes.Structure):
@@ -205,7 +215,8 @@ _STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_schedule, dt_loader_con
             dt_eval_config, dt_metrics, dt_profile_config, dt_profile_stats]
 
 class dt_pipe_config(ctypes.Structure):
-    _fields_ = [("micro_batches", _I), ("schedule", _I)]
+    _fields_ = [("struct_size", _SZ),
+                ("micro_batches", _I), ("schedule", _I)]
 
 
 class dt_pipe_stats(ctypes.Structure):
@@ -1622,8 +1633,10 @@ def evaluate(ctx, dataset, forward, comm=None, batch=128, mean=0.0, std=1.0, met
 
 
 def profile_start(ctx, max_events=0, straggler_threshold=0.0, check_every=0):
-    c = dt_profile_config(max_events=max_events, straggler_threshold=straggler_threshold,
-                          check_every=check_every)
+    c = dt_profile_config()
+    _C.profile_config_init(ctypes.byref(c))
+    c.max_events, c.straggler_threshold = max_events, straggler_threshold
+    c.check_every = check_every
     ctx.check(_C.profile_start(ctx.handle, ctypes.byref(c)))
 
 

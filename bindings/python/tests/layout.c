@@ -13,6 +13,7 @@
 
 int main(void)
 {
+    F(dt_config, struct_size, struct_size);
     F(dt_config, backend, backend); F(dt_config, threads, threads); F(dt_config, seed, seed);
     F(dt_config, malloc_fn, allocator.malloc_fn); F(dt_config, realloc_fn, allocator.realloc_fn);
     F(dt_config, free_fn, allocator.free_fn); F(dt_config, alloc_user, allocator.user);
@@ -23,6 +24,7 @@ int main(void)
     F(dt_mem_stats, arena_peak, arena_peak); F(dt_mem_stats, persistent_bytes, persistent_bytes);
     F(dt_mem_stats, arena_grows, arena_grows); END(dt_mem_stats);
 
+    F(dt_optim_config, struct_size, struct_size);
     F(dt_optim_config, kind, kind); F(dt_optim_config, lr, lr);
     F(dt_optim_config, momentum, momentum); F(dt_optim_config, dampening, dampening);
     F(dt_optim_config, nesterov, nesterov); F(dt_optim_config, weight_decay, weight_decay);
@@ -33,6 +35,7 @@ int main(void)
     F(dt_schedule, warmup_steps, warmup_steps); F(dt_schedule, total_steps, total_steps);
     F(dt_schedule, min_lr, min_lr); END(dt_schedule);
 
+    F(dt_loader_config, struct_size, struct_size);
     F(dt_loader_config, batch, batch); F(dt_loader_config, shuffle, shuffle);
     F(dt_loader_config, drop_last, drop_last); F(dt_loader_config, seed, seed);
     F(dt_loader_config, mean, mean); F(dt_loader_config, std, std);
@@ -43,10 +46,12 @@ int main(void)
     F(dt_sample_field, dtype, dtype); F(dt_sample_field, ndim, ndim);
     F(dt_sample_field, shape, shape); END(dt_sample_field);
 
+    F(dt_token_config, struct_size, struct_size);
     F(dt_token_config, context, context); F(dt_token_config, stride, stride);
     F(dt_token_config, samples, samples); F(dt_token_config, seed, seed);
     F(dt_token_config, first, first); F(dt_token_config, count, count); END(dt_token_config);
 
+    F(dt_csv_config, struct_size, struct_size);
     F(dt_csv_config, delimiter, delimiter); F(dt_csv_config, header, header);
     F(dt_csv_config, target_name, target_name); F(dt_csv_config, target_column, target_column);
     F(dt_csv_config, classify, classify); END(dt_csv_config);
@@ -56,13 +61,16 @@ int main(void)
     F(dt_dist_env, master_addr, master_addr); F(dt_dist_env, master_port, master_port);
     F(dt_dist_env, launcher, launcher); END(dt_dist_env);
 
+    F(dt_store_config, struct_size, struct_size);
     F(dt_store_config, token, token); F(dt_store_config, bind_addr, bind_addr);
     F(dt_store_config, timeout_ms, timeout_ms); END(dt_store_config);
 
+    F(dt_comm_config, struct_size, struct_size);
     F(dt_comm_config, transport, transport); F(dt_comm_config, host, host);
     F(dt_comm_config, timeout_ms, timeout_ms); F(dt_comm_config, intra_host, intra_host);
     F(dt_comm_config, host_id, host_id); F(dt_comm_config, store, store); END(dt_comm_config);
 
+    F(dt_ddp_config, struct_size, struct_size);
     F(dt_ddp_config, bucket_bytes, bucket_bytes); F(dt_ddp_config, overlap, overlap);
     F(dt_ddp_config, broadcast_params, broadcast_params); F(dt_ddp_config, compress, compress);
     F(dt_ddp_config, topk_ratio, topk_ratio); F(dt_ddp_config, topk_warmup_steps, topk_warmup_steps);
@@ -76,6 +84,7 @@ int main(void)
     F(dt_ddp_stats, overlap, overlap); F(dt_ddp_stats, shared_buckets, shared_buckets);
     END(dt_ddp_stats);
 
+    F(dt_eval_config, struct_size, struct_size);
     F(dt_eval_config, batch, batch); F(dt_eval_config, mean, mean); F(dt_eval_config, std, std);
     F(dt_eval_config, metric, metric); F(dt_eval_config, metric_fn, metric_fn);
     F(dt_eval_config, metric_user, metric_user); END(dt_eval_config);
@@ -84,6 +93,7 @@ int main(void)
     F(dt_metrics, accuracy, accuracy); F(dt_metrics, loss, loss); F(dt_metrics, value, value);
     END(dt_metrics);
 
+    F(dt_profile_config, struct_size, struct_size);
     F(dt_profile_config, max_events, max_events);
     F(dt_profile_config, straggler_threshold, straggler_threshold);
     F(dt_profile_config, check_every, check_every); END(dt_profile_config);
@@ -109,6 +119,7 @@ int main(void)
     F(dt_profile_stats, ps_queue_max, ps_queue_max); F(dt_profile_stats, ps_keys, ps_keys);
     END(dt_profile_stats);
 
+    F(dt_pipe_config, struct_size, struct_size);
     F(dt_pipe_config, micro_batches, micro_batches); F(dt_pipe_config, schedule, schedule);
     END(dt_pipe_config);
 
