@@ -472,6 +472,7 @@ python_checks() {
         $py bindings/python/tests/test_dtrain.py > $BUILD/test/python.log 2>&1 ||
         { tail -40 $BUILD/test/python.log; echo "python checks: the binding's tests failed"; exit 1; }
     tail -1 $BUILD/test/python.log
+    $py bindings/python/tests/coverage.py | tail -1
     build_examples
     for ranks in 1 2; do
         if [ $ranks = 1 ]; then
@@ -500,6 +501,54 @@ python_checks() {
         echo "python checks: the GPT twin's losses '$p' differ from C's '$c'"; exit 1
     fi
     echo "python checks: the GPT twin and the C example have the same train losses ($(echo $c))"
+    python_ps_check
+    python_pip_check
+}
+
+# 2 workers and a parameter server (BSP) under dtrun: the Python example
+# reaches the C example's test accuracy.
+python_ps_check() {
+    local py=/usr/bin/python3 c p
+    c=$($BUILD/fashion_mnist --ranks 3 --servers 1 --epochs 1 --limit-batches 60 --seed 4 |
+        sed -n 's/^test accuracy: //p')
+    p=$(DTRAIN_LIB=$PWD/$BUILD/libdtrain.so $BUILD/dtrun -n 3 $py \
+        bindings/python/examples/fashion_mnist.py --servers 1 --epochs 1 --limit-batches 60 \
+        --seed 4 | sed -n 's/^\[0\] test accuracy: //p')
+    if [ -z "$c" ] || [ "$c" != "$p" ]; then
+        echo "python checks: with a parameter server the Python example reached '$p', C '$c'"; exit 1
+    fi
+    echo "python checks: 2 workers + 1 parameter server: Python and C example both reach $c"
+}
+
+# pip install ./bindings/python into a fresh virtual environment (Debian's
+# setuptools and NumPy: no index to download from), then both examples from
+# it, outside the tree and without DTRAIN_LIB: they load the installed
+# module and the libdtrain.so it ships, and match the C examples.
+python_pip_check() {
+    local venv=$PWD/$BUILD/test/venv root=$PWD acc c p lib
+    rm -rf $venv
+    /usr/bin/python3 -m venv --system-site-packages $venv
+    $venv/bin/pip install --quiet --no-build-isolation --no-index ./bindings/python > $BUILD/test/pip.log 2>&1 ||
+        { tail -20 $BUILD/test/pip.log; echo "python checks: pip install failed"; exit 1; }
+    lib=$(cd / && env -u DTRAIN_LIB $venv/bin/python -c 'import dtrain; print(dtrain.library_path)')
+    case "$lib" in
+        $venv/*/dtrain_native/libdtrain.so) ;;
+        *) echo "python checks: the installed module loads '$lib', not the one pip installed"; exit 1 ;;
+    esac
+    acc=$($BUILD/fashion_mnist --epochs 1 --limit-batches 50 --seed 4 | sed -n 's/^test accuracy: //p')
+    p=$(cd / && env -u DTRAIN_LIB $venv/bin/python $root/bindings/python/examples/fashion_mnist.py \
+        --epochs 1 --limit-batches 50 --seed 4 | sed -n 's/^test accuracy: //p')
+    [ -n "$acc" ] && [ "$acc" = "$p" ] ||
+        { echo "python checks: installed: the Fashion-MNIST example reached '$p', C '$acc'"; exit 1; }
+    c=$(OPENBLAS_NUM_THREADS=1 $BUILD/gpt --steps 10 --eval-every 10 --eval-batches 1 --sample 0 |
+        sed -n 's/^step \([0-9]*\): train loss \([0-9.]*\),.*/\1 \2/p')
+    p=$(cd / && env -u DTRAIN_LIB OPENBLAS_NUM_THREADS=1 $venv/bin/python \
+        $root/bindings/python/examples/gpt.py --steps 10 --eval-every 10 --eval-batches 1 |
+        sed -n 's/^step \([0-9]*\): train loss \([0-9.]*\),.*/\1 \2/p')
+    [ -n "$c" ] && [ "$c" = "$p" ] ||
+        { echo "python checks: installed: the GPT example's losses '$p', C '$c'"; exit 1; }
+    echo "python checks: pip install into a fresh venv; from it (${lib#$root/}) the Fashion-MNIST" \
+        "example reaches C's $acc and the GPT example C's losses ($(echo $c))"
 }
 
 # dtrun end to end: 3 ranks join through the environment, the store and
@@ -1207,7 +1256,8 @@ timed() {
 }
 
 cmd_test() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ python3-numpy iproute2 iputils-ping \
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ python3-numpy python3-venv python3-pip \
+        python3-setuptools iproute2 iputils-ping \
         python3-prometheus-client chromium
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"

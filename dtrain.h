@@ -144,7 +144,7 @@ typedef struct dt_allocator {
 } dt_allocator;
 
 typedef struct dt_config {
-    size_t struct_size;        /* sizeof, set by dt_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     const char *backend;      /* "cpu" (default) or "cuda" */
     int threads;              /* compute threads; 0 means 1 */
     uint64_t seed;            /* seeds init and dropout (loaders have their own) */
@@ -563,7 +563,7 @@ typedef struct dt_optim dt_optim;
 typedef enum dt_optim_kind { DT_SGD = 0, DT_ADAM, DT_ADAMW, DT_ADAGRAD } dt_optim_kind;
 
 typedef struct dt_optim_config {
-    size_t struct_size;        /* sizeof, set by dt_optim_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     dt_optim_kind kind;
     float lr;
     float momentum;       /* SGD */
@@ -649,7 +649,7 @@ DT_API dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
  * unscale. */
 typedef struct dt_loss_scaler dt_loss_scaler;
 typedef struct dt_loss_scale_config {
-    size_t struct_size;        /* sizeof, set by dt_loss_scale_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     float init_scale;        /* 65536 */
     float growth_factor;     /* 2 */
     float backoff_factor;    /* 0.5 */
@@ -704,7 +704,7 @@ DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path
 
 /* More control, as torch's save and load_state_dict(strict=False) give. */
 typedef struct dt_checkpoint_config {
-    size_t struct_size;        /* sizeof, set by dt_checkpoint_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     dt_dtype dtype;            /* save: parameters as DT_F32 (default), DT_BF16 or DT_F16
                                   (rounded to nearest even; optimizer state stays f32) */
     int n_meta;                /* save: your metadata, n_meta key/value strings (borrowed);
@@ -838,7 +838,7 @@ DT_API dt_dataset *dt_dataset_load_npy(dt_ctx *ctx, const char *inputs_path,
  * targets are class labels (whole numbers >= 0, y i32); 0: numbers (y f32,
  * a scalar per sample). */
 typedef struct dt_csv_config {
-    size_t struct_size;        /* sizeof, set by dt_csv_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     char delimiter;                   /* ',' */
     int header;                       /* 1: the first row names the columns; 0: none;
                                          -1: a header when the first row is not all numbers */
@@ -859,7 +859,7 @@ DT_API dt_dataset *dt_dataset_load_csv(dt_ctx *ctx, const char *path, const dt_c
  * tokens [first, first + count) are used (count < 0: to the end), so one
  * array serves a training and a validation split. */
 typedef struct dt_token_config {
-    size_t struct_size;        /* sizeof, set by dt_token_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int64_t context;                  /* T; 64 */
     int64_t stride;                   /* 0: random windows; default `context` */
     int64_t samples;                  /* with stride 0: how many windows */
@@ -917,7 +917,7 @@ DT_API dt_status dt_dataset_normalize(dt_dataset *ds, int scale_u8, int n, const
 DT_API dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std);
 
 typedef struct dt_loader_config {
-    size_t struct_size;        /* sizeof, set by dt_loader_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int batch;            /* samples per batch */
     int shuffle;          /* reshuffle every epoch */
     int drop_last;        /* drop a last partial batch */
@@ -1029,7 +1029,7 @@ DT_API dt_status dt_dist_env_detect(dt_ctx *ctx, dt_dist_env *out);
  * The store binds to loopback unless told otherwise. */
 typedef struct dt_store dt_store;
 typedef struct dt_store_config {
-    size_t struct_size;        /* sizeof, set by dt_store_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     const char *token;         /* NULL: DTRAIN_JOB_TOKEN, or none */
     const char *bind_addr;     /* rank 0's listen address; NULL: DTRAIN_STORE_BIND,
                                   else 127.0.0.1 ("0.0.0.0" for all interfaces) */
@@ -1074,7 +1074,7 @@ DT_API dt_status dt_store_get(dt_store *s, const char *key, void *buf, size_t ca
  * the transport and runs collectives from a queue; the caller enqueues and
  * waits, so communication overlaps computation. */
 typedef struct dt_comm_config {
-    size_t struct_size;        /* sizeof, set by dt_comm_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     const char *transport;     /* "shm", "tcp", "verbs"; NULL: DTRAIN_TRANSPORT, else
                                   shm when every rank is on one host, tcp otherwise */
     const char *host;          /* tcp/verbs: this rank's address; NULL: DTRAIN_HOST */
@@ -1190,7 +1190,7 @@ DT_API dt_status dt_barrier(dt_comm *c);
  * a shell wrapper stops with its children; once every rank has exited, the
  * output still in the pipes is read for at most 2 s. */
 typedef struct dt_spawn_config {
-    size_t struct_size;        /* sizeof, set by dt_spawn_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int nranks;                /* processes to start, >= 1 */
     const char *transport;     /* DTRAIN_TRANSPORT for the ranks, or NULL */
     int grace_ms;              /* SIGTERM -> SIGKILL delay; 0: 5000 */
@@ -1285,7 +1285,7 @@ typedef enum dt_compress {
 typedef struct dt_ps dt_ps;          /* a parameter-server job (section 12) */
 
 typedef struct dt_ddp_config {
-    size_t struct_size;        /* sizeof, set by dt_ddp_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     size_t bucket_bytes;       /* gradient bytes per bucket; 0: DTRAIN_BUCKET_BYTES, else
                                   the default (docs/DATA_PARALLEL.md says how it was
                                   chosen).  Buckets cut the gradients every this many
@@ -1410,7 +1410,7 @@ typedef void (*dt_dp_free_fn)(void *model, void *user);
 typedef dt_tensor *(*dt_dp_loss_fn)(dt_ctx *ctx, void *model, dt_tensor *x, dt_tensor *y,
                                     void *user);
 typedef struct dt_dp_config {
-    size_t struct_size;        /* sizeof, set by dt_dp_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int replicas;              /* K >= 1 (default 2) */
     dt_config replica;         /* each replica's context; replica k is seeded seed + k (its
                                   dropout differs), then all copy replica 0's weights */
@@ -1458,7 +1458,7 @@ DT_API void *dt_dp_model(const dt_dp *dp, int k);
 typedef dt_tensor *(*dt_hogwild_loss_fn)(dt_ctx *ctx, void *model, int thread, int64_t step,
                                          void *user);
 typedef struct dt_hogwild_config {
-    size_t struct_size;        /* sizeof, set by dt_hogwild_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int threads;               /* K >= 1 (default 2) */
     int64_t steps;             /* over all threads (default 1000) */
     float lr;                  /* SGD learning rate (default 0.01) */
@@ -1501,7 +1501,7 @@ typedef enum dt_metric { DT_METRIC_CLASSIFY = 0, DT_METRIC_LOSS, DT_METRIC_USER 
 typedef dt_status (*dt_metric_fn)(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, void *user,
                                   double *sum, double *count);
 typedef struct dt_eval_config {
-    size_t struct_size;        /* sizeof, set by dt_eval_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int batch;                 /* samples per forward; 0: 128 */
     float mean, std;           /* input normalisation, as dt_loader_config (default 0, 1) */
     dt_metric metric;
@@ -1576,7 +1576,7 @@ typedef struct dt_ps_table {
 } dt_ps_table;
 
 typedef struct dt_ps_config {
-    size_t struct_size;        /* sizeof, set by dt_ps_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int servers;               /* server ranks; 0: DTRAIN_NUM_SERVERS, else 1 */
     dt_ps_mode mode;           /* DT_PS_MODE_AUTO (default): DTRAIN_PS_MODE=bsp|asp|ssp,
                                   else BSP; a mode the program sets is kept */
@@ -1740,7 +1740,7 @@ DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
  * the context lives; the other calls belong to the context's thread.
  * ------------------------------------------------------------------------- */
 typedef struct dt_profile_config {
-    size_t struct_size;        /* sizeof, set by dt_profile_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int max_events;            /* timeline events kept on this rank; 0: 262144 (later ones
                                   are counted as dropped) */
     double straggler_threshold; /* 0: DTRAIN_STRAGGLER, else 0.15 (15% above the median) */
@@ -1846,7 +1846,7 @@ typedef enum { DT_PIPE_GPIPE = 0, DT_PIPE_1F1B = 1 } dt_pipe_schedule;
 typedef dt_tensor *(*dt_stage_fn)(dt_ctx *ctx, dt_tensor *x, dt_tensor *y, void *user);
 
 typedef struct dt_pipe_config {
-    size_t struct_size;        /* sizeof, set by dt_pipe_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int micro_batches;         /* m >= 1 (default 4); a batch of B rows splits into m parts
                                   of B/m rows (the first B%m one more); B >= m */
     dt_pipe_schedule schedule; /* default DT_PIPE_1F1B */
@@ -1973,7 +1973,7 @@ DT_API dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, d
  * ------------------------------------------------------------------------- */
 typedef struct dt_monitor dt_monitor;
 typedef struct dt_monitor_config {
-    size_t struct_size;        /* sizeof, set by dt_monitor_config_init (see "Config structs" above) */
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     const char *listen;        /* rank 0: "[host:]port" to serve on; NULL: DTRAIN_MONITOR, else
                                   "127.0.0.1:0" (any free port; dt_monitor_port says which) */
     double interval_s;         /* how often ranks publish and the page updates; 0: 1 s */

@@ -9,7 +9,8 @@
     ctx.backward(loss); opt.step(); opt.zero_grad(); ctx.step_reset()
 
 One module, no compiled part: it finds the shared library through
-DTRAIN_LIB, then ../../build/libdtrain.so next to this file, then the
+DTRAIN_LIB, then ../../build/libdtrain.so next to this file, then the one
+`pip install ./bindings/python` put beside it (dtrain_native/), then the
 system's libdtrain.so.0 (./build.sh install).  The C API is in dtrain.h;
 this module follows it name for name (dt_linear -> dtrain.linear).
 
@@ -49,7 +50,11 @@ __all__ = [
     "NotSupported", "BadState", "Timeout", "PeerError",
     "Context", "Tensor", "Optimizer", "Dataset", "Loader", "Comm", "DDP", "Metrics",
     "DistEnv", "evaluate", "count_correct", "checkpoint_save", "checkpoint_load", "now",
-    "library_path",
+    "library_path", "version", "version_string", "dtype_name", "dtype_size", "custom_op",
+    "recompute", "LossScaler", "checkpoint_save_ex", "checkpoint_load_ex", "checkpoint_latest",
+    "checkpoint_metadata", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
+    "hogwild", "HogwildStats", "ParameterServer", "predict", "Monitor", "profile_rank_stats",
+    "profiling", "profile_straggler", "schedule_lr", "strerror",
 ]
 
 # --- 1. the library -----------------------------------------------------------------------
@@ -64,6 +69,9 @@ def _find_library():
     local = os.path.join(_HERE, "..", "..", "build", "libdtrain.so")
     if os.path.exists(local):
         return os.path.normpath(local)
+    shipped = os.path.join(_HERE, "dtrain_native", "libdtrain.so")   # pip install
+    if os.path.exists(shipped):
+        return shipped
     return ctypes.util.find_library("dtrain") or "libdtrain.so.0"
 
 
@@ -226,6 +234,76 @@ class dt_pipe_stats(ctypes.Structure):
 
 
 _STRUCTS += [dt_pipe_config, dt_pipe_stats, dt_sample_field, dt_token_config, dt_csv_config]
+
+
+class dt_checkpoint_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ),
+                ("dtype", _I), ("n_meta", _I), ("meta_keys", ctypes.POINTER(_S)),
+                ("meta_values", ctypes.POINTER(_S)), ("strict", _I)]
+
+
+class dt_checkpoint_report(ctypes.Structure):
+    _fields_ = [("loaded", _I), ("missing", _I), ("unexpected", _I), ("mismatched", _I),
+                ("names", ctypes.c_char * 512)]
+
+
+class dt_loss_scale_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ),
+                ("init_scale", _F), ("growth_factor", _F), ("backoff_factor", _F),
+                ("growth_interval", _I)]
+
+
+class dt_spawn_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ),
+                ("nranks", _I), ("transport", _S), ("grace_ms", _I), ("max_restarts", _I),
+                ("min_ranks", _I), ("prefix_output", _I), ("bind_cpus", _I)]
+
+
+class dt_dp_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ),
+                ("replicas", _I), ("replica", dt_config), ("optim", dt_optim_config)]
+
+
+class dt_hogwild_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ),
+                ("threads", _I), ("steps", _I64), ("lr", _F), ("thread", dt_config)]
+
+
+class dt_hogwild_stats(ctypes.Structure):
+    _fields_ = [("steps", _I64), ("mean_loss", _D), ("rows_updated", _I64),
+                ("dense_updates", _I64)]
+
+
+class dt_ps_table(ctypes.Structure):
+    _fields_ = [("name", _S), ("rows", _I64), ("dim", _I64), ("init_scale", _F),
+                ("seed", _U64)]
+
+
+class dt_ps_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ),
+                ("servers", _I), ("mode", _I), ("staleness", _I), ("optim", dt_optim_config),
+                ("schedule", dt_schedule), ("tables", ctypes.POINTER(dt_ps_table)),
+                ("ntables", _I), ("replicate", _I), ("checkpoint_dir", _S),
+                ("checkpoint_every", _I), ("rejoin_ms", _I), ("chunk_bytes", _SZ),
+                ("prefetch", _I)]
+
+
+class dt_ps_stats(ctypes.Structure):
+    _fields_ = [("pushes", _I64), ("pulls", _I64), ("steps", _I64), ("max_staleness", _I64),
+                ("mean_staleness", _D), ("wait_s", _D), ("dropped_workers", _I),
+                ("rows_pushed", _I64), ("rows_pulled", _I64), ("rows_updated", _I64),
+                ("checkpoints", _I64), ("resumed", _I), ("resumed_step", _I64),
+                ("rejoined", _I), ("rejoins", _I)]
+
+
+class dt_monitor_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ),
+                ("listen", _S), ("interval_s", _D), ("token", _S)]
+
+
+_STRUCTS += [dt_checkpoint_config, dt_checkpoint_report, dt_loss_scale_config, dt_spawn_config,
+             dt_dp_config, dt_hogwild_config, dt_hogwild_stats, dt_ps_table, dt_ps_config,
+             dt_ps_stats, dt_monitor_config]
 
 _FORWARD_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P)   # dt_tensor *(*)(dt_ctx *, dt_tensor *, void *)
 _STAGE_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P, _P)   # (ctx, x, y, user) -> dt_tensor *
@@ -436,6 +514,114 @@ for _name, _res, _args in [
 ]:
     setattr(_C, _name[3:], _fn(_name, _res, *_args))
 
+# callbacks: (ctx, inputs, n, user) -> tensor; (ctx, inputs, n, out, dout, grads, user) -> status
+_CUSTOM_FWD = ctypes.CFUNCTYPE(_P, _P, ctypes.POINTER(_P), _I, _P)
+_CUSTOM_BWD = ctypes.CFUNCTYPE(_I, _P, ctypes.POINTER(_P), _I, _P, _P, ctypes.POINTER(_P), _P)
+_SEGMENT_FN = ctypes.CFUNCTYPE(_P, _P, ctypes.POINTER(_P), _I, _P)
+_SAMPLE_FN = ctypes.CFUNCTYPE(_I, _P, _I64, _P, _P)   # (user, i, input, target) -> 0 ok
+_BUILD_FN = ctypes.CFUNCTYPE(_P, _P, _I, _P)          # (ctx, replica, user) -> model
+_FREE_FN = ctypes.CFUNCTYPE(None, _P, _P)             # (model, user)
+_DP_LOSS_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P, _P, _P)   # (ctx, model, x, y, user)
+_HW_LOSS_FN = ctypes.CFUNCTYPE(_P, _P, _P, _I, _I64, _P)  # (ctx, model, thread, step, user)
+
+# The rest of dtrain.h: each area in the order of its section there.
+for _name, _res, _args in [
+    ("dt_version_string", _S, []),
+    ("dt_dtype_name", _S, [_I]),
+    ("dt_dtype_size", _SZ, [_I]),
+    ("dt_mem_reset_peak", None, [_P]),
+    ("dt_tensor_temp", _P, [_P, _I, _I, _I64P]),
+    ("dt_tensor_is_contiguous", _I, [_P]),
+    ("dt_tensor_set_name", _I, [_P, _S]),
+    ("dt_custom_op", _P, [_P, _S, ctypes.POINTER(_P), _I, _CUSTOM_FWD, _CUSTOM_BWD, _P]),
+    ("dt_recompute", _P, [_P, _SEGMENT_FN, ctypes.POINTER(_P), _I, _P]),
+    ("dt_set_autocast", _I, [_P, _I]),
+    ("dt_autocast", _I, [_P]),
+    ("dt_optim_state_count", _I, [_P]),
+    ("dt_optim_state_at", _P, [_P, _I]),
+    ("dt_loss_scale_config_init", None, [ctypes.POINTER(dt_loss_scale_config)]),
+    ("dt_loss_scaler_new", _P, [_P, ctypes.POINTER(dt_loss_scale_config)]),
+    ("dt_loss_scaler_free", None, [_P]),
+    ("dt_loss_scaler_backward", _I, [_P, _P]),
+    ("dt_loss_scaler_unscale", _I, [_P, ctypes.POINTER(_I)]),
+    ("dt_loss_scaler_step", _I, [_P, _P, ctypes.POINTER(_I)]),
+    ("dt_loss_scaler_scale", _F, [_P]),
+    ("dt_loss_scaler_skipped", _I64, [_P]),
+    ("dt_checkpoint_config_init", None, [ctypes.POINTER(dt_checkpoint_config)]),
+    ("dt_checkpoint_save_ex", _I, [_P, _P, _S, _I64, ctypes.POINTER(dt_checkpoint_config)]),
+    ("dt_checkpoint_load_ex", _I, [_P, _P, _S, ctypes.POINTER(dt_checkpoint_config),
+                                   ctypes.POINTER(_I64), ctypes.POINTER(dt_checkpoint_report)]),
+    ("dt_checkpoint_latest", _I, [_P, _S, ctypes.c_char_p, _SZ, ctypes.POINTER(_I64)]),
+    ("dt_checkpoint_metadata", _I, [_P, _S, _S, ctypes.c_char_p, _SZ]),
+    ("dt_dataset_load_raw", _P, [_P, _S, ctypes.POINTER(dt_sample_field), _S,
+                                 ctypes.POINTER(dt_sample_field)]),
+    ("dt_dataset_load_tokens", _P, [_P, _S, _I, ctypes.POINTER(dt_token_config)]),
+    ("dt_dataset_from_callback", _P, [_P, _I64, ctypes.POINTER(dt_sample_field),
+                                      ctypes.POINTER(dt_sample_field), _SAMPLE_FN, _P]),
+    ("dt_dataset_fields", _I, [_P, ctypes.POINTER(dt_sample_field),
+                               ctypes.POINTER(dt_sample_field)]),
+    ("dt_dataset_sample", _I, [_P, _I64, _P, _P]),
+    ("dt_loader_batch_slice", None, [_P, _I64P, _I64P, _I64P]),
+    ("dt_loader_set_split", _I, [_P, ctypes.POINTER(_D), _I]),
+    ("dt_loader_steal", _I, [_P, _P, _I]),
+    ("dt_loader_batches_done", _I64, [_P]),
+    ("dt_loader_batches_stolen", _I64, [_P]),
+    ("dt_store_config_init", None, [ctypes.POINTER(dt_store_config)]),
+    ("dt_store_open", _P, [_P, ctypes.POINTER(dt_dist_env), ctypes.POINTER(dt_store_config)]),
+    ("dt_store_close", None, [_P]),
+    ("dt_store_port", _I, [_P]),
+    ("dt_store_set", _I, [_P, _S, _P, _SZ]),
+    ("dt_store_get", _I, [_P, _S, _P, _SZ, ctypes.POINTER(_SZ), _I]),
+    ("dt_store_add", _I, [_P, _S, _I64, ctypes.POINTER(_I64)]),
+    ("dt_comm_hosts", _I, [_P]),
+    ("dt_comm_intra_host", _S, [_P]),
+    ("dt_comm_bytes_sent", _U64, [_P]),
+    ("dt_allreduce_async", _P, [_P, _P, _I64, _I]),
+    ("dt_work_wait", _I, [_P]),
+    ("dt_reduce_scatter", _I, [_P, _P, _I64, _P, _I]),
+    ("dt_alltoall", _I, [_P, _P, _I64, _P]),
+    ("dt_spawn_config_init", None, [ctypes.POINTER(dt_spawn_config)]),
+    ("dt_spawn", _I, [_P, ctypes.POINTER(dt_spawn_config), ctypes.POINTER(_I)]),
+    ("dt_launch", _I, [_P, ctypes.POINTER(dt_spawn_config), ctypes.POINTER(_S),
+                       ctypes.POINTER(_I)]),
+    ("dt_ddp_balance", _I, [_P, _P, _I]),
+    ("dt_ddp_balance_share", _D, [_P]),
+    ("dt_dp_config_init", None, [ctypes.POINTER(dt_dp_config)]),
+    ("dt_dp_new", _P, [_P, ctypes.POINTER(dt_dp_config), _BUILD_FN, _DP_LOSS_FN, _FREE_FN, _P]),
+    ("dt_dp_free", None, [_P]),
+    ("dt_dp_step", _I, [_P, _P, _P, ctypes.POINTER(_F)]),
+    ("dt_dp_replicas", _I, [_P]),
+    ("dt_dp_replica", _P, [_P, _I]),
+    ("dt_dp_model", _P, [_P, _I]),
+    ("dt_hogwild_config_init", None, [ctypes.POINTER(dt_hogwild_config)]),
+    ("dt_hogwild_run", _I, [_P, ctypes.POINTER(dt_hogwild_config), _BUILD_FN, _HW_LOSS_FN,
+                            _FREE_FN, _P, ctypes.POINTER(dt_hogwild_stats)]),
+    ("dt_predict", _I, [_P, _P, _P, ctypes.POINTER(dt_eval_config), _FORWARD_FN, _P,
+                        ctypes.POINTER(ctypes.c_int32)]),
+    ("dt_ps_config_init", None, [ctypes.POINTER(dt_ps_config)]),
+    ("dt_ps_new", _P, [_P, _P, ctypes.POINTER(dt_ps_config)]),
+    ("dt_ps_free", None, [_P]),
+    ("dt_ps_is_server", _I, [_P]),
+    ("dt_ps_workers", _I, [_P]),
+    ("dt_ps_servers", _I, [_P]),
+    ("dt_ps_serve", _I, [_P]),
+    ("dt_ps_push_pull", _I, [_P]),
+    ("dt_ps_push", _I, [_P]),
+    ("dt_ps_pull", _I, [_P]),
+    ("dt_ps_finish", _I, [_P]),
+    ("dt_ps_sparse_pull", _I, [_P, _I, _I64P, _I64, _FP]),
+    ("dt_ps_sparse_pull_async", _P, [_P, _I, _I64P, _I64, _FP]),
+    ("dt_ps_sparse_push", _I, [_P, _I, _I64P, _I64, _FP]),
+    ("dt_ps_stats_get", _I, [_P, ctypes.POINTER(dt_ps_stats)]),
+    ("dt_profile_rank_stats", _I, [_P, _I, ctypes.POINTER(dt_profile_stats)]),
+    ("dt_monitor_config_init", None, [ctypes.POINTER(dt_monitor_config)]),
+    ("dt_monitor_start", _P, [_P, _P, ctypes.POINTER(dt_monitor_config)]),
+    ("dt_monitor_stop", None, [_P]),
+    ("dt_monitor_port", _I, [_P]),
+    ("dt_monitor_log", _I, [_P, _S, _I64, _D]),
+]:
+    setattr(_C, _name[3:], _fn(_name, _res, *_args))
+
 now = _C.now
 
 # The C API this module mirrors: the library it loaded must be this release's
@@ -541,6 +727,8 @@ class Context:
         self._children = []   # weakrefs of what must be freed before the context
         self._deferred = []   # persistent tensors to free at the next step_reset
         self._log = None
+        self._borrowed = False
+        self._backward_failure, self._in_backward = [], False   # exceptions of callbacks
         st = _C.ctx_status(self._h)
         if st:
             msg = _C.last_error(self._h).decode()
@@ -580,7 +768,8 @@ class Context:
         self._children = []
         self._deferred = []
         self.step.gen += 1
-        _C.ctx_free(self._h)
+        if not self._borrowed:
+            _C.ctx_free(self._h)
         self._h = None
 
     def __enter__(self):
@@ -653,10 +842,62 @@ class Context:
         # the tape that may have held them is gone: now they can go
         deferred, self._deferred = self._deferred, []
         for h, _keep in deferred:
-            _C.tensor_free(h)
+            if h is not None:   # (None: callbacks kept for the step, _keep_for_step)
+                _C.tensor_free(h)
+
+    def _run_backward(self, call):
+        """call() runs a backward; an exception of a custom op's or recomputed segment's
+        callback during it comes out here, before the C status."""
+        self._backward_failure, self._in_backward = [], True
+        try:
+            st = call()
+        finally:
+            self._in_backward = False
+        if self._backward_failure:
+            e, self._backward_failure = self._backward_failure[0], []
+            raise e
+        self.check(st)
 
     def backward(self, loss):
-        self.check(_C.backward(self.handle, loss.handle))
+        self._run_backward(lambda: _C.backward(self.handle, loss.handle))
+
+    def no_grad(self):
+        """with ctx.no_grad(): ops record no tape (torch.no_grad)."""
+        def enter():
+            old = self.grad_enabled
+            self.grad_enabled = False
+            return old
+
+        return _Scoped(enter, lambda old: setattr(self, "grad_enabled", old))
+
+    @property
+    def autocast_precision(self):
+        """The mixed precision matmul, linear and conv2d run at: f32, tf32, bf16 or fp16."""
+        return _PRECISION_NAMES[_C.autocast(self.handle)]
+
+    def set_autocast(self, precision):
+        if precision not in _PRECISIONS:
+            raise InvalidArgument(1, "autocast: one of %s" % ", ".join(_PRECISIONS))
+        self.check(_C.set_autocast(self.handle, _PRECISIONS[precision]))
+
+    def autocast(self, precision="bf16"):
+        """with ctx.autocast("bf16"): mixed precision for the forward (torch.autocast)."""
+        def enter():
+            old = self.autocast_precision
+            self.set_autocast(precision)
+            return old
+
+        return _Scoped(enter, self.set_autocast)
+
+    def mem_reset_peak(self):
+        """Start mem_stats()' arena_peak again from what is used now."""
+        _C.mem_reset_peak(self.handle)
+
+    def temp(self, shape, dtype=np.float32):
+        """A zero-filled step tensor (gone at step_reset), e.g. a custom op's output."""
+        shape = tuple(shape)
+        h = _C.tensor_temp(self.handle, _dtype_code(dtype), len(shape), _shape(shape))
+        return Tensor._made(self, h, self.step)
 
     def zero_grad(self):
         _C.zero_grad(self.handle)
@@ -816,6 +1057,14 @@ class Tensor:
     def name(self):
         return _C.tensor_name(self.handle).decode()
 
+    @name.setter
+    def name(self, name):
+        self.ctx.check(_C.tensor_set_name(self.handle, _b(name)))
+
+    @property
+    def is_contiguous(self):
+        return bool(_C.tensor_is_contiguous(self.handle))
+
     def item(self):
         return float(_C.tensor_item(self.handle))
 
@@ -870,12 +1119,35 @@ class Tensor:
                                             " " + self.name if self.name else "")
 
     # operators: ops, recorded on the tape
-    def __add__(self, o): return add(self, o)
-    def __sub__(self, o): return sub(self, o)
-    def __mul__(self, o): return scale(self, o) if isinstance(o, (int, float)) else mul(self, o)
-    def __truediv__(self, o): return scale(self, 1.0 / o) if isinstance(o, (int, float)) else div(self, o)
+    # operators, with scalars and NumPy-style broadcasting
+    def __add__(self, o): return add(self, _operand(self, o))
+    def __radd__(self, o): return add(_operand(self, o), self)
+    def __sub__(self, o): return sub(self, _operand(self, o))
+    def __rsub__(self, o): return sub(_operand(self, o), self)
+    def __mul__(self, o): return scale(self, o) if _is_scalar(o) else mul(self, o)
+    def __rmul__(self, o): return self.__mul__(o)
+    def __truediv__(self, o): return scale(self, 1.0 / o) if _is_scalar(o) else div(self, o)
+    def __rtruediv__(self, o): return div(_operand(self, o), self)
+    def __pow__(self, o): return pow(self, o)
     def __matmul__(self, o): return matmul(self, o)
     def __neg__(self): return scale(self, -1.0)
+
+
+def _is_scalar(o):
+    return isinstance(o, (int, float, np.floating, np.integer)) and not isinstance(o, bool)
+
+
+def _operand(like, o):
+    """o as a tensor next to like: a Tensor as it is, a number as a 0-dim step tensor
+    (broadcast by the op)."""
+    if isinstance(o, Tensor):
+        return o
+    if not _is_scalar(o):
+        raise TypeError("dtrain: a Tensor combines with a Tensor or a number, not %s"
+                        % type(o).__name__)
+    t = like.ctx.temp((), np.float32)
+    t.fill(float(o))
+    return t
 
 
 # --- 7. ops: each returns a step tensor, recorded on the tape -------------------------------
@@ -1058,7 +1330,7 @@ class Optimizer(_Handle):
         c = dt_optim_config()
         _C.optim_config_init(ctypes.byref(c), _OPTIMS[kind])
         for k, v in cfg.items():
-            if k not in dict(c._fields_):
+            if k not in dict(c._fields_) or k == "struct_size":
                 raise InvalidArgument(1, "optimizer: no setting '%s'" % k)
             setattr(c, k, v)
         if betas is not None:
@@ -1087,11 +1359,25 @@ class Optimizer(_Handle):
     def steps(self):
         return _C.optim_steps(self.handle)
 
+    @property
+    def state(self):
+        """The optimizer's state tensors (momentum, exp_avg, exp_avg_sq, ... per
+        parameter), named as in checkpoints; they live as long as the optimizer."""
+        return [Tensor._made(self.ctx, _C.optim_state_at(self.handle, i), None)
+                for i in range(_C.optim_state_count(self.handle))]
+
     def set_schedule(self, kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0,
                      step_size=0, gamma=0.1):
-        s = dt_schedule(kind=_SCHEDS[kind], step_size=step_size, gamma=gamma,
-                        warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
+        s = _schedule_of(kind, total_steps, warmup_steps, min_lr, step_size, gamma)
         self.ctx.check(_C.optim_set_schedule(self.handle, ctypes.byref(s)))
+
+
+def _schedule_of(kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0, step_size=0, gamma=0.1):
+    """dt_schedule: kind constant, step or cosine (Optimizer.set_schedule's arguments)."""
+    if kind not in _SCHEDS:
+        raise InvalidArgument(1, "schedule: kind is one of %s" % ", ".join(_SCHEDS))
+    return dt_schedule(kind=_SCHEDS[kind], step_size=step_size, gamma=gamma,
+                       warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
 
 
 
@@ -1270,7 +1556,7 @@ class Loader(_Handle):
         c = dt_loader_config()
         _C.loader_config_init(ctypes.byref(c))
         for k, v in cfg.items():
-            if k not in dict(c._fields_):
+            if k not in dict(c._fields_) or k == "struct_size":
                 raise InvalidArgument(1, "loader: no setting '%s'" % k)
             setattr(c, k, int(v) if isinstance(v, bool) else v)
         self.dataset = dataset   # borrowed by C: kept alive here
@@ -1436,15 +1722,16 @@ class DDP(_Handle):
     _what = "DDP"
     _free = staticmethod(_C.ddp_free)
 
-    def __init__(self, ctx, comm, opt=None, compress="auto", **cfg):
+    def __init__(self, ctx, comm, opt=None, compress="auto", ps=None, **cfg):
         c = dt_ddp_config()
         _C.ddp_config_init(ctypes.byref(c))
         c.compress = _COMPRESS[compress]   # "auto": DTRAIN_COMPRESS, else none
         for k, v in cfg.items():
-            if k not in dict(c._fields_) or k == "ps":
+            if k not in dict(c._fields_) or k in ("ps", "struct_size"):
                 raise InvalidArgument(1, "ddp: no setting '%s'" % k)
             setattr(c, k, v)
-        self.comm, self.opt = comm, opt   # borrowed by C: kept alive here
+        c.ps = ps.handle if ps is not None else None   # buckets go to the parameter servers
+        self.comm, self.opt, self.ps = comm, opt, ps   # borrowed by C: kept alive here
         self._own(ctx, _C.ddp_new(ctx.handle, comm.handle, opt.handle if opt else None,
                                   ctypes.byref(c)))
 
@@ -1651,3 +1938,825 @@ def profile_finish(ctx, comm=None, trace_path=None):
     report's text, other ranks ""."""
     ctx.check(_C.profile_finish(ctx.handle, comm.handle if comm else None, _b(trace_path)))
     return _C.profile_report(ctx.handle).decode()
+
+
+def profile_rank_stats(ctx, rank):
+    """Rank `rank`'s totals as gathered by profile_finish (rank 0, after it), as a dict."""
+    s = dt_profile_stats()
+    ctx.check(_C.profile_rank_stats(ctx.handle, rank, ctypes.byref(s)))
+    return {f: getattr(s, f) for f, _ in s._fields_}
+
+
+# --- 12. the library's version, dtypes, mixed precision, your own ops ------------------------
+
+def version():
+    """The library's version as (major, minor, patch) (dt_version)."""
+    v = _version()
+    return (v // 10000, v // 100 % 100, v % 100)
+
+
+def version_string():
+    """The library's version as text, e.g. "0.1.0" (dt_version_string)."""
+    return _C.version_string().decode()
+
+
+_DTYPE_NAMES = {"f32": 0, "i32": 1, "u8": 2, "bf16": 3, "f16": 4}
+
+
+def dtype_name(code):
+    """The name of dt_dtype `code` ("f32", "i32", ...; "?" for none)."""
+    return _C.dtype_name(code).decode()
+
+
+def dtype_size(code):
+    """Bytes per element of dt_dtype `code` (0 for none)."""
+    return _C.dtype_size(code)
+
+
+_PRECISIONS = {"f32": 0, "fp32": 0, "tf32": 1, "bf16": 2, "fp16": 3, "f16": 3}
+_PRECISION_NAMES = {0: "f32", 1: "tf32", 2: "bf16", 3: "fp16"}
+
+
+class _Scoped:
+    """A with-block that sets a context's state and puts the old one back."""
+
+    def __init__(self, enter, leave):
+        self._enter, self._leave = enter, leave
+
+    def __enter__(self):
+        self._old = self._enter()
+        return self
+
+    def __exit__(self, *exc):
+        self._leave(self._old)
+
+
+def _keep_for_step(ctx, *objs):
+    """Keep callbacks C may call until the step's tape is gone (step_reset)."""
+    ctx._deferred.append((None, objs))
+
+
+def custom_op(name, inputs, forward, backward):
+    """Your own op with its own backward (as torch.autograd.Function; dt_custom_op).
+    forward(inputs) -> Tensor, run with gradients off, returns a new tensor (ops, or
+    ctx.temp(...) filled with copy_from); backward(inputs, out, dout) -> a gradient per
+    input (a Tensor of its shape, or None), run with gradients off during ctx.backward.
+    1 to 3 inputs.  Exceptions in either come out of custom_op or ctx.backward."""
+    inputs = list(inputs)
+    ctx = inputs[0].ctx
+    failure = []
+    life = _Life()   # the tensors given to the callbacks: valid during the call only
+
+    def wrap(hs, n):
+        return [Tensor._made(ctx, hs[i], life) for i in range(n)]
+
+    def fwd(ctx_h, hs, n, user):
+        try:
+            return forward(wrap(hs, n)).handle
+        except BaseException as e:
+            failure.append(e)
+            return None
+        finally:
+            life.gen += 1
+
+    def bwd(ctx_h, hs, n, out_h, dout_h, grads, user):
+        try:
+            gs = backward(wrap(hs, n), Tensor._made(ctx, out_h, life),
+                          Tensor._made(ctx, dout_h, life))
+            if len(gs) != n:
+                raise ValueError("custom_op %s: backward gave %d gradients for %d inputs"
+                                 % (name, len(gs), n))
+            for i, g in enumerate(gs):
+                grads[i] = None if g is None else g.handle
+            return 0
+        except BaseException as e:
+            ctx._backward_failure.append(e)
+            return 1
+        finally:
+            life.gen += 1
+
+    cf, cb = _CUSTOM_FWD(fwd), _CUSTOM_BWD(bwd)
+    arr = (_P * len(inputs))(*[t.handle for t in inputs])
+    h = _C.custom_op(ctx.handle, _b(name), arr, len(inputs), cf, cb, None)
+    if failure:
+        raise failure[0]
+    out = Tensor._made(ctx, h, ctx.step)
+    _keep_for_step(ctx, cf, cb, forward, backward)
+    return out
+
+
+def recompute(fn, *inputs):
+    """Activation checkpointing (dt_recompute): out = fn(*inputs), its intermediate
+    tensors not kept; ctx.backward runs fn again to rebuild them.  fn must be
+    deterministic and return one tensor."""
+    ctx = inputs[0].ctx
+    failure = []
+    life = _Life()
+
+    def seg(ctx_h, hs, n, user):
+        try:
+            return fn(*[Tensor._made(ctx, hs[i], life) for i in range(n)]).handle
+        except BaseException as e:
+            (failure if not ctx._in_backward else ctx._backward_failure).append(e)
+            return None
+
+    cf = _SEGMENT_FN(seg)
+    arr = (_P * len(inputs))(*[t.handle for t in inputs])
+    h = _C.recompute(ctx.handle, cf, arr, len(inputs), None)
+    if failure:
+        raise failure[0]
+    out = Tensor._made(ctx, h, ctx.step)
+    _keep_for_step(ctx, cf, fn, life, inputs)
+    return out
+
+
+class LossScaler(_Handle):
+    """Dynamic loss scaling for fp16 (torch.cuda.amp.GradScaler; dt_loss_scaler)."""
+    _close_order = 1
+    _what = "loss scaler"
+    _free = staticmethod(_C.loss_scaler_free)
+
+    def __init__(self, ctx, init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000):
+        c = dt_loss_scale_config()
+        _C.loss_scale_config_init(ctypes.byref(c))
+        c.init_scale, c.growth_factor = init_scale, growth_factor
+        c.backoff_factor, c.growth_interval = backoff_factor, growth_interval
+        self._own(ctx, _C.loss_scaler_new(ctx.handle, ctypes.byref(c)))
+
+    def backward(self, loss):
+        """ctx.backward with the loss scaled."""
+        self.ctx._run_backward(lambda: _C.loss_scaler_backward(self.handle, loss.handle))
+
+    def unscale(self):
+        """Divide the gradients by the scale; True if one is inf or NaN."""
+        found = _I()
+        self.ctx.check(_C.loss_scaler_unscale(self.handle, ctypes.byref(found)))
+        return bool(found.value)
+
+    def step(self, opt):
+        """opt.step() unless a gradient overflowed; updates the scale.  True if stepped."""
+        stepped = _I()
+        self.ctx.check(_C.loss_scaler_step(self.handle, opt.handle, ctypes.byref(stepped)))
+        return bool(stepped.value)
+
+    @property
+    def scale(self):
+        return _C.loss_scaler_scale(self.handle)
+
+    @property
+    def skipped(self):
+        """Steps skipped for overflow so far."""
+        return _C.loss_scaler_skipped(self.handle)
+
+
+# --- 13. checkpoints with options ----------------------------------------------------------
+
+_SAVE_DTYPES = {"f32": 0, "bf16": 3, "f16": 4}
+
+
+def checkpoint_save_ex(ctx, path, opt=None, step=0, dtype="f32", metadata=None):
+    """checkpoint_save with the parameters stored as dtype ("f32", "bf16", "f16") and your
+    own metadata (a dict of str -> str, read back with checkpoint_metadata)."""
+    c = dt_checkpoint_config()
+    _C.checkpoint_config_init(ctypes.byref(c))
+    if dtype not in _SAVE_DTYPES:
+        raise InvalidArgument(1, "checkpoint_save: dtype is one of %s" % ", ".join(_SAVE_DTYPES))
+    c.dtype = _SAVE_DTYPES[dtype]
+    meta = dict(metadata or {})
+    keys = (_S * max(len(meta), 1))(*[_b(k) for k in meta])
+    vals = (_S * max(len(meta), 1))(*[_b(v) for v in meta.values()])
+    c.n_meta, c.meta_keys, c.meta_values = len(meta), keys, vals
+    ctx.check(_C.checkpoint_save_ex(ctx.handle, opt.handle if opt else None, _b(path), step,
+                                    ctypes.byref(c)))
+
+
+CheckpointReport = namedtuple("CheckpointReport", "step loaded missing unexpected mismatched names")
+
+
+def checkpoint_load_ex(ctx, path, opt=None, strict=True):
+    """checkpoint_load; strict=False loads every parameter the file has with its shape and
+    leaves the others (fine-tuning).  Returns a CheckpointReport (step, counts, and the
+    names of those missing, unexpected or mismatched)."""
+    c = dt_checkpoint_config()
+    _C.checkpoint_config_init(ctypes.byref(c))
+    c.strict = int(bool(strict))
+    step, rep = _I64(), dt_checkpoint_report()
+    ctx.check(_C.checkpoint_load_ex(ctx.handle, opt.handle if opt else None, _b(path),
+                                    ctypes.byref(c), ctypes.byref(step), ctypes.byref(rep)))
+    return CheckpointReport(step.value, rep.loaded, rep.missing, rep.unexpected, rep.mismatched,
+                            rep.names.decode(errors="replace"))
+
+
+def checkpoint_latest(ctx, directory):
+    """(path, step) of the newest complete checkpoint in directory, or None."""
+    buf, step = ctypes.create_string_buffer(4096), _I64()
+    ctx.check(_C.checkpoint_latest(ctx.handle, _b(directory), buf, len(buf), ctypes.byref(step)))
+    return (buf.value.decode(), step.value) if buf.value else None
+
+
+def checkpoint_metadata(ctx, path, key):
+    """The value of metadata key in the checkpoint at path (the file is checked whole)."""
+    buf = ctypes.create_string_buffer(1 << 16)
+    ctx.check(_C.checkpoint_metadata(ctx.handle, _b(path), _b(key), buf, len(buf)))
+    return buf.value.decode()
+
+
+# --- 14. more data: raw files, tokens, your own samples, a sample's arrays ------------------
+
+_NP_OF = {0: np.float32, 1: np.int32, 2: np.uint8, 3: np.uint16, 4: np.float16}
+
+
+def _field(shape, dtype):
+    f = dt_sample_field()
+    d = np.dtype(dtype)
+    if d not in _DS_DT:
+        raise InvalidArgument(1, "a dataset field is float32, int32, uint8 or float16, not %s" % d)
+    f.dtype, f.ndim = _DS_DT[d], len(shape)
+    for i, n in enumerate(shape):
+        f.shape[i] = n
+    return f
+
+
+def _field_shape(f):
+    return tuple(f.shape[i] for i in range(f.ndim)), np.dtype(_NP_OF[f.dtype])
+
+
+def _dataset_load_raw(cls, ctx, inputs_path, input_shape, input_dtype, targets_path,
+                      target_shape=(), target_dtype=np.int32):
+    """Samples back to back in raw little-endian files (memory-mapped): one input is
+    input_shape of input_dtype, one target target_shape of target_dtype."""
+    fi, ft = _field(input_shape, input_dtype), _field(target_shape, target_dtype)
+    return cls(ctx, _C.dataset_load_raw(ctx.handle, _b(inputs_path), ctypes.byref(fi),
+                                        _b(targets_path), ctypes.byref(ft)))
+
+
+def _dataset_load_tokens(cls, ctx, path, token_bytes=2, context=64, stride=None, samples=0,
+                         seed=0, first=0, count=-1):
+    """from_tokens over a file of token ids (token_bytes 1, 2 or 4 each), memory-mapped."""
+    cfg = dt_token_config()
+    _C.token_config_init(ctypes.byref(cfg))
+    cfg.context, cfg.stride = context, context if stride is None else stride
+    cfg.samples, cfg.seed, cfg.first, cfg.count = samples, seed, first, count
+    return cls(ctx, _C.dataset_load_tokens(ctx.handle, _b(path), token_bytes, ctypes.byref(cfg)))
+
+
+def _dataset_from_callback(cls, ctx, n, fill, input_shape, input_dtype=np.float32,
+                           target_shape=(), target_dtype=np.int32):
+    """n samples made on demand: fill(i, x, y) writes sample i into the NumPy arrays x
+    (input_shape) and y (target_shape).  It runs on the loader's prefetch thread; an
+    exception fails that batch."""
+    fi, ft = _field(input_shape, input_dtype), _field(target_shape, target_dtype)
+    xs, xd = _field_shape(fi)
+    ys, yd = _field_shape(ft)
+
+    def trampoline(user, i, xp, yp):
+        try:
+            x = np.ctypeslib.as_array(ctypes.cast(xp, ctypes.POINTER(np.ctypeslib.as_ctypes_type(xd))),
+                                      shape=xs or (1,)).reshape(xs)
+            y = np.ctypeslib.as_array(ctypes.cast(yp, ctypes.POINTER(np.ctypeslib.as_ctypes_type(yd))),
+                                      shape=ys or (1,)).reshape(ys)
+            fill(i, x, y)
+            return 0
+        except BaseException:
+            return 1
+
+    cb = _SAMPLE_FN(trampoline)
+    ds = cls(ctx, _C.dataset_from_callback(ctx.handle, n, ctypes.byref(fi), ctypes.byref(ft),
+                                           cb, None))
+    ds._keep = (cb, fill)
+    return ds
+
+
+def _dataset_fields(self):
+    """((input shape, dtype), (target shape, dtype)) of one sample."""
+    fi, ft = dt_sample_field(), dt_sample_field()
+    self.ctx.check(_C.dataset_fields(self.handle, ctypes.byref(fi), ctypes.byref(ft)))
+    return _field_shape(fi), _field_shape(ft)
+
+
+def _dataset_sample(self, i):
+    """Sample i as NumPy arrays (x, y), copied."""
+    (xs, xd), (ys, yd) = self.fields
+    x, y = np.empty(xs, xd), np.empty(ys, yd)
+    self.ctx.check(_C.dataset_sample(self.handle, i, x.ctypes.data, y.ctypes.data))
+    return x, y
+
+
+Dataset.load_raw = classmethod(_dataset_load_raw)
+Dataset.load_tokens = classmethod(_dataset_load_tokens)
+Dataset.from_callback = classmethod(_dataset_from_callback)
+Dataset.fields = property(_dataset_fields)
+Dataset.sample = _dataset_sample
+Dataset.__getitem__ = _dataset_sample
+
+
+def _loader_batch_slice(self):
+    """(offset, count, global) of the last batch: its rows within the global batch."""
+    o, c, g = _I64(), _I64(), _I64()
+    _C.loader_batch_slice(self.handle, ctypes.byref(o), ctypes.byref(c), ctypes.byref(g))
+    return o.value, c.value, g.value
+
+
+def _loader_set_split(self, weights):
+    """Cut each global batch between the shards in these proportions (dt_loader_set_split)."""
+    w = (_D * len(weights))(*weights)
+    self.ctx.check(_C.loader_set_split(self.handle, w, len(weights)))
+
+
+def _loader_steal(self, comm, chunk_batches):
+    """Work stealing between the ranks of comm (dt_loader_steal), chunks of that many batches."""
+    self.ctx.check(_C.loader_steal(self.handle, comm.handle, chunk_batches))
+    self._steal_comm = comm
+
+
+def _loader_iter(self):
+    """for x, y in loader: the next epoch's batches (epochs counted from 0)."""
+    e = getattr(self, "_next_epoch", 0)
+    self._next_epoch = e + 1
+    return self.epoch(e)
+
+
+Loader.batch_slice = property(_loader_batch_slice)
+Loader.set_split = _loader_set_split
+Loader.steal = _loader_steal
+Loader.batches_done = property(lambda self: _C.loader_batches_done(self.handle))
+Loader.batches_stolen = property(lambda self: _C.loader_batches_stolen(self.handle))
+Loader.__iter__ = _loader_iter
+
+
+# --- 15. the store, collectives in the background, launching -------------------------------
+
+class Store(_Handle):
+    """dt_store: the job's key-value rendezvous (rank 0 serves it; collective to open).
+    env: a DistEnv (default: this process's, dist_env(ctx))."""
+    _close_order = 3
+    _what = "store"
+    _free = staticmethod(_C.store_close)
+
+    def __init__(self, ctx, env=None, token=None, bind_addr=None, timeout_ms=0):
+        e = dt_dist_env()
+        if env is None:
+            ctx.check(_C.dist_env_detect(ctx.handle, ctypes.byref(e)))
+        else:
+            e.rank, e.world_size, e.local_rank, e.local_world_size = env[:4]
+            e.master_addr, e.master_port = _b(env.master_addr), env.master_port
+        c = dt_store_config()
+        _C.store_config_init(ctypes.byref(c))
+        self._strings = (_b(token), _b(bind_addr))   # borrowed by C until open returns
+        c.token, c.bind_addr, c.timeout_ms = self._strings[0], self._strings[1], timeout_ms
+        self._own(ctx, _C.store_open(ctx.handle, ctypes.byref(e), ctypes.byref(c)))
+
+    @property
+    def port(self):
+        return _C.store_port(self.handle)
+
+    def set(self, key, value):
+        """Set key to value (bytes or str)."""
+        v = value.encode() if isinstance(value, str) else bytes(value)
+        self.ctx.check(_C.store_set(self.handle, _b(key), v, len(v)))
+
+    def get(self, key, timeout_ms=0, cap=1 << 16):
+        """key's value (bytes), waiting up to timeout_ms for it to be set (0: the store's)."""
+        buf, n = ctypes.create_string_buffer(cap), _SZ()
+        self.ctx.check(_C.store_get(self.handle, _b(key), buf, cap, ctypes.byref(n), timeout_ms))
+        return buf.raw[:n.value]
+
+    def add(self, key, delta=1):
+        """Add delta to the integer at key (0 if unset); its new value."""
+        v = _I64()
+        self.ctx.check(_C.store_add(self.handle, _b(key), delta, ctypes.byref(v)))
+        return v.value
+
+
+class Work:
+    """A collective running in the background; wait() finishes it (dt_work_wait)."""
+
+    def __init__(self, ctx, h, keep):
+        if not h:
+            raise ctx.error()
+        self.ctx, self._h, self._keep = ctx, h, keep
+
+    def wait(self):
+        if self._h is None:
+            raise BadState(7, "this work was waited for already")
+        h, self._h = self._h, None
+        st = _C.work_wait(h)
+        self._keep = None
+        self.ctx.check(st)
+
+    def __del__(self):
+        try:
+            if self._h is not None:
+                _C.work_wait(self._h)
+        except Exception:
+            pass
+
+
+def _comm_allreduce_async(self, array, op="sum"):
+    """allreduce in the background: array is reduced in place once the Work's wait() returns."""
+    p = _f32_buffer(array, "allreduce_async")
+    return Work(self.ctx, _C.allreduce_async(self.handle, p, array.size, _REDUCE[op]), array)
+
+
+def _comm_reduce_scatter(self, array, out, op="sum"):
+    """Reduce array (size * n floats) over the ranks; rank r gets part r (n floats) in out."""
+    _f32_buffer(array, "reduce_scatter")
+    self.ctx.check(_C.reduce_scatter(self.handle, array.ctypes.data, out.size,
+                                     _f32_buffer(out, "reduce_scatter"), _REDUCE[op]))
+
+
+def _comm_alltoall(self, array, out):
+    """Part j (n floats) of array goes to rank j; out's part i comes from rank i."""
+    _f32_buffer(array, "alltoall")
+    n = array.size // self.size
+    self.ctx.check(_C.alltoall(self.handle, array.ctypes.data, n, _f32_buffer(out, "alltoall")))
+
+
+Comm.allreduce_async = _comm_allreduce_async
+Comm.reduce_scatter = _comm_reduce_scatter
+Comm.alltoall = _comm_alltoall
+Comm.hosts = property(lambda self: _C.comm_hosts(self.handle))
+Comm.intra_host = property(lambda self: _C.comm_intra_host(self.handle).decode())
+Comm.bytes_sent = property(lambda self: _C.comm_bytes_sent(self.handle))
+
+
+def _spawn_config(nranks, transport, grace_ms, max_restarts, min_ranks, prefix_output, bind_cpus):
+    c = dt_spawn_config()
+    _C.spawn_config_init(ctypes.byref(c))
+    c.nranks, c.transport, c.max_restarts, c.min_ranks = nranks, _b(transport), max_restarts, min_ranks
+    if grace_ms is not None:
+        c.grace_ms = grace_ms
+    if prefix_output is not None:
+        c.prefix_output = int(prefix_output)
+    c.bind_cpus = int(bind_cpus)
+    return c
+
+
+def spawn(ctx, nranks, transport=None, grace_ms=None, max_restarts=0, min_ranks=0,
+          prefix_output=None, bind_cpus=False):
+    """Fork this program into nranks processes (dt_spawn): each child returns its rank
+    (then make a Comm as under a launcher); the parent waits for them all and returns -1.
+    Before anything that starts threads (a Comm, a Loader with prefetch)."""
+    c = _spawn_config(nranks, transport, grace_ms, max_restarts, min_ranks, prefix_output,
+                      bind_cpus)
+    rank = _I(-1)
+    ctx.check(_C.spawn(ctx.handle, ctypes.byref(c), ctypes.byref(rank)))
+    return rank.value
+
+
+def launch(ctx, argv, nranks, transport=None, grace_ms=None, max_restarts=0, min_ranks=0,
+           prefix_output=None, bind_cpus=False):
+    """Run the program argv as nranks ranks and wait (dt_launch, what dtrun does).  Raises
+    the job's failure; its .failed_rank says which rank failed first (-1: none)."""
+    c = _spawn_config(nranks, transport, grace_ms, max_restarts, min_ranks, prefix_output,
+                      bind_cpus)
+    args = [_b(a) for a in argv] + [None]
+    failed = _I(-1)
+    st = _C.launch(ctx.handle, ctypes.byref(c), (_S * len(args))(*args), ctypes.byref(failed))
+    if st:
+        e = ctx.error()
+        e.failed_rank = failed.value
+        raise e
+
+
+def _ddp_balance(self, loader, every=50):
+    """Cut each global batch by the ranks' measured speed (dt_ddp_balance)."""
+    self.ctx.check(_C.ddp_balance(self.handle, loader.handle, every))
+    self._balanced = loader
+
+
+DDP.balance = _ddp_balance
+DDP.balance_share = property(lambda self: _C.ddp_balance_share(self.handle))
+
+
+# --- 16. in-process replicas, Hogwild!, parameter servers -----------------------------------
+
+class _Models:
+    """Python models handed through C as small integers (C's void *)."""
+
+    def __init__(self):
+        self._next, self.of = 1, {}
+
+    def add(self, model):
+        k, self._next = self._next, self._next + 1
+        self.of[k] = model
+        return k
+
+
+def _borrowed_context(h):
+    """A Context over a handle the library owns (a replica's, a thread's): never freed here."""
+    c = Context.__new__(Context)
+    c._h, c.step, c._children, c._deferred, c._log = h, _Life(), [], [], None
+    c._borrowed = True
+    c._backward_failure, c._in_backward = [], False
+    return c
+
+
+def _optim_config_of(kind, lr, **cfg):
+    c = dt_optim_config()
+    _C.optim_config_init(ctypes.byref(c), _OPTIMS[kind])
+    if lr is not None:
+        c.lr = lr
+    for k, v in cfg.items():
+        if k not in dict(c._fields_) or k == "struct_size":
+            raise InvalidArgument(1, "optimizer: no setting '%s'" % k)
+        setattr(c, k, v)
+    return c
+
+
+class Replicas(_Handle):
+    """K model replicas in this process, one thread each, trained data-parallel on one
+    batch split K ways (dt_dp).  build(ctx, k) -> model makes replica k's model with
+    parameters in its own Context; loss(ctx, model, x, y) -> a scalar Tensor.  The loss
+    calls overlap (K threads; Python runs one at a time)."""
+    _close_order = 1
+    _what = "replicas"
+    _free = staticmethod(_C.dp_free)
+
+    def __init__(self, ctx, build, loss, replicas=2, optim="sgd", lr=None, threads=1, seed=0,
+                 **optim_cfg):
+        c = dt_dp_config()
+        _C.dp_config_init(ctypes.byref(c))
+        c.replicas = replicas
+        c.replica.threads, c.replica.seed = threads, seed
+        c.optim = _optim_config_of(optim, lr, **optim_cfg)
+        self._models, self._ctxs, self._failure = _Models(), {}, []
+
+        def ctx_of(h):
+            if h not in self._ctxs:
+                self._ctxs[h] = _borrowed_context(h)
+            return self._ctxs[h]
+
+        def on_build(ctx_h, k, user):
+            try:
+                return self._models.add(build(ctx_of(ctx_h), k))
+            except BaseException as e:
+                self._failure.append(e)
+                return None
+
+        def on_loss(ctx_h, model, x_h, y_h, user):
+            try:
+                rc = ctx_of(ctx_h)
+                x, y = Tensor._made(rc, x_h, rc.step), Tensor._made(rc, y_h, rc.step)
+                return loss(rc, self._models.of[model], x, y).handle
+            except BaseException as e:
+                self._failure.append(e)
+                return None
+
+        def on_free(model, user):
+            self._models.of.pop(model, None)
+
+        self._cbs = (_BUILD_FN(on_build), _DP_LOSS_FN(on_loss), _FREE_FN(on_free))
+        h = _C.dp_new(ctx.handle, ctypes.byref(c), *self._cbs, None)
+        if self._failure:
+            raise self._failure[0]
+        self._own(ctx, h)
+
+    def _raise(self, st):
+        for rc in self._ctxs.values():
+            rc._step_ended()
+        if self._failure:
+            e, self._failure = self._failure[0], []
+            raise e
+        self.ctx.check(st)
+
+    def step(self, x, y):
+        """One step on batch x, y; the batch's mean loss."""
+        loss = _F()
+        self._raise(_C.dp_step(self.handle, x.handle, y.handle, ctypes.byref(loss)))
+        return loss.value
+
+    def __len__(self):
+        return _C.dp_replicas(self.handle)
+
+    def replica(self, k):
+        """Replica k's Context (owned by the replicas: do not close it)."""
+        h = _C.dp_replica(self.handle, k)
+        if not h:
+            raise InvalidArgument(1, "replica %d of %d" % (k, len(self)))
+        return self._ctxs.get(h) or _borrowed_context(h)
+
+    def model(self, k):
+        """What build returned for replica k."""
+        m = _C.dp_model(self.handle, k)
+        if not m:
+            raise InvalidArgument(1, "replica %d of %d" % (k, len(self)))
+        return self._models.of[m]
+
+
+HogwildStats = namedtuple("HogwildStats", "steps mean_loss rows_updated dense_updates")
+
+
+def hogwild(ctx, build, loss, threads=2, steps=1000, lr=0.01, thread_threads=1, seed=0):
+    """Hogwild! (dt_hogwild_run): threads threads step ctx's parameters without locks,
+    steps steps in all, SGD at lr.  build(ctx, k) -> model on thread k's own Context
+    (parameters named as ctx's); loss(ctx, model, k, step) -> a scalar Tensor.  Blocks
+    until done; HogwildStats."""
+    c = dt_hogwild_config()
+    _C.hogwild_config_init(ctypes.byref(c))
+    c.threads, c.steps, c.lr = threads, steps, lr
+    c.thread.threads, c.thread.seed = thread_threads, seed
+    models, ctxs, failure = _Models(), {}, []
+    lock = threading.Lock()
+
+    def ctx_of(h):
+        with lock:
+            if h not in ctxs:
+                ctxs[h] = _borrowed_context(h)
+            return ctxs[h]
+
+    def on_build(ctx_h, k, user):
+        try:
+            return models.add(build(ctx_of(ctx_h), k))
+        except BaseException as e:
+            failure.append(e)
+            return None
+
+    def on_loss(ctx_h, model, k, step, user):
+        try:
+            tc = ctx_of(ctx_h)
+            tc._step_ended()   # the thread's previous step's tensors are gone
+            return loss(tc, models.of[model], k, step).handle
+        except BaseException as e:
+            failure.append(e)
+            return None
+
+    cbs = (_BUILD_FN(on_build), _HW_LOSS_FN(on_loss), _FREE_FN(lambda m, u: models.of.pop(m, None)))
+    out = dt_hogwild_stats()
+    st = _C.hogwild_run(ctx.handle, ctypes.byref(c), *cbs, None, ctypes.byref(out))
+    if failure:
+        raise failure[0]
+    ctx.check(st)
+    return HogwildStats(out.steps, out.mean_loss, out.rows_updated, out.dense_updates)
+
+
+_PS_MODES = {"auto": -1, "bsp": 0, "asp": 1, "ssp": 2}
+
+
+class ParameterServer(_Handle):
+    """dt_ps: the parameter-server job on comm (collective: every rank makes one).  The last
+    `servers` ranks serve (serve()); the others are workers whose registered parameters
+    are the model.  tables: [(name, rows, dim, init_scale, seed)] sparse embedding tables
+    that live on the servers only.  optim and its keywords: the servers' optimizer;
+    schedule: its learning-rate schedule, Optimizer.set_schedule's arguments as a dict
+    (counted in server steps)."""
+    _close_order = 1
+    _what = "parameter server"
+    _free = staticmethod(_C.ps_free)
+
+    def __init__(self, ctx, comm, servers=0, mode="auto", staleness=-1, optim="sgd", lr=None,
+                 tables=(), replicate=False, checkpoint_dir=None, checkpoint_every=0,
+                 rejoin_ms=0, chunk_bytes=0, prefetch=False, schedule=None, **optim_cfg):
+        c = dt_ps_config()
+        _C.ps_config_init(ctypes.byref(c))
+        if mode not in _PS_MODES:
+            raise InvalidArgument(1, "ps: mode is one of %s" % ", ".join(_PS_MODES))
+        c.servers, c.mode, c.staleness = servers, _PS_MODES[mode], staleness
+        c.optim = _optim_config_of(optim, lr, **optim_cfg)
+        if schedule:
+            c.schedule = _schedule_of(**schedule)
+        self._tables = (dt_ps_table * max(len(tables), 1))()
+        for i, (name, rows, dim, scale, seed) in enumerate(tables):
+            self._tables[i] = dt_ps_table(_b(name), rows, dim, scale, seed)
+        c.tables, c.ntables = self._tables, len(tables)
+        c.replicate, c.checkpoint_every, c.rejoin_ms = int(replicate), checkpoint_every, rejoin_ms
+        self._dir = _b(checkpoint_dir)
+        c.checkpoint_dir, c.chunk_bytes, c.prefetch = self._dir, chunk_bytes, int(prefetch)
+        self.comm = comm
+        self._own(ctx, _C.ps_new(ctx.handle, comm.handle, ctypes.byref(c)))
+        self._dims = [t[2] for t in tables]
+
+    is_server = property(lambda self: bool(_C.ps_is_server(self.handle)))
+    workers = property(lambda self: _C.ps_workers(self.handle))
+    servers = property(lambda self: _C.ps_servers(self.handle))
+
+    def serve(self):
+        """Servers: serve until every worker has finished."""
+        self.ctx.check(_C.ps_serve(self.handle))
+
+    def push_pull(self):
+        self.ctx.check(_C.ps_push_pull(self.handle))
+
+    def push(self):
+        self.ctx.check(_C.ps_push(self.handle))
+
+    def pull(self):
+        self.ctx.check(_C.ps_pull(self.handle))
+
+    def finish(self):
+        self.ctx.check(_C.ps_finish(self.handle))
+
+    def _ids(self, table, ids):
+        if not 0 <= table < len(self._dims):
+            raise InvalidArgument(1, "ps: no table %d" % table)
+        return np.ascontiguousarray(ids, np.int64)
+
+    def sparse_pull(self, table, ids):
+        """Rows ids of table, as a (len(ids), dim) float32 array."""
+        ids = self._ids(table, ids)
+        out = np.empty((ids.size, self._dims[table]), np.float32)
+        self.ctx.check(_C.ps_sparse_pull(self.handle, table, ids.ctypes.data_as(_I64P), ids.size,
+                                         out.ctypes.data_as(_FP)))
+        return out
+
+    def sparse_pull_async(self, table, ids):
+        """sparse_pull in the background: (Work, rows); rows is filled once wait() returns."""
+        ids = self._ids(table, ids)
+        out = np.empty((ids.size, self._dims[table]), np.float32)
+        h = _C.ps_sparse_pull_async(self.handle, table, ids.ctypes.data_as(_I64P), ids.size,
+                                    out.ctypes.data_as(_FP))
+        return Work(self.ctx, h, out), out
+
+    def sparse_push(self, table, ids, grads):
+        """Gradient rows for ids of table (len(ids) x dim), part of this worker's step."""
+        ids = self._ids(table, ids)
+        g = np.ascontiguousarray(grads, np.float32)
+        if g.shape != (ids.size, self._dims[table]):
+            raise InvalidArgument(1, "ps: grads %s for %d ids of dim %d" % (g.shape, ids.size,
+                                                                            self._dims[table]))
+        self.ctx.check(_C.ps_sparse_push(self.handle, table, ids.ctypes.data_as(_I64P), ids.size,
+                                         g.ctypes.data_as(_FP)))
+
+    def stats(self):
+        s = dt_ps_stats()
+        self.ctx.check(_C.ps_stats_get(self.handle, ctypes.byref(s)))
+        return {f: getattr(s, f) for f, _ in s._fields_}
+
+
+# --- 17. predictions, the live monitor -------------------------------------------------------
+
+def predict(ctx, dataset, forward, comm=None, batch=128, mean=0.0, std=1.0):
+    """dt_predict: the arg-max class of forward(x)'s logits for every sample, in order, as
+    an int32 array (on rank 0; other ranks get None).  Collective with comm."""
+    cfg = dt_eval_config()
+    _C.eval_config_init(ctypes.byref(cfg))
+    cfg.batch, cfg.mean, cfg.std = batch, mean, std
+    failure, call_life = [], _Life()
+
+    def trampoline(ctx_h, x_h, user):
+        try:
+            return forward(Tensor._made(ctx, x_h, call_life)).handle
+        except BaseException as e:
+            failure.append(e)
+            return None
+
+    cb = _FORWARD_FN(trampoline)
+    rank0 = comm is None or comm.rank == 0
+    out = np.empty(len(dataset), np.int32) if rank0 else None
+    st = _C.predict(ctx.handle, comm.handle if comm else None, dataset.handle, ctypes.byref(cfg),
+                    cb, None, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) if rank0 else None)
+    call_life.gen += 1
+    ctx._step_ended()
+    if failure:
+        raise failure[0]
+    ctx.check(st)
+    return out
+
+
+class Monitor(_Handle):
+    """The live monitor (dt_monitor_start): rank 0 serves a page, /api/state, /events and
+    Prometheus /metrics on listen ("[host:]port"; None: DTRAIN_MONITOR, else a free
+    loopback port, see .port); other ranks publish.  Collective with comm."""
+    _close_order = 0
+    _what = "monitor"
+    _free = staticmethod(_C.monitor_stop)
+
+    def __init__(self, ctx, comm=None, listen=None, interval_s=1.0, token=None):
+        c = dt_monitor_config()
+        _C.monitor_config_init(ctypes.byref(c))
+        self._strings = (_b(listen), _b(token))
+        c.listen, c.token, c.interval_s = self._strings[0], self._strings[1], interval_s
+        self.comm = comm
+        self._own(ctx, _C.monitor_start(ctx.handle, comm.handle if comm else None, ctypes.byref(c)))
+
+    @property
+    def port(self):
+        """The port rank 0 serves on (0 on other ranks)."""
+        return _C.monitor_port(self.handle)
+
+    def log(self, name, step, value):
+        """A scalar for the page's curves and /metrics (e.g. "loss", "val_loss", "lr")."""
+        self.ctx.check(_C.monitor_log(self.handle, _b(name), step, value))
+
+
+def profiling(ctx):
+    """True while ctx's profiler records (profile_start, or DTRAIN_PROFILE=1)."""
+    return bool(_C.profiling(ctx.handle))
+
+
+def profile_straggler(ctx):
+    """The rank the profiler's latest check named a straggler, or -1 (same on every rank)."""
+    return _C.profile_straggler(ctx.handle)
+
+
+def schedule_lr(base_lr, step, kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0,
+                step_size=0, gamma=0.1):
+    """The learning rate a schedule gives at step (Optimizer.set_schedule's arithmetic)."""
+    s = _schedule_of(kind, total_steps, warmup_steps, min_lr, step_size, gamma)
+    return _C.schedule_lr(ctypes.byref(s), base_lr, step)
+
+
+def strerror(status):
+    """The generic text of a dt_status code (an Error's .status)."""
+    return _C.strerror(status).decode()

@@ -3,6 +3,8 @@
 
     python3 bindings/python/examples/fashion_mnist.py --epochs 1
     build/dtrun -n 2 python3 bindings/python/examples/fashion_mnist.py   # DDP, 2 ranks
+    build/dtrun -n 3 python3 bindings/python/examples/fashion_mnist.py --servers 1
+                                        # 2 workers and a parameter server (BSP)
 
 Same seed, same model, same data order as the C example, so the same accuracy; the
 launcher's environment (dtrun, torchrun, mpirun, srun) makes it a DDP job.
@@ -13,8 +15,11 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import dtrain as dt  # noqa: E402
+try:   # the installed module (pip install ./bindings/python) ...
+    import dtrain as dt
+except ImportError:   # ... or the source tree's, run from it
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import dtrain as dt  # noqa: E402
 
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530   # pixel statistics of the training set
 
@@ -79,6 +84,10 @@ def parse_args():
     p.add_argument("--limit-batches", type=int, default=0, help="batches per epoch (0: all)")
     p.add_argument("--data", default=None, help="Fashion-MNIST directory")
     p.add_argument("--save", default=None, help="checkpoint after every epoch (rank 0)")
+    p.add_argument("--servers", type=int, default=0,
+                   help="of the ranks, this many are parameter servers (default 0: DDP)")
+    p.add_argument("--ps-mode", choices=["bsp", "asp", "ssp"], default="bsp")
+    p.add_argument("--staleness", type=int, default=2, help="ssp's bound")
     a = p.parse_args()
     a.batch = a.batch or (128 if a.model == "mlp" else 64)
     return a
@@ -153,13 +162,73 @@ def train(o, ctx, comm):
         print("test accuracy: %.2f%%" % (100 * m.accuracy), flush=True)
 
 
+def train_ps(o, ctx, comm):
+    """Parameter-server training, as train_ps in examples/fashion_mnist.c: the last
+    o.servers ranks hold the weights and step them; each worker trains on its shard, its
+    gradients pushed through DDP's buckets and the weights pulled back."""
+    rank, workers = comm.rank, comm.size - o.servers
+    talk = rank == 0
+    model = (MLP if o.model == "mlp" else CNN)(ctx) if rank < workers else None
+    per_epoch = (60000 // workers + o.batch - 1) // o.batch
+    if o.limit_batches and o.limit_batches < per_epoch:
+        per_epoch = o.limit_batches
+    steps = per_epoch * o.epochs * (1 if o.ps_mode == "bsp" else workers)
+    optim = {"lr": o.lr, "momentum": 0.9} if o.optim == "sgd" else {"lr": o.lr}
+    ps = dt.ParameterServer(ctx, comm, servers=o.servers, mode=o.ps_mode,
+                            staleness=o.staleness, optim=o.optim,
+                            schedule={"kind": "cosine", "total_steps": steps}, **optim)
+    if ps.is_server:
+        ps.serve()
+        ps.close()
+        return
+    train_ds = dt.Dataset.fashion_mnist(ctx, "train", o.data)
+    test_ds = dt.Dataset.fashion_mnist(ctx, "test", o.data)
+    loader = dt.Loader(ctx, train_ds, batch=o.batch, seed=o.seed, mean=FMNIST_MEAN,
+                       std=FMNIST_STD, prefetch=1, shard_rank=rank, shard_count=workers)
+    ddp = dt.DDP(ctx, comm, None, ps=ps)
+    per_epoch = min(per_epoch, len(loader))
+    if talk:
+        print("model %s, %d epochs, batch %d per worker x %d workers, %d servers (%s) "
+              "(python)" % (o.model, o.epochs, o.batch, workers, o.servers, o.ps_mode), flush=True)
+    for epoch in range(o.epochs):
+        loader.start_epoch(epoch)
+        loss_sum, b = 0.0, 0
+        while b < per_epoch:
+            batch = loader.next()
+            if batch is None:
+                break
+            x, y = batch
+            b += 1
+            loss = dt.cross_entropy(model(x), y)
+            ctx.backward(loss)
+            ddp.step()
+            loss_sum += loss.item()
+            ctx.zero_grad()
+            ctx.step_reset()
+        if talk:
+            m = dt.evaluate(ctx, test_ds, model, mean=FMNIST_MEAN, std=FMNIST_STD)
+            print("epoch %d: loss %.4f, test accuracy %.2f%%" % (
+                epoch + 1, loss_sum / max(b, 1), 100 * m.accuracy), flush=True)
+    if talk:   # the servers' weights as they are now
+        ps.pull()
+        m = dt.evaluate(ctx, test_ds, model, mean=FMNIST_MEAN, std=FMNIST_STD)
+        print("test accuracy: %.2f%%" % (100 * m.accuracy), flush=True)
+    ps.finish()
+    ddp.close()
+    ps.close()
+
+
 def main():
     o = parse_args()
     with dt.Context(threads=o.threads, seed=o.seed) as ctx:
         env = dt.dist_env(ctx)
         comm = dt.Comm(ctx) if env.world_size > 1 else None
+        if o.servers and not comm:
+            print("fashion_mnist.py: --servers needs a launcher (build/dtrun -n N)",
+                  file=sys.stderr)
+            return 2
         try:
-            train(o, ctx, comm)
+            (train_ps if o.servers else train)(o, ctx, comm)
         except dt.Error as e:
             print("fashion_mnist.py: rank %d: %s" % (env.rank, e), file=sys.stderr)
             return 1

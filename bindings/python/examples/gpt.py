@@ -15,8 +15,11 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import dtrain as dt  # noqa: E402
+try:   # the installed module (pip install ./bindings/python) ...
+    import dtrain as dt
+except ImportError:   # ... or the source tree's, run from it
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import dtrain as dt  # noqa: E402
 
 
 def read_fortunes(d):

@@ -119,6 +119,69 @@ int main(void)
     F(dt_profile_stats, ps_queue_max, ps_queue_max); F(dt_profile_stats, ps_keys, ps_keys);
     END(dt_profile_stats);
 
+    F(dt_checkpoint_config, struct_size, struct_size); F(dt_checkpoint_config, dtype, dtype);
+    F(dt_checkpoint_config, n_meta, n_meta); F(dt_checkpoint_config, meta_keys, meta_keys);
+    F(dt_checkpoint_config, meta_values, meta_values); F(dt_checkpoint_config, strict, strict);
+    END(dt_checkpoint_config);
+
+    F(dt_checkpoint_report, loaded, loaded); F(dt_checkpoint_report, missing, missing);
+    F(dt_checkpoint_report, unexpected, unexpected);
+    F(dt_checkpoint_report, mismatched, mismatched); F(dt_checkpoint_report, names, names);
+    END(dt_checkpoint_report);
+
+    F(dt_loss_scale_config, struct_size, struct_size);
+    F(dt_loss_scale_config, init_scale, init_scale);
+    F(dt_loss_scale_config, growth_factor, growth_factor);
+    F(dt_loss_scale_config, backoff_factor, backoff_factor);
+    F(dt_loss_scale_config, growth_interval, growth_interval);
+    END(dt_loss_scale_config);
+
+    F(dt_spawn_config, struct_size, struct_size); F(dt_spawn_config, nranks, nranks);
+    F(dt_spawn_config, transport, transport); F(dt_spawn_config, grace_ms, grace_ms);
+    F(dt_spawn_config, max_restarts, max_restarts); F(dt_spawn_config, min_ranks, min_ranks);
+    F(dt_spawn_config, prefix_output, prefix_output); F(dt_spawn_config, bind_cpus, bind_cpus);
+    END(dt_spawn_config);
+
+    F(dt_dp_config, struct_size, struct_size); F(dt_dp_config, replicas, replicas);
+    F(dt_dp_config, replica, replica); F(dt_dp_config, optim, optim);
+    END(dt_dp_config);
+
+    F(dt_hogwild_config, struct_size, struct_size); F(dt_hogwild_config, threads, threads);
+    F(dt_hogwild_config, steps, steps); F(dt_hogwild_config, lr, lr);
+    F(dt_hogwild_config, thread, thread);
+    END(dt_hogwild_config);
+
+    F(dt_hogwild_stats, steps, steps); F(dt_hogwild_stats, mean_loss, mean_loss);
+    F(dt_hogwild_stats, rows_updated, rows_updated);
+    F(dt_hogwild_stats, dense_updates, dense_updates);
+    END(dt_hogwild_stats);
+
+    F(dt_ps_table, name, name); F(dt_ps_table, rows, rows); F(dt_ps_table, dim, dim);
+    F(dt_ps_table, init_scale, init_scale); F(dt_ps_table, seed, seed);
+    END(dt_ps_table);
+
+    F(dt_ps_config, struct_size, struct_size); F(dt_ps_config, servers, servers);
+    F(dt_ps_config, mode, mode); F(dt_ps_config, staleness, staleness);
+    F(dt_ps_config, optim, optim); F(dt_ps_config, schedule, schedule);
+    F(dt_ps_config, tables, tables); F(dt_ps_config, ntables, ntables);
+    F(dt_ps_config, replicate, replicate); F(dt_ps_config, checkpoint_dir, checkpoint_dir);
+    F(dt_ps_config, checkpoint_every, checkpoint_every); F(dt_ps_config, rejoin_ms, rejoin_ms);
+    F(dt_ps_config, chunk_bytes, chunk_bytes); F(dt_ps_config, prefetch, prefetch);
+    END(dt_ps_config);
+
+    F(dt_ps_stats, pushes, pushes); F(dt_ps_stats, pulls, pulls); F(dt_ps_stats, steps, steps);
+    F(dt_ps_stats, max_staleness, max_staleness); F(dt_ps_stats, mean_staleness, mean_staleness);
+    F(dt_ps_stats, wait_s, wait_s); F(dt_ps_stats, dropped_workers, dropped_workers);
+    F(dt_ps_stats, rows_pushed, rows_pushed); F(dt_ps_stats, rows_pulled, rows_pulled);
+    F(dt_ps_stats, rows_updated, rows_updated); F(dt_ps_stats, checkpoints, checkpoints);
+    F(dt_ps_stats, resumed, resumed); F(dt_ps_stats, resumed_step, resumed_step);
+    F(dt_ps_stats, rejoined, rejoined); F(dt_ps_stats, rejoins, rejoins);
+    END(dt_ps_stats);
+
+    F(dt_monitor_config, struct_size, struct_size); F(dt_monitor_config, listen, listen);
+    F(dt_monitor_config, interval_s, interval_s); F(dt_monitor_config, token, token);
+    END(dt_monitor_config);
+
     F(dt_pipe_config, struct_size, struct_size);
     F(dt_pipe_config, micro_batches, micro_batches); F(dt_pipe_config, schedule, schedule);
     END(dt_pipe_config);

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import numpy as np
@@ -516,6 +517,340 @@ class Distributed(unittest.TestCase):
         self.assertEqual(procs[0].returncode, 0, outs[0])
         self.assertIn("rank 1", outs[0][0])
         self.assertRegex(outs[0][0], r"raised (PeerError|Timeout)")
+
+
+# --- the areas bound last, each against the same run in C (tests/reference.c) ------------
+
+N, IN, HID, OUT = 32, 8, 16, 4
+REF_X = np.array([[np.float32((7 * i + 3 * j) % 11 - 5) / np.float32(5) for j in range(IN)]
+                  for i in range(N)], np.float32)
+REF_Y = np.arange(N, dtype=np.int32) % OUT
+
+
+def reference_results():
+    """reference.c built against the library under test and run: {name: [values]}."""
+    lib = dt.library_path
+    with tempfile.TemporaryDirectory() as d:
+        exe = os.path.join(d, "reference")
+        subprocess.run([os.environ.get("CC", "cc"), "-std=c11", "-I", ROOT,
+                        os.path.join(HERE, "reference.c"), lib,
+                        "-Wl,-rpath," + os.path.dirname(os.path.abspath(lib)), "-o", exe],
+                       check=True)
+        out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout
+    res = {}
+    for line in out.splitlines():
+        name, *vals = line.split()
+        res.setdefault(name, []).append([float.fromhex(v) if "0x" in v else int(v) for v in vals])
+    return res
+
+
+class Mlp:
+    def __init__(self, ctx):
+        self.l1 = ctx.linear_params("l1", IN, HID)
+        self.l2 = ctx.linear_params("l2", HID, OUT)
+
+    def hidden(self, x, w, b):
+        return dt.relu(dt.linear(x, w, b))
+
+    def __call__(self, x, recompute=False):
+        h = (dt.recompute(self.hidden, x, *self.l1) if recompute else self.hidden(x, *self.l1))
+        return dt.linear(h, *self.l2)
+
+
+def w2_sum(t):
+    s = 0.0
+    for v in t.numpy().ravel():
+        s += float(v)
+    return s
+
+
+class AgainstC(unittest.TestCase):
+    """Mixed precision, loss scaling, recompute, replicas, datasets from NumPy and predict
+    from Python give C's results bit for bit (the same runs in reference.c)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ref = reference_results()
+
+    def train(self, precision, recompute, scaled, kind, lr, steps):
+        with dt.Context(seed=7) as ctx:
+            m = Mlp(ctx)
+            opt = dt.Optimizer(ctx, kind, lr=lr)
+            sc = dt.LossScaler(ctx) if scaled else None
+            x, y = ctx.from_numpy(REF_X), ctx.from_numpy(REF_Y)
+            out = []
+            for _ in range(steps):
+                with ctx.autocast(precision):
+                    loss = dt.cross_entropy(m(x, recompute), y)
+                self.assertEqual(ctx.autocast_precision, "f32")
+                if sc:
+                    sc.backward(loss)
+                    self.assertTrue(sc.step(opt))
+                else:
+                    ctx.backward(loss)
+                    opt.step()
+                out.append(loss.item())
+                ctx.zero_grad()
+                ctx.step_reset()
+            if sc:
+                out.append(sc.scale)
+            return out, w2_sum(m.l2[0])
+
+    def check(self, name, got, index):
+        want = self.ref[name][0], self.ref["w2_sum"][index][0]
+        self.assertEqual(got, want, "%s: Python %s, C %s" % (name, got, want))
+
+    def test_mixed_precision(self):
+        self.check("f32", self.train("f32", False, False, "adam", 1e-2, 4), 0)
+        self.check("bf16", self.train("bf16", False, False, "adam", 1e-2, 4), 1)
+        self.assertNotEqual(self.ref["f32"], self.ref["bf16"])   # bf16 rounding did change it
+
+    def test_fp16_loss_scaling(self):
+        self.check("fp16_scaled", self.train("fp16", False, True, "sgd", 0.1, 3), 2)
+
+    def test_recompute(self):
+        self.check("recompute", self.train("f32", True, False, "sgd", 0.1, 3), 3)
+
+    def test_replicas(self):
+        with dt.Context(seed=7) as ctx:
+            dp = dt.Replicas(ctx, lambda rc, k: Mlp(rc),
+                             lambda rc, m, x, y: dt.cross_entropy(m(x), y),
+                             replicas=2, optim="sgd", lr=0.1, seed=7)
+            self.assertEqual(len(dp), 2)
+            x, y = ctx.from_numpy(REF_X), ctx.from_numpy(REF_Y)
+            losses = [dp.step(x, y) for _ in range(3)]
+            got = losses, w2_sum(dp.model(1).l2[0])
+            self.assertEqual(dp.replica(1).params()[0].name, "l1.weight")
+            dp.close()
+        self.check("replicas", got, 4)
+
+    def test_numpy_dataset_and_predict(self):
+        with dt.Context(seed=7) as ctx:
+            m = Mlp(ctx)
+            ds = dt.Dataset.from_numpy(ctx, REF_X, REF_Y)   # zero copy: used in place
+            self.assertEqual(ds.fields, (((IN,), np.dtype(np.float32)), ((), np.dtype(np.int32))))
+            sx, sy = ds[5]
+            np.testing.assert_array_equal(sx, REF_X[5])
+            self.assertEqual(int(sy), REF_Y[5])
+            loader = dt.Loader(ctx, ds, batch=8, seed=3)
+            got = []
+            for x, y in loader:   # the first epoch
+                v, k = x.numpy().ravel(), np.float32(np.arange(8 * IN) % 5 + 1)
+                s = 0.0
+                for a in v * k:
+                    s += float(a)
+                got += [s] + [int(c) for c in y.numpy()]
+            self.assertEqual(got, self.ref["batches"][0])
+            opt = dt.Optimizer(ctx, "sgd", lr=0.5)
+            bx, by = ctx.from_numpy(REF_X), ctx.from_numpy(REF_Y)
+            for _ in range(3):
+                ctx.backward(dt.cross_entropy(m(bx), by))
+                opt.step()
+                ctx.zero_grad()
+                ctx.step_reset()
+            pred = dt.predict(ctx, ds, m)
+            self.assertEqual(pred.dtype, np.int32)
+            self.assertEqual(pred.tolist(), self.ref["predict"][0])
+
+
+class Operators(unittest.TestCase):
+    def test_scalars_and_broadcasting(self):
+        with dt.Context() as ctx:
+            a = np.arange(6, dtype=np.float32).reshape(2, 3)
+            x = ctx.from_numpy(a)
+            np.testing.assert_array_equal((x + 1.5).numpy(), a + 1.5)
+            np.testing.assert_array_equal((2 - x).numpy(), 2 - a)
+            np.testing.assert_array_equal((x * 3).numpy(), a * 3)
+            np.testing.assert_array_equal((3 * x).numpy(), a * 3)
+            np.testing.assert_allclose((1 / (x + 1)).numpy(), 1 / (a + 1), rtol=1e-6)
+            np.testing.assert_array_equal((x ** 2).numpy(), a ** 2)
+            col = ctx.from_numpy(np.array([[10], [20]], np.float32))
+            np.testing.assert_array_equal((x + col).numpy(), a + [[10], [20]])   # (2,3)+(2,1)
+            with self.assertRaises(TypeError):
+                x + "1"
+            w = ctx.param("w", (3,))
+            ctx.backward(dt.sum((w * 2.0 + 1.0) * (w - 3.0)))   # d/dw = 4w - 5 at w = 0
+            np.testing.assert_array_equal(w.grad.numpy(), [-5, -5, -5])
+
+
+class CustomOps(unittest.TestCase):
+    def test_custom_op_gradient_and_failures(self):
+        """A cube op written in NumPy: its gradient reaches the parameter; an exception in
+        backward comes out of ctx.backward; no_grad records nothing."""
+        with dt.Context() as ctx:
+            w = ctx.param("w", (3,))
+            w.copy_from(np.array([1, -2, 3], np.float32))
+
+            def fwd(ins):
+                out = ctx.temp(ins[0].shape)
+                out.copy_from(ins[0].numpy() ** 3)
+                return out
+
+            def bwd(ins, out, dout):
+                g = ctx.temp(ins[0].shape)
+                g.copy_from(3 * ins[0].numpy() ** 2 * dout.numpy())
+                return [g]
+
+            ctx.backward(dt.sum(dt.custom_op("cube", [w], fwd, bwd)))
+            np.testing.assert_array_equal(w.grad.numpy(), [3, 12, 27])
+            ctx.step_reset()
+
+            def broken(ins, out, dout):
+                raise KeyError("no gradient today")
+            y = dt.sum(dt.custom_op("cube", [w], fwd, broken))
+            with self.assertRaises(KeyError):
+                ctx.backward(y)
+            ctx.step_reset()
+            with ctx.no_grad():
+                self.assertFalse(ctx.grad_enabled)
+                self.assertFalse(dt.sum(w * 2.0).requires_grad)
+            self.assertTrue(ctx.grad_enabled)
+
+
+class CheckpointsEx(unittest.TestCase):
+    def test_dtype_metadata_latest_and_non_strict(self):
+        with tempfile.TemporaryDirectory() as d, dt.Context(seed=2) as ctx:
+            layers = small_mlp(ctx)
+            opt = dt.Optimizer(ctx, "adam")
+            for step in (5, 9):
+                dt.checkpoint_save_ex(ctx, os.path.join(d, "s%d.safetensors" % step), opt, step,
+                                      dtype="bf16", metadata={"note": "step %d" % step})
+            path, step = dt.checkpoint_latest(ctx, d)
+            self.assertEqual((os.path.basename(path), step), ("s9.safetensors", 9))
+            self.assertEqual(dt.checkpoint_metadata(ctx, path, "note"), "step 9")
+            with self.assertRaises(dt.Mismatch):
+                dt.checkpoint_metadata(ctx, path, "absent")
+            with tempfile.TemporaryDirectory() as empty:
+                self.assertIsNone(dt.checkpoint_latest(ctx, empty))
+            with dt.Context() as other:   # a model with one more layer: non-strict load
+                small_mlp(other, (6, 5, 3, 2))
+                rep = dt.checkpoint_load_ex(other, path, strict=False)
+                self.assertEqual((rep.step, rep.loaded, rep.missing), (9, 4, 2))
+                self.assertIn("l2.weight", rep.names)
+            self.assertEqual(len(layers), 2)
+
+
+class MoreData(unittest.TestCase):
+    def test_raw_files_callback_and_sample(self):
+        with tempfile.TemporaryDirectory() as d, dt.Context() as ctx:
+            x = np.arange(40, dtype=np.float32).reshape(10, 2, 2)
+            y = np.arange(10, dtype=np.int32) % 3
+            x.tofile(os.path.join(d, "x.bin"))
+            y.tofile(os.path.join(d, "y.bin"))
+            raw = dt.Dataset.load_raw(ctx, os.path.join(d, "x.bin"), (2, 2), np.float32,
+                                      os.path.join(d, "y.bin"))
+            self.assertEqual(len(raw), 10)
+            sx, sy = raw.sample(7)
+            np.testing.assert_array_equal(sx, x[7])
+            self.assertEqual(int(sy), y[7])
+
+            def fill(i, xs, ys):
+                xs[...] = x[i]
+                ys[...] = y[i]
+            cb = dt.Dataset.from_callback(ctx, 10, fill, (2, 2))
+            loader = dt.Loader(ctx, cb, batch=4, shuffle=0, prefetch=1)
+            seen = [b[0].numpy().copy() for b in loader]
+            np.testing.assert_array_equal(np.concatenate(seen), x)
+            np.arange(100, dtype=np.uint16).tofile(os.path.join(d, "t.bin"))
+            tok = dt.Dataset.load_tokens(ctx, os.path.join(d, "t.bin"), 2, context=8)
+            tx, ty = tok.sample(1)
+            np.testing.assert_array_equal(tx, np.arange(8, 16))
+            np.testing.assert_array_equal(ty, np.arange(9, 17))
+            loader.close()
+
+
+class Hogwild(unittest.TestCase):
+    def test_threads_fit_a_line(self):
+        """4 threads step one weight vector without locks (y = x @ [1, -2, 3])."""
+        rng = np.random.default_rng(0)
+        xs = rng.standard_normal((64, 3)).astype(np.float32)
+        ys = (xs @ np.array([1, -2, 3], np.float32)).reshape(64, 1)
+        with dt.Context() as ctx:
+            w = ctx.param("w", (1, 3))
+
+            def build(tc, k):
+                return tc.param("w", (1, 3))
+
+            def loss(tc, tw, k, step):
+                i = (step * 8) % 64
+                x, y = tc.from_numpy(xs[i:i + 8]), tc.from_numpy(ys[i:i + 8])
+                return dt.mse(dt.linear(x, tw), y)
+
+            st = dt.hogwild(ctx, build, loss, threads=4, steps=400, lr=0.05)
+            self.assertEqual(st.steps, 400)
+            np.testing.assert_allclose(w.numpy(), [[1, -2, 3]], atol=0.05)
+
+
+class Monitor(unittest.TestCase):
+    def test_page_metrics_and_log(self):
+        import urllib.request
+        with dt.Context() as ctx:
+            m = dt.Monitor(ctx, listen="127.0.0.1:0", interval_s=0.2)
+            self.assertGreater(m.port, 0)
+            m.log("loss", 3, 0.25)
+            url, body = "http://127.0.0.1:%d/metrics" % m.port, ""
+            for _ in range(50):   # the summary is published within an interval
+                body = urllib.request.urlopen(url).read().decode()
+                if 'dtrain_loss{rank="0"} 0.25' in body:
+                    break
+                time.sleep(0.1)
+            self.assertIn('dtrain_loss{rank="0"} 0.25', body)
+            m.close()
+            with self.assertRaises(dt.BadState):
+                m.log("loss", 4, 0.5)
+
+
+class Launching(unittest.TestCase):
+    def test_launch_runs_and_names_the_failed_rank(self):
+        with dt.Context() as ctx:
+            dt.launch(ctx, ["true"], 2)
+            with self.assertRaises(dt.PeerError) as cm:
+                dt.launch(ctx, ["sh", "-c", 'exit $((DTRAIN_RANK == 1 ? 3 : 0))'], 2)
+            self.assertEqual(cm.exception.failed_rank, 1)
+
+
+class ParameterServerJob(unittest.TestCase):
+    def test_store_collectives_and_ps_under_the_launcher(self):
+        """3 ranks under the launcher (tests/ps_job.py): the store, a background allreduce,
+        reduce_scatter, alltoall; a BSP parameter server's dense weight and sparse rows."""
+        import json
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([DTRUN, "-n", "3", sys.executable, os.path.join(HERE, "ps_job.py"), d],
+                               capture_output=True, text=True, timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-3000:])
+            seen = []
+            for k in range(3):
+                with open(os.path.join(d, "rank%d.json" % k)) as f:
+                    seen.append(json.load(f))
+        self.assertEqual(sorted(s["visits"] for s in seen), [1, 2, 3])
+        for k, s in enumerate(seen):
+            self.assertEqual(s["greeting"], "hello from 0")
+            self.assertEqual(s["allreduce"], [6.0] * 4)
+            self.assertEqual(s["reduce_scatter"], [3.0 + 6 * k, 6.0 + 6 * k])
+            self.assertEqual(s["alltoall"], [k, 10.0 + k, 20.0 + k])
+            self.assertEqual((s["is_server"], s["workers"], s["servers"]), (k == 2, 2, 1))
+        # SGD lr 0.5 on the workers' mean gradient w - [1.5, -1.5], 3 BSP steps from 0
+        w = np.zeros(2)
+        for _ in range(3):
+            w -= 0.5 * (w - [1.5, -1.5])
+        for s in seen[:2]:
+            np.testing.assert_array_equal(s["w"], w)
+            self.assertEqual(s["rows"][:2], [[-2.25] * 3] * 2)   # 3 x 0.5 x mean(1, 2)
+            self.assertEqual(s["rows"][2], [0.0] * 3)
+        self.assertEqual(seen[2]["server_stats"]["rows_updated"], 6)
+
+
+class Coverage(unittest.TestCase):
+    def test_every_c_function_is_bound(self):
+        """tests/coverage.py finds no unbound function, and finds one taken out."""
+        import coverage as cov
+        fns = cov.c_functions(os.path.join(ROOT, "dtrain.h"))
+        with open(os.path.join(HERE, "..", "dtrain.py")) as f:
+            text = f.read()
+        self.assertEqual(cov.unbound(fns, text), [])
+        self.assertGreater(len(fns), 250)
+        self.assertEqual(cov.unbound(fns, text.replace("_C.ps_sparse_push(", "_C.nothing(")),
+                         ["dt_ps_sparse_push"])
 
 
 if __name__ == "__main__":

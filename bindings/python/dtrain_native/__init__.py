@@ -1,0 +1,1 @@
+"""libdtrain.so, shipped with the dtrain module (setup.py puts it here)."""
