@@ -8,6 +8,7 @@
  * sums 16 MiB (several chunks on every path) and checks every element.
  */
 #include "dtrain.h"
+#include "args.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,8 +29,15 @@ static int big_sum_ok(dt_comm *comm, int rank, int world)
     return ok;
 }
 
-int main(void)
+static void usage(FILE *f)
 {
+    fprintf(f, "usage: dtrun -n N allreduce (no options: the ranks come from the launcher)\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (args_parse("allreduce", argc, argv, NULL, 0, ARGS_NO_OPERANDS, usage) < 0)
+        return 2;
     dt_ctx *ctx = dt_ctx_new(NULL);
     if (!ctx || dt_ctx_status(ctx) != DT_OK) {
         fprintf(stderr, "allreduce: %s\n", ctx ? dt_last_error(ctx) : "out of memory");

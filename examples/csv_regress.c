@@ -12,6 +12,7 @@
  * autograd and optimizer; everything else is ordinary C.
  */
 #include "dtrain.h"
+#include "args.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -83,25 +84,36 @@ static int check(dt_ctx *ctx, int ok, const char *what)
     return ok;
 }
 
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: csv_regress FILE.csv [--hidden N] [--steps N] [--lr X]\n"
+               "  --hidden N   an MLP with N hidden units (default 0: a line)\n"
+               "  --steps N    Adam steps on the whole file (default 500)\n"
+               "  --lr X       learning rate (default 0.05)\n"
+               "  --help       this text\n");
+}
+
 int main(int argc, char **argv)
 {
-    if (argc < 2 || argv[1][0] == '-') {
-        fprintf(stderr, "usage: csv_regress FILE.csv [--hidden N] [--steps N] [--lr X]\n");
-        return 2;
-    }
     int hidden = 0, steps = 500;
     float lr = 0.05f;
-    for (int i = 2; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--hidden")) hidden = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--lr")) lr = strtof(argv[i + 1], NULL);
-        else {
-            fprintf(stderr, "csv_regress: unknown option %s\n", argv[i]);
-            return 2;
-        }
+    const args_opt opts[] = {
+        ARG_INT("hidden", &hidden, 0, 1 << 16),
+        ARG_INT("steps", &steps, 1, 1 << 30),
+        ARG_RATE("lr", &lr, 1000),
+    };
+    int file = args_parse("csv_regress", argc, argv, opts, sizeof opts / sizeof opts[0],
+                          ARGS_OPERANDS, usage);
+    if (file < 0)
+        return 2;
+    if (file + 1 != argc) {   /* one file, no more */
+        if (file < argc)
+            fprintf(stderr, "csv_regress: unexpected argument '%s'\n", argv[file + 1]);
+        usage(stderr);
+        return 2;
     }
     table t;
-    if (!read_csv(argv[1], &t))
+    if (!read_csv(argv[file], &t))
         return 1;
     int n = t.rows, d = t.cols - 1;
     /* standardise every column (the target too), remembering how */

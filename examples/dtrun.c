@@ -18,10 +18,9 @@
  * ranks; the program keeps its global batch: fashion_mnist --global-batch).
  */
 #include "dtrain.h"
+#include "args.h"
 
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 /* The launcher's notes (a restart: which rank failed, which restart). */
 static void say(void *user, const char *msg)
@@ -33,7 +32,44 @@ static void say(void *user, const char *msg)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: dtrun -n N [--transport shm|tcp|verbs] [--grace MS] [--max-restarts N] "
-               "[--min-ranks M] [--no-prefix] [--no-bind] [--] prog [args...]\n");
+               "[--min-ranks M] [--no-prefix] [--no-bind] [--] prog [args...]\n"
+               "  -n, --nproc N       ranks to start, 1..1024\n"
+               "  --transport T       DTRAIN_TRANSPORT for the ranks\n"
+               "  --grace MS          when a rank fails, wait MS from SIGTERM to SIGKILL (default 5000)\n"
+               "  --max-restarts N    start the job again after a failure, up to N times\n"
+               "  --min-ranks M       with --max-restarts: leave out a rank that failed first\n"
+               "                      twice in a row, down to M ranks\n"
+               "  --no-prefix         no \"[rank] \" before each line of output\n"
+               "  --no-bind           let the scheduler place the ranks (no CPU binding)\n"
+               "Options end at prog: its arguments go to it as they are.\n");
+}
+
+/* dtrun's options into cfg; the index of the program in argv, or -1. */
+static int parse_args(int argc, char **argv, dt_spawn_config *cfg)
+{
+    int no_prefix = 0, no_bind = 0;
+    const args_opt opts[] = {
+        {"nproc", 'n', ARGS_K_INT, &cfg->nranks, 1, 1024, NULL},
+        ARG_STR("transport", &cfg->transport),
+        ARG_INT("grace", &cfg->grace_ms, 0, 3600000),
+        ARG_INT("max-restarts", &cfg->max_restarts, 0, 1000),
+        ARG_INT("min-ranks", &cfg->min_ranks, 1, 1024),
+        ARG_FLAG("no-prefix", &no_prefix),
+        ARG_FLAG("no-bind", &no_bind),
+    };
+    int prog = args_parse("dtrun", argc, argv, opts, sizeof opts / sizeof opts[0], ARGS_STOP, usage);
+    if (prog < 0)
+        return -1;
+    if (cfg->nranks < 1 || prog >= argc) {
+        fprintf(stderr, "dtrun: %s\n", cfg->nranks < 1 ? "-n N is required" : "no program to run");
+        usage(stderr);
+        return -1;
+    }
+    if (no_prefix)
+        cfg->prefix_output = 0;
+    if (no_bind)   /* let the scheduler place the ranks */
+        cfg->bind_cpus = 0;
+    return prog;
 }
 
 int main(int argc, char **argv)
@@ -41,68 +77,9 @@ int main(int argc, char **argv)
     dt_spawn_config cfg;
     dt_spawn_config_init(&cfg);
     cfg.nranks = 0;
-    int i = 1;
-    for (; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--")) {
-            i++;
-            break;
-        }
-        if (a[0] != '-')
-            break;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            return 0;
-        }
-        if (!strcmp(a, "--no-prefix")) {
-            cfg.prefix_output = 0;
-            continue;
-        }
-        if (!strcmp(a, "--no-bind")) {   /* let the scheduler place the ranks */
-            cfg.bind_cpus = 0;
-            continue;
-        }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "dtrun: %s needs a value\n", a);
-            return 2;
-        }
-        const char *v = argv[++i];
-        char *end;
-        if (!strcmp(a, "-n") || !strcmp(a, "--nproc")) {
-            long n = strtol(v, &end, 10);
-            if (*end || n < 1 || n > 1024) {
-                fprintf(stderr, "dtrun: -n needs 1..1024, got '%s'\n", v);
-                return 2;
-            }
-            cfg.nranks = (int)n;
-        } else if (!strcmp(a, "--transport")) {
-            cfg.transport = v;
-        } else if (!strcmp(a, "--grace")) {
-            cfg.grace_ms = (int)strtol(v, &end, 10);
-        } else if (!strcmp(a, "--max-restarts")) {
-            long n = strtol(v, &end, 10);
-            if (*end || n < 0 || n > 1000) {
-                fprintf(stderr, "dtrun: --max-restarts needs 0..1000, got '%s'\n", v);
-                return 2;
-            }
-            cfg.max_restarts = (int)n;
-        } else if (!strcmp(a, "--min-ranks")) {
-            long n = strtol(v, &end, 10);
-            if (*end || n < 1 || n > 1024) {
-                fprintf(stderr, "dtrun: --min-ranks needs 1..1024, got '%s'\n", v);
-                return 2;
-            }
-            cfg.min_ranks = (int)n;
-        } else {
-            fprintf(stderr, "dtrun: unknown option '%s'\n", a);
-            usage(stderr);
-            return 2;
-        }
-    }
-    if (cfg.nranks < 1 || i >= argc) {
-        usage(stderr);
+    int i = parse_args(argc, argv, &cfg);
+    if (i < 0)
         return 2;
-    }
     dt_config c;
     dt_config_init(&c);
     dt_ctx *ctx = dt_ctx_new(&c);

@@ -28,6 +28,7 @@
  * "test accuracy: NN.NN%".
  */
 #include "dtrain.h"
+#include "args.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -101,15 +102,21 @@ static void usage(FILE *f)
             "  --help              this text\n");
 }
 
-static int parse_int(const char *flag, const char *v, int lo, int *out)
+/* --slow R:F: rank R (0..4095) made F (1..1000) times slower. */
+static int parse_slow(const char *text, options *o)
 {
-    char *end;
-    long x = strtol(v, &end, 10);
-    if (*end || x < lo || x > 1000000000L) {
-        fprintf(stderr, "fashion_mnist: %s needs an integer >= %d, got '%s'\n", flag, lo, v);
+    const char *colon = strchr(text, ':');
+    char rank[16];
+    double f;
+    if (!colon || colon - text >= (long)sizeof rank) {
+        fprintf(stderr, "fashion_mnist: --slow '%s': expected R:F, a rank and a factor\n", text);
         return 0;
     }
-    *out = (int)x;
+    snprintf(rank, sizeof rank, "%.*s", (int)(colon - text), text);
+    if (!args_int("fashion_mnist", "slow", rank, 0, 4095, &o->slow_rank) ||
+        !args_double("fashion_mnist", "slow", colon + 1, 1, 1000, &f))
+        return 0;
+    o->slow_factor = (float)f;
     return 1;
 }
 
@@ -117,81 +124,39 @@ static int parse_args(int argc, char **argv, options *o)
 {
     *o = (options){.model = "mlp", .optim = "adam", .ps_mode = "bsp", .epochs = 10, .threads = 1,
                    .ranks = 1, .staleness = 2, .lr = 1e-3f, .seed = 1, .slow_rank = -1};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            exit(0);
-        }
-        int takes_value = strncmp(a, "--", 2) == 0 && strcmp(a, "--profile") &&
-                          strcmp(a, "--balance");
-        if (takes_value && !v) {
-            fprintf(stderr, "fashion_mnist: %s needs a value (see --help)\n", a);
-            return 0;
-        }
-        int ok = 1;
-        if (!strcmp(a, "--model")) o->model = v;
-        else if (!strcmp(a, "--epochs")) ok = parse_int(a, v, 1, &o->epochs);
-        else if (!strcmp(a, "--batch")) ok = parse_int(a, v, 1, &o->batch);
-        else if (!strcmp(a, "--global-batch")) ok = parse_int(a, v, 1, &o->global_batch);
-        else if (!strcmp(a, "--threads")) ok = parse_int(a, v, 1, &o->threads);
-        else if (!strcmp(a, "--ranks")) ok = parse_int(a, v, 1, &o->ranks);
-        else if (!strcmp(a, "--limit-batches")) ok = parse_int(a, v, 1, &o->limit_batches);
-        else if (!strcmp(a, "--servers")) ok = parse_int(a, v, 0, &o->servers);
-        else if (!strcmp(a, "--staleness")) ok = parse_int(a, v, 0, &o->staleness);
-        else if (!strcmp(a, "--ps-mode")) o->ps_mode = v;
-        else if (!strcmp(a, "--backend")) o->backend = v;
-        else if (!strcmp(a, "--device")) ok = parse_int(a, v, 0, &o->device);
-        else if (!strcmp(a, "--amp")) {
-            o->amp = v;
-            ok = !strcmp(v, "bf16") || !strcmp(v, "fp16") || !strcmp(v, "tf32") || !strcmp(v, "off");
-            if (!ok) fprintf(stderr, "fashion_mnist: --amp takes bf16, fp16, tf32 or off\n");
-        }
-        else if (!strcmp(a, "--lr")) { char *e; o->lr = strtof(v, &e); ok = !*e && o->lr > 0; }
-        else if (!strcmp(a, "--seed")) { char *e; o->seed = strtoull(v, &e, 10); ok = !*e; }
-        else if (!strcmp(a, "--save")) o->save = v;
-        else if (!strcmp(a, "--resume")) o->resume = v;
-        else if (!strcmp(a, "--data")) o->data = v;
-        else if (!strcmp(a, "--optim")) o->optim = v;
-        else if (!strcmp(a, "--trace")) o->trace = v;
-        else if (!strcmp(a, "--loss-log")) o->loss_log = v;
-        else if (!strcmp(a, "--monitor")) o->monitor = v;
-        else if (!strcmp(a, "--steal")) ok = parse_int(a, v, 1, &o->steal);
-        else if (!strcmp(a, "--slow")) {
-            char *e;
-            o->slow_rank = (int)strtol(v, &e, 10);
-            ok = *e == ':' && o->slow_rank >= 0;
-            if (ok) {
-                o->slow_factor = strtof(e + 1, &e);
-                ok = !*e && o->slow_factor >= 1;
-            }
-        }
-        else if (!strcmp(a, "--profile") || !strcmp(a, "--balance")) {
-            *(!strcmp(a, "--profile") ? &o->profile : &o->balance) = 1;
-            continue;   /* takes no value */
-        }
-        else {
-            fprintf(stderr, "fashion_mnist: unknown option '%s' (see --help)\n", a);
-            return 0;
-        }
-        if (!ok) {
-            fprintf(stderr, "fashion_mnist: bad value '%s' for %s\n", v, a);
-            return 0;
-        }
-        i++;
-    }
-    if (strcmp(o->model, "mlp") && strcmp(o->model, "cnn")) {
-        fprintf(stderr, "fashion_mnist: --model must be mlp or cnn, got '%s'\n", o->model);
+    const char *slow = NULL;
+    const args_opt opts[] = {
+        ARG_CHOICE("model", &o->model, "mlp|cnn"),
+        ARG_INT("epochs", &o->epochs, 1, 1000000),
+        ARG_INT("batch", &o->batch, 1, 1 << 20),
+        ARG_INT("global-batch", &o->global_batch, 1, 1 << 30),
+        ARG_RATE("lr", &o->lr, 1000),
+        ARG_CHOICE("optim", &o->optim, "adam|sgd"),
+        ARG_INT("threads", &o->threads, 1, 1024),
+        ARG_STR("backend", &o->backend),
+        ARG_INT("device", &o->device, 0, 1023),
+        ARG_CHOICE("amp", &o->amp, "bf16|fp16|tf32|off"),
+        ARG_INT("ranks", &o->ranks, 1, 4096),
+        ARG_INT("servers", &o->servers, 0, 4095),
+        ARG_CHOICE("ps-mode", &o->ps_mode, "bsp|asp|ssp"),
+        ARG_INT("staleness", &o->staleness, 0, 1 << 20),
+        ARG_U64("seed", &o->seed),
+        ARG_STR("save", &o->save),
+        ARG_STR("resume", &o->resume),
+        ARG_STR("data", &o->data),
+        ARG_INT("limit-batches", &o->limit_batches, 1, 1 << 30),
+        ARG_FLAG("profile", &o->profile),
+        ARG_STR("trace", &o->trace),
+        ARG_STR("slow", &slow),
+        ARG_FLAG("balance", &o->balance),
+        ARG_INT("steal", &o->steal, 1, 1 << 20),
+        ARG_STR("loss-log", &o->loss_log),
+        ARG_STR("monitor", &o->monitor),
+    };
+    if (args_parse("fashion_mnist", argc, argv, opts, sizeof opts / sizeof opts[0],
+                   ARGS_NO_OPERANDS, usage) < 0 ||
+        (slow && !parse_slow(slow, o)))
         return 0;
-    }
-    if (strcmp(o->optim, "adam") && strcmp(o->optim, "sgd")) {
-        fprintf(stderr, "fashion_mnist: --optim must be adam or sgd, got '%s'\n", o->optim);
-        return 0;
-    }
-    if (strcmp(o->ps_mode, "bsp") && strcmp(o->ps_mode, "asp") && strcmp(o->ps_mode, "ssp")) {
-        fprintf(stderr, "fashion_mnist: --ps-mode must be bsp, asp or ssp, got '%s'\n", o->ps_mode);
-        return 0;
-    }
     if (o->resume && !strcmp(o->resume, "auto") && !o->save) {
         fprintf(stderr, "fashion_mnist: --resume auto needs --save (where to look)\n");
         return 0;

@@ -18,6 +18,7 @@
  * "test accuracy: NN.NN%".
  */
 #include "dtrain.h"
+#include "args.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -309,38 +310,42 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *job)
     return passed;
 }
 
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: pipeline_mnist [--stages 1-3] [--replicas R] [--micro M] "
+               "[--schedule 1f1b|gpipe] [--epochs N] [--batch B] [--limit-batches N] "
+               "[--seed S] [--data DIR] [--help]\n");
+}
+
 static int parse(int argc, char **argv, options *o)
 {
     *o = (options){2, 1, 4, 1, 128, 0, "1f1b", "/usr/share/datasets/fashion-mnist", 1};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!v)
-            return 0;
-        if (!strcmp(a, "--stages")) o->stages = atoi(v);
-        else if (!strcmp(a, "--replicas")) o->replicas = atoi(v);
-        else if (!strcmp(a, "--micro")) o->micro = atoi(v);
-        else if (!strcmp(a, "--schedule")) o->schedule = v;
-        else if (!strcmp(a, "--epochs")) o->epochs = atoi(v);
-        else if (!strcmp(a, "--batch")) o->batch = atoi(v);
-        else if (!strcmp(a, "--limit-batches")) o->limit = atoi(v);
-        else if (!strcmp(a, "--seed")) o->seed = strtoull(v, NULL, 10);
-        else if (!strcmp(a, "--data")) o->data = v;
-        else return 0;
-        i++;
+    const args_opt opts[] = {
+        ARG_INT("stages", &o->stages, 1, NL),
+        ARG_INT("replicas", &o->replicas, 1, 1024),
+        ARG_INT("micro", &o->micro, 1, 1 << 20),
+        ARG_CHOICE("schedule", &o->schedule, "1f1b|gpipe"),
+        ARG_INT("epochs", &o->epochs, 1, 1000000),
+        ARG_INT("batch", &o->batch, 1, 1 << 20),
+        ARG_INT("limit-batches", &o->limit, 0, 1 << 30),   /* 0: the whole epoch */
+        ARG_U64("seed", &o->seed),
+        ARG_STR("data", &o->data),
+    };
+    if (args_parse("pipeline_mnist", argc, argv, opts, sizeof opts / sizeof opts[0],
+                   ARGS_NO_OPERANDS, usage) < 0)
+        return 0;
+    if (o->batch < o->micro) {   /* each micro-batch needs a sample at least */
+        fprintf(stderr, "pipeline_mnist: --batch %d is less than --micro %d\n", o->batch, o->micro);
+        return 0;
     }
-    return o->stages >= 1 && o->stages <= NL && o->replicas >= 1 && o->micro >= 1 &&
-           o->epochs >= 1 && o->batch >= o->micro && o->limit >= 0;
+    return 1;
 }
 
 int main(int argc, char **argv)
 {
     options o;
-    if (!parse(argc, argv, &o)) {
-        fprintf(stderr, "usage: pipeline_mnist [--stages 1-3] [--replicas R] [--micro M] "
-                        "[--schedule 1f1b|gpipe] [--epochs N] [--batch B] [--limit-batches N] "
-                        "[--seed S] [--data DIR]\n");
+    if (!parse(argc, argv, &o))
         return 2;
-    }
     int ranks = o.stages * o.replicas;
     dt_ctx *ctx = dt_ctx_new(NULL);
     if (!ctx)

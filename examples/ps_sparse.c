@@ -21,6 +21,7 @@
  * Worker 0 prints; the last line is "test auc: 0.NNNN".
  */
 #include "dtrain.h"
+#include "args.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -447,7 +448,8 @@ static void usage(FILE *f)
                "  --rows N           embedding table rows (default 1048576); --dim N (default 16)\n"
                "  --batch N          samples per step per worker (default 512); --epochs N (1)\n"
                "  --lr X             AdaGrad learning rate (default 0.05); --seed N (default 1)\n"
-               "  --dump FILE        write the data set for bench_sparse_torch.py and exit\n");
+               "  --dump FILE        write the data set for bench_sparse_torch.py and exit\n"
+               "  --help             this text\n");
 }
 
 static int parse_args(int argc, char **argv, options *o)
@@ -455,53 +457,24 @@ static int parse_args(int argc, char **argv, options *o)
     *o = (options){.ranks = 3, .servers = 1, .staleness = 2, .batch = 512, .epochs = 1, .dim = 16,
                    .samples = 1000000, .test = 100000, .rows = 1 << 20, .lr = 0.05f, .seed = 1,
                    .mode = "bsp"};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-        long long x = atoll(v);
-        if (!strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        } else if (!strcmp(a, "--prefetch")) {
-            o->prefetch = 1;
-            continue;
-        } else if (!strcmp(a, "--mode")) {
-            o->mode = v;
-        } else if (!strcmp(a, "--dump")) {
-            o->dump = v;
-        } else if (!strcmp(a, "--lr")) {
-            o->lr = (float)atof(v);
-        } else if (!strcmp(a, "--ranks") && x >= 2) {
-            o->ranks = (int)x;
-        } else if (!strcmp(a, "--servers") && x >= 1) {
-            o->servers = (int)x;
-        } else if (!strcmp(a, "--staleness") && x >= 0) {
-            o->staleness = (int)x;
-        } else if (!strcmp(a, "--batch") && x >= 1 && x <= 4096) {
-            o->batch = (int)x;
-        } else if (!strcmp(a, "--epochs") && x >= 1) {
-            o->epochs = (int)x;
-        } else if (!strcmp(a, "--dim") && x >= 1 && x <= 256) {
-            o->dim = (int)x;
-        } else if (!strcmp(a, "--samples") && x >= 1) {
-            o->samples = x;
-        } else if (!strcmp(a, "--test") && x >= 1) {
-            o->test = x;
-        } else if (!strcmp(a, "--rows") && x >= 1 && x < INT32_MAX) {
-            o->rows = x;
-        } else if (!strcmp(a, "--seed")) {
-            o->seed = strtoull(v, NULL, 10);
-        } else {
-            fprintf(stderr, "ps_sparse: bad option '%s %s'\n", a, v);
-            usage(stderr);
-            return 0;
-        }
-        i++;
-    }
-    if (strcmp(o->mode, "bsp") && strcmp(o->mode, "asp") && strcmp(o->mode, "ssp")) {
-        fprintf(stderr, "ps_sparse: --mode is bsp, asp or ssp\n");
-        return 0;
-    }
-    return 1;
+    const args_opt opts[] = {
+        ARG_INT("ranks", &o->ranks, 2, 4096),
+        ARG_INT("servers", &o->servers, 1, 4095),
+        ARG_CHOICE("mode", &o->mode, "bsp|asp|ssp"),
+        ARG_INT("staleness", &o->staleness, 0, 1 << 20),
+        ARG_FLAG("prefetch", &o->prefetch),
+        ARG_LLONG("samples", &o->samples, 1, 1e12),
+        ARG_LLONG("test", &o->test, 1, 1e9),
+        ARG_LLONG("rows", &o->rows, 1, INT32_MAX - 1),
+        ARG_INT("dim", &o->dim, 1, 256),
+        ARG_INT("batch", &o->batch, 1, 4096),
+        ARG_INT("epochs", &o->epochs, 1, 1000000),
+        ARG_RATE("lr", &o->lr, 1000),
+        ARG_U64("seed", &o->seed),
+        ARG_STR("dump", &o->dump),
+    };
+    return args_parse("ps_sparse", argc, argv, opts, sizeof opts / sizeof opts[0],
+                      ARGS_NO_OPERANDS, usage) >= 0;
 }
 
 int main(int argc, char **argv)
