@@ -44,6 +44,7 @@ import weakref
 from collections import namedtuple
 
 import numpy as np
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 __all__ = [
     "Error", "InvalidArgument", "OutOfMemory", "FileError", "CorruptFile", "Mismatch",
@@ -647,6 +648,10 @@ def _check_library(version, struct_size, path=None):
                                                                     ctypes.sizeof(cls)))
 
 
+for _cls in _STRUCTS:
+    _cls.__doc__ = ("dtrain.h's struct %s, mirrored field for field (its size is checked "
+                    "against the library's at import)." % _cls.__name__)
+
 _MIRRORED = [c for c in list(globals().values())
              if isinstance(c, type) and issubclass(c, ctypes.Structure) and c.__name__.startswith("dt_")]
 try:
@@ -667,21 +672,46 @@ def _b(s):
 class Error(Exception):
     """A dtrain call failed; str(e) is the C library's message, e.status its dt_status."""
 
-    def __init__(self, status, message):
+    def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
 
 
-class InvalidArgument(Error, ValueError): pass          # DT_EINVAL
-class OutOfMemory(Error, MemoryError): pass             # DT_ENOMEM
-class FileError(Error, OSError): pass                   # DT_EIO
-class CorruptFile(Error): pass                          # DT_ECORRUPT
-class Mismatch(Error, ValueError): pass                 # DT_EMISMATCH
-class NotSupported(Error, NotImplementedError): pass    # DT_ENOTSUP
-class BadState(Error, RuntimeError): pass               # DT_ESTATE
-class Timeout(Error, TimeoutError): pass                # DT_ETIMEDOUT
-class PeerError(Error, ConnectionError): pass           # DT_EPEER
+class InvalidArgument(Error, ValueError):
+    """DT_EINVAL: a bad argument (NULL, wrong shape or dtype, out of range)."""
+
+
+class OutOfMemory(Error, MemoryError):
+    """DT_ENOMEM: an allocation failed (host or device)."""
+
+
+class FileError(Error, OSError):
+    """DT_EIO: a file could not be read or written (or a device failed)."""
+
+
+class CorruptFile(Error):
+    """DT_ECORRUPT: a file is damaged or not what it claims to be."""
+
+
+class Mismatch(Error, ValueError):
+    """DT_EMISMATCH: ranks, files or models disagree."""
+
+
+class NotSupported(Error, NotImplementedError):
+    """DT_ENOTSUP: not available in this build or on this backend."""
+
+
+class BadState(Error, RuntimeError):
+    """DT_ESTATE: called at the wrong time (a closed object, a used-up graph, ...)."""
+
+
+class Timeout(Error, TimeoutError):
+    """DT_ETIMEDOUT: a peer or the store did not answer in time."""
+
+
+class PeerError(Error, ConnectionError):
+    """DT_EPEER: a peer died, or sent something malformed."""
 
 
 _ERRORS = {1: InvalidArgument, 2: OutOfMemory, 3: FileError, 4: CorruptFile, 5: Mismatch,
@@ -712,7 +742,8 @@ class Context:
     Used by one thread at a time (as in C).  close() frees everything made
     from it: optimizers, loaders, DDPs, communicators and tensors."""
 
-    def __init__(self, backend="cpu", threads=1, seed=0, device=0, arena_bytes=0):
+    def __init__(self, backend: str = "cpu", threads: int = 1, seed: int = 0, device: int = 0,
+                 arena_bytes: int = 0) -> None:
         cfg = dt_config()
         _C.config_init(ctypes.byref(cfg))
         cfg.backend = _b(backend)
@@ -738,16 +769,18 @@ class Context:
 
     # handles and errors
     @property
-    def handle(self):
+    def handle(self) -> int:
+        """The C handle (dt_ctx *); BadState once closed."""
         if not self._h:
             raise BadState(7, "the context is closed")
         return self._h
 
-    def error(self):
+    def error(self) -> "Error":
         """The exception for the context's last error."""
         return _error(_C.last_status(self._h) or 1, _C.last_error(self._h).decode())
 
-    def check(self, status):
+    def check(self, status: int) -> None:
+        """Raise the Error for a failed dt_status (0: nothing)."""
         if status:
             raise _error(status, _C.last_error(self._h).decode())
 
@@ -756,7 +789,7 @@ class Context:
             self._children = [r for r in self._children if r() is not None]
         self._children.append(weakref.ref(obj))
 
-    def close(self):
+    def close(self) -> None:
         """Free the context and everything made from it (dt_ctx_free)."""
         if not self._h:
             return
@@ -786,33 +819,38 @@ class Context:
 
     # state
     @property
-    def backend(self):
+    def backend(self) -> str:
+        """The backend's name: "cpu", "cuda", ..."""
         return _C.backend_name(self.handle).decode()
 
     @property
-    def threads(self):
+    def threads(self) -> int:
+        """Compute threads of the backend."""
         return _C.ctx_threads(self.handle)
 
     @property
-    def grad_enabled(self):
+    def grad_enabled(self) -> bool:
+        """Whether ops record the tape (see no_grad)."""
         return bool(_C.grad_enabled(self.handle))
 
     @grad_enabled.setter
-    def grad_enabled(self, on):
+    def grad_enabled(self, on: bool) -> None:
         _C.set_grad_enabled(self.handle, int(bool(on)))
 
     @property
-    def training(self):
+    def training(self) -> bool:
+        """Training mode (dropout on); False for evaluation."""
         return bool(_C.training(self.handle))
 
     @training.setter
-    def training(self, on):
+    def training(self, on: bool) -> None:
         _C.set_training(self.handle, int(bool(on)))
 
-    def seed(self, seed):
+    def seed(self, seed: int) -> None:
+        """Reseed the context's generator (init and dropout derive from it)."""
         _C.seed(self.handle, seed)
 
-    def set_log(self, fn):
+    def set_log(self, fn: Optional[Callable[[str], None]]) -> None:
         """Warnings go to fn(message) (on the thread that met them); None: back to stderr
         when DTRAIN_LOG is set."""
         if fn is None:
@@ -823,16 +861,18 @@ class Context:
         _C.set_log(self.handle, self._log, None)
 
     @property
-    def last_warning(self):
+    def last_warning(self) -> str:
+        """The latest warning (a dropped worker, a straggler, ...), or ""."""
         return _C.last_warning(self.handle).decode()
 
-    def mem_stats(self):
+    def mem_stats(self) -> Dict[str, int]:
+        """The step arena's and persistent memory's sizes, as a dict (dt_mem_stats)."""
         s = dt_mem_stats()
         _C.mem_stats_get(self.handle, ctypes.byref(s))
         return {f: getattr(s, f) for f, _ in s._fields_}
 
     # the step
-    def step_reset(self):
+    def step_reset(self) -> None:
         """Free this step's tensors and tape (dt_step_reset): once per training step."""
         _C.step_reset(self.handle)
         self._step_ended()
@@ -858,10 +898,11 @@ class Context:
             raise e
         self.check(st)
 
-    def backward(self, loss):
+    def backward(self, loss: "Tensor") -> None:
+        """Back-propagate from a scalar loss; parameter gradients accumulate until zero_grad."""
         self._run_backward(lambda: _C.backward(self.handle, loss.handle))
 
-    def no_grad(self):
+    def no_grad(self) -> "_Scoped":
         """with ctx.no_grad(): ops record no tape (torch.no_grad)."""
         def enter():
             old = self.grad_enabled
@@ -871,16 +912,17 @@ class Context:
         return _Scoped(enter, lambda old: setattr(self, "grad_enabled", old))
 
     @property
-    def autocast_precision(self):
+    def autocast_precision(self) -> str:
         """The mixed precision matmul, linear and conv2d run at: f32, tf32, bf16 or fp16."""
         return _PRECISION_NAMES[_C.autocast(self.handle)]
 
-    def set_autocast(self, precision):
+    def set_autocast(self, precision: str) -> None:
+        """Set the mixed precision of matmul, linear and conv2d: "f32", "tf32", "bf16" or "fp16"."""
         if precision not in _PRECISIONS:
             raise InvalidArgument(1, "autocast: one of %s" % ", ".join(_PRECISIONS))
         self.check(_C.set_autocast(self.handle, _PRECISIONS[precision]))
 
-    def autocast(self, precision="bf16"):
+    def autocast(self, precision: str = "bf16") -> "_Scoped":
         """with ctx.autocast("bf16"): mixed precision for the forward (torch.autocast)."""
         def enter():
             old = self.autocast_precision
@@ -889,33 +931,34 @@ class Context:
 
         return _Scoped(enter, self.set_autocast)
 
-    def mem_reset_peak(self):
+    def mem_reset_peak(self) -> None:
         """Start mem_stats()' arena_peak again from what is used now."""
         _C.mem_reset_peak(self.handle)
 
-    def temp(self, shape, dtype=np.float32):
+    def temp(self, shape: Sequence[int], dtype: Any = np.float32) -> "Tensor":
         """A zero-filled step tensor (gone at step_reset), e.g. a custom op's output."""
         shape = tuple(shape)
         h = _C.tensor_temp(self.handle, _dtype_code(dtype), len(shape), _shape(shape))
         return Tensor._made(self, h, self.step)
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
+        """Zero every parameter's gradient."""
         _C.zero_grad(self.handle)
 
-    def clip_grad_norm(self, max_norm):
+    def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradients to a global L2 norm of at most max_norm; the norm before."""
         norm = _F()
         self.check(_C.clip_grad_norm(self.handle, max_norm, ctypes.byref(norm)))
         return norm.value
 
     # tensors
-    def tensor(self, shape, dtype=np.float32):
+    def tensor(self, shape: Sequence[int], dtype: Any = np.float32) -> "Tensor":
         """A new zero-filled persistent tensor."""
         shape = tuple(shape)
         h = _C.tensor_new(self.handle, _dtype_code(dtype), len(shape), _shape(shape))
         return Tensor._made(self, h, None, owned=True)
 
-    def from_numpy(self, array, copy=False):
+    def from_numpy(self, array: np.ndarray, copy: bool = False) -> "Tensor":
         """A persistent tensor with the array's contents: its memory itself (no copy) when
         the array is C-contiguous, aligned, of float32/int32/uint8, and the backend computes
         on host memory; else (or copy=True) a copy, float arrays as float32."""
@@ -936,7 +979,7 @@ class Context:
         return t
 
     # parameters
-    def param(self, name, shape):
+    def param(self, name: str, shape: Sequence[int]) -> "Tensor":
         """A new parameter (zero-filled, requires grad), owned by the context."""
         shape = tuple(shape)
         h = _C.param_new(self.handle, _b(name), len(shape), _shape(shape))
@@ -948,28 +991,36 @@ class Context:
         return (Tensor._made(self, w.value, None),
                 Tensor._made(self, b.value, None) if b.value else None)
 
-    def linear_params(self, name, in_features, out_features, bias=True):
+    def linear_params(self, name: str, in_features: int, out_features: int,
+                      bias: bool = True) -> Tuple["Tensor", Optional["Tensor"]]:
         """(weight (out, in), bias (out) or None) as nn.Linear initialises them."""
         return self._pair(_C.linear_params, _b(name), in_features, out_features, int(bias))
 
-    def conv2d_params(self, name, in_channels, out_channels, kernel, bias=True):
+    def conv2d_params(self, name: str, in_channels: int, out_channels: int, kernel: int,
+                      bias: bool = True) -> Tuple["Tensor", Optional["Tensor"]]:
+        """(weight (out, in, k, k), bias (out) or None) as nn.Conv2d initialises them."""
         return self._pair(_C.conv2d_params, _b(name), in_channels, out_channels, kernel,
                           int(bias))
 
-    def embedding_params(self, name, num, dim):
+    def embedding_params(self, name: str, num: int, dim: int) -> "Tensor":
+        """An embedding table (num, dim) initialised as nn.Embedding (normal, std 1)."""
         h = _C.embedding_params(self.handle, _b(name), num, dim)
         if not h:
             raise self.error()
         return Tensor._made(self, h, None)
 
-    def layer_norm_params(self, name, dim, bias=True):
+    def layer_norm_params(self, name: str, dim: int,
+                          bias: bool = True) -> Tuple["Tensor", Optional["Tensor"]]:
+        """(weight (dim) of ones, bias (dim) of zeros or None) as nn.LayerNorm."""
         return self._pair(_C.layer_norm_params, _b(name), dim, int(bias))
 
-    def params(self):
+    def params(self) -> List["Tensor"]:
+        """The parameters registered so far, in order."""
         return [Tensor._made(self, _C.param_at(self.handle, i), None)
                 for i in range(_C.param_count(self.handle))]
 
-    def param_find(self, name):
+    def param_find(self, name: str) -> Optional["Tensor"]:
+        """The parameter of that name, or None."""
         h = _C.param_find(self.handle, _b(name))
         return Tensor._made(self, h, None) if h else None
 
@@ -1014,7 +1065,8 @@ class Tensor:
         return t
 
     @property
-    def handle(self):
+    def handle(self) -> int:
+        """The C handle (dt_tensor *); BadState once the tensor is gone."""
         if self._life is not None and self._life.gen != self._gen:
             raise BadState(7, "this tensor is gone: it belonged to a finished step "
                               "(ctx.step_reset) or to a loader's earlier batch")
@@ -1022,7 +1074,7 @@ class Tensor:
             raise BadState(7, "this tensor was freed (or its context closed)")
         return self._h
 
-    def free(self):
+    def free(self) -> None:
         """Free a persistent tensor (parameters stay: they are the context's).  Its memory
         goes at the next step_reset: this step's tape may still read it."""
         if self._owned and self._h and self.ctx._h:
@@ -1038,37 +1090,44 @@ class Tensor:
 
     # shape and contents
     @property
-    def shape(self):
+    def shape(self) -> Tuple[int, ...]:
+        """The shape, as a tuple."""
         h = self.handle
         return tuple(_C.tensor_dim(h, i) for i in range(_C.tensor_ndim(h)))
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
+        """Number of dims."""
         return _C.tensor_ndim(self.handle)
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
+        """The NumPy dtype of the elements (float32, int32, uint8, ...)."""
         return np.dtype(_DTYPES[_C.tensor_dtype(self.handle)])
 
-    def numel(self):
+    def numel(self) -> int:
+        """Number of elements."""
         return _C.tensor_numel(self.handle)
 
     @property
-    def name(self):
+    def name(self) -> str:
+        """The tensor's name ("" if unnamed); parameters have theirs."""
         return _C.tensor_name(self.handle).decode()
 
     @name.setter
-    def name(self, name):
+    def name(self, name: str) -> None:
         self.ctx.check(_C.tensor_set_name(self.handle, _b(name)))
 
     @property
-    def is_contiguous(self):
+    def is_contiguous(self) -> bool:
+        """Whether the elements are dense in row-major order (views may not be)."""
         return bool(_C.tensor_is_contiguous(self.handle))
 
-    def item(self):
+    def item(self) -> float:
+        """The first element as a float (a scalar loss)."""
         return float(_C.tensor_item(self.handle))
 
-    def numpy(self, copy=False):
+    def numpy(self, copy: bool = False) -> np.ndarray:
         """A NumPy array of the contents: a view of the tensor's memory (CPU backend), valid
         as long as the tensor; copy=True, or a device backend: a copy."""
         h = self.handle
@@ -1085,31 +1144,34 @@ class Tensor:
         self.ctx.check(_C.tensor_get(h, out.ctypes.data, out.size))
         return out
 
-    def copy_from(self, array):
+    def copy_from(self, array: Any) -> None:
         """Copy an array's values in (dt_tensor_set); shapes' sizes must match."""
         a = np.ascontiguousarray(array, dtype=self.dtype)
         self.ctx.check(_C.tensor_set(self.handle, a.ctypes.data, a.size))
 
-    def fill(self, value):
+    def fill(self, value: float) -> None:
+        """Set every element to value."""
         self.ctx.check(_C.tensor_fill(self.handle, value))
 
     @property
-    def grad(self):
+    def grad(self) -> Optional["Tensor"]:
+        """The gradient after backward, or None."""
         g = _C.tensor_grad(self.handle)
         return Tensor._made(self.ctx, g, self._life) if g else None
 
-    def retain_grad(self):
+    def retain_grad(self) -> None:
         """Keep this op output's gradient through the next backward (as
         torch.Tensor.retain_grad); without it .grad of a non-leaf is None."""
         self.ctx.check(_C.retain_grad(self.handle))
         return self
 
     @property
-    def requires_grad(self):
+    def requires_grad(self) -> bool:
+        """Whether backward computes a gradient for it."""
         return bool(_C.tensor_requires_grad(self.handle))
 
     @requires_grad.setter
-    def requires_grad(self, on):
+    def requires_grad(self, on: bool) -> None:
         self.ctx.check(_C.tensor_set_requires_grad(self.handle, int(bool(on))))
 
     def __repr__(self):
@@ -1161,102 +1223,170 @@ def _h(t):
     return None if t is None else t.handle
 
 
-def reshape(x, shape):
+def reshape(x: "Tensor", shape: Sequence[int]) -> "Tensor":
+    """x with another shape of as many elements (a view when x is contiguous)."""
     shape = tuple(shape)
     return _op(_C.reshape, x, x.handle, len(shape), _shape(shape))
 
 
-def flatten(x, start_dim=1): return _op(_C.flatten, x, x.handle, start_dim)
-def transpose(x, d0, d1): return _op(_C.transpose, x, x.handle, d0, d1)
-def slice(x, dim, start, end): return _op(_C.slice, x, x.handle, dim, start, end)
-def contiguous(x): return _op(_C.contiguous, x, x.handle)
+def flatten(x: "Tensor", start_dim: int = 1) -> "Tensor":
+    """x with its dims from start_dim on merged into one."""
+    return _op(_C.flatten, x, x.handle, start_dim)
+def transpose(x: "Tensor", d0: int, d1: int) -> "Tensor":
+    """x with dims d0 and d1 swapped (a view)."""
+    return _op(_C.transpose, x, x.handle, d0, d1)
+def slice(x: "Tensor", dim: int, start: int, end: int) -> "Tensor":
+    """x's elements start..end-1 along dim (a view)."""
+    return _op(_C.slice, x, x.handle, dim, start, end)
+def contiguous(x: "Tensor") -> "Tensor":
+    """x with its elements dense in row-major order (a copy if they are not)."""
+    return _op(_C.contiguous, x, x.handle)
 
 
-def concat(xs, dim=0):
+def concat(xs: Sequence["Tensor"], dim: int = 0) -> "Tensor":
+    """The tensors joined along dim."""
     hs = (_P * len(xs))(*[t.handle for t in xs])
     return _op(_C.concat, xs[0], hs, len(xs), dim)
 
 
-def matmul(a, b, trans_a=False, trans_b=False):
+def matmul(a: "Tensor", b: "Tensor", trans_a: bool = False, trans_b: bool = False) -> "Tensor":
+    """a @ b, with a or b transposed first when asked; batched over leading dims."""
     return _op(_C.matmul, a, a.handle, b.handle, int(trans_a), int(trans_b))
 
 
-def linear(x, w, b=None): return _op(_C.linear, x, x.handle, w.handle, _h(b))
-def add(a, b): return _op(_C.add, a, a.handle, b.handle)
-def sub(a, b): return _op(_C.sub, a, a.handle, b.handle)
-def mul(a, b): return _op(_C.mul, a, a.handle, b.handle)
-def div(a, b): return _op(_C.div, a, a.handle, b.handle)
-def scale(x, s): return _op(_C.scale, x, x.handle, s)
+def linear(x: "Tensor", w: "Tensor", b: Optional["Tensor"] = None) -> "Tensor":
+    """x @ w^T + b, as torch.nn.functional.linear (b may be None)."""
+    return _op(_C.linear, x, x.handle, w.handle, _h(b))
+def add(a: "Tensor", b: "Tensor") -> "Tensor":
+    """a + b elementwise, with NumPy broadcasting."""
+    return _op(_C.add, a, a.handle, b.handle)
+def sub(a: "Tensor", b: "Tensor") -> "Tensor":
+    """a - b elementwise, with NumPy broadcasting."""
+    return _op(_C.sub, a, a.handle, b.handle)
+def mul(a: "Tensor", b: "Tensor") -> "Tensor":
+    """a * b elementwise, with NumPy broadcasting."""
+    return _op(_C.mul, a, a.handle, b.handle)
+def div(a: "Tensor", b: "Tensor") -> "Tensor":
+    """a / b elementwise, with NumPy broadcasting."""
+    return _op(_C.div, a, a.handle, b.handle)
+def scale(x: "Tensor", s: float) -> "Tensor":
+    """x * s for a number s."""
+    return _op(_C.scale, x, x.handle, s)
 
 
-def sum(x, dim=None, keepdim=False):
+def sum(x: "Tensor", dim: Optional[int] = None, keepdim: bool = False) -> "Tensor":
+    """The sum of all elements (a scalar), or along dim."""
     if dim is None:
         return _op(_C.sum, x, x.handle)
     return _op(_C.sum_dim, x, x.handle, dim, int(keepdim))
 
 
-def mean(x, dim=None, keepdim=False):
+def mean(x: "Tensor", dim: Optional[int] = None, keepdim: bool = False) -> "Tensor":
+    """The mean of all elements (a scalar), or along dim."""
     if dim is None:
         return _op(_C.mean, x, x.handle)
     return _op(_C.mean_dim, x, x.handle, dim, int(keepdim))
 
 
-def relu(x): return _op(_C.relu, x, x.handle)
-def gelu(x): return _op(_C.gelu, x, x.handle)
-def gelu_tanh(x): return _op(_C.gelu_tanh, x, x.handle)
+def relu(x: "Tensor") -> "Tensor":
+    """max(x, 0)."""
+    return _op(_C.relu, x, x.handle)
+def gelu(x: "Tensor") -> "Tensor":
+    """GELU (the exact, erf form)."""
+    return _op(_C.gelu, x, x.handle)
+def gelu_tanh(x: "Tensor") -> "Tensor":
+    """GELU, tanh approximation (GPT-2's)."""
+    return _op(_C.gelu_tanh, x, x.handle)
 
 
-def permute(x, *dims):
+def permute(x: "Tensor", *dims: int) -> "Tensor":
+    """x with its dims reordered (a view), as torch.permute."""
     d = (_I * len(dims))(*dims)
     return _op(_C.permute, x, x.handle, len(dims), d)
 
 
-def pow(a, b):
+def pow(a: "Tensor", b: Union["Tensor", float]) -> "Tensor":
     """a ** b: b a Tensor (broadcast) or a number."""
     if isinstance(b, Tensor):
         return _op(_C.pow, a, a.handle, b.handle)
     return _op(_C.pow_scalar, a, a.handle, float(b))
 
 
-def where(cond, a, b): return _op(_C.where, a, cond.handle, a.handle, b.handle)
-def masked_fill(x, mask, value): return _op(_C.masked_fill, x, x.handle, mask.handle, float(value))
-def exp(x): return _op(_C.exp, x, x.handle)
-def log(x): return _op(_C.log, x, x.handle)
-def sqrt(x): return _op(_C.sqrt, x, x.handle)
+def where(cond: "Tensor", a: "Tensor", b: "Tensor") -> "Tensor":
+    """cond != 0 ? a : b elementwise, broadcasting the three."""
+    return _op(_C.where, a, cond.handle, a.handle, b.handle)
+def masked_fill(x: "Tensor", mask: "Tensor", value: float) -> "Tensor":
+    """x with value where mask != 0 (mask broadcast to x)."""
+    return _op(_C.masked_fill, x, x.handle, mask.handle, float(value))
+def exp(x: "Tensor") -> "Tensor":
+    """e^x elementwise."""
+    return _op(_C.exp, x, x.handle)
+def log(x: "Tensor") -> "Tensor":
+    """Natural log elementwise."""
+    return _op(_C.log, x, x.handle)
+def sqrt(x: "Tensor") -> "Tensor":
+    """Square root elementwise."""
+    return _op(_C.sqrt, x, x.handle)
 
 
-def attention(q, k, v, mask=None, causal=False, scale=0.0):
+def attention(q: "Tensor", k: "Tensor", v: "Tensor", mask: Optional["Tensor"] = None,
+              causal: bool = False, scale: float = 0.0) -> "Tensor":
     """softmax(scale q k^T + mask) v over (..., T, D), fused (dt_attention)."""
     return _op(_C.attention, q, q.handle, k.handle, v.handle, _h(mask), int(causal), scale)
 
 
-def cross_entropy_ignore(logits, labels, ignore_index=-100):
+def cross_entropy_ignore(logits: "Tensor", labels: "Tensor", ignore_index: int = -100) -> "Tensor":
+    """Mean cross entropy of logits against labels, skipping labels equal to ignore_index."""
     return _op(_C.cross_entropy_ignore, logits, logits.handle, labels.handle, ignore_index)
-def tanh(x): return _op(_C.tanh, x, x.handle)
-def sigmoid(x): return _op(_C.sigmoid, x, x.handle)
-def softmax(x, dim=-1): return _op(_C.softmax, x, x.handle, dim)
-def log_softmax(x, dim=-1): return _op(_C.log_softmax, x, x.handle, dim)
-def cross_entropy(logits, labels): return _op(_C.cross_entropy, logits, logits.handle, labels.handle)
-def mse(pred, target): return _op(_C.mse, pred, pred.handle, target.handle)
+def tanh(x: "Tensor") -> "Tensor":
+    """tanh elementwise."""
+    return _op(_C.tanh, x, x.handle)
+def sigmoid(x: "Tensor") -> "Tensor":
+    """The logistic sigmoid elementwise."""
+    return _op(_C.sigmoid, x, x.handle)
+def softmax(x: "Tensor", dim: int = -1) -> "Tensor":
+    """Softmax along dim."""
+    return _op(_C.softmax, x, x.handle, dim)
+def log_softmax(x: "Tensor", dim: int = -1) -> "Tensor":
+    """Log-softmax along dim."""
+    return _op(_C.log_softmax, x, x.handle, dim)
+def cross_entropy(logits: "Tensor", labels: "Tensor") -> "Tensor":
+    """Mean cross entropy of (B, C) logits against (B) int32 labels."""
+    return _op(_C.cross_entropy, logits, logits.handle, labels.handle)
+def mse(pred: "Tensor", target: "Tensor") -> "Tensor":
+    """Mean squared error between pred and target."""
+    return _op(_C.mse, pred, pred.handle, target.handle)
 
 
-def conv2d(x, w, b=None, stride=1, pad=0):
+def conv2d(x: "Tensor", w: "Tensor", b: Optional["Tensor"] = None, stride: int = 1,
+           pad: int = 0) -> "Tensor":
+    """2-D convolution of (B, C, H, W) x with (O, C, k, k) w and bias b (may be None)."""
     return _op(_C.conv2d, x, x.handle, w.handle, _h(b), stride, pad)
 
 
-def max_pool2d(x, kernel, stride=0, pad=0): return _op(_C.max_pool2d, x, x.handle, kernel, stride, pad)
-def avg_pool2d(x, kernel, stride=0, pad=0): return _op(_C.avg_pool2d, x, x.handle, kernel, stride, pad)
-def embedding(weight, idx): return _op(_C.embedding, weight, weight.handle, idx.handle)
+def max_pool2d(x: "Tensor", kernel: int, stride: int = 0, pad: int = 0) -> "Tensor":
+    """Max pooling over kernel x kernel windows (stride 0: kernel)."""
+    return _op(_C.max_pool2d, x, x.handle, kernel, stride, pad)
+def avg_pool2d(x: "Tensor", kernel: int, stride: int = 0, pad: int = 0) -> "Tensor":
+    """Average pooling over kernel x kernel windows (stride 0: kernel)."""
+    return _op(_C.avg_pool2d, x, x.handle, kernel, stride, pad)
+def embedding(weight: "Tensor", idx: "Tensor") -> "Tensor":
+    """Rows idx (int32) of the table weight."""
+    return _op(_C.embedding, weight, weight.handle, idx.handle)
 
 
-def layer_norm(x, w=None, b=None, eps=1e-5):
+def layer_norm(x: "Tensor", w: Optional["Tensor"] = None, b: Optional["Tensor"] = None,
+               eps: float = 1e-5) -> "Tensor":
+    """Layer normalisation over the last dim, then * w + b (either may be None)."""
     return _op(_C.layer_norm, x, x.handle, _h(w), _h(b), eps)
 
 
-def dropout(x, p): return _op(_C.dropout, x, x.handle, p)
+def dropout(x: "Tensor", p: float) -> "Tensor":
+    """Dropout with probability p while training (identity otherwise)."""
+    return _op(_C.dropout, x, x.handle, p)
 
 
-def count_correct(logits, labels):
+def count_correct(logits: "Tensor", labels: "Tensor") -> int:
     """Rows of logits whose argmax equals the label."""
     n = ctypes.c_int64()
     logits.ctx.check(_C.count_correct(logits.ctx._h, logits.handle, labels.handle,
@@ -1269,13 +1399,27 @@ def _init(fn, t, *args):
     t.ctx.check(fn(t.ctx._h, t.handle, *args))
 
 
-def init_uniform(t, lo, hi): _init(_C.init_uniform, t, lo, hi)
-def init_normal(t, mean=0.0, std=1.0): _init(_C.init_normal, t, mean, std)
-def init_kaiming_uniform(t, a=0.0): _init(_C.init_kaiming_uniform, t, a)
-def init_kaiming_normal(t, a=0.0): _init(_C.init_kaiming_normal, t, a)
-def init_xavier_uniform(t, gain=1.0): _init(_C.init_xavier_uniform, t, gain)
-def init_xavier_normal(t, gain=1.0): _init(_C.init_xavier_normal, t, gain)
-def init_bias(t, fan_in): _init(_C.init_bias, t, fan_in)
+def init_uniform(t: "Tensor", lo: float, hi: float) -> None:
+    """Fill t uniformly in [lo, hi) from the context's generator."""
+    _init(_C.init_uniform, t, lo, hi)
+def init_normal(t: "Tensor", mean: float = 0.0, std: float = 1.0) -> None:
+    """Fill t with normal samples (mean, std)."""
+    _init(_C.init_normal, t, mean, std)
+def init_kaiming_uniform(t: "Tensor", a: float = 0.0) -> None:
+    """Kaiming-uniform init, as torch.nn.init.kaiming_uniform_(t, a)."""
+    _init(_C.init_kaiming_uniform, t, a)
+def init_kaiming_normal(t: "Tensor", a: float = 0.0) -> None:
+    """Kaiming-normal init, as torch.nn.init.kaiming_normal_(t, a)."""
+    _init(_C.init_kaiming_normal, t, a)
+def init_xavier_uniform(t: "Tensor", gain: float = 1.0) -> None:
+    """Xavier-uniform init with gain."""
+    _init(_C.init_xavier_uniform, t, gain)
+def init_xavier_normal(t: "Tensor", gain: float = 1.0) -> None:
+    """Xavier-normal init with gain."""
+    _init(_C.init_xavier_normal, t, gain)
+def init_bias(t: "Tensor", fan_in: int) -> None:
+    """A bias as torch.nn.Linear/Conv2d initialise it: uniform +-1/sqrt(fan_in)."""
+    _init(_C.init_bias, t, fan_in)
 
 
 # --- 8. optimizers --------------------------------------------------------------------------
@@ -1299,12 +1443,14 @@ class _Handle:
         ctx._adopt(self)
 
     @property
-    def handle(self):
+    def handle(self) -> int:
+        """The C handle; BadState once closed."""
         if not self._h:
             raise BadState(7, "the %s is closed" % self._what)
         return self._h
 
-    def close(self):
+    def close(self) -> None:
+        """Free the C object (the context frees it too when it closes)."""
         if self._h and self.ctx._h:
             self._free(self._h)
         self._h = None
@@ -1324,7 +1470,9 @@ class Optimizer(_Handle):
     _what = "optimizer"
     _free = staticmethod(_C.optim_free)
 
-    def __init__(self, ctx, kind="adam", params=None, betas=None, **cfg):
+    def __init__(self, ctx: "Context", kind: str = "adam",
+                 params: Optional[Sequence["Tensor"]] = None,
+                 betas: Optional[Tuple[float, float]] = None, **cfg: Any) -> None:
         if kind not in _OPTIMS:
             raise InvalidArgument(1, "optimizer kind '%s': one of %s" % (kind, ", ".join(_OPTIMS)))
         c = dt_optim_config()
@@ -1341,33 +1489,39 @@ class Optimizer(_Handle):
             hs = (_P * max(n, 1))(*[p.handle for p in params])
         self._own(ctx, _C.optim_new(ctx.handle, ctypes.byref(c), hs, n))
 
-    def step(self):
+    def step(self) -> None:
+        """One update from the current gradients."""
         self.ctx.check(_C.optim_step(self.handle))
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
+        """Zero the gradients of this optimizer's parameters."""
         _C.optim_zero_grad(self.handle)
 
     @property
-    def lr(self):
+    def lr(self) -> float:
+        """The learning rate (the schedule's, once set)."""
         return _C.optim_lr(self.handle)
 
     @lr.setter
-    def lr(self, v):
+    def lr(self, v: float) -> None:
         self.ctx.check(_C.optim_set_lr(self.handle, v))
 
     @property
-    def steps(self):
+    def steps(self) -> int:
+        """Steps taken."""
         return _C.optim_steps(self.handle)
 
     @property
-    def state(self):
+    def state(self) -> List["Tensor"]:
         """The optimizer's state tensors (momentum, exp_avg, exp_avg_sq, ... per
         parameter), named as in checkpoints; they live as long as the optimizer."""
         return [Tensor._made(self.ctx, _C.optim_state_at(self.handle, i), None)
                 for i in range(_C.optim_state_count(self.handle))]
 
-    def set_schedule(self, kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0,
-                     step_size=0, gamma=0.1):
+    def set_schedule(self, kind: str = "cosine", total_steps: int = 0, warmup_steps: int = 0,
+                     min_lr: float = 0.0, step_size: int = 0, gamma: float = 0.1) -> None:
+        """A learning-rate schedule: "constant", "step" (step_size, gamma) or "cosine"
+        (total_steps, min_lr), with a linear warm-up of warmup_steps."""
         s = _schedule_of(kind, total_steps, warmup_steps, min_lr, step_size, gamma)
         self.ctx.check(_C.optim_set_schedule(self.handle, ctypes.byref(s)))
 
@@ -1381,12 +1535,13 @@ def _schedule_of(kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0, step_
 
 
 
-def checkpoint_save(ctx, path, opt=None, step=0):
+def checkpoint_save(ctx: "Context", path: str, opt: Optional["Optimizer"] = None,
+                    step: int = 0) -> None:
     """Parameters, opt's state and the step to path (safetensors, written atomically)."""
     ctx.check(_C.checkpoint_save(ctx.handle, opt.handle if opt else None, _b(path), step))
 
 
-def checkpoint_load(ctx, path, opt=None):
+def checkpoint_load(ctx: "Context", path: str, opt: Optional["Optimizer"] = None) -> int:
     """Load a checkpoint (checked whole first: a bad file changes nothing); its step."""
     step = ctypes.c_int64()
     ctx.check(_C.checkpoint_load(ctx.handle, opt.handle if opt else None, _b(path),
@@ -1434,12 +1589,13 @@ class Dataset(_Handle):
     _free = staticmethod(_C.dataset_free)
     _keep = ()
 
-    def __init__(self, ctx, handle, keep=()):
+    def __init__(self, ctx: "Context", handle: int, keep: Any = ()) -> None:
         self._own(ctx, handle)
         self._keep = keep   # arrays and datasets it reads in place: alive as long as it is
 
     @classmethod
-    def from_numpy(cls, ctx, x, y, copy=False):
+    def from_numpy(cls, ctx: "Context", x: np.ndarray, y: np.ndarray,
+                   copy: bool = False) -> "Dataset":
         """Inputs x and targets y (first dim: samples).  Without copy, C-ordered float32,
         int32, uint8 or float16 arrays are used in place (zero copy): do not change them
         while the dataset lives; other arrays are converted once."""
@@ -1452,8 +1608,9 @@ class Dataset(_Handle):
         return cls(ctx, h, () if copy else (x, y))
 
     @classmethod
-    def from_tokens(cls, ctx, tokens, context=64, stride=None, samples=0, seed=0, first=0,
-                    count=-1):
+    def from_tokens(cls, ctx: "Context", tokens: np.ndarray, context: int = 64,
+                    stride: Optional[int] = None, samples: int = 0, seed: int = 0, first: int = 0,
+                    count: int = -1) -> "Dataset":
         """Windows of a 1-D token array (uint8, uint16 or int32; used in place) for a
         language model: x the first `context` ids, y the next `context`.  stride None:
         `context`; 0: `samples` random windows from seed."""
@@ -1470,11 +1627,14 @@ class Dataset(_Handle):
         return cls(ctx, h, (t,))
 
     @classmethod
-    def load_npy(cls, ctx, inputs_path, targets_path):
+    def load_npy(cls, ctx: "Context", inputs_path: str, targets_path: str) -> "Dataset":
+        """Inputs and targets from NumPy .npy files, memory-mapped and checked against
+        their headers."""
         return cls(ctx, _C.dataset_load_npy(ctx.handle, _b(inputs_path), _b(targets_path)))
 
     @classmethod
-    def load_csv(cls, ctx, path, target=-1, classify=True, header=-1, delimiter=","):
+    def load_csv(cls, ctx: "Context", path: str, target: Union[int, str] = -1,
+                 classify: bool = True, header: int = -1, delimiter: str = ",") -> "Dataset":
         """target: a column name (needs a header) or number (-1: the last)."""
         cfg = dt_csv_config()
         _C.csv_config_init(ctypes.byref(cfg))
@@ -1485,12 +1645,12 @@ class Dataset(_Handle):
         cfg.classify, cfg.header, cfg.delimiter = int(classify), header, delimiter.encode()
         return cls(ctx, _C.dataset_load_csv(ctx.handle, _b(path), ctypes.byref(cfg)))
 
-    def subset(self, first, count):
+    def subset(self, first: int, count: int) -> "Dataset":
         """Samples [first, first + count) as a dataset (a view of this one)."""
         return Dataset(self.ctx, _C.dataset_subset(self.ctx.handle, self.handle, first, count),
                        (self,))
 
-    def normalize(self, mean=None, std=None, scale_u8=False):
+    def normalize(self, mean: Any = None, std: Any = None, scale_u8: bool = False) -> None:
         """u8 inputs / 255 (scale_u8), then (x - mean) / std per channel, per element or
         overall (as many values as channels, elements or one)."""
         m = np.ascontiguousarray(np.atleast_1d(mean if mean is not None else []), np.float32)
@@ -1500,35 +1660,39 @@ class Dataset(_Handle):
         self.ctx.check(_C.dataset_normalize(self.handle, int(scale_u8), m.size,
                                             m.ctypes.data_as(_FP), s.ctypes.data_as(_FP)))
 
-    def stats(self, n=1):
+    def stats(self, n: int = 1) -> Tuple[np.ndarray, np.ndarray]:
         """The inputs' (mean, std) arrays per channel (n = channels), element or overall."""
         m, s = np.empty(n, np.float32), np.empty(n, np.float32)
         self.ctx.check(_C.dataset_stats(self.handle, n, m.ctypes.data_as(_FP), s.ctypes.data_as(_FP)))
         return m, s
 
     @classmethod
-    def fashion_mnist(cls, ctx, split="train", dir=None):
+    def fashion_mnist(cls, ctx: "Context", split: str = "train",
+                      dir: Optional[str] = None) -> "Dataset":
         """Fashion-MNIST as Debian's dataset-fashion-mnist installs it (dir None)."""
         return cls(ctx, _C.dataset_fashion_mnist(ctx.handle, _b(dir), 0 if split == "train" else 1))
 
     @classmethod
-    def load_idx(cls, ctx, images_path, labels_path):
+    def load_idx(cls, ctx: "Context", images_path: str, labels_path: str) -> "Dataset":
+        """Images and labels from IDX files (gzip or plain), as MNIST ships them."""
         return cls(ctx, _C.dataset_load_idx(ctx.handle, _b(images_path), _b(labels_path)))
 
     def __len__(self):
         return _C.dataset_size(self.handle)
 
     @property
-    def sample_shape(self):
+    def sample_shape(self) -> Tuple[int, ...]:
+        """One input's shape, without the sample dim."""
         s = (ctypes.c_int64 * 6)()
         n = _C.dataset_sample_shape(self.handle, s)
         return tuple(s[:n])
 
     @property
-    def classes(self):
+    def classes(self) -> int:
+        """The number of classes of integer labels (0 for other targets)."""
         return _C.dataset_classes(self.handle)
 
-    def image(self, i):
+    def image(self, i: int) -> np.ndarray:
         """Sample i's pixels, a read-only uint8 view of the dataset's memory."""
         if not 0 <= i < len(self):
             raise IndexError("sample %d of %d" % (i, len(self)))
@@ -1537,7 +1701,8 @@ class Dataset(_Handle):
         a.flags.writeable = False
         return a
 
-    def label(self, i):
+    def label(self, i: int) -> int:
+        """Sample i's integer label."""
         if not 0 <= i < len(self):
             raise IndexError("sample %d of %d" % (i, len(self)))
         return _C.dataset_label(self.handle, i)
@@ -1552,7 +1717,7 @@ class Loader(_Handle):
     _what = "loader"
     _free = staticmethod(_C.loader_free)
 
-    def __init__(self, ctx, dataset, **cfg):
+    def __init__(self, ctx: "Context", dataset: "Dataset", **cfg: Any) -> None:
         c = dt_loader_config()
         _C.loader_config_init(ctypes.byref(c))
         for k, v in cfg.items():
@@ -1568,11 +1733,12 @@ class Loader(_Handle):
         """Batches per epoch."""
         return _C.loader_batches(self.handle)
 
-    def start_epoch(self, epoch):
+    def start_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch`: its order comes from the seed and the epoch."""
         self.batch_life.gen += 1
         self.ctx.check(_C.loader_start_epoch(self.handle, epoch))
 
-    def next(self):
+    def next(self) -> Optional[Tuple["Tensor", "Tensor"]]:
         """The next batch (x, y), or None at the end of the epoch."""
         self.batch_life.gen += 1
         st = _C.loader_next(self.handle, ctypes.byref(self._x), ctypes.byref(self._y))
@@ -1582,7 +1748,7 @@ class Loader(_Handle):
         ctx, life = self.ctx, self.batch_life
         return Tensor._made(ctx, self._x.value, life), Tensor._made(ctx, self._y.value, life)
 
-    def epoch(self, epoch):
+    def epoch(self, epoch: int) -> Iterator[Tuple["Tensor", "Tensor"]]:
         """Iterate over one epoch's batches."""
         self.start_epoch(epoch)
         while True:
@@ -1592,10 +1758,12 @@ class Loader(_Handle):
             yield b
 
     @property
-    def wait_seconds(self):
+    def wait_seconds(self) -> float:
+        """Seconds the caller waited for batches since the epoch started."""
         return _C.loader_wait_seconds(self.handle)
 
-    def close(self):
+    def close(self) -> None:
+        """Free the loader (its batches go with it)."""
         super().close()
         self.batch_life.gen += 1
 
@@ -1606,7 +1774,7 @@ DistEnv = namedtuple("DistEnv", "rank world_size local_rank local_world_size mas
                                 "master_port launcher")
 
 
-def dist_env(ctx):
+def dist_env(ctx: "Context") -> "DistEnv":
     """Where this process sits in its job, from the launcher's environment (dtrun,
     torchrun, mpirun, srun); a single process is rank 0 of 1."""
     e = dt_dist_env()
@@ -1632,7 +1800,8 @@ class Comm(_Handle):
     _what = "communicator"
     _free = staticmethod(_C.comm_free)
 
-    def __init__(self, ctx, transport=None, timeout_ms=0):
+    def __init__(self, ctx: "Context", transport: Optional[str] = None,
+                 timeout_ms: int = 0) -> None:
         c = dt_comm_config()
         _C.comm_config_init(ctypes.byref(c))
         c.transport = _b(transport)
@@ -1640,60 +1809,68 @@ class Comm(_Handle):
         self._own(ctx, _C.comm_new(ctx.handle, None, ctypes.byref(c)))
 
     @property
-    def rank(self):
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
         return _C.comm_rank(self.handle)
 
     @property
-    def size(self):
+    def size(self) -> int:
+        """The number of ranks."""
         return _C.comm_size(self.handle)
 
     @property
-    def transport(self):
+    def transport(self) -> str:
+        """The transport in use ("shm", "tcp", ...)."""
         return _C.comm_transport(self.handle).decode()
 
-    def allreduce(self, array, op="sum"):
+    def allreduce(self, array: np.ndarray, op: str = "sum") -> None:
         """In place on a float32 array (its memory is the buffer: no copy)."""
         self.ctx.check(_C.allreduce(self.handle, _f32_buffer(array, "allreduce"), array.size,
                                     _REDUCE[op]))
         return array
 
-    def broadcast(self, array, root=0):
+    def broadcast(self, array: np.ndarray, root: int = 0) -> None:
+        """Rank root's array to every rank, in place (float32)."""
         self.ctx.check(_C.broadcast(self.handle, _f32_buffer(array, "broadcast"), array.size,
                                     root))
         return array
 
-    def allgather(self, array):
+    def allgather(self, array: np.ndarray) -> np.ndarray:
         """Every rank's array, stacked in rank order: shape (size, *array.shape)."""
         a = np.ascontiguousarray(array, dtype=np.float32)
         out = np.empty((self.size,) + a.shape, np.float32)
         self.ctx.check(_C.allgather(self.handle, a.ctypes.data, a.size, out.ctypes.data))
         return out
 
-    def barrier(self):
+    def barrier(self) -> None:
+        """Wait until every rank has reached it."""
         self.ctx.check(_C.barrier(self.handle))
 
     # point to point: float32 arrays, borrowed for the call
-    def send(self, array, dst):
+    def send(self, array: np.ndarray, dst: int) -> None:
+        """Send a float32 array to rank dst (pipelines: activations forward, gradients back)."""
         a = np.ascontiguousarray(array, dtype=np.float32)
         self.ctx.check(_C.send(self.handle, a.ctypes.data, a.size, dst))
 
-    def recv(self, array, src):
+    def recv(self, array: np.ndarray, src: int) -> None:
         """Into a float32 array in place; the sender must send exactly array.size floats."""
         self.ctx.check(_C.recv(self.handle, _f32_buffer(array, "recv"), array.size, src))
         return array
 
-    def sendrecv(self, send, dst, recv, src):
+    def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int) -> None:
+        """Send to dst and receive from src at once (no deadlock between neighbours)."""
         a = np.ascontiguousarray(send, dtype=np.float32)
         self.ctx.check(_C.sendrecv(self.handle, a.ctypes.data, a.size, dst,
                                    _f32_buffer(recv, "sendrecv"), recv.size, src))
         return recv
 
-    def split(self, color, key=0):
+    def split(self, color: int, key: int = 0) -> "Group":
         """dt_comm_split (collective): the ranks passing the same color form a Group,
         ranked by key then rank.  Close it (or the context) before this communicator."""
         return Group(self, color, key)
 
-    def job_rank(self, rank):
+    def job_rank(self, rank: int) -> int:
+        """The rank in the whole job of this communicator's rank `rank`."""
         return _C.comm_job_rank(self.handle, rank)
 
 
@@ -1702,7 +1879,7 @@ class Group(Comm):
     _close_order = 2
     _what = "process group"
 
-    def __init__(self, parent, color, key):
+    def __init__(self, parent: "Comm", color: int, key: int) -> None:
         c = dt_comm_config()
         _C.comm_config_init(ctypes.byref(c))
         self.parent = parent
@@ -1722,7 +1899,9 @@ class DDP(_Handle):
     _what = "DDP"
     _free = staticmethod(_C.ddp_free)
 
-    def __init__(self, ctx, comm, opt=None, compress="auto", ps=None, **cfg):
+    def __init__(self, ctx: "Context", comm: "Comm", opt: Optional["Optimizer"] = None,
+                 compress: str = "auto", ps: Optional["ParameterServer"] = None,
+                 **cfg: Any) -> None:
         c = dt_ddp_config()
         _C.ddp_config_init(ctypes.byref(c))
         c.compress = _COMPRESS[compress]   # "auto": DTRAIN_COMPRESS, else none
@@ -1735,17 +1914,21 @@ class DDP(_Handle):
         self._own(ctx, _C.ddp_new(ctx.handle, comm.handle, opt.handle if opt else None,
                                   ctypes.byref(c)))
 
-    def sync(self):
+    def sync(self) -> None:
+        """Wait until every bucket of this step is reduced."""
         self.ctx.check(_C.ddp_sync(self.handle))
 
-    def step(self):
+    def step(self) -> None:
+        """sync(), then the optimizer's step."""
         self.ctx.check(_C.ddp_step(self.handle))
 
-    def set_sync(self, on):
+    def set_sync(self, on: bool) -> None:
         """False: backward only accumulates locally (PyTorch's no_sync())."""
         self.ctx.check(_C.ddp_set_sync(self.handle, int(bool(on))))
 
-    def stats(self, reset=False):
+    def stats(self, reset: bool = False) -> Dict[str, Any]:
+        """Totals since the DDP began or the last reset: buckets, bytes, backward,
+        communication and exposed time."""
         s = dt_ddp_stats()
         self.ctx.check(_C.ddp_stats_get(self.handle, ctypes.byref(s)))
         if reset:
@@ -1767,7 +1950,9 @@ class Pipe(_Handle):
     _what = "pipeline"
     _free = staticmethod(_C.pipe_free)
 
-    def __init__(self, ctx, comm, stage, micro_batches=4, schedule="1f1b"):
+    def __init__(self, ctx: "Context", comm: "Comm",
+                 stage: Callable[["Tensor", Optional["Tensor"]], "Tensor"], micro_batches: int = 4,
+                 schedule: str = "1f1b") -> None:
         c = dt_pipe_config()
         _C.pipe_config_init(ctypes.byref(c))
         c.micro_batches = micro_batches
@@ -1789,14 +1974,16 @@ class Pipe(_Handle):
             return None
 
     @property
-    def stage(self):
+    def stage(self) -> int:
+        """This rank's stage."""
         return _C.pipe_stage(self.handle)
 
     @property
-    def stages(self):
+    def stages(self) -> int:
+        """The number of stages."""
         return _C.pipe_stages(self.handle)
 
-    def step(self, x=None, y=None):
+    def step(self, x: Optional["Tensor"] = None, y: Optional["Tensor"] = None) -> Optional[float]:
         """One step's forward and backward (collective over the pipeline): x on stage 0,
         y on the last stage.  Returns the batch's mean loss on the last stage, else None."""
         loss = _F(0.0)
@@ -1808,7 +1995,8 @@ class Pipe(_Handle):
         self.ctx.check(st)
         return None if math.isnan(loss.value) else loss.value
 
-    def stats(self, reset=False):
+    def stats(self, reset: bool = False) -> Dict[str, Any]:
+        """Totals since the pipeline began or the last reset: compute, wait, the bubble."""
         s = dt_pipe_stats()
         self.ctx.check(_C.pipe_stats_get(self.handle, ctypes.byref(s)))
         if reset:
@@ -1819,7 +2007,8 @@ class Pipe(_Handle):
 _LAYER_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P)
 
 
-def layer_times(ctx, layers, sample, reps=5, comm=None):
+def layer_times(ctx: "Context", layers: Sequence[Callable[["Tensor"], "Tensor"]], sample: "Tensor",
+                reps: int = 5, comm: Optional["Comm"] = None) -> List[float]:
     """dt_layer_times: each layer(x) -> y of a sequential model timed forward and backward
     alone, in ms (averaged over comm's ranks when given).  Leaves gradients zeroed."""
     n = len(layers)
@@ -1848,7 +2037,7 @@ def layer_times(ctx, layers, sample, reps=5, comm=None):
     return list(out)
 
 
-def pipe_partition(costs, stages):
+def pipe_partition(costs: Sequence[float], stages: int) -> List[int]:
     """dt_pipe_partition: the first layer of each stage (stages + 1 entries, the last
     len(costs)), minimising the largest stage's total cost."""
     n = len(costs)
@@ -1861,21 +2050,34 @@ def pipe_partition(costs, stages):
 
 
 # tensor parallelism: ops over the ranks of comm (collectives: every rank runs them alike)
-def tp_copy(comm, x): return _op(_C.tp_copy, x, comm.handle, x.handle)
-def tp_reduce(comm, x): return _op(_C.tp_reduce, x, comm.handle, x.handle)
-def tp_gather(comm, x): return _op(_C.tp_gather, x, comm.handle, x.handle)
-def tp_split(comm, x): return _op(_C.tp_split, x, comm.handle, x.handle)
+def tp_copy(comm: "Comm", x: "Tensor") -> "Tensor":
+    """Tensor parallelism's f: identity forward, allreduce of the gradient backward."""
+    return _op(_C.tp_copy, x, comm.handle, x.handle)
+def tp_reduce(comm: "Comm", x: "Tensor") -> "Tensor":
+    """Tensor parallelism's g: allreduce forward, identity backward."""
+    return _op(_C.tp_reduce, x, comm.handle, x.handle)
+def tp_gather(comm: "Comm", x: "Tensor") -> "Tensor":
+    """Gather the ranks' last-dim shards of x forward; split the gradient backward."""
+    return _op(_C.tp_gather, x, comm.handle, x.handle)
+def tp_split(comm: "Comm", x: "Tensor") -> "Tensor":
+    """This rank's last-dim shard of x forward; gather the gradient backward."""
+    return _op(_C.tp_split, x, comm.handle, x.handle)
 
 
-def tp_linear_col(comm, x, w, b=None, gather_output=False):
+def tp_linear_col(comm: "Comm", x: "Tensor", w: "Tensor", b: Optional["Tensor"] = None,
+                  gather_output: bool = False) -> "Tensor":
+    """A column-parallel linear layer: this rank holds a slice of the output features."""
     return _op(_C.tp_linear_col, x, comm.handle, x.handle, w.handle, _h(b), int(gather_output))
 
 
-def tp_linear_row(comm, x, w, b=None, input_is_split=False):
+def tp_linear_row(comm: "Comm", x: "Tensor", w: "Tensor", b: Optional["Tensor"] = None,
+                  input_is_split: bool = False) -> "Tensor":
+    """A row-parallel linear layer: this rank holds a slice of the input features; the
+    outputs are summed."""
     return _op(_C.tp_linear_row, x, comm.handle, x.handle, w.handle, _h(b), int(input_is_split))
 
 
-def tp_shard(comm, full, dim, shard):
+def tp_shard(comm: "Comm", full: "Tensor", dim: int, shard: "Tensor") -> None:
     """Copy this rank's block of full along dim into shard (local)."""
     shard.ctx.check(_C.tp_shard(comm.handle, full.handle, dim, shard.handle))
 
@@ -1886,7 +2088,9 @@ Metrics = namedtuple("Metrics", "samples correct accuracy loss value")
 _METRICS = {"classify": 0, "loss": 1}
 
 
-def evaluate(ctx, dataset, forward, comm=None, batch=128, mean=0.0, std=1.0, metric="classify"):
+def evaluate(ctx: "Context", dataset: "Dataset", forward: Callable[["Tensor"], "Tensor"],
+             comm: Optional["Comm"] = None, batch: int = 128, mean: float = 0.0, std: float = 1.0,
+             metric: str = "classify") -> "Metrics":
     """dt_evaluate: forward(x) -> logits over the whole dataset, grad and training off;
     with comm, split over the ranks (collective) and combined.  metric: "classify"
     (accuracy and mean cross entropy) or "loss" (the mean loss per target element).
@@ -1919,7 +2123,9 @@ def evaluate(ctx, dataset, forward, comm=None, batch=128, mean=0.0, std=1.0, met
     return Metrics(out.samples, out.correct, out.accuracy, out.loss, out.value)
 
 
-def profile_start(ctx, max_events=0, straggler_threshold=0.0, check_every=0):
+def profile_start(ctx: "Context", max_events: int = 0, straggler_threshold: float = 0.0,
+                  check_every: int = 0) -> None:
+    """Start (or restart) profiling ctx; the report comes from profile_finish."""
     c = dt_profile_config()
     _C.profile_config_init(ctypes.byref(c))
     c.max_events, c.straggler_threshold = max_events, straggler_threshold
@@ -1927,20 +2133,22 @@ def profile_start(ctx, max_events=0, straggler_threshold=0.0, check_every=0):
     ctx.check(_C.profile_start(ctx.handle, ctypes.byref(c)))
 
 
-def profile_stats(ctx):
+def profile_stats(ctx: "Context") -> Dict[str, Any]:
+    """This rank's profile totals so far, as a dict."""
     s = dt_profile_stats()
     ctx.check(_C.profile_get(ctx.handle, ctypes.byref(s)))
     return {f: getattr(s, f) for f, _ in s._fields_}
 
 
-def profile_finish(ctx, comm=None, trace_path=None):
+def profile_finish(ctx: "Context", comm: Optional["Comm"] = None,
+                   trace_path: Optional[str] = None) -> str:
     """Collective: the timeline to trace_path (rank 0) and the report; rank 0 gets the
     report's text, other ranks ""."""
     ctx.check(_C.profile_finish(ctx.handle, comm.handle if comm else None, _b(trace_path)))
     return _C.profile_report(ctx.handle).decode()
 
 
-def profile_rank_stats(ctx, rank):
+def profile_rank_stats(ctx: "Context", rank: int) -> Dict[str, Any]:
     """Rank `rank`'s totals as gathered by profile_finish (rank 0, after it), as a dict."""
     s = dt_profile_stats()
     ctx.check(_C.profile_rank_stats(ctx.handle, rank, ctypes.byref(s)))
@@ -1949,13 +2157,13 @@ def profile_rank_stats(ctx, rank):
 
 # --- 12. the library's version, dtypes, mixed precision, your own ops ------------------------
 
-def version():
+def version() -> Tuple[int, int, int]:
     """The library's version as (major, minor, patch) (dt_version)."""
     v = _version()
     return (v // 10000, v // 100 % 100, v % 100)
 
 
-def version_string():
+def version_string() -> str:
     """The library's version as text, e.g. "0.1.0" (dt_version_string)."""
     return _C.version_string().decode()
 
@@ -1963,12 +2171,12 @@ def version_string():
 _DTYPE_NAMES = {"f32": 0, "i32": 1, "u8": 2, "bf16": 3, "f16": 4}
 
 
-def dtype_name(code):
+def dtype_name(code: int) -> str:
     """The name of dt_dtype `code` ("f32", "i32", ...; "?" for none)."""
     return _C.dtype_name(code).decode()
 
 
-def dtype_size(code):
+def dtype_size(code: int) -> int:
     """Bytes per element of dt_dtype `code` (0 for none)."""
     return _C.dtype_size(code)
 
@@ -1980,7 +2188,7 @@ _PRECISION_NAMES = {0: "f32", 1: "tf32", 2: "bf16", 3: "fp16"}
 class _Scoped:
     """A with-block that sets a context's state and puts the old one back."""
 
-    def __init__(self, enter, leave):
+    def __init__(self, enter: Callable[[], Any], leave: Callable[[Any], None]) -> None:
         self._enter, self._leave = enter, leave
 
     def __enter__(self):
@@ -1996,7 +2204,9 @@ def _keep_for_step(ctx, *objs):
     ctx._deferred.append((None, objs))
 
 
-def custom_op(name, inputs, forward, backward):
+def custom_op(name: str, inputs: Sequence["Tensor"], forward: Callable[[List["Tensor"]], "Tensor"],
+              backward: Callable[[List["Tensor"], "Tensor", "Tensor"],
+                                 Sequence[Optional["Tensor"]]]) -> "Tensor":
     """Your own op with its own backward (as torch.autograd.Function; dt_custom_op).
     forward(inputs) -> Tensor, run with gradients off, returns a new tensor (ops, or
     ctx.temp(...) filled with copy_from); backward(inputs, out, dout) -> a gradient per
@@ -2045,7 +2255,7 @@ def custom_op(name, inputs, forward, backward):
     return out
 
 
-def recompute(fn, *inputs):
+def recompute(fn: Callable[..., "Tensor"], *inputs: "Tensor") -> "Tensor":
     """Activation checkpointing (dt_recompute): out = fn(*inputs), its intermediate
     tensors not kept; ctx.backward runs fn again to rebuild them.  fn must be
     deterministic and return one tensor."""
@@ -2076,36 +2286,37 @@ class LossScaler(_Handle):
     _what = "loss scaler"
     _free = staticmethod(_C.loss_scaler_free)
 
-    def __init__(self, ctx, init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000):
+    def __init__(self, ctx: "Context", init_scale: float = 65536.0, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
         c = dt_loss_scale_config()
         _C.loss_scale_config_init(ctypes.byref(c))
         c.init_scale, c.growth_factor = init_scale, growth_factor
         c.backoff_factor, c.growth_interval = backoff_factor, growth_interval
         self._own(ctx, _C.loss_scaler_new(ctx.handle, ctypes.byref(c)))
 
-    def backward(self, loss):
+    def backward(self, loss: "Tensor") -> None:
         """ctx.backward with the loss scaled."""
         self.ctx._run_backward(lambda: _C.loss_scaler_backward(self.handle, loss.handle))
 
-    def unscale(self):
+    def unscale(self) -> bool:
         """Divide the gradients by the scale; True if one is inf or NaN."""
         found = _I()
         self.ctx.check(_C.loss_scaler_unscale(self.handle, ctypes.byref(found)))
         return bool(found.value)
 
-    def step(self, opt):
+    def step(self, opt: "Optimizer") -> bool:
         """opt.step() unless a gradient overflowed; updates the scale.  True if stepped."""
         stepped = _I()
         self.ctx.check(_C.loss_scaler_step(self.handle, opt.handle, ctypes.byref(stepped)))
         return bool(stepped.value)
 
     @property
-    def scale(self):
+    def scale(self) -> float:
+        """The loss scale now."""
         return _C.loss_scaler_scale(self.handle)
 
     @property
-    def skipped(self):
+    def skipped(self) -> int:
         """Steps skipped for overflow so far."""
         return _C.loss_scaler_skipped(self.handle)
 
@@ -2115,7 +2326,8 @@ class LossScaler(_Handle):
 _SAVE_DTYPES = {"f32": 0, "bf16": 3, "f16": 4}
 
 
-def checkpoint_save_ex(ctx, path, opt=None, step=0, dtype="f32", metadata=None):
+def checkpoint_save_ex(ctx: "Context", path: str, opt: Optional["Optimizer"] = None, step: int = 0,
+                       dtype: str = "f32", metadata: Optional[Dict[str, str]] = None) -> None:
     """checkpoint_save with the parameters stored as dtype ("f32", "bf16", "f16") and your
     own metadata (a dict of str -> str, read back with checkpoint_metadata)."""
     c = dt_checkpoint_config()
@@ -2134,7 +2346,8 @@ def checkpoint_save_ex(ctx, path, opt=None, step=0, dtype="f32", metadata=None):
 CheckpointReport = namedtuple("CheckpointReport", "step loaded missing unexpected mismatched names")
 
 
-def checkpoint_load_ex(ctx, path, opt=None, strict=True):
+def checkpoint_load_ex(ctx: "Context", path: str, opt: Optional["Optimizer"] = None,
+                       strict: bool = True) -> "CheckpointReport":
     """checkpoint_load; strict=False loads every parameter the file has with its shape and
     leaves the others (fine-tuning).  Returns a CheckpointReport (step, counts, and the
     names of those missing, unexpected or mismatched)."""
@@ -2148,14 +2361,14 @@ def checkpoint_load_ex(ctx, path, opt=None, strict=True):
                             rep.names.decode(errors="replace"))
 
 
-def checkpoint_latest(ctx, directory):
+def checkpoint_latest(ctx: "Context", directory: str) -> Optional[Tuple[str, int]]:
     """(path, step) of the newest complete checkpoint in directory, or None."""
     buf, step = ctypes.create_string_buffer(4096), _I64()
     ctx.check(_C.checkpoint_latest(ctx.handle, _b(directory), buf, len(buf), ctypes.byref(step)))
     return (buf.value.decode(), step.value) if buf.value else None
 
 
-def checkpoint_metadata(ctx, path, key):
+def checkpoint_metadata(ctx: "Context", path: str, key: str) -> str:
     """The value of metadata key in the checkpoint at path (the file is checked whole)."""
     buf = ctypes.create_string_buffer(1 << 16)
     ctx.check(_C.checkpoint_metadata(ctx.handle, _b(path), _b(key), buf, len(buf)))
@@ -2182,8 +2395,9 @@ def _field_shape(f):
     return tuple(f.shape[i] for i in range(f.ndim)), np.dtype(_NP_OF[f.dtype])
 
 
-def _dataset_load_raw(cls, ctx, inputs_path, input_shape, input_dtype, targets_path,
-                      target_shape=(), target_dtype=np.int32):
+def _dataset_load_raw(cls, ctx: "Context", inputs_path: str, input_shape: Sequence[int],
+                      input_dtype: Any, targets_path: str, target_shape: Sequence[int] = (),
+                      target_dtype: Any = np.int32) -> "Dataset":
     """Samples back to back in raw little-endian files (memory-mapped): one input is
     input_shape of input_dtype, one target target_shape of target_dtype."""
     fi, ft = _field(input_shape, input_dtype), _field(target_shape, target_dtype)
@@ -2191,8 +2405,9 @@ def _dataset_load_raw(cls, ctx, inputs_path, input_shape, input_dtype, targets_p
                                         _b(targets_path), ctypes.byref(ft)))
 
 
-def _dataset_load_tokens(cls, ctx, path, token_bytes=2, context=64, stride=None, samples=0,
-                         seed=0, first=0, count=-1):
+def _dataset_load_tokens(cls, ctx: "Context", path: str, token_bytes: int = 2, context: int = 64,
+                         stride: Optional[int] = None, samples: int = 0, seed: int = 0,
+                         first: int = 0, count: int = -1) -> "Dataset":
     """from_tokens over a file of token ids (token_bytes 1, 2 or 4 each), memory-mapped."""
     cfg = dt_token_config()
     _C.token_config_init(ctypes.byref(cfg))
@@ -2201,8 +2416,17 @@ def _dataset_load_tokens(cls, ctx, path, token_bytes=2, context=64, stride=None,
     return cls(ctx, _C.dataset_load_tokens(ctx.handle, _b(path), token_bytes, ctypes.byref(cfg)))
 
 
-def _dataset_from_callback(cls, ctx, n, fill, input_shape, input_dtype=np.float32,
-                           target_shape=(), target_dtype=np.int32):
+def _array_at(ptr, shape, dtype):
+    """A NumPy array of shape and dtype over memory C owns at ptr (no copy)."""
+    p = ctypes.cast(ptr, ctypes.POINTER(np.ctypeslib.as_ctypes_type(dtype)))
+    return np.ctypeslib.as_array(p, shape=shape or (1,)).reshape(shape)
+
+
+def _dataset_from_callback(cls, ctx: "Context", n: int,
+                           fill: Callable[[int, np.ndarray, np.ndarray], None],
+                           input_shape: Sequence[int], input_dtype: Any = np.float32,
+                           target_shape: Sequence[int] = (),
+                           target_dtype: Any = np.int32) -> "Dataset":
     """n samples made on demand: fill(i, x, y) writes sample i into the NumPy arrays x
     (input_shape) and y (target_shape).  It runs on the loader's prefetch thread; an
     exception fails that batch."""
@@ -2212,10 +2436,8 @@ def _dataset_from_callback(cls, ctx, n, fill, input_shape, input_dtype=np.float3
 
     def trampoline(user, i, xp, yp):
         try:
-            x = np.ctypeslib.as_array(ctypes.cast(xp, ctypes.POINTER(np.ctypeslib.as_ctypes_type(xd))),
-                                      shape=xs or (1,)).reshape(xs)
-            y = np.ctypeslib.as_array(ctypes.cast(yp, ctypes.POINTER(np.ctypeslib.as_ctypes_type(yd))),
-                                      shape=ys or (1,)).reshape(ys)
+            x = _array_at(xp, xs, xd)
+            y = _array_at(yp, ys, yd)
             fill(i, x, y)
             return 0
         except BaseException:
@@ -2228,14 +2450,14 @@ def _dataset_from_callback(cls, ctx, n, fill, input_shape, input_dtype=np.float3
     return ds
 
 
-def _dataset_fields(self):
+def _dataset_fields(self) -> Tuple[Tuple[Tuple[int, ...], Any], Tuple[Tuple[int, ...], Any]]:
     """((input shape, dtype), (target shape, dtype)) of one sample."""
     fi, ft = dt_sample_field(), dt_sample_field()
     self.ctx.check(_C.dataset_fields(self.handle, ctypes.byref(fi), ctypes.byref(ft)))
     return _field_shape(fi), _field_shape(ft)
 
 
-def _dataset_sample(self, i):
+def _dataset_sample(self, i: int) -> Tuple[np.ndarray, np.ndarray]:
     """Sample i as NumPy arrays (x, y), copied."""
     (xs, xd), (ys, yd) = self.fields
     x, y = np.empty(xs, xd), np.empty(ys, yd)
@@ -2251,26 +2473,26 @@ Dataset.sample = _dataset_sample
 Dataset.__getitem__ = _dataset_sample
 
 
-def _loader_batch_slice(self):
+def _loader_batch_slice(self) -> Tuple[int, int, int]:
     """(offset, count, global) of the last batch: its rows within the global batch."""
     o, c, g = _I64(), _I64(), _I64()
     _C.loader_batch_slice(self.handle, ctypes.byref(o), ctypes.byref(c), ctypes.byref(g))
     return o.value, c.value, g.value
 
 
-def _loader_set_split(self, weights):
+def _loader_set_split(self, weights: Sequence[float]) -> None:
     """Cut each global batch between the shards in these proportions (dt_loader_set_split)."""
     w = (_D * len(weights))(*weights)
     self.ctx.check(_C.loader_set_split(self.handle, w, len(weights)))
 
 
-def _loader_steal(self, comm, chunk_batches):
+def _loader_steal(self, comm: "Comm", chunk_batches: int) -> None:
     """Work stealing between the ranks of comm (dt_loader_steal), chunks of that many batches."""
     self.ctx.check(_C.loader_steal(self.handle, comm.handle, chunk_batches))
     self._steal_comm = comm
 
 
-def _loader_iter(self):
+def _loader_iter(self) -> Iterator[Tuple["Tensor", "Tensor"]]:
     """for x, y in loader: the next epoch's batches (epochs counted from 0)."""
     e = getattr(self, "_next_epoch", 0)
     self._next_epoch = e + 1
@@ -2280,8 +2502,10 @@ def _loader_iter(self):
 Loader.batch_slice = property(_loader_batch_slice)
 Loader.set_split = _loader_set_split
 Loader.steal = _loader_steal
-Loader.batches_done = property(lambda self: _C.loader_batches_done(self.handle))
-Loader.batches_stolen = property(lambda self: _C.loader_batches_stolen(self.handle))
+Loader.batches_done = property(lambda self: _C.loader_batches_done(self.handle),
+                               doc="Batches this loader gave in the epoch so far.")
+Loader.batches_stolen = property(lambda self: _C.loader_batches_stolen(self.handle),
+                                 doc="Of them, batches taken from other ranks' shards (steal).")
 Loader.__iter__ = _loader_iter
 
 
@@ -2294,7 +2518,8 @@ class Store(_Handle):
     _what = "store"
     _free = staticmethod(_C.store_close)
 
-    def __init__(self, ctx, env=None, token=None, bind_addr=None, timeout_ms=0):
+    def __init__(self, ctx: "Context", env: Optional["DistEnv"] = None, token: Optional[str] = None,
+                 bind_addr: Optional[str] = None, timeout_ms: int = 0) -> None:
         e = dt_dist_env()
         if env is None:
             ctx.check(_C.dist_env_detect(ctx.handle, ctypes.byref(e)))
@@ -2308,21 +2533,22 @@ class Store(_Handle):
         self._own(ctx, _C.store_open(ctx.handle, ctypes.byref(e), ctypes.byref(c)))
 
     @property
-    def port(self):
+    def port(self) -> int:
+        """The port rank 0 serves the store on."""
         return _C.store_port(self.handle)
 
-    def set(self, key, value):
+    def set(self, key: str, value: Union[bytes, str]) -> None:
         """Set key to value (bytes or str)."""
         v = value.encode() if isinstance(value, str) else bytes(value)
         self.ctx.check(_C.store_set(self.handle, _b(key), v, len(v)))
 
-    def get(self, key, timeout_ms=0, cap=1 << 16):
+    def get(self, key: str, timeout_ms: int = 0, cap: int = 1 << 16) -> bytes:
         """key's value (bytes), waiting up to timeout_ms for it to be set (0: the store's)."""
         buf, n = ctypes.create_string_buffer(cap), _SZ()
         self.ctx.check(_C.store_get(self.handle, _b(key), buf, cap, ctypes.byref(n), timeout_ms))
         return buf.raw[:n.value]
 
-    def add(self, key, delta=1):
+    def add(self, key: str, delta: int = 1) -> int:
         """Add delta to the integer at key (0 if unset); its new value."""
         v = _I64()
         self.ctx.check(_C.store_add(self.handle, _b(key), delta, ctypes.byref(v)))
@@ -2332,12 +2558,13 @@ class Store(_Handle):
 class Work:
     """A collective running in the background; wait() finishes it (dt_work_wait)."""
 
-    def __init__(self, ctx, h, keep):
+    def __init__(self, ctx: "Context", h: int, keep: Any) -> None:
         if not h:
             raise ctx.error()
         self.ctx, self._h, self._keep = ctx, h, keep
 
-    def wait(self):
+    def wait(self) -> None:
+        """Wait for the collective to finish; raises its failure."""
         if self._h is None:
             raise BadState(7, "this work was waited for already")
         h, self._h = self._h, None
@@ -2353,20 +2580,20 @@ class Work:
             pass
 
 
-def _comm_allreduce_async(self, array, op="sum"):
+def _comm_allreduce_async(self, array: np.ndarray, op: str = "sum") -> "Work":
     """allreduce in the background: array is reduced in place once the Work's wait() returns."""
     p = _f32_buffer(array, "allreduce_async")
     return Work(self.ctx, _C.allreduce_async(self.handle, p, array.size, _REDUCE[op]), array)
 
 
-def _comm_reduce_scatter(self, array, out, op="sum"):
+def _comm_reduce_scatter(self, array: np.ndarray, out: np.ndarray, op: str = "sum") -> None:
     """Reduce array (size * n floats) over the ranks; rank r gets part r (n floats) in out."""
     _f32_buffer(array, "reduce_scatter")
     self.ctx.check(_C.reduce_scatter(self.handle, array.ctypes.data, out.size,
                                      _f32_buffer(out, "reduce_scatter"), _REDUCE[op]))
 
 
-def _comm_alltoall(self, array, out):
+def _comm_alltoall(self, array: np.ndarray, out: np.ndarray) -> None:
     """Part j (n floats) of array goes to rank j; out's part i comes from rank i."""
     _f32_buffer(array, "alltoall")
     n = array.size // self.size
@@ -2376,15 +2603,19 @@ def _comm_alltoall(self, array, out):
 Comm.allreduce_async = _comm_allreduce_async
 Comm.reduce_scatter = _comm_reduce_scatter
 Comm.alltoall = _comm_alltoall
-Comm.hosts = property(lambda self: _C.comm_hosts(self.handle))
-Comm.intra_host = property(lambda self: _C.comm_intra_host(self.handle).decode())
-Comm.bytes_sent = property(lambda self: _C.comm_bytes_sent(self.handle))
+Comm.hosts = property(lambda self: _C.comm_hosts(self.handle),
+                      doc="The number of hosts the ranks are on.")
+Comm.intra_host = property(lambda self: _C.comm_intra_host(self.handle).decode(),
+                           doc="How ranks on one host reach each other (\"shm\", ...).")
+Comm.bytes_sent = property(lambda self: _C.comm_bytes_sent(self.handle),
+                           doc="Bytes this rank's collectives sent so far.")
 
 
 def _spawn_config(nranks, transport, grace_ms, max_restarts, min_ranks, prefix_output, bind_cpus):
     c = dt_spawn_config()
     _C.spawn_config_init(ctypes.byref(c))
-    c.nranks, c.transport, c.max_restarts, c.min_ranks = nranks, _b(transport), max_restarts, min_ranks
+    c.nranks, c.transport = nranks, _b(transport)
+    c.max_restarts, c.min_ranks = max_restarts, min_ranks
     if grace_ms is not None:
         c.grace_ms = grace_ms
     if prefix_output is not None:
@@ -2393,8 +2624,9 @@ def _spawn_config(nranks, transport, grace_ms, max_restarts, min_ranks, prefix_o
     return c
 
 
-def spawn(ctx, nranks, transport=None, grace_ms=None, max_restarts=0, min_ranks=0,
-          prefix_output=None, bind_cpus=False):
+def spawn(ctx: "Context", nranks: int, transport: Optional[str] = None,
+          grace_ms: Optional[int] = None, max_restarts: int = 0, min_ranks: int = 0,
+          prefix_output: Optional[bool] = None, bind_cpus: bool = False) -> int:
     """Fork this program into nranks processes (dt_spawn): each child returns its rank
     (then make a Comm as under a launcher); the parent waits for them all and returns -1.
     Before anything that starts threads (a Comm, a Loader with prefetch)."""
@@ -2405,8 +2637,9 @@ def spawn(ctx, nranks, transport=None, grace_ms=None, max_restarts=0, min_ranks=
     return rank.value
 
 
-def launch(ctx, argv, nranks, transport=None, grace_ms=None, max_restarts=0, min_ranks=0,
-           prefix_output=None, bind_cpus=False):
+def launch(ctx: "Context", argv: Sequence[str], nranks: int, transport: Optional[str] = None,
+           grace_ms: Optional[int] = None, max_restarts: int = 0, min_ranks: int = 0,
+           prefix_output: Optional[bool] = None, bind_cpus: bool = False) -> None:
     """Run the program argv as nranks ranks and wait (dt_launch, what dtrun does).  Raises
     the job's failure; its .failed_rank says which rank failed first (-1: none)."""
     c = _spawn_config(nranks, transport, grace_ms, max_restarts, min_ranks, prefix_output,
@@ -2420,14 +2653,15 @@ def launch(ctx, argv, nranks, transport=None, grace_ms=None, max_restarts=0, min
         raise e
 
 
-def _ddp_balance(self, loader, every=50):
+def _ddp_balance(self, loader: "Loader", every: int = 50) -> None:
     """Cut each global batch by the ranks' measured speed (dt_ddp_balance)."""
     self.ctx.check(_C.ddp_balance(self.handle, loader.handle, every))
     self._balanced = loader
 
 
 DDP.balance = _ddp_balance
-DDP.balance_share = property(lambda self: _C.ddp_balance_share(self.handle))
+DDP.balance_share = property(lambda self: _C.ddp_balance_share(self.handle),
+                             doc="This rank's share of each global batch under balance().")
 
 
 # --- 16. in-process replicas, Hogwild!, parameter servers -----------------------------------
@@ -2474,8 +2708,10 @@ class Replicas(_Handle):
     _what = "replicas"
     _free = staticmethod(_C.dp_free)
 
-    def __init__(self, ctx, build, loss, replicas=2, optim="sgd", lr=None, threads=1, seed=0,
-                 **optim_cfg):
+    def __init__(self, ctx: "Context", build: Callable[["Context", int], Any],
+                 loss: Callable[["Context", Any, "Tensor", "Tensor"], "Tensor"], replicas: int = 2,
+                 optim: str = "sgd", lr: Optional[float] = None, threads: int = 1, seed: int = 0,
+                 **optim_cfg: Any) -> None:
         c = dt_dp_config()
         _C.dp_config_init(ctypes.byref(c))
         c.replicas = replicas
@@ -2521,7 +2757,7 @@ class Replicas(_Handle):
             raise e
         self.ctx.check(st)
 
-    def step(self, x, y):
+    def step(self, x: "Tensor", y: "Tensor") -> float:
         """One step on batch x, y; the batch's mean loss."""
         loss = _F()
         self._raise(_C.dp_step(self.handle, x.handle, y.handle, ctypes.byref(loss)))
@@ -2530,14 +2766,14 @@ class Replicas(_Handle):
     def __len__(self):
         return _C.dp_replicas(self.handle)
 
-    def replica(self, k):
+    def replica(self, k: int) -> "Context":
         """Replica k's Context (owned by the replicas: do not close it)."""
         h = _C.dp_replica(self.handle, k)
         if not h:
             raise InvalidArgument(1, "replica %d of %d" % (k, len(self)))
         return self._ctxs.get(h) or _borrowed_context(h)
 
-    def model(self, k):
+    def model(self, k: int) -> Any:
         """What build returned for replica k."""
         m = _C.dp_model(self.handle, k)
         if not m:
@@ -2548,7 +2784,10 @@ class Replicas(_Handle):
 HogwildStats = namedtuple("HogwildStats", "steps mean_loss rows_updated dense_updates")
 
 
-def hogwild(ctx, build, loss, threads=2, steps=1000, lr=0.01, thread_threads=1, seed=0):
+def hogwild(ctx: "Context", build: Callable[["Context", int], Any],
+            loss: Callable[["Context", Any, int, int], "Tensor"], threads: int = 2,
+            steps: int = 1000, lr: float = 0.01, thread_threads: int = 1,
+            seed: int = 0) -> "HogwildStats":
     """Hogwild! (dt_hogwild_run): threads threads step ctx's parameters without locks,
     steps steps in all, SGD at lr.  build(ctx, k) -> model on thread k's own Context
     (parameters named as ctx's); loss(ctx, model, k, step) -> a scalar Tensor.  Blocks
@@ -2605,9 +2844,12 @@ class ParameterServer(_Handle):
     _what = "parameter server"
     _free = staticmethod(_C.ps_free)
 
-    def __init__(self, ctx, comm, servers=0, mode="auto", staleness=-1, optim="sgd", lr=None,
-                 tables=(), replicate=False, checkpoint_dir=None, checkpoint_every=0,
-                 rejoin_ms=0, chunk_bytes=0, prefetch=False, schedule=None, **optim_cfg):
+    def __init__(self, ctx: "Context", comm: "Comm", servers: int = 0, mode: str = "auto",
+                 staleness: int = -1, optim: str = "sgd", lr: Optional[float] = None,
+                 tables: Sequence[Tuple[str, int, int, float, int]] = (), replicate: bool = False,
+                 checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0,
+                 rejoin_ms: int = 0, chunk_bytes: int = 0, prefetch: bool = False,
+                 schedule: Optional[Dict[str, Any]] = None, **optim_cfg: Any) -> None:
         c = dt_ps_config()
         _C.ps_config_init(ctypes.byref(c))
         if mode not in _PS_MODES:
@@ -2627,24 +2869,30 @@ class ParameterServer(_Handle):
         self._own(ctx, _C.ps_new(ctx.handle, comm.handle, ctypes.byref(c)))
         self._dims = [t[2] for t in tables]
 
-    is_server = property(lambda self: bool(_C.ps_is_server(self.handle)))
-    workers = property(lambda self: _C.ps_workers(self.handle))
-    servers = property(lambda self: _C.ps_servers(self.handle))
+    is_server = property(lambda self: bool(_C.ps_is_server(self.handle)),
+                         doc="Whether this rank is a server (it calls serve()).")
+    workers = property(lambda self: _C.ps_workers(self.handle), doc="The job's worker count.")
+    servers = property(lambda self: _C.ps_servers(self.handle), doc="The job's server count.")
 
-    def serve(self):
+    def serve(self) -> None:
         """Servers: serve until every worker has finished."""
         self.ctx.check(_C.ps_serve(self.handle))
 
-    def push_pull(self):
+    def push_pull(self) -> None:
+        """Workers: push this step's gradients, then pull the parameters (waiting as the
+        consistency model says)."""
         self.ctx.check(_C.ps_push_pull(self.handle))
 
-    def push(self):
+    def push(self) -> None:
+        """Workers: push this step's gradients without pulling."""
         self.ctx.check(_C.ps_push(self.handle))
 
-    def pull(self):
+    def pull(self) -> None:
+        """Workers: pull the parameters without pushing."""
         self.ctx.check(_C.ps_pull(self.handle))
 
-    def finish(self):
+    def finish(self) -> None:
+        """Workers: this worker is done; the servers stop waiting for it."""
         self.ctx.check(_C.ps_finish(self.handle))
 
     def _ids(self, table, ids):
@@ -2652,7 +2900,7 @@ class ParameterServer(_Handle):
             raise InvalidArgument(1, "ps: no table %d" % table)
         return np.ascontiguousarray(ids, np.int64)
 
-    def sparse_pull(self, table, ids):
+    def sparse_pull(self, table: int, ids: Sequence[int]) -> np.ndarray:
         """Rows ids of table, as a (len(ids), dim) float32 array."""
         ids = self._ids(table, ids)
         out = np.empty((ids.size, self._dims[table]), np.float32)
@@ -2660,7 +2908,7 @@ class ParameterServer(_Handle):
                                          out.ctypes.data_as(_FP)))
         return out
 
-    def sparse_pull_async(self, table, ids):
+    def sparse_pull_async(self, table: int, ids: Sequence[int]) -> Tuple["Work", np.ndarray]:
         """sparse_pull in the background: (Work, rows); rows is filled once wait() returns."""
         ids = self._ids(table, ids)
         out = np.empty((ids.size, self._dims[table]), np.float32)
@@ -2668,7 +2916,7 @@ class ParameterServer(_Handle):
                                     out.ctypes.data_as(_FP))
         return Work(self.ctx, h, out), out
 
-    def sparse_push(self, table, ids, grads):
+    def sparse_push(self, table: int, ids: Sequence[int], grads: np.ndarray) -> None:
         """Gradient rows for ids of table (len(ids) x dim), part of this worker's step."""
         ids = self._ids(table, ids)
         g = np.ascontiguousarray(grads, np.float32)
@@ -2678,7 +2926,8 @@ class ParameterServer(_Handle):
         self.ctx.check(_C.ps_sparse_push(self.handle, table, ids.ctypes.data_as(_I64P), ids.size,
                                          g.ctypes.data_as(_FP)))
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
+        """This rank's totals since it joined (pushes, pulls, staleness, rows, ...)."""
         s = dt_ps_stats()
         self.ctx.check(_C.ps_stats_get(self.handle, ctypes.byref(s)))
         return {f: getattr(s, f) for f, _ in s._fields_}
@@ -2686,7 +2935,9 @@ class ParameterServer(_Handle):
 
 # --- 17. predictions, the live monitor -------------------------------------------------------
 
-def predict(ctx, dataset, forward, comm=None, batch=128, mean=0.0, std=1.0):
+def predict(ctx: "Context", dataset: "Dataset", forward: Callable[["Tensor"], "Tensor"],
+            comm: Optional["Comm"] = None, batch: int = 128, mean: float = 0.0,
+            std: float = 1.0) -> Optional[np.ndarray]:
     """dt_predict: the arg-max class of forward(x)'s logits for every sample, in order, as
     an int32 array (on rank 0; other ranks get None).  Collective with comm."""
     cfg = dt_eval_config()
@@ -2722,7 +2973,8 @@ class Monitor(_Handle):
     _what = "monitor"
     _free = staticmethod(_C.monitor_stop)
 
-    def __init__(self, ctx, comm=None, listen=None, interval_s=1.0, token=None):
+    def __init__(self, ctx: "Context", comm: Optional["Comm"] = None, listen: Optional[str] = None,
+                 interval_s: float = 1.0, token: Optional[str] = None) -> None:
         c = dt_monitor_config()
         _C.monitor_config_init(ctypes.byref(c))
         self._strings = (_b(listen), _b(token))
@@ -2731,32 +2983,33 @@ class Monitor(_Handle):
         self._own(ctx, _C.monitor_start(ctx.handle, comm.handle if comm else None, ctypes.byref(c)))
 
     @property
-    def port(self):
+    def port(self) -> int:
         """The port rank 0 serves on (0 on other ranks)."""
         return _C.monitor_port(self.handle)
 
-    def log(self, name, step, value):
+    def log(self, name: str, step: int, value: float) -> None:
         """A scalar for the page's curves and /metrics (e.g. "loss", "val_loss", "lr")."""
         self.ctx.check(_C.monitor_log(self.handle, _b(name), step, value))
 
 
-def profiling(ctx):
+def profiling(ctx: "Context") -> bool:
     """True while ctx's profiler records (profile_start, or DTRAIN_PROFILE=1)."""
     return bool(_C.profiling(ctx.handle))
 
 
-def profile_straggler(ctx):
+def profile_straggler(ctx: "Context") -> int:
     """The rank the profiler's latest check named a straggler, or -1 (same on every rank)."""
     return _C.profile_straggler(ctx.handle)
 
 
-def schedule_lr(base_lr, step, kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0,
-                step_size=0, gamma=0.1):
+def schedule_lr(base_lr: float, step: int, kind: str = "cosine", total_steps: int = 0,
+                warmup_steps: int = 0, min_lr: float = 0.0, step_size: int = 0,
+                gamma: float = 0.1) -> float:
     """The learning rate a schedule gives at step (Optimizer.set_schedule's arithmetic)."""
     s = _schedule_of(kind, total_steps, warmup_steps, min_lr, step_size, gamma)
     return _C.schedule_lr(ctypes.byref(s), base_lr, step)
 
 
-def strerror(status):
+def strerror(status: int) -> str:
     """The generic text of a dt_status code (an Error's .status)."""
     return _C.strerror(status).decode()

@@ -853,6 +853,34 @@ class Coverage(unittest.TestCase):
                          ["dt_ps_sparse_push"])
 
 
+class Typed(unittest.TestCase):
+    def test_public_api_has_docstrings_and_annotations(self):
+        """Every public class, function, method and property of the module has a docstring,
+        and every public function and method annotates its parameters and result."""
+        import inspect
+        undocumented, untyped = [], []
+        for name, obj in vars(dt).items():
+            if name.startswith("_") or getattr(obj, "__module__", None) != "dtrain":
+                continue
+            members = [(name, obj)]
+            if inspect.isclass(obj):
+                members += [(name + "." + k, v) for k, v in vars(obj).items()
+                            if (not k.startswith("_") or k == "__init__")
+                            and (inspect.isfunction(v) or isinstance(v, (property, classmethod)))]
+            for n, o in members:
+                fn = o.fget if isinstance(o, property) else getattr(o, "__func__", o)
+                if not (o.__doc__ or n.endswith("__init__")):
+                    undocumented.append(n)
+                if inspect.isfunction(fn) and fn.__name__ != "<lambda>":
+                    sig = inspect.signature(fn)
+                    if sig.return_annotation is inspect.Signature.empty or any(
+                            p.annotation is inspect.Parameter.empty
+                            for p in sig.parameters.values() if p.name not in ("self", "cls")):
+                        untyped.append(n)
+        self.assertEqual(undocumented, [], "without a docstring")
+        self.assertEqual(untyped, [], "without annotations")
+
+
 if __name__ == "__main__":
     result = unittest.main(exit=False, verbosity=2).result
     failed = len(result.failures) + len(result.errors)
