@@ -17,7 +17,9 @@
 #   ./build.sh fuzz [S]   every libFuzzer harness of tests/fuzz/ for S seconds
 #                         (default 60; clang), from its corpus
 #   ./build.sh install PREFIX   the header, both libraries and dtrain.pc
-#                         (pkg-config) under PREFIX (default /usr/local)
+#                         (pkg-config) under PREFIX (default /usr/local),
+#                         built for any x86-64 into build/portable (the
+#                         CPU kernels pick AVX2 / AVX-512 code at run time)
 #   ./build.sh clean
 #
 # Environment: CC (default gcc), DT_NATIVE=0 to build without -march=native,
@@ -34,7 +36,21 @@ SRC_MODULES="context arena tensor param util record autograd ops ops_nn recomput
              monitor"
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
-OPT="-O3 $ARCH -fno-math-errno"
+# The installed library must run on any CPU of its architecture: the
+# baseline ISA (x86-64: SSE2), AVX2 and AVX-512 code chosen at run time by
+# backends/cpu.c's dispatch, and by OpenBLAS for its own kernels.
+case "$(uname -m)" in
+    x86_64) PORTABLE_ARCH="-march=x86-64 -mtune=generic" ;;
+    *) PORTABLE_ARCH="" ;;
+esac
+# -ffp-contract=off (also GCC's default under -std=c11): no a*b+c fused
+# where the ISA has FMA, so every ISA's code rounds the same and a run is
+# bit-identical on the native and the portable build.  -fno-trapping-math:
+# nothing in dtrain reads the floating-point exception flags, and without it
+# GCC leaves the exp/tanh loops (GELU, softmax) scalar below AVX-512, 3x
+# slower in SSE2; the values computed are the same.
+FPFLAGS="-fno-math-errno -ffp-contract=off -fno-trapping-math"
+OPT="-O3 $ARCH $FPFLAGS"
 LIBS="-lopenblas -lfabric -lmicrohttpd -lz -lm -lpthread"
 CORE_SRC="dtrain.c backends/cpu.c backends/fabric.c backends/http.c"
 DEFS="-DDT_WITH_CPU -DDT_WITH_FABRIC -DDT_WITH_HTTP"
@@ -66,6 +82,7 @@ CUDA_ARCH="-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_
 # exports dt_backend_cuda_iface alone), each rebuilt only when stale
 build_cuda() {
     [ -n "$CUDA_OBJ" ] || return 0
+    local BUILD=${CUDA_PLUGIN%/*}   # build/, also when the portable library is built
     mkdir -p $BUILD/obj $BUILD/test
     if stale "$CUDA_OBJ" backends/cuda.cu backends/backend.h backends/shape.h backends/half.h dtrain.h; then
         echo "build.sh: compiling the CUDA backend ($NVCC)"
@@ -269,6 +286,15 @@ build_lib() {
     lib_is_current || lib_compile_cmds | run_parallel
     wait $nv
     lib_is_current || link_lib
+}
+
+# The library as installed: build_lib for the baseline ISA into
+# build/portable, beside (not over) the development build in build/.  The
+# CUDA plugin is the same in both: it stays in build/.
+build_portable_lib() {
+    local BUILD=$BUILD/portable OPT="-O3 $PORTABLE_ARCH $FPFLAGS"
+    local LIB_STAMP=$BUILD/obj/lib.stamp
+    build_lib
 }
 
 build_examples() {
@@ -847,7 +873,8 @@ PY
 # lib/pkgconfig/dtrain.pc.  Static linking takes `pkg-config --static`.
 cmd_install() {
     local prefix=${1:-/usr/local}
-    build_lib
+    build_portable_lib
+    local BUILD=$BUILD/portable   # what is installed from here on
     mkdir -p "$prefix/include" "$prefix/lib/pkgconfig"
     cp dtrain.h "$prefix/include/"
     cp $BUILD/libdtrain.a $BUILD/libdtrain.so.$(dt_version) "$prefix/lib/"
@@ -1248,7 +1275,7 @@ timed() {
 
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ python3-numpy python3-venv python3-pip \
-        python3-setuptools iproute2 iputils-ping \
+        python3-setuptools qemu-user iproute2 iputils-ping \
         python3-prometheus-client chromium
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
@@ -1261,6 +1288,7 @@ cmd_test() {
     timed example_checks
     timed plugin_checks
     timed embed_checks
+    timed bash tests/install_check.sh
     timed readme_vendoring_checks
     timed ps_checks
     timed pipeline_checks
@@ -1278,6 +1306,12 @@ cmd_test() {
     timed bash tests/args_check.sh "$PWD/$BUILD/test"
     timed fuzz_checks
     timed gpu_checks
+    # the SSE2 copies of the dispatched CPU kernels (backends/cpu.c), which a
+    # CPU with AVX2 or AVX-512 would never pick on its own
+    DTRAIN_CPU_KERNELS=baseline DT_TEST_GROUPS=cpu_kernels,core_forward,core_grad,core_optim,core_amp \
+        OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests > $BUILD/test/baseline.log 2>&1 ||
+        { tail -30 $BUILD/test/baseline.log; echo "build.sh: the baseline kernels fail"; exit 1; }
+    echo "build.sh: baseline (SSE2) kernels: $(tail -1 $BUILD/test/baseline.log)"
     echo "build.sh: the checks took $SECONDS s; the unit suite follows"
     # protect_shadow_gap=0: the CUDA driver maps memory where ASan's gap is
     # and tests/lsan.supp: the driver's own allocations are not leaks of ours
