@@ -7,7 +7,7 @@
  *             [--eval-batches 20] [--ranks N] [--threads N] [--seed S]
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
  *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
- *             [--seconds S] [--monitor [HOST:]PORT]
+ *             [--seconds S] [--monitor [HOST:]PORT] [--amp bf16|fp16|tf32|off]
  *
  * Each report's ms/step is the training steps' time (evaluation left out),
  * from step 6 on once there are more than 5.  --seconds S ends training
@@ -26,7 +26,9 @@
  * data-parallel.  At the end it saves a checkpoint (--save) and prints a
  * sample of --sample generated characters.  --monitor (or DTRAIN_MONITOR)
  * makes rank 0 serve a live page and Prometheus metrics (docs/MONITOR.md),
- * with the training loss, learning rate and validation loss.
+ * with the training loss, learning rate and validation loss.  --amp runs
+ * matmul, linear and attention's products at that precision (autocast; the
+ * weights and the optimizer stay f32), fp16 with dynamic loss scaling.
  */
 #include <dirent.h>
 #include <getopt.h>
@@ -46,7 +48,7 @@ typedef struct options {
     float lr;
     double seconds;   /* > 0: a training-time budget (--seconds) */
     uint64_t seed;
-    const char *save, *data, *backend, *optim, *save_init, *dump, *monitor;
+    const char *save, *data, *backend, *optim, *save_init, *dump, *monitor, *amp;
 } options;
 
 /* The live monitor (--monitor), when on: training logs its scalars to it. */
@@ -283,6 +285,19 @@ static int fail(dt_ctx *ctx, const char *what)
     return 0;
 }
 
+/* The step after the forward: backward, then the DDP's or the optimizer's
+ * step; with a loss scaler (fp16) the gradients are reduced first, so every
+ * rank skips the same overflowing steps.  0: failed (said in ctx). */
+static int backward_and_step(dt_ctx *ctx, dt_tensor *loss, dt_loss_scaler *scaler, dt_ddp *ddp,
+                             dt_optim *opt)
+{
+    if (scaler)
+        return dt_loss_scaler_backward(scaler, loss) == DT_OK &&
+               (!ddp || dt_ddp_sync(ddp) == DT_OK) && dt_loss_scaler_step(scaler, opt, NULL) == DT_OK;
+    return dt_backward(ctx, loss) == DT_OK &&
+           (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) == DT_OK;
+}
+
 static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
 {
     int rank = comm ? dt_comm_rank(comm) : 0, ranks = comm ? dt_comm_size(comm) : 1;
@@ -310,9 +325,21 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_loader *ld = NULL, *vl = NULL;
     dt_optim *opt = NULL;
     dt_ddp *ddp = NULL;
+    dt_loss_scaler *scaler = NULL;
     int ok = 0;
     if (!train_ds || !val_ds || !gpt_init(ctx, &m)) {
         fail(ctx, "building the model");
+        goto done;
+    }
+    /* mixed precision for the whole run (evaluation and sampling too, as
+     * torch.autocast around them would); fp16's narrow range needs the loss
+     * scaled */
+    dt_precision amp = !o->amp                   ? DT_PREC_F32
+                       : !strcmp(o->amp, "bf16") ? DT_PREC_BF16
+                       : !strcmp(o->amp, "fp16") ? DT_PREC_F16 : DT_PREC_TF32;
+    if (dt_set_autocast(ctx, amp) != DT_OK ||
+        (amp == DT_PREC_F16 && !(scaler = dt_loss_scaler_new(ctx, NULL)))) {
+        fail(ctx, "setting up mixed precision");
         goto done;
     }
     dt_optim_config oc;
@@ -333,9 +360,10 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     }
     if (rank == 0)
         printf("gpt: %lld bytes of fortunes (%lld train, %lld val), %d layers, %d heads, %d "
-               "channels, context %d, batch %d x %d rank(s), %d parameter tensors, %s backend\n",
+               "channels, context %d, batch %d x %d rank(s), %d parameter tensors, %s backend%s%s\n",
                (long long)len, (long long)cut, (long long)(len - cut), o->layers, o->heads, o->embd,
-               o->context, o->batch, ranks, dt_param_count(ctx), dt_backend_name(ctx));
+               o->context, o->batch, ranks, dt_param_count(ctx), dt_backend_name(ctx),
+               o->amp ? ", autocast " : "", o->amp ? o->amp : "");
     if (rank == 0 && o->save_init && dt_checkpoint_save(ctx, NULL, o->save_init, 0) != DT_OK) {
         fail(ctx, "saving the initial weights");
         goto done;
@@ -362,8 +390,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         if (dump && s == DT_OK && !dump_batch(dump, x, y))
             s = DT_EIO;
         dt_tensor *loss = s == DT_OK ? dt_cross_entropy(ctx, gpt_forward(ctx, &m, x), y) : NULL;
-        if (!loss || dt_backward(ctx, loss) != DT_OK ||
-            (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK) {
+        if (!loss || !backward_and_step(ctx, loss, scaler, ddp, opt)) {
             fail(ctx, "training");
             if (dump)
                 fclose(dump);
@@ -398,6 +425,9 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     }
     if (dump)
         fclose(dump);
+    if (rank == 0 && scaler)
+        printf("loss scale %g, %lld steps skipped for overflow\n",
+               (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));
     if (rank == 0 && o->save && dt_checkpoint_save(ctx, opt, o->save, o->steps) != DT_OK) {
         fail(ctx, "saving");
         goto done;
@@ -408,6 +438,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     }
     ok = !comm || dt_barrier(comm) == DT_OK;
 done:
+    dt_loss_scaler_free(scaler);
     dt_ddp_free(ddp);
     dt_loader_free(ld);
     dt_loader_free(vl);
@@ -436,7 +467,7 @@ static int parse_args(int argc, char **argv, options *o)
         {"sample", &o->sample, 0, 1 << 20},   {"vocab", &o->vocab, 256, 1 << 24}};
     enum { NINTS = sizeof ints / sizeof ints[0] };
     static const char *const strs[] = {"lr", "seconds", "seed", "save", "data", "backend",
-                                       "save-init", "dump", "optim", "monitor"};
+                                       "save-init", "dump", "optim", "monitor", "amp"};
     enum { NSTRS = sizeof strs / sizeof strs[0] };
     struct option longs[NINTS + NSTRS + 2];
     for (int k = 0; k < NINTS; k++)
@@ -474,6 +505,14 @@ static int parse_args(int argc, char **argv, options *o)
             o->optim = optarg;
             break;
         case 2009: o->monitor = optarg; break;
+        case 2010:
+            if (strcmp(optarg, "bf16") && strcmp(optarg, "fp16") && strcmp(optarg, "tf32") &&
+                strcmp(optarg, "off")) {
+                fprintf(stderr, "gpt: --amp '%s': expected bf16, fp16, tf32 or off\n", optarg);
+                return 0;
+            }
+            o->amp = strcmp(optarg, "off") ? optarg : NULL;
+            break;
         case 'h':
             printf("usage: see the comment at the top of examples/gpt.c\n");
             exit(0);

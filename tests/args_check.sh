@@ -170,6 +170,7 @@ bad gpt --seed --seed -1
 bad gpt --bogus --bogus 1
 bad gpt --steps --steps
 bad gpt extra extra
+bad gpt --amp --amp fp8
 
 summary="$refused malformed command lines refused by ${#progs[@]} examples, each with exit status 2"
 summary="$summary and a message naming the option; $accepted well-formed ones accepted"

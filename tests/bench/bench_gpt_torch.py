@@ -4,7 +4,10 @@ embeddings, pre-norm blocks, causal attention, GPT-2's tanh gelu), AdamW
 (betas 0.9, 0.99, weight decay 0.1), batches of random byte windows.
 
   bench_gpt_torch.py --layers L --heads H --embd C --context T --batch B
-                     --vocab V --steps N --threads K
+                     --vocab V --steps N --threads K [--device cuda] [--amp bf16]
+
+--amp bf16 runs the forward under torch.autocast (bf16 products, f32 weights
+and optimizer), as examples/gpt.c --amp bf16 does (tests/bench/gpu.sh).
 
 Prints "gpt impl=torch ms=<mean ms per step after 5 warm-up steps> steps=N
 maxrss_kb=<peak RSS>"; other lines start with '#'.
@@ -127,6 +130,7 @@ def main():
     p.add_argument("--seconds", type=float, default=0)
     p.add_argument("--eval-batches", type=int, default=100)
     p.add_argument("--data", default="/usr/share/games/fortunes")
+    p.add_argument("--amp", choices=["off", "bf16"], default="off")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1337)
@@ -140,7 +144,9 @@ def main():
     t5 = None
     for step in range(1, a.steps + 1):
         x = torch.randint(0, 256, (a.batch, a.context + 1), generator=g).to(dev)
-        loss = F.cross_entropy(m(x[:, :-1]).reshape(-1, a.vocab), x[:, 1:].reshape(-1))
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.amp == "bf16"):
+            logits = m(x[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, a.vocab), x[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -150,7 +156,8 @@ def main():
             t5 = time.perf_counter()
     sync(dev)
     ms = (time.perf_counter() - t5) * 1e3 / (a.steps - 5)
-    print("# torch %s, %d threads, loss %.4f" % (torch.__version__, a.threads, loss.item()))
+    print("# torch %s, %d threads, %s, amp %s, loss %.4f" % (torch.__version__, a.threads, dev,
+                                                           a.amp, loss.item()))
     print("gpt impl=torch ms=%.2f steps=%d maxrss_kb=%d" % (
         ms, a.steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 

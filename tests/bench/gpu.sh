@@ -14,6 +14,13 @@
 #      inputs, bf16 under torch.autocast, which like dt_matmul converts both
 #      operands on every call, while the raw bf16 call is fed bf16 operands
 #      converted once before timing)
+#   3. the GPT (examples/gpt.c --backend cuda vs bench_gpt_torch.py --device
+#      cuda, the same model, AdamW, batch and shapes): a small config and
+#      GPT-2 124M's shape (12 layers, 12 heads, 768 channels, context 1024,
+#      batch 8, vocabulary 50257), fp32 and autocast bf16 (target:
+#      dtrain/PyTorch <= 1.00; and dtrain's 124M bf16 step at least 1.5x
+#      faster than its fp32 step).  dtrain reads a made-up text (random
+#      bytes, written here): the step's time does not depend on the text
 #
 #   bash tests/bench/gpu.sh      (from any cwd; builds what it needs itself)
 #
@@ -22,7 +29,7 @@
 # lines of every run to gpu_results.txt beside it).
 #
 # Knobs: REPEATS=3 (process runs per side, the sides alternating; medians
-# over runs), SECTIONS="1 2", CONFIGS=mlp:128,mlp:1024,cnn:128,
+# over runs), SECTIONS="1 2 3", GPT_CONFIGS=small,124M, CONFIGS=mlp:128,mlp:1024,cnn:128,
 # PRECS=fp32,bf16 (also tf32), FEEDS=device,host, SHAPES (bench_cublas
 # --shapes), TORCH_PYTHON (default: the first of /usr/bin/python3, python3
 # whose torch sees a GPU), STRICT=1 (exit 1 on a missed target),
@@ -30,7 +37,9 @@
 # PREBUILT=1 (run the binaries a BUILD_ONLY=1 run left in tests/bench/build/gpu),
 # TIMEOUT=300 (seconds per benchmark process), CUDA_HOME=/usr/local/cuda,
 # NVCC, NVCC_GENCODE (default sm_90 + sm_80), EXTRA_LIBS (more link flags
-# for the CUDA backend, e.g. -lcublasLt), DT_NATIVE=0 (no -march=native).
+# for the CUDA backend, e.g. -lcublasLt), DT_NATIVE=0 (no -march=native),
+# GPT_DEVICE=cpu (section 3 only, on the CPU, no GPU needed: a dry run of
+# the script itself; its numbers mean nothing for the targets).
 # Every ratio compares numbers taken in this run on this GPU.
 set -uo pipefail
 
@@ -39,7 +48,9 @@ ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT" || exit 1
 
 REPEATS=${REPEATS:-3}
-SECTIONS=${SECTIONS:-"1 2"}
+SECTIONS=${SECTIONS:-"1 2 3"}
+GPT_CONFIGS=${GPT_CONFIGS:-small,124M}
+GPT_DEVICE=${GPT_DEVICE:-cuda}
 CONFIGS=${CONFIGS:-mlp:128,mlp:1024,cnn:128}
 PRECS=${PRECS:-fp32,bf16}
 FEEDS=${FEEDS:-device,host}
@@ -78,6 +89,10 @@ main() {
             gpu=$("$B/probe" --probe)
         fi
     fi
+    if [[ $GPT_DEVICE == cpu ]]; then   # the dry run: section 3 on the CPU
+        SECTIONS="3"
+        gpu="(none: GPT_DEVICE=cpu dry run)"
+    fi
     if [[ -z $gpu && $BUILD_ONLY != 1 ]]; then
         echo "skipped: no GPU"
         return 0
@@ -106,7 +121,8 @@ main() {
     local cand
     for cand in ${TORCH_PYTHON:-} /usr/bin/python3 python3 python; do
         command -v "$cand" >/dev/null 2>&1 || continue
-        if "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+        if "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() or sys.argv[1] == "cpu" else 1)' \
+            "$GPT_DEVICE" >/dev/null 2>&1; then
             py=$cand
             break
         fi
@@ -160,6 +176,13 @@ main() {
         done
     fi
 
+    # ------------------------------------------------------------ 3. GPT ---
+    if [[ " $SECTIONS " == *" 3 "* ]]; then
+        echo
+        echo "## 3. GPT: configs $GPT_CONFIGS, fp32 and bf16, on $GPT_DEVICE"
+        gpt_section "$py"
+    fi
+
     # --------------------------------------------------------------- tables ---
     echo
     table "$RES"
@@ -168,6 +191,44 @@ main() {
     [[ -n $build_err ]] && return 1
     ((STRICT && miss)) && return 1
     return 0
+}
+
+# Section 3: each config and precision, REPEATS runs a side, alternating;
+# result lines "gpt CONFIG PREC IMPL ms=X" into $RES.
+declare -A GPT_ARGS=([small]="--layers 4 --heads 4 --embd 128 --context 64 --batch 12 --vocab 256"
+                     [124M]="--layers 12 --heads 12 --embd 768 --context 1024 --batch 8 --vocab 50257")
+declare -A GPT_STEPS=([small]=60 [124M]=20)
+gpt_section() {
+    local py=$1 data=$B/gpt_text cfg prec r s line ms amp gpt=$B/gpt
+    [[ $GPT_DEVICE == cpu ]] && gpt=$ROOT/build/gpt
+    mkdir -p "$data"
+    head -c 4000000 /dev/urandom > "$data/text"   # any text: the step's time does not depend on it
+    [[ -x $gpt ]] || { echo "# ERROR: no $gpt to run"; return; }
+    for cfg in ${GPT_CONFIGS//,/ }; do
+        s=${GPT_STEPS[$cfg]}
+        [[ $GPT_DEVICE == cpu ]] && s=8
+        for prec in fp32 bf16; do
+            amp=off
+            [[ $prec == bf16 ]] && amp=bf16
+            for r in $(seq 1 "$REPEATS"); do
+                # shellcheck disable=SC2086
+                line=$(timeout -k 10 "$TIMEOUT" "$gpt" ${GPT_ARGS[$cfg]} --backend "$GPT_DEVICE" --amp $amp \
+                       --steps "$s" --eval-every "$s" --eval-batches 1 --sample 0 --data "$data" 2>&1 |
+                       tee "$B/gpt_${cfg}_$prec.log" | grep "^step $s:")
+                ms=$(echo "$line" | sed -n 's/.* \([0-9.]*\) ms\/step$/\1/p')
+                echo "gpt $cfg $prec dtrain ms=${ms:-error}" | tee -a "$RES"
+                [[ -n $ms ]] || tail -3 "$B/gpt_${cfg}_$prec.log"
+                [[ -n $py ]] || continue
+                # shellcheck disable=SC2086
+                line=$(timeout -k 10 "$TIMEOUT" "$py" "$HERE/bench_gpt_torch.py" ${GPT_ARGS[$cfg]} \
+                       --steps "$s" --device "$GPT_DEVICE" --amp $amp 2>&1 | tee "$B/gpt_torch.log" |
+                       grep "^gpt impl=torch")
+                ms=$(echo "$line" | sed -n 's/.* ms=\([0-9.]*\).*/\1/p')
+                echo "gpt $cfg $prec torch ms=${ms:-error}" | tee -a "$RES"
+                [[ -n $ms ]] || tail -3 "$B/gpt_torch.log"
+            done
+        done
+    done
 }
 
 # Build the benchmarks into $B.  Returns 1 with BUILD_ERR set when dtrain
@@ -233,6 +294,7 @@ build() {
     $CC $libflags $defs -c dtrain.c -o "$B/dtrain.o" || ok=0
     $CC $bench_cflags -c "$HERE/bench_gpu.c" -o "$B/bench_gpu.o" || ok=0
     $CC $bench_cflags -c "$HERE/bench_cublas.c" -o "$B/bench_cublas.o" || ok=0
+    $CC $bench_cflags -c examples/gpt.c -o "$B/gpt.o" || ok=0
     if ! wait "$nvcc_pid"; then
         cat "$B/nvcc.log"
         BUILD_ERR="backends/cuda.cu does not compile (nvcc)"
@@ -245,7 +307,8 @@ build() {
     fi
     libs="$libs ${EXTRA_LIBS:-} -lz -lm -lpthread"
     $CC "$B/bench_gpu.o" $objs $cuda_libs $libs -o "$B/bench_gpu" &&
-        $CC "$B/bench_cublas.o" $objs $cuda_libs $libs -o "$B/bench_cublas" || {
+        $CC "$B/bench_cublas.o" $objs $cuda_libs $libs -o "$B/bench_cublas" &&
+        $CC "$B/gpt.o" $objs $cuda_libs $libs -o "$B/gpt" || {
         BUILD_ERR="linking the benchmarks failed"
         return 1
     }
@@ -285,6 +348,11 @@ table() {
             if (f["ok"] + 0 != 1) bad[k] = 1
             if (!(k in mrel) || f["maxrel"] + 0 > mrel[k] + 0) mrel[k] = f["maxrel"]
         }
+    }
+    $1 == "gpt" && NF >= 5 && $5 ~ /^ms=[0-9.]+$/ {
+        k = $2 " " $3
+        if (!(k in gseen)) { gseen[k] = 1; gkeys[++ng] = k }
+        add(gms, $4 SUBSEP k, substr($5, 4))
     }
     $1 == "torchmm" && NF >= 5 && $4 == "torch_tflops" && $5 != "nan" && $5 != "-nan" { add(ptf, $2 " " $3, $5); npt++ }
     END {
@@ -354,6 +422,21 @@ table() {
             if (npt) printf "(torch: torch.matmul on the same f32 inputs, median over runs, in its own process; bf16 under torch.autocast, converting both operands each call like dt_matmul; tf32 with allow_tf32; the fp32p row shows torch fp32; dt/torch: median dtrain / median torch)\n"
             printf "\n"
         }
+        if (ng) {
+            printf "== 3. GPT: median ms/step over %d runs (examples/gpt.c vs bench_gpt_torch.py) ==\n", repeats
+            printf "%-6s %-5s| %9s %9s %8s | %7s %6s\n", "config", "prec", "dtrain", "torch", "dt/torch", "target", "result"
+            for (i = 1; i <= ng; i++) {
+                k = gkeys[i]; split(k, id, " ")
+                d = med(gms["dtrain" SUBSEP k]); p = med(gms["torch" SUBSEP k])
+                res = verdict(d != "" && p > 0 && d / p <= 1.0 + 1e-9)
+                printf "%-6s %-5s| %9s %9s %8s | %7s %6s\n", id[1], id[2], (d == "" ? "n/a" : sprintf("%.2f", d)), \
+                    (p == "" ? "n/a" : sprintf("%.2f", p)), ((d != "" && p > 0) ? sprintf("%.3f", d / p) : "-"), "<=1.00", res
+            }
+            g32 = med(gms["dtrain" SUBSEP "124M fp32"]); gbf = med(gms["dtrain" SUBSEP "124M bf16"])
+            if (g32 != "" && gbf > 0)
+                printf "124M: dtrain bf16 is %.2fx faster than its fp32 (target >= 1.50): %s\n", g32 / gbf, verdict(g32 / gbf >= 1.5)
+            printf "\n"
+        } else if (index(sections, " 3 ")) { printf "== 3. GPT: no results ==\n\n"; miss++ }
         printf "%d target(s) missed\n", miss
         exit (miss > 255 ? 255 : miss)
     }' "$1"
