@@ -32,7 +32,7 @@ BUILD=build
 # The core's modules (src/NAME.c), bottom layer first: the order of the
 # generated dtrain.c, and the layers docs/DESIGN.md describes.
 SRC_MODULES="context arena tensor param util record autograd ops ops_nn recompute optim ckpt dataset dataset_io data store
-             comm seg join eval launch profile codec ps ps_server ddp replicas hogwild steal parallel
+             comm seg join eval launch profile codec ps ps_server zero ddp replicas hogwild steal parallel
              monitor"
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi

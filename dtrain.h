@@ -1262,6 +1262,19 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
  * Calls that finish a step (dt_ddp_sync, dt_ddp_step, the next dt_backward)
  * give its reduction's errors: DT_EMISMATCH, DT_ETIMEDOUT, DT_EPEER, and
  * DT_ESTATE once the communicator has failed.
+ *
+ * Sharded (dt_ddp_config.zero 1 or 2): the same loop.  Rank r owns floats
+ * [r*N/world, (r+1)*N/world) of the N gradients laid out as the buckets lay
+ * them (reverse registration order; the first N % world ranks one more).
+ * dt_ddp_sync leaves each rank only its shard of the averaged gradients:
+ * the parameters' gradients read as zero after it.  dt_clip_grad_norm and
+ * the loss scaler work on the shards (collective then: every rank calls
+ * them).  dt_optim_step (or dt_ddp_step) steps this rank's shard and
+ * all-gathers the parameters (collective).  The optimizer's state tensors
+ * (dt_optim_state_at) are this rank's shard, 1-D; a checkpoint of them is
+ * refused (DT_ENOTSUP) for now: save the parameters alone.  Once the DDP
+ * is freed its optimizer refuses to step.  With no_sync, zero 2 keeps the
+ * accumulated gradients whole until the synchronised backward.
  * ------------------------------------------------------------------------- */
 typedef struct dt_ddp dt_ddp;
 
@@ -1310,6 +1323,20 @@ typedef struct dt_ddp_config {
     dt_ps *ps;                 /* not NULL: push buckets to the parameter servers and
                                   pull the parameters back instead of allreducing
                                   (section 12; workers only, no optimizer needed) */
+    int zero;                  /* sharding of the training state across the ranks, as
+                                  DeepSpeed's ZeRO stages (docs/DATA_PARALLEL.md, "Sharded
+                                  data parallelism"):
+                                  0 (default): none, every rank holds everything;
+                                  1: optimizer state: gradients are reduce-scattered, each
+                                     rank steps its contiguous 1/world of the flattened
+                                     parameters with its shard of the optimizer's state,
+                                     and the ranks all-gather the parameters;
+                                  2: also gradients: a bucket's memory is lent when its
+                                     first gradient is written and taken back once its
+                                     reduce-scatter is done; a rank keeps only its shard.
+                                  3 (parameters too): not built yet, DT_ENOTSUP.
+                                  Needs an optimizer, no compression, no parameter
+                                  server, a backend computing in host memory */
 } dt_ddp_config;
 DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
 
@@ -1362,6 +1389,13 @@ typedef struct dt_ddp_stats {
     int shared_buckets;        /* 1: the buckets live in memory this host's ranks share,
                                   and the allreduce reads them in place (all ranks on one
                                   host, no compression; DTRAIN_SHARED_BUCKETS=0: off) */
+    int zero;                  /* the sharding level in use (dt_ddp_config.zero) */
+    int64_t shard_floats;      /* zero >= 1: this rank's shard of the flattened parameters */
+    size_t grad_bytes_peak;    /* the most gradient memory this DDP held at once: its
+                                  bucket sets, or with zero 2 the buckets lent plus the
+                                  shard */
+    double gather_s;           /* zero >= 1: time in the parameter all-gathers that end
+                                  each optimizer step */
 } dt_ddp_stats;
 /* Totals since dt_ddp_new or the last reset (which keeps the settings:
  * buckets, bucket_bytes, overlap, shared_buckets).  DT_EINVAL: NULL. */

@@ -44,7 +44,7 @@ typedef struct options {
     const char *model, *data, *save, *resume, *optim, *ps_mode, *backend, *amp;
     const char *trace, *loss_log, *monitor;
     int epochs, batch, threads, limit_batches, ranks, servers, staleness, device;
-    int profile, balance, steal, slow_rank, global_batch;
+    int profile, balance, steal, slow_rank, global_batch, zero;
     float lr, slow_factor;
     unsigned long long seed;
 } options;
@@ -77,6 +77,8 @@ static void usage(FILE *f)
             "                      scaling) or tf32; default off (fp32)\n"
             "  --ranks N           train data-parallel on N local processes (default 1;\n"
             "                      under a launcher such as build/dtrun, its world size)\n"
+            "  --zero L            shard the training state across the ranks (ZeRO): 1 the\n"
+            "                      optimizer state, 2 also the gradients (default 0: none)\n"
             "  --servers N         of the ranks, N are parameter servers (default 0: DDP)\n"
             "  --ps-mode M         bsp, asp or ssp, with --servers (default bsp)\n"
             "  --staleness S       ssp's bound (default 2)\n"
@@ -138,6 +140,7 @@ static int parse_args(int argc, char **argv, options *o)
         ARG_CHOICE("amp", &o->amp, "bf16|fp16|tf32|off"),
         ARG_INT("ranks", &o->ranks, 1, 4096),
         ARG_INT("servers", &o->servers, 0, 4095),
+        ARG_INT("zero", &o->zero, 0, 3),
         ARG_CHOICE("ps-mode", &o->ps_mode, "bsp|asp|ssp"),
         ARG_INT("staleness", &o->staleness, 0, 1 << 20),
         ARG_U64("seed", &o->seed),
@@ -164,6 +167,11 @@ static int parse_args(int argc, char **argv, options *o)
     if (o->servers && (o->ranks <= o->servers || o->resume || o->global_batch)) {
         fprintf(stderr, "fashion_mnist: --servers needs more --ranks than servers (and no "
                         "--resume or --global-batch)\n");
+        return 0;
+    }
+    if (o->zero && (o->servers || o->balance || o->save || o->resume)) {
+        fprintf(stderr, "fashion_mnist: --zero does not combine with --servers, --balance, "
+                        "--save or --resume yet (sharded checkpoints are not built)\n");
         return 0;
     }
     if (!o->batch)
@@ -441,14 +449,18 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     }
     /* after a resume every rank holds the same weights anyway; otherwise
      * rank 0's initialisation goes to all */
-    if (comm && !(ddp = dt_ddp_new(ctx, comm, opt, NULL)))
+    dt_ddp_config dcfg;
+    dt_ddp_config_init(&dcfg);
+    dcfg.zero = o->zero;
+    if (comm && !(ddp = dt_ddp_new(ctx, comm, opt, &dcfg)))
         goto fail_ctx;
     if (ddp && o->balance && dt_ddp_balance(ddp, train_ld, 10) != DT_OK)
         goto fail_ctx;
     if (talk) {
         printf("model %s, %d epochs, batch %d", o->model, o->epochs, (int)lc.batch);
         if (ranks > 1)
-            printf(" per rank x %d ranks (DDP over %s)", ranks, dt_comm_transport(comm));
+            printf(" per rank x %d ranks (DDP%s over %s)", ranks,
+                   o->zero == 1 ? ", zero 1" : o->zero == 2 ? ", zero 2" : "", dt_comm_transport(comm));
         printf(", lr %g, %s backend, %d threads, %d parameter tensors", (double)o->lr,
                dt_backend_name(ctx), dt_ctx_threads(ctx), dt_param_count(ctx));
         printf("%s%s\n", o->amp ? ", autocast " : "", o->amp ? o->amp : "");

@@ -8,6 +8,7 @@
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
  *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
  *             [--seconds S] [--monitor [HOST:]PORT] [--amp bf16|fp16|tf32|off]
+ *             [--zero 0|1|2]
  *
  * Each report's ms/step is the training steps' time (evaluation left out),
  * from step 6 on once there are more than 5.  --seconds S ends training
@@ -29,6 +30,9 @@
  * with the training loss, learning rate and validation loss.  --amp runs
  * matmul, linear and attention's products at that precision (autocast; the
  * weights and the optimizer stay f32), fp16 with dynamic loss scaling.
+ * --zero shards the training state across the ranks (dt_ddp_config.zero):
+ * 1 the optimizer's state, 2 also the gradients; --save then writes the
+ * parameters alone (sharded checkpoints are not built yet).
  */
 #include <dirent.h>
 #include <getopt.h>
@@ -44,7 +48,7 @@
 
 typedef struct options {
     int steps, batch, context, layers, heads, embd, eval_every, eval_batches, ranks, threads;
-    int sample, vocab;
+    int sample, vocab, zero;
     float lr;
     double seconds;   /* > 0: a training-time budget (--seconds) */
     uint64_t seed;
@@ -352,17 +356,22 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         oc.weight_decay = 0.1f;
         oc.beta2 = 0.99f;   /* nanoGPT's shakespeare_char */
     }
+    dt_ddp_config dcfg;
+    dt_ddp_config_init(&dcfg);
+    dcfg.zero = o->zero;
     if (!(ld = make_loader(ctx, train_ds, o, rank, ranks, 1)) ||
         !(vl = make_loader(ctx, val_ds, o, 0, 1, 0)) || !(opt = dt_optim_new(ctx, &oc, NULL, 0)) ||
-        (comm && !(ddp = dt_ddp_new(ctx, comm, opt, NULL)))) {
+        (comm && !(ddp = dt_ddp_new(ctx, comm, opt, &dcfg)))) {
         fail(ctx, "setting up training");
         goto done;
     }
     if (rank == 0)
         printf("gpt: %lld bytes of fortunes (%lld train, %lld val), %d layers, %d heads, %d "
-               "channels, context %d, batch %d x %d rank(s), %d parameter tensors, %s backend%s%s\n",
+               "channels, context %d, batch %d x %d rank(s)%s, %d parameter tensors, %s backend%s%s\n",
                (long long)len, (long long)cut, (long long)(len - cut), o->layers, o->heads, o->embd,
-               o->context, o->batch, ranks, dt_param_count(ctx), dt_backend_name(ctx),
+               o->context, o->batch, ranks,
+               o->zero == 1 ? " (zero 1)" : o->zero == 2 ? " (zero 2)" : o->zero ? " (zero 3)" : "",
+               dt_param_count(ctx), dt_backend_name(ctx),
                o->amp ? ", autocast " : "", o->amp ? o->amp : "");
     if (rank == 0 && o->save_init && dt_checkpoint_save(ctx, NULL, o->save_init, 0) != DT_OK) {
         fail(ctx, "saving the initial weights");
@@ -428,7 +437,9 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     if (rank == 0 && scaler)
         printf("loss scale %g, %lld steps skipped for overflow\n",
                (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));
-    if (rank == 0 && o->save && dt_checkpoint_save(ctx, opt, o->save, o->steps) != DT_OK) {
+    /* sharded optimizer state cannot be checkpointed yet: the parameters alone */
+    if (rank == 0 && o->save &&
+        dt_checkpoint_save(ctx, o->zero && ddp ? NULL : opt, o->save, o->steps) != DT_OK) {
         fail(ctx, "saving");
         goto done;
     }
@@ -464,7 +475,8 @@ static int parse_args(int argc, char **argv, options *o)
         {"heads", &o->heads, 1, 1024},        {"embd", &o->embd, 1, 1 << 16},
         {"eval-every", &o->eval_every, 1, 1 << 30}, {"eval-batches", &o->eval_batches, 1, 1 << 20},
         {"ranks", &o->ranks, 1, 1024},        {"threads", &o->threads, 1, 1024},
-        {"sample", &o->sample, 0, 1 << 20},   {"vocab", &o->vocab, 256, 1 << 24}};
+        {"sample", &o->sample, 0, 1 << 20},   {"vocab", &o->vocab, 256, 1 << 24},
+        {"zero", &o->zero, 0, 3}};
     enum { NINTS = sizeof ints / sizeof ints[0] };
     static const char *const strs[] = {"lr", "seconds", "seed", "save", "data", "backend",
                                        "save-init", "dump", "optim", "monitor", "amp"};

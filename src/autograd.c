@@ -70,6 +70,11 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
             return NULL;
         t->grad->flags |= T_ZERO;
     }
+    /* a sharded DDP lends a parameter's gradient memory only from its
+     * first write of the step (src/zero.c) */
+    if ((t->flags & T_PARAM) && (t->grad->flags & T_ZERO) && ctx->hook_user &&
+        ctx->grad_hooks->grad_memory && ctx->grad_hooks->grad_memory(ctx->hook_user, t) != DT_OK)
+        return NULL;
     *acc = !(t->grad->flags & T_ZERO);
     t->grad->flags &= ~(unsigned)T_ZERO;
     return FP(t->grad);

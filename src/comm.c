@@ -26,6 +26,7 @@
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
                                          "reduce_scatter", "barrier", "alltoall",
                                          "16-bit allreduce", "allreduce in shared memory",
+                                         "reduce_scatter of shards", "allgather of shards",
                                          "parameter-server request", "send/recv"};
 
 /* A collective's name for messages and traces ("allreduce"); "?" for a kind
@@ -704,22 +705,44 @@ DT_PRIVATE void comm_block_range(int64_t n, int parts, int b, int64_t *lo, int64
     *hi = *lo + n / parts + (b < n % parts);
 }
 
-/* Ring reduce-scatter over buf cut into world blocks: afterwards block
- * (rank + 1) % world holds the full reduction. */
+/* [lo, hi) of block b of w's n floats: the offsets a _V collective
+ * carries (aux), else near-equal blocks. */
+static void work_block(const dt_work *w, int64_t n, int parts, int b, int64_t *lo, int64_t *hi)
+{
+    if (w->kind == COLL_REDUCE_SCATTER_V || w->kind == COLL_ALLGATHER_V) {
+        const int64_t *at = w->aux;
+        *lo = at[b];
+        *hi = at[b + 1];
+        return;
+    }
+    comm_block_range(n, parts, b, lo, hi);
+}
+
+static int64_t work_biggest_block(const dt_work *w, int64_t n, int parts)
+{
+    int64_t most = 0;
+    for (int b = 0; b < parts; b++) {
+        int64_t lo, hi;
+        work_block(w, n, parts, b, &lo, &hi);
+        most = hi - lo > most ? hi - lo : most;
+    }
+    return most;
+}
+
+/* Ring reduce-scatter over buf cut into world blocks (work_block): afterwards
+ * block (rank + 1) % world holds the full reduction. */
 static dt_status ring_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs, float *buf, int64_t n)
 {
     int P = xs->g.size, r = xs->g.me;
     int right = grp_rank(&xs->g, (r + 1) % P), left = grp_rank(&xs->g, (r - 1 + P) % P);
-    int64_t blo, bhi;
-    comm_block_range(n, P, 0, &blo, &bhi);
-    float *tmp = comm_scratch(c, w, bhi - blo + 1);
+    float *tmp = comm_scratch(c, w, work_biggest_block(w, n, P) + 1);
     if (!tmp)
         return w->status;
     for (int s = 0; s < P - 1; s++) {
         int send_b = (r - s + P) % P, recv_b = (r - s - 1 + 2 * P) % P;
         int64_t slo, shi, rlo, rhi;
-        comm_block_range(n, P, send_b, &slo, &shi);
-        comm_block_range(n, P, recv_b, &rlo, &rhi);
+        work_block(w, n, P, send_b, &slo, &shi);
+        work_block(w, n, P, recv_b, &rlo, &rhi);
         if (post_chunked(c, w, xs, 0, left, (uint32_t)s, tmp, (size_t)(rhi - rlo) * sizeof(float)) != DT_OK ||
             post_chunked(c, w, xs, 1, right, (uint32_t)s, buf + slo, (size_t)(shi - slo) * sizeof(float)) != DT_OK ||
             comm_wait_xfers(c, w, xs) != DT_OK)
@@ -739,8 +762,8 @@ static dt_status ring_allgather(dt_comm *c, dt_work *w, xfers *xs, float *buf, i
     for (int s = 0; s < P - 1; s++) {
         int send_b = (r + first - s + P) % P, recv_b = (r + first - s - 1 + 2 * P) % P;
         int64_t slo, shi, rlo, rhi;
-        comm_block_range(n, P, send_b, &slo, &shi);
-        comm_block_range(n, P, recv_b, &rlo, &rhi);
+        work_block(w, n, P, send_b, &slo, &shi);
+        work_block(w, n, P, recv_b, &rlo, &rhi);
         if (post_chunked(c, w, xs, 0, left, step0 + (uint32_t)s, buf + rlo, (size_t)(rhi - rlo) * sizeof(float)) != DT_OK ||
             post_chunked(c, w, xs, 1, right, step0 + (uint32_t)s, buf + slo, (size_t)(shi - slo) * sizeof(float)) != DT_OK ||
             comm_wait_xfers(c, w, xs) != DT_OK)
@@ -853,6 +876,36 @@ static dt_status run_reduce_scatter(dt_comm *c, dt_work *w, xfers *xs)
     }
     c->ctx->al.free_fn(work, c->ctx->al.user);
     return st;
+}
+
+/* Reduce-scatter of uneven blocks, in place: the ring leaves block
+ * (rank + 1) % world complete here; it goes to its owner, and ours comes
+ * from the left (as run_reduce_scatter). */
+static dt_status run_reduce_scatter_v(dt_comm *c, dt_work *w, xfers *xs)
+{
+    int P = c->world, r = c->rank;
+    int64_t lo, hi;
+    work_block(w, w->n, P, r, &lo, &hi);
+    if (P > 1 && w->n > 0) {
+        int have = (r + 1) % P, from = (r - 1 + P) % P;
+        int64_t hlo, hhi;
+        work_block(w, w->n, P, have, &hlo, &hhi);
+        if (ring_reduce_scatter(c, w, xs, w->buf, w->n) != DT_OK ||
+            post_chunked(c, w, xs, 0, from, 5000, w->buf + lo, (size_t)(hi - lo) * sizeof(float)) != DT_OK ||
+            post_chunked(c, w, xs, 1, have, 5000, w->buf + hlo, (size_t)(hhi - hlo) * sizeof(float)) != DT_OK ||
+            comm_wait_xfers(c, w, xs) != DT_OK)
+            return w->status;
+    }
+    comm_finish_avg(c, w, w->buf + lo, hi - lo);
+    return DT_OK;
+}
+
+/* Allgather of uneven blocks, in place: block rank is ours at the start. */
+static dt_status run_allgather_v(dt_comm *c, dt_work *w, xfers *xs)
+{
+    if (c->world == 1 || w->n == 0)
+        return DT_OK;
+    return ring_allgather(c, w, xs, w->buf, w->n, 0, 0);
 }
 
 /* Alltoall: block q of in goes to rank q, block p of buf comes from rank p.
@@ -978,6 +1031,8 @@ static dt_status run_on_segment(dt_comm *c, dt_work *w)
     case COLL_ALLTOALL: return seg_alltoall(c, w);
     case COLL_ALLREDUCE16: return allreduce16(c, w, NULL, 1);
     case COLL_ALLREDUCE_SHARED: return seg_allreduce_shared(c, w);
+    case COLL_REDUCE_SCATTER_V: return seg_reduce_scatter_v(c, w);
+    case COLL_ALLGATHER_V: return seg_allgather_v(c, w);
     }
     return comm_work_fail(w, DT_EINVAL, "unknown collective %d", w->kind);
 }
@@ -987,7 +1042,9 @@ static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
     static const uint8_t algs[] = {[COLL_BROADCAST] = COMM_ALG_TREE, [COLL_ALLGATHER] = COMM_ALG_RING,
                                    [COLL_REDUCE_SCATTER] = COMM_ALG_RING,
                                    [COLL_ALLTOALL] = COMM_ALG_PAIRWISE,
-                                   [COLL_ALLREDUCE16] = COMM_ALG_RING16};
+                                   [COLL_ALLREDUCE16] = COMM_ALG_RING16,
+                                   [COLL_REDUCE_SCATTER_V] = COMM_ALG_RING,
+                                   [COLL_ALLGATHER_V] = COMM_ALG_RING};
     int reduce = w->kind == COLL_ALLREDUCE || w->kind == COLL_BARRIER || w->kind == COLL_ALLREDUCE_SHARED;
     w->alg = !reduce ? algs[w->kind]
              : allreduce_doubles(c, w, xs->g.size) ? COMM_ALG_DOUBLING : COMM_ALG_RING;
@@ -998,6 +1055,8 @@ static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
     case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
     case COLL_ALLTOALL: run_alltoall(c, w, xs); break;
     case COLL_ALLREDUCE16: allreduce16(c, w, xs, 0); break;
+    case COLL_REDUCE_SCATTER_V: run_reduce_scatter_v(c, w, xs); break;
+    case COLL_ALLGATHER_V: run_allgather_v(c, w, xs); break;
     }
     if (w->status == DT_OK)
         comm_wait_xfers(c, w, xs);   /* the header, if the data finished first */
@@ -1228,6 +1287,15 @@ DT_PRIVATE dt_status comm_work_finish(dt_work *w, double *run_s)
     host_free(c->ctx, w->owned);
     host_free(c->ctx, w);
     return st;
+}
+
+/* Has w finished (comm_work_finish would not wait)? */
+DT_PRIVATE int comm_work_done(dt_work *w)
+{
+    pthread_mutex_lock(&w->comm->mu);
+    int done = w->done;
+    pthread_mutex_unlock(&w->comm->mu);
+    return done;
 }
 
 dt_status dt_work_wait(dt_work *w)

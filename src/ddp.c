@@ -280,6 +280,10 @@ static void ddp_weigh(dt_ddp *d, int64_t offset, int64_t numel);
 
 static void ddp_launch(dt_ddp *d, ddp_bucket *b)
 {
+    if (d->z) {   /* reduce-scattered instead (src/zero.c) */
+        zero_launch(d, b);
+        return;
+    }
     ddp_weigh(d, b->offset, b->numel);
     float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
     for (int k = 0; k < b->count; k++)
@@ -370,6 +374,21 @@ static void ddp_launch_ready(dt_ddp *d)
         ddp_launch(d, &d->buckets[d->next_launch++]);
 }
 
+/* The bucket holding flat gradient float `flat` (the last for one past
+ * the end).  Buckets cut every bucket_floats, or (zero 2) at parameters. */
+DT_PRIVATE int ddp_bucket_of(const dt_ddp *d, int64_t flat)
+{
+    int lo = 0, hi = d->nbuckets - 1;
+    while (lo < hi) {   /* the last bucket starting at or before flat */
+        int mid = (lo + hi + 1) / 2;
+        if (d->buckets[mid].offset <= flat)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Floats [done, upto) of parameter i's gradient are final: the buckets
  * they fall in have that many fewer to wait for. */
 static void ddp_mark_final(dt_ddp *d, int i, int64_t upto)
@@ -378,7 +397,7 @@ static void ddp_mark_final(dt_ddp *d, int i, int64_t upto)
     if (hi <= lo)
         return;
     d->done[i] = upto;
-    for (int64_t j = lo / d->bucket_floats; j < d->nbuckets && d->buckets[j].offset < hi; j++) {
+    for (int64_t j = ddp_bucket_of(d, lo); j < d->nbuckets && d->buckets[j].offset < hi; j++) {
         ddp_bucket *b = &d->buckets[j];
         int64_t a = lo > b->offset ? lo : b->offset;
         int64_t e = hi < b->offset + b->numel ? hi : b->offset + b->numel;
@@ -395,7 +414,12 @@ static void ddp_param_final(dt_ddp *d, int i)
     int64_t n = dt_tensor_numel(g);
     if (d->done[i] == n)
         return;
-    if (g->flags & T_ZERO)
+    dt_status s = g->flags & T_ZERO && d->z ? zero_grad_memory(d, i) : DT_OK;   /* its home first */
+    if (s != DT_OK && d->launch_status == DT_OK) {
+        d->launch_status = s;
+        snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
+    }
+    if (g->flags & T_ZERO && s == DT_OK)
         d->be_iface->memset0(d->be, (float *)g->data + d->done[i],
                              (size_t)(n - d->done[i]) * sizeof(float));
     ddp_mark_final(d, i, n);
@@ -479,15 +503,17 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     int fresh = 1;
     for (int i = 0; i < d->nparams && fresh; i++)
         fresh = (d->params[i]->grad->flags & T_ZERO) != 0;
-    if (fresh)
+    if (fresh && !d->z)   /* sharded: one set, or memory lent per bucket */
         ddp_point_grads(d, d->cur ^ 1);
     if (!d->sync)
         return DT_OK;
     d->pending_sync = 1;
     d->launch_status = DT_OK;
     d->next_launch = 0;
-    if (!d->overlap)
-        return DT_OK;   /* dt_ddp_sync launches everything */
+    /* dt_ddp_sync launches everything; zero 2 gives bucket memory back
+     * during backward even so (src/zero.c) */
+    if (!d->overlap && !(d->z && d->z->level == 2))
+        return DT_OK;
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
     d->recompute_left = 0;
@@ -575,6 +601,13 @@ static dt_status ddp_finish_run(dt_ddp *d)
         memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
         for (int i = 0; i < d->nparams; i++)
             ddp_param_final(d, i);
+    }
+    if (d->z) {   /* sharded: reduce-scattered (src/zero.c) */
+        double exposed = 0;
+        dt_status s = zero_finish(d, &exposed);
+        d->st.exposed_s += exposed;
+        d->pending_sync = 0;
+        return s;
     }
     if (d->next_launch == 0 && d->cfg.compress == DT_COMPRESS_NONE && !d->cfg.ps)
         ddp_reduce_whole(d);
@@ -741,6 +774,7 @@ dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
                             "shard_count = world)"
                       : P > 64                         ? "at most 64 ranks"
                       : d->bal_ld                      ? "already balancing"
+                      : d->z                           ? "not with a sharded DDP (zero) yet"
                                                        : NULL;
     float mine[2] = {(float)every, bad ? 1.0f : 0.0f}, *all = host_alloc(ctx, sizeof(float) * 2 * (size_t)P);
     if (!all)
@@ -793,6 +827,9 @@ void dt_ddp_stats_reset(dt_ddp *d)
     d->st.bucket_bytes = keep.bucket_bytes;
     d->st.overlap = keep.overlap;
     d->st.shared_buckets = keep.shared_buckets;
+    d->st.zero = keep.zero;
+    d->st.shard_floats = keep.shard_floats;
+    d->st.grad_bytes_peak = keep.grad_bytes_peak;
 }
 
 /* --- wrapping: the model check, buckets, rank 0's weights ------------ */
@@ -955,6 +992,40 @@ static size_t ddp_bucket_cap(const dt_ddp_config *cfg, const dt_ctx *ctx)
          : cap > DT_DDP_MAX_BUCKET_BYTES ? DT_DDP_MAX_BUCKET_BYTES : cap;
 }
 
+/* Zero 2: buckets of whole parameters, each closed before the parameter
+ * that would take it past bucket_floats (a larger parameter alone), so a
+ * bucket's lent memory is each of its gradients' contiguous home. */
+static dt_status ddp_plan_whole(dt_ddp *d)
+{
+    int nb = 0;
+    int64_t start = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        int64_t fill = 0;
+        nb = 0;
+        start = 0;
+        for (int k = 0; k < d->nparams; k++) {
+            int64_t n = dt_tensor_numel(d->params[d->order[k]]);
+            if (k > 0 && fill > 0 && fill + n > d->bucket_floats) {
+                if (pass)
+                    d->buckets[nb] = (ddp_bucket){.offset = start, .numel = fill};
+                nb++;
+                start += fill;
+                fill = 0;
+            }
+            fill += n;
+        }
+        if (pass)
+            d->buckets[nb] = (ddp_bucket){.offset = start, .numel = fill};
+        nb++;
+        if (!pass && !(d->buckets = host_calloc(d->ctx, sizeof *d->buckets * (size_t)nb)))
+            return DT_ENOMEM;
+    }
+    d->nbuckets = nb;
+    d->buckets[nb - 1].count = d->nparams;
+    d->set_floats = d->grad_floats + d->nparams > 0 ? d->grad_floats + d->nparams : 1;
+    return DT_OK;
+}
+
 /* Gradients lie contiguous in reverse registration order (the order
  * backward finishes them), then one flag per parameter; buckets cut that
  * every cap bytes, so a large parameter may span several (its row blocks
@@ -970,6 +1041,8 @@ static dt_status ddp_plan(dt_ddp *d, size_t cap)
     }
     d->grad_floats = off;
     d->bucket_floats = cap / sizeof(float) > 0 ? (int64_t)(cap / sizeof(float)) : 1;
+    if (d->cfg.zero >= 2)
+        return ddp_plan_whole(d);
     int64_t nb = off > 0 ? (off + d->bucket_floats - 1) / d->bucket_floats : 1;
     if (nb > INT32_MAX / 2)
         return set_error(d->ctx, DT_EINVAL, "ddp_new: bucket_bytes %zu makes %lld buckets",
@@ -1076,6 +1149,12 @@ DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx)
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
     float *stage = d->set[0];
+    if (d->cfg.zero) {   /* no set yet: in place (host memory) */
+        dt_status s = DT_OK;
+        for (int i = 0; s == DT_OK && i < d->nparams; i++)
+            s = dt_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
+        return s;
+    }
     for (int i = 0; i < d->nparams; i++)
         be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
     dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);
@@ -1088,6 +1167,7 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
 
 static void ddp_release(dt_ddp *d)
 {
+    zero_free(d);
     if (d->bal_ld && d->ctx) {
         d->ctx->prof.balancing = 0;
         __atomic_store_n(&d->ctx->prof.measure, d->ctx->prof.record, __ATOMIC_RELAXED);
@@ -1178,6 +1258,10 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         local = set_error(ctx, DT_EINVAL, "ddp_new: compress %d, topk_ratio %g: need a dt_compress "
                           "value and 0 <= topk_ratio <= 1", (int)conf.compress,
                           (double)conf.topk_ratio);
+    dt_status zcode;
+    const char *zwhy = local == DT_OK ? zero_refuses(&conf, opt, ctx, &zcode) : NULL;
+    if (zwhy)
+        local = set_error(ctx, zcode, "ddp_new: %s", zwhy);
     const char *wu = getenv("DTRAIN_TOPK_WARMUP");
     if (conf.topk_warmup_steps < 0)
         conf.topk_warmup_steps = wu && *wu && atoi(wu) > 0 ? atoi(wu) : 0;
@@ -1188,11 +1272,13 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         snprintf(settings, sizeof settings, "invalid: %.200s", local_msg);
     else
         snprintf(settings, sizeof settings, "bucket_bytes %zu, overlap %d, compress %d, topk_ratio "
-                 "%g, warmup %d, error_feedback %d, device memory %d, profiler checks every %d",
+                 "%g, warmup %d, error_feedback %d, device memory %d, profiler checks every %d, "
+                 "zero %d",
                  ddp_bucket_cap(cfg, ctx),
                  cfg->overlap < 0 ? -1 : cfg->overlap != 0, (int)cfg->compress,
                  (double)cfg->topk_ratio, cfg->topk_warmup_steps, cfg->error_feedback != 0,
-                 !ctx->be_iface->host_visible, prof_recording(ctx) ? ctx->prof.cfg.check_every : 0);
+                 !ctx->be_iface->host_visible, prof_recording(ctx) ? ctx->prof.cfg.check_every : 0,
+                 cfg->zero);
     if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
         if (ps_ddp_check(ctx, c, &conf, opt) != DT_OK)
             return NULL;
@@ -1224,9 +1310,9 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     dt_status s = DT_ENOMEM;
     if (d->params && d->order && d->offset && d->uses && d->done && d->own_grad)
         s = ddp_plan(d, cap);
-    if (s == DT_OK)
+    if (s == DT_OK && !d->cfg.zero)
         s = ddp_alloc_sets(d);
-    if (s == DT_OK)
+    if (s == DT_OK && !d->cfg.zero)
         s = ddp_alloc_private_sets(d);
     if (s == DT_OK && d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)
         s = ddp_alloc_ps_code(d);
@@ -1239,19 +1325,27 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     } else if (s == DT_OK && cfg->broadcast_params && !cfg->ps) {
         s = ddp_broadcast_params(d);
     }
+    if (s == DT_OK && d->cfg.zero && (s = zero_new(d)) == DT_ENOMEM)
+        set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for the sharded state");
     if (s != DT_OK) {
         ddp_release(d);
         host_free(ctx, d);
         return NULL;
     }
-    /* Gradients move into set 0 (what they hold so far comes along). */
-    for (int i = 0; i < d->nparams; i++) {
+    /* Gradients move into set 0 (what they hold so far comes along);
+     * sharded, zero_new moved them. */
+    for (int i = 0; i < d->nparams && !d->z; i++) {
         dt_tensor *g = d->params[i]->grad;
         d->own_grad[i] = g->data;
         if (!(g->flags & T_ZERO))
             d->be_iface->copy(d->be, ddp_grads(d, 0) + d->offset[i], g->data, tensor_bytes(g));
     }
-    ddp_point_grads(d, 0);
+    if (!d->z)
+        ddp_point_grads(d, 0);
+    else
+        d->cur = 0;
+    if (!d->z)
+        d->st.grad_bytes_peak = 2 * (size_t)d->set_floats * sizeof(float);
     if (d->momentum > 0)
         d->opt->momentum_by_ddp = 1;
     d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);
@@ -1266,6 +1360,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
 
 static void ddp_forget_optim(dt_ddp *d, const dt_optim *opt)
 {
+    zero_forget_optim(d, opt);
     if (d->opt == opt)
         d->opt = NULL;   /* freed first: dt_ddp_step now refuses instead */
 }
@@ -1278,7 +1373,7 @@ static void ddp_detach(dt_ddp *d)
         return;
     if (d->pending_sync)
         ddp_finish_run(d);   /* no rank check: the others may be gone */
-    for (int i = 0; i < d->nparams; i++) {
+    for (int i = 0; i < d->nparams && !d->z; i++) {   /* sharded: zero_free gives them back */
         dt_tensor *g = d->params[i]->grad;
         if (!(g->flags & T_ZERO))
             d->be_iface->copy(d->be, d->own_grad[i], g->data, tensor_bytes(g));
@@ -1309,6 +1404,26 @@ static dt_status hook_before_unscale(void *u, int finish) { return ddp_for_scale
 static void hook_optim_freed(void *u, const dt_optim *o) { ddp_forget_optim(u, o); }
 static void hook_ctx_freed(void *u) { ddp_detach(u); }
 
+/* Sharded (src/zero.c); for a plain DDP they do nothing. */
+static dt_status hook_grad_memory(void *u, dt_tensor *p)
+{
+    dt_ddp *d = u;
+    int i = p->param_index;
+    return d->z && p->ctx == d->ctx && i >= 0 && i < d->nparams && d->params[i] == p
+               ? zero_grad_memory(d, i) : DT_OK;
+}
+static int hook_grads_sharded(void *u) { return ((dt_ddp *)u)->z != NULL; }
+static void hook_grad_scale(void *u, float k) { zero_grad_scale(u, k); }
+static dt_status hook_grad_sumsq(void *u, double *total)
+{
+    dt_status s = ddp_finish(u);   /* the shards are this step's averages only once reduced */
+    return s != DT_OK ? s : zero_grad_sumsq(u, total);
+}
+static dt_status hook_after_step(void *u, dt_optim *o)
+{
+    return ((dt_ddp *)u)->z ? zero_after_step(u, o) : DT_OK;
+}
+
 static const dt_grad_hooks ddp_grad_hooks = {
     .backward_begin = hook_backward_begin,
     .node_done = hook_node_done,
@@ -1318,4 +1433,9 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .before_unscale = hook_before_unscale,
     .optim_freed = hook_optim_freed,
     .ctx_freed = hook_ctx_freed,
+    .grad_memory = hook_grad_memory,
+    .grads_sharded = hook_grads_sharded,
+    .grad_scale = hook_grad_scale,
+    .grad_sumsq = hook_grad_sumsq,
+    .after_step = hook_after_step,
 };

@@ -94,8 +94,12 @@ struct dt_store {
 
 #define DT_COMM_MAX_XFERS 64               /* transfers in flight per step */
 
+/* COLL_REDUCE_SCATTER_V and COLL_ALLGATHER_V work in place on buf (n floats)
+ * cut into one block per rank at the offsets in aux (world + 1 int64s,
+ * comm_blocks): the sharded data parallelism of src/zero.c. */
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_EXT, COLL_P2P };
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_REDUCE_SCATTER_V,
+       COLL_ALLGATHER_V, COLL_EXT, COLL_P2P };
 
 /* The algorithm a work ran with, as run_work chose it (src/comm.c); the
  * profiler gets it with the rest of the record (comm_record, comm_alg_name). */
@@ -118,7 +122,8 @@ struct dt_work {
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
     const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
-                                  part); COLL_EXT: the extension's request (a ps_call) */
+                                  part); COLL_EXT: the extension's request (a ps_call);
+                                  the _V kinds: the blocks' offsets (int64_t[world + 1]) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
     void *owned;               /* freed with the work (a background request's memory) */
     int64_t n;
@@ -370,7 +375,37 @@ typedef struct ddp_bucket {
     float *payload, *gathered, *residual;
     float *velocity;           /* TOPK with SGD momentum: the momentum, kept locally */
     ps_call pcall;             /* with a parameter server: its push (alive while in flight) */
+    /* sharded (src/zero.c) */
+    float *mem;                /* zero 2: the memory lent to it (NULL: none now) */
+    int64_t *blocks;           /* world + 1: each rank's shard within it, from its start */
+    int lent;                  /* zero 2: its pool buffer's index, -1: none */
 } ddp_bucket;
+
+/* --- src/zero.c --- */
+
+typedef struct zero_buf {
+    float *mem;
+    int64_t cap;               /* floats */
+    int busy;                  /* lent to a bucket */
+} zero_buf;
+
+/* Sharded data parallelism: what a DDP with dt_ddp_config.zero keeps. */
+typedef struct zero_state {
+    int level, world, rank;
+    int64_t *shard;            /* world + 1: rank q owns flat floats [shard[q], shard[q+1]) */
+    int64_t lo, hi;            /* ours */
+    float *shard_grad;         /* zero 2: our shard of the averaged gradients */
+    float *park;               /* zero 2: where a gradient with no memory lent points;
+                                  as long as the largest parameter, written only if a
+                                  caller reads such a gradient */
+    zero_buf *pool;            /* zero 2: bucket memory, lent and taken back */
+    int npool, reaped;         /* buffers; buckets whose reduce-scatter is collected */
+    size_t lent_bytes;         /* zero 2: lent now, plus the shard */
+    float *used;               /* per parameter: a gradient came this step (any rank, after
+                                  the step's allreduce of them) */
+    float *flat;               /* zero 1: the set (gradients, then gathered parameters) */
+    dt_optim *opt;             /* whose state is sharded */
+} zero_state;
 
 struct dt_ddp {
     dt_ctx *ctx;
@@ -420,6 +455,7 @@ struct dt_ddp {
     dt_loader *bal_ld;         /* balancing: the loader whose global batches it cuts */
     int bal_every;
     double *bal_w;             /* the split in force, one weight a rank */
+    zero_state *z;             /* dt_ddp_config.zero >= 1: sharded (src/zero.c) */
 };
 
 /* Run forward over this rank's part; per batch, visit(logits, labels,
@@ -741,6 +777,7 @@ DT_PRIVATE dt_work *comm_enqueue_in(dt_comm *c, int kind, float *buf, const floa
 DT_PRIVATE dt_work *comm_enqueue(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                                  int root, dt_reduce_op op);
 DT_PRIVATE dt_status comm_work_finish(dt_work *w, double *run_s);
+DT_PRIVATE int comm_work_done(dt_work *w);
 DT_PRIVATE dt_status comm_run_wait(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
                                    int root, dt_reduce_op op, const void *aux);
 DT_PRIVATE dt_status comm_run_in(dt_comm *c, int kind, float *buf, const float *in, int64_t n,
@@ -761,6 +798,8 @@ DT_PRIVATE dt_status seg_broadcast(dt_comm *c, dt_work *w, int from, float *buf,
                                    uint32_t p0, double patience);
 DT_PRIVATE dt_status seg_allgather(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_reduce_scatter(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_reduce_scatter_v(dt_comm *c, dt_work *w);
+DT_PRIVATE dt_status seg_allgather_v(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_allreduce_shared(dt_comm *c, dt_work *w);
 
@@ -779,6 +818,20 @@ DT_PRIVATE void join_shared_free(shm_region *r);
 
 /* src/ddp.c */
 DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx);
+DT_PRIVATE int ddp_bucket_of(const dt_ddp *d, int64_t flat);
+
+/* src/zero.c: the sharded mode of src/ddp.c (its hooks call these) */
+DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *opt, const dt_ctx *ctx,
+                                    dt_status *code);
+DT_PRIVATE dt_status zero_new(dt_ddp *d);
+DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o);
+DT_PRIVATE void zero_free(dt_ddp *d);
+DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i);
+DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b);
+DT_PRIVATE dt_status zero_finish(dt_ddp *d, double *exposed);
+DT_PRIVATE void zero_grad_scale(dt_ddp *d, float k);
+DT_PRIVATE dt_status zero_grad_sumsq(dt_ddp *d, double *total);
+DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o);
 
 /* src/ps.c */
 DT_PRIVATE size_t ps_encode_push(const dt_ps *ps, struct ps_call *pc, int kind, double ratio,

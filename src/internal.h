@@ -231,6 +231,19 @@ typedef struct dt_grad_hooks {
     void (*optim_freed)(void *user, const dt_optim *o);
     /* context: it is being freed */
     void (*ctx_freed)(void *user);
+    /* Sharded data parallelism (src/zero.c).  autograd: parameter p's
+     * gradient is about to be written for the first time since it was
+     * zeroed (its memory may be lent only from now on).  optim: are the
+     * gradients sharded (then each rank holds only its shard of the
+     * averaged gradient, and clipping and unscaling go through these)?
+     * grad_scale: multiply this rank's shard by k; grad_sumsq (collective):
+     * the sum of squares over every rank's shard; after_step: an optimizer
+     * that steps a shard has stepped (the ranks swap their shards). */
+    dt_status (*grad_memory)(void *user, dt_tensor *p);
+    int (*grads_sharded)(void *user);
+    void (*grad_scale)(void *user, float k);
+    dt_status (*grad_sumsq)(void *user, double *total);
+    dt_status (*after_step)(void *user, dt_optim *o);
 } dt_grad_hooks;
 
 struct dt_ctx {
@@ -321,6 +334,15 @@ typedef struct arena_switch {
 } arena_switch;
 /* --- src/optim.c --- */
 
+/* One parameter's part of a sharded optimizer step (src/zero.c sets them):
+ * elements [lo, lo + n) of it, whose averaged gradient is at grad, stepped
+ * when used (some rank produced a gradient for it this step). */
+typedef struct optim_shard {
+    int64_t lo, n;
+    const float *grad;
+    int used;
+} optim_shard;
+
 struct dt_optim {
     dt_ctx *ctx;
     dt_optim_config cfg;
@@ -334,6 +356,10 @@ struct dt_optim {
     dt_schedule sched;
     int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
                                    (momentum correction, src/ddp.c); the step must not again */
+    optim_shard *shard;         /* not NULL: a sharded DDP (src/zero.c) lent it; one per
+                                   parameter: the range this rank steps */
+    int orphaned;               /* its sharded DDP was freed: its state is a shard of a
+                                   job that no longer exists */
 };
 
 /* --- dynamic loss scaling (fp16) ------------------------------------------
@@ -653,6 +679,7 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
     } while (0)
 
 /* src/optim.c */
+DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                const char *suffix);
 

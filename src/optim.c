@@ -154,6 +154,7 @@ void dt_optim_free(dt_optim *o)
     host_free(ctx, o->state);
     host_free(ctx, o->params);
     host_free(ctx, o->param_steps);
+    host_free(ctx, o->shard);
     if (ctx->hook_user)
         ctx->grad_hooks->optim_freed(ctx->hook_user, o);
     host_free(ctx, o);
@@ -219,34 +220,83 @@ dt_status dt_optim_step(dt_optim *o)
     return s;
 }
 
+/* One parameter's update: cnt elements from p, g and the state tensors'
+ * own first element (the whole parameter, or a shard of it). */
+static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float *g, int64_t t)
+{
+    dt_ctx *ctx = o->ctx;
+    const dt_optim_config *c = &o->cfg;
+    if (c->kind == DT_SGD) {
+        float *buf = o->per ? FP(o->state[i]) : NULL;
+        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, buf, o->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
+                            c->dampening, c->nesterov, c->weight_decay, t == 1);
+    } else if (c->kind == DT_ADAGRAD) {
+        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, FP(o->state[i]), o->lr, c->eps, c->weight_decay);
+    } else {
+        float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
+        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, FP(o->state[2 * i]), FP(o->state[2 * i + 1]), o->lr,
+                             c->beta1, c->beta2, c->eps, c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
+    }
+}
+
 static dt_status optim_step_run(dt_optim *o)
 {
     dt_ctx *ctx = o->ctx;
+    if (o->orphaned)
+        return set_error(ctx, DT_ESTATE, "optim_step: this optimizer's state was sharded across "
+                         "the ranks by a DDP (dt_ddp_config.zero) that has been freed; make a "
+                         "new optimizer");
     if (o->has_sched)
         o->lr = dt_schedule_lr(&o->sched, o->base_lr, o->steps);
     o->steps++;
-    const dt_optim_config *c = &o->cfg;
     for (int i = 0; i < o->n; i++) {
         dt_tensor *p = o->params[i], *g = p->grad;
-        if (!g || (g->flags & T_ZERO))
+        const optim_shard *sh = o->shard ? &o->shard[i] : NULL;
+        if (sh ? !sh->used : !g || (g->flags & T_ZERO))
             continue;
-        int64_t cnt = shape_numel(p->ndim, p->shape);
         int64_t t = ++o->param_steps[i];
-        if (c->kind == DT_SGD) {
-            float *buf = o->per ? FP(o->state[i]) : NULL;
-            BE(ctx)->sgd_update(BEI(ctx), cnt, FP(p), FP(g), buf, o->lr,
-                                o->momentum_by_ddp ? 0.0f : c->momentum, c->dampening,
-                                c->nesterov, c->weight_decay, t == 1);
-        } else if (c->kind == DT_ADAGRAD) {
-            BE(ctx)->adagrad_update(BEI(ctx), cnt, FP(p), FP(g), FP(o->state[i]), o->lr, c->eps,
-                                    c->weight_decay);
-        } else {
-            float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
-            BE(ctx)->adam_update(BEI(ctx), cnt, FP(p), FP(g), FP(o->state[2 * i]),
-                                 FP(o->state[2 * i + 1]), o->lr, c->beta1, c->beta2, c->eps,
-                                 c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
-        }
+        if (sh && sh->n > 0)
+            optim_update(o, i, sh->n, FP(p) + sh->lo, sh->grad, t);
+        else if (!sh)
+            optim_update(o, i, shape_numel(p->ndim, p->shape), FP(p), FP(g), t);
     }
+    /* the ranks swap the shards they stepped (src/zero.c) */
+    if (o->shard && ctx->hook_user && ctx->grad_hooks->after_step)
+        return ctx->grad_hooks->after_step(ctx->hook_user, o);
+    return DT_OK;
+}
+
+/* A sharded DDP (src/zero.c) keeps only elements [lo[i], lo[i] + n[i]) of
+ * parameter i's state here: each state tensor becomes that long (1-D,
+ * zeroed, its name kept).  All or nothing. */
+DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n)
+{
+    dt_ctx *ctx = o->ctx;
+    int total = o->n * o->per;
+    dt_tensor **fresh = host_calloc(ctx, sizeof *fresh * (size_t)(total + 1));
+    optim_shard *sh = host_calloc(ctx, sizeof *sh * (size_t)(o->n + 1));
+    int ok = fresh && sh;
+    for (int k = 0; ok && k < total; k++) {
+        int64_t len = n[k / o->per];
+        fresh[k] = optim_owned_tensor(ctx, 1, &len, o->state[k]->name, "");
+        ok = fresh[k] != NULL;
+    }
+    if (!ok) {
+        for (int k = 0; fresh && k < total; k++)
+            if (fresh[k])
+                tensor_destroy(ctx, fresh[k]);
+        host_free(ctx, fresh);
+        host_free(ctx, sh);
+        return set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for the optimizer's shard");
+    }
+    for (int k = 0; k < total; k++) {
+        tensor_destroy(ctx, o->state[k]);
+        o->state[k] = fresh[k];
+    }
+    host_free(ctx, fresh);
+    for (int i = 0; i < o->n; i++)
+        sh[i] = (optim_shard){.lo = lo[i], .n = n[i]};
+    o->shard = sh;
     return DT_OK;
 }
 
@@ -279,12 +329,37 @@ dt_status dt_optim_set_lr(dt_optim *o, float lr)
     return DT_OK;
 }
 
+/* Are the gradients sharded across the ranks (src/zero.c)? */
+static int optim_grads_sharded(dt_ctx *ctx)
+{
+    return ctx->hook_user && ctx->grad_hooks->grads_sharded &&
+           ctx->grad_hooks->grads_sharded(ctx->hook_user);
+}
+
+/* Clipping by the global norm of sharded gradients: every rank's shard
+ * adds to the norm (a collective), and each rank scales its own. */
+static dt_status optim_clip_shards(dt_ctx *ctx, float max_norm, float *norm_out)
+{
+    double total = 0;
+    dt_status s = ctx->grad_hooks->grad_sumsq(ctx->hook_user, &total);
+    if (s != DT_OK)
+        return s;
+    double norm = sqrt(total), coef = max_norm / (norm + 1e-6);
+    if (norm_out)
+        *norm_out = (float)norm;
+    if (coef < 1.0)
+        ctx->grad_hooks->grad_scale(ctx->hook_user, (float)coef);
+    return be_fault(ctx, "clip_grad_norm");
+}
+
 dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
     if (!(max_norm > 0))
         return set_error(ctx, DT_EINVAL, "clip_grad_norm: max_norm %g must be > 0", (double)max_norm);
+    if (optim_grads_sharded(ctx))
+        return optim_clip_shards(ctx, max_norm, norm_out);
     double total = 0;
     for (int i = 0; i < ctx->n_params; i++) {
         dt_tensor *g = ctx->params[i]->grad;
@@ -384,6 +459,14 @@ dt_status dt_loss_scaler_unscale(dt_loss_scaler *sc, int *found_inf)
     dt_status s = ctx->hook_user ? ctx->grad_hooks->before_unscale(ctx->hook_user, 1) : DT_OK;   /* reduced first */
     if (s != DT_OK)
         return s;
+    if (!sc->unscaled && optim_grads_sharded(ctx)) {   /* each rank its shard; the check is global */
+        double total = 0;
+        ctx->grad_hooks->grad_scale(ctx->hook_user, 1.0f / sc->scale);
+        if ((s = ctx->grad_hooks->grad_sumsq(ctx->hook_user, &total)) != DT_OK)
+            return s;
+        sc->found_inf = !isfinite(total);
+        sc->unscaled = 1;
+    }
     if (!sc->unscaled) {
         double total = 0;
         for (int i = 0; i < ctx->n_params; i++) {

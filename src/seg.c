@@ -373,6 +373,69 @@ DT_PRIVATE dt_status seg_reduce_scatter(dt_comm *c, dt_work *w)
     return DT_OK;
 }
 
+/* The part of rank `rank`'s block (w->aux's offsets) in [off, off + cnt),
+ * relative to off: [*lo, *hi), empty when they do not meet. */
+static void seg_block_in_chunk(const dt_work *w, int rank, int64_t off, int64_t cnt, int64_t *lo,
+                               int64_t *hi)
+{
+    const int64_t *at = w->aux;
+    int64_t a = at[rank] > off ? at[rank] : off, e = at[rank + 1] < off + cnt ? at[rank + 1] : off + cnt;
+    *lo = a - off;
+    *hi = e > a ? e - off : a - off;
+}
+
+/* Reduce-scatter in place, ranks all on this host: chunk by chunk, every
+ * rank puts its chunk in its slot and reduces its own block's part of it
+ * from every slot in local-rank order (as seg_reduce_block always does). */
+DT_PRIVATE dt_status seg_reduce_scatter_v(dt_comm *c, dt_work *w)
+{
+    int me = c->local_index;
+    int64_t per = seg_chunk_floats(c, w->n), off = 0, n = w->n;
+    uint32_t p0 = seg_announce(c, w);
+    do {
+        int64_t cnt = n - off < per ? n - off : per, lo, hi;
+        uint32_t g = c->seg_chunk++;
+        if (cnt > 0)
+            seg_put(c, seg_slot_at(c, me, g), w->buf + off, (size_t)cnt * sizeof(float));
+        if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
+            return w->status;
+        seg_block_in_chunk(w, c->rank, off, cnt, &lo, &hi);
+        if (hi > lo) {
+            seg_reduce_block(c, w->buf + off + lo, g, lo, hi - lo, w->op);
+            comm_finish_avg(c, w, w->buf + off + lo, hi - lo);
+        }
+        off += cnt;
+    } while (off < n);
+    return DT_OK;
+}
+
+/* Allgather in place, ranks all on this host: chunk by chunk, every rank
+ * puts its block's part in its slot and copies the others' parts out. */
+DT_PRIVATE dt_status seg_allgather_v(dt_comm *c, dt_work *w)
+{
+    int64_t per = seg_chunk_floats(c, w->n), off = 0, n = w->n;
+    uint32_t p0 = seg_announce(c, w);
+    do {
+        int64_t cnt = n - off < per ? n - off : per, lo, hi;
+        uint32_t g = c->seg_chunk++;
+        seg_block_in_chunk(w, c->rank, off, cnt, &lo, &hi);
+        if (hi > lo)
+            seg_put(c, seg_slot_at(c, c->local_index, g) + lo, w->buf + off + lo,
+                    (size_t)(hi - lo) * sizeof(float));
+        if (seg_sync(c, w, off == 0 ? p0 : 0, 1.0) != DT_OK)
+            return w->status;
+        for (int q = 0; q < c->nlocal; q++) {
+            if (q == c->local_index)
+                continue;
+            seg_block_in_chunk(w, c->local_ranks[q], off, cnt, &lo, &hi);
+            if (hi > lo)
+                memcpy(w->buf + off + lo, seg_slot_at(c, q, g) + lo, (size_t)(hi - lo) * sizeof(float));
+        }
+        off += cnt;
+    } while (off < n);
+    return DT_OK;
+}
+
 /* Alltoall inside the host: each rank puts the blocks meant for the others
  * in its slot; each reads its own block from every slot. */
 DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)

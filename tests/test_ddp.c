@@ -2417,6 +2417,248 @@ static void test_hogwild(void **state)
     free(emb1);
 }
 
+/* --- sharded data parallelism (dt_ddp_config.zero) --------------------------
+ * Each case trains the same ranks twice from the same start: plain DDP,
+ * then sharded; every parameter must match within 1e-6 of its tensor's
+ * largest entry.  The model's 6923 parameters divide by none of 2, 3, 5. */
+
+enum { ZIN = 20, ZHID = 31, ZLAYERS = 8, ZSTEPS = 20 };
+
+typedef struct zero_case {
+    int level, world;
+    dt_optim_kind kind;        /* DT_ADAMW, or DT_SGD with momentum */
+    int clip, accumulate, overlap;
+    size_t bucket_bytes;
+} zero_case;
+static zero_case cur_zero;
+
+static int zero_build(dt_ctx *ctx, dt_tensor **w)
+{
+    for (int l = 0; l < ZLAYERS; l++) {
+        int64_t in = l == 0 ? ZIN : ZHID, out = l == ZLAYERS - 1 ? CLASSES : ZHID;
+        char nw[32], nb[32];
+        snprintf(nw, sizeof nw, "fc%d.weight", l + 1);
+        snprintf(nb, sizeof nb, "fc%d.bias", l + 1);
+        w[2 * l] = dt_param_new(ctx, nw, SHP(out, in));
+        w[2 * l + 1] = dt_param_new(ctx, nb, SHP(out));
+        if (!w[2 * l] || !w[2 * l + 1] || dt_init_kaiming_uniform(ctx, w[2 * l], sqrtf(5.0f)) ||
+            dt_init_bias(ctx, w[2 * l + 1], in))
+            return 1;
+    }
+    return 0;
+}
+
+/* Samples [lo, hi) of step s: features in [-1, 1], a label. */
+static dt_tensor *zero_loss(dt_ctx *ctx, dt_tensor **w, int64_t s, int64_t lo, int64_t hi)
+{
+    int64_t b = hi - lo;
+    float xs[4 * PER_RANK * ZIN];
+    int32_t ys[4 * PER_RANK];
+    for (int64_t i = 0; i < b; i++) {
+        tu_rng r = {(uint64_t)(s * 7919 + lo + i) * 104729u + 3};
+        for (int k = 0; k < ZIN; k++)
+            xs[i * ZIN + k] = tu_uniform(&r, -1.0f, 1.0f);
+        ys[i] = (int32_t)(tu_next(&r) % CLASSES);
+    }
+    dt_tensor *x = dt_tensor_temp(ctx, DT_F32, SHP(b, ZIN)), *y = dt_tensor_temp(ctx, DT_I32, SHP(b));
+    if (!x || !y || dt_tensor_set(x, xs, b * ZIN) || dt_tensor_set(y, ys, b))
+        return NULL;
+    dt_tensor *h = x;
+    for (int l = 0; l < ZLAYERS; l++) {
+        h = dt_linear(ctx, h, w[2 * l], w[2 * l + 1]);
+        if (l < ZLAYERS - 1)
+            h = dt_relu(ctx, h);
+    }
+    return dt_cross_entropy(ctx, h, y);
+}
+
+static dt_optim *zero_optim(dt_ctx *ctx, dt_optim_kind kind)
+{
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, kind);
+    oc.lr = kind == DT_SGD ? 0.05f : 0.01f;
+    oc.momentum = kind == DT_SGD ? 0.9f : 0.0f;
+    oc.weight_decay = kind == DT_SGD ? 1e-3f : 0.01f;
+    return dt_optim_new(ctx, &oc, NULL, 0);
+}
+
+static int64_t zero_numel(dt_ctx *ctx)
+{
+    int64_t n = 0;
+    for (int i = 0; i < dt_param_count(ctx); i++)
+        n += dt_tensor_numel(dt_param_at(ctx, i));
+    return n;
+}
+
+/* Every parameter, in registration order, to or from flat. */
+static int zero_params(dt_ctx *ctx, float *flat, int set)
+{
+    for (int i = 0; i < dt_param_count(ctx); i++) {
+        dt_tensor *p = dt_param_at(ctx, i);
+        int64_t n = dt_tensor_numel(p);
+        if (set ? dt_tensor_set(p, flat, n) : dt_tensor_get(p, flat, n))
+            return 1;
+        flat += n;
+    }
+    return 0;
+}
+
+/* ZSTEPS steps from init at sharding level `level`; the parameters end in
+ * out.  Accumulation: two micro-batches a step, the first under no_sync;
+ * clipping: sync, clip to a norm the gradients exceed, step. */
+static int zero_train(dt_ctx *ctx, dt_comm *c, dt_tensor **w, const float *init, int level,
+                      float *out, dt_ddp_stats *st)
+{
+    const zero_case *zc = &cur_zero;
+    int rank = dt_comm_rank(c), micro = zc->accumulate ? 2 : 1;
+    if (zero_params(ctx, (float *)init, 1))
+        return 20;
+    dt_optim *opt = zero_optim(ctx, zc->kind);
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.zero = level;
+    dc.bucket_bytes = zc->bucket_bytes;
+    dc.overlap = zc->overlap;
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+    if (!ddp)
+        return 21;
+    for (int64_t s = 0; s < ZSTEPS; s++) {
+        for (int mb = 0; mb < micro; mb++) {
+            int64_t lo = (int64_t)(rank * micro + mb) * PER_RANK;
+            if (dt_ddp_set_sync(ddp, mb == micro - 1) ||
+                dt_backward(ctx, zero_loss(ctx, w, s, lo, lo + PER_RANK)))
+                return 22;
+        }
+        float norm = 0;
+        if (zc->clip ? dt_ddp_sync(ddp) || dt_clip_grad_norm(ctx, 0.05f, &norm) || dt_optim_step(opt)
+                     : dt_ddp_step(ddp) != DT_OK)
+            return 23;
+        if (zc->clip && !(norm > 0.05f)) {   /* the clip must bite for the case to test it */
+            fprintf(stderr, "step %lld: gradient norm %g\n", (long long)s, (double)norm);
+            return 24;
+        }
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    if (dt_ddp_stats_get(ddp, st) || zero_params(ctx, out, 0))
+        return 25;
+    dt_ddp_free(ddp);
+    /* its state was a shard of a job now gone: it refuses to step */
+    if (level > 0 && dt_optim_step(opt) != DT_ESTATE)
+        return 26;
+    dt_optim_free(opt);
+    return 0;
+}
+
+static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    const zero_case *zc = &cur_zero;
+    dt_tensor *w[2 * ZLAYERS];
+    if (zero_build(ctx, w))
+        return 1;
+    int64_t n = zero_numel(ctx);
+    float *init = malloc(sizeof(float) * (size_t)n * 3), *ref = init + n, *got = ref + n;
+    dt_ddp_stats s0, s1;
+    int code = !init ? 2 : zero_params(ctx, init, 0) ? 3
+             : zero_train(ctx, c, w, init, 0, ref, &s0) ? 4
+             : zero_train(ctx, c, w, init, zc->level, got, &s1) ? 5 : 0;
+    for (int i = 0, at = 0; code == 0 && i < dt_param_count(ctx); i++) {
+        int64_t pn = dt_tensor_numel(dt_param_at(ctx, i));
+        double big = 0, diff = 0;
+        for (int64_t k = at; k < at + pn; k++) {
+            big = fabs(ref[k]) > big ? fabs(ref[k]) : big;
+            diff = fabs((double)got[k] - ref[k]) > diff ? fabs((double)got[k] - ref[k]) : diff;
+        }
+        if (!(diff <= 1e-6 * big)) {
+            fprintf(stderr, "rank %d: zero %d: %s differs from DDP's by %.3g (largest %.3g)\n", rank,
+                    zc->level, dt_tensor_name(dt_param_at(ctx, i)), diff, big);
+            code = 6;
+        }
+        at += (int)pn;
+    }
+    /* the shards: every float owned once, balanced to within one */
+    float sh[3] = {(float)s1.shard_floats, (float)s1.shard_floats, (float)s1.shard_floats};
+    if (code == 0 && (s1.zero != zc->level || s0.zero != 0 ||
+                      dt_allreduce(c, &sh[0], 1, DT_REDUCE_SUM) || dt_allreduce(c, &sh[1], 1, DT_REDUCE_MAX) ||
+                      dt_allreduce(c, &sh[2], 1, DT_REDUCE_MIN) || sh[0] != (float)n ||
+                      sh[1] - sh[2] > 1.0f || s1.shard_floats != (n + world - 1 - rank) / world))
+        code = 7;
+    /* zero 2 never holds a whole gradient (without no_sync): its shard plus
+     * the buckets backward writes and the two in flight */
+    if (code == 0 && zc->level == 2 && !zc->accumulate && s1.grad_bytes_peak >= (size_t)n * sizeof(float)) {
+        fprintf(stderr, "rank %d: zero 2 held %zu gradient bytes of %lld\n", rank, s1.grad_bytes_peak,
+                (long long)n * 4);
+        code = 8;
+    }
+    if (code == 0 && (s1.steps != ZSTEPS || s1.gather_s <= 0 || !params_agree(ctx, c)))
+        code = 9;
+    free(init);
+    return code;
+}
+
+static void test_zero_equals_ddp(void **state)
+{
+    (void)state;
+    const zero_case cases[] = {
+        {1, 2, DT_ADAMW, 0, 0, 1, 0},     {2, 2, DT_ADAMW, 0, 0, 1, 512},
+        {1, 3, DT_SGD, 1, 0, 0, 512},     {2, 3, DT_SGD, 0, 1, 0, 512},
+        {1, 5, DT_ADAMW, 0, 1, 1, 1024},  {2, 5, DT_ADAMW, 1, 0, 1, 512},
+        {2, 2, DT_SGD, 1, 1, 1, 512},     {1, 2, DT_SGD, 0, 0, 0, 0},
+    };
+    for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
+        cur_zero = cases[k];
+        expect_all_ok(cur_zero.world, zero_rank);
+    }
+}
+
+/* What cannot shard is refused on every rank, with the reason. */
+static int zero_refused_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)rank;
+    (void)world;
+    dt_tensor *w[2 * ZLAYERS];
+    if (zero_build(ctx, w))
+        return 1;
+    dt_optim *opt = zero_optim(ctx, DT_ADAMW);
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    struct { int zero; dt_compress compress; int with_opt; dt_status want; const char *says; } cases[] = {
+        {3, DT_COMPRESS_NONE, 1, DT_ENOTSUP, "zero 3"},
+        {7, DT_COMPRESS_NONE, 1, DT_EINVAL, "0, 1, 2 or 3"},
+        {1, DT_COMPRESS_NONE, 0, DT_ENOTSUP, "optimizer"},
+        {2, DT_COMPRESS_BF16, 1, DT_ENOTSUP, "compression"},
+    };
+    for (int k = 0; k < 4; k++) {
+        dc.zero = cases[k].zero;
+        dc.compress = cases[k].compress;
+        if (dt_ddp_new(ctx, c, cases[k].with_opt ? opt : NULL, &dc) != NULL ||
+            dt_last_status(ctx) != cases[k].want || !strstr(dt_last_error(ctx), cases[k].says)) {
+            fprintf(stderr, "case %d: %s\n", k, dt_last_error(ctx));
+            return 2 + k;
+        }
+    }
+    /* sharded state is not checkpointed yet: refused, not written wrong */
+    dc.zero = 1;
+    dc.compress = DT_COMPRESS_NONE;
+    dt_ddp *ddp = dt_ddp_new(ctx, c, opt, &dc);
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/dt_zero_ckpt_%d.safetensors", (int)getpid());
+    if (!ddp || dt_checkpoint_save(ctx, opt, path, 0) != DT_ENOTSUP || access(path, F_OK) == 0)
+        return 10;
+    if (dt_checkpoint_save(ctx, NULL, path, 0) != DT_OK)   /* the parameters alone: fine */
+        return 11;
+    unlink(path);
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    return 0;
+}
+
+static void test_zero_refused(void **state)
+{
+    (void)state;
+    expect_all_ok(2, zero_refused_rank);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_equivalence_mlp),
     cmocka_unit_test(test_equivalence_cnn),
@@ -2435,6 +2677,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_compression_bytes),
     cmocka_unit_test(test_compression_errors),
     cmocka_unit_test(test_env_applies_only_when_unset),
+    cmocka_unit_test(test_zero_equals_ddp),
+    cmocka_unit_test(test_zero_refused),
     cmocka_unit_test(test_dp_equivalence),
     cmocka_unit_test(test_dp_unused_and_errors),
     cmocka_unit_test(test_ps_bsp_equivalence),

@@ -180,14 +180,16 @@ class dt_ddp_config(ctypes.Structure):
     _fields_ = [("struct_size", _SZ),
                 ("bucket_bytes", _SZ), ("overlap", _I), ("broadcast_params", _I),
                 ("compress", _I), ("topk_ratio", _F), ("topk_warmup_steps", _I),
-                ("error_feedback", _I), ("ps", _P)]
+                ("error_feedback", _I), ("ps", _P), ("zero", _I)]
 
 
 class dt_ddp_stats(ctypes.Structure):
     _fields_ = [("steps", _I64), ("buckets", _I), ("bucket_bytes", _SZ),
                 ("backward_s", _D), ("comm_s", _D), ("exposed_s", _D),
                 ("grad_bytes", _U64), ("payload_bytes", _U64), ("bytes_sent", _U64),
-                ("block_launches", _I64), ("overlap", _I), ("shared_buckets", _I)]
+                ("block_launches", _I64), ("overlap", _I), ("shared_buckets", _I),
+                ("zero", _I), ("shard_floats", _I64), ("grad_bytes_peak", _SZ),
+                ("gather_s", _D)]
 
 
 class dt_eval_config(ctypes.Structure):
@@ -1894,7 +1896,7 @@ class DDP(_Handle):
     """dt_ddp: data parallelism over comm for every parameter of ctx (collective).  rank
     0's parameters go to every rank; backward starts the bucketed allreduces; step() waits,
     averages and steps opt.  Keyword arguments: dt_ddp_config's fields (bucket_bytes,
-    overlap, compress="bf16", ...)."""
+    overlap, compress="bf16", zero=1 or 2 to shard the optimizer state and gradients, ...)."""
     _close_order = 0
     _what = "DDP"
     _free = staticmethod(_C.ddp_free)

@@ -1,0 +1,631 @@
+#include "dist.h"
+
+/* ===========================================================================
+ * Sharded data parallelism: ZeRO stages 1 and 2 (dt_ddp_config.zero)
+ *
+ * The sharded mode of src/ddp.c: the same buckets, hooks and order of
+ * launches, with a different reduction and a different step.  The N
+ * gradient floats, laid out as the buckets lay them (reverse registration
+ * order), are cut into one contiguous shard per rank, balanced to within
+ * one float (comm_block_range).  Each bucket is reduce-scattered (in place,
+ * COLL_REDUCE_SCATTER_V: each rank's block of the bucket is its shard's
+ * part of it), so afterwards a rank holds the average of its own shard
+ * only, the same bytes on the wire as half an allreduce.  The optimizer
+ * (src/optim.c, optim_shard) keeps state for and steps only that shard;
+ * its after_step hook then all-gathers the parameters (COLL_ALLGATHER_V),
+ * the other half of the allreduce's bytes.
+ *
+ * Level 1 keeps the gradients whole in one set (no second set: a step ends
+ * with its reduction, so nothing is in flight when the next backward
+ * writes).  Level 2 lends a bucket its memory when the first of its
+ * gradients is written (the grad_memory hook that grad_target calls) and
+ * takes it back once its reduce-scatter is collected, after copying this
+ * rank's block into the shard: buckets hold whole parameters, so a lent
+ * buffer is one parameter's contiguous home.  Taken-back memory goes to a
+ * pool and is lent again, so the steady state allocates nothing.  Without
+ * overlap the reduce-scatter runs on the spot, inline, so the memory still
+ * comes back during backward.
+ *
+ * Gradients the step consumed point at `park` (never written unless a
+ * caller reads a zeroed gradient), so nothing a caller does with them can
+ * write into the shards.  Calls down only: comm, the backend, the
+ * optimizer's shard table.
+ * ======================================================================== */
+
+/* Why cfg cannot shard (NULL: it can, or it does not ask to); *code the
+ * status to fail with. */
+DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *opt, const dt_ctx *ctx,
+                                    dt_status *code)
+{
+    *code = DT_EINVAL;
+    if (cfg->zero == 0)
+        return NULL;
+    if (cfg->zero < 0 || cfg->zero > 3)
+        return "zero must be 0, 1, 2 or 3";
+    *code = DT_ENOTSUP;
+    if (cfg->zero == 3)
+        return "zero 3 (parameters sharded, FSDP) is not built yet: use 1 or 2";
+    if (!opt)
+        return "zero needs the optimizer whose state it shards";
+    if (opt->shard || opt->orphaned)
+        return "zero: this optimizer's state is already sharded (by another DDP)";
+    if (cfg->compress != DT_COMPRESS_NONE)
+        return "zero: gradient compression does not combine with sharding";
+    if (cfg->ps)
+        return "zero: not with a parameter server (the servers hold the state)";
+    if (!ctx->be_iface->host_visible)
+        return "zero: sharding on a device backend is not built yet";
+    return NULL;
+}
+
+/* Zero 2 with overlap: buckets reduce-scattering at once, at most.  Memory
+ * lent is then the shard, these, and the buckets backward is writing; more
+ * in flight would hide little more on one host and hold a bucket each. */
+#define ZERO_IN_FLIGHT 2
+
+static zero_state *Z(const dt_ddp *d) { return d->z; }
+
+/* Parameters k whose flat range meets [lo, hi): first..last in d->order
+ * (the flat layout), via fn(d, k, a, e) with the meeting part [a, e). */
+typedef void (*zero_part_fn)(dt_ddp *d, int k, int64_t a, int64_t e, void *arg);
+static void zero_each_part(dt_ddp *d, int64_t lo, int64_t hi, zero_part_fn fn, void *arg)
+{
+    for (int j = 0; j < d->nparams; j++) {
+        int k = d->order[j];
+        int64_t off = d->offset[k], a = off > lo ? off : lo;
+        int64_t e = off + dt_tensor_numel(d->params[k]);
+        e = e < hi ? e : hi;
+        if (e > a)
+            fn(d, k, a, e, arg);
+        if (off >= hi)
+            break;
+    }
+}
+
+/* --- zero 2's pool of bucket memory --------------------------------- */
+
+static void zero_note_lent(dt_ddp *d, int64_t floats)
+{
+    zero_state *z = Z(d);
+    z->lent_bytes += (size_t)floats * sizeof(float);
+    if (z->lent_bytes > d->st.grad_bytes_peak)
+        d->st.grad_bytes_peak = z->lent_bytes;
+}
+
+/* A free pool buffer of at least n floats (the smallest), or a new one;
+ * -1 when out of memory. */
+static int zero_pool_take(dt_ddp *d, int64_t n)
+{
+    zero_state *z = Z(d);
+    int best = -1;
+    for (int k = 0; k < z->npool; k++)
+        if (!z->pool[k].busy && z->pool[k].cap >= n && (best < 0 || z->pool[k].cap < z->pool[best].cap))
+            best = k;
+    if (best < 0) {
+        if (z->npool == d->nbuckets + 1)
+            return -1;   /* cannot happen: one a bucket, plus the gather's */
+        float *mem = d->be_iface->alloc(d->be, (size_t)(n ? n : 1) * sizeof(float));
+        if (!mem)
+            return -1;
+        best = z->npool++;
+        z->pool[best] = (zero_buf){.mem = mem, .cap = n};
+    }
+    z->pool[best].busy = 1;
+    zero_note_lent(d, z->pool[best].cap);
+    return best;
+}
+
+static void zero_pool_give(dt_ddp *d, int k)
+{
+    zero_state *z = Z(d);
+    z->pool[k].busy = 0;
+    z->lent_bytes -= (size_t)z->pool[k].cap * sizeof(float);
+}
+
+static void zero_point_at(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
+{
+    (void)a;
+    (void)e;
+    const ddp_bucket *b = arg;
+    d->params[k]->grad->data = b->mem + (d->offset[k] - b->offset);
+}
+
+/* Parameter i's gradient is about to be written: give it its home (zero 1:
+ * the set; zero 2: its bucket's lent memory, lent now if not yet). */
+DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i)
+{
+    zero_state *z = Z(d);
+    dt_tensor *g = d->params[i]->grad;
+    if (z->level == 1) {
+        g->data = z->flat + d->offset[i];
+        return DT_OK;
+    }
+    ddp_bucket *b = &d->buckets[ddp_bucket_of(d, d->offset[i])];
+    if (!b->mem) {
+        int k = zero_pool_take(d, b->numel);
+        if (k < 0)
+            return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory for a gradient bucket of %lld "
+                             "floats", (long long)b->numel);
+        b->lent = k;
+        b->mem = z->pool[k].mem;
+        zero_each_part(d, b->offset, b->offset + b->numel, zero_point_at, b);
+    }
+    return DT_OK;
+}
+
+/* --- reducing: buckets reduce-scattered -------------------------------- */
+
+static void zero_park(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
+{
+    (void)a;
+    (void)e;
+    (void)arg;
+    dt_tensor *g = d->params[k]->grad;
+    g->data = Z(d)->park;
+    g->flags |= T_ZERO;
+}
+
+/* Zero 2: bucket b's reduce-scatter is done: our block goes to the shard,
+ * and its memory back to the pool. */
+static void zero_collect(dt_ddp *d, ddp_bucket *b)
+{
+    zero_state *z = Z(d);
+    int64_t lo = b->blocks[z->rank], hi = b->blocks[z->rank + 1];
+    if (hi > lo)
+        memcpy(z->shard_grad + (b->offset + lo - z->lo), b->mem + lo, (size_t)(hi - lo) * sizeof(float));
+    zero_each_part(d, b->offset, b->offset + b->numel, zero_park, NULL);
+    zero_pool_give(d, b->lent);
+    b->lent = -1;
+    b->mem = NULL;
+}
+
+static void zero_note_failure(dt_ddp *d, dt_status s)
+{
+    if (s != DT_OK && d->launch_status == DT_OK) {
+        d->launch_status = s;
+        snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
+    }
+}
+
+/* Collect, in order, the buckets whose reduce-scatter has finished (zero 2,
+ * during backward: their memory is free for the next ones); all: wait. */
+static void zero_reap(dt_ddp *d, int all)
+{
+    zero_state *z = Z(d);
+    while (z->reaped < d->next_launch) {
+        ddp_bucket *b = &d->buckets[z->reaped];
+        if (b->work && !all && !comm_work_done(b->work))
+            return;
+        if (b->work) {
+            double run = 0;
+            dt_status s = comm_work_finish(b->work, &run);
+            b->work = NULL;
+            d->st.comm_s += run;
+            zero_note_failure(d, s);
+        }
+        if (b->mem && d->launch_status == DT_OK)
+            zero_collect(d, b);
+        z->reaped++;
+    }
+}
+
+static void zero_mark_used(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
+{
+    (void)a;
+    (void)e;
+    (void)arg;
+    Z(d)->used[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
+}
+
+/* Bucket b is final on this rank: start its reduce-scatter (zero 2 without
+ * overlap: run it here, so its memory comes back now). */
+DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
+{
+    zero_state *z = Z(d);
+    if (b == d->buckets) {
+        d->sent_at_launch = dt_comm_bytes_sent(d->comm);
+        d->zero_gen = d->ctx->zero_gen;
+    }
+    zero_each_part(d, b->offset, b->offset + b->numel, zero_mark_used, NULL);
+    float *mem = z->level == 1 ? z->flat + b->offset : b->mem;
+    d->st.grad_bytes += (uint64_t)b->numel * sizeof(float);
+    d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
+    if (b->numel == 0 || !mem)
+        return;
+    if (z->level == 2 && !d->overlap) {
+        double t0 = dt_now();
+        zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, mem, NULL, b->numel, 0,
+                                           DT_REDUCE_AVG, b->blocks));
+        d->st.comm_s += dt_now() - t0;
+    } else {
+        b->work = comm_enqueue_in(d->comm, COLL_REDUCE_SCATTER_V, mem, NULL, b->numel, 0,
+                                  DT_REDUCE_AVG, b->blocks);
+        if (!b->work)
+            zero_note_failure(d, d->ctx->last_status);
+    }
+    if (z->level != 2)
+        return;
+    zero_reap(d, 0);   /* what is done gives its memory back, in order */
+    while (d->next_launch - z->reaped > ZERO_IN_FLIGHT) {   /* and at most this many wait */
+        int upto = d->next_launch;
+        d->next_launch = z->reaped + 1;
+        zero_reap(d, 1);
+        d->next_launch = upto;
+    }
+}
+
+/* Zero 1 without overlap: the whole set in one reduce-scatter, cut at the
+ * shards (the comm's phases paid once). */
+static void zero_reduce_whole(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    d->sent_at_launch = dt_comm_bytes_sent(d->comm);
+    d->zero_gen = d->ctx->zero_gen;
+    for (int k = 0; k < d->nparams; k++)
+        z->used[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
+    double t0 = dt_now();
+    zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, z->flat, NULL, d->grad_floats,
+                                       0, DT_REDUCE_AVG, z->shard));
+    d->st.comm_s += dt_now() - t0;
+    d->st.grad_bytes += (uint64_t)d->grad_floats * sizeof(float);
+    d->st.payload_bytes += (uint64_t)d->grad_floats * sizeof(float);
+    d->next_launch = d->nbuckets;
+}
+
+/* Hand the optimizer this step's shard: which parameters got a gradient on
+ * some rank (an allreduce of the flags), or none after a zero_grad. */
+static dt_status zero_publish(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    dt_status s = d->nparams ? comm_run_wait(d->comm, COLL_ALLREDUCE, z->used, NULL, d->nparams, 0,
+                                             DT_REDUCE_SUM, NULL)
+                             : DT_OK;
+    if (s != DT_OK)
+        return s;
+    int zeroed = d->ctx->zero_gen != d->zero_gen;
+    dt_optim *o = z->opt;
+    for (int i = 0; o && i < o->n; i++)
+        o->shard[i].used = !zeroed && z->used[o->params[i]->param_index] > 0;
+    /* the gradients are consumed: what a caller may read of them is zeros */
+    zero_each_part(d, 0, d->grad_floats, zero_park, NULL);
+    return DT_OK;
+}
+
+/* Launch what is owed, wait for every bucket, publish the shard. */
+DT_PRIVATE dt_status zero_finish(dt_ddp *d, double *exposed)
+{
+    zero_state *z = Z(d);
+    double t0 = dt_now();
+    if (d->next_launch == 0 && z->level == 1)
+        zero_reduce_whole(d);
+    while (d->next_launch < d->nbuckets)
+        zero_launch(d, &d->buckets[d->next_launch++]);
+    if (z->level == 2) {
+        zero_reap(d, 1);
+    } else {
+        for (int b = 0; b < d->nbuckets; b++) {
+            if (!d->buckets[b].work)
+                continue;
+            double run = 0;
+            zero_note_failure(d, comm_work_finish(d->buckets[b].work, &run));
+            d->buckets[b].work = NULL;
+            d->st.comm_s += run;
+        }
+    }
+    z->reaped = 0;
+    dt_status s = d->launch_status;
+    char msg[DT_MAX_ERROR];
+    snprintf(msg, sizeof msg, "%s", d->launch_msg);
+    if (s == DT_OK && (s = zero_publish(d)) != DT_OK)
+        snprintf(msg, sizeof msg, "%s", d->ctx->err);
+    *exposed = dt_now() - t0;
+    if (s != DT_OK)
+        return set_error(d->ctx, s, "ddp: gradient reduce-scatter failed: %s", msg);
+    d->st.steps++;
+    d->st.bytes_sent += dt_comm_bytes_sent(d->comm) - d->sent_at_launch;
+    return DT_OK;
+}
+
+/* --- clipping and unscaling the shards ---------------------------------- */
+
+static float *zero_shard_grads(const dt_ddp *d)
+{
+    const zero_state *z = Z(d);
+    return z->level == 1 ? z->flat + z->lo : z->shard_grad;
+}
+
+DT_PRIVATE void zero_grad_scale(dt_ddp *d, float k)
+{
+    zero_state *z = Z(d);
+    if (z->hi > z->lo)
+        d->be_iface->axpby(d->be, z->hi - z->lo, k, zero_shard_grads(d), 0.0f, zero_shard_grads(d));
+}
+
+/* Every rank's sum of squares, as a double in two floats, summed in rank
+ * order: the same total on every rank. */
+DT_PRIVATE dt_status zero_grad_sumsq(dt_ddp *d, double *total)
+{
+    zero_state *z = Z(d);
+    double mine = z->hi > z->lo ? d->be_iface->sumsq(d->be, z->hi - z->lo, zero_shard_grads(d)) : 0;
+    float pair[2] = {(float)mine, 0}, *all = host_alloc(d->ctx, sizeof(float) * 2 * (size_t)z->world);
+    if (!all)
+        return set_error(d->ctx, DT_ENOMEM, "clip_grad_norm: out of memory");
+    pair[1] = isfinite(mine) ? (float)(mine - (double)pair[0]) : 0.0f;
+    dt_status s = comm_run_wait(d->comm, COLL_ALLGATHER, all, pair, 2, 0, DT_REDUCE_SUM, NULL);
+    double sum = 0;
+    for (int r = 0; r < z->world; r++)
+        sum += (double)all[2 * r] + (double)all[2 * r + 1];
+    host_free(d->ctx, all);
+    *total = sum;
+    return s;
+}
+
+/* --- after the step: the parameters all-gathered --------------------------- */
+
+typedef struct zero_copy {
+    float *flat;               /* where flat float 0 would be */
+    int to_flat;
+} zero_copy;
+
+static void zero_copy_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
+{
+    const zero_copy *c = arg;
+    float *p = FP(d->params[k]) + (a - d->offset[k]);
+    if (c->to_flat)
+        memcpy(c->flat + a, p, (size_t)(e - a) * sizeof(float));
+    else
+        memcpy(p, c->flat + a, (size_t)(e - a) * sizeof(float));
+}
+
+/* Floats [lo, hi) of the flat layout: our shard's part of the parameters
+ * into buf (which holds flat floats from base on), all-gathered, and back
+ * into every parameter. */
+static dt_status zero_gather_span(dt_ddp *d, float *buf, int64_t base, int64_t lo, int64_t hi,
+                                  const int64_t *blocks)
+{
+    zero_state *z = Z(d);
+    zero_copy c = {buf - base, 1};
+    int64_t mlo = z->lo > lo ? z->lo : lo, mhi = z->hi < hi ? z->hi : hi;
+    if (mhi > mlo)
+        zero_each_part(d, mlo, mhi, zero_copy_part, &c);
+    dt_status s = comm_run_in(d->comm, COLL_ALLGATHER_V, buf, NULL, hi - lo, 0, DT_REDUCE_SUM, blocks);
+    if (s != DT_OK)
+        return s;
+    c.to_flat = 0;
+    zero_each_part(d, lo, hi, zero_copy_part, &c);
+    return DT_OK;
+}
+
+DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
+{
+    zero_state *z = Z(d);
+    if (o != z->opt)
+        return DT_OK;
+    double t0 = dt_now();
+    dt_status s = DT_OK;
+    if (z->level == 1) {
+        s = zero_gather_span(d, z->flat, 0, 0, d->grad_floats, z->shard);
+    } else {
+        for (int j = 0; s == DT_OK && j < d->nbuckets; j++) {
+            ddp_bucket *b = &d->buckets[j];
+            if (b->numel == 0)
+                continue;
+            int k = zero_pool_take(d, b->numel);
+            if (k < 0)
+                return set_error(d->ctx, DT_ENOMEM, "optim_step: out of memory to gather parameters");
+            s = zero_gather_span(d, z->pool[k].mem, b->offset, b->offset, b->offset + b->numel,
+                                 b->blocks);
+            zero_pool_give(d, k);
+        }
+    }
+    for (int i = 0; i < o->n; i++)   /* stepped: a second step needs a new reduction */
+        o->shard[i].used = 0;
+    d->st.gather_s += dt_now() - t0;
+    return s == DT_OK ? DT_OK
+                      : set_error(d->ctx, s, "optim_step: parameter all-gather failed: %s", d->ctx->err);
+}
+
+/* --- making and freeing --------------------------------------------------- */
+
+typedef struct zero_optim_ranges {
+    int64_t *lo, *n;
+} zero_optim_ranges;
+
+/* The optimizer keeps and steps only our shard of each of its parameters. */
+static dt_status zero_shard_optim(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    dt_optim *o = d->opt;
+    int64_t *lo = host_calloc(d->ctx, sizeof(int64_t) * 2 * (size_t)(o->n + 1)), *n = lo + o->n + 1;
+    if (!lo)
+        return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory");
+    for (int i = 0; i < o->n; i++) {
+        int k = o->params[i]->param_index;
+        if (k < 0 || k >= d->nparams || d->params[k] != o->params[i]) {
+            host_free(d->ctx, lo);
+            return set_error(d->ctx, DT_EINVAL, "ddp_new: the optimizer's parameter '%s' is not "
+                             "one this DDP wraps", o->params[i]->name);
+        }
+        int64_t off = d->offset[k], a = off > z->lo ? off : z->lo;
+        int64_t e = off + dt_tensor_numel(o->params[i]);
+        e = e < z->hi ? e : z->hi;
+        lo[i] = e > a ? a - off : 0;
+        n[i] = e > a ? e - a : 0;
+    }
+    dt_status s = optim_shard_state(o, lo, n);
+    for (int i = 0; s == DT_OK && i < o->n; i++) {
+        int64_t a = d->offset[o->params[i]->param_index] + lo[i];
+        o->shard[i].grad = z->level == 1 ? z->flat + a : z->shard_grad + (a - z->lo);
+    }
+    host_free(d->ctx, lo);
+    if (s == DT_OK)
+        z->opt = o;
+    return s;
+}
+
+/* Every rank's shard, and each bucket's blocks of it. */
+static dt_status zero_cut(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    int P = z->world;
+    z->shard = host_calloc(d->ctx, sizeof(int64_t) * (size_t)(P + 1));
+    if (!z->shard)
+        return DT_ENOMEM;
+    for (int q = 0; q < P; q++) {
+        int64_t hi;
+        comm_block_range(d->grad_floats, P, q, &z->shard[q], &hi);
+    }
+    z->shard[P] = d->grad_floats;
+    z->lo = z->shard[z->rank];
+    z->hi = z->shard[z->rank + 1];
+    for (int j = 0; j < d->nbuckets; j++) {
+        ddp_bucket *b = &d->buckets[j];
+        b->lent = -1;
+        b->count = 0;   /* the used flags travel on their own (zero_publish) */
+        if (!(b->blocks = host_calloc(d->ctx, sizeof(int64_t) * (size_t)(P + 1))))
+            return DT_ENOMEM;
+        for (int q = 0; q <= P; q++) {
+            int64_t at = z->shard[q] - b->offset;
+            b->blocks[q] = at < 0 ? 0 : at > b->numel ? b->numel : at;
+        }
+    }
+    return DT_OK;
+}
+
+/* Memory: zero 1 the set; zero 2 the shard and the pool's table; both a
+ * parking place as large as the largest parameter (never touched unless a
+ * consumed gradient is read). */
+static dt_status zero_alloc(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    int64_t biggest = 1;
+    for (int k = 0; k < d->nparams; k++)
+        biggest = dt_tensor_numel(d->params[k]) > biggest ? dt_tensor_numel(d->params[k]) : biggest;
+    z->used = host_calloc(d->ctx, sizeof(float) * (size_t)(d->nparams + 1));
+    z->park = d->be_iface->alloc(d->be, (size_t)biggest * sizeof(float));
+    if (!z->used || !z->park)
+        return DT_ENOMEM;
+    if (z->level == 1) {
+        size_t bytes = (size_t)(d->grad_floats ? d->grad_floats : 1) * sizeof(float);
+        if (!(z->flat = d->be_iface->alloc(d->be, bytes)))
+            return DT_ENOMEM;
+        d->be_iface->memset0(d->be, z->flat, bytes);
+        d->set[0] = d->set[1] = z->flat;
+        d->st.grad_bytes_peak = bytes;
+        return DT_OK;
+    }
+    size_t bytes = (size_t)(z->hi > z->lo ? z->hi - z->lo : 1) * sizeof(float);
+    z->pool = host_calloc(d->ctx, sizeof *z->pool * (size_t)(d->nbuckets + 1));
+    if (!z->pool || !(z->shard_grad = d->be_iface->alloc(d->be, bytes)))
+        return DT_ENOMEM;
+    d->be_iface->memset0(d->be, z->shard_grad, bytes);
+    z->lent_bytes = bytes;
+    d->st.grad_bytes_peak = bytes;
+    return DT_OK;
+}
+
+/* After ddp_plan: the shards, the memory, the optimizer's shard.  The
+ * gradients' own buffers are given up (they come back in zero_free); what
+ * they held moves to the set (zero 1) or a lent bucket (zero 2). */
+DT_PRIVATE dt_status zero_new(dt_ddp *d)
+{
+    zero_state *z = host_calloc(d->ctx, sizeof *z);
+    if (!z)
+        return DT_ENOMEM;
+    d->z = z;
+    *z = (zero_state){.level = d->cfg.zero, .world = dt_comm_size(d->comm),
+                      .rank = dt_comm_rank(d->comm)};
+    for (int i = 0; i < d->nparams; i++)
+        d->own_grad[i] = d->params[i]->grad->data;
+    dt_status s = zero_cut(d);
+    if (s == DT_OK)
+        s = zero_alloc(d);
+    if (s == DT_OK)
+        s = zero_shard_optim(d);
+    if (s != DT_OK)
+        return s;
+    d->st.zero = z->level;
+    d->st.shard_floats = z->hi - z->lo;
+    for (int i = 0; i < d->nparams; i++) {   /* not given up yet (zero_return_grads) */
+        dt_tensor *g = d->params[i]->grad;
+        void *own = g->data;
+        if (g->flags & T_ZERO) {
+            g->data = z->park;
+        } else if ((s = zero_grad_memory(d, i)) != DT_OK) {
+            return s;
+        } else {
+            d->be_iface->copy(d->be, g->data, own, tensor_bytes(g));
+        }
+        d->be_iface->free(d->be, own);
+        d->ctx->persistent_bytes -= tensor_bytes(g);
+        d->own_grad[i] = NULL;
+    }
+    return DT_OK;
+}
+
+/* Give every gradient a buffer of its own again (what it holds comes
+ * along); a buffer that cannot be had leaves that gradient where it is,
+ * and zero_free then keeps the DDP's memory it points into. */
+static int zero_return_grads(dt_ddp *d)
+{
+    int kept = 0;
+    for (int i = 0; i < d->nparams; i++) {
+        dt_tensor *g = d->params[i]->grad;
+        if (d->own_grad[i])
+            continue;   /* zero_new did not get to it */
+        size_t bytes = tensor_bytes(g);
+        void *mem = d->be_iface->alloc(d->be, bytes ? bytes : DT_ARENA_ALIGN);
+        if (!mem) {
+            kept = 1;
+            continue;
+        }
+        if (g->flags & T_ZERO)
+            d->be_iface->memset0(d->be, mem, bytes);
+        else
+            d->be_iface->copy(d->be, mem, g->data, bytes);
+        g->data = mem;
+        d->own_grad[i] = mem;
+        d->ctx->persistent_bytes += bytes;
+    }
+    return kept;
+}
+
+/* Undo zero_new (whatever of it happened); the optimizer, its state a
+ * shard of a job that is gone, refuses to step from now on. */
+DT_PRIVATE void zero_free(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    if (!z)
+        return;
+    int kept = d->ctx && d->own_grad ? zero_return_grads(d) : 0;
+    if (z->opt)
+        z->opt->orphaned = 1;
+    dt_ctx *ctx = d->ctx;
+    for (int j = 0; d->buckets && j < d->nbuckets; j++) {
+        host_free(ctx, d->buckets[j].blocks);
+        d->buckets[j].blocks = NULL;
+    }
+    if (!kept) {   /* else a gradient still points into them: kept until the process ends */
+        for (int k = 0; k < z->npool; k++)
+            d->be_iface->free(d->be, z->pool[k].mem);
+        if (z->flat)
+            d->be_iface->free(d->be, z->flat);
+        if (z->park)
+            d->be_iface->free(d->be, z->park);
+    }
+    if (z->shard_grad)
+        d->be_iface->free(d->be, z->shard_grad);
+    host_free(ctx, z->pool);
+    host_free(ctx, z->shard);
+    host_free(ctx, z->used);
+    host_free(ctx, z);
+    d->z = NULL;
+    d->set[0] = d->set[1] = NULL;
+}
+
+/* The optimizer is being freed: nothing to mark later. */
+DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o)
+{
+    if (d->z && d->z->opt == o)
+        d->z->opt = NULL;
+}

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# tests/bench/zero.sh - sharded data parallelism (dt_ddp_config.zero) against
+# PyTorch DDP and DDP + ZeroRedundancyOptimizer, in the same run, on GPT-2
+# 124M's shape (tests/bench/gpt.sh's: 12 layers, 12 heads, 768 channels,
+# vocabulary 50257, context 64, batch 4 a rank), AdamW, N ranks x 1 thread.
+#
+# Memory is each rank's peak proportional set size (tests/bench/pss_peak.py:
+# /proc/PID/smaps_rollup every 0.1 s; a segment the ranks share counts once
+# across them).  Step time is the mean after the warm-up steps.
+#
+#   bash tests/bench/zero.sh            (RANKS=2 STEPS=8; ./build.sh first)
+#
+# Prints one table; the ratios are against PyTorch DDP + ZeroRedundancyOptimizer.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RANKS=${RANKS:-2}
+STEPS=${STEPS:-8}
+LEVELS=${LEVELS:-"0 1 2"}
+SHAPE="--layers 12 --heads 12 --embd 768 --context 64 --batch 4 --vocab 50257"
+PY=/usr/bin/python3
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+[ -x build/gpt ] || { echo "zero.sh: build/gpt missing: run ./build.sh"; exit 1; }
+
+# dtrain: eval at the last step only, no sample; the ms/step it reports is
+# the training steps' (from step 6 on)
+for z in $LEVELS; do
+    OPENBLAS_NUM_THREADS=1 $PY tests/bench/pss_peak.py -- build/gpt --ranks "$RANKS" --threads 1 \
+        --zero "$z" $SHAPE --steps "$STEPS" --eval-every "$STEPS" --eval-batches 1 --sample 0 \
+        > "$out/dt$z.log" 2>&1 || { cat "$out/dt$z.log"; exit 1; }
+done
+for z in 0 1; do
+    OMP_NUM_THREADS=1 $PY tests/bench/pss_peak.py -- $PY tests/bench/bench_zero_torch.py \
+        --ranks "$RANKS" --zero "$z" $SHAPE --steps "$STEPS" --threads 1 \
+        --port $((29600 + RANDOM % 300)) > "$out/torch$z.log" 2>&1 || { cat "$out/torch$z.log"; exit 1; }
+done
+grep -h "^# torch" "$out/torch0.log" || true
+
+field() { sed -n "s/.*$2=\([0-9.]*\).*/\1/p" "$1" | tail -1; }
+dt_ms() { sed -n 's/.*, \([0-9.]*\) ms\/step$/\1/p' "$1" | tail -1; }
+t_ms=$(field "$out/torch1.log" ms)
+t_mib=$(field "$out/torch1.log" max_mib)
+printf '%-34s %9s %11s %14s %14s\n' "run ($RANKS ranks x 1 thread)" "ms/step" "peak PSS MiB" "ms / torch Z1" "PSS / torch Z1"
+row() {   # name ms mib
+    printf '%-34s %9s %11s %14s %14s\n' "$1" "$2" "$3" \
+        "$(awk -v a="$2" -v b="$t_ms" 'BEGIN { printf "%.3f", a / b }')" \
+        "$(awk -v a="$3" -v b="$t_mib" 'BEGIN { printf "%.3f", a / b }')"
+}
+row "torch DDP" "$(field "$out/torch0.log" ms)" "$(field "$out/torch0.log" max_mib)"
+row "torch DDP + ZeroRedundancyOpt" "$t_ms" "$t_mib"
+for z in $LEVELS; do
+    row "dtrain DDP zero $z" "$(dt_ms "$out/dt$z.log")" "$(field "$out/dt$z.log" max_mib)"
+done
+for f in "$out"/dt*.log "$out"/torch*.log; do
+    echo "# $(basename "$f"): $(grep '^pss ' "$f")"
+done
