@@ -428,7 +428,33 @@ gpt_checks() {
         { echo "gpt check: 2-rank run failed"; exit 1; }
     /usr/bin/python3 tests/compare_safetensors.py $t/gpt_1.safetensors $t/gpt_2.safetensors 1e-5 ||
         { echo "gpt check: 2 ranks differ from 1 process"; exit 1; }
+    # sharded (zero 2: optimizer state and gradients; 3: parameters too) ends
+    # where DDP does
+    for z in 2 3; do
+        OPENBLAS_NUM_THREADS=1 timeout -k 5 300 "$g" --steps 20 --eval-every 10 --eval-batches 2 \
+            --sample 0 --batch 6 --optim sgd --lr 0.05 --ranks 2 --zero $z \
+            --save $t/gpt_z$z.safetensors > /dev/null || { echo "gpt check: --zero $z run failed"; exit 1; }
+        /usr/bin/python3 tests/compare_safetensors.py $t/gpt_2.safetensors $t/gpt_z$z.safetensors 1e-6 ||
+            { echo "gpt check: --zero $z differs from DDP"; exit 1; }
+    done
     echo "gpt checks: ok"
+}
+
+# Sharded data parallelism end to end: the Fashion-MNIST MLP on 3 ranks
+# (optimized build, one epoch's first 100 batches) reaches DDP's test
+# accuracy with --zero 2 and --zero 3 (the same averages, reduce-scattered).
+zero_checks() {
+    local fast=$BUILD/test/fashion_mnist_O2 out acc ddp z
+    for z in 0 2 3; do
+        out=$(timeout -k 5 300 "$fast" --ranks 3 --zero $z --epochs 1 --limit-batches 100 --seed 4)
+        acc=$(echo "$out" | tail -1 | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
+        [ -n "$acc" ] || { echo "zero check: --zero $z has no accuracy line:"; echo "$out" | tail -5; exit 1; }
+        if [ $z = 0 ]; then ddp=$acc
+        elif ! awk -v a="$acc" -v b="$ddp" 'BEGIN { exit !(a >= b - 0.1 && a <= b + 0.1) }'; then
+            echo "zero check: --zero $z reached $acc%, DDP $ddp%"; exit 1
+        fi
+        echo "zero check: 3 ranks, --zero $z: test accuracy $acc%"
+    done
 }
 
 # Every module of src/ calls down only (tests/layers.py, docs/DESIGN.md).
@@ -1316,6 +1342,7 @@ cmd_test() {
     timed bash tests/install_check.sh
     timed readme_vendoring_checks
     timed ps_checks
+    timed zero_checks
     timed pipeline_checks
     timed python_checks
     timed launcher_checks

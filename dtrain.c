@@ -31,6 +31,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <malloc.h>
 #include <math.h>
 #include <pthread.h>
 #include <arpa/inet.h>
@@ -250,6 +251,15 @@ typedef struct dt_grad_hooks {
      * the sum of squares over every rank's shard; after_step: an optimizer
      * that steps a shard has stepped (the ranks swap their shards). */
     dt_status (*grad_memory)(void *user, dt_tensor *p);
+    /* Sharded parameters (zero 3).  param_use: ops (each input of an op
+     * about to compute, backward 0) and autograd (node n about to run its
+     * backward, backward 1) read memory at data: if it lies in a parameter
+     * held as a shard, the ranks gather it first (collective: every rank
+     * reaches the same calls in the same order).  param_whole: may a caller
+     * read memory at data now (not collective)? */
+    dt_status (*param_use)(void *user, const void *data, int backward);
+    dt_status (*node_params)(void *user, const dt_node *n);
+    int (*param_whole)(void *user, const void *data);
     int (*grads_sharded)(void *user);
     void (*grad_scale)(void *user, float k);
     dt_status (*grad_sumsq)(void *user, double *total);
@@ -643,6 +653,8 @@ DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE void tensor_free_doomed(dt_ctx *ctx);
 DT_PRIVATE void tensor_materialize(dt_tensor *t);
+DT_PRIVATE void host_give_back(dt_ctx *ctx);
+DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op);
 DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
 
 /* src/param.c */
@@ -691,7 +703,7 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                               const char *suffix);
+                                         const char *suffix, int lazy);
 
 /* src/codec.c */
 DT_PRIVATE size_t codec_bytes(dt_compress kind, int64_t numel, int64_t topk);
@@ -1126,6 +1138,20 @@ typedef struct zero_state {
                                   the step's allreduce of them) */
     float *flat;               /* zero 1: the set (gradients, then gathered parameters) */
     dt_optim *opt;             /* whose state is sharded */
+    /* zero 3: parameters held as shards.  A unit (a bucket: whole
+     * parameters) is resident when every float of its parameters is valid;
+     * otherwise only this rank's shard is, and the other pages are given
+     * back (the backend's discard), the parameters keeping their addresses */
+    int *unit_of;              /* parameter -> its bucket */
+    int *by_addr;              /* parameters in order of their addresses */
+    int *alone;                /* per bucket: its one parameter (gathered in place), or -1 */
+    char *resident;            /* per bucket */
+    uint64_t *last;            /* per bucket: the tick of its last use */
+    uint64_t tick;             /* uses of parameter memory so far */
+    int nresident;
+    int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
+    dt_work *pre_work;
+    int pinned;                /* dt_ddp_full_params: all resident until the next step */
 } zero_state;
 
 struct dt_ddp {
@@ -1546,6 +1572,9 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
                                     dt_status *code);
 DT_PRIVATE dt_status zero_new(dt_ddp *d);
 DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o);
+DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward);
+DT_PRIVATE int zero_param_whole(const dt_ddp *d, const void *data);
+DT_PRIVATE dt_status zero_full_params(dt_ddp *d);
 DT_PRIVATE void zero_free(dt_ddp *d);
 DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i);
 DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b);
@@ -1719,6 +1748,22 @@ static void *libc_realloc(void *p, size_t n, void *u) { (void)u; return realloc(
 static void libc_free(void *p, void *u) { (void)u; free(p); }
 
 DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n) { return ctx->al.malloc_fn(n ? n : 1, ctx->al.user); }
+
+/* Large blocks were just freed (an arena consolidated, a sharded DDP's
+ * memory given up): with the C library's allocator, hand the free pages
+ * inside its heap back to the system, which glibc otherwise keeps mapped
+ * (measured: a 256 MiB arena chunk freed in the heap stayed resident for
+ * the whole run of tests/bench/zero.sh).  A caller's own allocator is its
+ * business. */
+DT_PRIVATE void host_give_back(dt_ctx *ctx)
+{
+#ifdef __GLIBC__
+    if (ctx->al.malloc_fn == libc_malloc)
+        malloc_trim(0);
+#else
+    (void)ctx;
+#endif
+}
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p) { if (p) ctx->al.free_fn(p, ctx->al.user); }
 
 DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n)
@@ -2166,6 +2211,7 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
         arena_destroy(ctx, a);
         a->first = a->cur = chunk_new(ctx, a, total);
         /* if that fails, the next alloc simply grows again */
+        host_give_back(ctx);
     }
     if (a->first)
         a->first->used = 0;
@@ -2184,6 +2230,7 @@ DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap)
     arena_destroy(ctx, a);
     if (cap)
         a->first = a->cur = chunk_new(ctx, a, cap);   /* on failure: grows again on use */
+    host_give_back(ctx);
 }
 
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a)
@@ -2519,7 +2566,9 @@ DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t)
         host_free(ctx, g);
         return set_error(ctx, DT_ENOMEM, "out of device memory for a gradient (%zu bytes)", bytes);
     }
-    ctx->be_iface->memset0(ctx->be, g->data, bytes);
+    /* not written: T_ZERO says it is zero until a backward writes it (or a
+     * reader materializes it), so a gradient that a sharded DDP takes over
+     * at once never costs its memory */
     g->flags = T_OWNS_DATA | T_GRADBUF | T_ZERO;
     ctx->persistent_bytes += bytes;
     t->grad = g;
@@ -2617,11 +2666,26 @@ dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *
     return t;
 }
 
+/* A parameter held as a shard (a sharded DDP, zero 3) is not whole
+ * between its uses: reading it then is refused, not answered with zeros. */
+DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op)
+{
+    dt_ctx *ctx = t->ctx;
+    if (ctx->hook_user && ctx->grad_hooks->param_whole &&
+        !ctx->grad_hooks->param_whole(ctx->hook_user, t->data))
+        return set_error(ctx, DT_ESTATE, "%s: '%s' is a parameter held as a shard on each rank "
+                         "(dt_ddp_config.zero 3): call dt_ddp_full_params first",
+                         op, t->name ? t->name : "tensor");
+    return DT_OK;
+}
+
 void *dt_tensor_data(dt_tensor *t)
 {
     if (!t)
         return NULL;
     dt_ctx *ctx = t->ctx;
+    if (tensor_readable(t, "tensor_data") != DT_OK)
+        return NULL;
     if (!ctx->be_iface->host_visible) {
         set_error(ctx, DT_ENOTSUP, "tensor_data: the %s backend's memory is not host memory "
                   "(copy out with dt_tensor_get)", dt_backend_name(ctx));
@@ -2693,6 +2757,8 @@ dt_status dt_tensor_get(const dt_tensor *tc, void *host, int64_t count)
     if (count != n)
         return set_error(ctx, DT_EINVAL, "tensor_get: room for %lld values, tensor has %lld",
                          (long long)count, (long long)n);
+    if (tensor_readable(t, "tensor_get") != DT_OK)
+        return ctx->last_status;
     tensor_materialize(t);
     const dt_backend_iface *be = ctx->be_iface;
     size_t bytes = (size_t)n * dt_dtype_size(t->dtype);
@@ -2730,7 +2796,7 @@ dt_status dt_tensor_fill(dt_tensor *t, float value)
 
 float dt_tensor_item(const dt_tensor *t)
 {
-    if (!t || shape_numel(t->ndim, t->shape) < 1)
+    if (!t || shape_numel(t->ndim, t->shape) < 1 || tensor_readable(t, "tensor_item") != DT_OK)
         return NAN;
     tensor_materialize((dt_tensor *)t);
     if (t->dtype == DT_F32) {
@@ -3661,7 +3727,11 @@ DT_PRIVATE dt_status tape_run(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hoo
     for (dt_node *n = tail; n && n != stop; n = n->prev) {
         dt_tensor *g = n->out->grad;
         if (g && !(g->flags & T_ZERO)) {   /* else no gradient reached this op */
-            dt_status s = n->backward(ctx, n);
+            /* parameters held as shards (zero 3) are gathered for it first */
+            dt_status s = ctx->hook_user && ctx->grad_hooks->node_params
+                              ? ctx->grad_hooks->node_params(ctx->hook_user, n) : DT_OK;
+            if (s == DT_OK)
+                s = n->backward(ctx, n);
             if (s != DT_OK)
                 return s;
         }
@@ -3780,6 +3850,10 @@ DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, cons
         set_error(ctx, DT_EINVAL, "%s: %s belongs to another context", op, what);
         return 0;
     }
+    /* a parameter held as a shard (zero 3) is gathered before it is read */
+    if (ctx->hook_user && ctx->grad_hooks->param_use &&
+        ctx->grad_hooks->param_use(ctx->hook_user, x->data, 0) != DT_OK)
+        return 0;
     return 1;
 }
 
@@ -5795,9 +5869,20 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
     return DT_OK;
 }
 
-/* A persistent tensor owned by an object other than the context. */
+/* Optimizer state: zero until the first step that uses it, but written
+ * only then (T_ZERO: tensor_materialize), so state that a sharded DDP
+ * replaces at once, or that a checkpoint load overwrites, never costs its
+ * memory (PyTorch too creates its state at the first step). */
+static dt_tensor *optim_state_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                                     const char *suffix)
+{
+    return optim_owned_tensor(ctx, ndim, shape, name, suffix, 1);
+}
+
+/* A persistent tensor owned by an object other than the context (lazy:
+ * left unwritten, logically zero). */
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                               const char *suffix)
+                               const char *suffix, int lazy)
 {
     dt_tensor *t = host_alloc(ctx, sizeof *t);
     if (!t)
@@ -5814,8 +5899,9 @@ DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *s
         return NULL;
     }
     snprintf(t->name, nl, "%s%s", name, suffix);
-    ctx->be_iface->memset0(ctx->be, t->data, bytes);
-    t->flags = T_OWNS_DATA | T_EXTERNAL;
+    if (!lazy)
+        ctx->be_iface->memset0(ctx->be, t->data, bytes);
+    t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
     ctx->persistent_bytes += bytes;
     return t;
 }
@@ -5869,7 +5955,7 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
         o->params[i] = src[i];
         for (int j = 0; j < o->per; j++) {
             dt_tensor *p = src[i];
-            dt_tensor *st = optim_owned_tensor(ctx, p->ndim, p->shape, p->name,
+            dt_tensor *st = optim_state_tensor(ctx, p->ndim, p->shape, p->name,
                                                suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
                                                                                ? 2 : 1][j]);
             if (!st)
@@ -5997,6 +6083,8 @@ static dt_status optim_step_run(dt_optim *o)
         if (sh ? !sh->used : !g || (g->flags & T_ZERO))
             continue;
         int64_t t = ++o->param_steps[i];
+        for (int j = 0; j < o->per; j++)   /* zero it now, if never written */
+            tensor_materialize(o->state[i * o->per + j]);
         if (sh && sh->n > 0)
             optim_update(o, i, sh->n, FP(p) + sh->lo, sh->grad, t);
         else if (!sh)
@@ -6020,7 +6108,7 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
     int ok = fresh && sh;
     for (int k = 0; ok && k < total; k++) {
         int64_t len = n[k / o->per];
-        fresh[k] = optim_owned_tensor(ctx, 1, &len, o->state[k]->name, "");
+        fresh[k] = optim_state_tensor(ctx, 1, &len, o->state[k]->name, "");
         ok = fresh[k] != NULL;
     }
     if (!ok) {
@@ -6538,6 +6626,9 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
         return ctx->last_status;
     if (opt && opt->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
+    for (int i = 0; i < ctx->n_params; i++)
+        if (tensor_readable(ctx->params[i], "checkpoint_save") != DT_OK)
+            return ctx->last_status;
     if (opt && (opt->shard || opt->orphaned))
         return set_error(ctx, DT_ENOTSUP, "checkpoint_save: the optimizer's state is sharded across "
                          "the ranks (dt_ddp_config.zero); sharded checkpoints are not built yet: "
@@ -16094,11 +16185,11 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
     int kind = oc->kind == DT_SGD ? 0 : oc->kind == DT_ADAGRAD ? 2 : 1;
     char name[DT_MAX_NAME];   /* (checkpoints name it; "table." keeps it off the pieces' names) */
     snprintf(name, sizeof name, "table.%s", tb->name);
-    tb->w = optim_owned_tensor(sx, 2, shape, name, "");
+    tb->w = optim_owned_tensor(sx, 2, shape, name, "", 0);
     for (int j = 0; j < ps_tab_states(oc); j++)
-        tb->state[j] = optim_owned_tensor(sx, 2, shape, name, suffix[kind][j]);
+        tb->state[j] = optim_owned_tensor(sx, 2, shape, name, suffix[kind][j], 0);
     int64_t two = 2;
-    tb->steps_t = optim_owned_tensor(sx, 1, &two, name, ".steps");
+    tb->steps_t = optim_owned_tensor(sx, 1, &two, name, ".steps", 0);
     size_t n = (size_t)(shape[0] * tb->dim);
     tb->acc = host_calloc(ps->ctx, n * sizeof(float));
     tb->slot = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
@@ -17352,8 +17443,6 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
     if (cfg->zero < 0 || cfg->zero > 3)
         return "zero must be 0, 1, 2 or 3";
     *code = DT_ENOTSUP;
-    if (cfg->zero == 3)
-        return "zero 3 (parameters sharded, FSDP) is not built yet: use 1 or 2";
     if (!opt)
         return "zero needs the optimizer whose state it shards";
     if (opt->shard || opt->orphaned)
@@ -17364,6 +17453,8 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
         return "zero: not with a parameter server (the servers hold the state)";
     if (!ctx->be_iface->host_visible)
         return "zero: sharding on a device backend is not built yet";
+    if (cfg->zero == 3 && !ctx->be_iface->discard)
+        return "zero 3: the backend cannot give memory back (no discard)";
     return NULL;
 }
 
@@ -17371,8 +17462,18 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
  * lent is then the shard, these, and the buckets backward is writing; more
  * in flight would hide little more on one host and hold a bucket each. */
 #define ZERO_IN_FLIGHT 2
+/* Pool buffers beyond one a bucket: zero 1-2's after-step gather, zero 3's
+ * prefetch and its gather on demand. */
+#define ZERO_STAGING 3
+/* Zero 3: units (buckets) kept whole at most, besides those in hand: a
+ * unit read within the last ZERO_RECENT parameter reads is never given
+ * back, so an op's own inputs (at most NODE_MAX_IN) stay whole while it
+ * computes. */
+#define ZERO_RESIDENT 2
+#define ZERO_RECENT 8
 
 static zero_state *Z(const dt_ddp *d) { return d->z; }
+static dt_status zero_evict_all(dt_ddp *d);
 
 /* Parameters k whose flat range meets [lo, hi): first..last in d->order
  * (the flat layout), via fn(d, k, a, e) with the meeting part [a, e). */
@@ -17401,34 +17502,39 @@ static void zero_note_lent(dt_ddp *d, int64_t floats)
         d->st.grad_bytes_peak = z->lent_bytes;
 }
 
-/* A free pool buffer of at least n floats (the smallest), or a new one;
- * -1 when out of memory. */
-static int zero_pool_take(dt_ddp *d, int64_t n)
+/* A free pool buffer of n to 2n floats (the smallest), or a new one;
+ * -1 when out of memory.  grads: lent to a bucket's gradients (counted in
+ * grad_bytes_peak), else a gather's staging. */
+static int zero_pool_take(dt_ddp *d, int64_t n, int grads)
 {
     zero_state *z = Z(d);
     int best = -1;
-    for (int k = 0; k < z->npool; k++)
-        if (!z->pool[k].busy && z->pool[k].cap >= n && (best < 0 || z->pool[k].cap < z->pool[best].cap))
+    for (int k = 0; k < z->npool; k++)   /* at most twice the size: a large buffer stays for
+                                              the large buckets (the tied embedding's) */
+        if (!z->pool[k].busy && z->pool[k].cap >= n && z->pool[k].cap <= 2 * n &&
+            (best < 0 || z->pool[k].cap < z->pool[best].cap))
             best = k;
     if (best < 0) {
-        if (z->npool == d->nbuckets + 1)
-            return -1;   /* cannot happen: one a bucket, plus the gather's */
+        if (z->npool == d->nbuckets + ZERO_STAGING)
+            return -1;   /* cannot happen: one a bucket, plus the gathers' */
         float *mem = d->be_iface->alloc(d->be, (size_t)(n ? n : 1) * sizeof(float));
         if (!mem)
             return -1;
         best = z->npool++;
         z->pool[best] = (zero_buf){.mem = mem, .cap = n};
     }
-    z->pool[best].busy = 1;
-    zero_note_lent(d, z->pool[best].cap);
+    z->pool[best].busy = grads ? 1 : 2;
+    if (grads)
+        zero_note_lent(d, z->pool[best].cap);
     return best;
 }
 
 static void zero_pool_give(dt_ddp *d, int k)
 {
     zero_state *z = Z(d);
+    if (z->pool[k].busy == 1)
+        z->lent_bytes -= (size_t)z->pool[k].cap * sizeof(float);
     z->pool[k].busy = 0;
-    z->lent_bytes -= (size_t)z->pool[k].cap * sizeof(float);
 }
 
 static void zero_point_at(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
@@ -17451,7 +17557,7 @@ DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i)
     }
     ddp_bucket *b = &d->buckets[ddp_bucket_of(d, d->offset[i])];
     if (!b->mem) {
-        int k = zero_pool_take(d, b->numel);
+        int k = zero_pool_take(d, b->numel, 1);
         if (k < 0)
             return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory for a gradient bucket of %lld "
                              "floats", (long long)b->numel);
@@ -17541,7 +17647,7 @@ DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
     d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     if (b->numel == 0 || !mem)
         return;
-    if (z->level == 2 && !d->overlap) {
+    if (z->level >= 2 && !d->overlap) {
         double t0 = dt_now();
         zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, mem, NULL, b->numel, 0,
                                            DT_REDUCE_AVG, b->blocks));
@@ -17552,7 +17658,7 @@ DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
         if (!b->work)
             zero_note_failure(d, d->ctx->last_status);
     }
-    if (z->level != 2)
+    if (z->level < 2)
         return;
     zero_reap(d, 0);   /* what is done gives its memory back, in order */
     while (d->next_launch - z->reaped > ZERO_IN_FLIGHT) {   /* and at most this many wait */
@@ -17609,7 +17715,7 @@ DT_PRIVATE dt_status zero_finish(dt_ddp *d, double *exposed)
         zero_reduce_whole(d);
     while (d->next_launch < d->nbuckets)
         zero_launch(d, &d->buckets[d->next_launch++]);
-    if (z->level == 2) {
+    if (z->level >= 2) {
         zero_reap(d, 1);
     } else {
         for (int b = 0; b < d->nbuckets; b++) {
@@ -17712,6 +17818,12 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
         return DT_OK;
     double t0 = dt_now();
     dt_status s = DT_OK;
+    if (z->level == 3) {   /* the shards moved: every other part is stale */
+        s = zero_evict_all(d);
+        for (int i = 0; i < o->n; i++)
+            o->shard[i].used = 0;
+        return s;
+    }
     if (z->level == 1) {
         s = zero_gather_span(d, z->flat, 0, 0, d->grad_floats, z->shard);
     } else {
@@ -17719,7 +17831,7 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
             ddp_bucket *b = &d->buckets[j];
             if (b->numel == 0)
                 continue;
-            int k = zero_pool_take(d, b->numel);
+            int k = zero_pool_take(d, b->numel, 0);
             if (k < 0)
                 return set_error(d->ctx, DT_ENOMEM, "optim_step: out of memory to gather parameters");
             s = zero_gather_span(d, z->pool[k].mem, b->offset, b->offset, b->offset + b->numel,
@@ -17732,6 +17844,260 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
     d->st.gather_s += dt_now() - t0;
     return s == DT_OK ? DT_OK
                       : set_error(d->ctx, s, "optim_step: parameter all-gather failed: %s", d->ctx->err);
+}
+
+/* --- zero 3: parameters held as shards ----------------------------------- */
+
+/* The parameter whose memory holds data, or -1 (by_addr is sorted). */
+static int zero_param_at(const dt_ddp *d, const void *data)
+{
+    const zero_state *z = Z(d);
+    uintptr_t p = (uintptr_t)data;
+    int lo = 0, hi = d->nparams - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2, k = z->by_addr[mid];
+        uintptr_t base = (uintptr_t)d->params[k]->data;
+        if (p < base)
+            hi = mid - 1;
+        else if (p >= base + tensor_bytes(d->params[k]))
+            lo = mid + 1;
+        else
+            return k;
+    }
+    return -1;
+}
+
+/* Parameter k's pages outside this rank's shard go back to the system. */
+static void zero_discard_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
+{
+    (void)a;
+    (void)e;
+    (void)arg;
+    zero_state *z = Z(d);
+    float *base = FP(d->params[k]);
+    int64_t off = d->offset[k], n = dt_tensor_numel(d->params[k]);
+    int64_t s0 = (z->lo > off ? z->lo : off) - off, s1 = (z->hi < off + n ? z->hi : off + n) - off;
+    if (s1 <= s0) {
+        d->be_iface->discard(d->be, base, (size_t)n * sizeof(float));
+        return;
+    }
+    d->be_iface->discard(d->be, base, (size_t)s0 * sizeof(float));
+    d->be_iface->discard(d->be, base + s1, (size_t)(n - s1) * sizeof(float));
+}
+
+static void zero_evict(dt_ddp *d, int j)
+{
+    zero_state *z = Z(d);
+    const ddp_bucket *b = &d->buckets[j];
+    zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
+    z->resident[j] = 0;
+    z->nresident--;
+}
+
+/* Wait for a gather in flight and put what it brought into the parameters
+ * (keep) or drop it. */
+static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
+{
+    zero_state *z = Z(d);
+    if (z->pre_unit < 0)
+        return DT_OK;
+    double run = 0, t0 = dt_now();
+    dt_status s = comm_work_finish(z->pre_work, &run);
+    d->st.gather_s += run;
+    d->st.gather_exposed_s += dt_now() - t0;
+    const ddp_bucket *b = &d->buckets[z->pre_unit];
+    if (s == DT_OK && keep && z->pre_buf >= 0) {
+        zero_copy c = {z->pool[z->pre_buf].mem - b->offset, 0};
+        zero_each_part(d, b->offset, b->offset + b->numel, zero_copy_part, &c);
+    }
+    if (s == DT_OK && keep) {
+        z->resident[z->pre_unit] = 1;
+        z->nresident++;
+        d->st.gathers++;
+    } else if (z->pre_buf < 0) {   /* gathered in place, not kept: given back again */
+        zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
+    }
+    if (z->pre_buf >= 0)
+        zero_pool_give(d, z->pre_buf);
+    z->pre_unit = -1;
+    z->pre_work = NULL;
+    return s;
+}
+
+/* Unit j's memory when it is one parameter (its shard already sits in
+ * place: the gather fills the rest around it), else NULL. */
+static float *zero_unit_home(const dt_ddp *d, int j)
+{
+    int k = Z(d)->alone[j];
+    return k >= 0 ? FP(d->params[k]) : NULL;
+}
+
+/* Start gathering unit j (into a staging buffer, or in place) while the
+ * caller computes. */
+static void zero_prefetch(dt_ddp *d, int j)
+{
+    zero_state *z = Z(d);
+    const ddp_bucket *b = &d->buckets[j];
+    if (z->pinned || z->resident[j] || z->pre_unit >= 0 || b->numel == 0)
+        return;
+    float *home = zero_unit_home(d, j), *buf = home;
+    int k = -1;
+    if (!home) {   /* several parameters: through a staging buffer */
+        if ((k = zero_pool_take(d, b->numel, 0)) < 0)
+            return;   /* no room: it will be gathered when needed */
+        buf = z->pool[k].mem;
+        zero_copy c = {buf - b->offset, 1};
+        int64_t lo = b->offset + b->blocks[z->rank], hi = b->offset + b->blocks[z->rank + 1];
+        if (hi > lo)
+            zero_each_part(d, lo, hi, zero_copy_part, &c);
+    }
+    z->pre_work = comm_enqueue_in(d->comm, COLL_ALLGATHER_V, buf, NULL, b->numel, 0, DT_REDUCE_SUM,
+                                  b->blocks);
+    if (!z->pre_work) {
+        if (k >= 0)
+            zero_pool_give(d, k);
+        return;
+    }
+    z->pre_unit = j;
+    z->pre_buf = k;
+}
+
+/* Unit j whole now: from the gather in flight if it is j's, else gathered
+ * here (any other gather in flight lands first: the comm's order). */
+static dt_status zero_unit_load(dt_ddp *d, int j)
+{
+    zero_state *z = Z(d);
+    if (z->pre_unit == j)
+        return zero_prefetch_finish(d, 1);
+    ddp_bucket *b = &d->buckets[j];
+    float *home = zero_unit_home(d, j);
+    int k = home ? -1 : zero_pool_take(d, b->numel, 0);
+    if (!home && k < 0)
+        return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory to gather %lld parameter floats",
+                         (long long)b->numel);
+    double t0 = dt_now();
+    dt_status s = home ? comm_run_in(d->comm, COLL_ALLGATHER_V, home, NULL, b->numel, 0,
+                                     DT_REDUCE_SUM, b->blocks)
+                       : zero_gather_span(d, z->pool[k].mem, b->offset, b->offset,
+                                          b->offset + b->numel, b->blocks);
+    d->st.gather_s += dt_now() - t0;
+    d->st.gather_exposed_s += dt_now() - t0;
+    if (k >= 0)
+        zero_pool_give(d, k);
+    if (s != DT_OK)
+        return s;
+    z->resident[j] = 1;
+    z->nresident++;
+    d->st.gathers++;
+    return DT_OK;
+}
+
+/* Room for one more unit: the least recently used whole units go back,
+ * none read within the last ZERO_RECENT reads (the op in hand's). */
+static void zero_make_room(dt_ddp *d, int keep)
+{
+    zero_state *z = Z(d);
+    while (!z->pinned && z->nresident >= ZERO_RESIDENT) {
+        int old = -1;
+        for (int u = 0; u < d->nbuckets; u++)
+            if (z->resident[u] && u != keep && (old < 0 || z->last[u] < z->last[old]))
+                old = u;
+        if (old < 0 || z->tick - z->last[old] < ZERO_RECENT)
+            return;
+        zero_evict(d, old);
+    }
+}
+
+/* An op (backward 0) or a node's backward (1) reads memory at data. */
+DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
+{
+    zero_state *z = Z(d);
+    if (!z || z->level != 3 || !data)
+        return DT_OK;
+    int k = zero_param_at(d, data);
+    if (k < 0)
+        return DT_OK;
+    int j = z->unit_of[k], nb = d->nbuckets;
+    z->last[j] = ++z->tick;
+    if (!z->resident[j]) {
+        zero_make_room(d, j);
+        dt_status s = zero_unit_load(d, j);
+        if (s != DT_OK)
+            return set_error(d->ctx, s, "ddp: gathering the parameters of '%s' failed: %s",
+                             d->params[k]->name, d->ctx->err);
+    }
+    /* the next unit in the walk's order: buckets run in reverse
+     * registration order, the order backward needs them; forward the other way */
+    zero_prefetch(d, backward ? (j + 1) % nb : (j - 1 + nb) % nb);
+    return DT_OK;
+}
+
+DT_PRIVATE int zero_param_whole(const dt_ddp *d, const void *data)
+{
+    const zero_state *z = Z(d);
+    if (!z || z->level != 3)
+        return 1;
+    int k = zero_param_at(d, data);
+    return k < 0 || z->resident[z->unit_of[k]];
+}
+
+/* Every unit gathered and kept until the next step. */
+DT_PRIVATE dt_status zero_full_params(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    if (!z || z->level != 3)
+        return DT_OK;
+    dt_status s = zero_prefetch_finish(d, 1);
+    z->pinned = 1;
+    for (int j = 0; s == DT_OK && j < d->nbuckets; j++)
+        if (!z->resident[j] && d->buckets[j].numel > 0)
+            s = zero_unit_load(d, j);
+    return s;
+}
+
+/* After a step (and at the start): only the shards are current. */
+static dt_status zero_evict_all(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    dt_status s = zero_prefetch_finish(d, 0);
+    for (int j = 0; j < d->nbuckets; j++)
+        if (z->resident[j])
+            zero_evict(d, j);
+    z->pinned = 0;
+    return s;
+}
+
+/* Zero 3's tables: each parameter's unit, the parameters by address. */
+static dt_status zero_units(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    size_t np = (size_t)(d->nparams + 1), nb = (size_t)d->nbuckets;
+    z->unit_of = host_calloc(d->ctx, sizeof(int) * np);
+    z->by_addr = host_calloc(d->ctx, sizeof(int) * np);
+    z->alone = host_calloc(d->ctx, sizeof(int) * (nb + 1));
+    z->resident = host_calloc(d->ctx, nb);
+    z->last = host_calloc(d->ctx, sizeof(uint64_t) * nb);
+    if (!z->unit_of || !z->by_addr || !z->resident || !z->last || !z->alone)
+        return DT_ENOMEM;
+    z->pre_unit = -1;
+    for (int j = 0; j < d->nbuckets; j++)
+        z->alone[j] = -1;
+    for (int k = 0; k < d->nparams; k++) {
+        z->unit_of[k] = ddp_bucket_of(d, d->offset[k]);
+        const ddp_bucket *b = &d->buckets[z->unit_of[k]];
+        if (b->offset == d->offset[k] && b->numel == dt_tensor_numel(d->params[k]))
+            z->alone[z->unit_of[k]] = k;
+        int at = k;   /* insertion by address: a few hundred parameters at most, once */
+        while (at > 0 && (uintptr_t)d->params[z->by_addr[at - 1]]->data > (uintptr_t)d->params[k]->data) {
+            z->by_addr[at] = z->by_addr[at - 1];
+            at--;
+        }
+        z->by_addr[at] = k;
+    }
+    for (int j = 0; j < d->nbuckets; j++)   /* whole now (after the broadcast) */
+        z->resident[j] = 1;
+    z->nresident = d->nbuckets;
+    return zero_evict_all(d);
 }
 
 /* --- making and freeing --------------------------------------------------- */
@@ -17824,7 +18190,7 @@ static dt_status zero_alloc(dt_ddp *d)
         return DT_OK;
     }
     size_t bytes = (size_t)(z->hi > z->lo ? z->hi - z->lo : 1) * sizeof(float);
-    z->pool = host_calloc(d->ctx, sizeof *z->pool * (size_t)(d->nbuckets + 1));
+    z->pool = host_calloc(d->ctx, sizeof *z->pool * (size_t)(d->nbuckets + ZERO_STAGING));
     if (!z->pool || !(z->shard_grad = d->be_iface->alloc(d->be, bytes)))
         return DT_ENOMEM;
     d->be_iface->memset0(d->be, z->shard_grad, bytes);
@@ -17851,6 +18217,8 @@ DT_PRIVATE dt_status zero_new(dt_ddp *d)
         s = zero_alloc(d);
     if (s == DT_OK)
         s = zero_shard_optim(d);
+    if (s == DT_OK && z->level == 3)
+        s = zero_units(d);
     if (s != DT_OK)
         return s;
     d->st.zero = z->level;
@@ -17869,6 +18237,7 @@ DT_PRIVATE dt_status zero_new(dt_ddp *d)
         d->ctx->persistent_bytes -= tensor_bytes(g);
         d->own_grad[i] = NULL;
     }
+    host_give_back(d->ctx);
     return DT_OK;
 }
 
@@ -17906,6 +18275,8 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     zero_state *z = Z(d);
     if (!z)
         return;
+    if (z->pre_unit >= 0 && z->pre_work)
+        zero_prefetch_finish(d, 0);
     int kept = d->ctx && d->own_grad ? zero_return_grads(d) : 0;
     if (z->opt)
         z->opt->orphaned = 1;
@@ -17925,6 +18296,11 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     if (z->shard_grad)
         d->be_iface->free(d->be, z->shard_grad);
     host_free(ctx, z->pool);
+    host_free(ctx, z->unit_of);
+    host_free(ctx, z->by_addr);
+    host_free(ctx, z->alone);
+    host_free(ctx, z->resident);
+    host_free(ctx, z->last);
     host_free(ctx, z->shard);
     host_free(ctx, z->used);
     host_free(ctx, z);
@@ -18453,7 +18829,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     d->next_launch = 0;
     /* dt_ddp_sync launches everything; zero 2 gives bucket memory back
      * during backward even so (src/zero.c) */
-    if (!d->overlap && !(d->z && d->z->level == 2))
+    if (!d->overlap && !(d->z && d->z->level >= 2))
         return DT_OK;
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
@@ -18627,6 +19003,13 @@ dt_status dt_ddp_step(dt_ddp *d)
         return set_error(d->ctx, DT_ESTATE, "ddp_step: this DDP was made without an optimizer");
     dt_status s = ddp_finish(d);
     return s != DT_OK || d->cfg.ps ? s : dt_optim_step(d->opt);   /* servers step for a PS */
+}
+
+dt_status dt_ddp_full_params(dt_ddp *d)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    return zero_full_params(d);
 }
 
 dt_status dt_ddp_set_sync(dt_ddp *d, int sync)
@@ -19364,6 +19747,24 @@ static dt_status hook_after_step(void *u, dt_optim *o)
 {
     return ((dt_ddp *)u)->z ? zero_after_step(u, o) : DT_OK;
 }
+static dt_status hook_param_use(void *u, const void *data, int backward)
+{
+    return zero_param_use(u, data, backward);
+}
+static dt_status hook_node_params(void *u, const dt_node *n)
+{
+    dt_ddp *d = u;
+    if (!d->z || d->z->level != 3)
+        return DT_OK;
+    dt_tensor *const *in;
+    int nin = node_inputs(n, &in);
+    dt_status s = DT_OK;
+    for (int k = 0; k < nin && s == DT_OK; k++)
+        if (in[k])
+            s = zero_param_use(d, in[k]->data, 1);
+    return s;
+}
+static int hook_param_whole(void *u, const void *data) { return zero_param_whole(u, data); }
 
 static const dt_grad_hooks ddp_grad_hooks = {
     .backward_begin = hook_backward_begin,
@@ -19379,6 +19780,9 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .grad_scale = hook_grad_scale,
     .grad_sumsq = hook_grad_sumsq,
     .after_step = hook_after_step,
+    .param_use = hook_param_use,
+    .node_params = hook_node_params,
+    .param_whole = hook_param_whole,
 };
 
 /* ======= src/replicas.c ======= */

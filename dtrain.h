@@ -1274,7 +1274,10 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
  * (dt_optim_state_at) are this rank's shard, 1-D; a checkpoint of them is
  * refused (DT_ENOTSUP) for now: save the parameters alone.  Once the DDP
  * is freed its optimizer refuses to step.  With no_sync, zero 2 keeps the
- * accumulated gradients whole until the synchronised backward.
+ * accumulated gradients whole until the synchronised backward.  Zero 3
+ * also holds each parameter as a shard: the forward's and backward's ops
+ * gather what they read (buckets are the units), and a parameter read from
+ * outside them needs dt_ddp_full_params first.
  * ------------------------------------------------------------------------- */
 typedef struct dt_ddp dt_ddp;
 
@@ -1334,7 +1337,12 @@ typedef struct dt_ddp_config {
                                   2: also gradients: a bucket's memory is lent when its
                                      first gradient is written and taken back once its
                                      reduce-scatter is done; a rank keeps only its shard.
-                                  3 (parameters too): not built yet, DT_ENOTSUP.
+                                  3: also parameters (FSDP): each rank keeps its shard of
+                                     every parameter; the others' parts are gathered into
+                                     the parameter's own memory just before an op reads it
+                                     (the next unit prefetched) and given back once later
+                                     units need the room (the backend's discard: cpu).
+                                     Every rank must run the same ops in the same order.
                                   Needs an optimizer, no compression, no parameter
                                   server, a backend computing in host memory */
 } dt_ddp_config;
@@ -1353,7 +1361,10 @@ DT_API void dt_ddp_config_init(dt_ddp_config *cfg);
  * already has a DDP; DT_ENOTSUP: a device backend without asynchronous
  * copies; and the collectives' errors. */
 DT_API dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *cfg);
-/* NULL is fine.  Waits for a step still being reduced. */
+/* NULL is fine.  Waits for a step still being reduced.  Sharded: the
+ * optimizer refuses to step afterwards (its state is a shard); zero 3
+ * leaves each rank only its shard of the parameters (the rest reads as
+ * zeros) unless dt_ddp_full_params ran since the last step. */
 DT_API void dt_ddp_free(dt_ddp *d);
 
 /* sync 0 (no_sync, like PyTorch's DDP.no_sync()): backward only
@@ -1394,9 +1405,18 @@ typedef struct dt_ddp_stats {
     size_t grad_bytes_peak;    /* the most gradient memory this DDP held at once: its
                                   bucket sets, or with zero 2 the buckets lent plus the
                                   shard */
-    double gather_s;           /* zero >= 1: time in the parameter all-gathers that end
-                                  each optimizer step */
+    double gather_s;           /* zero >= 1: time the parameter all-gathers ran (zero 1
+                                  and 2: after each step; zero 3: before a unit's use) */
+    double gather_exposed_s;   /* zero 3: the part of it the caller waited for (the rest
+                                  hid behind compute, prefetched) */
+    int64_t gathers;           /* zero 3: units gathered */
 } dt_ddp_stats;
+/* Zero 3: every parameter whole on every rank (gathered) until the next
+ * optimizer step, e.g. to read them, evaluate or save a checkpoint; a
+ * parameter held as a shard is refused by dt_tensor_get, dt_tensor_data
+ * and dt_checkpoint_save (DT_ESTATE).  Collective.  Other levels: nothing
+ * to do.  DT_EINVAL: NULL; the all-gathers' errors. */
+DT_API dt_status dt_ddp_full_params(dt_ddp *d);
 /* Totals since dt_ddp_new or the last reset (which keeps the settings:
  * buckets, bucket_bytes, overlap, shared_buckets).  DT_EINVAL: NULL. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);

@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-#define DT_BACKEND_IFACE_VERSION 4
+#define DT_BACKEND_IFACE_VERSION 5
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -325,6 +325,14 @@ typedef struct dt_backend_iface {
                                     int causal, const float *mask, const float *q, const float *k,
                                     const float *v, const float *o, const float *lse,
                                     const float *dout, float *dq, float *dk, float *dv);
+
+    /* --- memory given back (optional; NULL: sharded parameters, zero 3,
+     * are refused) -----------------------------------------------------
+     * The contents of [ptr, ptr + bytes) of an allocation may be dropped:
+     * the physical memory of the whole pages inside goes back to the system
+     * until written again, and those bytes read as anything meanwhile
+     * (zeros on Linux).  The allocation stays valid at the same address. */
+    void (*discard)(dt_backend *be, void *ptr, size_t bytes);
 } dt_backend_iface;
 
 /* Backends compiled in expose their interface through these. */

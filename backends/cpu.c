@@ -47,6 +47,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* No a*b+c fused into an FMA where the ISA has one: every instruction-set
  * level must round the same (section 1).  GCC does not fuse under -std=c11
@@ -447,6 +449,19 @@ static void cpu_free(dt_backend *be, void *ptr)
     void *raw;
     memcpy(&raw, (char *)ptr - sizeof(void *), sizeof raw);
     be->al.free_fn(raw, be->al.user);
+}
+
+/* The whole pages inside [ptr, ptr + bytes) go back to the system; they
+ * read as zeros until written (MADV_DONTNEED on private memory).  Pages
+ * the range only touches stay: other data may share them. */
+static void cpu_discard(dt_backend *be, void *ptr, size_t bytes)
+{
+    (void)be;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t p = page > 0 ? (uintptr_t)page : 4096;
+    uintptr_t lo = ((uintptr_t)ptr + p - 1) & ~(p - 1), hi = ((uintptr_t)ptr + bytes) & ~(p - 1);
+    if (hi > lo)
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
 static void cpu_memcpy(dt_backend *be, void *dst, const void *src, size_t bytes)
@@ -2938,6 +2953,7 @@ static const dt_backend_iface dt_cpu_iface = {
     .memset0 = cpu_memset0,
     .sync = cpu_sync,
     .host_visible = 1,
+    .discard = cpu_discard,
     DT_CPU_KERNELS
 };
 

@@ -3043,6 +3043,7 @@ static const dt_backend_iface dt_cuda_iface = {
     .fault = cuda_fault,
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
+    .discard = NULL,   /* device memory stays: zero 3 is refused on cuda */
 };
 
 extern "C" const dt_backend_iface *dt_backend_cuda_iface(void) { return &dt_cuda_iface; }

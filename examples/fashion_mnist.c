@@ -78,7 +78,8 @@ static void usage(FILE *f)
             "  --ranks N           train data-parallel on N local processes (default 1;\n"
             "                      under a launcher such as build/dtrun, its world size)\n"
             "  --zero L            shard the training state across the ranks (ZeRO): 1 the\n"
-            "                      optimizer state, 2 also the gradients (default 0: none)\n"
+            "                      optimizer state, 2 also the gradients, 3 also the\n"
+            "                      parameters (default 0: none)\n"
             "  --servers N         of the ranks, N are parameter servers (default 0: DDP)\n"
             "  --ps-mode M         bsp, asp or ssp, with --servers (default bsp)\n"
             "  --staleness S       ssp's bound (default 2)\n"
@@ -460,7 +461,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         printf("model %s, %d epochs, batch %d", o->model, o->epochs, (int)lc.batch);
         if (ranks > 1)
             printf(" per rank x %d ranks (DDP%s over %s)", ranks,
-                   o->zero == 1 ? ", zero 1" : o->zero == 2 ? ", zero 2" : "", dt_comm_transport(comm));
+                   o->zero == 1 ? ", zero 1" : o->zero == 2 ? ", zero 2" : o->zero == 3 ? ", zero 3" : "",
+                   dt_comm_transport(comm));
         printf(", lr %g, %s backend, %d threads, %d parameter tensors", (double)o->lr,
                dt_backend_name(ctx), dt_ctx_threads(ctx), dt_param_count(ctx));
         printf("%s%s\n", o->amp ? ", autocast " : "", o->amp ? o->amp : "");
@@ -529,7 +531,10 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         if (comm && dt_allreduce(comm, sums, 3, DT_REDUCE_SUM) != DT_OK)
             goto fail_ctx;
         dt_metrics tm;
-        if (dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
+        /* zero 3: evaluation on whole parameters (each rank runs its own
+         * number of batches: no gathers may happen inside it) */
+        if ((ddp && dt_ddp_full_params(ddp) != DT_OK) ||
+            dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
             goto fail_ctx;
         if (monitor) {
             dt_monitor_log(monitor, "val_loss", step, tm.loss);
@@ -545,7 +550,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             goto fail_ctx;
     }
     dt_metrics tm;
-    if (dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
+    if ((ddp && dt_ddp_full_params(ddp) != DT_OK) ||
+        dt_evaluate(ctx, comm, test_ds, &ec, eval_forward, &m, &tm) != DT_OK)
         goto fail_ctx;
     if (talk && all.total > 0)
         print_breakdown(&all, ranks, -1.0);

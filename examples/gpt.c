@@ -8,7 +8,7 @@
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
  *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
  *             [--seconds S] [--monitor [HOST:]PORT] [--amp bf16|fp16|tf32|off]
- *             [--zero 0|1|2]
+ *             [--zero 0|1|2|3]
  *
  * Each report's ms/step is the training steps' time (evaluation left out),
  * from step 6 on once there are more than 5.  --seconds S ends training
@@ -31,8 +31,9 @@
  * matmul, linear and attention's products at that precision (autocast; the
  * weights and the optimizer stay f32), fp16 with dynamic loss scaling.
  * --zero shards the training state across the ranks (dt_ddp_config.zero):
- * 1 the optimizer's state, 2 also the gradients; --save then writes the
- * parameters alone (sharded checkpoints are not built yet).
+ * 1 the optimizer's state, 2 also the gradients, 3 also the parameters;
+ * --save then writes the parameters alone (sharded checkpoints are not
+ * built yet).
  */
 #include <dirent.h>
 #include <getopt.h>
@@ -416,24 +417,33 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             t5 = dt_now(), eval_s = 0;
         if (o->seconds > 0 && dt_now() - t0 - eval_all >= o->seconds)
             last = step;   /* the budget is spent: this is the last step */
-        if (rank == 0 && (step % o->eval_every == 0 || step == last)) {
-            double te = dt_now(), ms = step > 5 ? (te - t5 - eval_s) * 1e3 / (step - 5)
-                                                : (te - t0) * 1e3 / step;
+        int eval_now = step % o->eval_every == 0 || step == last;
+        /* zero 3: every rank evaluates the same batches, so the parameters
+         * it reads are gathered together as in training; else rank 0 alone */
+        if (eval_now && (rank == 0 || (o->zero == 3 && ddp))) {
+            double te = dt_now();
+            double ms = step > 5 ? (te - t5 - eval_s) * 1e3 / (step - 5) : (te - t0) * 1e3 / step;
             double trained_s = te - t0 - eval_all;
             double vl_loss = val_loss(ctx, &m, vl, o->eval_batches);
             if (monitor)
                 dt_monitor_log(monitor, "val_loss", step, vl_loss);
             eval_s += dt_now() - te;
             eval_all += dt_now() - te;
-            printf("step %d: train loss %.4f, val loss %.4f, %.2f ms/step\n", step, train_loss,
-                   vl_loss, ms);
-            if (o->seconds > 0 && step == last)
+            if (rank == 0)
+                printf("step %d: train loss %.4f, val loss %.4f, %.2f ms/step\n", step,
+                       train_loss, vl_loss, ms);
+            if (rank == 0 && o->seconds > 0 && step == last)
                 printf("budget: %d steps in %.1f s of training, val loss %.4f over %d batches\n",
                        step, trained_s, vl_loss, o->eval_batches);
         }
     }
     if (dump)
         fclose(dump);
+    if (o->zero == 3 && ddp && (o->save || o->sample > 0) &&   /* rank 0 reads them alone */
+        dt_ddp_full_params(ddp) != DT_OK) {
+        fail(ctx, "gathering the parameters");
+        goto done;
+    }
     if (rank == 0 && scaler)
         printf("loss scale %g, %lld steps skipped for overflow\n",
                (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));

@@ -105,6 +105,7 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
         arena_destroy(ctx, a);
         a->first = a->cur = chunk_new(ctx, a, total);
         /* if that fails, the next alloc simply grows again */
+        host_give_back(ctx);
     }
     if (a->first)
         a->first->used = 0;
@@ -123,6 +124,7 @@ DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap)
     arena_destroy(ctx, a);
     if (cap)
         a->first = a->cur = chunk_new(ctx, a, cap);   /* on failure: grows again on use */
+    host_give_back(ctx);
 }
 
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a)

@@ -116,7 +116,11 @@ DT_PRIVATE dt_status tape_run(dt_ctx *ctx, dt_node *tail, dt_node *stop, int hoo
     for (dt_node *n = tail; n && n != stop; n = n->prev) {
         dt_tensor *g = n->out->grad;
         if (g && !(g->flags & T_ZERO)) {   /* else no gradient reached this op */
-            dt_status s = n->backward(ctx, n);
+            /* parameters held as shards (zero 3) are gathered for it first */
+            dt_status s = ctx->hook_user && ctx->grad_hooks->node_params
+                              ? ctx->grad_hooks->node_params(ctx->hook_user, n) : DT_OK;
+            if (s == DT_OK)
+                s = n->backward(ctx, n);
             if (s != DT_OK)
                 return s;
         }

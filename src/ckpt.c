@@ -272,6 +272,9 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
         return ctx->last_status;
     if (opt && opt->ctx != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
+    for (int i = 0; i < ctx->n_params; i++)
+        if (tensor_readable(ctx->params[i], "checkpoint_save") != DT_OK)
+            return ctx->last_status;
     if (opt && (opt->shard || opt->orphaned))
         return set_error(ctx, DT_ENOTSUP, "checkpoint_save: the optimizer's state is sharded across "
                          "the ranks (dt_ddp_config.zero); sharded checkpoints are not built yet: "

@@ -512,7 +512,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     d->next_launch = 0;
     /* dt_ddp_sync launches everything; zero 2 gives bucket memory back
      * during backward even so (src/zero.c) */
-    if (!d->overlap && !(d->z && d->z->level == 2))
+    if (!d->overlap && !(d->z && d->z->level >= 2))
         return DT_OK;
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
@@ -686,6 +686,13 @@ dt_status dt_ddp_step(dt_ddp *d)
         return set_error(d->ctx, DT_ESTATE, "ddp_step: this DDP was made without an optimizer");
     dt_status s = ddp_finish(d);
     return s != DT_OK || d->cfg.ps ? s : dt_optim_step(d->opt);   /* servers step for a PS */
+}
+
+dt_status dt_ddp_full_params(dt_ddp *d)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    return zero_full_params(d);
 }
 
 dt_status dt_ddp_set_sync(dt_ddp *d, int sync)
@@ -1423,6 +1430,24 @@ static dt_status hook_after_step(void *u, dt_optim *o)
 {
     return ((dt_ddp *)u)->z ? zero_after_step(u, o) : DT_OK;
 }
+static dt_status hook_param_use(void *u, const void *data, int backward)
+{
+    return zero_param_use(u, data, backward);
+}
+static dt_status hook_node_params(void *u, const dt_node *n)
+{
+    dt_ddp *d = u;
+    if (!d->z || d->z->level != 3)
+        return DT_OK;
+    dt_tensor *const *in;
+    int nin = node_inputs(n, &in);
+    dt_status s = DT_OK;
+    for (int k = 0; k < nin && s == DT_OK; k++)
+        if (in[k])
+            s = zero_param_use(d, in[k]->data, 1);
+    return s;
+}
+static int hook_param_whole(void *u, const void *data) { return zero_param_whole(u, data); }
 
 static const dt_grad_hooks ddp_grad_hooks = {
     .backward_begin = hook_backward_begin,
@@ -1438,4 +1463,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .grad_scale = hook_grad_scale,
     .grad_sumsq = hook_grad_sumsq,
     .after_step = hook_after_step,
+    .param_use = hook_param_use,
+    .node_params = hook_node_params,
+    .param_whole = hook_param_whole,
 };

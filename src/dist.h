@@ -405,6 +405,20 @@ typedef struct zero_state {
                                   the step's allreduce of them) */
     float *flat;               /* zero 1: the set (gradients, then gathered parameters) */
     dt_optim *opt;             /* whose state is sharded */
+    /* zero 3: parameters held as shards.  A unit (a bucket: whole
+     * parameters) is resident when every float of its parameters is valid;
+     * otherwise only this rank's shard is, and the other pages are given
+     * back (the backend's discard), the parameters keeping their addresses */
+    int *unit_of;              /* parameter -> its bucket */
+    int *by_addr;              /* parameters in order of their addresses */
+    int *alone;                /* per bucket: its one parameter (gathered in place), or -1 */
+    char *resident;            /* per bucket */
+    uint64_t *last;            /* per bucket: the tick of its last use */
+    uint64_t tick;             /* uses of parameter memory so far */
+    int nresident;
+    int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
+    dt_work *pre_work;
+    int pinned;                /* dt_ddp_full_params: all resident until the next step */
 } zero_state;
 
 struct dt_ddp {
@@ -825,6 +839,9 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
                                     dt_status *code);
 DT_PRIVATE dt_status zero_new(dt_ddp *d);
 DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o);
+DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward);
+DT_PRIVATE int zero_param_whole(const dt_ddp *d, const void *data);
+DT_PRIVATE dt_status zero_full_params(dt_ddp *d);
 DT_PRIVATE void zero_free(dt_ddp *d);
 DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i);
 DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b);

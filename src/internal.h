@@ -21,6 +21,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <malloc.h>
 #include <math.h>
 #include <pthread.h>
 #include <arpa/inet.h>
@@ -240,6 +241,15 @@ typedef struct dt_grad_hooks {
      * the sum of squares over every rank's shard; after_step: an optimizer
      * that steps a shard has stepped (the ranks swap their shards). */
     dt_status (*grad_memory)(void *user, dt_tensor *p);
+    /* Sharded parameters (zero 3).  param_use: ops (each input of an op
+     * about to compute, backward 0) and autograd (node n about to run its
+     * backward, backward 1) read memory at data: if it lies in a parameter
+     * held as a shard, the ranks gather it first (collective: every rank
+     * reaches the same calls in the same order).  param_whole: may a caller
+     * read memory at data now (not collective)? */
+    dt_status (*param_use)(void *user, const void *data, int backward);
+    dt_status (*node_params)(void *user, const dt_node *n);
+    int (*param_whole)(void *user, const void *data);
     int (*grads_sharded)(void *user);
     void (*grad_scale)(void *user, float k);
     dt_status (*grad_sumsq)(void *user, double *total);
@@ -633,6 +643,8 @@ DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE void tensor_free_doomed(dt_ctx *ctx);
 DT_PRIVATE void tensor_materialize(dt_tensor *t);
+DT_PRIVATE void host_give_back(dt_ctx *ctx);
+DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op);
 DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
 
 /* src/param.c */
@@ -681,7 +693,7 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                               const char *suffix);
+                                         const char *suffix, int lazy);
 
 /* src/codec.c */
 DT_PRIVATE size_t codec_bytes(dt_compress kind, int64_t numel, int64_t topk);

@@ -23,6 +23,10 @@ DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, cons
         set_error(ctx, DT_EINVAL, "%s: %s belongs to another context", op, what);
         return 0;
     }
+    /* a parameter held as a shard (zero 3) is gathered before it is read */
+    if (ctx->hook_user && ctx->grad_hooks->param_use &&
+        ctx->grad_hooks->param_use(ctx->hook_user, x->data, 0) != DT_OK)
+        return 0;
     return 1;
 }
 

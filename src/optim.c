@@ -53,9 +53,20 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
     return DT_OK;
 }
 
-/* A persistent tensor owned by an object other than the context. */
+/* Optimizer state: zero until the first step that uses it, but written
+ * only then (T_ZERO: tensor_materialize), so state that a sharded DDP
+ * replaces at once, or that a checkpoint load overwrites, never costs its
+ * memory (PyTorch too creates its state at the first step). */
+static dt_tensor *optim_state_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                                     const char *suffix)
+{
+    return optim_owned_tensor(ctx, ndim, shape, name, suffix, 1);
+}
+
+/* A persistent tensor owned by an object other than the context (lazy:
+ * left unwritten, logically zero). */
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                               const char *suffix)
+                               const char *suffix, int lazy)
 {
     dt_tensor *t = host_alloc(ctx, sizeof *t);
     if (!t)
@@ -72,8 +83,9 @@ DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *s
         return NULL;
     }
     snprintf(t->name, nl, "%s%s", name, suffix);
-    ctx->be_iface->memset0(ctx->be, t->data, bytes);
-    t->flags = T_OWNS_DATA | T_EXTERNAL;
+    if (!lazy)
+        ctx->be_iface->memset0(ctx->be, t->data, bytes);
+    t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
     ctx->persistent_bytes += bytes;
     return t;
 }
@@ -127,7 +139,7 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
         o->params[i] = src[i];
         for (int j = 0; j < o->per; j++) {
             dt_tensor *p = src[i];
-            dt_tensor *st = optim_owned_tensor(ctx, p->ndim, p->shape, p->name,
+            dt_tensor *st = optim_state_tensor(ctx, p->ndim, p->shape, p->name,
                                                suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
                                                                                ? 2 : 1][j]);
             if (!st)
@@ -255,6 +267,8 @@ static dt_status optim_step_run(dt_optim *o)
         if (sh ? !sh->used : !g || (g->flags & T_ZERO))
             continue;
         int64_t t = ++o->param_steps[i];
+        for (int j = 0; j < o->per; j++)   /* zero it now, if never written */
+            tensor_materialize(o->state[i * o->per + j]);
         if (sh && sh->n > 0)
             optim_update(o, i, sh->n, FP(p) + sh->lo, sh->grad, t);
         else if (!sh)
@@ -278,7 +292,7 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
     int ok = fresh && sh;
     for (int k = 0; ok && k < total; k++) {
         int64_t len = n[k / o->per];
-        fresh[k] = optim_owned_tensor(ctx, 1, &len, o->state[k]->name, "");
+        fresh[k] = optim_state_tensor(ctx, 1, &len, o->state[k]->name, "");
         ok = fresh[k] != NULL;
     }
     if (!ok) {

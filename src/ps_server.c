@@ -29,11 +29,11 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
     int kind = oc->kind == DT_SGD ? 0 : oc->kind == DT_ADAGRAD ? 2 : 1;
     char name[DT_MAX_NAME];   /* (checkpoints name it; "table." keeps it off the pieces' names) */
     snprintf(name, sizeof name, "table.%s", tb->name);
-    tb->w = optim_owned_tensor(sx, 2, shape, name, "");
+    tb->w = optim_owned_tensor(sx, 2, shape, name, "", 0);
     for (int j = 0; j < ps_tab_states(oc); j++)
-        tb->state[j] = optim_owned_tensor(sx, 2, shape, name, suffix[kind][j]);
+        tb->state[j] = optim_owned_tensor(sx, 2, shape, name, suffix[kind][j], 0);
     int64_t two = 2;
-    tb->steps_t = optim_owned_tensor(sx, 1, &two, name, ".steps");
+    tb->steps_t = optim_owned_tensor(sx, 1, &two, name, ".steps", 0);
     size_t n = (size_t)(shape[0] * tb->dim);
     tb->acc = host_calloc(ps->ctx, n * sizeof(float));
     tb->slot = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));

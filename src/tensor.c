@@ -217,7 +217,9 @@ DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t)
         host_free(ctx, g);
         return set_error(ctx, DT_ENOMEM, "out of device memory for a gradient (%zu bytes)", bytes);
     }
-    ctx->be_iface->memset0(ctx->be, g->data, bytes);
+    /* not written: T_ZERO says it is zero until a backward writes it (or a
+     * reader materializes it), so a gradient that a sharded DDP takes over
+     * at once never costs its memory */
     g->flags = T_OWNS_DATA | T_GRADBUF | T_ZERO;
     ctx->persistent_bytes += bytes;
     t->grad = g;
@@ -315,11 +317,26 @@ dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *
     return t;
 }
 
+/* A parameter held as a shard (a sharded DDP, zero 3) is not whole
+ * between its uses: reading it then is refused, not answered with zeros. */
+DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op)
+{
+    dt_ctx *ctx = t->ctx;
+    if (ctx->hook_user && ctx->grad_hooks->param_whole &&
+        !ctx->grad_hooks->param_whole(ctx->hook_user, t->data))
+        return set_error(ctx, DT_ESTATE, "%s: '%s' is a parameter held as a shard on each rank "
+                         "(dt_ddp_config.zero 3): call dt_ddp_full_params first",
+                         op, t->name ? t->name : "tensor");
+    return DT_OK;
+}
+
 void *dt_tensor_data(dt_tensor *t)
 {
     if (!t)
         return NULL;
     dt_ctx *ctx = t->ctx;
+    if (tensor_readable(t, "tensor_data") != DT_OK)
+        return NULL;
     if (!ctx->be_iface->host_visible) {
         set_error(ctx, DT_ENOTSUP, "tensor_data: the %s backend's memory is not host memory "
                   "(copy out with dt_tensor_get)", dt_backend_name(ctx));
@@ -391,6 +408,8 @@ dt_status dt_tensor_get(const dt_tensor *tc, void *host, int64_t count)
     if (count != n)
         return set_error(ctx, DT_EINVAL, "tensor_get: room for %lld values, tensor has %lld",
                          (long long)count, (long long)n);
+    if (tensor_readable(t, "tensor_get") != DT_OK)
+        return ctx->last_status;
     tensor_materialize(t);
     const dt_backend_iface *be = ctx->be_iface;
     size_t bytes = (size_t)n * dt_dtype_size(t->dtype);
@@ -428,7 +447,7 @@ dt_status dt_tensor_fill(dt_tensor *t, float value)
 
 float dt_tensor_item(const dt_tensor *t)
 {
-    if (!t || shape_numel(t->ndim, t->shape) < 1)
+    if (!t || shape_numel(t->ndim, t->shape) < 1 || tensor_readable(t, "tensor_item") != DT_OK)
         return NAN;
     tensor_materialize((dt_tensor *)t);
     if (t->dtype == DT_F32) {

@@ -43,8 +43,6 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
     if (cfg->zero < 0 || cfg->zero > 3)
         return "zero must be 0, 1, 2 or 3";
     *code = DT_ENOTSUP;
-    if (cfg->zero == 3)
-        return "zero 3 (parameters sharded, FSDP) is not built yet: use 1 or 2";
     if (!opt)
         return "zero needs the optimizer whose state it shards";
     if (opt->shard || opt->orphaned)
@@ -55,6 +53,8 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
         return "zero: not with a parameter server (the servers hold the state)";
     if (!ctx->be_iface->host_visible)
         return "zero: sharding on a device backend is not built yet";
+    if (cfg->zero == 3 && !ctx->be_iface->discard)
+        return "zero 3: the backend cannot give memory back (no discard)";
     return NULL;
 }
 
@@ -62,8 +62,18 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
  * lent is then the shard, these, and the buckets backward is writing; more
  * in flight would hide little more on one host and hold a bucket each. */
 #define ZERO_IN_FLIGHT 2
+/* Pool buffers beyond one a bucket: zero 1-2's after-step gather, zero 3's
+ * prefetch and its gather on demand. */
+#define ZERO_STAGING 3
+/* Zero 3: units (buckets) kept whole at most, besides those in hand: a
+ * unit read within the last ZERO_RECENT parameter reads is never given
+ * back, so an op's own inputs (at most NODE_MAX_IN) stay whole while it
+ * computes. */
+#define ZERO_RESIDENT 2
+#define ZERO_RECENT 8
 
 static zero_state *Z(const dt_ddp *d) { return d->z; }
+static dt_status zero_evict_all(dt_ddp *d);
 
 /* Parameters k whose flat range meets [lo, hi): first..last in d->order
  * (the flat layout), via fn(d, k, a, e) with the meeting part [a, e). */
@@ -92,34 +102,39 @@ static void zero_note_lent(dt_ddp *d, int64_t floats)
         d->st.grad_bytes_peak = z->lent_bytes;
 }
 
-/* A free pool buffer of at least n floats (the smallest), or a new one;
- * -1 when out of memory. */
-static int zero_pool_take(dt_ddp *d, int64_t n)
+/* A free pool buffer of n to 2n floats (the smallest), or a new one;
+ * -1 when out of memory.  grads: lent to a bucket's gradients (counted in
+ * grad_bytes_peak), else a gather's staging. */
+static int zero_pool_take(dt_ddp *d, int64_t n, int grads)
 {
     zero_state *z = Z(d);
     int best = -1;
-    for (int k = 0; k < z->npool; k++)
-        if (!z->pool[k].busy && z->pool[k].cap >= n && (best < 0 || z->pool[k].cap < z->pool[best].cap))
+    for (int k = 0; k < z->npool; k++)   /* at most twice the size: a large buffer stays for
+                                              the large buckets (the tied embedding's) */
+        if (!z->pool[k].busy && z->pool[k].cap >= n && z->pool[k].cap <= 2 * n &&
+            (best < 0 || z->pool[k].cap < z->pool[best].cap))
             best = k;
     if (best < 0) {
-        if (z->npool == d->nbuckets + 1)
-            return -1;   /* cannot happen: one a bucket, plus the gather's */
+        if (z->npool == d->nbuckets + ZERO_STAGING)
+            return -1;   /* cannot happen: one a bucket, plus the gathers' */
         float *mem = d->be_iface->alloc(d->be, (size_t)(n ? n : 1) * sizeof(float));
         if (!mem)
             return -1;
         best = z->npool++;
         z->pool[best] = (zero_buf){.mem = mem, .cap = n};
     }
-    z->pool[best].busy = 1;
-    zero_note_lent(d, z->pool[best].cap);
+    z->pool[best].busy = grads ? 1 : 2;
+    if (grads)
+        zero_note_lent(d, z->pool[best].cap);
     return best;
 }
 
 static void zero_pool_give(dt_ddp *d, int k)
 {
     zero_state *z = Z(d);
+    if (z->pool[k].busy == 1)
+        z->lent_bytes -= (size_t)z->pool[k].cap * sizeof(float);
     z->pool[k].busy = 0;
-    z->lent_bytes -= (size_t)z->pool[k].cap * sizeof(float);
 }
 
 static void zero_point_at(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
@@ -142,7 +157,7 @@ DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i)
     }
     ddp_bucket *b = &d->buckets[ddp_bucket_of(d, d->offset[i])];
     if (!b->mem) {
-        int k = zero_pool_take(d, b->numel);
+        int k = zero_pool_take(d, b->numel, 1);
         if (k < 0)
             return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory for a gradient bucket of %lld "
                              "floats", (long long)b->numel);
@@ -232,7 +247,7 @@ DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
     d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     if (b->numel == 0 || !mem)
         return;
-    if (z->level == 2 && !d->overlap) {
+    if (z->level >= 2 && !d->overlap) {
         double t0 = dt_now();
         zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, mem, NULL, b->numel, 0,
                                            DT_REDUCE_AVG, b->blocks));
@@ -243,7 +258,7 @@ DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
         if (!b->work)
             zero_note_failure(d, d->ctx->last_status);
     }
-    if (z->level != 2)
+    if (z->level < 2)
         return;
     zero_reap(d, 0);   /* what is done gives its memory back, in order */
     while (d->next_launch - z->reaped > ZERO_IN_FLIGHT) {   /* and at most this many wait */
@@ -300,7 +315,7 @@ DT_PRIVATE dt_status zero_finish(dt_ddp *d, double *exposed)
         zero_reduce_whole(d);
     while (d->next_launch < d->nbuckets)
         zero_launch(d, &d->buckets[d->next_launch++]);
-    if (z->level == 2) {
+    if (z->level >= 2) {
         zero_reap(d, 1);
     } else {
         for (int b = 0; b < d->nbuckets; b++) {
@@ -403,6 +418,12 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
         return DT_OK;
     double t0 = dt_now();
     dt_status s = DT_OK;
+    if (z->level == 3) {   /* the shards moved: every other part is stale */
+        s = zero_evict_all(d);
+        for (int i = 0; i < o->n; i++)
+            o->shard[i].used = 0;
+        return s;
+    }
     if (z->level == 1) {
         s = zero_gather_span(d, z->flat, 0, 0, d->grad_floats, z->shard);
     } else {
@@ -410,7 +431,7 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
             ddp_bucket *b = &d->buckets[j];
             if (b->numel == 0)
                 continue;
-            int k = zero_pool_take(d, b->numel);
+            int k = zero_pool_take(d, b->numel, 0);
             if (k < 0)
                 return set_error(d->ctx, DT_ENOMEM, "optim_step: out of memory to gather parameters");
             s = zero_gather_span(d, z->pool[k].mem, b->offset, b->offset, b->offset + b->numel,
@@ -423,6 +444,260 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
     d->st.gather_s += dt_now() - t0;
     return s == DT_OK ? DT_OK
                       : set_error(d->ctx, s, "optim_step: parameter all-gather failed: %s", d->ctx->err);
+}
+
+/* --- zero 3: parameters held as shards ----------------------------------- */
+
+/* The parameter whose memory holds data, or -1 (by_addr is sorted). */
+static int zero_param_at(const dt_ddp *d, const void *data)
+{
+    const zero_state *z = Z(d);
+    uintptr_t p = (uintptr_t)data;
+    int lo = 0, hi = d->nparams - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2, k = z->by_addr[mid];
+        uintptr_t base = (uintptr_t)d->params[k]->data;
+        if (p < base)
+            hi = mid - 1;
+        else if (p >= base + tensor_bytes(d->params[k]))
+            lo = mid + 1;
+        else
+            return k;
+    }
+    return -1;
+}
+
+/* Parameter k's pages outside this rank's shard go back to the system. */
+static void zero_discard_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
+{
+    (void)a;
+    (void)e;
+    (void)arg;
+    zero_state *z = Z(d);
+    float *base = FP(d->params[k]);
+    int64_t off = d->offset[k], n = dt_tensor_numel(d->params[k]);
+    int64_t s0 = (z->lo > off ? z->lo : off) - off, s1 = (z->hi < off + n ? z->hi : off + n) - off;
+    if (s1 <= s0) {
+        d->be_iface->discard(d->be, base, (size_t)n * sizeof(float));
+        return;
+    }
+    d->be_iface->discard(d->be, base, (size_t)s0 * sizeof(float));
+    d->be_iface->discard(d->be, base + s1, (size_t)(n - s1) * sizeof(float));
+}
+
+static void zero_evict(dt_ddp *d, int j)
+{
+    zero_state *z = Z(d);
+    const ddp_bucket *b = &d->buckets[j];
+    zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
+    z->resident[j] = 0;
+    z->nresident--;
+}
+
+/* Wait for a gather in flight and put what it brought into the parameters
+ * (keep) or drop it. */
+static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
+{
+    zero_state *z = Z(d);
+    if (z->pre_unit < 0)
+        return DT_OK;
+    double run = 0, t0 = dt_now();
+    dt_status s = comm_work_finish(z->pre_work, &run);
+    d->st.gather_s += run;
+    d->st.gather_exposed_s += dt_now() - t0;
+    const ddp_bucket *b = &d->buckets[z->pre_unit];
+    if (s == DT_OK && keep && z->pre_buf >= 0) {
+        zero_copy c = {z->pool[z->pre_buf].mem - b->offset, 0};
+        zero_each_part(d, b->offset, b->offset + b->numel, zero_copy_part, &c);
+    }
+    if (s == DT_OK && keep) {
+        z->resident[z->pre_unit] = 1;
+        z->nresident++;
+        d->st.gathers++;
+    } else if (z->pre_buf < 0) {   /* gathered in place, not kept: given back again */
+        zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
+    }
+    if (z->pre_buf >= 0)
+        zero_pool_give(d, z->pre_buf);
+    z->pre_unit = -1;
+    z->pre_work = NULL;
+    return s;
+}
+
+/* Unit j's memory when it is one parameter (its shard already sits in
+ * place: the gather fills the rest around it), else NULL. */
+static float *zero_unit_home(const dt_ddp *d, int j)
+{
+    int k = Z(d)->alone[j];
+    return k >= 0 ? FP(d->params[k]) : NULL;
+}
+
+/* Start gathering unit j (into a staging buffer, or in place) while the
+ * caller computes. */
+static void zero_prefetch(dt_ddp *d, int j)
+{
+    zero_state *z = Z(d);
+    const ddp_bucket *b = &d->buckets[j];
+    if (z->pinned || z->resident[j] || z->pre_unit >= 0 || b->numel == 0)
+        return;
+    float *home = zero_unit_home(d, j), *buf = home;
+    int k = -1;
+    if (!home) {   /* several parameters: through a staging buffer */
+        if ((k = zero_pool_take(d, b->numel, 0)) < 0)
+            return;   /* no room: it will be gathered when needed */
+        buf = z->pool[k].mem;
+        zero_copy c = {buf - b->offset, 1};
+        int64_t lo = b->offset + b->blocks[z->rank], hi = b->offset + b->blocks[z->rank + 1];
+        if (hi > lo)
+            zero_each_part(d, lo, hi, zero_copy_part, &c);
+    }
+    z->pre_work = comm_enqueue_in(d->comm, COLL_ALLGATHER_V, buf, NULL, b->numel, 0, DT_REDUCE_SUM,
+                                  b->blocks);
+    if (!z->pre_work) {
+        if (k >= 0)
+            zero_pool_give(d, k);
+        return;
+    }
+    z->pre_unit = j;
+    z->pre_buf = k;
+}
+
+/* Unit j whole now: from the gather in flight if it is j's, else gathered
+ * here (any other gather in flight lands first: the comm's order). */
+static dt_status zero_unit_load(dt_ddp *d, int j)
+{
+    zero_state *z = Z(d);
+    if (z->pre_unit == j)
+        return zero_prefetch_finish(d, 1);
+    ddp_bucket *b = &d->buckets[j];
+    float *home = zero_unit_home(d, j);
+    int k = home ? -1 : zero_pool_take(d, b->numel, 0);
+    if (!home && k < 0)
+        return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory to gather %lld parameter floats",
+                         (long long)b->numel);
+    double t0 = dt_now();
+    dt_status s = home ? comm_run_in(d->comm, COLL_ALLGATHER_V, home, NULL, b->numel, 0,
+                                     DT_REDUCE_SUM, b->blocks)
+                       : zero_gather_span(d, z->pool[k].mem, b->offset, b->offset,
+                                          b->offset + b->numel, b->blocks);
+    d->st.gather_s += dt_now() - t0;
+    d->st.gather_exposed_s += dt_now() - t0;
+    if (k >= 0)
+        zero_pool_give(d, k);
+    if (s != DT_OK)
+        return s;
+    z->resident[j] = 1;
+    z->nresident++;
+    d->st.gathers++;
+    return DT_OK;
+}
+
+/* Room for one more unit: the least recently used whole units go back,
+ * none read within the last ZERO_RECENT reads (the op in hand's). */
+static void zero_make_room(dt_ddp *d, int keep)
+{
+    zero_state *z = Z(d);
+    while (!z->pinned && z->nresident >= ZERO_RESIDENT) {
+        int old = -1;
+        for (int u = 0; u < d->nbuckets; u++)
+            if (z->resident[u] && u != keep && (old < 0 || z->last[u] < z->last[old]))
+                old = u;
+        if (old < 0 || z->tick - z->last[old] < ZERO_RECENT)
+            return;
+        zero_evict(d, old);
+    }
+}
+
+/* An op (backward 0) or a node's backward (1) reads memory at data. */
+DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
+{
+    zero_state *z = Z(d);
+    if (!z || z->level != 3 || !data)
+        return DT_OK;
+    int k = zero_param_at(d, data);
+    if (k < 0)
+        return DT_OK;
+    int j = z->unit_of[k], nb = d->nbuckets;
+    z->last[j] = ++z->tick;
+    if (!z->resident[j]) {
+        zero_make_room(d, j);
+        dt_status s = zero_unit_load(d, j);
+        if (s != DT_OK)
+            return set_error(d->ctx, s, "ddp: gathering the parameters of '%s' failed: %s",
+                             d->params[k]->name, d->ctx->err);
+    }
+    /* the next unit in the walk's order: buckets run in reverse
+     * registration order, the order backward needs them; forward the other way */
+    zero_prefetch(d, backward ? (j + 1) % nb : (j - 1 + nb) % nb);
+    return DT_OK;
+}
+
+DT_PRIVATE int zero_param_whole(const dt_ddp *d, const void *data)
+{
+    const zero_state *z = Z(d);
+    if (!z || z->level != 3)
+        return 1;
+    int k = zero_param_at(d, data);
+    return k < 0 || z->resident[z->unit_of[k]];
+}
+
+/* Every unit gathered and kept until the next step. */
+DT_PRIVATE dt_status zero_full_params(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    if (!z || z->level != 3)
+        return DT_OK;
+    dt_status s = zero_prefetch_finish(d, 1);
+    z->pinned = 1;
+    for (int j = 0; s == DT_OK && j < d->nbuckets; j++)
+        if (!z->resident[j] && d->buckets[j].numel > 0)
+            s = zero_unit_load(d, j);
+    return s;
+}
+
+/* After a step (and at the start): only the shards are current. */
+static dt_status zero_evict_all(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    dt_status s = zero_prefetch_finish(d, 0);
+    for (int j = 0; j < d->nbuckets; j++)
+        if (z->resident[j])
+            zero_evict(d, j);
+    z->pinned = 0;
+    return s;
+}
+
+/* Zero 3's tables: each parameter's unit, the parameters by address. */
+static dt_status zero_units(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    size_t np = (size_t)(d->nparams + 1), nb = (size_t)d->nbuckets;
+    z->unit_of = host_calloc(d->ctx, sizeof(int) * np);
+    z->by_addr = host_calloc(d->ctx, sizeof(int) * np);
+    z->alone = host_calloc(d->ctx, sizeof(int) * (nb + 1));
+    z->resident = host_calloc(d->ctx, nb);
+    z->last = host_calloc(d->ctx, sizeof(uint64_t) * nb);
+    if (!z->unit_of || !z->by_addr || !z->resident || !z->last || !z->alone)
+        return DT_ENOMEM;
+    z->pre_unit = -1;
+    for (int j = 0; j < d->nbuckets; j++)
+        z->alone[j] = -1;
+    for (int k = 0; k < d->nparams; k++) {
+        z->unit_of[k] = ddp_bucket_of(d, d->offset[k]);
+        const ddp_bucket *b = &d->buckets[z->unit_of[k]];
+        if (b->offset == d->offset[k] && b->numel == dt_tensor_numel(d->params[k]))
+            z->alone[z->unit_of[k]] = k;
+        int at = k;   /* insertion by address: a few hundred parameters at most, once */
+        while (at > 0 && (uintptr_t)d->params[z->by_addr[at - 1]]->data > (uintptr_t)d->params[k]->data) {
+            z->by_addr[at] = z->by_addr[at - 1];
+            at--;
+        }
+        z->by_addr[at] = k;
+    }
+    for (int j = 0; j < d->nbuckets; j++)   /* whole now (after the broadcast) */
+        z->resident[j] = 1;
+    z->nresident = d->nbuckets;
+    return zero_evict_all(d);
 }
 
 /* --- making and freeing --------------------------------------------------- */
@@ -515,7 +790,7 @@ static dt_status zero_alloc(dt_ddp *d)
         return DT_OK;
     }
     size_t bytes = (size_t)(z->hi > z->lo ? z->hi - z->lo : 1) * sizeof(float);
-    z->pool = host_calloc(d->ctx, sizeof *z->pool * (size_t)(d->nbuckets + 1));
+    z->pool = host_calloc(d->ctx, sizeof *z->pool * (size_t)(d->nbuckets + ZERO_STAGING));
     if (!z->pool || !(z->shard_grad = d->be_iface->alloc(d->be, bytes)))
         return DT_ENOMEM;
     d->be_iface->memset0(d->be, z->shard_grad, bytes);
@@ -542,6 +817,8 @@ DT_PRIVATE dt_status zero_new(dt_ddp *d)
         s = zero_alloc(d);
     if (s == DT_OK)
         s = zero_shard_optim(d);
+    if (s == DT_OK && z->level == 3)
+        s = zero_units(d);
     if (s != DT_OK)
         return s;
     d->st.zero = z->level;
@@ -560,6 +837,7 @@ DT_PRIVATE dt_status zero_new(dt_ddp *d)
         d->ctx->persistent_bytes -= tensor_bytes(g);
         d->own_grad[i] = NULL;
     }
+    host_give_back(d->ctx);
     return DT_OK;
 }
 
@@ -597,6 +875,8 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     zero_state *z = Z(d);
     if (!z)
         return;
+    if (z->pre_unit >= 0 && z->pre_work)
+        zero_prefetch_finish(d, 0);
     int kept = d->ctx && d->own_grad ? zero_return_grads(d) : 0;
     if (z->opt)
         z->opt->orphaned = 1;
@@ -616,6 +896,11 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     if (z->shard_grad)
         d->be_iface->free(d->be, z->shard_grad);
     host_free(ctx, z->pool);
+    host_free(ctx, z->unit_of);
+    host_free(ctx, z->by_addr);
+    host_free(ctx, z->alone);
+    host_free(ctx, z->resident);
+    host_free(ctx, z->last);
     host_free(ctx, z->shard);
     host_free(ctx, z->used);
     host_free(ctx, z);

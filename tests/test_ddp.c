@@ -2540,7 +2540,11 @@ static int zero_train(dt_ctx *ctx, dt_comm *c, dt_tensor **w, const float *init,
         dt_zero_grad(ctx);
         dt_step_reset(ctx);
     }
-    if (dt_ddp_stats_get(ddp, st) || zero_params(ctx, out, 0))
+    /* zero 3: a parameter is a shard until gathered for reading */
+    if (level == 3 && (dt_tensor_get(w[0], out, dt_tensor_numel(w[0])) != DT_ESTATE ||
+                       !strstr(dt_last_error(ctx), "dt_ddp_full_params")))
+        return 27;
+    if (dt_ddp_full_params(ddp) || dt_ddp_stats_get(ddp, st) || zero_params(ctx, out, 0))
         return 25;
     dt_ddp_free(ddp);
     /* its state was a shard of a job now gone: it refuses to step */
@@ -2583,15 +2587,21 @@ static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                       dt_allreduce(c, &sh[2], 1, DT_REDUCE_MIN) || sh[0] != (float)n ||
                       sh[1] - sh[2] > 1.0f || s1.shard_floats != (n + world - 1 - rank) / world))
         code = 7;
-    /* zero 2 never holds a whole gradient (without no_sync): its shard plus
-     * the buckets backward writes and the two in flight */
-    if (code == 0 && zc->level == 2 && !zc->accumulate && s1.grad_bytes_peak >= (size_t)n * sizeof(float)) {
+    /* zero 2 and 3 never hold a whole gradient (without no_sync): the
+     * shard plus the buckets backward writes and the two in flight */
+    if (code == 0 && zc->level >= 2 && !zc->accumulate && s1.grad_bytes_peak >= (size_t)n * sizeof(float)) {
         fprintf(stderr, "rank %d: zero 2 held %zu gradient bytes of %lld\n", rank, s1.grad_bytes_peak,
                 (long long)n * 4);
         code = 8;
     }
     if (code == 0 && (s1.steps != ZSTEPS || s1.gather_s <= 0 || !params_agree(ctx, c)))
         code = 9;
+    /* zero 3 gathers every unit again after each step; with several units
+     * (small buckets) they come and go within a step too */
+    if (code == 0 && zc->level == 3 && s1.gathers < (zc->bucket_bytes ? 4 : 1) * ZSTEPS) {
+        fprintf(stderr, "rank %d: %lld gathers in %d steps\n", rank, (long long)s1.gathers, ZSTEPS);
+        code = 10;
+    }
     free(init);
     return code;
 }
@@ -2604,6 +2614,8 @@ static void test_zero_equals_ddp(void **state)
         {1, 3, DT_SGD, 1, 0, 0, 512},     {2, 3, DT_SGD, 0, 1, 0, 512},
         {1, 5, DT_ADAMW, 0, 1, 1, 1024},  {2, 5, DT_ADAMW, 1, 0, 1, 512},
         {2, 2, DT_SGD, 1, 1, 1, 512},     {1, 2, DT_SGD, 0, 0, 0, 0},
+        {3, 2, DT_ADAMW, 0, 0, 1, 512},   {3, 3, DT_SGD, 1, 1, 0, 4096},
+        {3, 5, DT_ADAMW, 1, 0, 1, 512},   {3, 2, DT_SGD, 0, 1, 0, 0},
     };
     for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
         cur_zero = cases[k];
@@ -2623,12 +2635,11 @@ static int zero_refused_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_ddp_config dc;
     dt_ddp_config_init(&dc);
     struct { int zero; dt_compress compress; int with_opt; dt_status want; const char *says; } cases[] = {
-        {3, DT_COMPRESS_NONE, 1, DT_ENOTSUP, "zero 3"},
         {7, DT_COMPRESS_NONE, 1, DT_EINVAL, "0, 1, 2 or 3"},
         {1, DT_COMPRESS_NONE, 0, DT_ENOTSUP, "optimizer"},
         {2, DT_COMPRESS_BF16, 1, DT_ENOTSUP, "compression"},
     };
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 3; k++) {
         dc.zero = cases[k].zero;
         dc.compress = cases[k].compress;
         if (dt_ddp_new(ctx, c, cases[k].with_opt ? opt : NULL, &dc) != NULL ||

@@ -189,7 +189,7 @@ class dt_ddp_stats(ctypes.Structure):
                 ("grad_bytes", _U64), ("payload_bytes", _U64), ("bytes_sent", _U64),
                 ("block_launches", _I64), ("overlap", _I), ("shared_buckets", _I),
                 ("zero", _I), ("shard_floats", _I64), ("grad_bytes_peak", _SZ),
-                ("gather_s", _D)]
+                ("gather_s", _D), ("gather_exposed_s", _D), ("gathers", _I64)]
 
 
 class dt_eval_config(ctypes.Structure):
@@ -476,6 +476,7 @@ for _name, _res, _args in [
     ("dt_ddp_new", _P, [_P, _P, _P, ctypes.POINTER(dt_ddp_config)]),
     ("dt_ddp_free", None, [_P]),
     ("dt_ddp_set_sync", _I, [_P, _I]),
+    ("dt_ddp_full_params", _I, [_P]),
     ("dt_ddp_sync", _I, [_P]),
     ("dt_ddp_step", _I, [_P]),
     ("dt_ddp_stats_get", _I, [_P, ctypes.POINTER(dt_ddp_stats)]),
@@ -1927,6 +1928,11 @@ class DDP(_Handle):
     def set_sync(self, on: bool) -> None:
         """False: backward only accumulates locally (PyTorch's no_sync())."""
         self.ctx.check(_C.ddp_set_sync(self.handle, int(bool(on))))
+
+    def full_params(self) -> None:
+        """zero=3: every parameter whole on every rank until the next optimizer step (to
+        read, evaluate or save them); collective.  Other levels: nothing to do."""
+        self.ctx.check(_C.ddp_full_params(self.handle))
 
     def stats(self, reset: bool = False) -> Dict[str, Any]:
         """Totals since the DDP began or the last reset: buckets, bytes, backward,

@@ -31,8 +31,12 @@ def rank_main(rank, a, port):
     dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
     torch.set_num_threads(a.threads)
     torch.manual_seed(1337)
-    m = torch.nn.parallel.DistributedDataParallel(
-        GPT(a.vocab, a.context, a.layers, a.heads, a.embd))
+    model = GPT(a.vocab, a.context, a.layers, a.heads, a.embd)
+    # the causal mask is a bool buffer, which gloo cannot broadcast; it is
+    # the same on every rank anyway
+    DDP = torch.nn.parallel.DistributedDataParallel
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["mask"])
+    m = DDP(model)
     kw = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     if a.zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer

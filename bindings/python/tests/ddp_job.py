@@ -1,7 +1,8 @@
 """One rank of the Python DDP tests (run by test_dtrain.py).
 
-    ddp_job.py ddp DIR      under a launcher: DDP on this rank's half of each batch;
-                            writes DIR/rank<r>.npy (and rank 0 DIR/init.npy)
+    ddp_job.py ddp DIR [Z]  under a launcher: DDP on this rank's half of each batch
+                            (sharding level Z, default 0); writes DIR/rank<r>.npy (and
+                            rank 0 DIR/init.npy)
     ddp_job.py single DIR   one process on the whole batch: DIR/single.npy
     ddp_job.py die -        rank 1 exits after 2 steps; rank 0 prints the error it gets
 """
@@ -46,14 +47,15 @@ def data(step):
 
 def main():
     mode, out = sys.argv[1], sys.argv[2]
+    zero = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     with dt.Context(seed=11) as ctx:
         comm = dt.Comm(ctx) if mode != "single" else None
         rank = comm.rank if comm else 0
         layers = mlp_params(ctx, (16, 32, 4))
         opt = dt.Optimizer(ctx, "sgd", lr=0.05, momentum=0.9)
-        ddp = dt.DDP(ctx, comm, opt) if comm else None
-        if mode == "ddp" and rank == 0:
+        if mode == "ddp" and rank == 0:   # rank 0's are what DDP gives every rank
             np.save(os.path.join(out, "init.npy"), flat(ctx))
+        ddp = dt.DDP(ctx, comm, opt, zero=zero) if comm else None
         try:
             for step in range(STEPS):
                 if mode == "die" and rank == 1 and step == 2:
@@ -72,6 +74,14 @@ def main():
         if mode == "die":
             print("rank %d: no error after rank 1 left" % rank)
             return 2
+        if zero == 3:   # each rank holds a shard of every parameter until gathered
+            try:
+                flat(ctx)
+                return 4
+            except dt.Error as e:
+                if "full_params" not in str(e):
+                    return 5
+            ddp.full_params()
         np.save(os.path.join(out, "single.npy" if mode == "single" else "rank%d.npy" % rank),
                 flat(ctx))
         if comm:

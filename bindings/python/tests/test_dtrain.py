@@ -502,6 +502,23 @@ class Distributed(unittest.TestCase):
         rel = np.abs(p0 - one).max() / np.abs(one).max()
         self.assertLess(rel, 1e-5)
 
+    def test_zero_under_the_launcher(self):
+        """DDP(zero=1, 2, 3) under dtrun equals one process on the global batch (within
+        1e-5 relative); zero=3's parameters read only after full_params()."""
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([sys.executable, JOB, "single", d], capture_output=True,
+                               text=True, timeout=240)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            one = np.load(os.path.join(d, "single.npy"))
+            for zero in (1, 2, 3):
+                r = subprocess.run([DTRUN, "-n", "2", sys.executable, JOB, "ddp", d, str(zero)],
+                                   capture_output=True, text=True, timeout=240)
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                p0 = np.load(os.path.join(d, "rank0.npy"))
+                p1 = np.load(os.path.join(d, "rank1.npy"))
+                np.testing.assert_array_equal(p0, p1)
+                self.assertLess(np.abs(p0 - one).max() / np.abs(one).max(), 1e-5, zero)
+
     def test_dead_peer_raises_naming_it(self):
         """Rank 1 exits mid-job: rank 0's next step raises a dtrain error naming rank 1."""
         port = free_port()
