@@ -18257,9 +18257,7 @@ static int zero_return_grads(dt_ddp *d)
             kept = 1;
             continue;
         }
-        if (g->flags & T_ZERO)
-            d->be_iface->memset0(d->be, mem, bytes);
-        else
+        if (!(g->flags & T_ZERO))   /* a zero one stays unwritten, as tensor_attach_grad leaves it */
             d->be_iface->copy(d->be, mem, g->data, bytes);
         g->data = mem;
         d->own_grad[i] = mem;
