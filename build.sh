@@ -429,11 +429,14 @@ gpt_checks() {
     /usr/bin/python3 tests/compare_safetensors.py $t/gpt_1.safetensors $t/gpt_2.safetensors 1e-5 ||
         { echo "gpt check: 2 ranks differ from 1 process"; exit 1; }
     # sharded (zero 2: optimizer state and gradients; 3: parameters too) ends
-    # where DDP does
+    # where DDP does; each rank saves its shard, consolidated into one file
     for z in 2 3; do
+        rm -rf $t/gpt_z$z
         OPENBLAS_NUM_THREADS=1 timeout -k 5 300 "$g" --steps 20 --eval-every 10 --eval-batches 2 \
             --sample 0 --batch 6 --optim sgd --lr 0.05 --ranks 2 --zero $z \
-            --save $t/gpt_z$z.safetensors > /dev/null || { echo "gpt check: --zero $z run failed"; exit 1; }
+            --save $t/gpt_z$z > /dev/null || { echo "gpt check: --zero $z run failed"; exit 1; }
+        $BUILD/test/consolidate $t/gpt_z$z $t/gpt_z$z.safetensors > /dev/null ||
+            { echo "gpt check: --zero $z's sharded checkpoint did not consolidate"; exit 1; }
         /usr/bin/python3 tests/compare_safetensors.py $t/gpt_2.safetensors $t/gpt_z$z.safetensors 1e-6 ||
             { echo "gpt check: --zero $z differs from DDP"; exit 1; }
     done
@@ -454,6 +457,29 @@ zero_checks() {
             echo "zero check: --zero $z reached $acc%, DDP $ddp%"; exit 1
         fi
         echo "zero check: 3 ranks, --zero $z: test accuracy $acc%"
+    done
+    # Sharded checkpoints: 3 ranks at zero 3 save after each epoch (every
+    # rank its shard); 2 ranks at zero 1 and one process resume from epoch
+    # 1's with the same global batch and must end at the uninterrupted
+    # run's accuracy (within 0.3 points, as the elastic check allows a new
+    # world size; measured: the same to the digit).
+    local t=$BUILD/test/zero_ckpt ck ref args="--epochs 2 --limit-batches 50 --global-batch 192 --seed 4"
+    rm -rf "$t" && mkdir -p "$t"
+    # shellcheck disable=SC2086
+    ref=$(timeout -k 5 300 "$fast" --ranks 3 --zero 3 $args --save "$t/" | tail -1 |
+          sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
+    ck=$t/step-50
+    [ -n "$ref" ] && [ -f "$ck/index.json" ] && [ -f "$ck/shard-00002-of-00003.safetensors" ] ||
+        { echo "zero check: 3 ranks at zero 3 wrote no sharded checkpoint $ck"; ls -R "$t"; exit 1; }
+    for z in "--ranks 2 --zero 1" "--ranks 1"; do
+        # shellcheck disable=SC2086
+        out=$(timeout -k 5 300 "$fast" $z $args --resume "$ck")
+        acc=$(echo "$out" | tail -1 | sed -n 's/^test accuracy: \([0-9.]*\)%$/\1/p')
+        echo "$out" | grep -q "resumed from $ck at step 50" ||
+            { echo "zero check: $z did not resume from $ck:"; echo "$out" | tail -5; exit 1; }
+        awk -v a="$acc" -v b="$ref" 'BEGIN { d = a - b; exit !(a != "" && d <= 0.3 && d >= -0.3) }' ||
+            { echo "zero check: $z resumed reached $acc%, uninterrupted $ref%"; exit 1; }
+        echo "zero check: saved by 3 ranks at zero 3, resumed with $z: $acc% (uninterrupted $ref%)"
     done
 }
 

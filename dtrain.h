@@ -698,7 +698,13 @@ DT_API dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char
  * parameter missing, extra or of another shape; no state for opt's kind.
  * DT_EIO: not a regular file (a FIFO, a directory, a device: opened without
  * blocking, never read) or unreadable; DT_EINVAL: path NULL, opt of another
- * context.  step_out may be NULL. */
+ * context.  step_out may be NULL.  path may also be the directory of a
+ * sharded checkpoint (dt_ddp_checkpoint_save): every parameter and opt's
+ * state are then loaded whole from its shards, whatever the world size and
+ * sharding level it was saved at (each shard checked first, as a file is;
+ * a shard missing, from another step or corrupt: refused, naming it).
+ * DT_EINVAL also: opt's state is sharded (dt_ddp_checkpoint_load), or path
+ * is one shard file of such a checkpoint. */
 DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
                                     int64_t *step_out);
 
@@ -742,7 +748,9 @@ DT_API dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *p
  * path (cut at cap: DT_EINVAL) and its step into *step (may be NULL).  None:
  * DT_OK with path "" and *step -1.  Files that fail the checks are skipped
  * with a note through dt_set_log.  What an elastic restart resumes from
- * (dtrun --max-restarts; the examples' --resume auto).  DT_EINVAL: NULLs,
+ * (dtrun --max-restarts; the examples' --resume auto).  Subdirectories
+ * that are sharded checkpoints (an index.json and every shard passing the
+ * same checks) count too; path is then the directory.  DT_EINVAL: NULLs,
  * cap 0; DT_EIO: dir cannot be read. */
 DT_API dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t cap,
                                       int64_t *step);
@@ -753,6 +761,14 @@ DT_API dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, 
  * no such key. */
 DT_API dt_status dt_checkpoint_metadata(dt_ctx *ctx, const char *path, const char *key,
                                         char *value, size_t len);
+/* A sharded checkpoint's directory (dt_ddp_checkpoint_save) written as the
+ * one file dt_checkpoint_save would have written for the same model and
+ * optimizer in one process (path, via path.tmp; safetensors, loadable by
+ * dt_checkpoint_load and PyTorch's safetensors reader).  Needs no model: the
+ * index names the tensors.  Holds the whole model and its state in memory
+ * while it runs.  DT_EINVAL: NULLs, empty; DT_EIO, DT_ECORRUPT: a shard or
+ * the index missing, from another step, truncated or corrupt (named). */
+DT_API dt_status dt_checkpoint_consolidate(dt_ctx *ctx, const char *dir, const char *path);
 
 /* ---------------------------------------------------------------------------
  * 9. Data
@@ -1271,8 +1287,8 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
  * the loss scaler work on the shards (collective then: every rank calls
  * them).  dt_optim_step (or dt_ddp_step) steps this rank's shard and
  * all-gathers the parameters (collective).  The optimizer's state tensors
- * (dt_optim_state_at) are this rank's shard, 1-D; a checkpoint of them is
- * refused (DT_ENOTSUP) for now: save the parameters alone.  Once the DDP
+ * (dt_optim_state_at) are this rank's shard, 1-D: save and resume with
+ * dt_ddp_checkpoint_save / dt_ddp_checkpoint_load.  Once the DDP
  * is freed its optimizer refuses to step.  With no_sync, zero 2 keeps the
  * accumulated gradients whole until the synchronised backward.  Zero 3
  * also holds each parameter as a shard: the forward's and backward's ops
@@ -1417,6 +1433,36 @@ typedef struct dt_ddp_stats {
  * and dt_checkpoint_save (DT_ESTATE).  Collective.  Other levels: nothing
  * to do.  DT_EINVAL: NULL; the all-gathers' errors. */
 DT_API dt_status dt_ddp_full_params(dt_ddp *d);
+/* Sharded checkpoints: every rank writes its own shard into the directory
+ * dir (created if missing; its parent must exist), then rank 0 writes
+ * dir/index.json, which makes it a checkpoint.  Rank r's shard holds floats
+ * [r*N/world, (r+1)*N/world) of the N parameter floats laid out as the
+ * buckets lay them, of the parameters and of opt's state (opt may be NULL),
+ * so no rank gathers the model, at any zero level (0 too).  Files:
+ * shard-RRRRR-of-WWWWW.safetensors (slices named "<param>@<first float>",
+ * "optim.<param>.<state>@<first float>", the single file's checksums,
+ * "dtrain.step", "dtrain.shard" "R/W") and index.json (step, world, zero,
+ * the parameters' names and shapes, the optimizer's kind, steps, learning
+ * rate and steps per parameter, a CRC-32).  Save each step into a directory
+ * of its own to keep the previous one whole until the new one is (the index
+ * is removed first).  Collective: every rank returns the first failure of
+ * any (its message names the rank).  DT_EINVAL: NULL, dir empty or over
+ * 3800 bytes, opt not this DDP's; DT_EIO. */
+DT_API dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir,
+                                        int64_t step);
+/* Load a sharded checkpoint (any world size, any zero level it was saved
+ * at) into this DDP's parameters and opt's state (opt may be NULL): each
+ * rank reads only the shards that hold its floats (zero 3: its shard of
+ * each parameter; otherwise the parameters whole, and opt's state or its
+ * shard of it).  Every rank checks the index and every shard (rank, step,
+ * checksums, pieces tiling each tensor) and the ranks agree before
+ * anything is copied, so a refused checkpoint changes nothing on any rank.
+ * Training then continues as if it had not stopped (the same floats; with
+ * another world size, sums in another order: DDP's tolerance).  Collective.
+ * Errors as dt_checkpoint_load (a shard missing, stale or corrupt named);
+ * DT_EMISMATCH: another model or optimizer kind. */
+DT_API dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir,
+                                        int64_t *step_out);
 /* Totals since dt_ddp_new or the last reset (which keeps the settings:
  * buckets, bucket_bytes, overlap, shared_buckets).  DT_EINVAL: NULL. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);

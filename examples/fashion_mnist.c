@@ -85,7 +85,9 @@ static void usage(FILE *f)
             "  --staleness S       ssp's bound (default 2)\n"
             "  --seed N            seed for init and shuffling (default 1)\n"
             "  --save PATH         write a checkpoint after every epoch (PATH ending in '/':\n"
-            "                      a directory, one file per epoch, DIR/step-N.safetensors)\n"
+            "                      a directory, one file per epoch, DIR/step-N.safetensors;\n"
+            "                      with --zero each rank writes its shard: PATH, or\n"
+            "                      DIR/step-N, is a sharded checkpoint's directory)\n"
             "  --resume PATH|auto  continue from a checkpoint; auto: the newest complete one\n"
             "                      --save wrote, if any (what dtrun --max-restarts needs)\n"
             "  --data DIR          dataset directory (default /usr/share/datasets/fashion-mnist)\n"
@@ -170,9 +172,9 @@ static int parse_args(int argc, char **argv, options *o)
                         "--resume or --global-batch)\n");
         return 0;
     }
-    if (o->zero && (o->servers || o->balance || o->save || o->resume)) {
-        fprintf(stderr, "fashion_mnist: --zero does not combine with --servers, --balance, "
-                        "--save or --resume yet (sharded checkpoints are not built)\n");
+    if (o->zero && (o->servers || o->balance)) {
+        fprintf(stderr, "fashion_mnist: --zero does not combine with --servers or --balance "
+                        "yet\n");
         return 0;
     }
     if (!o->batch)
@@ -237,16 +239,22 @@ static dt_tensor *model_forward(dt_ctx *ctx, const model *m, dt_tensor *x)
 }
 
 /* --save PATH: a file, replaced every epoch; PATH ending in '/': a
- * directory (made if missing) of one file per epoch. */
-static int save_epoch(dt_ctx *ctx, dt_optim *opt, const char *save, int64_t step)
+ * directory (made if missing) of one file per epoch.  With --zero every
+ * rank writes its shard: PATH (or PATH/step-N) is then a sharded
+ * checkpoint's directory, and no rank gathers the model to save it. */
+static int save_epoch(dt_ctx *ctx, dt_ddp *sharded, dt_optim *opt, const char *save, int64_t step)
 {
     size_t l = strlen(save);
-    if (l == 0 || save[l - 1] != '/')
-        return dt_checkpoint_save(ctx, opt, save, step) == DT_OK;
     char path[4096];
-    mkdir(save, 0755);   /* (an error shows in the save) */
-    snprintf(path, sizeof path, "%sstep-%lld.safetensors", save, (long long)step);
-    return dt_checkpoint_save(ctx, opt, path, step) == DT_OK;
+    if (l && save[l - 1] == '/') {
+        mkdir(save, 0755);   /* (an error shows in the save) */
+        snprintf(path, sizeof path, sharded ? "%sstep-%lld" : "%sstep-%lld.safetensors", save,
+                 (long long)step);
+    } else {
+        snprintf(path, sizeof path, "%s", save);
+    }
+    return (sharded ? dt_ddp_checkpoint_save(sharded, opt, path, step)
+                    : dt_checkpoint_save(ctx, opt, path, step)) == DT_OK;
 }
 
 /* Where to resume from: --resume PATH, or with "auto" the newest complete
@@ -266,7 +274,9 @@ static int resume_path(dt_ctx *ctx, const options *o, char *path, size_t cap)
         return stat(o->save, &st) != 0 ||
                dt_checkpoint_latest(ctx, o->save, path, cap, NULL) == DT_OK;
     }
-    if (access(o->save, F_OK) == 0)
+    char index[4200];   /* --zero: a sharded checkpoint is whole once its index is there */
+    snprintf(index, sizeof index, "%s/index.json", o->save);
+    if (access(o->zero ? index : o->save, F_OK) == 0)
         snprintf(path, cap, "%s", o->save);
     return 1;
 }
@@ -438,13 +448,13 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     char from[4096];
     if (!resume_path(ctx, o, from, sizeof from))
         goto fail_ctx;
-    if (from[0]) {
-        if (dt_checkpoint_load(ctx, opt, from, &step) != DT_OK)
-            goto fail_ctx;
-        if (talk)
-            printf("resumed from %s at step %lld (restart %s)\n", from, (long long)step,
-                   getenv("DTRAIN_RESTART") ? getenv("DTRAIN_RESTART") : "0");
-    } else if (talk && o->resume) {
+    /* a sharded checkpoint (a directory) goes to the DDP once it exists:
+     * each rank then reads only its part */
+    struct stat from_st;
+    int from_dir = from[0] && stat(from, &from_st) == 0 && S_ISDIR(from_st.st_mode) && comm;
+    if (from[0] && !from_dir && dt_checkpoint_load(ctx, opt, from, &step) != DT_OK)
+        goto fail_ctx;
+    if (!from[0] && talk && o->resume) {
         printf("resumed from nothing: no checkpoint yet, starting at step 0 (restart %s)\n",
                getenv("DTRAIN_RESTART") ? getenv("DTRAIN_RESTART") : "0");
     }
@@ -457,6 +467,11 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         goto fail_ctx;
     if (ddp && o->balance && dt_ddp_balance(ddp, train_ld, 10) != DT_OK)
         goto fail_ctx;
+    if (from_dir && dt_ddp_checkpoint_load(ddp, opt, from, &step) != DT_OK)
+        goto fail_ctx;
+    if (from[0] && talk)
+        printf("resumed from %s at step %lld (restart %s)\n", from, (long long)step,
+               getenv("DTRAIN_RESTART") ? getenv("DTRAIN_RESTART") : "0");
     if (talk) {
         printf("model %s, %d epochs, batch %d", o->model, o->epochs, (int)lc.batch);
         if (ranks > 1)
@@ -546,7 +561,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                    tty ? "\n" : "", epoch + 1, sums[0] / (double)(per_epoch * ranks),
                    100.0 * sums[1] / (double)(sums[2] > 0 ? sums[2] : 1), 100 * tm.accuracy,
                    (double)sums[2] / bd.total, bd.total, bd.data, bd.exposed);
-        if (o->save && rank == 0 && !save_epoch(ctx, opt, o->save, step))
+        dt_ddp *sharded = o->zero ? ddp : NULL;
+        if (o->save && (rank == 0 || sharded) && !save_epoch(ctx, sharded, opt, o->save, step))
             goto fail_ctx;
     }
     dt_metrics tm;

@@ -32,8 +32,8 @@
  * weights and the optimizer stay f32), fp16 with dynamic loss scaling.
  * --zero shards the training state across the ranks (dt_ddp_config.zero):
  * 1 the optimizer's state, 2 also the gradients, 3 also the parameters;
- * --save then writes the parameters alone (sharded checkpoints are not
- * built yet).
+ * --save PATH then makes PATH a sharded checkpoint's directory, every rank
+ * writing its shard (build/consolidate PATH FILE makes it one file).
  */
 #include <dirent.h>
 #include <getopt.h>
@@ -439,7 +439,11 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     }
     if (dump)
         fclose(dump);
-    if (o->zero == 3 && ddp && (o->save || o->sample > 0) &&   /* rank 0 reads them alone */
+    if (o->zero && ddp && o->save && dt_ddp_checkpoint_save(ddp, opt, o->save, o->steps) != DT_OK) {
+        fail(ctx, "saving the shards");
+        goto done;
+    }
+    if (o->zero == 3 && ddp && o->sample > 0 &&   /* rank 0 reads them alone */
         dt_ddp_full_params(ddp) != DT_OK) {
         fail(ctx, "gathering the parameters");
         goto done;
@@ -447,9 +451,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     if (rank == 0 && scaler)
         printf("loss scale %g, %lld steps skipped for overflow\n",
                (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));
-    /* sharded optimizer state cannot be checkpointed yet: the parameters alone */
-    if (rank == 0 && o->save &&
-        dt_checkpoint_save(ctx, o->zero && ddp ? NULL : opt, o->save, o->steps) != DT_OK) {
+    if (rank == 0 && o->save && !(o->zero && ddp) &&
+        dt_checkpoint_save(ctx, opt, o->save, o->steps) != DT_OK) {
         fail(ctx, "saving");
         goto done;
     }

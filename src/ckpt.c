@@ -43,21 +43,16 @@ static const char *st_dtype_name(dt_dtype t)
     return t == DT_BF16 ? "BF16" : t == DT_F16 ? "F16" : "F32";
 }
 
-static uint64_t st_bytes(const dt_tensor *t, dt_dtype store)
-{
-    return (uint64_t)dt_tensor_numel(t) * (store == DT_F32 ? 4 : 2);
-}
-
 /* What a checkpoint holds: the parameters (stored as `store`), the extra
- * tensors and the optimizer's state (f32). */
+ * tensors and the optimizer's state (f32), each whole. */
 static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_item *items,
                       char **names)
 {
     int n = 0;
     for (int i = 0; i < ctx->n_params; i++)
-        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i], store};
+        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i], store, 0, -1};
     for (int i = 0; i < ctx->n_ckpt_extra; i++)
-        items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32};
+        items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32, 0, -1};
     if (opt) {
         for (int i = 0; i < opt->n * opt->per; i++) {
             size_t len = strlen(opt->state[i]->name) + 7;
@@ -65,21 +60,54 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_ite
             if (!names[i])
                 return -1;
             snprintf(names[i], len, "optim.%s", opt->state[i]->name);
-            items[n++] = (ckpt_item){names[i], opt->state[i], DT_F32};
+            items[n++] = (ckpt_item){names[i], opt->state[i], DT_F32, 0, -1};
         }
     }
     return n;
 }
 
-/* The checksum of a header whose dtrain.header_crc32 field is taken as
- * 00000000 (h is changed while it runs, and restored). */
-static uint32_t st_header_crc(unsigned char *h, size_t len)
+static int64_t item_numel(const ckpt_item *it)
 {
-    static const char key[] = "\"dtrain.header_crc32\":\"";
-    unsigned char *at = memmem(h, len, key, sizeof key - 1), keep[8];
-    if (!at || (size_t)(at - h) + sizeof key - 1 + 8 > len)
+    return it->cnt >= 0 ? it->cnt : dt_tensor_numel(it->t);
+}
+
+static uint64_t item_bytes(const ckpt_item *it)
+{
+    return (uint64_t)item_numel(it) * (it->store == DT_F32 ? 4 : 2);
+}
+
+/* What a file's dtrain metadata says besides the checksums. */
+typedef struct ckpt_meta {
+    int64_t step;
+    int has_optim;                 /* the optimizer's four fields below */
+    int kind;
+    int64_t steps;
+    float lr;
+    int n;                         /* param_steps[n] */
+    const int64_t *param_steps;
+    int shard_rank, shard_world;   /* shard_world > 0: "dtrain.shard" */
+    const dt_checkpoint_config *cfg;   /* the caller's metadata */
+} ckpt_meta;
+
+static ckpt_meta ckpt_meta_of(const dt_optim *opt, int64_t step, const dt_checkpoint_config *cfg)
+{
+    ckpt_meta m = {.step = step, .cfg = cfg};
+    if (opt)
+        m = (ckpt_meta){step, 1, (int)opt->cfg.kind, opt->steps, opt->base_lr, opt->n,
+                        opt->param_steps, 0, 0, cfg};
+    return m;
+}
+
+/* The checksum of text h whose field key ("...":") is followed by 8 hex
+ * digits taken as 00000000 (h is changed while it runs, and restored);
+ * 0 when it has no such field. */
+static uint32_t crc_zeroed_field(unsigned char *h, size_t len, const char *key)
+{
+    size_t kl = strlen(key);
+    unsigned char *at = memmem(h, len, key, kl), keep[8];
+    if (!at || (size_t)(at - h) + kl + 8 > len)
         return 0;
-    at += sizeof key - 1;
+    at += kl;
     memcpy(keep, at, 8);
     memset(at, '0', 8);
     uint32_t crc = (uint32_t)crc32_z(0, h, len);
@@ -87,34 +115,42 @@ static uint32_t st_header_crc(unsigned char *h, size_t len)
     return crc;
 }
 
+/* A header's checksum, its dtrain.header_crc32 field taken as 00000000. */
+static uint32_t st_header_crc(unsigned char *h, size_t len)
+{
+    return crc_zeroed_field(h, len, "\"dtrain.header_crc32\":\"");
+}
+
 #define ST_HEADER_CRC_KEY "\"dtrain.header_crc32\":\""
 
 /* The JSON header; crc: each item's data checksum (NULL: zeros, the same
  * length, for a first pass written before the data); hcrc: the header's
  * own, computed with this field 00000000 (st_header_crc). */
-static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt_item *items, int n,
-                        const dt_checkpoint_config *cfg, const uint32_t *crc, uint32_t hcrc)
+static void ckpt_header(strbuf *b, const ckpt_meta *m, const ckpt_item *items, int n,
+                        const uint32_t *crc, uint32_t hcrc)
 {
     strbuf_printf(b, "{\"__metadata__\":{\"format\":\"pt\",\"dtrain.step\":\"%lld\","
-                  "\"dtrain.checksum\":\"crc32\"," ST_HEADER_CRC_KEY "%08x\"", (long long)step,
+                  "\"dtrain.checksum\":\"crc32\"," ST_HEADER_CRC_KEY "%08x\"", (long long)m->step,
                   (unsigned)hcrc);
+    if (m->shard_world > 0)
+        strbuf_printf(b, ",\"dtrain.shard\":\"%d/%d\"", m->shard_rank, m->shard_world);
     for (int i = 0; i < n; i++) {
         strbuf_puts(b, ",\"dtrain.crc32.");
         strbuf_json_body(b, items[i].name);
         strbuf_printf(b, "\":\"%08x\"", crc ? (unsigned)crc[i] : 0u);
     }
-    for (int i = 0; i < cfg->n_meta; i++) {
+    for (int i = 0; m->cfg && i < m->cfg->n_meta; i++) {
         strbuf_puts(b, ",");
-        strbuf_json_string(b, cfg->meta_keys[i]);
+        strbuf_json_string(b, m->cfg->meta_keys[i]);
         strbuf_puts(b, ":");
-        strbuf_json_string(b, cfg->meta_values[i]);
+        strbuf_json_string(b, m->cfg->meta_values[i]);
     }
-    if (opt) {
+    if (m->has_optim) {
         strbuf_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
                      "\"dtrain.optim.lr\":\"%.9g\",\"dtrain.optim.param_steps\":\"",
-                      (int)opt->cfg.kind, (long long)opt->steps, (double)opt->base_lr);
-        for (int i = 0; i < opt->n; i++)
-            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)opt->param_steps[i]);
+                      m->kind, (long long)m->steps, (double)m->lr);
+        for (int i = 0; i < m->n; i++)
+            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)m->param_steps[i]);
         strbuf_puts(b, "\"");
     }
     strbuf_puts(b, "}");
@@ -124,9 +160,11 @@ static void ckpt_header(strbuf *b, const dt_optim *opt, int64_t step, const ckpt
         strbuf_puts(b, ",");
         strbuf_json_string(b, items[i].name);
         strbuf_printf(b, ":{\"dtype\":\"%s\",\"shape\":[", st_dtype_name(items[i].store));
-        for (int d = 0; d < t->ndim; d++)
+        if (items[i].cnt >= 0)
+            strbuf_printf(b, "%lld", (long long)items[i].cnt);
+        for (int d = 0; items[i].cnt < 0 && d < t->ndim; d++)
             strbuf_printf(b, "%s%lld", d ? "," : "", (long long)t->shape[d]);
-        uint64_t bytes = st_bytes(t, items[i].store);
+        uint64_t bytes = item_bytes(&items[i]);
         strbuf_printf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
                       (unsigned long long)(off + bytes));
         off += bytes;
@@ -153,23 +191,24 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
     dt_status s = write_all(ctx, f, len8, 8, tmp);
     if (s == DT_OK)
         s = write_all(ctx, f, hdr->p, hdr->len, tmp);
-    size_t biggest = 0;
+    size_t biggest = 4;
     for (int i = 0; i < n; i++)
-        if (tensor_bytes(items[i].t) > biggest)
-            biggest = tensor_bytes(items[i].t);
+        if ((size_t)item_numel(&items[i]) * 4 > biggest)
+            biggest = (size_t)item_numel(&items[i]) * 4;
     void *stage = s == DT_OK ? host_alloc(ctx, biggest) : NULL;
     if (s == DT_OK && !stage)
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
     for (int i = 0; s == DT_OK && i < n; i++) {
         dt_tensor *t = items[i].t;
+        int64_t cnt = item_numel(&items[i]);
         tensor_materialize(t);
-        BE(ctx)->to_host(BEI(ctx), stage, t->data, tensor_bytes(t));  /* f32 LE on x86/arm */
-        int64_t cnt = dt_tensor_numel(t);
+        BE(ctx)->to_host(BEI(ctx), stage, (float *)t->data + (items[i].cnt >= 0 ? items[i].off : 0),
+                         (size_t)cnt * 4);  /* f32 LE on x86/arm */
         uint16_t *h = stage;   /* 16-bit storage: rounded in place, front to back */
         for (int64_t k = 0; items[i].store != DT_F32 && k < cnt; k++)
             h[k] = items[i].store == DT_BF16 ? f32_to_bf16(((float *)stage)[k])
                                              : f32_to_f16(((float *)stage)[k]);
-        size_t bytes = (size_t)st_bytes(t, items[i].store);
+        size_t bytes = (size_t)item_bytes(&items[i]);
         crc[i] = (uint32_t)crc32_z(0, stage, bytes);
         s = write_all(ctx, f, stage, bytes, tmp);
     }
@@ -180,14 +219,13 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
 /* The header again, now with the checksums (the same length: 8 hex digits
  * each), then everything to disk. */
 static dt_status ckpt_finish(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf *first,
-                             const dt_optim *opt, int64_t step, const ckpt_item *items, int n,
-                             const dt_checkpoint_config *cfg, const uint32_t *crc)
+                             const ckpt_meta *m, const ckpt_item *items, int n, const uint32_t *crc)
 {
     strbuf hdr = {ctx, NULL, 0, 0, 0};
-    ckpt_header(&hdr, opt, step, items, n, cfg, crc, 0);
+    ckpt_header(&hdr, m, items, n, crc, 0);
     uint32_t hcrc = hdr.oom ? 0 : st_header_crc((unsigned char *)hdr.p, hdr.len);
     hdr.len = 0;
-    ckpt_header(&hdr, opt, step, items, n, cfg, crc, hcrc);
+    ckpt_header(&hdr, m, items, n, crc, hcrc);
     dt_status s = DT_OK;
     if (hdr.oom || hdr.len != first->len)
         s = set_error(ctx, hdr.oom ? DT_ENOMEM : DT_EIO, "checkpoint_save: %s",
@@ -216,6 +254,50 @@ static void sync_parent_dir(const char *path)
         fsync(fd);
         close(fd);
     }
+}
+
+/* items to path: written to path.tmp, synced, renamed over path, the
+ * directory synced; a failure leaves path as it was. */
+static dt_status ckpt_write_file(dt_ctx *ctx, const char *path, const ckpt_meta *m,
+                                 const ckpt_item *items, int total)
+{
+    uint32_t *crc = host_calloc(ctx, sizeof *crc * (size_t)(total + 1));
+    size_t plen = strlen(path) + 5;
+    char *tmp = host_alloc(ctx, plen);
+    strbuf hdr = {ctx, NULL, 0, 0, 0};
+    FILE *f = NULL;
+    dt_status s = DT_OK;
+    if (!crc || !tmp) {
+        s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
+        goto done;
+    }
+    snprintf(tmp, plen, "%s.tmp", path);
+    ckpt_header(&hdr, m, items, total, NULL, 0);
+    if (hdr.oom) {
+        s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory for the header");
+        goto done;
+    }
+    if (!(f = fopen(tmp, "wb"))) {
+        s = set_error(ctx, DT_EIO, "checkpoint_save: cannot create %s: %s", tmp, strerror(errno));
+        goto done;
+    }
+    s = ckpt_write(ctx, f, tmp, &hdr, items, total, crc);
+    if (s == DT_OK)
+        s = ckpt_finish(ctx, f, tmp, &hdr, m, items, total, crc);
+    if (fclose(f) != 0 && s == DT_OK)
+        s = set_error(ctx, DT_EIO, "checkpoint_save: closing %s: %s", tmp, strerror(errno));
+    if (s == DT_OK && rename(tmp, path) != 0)
+        s = set_error(ctx, DT_EIO, "checkpoint_save: renaming %s to %s: %s", tmp, path,
+                      strerror(errno));
+    if (s == DT_OK)
+        sync_parent_dir(path);
+    else
+        unlink(tmp);
+done:
+    host_free(ctx, crc);
+    host_free(ctx, tmp);
+    host_free(ctx, hdr.p);
+    return s;
 }
 
 void dt_checkpoint_config_init(dt_checkpoint_config *cfg)
@@ -277,53 +359,22 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
             return ctx->last_status;
     if (opt && (opt->shard || opt->orphaned))
         return set_error(ctx, DT_ENOTSUP, "checkpoint_save: the optimizer's state is sharded across "
-                         "the ranks (dt_ddp_config.zero); sharded checkpoints are not built yet: "
-                         "save the parameters alone (optimizer NULL)");
+                         "the ranks (dt_ddp_config.zero): save with dt_ddp_checkpoint_save (each "
+                         "rank its shard), or the parameters alone (optimizer NULL)");
     int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + ctx->n_ckpt_extra + nstate;
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(total + 1));
-    uint32_t *crc = host_calloc(ctx, sizeof *crc * (size_t)(total + 1));
     char **names = host_calloc(ctx, sizeof *names * (size_t)(nstate + 1));
-    size_t plen = strlen(path) + 5;
-    char *tmp = host_alloc(ctx, plen);
-    strbuf hdr = {ctx, NULL, 0, 0, 0};
-    FILE *f = NULL;
     dt_status s = DT_OK;
-    if (!items || !crc || !names || !tmp || ckpt_items(ctx, opt, cfg->dtype, items, names) < 0) {
+    if (!items || !names || ckpt_items(ctx, opt, cfg->dtype, items, names) < 0)
         s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory");
-        goto done;
-    }
-    snprintf(tmp, plen, "%s.tmp", path);
-    ckpt_header(&hdr, opt, step, items, total, cfg, NULL, 0);
-    if (hdr.oom) {
-        s = set_error(ctx, DT_ENOMEM, "checkpoint_save: out of memory for the header");
-        goto done;
-    }
-    if (!(f = fopen(tmp, "wb"))) {
-        s = set_error(ctx, DT_EIO, "checkpoint_save: cannot create %s: %s", tmp, strerror(errno));
-        goto done;
-    }
-    s = ckpt_write(ctx, f, tmp, &hdr, items, total, crc);
+    ckpt_meta m = ckpt_meta_of(opt, step, cfg);
     if (s == DT_OK)
-        s = ckpt_finish(ctx, f, tmp, &hdr, opt, step, items, total, cfg, crc);
-    if (fclose(f) != 0 && s == DT_OK)
-        s = set_error(ctx, DT_EIO, "checkpoint_save: closing %s: %s", tmp, strerror(errno));
-    f = NULL;
-    if (s == DT_OK && rename(tmp, path) != 0)
-        s = set_error(ctx, DT_EIO, "checkpoint_save: renaming %s to %s: %s", tmp, path,
-                      strerror(errno));
-    if (s == DT_OK)
-        sync_parent_dir(path);
-    else
-        unlink(tmp);
-done:
+        s = ckpt_write_file(ctx, path, &m, items, total);
     if (names)
         for (int i = 0; i < nstate; i++)
             host_free(ctx, names[i]);
     host_free(ctx, names);
     host_free(ctx, items);
-    host_free(ctx, crc);
-    host_free(ctx, tmp);
-    host_free(ctx, hdr.p);
     return s;
 }
 
@@ -445,6 +496,23 @@ static int js_skip(json *j)
     return ok;
 }
 
+/* [d0, d1, ...]: at most DT_MAX_DIMS sizes, each at most 2^40. */
+static int js_shape(json *j, int *ndim, int64_t *shape)
+{
+    if (!js_char(j, '['))
+        return 0;
+    *ndim = 0;
+    if (js_char(j, ']'))
+        return 1;
+    do {
+        uint64_t v;
+        if (*ndim >= DT_MAX_DIMS || !js_uint(j, &v) || v > ((uint64_t)1 << 40))
+            return 0;
+        shape[(*ndim)++] = (int64_t)v;
+    } while (js_char(j, ','));
+    return js_char(j, ']');
+}
+
 static int st_tensor_entry(json *j, st_entry *e)
 {
     int have_dtype = 0, have_shape = 0, have_off = 0;
@@ -464,19 +532,8 @@ static int st_tensor_entry(json *j, st_entry *e)
                        : strcmp(dt, "F16") == 0 ? DT_F16 : -1;
             have_dtype = 1;
         } else if (strcmp(key, "shape") == 0) {
-            if (!js_char(j, '['))
+            if (!js_shape(j, &e->ndim, e->shape))
                 return 0;
-            e->ndim = 0;
-            if (!js_char(j, ']')) {
-                do {
-                    uint64_t v;
-                    if (e->ndim >= DT_MAX_DIMS || !js_uint(j, &v) || v > ((uint64_t)1 << 40))
-                        return 0;
-                    e->shape[e->ndim++] = (int64_t)v;
-                } while (js_char(j, ','));
-                if (!js_char(j, ']'))
-                    return 0;
-            }
             have_shape = 1;
         } else if (strcmp(key, "data_offsets") == 0) {
             if (!js_char(j, '[') || !js_uint(j, &e->begin) || !js_char(j, ',') ||
@@ -551,7 +608,7 @@ static int meta_dtrain(st_file *f, const char *key, const char *val)
         {"dtrain.step", ST_STEP},           {"dtrain.optim.kind", ST_OPT_KIND},
         {"dtrain.optim.steps", ST_OPT_STEPS}, {"dtrain.optim.lr", ST_OPT_LR},
         {"dtrain.optim.param_steps", ST_OPT_PSTEPS}, {"dtrain.checksum", ST_CHECKSUM},
-        {"dtrain.header_crc32", ST_HEADER_CRC}};
+        {"dtrain.header_crc32", ST_HEADER_CRC}, {"dtrain.shard", ST_SHARD}};
     if (strncmp(key, "dtrain.crc32.", 13) == 0) {
         uint32_t crc;
         if (!meta_crc(val, &crc))
@@ -590,6 +647,12 @@ static int meta_dtrain(st_file *f, const char *key, const char *val)
         return 1;
     case ST_HEADER_CRC:
         return meta_crc(val, &f->header_crc) || meta_bad(f, key, "is not 8 hex digits");
+    case ST_SHARD: {
+        int r = -1, w = 0, used = 0;
+        return (sscanf(val, "%d/%d%n", &r, &w, &used) == 2 && (size_t)used == strlen(val) &&
+                w > 0 && r >= 0 && r < w && (f->shard_rank = r, f->shard_world = w)) ||
+               meta_bad(f, key, "is not \"rank/world\"");
+    }
     default:   /* ST_CHECKSUM */
         return strcmp(val, "crc32") == 0 || meta_bad(f, key, "names no checksum dtrain knows");
     }
@@ -906,6 +969,8 @@ static dt_status st_check_meta(dt_ctx *ctx, const char *path, st_file *f)
         return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s has dtrain metadata without "
                          "'dtrain.step'", path);
     unsigned opt = f->seen & ST_OPT_ALL;
+    if (f->seen & ST_SHARD)   /* a shard's optimizer metadata is in its index */
+        has_optim_state = 0;
     if ((opt && opt != ST_OPT_ALL) || (has_optim_state && !opt))
         return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: the optimizer's metadata "
                          "(dtrain.optim.kind, .steps, .lr, .param_steps) is incomplete", path);
@@ -1053,6 +1118,9 @@ static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const uns
     return DT_OK;
 }
 
+static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out);
+static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step);
+
 dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64_t *step_out)
 {
     return dt_checkpoint_load_ex(ctx, opt, path, NULL, step_out, NULL);
@@ -1079,9 +1147,21 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
         return set_error(ctx, DT_EINVAL, "checkpoint_load: optimizer belongs to another context");
     if (opt && !strict)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: a non-strict load takes no optimizer");
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {   /* a sharded checkpoint */
+        if (!strict)
+            return set_error(ctx, DT_ENOTSUP, "checkpoint_load: a sharded checkpoint (%s) loads "
+                             "strictly; consolidate it (dt_checkpoint_consolidate) first", path);
+        if (report)
+            memset(report, 0, sizeof *report);
+        dt_status ds = ckpt_load_sharded(ctx, opt, path, step_out);
+        if (ds == DT_OK && report)
+            report->loaded = ctx->n_params;
+        return ds;
+    }
     if (opt && (opt->shard || opt->orphaned))
-        return set_error(ctx, DT_ENOTSUP, "checkpoint_load: the optimizer's state is sharded across "
-                         "the ranks (dt_ddp_config.zero); sharded checkpoints are not built yet");
+        return set_error(ctx, DT_EINVAL, "checkpoint_load: the optimizer's state is sharded across "
+                         "the ranks (dt_ddp_config.zero): load with dt_ddp_checkpoint_load");
     unsigned char *buf = NULL;
     size_t len = 0;
     uint64_t hlen = 0;
@@ -1095,6 +1175,11 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
     dt_status s = st_open(ctx, path, &buf, &len, &f, &hlen);
     if (s != DT_OK)
         goto done;
+    if (f.seen & ST_SHARD) {
+        s = set_error(ctx, DT_EINVAL, "checkpoint_load: %s is shard %d of %d of a sharded "
+                      "checkpoint: load its directory", path, f.shard_rank, f.shard_world);
+        goto done;
+    }
     uint64_t data_len = len - 8 - hlen;
     map = host_calloc(ctx, sizeof *map * (size_t)(total + 1));
     psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? opt->n + 1 : 1));
@@ -1184,6 +1269,8 @@ static int ckpt_complete(dt_ctx *ctx, const char *path, int64_t *step)
     dt_status s = st_open(ctx, path, &buf, &len, &f, &hlen);
     if (s == DT_OK && !(f.seen & ST_STEP))
         s = set_error(ctx, DT_ECORRUPT, "checkpoint_latest: %s has no dtrain.step", path);
+    if (s == DT_OK && (f.seen & ST_SHARD))
+        s = set_error(ctx, DT_EINVAL, "checkpoint_latest: %s is one shard of a checkpoint", path);
     if (s == DT_OK && (f.seen & ST_CHECKSUM))
         s = st_verify(ctx, path, &f, buf + 8 + hlen);
     *step = f.step;
@@ -1211,7 +1298,16 @@ dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t 
     struct dirent *e;
     while (s == DT_OK && (e = readdir(d)) != NULL) {
         size_t nl = strlen(e->d_name);
-        if (nl < 12 || strcmp(e->d_name + nl - 12, ".safetensors") != 0)
+        int is_dir = e->d_type == DT_DIR;
+        if (e->d_type == DT_UNKNOWN || e->d_type == DT_LNK) {
+            struct stat st;
+            char probe[4096];
+            snprintf(probe, sizeof probe, "%s/%s", dir, e->d_name);
+            is_dir = stat(probe, &st) == 0 && S_ISDIR(st.st_mode);
+        }
+        if (is_dir && e->d_name[0] == '.')
+            continue;
+        if (!is_dir && (nl < 12 || strcmp(e->d_name + nl - 12, ".safetensors") != 0))
             continue;
         char *full = host_alloc(ctx, dl + nl + 2);
         if (!full) {
@@ -1220,7 +1316,9 @@ dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t 
         }
         snprintf(full, dl + nl + 2, "%s%s%s", dir, dl && dir[dl - 1] == '/' ? "" : "/", e->d_name);
         int64_t at = -1;
-        if (!ckpt_complete(ctx, full, &at))
+        if (is_dir && !ckpt_sharded_complete(ctx, full, &at))
+            continue;   /* not a checkpoint, or one not whole: said by its own load */
+        if (!is_dir && !ckpt_complete(ctx, full, &at))
             warn(ctx, "checkpoint_latest: skipping %s: %s", full, dt_last_error(ctx));
         else if (at > best && dl + nl + 2 > cap)
             s = set_error(ctx, DT_EINVAL, "checkpoint_latest: %s does not fit in %zu bytes", full,
@@ -1238,4 +1336,822 @@ dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t 
             *step = best;
     }
     return s;
+}
+
+/* ===========================================================================
+ * Sharded checkpoints (a directory; dt_ddp_checkpoint_save in src/zero.c)
+ *
+ * dir/shard-RRRRR-of-WWWWW.safetensors: rank R's floats of each parameter
+ * ("<name>@<lo>", 1-D f32: floats [lo, lo + n) of the flattened tensor) and
+ * of its optimizer state ("optim.<param>.<state>@<lo>"), with the single
+ * file's checksums, "dtrain.step" and "dtrain.shard" = "R/W".
+ * dir/index.json, written last by rank 0: the step, the world, the
+ * parameters' names and shapes, the optimizer's kind, steps, learning rate
+ * and steps per parameter, and its own CRC-32.  A load reads the index,
+ * checks every shard (rank, step, checksums, the pieces tiling each tensor
+ * exactly) before it copies anything, then copies into each destination
+ * only the floats it wants: any world size, any sharding level.
+ * ======================================================================== */
+
+#define SHARD_INDEX "index.json"
+#define SHARD_CRC_KEY "\"crc32\":\""
+#define SHARD_MAX_INDEX ((size_t)64 << 20)
+#define SHARD_MAX_DIR 3800   /* room for "/shard-RRRRR-of-WWWWW.safetensors.tmp" in 4096 */
+
+typedef struct shard_param {
+    char name[DT_MAX_NAME];
+    int ndim;
+    int64_t shape[DT_MAX_DIMS];
+    int64_t numel;
+} shard_param;
+
+/* index.json */
+typedef struct shard_index {
+    int64_t step;
+    int world, zero;
+    int has_optim, kind;
+    int64_t steps;
+    float lr;
+    int nopt;                  /* the optimizer's parameters, in its order: */
+    int64_t *opt_param;        /* their positions in p */
+    int64_t *opt_steps;        /* the steps each took */
+    int n, cap;
+    shard_param *p;
+} shard_index;
+
+/* A tensor the shards hold pieces of: a parameter or an optimizer state
+ * ("optim.<state name>"), and where a load puts it. */
+typedef struct shard_base {
+    char name[DT_MAX_NAME + 16];
+    int64_t numel;
+    dt_tensor *t;              /* destination, or NULL: not loaded */
+    int64_t lo, hi;            /* the floats of the whole wanted there */
+    int64_t at;                /* the whole's float at t's element 0 */
+} shard_base;
+
+typedef struct shard_piece {
+    int base, file;
+    int64_t lo, n;
+    uint64_t begin;            /* in the file's data */
+} shard_piece;
+
+struct ckpt_plan {
+    dt_ctx *ctx;
+    dt_optim *opt;
+    char dir[SHARD_MAX_DIR + 1];
+    shard_index ix;
+    shard_base *base;
+    int nbase, capbase;
+    shard_piece *pc;
+    int npc, cappc;
+    uint32_t *hcrc;            /* each file's header checksum, as checked */
+    int64_t *opt_steps;        /* per opt parameter, as the load sets them */
+    dt_tensor **own;           /* dt_checkpoint_consolidate's tensors (one a base) */
+};
+
+static int grow(dt_ctx *ctx, void **p, int *cap, int need, size_t elem)
+{
+    if (need <= *cap)
+        return 1;
+    int c = *cap ? *cap * 2 : 16;
+    while (c < need)
+        c *= 2;
+    void *q = ctx->al.realloc_fn(*p, elem * (size_t)c, ctx->al.user);
+    if (!q)
+        return 0;
+    *p = q;
+    *cap = c;
+    return 1;
+}
+
+static void shard_file_name(char *out, size_t cap, const char *dir, int rank, int world)
+{
+    snprintf(out, cap, "%s/shard-%05d-of-%05d.safetensors", dir, rank, world);
+}
+
+static dt_status shard_dir_ok(dt_ctx *ctx, const char *op, const char *dir)
+{
+    if (!dir || !dir[0])
+        return set_error(ctx, DT_EINVAL, "%s: the directory is empty", op);
+    if (strlen(dir) > SHARD_MAX_DIR)
+        return set_error(ctx, DT_EINVAL, "%s: the directory's name is longer than %d bytes", op,
+                         SHARD_MAX_DIR);
+    return DT_OK;
+}
+
+/* --- writing ---------------------------------------------------------- */
+
+/* This rank's shard file: floats [lo[k], lo[k] + n[k]) of each of ctx's
+ * parameters k, and the same floats of each one's optimizer state (whole
+ * state, or a sharded optimizer's: its shard must hold them). */
+DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const char *dir,
+                                     int64_t step, int rank, int world, const int64_t *lo,
+                                     const int64_t *n)
+{
+    if (shard_dir_ok(ctx, "ddp_checkpoint_save", dir) != DT_OK)
+        return ctx->last_status;
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        return set_error(ctx, DT_EIO, "ddp_checkpoint_save: cannot create %s: %s", dir,
+                         strerror(errno));
+    char path[4096];
+    if (rank == 0) {   /* a crash from here on leaves no index: the directory is not a checkpoint */
+        snprintf(path, sizeof path, "%s/" SHARD_INDEX, dir);
+        if (unlink(path) != 0 && errno != ENOENT)
+            return set_error(ctx, DT_EIO, "ddp_checkpoint_save: cannot remove the old %s: %s",
+                             path, strerror(errno));
+    }
+    int per = opt ? opt->per : 0, cap = ctx->n_params * (1 + per) + 1, total = 0;
+    ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)cap);
+    char **names = host_calloc(ctx, sizeof *names * (size_t)cap);
+    dt_status s = items && names ? DT_OK : set_error(ctx, DT_ENOMEM, "ddp_checkpoint_save: out of memory");
+    for (int k = 0; s == DT_OK && k < ctx->n_params; k++) {
+        if (n[k] <= 0)
+            continue;
+        dt_tensor *p = ctx->params[k];
+        int oi = -1;
+        for (int i = 0; opt && i < opt->n && oi < 0; i++)
+            oi = opt->params[i] == p ? i : -1;
+        for (int j = -1; s == DT_OK && j < (oi >= 0 ? per : 0); j++) {
+            dt_tensor *t = j < 0 ? p : opt->state[oi * per + j];
+            int64_t off = lo[k] - (j >= 0 && opt->shard ? opt->shard[oi].lo : 0);
+            size_t len = strlen(t->name) + 32;
+            if (off < 0 || off + n[k] > dt_tensor_numel(t)) {
+                s = set_error(ctx, DT_EINVAL, "ddp_checkpoint_save: the optimizer's shard of '%s' "
+                              "is not this rank's", p->name);
+            } else if (!(names[total] = host_alloc(ctx, len))) {
+                s = set_error(ctx, DT_ENOMEM, "ddp_checkpoint_save: out of memory");
+            } else {
+                snprintf(names[total], len, "%s%s@%lld", j < 0 ? "" : "optim.", t->name,
+                         (long long)lo[k]);
+                items[total] = (ckpt_item){names[total], t, DT_F32, off, n[k]};
+                total++;
+            }
+        }
+    }
+    ckpt_meta m = {.step = step, .shard_rank = rank, .shard_world = world};
+    shard_file_name(path, sizeof path, dir, rank, world);
+    if (s == DT_OK)
+        s = ckpt_write_file(ctx, path, &m, items, total);
+    for (int i = 0; names && i < total; i++)
+        host_free(ctx, names[i]);
+    host_free(ctx, names);
+    host_free(ctx, items);
+    return s;
+}
+
+static void index_json(strbuf *b, const dt_ctx *ctx, const dt_optim *opt, int64_t step, int world,
+                       int zero)
+{
+    strbuf_printf(b, "{\"format\":\"dtrain-sharded\",\"version\":1,\"step\":%lld,\"world\":%d,"
+                  "\"zero\":%d,\n\"params\":[", (long long)step, world, zero);
+    for (int k = 0; k < ctx->n_params; k++) {
+        const dt_tensor *p = ctx->params[k];
+        strbuf_printf(b, "%s\n {\"name\":", k ? "," : "");
+        strbuf_json_string(b, p->name);
+        strbuf_puts(b, ",\"shape\":[");
+        for (int d = 0; d < p->ndim; d++)
+            strbuf_printf(b, "%s%lld", d ? "," : "", (long long)p->shape[d]);
+        strbuf_puts(b, "]}");
+    }
+    strbuf_puts(b, "],\n");
+    if (opt) {
+        strbuf_printf(b, "\"optimizer\":{\"kind\":%d,\"steps\":%lld,\"lr\":\"%.9g\",\"params\":[",
+                      (int)opt->cfg.kind, (long long)opt->steps, (double)opt->base_lr);
+        for (int i = 0; i < opt->n; i++)
+            strbuf_printf(b, "%s%d", i ? "," : "", opt->params[i]->param_index);
+        strbuf_puts(b, "],\"param_steps\":[");
+        for (int i = 0; i < opt->n; i++)
+            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)opt->param_steps[i]);
+        strbuf_puts(b, "]},\n");
+    }
+    strbuf_puts(b, "\"files\":[");
+    for (int r = 0; r < world; r++)
+        strbuf_printf(b, "%s\"shard-%05d-of-%05d.safetensors\"", r ? "," : "", r, world);
+    strbuf_puts(b, "],\n" SHARD_CRC_KEY "00000000\"}\n");
+}
+
+/* dir/index.json, last: what makes dir a checkpoint. */
+DT_PRIVATE dt_status ckpt_shard_index_save(dt_ctx *ctx, const dt_optim *opt, const char *dir,
+                                           int64_t step, int world, int zero)
+{
+    strbuf b = {ctx, NULL, 0, 0, 0};
+    index_json(&b, ctx, opt, step, world, zero);
+    if (b.oom) {
+        host_free(ctx, b.p);
+        return set_error(ctx, DT_ENOMEM, "ddp_checkpoint_save: out of memory for the index");
+    }
+    uint32_t crc = crc_zeroed_field((unsigned char *)b.p, b.len, SHARD_CRC_KEY);
+    char hex[9];
+    snprintf(hex, sizeof hex, "%08x", (unsigned)crc);
+    memcpy(strstr(b.p, SHARD_CRC_KEY) + strlen(SHARD_CRC_KEY), hex, 8);
+    char path[4096], tmp[4100];
+    snprintf(path, sizeof path, "%s/" SHARD_INDEX, dir);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    dt_status s = f ? write_all(ctx, f, b.p, b.len, tmp)
+                    : set_error(ctx, DT_EIO, "ddp_checkpoint_save: cannot create %s: %s", tmp,
+                                strerror(errno));
+    if (f && s == DT_OK && (fflush(f) != 0 || fsync(fileno(f)) != 0))
+        s = set_error(ctx, DT_EIO, "ddp_checkpoint_save: syncing %s: %s", tmp, strerror(errno));
+    if (f && fclose(f) != 0 && s == DT_OK)
+        s = set_error(ctx, DT_EIO, "ddp_checkpoint_save: closing %s: %s", tmp, strerror(errno));
+    if (s == DT_OK && rename(tmp, path) != 0)
+        s = set_error(ctx, DT_EIO, "ddp_checkpoint_save: renaming %s: %s", tmp, strerror(errno));
+    if (s == DT_OK)
+        sync_parent_dir(path);
+    else if (f)
+        unlink(tmp);
+    host_free(ctx, b.p);
+    return s;
+}
+
+/* --- reading the index ---------------------------------------------------- */
+
+static int js_uint_list(json *j, dt_ctx *ctx, int64_t **out, int *n)
+{
+    int cap = 0;
+    *n = 0;
+    if (!js_char(j, '['))
+        return 0;
+    if (js_char(j, ']'))
+        return 1;
+    do {
+        uint64_t v;
+        if (!js_uint(j, &v) || v > ((uint64_t)1 << 62))
+            return 0;
+        if (!grow(ctx, (void **)out, &cap, *n + 1, sizeof **out))
+            return -1;
+        (*out)[(*n)++] = (int64_t)v;
+    } while (js_char(j, ','));
+    return js_char(j, ']');
+}
+
+static int index_param(json *j, shard_param *p)
+{
+    int have_name = 0, have_shape = 0;
+    if (!js_char(j, '{'))
+        return 0;
+    do {
+        char key[16];
+        if (!js_string(j, key, sizeof key) || !js_char(j, ':'))
+            return 0;
+        if (strcmp(key, "name") == 0) {
+            if (!js_string(j, p->name, sizeof p->name) || !p->name[0])
+                return 0;
+            have_name = 1;
+        } else if (strcmp(key, "shape") == 0) {
+            if (!js_shape(j, &p->ndim, p->shape))
+                return 0;
+            p->numel = 1;
+            for (int d = 0; d < p->ndim; d++)
+                if ((p->numel *= p->shape[d]) > ((int64_t)1 << 40))
+                    return 0;
+            have_shape = 1;
+        } else {
+            return 0;
+        }
+    } while (js_char(j, ','));
+    return js_char(j, '}') && have_name && have_shape;
+}
+
+static int index_optim(json *j, dt_ctx *ctx, shard_index *ix)
+{
+    int n_steps = -1, seen = 0;
+    if (!js_char(j, '{'))
+        return 0;
+    do {
+        char key[16], lr[48];
+        uint64_t v;
+        int r = 1;
+        if (!js_string(j, key, sizeof key) || !js_char(j, ':'))
+            return 0;
+        if (strcmp(key, "kind") == 0 && (r = js_uint(j, &v)) && v <= DT_ADAGRAD)
+            ix->kind = (int)v, seen |= 1;
+        else if (strcmp(key, "steps") == 0 && (r = js_uint(j, &v)) && v < ((uint64_t)1 << 62))
+            ix->steps = (int64_t)v, seen |= 2;
+        else if (strcmp(key, "lr") == 0 && (r = js_string(j, lr, sizeof lr))) {
+            char *endp;
+            ix->lr = strtof(lr, &endp);
+            r = endp != lr && !*endp && isfinite(ix->lr) && ix->lr >= 0;
+            seen |= 4;
+        } else if (strcmp(key, "params") == 0 && (r = js_uint_list(j, ctx, &ix->opt_param, &ix->nopt)) > 0)
+            seen |= 8;
+        else if (strcmp(key, "param_steps") == 0 && (r = js_uint_list(j, ctx, &ix->opt_steps, &n_steps)) > 0)
+            seen |= 16;
+        else
+            return r < 0 ? -1 : 0;
+        if (r <= 0)
+            return r;
+    } while (js_char(j, ','));
+    ix->has_optim = 1;
+    return js_char(j, '}') && seen == 31 && n_steps == ix->nopt;
+}
+
+static int index_files(json *j, int world)
+{
+    int r = 0;
+    if (!js_char(j, '['))
+        return 0;
+    do {
+        char name[64], want[64];
+        snprintf(want, sizeof want, "shard-%05d-of-%05d.safetensors", r, world);
+        if (!js_string(j, name, sizeof name) || strcmp(name, want) != 0)
+            return 0;
+        r++;
+    } while (js_char(j, ','));
+    return js_char(j, ']') && r == world;
+}
+
+/* The index's text, parsed: 1 ok, 0 malformed, -1 out of memory. */
+static int index_parse(dt_ctx *ctx, const char *text, size_t len, shard_index *ix, uint32_t *crc)
+{
+    json j = {text, text + len, 0};
+    unsigned seen = 0;
+    int r = 1;
+    if (!js_char(&j, '{'))
+        return 0;
+    do {
+        char key[16], val[32];
+        uint64_t v = 0;
+        if (!js_string(&j, key, sizeof key) || !js_char(&j, ':'))
+            return 0;
+        if (strcmp(key, "format") == 0)
+            r = js_string(&j, val, sizeof val) && strcmp(val, "dtrain-sharded") == 0, seen |= 1;
+        else if (strcmp(key, "version") == 0)
+            r = js_uint(&j, &v) && v == 1, seen |= 2;
+        else if (strcmp(key, "step") == 0)
+            r = js_uint(&j, &v) && v < ((uint64_t)1 << 62), ix->step = (int64_t)v, seen |= 4;
+        else if (strcmp(key, "world") == 0)
+            r = js_uint(&j, &v) && v >= 1 && v <= 99999, ix->world = (int)v, seen |= 8;
+        else if (strcmp(key, "zero") == 0)
+            r = js_uint(&j, &v) && v <= 3, ix->zero = (int)v, seen |= 16;
+        else if (strcmp(key, "optimizer") == 0)
+            r = index_optim(&j, ctx, ix);
+        else if (strcmp(key, "files") == 0)
+            r = (seen & 8) && index_files(&j, ix->world), seen |= 32;
+        else if (strcmp(key, "crc32") == 0)
+            r = js_string(&j, val, sizeof val) && meta_crc(val, crc), seen |= 64;
+        else if (strcmp(key, "params") == 0) {
+            seen |= 128;
+            if (!js_char(&j, '['))
+                return 0;
+            if (js_char(&j, ']'))
+                continue;
+            do {
+                if (!grow(ctx, (void **)&ix->p, &ix->cap, ix->n + 1, sizeof *ix->p))
+                    return -1;
+                memset(&ix->p[ix->n], 0, sizeof ix->p[0]);
+                if (!index_param(&j, &ix->p[ix->n++]))
+                    return 0;
+            } while (js_char(&j, ','));
+            r = js_char(&j, ']');
+        } else {
+            return 0;
+        }
+        if (r <= 0)
+            return r;
+    } while (js_char(&j, ','));
+    if (!js_char(&j, '}') || seen != 255)
+        return 0;
+    js_ws(&j);
+    for (int i = 0; i < ix->nopt; i++)
+        if (ix->opt_param[i] >= ix->n || ix->opt_steps[i] > ix->steps)
+            return 0;
+    return j.p == j.end;
+}
+
+static dt_status index_read(dt_ctx *ctx, const char *op, const char *dir, shard_index *ix)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/" SHARD_INDEX, dir);
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return set_error(ctx, DT_EIO, "%s: %s has no %s (%s): not a sharded checkpoint, or one "
+                         "whose saving did not finish", op, dir, SHARD_INDEX, strerror(errno));
+    if ((size_t)st.st_size > SHARD_MAX_INDEX)
+        return set_error(ctx, DT_ECORRUPT, "%s: %s is larger than %zu bytes", op, path,
+                         SHARD_MAX_INDEX);
+    unsigned char *buf = NULL;
+    size_t len = 0;
+    dt_status s = read_file(ctx, op, path, &buf, &len);
+    if (s != DT_OK)
+        return s;
+    uint32_t want = 0, got = crc_zeroed_field(buf, len, SHARD_CRC_KEY);
+    int r = index_parse(ctx, (const char *)buf, len, ix, &want);
+    if (r < 0)
+        s = set_error(ctx, DT_ENOMEM, "%s: out of memory", op);
+    else if (r == 0)
+        s = set_error(ctx, DT_ECORRUPT, "%s: %s is malformed", op, path);
+    else if (want != got)
+        s = set_error(ctx, DT_ECORRUPT, "%s: %s does not match its checksum (%08x, it says "
+                      "%08x): the file is corrupt", op, path, (unsigned)got, (unsigned)want);
+    host_free(ctx, buf);
+    return s;
+}
+
+/* --- checking the shards -------------------------------------------------- */
+
+static int plan_base_find(const ckpt_plan *pl, const char *name)
+{
+    for (int b = 0; b < pl->nbase; b++)
+        if (strcmp(pl->base[b].name, name) == 0)
+            return b;
+    return -1;
+}
+
+static int plan_base_add(ckpt_plan *pl, const char *name, int64_t numel)
+{
+    if (!grow(pl->ctx, (void **)&pl->base, &pl->capbase, pl->nbase + 1, sizeof *pl->base))
+        return -1;
+    shard_base *b = &pl->base[pl->nbase];
+    memset(b, 0, sizeof *b);
+    snprintf(b->name, sizeof b->name, "%s", name);
+    b->numel = numel;
+    return pl->nbase++;
+}
+
+/* The base a shard's entry belongs to: "<param>@<lo>" or
+ * "optim.<param>.<state>@<lo>" with <param> in the index; -1 none. */
+static int plan_entry_base(ckpt_plan *pl, const st_entry *e, int64_t *lo, int *oom)
+{
+    char name[sizeof e->name];
+    snprintf(name, sizeof name, "%s", e->name);
+    char *at = strrchr(name, '@');
+    if (!at || !meta_i64(at + 1, lo))
+        return -1;
+    *at = '\0';
+    int b = plan_base_find(pl, name);
+    if (b >= 0 || strncmp(name, "optim.", 6) != 0)
+        return b;
+    char *dot = strrchr(name + 6, '.');
+    if (!dot)
+        return -1;
+    *dot = '\0';   /* <param> */
+    int p = plan_base_find(pl, name + 6);
+    *dot = '.';
+    if (p < 0 || p >= pl->ix.n)
+        return -1;
+    b = plan_base_add(pl, name, pl->base[p].numel);
+    *oom = b < 0;
+    return b;
+}
+
+static dt_status plan_file_pieces(ckpt_plan *pl, int r, const char *path, const st_file *f)
+{
+    dt_ctx *ctx = pl->ctx;
+    for (int i = 0; i < f->n; i++) {
+        const st_entry *e = &f->e[i];
+        int64_t lo = 0;
+        int oom = 0, b = plan_entry_base(pl, e, &lo, &oom);
+        if (oom)
+            return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+        if (b < 0)
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s holds '%s', which is no piece "
+                             "of a parameter in %s or of its optimizer state", path, e->name,
+                             SHARD_INDEX);
+        if (e->dtype != DT_F32 || e->ndim != 1 || lo + e->shape[0] > pl->base[b].numel)
+            return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s: '%s' is not an F32 piece "
+                             "within the %lld floats of '%s'", path, e->name,
+                             (long long)pl->base[b].numel, pl->base[b].name);
+        if (!grow(ctx, (void **)&pl->pc, &pl->cappc, pl->npc + 1, sizeof *pl->pc))
+            return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+        pl->pc[pl->npc++] = (shard_piece){b, r, lo, e->shape[0], e->begin};
+    }
+    return DT_OK;
+}
+
+/* Shard r, read and checked whole: f and its buffer for the caller. */
+static dt_status plan_open(ckpt_plan *pl, int r, st_file *f, unsigned char **buf, uint64_t *hlen)
+{
+    dt_ctx *ctx = pl->ctx;
+    char path[4096];
+    size_t len = 0;
+    shard_file_name(path, sizeof path, pl->dir, r, pl->ix.world);
+    memset(f, 0, sizeof *f);
+    if (access(path, F_OK) != 0)
+        return set_error(ctx, DT_EIO, "checkpoint_load: shard %d of %d, %s, is missing", r,
+                         pl->ix.world, path);
+    dt_status s = st_open(ctx, path, buf, &len, f, hlen);
+    if (s == DT_OK)
+        s = st_verify(ctx, path, f, *buf + 8 + *hlen);
+    if (s != DT_OK)
+        return s;
+    if (!(f->seen & ST_SHARD) || f->shard_rank != r || f->shard_world != pl->ix.world)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is not shard %d of %d (%s)", path,
+                         r, pl->ix.world, (f->seen & ST_SHARD) ? "it says another" : "it says none");
+    if (f->step != pl->ix.step)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s is from step %lld, %s from step "
+                         "%lld: a stale shard (a save that did not finish?)", path,
+                         (long long)f->step, SHARD_INDEX, (long long)pl->ix.step);
+    if (pl->hcrc[r] && pl->hcrc[r] != f->header_crc)
+        return set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s changed while it was loaded", path);
+    pl->hcrc[r] = f->header_crc;
+    return DT_OK;
+}
+
+static int piece_order(const void *x, const void *y)
+{
+    const shard_piece *a = x, *b = y;
+    return a->base != b->base ? (a->base < b->base ? -1 : 1) : a->lo < b->lo ? -1 : a->lo > b->lo;
+}
+
+/* Every base's pieces tile it: from 0 to its end, no gap, no overlap. */
+static dt_status plan_tiles(ckpt_plan *pl)
+{
+    qsort(pl->pc, (size_t)pl->npc, sizeof *pl->pc, piece_order);
+    for (int b = 0, i = 0; b < pl->nbase; b++) {
+        int64_t at = 0;
+        for (; i < pl->npc && pl->pc[i].base == b; i++) {
+            if (pl->pc[i].lo != at)
+                return set_error(pl->ctx, DT_ECORRUPT, "checkpoint_load: %s: the shards' pieces of "
+                                 "'%s' %s at float %lld", pl->dir, pl->base[b].name,
+                                 pl->pc[i].lo < at ? "overlap" : "leave a gap", (long long)at);
+            at += pl->pc[i].n;
+        }
+        if (at != pl->base[b].numel)
+            return set_error(pl->ctx, DT_ECORRUPT, "checkpoint_load: %s: the shards hold %lld of "
+                             "the %lld floats of '%s'", pl->dir, (long long)at,
+                             (long long)pl->base[b].numel, pl->base[b].name);
+    }
+    return DT_OK;
+}
+
+/* Where the model's parameters (plo/pn: the floats each wants, NULL all)
+ * and opt's state go. */
+static dt_status plan_dests(ckpt_plan *pl, const int64_t *plo, const int64_t *pn)
+{
+    dt_ctx *ctx = pl->ctx;
+    char sb[96];
+    for (int k = 0; k < ctx->n_params; k++) {
+        dt_tensor *p = ctx->params[k];
+        int b = plan_base_find(pl, p->name);
+        if (b < 0 || b >= pl->ix.n)
+            return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' is missing from %s",
+                             p->name, pl->dir);
+        const shard_param *q = &pl->ix.p[b];
+        int same = q->ndim == p->ndim;
+        for (int d = 0; same && d < p->ndim; d++)
+            same = q->shape[d] == p->shape[d];
+        if (!same)
+            return set_error(ctx, DT_EMISMATCH, "checkpoint_load: '%s' has another shape in %s "
+                             "than the model's %s", p->name, pl->dir, SHAPE(p, sb));
+        int64_t lo = plo ? plo[k] : 0, hi = plo ? plo[k] + pn[k] : q->numel;
+        pl->base[b] = (shard_base){.numel = q->numel, .t = p, .lo = lo, .hi = hi, .at = 0};
+        snprintf(pl->base[b].name, sizeof pl->base[b].name, "%s", p->name);
+    }
+    if (pl->ix.n != ctx->n_params)
+        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has %d parameters, the model %d",
+                         pl->dir, pl->ix.n, ctx->n_params);
+    dt_optim *o = pl->opt;
+    if (!o)
+        return DT_OK;
+    if (!pl->ix.has_optim || pl->ix.kind != (int)o->cfg.kind)
+        return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no state for this kind of "
+                         "optimizer", pl->dir);
+    for (int i = 0; i < o->n; i++) {
+        int found = -1;
+        for (int q = 0; q < pl->ix.nopt && found < 0; q++)
+            found = strcmp(pl->ix.p[pl->ix.opt_param[q]].name, o->params[i]->name) == 0 ? q : -1;
+        if (found < 0)
+            return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no optimizer state for "
+                             "'%s'", pl->dir, o->params[i]->name);
+        pl->opt_steps[i] = pl->ix.opt_steps[found];
+        for (int j = 0; j < o->per; j++) {
+            dt_tensor *t = o->state[i * o->per + j];
+            char name[DT_MAX_NAME + 16];
+            snprintf(name, sizeof name, "optim.%s", t->name);
+            int b = plan_base_find(pl, name);
+            if (b < 0)
+                return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no '%s'", pl->dir, name);
+            int64_t at = o->shard ? o->shard[i].lo : 0;
+            pl->base[b].t = t;
+            pl->base[b].at = at;
+            pl->base[b].lo = at;
+            pl->base[b].hi = at + dt_tensor_numel(t);
+        }
+    }
+    return DT_OK;
+}
+
+DT_PRIVATE void ckpt_plan_free(ckpt_plan *pl)
+{
+    if (!pl)
+        return;
+    dt_ctx *ctx = pl->ctx;
+    for (int b = 0; pl->own && b < pl->nbase; b++)
+        if (pl->own[b])
+            tensor_destroy(ctx, pl->own[b]);
+    host_free(ctx, pl->own);
+    host_free(ctx, pl->ix.p);
+    host_free(ctx, pl->ix.opt_param);
+    host_free(ctx, pl->ix.opt_steps);
+    host_free(ctx, pl->base);
+    host_free(ctx, pl->pc);
+    host_free(ctx, pl->hcrc);
+    host_free(ctx, pl->opt_steps);
+    host_free(ctx, pl);
+}
+
+/* The index and every shard checked (layout, checksums, rank, step, the
+ * pieces tiling every tensor), nothing copied yet.  model: the context's
+ * parameters (plo/pn the floats each wants, NULL all of each) and opt's
+ * state are the destinations; else none yet (consolidation).  NULL on
+ * failure (the context's error). */
+static ckpt_plan *plan_make(dt_ctx *ctx, dt_optim *opt, const char *dir, int model,
+                            const int64_t *plo, const int64_t *pn)
+{
+    if (shard_dir_ok(ctx, "checkpoint_load", dir) != DT_OK)
+        return NULL;
+    ckpt_plan *pl = host_calloc(ctx, sizeof *pl);
+    if (!pl) {
+        set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+        return NULL;
+    }
+    pl->ctx = ctx;
+    pl->opt = opt;
+    snprintf(pl->dir, sizeof pl->dir, "%s", dir);
+    dt_status s = index_read(ctx, "checkpoint_load", dir, &pl->ix);
+    if (s == DT_OK && (!(pl->hcrc = host_calloc(ctx, sizeof *pl->hcrc * (size_t)pl->ix.world)) ||
+                       !(pl->opt_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(opt ? opt->n + 1 : 1)))))
+        s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+    for (int q = 0; s == DT_OK && q < pl->ix.n; q++) {
+        if (plan_base_find(pl, pl->ix.p[q].name) >= 0)
+            s = set_error(ctx, DT_ECORRUPT, "checkpoint_load: %s/%s names '%s' twice", dir,
+                          SHARD_INDEX, pl->ix.p[q].name);
+        else if (plan_base_add(pl, pl->ix.p[q].name, pl->ix.p[q].numel) < 0)
+            s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+    }
+    for (int r = 0; s == DT_OK && r < pl->ix.world; r++) {
+        st_file f;
+        unsigned char *buf = NULL;
+        uint64_t hlen = 0;
+        char path[4096];
+        shard_file_name(path, sizeof path, dir, r, pl->ix.world);
+        s = plan_open(pl, r, &f, &buf, &hlen);
+        if (s == DT_OK)
+            s = plan_file_pieces(pl, r, path, &f);
+        st_file_free(ctx, &f);
+        host_free(ctx, buf);
+    }
+    if (s == DT_OK)
+        s = plan_tiles(pl);
+    if (s == DT_OK && model)
+        s = plan_dests(pl, plo, pn);
+    if (s != DT_OK) {
+        ckpt_plan_free(pl);
+        return NULL;
+    }
+    return pl;
+}
+
+DT_PRIVATE ckpt_plan *ckpt_plan_make(dt_ctx *ctx, dt_optim *opt, const char *dir,
+                                     const int64_t *plo, const int64_t *pn)
+{
+    return plan_make(ctx, opt, dir, 1, plo, pn);
+}
+
+/* --- copying ---------------------------------------------------------------- */
+
+static int plan_file_needed(const ckpt_plan *pl, int r)
+{
+    for (int i = 0; i < pl->npc; i++) {
+        const shard_piece *c = &pl->pc[i];
+        const shard_base *b = &pl->base[c->base];
+        if (c->file == r && b->t && c->lo < b->hi && c->lo + c->n > b->lo)
+            return 1;
+    }
+    return 0;
+}
+
+static void plan_copy_file(ckpt_plan *pl, int r, const unsigned char *data)
+{
+    dt_ctx *ctx = pl->ctx;
+    for (int i = 0; i < pl->npc; i++) {
+        const shard_piece *c = &pl->pc[i];
+        const shard_base *b = &pl->base[c->base];
+        int64_t a = c->lo > b->lo ? c->lo : b->lo, e = c->lo + c->n < b->hi ? c->lo + c->n : b->hi;
+        if (c->file != r || !b->t || e <= a)
+            continue;
+        BE(ctx)->to_device(BEI(ctx), (float *)b->t->data + (a - b->at),
+                           data + c->begin + (uint64_t)(a - c->lo) * 4, (size_t)(e - a) * 4);
+    }
+}
+
+/* Copy what the plan found into its destinations; each shard a rank needs
+ * is read and checked again (it must be the file checked before). */
+DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
+{
+    dt_ctx *ctx = pl->ctx;
+    for (int b = 0; b < pl->nbase; b++)
+        if (pl->base[b].t) {   /* a lazy state's other floats are its zeros */
+            tensor_materialize(pl->base[b].t);
+            pl->base[b].t->flags &= ~(unsigned)T_ZERO;
+        }
+    dt_status s = DT_OK;
+    for (int r = 0; s == DT_OK && r < pl->ix.world; r++) {
+        if (!plan_file_needed(pl, r))
+            continue;
+        st_file f;
+        unsigned char *buf = NULL;
+        uint64_t hlen = 0;
+        s = plan_open(pl, r, &f, &buf, &hlen);
+        if (s == DT_OK)
+            plan_copy_file(pl, r, buf + 8 + hlen);
+        st_file_free(ctx, &f);
+        host_free(ctx, buf);
+    }
+    dt_optim *o = pl->opt;
+    if (s == DT_OK && o) {
+        o->steps = pl->ix.steps;
+        memcpy(o->param_steps, pl->opt_steps, sizeof(int64_t) * (size_t)o->n);
+        o->lr = o->base_lr = pl->ix.lr;
+    }
+    if (s == DT_OK && step_out)
+        *step_out = pl->ix.step;
+    return s;
+}
+
+/* dt_checkpoint_load of a directory: every parameter and opt's state whole. */
+static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out)
+{
+    if (opt && (opt->shard || opt->orphaned))
+        return set_error(ctx, DT_EINVAL, "checkpoint_load: the optimizer's state is sharded "
+                         "(dt_ddp_config.zero): load with dt_ddp_checkpoint_load");
+    ckpt_plan *pl = ckpt_plan_make(ctx, opt, dir, NULL, NULL);
+    if (!pl)
+        return ctx->last_status;
+    dt_status s = ckpt_plan_apply(pl, step_out);
+    ckpt_plan_free(pl);
+    return s;
+}
+
+/* --- consolidation ------------------------------------------------------ */
+
+static dt_status consolidate_tensors(ckpt_plan *pl)
+{
+    dt_ctx *ctx = pl->ctx;
+    if (!(pl->own = host_calloc(ctx, sizeof *pl->own * (size_t)(pl->nbase + 1))))
+        return set_error(ctx, DT_ENOMEM, "checkpoint_consolidate: out of memory");
+    for (int b = 0; b < pl->nbase; b++) {
+        const shard_param *q = b < pl->ix.n ? &pl->ix.p[b] : NULL;
+        if (!q) {   /* a state: its parameter's shape */
+            char name[DT_MAX_NAME + 16];
+            snprintf(name, sizeof name, "%s", pl->base[b].name + 6);
+            *strrchr(name, '.') = '\0';
+            q = &pl->ix.p[plan_base_find(pl, name)];
+        }
+        if (!(pl->own[b] = optim_owned_tensor(ctx, q->ndim, q->shape, pl->base[b].name, "", 1)))
+            return set_error(ctx, DT_ENOMEM, "checkpoint_consolidate: out of memory for '%s'",
+                             pl->base[b].name);
+        pl->base[b].t = pl->own[b];
+        pl->base[b].hi = pl->base[b].numel;
+    }
+    return DT_OK;
+}
+
+dt_status dt_checkpoint_consolidate(dt_ctx *ctx, const char *dir, const char *path)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!path || !path[0])
+        return set_error(ctx, DT_EINVAL, "checkpoint_consolidate: path is empty");
+    ckpt_plan *pl = plan_make(ctx, NULL, dir, 0, NULL, NULL);
+    if (!pl)
+        return ctx->last_status;
+    ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(pl->nbase + 1));
+    int64_t *psteps = host_calloc(ctx, sizeof *psteps * (size_t)(pl->ix.nopt + 1));
+    dt_status s = items && psteps ? consolidate_tensors(pl)
+                                  : set_error(ctx, DT_ENOMEM, "checkpoint_consolidate: out of memory");
+    if (s == DT_OK)
+        s = ckpt_plan_apply(pl, NULL);
+    for (int b = 0; s == DT_OK && b < pl->nbase; b++)   /* a state's base name is its key */
+        items[b] = (ckpt_item){pl->base[b].name, pl->own[b], DT_F32, 0, -1};
+    for (int i = 0; s == DT_OK && i < pl->ix.nopt; i++)
+        psteps[i] = pl->ix.opt_steps[i];
+    ckpt_meta m = {.step = pl->ix.step, .has_optim = pl->ix.has_optim, .kind = pl->ix.kind,
+                   .steps = pl->ix.steps, .lr = pl->ix.lr, .n = pl->ix.nopt, .param_steps = psteps};
+    if (s == DT_OK)
+        s = ckpt_write_file(ctx, path, &m, items, pl->nbase);
+    host_free(ctx, items);
+    host_free(ctx, psteps);
+    ckpt_plan_free(pl);
+    return s;
+}
+
+/* Whether dir is a sharded checkpoint that passes every check of a load
+ * (a directory without an index is no checkpoint, and says nothing). */
+static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/" SHARD_INDEX, dir);
+    if (strlen(dir) > SHARD_MAX_DIR || access(path, F_OK) != 0)
+        return 0;
+    ckpt_plan *pl = plan_make(ctx, NULL, dir, 0, NULL, NULL);
+    if (!pl) {
+        warn(ctx, "checkpoint_latest: skipping %s: %s", dir, dt_last_error(ctx));
+        return 0;
+    }
+    *step = pl->ix.step;
+    ckpt_plan_free(pl);
+    return 1;
 }

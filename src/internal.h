@@ -399,6 +399,8 @@ typedef struct ckpt_item {
     const char *name;    /* safetensors key */
     dt_tensor *t;
     dt_dtype store;      /* as stored: DT_F32, DT_BF16 or DT_F16 */
+    int64_t off, cnt;    /* cnt >= 0: only floats [off, off + cnt) of t, stored 1-D (a
+                            shard's slice); cnt < 0: all of t, in its shape */
 } ckpt_item;
 
 /* --- a small strict JSON reader for the safetensors header -------------- */
@@ -422,7 +424,7 @@ typedef struct st_entry {
 /* The dtrain.* metadata keys a checkpoint may hold (st_file.seen). */
 enum {
     ST_STEP = 1, ST_OPT_KIND = 2, ST_OPT_STEPS = 4, ST_OPT_LR = 8, ST_OPT_PSTEPS = 16,
-    ST_CHECKSUM = 32, ST_HEADER_CRC = 64,
+    ST_CHECKSUM = 32, ST_HEADER_CRC = 64, ST_SHARD = 128,
     ST_OPT_ALL = ST_OPT_KIND | ST_OPT_STEPS | ST_OPT_LR | ST_OPT_PSTEPS
 };
 
@@ -438,6 +440,7 @@ typedef struct st_file {
     int n, cap;
     unsigned seen;             /* ST_* keys present */
     int64_t step, optim_steps;
+    int shard_rank, shard_world;   /* dtrain.shard "r/N": one shard of a sharded checkpoint */
     int optim_kind;
     float optim_lr;
     uint32_t header_crc;       /* dtrain.header_crc32 */
@@ -694,6 +697,18 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                          const char *suffix, int lazy);
+
+/* src/ckpt.c: sharded checkpoints (a directory of shards and an index) */
+typedef struct ckpt_plan ckpt_plan;   /* a load checked and not yet copied */
+DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const char *dir,
+                                     int64_t step, int rank, int world, const int64_t *lo,
+                                     const int64_t *n);
+DT_PRIVATE dt_status ckpt_shard_index_save(dt_ctx *ctx, const dt_optim *opt, const char *dir,
+                                           int64_t step, int world, int zero);
+DT_PRIVATE ckpt_plan *ckpt_plan_make(dt_ctx *ctx, dt_optim *opt, const char *dir,
+                                     const int64_t *plo, const int64_t *pn);
+DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out);
+DT_PRIVATE void ckpt_plan_free(ckpt_plan *pl);
 
 /* src/codec.c */
 DT_PRIVATE size_t codec_bytes(dt_compress kind, int64_t numel, int64_t topk);

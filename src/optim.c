@@ -281,8 +281,9 @@ static dt_status optim_step_run(dt_optim *o)
 }
 
 /* A sharded DDP (src/zero.c) keeps only elements [lo[i], lo[i] + n[i]) of
- * parameter i's state here: each state tensor becomes that long (1-D,
- * zeroed, its name kept).  All or nothing. */
+ * parameter i's state here: each state tensor becomes that long (1-D, its
+ * name kept), holding its part of what the whole one held (zero if it was
+ * never written).  All or nothing. */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n)
 {
     dt_ctx *ctx = o->ctx;
@@ -303,7 +304,13 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
         host_free(ctx, sh);
         return set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for the optimizer's shard");
     }
-    for (int k = 0; k < total; k++) {
+    for (int k = 0; k < total; k++) {   /* state already written (a loaded checkpoint) stays */
+        if (!(o->state[k]->flags & T_ZERO) && n[k / o->per] > 0) {
+            tensor_materialize(fresh[k]);
+            fresh[k]->flags &= ~(unsigned)T_ZERO;
+            ctx->be_iface->copy(ctx->be, fresh[k]->data, FP(o->state[k]) + lo[k / o->per],
+                                (size_t)n[k / o->per] * sizeof(float));
+        }
         tensor_destroy(ctx, o->state[k]);
         o->state[k] = fresh[k];
     }

@@ -912,3 +912,128 @@ DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o)
     if (d->z && d->z->opt == o)
         d->z->opt = NULL;
 }
+
+/* --- sharded checkpoints --------------------------------------------------- */
+
+/* This rank's floats of each of the context's parameters in a sharded
+ * checkpoint: its block of the flat layout (comm_block_range, the shard
+ * zero keeps), at every level, so the ranks write disjoint pieces that
+ * tile the model.  A parameter registered after the DDP: rank 0, whole. */
+static int64_t *zero_ckpt_ranges(dt_ddp *d)
+{
+    dt_ctx *ctx = d->ctx;
+    int P = dt_comm_size(d->comm), r = dt_comm_rank(d->comm), np = ctx->n_params;
+    int64_t a0, a1, *lo = host_calloc(ctx, sizeof(int64_t) * 2 * (size_t)(np + 1)), *n = lo + np + 1;
+    if (!lo)
+        return NULL;
+    comm_block_range(d->grad_floats, P, r, &a0, &a1);
+    for (int k = 0; k < np; k++) {
+        int64_t numel = dt_tensor_numel(ctx->params[k]);
+        if (k >= d->nparams || d->params[k] != ctx->params[k]) {
+            n[k] = r == 0 ? numel : 0;
+            continue;
+        }
+        int64_t off = d->offset[k], a = off > a0 ? off : a0;
+        int64_t e = off + numel < a1 ? off + numel : a1;
+        lo[k] = e > a ? a - off : 0;
+        n[k] = e > a ? e - a : 0;
+    }
+    return lo;
+}
+
+/* Every rank learns whether every rank got here with DT_OK; the first
+ * that did not is named, with its own message on its own rank. */
+static dt_status zero_ckpt_agree(dt_ddp *d, const char *op, dt_status mine)
+{
+    dt_ctx *ctx = d->ctx;
+    int P = dt_comm_size(d->comm), me = dt_comm_rank(d->comm);
+    float f = (float)mine, *all = host_alloc(ctx, sizeof(float) * (size_t)P);
+    char why[sizeof ctx->err];
+    snprintf(why, sizeof why, "%s", mine != DT_OK ? ctx->err : "");
+    if (!all)
+        return set_error(ctx, DT_ENOMEM, "%s: out of memory", op);
+    dt_status s = comm_run_wait(d->comm, COLL_ALLGATHER, all, &f, 1, 0, DT_REDUCE_SUM, NULL);
+    int bad = -1;
+    for (int q = 0; s == DT_OK && q < P && bad < 0; q++)
+        bad = all[q] != 0 ? q : -1;
+    dt_status theirs = bad >= 0 ? (dt_status)(int)all[bad] : DT_OK;
+    host_free(ctx, all);
+    if (s != DT_OK)
+        return s;
+    if (bad == me)
+        return set_error(ctx, theirs, "%s: rank %d: %s", op, me, why);
+    if (bad >= 0)
+        return set_error(ctx, theirs, "%s: rank %d failed (its own error says why); nothing was "
+                         "%s", op, bad, strcmp(op, "ddp_checkpoint_load") == 0 ? "loaded" : "kept");
+    return DT_OK;
+}
+
+/* opt (may be NULL) is one this DDP may save or load: its context's, and
+ * if sharded, by this DDP. */
+static dt_status zero_ckpt_optim_ok(dt_ddp *d, const dt_optim *opt, const char *op)
+{
+    if (opt && opt->ctx != d->ctx)
+        return set_error(d->ctx, DT_EINVAL, "%s: the optimizer belongs to another context", op);
+    if (opt && opt->orphaned)
+        return set_error(d->ctx, DT_EINVAL, "%s: the optimizer's shard belongs to a freed DDP", op);
+    if (opt && opt->shard && (!d->z || d->z->opt != opt))
+        return set_error(d->ctx, DT_EINVAL, "%s: the optimizer is sharded by another DDP", op);
+    return DT_OK;
+}
+
+dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    dt_ctx *ctx = d->ctx;
+    const char *op = "ddp_checkpoint_save";
+    dt_status s = zero_ckpt_optim_ok(d, opt, op);
+    if (s == DT_OK && ctx->n_ckpt_extra)
+        s = set_error(ctx, DT_ENOTSUP, "%s: a parameter server's tables are not sharded", op);
+    else if (s == DT_OK && (!dir || !dir[0]))
+        s = set_error(ctx, DT_EINVAL, "%s: the directory is empty", op);
+    if (s == DT_OK && d->z && d->z->level == 3)   /* only the shards count; nothing in flight */
+        s = zero_prefetch_finish(d, 1);
+    int64_t *lo = s == DT_OK ? zero_ckpt_ranges(d) : NULL;
+    if (s == DT_OK && !lo)
+        s = set_error(ctx, DT_ENOMEM, "%s: out of memory", op);
+    int P = dt_comm_size(d->comm), me = dt_comm_rank(d->comm);
+    if (s == DT_OK)
+        s = ckpt_shard_save(ctx, opt, dir, step, me, P, lo, lo + ctx->n_params + 1);
+    host_free(ctx, lo);
+    if ((s = zero_ckpt_agree(d, op, s)) != DT_OK)
+        return s;   /* every rank's: no index is written */
+    if (me == 0)
+        s = ckpt_shard_index_save(ctx, opt, dir, step, P, d->cfg.zero);
+    return zero_ckpt_agree(d, op, s);
+}
+
+dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
+{
+    if (!d || !d->ctx)
+        return DT_EINVAL;
+    dt_ctx *ctx = d->ctx;
+    const char *op = "ddp_checkpoint_load";
+    dt_status s = zero_ckpt_optim_ok(d, opt, op);
+    int level3 = d->z && d->z->level == 3;
+    if (s == DT_OK && level3)
+        s = zero_prefetch_finish(d, 1);
+    int64_t *lo = s == DT_OK && level3 ? zero_ckpt_ranges(d) : NULL;
+    if (s == DT_OK && level3 && !lo)
+        s = set_error(ctx, DT_ENOMEM, "%s: out of memory", op);
+    ckpt_plan *pl = NULL;
+    if (s == DT_OK) {   /* zero 3: its shard of each parameter; else each whole */
+        pl = ckpt_plan_make(ctx, opt, dir, lo, lo ? lo + ctx->n_params + 1 : NULL);
+        s = pl ? DT_OK : ctx->last_status;
+    }
+    host_free(ctx, lo);
+    if ((s = zero_ckpt_agree(d, op, s)) != DT_OK) {
+        ckpt_plan_free(pl);
+        return s;   /* refused by some rank: nothing copied anywhere */
+    }
+    s = ckpt_plan_apply(pl, step_out);
+    ckpt_plan_free(pl);
+    if (s == DT_OK && level3)   /* whole units now hold floats from before the load */
+        s = zero_evict_all(d);
+    return zero_ckpt_agree(d, op, s);
+}

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """tests/compare_safetensors.py A B TOL - the same tensors in two dtrain
 checkpoints, each value within TOL (absolute, plus TOL relative to its
-size).  Prints the largest difference; exits 1 when one is off."""
+size): the parameters, and the optimizer's state when both hold it (then
+the same state).  Prints the largest difference; exits 1 when one is off."""
 import json, struct, sys
 import numpy as np
 
@@ -20,10 +21,15 @@ a, b, tol = load(sys.argv[1]), load(sys.argv[2]), float(sys.argv[3])
 params = sorted(k for k in a if not k.startswith('optim.'))
 if set(params) != set(k for k in b if not k.startswith('optim.')) or not params:
     sys.exit("compare: the checkpoints hold different parameters")
+state = sorted(k for k in a if k.startswith('optim.'))
+if state and any(k.startswith('optim.') for k in b):
+    if set(state) != set(k for k in b if k.startswith('optim.')):
+        sys.exit("compare: the checkpoints hold different optimizer state")
+    params += state
 worst, name = 0.0, ''
 for k in params:
     d = float(np.max(np.abs(a[k] - b[k]) / (1.0 + np.abs(a[k]))))
     if d > worst:
         worst, name = d, k
-print('compare: %d parameters, largest difference %.3g (%s)' % (len(params), worst, name))
+print('compare: %d tensors, largest difference %.3g (%s)' % (len(params), worst, name))
 sys.exit(0 if worst <= tol else 1)

@@ -2554,6 +2554,27 @@ static int zero_train(dt_ctx *ctx, dt_comm *c, dt_tensor **w, const float *init,
     return 0;
 }
 
+/* The first parameter (flat copies in registration order) whose largest
+ * |got - want| exceeds tol times its largest |want| (tol 0: any bit that
+ * differs), with those two; -1 when none does. */
+static int param_off(dt_ctx *ctx, const float *want, const float *got, double tol, double *diff,
+                     double *big)
+{
+    for (int i = 0, at = 0; i < dt_param_count(ctx); i++) {
+        int64_t pn = dt_tensor_numel(dt_param_at(ctx, i));
+        *big = *diff = 0;
+        for (int64_t k = at; k < at + pn; k++) {
+            *big = fabs(want[k]) > *big ? fabs(want[k]) : *big;
+            *diff = fabs((double)got[k] - want[k]) > *diff ? fabs((double)got[k] - want[k]) : *diff;
+        }
+        if (tol == 0 ? memcmp(want + at, got + at, sizeof(float) * (size_t)pn) != 0
+                     : !(*diff <= tol * *big))
+            return i;
+        at += (int)pn;
+    }
+    return -1;
+}
+
 static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     const zero_case *zc = &cur_zero;
@@ -2566,19 +2587,12 @@ static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     int code = !init ? 2 : zero_params(ctx, init, 0) ? 3
              : zero_train(ctx, c, w, init, 0, ref, &s0) ? 4
              : zero_train(ctx, c, w, init, zc->level, got, &s1) ? 5 : 0;
-    for (int i = 0, at = 0; code == 0 && i < dt_param_count(ctx); i++) {
-        int64_t pn = dt_tensor_numel(dt_param_at(ctx, i));
-        double big = 0, diff = 0;
-        for (int64_t k = at; k < at + pn; k++) {
-            big = fabs(ref[k]) > big ? fabs(ref[k]) : big;
-            diff = fabs((double)got[k] - ref[k]) > diff ? fabs((double)got[k] - ref[k]) : diff;
-        }
-        if (!(diff <= 1e-6 * big)) {
-            fprintf(stderr, "rank %d: zero %d: %s differs from DDP's by %.3g (largest %.3g)\n", rank,
-                    zc->level, dt_tensor_name(dt_param_at(ctx, i)), diff, big);
-            code = 6;
-        }
-        at += (int)pn;
+    double diff, big;
+    int off = code ? -1 : param_off(ctx, ref, got, 1e-6, &diff, &big);
+    if (off >= 0) {
+        fprintf(stderr, "rank %d: zero %d: %s differs from DDP's by %.3g (largest %.3g)\n", rank,
+                zc->level, dt_tensor_name(dt_param_at(ctx, off)), diff, big);
+        code = 6;
     }
     /* the shards: every float owned once, balanced to within one */
     float sh[3] = {(float)s1.shard_floats, (float)s1.shard_floats, (float)s1.shard_floats};
@@ -2648,16 +2662,20 @@ static int zero_refused_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 2 + k;
         }
     }
-    /* sharded state is not checkpointed yet: refused, not written wrong */
+    /* sharded state is not written into one file: refused (not written wrong) */
     dc.zero = 1;
     dc.compress = DT_COMPRESS_NONE;
     dt_ddp *ddp = dt_ddp_new(ctx, c, opt, &dc);
     char path[64];
     snprintf(path, sizeof path, "/tmp/dt_zero_ckpt_%d.safetensors", (int)getpid());
-    if (!ddp || dt_checkpoint_save(ctx, opt, path, 0) != DT_ENOTSUP || access(path, F_OK) == 0)
+    if (!ddp || dt_checkpoint_save(ctx, opt, path, 0) != DT_ENOTSUP || access(path, F_OK) == 0 ||
+        !strstr(dt_last_error(ctx), "dt_ddp_checkpoint_save"))
         return 10;
     if (dt_checkpoint_save(ctx, NULL, path, 0) != DT_OK)   /* the parameters alone: fine */
         return 11;
+    if (dt_checkpoint_load(ctx, opt, path, NULL) != DT_EINVAL ||
+        !strstr(dt_last_error(ctx), "dt_ddp_checkpoint_load"))
+        return 12;
     unlink(path);
     dt_ddp_free(ddp);
     dt_optim_free(opt);
@@ -2668,6 +2686,286 @@ static void test_zero_refused(void **state)
 {
     (void)state;
     expect_all_ok(2, zero_refused_rank);
+}
+
+/* --- sharded checkpoints that reshard ---------------------------------------
+ * A run of 20 steps of the zero model with a global batch of RS_GLOBAL
+ * samples, split evenly over the ranks, AdamW.  Phase A: 3 ranks, zero 3,
+ * saves at step 10 (and 20) and runs through; the others resume from its
+ * step-10 checkpoint at another world size, level, or in one process
+ * without a DDP, and must end where A ended: bit for bit at the same rank
+ * count, within 1e-5 of each tensor's largest entry otherwise (what
+ * test_equivalence_mlp allows DDP against one process: the same sums in
+ * another order). */
+
+enum { RS_GLOBAL = 6, RS_HALF = 10 };
+
+typedef struct reshard_run {
+    int level, single;         /* single: one process, no DDP */
+    int load_first;            /* load (one process's way) before the DDP exists */
+    const char *load;          /* the checkpoint to start from (NULL: fresh) */
+    int64_t start;             /* the step it holds */
+    const char *save_at_half, *save_at_end, *save_mid;   /* sharded saves (NULL: none) */
+    char out[256];             /* rank 0 writes the final parameters here */
+} reshard_run;
+static reshard_run cur_rs;
+static char rs_root[128];
+
+static int rs_write_params(dt_ctx *ctx, const char *path)
+{
+    int64_t n = zero_numel(ctx);
+    float *flat = malloc(sizeof(float) * (size_t)n);
+    FILE *f = flat && !zero_params(ctx, flat, 0) ? fopen(path, "wb") : NULL;
+    int bad = !f || fwrite(flat, sizeof(float), (size_t)n, f) != (size_t)n;
+    if (f && fclose(f))
+        bad = 1;
+    free(flat);
+    return bad;
+}
+
+static int rs_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    const reshard_run *rr = &cur_rs;
+    dt_tensor *w[2 * ZLAYERS];
+    if (zero_build(ctx, w))
+        return 1;
+    dt_optim *opt = zero_optim(ctx, DT_ADAMW);
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.zero = rr->level;
+    dc.bucket_bytes = 512;
+    int64_t at = 0;
+    if (rr->load && rr->load_first && dt_checkpoint_load(ctx, opt, rr->load, &at))
+        return 3;
+    dt_ddp *ddp = rr->single ? NULL : dt_ddp_new(ctx, c, opt, &dc);
+    if (!opt || (!rr->single && !ddp))
+        return 2;
+    if (rr->load && !rr->load_first && (ddp ? dt_ddp_checkpoint_load(ddp, opt, rr->load, &at)
+                                            : dt_checkpoint_load(ctx, opt, rr->load, &at)))
+        return 3;
+    if (at != rr->start)
+        return 4;
+    int parts = ddp ? world : 1, share = RS_GLOBAL / parts;
+    for (int64_t s = at; s < 2 * RS_HALF; s++) {
+        int64_t lo = (int64_t)(ddp ? rank : 0) * share;
+        if (dt_backward(ctx, zero_loss(ctx, w, s, lo, lo + share)) ||
+            (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)))
+            return 5;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+        const char *save = s + 1 == RS_HALF ? rr->save_at_half : s + 1 == 2 * RS_HALF ? rr->save_at_end
+                           : s + 1 == RS_HALF + RS_HALF / 2 ? rr->save_mid : NULL;
+        if (save && dt_ddp_checkpoint_save(ddp, opt, save, s + 1))
+            return 6;
+    }
+    if ((ddp && dt_ddp_full_params(ddp)) || (rank == 0 && rs_write_params(ctx, rr->out)))
+        return 7;
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    return 0;
+}
+
+static float *rs_read(const char *path, int64_t n)
+{
+    float *v = malloc(sizeof(float) * (size_t)n);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(v);
+    assert_non_null(f);
+    assert_int_equal(fread(v, sizeof(float), (size_t)n, f), (size_t)n);
+    fclose(f);
+    return v;
+}
+
+/* got against want, tensor by tensor: max |diff| within tol of the largest. */
+static void rs_compare(dt_ctx *ctx, const char *what, const float *want, const float *got, double tol)
+{
+    double diff, big;
+    int off = param_off(ctx, want, got, tol, &diff, &big);
+    if (off >= 0)
+        print_error("%s: %s differs by %.3g (largest %.3g)\n", what,
+                    dt_tensor_name(dt_param_at(ctx, off)), diff, big);
+    assert_int_equal(off, -1);
+}
+
+static void rs_path(char *out, size_t cap, const char *name)
+{
+    snprintf(out, cap, "%s/%s", rs_root, name);
+}
+
+static void rs_run(int world, reshard_run rr, const char *out)
+{
+    cur_rs = rr;
+    rs_path(cur_rs.out, sizeof cur_rs.out, out);
+    expect_all_ok(world, rs_rank);
+}
+
+static void test_zero_reshard(void **state)
+{
+    (void)state;
+    snprintf(rs_root, sizeof rs_root, "/tmp/dt_reshard_%d", (int)getpid());
+    assert_int_equal(mkdir(rs_root, 0777), 0);
+    char a10[192], a20[192], b15[192], single[192];
+    rs_path(a10, sizeof a10, "a-step10");
+    rs_path(a20, sizeof a20, "a-step20");
+    rs_path(b15, sizeof b15, "b-step15");
+    rs_path(single, sizeof single, "consolidated.safetensors");
+    /* A: 3 ranks, zero 3, through; checkpoints at 10 and 20 */
+    rs_run(3, (reshard_run){.level = 3, .save_at_half = a10, .save_at_end = a20}, "a.bin");
+    /* the same 3 ranks and level from A's step 10: bit for bit */
+    rs_run(3, (reshard_run){.level = 3, .load = a10, .start = RS_HALF}, "a3.bin");
+    /* 2 ranks, zero 1 (saving at 15); 2 ranks, plain DDP; 1 process, no DDP */
+    rs_run(2, (reshard_run){.level = 1, .load = a10, .start = RS_HALF, .save_mid = b15}, "b.bin");
+    rs_run(2, (reshard_run){.level = 0, .load = a10, .start = RS_HALF}, "b0.bin");
+    rs_run(1, (reshard_run){.single = 1, .load = a10, .start = RS_HALF}, "c.bin");
+    /* 3 ranks, zero 2, from B's step 15 (saved by zero 1 at 2 ranks) */
+    rs_run(3, (reshard_run){.level = 2, .load = b15, .start = RS_HALF + RS_HALF / 2}, "d.bin");
+    /* the consolidated file: what one process's dt_checkpoint_save writes */
+    dt_ctx *ctx = tu_ctx_new();
+    tu_check_status(ctx, dt_checkpoint_consolidate(ctx, a10, single), "consolidate");
+    rs_run(1, (reshard_run){.single = 1, .load = single, .start = RS_HALF}, "c2.bin");
+    /* that one file loaded before a zero 2 DDP exists: the DDP keeps its shard of the state */
+    rs_run(2, (reshard_run){.level = 2, .load = single, .load_first = 1, .start = RS_HALF}, "e.bin");
+
+    dt_tensor *w[2 * ZLAYERS];
+    assert_int_equal(zero_build(ctx, w), 0);
+    int64_t n = zero_numel(ctx);
+    char p[256];
+    const char *names[] = {"a.bin", "a3.bin", "b.bin", "b0.bin", "c.bin", "d.bin", "c2.bin", "e.bin"};
+    float *v[8];
+    for (int i = 0; i < 8; i++) {
+        rs_path(p, sizeof p, names[i]);
+        v[i] = rs_read(p, n);
+    }
+    rs_compare(ctx, "3 ranks zero 3 resumed", v[0], v[1], 0);
+    rs_compare(ctx, "2 ranks zero 1 resumed", v[0], v[2], 1e-5);
+    rs_compare(ctx, "2 ranks DDP resumed", v[0], v[3], 1e-5);
+    rs_compare(ctx, "1 process resumed", v[0], v[4], 1e-5);
+    rs_compare(ctx, "3 ranks zero 2 from 2 ranks' step 15", v[0], v[5], 1e-5);
+    rs_compare(ctx, "1 process from the consolidated file", v[4], v[6], 0);
+    rs_compare(ctx, "2 ranks zero 2 from the one file, loaded first", v[0], v[7], 1e-5);
+    /* A's own step-20 checkpoint holds what A ended with */
+    dt_optim *opt = zero_optim(ctx, DT_ADAMW);
+    int64_t step = -1;
+    float *got = malloc(sizeof(float) * (size_t)n);
+    tu_check_status(ctx, dt_checkpoint_load(ctx, opt, a20, &step), "load a20");
+    assert_int_equal(step, 2 * RS_HALF);
+    assert_int_equal(zero_params(ctx, got, 0), 0);
+    rs_compare(ctx, "A's step-20 checkpoint", v[0], got, 0);
+    assert_int_equal(dt_optim_steps(opt), 2 * RS_HALF);
+    /* the newest complete checkpoint under the root: A's step 20, a directory */
+    char latest[256];
+    tu_check_status(ctx, dt_checkpoint_latest(ctx, rs_root, latest, sizeof latest, &step), "latest");
+    assert_int_equal(step, 2 * RS_HALF);
+    assert_string_equal(latest, a20);
+    for (int i = 0; i < 8; i++)
+        free(v[i]);
+    free(got);
+    dt_optim_free(opt);
+    dt_ctx_free(ctx);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", rs_root);
+    assert_int_equal(system(cmd), 0);
+}
+
+static int rs_copy(const char *from, const char *to)
+{
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' && cp -r '%s' '%s'", to, from, to);
+    return system(cmd);
+}
+
+/* A load of dir must fail with want, naming what in its message, and
+ * change no parameter and no optimizer step. */
+static void rs_refused(dt_ctx *ctx, dt_optim *opt, const char *dir, dt_status want, const char *what)
+{
+    int64_t n = zero_numel(ctx), step = -7;
+    float *before = malloc(sizeof(float) * (size_t)n * 2), *after = before + n;
+    assert_int_equal(zero_params(ctx, before, 0), 0);
+    dt_status s = dt_checkpoint_load(ctx, opt, dir, &step);
+    if (s != want || !strstr(dt_last_error(ctx), what))
+        print_error("want status %d naming '%s', got %d: %s\n", want, what, s, dt_last_error(ctx));
+    assert_int_equal(s, want);
+    assert_non_null(strstr(dt_last_error(ctx), what));
+    assert_int_equal(step, -7);
+    assert_int_equal(zero_params(ctx, after, 0), 0);
+    assert_memory_equal(before, after, sizeof(float) * (size_t)n);
+    assert_int_equal(dt_optim_steps(opt), 0);
+    free(before);
+}
+
+/* A shard deleted, truncated, from another step or with a flipped bit,
+ * and a broken index: each refused by name, nothing loaded. */
+static void test_zero_checkpoint_refused(void **state)
+{
+    (void)state;
+    snprintf(rs_root, sizeof rs_root, "/tmp/dt_reshard_bad_%d", (int)getpid());
+    assert_int_equal(mkdir(rs_root, 0777), 0);
+    char good10[192], good20[192], bad[192], f[300], g[700];
+    rs_path(good10, sizeof good10, "step10");
+    rs_path(good20, sizeof good20, "step20");
+    rs_path(bad, sizeof bad, "bad");
+    rs_run(3, (reshard_run){.level = 2, .save_at_half = good10, .save_at_end = good20}, "x.bin");
+    dt_ctx *ctx = tu_ctx_new();
+    dt_tensor *w[2 * ZLAYERS];
+    assert_int_equal(zero_build(ctx, w), 0);
+    dt_optim *opt = zero_optim(ctx, DT_ADAMW);
+
+    assert_int_equal(rs_copy(good10, bad), 0);
+    snprintf(f, sizeof f, "%s/shard-00001-of-00003.safetensors", bad);
+    assert_int_equal(unlink(f), 0);
+    rs_refused(ctx, opt, bad, DT_EIO, "shard-00001-of-00003.safetensors, is missing");
+
+    assert_int_equal(rs_copy(good10, bad), 0);
+    snprintf(f, sizeof f, "%s/shard-00002-of-00003.safetensors", bad);
+    assert_int_equal(truncate(f, 200), 0);
+    rs_refused(ctx, opt, bad, DT_ECORRUPT, "shard-00002-of-00003.safetensors");
+
+    assert_int_equal(rs_copy(good10, bad), 0);   /* shard 0 from step 20 */
+    snprintf(f, sizeof f, "%s/shard-00000-of-00003.safetensors", bad);
+    snprintf(g, sizeof g, "cp '%s/shard-00000-of-00003.safetensors' '%s'", good20, f);
+    assert_int_equal(system(g), 0);
+    rs_refused(ctx, opt, bad, DT_ECORRUPT, "shard-00000-of-00003.safetensors is from step 20");
+
+    assert_int_equal(rs_copy(good10, bad), 0);   /* one bit of shard 1's last float */
+    snprintf(f, sizeof f, "%s/shard-00001-of-00003.safetensors", bad);
+    FILE *fp = fopen(f, "r+b");
+    assert_non_null(fp);
+    assert_int_equal(fseek(fp, -1, SEEK_END), 0);
+    int ch = fgetc(fp);
+    assert_int_equal(fseek(fp, -1, SEEK_END), 0);
+    fputc(ch ^ 0x10, fp);
+    fclose(fp);
+    rs_refused(ctx, opt, bad, DT_ECORRUPT, "shard-00001-of-00003.safetensors");
+
+    assert_int_equal(rs_copy(good10, bad), 0);   /* the index: a digit changed */
+    snprintf(g, sizeof g, "sed -i 's/\"step\":10/\"step\":11/' '%s/index.json'", bad);
+    assert_int_equal(system(g), 0);
+    rs_refused(ctx, opt, bad, DT_ECORRUPT, "index.json does not match its checksum");
+
+    snprintf(f, sizeof f, "%s/index.json", bad);   /* no index: a save that did not finish */
+    assert_int_equal(unlink(f), 0);
+    rs_refused(ctx, opt, bad, DT_EIO, "has no index.json");
+
+    /* one shard file is not a checkpoint; another model is refused */
+    snprintf(f, sizeof f, "%s/shard-00000-of-00003.safetensors", good10);
+    rs_refused(ctx, opt, f, DT_EINVAL, "shard 0 of 3");
+    dt_optim *sgd = zero_optim(ctx, DT_SGD);
+    rs_refused(ctx, sgd, good10, DT_EMISMATCH, "no state for this kind of optimizer");
+    dt_optim_free(sgd);
+    dt_ctx *other = tu_ctx_new();
+    dt_tensor *w2 = dt_param_new(other, "fc1.weight", SHP(3, 3));
+    assert_non_null(w2);
+    assert_int_equal(dt_checkpoint_load(other, NULL, good10, NULL), DT_EMISMATCH);
+    assert_non_null(strstr(dt_last_error(other), "fc1.weight"));
+    dt_ctx_free(other);
+    /* and the whole one loads */
+    int64_t step = -1;
+    tu_check_status(ctx, dt_checkpoint_load(ctx, opt, good10, &step), "load");
+    assert_int_equal(step, RS_HALF);
+    dt_optim_free(opt);
+    dt_ctx_free(ctx);
+    snprintf(g, sizeof g, "rm -rf %s", rs_root);
+    assert_int_equal(system(g), 0);
 }
 
 static const struct CMUnitTest tests[] = {
@@ -2690,6 +2988,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_env_applies_only_when_unset),
     cmocka_unit_test(test_zero_equals_ddp),
     cmocka_unit_test(test_zero_refused),
+    cmocka_unit_test(test_zero_reshard),
+    cmocka_unit_test(test_zero_checkpoint_refused),
     cmocka_unit_test(test_dp_equivalence),
     cmocka_unit_test(test_dp_unused_and_errors),
     cmocka_unit_test(test_ps_bsp_equivalence),

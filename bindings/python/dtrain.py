@@ -53,7 +53,7 @@ __all__ = [
     "DistEnv", "evaluate", "count_correct", "checkpoint_save", "checkpoint_load", "now",
     "library_path", "version", "version_string", "dtype_name", "dtype_size", "custom_op",
     "recompute", "LossScaler", "checkpoint_save_ex", "checkpoint_load_ex", "checkpoint_latest",
-    "checkpoint_metadata", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
+    "checkpoint_metadata", "checkpoint_consolidate", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
     "hogwild", "HogwildStats", "ParameterServer", "predict", "Monitor", "profile_rank_stats",
     "profiling", "profile_straggler", "schedule_lr", "strerror",
 ]
@@ -477,6 +477,9 @@ for _name, _res, _args in [
     ("dt_ddp_free", None, [_P]),
     ("dt_ddp_set_sync", _I, [_P, _I]),
     ("dt_ddp_full_params", _I, [_P]),
+    ("dt_ddp_checkpoint_save", _I, [_P, _P, _S, _I64]),
+    ("dt_ddp_checkpoint_load", _I, [_P, _P, _S, ctypes.POINTER(_I64)]),
+    ("dt_checkpoint_consolidate", _I, [_P, _S, _S]),
     ("dt_ddp_sync", _I, [_P]),
     ("dt_ddp_step", _I, [_P]),
     ("dt_ddp_stats_get", _I, [_P, ctypes.POINTER(dt_ddp_stats)]),
@@ -1545,7 +1548,8 @@ def checkpoint_save(ctx: "Context", path: str, opt: Optional["Optimizer"] = None
 
 
 def checkpoint_load(ctx: "Context", path: str, opt: Optional["Optimizer"] = None) -> int:
-    """Load a checkpoint (checked whole first: a bad file changes nothing); its step."""
+    """Load a checkpoint (checked whole first: a bad file changes nothing); its step.  path
+    may be a sharded checkpoint's directory (DDP.checkpoint_save): loaded whole."""
     step = ctypes.c_int64()
     ctx.check(_C.checkpoint_load(ctx.handle, opt.handle if opt else None, _b(path),
                                  ctypes.byref(step)))
@@ -1933,6 +1937,21 @@ class DDP(_Handle):
         """zero=3: every parameter whole on every rank until the next optimizer step (to
         read, evaluate or save them); collective.  Other levels: nothing to do."""
         self.ctx.check(_C.ddp_full_params(self.handle))
+
+    def checkpoint_save(self, directory: str, opt: Optional["Optimizer"] = None,
+                        step: int = 0) -> None:
+        """A sharded checkpoint: each rank writes its shard of the parameters and of opt's
+        state into directory, then rank 0 the index; any zero level.  Collective."""
+        self.ctx.check(_C.ddp_checkpoint_save(self.handle, opt.handle if opt else None,
+                                              _b(directory), step))
+
+    def checkpoint_load(self, directory: str, opt: Optional["Optimizer"] = None) -> int:
+        """Resume from a sharded checkpoint saved at any world size and zero level (every
+        shard checked on every rank before anything is copied); its step.  Collective."""
+        step = _I64()
+        self.ctx.check(_C.ddp_checkpoint_load(self.handle, opt.handle if opt else None,
+                                              _b(directory), ctypes.byref(step)))
+        return step.value
 
     def stats(self, reset: bool = False) -> Dict[str, Any]:
         """Totals since the DDP began or the last reset: buckets, bytes, backward,
@@ -2374,6 +2393,12 @@ def checkpoint_latest(ctx: "Context", directory: str) -> Optional[Tuple[str, int
     buf, step = ctypes.create_string_buffer(4096), _I64()
     ctx.check(_C.checkpoint_latest(ctx.handle, _b(directory), buf, len(buf), ctypes.byref(step)))
     return (buf.value.decode(), step.value) if buf.value else None
+
+
+def checkpoint_consolidate(ctx: "Context", directory: str, path: str) -> None:
+    """A sharded checkpoint's directory written as one safetensors file (what
+    checkpoint_save writes in one process; PyTorch's safetensors reader reads it)."""
+    ctx.check(_C.checkpoint_consolidate(ctx.handle, _b(directory), _b(path)))
 
 
 def checkpoint_metadata(ctx: "Context", path: str, key: str) -> str:

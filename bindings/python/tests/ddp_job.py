@@ -4,6 +4,9 @@
                             (sharding level Z, default 0); writes DIR/rank<r>.npy (and
                             rank 0 DIR/init.npy)
     ddp_job.py single DIR   one process on the whole batch: DIR/single.npy
+    ddp_job.py resume DIR   one process from the sharded checkpoint DIR/ckpt (which a ddp
+                            run with Z > 0 saves after step 10): DIR/resume.npy; the
+                            same checkpoint consolidated into one file must load the same
     ddp_job.py die -        rank 1 exits after 2 steps; rank 0 prints the error it gets
 """
 import os
@@ -45,19 +48,34 @@ def data(step):
     return x, t
 
 
+def consolidated_loads_the_same(ctx, ckpt, path):
+    """The sharded checkpoint as one file, loaded into a second context: the same floats."""
+    dt.checkpoint_consolidate(ctx, ckpt, path)
+    with dt.Context(seed=12) as other:
+        mlp_params(other, (16, 32, 4))
+        opt = dt.Optimizer(other, "sgd", lr=0.05, momentum=0.9)
+        return (dt.checkpoint_load(other, path, opt) == STEPS // 2 and
+                np.array_equal(flat(other), flat(ctx)))
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     zero = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     with dt.Context(seed=11) as ctx:
-        comm = dt.Comm(ctx) if mode != "single" else None
+        comm = dt.Comm(ctx) if mode not in ("single", "resume") else None
         rank = comm.rank if comm else 0
         layers = mlp_params(ctx, (16, 32, 4))
         opt = dt.Optimizer(ctx, "sgd", lr=0.05, momentum=0.9)
         if mode == "ddp" and rank == 0:   # rank 0's are what DDP gives every rank
             np.save(os.path.join(out, "init.npy"), flat(ctx))
         ddp = dt.DDP(ctx, comm, opt, zero=zero) if comm else None
+        ckpt, start = os.path.join(out, "ckpt"), 0
+        if mode == "resume":
+            start = dt.checkpoint_load(ctx, ckpt, opt)
+            if not consolidated_loads_the_same(ctx, ckpt, os.path.join(out, "one.safetensors")):
+                return 6
         try:
-            for step in range(STEPS):
+            for step in range(start, STEPS):
                 if mode == "die" and rank == 1 and step == 2:
                     os._exit(3)   # no goodbye: the process just ends
                 x, t = data(step)
@@ -68,6 +86,8 @@ def main():
                 (ddp or opt).step()
                 opt.zero_grad()
                 ctx.step_reset()
+                if ddp and zero and step + 1 == STEPS // 2:
+                    ddp.checkpoint_save(ckpt, opt, step + 1)
         except dt.Error as e:
             print("rank %d: step %d raised %s: %s" % (rank, step, type(e).__name__, e))
             return 0 if mode == "die" and "rank 1" in str(e) else 1
@@ -82,8 +102,8 @@ def main():
                 if "full_params" not in str(e):
                     return 5
             ddp.full_params()
-        np.save(os.path.join(out, "single.npy" if mode == "single" else "rank%d.npy" % rank),
-                flat(ctx))
+        name = mode + ".npy" if mode in ("single", "resume") else "rank%d.npy" % rank
+        np.save(os.path.join(out, name), flat(ctx))
         if comm:
             comm.barrier()
     return 0

@@ -504,7 +504,8 @@ class Distributed(unittest.TestCase):
 
     def test_zero_under_the_launcher(self):
         """DDP(zero=1, 2, 3) under dtrun equals one process on the global batch (within
-        1e-5 relative); zero=3's parameters read only after full_params()."""
+        1e-5 relative); zero=3's parameters read only after full_params(); its sharded
+        checkpoint of step 10 resumed in one process ends there too."""
         with tempfile.TemporaryDirectory() as d:
             r = subprocess.run([sys.executable, JOB, "single", d], capture_output=True,
                                text=True, timeout=240)
@@ -518,6 +519,12 @@ class Distributed(unittest.TestCase):
                 p1 = np.load(os.path.join(d, "rank1.npy"))
                 np.testing.assert_array_equal(p0, p1)
                 self.assertLess(np.abs(p0 - one).max() / np.abs(one).max(), 1e-5, zero)
+                # its sharded checkpoint of step 10, resumed in one process (and consolidated)
+                r = subprocess.run([sys.executable, JOB, "resume", d], capture_output=True,
+                                   text=True, timeout=240)
+                self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+                back = np.load(os.path.join(d, "resume.npy"))
+                self.assertLess(np.abs(back - one).max() / np.abs(one).max(), 1e-5, zero)
 
     def test_dead_peer_raises_naming_it(self):
         """Rank 1 exits mid-job: rank 0's next step raises a dtrain error naming rank 1."""
