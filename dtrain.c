@@ -1717,10 +1717,12 @@ DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
 {
     if (!ctx)
         return s;
+    char msg[sizeof ctx->err];   /* not in place: callers wrap the last error ("%s", ctx->err) */
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ctx->err, sizeof ctx->err, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    memcpy(ctx->err, msg, sizeof msg);
     ctx->last_status = s;
     ctx->errors++;
     return s;
@@ -18452,13 +18454,20 @@ static int zero_pool_take(dt_ddp *d, int64_t n, int grads)
         if (!z->pool[k].busy && z->pool[k].cap >= n && z->pool[k].cap <= 2 * n &&
             (best < 0 || z->pool[k].cap < z->pool[best].cap))
             best = k;
-    if (best < 0) {
-        if (z->npool == d->nbuckets + ZERO_STAGING)
+    if (best < 0) {   /* a new buffer; the table full, a free one of another size makes way */
+        int slot = z->npool < d->nbuckets + ZERO_STAGING ? z->npool : -1;
+        for (int k = 0; slot < 0 && k < z->npool; k++)
+            slot = z->pool[k].busy ? -1 : k;
+        if (slot < 0)
             return -1;   /* cannot happen: one a bucket, plus the gathers' */
         float *mem = d->be_iface->alloc(d->be, (size_t)(n ? n : 1) * sizeof(float));
         if (!mem)
             return -1;
-        best = z->npool++;
+        if (slot < z->npool)
+            d->be_iface->free(d->be, z->pool[slot].mem);
+        else
+            z->npool++;
+        best = slot;
         z->pool[best] = (zero_buf){.mem = mem, .cap = n};
     }
     z->pool[best].busy = grads ? 1 : 2;

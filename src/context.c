@@ -81,10 +81,12 @@ DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
 {
     if (!ctx)
         return s;
+    char msg[sizeof ctx->err];   /* not in place: callers wrap the last error ("%s", ctx->err) */
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ctx->err, sizeof ctx->err, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    memcpy(ctx->err, msg, sizeof msg);
     ctx->last_status = s;
     ctx->errors++;
     return s;

@@ -2420,7 +2420,9 @@ static void test_hogwild(void **state)
 /* --- sharded data parallelism (dt_ddp_config.zero) --------------------------
  * Each case trains the same ranks twice from the same start: plain DDP,
  * then sharded; every parameter must match within 1e-6 of its tensor's
- * largest entry.  The model's 6923 parameters divide by none of 2, 3, 5. */
+ * largest entry.  The MLP's 6923 parameters divide by none of 2, 3, 5; the
+ * small GPT's cases (zero_gpt_loss) add a tied embedding, attention and
+ * layer norm. */
 
 enum { ZIN = 20, ZHID = 31, ZLAYERS = 8, ZSTEPS = 20 };
 
@@ -2429,11 +2431,99 @@ typedef struct zero_case {
     dt_optim_kind kind;        /* DT_ADAMW, or DT_SGD with momentum */
     int clip, accumulate, overlap;
     size_t bucket_bytes;
+    int gpt;                   /* the small GPT below instead of the MLP */
 } zero_case;
 static zero_case cur_zero;
 
+/* A GPT of 2 blocks (the shape of examples/gpt.c at toy size): tied
+ * embedding, learned positions, layer norms, causal attention, GELU MLP;
+ * 2,920 parameters in 28 tensors (3 does not divide them). */
+enum { ZG_V = 17, ZG_T = 7, ZG_C = 10, ZG_H = 2, ZG_L = 2 };
+static struct {
+    dt_tensor *wte, *wpe, *lnf_w, *lnf_b;
+    dt_tensor *p[ZG_L][12];    /* ln1 w b, attn w b, proj w b, ln2 w b, fc w b, fc2 w b */
+} zg;
+
+static int zero_gpt_build(dt_ctx *ctx)
+{
+    char nm[32];
+    if (!(zg.wte = dt_embedding_params(ctx, "wte", ZG_V, ZG_C)) ||
+        !(zg.wpe = dt_embedding_params(ctx, "wpe", ZG_T, ZG_C)) ||
+        dt_init_normal(ctx, zg.wte, 0, 0.3f) || dt_init_normal(ctx, zg.wpe, 0, 0.3f))
+        return 1;
+    for (int l = 0; l < ZG_L; l++) {
+        dt_tensor **p = zg.p[l];
+        const int64_t io[4][2] = {{ZG_C, 3 * ZG_C}, {ZG_C, ZG_C}, {ZG_C, 4 * ZG_C}, {4 * ZG_C, ZG_C}};
+        const char *lin[4] = {"attn", "proj", "fc", "fc2"};
+        snprintf(nm, sizeof nm, "h.%d.ln1", l);
+        if (dt_layer_norm_params(ctx, nm, ZG_C, 1, &p[0], &p[1]))
+            return 1;
+        snprintf(nm, sizeof nm, "h.%d.ln2", l);
+        if (dt_layer_norm_params(ctx, nm, ZG_C, 1, &p[6], &p[7]))
+            return 1;
+        for (int k = 0; k < 4; k++) {
+            int at = k < 2 ? 2 + 2 * k : 4 + 2 * k;
+            snprintf(nm, sizeof nm, "h.%d.%s", l, lin[k]);
+            if (dt_linear_params(ctx, nm, io[k][0], io[k][1], 1, &p[at], &p[at + 1]) ||
+                dt_init_normal(ctx, p[at], 0, 0.3f) || dt_init_normal(ctx, p[at + 1], 0, 0.1f))
+                return 1;
+        }
+    }
+    return dt_layer_norm_params(ctx, "ln_f", ZG_C, 1, &zg.lnf_w, &zg.lnf_b) != DT_OK;
+}
+
+/* (b*T, C) -> (b, H, T, C/H) */
+static dt_tensor *zero_gpt_heads(dt_ctx *ctx, dt_tensor *x, int64_t b)
+{
+    return dt_contiguous(ctx, dt_transpose(ctx, dt_reshape(ctx, x, SHP(b, ZG_T, ZG_H, ZG_C / ZG_H)),
+                                           1, 2));
+}
+
+/* Samples [lo, hi) of step s: ZG_T tokens each, the target a function of
+ * the token and its position (so there is something to learn). */
+static dt_tensor *zero_gpt_loss(dt_ctx *ctx, int64_t s, int64_t lo, int64_t hi)
+{
+    int64_t b = hi - lo;
+    int32_t idx[4 * PER_RANK * ZG_T], tgt[4 * PER_RANK * ZG_T], pos[ZG_T];
+    for (int64_t i = 0; i < b; i++) {
+        tu_rng r = {(uint64_t)(s * 7919 + lo + i) * 104729u + 5};
+        for (int t = 0; t < ZG_T; t++) {
+            idx[i * ZG_T + t] = (int32_t)(tu_next(&r) % ZG_V);
+            tgt[i * ZG_T + t] = (idx[i * ZG_T + t] * 3 + t) % ZG_V;
+        }
+    }
+    for (int t = 0; t < ZG_T; t++)
+        pos[t] = t;
+    dt_tensor *x = dt_tensor_temp(ctx, DT_I32, SHP(b, ZG_T)), *y = dt_tensor_temp(ctx, DT_I32, SHP(b, ZG_T));
+    dt_tensor *p = dt_tensor_temp(ctx, DT_I32, SHP(ZG_T));
+    if (!x || !y || !p || dt_tensor_set(x, idx, b * ZG_T) || dt_tensor_set(y, tgt, b * ZG_T) ||
+        dt_tensor_set(p, pos, ZG_T))
+        return NULL;
+    dt_tensor *h = dt_reshape(ctx, dt_add(ctx, dt_embedding(ctx, zg.wte, x), dt_embedding(ctx, zg.wpe, p)),
+                              SHP(b * ZG_T, ZG_C));
+    for (int l = 0; l < ZG_L; l++) {
+        dt_tensor **w = zg.p[l];
+        dt_tensor *qkv = dt_linear(ctx, dt_layer_norm(ctx, h, w[0], w[1], 1e-5f), w[2], w[3]);
+        dt_tensor *q = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, 0, ZG_C), b);
+        dt_tensor *k = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, ZG_C, 2 * ZG_C), b);
+        dt_tensor *v = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, 2 * ZG_C, 3 * ZG_C), b);
+        dt_tensor *a = dt_reshape(ctx, dt_transpose(ctx, dt_attention(ctx, q, k, v, NULL, 1, 0.0f), 1, 2),
+                                  SHP(b * ZG_T, ZG_C));
+        h = dt_add(ctx, h, dt_linear(ctx, a, w[4], w[5]));
+        dt_tensor *m = dt_gelu_tanh(ctx, dt_linear(ctx, dt_layer_norm(ctx, h, w[6], w[7], 1e-5f), w[8], w[9]));
+        h = dt_add(ctx, h, dt_linear(ctx, m, w[10], w[11]));
+    }
+    h = dt_layer_norm(ctx, h, zg.lnf_w, zg.lnf_b, 1e-5f);
+    dt_tensor *logits = dt_reshape(ctx, dt_matmul(ctx, h, zg.wte, 0, 1), SHP(b, ZG_T, ZG_V));
+    return dt_cross_entropy(ctx, logits, y);
+}
+
 static int zero_build(dt_ctx *ctx, dt_tensor **w)
 {
+    if (cur_zero.gpt) {   /* w[0]: a parameter to try reading while sharded */
+        w[0] = NULL;
+        return zero_gpt_build(ctx) || !(w[0] = zg.wte);
+    }
     for (int l = 0; l < ZLAYERS; l++) {
         int64_t in = l == 0 ? ZIN : ZHID, out = l == ZLAYERS - 1 ? CLASSES : ZHID;
         char nw[32], nb[32];
@@ -2451,6 +2541,8 @@ static int zero_build(dt_ctx *ctx, dt_tensor **w)
 /* Samples [lo, hi) of step s: features in [-1, 1], a label. */
 static dt_tensor *zero_loss(dt_ctx *ctx, dt_tensor **w, int64_t s, int64_t lo, int64_t hi)
 {
+    if (cur_zero.gpt)
+        return zero_gpt_loss(ctx, s, lo, hi);
     int64_t b = hi - lo;
     float xs[4 * PER_RANK * ZIN];
     int32_t ys[4 * PER_RANK];
@@ -2601,9 +2693,11 @@ static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                       dt_allreduce(c, &sh[2], 1, DT_REDUCE_MIN) || sh[0] != (float)n ||
                       sh[1] - sh[2] > 1.0f || s1.shard_floats != (n + world - 1 - rank) / world))
         code = 7;
-    /* zero 2 and 3 never hold a whole gradient (without no_sync): the
-     * shard plus the buckets backward writes and the two in flight */
-    if (code == 0 && zc->level >= 2 && !zc->accumulate && s1.grad_bytes_peak >= (size_t)n * sizeof(float)) {
+    /* zero 2 and 3 never hold a whole gradient (without no_sync, and with
+     * buckets smaller than the model: one bucket of everything is whole):
+     * the shard plus the buckets backward writes and the two in flight */
+    if (code == 0 && zc->level >= 2 && !zc->accumulate && zc->bucket_bytes > 0 &&
+        s1.grad_bytes_peak >= (size_t)n * sizeof(float)) {
         fprintf(stderr, "rank %d: zero 2 held %zu gradient bytes of %lld\n", rank, s1.grad_bytes_peak,
                 (long long)n * 4);
         code = 8;
@@ -2624,12 +2718,16 @@ static void test_zero_equals_ddp(void **state)
 {
     (void)state;
     const zero_case cases[] = {
-        {1, 2, DT_ADAMW, 0, 0, 1, 0},     {2, 2, DT_ADAMW, 0, 0, 1, 512},
-        {1, 3, DT_SGD, 1, 0, 0, 512},     {2, 3, DT_SGD, 0, 1, 0, 512},
-        {1, 5, DT_ADAMW, 0, 1, 1, 1024},  {2, 5, DT_ADAMW, 1, 0, 1, 512},
-        {2, 2, DT_SGD, 1, 1, 1, 512},     {1, 2, DT_SGD, 0, 0, 0, 0},
-        {3, 2, DT_ADAMW, 0, 0, 1, 512},   {3, 3, DT_SGD, 1, 1, 0, 4096},
-        {3, 5, DT_ADAMW, 1, 0, 1, 512},   {3, 2, DT_SGD, 0, 1, 0, 0},
+        {1, 2, DT_ADAMW, 0, 0, 1, 0, 0},     {2, 2, DT_ADAMW, 0, 0, 1, 512, 0},
+        {1, 3, DT_SGD, 1, 0, 0, 512, 0},     {2, 3, DT_SGD, 0, 1, 0, 512, 0},
+        {1, 5, DT_ADAMW, 0, 1, 1, 1024, 0},  {2, 5, DT_ADAMW, 1, 0, 1, 512, 0},
+        {2, 2, DT_SGD, 1, 1, 1, 512, 0},     {1, 2, DT_SGD, 0, 0, 0, 0, 0},
+        {3, 2, DT_ADAMW, 0, 0, 1, 512, 0},   {3, 3, DT_SGD, 1, 1, 0, 4096, 0},
+        {3, 5, DT_ADAMW, 1, 0, 1, 512, 0},   {3, 2, DT_SGD, 0, 1, 0, 0, 0},
+        /* the GPT: tied embedding (one tensor, two uses), attention, layer norm */
+        {1, 2, DT_ADAMW, 1, 1, 1, 512, 1}, {2, 3, DT_SGD, 1, 0, 1, 1024, 1},
+        {3, 5, DT_ADAMW, 0, 1, 0, 512, 1}, {3, 3, DT_ADAMW, 1, 0, 1, 1024, 1},
+        {2, 5, DT_SGD, 0, 0, 0, 0, 1},    {1, 3, DT_SGD, 0, 1, 1, 0, 1},
     };
     for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
         cur_zero = cases[k];
@@ -2794,6 +2892,7 @@ static void rs_path(char *out, size_t cap, const char *name)
 
 static void rs_run(int world, reshard_run rr, const char *out)
 {
+    cur_zero.gpt = 0;   /* the MLP (zero_build); test_zero_equals_ddp may have left the GPT */
     cur_rs = rr;
     rs_path(cur_rs.out, sizeof cur_rs.out, out);
     expect_all_ok(world, rs_rank);
@@ -2803,6 +2902,7 @@ static void test_zero_reshard(void **state)
 {
     (void)state;
     snprintf(rs_root, sizeof rs_root, "/tmp/dt_reshard_%d", (int)getpid());
+    cur_zero.gpt = 0;
     assert_int_equal(mkdir(rs_root, 0777), 0);
     char a10[192], a20[192], b15[192], single[192];
     rs_path(a10, sizeof a10, "a-step10");
@@ -2899,6 +2999,7 @@ static void test_zero_checkpoint_refused(void **state)
 {
     (void)state;
     snprintf(rs_root, sizeof rs_root, "/tmp/dt_reshard_bad_%d", (int)getpid());
+    cur_zero.gpt = 0;
     assert_int_equal(mkdir(rs_root, 0777), 0);
     char good10[192], good20[192], bad[192], f[300], g[700];
     rs_path(good10, sizeof good10, "step10");
