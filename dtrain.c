@@ -609,6 +609,7 @@ DT_PRIVATE void prof_push(prof_state *p, prof_event e);
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
 DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
+DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
@@ -3596,6 +3597,19 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
     out->events = p->nev;
     out->dropped = p->dropped;
+}
+
+/* A sharded DDP's parameter all-gathers (src/zero.c): ran s, the training
+ * thread waited exposed_s of it. */
+DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s)
+{
+    if (!prof_measuring(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->tot.gather_s += ran_s;
+    p->tot.gather_exposed_s += exposed_s;
+    pthread_mutex_unlock(&p->mu);
 }
 
 /* A parameter server's own figures so far (src/ps_server.c's loop), into
@@ -15373,6 +15387,29 @@ DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *
     return busy;
 }
 
+/* A sharded DDP's parameter all-gathers (dt_ddp_config.zero): their time
+ * per step on the rank that spent the most, and the share of it exposed. */
+static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P)
+{
+    int worst = -1;
+    for (int r = 0; r < P; r++)
+        if (h[r]->st.gather_s > 0 && h[r]->st.steps &&
+            (worst < 0 || h[r]->st.gather_exposed_s > h[worst]->st.gather_exposed_s))
+            worst = r;
+    if (worst < 0)
+        return;
+    const dt_profile_stats *s = &h[worst]->st;
+    double share = s->gather_exposed_s < s->gather_s ? s->gather_exposed_s / s->gather_s : 1.0;
+    strbuf_printf(t, "sharded parameters: all-gathers ran %.2f ms per step on rank %d, %.0f%% of it "
+                  "exposed (%.2f ms the step waited), %.0f%% hidden behind compute%s\n",
+                  per_step(s->gather_s, s->steps), worst, 100 * share,
+                  per_step(s->gather_exposed_s, s->steps), 100 * (1 - share),
+                  share > 0.5 ? "; zero 1 and 2 gather after the step (all exposed by design); zero "
+                                "3 prefetches the next unit, whose copies need a core of their own "
+                                "to run beside compute (not there with one core per rank)"
+                              : "");
+}
+
 /* Rank 0's report from every rank's totals. */
 static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                const char *trace_path)
@@ -15452,6 +15489,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
                       link > 0 ? 100 * busbw / link : 0, link,
                       comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
+    prof_report_gathers(&t, h, P);
     char slow_server[320] = "";
     if (ps_calls) {
         for (int r = 0; r < P; r++) {
@@ -18415,6 +18453,15 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
 static zero_state *Z(const dt_ddp *d) { return d->z; }
 static dt_status zero_evict_all(dt_ddp *d);
 
+/* All-gathers of parameters ran ran_s, exposed_s of it waited for: the
+ * DDP's stats and the profile's (the end-of-job report). */
+static void zero_note_gather(dt_ddp *d, double ran_s, double exposed_s)
+{
+    d->st.gather_s += ran_s;
+    d->st.gather_exposed_s += exposed_s;
+    prof_gather(d->ctx, ran_s, exposed_s);
+}
+
 /* Parameters k whose flat range meets [lo, hi): first..last in d->order
  * (the flat layout), via fn(d, k, a, e) with the meeting part [a, e). */
 typedef void (*zero_part_fn)(dt_ddp *d, int k, int64_t a, int64_t e, void *arg);
@@ -18788,7 +18835,7 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
     }
     for (int i = 0; i < o->n; i++)   /* stepped: a second step needs a new reduction */
         o->shard[i].used = 0;
-    d->st.gather_s += dt_now() - t0;
+    zero_note_gather(d, dt_now() - t0, dt_now() - t0);   /* the caller waits for all of it */
     return s == DT_OK ? DT_OK
                       : set_error(d->ctx, s, "optim_step: parameter all-gather failed: %s", d->ctx->err);
 }
@@ -18850,8 +18897,7 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
         return DT_OK;
     double run = 0, t0 = dt_now();
     dt_status s = comm_work_finish(z->pre_work, &run);
-    d->st.gather_s += run;
-    d->st.gather_exposed_s += dt_now() - t0;
+    zero_note_gather(d, run, dt_now() - t0);
     const ddp_bucket *b = &d->buckets[z->pre_unit];
     if (s == DT_OK && keep && z->pre_buf >= 0) {
         zero_copy c = {z->pool[z->pre_buf].mem - b->offset, 0};
@@ -18927,8 +18973,7 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
                                      DT_REDUCE_SUM, b->blocks)
                        : zero_gather_span(d, z->pool[k].mem, b->offset, b->offset,
                                           b->offset + b->numel, b->blocks);
-    d->st.gather_s += dt_now() - t0;
-    d->st.gather_exposed_s += dt_now() - t0;
+    zero_note_gather(d, dt_now() - t0, dt_now() - t0);
     if (k >= 0)
         zero_pool_give(d, k);
     if (s != DT_OK)

@@ -1423,8 +1423,8 @@ typedef struct dt_ddp_stats {
                                   shard */
     double gather_s;           /* zero >= 1: time the parameter all-gathers ran (zero 1
                                   and 2: after each step; zero 3: before a unit's use) */
-    double gather_exposed_s;   /* zero 3: the part of it the caller waited for (the rest
-                                  hid behind compute, prefetched) */
+    double gather_exposed_s;   /* the part of it the caller waited for: zero 1-2 all of it
+                                  (after the step); zero 3 what prefetch did not hide */
     int64_t gathers;           /* zero 3: units gathered */
 } dt_ddp_stats;
 /* Zero 3: every parameter whole on every rank (gathered) until the next
@@ -1882,6 +1882,10 @@ typedef struct dt_profile_stats {
     int64_t ps_queue_max;      /* the most requests waiting at once (held pulls, parked
                                   workers) */
     int64_t ps_keys;           /* floats it holds (its shard and the step flags) */
+    /* a sharded DDP (dt_ddp_config.zero), as dt_ddp_stats: */
+    double gather_s;           /* time the parameters' all-gathers ran */
+    double gather_exposed_s;   /* of it, what the training thread waited for (zero 1-2: all
+                                  of it, after the step; zero 3: what prefetch did not hide) */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);

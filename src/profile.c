@@ -363,6 +363,29 @@ DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *
     return busy;
 }
 
+/* A sharded DDP's parameter all-gathers (dt_ddp_config.zero): their time
+ * per step on the rank that spent the most, and the share of it exposed. */
+static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P)
+{
+    int worst = -1;
+    for (int r = 0; r < P; r++)
+        if (h[r]->st.gather_s > 0 && h[r]->st.steps &&
+            (worst < 0 || h[r]->st.gather_exposed_s > h[worst]->st.gather_exposed_s))
+            worst = r;
+    if (worst < 0)
+        return;
+    const dt_profile_stats *s = &h[worst]->st;
+    double share = s->gather_exposed_s < s->gather_s ? s->gather_exposed_s / s->gather_s : 1.0;
+    strbuf_printf(t, "sharded parameters: all-gathers ran %.2f ms per step on rank %d, %.0f%% of it "
+                  "exposed (%.2f ms the step waited), %.0f%% hidden behind compute%s\n",
+                  per_step(s->gather_s, s->steps), worst, 100 * share,
+                  per_step(s->gather_exposed_s, s->steps), 100 * (1 - share),
+                  share > 0.5 ? "; zero 1 and 2 gather after the step (all exposed by design); zero "
+                                "3 prefetches the next unit, whose copies need a core of their own "
+                                "to run beside compute (not there with one core per rank)"
+                              : "");
+}
+
 /* Rank 0's report from every rank's totals. */
 static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                const char *trace_path)
@@ -442,6 +465,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       (long long)s0->collectives, (double)s0->coll_bytes / 1e6, busbw,
                       link > 0 ? 100 * busbw / link : 0, link,
                       comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
+    prof_report_gathers(&t, h, P);
     char slow_server[320] = "";
     if (ps_calls) {
         for (int r = 0; r < P; r++) {

@@ -290,6 +290,19 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->dropped = p->dropped;
 }
 
+/* A sharded DDP's parameter all-gathers (src/zero.c): ran s, the training
+ * thread waited exposed_s of it. */
+DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s)
+{
+    if (!prof_measuring(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->tot.gather_s += ran_s;
+    p->tot.gather_exposed_s += exposed_s;
+    pthread_mutex_unlock(&p->mu);
+}
+
 /* A parameter server's own figures so far (src/ps_server.c's loop), into
  * the totals: what the report and the monitor say of each server. */
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv)

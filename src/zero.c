@@ -75,6 +75,15 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
 static zero_state *Z(const dt_ddp *d) { return d->z; }
 static dt_status zero_evict_all(dt_ddp *d);
 
+/* All-gathers of parameters ran ran_s, exposed_s of it waited for: the
+ * DDP's stats and the profile's (the end-of-job report). */
+static void zero_note_gather(dt_ddp *d, double ran_s, double exposed_s)
+{
+    d->st.gather_s += ran_s;
+    d->st.gather_exposed_s += exposed_s;
+    prof_gather(d->ctx, ran_s, exposed_s);
+}
+
 /* Parameters k whose flat range meets [lo, hi): first..last in d->order
  * (the flat layout), via fn(d, k, a, e) with the meeting part [a, e). */
 typedef void (*zero_part_fn)(dt_ddp *d, int k, int64_t a, int64_t e, void *arg);
@@ -448,7 +457,7 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
     }
     for (int i = 0; i < o->n; i++)   /* stepped: a second step needs a new reduction */
         o->shard[i].used = 0;
-    d->st.gather_s += dt_now() - t0;
+    zero_note_gather(d, dt_now() - t0, dt_now() - t0);   /* the caller waits for all of it */
     return s == DT_OK ? DT_OK
                       : set_error(d->ctx, s, "optim_step: parameter all-gather failed: %s", d->ctx->err);
 }
@@ -510,8 +519,7 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
         return DT_OK;
     double run = 0, t0 = dt_now();
     dt_status s = comm_work_finish(z->pre_work, &run);
-    d->st.gather_s += run;
-    d->st.gather_exposed_s += dt_now() - t0;
+    zero_note_gather(d, run, dt_now() - t0);
     const ddp_bucket *b = &d->buckets[z->pre_unit];
     if (s == DT_OK && keep && z->pre_buf >= 0) {
         zero_copy c = {z->pool[z->pre_buf].mem - b->offset, 0};
@@ -587,8 +595,7 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
                                      DT_REDUCE_SUM, b->blocks)
                        : zero_gather_span(d, z->pool[k].mem, b->offset, b->offset,
                                           b->offset + b->numel, b->blocks);
-    d->st.gather_s += dt_now() - t0;
-    d->st.gather_exposed_s += dt_now() - t0;
+    zero_note_gather(d, dt_now() - t0, dt_now() - t0);
     if (k >= 0)
         zero_pool_give(d, k);
     if (s != DT_OK)

@@ -453,6 +453,8 @@ typedef struct job {
     dt_ddp *ddp;
 } job;
 
+static int job_zero;   /* the DDP's sharding level (dt_ddp_config.zero) */
+
 static int job_start(dt_ctx *ctx, dt_comm *c, int profile, job *j)
 {
     memset(j, 0, sizeof *j);
@@ -473,7 +475,11 @@ static int job_start(dt_ctx *ctx, dt_comm *c, int profile, job *j)
     dt_optim_config oc;
     dt_optim_config_init(&oc, DT_SGD);
     j->opt = dt_optim_new(ctx, &oc, NULL, 0);
-    j->ddp = j->opt ? dt_ddp_new(ctx, c, j->opt, NULL) : NULL;
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.zero = job_zero;
+    dc.bucket_bytes = 4096;   /* zero 3: several units, prefetched one after another */
+    j->ddp = j->opt ? dt_ddp_new(ctx, c, j->opt, job_zero ? &dc : NULL) : NULL;
     return j->ddp ? 0 : 3;
 }
 
@@ -550,6 +556,48 @@ static void test_trace_two_ranks(void **state)
     assert_int_equal(count_of(js, "\"name\":\"backward\""), 30);
     assert_true(count_of(js, "\"busbw_GBps\"") >= 30);
     free(js);
+    tu_rmdir(job_data.dir);
+}
+
+/* A sharded job's report says how long the parameters' all-gathers ran and
+ * how much of that the step waited for: the profile's figures are the
+ * DDP's own (dt_ddp_stats), on every rank. */
+static int zero_report_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    job j;
+    double loop;
+    if (job_start(ctx, c, 1, &j) || ddp_train(ctx, c, j.ld, j.ddp, j.opt, &j.m, 12, -1, 0, &loop))
+        return 3;
+    dt_ddp_stats ds;
+    dt_profile_stats ps;
+    if (dt_ddp_stats_get(j.ddp, &ds) || dt_profile_get(ctx, &ps))
+        return 4;
+    if (!(ds.gather_s > 0) || ps.gather_s != ds.gather_s || ps.gather_exposed_s != ds.gather_exposed_s ||
+        ds.gathers < 12) {
+        fprintf(stderr, "rank %d: ddp %g s (%g exposed, %lld gathers), profile %g s (%g)\n", rank,
+                ds.gather_s, ds.gather_exposed_s, (long long)ds.gathers, ps.gather_s,
+                ps.gather_exposed_s);
+        return 5;
+    }
+    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+        return 6;
+    const char *rep = dt_profile_report(ctx);
+    if (rank == 0 && (!strstr(rep, "sharded parameters: all-gathers ran") || !strstr(rep, "exposed"))) {
+        fprintf(stderr, "report:\n%s\n", rep);
+        return 7;
+    }
+    job_end(&j);
+    return 0;
+}
+
+static void test_zero_gathers_reported(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    job_zero = 3;
+    run_ranks(2, zero_report_rank);
+    job_zero = 0;
     tu_rmdir(job_data.dir);
 }
 
@@ -1176,6 +1224,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_phases_single),
     cmocka_unit_test(test_data_hint),
     cmocka_unit_test(test_trace_two_ranks),
+    cmocka_unit_test(test_zero_gathers_reported),
     cmocka_unit_test(test_straggler),
     cmocka_unit_test(test_global_batches),
     cmocka_unit_test(test_balance_equivalence),
