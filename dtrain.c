@@ -289,6 +289,9 @@ struct dt_ctx {
     dt_arena scratch_dev, scratch_host; /* recompute segments */
     dt_arena *cur_dev, *cur_host;
     int in_recompute;
+    int seg_backward;              /* a recompute segment's own backward is running */
+    dt_tensor **seg_params;        /* a segment's first run: the parameters its ops read */
+    int seg_nparams;               /* (op_input_ok notes them; seg_params NULL: none) */
 
     dt_node *tape;                 /* newest node */
     dt_tensor *persist;            /* persistent tensors */
@@ -1198,7 +1201,6 @@ struct dt_ddp {
     int cur;                   /* set the gradients point at */
     ddp_bucket *buckets;
     int nbuckets, next_launch, ready_upto;
-    int recompute_left;        /* recompute nodes not yet walked */
     int sync;                  /* 0: no_sync */
     int overlap;               /* cfg.overlap resolved (ddp_resolve_overlap) */
     int hooks;                 /* this backward launches buckets */
@@ -3868,6 +3870,18 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
 
 /* Reports a NULL input unless an earlier op already failed (then its message
  * is the useful one). */
+/* A recompute segment's first run reads parameter p: noted once, so its
+ * node can say which parameters its backward finishes (src/recompute.c;
+ * room for every parameter was made). */
+static void op_note_seg_param(dt_ctx *ctx, const dt_tensor *p)
+{
+    for (int i = 0; i < ctx->seg_nparams; i++)
+        if (ctx->seg_params[i] == p)
+            return;
+    if (ctx->seg_nparams < ctx->n_params)
+        ctx->seg_params[ctx->seg_nparams++] = (dt_tensor *)p;
+}
+
 DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
 {
     if (!ctx_ok(ctx))
@@ -3885,6 +3899,8 @@ DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, cons
     if (ctx->hook_user && ctx->grad_hooks->param_use &&
         ctx->grad_hooks->param_use(ctx->hook_user, x->data, 0) != DT_OK)
         return 0;
+    if (ctx->seg_params && (x->flags & T_PARAM))
+        op_note_seg_param(ctx, x);
     return 1;
 }
 
@@ -5773,7 +5789,9 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
         goto done;
     }
     y2->grad = y->grad;                    /* seed with the segment output's gradient */
+    ctx->seg_backward++;
     s = tape_run(ctx, ctx->tape, NULL, 0);
+    ctx->seg_backward--;
     ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
     ctx->cur_host = sw.host;
     for (int i = 0; s == DT_OK && i < n; i++) {
@@ -5811,9 +5829,21 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     }
     uint64_t counter = ctx->dropout_counter;
     dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */
+    /* the parameters fn reads (op_input_ok notes them): what its node's
+     * backward finishes, for a DDP to know (node_params in its node) */
+    dt_tensor **params = arena_alloc(ctx, ctx->cur_host,
+                                     sizeof(dt_tensor *) * (size_t)(ctx->n_params ? ctx->n_params : 1));
+    if (!params) {
+        set_error(ctx, DT_ENOMEM, "recompute: out of memory");
+        return NULL;
+    }
     arena_switch sw = enter_scratch(ctx);
     ctx->grad_enabled = 0;
+    ctx->seg_params = params;
+    ctx->seg_nparams = 0;
     dt_tensor *out = fn(ctx, inputs, n, user);
+    int nparams = ctx->seg_nparams;
+    ctx->seg_params = NULL;
     ctx->grad_enabled = 1;
     ctx->cur_dev = sw.dev;
     ctx->cur_host = sw.host;
@@ -5836,7 +5866,9 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     if (n)
         memcpy(saved, inputs, sizeof(dt_tensor *) * (size_t)n);
     nd->aux[0] = saved;
+    nd->aux[1] = params;
     nd->iarg[0] = n;
+    nd->iarg[2] = nparams;
     nd->iarg[1] = (int64_t)counter;
     nd->prec = prec;
     nd->seg_fn = fn;
@@ -14097,6 +14129,7 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
     if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
+    pthread_setname_np(c->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
     c->has_thread = 1;
     /* everyone's endpoint is ready before anyone sends (a rejoined rank's
      * peers are mid-job: it tells them when it serves, join_announce_rejoin) */
@@ -19866,7 +19899,7 @@ static int64_t ddp_grad_chunk_rows(void *user, const dt_tensor *w, int64_t rows,
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
-        d->uses[w->param_index] != 1 || d->recompute_left > 0 ||
+        d->uses[w->param_index] != 1 || ctx->seg_backward ||
         rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
         return 0;
     int64_t target = rows * cols / 4;   /* at least four blocks, at most a bucket each */
@@ -19881,16 +19914,15 @@ static void ddp_grad_rows_done(void *user, const dt_tensor *w, int64_t rows_done
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
-        d->uses[w->param_index] != 1 || d->recompute_left > 0)
-        return;   /* not this op's to declare final */
+        d->uses[w->param_index] != 1 || ctx->seg_backward)
+        return;   /* not this op's to declare final (inside a segment it may read w again) */
     ddp_mark_final(d, w->param_index, rows_done * cols);
     int before = d->next_launch;
     ddp_launch_ready(d);
     d->st.block_launches += d->next_launch - before;
 }
 
-/* Every parameter with no uses left is final (while a recompute segment is
- * still ahead on the tape, it may use any parameter: wait for it). */
+/* Every parameter with no uses left is final. */
 static void ddp_finalize_unused(dt_ddp *d)
 {
     for (int i = 0; i < d->nparams; i++)
@@ -19900,12 +19932,18 @@ static void ddp_finalize_unused(dt_ddp *d)
 
 static dt_status ddp_finish(dt_ddp *d);
 
-/* A node's inputs: concat keeps its (any number of) inputs aside. */
+/* A node's inputs: concat keeps its (any number of) inputs aside; for a
+ * recompute segment, the parameters its ops read (its backward finishes
+ * them all, src/recompute.c). */
 static int node_inputs(const dt_node *n, dt_tensor *const **out)
 {
     if (n->backward == op_concat_backward) {
         *out = n->aux[0];
         return (int)n->iarg[0];
+    }
+    if (n->seg_fn) {
+        *out = n->aux[1];
+        return (int)n->iarg[2];
     }
     *out = n->in;
     return n->n_in;
@@ -19948,10 +19986,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
         return DT_OK;
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
-    d->recompute_left = 0;
     for (const dt_node *n = ctx->tape; n; n = n->prev) {
-        if (n->seg_fn)
-            d->recompute_left++;
         dt_tensor *const *in;
         int nin = node_inputs(n, &in);
         for (int k = 0; k < nin; k++)
@@ -19960,8 +19995,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     }
     for (int b = 0; b < d->nbuckets; b++)
         d->buckets[b].pending = d->buckets[b].numel;
-    if (d->recompute_left == 0)
-        ddp_finalize_unused(d);
+    ddp_finalize_unused(d);
     d->hooks = 1;
     ddp_launch_ready(d);
     return DT_OK;
@@ -19972,16 +20006,11 @@ static void ddp_node_done(dt_ddp *d, const dt_node *n)
     if (!d->hooks)
         return;
     int launch = 0;
-    if (n->seg_fn && --d->recompute_left == 0) {
-        ddp_finalize_unused(d);
-        launch = 1;
-    }
     dt_tensor *const *in;
     int nin = node_inputs(n, &in);
     for (int k = 0; k < nin; k++) {
         const dt_tensor *t = in[k];
-        if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0 &&
-            d->recompute_left == 0) {
+        if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0) {
             ddp_param_final(d, t->param_index);
             launch = 1;
         }

@@ -8,7 +8,7 @@
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
  *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
  *             [--seconds S] [--monitor [HOST:]PORT] [--amp bf16|fp16|tf32|off]
- *             [--zero 0|1|2|3]
+ *             [--zero 0|1|2|3] [--recompute 0|1]
  *
  * Each report's ms/step is the training steps' time (evaluation left out),
  * from step 6 on once there are more than 5.  --seconds S ends training
@@ -34,6 +34,9 @@
  * 1 the optimizer's state, 2 also the gradients, 3 also the parameters;
  * --save PATH then makes PATH a sharded checkpoint's directory, every rank
  * writing its shard (build/consolidate PATH FILE makes it one file).
+ * --recompute 1 keeps no block's activations for backward: each block
+ * runs again there (dt_recompute), trading a forward for the memory.
+ * DTRAIN_PROFILE=1 profiles the run; rank 0 prints the end-of-job report.
  */
 #include <dirent.h>
 #include <getopt.h>
@@ -49,7 +52,7 @@
 
 typedef struct options {
     int steps, batch, context, layers, heads, embd, eval_every, eval_batches, ranks, threads;
-    int sample, vocab, zero;
+    int sample, vocab, zero, recompute;
     float lr;
     double seconds;   /* > 0: a training-time budget (--seconds) */
     uint64_t seed;
@@ -64,11 +67,22 @@ typedef struct block {
     dt_tensor *ln2_w, *ln2_b, *fc_w, *fc_b, *fc2_w, *fc2_b;
 } block;
 
-typedef struct gpt {
-    int layers, heads, embd, context, vocab;
+typedef struct gpt gpt;
+
+/* What a block needs when dt_recompute runs it again in backward (kept
+ * in the model: it must outlive the step). */
+typedef struct block_run {
+    const gpt *m;
+    int l;
+    int64_t B, T;
+} block_run;
+
+struct gpt {
+    int layers, heads, embd, context, vocab, recompute;
     dt_tensor *wte, *wpe, *lnf_w, *lnf_b;
     block *h;
-} gpt;
+    block_run *run;            /* one a layer */
+};
 
 /* --- the text ------------------------------------------------------------ */
 
@@ -119,7 +133,8 @@ static int gpt_init(dt_ctx *ctx, gpt *m)
         dt_init_normal(ctx, m->wte, 0, std) != DT_OK || dt_init_normal(ctx, m->wpe, 0, std) != DT_OK)
         return 0;
     m->h = calloc((size_t)m->layers, sizeof *m->h);
-    for (int l = 0; m->h && l < m->layers; l++) {
+    m->run = calloc((size_t)m->layers, sizeof *m->run);
+    for (int l = 0; m->h && m->run && l < m->layers; l++) {
         block *b = &m->h[l];
         struct { const char *name; int in, out; dt_tensor **w, **b; float std; } lin[4] = {
             {"attn", C, 3 * C, &b->attn_w, &b->attn_b, std},
@@ -140,7 +155,7 @@ static int gpt_init(dt_ctx *ctx, gpt *m)
                 return 0;
         }
     }
-    return m->h && dt_layer_norm_params(ctx, "ln_f", C, 1, &m->lnf_w, &m->lnf_b) == DT_OK;
+    return m->h && m->run && dt_layer_norm_params(ctx, "ln_f", C, 1, &m->lnf_w, &m->lnf_b) == DT_OK;
 }
 
 /* (B*T, C) -> (B, heads, T, C/heads), a copy laid out for attention */
@@ -172,8 +187,17 @@ static dt_tensor *mlp_block(dt_ctx *ctx, const block *b, dt_tensor *x)
     return dt_add(ctx, x, dt_linear(ctx, h, b->fc2_w, b->fc2_b));
 }
 
+/* A block (a dt_segment_fn): attention, then the MLP, each with its residual. */
+static dt_tensor *block_forward(dt_ctx *ctx, dt_tensor *const *in, int n, void *user)
+{
+    (void)n;
+    const block_run *r = user;
+    const block *b = &r->m->h[r->l];
+    return mlp_block(ctx, b, attention_block(ctx, r->m, b, in[0], r->B, r->T));
+}
+
 /* idx (B, T) i32 -> logits (B, T, vocab) */
-static dt_tensor *gpt_forward(dt_ctx *ctx, const gpt *m, dt_tensor *idx)
+static dt_tensor *gpt_forward(dt_ctx *ctx, gpt *m, dt_tensor *idx)
 {
     int64_t B = dt_tensor_dim(idx, 0), T = dt_tensor_dim(idx, 1), C = m->embd;
     int32_t pos[4096];
@@ -185,8 +209,11 @@ static dt_tensor *gpt_forward(dt_ctx *ctx, const gpt *m, dt_tensor *idx)
         return NULL;
     dt_tensor *x = dt_add(ctx, dt_embedding(ctx, m->wte, idx), dt_embedding(ctx, m->wpe, p));
     x = dt_reshape(ctx, x, 2, flat);
-    for (int l = 0; x && l < m->layers; l++)
-        x = mlp_block(ctx, &m->h[l], attention_block(ctx, m, &m->h[l], x, B, T));
+    for (int l = 0; x && l < m->layers; l++) {
+        m->run[l] = (block_run){m, l, B, T};
+        x = m->recompute ? dt_recompute(ctx, block_forward, &x, 1, &m->run[l])
+                         : block_forward(ctx, &x, 1, &m->run[l]);
+    }
     x = dt_layer_norm(ctx, x, m->lnf_w, m->lnf_b, 1e-5f);
     return dt_reshape(ctx, dt_matmul(ctx, x, m->wte, 0, 1), 3, out);   /* tied: x wte^T */
 }
@@ -209,7 +236,7 @@ static dt_loader *make_loader(dt_ctx *ctx, const dt_dataset *ds, const options *
 }
 
 /* The mean loss over the first n batches of the validation windows. */
-static double val_loss(dt_ctx *ctx, const gpt *m, dt_loader *ld, int n)
+static double val_loss(dt_ctx *ctx, gpt *m, dt_loader *ld, int n)
 {
     dt_set_grad_enabled(ctx, 0);
     dt_loader_start_epoch(ld, 0);
@@ -230,7 +257,7 @@ static double val_loss(dt_ctx *ctx, const gpt *m, dt_loader *ld, int n)
 
 /* n characters after a newline, each drawn from softmax(logits) of the
  * last position (seeded). */
-static void sample(dt_ctx *ctx, const gpt *m, int n, uint64_t seed)
+static void sample(dt_ctx *ctx, gpt *m, int n, uint64_t seed)
 {
     int32_t *text = malloc(sizeof *text * (size_t)(n + 1));
     int64_t V = m->vocab;   /* bytes are drawn from the first 256 */
@@ -326,7 +353,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     tc.stride = o->context;   /* validation: windows side by side */
     dt_dataset *val_ds = dt_dataset_from_tokens(ctx, text, len, 1, 0, &tc);
     gpt m = {.layers = o->layers, .heads = o->heads, .embd = o->embd, .context = o->context,
-             .vocab = o->vocab};
+             .vocab = o->vocab, .recompute = o->recompute};
     dt_loader *ld = NULL, *vl = NULL;
     dt_optim *opt = NULL;
     dt_ddp *ddp = NULL;
@@ -439,6 +466,13 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     }
     if (dump)
         fclose(dump);
+    /* profiling (DTRAIN_PROFILE=1): every rank joins, rank 0 prints the report */
+    if (dt_profiling(ctx) && dt_profile_finish(ctx, comm, NULL) != DT_OK) {
+        fail(ctx, "finishing the profile");
+        goto done;
+    }
+    if (rank == 0 && dt_profile_report(ctx)[0])
+        printf("%s", dt_profile_report(ctx));
     if (o->zero && ddp && o->save && dt_ddp_checkpoint_save(ddp, opt, o->save, o->steps) != DT_OK) {
         fail(ctx, "saving the shards");
         goto done;
@@ -469,6 +503,7 @@ done:
     dt_dataset_free(train_ds);
     dt_dataset_free(val_ds);
     free(m.h);
+    free(m.run);
     free(text);
     return ok;
 }
@@ -489,7 +524,7 @@ static int parse_args(int argc, char **argv, options *o)
         {"eval-every", &o->eval_every, 1, 1 << 30}, {"eval-batches", &o->eval_batches, 1, 1 << 20},
         {"ranks", &o->ranks, 1, 1024},        {"threads", &o->threads, 1, 1024},
         {"sample", &o->sample, 0, 1 << 20},   {"vocab", &o->vocab, 256, 1 << 24},
-        {"zero", &o->zero, 0, 3}};
+        {"zero", &o->zero, 0, 3},             {"recompute", &o->recompute, 0, 1}};
     enum { NINTS = sizeof ints / sizeof ints[0] };
     static const char *const strs[] = {"lr", "seconds", "seed", "save", "data", "backend",
                                        "save-init", "dump", "optim", "monitor", "amp"};

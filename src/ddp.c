@@ -434,7 +434,7 @@ static int64_t ddp_grad_chunk_rows(void *user, const dt_tensor *w, int64_t rows,
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
-        d->uses[w->param_index] != 1 || d->recompute_left > 0 ||
+        d->uses[w->param_index] != 1 || ctx->seg_backward ||
         rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
         return 0;
     int64_t target = rows * cols / 4;   /* at least four blocks, at most a bucket each */
@@ -449,16 +449,15 @@ static void ddp_grad_rows_done(void *user, const dt_tensor *w, int64_t rows_done
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
-        d->uses[w->param_index] != 1 || d->recompute_left > 0)
-        return;   /* not this op's to declare final */
+        d->uses[w->param_index] != 1 || ctx->seg_backward)
+        return;   /* not this op's to declare final (inside a segment it may read w again) */
     ddp_mark_final(d, w->param_index, rows_done * cols);
     int before = d->next_launch;
     ddp_launch_ready(d);
     d->st.block_launches += d->next_launch - before;
 }
 
-/* Every parameter with no uses left is final (while a recompute segment is
- * still ahead on the tape, it may use any parameter: wait for it). */
+/* Every parameter with no uses left is final. */
 static void ddp_finalize_unused(dt_ddp *d)
 {
     for (int i = 0; i < d->nparams; i++)
@@ -468,12 +467,18 @@ static void ddp_finalize_unused(dt_ddp *d)
 
 static dt_status ddp_finish(dt_ddp *d);
 
-/* A node's inputs: concat keeps its (any number of) inputs aside. */
+/* A node's inputs: concat keeps its (any number of) inputs aside; for a
+ * recompute segment, the parameters its ops read (its backward finishes
+ * them all, src/recompute.c). */
 static int node_inputs(const dt_node *n, dt_tensor *const **out)
 {
     if (n->backward == op_concat_backward) {
         *out = n->aux[0];
         return (int)n->iarg[0];
+    }
+    if (n->seg_fn) {
+        *out = n->aux[1];
+        return (int)n->iarg[2];
     }
     *out = n->in;
     return n->n_in;
@@ -516,10 +521,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
         return DT_OK;
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
-    d->recompute_left = 0;
     for (const dt_node *n = ctx->tape; n; n = n->prev) {
-        if (n->seg_fn)
-            d->recompute_left++;
         dt_tensor *const *in;
         int nin = node_inputs(n, &in);
         for (int k = 0; k < nin; k++)
@@ -528,8 +530,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     }
     for (int b = 0; b < d->nbuckets; b++)
         d->buckets[b].pending = d->buckets[b].numel;
-    if (d->recompute_left == 0)
-        ddp_finalize_unused(d);
+    ddp_finalize_unused(d);
     d->hooks = 1;
     ddp_launch_ready(d);
     return DT_OK;
@@ -540,16 +541,11 @@ static void ddp_node_done(dt_ddp *d, const dt_node *n)
     if (!d->hooks)
         return;
     int launch = 0;
-    if (n->seg_fn && --d->recompute_left == 0) {
-        ddp_finalize_unused(d);
-        launch = 1;
-    }
     dt_tensor *const *in;
     int nin = node_inputs(n, &in);
     for (int k = 0; k < nin; k++) {
         const dt_tensor *t = in[k];
-        if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0 &&
-            d->recompute_left == 0) {
+        if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0) {
             ddp_param_final(d, t->param_index);
             launch = 1;
         }

@@ -449,7 +449,6 @@ struct dt_ddp {
     int cur;                   /* set the gradients point at */
     ddp_bucket *buckets;
     int nbuckets, next_launch, ready_upto;
-    int recompute_left;        /* recompute nodes not yet walked */
     int sync;                  /* 0: no_sync */
     int overlap;               /* cfg.overlap resolved (ddp_resolve_overlap) */
     int hooks;                 /* this backward launches buckets */

@@ -279,6 +279,9 @@ struct dt_ctx {
     dt_arena scratch_dev, scratch_host; /* recompute segments */
     dt_arena *cur_dev, *cur_host;
     int in_recompute;
+    int seg_backward;              /* a recompute segment's own backward is running */
+    dt_tensor **seg_params;        /* a segment's first run: the parameters its ops read */
+    int seg_nparams;               /* (op_input_ok notes them; seg_params NULL: none) */
 
     dt_node *tape;                 /* newest node */
     dt_tensor *persist;            /* persistent tensors */

@@ -490,6 +490,7 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
     if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
+    pthread_setname_np(c->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
     c->has_thread = 1;
     /* everyone's endpoint is ready before anyone sends (a rejoined rank's
      * peers are mid-job: it tells them when it serves, join_announce_rejoin) */

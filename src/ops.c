@@ -10,6 +10,18 @@
 
 /* Reports a NULL input unless an earlier op already failed (then its message
  * is the useful one). */
+/* A recompute segment's first run reads parameter p: noted once, so its
+ * node can say which parameters its backward finishes (src/recompute.c;
+ * room for every parameter was made). */
+static void op_note_seg_param(dt_ctx *ctx, const dt_tensor *p)
+{
+    for (int i = 0; i < ctx->seg_nparams; i++)
+        if (ctx->seg_params[i] == p)
+            return;
+    if (ctx->seg_nparams < ctx->n_params)
+        ctx->seg_params[ctx->seg_nparams++] = (dt_tensor *)p;
+}
+
 DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
 {
     if (!ctx_ok(ctx))
@@ -27,6 +39,8 @@ DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, cons
     if (ctx->hook_user && ctx->grad_hooks->param_use &&
         ctx->grad_hooks->param_use(ctx->hook_user, x->data, 0) != DT_OK)
         return 0;
+    if (ctx->seg_params && (x->flags & T_PARAM))
+        op_note_seg_param(ctx, x);
     return 1;
 }
 

@@ -71,7 +71,9 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
         goto done;
     }
     y2->grad = y->grad;                    /* seed with the segment output's gradient */
+    ctx->seg_backward++;
     s = tape_run(ctx, ctx->tape, NULL, 0);
+    ctx->seg_backward--;
     ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
     ctx->cur_host = sw.host;
     for (int i = 0; s == DT_OK && i < n; i++) {
@@ -109,9 +111,21 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     }
     uint64_t counter = ctx->dropout_counter;
     dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */
+    /* the parameters fn reads (op_input_ok notes them): what its node's
+     * backward finishes, for a DDP to know (node_params in its node) */
+    dt_tensor **params = arena_alloc(ctx, ctx->cur_host,
+                                     sizeof(dt_tensor *) * (size_t)(ctx->n_params ? ctx->n_params : 1));
+    if (!params) {
+        set_error(ctx, DT_ENOMEM, "recompute: out of memory");
+        return NULL;
+    }
     arena_switch sw = enter_scratch(ctx);
     ctx->grad_enabled = 0;
+    ctx->seg_params = params;
+    ctx->seg_nparams = 0;
     dt_tensor *out = fn(ctx, inputs, n, user);
+    int nparams = ctx->seg_nparams;
+    ctx->seg_params = NULL;
     ctx->grad_enabled = 1;
     ctx->cur_dev = sw.dev;
     ctx->cur_host = sw.host;
@@ -134,7 +148,9 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     if (n)
         memcpy(saved, inputs, sizeof(dt_tensor *) * (size_t)n);
     nd->aux[0] = saved;
+    nd->aux[1] = params;
     nd->iarg[0] = n;
+    nd->iarg[2] = nparams;
     nd->iarg[1] = (int64_t)counter;
     nd->prec = prec;
     nd->seg_fn = fn;

@@ -2432,6 +2432,7 @@ typedef struct zero_case {
     int clip, accumulate, overlap;
     size_t bucket_bytes;
     int gpt;                   /* the small GPT below instead of the MLP */
+    int recompute;             /* its blocks under dt_recompute (activation checkpointing) */
 } zero_case;
 static zero_case cur_zero;
 
@@ -2479,6 +2480,23 @@ static dt_tensor *zero_gpt_heads(dt_ctx *ctx, dt_tensor *x, int64_t b)
                                            1, 2));
 }
 
+/* Block *user: attention then MLP, each with its residual (a dt_segment_fn). */
+static dt_tensor *zero_gpt_block(dt_ctx *ctx, dt_tensor *const *in, int n, void *user)
+{
+    (void)n;
+    dt_tensor **w = zg.p[*(const int *)user], *h = in[0];
+    int64_t b = dt_tensor_dim(h, 0) / ZG_T;
+    dt_tensor *qkv = dt_linear(ctx, dt_layer_norm(ctx, h, w[0], w[1], 1e-5f), w[2], w[3]);
+    dt_tensor *q = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, 0, ZG_C), b);
+    dt_tensor *k = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, ZG_C, 2 * ZG_C), b);
+    dt_tensor *v = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, 2 * ZG_C, 3 * ZG_C), b);
+    dt_tensor *a = dt_reshape(ctx, dt_transpose(ctx, dt_attention(ctx, q, k, v, NULL, 1, 0.0f), 1, 2),
+                              SHP(b * ZG_T, ZG_C));
+    h = dt_add(ctx, h, dt_linear(ctx, a, w[4], w[5]));
+    dt_tensor *m = dt_gelu_tanh(ctx, dt_linear(ctx, dt_layer_norm(ctx, h, w[6], w[7], 1e-5f), w[8], w[9]));
+    return dt_add(ctx, h, dt_linear(ctx, m, w[10], w[11]));
+}
+
 /* Samples [lo, hi) of step s: ZG_T tokens each, the target a function of
  * the token and its position (so there is something to learn). */
 static dt_tensor *zero_gpt_loss(dt_ctx *ctx, int64_t s, int64_t lo, int64_t hi)
@@ -2501,18 +2519,10 @@ static dt_tensor *zero_gpt_loss(dt_ctx *ctx, int64_t s, int64_t lo, int64_t hi)
         return NULL;
     dt_tensor *h = dt_reshape(ctx, dt_add(ctx, dt_embedding(ctx, zg.wte, x), dt_embedding(ctx, zg.wpe, p)),
                               SHP(b * ZG_T, ZG_C));
-    for (int l = 0; l < ZG_L; l++) {
-        dt_tensor **w = zg.p[l];
-        dt_tensor *qkv = dt_linear(ctx, dt_layer_norm(ctx, h, w[0], w[1], 1e-5f), w[2], w[3]);
-        dt_tensor *q = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, 0, ZG_C), b);
-        dt_tensor *k = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, ZG_C, 2 * ZG_C), b);
-        dt_tensor *v = zero_gpt_heads(ctx, dt_slice(ctx, qkv, 1, 2 * ZG_C, 3 * ZG_C), b);
-        dt_tensor *a = dt_reshape(ctx, dt_transpose(ctx, dt_attention(ctx, q, k, v, NULL, 1, 0.0f), 1, 2),
-                                  SHP(b * ZG_T, ZG_C));
-        h = dt_add(ctx, h, dt_linear(ctx, a, w[4], w[5]));
-        dt_tensor *m = dt_gelu_tanh(ctx, dt_linear(ctx, dt_layer_norm(ctx, h, w[6], w[7], 1e-5f), w[8], w[9]));
-        h = dt_add(ctx, h, dt_linear(ctx, m, w[10], w[11]));
-    }
+    static int layer[ZG_L] = {0, 1};
+    for (int l = 0; l < ZG_L; l++)
+        h = cur_zero.recompute ? dt_recompute(ctx, zero_gpt_block, &h, 1, &layer[l])
+                               : zero_gpt_block(ctx, &h, 1, &layer[l]);
     h = dt_layer_norm(ctx, h, zg.lnf_w, zg.lnf_b, 1e-5f);
     dt_tensor *logits = dt_reshape(ctx, dt_matmul(ctx, h, zg.wte, 0, 1), SHP(b, ZG_T, ZG_V));
     return dt_cross_entropy(ctx, logits, y);
@@ -2695,8 +2705,10 @@ static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         code = 7;
     /* zero 2 and 3 never hold a whole gradient (without no_sync, and with
      * buckets smaller than the model: one bucket of everything is whole):
-     * the shard plus the buckets backward writes and the two in flight */
-    if (code == 0 && zc->level >= 2 && !zc->accumulate && zc->bucket_bytes > 0 &&
+     * the shard plus the buckets backward writes and the two in flight.
+     * (A recomputed block's gradients are final only when its backward
+     * ends: with 2 blocks that is half the model at once, so not there.) */
+    if (code == 0 && zc->level >= 2 && !zc->accumulate && zc->bucket_bytes > 0 && !zc->recompute &&
         s1.grad_bytes_peak >= (size_t)n * sizeof(float)) {
         fprintf(stderr, "rank %d: zero 2 held %zu gradient bytes of %lld\n", rank, s1.grad_bytes_peak,
                 (long long)n * 4);
@@ -2718,16 +2730,19 @@ static void test_zero_equals_ddp(void **state)
 {
     (void)state;
     const zero_case cases[] = {
-        {1, 2, DT_ADAMW, 0, 0, 1, 0, 0},     {2, 2, DT_ADAMW, 0, 0, 1, 512, 0},
-        {1, 3, DT_SGD, 1, 0, 0, 512, 0},     {2, 3, DT_SGD, 0, 1, 0, 512, 0},
-        {1, 5, DT_ADAMW, 0, 1, 1, 1024, 0},  {2, 5, DT_ADAMW, 1, 0, 1, 512, 0},
-        {2, 2, DT_SGD, 1, 1, 1, 512, 0},     {1, 2, DT_SGD, 0, 0, 0, 0, 0},
-        {3, 2, DT_ADAMW, 0, 0, 1, 512, 0},   {3, 3, DT_SGD, 1, 1, 0, 4096, 0},
-        {3, 5, DT_ADAMW, 1, 0, 1, 512, 0},   {3, 2, DT_SGD, 0, 1, 0, 0, 0},
+        {1, 2, DT_ADAMW, 0, 0, 1, 0, 0, 0},     {2, 2, DT_ADAMW, 0, 0, 1, 512, 0, 0},
+        {1, 3, DT_SGD, 1, 0, 0, 512, 0, 0},     {2, 3, DT_SGD, 0, 1, 0, 512, 0, 0},
+        {1, 5, DT_ADAMW, 0, 1, 1, 1024, 0, 0},  {2, 5, DT_ADAMW, 1, 0, 1, 512, 0, 0},
+        {2, 2, DT_SGD, 1, 1, 1, 512, 0, 0},     {1, 2, DT_SGD, 0, 0, 0, 0, 0, 0},
+        {3, 2, DT_ADAMW, 0, 0, 1, 512, 0, 0},   {3, 3, DT_SGD, 1, 1, 0, 4096, 0, 0},
+        {3, 5, DT_ADAMW, 1, 0, 1, 512, 0, 0},   {3, 2, DT_SGD, 0, 1, 0, 0, 0, 0},
         /* the GPT: tied embedding (one tensor, two uses), attention, layer norm */
-        {1, 2, DT_ADAMW, 1, 1, 1, 512, 1}, {2, 3, DT_SGD, 1, 0, 1, 1024, 1},
-        {3, 5, DT_ADAMW, 0, 1, 0, 512, 1}, {3, 3, DT_ADAMW, 1, 0, 1, 1024, 1},
-        {2, 5, DT_SGD, 0, 0, 0, 0, 1},    {1, 3, DT_SGD, 0, 1, 1, 0, 1},
+        {1, 2, DT_ADAMW, 1, 1, 1, 512, 1, 0}, {2, 3, DT_SGD, 1, 0, 1, 1024, 1, 0},
+        {3, 5, DT_ADAMW, 0, 1, 0, 512, 1, 0}, {3, 3, DT_ADAMW, 1, 0, 1, 1024, 1, 0},
+        {2, 5, DT_SGD, 0, 0, 0, 0, 1, 0},    {1, 3, DT_SGD, 0, 1, 1, 0, 1, 0},
+        /* and with its blocks recomputed in backward (their parameters gathered again) */
+        {3, 2, DT_ADAMW, 1, 0, 1, 512, 1, 1}, {3, 3, DT_SGD, 0, 1, 0, 1024, 1, 1},
+        {2, 2, DT_ADAMW, 0, 0, 1, 512, 1, 1},
     };
     for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
         cur_zero = cases[k];

@@ -10,12 +10,16 @@
 #
 #   bash tests/bench/zero.sh            (RANKS=2 STEPS=8; ./build.sh first)
 #
+# LEVELS (default "0 1 2 3") are run as they are; RECOMPUTE (default "3")
+# also with every block recomputed in backward (examples/gpt --recompute 1).
+#
 # Prints one table; the ratios are against PyTorch DDP + ZeroRedundancyOptimizer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RANKS=${RANKS:-2}
 STEPS=${STEPS:-8}
-LEVELS=${LEVELS:-"0 1 2"}
+LEVELS=${LEVELS:-"0 1 2 3"}
+RECOMPUTE=${RECOMPUTE:-"3"}   # levels also run with every block recomputed (--recompute 1)
 SHAPE="--layers 12 --heads 12 --embd 768 --context 64 --batch 4 --vocab 50257"
 PY=/usr/bin/python3
 out=$(mktemp -d)
@@ -24,11 +28,13 @@ trap 'rm -rf "$out"' EXIT
 
 # dtrain: eval at the last step only, no sample; the ms/step it reports is
 # the training steps' (from step 6 on)
-for z in $LEVELS; do
+dt_run() {   # LOG ZERO RECOMPUTE
     OPENBLAS_NUM_THREADS=1 $PY tests/bench/pss_peak.py -- build/gpt --ranks "$RANKS" --threads 1 \
-        --zero "$z" $SHAPE --steps "$STEPS" --eval-every "$STEPS" --eval-batches 1 --sample 0 \
-        > "$out/dt$z.log" 2>&1 || { cat "$out/dt$z.log"; exit 1; }
-done
+        --zero "$2" --recompute "$3" $SHAPE --steps "$STEPS" --eval-every "$STEPS" --eval-batches 1 \
+        --sample 0 > "$out/$1.log" 2>&1 || { cat "$out/$1.log"; exit 1; }
+}
+for z in $LEVELS; do dt_run "dt$z" "$z" 0; done
+for z in $RECOMPUTE; do dt_run "dtr$z" "$z" 1; done
 for z in 0 1; do
     OMP_NUM_THREADS=1 $PY tests/bench/pss_peak.py -- $PY tests/bench/bench_zero_torch.py \
         --ranks "$RANKS" --zero "$z" $SHAPE --steps "$STEPS" --threads 1 \
@@ -50,6 +56,9 @@ row "torch DDP" "$(field "$out/torch0.log" ms)" "$(field "$out/torch0.log" max_m
 row "torch DDP + ZeroRedundancyOpt" "$t_ms" "$t_mib"
 for z in $LEVELS; do
     row "dtrain DDP zero $z" "$(dt_ms "$out/dt$z.log")" "$(field "$out/dt$z.log" max_mib)"
+done
+for z in $RECOMPUTE; do
+    row "dtrain zero $z + recompute" "$(dt_ms "$out/dtr$z.log")" "$(field "$out/dtr$z.log" max_mib)"
 done
 for f in "$out"/dt*.log "$out"/torch*.log; do
     echo "# $(basename "$f"): $(grep '^pss ' "$f")"
