@@ -111,9 +111,11 @@ static void zero_note_lent(dt_ddp *d, int64_t floats)
         d->st.grad_bytes_peak = z->lent_bytes;
 }
 
-/* A free pool buffer of n to 2n floats (the smallest), or a new one;
- * -1 when out of memory.  grads: lent to a bucket's gradients (counted in
- * grad_bytes_peak), else a gather's staging. */
+/* A free pool buffer of n to 2n floats (the smallest), or a new one; with
+ * the table full, the smallest free one that holds n, else the smallest
+ * free one replaced by a new one (never a churn of allocations, never a
+ * refusal while one is free); -1 when out of memory.  grads: lent to a
+ * bucket's gradients (counted in grad_bytes_peak), else a gather's staging. */
 static int zero_pool_take(dt_ddp *d, int64_t n, int grads)
 {
     zero_state *z = Z(d);
@@ -123,10 +125,16 @@ static int zero_pool_take(dt_ddp *d, int64_t n, int grads)
         if (!z->pool[k].busy && z->pool[k].cap >= n && z->pool[k].cap <= 2 * n &&
             (best < 0 || z->pool[k].cap < z->pool[best].cap))
             best = k;
-    if (best < 0) {   /* a new buffer; the table full, a free one of another size makes way */
-        int slot = z->npool < d->nbuckets + ZERO_STAGING ? z->npool : -1;
-        for (int k = 0; slot < 0 && k < z->npool; k++)
-            slot = z->pool[k].busy ? -1 : k;
+    int full = z->npool == d->nbuckets + ZERO_STAGING, fit = -1;
+    for (int k = 0; best < 0 && full && k < z->npool; k++)   /* the table full: any size that fits */
+        if (!z->pool[k].busy && z->pool[k].cap >= n && (fit < 0 || z->pool[k].cap < z->pool[fit].cap))
+            fit = k;
+    best = best < 0 ? fit : best;
+    if (best < 0) {   /* a new buffer; the table full, the smallest free one makes way */
+        int slot = full ? -1 : z->npool;
+        for (int k = 0; full && k < z->npool; k++)
+            if (!z->pool[k].busy && (slot < 0 || z->pool[k].cap < z->pool[slot].cap))
+                slot = k;
         if (slot < 0)
             return -1;   /* cannot happen: one a bucket, plus the gathers' */
         float *mem = d->be_iface->alloc(d->be, (size_t)(n ? n : 1) * sizeof(float));

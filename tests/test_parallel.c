@@ -217,6 +217,7 @@ typedef struct pipe_run {
     const int *first;          /* stage s holds layers [first[s], first[s+1]) */
     dt_pipe_config cfg;
     dt_comm *dp;               /* a DDP over these ranks (the hybrid), or NULL */
+    int zero;                  /* that DDP's sharding level (dt_ddp_config.zero) */
     int replica, replicas;     /* this one trains on its share of each batch */
     int profile;               /* profile the run and check the pipeline's part */
     dt_pipe_stats st;
@@ -260,7 +261,11 @@ static int pipe_train(dt_comm *c, pipe_run *r, const char *tag, mlp *part)
         return 11;
     dt_optim *opt = sgd(ctx, part);
     dt_pipe *p = opt ? dt_pipe_new(ctx, c, &r->cfg, mlp_stage, part) : NULL;
-    dt_ddp *ddp = p && r->dp ? dt_ddp_new(ctx, r->dp, opt, NULL) : NULL;
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.zero = r->zero;
+    dc.bucket_bytes = 1024;   /* zero 3: several units a stage */
+    dt_ddp *ddp = p && r->dp ? dt_ddp_new(ctx, r->dp, opt, r->zero ? &dc : NULL) : NULL;
     if (!p || (r->dp && !ddp))
         return 12;
     int rows = BATCH / r->replicas, r0 = r->replica * rows;
@@ -283,6 +288,8 @@ static int pipe_train(dt_comm *c, pipe_run *r, const char *tag, mlp *part)
     }
     if (code == 0 && (s == S - 1) != !isnan(r->loss))
         code = 15;   /* the loss is the last stage's */
+    if (code == 0 && ddp && dt_ddp_full_params(ddp) != DT_OK)
+        code = 19;   /* zero 3: whole to be read */
     for (int i = part->lo; i < part->hi && code == 0; i++) {
         char what[48];
         snprintf(what, sizeof what, "%s stage %d w%d", tag, s, i);
@@ -402,7 +409,10 @@ static void test_pipeline_four_stages(void **state)
 
 /* 2 stages x 2 data-parallel replicas on 4 ranks: pipelines {0,1} and
  * {2,3}, DDP groups {0,2} and {1,3}; each replica trains on half of each
- * batch, and the whole matches one rank on the whole batch. */
+ * batch, and the whole matches one rank on the whole batch.  With
+ * hybrid_zero the replicas of each stage shard its state (process groups
+ * under ZeRO). */
+static int hybrid_zero;
 static int job_hybrid(dt_comm *c, int rank, int world)
 {
     (void)world;
@@ -418,6 +428,7 @@ static int job_hybrid(dt_comm *c, int rank, int world)
     dt_pipe_config_init(&r.cfg);
     r.cfg.micro_batches = 3;
     r.dp = dp;
+    r.zero = hybrid_zero;
     r.replica = rank / 2;
     r.replicas = 2;
     int code = pipe_train(pipe, &r, "h", &part);
@@ -432,6 +443,18 @@ static void test_hybrid_pipeline_ddp(void **state)
     int codes[4];
     run_job(4, 20000, job_hybrid, codes, 120);
     expect_all_zero(4, codes, "2x2 hybrid");
+}
+
+static void test_hybrid_pipeline_zero(void **state)
+{
+    (void)state;
+    int codes[4];
+    for (hybrid_zero = 1; hybrid_zero <= 3; hybrid_zero++) {
+        run_job(4, 20000, job_hybrid, codes, 120);
+        expect_all_zero(4, codes, hybrid_zero == 1 ? "2x2 hybrid, zero 1"
+                                  : hybrid_zero == 2 ? "2x2 hybrid, zero 2" : "2x2 hybrid, zero 3");
+    }
+    hybrid_zero = 0;
 }
 
 /* --- pipeline errors ------------------------------------------------------- */
@@ -877,6 +900,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_pipeline_two_stages),
     cmocka_unit_test(test_pipeline_four_stages),
     cmocka_unit_test(test_hybrid_pipeline_ddp),
+    cmocka_unit_test(test_hybrid_pipeline_zero),
     cmocka_unit_test(test_tensor_parallel_mlp),
     cmocka_unit_test(test_pipeline_errors),
     /* last: with DTRAIN_BACKEND=cuda it starts CUDA in this process, and the
