@@ -481,6 +481,27 @@ zero_checks() {
             { echo "zero check: $z resumed reached $acc%, uninterrupted $ref%"; exit 1; }
         echo "zero check: saved by 3 ranks at zero 3, resumed with $z: $acc% (uninterrupted $ref%)"
     done
+    # Elastic restart of a sharded job: once epoch 1's sharded checkpoint is
+    # whole (its index written), a rank is killed; dtrun restarts the job,
+    # which resumes from it (--resume auto: dt_checkpoint_latest lists it).
+    local el=$t/elastic job dtrun_pid victim
+    mkdir -p "$el"
+    # shellcheck disable=SC2086
+    timeout -k 5 300 $BUILD/test/dtrun -n 3 --max-restarts 1 "$fast" --zero 3 $args \
+        --save "$el/ckpt/" --resume auto > "$el/out.log" 2> "$el/err.log" &
+    job=$!
+    for _ in $(seq 600); do [ -f "$el/ckpt/step-50/index.json" ] && break; sleep 0.1; done
+    dtrun_pid=$(children $job | head -1)
+    victim=$(children "${dtrun_pid:-0}" | head -1)
+    [ -n "$victim" ] && kill -9 "$victim"
+    wait $job || { echo "zero check: the restarted sharded job failed:"; tail -5 "$el/err.log" "$el/out.log"; exit 1; }
+    grep -q "restarting the job" "$el/err.log" && grep -q "resumed from $el/ckpt/step-" "$el/out.log" ||
+        { echo "zero check: the sharded job did not restart from its checkpoint:"; tail -5 "$el/err.log" "$el/out.log"; exit 1; }
+    acc=$(tail -1 "$el/out.log" | sed -n 's/.*test accuracy: \([0-9.]*\)%$/\1/p')
+    awk -v a="$acc" -v b="$ref" 'BEGIN { d = a - b; exit !(a != "" && d <= 0.3 && d >= -0.3) }' ||
+        { echo "zero check: the restarted sharded job reached $acc%, uninterrupted $ref%"; exit 1; }
+    echo "zero check: a rank of a zero 3 job killed; $(grep -o "resumed from [^ ]* at step [0-9]*" "$el/out.log" | head -1)," \
+         "test accuracy $acc% (uninterrupted $ref%)"
 }
 
 # Every module of src/ calls down only (tests/layers.py, docs/DESIGN.md).
