@@ -423,8 +423,13 @@ typedef struct json {
     int depth;
 } json;
 
+/* The longest tensor name a checkpoint holds: "optim.", a parameter's name
+ * (DT_MAX_NAME with its NUL), "." and a state's name, and in a shard "@"
+ * and a float offset (20 digits). */
+#define ST_MAX_KEY (DT_MAX_NAME + 48)
+
 typedef struct st_entry {
-    char name[DT_MAX_NAME + 16];
+    char name[ST_MAX_KEY];
     int dtype;           /* DT_F32, DT_BF16, DT_F16, or -1 for another type */
     int ndim;
     int64_t shape[DT_MAX_DIMS];
@@ -443,7 +448,7 @@ enum {
 
 /* A dtrain.crc32.<name> key, kept until the entries are known. */
 typedef struct st_crc {
-    char name[DT_MAX_NAME + 16];
+    char name[ST_MAX_KEY];
     uint32_t crc;
 } st_crc;
 
@@ -462,7 +467,7 @@ typedef struct st_file {
     int n_crc, cap_crc;
     char *val;                 /* scratch for one metadata value (the header's length) */
     size_t val_cap;
-    char why[DT_MAX_NAME + 96];   /* what was wrong with the metadata */
+    char why[ST_MAX_KEY + 96];    /* what was wrong with the metadata */
     const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
     char want_val[4096];
     int found;
@@ -7002,7 +7007,7 @@ static int meta_crc(const char *s, uint32_t *out)
 
 static int meta_bad(st_file *f, const char *key, const char *what)
 {
-    snprintf(f->why, sizeof f->why, "metadata '%.*s' %s", DT_MAX_NAME + 16, key, what);
+    snprintf(f->why, sizeof f->why, "metadata '%.*s' %s", ST_MAX_KEY + 16, key, what);
     return 0;
 }
 
@@ -7090,7 +7095,7 @@ static int st_metadata(json *j, st_file *f)
     if (js_char(j, '}'))
         return 1;
     do {
-        char key[DT_MAX_NAME + 48];
+        char key[ST_MAX_KEY + 16];   /* "dtrain.crc32." and a tensor's name */
         if (!js_string(j, key, sizeof key) || !js_char(j, ':') ||
             !js_string(j, f->val, f->val_cap))
             return 0;
@@ -7115,7 +7120,7 @@ static int st_parse(dt_ctx *ctx, const char *hdr, size_t len, st_file *f)
     if (js_char(&j, '}'))
         goto tail;
     do {
-        char key[DT_MAX_NAME + 16];
+        char key[ST_MAX_KEY];
         if (!js_string(&j, key, sizeof key) || !js_char(&j, ':'))
             return 0;
         if (strcmp(key, "__metadata__") == 0) {
@@ -7595,7 +7600,7 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
     int total = ctx->n_params + nx + nstate;
     const st_entry **map = NULL;
     int64_t *psteps = NULL;
-    char key[DT_MAX_NAME + 16];
+    char key[ST_MAX_KEY];
     dt_status s = st_open(ctx, path, &buf, &len, &f, &hlen);
     if (s != DT_OK)
         goto done;
@@ -7806,7 +7811,7 @@ typedef struct shard_index {
 /* A tensor the shards hold pieces of: a parameter or an optimizer state
  * ("optim.<state name>"), and where a load puts it. */
 typedef struct shard_base {
-    char name[DT_MAX_NAME + 16];
+    char name[ST_MAX_KEY];
     int64_t numel;
     dt_tensor *t;              /* destination, or NULL: not loaded */
     int64_t lo, hi;            /* the floats of the whole wanted there */
@@ -8342,7 +8347,7 @@ static dt_status plan_dests(ckpt_plan *pl, const int64_t *plo, const int64_t *pn
         pl->opt_steps[i] = pl->ix.opt_steps[found];
         for (int j = 0; j < o->per; j++) {
             dt_tensor *t = o->state[i * o->per + j];
-            char name[DT_MAX_NAME + 16];
+            char name[ST_MAX_KEY];
             snprintf(name, sizeof name, "optim.%s", t->name);
             int b = plan_base_find(pl, name);
             if (b < 0)
@@ -8519,7 +8524,7 @@ static dt_status consolidate_tensors(ckpt_plan *pl)
     for (int b = 0; b < pl->nbase; b++) {
         const shard_param *q = b < pl->ix.n ? &pl->ix.p[b] : NULL;
         if (!q) {   /* a state: its parameter's shape */
-            char name[DT_MAX_NAME + 16];
+            char name[ST_MAX_KEY];
             snprintf(name, sizeof name, "%s", pl->base[b].name + 6);
             *strrchr(name, '.') = '\0';
             q = &pl->ix.p[plan_base_find(pl, name)];

@@ -413,8 +413,13 @@ typedef struct json {
     int depth;
 } json;
 
+/* The longest tensor name a checkpoint holds: "optim.", a parameter's name
+ * (DT_MAX_NAME with its NUL), "." and a state's name, and in a shard "@"
+ * and a float offset (20 digits). */
+#define ST_MAX_KEY (DT_MAX_NAME + 48)
+
 typedef struct st_entry {
-    char name[DT_MAX_NAME + 16];
+    char name[ST_MAX_KEY];
     int dtype;           /* DT_F32, DT_BF16, DT_F16, or -1 for another type */
     int ndim;
     int64_t shape[DT_MAX_DIMS];
@@ -433,7 +438,7 @@ enum {
 
 /* A dtrain.crc32.<name> key, kept until the entries are known. */
 typedef struct st_crc {
-    char name[DT_MAX_NAME + 16];
+    char name[ST_MAX_KEY];
     uint32_t crc;
 } st_crc;
 
@@ -452,7 +457,7 @@ typedef struct st_file {
     int n_crc, cap_crc;
     char *val;                 /* scratch for one metadata value (the header's length) */
     size_t val_cap;
-    char why[DT_MAX_NAME + 96];   /* what was wrong with the metadata */
+    char why[ST_MAX_KEY + 96];    /* what was wrong with the metadata */
     const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
     char want_val[4096];
     int found;

@@ -1046,6 +1046,43 @@ static void test_ckpt_load_directory(void **state)
     tu_rmdir(dir);
 }
 
+/* The longest name a parameter may have (127 characters), with Adam's
+ * state ("optim.<name>.exp_avg_sq", 144 characters): saved and loaded. */
+static void test_ckpt_long_names(void **state)
+{
+    (void)state;
+    char dir[64], path[128], name[DT_MAX_NAME];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/long.safetensors", dir);
+    memset(name, 'p', sizeof name - 1);
+    name[sizeof name - 1] = '\0';
+    float want[4] = {1, -2, 3, -4}, got[4];
+    dt_ctx *ctx[2];
+    dt_optim *opt[2];
+    dt_tensor *w[2];
+    for (int k = 0; k < 2; k++) {
+        ctx[k] = tu_ctx_new();
+        w[k] = tu_param(ctx[k], name, SHP(4), k ? NULL : want);
+        dt_optim_config oc;
+        dt_optim_config_init(&oc, DT_ADAM);
+        opt[k] = dt_optim_new(ctx[k], &oc, NULL, 0);
+        tu_check(ctx[k], opt[k], "optim");
+    }
+    tu_check_status(ctx[0], dt_backward(ctx[0], dt_sum(ctx[0], w[0])), "backward");
+    tu_check_status(ctx[0], dt_optim_step(opt[0]), "step");
+    tu_check_status(ctx[0], dt_tensor_get(w[0], want, 4), "get");
+    tu_check_status(ctx[0], dt_checkpoint_save(ctx[0], opt[0], path, 1), "save");
+    tu_check_status(ctx[1], dt_checkpoint_load(ctx[1], opt[1], path, NULL), "load");
+    tu_check_status(ctx[1], dt_tensor_get(w[1], got, 4), "get");
+    assert_memory_equal(want, got, sizeof want);
+    assert_int_equal(dt_optim_steps(opt[1]), 1);
+    for (int k = 0; k < 2; k++) {
+        dt_optim_free(opt[k]);
+        dt_ctx_free(ctx[k]);
+    }
+    tu_rmdir(dir);
+}
+
 /* A checkpoint of a context with other parameters: mismatch, no change. */
 static void test_ckpt_mismatched_model(void **state)
 {
@@ -1323,6 +1360,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ckpt_corrupt_entries),
     cmocka_unit_test(test_ckpt_mismatched_model),
     cmocka_unit_test(test_ckpt_load_directory),
+    cmocka_unit_test(test_ckpt_long_names),
     cmocka_unit_test(test_ckpt_16bit),
     cmocka_unit_test(test_ckpt_metadata),
     cmocka_unit_test(test_ckpt_non_strict),
