@@ -440,7 +440,32 @@ gpt_checks() {
         /usr/bin/python3 tests/compare_safetensors.py $t/gpt_2.safetensors $t/gpt_z$z.safetensors 1e-6 ||
             { echo "gpt check: --zero $z differs from DDP"; exit 1; }
     done
+    gpt_half_checks "$g"
     echo "gpt checks: ok"
+}
+
+# bf16 parameters with f32 masters (--params bf16) and bf16 moments: 2 ranks
+# at zero 3 learn as autocast bf16 alone does (below 3.6 at step 80, where
+# gpt_amp_check holds bf16); and, where Debian's python3-torch is installed
+# (the benchmarks install it), 20 steps against torch.autocast's on the same
+# weights and batches (tests/gpt_crosscheck.py --bf16: losses within 1%,
+# parameters within 5 lr, the distance of torch's own f32 run).
+gpt_half_checks() {
+    local g=$1 out vl
+    out=$(OPENBLAS_NUM_THREADS=1 timeout -k 5 300 "$g" --steps 80 --eval-every 40 --eval-batches 8 \
+          --sample 0 --ranks 2 --batch 6 --zero 3 --params bf16 --moments bf16 --amp bf16) ||
+        { echo "$out" | tail -5; echo "gpt check: --zero 3 --params bf16 --moments bf16 failed"; exit 1; }
+    vl=$(echo "$out" | sed -n 's/^step 80: .*val loss \([0-9.]*\).*/\1/p')
+    awk -v a="$vl" 'BEGIN { exit !(a != "" && a < 3.6) }' ||
+        { echo "$out" | tail -3; echo "gpt check: bf16 parameters at zero 3: validation loss '$vl'"; exit 1; }
+    echo "gpt check: 2 ranks, zero 3, bf16 parameters (f32 masters) and moments: validation loss $vl at step 80"
+    if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+        out=$(/usr/bin/python3 tests/gpt_crosscheck.py "$g" --bf16) ||
+            { echo "$out" | tail -4; echo "gpt check: bf16 parameters against torch.autocast"; exit 1; }
+        echo "gpt check: $(echo "$out" | tail -1)"
+    else
+        echo "gpt check: bf16 against torch.autocast skipped (no python3-torch; tests/bench/gpt.sh runs it)"
+    fi
 }
 
 # Sharded data parallelism end to end: the Fashion-MNIST MLP on 3 ranks

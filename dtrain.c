@@ -364,7 +364,11 @@ typedef struct optim_shard {
     int64_t lo, n;
     const float *grad;
     int used;
+    int master_only;           /* zero 3 with masters: the step updates the master alone (the
+                                  parameter's memory is not kept; its gathers round it) */
 } optim_shard;
+
+#define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
 struct dt_optim {
     dt_ctx *ctx;
@@ -379,6 +383,9 @@ struct dt_optim {
     dt_schedule sched;
     int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
                                    (momentum correction, src/ddp.c); the step must not again */
+    dt_tensor **master;         /* param_dtype 16-bit: each parameter's f32 master (whole, or
+                                   with shard its [lo, lo + n) as 1-D), else NULL */
+    float *scratch;             /* state_dtype 16-bit: OPTIM_CHUNK floats per state tensor */
     optim_shard *shard;         /* not NULL: a sharded DDP (src/zero.c) lent it; one per
                                    parameter: the range this rank steps */
     int orphaned;               /* its sharded DDP was freed: its state is a shard of a
@@ -714,6 +721,11 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
+DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
+DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);
+DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                            const int64_t *shape, const char *name,
+                                            const char *suffix, int lazy);
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                          const char *suffix, int lazy);
 
@@ -1176,6 +1188,10 @@ typedef struct zero_state {
     int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
     dt_work *pre_work;
     int pinned;                /* dt_ddp_full_params: all resident until the next step */
+    int *opt_index;            /* zero 3 with f32 masters (param_dtype 16-bit): per parameter
+                                  its index in opt, or -1; NULL without masters.  Then no
+                                  float of a parameter is kept between its uses: this rank's
+                                  part of a gather is its master rounded (zero_copy_part) */
 } zero_state;
 
 struct dt_ddp {
@@ -5908,8 +5924,32 @@ void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
     cfg->weight_decay = kind == DT_ADAMW ? 0.01f : 0.0f;
 }
 
+/* param_dtype and state_dtype: the precisions named, and the backend
+ * entries they need. */
+static dt_status check_optim_dtypes(dt_ctx *ctx, const dt_optim_config *c)
+{
+    if (c->param_dtype != DT_F32 && c->param_dtype != DT_BF16 && c->param_dtype != DT_F16)
+        return set_error(ctx, DT_EINVAL, "optim: param_dtype %d must be DT_F32, DT_BF16 or DT_F16",
+                         (int)c->param_dtype);
+    if (c->state_dtype == DT_F16)
+        return set_error(ctx, DT_ENOTSUP, "optim: state_dtype DT_F16 is refused: f16's range "
+                         "flushes a squared gradient below 2^-24 to zero (use DT_BF16)");
+    if (c->state_dtype != DT_F32 && c->state_dtype != DT_BF16)
+        return set_error(ctx, DT_EINVAL, "optim: state_dtype %d must be DT_F32 or DT_BF16",
+                         (int)c->state_dtype);
+    if (c->param_dtype != DT_F32 && !BE(ctx)->round_prec)
+        return set_error(ctx, DT_ENOTSUP, "optim: the %s backend cannot round to 16 bits "
+                         "(no round_prec) for param_dtype", ctx->be_iface->name);
+    if (c->state_dtype != DT_F32 && (!BE(ctx)->to_half || !BE(ctx)->from_half))
+        return set_error(ctx, DT_ENOTSUP, "optim: the %s backend has no 16-bit storage "
+                         "(to_half, from_half) for state_dtype", ctx->be_iface->name);
+    return DT_OK;
+}
+
 static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
 {
+    if (check_optim_dtypes(ctx, c) != DT_OK)
+        return ctx->last_status;
     if (c->kind != DT_SGD && c->kind != DT_ADAM && c->kind != DT_ADAMW && c->kind != DT_ADAGRAD)
         return set_error(ctx, DT_EINVAL, "optim: unknown kind %d", (int)c->kind);
     if (!(c->lr >= 0) || !(c->weight_decay >= 0))
@@ -5941,21 +5981,28 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
  * only then (T_ZERO: tensor_materialize), so state that a sharded DDP
  * replaces at once, or that a checkpoint load overwrites, never costs its
  * memory (PyTorch too creates its state at the first step). */
-static dt_tensor *optim_state_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                                     const char *suffix)
+static dt_tensor *optim_state_tensor(const dt_optim *o, int ndim, const int64_t *shape,
+                                     const char *name, const char *suffix)
 {
-    return optim_owned_tensor(ctx, ndim, shape, name, suffix, 1);
+    return optim_owned_tensor_as(o->ctx, o->cfg.state_dtype, ndim, shape, name, suffix, 1);
 }
 
-/* A persistent tensor owned by an object other than the context (lazy:
- * left unwritten, logically zero). */
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                const char *suffix, int lazy)
+{
+    return optim_owned_tensor_as(ctx, DT_F32, ndim, shape, name, suffix, lazy);
+}
+
+/* A persistent tensor of dtype owned by an object other than the context
+ * (lazy: left unwritten, logically zero). */
+DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                            const int64_t *shape, const char *name,
+                                            const char *suffix, int lazy)
 {
     dt_tensor *t = host_alloc(ctx, sizeof *t);
     if (!t)
         return NULL;
-    tensor_header_init(t, ctx, DT_F32, ndim, shape);
+    tensor_header_init(t, ctx, dtype, ndim, shape);
     size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
     t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
     t->name = host_alloc(ctx, nl);
@@ -5972,6 +6019,39 @@ DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *s
     t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
     ctx->persistent_bytes += bytes;
     return t;
+}
+
+/* The precision a 16-bit dtype rounds to. */
+static dt_precision optim_prec(dt_dtype t)
+{
+    return t == DT_BF16 ? DT_PREC_BF16 : t == DT_F16 ? DT_PREC_F16 : DT_PREC_F32;
+}
+
+/* param_dtype 16-bit: each parameter's f32 value becomes its master and
+ * the parameter holds it rounded; state_dtype 16-bit: the scratch the
+ * moments are widened into, OPTIM_CHUNK floats per state tensor. */
+static dt_status optim_make_masters(dt_optim *o)
+{
+    dt_ctx *ctx = o->ctx;
+    if (o->cfg.state_dtype != DT_F32 && o->per > 0 &&
+        !(o->scratch = ctx->be_iface->alloc(ctx->be, sizeof(float) * OPTIM_CHUNK * (size_t)o->per)))
+        return DT_ENOMEM;
+    if (o->cfg.param_dtype == DT_F32)
+        return DT_OK;
+    if (!(o->master = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(o->n + 1))))
+        return DT_ENOMEM;
+    for (int i = 0; i < o->n; i++) {
+        dt_tensor *p = o->params[i];
+        if (!(o->master[i] = optim_owned_tensor(ctx, p->ndim, p->shape, p->name, ".master", 1)))
+            return DT_ENOMEM;
+        tensor_materialize(p);
+        tensor_materialize(o->master[i]);
+        o->master[i]->flags &= ~(unsigned)T_ZERO;
+        ctx->be_iface->copy(ctx->be, o->master[i]->data, p->data, tensor_bytes(p));
+        BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), dt_tensor_numel(p), FP(p),
+                            FP(p));
+    }
+    return DT_OK;
 }
 
 dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
@@ -6023,7 +6103,7 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
         o->params[i] = src[i];
         for (int j = 0; j < o->per; j++) {
             dt_tensor *p = src[i];
-            dt_tensor *st = optim_state_tensor(ctx, p->ndim, p->shape, p->name,
+            dt_tensor *st = optim_state_tensor(o, p->ndim, p->shape, p->name,
                                                suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
                                                                                ? 2 : 1][j]);
             if (!st)
@@ -6031,6 +6111,8 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
             o->state[i * o->per + j] = st;
         }
     }
+    if (optim_make_masters(o) != DT_OK)
+        goto fail;
     return o;
 fail:
     dt_optim_free(o);
@@ -6043,16 +6125,22 @@ void dt_optim_free(dt_optim *o)
     if (!o)
         return;
     dt_ctx *ctx = o->ctx;
+    if (ctx->hook_user)   /* first: a zero 3 DDP takes the parameters back from the masters */
+        ctx->grad_hooks->optim_freed(ctx->hook_user, o);
     if (o->state)
         for (int i = 0; i < o->n * o->per; i++)
             if (o->state[i])
                 tensor_destroy(ctx, o->state[i]);
     host_free(ctx, o->state);
+    for (int i = 0; o->master && i < o->n; i++)
+        if (o->master[i])
+            tensor_destroy(ctx, o->master[i]);
+    host_free(ctx, o->master);
+    if (o->scratch)
+        ctx->be_iface->free(ctx->be, o->scratch);
     host_free(ctx, o->params);
     host_free(ctx, o->param_steps);
     host_free(ctx, o->shard);
-    if (ctx->hook_user)
-        ctx->grad_hooks->optim_freed(ctx->hook_user, o);
     host_free(ctx, o);
 }
 
@@ -6116,23 +6204,90 @@ dt_status dt_optim_step(dt_optim *o)
     return s;
 }
 
-/* One parameter's update: cnt elements from p, g and the state tensors'
- * own first element (the whole parameter, or a shard of it). */
-static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float *g, int64_t t)
+/* The kernel of one update over cnt elements of p and g with f32 state s0,
+ * s1 (NULL where the kind has fewer). */
+static void optim_kernel(dt_optim *o, int64_t cnt, float *p, const float *g, float *s0, float *s1,
+                         int64_t t)
 {
     dt_ctx *ctx = o->ctx;
     const dt_optim_config *c = &o->cfg;
     if (c->kind == DT_SGD) {
-        float *buf = o->per ? FP(o->state[i]) : NULL;
-        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, buf, o->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
+        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, s0, o->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
                             c->dampening, c->nesterov, c->weight_decay, t == 1);
     } else if (c->kind == DT_ADAGRAD) {
-        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, FP(o->state[i]), o->lr, c->eps, c->weight_decay);
+        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, s0, o->lr, c->eps, c->weight_decay);
     } else {
         float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
-        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, FP(o->state[2 * i]), FP(o->state[2 * i + 1]), o->lr,
-                             c->beta1, c->beta2, c->eps, c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
+        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, s0, s1, o->lr, c->beta1, c->beta2, c->eps,
+                             c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
     }
+}
+
+/* One parameter's update: cnt elements from p, g and the state tensors'
+ * own first element (the whole parameter, or a shard of it).  bf16 state
+ * is widened OPTIM_CHUNK floats at a time into the scratch, updated in
+ * f32 by the same kernel, and rounded back (to nearest even). */
+static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float *g, int64_t t)
+{
+    dt_ctx *ctx = o->ctx;
+    dt_tensor *t0 = o->per > 0 ? o->state[i * o->per] : NULL;
+    dt_tensor *t1 = o->per > 1 ? o->state[i * o->per + 1] : NULL;
+    if (o->cfg.state_dtype == DT_F32 || !t0) {
+        optim_kernel(o, cnt, p, g, t0 ? FP(t0) : NULL, t1 ? FP(t1) : NULL, t);
+        return;
+    }
+    uint16_t *h0 = t0->data, *h1 = t1 ? t1->data : NULL;
+    float *w0 = o->scratch, *w1 = t1 ? o->scratch + OPTIM_CHUNK : NULL;
+    for (int64_t a = 0; a < cnt; a += OPTIM_CHUNK) {
+        int64_t m = cnt - a < OPTIM_CHUNK ? cnt - a : OPTIM_CHUNK;
+        BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h0 + a, w0);
+        if (h1)
+            BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h1 + a, w1);
+        optim_kernel(o, m, p + a, g + a, w0, w1, t);
+        BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w0, h0 + a);
+        if (h1)
+            BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w1, h1 + a);
+    }
+}
+
+/* A host-visible parameter written since the last step (its value is no
+ * longer its master rounded: a checkpoint loaded without the optimizer,
+ * dt_tensor_set) gives its master that value, element by element, so the
+ * step never undoes the caller's write.  Device backends: not checked. */
+static void optim_master_adopt(dt_optim *o, float *m, const float *p, int64_t n)
+{
+    if (!o->ctx->be_iface->host_visible)
+        return;
+    int bf = o->cfg.param_dtype == DT_BF16;
+    for (int64_t k = 0; k < n; k++) {
+        float r = bf ? round_bf16(m[k]) : round_f16(m[k]);
+        if (memcmp(&r, &p[k], sizeof r) != 0)
+            m[k] = p[k];
+    }
+}
+
+/* Parameter i's update, of its master when it has one (then rounded into
+ * the parameter): the shard [lo, lo + n) when sharded, else the whole. */
+static void optim_update_param(dt_optim *o, int i, const float *g, int64_t t)
+{
+    dt_ctx *ctx = o->ctx;
+    dt_tensor *p = o->params[i];
+    const optim_shard *sh = o->shard ? &o->shard[i] : NULL;
+    int64_t lo = sh ? sh->lo : 0, n = sh ? sh->n : dt_tensor_numel(p);
+    if (n <= 0)
+        return;
+    if (!o->master) {
+        optim_update(o, i, n, FP(p) + lo, g, t);
+        return;
+    }
+    float *m = FP(o->master[i]);
+    if (sh && sh->master_only) {
+        optim_update(o, i, n, m, g, t);
+        return;
+    }
+    optim_master_adopt(o, m, FP(p) + lo, n);
+    optim_update(o, i, n, m, g, t);
+    BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), n, m, FP(p) + lo);
 }
 
 static dt_status optim_step_run(dt_optim *o)
@@ -6153,15 +6308,63 @@ static dt_status optim_step_run(dt_optim *o)
         int64_t t = ++o->param_steps[i];
         for (int j = 0; j < o->per; j++)   /* zero it now, if never written */
             tensor_materialize(o->state[i * o->per + j]);
-        if (sh && sh->n > 0)
-            optim_update(o, i, sh->n, FP(p) + sh->lo, sh->grad, t);
-        else if (!sh)
-            optim_update(o, i, shape_numel(p->ndim, p->shape), FP(p), FP(g), t);
+        optim_update_param(o, i, sh ? sh->grad : FP(g), t);
     }
     /* the ranks swap the shards they stepped (src/zero.c) */
     if (o->shard && ctx->hook_user && ctx->grad_hooks->after_step)
         return ctx->grad_hooks->after_step(ctx->hook_user, o);
     return DT_OK;
+}
+
+/* Parameter p's f32 master in o, or NULL (o NULL, or no masters). */
+DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p)
+{
+    for (int i = 0; o && o->master && i < o->n; i++)
+        if (o->params[i] == p)
+            return o->master[i];
+    return NULL;
+}
+
+/* After a checkpoint load wrote f32 values into the parameters: the
+ * masters take them (their shard's part), and the parameters hold them
+ * rounded: whole, or (whole 0: zero 3, the rest given back) the shard. */
+DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole)
+{
+    dt_ctx *ctx = o ? o->ctx : NULL;
+    for (int i = 0; o && o->master && i < o->n; i++) {
+        dt_tensor *p = o->params[i];
+        int64_t lo = o->shard ? o->shard[i].lo : 0, n = dt_tensor_numel(o->master[i]);
+        if (n > 0)
+            ctx->be_iface->copy(ctx->be, o->master[i]->data, FP(p) + lo, (size_t)n * sizeof(float));
+        int64_t a = whole ? 0 : lo, e = whole ? dt_tensor_numel(p) : lo + n;
+        if (e > a)
+            BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), e - a, FP(p) + a,
+                                FP(p) + a);
+    }
+}
+
+/* The masters cut to [lo[i], lo[i] + n[i]) of each parameter (1-D, their
+ * values kept); all or nothing. */
+static dt_status optim_shard_masters(dt_optim *o, const int64_t *lo, const int64_t *n)
+{
+    dt_ctx *ctx = o->ctx;
+    if (!o->master)
+        return DT_OK;
+    dt_tensor **cut = host_calloc(ctx, sizeof *cut * (size_t)(o->n + 1));
+    int ok = cut != NULL;
+    for (int i = 0; ok && i < o->n; i++)
+        ok = (cut[i] = optim_owned_tensor(ctx, 1, &n[i], o->master[i]->name, "", 0)) != NULL;
+    for (int i = 0; cut && i < o->n; i++) {
+        if (ok && n[i] > 0)
+            ctx->be_iface->copy(ctx->be, cut[i]->data, FP(o->master[i]) + lo[i],
+                                (size_t)n[i] * sizeof(float));
+        if (cut[i])
+            tensor_destroy(ctx, ok ? o->master[i] : cut[i]);
+        if (ok)
+            o->master[i] = cut[i];
+    }
+    host_free(ctx, cut);
+    return ok ? DT_OK : DT_ENOMEM;
 }
 
 /* A sharded DDP (src/zero.c) keeps only elements [lo[i], lo[i] + n[i]) of
@@ -6177,9 +6380,11 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
     int ok = fresh && sh;
     for (int k = 0; ok && k < total; k++) {
         int64_t len = n[k / o->per];
-        fresh[k] = optim_state_tensor(ctx, 1, &len, o->state[k]->name, "");
+        fresh[k] = optim_state_tensor(o, 1, &len, o->state[k]->name, "");
         ok = fresh[k] != NULL;
     }
+    if (ok && optim_shard_masters(o, lo, n) != DT_OK)
+        ok = 0;
     if (!ok) {
         for (int k = 0; fresh && k < total; k++)
             if (fresh[k])
@@ -6188,12 +6393,14 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
         host_free(ctx, sh);
         return set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for the optimizer's shard");
     }
+    size_t es = dt_dtype_size(o->cfg.state_dtype);
     for (int k = 0; k < total; k++) {   /* state already written (a loaded checkpoint) stays */
         if (!(o->state[k]->flags & T_ZERO) && n[k / o->per] > 0) {
             tensor_materialize(fresh[k]);
             fresh[k]->flags &= ~(unsigned)T_ZERO;
-            ctx->be_iface->copy(ctx->be, fresh[k]->data, FP(o->state[k]) + lo[k / o->per],
-                                (size_t)n[k / o->per] * sizeof(float));
+            ctx->be_iface->copy(ctx->be, fresh[k]->data,
+                                (char *)o->state[k]->data + (size_t)lo[k / o->per] * es,
+                                (size_t)n[k / o->per] * es);
         }
         tensor_destroy(ctx, o->state[k]);
         o->state[k] = fresh[k];
@@ -6478,8 +6685,10 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_ite
                       char **names)
 {
     int n = 0;
-    for (int i = 0; i < ctx->n_params; i++)
-        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i], store, 0, -1};
+    for (int i = 0; i < ctx->n_params; i++) {   /* a parameter's master when it has one */
+        dt_tensor *m = optim_master_of(opt, ctx->params[i]);
+        items[n++] = (ckpt_item){ctx->params[i]->name, m ? m : ctx->params[i], store, 0, -1};
+    }
     for (int i = 0; i < ctx->n_ckpt_extra; i++)
         items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32, 0, -1};
     if (opt) {
@@ -6611,6 +6820,44 @@ static dt_status write_all(dt_ctx *ctx, FILE *f, const void *p, size_t n, const 
 }
 
 /* The length, the header and the data; crc[i]: item i's data checksum. */
+/* Elements [at, at + n) of t as f32 into stage (4n bytes, f32 LE on
+ * x86/arm): a 16-bit tensor (bf16 optimizer state) is copied, then
+ * widened in place from the back, where no value is overwritten before it
+ * is read. */
+static void ckpt_get(dt_ctx *ctx, dt_tensor *t, int64_t at, int64_t n, void *stage)
+{
+    tensor_materialize(t);
+    size_t es = dt_dtype_size(t->dtype);
+    BE(ctx)->to_host(BEI(ctx), stage, (char *)t->data + (size_t)at * es, (size_t)n * es);
+    if (t->dtype == DT_F32)
+        return;
+    const uint16_t *h = stage;
+    float *f = stage;
+    for (int64_t k = n - 1; k >= 0; k--)
+        f[k] = t->dtype == DT_BF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
+}
+
+/* n f32 values at src (any alignment) into t's elements [at, at + n), in
+ * t's dtype (rounded to nearest even for 16-bit state). */
+static dt_status ckpt_put(dt_ctx *ctx, dt_tensor *t, int64_t at, const unsigned char *src, int64_t n)
+{
+    if (t->dtype == DT_F32) {
+        BE(ctx)->to_device(BEI(ctx), FP(t) + at, src, (size_t)n * 4);
+        return DT_OK;
+    }
+    uint16_t *h = host_alloc(ctx, sizeof *h * (size_t)(n ? n : 1));
+    if (!h)
+        return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+    for (int64_t k = 0; k < n; k++) {
+        float v;
+        memcpy(&v, src + 4 * k, 4);
+        h[k] = t->dtype == DT_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+    }
+    BE(ctx)->to_device(BEI(ctx), (uint16_t *)t->data + at, h, (size_t)n * 2);
+    host_free(ctx, h);
+    return DT_OK;
+}
+
 static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf *hdr,
                             const ckpt_item *items, int n, uint32_t *crc)
 {
@@ -6630,9 +6877,7 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
     for (int i = 0; s == DT_OK && i < n; i++) {
         dt_tensor *t = items[i].t;
         int64_t cnt = item_numel(&items[i]);
-        tensor_materialize(t);
-        BE(ctx)->to_host(BEI(ctx), stage, (float *)t->data + (items[i].cnt >= 0 ? items[i].off : 0),
-                         (size_t)cnt * 4);  /* f32 LE on x86/arm */
+        ckpt_get(ctx, t, items[i].cnt >= 0 ? items[i].off : 0, cnt, stage);
         uint16_t *h = stage;   /* 16-bit storage: rounded in place, front to back */
         for (int64_t k = 0; items[i].store != DT_F32 && k < cnt; k++)
             h[k] = items[i].store == DT_BF16 ? f32_to_bf16(((float *)stage)[k])
@@ -7541,10 +7786,10 @@ static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const uns
         }
         src = (const unsigned char *)wide;
     }
-    BE(ctx)->to_device(BEI(ctx), t->data, src, tensor_bytes(t));
+    dt_status s = ckpt_put(ctx, t, 0, src, n);
     t->flags &= ~(unsigned)T_ZERO;
     host_free(ctx, wide);
-    return DT_OK;
+    return s;
 }
 
 static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out);
@@ -7649,6 +7894,7 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
         opt->steps = f.optim_steps;
         memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
         opt->lr = opt->base_lr = f.optim_lr;
+        optim_masters_from_params(opt, 1);
     }
     if (s == DT_OK && step_out)
         *step_out = f.step;
@@ -7900,9 +8146,10 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
         int oi = -1;
         for (int i = 0; opt && i < opt->n && oi < 0; i++)
             oi = opt->params[i] == p ? i : -1;
+        dt_tensor *m = optim_master_of(opt, p);   /* saved in its parameter's place */
         for (int j = -1; s == DT_OK && j < (oi >= 0 ? per : 0); j++) {
-            dt_tensor *t = j < 0 ? p : opt->state[oi * per + j];
-            int64_t off = lo[k] - (j >= 0 && opt->shard ? opt->shard[oi].lo : 0);
+            dt_tensor *t = j < 0 ? (m ? m : p) : opt->state[oi * per + j];
+            int64_t off = lo[k] - ((j >= 0 || m) && opt->shard ? opt->shard[oi].lo : 0);
             size_t len = strlen(t->name) + 32;
             if (off < 0 || off + n[k] > dt_tensor_numel(t)) {
                 s = set_error(ctx, DT_EINVAL, "ddp_checkpoint_save: the optimizer's shard of '%s' "
@@ -7910,8 +8157,8 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
             } else if (!(names[total] = host_alloc(ctx, len))) {
                 s = set_error(ctx, DT_ENOMEM, "ddp_checkpoint_save: out of memory");
             } else {
-                snprintf(names[total], len, "%s%s@%lld", j < 0 ? "" : "optim.", t->name,
-                         (long long)lo[k]);
+                snprintf(names[total], len, "%s%s@%lld", j < 0 ? "" : "optim.",
+                         j < 0 ? p->name : t->name, (long long)lo[k]);
                 items[total] = (ckpt_item){names[total], t, DT_F32, off, n[k]};
                 total++;
             }
@@ -8452,18 +8699,18 @@ static int plan_file_needed(const ckpt_plan *pl, int r)
     return 0;
 }
 
-static void plan_copy_file(ckpt_plan *pl, int r, const unsigned char *data)
+static dt_status plan_copy_file(ckpt_plan *pl, int r, const unsigned char *data)
 {
-    dt_ctx *ctx = pl->ctx;
-    for (int i = 0; i < pl->npc; i++) {
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && i < pl->npc; i++) {
         const shard_piece *c = &pl->pc[i];
         const shard_base *b = &pl->base[c->base];
         int64_t a = c->lo > b->lo ? c->lo : b->lo, e = c->lo + c->n < b->hi ? c->lo + c->n : b->hi;
         if (c->file != r || !b->t || e <= a)
             continue;
-        BE(ctx)->to_device(BEI(ctx), (float *)b->t->data + (a - b->at),
-                           data + c->begin + (uint64_t)(a - c->lo) * 4, (size_t)(e - a) * 4);
+        s = ckpt_put(pl->ctx, b->t, a - b->at, data + c->begin + (uint64_t)(a - c->lo) * 4, e - a);
     }
+    return s;
 }
 
 /* Copy what the plan found into its destinations; each shard a rank needs
@@ -8485,7 +8732,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
         uint64_t hlen = 0;
         s = plan_open(pl, r, &f, &buf, &hlen);
         if (s == DT_OK)
-            plan_copy_file(pl, r, buf + 8 + hlen);
+            s = plan_copy_file(pl, r, buf + 8 + hlen);
         st_file_free(ctx, &f);
         host_free(ctx, buf);
     }
@@ -8511,6 +8758,8 @@ static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, 
         return ctx->last_status;
     dt_status s = ckpt_plan_apply(pl, step_out);
     ckpt_plan_free(pl);
+    if (s == DT_OK)
+        optim_masters_from_params(opt, 1);
     return s;
 }
 
@@ -18822,14 +19071,37 @@ typedef struct zero_copy {
     int to_flat;
 } zero_copy;
 
+/* Parameter k's floats [a, e) of the flat layout to flat (to_flat) or
+ * back.  To flat at zero 3 with masters (this rank's part of a gather):
+ * the master, rounded to the parameters' precision. */
 static void zero_copy_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
 {
     const zero_copy *c = arg;
+    zero_state *z = Z(d);
     float *p = FP(d->params[k]) + (a - d->offset[k]);
-    if (c->to_flat)
+    int i = c->to_flat && z->opt_index ? z->opt_index[k] : -1;
+    if (i >= 0) {
+        dt_optim *o = z->opt;
+        const float *m = FP(o->master[i]) + (a - d->offset[k] - o->shard[i].lo);
+        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        d->be_iface->round_prec(d->be, prec, e - a, m, c->flat + a);
+    } else if (c->to_flat && c->flat + a != p) {
         memcpy(c->flat + a, p, (size_t)(e - a) * sizeof(float));
-    else
+    } else if (!c->to_flat && c->flat + a != p) {
         memcpy(p, c->flat + a, (size_t)(e - a) * sizeof(float));
+    }
+}
+
+/* This rank's part of unit j into buf (which holds the unit's floats):
+ * before its all-gather.  In place without masters it is there already. */
+static void zero_own_in(dt_ddp *d, int j, float *buf)
+{
+    zero_state *z = Z(d);
+    const ddp_bucket *b = &d->buckets[j];
+    int64_t lo = b->offset + b->blocks[z->rank], hi = b->offset + b->blocks[z->rank + 1];
+    zero_copy c = {buf - b->offset, 1};
+    if (hi > lo)
+        zero_each_part(d, lo, hi, zero_copy_part, &c);
 }
 
 /* Floats [lo, hi) of the flat layout: our shard's part of the parameters
@@ -18917,7 +19189,7 @@ static void zero_discard_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     float *base = FP(d->params[k]);
     int64_t off = d->offset[k], n = dt_tensor_numel(d->params[k]);
     int64_t s0 = (z->lo > off ? z->lo : off) - off, s1 = (z->hi < off + n ? z->hi : off + n) - off;
-    if (s1 <= s0) {
+    if (s1 <= s0 || (z->opt_index && z->opt_index[k] >= 0)) {   /* masters: none kept */
         d->be_iface->discard(d->be, base, (size_t)n * sizeof(float));
         return;
     }
@@ -18985,11 +19257,8 @@ static void zero_prefetch(dt_ddp *d, int j)
         if ((k = zero_pool_take(d, b->numel, 0)) < 0)
             return;   /* no room: it will be gathered when needed */
         buf = z->pool[k].mem;
-        zero_copy c = {buf - b->offset, 1};
-        int64_t lo = b->offset + b->blocks[z->rank], hi = b->offset + b->blocks[z->rank + 1];
-        if (hi > lo)
-            zero_each_part(d, lo, hi, zero_copy_part, &c);
     }
+    zero_own_in(d, j, buf);
     z->pre_work = comm_enqueue_in(d->comm, COLL_ALLGATHER_V, buf, NULL, b->numel, 0, DT_REDUCE_SUM,
                                   b->blocks);
     if (!z->pre_work) {
@@ -19015,6 +19284,8 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
         return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory to gather %lld parameter floats",
                          (long long)b->numel);
     double t0 = dt_now();
+    if (home)
+        zero_own_in(d, j, home);
     dt_status s = home ? comm_run_in(d->comm, COLL_ALLGATHER_V, home, NULL, b->numel, 0,
                                      DT_REDUCE_SUM, b->blocks)
                        : zero_gather_span(d, z->pool[k].mem, b->offset, b->offset,
@@ -19169,8 +19440,17 @@ static dt_status zero_shard_optim(dt_ddp *d)
     for (int i = 0; s == DT_OK && i < o->n; i++) {
         int64_t a = d->offset[o->params[i]->param_index] + lo[i];
         o->shard[i].grad = z->level == 1 ? z->flat + a : z->shard_grad + (a - z->lo);
+        o->shard[i].master_only = z->level == 3 && o->master;
     }
     host_free(d->ctx, lo);
+    if (s == DT_OK && z->level == 3 && o->master) {
+        if (!(z->opt_index = host_calloc(d->ctx, sizeof(int) * (size_t)(d->nparams + 1))))
+            return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory");
+        for (int k = 0; k < d->nparams; k++)
+            z->opt_index[k] = -1;
+        for (int i = 0; i < o->n; i++)
+            z->opt_index[o->params[i]->param_index] = i;
+    }
     if (s == DT_OK)
         z->opt = o;
     return s;
@@ -19334,6 +19614,7 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     host_free(ctx, z->pool);
     host_free(ctx, z->unit_of);
     host_free(ctx, z->by_addr);
+    host_free(ctx, z->opt_index);
     host_free(ctx, z->alone);
     host_free(ctx, z->resident);
     host_free(ctx, z->last);
@@ -19344,11 +19625,23 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     d->set[0] = d->set[1] = NULL;
 }
 
-/* The optimizer is being freed: nothing to mark later. */
+/* The optimizer is being freed: nothing to mark later.  Zero 3 with
+ * masters: the parameters' shards live only in them, so each master,
+ * rounded, goes back into its parameter's own floats, kept from then on. */
 DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o)
 {
-    if (d->z && d->z->opt == o)
-        d->z->opt = NULL;
+    zero_state *z = d->z;
+    if (!z || z->opt != o)
+        return;
+    for (int i = 0; z->opt_index && i < o->n; i++) {
+        const optim_shard *sh = &o->shard[i];
+        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        if (sh->n > 0)
+            d->be_iface->round_prec(d->be, prec, sh->n, FP(o->master[i]), FP(o->params[i]) + sh->lo);
+    }
+    host_free(d->ctx, z->opt_index);
+    z->opt_index = NULL;
+    z->opt = NULL;
 }
 
 /* --- sharded checkpoints --------------------------------------------------- */
@@ -19471,6 +19764,8 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     }
     s = ckpt_plan_apply(pl, step_out);
     ckpt_plan_free(pl);
+    if (s == DT_OK)   /* the parameters got f32 values: the masters' now */
+        optim_masters_from_params(opt, !level3);
     if (s == DT_OK && level3)   /* whole units now hold floats from before the load */
         s = zero_evict_all(d);
     return zero_ckpt_agree(d, op, s);
@@ -20626,7 +20921,27 @@ DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx)
     return ctx->grad_hooks == &ddp_grad_hooks ? ctx->hook_user : NULL;
 }
 
-/* Rank 0's parameter values to every rank, packed through set 0. */
+/* Rank 0's f32 masters (param_dtype 16-bit, src/optim.c) to every rank,
+ * one tensor at a time through stage (host memory as large as the largest
+ * parameter, or NULL: the masters are host memory). */
+static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
+{
+    dt_optim *o = d->opt;
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && o && o->master && i < o->n; i++) {
+        dt_tensor *m = o->master[i];
+        float *buf = stage ? stage : FP(m);
+        if (stage)
+            be_to_host(d->ctx, stage, m->data, tensor_bytes(m));
+        s = dt_broadcast(d->comm, buf, dt_tensor_numel(m), 0);
+        if (s == DT_OK && stage)
+            be_to_device(d->ctx, m->data, stage, tensor_bytes(m));
+    }
+    return s;
+}
+
+/* Rank 0's parameter values to every rank, packed through set 0; and its
+ * masters, so every rank steps the same f32 values. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
     float *stage = d->set[0];
@@ -20634,7 +20949,7 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
             s = dt_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
-        return s;
+        return s == DT_OK ? ddp_broadcast_masters(d, NULL) : s;
     }
     for (int i = 0; i < d->nparams; i++)
         be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
@@ -20643,7 +20958,7 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
         return s;
     for (int i = 0; i < d->nparams; i++)
         be_to_device(d->ctx, d->params[i]->data, stage + d->offset[i], tensor_bytes(d->params[i]));
-    return DT_OK;
+    return ddp_broadcast_masters(d, stage);
 }
 
 static void ddp_release(dt_ddp *d)

@@ -572,6 +572,18 @@ typedef struct dt_optim_config {
     float weight_decay;   /* SGD/Adam/AdaGrad: L2 added to the gradient; AdamW: decoupled */
     float beta1, beta2;   /* Adam, AdamW */
     float eps;            /* Adam, AdamW (default 1e-8), AdaGrad (default 1e-10) */
+    /* Mixed precision as large-model training does it (Megatron, DeepSpeed,
+     * FSDP's MixedPrecision); see "16-bit parameters" in docs/DATA_PARALLEL.md.
+     * param_dtype DT_BF16 or DT_F16: the parameters hold values of that
+     * precision (rounded to nearest even) and the optimizer keeps the f32
+     * master weights: whole, or with a sharded DDP (dt_ddp_config.zero)
+     * only this rank's shard.  Each step updates the masters and writes
+     * them, rounded, into the parameters.  DT_F32 (default): no masters.
+     * state_dtype DT_BF16: the moments (momentum buffer, exp_avg,
+     * exp_avg_sq, AdaGrad's sum) are stored in bf16 and updated in f32.
+     * DT_F32 (default).  f16 state is refused (its range loses g*g). */
+    dt_dtype param_dtype;
+    dt_dtype state_dtype;
 } dt_optim_config;
 
 /* Defaults as PyTorch's: SGD lr 0.01; Adam lr 1e-3, betas (0.9, 0.999),

@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-#define DT_BACKEND_IFACE_VERSION 5
+#define DT_BACKEND_IFACE_VERSION 6
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -333,6 +333,14 @@ typedef struct dt_backend_iface {
      * until written again, and those bytes read as anything meanwhile
      * (zeros on Linux).  The allocation stays valid at the same address. */
     void (*discard)(dt_backend *be, void *ptr, size_t bytes);
+
+    /* --- 16-bit storage (optional; NULL: 16-bit optimizer state,
+     * dt_optim_config.state_dtype, is refused) -----------------------------
+     * to_half: y (n 16-bit words) = x rounded to nearest even at prec
+     * (DT_PREC_BF16 or DT_PREC_F16; bits as half.h's f32_to_bf16 and
+     * f32_to_f16).  from_half: y (n floats) = x widened, exactly. */
+    void (*to_half)(dt_backend *be, dt_precision prec, int64_t n, const float *x, uint16_t *y);
+    void (*from_half)(dt_backend *be, dt_precision prec, int64_t n, const uint16_t *x, float *y);
 } dt_backend_iface;
 
 /* Backends compiled in expose their interface through these. */

@@ -952,6 +952,46 @@ static void round_range(void *p, int64_t lo, int64_t hi)
     for (int64_t i = lo; i < hi; i++) A->y[i] = fn(A->x[i]);
 }
 
+typedef struct half_args {
+    dt_precision prec;
+    const void *x;
+    void *y;
+} half_args;
+
+static void to_half_range(void *p, int64_t lo, int64_t hi)
+{
+    const half_args *A = p;
+    const float *x = A->x;
+    uint16_t *y = A->y;
+    if (A->prec == DT_PREC_BF16)
+        for (int64_t i = lo; i < hi; i++) y[i] = f32_to_bf16(x[i]);
+    else
+        for (int64_t i = lo; i < hi; i++) y[i] = f32_to_f16(x[i]);
+}
+
+static void from_half_range(void *p, int64_t lo, int64_t hi)
+{
+    const half_args *A = p;
+    const uint16_t *x = A->x;
+    float *y = A->y;
+    if (A->prec == DT_PREC_BF16)
+        for (int64_t i = lo; i < hi; i++) y[i] = bf16_to_f32(x[i]);
+    else
+        for (int64_t i = lo; i < hi; i++) y[i] = f16_to_f32(x[i]);
+}
+
+static void cpu_to_half(dt_backend *be, dt_precision prec, int64_t n, const float *x, uint16_t *y)
+{
+    half_args A = {prec, x, y};
+    parallel_for(be, n, DT_CPU_GRAIN_MEM, to_half_range, &A);
+}
+
+static void cpu_from_half(dt_backend *be, dt_precision prec, int64_t n, const uint16_t *x, float *y)
+{
+    half_args A = {prec, x, y};
+    parallel_for(be, n, DT_CPU_GRAIN_MEM, from_half_range, &A);
+}
+
 static void cpu_round_prec(dt_backend *be, dt_precision prec, int64_t n, const float *x, float *y)
 {
     if (prec == DT_PREC_F32) {
@@ -2937,6 +2977,8 @@ static dt_status cpu_attention_backward(dt_backend *be, int64_t bh, int64_t t, i
     .adagrad_update = cpu_adagrad_update, \
     .count_correct = cpu_count_correct, \
     .round_prec = cpu_round_prec, \
+    .to_half = cpu_to_half, \
+    .from_half = cpu_from_half, \
     .attention_forward = cpu_attention_forward, \
     .attention_backward = cpu_attention_backward,
 

@@ -1076,6 +1076,36 @@ static void cuda_round_prec(dt_backend *be, dt_precision prec, int64_t n, const 
     DT_LAUNCHED(be);
 }
 
+/* ---- 16-bit storage, bit for bit as cpu.c's (half.h) ------------------- */
+static __global__ void to_half_kernel(int prec, int64_t n, const float *x, uint16_t *y)
+{
+    DT_GRID_LOOP(i, n) y[i] = prec == DT_PREC_BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+}
+
+static __global__ void from_half_kernel(int prec, int64_t n, const uint16_t *x, float *y)
+{
+    DT_GRID_LOOP(i, n) y[i] = prec == DT_PREC_BF16 ? bf16_to_f32(x[i]) : f16_to_f32(x[i]);
+}
+
+static void cuda_to_half(dt_backend *be, dt_precision prec, int64_t n, const float *x, uint16_t *y)
+{
+    if (n <= 0) return;
+    cuda_enter(be);
+    to_half_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>((int)prec, n,
+                                                                                      x, y);
+    DT_LAUNCHED(be);
+}
+
+static void cuda_from_half(dt_backend *be, dt_precision prec, int64_t n, const uint16_t *x,
+                           float *y)
+{
+    if (n <= 0) return;
+    cuda_enter(be);
+    from_half_kernel<<<grid_for(n, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>((int)prec,
+                                                                                        n, x, y);
+    DT_LAUNCHED(be);
+}
+
 /* ---- gemm_ex: operands rounded into scratch, then one cuBLAS call --------
  * Each operand is packed entry after entry (a stride of 0, one shared
  * operand, is packed once) as rows of DT_CUDA_PACK_ALIGN-rounded length: the
@@ -3044,6 +3074,8 @@ static const dt_backend_iface dt_cuda_iface = {
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
     .discard = NULL,   /* device memory stays: zero 3 is refused on cuda */
+    .to_half = cuda_to_half,
+    .from_half = cuda_from_half,
 };
 
 extern "C" const dt_backend_iface *dt_backend_cuda_iface(void) { return &dt_cuda_iface; }

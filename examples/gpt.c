@@ -8,7 +8,8 @@
  *             [--save FILE] [--sample N] [--data DIR] [--backend NAME]
  *             [--optim adamw|sgd] [--save-init FILE] [--dump FILE] [--vocab N]
  *             [--seconds S] [--monitor [HOST:]PORT] [--amp bf16|fp16|tf32|off]
- *             [--zero 0|1|2|3] [--recompute 0|1]
+ *             [--zero 0|1|2|3] [--recompute 0|1] [--params bf16|fp16|f32]
+ *             [--moments bf16|f32]
  *
  * Each report's ms/step is the training steps' time (evaluation left out),
  * from step 6 on once there are more than 5.  --seconds S ends training
@@ -34,6 +35,10 @@
  * 1 the optimizer's state, 2 also the gradients, 3 also the parameters;
  * --save PATH then makes PATH a sharded checkpoint's directory, every rank
  * writing its shard (build/consolidate PATH FILE makes it one file).
+ * --params bf16 (or fp16) holds the parameters in that precision with f32
+ * master weights in the optimizer (sharded with --zero), --moments bf16
+ * AdamW's moments (dt_optim_config.param_dtype, state_dtype); use with
+ * --amp, which rounds the activations' side of each product.
  * --recompute 1 keeps no block's activations for backward: each block
  * runs again there (dt_recompute), trading a forward for the memory.
  * DTRAIN_PROFILE=1 profiles the run; rank 0 prints the end-of-job report.
@@ -57,6 +62,7 @@ typedef struct options {
     double seconds;   /* > 0: a training-time budget (--seconds) */
     uint64_t seed;
     const char *save, *data, *backend, *optim, *save_init, *dump, *monitor, *amp;
+    dt_dtype params, moments;   /* --params, --moments */
 } options;
 
 /* The live monitor (--monitor), when on: training logs its scalars to it. */
@@ -378,6 +384,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     int sgd = o->optim && strcmp(o->optim, "sgd") == 0;
     dt_optim_config_init(&oc, sgd ? DT_SGD : DT_ADAMW);
     oc.lr = o->lr;
+    oc.param_dtype = o->params;
+    oc.state_dtype = o->moments;
     if (sgd) {
         oc.momentum = 0.9f;
     } else {
@@ -395,12 +403,15 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     }
     if (rank == 0)
         printf("gpt: %lld bytes of fortunes (%lld train, %lld val), %d layers, %d heads, %d "
-               "channels, context %d, batch %d x %d rank(s)%s, %d parameter tensors, %s backend%s%s\n",
+               "channels, context %d, batch %d x %d rank(s)%s, %d parameter tensors, %s backend%s%s%s%s\n",
                (long long)len, (long long)cut, (long long)(len - cut), o->layers, o->heads, o->embd,
                o->context, o->batch, ranks,
                o->zero == 1 ? " (zero 1)" : o->zero == 2 ? " (zero 2)" : o->zero ? " (zero 3)" : "",
                dt_param_count(ctx), dt_backend_name(ctx),
-               o->amp ? ", autocast " : "", o->amp ? o->amp : "");
+               o->amp ? ", autocast " : "", o->amp ? o->amp : "",
+               o->params == DT_BF16 ? ", bf16 parameters (f32 masters)"
+               : o->params == DT_F16 ? ", fp16 parameters (f32 masters)" : "",
+               o->moments == DT_BF16 ? ", bf16 moments" : "");
     if (rank == 0 && o->save_init && dt_checkpoint_save(ctx, NULL, o->save_init, 0) != DT_OK) {
         fail(ctx, "saving the initial weights");
         goto done;
@@ -527,7 +538,8 @@ static int parse_args(int argc, char **argv, options *o)
         {"zero", &o->zero, 0, 3},             {"recompute", &o->recompute, 0, 1}};
     enum { NINTS = sizeof ints / sizeof ints[0] };
     static const char *const strs[] = {"lr", "seconds", "seed", "save", "data", "backend",
-                                       "save-init", "dump", "optim", "monitor", "amp"};
+                                       "save-init", "dump", "optim", "monitor", "amp",
+                                       "params", "moments"};
     enum { NSTRS = sizeof strs / sizeof strs[0] };
     struct option longs[NINTS + NSTRS + 2];
     for (int k = 0; k < NINTS; k++)
@@ -572,6 +584,16 @@ static int parse_args(int argc, char **argv, options *o)
                 return 0;
             }
             o->amp = strcmp(optarg, "off") ? optarg : NULL;
+            break;
+        case 2011:
+        case 2012:
+            if (strcmp(optarg, "bf16") && strcmp(optarg, "f32") && (c == 2012 || strcmp(optarg, "fp16"))) {
+                fprintf(stderr, "gpt: --%s '%s': expected bf16, %sf32\n", strs[c - 2000], optarg,
+                        c == 2011 ? "fp16 or " : "");
+                return 0;
+            }
+            *(c == 2011 ? &o->params : &o->moments) = !strcmp(optarg, "bf16") ? DT_BF16
+                                                      : !strcmp(optarg, "fp16") ? DT_F16 : DT_F32;
             break;
         case 'h':
             printf("usage: see the comment at the top of examples/gpt.c\n");

@@ -49,8 +49,10 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_ite
                       char **names)
 {
     int n = 0;
-    for (int i = 0; i < ctx->n_params; i++)
-        items[n++] = (ckpt_item){ctx->params[i]->name, ctx->params[i], store, 0, -1};
+    for (int i = 0; i < ctx->n_params; i++) {   /* a parameter's master when it has one */
+        dt_tensor *m = optim_master_of(opt, ctx->params[i]);
+        items[n++] = (ckpt_item){ctx->params[i]->name, m ? m : ctx->params[i], store, 0, -1};
+    }
     for (int i = 0; i < ctx->n_ckpt_extra; i++)
         items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32, 0, -1};
     if (opt) {
@@ -182,6 +184,44 @@ static dt_status write_all(dt_ctx *ctx, FILE *f, const void *p, size_t n, const 
 }
 
 /* The length, the header and the data; crc[i]: item i's data checksum. */
+/* Elements [at, at + n) of t as f32 into stage (4n bytes, f32 LE on
+ * x86/arm): a 16-bit tensor (bf16 optimizer state) is copied, then
+ * widened in place from the back, where no value is overwritten before it
+ * is read. */
+static void ckpt_get(dt_ctx *ctx, dt_tensor *t, int64_t at, int64_t n, void *stage)
+{
+    tensor_materialize(t);
+    size_t es = dt_dtype_size(t->dtype);
+    BE(ctx)->to_host(BEI(ctx), stage, (char *)t->data + (size_t)at * es, (size_t)n * es);
+    if (t->dtype == DT_F32)
+        return;
+    const uint16_t *h = stage;
+    float *f = stage;
+    for (int64_t k = n - 1; k >= 0; k--)
+        f[k] = t->dtype == DT_BF16 ? bf16_to_f32(h[k]) : f16_to_f32(h[k]);
+}
+
+/* n f32 values at src (any alignment) into t's elements [at, at + n), in
+ * t's dtype (rounded to nearest even for 16-bit state). */
+static dt_status ckpt_put(dt_ctx *ctx, dt_tensor *t, int64_t at, const unsigned char *src, int64_t n)
+{
+    if (t->dtype == DT_F32) {
+        BE(ctx)->to_device(BEI(ctx), FP(t) + at, src, (size_t)n * 4);
+        return DT_OK;
+    }
+    uint16_t *h = host_alloc(ctx, sizeof *h * (size_t)(n ? n : 1));
+    if (!h)
+        return set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
+    for (int64_t k = 0; k < n; k++) {
+        float v;
+        memcpy(&v, src + 4 * k, 4);
+        h[k] = t->dtype == DT_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+    }
+    BE(ctx)->to_device(BEI(ctx), (uint16_t *)t->data + at, h, (size_t)n * 2);
+    host_free(ctx, h);
+    return DT_OK;
+}
+
 static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf *hdr,
                             const ckpt_item *items, int n, uint32_t *crc)
 {
@@ -201,9 +241,7 @@ static dt_status ckpt_write(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf 
     for (int i = 0; s == DT_OK && i < n; i++) {
         dt_tensor *t = items[i].t;
         int64_t cnt = item_numel(&items[i]);
-        tensor_materialize(t);
-        BE(ctx)->to_host(BEI(ctx), stage, (float *)t->data + (items[i].cnt >= 0 ? items[i].off : 0),
-                         (size_t)cnt * 4);  /* f32 LE on x86/arm */
+        ckpt_get(ctx, t, items[i].cnt >= 0 ? items[i].off : 0, cnt, stage);
         uint16_t *h = stage;   /* 16-bit storage: rounded in place, front to back */
         for (int64_t k = 0; items[i].store != DT_F32 && k < cnt; k++)
             h[k] = items[i].store == DT_BF16 ? f32_to_bf16(((float *)stage)[k])
@@ -1112,10 +1150,10 @@ static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const uns
         }
         src = (const unsigned char *)wide;
     }
-    BE(ctx)->to_device(BEI(ctx), t->data, src, tensor_bytes(t));
+    dt_status s = ckpt_put(ctx, t, 0, src, n);
     t->flags &= ~(unsigned)T_ZERO;
     host_free(ctx, wide);
-    return DT_OK;
+    return s;
 }
 
 static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out);
@@ -1220,6 +1258,7 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
         opt->steps = f.optim_steps;
         memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
         opt->lr = opt->base_lr = f.optim_lr;
+        optim_masters_from_params(opt, 1);
     }
     if (s == DT_OK && step_out)
         *step_out = f.step;
@@ -1471,9 +1510,10 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
         int oi = -1;
         for (int i = 0; opt && i < opt->n && oi < 0; i++)
             oi = opt->params[i] == p ? i : -1;
+        dt_tensor *m = optim_master_of(opt, p);   /* saved in its parameter's place */
         for (int j = -1; s == DT_OK && j < (oi >= 0 ? per : 0); j++) {
-            dt_tensor *t = j < 0 ? p : opt->state[oi * per + j];
-            int64_t off = lo[k] - (j >= 0 && opt->shard ? opt->shard[oi].lo : 0);
+            dt_tensor *t = j < 0 ? (m ? m : p) : opt->state[oi * per + j];
+            int64_t off = lo[k] - ((j >= 0 || m) && opt->shard ? opt->shard[oi].lo : 0);
             size_t len = strlen(t->name) + 32;
             if (off < 0 || off + n[k] > dt_tensor_numel(t)) {
                 s = set_error(ctx, DT_EINVAL, "ddp_checkpoint_save: the optimizer's shard of '%s' "
@@ -1481,8 +1521,8 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
             } else if (!(names[total] = host_alloc(ctx, len))) {
                 s = set_error(ctx, DT_ENOMEM, "ddp_checkpoint_save: out of memory");
             } else {
-                snprintf(names[total], len, "%s%s@%lld", j < 0 ? "" : "optim.", t->name,
-                         (long long)lo[k]);
+                snprintf(names[total], len, "%s%s@%lld", j < 0 ? "" : "optim.",
+                         j < 0 ? p->name : t->name, (long long)lo[k]);
                 items[total] = (ckpt_item){names[total], t, DT_F32, off, n[k]};
                 total++;
             }
@@ -2023,18 +2063,18 @@ static int plan_file_needed(const ckpt_plan *pl, int r)
     return 0;
 }
 
-static void plan_copy_file(ckpt_plan *pl, int r, const unsigned char *data)
+static dt_status plan_copy_file(ckpt_plan *pl, int r, const unsigned char *data)
 {
-    dt_ctx *ctx = pl->ctx;
-    for (int i = 0; i < pl->npc; i++) {
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && i < pl->npc; i++) {
         const shard_piece *c = &pl->pc[i];
         const shard_base *b = &pl->base[c->base];
         int64_t a = c->lo > b->lo ? c->lo : b->lo, e = c->lo + c->n < b->hi ? c->lo + c->n : b->hi;
         if (c->file != r || !b->t || e <= a)
             continue;
-        BE(ctx)->to_device(BEI(ctx), (float *)b->t->data + (a - b->at),
-                           data + c->begin + (uint64_t)(a - c->lo) * 4, (size_t)(e - a) * 4);
+        s = ckpt_put(pl->ctx, b->t, a - b->at, data + c->begin + (uint64_t)(a - c->lo) * 4, e - a);
     }
+    return s;
 }
 
 /* Copy what the plan found into its destinations; each shard a rank needs
@@ -2056,7 +2096,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
         uint64_t hlen = 0;
         s = plan_open(pl, r, &f, &buf, &hlen);
         if (s == DT_OK)
-            plan_copy_file(pl, r, buf + 8 + hlen);
+            s = plan_copy_file(pl, r, buf + 8 + hlen);
         st_file_free(ctx, &f);
         host_free(ctx, buf);
     }
@@ -2082,6 +2122,8 @@ static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, 
         return ctx->last_status;
     dt_status s = ckpt_plan_apply(pl, step_out);
     ckpt_plan_free(pl);
+    if (s == DT_OK)
+        optim_masters_from_params(opt, 1);
     return s;
 }
 

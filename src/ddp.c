@@ -1148,7 +1148,27 @@ DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx)
     return ctx->grad_hooks == &ddp_grad_hooks ? ctx->hook_user : NULL;
 }
 
-/* Rank 0's parameter values to every rank, packed through set 0. */
+/* Rank 0's f32 masters (param_dtype 16-bit, src/optim.c) to every rank,
+ * one tensor at a time through stage (host memory as large as the largest
+ * parameter, or NULL: the masters are host memory). */
+static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
+{
+    dt_optim *o = d->opt;
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && o && o->master && i < o->n; i++) {
+        dt_tensor *m = o->master[i];
+        float *buf = stage ? stage : FP(m);
+        if (stage)
+            be_to_host(d->ctx, stage, m->data, tensor_bytes(m));
+        s = dt_broadcast(d->comm, buf, dt_tensor_numel(m), 0);
+        if (s == DT_OK && stage)
+            be_to_device(d->ctx, m->data, stage, tensor_bytes(m));
+    }
+    return s;
+}
+
+/* Rank 0's parameter values to every rank, packed through set 0; and its
+ * masters, so every rank steps the same f32 values. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
     float *stage = d->set[0];
@@ -1156,7 +1176,7 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
             s = dt_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
-        return s;
+        return s == DT_OK ? ddp_broadcast_masters(d, NULL) : s;
     }
     for (int i = 0; i < d->nparams; i++)
         be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
@@ -1165,7 +1185,7 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
         return s;
     for (int i = 0; i < d->nparams; i++)
         be_to_device(d->ctx, d->params[i]->data, stage + d->offset[i], tensor_bytes(d->params[i]));
-    return DT_OK;
+    return ddp_broadcast_masters(d, stage);
 }
 
 static void ddp_release(dt_ddp *d)

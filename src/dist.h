@@ -419,6 +419,10 @@ typedef struct zero_state {
     int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
     dt_work *pre_work;
     int pinned;                /* dt_ddp_full_params: all resident until the next step */
+    int *opt_index;            /* zero 3 with f32 masters (param_dtype 16-bit): per parameter
+                                  its index in opt, or -1; NULL without masters.  Then no
+                                  float of a parameter is kept between its uses: this rank's
+                                  part of a gather is its master rounded (zero_copy_part) */
 } zero_state;
 
 struct dt_ddp {

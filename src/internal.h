@@ -354,7 +354,11 @@ typedef struct optim_shard {
     int64_t lo, n;
     const float *grad;
     int used;
+    int master_only;           /* zero 3 with masters: the step updates the master alone (the
+                                  parameter's memory is not kept; its gathers round it) */
 } optim_shard;
+
+#define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
 struct dt_optim {
     dt_ctx *ctx;
@@ -369,6 +373,9 @@ struct dt_optim {
     dt_schedule sched;
     int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
                                    (momentum correction, src/ddp.c); the step must not again */
+    dt_tensor **master;         /* param_dtype 16-bit: each parameter's f32 master (whole, or
+                                   with shard its [lo, lo + n) as 1-D), else NULL */
+    float *scratch;             /* state_dtype 16-bit: OPTIM_CHUNK floats per state tensor */
     optim_shard *shard;         /* not NULL: a sharded DDP (src/zero.c) lent it; one per
                                    parameter: the range this rank steps */
     int orphaned;               /* its sharded DDP was freed: its state is a shard of a
@@ -704,6 +711,11 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
+DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
+DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);
+DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                            const int64_t *shape, const char *name,
+                                            const char *suffix, int lazy);
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                          const char *suffix, int lazy);
 

@@ -24,8 +24,32 @@ void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
     cfg->weight_decay = kind == DT_ADAMW ? 0.01f : 0.0f;
 }
 
+/* param_dtype and state_dtype: the precisions named, and the backend
+ * entries they need. */
+static dt_status check_optim_dtypes(dt_ctx *ctx, const dt_optim_config *c)
+{
+    if (c->param_dtype != DT_F32 && c->param_dtype != DT_BF16 && c->param_dtype != DT_F16)
+        return set_error(ctx, DT_EINVAL, "optim: param_dtype %d must be DT_F32, DT_BF16 or DT_F16",
+                         (int)c->param_dtype);
+    if (c->state_dtype == DT_F16)
+        return set_error(ctx, DT_ENOTSUP, "optim: state_dtype DT_F16 is refused: f16's range "
+                         "flushes a squared gradient below 2^-24 to zero (use DT_BF16)");
+    if (c->state_dtype != DT_F32 && c->state_dtype != DT_BF16)
+        return set_error(ctx, DT_EINVAL, "optim: state_dtype %d must be DT_F32 or DT_BF16",
+                         (int)c->state_dtype);
+    if (c->param_dtype != DT_F32 && !BE(ctx)->round_prec)
+        return set_error(ctx, DT_ENOTSUP, "optim: the %s backend cannot round to 16 bits "
+                         "(no round_prec) for param_dtype", ctx->be_iface->name);
+    if (c->state_dtype != DT_F32 && (!BE(ctx)->to_half || !BE(ctx)->from_half))
+        return set_error(ctx, DT_ENOTSUP, "optim: the %s backend has no 16-bit storage "
+                         "(to_half, from_half) for state_dtype", ctx->be_iface->name);
+    return DT_OK;
+}
+
 static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
 {
+    if (check_optim_dtypes(ctx, c) != DT_OK)
+        return ctx->last_status;
     if (c->kind != DT_SGD && c->kind != DT_ADAM && c->kind != DT_ADAMW && c->kind != DT_ADAGRAD)
         return set_error(ctx, DT_EINVAL, "optim: unknown kind %d", (int)c->kind);
     if (!(c->lr >= 0) || !(c->weight_decay >= 0))
@@ -57,21 +81,28 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
  * only then (T_ZERO: tensor_materialize), so state that a sharded DDP
  * replaces at once, or that a checkpoint load overwrites, never costs its
  * memory (PyTorch too creates its state at the first step). */
-static dt_tensor *optim_state_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                                     const char *suffix)
+static dt_tensor *optim_state_tensor(const dt_optim *o, int ndim, const int64_t *shape,
+                                     const char *name, const char *suffix)
 {
-    return optim_owned_tensor(ctx, ndim, shape, name, suffix, 1);
+    return optim_owned_tensor_as(o->ctx, o->cfg.state_dtype, ndim, shape, name, suffix, 1);
 }
 
-/* A persistent tensor owned by an object other than the context (lazy:
- * left unwritten, logically zero). */
 DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                const char *suffix, int lazy)
+{
+    return optim_owned_tensor_as(ctx, DT_F32, ndim, shape, name, suffix, lazy);
+}
+
+/* A persistent tensor of dtype owned by an object other than the context
+ * (lazy: left unwritten, logically zero). */
+DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                            const int64_t *shape, const char *name,
+                                            const char *suffix, int lazy)
 {
     dt_tensor *t = host_alloc(ctx, sizeof *t);
     if (!t)
         return NULL;
-    tensor_header_init(t, ctx, DT_F32, ndim, shape);
+    tensor_header_init(t, ctx, dtype, ndim, shape);
     size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
     t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
     t->name = host_alloc(ctx, nl);
@@ -88,6 +119,39 @@ DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *s
     t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
     ctx->persistent_bytes += bytes;
     return t;
+}
+
+/* The precision a 16-bit dtype rounds to. */
+static dt_precision optim_prec(dt_dtype t)
+{
+    return t == DT_BF16 ? DT_PREC_BF16 : t == DT_F16 ? DT_PREC_F16 : DT_PREC_F32;
+}
+
+/* param_dtype 16-bit: each parameter's f32 value becomes its master and
+ * the parameter holds it rounded; state_dtype 16-bit: the scratch the
+ * moments are widened into, OPTIM_CHUNK floats per state tensor. */
+static dt_status optim_make_masters(dt_optim *o)
+{
+    dt_ctx *ctx = o->ctx;
+    if (o->cfg.state_dtype != DT_F32 && o->per > 0 &&
+        !(o->scratch = ctx->be_iface->alloc(ctx->be, sizeof(float) * OPTIM_CHUNK * (size_t)o->per)))
+        return DT_ENOMEM;
+    if (o->cfg.param_dtype == DT_F32)
+        return DT_OK;
+    if (!(o->master = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(o->n + 1))))
+        return DT_ENOMEM;
+    for (int i = 0; i < o->n; i++) {
+        dt_tensor *p = o->params[i];
+        if (!(o->master[i] = optim_owned_tensor(ctx, p->ndim, p->shape, p->name, ".master", 1)))
+            return DT_ENOMEM;
+        tensor_materialize(p);
+        tensor_materialize(o->master[i]);
+        o->master[i]->flags &= ~(unsigned)T_ZERO;
+        ctx->be_iface->copy(ctx->be, o->master[i]->data, p->data, tensor_bytes(p));
+        BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), dt_tensor_numel(p), FP(p),
+                            FP(p));
+    }
+    return DT_OK;
 }
 
 dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
@@ -139,7 +203,7 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
         o->params[i] = src[i];
         for (int j = 0; j < o->per; j++) {
             dt_tensor *p = src[i];
-            dt_tensor *st = optim_state_tensor(ctx, p->ndim, p->shape, p->name,
+            dt_tensor *st = optim_state_tensor(o, p->ndim, p->shape, p->name,
                                                suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
                                                                                ? 2 : 1][j]);
             if (!st)
@@ -147,6 +211,8 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
             o->state[i * o->per + j] = st;
         }
     }
+    if (optim_make_masters(o) != DT_OK)
+        goto fail;
     return o;
 fail:
     dt_optim_free(o);
@@ -159,16 +225,22 @@ void dt_optim_free(dt_optim *o)
     if (!o)
         return;
     dt_ctx *ctx = o->ctx;
+    if (ctx->hook_user)   /* first: a zero 3 DDP takes the parameters back from the masters */
+        ctx->grad_hooks->optim_freed(ctx->hook_user, o);
     if (o->state)
         for (int i = 0; i < o->n * o->per; i++)
             if (o->state[i])
                 tensor_destroy(ctx, o->state[i]);
     host_free(ctx, o->state);
+    for (int i = 0; o->master && i < o->n; i++)
+        if (o->master[i])
+            tensor_destroy(ctx, o->master[i]);
+    host_free(ctx, o->master);
+    if (o->scratch)
+        ctx->be_iface->free(ctx->be, o->scratch);
     host_free(ctx, o->params);
     host_free(ctx, o->param_steps);
     host_free(ctx, o->shard);
-    if (ctx->hook_user)
-        ctx->grad_hooks->optim_freed(ctx->hook_user, o);
     host_free(ctx, o);
 }
 
@@ -232,23 +304,90 @@ dt_status dt_optim_step(dt_optim *o)
     return s;
 }
 
-/* One parameter's update: cnt elements from p, g and the state tensors'
- * own first element (the whole parameter, or a shard of it). */
-static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float *g, int64_t t)
+/* The kernel of one update over cnt elements of p and g with f32 state s0,
+ * s1 (NULL where the kind has fewer). */
+static void optim_kernel(dt_optim *o, int64_t cnt, float *p, const float *g, float *s0, float *s1,
+                         int64_t t)
 {
     dt_ctx *ctx = o->ctx;
     const dt_optim_config *c = &o->cfg;
     if (c->kind == DT_SGD) {
-        float *buf = o->per ? FP(o->state[i]) : NULL;
-        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, buf, o->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
+        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, s0, o->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
                             c->dampening, c->nesterov, c->weight_decay, t == 1);
     } else if (c->kind == DT_ADAGRAD) {
-        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, FP(o->state[i]), o->lr, c->eps, c->weight_decay);
+        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, s0, o->lr, c->eps, c->weight_decay);
     } else {
         float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
-        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, FP(o->state[2 * i]), FP(o->state[2 * i + 1]), o->lr,
-                             c->beta1, c->beta2, c->eps, c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
+        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, s0, s1, o->lr, c->beta1, c->beta2, c->eps,
+                             c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
     }
+}
+
+/* One parameter's update: cnt elements from p, g and the state tensors'
+ * own first element (the whole parameter, or a shard of it).  bf16 state
+ * is widened OPTIM_CHUNK floats at a time into the scratch, updated in
+ * f32 by the same kernel, and rounded back (to nearest even). */
+static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float *g, int64_t t)
+{
+    dt_ctx *ctx = o->ctx;
+    dt_tensor *t0 = o->per > 0 ? o->state[i * o->per] : NULL;
+    dt_tensor *t1 = o->per > 1 ? o->state[i * o->per + 1] : NULL;
+    if (o->cfg.state_dtype == DT_F32 || !t0) {
+        optim_kernel(o, cnt, p, g, t0 ? FP(t0) : NULL, t1 ? FP(t1) : NULL, t);
+        return;
+    }
+    uint16_t *h0 = t0->data, *h1 = t1 ? t1->data : NULL;
+    float *w0 = o->scratch, *w1 = t1 ? o->scratch + OPTIM_CHUNK : NULL;
+    for (int64_t a = 0; a < cnt; a += OPTIM_CHUNK) {
+        int64_t m = cnt - a < OPTIM_CHUNK ? cnt - a : OPTIM_CHUNK;
+        BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h0 + a, w0);
+        if (h1)
+            BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h1 + a, w1);
+        optim_kernel(o, m, p + a, g + a, w0, w1, t);
+        BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w0, h0 + a);
+        if (h1)
+            BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w1, h1 + a);
+    }
+}
+
+/* A host-visible parameter written since the last step (its value is no
+ * longer its master rounded: a checkpoint loaded without the optimizer,
+ * dt_tensor_set) gives its master that value, element by element, so the
+ * step never undoes the caller's write.  Device backends: not checked. */
+static void optim_master_adopt(dt_optim *o, float *m, const float *p, int64_t n)
+{
+    if (!o->ctx->be_iface->host_visible)
+        return;
+    int bf = o->cfg.param_dtype == DT_BF16;
+    for (int64_t k = 0; k < n; k++) {
+        float r = bf ? round_bf16(m[k]) : round_f16(m[k]);
+        if (memcmp(&r, &p[k], sizeof r) != 0)
+            m[k] = p[k];
+    }
+}
+
+/* Parameter i's update, of its master when it has one (then rounded into
+ * the parameter): the shard [lo, lo + n) when sharded, else the whole. */
+static void optim_update_param(dt_optim *o, int i, const float *g, int64_t t)
+{
+    dt_ctx *ctx = o->ctx;
+    dt_tensor *p = o->params[i];
+    const optim_shard *sh = o->shard ? &o->shard[i] : NULL;
+    int64_t lo = sh ? sh->lo : 0, n = sh ? sh->n : dt_tensor_numel(p);
+    if (n <= 0)
+        return;
+    if (!o->master) {
+        optim_update(o, i, n, FP(p) + lo, g, t);
+        return;
+    }
+    float *m = FP(o->master[i]);
+    if (sh && sh->master_only) {
+        optim_update(o, i, n, m, g, t);
+        return;
+    }
+    optim_master_adopt(o, m, FP(p) + lo, n);
+    optim_update(o, i, n, m, g, t);
+    BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), n, m, FP(p) + lo);
 }
 
 static dt_status optim_step_run(dt_optim *o)
@@ -269,15 +408,63 @@ static dt_status optim_step_run(dt_optim *o)
         int64_t t = ++o->param_steps[i];
         for (int j = 0; j < o->per; j++)   /* zero it now, if never written */
             tensor_materialize(o->state[i * o->per + j]);
-        if (sh && sh->n > 0)
-            optim_update(o, i, sh->n, FP(p) + sh->lo, sh->grad, t);
-        else if (!sh)
-            optim_update(o, i, shape_numel(p->ndim, p->shape), FP(p), FP(g), t);
+        optim_update_param(o, i, sh ? sh->grad : FP(g), t);
     }
     /* the ranks swap the shards they stepped (src/zero.c) */
     if (o->shard && ctx->hook_user && ctx->grad_hooks->after_step)
         return ctx->grad_hooks->after_step(ctx->hook_user, o);
     return DT_OK;
+}
+
+/* Parameter p's f32 master in o, or NULL (o NULL, or no masters). */
+DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p)
+{
+    for (int i = 0; o && o->master && i < o->n; i++)
+        if (o->params[i] == p)
+            return o->master[i];
+    return NULL;
+}
+
+/* After a checkpoint load wrote f32 values into the parameters: the
+ * masters take them (their shard's part), and the parameters hold them
+ * rounded: whole, or (whole 0: zero 3, the rest given back) the shard. */
+DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole)
+{
+    dt_ctx *ctx = o ? o->ctx : NULL;
+    for (int i = 0; o && o->master && i < o->n; i++) {
+        dt_tensor *p = o->params[i];
+        int64_t lo = o->shard ? o->shard[i].lo : 0, n = dt_tensor_numel(o->master[i]);
+        if (n > 0)
+            ctx->be_iface->copy(ctx->be, o->master[i]->data, FP(p) + lo, (size_t)n * sizeof(float));
+        int64_t a = whole ? 0 : lo, e = whole ? dt_tensor_numel(p) : lo + n;
+        if (e > a)
+            BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), e - a, FP(p) + a,
+                                FP(p) + a);
+    }
+}
+
+/* The masters cut to [lo[i], lo[i] + n[i]) of each parameter (1-D, their
+ * values kept); all or nothing. */
+static dt_status optim_shard_masters(dt_optim *o, const int64_t *lo, const int64_t *n)
+{
+    dt_ctx *ctx = o->ctx;
+    if (!o->master)
+        return DT_OK;
+    dt_tensor **cut = host_calloc(ctx, sizeof *cut * (size_t)(o->n + 1));
+    int ok = cut != NULL;
+    for (int i = 0; ok && i < o->n; i++)
+        ok = (cut[i] = optim_owned_tensor(ctx, 1, &n[i], o->master[i]->name, "", 0)) != NULL;
+    for (int i = 0; cut && i < o->n; i++) {
+        if (ok && n[i] > 0)
+            ctx->be_iface->copy(ctx->be, cut[i]->data, FP(o->master[i]) + lo[i],
+                                (size_t)n[i] * sizeof(float));
+        if (cut[i])
+            tensor_destroy(ctx, ok ? o->master[i] : cut[i]);
+        if (ok)
+            o->master[i] = cut[i];
+    }
+    host_free(ctx, cut);
+    return ok ? DT_OK : DT_ENOMEM;
 }
 
 /* A sharded DDP (src/zero.c) keeps only elements [lo[i], lo[i] + n[i]) of
@@ -293,9 +480,11 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
     int ok = fresh && sh;
     for (int k = 0; ok && k < total; k++) {
         int64_t len = n[k / o->per];
-        fresh[k] = optim_state_tensor(ctx, 1, &len, o->state[k]->name, "");
+        fresh[k] = optim_state_tensor(o, 1, &len, o->state[k]->name, "");
         ok = fresh[k] != NULL;
     }
+    if (ok && optim_shard_masters(o, lo, n) != DT_OK)
+        ok = 0;
     if (!ok) {
         for (int k = 0; fresh && k < total; k++)
             if (fresh[k])
@@ -304,12 +493,14 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
         host_free(ctx, sh);
         return set_error(ctx, DT_ENOMEM, "ddp_new: out of memory for the optimizer's shard");
     }
+    size_t es = dt_dtype_size(o->cfg.state_dtype);
     for (int k = 0; k < total; k++) {   /* state already written (a loaded checkpoint) stays */
         if (!(o->state[k]->flags & T_ZERO) && n[k / o->per] > 0) {
             tensor_materialize(fresh[k]);
             fresh[k]->flags &= ~(unsigned)T_ZERO;
-            ctx->be_iface->copy(ctx->be, fresh[k]->data, FP(o->state[k]) + lo[k / o->per],
-                                (size_t)n[k / o->per] * sizeof(float));
+            ctx->be_iface->copy(ctx->be, fresh[k]->data,
+                                (char *)o->state[k]->data + (size_t)lo[k / o->per] * es,
+                                (size_t)n[k / o->per] * es);
         }
         tensor_destroy(ctx, o->state[k]);
         o->state[k] = fresh[k];

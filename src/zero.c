@@ -406,14 +406,37 @@ typedef struct zero_copy {
     int to_flat;
 } zero_copy;
 
+/* Parameter k's floats [a, e) of the flat layout to flat (to_flat) or
+ * back.  To flat at zero 3 with masters (this rank's part of a gather):
+ * the master, rounded to the parameters' precision. */
 static void zero_copy_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
 {
     const zero_copy *c = arg;
+    zero_state *z = Z(d);
     float *p = FP(d->params[k]) + (a - d->offset[k]);
-    if (c->to_flat)
+    int i = c->to_flat && z->opt_index ? z->opt_index[k] : -1;
+    if (i >= 0) {
+        dt_optim *o = z->opt;
+        const float *m = FP(o->master[i]) + (a - d->offset[k] - o->shard[i].lo);
+        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        d->be_iface->round_prec(d->be, prec, e - a, m, c->flat + a);
+    } else if (c->to_flat && c->flat + a != p) {
         memcpy(c->flat + a, p, (size_t)(e - a) * sizeof(float));
-    else
+    } else if (!c->to_flat && c->flat + a != p) {
         memcpy(p, c->flat + a, (size_t)(e - a) * sizeof(float));
+    }
+}
+
+/* This rank's part of unit j into buf (which holds the unit's floats):
+ * before its all-gather.  In place without masters it is there already. */
+static void zero_own_in(dt_ddp *d, int j, float *buf)
+{
+    zero_state *z = Z(d);
+    const ddp_bucket *b = &d->buckets[j];
+    int64_t lo = b->offset + b->blocks[z->rank], hi = b->offset + b->blocks[z->rank + 1];
+    zero_copy c = {buf - b->offset, 1};
+    if (hi > lo)
+        zero_each_part(d, lo, hi, zero_copy_part, &c);
 }
 
 /* Floats [lo, hi) of the flat layout: our shard's part of the parameters
@@ -501,7 +524,7 @@ static void zero_discard_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     float *base = FP(d->params[k]);
     int64_t off = d->offset[k], n = dt_tensor_numel(d->params[k]);
     int64_t s0 = (z->lo > off ? z->lo : off) - off, s1 = (z->hi < off + n ? z->hi : off + n) - off;
-    if (s1 <= s0) {
+    if (s1 <= s0 || (z->opt_index && z->opt_index[k] >= 0)) {   /* masters: none kept */
         d->be_iface->discard(d->be, base, (size_t)n * sizeof(float));
         return;
     }
@@ -569,11 +592,8 @@ static void zero_prefetch(dt_ddp *d, int j)
         if ((k = zero_pool_take(d, b->numel, 0)) < 0)
             return;   /* no room: it will be gathered when needed */
         buf = z->pool[k].mem;
-        zero_copy c = {buf - b->offset, 1};
-        int64_t lo = b->offset + b->blocks[z->rank], hi = b->offset + b->blocks[z->rank + 1];
-        if (hi > lo)
-            zero_each_part(d, lo, hi, zero_copy_part, &c);
     }
+    zero_own_in(d, j, buf);
     z->pre_work = comm_enqueue_in(d->comm, COLL_ALLGATHER_V, buf, NULL, b->numel, 0, DT_REDUCE_SUM,
                                   b->blocks);
     if (!z->pre_work) {
@@ -599,6 +619,8 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
         return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory to gather %lld parameter floats",
                          (long long)b->numel);
     double t0 = dt_now();
+    if (home)
+        zero_own_in(d, j, home);
     dt_status s = home ? comm_run_in(d->comm, COLL_ALLGATHER_V, home, NULL, b->numel, 0,
                                      DT_REDUCE_SUM, b->blocks)
                        : zero_gather_span(d, z->pool[k].mem, b->offset, b->offset,
@@ -753,8 +775,17 @@ static dt_status zero_shard_optim(dt_ddp *d)
     for (int i = 0; s == DT_OK && i < o->n; i++) {
         int64_t a = d->offset[o->params[i]->param_index] + lo[i];
         o->shard[i].grad = z->level == 1 ? z->flat + a : z->shard_grad + (a - z->lo);
+        o->shard[i].master_only = z->level == 3 && o->master;
     }
     host_free(d->ctx, lo);
+    if (s == DT_OK && z->level == 3 && o->master) {
+        if (!(z->opt_index = host_calloc(d->ctx, sizeof(int) * (size_t)(d->nparams + 1))))
+            return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory");
+        for (int k = 0; k < d->nparams; k++)
+            z->opt_index[k] = -1;
+        for (int i = 0; i < o->n; i++)
+            z->opt_index[o->params[i]->param_index] = i;
+    }
     if (s == DT_OK)
         z->opt = o;
     return s;
@@ -918,6 +949,7 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     host_free(ctx, z->pool);
     host_free(ctx, z->unit_of);
     host_free(ctx, z->by_addr);
+    host_free(ctx, z->opt_index);
     host_free(ctx, z->alone);
     host_free(ctx, z->resident);
     host_free(ctx, z->last);
@@ -928,11 +960,23 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     d->set[0] = d->set[1] = NULL;
 }
 
-/* The optimizer is being freed: nothing to mark later. */
+/* The optimizer is being freed: nothing to mark later.  Zero 3 with
+ * masters: the parameters' shards live only in them, so each master,
+ * rounded, goes back into its parameter's own floats, kept from then on. */
 DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o)
 {
-    if (d->z && d->z->opt == o)
-        d->z->opt = NULL;
+    zero_state *z = d->z;
+    if (!z || z->opt != o)
+        return;
+    for (int i = 0; z->opt_index && i < o->n; i++) {
+        const optim_shard *sh = &o->shard[i];
+        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        if (sh->n > 0)
+            d->be_iface->round_prec(d->be, prec, sh->n, FP(o->master[i]), FP(o->params[i]) + sh->lo);
+    }
+    host_free(d->ctx, z->opt_index);
+    z->opt_index = NULL;
+    z->opt = NULL;
 }
 
 /* --- sharded checkpoints --------------------------------------------------- */
@@ -1055,6 +1099,8 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     }
     s = ckpt_plan_apply(pl, step_out);
     ckpt_plan_free(pl);
+    if (s == DT_OK)   /* the parameters got f32 values: the masters' now */
+        optim_masters_from_params(opt, !level3);
     if (s == DT_OK && level3)   /* whole units now hold floats from before the load */
         s = zero_evict_all(d);
     return zero_ckpt_agree(d, op, s);

@@ -14,6 +14,18 @@ torch.optim.AdamW (the example's lr, betas (0.9, 0.99), eps 1e-8, weight decay 0
 on every parameter), and compares: for every parameter, max |dtrain - torch| over
 max |torch| must be at most 1e-4.  Prints one line per step (both losses) and the
 worst parameter; exits 1 when one is off.
+
+    /usr/bin/python3 tests/gpt_crosscheck.py build/gpt --bf16
+
+--bf16: dtrain trains with bf16 parameters, f32 master weights and autocast bf16
+(--params bf16 --amp bf16), torch with f32 parameters under
+torch.autocast("cpu", bfloat16), the mixed precision users compare with.  The two
+round different things (dtrain also the layer norms' and embeddings' weights, torch
+its autocast ops' inputs only), and Adam turns a gradient's rounding noise into
+lr-sized steps where the gradient is near zero, so the tolerance is in steps: every
+step's loss within 1% of torch's, and every saved master within 5 lr (absolute) of
+torch's parameter.  For scale it prints how far torch's own f32 run ends from its
+autocast run.
 """
 import json
 import os
@@ -78,6 +90,8 @@ class GPT(torch.nn.Module):
 def main():
     gpt = sys.argv[1]
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 20
+    bf16 = "--bf16" in sys.argv
+    extra = ["--params", "bf16", "--amp", "bf16"] if bf16 else []
     B, T, layers, heads, embd, lr = 4, 32, 2, 4, 64, 1e-3
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -87,7 +101,7 @@ def main():
                               "--layers", str(layers), "--heads", str(heads), "--embd", str(embd),
                               "--lr", str(lr), "--eval-every", "1", "--eval-batches", "1",
                               "--sample", "0", "--save-init", init, "--dump", dump,
-                              "--save", final], check=True, capture_output=True, text=True,
+                              "--save", final] + extra, check=True, capture_output=True, text=True,
                              env=dict(os.environ, OPENBLAS_NUM_THREADS="1")).stdout
         dt_losses = [float(l.split("train loss ")[1].split(",")[0]) for l in out.splitlines()
                      if l.startswith("step ")]
@@ -96,14 +110,27 @@ def main():
     model = GPT(w0, layers, heads)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8,
                             weight_decay=0.1)
+    ref = GPT({k: v.copy() for k, v in w0.items()}, layers, heads) if bf16 else None   # f32
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8,
+                                weight_decay=0.1) if bf16 else None
+    loss_off = False
     for s in range(steps):
         x, y = (torch.from_numpy(batches[s, i].astype(np.int64)) for i in (0, 1))
-        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
         print("step %d: loss dtrain %.6f torch %.6f" % (s + 1, dt_losses[s], loss.item()))
-    worst, name = 0.0, ""
+        if bf16 and abs(dt_losses[s] - loss.item()) > 0.01 * loss.item():
+            loss_off = True
+        if bf16:
+            ref_loss = F.cross_entropy(ref(x).reshape(-1, 256), y.reshape(-1))
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+    worst, name, scale = 0.0, "", 0.0
     for k, v in w1.items():
         if k.startswith("optim."):
             continue
@@ -117,9 +144,23 @@ def main():
             print("  %s: key part (gradient 0 in exact arithmetic) differs by %.3g" % (k, kb))
             v, t = np.concatenate([v[:C], v[2 * C:]]), np.concatenate([t[:C], t[2 * C:]])
         r = float(np.max(np.abs(v - t)) / max(float(np.max(np.abs(t))), 1e-12))
+        if bf16:   # in units of lr, absolute
+            r = float(np.max(np.abs(v - t))) / lr
+            f32 = ref.g(k).detach().numpy()
+            if k.endswith("attn.bias"):
+                f32 = np.concatenate([f32[:C], f32[2 * C:]])
+            scale = max(scale, float(np.max(np.abs(f32 - t))) / lr)
         if r > worst:
             worst, name = r, k
-    ok = worst <= 1e-4
+    tol = 5.0 if bf16 else 1e-4
+    ok = worst <= tol and not loss_off
+    if bf16:
+        print("crosscheck (bf16 parameters + f32 masters against torch.autocast bf16): %d "
+              "parameters after %d AdamW steps; largest difference %.3g lr (%s, at most %g; "
+              "torch f32 against torch autocast: %.3g lr)%s: %s"
+              % (len(model.p), steps, worst, name, tol, scale,
+                 "; a step's loss more than 1% off" if loss_off else "", "ok" if ok else "OFF"))
+        return 0 if ok else 1
     print("crosscheck: %d parameters after %d AdamW steps; largest difference %.3g of the "
           "tensor's largest value (%s): %s" % (len(model.p), steps, worst, name,
                                               "ok" if ok else "OFF"))

@@ -528,6 +528,174 @@ static void test_grad_accumulation(void **state)
     dt_ctx_free(ctx);
 }
 
+/* --- 16-bit parameters with f32 masters, 16-bit state ------------------------ */
+
+/* bf16 rounding (nearest even), as the library's (backends/half.h) */
+static float bf16_round(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7fffu + ((u >> 16) & 1);
+    u &= 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static int is_bf16(float x) { return bf16_round(x) == x; }
+
+/* param_dtype bf16: the parameters hold their f32 masters rounded, after
+ * dt_optim_new and after every step, while the masters (which a checkpoint
+ * saves in the parameters' place) follow the f32 reference: the updates
+ * far below a bf16 step are not lost. */
+static void test_optim_master_weights(void **state)
+{
+    (void)state;
+    char dir[64], path[512];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/master.safetensors", dir);
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAMW);
+    c.lr = 1e-4f;   /* each step moves w by ~1e-4: below bf16's spacing at 0.5 (2^-9) */
+    c.param_dtype = DT_BF16;
+    fixture f;
+    fx_init(&f);
+    dt_optim *opt = dt_optim_new(f.ctx, &c, NULL, 0);
+    tu_check(f.ctx, opt, "dt_optim_new bf16 params");
+    float w[NW];
+    dt_tensor_get(f.w, w, NW);
+    assert_float_equal(w[3], bf16_round(0.1f), 0);   /* rounded at once */
+    ref_state rw[NW] = {{0}};
+    for (int i = 0; i < NW; i++) rw[i].w = W0[i];
+    for (int t = 1; t <= NSTEP; t++) {
+        dt_optim_zero_grad(opt);
+        fx_backward(&f, GW[t - 1], GB[t - 1]);
+        tu_check_status(f.ctx, dt_optim_step(opt), "step");
+        for (int i = 0; i < NW; i++) ref_adam(&rw[i], GW[t - 1][i], t, &c);
+    }
+    dt_tensor_get(f.w, w, NW);
+    for (int i = 0; i < NW; i++) {
+        if (!is_bf16(w[i]) || fabs(w[i] - rw[i].w) > fabs(rw[i].w) / 256)
+            fail_msg("w[%d] = %.9g: not the master %.9g rounded to bf16", i, (double)w[i], rw[i].w);
+    }
+    assert_float_equal(w[0], 0.5f, 0);   /* 3e-4 below 0.5: still 0.5 in bf16 */
+    tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, opt, path, 3), "save");
+    /* the file holds the masters: f32 values the steps moved */
+    fixture g;
+    fx_init(&g);
+    tu_check_status(g.ctx, dt_checkpoint_load(g.ctx, NULL, path, NULL), "load plain");
+    float mw[NW];
+    dt_tensor_get(g.w, mw, NW);
+    for (int i = 0; i < NW; i++)
+        if (!tu_close(mw[i], rw[i].w, RT, AT))
+            fail_msg("saved w[%d] = %.9g, the f32 reference %.9g", i, (double)mw[i], rw[i].w);
+    assert_true(mw[0] < 0.5f && !is_bf16(mw[0]));
+    fx_free(&g);
+
+    /* the caller writes a parameter: the next step starts from that value */
+    const float nw[NW] = {4.0f, 4.0f, 4.0f, 4.0f};
+    tu_check_status(f.ctx, dt_tensor_set(f.w, nw, NW), "set w");
+    dt_optim_zero_grad(opt);
+    fx_backward(&f, GW[0], GB[0]);
+    tu_check_status(f.ctx, dt_optim_step(opt), "step after set");
+    dt_tensor_get(f.w, w, NW);
+    for (int i = 0; i < NW; i++)
+        if (fabs(w[i] - 4.0f) > 0.04f)
+            fail_msg("w[%d] = %g after the caller set 4", i, (double)w[i]);
+    dt_optim_free(opt);
+    fx_free(&f);
+
+    /* resumed from the checkpoint, the run goes on bit for bit */
+    float want[NW], got[NW];
+    for (int run = 0; run < 2; run++) {
+        fixture h;
+        fx_init(&h);
+        c.state_dtype = DT_BF16;
+        opt = dt_optim_new(h.ctx, &c, NULL, 0);
+        tu_check(h.ctx, opt, "optim");
+        for (int t = 1; t <= 4; t++) {
+            if (t == 3 && run == 0)
+                tu_check_status(h.ctx, dt_checkpoint_save(h.ctx, opt, path, 2), "save at 2");
+            if (t == 3 && run == 1) {
+                dt_optim_free(opt);
+                fx_free(&h);
+                fx_init(&h);
+                opt = dt_optim_new(h.ctx, &c, NULL, 0);
+                tu_check_status(h.ctx, dt_checkpoint_load(h.ctx, opt, path, NULL), "resume");
+            }
+            dt_optim_zero_grad(opt);
+            fx_backward(&h, GW[t % NSTEP], GB[t % NSTEP]);
+            tu_check_status(h.ctx, dt_optim_step(opt), "step");
+        }
+        dt_tensor_get(h.w, run ? got : want, NW);
+        dt_optim_free(opt);
+        fx_free(&h);
+    }
+    assert_memory_equal(want, got, sizeof want);
+    tu_rmdir(dir);
+}
+
+/* Optimizer state in bf16: 2 bytes an element, each kind's update within
+ * bf16's precision of the f32 state's; f16 state and unknown dtypes are
+ * refused. */
+static void test_optim_bf16_state(void **state)
+{
+    (void)state;
+    const dt_optim_kind kinds[] = {DT_ADAMW, DT_SGD, DT_ADAGRAD};
+    for (int k = 0; k < 3; k++) {
+        float w[2][NW];
+        size_t bytes[2];
+        for (int half = 0; half < 2; half++) {
+            dt_optim_config c;
+            dt_optim_config_init(&c, kinds[k]);
+            c.momentum = kinds[k] == DT_SGD ? 0.9f : 0.0f;
+            c.state_dtype = half ? DT_BF16 : DT_F32;
+            fixture f;
+            fx_init(&f);
+            dt_mem_stats m0, m1;
+            dt_mem_stats_get(f.ctx, &m0);
+            dt_optim *opt = dt_optim_new(f.ctx, &c, NULL, 0);
+            tu_check(f.ctx, opt, "optim");
+            dt_mem_stats_get(f.ctx, &m1);
+            bytes[half] = m1.persistent_bytes - m0.persistent_bytes;
+            assert_int_equal(dt_tensor_dtype(dt_optim_state_at(opt, 0)), half ? DT_BF16 : DT_F32);
+            for (int t = 1; t <= NSTEP; t++) {
+                dt_optim_zero_grad(opt);
+                fx_backward(&f, GW[t - 1], GB[t - 1]);
+                tu_check_status(f.ctx, dt_optim_step(opt), "step");
+            }
+            dt_tensor_get(f.w, w[half], NW);
+            if (half) {   /* the state as stored: bf16 bits */
+                uint16_t h[NW];
+                dt_tensor_get(dt_optim_state_at(opt, 0), h, NW);
+                int nonzero = 0;
+                for (int i = 0; i < NW; i++) nonzero += h[i] != 0;
+                assert_true(nonzero >= NW - 1);
+            }
+            dt_optim_free(opt);
+            fx_free(&f);
+        }
+        int per = kinds[k] == DT_ADAMW ? 2 : 1;
+        assert_int_equal(bytes[0] - bytes[1], (size_t)per * (NW + NB) * 2);
+        for (int i = 0; i < NW; i++)
+            if (fabs(w[1][i] - w[0][i]) > 0.02 * fabs(w[0][i]) + 1e-6)
+                fail_msg("kind %d: w[%d] %g with bf16 state, %g with f32", k, i, (double)w[1][i],
+                         (double)w[0][i]);
+    }
+    fixture f;
+    fx_init(&f);
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAM);
+    c.state_dtype = DT_F16;
+    assert_null(dt_optim_new(f.ctx, &c, NULL, 0));
+    assert_int_equal(dt_last_status(f.ctx), DT_ENOTSUP);
+    assert_non_null(strstr(dt_last_error(f.ctx), "DT_BF16"));
+    c.state_dtype = DT_F32;
+    c.param_dtype = DT_I32;
+    assert_null(dt_optim_new(f.ctx, &c, NULL, 0));
+    assert_int_equal(dt_last_status(f.ctx), DT_EINVAL);
+    fx_free(&f);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_optim_defaults),
     cmocka_unit_test(test_optim_sgd_plain),
@@ -545,6 +713,8 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_schedule_drives_optimizer),
     cmocka_unit_test(test_clip_grad_norm),
     cmocka_unit_test(test_grad_accumulation),
+    cmocka_unit_test(test_optim_master_weights),
+    cmocka_unit_test(test_optim_bf16_state),
 };
 
 DT_TEST_GROUP(core_optim, tests)

@@ -2433,6 +2433,7 @@ typedef struct zero_case {
     size_t bucket_bytes;
     int gpt;                   /* the small GPT below instead of the MLP */
     int recompute;             /* its blocks under dt_recompute (activation checkpointing) */
+    int half;                  /* bf16 parameters with f32 masters, bf16 moments */
 } zero_case;
 static zero_case cur_zero;
 
@@ -2581,6 +2582,8 @@ static dt_optim *zero_optim(dt_ctx *ctx, dt_optim_kind kind)
     oc.lr = kind == DT_SGD ? 0.05f : 0.01f;
     oc.momentum = kind == DT_SGD ? 0.9f : 0.0f;
     oc.weight_decay = kind == DT_SGD ? 1e-3f : 0.01f;
+    oc.param_dtype = cur_zero.half ? DT_BF16 : DT_F32;
+    oc.state_dtype = cur_zero.half ? DT_BF16 : DT_F32;
     return dt_optim_new(ctx, &oc, NULL, 0);
 }
 
@@ -2689,8 +2692,21 @@ static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     int code = !init ? 2 : zero_params(ctx, init, 0) ? 3
              : zero_train(ctx, c, w, init, 0, ref, &s0) ? 4
              : zero_train(ctx, c, w, init, zc->level, got, &s1) ? 5 : 0;
-    double diff, big;
-    int off = code ? -1 : param_off(ctx, ref, got, 1e-6, &diff, &big);
+    /* bf16 parameters: the masters agree as f32 ones do, so a parameter
+     * is the same bf16 value or (a master next to a rounding boundary) the
+     * next one: within 2^-7 of its tensor's largest entry */
+    double diff, big, tol = zc->half ? 1.0 / 128 : 1e-6;
+    int off = code ? -1 : param_off(ctx, ref, got, tol, &diff, &big);
+    for (int64_t k = 0; code == 0 && zc->half && k < n; k++) {
+        float r = got[k];
+        uint32_t u;
+        memcpy(&u, &r, 4);
+        if (u & 0xffffu) {
+            fprintf(stderr, "rank %d: parameter float %lld = %.9g is not a bf16 value\n", rank,
+                    (long long)k, (double)r);
+            code = 11;
+        }
+    }
     if (off >= 0) {
         fprintf(stderr, "rank %d: zero %d: %s differs from DDP's by %.3g (largest %.3g)\n", rank,
                 zc->level, dt_tensor_name(dt_param_at(ctx, off)), diff, big);
@@ -2730,19 +2746,23 @@ static void test_zero_equals_ddp(void **state)
 {
     (void)state;
     const zero_case cases[] = {
-        {1, 2, DT_ADAMW, 0, 0, 1, 0, 0, 0},     {2, 2, DT_ADAMW, 0, 0, 1, 512, 0, 0},
-        {1, 3, DT_SGD, 1, 0, 0, 512, 0, 0},     {2, 3, DT_SGD, 0, 1, 0, 512, 0, 0},
-        {1, 5, DT_ADAMW, 0, 1, 1, 1024, 0, 0},  {2, 5, DT_ADAMW, 1, 0, 1, 512, 0, 0},
-        {2, 2, DT_SGD, 1, 1, 1, 512, 0, 0},     {1, 2, DT_SGD, 0, 0, 0, 0, 0, 0},
-        {3, 2, DT_ADAMW, 0, 0, 1, 512, 0, 0},   {3, 3, DT_SGD, 1, 1, 0, 4096, 0, 0},
-        {3, 5, DT_ADAMW, 1, 0, 1, 512, 0, 0},   {3, 2, DT_SGD, 0, 1, 0, 0, 0, 0},
+        {1, 2, DT_ADAMW, 0, 0, 1, 0, 0, 0, 0},     {2, 2, DT_ADAMW, 0, 0, 1, 512, 0, 0, 0},
+        {1, 3, DT_SGD, 1, 0, 0, 512, 0, 0, 0},     {2, 3, DT_SGD, 0, 1, 0, 512, 0, 0, 0},
+        {1, 5, DT_ADAMW, 0, 1, 1, 1024, 0, 0, 0},  {2, 5, DT_ADAMW, 1, 0, 1, 512, 0, 0, 0},
+        {2, 2, DT_SGD, 1, 1, 1, 512, 0, 0, 0},     {1, 2, DT_SGD, 0, 0, 0, 0, 0, 0, 0},
+        {3, 2, DT_ADAMW, 0, 0, 1, 512, 0, 0, 0},   {3, 3, DT_SGD, 1, 1, 0, 4096, 0, 0, 0},
+        {3, 5, DT_ADAMW, 1, 0, 1, 512, 0, 0, 0},   {3, 2, DT_SGD, 0, 1, 0, 0, 0, 0, 0},
         /* the GPT: tied embedding (one tensor, two uses), attention, layer norm */
-        {1, 2, DT_ADAMW, 1, 1, 1, 512, 1, 0}, {2, 3, DT_SGD, 1, 0, 1, 1024, 1, 0},
-        {3, 5, DT_ADAMW, 0, 1, 0, 512, 1, 0}, {3, 3, DT_ADAMW, 1, 0, 1, 1024, 1, 0},
-        {2, 5, DT_SGD, 0, 0, 0, 0, 1, 0},    {1, 3, DT_SGD, 0, 1, 1, 0, 1, 0},
+        {1, 2, DT_ADAMW, 1, 1, 1, 512, 1, 0, 0}, {2, 3, DT_SGD, 1, 0, 1, 1024, 1, 0, 0},
+        {3, 5, DT_ADAMW, 0, 1, 0, 512, 1, 0, 0}, {3, 3, DT_ADAMW, 1, 0, 1, 1024, 1, 0, 0},
+        {2, 5, DT_SGD, 0, 0, 0, 0, 1, 0, 0},    {1, 3, DT_SGD, 0, 1, 1, 0, 1, 0, 0},
         /* and with its blocks recomputed in backward (their parameters gathered again) */
-        {3, 2, DT_ADAMW, 1, 0, 1, 512, 1, 1}, {3, 3, DT_SGD, 0, 1, 0, 1024, 1, 1},
-        {2, 2, DT_ADAMW, 0, 0, 1, 512, 1, 1},
+        {3, 2, DT_ADAMW, 1, 0, 1, 512, 1, 1, 0}, {3, 3, DT_SGD, 0, 1, 0, 1024, 1, 1, 0},
+        {2, 2, DT_ADAMW, 0, 0, 1, 512, 1, 1, 0},
+        /* bf16 parameters with f32 masters (sharded with the state) and bf16 moments */
+        {1, 2, DT_ADAMW, 1, 0, 1, 512, 0, 0, 1}, {1, 3, DT_SGD, 0, 1, 0, 512, 0, 0, 1},
+        {2, 2, DT_ADAMW, 0, 0, 1, 512, 1, 0, 1}, {3, 5, DT_ADAMW, 1, 0, 1, 512, 0, 0, 1},
+        {3, 3, DT_ADAMW, 0, 1, 0, 1024, 1, 1, 1},
     };
     for (int k = 0; k < TU_ARRAY_LEN(cases); k++) {
         cur_zero = cases[k];
@@ -2982,6 +3002,52 @@ static void test_zero_reshard(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* The same with bf16 parameters, f32 masters and bf16 moments: the
+ * checkpoint holds the masters (f32) and the moments widened, so 3 ranks
+ * at zero 3 resume bit for bit, and 2 ranks at zero 1 and one process
+ * resume to within one bf16 step (2^-7 of a tensor's largest entry: their
+ * masters differ as f32 ones do, by the order of the sums). */
+static void test_zero_reshard_half(void **state)
+{
+    (void)state;
+    snprintf(rs_root, sizeof rs_root, "/tmp/dt_reshard_half_%d", (int)getpid());
+    assert_int_equal(mkdir(rs_root, 0777), 0);
+    cur_zero.half = 1;
+    char a10[192];
+    rs_path(a10, sizeof a10, "a-step10");
+    rs_run(3, (reshard_run){.level = 3, .save_at_half = a10}, "a.bin");
+    rs_run(3, (reshard_run){.level = 3, .load = a10, .start = RS_HALF}, "a3.bin");
+    rs_run(2, (reshard_run){.level = 1, .load = a10, .start = RS_HALF}, "b.bin");
+    rs_run(1, (reshard_run){.single = 1, .load = a10, .start = RS_HALF}, "c.bin");
+    dt_ctx *ctx = tu_ctx_new();
+    dt_tensor *w[2 * ZLAYERS];
+    assert_int_equal(zero_build(ctx, w), 0);
+    int64_t n = zero_numel(ctx);
+    const char *names[] = {"a.bin", "a3.bin", "b.bin", "c.bin"};
+    float *v[4];
+    char p[256];
+    for (int i = 0; i < 4; i++) {
+        rs_path(p, sizeof p, names[i]);
+        v[i] = rs_read(p, n);
+    }
+    rs_compare(ctx, "bf16: 3 ranks zero 3 resumed", v[0], v[1], 0);
+    rs_compare(ctx, "bf16: 2 ranks zero 1 resumed", v[0], v[2], 1.0 / 128);
+    rs_compare(ctx, "bf16: 1 process resumed", v[0], v[3], 1.0 / 128);
+    int same = 0;   /* most land on the very same bf16 value */
+    for (int64_t k = 0; k < n; k++)
+        same += v[0][k] == v[3][k];
+    if (same < n * 9 / 10)
+        fail_msg("only %d of %lld parameters equal after the single-process resume", same,
+                 (long long)n);
+    for (int i = 0; i < 4; i++)
+        free(v[i]);
+    dt_ctx_free(ctx);
+    cur_zero.half = 0;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", rs_root);
+    assert_int_equal(system(cmd), 0);
+}
+
 static int rs_copy(const char *from, const char *to)
 {
     char cmd[600];
@@ -3105,6 +3171,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_zero_equals_ddp),
     cmocka_unit_test(test_zero_refused),
     cmocka_unit_test(test_zero_reshard),
+    cmocka_unit_test(test_zero_reshard_half),
     cmocka_unit_test(test_zero_checkpoint_refused),
     cmocka_unit_test(test_dp_equivalence),
     cmocka_unit_test(test_dp_unused_and_errors),

@@ -140,3 +140,5 @@ fi
 echo
 echo "crosscheck against PyTorch (tests/gpt_crosscheck.py): the same weights and batches, 20 AdamW steps"
 "$PY" tests/gpt_crosscheck.py build/gpt | tail -3
+echo "and bf16 parameters with f32 masters against torch.autocast(bfloat16)"
+"$PY" tests/gpt_crosscheck.py build/gpt --bf16 | tail -1
