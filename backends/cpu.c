@@ -453,15 +453,25 @@ static void cpu_free(dt_backend *be, void *ptr)
 
 /* The whole pages inside [ptr, ptr + bytes) go back to the system; they
  * read as zeros until written (MADV_DONTNEED on private memory).  Pages
- * the range only touches stay: other data may share them. */
+ * the range only touches stay: other data may share them.  Memory given
+ * back is written again soon (zero 3 gathers the same unit at its next
+ * use), one fault a page: the 2 MiB-aligned middle is marked for
+ * transparent huge pages, so it comes back in 2 MiB faults, 512 times
+ * fewer (where THP is "madvise" or "always"; a huge page only partly
+ * discarded is split and its discarded part still freed). */
 static void cpu_discard(dt_backend *be, void *ptr, size_t bytes)
 {
     (void)be;
     long page = sysconf(_SC_PAGESIZE);
-    uintptr_t p = page > 0 ? (uintptr_t)page : 4096;
+    uintptr_t p = page > 0 ? (uintptr_t)page : 4096, huge = (uintptr_t)2 << 20;
     uintptr_t lo = ((uintptr_t)ptr + p - 1) & ~(p - 1), hi = ((uintptr_t)ptr + bytes) & ~(p - 1);
     if (hi > lo)
         madvise((void *)lo, hi - lo, MADV_DONTNEED);
+#ifdef MADV_HUGEPAGE
+    uintptr_t hlo = ((uintptr_t)ptr + huge - 1) & ~(huge - 1), hhi = ((uintptr_t)ptr + bytes) & ~(huge - 1);
+    if (hhi > hlo)
+        madvise((void *)hlo, hhi - hlo, MADV_HUGEPAGE);
+#endif
 }
 
 static void cpu_memcpy(dt_backend *be, void *dst, const void *src, size_t bytes)

@@ -21,6 +21,8 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "backends/backend.h"
@@ -168,6 +170,54 @@ static void test_memory(void **state)
     for (int i = 0; i < 5; i++) assert_true(e[i] == 0.0f);
     I->free(f->be3, d);
     I->free(f->be3, e);
+}
+
+/* This process's resident bytes (/proc/self/statm), or 0 if unknown. */
+static size_t resident_bytes(void)
+{
+    FILE *fp = fopen("/proc/self/statm", "r");
+    unsigned long size = 0, res = 0;
+    int ok = fp && fscanf(fp, "%lu %lu", &size, &res) == 2;
+    if (fp)
+        fclose(fp);
+    return ok ? (size_t)res * (size_t)sysconf(_SC_PAGESIZE) : 0;
+}
+
+/* discard gives the memory back to the system (the resident set shrinks
+ * by it, not only some accounting), both the first time and after the
+ * pages came back (as huge pages where THP allows), and keeps every byte
+ * outside the range: a part of a huge page discarded frees that part. */
+static void test_discard_frees_memory(void **state)
+{
+    fix *f = *state;
+    const dt_backend_iface *I = f->I;
+    const size_t MB = (size_t)1 << 20, n = 32 * MB;
+    unsigned char *p = I->alloc(f->be1, n);
+    assert_non_null(p);
+    if (resident_bytes() == 0)
+        skip();
+    for (int round = 0; round < 2; round++) {
+        memset(p, 0x5A, n);
+        size_t before = resident_bytes();
+        I->discard(f->be1, p, n);
+        size_t after = resident_bytes();
+        if (before < after + 30 * MB)
+            fail_msg("round %d: resident %zu -> %zu bytes: 32 MiB discarded, under 30 left",
+                     round, before, after);
+        size_t first = (size_t)(-(uintptr_t)p & 4095);   /* the whole pages read as zeros */
+        for (size_t i = first; i + 4096 <= n; i += 4096)
+            assert_int_equal(p[i], 0);
+    }
+    memset(p, 0x5A, n);   /* part of it: [8 MiB + 100, 24 MiB - 100) */
+    size_t before = resident_bytes();
+    I->discard(f->be1, p + 8 * MB + 100, 16 * MB - 200);
+    size_t after = resident_bytes();
+    if (before < after + 15 * MB)
+        fail_msg("resident %zu -> %zu bytes: 16 MiB discarded, under 15 left", before, after);
+    for (size_t i = 0; i < 8 * MB + 100; i++)
+        if (p[i] != 0x5A || p[n - 1 - i] != 0x5A)
+            fail_msg("byte %zu outside the discarded range changed", i);
+    I->free(f->be1, p);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1159,7 +1209,7 @@ static void test_count_correct(void **state)
 #define T(fn) cmocka_unit_test_setup_teardown(fn, setup, teardown)
 
 static const struct CMUnitTest cpu_kernel_tests[] = {
-    T(test_memory),          T(test_gemm),           T(test_gemm_batched),
+    T(test_memory),          T(test_discard_frees_memory), T(test_gemm), T(test_gemm_batched),
     T(test_fill_axpby),      T(test_unary),          T(test_binary),
     T(test_copy_strided),    T(test_sum_to),         T(test_reduce_axis),
     T(test_sum_sumsq_threads), T(test_reductions_threads), T(test_softmax),

@@ -128,7 +128,7 @@ class dt_optim_config(ctypes.Structure):
     _fields_ = [("struct_size", _SZ),
                 ("kind", _I), ("lr", _F), ("momentum", _F), ("dampening", _F),
                 ("nesterov", _I), ("weight_decay", _F), ("beta1", _F), ("beta2", _F),
-                ("eps", _F)]
+                ("eps", _F), ("param_dtype", _I), ("state_dtype", _I)]
 
 
 class dt_schedule(ctypes.Structure):
@@ -724,7 +724,7 @@ _ERRORS = {1: InvalidArgument, 2: OutOfMemory, 3: FileError, 4: CorruptFile, 5: 
            6: NotSupported, 7: BadState, 8: Timeout, 9: PeerError}
 _EOF = 10
 
-_DTYPES = {0: np.float32, 1: np.int32, 2: np.uint8, 3: None, 4: np.float16}
+_DTYPES = {0: np.float32, 1: np.int32, 2: np.uint8, 3: np.uint16, 4: np.float16}   # bf16: its bits
 _DT_OF = {np.dtype(np.float32): 0, np.dtype(np.int32): 1, np.dtype(np.uint8): 2}
 
 
@@ -1108,7 +1108,8 @@ class Tensor:
 
     @property
     def dtype(self) -> Any:
-        """The NumPy dtype of the elements (float32, int32, uint8, ...)."""
+        """The NumPy dtype of the elements (float32, int32, uint8, ...; a bf16 tensor's,
+        such as bf16 optimizer state, is uint16: its bits, the top half of a float32)."""
         return np.dtype(_DTYPES[_C.tensor_dtype(self.handle)])
 
     def numel(self) -> int:
@@ -1468,10 +1469,15 @@ class _Handle:
             pass
 
 
+_OPTIM_DTYPES = {"f32": 0, "bf16": 3, "f16": 4, "fp16": 4}
+
+
 class Optimizer(_Handle):
     """dt_optim over params (default: every parameter of the context).  kind: sgd, adam,
     adamw, adagrad; keyword arguments are dt_optim_config's fields (lr, momentum, ...,
-    betas=(b1, b2)); unset ones keep PyTorch's defaults."""
+    betas=(b1, b2)); unset ones keep PyTorch's defaults.  param_dtype="bf16" (or "f16"):
+    the parameters hold bf16 values and the optimizer f32 master weights (sharded with a
+    DDP's zero); state_dtype="bf16": the moments in bf16 (docs/DATA_PARALLEL.md)."""
     _close_order = 1
     _what = "optimizer"
     _free = staticmethod(_C.optim_free)
@@ -1486,6 +1492,11 @@ class Optimizer(_Handle):
         for k, v in cfg.items():
             if k not in dict(c._fields_) or k == "struct_size":
                 raise InvalidArgument(1, "optimizer: no setting '%s'" % k)
+            if k in ("param_dtype", "state_dtype"):
+                if v not in _OPTIM_DTYPES:
+                    raise InvalidArgument(1, "optimizer: %s is one of %s"
+                                          % (k, ", ".join(_OPTIM_DTYPES)))
+                v = _OPTIM_DTYPES[v]
             setattr(c, k, v)
         if betas is not None:
             c.beta1, c.beta2 = betas

@@ -29,7 +29,8 @@ int main(void)
     F(dt_optim_config, momentum, momentum); F(dt_optim_config, dampening, dampening);
     F(dt_optim_config, nesterov, nesterov); F(dt_optim_config, weight_decay, weight_decay);
     F(dt_optim_config, beta1, beta1); F(dt_optim_config, beta2, beta2);
-    F(dt_optim_config, eps, eps); END(dt_optim_config);
+    F(dt_optim_config, eps, eps); F(dt_optim_config, param_dtype, param_dtype);
+    F(dt_optim_config, state_dtype, state_dtype); END(dt_optim_config);
 
     F(dt_schedule, kind, kind); F(dt_schedule, step_size, step_size); F(dt_schedule, gamma, gamma);
     F(dt_schedule, warmup_steps, warmup_steps); F(dt_schedule, total_steps, total_steps);

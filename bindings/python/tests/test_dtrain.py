@@ -431,6 +431,37 @@ class Training(unittest.TestCase):
             for p, s in zip(ctx.params(), saved):
                 np.testing.assert_array_equal(p.numpy(), s)
 
+    def test_bf16_parameters_with_f32_masters(self):
+        """param_dtype="bf16": the parameters hold bf16 values after every step while
+        the checkpoint holds the f32 masters, which the steps moved by less than a bf16
+        step; state_dtype="bf16" stores the moments in 2 bytes; bad names raise."""
+        with dt.Context(seed=2) as ctx, tempfile.TemporaryDirectory() as d:
+            layers = small_mlp(ctx)
+            opt = dt.Optimizer(ctx, "adamw", lr=1e-5, param_dtype="bf16", state_dtype="bf16")
+            x = ctx.from_numpy(np.ones((2, 6), np.float32))
+            for _ in range(3):
+                ctx.backward(dt.mean(mlp_forward(layers, x)))
+                opt.step()
+                opt.zero_grad()
+                ctx.step_reset()
+            bits = [p.numpy(copy=True).view(np.uint32) for p in ctx.params()]
+            self.assertTrue(all(not np.any(b & 0xFFFF) for b in bits))   # bf16 values
+            self.assertEqual(opt.state[0].dtype, np.uint16)   # bf16 bits
+            self.assertEqual(opt.state[0].numpy().nbytes, 2 * opt.state[0].numel())
+            path = os.path.join(d, "c.safetensors")
+            dt.checkpoint_save(ctx, path, opt, step=3)
+            with dt.Context(seed=2) as plain:
+                small_mlp(plain)
+                dt.checkpoint_load(plain, path)
+                masters = [p.numpy(copy=True) for p in plain.params()]
+            moved = [m for m, b in zip(masters, bits) if np.any(m.view(np.uint32) & 0xFFFF)]
+            self.assertTrue(moved)   # f32 values, finer than bf16
+            for m, b in zip(masters, bits):   # and the parameters are them rounded
+                self.assertLessEqual(np.abs(m - b.view(np.float32)).max(),
+                                     np.abs(m).max() / 128 + 1e-30)
+            with self.assertRaises(dt.InvalidArgument):
+                dt.Optimizer(ctx, "adam", param_dtype="f64")
+
     def test_evaluate_and_its_callback_errors(self):
         with dt.Context(seed=1) as ctx:
             layers = small_mlp(ctx, (784, 10))
