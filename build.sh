@@ -1312,6 +1312,10 @@ print(json.load(u.urlopen(sys.argv[1]))["ranks"][1]["pid"])' "http://127.0.0.1:$
     kill $MON_PID; wait $MON_PID 2>/dev/null || true   # (killed: not a failure)
     monitor_ps_check $log $fast
     monitor_died_check $log $fast
+    # a sharded job (zero 3): its parameter gathers on every rank
+    monitor_job $log $fast --ranks 2 --model mlp --epochs 100 --zero 3 --monitor 0
+    /usr/bin/python3 tests/monitor_check.py $MON_PORT 2 --zero || { kill $MON_PID; exit 1; }
+    kill $MON_PID; wait $MON_PID 2>/dev/null || true
     DTRAIN_JOB_TOKEN=monitor-check-token monitor_job $log $fast --model mlp --epochs 100 \
         --monitor 0.0.0.0:0
     /usr/bin/python3 tests/monitor_check.py $MON_PORT 1 monitor-check-token || { kill $MON_PID; exit 1; }

@@ -18741,9 +18741,12 @@ static zero_state *Z(const dt_ddp *d) { return d->z; }
 static dt_status zero_evict_all(dt_ddp *d);
 
 /* All-gathers of parameters ran ran_s, exposed_s of it waited for: the
- * DDP's stats and the profile's (the end-of-job report). */
+ * DDP's stats and the profile's (the end-of-job report).  A wait for a
+ * prefetch also waits for what the comm thread ran before it (a bucket's
+ * reduce-scatter): only the gather's own time counts as its exposure. */
 static void zero_note_gather(dt_ddp *d, double ran_s, double exposed_s)
 {
+    exposed_s = exposed_s < ran_s ? exposed_s : ran_s;
     d->st.gather_s += ran_s;
     d->st.gather_exposed_s += exposed_s;
     prof_gather(d->ctx, ran_s, exposed_s);
@@ -23313,8 +23316,8 @@ static void mon_take(dt_monitor *m, mon_summary *s)
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
  * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
- * serve busy stalled served bytes_in bytes_out queue_max keys, n (name at
- * value)*" */
+ * serve busy stalled served bytes_in bytes_out queue_max keys, a sharded
+ * DDP's gather gather_exposed, n (name at value)*" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
     int n = snprintf(out, cap, "dtmon1 %.6f %lld %lld %.9g", s->t, (long long)s->steps,
@@ -23325,10 +23328,10 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
                   s->comm_s, s->coll_bytes, s->busbw, (long long)s->collectives,
                   (long long)s->ps_calls, s->ps_latency_s, (long long)s->ps_max_stale,
                   s->ps_mean_stale, s->straggler, s->pid);
-    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %d",
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %.9g %.9g %d",
                   s->sv.ps_serve_s, s->sv.ps_busy_s, s->sv.ps_stalled_s, (long long)s->sv.ps_served,
                   s->sv.ps_bytes_in, s->sv.ps_bytes_out, (long long)s->sv.ps_queue_max,
-                  (long long)s->sv.ps_keys, s->nscalars);
+                  (long long)s->sv.ps_keys, s->sv.gather_s, s->sv.gather_exposed_s, s->nscalars);
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
@@ -23368,9 +23371,10 @@ static int mon_decode(const char *line, mon_summary *s)
     const char *p = line + used;
     long long served, qmax, keys;
     int k = 0;
-    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %d%n", &s->sv.ps_serve_s, &s->sv.ps_busy_s,
-               &s->sv.ps_stalled_s, &served, &s->sv.ps_bytes_in, &s->sv.ps_bytes_out, &qmax, &keys,
-               &s->nscalars, &k) != 9 ||
+    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %lf %lf %d%n", &s->sv.ps_serve_s,
+               &s->sv.ps_busy_s, &s->sv.ps_stalled_s, &served, &s->sv.ps_bytes_in,
+               &s->sv.ps_bytes_out, &qmax, &keys, &s->sv.gather_s, &s->sv.gather_exposed_s,
+               &s->nscalars, &k) != 11 ||
         s->nscalars < 0 || s->nscalars > MON_SCALARS)
         return 0;
     s->sv.ps_served = served;
@@ -23595,6 +23599,10 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
     jnum(b, "ps_latency_ms", s->ps_calls ? s->ps_latency_s / (double)s->ps_calls * 1e3 : NAN);
     strbuf_printf(b, ",\"ps_max_staleness\":%lld,", (long long)s->ps_max_stale);
     jnum(b, "ps_mean_staleness", s->ps_mean_stale);
+    strbuf_puts(b, ",");
+    jnum(b, "gather_s", s->sv.gather_s);
+    strbuf_puts(b, ",");
+    jnum(b, "gather_exposed_s", s->sv.gather_exposed_s);
     if (s->sv.ps_serve_s > 0) {   /* a parameter server's own figures, over the run */
         const dt_profile_stats *v = &s->sv;
         strbuf_printf(b, ",\"server\":{\"served\":%lld,\"keys\":%lld,\"queue_max\":%lld,",
@@ -23715,6 +23723,8 @@ MON_FIELD(f_sv_in, s->sv.ps_serve_s > 0 ? s->sv.ps_bytes_in : NAN)
 MON_FIELD(f_sv_out, s->sv.ps_serve_s > 0 ? s->sv.ps_bytes_out : NAN)
 MON_FIELD(f_sv_queue, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_queue_max : NAN)
 MON_FIELD(f_sv_keys, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_keys : NAN)
+MON_FIELD(f_gather, s->sv.gather_s > 0 ? s->sv.gather_s : NAN)
+MON_FIELD(f_gather_exp, s->sv.gather_s > 0 ? s->sv.gather_exposed_s : NAN)
 
 static void prom_scalars(dt_monitor *m, strbuf *b)
 {
@@ -23774,6 +23784,12 @@ static char *mon_render_metrics(dt_monitor *m, double now)
                   "Time the rank's collectives ran on its comm thread, hidden or not.", f_comm, now);
     prom_per_rank(m, &b, "dtrain_exposed_communication_seconds_total", "counter",
                   "Time the rank's steps waited for communication.", f_exposed, now);
+    prom_per_rank(m, &b, "dtrain_parameter_gather_seconds_total", "counter",
+                  "Time a sharded DDP's parameter all-gathers ran (dt_ddp_config.zero).", f_gather,
+                  now);
+    prom_per_rank(m, &b, "dtrain_parameter_gather_exposed_seconds_total", "counter",
+                  "Of it, the time the rank's training waited for (zero 3: what prefetch did not "
+                  "hide).", f_gather_exp, now);
     prom_per_rank(m, &b, "dtrain_straggler", "gauge",
                   "1 when the rank computes more than 15% above the median per sample.", f_strag, now);
     prom_per_rank(m, &b, "dtrain_ps_requests_total", "counter",

@@ -76,9 +76,12 @@ static zero_state *Z(const dt_ddp *d) { return d->z; }
 static dt_status zero_evict_all(dt_ddp *d);
 
 /* All-gathers of parameters ran ran_s, exposed_s of it waited for: the
- * DDP's stats and the profile's (the end-of-job report). */
+ * DDP's stats and the profile's (the end-of-job report).  A wait for a
+ * prefetch also waits for what the comm thread ran before it (a bucket's
+ * reduce-scatter): only the gather's own time counts as its exposure. */
 static void zero_note_gather(dt_ddp *d, double ran_s, double exposed_s)
 {
+    exposed_s = exposed_s < ran_s ? exposed_s : ran_s;
     d->st.gather_s += ran_s;
     d->st.gather_exposed_s += exposed_s;
     prof_gather(d->ctx, ran_s, exposed_s);

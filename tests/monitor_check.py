@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""tests/monitor_check.py PORT WORLD [TOKEN | --silent RANK] - what a running job's monitor
+"""tests/monitor_check.py PORT WORLD [TOKEN | --silent RANK | --zero] - what a running job's monitor
 serves (src/monitor.c), checked from outside as a user's tools see it:
 
   /metrics    parsed by prometheus_client's own text-format parser: every
@@ -12,6 +12,9 @@ serves (src/monitor.c), checked from outside as a user's tools see it:
               unknown path each get an error status; training goes on
   TOKEN       (the server is off loopback) no token: 401; the token: 200
   --silent R  (rank R was stopped) only that: R is "silent" and down
+  --zero      (a sharded DDP, zero 3) also: every rank's parameter gathers
+              in /metrics and /api/state, rising, the exposed part no more
+              than the whole
 
 Prints "monitor check: ..." lines; exits 1 on the first failure.
 """
@@ -26,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PORT, WORLD = int(sys.argv[1]), int(sys.argv[2])
 SILENT = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "--silent" else None
-TOKEN = sys.argv[3] if len(sys.argv) > 3 and SILENT is None else None
+ZERO = len(sys.argv) > 3 and sys.argv[3] == "--zero"
+TOKEN = sys.argv[3] if len(sys.argv) > 3 and SILENT is None and not ZERO else None
 BASE = f"http://127.0.0.1:{PORT}"
 FAMILIES = {   # name (as the parser gives it: counters without _total) -> type
     "dtrain_world_size": "gauge", "dtrain_up": "gauge", "dtrain_last_seen_seconds": "gauge",
@@ -43,6 +47,8 @@ FAMILIES = {   # name (as the parser gives it: counters without _total) -> type
     "dtrain_ps_server_stalled_seconds": "counter", "dtrain_ps_server_requests": "counter",
     "dtrain_ps_server_received_bytes": "counter", "dtrain_ps_server_sent_bytes": "counter",
     "dtrain_ps_server_queue_max": "gauge", "dtrain_ps_server_keys": "gauge",
+    "dtrain_parameter_gather_seconds": "counter",
+    "dtrain_parameter_gather_exposed_seconds": "counter",
 }
 PHASES = {"data", "forward", "backward", "comm_wait", "optimizer", "idle"}
 
@@ -188,6 +194,31 @@ def check_token():
     print("monitor check: off loopback: no token 401, a wrong one 401, the job's 200")
 
 
+def gathers():
+    """{rank: (gather s, exposed s)} from /metrics, and the same from /api/state"""
+    fams = {f.name: f for f in text_string_to_metric_families(get("/metrics")[2])}
+    g = {x.labels["rank"]: x.value for x in fams["dtrain_parameter_gather_seconds"].samples}
+    e = {x.labels["rank"]: x.value for x in fams["dtrain_parameter_gather_exposed_seconds"].samples}
+    st = {str(r["rank"]): (r["gather_s"], r["gather_exposed_s"]) for r in state()["ranks"]}
+    return {r: (g[r], e.get(r)) for r in g}, st
+
+
+def check_zero():
+    a, sa = gathers()
+    time.sleep(2.5)
+    b, sb = gathers()
+    ranks = [str(r) for r in range(WORLD)]
+    if sorted(b) != ranks or sorted(sb) != ranks:
+        fail(f"parameter gathers: ranks {sorted(b)} in /metrics, {sorted(sb)} in /api/state")
+    for r in ranks:
+        if not (b[r][0] > a.get(r, (0, 0))[0] > 0) or not (0 <= b[r][1] <= b[r][0]):
+            fail(f"rank {r}: parameter gathers {a.get(r)} -> {b[r]} (seconds, exposed)")
+        if not (sb[r][0] is not None and sb[r][0] > 0):
+            fail(f"rank {r}: /api/state gather_s {sb[r]}")
+    print("monitor check: zero 3: parameter gathers rising on every rank: " +
+          ", ".join(f"rank {r} {b[r][0]:.2f} s ({b[r][1]:.2f} exposed)" for r in ranks))
+
+
 def check_silent(rank):
     s = json.loads(get("/api/state")[2])
     status = {r["rank"]: r["status"] for r in s["ranks"]}
@@ -206,6 +237,8 @@ if SILENT is not None:
 if TOKEN:
     check_token()
 check_metrics()
+if ZERO:
+    check_zero()
 before = check_state()
 check_events()
 check_bad_requests()
