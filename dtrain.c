@@ -385,7 +385,8 @@ struct dt_optim {
                                    (momentum correction, src/ddp.c); the step must not again */
     dt_tensor **master;         /* param_dtype 16-bit: each parameter's f32 master (whole, or
                                    with shard its [lo, lo + n) as 1-D), else NULL */
-    float *scratch;             /* state_dtype 16-bit: OPTIM_CHUNK floats per state tensor */
+    float *scratch;             /* OPTIM_CHUNK floats per state tensor with 16-bit state, and
+                                   one more with masters (optim_master_adopt) */
     optim_shard *shard;         /* not NULL: a sharded DDP (src/zero.c) lent it; one per
                                    parameter: the range this rank steps */
     int orphaned;               /* its sharded DDP was freed: its state is a shard of a
@@ -1188,6 +1189,9 @@ typedef struct zero_state {
     int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
     dt_work *pre_work;
     int pinned;                /* dt_ddp_full_params: all resident until the next step */
+    int first_unit;            /* the unit a step read first (-1: none yet), prefetched
+                                  when the next one can start (zero_after_step) */
+    int step_ended;            /* no unit read since the last step */
     int *opt_index;            /* zero 3 with f32 masters (param_dtype 16-bit): per parameter
                                   its index in opt, or -1; NULL without masters.  Then no
                                   float of a parameter is kept between its uses: this rank's
@@ -6021,6 +6025,13 @@ DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndi
     return t;
 }
 
+/* The scratch's chunks: one a state tensor with 16-bit state, then one for
+ * optim_master_adopt; the first of the latter. */
+static int optim_master_scratch_at(const dt_optim *o)
+{
+    return o->cfg.state_dtype != DT_F32 ? o->per : 0;
+}
+
 /* The precision a 16-bit dtype rounds to. */
 static dt_precision optim_prec(dt_dtype t)
 {
@@ -6033,8 +6044,8 @@ static dt_precision optim_prec(dt_dtype t)
 static dt_status optim_make_masters(dt_optim *o)
 {
     dt_ctx *ctx = o->ctx;
-    if (o->cfg.state_dtype != DT_F32 && o->per > 0 &&
-        !(o->scratch = ctx->be_iface->alloc(ctx->be, sizeof(float) * OPTIM_CHUNK * (size_t)o->per)))
+    size_t chunks = (size_t)optim_master_scratch_at(o) + (o->cfg.param_dtype != DT_F32);
+    if (chunks && !(o->scratch = ctx->be_iface->alloc(ctx->be, sizeof(float) * OPTIM_CHUNK * chunks)))
         return DT_ENOMEM;
     if (o->cfg.param_dtype == DT_F32)
         return DT_OK;
@@ -6250,19 +6261,22 @@ static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float 
     }
 }
 
-/* A host-visible parameter written since the last step (its value is no
- * longer its master rounded: a checkpoint loaded without the optimizer,
- * dt_tensor_set) gives its master that value, element by element, so the
- * step never undoes the caller's write.  Device backends: not checked. */
+/* A parameter written since the last step (its value is no longer its
+ * master rounded: a checkpoint loaded without the optimizer, dt_tensor_set)
+ * gives its master that value, element by element, so the step never
+ * undoes the caller's write. */
 static void optim_master_adopt(dt_optim *o, float *m, const float *p, int64_t n)
 {
-    if (!o->ctx->be_iface->host_visible)
-        return;
-    int bf = o->cfg.param_dtype == DT_BF16;
-    for (int64_t k = 0; k < n; k++) {
-        float r = bf ? round_bf16(m[k]) : round_f16(m[k]);
-        if (memcmp(&r, &p[k], sizeof r) != 0)
-            m[k] = p[k];
+    dt_ctx *ctx = o->ctx;
+    float *d = o->scratch + (size_t)optim_master_scratch_at(o) * OPTIM_CHUNK;
+    static const int64_t one = 1;
+    for (int64_t a = 0; a < n; a += OPTIM_CHUNK) {   /* in backend ops: device memory too */
+        int64_t c = n - a < OPTIM_CHUNK ? n - a : OPTIM_CHUNK;
+        BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), c, m + a, d);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_SUB, 1, &c, p + a, &one, d, &one, d);   /* d = p - r */
+        BE(ctx)->binary(BEI(ctx), DT_BIN_DROP, 1, &c, m + a, &one, d, &one, m + a);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_KEEP, 1, &c, p + a, &one, d, &one, d);
+        BE(ctx)->axpby(BEI(ctx), c, 1.0f, d, 1.0f, m + a);   /* m where d == 0, else p */
     }
 }
 
@@ -18739,6 +18753,7 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
 
 static zero_state *Z(const dt_ddp *d) { return d->z; }
 static dt_status zero_evict_all(dt_ddp *d);
+static void zero_prefetch(dt_ddp *d, int j);
 
 /* All-gathers of parameters ran ran_s, exposed_s of it waited for: the
  * DDP's stats and the profile's (the end-of-job report).  A wait for a
@@ -19137,6 +19152,12 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
         s = zero_evict_all(d);
         for (int i = 0; i < o->n; i++)
             o->shard[i].used = 0;
+        /* the next forward's first unit is the last one's (every rank runs
+         * the same ops): its gather starts now, behind the caller's data
+         * loading, instead of in front of the forward */
+        if (s == DT_OK && z->first_unit >= 0)
+            zero_prefetch(d, z->first_unit);
+        z->step_ended = 1;
         return s;
     }
     if (z->level == 1) {
@@ -19330,6 +19351,10 @@ DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
     if (k < 0)
         return DT_OK;
     int j = z->unit_of[k], nb = d->nbuckets;
+    if (z->step_ended) {   /* the first unit a step reads (zero_after_step prefetches it) */
+        z->first_unit = j;
+        z->step_ended = 0;
+    }
     z->last[j] = ++z->tick;
     if (!z->resident[j]) {
         zero_make_room(d, j);
@@ -19392,6 +19417,8 @@ static dt_status zero_units(dt_ddp *d)
     if (!z->unit_of || !z->by_addr || !z->resident || !z->last || !z->alone)
         return DT_ENOMEM;
     z->pre_unit = -1;
+    z->first_unit = -1;
+    z->step_ended = 1;
     for (int j = 0; j < d->nbuckets; j++)
         z->alone[j] = -1;
     for (int k = 0; k < d->nparams; k++) {

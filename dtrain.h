@@ -1436,7 +1436,9 @@ typedef struct dt_ddp_stats {
     double gather_s;           /* zero >= 1: time the parameter all-gathers ran (zero 1
                                   and 2: after each step; zero 3: before a unit's use) */
     double gather_exposed_s;   /* the part of it the caller waited for: zero 1-2 all of it
-                                  (after the step); zero 3 what prefetch did not hide */
+                                  (after the step); zero 3 what prefetch did not hide (a
+                                  wait counts up to the gather's own time, not the
+                                  reduce-scatters queued before it) */
     int64_t gathers;           /* zero 3: units gathered */
 } dt_ddp_stats;
 /* Zero 3: every parameter whole on every rank (gathered) until the next

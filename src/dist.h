@@ -419,6 +419,9 @@ typedef struct zero_state {
     int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
     dt_work *pre_work;
     int pinned;                /* dt_ddp_full_params: all resident until the next step */
+    int first_unit;            /* the unit a step read first (-1: none yet), prefetched
+                                  when the next one can start (zero_after_step) */
+    int step_ended;            /* no unit read since the last step */
     int *opt_index;            /* zero 3 with f32 masters (param_dtype 16-bit): per parameter
                                   its index in opt, or -1; NULL without masters.  Then no
                                   float of a parameter is kept between its uses: this rank's

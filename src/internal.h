@@ -375,7 +375,8 @@ struct dt_optim {
                                    (momentum correction, src/ddp.c); the step must not again */
     dt_tensor **master;         /* param_dtype 16-bit: each parameter's f32 master (whole, or
                                    with shard its [lo, lo + n) as 1-D), else NULL */
-    float *scratch;             /* state_dtype 16-bit: OPTIM_CHUNK floats per state tensor */
+    float *scratch;             /* OPTIM_CHUNK floats per state tensor with 16-bit state, and
+                                   one more with masters (optim_master_adopt) */
     optim_shard *shard;         /* not NULL: a sharded DDP (src/zero.c) lent it; one per
                                    parameter: the range this rank steps */
     int orphaned;               /* its sharded DDP was freed: its state is a shard of a

@@ -121,6 +121,13 @@ DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndi
     return t;
 }
 
+/* The scratch's chunks: one a state tensor with 16-bit state, then one for
+ * optim_master_adopt; the first of the latter. */
+static int optim_master_scratch_at(const dt_optim *o)
+{
+    return o->cfg.state_dtype != DT_F32 ? o->per : 0;
+}
+
 /* The precision a 16-bit dtype rounds to. */
 static dt_precision optim_prec(dt_dtype t)
 {
@@ -133,8 +140,8 @@ static dt_precision optim_prec(dt_dtype t)
 static dt_status optim_make_masters(dt_optim *o)
 {
     dt_ctx *ctx = o->ctx;
-    if (o->cfg.state_dtype != DT_F32 && o->per > 0 &&
-        !(o->scratch = ctx->be_iface->alloc(ctx->be, sizeof(float) * OPTIM_CHUNK * (size_t)o->per)))
+    size_t chunks = (size_t)optim_master_scratch_at(o) + (o->cfg.param_dtype != DT_F32);
+    if (chunks && !(o->scratch = ctx->be_iface->alloc(ctx->be, sizeof(float) * OPTIM_CHUNK * chunks)))
         return DT_ENOMEM;
     if (o->cfg.param_dtype == DT_F32)
         return DT_OK;
@@ -350,19 +357,22 @@ static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float 
     }
 }
 
-/* A host-visible parameter written since the last step (its value is no
- * longer its master rounded: a checkpoint loaded without the optimizer,
- * dt_tensor_set) gives its master that value, element by element, so the
- * step never undoes the caller's write.  Device backends: not checked. */
+/* A parameter written since the last step (its value is no longer its
+ * master rounded: a checkpoint loaded without the optimizer, dt_tensor_set)
+ * gives its master that value, element by element, so the step never
+ * undoes the caller's write. */
 static void optim_master_adopt(dt_optim *o, float *m, const float *p, int64_t n)
 {
-    if (!o->ctx->be_iface->host_visible)
-        return;
-    int bf = o->cfg.param_dtype == DT_BF16;
-    for (int64_t k = 0; k < n; k++) {
-        float r = bf ? round_bf16(m[k]) : round_f16(m[k]);
-        if (memcmp(&r, &p[k], sizeof r) != 0)
-            m[k] = p[k];
+    dt_ctx *ctx = o->ctx;
+    float *d = o->scratch + (size_t)optim_master_scratch_at(o) * OPTIM_CHUNK;
+    static const int64_t one = 1;
+    for (int64_t a = 0; a < n; a += OPTIM_CHUNK) {   /* in backend ops: device memory too */
+        int64_t c = n - a < OPTIM_CHUNK ? n - a : OPTIM_CHUNK;
+        BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), c, m + a, d);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_SUB, 1, &c, p + a, &one, d, &one, d);   /* d = p - r */
+        BE(ctx)->binary(BEI(ctx), DT_BIN_DROP, 1, &c, m + a, &one, d, &one, m + a);
+        BE(ctx)->binary(BEI(ctx), DT_BIN_KEEP, 1, &c, p + a, &one, d, &one, d);
+        BE(ctx)->axpby(BEI(ctx), c, 1.0f, d, 1.0f, m + a);   /* m where d == 0, else p */
     }
 }
 

@@ -74,6 +74,7 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
 
 static zero_state *Z(const dt_ddp *d) { return d->z; }
 static dt_status zero_evict_all(dt_ddp *d);
+static void zero_prefetch(dt_ddp *d, int j);
 
 /* All-gathers of parameters ran ran_s, exposed_s of it waited for: the
  * DDP's stats and the profile's (the end-of-job report).  A wait for a
@@ -472,6 +473,12 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
         s = zero_evict_all(d);
         for (int i = 0; i < o->n; i++)
             o->shard[i].used = 0;
+        /* the next forward's first unit is the last one's (every rank runs
+         * the same ops): its gather starts now, behind the caller's data
+         * loading, instead of in front of the forward */
+        if (s == DT_OK && z->first_unit >= 0)
+            zero_prefetch(d, z->first_unit);
+        z->step_ended = 1;
         return s;
     }
     if (z->level == 1) {
@@ -665,6 +672,10 @@ DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
     if (k < 0)
         return DT_OK;
     int j = z->unit_of[k], nb = d->nbuckets;
+    if (z->step_ended) {   /* the first unit a step reads (zero_after_step prefetches it) */
+        z->first_unit = j;
+        z->step_ended = 0;
+    }
     z->last[j] = ++z->tick;
     if (!z->resident[j]) {
         zero_make_room(d, j);
@@ -727,6 +738,8 @@ static dt_status zero_units(dt_ddp *d)
     if (!z->unit_of || !z->by_addr || !z->resident || !z->last || !z->alone)
         return DT_ENOMEM;
     z->pre_unit = -1;
+    z->first_unit = -1;
+    z->step_ended = 1;
     for (int j = 0; j < d->nbuckets; j++)
         z->alone[j] = -1;
     for (int k = 0; k < d->nparams; k++) {
