@@ -859,6 +859,8 @@ struct dt_store {
 #define DT_COMM_DRAIN_MS 10000
 #define SEG_MAGIC 0x44545347u
 #define SEG_SLOT_DEFAULT ((size_t)1 << 20)
+#define SEG_CHUNK_LARGE ((size_t)256 << 10)   /* chunk of buffers above SEG_LARGE */
+#define SEG_LARGE ((size_t)4 << 20)
 #define SEG_SPIN_S 50e-6                   /* spin this long before sleeping */
 #define SEG_SPIN_INLINE_S 20e-3
 
@@ -868,7 +870,7 @@ struct dt_store {
  * cut into one block per rank at the offsets in aux (world + 1 int64s,
  * comm_blocks): the sharded data parallelism of src/zero.c. */
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_REDUCE_SCATTER_V,
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_REDUCE_SCATTER_V,
        COLL_ALLGATHER_V, COLL_EXT, COLL_P2P };
 
 /* The algorithm a work ran with, as run_work chose it (src/comm.c); the
@@ -876,23 +878,13 @@ enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, 
 enum { COMM_ALG_NONE, COMM_ALG_SEGMENT, COMM_ALG_HIERARCHICAL, COMM_ALG_DOUBLING, COMM_ALG_RING,
        COMM_ALG_TREE, COMM_ALG_PAIRWISE, COMM_ALG_RING16, COMM_ALG_EXT, COMM_ALG_P2P };
 
-/* Memory every rank on the host maps (src/join.c): local rank q's part starts at
- * base + q * part.  DDP keeps its gradient buckets there, so the host's
- * allreduce reads the other ranks' gradients where backward wrote them. */
-typedef struct shm_region {
-    char *base;
-    size_t part, total;
-    int nlocal, me;
-} shm_region;
-
 struct dt_work {
     dt_comm *comm;
     int kind, root;
     dt_reduce_op op;
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
-    const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
-                                  part); COLL_EXT: the extension's request (a ps_call);
+    const void *aux;           /* COLL_EXT: the extension's request (a ps_call);
                                   the _V kinds: the blocks' offsets (int64_t[world + 1]) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
     void *owned;               /* freed with the work (a background request's memory) */
@@ -1016,10 +1008,10 @@ struct dt_comm {
     seg_rank *seg_ranks;
     char *seg_data;
     size_t seg_bytes, seg_slot;
+    size_t seg_chunk_small;    /* chunk of buffers up to SEG_LARGE (seg_chunk_floats) */
     uint32_t seg_phase, seg_chunk;
     char seg_name[64], seg_why[200];
     int seg_linked;            /* we created it and its name still exists */
-    int regions_made;          /* shared regions set up so far (their store keys) */
     int ext_jobs;              /* extension jobs (parameter servers) joined so far (their store keys) */
     const comm_ext_ops *ext_ops;  /* how to run COLL_EXT work (set by dt_ps_new) */
     int steals_made;           /* work-stealing loaders made so far (their store keys) */
@@ -1213,17 +1205,16 @@ struct dt_ddp {
     int *uses;                 /* param -> uses left on the tape */
     int64_t *done;             /* param -> floats of its gradient final (a prefix) */
     void **own_grad;           /* param -> the grad buffer it had before */
-    float *set[2];             /* host memory the collectives use */
-    float *dset[2];            /* staged (a device backend): the gradients, on the device;
-                                  each bucket is copied to set[] to travel and back after */
-    int staged, pinned;        /* pinned: set[] from the backend's host_alloc */
+    float *set;                /* the gradients and used-flags, host memory the collectives
+                                  use (one set: a backward starts only after the last
+                                  step's collectives finished, ddp_backward_begin) */
+    float *dset;               /* staged (a device backend): the gradients, on the device;
+                                  each bucket is copied to set to travel and back after */
+    int staged, pinned;        /* pinned: set from the backend's host_alloc */
     uint64_t last_ticket;      /* staged: the latest copy; waited for before freeing */
-    shm_region shared;         /* base set: the sets live in memory the host's ranks
-                                  share (uncompressed, one host), else backend memory */
     int64_t set_floats;        /* gradients, then one flag per parameter */
     int64_t grad_floats;       /* gradients: where the flags start */
     int64_t bucket_floats;     /* the cap: buckets cut every this many floats */
-    int cur;                   /* set the gradients point at */
     ddp_bucket *buckets;
     int nbuckets, next_launch, ready_upto;
     int sync;                  /* 0: no_sync */
@@ -1591,20 +1582,10 @@ DT_PRIVATE dt_status seg_reduce_scatter(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_reduce_scatter_v(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_allgather_v(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
-DT_PRIVATE dt_status seg_allreduce_shared(dt_comm *c, dt_work *w);
 
-/* src/join.c: joining the job, a restarted rank, shared regions */
+/* src/join.c: joining the job, a restarted rank */
 DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c);
 DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len);
-/* A shared region (see shm_region): every local rank gets a part of
- * part_bytes, every rank maps all parts.  Collective over the communicator
- * when all its ranks share this host's segment; elsewhere, or if any rank
- * cannot map it or sets DTRAIN_SHARED_BUCKETS=0, *ok is 0 on every rank and
- * nothing is mapped (not an error: callers use private memory).  The name
- * is unlinked once every rank has it open, so nothing outlives the job.
- * Free with join_shared_free. */
-DT_PRIVATE dt_status join_shared_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok);
-DT_PRIVATE void join_shared_free(shm_region *r);
 
 /* src/ddp.c */
 DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx);
@@ -11924,7 +11905,7 @@ DT_PRIVATE double comm_bus_factor(int kind, int P)
     if (P <= 1)
         return 0;
     switch (kind) {
-    case COLL_ALLREDUCE: case COLL_ALLREDUCE16: case COLL_ALLREDUCE_SHARED:
+    case COLL_ALLREDUCE: case COLL_ALLREDUCE16:
         return 2.0 * (P - 1) / P;
     case COLL_BROADCAST: return 1.0;
     case COLL_BARRIER: return 0.0;
@@ -12900,7 +12881,6 @@ static dt_status run_on_segment(dt_comm *c, dt_work *w)
     case COLL_REDUCE_SCATTER: return seg_reduce_scatter(c, w);
     case COLL_ALLTOALL: return seg_alltoall(c, w);
     case COLL_ALLREDUCE16: return allreduce16(c, w, NULL, 1);
-    case COLL_ALLREDUCE_SHARED: return seg_allreduce_shared(c, w);
     case COLL_REDUCE_SCATTER_V: return seg_reduce_scatter_v(c, w);
     case COLL_ALLGATHER_V: return seg_allgather_v(c, w);
     }
@@ -12915,11 +12895,11 @@ static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
                                    [COLL_ALLREDUCE16] = COMM_ALG_RING16,
                                    [COLL_REDUCE_SCATTER_V] = COMM_ALG_RING,
                                    [COLL_ALLGATHER_V] = COMM_ALG_RING};
-    int reduce = w->kind == COLL_ALLREDUCE || w->kind == COLL_BARRIER || w->kind == COLL_ALLREDUCE_SHARED;
+    int reduce = w->kind == COLL_ALLREDUCE || w->kind == COLL_BARRIER;
     w->alg = !reduce ? algs[w->kind]
              : allreduce_doubles(c, w, xs->g.size) ? COMM_ALG_DOUBLING : COMM_ALG_RING;
     switch (w->kind) {
-    case COLL_ALLREDUCE: case COLL_BARRIER: case COLL_ALLREDUCE_SHARED: run_allreduce(c, w, xs); break;
+    case COLL_ALLREDUCE: case COLL_BARRIER: run_allreduce(c, w, xs); break;
     case COLL_BROADCAST: run_broadcast(c, w, xs); break;
     case COLL_ALLGATHER: run_allgather(c, w, xs); break;
     case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;
@@ -13426,8 +13406,6 @@ dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float 
  * segment's abort word (with its message), which every waiter checks, and
  * waiters ask the store who died every DT_COMM_WATCH_S, as transfers do.
  */
-#define SEG_CHUNK_LARGE ((size_t)256 << 10)   /* chunk of buffers above SEG_LARGE */
-#define SEG_LARGE ((size_t)4 << 20)
 #define SEG_ONE_PHASE ((size_t)16 << 10)   /* allreduce: one phase, every rank reduces all */
 
 DT_PRIVATE size_t seg_ranks_offset(void) { return (sizeof(seg_head) + 127) & ~(size_t)127; }
@@ -13631,15 +13609,18 @@ static void reduce2(float *restrict dst, const float *restrict a, const float *r
             dst[i] = a[i] + b[i];
 }
 
-/* Floats per chunk for a buffer of n floats.  Up to 4 MiB, whole slots:
- * fewer phases.  Above, 256 KiB chunks: every rank's two slots stay in
- * cache while the user buffers stream (bench_allreduce, 2 ranks: 1 MiB
- * chunks ran 16 MiB at 5.7 GB/s and 256 KiB chunks at 9).  Chunking never
- * changes the arithmetic, only where the phases fall. */
+/* Floats per chunk for a buffer of n floats.  Up to 4 MiB, chunks as large
+ * as the caches allow (seg_chunk_small: a quarter of the L2, at most a
+ * slot): fewer phases while the chunk being reduced still sits in cache.
+ * Above, 256 KiB chunks: every rank's two slots stay in cache while the
+ * user buffers stream (bench_allreduce, 2 ranks: 1 MiB chunks ran 16 MiB
+ * at 5.7 GB/s and 256 KiB chunks at 9).  On a core with 1 MiB of L2,
+ * whole 1 MiB slots ran 1 and 4 MiB at 4.5 GB/s and 256 KiB chunks at
+ * 11.  Chunking never changes the arithmetic, only where the phases fall. */
 static int64_t seg_chunk_floats(const dt_comm *c, int64_t n)
 {
     size_t bytes = (size_t)n * sizeof(float) > SEG_LARGE && c->seg_slot > SEG_CHUNK_LARGE
-                       ? SEG_CHUNK_LARGE : c->seg_slot;
+                       ? SEG_CHUNK_LARGE : c->seg_chunk_small;
     return (int64_t)(bytes / sizeof(float));
 }
 
@@ -13862,49 +13843,6 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     return DT_OK;
 }
 
-/* Allreduce of a buffer in a shared region (DDP's buckets): no copy into
- * slots.  Once every rank's buffer is final, local rank k reduces block k
- * of all of them, in local-rank order as seg_reduce_block does (so results
- * are bit-identical to the slot path), into its own buffer; then each rank
- * copies the other blocks from their owners' buffers.  A last phase keeps
- * every buffer unwritten until nobody reads it.  Per rank that moves
- * about 2(L-1)/L of the buffer, against 3 + (L-1)/L through the slots. */
-DT_PRIVATE dt_status seg_allreduce_shared(dt_comm *c, dt_work *w)
-{
-    const shm_region *r = w->aux;
-    int L = c->nlocal, me = c->local_index;
-    size_t off = (size_t)((char *)w->buf - (r->base + (size_t)me * r->part));
-    int64_t lo, hi, n = w->n;
-    uint32_t p0 = seg_announce(c, w);
-    if (seg_sync(c, w, p0, 1.0) != DT_OK)
-        return w->status;
-    comm_block_range(n, L, me, &lo, &hi);
-    float tile[2048];
-    for (int64_t i = lo; i < hi; i += 2048) {
-        int64_t cnt = hi - i < 2048 ? hi - i : 2048;
-        const float *part0 = (const float *)(r->base + off) + i;
-        reduce2(tile, part0, (const float *)(r->base + r->part + off) + i, cnt, w->op);
-        for (int q = 2; q < L; q++)
-            comm_reduce_into(tile, (const float *)(r->base + (size_t)q * r->part + off) + i, cnt, w->op);
-        comm_finish_avg(c, w, tile, cnt);
-        memcpy(w->buf + i, tile, (size_t)cnt * sizeof(float));
-    }
-    if (seg_sync(c, w, 0, 1.0) != DT_OK)
-        return w->status;
-    for (int q = 0; q < L; q++) {
-        if (q == me)
-            continue;
-        int64_t qlo, qhi;
-        comm_block_range(n, L, q, &qlo, &qhi);
-        memcpy(w->buf + qlo, (const float *)(r->base + (size_t)q * r->part + off) + qlo,
-               (size_t)(qhi - qlo) * sizeof(float));
-    }
-    /* what the other ranks read of ours: our part of their blocks, and our block */
-    uint64_t read_by_others = (uint64_t)(n - (hi - lo)) + (uint64_t)(L - 1) * (uint64_t)(hi - lo);
-    __atomic_fetch_add(&c->bytes_sent, read_by_others * sizeof(float), __ATOMIC_RELAXED);
-    return seg_sync(c, w, 0, 1.0);
-}
-
 /* ======= src/join.c ======= */
 
 /* ===========================================================================
@@ -14080,6 +14018,10 @@ static dt_status map_segment(dt_comm *c, int *ok)
     const char *sl = getenv("DTRAIN_SEGMENT_SLOT_KIB");
     c->seg_slot = sl && atoi(sl) >= 64 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
     c->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);   /* the same on every rank of the host */
+    size_t chunk = l2 > 0 ? (size_t)l2 / 4 : SEG_CHUNK_LARGE;
+    chunk = chunk < ((size_t)64 << 10) ? (size_t)64 << 10 : chunk & ~(size_t)4095;
+    c->seg_chunk_small = chunk < c->seg_slot ? chunk : c->seg_slot;
     snprintf(key, sizeof key, "seg/%d", leader);
     if (c->local_index == 0) {
         struct timespec ts;
@@ -14153,61 +14095,6 @@ static void unmap_segment(dt_comm *c)
         shm_unlink(c->seg_name);
     c->seg_linked = 0;
 }
-DT_PRIVATE dt_status join_shared_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok)
-{
-    *ok = 0;
-    memset(r, 0, sizeof *r);
-    if (!c->use_segment || !c->seg || c->nhosts != 1)
-        return DT_OK;
-    int L = c->nlocal, fd = -1, created = 0;
-    size_t part = (part_bytes + 4095) & ~(size_t)4095, total = part * (size_t)L;
-    char key[DT_STORE_MAX_KEY], name[80] = "";
-    snprintf(key, sizeof key, "shared%s/%d", c->seg_name, c->regions_made++);
-    dt_status st = DT_OK;
-    if (c->local_index == 0) {
-        snprintf(name, sizeof name, "%s-r%d", c->seg_name, c->regions_made);
-        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        created = fd >= 0;
-        if (fd >= 0 && posix_fallocate(fd, 0, (off_t)total) != 0) {   /* see map_segment */
-            close(fd);
-            fd = -1;
-        }
-        st = dt_store_set(c->store, key, fd >= 0 ? name : "", fd >= 0 ? strlen(name) + 1 : 1);
-    } else {
-        size_t len = 0;
-        st = dt_store_get(c->store, key, name, sizeof name - 1, &len, c->timeout_ms);
-        name[len < sizeof name ? len : sizeof name - 1] = '\0';
-        if (st == DT_OK && name[0])
-            fd = shm_open(name, O_RDWR, 0);
-    }
-    struct stat sb;
-    if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == total) {
-        void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p != MAP_FAILED)
-            *r = (shm_region){.base = p, .part = part, .total = total, .nlocal = L,
-                              .me = c->local_index};
-    }
-    if (fd >= 0)
-        close(fd);
-    const char *env = getenv("DTRAIN_SHARED_BUCKETS");
-    float agree = r->base && !(env && strcmp(env, "0") == 0) ? 1.0f : 0.0f;
-    if (st == DT_OK)
-        st = dt_allreduce(c, &agree, 1, DT_REDUCE_MIN);   /* also: every rank has it open */
-    if (created)
-        shm_unlink(name);
-    if (st != DT_OK || agree < 1.0f)
-        join_shared_free(r);
-    *ok = st == DT_OK && r->base;
-    return st;
-}
-
-DT_PRIVATE void join_shared_free(shm_region *r)
-{
-    if (r->base)
-        munmap(r->base, r->total);
-    memset(r, 0, sizeof *r);
-}
-
 /* Segments are used only if every rank wants them and got one: a rank that
  * could not map its host's would otherwise wait on the others forever. */
 static dt_status setup_segments(dt_comm *c, const dt_comm_config *cfg)
@@ -19533,7 +19420,7 @@ static dt_status zero_alloc(dt_ddp *d)
         if (!(z->flat = d->be_iface->alloc(d->be, bytes)))
             return DT_ENOMEM;
         d->be_iface->memset0(d->be, z->flat, bytes);
-        d->set[0] = d->set[1] = z->flat;
+        d->set = z->flat;
         d->st.grad_bytes_peak = bytes;
         return DT_OK;
     }
@@ -19652,7 +19539,7 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     host_free(ctx, z->used);
     host_free(ctx, z);
     d->z = NULL;
-    d->set[0] = d->set[1] = NULL;
+    d->set = NULL;
 }
 
 /* The optimizer is being freed: nothing to mark later.  Zero 3 with
@@ -19850,19 +19737,18 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     cfg->topk_warmup_steps = -1;
 }
 
-static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
+static float *ddp_flags(dt_ddp *d, const ddp_bucket *b)
 {
-    return d->set[set] + b->offset + b->numel;
+    return d->set + b->offset + b->numel;
 }
 
 /* Where the gradients live: the bucket memory, or its device twin. */
-static float *ddp_grads(const dt_ddp *d, int set) { return d->staged ? d->dset[set] : d->set[set]; }
+static float *ddp_grads(const dt_ddp *d) { return d->staged ? d->dset : d->set; }
 
-static void ddp_point_grads(dt_ddp *d, int set)
+static void ddp_point_grads(dt_ddp *d)
 {
     for (int i = 0; i < d->nparams; i++)
-        d->params[i]->grad->data = ddp_grads(d, set) + d->offset[i];
-    d->cur = set;
+        d->params[i]->grad->data = ddp_grads(d) + d->offset[i];
 }
 
 /* Staged: start copying floats [off, off + n) of the current set's
@@ -19872,7 +19758,7 @@ static uint64_t ddp_stage_out(dt_ddp *d, int64_t off, int64_t n)
 {
     if (!d->staged || n <= 0)
         return 0;
-    uint64_t t = d->be_iface->copy_async(d->be, d->set[d->cur] + off, d->dset[d->cur] + off,
+    uint64_t t = d->be_iface->copy_async(d->be, d->set + off, d->dset + off,
                                          (size_t)n * sizeof(float), DT_COPY_D2H);
     if (t > d->last_ticket)
         d->last_ticket = t;
@@ -19885,7 +19771,7 @@ static void ddp_stage_in(dt_ddp *d)
 {
     if (!d->staged)
         return;
-    uint64_t t = d->be_iface->copy_async(d->be, d->dset[d->cur], d->set[d->cur],
+    uint64_t t = d->be_iface->copy_async(d->be, d->dset, d->set,
                                          (size_t)d->grad_floats * sizeof(float), DT_COPY_H2D);
     if (t)
         d->be_iface->copy_join(d->be, t);
@@ -20004,7 +19890,7 @@ static dt_status ddp_alloc_ps_code(dt_ddp *d)
 static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
 {
     int P = dt_comm_size(d->comm);
-    float *grads = d->set[d->cur] + b->offset, *flags = grads + b->numel;
+    float *grads = d->set + b->offset, *flags = grads + b->numel;
     memset(grads, 0, (size_t)(b->numel + b->count) * sizeof(float));
     for (int r = 0; r < P; r++) {
         const float *pl = b->gathered + (int64_t)r * b->payload_floats;
@@ -20088,7 +19974,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         return;
     }
     ddp_weigh(d, b->offset, b->numel);
-    float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
+    float *flags = ddp_flags(d, b);   /* the last bucket's: all parameters' */
     for (int k = 0; k < b->count; k++)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
     /* Staged: the comm thread waits for the copy before it sends; encoders
@@ -20105,7 +19991,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
     }
     if (d->cfg.ps) {   /* pushed to the servers (src/ps.c); dt_ddp_sync pulls */
         b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
-                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
+                             .n = b->numel + b->count, .buf = d->set + b->offset,
                              .clock = ps_clock(d->cfg.ps)};
         if (d->cfg.compress != DT_COMPRESS_NONE)
             ddp_ps_encode(d, b);
@@ -20115,17 +20001,14 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                                   &b->pcall);
     } else if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
         /* reduced in 16 bits on the wire, in place (comm.c's allreduce16) */
-        b->work = comm_enqueue(d->comm, COLL_ALLREDUCE16, d->set[d->cur] + b->offset, NULL,
+        b->work = comm_enqueue(d->comm, COLL_ALLREDUCE16, d->set + b->offset, NULL,
                                b->numel + b->count, d->cfg.compress == DT_COMPRESS_BF16 ? 1 : 2,
                                DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
-        b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
-    } else if (d->shared.base) {   /* the other ranks read it where it is (src/join.c) */
-        b->work = comm_enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
-                                  b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
+        b->work = ddp_launch_compressed(d, b, d->set + b->offset, flags);
     } else {
-        b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
+        b->work = dt_allreduce_async(d->comm, d->set + b->offset, b->numel + b->count,
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
@@ -20146,7 +20029,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
 static void ddp_reduce_whole(dt_ddp *d)
 {
     ddp_bucket *last = &d->buckets[d->nbuckets - 1];
-    float *flags = ddp_flags(d, d->cur, last);
+    float *flags = ddp_flags(d, last);
     for (int k = 0; k < last->count; k++)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
     d->sent_at_launch = dt_comm_bytes_sent(d->comm);
@@ -20156,10 +20039,7 @@ static void ddp_reduce_whole(dt_ddp *d)
     uint64_t ticket = ddp_stage_out(d, 0, d->grad_floats);
     if (ticket)
         d->be_iface->copy_wait(d->be, ticket);
-    dt_status s = d->shared.base
-                      ? comm_run_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur], NULL,
-                                          d->set_floats, 0, DT_REDUCE_AVG, &d->shared)
-                      : dt_allreduce(d->comm, d->set[d->cur], d->set_floats, DT_REDUCE_AVG);
+    dt_status s = dt_allreduce(d->comm, d->set, d->set_floats, DT_REDUCE_AVG);
     d->st.comm_s += dt_now() - t0;
     if (s != DT_OK && d->launch_status == DT_OK) {
         d->launch_status = s;
@@ -20311,8 +20191,8 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     int fresh = 1;
     for (int i = 0; i < d->nparams && fresh; i++)
         fresh = (d->params[i]->grad->flags & T_ZERO) != 0;
-    if (fresh && !d->z)   /* sharded: one set, or memory lent per bucket */
-        ddp_point_grads(d, d->cur ^ 1);
+    if (fresh && !d->z)   /* sharded: memory lent per bucket (src/zero.c) */
+        ddp_point_grads(d);
     if (!d->sync)
         return DT_OK;
     d->pending_sync = 1;
@@ -20444,7 +20324,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
         ddp_stage_in(d);
     /* a zero_grad since the buckets started discards what they reduced */
     int zeroed = d->ctx->zero_gen != d->zero_gen;
-    const float *flags = d->set[d->cur] + d->grad_floats;
+    const float *flags = d->set + d->grad_floats;
     for (int i = 0; i < d->nparams; i++) {
         dt_tensor *g = d->params[i]->grad;
         if (flags[i] > 0 && !zeroed)
@@ -20523,7 +20403,7 @@ static void ddp_weigh(dt_ddp *d, int64_t offset, int64_t numel)
     float w = global > 0 ? (float)((double)count * dt_comm_size(d->comm) / (double)global) : 1.0f;
     if (w == 1.0f)
         return;
-    float *g = ddp_grads(d, d->cur) + offset;
+    float *g = ddp_grads(d) + offset;
     d->be_iface->axpby(d->be, numel, 0.0f, g, w, g);
 }
 
@@ -20632,7 +20512,6 @@ void dt_ddp_stats_reset(dt_ddp *d)
     d->st.buckets = keep.buckets;
     d->st.bucket_bytes = keep.bucket_bytes;
     d->st.overlap = keep.overlap;
-    d->st.shared_buckets = keep.shared_buckets;
     d->st.zero = keep.zero;
     d->st.shard_floats = keep.shard_floats;
     d->st.grad_bytes_peak = keep.grad_bytes_peak;
@@ -20867,60 +20746,27 @@ static dt_status ddp_plan(dt_ddp *d, size_t cap)
     return DT_OK;
 }
 
-/* Uncompressed buckets on one host go in a region every local rank maps
- * (join_shared_map): the allreduce then reads them in place instead of
- * copying them through the segment's slots (docs/DATA_PARALLEL.md).  Both
- * sets in one part; host memory, which is what the backend's is here
- * (dt_ddp_new checks host_visible).  DT_OK with no region: private sets. */
-static dt_status ddp_alloc_sets(dt_ddp *d)
-{
-    /* staged: the sets take device-to-host copies, which are asynchronous
-     * only into page-locked memory, and the shared region is not */
-    if (d->cfg.compress != DT_COMPRESS_NONE || d->cfg.ps || d->staged)
-        return DT_OK;
-    size_t stride = ((size_t)d->set_floats * sizeof(float) + 127) & ~(size_t)127;
-    int ok = 0;
-    dt_status s = join_shared_map(d->comm, 2 * stride, &d->shared, &ok);
-    if (s != DT_OK || !ok)
-        return s;
-    char *mine = d->shared.base + (size_t)d->shared.me * d->shared.part;
-    memset(mine, 0, 2 * stride);
-    d->set[0] = (float *)mine;
-    d->set[1] = (float *)(mine + stride);
-    d->st.shared_buckets = 1;
-    return DT_OK;
-}
-
-/* The sets, where not in shared memory: backend memory, or when staged
- * host memory (page-locked if the backend has it) plus device twins. */
-static dt_status ddp_alloc_private_sets(dt_ddp *d)
+/* The gradient set: backend memory, or when staged host memory
+ * (page-locked if the backend has it) plus a device twin.  Private memory
+ * on every rank: on one host the allreduce goes through the segment's
+ * fixed slots, whose chunks stay in cache while the other rank reads them
+ * (docs/DATA_PARALLEL.md, "One gradient set"). */
+static dt_status ddp_alloc_set(dt_ddp *d)
 {
     size_t bytes = (size_t)d->set_floats * sizeof(float);
-    for (int k = 0; k < 2; k++) {
-        float **mem = d->staged ? &d->dset[k] : d->shared.base ? NULL : &d->set[k];
-        if (!mem)
-            continue;
-        if (!(*mem = d->be_iface->alloc(d->be, bytes)))
-            return DT_ENOMEM;
-        d->be_iface->memset0(d->be, *mem, bytes);
-    }
-    if (!d->staged || d->shared.base)
+    float **mem = d->staged ? &d->dset : &d->set;
+    if (!(*mem = d->be_iface->alloc(d->be, bytes)))
+        return DT_ENOMEM;
+    d->be_iface->memset0(d->be, *mem, bytes);
+    if (!d->staged)
         return DT_OK;
     if (d->be_iface->host_alloc) {
-        d->set[0] = d->be_iface->host_alloc(d->be, bytes);
-        d->set[1] = d->be_iface->host_alloc(d->be, bytes);
-        d->pinned = d->set[0] && d->set[1];
-        for (int k = 0; k < 2 && !d->pinned; k++) {
-            if (d->set[k])
-                d->be_iface->host_free(d->be, d->set[k]);
-            d->set[k] = NULL;
-        }
+        d->set = d->be_iface->host_alloc(d->be, bytes);
+        d->pinned = d->set != NULL;
     }
-    for (int k = 0; k < 2 && !d->pinned; k++)   /* no page-locked memory: ordinary */
-        if (!(d->set[k] = host_alloc(d->ctx, bytes)))
-            return DT_ENOMEM;
-    memset(d->set[0], 0, bytes);
-    memset(d->set[1], 0, bytes);
+    if (!d->set && !(d->set = host_alloc(d->ctx, bytes)))   /* no page-locked memory: ordinary */
+        return DT_ENOMEM;
+    memset(d->set, 0, bytes);
     return DT_OK;
 }
 
@@ -20974,7 +20820,7 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
  * masters, so every rank steps the same f32 values. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
-    float *stage = d->set[0];
+    float *stage = d->set;
     if (d->cfg.zero) {   /* no set yet: in place (host memory) */
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
@@ -21004,20 +20850,15 @@ static void ddp_release(dt_ddp *d)
     dt_ctx *ctx = d->ctx;
     if (d->last_ticket)   /* no copy may still read or write the sets */
         d->be_iface->copy_wait(d->be, d->last_ticket);
-    for (int s = 0; s < 2; s++) {
-        if (d->dset[s])
-            d->be_iface->free(d->be, d->dset[s]);
-        d->dset[s] = NULL;
-        if (!d->set[s] || d->shared.base)
-            continue;
-        if (!d->staged)
-            d->be_iface->free(d->be, d->set[s]);
-        else if (d->pinned)
-            d->be_iface->host_free(d->be, d->set[s]);
-        else
-            host_free(ctx, d->set[s]);
-    }
-    join_shared_free(&d->shared);
+    if (d->dset)
+        d->be_iface->free(d->be, d->dset);
+    d->dset = NULL;
+    if (d->set && !d->staged)
+        d->be_iface->free(d->be, d->set);
+    else if (d->set && d->pinned)
+        d->be_iface->host_free(d->be, d->set);
+    else if (d->set)
+        host_free(ctx, d->set);
     host_free(ctx, d->order);
     host_free(ctx, d->offset);
     host_free(ctx, d->uses);
@@ -21037,7 +20878,7 @@ static void ddp_release(dt_ddp *d)
     host_free(ctx, d->buckets);
     host_free(ctx, d->params);
     d->params = NULL;
-    d->set[0] = d->set[1] = NULL;
+    d->set = NULL;
     d->order = NULL;
     d->offset = NULL;
     d->uses = NULL;
@@ -21137,9 +20978,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     if (d->params && d->order && d->offset && d->uses && d->done && d->own_grad)
         s = ddp_plan(d, cap);
     if (s == DT_OK && !d->cfg.zero)
-        s = ddp_alloc_sets(d);
-    if (s == DT_OK && !d->cfg.zero)
-        s = ddp_alloc_private_sets(d);
+        s = ddp_alloc_set(d);
     if (s == DT_OK && d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)
         s = ddp_alloc_ps_code(d);
     else if (s == DT_OK &&
@@ -21164,14 +21003,12 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         dt_tensor *g = d->params[i]->grad;
         d->own_grad[i] = g->data;
         if (!(g->flags & T_ZERO))
-            d->be_iface->copy(d->be, ddp_grads(d, 0) + d->offset[i], g->data, tensor_bytes(g));
+            d->be_iface->copy(d->be, ddp_grads(d) + d->offset[i], g->data, tensor_bytes(g));
     }
     if (!d->z)
-        ddp_point_grads(d, 0);
-    else
-        d->cur = 0;
+        ddp_point_grads(d);
     if (!d->z)
-        d->st.grad_bytes_peak = 2 * (size_t)d->set_floats * sizeof(float);
+        d->st.grad_bytes_peak = (size_t)d->set_floats * sizeof(float);
     if (d->momentum > 0)
         d->opt->momentum_by_ddp = 1;
     d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);

@@ -1425,13 +1425,10 @@ typedef struct dt_ddp_stats {
                                   linear weight's gradient is made in row blocks, and each
                                   finished block travels while the next computes */
     int overlap;               /* the overlap in use (cfg's, -1 resolved) */
-    int shared_buckets;        /* 1: the buckets live in memory this host's ranks share,
-                                  and the allreduce reads them in place (all ranks on one
-                                  host, no compression; DTRAIN_SHARED_BUCKETS=0: off) */
     int zero;                  /* the sharding level in use (dt_ddp_config.zero) */
     int64_t shard_floats;      /* zero >= 1: this rank's shard of the flattened parameters */
     size_t grad_bytes_peak;    /* the most gradient memory this DDP held at once: its
-                                  bucket sets, or with zero 2 the buckets lent plus the
+                                  gradient set (and used-flags), or with zero 2 the buckets lent plus the
                                   shard */
     double gather_s;           /* zero >= 1: time the parameter all-gathers ran (zero 1
                                   and 2: after each step; zero 3: before a unit's use) */
@@ -1478,7 +1475,7 @@ DT_API dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const ch
 DT_API dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir,
                                         int64_t *step_out);
 /* Totals since dt_ddp_new or the last reset (which keeps the settings:
- * buckets, bucket_bytes, overlap, shared_buckets).  DT_EINVAL: NULL. */
+ * buckets, bucket_bytes, overlap, zero, shard_floats, grad_bytes_peak).  DT_EINVAL: NULL. */
 DT_API dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out);
 DT_API void dt_ddp_stats_reset(dt_ddp *d);
 

@@ -54,7 +54,7 @@ DT_PRIVATE double comm_bus_factor(int kind, int P)
     if (P <= 1)
         return 0;
     switch (kind) {
-    case COLL_ALLREDUCE: case COLL_ALLREDUCE16: case COLL_ALLREDUCE_SHARED:
+    case COLL_ALLREDUCE: case COLL_ALLREDUCE16:
         return 2.0 * (P - 1) / P;
     case COLL_BROADCAST: return 1.0;
     case COLL_BARRIER: return 0.0;
@@ -1030,7 +1030,6 @@ static dt_status run_on_segment(dt_comm *c, dt_work *w)
     case COLL_REDUCE_SCATTER: return seg_reduce_scatter(c, w);
     case COLL_ALLTOALL: return seg_alltoall(c, w);
     case COLL_ALLREDUCE16: return allreduce16(c, w, NULL, 1);
-    case COLL_ALLREDUCE_SHARED: return seg_allreduce_shared(c, w);
     case COLL_REDUCE_SCATTER_V: return seg_reduce_scatter_v(c, w);
     case COLL_ALLGATHER_V: return seg_allgather_v(c, w);
     }
@@ -1045,11 +1044,11 @@ static dt_status run_flat(dt_comm *c, dt_work *w, xfers *xs)
                                    [COLL_ALLREDUCE16] = COMM_ALG_RING16,
                                    [COLL_REDUCE_SCATTER_V] = COMM_ALG_RING,
                                    [COLL_ALLGATHER_V] = COMM_ALG_RING};
-    int reduce = w->kind == COLL_ALLREDUCE || w->kind == COLL_BARRIER || w->kind == COLL_ALLREDUCE_SHARED;
+    int reduce = w->kind == COLL_ALLREDUCE || w->kind == COLL_BARRIER;
     w->alg = !reduce ? algs[w->kind]
              : allreduce_doubles(c, w, xs->g.size) ? COMM_ALG_DOUBLING : COMM_ALG_RING;
     switch (w->kind) {
-    case COLL_ALLREDUCE: case COLL_BARRIER: case COLL_ALLREDUCE_SHARED: run_allreduce(c, w, xs); break;
+    case COLL_ALLREDUCE: case COLL_BARRIER: run_allreduce(c, w, xs); break;
     case COLL_BROADCAST: run_broadcast(c, w, xs); break;
     case COLL_ALLGATHER: run_allgather(c, w, xs); break;
     case COLL_REDUCE_SCATTER: run_reduce_scatter(c, w, xs); break;

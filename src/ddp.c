@@ -47,19 +47,18 @@ void dt_ddp_config_init(dt_ddp_config *cfg)
     cfg->topk_warmup_steps = -1;
 }
 
-static float *ddp_flags(dt_ddp *d, int set, const ddp_bucket *b)
+static float *ddp_flags(dt_ddp *d, const ddp_bucket *b)
 {
-    return d->set[set] + b->offset + b->numel;
+    return d->set + b->offset + b->numel;
 }
 
 /* Where the gradients live: the bucket memory, or its device twin. */
-static float *ddp_grads(const dt_ddp *d, int set) { return d->staged ? d->dset[set] : d->set[set]; }
+static float *ddp_grads(const dt_ddp *d) { return d->staged ? d->dset : d->set; }
 
-static void ddp_point_grads(dt_ddp *d, int set)
+static void ddp_point_grads(dt_ddp *d)
 {
     for (int i = 0; i < d->nparams; i++)
-        d->params[i]->grad->data = ddp_grads(d, set) + d->offset[i];
-    d->cur = set;
+        d->params[i]->grad->data = ddp_grads(d) + d->offset[i];
 }
 
 /* Staged: start copying floats [off, off + n) of the current set's
@@ -69,7 +68,7 @@ static uint64_t ddp_stage_out(dt_ddp *d, int64_t off, int64_t n)
 {
     if (!d->staged || n <= 0)
         return 0;
-    uint64_t t = d->be_iface->copy_async(d->be, d->set[d->cur] + off, d->dset[d->cur] + off,
+    uint64_t t = d->be_iface->copy_async(d->be, d->set + off, d->dset + off,
                                          (size_t)n * sizeof(float), DT_COPY_D2H);
     if (t > d->last_ticket)
         d->last_ticket = t;
@@ -82,7 +81,7 @@ static void ddp_stage_in(dt_ddp *d)
 {
     if (!d->staged)
         return;
-    uint64_t t = d->be_iface->copy_async(d->be, d->dset[d->cur], d->set[d->cur],
+    uint64_t t = d->be_iface->copy_async(d->be, d->dset, d->set,
                                          (size_t)d->grad_floats * sizeof(float), DT_COPY_H2D);
     if (t)
         d->be_iface->copy_join(d->be, t);
@@ -201,7 +200,7 @@ static dt_status ddp_alloc_ps_code(dt_ddp *d)
 static void ddp_finish_compressed(dt_ddp *d, ddp_bucket *b)
 {
     int P = dt_comm_size(d->comm);
-    float *grads = d->set[d->cur] + b->offset, *flags = grads + b->numel;
+    float *grads = d->set + b->offset, *flags = grads + b->numel;
     memset(grads, 0, (size_t)(b->numel + b->count) * sizeof(float));
     for (int r = 0; r < P; r++) {
         const float *pl = b->gathered + (int64_t)r * b->payload_floats;
@@ -285,7 +284,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         return;
     }
     ddp_weigh(d, b->offset, b->numel);
-    float *flags = ddp_flags(d, d->cur, b);   /* the last bucket's: all parameters' */
+    float *flags = ddp_flags(d, b);   /* the last bucket's: all parameters' */
     for (int k = 0; k < b->count; k++)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
     /* Staged: the comm thread waits for the copy before it sends; encoders
@@ -302,7 +301,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
     }
     if (d->cfg.ps) {   /* pushed to the servers (src/ps.c); dt_ddp_sync pulls */
         b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
-                             .n = b->numel + b->count, .buf = d->set[d->cur] + b->offset,
+                             .n = b->numel + b->count, .buf = d->set + b->offset,
                              .clock = ps_clock(d->cfg.ps)};
         if (d->cfg.compress != DT_COMPRESS_NONE)
             ddp_ps_encode(d, b);
@@ -312,17 +311,14 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                                   &b->pcall);
     } else if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
         /* reduced in 16 bits on the wire, in place (comm.c's allreduce16) */
-        b->work = comm_enqueue(d->comm, COLL_ALLREDUCE16, d->set[d->cur] + b->offset, NULL,
+        b->work = comm_enqueue(d->comm, COLL_ALLREDUCE16, d->set + b->offset, NULL,
                                b->numel + b->count, d->cfg.compress == DT_COMPRESS_BF16 ? 1 : 2,
                                DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)(b->numel + b->count) * 2;
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
-        b->work = ddp_launch_compressed(d, b, d->set[d->cur] + b->offset, flags);
-    } else if (d->shared.base) {   /* the other ranks read it where it is (src/join.c) */
-        b->work = comm_enqueue_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur] + b->offset, NULL,
-                                  b->numel + b->count, 0, DT_REDUCE_AVG, &d->shared);
+        b->work = ddp_launch_compressed(d, b, d->set + b->offset, flags);
     } else {
-        b->work = dt_allreduce_async(d->comm, d->set[d->cur] + b->offset, b->numel + b->count,
+        b->work = dt_allreduce_async(d->comm, d->set + b->offset, b->numel + b->count,
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
@@ -343,7 +339,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
 static void ddp_reduce_whole(dt_ddp *d)
 {
     ddp_bucket *last = &d->buckets[d->nbuckets - 1];
-    float *flags = ddp_flags(d, d->cur, last);
+    float *flags = ddp_flags(d, last);
     for (int k = 0; k < last->count; k++)
         flags[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
     d->sent_at_launch = dt_comm_bytes_sent(d->comm);
@@ -353,10 +349,7 @@ static void ddp_reduce_whole(dt_ddp *d)
     uint64_t ticket = ddp_stage_out(d, 0, d->grad_floats);
     if (ticket)
         d->be_iface->copy_wait(d->be, ticket);
-    dt_status s = d->shared.base
-                      ? comm_run_in(d->comm, COLL_ALLREDUCE_SHARED, d->set[d->cur], NULL,
-                                          d->set_floats, 0, DT_REDUCE_AVG, &d->shared)
-                      : dt_allreduce(d->comm, d->set[d->cur], d->set_floats, DT_REDUCE_AVG);
+    dt_status s = dt_allreduce(d->comm, d->set, d->set_floats, DT_REDUCE_AVG);
     d->st.comm_s += dt_now() - t0;
     if (s != DT_OK && d->launch_status == DT_OK) {
         d->launch_status = s;
@@ -508,8 +501,8 @@ static dt_status ddp_backward_begin(dt_ddp *d)
     int fresh = 1;
     for (int i = 0; i < d->nparams && fresh; i++)
         fresh = (d->params[i]->grad->flags & T_ZERO) != 0;
-    if (fresh && !d->z)   /* sharded: one set, or memory lent per bucket */
-        ddp_point_grads(d, d->cur ^ 1);
+    if (fresh && !d->z)   /* sharded: memory lent per bucket (src/zero.c) */
+        ddp_point_grads(d);
     if (!d->sync)
         return DT_OK;
     d->pending_sync = 1;
@@ -641,7 +634,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
         ddp_stage_in(d);
     /* a zero_grad since the buckets started discards what they reduced */
     int zeroed = d->ctx->zero_gen != d->zero_gen;
-    const float *flags = d->set[d->cur] + d->grad_floats;
+    const float *flags = d->set + d->grad_floats;
     for (int i = 0; i < d->nparams; i++) {
         dt_tensor *g = d->params[i]->grad;
         if (flags[i] > 0 && !zeroed)
@@ -720,7 +713,7 @@ static void ddp_weigh(dt_ddp *d, int64_t offset, int64_t numel)
     float w = global > 0 ? (float)((double)count * dt_comm_size(d->comm) / (double)global) : 1.0f;
     if (w == 1.0f)
         return;
-    float *g = ddp_grads(d, d->cur) + offset;
+    float *g = ddp_grads(d) + offset;
     d->be_iface->axpby(d->be, numel, 0.0f, g, w, g);
 }
 
@@ -829,7 +822,6 @@ void dt_ddp_stats_reset(dt_ddp *d)
     d->st.buckets = keep.buckets;
     d->st.bucket_bytes = keep.bucket_bytes;
     d->st.overlap = keep.overlap;
-    d->st.shared_buckets = keep.shared_buckets;
     d->st.zero = keep.zero;
     d->st.shard_floats = keep.shard_floats;
     d->st.grad_bytes_peak = keep.grad_bytes_peak;
@@ -1064,60 +1056,27 @@ static dt_status ddp_plan(dt_ddp *d, size_t cap)
     return DT_OK;
 }
 
-/* Uncompressed buckets on one host go in a region every local rank maps
- * (join_shared_map): the allreduce then reads them in place instead of
- * copying them through the segment's slots (docs/DATA_PARALLEL.md).  Both
- * sets in one part; host memory, which is what the backend's is here
- * (dt_ddp_new checks host_visible).  DT_OK with no region: private sets. */
-static dt_status ddp_alloc_sets(dt_ddp *d)
-{
-    /* staged: the sets take device-to-host copies, which are asynchronous
-     * only into page-locked memory, and the shared region is not */
-    if (d->cfg.compress != DT_COMPRESS_NONE || d->cfg.ps || d->staged)
-        return DT_OK;
-    size_t stride = ((size_t)d->set_floats * sizeof(float) + 127) & ~(size_t)127;
-    int ok = 0;
-    dt_status s = join_shared_map(d->comm, 2 * stride, &d->shared, &ok);
-    if (s != DT_OK || !ok)
-        return s;
-    char *mine = d->shared.base + (size_t)d->shared.me * d->shared.part;
-    memset(mine, 0, 2 * stride);
-    d->set[0] = (float *)mine;
-    d->set[1] = (float *)(mine + stride);
-    d->st.shared_buckets = 1;
-    return DT_OK;
-}
-
-/* The sets, where not in shared memory: backend memory, or when staged
- * host memory (page-locked if the backend has it) plus device twins. */
-static dt_status ddp_alloc_private_sets(dt_ddp *d)
+/* The gradient set: backend memory, or when staged host memory
+ * (page-locked if the backend has it) plus a device twin.  Private memory
+ * on every rank: on one host the allreduce goes through the segment's
+ * fixed slots, whose chunks stay in cache while the other rank reads them
+ * (docs/DATA_PARALLEL.md, "One gradient set"). */
+static dt_status ddp_alloc_set(dt_ddp *d)
 {
     size_t bytes = (size_t)d->set_floats * sizeof(float);
-    for (int k = 0; k < 2; k++) {
-        float **mem = d->staged ? &d->dset[k] : d->shared.base ? NULL : &d->set[k];
-        if (!mem)
-            continue;
-        if (!(*mem = d->be_iface->alloc(d->be, bytes)))
-            return DT_ENOMEM;
-        d->be_iface->memset0(d->be, *mem, bytes);
-    }
-    if (!d->staged || d->shared.base)
+    float **mem = d->staged ? &d->dset : &d->set;
+    if (!(*mem = d->be_iface->alloc(d->be, bytes)))
+        return DT_ENOMEM;
+    d->be_iface->memset0(d->be, *mem, bytes);
+    if (!d->staged)
         return DT_OK;
     if (d->be_iface->host_alloc) {
-        d->set[0] = d->be_iface->host_alloc(d->be, bytes);
-        d->set[1] = d->be_iface->host_alloc(d->be, bytes);
-        d->pinned = d->set[0] && d->set[1];
-        for (int k = 0; k < 2 && !d->pinned; k++) {
-            if (d->set[k])
-                d->be_iface->host_free(d->be, d->set[k]);
-            d->set[k] = NULL;
-        }
+        d->set = d->be_iface->host_alloc(d->be, bytes);
+        d->pinned = d->set != NULL;
     }
-    for (int k = 0; k < 2 && !d->pinned; k++)   /* no page-locked memory: ordinary */
-        if (!(d->set[k] = host_alloc(d->ctx, bytes)))
-            return DT_ENOMEM;
-    memset(d->set[0], 0, bytes);
-    memset(d->set[1], 0, bytes);
+    if (!d->set && !(d->set = host_alloc(d->ctx, bytes)))   /* no page-locked memory: ordinary */
+        return DT_ENOMEM;
+    memset(d->set, 0, bytes);
     return DT_OK;
 }
 
@@ -1171,7 +1130,7 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
  * masters, so every rank steps the same f32 values. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
-    float *stage = d->set[0];
+    float *stage = d->set;
     if (d->cfg.zero) {   /* no set yet: in place (host memory) */
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
@@ -1201,20 +1160,15 @@ static void ddp_release(dt_ddp *d)
     dt_ctx *ctx = d->ctx;
     if (d->last_ticket)   /* no copy may still read or write the sets */
         d->be_iface->copy_wait(d->be, d->last_ticket);
-    for (int s = 0; s < 2; s++) {
-        if (d->dset[s])
-            d->be_iface->free(d->be, d->dset[s]);
-        d->dset[s] = NULL;
-        if (!d->set[s] || d->shared.base)
-            continue;
-        if (!d->staged)
-            d->be_iface->free(d->be, d->set[s]);
-        else if (d->pinned)
-            d->be_iface->host_free(d->be, d->set[s]);
-        else
-            host_free(ctx, d->set[s]);
-    }
-    join_shared_free(&d->shared);
+    if (d->dset)
+        d->be_iface->free(d->be, d->dset);
+    d->dset = NULL;
+    if (d->set && !d->staged)
+        d->be_iface->free(d->be, d->set);
+    else if (d->set && d->pinned)
+        d->be_iface->host_free(d->be, d->set);
+    else if (d->set)
+        host_free(ctx, d->set);
     host_free(ctx, d->order);
     host_free(ctx, d->offset);
     host_free(ctx, d->uses);
@@ -1234,7 +1188,7 @@ static void ddp_release(dt_ddp *d)
     host_free(ctx, d->buckets);
     host_free(ctx, d->params);
     d->params = NULL;
-    d->set[0] = d->set[1] = NULL;
+    d->set = NULL;
     d->order = NULL;
     d->offset = NULL;
     d->uses = NULL;
@@ -1334,9 +1288,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     if (d->params && d->order && d->offset && d->uses && d->done && d->own_grad)
         s = ddp_plan(d, cap);
     if (s == DT_OK && !d->cfg.zero)
-        s = ddp_alloc_sets(d);
-    if (s == DT_OK && !d->cfg.zero)
-        s = ddp_alloc_private_sets(d);
+        s = ddp_alloc_set(d);
     if (s == DT_OK && d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)
         s = ddp_alloc_ps_code(d);
     else if (s == DT_OK &&
@@ -1361,14 +1313,12 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         dt_tensor *g = d->params[i]->grad;
         d->own_grad[i] = g->data;
         if (!(g->flags & T_ZERO))
-            d->be_iface->copy(d->be, ddp_grads(d, 0) + d->offset[i], g->data, tensor_bytes(g));
+            d->be_iface->copy(d->be, ddp_grads(d) + d->offset[i], g->data, tensor_bytes(g));
     }
     if (!d->z)
-        ddp_point_grads(d, 0);
-    else
-        d->cur = 0;
+        ddp_point_grads(d);
     if (!d->z)
-        d->st.grad_bytes_peak = 2 * (size_t)d->set_floats * sizeof(float);
+        d->st.grad_bytes_peak = (size_t)d->set_floats * sizeof(float);
     if (d->momentum > 0)
         d->opt->momentum_by_ddp = 1;
     d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);

@@ -89,6 +89,8 @@ struct dt_store {
 #define DT_COMM_DRAIN_MS 10000
 #define SEG_MAGIC 0x44545347u
 #define SEG_SLOT_DEFAULT ((size_t)1 << 20)
+#define SEG_CHUNK_LARGE ((size_t)256 << 10)   /* chunk of buffers above SEG_LARGE */
+#define SEG_LARGE ((size_t)4 << 20)
 #define SEG_SPIN_S 50e-6                   /* spin this long before sleeping */
 #define SEG_SPIN_INLINE_S 20e-3
 
@@ -98,7 +100,7 @@ struct dt_store {
  * cut into one block per rank at the offsets in aux (world + 1 int64s,
  * comm_blocks): the sharded data parallelism of src/zero.c. */
 enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_BARRIER,
-       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_ALLREDUCE_SHARED, COLL_REDUCE_SCATTER_V,
+       COLL_ALLTOALL, COLL_ALLREDUCE16, COLL_REDUCE_SCATTER_V,
        COLL_ALLGATHER_V, COLL_EXT, COLL_P2P };
 
 /* The algorithm a work ran with, as run_work chose it (src/comm.c); the
@@ -106,23 +108,13 @@ enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, 
 enum { COMM_ALG_NONE, COMM_ALG_SEGMENT, COMM_ALG_HIERARCHICAL, COMM_ALG_DOUBLING, COMM_ALG_RING,
        COMM_ALG_TREE, COMM_ALG_PAIRWISE, COMM_ALG_RING16, COMM_ALG_EXT, COMM_ALG_P2P };
 
-/* Memory every rank on the host maps (src/join.c): local rank q's part starts at
- * base + q * part.  DDP keeps its gradient buckets there, so the host's
- * allreduce reads the other ranks' gradients where backward wrote them. */
-typedef struct shm_region {
-    char *base;
-    size_t part, total;
-    int nlocal, me;
-} shm_region;
-
 struct dt_work {
     dt_comm *comm;
     int kind, root;
     dt_reduce_op op;
     float *buf;                /* allreduce, broadcast: in place; others: output */
     const float *in;
-    const void *aux;           /* COLL_ALLREDUCE_SHARED: the shm_region buf lies in (our
-                                  part); COLL_EXT: the extension's request (a ps_call);
+    const void *aux;           /* COLL_EXT: the extension's request (a ps_call);
                                   the _V kinds: the blocks' offsets (int64_t[world + 1]) */
     double spin_s;             /* segment waits spin this long before sleeping (0: SEG_SPIN_S) */
     void *owned;               /* freed with the work (a background request's memory) */
@@ -246,10 +238,10 @@ struct dt_comm {
     seg_rank *seg_ranks;
     char *seg_data;
     size_t seg_bytes, seg_slot;
+    size_t seg_chunk_small;    /* chunk of buffers up to SEG_LARGE (seg_chunk_floats) */
     uint32_t seg_phase, seg_chunk;
     char seg_name[64], seg_why[200];
     int seg_linked;            /* we created it and its name still exists */
-    int regions_made;          /* shared regions set up so far (their store keys) */
     int ext_jobs;              /* extension jobs (parameter servers) joined so far (their store keys) */
     const comm_ext_ops *ext_ops;  /* how to run COLL_EXT work (set by dt_ps_new) */
     int steals_made;           /* work-stealing loaders made so far (their store keys) */
@@ -443,17 +435,16 @@ struct dt_ddp {
     int *uses;                 /* param -> uses left on the tape */
     int64_t *done;             /* param -> floats of its gradient final (a prefix) */
     void **own_grad;           /* param -> the grad buffer it had before */
-    float *set[2];             /* host memory the collectives use */
-    float *dset[2];            /* staged (a device backend): the gradients, on the device;
-                                  each bucket is copied to set[] to travel and back after */
-    int staged, pinned;        /* pinned: set[] from the backend's host_alloc */
+    float *set;                /* the gradients and used-flags, host memory the collectives
+                                  use (one set: a backward starts only after the last
+                                  step's collectives finished, ddp_backward_begin) */
+    float *dset;               /* staged (a device backend): the gradients, on the device;
+                                  each bucket is copied to set to travel and back after */
+    int staged, pinned;        /* pinned: set from the backend's host_alloc */
     uint64_t last_ticket;      /* staged: the latest copy; waited for before freeing */
-    shm_region shared;         /* base set: the sets live in memory the host's ranks
-                                  share (uncompressed, one host), else backend memory */
     int64_t set_floats;        /* gradients, then one flag per parameter */
     int64_t grad_floats;       /* gradients: where the flags start */
     int64_t bucket_floats;     /* the cap: buckets cut every this many floats */
-    int cur;                   /* set the gradients point at */
     ddp_bucket *buckets;
     int nbuckets, next_launch, ready_upto;
     int sync;                  /* 0: no_sync */
@@ -821,20 +812,10 @@ DT_PRIVATE dt_status seg_reduce_scatter(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_reduce_scatter_v(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_allgather_v(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
-DT_PRIVATE dt_status seg_allreduce_shared(dt_comm *c, dt_work *w);
 
-/* src/join.c: joining the job, a restarted rank, shared regions */
+/* src/join.c: joining the job, a restarted rank */
 DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c);
 DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char *err, size_t err_len);
-/* A shared region (see shm_region): every local rank gets a part of
- * part_bytes, every rank maps all parts.  Collective over the communicator
- * when all its ranks share this host's segment; elsewhere, or if any rank
- * cannot map it or sets DTRAIN_SHARED_BUCKETS=0, *ok is 0 on every rank and
- * nothing is mapped (not an error: callers use private memory).  The name
- * is unlinked once every rank has it open, so nothing outlives the job.
- * Free with join_shared_free. */
-DT_PRIVATE dt_status join_shared_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok);
-DT_PRIVATE void join_shared_free(shm_region *r);
 
 /* src/ddp.c */
 DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx);

@@ -173,6 +173,10 @@ static dt_status map_segment(dt_comm *c, int *ok)
     const char *sl = getenv("DTRAIN_SEGMENT_SLOT_KIB");
     c->seg_slot = sl && atoi(sl) >= 64 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
     c->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);   /* the same on every rank of the host */
+    size_t chunk = l2 > 0 ? (size_t)l2 / 4 : SEG_CHUNK_LARGE;
+    chunk = chunk < ((size_t)64 << 10) ? (size_t)64 << 10 : chunk & ~(size_t)4095;
+    c->seg_chunk_small = chunk < c->seg_slot ? chunk : c->seg_slot;
     snprintf(key, sizeof key, "seg/%d", leader);
     if (c->local_index == 0) {
         struct timespec ts;
@@ -246,61 +250,6 @@ static void unmap_segment(dt_comm *c)
         shm_unlink(c->seg_name);
     c->seg_linked = 0;
 }
-DT_PRIVATE dt_status join_shared_map(dt_comm *c, size_t part_bytes, shm_region *r, int *ok)
-{
-    *ok = 0;
-    memset(r, 0, sizeof *r);
-    if (!c->use_segment || !c->seg || c->nhosts != 1)
-        return DT_OK;
-    int L = c->nlocal, fd = -1, created = 0;
-    size_t part = (part_bytes + 4095) & ~(size_t)4095, total = part * (size_t)L;
-    char key[DT_STORE_MAX_KEY], name[80] = "";
-    snprintf(key, sizeof key, "shared%s/%d", c->seg_name, c->regions_made++);
-    dt_status st = DT_OK;
-    if (c->local_index == 0) {
-        snprintf(name, sizeof name, "%s-r%d", c->seg_name, c->regions_made);
-        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        created = fd >= 0;
-        if (fd >= 0 && posix_fallocate(fd, 0, (off_t)total) != 0) {   /* see map_segment */
-            close(fd);
-            fd = -1;
-        }
-        st = dt_store_set(c->store, key, fd >= 0 ? name : "", fd >= 0 ? strlen(name) + 1 : 1);
-    } else {
-        size_t len = 0;
-        st = dt_store_get(c->store, key, name, sizeof name - 1, &len, c->timeout_ms);
-        name[len < sizeof name ? len : sizeof name - 1] = '\0';
-        if (st == DT_OK && name[0])
-            fd = shm_open(name, O_RDWR, 0);
-    }
-    struct stat sb;
-    if (fd >= 0 && fstat(fd, &sb) == 0 && (size_t)sb.st_size == total) {
-        void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (p != MAP_FAILED)
-            *r = (shm_region){.base = p, .part = part, .total = total, .nlocal = L,
-                              .me = c->local_index};
-    }
-    if (fd >= 0)
-        close(fd);
-    const char *env = getenv("DTRAIN_SHARED_BUCKETS");
-    float agree = r->base && !(env && strcmp(env, "0") == 0) ? 1.0f : 0.0f;
-    if (st == DT_OK)
-        st = dt_allreduce(c, &agree, 1, DT_REDUCE_MIN);   /* also: every rank has it open */
-    if (created)
-        shm_unlink(name);
-    if (st != DT_OK || agree < 1.0f)
-        join_shared_free(r);
-    *ok = st == DT_OK && r->base;
-    return st;
-}
-
-DT_PRIVATE void join_shared_free(shm_region *r)
-{
-    if (r->base)
-        munmap(r->base, r->total);
-    memset(r, 0, sizeof *r);
-}
-
 /* Segments are used only if every rank wants them and got one: a rank that
  * could not map its host's would otherwise wait on the others forever. */
 static dt_status setup_segments(dt_comm *c, const dt_comm_config *cfg)

@@ -30,8 +30,6 @@
  * segment's abort word (with its message), which every waiter checks, and
  * waiters ask the store who died every DT_COMM_WATCH_S, as transfers do.
  */
-#define SEG_CHUNK_LARGE ((size_t)256 << 10)   /* chunk of buffers above SEG_LARGE */
-#define SEG_LARGE ((size_t)4 << 20)
 #define SEG_ONE_PHASE ((size_t)16 << 10)   /* allreduce: one phase, every rank reduces all */
 
 DT_PRIVATE size_t seg_ranks_offset(void) { return (sizeof(seg_head) + 127) & ~(size_t)127; }
@@ -235,15 +233,18 @@ static void reduce2(float *restrict dst, const float *restrict a, const float *r
             dst[i] = a[i] + b[i];
 }
 
-/* Floats per chunk for a buffer of n floats.  Up to 4 MiB, whole slots:
- * fewer phases.  Above, 256 KiB chunks: every rank's two slots stay in
- * cache while the user buffers stream (bench_allreduce, 2 ranks: 1 MiB
- * chunks ran 16 MiB at 5.7 GB/s and 256 KiB chunks at 9).  Chunking never
- * changes the arithmetic, only where the phases fall. */
+/* Floats per chunk for a buffer of n floats.  Up to 4 MiB, chunks as large
+ * as the caches allow (seg_chunk_small: a quarter of the L2, at most a
+ * slot): fewer phases while the chunk being reduced still sits in cache.
+ * Above, 256 KiB chunks: every rank's two slots stay in cache while the
+ * user buffers stream (bench_allreduce, 2 ranks: 1 MiB chunks ran 16 MiB
+ * at 5.7 GB/s and 256 KiB chunks at 9).  On a core with 1 MiB of L2,
+ * whole 1 MiB slots ran 1 and 4 MiB at 4.5 GB/s and 256 KiB chunks at
+ * 11.  Chunking never changes the arithmetic, only where the phases fall. */
 static int64_t seg_chunk_floats(const dt_comm *c, int64_t n)
 {
     size_t bytes = (size_t)n * sizeof(float) > SEG_LARGE && c->seg_slot > SEG_CHUNK_LARGE
-                       ? SEG_CHUNK_LARGE : c->seg_slot;
+                       ? SEG_CHUNK_LARGE : c->seg_chunk_small;
     return (int64_t)(bytes / sizeof(float));
 }
 
@@ -464,47 +465,4 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
         off += cnt;
     } while (off < n);
     return DT_OK;
-}
-
-/* Allreduce of a buffer in a shared region (DDP's buckets): no copy into
- * slots.  Once every rank's buffer is final, local rank k reduces block k
- * of all of them, in local-rank order as seg_reduce_block does (so results
- * are bit-identical to the slot path), into its own buffer; then each rank
- * copies the other blocks from their owners' buffers.  A last phase keeps
- * every buffer unwritten until nobody reads it.  Per rank that moves
- * about 2(L-1)/L of the buffer, against 3 + (L-1)/L through the slots. */
-DT_PRIVATE dt_status seg_allreduce_shared(dt_comm *c, dt_work *w)
-{
-    const shm_region *r = w->aux;
-    int L = c->nlocal, me = c->local_index;
-    size_t off = (size_t)((char *)w->buf - (r->base + (size_t)me * r->part));
-    int64_t lo, hi, n = w->n;
-    uint32_t p0 = seg_announce(c, w);
-    if (seg_sync(c, w, p0, 1.0) != DT_OK)
-        return w->status;
-    comm_block_range(n, L, me, &lo, &hi);
-    float tile[2048];
-    for (int64_t i = lo; i < hi; i += 2048) {
-        int64_t cnt = hi - i < 2048 ? hi - i : 2048;
-        const float *part0 = (const float *)(r->base + off) + i;
-        reduce2(tile, part0, (const float *)(r->base + r->part + off) + i, cnt, w->op);
-        for (int q = 2; q < L; q++)
-            comm_reduce_into(tile, (const float *)(r->base + (size_t)q * r->part + off) + i, cnt, w->op);
-        comm_finish_avg(c, w, tile, cnt);
-        memcpy(w->buf + i, tile, (size_t)cnt * sizeof(float));
-    }
-    if (seg_sync(c, w, 0, 1.0) != DT_OK)
-        return w->status;
-    for (int q = 0; q < L; q++) {
-        if (q == me)
-            continue;
-        int64_t qlo, qhi;
-        comm_block_range(n, L, q, &qlo, &qhi);
-        memcpy(w->buf + qlo, (const float *)(r->base + (size_t)q * r->part + off) + qlo,
-               (size_t)(qhi - qlo) * sizeof(float));
-    }
-    /* what the other ranks read of ours: our part of their blocks, and our block */
-    uint64_t read_by_others = (uint64_t)(n - (hi - lo)) + (uint64_t)(L - 1) * (uint64_t)(hi - lo);
-    __atomic_fetch_add(&c->bytes_sent, read_by_others * sizeof(float), __ATOMIC_RELAXED);
-    return seg_sync(c, w, 0, 1.0);
 }

@@ -854,7 +854,7 @@ static dt_status zero_alloc(dt_ddp *d)
         if (!(z->flat = d->be_iface->alloc(d->be, bytes)))
             return DT_ENOMEM;
         d->be_iface->memset0(d->be, z->flat, bytes);
-        d->set[0] = d->set[1] = z->flat;
+        d->set = z->flat;
         d->st.grad_bytes_peak = bytes;
         return DT_OK;
     }
@@ -973,7 +973,7 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     host_free(ctx, z->used);
     host_free(ctx, z);
     d->z = NULL;
-    d->set[0] = d->set[1] = NULL;
+    d->set = NULL;
 }
 
 /* The optimizer is being freed: nothing to mark later.  Zero 3 with

@@ -254,7 +254,6 @@ typedef struct equiv_case {
     int overlap;
 } equiv_case;
 static equiv_case cur_case;
-static int expect_shared = 1;   /* the buckets should be in shared memory (segment, one host) */
 
 /* FNV-1a over every parameter's bytes. */
 static char hash_path[128];
@@ -349,11 +348,10 @@ static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 8;
     if (ec->overlap >= 0 ? st.overlap != ec->overlap : st.overlap != 0 && st.overlap != 1)
         return 15;
-    /* device memory (cpu-staged) stages through page-locked sets instead */
-    int want_shared = expect_shared && strcmp(dt_backend_name(ctx), "cpu") == 0;
-    if (st.shared_buckets != want_shared) {
-        fprintf(stderr, "rank %d: shared_buckets %d, expected %d\n", rank, st.shared_buckets,
-                want_shared);
+    /* one gradient set (and its used-flags), not two */
+    if (st.grad_bytes_peak != (size_t)(total + dt_param_count(ctx)) * sizeof(float)) {
+        fprintf(stderr, "rank %d: grad_bytes_peak %zu for %lld gradient floats\n", rank,
+                st.grad_bytes_peak, (long long)total);
         return 14;
     }
     /* the wide fc1 is sent in row blocks as backward makes them (overlap on) */
@@ -410,10 +408,8 @@ static void test_equivalence_tcp(void **state)
     (void)state;
     job_transport = "tcp";
     job_intra = "transport";
-    expect_shared = 0;
     cur_case = (equiv_case){WIDE, 65536, 1};
     expect_all_ok(3, equivalence_rank);
-    expect_shared = 1;
     cur_compress = DT_COMPRESS_TOPK;
     expect_all_ok(2, compress_rank);
     job_transport = "shm";
@@ -421,8 +417,9 @@ static void test_equivalence_tcp(void **state)
 }
 
 /* Two runs with the same seed end bit-identical, row blocks and overlap
- * notwithstanding; a third with the buckets in private memory (reduced
- * through the segment's slots instead of in place) too. */
+ * notwithstanding; a third with 64 KiB slots in the host segment (every
+ * bucket cut into other chunks: chunking moves the phases, never the
+ * arithmetic) too. */
 static void test_reproducible(void **state)
 {
     (void)state;
@@ -431,13 +428,10 @@ static void test_reproducible(void **state)
     cur_case = (equiv_case){WIDE, 65536, 1};
     for (int run = 0; run < 3; run++) {
         snprintf(hash_path, sizeof hash_path, "%s/hash%d", dir, run);
-        if (run == 2) {
-            setenv("DTRAIN_SHARED_BUCKETS", "0", 1);
-            expect_shared = 0;
-        }
+        if (run == 2)
+            setenv("DTRAIN_SEGMENT_SLOT_KIB", "64", 1);
         expect_all_ok(3, equivalence_rank);
-        unsetenv("DTRAIN_SHARED_BUCKETS");
-        expect_shared = 1;
+        unsetenv("DTRAIN_SEGMENT_SLOT_KIB");
         FILE *f = fopen(hash_path, "r");
         assert_non_null(f);
         assert_non_null(fgets(got[run], sizeof got[run], f));

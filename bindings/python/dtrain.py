@@ -187,7 +187,7 @@ class dt_ddp_stats(ctypes.Structure):
     _fields_ = [("steps", _I64), ("buckets", _I), ("bucket_bytes", _SZ),
                 ("backward_s", _D), ("comm_s", _D), ("exposed_s", _D),
                 ("grad_bytes", _U64), ("payload_bytes", _U64), ("bytes_sent", _U64),
-                ("block_launches", _I64), ("overlap", _I), ("shared_buckets", _I),
+                ("block_launches", _I64), ("overlap", _I),
                 ("zero", _I), ("shard_floats", _I64), ("grad_bytes_peak", _SZ),
                 ("gather_s", _D), ("gather_exposed_s", _D), ("gathers", _I64)]
 

@@ -178,11 +178,11 @@ static int run(const bopts *o)
         double comm_ms = 1e3 * st.comm_s / o->steps, exp_ms = 1e3 * st.exposed_s / o->steps;
         printf("ddp model=%s ranks=%d threads=%d batch=%d overlap=%d bucket=%zu compress=%s "
                "step_ms=%.3f samples_per_s=%.0f comm_ms=%.3f exposed_ms=%.3f exposed_frac=%.3f "
-               "sent_kb=%.1f buckets=%d shared=%d\n",
+               "sent_kb=%.1f buckets=%d\n",
                o->model, ranks, o->threads, o->batch, ddp ? st.overlap : 0, ddp ? st.bucket_bytes : 0,
                o->compress, 1e3 * step, (double)ranks * o->batch / step, comm_ms, exp_ms,
                comm_ms > 0 ? exp_ms / comm_ms : 0, (double)sent / 1024.0 / o->steps,
-               ddp ? st.buckets : 0, ddp ? st.shared_buckets : 0);
+               ddp ? st.buckets : 0);
         fflush(stdout);
     }
     free(t);

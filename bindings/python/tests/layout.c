@@ -82,7 +82,7 @@ int main(void)
     F(dt_ddp_stats, comm_s, comm_s); F(dt_ddp_stats, exposed_s, exposed_s);
     F(dt_ddp_stats, grad_bytes, grad_bytes); F(dt_ddp_stats, payload_bytes, payload_bytes);
     F(dt_ddp_stats, bytes_sent, bytes_sent); F(dt_ddp_stats, block_launches, block_launches);
-    F(dt_ddp_stats, overlap, overlap); F(dt_ddp_stats, shared_buckets, shared_buckets);
+    F(dt_ddp_stats, overlap, overlap);
     END(dt_ddp_stats);
 
     F(dt_eval_config, struct_size, struct_size);
