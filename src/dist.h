@@ -414,6 +414,13 @@ typedef struct zero_state {
     int first_unit;            /* the unit a step read first (-1: none yet), prefetched
                                   when the next one can start (zero_after_step) */
     int step_ended;            /* no unit read since the last step */
+    /* The order units were read in: this step's so far (rec) and the last
+     * whole step's (prev), one entry each time the unit read changes, up
+     * to trace_cap.  Every rank runs the same ops, so every rank has the
+     * same traces and prefetches the same units (zero_predict). */
+    int *rec, *prev;
+    int rec_n, prev_n, trace_cap;
+    int cursor;                /* where in prev the step is (-1: not found) */
     int *opt_index;            /* zero 3 with f32 masters (param_dtype 16-bit): per parameter
                                   its index in opt, or -1; NULL without masters.  Then no
                                   float of a parameter is kept between its uses: this rank's

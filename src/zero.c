@@ -71,10 +71,16 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
  * computes. */
 #define ZERO_RESIDENT 2
 #define ZERO_RECENT 8
+/* How far zero_predict looks: in the last step's trace, for the unit in
+ * hand (units a layer's ops read alternate) and past it for the next one
+ * to gather. */
+#define ZERO_FIND 64
+#define ZERO_AHEAD 32
 
 static zero_state *Z(const dt_ddp *d) { return d->z; }
 static dt_status zero_evict_all(dt_ddp *d);
 static void zero_prefetch(dt_ddp *d, int j);
+static void zero_trace_swap(zero_state *z);
 
 /* All-gathers of parameters ran ran_s, exposed_s of it waited for: the
  * DDP's stats and the profile's (the end-of-job report).  A wait for a
@@ -479,6 +485,7 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
         if (s == DT_OK && z->first_unit >= 0)
             zero_prefetch(d, z->first_unit);
         z->step_ended = 1;
+        zero_trace_swap(z);
         return s;
     }
     if (z->level == 1) {
@@ -593,6 +600,8 @@ static float *zero_unit_home(const dt_ddp *d, int j)
 static void zero_prefetch(dt_ddp *d, int j)
 {
     zero_state *z = Z(d);
+    if (j < 0)
+        return;
     const ddp_bucket *b = &d->buckets[j];
     if (z->pinned || z->resident[j] || z->pre_unit >= 0 || b->numel == 0)
         return;
@@ -662,6 +671,48 @@ static void zero_make_room(dt_ddp *d, int keep)
     }
 }
 
+/* A step ended: its trace is the one the next step predicts from. */
+static void zero_trace_swap(zero_state *z)
+{
+    int *t = z->prev;
+    z->prev = z->rec;
+    z->prev_n = z->rec_n;
+    z->rec = t;
+    z->rec_n = 0;
+    z->cursor = -1;
+}
+
+/* The unit to gather next, now that unit j is read (in backward: 1).
+ * FSDP's way: the order of the last step, whose ops this step repeats.
+ * Find this read in the last step's trace (near where the step was), then
+ * the first unit after it that is neither j nor whole now (-1: none
+ * within ZERO_AHEAD reads).  Without a
+ * trace (the first step, or ops that changed), the walk's order: buckets
+ * run in reverse registration order, the order backward needs them;
+ * forward the other way. */
+static int zero_predict(dt_ddp *d, int j, int backward)
+{
+    zero_state *z = Z(d);
+    int e = 2 * j + backward, nb = d->nbuckets;
+    if (z->rec_n == 0 || z->rec[z->rec_n - 1] != e) {
+        if (z->rec_n < z->trace_cap)
+            z->rec[z->rec_n++] = e;
+        int from = z->cursor < 0 ? 0 : z->cursor, at = -1;
+        for (int i = from; i < z->prev_n && i < from + ZERO_FIND && at < 0; i++)
+            if (z->prev[i] == e)
+                at = i;
+        z->cursor = at;
+    }
+    for (int i = z->cursor + 1; z->cursor >= 0 && i < z->prev_n && i <= z->cursor + ZERO_AHEAD; i++) {
+        int u = z->prev[i] / 2;
+        if (u != j && !z->resident[u])
+            return u;
+    }
+    if (z->cursor >= 0)   /* what the step reads next is whole already */
+        return -1;
+    return backward ? (j + 1) % nb : (j - 1 + nb) % nb;
+}
+
 /* An op (backward 0) or a node's backward (1) reads memory at data. */
 DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
 {
@@ -671,7 +722,7 @@ DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
     int k = zero_param_at(d, data);
     if (k < 0)
         return DT_OK;
-    int j = z->unit_of[k], nb = d->nbuckets;
+    int j = z->unit_of[k];
     if (z->step_ended) {   /* the first unit a step reads (zero_after_step prefetches it) */
         z->first_unit = j;
         z->step_ended = 0;
@@ -684,9 +735,7 @@ DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
             return set_error(d->ctx, s, "ddp: gathering the parameters of '%s' failed: %s",
                              d->params[k]->name, d->ctx->err);
     }
-    /* the next unit in the walk's order: buckets run in reverse
-     * registration order, the order backward needs them; forward the other way */
-    zero_prefetch(d, backward ? (j + 1) % nb : (j - 1 + nb) % nb);
+    zero_prefetch(d, zero_predict(d, j, backward));
     return DT_OK;
 }
 
@@ -735,8 +784,12 @@ static dt_status zero_units(dt_ddp *d)
     z->alone = host_calloc(d->ctx, sizeof(int) * (nb + 1));
     z->resident = host_calloc(d->ctx, nb);
     z->last = host_calloc(d->ctx, sizeof(uint64_t) * nb);
-    if (!z->unit_of || !z->by_addr || !z->resident || !z->last || !z->alone)
+    z->trace_cap = 8 * (int)nb + 64;
+    z->rec = host_calloc(d->ctx, sizeof(int) * (size_t)z->trace_cap);
+    z->prev = host_calloc(d->ctx, sizeof(int) * (size_t)z->trace_cap);
+    if (!z->unit_of || !z->by_addr || !z->resident || !z->last || !z->alone || !z->rec || !z->prev)
         return DT_ENOMEM;
+    z->cursor = -1;
     z->pre_unit = -1;
     z->first_unit = -1;
     z->step_ended = 1;
@@ -969,6 +1022,8 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     host_free(ctx, z->alone);
     host_free(ctx, z->resident);
     host_free(ctx, z->last);
+    host_free(ctx, z->rec);
+    host_free(ctx, z->prev);
     host_free(ctx, z->shard);
     host_free(ctx, z->used);
     host_free(ctx, z);
