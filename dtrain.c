@@ -19225,6 +19225,7 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
     z->resident[j] = 1;
     z->nresident++;
     d->st.gathers++;
+    d->st.gathers_on_demand++;
     return DT_OK;
 }
 
@@ -19301,7 +19302,6 @@ DT_PRIVATE dt_status zero_param_use(dt_ddp *d, const void *data, int backward)
         z->step_ended = 0;
     }
     z->last[j] = ++z->tick;
-    if (getenv("DT_ZSEQ") && z->rank == 0 && d->st.steps == 3) fprintf(stderr, "%s%d%s ", backward ? "b" : "f", j, z->resident[j] ? "" : (z->pre_unit == j ? "+" : "!"));
     if (!z->resident[j]) {
         zero_make_room(d, j);
         dt_status s = zero_unit_load(d, j);

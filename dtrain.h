@@ -1437,6 +1437,9 @@ typedef struct dt_ddp_stats {
                                   wait counts up to the gather's own time, not the
                                   reduce-scatters queued before it) */
     int64_t gathers;           /* zero 3: units gathered */
+    int64_t gathers_on_demand; /* zero 3: of those, gathered when an op needed them, no
+                                  prefetch having started them (the first step, whose
+                                  order of units is not known yet; ops that changed) */
 } dt_ddp_stats;
 /* Zero 3: every parameter whole on every rank (gathered) until the next
  * optimizer step, e.g. to read them, evaluate or save a checkpoint; a

@@ -652,6 +652,7 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
     z->resident[j] = 1;
     z->nresident++;
     d->st.gathers++;
+    d->st.gathers_on_demand++;
     return DT_OK;
 }
 

@@ -189,7 +189,8 @@ class dt_ddp_stats(ctypes.Structure):
                 ("grad_bytes", _U64), ("payload_bytes", _U64), ("bytes_sent", _U64),
                 ("block_launches", _I64), ("overlap", _I),
                 ("zero", _I), ("shard_floats", _I64), ("grad_bytes_peak", _SZ),
-                ("gather_s", _D), ("gather_exposed_s", _D), ("gathers", _I64)]
+                ("gather_s", _D), ("gather_exposed_s", _D), ("gathers", _I64),
+                ("gathers_on_demand", _I64)]
 
 
 class dt_eval_config(ctypes.Structure):

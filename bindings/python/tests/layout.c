@@ -82,7 +82,10 @@ int main(void)
     F(dt_ddp_stats, comm_s, comm_s); F(dt_ddp_stats, exposed_s, exposed_s);
     F(dt_ddp_stats, grad_bytes, grad_bytes); F(dt_ddp_stats, payload_bytes, payload_bytes);
     F(dt_ddp_stats, bytes_sent, bytes_sent); F(dt_ddp_stats, block_launches, block_launches);
-    F(dt_ddp_stats, overlap, overlap);
+    F(dt_ddp_stats, overlap, overlap); F(dt_ddp_stats, zero, zero);
+    F(dt_ddp_stats, shard_floats, shard_floats); F(dt_ddp_stats, grad_bytes_peak, grad_bytes_peak);
+    F(dt_ddp_stats, gather_s, gather_s); F(dt_ddp_stats, gather_exposed_s, gather_exposed_s);
+    F(dt_ddp_stats, gathers, gathers); F(dt_ddp_stats, gathers_on_demand, gathers_on_demand);
     END(dt_ddp_stats);
 
     F(dt_eval_config, struct_size, struct_size);
