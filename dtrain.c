@@ -626,6 +626,7 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
 DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
 DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s);
+DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
@@ -3624,6 +3625,18 @@ DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s)
     pthread_mutex_lock(&p->mu);
     p->tot.gather_s += ran_s;
     p->tot.gather_exposed_s += exposed_s;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Zero 3 made a unit whole: prefetched, or on demand (src/zero.c). */
+DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand)
+{
+    if (!prof_measuring(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->tot.gathers++;
+    p->tot.gathers_on_demand += on_demand != 0;
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -15595,10 +15608,16 @@ static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P
         return;
     const dt_profile_stats *s = &h[worst]->st;
     double share = s->gather_exposed_s < s->gather_s ? s->gather_exposed_s / s->gather_s : 1.0;
+    char units[160] = "";
+    if (s->gathers > 0)   /* zero 3 */
+        snprintf(units, sizeof units, ", %lld of its %lld units gathered on demand (no prefetch had "
+                 "started them)%s", (long long)s->gathers_on_demand, (long long)s->gathers,
+                 s->gathers_on_demand > s->steps ? ": the ops read units in an order that changes "
+                                                   "between steps" : "");
     strbuf_printf(t, "sharded parameters: all-gathers ran %.2f ms per step on rank %d, %.0f%% of it "
-                  "exposed (%.2f ms the step waited), %.0f%% hidden behind compute%s\n",
+                  "exposed (%.2f ms the step waited)%s, %.0f%% hidden behind compute%s\n",
                   per_step(s->gather_s, s->steps), worst, 100 * share,
-                  per_step(s->gather_exposed_s, s->steps), 100 * (1 - share),
+                  per_step(s->gather_exposed_s, s->steps), units, 100 * (1 - share),
                   share > 0.5 ? "; zero 1 and 2 gather after the step (all exposed by design); zero "
                                 "3 prefetches the next unit, whose copies need a core of their own "
                                 "to run beside compute (not there with one core per rank)"
@@ -19150,6 +19169,7 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
         z->resident[z->pre_unit] = 1;
         z->nresident++;
         d->st.gathers++;
+        prof_gather_unit(d->ctx, 0);
     } else if (z->pre_buf < 0) {   /* gathered in place, not kept: given back again */
         zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
     }
@@ -19226,6 +19246,7 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
     z->nresident++;
     d->st.gathers++;
     d->st.gathers_on_demand++;
+    prof_gather_unit(d->ctx, 1);
     return DT_OK;
 }
 

@@ -1900,6 +1900,8 @@ typedef struct dt_profile_stats {
     double gather_s;           /* time the parameters' all-gathers ran */
     double gather_exposed_s;   /* of it, what the training thread waited for (zero 1-2: all
                                   of it, after the step; zero 3: what prefetch did not hide) */
+    int64_t gathers;           /* zero 3: units gathered */
+    int64_t gathers_on_demand; /* of them, those no prefetch had started */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);

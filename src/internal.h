@@ -616,6 +616,7 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
 DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
 DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s);
+DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);

@@ -376,10 +376,16 @@ static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P
         return;
     const dt_profile_stats *s = &h[worst]->st;
     double share = s->gather_exposed_s < s->gather_s ? s->gather_exposed_s / s->gather_s : 1.0;
+    char units[160] = "";
+    if (s->gathers > 0)   /* zero 3 */
+        snprintf(units, sizeof units, ", %lld of its %lld units gathered on demand (no prefetch had "
+                 "started them)%s", (long long)s->gathers_on_demand, (long long)s->gathers,
+                 s->gathers_on_demand > s->steps ? ": the ops read units in an order that changes "
+                                                   "between steps" : "");
     strbuf_printf(t, "sharded parameters: all-gathers ran %.2f ms per step on rank %d, %.0f%% of it "
-                  "exposed (%.2f ms the step waited), %.0f%% hidden behind compute%s\n",
+                  "exposed (%.2f ms the step waited)%s, %.0f%% hidden behind compute%s\n",
                   per_step(s->gather_s, s->steps), worst, 100 * share,
-                  per_step(s->gather_exposed_s, s->steps), 100 * (1 - share),
+                  per_step(s->gather_exposed_s, s->steps), units, 100 * (1 - share),
                   share > 0.5 ? "; zero 1 and 2 gather after the step (all exposed by design); zero "
                                 "3 prefetches the next unit, whose copies need a core of their own "
                                 "to run beside compute (not there with one core per rank)"

@@ -303,6 +303,18 @@ DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s)
     pthread_mutex_unlock(&p->mu);
 }
 
+/* Zero 3 made a unit whole: prefetched, or on demand (src/zero.c). */
+DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand)
+{
+    if (!prof_measuring(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    p->tot.gathers++;
+    p->tot.gathers_on_demand += on_demand != 0;
+    pthread_mutex_unlock(&p->mu);
+}
+
 /* A parameter server's own figures so far (src/ps_server.c's loop), into
  * the totals: what the report and the monitor say of each server. */
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv)

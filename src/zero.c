@@ -577,6 +577,7 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
         z->resident[z->pre_unit] = 1;
         z->nresident++;
         d->st.gathers++;
+        prof_gather_unit(d->ctx, 0);
     } else if (z->pre_buf < 0) {   /* gathered in place, not kept: given back again */
         zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
     }
@@ -653,6 +654,7 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
     z->nresident++;
     d->st.gathers++;
     d->st.gathers_on_demand++;
+    prof_gather_unit(d->ctx, 1);
     return DT_OK;
 }
 

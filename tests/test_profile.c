@@ -578,7 +578,7 @@ static int zero_report_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_ddp_stats_get(j.ddp, &ds) || dt_profile_get(ctx, &ps))
         return 4;
     if (!(ds.gather_s > 0) || ps.gather_s != ds.gather_s || ps.gather_exposed_s != ds.gather_exposed_s ||
-        ds.gathers < 12) {
+        ds.gathers < 12 || ps.gathers != ds.gathers || ps.gathers_on_demand != ds.gathers_on_demand) {
         fprintf(stderr, "rank %d: ddp %g s (%g exposed, %lld gathers), profile %g s (%g)\n", rank,
                 ds.gather_s, ds.gather_exposed_s, (long long)ds.gathers, ps.gather_s,
                 ps.gather_exposed_s);
@@ -587,7 +587,10 @@ static int zero_report_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_profile_finish(ctx, c, NULL) != DT_OK)
         return 6;
     const char *rep = dt_profile_report(ctx);
-    if (rank == 0 && (!strstr(rep, "sharded parameters: all-gathers ran") || !strstr(rep, "exposed"))) {
+    char units[96];
+    snprintf(units, sizeof units, "of its %lld units gathered on demand", (long long)ds.gathers);
+    if (rank == 0 && (!strstr(rep, "sharded parameters: all-gathers ran") || !strstr(rep, "exposed") ||
+                      (ds.gathers > 0 && !strstr(rep, units)))) {
         fprintf(stderr, "report:\n%s\n", rep);
         return 7;
     }

@@ -121,6 +121,8 @@ int main(void)
     F(dt_profile_stats, ps_stalled_s, ps_stalled_s); F(dt_profile_stats, ps_served, ps_served);
     F(dt_profile_stats, ps_bytes_in, ps_bytes_in); F(dt_profile_stats, ps_bytes_out, ps_bytes_out);
     F(dt_profile_stats, ps_queue_max, ps_queue_max); F(dt_profile_stats, ps_keys, ps_keys);
+    F(dt_profile_stats, gather_s, gather_s); F(dt_profile_stats, gather_exposed_s, gather_exposed_s);
+    F(dt_profile_stats, gathers, gathers); F(dt_profile_stats, gathers_on_demand, gathers_on_demand);
     END(dt_profile_stats);
 
     F(dt_checkpoint_config, struct_size, struct_size); F(dt_checkpoint_config, dtype, dtype);
