@@ -8802,6 +8802,18 @@ static dt_status consolidate_tensors(ckpt_plan *pl)
     return DT_OK;
 }
 
+/* The load's checks name the load; a consolidation that failed in them
+ * says it was the consolidation. */
+static dt_status ckpt_consolidate_failed(dt_ctx *ctx)
+{
+    static const char load[] = "checkpoint_load: ";
+    if (strncmp(ctx->err, load, sizeof load - 1) != 0)
+        return ctx->last_status;
+    char why[DT_MAX_ERROR];
+    snprintf(why, sizeof why, "%s", ctx->err + sizeof load - 1);
+    return set_error(ctx, ctx->last_status, "checkpoint_consolidate: %s", why);
+}
+
 dt_status dt_checkpoint_consolidate(dt_ctx *ctx, const char *dir, const char *path)
 {
     if (!ctx_ok(ctx))
@@ -8810,7 +8822,7 @@ dt_status dt_checkpoint_consolidate(dt_ctx *ctx, const char *dir, const char *pa
         return set_error(ctx, DT_EINVAL, "checkpoint_consolidate: path is empty");
     ckpt_plan *pl = plan_make(ctx, NULL, dir, 0, NULL, NULL);
     if (!pl)
-        return ctx->last_status;
+        return ckpt_consolidate_failed(ctx);
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(pl->nbase + 1));
     int64_t *psteps = host_calloc(ctx, sizeof *psteps * (size_t)(pl->ix.nopt + 1));
     dt_status s = items && psteps ? consolidate_tensors(pl)
@@ -8828,7 +8840,7 @@ dt_status dt_checkpoint_consolidate(dt_ctx *ctx, const char *dir, const char *pa
     host_free(ctx, items);
     host_free(ctx, psteps);
     ckpt_plan_free(pl);
-    return s;
+    return s == DT_OK ? DT_OK : ckpt_consolidate_failed(ctx);
 }
 
 /* Whether dir is a sharded checkpoint that passes every check of a load

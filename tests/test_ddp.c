@@ -3098,6 +3098,11 @@ static void test_zero_checkpoint_refused(void **state)
     snprintf(f, sizeof f, "%s/shard-00001-of-00003.safetensors", bad);
     assert_int_equal(unlink(f), 0);
     rs_refused(ctx, opt, bad, DT_EIO, "shard-00001-of-00003.safetensors, is missing");
+    snprintf(f, sizeof f, "%s/whole.safetensors", rs_root);   /* consolidating says so */
+    assert_int_equal(dt_checkpoint_consolidate(ctx, bad, f), DT_EIO);
+    assert_true(strncmp(dt_last_error(ctx), "checkpoint_consolidate: ", 24) == 0);
+    assert_non_null(strstr(dt_last_error(ctx), "shard-00001-of-00003.safetensors, is missing"));
+    assert_int_equal(access(f, F_OK), -1);
 
     assert_int_equal(rs_copy(good10, bad), 0);
     snprintf(f, sizeof f, "%s/shard-00002-of-00003.safetensors", bad);
