@@ -11908,9 +11908,11 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
 
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
                                          "reduce_scatter", "barrier", "alltoall",
-                                         "16-bit allreduce", "allreduce in shared memory",
-                                         "reduce_scatter of shards", "allgather of shards",
+                                         "16-bit allreduce", "reduce_scatter of shards",
+                                         "allgather of shards",
                                          "parameter-server request", "send/recv"};
+_Static_assert(sizeof coll_names / sizeof coll_names[0] == COLL_P2P + 1,
+               "coll_names: one name for each COLL_ kind, in the enum's order");
 
 /* A collective's name for messages and traces ("allreduce"); "?" for a kind
  * outside the table. */
