@@ -829,7 +829,7 @@ api_doc_checks() {
 DEVICE_GROUPS="core_forward,core_grad,core_optim,core_ckpt,core_data,core_dataset,core_memory,core_amp,parallel"
 DEVICE_DDP="test_equivalence,test_reproducible,test_no_sync,test_unused,test_concat"
 DEVICE_DDP="$DEVICE_DDP,test_compression_exact,test_compression_momentum,test_ps_bsp,test_ps_chunked"
-DEVICE_DDP="$DEVICE_DDP,test_dead_rank,test_misuse"
+DEVICE_DDP="$DEVICE_DDP,test_dead_rank,test_misuse,test_zero"
 staged_checks() {
     local out groups=$DEVICE_GROUPS ddp=$DEVICE_DDP
     for run in "$groups:" "ddp:$ddp"; do

@@ -1167,6 +1167,9 @@ typedef struct zero_state {
     float *used;               /* per parameter: a gradient came this step (any rank, after
                                   the step's allreduce of them) */
     float *flat;               /* zero 1: the set (gradients, then gathered parameters) */
+    float *host;               /* staged (a device backend): the flat layout's host mirror,
+                                  where the collectives run (zero_stage_out, zero_stage_in) */
+    int host_pinned;           /* host came from the backend's host_alloc */
     dt_optim *opt;             /* whose state is sharded */
     /* zero 3: parameters held as shards.  A unit (a bucket: whole
      * parameters) is resident when every float of its parameters is valid;
@@ -18657,8 +18660,9 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
         return "zero: gradient compression does not combine with sharding";
     if (cfg->ps)
         return "zero: not with a parameter server (the servers hold the state)";
-    if (!ctx->be_iface->host_visible)
-        return "zero: sharding on a device backend is not built yet";
+    if (!ctx->be_iface->host_visible && cfg->zero == 3)
+        return "zero 3: parameters held as shards need memory the backend can give back in "
+               "part, which device memory cannot yet (levels 1 and 2 run on a device backend)";
     if (cfg->zero == 3 && !ctx->be_iface->discard)
         return "zero 3: the backend cannot give memory back (no discard)";
     return NULL;
@@ -18715,6 +18719,40 @@ static void zero_each_part(dt_ddp *d, int64_t lo, int64_t hi, zero_part_fn fn, v
         if (off >= hi)
             break;
     }
+}
+
+/* --- staged (a device backend): the collectives run on host memory ------
+ * The gradients stay device memory (zero 1: the set; zero 2: the lent
+ * buckets and the shard); z->host mirrors the flat layout on the host, as
+ * src/ddp.c's set mirrors its device twin.  A bucket travels out once its
+ * gradients are final (the copy stream waits for backward's kernels, the
+ * comm thread for the copy), is reduce-scattered there, and only this
+ * rank's block comes back.  After the step the parameters' shards go out,
+ * are all-gathered there, and come back whole. */
+
+/* Device floats dev (flat floats [off, off + n)) start their way to
+ * z->host; the ticket to wait for (0: none). */
+static uint64_t zero_stage_out(dt_ddp *d, const float *dev, int64_t off, int64_t n)
+{
+    if (!d->staged || n <= 0)
+        return 0;
+    uint64_t t = d->be_iface->copy_async(d->be, Z(d)->host + off, dev, (size_t)n * sizeof(float),
+                                         DT_COPY_D2H);
+    d->last_ticket = t > d->last_ticket ? t : d->last_ticket;
+    return t;
+}
+
+/* Flat floats [off, off + n) of z->host to device floats dev, before any
+ * later kernel (the optimizer) reads them. */
+static void zero_stage_in(dt_ddp *d, float *dev, int64_t off, int64_t n)
+{
+    if (n <= 0)
+        return;
+    uint64_t t = d->be_iface->copy_async(d->be, dev, Z(d)->host + off, (size_t)n * sizeof(float),
+                                         DT_COPY_H2D);
+    if (t)
+        d->be_iface->copy_join(d->be, t);
+    d->last_ticket = t > d->last_ticket ? t : d->last_ticket;
 }
 
 /* --- zero 2's pool of bucket memory --------------------------------- */
@@ -18826,8 +18864,11 @@ static void zero_collect(dt_ddp *d, ddp_bucket *b)
 {
     zero_state *z = Z(d);
     int64_t lo = b->blocks[z->rank], hi = b->blocks[z->rank + 1];
-    if (hi > lo)
-        memcpy(z->shard_grad + (b->offset + lo - z->lo), b->mem + lo, (size_t)(hi - lo) * sizeof(float));
+    float *to = z->shard_grad + (b->offset + lo - z->lo);
+    if (d->staged)   /* reduced on the host: our block back to the device */
+        zero_stage_in(d, to, b->offset + lo, hi - lo);
+    else if (hi > lo)
+        memcpy(to, b->mem + lo, (size_t)(hi - lo) * sizeof(float));
     zero_each_part(d, b->offset, b->offset + b->numel, zero_park, NULL);
     zero_pool_give(d, b->lent);
     b->lent = -1;
@@ -18887,14 +18928,22 @@ DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
     d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     if (b->numel == 0 || !mem)
         return;
+    uint64_t ticket = zero_stage_out(d, mem, b->offset, b->numel);
+    float *buf = d->staged ? z->host + b->offset : mem;
     if (z->level >= 2 && !d->overlap) {
         double t0 = dt_now();
-        zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, mem, NULL, b->numel, 0,
+        if (ticket)
+            d->be_iface->copy_wait(d->be, ticket);
+        zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, buf, NULL, b->numel, 0,
                                            DT_REDUCE_AVG, b->blocks));
         d->st.comm_s += dt_now() - t0;
-    } else {
-        b->work = comm_enqueue_in(d->comm, COLL_REDUCE_SCATTER_V, mem, NULL, b->numel, 0,
+    } else {   /* staged: the comm thread waits for the copy before it sends */
+        d->comm->stage_ticket = ticket;
+        b->work = comm_enqueue_in(d->comm, COLL_REDUCE_SCATTER_V, buf, NULL, b->numel, 0,
                                   DT_REDUCE_AVG, b->blocks);
+        if (d->comm->stage_ticket)   /* not consumed: the launch failed; let the copy land */
+            d->be_iface->copy_wait(d->be, d->comm->stage_ticket);
+        d->comm->stage_ticket = 0;
         if (!b->work)
             zero_note_failure(d, d->ctx->last_status);
     }
@@ -18919,8 +18968,11 @@ static void zero_reduce_whole(dt_ddp *d)
     for (int k = 0; k < d->nparams; k++)
         z->used[k] = d->params[k]->grad->flags & T_ZERO ? 0.0f : 1.0f;
     double t0 = dt_now();
-    zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, z->flat, NULL, d->grad_floats,
-                                       0, DT_REDUCE_AVG, z->shard));
+    uint64_t ticket = zero_stage_out(d, z->flat, 0, d->grad_floats);
+    if (ticket)
+        d->be_iface->copy_wait(d->be, ticket);
+    zero_note_failure(d, comm_run_wait(d->comm, COLL_REDUCE_SCATTER_V, d->staged ? z->host : z->flat,
+                                       NULL, d->grad_floats, 0, DT_REDUCE_AVG, z->shard));
     d->st.comm_s += dt_now() - t0;
     d->st.grad_bytes += (uint64_t)d->grad_floats * sizeof(float);
     d->st.payload_bytes += (uint64_t)d->grad_floats * sizeof(float);
@@ -18968,6 +19020,8 @@ DT_PRIVATE dt_status zero_finish(dt_ddp *d, double *exposed)
         }
     }
     z->reaped = 0;
+    if (z->level == 1 && d->staged && d->launch_status == DT_OK)   /* our shard, reduced, back */
+        zero_stage_in(d, z->flat + z->lo, z->lo, z->hi - z->lo);
     dt_status s = d->launch_status;
     char msg[DT_MAX_ERROR];
     snprintf(msg, sizeof msg, "%s", d->launch_msg);
@@ -19036,10 +19090,10 @@ static void zero_copy_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
         const float *m = FP(o->master[i]) + (a - d->offset[k] - o->shard[i].lo);
         dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
         d->be_iface->round_prec(d->be, prec, e - a, m, c->flat + a);
-    } else if (c->to_flat && c->flat + a != p) {
-        memcpy(c->flat + a, p, (size_t)(e - a) * sizeof(float));
+    } else if (c->to_flat && c->flat + a != p) {   /* staged: flat is the host mirror */
+        be_to_host(d->ctx, c->flat + a, p, (size_t)(e - a) * sizeof(float));
     } else if (!c->to_flat && c->flat + a != p) {
-        memcpy(p, c->flat + a, (size_t)(e - a) * sizeof(float));
+        be_to_device(d->ctx, p, c->flat + a, (size_t)(e - a) * sizeof(float));
     }
 }
 
@@ -19094,8 +19148,8 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
         zero_trace_swap(z);
         return s;
     }
-    if (z->level == 1) {
-        s = zero_gather_span(d, z->flat, 0, 0, d->grad_floats, z->shard);
+    if (z->level == 1 || d->staged) {   /* staged: the host mirror, whole, at every level */
+        s = zero_gather_span(d, d->staged ? z->host : z->flat, 0, 0, d->grad_floats, z->shard);
     } else {
         for (int j = 0; s == DT_OK && j < d->nbuckets; j++) {
             ddp_bucket *b = &d->buckets[j];
@@ -19498,6 +19552,20 @@ static dt_status zero_cut(dt_ddp *d)
     return DT_OK;
 }
 
+/* Staged: the host mirror of the flat layout (page-locked if the backend
+ * has it, so the copies are truly asynchronous). */
+static dt_status zero_alloc_host(dt_ddp *d)
+{
+    zero_state *z = Z(d);
+    size_t bytes = (size_t)(d->grad_floats ? d->grad_floats : 1) * sizeof(float);
+    if (d->be_iface->host_alloc)
+        z->host_pinned = (z->host = d->be_iface->host_alloc(d->be, bytes)) != NULL;
+    if (!z->host && !(z->host = host_alloc(d->ctx, bytes)))
+        return DT_ENOMEM;
+    memset(z->host, 0, bytes);
+    return DT_OK;
+}
+
 /* Memory: zero 1 the set; zero 2 the shard and the pool's table; both a
  * parking place as large as the largest parameter (never touched unless a
  * consumed gradient is read). */
@@ -19510,6 +19578,8 @@ static dt_status zero_alloc(dt_ddp *d)
     z->used = host_calloc(d->ctx, sizeof(float) * (size_t)(d->nparams + 1));
     z->park = d->be_iface->alloc(d->be, (size_t)biggest * sizeof(float));
     if (!z->used || !z->park)
+        return DT_ENOMEM;
+    if (d->staged && zero_alloc_host(d) != DT_OK)
         return DT_ENOMEM;
     if (z->level == 1) {
         size_t bytes = (size_t)(d->grad_floats ? d->grad_floats : 1) * sizeof(float);
@@ -19604,6 +19674,8 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     zero_state *z = Z(d);
     if (!z)
         return;
+    if (d->last_ticket)   /* no copy may still read or write the mirror or the buckets */
+        d->be_iface->copy_wait(d->be, d->last_ticket);
     if (z->pre_unit >= 0 && z->pre_work)
         zero_prefetch_finish(d, 0);
     int kept = d->ctx && d->own_grad ? zero_return_grads(d) : 0;
@@ -19624,6 +19696,10 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     }
     if (z->shard_grad)
         d->be_iface->free(d->be, z->shard_grad);
+    if (z->host && z->host_pinned)
+        d->be_iface->host_free(d->be, z->host);
+    else
+        host_free(ctx, z->host);
     host_free(ctx, z->pool);
     host_free(ctx, z->unit_of);
     host_free(ctx, z->by_addr);
@@ -20914,17 +20990,43 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
     return s;
 }
 
+/* Rank 0's parameters and masters to every rank, one tensor at a time
+ * through a host stage as large as the largest (a sharded DDP on a device
+ * backend, which has no set to pack them in). */
+static dt_status ddp_broadcast_each(dt_ddp *d)
+{
+    size_t biggest = sizeof(float);
+    for (int i = 0; i < d->nparams; i++)
+        biggest = tensor_bytes(d->params[i]) > biggest ? tensor_bytes(d->params[i]) : biggest;
+    float *stage = host_alloc(d->ctx, biggest);
+    if (!stage)
+        return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory to broadcast the parameters");
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && i < d->nparams; i++) {
+        dt_tensor *p = d->params[i];
+        be_to_host(d->ctx, stage, p->data, tensor_bytes(p));
+        if ((s = dt_broadcast(d->comm, stage, dt_tensor_numel(p), 0)) == DT_OK)
+            be_to_device(d->ctx, p->data, stage, tensor_bytes(p));
+    }
+    if (s == DT_OK)
+        s = ddp_broadcast_masters(d, stage);
+    host_free(d->ctx, stage);
+    return s;
+}
+
 /* Rank 0's parameter values to every rank, packed through set 0; and its
  * masters, so every rank steps the same f32 values. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
     float *stage = d->set;
-    if (d->cfg.zero) {   /* no set yet: in place (host memory) */
+    if (d->cfg.zero && !d->staged) {   /* no set yet: in place (host memory) */
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
             s = dt_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
         return s == DT_OK ? ddp_broadcast_masters(d, NULL) : s;
     }
+    if (d->cfg.zero)   /* staged, no set yet: one tensor at a time */
+        return ddp_broadcast_each(d);
     for (int i = 0; i < d->nparams; i++)
         be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
     dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);

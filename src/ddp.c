@@ -1126,17 +1126,43 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
     return s;
 }
 
+/* Rank 0's parameters and masters to every rank, one tensor at a time
+ * through a host stage as large as the largest (a sharded DDP on a device
+ * backend, which has no set to pack them in). */
+static dt_status ddp_broadcast_each(dt_ddp *d)
+{
+    size_t biggest = sizeof(float);
+    for (int i = 0; i < d->nparams; i++)
+        biggest = tensor_bytes(d->params[i]) > biggest ? tensor_bytes(d->params[i]) : biggest;
+    float *stage = host_alloc(d->ctx, biggest);
+    if (!stage)
+        return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory to broadcast the parameters");
+    dt_status s = DT_OK;
+    for (int i = 0; s == DT_OK && i < d->nparams; i++) {
+        dt_tensor *p = d->params[i];
+        be_to_host(d->ctx, stage, p->data, tensor_bytes(p));
+        if ((s = dt_broadcast(d->comm, stage, dt_tensor_numel(p), 0)) == DT_OK)
+            be_to_device(d->ctx, p->data, stage, tensor_bytes(p));
+    }
+    if (s == DT_OK)
+        s = ddp_broadcast_masters(d, stage);
+    host_free(d->ctx, stage);
+    return s;
+}
+
 /* Rank 0's parameter values to every rank, packed through set 0; and its
  * masters, so every rank steps the same f32 values. */
 static dt_status ddp_broadcast_params(dt_ddp *d)
 {
     float *stage = d->set;
-    if (d->cfg.zero) {   /* no set yet: in place (host memory) */
+    if (d->cfg.zero && !d->staged) {   /* no set yet: in place (host memory) */
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
             s = dt_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
         return s == DT_OK ? ddp_broadcast_masters(d, NULL) : s;
     }
+    if (d->cfg.zero)   /* staged, no set yet: one tensor at a time */
+        return ddp_broadcast_each(d);
     for (int i = 0; i < d->nparams; i++)
         be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
     dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);

@@ -396,6 +396,9 @@ typedef struct zero_state {
     float *used;               /* per parameter: a gradient came this step (any rank, after
                                   the step's allreduce of them) */
     float *flat;               /* zero 1: the set (gradients, then gathered parameters) */
+    float *host;               /* staged (a device backend): the flat layout's host mirror,
+                                  where the collectives run (zero_stage_out, zero_stage_in) */
+    int host_pinned;           /* host came from the backend's host_alloc */
     dt_optim *opt;             /* whose state is sharded */
     /* zero 3: parameters held as shards.  A unit (a bucket: whole
      * parameters) is resident when every float of its parameters is valid;
