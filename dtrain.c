@@ -1182,7 +1182,10 @@ typedef struct zero_state {
     uint64_t *last;            /* per bucket: the tick of its last use */
     uint64_t tick;             /* uses of parameter memory so far */
     int nresident;
-    int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
+    int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its pool
+                                  buffer (-1: none) */
+    float *pre_mem;            /* where it is gathered (zero_gather_buf) */
+    int pre_inplace;           /* into its parameter's own memory */
     dt_work *pre_work;
     int pinned;                /* dt_ddp_full_params: all resident until the next step */
     int first_unit;            /* the unit a step read first (-1: none yet), prefetched
@@ -18660,9 +18663,6 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
         return "zero: gradient compression does not combine with sharding";
     if (cfg->ps)
         return "zero: not with a parameter server (the servers hold the state)";
-    if (!ctx->be_iface->host_visible && cfg->zero == 3)
-        return "zero 3: parameters held as shards need memory the backend can give back in "
-               "part, which device memory cannot yet (levels 1 and 2 run on a device backend)";
     if (cfg->zero == 3 && !ctx->be_iface->discard)
         return "zero 3: the backend cannot give memory back (no discard)";
     return NULL;
@@ -19085,11 +19085,13 @@ static void zero_copy_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     zero_state *z = Z(d);
     float *p = FP(d->params[k]) + (a - d->offset[k]);
     int i = c->to_flat && z->opt_index ? z->opt_index[k] : -1;
-    if (i >= 0) {
+    if (i >= 0) {   /* staged: rounded into the (committed) parameter, and out from there */
         dt_optim *o = z->opt;
         const float *m = FP(o->master[i]) + (a - d->offset[k] - o->shard[i].lo);
         dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
-        d->be_iface->round_prec(d->be, prec, e - a, m, c->flat + a);
+        d->be_iface->round_prec(d->be, prec, e - a, m, d->staged ? p : c->flat + a);
+        if (d->staged)
+            be_to_host(d->ctx, c->flat + a, p, (size_t)(e - a) * sizeof(float));
     } else if (c->to_flat && c->flat + a != p) {   /* staged: flat is the host mirror */
         be_to_host(d->ctx, c->flat + a, p, (size_t)(e - a) * sizeof(float));
     } else if (!c->to_flat && c->flat + a != p) {
@@ -19218,6 +19220,35 @@ static void zero_evict(dt_ddp *d, int j)
     z->nresident--;
 }
 
+/* Memory for parameter k's floats [a, e) of the flat layout, which a
+ * discard may have given back (a backend with commit: device memory that
+ * comes back only when asked for; *(dt_status *)arg the first failure). */
+static void zero_commit_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
+{
+    dt_status *s = arg;
+    if (*s == DT_OK && d->be_iface->commit)
+        *s = d->be_iface->commit(d->be, FP(d->params[k]) + (a - d->offset[k]),
+                                 (size_t)(e - a) * sizeof(float));
+}
+
+/* Flat floats [lo, hi) of the parameters writable again (before a gather
+ * writes them, or a load its shard). */
+static dt_status zero_commit(dt_ddp *d, int64_t lo, int64_t hi)
+{
+    dt_status s = DT_OK;
+    if (d->be_iface->commit)
+        zero_each_part(d, lo, hi, zero_commit_part, &s);
+    return s == DT_OK ? DT_OK
+                      : set_error(d->ctx, s, "ddp: out of %s memory to gather parameters",
+                                  d->be_iface->name);
+}
+
+static dt_status zero_commit_unit(dt_ddp *d, int j)
+{
+    const ddp_bucket *b = &d->buckets[j];
+    return zero_commit(d, b->offset, b->offset + b->numel);
+}
+
 /* Wait for a gather in flight and put what it brought into the parameters
  * (keep) or drop it. */
 static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
@@ -19229,8 +19260,8 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
     dt_status s = comm_work_finish(z->pre_work, &run);
     zero_note_gather(d, run, dt_now() - t0);
     const ddp_bucket *b = &d->buckets[z->pre_unit];
-    if (s == DT_OK && keep && z->pre_buf >= 0) {
-        zero_copy c = {z->pool[z->pre_buf].mem - b->offset, 0};
+    if (s == DT_OK && keep && !z->pre_inplace) {   /* from the staging buffer or the mirror */
+        zero_copy c = {z->pre_mem - b->offset, 0};
         zero_each_part(d, b->offset, b->offset + b->numel, zero_copy_part, &c);
     }
     if (s == DT_OK && keep) {
@@ -19238,7 +19269,7 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
         z->nresident++;
         d->st.gathers++;
         prof_gather_unit(d->ctx, 0);
-    } else if (z->pre_buf < 0) {   /* gathered in place, not kept: given back again */
+    } else if (z->pre_inplace || d->staged) {   /* its memory was written or committed: back */
         zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
     }
     if (z->pre_buf >= 0)
@@ -19249,11 +19280,30 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
 }
 
 /* Unit j's memory when it is one parameter (its shard already sits in
- * place: the gather fills the rest around it), else NULL. */
+ * place: the gather fills the rest around it), else NULL.  Staged, never:
+ * the collectives run on host memory. */
 static float *zero_unit_home(const dt_ddp *d, int j)
 {
     int k = Z(d)->alone[j];
-    return k >= 0 ? FP(d->params[k]) : NULL;
+    return k >= 0 && !d->staged ? FP(d->params[k]) : NULL;
+}
+
+/* Where unit j is gathered: in place (zero_unit_home), the host mirror
+ * (staged), or a staging buffer of the pool (*k its index, else -1); NULL
+ * when none can be had.  Staged, the unit's memory is committed first. */
+static float *zero_gather_buf(dt_ddp *d, int j, int *k)
+{
+    zero_state *z = Z(d);
+    const ddp_bucket *b = &d->buckets[j];
+    *k = -1;
+    if (d->staged)
+        return zero_commit_unit(d, j) == DT_OK ? z->host + b->offset : NULL;
+    float *home = zero_unit_home(d, j);
+    if (home)
+        return home;
+    if ((*k = zero_pool_take(d, b->numel, 0)) < 0)
+        return NULL;
+    return z->pool[*k].mem;
 }
 
 /* Start gathering unit j (into a staging buffer, or in place) while the
@@ -19266,23 +19316,24 @@ static void zero_prefetch(dt_ddp *d, int j)
     const ddp_bucket *b = &d->buckets[j];
     if (z->pinned || z->resident[j] || z->pre_unit >= 0 || b->numel == 0)
         return;
-    float *home = zero_unit_home(d, j), *buf = home;
-    int k = -1;
-    if (!home) {   /* several parameters: through a staging buffer */
-        if ((k = zero_pool_take(d, b->numel, 0)) < 0)
-            return;   /* no room: it will be gathered when needed */
-        buf = z->pool[k].mem;
-    }
+    int k;
+    float *buf = zero_gather_buf(d, j, &k);
+    if (!buf)
+        return;   /* no room: it will be gathered when needed */
     zero_own_in(d, j, buf);
     z->pre_work = comm_enqueue_in(d->comm, COLL_ALLGATHER_V, buf, NULL, b->numel, 0, DT_REDUCE_SUM,
                                   b->blocks);
     if (!z->pre_work) {
         if (k >= 0)
             zero_pool_give(d, k);
+        if (d->staged)
+            zero_each_part(d, b->offset, b->offset + b->numel, zero_discard_part, NULL);
         return;
     }
     z->pre_unit = j;
     z->pre_buf = k;
+    z->pre_mem = buf;
+    z->pre_inplace = buf == zero_unit_home(d, j);
 }
 
 /* Unit j whole now: from the gather in flight if it is j's, else gathered
@@ -19294,8 +19345,9 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
         return zero_prefetch_finish(d, 1);
     ddp_bucket *b = &d->buckets[j];
     float *home = zero_unit_home(d, j);
-    int k = home ? -1 : zero_pool_take(d, b->numel, 0);
-    if (!home && k < 0)
+    int k;
+    float *buf = zero_gather_buf(d, j, &k);
+    if (!buf)
         return set_error(d->ctx, DT_ENOMEM, "ddp: out of memory to gather %lld parameter floats",
                          (long long)b->numel);
     double t0 = dt_now();
@@ -19303,8 +19355,8 @@ static dt_status zero_unit_load(dt_ddp *d, int j)
         zero_own_in(d, j, home);
     dt_status s = home ? comm_run_in(d->comm, COLL_ALLGATHER_V, home, NULL, b->numel, 0,
                                      DT_REDUCE_SUM, b->blocks)
-                       : zero_gather_span(d, z->pool[k].mem, b->offset, b->offset,
-                                          b->offset + b->numel, b->blocks);
+                       : zero_gather_span(d, buf, b->offset, b->offset, b->offset + b->numel,
+                                          b->blocks);
     zero_note_gather(d, dt_now() - t0, dt_now() - t0);
     if (k >= 0)
         zero_pool_give(d, k);
@@ -19727,7 +19779,8 @@ DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o)
     for (int i = 0; z->opt_index && i < o->n; i++) {
         const optim_shard *sh = &o->shard[i];
         dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
-        if (sh->n > 0)
+        int k = o->params[i]->param_index;
+        if (sh->n > 0 && zero_commit(d, d->offset[k] + sh->lo, d->offset[k] + sh->lo + sh->n) == DT_OK)
             d->be_iface->round_prec(d->be, prec, sh->n, FP(o->master[i]), FP(o->params[i]) + sh->lo);
     }
     host_free(d->ctx, z->opt_index);
@@ -19853,7 +19906,10 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
         ckpt_plan_free(pl);
         return s;   /* refused by some rank: nothing copied anywhere */
     }
-    s = ckpt_plan_apply(pl, step_out);
+    if (level3)   /* with masters even our shard of the parameters was given back */
+        s = zero_commit(d, d->z->lo, d->z->hi);
+    if (s == DT_OK)
+        s = ckpt_plan_apply(pl, step_out);
     ckpt_plan_free(pl);
     if (s == DT_OK)   /* the parameters got f32 values: the masters' now */
         optim_masters_from_params(opt, !level3);

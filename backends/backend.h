@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-#define DT_BACKEND_IFACE_VERSION 6
+#define DT_BACKEND_IFACE_VERSION 7
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -341,6 +341,15 @@ typedef struct dt_backend_iface {
      * f32_to_f16).  from_half: y (n floats) = x widened, exactly. */
     void (*to_half)(dt_backend *be, dt_precision prec, int64_t n, const float *x, uint16_t *y);
     void (*from_half)(dt_backend *be, dt_precision prec, int64_t n, const uint16_t *x, float *y);
+
+    /* --- memory asked back after a discard (optional; NULL: discarded
+     * memory comes back when it is written, as the CPU's pages do) -------
+     * Memory discarded from [ptr, ptr + bytes) is there again, writable
+     * (its contents anything), before anything writes it: device memory
+     * gives physical pages back by unmapping them, and a write into an
+     * unmapped page is a fault, not a page coming back.  DT_ENOMEM when the
+     * device has none left (nothing else changes). */
+    dt_status (*commit)(dt_backend *be, void *ptr, size_t bytes);
 } dt_backend_iface;
 
 /* Backends compiled in expose their interface through these. */

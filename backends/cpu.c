@@ -517,6 +517,58 @@ static uint64_t staged_copy_async(dt_backend *be, void *dst, const void *src, si
     return t;
 }
 
+/* Device memory gives pages back by unmapping them (backend.h, discard and
+ * commit): a touch before commit maps them again is a fault, not a page
+ * coming back as on the CPU.  cpu-staged does the same with mprotect, so a
+ * core path that reads or writes discarded memory without commit crashes
+ * under test here instead of on a GPU.  Its blocks carry their size (at
+ * aligned - 16; cpu_alloc's raw pointer stays at aligned - 8, so either
+ * free works), and a block is made accessible again before it is freed. */
+static void *staged_alloc(dt_backend *be, size_t bytes)
+{
+    size_t extra = DT_CPU_ALIGN + 2 * sizeof(void *);
+    if (bytes > SIZE_MAX - extra) return NULL;
+    char *raw = be->al.malloc_fn(bytes + extra, be->al.user);
+    if (!raw) return NULL;
+    uintptr_t a = (uintptr_t)raw + 2 * sizeof(void *) + DT_CPU_ALIGN - 1;
+    char *aligned = (char *)(a & ~(uintptr_t)(DT_CPU_ALIGN - 1));
+    memcpy(aligned - sizeof(void *), &raw, sizeof raw);
+    memcpy(aligned - 2 * sizeof(void *), &bytes, sizeof bytes);
+    return aligned;
+}
+
+/* The pages [ptr, ptr + bytes) touches accessible again. */
+static dt_status staged_commit(dt_backend *be, void *ptr, size_t bytes)
+{
+    (void)be;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t p = page > 0 ? (uintptr_t)page : 4096;
+    uintptr_t lo = (uintptr_t)ptr & ~(p - 1), hi = ((uintptr_t)ptr + bytes + p - 1) & ~(p - 1);
+    if (bytes && mprotect((void *)lo, hi - lo, PROT_READ | PROT_WRITE) != 0) return DT_ENOMEM;
+    return DT_OK;
+}
+
+static void staged_free(dt_backend *be, void *ptr)
+{
+    if (!ptr) return;
+    size_t bytes;
+    memcpy(&bytes, (char *)ptr - 2 * sizeof(void *), sizeof bytes);
+    if (bytes >= 4096)   /* smaller, no whole page inside: never made inaccessible */
+        (void)staged_commit(be, ptr, bytes);
+    cpu_free(be, ptr);
+}
+
+/* The CPU's discard, and the whole pages inside inaccessible until committed. */
+static void staged_discard(dt_backend *be, void *ptr, size_t bytes)
+{
+    cpu_discard(be, ptr, bytes);
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t p = page > 0 ? (uintptr_t)page : 4096;
+    uintptr_t lo = ((uintptr_t)ptr + p - 1) & ~(p - 1), hi = ((uintptr_t)ptr + bytes) & ~(p - 1);
+    if (hi > lo)
+        (void)mprotect((void *)lo, hi - lo, PROT_NONE);
+}
+
 /* Run every queued copy up to and including ticket t, in order. */
 static void staged_copy_wait(dt_backend *be, uint64_t t)
 {
@@ -3015,8 +3067,8 @@ static const dt_backend_iface dt_cpu_staged_iface = {
     .name = "cpu-staged",
     .init = cpu_init,
     .shutdown = cpu_shutdown,
-    .alloc = cpu_alloc,
-    .free = cpu_free,
+    .alloc = staged_alloc,
+    .free = staged_free,
     .to_device = cpu_memcpy,
     .to_host = cpu_memcpy,
     .copy = cpu_memcpy,
@@ -3028,6 +3080,8 @@ static const dt_backend_iface dt_cpu_staged_iface = {
     .copy_async = staged_copy_async,
     .copy_wait = staged_copy_wait,
     .copy_join = staged_copy_join,
+    .discard = staged_discard,
+    .commit = staged_commit,
     DT_CPU_KERNELS
 };
 

@@ -3073,9 +3073,14 @@ static const dt_backend_iface dt_cuda_iface = {
     .fault = cuda_fault,
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
-    .discard = NULL,   /* device memory stays: zero 3 is refused on cuda */
+    /* device memory stays: zero 3 is refused on cuda.  Giving part of a
+     * block back needs it reserved and mapped with the virtual memory calls
+     * (cuMemAddressReserve, cuMemCreate, cuMemMap), discard unmapping the
+     * granules inside, commit mapping them again; not built yet */
+    .discard = NULL,
     .to_half = cuda_to_half,
     .from_half = cuda_from_half,
+    .commit = NULL,
 };
 
 extern "C" const dt_backend_iface *dt_backend_cuda_iface(void) { return &dt_cuda_iface; }

@@ -411,7 +411,10 @@ typedef struct zero_state {
     uint64_t *last;            /* per bucket: the tick of its last use */
     uint64_t tick;             /* uses of parameter memory so far */
     int nresident;
-    int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its buffer */
+    int pre_unit, pre_buf;     /* the unit whose gather is in flight (-1: none), its pool
+                                  buffer (-1: none) */
+    float *pre_mem;            /* where it is gathered (zero_gather_buf) */
+    int pre_inplace;           /* into its parameter's own memory */
     dt_work *pre_work;
     int pinned;                /* dt_ddp_full_params: all resident until the next step */
     int first_unit;            /* the unit a step read first (-1: none yet), prefetched
