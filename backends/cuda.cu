@@ -2,7 +2,9 @@
  * backends/cuda.cu - the CUDA compute backend: cuBLAS for GEMM, own kernels
  * for everything else.
  *
- * Device pointers are cudaMalloc'd memory (host_visible = 0; never managed
+ * Device pointers are cudaMalloc'd memory, or for blocks of a granule or
+ * more memory mapped with the driver's virtual memory calls so that part of
+ * it can be given back (section 3b) (host_visible = 0; never managed
  * memory).  All work is queued on one non-blocking compute stream, so kernels
  * run in call order and the host only waits where the interface returns a
  * value (sumsq, xent_forward, index_check, count_correct) or copies to or
@@ -34,6 +36,7 @@
  *   1. Tunables and small helpers
  *   2. The instance
  *   3. Device memory pool
+ *   3b. Blocks that give memory back (discard, commit)
  *   4. Lifetime
  *   5. Copies and staging
  *   6. Dense linear algebra (cuBLAS) and mixed precision
@@ -59,6 +62,7 @@
 #include "shape.h"
 
 #include <cublas_v2.h>
+#include <cuda.h>   /* the driver's virtual memory calls (section 3b): types only */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -187,6 +191,28 @@ typedef struct dt_cuda_freelist {
     int64_t count, cap;
 } dt_cuda_freelist;
 
+/* A block made with the driver's virtual memory calls (section 3b): its
+ * reserved range and, per granule, the physical allocation mapped there (0:
+ * given back). */
+typedef struct dt_cuda_vblock {
+    uintptr_t base;
+    size_t size;                  /* reserved: a multiple of the granule */
+    CUmemGenericAllocationHandle *h;
+} dt_cuda_vblock;
+
+/* The driver's entry points, through the runtime (no link to libcuda). */
+typedef struct dt_cuda_vmm_calls {
+    CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                       unsigned long long);
+    CUresult (*release)(CUmemGenericAllocationHandle);
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*unmap)(CUdeviceptr, size_t);
+    CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*reserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*unreserve)(CUdeviceptr, size_t);
+    CUresult (*granularity)(size_t *, const CUmemAllocationProp *, CUmemAllocationGranularity_flags);
+} dt_cuda_vmm_calls;
+
 struct dt_backend {
     dt_allocator al;
     int device;
@@ -216,6 +242,14 @@ struct dt_backend {
     void *scratch;
     size_t scratch_bytes;
     int tf32_direct;              /* cuBLAS rounds f32 to TF32 as round_tf32 (section 6) */
+    /* blocks that give memory back (section 3b) */
+    int vmm;                      /* blocks of a granule or more are made that way */
+    size_t granule;
+    dt_cuda_vmm_calls vc;
+    CUmemAllocationProp vprop;
+    CUmemAccessDesc vaccess;
+    dt_cuda_vblock *vblocks;      /* live and cached ones, unordered */
+    int64_t nvblocks, vblocks_cap;
 };
 
 static unsigned long long *red_flag(dt_backend *be)
@@ -445,6 +479,8 @@ static int freelist_push(dt_backend *be, int cls, void *p)
     return 1;
 }
 
+static void device_release(dt_backend *be, void *p);
+
 /* Give every cached block back to CUDA.  Queued kernels may still use a
  * cached block's last contents only as garbage, but cudaFree must not race
  * them, so both streams drain first. */
@@ -454,17 +490,264 @@ static void pool_release_cached(dt_backend *be)
     if (be->copy) DT_CUDA_OK(be, cudaStreamSynchronize(be->copy));
     for (int c = 0; c < DT_CUDA_CLASSES; c++) {
         dt_cuda_freelist *fl = &be->cached[c];
-        for (int64_t i = 0; i < fl->count; i++) DT_CUDA_OK(be, cudaFree(fl->ptrs[i]));
+        for (int64_t i = 0; i < fl->count; i++) device_release(be, fl->ptrs[i]);
         fl->count = 0;
     }
 }
 
+/* ---------------------------------------------------------------------------
+ * 3b. Blocks that give memory back (discard, commit)
+ *
+ * Zero 3 gives back the memory of a parameter outside this rank's shard
+ * (backend.h, discard) and asks for it again before a gather writes it
+ * (commit).  cudaMalloc memory cannot be given back in part, so a block of
+ * a granule or more (the driver's mapping unit, 2 MiB on current GPUs) is
+ * made with the virtual memory calls instead: its address range is
+ * reserved, and each granule gets a physical allocation of its own mapped
+ * there.  discard unmaps and releases the granules wholly inside its range
+ * (after both streams drain: nothing queued may still touch them), commit
+ * creates and maps them again; the address never changes.  Smaller blocks
+ * stay cudaMalloc memory, which discard leaves alone, as it leaves a block's
+ * partly covered granules.  A cached block is filled again before it is
+ * handed out.  The entry points come through the runtime
+ * (cudaGetDriverEntryPointByVersion), so nothing links libcuda; where they
+ * are missing or a trial block fails (or DTRAIN_CUDA_VMM=0), every block is
+ * cudaMalloc memory and discard gives nothing back.  All under mu.
+ * ------------------------------------------------------------------------- */
+
+static int vmm_sym(const char *name, void **fn)
+{
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    *fn = NULL;
+    if (cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return q == cudaDriverEntryPointSuccess && *fn;
+}
+
+/* Granule i of b: a physical allocation, mapped, readable and writable. */
+static CUresult vmm_map(dt_backend *be, dt_cuda_vblock *b, size_t i)
+{
+    CUmemGenericAllocationHandle h = 0;
+    CUdeviceptr at = (CUdeviceptr)(b->base + i * be->granule);
+    CUresult r = be->vc.create(&h, be->granule, &be->vprop, 0);
+    if (r != CUDA_SUCCESS) return r;
+    if ((r = be->vc.map(at, be->granule, 0, h, 0)) != CUDA_SUCCESS) {
+        (void)be->vc.release(h);
+        return r;
+    }
+    if ((r = be->vc.set_access(at, be->granule, &be->vaccess, 1)) != CUDA_SUCCESS) {
+        (void)be->vc.unmap(at, be->granule);
+        (void)be->vc.release(h);
+        return r;
+    }
+    b->h[i] = h;
+    return CUDA_SUCCESS;
+}
+
+static void vmm_unmap(dt_backend *be, dt_cuda_vblock *b, size_t i)
+{
+    if (!b->h[i]) return;
+    CUresult r = be->vc.unmap((CUdeviceptr)(b->base + i * be->granule), be->granule);
+    if (r == CUDA_SUCCESS) r = be->vc.release(b->h[i]);
+    if (r != CUDA_SUCCESS)
+        fault_record(be, DT_EIO, "cuda: giving back device memory failed (driver error %d)", (int)r);
+    b->h[i] = 0;
+}
+
+/* Unmap everything of b and give its range back. */
+static void vmm_destroy(dt_backend *be, dt_cuda_vblock *b)
+{
+    size_t n = b->size / be->granule;
+    for (size_t i = 0; b->h && i < n; i++) vmm_unmap(be, b, i);
+    (void)be->vc.unreserve((CUdeviceptr)b->base, b->size);
+    if (b->h) be->al.free_fn(b->h, be->al.user);
+}
+
+/* A block of bytes (rounded up to granules), every granule mapped; NULL on
+ * any failure, nothing left behind. */
+static void *vmm_alloc(dt_backend *be, size_t bytes)
+{
+    if (be->nvblocks == be->vblocks_cap) {
+        int64_t cap = be->vblocks_cap ? 2 * be->vblocks_cap : 64;
+        void *g = be->al.realloc_fn(be->vblocks, (size_t)cap * sizeof *be->vblocks, be->al.user);
+        if (!g) return NULL;
+        be->vblocks = (dt_cuda_vblock *)g;
+        be->vblocks_cap = cap;
+    }
+    dt_cuda_vblock b;
+    b.size = (bytes + be->granule - 1) / be->granule * be->granule;
+    size_t n = b.size / be->granule;
+    b.h = (CUmemGenericAllocationHandle *)be->al.malloc_fn(n * sizeof *b.h, be->al.user);
+    if (!b.h) return NULL;
+    memset(b.h, 0, n * sizeof *b.h);
+    CUdeviceptr base = 0;
+    if (be->vc.reserve(&base, b.size, be->granule, 0, 0) != CUDA_SUCCESS) {
+        be->al.free_fn(b.h, be->al.user);
+        return NULL;
+    }
+    b.base = (uintptr_t)base;
+    for (size_t i = 0; i < n; i++)
+        if (vmm_map(be, &b, i) != CUDA_SUCCESS) {
+            vmm_destroy(be, &b);
+            return NULL;
+        }
+    be->vblocks[be->nvblocks++] = b;
+    return (void *)b.base;
+}
+
+/* The block holding address p (exact: p is its base), or NULL. */
+static dt_cuda_vblock *vmm_find(dt_backend *be, const void *p, int exact)
+{
+    uintptr_t a = (uintptr_t)p;
+    for (int64_t i = 0; i < be->nvblocks; i++) {
+        dt_cuda_vblock *b = &be->vblocks[i];
+        if (exact ? a == b->base : a >= b->base && a < b->base + b->size) return b;
+    }
+    return NULL;
+}
+
+/* Map b's granules that cover [lo, hi) of its range; CUDA_SUCCESS or the
+ * first failure. */
+static CUresult vmm_fill(dt_backend *be, dt_cuda_vblock *b, uintptr_t lo, uintptr_t hi)
+{
+    size_t n = b->size / be->granule;
+    size_t i0 = (lo - b->base) / be->granule, i1 = (hi - b->base + be->granule - 1) / be->granule;
+    for (size_t i = i0; i < i1 && i < n; i++)
+        if (!b->h[i]) {
+            CUresult r = vmm_map(be, b, i);
+            if (r != CUDA_SUCCESS) return r;
+        }
+    return CUDA_SUCCESS;
+}
+
+static void pool_release_cached(dt_backend *be);
+
+/* Where the calls are there and a trial block of two granules maps,
+ * unmaps one and maps it again, blocks of a granule or more are made
+ * this way. */
+static void vmm_start(dt_backend *be)
+{
+    const char *off = getenv("DTRAIN_CUDA_VMM");
+    if (off && strcmp(off, "0") == 0) return;
+    dt_cuda_vmm_calls *c = &be->vc;
+    if (!vmm_sym("cuMemCreate", (void **)&c->create) || !vmm_sym("cuMemRelease", (void **)&c->release) ||
+        !vmm_sym("cuMemMap", (void **)&c->map) || !vmm_sym("cuMemUnmap", (void **)&c->unmap) ||
+        !vmm_sym("cuMemSetAccess", (void **)&c->set_access) ||
+        !vmm_sym("cuMemAddressReserve", (void **)&c->reserve) ||
+        !vmm_sym("cuMemAddressFree", (void **)&c->unreserve) ||
+        !vmm_sym("cuMemGetAllocationGranularity", (void **)&c->granularity))
+        return;
+    memset(&be->vprop, 0, sizeof be->vprop);
+    be->vprop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    be->vprop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    be->vprop.location.id = be->device;
+    memset(&be->vaccess, 0, sizeof be->vaccess);
+    be->vaccess.location = be->vprop.location;
+    be->vaccess.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    size_t g = 0;
+    if (c->granularity(&g, &be->vprop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || g == 0)
+        return;
+    be->granule = g;
+    void *p = vmm_alloc(be, 2 * g);
+    dt_cuda_vblock *b = p ? vmm_find(be, p, 1) : NULL;
+    int ok = b != NULL;
+    if (ok) {
+        vmm_unmap(be, b, 1);
+        ok = vmm_fill(be, b, b->base, b->base + b->size) == CUDA_SUCCESS &&
+             cudaMemsetAsync(p, 0, 2 * g, be->compute) == cudaSuccess &&
+             cudaStreamSynchronize(be->compute) == cudaSuccess;
+        (void)cudaGetLastError();
+        vmm_destroy(be, b);
+        be->nvblocks--;
+    }
+    be->vmm = ok && !cuda_faulted(be);
+}
+
+/* A block of a granule or more from the virtual memory calls (out of
+ * memory: the cache released, once more), else NULL: cudaMalloc's then. */
+static void *vmm_malloc(dt_backend *be, size_t bytes)
+{
+    if (!be->vmm || bytes < be->granule) return NULL;
+    void *p = vmm_alloc(be, bytes);
+    if (!p) {
+        pool_release_cached(be);
+        p = vmm_alloc(be, bytes);
+    }
+    return p;
+}
+
+/* Give a block back, whichever way it was made (both streams drained). */
+static void device_release(dt_backend *be, void *p)
+{
+    dt_cuda_vblock *b = be->nvblocks ? vmm_find(be, p, 1) : NULL;
+    if (!b) {
+        DT_CUDA_OK(be, cudaFree(p));
+        return;
+    }
+    vmm_destroy(be, b);
+    *b = be->vblocks[--be->nvblocks];
+}
+
+/* A cached block about to be handed out again: what discard gave back
+ * comes back first.  0 if it cannot. */
+static int vmm_refill(dt_backend *be, void *p)
+{
+    dt_cuda_vblock *b = be->nvblocks ? vmm_find(be, p, 1) : NULL;
+    return !b || vmm_fill(be, b, b->base, b->base + b->size) == CUDA_SUCCESS;
+}
+
+static void cuda_discard(dt_backend *be, void *ptr, size_t bytes)
+{
+    cuda_enter(be);
+    pthread_mutex_lock(&be->mu);
+    dt_cuda_vblock *b = be->nvblocks && bytes ? vmm_find(be, ptr, 0) : NULL;
+    if (b) {
+        uintptr_t lo = (uintptr_t)ptr, hi = lo + bytes;
+        size_t n = b->size / be->granule, i0 = (lo - b->base + be->granule - 1) / be->granule;
+        size_t i1 = hi >= b->base + b->size ? n : (hi - b->base) / be->granule;
+        int drained = 0;
+        for (size_t i = i0; i < i1; i++) {
+            if (!b->h[i]) continue;
+            if (!drained) {   /* no queued kernel or copy may still touch it */
+                DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
+                DT_CUDA_OK(be, cudaStreamSynchronize(be->copy));
+                drained = 1;
+            }
+            vmm_unmap(be, b, i);
+        }
+    }
+    pthread_mutex_unlock(&be->mu);
+}
+
+static dt_status cuda_commit(dt_backend *be, void *ptr, size_t bytes)
+{
+    cuda_enter(be);
+    pthread_mutex_lock(&be->mu);
+    dt_cuda_vblock *b = be->nvblocks && bytes ? vmm_find(be, ptr, 0) : NULL;
+    uintptr_t lo = (uintptr_t)ptr, hi = lo + bytes;
+    CUresult r = b ? vmm_fill(be, b, lo, hi) : CUDA_SUCCESS;
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {   /* the cache's blocks first */
+        pool_release_cached(be);
+        b = vmm_find(be, ptr, 0);
+        r = b ? vmm_fill(be, b, lo, hi) : CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&be->mu);
+    if (r == CUDA_SUCCESS) return DT_OK;
+    if (r != CUDA_ERROR_OUT_OF_MEMORY)
+        fault_record(be, DT_EIO, "cuda: mapping device memory again failed (driver error %d)", (int)r);
+    return r == CUDA_ERROR_OUT_OF_MEMORY ? DT_ENOMEM : DT_EIO;
+}
+
 /* cudaMalloc; when out of memory release the cache and try once more.  Out
  * of memory is the caller's DT_ENOMEM, not a fault; any other failure (a lost
- * context) is. */
+ * context) is.  Blocks of a granule or more come from vmm_malloc where it
+ * can. */
 static void *device_malloc(dt_backend *be, size_t bytes)
 {
-    void *p = NULL;
+    void *p = vmm_malloc(be, bytes);
+    if (p) return p;
     cudaError_t e = cudaMalloc(&p, bytes);
     if (e == cudaErrorMemoryAllocation) {
         (void)cudaGetLastError();   /* not sticky: clear it */
@@ -499,11 +782,12 @@ static void *cuda_alloc(dt_backend *be, size_t bytes)
     dt_cuda_freelist *fl = &be->cached[cls];
     int reused = fl->count > 0;
     void *p = reused ? fl->ptrs[--fl->count] : device_malloc(be, rounded);
-    if (p && !live_insert(be, p, cls)) {   /* host memory ran out */
+    if (p && ((reused && !vmm_refill(be, p)) || !live_insert(be, p, cls))) {
+        /* what discard gave back cannot be had again, or host memory ran out */
         if (reused)
             fl->count++;                   /* still in the stack's array */
         else
-            DT_CUDA_OK(be, cudaFree(p));
+            device_release(be, p);
         p = NULL;
     }
     pthread_mutex_unlock(&be->mu);
@@ -522,7 +806,7 @@ static void cuda_free(dt_backend *be, void *ptr)
         copy_fence(be);
         if (!freelist_push(be, cls, ptr)) {   /* no host memory for the cache */
             DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
-            DT_CUDA_OK(be, cudaFree(ptr));
+            device_release(be, ptr);
         }
     }
     pthread_mutex_unlock(&be->mu);
@@ -565,7 +849,9 @@ static void cuda_shutdown(dt_backend *be)
     if (be->scratch) cuda_free(be, be->scratch);
     pool_release_cached(be);
     for (size_t i = 0; i < be->live_cap; i++)   /* blocks the core did not free */
-        if (be->live_key[i]) (void)cudaFree((void *)be->live_key[i]);
+        if (be->live_key[i]) device_release(be, (void *)be->live_key[i]);
+    for (int64_t i = 0; i < be->nvblocks; i++) vmm_destroy(be, &be->vblocks[i]);
+    if (be->vblocks) be->al.free_fn(be->vblocks, be->al.user);
     for (int c = 0; c < DT_CUDA_CLASSES; c++)
         if (be->cached[c].ptrs) be->al.free_fn(be->cached[c].ptrs, be->al.user);
     if (be->live_key) be->al.free_fn(be->live_key, be->al.user);
@@ -833,6 +1119,9 @@ static dt_status cuda_init(const dt_backend_params *p, dt_backend **out, char *e
     if ((s = start_device(be, err, err_len)) != DT_OK) goto fail;
     if ((s = start_blas(be, err, err_len)) != DT_OK) goto fail;
     tf32_probe(be);
+    pthread_mutex_lock(&be->mu);
+    vmm_start(be);
+    pthread_mutex_unlock(&be->mu);
     *out = be;
     return DT_OK;
 fail:
@@ -3073,14 +3362,10 @@ static const dt_backend_iface dt_cuda_iface = {
     .fault = cuda_fault,
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
-    /* device memory stays: zero 3 is refused on cuda.  Giving part of a
-     * block back needs it reserved and mapped with the virtual memory calls
-     * (cuMemAddressReserve, cuMemCreate, cuMemMap), discard unmapping the
-     * granules inside, commit mapping them again; not built yet */
-    .discard = NULL,
+    .discard = cuda_discard,
     .to_half = cuda_to_half,
     .from_half = cuda_from_half,
-    .commit = NULL,
+    .commit = cuda_commit,
 };
 
 extern "C" const dt_backend_iface *dt_backend_cuda_iface(void) { return &dt_cuda_iface; }

@@ -44,7 +44,7 @@
  *  10. Convolution and pooling       test_cuda_conv_pool
  *  11. Embedding, layer norm, dropout test_cuda_embedding_layernorm_dropout
  *  12. Optimizers                    test_cuda_optimizers
- *  13. Memory and staging            test_cuda_memory_staging
+ *  13. Memory (discard, commit too) and staging  test_cuda_memory_staging
  *  14. Determinism                   test_cuda_determinism
  *  15. Training steps, public API    test_cuda_train_steps
  */
@@ -2150,6 +2150,54 @@ static void cu_check_memset0(cu_fix *f, void *dev, size_t n, uint32_t tag)
 
 #define CU_NBLOCKS 300
 
+/* Memory given back and asked for again (discard, commit: zero 3's
+ * parameters).  A 16 MiB block holds a pattern; discard gives back all but
+ * its first and last 1 MiB + 100 bytes; commit asks for bytes 1 MiB ..
+ * 9 MiB again, which are then written.  The kept bytes must be intact and
+ * the written ones readable; a commit that maps nothing makes the write an
+ * illegal address, which faults.  Then the rest is committed, the block
+ * freed and allocated again from the pool (given-back granules refilled
+ * before it is handed out) and written whole. */
+static void cu_check_discard_commit(cu_fix *f)
+{
+    const dt_backend_iface *G = f->G;
+    if (!G->discard || !G->commit)
+        fail_msg("cuda backend: discard %s, commit %s (zero 3 needs both)",
+                 G->discard ? "ok" : "NULL", G->commit ? "ok" : "NULL");
+    const size_t n = (size_t)16 << 20, mib = (size_t)1 << 20, keep = mib + 100;
+    uint8_t *want = malloc(n), *mid = malloc(8 * mib);
+    if (!want || !mid) fail_msg("out of host memory");
+    char *p = cu_gpu_alloc(f, n);
+    cu_upload_pattern(f, p, n, 0x21);
+    cu_pattern(want, n, 0x21);
+    G->discard(f->gb, p + keep, n - 2 * keep);
+    if (G->commit(f->gb, p + mib, 8 * mib) != DT_OK) fail_msg("commit of 8 MiB failed");
+    cu_pattern(mid, 8 * mib, 0x77);
+    memcpy(want + mib, mid, 8 * mib);
+    G->to_device(f->gb, p + mib, mid, 8 * mib);
+    const uint8_t *got = cu_fetch_ptr(f, p, 9 * mib);   /* only what is mapped for sure */
+    for (size_t i = 0; i < 9 * mib; i++)
+        if (got[i] != want[i])
+            fail_msg("discard/commit: byte %zu is %u, expected %u (kept: bytes below %zu)", i,
+                     (unsigned)got[i], (unsigned)want[i], keep);
+    if (G->commit(f->gb, p + 9 * mib, n - 9 * mib) != DT_OK) fail_msg("commit of the rest failed");
+    const uint8_t *tail = cu_fetch_ptr(f, p + n - keep, keep);
+    for (size_t i = 0; i < keep; i++)
+        if (tail[i] != want[n - keep + i])
+            fail_msg("discard/commit: byte %zu of the kept tail is %u, expected %u", i,
+                     (unsigned)tail[i], (unsigned)want[n - keep + i]);
+    G->discard(f->gb, p, n);   /* all of it given back, then freed: the pool refills it */
+    cu_untrack(f, p);
+    G->free(f->gb, p);
+    p = cu_gpu_alloc(f, n);
+    cu_upload_pattern(f, p, n, 0x33);
+    cu_check_block(f, p, n, 0x33, "a discarded block freed and allocated again");
+    cu_untrack(f, p);
+    G->free(f->gb, p);
+    free(want);
+    free(mid);
+}
+
 static void test_cuda_memory_staging(void **state)
 {
     CU_START(f);
@@ -2211,6 +2259,8 @@ static void test_cuda_memory_staging(void **state)
                 G->free(f->gb, blk[i]);
             }
     }
+
+    cu_check_discard_commit(f);
 
     /* staging */
     if (!G->host_alloc || !G->host_free || !G->copy_async || !G->copy_wait || !G->copy_join)

@@ -2678,33 +2678,12 @@ static int param_off(dt_ctx *ctx, const float *want, const float *got, double to
     return -1;
 }
 
-/* cuda cannot give device memory back in part yet (no discard): zero 3 is
- * refused on every rank, saying why.  (cpu-staged, whose discarded pages
- * fault until committed as unmapped device memory would, runs it.) */
-static int zero3_refused_on_cuda(dt_ctx *ctx, dt_comm *c)
-{
-    dt_optim *opt = zero_optim(ctx, cur_zero.kind);
-    dt_ddp_config dc;
-    dt_ddp_config_init(&dc);
-    dc.zero = 3;
-    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
-    int refused = opt && !ddp && dt_last_status(ctx) == DT_ENOTSUP &&
-                  strstr(dt_last_error(ctx), "zero 3") && strstr(dt_last_error(ctx), "discard");
-    if (!refused)
-        fprintf(stderr, "zero 3 on %s: %s\n", dt_backend_name(ctx), ddp ? "not refused" : dt_last_error(ctx));
-    dt_ddp_free(ddp);
-    dt_optim_free(opt);
-    return refused ? 0 : 13;
-}
-
 static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     const zero_case *zc = &cur_zero;
     dt_tensor *w[2 * ZLAYERS];
     if (zero_build(ctx, w))
         return 1;
-    if (zc->level == 3 && strcmp(dt_backend_name(ctx), "cuda") == 0)
-        return zero3_refused_on_cuda(ctx, c);
     int64_t n = zero_numel(ctx);
     float *init = malloc(sizeof(float) * (size_t)n * 3), *ref = init + n, *got = ref + n;
     dt_ddp_stats s0, s1;
@@ -2963,13 +2942,6 @@ static void rs_run(int world, reshard_run rr, const char *out)
     expect_all_ok(world, rs_rank);
 }
 
-/* The level run A shards at: 3, or on cuda, where zero 3 is refused
- * (zero3_refused_on_cuda), 2. */
-static int rs_top_level(const dt_ctx *ctx)
-{
-    return strcmp(dt_backend_name(ctx), "cuda") == 0 ? 2 : 3;
-}
-
 static void test_zero_reshard(void **state)
 {
     (void)state;
@@ -2981,12 +2953,10 @@ static void test_zero_reshard(void **state)
     rs_path(a20, sizeof a20, "a-step20");
     rs_path(b15, sizeof b15, "b-step15");
     rs_path(single, sizeof single, "consolidated.safetensors");
-    dt_ctx *ctx = tu_ctx_new();
-    int top = rs_top_level(ctx);
     /* A: 3 ranks, zero 3, through; checkpoints at 10 and 20 */
-    rs_run(3, (reshard_run){.level = top, .save_at_half = a10, .save_at_end = a20}, "a.bin");
+    rs_run(3, (reshard_run){.level = 3, .save_at_half = a10, .save_at_end = a20}, "a.bin");
     /* the same 3 ranks and level from A's step 10: bit for bit */
-    rs_run(3, (reshard_run){.level = top, .load = a10, .start = RS_HALF}, "a3.bin");
+    rs_run(3, (reshard_run){.level = 3, .load = a10, .start = RS_HALF}, "a3.bin");
     /* 2 ranks, zero 1 (saving at 15); 2 ranks, plain DDP; 1 process, no DDP */
     rs_run(2, (reshard_run){.level = 1, .load = a10, .start = RS_HALF, .save_mid = b15}, "b.bin");
     rs_run(2, (reshard_run){.level = 0, .load = a10, .start = RS_HALF}, "b0.bin");
@@ -2994,6 +2964,7 @@ static void test_zero_reshard(void **state)
     /* 3 ranks, zero 2, from B's step 15 (saved by zero 1 at 2 ranks) */
     rs_run(3, (reshard_run){.level = 2, .load = b15, .start = RS_HALF + RS_HALF / 2}, "d.bin");
     /* the consolidated file: what one process's dt_checkpoint_save writes */
+    dt_ctx *ctx = tu_ctx_new();
     tu_check_status(ctx, dt_checkpoint_consolidate(ctx, a10, single), "consolidate");
     rs_run(1, (reshard_run){.single = 1, .load = single, .start = RS_HALF}, "c2.bin");
     /* that one file loaded before a zero 2 DDP exists: the DDP keeps its shard of the state */
@@ -3009,7 +2980,7 @@ static void test_zero_reshard(void **state)
         rs_path(p, sizeof p, names[i]);
         v[i] = rs_read(p, n);
     }
-    rs_compare(ctx, top == 3 ? "3 ranks zero 3 resumed" : "3 ranks zero 2 resumed", v[0], v[1], 0);
+    rs_compare(ctx, "3 ranks zero 3 resumed", v[0], v[1], 0);
     rs_compare(ctx, "2 ranks zero 1 resumed", v[0], v[2], 1e-5);
     rs_compare(ctx, "2 ranks DDP resumed", v[0], v[3], 1e-5);
     rs_compare(ctx, "1 process resumed", v[0], v[4], 1e-5);
@@ -3053,12 +3024,11 @@ static void test_zero_reshard_half(void **state)
     cur_zero.half = 1;
     char a10[192];
     rs_path(a10, sizeof a10, "a-step10");
-    dt_ctx *ctx = tu_ctx_new();
-    int top = rs_top_level(ctx);
-    rs_run(3, (reshard_run){.level = top, .save_at_half = a10}, "a.bin");
-    rs_run(3, (reshard_run){.level = top, .load = a10, .start = RS_HALF}, "a3.bin");
+    rs_run(3, (reshard_run){.level = 3, .save_at_half = a10}, "a.bin");
+    rs_run(3, (reshard_run){.level = 3, .load = a10, .start = RS_HALF}, "a3.bin");
     rs_run(2, (reshard_run){.level = 1, .load = a10, .start = RS_HALF}, "b.bin");
     rs_run(1, (reshard_run){.single = 1, .load = a10, .start = RS_HALF}, "c.bin");
+    dt_ctx *ctx = tu_ctx_new();
     dt_tensor *w[2 * ZLAYERS];
     assert_int_equal(zero_build(ctx, w), 0);
     int64_t n = zero_numel(ctx);
@@ -3069,7 +3039,7 @@ static void test_zero_reshard_half(void **state)
         rs_path(p, sizeof p, names[i]);
         v[i] = rs_read(p, n);
     }
-    rs_compare(ctx, "bf16: 3 ranks at the same level resumed", v[0], v[1], 0);
+    rs_compare(ctx, "bf16: 3 ranks zero 3 resumed", v[0], v[1], 0);
     rs_compare(ctx, "bf16: 2 ranks zero 1 resumed", v[0], v[2], 1.0 / 128);
     rs_compare(ctx, "bf16: 1 process resumed", v[0], v[3], 1.0 / 128);
     int same = 0;   /* most land on the very same bf16 value */

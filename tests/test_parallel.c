@@ -266,17 +266,6 @@ static int pipe_train(dt_comm *c, pipe_run *r, const char *tag, mlp *part)
     dc.zero = r->zero;
     dc.bucket_bytes = 1024;   /* zero 3: several units a stage */
     dt_ddp *ddp = p && r->dp ? dt_ddp_new(ctx, r->dp, opt, r->zero ? &dc : NULL) : NULL;
-    /* cuda cannot give device memory back in part (no discard), so it
-     * cannot hold parameters as shards (zero 3): refused, said so */
-    if (p && r->zero == 3 && strcmp(dt_backend_name(ctx), "cuda") == 0) {
-        int refused = !ddp && dt_last_status(ctx) == DT_ENOTSUP &&
-                      strstr(dt_last_error(ctx), "discard");
-        dt_ddp_free(ddp);
-        dt_pipe_free(p);
-        dt_optim_free(opt);
-        dt_ctx_free(ref);
-        return refused ? 0 : 12;
-    }
     if (!p || (r->dp && !ddp))
         return 12;
     int rows = BATCH / r->replicas, r0 = r->replica * rows;
