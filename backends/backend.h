@@ -331,7 +331,9 @@ typedef struct dt_backend_iface {
      * The contents of [ptr, ptr + bytes) of an allocation may be dropped:
      * the physical memory of the whole pages inside goes back to the system
      * until written again, and those bytes read as anything meanwhile
-     * (zeros on Linux).  The allocation stays valid at the same address. */
+     * (zeros on Linux).  The allocation stays valid at the same address.
+     * A backend with commit (device memory) gives the pages back unmapped:
+     * reading or writing them before commit is a fault. */
     void (*discard)(dt_backend *be, void *ptr, size_t bytes);
 
     /* --- 16-bit storage (optional; NULL: 16-bit optimizer state,

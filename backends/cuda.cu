@@ -197,6 +197,7 @@ typedef struct dt_cuda_freelist {
 typedef struct dt_cuda_vblock {
     uintptr_t base;
     size_t size;                  /* reserved: a multiple of the granule */
+    size_t used;                  /* what its holder asked for; the rest is the pool's padding */
     CUmemGenericAllocationHandle *h;
 } dt_cuda_vblock;
 
@@ -508,8 +509,12 @@ static void pool_release_cached(dt_backend *be)
  * (after both streams drain: nothing queued may still touch them), commit
  * creates and maps them again; the address never changes.  Smaller blocks
  * stay cudaMalloc memory, which discard leaves alone, as it leaves a block's
- * partly covered granules.  A cached block is filled again before it is
- * handed out.  The entry points come through the runtime
+ * partly covered granules (but takes the pool's padding behind a range that
+ * reaches the end of what the holder asked for).  Only the granules that
+ * cover what a block's holder asked for are mapped when it is handed out,
+ * new or again from the cache.  A discard drains both streams, so on a GPU
+ * it stalls the queue: a list of granules to unmap once an event passes
+ * would not (not built).  The entry points come through the runtime
  * (cudaGetDriverEntryPointByVersion), so nothing links libcuda; where they
  * are missing or a trial block fails (or DTRAIN_CUDA_VMM=0), every block is
  * cudaMalloc memory and discard gives nothing back.  All under mu.
@@ -517,13 +522,18 @@ static void pool_release_cached(dt_backend *be)
 
 static int vmm_sym(const char *name, void **fn)
 {
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
     *fn = NULL;
+#if CUDART_VERSION >= 12050   /* cudaGetDriverEntryPointByVersion's first release */
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
     if (cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &q) != cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
     return q == cudaDriverEntryPointSuccess && *fn;
+#else
+    (void)name;
+    return 0;
+#endif
 }
 
 /* Granule i of b: a physical allocation, mapped, readable and writable. */
@@ -546,28 +556,43 @@ static CUresult vmm_map(dt_backend *be, dt_cuda_vblock *b, size_t i)
     return CUDA_SUCCESS;
 }
 
-static void vmm_unmap(dt_backend *be, dt_cuda_vblock *b, size_t i)
+/* Granule i of b given back; a granule whose unmap fails stays as it was
+ * (still mapped: a later map of it would be refused). */
+static CUresult vmm_unmap(dt_backend *be, dt_cuda_vblock *b, size_t i)
 {
-    if (!b->h[i]) return;
+    if (!b->h[i]) return CUDA_SUCCESS;
     CUresult r = be->vc.unmap((CUdeviceptr)(b->base + i * be->granule), be->granule);
-    if (r == CUDA_SUCCESS) r = be->vc.release(b->h[i]);
-    if (r != CUDA_SUCCESS)
-        fault_record(be, DT_EIO, "cuda: giving back device memory failed (driver error %d)", (int)r);
+    if (r != CUDA_SUCCESS) return r;
+    r = be->vc.release(b->h[i]);
     b->h[i] = 0;
+    return r;
 }
 
-/* Unmap everything of b and give its range back. */
-static void vmm_destroy(dt_backend *be, dt_cuda_vblock *b)
+/* Unmap everything of b and give its range back; the first failure. */
+static CUresult vmm_destroy(dt_backend *be, dt_cuda_vblock *b)
 {
     size_t n = b->size / be->granule;
-    for (size_t i = 0; b->h && i < n; i++) vmm_unmap(be, b, i);
-    (void)be->vc.unreserve((CUdeviceptr)b->base, b->size);
-    if (b->h) be->al.free_fn(b->h, be->al.user);
+    CUresult first = CUDA_SUCCESS;
+    for (size_t i = 0; b->h && i < n; i++) {
+        CUresult r = vmm_unmap(be, b, i);
+        first = first == CUDA_SUCCESS ? r : first;
+    }
+    CUresult r = first == CUDA_SUCCESS ? be->vc.unreserve((CUdeviceptr)b->base, b->size) : first;
+    if (b->h) be->al.free_fn(b->h, be->al.user);   /* a failed unmap: the range is lost */
+    return r;
 }
 
-/* A block of bytes (rounded up to granules), every granule mapped; NULL on
- * any failure, nothing left behind. */
-static void *vmm_alloc(dt_backend *be, size_t bytes)
+static void vmm_fault(dt_backend *be, CUresult r, const char *what)
+{
+    if (r != CUDA_SUCCESS)
+        fault_record(be, DT_EIO, "cuda: %s failed (driver error %d); DTRAIN_CUDA_VMM=0 makes "
+                     "every block cudaMalloc memory", what, (int)r);
+}
+
+/* A block reserving `reserve` bytes (rounded up to granules), the granules
+ * that cover its first `need` bytes mapped (the rest is the pool's padding,
+ * mapped only if a commit asks); NULL on any failure, nothing left behind. */
+static void *vmm_alloc(dt_backend *be, size_t reserve, size_t need)
 {
     if (be->nvblocks == be->vblocks_cap) {
         int64_t cap = be->vblocks_cap ? 2 * be->vblocks_cap : 64;
@@ -577,8 +602,8 @@ static void *vmm_alloc(dt_backend *be, size_t bytes)
         be->vblocks_cap = cap;
     }
     dt_cuda_vblock b;
-    b.size = (bytes + be->granule - 1) / be->granule * be->granule;
-    size_t n = b.size / be->granule;
+    b.size = (reserve + be->granule - 1) / be->granule * be->granule;
+    size_t n = b.size / be->granule, mapped = (need + be->granule - 1) / be->granule;
     b.h = (CUmemGenericAllocationHandle *)be->al.malloc_fn(n * sizeof *b.h, be->al.user);
     if (!b.h) return NULL;
     memset(b.h, 0, n * sizeof *b.h);
@@ -588,16 +613,18 @@ static void *vmm_alloc(dt_backend *be, size_t bytes)
         return NULL;
     }
     b.base = (uintptr_t)base;
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < mapped && i < n; i++)
         if (vmm_map(be, &b, i) != CUDA_SUCCESS) {
-            vmm_destroy(be, &b);
+            vmm_fault(be, vmm_destroy(be, &b), "giving back a part-made block");
             return NULL;
         }
+    b.used = need;
     be->vblocks[be->nvblocks++] = b;
     return (void *)b.base;
 }
 
-/* The block holding address p (exact: p is its base), or NULL. */
+/* The block holding address p (exact: p is its base), or NULL.  A linear
+ * scan: a model's blocks of 2 MiB or more are a few hundred. */
 static dt_cuda_vblock *vmm_find(dt_backend *be, const void *p, int exact)
 {
     uintptr_t a = (uintptr_t)p;
@@ -613,6 +640,8 @@ static dt_cuda_vblock *vmm_find(dt_backend *be, const void *p, int exact)
 static CUresult vmm_fill(dt_backend *be, dt_cuda_vblock *b, uintptr_t lo, uintptr_t hi)
 {
     size_t n = b->size / be->granule;
+    uintptr_t end = b->base + b->size;
+    hi = hi < lo || hi > end ? end : hi;
     size_t i0 = (lo - b->base) / be->granule, i1 = (hi - b->base + be->granule - 1) / be->granule;
     for (size_t i = i0; i < i1 && i < n; i++)
         if (!b->h[i]) {
@@ -625,8 +654,8 @@ static CUresult vmm_fill(dt_backend *be, dt_cuda_vblock *b, uintptr_t lo, uintpt
 static void pool_release_cached(dt_backend *be);
 
 /* Where the calls are there and a trial block of two granules maps,
- * unmaps one and maps it again, blocks of a granule or more are made
- * this way. */
+ * unmaps one and maps it again, blocks of a granule or more are made this
+ * way.  The trial records nothing: a failure only leaves vmm off. */
 static void vmm_start(dt_backend *be)
 {
     const char *off = getenv("DTRAIN_CUDA_VMM");
@@ -650,30 +679,25 @@ static void vmm_start(dt_backend *be)
     if (c->granularity(&g, &be->vprop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || g == 0)
         return;
     be->granule = g;
-    void *p = vmm_alloc(be, 2 * g);
+    void *p = vmm_alloc(be, 2 * g, 2 * g);
     dt_cuda_vblock *b = p ? vmm_find(be, p, 1) : NULL;
-    int ok = b != NULL;
-    if (ok) {
-        vmm_unmap(be, b, 1);
-        ok = vmm_fill(be, b, b->base, b->base + b->size) == CUDA_SUCCESS &&
-             cudaMemsetAsync(p, 0, 2 * g, be->compute) == cudaSuccess &&
-             cudaStreamSynchronize(be->compute) == cudaSuccess;
-        (void)cudaGetLastError();
-        vmm_destroy(be, b);
-        be->nvblocks--;
-    }
-    be->vmm = ok && !cuda_faulted(be);
+    if (!b) return;
+    int ok = vmm_unmap(be, b, 1) == CUDA_SUCCESS &&
+             vmm_fill(be, b, b->base, b->base + b->size) == CUDA_SUCCESS;
+    ok = vmm_destroy(be, b) == CUDA_SUCCESS && ok;
+    be->nvblocks--;
+    be->vmm = ok;
 }
 
-/* A block of a granule or more from the virtual memory calls (out of
- * memory: the cache released, once more), else NULL: cudaMalloc's then. */
-static void *vmm_malloc(dt_backend *be, size_t bytes)
+/* A block of a granule or more from the virtual memory calls (failing,
+ * the cache released, once more), else NULL: cudaMalloc's then. */
+static void *vmm_malloc(dt_backend *be, size_t reserve, size_t need)
 {
-    if (!be->vmm || bytes < be->granule) return NULL;
-    void *p = vmm_alloc(be, bytes);
+    if (!be->vmm || reserve < be->granule) return NULL;
+    void *p = vmm_alloc(be, reserve, need);
     if (!p) {
         pool_release_cached(be);
-        p = vmm_alloc(be, bytes);
+        p = vmm_alloc(be, reserve, need);
     }
     return p;
 }
@@ -686,16 +710,26 @@ static void device_release(dt_backend *be, void *p)
         DT_CUDA_OK(be, cudaFree(p));
         return;
     }
-    vmm_destroy(be, b);
+    vmm_fault(be, vmm_destroy(be, b), "giving back device memory");
     *b = be->vblocks[--be->nvblocks];
 }
 
-/* A cached block about to be handed out again: what discard gave back
- * comes back first.  0 if it cannot. */
-static int vmm_refill(dt_backend *be, void *p)
+/* A block about to be handed out for `need` bytes: the granules they
+ * cover mapped (a cached block may have had them given back; out of
+ * memory, the cache released once).  0 if they cannot be. */
+static int vmm_ready(dt_backend *be, void *p, size_t need)
 {
     dt_cuda_vblock *b = be->nvblocks ? vmm_find(be, p, 1) : NULL;
-    return !b || vmm_fill(be, b, b->base, b->base + b->size) == CUDA_SUCCESS;
+    if (!b) return 1;
+    b->used = need;
+    CUresult r = vmm_fill(be, b, b->base, b->base + need);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) {   /* p itself is not in the cache: it stays */
+        pool_release_cached(be);
+        b = vmm_find(be, p, 1);
+        r = b ? vmm_fill(be, b, b->base, b->base + need) : r;
+    }
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_OUT_OF_MEMORY) vmm_fault(be, r, "mapping device memory");
+    return r == CUDA_SUCCESS;
 }
 
 static void cuda_discard(dt_backend *be, void *ptr, size_t bytes)
@@ -704,18 +738,20 @@ static void cuda_discard(dt_backend *be, void *ptr, size_t bytes)
     pthread_mutex_lock(&be->mu);
     dt_cuda_vblock *b = be->nvblocks && bytes ? vmm_find(be, ptr, 0) : NULL;
     if (b) {
-        uintptr_t lo = (uintptr_t)ptr, hi = lo + bytes;
+        /* a range that reaches the end of what the block holds takes the
+         * pool's padding behind it too */
+        uintptr_t lo = (uintptr_t)ptr, hi = lo + bytes, end = b->base + b->size;
         size_t n = b->size / be->granule, i0 = (lo - b->base + be->granule - 1) / be->granule;
-        size_t i1 = hi >= b->base + b->size ? n : (hi - b->base) / be->granule;
+        size_t i1 = hi < lo || hi >= b->base + b->used || hi >= end ? n : (hi - b->base) / be->granule;
         int drained = 0;
-        for (size_t i = i0; i < i1; i++) {
+        for (size_t i = i0; i < i1 && i < n; i++) {
             if (!b->h[i]) continue;
             if (!drained) {   /* no queued kernel or copy may still touch it */
                 DT_CUDA_OK(be, cudaStreamSynchronize(be->compute));
                 DT_CUDA_OK(be, cudaStreamSynchronize(be->copy));
                 drained = 1;
             }
-            vmm_unmap(be, b, i);
+            vmm_fault(be, vmm_unmap(be, b, i), "giving back device memory");
         }
     }
     pthread_mutex_unlock(&be->mu);
@@ -735,8 +771,7 @@ static dt_status cuda_commit(dt_backend *be, void *ptr, size_t bytes)
     }
     pthread_mutex_unlock(&be->mu);
     if (r == CUDA_SUCCESS) return DT_OK;
-    if (r != CUDA_ERROR_OUT_OF_MEMORY)
-        fault_record(be, DT_EIO, "cuda: mapping device memory again failed (driver error %d)", (int)r);
+    if (r != CUDA_ERROR_OUT_OF_MEMORY) vmm_fault(be, r, "mapping device memory again");
     return r == CUDA_ERROR_OUT_OF_MEMORY ? DT_ENOMEM : DT_EIO;
 }
 
@@ -744,9 +779,9 @@ static dt_status cuda_commit(dt_backend *be, void *ptr, size_t bytes)
  * of memory is the caller's DT_ENOMEM, not a fault; any other failure (a lost
  * context) is.  Blocks of a granule or more come from vmm_malloc where it
  * can. */
-static void *device_malloc(dt_backend *be, size_t bytes)
+static void *device_malloc(dt_backend *be, size_t bytes, size_t need)
 {
-    void *p = vmm_malloc(be, bytes);
+    void *p = vmm_malloc(be, bytes, need);
     if (p) return p;
     cudaError_t e = cudaMalloc(&p, bytes);
     if (e == cudaErrorMemoryAllocation) {
@@ -781,8 +816,8 @@ static void *cuda_alloc(dt_backend *be, size_t bytes)
     pthread_mutex_lock(&be->mu);
     dt_cuda_freelist *fl = &be->cached[cls];
     int reused = fl->count > 0;
-    void *p = reused ? fl->ptrs[--fl->count] : device_malloc(be, rounded);
-    if (p && ((reused && !vmm_refill(be, p)) || !live_insert(be, p, cls))) {
+    void *p = reused ? fl->ptrs[--fl->count] : device_malloc(be, rounded, bytes);
+    if (p && ((reused && !vmm_ready(be, p, bytes)) || !live_insert(be, p, cls))) {
         /* what discard gave back cannot be had again, or host memory ran out */
         if (reused)
             fl->count++;                   /* still in the stack's array */
@@ -850,7 +885,7 @@ static void cuda_shutdown(dt_backend *be)
     pool_release_cached(be);
     for (size_t i = 0; i < be->live_cap; i++)   /* blocks the core did not free */
         if (be->live_key[i]) device_release(be, (void *)be->live_key[i]);
-    for (int64_t i = 0; i < be->nvblocks; i++) vmm_destroy(be, &be->vblocks[i]);
+    for (int64_t i = 0; i < be->nvblocks; i++) (void)vmm_destroy(be, &be->vblocks[i]);
     if (be->vblocks) be->al.free_fn(be->vblocks, be->al.user);
     for (int c = 0; c < DT_CUDA_CLASSES; c++)
         if (be->cached[c].ptrs) be->al.free_fn(be->cached[c].ptrs, be->al.user);
