@@ -2830,6 +2830,69 @@ static void test_zero_refused(void **state)
     expect_all_ok(2, zero_refused_rank);
 }
 
+/* A zero 3 DDP freed without dt_ddp_full_params: each parameter gets its
+ * own memory back holding this rank's shard of it (as plain DDP trained
+ * it), the rest zero; the weights span pages, the shard's edges fall
+ * inside tensors, and some tensors lie wholly outside the shard. */
+static int zero_free_sharded_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    dt_tensor *w[2 * ZLAYERS];
+    if (zero_build(ctx, w))
+        return 1;
+    int64_t n = zero_numel(ctx), q = n / world, extra = n % world;
+    int64_t lo = rank * q + (rank < extra ? rank : extra), hi = lo + q + (rank < extra);
+    float *init = malloc(sizeof(float) * (size_t)n * 3), *ref = init + n, *got = ref + n;
+    dt_ddp_stats st;
+    if (!init || zero_params(ctx, init, 0) || zero_train(ctx, c, w, init, 0, ref, &st) ||
+        zero_params(ctx, init, 1))
+        return 2;
+    dt_optim *opt = zero_optim(ctx, DT_ADAMW);
+    dt_ddp_config dc;
+    dt_ddp_config_init(&dc);
+    dc.zero = 3;
+    dc.bucket_bytes = 65536;
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, &dc) : NULL;
+    for (int64_t s = 0; ddp && s < ZSTEPS; s++) {
+        int64_t at = (int64_t)rank * PER_RANK;
+        if (dt_backward(ctx, zero_loss(ctx, w, s, at, at + PER_RANK)) || dt_ddp_step(ddp))
+            return 3;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    if (!ddp)
+        return 4;
+    dt_ddp_free(ddp);
+    if (zero_params(ctx, got, 0))
+        return 5;
+    /* the flat layout: reverse registration order; ref and got are in registration order */
+    int code = 0;
+    for (int i = dt_param_count(ctx) - 1, flat = 0, at = (int)n; i >= 0 && !code; i--) {
+        int64_t pn = dt_tensor_numel(dt_param_at(ctx, i));
+        at -= (int)pn;
+        for (int64_t k = 0; k < pn && !code; k++, flat++) {
+            float want = flat >= lo && flat < hi ? ref[at + k] : 0.0f;
+            double tol = flat >= lo && flat < hi ? 1e-6 * (fabs(want) + 1) : 0;
+            if (!(fabs((double)got[at + k] - want) <= tol)) {
+                fprintf(stderr, "rank %d: %s[%lld] (flat %d, shard [%lld, %lld)) is %g, want %g\n",
+                        rank, dt_tensor_name(dt_param_at(ctx, i)), (long long)k, flat,
+                        (long long)lo, (long long)hi, (double)got[at + k], (double)want);
+                code = 6;
+            }
+        }
+    }
+    dt_optim_free(opt);
+    free(init);
+    return code;
+}
+
+static void test_zero_free_sharded(void **state)
+{
+    (void)state;
+    cur_zero = (zero_case){.kind = DT_ADAMW, .overlap = 1, .bucket_bytes = 65536, .wide = 1};
+    expect_all_ok(3, zero_free_sharded_rank);
+    cur_zero = (zero_case){0};
+}
+
 /* --- sharded checkpoints that reshard ---------------------------------------
  * A run of 20 steps of the zero model with a global batch of RS_GLOBAL
  * samples, split evenly over the ranks, AdamW.  Phase A: 3 ranks, zero 3,
@@ -3184,6 +3247,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_env_applies_only_when_unset),
     cmocka_unit_test(test_zero_equals_ddp),
     cmocka_unit_test(test_zero_refused),
+    cmocka_unit_test(test_zero_free_sharded),
     cmocka_unit_test(test_zero_reshard),
     cmocka_unit_test(test_zero_reshard_half),
     cmocka_unit_test(test_zero_checkpoint_refused),
