@@ -1178,7 +1178,6 @@ typedef struct zero_state {
     int *unit_of;              /* parameter -> its bucket */
     int *by_addr;              /* parameters in order of their addresses */
     int *alone;                /* per bucket: its one parameter (gathered in place), or -1 */
-    float *pflat;              /* every parameter, in the flat layout (zero_flatten), or NULL */
     char *resident;            /* per bucket */
     uint64_t *last;            /* per bucket: the tick of its last use */
     uint64_t tick;             /* uses of parameter memory so far */
@@ -19280,19 +19279,13 @@ static dt_status zero_prefetch_finish(dt_ddp *d, int keep)
     return s;
 }
 
-/* Unit j's own memory, where it is gathered in place (its shard already
- * sits there: the gather fills the rest around it): its range of the flat
- * parameters (zero_flatten), or its one parameter; else NULL.  Staged,
- * never: the collectives run on host memory. */
+/* Unit j's memory when it is one parameter (its shard already sits in
+ * place: the gather fills the rest around it), else NULL.  Staged, never:
+ * the collectives run on host memory. */
 static float *zero_unit_home(const dt_ddp *d, int j)
 {
-    const zero_state *z = Z(d);
-    if (d->staged)
-        return NULL;
-    if (z->pflat)   /* every unit is a range of it */
-        return z->pflat + d->buckets[j].offset;
-    int k = z->alone[j];
-    return k >= 0 ? FP(d->params[k]) : NULL;
+    int k = Z(d)->alone[j];
+    return k >= 0 && !d->staged ? FP(d->params[k]) : NULL;
 }
 
 /* Where unit j is gathered: in place (zero_unit_home), the host mirror
@@ -19496,45 +19489,6 @@ static dt_status zero_evict_all(dt_ddp *d)
     return s;
 }
 
-/* Zero 3 on host memory: every parameter moves into one allocation, in the
- * flat layout's order (FSDP's FlatParameter), so each unit is one range of
- * it, gathered in place: no staging buffer and no copy out of one (with one
- * core a rank, those copies ran on the core compute needs).  Only when
- * every parameter owns its memory (not one over the caller's memory or
- * shared by Hogwild!); else units of several parameters go through the
- * pool.  All or nothing: nothing can fail once the first one moved.
- * zero_unflatten gives them their own memory back. */
-static void zero_move_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
-{
-    (void)arg;
-    const float *from = FP(d->params[k]) + (a - d->offset[k]);
-    d->be_iface->copy(d->be, Z(d)->pflat + a, from, (size_t)(e - a) * sizeof(float));
-}
-
-static void zero_flatten(dt_ddp *d)
-{
-    zero_state *z = Z(d);
-    dt_ctx *ctx = d->ctx;
-    for (int k = 0; k < d->nparams; k++)
-        if (!(d->params[k]->flags & T_OWNS_DATA) || d->params[k]->dtype != DT_F32)
-            return;
-    size_t bytes = (size_t)(d->grad_floats ? d->grad_floats : 1) * sizeof(float);
-    if (d->staged || !(z->pflat = d->be_iface->alloc(d->be, bytes)))
-        return;   /* no room for the move: the pool's way */
-    /* only our shard moves (zero_units then gives back all the rest): the
-     * other pages are never touched, so the move costs no more memory than
-     * the shard */
-    zero_each_part(d, z->lo, z->hi, zero_move_part, NULL);
-    for (int k = 0; k < d->nparams; k++) {
-        dt_tensor *p = d->params[k];
-        d->be_iface->free(d->be, p->data);
-        ctx->persistent_bytes -= tensor_bytes(p);
-        p->data = z->pflat + d->offset[k];
-        p->flags &= ~(unsigned)T_OWNS_DATA;
-    }
-    ctx->persistent_bytes += bytes;
-}
-
 /* Parameter k's floats [*s0, *s1) that are current: all of them when its
  * unit is whole, else our shard's part (perhaps none). */
 static void zero_current_part(const dt_ddp *d, int k, int64_t *s0, int64_t *s1)
@@ -19550,32 +19504,23 @@ static void zero_current_part(const dt_ddp *d, int k, int64_t *s0, int64_t *s1)
     *s1 = e < *s0 ? *s0 : e > n ? n : e;
 }
 
-/* Device memory a DDP gave back would fault when read once the DDP is gone
- * (backend.h, commit): every parameter's memory is asked back, and what is
- * not current zeroed, as given-back host memory reads. */
-static void zero_commit_params(dt_ddp *d)
-{
-    for (int k = 0; d->be_iface->commit && k < d->nparams; k++) {
-        dt_tensor *p = d->params[k];
-        int64_t n = dt_tensor_numel(p), s0, s1;
-        if (n == 0 || d->be_iface->commit(d->be, p->data, tensor_bytes(p)) != DT_OK)
-            continue;   /* out of device memory: it stays given back */
-        zero_current_part(d, k, &s0, &s1);
-        d->be_iface->memset0(d->be, FP(p), (size_t)s0 * sizeof(float));
-        d->be_iface->memset0(d->be, FP(p) + s1, (size_t)(n - s1) * sizeof(float));
-    }
-}
-
-/* Floats [a, e) of mem read as zero, without touching its whole pages
- * (fresh memory stays unallocated): those are given back, the bytes of the
- * pages at the ends zeroed. */
+/* Floats [a, e) of parameter memory mem, given back, read as zero: host
+ * memory's whole pages inside do already (the discard), and only the bytes
+ * of the pages at the ends, which discard left, are written, so nothing
+ * given back comes back; device memory (a backend with commit) is asked
+ * back and zeroed. */
 static void zero_clear(dt_ddp *d, float *mem, int64_t a, int64_t e)
 {
+    if (e <= a)
+        return;
+    if (d->be_iface->commit) {
+        if (d->be_iface->commit(d->be, mem + a, (size_t)(e - a) * sizeof(float)) == DT_OK)
+            d->be_iface->memset0(d->be, mem + a, (size_t)(e - a) * sizeof(float));
+        return;   /* out of device memory: it stays given back */
+    }
     long page = sysconf(_SC_PAGESIZE);
     uintptr_t pg = page > 0 ? (uintptr_t)page : 4096, lo = (uintptr_t)(mem + a), hi = (uintptr_t)(mem + e);
     uintptr_t in0 = (lo + pg - 1) & ~(pg - 1), in1 = hi & ~(pg - 1);
-    if (e <= a)
-        return;
     if (in1 <= in0) {
         d->be_iface->memset0(d->be, mem + a, (size_t)(e - a) * sizeof(float));
         return;
@@ -19585,36 +19530,20 @@ static void zero_clear(dt_ddp *d, float *mem, int64_t a, int64_t e)
     d->be_iface->memset0(d->be, (void *)in1, hi - in1);
 }
 
-/* Undo zero_flatten: each parameter its own memory again, holding what it
- * holds now (its unit whole, or our shard's part of it; the rest reads as
- * zero, as given-back memory did), its range of the flat allocation given
- * back as it goes, so the move never holds the model twice; 1 if one could
- * not have memory (it stays in the flat allocation, which is then kept). */
-static int zero_unflatten(dt_ddp *d)
+/* The DDP is going: what of each parameter is not current (zero_current_part)
+ * reads as zero from now on, as given-back memory does on Linux, and on a
+ * device is there to read (it would fault). */
+static void zero_settle_params(dt_ddp *d)
 {
-    zero_state *z = Z(d);
-    int kept = 0;
-    for (int k = 0; z->pflat && k < d->nparams; k++) {
+    for (int k = 0; k < d->nparams; k++) {
         dt_tensor *p = d->params[k];
-        if (p->flags & T_OWNS_DATA)
-            continue;
-        size_t bytes = tensor_bytes(p);
-        float *mem = d->be_iface->alloc(d->be, bytes ? bytes : DT_ARENA_ALIGN);
-        if (!mem) {
-            kept = 1;
-            continue;
-        }
         int64_t n = dt_tensor_numel(p), s0, s1;
+        if (d->be_iface->commit && d->be_iface->commit(d->be, p->data, tensor_bytes(p)) != DT_OK)
+            continue;   /* out of device memory: it stays given back */
         zero_current_part(d, k, &s0, &s1);
-        zero_clear(d, mem, 0, s0);
-        d->be_iface->copy(d->be, mem + s0, FP(p) + s0, (size_t)(s1 - s0) * sizeof(float));
-        zero_clear(d, mem, s1, n);
-        d->be_iface->discard(d->be, p->data, bytes);
-        p->data = mem;
-        p->flags |= T_OWNS_DATA;
-        d->ctx->persistent_bytes += bytes;
+        zero_clear(d, FP(p), 0, s0);
+        zero_clear(d, FP(p), s1, n);
     }
-    return kept;
 }
 
 /* Zero 3's tables: each parameter's unit, the parameters by address. */
@@ -19632,7 +19561,6 @@ static dt_status zero_units(dt_ddp *d)
     z->prev = host_calloc(d->ctx, sizeof(int) * (size_t)z->trace_cap);
     if (!z->unit_of || !z->by_addr || !z->resident || !z->last || !z->alone || !z->rec || !z->prev)
         return DT_ENOMEM;
-    zero_flatten(d);   /* before the addresses are sorted */
     z->cursor = -1;
     z->pre_unit = -1;
     z->first_unit = -1;
@@ -19860,9 +19788,8 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     if (z->pre_unit >= 0 && z->pre_work)
         zero_prefetch_finish(d, 0);
     int kept = d->ctx && d->own_grad ? zero_return_grads(d) : 0;
-    int kept_params = d->ctx ? zero_unflatten(d) : 1;
-    if (d->ctx && z->level == 3 && z->resident && !z->pflat)
-        zero_commit_params(d);
+    if (d->ctx && z->level == 3 && z->resident)
+        zero_settle_params(d);
     if (z->opt)
         z->opt->orphaned = 1;
     dt_ctx *ctx = d->ctx;
@@ -19880,10 +19807,6 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     }
     if (z->shard_grad)
         d->be_iface->free(d->be, z->shard_grad);
-    if (z->pflat && !kept_params) {   /* else a parameter still lives in it */
-        d->be_iface->free(d->be, z->pflat);
-        ctx->persistent_bytes -= (size_t)(d->grad_floats ? d->grad_floats : 1) * sizeof(float);
-    }
     if (z->host && z->host_pinned)
         d->be_iface->host_free(d->be, z->host);
     else

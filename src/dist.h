@@ -407,7 +407,6 @@ typedef struct zero_state {
     int *unit_of;              /* parameter -> its bucket */
     int *by_addr;              /* parameters in order of their addresses */
     int *alone;                /* per bucket: its one parameter (gathered in place), or -1 */
-    float *pflat;              /* every parameter, in the flat layout (zero_flatten), or NULL */
     char *resident;            /* per bucket */
     uint64_t *last;            /* per bucket: the tick of its last use */
     uint64_t tick;             /* uses of parameter memory so far */
