@@ -2830,10 +2830,10 @@ static void test_zero_refused(void **state)
     expect_all_ok(2, zero_refused_rank);
 }
 
-/* A zero 3 DDP freed without dt_ddp_full_params: each parameter gets its
- * own memory back holding this rank's shard of it (as plain DDP trained
- * it), the rest zero; the weights span pages, the shard's edges fall
- * inside tensors, and some tensors lie wholly outside the shard. */
+/* A zero 3 DDP freed without dt_ddp_full_params: each parameter holds this
+ * rank's shard of it (as plain DDP trained it) and reads zero elsewhere
+ * (cpu-staged: no fault either); the weights span pages, the shard's edges
+ * fall inside tensors, and some tensors lie wholly outside the shard. */
 static int zero_free_sharded_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     dt_tensor *w[2 * ZLAYERS];
