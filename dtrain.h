@@ -915,7 +915,10 @@ DT_API dt_dataset *dt_dataset_from_callback(dt_ctx *ctx, int64_t n, const dt_sam
                                             const dt_sample_field *target, dt_sample_fn fill,
                                             void *user);
 /* Samples [first, first + count) of ds as a dataset of their own (a view:
- * ds is borrowed and must outlive it).  new: free with dt_dataset_free.
+ * ds is borrowed and must outlive it).  It starts with ds's normalisation
+ * (dt_dataset_normalize's scale, means and stds, copied now: normalising
+ * ds later does not change it, and it can be normalised on its own).
+ * new: free with dt_dataset_free.
  * DT_EINVAL: ds NULL, the range outside ds. */
 DT_API dt_dataset *dt_dataset_subset(dt_ctx *ctx, const dt_dataset *ds, int64_t first,
                                      int64_t count);
@@ -941,7 +944,9 @@ DT_API dt_status dt_dataset_normalize(dt_dataset *ds, int scale_u8, int n, const
 /* The inputs' mean and standard deviation (population) per channel (n =
  * the first dim), per feature (n = the element count) or over all (n = 1),
  * after the u8 scaling set by dt_dataset_normalize but before its mean and
- * std: what to pass it.  DT_EINVAL: as dt_dataset_normalize. */
+ * std: what to pass it.  A constant one (its spread below f32's resolution
+ * of its mean) gets std 1, as sklearn's StandardScaler does, so it
+ * normalises to 0.  DT_EINVAL: as dt_dataset_normalize. */
 DT_API dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std);
 
 typedef struct dt_loader_config {

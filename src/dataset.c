@@ -558,7 +558,10 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     for (int k = 0; s == DT_OK && k < n; k++) {
         double m = acc[2 * k] / count, var = acc[2 * k + 1] / count - m * m;
         mean[k] = (float)m;
-        std[k] = (float)sqrt(var > 0 ? var : 0);
+        /* a constant feature (its spread below f32's resolution of its
+         * mean, or none) gets std 1, as sklearn's StandardScaler gives it
+         * scale 1: it normalises to 0 instead of being refused */
+        std[k] = var > 1e-12 * m * m && var > 0 ? (float)sqrt(var) : 1.0f;
     }
     host_free(ctx, acc);
     host_free(ctx, raw);

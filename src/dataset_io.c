@@ -429,7 +429,8 @@ static int csv_number(const char *f, double *v)
 
 typedef struct csv_table {
     char *text;                /* the file, NUL-terminated, cut into lines and fields */
-    char **lines;
+    char **lines;              /* the lines that are not blank */
+    int64_t *lineno;           /* each one's line in the file, from 1 (what errors name) */
     int64_t nlines;
     int cols;
     char *head;                /* a copy of line 0, cut into names */
@@ -465,20 +466,29 @@ static dt_status csv_read(dt_ctx *ctx, const char *path, csv_table *t)
         return set_error(ctx, DT_EIO, "dataset_load_csv: cannot read %s", path);
     }
     buf[len] = '\0';
+    t->text = buf;
+    const char *nul = memchr(buf, '\0', len);
+    if (nul)   /* a CSV file is text: this one is something else (it read as garbage rows) */
+        return set_error(ctx, DT_ECORRUPT, "dataset_load_csv: %s is not text (a NUL byte at offset "
+                         "%zu): give a CSV file", path, (size_t)(nul - buf));
     int64_t lines = 1;
     for (size_t i = 0; i < len; i++)
         lines += buf[i] == '\n';
-    t->text = buf;
     t->lines = host_alloc(ctx, sizeof *t->lines * (size_t)lines);
-    if (!t->lines)
+    t->lineno = host_alloc(ctx, sizeof *t->lineno * (size_t)lines);
+    if (!t->lines || !t->lineno)
         return set_error(ctx, DT_ENOMEM, "dataset_load_csv: out of memory for %s", path);
     t->nlines = 0;
-    for (char *p = buf; p && *p;) {
+    /* a UTF-8 byte-order mark (Excel writes one) is not part of the first field */
+    char *p = len >= 3 && memcmp(buf, "\xEF\xBB\xBF", 3) == 0 ? buf + 3 : buf;
+    for (int64_t line = 1; p && *p; line++) {
         char *nl = strchr(p, '\n');
         if (nl)
             *nl = '\0';
-        if (p[strspn(p, " \t\r")] != '\0')   /* blank lines are skipped */
+        if (p[strspn(p, " \t\r")] != '\0') {   /* blank lines are skipped */
+            t->lineno[t->nlines] = line;
             t->lines[t->nlines++] = p;
+        }
         p = nl ? nl + 1 : NULL;
     }
     return DT_OK;
@@ -488,6 +498,7 @@ static void csv_free(dt_ctx *ctx, csv_table *t)
 {
     host_free(ctx, t->text);
     host_free(ctx, t->lines);
+    host_free(ctx, t->lineno);
     host_free(ctx, t->head);
     host_free(ctx, t->names);
 }
@@ -519,24 +530,24 @@ static dt_status csv_rows(dt_ctx *ctx, const char *path, csv_table *t, int64_t f
         return set_error(ctx, DT_ENOMEM, "dataset_load_csv: out of memory");
     dt_status s = DT_OK;
     for (int64_t r = first; s == DT_OK && r < t->nlines; r++) {
-        int64_t i = r - first, lineno = r + 1;
+        int64_t i = r - first, lineno = t->lineno[r];
         int n = csv_split(t->lines[r], cfg->delimiter, fields, t->cols);
         if (n != t->cols) {
-            s = set_error(ctx, DT_ECORRUPT, "dataset_load_csv: %s: row %lld has %d fields, the "
-                          "first row %d", path, (long long)lineno, n, t->cols);
+            s = set_error(ctx, DT_ECORRUPT, "dataset_load_csv: %s: line %lld has %d fields, the "
+                          "first %d", path, (long long)lineno, n, t->cols);
             break;
         }
         for (int c = 0, k = 0; s == DT_OK && c < t->cols; c++) {
             double v;
             if (!csv_number(fields[c], &v)) {
-                s = set_error(ctx, DT_ECORRUPT, "dataset_load_csv: %s: row %lld, column %d: "
+                s = set_error(ctx, DT_ECORRUPT, "dataset_load_csv: %s: line %lld, column %d: "
                               "'%.40s' is not a number", path, (long long)lineno, c + 1, fields[c]);
             } else if (c != target) {
                 x[i * (t->cols - 1) + k++] = (float)v;
             } else if (!cfg->classify) {
                 ((float *)y)[i] = (float)v;
             } else if (v < 0 || v > INT32_MAX || v != floor(v)) {
-                s = set_error(ctx, DT_ECORRUPT, "dataset_load_csv: %s: row %lld: label %g is not "
+                s = set_error(ctx, DT_ECORRUPT, "dataset_load_csv: %s: line %lld: label %g is not "
                               "a whole number >= 0", path, (long long)lineno, v);
             } else {
                 ((int32_t *)y)[i] = (int32_t)v;

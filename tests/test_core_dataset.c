@@ -431,8 +431,8 @@ static void test_dataset_csv(void **state)
     dt_dataset_free(ds);
     /* malformed: each refused, naming where */
     static const struct { const char *text; const char *names; } bad[] = {
-        {"a,b\n1,2\n3,x\n", "row 3, column 2"},
-        {"a,b\n1,2\n3,4,5\n", "row 3 has 3 fields"},
+        {"a,b\n1,2\n3,x\n", "line 3, column 2"},
+        {"a,b\n1,2\n3,4,5\n", "line 3 has 3 fields"},
         {"a,b\n1,-1\n", "label -1"},
         {"a,b\n1,2.5\n", "label 2.5"},
         {"a,b\n", "no data rows"},
@@ -454,6 +454,72 @@ static void test_dataset_csv(void **state)
     cfg.target_column = 5;
     assert_null(dt_dataset_load_csv(ctx, p, &cfg));
     assert_int_equal(dt_last_status(ctx), DT_EINVAL);
+    tu_rmdir(dir);
+    dt_ctx_free(ctx);
+}
+
+/* What a real data set brings (issue 35): a UTF-8 byte-order mark before
+ * data rows (it used to make the first row a header, silently lost), an
+ * error after a blank line naming the file's line (it named the line's
+ * index among the non-blank ones, "row 3"), a binary file (it got "has a
+ * header and no data rows"), and a constant feature, whose std was 0 and
+ * which dt_dataset_normalize then refused. */
+static void test_dataset_csv_real_files(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    char dir[256], p[300];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(p, sizeof p, "%s/d.csv", dir);
+    dt_csv_config cfg;
+    dt_csv_config_init(&cfg);
+    const char *bom = "\xEF\xBB\xBF" "1,0\n2,1\n";
+    write_bytes(p, bom, strlen(bom));
+    dt_dataset *ds = dt_dataset_load_csv(ctx, p, &cfg);
+    tu_check(ctx, ds, "csv with a byte-order mark");
+    assert_int_equal(dt_dataset_size(ds), 2);
+    float x;
+    int32_t lab;
+    tu_check_status(ctx, dt_dataset_sample(ds, 0, &x, &lab), "sample");
+    assert_true(x == 1.0f && lab == 0);
+    dt_dataset_free(ds);
+    const char *named = "\xEF\xBB\xBF" "a,label\n1,0\n";   /* and a header's first name */
+    write_bytes(p, named, strlen(named));
+    cfg.target_name = "a";
+    ds = dt_dataset_load_csv(ctx, p, &cfg);
+    tu_check(ctx, ds, "csv with a byte-order mark and a header");
+    assert_int_equal(dt_dataset_size(ds), 1);
+    dt_dataset_free(ds);
+    dt_csv_config_init(&cfg);
+    const char *gap = "a,b\n1,2\n\n3,x\n";
+    write_bytes(p, gap, strlen(gap));
+    assert_null(dt_dataset_load_csv(ctx, p, &cfg));
+    tu_assert_error_mentions(ctx, "line 4, column 2");
+    const char bin[] = {0x7f, 'E', 'L', 'F', 2, 1, 1, 0, 0, 0, '\n', 3, 0, 0x3e, 0};
+    write_bytes(p, bin, sizeof bin);
+    assert_null(dt_dataset_load_csv(ctx, p, &cfg));
+    assert_int_equal(dt_last_status(ctx), DT_ECORRUPT);
+    tu_assert_error_mentions(ctx, "not text");
+    /* a constant feature: std 1 (sklearn's StandardScaler), so it normalises to 0 */
+    const char *flat = "c,v,label\n5,1,0\n5,3,1\n5,2,0\n";
+    write_bytes(p, flat, strlen(flat));
+    cfg.target_name = "label";
+    ds = dt_dataset_load_csv(ctx, p, &cfg);
+    tu_check(ctx, ds, "csv with a constant column");
+    float mean[2], sd[2];
+    tu_check_status(ctx, dt_dataset_stats(ds, 2, mean, sd), "stats");
+    assert_true(mean[0] == 5.0f && sd[0] == 1.0f);
+    assert_true(fabsf(mean[1] - 2.0f) < 1e-6f && fabsf(sd[1] - sqrtf(2.0f / 3.0f)) < 1e-6f);
+    tu_check_status(ctx, dt_dataset_normalize(ds, 0, 2, mean, sd), "normalize");
+    dt_loader *ld = loader_for(ctx, ds, 3, 0, 0, 0, 1);
+    dt_tensor *bx, *by;
+    float b[6];
+    tu_check_status(ctx, dt_loader_next(ld, &bx, &by), "next");
+    tu_check_status(ctx, dt_tensor_get(bx, b, 6), "batch");
+    assert_true(b[0] == 0.0f && b[2] == 0.0f && b[4] == 0.0f);
+    assert_true(fabsf(b[3] - 1.0f / sqrtf(2.0f / 3.0f)) < 1e-5f);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
     tu_rmdir(dir);
     dt_ctx_free(ctx);
 }
@@ -787,6 +853,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_dataset_raw_files),
     cmocka_unit_test(test_dataset_npy),
     cmocka_unit_test(test_dataset_csv),
+    cmocka_unit_test(test_dataset_csv_real_files),
     cmocka_unit_test(test_dataset_tokens),
     cmocka_unit_test(test_dataset_callback),
     cmocka_unit_test(test_dataset_subset),

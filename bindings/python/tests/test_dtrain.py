@@ -281,7 +281,18 @@ class Datasets(unittest.TestCase):
                 f.write("w,h,kind\n1.5,oops,1\n")
             with self.assertRaises(dt.CorruptFile) as cm:
                 dt.Dataset.load_csv(ctx, p, target="kind")
-            self.assertIn("row 2, column 2", str(cm.exception))
+            self.assertIn("line 2, column 2", str(cm.exception))
+            # what a spreadsheet writes: a byte-order mark, no header; a constant column
+            with open(p, "w", encoding="utf-8-sig") as f:
+                f.write("7,1,0\n7,3,1\n")
+            bds = dt.Dataset.load_csv(ctx, p)
+            self.assertEqual(len(bds), 2)
+            m, s = bds.stats(2)
+            np.testing.assert_array_equal(m, [7, 2])
+            np.testing.assert_allclose(s, [1, 1], rtol=1e-6)    # the constant one: std 1
+            bds.normalize(m, s)
+            x, _ = self.batches(bds, batch=2, shuffle=False)[0]
+            np.testing.assert_allclose(x, [[0, -1], [0, 1]], rtol=1e-6)
             xs = np.arange(12, dtype=np.float32).reshape(4, 3)
             np.save(os.path.join(d, "x.npy"), xs)
             np.save(os.path.join(d, "y.npy"), np.array([0, 1, 1, 0]))
