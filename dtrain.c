@@ -297,6 +297,10 @@ struct dt_ctx {
     dt_tensor *persist;            /* persistent tensors */
     dt_tensor *doomed;             /* freed while the tape may read them: at dt_step_reset */
     size_t persistent_bytes;
+    size_t arena_max;              /* dt_config.arena_max_bytes resolved */
+    int backwards;                 /* backward passes since the last dt_step_reset */
+    int arena_warned;              /* the growth warning given since then */
+    int arena_refused;             /* the cap refused the last allocation; its message is set */
     dt_tensor **params;
     int n_params, cap_params;
     dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (src/ckpt.c): */
@@ -636,7 +640,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* A warning: kept for dt_last_warning, and told as dt_set_log says. */
-DT_PRIVATE void warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
 DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n);
@@ -1761,7 +1765,7 @@ void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
     ctx->log_fn = fn;
     ctx->log_user = user;
 }
-DT_PRIVATE void warn(dt_ctx *ctx, const char *fmt, ...)
+DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -1995,6 +1999,9 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->grad_enabled = 1;
     ctx->training = 1;
     size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    ctx->arena_max = cfg.arena_max_bytes ? cfg.arena_max_bytes
+                     : pages > 0 && page > 0 ? (size_t)pages * (size_t)page : SIZE_MAX;
     ctx_arena_init(&ctx->dev, 1, arena_bytes);
     ctx_arena_init(&ctx->host, 0, (size_t)256 << 10);
     ctx_arena_init(&ctx->scratch_dev, 1, arena_bytes / 4 + DT_ARENA_ALIGN);
@@ -2211,6 +2218,45 @@ DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a)
 
 static size_t align_up(size_t n) { return (n + DT_ARENA_ALIGN - 1) & ~(size_t)(DT_ARENA_ALIGN - 1); }
 
+/* The step arenas' bytes together. */
+static size_t arena_total(const dt_ctx *ctx)
+{
+    return ctx->dev.capacity + ctx->host.capacity + ctx->scratch_dev.capacity +
+           ctx->scratch_host.capacity;
+}
+
+/* Growing by *want bytes (n at least) would pass dt_config.arena_max_bytes:
+ * less if n fits, else refused with the reason as the context's error
+ * (ctx->arena_refused: step_new keeps it) -- 1. */
+static int arena_over_cap(dt_ctx *ctx, size_t *want, size_t n)
+{
+    size_t total = arena_total(ctx), max = ctx->arena_max;
+    if (total <= max && *want <= max - total)
+        return 0;
+    if (total <= max && n <= max - total) {
+        *want = max - total;
+        return 0;
+    }
+    set_error(ctx, DT_ENOMEM, "step arena: %zu MiB more of step tensors would pass its cap of %zu "
+              "MiB (dt_config.arena_max_bytes); %d backward passes since the last dt_step_reset: "
+              "step tensors live until dt_step_reset, so call it after each step",
+              (n + ((size_t)1 << 20) - 1) >> 20, max >> 20, ctx->backwards);
+    ctx->arena_refused = 1;
+    return 1;
+}
+
+/* The arena grew: after many backward passes with no dt_step_reset, that is
+ * most likely a loop that never calls it. */
+static void arena_grew(dt_ctx *ctx)
+{
+    if (ctx->backwards < DT_ARENA_WARN_BACKWARDS || ctx->arena_warned)
+        return;
+    ctx->arena_warned = 1;
+    ctx_warn(ctx, "the step arena grew to %zu MiB over %d backward passes without dt_step_reset: "
+         "step tensors live until dt_step_reset, so call it after each step",
+         arena_total(ctx) >> 20, ctx->backwards);
+}
+
 DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
 {
     n = align_up(n ? n : 1);
@@ -2232,9 +2278,12 @@ DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
         size_t want = a->capacity > a->min_chunk ? a->capacity : a->min_chunk;
         if (want < n)
             want = n;
+        if (arena_over_cap(ctx, &want, n))
+            return NULL;
         dt_chunk *fresh = chunk_new(ctx, a, want);
         if (!fresh)
             return NULL;
+        arena_grew(ctx);
         if (c)
             c->next = fresh;
         else
@@ -2356,6 +2405,9 @@ void dt_step_reset(dt_ctx *ctx)
         return;
     prof_step_end(ctx);
     ctx->tape = NULL;
+    ctx->backwards = 0;
+    ctx->arena_warned = 0;
+    ctx->arena_refused = 0;
     tensor_free_doomed(ctx);
     arena_reset(ctx, &ctx->dev);
     arena_reset(ctx, &ctx->host);
@@ -2471,15 +2523,19 @@ static dt_tensor *step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t 
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
-        set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
+        if (!ctx->arena_refused)   /* else its message says why */
+            set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
+        ctx->arena_refused = 0;
         return NULL;
     }
     tensor_header_init(t, ctx, dtype, ndim, shape);
     t->data = reuse ? arena_alloc_reuse(ctx, ctx->cur_dev, tensor_bytes(t))
                     : arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
     if (!t->data) {
-        set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
-                  tensor_bytes(t));
+        if (!ctx->arena_refused)
+            set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
+                      tensor_bytes(t));
+        ctx->arena_refused = 0;
         return NULL;
     }
     return t;
@@ -3814,6 +3870,8 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed);
 /* Backward from loss with d(loss) = seed (1, or a loss scale). */
 DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
+    if (ctx)
+        ctx->backwards++;   /* arena_grew's count */
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
     dt_status s = backward_run(ctx, loss, seed);
     if (s == DT_OK && ctx)
@@ -3967,8 +4025,9 @@ DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x)
 DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n)
 {
     float *p = arena_alloc(ctx, ctx->cur_dev, (size_t)n * sizeof(float));
-    if (!p)
+    if (!p && !ctx->arena_refused)   /* else its message says why */
         set_error(ctx, DT_ENOMEM, "out of device memory for a %lld-float temporary", (long long)n);
+    ctx->arena_refused = 0;
     return p;
 }
 
@@ -7734,7 +7793,7 @@ static dt_status st_verify(dt_ctx *ctx, const char *path, const st_file *f,
                            const unsigned char *data)
 {
     if (!(f->seen & ST_CHECKSUM)) {
-        warn(ctx, "checkpoint_load: %s has no checksums (not written by this dtrain): its data "
+        ctx_warn(ctx, "checkpoint_load: %s has no checksums (not written by this dtrain): its data "
                   "cannot be verified", path);
         return DT_OK;
     }
@@ -8015,7 +8074,7 @@ dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t 
         if (is_dir && !ckpt_sharded_complete(ctx, full, &at))
             continue;   /* not a checkpoint, or one not whole: said by its own load */
         if (!is_dir && !ckpt_complete(ctx, full, &at))
-            warn(ctx, "checkpoint_latest: skipping %s: %s", full, dt_last_error(ctx));
+            ctx_warn(ctx, "checkpoint_latest: skipping %s: %s", full, dt_last_error(ctx));
         else if (at > best && dl + nl + 2 > cap)
             s = set_error(ctx, DT_EINVAL, "checkpoint_latest: %s does not fit in %zu bytes", full,
                           cap);
@@ -8859,7 +8918,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
         return 0;
     ckpt_plan *pl = plan_make(ctx, NULL, dir, 0, NULL, NULL);
     if (!pl) {
-        warn(ctx, "checkpoint_latest: skipping %s: %s", dir, dt_last_error(ctx));
+        ctx_warn(ctx, "checkpoint_latest: skipping %s: %s", dir, dt_last_error(ctx));
         return 0;
     }
     *step = pl->ix.step;
@@ -15235,7 +15294,7 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg_in, char *co
         if (st != DT_EPEER || interrupted || attempt >= cfg->max_restarts)
             return st;
         int drop = cfg->min_ranks > 0 && failed == last_failed && run.nranks > cfg->min_ranks;
-        warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
+        ctx_warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
              attempt + 1, cfg->max_restarts,
              drop ? " with one rank fewer: this rank failed first twice in a row" : "");
         if (drop) {
@@ -15371,7 +15430,7 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
                                       .tid = TID_COMPUTE, .a = s, .b = (int64_t)(per[s] * 1e9)});
             pthread_mutex_unlock(&p->mu);
             if (s != p->warned_rank)
-                warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
+                ctx_warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
                      "median %.3f ms of %d ranks (dt_ddp_balance evens this out)", s,
                      per[s] * 1e3, 100 * (per[s] / median - 1), median * 1e3, P);
         }
@@ -18312,7 +18371,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     int live = 0;
     for (int k = 0; k < ps->W; k++)
         live += ps->peers[k].state == 0;
-    warn(ps->ctx, "parameter server %d (rank %d): dropped worker %d after %lld steps: %s; "
+    ctx_warn(ps->ctx, "parameter server %d (rank %d): dropped worker %d after %lld steps: %s; "
          "going on with %d worker%s", ps->server, ps->comm->rank, w, (long long)p->clock, why, live,
          live == 1 ? "" : "s");
     for (ps_wait **pp = &ps->waits; *pp;) {   /* its waiting pull goes unanswered */

@@ -155,7 +155,15 @@ typedef struct dt_config {
      * (the interface is struct dt_backend_iface in backends/backend.h).
      * Borrowed; must outlive the context.  NULL: pick `backend` by name. */
     const struct dt_backend_iface *custom_backend;
+    /* The step arenas together grow to at most this many bytes (0: the
+     * host's physical memory).  Past it a step tensor is refused with
+     * DT_ENOMEM, saying so: step tensors live until dt_step_reset, and a
+     * loop that never calls it grows without end.  When they grow after
+     * DT_ARENA_WARN_BACKWARDS backward passes with no dt_step_reset,
+     * dt_last_warning says so (once until the next reset). */
+    size_t arena_max_bytes;
 } dt_config;
+#define DT_ARENA_WARN_BACKWARDS 8
 
 /* Fill *cfg with the defaults. */
 DT_API void dt_config_init(dt_config *cfg);

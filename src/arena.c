@@ -65,6 +65,45 @@ DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a)
 
 static size_t align_up(size_t n) { return (n + DT_ARENA_ALIGN - 1) & ~(size_t)(DT_ARENA_ALIGN - 1); }
 
+/* The step arenas' bytes together. */
+static size_t arena_total(const dt_ctx *ctx)
+{
+    return ctx->dev.capacity + ctx->host.capacity + ctx->scratch_dev.capacity +
+           ctx->scratch_host.capacity;
+}
+
+/* Growing by *want bytes (n at least) would pass dt_config.arena_max_bytes:
+ * less if n fits, else refused with the reason as the context's error
+ * (ctx->arena_refused: step_new keeps it) -- 1. */
+static int arena_over_cap(dt_ctx *ctx, size_t *want, size_t n)
+{
+    size_t total = arena_total(ctx), max = ctx->arena_max;
+    if (total <= max && *want <= max - total)
+        return 0;
+    if (total <= max && n <= max - total) {
+        *want = max - total;
+        return 0;
+    }
+    set_error(ctx, DT_ENOMEM, "step arena: %zu MiB more of step tensors would pass its cap of %zu "
+              "MiB (dt_config.arena_max_bytes); %d backward passes since the last dt_step_reset: "
+              "step tensors live until dt_step_reset, so call it after each step",
+              (n + ((size_t)1 << 20) - 1) >> 20, max >> 20, ctx->backwards);
+    ctx->arena_refused = 1;
+    return 1;
+}
+
+/* The arena grew: after many backward passes with no dt_step_reset, that is
+ * most likely a loop that never calls it. */
+static void arena_grew(dt_ctx *ctx)
+{
+    if (ctx->backwards < DT_ARENA_WARN_BACKWARDS || ctx->arena_warned)
+        return;
+    ctx->arena_warned = 1;
+    ctx_warn(ctx, "the step arena grew to %zu MiB over %d backward passes without dt_step_reset: "
+         "step tensors live until dt_step_reset, so call it after each step",
+         arena_total(ctx) >> 20, ctx->backwards);
+}
+
 DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
 {
     n = align_up(n ? n : 1);
@@ -86,9 +125,12 @@ DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
         size_t want = a->capacity > a->min_chunk ? a->capacity : a->min_chunk;
         if (want < n)
             want = n;
+        if (arena_over_cap(ctx, &want, n))
+            return NULL;
         dt_chunk *fresh = chunk_new(ctx, a, want);
         if (!fresh)
             return NULL;
+        arena_grew(ctx);
         if (c)
             c->next = fresh;
         else
@@ -210,6 +252,9 @@ void dt_step_reset(dt_ctx *ctx)
         return;
     prof_step_end(ctx);
     ctx->tape = NULL;
+    ctx->backwards = 0;
+    ctx->arena_warned = 0;
+    ctx->arena_refused = 0;
     tensor_free_doomed(ctx);
     arena_reset(ctx, &ctx->dev);
     arena_reset(ctx, &ctx->host);

@@ -138,6 +138,8 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed);
 /* Backward from loss with d(loss) = seed (1, or a loss scale). */
 DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
+    if (ctx)
+        ctx->backwards++;   /* arena_grew's count */
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
     dt_status s = backward_run(ctx, loss, seed);
     if (s == DT_OK && ctx)

@@ -1077,7 +1077,7 @@ static dt_status st_verify(dt_ctx *ctx, const char *path, const st_file *f,
                            const unsigned char *data)
 {
     if (!(f->seen & ST_CHECKSUM)) {
-        warn(ctx, "checkpoint_load: %s has no checksums (not written by this dtrain): its data "
+        ctx_warn(ctx, "checkpoint_load: %s has no checksums (not written by this dtrain): its data "
                   "cannot be verified", path);
         return DT_OK;
     }
@@ -1358,7 +1358,7 @@ dt_status dt_checkpoint_latest(dt_ctx *ctx, const char *dir, char *path, size_t 
         if (is_dir && !ckpt_sharded_complete(ctx, full, &at))
             continue;   /* not a checkpoint, or one not whole: said by its own load */
         if (!is_dir && !ckpt_complete(ctx, full, &at))
-            warn(ctx, "checkpoint_latest: skipping %s: %s", full, dt_last_error(ctx));
+            ctx_warn(ctx, "checkpoint_latest: skipping %s: %s", full, dt_last_error(ctx));
         else if (at > best && dl + nl + 2 > cap)
             s = set_error(ctx, DT_EINVAL, "checkpoint_latest: %s does not fit in %zu bytes", full,
                           cap);
@@ -2202,7 +2202,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
         return 0;
     ckpt_plan *pl = plan_make(ctx, NULL, dir, 0, NULL, NULL);
     if (!pl) {
-        warn(ctx, "checkpoint_latest: skipping %s: %s", dir, dt_last_error(ctx));
+        ctx_warn(ctx, "checkpoint_latest: skipping %s: %s", dir, dt_last_error(ctx));
         return 0;
     }
     *step = pl->ix.step;

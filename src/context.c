@@ -102,7 +102,7 @@ void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
     ctx->log_fn = fn;
     ctx->log_user = user;
 }
-DT_PRIVATE void warn(dt_ctx *ctx, const char *fmt, ...)
+DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -336,6 +336,9 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->grad_enabled = 1;
     ctx->training = 1;
     size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    ctx->arena_max = cfg.arena_max_bytes ? cfg.arena_max_bytes
+                     : pages > 0 && page > 0 ? (size_t)pages * (size_t)page : SIZE_MAX;
     ctx_arena_init(&ctx->dev, 1, arena_bytes);
     ctx_arena_init(&ctx->host, 0, (size_t)256 << 10);
     ctx_arena_init(&ctx->scratch_dev, 1, arena_bytes / 4 + DT_ARENA_ALIGN);

@@ -287,6 +287,10 @@ struct dt_ctx {
     dt_tensor *persist;            /* persistent tensors */
     dt_tensor *doomed;             /* freed while the tape may read them: at dt_step_reset */
     size_t persistent_bytes;
+    size_t arena_max;              /* dt_config.arena_max_bytes resolved */
+    int backwards;                 /* backward passes since the last dt_step_reset */
+    int arena_warned;              /* the growth warning given since then */
+    int arena_refused;             /* the cap refused the last allocation; its message is set */
     dt_tensor **params;
     int n_params, cap_params;
     dt_tensor **ckpt_extra;        /* saved and loaded with the parameters (src/ckpt.c): */
@@ -626,7 +630,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* A warning: kept for dt_last_warning, and told as dt_set_log says. */
-DT_PRIVATE void warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
 DT_PRIVATE void *host_calloc(dt_ctx *ctx, size_t n);

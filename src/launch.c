@@ -429,7 +429,7 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg_in, char *co
         if (st != DT_EPEER || interrupted || attempt >= cfg->max_restarts)
             return st;
         int drop = cfg->min_ranks > 0 && failed == last_failed && run.nranks > cfg->min_ranks;
-        warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
+        ctx_warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
              attempt + 1, cfg->max_restarts,
              drop ? " with one rank fewer: this rank failed first twice in a row" : "");
         if (drop) {

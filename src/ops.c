@@ -75,8 +75,9 @@ DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x)
 DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n)
 {
     float *p = arena_alloc(ctx, ctx->cur_dev, (size_t)n * sizeof(float));
-    if (!p)
+    if (!p && !ctx->arena_refused)   /* else its message says why */
         set_error(ctx, DT_ENOMEM, "out of device memory for a %lld-float temporary", (long long)n);
+    ctx->arena_refused = 0;
     return p;
 }
 

@@ -105,7 +105,7 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
                                       .tid = TID_COMPUTE, .a = s, .b = (int64_t)(per[s] * 1e9)});
             pthread_mutex_unlock(&p->mu);
             if (s != p->warned_rank)
-                warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
+                ctx_warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
                      "median %.3f ms of %d ranks (dt_ddp_balance evens this out)", s,
                      per[s] * 1e3, 100 * (per[s] / median - 1), median * 1e3, P);
         }

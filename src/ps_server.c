@@ -930,7 +930,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     int live = 0;
     for (int k = 0; k < ps->W; k++)
         live += ps->peers[k].state == 0;
-    warn(ps->ctx, "parameter server %d (rank %d): dropped worker %d after %lld steps: %s; "
+    ctx_warn(ps->ctx, "parameter server %d (rank %d): dropped worker %d after %lld steps: %s; "
          "going on with %d worker%s", ps->server, ps->comm->rank, w, (long long)p->clock, why, live,
          live == 1 ? "" : "s");
     for (ps_wait **pp = &ps->waits; *pp;) {   /* its waiting pull goes unanswered */

@@ -82,15 +82,19 @@ static dt_tensor *step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t 
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
-        set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
+        if (!ctx->arena_refused)   /* else its message says why */
+            set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
+        ctx->arena_refused = 0;
         return NULL;
     }
     tensor_header_init(t, ctx, dtype, ndim, shape);
     t->data = reuse ? arena_alloc_reuse(ctx, ctx->cur_dev, tensor_bytes(t))
                     : arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
     if (!t->data) {
-        set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
-                  tensor_bytes(t));
+        if (!ctx->arena_refused)
+            set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
+                      tensor_bytes(t));
+        ctx->arena_refused = 0;
         return NULL;
     }
     return t;

@@ -179,6 +179,46 @@ static void test_mem_stats(void **state)
     dt_ctx_free(ctx);
 }
 
+/* A training loop that forgets dt_step_reset (issue 35: 3 GiB after 3,000
+ * steps, no word).  After DT_ARENA_WARN_BACKWARDS backward passes the
+ * arena's next growth is a warning naming dt_step_reset; at the cap
+ * (dt_config.arena_max_bytes, 8 MiB here) the step tensor is refused with
+ * DT_ENOMEM saying the same, and after a dt_step_reset training goes on. */
+static void test_mem_arena_cap(void **state)
+{
+    (void)state;
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.backend = getenv("DTRAIN_BACKEND") ? getenv("DTRAIN_BACKEND") : "cpu";
+    cfg.arena_bytes = (size_t)256 << 10;
+    cfg.arena_max_bytes = (size_t)8 << 20;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    tu_check_status(ctx, dt_ctx_status(ctx), "context");
+    dt_tensor *w = tu_param(ctx, "w", SHP(64, 64), NULL);
+    dt_status s = DT_OK;
+    int steps = 0;
+    for (; steps < 1000 && s == DT_OK; steps++) {   /* 64 KiB and more a step, never reset */
+        dt_tensor *loss = dt_sum(ctx, dt_relu(ctx, dt_matmul(ctx, w, w, 0, 0)));
+        s = loss ? dt_backward(ctx, loss) : dt_last_status(ctx);
+        if (steps == DT_ARENA_WARN_BACKWARDS - 2)   /* not yet: a few passes are normal */
+            assert_string_equal(dt_last_warning(ctx), "");
+    }
+    assert_int_equal(s, DT_ENOMEM);
+    assert_true(steps > DT_ARENA_WARN_BACKWARDS && steps < 1000);
+    tu_assert_error_mentions(ctx, "arena_max_bytes");
+    tu_assert_error_mentions(ctx, "dt_step_reset");
+    assert_non_null(strstr(dt_last_warning(ctx), "without dt_step_reset"));
+    dt_mem_stats st;
+    dt_mem_stats_get(ctx, &st);
+    assert_true(st.arena_capacity <= cfg.arena_max_bytes);
+    dt_step_reset(ctx);
+    dt_tensor *loss = dt_sum(ctx, dt_relu(ctx, dt_matmul(ctx, w, w, 0, 0)));
+    tu_check(ctx, loss, "a step after the reset");
+    tu_check_status(ctx, dt_backward(ctx, loss), "its backward");
+    dt_step_reset(ctx);
+    dt_ctx_free(ctx);
+}
+
 /* A chain of K elementwise ops over an (R, R) leaf: forward holds K step
  * tensors; backward without reuse would add K gradients, with it it holds
  * about two at a time. */
@@ -484,6 +524,7 @@ static void test_free_during_step(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_mem_warm_step_allocates_nothing),
     cmocka_unit_test(test_mem_stats),
+    cmocka_unit_test(test_mem_arena_cap),
     cmocka_unit_test(test_mem_backward_reuses_grads),
     cmocka_unit_test(test_mem_recompute_lowers_peak),
     cmocka_unit_test(test_determinism),

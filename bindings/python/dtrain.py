@@ -116,7 +116,8 @@ class dt_config(ctypes.Structure):
     _fields_ = [("struct_size", _SZ),
                 ("backend", _S), ("threads", _I), ("seed", _U64),
                 ("malloc_fn", _P), ("realloc_fn", _P), ("free_fn", _P), ("alloc_user", _P),
-                ("arena_bytes", _SZ), ("device", _I), ("custom_backend", _P)]
+                ("arena_bytes", _SZ), ("device", _I), ("custom_backend", _P),
+                ("arena_max_bytes", _SZ)]
 
 
 class dt_mem_stats(ctypes.Structure):
@@ -748,10 +749,13 @@ class Context:
     """dt_ctx: a backend, the parameters, the step arena and the last error.
 
     Used by one thread at a time (as in C).  close() frees everything made
-    from it: optimizers, loaders, DDPs, communicators and tensors."""
+    from it: optimizers, loaders, DDPs, communicators and tensors.
+    arena_max_bytes caps the step arena (0: the host's memory): step tensors
+    live until step_reset(), and past the cap a step raises OutOfMemory
+    saying to call it (dt_config.arena_max_bytes)."""
 
     def __init__(self, backend: str = "cpu", threads: int = 1, seed: int = 0, device: int = 0,
-                 arena_bytes: int = 0) -> None:
+                 arena_bytes: int = 0, arena_max_bytes: int = 0) -> None:
         cfg = dt_config()
         _C.config_init(ctypes.byref(cfg))
         cfg.backend = _b(backend)
@@ -759,6 +763,7 @@ class Context:
         cfg.seed = seed
         cfg.device = device
         cfg.arena_bytes = arena_bytes
+        cfg.arena_max_bytes = arena_max_bytes
         self._h = _C.ctx_new(ctypes.byref(cfg))
         if not self._h:
             raise OutOfMemory(2, "dt_ctx_new: out of memory")

@@ -18,7 +18,8 @@ int main(void)
     F(dt_config, malloc_fn, allocator.malloc_fn); F(dt_config, realloc_fn, allocator.realloc_fn);
     F(dt_config, free_fn, allocator.free_fn); F(dt_config, alloc_user, allocator.user);
     F(dt_config, arena_bytes, arena_bytes); F(dt_config, device, device);
-    F(dt_config, custom_backend, custom_backend); END(dt_config);
+    F(dt_config, custom_backend, custom_backend); F(dt_config, arena_max_bytes, arena_max_bytes);
+    END(dt_config);
 
     F(dt_mem_stats, arena_capacity, arena_capacity); F(dt_mem_stats, arena_used, arena_used);
     F(dt_mem_stats, arena_peak, arena_peak); F(dt_mem_stats, persistent_bytes, persistent_bytes);

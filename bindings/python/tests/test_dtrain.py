@@ -343,6 +343,19 @@ class Transformer(unittest.TestCase):
 
 
 class Lifetimes(unittest.TestCase):
+    def test_forgotten_step_reset(self):
+        # a loop without step_reset: warned after a few passes, refused at the cap
+        with dt.Context(arena_bytes=256 << 10, arena_max_bytes=8 << 20) as ctx:
+            w = ctx.param("w", (64, 64))
+            with self.assertRaises(dt.OutOfMemory) as cm:
+                for _ in range(1000):
+                    ctx.backward(dt.sum(dt.relu(dt.matmul(w, w))))
+            self.assertIn("step_reset", str(cm.exception))
+            self.assertIn("arena_max_bytes", str(cm.exception))
+            self.assertIn("without dt_step_reset", ctx.last_warning)
+            ctx.step_reset()
+            ctx.backward(dt.sum(dt.relu(dt.matmul(w, w))))   # and on it goes
+
     def test_step_tensor_after_reset(self):
         with dt.Context() as ctx:
             y = dt.relu(ctx.tensor((3,)))
