@@ -56,6 +56,18 @@ __all__ = [
     "checkpoint_metadata", "checkpoint_consolidate", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
     "hogwild", "HogwildStats", "ParameterServer", "predict", "Monitor", "profile_rank_stats",
     "profiling", "profile_straggler", "schedule_lr", "strerror",
+    # ops (each records its backward) and initialisers
+    "reshape", "flatten", "transpose", "permute", "slice", "contiguous", "concat", "matmul",
+    "linear", "add", "sub", "mul", "div", "scale", "pow", "where", "masked_fill", "sum", "mean",
+    "exp", "log", "sqrt", "relu", "gelu", "gelu_tanh", "tanh", "sigmoid", "softmax",
+    "log_softmax", "attention", "cross_entropy", "cross_entropy_ignore", "mse", "conv2d",
+    "max_pool2d", "avg_pool2d", "embedding", "layer_norm", "dropout",
+    "init_uniform", "init_normal", "init_kaiming_uniform", "init_kaiming_normal",
+    "init_xavier_uniform", "init_xavier_normal", "init_bias",
+    # process groups, pipelines, tensor parallelism, the profiler
+    "dist_env", "Group", "Pipe", "layer_times", "pipe_partition", "tp_copy", "tp_reduce",
+    "tp_gather", "tp_split", "tp_linear_col", "tp_linear_row", "tp_shard", "profile_start",
+    "profile_stats", "profile_finish",
 ]
 
 # --- 1. the library -----------------------------------------------------------------------
@@ -632,7 +644,9 @@ for _name, _res, _args in [
 ]:
     setattr(_C, _name[3:], _fn(_name, _res, *_args))
 
-now = _C.now
+def now() -> float:
+    """Seconds on a monotonic clock (dt_now): for timing steps, as time.perf_counter."""
+    return _C.now()
 
 # The C API this module mirrors: the library it loaded must be this release's
 # (major and minor), and every struct it mirrors must have the library's size.

@@ -6,6 +6,7 @@ Environment: DTRAIN_LIB (the shared library; default build/libdtrain.so), DTRUN 
 launcher; default build/dtrun), CC (to compile layout.c; default cc).  Ends with a line
 "python: N passed, N failed".
 """
+import inspect
 import os
 import signal
 import socket
@@ -340,6 +341,19 @@ class Transformer(unittest.TestCase):
             pa = np.abs(a) + 0.5
             np.testing.assert_allclose(dt.pow(ctx.from_numpy(pa), 1.5).numpy(), pa ** 1.5,
                                        rtol=1e-6)
+
+
+class PublicNames(unittest.TestCase):
+    def test_all_lists_every_public_name(self):
+        # help(dtrain) and "from dtrain import *" show what __all__ lists: every
+        # public function and class but the ctypes mirrors of C structs (dt_*)
+        public = [n for n, v in vars(dt).items() if not n.startswith("_") and
+                  getattr(v, "__module__", None) == dt.__name__ and
+                  (inspect.isfunction(v) or inspect.isclass(v)) and not n.startswith("dt_")]
+        self.assertEqual(sorted(set(public) - set(dt.__all__)), [])
+        self.assertEqual(sorted(n for n in dt.__all__ if not hasattr(dt, n)), [])
+        undocumented = [n for n in dt.__all__ if not inspect.getdoc(getattr(dt, n))]
+        self.assertEqual(undocumented, [])
 
 
 class Lifetimes(unittest.TestCase):
