@@ -1096,7 +1096,8 @@ class Tensor:
         """The C handle (dt_tensor *); BadState once the tensor is gone."""
         if self._life is not None and self._life.gen != self._gen:
             raise BadState(7, "this tensor is gone: it belonged to a finished step "
-                              "(ctx.step_reset) or to a loader's earlier batch")
+                              "(ctx.step_reset), to a loader's earlier batch, or to a loader "
+                              "closed since")
         if not self._h or not self.ctx._h:
             raise BadState(7, "this tensor was freed (or its context closed)")
         return self._h
@@ -1785,7 +1786,9 @@ class Loader(_Handle):
             return None
         self.ctx.check(st)
         ctx, life = self.ctx, self.batch_life
-        return Tensor._made(ctx, self._x.value, life), Tensor._made(ctx, self._y.value, life)
+        x, y = Tensor._made(ctx, self._x.value, life), Tensor._made(ctx, self._y.value, life)
+        x._keep = y._keep = self   # a batch keeps its loader: next(iter(Loader(...))) works
+        return x, y
 
     def epoch(self, epoch: int) -> Iterator[Tuple["Tensor", "Tensor"]]:
         """Iterate over one epoch's batches."""

@@ -6,6 +6,7 @@ Environment: DTRAIN_LIB (the shared library; default build/libdtrain.so), DTRUN 
 launcher; default build/dtrun), CC (to compile layout.c; default cc).  Ends with a line
 "python: N passed, N failed".
 """
+import gc
 import inspect
 import os
 import signal
@@ -369,6 +370,16 @@ class Lifetimes(unittest.TestCase):
             self.assertIn("without dt_step_reset", ctx.last_warning)
             ctx.step_reset()
             ctx.backward(dt.sum(dt.relu(dt.matmul(w, w))))   # and on it goes
+
+    def test_batch_of_a_temporary_loader(self):
+        # the PyTorch idiom: the loader is gone once next() returns; its batch keeps it
+        with dt.Context() as ctx:
+            xs = np.arange(32, dtype=np.float32).reshape(8, 4)
+            ds = dt.Dataset.from_numpy(ctx, xs, np.arange(8, dtype=np.int32))
+            x, y = next(iter(dt.Loader(ctx, ds, batch=4, shuffle=False)))
+            gc.collect()
+            np.testing.assert_array_equal(x.numpy(), xs[:4])
+            np.testing.assert_array_equal(y.numpy(), [0, 1, 2, 3])
 
     def test_step_tensor_after_reset(self):
         with dt.Context() as ctx:
