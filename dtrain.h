@@ -424,7 +424,9 @@ DT_API dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim);
  * matmul: a (M,K) b (K,N) -> (M,N); batched a (B,M,K) b (B,K,N) or b (K,N)
  * -> (B,M,N).  trans_a / trans_b use the transpose of that operand. */
 DT_API dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int trans_b);
-/* linear: x (N,In), w (Out,In), b (Out) or NULL -> (N,Out) = x w^T + b. */
+/* linear: x (..., In), w (Out,In), b (Out) or NULL -> (..., Out) = x w^T + b
+ * over the last dim, as torch.nn.functional.linear: (B, T, C) needs no
+ * reshape (so do dt_tp_linear_col and dt_tp_linear_row). */
 DT_API dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b);
 
 /* Elementwise with NumPy/PyTorch broadcasting. */

@@ -284,6 +284,13 @@ static void test_grad_linear(void **state)
         op_args a = {.i0 = bias};
         tu_grad_check(ctx, bias ? "linear with bias" : "linear without bias", f_linear, &a, in,
                       bias ? 3 : 2, EPS, RTOL, ATOL);
+        /* over (..., In): a transformer's (B, T, C) without reshaping */
+        dt_tensor *in3[3] = {tu_param_rand(ctx, &r, "x3", SHP(2, 3, 4), -1, 1), in[1], in[2]};
+        tu_grad_check(ctx, bias ? "linear (B,T,In) with bias" : "linear (B,T,In)", f_linear, &a,
+                      in3, bias ? 3 : 2, EPS, RTOL, ATOL);
+        dt_tensor *y3 = dt_linear(ctx, in3[0], in[1], bias ? in[2] : NULL);
+        tu_check(ctx, y3, "linear (2, 3, 4)");
+        tu_assert_shape(y3, SHP(2, 3, 5));
         dt_ctx_free(ctx);
     }
 }

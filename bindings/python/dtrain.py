@@ -1284,7 +1284,7 @@ def matmul(a: "Tensor", b: "Tensor", trans_a: bool = False, trans_b: bool = Fals
 
 
 def linear(x: "Tensor", w: "Tensor", b: Optional["Tensor"] = None) -> "Tensor":
-    """x @ w^T + b, as torch.nn.functional.linear (b may be None)."""
+    """x (..., in) @ w^T + b over the last dim, as torch.nn.functional.linear (b may be None)."""
     return _op(_C.linear, x, x.handle, w.handle, _h(b))
 def add(a: "Tensor", b: "Tensor") -> "Tensor":
     """a + b elementwise, with NumPy broadcasting."""
