@@ -53,7 +53,7 @@ __all__ = [
     "DistEnv", "evaluate", "count_correct", "checkpoint_save", "checkpoint_load", "now",
     "library_path", "version", "version_string", "dtype_name", "dtype_size", "custom_op",
     "recompute", "LossScaler", "checkpoint_save_ex", "checkpoint_load_ex", "checkpoint_latest",
-    "checkpoint_metadata", "checkpoint_consolidate", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
+    "checkpoint_metadata", "checkpoint_consolidate", "checkpoint_arrays", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
     "hogwild", "HogwildStats", "ParameterServer", "predict", "Monitor", "profile_rank_stats",
     "profiling", "profile_straggler", "schedule_lr", "strerror",
     # ops (each records its backward) and initialisers
@@ -1578,6 +1578,47 @@ def checkpoint_save(ctx: "Context", path: str, opt: Optional["Optimizer"] = None
                     step: int = 0) -> None:
     """Parameters, opt's state and the step to path (safetensors, written atomically)."""
     ctx.check(_C.checkpoint_save(ctx.handle, opt.handle if opt else None, _b(path), step))
+
+
+_ST_DTYPES = {"F32": "<f4", "F16": "<f2", "I32": "<i4", "I64": "<i8", "U8": "u1", "BF16": "<u2"}
+
+
+def checkpoint_arrays(path: str, optimizer: bool = False) -> Dict[str, np.ndarray]:
+    """A checkpoint file's tensors as NumPy arrays, by name, each checked against the
+    CRC-32 the file carries; the model's alone unless optimizer (the "optim.*" state).
+    No context and no extra package: to load into PyTorch (Debian has no safetensors),
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in checkpoint_arrays(p).items()}).
+    bf16 tensors come back as float32.  CorruptFile: a damaged file, a checksum that
+    does not match; FileError: it cannot be read (a sharded checkpoint is a directory:
+    checkpoint_consolidate it first)."""
+    import json
+    import struct
+    import zlib
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise FileError(3, "checkpoint_arrays: cannot read %s: %s" % (path, e.strerror)) from e
+    try:
+        n = struct.unpack("<Q", raw[:8])[0]
+        head = json.loads(raw[8:8 + n].decode("utf-8"))
+        meta, body = head.pop("__metadata__", {}), memoryview(raw)[8 + n:]
+        out = {}
+        for name, t in head.items():
+            lo, hi = t["data_offsets"]
+            if not 0 <= lo <= hi <= len(body) or t["dtype"] not in _ST_DTYPES:
+                raise ValueError("tensor '%s': offsets %s or dtype %s" % (name, (lo, hi), t["dtype"]))
+            want = meta.get("dtrain.crc32." + name)
+            if want is not None and zlib.crc32(body[lo:hi]) != int(want, 16):
+                raise ValueError("tensor '%s' does not match its checksum" % name)
+            if name.startswith("optim.") and not optimizer:
+                continue
+            a = np.frombuffer(body[lo:hi], dtype=_ST_DTYPES[t["dtype"]]).reshape(t["shape"])
+            out[name] = ((a.astype(np.uint32) << 16).view(np.float32) if t["dtype"] == "BF16"
+                         else a.copy())
+        return out
+    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+        raise CorruptFile(4, "checkpoint_arrays: %s: %s" % (path, e)) from e
 
 
 def checkpoint_load(ctx: "Context", path: str, opt: Optional["Optimizer"] = None) -> int:

@@ -464,6 +464,42 @@ class Training(unittest.TestCase):
         self.assertFalse(all(np.array_equal(a, c) for a, c in zip(p1, p3)))
         self.assertLess(np.mean(l1[-5:]), l1[0] - 0.3)   # it learns
 
+    def test_checkpoint_into_pytorch(self):
+        # the binding README's snippet: no safetensors package, a strict load_state_dict
+        with dt.Context(seed=3) as ctx, tempfile.TemporaryDirectory() as d:
+            w, b = ctx.linear_params("fc", 4, 3)
+            opt = dt.Optimizer(ctx, "adamw", lr=1e-2)
+            xs = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+            ctx.backward(dt.sum(dt.linear(ctx.from_numpy(xs), w, b)))
+            opt.step()
+            ctx.step_reset()
+            p = os.path.join(d, "model.safetensors")
+            dt.checkpoint_save(ctx, p, opt, 1)
+            arrays = dt.checkpoint_arrays(p)
+            self.assertEqual(sorted(arrays), ["fc.bias", "fc.weight"])   # no optimizer state
+            np.testing.assert_array_equal(arrays["fc.weight"], w.numpy())
+            self.assertEqual(len(dt.checkpoint_arrays(p, optimizer=True)), 6)
+            want = dt.linear(ctx.from_numpy(xs), w, b).numpy()
+            try:
+                import torch
+            except ImportError:
+                print("skipped: the PyTorch half (no torch here)", file=sys.stderr)
+            else:
+                model = torch.nn.Sequential()
+                model.add_module("fc", torch.nn.Linear(4, 3))
+                model.load_state_dict({k: torch.from_numpy(v)
+                                       for k, v in dt.checkpoint_arrays(p).items()})
+                got = model(torch.from_numpy(xs)).detach().numpy()
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            raw = bytearray(open(p, "rb").read())   # a flipped data byte: refused, named
+            raw[-1] ^= 0x10
+            open(p, "wb").write(bytes(raw))
+            with self.assertRaises(dt.CorruptFile) as cm:
+                dt.checkpoint_arrays(p)
+            self.assertIn("checksum", str(cm.exception))
+            with self.assertRaises(dt.FileError):
+                dt.checkpoint_arrays(os.path.join(d, "missing.safetensors"))
+
     def test_checkpoint_round_trip(self):
         with dt.Context(seed=2) as ctx, tempfile.TemporaryDirectory() as d:
             layers = small_mlp(ctx)
