@@ -374,15 +374,25 @@ typedef struct optim_shard {
 
 #define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
+/* A parameter group (dt_param_group): the optimizer's config with the
+ * group's values in, and its lr (what the last step used) and the base a
+ * schedule scales. */
+typedef struct optim_group {
+    dt_optim_config cfg;
+    float base_lr, lr;
+} optim_group;
+
 struct dt_optim {
     dt_ctx *ctx;
-    dt_optim_config cfg;
+    dt_optim_config cfg;        /* the optimizer's own: kind, dtypes, and the groups' defaults */
     int n, per;                 /* parameters, state tensors per parameter */
     dt_tensor **params;
     dt_tensor **state;          /* n * per */
     int64_t *param_steps;       /* updates each parameter received */
     int64_t steps;
-    float base_lr, lr;
+    int ngroups;
+    optim_group *groups;        /* ngroups; group 0 is dt_optim_lr's */
+    int *group_of;              /* n: the group of params[i] */
     int has_sched;
     dt_schedule sched;
     int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
@@ -411,6 +421,10 @@ struct dt_loss_scaler {
     int unscaled, found_inf;   /* this step's gradients were divided by scale */
     int64_t skipped;
 };
+/* A checkpoint's parameter groups' base lrs (n of them) into o's groups:
+ * DT_EMISMATCH, nothing changed, when o has another number of groups. */
+DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
+DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs);
 /* --- src/ckpt.c --- */
 
 typedef struct strbuf {
@@ -472,7 +486,8 @@ typedef struct st_file {
     int64_t step, optim_steps;
     int shard_rank, shard_world;   /* dtrain.shard "r/N": one shard of a sharded checkpoint */
     int optim_kind;
-    float optim_lr;
+    int optim_nlr;             /* dtrain.optim.lr: each parameter group's base lr */
+    float optim_lr[DT_OPTIM_MAX_GROUPS];
     uint32_t header_crc;       /* dtrain.header_crc32 */
     char *param_steps;         /* host_alloc'ed: any length */
     st_crc *crc;
@@ -1689,6 +1704,7 @@ size_t dt_struct_size(const char *name)
         {"dt_config", sizeof(dt_config)},
         {"dt_mem_stats", sizeof(dt_mem_stats)},
         {"dt_optim_config", sizeof(dt_optim_config)},
+        {"dt_param_group", sizeof(dt_param_group)},
         {"dt_schedule", sizeof(dt_schedule)},
         {"dt_loss_scale_config", sizeof(dt_loss_scale_config)},
         {"dt_checkpoint_config", sizeof(dt_checkpoint_config)},
@@ -6131,34 +6147,109 @@ static dt_status optim_make_masters(dt_optim *o)
     return DT_OK;
 }
 
-dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
+void dt_param_group_init(dt_param_group *g, dt_tensor *const *params, int n)
 {
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (!cfg) {
-        set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
-        return NULL;
-    }
-    dt_optim_config own;   /* defaults of the caller's kind where its struct ends before them */
+    if (!g)
+        return;
+    memset(g, 0, sizeof *g);
+    g->struct_size = sizeof *g;
+    g->params = params;
+    g->n = n;
+    g->lr = g->momentum = g->dampening = g->weight_decay = NAN;
+    g->beta1 = g->beta2 = g->eps = NAN;
+    g->nesterov = -1;
+}
+
+/* The caller's config (struct_size-checked) with the defaults of its kind
+ * where its struct ends before them. */
+static dt_status optim_config_read(dt_ctx *ctx, const dt_optim_config *cfg, dt_optim_config *own)
+{
+    if (!cfg)
+        return set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
     int has_kind = cfg->struct_size >= offsetof(dt_optim_config, kind) + sizeof cfg->kind;
-    dt_optim_config_init(&own, has_kind ? cfg->kind : DT_SGD);
-    if (ctx_config_in(ctx, &own, sizeof own, cfg, "optim_new", "dt_optim_config") != DT_OK)
-        return NULL;
-    cfg = &own;
-    if (check_optim_config(ctx, cfg) != DT_OK)
-        return NULL;
-    dt_tensor *const *src = params ? params : ctx->params;
-    int count = params ? n : ctx->n_params;
-    if (count < 0 || (params && n < 1)) {
-        set_error(ctx, DT_EINVAL, "optim_new: %d parameters", n);
-        return NULL;
+    dt_optim_config_init(own, has_kind ? cfg->kind : DT_SGD);
+    if (ctx_config_in(ctx, own, sizeof *own, cfg, "optim_new", "dt_optim_config") != DT_OK)
+        return ctx->last_status;
+    return check_optim_config(ctx, own);
+}
+
+/* Group g's config: the optimizer's with the group's set (not NaN, nesterov
+ * not -1) values in, checked as a config is. */
+static dt_status optim_group_read(dt_ctx *ctx, const dt_optim_config *base, const dt_param_group *in,
+                                  int g, optim_group *out)
+{
+    dt_param_group own;
+    dt_param_group_init(&own, NULL, 0);
+    if (ctx_config_in(ctx, &own, sizeof own, in, "optim_new_groups", "dt_param_group") != DT_OK)
+        return ctx->last_status;
+    dt_optim_config c = *base;
+    float *dst[] = {&c.lr, &c.momentum, &c.dampening, &c.weight_decay, &c.beta1, &c.beta2, &c.eps};
+    const float src[] = {own.lr, own.momentum, own.dampening, own.weight_decay, own.beta1,
+                         own.beta2, own.eps};
+    for (size_t k = 0; k < sizeof src / sizeof src[0]; k++)
+        if (!isnan(src[k]))
+            *dst[k] = src[k];
+    if (own.nesterov != -1)
+        c.nesterov = own.nesterov;
+    if (own.n < 0 || (own.n > 0 && !own.params))
+        return set_error(ctx, DT_EINVAL, "optim_new_groups: group %d has %d parameters%s", g, own.n,
+                         own.n > 0 ? " and a NULL list" : "");
+    if (check_optim_config(ctx, &c) != DT_OK) {
+        char why[sizeof ctx->err];
+        snprintf(why, sizeof why, "%s", ctx->err);
+        return set_error(ctx, ctx->last_status, "optim_new_groups: group %d: %s", g, why);
     }
+    *out = (optim_group){.cfg = c, .base_lr = c.lr, .lr = c.lr};
+    return DT_OK;
+}
+
+/* Every entry a parameter of ctx, none twice (a parameter in two groups
+ * would be stepped twice). */
+static dt_status optim_check_params(dt_ctx *ctx, dt_tensor *const *src, int count)
+{
     for (int i = 0; i < count; i++) {
-        if (!src[i] || src[i]->ctx != ctx || !(src[i]->flags & T_PARAM)) {
-            set_error(ctx, DT_EINVAL, "optim_new: entry %d is not a parameter of this context", i);
-            return NULL;
-        }
+        if (!src[i] || src[i]->ctx != ctx || !(src[i]->flags & T_PARAM))
+            return set_error(ctx, DT_EINVAL, "optim_new: entry %d is not a parameter of this "
+                             "context", i);
+        for (int j = 0; j < i; j++)
+            if (src[j] == src[i])
+                return set_error(ctx, DT_EINVAL, "optim_new: parameter '%s' is given twice (in "
+                                 "two groups, or twice in one)", src[i]->name);
     }
+    return DT_OK;
+}
+
+/* The state tensors of parameter i: zero until written (optim_state_tensor). */
+static dt_status optim_make_state(dt_optim *o, int i)
+{
+    static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
+                                             {".sum", ""}};   /* torch's state names */
+    int row = o->cfg.kind == DT_SGD ? 0 : o->cfg.kind == DT_ADAGRAD ? 2 : 1;
+    dt_tensor *p = o->params[i];
+    for (int j = 0; j < o->per; j++)
+        if (!(o->state[i * o->per + j] = optim_state_tensor(o, p->ndim, p->shape, p->name,
+                                                            suffix[row][j])))
+            return DT_ENOMEM;
+    return DT_OK;
+}
+
+/* State tensors per parameter: SGD keeps a momentum buffer when any group
+ * has momentum (a group without leaves its buffers unwritten). */
+static int optim_state_per(const dt_optim *o)
+{
+    if (o->cfg.kind == DT_ADAGRAD)
+        return 1;
+    if (o->cfg.kind != DT_SGD)
+        return 2;
+    for (int g = 0; g < o->ngroups; g++)
+        if (o->groups[g].cfg.momentum != 0.0f)
+            return 1;
+    return 0;
+}
+
+static dt_optim *optim_create(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *src,
+                              const int *group_of, int count, const optim_group *groups, int ngroups)
+{
     dt_optim *o = host_calloc(ctx, sizeof *o);
     if (!o) {
         set_error(ctx, DT_ENOMEM, "optim_new: out of memory");
@@ -6167,26 +6258,22 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
     o->ctx = ctx;
     o->cfg = *cfg;
     o->n = count;
-    o->per = cfg->kind == DT_SGD ? (cfg->momentum != 0.0f) : cfg->kind == DT_ADAGRAD ? 1 : 2;
-    o->base_lr = o->lr = cfg->lr;
+    o->ngroups = ngroups;
+    o->groups = host_calloc(ctx, sizeof *o->groups * (size_t)ngroups);
+    o->group_of = host_calloc(ctx, sizeof *o->group_of * (size_t)(count ? count : 1));
     o->params = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count ? count : 1));
-    o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1));
     o->param_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(count ? count : 1));
-    if (!o->params || !o->state || !o->param_steps)
+    if (!o->groups || !o->group_of || !o->params || !o->param_steps)
         goto fail;
-    static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
-                                             {".sum", ""}};   /* torch's state names */
+    memcpy(o->groups, groups, sizeof *groups * (size_t)ngroups);
+    o->per = optim_state_per(o);
+    if (!(o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1))))
+        goto fail;
     for (int i = 0; i < count; i++) {
         o->params[i] = src[i];
-        for (int j = 0; j < o->per; j++) {
-            dt_tensor *p = src[i];
-            dt_tensor *st = optim_state_tensor(o, p->ndim, p->shape, p->name,
-                                               suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
-                                                                               ? 2 : 1][j]);
-            if (!st)
-                goto fail;
-            o->state[i * o->per + j] = st;
-        }
+        o->group_of[i] = group_of ? group_of[i] : 0;
+        if (optim_make_state(o, i) != DT_OK)
+            goto fail;
     }
     if (optim_make_masters(o) != DT_OK)
         goto fail;
@@ -6195,6 +6282,68 @@ fail:
     dt_optim_free(o);
     set_error(ctx, DT_ENOMEM, "optim_new: out of memory for optimizer state");
     return NULL;
+}
+
+dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_optim_config own;
+    if (optim_config_read(ctx, cfg, &own) != DT_OK)
+        return NULL;
+    dt_tensor *const *src = params ? params : ctx->params;
+    int count = params ? n : ctx->n_params;
+    if (count < 0 || (params && n < 1)) {
+        set_error(ctx, DT_EINVAL, "optim_new: %d parameters", n);
+        return NULL;
+    }
+    if (optim_check_params(ctx, src, count) != DT_OK)
+        return NULL;
+    optim_group g = {.cfg = own, .base_lr = own.lr, .lr = own.lr};
+    return optim_create(ctx, &own, src, NULL, count, &g, 1);
+}
+
+dt_optim *dt_optim_new_groups(dt_ctx *ctx, const dt_optim_config *cfg, const dt_param_group *groups,
+                              int n_groups)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_optim_config own;
+    if (optim_config_read(ctx, cfg, &own) != DT_OK)
+        return NULL;
+    if (!groups || n_groups < 1 || n_groups > DT_OPTIM_MAX_GROUPS) {
+        set_error(ctx, DT_EINVAL, "optim_new_groups: %d groups%s (1 to %d)", n_groups,
+                  groups ? "" : " at NULL", DT_OPTIM_MAX_GROUPS);
+        return NULL;
+    }
+    optim_group gs[DT_OPTIM_MAX_GROUPS];
+    int64_t total = 0;
+    for (int g = 0; g < n_groups; g++) {
+        if (optim_group_read(ctx, &own, &groups[g], g, &gs[g]) != DT_OK)
+            return NULL;
+        total += groups[g].n;
+    }
+    if (total < 1 || total > INT_MAX / 2) {
+        set_error(ctx, DT_EINVAL, "optim_new_groups: %lld parameters in all (at least 1)",
+                  (long long)total);
+        return NULL;
+    }
+    dt_tensor **src = host_alloc(ctx, sizeof *src * (size_t)total);
+    int *group_of = host_alloc(ctx, sizeof *group_of * (size_t)total);
+    dt_optim *o = NULL;
+    if (!src || !group_of) {
+        set_error(ctx, DT_ENOMEM, "optim_new_groups: out of memory");
+    } else {
+        int at = 0;
+        for (int g = 0; g < n_groups; g++)
+            for (int i = 0; i < groups[g].n; i++, at++)
+                src[at] = groups[g].params[i], group_of[at] = g;
+        if (optim_check_params(ctx, src, at) == DT_OK)
+            o = optim_create(ctx, &own, src, group_of, at, gs, n_groups);
+    }
+    host_free(ctx, src);
+    host_free(ctx, group_of);
+    return o;
 }
 
 void dt_optim_free(dt_optim *o)
@@ -6216,6 +6365,8 @@ void dt_optim_free(dt_optim *o)
     if (o->scratch)
         ctx->be_iface->free(ctx->be, o->scratch);
     host_free(ctx, o->params);
+    host_free(ctx, o->groups);
+    host_free(ctx, o->group_of);
     host_free(ctx, o->param_steps);
     host_free(ctx, o->shard);
     host_free(ctx, o);
@@ -6263,7 +6414,8 @@ dt_status dt_optim_set_schedule(dt_optim *o, const dt_schedule *s)
         return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: unknown kind %d", (int)s->kind);
     o->sched = *s;
     o->has_sched = 1;
-    o->base_lr = o->lr;
+    for (int g = 0; g < o->ngroups; g++)
+        o->groups[g].base_lr = o->groups[g].lr;
     return DT_OK;
 }
 
@@ -6283,21 +6435,27 @@ dt_status dt_optim_step(dt_optim *o)
 
 /* The kernel of one update over cnt elements of p and g with f32 state s0,
  * s1 (NULL where the kind has fewer). */
-static void optim_kernel(dt_optim *o, int64_t cnt, float *p, const float *g, float *s0, float *s1,
-                         int64_t t)
+static void optim_kernel(dt_optim *o, const optim_group *gr, int64_t cnt, float *p, const float *g,
+                         float *s0, float *s1, int64_t t)
 {
     dt_ctx *ctx = o->ctx;
-    const dt_optim_config *c = &o->cfg;
+    const dt_optim_config *c = &gr->cfg;
     if (c->kind == DT_SGD) {
-        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, s0, o->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
+        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, s0, gr->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
                             c->dampening, c->nesterov, c->weight_decay, t == 1);
     } else if (c->kind == DT_ADAGRAD) {
-        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, s0, o->lr, c->eps, c->weight_decay);
+        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, s0, gr->lr, c->eps, c->weight_decay);
     } else {
         float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
-        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, s0, s1, o->lr, c->beta1, c->beta2, c->eps,
+        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, s0, s1, gr->lr, c->beta1, c->beta2, c->eps,
                              c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
     }
+}
+
+/* Does parameter i keep state?  Not an SGD group without momentum. */
+static int optim_has_state(const dt_optim *o, int i)
+{
+    return o->per > 0 && !(o->cfg.kind == DT_SGD && o->groups[o->group_of[i]].cfg.momentum == 0.0f);
 }
 
 /* One parameter's update: cnt elements from p, g and the state tensors'
@@ -6307,10 +6465,12 @@ static void optim_kernel(dt_optim *o, int64_t cnt, float *p, const float *g, flo
 static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float *g, int64_t t)
 {
     dt_ctx *ctx = o->ctx;
-    dt_tensor *t0 = o->per > 0 ? o->state[i * o->per] : NULL;
-    dt_tensor *t1 = o->per > 1 ? o->state[i * o->per + 1] : NULL;
+    const optim_group *gr = &o->groups[o->group_of[i]];
+    int has = optim_has_state(o, i);
+    dt_tensor *t0 = has ? o->state[i * o->per] : NULL;
+    dt_tensor *t1 = has && o->per > 1 ? o->state[i * o->per + 1] : NULL;
     if (o->cfg.state_dtype == DT_F32 || !t0) {
-        optim_kernel(o, cnt, p, g, t0 ? FP(t0) : NULL, t1 ? FP(t1) : NULL, t);
+        optim_kernel(o, gr, cnt, p, g, t0 ? FP(t0) : NULL, t1 ? FP(t1) : NULL, t);
         return;
     }
     uint16_t *h0 = t0->data, *h1 = t1 ? t1->data : NULL;
@@ -6320,7 +6480,7 @@ static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float 
         BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h0 + a, w0);
         if (h1)
             BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h1 + a, w1);
-        optim_kernel(o, m, p + a, g + a, w0, w1, t);
+        optim_kernel(o, gr, m, p + a, g + a, w0, w1, t);
         BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w0, h0 + a);
         if (h1)
             BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w1, h1 + a);
@@ -6377,8 +6537,8 @@ static dt_status optim_step_run(dt_optim *o)
         return set_error(ctx, DT_ESTATE, "optim_step: this optimizer's state was sharded across "
                          "the ranks by a DDP (dt_ddp_config.zero) that has been freed; make a "
                          "new optimizer");
-    if (o->has_sched)
-        o->lr = dt_schedule_lr(&o->sched, o->base_lr, o->steps);
+    for (int g = 0; o->has_sched && g < o->ngroups; g++)
+        o->groups[g].lr = dt_schedule_lr(&o->sched, o->groups[g].base_lr, o->steps);
     o->steps++;
     for (int i = 0; i < o->n; i++) {
         dt_tensor *p = o->params[i], *g = p->grad;
@@ -6386,7 +6546,7 @@ static dt_status optim_step_run(dt_optim *o)
         if (sh ? !sh->used : !g || (g->flags & T_ZERO))
             continue;
         int64_t t = ++o->param_steps[i];
-        for (int j = 0; j < o->per; j++)   /* zero it now, if never written */
+        for (int j = 0; optim_has_state(o, i) && j < o->per; j++)   /* zero it now, if never written */
             tensor_materialize(o->state[i * o->per + j]);
         optim_update_param(o, i, sh ? sh->grad : FP(g), t);
     }
@@ -6502,7 +6662,40 @@ void dt_optim_zero_grad(dt_optim *o)
     o->ctx->zero_gen++;
 }
 
-float dt_optim_lr(const dt_optim *o) { return o ? o->lr : 0.0f; }
+float dt_optim_lr(const dt_optim *o) { return o ? o->groups[0].lr : 0.0f; }
+int dt_optim_group_count(const dt_optim *o) { return o ? o->ngroups : 0; }
+
+int dt_optim_group_of(const dt_optim *o, const dt_tensor *param)
+{
+    for (int i = 0; o && param && i < o->n; i++)
+        if (o->params[i] == param)
+            return o->group_of[i];
+    return -1;
+}
+
+dt_status dt_optim_group_config(const dt_optim *o, int group, dt_optim_config *out)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (!out || group < 0 || group >= o->ngroups)
+        return set_error(o->ctx, DT_EINVAL, "optim_group_config: group %d of %d%s", group,
+                         o->ngroups, out ? "" : ", out NULL");
+    *out = o->groups[group].cfg;
+    out->lr = o->groups[group].lr;
+    return DT_OK;
+}
+
+dt_status dt_optim_set_group_lr(dt_optim *o, int group, float lr)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (group < 0 || group >= o->ngroups)
+        return set_error(o->ctx, DT_EINVAL, "optim_set_group_lr: group %d of %d", group, o->ngroups);
+    if (!(lr >= 0))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_group_lr: lr %g must be >= 0", (double)lr);
+    o->groups[group].lr = o->groups[group].base_lr = lr;
+    return DT_OK;
+}
 int64_t dt_optim_steps(const dt_optim *o) { return o ? o->steps : 0; }
 int dt_optim_state_count(const dt_optim *o) { return o ? o->n * o->per : 0; }
 
@@ -6517,8 +6710,24 @@ dt_status dt_optim_set_lr(dt_optim *o, float lr)
         return DT_EINVAL;
     if (!(lr >= 0))
         return set_error(o->ctx, DT_EINVAL, "optim_set_lr: lr %g must be >= 0", (double)lr);
-    o->lr = o->base_lr = lr;
+    for (int g = 0; g < o->ngroups; g++)
+        o->groups[g].lr = o->groups[g].base_lr = lr;
     return DT_OK;
+}
+
+DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path)
+{
+    if (n == o->ngroups)
+        return DT_OK;
+    return set_error(o->ctx, DT_EMISMATCH, "checkpoint_load: %s's optimizer has %d parameter "
+                     "group%s, this one %d (give dt_optim_new_groups the groups it was saved with)",
+                     path, n, n == 1 ? "" : "s", o->ngroups);
+}
+
+DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs)
+{
+    for (int g = 0; g < o->ngroups; g++)
+        o->groups[g].lr = o->groups[g].base_lr = lrs[g];
 }
 
 /* Are the gradients sharded across the ranks (src/zero.c)? */
@@ -6800,7 +7009,8 @@ typedef struct ckpt_meta {
     int has_optim;                 /* the optimizer's four fields below */
     int kind;
     int64_t steps;
-    float lr;
+    int nlr;                       /* each parameter group's base lr */
+    float lr[DT_OPTIM_MAX_GROUPS];
     int n;                         /* param_steps[n] */
     const int64_t *param_steps;
     int shard_rank, shard_world;   /* shard_world > 0: "dtrain.shard" */
@@ -6810,9 +7020,16 @@ typedef struct ckpt_meta {
 static ckpt_meta ckpt_meta_of(const dt_optim *opt, int64_t step, const dt_checkpoint_config *cfg)
 {
     ckpt_meta m = {.step = step, .cfg = cfg};
-    if (opt)
-        m = (ckpt_meta){step, 1, (int)opt->cfg.kind, opt->steps, opt->base_lr, opt->n,
-                        opt->param_steps, 0, 0, cfg};
+    if (!opt)
+        return m;
+    m.has_optim = 1;
+    m.kind = (int)opt->cfg.kind;
+    m.steps = opt->steps;
+    m.nlr = opt->ngroups;
+    for (int g = 0; g < opt->ngroups; g++)
+        m.lr[g] = opt->groups[g].base_lr;
+    m.n = opt->n;
+    m.param_steps = opt->param_steps;
     return m;
 }
 
@@ -6841,6 +7058,32 @@ static uint32_t st_header_crc(unsigned char *h, size_t len)
 
 #define ST_HEADER_CRC_KEY "\"dtrain.header_crc32\":\""
 
+/* Parameter groups' lrs as "a,b,...": "dtrain.optim.lr" (one group: one
+ * number, as files before groups), and a sharded index's "lr". */
+static void ckpt_put_lrs(strbuf *b, const float *lr, int n)
+{
+    for (int g = 0; g < n; g++)
+        strbuf_printf(b, "%s%.9g", g ? "," : "", (double)lr[g]);
+}
+
+/* ckpt_put_lrs' text back: 1 to DT_OPTIM_MAX_GROUPS finite rates >= 0. */
+static int ckpt_parse_lrs(const char *s, float *lr, int *n)
+{
+    *n = 0;
+    for (;;) {
+        char *endp;
+        float v = strtof(s, &endp);
+        if (endp == s || !isfinite(v) || !(v >= 0) || *n == DT_OPTIM_MAX_GROUPS)
+            return 0;
+        lr[(*n)++] = v;
+        if (!*endp)
+            return 1;
+        if (*endp != ',')
+            return 0;
+        s = endp + 1;
+    }
+}
+
 /* The JSON header; crc: each item's data checksum (NULL: zeros, the same
  * length, for a first pass written before the data); hcrc: the header's
  * own, computed with this field 00000000 (st_header_crc). */
@@ -6865,8 +7108,9 @@ static void ckpt_header(strbuf *b, const ckpt_meta *m, const ckpt_item *items, i
     }
     if (m->has_optim) {
         strbuf_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
-                     "\"dtrain.optim.lr\":\"%.9g\",\"dtrain.optim.param_steps\":\"",
-                      m->kind, (long long)m->steps, (double)m->lr);
+                     "\"dtrain.optim.lr\":\"", m->kind, (long long)m->steps);
+        ckpt_put_lrs(b, m->lr, m->nlr);
+        strbuf_puts(b, "\",\"dtrain.optim.param_steps\":\"");
         for (int i = 0; i < m->n; i++)
             strbuf_printf(b, "%s%lld", i ? "," : "", (long long)m->param_steps[i]);
         strbuf_puts(b, "\"");
@@ -7379,7 +7623,6 @@ static int meta_dtrain(st_file *f, const char *key, const char *val)
         return meta_bad(f, key, "is given twice");
     f->seen |= bit;
     int64_t v = 0;
-    char *endp;
     switch (bit) {
     case ST_STEP:
         return meta_i64(val, &f->step) || meta_bad(f, key, "is not an integer >= 0");
@@ -7391,9 +7634,8 @@ static int meta_dtrain(st_file *f, const char *key, const char *val)
         f->optim_kind = (int)v;
         return 1;
     case ST_OPT_LR:
-        f->optim_lr = strtof(val, &endp);
-        return (endp != val && !*endp && isfinite(f->optim_lr) && f->optim_lr >= 0) ||
-               meta_bad(f, key, "is not a learning rate >= 0");
+        return ckpt_parse_lrs(val, f->optim_lr, &f->optim_nlr) ||
+               meta_bad(f, key, "is not learning rates >= 0, one per parameter group");
     case ST_OPT_PSTEPS:
         if (!(f->param_steps = host_alloc(f->ctx, strlen(val) + 1)))
             return -1;
@@ -7956,7 +8198,8 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
                                              "kind of optimizer");
             goto done;
         }
-        if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK)
+        if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK ||
+            (s = optim_check_lrs(opt, f.optim_nlr, path)) != DT_OK)
             goto done;
     }
     const unsigned char *data = buf + 8 + hlen;
@@ -7973,7 +8216,7 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
     if (s == DT_OK && opt) {
         opt->steps = f.optim_steps;
         memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
-        opt->lr = opt->base_lr = f.optim_lr;
+        optim_set_lrs(opt, f.optim_lr);
         optim_masters_from_params(opt, 1);
     }
     if (s == DT_OK && step_out)
@@ -8126,7 +8369,8 @@ typedef struct shard_index {
     int world, zero;
     int has_optim, kind;
     int64_t steps;
-    float lr;
+    int nlr;                   /* each parameter group's base lr */
+    float lr[DT_OPTIM_MAX_GROUPS];
     int nopt;                  /* the optimizer's parameters, in its order: */
     int64_t *opt_param;        /* their positions in p */
     int64_t *opt_steps;        /* the steps each took */
@@ -8271,8 +8515,11 @@ static void index_json(strbuf *b, const dt_ctx *ctx, const dt_optim *opt, int64_
     }
     strbuf_puts(b, "],\n");
     if (opt) {
-        strbuf_printf(b, "\"optimizer\":{\"kind\":%d,\"steps\":%lld,\"lr\":\"%.9g\",\"params\":[",
-                      (int)opt->cfg.kind, (long long)opt->steps, (double)opt->base_lr);
+        ckpt_meta m = ckpt_meta_of(opt, step, NULL);
+        strbuf_printf(b, "\"optimizer\":{\"kind\":%d,\"steps\":%lld,\"lr\":\"",
+                      (int)opt->cfg.kind, (long long)opt->steps);
+        ckpt_put_lrs(b, m.lr, m.nlr);
+        strbuf_puts(b, "\",\"params\":[");
         for (int i = 0; i < opt->n; i++)
             strbuf_printf(b, "%s%d", i ? "," : "", opt->params[i]->param_index);
         strbuf_puts(b, "],\"param_steps\":[");
@@ -8376,7 +8623,7 @@ static int index_optim(json *j, dt_ctx *ctx, shard_index *ix)
     if (!js_char(j, '{'))
         return 0;
     do {
-        char key[16], lr[48];
+        char key[16], lr[DT_OPTIM_MAX_GROUPS * 20];
         uint64_t v;
         int r = 1;
         if (!js_string(j, key, sizeof key) || !js_char(j, ':'))
@@ -8386,9 +8633,7 @@ static int index_optim(json *j, dt_ctx *ctx, shard_index *ix)
         else if (strcmp(key, "steps") == 0 && (r = js_uint(j, &v)) && v < ((uint64_t)1 << 62))
             ix->steps = (int64_t)v, seen |= 2;
         else if (strcmp(key, "lr") == 0 && (r = js_string(j, lr, sizeof lr))) {
-            char *endp;
-            ix->lr = strtof(lr, &endp);
-            r = endp != lr && !*endp && isfinite(ix->lr) && ix->lr >= 0;
+            r = ckpt_parse_lrs(lr, ix->lr, &ix->nlr);
             seen |= 4;
         } else if (strcmp(key, "params") == 0 && (r = js_uint_list(j, ctx, &ix->opt_param, &ix->nopt)) > 0)
             seen |= 8;
@@ -8664,6 +8909,8 @@ static dt_status plan_dests(ckpt_plan *pl, const int64_t *plo, const int64_t *pn
     if (!pl->ix.has_optim || pl->ix.kind != (int)o->cfg.kind)
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no state for this kind of "
                          "optimizer", pl->dir);
+    if (optim_check_lrs(o, pl->ix.nlr, pl->dir) != DT_OK)
+        return ctx->last_status;
     for (int i = 0; i < o->n; i++) {
         int found = -1;
         for (int q = 0; q < pl->ix.nopt && found < 0; q++)
@@ -8820,7 +9067,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
     if (s == DT_OK && o) {
         o->steps = pl->ix.steps;
         memcpy(o->param_steps, pl->opt_steps, sizeof(int64_t) * (size_t)o->n);
-        o->lr = o->base_lr = pl->ix.lr;
+        optim_set_lrs(o, pl->ix.lr);
     }
     if (s == DT_OK && step_out)
         *step_out = pl->ix.step;
@@ -8899,7 +9146,8 @@ dt_status dt_checkpoint_consolidate(dt_ctx *ctx, const char *dir, const char *pa
     for (int i = 0; s == DT_OK && i < pl->ix.nopt; i++)
         psteps[i] = pl->ix.opt_steps[i];
     ckpt_meta m = {.step = pl->ix.step, .has_optim = pl->ix.has_optim, .kind = pl->ix.kind,
-                   .steps = pl->ix.steps, .lr = pl->ix.lr, .n = pl->ix.nopt, .param_steps = psteps};
+                   .steps = pl->ix.steps, .nlr = pl->ix.nlr, .n = pl->ix.nopt, .param_steps = psteps};
+    memcpy(m.lr, pl->ix.lr, sizeof m.lr);
     if (s == DT_OK)
         s = ckpt_write_file(ctx, path, &m, items, pl->nbase);
     host_free(ctx, items);
@@ -17715,8 +17963,9 @@ static void ps_tab_apply(dt_ps *ps, ps_tab *tb, float scale)
     const dt_optim_config *c = &ps->opt->cfg;
     const dt_backend_iface *be = ps->sctx->be_iface;
     /* the rate the schedule gives now (ASP rows may arrive between dense steps) */
-    float lr = ps->opt->has_sched ? dt_schedule_lr(&ps->opt->sched, ps->opt->base_lr, ps->opt->steps)
-                                  : ps->opt->lr;
+    const optim_group *g0 = &ps->opt->groups[0];   /* the servers' optimizer has one group */
+    float lr = ps->opt->has_sched ? dt_schedule_lr(&ps->opt->sched, g0->base_lr, ps->opt->steps)
+                                  : g0->lr;
     float bc1 = 0, bc2 = 0;
     int64_t d = tb->dim;
     tb->steps++;
@@ -20296,8 +20545,9 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
     /* buffers for the largest ratio: the warm-up's first step */
     double ratio = ddp_topk_ratio(d, 0);
     const dt_optim *o = d->opt;
+    /* (one momentum for all: with parameter groups the optimizer applies its own) */
     if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && o && o->cfg.kind == DT_SGD &&
-        o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
+        o->ngroups == 1 && o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
         d->momentum = o->cfg.momentum;
     for (int j = 0; j < d->nbuckets; j++) {
         ddp_bucket *b = &d->buckets[j];

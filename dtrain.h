@@ -607,6 +607,46 @@ DT_API void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind);
  * parameter of ctx; DT_ENOTSUP: AdaGrad on a backend without it. */
 DT_API dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg,
                               dt_tensor *const *params, int n);
+
+/* Parameter groups, as torch.optim's param_groups: each group's parameters
+ * and the hyper-parameters it sets differently from the optimizer's
+ * dt_optim_config; a field left as dt_param_group_init made it (NaN,
+ * nesterov -1) is the config's.  The usual recipe, no decay on biases and
+ * norms:
+ *
+ *     dt_param_group g[2];
+ *     dt_param_group_init(&g[0], matrices, n_matrices);   // the config's decay
+ *     dt_param_group_init(&g[1], vectors, n_vectors);
+ *     g[1].weight_decay = 0.0f;
+ *     dt_optim *opt = dt_optim_new_groups(ctx, &cfg, g, 2);
+ *
+ * kind, param_dtype and state_dtype are the optimizer's, for all groups.
+ * A schedule (dt_optim_set_schedule) scales each group's own base lr. */
+#define DT_OPTIM_MAX_GROUPS 128
+typedef struct dt_param_group {
+    size_t struct_size;        /* set by dt_param_group_init */
+    dt_tensor *const *params;  /* borrowed for the call (the optimizer keeps its own list) */
+    int n;                     /* >= 0; an empty group is allowed, as in PyTorch */
+    float lr, momentum, dampening, weight_decay, beta1, beta2, eps;
+    int nesterov;
+} dt_param_group;
+DT_API void dt_param_group_init(dt_param_group *g, dt_tensor *const *params, int n);
+/* New optimizer over groups[0..n_groups) (1 to DT_OPTIM_MAX_GROUPS); its
+ * parameters are the groups' in order (dt_optim_state_at's order).  new:
+ * free with dt_optim_free.  DT_EINVAL: as dt_optim_new, for any group's
+ * values too, or a parameter in two groups, or no parameter in any. */
+DT_API dt_optim *dt_optim_new_groups(dt_ctx *ctx, const dt_optim_config *cfg,
+                                     const dt_param_group *groups, int n_groups);
+DT_API int dt_optim_group_count(const dt_optim *opt);   /* 1 for dt_optim_new; 0: NULL */
+/* The group param is in, or -1 (not one of opt's parameters, or NULL). */
+DT_API int dt_optim_group_of(const dt_optim *opt, const dt_tensor *param);
+/* The group's hyper-parameters as a full config (kind and dtypes the
+ * optimizer's; lr the one its last step used).  DT_EINVAL: a group out of
+ * range, out NULL. */
+DT_API dt_status dt_optim_group_config(const dt_optim *opt, int group, dt_optim_config *out);
+/* Set one group's lr (and its schedule base).  DT_EINVAL: group out of
+ * range, lr < 0 or NaN. */
+DT_API dt_status dt_optim_set_group_lr(dt_optim *opt, int group, float lr);
 DT_API void dt_optim_free(dt_optim *opt);          /* NULL is fine */
 /* One update from the current gradients; with a schedule, the update with
  * index t (0-based) uses dt_schedule_lr(s, base, t).  Parameters that got no
@@ -615,9 +655,11 @@ DT_API void dt_optim_free(dt_optim *opt);          /* NULL is fine */
 DT_API dt_status dt_optim_step(dt_optim *opt);
 /* dt_zero_grad for this optimizer's parameters only. */
 DT_API void dt_optim_zero_grad(dt_optim *opt);
-/* The learning rate the last step used (before any: the base). */
+/* The learning rate the last step used (before any: the base); with
+ * parameter groups, group 0's (dt_optim_group_config for the others). */
 DT_API float dt_optim_lr(const dt_optim *opt);
-/* Set the lr, and a schedule's base.  DT_EINVAL: lr < 0 or NaN. */
+/* Set the lr, and a schedule's base, of every group (dt_optim_set_group_lr
+ * for one).  DT_EINVAL: lr < 0 or NaN. */
 DT_API dt_status dt_optim_set_lr(dt_optim *opt, float lr);
 DT_API int64_t dt_optim_steps(const dt_optim *opt);   /* steps taken */
 

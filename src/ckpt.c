@@ -84,7 +84,8 @@ typedef struct ckpt_meta {
     int has_optim;                 /* the optimizer's four fields below */
     int kind;
     int64_t steps;
-    float lr;
+    int nlr;                       /* each parameter group's base lr */
+    float lr[DT_OPTIM_MAX_GROUPS];
     int n;                         /* param_steps[n] */
     const int64_t *param_steps;
     int shard_rank, shard_world;   /* shard_world > 0: "dtrain.shard" */
@@ -94,9 +95,16 @@ typedef struct ckpt_meta {
 static ckpt_meta ckpt_meta_of(const dt_optim *opt, int64_t step, const dt_checkpoint_config *cfg)
 {
     ckpt_meta m = {.step = step, .cfg = cfg};
-    if (opt)
-        m = (ckpt_meta){step, 1, (int)opt->cfg.kind, opt->steps, opt->base_lr, opt->n,
-                        opt->param_steps, 0, 0, cfg};
+    if (!opt)
+        return m;
+    m.has_optim = 1;
+    m.kind = (int)opt->cfg.kind;
+    m.steps = opt->steps;
+    m.nlr = opt->ngroups;
+    for (int g = 0; g < opt->ngroups; g++)
+        m.lr[g] = opt->groups[g].base_lr;
+    m.n = opt->n;
+    m.param_steps = opt->param_steps;
     return m;
 }
 
@@ -125,6 +133,32 @@ static uint32_t st_header_crc(unsigned char *h, size_t len)
 
 #define ST_HEADER_CRC_KEY "\"dtrain.header_crc32\":\""
 
+/* Parameter groups' lrs as "a,b,...": "dtrain.optim.lr" (one group: one
+ * number, as files before groups), and a sharded index's "lr". */
+static void ckpt_put_lrs(strbuf *b, const float *lr, int n)
+{
+    for (int g = 0; g < n; g++)
+        strbuf_printf(b, "%s%.9g", g ? "," : "", (double)lr[g]);
+}
+
+/* ckpt_put_lrs' text back: 1 to DT_OPTIM_MAX_GROUPS finite rates >= 0. */
+static int ckpt_parse_lrs(const char *s, float *lr, int *n)
+{
+    *n = 0;
+    for (;;) {
+        char *endp;
+        float v = strtof(s, &endp);
+        if (endp == s || !isfinite(v) || !(v >= 0) || *n == DT_OPTIM_MAX_GROUPS)
+            return 0;
+        lr[(*n)++] = v;
+        if (!*endp)
+            return 1;
+        if (*endp != ',')
+            return 0;
+        s = endp + 1;
+    }
+}
+
 /* The JSON header; crc: each item's data checksum (NULL: zeros, the same
  * length, for a first pass written before the data); hcrc: the header's
  * own, computed with this field 00000000 (st_header_crc). */
@@ -149,8 +183,9 @@ static void ckpt_header(strbuf *b, const ckpt_meta *m, const ckpt_item *items, i
     }
     if (m->has_optim) {
         strbuf_printf(b, ",\"dtrain.optim.kind\":\"%d\",\"dtrain.optim.steps\":\"%lld\","
-                     "\"dtrain.optim.lr\":\"%.9g\",\"dtrain.optim.param_steps\":\"",
-                      m->kind, (long long)m->steps, (double)m->lr);
+                     "\"dtrain.optim.lr\":\"", m->kind, (long long)m->steps);
+        ckpt_put_lrs(b, m->lr, m->nlr);
+        strbuf_puts(b, "\",\"dtrain.optim.param_steps\":\"");
         for (int i = 0; i < m->n; i++)
             strbuf_printf(b, "%s%lld", i ? "," : "", (long long)m->param_steps[i]);
         strbuf_puts(b, "\"");
@@ -663,7 +698,6 @@ static int meta_dtrain(st_file *f, const char *key, const char *val)
         return meta_bad(f, key, "is given twice");
     f->seen |= bit;
     int64_t v = 0;
-    char *endp;
     switch (bit) {
     case ST_STEP:
         return meta_i64(val, &f->step) || meta_bad(f, key, "is not an integer >= 0");
@@ -675,9 +709,8 @@ static int meta_dtrain(st_file *f, const char *key, const char *val)
         f->optim_kind = (int)v;
         return 1;
     case ST_OPT_LR:
-        f->optim_lr = strtof(val, &endp);
-        return (endp != val && !*endp && isfinite(f->optim_lr) && f->optim_lr >= 0) ||
-               meta_bad(f, key, "is not a learning rate >= 0");
+        return ckpt_parse_lrs(val, f->optim_lr, &f->optim_nlr) ||
+               meta_bad(f, key, "is not learning rates >= 0, one per parameter group");
     case ST_OPT_PSTEPS:
         if (!(f->param_steps = host_alloc(f->ctx, strlen(val) + 1)))
             return -1;
@@ -1240,7 +1273,8 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
                                              "kind of optimizer");
             goto done;
         }
-        if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK)
+        if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK ||
+            (s = optim_check_lrs(opt, f.optim_nlr, path)) != DT_OK)
             goto done;
     }
     const unsigned char *data = buf + 8 + hlen;
@@ -1257,7 +1291,7 @@ dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
     if (s == DT_OK && opt) {
         opt->steps = f.optim_steps;
         memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
-        opt->lr = opt->base_lr = f.optim_lr;
+        optim_set_lrs(opt, f.optim_lr);
         optim_masters_from_params(opt, 1);
     }
     if (s == DT_OK && step_out)
@@ -1410,7 +1444,8 @@ typedef struct shard_index {
     int world, zero;
     int has_optim, kind;
     int64_t steps;
-    float lr;
+    int nlr;                   /* each parameter group's base lr */
+    float lr[DT_OPTIM_MAX_GROUPS];
     int nopt;                  /* the optimizer's parameters, in its order: */
     int64_t *opt_param;        /* their positions in p */
     int64_t *opt_steps;        /* the steps each took */
@@ -1555,8 +1590,11 @@ static void index_json(strbuf *b, const dt_ctx *ctx, const dt_optim *opt, int64_
     }
     strbuf_puts(b, "],\n");
     if (opt) {
-        strbuf_printf(b, "\"optimizer\":{\"kind\":%d,\"steps\":%lld,\"lr\":\"%.9g\",\"params\":[",
-                      (int)opt->cfg.kind, (long long)opt->steps, (double)opt->base_lr);
+        ckpt_meta m = ckpt_meta_of(opt, step, NULL);
+        strbuf_printf(b, "\"optimizer\":{\"kind\":%d,\"steps\":%lld,\"lr\":\"",
+                      (int)opt->cfg.kind, (long long)opt->steps);
+        ckpt_put_lrs(b, m.lr, m.nlr);
+        strbuf_puts(b, "\",\"params\":[");
         for (int i = 0; i < opt->n; i++)
             strbuf_printf(b, "%s%d", i ? "," : "", opt->params[i]->param_index);
         strbuf_puts(b, "],\"param_steps\":[");
@@ -1660,7 +1698,7 @@ static int index_optim(json *j, dt_ctx *ctx, shard_index *ix)
     if (!js_char(j, '{'))
         return 0;
     do {
-        char key[16], lr[48];
+        char key[16], lr[DT_OPTIM_MAX_GROUPS * 20];
         uint64_t v;
         int r = 1;
         if (!js_string(j, key, sizeof key) || !js_char(j, ':'))
@@ -1670,9 +1708,7 @@ static int index_optim(json *j, dt_ctx *ctx, shard_index *ix)
         else if (strcmp(key, "steps") == 0 && (r = js_uint(j, &v)) && v < ((uint64_t)1 << 62))
             ix->steps = (int64_t)v, seen |= 2;
         else if (strcmp(key, "lr") == 0 && (r = js_string(j, lr, sizeof lr))) {
-            char *endp;
-            ix->lr = strtof(lr, &endp);
-            r = endp != lr && !*endp && isfinite(ix->lr) && ix->lr >= 0;
+            r = ckpt_parse_lrs(lr, ix->lr, &ix->nlr);
             seen |= 4;
         } else if (strcmp(key, "params") == 0 && (r = js_uint_list(j, ctx, &ix->opt_param, &ix->nopt)) > 0)
             seen |= 8;
@@ -1948,6 +1984,8 @@ static dt_status plan_dests(ckpt_plan *pl, const int64_t *plo, const int64_t *pn
     if (!pl->ix.has_optim || pl->ix.kind != (int)o->cfg.kind)
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no state for this kind of "
                          "optimizer", pl->dir);
+    if (optim_check_lrs(o, pl->ix.nlr, pl->dir) != DT_OK)
+        return ctx->last_status;
     for (int i = 0; i < o->n; i++) {
         int found = -1;
         for (int q = 0; q < pl->ix.nopt && found < 0; q++)
@@ -2104,7 +2142,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
     if (s == DT_OK && o) {
         o->steps = pl->ix.steps;
         memcpy(o->param_steps, pl->opt_steps, sizeof(int64_t) * (size_t)o->n);
-        o->lr = o->base_lr = pl->ix.lr;
+        optim_set_lrs(o, pl->ix.lr);
     }
     if (s == DT_OK && step_out)
         *step_out = pl->ix.step;
@@ -2183,7 +2221,8 @@ dt_status dt_checkpoint_consolidate(dt_ctx *ctx, const char *dir, const char *pa
     for (int i = 0; s == DT_OK && i < pl->ix.nopt; i++)
         psteps[i] = pl->ix.opt_steps[i];
     ckpt_meta m = {.step = pl->ix.step, .has_optim = pl->ix.has_optim, .kind = pl->ix.kind,
-                   .steps = pl->ix.steps, .lr = pl->ix.lr, .n = pl->ix.nopt, .param_steps = psteps};
+                   .steps = pl->ix.steps, .nlr = pl->ix.nlr, .n = pl->ix.nopt, .param_steps = psteps};
+    memcpy(m.lr, pl->ix.lr, sizeof m.lr);
     if (s == DT_OK)
         s = ckpt_write_file(ctx, path, &m, items, pl->nbase);
     host_free(ctx, items);

@@ -26,6 +26,7 @@ size_t dt_struct_size(const char *name)
         {"dt_config", sizeof(dt_config)},
         {"dt_mem_stats", sizeof(dt_mem_stats)},
         {"dt_optim_config", sizeof(dt_optim_config)},
+        {"dt_param_group", sizeof(dt_param_group)},
         {"dt_schedule", sizeof(dt_schedule)},
         {"dt_loss_scale_config", sizeof(dt_loss_scale_config)},
         {"dt_checkpoint_config", sizeof(dt_checkpoint_config)},

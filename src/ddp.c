@@ -244,8 +244,9 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
     /* buffers for the largest ratio: the warm-up's first step */
     double ratio = ddp_topk_ratio(d, 0);
     const dt_optim *o = d->opt;
+    /* (one momentum for all: with parameter groups the optimizer applies its own) */
     if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && o && o->cfg.kind == DT_SGD &&
-        o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
+        o->ngroups == 1 && o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
         d->momentum = o->cfg.momentum;
     for (int j = 0; j < d->nbuckets; j++) {
         ddp_bucket *b = &d->buckets[j];

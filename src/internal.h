@@ -364,15 +364,25 @@ typedef struct optim_shard {
 
 #define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
+/* A parameter group (dt_param_group): the optimizer's config with the
+ * group's values in, and its lr (what the last step used) and the base a
+ * schedule scales. */
+typedef struct optim_group {
+    dt_optim_config cfg;
+    float base_lr, lr;
+} optim_group;
+
 struct dt_optim {
     dt_ctx *ctx;
-    dt_optim_config cfg;
+    dt_optim_config cfg;        /* the optimizer's own: kind, dtypes, and the groups' defaults */
     int n, per;                 /* parameters, state tensors per parameter */
     dt_tensor **params;
     dt_tensor **state;          /* n * per */
     int64_t *param_steps;       /* updates each parameter received */
     int64_t steps;
-    float base_lr, lr;
+    int ngroups;
+    optim_group *groups;        /* ngroups; group 0 is dt_optim_lr's */
+    int *group_of;              /* n: the group of params[i] */
     int has_sched;
     dt_schedule sched;
     int momentum_by_ddp;        /* top-k DDP applies SGD's momentum before sparsifying
@@ -401,6 +411,10 @@ struct dt_loss_scaler {
     int unscaled, found_inf;   /* this step's gradients were divided by scale */
     int64_t skipped;
 };
+/* A checkpoint's parameter groups' base lrs (n of them) into o's groups:
+ * DT_EMISMATCH, nothing changed, when o has another number of groups. */
+DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
+DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs);
 /* --- src/ckpt.c --- */
 
 typedef struct strbuf {
@@ -462,7 +476,8 @@ typedef struct st_file {
     int64_t step, optim_steps;
     int shard_rank, shard_world;   /* dtrain.shard "r/N": one shard of a sharded checkpoint */
     int optim_kind;
-    float optim_lr;
+    int optim_nlr;             /* dtrain.optim.lr: each parameter group's base lr */
+    float optim_lr[DT_OPTIM_MAX_GROUPS];
     uint32_t header_crc;       /* dtrain.header_crc32 */
     char *param_steps;         /* host_alloc'ed: any length */
     st_crc *crc;

@@ -161,34 +161,109 @@ static dt_status optim_make_masters(dt_optim *o)
     return DT_OK;
 }
 
-dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
+void dt_param_group_init(dt_param_group *g, dt_tensor *const *params, int n)
 {
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (!cfg) {
-        set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
-        return NULL;
-    }
-    dt_optim_config own;   /* defaults of the caller's kind where its struct ends before them */
+    if (!g)
+        return;
+    memset(g, 0, sizeof *g);
+    g->struct_size = sizeof *g;
+    g->params = params;
+    g->n = n;
+    g->lr = g->momentum = g->dampening = g->weight_decay = NAN;
+    g->beta1 = g->beta2 = g->eps = NAN;
+    g->nesterov = -1;
+}
+
+/* The caller's config (struct_size-checked) with the defaults of its kind
+ * where its struct ends before them. */
+static dt_status optim_config_read(dt_ctx *ctx, const dt_optim_config *cfg, dt_optim_config *own)
+{
+    if (!cfg)
+        return set_error(ctx, DT_EINVAL, "optim_new: config is NULL");
     int has_kind = cfg->struct_size >= offsetof(dt_optim_config, kind) + sizeof cfg->kind;
-    dt_optim_config_init(&own, has_kind ? cfg->kind : DT_SGD);
-    if (ctx_config_in(ctx, &own, sizeof own, cfg, "optim_new", "dt_optim_config") != DT_OK)
-        return NULL;
-    cfg = &own;
-    if (check_optim_config(ctx, cfg) != DT_OK)
-        return NULL;
-    dt_tensor *const *src = params ? params : ctx->params;
-    int count = params ? n : ctx->n_params;
-    if (count < 0 || (params && n < 1)) {
-        set_error(ctx, DT_EINVAL, "optim_new: %d parameters", n);
-        return NULL;
+    dt_optim_config_init(own, has_kind ? cfg->kind : DT_SGD);
+    if (ctx_config_in(ctx, own, sizeof *own, cfg, "optim_new", "dt_optim_config") != DT_OK)
+        return ctx->last_status;
+    return check_optim_config(ctx, own);
+}
+
+/* Group g's config: the optimizer's with the group's set (not NaN, nesterov
+ * not -1) values in, checked as a config is. */
+static dt_status optim_group_read(dt_ctx *ctx, const dt_optim_config *base, const dt_param_group *in,
+                                  int g, optim_group *out)
+{
+    dt_param_group own;
+    dt_param_group_init(&own, NULL, 0);
+    if (ctx_config_in(ctx, &own, sizeof own, in, "optim_new_groups", "dt_param_group") != DT_OK)
+        return ctx->last_status;
+    dt_optim_config c = *base;
+    float *dst[] = {&c.lr, &c.momentum, &c.dampening, &c.weight_decay, &c.beta1, &c.beta2, &c.eps};
+    const float src[] = {own.lr, own.momentum, own.dampening, own.weight_decay, own.beta1,
+                         own.beta2, own.eps};
+    for (size_t k = 0; k < sizeof src / sizeof src[0]; k++)
+        if (!isnan(src[k]))
+            *dst[k] = src[k];
+    if (own.nesterov != -1)
+        c.nesterov = own.nesterov;
+    if (own.n < 0 || (own.n > 0 && !own.params))
+        return set_error(ctx, DT_EINVAL, "optim_new_groups: group %d has %d parameters%s", g, own.n,
+                         own.n > 0 ? " and a NULL list" : "");
+    if (check_optim_config(ctx, &c) != DT_OK) {
+        char why[sizeof ctx->err];
+        snprintf(why, sizeof why, "%s", ctx->err);
+        return set_error(ctx, ctx->last_status, "optim_new_groups: group %d: %s", g, why);
     }
+    *out = (optim_group){.cfg = c, .base_lr = c.lr, .lr = c.lr};
+    return DT_OK;
+}
+
+/* Every entry a parameter of ctx, none twice (a parameter in two groups
+ * would be stepped twice). */
+static dt_status optim_check_params(dt_ctx *ctx, dt_tensor *const *src, int count)
+{
     for (int i = 0; i < count; i++) {
-        if (!src[i] || src[i]->ctx != ctx || !(src[i]->flags & T_PARAM)) {
-            set_error(ctx, DT_EINVAL, "optim_new: entry %d is not a parameter of this context", i);
-            return NULL;
-        }
+        if (!src[i] || src[i]->ctx != ctx || !(src[i]->flags & T_PARAM))
+            return set_error(ctx, DT_EINVAL, "optim_new: entry %d is not a parameter of this "
+                             "context", i);
+        for (int j = 0; j < i; j++)
+            if (src[j] == src[i])
+                return set_error(ctx, DT_EINVAL, "optim_new: parameter '%s' is given twice (in "
+                                 "two groups, or twice in one)", src[i]->name);
     }
+    return DT_OK;
+}
+
+/* The state tensors of parameter i: zero until written (optim_state_tensor). */
+static dt_status optim_make_state(dt_optim *o, int i)
+{
+    static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
+                                             {".sum", ""}};   /* torch's state names */
+    int row = o->cfg.kind == DT_SGD ? 0 : o->cfg.kind == DT_ADAGRAD ? 2 : 1;
+    dt_tensor *p = o->params[i];
+    for (int j = 0; j < o->per; j++)
+        if (!(o->state[i * o->per + j] = optim_state_tensor(o, p->ndim, p->shape, p->name,
+                                                            suffix[row][j])))
+            return DT_ENOMEM;
+    return DT_OK;
+}
+
+/* State tensors per parameter: SGD keeps a momentum buffer when any group
+ * has momentum (a group without leaves its buffers unwritten). */
+static int optim_state_per(const dt_optim *o)
+{
+    if (o->cfg.kind == DT_ADAGRAD)
+        return 1;
+    if (o->cfg.kind != DT_SGD)
+        return 2;
+    for (int g = 0; g < o->ngroups; g++)
+        if (o->groups[g].cfg.momentum != 0.0f)
+            return 1;
+    return 0;
+}
+
+static dt_optim *optim_create(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *src,
+                              const int *group_of, int count, const optim_group *groups, int ngroups)
+{
     dt_optim *o = host_calloc(ctx, sizeof *o);
     if (!o) {
         set_error(ctx, DT_ENOMEM, "optim_new: out of memory");
@@ -197,26 +272,22 @@ dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const
     o->ctx = ctx;
     o->cfg = *cfg;
     o->n = count;
-    o->per = cfg->kind == DT_SGD ? (cfg->momentum != 0.0f) : cfg->kind == DT_ADAGRAD ? 1 : 2;
-    o->base_lr = o->lr = cfg->lr;
+    o->ngroups = ngroups;
+    o->groups = host_calloc(ctx, sizeof *o->groups * (size_t)ngroups);
+    o->group_of = host_calloc(ctx, sizeof *o->group_of * (size_t)(count ? count : 1));
     o->params = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count ? count : 1));
-    o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1));
     o->param_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(count ? count : 1));
-    if (!o->params || !o->state || !o->param_steps)
+    if (!o->groups || !o->group_of || !o->params || !o->param_steps)
         goto fail;
-    static const char *const suffix[3][2] = {{".momentum_buffer", ""}, {".exp_avg", ".exp_avg_sq"},
-                                             {".sum", ""}};   /* torch's state names */
+    memcpy(o->groups, groups, sizeof *groups * (size_t)ngroups);
+    o->per = optim_state_per(o);
+    if (!(o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1))))
+        goto fail;
     for (int i = 0; i < count; i++) {
         o->params[i] = src[i];
-        for (int j = 0; j < o->per; j++) {
-            dt_tensor *p = src[i];
-            dt_tensor *st = optim_state_tensor(o, p->ndim, p->shape, p->name,
-                                               suffix[cfg->kind == DT_SGD ? 0 : cfg->kind == DT_ADAGRAD
-                                                                               ? 2 : 1][j]);
-            if (!st)
-                goto fail;
-            o->state[i * o->per + j] = st;
-        }
+        o->group_of[i] = group_of ? group_of[i] : 0;
+        if (optim_make_state(o, i) != DT_OK)
+            goto fail;
     }
     if (optim_make_masters(o) != DT_OK)
         goto fail;
@@ -225,6 +296,68 @@ fail:
     dt_optim_free(o);
     set_error(ctx, DT_ENOMEM, "optim_new: out of memory for optimizer state");
     return NULL;
+}
+
+dt_optim *dt_optim_new(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor *const *params, int n)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_optim_config own;
+    if (optim_config_read(ctx, cfg, &own) != DT_OK)
+        return NULL;
+    dt_tensor *const *src = params ? params : ctx->params;
+    int count = params ? n : ctx->n_params;
+    if (count < 0 || (params && n < 1)) {
+        set_error(ctx, DT_EINVAL, "optim_new: %d parameters", n);
+        return NULL;
+    }
+    if (optim_check_params(ctx, src, count) != DT_OK)
+        return NULL;
+    optim_group g = {.cfg = own, .base_lr = own.lr, .lr = own.lr};
+    return optim_create(ctx, &own, src, NULL, count, &g, 1);
+}
+
+dt_optim *dt_optim_new_groups(dt_ctx *ctx, const dt_optim_config *cfg, const dt_param_group *groups,
+                              int n_groups)
+{
+    if (!ctx_ok(ctx))
+        return NULL;
+    dt_optim_config own;
+    if (optim_config_read(ctx, cfg, &own) != DT_OK)
+        return NULL;
+    if (!groups || n_groups < 1 || n_groups > DT_OPTIM_MAX_GROUPS) {
+        set_error(ctx, DT_EINVAL, "optim_new_groups: %d groups%s (1 to %d)", n_groups,
+                  groups ? "" : " at NULL", DT_OPTIM_MAX_GROUPS);
+        return NULL;
+    }
+    optim_group gs[DT_OPTIM_MAX_GROUPS];
+    int64_t total = 0;
+    for (int g = 0; g < n_groups; g++) {
+        if (optim_group_read(ctx, &own, &groups[g], g, &gs[g]) != DT_OK)
+            return NULL;
+        total += groups[g].n;
+    }
+    if (total < 1 || total > INT_MAX / 2) {
+        set_error(ctx, DT_EINVAL, "optim_new_groups: %lld parameters in all (at least 1)",
+                  (long long)total);
+        return NULL;
+    }
+    dt_tensor **src = host_alloc(ctx, sizeof *src * (size_t)total);
+    int *group_of = host_alloc(ctx, sizeof *group_of * (size_t)total);
+    dt_optim *o = NULL;
+    if (!src || !group_of) {
+        set_error(ctx, DT_ENOMEM, "optim_new_groups: out of memory");
+    } else {
+        int at = 0;
+        for (int g = 0; g < n_groups; g++)
+            for (int i = 0; i < groups[g].n; i++, at++)
+                src[at] = groups[g].params[i], group_of[at] = g;
+        if (optim_check_params(ctx, src, at) == DT_OK)
+            o = optim_create(ctx, &own, src, group_of, at, gs, n_groups);
+    }
+    host_free(ctx, src);
+    host_free(ctx, group_of);
+    return o;
 }
 
 void dt_optim_free(dt_optim *o)
@@ -246,6 +379,8 @@ void dt_optim_free(dt_optim *o)
     if (o->scratch)
         ctx->be_iface->free(ctx->be, o->scratch);
     host_free(ctx, o->params);
+    host_free(ctx, o->groups);
+    host_free(ctx, o->group_of);
     host_free(ctx, o->param_steps);
     host_free(ctx, o->shard);
     host_free(ctx, o);
@@ -293,7 +428,8 @@ dt_status dt_optim_set_schedule(dt_optim *o, const dt_schedule *s)
         return set_error(o->ctx, DT_EINVAL, "optim_set_schedule: unknown kind %d", (int)s->kind);
     o->sched = *s;
     o->has_sched = 1;
-    o->base_lr = o->lr;
+    for (int g = 0; g < o->ngroups; g++)
+        o->groups[g].base_lr = o->groups[g].lr;
     return DT_OK;
 }
 
@@ -313,21 +449,27 @@ dt_status dt_optim_step(dt_optim *o)
 
 /* The kernel of one update over cnt elements of p and g with f32 state s0,
  * s1 (NULL where the kind has fewer). */
-static void optim_kernel(dt_optim *o, int64_t cnt, float *p, const float *g, float *s0, float *s1,
-                         int64_t t)
+static void optim_kernel(dt_optim *o, const optim_group *gr, int64_t cnt, float *p, const float *g,
+                         float *s0, float *s1, int64_t t)
 {
     dt_ctx *ctx = o->ctx;
-    const dt_optim_config *c = &o->cfg;
+    const dt_optim_config *c = &gr->cfg;
     if (c->kind == DT_SGD) {
-        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, s0, o->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
+        BE(ctx)->sgd_update(BEI(ctx), cnt, p, g, s0, gr->lr, o->momentum_by_ddp ? 0.0f : c->momentum,
                             c->dampening, c->nesterov, c->weight_decay, t == 1);
     } else if (c->kind == DT_ADAGRAD) {
-        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, s0, o->lr, c->eps, c->weight_decay);
+        BE(ctx)->adagrad_update(BEI(ctx), cnt, p, g, s0, gr->lr, c->eps, c->weight_decay);
     } else {
         float bc1 = 1.0f - powf(c->beta1, (float)t), bc2 = 1.0f - powf(c->beta2, (float)t);
-        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, s0, s1, o->lr, c->beta1, c->beta2, c->eps,
+        BE(ctx)->adam_update(BEI(ctx), cnt, p, g, s0, s1, gr->lr, c->beta1, c->beta2, c->eps,
                              c->weight_decay, c->kind == DT_ADAMW, bc1, bc2);
     }
+}
+
+/* Does parameter i keep state?  Not an SGD group without momentum. */
+static int optim_has_state(const dt_optim *o, int i)
+{
+    return o->per > 0 && !(o->cfg.kind == DT_SGD && o->groups[o->group_of[i]].cfg.momentum == 0.0f);
 }
 
 /* One parameter's update: cnt elements from p, g and the state tensors'
@@ -337,10 +479,12 @@ static void optim_kernel(dt_optim *o, int64_t cnt, float *p, const float *g, flo
 static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float *g, int64_t t)
 {
     dt_ctx *ctx = o->ctx;
-    dt_tensor *t0 = o->per > 0 ? o->state[i * o->per] : NULL;
-    dt_tensor *t1 = o->per > 1 ? o->state[i * o->per + 1] : NULL;
+    const optim_group *gr = &o->groups[o->group_of[i]];
+    int has = optim_has_state(o, i);
+    dt_tensor *t0 = has ? o->state[i * o->per] : NULL;
+    dt_tensor *t1 = has && o->per > 1 ? o->state[i * o->per + 1] : NULL;
     if (o->cfg.state_dtype == DT_F32 || !t0) {
-        optim_kernel(o, cnt, p, g, t0 ? FP(t0) : NULL, t1 ? FP(t1) : NULL, t);
+        optim_kernel(o, gr, cnt, p, g, t0 ? FP(t0) : NULL, t1 ? FP(t1) : NULL, t);
         return;
     }
     uint16_t *h0 = t0->data, *h1 = t1 ? t1->data : NULL;
@@ -350,7 +494,7 @@ static void optim_update(dt_optim *o, int i, int64_t cnt, float *p, const float 
         BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h0 + a, w0);
         if (h1)
             BE(ctx)->from_half(BEI(ctx), DT_PREC_BF16, m, h1 + a, w1);
-        optim_kernel(o, m, p + a, g + a, w0, w1, t);
+        optim_kernel(o, gr, m, p + a, g + a, w0, w1, t);
         BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w0, h0 + a);
         if (h1)
             BE(ctx)->to_half(BEI(ctx), DT_PREC_BF16, m, w1, h1 + a);
@@ -407,8 +551,8 @@ static dt_status optim_step_run(dt_optim *o)
         return set_error(ctx, DT_ESTATE, "optim_step: this optimizer's state was sharded across "
                          "the ranks by a DDP (dt_ddp_config.zero) that has been freed; make a "
                          "new optimizer");
-    if (o->has_sched)
-        o->lr = dt_schedule_lr(&o->sched, o->base_lr, o->steps);
+    for (int g = 0; o->has_sched && g < o->ngroups; g++)
+        o->groups[g].lr = dt_schedule_lr(&o->sched, o->groups[g].base_lr, o->steps);
     o->steps++;
     for (int i = 0; i < o->n; i++) {
         dt_tensor *p = o->params[i], *g = p->grad;
@@ -416,7 +560,7 @@ static dt_status optim_step_run(dt_optim *o)
         if (sh ? !sh->used : !g || (g->flags & T_ZERO))
             continue;
         int64_t t = ++o->param_steps[i];
-        for (int j = 0; j < o->per; j++)   /* zero it now, if never written */
+        for (int j = 0; optim_has_state(o, i) && j < o->per; j++)   /* zero it now, if never written */
             tensor_materialize(o->state[i * o->per + j]);
         optim_update_param(o, i, sh ? sh->grad : FP(g), t);
     }
@@ -532,7 +676,40 @@ void dt_optim_zero_grad(dt_optim *o)
     o->ctx->zero_gen++;
 }
 
-float dt_optim_lr(const dt_optim *o) { return o ? o->lr : 0.0f; }
+float dt_optim_lr(const dt_optim *o) { return o ? o->groups[0].lr : 0.0f; }
+int dt_optim_group_count(const dt_optim *o) { return o ? o->ngroups : 0; }
+
+int dt_optim_group_of(const dt_optim *o, const dt_tensor *param)
+{
+    for (int i = 0; o && param && i < o->n; i++)
+        if (o->params[i] == param)
+            return o->group_of[i];
+    return -1;
+}
+
+dt_status dt_optim_group_config(const dt_optim *o, int group, dt_optim_config *out)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (!out || group < 0 || group >= o->ngroups)
+        return set_error(o->ctx, DT_EINVAL, "optim_group_config: group %d of %d%s", group,
+                         o->ngroups, out ? "" : ", out NULL");
+    *out = o->groups[group].cfg;
+    out->lr = o->groups[group].lr;
+    return DT_OK;
+}
+
+dt_status dt_optim_set_group_lr(dt_optim *o, int group, float lr)
+{
+    if (!o)
+        return DT_EINVAL;
+    if (group < 0 || group >= o->ngroups)
+        return set_error(o->ctx, DT_EINVAL, "optim_set_group_lr: group %d of %d", group, o->ngroups);
+    if (!(lr >= 0))
+        return set_error(o->ctx, DT_EINVAL, "optim_set_group_lr: lr %g must be >= 0", (double)lr);
+    o->groups[group].lr = o->groups[group].base_lr = lr;
+    return DT_OK;
+}
 int64_t dt_optim_steps(const dt_optim *o) { return o ? o->steps : 0; }
 int dt_optim_state_count(const dt_optim *o) { return o ? o->n * o->per : 0; }
 
@@ -547,8 +724,24 @@ dt_status dt_optim_set_lr(dt_optim *o, float lr)
         return DT_EINVAL;
     if (!(lr >= 0))
         return set_error(o->ctx, DT_EINVAL, "optim_set_lr: lr %g must be >= 0", (double)lr);
-    o->lr = o->base_lr = lr;
+    for (int g = 0; g < o->ngroups; g++)
+        o->groups[g].lr = o->groups[g].base_lr = lr;
     return DT_OK;
+}
+
+DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path)
+{
+    if (n == o->ngroups)
+        return DT_OK;
+    return set_error(o->ctx, DT_EMISMATCH, "checkpoint_load: %s's optimizer has %d parameter "
+                     "group%s, this one %d (give dt_optim_new_groups the groups it was saved with)",
+                     path, n, n == 1 ? "" : "s", o->ngroups);
+}
+
+DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs)
+{
+    for (int g = 0; g < o->ngroups; g++)
+        o->groups[g].lr = o->groups[g].base_lr = lrs[g];
 }
 
 /* Are the gradients sharded across the ranks (src/zero.c)? */

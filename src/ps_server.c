@@ -274,8 +274,9 @@ static void ps_tab_apply(dt_ps *ps, ps_tab *tb, float scale)
     const dt_optim_config *c = &ps->opt->cfg;
     const dt_backend_iface *be = ps->sctx->be_iface;
     /* the rate the schedule gives now (ASP rows may arrive between dense steps) */
-    float lr = ps->opt->has_sched ? dt_schedule_lr(&ps->opt->sched, ps->opt->base_lr, ps->opt->steps)
-                                  : ps->opt->lr;
+    const optim_group *g0 = &ps->opt->groups[0];   /* the servers' optimizer has one group */
+    float lr = ps->opt->has_sched ? dt_schedule_lr(&ps->opt->sched, g0->base_lr, ps->opt->steps)
+                                  : g0->lr;
     float bc1 = 0, bc2 = 0;
     int64_t d = tb->dim;
     tb->steps++;

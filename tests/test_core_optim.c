@@ -696,6 +696,244 @@ static void test_optim_bf16_state(void **state)
     fx_free(&f);
 }
 
+/* ---------------------------------------------------------------------------
+ * Parameter groups (torch.optim's param_groups)
+ * ------------------------------------------------------------------------- */
+
+/* w in group 0 with cfg's values, b in group 1 with its own (bcfg: cfg
+ * with b's values in, what the reference steps b with). */
+static void run_groups(const dt_optim_config *cfg, const dt_param_group *gb,
+                       const dt_optim_config *bcfg, const char *what)
+{
+    fixture f;
+    fx_init(&f);
+    dt_param_group g[2];
+    dt_param_group_init(&g[0], &f.w, 1);
+    g[1] = *gb;
+    g[1].params = &f.b;
+    g[1].n = 1;
+    dt_optim *opt = dt_optim_new_groups(f.ctx, cfg, g, 2);
+    tu_check(f.ctx, opt, "dt_optim_new_groups");
+    assert_int_equal(dt_optim_group_count(opt), 2);
+    assert_int_equal(dt_optim_group_of(opt, f.w), 0);
+    assert_int_equal(dt_optim_group_of(opt, f.b), 1);
+    assert_int_equal(dt_optim_group_of(opt, f.cw), -1);
+    ref_state rw[NW] = {{0}}, rb[NB] = {{0}};
+    for (int i = 0; i < NW; i++) rw[i].w = W0[i];
+    for (int i = 0; i < NB; i++) rb[i].w = B0[i];
+    for (int t = 1; t <= NSTEP; t++) {
+        dt_optim_zero_grad(opt);
+        fx_backward(&f, GW[t - 1], GB[t - 1]);
+        tu_check_status(f.ctx, dt_optim_step(opt), "dt_optim_step");
+        double ew[NW], eb[NB];
+        for (int i = 0; i < NW; i++) {
+            ref_for(cfg)(&rw[i], GW[t - 1][i], t, cfg);
+            ew[i] = rw[i].w;
+        }
+        for (int i = 0; i < NB; i++) {
+            ref_for(bcfg)(&rb[i], GB[t - 1][i], t, bcfg);
+            eb[i] = rb[i].w;
+        }
+        char name[96];
+        float *w = tu_read(f.ctx, f.w, NULL), *b = tu_read(f.ctx, f.b, NULL);
+        snprintf(name, sizeof name, "%s: w (group 0) after step %d", what, t);
+        tu_assert_close_arr(name, w, ew, NW, RT, AT);
+        snprintf(name, sizeof name, "%s: b (group 1) after step %d", what, t);
+        tu_assert_close_arr(name, b, eb, NB, RT, AT);
+        free(w);
+        free(b);
+    }
+    dt_optim_config got;
+    assert_int_equal(dt_optim_group_config(opt, 1, &got), DT_OK);
+    if (!(got.lr == bcfg->lr && got.weight_decay == bcfg->weight_decay &&
+          got.momentum == bcfg->momentum && got.beta1 == bcfg->beta1 && got.eps == bcfg->eps))
+        fail_msg("%s: group 1's config: lr %g wd %g momentum %g beta1 %g eps %g", what,
+                 (double)got.lr, (double)got.weight_decay, (double)got.momentum, (double)got.beta1,
+                 (double)got.eps);
+    assert_int_equal(dt_optim_group_config(opt, 0, &got), DT_OK);
+    assert_true(got.lr == cfg->lr && got.weight_decay == cfg->weight_decay);
+    dt_optim_free(opt);
+    fx_free(&f);
+}
+
+static void test_optim_param_groups(void **state)
+{
+    (void)state;
+    static const dt_optim_kind kinds[] = {DT_SGD, DT_ADAM, DT_ADAMW, DT_ADAGRAD};
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        dt_optim_config c, bc;
+        dt_optim_config_init(&c, kinds[k]);
+        c.lr = 0.1f;
+        c.weight_decay = 0.05f;
+        if (kinds[k] == DT_SGD)
+            c.momentum = 0.9f;
+        dt_param_group gb;
+        dt_param_group_init(&gb, NULL, 0);
+        gb.lr = 0.03f;                 /* per-group lr, no decay: the usual recipe */
+        gb.weight_decay = 0.0f;
+        if (kinds[k] == DT_SGD)
+            gb.momentum = 0.5f, gb.dampening = 0.1f;
+        else
+            gb.beta1 = 0.8f, gb.beta2 = 0.99f, gb.eps = 1e-6f;
+        bc = c;
+        bc.lr = gb.lr;
+        bc.weight_decay = gb.weight_decay;
+        if (kinds[k] == DT_SGD)
+            bc.momentum = gb.momentum, bc.dampening = gb.dampening;
+        else   /* (AdaGrad reads eps only; the betas are kept as given) */
+            bc.beta1 = gb.beta1, bc.beta2 = gb.beta2, bc.eps = gb.eps;
+        char what[32];
+        snprintf(what, sizeof what, "groups, kind %d", (int)kinds[k]);
+        run_groups(&c, &gb, &bc, what);
+    }
+    /* SGD: momentum in one group only; the other keeps no buffer */
+    dt_optim_config c, bc;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 0.2f;
+    dt_param_group gb;
+    dt_param_group_init(&gb, NULL, 0);
+    gb.momentum = 0.9f;
+    gb.nesterov = 1;
+    bc = c;
+    bc.momentum = 0.9f;
+    bc.nesterov = 1;
+    run_groups(&c, &gb, &bc, "sgd momentum in group 1 only");
+}
+
+static void test_optim_param_groups_schedule_and_lr(void **state)
+{
+    (void)state;
+    fixture f;
+    fx_init(&f);
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_SGD);
+    c.lr = 1.0f;
+    dt_param_group g[2];
+    dt_param_group_init(&g[0], &f.w, 1);
+    dt_param_group_init(&g[1], &f.b, 1);
+    g[1].lr = 0.25f;
+    dt_optim *opt = dt_optim_new_groups(f.ctx, &c, g, 2);
+    tu_check(f.ctx, opt, "dt_optim_new_groups");
+    dt_schedule s = {.kind = DT_SCHED_STEP, .step_size = 1, .gamma = 0.5f};
+    assert_int_equal(dt_optim_set_schedule(opt, &s), DT_OK);
+    static const float ones_w[NW] = {1, 1, 1, 1}, ones_b[NB] = {1, 1, 1};
+    for (int t = 0; t < 3; t++) {
+        dt_optim_zero_grad(opt);
+        fx_backward(&f, ones_w, ones_b);
+        tu_check_status(f.ctx, dt_optim_step(opt), "step");
+        dt_optim_config got;
+        assert_int_equal(dt_optim_group_config(opt, 1, &got), DT_OK);
+        assert_true(tu_close(got.lr, 0.25 * pow(0.5, t), 1e-6, 0));   /* each its own base */
+        assert_true(tu_close(dt_optim_lr(opt), pow(0.5, t), 1e-6, 0));
+    }
+    float *b = tu_read(f.ctx, f.b, NULL);
+    double want[NB];
+    for (int i = 0; i < NB; i++) want[i] = B0[i] - 0.25 * (1 + 0.5 + 0.25);
+    tu_assert_close_arr("b after scheduled group steps", b, want, NB, RT, AT);
+    free(b);
+    assert_int_equal(dt_optim_set_group_lr(opt, 1, 0.125f), DT_OK);
+    dt_optim_config got;
+    assert_int_equal(dt_optim_group_config(opt, 1, &got), DT_OK);
+    assert_true(got.lr == 0.125f);
+    assert_int_equal(dt_optim_group_config(opt, 0, &got), DT_OK);
+    assert_true(got.lr == 0.25f);                               /* the other kept */
+    assert_int_equal(dt_optim_set_group_lr(opt, 2, 0.1f), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(f.ctx), "group 2 of 2"));
+    assert_int_equal(dt_optim_set_group_lr(opt, 0, -1.0f), DT_EINVAL);
+    assert_int_equal(dt_optim_group_config(opt, -1, &got), DT_EINVAL);
+    assert_int_equal(dt_optim_set_lr(opt, 0.5f), DT_OK);       /* every group */
+    assert_int_equal(dt_optim_group_config(opt, 1, &got), DT_OK);
+    assert_true(got.lr == 0.5f);
+    dt_optim_free(opt);
+    fx_free(&f);
+}
+
+static void test_optim_param_groups_refused(void **state)
+{
+    (void)state;
+    fixture f;
+    fx_init(&f);
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAMW);
+    dt_param_group g[2];
+    dt_param_group_init(&g[0], &f.w, 1);
+    dt_param_group_init(&g[1], &f.w, 1);
+    assert_null(dt_optim_new_groups(f.ctx, &c, g, 2));          /* w in both */
+    assert_int_equal(dt_last_status(f.ctx), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(f.ctx), "'w' is given twice"));
+    dt_param_group_init(&g[1], &f.b, 1);
+    g[1].beta1 = 1.5f;
+    assert_null(dt_optim_new_groups(f.ctx, &c, g, 2));
+    assert_int_equal(dt_last_status(f.ctx), DT_EINVAL);
+    assert_non_null(strstr(dt_last_error(f.ctx), "group 1"));
+    dt_param_group_init(&g[1], &f.cw, 1);                       /* not a parameter */
+    assert_null(dt_optim_new_groups(f.ctx, &c, g, 2));
+    assert_int_equal(dt_last_status(f.ctx), DT_EINVAL);
+    dt_param_group_init(&g[0], NULL, 0);
+    dt_param_group_init(&g[1], NULL, 0);
+    assert_null(dt_optim_new_groups(f.ctx, &c, g, 2));          /* nothing to step */
+    assert_int_equal(dt_last_status(f.ctx), DT_EINVAL);
+    dt_param_group_init(&g[1], NULL, -1);
+    assert_null(dt_optim_new_groups(f.ctx, &c, g, 2));
+    assert_null(dt_optim_new_groups(f.ctx, &c, g, 0));
+    assert_null(dt_optim_new_groups(f.ctx, &c, NULL, 1));
+    assert_null(dt_optim_new_groups(f.ctx, &c, g, DT_OPTIM_MAX_GROUPS + 1));
+    dt_param_group_init(&g[0], &f.w, 1);                        /* an empty group is fine */
+    dt_param_group_init(&g[1], NULL, 0);
+    dt_optim *o = dt_optim_new_groups(f.ctx, &c, g, 2);
+    tu_check(f.ctx, o, "an empty group");
+    dt_optim_free(o);
+    fx_free(&f);
+}
+
+/* The groups' lrs go into the checkpoint and come back; another number of
+ * groups is refused and changes nothing. */
+static void test_optim_param_groups_checkpoint(void **state)
+{
+    (void)state;
+    char dir[64], path[96];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/groups.safetensors", dir);
+    fixture f;
+    fx_init(&f);
+    dt_optim_config c;
+    dt_optim_config_init(&c, DT_ADAMW);
+    c.lr = 0.01f;
+    dt_param_group g[2];
+    dt_param_group_init(&g[0], &f.w, 1);
+    dt_param_group_init(&g[1], &f.b, 1);
+    g[1].lr = 0.004f;
+    g[1].weight_decay = 0.0f;
+    dt_optim *a = dt_optim_new_groups(f.ctx, &c, g, 2);
+    tu_check(f.ctx, a, "groups");
+    fx_backward(&f, GW[0], GB[0]);
+    tu_check_status(f.ctx, dt_optim_step(a), "step");
+    assert_int_equal(dt_optim_set_group_lr(a, 1, 0.002f), DT_OK);
+    tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, a, path, 1), "save");
+    dt_optim *b = dt_optim_new_groups(f.ctx, &c, g, 2);
+    tu_check(f.ctx, b, "groups again");
+    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, b, path, NULL), "load");
+    dt_optim_config got;
+    assert_int_equal(dt_optim_group_config(b, 1, &got), DT_OK);
+    assert_true(got.lr == 0.002f);
+    assert_true(got.weight_decay == 0.0f);
+    assert_int_equal(dt_optim_group_config(b, 0, &got), DT_OK);
+    assert_true(got.lr == 0.01f);
+    assert_int_equal(dt_optim_steps(b), 1);
+    dt_optim *one = dt_optim_new(f.ctx, &c, NULL, 0);
+    tu_check(f.ctx, one, "one group");
+    assert_int_equal(dt_checkpoint_load(f.ctx, one, path, NULL), DT_EMISMATCH);
+    assert_non_null(strstr(dt_last_error(f.ctx), "2 parameter groups, this one 1"));
+    assert_int_equal(dt_optim_steps(one), 0);
+    assert_true(dt_optim_lr(one) == 0.01f);
+    dt_optim_free(one);
+    dt_optim_free(b);
+    dt_optim_free(a);
+    fx_free(&f);
+    unlink(path);
+    rmdir(dir);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_optim_defaults),
     cmocka_unit_test(test_optim_sgd_plain),
@@ -715,6 +953,10 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_grad_accumulation),
     cmocka_unit_test(test_optim_master_weights),
     cmocka_unit_test(test_optim_bf16_state),
+    cmocka_unit_test(test_optim_param_groups),
+    cmocka_unit_test(test_optim_param_groups_schedule_and_lr),
+    cmocka_unit_test(test_optim_param_groups_refused),
+    cmocka_unit_test(test_optim_param_groups_checkpoint),
 };
 
 DT_TEST_GROUP(core_optim, tests)

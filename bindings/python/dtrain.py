@@ -24,9 +24,13 @@ Lifetimes, as in C:
     freed memory; so does a loader batch after the loader's next batch.
   - parameters live as long as the context; Context.tensor / from_numpy
     tensors until freed (or garbage-collected).
-  - Tensor.numpy() is a view of the tensor's memory (no copy) on the CPU
-    backend: it is valid as long as the tensor is (a step tensor's view
-    until step_reset).  Tensor.numpy(copy=True) for a lasting copy.
+  - Tensor.numpy() of a parameter, Context.tensor or from_numpy tensor is a
+    view of its memory (no copy) on the CPU backend, and the view keeps that
+    memory alive: past free(), past Context.close() (the C context is freed
+    when the last view goes).  Of anything else (a step tensor, a loader
+    batch, a gradient, optimizer state, or on a device backend) it is a
+    copy, because that memory is reused or moved.  Python cannot read freed
+    memory through an array from this module.
   - from_numpy(array) wraps the array's memory (no copy) when it is
     C-contiguous, aligned and of a dtrain dtype (float32, int32, uint8),
     else copies; the tensor keeps the array alive.
@@ -49,7 +53,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 __all__ = [
     "Error", "InvalidArgument", "OutOfMemory", "FileError", "CorruptFile", "Mismatch",
     "NotSupported", "BadState", "Timeout", "PeerError",
-    "Context", "Tensor", "Optimizer", "Dataset", "Loader", "Comm", "DDP", "Metrics",
+    "Context", "Tensor", "Optimizer", "ParamGroup", "Dataset", "Loader", "Comm", "DDP", "Metrics",
     "DistEnv", "evaluate", "count_correct", "checkpoint_save", "checkpoint_load", "now",
     "library_path", "version", "version_string", "dtype_name", "dtype_size", "custom_op",
     "recompute", "LossScaler", "checkpoint_save_ex", "checkpoint_load_ex", "checkpoint_latest",
@@ -144,6 +148,12 @@ class dt_optim_config(ctypes.Structure):
                 ("eps", _F), ("param_dtype", _I), ("state_dtype", _I)]
 
 
+class dt_param_group(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ), ("params", ctypes.POINTER(_P)), ("n", _I),
+                ("lr", _F), ("momentum", _F), ("dampening", _F), ("weight_decay", _F),
+                ("beta1", _F), ("beta2", _F), ("eps", _F), ("nesterov", _I)]
+
+
 class dt_schedule(ctypes.Structure):
     _fields_ = [("kind", _I), ("step_size", _I64), ("gamma", _F), ("warmup_steps", _I64),
                 ("total_steps", _I64), ("min_lr", _F)]
@@ -236,7 +246,7 @@ class dt_profile_stats(ctypes.Structure):
                 ("gathers", _I64), ("gathers_on_demand", _I64)]
 
 
-_STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_schedule, dt_loader_config,
+_STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_param_group, dt_schedule, dt_loader_config,
             dt_dist_env, dt_store_config, dt_comm_config, dt_ddp_config, dt_ddp_stats,
             dt_eval_config, dt_metrics, dt_profile_config, dt_profile_stats]
 
@@ -437,6 +447,13 @@ for _name, _res, _args in [
     # optimizers
     ("dt_optim_config_init", None, [ctypes.POINTER(dt_optim_config), _I]),
     ("dt_optim_new", _P, [_P, ctypes.POINTER(dt_optim_config), ctypes.POINTER(_P), _I]),
+    ("dt_param_group_init", None, [ctypes.POINTER(dt_param_group), ctypes.POINTER(_P), _I]),
+    ("dt_optim_new_groups", _P, [_P, ctypes.POINTER(dt_optim_config),
+                                 ctypes.POINTER(dt_param_group), _I]),
+    ("dt_optim_group_count", _I, [_P]),
+    ("dt_optim_group_of", _I, [_P, _P]),
+    ("dt_optim_group_config", _I, [_P, _I, ctypes.POINTER(dt_optim_config)]),
+    ("dt_optim_set_group_lr", _I, [_P, _I, _F]),
     ("dt_optim_free", None, [_P]),
     ("dt_optim_step", _I, [_P]),
     ("dt_optim_zero_grad", None, [_P]),
@@ -787,6 +804,9 @@ class Context:
         self._log = None
         self._borrowed = False
         self._backward_failure, self._in_backward = [], False   # exceptions of callbacks
+        self.persist = _Life()   # borrowed tensors that live as long as the context (grads)
+        self._views = 0          # live NumPy views of memory of this context (_View)
+        self._zombie = None      # the C context, closed but kept for those views
         st = _C.ctx_status(self._h)
         if st:
             msg = _C.last_error(self._h).decode()
@@ -828,9 +848,22 @@ class Context:
         self._children = []
         self._deferred = []
         self.step.gen += 1
-        if not self._borrowed:
-            _C.ctx_free(self._h)
-        self._h = None
+        self.persist.gen += 1
+        h, self._h = self._h, None
+        if self._borrowed:
+            return
+        if self._views:
+            self._zombie = h   # NumPy arrays still read its memory: freed with the last
+        else:
+            _C.ctx_free(h)
+
+    def _view_gone(self):
+        """A _View of this context's memory was collected: free a closed context
+        with the last."""
+        self._views -= 1
+        if self._views == 0 and self._zombie:
+            z, self._zombie = self._zombie, None
+            _C.ctx_free(z)
 
     def __enter__(self):
         return self
@@ -1066,17 +1099,28 @@ def _shape(shape):
 # --- 6. tensors -----------------------------------------------------------------------------
 
 class _View:
-    """The array interface of a tensor's memory; keeps the Tensor alive as the array's base."""
+    """The array interface of C memory, the base of the NumPy array over it.  It keeps
+    its owner (a Tensor or Dataset) alive and counted in owner._views: while the count is
+    not 0 the owner's free, and its context's dt_ctx_free, wait (owner._view_gone)."""
 
-    def __init__(self, tensor, ptr, shape, strides, typestr):
-        self._tensor = tensor
+    def __init__(self, owner, ptr, shape, strides, typestr):
+        self._owner = owner
+        owner._views += 1
+        owner.ctx._views += 1
         self.__array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
                                     "strides": strides, "version": 3}
+
+    def __del__(self):
+        try:
+            self._owner._view_gone()
+        except Exception:
+            pass
 
 
 class Tensor:
     """dt_tensor.  Step tensors (what ops return) are valid until ctx.step_reset()."""
-    __slots__ = ("ctx", "_h", "_life", "_gen", "_owned", "_keep", "__weakref__")
+    __slots__ = ("ctx", "_h", "_life", "_gen", "_owned", "_keep", "_views", "_pin",
+                 "__weakref__")
 
     @classmethod
     def _made(cls, ctx, h, life, owned=False):
@@ -1089,6 +1133,8 @@ class Tensor:
         t._gen = life.gen if life is not None else 0
         t._owned = owned
         t._keep = None
+        t._views = 0      # live NumPy views (_View) of its memory
+        t._pin = None     # (handle, keep) of a tensor freed while views lived
         return t
 
     @property
@@ -1106,9 +1152,23 @@ class Tensor:
         """Free a persistent tensor (parameters stay: they are the context's).  Its memory
         goes at the next step_reset: this step's tape may still read it."""
         if self._owned and self._h and self.ctx._h:
-            self.ctx._deferred.append((self._h, self._keep))
+            if self._views:
+                self._pin = (self._h, self._keep)   # freed when the last view goes
+            else:
+                self.ctx._deferred.append((self._h, self._keep))
         self._h = None
         self._keep = None
+
+    def _view_gone(self):
+        """A NumPy view of this tensor was collected (_View): a tensor freed while
+        views lived is freed with the last (at the next step_reset, as free())."""
+        self._views -= 1
+        if self._views == 0 and self._pin is not None:
+            pin, self._pin = self._pin, None
+            if self.ctx._h:
+                self.ctx._deferred.append(pin)
+            # (a closed context frees it with itself, in Context._view_gone)
+        self.ctx._view_gone()
 
     def __del__(self):
         try:
@@ -1157,12 +1217,15 @@ class Tensor:
         return float(_C.tensor_item(self.handle))
 
     def numpy(self, copy: bool = False) -> np.ndarray:
-        """A NumPy array of the contents: a view of the tensor's memory (CPU backend), valid
-        as long as the tensor; copy=True, or a device backend: a copy."""
+        """A NumPy array of the contents.  Of a parameter, a Context.tensor or a
+        from_numpy tensor on the CPU backend: a view of its memory, which the view keeps
+        alive (past free() and Context.close()).  Of a step tensor, a loader batch, a
+        gradient or optimizer state (memory reused or moved), on a device backend, or with
+        copy=True: a copy."""
         h = self.handle
         dtype = self.dtype
         shape = self.shape
-        if not copy:
+        if not copy and self._life is None:
             ptr = _C.tensor_data(h)
             if ptr:
                 isz = dtype.itemsize
@@ -1186,7 +1249,9 @@ class Tensor:
     def grad(self) -> Optional["Tensor"]:
         """The gradient after backward, or None."""
         g = _C.tensor_grad(self.handle)
-        return Tensor._made(self.ctx, g, self._life) if g else None
+        # a gradient's memory may move (zero_grad, a DDP's buckets): never viewed, copied
+        life = self._life if self._life is not None else self.ctx.persist
+        return Tensor._made(self.ctx, g, life) if g else None
 
     def retain_grad(self) -> None:
         """Keep this op output's gradient through the next backward (as
@@ -1463,6 +1528,8 @@ class _Handle:
     _close_order = 1   # the context closes order 0 first (DDPs), 3 last (communicators)
     _what = "object"
     _h = None
+    _views = 0          # live NumPy views of its memory (_View): its free waits for them
+    _pending = None     # the handle of one closed while views lived
 
     def _own(self, ctx, h):
         self.ctx = ctx
@@ -1481,8 +1548,18 @@ class _Handle:
     def close(self) -> None:
         """Free the C object (the context frees it too when it closes)."""
         if self._h and self.ctx._h:
-            self._free(self._h)
+            if self._views:
+                self._pending = self._h   # NumPy arrays still read it: freed with the last
+            else:
+                self._free(self._h)
         self._h = None
+
+    def _view_gone(self):
+        self._views -= 1
+        if self._views == 0 and self._pending:
+            h, self._pending = self._pending, None
+            self._free(h)   # before the context's (it counts this view too)
+        self.ctx._view_gone()
 
     def __del__(self):
         try:
@@ -1494,10 +1571,87 @@ class _Handle:
 _OPTIM_DTYPES = {"f32": 0, "bf16": 3, "f16": 4, "fp16": 4}
 
 
+_GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "eps", "nesterov")
+
+
+def _param_groups(groups):
+    """[{"params": [...], "weight_decay": 0.0, ...}, ...] as dt_param_group structs, and
+    the arrays they point to (to keep until dt_optim_new_groups returns)."""
+    out, keep = (dt_param_group * len(groups))(), []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise InvalidArgument(1, "optimizer: parameter group %d is not a dict with "
+                                     "'params'" % i)
+        ps = list(g["params"])
+        arr = (_P * max(len(ps), 1))(*[p.handle for p in ps])
+        keep.append(arr)
+        _C.param_group_init(ctypes.byref(out[i]), arr, len(ps))
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if k == "betas":
+                out[i].beta1, out[i].beta2 = v
+            elif k in _GROUP_KEYS:
+                setattr(out[i], k, int(v) if k == "nesterov" else v)
+            else:
+                raise InvalidArgument(1, "optimizer: parameter group %d: no setting '%s' (a "
+                                         "group sets %s or betas)" % (i, k, ", ".join(_GROUP_KEYS)))
+    return out, keep
+
+
+class ParamGroup:
+    """One of Optimizer.param_groups, as torch's dict: g["lr"] reads and sets the group's
+    learning rate (a schedule's base too); the other hyper-parameters and "params" read."""
+
+    def __init__(self, opt: "Optimizer", index: int) -> None:
+        self._opt, self.index = opt, index
+
+    def _config(self):
+        c = dt_optim_config()
+        self._opt.ctx.check(_C.optim_group_config(self._opt.handle, self.index, ctypes.byref(c)))
+        return c
+
+    def keys(self) -> List[str]:
+        return ["params", "lr", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"]
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "params":
+            h = self._opt.handle
+            return [p for p in self._opt.ctx.params() if _C.optim_group_of(h, p.handle) == self.index]
+        c = self._config()
+        if key == "betas":
+            return (c.beta1, c.beta2)
+        if key == "nesterov":
+            return bool(c.nesterov)
+        if key in _GROUP_KEYS:
+            return getattr(c, key)
+        raise KeyError(key)
+
+    def __setitem__(self, key: str, value: float) -> None:
+        if key != "lr":
+            raise NotSupported(6, "param_groups: only 'lr' can change after the optimizer is "
+                                  "made (make a new one for the others)")
+        self._opt.ctx.check(_C.optim_set_group_lr(self._opt.handle, self.index, value))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self.keys() else default
+
+    def items(self) -> List[Tuple[str, Any]]:
+        return [(k, self[k]) for k in self.keys()]
+
+    def __repr__(self) -> str:
+        c = self._config()
+        return "ParamGroup(%d, lr=%g, weight_decay=%g, %d params)" % (
+            self.index, c.lr, c.weight_decay, len(self["params"]))
+
+
 class Optimizer(_Handle):
     """dt_optim over params (default: every parameter of the context).  kind: sgd, adam,
     adamw, adagrad; keyword arguments are dt_optim_config's fields (lr, momentum, ...,
-    betas=(b1, b2)); unset ones keep PyTorch's defaults.  param_dtype="bf16" (or "f16"):
+    betas=(b1, b2)); unset ones keep PyTorch's defaults.  params may be parameter groups
+    as torch.optim takes them, [{"params": decay}, {"params": no_decay, "weight_decay": 0}]:
+    each group's own lr, momentum, dampening, nesterov, weight_decay, betas or eps, the
+    keyword arguments for what it leaves out (dt_optim_new_groups).  param_dtype="bf16" (or "f16"):
     the parameters hold bf16 values and the optimizer f32 master weights (sharded with a
     DDP's zero); state_dtype="bf16": the moments in bf16 (docs/DATA_PARALLEL.md)."""
     _close_order = 1
@@ -1522,11 +1676,29 @@ class Optimizer(_Handle):
             setattr(c, k, v)
         if betas is not None:
             c.beta1, c.beta2 = betas
-        hs, n = None, 0
-        if params is not None:
-            n = len(params)
-            hs = (_P * max(n, 1))(*[p.handle for p in params])
-        self._own(ctx, _C.optim_new(ctx.handle, ctypes.byref(c), hs, n))
+        if params is not None and any(isinstance(p, dict) for p in params):
+            gs, keep = _param_groups(list(params))
+            self._own(ctx, _C.optim_new_groups(ctx.handle, ctypes.byref(c), gs, len(gs)))
+            del keep
+        else:
+            hs, n = None, 0
+            if params is not None:
+                n = len(params)
+                hs = (_P * max(n, 1))(*[p.handle for p in params])
+            self._own(ctx, _C.optim_new(ctx.handle, ctypes.byref(c), hs, n))
+        self._life = _Life()   # of its state tensors: they go when it closes
+
+    def close(self) -> None:
+        """Free the optimizer (its state tensors go with it)."""
+        super().close()
+        if hasattr(self, "_life"):
+            self._life.gen += 1
+
+    @property
+    def param_groups(self) -> List[ParamGroup]:
+        """The parameter groups (one unless made with groups), as torch's param_groups:
+        for g in opt.param_groups: g["lr"] = ..."""
+        return [ParamGroup(self, i) for i in range(_C.optim_group_count(self.handle))]
 
     def step(self) -> None:
         """One update from the current gradients."""
@@ -1538,7 +1710,8 @@ class Optimizer(_Handle):
 
     @property
     def lr(self) -> float:
-        """The learning rate (the schedule's, once set)."""
+        """The learning rate (the schedule's, once set); with groups, group 0's, and setting
+        it sets every group's (param_groups for one)."""
         return _C.optim_lr(self.handle)
 
     @lr.setter
@@ -1554,7 +1727,7 @@ class Optimizer(_Handle):
     def state(self) -> List["Tensor"]:
         """The optimizer's state tensors (momentum, exp_avg, exp_avg_sq, ... per
         parameter), named as in checkpoints; they live as long as the optimizer."""
-        return [Tensor._made(self.ctx, _C.optim_state_at(self.handle, i), None)
+        return [Tensor._made(self.ctx, _C.optim_state_at(self.handle, i), self._life)
                 for i in range(_C.optim_state_count(self.handle))]
 
     def set_schedule(self, kind: str = "cosine", total_steps: int = 0, warmup_steps: int = 0,
@@ -2525,12 +2698,6 @@ def _dataset_load_tokens(cls, ctx: "Context", path: str, token_bytes: int = 2, c
     return cls(ctx, _C.dataset_load_tokens(ctx.handle, _b(path), token_bytes, ctypes.byref(cfg)))
 
 
-def _array_at(ptr, shape, dtype):
-    """A NumPy array of shape and dtype over memory C owns at ptr (no copy)."""
-    p = ctypes.cast(ptr, ctypes.POINTER(np.ctypeslib.as_ctypes_type(dtype)))
-    return np.ctypeslib.as_array(p, shape=shape or (1,)).reshape(shape)
-
-
 def _dataset_from_callback(cls, ctx: "Context", n: int,
                            fill: Callable[[int, np.ndarray, np.ndarray], None],
                            input_shape: Sequence[int], input_dtype: Any = np.float32,
@@ -2545,9 +2712,12 @@ def _dataset_from_callback(cls, ctx: "Context", n: int,
 
     def trampoline(user, i, xp, yp):
         try:
-            x = _array_at(xp, xs, xd)
-            y = _array_at(yp, ys, yd)
+            # fill writes arrays of its own, copied in after: one it keeps is never
+            # memory the loader reuses
+            x, y = np.zeros(xs, xd), np.zeros(ys, yd)
             fill(i, x, y)
+            ctypes.memmove(xp, x.ctypes.data, x.nbytes)
+            ctypes.memmove(yp, y.ctypes.data, y.nbytes)
             return 0
         except BaseException:
             return 1

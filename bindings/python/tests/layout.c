@@ -33,6 +33,12 @@ int main(void)
     F(dt_optim_config, eps, eps); F(dt_optim_config, param_dtype, param_dtype);
     F(dt_optim_config, state_dtype, state_dtype); END(dt_optim_config);
 
+    F(dt_param_group, struct_size, struct_size); F(dt_param_group, params, params);
+    F(dt_param_group, n, n); F(dt_param_group, lr, lr); F(dt_param_group, momentum, momentum);
+    F(dt_param_group, dampening, dampening); F(dt_param_group, weight_decay, weight_decay);
+    F(dt_param_group, beta1, beta1); F(dt_param_group, beta2, beta2); F(dt_param_group, eps, eps);
+    F(dt_param_group, nesterov, nesterov); END(dt_param_group);
+
     F(dt_schedule, kind, kind); F(dt_schedule, step_size, step_size); F(dt_schedule, gamma, gamma);
     F(dt_schedule, warmup_steps, warmup_steps); F(dt_schedule, total_steps, total_steps);
     F(dt_schedule, min_lr, min_lr); END(dt_schedule);
