@@ -39,6 +39,9 @@
  * master weights in the optimizer (sharded with --zero), --moments bf16
  * AdamW's moments (dt_optim_config.param_dtype, state_dtype); use with
  * --amp, which rounds the activations' side of each product.
+ * AdamW (lr --lr, betas 0.9/0.99, weight decay 0.1) runs in two parameter
+ * groups, as nanoGPT's: the matrices decay, the biases and layer norms do
+ * not (make_optim, dt_optim_new_groups).
  * --recompute 1 keeps no block's activations for backward: each block
  * runs again there (dt_recompute), trading a forward for the memory.
  * DTRAIN_PROFILE=1 profiles the run; rank 0 prints the end-of-job report.
@@ -164,7 +167,7 @@ static int gpt_init(dt_ctx *ctx, gpt *m)
     return m->h && m->run && dt_layer_norm_params(ctx, "ln_f", C, 1, &m->lnf_w, &m->lnf_b) == DT_OK;
 }
 
-/* (B*T, C) -> (B, heads, T, C/heads), a copy laid out for attention */
+/* (B, T, C) -> (B, heads, T, C/heads), a copy laid out for attention */
 static dt_tensor *heads_of(dt_ctx *ctx, const gpt *m, dt_tensor *x, int64_t B, int64_t T)
 {
     int64_t shape[4] = {B, T, m->heads, m->embd / m->heads};
@@ -176,13 +179,13 @@ static dt_tensor *attention_block(dt_ctx *ctx, const gpt *m, const block *b, dt_
 {
     int64_t C = m->embd;
     dt_tensor *h = dt_layer_norm(ctx, x, b->ln1_w, b->ln1_b, 1e-5f);
-    dt_tensor *qkv = dt_linear(ctx, h, b->attn_w, b->attn_b);   /* (B*T, 3C) */
-    dt_tensor *q = heads_of(ctx, m, dt_slice(ctx, qkv, 1, 0, C), B, T);
-    dt_tensor *k = heads_of(ctx, m, dt_slice(ctx, qkv, 1, C, 2 * C), B, T);
-    dt_tensor *v = heads_of(ctx, m, dt_slice(ctx, qkv, 1, 2 * C, 3 * C), B, T);
+    dt_tensor *qkv = dt_linear(ctx, h, b->attn_w, b->attn_b);   /* (B, T, 3C) */
+    dt_tensor *q = heads_of(ctx, m, dt_slice(ctx, qkv, 2, 0, C), B, T);
+    dt_tensor *k = heads_of(ctx, m, dt_slice(ctx, qkv, 2, C, 2 * C), B, T);
+    dt_tensor *v = heads_of(ctx, m, dt_slice(ctx, qkv, 2, 2 * C, 3 * C), B, T);
     dt_tensor *y = dt_attention(ctx, q, k, v, NULL, 1, 0.0f);   /* (B, heads, T, D) */
-    int64_t flat[2] = {B * T, C};
-    y = dt_reshape(ctx, dt_transpose(ctx, y, 1, 2), 2, flat);
+    int64_t btc[3] = {B, T, C};
+    y = dt_reshape(ctx, dt_transpose(ctx, y, 1, 2), 3, btc);
     return dt_add(ctx, x, dt_linear(ctx, y, b->proj_w, b->proj_b));
 }
 
@@ -205,23 +208,23 @@ static dt_tensor *block_forward(dt_ctx *ctx, dt_tensor *const *in, int n, void *
 /* idx (B, T) i32 -> logits (B, T, vocab) */
 static dt_tensor *gpt_forward(dt_ctx *ctx, gpt *m, dt_tensor *idx)
 {
-    int64_t B = dt_tensor_dim(idx, 0), T = dt_tensor_dim(idx, 1), C = m->embd;
+    int64_t B = dt_tensor_dim(idx, 0), T = dt_tensor_dim(idx, 1);
     int32_t pos[4096];
     for (int64_t t = 0; t < T; t++)
         pos[t] = (int32_t)t;
-    int64_t tshape[1] = {T}, flat[2] = {B * T, C}, out[3] = {B, T, m->vocab};
+    int64_t tshape[1] = {T};
     dt_tensor *p = dt_tensor_temp(ctx, DT_I32, 1, tshape);
     if (!p || dt_tensor_set(p, pos, T) != DT_OK)
         return NULL;
+    /* (B, T, C) throughout: linear and layer_norm work over the last dim */
     dt_tensor *x = dt_add(ctx, dt_embedding(ctx, m->wte, idx), dt_embedding(ctx, m->wpe, p));
-    x = dt_reshape(ctx, x, 2, flat);
     for (int l = 0; x && l < m->layers; l++) {
         m->run[l] = (block_run){m, l, B, T};
         x = m->recompute ? dt_recompute(ctx, block_forward, &x, 1, &m->run[l])
                          : block_forward(ctx, &x, 1, &m->run[l]);
     }
     x = dt_layer_norm(ctx, x, m->lnf_w, m->lnf_b, 1e-5f);
-    return dt_reshape(ctx, dt_matmul(ctx, x, m->wte, 0, 1), 3, out);   /* tied: x wte^T */
+    return dt_linear(ctx, x, m->wte, NULL);   /* tied: x wte^T, (B, T, vocab) */
 }
 
 /* --- training --------------------------------------------------------------- */
@@ -336,6 +339,33 @@ static int backward_and_step(dt_ctx *ctx, dt_tensor *loss, dt_loss_scaler *scale
            (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) == DT_OK;
 }
 
+/* The optimizer in two parameter groups, as nanoGPT and torch's recipe
+ * have it: weight decay on the matrices (the linears' weights and the
+ * embeddings, 2-D), none on the biases and layer norms (1-D). */
+static dt_optim *make_optim(dt_ctx *ctx, const dt_optim_config *oc)
+{
+    int n = dt_param_count(ctx), nd = 0, nn = 0;
+    dt_tensor **decay = calloc((size_t)n + 1, sizeof *decay), **none = calloc((size_t)n + 1, sizeof *none);
+    dt_optim *opt = NULL;
+    if (decay && none) {
+        for (int i = 0; i < n; i++) {
+            dt_tensor *p = dt_param_at(ctx, i);
+            if (dt_tensor_ndim(p) >= 2)
+                decay[nd++] = p;
+            else
+                none[nn++] = p;
+        }
+        dt_param_group g[2];
+        dt_param_group_init(&g[0], decay, nd);
+        dt_param_group_init(&g[1], none, nn);
+        g[1].weight_decay = 0.0f;
+        opt = dt_optim_new_groups(ctx, oc, g, 2);
+    }
+    free(decay);
+    free(none);
+    return opt;
+}
+
 static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
 {
     int rank = comm ? dt_comm_rank(comm) : 0, ranks = comm ? dt_comm_size(comm) : 1;
@@ -396,7 +426,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_ddp_config_init(&dcfg);
     dcfg.zero = o->zero;
     if (!(ld = make_loader(ctx, train_ds, o, rank, ranks, 1)) ||
-        !(vl = make_loader(ctx, val_ds, o, 0, 1, 0)) || !(opt = dt_optim_new(ctx, &oc, NULL, 0)) ||
+        !(vl = make_loader(ctx, val_ds, o, 0, 1, 0)) || !(opt = make_optim(ctx, &oc)) ||
         (comm && !(ddp = dt_ddp_new(ctx, comm, opt, &dcfg)))) {
         fail(ctx, "setting up training");
         goto done;

@@ -10,8 +10,9 @@ step's batch) and --save (the weights after the steps), rebuilds the same GPT in
 torch (the same names: wte, wpe, h.L.ln1, h.L.attn, h.L.proj, h.L.ln2, h.L.fc,
 h.L.fc2, ln_f; tied output weights; causal scaled-dot-product attention; GPT-2's
 tanh gelu), loads the initial weights, trains on the dumped batches with
-torch.optim.AdamW (the example's lr, betas (0.9, 0.99), eps 1e-8, weight decay 0.1
-on every parameter), and compares: for every parameter, max |dtrain - torch| over
+torch.optim.AdamW (the example's lr, betas (0.9, 0.99), eps 1e-8) in the example's
+two parameter groups (weight decay 0.1 on the matrices, none on the biases and layer
+norms), and compares: for every parameter, max |dtrain - torch| over
 max |torch| must be at most 1e-4.  Prints one line per step (both losses) and the
 worst parameter; exits 1 when one is off.
 
@@ -87,6 +88,14 @@ class GPT(torch.nn.Module):
         return x @ self.g("wte.weight").T
 
 
+def groups(model):
+    """gpt.c's two parameter groups (make_optim): decay on the matrices, none on the
+    biases and layer norms."""
+    ps = list(model.parameters())
+    return [{"params": [p for p in ps if p.dim() >= 2]},
+            {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def main():
     gpt = sys.argv[1]
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 20
@@ -108,10 +117,9 @@ def main():
         w0, w1 = load_safetensors(init), load_safetensors(final)
         batches = np.fromfile(dump, "<i4").reshape(steps, 2, B, T)
     model = GPT(w0, layers, heads)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8,
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(groups(model), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     ref = GPT({k: v.copy() for k, v in w0.items()}, layers, heads) if bf16 else None   # f32
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8,
+    ref_opt = torch.optim.AdamW(groups(ref), lr=lr, betas=(0.9, 0.99), eps=1e-8,
                                 weight_decay=0.1) if bf16 else None
     loss_off = False
     for s in range(steps):

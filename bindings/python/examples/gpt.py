@@ -60,16 +60,17 @@ class GPT:
         B, T = idx.shape
         C = self.C
         pos = self.ctx.from_numpy(np.arange(T, dtype=np.int32), copy=True)
-        x = dt.reshape(dt.add(dt.embedding(self.wte, idx), dt.embedding(self.wpe, pos)), (B * T, C))
+        # (B, T, C) throughout: linear and layer_norm work over the last dim
+        x = dt.add(dt.embedding(self.wte, idx), dt.embedding(self.wpe, pos))
         for b in self.h:
             h = dt.linear(dt.layer_norm(x, *b["ln1"]), *b["attn"])
-            q, k, v = (self.heads(dt.slice(h, 1, i * C, (i + 1) * C), B, T) for i in range(3))
-            y = dt.reshape(dt.transpose(dt.attention(q, k, v, causal=True), 1, 2), (B * T, C))
+            q, k, v = (self.heads(dt.slice(h, 2, i * C, (i + 1) * C), B, T) for i in range(3))
+            y = dt.reshape(dt.transpose(dt.attention(q, k, v, causal=True), 1, 2), (B, T, C))
             x = dt.add(x, dt.linear(y, *b["proj"]))
             h = dt.gelu_tanh(dt.linear(dt.layer_norm(x, *b["ln2"]), *b["fc"]))
             x = dt.add(x, dt.linear(h, *b["fc2"]))
         x = dt.layer_norm(x, *self.ln_f)
-        return dt.reshape(dt.matmul(x, self.wte, trans_b=True), (B, T, -1))
+        return dt.linear(x, self.wte)   # tied: x wte^T, (B, T, vocab)
 
 
 def main():
@@ -90,7 +91,11 @@ def main():
         val = dt.Dataset.from_tokens(ctx, text, context=o.context, first=cut,
                                      count=text.size - cut)
         m = GPT(ctx, o.layers, o.heads, o.embd, o.context)
-        opt = dt.Optimizer(ctx, "adamw", lr=o.lr, betas=(0.9, 0.99), weight_decay=0.1)
+        # two parameter groups, as nanoGPT's: no decay on the biases and layer norms
+        params = ctx.params()
+        groups = [{"params": [p for p in params if p.ndim >= 2]},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        opt = dt.Optimizer(ctx, "adamw", groups, lr=o.lr, betas=(0.9, 0.99), weight_decay=0.1)
         ld = dt.Loader(ctx, train, batch=o.batch, seed=o.seed, drop_last=True)
         vl = dt.Loader(ctx, val, batch=o.batch, shuffle=False, drop_last=True)
         print("gpt.py: %d bytes of fortunes as a NumPy array, %d layers, %d heads, %d channels, "
