@@ -20,6 +20,11 @@
 #                         (pkg-config) under PREFIX (default /usr/local),
 #                         built for any x86-64 into build/portable (the
 #                         CPU kernels pick AVX2 / AVX-512 code at run time)
+#   ./build.sh python     what `pip install ./bindings/python` ships, built
+#                         for any x86-64 into build/portable: libdtrain.so
+#                         and the dtrun launcher (and Debian's python3-venv,
+#                         -numpy, -setuptools and -wheel, which pip needs
+#                         without PyPI)
 #   ./build.sh clean
 #
 # Environment: CC (default gcc), DT_NATIVE=0 to build without -march=native,
@@ -186,6 +191,7 @@ PKGS_BUILD="gcc make libopenblas-dev libfabric-dev libmicrohttpd-dev zlib1g-dev 
 PKGS_DATA="dataset-fashion-mnist fortunes"
 PKGS_TEST="valgrind"
 PKGS_BENCH="python3-torch python3-numpy time"
+PKGS_PYTHON="python3-venv python3-numpy python3-setuptools python3-wheel"
 PKGS_FUZZ="clang libclang-rt-14-dev"   # libFuzzer (tests/fuzz/)
 
 missing_pkgs() {
@@ -301,6 +307,20 @@ build_examples() {
     for f in examples/*.c; do
         $CC $WARN $OPT -I. "$f" $BUILD/libdtrain.a $LIBS -o "$BUILD/$(basename "${f%.c}")"
     done
+}
+
+# ./build.sh python: the portable library and dtrun, which
+# bindings/python/setup.py puts into the wheel (dtrun as the `dtrun` command).
+cmd_python() {
+    ensure_pkgs $PKGS_BUILD $PKGS_PYTHON
+    local t0=$SECONDS
+    echo "build.sh: building libdtrain.so and dtrun for any x86-64 into $BUILD/portable" \
+        "(a minute or two on 2 cores the first time)"
+    build_portable_lib
+    local BUILD=$BUILD/portable OPT="-O3 $PORTABLE_ARCH $FPFLAGS"
+    [ $BUILD/dtrun -nt $BUILD/libdtrain.a ] && [ $BUILD/dtrun -nt examples/dtrun.c ] ||
+        $CC $WARN $OPT -I. examples/dtrun.c $BUILD/libdtrain.a $LIBS -o $BUILD/dtrun
+    echo "build.sh: built $BUILD/libdtrain.so and $BUILD/dtrun in $((SECONDS - t0)) s"
 }
 
 cmd_build() {
@@ -643,6 +663,7 @@ python_checks() {
     echo "python checks: the GPT twin and the C example have the same train losses ($(echo $c))"
     python_ps_check
     python_pip_check
+    python_readme_install_check
 }
 
 # 2 workers and a parameter server (BSP) under dtrun: the Python example
@@ -689,6 +710,35 @@ python_pip_check() {
         { echo "python checks: installed: the GPT example's losses '$p', C '$c'"; exit 1; }
     echo "python checks: pip install into a fresh venv; from it (${lib#$root/}) the Fashion-MNIST" \
         "example reaches C's $acc and the GPT example C's losses ($(echo $c))"
+}
+
+# The binding README's install lines, verbatim, as a new user runs them:
+# HOME a new directory with the clone at ~/dtrain (a link to this tree), a
+# bare environment, and PyPI unreachable (no network namespace's routes
+# where unshare works, as root; a refusing proxy in any case).
+python_readme_install_check() {
+    local home lines out lib net=""
+    home=$(mktemp -d)
+    ln -s "$PWD" "$home/dtrain"
+    lines=$(awk '/^## Installing with pip/ { s = 1 } s && /^```sh$/ { f = 1; next }
+                 f && /^```$/ { exit } f' bindings/python/README.md)
+    [ -n "$lines" ] || { echo "python checks: no install lines in bindings/python/README.md"; exit 1; }
+    if unshare -n true 2>/dev/null; then net="unshare -n"; lines="ip link set lo up; $lines"; fi
+    out=$(cd "$home" && env -i HOME="$home" PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+          http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9 \
+          PIP_INDEX_URL=http://127.0.0.1:9/simple $net bash -euo pipefail -c "$lines" 2>&1) ||
+        { echo "$out" | tail -20; echo "python checks: the binding README's install lines failed"; exit 1; }
+    lib=$(echo "$home"/venvs/dtrain/lib/python3*/site-packages/dtrain_native/libdtrain.so)
+    case "$out" in
+        *"dtrain $(dt_version) $lib"*"[0] test accuracy: "*) ;;
+        *) echo "$out" | tail -10
+           echo "python checks: the README's install lines did not load $lib and train"; exit 1 ;;
+    esac
+    # the wheel's library is the portable one (tests/install_check.sh checks its ISA)
+    cmp -s "$lib" "$(realpath $BUILD/portable/libdtrain.so)" && [ -x "$home/venvs/dtrain/bin/dtrun" ] ||
+        { echo "python checks: the venv lacks build/portable's libdtrain.so or dtrun"; exit 1; }
+    rm -rf "$home"
+    echo "python checks: the binding README's install lines run as printed (no PyPI, a new HOME): $(echo "$out" | grep -m1 '^dtrain ')"
 }
 
 # dtrun end to end: 3 ranks join through the environment, the store and
@@ -1403,7 +1453,7 @@ timed() {
 }
 
 cmd_test() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ python3-numpy python3-venv python3-pip \
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ $PKGS_PYTHON python3-pip \
         python3-setuptools qemu-user iproute2 iputils-ping \
         python3-prometheus-client chromium
     mkdir -p $BUILD/test
@@ -1471,6 +1521,7 @@ cmd_valgrind() {
 
 case "${1:-build}" in
     build) cmd_build ;;
+    python) cmd_python ;;
     deps) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST ;;
     test) cmd_test ;;
     amalgamate) cmd_amalgamate ;;

@@ -275,6 +275,9 @@ struct dt_ctx {
     dt_status last_status;
     char err[DT_MAX_ERROR];
     char warning[DT_MAX_ERROR];    /* the latest warning (dt_last_warning) */
+    int64_t warnings;              /* ctx_warn calls so far */
+    pthread_mutex_t warn_mu;       /* warning and warnings: the monitor's thread reads them
+                                      (ctx_warning_copy) while the caller's may write */
     uint64_t errors;               /* set_error calls so far (was this error set just now?) */
     dt_log_fn log_fn;
     void *log_user;
@@ -423,6 +426,9 @@ struct dt_loss_scaler {
 };
 /* A checkpoint's parameter groups' base lrs (n of them) into o's groups:
  * DT_EMISMATCH, nothing changed, when o has another number of groups. */
+/* The latest warning into out (cap bytes) and the number of warnings so
+ * far, from any thread (the monitor's). */
+DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap);
 DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
 DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs);
 /* --- src/ckpt.c --- */
@@ -1785,13 +1791,29 @@ DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
+    pthread_mutex_lock(&ctx->warn_mu);
     vsnprintf(ctx->warning, sizeof ctx->warning, fmt, ap);
+    ctx->warnings++;
+    pthread_mutex_unlock(&ctx->warn_mu);
     va_end(ap);
     if (ctx->log_fn)
         ctx->log_fn(ctx->log_user, ctx->warning);
     else if (getenv("DTRAIN_LOG") && *getenv("DTRAIN_LOG"))
         fprintf(stderr, "dtrain: warning: %s\n", ctx->warning);
 }
+DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap)
+{
+    pthread_mutex_lock(&ctx->warn_mu);
+    size_t len = cap ? strnlen(ctx->warning, cap - 1) : 0;   /* cut to cap: the caller's choice */
+    if (cap) {
+        memcpy(out, ctx->warning, len);
+        out[len] = '\0';
+    }
+    int64_t n = ctx->warnings;
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return n;
+}
+
 dt_status dt_last_status(const dt_ctx *ctx) { return ctx ? ctx->last_status : DT_EINVAL; }
 dt_status dt_ctx_status(const dt_ctx *ctx) { return ctx ? ctx->init_status : DT_EINVAL; }
 
@@ -2010,6 +2032,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     if (!ctx)
         return NULL;
     memset(ctx, 0, sizeof *ctx);
+    pthread_mutex_init(&ctx->warn_mu, NULL);
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
     ctx->grad_enabled = 1;
@@ -2090,6 +2113,7 @@ void dt_ctx_free(dt_ctx *ctx)
         ctx->be_iface->shutdown(ctx->be);
     if (ctx->be_plugin)
         dlclose(ctx->be_plugin);
+    pthread_mutex_destroy(&ctx->warn_mu);
     dt_allocator al = ctx->al;
     al.free_fn(ctx, al.user);
 }
@@ -23567,7 +23591,7 @@ static const char mon_page[] =
     ".bar{display:flex;height:12px;width:220px;background:#eee;border-radius:2px;overflow:hidden}\n"
     ".bar span{display:block;height:100%}\n"
     ".up{color:#1a7f37}.silent{color:#b35900;font-weight:600}.died{color:#c62828;font-weight:600}\n"
-    ".slow{background:#fff4e5}.strag{color:#c62828;font-weight:600}\n"
+    ".slow{background:#fff4e5}.strag{color:#c62828;font-weight:600}.warn{color:#b35900}\n"
     "#why{font-size:15px}#conn{font-size:12px;color:#9aa}\n"
     ".legend span{display:inline-block;margin-right:10px;font-size:12px}\n"
     ".legend i{display:inline-block;width:10px;height:10px;margin-right:4px;vertical-align:-1px}\n"
@@ -23608,7 +23632,7 @@ static const char mon_page[] =
     "  const tot=PH.reduce((a,p)=>a+(r.phases_ms[p]||0),0)||1;\n"
     "  const bar=PH.map(p=>`<span title=\"${p}: ${f(r.phases_ms[p],2)} ms\" style=\"width:${100*(r.phases_ms[p]||0)/tot*(r.step_ms||0)/(max||1)}%;background:${COL[p]}\"></span>`).join(\"\");\n"
     "  const sv=r.server\?`server: busy ${f(100*r.server.busy,0)}%, not running ${f(100*r.server.stalled,0)}%, ${r.server.keys} keys`:\"\";\n"
-    "  const flags=[r.rank===s.slowest\?\"slowest\":\"\",r.rank===s.slow_server\?'<span class=\"strag\">slow server</span>':\"\",r.straggler\?'<span class=\"strag\">straggler</span>':\"\",sv].filter(x=>x).join(\" \");\n"
+    "  const flags=[r.rank===s.slowest\?\"slowest\":\"\",r.rank===s.slow_server\?'<span class=\"strag\">slow server</span>':\"\",r.straggler\?'<span class=\"strag\">straggler</span>':\"\",sv,r.warnings\?`<span class=\"strag\" title=\"${esc(r.warning)}\">${r.warnings} warning${r.warnings>1\?\"s\":\"\"}</span>`:\"\"].filter(x=>x).join(\" \");\n"
     "  return `<tr data-rank=\"${r.rank}\" class=\"${r.rank===s.slowest\?\"slow\":\"\"}\"><td class=\"l\">${r.rank}</td><td class=\"l ${r.status}\">${r.status}${r.status!==\"up\"\?\" (\"+f(r.last_seen_s,0)+\" s)\":\"\"}</td>`+\n"
     "   `<td class=\"steps\">${r.steps}</td><td>${f(r.step_ms,2)}</td><td class=\"l\"><div class=\"bar\">${bar}</div></td><td>${f(r.samples_per_s,0)}</td>`+\n"
     "   `<td>${f(r.busbw_GBps,3)}</td><td>${f(r.bytes_per_s/1e6,1)}</td><td>${r.ps_calls\?f(r.ps_latency_ms,2):\"-\"}</td><td>${r.ps_calls\?f(r.ps_mean_staleness,2)+\" / \"+r.ps_max_staleness:\"-\"}</td><td class=\"l\">${flags}</td></tr>`;\n"
@@ -23619,8 +23643,10 @@ static const char mon_page[] =
     "  document.getElementById(\"job\").innerHTML=`${s.world} rank${s.world>1\?\"s\":\"\"}, <b>${up}</b> up &middot; step <b id=\"steps\">${r0.steps}</b> on rank 0 &middot; ${f(s.ranks.reduce((a,r)=>a+(r.samples_per_s||0),0),0)} samples/s &middot; up ${f(s.uptime_s,0)} s`;\n"
     "  document.getElementById(\"why\").textContent=s.server_why||s.why||\"not enough intervals yet\";\n"
     "  const bad=s.ranks.filter(r=>r.status!==\"up\").map(r=>`rank ${r.rank} ${r.status}`);\n"
+    "  const warned=s.ranks.filter(r=>r.warnings).map(r=>`rank ${r.rank}: ${r.warning}`);\n"
     "  document.getElementById(\"strag\").innerHTML=(s.straggler>=0\?`<span class=\"strag\">straggler: rank ${s.straggler}</span> (computes more than 15% above the median per sample) `:\"\")+\n"
-    "    (bad.length\?`<span class=\"died\">${esc(bad.join(\", \"))}</span>`:\"\");\n"
+    "    (bad.length\?`<span class=\"died\">${esc(bad.join(\", \"))}</span>`:\"\")+\n"
+    "    (warned.length\?`<div class=\"warn\">latest warning${warned.length>1\?\"s\":\"\"}: ${esc(warned.slice(0,4).join(\"; \"))}</div>`:\"\");\n"
     "  const rs=shown(s), max=Math.max(...rs.map(r=>r.step_ms||0));\n"
     "  let html=rs.map(r=>row(r,s,max)).join(\"\");\n"
     "  if(rs.length<s.ranks.length){\n"
@@ -23700,7 +23726,8 @@ static const char mon_page[] =
 #define MON_SCALARS 8
 #define MON_NAME 24
 #define MON_HISTORY 600            /* job points kept for the page's curves */
-#define MON_LINE 1024              /* a summary's text */
+#define MON_LINE 1536              /* a summary's text */
+#define MON_WARNING 200            /* of its rank's latest warning, at most */
 #define MON_MAX_REQUEST (16 << 10)
 #define MON_MAX_CONNECTIONS 16
 
@@ -23717,6 +23744,8 @@ typedef struct mon_summary {
     char name[MON_SCALARS][MON_NAME];
     int64_t at[MON_SCALARS];
     double value[MON_SCALARS];
+    int64_t warnings;              /* the context's warnings so far (ctx_warning_copy) */
+    char warning[MON_WARNING];     /* the latest, on one line */
 } mon_summary;
 
 /* Rank 0's view of one rank. */
@@ -23814,12 +23843,17 @@ static void mon_take(dt_monitor *m, mon_summary *s)
     memcpy(s->at, m->sat, sizeof s->at);
     memcpy(s->value, m->svalue, sizeof s->value);
     pthread_mutex_unlock(&m->mu);
+    s->warnings = ctx_warning_copy(m->ctx, s->warning, sizeof s->warning);
+    for (char *c = s->warning; *c; c++)   /* the line's last field: one line of text */
+        if ((unsigned char)*c < ' ')
+            *c = ' ';
 }
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
  * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
  * serve busy stalled served bytes_in bytes_out queue_max keys, a sharded
- * DDP's gather gather_exposed, n (name at value)*" */
+ * DDP's gather gather_exposed, n (name at value)*, warnings, and the
+ * latest warning's text to the end of the line" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
     int n = snprintf(out, cap, "dtmon1 %.6f %lld %lld %.9g", s->t, (long long)s->steps,
@@ -23837,6 +23871,7 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
+    n += snprintf(out + n, cap - (size_t)n, " %lld %s", (long long)s->warnings, s->warning);
     return n > 0 && (size_t)n < cap;
 }
 
@@ -23894,6 +23929,13 @@ static int mon_decode(const char *line, mon_summary *s)
         s->at[i] = at;
         p += used_here;
     }
+    long long warnings;
+    int w = 0;
+    if (sscanf(p, " %lld%n", &warnings, &w) != 1 || warnings < 0)
+        return 0;
+    s->warnings = warnings;
+    p += w;
+    snprintf(s->warning, sizeof s->warning, "%s", *p == ' ' ? p + 1 : p);
     return 1;
 }
 
@@ -24118,6 +24160,8 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
         jnum(b, "bytes_out", v->ps_bytes_out);
         strbuf_puts(b, "}");
     }
+    strbuf_printf(b, ",\"warnings\":%lld,", (long long)s->warnings);
+    jstr(b, "warning", s->warning);
     strbuf_puts(b, ",\"scalars\":{");
     for (int i = 0; i < s->nscalars; i++) {
         if (i)
@@ -24227,6 +24271,7 @@ MON_FIELD(f_sv_queue, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_queue_max : NAN)
 MON_FIELD(f_sv_keys, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_keys : NAN)
 MON_FIELD(f_gather, s->sv.gather_s > 0 ? s->sv.gather_s : NAN)
 MON_FIELD(f_gather_exp, s->sv.gather_s > 0 ? s->sv.gather_exposed_s : NAN)
+MON_FIELD(f_warnings, (double)s->warnings)
 
 static void prom_scalars(dt_monitor *m, strbuf *b)
 {
@@ -24264,6 +24309,9 @@ static char *mon_render_metrics(dt_monitor *m, double now)
                   "Seconds since the rank's last new summary.", f_seen, now);
     prom_per_rank(m, &b, "dtrain_steps_total", "counter", "Training steps the rank completed.",
                   f_steps, now);
+    prom_per_rank(m, &b, "dtrain_warnings_total", "counter",
+                  "Warnings the rank's context gave (dt_last_warning; the page shows the latest).",
+                  f_warnings, now);
     prom_per_rank(m, &b, "dtrain_step_seconds_total", "counter",
                   "Wall time of the rank's training steps.", f_step_s, now);
     prom_head(&b, "dtrain_step_phase_seconds_total", "counter",

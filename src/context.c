@@ -107,13 +107,29 @@ DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
+    pthread_mutex_lock(&ctx->warn_mu);
     vsnprintf(ctx->warning, sizeof ctx->warning, fmt, ap);
+    ctx->warnings++;
+    pthread_mutex_unlock(&ctx->warn_mu);
     va_end(ap);
     if (ctx->log_fn)
         ctx->log_fn(ctx->log_user, ctx->warning);
     else if (getenv("DTRAIN_LOG") && *getenv("DTRAIN_LOG"))
         fprintf(stderr, "dtrain: warning: %s\n", ctx->warning);
 }
+DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap)
+{
+    pthread_mutex_lock(&ctx->warn_mu);
+    size_t len = cap ? strnlen(ctx->warning, cap - 1) : 0;   /* cut to cap: the caller's choice */
+    if (cap) {
+        memcpy(out, ctx->warning, len);
+        out[len] = '\0';
+    }
+    int64_t n = ctx->warnings;
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return n;
+}
+
 dt_status dt_last_status(const dt_ctx *ctx) { return ctx ? ctx->last_status : DT_EINVAL; }
 dt_status dt_ctx_status(const dt_ctx *ctx) { return ctx ? ctx->init_status : DT_EINVAL; }
 
@@ -332,6 +348,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     if (!ctx)
         return NULL;
     memset(ctx, 0, sizeof *ctx);
+    pthread_mutex_init(&ctx->warn_mu, NULL);
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
     ctx->grad_enabled = 1;
@@ -412,6 +429,7 @@ void dt_ctx_free(dt_ctx *ctx)
         ctx->be_iface->shutdown(ctx->be);
     if (ctx->be_plugin)
         dlclose(ctx->be_plugin);
+    pthread_mutex_destroy(&ctx->warn_mu);
     dt_allocator al = ctx->al;
     al.free_fn(ctx, al.user);
 }

@@ -265,6 +265,9 @@ struct dt_ctx {
     dt_status last_status;
     char err[DT_MAX_ERROR];
     char warning[DT_MAX_ERROR];    /* the latest warning (dt_last_warning) */
+    int64_t warnings;              /* ctx_warn calls so far */
+    pthread_mutex_t warn_mu;       /* warning and warnings: the monitor's thread reads them
+                                      (ctx_warning_copy) while the caller's may write */
     uint64_t errors;               /* set_error calls so far (was this error set just now?) */
     dt_log_fn log_fn;
     void *log_user;
@@ -413,6 +416,9 @@ struct dt_loss_scaler {
 };
 /* A checkpoint's parameter groups' base lrs (n of them) into o's groups:
  * DT_EMISMATCH, nothing changed, when o has another number of groups. */
+/* The latest warning into out (cap bytes) and the number of warnings so
+ * far, from any thread (the monitor's). */
+DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap);
 DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
 DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs);
 /* --- src/ckpt.c --- */

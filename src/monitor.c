@@ -22,7 +22,8 @@
 #define MON_SCALARS 8
 #define MON_NAME 24
 #define MON_HISTORY 600            /* job points kept for the page's curves */
-#define MON_LINE 1024              /* a summary's text */
+#define MON_LINE 1536              /* a summary's text */
+#define MON_WARNING 200            /* of its rank's latest warning, at most */
 #define MON_MAX_REQUEST (16 << 10)
 #define MON_MAX_CONNECTIONS 16
 
@@ -39,6 +40,8 @@ typedef struct mon_summary {
     char name[MON_SCALARS][MON_NAME];
     int64_t at[MON_SCALARS];
     double value[MON_SCALARS];
+    int64_t warnings;              /* the context's warnings so far (ctx_warning_copy) */
+    char warning[MON_WARNING];     /* the latest, on one line */
 } mon_summary;
 
 /* Rank 0's view of one rank. */
@@ -136,12 +139,17 @@ static void mon_take(dt_monitor *m, mon_summary *s)
     memcpy(s->at, m->sat, sizeof s->at);
     memcpy(s->value, m->svalue, sizeof s->value);
     pthread_mutex_unlock(&m->mu);
+    s->warnings = ctx_warning_copy(m->ctx, s->warning, sizeof s->warning);
+    for (char *c = s->warning; *c; c++)   /* the line's last field: one line of text */
+        if ((unsigned char)*c < ' ')
+            *c = ' ';
 }
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
  * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
  * serve busy stalled served bytes_in bytes_out queue_max keys, a sharded
- * DDP's gather gather_exposed, n (name at value)*" */
+ * DDP's gather gather_exposed, n (name at value)*, warnings, and the
+ * latest warning's text to the end of the line" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
     int n = snprintf(out, cap, "dtmon1 %.6f %lld %lld %.9g", s->t, (long long)s->steps,
@@ -159,6 +167,7 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
+    n += snprintf(out + n, cap - (size_t)n, " %lld %s", (long long)s->warnings, s->warning);
     return n > 0 && (size_t)n < cap;
 }
 
@@ -216,6 +225,13 @@ static int mon_decode(const char *line, mon_summary *s)
         s->at[i] = at;
         p += used_here;
     }
+    long long warnings;
+    int w = 0;
+    if (sscanf(p, " %lld%n", &warnings, &w) != 1 || warnings < 0)
+        return 0;
+    s->warnings = warnings;
+    p += w;
+    snprintf(s->warning, sizeof s->warning, "%s", *p == ' ' ? p + 1 : p);
     return 1;
 }
 
@@ -440,6 +456,8 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
         jnum(b, "bytes_out", v->ps_bytes_out);
         strbuf_puts(b, "}");
     }
+    strbuf_printf(b, ",\"warnings\":%lld,", (long long)s->warnings);
+    jstr(b, "warning", s->warning);
     strbuf_puts(b, ",\"scalars\":{");
     for (int i = 0; i < s->nscalars; i++) {
         if (i)
@@ -549,6 +567,7 @@ MON_FIELD(f_sv_queue, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_queue_max : NAN)
 MON_FIELD(f_sv_keys, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_keys : NAN)
 MON_FIELD(f_gather, s->sv.gather_s > 0 ? s->sv.gather_s : NAN)
 MON_FIELD(f_gather_exp, s->sv.gather_s > 0 ? s->sv.gather_exposed_s : NAN)
+MON_FIELD(f_warnings, (double)s->warnings)
 
 static void prom_scalars(dt_monitor *m, strbuf *b)
 {
@@ -586,6 +605,9 @@ static char *mon_render_metrics(dt_monitor *m, double now)
                   "Seconds since the rank's last new summary.", f_seen, now);
     prom_per_rank(m, &b, "dtrain_steps_total", "counter", "Training steps the rank completed.",
                   f_steps, now);
+    prom_per_rank(m, &b, "dtrain_warnings_total", "counter",
+                  "Warnings the rank's context gave (dt_last_warning; the page shows the latest).",
+                  f_warnings, now);
     prom_per_rank(m, &b, "dtrain_step_seconds_total", "counter",
                   "Wall time of the rank's training steps.", f_step_s, now);
     prom_head(&b, "dtrain_step_phase_seconds_total", "counter",

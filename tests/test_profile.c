@@ -1170,6 +1170,47 @@ static void test_monitor_one_process(void **state)
     dt_ctx_free(ctx);
 }
 
+/* A loop that forgets dt_step_reset: the arena's warning (dt_last_warning)
+ * reaches the monitor's state, its page's data, and /metrics. */
+static void test_monitor_shows_warnings(void **state)
+{
+    (void)state;
+    dt_config cfg;
+    dt_config_init(&cfg);
+    cfg.arena_bytes = (size_t)256 << 10;
+    dt_ctx *ctx = dt_ctx_new(&cfg);
+    tu_check_status(ctx, dt_ctx_status(ctx), "context");
+    dt_monitor_config mc;
+    dt_monitor_config_init(&mc);
+    mc.listen = "127.0.0.1:0";
+    mc.interval_s = 0.1;
+    dt_monitor *m = dt_monitor_start(ctx, NULL, &mc);
+    tu_check(ctx, m, "monitor_start");
+    int port = dt_monitor_port(m);
+    char *body = malloc(1 << 16);
+    assert_non_null(body);
+    usleep(300 * 1000);
+    assert_int_equal(http_get(port, "/api/state", body, 1 << 16), 200);
+    assert_non_null(strstr(body, "\"warnings\":0,\"warning\":\"\""));   /* none yet */
+    dt_tensor *w = tu_param(ctx, "w", SHP(64, 64), NULL);
+    for (int i = 0; i < 2 * DT_ARENA_WARN_BACKWARDS; i++) {   /* never reset */
+        dt_tensor *loss = dt_sum(ctx, dt_relu(ctx, dt_matmul(ctx, w, w, 0, 0)));
+        tu_check_status(ctx, loss ? dt_backward(ctx, loss) : dt_last_status(ctx), "backward");
+    }
+    assert_non_null(strstr(dt_last_warning(ctx), "without dt_step_reset"));
+    usleep(400 * 1000);
+    assert_int_equal(http_get(port, "/api/state", body, 1 << 16), 200);
+    assert_non_null(strstr(body, "\"warnings\":1,\"warning\":\"the step arena grew"));
+    assert_non_null(strstr(body, "without dt_step_reset"));
+    assert_int_equal(http_get(port, "/metrics", body, 1 << 16), 200);
+    assert_non_null(strstr(body, "# TYPE dtrain_warnings_total counter"));
+    assert_non_null(strstr(body, "dtrain_warnings_total{rank=\"0\"} 1\n"));
+    dt_step_reset(ctx);
+    dt_monitor_stop(m);
+    free(body);
+    dt_ctx_free(ctx);
+}
+
 /* --- the diagnosis itself, on figures made up to cover each case ----------- */
 
 /* A server's figures: serve seconds, busy, not running, keys, bytes. */
@@ -1240,6 +1281,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_ps_calls),
     cmocka_unit_test(test_store_add),
     cmocka_unit_test(test_monitor_one_process),
+    cmocka_unit_test(test_monitor_shows_warnings),
     cmocka_unit_test(test_server_diagnosis),
 };
 

@@ -58,7 +58,7 @@ __all__ = [
     "library_path", "version", "version_string", "dtype_name", "dtype_size", "custom_op",
     "recompute", "LossScaler", "checkpoint_save_ex", "checkpoint_load_ex", "checkpoint_latest",
     "checkpoint_metadata", "checkpoint_consolidate", "checkpoint_arrays", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
-    "hogwild", "HogwildStats", "ParameterServer", "predict", "Monitor", "profile_rank_stats",
+    "hogwild", "HogwildStats", "ParameterServer", "predict", "Monitor", "profile_rank_stats", "dtrun_main",
     "profiling", "profile_straggler", "schedule_lr", "strerror",
     # ops (each records its backward) and initialisers
     "reshape", "flatten", "transpose", "permute", "slice", "contiguous", "concat", "matmul",
@@ -1225,7 +1225,8 @@ class Tensor:
         h = self.handle
         dtype = self.dtype
         shape = self.shape
-        if not copy and self._life is None:
+        # (a borrowed context's memory is the library's to free: copied too)
+        if not copy and self._life is None and not self.ctx._borrowed:
             ptr = _C.tensor_data(h)
             if ptr:
                 isz = dtype.itemsize
@@ -1612,6 +1613,7 @@ class ParamGroup:
         return c
 
     def keys(self) -> List[str]:
+        """The keys torch's param_groups dicts have."""
         return ["params", "lr", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps"]
 
     def __getitem__(self, key: str) -> Any:
@@ -1634,9 +1636,11 @@ class ParamGroup:
         self._opt.ctx.check(_C.optim_set_group_lr(self._opt.handle, self.index, value))
 
     def get(self, key: str, default: Any = None) -> Any:
+        """self[key], or default for a key it does not have."""
         return self[key] if key in self.keys() else default
 
     def items(self) -> List[Tuple[str, Any]]:
+        """(key, value) pairs, as dict.items()."""
         return [(k, self[k]) for k in self.keys()]
 
     def __repr__(self) -> str:
@@ -2932,6 +2936,17 @@ def launch(ctx: "Context", argv: Sequence[str], nranks: int, transport: Optional
         raise e
 
 
+def dtrun_main() -> None:
+    """The `dtrun` command pip installs: the launcher (examples/dtrun.c) shipped beside
+    the library, run with this command's arguments (dtrun -n 2 python train.py)."""
+    import sys
+    exe = os.path.join(os.path.dirname(os.path.realpath(library_path)), "dtrun")
+    if not os.access(exe, os.X_OK):
+        sys.exit("dtrun: no launcher beside %s (pip ships it from the source tree's "
+                 "build/portable/dtrun: ./build.sh python, then pip install again)" % library_path)
+    os.execv(exe, [exe] + sys.argv[1:])
+
+
 def _ddp_balance(self, loader: "Loader", every: int = 50) -> None:
     """Cut each global batch by the ranks' measured speed (dt_ddp_balance)."""
     self.ctx.check(_C.ddp_balance(self.handle, loader.handle, every))
@@ -2963,6 +2978,7 @@ def _borrowed_context(h):
     c._h, c.step, c._children, c._deferred, c._log = h, _Life(), [], [], None
     c._borrowed = True
     c._backward_failure, c._in_backward = [], False
+    c.persist, c._views, c._zombie = _Life(), 0, None
     return c
 
 
