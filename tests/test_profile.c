@@ -1114,6 +1114,14 @@ static int http_get(int port, const char *path, char *out, size_t cap)
     return status;
 }
 
+/* GET path (status 200) and find want in the body (1 << 16 bytes). */
+static void assert_served(int port, const char *path, char *body, const char *want)
+{
+    assert_int_equal(http_get(port, path, body, 1 << 16), 200);
+    if (!strstr(body, want))
+        fail_msg("%s lacks '%s'", path, want);
+}
+
 static void test_monitor_one_process(void **state)
 {
     (void)state;
@@ -1154,14 +1162,11 @@ static void test_monitor_one_process(void **state)
     usleep(500 * 1000);   /* two intervals */
     char *body = malloc(1 << 16);
     assert_non_null(body);
-    assert_int_equal(http_get(port, "/api/state", body, 1 << 16), 200);
-    assert_non_null(strstr(body, "\"world\":1"));
-    assert_non_null(strstr(body, "\"m3\":7.25"));
-    assert_int_equal(http_get(port, "/metrics", body, 1 << 16), 200);
-    assert_non_null(strstr(body, "dtrain_metric{rank=\"0\",name=\"m3\"} 7.25"));
-    assert_non_null(strstr(body, "# TYPE dtrain_steps_total counter"));
-    assert_int_equal(http_get(port, "/", body, 1 << 16), 200);
-    assert_non_null(strstr(body, "<title>dtrain monitor</title>"));
+    assert_served(port, "/api/state", body, "\"world\":1");
+    assert_served(port, "/api/state", body, "\"m3\":7.25");
+    assert_served(port, "/metrics", body, "dtrain_metric{rank=\"0\",name=\"m3\"} 7.25");
+    assert_served(port, "/metrics", body, "# TYPE dtrain_steps_total counter");
+    assert_served(port, "/", body, "<title>dtrain monitor</title>");
     assert_int_equal(http_get(port, "/nothing", body, 1 << 16), 404);
     dt_monitor_stop(m);
     assert_int_equal(http_get(port, "/metrics", body, 1 << 16), -1);   /* nobody listens */
@@ -1190,8 +1195,7 @@ static void test_monitor_shows_warnings(void **state)
     char *body = malloc(1 << 16);
     assert_non_null(body);
     usleep(300 * 1000);
-    assert_int_equal(http_get(port, "/api/state", body, 1 << 16), 200);
-    assert_non_null(strstr(body, "\"warnings\":0,\"warning\":\"\""));   /* none yet */
+    assert_served(port, "/api/state", body, "\"warnings\":0,\"warning\":\"\"");   /* none yet */
     dt_tensor *w = tu_param(ctx, "w", SHP(64, 64), NULL);
     for (int i = 0; i < 2 * DT_ARENA_WARN_BACKWARDS; i++) {   /* never reset */
         dt_tensor *loss = dt_sum(ctx, dt_relu(ctx, dt_matmul(ctx, w, w, 0, 0)));
@@ -1199,12 +1203,10 @@ static void test_monitor_shows_warnings(void **state)
     }
     assert_non_null(strstr(dt_last_warning(ctx), "without dt_step_reset"));
     usleep(400 * 1000);
-    assert_int_equal(http_get(port, "/api/state", body, 1 << 16), 200);
-    assert_non_null(strstr(body, "\"warnings\":1,\"warning\":\"the step arena grew"));
-    assert_non_null(strstr(body, "without dt_step_reset"));
-    assert_int_equal(http_get(port, "/metrics", body, 1 << 16), 200);
-    assert_non_null(strstr(body, "# TYPE dtrain_warnings_total counter"));
-    assert_non_null(strstr(body, "dtrain_warnings_total{rank=\"0\"} 1\n"));
+    assert_served(port, "/api/state", body, "\"warnings\":1,\"warning\":\"the step arena grew");
+    assert_served(port, "/api/state", body, "without dt_step_reset");
+    assert_served(port, "/metrics", body, "# TYPE dtrain_warnings_total counter");
+    assert_served(port, "/metrics", body, "dtrain_warnings_total{rank=\"0\"} 1\n");
     dt_step_reset(ctx);
     dt_monitor_stop(m);
     free(body);
