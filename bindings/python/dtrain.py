@@ -1530,7 +1530,9 @@ class _Handle:
     _what = "object"
     _h = None
     _views = 0          # live NumPy views of its memory (_View): its free waits for them
-    _pending = None     # the handle of one closed while views lived
+    _users = 0          # live objects whose C side borrows this one (_borrow): so does it
+    _held = ()          # what this one's C side borrows
+    _pending = None     # the handle of one closed while views or users lived
 
     def _own(self, ctx, h):
         self.ctx = ctx
@@ -1546,20 +1548,34 @@ class _Handle:
             raise BadState(7, "the %s is closed" % self._what)
         return self._h
 
+    def _borrow(self, *objs):
+        """This object's C side reads objs (a loader its dataset, a DDP its communicator
+        and optimizer) until it is freed: their close() waits for its free."""
+        self._held = tuple(o for o in objs if isinstance(o, _Handle))
+        for o in self._held:
+            o._users += 1
+
     def close(self) -> None:
-        """Free the C object (the context frees it too when it closes)."""
+        """Free the C object (the context frees it too when it closes).  While NumPy views
+        of its memory, or objects that borrow it (a loader its dataset), live, it is closed
+        here (BadState on use) and freed with the last of them."""
         if self._h and self.ctx._h:
-            if self._views:
-                self._pending = self._h   # NumPy arrays still read it: freed with the last
-            else:
-                self._free(self._h)
+            self._pending = self._h
         self._h = None
+        self._free_when_unused()
+
+    def _free_when_unused(self):
+        if self._pending and not self._views and not self._users:
+            h, self._pending = self._pending, None
+            self._free(h)
+            held, self._held = self._held, ()
+            for o in held:   # what it borrowed may go now
+                o._users -= 1
+                o._free_when_unused()
 
     def _view_gone(self):
         self._views -= 1
-        if self._views == 0 and self._pending:
-            h, self._pending = self._pending, None
-            self._free(h)   # before the context's (it counts this view too)
+        self._free_when_unused()   # before the context's (it counts this view too)
         self.ctx._view_gone()
 
     def __del__(self):
@@ -1905,8 +1921,10 @@ class Dataset(_Handle):
 
     def subset(self, first: int, count: int) -> "Dataset":
         """Samples [first, first + count) as a dataset (a view of this one)."""
-        return Dataset(self.ctx, _C.dataset_subset(self.ctx.handle, self.handle, first, count),
-                       (self,))
+        sub = Dataset(self.ctx, _C.dataset_subset(self.ctx.handle, self.handle, first, count),
+                      (self,))
+        sub._borrow(self)
+        return sub
 
     def normalize(self, mean: Any = None, std: Any = None, scale_u8: bool = False) -> None:
         """u8 inputs / 255 (scale_u8), then (x - mean) / std per channel, per element or
@@ -1986,6 +2004,7 @@ class Loader(_Handle):
         self.batch_life = _Life()
         self._x, self._y = _P(), _P()
         self._own(ctx, _C.loader_new(ctx.handle, dataset.handle, ctypes.byref(c)))
+        self._borrow(dataset)
 
     def __len__(self):
         """Batches per epoch."""
@@ -2173,6 +2192,7 @@ class DDP(_Handle):
         self.comm, self.opt, self.ps = comm, opt, ps   # borrowed by C: kept alive here
         self._own(ctx, _C.ddp_new(ctx.handle, comm.handle, opt.handle if opt else None,
                                   ctypes.byref(c)))
+        self._borrow(comm, opt, ps)
 
     def sync(self) -> None:
         """Wait until every bucket of this step is reduced."""
@@ -2243,6 +2263,7 @@ class Pipe(_Handle):
         self._life = _Life()
         self._cb = _STAGE_FN(self._trampoline)   # kept alive as long as C may call it
         self._own(ctx, _C.pipe_new(ctx.handle, comm.handle, ctypes.byref(c), self._cb, None))
+        self._borrow(comm)
 
     def _trampoline(self, ctx_h, x_h, y_h, user):
         try:
@@ -3162,6 +3183,7 @@ class ParameterServer(_Handle):
         c.checkpoint_dir, c.chunk_bytes, c.prefetch = self._dir, chunk_bytes, int(prefetch)
         self.comm = comm
         self._own(ctx, _C.ps_new(ctx.handle, comm.handle, ctypes.byref(c)))
+        self._borrow(comm)
         self._dims = [t[2] for t in tables]
 
     is_server = property(lambda self: bool(_C.ps_is_server(self.handle)),
@@ -3276,6 +3298,7 @@ class Monitor(_Handle):
         c.listen, c.token, c.interval_s = self._strings[0], self._strings[1], interval_s
         self.comm = comm
         self._own(ctx, _C.monitor_start(ctx.handle, comm.handle if comm else None, ctypes.byref(c)))
+        self._borrow(comm)
 
     @property
     def port(self) -> int:

@@ -508,6 +508,25 @@ class Lifetimes(unittest.TestCase):
         gc.collect()
         self.assertIsNone(ctx._zombie)
 
+    def test_dataset_closed_while_borrowed(self):
+        # a loader or subset reads its dataset in C: closing that dataset waits for them
+        with dt.Context() as ctx:
+            xs = np.arange(32, dtype=np.float32).reshape(8, 4)
+            ds = dt.Dataset.from_numpy(ctx, xs, np.arange(8, dtype=np.int32), copy=True)
+            ld = dt.Loader(ctx, ds, batch=4, shuffle=False)
+            sub = ds.subset(4, 4)
+            ds.close()
+            with self.assertRaises(dt.BadState):
+                len(ds)                                # closed for Python at once
+            ld.start_epoch(0)
+            x, _ = ld.next()
+            np.testing.assert_array_equal(x.numpy(), xs[:4])
+            np.testing.assert_array_equal(sub.sample(0)[0], xs[4])
+            ld.close()
+            self.assertIsNotNone(ds._pending)          # the subset still reads it
+            sub.close()
+            self.assertIsNone(ds._pending)             # freed with the last
+
     def test_kept_callback_arrays(self):
         kept = []
 
