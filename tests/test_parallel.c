@@ -641,19 +641,35 @@ static void test_pipeline_errors(void **state)
  * split 2 ways: layer 0 by columns (rows of w0), layer 1 by rows (columns
  * of w1).  variant 0: column (split output) then row (split input), the
  * Megatron MLP; variant 1: column with gather_output then row splitting
- * its whole input, through dt_tp_gather and dt_tp_split. */
+ * its whole input, through dt_tp_gather and dt_tp_split.  Variants 2 and
+ * 3 are 0 and 1 over (BATCH/2, 2, 12) inputs: the layers over the last dim,
+ * as a transformer's (B, T, C), the logits back to (BATCH, 20). */
+static dt_tensor *as_3d(dt_ctx *ctx, dt_tensor *x, int variant)
+{
+    if (variant < 2)
+        return x;
+    return dt_reshape(ctx, x, 3, (const int64_t[]){BATCH / 2, 2, dt_tensor_dim(x, 1)});
+}
+
+static dt_tensor *as_2d(dt_ctx *ctx, dt_tensor *x, int variant)
+{
+    return variant < 2 ? x : dt_reshape(ctx, x, 2, (const int64_t[]){BATCH, -1});
+}
+
 static dt_tensor *tp_forward(dt_ctx *ctx, dt_comm *c, dt_tensor *const *w, dt_tensor *x,
                              int variant)
 {
-    x = dt_tanh(ctx, dt_linear(ctx, x, w[4], NULL));   /* replicated: gradients flow into x */
-    dt_tensor *h = dt_tp_linear_col(ctx, c, x, w[0], w[1], variant == 1);
-    return dt_tp_linear_row(ctx, c, dt_relu(ctx, h), w[2], w[3], variant == 0);
+    x = dt_tanh(ctx, dt_linear(ctx, as_3d(ctx, x, variant), w[4], NULL));   /* replicated */
+    dt_tensor *h = dt_tp_linear_col(ctx, c, x, w[0], w[1], variant % 2 == 1);
+    return as_2d(ctx, dt_tp_linear_row(ctx, c, dt_relu(ctx, h), w[2], w[3], variant % 2 == 0),
+                 variant);
 }
 
-static dt_tensor *full_forward(dt_ctx *ctx, dt_tensor *const *w, dt_tensor *x)
+static dt_tensor *full_forward(dt_ctx *ctx, dt_tensor *const *w, dt_tensor *x, int variant)
 {
-    x = dt_tanh(ctx, dt_linear(ctx, x, w[4], NULL));
-    return dt_linear(ctx, dt_relu(ctx, dt_linear(ctx, x, w[0], w[1])), w[2], w[3]);
+    x = dt_tanh(ctx, dt_linear(ctx, as_3d(ctx, x, variant), w[4], NULL));
+    return as_2d(ctx, dt_linear(ctx, dt_relu(ctx, dt_linear(ctx, x, w[0], w[1])), w[2], w[3]),
+                 variant);
 }
 
 static int job_tp(dt_comm *c, int rank, int world)
@@ -662,7 +678,7 @@ static int job_tp(dt_comm *c, int rank, int world)
     static const int64_t shp[5][2] = {{24, 12}, {24, 0}, {20, 24}, {20, 0}, {12, 12}};
     static const int dims[5] = {0, 0, 1, -1, -1};   /* the dim each is split along; -1 whole */
     dt_seed(ref, 7);
-    for (int variant = 0; variant < 2; variant++) {
+    for (int variant = 0; variant < 4; variant++) {
         dt_tensor *full[5], *init[5], *part[5];
         for (int i = 0; i < 5; i++) {
             char name[48];
@@ -707,7 +723,7 @@ static int job_tp(dt_comm *c, int rank, int world)
             dt_tensor_set(xr, xb, BATCH * 12);
             dt_tensor_set(yr, yb, BATCH);
             dt_tensor *l1 = dt_cross_entropy(ctx, tp_forward(ctx, c, part, x, variant), y);
-            dt_tensor *l0 = dt_cross_entropy(ref, full_forward(ref, full, xr), yr);
+            dt_tensor *l0 = dt_cross_entropy(ref, full_forward(ref, full, xr, variant), yr);
             if (!l1 || !l0 || dt_backward(ctx, l1) || dt_backward(ref, l0) ||
                 dt_optim_step(o_tp) || dt_optim_step(o_ref))
                 return 72;
