@@ -276,8 +276,13 @@ struct dt_ctx {
     char err[DT_MAX_ERROR];
     char warning[DT_MAX_ERROR];    /* the latest warning (dt_last_warning) */
     int64_t warnings;              /* ctx_warn calls so far */
-    pthread_mutex_t warn_mu;       /* warning and warnings: the monitor's thread reads them
-                                      (ctx_warning_copy) while the caller's may write */
+    int act;                       /* what the caller's thread is doing (ctx_doing: ACT_*) */
+    double act_since;              /* since when (dt_now) */
+    char act_user[64];             /* dt_set_activity's text ("": none) */
+    char act_text[96];             /* dt_activity's answer */
+    pthread_mutex_t warn_mu;       /* the warning and the activity: the monitor's and
+                                      heartbeat's threads read them (ctx_warning_copy,
+                                      ctx_activity_copy) while the caller's may write */
     uint64_t errors;               /* set_error calls so far (was this error set just now?) */
     dt_log_fn log_fn;
     void *log_user;
@@ -429,6 +434,16 @@ struct dt_loss_scaler {
 /* The latest warning into out (cap bytes) and the number of warnings so
  * far, from any thread (the monitor's). */
 DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap);
+/* What a rank is doing, for peers that wait on it (dt_set_activity). */
+enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
+       ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
+/* Enter activity act (the caller's thread); the one it replaces, for
+ * ctx_done.  Nested calls keep the outer one (a collective inside a
+ * checkpoint's save is the save). */
+DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act);
+DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev);
+/* "writing a checkpoint for 12 s" into out, from any thread. */
+DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap);
 DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
 DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs);
 /* --- src/ckpt.c --- */
@@ -881,6 +896,8 @@ struct dt_store {
 #define DT_COMM_SMALL_TCP ((size_t)256 << 10)
 #define DT_COMM_CHUNK ((size_t)4 << 20)    /* largest single message */
 #define DT_COMM_DEFAULT_TIMEOUT_MS 30000
+#define DT_COMM_DEFAULT_COLLECTIVE_TIMEOUT_MS 600000
+#define DT_COMM_BEAT_MAX_MS 1000           /* a heartbeat at least this often (timeout/4 if less) */
 #define TAG_CHECK_SHIFT 52
 #define DT_COMM_DRAIN_MS 10000
 #define SEG_MAGIC 0x44545347u
@@ -917,6 +934,8 @@ struct dt_work {
     int64_t n;
     uint32_t seq;
     int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
+    int blame_gone;            /* the blamed rank's process fell silent (no heartbeat): the
+                                  end of its waits is not the cause (follow_waits skipped) */
     int done;
     double run_s;              /* seconds the work ran (comm thread or inline) */
     /* its record, for the profiler: the algorithm (COMM_ALG_*); COLL_EXT:
@@ -997,7 +1016,8 @@ typedef struct comm_ext_ops {
 struct dt_comm {
     dt_ctx *ctx;
     int rank, world;
-    int timeout_ms;
+    int timeout_ms;            /* liveness: a peer without a heartbeat this long is gone */
+    int collective_timeout_ms; /* progress: how long a living peer may keep a collective */
     const dt_transport_iface *tp_iface;
     dt_transport *tp;
     dt_store *store;
@@ -1056,6 +1076,19 @@ struct dt_comm {
     int splits_made;           /* dt_comm_split calls so far (their store keys) */
     uint32_t *p2p_sent, *p2p_recvd;   /* point-to-point messages to / from each rank so far
                                   (caller's side; the k-th send meets the k-th receive) */
+    /* liveness apart from progress: the job communicator's heartbeat thread
+     * (src/join.c, join_heartbeat) publishes "/hb/<job rank>" every beat_ms on
+     * its own store connection; a wait watches its peer's (comm_check_heartbeat) */
+    dt_store *hb;
+    dt_ctx *hb_errors;
+    pthread_t hb_thread;
+    int has_hb, hb_stop, beat_ms;
+    pthread_mutex_t hb_mu;
+    pthread_cond_t hb_cv;
+    int hb_peer;               /* comm thread: the rank whose heartbeat it watches (-1: none) */
+    unsigned long long hb_beat; /* its latest beat seen */
+    double hb_seen;            /* when that beat last changed (or the watch began) */
+    char hb_doing[96];         /* what its heartbeat said it was doing */
 };
 
 typedef struct coll_header {
@@ -1814,6 +1847,78 @@ DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap)
     return n;
 }
 
+/* (here, the bottom layer: the context's own activity clock reads it) */
+double dt_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static const char *const act_names[ACT_COUNT] = {
+    "computing", "waiting for its data loader", "in backward", "in its optimizer step",
+    "in a collective", "writing a checkpoint", "reading a checkpoint", "evaluating"};
+
+DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act)
+{
+    if (!ctx)
+        return ACT_COMPUTE;
+    int prev = ctx->act;
+    if (prev != ACT_COMPUTE && act == ACT_COLLECTIVE)
+        return prev;   /* the save's (or evaluation's) own collectives are the save */
+    pthread_mutex_lock(&ctx->warn_mu);
+    ctx->act = act;
+    ctx->act_since = dt_now();
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return prev;
+}
+
+DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev)
+{
+    if (!ctx || ctx->act == prev)
+        return;
+    pthread_mutex_lock(&ctx->warn_mu);
+    ctx->act = prev;
+    ctx->act_since = dt_now();
+    pthread_mutex_unlock(&ctx->warn_mu);
+}
+
+DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap)
+{
+    pthread_mutex_lock(&ctx->warn_mu);
+    const char *what = ctx->act_user[0] ? ctx->act_user : act_names[ctx->act];
+    double s = dt_now() - ctx->act_since;
+    if (ctx->act == ACT_COMPUTE && !ctx->act_user[0])
+        snprintf(out, cap, "%s", what);
+    else
+        snprintf(out, cap, "%s for %.0f s", what, s < 0 ? 0.0 : s);
+    pthread_mutex_unlock(&ctx->warn_mu);
+}
+
+dt_status dt_set_activity(dt_ctx *ctx, const char *what)
+{
+    if (!ctx)
+        return DT_EINVAL;
+    pthread_mutex_lock(&ctx->warn_mu);
+    size_t n = what ? strnlen(what, sizeof ctx->act_user - 1) : 0;
+    memcpy(ctx->act_user, what ? what : "", n);
+    ctx->act_user[n] = '\0';
+    for (size_t i = 0; i < n; i++)   /* one line: peers and the monitor print it */
+        if ((unsigned char)ctx->act_user[i] < ' ')
+            ctx->act_user[i] = ' ';
+    ctx->act_since = dt_now();
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return DT_OK;
+}
+
+const char *dt_activity(dt_ctx *ctx)
+{
+    if (!ctx)
+        return "";
+    ctx_activity_copy(ctx, ctx->act_text, sizeof ctx->act_text);
+    return ctx->act_text;
+}
+
 dt_status dt_last_status(const dt_ctx *ctx) { return ctx ? ctx->last_status : DT_EINVAL; }
 dt_status dt_ctx_status(const dt_ctx *ctx) { return ctx ? ctx->init_status : DT_EINVAL; }
 
@@ -2033,6 +2138,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
         return NULL;
     memset(ctx, 0, sizeof *ctx);
     pthread_mutex_init(&ctx->warn_mu, NULL);
+    ctx->act_since = dt_now();
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
     ctx->grad_enabled = 1;
@@ -3417,12 +3523,6 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
     return DT_OK;
 }
 
-double dt_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 
 /* ======= src/record.c ======= */
@@ -3913,7 +4013,9 @@ DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float se
     if (ctx)
         ctx->backwards++;   /* arena_grew's count */
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
+    int act = ctx_doing(ctx, ACT_BACKWARD);
     dt_status s = backward_run(ctx, loss, seed);
+    ctx_done(ctx, act);
     if (s == DT_OK && ctx)
         s = be_fault(ctx, "backward");
     if (t0 != 0)
@@ -6450,7 +6552,9 @@ dt_status dt_optim_step(dt_optim *o)
     if (!o)
         return DT_EINVAL;
     double t0 = prof_begin(o->ctx);
+    int act = ctx_doing(o->ctx, ACT_OPTIM);
     dt_status s = optim_step_run(o);
+    ctx_done(o->ctx, act);
     if (s == DT_OK)
         s = be_fault(o->ctx, "optim_step");
     prof_end(o->ctx, PH_OPTIM, t0);
@@ -7356,7 +7460,7 @@ dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
     return dt_checkpoint_save_ex(ctx, opt, path, step, NULL);
 }
 
-dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
                                 const dt_checkpoint_config *cfg)
 {
     if (!ctx_ok(ctx))
@@ -7397,6 +7501,17 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
             host_free(ctx, names[i]);
     host_free(ctx, names);
     host_free(ctx, items);
+    return s;
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+                                const dt_checkpoint_config *cfg)
+{
+    dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_SAVE);
+    dt_status s = ckpt_save_ex_run(ctx, opt, path, step, cfg);
+    ctx_done(actx, act);
     return s;
 }
 
@@ -8146,7 +8261,7 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     return dt_checkpoint_load_ex(ctx, opt, path, NULL, step_out, NULL);
 }
 
-dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
                                 const dt_checkpoint_config *cfg, int64_t *step_out,
                                 dt_checkpoint_report *report)
 {
@@ -8252,6 +8367,18 @@ done:
     host_free(ctx, psteps);
     st_file_free(ctx, &f);
     host_free(ctx, buf);
+    return s;
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+                                const dt_checkpoint_config *cfg, int64_t *step_out,
+                                dt_checkpoint_report *report)
+{
+    dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_LOAD);
+    dt_status s = ckpt_load_ex_run(ctx, opt, path, cfg, step_out, report);
+    ctx_done(actx, act);
     return s;
 }
 
@@ -11001,7 +11128,9 @@ dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     if (!ld)
         return DT_EINVAL;
     double t0 = prof_begin(ld->ctx);
+    int act = ctx_doing(ld->ctx, ACT_DATA);
     dt_status s = loader_next_run(ld, x, y);
+    ctx_done(ld->ctx, act);
     if (s == DT_OK)
         prof_samples(ld->ctx, dt_tensor_dim(*x, 0));
     prof_end(ld->ctx, PH_DATA, t0);
@@ -12373,12 +12502,61 @@ DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, .
 
 static int grp_rank(const grp *g, int i) { return g->rank ? g->rank[i] : i; }
 
+/* The collective's deadline passed (dt_comm_config.collective_timeout_ms)
+ * while rank `who` was alive: its heartbeat went on, it never came. */
 DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms)
 {
+    dt_comm *c = w->comm;
     w->blame = who;
     w->blame_ms = ms;
-    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
-                          coll_names[w->kind], w->seq, who, ms);
+    int said = c && c->hb_peer == who && c->hb_doing[0];
+    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d kept it waiting %d ms, the collective "
+                          "timeout (dt_comm_config.collective_timeout_ms), though alive (its "
+                          "heartbeat went on)%s%s", coll_names[w->kind], w->seq, who, ms,
+                          said ? ": it was " : "", said ? c->hb_doing : "");
+}
+
+/* The rank this collective waits on is alive while its heartbeat
+ * (src/join.c, join_heartbeat) keeps changing; one unchanged for
+ * timeout_ms means its process is stopped, hung or cut off, however long
+ * the collective itself may wait for a living rank.  Called every
+ * DT_COMM_WATCH_S of a wait (comm_check_dead). */
+static dt_status comm_check_heartbeat(dt_comm *c, dt_work *w)
+{
+    int peer = c->waiting_on;
+    if (peer < 0 || !c->watch || store_silent_ms(c->watch) > 0)
+        return DT_OK;   /* (a silent store is rank 0's silence: comm_check_dead says so) */
+    double now = dt_now();
+    if (peer != c->hb_peer) {   /* a new rank to watch: its clock starts now */
+        c->hb_peer = peer;
+        c->hb_beat = 0;
+        c->hb_seen = now;
+        c->hb_doing[0] = '\0';
+    }
+    char key[32], val[160] = "";
+    size_t len = 0;
+    snprintf(key, sizeof key, "/hb/%d", c->members ? c->members[peer] : peer);
+    if (dt_store_get(c->watch, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+        val[len < sizeof val ? len : sizeof val - 1] = '\0';
+        unsigned long long beat = 0;
+        int used = 0;
+        if (sscanf(val, "%llu %n", &beat, &used) >= 1 && used > 0) {
+            if (beat != c->hb_beat) {
+                c->hb_beat = beat;
+                c->hb_seen = now;
+            }
+            snprintf(c->hb_doing, sizeof c->hb_doing, "%s", val + used);
+        }
+    }
+    int ms = (int)((now - c->hb_seen) * 1000.0);
+    if (ms <= c->timeout_ms)
+        return DT_OK;
+    w->blame = peer;
+    w->blame_ms = ms;
+    w->blame_gone = 1;
+    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms, not even its "
+                          "heartbeat (stopped, hung or cut off?)%s%s", coll_names[w->kind], w->seq,
+                          peer, ms, c->hb_doing[0] ? "; it last said it was " : "", c->hb_doing);
 }
 
 static int xfer_gone(const xfers *xs, int peer)
@@ -12395,7 +12573,7 @@ DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, i
     if (xs->n == DT_COMM_MAX_XFERS)
         return comm_work_fail(w, DT_ENOTSUP, "%s: too many transfers in one step", coll_names[w->kind]);
     dt_xfer *x = &xs->x[xs->n];
-    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     for (;;) {
         memset(x, 0, sizeof *x);
         x->peer = peer;
@@ -12526,9 +12704,21 @@ static void follow_waits(dt_comm *c, dt_work *w)
     if (who == w->blame)
         return;
     int waited_on = w->blame;
+    char key[32], said[160] = "";
+    size_t len = 0;
+    unsigned long long beat;
+    int used = 0;
+    snprintf(key, sizeof key, "/hb/%d", c->members ? c->members[who] : who);
+    if (dt_store_get(c->watch, key, said, sizeof said - 1, &len, 1) == DT_OK) {
+        said[len < sizeof said ? len : sizeof said - 1] = '\0';
+        if (sscanf(said, "%llu %n", &beat, &used) < 1 || used <= 0)
+            used = (int)strlen(said);
+    }
     w->status = DT_OK;
-    comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?); "
-                   "rank %d was waiting on it", coll_names[w->kind], w->seq, who, w->blame_ms, waited_on);
+    comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d kept it waiting %d ms, the collective timeout "
+                   "(dt_comm_config.collective_timeout_ms), though alive (its heartbeat went on)%s%s;"
+                   " rank %d was waiting on it", coll_names[w->kind], w->seq, who, w->blame_ms,
+                   said[used] ? ": it was " : "", said + used, waited_on);
     w->blame = who;
 }
 
@@ -12568,7 +12758,7 @@ static dt_status group_check_dead(dt_comm *c, dt_work *w)
             g = c->waiting_on;
     }
     if (g < 0)
-        return DT_OK;
+        return comm_check_heartbeat(c, w);
     return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d (job rank %d) died (its process exited "
                           "without leaving the job)", coll_names[w->kind], w->seq, g, c->members[g]);
 }
@@ -12594,7 +12784,7 @@ static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
             dt_store_set(c->watch, key, edge, (size_t)n + 1);
             c->wait_published = 1;
         }
-        return DT_OK;
+        return comm_check_heartbeat(c, w);
     }
     if (st == DT_OK)
         return comm_work_fail(w, DT_EPEER, "%s #%u: rank %s died (its process exited without "
@@ -12630,17 +12820,20 @@ static dt_status rank0_silent(dt_comm *c, dt_work *w)
     return w->status;
 }
 
-/* Every DT_COMM_WATCH_S of a wait: has a rank died or published a failure?
- * The store's answers may take until the wait's deadline (at least
- * store_patience_s): a silent store fails the work naming rank 0. */
+/* Every DT_COMM_WATCH_S of a wait: has a rank died or published a failure,
+ * or has the rank waited on fallen silent (comm_check_heartbeat)?  The
+ * store's answers may take until the wait's deadline, but no longer than
+ * the liveness timeout (and at least store_patience_s): a silent store
+ * fails the work naming rank 0. */
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline)
 {
     double now = dt_now();
     if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
         return DT_OK;
     c->last_watch = now;
-    double least = now + store_patience_s(c);
-    store_limit(c->watch, deadline > least ? deadline : least);
+    double least = now + store_patience_s(c), alive = now + c->timeout_ms / 1000.0;
+    double until = deadline < alive ? deadline : alive;
+    store_limit(c->watch, until > least ? until : least);
     dt_status st = check_dead_in_store(c, w);
     store_limit(c->watch, 0);
     if (st == DT_OK && store_silent_ms(c->watch) > 0)
@@ -12674,7 +12867,7 @@ static void explain_failure(dt_comm *c, dt_work *w)
     if (!silent && (w->status == DT_EPEER || w->status == DT_ETIMEDOUT))
         published_failure(c, w, 1);
     silent = silent || store_silent_ms(c->watch) > 0;
-    if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0)
+    if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0 && !w->blame_gone)
         follow_waits(c, w);
     silent = silent || store_silent_ms(c->watch) > 0;
     if (!silent)
@@ -12732,7 +12925,7 @@ static int xfer_ours(const xfers *xs, const dt_xfer *x)
 
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
-    int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->timeout_ms);
+    int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->collective_timeout_ms);
     double deadline = dt_now() + limit_ms / 1000.0, turn = dt_now();
     for (;;) {
         int pending = 0, silent_peer = -1;
@@ -12822,7 +13015,7 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
     int right = grp_rank(&g, (g.me + 1) % g.size), left = grp_rank(&g, (g.me - 1 + g.size) % g.size);
     char err[256] = "";
     uint64_t tag = make_tag(w, TAG_HEADER_STEP, 0);
-    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     dt_status st;
     if (c->tp_iface->recv(c->tp, left, tag, 0, &xs->hdr_in, sizeof xs->hdr_in,
                           &xs->hdr_recv, err, sizeof err) != DT_OK)
@@ -13197,6 +13390,7 @@ static dt_status sub_result(dt_work *w, const dt_work *sub)
         snprintf(w->msg, sizeof w->msg, "%s", sub->msg);
         w->blame = sub->blame;
         w->blame_ms = sub->blame_ms;
+        w->blame_gone = sub->blame_gone;
     }
     return w->status;
 }
@@ -13539,7 +13733,9 @@ dt_status dt_work_wait(dt_work *w)
         return DT_EINVAL;
     dt_ctx *ctx = w->comm->ctx;
     double t0 = prof_begin(ctx);
+    int act = ctx_doing(ctx, ACT_COLLECTIVE);
     dt_status st = comm_work_finish(w, NULL);
+    ctx_done(ctx, act);
     prof_end(ctx, PH_COMM_WAIT, t0);
     return st;
 }
@@ -13659,7 +13855,9 @@ DT_PRIVATE dt_status comm_run_in(dt_comm *c, int kind, float *buf, const float *
                                    int root, dt_reduce_op op, const void *aux)
 {
     double t0 = prof_begin(c->ctx);
+    int act = ctx_doing(c->ctx, ACT_COLLECTIVE);
     dt_status st = comm_run_wait(c, kind, buf, in, n, root, op, aux);
+    ctx_done(c->ctx, act);
     prof_end(c->ctx, PH_COMM_WAIT, t0);
     return st;
 }
@@ -13857,15 +14055,18 @@ static dt_status seg_aborted(dt_comm *c, dt_work *w)
     return comm_fail_with_reason(w, c->seg->why);
 }
 
-/* Wait until local rank q has published phase `want`.  The timeout counts
- * from q's last sign of life: a phase, or (a leader busy between hosts) a
- * completed transfer.  `patience` scales it: a rank waiting on its leader's
- * inter-host step allows more, so the leader's own, more precise error
- * comes first. */
+/* Wait until local rank q has published phase `want`.  The collective
+ * timeout counts from q's last progress: a phase, or (a leader busy
+ * between hosts) a completed transfer; q's process falling silent (its
+ * heartbeat) fails the wait after the shorter timeout_ms
+ * (comm_check_dead).  `patience` scales the collective timeout: a rank
+ * waiting on its leader's inter-host step allows more, so the leader's
+ * own, more precise error comes first. */
 static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double patience)
 {
     seg_rank *r = &c->seg_ranks[q];
-    double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0, turn = start;
+    double limit_s = patience * c->collective_timeout_ms / 1000.0;   /* q alive: its heartbeat */
+    double start = dt_now(), deadline = start + limit_s, turn = start;
     uint32_t seen = atomic_load_explicit(&r->progress, memory_order_relaxed);
     for (unsigned spin = 1;; spin++) {
         if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
@@ -13900,10 +14101,10 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
         uint32_t prog = atomic_load_explicit(&r->progress, memory_order_relaxed);
         if (prog != seen) {
             seen = prog;
-            deadline = now + patience * c->timeout_ms / 1000.0;
+            deadline = now + limit_s;
         }
         if (now >= deadline)
-            return comm_blame_silent(w, c->local_ranks[q], (int)(patience * c->timeout_ms));
+            return comm_blame_silent(w, c->local_ranks[q], (int)(limit_s * 1000.0));
         atomic_fetch_add(&r->sleepers, 1);
         uint32_t v = atomic_load(&r->phase);
         if (!phase_reached(v, want) && !atomic_load(&c->seg->aborted))
@@ -14576,7 +14777,8 @@ static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
     const char *prov = cfg->transport ? cfg->transport : getenv("DTRAIN_TRANSPORT");
     if (!prov)
         prov = c->nhosts <= 1 ? "shm" : "tcp";
-    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al};
+    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al,
+                              c->collective_timeout_ms};
     char err[256] = "";
     dt_status st = c->tp_iface->open(&tp, &c->tp, err, sizeof err);
     if (st != DT_OK)
@@ -14612,6 +14814,79 @@ static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
     return DT_OK;
 }
 
+/* The heartbeat: "<beat> <what this rank is doing>" under "/hb/<job
+ * rank>" every beat_ms, from a thread of its own that never waits on the
+ * training thread or on a collective, so a rank busy for minutes (a slow
+ * loader, a checkpoint) stays alive to its peers, while a stopped, hung or
+ * cut-off process falls silent (comm_check_heartbeat).  A failed beat
+ * (rank 0's store slow) is retried at the next. */
+static void *join_heartbeat(void *arg)
+{
+    dt_comm *c = arg;
+    char key[32], val[160], doing[96];
+    snprintf(key, sizeof key, "/hb/%d", c->job.rank);
+    unsigned long long beat = 0;
+    pthread_mutex_lock(&c->hb_mu);
+    while (!c->hb_stop) {
+        pthread_mutex_unlock(&c->hb_mu);
+        ctx_activity_copy(c->ctx, doing, sizeof doing);
+        int waiting = __atomic_load_n(&c->waiting_on, __ATOMIC_RELAXED);
+        int n = waiting >= 0 && !strncmp(doing, "in a collective", 15)
+                    ? snprintf(val, sizeof val, "%llu %s, waiting for rank %d", ++beat, doing, waiting)
+                    : snprintf(val, sizeof val, "%llu %s", ++beat, doing);
+        dt_store_set(c->hb, key, val, (size_t)n + 1);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        long ns = until.tv_nsec + (long)c->beat_ms * 1000000L;
+        until.tv_sec += ns / 1000000000L;
+        until.tv_nsec = ns % 1000000000L;
+        pthread_mutex_lock(&c->hb_mu);
+        if (!c->hb_stop)
+            pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &until);
+    }
+    pthread_mutex_unlock(&c->hb_mu);
+    return NULL;
+}
+
+/* The job communicator's heartbeat (a group's ranks beat through it). */
+static dt_status join_start_heartbeat(dt_comm *c)
+{
+    dt_ctx *ctx = c->ctx;
+    if (c->world == 1 || c->members || c->inc)
+        return DT_OK;
+    if (!(c->hb_errors = host_calloc(ctx, sizeof *c->hb_errors)))
+        return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    c->hb_errors->al = ctx->al;
+    if (!(c->hb = join_own_store(c, c->hb_errors)))
+        return set_error(ctx, c->hb_errors->last_status, "comm: the heartbeat's store "
+                         "connection: %s", c->hb_errors->err);
+    c->hb->timeout_ms = 2 * c->beat_ms > 200 ? 2 * c->beat_ms : 200;   /* a slow beat is skipped */
+    if (pthread_mutex_init(&c->hb_mu, NULL) != 0 || pthread_cond_init(&c->hb_cv, NULL) != 0 ||
+        pthread_create(&c->hb_thread, NULL, join_heartbeat, c) != 0)
+        return set_error(ctx, DT_ENOMEM, "comm: cannot start the heartbeat thread");
+    pthread_setname_np(c->hb_thread, "dtrain-beat");
+    c->has_hb = 1;
+    return DT_OK;
+}
+
+static void join_stop_heartbeat(dt_comm *c)
+{
+    if (c->has_hb) {
+        pthread_mutex_lock(&c->hb_mu);
+        c->hb_stop = 1;
+        pthread_cond_broadcast(&c->hb_cv);
+        pthread_mutex_unlock(&c->hb_mu);
+        pthread_join(c->hb_thread, NULL);
+        pthread_mutex_destroy(&c->hb_mu);
+        pthread_cond_destroy(&c->hb_cv);
+        c->has_hb = 0;
+    }
+    dt_store_close(c->hb);
+    c->hb = NULL;
+    host_free(c->ctx, c->hb_errors);
+    c->hb_errors = NULL;
+}
+
 /* A communicator's memory and lock, before it connects. */
 static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_config *cfg)
 {
@@ -14630,6 +14905,17 @@ static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_confi
     if (t <= 0 && te)
         t = atoi(te);
     c->timeout_ms = t > 0 ? t : DT_COMM_DEFAULT_TIMEOUT_MS;
+    int ct = cfg->collective_timeout_ms;
+    const char *cte = getenv("DTRAIN_COLLECTIVE_TIMEOUT_MS");
+    if (ct <= 0 && cte)
+        ct = atoi(cte);
+    c->collective_timeout_ms = ct > 0 ? ct : DT_COMM_DEFAULT_COLLECTIVE_TIMEOUT_MS;
+    if (c->collective_timeout_ms < c->timeout_ms)
+        c->collective_timeout_ms = c->timeout_ms;
+    c->beat_ms = c->timeout_ms / 4 < DT_COMM_BEAT_MAX_MS ? c->timeout_ms / 4 : DT_COMM_BEAT_MAX_MS;
+    if (c->beat_ms < 10)
+        c->beat_ms = 10;
+    c->hb_peer = -1;
     if (pthread_mutex_init(&c->mu, NULL) != 0 || pthread_cond_init(&c->cv, NULL) != 0) {
         host_free(ctx, c);
         set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
@@ -14667,6 +14953,8 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
     c->p2p_recvd = host_calloc(ctx, sizeof *c->p2p_recvd * (size_t)c->world);
     if (!c->p2p_sent || !c->p2p_recvd)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    if (join_start_heartbeat(c) != DT_OK)
+        return ctx->last_status;
     if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
     pthread_setname_np(c->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
@@ -14720,6 +15008,7 @@ void dt_comm_free(dt_comm *c)
 {
     if (!c)
         return;
+    join_stop_heartbeat(c);
     if (c->has_thread) {
         pthread_mutex_lock(&c->mu);
         c->stop = 1;
@@ -14827,6 +15116,8 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         return NULL;
     if (!cfg.timeout_ms)
         cfg.timeout_ms = parent->timeout_ms;
+    if (!cfg.collective_timeout_ms)
+        cfg.collective_timeout_ms = parent->collective_timeout_ms;
     int id = parent->splits_made, n = 0, me = 0;
     int *members = host_alloc(ctx, sizeof *members * (size_t)parent->world);
     if (!members) {
@@ -15017,7 +15308,7 @@ static dt_status eval_user(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t fi
  * exact far beyond float's 2^24. */
 static int64_t count_join(const float *hl) { return (int64_t)hl[0] * 4096 + (int64_t)hl[1]; }
 
-dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
+static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
                       dt_forward_fn forward, void *user, dt_metrics *out)
 {
     if (!ctx_ok(ctx))
@@ -15070,6 +15361,17 @@ dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_ev
     if (ec->metric == DT_METRIC_USER)
         out->loss = 0;
     return DT_OK;
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
+                      dt_forward_fn forward, void *user, dt_metrics *out)
+{
+    dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
+    int act = ctx_doing(actx, ACT_EVAL);
+    dt_status s = eval_evaluate_run(ctx, c, ds, cfg, forward, user, out);
+    ctx_done(actx, act);
+    return s;
 }
 
 static dt_status eval_argmax(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first, void *acc)
@@ -20261,7 +20563,7 @@ static dt_status zero_ckpt_optim_ok(dt_ddp *d, const dt_optim *opt, const char *
     return DT_OK;
 }
 
-dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
+static dt_status zero_ckpt_save_run(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
 {
     if (!d || !d->ctx)
         return DT_EINVAL;
@@ -20288,7 +20590,17 @@ dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir
     return zero_ckpt_agree(d, op, s);
 }
 
-dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
+{
+    dt_ctx *actx = d ? d->ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_SAVE);
+    dt_status s = zero_ckpt_save_run(d, opt, dir, step);
+    ctx_done(actx, act);
+    return s;
+}
+
+static dt_status zero_ckpt_load_run(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
 {
     if (!d || !d->ctx)
         return DT_EINVAL;
@@ -20321,6 +20633,16 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     if (s == DT_OK && level3)   /* whole units now hold floats from before the load */
         s = zero_evict_all(d);
     return zero_ckpt_agree(d, op, s);
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
+{
+    dt_ctx *actx = d ? d->ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_LOAD);
+    dt_status s = zero_ckpt_load_run(d, opt, dir, step_out);
+    ctx_done(actx, act);
+    return s;
 }
 
 /* ======= src/ddp.c ======= */
@@ -20900,9 +21222,11 @@ static dt_status ddp_finish(dt_ddp *d)
     if (!d->pending_sync)
         return DT_OK;
     double t0 = prof_begin(d->ctx);
+    int act = ctx_doing(d->ctx, ACT_COLLECTIVE);
     dt_status s = ddp_finish_run(d);
     if (s == DT_OK)
         s = ddp_check_ranks(d);
+    ctx_done(d->ctx, act);
     prof_end(d->ctx, PH_COMM_WAIT, t0);
     return s;
 }
@@ -23632,7 +23956,7 @@ static const char mon_page[] =
     "  const tot=PH.reduce((a,p)=>a+(r.phases_ms[p]||0),0)||1;\n"
     "  const bar=PH.map(p=>`<span title=\"${p}: ${f(r.phases_ms[p],2)} ms\" style=\"width:${100*(r.phases_ms[p]||0)/tot*(r.step_ms||0)/(max||1)}%;background:${COL[p]}\"></span>`).join(\"\");\n"
     "  const sv=r.server\?`server: busy ${f(100*r.server.busy,0)}%, not running ${f(100*r.server.stalled,0)}%, ${r.server.keys} keys`:\"\";\n"
-    "  const flags=[r.rank===s.slowest\?\"slowest\":\"\",r.rank===s.slow_server\?'<span class=\"strag\">slow server</span>':\"\",r.straggler\?'<span class=\"strag\">straggler</span>':\"\",sv,r.warnings\?`<span class=\"strag\" title=\"${esc(r.warning)}\">${r.warnings} warning${r.warnings>1\?\"s\":\"\"}</span>`:\"\"].filter(x=>x).join(\" \");\n"
+    "  const flags=[r.rank===s.slowest\?\"slowest\":\"\",r.rank===s.slow_server\?'<span class=\"strag\">slow server</span>':\"\",r.straggler\?'<span class=\"strag\">straggler</span>':\"\",sv,r.doing&&r.doing!==\"computing\"\?esc(r.doing):\"\",r.warnings\?`<span class=\"strag\" title=\"${esc(r.warning)}\">${r.warnings} warning${r.warnings>1\?\"s\":\"\"}</span>`:\"\"].filter(x=>x).join(\" \");\n"
     "  return `<tr data-rank=\"${r.rank}\" class=\"${r.rank===s.slowest\?\"slow\":\"\"}\"><td class=\"l\">${r.rank}</td><td class=\"l ${r.status}\">${r.status}${r.status!==\"up\"\?\" (\"+f(r.last_seen_s,0)+\" s)\":\"\"}</td>`+\n"
     "   `<td class=\"steps\">${r.steps}</td><td>${f(r.step_ms,2)}</td><td class=\"l\"><div class=\"bar\">${bar}</div></td><td>${f(r.samples_per_s,0)}</td>`+\n"
     "   `<td>${f(r.busbw_GBps,3)}</td><td>${f(r.bytes_per_s/1e6,1)}</td><td>${r.ps_calls\?f(r.ps_latency_ms,2):\"-\"}</td><td>${r.ps_calls\?f(r.ps_mean_staleness,2)+\" / \"+r.ps_max_staleness:\"-\"}</td><td class=\"l\">${flags}</td></tr>`;\n"
@@ -23746,6 +24070,7 @@ typedef struct mon_summary {
     double value[MON_SCALARS];
     int64_t warnings;              /* the context's warnings so far (ctx_warning_copy) */
     char warning[MON_WARNING];     /* the latest, on one line */
+    char doing[96];                /* what the rank is doing (ctx_activity_copy) */
 } mon_summary;
 
 /* Rank 0's view of one rank. */
@@ -23844,16 +24169,17 @@ static void mon_take(dt_monitor *m, mon_summary *s)
     memcpy(s->value, m->svalue, sizeof s->value);
     pthread_mutex_unlock(&m->mu);
     s->warnings = ctx_warning_copy(m->ctx, s->warning, sizeof s->warning);
-    for (char *c = s->warning; *c; c++)   /* the line's last field: one line of text */
+    for (char *c = s->warning; *c; c++)   /* the line's: one line of text */
         if ((unsigned char)*c < ' ')
             *c = ' ';
+    ctx_activity_copy(m->ctx, s->doing, sizeof s->doing);
 }
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
  * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
  * serve busy stalled served bytes_in bytes_out queue_max keys, a sharded
- * DDP's gather gather_exposed, n (name at value)*, warnings, and the
- * latest warning's text to the end of the line" */
+ * DDP's gather gather_exposed, n (name at value)*, warnings, the latest
+ * warning's length and text, and what the rank is doing to the end" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
     int n = snprintf(out, cap, "dtmon1 %.6f %lld %lld %.9g", s->t, (long long)s->steps,
@@ -23871,7 +24197,8 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
-    n += snprintf(out + n, cap - (size_t)n, " %lld %s", (long long)s->warnings, s->warning);
+    n += snprintf(out + n, cap - (size_t)n, " %lld %d %s %s", (long long)s->warnings,
+                  (int)strlen(s->warning), s->warning, s->doing);
     return n > 0 && (size_t)n < cap;
 }
 
@@ -23930,12 +24257,16 @@ static int mon_decode(const char *line, mon_summary *s)
         p += used_here;
     }
     long long warnings;
-    int w = 0;
-    if (sscanf(p, " %lld%n", &warnings, &w) != 1 || warnings < 0)
+    int w = 0, wlen = 0;
+    if (sscanf(p, " %lld %d%n", &warnings, &wlen, &w) != 2 || warnings < 0 || wlen < 0 ||
+        wlen >= MON_WARNING || p[w] != ' ' || strnlen(p + w + 1, (size_t)wlen) < (size_t)wlen)
         return 0;
     s->warnings = warnings;
-    p += w;
-    snprintf(s->warning, sizeof s->warning, "%s", *p == ' ' ? p + 1 : p);
+    p += w + 1;
+    memcpy(s->warning, p, (size_t)wlen);
+    s->warning[wlen] = '\0';
+    p += wlen;
+    snprintf(s->doing, sizeof s->doing, "%s", *p == ' ' ? p + 1 : p);
     return 1;
 }
 
@@ -24162,6 +24493,8 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
     }
     strbuf_printf(b, ",\"warnings\":%lld,", (long long)s->warnings);
     jstr(b, "warning", s->warning);
+    strbuf_puts(b, ",");
+    jstr(b, "doing", s->doing);
     strbuf_puts(b, ",\"scalars\":{");
     for (int i = 0; i < s->nscalars; i++) {
         if (i)

@@ -209,6 +209,18 @@ typedef void (*dt_log_fn)(void *user, const char *msg);
 DT_API void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user);
 DT_API const char *dt_last_warning(const dt_ctx *ctx);
 
+/* What this rank is doing, in a few words ("compiling", "evaluating"):
+ * what ranks waiting for it in a collective show in their errors, and
+ * what the monitor shows.  The library says it itself while it waits
+ * for a batch, runs backward, steps the optimizer, writes or reads a
+ * checkpoint, evaluates or waits in a collective; a text set here is
+ * shown instead until dt_set_activity(ctx, NULL).  Copied (at most 63
+ * bytes).  DT_EINVAL: ctx NULL. */
+DT_API dt_status dt_set_activity(dt_ctx *ctx, const char *what);
+/* The activity as waiting peers see it: "waiting for its data loader for
+ * 25 s" ("computing" between the library's own).  ctx-owned; "" for NULL. */
+DT_API const char *dt_activity(dt_ctx *ctx);
+
 /* The backend's name ("cpu"; "" if none) and its compute threads. */
 DT_API const char *dt_backend_name(const dt_ctx *ctx);
 DT_API int dt_ctx_threads(const dt_ctx *ctx);
@@ -1163,12 +1175,14 @@ typedef struct dt_comm_config {
     const char *transport;     /* "shm", "tcp", "verbs"; NULL: DTRAIN_TRANSPORT, else
                                   shm when every rank is on one host, tcp otherwise */
     const char *host;          /* tcp/verbs: this rank's address; NULL: DTRAIN_HOST */
-    int timeout_ms;            /* a peer silent this long fails the collective, naming
-                                  it (rank 0 too: its store's silence says so; a wait
-                                  on a host's leader allows 1.5x); a rank that itself
-                                  did not run this long inside a wait (stopped) fails
-                                  the collective it was in; 0: DTRAIN_TIMEOUT_MS, else
-                                  30000 */
+    int timeout_ms;            /* liveness: a peer whose process gives no sign of life
+                                  this long (not even the heartbeat its own thread sends
+                                  every timeout/4, at most 1 s: stopped, hung, or cut off)
+                                  fails the collective waiting on it, naming it (rank 0
+                                  too: its store's silence says so); a dead one is named
+                                  at once; a rank that itself did not run this long
+                                  inside a wait (stopped) fails the collective it was in;
+                                  0: DTRAIN_TIMEOUT_MS, else 30000 */
     const char *intra_host;    /* ranks on one host talk through "segment" (a shared-
                                   memory segment; collectives reduce straight from the
                                   other ranks' memory, and across hosts the allreduce is
@@ -1177,6 +1191,13 @@ typedef struct dt_comm_config {
     const char *host_id;       /* ranks with the same id share a host; NULL:
                                   DTRAIN_HOST_ID, else the host name */
     dt_store_config store;
+    int collective_timeout_ms; /* progress: how long a collective waits for a peer that is
+                                  alive (its heartbeat goes on) but has not reached it (a
+                                  slow data loader, evaluation or checkpoint, a first-step
+                                  compilation, a page-cache miss); then it fails naming the
+                                  peer and what it was doing (dt_set_activity).  0:
+                                  DTRAIN_COLLECTIVE_TIMEOUT_MS, else 600000 (10 minutes,
+                                  NCCL's default watchdog), and never below timeout_ms */
 } dt_comm_config;
 DT_API void dt_comm_config_init(dt_comm_config *cfg);
 /* Join the job: rendezvous through the store, open the transport, swap

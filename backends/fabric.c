@@ -18,7 +18,8 @@
  *    with -FI_EAGAIN a few times in a row is queued (per peer, FIFO, so
  *    order between two ranks is kept) and retried inside poll() and wait();
  *    its parameters wait in its priv.  One still refused after
- *    DT_FABRIC_POST_TIMEOUT_MS completes with DT_ETIMEDOUT.  (tcp;ofi_rxm
+ *    dt_transport_params.post_timeout_ms (default DT_FABRIC_POST_TIMEOUT_MS)
+ *    completes with DT_ETIMEDOUT.  (tcp;ofi_rxm
  *    refuses sends to a dead peer this way forever: see docs/TRANSPORT.md.)
  *  - Completions are read in poll(), wait() (fi_cq_sread consumes them) and
  *    while retrying a post.  All go through fab_progress(), which fills the
@@ -196,6 +197,7 @@ typedef struct fab_queue {
 
 struct dt_transport {
     dt_allocator a;
+    int post_timeout_ms;       /* dt_transport_params.post_timeout_ms, or the default */
     struct fi_info *info;
     struct fid_fabric *fabric;
     struct fid_domain *domain;
@@ -529,7 +531,7 @@ static void fab_flush_deferred(dt_transport *t)
                          "libfabric %s: %s peer %d refused for %d ms (back-pressure, "
                          "-FI_EAGAIN); the peer is not making progress or is gone",
                          t->info->fabric_attr->prov_name, d.is_send ? "send to" : "recv from",
-                         x->peer, DT_FABRIC_POST_TIMEOUT_MS);
+                         x->peer, t->post_timeout_ms);
             } else {
                 x->status = r == -FI_ENOMEM ? DT_ENOMEM : DT_EIO;
                 snprintf(t->cq_msg, sizeof t->cq_msg, "libfabric %s: fi_t%s peer %d: %s",
@@ -647,6 +649,7 @@ static dt_status fab_open(const dt_transport_params *p, dt_transport **out, char
     }
     memset(t, 0, sizeof *t);
     t->a = a;
+    t->post_timeout_ms = p->post_timeout_ms > 0 ? p->post_timeout_ms : DT_FABRIC_POST_TIMEOUT_MS;
 
     dt_status st = DT_EIO;
     const char *what = "fi_allocinfo";
@@ -1031,7 +1034,7 @@ static dt_status fab_post(dt_transport *t, int is_send, int peer, uint64_t tag, 
             return DT_EIO;
         }
     }
-    d.deadline = fab_now_ms() + DT_FABRIC_POST_TIMEOUT_MS;
+    d.deadline = fab_now_ms() + t->post_timeout_ms;
     memcpy(x->priv, &d, sizeof d);
     if (q->tail) q->tail->priv[0] = x;
     else q->head = x;

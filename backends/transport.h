@@ -34,6 +34,10 @@ typedef struct dt_transport_params {
     const char *host;         /* tcp/verbs: local IPv4 address to bind, NULL = any */
     const char *iface;        /* tcp: network interface whose IPv4 address to bind, NULL = default */
     dt_allocator allocator;   /* host allocation hooks, already defaulted */
+    int post_timeout_ms;      /* a post the peer keeps refusing (back-pressure) completes with
+                                 DT_ETIMEDOUT after this long; 0: the transport's default.  The
+                                 core passes its collective timeout: a living peer busy
+                                 elsewhere stops taking data until it comes back */
 } dt_transport_params;
 
 /* One posted transfer.  The caller owns the storage and keeps it alive (and

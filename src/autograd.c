@@ -141,7 +141,9 @@ DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float se
     if (ctx)
         ctx->backwards++;   /* arena_grew's count */
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
+    int act = ctx_doing(ctx, ACT_BACKWARD);
     dt_status s = backward_run(ctx, loss, seed);
+    ctx_done(ctx, act);
     if (s == DT_OK && ctx)
         s = be_fault(ctx, "backward");
     if (t0 != 0)

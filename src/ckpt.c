@@ -407,7 +407,7 @@ dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
     return dt_checkpoint_save_ex(ctx, opt, path, step, NULL);
 }
 
-dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
                                 const dt_checkpoint_config *cfg)
 {
     if (!ctx_ok(ctx))
@@ -448,6 +448,17 @@ dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *pa
             host_free(ctx, names[i]);
     host_free(ctx, names);
     host_free(ctx, items);
+    return s;
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+                                const dt_checkpoint_config *cfg)
+{
+    dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_SAVE);
+    dt_status s = ckpt_save_ex_run(ctx, opt, path, step, cfg);
+    ctx_done(actx, act);
     return s;
 }
 
@@ -1197,7 +1208,7 @@ dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64
     return dt_checkpoint_load_ex(ctx, opt, path, NULL, step_out, NULL);
 }
 
-dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
                                 const dt_checkpoint_config *cfg, int64_t *step_out,
                                 dt_checkpoint_report *report)
 {
@@ -1303,6 +1314,18 @@ done:
     host_free(ctx, psteps);
     st_file_free(ctx, &f);
     host_free(ctx, buf);
+    return s;
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+                                const dt_checkpoint_config *cfg, int64_t *step_out,
+                                dt_checkpoint_report *report)
+{
+    dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_LOAD);
+    dt_status s = ckpt_load_ex_run(ctx, opt, path, cfg, step_out, report);
+    ctx_done(actx, act);
     return s;
 }
 

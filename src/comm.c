@@ -139,12 +139,61 @@ DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, .
 
 static int grp_rank(const grp *g, int i) { return g->rank ? g->rank[i] : i; }
 
+/* The collective's deadline passed (dt_comm_config.collective_timeout_ms)
+ * while rank `who` was alive: its heartbeat went on, it never came. */
 DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms)
 {
+    dt_comm *c = w->comm;
     w->blame = who;
     w->blame_ms = ms;
-    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?)",
-                          coll_names[w->kind], w->seq, who, ms);
+    int said = c && c->hb_peer == who && c->hb_doing[0];
+    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d kept it waiting %d ms, the collective "
+                          "timeout (dt_comm_config.collective_timeout_ms), though alive (its "
+                          "heartbeat went on)%s%s", coll_names[w->kind], w->seq, who, ms,
+                          said ? ": it was " : "", said ? c->hb_doing : "");
+}
+
+/* The rank this collective waits on is alive while its heartbeat
+ * (src/join.c, join_heartbeat) keeps changing; one unchanged for
+ * timeout_ms means its process is stopped, hung or cut off, however long
+ * the collective itself may wait for a living rank.  Called every
+ * DT_COMM_WATCH_S of a wait (comm_check_dead). */
+static dt_status comm_check_heartbeat(dt_comm *c, dt_work *w)
+{
+    int peer = c->waiting_on;
+    if (peer < 0 || !c->watch || store_silent_ms(c->watch) > 0)
+        return DT_OK;   /* (a silent store is rank 0's silence: comm_check_dead says so) */
+    double now = dt_now();
+    if (peer != c->hb_peer) {   /* a new rank to watch: its clock starts now */
+        c->hb_peer = peer;
+        c->hb_beat = 0;
+        c->hb_seen = now;
+        c->hb_doing[0] = '\0';
+    }
+    char key[32], val[160] = "";
+    size_t len = 0;
+    snprintf(key, sizeof key, "/hb/%d", c->members ? c->members[peer] : peer);
+    if (dt_store_get(c->watch, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+        val[len < sizeof val ? len : sizeof val - 1] = '\0';
+        unsigned long long beat = 0;
+        int used = 0;
+        if (sscanf(val, "%llu %n", &beat, &used) >= 1 && used > 0) {
+            if (beat != c->hb_beat) {
+                c->hb_beat = beat;
+                c->hb_seen = now;
+            }
+            snprintf(c->hb_doing, sizeof c->hb_doing, "%s", val + used);
+        }
+    }
+    int ms = (int)((now - c->hb_seen) * 1000.0);
+    if (ms <= c->timeout_ms)
+        return DT_OK;
+    w->blame = peer;
+    w->blame_ms = ms;
+    w->blame_gone = 1;
+    return comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms, not even its "
+                          "heartbeat (stopped, hung or cut off?)%s%s", coll_names[w->kind], w->seq,
+                          peer, ms, c->hb_doing[0] ? "; it last said it was " : "", c->hb_doing);
 }
 
 static int xfer_gone(const xfers *xs, int peer)
@@ -161,7 +210,7 @@ DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, i
     if (xs->n == DT_COMM_MAX_XFERS)
         return comm_work_fail(w, DT_ENOTSUP, "%s: too many transfers in one step", coll_names[w->kind]);
     dt_xfer *x = &xs->x[xs->n];
-    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     for (;;) {
         memset(x, 0, sizeof *x);
         x->peer = peer;
@@ -292,9 +341,21 @@ static void follow_waits(dt_comm *c, dt_work *w)
     if (who == w->blame)
         return;
     int waited_on = w->blame;
+    char key[32], said[160] = "";
+    size_t len = 0;
+    unsigned long long beat;
+    int used = 0;
+    snprintf(key, sizeof key, "/hb/%d", c->members ? c->members[who] : who);
+    if (dt_store_get(c->watch, key, said, sizeof said - 1, &len, 1) == DT_OK) {
+        said[len < sizeof said ? len : sizeof said - 1] = '\0';
+        if (sscanf(said, "%llu %n", &beat, &used) < 1 || used <= 0)
+            used = (int)strlen(said);
+    }
     w->status = DT_OK;
-    comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d sent nothing for %d ms (dead or hung?); "
-                   "rank %d was waiting on it", coll_names[w->kind], w->seq, who, w->blame_ms, waited_on);
+    comm_work_fail(w, DT_ETIMEDOUT, "%s #%u: rank %d kept it waiting %d ms, the collective timeout "
+                   "(dt_comm_config.collective_timeout_ms), though alive (its heartbeat went on)%s%s;"
+                   " rank %d was waiting on it", coll_names[w->kind], w->seq, who, w->blame_ms,
+                   said[used] ? ": it was " : "", said + used, waited_on);
     w->blame = who;
 }
 
@@ -334,7 +395,7 @@ static dt_status group_check_dead(dt_comm *c, dt_work *w)
             g = c->waiting_on;
     }
     if (g < 0)
-        return DT_OK;
+        return comm_check_heartbeat(c, w);
     return comm_work_fail(w, DT_EPEER, "%s #%u: rank %d (job rank %d) died (its process exited "
                           "without leaving the job)", coll_names[w->kind], w->seq, g, c->members[g]);
 }
@@ -360,7 +421,7 @@ static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
             dt_store_set(c->watch, key, edge, (size_t)n + 1);
             c->wait_published = 1;
         }
-        return DT_OK;
+        return comm_check_heartbeat(c, w);
     }
     if (st == DT_OK)
         return comm_work_fail(w, DT_EPEER, "%s #%u: rank %s died (its process exited without "
@@ -396,17 +457,20 @@ static dt_status rank0_silent(dt_comm *c, dt_work *w)
     return w->status;
 }
 
-/* Every DT_COMM_WATCH_S of a wait: has a rank died or published a failure?
- * The store's answers may take until the wait's deadline (at least
- * store_patience_s): a silent store fails the work naming rank 0. */
+/* Every DT_COMM_WATCH_S of a wait: has a rank died or published a failure,
+ * or has the rank waited on fallen silent (comm_check_heartbeat)?  The
+ * store's answers may take until the wait's deadline, but no longer than
+ * the liveness timeout (and at least store_patience_s): a silent store
+ * fails the work naming rank 0. */
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline)
 {
     double now = dt_now();
     if (!c->watch || now - c->last_watch < DT_COMM_WATCH_S)
         return DT_OK;
     c->last_watch = now;
-    double least = now + store_patience_s(c);
-    store_limit(c->watch, deadline > least ? deadline : least);
+    double least = now + store_patience_s(c), alive = now + c->timeout_ms / 1000.0;
+    double until = deadline < alive ? deadline : alive;
+    store_limit(c->watch, until > least ? until : least);
     dt_status st = check_dead_in_store(c, w);
     store_limit(c->watch, 0);
     if (st == DT_OK && store_silent_ms(c->watch) > 0)
@@ -440,7 +504,7 @@ static void explain_failure(dt_comm *c, dt_work *w)
     if (!silent && (w->status == DT_EPEER || w->status == DT_ETIMEDOUT))
         published_failure(c, w, 1);
     silent = silent || store_silent_ms(c->watch) > 0;
-    if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0)
+    if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0 && !w->blame_gone)
         follow_waits(c, w);
     silent = silent || store_silent_ms(c->watch) > 0;
     if (!silent)
@@ -498,7 +562,7 @@ static int xfer_ours(const xfers *xs, const dt_xfer *x)
 
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
-    int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->timeout_ms);
+    int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->collective_timeout_ms);
     double deadline = dt_now() + limit_ms / 1000.0, turn = dt_now();
     for (;;) {
         int pending = 0, silent_peer = -1;
@@ -588,7 +652,7 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
     int right = grp_rank(&g, (g.me + 1) % g.size), left = grp_rank(&g, (g.me - 1 + g.size) % g.size);
     char err[256] = "";
     uint64_t tag = make_tag(w, TAG_HEADER_STEP, 0);
-    double deadline = dt_now() + c->timeout_ms / 1000.0;
+    double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     dt_status st;
     if (c->tp_iface->recv(c->tp, left, tag, 0, &xs->hdr_in, sizeof xs->hdr_in,
                           &xs->hdr_recv, err, sizeof err) != DT_OK)
@@ -963,6 +1027,7 @@ static dt_status sub_result(dt_work *w, const dt_work *sub)
         snprintf(w->msg, sizeof w->msg, "%s", sub->msg);
         w->blame = sub->blame;
         w->blame_ms = sub->blame_ms;
+        w->blame_gone = sub->blame_gone;
     }
     return w->status;
 }
@@ -1305,7 +1370,9 @@ dt_status dt_work_wait(dt_work *w)
         return DT_EINVAL;
     dt_ctx *ctx = w->comm->ctx;
     double t0 = prof_begin(ctx);
+    int act = ctx_doing(ctx, ACT_COLLECTIVE);
     dt_status st = comm_work_finish(w, NULL);
+    ctx_done(ctx, act);
     prof_end(ctx, PH_COMM_WAIT, t0);
     return st;
 }
@@ -1425,7 +1492,9 @@ DT_PRIVATE dt_status comm_run_in(dt_comm *c, int kind, float *buf, const float *
                                    int root, dt_reduce_op op, const void *aux)
 {
     double t0 = prof_begin(c->ctx);
+    int act = ctx_doing(c->ctx, ACT_COLLECTIVE);
     dt_status st = comm_run_wait(c, kind, buf, in, n, root, op, aux);
+    ctx_done(c->ctx, act);
     prof_end(c->ctx, PH_COMM_WAIT, t0);
     return st;
 }

@@ -130,6 +130,78 @@ DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap)
     return n;
 }
 
+/* (here, the bottom layer: the context's own activity clock reads it) */
+double dt_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static const char *const act_names[ACT_COUNT] = {
+    "computing", "waiting for its data loader", "in backward", "in its optimizer step",
+    "in a collective", "writing a checkpoint", "reading a checkpoint", "evaluating"};
+
+DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act)
+{
+    if (!ctx)
+        return ACT_COMPUTE;
+    int prev = ctx->act;
+    if (prev != ACT_COMPUTE && act == ACT_COLLECTIVE)
+        return prev;   /* the save's (or evaluation's) own collectives are the save */
+    pthread_mutex_lock(&ctx->warn_mu);
+    ctx->act = act;
+    ctx->act_since = dt_now();
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return prev;
+}
+
+DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev)
+{
+    if (!ctx || ctx->act == prev)
+        return;
+    pthread_mutex_lock(&ctx->warn_mu);
+    ctx->act = prev;
+    ctx->act_since = dt_now();
+    pthread_mutex_unlock(&ctx->warn_mu);
+}
+
+DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap)
+{
+    pthread_mutex_lock(&ctx->warn_mu);
+    const char *what = ctx->act_user[0] ? ctx->act_user : act_names[ctx->act];
+    double s = dt_now() - ctx->act_since;
+    if (ctx->act == ACT_COMPUTE && !ctx->act_user[0])
+        snprintf(out, cap, "%s", what);
+    else
+        snprintf(out, cap, "%s for %.0f s", what, s < 0 ? 0.0 : s);
+    pthread_mutex_unlock(&ctx->warn_mu);
+}
+
+dt_status dt_set_activity(dt_ctx *ctx, const char *what)
+{
+    if (!ctx)
+        return DT_EINVAL;
+    pthread_mutex_lock(&ctx->warn_mu);
+    size_t n = what ? strnlen(what, sizeof ctx->act_user - 1) : 0;
+    memcpy(ctx->act_user, what ? what : "", n);
+    ctx->act_user[n] = '\0';
+    for (size_t i = 0; i < n; i++)   /* one line: peers and the monitor print it */
+        if ((unsigned char)ctx->act_user[i] < ' ')
+            ctx->act_user[i] = ' ';
+    ctx->act_since = dt_now();
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return DT_OK;
+}
+
+const char *dt_activity(dt_ctx *ctx)
+{
+    if (!ctx)
+        return "";
+    ctx_activity_copy(ctx, ctx->act_text, sizeof ctx->act_text);
+    return ctx->act_text;
+}
+
 dt_status dt_last_status(const dt_ctx *ctx) { return ctx ? ctx->last_status : DT_EINVAL; }
 dt_status dt_ctx_status(const dt_ctx *ctx) { return ctx ? ctx->init_status : DT_EINVAL; }
 
@@ -349,6 +421,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
         return NULL;
     memset(ctx, 0, sizeof *ctx);
     pthread_mutex_init(&ctx->warn_mu, NULL);
+    ctx->act_since = dt_now();
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
     ctx->grad_enabled = 1;

@@ -425,7 +425,9 @@ dt_status dt_loader_next(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     if (!ld)
         return DT_EINVAL;
     double t0 = prof_begin(ld->ctx);
+    int act = ctx_doing(ld->ctx, ACT_DATA);
     dt_status s = loader_next_run(ld, x, y);
+    ctx_done(ld->ctx, act);
     if (s == DT_OK)
         prof_samples(ld->ctx, dt_tensor_dim(*x, 0));
     prof_end(ld->ctx, PH_DATA, t0);

@@ -575,9 +575,11 @@ static dt_status ddp_finish(dt_ddp *d)
     if (!d->pending_sync)
         return DT_OK;
     double t0 = prof_begin(d->ctx);
+    int act = ctx_doing(d->ctx, ACT_COLLECTIVE);
     dt_status s = ddp_finish_run(d);
     if (s == DT_OK)
         s = ddp_check_ranks(d);
+    ctx_done(d->ctx, act);
     prof_end(d->ctx, PH_COMM_WAIT, t0);
     return s;
 }

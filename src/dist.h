@@ -85,6 +85,8 @@ struct dt_store {
 #define DT_COMM_SMALL_TCP ((size_t)256 << 10)
 #define DT_COMM_CHUNK ((size_t)4 << 20)    /* largest single message */
 #define DT_COMM_DEFAULT_TIMEOUT_MS 30000
+#define DT_COMM_DEFAULT_COLLECTIVE_TIMEOUT_MS 600000
+#define DT_COMM_BEAT_MAX_MS 1000           /* a heartbeat at least this often (timeout/4 if less) */
 #define TAG_CHECK_SHIFT 52
 #define DT_COMM_DRAIN_MS 10000
 #define SEG_MAGIC 0x44545347u
@@ -121,6 +123,8 @@ struct dt_work {
     int64_t n;
     uint32_t seq;
     int blame, blame_ms;       /* a timeout: the silent rank and how long it was */
+    int blame_gone;            /* the blamed rank's process fell silent (no heartbeat): the
+                                  end of its waits is not the cause (follow_waits skipped) */
     int done;
     double run_s;              /* seconds the work ran (comm thread or inline) */
     /* its record, for the profiler: the algorithm (COMM_ALG_*); COLL_EXT:
@@ -201,7 +205,8 @@ typedef struct comm_ext_ops {
 struct dt_comm {
     dt_ctx *ctx;
     int rank, world;
-    int timeout_ms;
+    int timeout_ms;            /* liveness: a peer without a heartbeat this long is gone */
+    int collective_timeout_ms; /* progress: how long a living peer may keep a collective */
     const dt_transport_iface *tp_iface;
     dt_transport *tp;
     dt_store *store;
@@ -260,6 +265,19 @@ struct dt_comm {
     int splits_made;           /* dt_comm_split calls so far (their store keys) */
     uint32_t *p2p_sent, *p2p_recvd;   /* point-to-point messages to / from each rank so far
                                   (caller's side; the k-th send meets the k-th receive) */
+    /* liveness apart from progress: the job communicator's heartbeat thread
+     * (src/join.c, join_heartbeat) publishes "/hb/<job rank>" every beat_ms on
+     * its own store connection; a wait watches its peer's (comm_check_heartbeat) */
+    dt_store *hb;
+    dt_ctx *hb_errors;
+    pthread_t hb_thread;
+    int has_hb, hb_stop, beat_ms;
+    pthread_mutex_t hb_mu;
+    pthread_cond_t hb_cv;
+    int hb_peer;               /* comm thread: the rank whose heartbeat it watches (-1: none) */
+    unsigned long long hb_beat; /* its latest beat seen */
+    double hb_seen;            /* when that beat last changed (or the watch began) */
+    char hb_doing[96];         /* what its heartbeat said it was doing */
 };
 
 typedef struct coll_header {

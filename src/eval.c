@@ -146,7 +146,7 @@ static dt_status eval_user(dt_ctx *ctx, dt_tensor *out, dt_tensor *y, int64_t fi
  * exact far beyond float's 2^24. */
 static int64_t count_join(const float *hl) { return (int64_t)hl[0] * 4096 + (int64_t)hl[1]; }
 
-dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
+static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
                       dt_forward_fn forward, void *user, dt_metrics *out)
 {
     if (!ctx_ok(ctx))
@@ -199,6 +199,17 @@ dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_ev
     if (ec->metric == DT_METRIC_USER)
         out->loss = 0;
     return DT_OK;
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
+                      dt_forward_fn forward, void *user, dt_metrics *out)
+{
+    dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
+    int act = ctx_doing(actx, ACT_EVAL);
+    dt_status s = eval_evaluate_run(ctx, c, ds, cfg, forward, user, out);
+    ctx_done(actx, act);
+    return s;
 }
 
 static dt_status eval_argmax(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first, void *acc)

@@ -266,8 +266,13 @@ struct dt_ctx {
     char err[DT_MAX_ERROR];
     char warning[DT_MAX_ERROR];    /* the latest warning (dt_last_warning) */
     int64_t warnings;              /* ctx_warn calls so far */
-    pthread_mutex_t warn_mu;       /* warning and warnings: the monitor's thread reads them
-                                      (ctx_warning_copy) while the caller's may write */
+    int act;                       /* what the caller's thread is doing (ctx_doing: ACT_*) */
+    double act_since;              /* since when (dt_now) */
+    char act_user[64];             /* dt_set_activity's text ("": none) */
+    char act_text[96];             /* dt_activity's answer */
+    pthread_mutex_t warn_mu;       /* the warning and the activity: the monitor's and
+                                      heartbeat's threads read them (ctx_warning_copy,
+                                      ctx_activity_copy) while the caller's may write */
     uint64_t errors;               /* set_error calls so far (was this error set just now?) */
     dt_log_fn log_fn;
     void *log_user;
@@ -419,6 +424,16 @@ struct dt_loss_scaler {
 /* The latest warning into out (cap bytes) and the number of warnings so
  * far, from any thread (the monitor's). */
 DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap);
+/* What a rank is doing, for peers that wait on it (dt_set_activity). */
+enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
+       ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
+/* Enter activity act (the caller's thread); the one it replaces, for
+ * ctx_done.  Nested calls keep the outer one (a collective inside a
+ * checkpoint's save is the save). */
+DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act);
+DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev);
+/* "writing a checkpoint for 12 s" into out, from any thread. */
+DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap);
 DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
 DT_PRIVATE void optim_set_lrs(dt_optim *o, const float *lrs);
 /* --- src/ckpt.c --- */

@@ -346,7 +346,8 @@ static dt_status open_transport(dt_comm *c, const dt_comm_config *cfg)
     const char *prov = cfg->transport ? cfg->transport : getenv("DTRAIN_TRANSPORT");
     if (!prov)
         prov = c->nhosts <= 1 ? "shm" : "tcp";
-    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al};
+    dt_transport_params tp = {prov, cfg->host ? cfg->host : getenv("DTRAIN_HOST"), NULL, ctx->al,
+                              c->collective_timeout_ms};
     char err[256] = "";
     dt_status st = c->tp_iface->open(&tp, &c->tp, err, sizeof err);
     if (st != DT_OK)
@@ -382,6 +383,79 @@ static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
     return DT_OK;
 }
 
+/* The heartbeat: "<beat> <what this rank is doing>" under "/hb/<job
+ * rank>" every beat_ms, from a thread of its own that never waits on the
+ * training thread or on a collective, so a rank busy for minutes (a slow
+ * loader, a checkpoint) stays alive to its peers, while a stopped, hung or
+ * cut-off process falls silent (comm_check_heartbeat).  A failed beat
+ * (rank 0's store slow) is retried at the next. */
+static void *join_heartbeat(void *arg)
+{
+    dt_comm *c = arg;
+    char key[32], val[160], doing[96];
+    snprintf(key, sizeof key, "/hb/%d", c->job.rank);
+    unsigned long long beat = 0;
+    pthread_mutex_lock(&c->hb_mu);
+    while (!c->hb_stop) {
+        pthread_mutex_unlock(&c->hb_mu);
+        ctx_activity_copy(c->ctx, doing, sizeof doing);
+        int waiting = __atomic_load_n(&c->waiting_on, __ATOMIC_RELAXED);
+        int n = waiting >= 0 && !strncmp(doing, "in a collective", 15)
+                    ? snprintf(val, sizeof val, "%llu %s, waiting for rank %d", ++beat, doing, waiting)
+                    : snprintf(val, sizeof val, "%llu %s", ++beat, doing);
+        dt_store_set(c->hb, key, val, (size_t)n + 1);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        long ns = until.tv_nsec + (long)c->beat_ms * 1000000L;
+        until.tv_sec += ns / 1000000000L;
+        until.tv_nsec = ns % 1000000000L;
+        pthread_mutex_lock(&c->hb_mu);
+        if (!c->hb_stop)
+            pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &until);
+    }
+    pthread_mutex_unlock(&c->hb_mu);
+    return NULL;
+}
+
+/* The job communicator's heartbeat (a group's ranks beat through it). */
+static dt_status join_start_heartbeat(dt_comm *c)
+{
+    dt_ctx *ctx = c->ctx;
+    if (c->world == 1 || c->members || c->inc)
+        return DT_OK;
+    if (!(c->hb_errors = host_calloc(ctx, sizeof *c->hb_errors)))
+        return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    c->hb_errors->al = ctx->al;
+    if (!(c->hb = join_own_store(c, c->hb_errors)))
+        return set_error(ctx, c->hb_errors->last_status, "comm: the heartbeat's store "
+                         "connection: %s", c->hb_errors->err);
+    c->hb->timeout_ms = 2 * c->beat_ms > 200 ? 2 * c->beat_ms : 200;   /* a slow beat is skipped */
+    if (pthread_mutex_init(&c->hb_mu, NULL) != 0 || pthread_cond_init(&c->hb_cv, NULL) != 0 ||
+        pthread_create(&c->hb_thread, NULL, join_heartbeat, c) != 0)
+        return set_error(ctx, DT_ENOMEM, "comm: cannot start the heartbeat thread");
+    pthread_setname_np(c->hb_thread, "dtrain-beat");
+    c->has_hb = 1;
+    return DT_OK;
+}
+
+static void join_stop_heartbeat(dt_comm *c)
+{
+    if (c->has_hb) {
+        pthread_mutex_lock(&c->hb_mu);
+        c->hb_stop = 1;
+        pthread_cond_broadcast(&c->hb_cv);
+        pthread_mutex_unlock(&c->hb_mu);
+        pthread_join(c->hb_thread, NULL);
+        pthread_mutex_destroy(&c->hb_mu);
+        pthread_cond_destroy(&c->hb_cv);
+        c->has_hb = 0;
+    }
+    dt_store_close(c->hb);
+    c->hb = NULL;
+    host_free(c->ctx, c->hb_errors);
+    c->hb_errors = NULL;
+}
+
 /* A communicator's memory and lock, before it connects. */
 static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_config *cfg)
 {
@@ -400,6 +474,17 @@ static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_confi
     if (t <= 0 && te)
         t = atoi(te);
     c->timeout_ms = t > 0 ? t : DT_COMM_DEFAULT_TIMEOUT_MS;
+    int ct = cfg->collective_timeout_ms;
+    const char *cte = getenv("DTRAIN_COLLECTIVE_TIMEOUT_MS");
+    if (ct <= 0 && cte)
+        ct = atoi(cte);
+    c->collective_timeout_ms = ct > 0 ? ct : DT_COMM_DEFAULT_COLLECTIVE_TIMEOUT_MS;
+    if (c->collective_timeout_ms < c->timeout_ms)
+        c->collective_timeout_ms = c->timeout_ms;
+    c->beat_ms = c->timeout_ms / 4 < DT_COMM_BEAT_MAX_MS ? c->timeout_ms / 4 : DT_COMM_BEAT_MAX_MS;
+    if (c->beat_ms < 10)
+        c->beat_ms = 10;
+    c->hb_peer = -1;
     if (pthread_mutex_init(&c->mu, NULL) != 0 || pthread_cond_init(&c->cv, NULL) != 0) {
         host_free(ctx, c);
         set_error(ctx, DT_ENOMEM, "comm: cannot create a mutex");
@@ -437,6 +522,8 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
     c->p2p_recvd = host_calloc(ctx, sizeof *c->p2p_recvd * (size_t)c->world);
     if (!c->p2p_sent || !c->p2p_recvd)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
+    if (join_start_heartbeat(c) != DT_OK)
+        return ctx->last_status;
     if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
     pthread_setname_np(c->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
@@ -490,6 +577,7 @@ void dt_comm_free(dt_comm *c)
 {
     if (!c)
         return;
+    join_stop_heartbeat(c);
     if (c->has_thread) {
         pthread_mutex_lock(&c->mu);
         c->stop = 1;
@@ -597,6 +685,8 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         return NULL;
     if (!cfg.timeout_ms)
         cfg.timeout_ms = parent->timeout_ms;
+    if (!cfg.collective_timeout_ms)
+        cfg.collective_timeout_ms = parent->collective_timeout_ms;
     int id = parent->splits_made, n = 0, me = 0;
     int *members = host_alloc(ctx, sizeof *members * (size_t)parent->world);
     if (!members) {

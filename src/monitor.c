@@ -42,6 +42,7 @@ typedef struct mon_summary {
     double value[MON_SCALARS];
     int64_t warnings;              /* the context's warnings so far (ctx_warning_copy) */
     char warning[MON_WARNING];     /* the latest, on one line */
+    char doing[96];                /* what the rank is doing (ctx_activity_copy) */
 } mon_summary;
 
 /* Rank 0's view of one rank. */
@@ -140,16 +141,17 @@ static void mon_take(dt_monitor *m, mon_summary *s)
     memcpy(s->value, m->svalue, sizeof s->value);
     pthread_mutex_unlock(&m->mu);
     s->warnings = ctx_warning_copy(m->ctx, s->warning, sizeof s->warning);
-    for (char *c = s->warning; *c; c++)   /* the line's last field: one line of text */
+    for (char *c = s->warning; *c; c++)   /* the line's: one line of text */
         if ((unsigned char)*c < ' ')
             *c = ' ';
+    ctx_activity_copy(m->ctx, s->doing, sizeof s->doing);
 }
 
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
  * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
  * serve busy stalled served bytes_in bytes_out queue_max keys, a sharded
- * DDP's gather gather_exposed, n (name at value)*, warnings, and the
- * latest warning's text to the end of the line" */
+ * DDP's gather gather_exposed, n (name at value)*, warnings, the latest
+ * warning's length and text, and what the rank is doing to the end" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
     int n = snprintf(out, cap, "dtmon1 %.6f %lld %lld %.9g", s->t, (long long)s->steps,
@@ -167,7 +169,8 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
-    n += snprintf(out + n, cap - (size_t)n, " %lld %s", (long long)s->warnings, s->warning);
+    n += snprintf(out + n, cap - (size_t)n, " %lld %d %s %s", (long long)s->warnings,
+                  (int)strlen(s->warning), s->warning, s->doing);
     return n > 0 && (size_t)n < cap;
 }
 
@@ -226,12 +229,16 @@ static int mon_decode(const char *line, mon_summary *s)
         p += used_here;
     }
     long long warnings;
-    int w = 0;
-    if (sscanf(p, " %lld%n", &warnings, &w) != 1 || warnings < 0)
+    int w = 0, wlen = 0;
+    if (sscanf(p, " %lld %d%n", &warnings, &wlen, &w) != 2 || warnings < 0 || wlen < 0 ||
+        wlen >= MON_WARNING || p[w] != ' ' || strnlen(p + w + 1, (size_t)wlen) < (size_t)wlen)
         return 0;
     s->warnings = warnings;
-    p += w;
-    snprintf(s->warning, sizeof s->warning, "%s", *p == ' ' ? p + 1 : p);
+    p += w + 1;
+    memcpy(s->warning, p, (size_t)wlen);
+    s->warning[wlen] = '\0';
+    p += wlen;
+    snprintf(s->doing, sizeof s->doing, "%s", *p == ' ' ? p + 1 : p);
     return 1;
 }
 
@@ -458,6 +465,8 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
     }
     strbuf_printf(b, ",\"warnings\":%lld,", (long long)s->warnings);
     jstr(b, "warning", s->warning);
+    strbuf_puts(b, ",");
+    jstr(b, "doing", s->doing);
     strbuf_puts(b, ",\"scalars\":{");
     for (int i = 0; i < s->nscalars; i++) {
         if (i)

@@ -440,7 +440,9 @@ dt_status dt_optim_step(dt_optim *o)
     if (!o)
         return DT_EINVAL;
     double t0 = prof_begin(o->ctx);
+    int act = ctx_doing(o->ctx, ACT_OPTIM);
     dt_status s = optim_step_run(o);
+    ctx_done(o->ctx, act);
     if (s == DT_OK)
         s = be_fault(o->ctx, "optim_step");
     prof_end(o->ctx, PH_OPTIM, t0);

@@ -96,15 +96,18 @@ static dt_status seg_aborted(dt_comm *c, dt_work *w)
     return comm_fail_with_reason(w, c->seg->why);
 }
 
-/* Wait until local rank q has published phase `want`.  The timeout counts
- * from q's last sign of life: a phase, or (a leader busy between hosts) a
- * completed transfer.  `patience` scales it: a rank waiting on its leader's
- * inter-host step allows more, so the leader's own, more precise error
- * comes first. */
+/* Wait until local rank q has published phase `want`.  The collective
+ * timeout counts from q's last progress: a phase, or (a leader busy
+ * between hosts) a completed transfer; q's process falling silent (its
+ * heartbeat) fails the wait after the shorter timeout_ms
+ * (comm_check_dead).  `patience` scales the collective timeout: a rank
+ * waiting on its leader's inter-host step allows more, so the leader's
+ * own, more precise error comes first. */
 static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double patience)
 {
     seg_rank *r = &c->seg_ranks[q];
-    double start = dt_now(), deadline = start + patience * c->timeout_ms / 1000.0, turn = start;
+    double limit_s = patience * c->collective_timeout_ms / 1000.0;   /* q alive: its heartbeat */
+    double start = dt_now(), deadline = start + limit_s, turn = start;
     uint32_t seen = atomic_load_explicit(&r->progress, memory_order_relaxed);
     for (unsigned spin = 1;; spin++) {
         if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
@@ -139,10 +142,10 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
         uint32_t prog = atomic_load_explicit(&r->progress, memory_order_relaxed);
         if (prog != seen) {
             seen = prog;
-            deadline = now + patience * c->timeout_ms / 1000.0;
+            deadline = now + limit_s;
         }
         if (now >= deadline)
-            return comm_blame_silent(w, c->local_ranks[q], (int)(patience * c->timeout_ms));
+            return comm_blame_silent(w, c->local_ranks[q], (int)(limit_s * 1000.0));
         atomic_fetch_add(&r->sleepers, 1);
         uint32_t v = atomic_load(&r->phase);
         if (!phase_reached(v, want) && !atomic_load(&c->seg->aborted))

@@ -1303,7 +1303,7 @@ static dt_status zero_ckpt_optim_ok(dt_ddp *d, const dt_optim *opt, const char *
     return DT_OK;
 }
 
-dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
+static dt_status zero_ckpt_save_run(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
 {
     if (!d || !d->ctx)
         return DT_EINVAL;
@@ -1330,7 +1330,17 @@ dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir
     return zero_ckpt_agree(d, op, s);
 }
 
-dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
+{
+    dt_ctx *actx = d ? d->ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_SAVE);
+    dt_status s = zero_ckpt_save_run(d, opt, dir, step);
+    ctx_done(actx, act);
+    return s;
+}
+
+static dt_status zero_ckpt_load_run(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
 {
     if (!d || !d->ctx)
         return DT_EINVAL;
@@ -1363,4 +1373,14 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     if (s == DT_OK && level3)   /* whole units now hold floats from before the load */
         s = zero_evict_all(d);
     return zero_ckpt_agree(d, op, s);
+}
+
+/* (what peers waiting on this rank see: dt_activity) */
+dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
+{
+    dt_ctx *actx = d ? d->ctx : NULL;
+    int act = ctx_doing(actx, ACT_CKPT_LOAD);
+    dt_status s = zero_ckpt_load_run(d, opt, dir, step_out);
+    ctx_done(actx, act);
+    return s;
 }

@@ -48,7 +48,7 @@ FAMILIES = {   # name (as the parser gives it: counters without _total) -> type
     "dtrain_ps_server_received_bytes": "counter", "dtrain_ps_server_sent_bytes": "counter",
     "dtrain_ps_server_queue_max": "gauge", "dtrain_ps_server_keys": "gauge",
     "dtrain_parameter_gather_seconds": "counter",
-    "dtrain_parameter_gather_exposed_seconds": "counter",
+    "dtrain_parameter_gather_exposed_seconds": "counter", "dtrain_warnings": "counter",
 }
 PHASES = {"data", "forward", "backward", "comm_wait", "optimizer", "idle"}
 

@@ -24,6 +24,7 @@ static dt_ctx *rank_ctx;   /* this process's context (one rank per process) */
 static const char *intra_mode = "transport";   /* dt_comm_config.intra_host */
 static int host_groups;    /* > 0: rank r claims host "h<r % host_groups>" */
 static int job_port;       /* the running job's store port (in its ranks) */
+static int collective_ms;  /* dt_comm_config.collective_timeout_ms (0: the default) */
 static dt_ctx *dt_comm_ctx_for_test(dt_comm *c) { (void)c; return rank_ctx; }
 
 /* One rank's process: join, run fn, leave.  Exit codes: 0 ok, 90 could not
@@ -39,6 +40,7 @@ static void rank_main(int rank, int world, int port, const char *prov, int timeo
     cfg.transport = prov;
     cfg.host = "127.0.0.1";
     cfg.timeout_ms = timeout_ms;
+    cfg.collective_timeout_ms = collective_ms;
     cfg.store.timeout_ms = 20000;
     cfg.intra_host = intra_mode;
     char host_id[16];
@@ -731,6 +733,63 @@ static void test_silent_rank_any(void **state)
     if (bad) fail_msg("%d ranks did not end as they should", bad);
 }
 
+/* --- slow is not dead -------------------------------------------------------
+ * Rank 1 is busy for late_ms before the second allreduce (a checkpoint it
+ * writes, saying so with dt_set_activity): 3 peer timeouts, which its
+ * heartbeat covers, so the others wait and the allreduce is whole.  With a
+ * collective timeout below late_ms, the others fail after it, naming rank
+ * 1 (at the end of the ring's waits) and what it said it was doing. */
+static int late_ms, late_expect_ok;
+
+static int job_late(dt_comm *c, int rank, int world)
+{
+    float b[1000];
+    for (int i = 0; i < 1000; i++)
+        b[i] = 1;
+    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
+        return 70;
+    if (rank == 1) {
+        dt_set_activity(rank_ctx, "writing a checkpoint");
+        usleep((useconds_t)late_ms * 1000);
+        dt_set_activity(rank_ctx, NULL);
+    }
+    for (int i = 0; i < 1000; i++)
+        b[i] = (float)(rank + 1);
+    double t0 = dt_now();
+    dt_status st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    double took = dt_now() - t0;
+    const char *m = dt_last_error(rank_ctx);
+    fprintf(stderr, "rank %d: %s after %.2f s%s%s\n", rank, st == DT_OK ? "ok" : "failed", took,
+            st == DT_OK ? "" : ": ", st == DT_OK ? "" : m);
+    if (late_expect_ok)
+        return st != DT_OK ? 71 : b[0] != (float)(world * (world + 1) / 2) ? 72 : 0;
+    if (rank == 1)   /* the others gave up on it: this one (its data may have been whole) or
+                        the next fails with their reason */
+        return st != DT_OK || dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK ? 0 : 73;
+    if (st == DT_OK || !strstr(m, "rank 1 ") || !strstr(m, "writing a checkpoint") ||
+        !strstr(m, "collective timeout"))
+        return 74;
+    return took < collective_ms / 1000.0 + 2.0 ? 0 : 75;
+}
+
+static void test_late_rank_is_waited_on(void **state)
+{
+    (void)state;
+    int codes[3];
+    static const char *const intra[] = {"transport", "segment"};
+    for (int k = 0; k < 2; k++) {
+        intra_mode = intra[k];
+        late_ms = 3000, late_expect_ok = 1;   /* 3 peer timeouts, the collective's default */
+        run_job(3, "tcp", 1000, job_late, codes, 30);
+        expect_all_zero(3, codes, "a rank busy 3 peer timeouts");
+        collective_ms = 2000, late_ms = 5000, late_expect_ok = 0;
+        run_job(3, "tcp", 1000, job_late, codes, 30);
+        collective_ms = 0;
+        expect_all_zero(3, codes, "a rank busy past the collective timeout");
+    }
+    intra_mode = "transport";
+}
+
 /* A second process claiming a live rank is refused (a restart is only
  * accepted once the store has seen the first one die), and the job goes
  * on. */
@@ -944,6 +1003,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_duplicate_rank),
     cmocka_unit_test(test_hung_rank),
     cmocka_unit_test(test_silent_rank_any),
+    cmocka_unit_test(test_late_rank_is_waited_on),
     cmocka_unit_test(test_forged_messages),
     cmocka_unit_test(test_point_to_point),
     cmocka_unit_test(test_process_groups),

@@ -373,6 +373,7 @@ static void test_data_hint(void **state)
 typedef int (*rank_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
 static data job_data;           /* set before forking: inherited */
 static char job_trace[192];
+static int job_timeout_ms = 20000;   /* the ranks' dt_comm_config.timeout_ms */
 
 static void rank_main(int rank, int world, int port, rank_fn fn)
 {
@@ -386,7 +387,7 @@ static void rank_main(int rank, int world, int port, rank_fn fn)
     dt_comm_config_init(&cc);
     cc.transport = "shm";
     cc.host = "127.0.0.1";
-    cc.timeout_ms = 20000;
+    cc.timeout_ms = job_timeout_ms;
     cc.store.timeout_ms = 20000;
     dt_comm *c = ctx ? dt_comm_new(ctx, &e, &cc) : NULL;
     if (!c) {
@@ -534,6 +535,72 @@ static int trace_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     }
     job_end(&j);
     return 0;
+}
+
+/* --- slow is not dead: a loader slower than the peer timeout --------------
+ * Rank 1's samples come from a callback that takes 0.5 s over each of 3
+ * samples in batches 3 and 4: 1.5 s per batch, past the 1 s peer timeout.
+ * Its heartbeat keeps it alive to rank 0, which waits in its DDP step; the
+ * job finishes, and the report names rank 1's data wait. */
+static int slow_fill(void *user, int64_t i, void *input, void *target)
+{
+    int rank = *(const int *)user;
+    float *x = input;
+    for (int k = 0; k < PIXELS; k++)
+        x[k] = (float)((i * 31 + k) % 17) / 17.0f;
+    *(int32_t *)target = (int32_t)(i % CLASSES);
+    if (rank == 1 && i >= 3 * 16 && i < 5 * 16 && i % 16 < 3)
+        usleep(500 * 1000);
+    return 0;
+}
+
+static int slow_loader_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    dt_profile_config pc;
+    dt_profile_config_init(&pc);
+    if (dt_profile_start(ctx, &pc) != DT_OK)
+        return 1;
+    dt_sample_field fi = {DT_F32, 1, {PIXELS}}, ft = {DT_I32, 0, {0}};
+    dt_dataset *ds = dt_dataset_from_callback(ctx, 8 * 16, &fi, &ft, slow_fill, &rank);
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 16;
+    lc.shuffle = 0;
+    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+    mlp m;
+    if (!ld || mlp_build(ctx, &m))
+        return 2;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    double loop = 0;
+    if (!ddp || dt_loader_start_epoch(ld, 0) != DT_OK ||
+        ddp_train(ctx, c, ld, ddp, opt, &m, 8, -1, 0, &loop) != 0)
+        return 3;
+    if (loop < 3.0)   /* the two slow batches were there */
+        return 4;
+    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+        return 5;
+    const char *rep = dt_profile_report(ctx);
+    if (rank == 0 && (!strstr(rep, "slowest rank: 1") || !strstr(rep, "largest phase: data wait"))) {
+        fprintf(stderr, "report:\n%s\n", rep);
+        return 6;
+    }
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    return 0;
+}
+
+static void test_slow_loader_is_waited_on(void **state)
+{
+    (void)state;
+    job_timeout_ms = 1000;
+    run_ranks(2, slow_loader_rank);
+    job_timeout_ms = 20000;
 }
 
 static void test_trace_two_ranks(void **state)
@@ -1284,6 +1351,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_store_add),
     cmocka_unit_test(test_monitor_one_process),
     cmocka_unit_test(test_monitor_shows_warnings),
+    cmocka_unit_test(test_slow_loader_is_waited_on),
     cmocka_unit_test(test_server_diagnosis),
 };
 

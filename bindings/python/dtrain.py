@@ -196,7 +196,7 @@ class dt_store_config(ctypes.Structure):
 class dt_comm_config(ctypes.Structure):
     _fields_ = [("struct_size", _SZ),
                 ("transport", _S), ("host", _S), ("timeout_ms", _I), ("intra_host", _S),
-                ("host_id", _S), ("store", dt_store_config)]
+                ("host_id", _S), ("store", dt_store_config), ("collective_timeout_ms", _I)]
 
 
 class dt_ddp_config(ctypes.Structure):
@@ -447,6 +447,8 @@ for _name, _res, _args in [
     # optimizers
     ("dt_optim_config_init", None, [ctypes.POINTER(dt_optim_config), _I]),
     ("dt_optim_new", _P, [_P, ctypes.POINTER(dt_optim_config), ctypes.POINTER(_P), _I]),
+    ("dt_set_activity", _I, [_P, _S]),
+    ("dt_activity", _S, [_P]),
     ("dt_param_group_init", None, [ctypes.POINTER(dt_param_group), ctypes.POINTER(_P), _I]),
     ("dt_optim_new_groups", _P, [_P, ctypes.POINTER(dt_optim_config),
                                  ctypes.POINTER(dt_param_group), _I]),
@@ -919,6 +921,18 @@ class Context:
             return
         self._log = _LOG_FN(lambda user, msg: fn(msg.decode(errors="replace")))
         _C.set_log(self.handle, self._log, None)
+
+    def set_activity(self, what: Optional[str]) -> None:
+        """Say what this rank is doing ("evaluating", "compiling"): ranks waiting for it in
+        a collective show it in their errors, and the monitor shows it; None: the library's
+        own again (dt_set_activity)."""
+        self.check(_C.set_activity(self.handle, _b(what)))
+
+    @property
+    def activity(self) -> str:
+        """What waiting peers see this rank doing: "waiting for its data loader for 25 s"
+        (dt_activity)."""
+        return _C.activity(self.handle).decode()
 
     @property
     def last_warning(self) -> str:

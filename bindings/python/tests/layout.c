@@ -76,7 +76,8 @@ int main(void)
     F(dt_comm_config, struct_size, struct_size);
     F(dt_comm_config, transport, transport); F(dt_comm_config, host, host);
     F(dt_comm_config, timeout_ms, timeout_ms); F(dt_comm_config, intra_host, intra_host);
-    F(dt_comm_config, host_id, host_id); F(dt_comm_config, store, store); END(dt_comm_config);
+    F(dt_comm_config, host_id, host_id); F(dt_comm_config, store, store);
+    F(dt_comm_config, collective_timeout_ms, collective_timeout_ms); END(dt_comm_config);
 
     F(dt_ddp_config, struct_size, struct_size);
     F(dt_ddp_config, bucket_bytes, bucket_bytes); F(dt_ddp_config, overlap, overlap);

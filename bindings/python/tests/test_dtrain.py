@@ -401,6 +401,15 @@ class Lifetimes(unittest.TestCase):
             with self.assertRaises(dt.BadState):
                 x.shape
 
+    def test_activity(self):
+        # what waiting peers and the monitor see (dt_set_activity, dt_activity)
+        with dt.Context() as ctx:
+            self.assertEqual(ctx.activity, "computing")
+            ctx.set_activity("compiling\nthe model")
+            self.assertRegex(ctx.activity, r"^compiling the model for \d+ s$")
+            ctx.set_activity(None)
+            self.assertEqual(ctx.activity, "computing")
+
     def test_closed_context(self):
         ctx = dt.Context()
         p = ctx.param("w", (2,))
