@@ -402,8 +402,10 @@ static dt_status group_check_dead(dt_comm *c, dt_work *w)
 
 static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
 {
-    if (w->kind == COLL_EXT)   /* other workers may come and go: only servers matter */
-        return c->ext_ops->check_dead(c, w);
+    if (w->kind == COLL_EXT) {   /* other workers may come and go: only servers matter */
+        dt_status st = c->ext_ops->check_dead(c, w);
+        return st != DT_OK ? st : comm_check_heartbeat(c, w);   /* (the server waited on) */
+    }
     char val[16] = "";
     size_t len = 0;
     /* a rank that failed published why: fail with its words */
