@@ -27,6 +27,7 @@
 #include "backends/half.h"    /* f32_to_bf16, f16_to_f32, ...: the same bits as the backends */
 
 #include <dirent.h>
+#include <sys/resource.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -187,6 +188,12 @@ typedef struct prof_event {
     uint32_t pad;
 } prof_event;
 
+/* What the CPU gave this process so far (prof_cpu_sample). */
+typedef struct prof_cpu {
+    double wall, cpu, wait, throttled;
+    int64_t periods, nr_throttled;
+} prof_cpu;
+
 typedef struct prof_state {
     pthread_mutex_t mu;
     int measure;               /* phases and steps are measured (profiling or balancing) */
@@ -214,6 +221,8 @@ typedef struct prof_state {
     int balancing;             /* a DDP balances the load: keep measuring (src/ddp.c) */
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
+    prof_cpu cpu0;             /* at dt_profile_start */
+    char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
     /* rank 0 after dt_profile_finish */
     char *report;
     dt_profile_stats *ranks;
@@ -1706,6 +1715,9 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median);
 DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+/* The rank the CPU starves most (its cgroup's quota throttled it, or its
+ * threads waited in the run queue), and why; -1 when none does. */
+DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 
 /* src/steal.c */
 
@@ -3769,6 +3781,91 @@ static void prof_resolve(dt_profile_config *c)
         c->check_every = PROF_DEFAULT_EVERY;
 }
 
+/* --- the CPU a process got --------------------------------------------------
+ * CPU time from getrusage; the run queue's wait (runnable, not running:
+ * an oversubscribed host, a noisy neighbour) from each thread's schedstat;
+ * a CPU quota's throttling from the cgroup's cpu.stat (v2 throttled_usec,
+ * v1 throttled_time in ns), found through /proc/self/cgroup.  What a
+ * machine does not offer stays 0. */
+
+/* The cpu.stat of this process's cgroup into out, or "" (none readable). */
+static void prof_find_cpu_stat(char *out, size_t cap)
+{
+    out[0] = '\0';
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = '\0';
+        char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+        if (!c2)
+            continue;
+        *c1 = *c2 = '\0';
+        const char *ctl = c1 + 1, *path = c2 + 1;
+        char try[400] = "";
+        if (!strcmp(line, "0") && !*ctl)   /* v2: the unified hierarchy */
+            snprintf(try, sizeof try, "/sys/fs/cgroup%s/cpu.stat", strcmp(path, "/") ? path : "");
+        else if (!strcmp(ctl, "cpu") || !strncmp(ctl, "cpu,", 4) || strstr(ctl, ",cpu,") ||
+                 (strlen(ctl) > 4 && !strcmp(ctl + strlen(ctl) - 4, ",cpu")))
+            snprintf(try, sizeof try, "/sys/fs/cgroup/%s%s/cpu.stat", ctl, strcmp(path, "/") ? path : "");
+        if (try[0] && access(try, R_OK) == 0 && strlen(try) < cap) {
+            snprintf(out, cap, "%s", try);
+            if (strcmp(line, "0") != 0)
+                break;   /* v1's cpu controller: the one that throttles */
+        }
+    }
+    if (f)
+        fclose(f);
+}
+
+/* The runnable-but-waiting time of every thread of this process, s. */
+static double prof_run_queue_wait(void)
+{
+    DIR *d = opendir("/proc/self/task");
+    double wait = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[64];
+        snprintf(path, sizeof path, "/proc/self/task/%.20s/schedstat", e->d_name);
+        FILE *f = fopen(path, "r");
+        unsigned long long run = 0, waited = 0;
+        if (f && fscanf(f, "%llu %llu", &run, &waited) == 2)
+            wait += (double)waited * 1e-9;
+        if (f)
+            fclose(f);
+    }
+    if (d)
+        closedir(d);
+    return wait;
+}
+
+static void prof_cpu_sample(const char *cpu_stat, prof_cpu *out)
+{
+    memset(out, 0, sizeof *out);
+    out->wall = dt_now();
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) == 0)
+        out->cpu = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+                   (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+    out->wait = prof_run_queue_wait();
+    FILE *f = cpu_stat[0] ? fopen(cpu_stat, "r") : NULL;
+    char key[64];
+    unsigned long long v;
+    while (f && fscanf(f, "%63s %llu", key, &v) == 2) {
+        if (!strcmp(key, "nr_periods"))
+            out->periods = (int64_t)v;
+        else if (!strcmp(key, "nr_throttled"))
+            out->nr_throttled = (int64_t)v;
+        else if (!strcmp(key, "throttled_usec"))   /* v2 */
+            out->throttled = (double)v * 1e-6;
+        else if (!strcmp(key, "throttled_time"))   /* v1, ns */
+            out->throttled = (double)v * 1e-9;
+    }
+    if (f)
+        fclose(f);
+}
+
 dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
 {
     if (!ctx_ok(ctx))
@@ -3799,6 +3896,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     p->cur_pipe = 0;
     p->cur_samples = 0;
     p->open = p->had_backward = 0;
+    prof_find_cpu_stat(p->cpu_stat, sizeof p->cpu_stat);
+    prof_cpu_sample(p->cpu_stat, &p->cpu0);
     __atomic_store_n(&p->measure, 1, __ATOMIC_RELAXED);
     __atomic_store_n(&p->record, 1, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&p->mu);
@@ -3815,6 +3914,16 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
     out->events = p->nev;
     out->dropped = p->dropped;
+    if (p->cpu0.wall > 0) {   /* since dt_profile_start */
+        prof_cpu now;
+        prof_cpu_sample(p->cpu_stat, &now);
+        out->wall_s = now.wall - p->cpu0.wall;
+        out->cpu_s = now.cpu - p->cpu0.cpu;
+        out->cpu_wait_s = now.wait > p->cpu0.wait ? now.wait - p->cpu0.wait : 0;
+        out->throttled_s = now.throttled - p->cpu0.throttled;
+        out->cpu_periods = now.periods - p->cpu0.periods;
+        out->cpu_throttled_periods = now.nr_throttled - p->cpu0.nr_throttled;
+    }
 }
 
 /* A sharded DDP's parameter all-gathers (src/zero.c): ran s, the training
@@ -16210,6 +16319,50 @@ DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why,
     return slow;
 }
 
+/* A CPU quota that held a rank back 10% of its time or more (cgroup
+ * cpu.stat's throttled time over the wall time); else threads that waited
+ * runnable for a CPU as long as 10% of the wall time and got at most 80% of
+ * what they were ready to run (the run queue's wait: a host with more
+ * runnable threads than cores).  The worst of either kind, quota first:
+ * the fix differs (raise the quota; fewer threads or ranks per host).
+ * Shared with the monitor (src/monitor.c), which passes an interval. */
+DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap)
+{
+    int worst = -1, quota = 0;
+    double worst_share = 0;
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !(s->wall_s > 0))
+            continue;
+        double thr = s->throttled_s / s->wall_s;
+        double ready = s->cpu_s + s->cpu_wait_s, waited = s->cpu_wait_s / s->wall_s;
+        int is_quota = thr >= 0.10;
+        double share = is_quota ? thr : ready > 0 && waited >= 0.10 && s->cpu_s / ready <= 0.80
+                                            ? 1 - s->cpu_s / ready : 0;
+        if (share > 0 && (is_quota > quota || (is_quota == quota && share > worst_share))) {
+            worst = r;
+            quota = is_quota;
+            worst_share = share;
+        }
+    }
+    why[0] = '\0';
+    if (worst < 0)
+        return -1;
+    const dt_profile_stats *s = st[worst];
+    const char *role = s->ps_serve_s > 0 ? " (parameter server)" : "";
+    if (quota)
+        snprintf(why, cap, "rank %d%s was throttled %.0f%% of the time by its CPU quota (cgroup "
+                 "cpu.stat: %lld of %lld periods throttled): raise its quota, or give it less "
+                 "to do", worst, role, 100 * s->throttled_s / s->wall_s,
+                 (long long)s->cpu_throttled_periods, (long long)s->cpu_periods);
+    else
+        snprintf(why, cap, "rank %d%s got %.0f%% of the CPU its threads were ready to use (they "
+                 "waited %.1f s runnable in the scheduler's run queue over %.1f s): the host has "
+                 "more runnable threads than cores; fewer ranks or compute threads per host",
+                 worst, role, 100 * s->cpu_s / (s->cpu_s + s->cpu_wait_s), s->cpu_wait_s, s->wall_s);
+    return worst;
+}
+
 /* The parameter server that holds the job back, from the servers' own
  * figures (prof_ps_serving), and why, into why: one that did not run for
  * 10% of its time or more (the most of them: a stopped process, or a host
@@ -16394,6 +16547,9 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0)
             strbuf_printf(&t, "slowest parameter server: %s\n", slow_server);
     }
+    char starved[320];
+    if (prof_cpu_starved(all, Ps, starved, sizeof starved) >= 0)
+        strbuf_printf(&t, "cpu: %s\n", starved);
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
         if (s->pipe_wait_s > 0 && s->step_s > 0)
@@ -23967,7 +24123,7 @@ static const char mon_page[] =
     "  state=s;\n"
     "  const up=s.ranks.filter(r=>r.status===\"up\").length, r0=s.ranks[0]||{steps:0};\n"
     "  document.getElementById(\"job\").innerHTML=`${s.world} rank${s.world>1\?\"s\":\"\"}, <b>${up}</b> up &middot; step <b id=\"steps\">${r0.steps}</b> on rank 0 &middot; ${f(s.ranks.reduce((a,r)=>a+(r.samples_per_s||0),0),0)} samples/s &middot; up ${f(s.uptime_s,0)} s`;\n"
-    "  document.getElementById(\"why\").textContent=s.server_why||s.why||\"not enough intervals yet\";\n"
+    "  document.getElementById(\"why\").textContent=(s.cpu_why\?s.cpu_why+\"; \":\"\")+(s.server_why||s.why||\"not enough intervals yet\");\n"
     "  const bad=s.ranks.filter(r=>r.status!==\"up\").map(r=>`rank ${r.rank} ${r.status}`);\n"
     "  const warned=s.ranks.filter(r=>r.warnings).map(r=>`rank ${r.rank}: ${r.warning}`);\n"
     "  document.getElementById(\"strag\").innerHTML=(s.straggler>=0\?`<span class=\"strag\">straggler: rank ${s.straggler}</span> (computes more than 15% above the median per sample) `:\"\")+\n"
@@ -24125,6 +24281,8 @@ struct dt_monitor {
     int slowest, straggler;
     char server_why[320];          /* the parameter server holding the job back, and why */
     int slow_server;
+    char cpu_why[320];             /* the rank the CPU starves over the interval, and why */
+    int cpu_starved;
 };
 
 static const char *const mon_phase_key[PH_COUNT] = {"data", "forward", "backward", "comm_wait",
@@ -24192,10 +24350,13 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
                   s->comm_s, s->coll_bytes, s->busbw, (long long)s->collectives,
                   (long long)s->ps_calls, s->ps_latency_s, (long long)s->ps_max_stale,
                   s->ps_mean_stale, s->straggler, s->pid);
-    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %.9g %.9g %d",
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %.9g %.9g",
                   s->sv.ps_serve_s, s->sv.ps_busy_s, s->sv.ps_stalled_s, (long long)s->sv.ps_served,
                   s->sv.ps_bytes_in, s->sv.ps_bytes_out, (long long)s->sv.ps_queue_max,
-                  (long long)s->sv.ps_keys, s->sv.gather_s, s->sv.gather_exposed_s, s->nscalars);
+                  (long long)s->sv.ps_keys, s->sv.gather_s, s->sv.gather_exposed_s);
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %.9g %lld %lld %d", s->sv.wall_s,
+                  s->sv.cpu_s, s->sv.cpu_wait_s, s->sv.throttled_s, (long long)s->sv.cpu_periods,
+                  (long long)s->sv.cpu_throttled_periods, s->nscalars);
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
@@ -24235,14 +24396,17 @@ static int mon_decode(const char *line, mon_summary *s)
     s->ps_calls = ps_calls;
     s->ps_max_stale = ps_max;
     const char *p = line + used;
-    long long served, qmax, keys;
+    long long served, qmax, keys, periods, throttled;
     int k = 0;
-    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %lf %lf %d%n", &s->sv.ps_serve_s,
-               &s->sv.ps_busy_s, &s->sv.ps_stalled_s, &served, &s->sv.ps_bytes_in,
-               &s->sv.ps_bytes_out, &qmax, &keys, &s->sv.gather_s, &s->sv.gather_exposed_s,
-               &s->nscalars, &k) != 11 ||
+    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %lf %lf %lf %lf %lf %lf %lld %lld %d%n",
+               &s->sv.ps_serve_s, &s->sv.ps_busy_s, &s->sv.ps_stalled_s, &served,
+               &s->sv.ps_bytes_in, &s->sv.ps_bytes_out, &qmax, &keys, &s->sv.gather_s,
+               &s->sv.gather_exposed_s, &s->sv.wall_s, &s->sv.cpu_s, &s->sv.cpu_wait_s,
+               &s->sv.throttled_s, &periods, &throttled, &s->nscalars, &k) != 17 ||
         s->nscalars < 0 || s->nscalars > MON_SCALARS)
         return 0;
+    s->sv.cpu_periods = periods;
+    s->sv.cpu_throttled_periods = throttled;
     s->sv.ps_served = served;
     s->sv.ps_queue_max = qmax;
     s->sv.ps_keys = keys;
@@ -24344,6 +24508,8 @@ static int cmp_double(const void *a, const void *b)
 
 /* The slowest rank over the last interval (as the report does over the
  * run) and the straggler, from the intervals' deltas. */
+static void mon_diagnose_cpu(dt_monitor *m, int P);
+
 static void mon_diagnose(dt_monitor *m)
 {
     int P = m->world < 64 ? m->world : 64;
@@ -24377,7 +24543,7 @@ static void mon_diagnose(dt_monitor *m)
     m->straggler = prof_find_straggler(per, P, PROF_DEFAULT_THRESHOLD, &median);
     /* the parameter servers over the interval */
     dt_profile_stats sv[64];
-    const dt_profile_stats *servers[64];
+    const dt_profile_stats *servers[64] = {0};
     for (int r = 0; r < P; r++) {
         const mon_rank *x = &m->ranks[r];
         const dt_profile_stats *a = &x->prev.sv, *b = &x->cur.sv;
@@ -24392,6 +24558,31 @@ static void mon_diagnose(dt_monitor *m)
         servers[r] = &sv[r];
     }
     m->slow_server = prof_slow_server(servers, P, m->server_why, sizeof m->server_why);
+    mon_diagnose_cpu(m, P);
+}
+
+/* The CPU each rank got over the interval: the one it starves (prof_cpu_starved). */
+static void mon_diagnose_cpu(dt_monitor *m, int P)
+{
+    dt_profile_stats cpu[64];
+    const dt_profile_stats *cpus[64] = {0};
+    for (int r = 0; r < P; r++) {
+        const mon_rank *x = &m->ranks[r];
+        const dt_profile_stats *a = &x->prev.sv, *b = &x->cur.sv;
+        cpus[r] = NULL;
+        if (!x->have_prev || !(b->wall_s > a->wall_s))
+            continue;
+        memset(&cpu[r], 0, sizeof cpu[r]);
+        cpu[r].wall_s = b->wall_s - a->wall_s;
+        cpu[r].cpu_s = b->cpu_s - a->cpu_s;
+        cpu[r].cpu_wait_s = b->cpu_wait_s - a->cpu_wait_s;
+        cpu[r].throttled_s = b->throttled_s - a->throttled_s;
+        cpu[r].cpu_periods = b->cpu_periods - a->cpu_periods;
+        cpu[r].cpu_throttled_periods = b->cpu_throttled_periods - a->cpu_throttled_periods;
+        cpu[r].ps_serve_s = b->ps_serve_s;
+        cpus[r] = &cpu[r];
+    }
+    m->cpu_starved = prof_cpu_starved(cpus, P, m->cpu_why, sizeof m->cpu_why);
 }
 
 static void mon_add_point(dt_monitor *m, double now)
@@ -24480,6 +24671,12 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
     jnum(b, "gather_s", s->sv.gather_s);
     strbuf_puts(b, ",");
     jnum(b, "gather_exposed_s", s->sv.gather_exposed_s);
+    strbuf_puts(b, ",");
+    jnum(b, "cpu_s", s->sv.wall_s > 0 ? s->sv.cpu_s : NAN);
+    strbuf_puts(b, ",");
+    jnum(b, "cpu_wait_s", s->sv.wall_s > 0 ? s->sv.cpu_wait_s : NAN);
+    strbuf_puts(b, ",");
+    jnum(b, "throttled_s", s->sv.wall_s > 0 ? s->sv.throttled_s : NAN);
     if (s->sv.ps_serve_s > 0) {   /* a parameter server's own figures, over the run */
         const dt_profile_stats *v = &s->sv;
         strbuf_printf(b, ",\"server\":{\"served\":%lld,\"keys\":%lld,\"queue_max\":%lld,",
@@ -24517,6 +24714,8 @@ static char *mon_render_state(dt_monitor *m, double now, int whole)
     jstr(&b, "why", m->why);
     strbuf_printf(&b, ",\"straggler\":%d,\"slow_server\":%d,", m->straggler, m->slow_server);
     jstr(&b, "server_why", m->server_why);
+    strbuf_printf(&b, ",\"cpu_starved\":%d,", m->cpu_starved);
+    jstr(&b, "cpu_why", m->cpu_why);
     strbuf_puts(&b, ",\"ranks\":[");
     for (int r = 0; r < m->world; r++) {
         if (r)
@@ -24607,6 +24806,9 @@ MON_FIELD(f_sv_keys, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_keys : NAN)
 MON_FIELD(f_gather, s->sv.gather_s > 0 ? s->sv.gather_s : NAN)
 MON_FIELD(f_gather_exp, s->sv.gather_s > 0 ? s->sv.gather_exposed_s : NAN)
 MON_FIELD(f_warnings, (double)s->warnings)
+MON_FIELD(f_cpu, s->sv.wall_s > 0 ? s->sv.cpu_s : NAN)
+MON_FIELD(f_cpu_wait, s->sv.wall_s > 0 ? s->sv.cpu_wait_s : NAN)
+MON_FIELD(f_throttled, s->sv.wall_s > 0 ? s->sv.throttled_s : NAN)
 
 static void prom_scalars(dt_monitor *m, strbuf *b)
 {
@@ -24644,6 +24846,13 @@ static char *mon_render_metrics(dt_monitor *m, double now)
                   "Seconds since the rank's last new summary.", f_seen, now);
     prom_per_rank(m, &b, "dtrain_steps_total", "counter", "Training steps the rank completed.",
                   f_steps, now);
+    prom_per_rank(m, &b, "dtrain_cpu_seconds_total", "counter",
+                  "CPU time the rank's process used since profiling started.", f_cpu, now);
+    prom_per_rank(m, &b, "dtrain_cpu_wait_seconds_total", "counter",
+                  "Time its threads waited runnable for a CPU (the scheduler's run queue).",
+                  f_cpu_wait, now);
+    prom_per_rank(m, &b, "dtrain_cpu_throttled_seconds_total", "counter",
+                  "Time its cgroup's CPU quota held it back (cpu.stat).", f_throttled, now);
     prom_per_rank(m, &b, "dtrain_warnings_total", "counter",
                   "Warnings the rank's context gave (dt_last_warning; the page shows the latest).",
                   f_warnings, now);
@@ -24984,7 +25193,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
-    m->slowest = m->straggler = m->slow_server = -1;
+    m->slowest = m->straggler = m->slow_server = m->cpu_starved = -1;
     m->t0 = dt_now();
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);

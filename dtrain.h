@@ -1980,6 +1980,16 @@ typedef struct dt_profile_stats {
                                   of it, after the step; zero 3: what prefetch did not hide) */
     int64_t gathers;           /* zero 3: units gathered */
     int64_t gathers_on_demand; /* of them, those no prefetch had started */
+    /* the CPU this process got, since profiling started (docs/PROFILING.md, "CPU"): */
+    double wall_s;             /* wall time since dt_profile_start */
+    double cpu_s;              /* CPU time its threads used (getrusage) */
+    double cpu_wait_s;         /* time its threads were runnable but waited for a CPU (the
+                                  scheduler's run queue, /proc/self/task/N/schedstat; 0 where
+                                  the kernel keeps none) */
+    double throttled_s;        /* time its cgroup's CPU quota held it back (cpu.stat: v2
+                                  throttled_usec, v1 throttled_time; 0 without a quota) */
+    int64_t cpu_periods;       /* the quota's periods, and of them those throttled */
+    int64_t cpu_throttled_periods;
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);

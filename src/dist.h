@@ -895,6 +895,9 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median);
 DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+/* The rank the CPU starves most (its cgroup's quota throttled it, or its
+ * threads waited in the run queue), and why; -1 when none does. */
+DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 
 /* src/steal.c */
 

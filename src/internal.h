@@ -17,6 +17,7 @@
 #include "../backends/half.h"    /* f32_to_bf16, f16_to_f32, ...: the same bits as the backends */
 
 #include <dirent.h>
+#include <sys/resource.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -177,6 +178,12 @@ typedef struct prof_event {
     uint32_t pad;
 } prof_event;
 
+/* What the CPU gave this process so far (prof_cpu_sample). */
+typedef struct prof_cpu {
+    double wall, cpu, wait, throttled;
+    int64_t periods, nr_throttled;
+} prof_cpu;
+
 typedef struct prof_state {
     pthread_mutex_t mu;
     int measure;               /* phases and steps are measured (profiling or balancing) */
@@ -204,6 +211,8 @@ typedef struct prof_state {
     int balancing;             /* a DDP balances the load: keep measuring (src/ddp.c) */
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
+    prof_cpu cpu0;             /* at dt_profile_start */
+    char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
     /* rank 0 after dt_profile_finish */
     char *report;
     dt_profile_stats *ranks;

@@ -95,6 +95,8 @@ struct dt_monitor {
     int slowest, straggler;
     char server_why[320];          /* the parameter server holding the job back, and why */
     int slow_server;
+    char cpu_why[320];             /* the rank the CPU starves over the interval, and why */
+    int cpu_starved;
 };
 
 static const char *const mon_phase_key[PH_COUNT] = {"data", "forward", "backward", "comm_wait",
@@ -162,10 +164,13 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
                   s->comm_s, s->coll_bytes, s->busbw, (long long)s->collectives,
                   (long long)s->ps_calls, s->ps_latency_s, (long long)s->ps_max_stale,
                   s->ps_mean_stale, s->straggler, s->pid);
-    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %.9g %.9g %d",
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %lld %.17g %.17g %lld %lld %.9g %.9g",
                   s->sv.ps_serve_s, s->sv.ps_busy_s, s->sv.ps_stalled_s, (long long)s->sv.ps_served,
                   s->sv.ps_bytes_in, s->sv.ps_bytes_out, (long long)s->sv.ps_queue_max,
-                  (long long)s->sv.ps_keys, s->sv.gather_s, s->sv.gather_exposed_s, s->nscalars);
+                  (long long)s->sv.ps_keys, s->sv.gather_s, s->sv.gather_exposed_s);
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %.9g %lld %lld %d", s->sv.wall_s,
+                  s->sv.cpu_s, s->sv.cpu_wait_s, s->sv.throttled_s, (long long)s->sv.cpu_periods,
+                  (long long)s->sv.cpu_throttled_periods, s->nscalars);
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
@@ -205,14 +210,17 @@ static int mon_decode(const char *line, mon_summary *s)
     s->ps_calls = ps_calls;
     s->ps_max_stale = ps_max;
     const char *p = line + used;
-    long long served, qmax, keys;
+    long long served, qmax, keys, periods, throttled;
     int k = 0;
-    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %lf %lf %d%n", &s->sv.ps_serve_s,
-               &s->sv.ps_busy_s, &s->sv.ps_stalled_s, &served, &s->sv.ps_bytes_in,
-               &s->sv.ps_bytes_out, &qmax, &keys, &s->sv.gather_s, &s->sv.gather_exposed_s,
-               &s->nscalars, &k) != 11 ||
+    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %lf %lf %lf %lf %lf %lf %lld %lld %d%n",
+               &s->sv.ps_serve_s, &s->sv.ps_busy_s, &s->sv.ps_stalled_s, &served,
+               &s->sv.ps_bytes_in, &s->sv.ps_bytes_out, &qmax, &keys, &s->sv.gather_s,
+               &s->sv.gather_exposed_s, &s->sv.wall_s, &s->sv.cpu_s, &s->sv.cpu_wait_s,
+               &s->sv.throttled_s, &periods, &throttled, &s->nscalars, &k) != 17 ||
         s->nscalars < 0 || s->nscalars > MON_SCALARS)
         return 0;
+    s->sv.cpu_periods = periods;
+    s->sv.cpu_throttled_periods = throttled;
     s->sv.ps_served = served;
     s->sv.ps_queue_max = qmax;
     s->sv.ps_keys = keys;
@@ -314,6 +322,8 @@ static int cmp_double(const void *a, const void *b)
 
 /* The slowest rank over the last interval (as the report does over the
  * run) and the straggler, from the intervals' deltas. */
+static void mon_diagnose_cpu(dt_monitor *m, int P);
+
 static void mon_diagnose(dt_monitor *m)
 {
     int P = m->world < 64 ? m->world : 64;
@@ -347,7 +357,7 @@ static void mon_diagnose(dt_monitor *m)
     m->straggler = prof_find_straggler(per, P, PROF_DEFAULT_THRESHOLD, &median);
     /* the parameter servers over the interval */
     dt_profile_stats sv[64];
-    const dt_profile_stats *servers[64];
+    const dt_profile_stats *servers[64] = {0};
     for (int r = 0; r < P; r++) {
         const mon_rank *x = &m->ranks[r];
         const dt_profile_stats *a = &x->prev.sv, *b = &x->cur.sv;
@@ -362,6 +372,31 @@ static void mon_diagnose(dt_monitor *m)
         servers[r] = &sv[r];
     }
     m->slow_server = prof_slow_server(servers, P, m->server_why, sizeof m->server_why);
+    mon_diagnose_cpu(m, P);
+}
+
+/* The CPU each rank got over the interval: the one it starves (prof_cpu_starved). */
+static void mon_diagnose_cpu(dt_monitor *m, int P)
+{
+    dt_profile_stats cpu[64];
+    const dt_profile_stats *cpus[64] = {0};
+    for (int r = 0; r < P; r++) {
+        const mon_rank *x = &m->ranks[r];
+        const dt_profile_stats *a = &x->prev.sv, *b = &x->cur.sv;
+        cpus[r] = NULL;
+        if (!x->have_prev || !(b->wall_s > a->wall_s))
+            continue;
+        memset(&cpu[r], 0, sizeof cpu[r]);
+        cpu[r].wall_s = b->wall_s - a->wall_s;
+        cpu[r].cpu_s = b->cpu_s - a->cpu_s;
+        cpu[r].cpu_wait_s = b->cpu_wait_s - a->cpu_wait_s;
+        cpu[r].throttled_s = b->throttled_s - a->throttled_s;
+        cpu[r].cpu_periods = b->cpu_periods - a->cpu_periods;
+        cpu[r].cpu_throttled_periods = b->cpu_throttled_periods - a->cpu_throttled_periods;
+        cpu[r].ps_serve_s = b->ps_serve_s;
+        cpus[r] = &cpu[r];
+    }
+    m->cpu_starved = prof_cpu_starved(cpus, P, m->cpu_why, sizeof m->cpu_why);
 }
 
 static void mon_add_point(dt_monitor *m, double now)
@@ -450,6 +485,12 @@ static void mon_render_rank(dt_monitor *m, strbuf *b, int r, double now)
     jnum(b, "gather_s", s->sv.gather_s);
     strbuf_puts(b, ",");
     jnum(b, "gather_exposed_s", s->sv.gather_exposed_s);
+    strbuf_puts(b, ",");
+    jnum(b, "cpu_s", s->sv.wall_s > 0 ? s->sv.cpu_s : NAN);
+    strbuf_puts(b, ",");
+    jnum(b, "cpu_wait_s", s->sv.wall_s > 0 ? s->sv.cpu_wait_s : NAN);
+    strbuf_puts(b, ",");
+    jnum(b, "throttled_s", s->sv.wall_s > 0 ? s->sv.throttled_s : NAN);
     if (s->sv.ps_serve_s > 0) {   /* a parameter server's own figures, over the run */
         const dt_profile_stats *v = &s->sv;
         strbuf_printf(b, ",\"server\":{\"served\":%lld,\"keys\":%lld,\"queue_max\":%lld,",
@@ -487,6 +528,8 @@ static char *mon_render_state(dt_monitor *m, double now, int whole)
     jstr(&b, "why", m->why);
     strbuf_printf(&b, ",\"straggler\":%d,\"slow_server\":%d,", m->straggler, m->slow_server);
     jstr(&b, "server_why", m->server_why);
+    strbuf_printf(&b, ",\"cpu_starved\":%d,", m->cpu_starved);
+    jstr(&b, "cpu_why", m->cpu_why);
     strbuf_puts(&b, ",\"ranks\":[");
     for (int r = 0; r < m->world; r++) {
         if (r)
@@ -577,6 +620,9 @@ MON_FIELD(f_sv_keys, s->sv.ps_serve_s > 0 ? (double)s->sv.ps_keys : NAN)
 MON_FIELD(f_gather, s->sv.gather_s > 0 ? s->sv.gather_s : NAN)
 MON_FIELD(f_gather_exp, s->sv.gather_s > 0 ? s->sv.gather_exposed_s : NAN)
 MON_FIELD(f_warnings, (double)s->warnings)
+MON_FIELD(f_cpu, s->sv.wall_s > 0 ? s->sv.cpu_s : NAN)
+MON_FIELD(f_cpu_wait, s->sv.wall_s > 0 ? s->sv.cpu_wait_s : NAN)
+MON_FIELD(f_throttled, s->sv.wall_s > 0 ? s->sv.throttled_s : NAN)
 
 static void prom_scalars(dt_monitor *m, strbuf *b)
 {
@@ -614,6 +660,13 @@ static char *mon_render_metrics(dt_monitor *m, double now)
                   "Seconds since the rank's last new summary.", f_seen, now);
     prom_per_rank(m, &b, "dtrain_steps_total", "counter", "Training steps the rank completed.",
                   f_steps, now);
+    prom_per_rank(m, &b, "dtrain_cpu_seconds_total", "counter",
+                  "CPU time the rank's process used since profiling started.", f_cpu, now);
+    prom_per_rank(m, &b, "dtrain_cpu_wait_seconds_total", "counter",
+                  "Time its threads waited runnable for a CPU (the scheduler's run queue).",
+                  f_cpu_wait, now);
+    prom_per_rank(m, &b, "dtrain_cpu_throttled_seconds_total", "counter",
+                  "Time its cgroup's CPU quota held it back (cpu.stat).", f_throttled, now);
     prom_per_rank(m, &b, "dtrain_warnings_total", "counter",
                   "Warnings the rank's context gave (dt_last_warning; the page shows the latest).",
                   f_warnings, now);
@@ -954,7 +1007,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
-    m->slowest = m->straggler = m->slow_server = -1;
+    m->slowest = m->straggler = m->slow_server = m->cpu_starved = -1;
     m->t0 = dt_now();
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);

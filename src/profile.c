@@ -309,6 +309,50 @@ DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why,
     return slow;
 }
 
+/* A CPU quota that held a rank back 10% of its time or more (cgroup
+ * cpu.stat's throttled time over the wall time); else threads that waited
+ * runnable for a CPU as long as 10% of the wall time and got at most 80% of
+ * what they were ready to run (the run queue's wait: a host with more
+ * runnable threads than cores).  The worst of either kind, quota first:
+ * the fix differs (raise the quota; fewer threads or ranks per host).
+ * Shared with the monitor (src/monitor.c), which passes an interval. */
+DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap)
+{
+    int worst = -1, quota = 0;
+    double worst_share = 0;
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !(s->wall_s > 0))
+            continue;
+        double thr = s->throttled_s / s->wall_s;
+        double ready = s->cpu_s + s->cpu_wait_s, waited = s->cpu_wait_s / s->wall_s;
+        int is_quota = thr >= 0.10;
+        double share = is_quota ? thr : ready > 0 && waited >= 0.10 && s->cpu_s / ready <= 0.80
+                                            ? 1 - s->cpu_s / ready : 0;
+        if (share > 0 && (is_quota > quota || (is_quota == quota && share > worst_share))) {
+            worst = r;
+            quota = is_quota;
+            worst_share = share;
+        }
+    }
+    why[0] = '\0';
+    if (worst < 0)
+        return -1;
+    const dt_profile_stats *s = st[worst];
+    const char *role = s->ps_serve_s > 0 ? " (parameter server)" : "";
+    if (quota)
+        snprintf(why, cap, "rank %d%s was throttled %.0f%% of the time by its CPU quota (cgroup "
+                 "cpu.stat: %lld of %lld periods throttled): raise its quota, or give it less "
+                 "to do", worst, role, 100 * s->throttled_s / s->wall_s,
+                 (long long)s->cpu_throttled_periods, (long long)s->cpu_periods);
+    else
+        snprintf(why, cap, "rank %d%s got %.0f%% of the CPU its threads were ready to use (they "
+                 "waited %.1f s runnable in the scheduler's run queue over %.1f s): the host has "
+                 "more runnable threads than cores; fewer ranks or compute threads per host",
+                 worst, role, 100 * s->cpu_s / (s->cpu_s + s->cpu_wait_s), s->cpu_wait_s, s->wall_s);
+    return worst;
+}
+
 /* The parameter server that holds the job back, from the servers' own
  * figures (prof_ps_serving), and why, into why: one that did not run for
  * 10% of its time or more (the most of them: a stopped process, or a host
@@ -493,6 +537,9 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
         if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0)
             strbuf_printf(&t, "slowest parameter server: %s\n", slow_server);
     }
+    char starved[320];
+    if (prof_cpu_starved(all, Ps, starved, sizeof starved) >= 0)
+        strbuf_printf(&t, "cpu: %s\n", starved);
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
         if (s->pipe_wait_s > 0 && s->step_s > 0)

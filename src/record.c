@@ -242,6 +242,91 @@ static void prof_resolve(dt_profile_config *c)
         c->check_every = PROF_DEFAULT_EVERY;
 }
 
+/* --- the CPU a process got --------------------------------------------------
+ * CPU time from getrusage; the run queue's wait (runnable, not running:
+ * an oversubscribed host, a noisy neighbour) from each thread's schedstat;
+ * a CPU quota's throttling from the cgroup's cpu.stat (v2 throttled_usec,
+ * v1 throttled_time in ns), found through /proc/self/cgroup.  What a
+ * machine does not offer stays 0. */
+
+/* The cpu.stat of this process's cgroup into out, or "" (none readable). */
+static void prof_find_cpu_stat(char *out, size_t cap)
+{
+    out[0] = '\0';
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = '\0';
+        char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+        if (!c2)
+            continue;
+        *c1 = *c2 = '\0';
+        const char *ctl = c1 + 1, *path = c2 + 1;
+        char try[400] = "";
+        if (!strcmp(line, "0") && !*ctl)   /* v2: the unified hierarchy */
+            snprintf(try, sizeof try, "/sys/fs/cgroup%s/cpu.stat", strcmp(path, "/") ? path : "");
+        else if (!strcmp(ctl, "cpu") || !strncmp(ctl, "cpu,", 4) || strstr(ctl, ",cpu,") ||
+                 (strlen(ctl) > 4 && !strcmp(ctl + strlen(ctl) - 4, ",cpu")))
+            snprintf(try, sizeof try, "/sys/fs/cgroup/%s%s/cpu.stat", ctl, strcmp(path, "/") ? path : "");
+        if (try[0] && access(try, R_OK) == 0 && strlen(try) < cap) {
+            snprintf(out, cap, "%s", try);
+            if (strcmp(line, "0") != 0)
+                break;   /* v1's cpu controller: the one that throttles */
+        }
+    }
+    if (f)
+        fclose(f);
+}
+
+/* The runnable-but-waiting time of every thread of this process, s. */
+static double prof_run_queue_wait(void)
+{
+    DIR *d = opendir("/proc/self/task");
+    double wait = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[64];
+        snprintf(path, sizeof path, "/proc/self/task/%.20s/schedstat", e->d_name);
+        FILE *f = fopen(path, "r");
+        unsigned long long run = 0, waited = 0;
+        if (f && fscanf(f, "%llu %llu", &run, &waited) == 2)
+            wait += (double)waited * 1e-9;
+        if (f)
+            fclose(f);
+    }
+    if (d)
+        closedir(d);
+    return wait;
+}
+
+static void prof_cpu_sample(const char *cpu_stat, prof_cpu *out)
+{
+    memset(out, 0, sizeof *out);
+    out->wall = dt_now();
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) == 0)
+        out->cpu = (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+                   (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+    out->wait = prof_run_queue_wait();
+    FILE *f = cpu_stat[0] ? fopen(cpu_stat, "r") : NULL;
+    char key[64];
+    unsigned long long v;
+    while (f && fscanf(f, "%63s %llu", key, &v) == 2) {
+        if (!strcmp(key, "nr_periods"))
+            out->periods = (int64_t)v;
+        else if (!strcmp(key, "nr_throttled"))
+            out->nr_throttled = (int64_t)v;
+        else if (!strcmp(key, "throttled_usec"))   /* v2 */
+            out->throttled = (double)v * 1e-6;
+        else if (!strcmp(key, "throttled_time"))   /* v1, ns */
+            out->throttled = (double)v * 1e-9;
+    }
+    if (f)
+        fclose(f);
+}
+
 dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
 {
     if (!ctx_ok(ctx))
@@ -272,6 +357,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     p->cur_pipe = 0;
     p->cur_samples = 0;
     p->open = p->had_backward = 0;
+    prof_find_cpu_stat(p->cpu_stat, sizeof p->cpu_stat);
+    prof_cpu_sample(p->cpu_stat, &p->cpu0);
     __atomic_store_n(&p->measure, 1, __ATOMIC_RELAXED);
     __atomic_store_n(&p->record, 1, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&p->mu);
@@ -288,6 +375,16 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
     out->events = p->nev;
     out->dropped = p->dropped;
+    if (p->cpu0.wall > 0) {   /* since dt_profile_start */
+        prof_cpu now;
+        prof_cpu_sample(p->cpu_stat, &now);
+        out->wall_s = now.wall - p->cpu0.wall;
+        out->cpu_s = now.cpu - p->cpu0.cpu;
+        out->cpu_wait_s = now.wait > p->cpu0.wait ? now.wait - p->cpu0.wait : 0;
+        out->throttled_s = now.throttled - p->cpu0.throttled;
+        out->cpu_periods = now.periods - p->cpu0.periods;
+        out->cpu_throttled_periods = now.nr_throttled - p->cpu0.nr_throttled;
+    }
 }
 
 /* A sharded DDP's parameter all-gathers (src/zero.c): ran s, the training

@@ -49,6 +49,8 @@ FAMILIES = {   # name (as the parser gives it: counters without _total) -> type
     "dtrain_ps_server_queue_max": "gauge", "dtrain_ps_server_keys": "gauge",
     "dtrain_parameter_gather_seconds": "counter",
     "dtrain_parameter_gather_exposed_seconds": "counter", "dtrain_warnings": "counter",
+    "dtrain_cpu_seconds": "counter", "dtrain_cpu_wait_seconds": "counter",
+    "dtrain_cpu_throttled_seconds": "counter",
 }
 PHASES = {"data", "forward", "backward", "comm_wait", "optimizer", "idle"}
 

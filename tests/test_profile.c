@@ -1337,6 +1337,147 @@ static void test_server_diagnosis(void **state)
     assert_int_equal(strlen(tiny), sizeof tiny - 1);
 }
 
+/* prof_cpu_starved on made-up figures: a quota's throttling beats the run
+ * queue; under 10% of either is nothing; a server is named as one. */
+static void test_cpu_diagnosis(void **state)
+{
+    (void)state;
+    char why[320];
+    dt_profile_stats a = {.wall_s = 10, .cpu_s = 9}, b = {.wall_s = 10, .cpu_s = 9};
+    const dt_profile_stats *st[3] = {&a, NULL, &b};
+    assert_int_equal(prof_cpu_starved(st, 3, why, sizeof why), -1);   /* calm */
+    assert_string_equal(why, "");
+    b.cpu_wait_s = 0.5;                                                 /* 5%: not yet */
+    assert_int_equal(prof_cpu_starved(st, 3, why, sizeof why), -1);
+    b.cpu_wait_s = 6, b.cpu_s = 4;                                     /* got 40% */
+    assert_int_equal(prof_cpu_starved(st, 3, why, sizeof why), 2);
+    assert_non_null(strstr(why, "rank 2 got 40% of the CPU its threads were ready to use"));
+    a.throttled_s = 4.8, a.cpu_periods = 100, a.cpu_throttled_periods = 48;
+    a.ps_serve_s = 10;                                                  /* a throttled server */
+    assert_int_equal(prof_cpu_starved(st, 3, why, sizeof why), 0);
+    assert_non_null(strstr(why, "rank 0 (parameter server) was throttled 48% of the time by its "
+                                "CPU quota (cgroup cpu.stat: 48 of 100 periods throttled)"));
+    a.throttled_s = 0.5;                                                /* 5%: the run queue's */
+    assert_int_equal(prof_cpu_starved(st, 3, why, sizeof why), 2);
+    char tiny[16];
+    assert_int_equal(prof_cpu_starved(st, 3, tiny, sizeof tiny), 2);
+    assert_int_equal(strlen(tiny), sizeof tiny - 1);
+}
+
+/* The measures themselves, in a child this test starves: two threads
+ * spinning on one CPU (sched_setaffinity) wait in the run queue about half
+ * the time; with a cgroup CPU quota of 20% (v1 cfs_quota_us or v2 cpu.max,
+ * made here when this process may), it is throttled most of the time.
+ * Each child's report names it. */
+static void *spin_thread(void *arg)
+{
+    spin(*(const double *)arg);
+    return NULL;
+}
+
+static int starved_child(int threads)
+{
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    if (!ctx || dt_profile_start(ctx, NULL) != DT_OK)
+        return 1;
+    double s = 1.0;
+    pthread_t th[4];
+    for (int i = 0; i < threads; i++)
+        if (pthread_create(&th[i], NULL, spin_thread, &s) != 0)
+            return 2;
+    spin(s);
+    for (int i = 0; i < threads; i++)
+        pthread_join(th[i], NULL);
+    dt_profile_stats st;
+    if (dt_profile_get(ctx, &st) != DT_OK || dt_profile_finish(ctx, NULL, NULL) != DT_OK)
+        return 3;
+    fprintf(stderr, "child: wall %.2f s, cpu %.2f s, run-queue wait %.2f s, throttled %.2f s "
+            "(%lld of %lld periods)\n%s", st.wall_s, st.cpu_s, st.cpu_wait_s, st.throttled_s,
+            (long long)st.cpu_throttled_periods, (long long)st.cpu_periods, dt_profile_report(ctx));
+    int code = strstr(dt_profile_report(ctx), "cpu: rank 0 ") ? 0 : 4;
+    dt_ctx_free(ctx);
+    return code;
+}
+
+/* A child: pinned to one CPU with two spinning threads (quota_dir NULL), or
+ * moved into the cgroup at quota_dir first. */
+static int run_starved(const char *procs)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        alarm(30);
+        if (!procs) {
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+            if (sched_setaffinity(0, sizeof one, &one) != 0)
+                _exit(10);
+        } else {
+            FILE *f = fopen(procs, "w");
+            if (!f || fprintf(f, "%d\n", (int)getpid()) < 0 || fclose(f) != 0)
+                _exit(11);
+        }
+        _exit(starved_child(procs ? 0 : 1));
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 100;
+}
+
+/* Make directory dir with its quota file set to text; 0 (nothing left
+ * behind) when this process may not. */
+static int try_quota(const char *dir, const char *file, const char *text)
+{
+    if (mkdir(dir, 0755) != 0)
+        return 0;
+    char q[192];
+    snprintf(q, sizeof q, "%s/%s", dir, file);
+    FILE *f = fopen(q, "w");
+    int ok = f && fprintf(f, "%s\n", text) > 0;
+    if (f && fclose(f) != 0)
+        ok = 0;
+    if (!ok)
+        rmdir(dir);
+    return ok;
+}
+
+/* A cgroup with a 20% CPU quota (v1's cpu controller, else v2); its procs
+ * file into procs, its directory into dir; 0 when this process may not
+ * make one (the reason printed). */
+static int make_quota_cgroup(char *dir, size_t dcap, char *procs, size_t pcap)
+{
+    snprintf(dir, dcap, "/sys/fs/cgroup/cpu/dtrain_test_%d", (int)getpid());
+    int ok = try_quota(dir, "cpu.cfs_quota_us", "20000");
+    if (!ok && access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0) {
+        snprintf(dir, dcap, "/sys/fs/cgroup/dtrain_test_%d", (int)getpid());
+        ok = try_quota(dir, "cpu.max", "20000 100000");
+    }
+    if (!ok) {
+        fprintf(stderr, "skipped: the cgroup CPU quota case (cannot make a cgroup with a quota "
+                        "here: %s)\n", strerror(errno));
+        return 0;
+    }
+    snprintf(procs, pcap, "%s/cgroup.procs", dir);
+    return 1;
+}
+
+static void test_cpu_starvation_measured(void **state)
+{
+    (void)state;
+    if (access("/proc/self/schedstat", R_OK) == 0)
+        assert_int_equal(run_starved(NULL), 0);
+    else
+        fprintf(stderr, "skipped: the run-queue case (no /proc/self/schedstat)\n");
+    char dir[128], procs[160];
+    if (make_quota_cgroup(dir, sizeof dir, procs, sizeof procs)) {
+        int code = run_starved(procs);
+        rmdir(dir);
+        assert_int_equal(code, 0);
+    }
+}
+
 static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_phases_single),
     cmocka_unit_test(test_data_hint),
@@ -1352,6 +1493,8 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_monitor_one_process),
     cmocka_unit_test(test_monitor_shows_warnings),
     cmocka_unit_test(test_slow_loader_is_waited_on),
+    cmocka_unit_test(test_cpu_diagnosis),
+    cmocka_unit_test(test_cpu_starvation_measured),
     cmocka_unit_test(test_server_diagnosis),
 };
 

@@ -131,6 +131,10 @@ int main(void)
     F(dt_profile_stats, ps_queue_max, ps_queue_max); F(dt_profile_stats, ps_keys, ps_keys);
     F(dt_profile_stats, gather_s, gather_s); F(dt_profile_stats, gather_exposed_s, gather_exposed_s);
     F(dt_profile_stats, gathers, gathers); F(dt_profile_stats, gathers_on_demand, gathers_on_demand);
+    F(dt_profile_stats, wall_s, wall_s); F(dt_profile_stats, cpu_s, cpu_s);
+    F(dt_profile_stats, cpu_wait_s, cpu_wait_s); F(dt_profile_stats, throttled_s, throttled_s);
+    F(dt_profile_stats, cpu_periods, cpu_periods);
+    F(dt_profile_stats, cpu_throttled_periods, cpu_throttled_periods);
     END(dt_profile_stats);
 
     F(dt_checkpoint_config, struct_size, struct_size); F(dt_checkpoint_config, dtype, dtype);
