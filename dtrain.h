@@ -2004,9 +2004,15 @@ DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);
  * stragglers, communication efficiency against the link's bandwidth
  * (measured here with a few large allreduces), and hints.  Profiling stops.
  * A no-op (DT_OK) when ctx is not profiling, so programs may always call
- * it; every rank must then be off.  DT_EINVAL: c of another context; DT_EIO:
- * the trace cannot be written; DT_EPEER: a rank's profile is missing or
- * malformed; and the collectives' errors. */
+ * it; every rank must then be off.  After a failed job (a rank died, the
+ * communicator broke) the exchange cannot run: each rank then puts its
+ * part in the store, rank 0 waits for the others' (up to the timeout, at
+ * most 3 s) and reports on all it got, naming what each was doing and the
+ * ranks that sent nothing; its trace has its own timeline; the others
+ * report on themselves; the call still fails with the exchange's error.
+ * DT_EINVAL: c of another context; DT_EIO: the trace cannot be written;
+ * DT_EPEER: a rank's profile is missing or malformed; and the collectives'
+ * errors. */
 DT_API dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path);
 /* Rank 0, after dt_profile_finish: the report (ctx-owned text, "" before or
  * elsewhere), and rank r's totals (DT_ESTATE where there are none). */

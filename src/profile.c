@@ -631,6 +631,111 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     return t.p;
 }
 
+/* --- a report even when the job failed ------------------------------------- */
+
+/* One rank's part when the exchange could not run: its head and what it
+ * was doing (its own last error: the collective that failed, and whom it
+ * waited for), under "/prof/alone/<rank>" in the store. */
+typedef struct prof_alone {
+    prof_blob_head h;
+    char said[DT_MAX_ERROR];
+} prof_alone;
+
+/* Rank 0's gathering of the parts that arrive within the patience: a rank
+ * the store saw die is not waited for. */
+static int prof_alone_collect(dt_comm *c, prof_alone *parts, int P, int patience_ms)
+{
+    double deadline = dt_now() + patience_ms / 1000.0;
+    int got = 1;
+    for (int r = 1; r < P; r++) {
+        char key[48], dead[16];
+        size_t len = 0;
+        snprintf(key, sizeof key, "/dead/%d", r);
+        if (dt_store_get(c->store, key, dead, sizeof dead, &len, 1) == DT_OK)
+            continue;
+        snprintf(key, sizeof key, "/prof/alone/%d", r);
+        int left = (int)((deadline - dt_now()) * 1000.0);
+        if (dt_store_get(c->store, key, &parts[r], sizeof parts[r], &len, left > 1 ? left : 1) ==
+                DT_OK && len == sizeof parts[r] && parts[r].h.magic == PROF_BLOB_MAGIC) {
+            parts[r].said[sizeof parts[r].said - 1] = '\0';
+            got++;
+        } else {
+            memset(&parts[r], 0, sizeof parts[r]);
+        }
+    }
+    dt_clear_error(c->ctx);   /* (the parts that did not come are said in the report) */
+    return got;
+}
+
+/* The report of a failed job: who reported and what each was doing, then
+ * the usual report over the parts that came (the others' rows empty);
+ * parts[0] is rank `first`'s. */
+static char *prof_alone_report(dt_ctx *ctx, const prof_alone *parts, int P, int first, int got,
+                               const char *why, const char *trace_path)
+{
+    const prof_blob_head **heads = host_calloc(ctx, sizeof *heads * (size_t)P);
+    strbuf t = {.ctx = ctx};
+    strbuf_printf(&t, "dtrain profile of a failed job (%s): %d of %d ranks reported\n", why, got, P);
+    for (int r = 0; heads && r < P; r++) {
+        heads[r] = &parts[r].h;
+        if (parts[r].h.magic == PROF_BLOB_MAGIC)
+            strbuf_printf(&t, "rank %d was: %s\n", first + r,
+                          parts[r].said[0] ? parts[r].said : "running");
+        else
+            strbuf_printf(&t, "rank %d: no part (it died, or its store connection is gone)\n",
+                          first + r);
+    }
+    char *rest = heads ? prof_build_report(ctx, heads, P, 0, trace_path) : NULL;
+    if (rest)
+        strbuf_puts(&t, rest);
+    host_free(ctx, rest);
+    host_free(ctx, heads);
+    if (t.oom || !heads) {
+        host_free(ctx, t.p);
+        return NULL;
+    }
+    return t.p;
+}
+
+/* The exchange failed (a rank died, the communicator broke): every rank
+ * still gets a report.  Each puts its part in the store; rank 0 waits up
+ * to the timeout (at most 3 s) for the others' and reports on all it got,
+ * the others (and anyone whose store is gone) on themselves.  Rank 0's
+ * trace holds its own timeline.  why: the failure, for the header. */
+static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, const char *why)
+{
+    prof_state *p = &ctx->prof;
+    int P = c->world, rank = c->rank;
+    prof_alone *parts = host_calloc(ctx, sizeof *parts * (size_t)P);
+    int64_t n = 0;
+    pthread_mutex_lock(&p->mu);
+    float *mine = prof_pack(ctx, c->clock_offset, &n);
+    pthread_mutex_unlock(&p->mu);
+    if (!parts || !mine) {
+        host_free(ctx, parts);
+        host_free(ctx, mine);
+        return;
+    }
+    memcpy(&parts[rank].h, mine, sizeof parts[rank].h);
+    snprintf(parts[rank].said, sizeof parts[rank].said, "%s", why);
+    char key[48];
+    snprintf(key, sizeof key, "/prof/alone/%d", rank);
+    int stored = dt_store_set(c->store, key, &parts[rank], sizeof parts[rank]) == DT_OK;
+    int got = 1;
+    if (rank == 0 && stored)
+        got = prof_alone_collect(c, parts, P, c->timeout_ms < 3000 ? c->timeout_ms : 3000);
+    if (rank == 0 && trace_path && prof_write_trace(ctx, trace_path, mine, n, 1) != DT_OK)
+        trace_path = NULL;
+    char *rep = rank == 0 ? prof_alone_report(ctx, parts, P, 0, got, why, trace_path)
+                          : prof_alone_report(ctx, parts + rank, 1, rank, 1, why, NULL);
+    if (rep) {
+        host_free(ctx, p->report);
+        p->report = rep;
+    }
+    host_free(ctx, parts);
+    host_free(ctx, mine);
+}
+
 dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
 {
     if (!ctx_ok(ctx))
@@ -728,6 +833,14 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     host_free(ctx, sizes);
     host_free(ctx, pad);
     host_free(ctx, all);
+    if (c && P > 1 && (cs != DT_OK || c->broken)) {   /* no exchange: a report all the same */
+        char why[DT_MAX_ERROR];   /* the failure that broke the communicator, else the exchange's */
+        snprintf(why, sizeof why, "%s", c->broken ? c->broken_msg : ctx->err);
+        dt_status keep = ctx->last_status;
+        prof_finish_alone(ctx, c, trace_path, why);
+        set_error(ctx, keep, "profile_finish: the ranks could not exchange their profiles (%s); "
+                  "dt_profile_report has what this rank could gather", why);
+    }
     return st;
 }
 

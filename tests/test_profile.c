@@ -603,6 +603,76 @@ static void test_slow_loader_is_waited_on(void **state)
     job_timeout_ms = 20000;
 }
 
+/* --- a report even when the job fails ---------------------------------------
+ * 3 ranks train with DDP; rank 2 is killed (SIGKILL) after 4 steps.  The
+ * survivors' steps fail; dt_profile_finish cannot exchange, and says so,
+ * but rank 0's report covers both survivors (what each was doing: its
+ * error) and names rank 2's missing part, and its trace is written. */
+static int failed_job_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    job j;
+    if (job_start(ctx, c, 1, &j))
+        return 1;
+    dt_tensor *x, *y;
+    dt_status st = DT_OK;
+    for (int s = 0; s < 40 && st == DT_OK; s++) {
+        if (rank == 2 && s == 4)
+            raise(SIGKILL);
+        st = dt_loader_next(j.ld, &x, &y);
+        dt_tensor *loss = st == DT_OK ? mlp_loss(ctx, &j.m, x, y) : NULL;
+        st = loss ? dt_backward(ctx, loss) : dt_last_status(ctx);
+        if (st == DT_OK)
+            st = dt_ddp_step(j.ddp);
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    if (st == DT_OK)
+        return 2;   /* the death must have failed a step */
+    if (dt_profile_finish(ctx, c, rank == 0 ? job_trace : NULL) == DT_OK)
+        return 3;
+    const char *rep = dt_profile_report(ctx), *m = dt_last_error(ctx);
+    if (!strstr(m, "could not exchange") || !strstr(rep, "dtrain profile of a failed job")) {
+        fprintf(stderr, "rank %d: %s\nreport:\n%s\n", rank, m, rep);
+        return 4;
+    }
+    if (rank == 0 && (!strstr(rep, "2 of 3 ranks reported") || !strstr(rep, "rank 1 was: ") ||
+                      !strstr(rep, "rank 2: no part") || !strstr(rep, "rank 2 died"))) {
+        fprintf(stderr, "report:\n%s\n", rep);
+        return 5;
+    }
+    size_t len = 0;
+    char *js = rank == 0 ? read_all(job_trace, &len) : NULL;
+    int bad_trace = rank == 0 && (!js || !json_valid(js, len));
+    free(js);
+    if (bad_trace)
+        return 6;
+    fprintf(stderr, "rank %d's report of the failed job:\n%s", rank, rep);
+    job_end(&j);
+    return 0;
+}
+
+static void test_report_of_a_failed_job(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    snprintf(job_trace, sizeof job_trace, "%s/trace.json", job_data.dir);
+    pid_t pids[3];
+    int codes[3], port = tr_free_port();
+    fflush(NULL);
+    for (int r = 0; r < 3; r++) {
+        pids[r] = fork();
+        assert_true(pids[r] >= 0);
+        if (pids[r] == 0)
+            rank_main(r, 3, port, failed_job_rank);
+    }
+    tr_reap(pids, 3, codes, 110);
+    assert_int_equal(codes[0], 0);
+    assert_int_equal(codes[1], 0);
+    assert_int_equal(codes[2], 200 + SIGKILL);
+    tu_rmdir(job_data.dir);
+}
+
 static void test_trace_two_ranks(void **state)
 {
     (void)state;
@@ -1504,6 +1574,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_monitor_one_process),
     cmocka_unit_test(test_monitor_shows_warnings),
     cmocka_unit_test(test_slow_loader_is_waited_on),
+    cmocka_unit_test(test_report_of_a_failed_job),
     cmocka_unit_test(test_cpu_diagnosis),
     cmocka_unit_test(test_cpu_starvation_measured),
     cmocka_unit_test(test_server_diagnosis),
