@@ -222,6 +222,8 @@ typedef struct prof_state {
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
     prof_cpu cpu0;             /* at dt_profile_start */
+    char long_wait[200];       /* the longest wait's story: "allreduce #2 waited 3.0 s for rank 1,
+                                  writing a checkpoint for 3 s" (under mu) */
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
     /* rank 0 after dt_profile_finish */
     char *report;
@@ -676,6 +678,10 @@ DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
 DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s);
 DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand);
+/* A wait of s seconds for living rank `peer` (past the peer timeout) ended
+ * well; what (the collective) and doing (what its heartbeat said) tell it.
+ * Keeps the longest (any thread). */
+DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what, const char *doing);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
@@ -1551,6 +1557,7 @@ typedef struct prof_blob_head {
     double batch_s;            /* the loader's time preparing batches */
     int64_t batches, batches_prefetched;
     dt_profile_stats st;
+    char long_wait[200];       /* prof_state.long_wait */
 } prof_blob_head;
 /* --- src/parallel.c --- */
 
@@ -1619,6 +1626,7 @@ DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, .
 DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms);
 DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
+DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
 DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);
@@ -3887,6 +3895,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     p->nev = p->dropped = 0;
     p->cfg = c;
     memset(&p->tot, 0, sizeof p->tot);
+    p->tot.longest_wait_rank = -1;
+    p->long_wait[0] = '\0';
     p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
     p->stale_n = p->batches = p->batches_prefetched = 0;
     p->win_compute = 0;
@@ -3936,6 +3946,22 @@ DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s)
     pthread_mutex_lock(&p->mu);
     p->tot.gather_s += ran_s;
     p->tot.gather_exposed_s += exposed_s;
+    pthread_mutex_unlock(&p->mu);
+}
+
+DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what, const char *doing)
+{
+    if (!prof_measuring(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    if (s > p->tot.longest_wait_s) {
+        p->tot.longest_wait_s = s;
+        p->tot.longest_wait_rank = peer;
+        snprintf(p->long_wait, sizeof p->long_wait, "%s waited %.1f s for rank %d%s%s", what, s,
+                 peer, doing && doing[0] ? ", which was " : " (alive: its heartbeat went on)",
+                 doing ? doing : "");
+    }
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -13034,10 +13060,23 @@ static int xfer_ours(const xfers *xs, const dt_xfer *x)
     return (x >= xs->x && x < xs->x + xs->n) || x == &xs->hdr_send || x == &xs->hdr_recv;
 }
 
+/* A wait that ended well after the peer timeout: a living rank kept this
+ * one waiting, which the profile's report tells (prof_long_wait). */
+DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start)
+{
+    double waited = dt_now() - start;
+    if (waited * 1000.0 <= c->timeout_ms || c->waiting_on < 0)
+        return;
+    char what[48];
+    snprintf(what, sizeof what, "%s #%u", coll_names[w->kind], w->seq);
+    prof_long_wait(c->ctx, waited, c->waiting_on, what,
+                   c->hb_peer == c->waiting_on ? c->hb_doing : NULL);
+}
+
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
     int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->collective_timeout_ms);
-    double deadline = dt_now() + limit_ms / 1000.0, turn = dt_now();
+    double start = dt_now(), deadline = start + limit_ms / 1000.0, turn = start;
     for (;;) {
         int pending = 0, silent_peer = -1;
         if (comm_check_stall(c, w, &turn) != DT_OK)
@@ -13100,6 +13139,7 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             c->tp_iface->cancel(c->tp, &xs->hdr_send);
         return w->status;
     }
+    comm_note_long_wait(c, w, start);
     if (xs->gone)
         drain_gone(c, xs);
     if (xs->orphans)
@@ -14180,8 +14220,10 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
     double start = dt_now(), deadline = start + limit_s, turn = start;
     uint32_t seen = atomic_load_explicit(&r->progress, memory_order_relaxed);
     for (unsigned spin = 1;; spin++) {
-        if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
+        if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want)) {
+            comm_note_long_wait(c, w, start);
             return DT_OK;
+        }
         if (atomic_load_explicit(&c->seg->aborted, memory_order_acquire))
             return seg_aborted(c, w);
         if (spin % 16) {
@@ -16140,6 +16182,7 @@ static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
                         .batch_s = p->batch_s, .batches = p->batches,
                         .batches_prefetched = p->batches_prefetched};
     prof_fill(p, &h.st);
+    snprintf(h.long_wait, sizeof h.long_wait, "%s", p->long_wait);
     memcpy(buf, &h, sizeof h);
     if (p->nev)
         memcpy((char *)buf + sizeof h, p->ev, (size_t)p->nev * sizeof(prof_event));
@@ -16550,6 +16593,10 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     char starved[320];
     if (prof_cpu_starved(all, Ps, starved, sizeof starved) >= 0)
         strbuf_printf(&t, "cpu: %s\n", starved);
+    for (int r = 0; r < P; r++)   /* a living rank that kept the others past the peer timeout */
+        if (h[r]->st.longest_wait_s > 0 && h[r]->long_wait[0])
+            strbuf_printf(&t, "long wait, rank %d: %.*s\n", r, (int)sizeof h[r]->long_wait,
+                          h[r]->long_wait);
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
         if (s->pipe_wait_s > 0 && s->step_s > 0)

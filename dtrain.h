@@ -1990,6 +1990,9 @@ typedef struct dt_profile_stats {
                                   throttled_usec, v1 throttled_time; 0 without a quota) */
     int64_t cpu_periods;       /* the quota's periods, and of them those throttled */
     int64_t cpu_throttled_periods;
+    /* the longest wait for a living rank past the peer timeout (its heartbeat on): */
+    double longest_wait_s;     /* 0: none that long */
+    int longest_wait_rank;     /* the rank waited for (the communicator's), -1: none */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);

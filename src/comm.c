@@ -562,10 +562,23 @@ static int xfer_ours(const xfers *xs, const dt_xfer *x)
     return (x >= xs->x && x < xs->x + xs->n) || x == &xs->hdr_send || x == &xs->hdr_recv;
 }
 
+/* A wait that ended well after the peer timeout: a living rank kept this
+ * one waiting, which the profile's report tells (prof_long_wait). */
+DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start)
+{
+    double waited = dt_now() - start;
+    if (waited * 1000.0 <= c->timeout_ms || c->waiting_on < 0)
+        return;
+    char what[48];
+    snprintf(what, sizeof what, "%s #%u", coll_names[w->kind], w->seq);
+    prof_long_wait(c->ctx, waited, c->waiting_on, what,
+                   c->hb_peer == c->waiting_on ? c->hb_doing : NULL);
+}
+
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
 {
     int limit_ms = (int)((xs->patience > 0 ? xs->patience : 1.0) * c->collective_timeout_ms);
-    double deadline = dt_now() + limit_ms / 1000.0, turn = dt_now();
+    double start = dt_now(), deadline = start + limit_ms / 1000.0, turn = start;
     for (;;) {
         int pending = 0, silent_peer = -1;
         if (comm_check_stall(c, w, &turn) != DT_OK)
@@ -628,6 +641,7 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             c->tp_iface->cancel(c->tp, &xs->hdr_send);
         return w->status;
     }
+    comm_note_long_wait(c, w, start);
     if (xs->gone)
         drain_gone(c, xs);
     if (xs->orphans)

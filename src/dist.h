@@ -731,6 +731,7 @@ typedef struct prof_blob_head {
     double batch_s;            /* the loader's time preparing batches */
     int64_t batches, batches_prefetched;
     dt_profile_stats st;
+    char long_wait[200];       /* prof_state.long_wait */
 } prof_blob_head;
 /* --- src/parallel.c --- */
 
@@ -799,6 +800,7 @@ DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, .
 DT_PRIVATE dt_status comm_blame_silent(dt_work *w, int who, int ms);
 DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
+DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
 DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);

@@ -212,6 +212,8 @@ typedef struct prof_state {
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
     prof_cpu cpu0;             /* at dt_profile_start */
+    char long_wait[200];       /* the longest wait's story: "allreduce #2 waited 3.0 s for rank 1,
+                                  writing a checkpoint for 3 s" (under mu) */
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
     /* rank 0 after dt_profile_finish */
     char *report;
@@ -666,6 +668,10 @@ DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
 DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s);
 DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand);
+/* A wait of s seconds for living rank `peer` (past the peer timeout) ended
+ * well; what (the collective) and doing (what its heartbeat said) tell it.
+ * Keeps the longest (any thread). */
+DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what, const char *doing);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);

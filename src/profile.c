@@ -130,6 +130,7 @@ static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
                         .batch_s = p->batch_s, .batches = p->batches,
                         .batches_prefetched = p->batches_prefetched};
     prof_fill(p, &h.st);
+    snprintf(h.long_wait, sizeof h.long_wait, "%s", p->long_wait);
     memcpy(buf, &h, sizeof h);
     if (p->nev)
         memcpy((char *)buf + sizeof h, p->ev, (size_t)p->nev * sizeof(prof_event));
@@ -540,6 +541,10 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     char starved[320];
     if (prof_cpu_starved(all, Ps, starved, sizeof starved) >= 0)
         strbuf_printf(&t, "cpu: %s\n", starved);
+    for (int r = 0; r < P; r++)   /* a living rank that kept the others past the peer timeout */
+        if (h[r]->st.longest_wait_s > 0 && h[r]->long_wait[0])
+            strbuf_printf(&t, "long wait, rank %d: %.*s\n", r, (int)sizeof h[r]->long_wait,
+                          h[r]->long_wait);
     for (int r = 0; r < P; r++) {
         const dt_profile_stats *s = &h[r]->st;
         if (s->pipe_wait_s > 0 && s->step_s > 0)

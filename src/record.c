@@ -348,6 +348,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     p->nev = p->dropped = 0;
     p->cfg = c;
     memset(&p->tot, 0, sizeof p->tot);
+    p->tot.longest_wait_rank = -1;
+    p->long_wait[0] = '\0';
     p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
     p->stale_n = p->batches = p->batches_prefetched = 0;
     p->win_compute = 0;
@@ -397,6 +399,22 @@ DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s)
     pthread_mutex_lock(&p->mu);
     p->tot.gather_s += ran_s;
     p->tot.gather_exposed_s += exposed_s;
+    pthread_mutex_unlock(&p->mu);
+}
+
+DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what, const char *doing)
+{
+    if (!prof_measuring(ctx))
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    if (s > p->tot.longest_wait_s) {
+        p->tot.longest_wait_s = s;
+        p->tot.longest_wait_rank = peer;
+        snprintf(p->long_wait, sizeof p->long_wait, "%s waited %.1f s for rank %d%s%s", what, s,
+                 peer, doing && doing[0] ? ", which was " : " (alive: its heartbeat went on)",
+                 doing ? doing : "");
+    }
     pthread_mutex_unlock(&p->mu);
 }
 

@@ -110,8 +110,10 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
     double start = dt_now(), deadline = start + limit_s, turn = start;
     uint32_t seen = atomic_load_explicit(&r->progress, memory_order_relaxed);
     for (unsigned spin = 1;; spin++) {
-        if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want))
+        if (phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want)) {
+            comm_note_long_wait(c, w, start);
             return DT_OK;
+        }
         if (atomic_load_explicit(&c->seg->aborted, memory_order_acquire))
             return seg_aborted(c, w);
         if (spin % 16) {

@@ -6,7 +6,9 @@
  */
 #include "test_util.h"
 
+#include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -1349,7 +1351,51 @@ static void test_ckpt_kill_during_save(void **state)
     tu_rmdir(dir);
 }
 
+/* What peers waiting on this rank see while it saves (dt_activity): a
+ * save into a FIFO blocks until the reader thread opens it, 300 ms in. */
+typedef struct activity_probe {
+    dt_ctx *ctx;
+    char fifo[128], seen[96];
+} activity_probe;
+
+static void *probe_then_drain(void *arg)
+{
+    activity_probe *a = arg;
+    usleep(300 * 1000);
+    snprintf(a->seen, sizeof a->seen, "%s", dt_activity(a->ctx));
+    int fd = open(a->fifo, O_RDONLY);
+    char buf[4096];
+    while (fd >= 0 && read(fd, buf, sizeof buf) > 0)
+        ;
+    if (fd >= 0)
+        close(fd);
+    return NULL;
+}
+
+static void test_activity_during_save(void **state)
+{
+    (void)state;
+    char dir[64], path[96];
+    tu_tmpdir(dir, sizeof dir);
+    snprintf(path, sizeof path, "%s/ck.safetensors", dir);
+    dt_ctx *ctx = tu_ctx_new();
+    tu_param(ctx, "w", SHP(4), NULL);
+    activity_probe a = {.ctx = ctx};
+    snprintf(a.fifo, sizeof a.fifo, "%s.tmp", path);
+    assert_int_equal(mkfifo(a.fifo, 0600), 0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, probe_then_drain, &a), 0);
+    dt_checkpoint_save(ctx, NULL, path, 1);   /* (a FIFO cannot be synced: it may fail) */
+    pthread_join(th, NULL);
+    if (!strstr(a.seen, "writing a checkpoint for "))
+        fail_msg("during the save, dt_activity said '%s'", a.seen);
+    assert_string_equal(dt_activity(ctx), "computing");   /* and after */
+    dt_ctx_free(ctx);
+    tu_rmdir(dir);
+}
+
 static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_activity_during_save),
     cmocka_unit_test(test_ckpt_roundtrip),
     cmocka_unit_test(test_ckpt_file_layout),
     cmocka_unit_test(test_ckpt_load_foreign_file),

@@ -135,6 +135,8 @@ int main(void)
     F(dt_profile_stats, cpu_wait_s, cpu_wait_s); F(dt_profile_stats, throttled_s, throttled_s);
     F(dt_profile_stats, cpu_periods, cpu_periods);
     F(dt_profile_stats, cpu_throttled_periods, cpu_throttled_periods);
+    F(dt_profile_stats, longest_wait_s, longest_wait_s);
+    F(dt_profile_stats, longest_wait_rank, longest_wait_rank);
     END(dt_profile_stats);
 
     F(dt_checkpoint_config, struct_size, struct_size); F(dt_checkpoint_config, dtype, dtype);
