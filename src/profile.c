@@ -438,6 +438,31 @@ static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P
 }
 
 /* Rank 0's report from every rank's totals. */
+/* What dt_ddp_balance would give a job with a straggler: each rank's
+ * share of the global batch in proportion to its speed, so the step's
+ * compute goes from the slowest rank's (its per-sample time times its
+ * samples) to the batch over the sum of the speeds. */
+static void prof_report_balance_gain(strbuf *t, const prof_blob_head *const *h, int P,
+                                     const double *per)
+{
+    double now = 0, speed = 0, samples = 0;
+    for (int r = 0; r < P; r++) {
+        const dt_profile_stats *s = &h[r]->st;
+        if (!(per[r] > 0) || !s->steps)
+            return;   /* (a rank without steps: not a DDP of equals) */
+        double b = (double)s->samples / (double)s->steps;
+        now = per[r] * b > now ? per[r] * b : now;
+        speed += 1 / per[r];
+        samples += b;
+    }
+    double then = samples / speed;
+    if (now > 0 && then < now)
+        strbuf_printf(t, "hint: dt_ddp_balance(ddp, loader, 50) gives each rank a share of the global "
+                      "batch in proportion to its speed: the step's compute would go from %.2f ms to "
+                      "%.2f ms (%.0f%% less), the global batch unchanged\n", now * 1e3, then * 1e3,
+                      100 * (1 - then / now));
+}
+
 static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                const char *trace_path)
 {
@@ -497,6 +522,8 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     if (!any && P > 1)
         strbuf_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
                       "median)\n", 100 * thr);
+    if (any)
+        prof_report_balance_gain(&t, h, Pm, per);
     /* communication */
     uint64_t bytes = 0;
     double busbw = 0, comm_s = 0, exposed = 0;
