@@ -2090,17 +2090,21 @@ def _f32_buffer(a, what):
 
 class Comm(_Handle):
     """dt_comm: every rank of the job started by a launcher (collective: every rank makes
-    one).  transport: shm, tcp, verbs or None (shm on one host, else tcp)."""
+    one).  transport: shm, tcp, verbs or None (shm on one host, else tcp).  timeout_ms:
+    liveness (a peer whose heartbeat stops this long is gone; 0: DTRAIN_TIMEOUT_MS, else
+    30 s); collective_timeout_ms: how long a collective waits for a living peer (0:
+    DTRAIN_COLLECTIVE_TIMEOUT_MS, else 10 minutes)."""
     _close_order = 3
     _what = "communicator"
     _free = staticmethod(_C.comm_free)
 
     def __init__(self, ctx: "Context", transport: Optional[str] = None,
-                 timeout_ms: int = 0) -> None:
+                 timeout_ms: int = 0, collective_timeout_ms: int = 0) -> None:
         c = dt_comm_config()
         _C.comm_config_init(ctypes.byref(c))
         c.transport = _b(transport)
         c.timeout_ms = timeout_ms
+        c.collective_timeout_ms = collective_timeout_ms
         self._own(ctx, _C.comm_new(ctx.handle, None, ctypes.byref(c)))
 
     @property
