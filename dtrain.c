@@ -224,6 +224,9 @@ typedef struct prof_state {
     prof_cpu cpu0;             /* at dt_profile_start */
     char long_wait[200];       /* the longest wait's story: "allreduce #2 waited 3.0 s for rank 1,
                                   writing a checkpoint for 3 s" (under mu) */
+    double *srv_lat_s;         /* a worker's requests: latency summed per server rank */
+    int64_t *srv_calls;        /* and their count (srv_n ranks, allocated at the first) */
+    int srv_n;
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
     /* rank 0 after dt_profile_finish */
     char *report;
@@ -682,6 +685,9 @@ DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand);
  * well; what (the collective) and doing (what its heartbeat said) tell it.
  * Keeps the longest (any thread). */
 DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what, const char *doing);
+/* A parameter-server request's latency to server rank `server` of world
+ * (the comm thread, as its reply came). */
+DT_PRIVATE void prof_ext_server(dt_ctx *ctx, int server, int world, double s);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);
@@ -1104,6 +1110,8 @@ struct dt_comm {
     unsigned long long hb_beat; /* its latest beat seen */
     double hb_seen;            /* when that beat last changed (or the watch began) */
     char hb_doing[96];         /* what its heartbeat said it was doing */
+    double *ext_done_at;       /* comm thread: a parameter-server request's last completion
+                                  from each rank (world; 0: none), for per-server latencies */
 };
 
 typedef struct coll_header {
@@ -1723,6 +1731,11 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median);
 DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+/* The server the workers' requests wait for longest (their per-server
+ * latencies: at least 1.5x the median server's for half of the workers or
+ * more), and why; -1 when none stands out. */
+DT_PRIVATE int prof_slow_server_by_latency(const dt_profile_stats *const *st, int P, char *why,
+                                           size_t cap);
 /* The rank the CPU starves most (its cgroup's quota throttled it, or its
  * threads waited in the run queue), and why; -1 when none does. */
 DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap);
@@ -3590,6 +3603,8 @@ DT_PRIVATE void prof_release(dt_ctx *ctx)
     host_free(ctx, p->ev);
     host_free(ctx, p->report);
     host_free(ctx, p->ranks);
+    host_free(ctx, p->srv_lat_s);
+    host_free(ctx, p->srv_calls);
     pthread_mutex_destroy(&p->mu);
 }
 
@@ -3897,6 +3912,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     memset(&p->tot, 0, sizeof p->tot);
     p->tot.longest_wait_rank = -1;
     p->long_wait[0] = '\0';
+    for (int r = 0; r < p->srv_n; r++)
+        p->srv_lat_s[r] = 0, p->srv_calls[r] = 0;
     p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
     p->stale_n = p->batches = p->batches_prefetched = 0;
     p->win_compute = 0;
@@ -3917,6 +3934,32 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
 
 int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
 
+/* The slowest server by mean latency and the median of the means. */
+static void prof_fill_servers(const prof_state *p, dt_profile_stats *out)
+{
+    double means[64];
+    int n = 0;
+    out->ps_slowest_server = -1;
+    for (int r = 0; r < p->srv_n; r++) {
+        if (!p->srv_calls[r])
+            continue;
+        double m = p->srv_lat_s[r] / (double)p->srv_calls[r] * 1e3;
+        if (out->ps_slowest_server < 0 || m > out->ps_slowest_server_ms) {
+            out->ps_slowest_server = r;
+            out->ps_slowest_server_ms = m;
+        }
+        if (n < 64)
+            means[n++] = m;
+    }
+    for (int i = 1; i < n; i++)   /* insertion sort: few servers */
+        for (int j = i; j > 0 && means[j] < means[j - 1]; j--) {
+            double t = means[j];
+            means[j] = means[j - 1];
+            means[j - 1] = t;
+        }
+    out->ps_server_median_ms = n ? means[(n - 1) / 2] : 0;
+}
+
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
 {
     *out = p->tot;
@@ -3924,6 +3967,7 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
     out->events = p->nev;
     out->dropped = p->dropped;
+    prof_fill_servers(p, out);
     if (p->cpu0.wall > 0) {   /* since dt_profile_start */
         prof_cpu now;
         prof_cpu_sample(p->cpu_stat, &now);
@@ -3961,6 +4005,24 @@ DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what
         snprintf(p->long_wait, sizeof p->long_wait, "%s waited %.1f s for rank %d%s%s", what, s,
                  peer, doing && doing[0] ? ", which was " : " (alive: its heartbeat went on)",
                  doing ? doing : "");
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+DT_PRIVATE void prof_ext_server(dt_ctx *ctx, int server, int world, double s)
+{
+    if (!prof_recording(ctx) || server < 0 || server >= world)
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    if (!p->srv_lat_s) {
+        p->srv_lat_s = host_calloc(ctx, sizeof *p->srv_lat_s * (size_t)world);
+        p->srv_calls = host_calloc(ctx, sizeof *p->srv_calls * (size_t)world);
+        p->srv_n = p->srv_lat_s && p->srv_calls ? world : 0;
+    }
+    if (server < p->srv_n) {
+        p->srv_lat_s[server] += s;
+        p->srv_calls[server]++;
     }
     pthread_mutex_unlock(&p->mu);
 }
@@ -12572,6 +12634,9 @@ static void comm_record(dt_comm *c, const dt_work *w, double t0, double t1)
 {
     if (w->kind == COLL_EXT) {
         prof_ext(c->ctx, t0, t1, w->ext_what, w->n, w->ext_stale, w->status == DT_OK);
+        for (int r = 0; w->status == DT_OK && c->ext_done_at && r < c->world; r++)
+            if (c->ext_done_at[r] >= t0)   /* that server's part of the request */
+                prof_ext_server(c->ctx, r, c->world, c->ext_done_at[r] - t0);
         return;
     }
     int64_t bytes = coll_bytes(w);
@@ -13105,6 +13170,8 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             dt_xfer *x = done[i];
             if (!xfer_ours(xs, x))
                 continue;   /* an orphaned send (drain_gone) let go at last */
+            if (w->kind == COLL_EXT && c->ext_done_at && x->peer >= 0 && x->peer < c->world)
+                c->ext_done_at[x->peer] = dt_now();
             if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer) &&
                 !(xs->write_off && xs->write_off(c, xs->write_off_arg, x->peer)))
                 comm_work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
@@ -13743,6 +13810,10 @@ static void run_work(dt_comm *c, dt_work *w)
         w->alg = w->kind == COLL_EXT ? COMM_ALG_EXT : w->kind == COLL_P2P ? COMM_ALG_P2P
                  : c->use_segment && c->nhosts == 1 ? COMM_ALG_SEGMENT
                  : c->use_segment ? COMM_ALG_HIERARCHICAL : COMM_ALG_NONE;   /* run_flat sets it */
+        if (w->kind == COLL_EXT && !c->ext_done_at)
+            c->ext_done_at = host_calloc(c->ctx, sizeof *c->ext_done_at * (size_t)c->world);
+        for (int r = 0; w->kind == COLL_EXT && c->ext_done_at && r < c->world; r++)
+            c->ext_done_at[r] = 0;
         if (w->kind == COLL_EXT)
             c->ext_ops->run(c, w, &xs);
         else if (w->kind == COLL_P2P)
@@ -15178,6 +15249,7 @@ void dt_comm_free(dt_comm *c)
     }
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
+    host_free(c->ctx, c->ext_done_at);
     /* Rank 0 leaves its last collective as soon as its own part is done,
      * while others may still wait for each other's last messages and ask
      * the store about the dead meanwhile: a store gone then would read as
@@ -16362,6 +16434,36 @@ DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why,
     return slow;
 }
 
+DT_PRIVATE int prof_slow_server_by_latency(const dt_profile_stats *const *st, int P, char *why,
+                                           size_t cap)
+{
+    int workers = 0, votes[64] = {0};
+    double slow_ms[64] = {0}, median_ms[64] = {0};
+    for (int r = 0; r < P && r < 64; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !s->ps_calls || s->ps_slowest_server < 0 || s->ps_slowest_server >= 64)
+            continue;
+        workers++;
+        int v = s->ps_slowest_server;
+        if (s->ps_server_median_ms > 0 && s->ps_slowest_server_ms >= 1.5 * s->ps_server_median_ms) {
+            votes[v]++;
+            slow_ms[v] += s->ps_slowest_server_ms;
+            median_ms[v] += s->ps_server_median_ms;
+        }
+    }
+    int best = -1;
+    for (int v = 0; v < 64; v++)
+        if (votes[v] && (best < 0 || votes[v] > votes[best]))
+            best = v;
+    why[0] = '\0';
+    if (best < 0 || 2 * votes[best] < workers)
+        return -1;
+    snprintf(why, cap, "rank %d by the workers' requests: %d of %d workers wait longest for it, "
+             "%.2f ms per request against a median server's %.2f ms", best, votes[best], workers,
+             slow_ms[best] / votes[best], median_ms[best] / votes[best]);
+    return best;
+}
+
 /* A CPU quota that held a rank back 10% of its time or more (cgroup
  * cpu.stat's throttled time over the wall time); else threads that waited
  * runnable for a CPU as long as 10% of the wall time and got at most 80% of
@@ -16602,9 +16704,11 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
             const dt_profile_stats *s = &h[r]->st;
             if (s->ps_calls)
                 strbuf_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
-                              "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
+                              "staleness mean %.2f, max %lld; its slowest server rank %d, %.3f ms "
+                              "per request (median server %.3f ms)\n", r, (long long)s->ps_calls,
                               s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
-                              (long long)s->ps_max_staleness);
+                              (long long)s->ps_max_staleness, s->ps_slowest_server,
+                              s->ps_slowest_server_ms, s->ps_server_median_ms);
             if (s->ps_serve_s > 0)
                 strbuf_printf(&t, "parameter server, rank %d serving: %lld requests in %.1f s, busy "
                               "%.0f%%, not running %.0f%%, %.1f MB in, %.1f MB out, up to %lld "
@@ -16614,7 +16718,8 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                               s->ps_bytes_out / 1e6, (long long)s->ps_queue_max,
                               (long long)s->ps_keys);
         }
-        if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0)
+        if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0 ||
+            prof_slow_server_by_latency(all, Ps, slow_server, sizeof slow_server) >= 0)
             strbuf_printf(&t, "slowest parameter server: %s\n", slow_server);
     }
     char starved[320];

@@ -1993,6 +1993,11 @@ typedef struct dt_profile_stats {
     /* the longest wait for a living rank past the peer timeout (its heartbeat on): */
     double longest_wait_s;     /* 0: none that long */
     int longest_wait_rank;     /* the rank waited for (the communicator's), -1: none */
+    /* a parameter-server worker: its requests' latency to each server separately */
+    int ps_slowest_server;     /* the rank of the server it waited longest for per request
+                                  (mean), -1: no requests */
+    double ps_slowest_server_ms;   /* that server's mean latency */
+    double ps_server_median_ms;    /* the median of the servers' mean latencies */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);

@@ -74,6 +74,9 @@ static void comm_record(dt_comm *c, const dt_work *w, double t0, double t1)
 {
     if (w->kind == COLL_EXT) {
         prof_ext(c->ctx, t0, t1, w->ext_what, w->n, w->ext_stale, w->status == DT_OK);
+        for (int r = 0; w->status == DT_OK && c->ext_done_at && r < c->world; r++)
+            if (c->ext_done_at[r] >= t0)   /* that server's part of the request */
+                prof_ext_server(c->ctx, r, c->world, c->ext_done_at[r] - t0);
         return;
     }
     int64_t bytes = coll_bytes(w);
@@ -607,6 +610,8 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             dt_xfer *x = done[i];
             if (!xfer_ours(xs, x))
                 continue;   /* an orphaned send (drain_gone) let go at last */
+            if (w->kind == COLL_EXT && c->ext_done_at && x->peer >= 0 && x->peer < c->world)
+                c->ext_done_at[x->peer] = dt_now();
             if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer) &&
                 !(xs->write_off && xs->write_off(c, xs->write_off_arg, x->peer)))
                 comm_work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
@@ -1245,6 +1250,10 @@ static void run_work(dt_comm *c, dt_work *w)
         w->alg = w->kind == COLL_EXT ? COMM_ALG_EXT : w->kind == COLL_P2P ? COMM_ALG_P2P
                  : c->use_segment && c->nhosts == 1 ? COMM_ALG_SEGMENT
                  : c->use_segment ? COMM_ALG_HIERARCHICAL : COMM_ALG_NONE;   /* run_flat sets it */
+        if (w->kind == COLL_EXT && !c->ext_done_at)
+            c->ext_done_at = host_calloc(c->ctx, sizeof *c->ext_done_at * (size_t)c->world);
+        for (int r = 0; w->kind == COLL_EXT && c->ext_done_at && r < c->world; r++)
+            c->ext_done_at[r] = 0;
         if (w->kind == COLL_EXT)
             c->ext_ops->run(c, w, &xs);
         else if (w->kind == COLL_P2P)

@@ -278,6 +278,8 @@ struct dt_comm {
     unsigned long long hb_beat; /* its latest beat seen */
     double hb_seen;            /* when that beat last changed (or the watch began) */
     char hb_doing[96];         /* what its heartbeat said it was doing */
+    double *ext_done_at;       /* comm thread: a parameter-server request's last completion
+                                  from each rank (world; 0: none), for per-server latencies */
 };
 
 typedef struct coll_header {
@@ -897,6 +899,11 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
 DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double threshold, double *median);
 DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+/* The server the workers' requests wait for longest (their per-server
+ * latencies: at least 1.5x the median server's for half of the workers or
+ * more), and why; -1 when none stands out. */
+DT_PRIVATE int prof_slow_server_by_latency(const dt_profile_stats *const *st, int P, char *why,
+                                           size_t cap);
 /* The rank the CPU starves most (its cgroup's quota throttled it, or its
  * threads waited in the run queue), and why; -1 when none does. */
 DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap);

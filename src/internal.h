@@ -214,6 +214,9 @@ typedef struct prof_state {
     prof_cpu cpu0;             /* at dt_profile_start */
     char long_wait[200];       /* the longest wait's story: "allreduce #2 waited 3.0 s for rank 1,
                                   writing a checkpoint for 3 s" (under mu) */
+    double *srv_lat_s;         /* a worker's requests: latency summed per server rank */
+    int64_t *srv_calls;        /* and their count (srv_n ranks, allocated at the first) */
+    int srv_n;
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
     /* rank 0 after dt_profile_finish */
     char *report;
@@ -672,6 +675,9 @@ DT_PRIVATE void prof_gather_unit(dt_ctx *ctx, int on_demand);
  * well; what (the collective) and doing (what its heartbeat said) tell it.
  * Keeps the longest (any thread). */
 DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what, const char *doing);
+/* A parameter-server request's latency to server rank `server` of world
+ * (the comm thread, as its reply came). */
+DT_PRIVATE void prof_ext_server(dt_ctx *ctx, int server, int world, double s);
 
 /* src/context.c */
 DT_PRIVATE int be_stages(const dt_backend_iface *b);

@@ -594,6 +594,7 @@ void dt_comm_free(dt_comm *c)
     }
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
+    host_free(c->ctx, c->ext_done_at);
     /* Rank 0 leaves its last collective as soon as its own part is done,
      * while others may still wait for each other's last messages and ask
      * the store about the dead meanwhile: a store gone then would read as

@@ -310,6 +310,36 @@ DT_PRIVATE int prof_slowest(const dt_profile_stats *const *st, int P, char *why,
     return slow;
 }
 
+DT_PRIVATE int prof_slow_server_by_latency(const dt_profile_stats *const *st, int P, char *why,
+                                           size_t cap)
+{
+    int workers = 0, votes[64] = {0};
+    double slow_ms[64] = {0}, median_ms[64] = {0};
+    for (int r = 0; r < P && r < 64; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !s->ps_calls || s->ps_slowest_server < 0 || s->ps_slowest_server >= 64)
+            continue;
+        workers++;
+        int v = s->ps_slowest_server;
+        if (s->ps_server_median_ms > 0 && s->ps_slowest_server_ms >= 1.5 * s->ps_server_median_ms) {
+            votes[v]++;
+            slow_ms[v] += s->ps_slowest_server_ms;
+            median_ms[v] += s->ps_server_median_ms;
+        }
+    }
+    int best = -1;
+    for (int v = 0; v < 64; v++)
+        if (votes[v] && (best < 0 || votes[v] > votes[best]))
+            best = v;
+    why[0] = '\0';
+    if (best < 0 || 2 * votes[best] < workers)
+        return -1;
+    snprintf(why, cap, "rank %d by the workers' requests: %d of %d workers wait longest for it, "
+             "%.2f ms per request against a median server's %.2f ms", best, votes[best], workers,
+             slow_ms[best] / votes[best], median_ms[best] / votes[best]);
+    return best;
+}
+
 /* A CPU quota that held a rank back 10% of its time or more (cgroup
  * cpu.stat's throttled time over the wall time); else threads that waited
  * runnable for a CPU as long as 10% of the wall time and got at most 80% of
@@ -550,9 +580,11 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
             const dt_profile_stats *s = &h[r]->st;
             if (s->ps_calls)
                 strbuf_printf(&t, "parameter server, rank %d: %lld calls, mean latency %.3f ms; pulls' "
-                              "staleness mean %.2f, max %lld\n", r, (long long)s->ps_calls,
+                              "staleness mean %.2f, max %lld; its slowest server rank %d, %.3f ms "
+                              "per request (median server %.3f ms)\n", r, (long long)s->ps_calls,
                               s->ps_latency_s * 1e3 / (double)s->ps_calls, s->ps_mean_staleness,
-                              (long long)s->ps_max_staleness);
+                              (long long)s->ps_max_staleness, s->ps_slowest_server,
+                              s->ps_slowest_server_ms, s->ps_server_median_ms);
             if (s->ps_serve_s > 0)
                 strbuf_printf(&t, "parameter server, rank %d serving: %lld requests in %.1f s, busy "
                               "%.0f%%, not running %.0f%%, %.1f MB in, %.1f MB out, up to %lld "
@@ -562,7 +594,8 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                               s->ps_bytes_out / 1e6, (long long)s->ps_queue_max,
                               (long long)s->ps_keys);
         }
-        if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0)
+        if (prof_slow_server(all, Ps, slow_server, sizeof slow_server) >= 0 ||
+            prof_slow_server_by_latency(all, Ps, slow_server, sizeof slow_server) >= 0)
             strbuf_printf(&t, "slowest parameter server: %s\n", slow_server);
     }
     char starved[320];

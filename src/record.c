@@ -43,6 +43,8 @@ DT_PRIVATE void prof_release(dt_ctx *ctx)
     host_free(ctx, p->ev);
     host_free(ctx, p->report);
     host_free(ctx, p->ranks);
+    host_free(ctx, p->srv_lat_s);
+    host_free(ctx, p->srv_calls);
     pthread_mutex_destroy(&p->mu);
 }
 
@@ -350,6 +352,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     memset(&p->tot, 0, sizeof p->tot);
     p->tot.longest_wait_rank = -1;
     p->long_wait[0] = '\0';
+    for (int r = 0; r < p->srv_n; r++)
+        p->srv_lat_s[r] = 0, p->srv_calls[r] = 0;
     p->bus_bytes = p->coll_s = p->stale_sum = p->batch_s = 0;
     p->stale_n = p->batches = p->batches_prefetched = 0;
     p->win_compute = 0;
@@ -370,6 +374,32 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
 
 int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
 
+/* The slowest server by mean latency and the median of the means. */
+static void prof_fill_servers(const prof_state *p, dt_profile_stats *out)
+{
+    double means[64];
+    int n = 0;
+    out->ps_slowest_server = -1;
+    for (int r = 0; r < p->srv_n; r++) {
+        if (!p->srv_calls[r])
+            continue;
+        double m = p->srv_lat_s[r] / (double)p->srv_calls[r] * 1e3;
+        if (out->ps_slowest_server < 0 || m > out->ps_slowest_server_ms) {
+            out->ps_slowest_server = r;
+            out->ps_slowest_server_ms = m;
+        }
+        if (n < 64)
+            means[n++] = m;
+    }
+    for (int i = 1; i < n; i++)   /* insertion sort: few servers */
+        for (int j = i; j > 0 && means[j] < means[j - 1]; j--) {
+            double t = means[j];
+            means[j] = means[j - 1];
+            means[j - 1] = t;
+        }
+    out->ps_server_median_ms = n ? means[(n - 1) / 2] : 0;
+}
+
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
 {
     *out = p->tot;
@@ -377,6 +407,7 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     out->ps_mean_staleness = p->stale_n ? p->stale_sum / (double)p->stale_n : 0;
     out->events = p->nev;
     out->dropped = p->dropped;
+    prof_fill_servers(p, out);
     if (p->cpu0.wall > 0) {   /* since dt_profile_start */
         prof_cpu now;
         prof_cpu_sample(p->cpu_stat, &now);
@@ -414,6 +445,24 @@ DT_PRIVATE void prof_long_wait(dt_ctx *ctx, double s, int peer, const char *what
         snprintf(p->long_wait, sizeof p->long_wait, "%s waited %.1f s for rank %d%s%s", what, s,
                  peer, doing && doing[0] ? ", which was " : " (alive: its heartbeat went on)",
                  doing ? doing : "");
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+DT_PRIVATE void prof_ext_server(dt_ctx *ctx, int server, int world, double s)
+{
+    if (!prof_recording(ctx) || server < 0 || server >= world)
+        return;
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    if (!p->srv_lat_s) {
+        p->srv_lat_s = host_calloc(ctx, sizeof *p->srv_lat_s * (size_t)world);
+        p->srv_calls = host_calloc(ctx, sizeof *p->srv_calls * (size_t)world);
+        p->srv_n = p->srv_lat_s && p->srv_calls ? world : 0;
+    }
+    if (server < p->srv_n) {
+        p->srv_lat_s[server] += s;
+        p->srv_calls[server]++;
     }
     pthread_mutex_unlock(&p->mu);
 }

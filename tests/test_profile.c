@@ -1162,6 +1162,10 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         if (!ld || st.steps != 12 || st.ps_calls < 24 || !(st.ps_latency_s > 0) ||
             st.ps_max_staleness < 0)
             return 6;
+        /* each server's latency apart: the one server, rank W */
+        if (st.ps_slowest_server != W || !(st.ps_slowest_server_ms > 0) ||
+            st.ps_server_median_ms != st.ps_slowest_server_ms)
+            return 16;
         dt_loader_free(ld);
         dt_dataset_free(ds);
         if (dt_ps_finish(ps) != DT_OK)
@@ -1408,6 +1412,28 @@ static void test_server_diagnosis(void **state)
     assert_int_equal(strlen(tiny), sizeof tiny - 1);
 }
 
+/* prof_slow_server_by_latency on made-up figures: a server most workers
+ * wait 1.5x the median for is named; one worker's complaint is not enough. */
+static void test_server_latency_diagnosis(void **state)
+{
+    (void)state;
+    char why[320];
+    dt_profile_stats w[3] = {{.ps_calls = 10, .ps_slowest_server = 4, .ps_slowest_server_ms = 9,
+                              .ps_server_median_ms = 3},
+                             {.ps_calls = 10, .ps_slowest_server = 4, .ps_slowest_server_ms = 12,
+                              .ps_server_median_ms = 3},
+                             {.ps_calls = 10, .ps_slowest_server = 5, .ps_slowest_server_ms = 4,
+                              .ps_server_median_ms = 3}};
+    dt_profile_stats server = {.ps_slowest_server = -1};
+    const dt_profile_stats *st[6] = {&w[0], &w[1], &w[2], NULL, &server, &server};
+    assert_int_equal(prof_slow_server_by_latency(st, 6, why, sizeof why), 4);
+    assert_non_null(strstr(why, "rank 4 by the workers' requests: 2 of 3 workers wait longest for "
+                                "it, 10.50 ms per request against a median server's 3.00 ms"));
+    w[1].ps_slowest_server_ms = 4;   /* one of three: not the job's verdict */
+    assert_int_equal(prof_slow_server_by_latency(st, 6, why, sizeof why), -1);
+    assert_string_equal(why, "");
+}
+
 /* prof_cpu_starved on made-up figures: a quota's throttling beats the run
  * queue; under 10% of either is nothing; a server is named as one. */
 static void test_cpu_diagnosis(void **state)
@@ -1577,6 +1603,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_slow_loader_is_waited_on),
     cmocka_unit_test(test_report_of_a_failed_job),
     cmocka_unit_test(test_cpu_diagnosis),
+    cmocka_unit_test(test_server_latency_diagnosis),
     cmocka_unit_test(test_cpu_starvation_measured),
     cmocka_unit_test(test_server_diagnosis),
 };

@@ -245,7 +245,9 @@ class dt_profile_stats(ctypes.Structure):
                 ("ps_keys", _I64), ("gather_s", _D), ("gather_exposed_s", _D),
                 ("gathers", _I64), ("gathers_on_demand", _I64), ("wall_s", _D), ("cpu_s", _D),
                 ("cpu_wait_s", _D), ("throttled_s", _D), ("cpu_periods", _I64),
-                ("cpu_throttled_periods", _I64), ("longest_wait_s", _D), ("longest_wait_rank", _I)]
+                ("cpu_throttled_periods", _I64), ("longest_wait_s", _D), ("longest_wait_rank", _I),
+                ("ps_slowest_server", _I), ("ps_slowest_server_ms", _D),
+                ("ps_server_median_ms", _D)]
 
 
 _STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_param_group, dt_schedule, dt_loader_config,

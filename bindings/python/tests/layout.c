@@ -137,6 +137,9 @@ int main(void)
     F(dt_profile_stats, cpu_throttled_periods, cpu_throttled_periods);
     F(dt_profile_stats, longest_wait_s, longest_wait_s);
     F(dt_profile_stats, longest_wait_rank, longest_wait_rank);
+    F(dt_profile_stats, ps_slowest_server, ps_slowest_server);
+    F(dt_profile_stats, ps_slowest_server_ms, ps_slowest_server_ms);
+    F(dt_profile_stats, ps_server_median_ms, ps_server_median_ms);
     END(dt_profile_stats);
 
     F(dt_checkpoint_config, struct_size, struct_size); F(dt_checkpoint_config, dtype, dtype);
