@@ -1121,9 +1121,57 @@ static void test_misuse(void **state)
 
 /* --- the parameter server's calls ------------------------------------------------------------ */
 
+/* Make directory dir with its quota file set to text; 0 (nothing left
+ * behind) when this process may not. */
+static int try_quota(const char *dir, const char *file, const char *text)
+{
+    if (mkdir(dir, 0755) != 0)
+        return 0;
+    char q[192];
+    snprintf(q, sizeof q, "%s/%s", dir, file);
+    FILE *f = fopen(q, "w");
+    int ok = f && fprintf(f, "%s\n", text) > 0;
+    if (f && fclose(f) != 0)
+        ok = 0;
+    if (!ok)
+        rmdir(dir);
+    return ok;
+}
+
+/* A cgroup with a CPU quota of quota_us per 100 ms (v1's cpu controller,
+ * else v2); its procs file into procs, its directory into dir; 0 when this
+ * process may not make one (the reason printed). */
+static int make_quota_cgroup(char *dir, size_t dcap, char *procs, size_t pcap, int quota_us)
+{
+    char v1[32], v2[48];
+    snprintf(v1, sizeof v1, "%d", quota_us);
+    snprintf(v2, sizeof v2, "%d 100000", quota_us);
+    snprintf(dir, dcap, "/sys/fs/cgroup/cpu/dtrain_test_%d", (int)getpid());
+    int ok = try_quota(dir, "cpu.cfs_quota_us", v1);
+    if (!ok && access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0) {
+        snprintf(dir, dcap, "/sys/fs/cgroup/dtrain_test_%d", (int)getpid());
+        ok = try_quota(dir, "cpu.max", v2);
+    }
+    if (!ok) {
+        fprintf(stderr, "skipped: the cgroup CPU quota case (cannot make a cgroup with a quota "
+                        "here: %s)\n", strerror(errno));
+        return 0;
+    }
+    snprintf(procs, pcap, "%s/cgroup.procs", dir);
+    return 1;
+}
+
+/* The server's cgroup (test_ps_server_throttled): it enters it first. */
+static char ps_quota_procs[160];
+
 static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     int W = world - 1;
+    if (rank == W && ps_quota_procs[0]) {   /* the server, under the CPU quota */
+        FILE *f = fopen(ps_quota_procs, "w");
+        if (!f || fprintf(f, "%d\n", (int)getpid()) < 0 || fclose(f) != 0)
+            return 11;
+    }
     mlp m;
     if (rank < W && mlp_build(ctx, &m))
         return 1;
@@ -1176,8 +1224,46 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (rank == 0 && (!strstr(dt_profile_report(ctx), "parameter server, rank 0:") ||
                       !strstr(dt_profile_report(ctx), "no training steps")))
         return 9;
+    if (rank == 0 && ps_quota_procs[0] &&
+        !strstr(dt_profile_report(ctx), "cpu: rank 2 (parameter server) was throttled")) {
+        fprintf(stderr, "report:\n%s\n", dt_profile_report(ctx));
+        return 12;
+    }
     dt_ps_free(ps);
     return dt_barrier(c) != DT_OK ? 10 : 0;
+}
+
+/* The server of that job under a 1% CPU quota (1 ms per 100 ms period):
+ * the report names it as a throttled parameter server. */
+static void test_ps_server_throttled(void **state)
+{
+    (void)state;
+    char dir[128];
+    if (!make_quota_cgroup(dir, sizeof dir, ps_quota_procs, sizeof ps_quota_procs, 1000)) {
+        ps_quota_procs[0] = '\0';
+        return;
+    }
+    fflush(NULL);
+    pid_t probe = fork();   /* may a process enter it here? */
+    assert_true(probe >= 0);
+    if (probe == 0) {
+        FILE *f = fopen(ps_quota_procs, "w");
+        _exit(f && fprintf(f, "%d\n", (int)getpid()) > 0 && fclose(f) == 0 ? 0 : 1);
+    }
+    int status = 0;
+    waitpid(probe, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "skipped: a process cannot enter the cgroup here\n");
+        ps_quota_procs[0] = '\0';
+        rmdir(dir);
+        return;
+    }
+    data_make(&job_data, NSAMPLES);
+    snprintf(job_trace, sizeof job_trace, "%s/trace.json", job_data.dir);
+    run_ranks(3, ps_profile_rank);
+    ps_quota_procs[0] = '\0';
+    tu_rmdir(job_data.dir);
+    rmdir(dir);
 }
 
 static void test_ps_calls(void **state)
@@ -1523,43 +1609,6 @@ static int run_starved(const char *procs)
     return WIFEXITED(status) ? WEXITSTATUS(status) : 100;
 }
 
-/* Make directory dir with its quota file set to text; 0 (nothing left
- * behind) when this process may not. */
-static int try_quota(const char *dir, const char *file, const char *text)
-{
-    if (mkdir(dir, 0755) != 0)
-        return 0;
-    char q[192];
-    snprintf(q, sizeof q, "%s/%s", dir, file);
-    FILE *f = fopen(q, "w");
-    int ok = f && fprintf(f, "%s\n", text) > 0;
-    if (f && fclose(f) != 0)
-        ok = 0;
-    if (!ok)
-        rmdir(dir);
-    return ok;
-}
-
-/* A cgroup with a 20% CPU quota (v1's cpu controller, else v2); its procs
- * file into procs, its directory into dir; 0 when this process may not
- * make one (the reason printed). */
-static int make_quota_cgroup(char *dir, size_t dcap, char *procs, size_t pcap)
-{
-    snprintf(dir, dcap, "/sys/fs/cgroup/cpu/dtrain_test_%d", (int)getpid());
-    int ok = try_quota(dir, "cpu.cfs_quota_us", "20000");
-    if (!ok && access("/sys/fs/cgroup/cgroup.controllers", F_OK) == 0) {
-        snprintf(dir, dcap, "/sys/fs/cgroup/dtrain_test_%d", (int)getpid());
-        ok = try_quota(dir, "cpu.max", "20000 100000");
-    }
-    if (!ok) {
-        fprintf(stderr, "skipped: the cgroup CPU quota case (cannot make a cgroup with a quota "
-                        "here: %s)\n", strerror(errno));
-        return 0;
-    }
-    snprintf(procs, pcap, "%s/cgroup.procs", dir);
-    return 1;
-}
-
 /* A child's code: 0, or a failed check; 10 and 11 (it could not pin
  * itself, or enter the cgroup) skip the case, saying so. */
 static void expect_starved(int code, const char *what)
@@ -1579,7 +1628,7 @@ static void test_cpu_starvation_measured(void **state)
     else
         fprintf(stderr, "skipped: the run-queue case (no /proc/self/schedstat)\n");
     char dir[128], procs[160];
-    if (make_quota_cgroup(dir, sizeof dir, procs, sizeof procs)) {
+    if (make_quota_cgroup(dir, sizeof dir, procs, sizeof procs, 20000)) {
         int code = run_starved(procs);
         rmdir(dir);
         expect_starved(code, "cgroup quota");
@@ -1604,6 +1653,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_report_of_a_failed_job),
     cmocka_unit_test(test_cpu_diagnosis),
     cmocka_unit_test(test_server_latency_diagnosis),
+    cmocka_unit_test(test_ps_server_throttled),
     cmocka_unit_test(test_cpu_starvation_measured),
     cmocka_unit_test(test_server_diagnosis),
 };
