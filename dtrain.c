@@ -222,6 +222,7 @@ typedef struct prof_state {
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
     prof_cpu cpu0;             /* at dt_profile_start */
+    double eval0, ckpt0;       /* ctx_aside_s's at dt_profile_start */
     char long_wait[200];       /* the longest wait's story: "allreduce #2 waited 3.0 s for rank 1,
                                   writing a checkpoint for 3 s" (under mu) */
     double *srv_lat_s;         /* a worker's requests: latency summed per server rank */
@@ -280,6 +281,11 @@ typedef struct dt_grad_hooks {
     dt_status (*after_step)(void *user, dt_optim *o);
 } dt_grad_hooks;
 
+/* What a rank is doing, for peers that wait on it (dt_set_activity): the
+ * ones from ACT_CKPT_SAVE on are outer (ctx_doing keeps them). */
+enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
+       ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
+
 struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
@@ -293,6 +299,8 @@ struct dt_ctx {
     int act;                       /* what the caller's thread is doing (ctx_doing: ACT_*) */
     double act_since;              /* since when (dt_now) */
     char act_user[64];             /* dt_set_activity's text ("": none) */
+    double aside_s[ACT_COUNT];     /* time each activity took, summed as it ends (ctx_done):
+                                      the profile's eval_s and ckpt_s read it */
     char act_text[96];             /* dt_activity's answer */
     pthread_mutex_t warn_mu;       /* the warning and the activity: the monitor's and
                                       heartbeat's threads read them (ctx_warning_copy,
@@ -448,14 +456,14 @@ struct dt_loss_scaler {
 /* The latest warning into out (cap bytes) and the number of warnings so
  * far, from any thread (the monitor's). */
 DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap);
-/* What a rank is doing, for peers that wait on it (dt_set_activity). */
-enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
-       ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
 /* Enter activity act (the caller's thread); the one it replaces, for
  * ctx_done.  Nested calls keep the outer one (a collective inside a
- * checkpoint's save is the save). */
+ * checkpoint's save is the save; inside a save or an evaluation anything
+ * is). */
 DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act);
 DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev);
+/* The time activity act has taken so far, summed over its ends. */
+DT_PRIVATE double ctx_aside_s(dt_ctx *ctx, int act);
 /* "writing a checkpoint for 12 s" into out, from any thread. */
 DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap);
 DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
@@ -677,6 +685,12 @@ DT_PRIVATE void prof_ext(dt_ctx *ctx, double t0, double t1, int what, int64_t n,
 DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
 DT_PRIVATE void prof_push(prof_state *p, prof_event e);
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
+/* The median of the n values v (the lower middle one; v sorted in place);
+ * 0 when n is 0. */
+DT_PRIVATE double prof_median(double *v, int n);
+/* The context's part of out (eval_s, ckpt_s, threads): without prof.mu held
+ * (it takes the context's warn_mu). */
+DT_PRIVATE void prof_fill_ctx(dt_ctx *ctx, dt_profile_stats *out);
 DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
 DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s);
@@ -1567,6 +1581,12 @@ typedef struct prof_blob_head {
     dt_profile_stats st;
     char long_wait[200];       /* prof_state.long_wait */
 } prof_blob_head;
+/* Rank 0's report from the P ranks' heads (each rank's totals), link the
+ * link's measured bus bandwidth (GB/s, 0: not measured), trace_path the
+ * merged timeline's file or NULL: new text (host_free), NULL when out of
+ * memory.  The tests build it from made-up heads too. */
+DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
+                                   const char *trace_path);
 /* --- src/parallel.c --- */
 
 typedef struct pipe_slot {
@@ -1739,6 +1759,13 @@ DT_PRIVATE int prof_slow_server_by_latency(const dt_profile_stats *const *st, in
 /* The rank the CPU starves most (its cgroup's quota throttled it, or its
  * threads waited in the run queue), and why; -1 when none does. */
 DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+/* The rank whose data loader holds the others back (its data wait per step
+ * well above the median rank's), and why; -1 when none does. */
+DT_PRIVATE int prof_loader_bottleneck(const dt_profile_stats *const *st, int P, char *why,
+                                      size_t cap);
+/* The rank that evaluated or saved checkpoints on its own while the others
+ * waited in their collectives, and why; -1 when none did. */
+DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 
 /* src/steal.c */
 
@@ -1897,8 +1924,9 @@ DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act)
     if (!ctx)
         return ACT_COMPUTE;
     int prev = ctx->act;
-    if (prev != ACT_COMPUTE && act == ACT_COLLECTIVE)
-        return prev;   /* the save's (or evaluation's) own collectives are the save */
+    if ((prev != ACT_COMPUTE && act == ACT_COLLECTIVE) || prev >= ACT_CKPT_SAVE)
+        return prev;   /* a save's (or an evaluation's) own collectives, batches and
+                          steps are the save: what peers see, and ctx->aside_s */
     pthread_mutex_lock(&ctx->warn_mu);
     ctx->act = act;
     ctx->act_since = dt_now();
@@ -1911,9 +1939,19 @@ DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev)
     if (!ctx || ctx->act == prev)
         return;
     pthread_mutex_lock(&ctx->warn_mu);
+    double now = dt_now();
+    ctx->aside_s[ctx->act] += now - ctx->act_since;
     ctx->act = prev;
-    ctx->act_since = dt_now();
+    ctx->act_since = now;
     pthread_mutex_unlock(&ctx->warn_mu);
+}
+
+DT_PRIVATE double ctx_aside_s(dt_ctx *ctx, int act)
+{
+    pthread_mutex_lock(&ctx->warn_mu);
+    double s = ctx->aside_s[act];
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return s;
 }
 
 DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap)
@@ -3924,6 +3962,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     p->cur_samples = 0;
     p->open = p->had_backward = 0;
     prof_find_cpu_stat(p->cpu_stat, sizeof p->cpu_stat);
+    p->eval0 = ctx_aside_s(ctx, ACT_EVAL);
+    p->ckpt0 = ctx_aside_s(ctx, ACT_CKPT_SAVE) + ctx_aside_s(ctx, ACT_CKPT_LOAD);
     prof_cpu_sample(p->cpu_stat, &p->cpu0);
     __atomic_store_n(&p->measure, 1, __ATOMIC_RELAXED);
     __atomic_store_n(&p->record, 1, __ATOMIC_RELAXED);
@@ -3933,6 +3973,17 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
 }
 
 int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
+
+DT_PRIVATE double prof_median(double *v, int n)
+{
+    for (int i = 1; i < n; i++)   /* insertion sort: few ranks */
+        for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n ? v[(n - 1) / 2] : 0;
+}
 
 /* The slowest server by mean latency and the median of the means. */
 static void prof_fill_servers(const prof_state *p, dt_profile_stats *out)
@@ -3951,13 +4002,7 @@ static void prof_fill_servers(const prof_state *p, dt_profile_stats *out)
         if (n < 64)
             means[n++] = m;
     }
-    for (int i = 1; i < n; i++)   /* insertion sort: few servers */
-        for (int j = i; j > 0 && means[j] < means[j - 1]; j--) {
-            double t = means[j];
-            means[j] = means[j - 1];
-            means[j - 1] = t;
-        }
-    out->ps_server_median_ms = n ? means[(n - 1) / 2] : 0;
+    out->ps_server_median_ms = prof_median(means, n);
 }
 
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
@@ -3978,6 +4023,16 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
         out->cpu_periods = now.periods - p->cpu0.periods;
         out->cpu_throttled_periods = now.nr_throttled - p->cpu0.nr_throttled;
     }
+}
+
+DT_PRIVATE void prof_fill_ctx(dt_ctx *ctx, dt_profile_stats *out)
+{
+    const prof_state *p = &ctx->prof;
+    out->threads = ctx->threads;
+    if (!(p->cpu0.wall > 0))   /* never started */
+        return;
+    out->eval_s = ctx_aside_s(ctx, ACT_EVAL) - p->eval0;
+    out->ckpt_s = ctx_aside_s(ctx, ACT_CKPT_SAVE) + ctx_aside_s(ctx, ACT_CKPT_LOAD) - p->ckpt0;
 }
 
 /* A sharded DDP's parameter all-gathers (src/zero.c): ran s, the training
@@ -4064,6 +4119,7 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     pthread_mutex_lock(&p->mu);
     prof_fill(p, out);
     pthread_mutex_unlock(&p->mu);
+    prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
 
@@ -16170,15 +16226,9 @@ DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double thres
             sorted[n++] = per_sample[r];
     if (n < 2)
         return -1;
-    for (int i = 1; i < n; i++)   /* insertion sort: P is small */
-        for (int j = i; j > 0 && sorted[j] < sorted[j - 1]; j--) {
-            double t = sorted[j];
-            sorted[j] = sorted[j - 1];
-            sorted[j - 1] = t;
-        }
     /* the lower median: with two ranks, the faster one (the midpoint would
      * halve the gap a slow rank opens) */
-    *median = n % 2 ? sorted[n / 2] : sorted[n / 2 - 1];
+    *median = prof_median(sorted, n);
     int worst = -1;
     for (int r = 0; r < P; r++)
         if (per_sample[r] > *median * (1 + threshold) &&
@@ -16254,6 +16304,7 @@ static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
                         .batch_s = p->batch_s, .batches = p->batches,
                         .batches_prefetched = p->batches_prefetched};
     prof_fill(p, &h.st);
+    prof_fill_ctx(ctx, &h.st);
     snprintf(h.long_wait, sizeof h.long_wait, "%s", p->long_wait);
     memcpy(buf, &h, sizeof h);
     if (p->nev)
@@ -16508,6 +16559,105 @@ DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *
     return worst;
 }
 
+/* One rank's data wait per step 10% of its step or more and above twice
+ * the median rank's plus 1 ms: in lockstep the others wait for its batches
+ * in their collectives (so theirs stays low), the job goes at its loader's
+ * pace.  Every rank slow to load is the data hint's (one loader for all),
+ * not this.  Shared with the monitor (src/monitor.c). */
+DT_PRIVATE int prof_loader_bottleneck(const dt_profile_stats *const *st, int P, char *why,
+                                      size_t cap)
+{
+    double waits[64];
+    int n = 0, worst = -1;
+    for (int r = 0; r < P && r < 64; r++)
+        if (st[r] && st[r]->steps) {
+            waits[n++] = per_step(st[r]->data_s, st[r]->steps);
+            if (worst < 0 || per_step(st[r]->data_s, st[r]->steps) >
+                                 per_step(st[worst]->data_s, st[worst]->steps))
+                worst = r;
+        }
+    why[0] = '\0';
+    if (n < 2)
+        return -1;
+    double median = prof_median(waits, n);
+    const dt_profile_stats *s = st[worst];
+    double mine = per_step(s->data_s, s->steps), step = per_step(s->step_s, s->steps);
+    if (!(mine >= 0.10 * step) || !(mine > 2 * median + 1.0))
+        return -1;
+    snprintf(why, cap, "rank %d's data loader holds the job back: it waits %.2f ms per step for "
+             "its batches (%.0f%% of its step) against the median rank's %.2f ms, and the others "
+             "wait for it in their collectives: look at what that rank reads from (its storage, "
+             "its host's CPU) and at its loader (dt_loader_config.prefetch, what the dataset "
+             "does per sample)", worst, mine, 100 * mine / step, median);
+    return worst;
+}
+
+/* A rank whose evaluation (dt_evaluate) and checkpoints took 5% of its
+ * time or more (at least 10 ms) beyond the median rank's, while the median
+ * of the others waited in their collectives at least half as long: the
+ * work one rank does alone between steps is the others' lost time. */
+DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *why, size_t cap)
+{
+    double aside[64];
+    int n = 0, worst = -1;
+    for (int r = 0; r < P && r < 64; r++)
+        if (st[r] && st[r]->steps) {
+            aside[n++] = st[r]->eval_s + st[r]->ckpt_s;
+            if (worst < 0 || st[r]->eval_s + st[r]->ckpt_s > st[worst]->eval_s + st[worst]->ckpt_s)
+                worst = r;
+        }
+    why[0] = '\0';
+    if (n < 2)
+        return -1;
+    double extra = st[worst]->eval_s + st[worst]->ckpt_s - prof_median(aside, n);
+    double waits[64];
+    int m = 0;
+    for (int r = 0; r < P && r < 64; r++)
+        if (st[r] && st[r]->steps && r != worst)
+            waits[m++] = st[r]->comm_wait_s;
+    const dt_profile_stats *s = st[worst];
+    double span = s->wall_s > 0 ? s->wall_s : s->step_s, waited = prof_median(waits, m);
+    if (!(extra >= 0.010) || !(extra >= 0.05 * span) || !(waited >= 0.5 * extra))
+        return -1;
+    int eval = s->eval_s >= s->ckpt_s;
+    snprintf(why, cap, "rank %d kept the others waiting while it %s on its own: %.2f s evaluating "
+             "and %.2f s on checkpoints, %.2f s more than the median rank, while the others "
+             "waited %.2f s in their collectives (the median of them): %s", worst,
+             eval ? "evaluated" : "saved or loaded checkpoints", s->eval_s, s->ckpt_s, extra,
+             waited,
+             eval ? "evaluate on every rank (dt_evaluate with the communicator gives each rank "
+                    "its share of the data) or less often"
+                  : "save from every rank (dt_ddp_checkpoint_save writes each rank's shard) or "
+                    "less often");
+    return worst;
+}
+
+/* A hot shard before its server is saturated: the server with the most
+ * traffic, over 1.5 times its fair share, busy 20% of its time or more and
+ * at least twice the median server's share; -1: none. */
+static int prof_hot_server(const dt_profile_stats *const *st, int P, int servers, double keys,
+                           double bytes)
+{
+    double busy[64];
+    int n = 0, top = -1;
+    for (int r = 0; r < P && r < 64; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !(s->ps_serve_s > 0))
+            continue;
+        busy[n++] = s->ps_busy_s / s->ps_serve_s;
+        if (top < 0 || s->ps_bytes_in + s->ps_bytes_out >
+                           st[top]->ps_bytes_in + st[top]->ps_bytes_out)
+            top = r;
+    }
+    if (servers < 2 || top < 0 || !(bytes > 0))
+        return -1;
+    const dt_profile_stats *s = st[top];
+    double share = (s->ps_bytes_in + s->ps_bytes_out) / bytes, mine = s->ps_busy_s / s->ps_serve_s;
+    double kshare = keys > 0 ? (double)s->ps_keys / keys : 0;
+    int over = share > 1.5 / servers || kshare > 1.5 / servers;
+    return over && mine >= 0.2 && mine >= 2 * prof_median(busy, n) ? top : -1;
+}
+
 /* The parameter server that holds the job back, from the servers' own
  * figures (prof_ps_serving), and why, into why: one that did not run for
  * 10% of its time or more (the most of them: a stopped process, or a host
@@ -16546,18 +16696,22 @@ DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *
                  100 * s->ps_stalled_s / s->ps_serve_s);
         return stalled;
     }
+    int hot_only = busy < 0;
+    if (hot_only)
+        busy = prof_hot_server(st, P, servers, keys, bytes);
     if (busy < 0)
         return -1;
     const dt_profile_stats *s = st[busy];
     double kshare = keys > 0 ? (double)s->ps_keys / keys : 0;
     double bshare = bytes > 0 ? (s->ps_bytes_in + s->ps_bytes_out) / bytes : 0;
     int hot = servers > 1 && (kshare > 1.5 / servers || bshare > 1.5 / servers);
-    snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time and holds %.0f%% of "
+    snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time%s and holds %.0f%% of "
              "the keys, %.0f%% of the traffic: %s", busy, 100 * s->ps_busy_s / s->ps_serve_s,
-             100 * kshare, 100 * bshare,
+             hot_only ? " (the busiest by far)" : "", 100 * kshare, 100 * bshare,
              hot ? "its shard is hot (more than its share of the keys or of the traffic on one "
-                   "server): spread the rows the data asks for most (sparse ids go to server "
-                   "id % servers) or split the largest tensors"
+                   "server): sparse ids go to server id % servers, so the rows the data asks "
+                   "for most share a remainder; renumber them (a hash of the id spreads them) "
+                   "or split the largest tensors"
                  : "too many workers per server: more servers (dt_ps_config.servers)");
     return busy;
 }
@@ -16591,7 +16745,19 @@ static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P
                               : "");
 }
 
-/* Rank 0's report from every rank's totals. */
+/* The compute threads of the ranks other than r (their median; 0: none
+ * known), for the straggler's line: a rank given fewer threads than the
+ * others computes slower for it, which dt_ddp_balance evens out. */
+static int prof_others_threads(const dt_profile_stats *const *st, int P, int r)
+{
+    double v[64];
+    int n = 0;
+    for (int k = 0; k < P && k < 64; k++)
+        if (k != r && st[k] && st[k]->threads > 0)
+            v[n++] = st[k]->threads;
+    return (int)prof_median(v, n);
+}
+
 /* What dt_ddp_balance would give a job with a straggler: each rank's
  * share of the global batch in proportion to its speed, so the step's
  * compute goes from the slowest rank's (its per-sample time times its
@@ -16617,8 +16783,8 @@ static void prof_report_balance_gain(strbuf *t, const prof_blob_head *const *h, 
                       100 * (1 - then / now));
 }
 
-static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
-                               const char *trace_path)
+DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
+                                   const char *trace_path)
 {
     strbuf t = {.ctx = ctx};
     const dt_profile_stats *s0 = &h[0]->st;
@@ -16666,11 +16832,16 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int r = 0; r < Pm; r++) {
         if (!(median > 0) || !(per[r] > median * (1 + thr)))
             continue;
+        char th[96] = "";
+        int others = prof_others_threads(all, Pm, r);
+        if (h[r]->st.threads > 0 && others > 0 && h[r]->st.threads != others)
+            snprintf(th, sizeof th, "; it computes with %d thread%s against %d on the others",
+                     h[r]->st.threads, h[r]->st.threads == 1 ? "" : "s", others);
         strbuf_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
                       "%.3f ms of forward and backward (threshold %.0f%%; named in %d checks during "
-                      "training)\n", r,
+                      "training)%s\n", r,
                       per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
-                      h[r]->st.straggler_warnings);
+                      h[r]->st.straggler_warnings, th);
         any = 1;
     }
     if (!any && P > 1)
@@ -16698,7 +16869,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       link > 0 ? 100 * busbw / link : 0, link,
                       comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
     prof_report_gathers(&t, h, P);
-    char slow_server[320] = "";
+    char slow_server[480] = "";
     if (ps_calls) {
         for (int r = 0; r < P; r++) {
             const dt_profile_stats *s = &h[r]->st;
@@ -16725,6 +16896,11 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     char starved[320];
     if (prof_cpu_starved(all, Ps, starved, sizeof starved) >= 0)
         strbuf_printf(&t, "cpu: %s\n", starved);
+    char loader[400], stall[480];
+    if (prof_loader_bottleneck(all, Ps, loader, sizeof loader) >= 0)
+        strbuf_printf(&t, "data: %s\n", loader);
+    if (prof_aside_stall(all, Ps, stall, sizeof stall) >= 0)
+        strbuf_printf(&t, "stall: %s\n", stall);
     for (int r = 0; r < P; r++)   /* a living rank that kept the others past the peer timeout */
         if (h[r]->st.longest_wait_s > 0 && h[r]->long_wait[0])
             strbuf_printf(&t, "long wait, rank %d: %.*s\n", r, (int)sizeof h[r]->long_wait,
@@ -24415,7 +24591,7 @@ static const char mon_page[] =
     "  state=s;\n"
     "  const up=s.ranks.filter(r=>r.status===\"up\").length, r0=s.ranks[0]||{steps:0};\n"
     "  document.getElementById(\"job\").innerHTML=`${s.world} rank${s.world>1\?\"s\":\"\"}, <b>${up}</b> up &middot; step <b id=\"steps\">${r0.steps}</b> on rank 0 &middot; ${f(s.ranks.reduce((a,r)=>a+(r.samples_per_s||0),0),0)} samples/s &middot; up ${f(s.uptime_s,0)} s`;\n"
-    "  document.getElementById(\"why\").textContent=(s.cpu_why\?s.cpu_why+\"; \":\"\")+(s.server_why||s.why||\"not enough intervals yet\");\n"
+    "  document.getElementById(\"why\").textContent=(s.cpu_why\?s.cpu_why+\"; \":\"\")+(s.loader_why\?s.loader_why+\"; \":\"\")+(s.server_why||s.why||\"not enough intervals yet\");\n"
     "  const bad=s.ranks.filter(r=>r.status!==\"up\").map(r=>`rank ${r.rank} ${r.status}`);\n"
     "  const warned=s.ranks.filter(r=>r.warnings).map(r=>`rank ${r.rank}: ${r.warning}`);\n"
     "  document.getElementById(\"strag\").innerHTML=(s.straggler>=0\?`<span class=\"strag\">straggler: rank ${s.straggler}</span> (computes more than 15% above the median per sample) `:\"\")+\n"
@@ -24571,10 +24747,12 @@ struct dt_monitor {
     uint64_t version;
     char why[320];                 /* the slowest rank and why */
     int slowest, straggler;
-    char server_why[320];          /* the parameter server holding the job back, and why */
+    char server_why[480];          /* the parameter server holding the job back, and why */
     int slow_server;
     char cpu_why[320];             /* the rank the CPU starves over the interval, and why */
     int cpu_starved;
+    char loader_why[400];          /* the rank whose loader holds the others back, and why */
+    int loader_bottleneck;
 };
 
 static const char *const mon_phase_key[PH_COUNT] = {"data", "forward", "backward", "comm_wait",
@@ -24833,6 +25011,7 @@ static void mon_diagnose(dt_monitor *m)
         snprintf(m->why, sizeof m->why, "one rank");
     double median = 0;
     m->straggler = prof_find_straggler(per, P, PROF_DEFAULT_THRESHOLD, &median);
+    m->loader_bottleneck = prof_loader_bottleneck(all, P, m->loader_why, sizeof m->loader_why);
     /* the parameter servers over the interval */
     dt_profile_stats sv[64];
     const dt_profile_stats *servers[64] = {0};
@@ -24846,6 +25025,8 @@ static void mon_diagnose(dt_monitor *m)
         sv[r].ps_serve_s = b->ps_serve_s - a->ps_serve_s;
         sv[r].ps_busy_s = b->ps_busy_s - a->ps_busy_s;
         sv[r].ps_stalled_s = b->ps_stalled_s - a->ps_stalled_s;
+        sv[r].ps_bytes_in = b->ps_bytes_in - a->ps_bytes_in;
+        sv[r].ps_bytes_out = b->ps_bytes_out - a->ps_bytes_out;
         sv[r].ps_keys = b->ps_keys;
         servers[r] = &sv[r];
     }
@@ -25008,6 +25189,8 @@ static char *mon_render_state(dt_monitor *m, double now, int whole)
     jstr(&b, "server_why", m->server_why);
     strbuf_printf(&b, ",\"cpu_starved\":%d,", m->cpu_starved);
     jstr(&b, "cpu_why", m->cpu_why);
+    strbuf_printf(&b, ",\"loader_bottleneck\":%d,", m->loader_bottleneck);
+    jstr(&b, "loader_why", m->loader_why);
     strbuf_puts(&b, ",\"ranks\":[");
     for (int r = 0; r < m->world; r++) {
         if (r)
@@ -25485,7 +25668,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
-    m->slowest = m->straggler = m->slow_server = m->cpu_starved = -1;
+    m->slowest = m->straggler = m->slow_server = m->cpu_starved = m->loader_bottleneck = -1;
     m->t0 = dt_now();
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);

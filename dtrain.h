@@ -1998,6 +1998,11 @@ typedef struct dt_profile_stats {
                                   (mean), -1: no requests */
     double ps_slowest_server_ms;   /* that server's mean latency */
     double ps_server_median_ms;    /* the median of the servers' mean latencies */
+    /* what kept the training thread from its steps, since dt_profile_start: */
+    double eval_s;             /* time in dt_evaluate */
+    double ckpt_s;             /* time saving and loading checkpoints (dt_checkpoint_*,
+                                  dt_ddp_checkpoint_*) */
+    int threads;               /* the context's compute threads (dt_config.threads) */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
 DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);

@@ -147,8 +147,9 @@ DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act)
     if (!ctx)
         return ACT_COMPUTE;
     int prev = ctx->act;
-    if (prev != ACT_COMPUTE && act == ACT_COLLECTIVE)
-        return prev;   /* the save's (or evaluation's) own collectives are the save */
+    if ((prev != ACT_COMPUTE && act == ACT_COLLECTIVE) || prev >= ACT_CKPT_SAVE)
+        return prev;   /* a save's (or an evaluation's) own collectives, batches and
+                          steps are the save: what peers see, and ctx->aside_s */
     pthread_mutex_lock(&ctx->warn_mu);
     ctx->act = act;
     ctx->act_since = dt_now();
@@ -161,9 +162,19 @@ DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev)
     if (!ctx || ctx->act == prev)
         return;
     pthread_mutex_lock(&ctx->warn_mu);
+    double now = dt_now();
+    ctx->aside_s[ctx->act] += now - ctx->act_since;
     ctx->act = prev;
-    ctx->act_since = dt_now();
+    ctx->act_since = now;
     pthread_mutex_unlock(&ctx->warn_mu);
+}
+
+DT_PRIVATE double ctx_aside_s(dt_ctx *ctx, int act)
+{
+    pthread_mutex_lock(&ctx->warn_mu);
+    double s = ctx->aside_s[act];
+    pthread_mutex_unlock(&ctx->warn_mu);
+    return s;
 }
 
 DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap)

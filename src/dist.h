@@ -735,6 +735,12 @@ typedef struct prof_blob_head {
     dt_profile_stats st;
     char long_wait[200];       /* prof_state.long_wait */
 } prof_blob_head;
+/* Rank 0's report from the P ranks' heads (each rank's totals), link the
+ * link's measured bus bandwidth (GB/s, 0: not measured), trace_path the
+ * merged timeline's file or NULL: new text (host_free), NULL when out of
+ * memory.  The tests build it from made-up heads too. */
+DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
+                                   const char *trace_path);
 /* --- src/parallel.c --- */
 
 typedef struct pipe_slot {
@@ -907,6 +913,13 @@ DT_PRIVATE int prof_slow_server_by_latency(const dt_profile_stats *const *st, in
 /* The rank the CPU starves most (its cgroup's quota throttled it, or its
  * threads waited in the run queue), and why; -1 when none does. */
 DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *why, size_t cap);
+/* The rank whose data loader holds the others back (its data wait per step
+ * well above the median rank's), and why; -1 when none does. */
+DT_PRIVATE int prof_loader_bottleneck(const dt_profile_stats *const *st, int P, char *why,
+                                      size_t cap);
+/* The rank that evaluated or saved checkpoints on its own while the others
+ * waited in their collectives, and why; -1 when none did. */
+DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *why, size_t cap);
 
 /* src/steal.c */
 

@@ -212,6 +212,7 @@ typedef struct prof_state {
     int straggler;             /* the latest check's, -1: none */
     int warned_rank;           /* the straggler last warned of, -1: none */
     prof_cpu cpu0;             /* at dt_profile_start */
+    double eval0, ckpt0;       /* ctx_aside_s's at dt_profile_start */
     char long_wait[200];       /* the longest wait's story: "allreduce #2 waited 3.0 s for rank 1,
                                   writing a checkpoint for 3 s" (under mu) */
     double *srv_lat_s;         /* a worker's requests: latency summed per server rank */
@@ -270,6 +271,11 @@ typedef struct dt_grad_hooks {
     dt_status (*after_step)(void *user, dt_optim *o);
 } dt_grad_hooks;
 
+/* What a rank is doing, for peers that wait on it (dt_set_activity): the
+ * ones from ACT_CKPT_SAVE on are outer (ctx_doing keeps them). */
+enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
+       ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
+
 struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
@@ -283,6 +289,8 @@ struct dt_ctx {
     int act;                       /* what the caller's thread is doing (ctx_doing: ACT_*) */
     double act_since;              /* since when (dt_now) */
     char act_user[64];             /* dt_set_activity's text ("": none) */
+    double aside_s[ACT_COUNT];     /* time each activity took, summed as it ends (ctx_done):
+                                      the profile's eval_s and ckpt_s read it */
     char act_text[96];             /* dt_activity's answer */
     pthread_mutex_t warn_mu;       /* the warning and the activity: the monitor's and
                                       heartbeat's threads read them (ctx_warning_copy,
@@ -438,14 +446,14 @@ struct dt_loss_scaler {
 /* The latest warning into out (cap bytes) and the number of warnings so
  * far, from any thread (the monitor's). */
 DT_PRIVATE int64_t ctx_warning_copy(dt_ctx *ctx, char *out, size_t cap);
-/* What a rank is doing, for peers that wait on it (dt_set_activity). */
-enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
-       ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
 /* Enter activity act (the caller's thread); the one it replaces, for
  * ctx_done.  Nested calls keep the outer one (a collective inside a
- * checkpoint's save is the save). */
+ * checkpoint's save is the save; inside a save or an evaluation anything
+ * is). */
 DT_PRIVATE int ctx_doing(dt_ctx *ctx, int act);
 DT_PRIVATE void ctx_done(dt_ctx *ctx, int prev);
+/* The time activity act has taken so far, summed over its ends. */
+DT_PRIVATE double ctx_aside_s(dt_ctx *ctx, int act);
 /* "writing a checkpoint for 12 s" into out, from any thread. */
 DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap);
 DT_PRIVATE dt_status optim_check_lrs(dt_optim *o, int n, const char *path);
@@ -667,6 +675,12 @@ DT_PRIVATE void prof_ext(dt_ctx *ctx, double t0, double t1, int what, int64_t n,
 DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
 DT_PRIVATE void prof_push(prof_state *p, prof_event e);
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
+/* The median of the n values v (the lower middle one; v sorted in place);
+ * 0 when n is 0. */
+DT_PRIVATE double prof_median(double *v, int n);
+/* The context's part of out (eval_s, ckpt_s, threads): without prof.mu held
+ * (it takes the context's warn_mu). */
+DT_PRIVATE void prof_fill_ctx(dt_ctx *ctx, dt_profile_stats *out);
 DT_PRIVATE const char *prof_phase_name(int phase);
 DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv);
 DT_PRIVATE void prof_gather(dt_ctx *ctx, double ran_s, double exposed_s);

@@ -93,10 +93,12 @@ struct dt_monitor {
     uint64_t version;
     char why[320];                 /* the slowest rank and why */
     int slowest, straggler;
-    char server_why[320];          /* the parameter server holding the job back, and why */
+    char server_why[480];          /* the parameter server holding the job back, and why */
     int slow_server;
     char cpu_why[320];             /* the rank the CPU starves over the interval, and why */
     int cpu_starved;
+    char loader_why[400];          /* the rank whose loader holds the others back, and why */
+    int loader_bottleneck;
 };
 
 static const char *const mon_phase_key[PH_COUNT] = {"data", "forward", "backward", "comm_wait",
@@ -355,6 +357,7 @@ static void mon_diagnose(dt_monitor *m)
         snprintf(m->why, sizeof m->why, "one rank");
     double median = 0;
     m->straggler = prof_find_straggler(per, P, PROF_DEFAULT_THRESHOLD, &median);
+    m->loader_bottleneck = prof_loader_bottleneck(all, P, m->loader_why, sizeof m->loader_why);
     /* the parameter servers over the interval */
     dt_profile_stats sv[64];
     const dt_profile_stats *servers[64] = {0};
@@ -368,6 +371,8 @@ static void mon_diagnose(dt_monitor *m)
         sv[r].ps_serve_s = b->ps_serve_s - a->ps_serve_s;
         sv[r].ps_busy_s = b->ps_busy_s - a->ps_busy_s;
         sv[r].ps_stalled_s = b->ps_stalled_s - a->ps_stalled_s;
+        sv[r].ps_bytes_in = b->ps_bytes_in - a->ps_bytes_in;
+        sv[r].ps_bytes_out = b->ps_bytes_out - a->ps_bytes_out;
         sv[r].ps_keys = b->ps_keys;
         servers[r] = &sv[r];
     }
@@ -530,6 +535,8 @@ static char *mon_render_state(dt_monitor *m, double now, int whole)
     jstr(&b, "server_why", m->server_why);
     strbuf_printf(&b, ",\"cpu_starved\":%d,", m->cpu_starved);
     jstr(&b, "cpu_why", m->cpu_why);
+    strbuf_printf(&b, ",\"loader_bottleneck\":%d,", m->loader_bottleneck);
+    jstr(&b, "loader_why", m->loader_why);
     strbuf_puts(&b, ",\"ranks\":[");
     for (int r = 0; r < m->world; r++) {
         if (r)
@@ -1007,7 +1014,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
-    m->slowest = m->straggler = m->slow_server = m->cpu_starved = -1;
+    m->slowest = m->straggler = m->slow_server = m->cpu_starved = m->loader_bottleneck = -1;
     m->t0 = dt_now();
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);

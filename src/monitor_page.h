@@ -68,7 +68,7 @@ static const char mon_page[] =
     "  state=s;\n"
     "  const up=s.ranks.filter(r=>r.status===\"up\").length, r0=s.ranks[0]||{steps:0};\n"
     "  document.getElementById(\"job\").innerHTML=`${s.world} rank${s.world>1\?\"s\":\"\"}, <b>${up}</b> up &middot; step <b id=\"steps\">${r0.steps}</b> on rank 0 &middot; ${f(s.ranks.reduce((a,r)=>a+(r.samples_per_s||0),0),0)} samples/s &middot; up ${f(s.uptime_s,0)} s`;\n"
-    "  document.getElementById(\"why\").textContent=(s.cpu_why\?s.cpu_why+\"; \":\"\")+(s.server_why||s.why||\"not enough intervals yet\");\n"
+    "  document.getElementById(\"why\").textContent=(s.cpu_why\?s.cpu_why+\"; \":\"\")+(s.loader_why\?s.loader_why+\"; \":\"\")+(s.server_why||s.why||\"not enough intervals yet\");\n"
     "  const bad=s.ranks.filter(r=>r.status!==\"up\").map(r=>`rank ${r.rank} ${r.status}`);\n"
     "  const warned=s.ranks.filter(r=>r.warnings).map(r=>`rank ${r.rank}: ${r.warning}`);\n"
     "  document.getElementById(\"strag\").innerHTML=(s.straggler>=0\?`<span class=\"strag\">straggler: rank ${s.straggler}</span> (computes more than 15% above the median per sample) `:\"\")+\n"

@@ -46,15 +46,9 @@ DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double thres
             sorted[n++] = per_sample[r];
     if (n < 2)
         return -1;
-    for (int i = 1; i < n; i++)   /* insertion sort: P is small */
-        for (int j = i; j > 0 && sorted[j] < sorted[j - 1]; j--) {
-            double t = sorted[j];
-            sorted[j] = sorted[j - 1];
-            sorted[j - 1] = t;
-        }
     /* the lower median: with two ranks, the faster one (the midpoint would
      * halve the gap a slow rank opens) */
-    *median = n % 2 ? sorted[n / 2] : sorted[n / 2 - 1];
+    *median = prof_median(sorted, n);
     int worst = -1;
     for (int r = 0; r < P; r++)
         if (per_sample[r] > *median * (1 + threshold) &&
@@ -130,6 +124,7 @@ static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
                         .batch_s = p->batch_s, .batches = p->batches,
                         .batches_prefetched = p->batches_prefetched};
     prof_fill(p, &h.st);
+    prof_fill_ctx(ctx, &h.st);
     snprintf(h.long_wait, sizeof h.long_wait, "%s", p->long_wait);
     memcpy(buf, &h, sizeof h);
     if (p->nev)
@@ -384,6 +379,105 @@ DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *
     return worst;
 }
 
+/* One rank's data wait per step 10% of its step or more and above twice
+ * the median rank's plus 1 ms: in lockstep the others wait for its batches
+ * in their collectives (so theirs stays low), the job goes at its loader's
+ * pace.  Every rank slow to load is the data hint's (one loader for all),
+ * not this.  Shared with the monitor (src/monitor.c). */
+DT_PRIVATE int prof_loader_bottleneck(const dt_profile_stats *const *st, int P, char *why,
+                                      size_t cap)
+{
+    double waits[64];
+    int n = 0, worst = -1;
+    for (int r = 0; r < P && r < 64; r++)
+        if (st[r] && st[r]->steps) {
+            waits[n++] = per_step(st[r]->data_s, st[r]->steps);
+            if (worst < 0 || per_step(st[r]->data_s, st[r]->steps) >
+                                 per_step(st[worst]->data_s, st[worst]->steps))
+                worst = r;
+        }
+    why[0] = '\0';
+    if (n < 2)
+        return -1;
+    double median = prof_median(waits, n);
+    const dt_profile_stats *s = st[worst];
+    double mine = per_step(s->data_s, s->steps), step = per_step(s->step_s, s->steps);
+    if (!(mine >= 0.10 * step) || !(mine > 2 * median + 1.0))
+        return -1;
+    snprintf(why, cap, "rank %d's data loader holds the job back: it waits %.2f ms per step for "
+             "its batches (%.0f%% of its step) against the median rank's %.2f ms, and the others "
+             "wait for it in their collectives: look at what that rank reads from (its storage, "
+             "its host's CPU) and at its loader (dt_loader_config.prefetch, what the dataset "
+             "does per sample)", worst, mine, 100 * mine / step, median);
+    return worst;
+}
+
+/* A rank whose evaluation (dt_evaluate) and checkpoints took 5% of its
+ * time or more (at least 10 ms) beyond the median rank's, while the median
+ * of the others waited in their collectives at least half as long: the
+ * work one rank does alone between steps is the others' lost time. */
+DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *why, size_t cap)
+{
+    double aside[64];
+    int n = 0, worst = -1;
+    for (int r = 0; r < P && r < 64; r++)
+        if (st[r] && st[r]->steps) {
+            aside[n++] = st[r]->eval_s + st[r]->ckpt_s;
+            if (worst < 0 || st[r]->eval_s + st[r]->ckpt_s > st[worst]->eval_s + st[worst]->ckpt_s)
+                worst = r;
+        }
+    why[0] = '\0';
+    if (n < 2)
+        return -1;
+    double extra = st[worst]->eval_s + st[worst]->ckpt_s - prof_median(aside, n);
+    double waits[64];
+    int m = 0;
+    for (int r = 0; r < P && r < 64; r++)
+        if (st[r] && st[r]->steps && r != worst)
+            waits[m++] = st[r]->comm_wait_s;
+    const dt_profile_stats *s = st[worst];
+    double span = s->wall_s > 0 ? s->wall_s : s->step_s, waited = prof_median(waits, m);
+    if (!(extra >= 0.010) || !(extra >= 0.05 * span) || !(waited >= 0.5 * extra))
+        return -1;
+    int eval = s->eval_s >= s->ckpt_s;
+    snprintf(why, cap, "rank %d kept the others waiting while it %s on its own: %.2f s evaluating "
+             "and %.2f s on checkpoints, %.2f s more than the median rank, while the others "
+             "waited %.2f s in their collectives (the median of them): %s", worst,
+             eval ? "evaluated" : "saved or loaded checkpoints", s->eval_s, s->ckpt_s, extra,
+             waited,
+             eval ? "evaluate on every rank (dt_evaluate with the communicator gives each rank "
+                    "its share of the data) or less often"
+                  : "save from every rank (dt_ddp_checkpoint_save writes each rank's shard) or "
+                    "less often");
+    return worst;
+}
+
+/* A hot shard before its server is saturated: the server with the most
+ * traffic, over 1.5 times its fair share, busy 20% of its time or more and
+ * at least twice the median server's share; -1: none. */
+static int prof_hot_server(const dt_profile_stats *const *st, int P, int servers, double keys,
+                           double bytes)
+{
+    double busy[64];
+    int n = 0, top = -1;
+    for (int r = 0; r < P && r < 64; r++) {
+        const dt_profile_stats *s = st[r];
+        if (!s || !(s->ps_serve_s > 0))
+            continue;
+        busy[n++] = s->ps_busy_s / s->ps_serve_s;
+        if (top < 0 || s->ps_bytes_in + s->ps_bytes_out >
+                           st[top]->ps_bytes_in + st[top]->ps_bytes_out)
+            top = r;
+    }
+    if (servers < 2 || top < 0 || !(bytes > 0))
+        return -1;
+    const dt_profile_stats *s = st[top];
+    double share = (s->ps_bytes_in + s->ps_bytes_out) / bytes, mine = s->ps_busy_s / s->ps_serve_s;
+    double kshare = keys > 0 ? (double)s->ps_keys / keys : 0;
+    int over = share > 1.5 / servers || kshare > 1.5 / servers;
+    return over && mine >= 0.2 && mine >= 2 * prof_median(busy, n) ? top : -1;
+}
+
 /* The parameter server that holds the job back, from the servers' own
  * figures (prof_ps_serving), and why, into why: one that did not run for
  * 10% of its time or more (the most of them: a stopped process, or a host
@@ -422,18 +516,22 @@ DT_PRIVATE int prof_slow_server(const dt_profile_stats *const *st, int P, char *
                  100 * s->ps_stalled_s / s->ps_serve_s);
         return stalled;
     }
+    int hot_only = busy < 0;
+    if (hot_only)
+        busy = prof_hot_server(st, P, servers, keys, bytes);
     if (busy < 0)
         return -1;
     const dt_profile_stats *s = st[busy];
     double kshare = keys > 0 ? (double)s->ps_keys / keys : 0;
     double bshare = bytes > 0 ? (s->ps_bytes_in + s->ps_bytes_out) / bytes : 0;
     int hot = servers > 1 && (kshare > 1.5 / servers || bshare > 1.5 / servers);
-    snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time and holds %.0f%% of "
+    snprintf(why, cap, "parameter server rank %d is busy %.0f%% of its time%s and holds %.0f%% of "
              "the keys, %.0f%% of the traffic: %s", busy, 100 * s->ps_busy_s / s->ps_serve_s,
-             100 * kshare, 100 * bshare,
+             hot_only ? " (the busiest by far)" : "", 100 * kshare, 100 * bshare,
              hot ? "its shard is hot (more than its share of the keys or of the traffic on one "
-                   "server): spread the rows the data asks for most (sparse ids go to server "
-                   "id % servers) or split the largest tensors"
+                   "server): sparse ids go to server id % servers, so the rows the data asks "
+                   "for most share a remainder; renumber them (a hash of the id spreads them) "
+                   "or split the largest tensors"
                  : "too many workers per server: more servers (dt_ps_config.servers)");
     return busy;
 }
@@ -467,7 +565,19 @@ static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P
                               : "");
 }
 
-/* Rank 0's report from every rank's totals. */
+/* The compute threads of the ranks other than r (their median; 0: none
+ * known), for the straggler's line: a rank given fewer threads than the
+ * others computes slower for it, which dt_ddp_balance evens out. */
+static int prof_others_threads(const dt_profile_stats *const *st, int P, int r)
+{
+    double v[64];
+    int n = 0;
+    for (int k = 0; k < P && k < 64; k++)
+        if (k != r && st[k] && st[k]->threads > 0)
+            v[n++] = st[k]->threads;
+    return (int)prof_median(v, n);
+}
+
 /* What dt_ddp_balance would give a job with a straggler: each rank's
  * share of the global batch in proportion to its speed, so the step's
  * compute goes from the slowest rank's (its per-sample time times its
@@ -493,8 +603,8 @@ static void prof_report_balance_gain(strbuf *t, const prof_blob_head *const *h, 
                       100 * (1 - then / now));
 }
 
-static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
-                               const char *trace_path)
+DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
+                                   const char *trace_path)
 {
     strbuf t = {.ctx = ctx};
     const dt_profile_stats *s0 = &h[0]->st;
@@ -542,11 +652,16 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     for (int r = 0; r < Pm; r++) {
         if (!(median > 0) || !(per[r] > median * (1 + thr)))
             continue;
+        char th[96] = "";
+        int others = prof_others_threads(all, Pm, r);
+        if (h[r]->st.threads > 0 && others > 0 && h[r]->st.threads != others)
+            snprintf(th, sizeof th, "; it computes with %d thread%s against %d on the others",
+                     h[r]->st.threads, h[r]->st.threads == 1 ? "" : "s", others);
         strbuf_printf(&t, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the median "
                       "%.3f ms of forward and backward (threshold %.0f%%; named in %d checks during "
-                      "training)\n", r,
+                      "training)%s\n", r,
                       per[r] * 1e3, 100 * (per[r] / median - 1), median * 1e3, 100 * thr,
-                      h[r]->st.straggler_warnings);
+                      h[r]->st.straggler_warnings, th);
         any = 1;
     }
     if (!any && P > 1)
@@ -574,7 +689,7 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
                       link > 0 ? 100 * busbw / link : 0, link,
                       comm_s > 0 ? 100 * (exposed < comm_s ? exposed / comm_s : 1.0) : 0);
     prof_report_gathers(&t, h, P);
-    char slow_server[320] = "";
+    char slow_server[480] = "";
     if (ps_calls) {
         for (int r = 0; r < P; r++) {
             const dt_profile_stats *s = &h[r]->st;
@@ -601,6 +716,11 @@ static char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int 
     char starved[320];
     if (prof_cpu_starved(all, Ps, starved, sizeof starved) >= 0)
         strbuf_printf(&t, "cpu: %s\n", starved);
+    char loader[400], stall[480];
+    if (prof_loader_bottleneck(all, Ps, loader, sizeof loader) >= 0)
+        strbuf_printf(&t, "data: %s\n", loader);
+    if (prof_aside_stall(all, Ps, stall, sizeof stall) >= 0)
+        strbuf_printf(&t, "stall: %s\n", stall);
     for (int r = 0; r < P; r++)   /* a living rank that kept the others past the peer timeout */
         if (h[r]->st.longest_wait_s > 0 && h[r]->long_wait[0])
             strbuf_printf(&t, "long wait, rank %d: %.*s\n", r, (int)sizeof h[r]->long_wait,

@@ -364,6 +364,8 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     p->cur_samples = 0;
     p->open = p->had_backward = 0;
     prof_find_cpu_stat(p->cpu_stat, sizeof p->cpu_stat);
+    p->eval0 = ctx_aside_s(ctx, ACT_EVAL);
+    p->ckpt0 = ctx_aside_s(ctx, ACT_CKPT_SAVE) + ctx_aside_s(ctx, ACT_CKPT_LOAD);
     prof_cpu_sample(p->cpu_stat, &p->cpu0);
     __atomic_store_n(&p->measure, 1, __ATOMIC_RELAXED);
     __atomic_store_n(&p->record, 1, __ATOMIC_RELAXED);
@@ -373,6 +375,17 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
 }
 
 int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
+
+DT_PRIVATE double prof_median(double *v, int n)
+{
+    for (int i = 1; i < n; i++)   /* insertion sort: few ranks */
+        for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return n ? v[(n - 1) / 2] : 0;
+}
 
 /* The slowest server by mean latency and the median of the means. */
 static void prof_fill_servers(const prof_state *p, dt_profile_stats *out)
@@ -391,13 +404,7 @@ static void prof_fill_servers(const prof_state *p, dt_profile_stats *out)
         if (n < 64)
             means[n++] = m;
     }
-    for (int i = 1; i < n; i++)   /* insertion sort: few servers */
-        for (int j = i; j > 0 && means[j] < means[j - 1]; j--) {
-            double t = means[j];
-            means[j] = means[j - 1];
-            means[j - 1] = t;
-        }
-    out->ps_server_median_ms = n ? means[(n - 1) / 2] : 0;
+    out->ps_server_median_ms = prof_median(means, n);
 }
 
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
@@ -418,6 +425,16 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
         out->cpu_periods = now.periods - p->cpu0.periods;
         out->cpu_throttled_periods = now.nr_throttled - p->cpu0.nr_throttled;
     }
+}
+
+DT_PRIVATE void prof_fill_ctx(dt_ctx *ctx, dt_profile_stats *out)
+{
+    const prof_state *p = &ctx->prof;
+    out->threads = ctx->threads;
+    if (!(p->cpu0.wall > 0))   /* never started */
+        return;
+    out->eval_s = ctx_aside_s(ctx, ACT_EVAL) - p->eval0;
+    out->ckpt_s = ctx_aside_s(ctx, ACT_CKPT_SAVE) + ctx_aside_s(ctx, ACT_CKPT_LOAD) - p->ckpt0;
 }
 
 /* A sharded DDP's parameter all-gathers (src/zero.c): ran s, the training
@@ -504,5 +521,6 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     pthread_mutex_lock(&p->mu);
     prof_fill(p, out);
     pthread_mutex_unlock(&p->mu);
+    prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }

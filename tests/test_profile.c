@@ -537,6 +537,20 @@ static int trace_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     return 0;
 }
 
+/* The report's lines that start with one of the prefixes, to stderr: the
+ * verdicts a real run gave, in the test's log. */
+static void show_lines(const char *rep, const char *const *prefixes, int n)
+{
+    for (const char *line = rep; line && *line;) {
+        const char *end = strchr(line, '\n');
+        int len = end ? (int)(end - line) : (int)strlen(line);
+        for (int k = 0; k < n; k++)
+            if (!strncmp(line, prefixes[k], strlen(prefixes[k])))
+                fprintf(stderr, "  %.*s\n", len, line);
+        line = end ? end + 1 : NULL;
+    }
+}
+
 /* --- slow is not dead: a loader slower than the peer timeout --------------
  * Rank 1's samples come from a callback that takes 0.5 s over each of 3
  * samples in batches 3 and 4: 1.5 s per batch, past the 1 s peer timeout.
@@ -584,10 +598,13 @@ static int slow_loader_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_profile_finish(ctx, c, NULL) != DT_OK)
         return 5;
     const char *rep = dt_profile_report(ctx);
-    if (rank == 0 && (!strstr(rep, "slowest rank: 1") || !strstr(rep, "largest phase: data wait"))) {
+    if (rank == 0 && (!strstr(rep, "slowest rank: 1") || !strstr(rep, "largest phase: data wait") ||
+                      !strstr(rep, "data: rank 1's data loader holds the job back"))) {
         fprintf(stderr, "report:\n%s\n", rep);
         return 6;
     }
+    if (rank == 0)
+        show_lines(rep, (const char *const[]){"data:", "long wait"}, 2);
     dt_ddp_free(ddp);
     dt_optim_free(opt);
     dt_loader_free(ld);
@@ -601,6 +618,62 @@ static void test_slow_loader_is_waited_on(void **state)
     job_timeout_ms = 1000;
     run_ranks(2, slow_loader_rank);
     job_timeout_ms = 20000;
+}
+
+/* --- slow is not dead: an evaluation on one rank past the peer timeout ------
+ * Rank 0 evaluates the dataset alone (dt_evaluate without the comm) after
+ * step 4, a forward of 300 ms per batch of 128: 1.5 s, past the 1 s peer
+ * timeout, while rank 1 waits in its next DDP step.  No failure; rank 0's
+ * report names the stall and rank 1's wait for "evaluating". */
+static dt_tensor *slow_logits(dt_ctx *ctx, dt_tensor *x, void *user)
+{
+    const mlp *m = user;
+    usleep(300 * 1000);
+    dt_tensor *h = dt_relu(ctx, dt_linear(ctx, dt_flatten(ctx, x, 1), m->w1, m->b1));
+    return dt_linear(ctx, h, m->w2, m->b2);
+}
+
+static int eval_stall_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    job j;
+    double loop = 0;
+    if (job_start(ctx, c, 1, &j) || ddp_train(ctx, c, j.ld, j.ddp, j.opt, &j.m, 4, -1, 0, &loop))
+        return 1;
+    if (rank == 0) {
+        dt_metrics mt;
+        if (dt_evaluate(ctx, NULL, j.ds, NULL, slow_logits, &j.m, &mt) != DT_OK ||
+            mt.samples != NSAMPLES)
+            return 2;
+    }
+    if (ddp_train(ctx, c, j.ld, j.ddp, j.opt, &j.m, 8, -1, 0, &loop))
+        return 3;   /* (a failure here: the wait was taken for death) */
+    dt_profile_stats st;
+    dt_profile_get(ctx, &st);
+    if (rank == 0 && !(st.eval_s >= 1.4))
+        return 4;
+    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+        return 5;
+    const char *rep = dt_profile_report(ctx);
+    if (rank == 0 && (!strstr(rep, "stall: rank 0 kept the others waiting while it evaluated") ||
+                      !strstr(rep, "for rank 0, which was evaluating"))) {
+        fprintf(stderr, "report:\n%s\n", rep);
+        return 6;
+    }
+    if (rank == 0)
+        show_lines(rep, (const char *const[]){"stall:", "long wait"}, 2);
+    job_end(&j);
+    return 0;
+}
+
+static void test_evaluation_stall(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    job_timeout_ms = 1000;
+    run_ranks(2, eval_stall_rank);
+    job_timeout_ms = 20000;
+    tu_rmdir(job_data.dir);
 }
 
 /* --- a report even when the job fails ---------------------------------------
@@ -1484,6 +1557,14 @@ static void test_server_diagnosis(void **state)
     a = server_figures(10, 7, 0, 500, 4e9), b = server_figures(10, 2, 0, 500, 1e9);
     assert_int_equal(prof_slow_server(st, 4, why, sizeof why), 2);
     assert_non_null(strstr(why, "50% of the keys, 80% of the traffic: its shard is hot"));
+    /* not saturated yet, but 35% busy against 5% with 90% of the bytes: hot */
+    a = server_figures(10, 3.5, 0, 500, 9e9), b = server_figures(10, 0.5, 0, 500, 1e9);
+    assert_int_equal(prof_slow_server(st, 4, why, sizeof why), 2);
+    assert_non_null(strstr(why, "busy 35% of its time (the busiest by far)"));
+    assert_non_null(strstr(why, "90% of the traffic: its shard is hot"));
+    /* the same traffic, the other server nearly as busy: not the shard */
+    b = server_figures(10, 2.5, 0, 500, 1e9);
+    assert_int_equal(prof_slow_server(st, 4, why, sizeof why), -1);
     /* rank 2 busy with 90% of the keys: hot too */
     a = server_figures(10, 7, 0, 900, 1e9), b = server_figures(10, 2, 0, 100, 1e9);
     assert_int_equal(prof_slow_server(st, 4, why, sizeof why), 2);
@@ -1545,6 +1626,77 @@ static void test_cpu_diagnosis(void **state)
     char tiny[16];
     assert_int_equal(prof_cpu_starved(st, 3, tiny, sizeof tiny), 2);
     assert_int_equal(strlen(tiny), sizeof tiny - 1);
+}
+
+/* The report's verdicts on made-up heads (prof_build_report): a loader
+ * that holds the others back, a rank that evaluates or saves on its own
+ * while the others wait, a straggler with fewer threads (and what
+ * dt_ddp_balance would gain); each against a case it must not name. */
+static prof_blob_head made_up_rank(int steps, double step_s, double data_s, double wait_s)
+{
+    prof_blob_head h = {0};
+    h.st.steps = steps, h.st.step_s = step_s, h.st.data_s = data_s, h.st.comm_wait_s = wait_s;
+    h.st.forward_s = h.st.backward_s = (step_s - data_s - wait_s) / 2;
+    h.st.samples = 16 * steps, h.st.wall_s = step_s, h.st.threads = 2;
+    h.st.longest_wait_rank = h.st.ps_slowest_server = -1;
+    return h;
+}
+
+static char *report_of(dt_ctx *ctx, prof_blob_head *h, int P)
+{
+    const prof_blob_head *hp[4];
+    for (int r = 0; r < P; r++)
+        hp[r] = &h[r];
+    char *rep = prof_build_report(ctx, hp, P, 0, NULL);
+    assert_non_null(rep);
+    return rep;
+}
+
+static void expect_in(dt_ctx *ctx, char *rep, const char *want, int present)
+{
+    if (!strstr(rep, want) != !present)
+        fail_msg("the report should%s say \"%s\":\n%s", present ? "" : " not", want, rep);
+    host_free(ctx, rep);
+}
+
+static void test_report_verdicts(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    /* rank 1 waits 50 ms per step for its batches, the others wait for it */
+    prof_blob_head h[3] = {made_up_rank(10, 1, 0.01, 0.5), made_up_rank(10, 1, 0.5, 0.01),
+                           made_up_rank(10, 1, 0.02, 0.49)};
+    expect_in(ctx, report_of(ctx, h, 3), "data: rank 1's data loader holds the job back: it waits "
+                                    "50.00 ms per step for its batches (50% of its step) against "
+                                    "the median rank's 2.00 ms", 1);
+    h[0].st.data_s = h[2].st.data_s = 0.5;   /* every loader slow: the data hint's, not a rank */
+    expect_in(ctx, report_of(ctx, h, 3), "data: rank", 0);
+    /* rank 0 evaluates 2 s of its 10 alone; the others wait 1.8 s */
+    for (int r = 0; r < 3; r++)
+        h[r] = made_up_rank(10, 10, 0.1, r ? 1.8 : 0.1);
+    h[0].st.eval_s = 2;
+    expect_in(ctx, report_of(ctx, h, 3), "stall: rank 0 kept the others waiting while it evaluated on "
+                                    "its own: 2.00 s evaluating and 0.00 s on checkpoints, 2.00 s "
+                                    "more than the median rank, while the others waited 1.80 s", 1);
+    h[0].st.eval_s = 0, h[0].st.ckpt_s = 2;
+    expect_in(ctx, report_of(ctx, h, 3), "while it saved or loaded checkpoints on its own", 1);
+    h[0].st.ckpt_s = 2, h[1].st.ckpt_s = h[2].st.ckpt_s = 2;   /* every rank saves its shard */
+    expect_in(ctx, report_of(ctx, h, 3), "stall:", 0);
+    h[1].st.ckpt_s = h[2].st.ckpt_s = 0, h[1].st.comm_wait_s = h[2].st.comm_wait_s = 0.2;
+    expect_in(ctx, report_of(ctx, h, 3), "stall:", 0);   /* nobody waited for it */
+    /* rank 1 computes with 1 thread at 2 ms per sample, rank 0 with 4 at 1 ms */
+    prof_blob_head t[2] = {made_up_rank(10, 0.32, 0, 0.16), made_up_rank(10, 0.32, 0, 0)};
+    t[0].st.threads = 4, t[1].st.threads = 1;
+    char *rep = report_of(ctx, t, 2);
+    if (!strstr(rep, "straggler: rank 1 computes 2.000 ms per sample, 100% above the median 1.000 "
+                     "ms") ||
+        !strstr(rep, "it computes with 1 thread against 4 on the others") ||
+        !strstr(rep, "would go from 32.00 ms to 21.33 ms (33% less)"))
+        fail_msg("threads:\n%s", rep);
+    host_free(ctx, rep);
+    t[1].st.threads = 4;   /* as many threads: a straggler still, no word of threads */
+    expect_in(ctx, report_of(ctx, t, 2), "thread against", 0);
+    dt_ctx_free(ctx);
 }
 
 /* The measures themselves, in a child this test starves: two threads
@@ -1650,8 +1802,10 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_monitor_one_process),
     cmocka_unit_test(test_monitor_shows_warnings),
     cmocka_unit_test(test_slow_loader_is_waited_on),
+    cmocka_unit_test(test_evaluation_stall),
     cmocka_unit_test(test_report_of_a_failed_job),
     cmocka_unit_test(test_cpu_diagnosis),
+    cmocka_unit_test(test_report_verdicts),
     cmocka_unit_test(test_server_latency_diagnosis),
     cmocka_unit_test(test_ps_server_throttled),
     cmocka_unit_test(test_cpu_starvation_measured),

@@ -247,7 +247,8 @@ class dt_profile_stats(ctypes.Structure):
                 ("cpu_wait_s", _D), ("throttled_s", _D), ("cpu_periods", _I64),
                 ("cpu_throttled_periods", _I64), ("longest_wait_s", _D), ("longest_wait_rank", _I),
                 ("ps_slowest_server", _I), ("ps_slowest_server_ms", _D),
-                ("ps_server_median_ms", _D)]
+                ("ps_server_median_ms", _D), ("eval_s", _D), ("ckpt_s", _D),
+                ("threads", _I)]
 
 
 _STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_param_group, dt_schedule, dt_loader_config,

@@ -140,6 +140,9 @@ int main(void)
     F(dt_profile_stats, ps_slowest_server, ps_slowest_server);
     F(dt_profile_stats, ps_slowest_server_ms, ps_slowest_server_ms);
     F(dt_profile_stats, ps_server_median_ms, ps_server_median_ms);
+    F(dt_profile_stats, eval_s, eval_s);
+    F(dt_profile_stats, ckpt_s, ckpt_s);
+    F(dt_profile_stats, threads, threads);
     END(dt_profile_stats);
 
     F(dt_checkpoint_config, struct_size, struct_size); F(dt_checkpoint_config, dtype, dtype);
