@@ -365,7 +365,11 @@ DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *
     if (worst < 0)
         return -1;
     const dt_profile_stats *s = st[worst];
-    const char *role = s->ps_serve_s > 0 ? " (parameter server)" : "";
+    char role[48] = "";
+    if (s->ps_serve_s > 0)
+        snprintf(role, sizeof role, " (parameter server)");
+    else if (s->threads > 1)
+        snprintf(role, sizeof role, " (%d compute threads)", s->threads);
     if (quota)
         snprintf(why, cap, "rank %d%s was throttled %.0f%% of the time by its CPU quota (cgroup "
                  "cpu.stat: %lld of %lld periods throttled): raise its quota, or give it less "
@@ -667,7 +671,9 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
     if (!any && P > 1)
         strbuf_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
                       "median)\n", 100 * thr);
-    if (any)
+    char starved[320];
+    int starved_rank = prof_cpu_starved(all, Ps, starved, sizeof starved);
+    if (any && (strag < 0 || strag != starved_rank))   /* short of CPU: balancing hides it */
         prof_report_balance_gain(&t, h, Pm, per);
     /* communication */
     uint64_t bytes = 0;
@@ -713,8 +719,7 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
             prof_slow_server_by_latency(all, Ps, slow_server, sizeof slow_server) >= 0)
             strbuf_printf(&t, "slowest parameter server: %s\n", slow_server);
     }
-    char starved[320];
-    if (prof_cpu_starved(all, Ps, starved, sizeof starved) >= 0)
+    if (starved_rank >= 0)
         strbuf_printf(&t, "cpu: %s\n", starved);
     char loader[400], stall[480];
     if (prof_loader_bottleneck(all, Ps, loader, sizeof loader) >= 0)
@@ -771,7 +776,11 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
                         "CPU (fewer compute threads per rank)");
         hints++;
     }
-    if (strag >= 0) {
+    if (strag >= 0 && strag == starved_rank) {
+        strbuf_printf(&t, "hint: rank %d is a straggler because the CPU starves it (the cpu line): "
+                      "fix that first (balancing the load would only hide it)\n", strag);
+        hints++;
+    } else if (strag >= 0) {
         strbuf_printf(&t, "hint: rank %d is a straggler: check its host (CPU quota, other jobs, "
                       "thermal limits), or balance the load (%s)\n", strag,
                       ps_calls ? "dt_loader_steal: idle workers take the slow one's chunks"

@@ -374,6 +374,7 @@ typedef int (*rank_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
 static data job_data;           /* set before forking: inherited */
 static char job_trace[192];
 static int job_timeout_ms = 20000;   /* the ranks' dt_comm_config.timeout_ms */
+static int job_threads[8];           /* the ranks' dt_config.threads (0: 1) */
 
 static void rank_main(int rank, int world, int port, rank_fn fn)
 {
@@ -381,6 +382,7 @@ static void rank_main(int rank, int world, int port, rank_fn fn)
     dt_config cfg;
     dt_config_init(&cfg);
     cfg.seed = 7;
+    cfg.threads = job_threads[rank];
     dt_ctx *ctx = dt_ctx_new(&cfg);
     dt_dist_env e = tr_env(rank, world, port);
     dt_comm_config cc;
@@ -673,6 +675,116 @@ static void test_evaluation_stall(void **state)
     job_timeout_ms = 1000;
     run_ranks(2, eval_stall_rank);
     job_timeout_ms = 20000;
+    tu_rmdir(job_data.dir);
+}
+
+/* --- ranks with different thread counts ------------------------------------
+ * Rank 0 computes with 2 threads, rank 1 with 1, on the same work (a
+ * 64-1024-1024-10 MLP, batches of 128, GEMMs split over the pool).  With 3
+ * CPUs or more, rank 0 gets two of them and rank 1 one (sched_setaffinity):
+ * rank 1 is the straggler, and the report says its thread count against
+ * the others' and what dt_ddp_balance would gain.  With fewer (2 cores:
+ * CI), the 3 threads share 2 cores: rank 0's second thread only waits for
+ * a CPU, and the report's cpu line says so, naming its threads. */
+static int threads_cpus;   /* CPUs this process may run on */
+
+static int threads_pin(int rank)
+{
+    cpu_set_t mine, want;
+    if (sched_getaffinity(0, sizeof mine, &mine) != 0)
+        return -1;
+    CPU_ZERO(&want);
+    for (int cpu = 0, k = 0; cpu < CPU_SETSIZE && k < 3; cpu++)
+        if (CPU_ISSET(cpu, &mine)) {
+            if ((rank == 0 && k < 2) || (rank == 1 && k == 2))
+                CPU_SET(cpu, &want);
+            k++;
+        }
+    return sched_setaffinity(0, sizeof want, &want);
+}
+
+static int threads_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    (void)world;
+    if (threads_cpus >= 3 && threads_pin(rank) != 0)
+        return 8;
+    if (dt_ctx_threads(ctx) != (rank ? 1 : 2) || dt_profile_start(ctx, NULL) != DT_OK)
+        return 1;
+    dt_tensor *w[3], *b[3];
+    int64_t dims[4] = {PIXELS, 1024, 1024, CLASSES};
+    for (int l = 0; l < 3; l++) {
+        char name[16];
+        snprintf(name, sizeof name, "w%d", l);
+        w[l] = dt_param_new(ctx, name, 2, (const int64_t[]){dims[l + 1], dims[l]});
+        snprintf(name, sizeof name, "b%d", l);
+        b[l] = dt_param_new(ctx, name, 1, (const int64_t[]){dims[l + 1]});
+        if (!w[l] || !b[l] || dt_init_kaiming_uniform(ctx, w[l], 2.2360679775f) != DT_OK)
+            return 2;
+    }
+    dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
+    dt_loader_config lc;
+    dt_loader_config_init(&lc);
+    lc.batch = 128;
+    lc.shard_rank = rank;
+    lc.shard_count = 2;
+    dt_loader *ld = ds ? dt_loader_new(ctx, ds, &lc) : NULL;
+    dt_optim_config oc;
+    dt_optim_config_init(&oc, DT_SGD);
+    dt_optim *opt = ld ? dt_optim_new(ctx, &oc, NULL, 0) : NULL;
+    dt_ddp *ddp = opt ? dt_ddp_new(ctx, c, opt, NULL) : NULL;
+    if (!ddp)
+        return 3;
+    dt_tensor *x, *y;
+    for (int s = 0; s < 16; s++) {
+        dt_status st = dt_loader_next(ld, &x, &y);
+        if (st == DT_EOF && dt_loader_start_epoch(ld, s) == DT_OK)
+            st = dt_loader_next(ld, &x, &y);
+        if (st != DT_OK)
+            return 4;
+        dt_tensor *h = dt_flatten(ctx, x, 1);
+        for (int l = 0; l < 3; l++)
+            h = l < 2 ? dt_relu(ctx, dt_linear(ctx, h, w[l], b[l])) : dt_linear(ctx, h, w[l], b[l]);
+        if (dt_backward(ctx, dt_cross_entropy(ctx, h, y)) != DT_OK || dt_ddp_step(ddp) != DT_OK)
+            return 5;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+        return 6;
+    const char *rep = dt_profile_report(ctx);
+    if (rank == 0) {
+        show_lines(rep, (const char *const[]){"straggler", "hint: dt_ddp_balance", "cpu:",
+                                              "hint: rank"}, 4);
+        int named = threads_cpus >= 3
+                    ? strstr(rep, "straggler: rank 1 computes") &&
+                          strstr(rep, "it computes with 1 thread against 2 on the others") &&
+                          strstr(rep, "hint: dt_ddp_balance(ddp, loader, 50)")
+                    : strstr(rep, "cpu: rank 0 (2 compute threads) got") &&
+                          strstr(rep, "more runnable threads than cores");
+        if (!named) {
+            fprintf(stderr, "report:\n%s\n", rep);
+            return 7;
+        }
+    }
+    dt_ddp_free(ddp);
+    dt_optim_free(opt);
+    dt_loader_free(ld);
+    dt_dataset_free(ds);
+    return 0;
+}
+
+static void test_thread_straggler(void **state)
+{
+    (void)state;
+    data_make(&job_data, NSAMPLES);
+    cpu_set_t mine;
+    threads_cpus = sched_getaffinity(0, sizeof mine, &mine) == 0 ? CPU_COUNT(&mine) : 1;
+    fprintf(stderr, "%d CPUs: %s\n", threads_cpus,
+            threads_cpus >= 3 ? "rank 0 on two, rank 1 on one: the straggler's line"
+                              : "3 threads on them: the cpu line (the straggler's needs 3 CPUs)");
+    job_threads[0] = 2, job_threads[1] = 1;
+    run_ranks(2, threads_rank);
+    job_threads[0] = job_threads[1] = 0;
     tu_rmdir(job_data.dir);
 }
 
@@ -1696,6 +1808,12 @@ static void test_report_verdicts(void **state)
     host_free(ctx, rep);
     t[1].st.threads = 4;   /* as many threads: a straggler still, no word of threads */
     expect_in(ctx, report_of(ctx, t, 2), "thread against", 0);
+    t[1].st.cpu_s = 0.1, t[1].st.cpu_wait_s = 0.2;   /* slow for want of CPU: fix that first */
+    rep = report_of(ctx, t, 2);
+    if (!strstr(rep, "hint: rank 1 is a straggler because the CPU starves it") ||
+        strstr(rep, "dt_ddp_balance(ddp"))
+        fail_msg("a starved straggler:\n%s", rep);
+    host_free(ctx, rep);
     dt_ctx_free(ctx);
 }
 
@@ -1803,6 +1921,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_monitor_shows_warnings),
     cmocka_unit_test(test_slow_loader_is_waited_on),
     cmocka_unit_test(test_evaluation_stall),
+    cmocka_unit_test(test_thread_straggler),
     cmocka_unit_test(test_report_of_a_failed_job),
     cmocka_unit_test(test_cpu_diagnosis),
     cmocka_unit_test(test_report_verdicts),
