@@ -773,7 +773,7 @@ static int threads_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     return 0;
 }
 
-static void test_thread_straggler(void **state)
+static void test_thread_counts(void **state)
 {
     (void)state;
     data_make(&job_data, NSAMPLES);
@@ -1921,7 +1921,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_monitor_shows_warnings),
     cmocka_unit_test(test_slow_loader_is_waited_on),
     cmocka_unit_test(test_evaluation_stall),
-    cmocka_unit_test(test_thread_straggler),
+    cmocka_unit_test(test_thread_counts),
     cmocka_unit_test(test_report_of_a_failed_job),
     cmocka_unit_test(test_cpu_diagnosis),
     cmocka_unit_test(test_report_verdicts),
