@@ -1973,7 +1973,8 @@ typedef struct dt_profile_stats {
     double ps_bytes_in, ps_bytes_out;
     int64_t ps_queue_max;      /* the most requests waiting at once (held pulls, parked
                                   workers) */
-    int64_t ps_keys;           /* floats it holds (its shard and the step flags) */
+    int64_t ps_keys;           /* floats it holds (its shard, the step flags, its rows of
+                                  the sparse tables) */
     /* a sharded DDP (dt_ddp_config.zero), as dt_ddp_stats: */
     double gather_s;           /* time the parameters' all-gathers ran */
     double gather_exposed_s;   /* of it, what the training thread waited for (zero 1-2: all

@@ -350,7 +350,9 @@ DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *
         const dt_profile_stats *s = st[r];
         if (!s || !(s->wall_s > 0))
             continue;
-        double thr = s->throttled_s / s->wall_s;
+        /* cpu.stat sums the throttled time of each CPU's run queue: over
+         * the wall time on several CPUs; a share of time is at most 1 */
+        double thr = s->throttled_s < s->wall_s ? s->throttled_s / s->wall_s : 1.0;
         double ready = s->cpu_s + s->cpu_wait_s, waited = s->cpu_wait_s / s->wall_s;
         int is_quota = thr >= 0.10;
         double share = is_quota ? thr : ready > 0 && waited >= 0.10 && s->cpu_s / ready <= 0.80
@@ -373,7 +375,7 @@ DT_PRIVATE int prof_cpu_starved(const dt_profile_stats *const *st, int P, char *
     if (quota)
         snprintf(why, cap, "rank %d%s was throttled %.0f%% of the time by its CPU quota (cgroup "
                  "cpu.stat: %lld of %lld periods throttled): raise its quota, or give it less "
-                 "to do", worst, role, 100 * s->throttled_s / s->wall_s,
+                 "to do", worst, role, 100 * worst_share,
                  (long long)s->cpu_throttled_periods, (long long)s->cpu_periods);
     else
         snprintf(why, cap, "rank %d%s got %.0f%% of the CPU its threads were ready to use (they "

@@ -1093,6 +1093,8 @@ static void ps_meter_publish(dt_ps *ps, ps_meter *mt, double now, int force)
     mt->sv.ps_serve_s = now - mt->t0;
     mt->sv.ps_served = ps->st.pushes + ps->st.pulls;
     mt->sv.ps_keys = ps_my_floats(ps);
+    for (int t = 0; t < ps->ntables; t++)   /* and its rows of the sparse tables */
+        mt->sv.ps_keys += ps->tabs[t].count * ps->tabs[t].dim;
     mt->published = now;
     prof_ps_serving(ps->ctx, &mt->sv);
 }

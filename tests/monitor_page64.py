@@ -29,12 +29,19 @@ def rank(r):
             "last_seen_s": 9 if status != "up" else 0.2, "step_ms": step, "phases_ms": ph,
             "samples_per_s": 128 / step * 1e3, "bytes_per_s": 2e8, "busbw_GBps": 0.8,
             "straggler": r == 37, "ps_calls": 0, "ps_latency_ms": None, "ps_max_staleness": 0,
-            "ps_mean_staleness": 0, "scalars": {"loss": 0.4}}
+            "ps_mean_staleness": 0, "scalars": {"loss": 0.4},
+            "doing": DOING if r == 37 else "computing", "warnings": 0, "warning": ""}
+
+
+DOING = "waiting for its data loader for 25 s"
+CPU_WHY = "rank 50 got 52% of the CPU its threads were ready to use"
+LOADER_WHY = "rank 37's data loader holds the job back"
 
 
 STATE = {"world": 64, "interval_s": 1, "uptime_s": 60, "slowest": 37,
          "why": "slowest rank: 37, busy 58.00 ms of its 60.00 ms step", "straggler": 37,
-         "slow_server": -1, "server_why": "", "ranks": [rank(r) for r in range(64)],
+         "slow_server": -1, "server_why": "", "cpu_starved": 50, "cpu_why": CPU_WHY,
+         "loader_bottleneck": 37, "loader_why": LOADER_WHY, "ranks": [rank(r) for r in range(64)],
          "history": [{"t": t, "steps": t * 8, "samples_per_s": 300000, "step_ms": 20,
                       "loss": 1 / (t + 1), "val_loss": None, "lr": None,
                       **{p: 3 for p in PHASES}} for t in range(60)]}
@@ -73,5 +80,11 @@ if not m or int(m.group(1)) != 64 - (len(rows) - 1):
 for r, cls in (("50", "silent"), ("12", "died")):
     if not re.search(rf'<tr data-rank="{r}"[^>]*>.*?<td class="l {cls}">', dom):
         sys.exit(f"monitor page check: FAILED: rank {r} is not shown as {cls}")
+if not re.search(rf'<tr data-rank="37"[^>]*>.*?{DOING}', dom):
+    sys.exit("monitor page check: FAILED: rank 37's row does not say what it is doing")
+for what in (CPU_WHY, LOADER_WHY):
+    if what.replace("'", "&#39;") not in dom and what not in dom:
+        sys.exit(f"monitor page check: FAILED: the diagnosis lacks '{what}'")
 print(f"monitor page check: 64 ranks in {len(rows)} rows (a median row, rank 0, the slowest and "
-      f"straggler 37, silent 50, dead 12, the slowest others); {m.group(1)} left out, as it says")
+      f"straggler 37, silent 50, dead 12, the slowest others); {m.group(1)} left out, as it says; "
+      f"rank 37's activity, the cpu and loader verdicts shown")

@@ -1348,6 +1348,28 @@ static int make_quota_cgroup(char *dir, size_t dcap, char *procs, size_t pcap, i
 
 /* The server's cgroup (test_ps_server_throttled): it enters it first. */
 static char ps_quota_procs[160];
+static int http_get(int port, const char *path, char *out, size_t cap);
+
+/* Rank 0 of the throttled job: /api/state names the throttled server
+ * within 15 s (the monitor's interval verdict, prof_cpu_starved). */
+static int state_names_throttled(dt_monitor *mon)
+{
+    char *body = malloc(1 << 16);
+    int named = 0;
+    for (int k = 0; body && k < 60 && !named; k++) {
+        usleep(250 * 1000);
+        named = http_get(dt_monitor_port(mon), "/api/state", body, 1 << 16) == 200 &&
+                strstr(body, "\"cpu_starved\":2,") &&
+                strstr(body, "rank 2 (parameter server) was throttled");
+    }
+    if (named) {
+        const char *why = strstr(body, "\"cpu_why\":");
+        fprintf(stderr, "/api/state cpu_why: %.*s\n", why ? (int)strcspn(why + 11, "\"") : 0,
+                why ? why + 11 : "");
+    }
+    free(body);
+    return named;
+}
 
 static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
@@ -1362,6 +1384,14 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 1;
     if (dt_profile_start(ctx, NULL) != DT_OK)
         return 2;
+    dt_monitor *mon = NULL;
+    if (ps_quota_procs[0]) {   /* the live view too */
+        dt_monitor_config mc;
+        dt_monitor_config_init(&mc);
+        mc.interval_s = 0.25;
+        if (!(mon = dt_monitor_start(ctx, c, &mc)))
+            return 13;
+    }
     dt_ps_config pc;
     dt_ps_config_init(&pc);
     pc.servers = 1;
@@ -1401,9 +1431,12 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 16;
         dt_loader_free(ld);
         dt_dataset_free(ds);
+        if (rank == 0 && mon && !state_names_throttled(mon))
+            return 14;
         if (dt_ps_finish(ps) != DT_OK)
             return 7;
     }
+    dt_monitor_stop(mon);
     if (dt_profile_finish(ctx, c, rank == 0 ? job_trace : NULL) != DT_OK)
         return 8;
     if (rank == 0 && (!strstr(dt_profile_report(ctx), "parameter server, rank 0:") ||
@@ -1416,6 +1449,103 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     }
     dt_ps_free(ps);
     return dt_barrier(c) != DT_OK ? 10 : 0;
+}
+
+/* --- a hot shard from skewed keys ----------------------------------------------
+ * 2 workers pull and push 2048 sparse rows (dim 64) per step whose items
+ * follow a Zipf law (s = 1.1 over 65536 items, drawn by inverting its
+ * CDF), on 2 servers (ranks 2 and 3).  Rows go to server id % 2.  Item k
+ * as id k spreads the rows over both: no hot shard.  Item k as id 2k (a
+ * feature space whose ids are all even: a hash with a stride, one category
+ * of two) puts every row on server rank 2: its shard is hot, and the
+ * report names it. */
+enum { ZIPF_ITEMS = 65536, ZIPF_IDS = 2048, ZIPF_DIM = 64, ZIPF_STEPS = 40 };
+static int zipf_stride;   /* id = item * zipf_stride */
+
+static int64_t zipf_draw(const double *cdf, uint64_t *rng)
+{
+    *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+    double u = (double)(*rng >> 11) * (1.0 / 9007199254740992.0);
+    int64_t lo = 0, hi = ZIPF_ITEMS - 1;
+    while (lo < hi) {   /* the first item whose CDF reaches u */
+        int64_t mid = (lo + hi) / 2;
+        if (cdf[mid] < u)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static int zipf_worker(dt_ctx *ctx, dt_ps *ps, int rank, dt_tensor *w)
+{
+    double *cdf = malloc(sizeof(double) * ZIPF_ITEMS), sum = 0;
+    int64_t *ids = malloc(sizeof(int64_t) * ZIPF_IDS);
+    float *rows = malloc(sizeof(float) * ZIPF_IDS * ZIPF_DIM);
+    int bad = !cdf || !ids || !rows;
+    for (int64_t k = 0; !bad && k < ZIPF_ITEMS; k++)
+        cdf[k] = sum += pow((double)(k + 1), -1.1);
+    for (int64_t k = 0; !bad && k < ZIPF_ITEMS; k++)
+        cdf[k] /= sum;
+    uint64_t rng = 12345 + (uint64_t)rank;
+    for (int s = 0; !bad && s < ZIPF_STEPS; s++) {
+        for (int i = 0; i < ZIPF_IDS; i++)
+            ids[i] = zipf_draw(cdf, &rng) * zipf_stride;
+        bad = dt_ps_sparse_pull(ps, 0, ids, ZIPF_IDS, rows) != DT_OK ||
+              dt_ps_sparse_push(ps, 0, ids, ZIPF_IDS, rows) != DT_OK ||
+              dt_backward(ctx, dt_sum(ctx, w)) != DT_OK || dt_ps_push_pull(ps) != DT_OK;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+    }
+    free(cdf);
+    free(ids);
+    free(rows);
+    return bad || dt_ps_finish(ps) != DT_OK;
+}
+
+static int zipf_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    dt_tensor *w = dt_param_new(ctx, "w", 1, (const int64_t[]){64});
+    if (!w || dt_profile_start(ctx, NULL) != DT_OK)
+        return 1;
+    dt_ps_table tab = {.name = "items", .rows = 2 * ZIPF_ITEMS, .dim = ZIPF_DIM,
+                       .init_scale = 0.01f, .seed = 3};
+    dt_ps_config pc;
+    dt_ps_config_init(&pc);
+    pc.servers = 2;
+    pc.mode = DT_PS_ASP;
+    pc.tables = &tab;
+    pc.ntables = 1;
+    dt_ps *ps = dt_ps_new(ctx, c, &pc);
+    if (!ps)
+        return 2;
+    if (dt_ps_is_server(ps) ? dt_ps_serve(ps) != DT_OK : zipf_worker(ctx, ps, rank, w) != 0)
+        return 3;
+    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+        return 4;
+    const char *rep = dt_profile_report(ctx);
+    if (rank == 0) {
+        fprintf(stderr, "ids = %d x item:\n", zipf_stride);
+        show_lines(rep, (const char *const[]){"parameter server, rank 2 serving",
+                                              "parameter server, rank 3 serving",
+                                              "slowest parameter server"}, 3);
+        int hot = strstr(rep, "slowest parameter server: parameter server rank 2 is busy") &&
+                  strstr(rep, "its shard is hot");
+        if (hot != (zipf_stride == 2)) {
+            fprintf(stderr, "report:\n%s\n", rep);
+            return 5;
+        }
+    }
+    dt_ps_free(ps);
+    (void)world;
+    return dt_barrier(c) != DT_OK ? 6 : 0;
+}
+
+static void test_zipf_hot_shard(void **state)
+{
+    (void)state;
+    for (zipf_stride = 1; zipf_stride <= 2; zipf_stride++)
+        run_ranks(4, zipf_rank);
 }
 
 /* The server of that job under a 1% CPU quota (1 ms per 100 ms period):
@@ -1916,6 +2046,7 @@ static const struct CMUnitTest profile_tests[] = {
     cmocka_unit_test(test_work_stealing),
     cmocka_unit_test(test_misuse),
     cmocka_unit_test(test_ps_calls),
+    cmocka_unit_test(test_zipf_hot_shard),
     cmocka_unit_test(test_store_add),
     cmocka_unit_test(test_monitor_one_process),
     cmocka_unit_test(test_monitor_shows_warnings),
