@@ -24821,7 +24821,9 @@ static void mon_take(dt_monitor *m, mon_summary *s)
 /* One line: "dtmon1 t steps samples step_s 6 phases comm_s coll_bytes busbw
  * collectives ps_calls ps_latency ps_max ps_mean straggler pid, a server's
  * serve busy stalled served bytes_in bytes_out queue_max keys, a sharded
- * DDP's gather gather_exposed, n (name at value)*, warnings, the latest
+ * DDP's gather gather_exposed, the CPU's wall cpu wait throttled periods
+ * throttled_periods, a worker's slowest_server its_ms median_server_ms,
+ * n (name at value)*, warnings, the latest
  * warning's length and text, and what the rank is doing to the end" */
 static int mon_encode(const mon_summary *s, char *out, size_t cap)
 {
@@ -24837,9 +24839,11 @@ static int mon_encode(const mon_summary *s, char *out, size_t cap)
                   s->sv.ps_serve_s, s->sv.ps_busy_s, s->sv.ps_stalled_s, (long long)s->sv.ps_served,
                   s->sv.ps_bytes_in, s->sv.ps_bytes_out, (long long)s->sv.ps_queue_max,
                   (long long)s->sv.ps_keys, s->sv.gather_s, s->sv.gather_exposed_s);
-    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %.9g %lld %lld %d", s->sv.wall_s,
-                  s->sv.cpu_s, s->sv.cpu_wait_s, s->sv.throttled_s, (long long)s->sv.cpu_periods,
-                  (long long)s->sv.cpu_throttled_periods, s->nscalars);
+    n += snprintf(out + n, cap - (size_t)n, " %.9g %.9g %.9g %.9g %lld %lld %d %.9g %.9g %d",
+                  s->sv.wall_s, s->sv.cpu_s, s->sv.cpu_wait_s, s->sv.throttled_s,
+                  (long long)s->sv.cpu_periods, (long long)s->sv.cpu_throttled_periods,
+                  s->sv.ps_slowest_server, s->sv.ps_slowest_server_ms, s->sv.ps_server_median_ms,
+                  s->nscalars);
     for (int i = 0; i < s->nscalars; i++)
         n += snprintf(out + n, cap - (size_t)n, " %s %lld %.9g", s->name[i], (long long)s->at[i],
                       s->value[i]);
@@ -24881,11 +24885,13 @@ static int mon_decode(const char *line, mon_summary *s)
     const char *p = line + used;
     long long served, qmax, keys, periods, throttled;
     int k = 0;
-    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %lf %lf %lf %lf %lf %lf %lld %lld %d%n",
+    if (sscanf(p, " %lf %lf %lf %lld %lf %lf %lld %lld %lf %lf %lf %lf %lf %lf %lld %lld %d %lf "
+                  "%lf %d%n",
                &s->sv.ps_serve_s, &s->sv.ps_busy_s, &s->sv.ps_stalled_s, &served,
                &s->sv.ps_bytes_in, &s->sv.ps_bytes_out, &qmax, &keys, &s->sv.gather_s,
                &s->sv.gather_exposed_s, &s->sv.wall_s, &s->sv.cpu_s, &s->sv.cpu_wait_s,
-               &s->sv.throttled_s, &periods, &throttled, &s->nscalars, &k) != 17 ||
+               &s->sv.throttled_s, &periods, &throttled, &s->sv.ps_slowest_server,
+               &s->sv.ps_slowest_server_ms, &s->sv.ps_server_median_ms, &s->nscalars, &k) != 20 ||
         s->nscalars < 0 || s->nscalars > MON_SCALARS)
         return 0;
     s->sv.cpu_periods = periods;
@@ -25044,6 +25050,19 @@ static void mon_diagnose(dt_monitor *m)
         servers[r] = &sv[r];
     }
     m->slow_server = prof_slow_server(servers, P, m->server_why, sizeof m->server_why);
+    if (m->slow_server < 0) {   /* the workers' latency to each server, over the run */
+        const dt_profile_stats *lat[64] = {0};
+        dt_profile_stats wk[64];
+        for (int r = 0; r < P; r++) {
+            const mon_rank *x = &m->ranks[r];
+            if (!x->have || !x->cur.ps_calls)
+                continue;
+            wk[r] = x->cur.sv;
+            wk[r].ps_calls = x->cur.ps_calls;
+            lat[r] = &wk[r];
+        }
+        m->slow_server = prof_slow_server_by_latency(lat, P, m->server_why, sizeof m->server_why);
+    }
     mon_diagnose_cpu(m, P);
 }
 

@@ -23,6 +23,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+# A shell's background job (`cmd &` without job control) starts with SIGINT
+# ignored, and Python then installs no handler of its own: install it here,
+# before the library loads, so Signals tests what loading the library does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 import dtrain as dt  # noqa: E402
 from ddp_job import mlp_params  # noqa: E402
 
