@@ -767,8 +767,62 @@ launcher_checks() {
 # starting would end the check silently under set -e)
 children() { cat /proc/"$1"/task/*/children 2>/dev/null | tr ' ' '\n' | grep . || true; }
 
+# newest_step DIR: the highest N of DIR/step-N.safetensors (-1: none yet).
+newest_step() {
+    local f n best=-1
+    for f in "$1"/step-*.safetensors; do
+        [ -e "$f" ] || continue
+        n=${f##*/step-}; n=${n%.safetensors}
+        [ "$n" -gt "$best" ] && best=$n
+    done
+    echo "$best"
+}
+
+# resumed_ok LOG K STEP [NEED]: LOG's restart K (rank 0's "[0] resumed from
+# ... at step N (restart K)") resumed from a checkpoint of step STEP or
+# later (the newest there was when its rank was killed), not from scratch;
+# a missing line passes (the next kill came before it printed) unless NEED
+# is 1.
+resumed_ok() {
+    local n
+    n=$(sed -n "s/^\(\[0\] \)\{0,1\}resumed from .*step-[0-9]*\.safetensors at step \([0-9]*\) (restart $2)$/\2/p" "$1" | tail -1)
+    if grep -q "resumed from nothing.*(restart $2)$" "$1"; then
+        echo "elastic check: restart $2 started from scratch, though step $3 was saved before the kill"
+        return 1
+    fi
+    if [ -z "$n" ]; then
+        [ "${4:-0}" = 1 ] || return 0
+        echo "elastic check: restart $2 printed no 'resumed from' line"
+        return 1
+    fi
+    [ "$n" -ge "$3" ] && return 0
+    echo "elastic check: restart $2 resumed from step $n, not the newest checkpoint (step $3)"
+    return 1
+}
+
+# kill_a_rank JOB_PID CKPT_DIR: once CKPT_DIR holds a checkpoint, SIGKILL a
+# random rank of the dtrun under JOB_PID; the newest step saved before the
+# kill into $killed_at.
+kill_a_rank() {
+    local job=$1 dir=$2 dtrun_pid victim="" _
+    for _ in $(seq 600); do   # the first checkpoint: the end of epoch 1
+        [ "$(newest_step "$dir")" -ge 0 ] && break
+        sleep 0.1
+    done
+    sleep "$(awk -v r=$RANDOM 'BEGIN { printf "%.1f", 0.2 + (r % 20) / 10 }')"
+    for _ in $(seq 50); do   # the ranks: children of dtrun, the child of timeout
+        dtrun_pid=$(children "$job" | head -1)
+        victim=$(children "${dtrun_pid:-0}" | shuf -n 1)
+        [ -z "$victim" ] || break
+        sleep 0.2
+    done
+    killed_at=$(newest_step "$dir")
+    [ -n "$victim" ] && [ "$killed_at" -ge 0 ] && kill -9 "$victim" &&
+        echo "elastic check: killed rank process $victim (newest checkpoint then: step $killed_at)"
+}
+
 elastic_checks() {
-    local fast=$BUILD/test/fashion_mnist_O2 t=$BUILD/test/elastic ref acc k victim dtrun_pid
+    local fast=$BUILD/test/fashion_mnist_O2 t=$BUILD/test/elastic ref acc k
     local args="--epochs 3 --limit-batches 150 --seed 5 --threads 1"
     rm -rf "$t" && mkdir -p "$t"
     # shellcheck disable=SC2086
@@ -778,20 +832,18 @@ elastic_checks() {
     # shellcheck disable=SC2086
     timeout -k 5 600 $BUILD/test/dtrun -n 3 --max-restarts 2 "$fast" $args --save "$t/ckpt/" \
         --resume auto > "$t/out.log" 2> "$t/err.log" &
-    local job=$!
+    local job=$! killed_at at=()
     for k in 1 2; do
-        sleep "$(awk -v r=$RANDOM 'BEGIN { printf "%.1f", 1.0 + (r % 20) / 10 }')"
-        victim=""
-        for _ in $(seq 50); do   # the ranks: children of dtrun, the child of timeout
-            dtrun_pid=$(children $job | head -1)
-            victim=$(children "${dtrun_pid:-0}" | shuf -n 1)
-            [ -z "$victim" ] || break
-            sleep 0.2
-        done
-        [ -n "$victim" ] && kill -9 "$victim" && echo "elastic check: kill $k: rank process $victim"
+        kill_a_rank $job "$t/ckpt/"
+        at[k]=$killed_at
         sleep 1
     done
     wait $job || { echo "elastic check: the job failed:"; tail -5 "$t/err.log" "$t/out.log"; exit 1; }
+    for k in 1 2; do   # each restart from the newest checkpoint, not an older one or scratch
+        [ -n "${at[k]}" ] && [ "${at[k]}" -ge 0 ] ||
+            { echo "elastic check: kill $k found no checkpoint to kill after"; exit 1; }
+        resumed_ok "$t/out.log" $k "${at[k]}" $((k == 2)) || exit 1
+    done
     acc=$(tail -1 "$t/out.log" | sed -n 's/.*test accuracy: \([0-9.]*\)%$/\1/p')
     grep "restarting the job" "$t/err.log" | sed 's/^/  /'
     grep "resumed from" "$t/out.log" | sed 's/^/  /'
@@ -816,15 +868,16 @@ elastic_checks() {
     timeout -k 5 600 $BUILD/test/dtrun -n 3 --max-restarts 3 --min-ranks 2 sh -c "$wrap" "$fast" \
         $args --save "$t/ckpt/" --resume auto > "$t/out2.log" 2> "$t/err2.log" &
     job=$!
-    sleep "$(awk -v r=$RANDOM 'BEGIN { printf "%.1f", 1.0 + (r % 20) / 10 }')"
-    for _ in $(seq 50); do
-        dtrun_pid=$(children $job | head -1)
-        victim=$(children "${dtrun_pid:-0}" | shuf -n 1)
-        [ -z "$victim" ] || break
-        sleep 0.2
-    done
-    [ -n "$victim" ] && kill -9 "$victim"
+    kill_a_rank $job "$t/ckpt/"
+    at[1]=$killed_at
     wait $job || { echo "elastic check (min ranks): the job failed:"; tail -5 "$t/err2.log" "$t/out2.log"; exit 1; }
+    local last
+    last=$(grep -c "restarting the job" "$t/err2.log")
+    [ "${at[1]}" -ge 0 ] || { echo "elastic check (min ranks): no checkpoint before the kill"; exit 1; }
+    for k in $(seq "$last"); do   # every restart from it (the last one must say so)
+        resumed_ok "$t/out2.log" "$k" "${at[1]}" $((k == last)) ||
+            { echo "elastic check (min ranks): a restart not from the newest checkpoint"; exit 1; }
+    done
     acc=$(tail -1 "$t/out2.log" | sed -n 's/.*test accuracy: \([0-9.]*\)%$/\1/p')
     grep "restarting the job" "$t/err2.log" | sed 's/^/  /'
     grep -q "with one rank fewer" "$t/err2.log" && grep -q "x 2 ranks" "$t/out2.log" ||

@@ -1124,6 +1124,11 @@ struct dt_comm {
     unsigned long long hb_beat; /* its latest beat seen */
     double hb_seen;            /* when that beat last changed (or the watch began) */
     char hb_doing[96];         /* what its heartbeat said it was doing */
+    double hb_due;             /* heartbeat thread: when its sleep should end (0: awake);
+                                  a due time long past means this process is not running */
+    double frozen_at;          /* when the heartbeat thread last found it had overslept past
+                                  the timeout (this process stopped or starved), and by */
+    int frozen_ms;             /* how long it had not run then (comm_frozen_ms) */
     double *ext_done_at;       /* comm thread: a parameter-server request's last completion
                                   from each rank (world; 0: none), for per-server latencies */
 };
@@ -1656,6 +1661,10 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
 DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
+/* How long this process did not run (stopped, starved) at a time after
+ * `since` (dt_now), as its heartbeat thread saw it oversleep (a freeze
+ * still under way counts too); 0: none past c's timeout, or no heartbeat. */
+DT_PRIVATE int comm_frozen_ms(dt_comm *c, double since);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
 DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
@@ -1745,6 +1754,7 @@ DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps);
 
 /* src/join.c */
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
+
 
 /* src/profile.c */
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);
@@ -13845,8 +13855,42 @@ static void clear_wait(dt_comm *c, const dt_work *w)
     c->wait_published = 0;
 }
 
+/* (the heartbeat thread, src/join.c, sets the fields: join_note_oversleep) */
+DT_PRIVATE int comm_frozen_ms(dt_comm *c, double since)
+{
+    if (!c || !c->has_hb)
+        return 0;
+    double due, at, now = dt_now();
+    __atomic_load(&c->hb_due, &due, __ATOMIC_ACQUIRE);
+    __atomic_load(&c->frozen_at, &at, __ATOMIC_ACQUIRE);
+    int live = due > 0 ? (int)((now - due) * 1000.0) + c->beat_ms : 0;   /* still asleep */
+    int seen = at >= since ? __atomic_load_n(&c->frozen_ms, __ATOMIC_ACQUIRE) : 0;
+    int ms = live > seen ? live : seen;
+    return ms > c->timeout_ms ? ms : 0;
+}
+
+/* A failed work on a rank that was itself frozen meanwhile or just
+ * before (stopped or starved past the timeout: comm_frozen_ms): whatever
+ * it saw after (a
+ * closed connection, the others' verdict) follows from the others having
+ * given up on it, so its error says so first. */
+static void comm_name_freeze(dt_comm *c, dt_work *w, double start)
+{
+    int ms = comm_frozen_ms(c, start - 2.0 * c->timeout_ms / 1000.0);   /* (a freeze just
+                                          before: the others' timeouts run out in this work) */
+    if (!ms || strstr(w->msg, "did not run for"))
+        return;
+    char saw[DT_MAX_ERROR];
+    snprintf(saw, sizeof saw, "%s", w->msg);
+    snprintf(w->msg, sizeof w->msg, "%s #%u: this rank (%d) did not run for %d ms, past the %d ms "
+             "timeout (stopped or starved?): the others have given up on it (then: %.200s)",
+             coll_names[w->kind], w->seq, c->rank, ms, c->timeout_ms, saw);
+    w->status = DT_ETIMEDOUT;
+}
+
 static void run_work(dt_comm *c, dt_work *w)
 {
+    double start = dt_now();
     if (w->ticket)   /* its data is still on the way from the device (even if it won't go) */
         c->ctx->be_iface->copy_wait(c->ctx->be, w->ticket);
     if (c->broken) {
@@ -13886,6 +13930,8 @@ static void run_work(dt_comm *c, dt_work *w)
      * publish ours, so every rank of every host fails with the same words. */
     if (w->status != DT_OK)
         explain_failure(c, w);
+    if (w->status != DT_OK)
+        comm_name_freeze(c, w, start);
     if (w->status != DT_OK) {
         /* Close the endpoint now: a cancelled receive must not land in
          * this record or in the caller's buffer after the call returned.
@@ -15100,6 +15146,8 @@ static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
  * loader, a checkpoint) stays alive to its peers, while a stopped, hung or
  * cut-off process falls silent (comm_check_heartbeat).  A failed beat
  * (rank 0's store slow) is retried at the next. */
+static void join_note_oversleep(dt_comm *c, double due);
+
 static void *join_heartbeat(void *arg)
 {
     dt_comm *c = arg;
@@ -15120,12 +15168,29 @@ static void *join_heartbeat(void *arg)
         long ns = until.tv_nsec + (long)c->beat_ms * 1000000L;
         until.tv_sec += ns / 1000000000L;
         until.tv_nsec = ns % 1000000000L;
+        double due = dt_now() + c->beat_ms / 1000.0;
+        __atomic_store(&c->hb_due, &due, __ATOMIC_RELEASE);
         pthread_mutex_lock(&c->hb_mu);
         if (!c->hb_stop)
             pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &until);
+        join_note_oversleep(c, due);
     }
     pthread_mutex_unlock(&c->hb_mu);
     return NULL;
+}
+
+/* The heartbeat thread, awake: a sleep that ended past the timeout after
+ * it began (a process stopped with SIGSTOP, or starved of CPU) is a
+ * freeze, which this rank's failing collective then names (run_work). */
+static void join_note_oversleep(dt_comm *c, double due)
+{
+    double now = dt_now(), zero = 0;
+    int ms = (int)((now - due) * 1000.0) + c->beat_ms;
+    __atomic_store(&c->hb_due, &zero, __ATOMIC_RELEASE);
+    if (ms > c->timeout_ms) {
+        __atomic_store_n(&c->frozen_ms, ms, __ATOMIC_RELEASE);
+        __atomic_store(&c->frozen_at, &now, __ATOMIC_RELEASE);
+    }
 }
 
 /* The job communicator's heartbeat (a group's ranks beat through it). */

@@ -1229,8 +1229,42 @@ static void clear_wait(dt_comm *c, const dt_work *w)
     c->wait_published = 0;
 }
 
+/* (the heartbeat thread, src/join.c, sets the fields: join_note_oversleep) */
+DT_PRIVATE int comm_frozen_ms(dt_comm *c, double since)
+{
+    if (!c || !c->has_hb)
+        return 0;
+    double due, at, now = dt_now();
+    __atomic_load(&c->hb_due, &due, __ATOMIC_ACQUIRE);
+    __atomic_load(&c->frozen_at, &at, __ATOMIC_ACQUIRE);
+    int live = due > 0 ? (int)((now - due) * 1000.0) + c->beat_ms : 0;   /* still asleep */
+    int seen = at >= since ? __atomic_load_n(&c->frozen_ms, __ATOMIC_ACQUIRE) : 0;
+    int ms = live > seen ? live : seen;
+    return ms > c->timeout_ms ? ms : 0;
+}
+
+/* A failed work on a rank that was itself frozen meanwhile or just
+ * before (stopped or starved past the timeout: comm_frozen_ms): whatever
+ * it saw after (a
+ * closed connection, the others' verdict) follows from the others having
+ * given up on it, so its error says so first. */
+static void comm_name_freeze(dt_comm *c, dt_work *w, double start)
+{
+    int ms = comm_frozen_ms(c, start - 2.0 * c->timeout_ms / 1000.0);   /* (a freeze just
+                                          before: the others' timeouts run out in this work) */
+    if (!ms || strstr(w->msg, "did not run for"))
+        return;
+    char saw[DT_MAX_ERROR];
+    snprintf(saw, sizeof saw, "%s", w->msg);
+    snprintf(w->msg, sizeof w->msg, "%s #%u: this rank (%d) did not run for %d ms, past the %d ms "
+             "timeout (stopped or starved?): the others have given up on it (then: %.200s)",
+             coll_names[w->kind], w->seq, c->rank, ms, c->timeout_ms, saw);
+    w->status = DT_ETIMEDOUT;
+}
+
 static void run_work(dt_comm *c, dt_work *w)
 {
+    double start = dt_now();
     if (w->ticket)   /* its data is still on the way from the device (even if it won't go) */
         c->ctx->be_iface->copy_wait(c->ctx->be, w->ticket);
     if (c->broken) {
@@ -1270,6 +1304,8 @@ static void run_work(dt_comm *c, dt_work *w)
      * publish ours, so every rank of every host fails with the same words. */
     if (w->status != DT_OK)
         explain_failure(c, w);
+    if (w->status != DT_OK)
+        comm_name_freeze(c, w, start);
     if (w->status != DT_OK) {
         /* Close the endpoint now: a cancelled receive must not land in
          * this record or in the caller's buffer after the call returned.

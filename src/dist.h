@@ -278,6 +278,11 @@ struct dt_comm {
     unsigned long long hb_beat; /* its latest beat seen */
     double hb_seen;            /* when that beat last changed (or the watch began) */
     char hb_doing[96];         /* what its heartbeat said it was doing */
+    double hb_due;             /* heartbeat thread: when its sleep should end (0: awake);
+                                  a due time long past means this process is not running */
+    double frozen_at;          /* when the heartbeat thread last found it had overslept past
+                                  the timeout (this process stopped or starved), and by */
+    int frozen_ms;             /* how long it had not run then (comm_frozen_ms) */
     double *ext_done_at;       /* comm thread: a parameter-server request's last completion
                                   from each rank (world; 0: none), for per-server latencies */
 };
@@ -810,6 +815,10 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
 DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
+/* How long this process did not run (stopped, starved) at a time after
+ * `since` (dt_now), as its heartbeat thread saw it oversleep (a freeze
+ * still under way counts too); 0: none past c's timeout, or no heartbeat. */
+DT_PRIVATE int comm_frozen_ms(dt_comm *c, double since);
 DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, int root, int op);
 DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
@@ -899,6 +908,7 @@ DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps);
 
 /* src/join.c */
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
+
 
 /* src/profile.c */
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates);

@@ -389,6 +389,8 @@ static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
  * loader, a checkpoint) stays alive to its peers, while a stopped, hung or
  * cut-off process falls silent (comm_check_heartbeat).  A failed beat
  * (rank 0's store slow) is retried at the next. */
+static void join_note_oversleep(dt_comm *c, double due);
+
 static void *join_heartbeat(void *arg)
 {
     dt_comm *c = arg;
@@ -409,12 +411,29 @@ static void *join_heartbeat(void *arg)
         long ns = until.tv_nsec + (long)c->beat_ms * 1000000L;
         until.tv_sec += ns / 1000000000L;
         until.tv_nsec = ns % 1000000000L;
+        double due = dt_now() + c->beat_ms / 1000.0;
+        __atomic_store(&c->hb_due, &due, __ATOMIC_RELEASE);
         pthread_mutex_lock(&c->hb_mu);
         if (!c->hb_stop)
             pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &until);
+        join_note_oversleep(c, due);
     }
     pthread_mutex_unlock(&c->hb_mu);
     return NULL;
+}
+
+/* The heartbeat thread, awake: a sleep that ended past the timeout after
+ * it began (a process stopped with SIGSTOP, or starved of CPU) is a
+ * freeze, which this rank's failing collective then names (run_work). */
+static void join_note_oversleep(dt_comm *c, double due)
+{
+    double now = dt_now(), zero = 0;
+    int ms = (int)((now - due) * 1000.0) + c->beat_ms;
+    __atomic_store(&c->hb_due, &zero, __ATOMIC_RELEASE);
+    if (ms > c->timeout_ms) {
+        __atomic_store_n(&c->frozen_ms, ms, __ATOMIC_RELEASE);
+        __atomic_store(&c->frozen_at, &now, __ATOMIC_RELEASE);
+    }
 }
 
 /* The job communicator's heartbeat (a group's ranks beat through it). */

@@ -30,15 +30,42 @@ fail() {
     failed=$((failed + 1))
 }
 
-# bad PROG WORD ARGS...: PROG guard ARGS exits 2, its stderr mentions WORD.
+# says_the_value ARGS...: does the message (the first line of $err; the
+# usage text after it does not count) say which value it refused: quote an
+# argument or a part of one ('0.5' of --slow 1:0.5), give an option with
+# its value ("--batch 2 is less than --micro 4"), or say that the option
+# needs a value, takes none, or is required (nothing to quote)?
+says_the_value() {
+    local q a prev="" msg=${err%%$'\n'*}
+    [[ $msg == *"needs a value"* || $msg == *"takes no value"* || $msg == *"is required"* ||
+       $msg == *"no program to run"* ]] && return 0
+    for a in "$@"; do
+        [[ $prev == -* && $a != -* && $msg == *"$prev $a"* ]] && return 0
+        prev=$a
+    done
+    while IFS= read -r q; do
+        q=${q:1:${#q}-2}
+        for a in "$@"; do
+            [ -z "$q" ] && [ -z "$a" ] && return 0
+            [ -n "$q" ] && [[ $a == *"$q"* ]] && return 0
+        done
+    done < <(grep -o "'[^']*'" <<< "$msg")
+    return 1
+}
+
+# bad PROG WORD ARGS...: PROG guard ARGS exits 2, and the first line of its
+# stderr (the message, not the usage after it) names WORD (the option, or
+# what is wrong) and says the value it refused (says_the_value).
 bad() {
     local prog=$1 word=$2 err rc
     shift 2
     run "$prog" "$@"
     if [ "$rc" != 2 ]; then
         fail "$prog $*: exit status $rc, not 2"
-    elif [[ $err != *"$word"* ]]; then
+    elif [[ ${err%%$'\n'*} != *"$word"* ]]; then
         fail "$prog $*: refused, but the message does not name '$word'"
+    elif [ $# -gt 0 ] && ! says_the_value "$@"; then
+        fail "$prog $*: refused, but the message does not say which value"
     else
         refused=$((refused + 1))
     fi
@@ -173,7 +200,7 @@ bad gpt extra extra
 bad gpt --amp --amp fp8
 
 summary="$refused malformed command lines refused by ${#progs[@]} examples, each with exit status 2"
-summary="$summary and a message naming the option; $accepted well-formed ones accepted"
+summary="$summary and a message naming the option and the value; $accepted well-formed ones accepted"
 [ $failed = 0 ] || summary="$summary; FAILED: $failed"
 echo "args check: $summary"
 [ $failed = 0 ]

@@ -10,6 +10,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <pthread.h>
@@ -612,10 +613,13 @@ static void test_hung_rank(void **state)
  * The victim's second allreduce starts at once; a thread of its own stops
  * the whole process (SIGSTOP) 100 ms in, so it freezes inside the wait.
  * The others join 300 ms late and wait on it.  Every survivor must fail
- * within the timeout (+ margin) naming the victim; then the harness sends
- * SIGCONT and the victim must fail too: what it would finish is half a
- * collective, the others having given up. */
+ * within the timeout (+ margin) naming the victim; then, the survivors
+ * still alive (each waits on the harness once it has failed), the harness
+ * sends SIGCONT and the victim must fail too, saying it did not run past
+ * the timeout: what it would finish is half a collective, the others
+ * having given up. */
 static int silent_victim;
+static int silent_failed[2], silent_go[2];   /* pipes: survivors -> harness, harness -> them */
 
 static void *stop_me_soon(void *arg)
 {
@@ -655,34 +659,58 @@ static int job_silent(dt_comm *c, int rank, int world)
     fprintf(stderr, "rank %d%s: allreduce #%d %s after %.2f s (%.2f s since #2): %s\n", rank,
             rank == silent_victim ? " (the stopped one)" : "", k - 1,
             st == DT_OK ? "ok" : "failed", now - t1, now - t0, st == DT_OK ? "" : m);
-    if (rank == silent_victim) {
+    if (rank == silent_victim) {   /* resumed while the others live: its own stall */
         pthread_join(th, NULL);
-        return st == DT_OK ? 74 : 0;   /* resumed, it must fail too */
+        return st == DT_OK ? 74 : !strstr(m, "did not run for") ? 76 : 0;
     }
     char want[32];
     snprintf(want, sizeof want, "rank %d", silent_victim);
-    if (st == DT_OK)
-        return 71;
-    if (!strstr(m, want) || !strstr(m, silent_victim == 0 ? "silent" : "sent nothing") ||
-        strstr(m, "malformed"))
-        return 72;
-    /* 2 s timeout: within 2 T (the waits on a leader allow 1.5 T) + 1 s */
-    return now - t1 < 2 * 2.0 + 1.0 ? 0 : 73;
+    int code = st == DT_OK ? 71
+             : !strstr(m, want) || !strstr(m, silent_victim == 0 ? "silent" : "sent nothing") ||
+                       strstr(m, "malformed") ? 72
+             : now - t1 < 2 * 2.0 + 1.0 ? 0   /* 2 s timeout: within 2 T (the waits on a
+                                                leader allow 1.5 T) + 1 s */
+                                        : 73;
+    char byte = 1;   /* failed; alive until the victim has failed too */
+    struct pollfd go = {.fd = silent_go[0], .events = POLLIN};
+    if (write(silent_failed[1], &byte, 1) != 1 || poll(&go, 1, 15000) != 1)
+        return 77;
+    return code;
 }
 
-/* Fork the ranks; once every survivor has exited, SIGCONT the victim. */
+/* Fork the ranks; once every survivor has failed (a byte each on
+ * silent_failed), SIGCONT the victim while they live; once it has exited,
+ * let them go (silent_go closed). */
 static void run_silent_job(int world, const char *prov, int victim, int *codes)
 {
     int port = tr_free_port();
     pid_t pids[16];
     silent_victim = victim;
+    assert_int_equal(pipe(silent_failed), 0);
+    assert_int_equal(pipe(silent_go), 0);
     fflush(NULL);
     for (int r = 0; r < world; r++) {
         pids[r] = fork();
         assert_true(pids[r] >= 0);
-        if (pids[r] == 0)
+        if (pids[r] == 0) {
+            close(silent_failed[0]);
+            close(silent_go[1]);
             rank_main(r, world, port, prov, 2000, job_silent);
+        }
     }
+    close(silent_failed[1]);
+    close(silent_go[0]);
+    int failed = 0;
+    for (char byte; failed < world - 1; failed++) {   /* (EOF: a survivor exited early) */
+        struct pollfd in = {.fd = silent_failed[0], .events = POLLIN};
+        if (poll(&in, 1, 20000) != 1 || read(silent_failed[0], &byte, 1) != 1)
+            break;
+    }
+    if (failed < world - 1)
+        fprintf(stderr, "silent job: %d of %d survivors said they failed\n", failed, world - 1);
+    kill(pids[victim], SIGCONT);
+    tr_reap(&pids[victim], 1, &codes[victim], 15);
+    close(silent_go[1]);   /* the survivors' poll sees the end of the pipe */
     pid_t others[16];
     int oc[16], n = 0;
     for (int r = 0; r < world; r++)
@@ -692,8 +720,7 @@ static void run_silent_job(int world, const char *prov, int victim, int *codes)
     for (int r = 0, k = 0; r < world; r++)
         if (r != victim)
             codes[r] = oc[k++];
-    kill(pids[victim], SIGCONT);
-    tr_reap(&pids[victim], 1, &codes[victim], 15);
+    close(silent_failed[0]);
 }
 
 static void test_silent_rank_any(void **state)

@@ -1006,14 +1006,18 @@ static void test_ckpt_latest(void **state)
     tu_check_status(f.ctx, dt_checkpoint_latest(f.ctx, dir, got, sizeof got, &step), "empty dir");
     assert_string_equal(got, "");
     assert_int_equal(step, -1);
-    const int steps[] = {1, 5, 3, 9};
+    /* saved in this order: the newest file (mtime) of the whole ones is
+     * step 7, the last name in sorted order "step-7" too; the highest step
+     * of the whole ones is 10 */
+    const int steps[] = {2, 10, 7, 30};
     for (int i = 0; i < 4; i++) {
         snprintf(p, sizeof p, "%s/step-%d.safetensors", dir, steps[i]);
         tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, f.opt, p, steps[i]), "save");
+        usleep(20 * 1000);   /* mtimes apart */
     }
     snprintf(p, sizeof p, "%s/notes.txt", dir);
     tu_write_file(p, "not a checkpoint", 16);
-    snprintf(p, sizeof p, "%s/step-9.safetensors", dir);   /* the newest, flipped */
+    snprintf(p, sizeof p, "%s/step-30.safetensors", dir);   /* the highest, flipped */
     size_t len = 0;
     unsigned char *buf = tu_read_file(p, &len);
     assert_non_null(buf);
@@ -1021,10 +1025,10 @@ static void test_ckpt_latest(void **state)
     tu_write_file(p, buf, len);
     free(buf);
     tu_check_status(f.ctx, dt_checkpoint_latest(f.ctx, dir, got, sizeof got, &step), "latest");
-    snprintf(p, sizeof p, "%s/step-5.safetensors", dir);
+    snprintf(p, sizeof p, "%s/step-10.safetensors", dir);
     assert_string_equal(got, p);
-    assert_int_equal(step, 5);
-    if (!strstr(note, "step-9.safetensors") || !strstr(note, "checksum")) fail_msg("note: %s", note);
+    assert_int_equal(step, 10);
+    if (!strstr(note, "step-30.safetensors") || !strstr(note, "checksum")) fail_msg("note: %s", note);
     assert_int_equal(dt_checkpoint_latest(f.ctx, dir, got, 8, &step), DT_EINVAL);   /* too small */
     snprintf(p, sizeof p, "%s/nope", dir);
     assert_int_equal(dt_checkpoint_latest(f.ctx, p, got, sizeof got, &step), DT_EIO);
@@ -1260,16 +1264,20 @@ static void test_ckpt_non_strict(void **state)
 
 enum { KILL_N = 1 << 22 };   /* 16 MiB of parameter: a save takes milliseconds */
 
-/* A process that saves value v (= its step) to path again and again,
- * writing a byte to `ready` before each save starts.  Never returns. */
+/* A process that saves to path again and again, save j with every
+ * element and the step value * 1000 + j (each save's bytes differ from
+ * the last, so one written over another in place is seen torn), writing
+ * a byte to `ready` before each save starts.  Never returns. */
 static void kill_saver(const char *path, int value, int ready)
 {
     dt_ctx *ctx = tu_ctx_new();
     dt_tensor *p = ctx ? dt_param_new(ctx, "big", 1, (const int64_t[]){KILL_N}) : NULL;
-    if (!p || dt_tensor_fill(p, (float)value) != DT_OK)
+    if (!p)
         _exit(2);
-    for (;;) {
-        if (write(ready, "s", 1) != 1 || dt_checkpoint_save(ctx, NULL, path, value) != DT_OK)
+    for (int j = 0;; j++) {
+        int v = value * 1000 + j;
+        if (dt_tensor_fill(p, (float)v) != DT_OK || write(ready, "s", 1) != 1 ||
+            dt_checkpoint_save(ctx, NULL, path, v) != DT_OK)
             _exit(3);
     }
 }
@@ -1332,7 +1340,8 @@ static void test_ckpt_kill_during_save(void **state)
         close(ready[0]);
         mid += access(tmp, F_OK) == 0;   /* it died between creating .tmp and renaming it */
         int v = kill_loaded_value(ctx, p, buf, path);
-        assert_int_equal(v, 2 + k);   /* its first save was whole before its second began */
+        assert_int_equal(v / 1000, 2 + k);   /* one of its saves, whole (its first was whole
+                                                before its second began) */
         newest = v;
     }
     print_message("kill -9 during a save: %d of %d kills left a .tmp (a save of %.0f ms); every "

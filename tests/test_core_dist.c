@@ -427,6 +427,71 @@ static void test_store_slow_reader(void **state)
     free(val);
 }
 
+/* src/store.c's internal bound on one call's patience (extern in the
+ * development build the tests link; src/dist.h would clash with names
+ * here). */
+void store_limit(dt_store *s, double until);
+
+/* A store answer that comes after its call gave up is skipped by the next
+ * call, never taken for that call's answer: rank 0 (a child holding
+ * "a" = "AAAA" and "b" = "BBBB") is stopped while rank 1 asks for "a",
+ * which times out; resumed, it answers "a" late; rank 1's next call, for
+ * "b", must get "BBBB". */
+static void store_holder(int port)
+{
+    dt_ctx *ctx = dt_ctx_new(NULL);
+    dt_dist_env e = tr_env(0, 2, port);
+    dt_store *s = ctx ? dt_store_open(ctx, &e, NULL) : NULL;
+    char buf[8];
+    size_t len = 0;
+    if (!s || dt_store_set(s, "a", "AAAA", 4) != DT_OK || dt_store_set(s, "b", "BBBB", 4) != DT_OK)
+        _exit(10);
+    int code = dt_store_get(s, "done", buf, sizeof buf, &len, 15000) == DT_OK ? 0 : 11;
+    dt_store_close(s);
+    dt_ctx_free(ctx);
+    _exit(code);
+}
+
+static void test_store_late_answer_skipped(void **state)
+{
+    (void)state;
+    clear_env();
+    int port = tr_free_port();
+    fflush(NULL);
+    pid_t holder = fork();
+    assert_true(holder >= 0);
+    if (holder == 0) {
+        alarm(20);
+        store_holder(port);
+    }
+    dt_ctx *ctx = new_ctx();
+    dt_dist_env e = tr_env(1, 2, port);
+    dt_store_config cfg;
+    dt_store_config_init(&cfg);
+    cfg.timeout_ms = 5000;
+    dt_store *s = dt_store_open(ctx, &e, &cfg);
+    if (!s)
+        fail_msg("%s", dt_last_error(ctx));
+    char buf[8] = {0};
+    size_t len = 0;
+    tu_check_status(ctx, dt_store_get(s, "b", buf, sizeof buf, &len, 5000), "b, awake");
+    assert_memory_equal(buf, "BBBB", 4);
+    store_limit(s, dt_now() + 0.3);   /* this call's patience: 300 ms (src/store.c) */
+    kill(holder, SIGSTOP);
+    assert_int_equal(dt_store_get(s, "a", buf, sizeof buf, &len, 0), DT_ETIMEDOUT);
+    kill(holder, SIGCONT);
+    usleep(200 * 1000);   /* its answer to "a" arrives now, late */
+    store_limit(s, 0);
+    memset(buf, 0, sizeof buf);
+    tu_check_status(ctx, dt_store_get(s, "b", buf, sizeof buf, &len, 5000), "b, after the late answer");
+    if (len != 4 || memcmp(buf, "BBBB", 4) != 0)
+        fail_msg("the call for b got '%.*s' (%zu bytes): the late answer to a", (int)len, buf, len);
+    tu_check_status(ctx, dt_store_set(s, "done", "1", 1), "done");
+    assert_int_equal(reap(holder, 10.0), 0);
+    dt_store_close(s);
+    dt_ctx_free(ctx);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_store_slow_reader),
     cmocka_unit_test(test_env_default),
@@ -437,6 +502,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_store_token_refused),
     cmocka_unit_test(test_store_malformed_clients),
     cmocka_unit_test(test_store_unreachable),
+    cmocka_unit_test(test_store_late_answer_skipped),
 };
 
 DT_TEST_GROUP(core_dist, tests)

@@ -158,7 +158,9 @@ static void test_fwd_layer_params(void **state)
     tu_assert_shape(w, SHP(8, 3, 5, 5));
     v = tu_read(ctx, w, &n);
     moments(v, n, &mx, &ms);
-    assert_true(mx <= 1.0 / sqrt(75.0) * (1 + 1e-6));
+    bound = 1.0 / sqrt(75.0);   /* uniform in +-bound: max near it, mean square bound^2 / 3 */
+    assert_true(mx <= bound * (1 + 1e-6) && mx > 0.95 * bound);
+    assert_true(fabs(ms - bound * bound / 3) < 0.15 * bound * bound / 3);   /* 4 sigma at 600 */
     free(v);
     /* embedding: N(0, 1) */
     w = dt_embedding_params(ctx, "wte", 500, 40);

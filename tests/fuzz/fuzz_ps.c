@@ -6,7 +6,8 @@
  * picks which; the server's layout for the headers is a fixed model of
  * three parameters and two sparse tables, split over 1-4 servers.
  * Checked, not only run: an accepted layout tiles its keys in range; an
- * accepted request names only keys and rows this server holds, in at most
+ * accepted request (a pull: one the server answers) names only keys and
+ * rows this server holds, in at most
  * PS_MAX_PIECES pieces; an accepted answer is well formed; every refusal
  * leaves a non-empty message.  It includes dtrain.c to reach the internal
  * functions.
@@ -128,6 +129,11 @@ static void fuzz_request(const uint8_t *data, size_t size)
         refused(&f, s);
     } else if (h.op == PS_SPUSH || h.op == PS_SPULL) {
         if (h.lo < 0 || h.lo >= f.ps.ntables || h.n < 1 || h.n > f.ps.tabs[h.lo].count)
+            abort();
+    } else if (h.op == PS_PULL) {   /* answered (not refused) only for this server's keys */
+        int flags;
+        __int128 lo = f.ps.range[f.ps.shard], hi = f.ps.range[f.ps.shard + 1], end = (__int128)h.lo + h.n;
+        if (ps_dense_in_range(&f.ps, &h, &flags) && !flags && (h.n < 0 || h.lo < lo || end > hi))
             abort();
     } else if (h.op == PS_PUSH || h.op == PS_INIT || h.op == PS_CPUSH) {
         __int128 lo = f.ps.range[f.ps.shard], hi = f.ps.range[f.ps.shard + 1], end = (__int128)h.lo + h.n;
