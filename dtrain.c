@@ -16816,6 +16816,18 @@ static void prof_report_gathers(strbuf *t, const prof_blob_head *const *h, int P
                               : "");
 }
 
+/* A straggler the step feels: its compute beyond the median rank's, per
+ * step, 2% of its step or more.  A model whose compute is microseconds
+ * (the step is the program's own time, or communication) has ranks tens of
+ * percent apart per sample that no one waits for. */
+static int prof_straggler_matters(const dt_profile_stats *s, double per, double median)
+{
+    if (!s->steps || !(s->step_s > 0))
+        return 0;
+    double extra = (per - median) * (double)s->samples;   /* over the run */
+    return extra >= 0.02 * s->step_s;
+}
+
 /* The compute threads of the ranks other than r (their median; 0: none
  * known), for the straggler's line: a rank given fewer threads than the
  * others computes slower for it, which dt_ddp_balance evens out. */
@@ -16899,9 +16911,12 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
     double thr = ctx->prof.cfg.straggler_threshold > 0 ? ctx->prof.cfg.straggler_threshold
                                                        : PROF_DEFAULT_THRESHOLD;
     int strag = prof_find_straggler(per, Pm, thr, &median);
+    if (strag >= 0 && !prof_straggler_matters(&h[strag]->st, per[strag], median))
+        strag = -1;
     int any = 0;
     for (int r = 0; r < Pm; r++) {
-        if (!(median > 0) || !(per[r] > median * (1 + thr)))
+        if (!(median > 0) || !(per[r] > median * (1 + thr)) ||
+            !prof_straggler_matters(&h[r]->st, per[r], median))
             continue;
         char th[96] = "";
         int others = prof_others_threads(all, Pm, r);
@@ -16917,7 +16932,7 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
     }
     if (!any && P > 1)
         strbuf_printf(&t, "stragglers: none (no rank's compute per sample is %.0f%% above the "
-                      "median)\n", 100 * thr);
+                      "median by 2%% of its step or more)\n", 100 * thr);
     char starved[320];
     int starved_rank = prof_cpu_starved(all, Ps, starved, sizeof starved);
     if (any && (strag < 0 || strag != starved_rank))   /* short of CPU: balancing hides it */
@@ -16971,7 +16986,8 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
     char loader[400], stall[480];
     if (prof_loader_bottleneck(all, Ps, loader, sizeof loader) >= 0)
         strbuf_printf(&t, "data: %s\n", loader);
-    if (prof_aside_stall(all, Ps, stall, sizeof stall) >= 0)
+    int stall_rank = prof_aside_stall(all, Ps, stall, sizeof stall);
+    if (stall_rank >= 0)
         strbuf_printf(&t, "stall: %s\n", stall);
     for (int r = 0; r < P; r++)   /* a living rank that kept the others past the peer timeout */
         if (h[r]->st.longest_wait_s > 0 && h[r]->long_wait[0])
@@ -17002,7 +17018,9 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
                            : "larger buckets (dt_ddp_config.bucket_bytes) so fewer, bigger "
                              "allreduces overlap backward, or compression (DTRAIN_COMPRESS=bf16 "
                              "halves the bytes)",
-                      strag >= 0 ? "; part of it is the others waiting for the straggler" : "");
+                      stall_rank >= 0 ? "; most of it is the others waiting while one rank "
+                                        "evaluated or saved alone (the stall line)"
+                      : strag >= 0 ? "; part of it is the others waiting for the straggler" : "");
         hints++;
     }
     if (tot_step > 0 && tot_data / tot_step > 0.05) {

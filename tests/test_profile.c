@@ -1938,6 +1938,9 @@ static void test_report_verdicts(void **state)
     host_free(ctx, rep);
     t[1].st.threads = 4;   /* as many threads: a straggler still, no word of threads */
     expect_in(ctx, report_of(ctx, t, 2), "thread against", 0);
+    /* 3x per sample, but 0.2 ms of compute over a 3.2 s run: no one waits for it */
+    prof_blob_head u[2] = {made_up_rank(10, 0.32, 0, 0.3199), made_up_rank(10, 0.32, 0, 0.3197)};
+    expect_in(ctx, report_of(ctx, u, 2), "straggler: rank", 0);
     t[1].st.cpu_s = 0.1, t[1].st.cpu_wait_s = 0.2;   /* slow for want of CPU: fix that first */
     rep = report_of(ctx, t, 2);
     if (!strstr(rep, "hint: rank 1 is a straggler because the CPU starves it") ||
