@@ -478,8 +478,12 @@ static void test_store_late_answer_skipped(void **state)
     assert_memory_equal(buf, "BBBB", 4);
     store_limit(s, dt_now() + 0.3);   /* this call's patience: 300 ms (src/store.c) */
     kill(holder, SIGSTOP);
-    assert_int_equal(dt_store_get(s, "a", buf, sizeof buf, &len, 0), DT_ETIMEDOUT);
-    kill(holder, SIGCONT);
+    int wst = 0;   /* stopped for sure (kill only sends it): else it may answer at once */
+    int stopped = waitpid(holder, &wst, WUNTRACED) == holder && WIFSTOPPED(wst);
+    dt_status late = stopped ? dt_store_get(s, "a", buf, sizeof buf, &len, 0) : DT_OK;
+    kill(holder, SIGCONT);   /* (before any assertion: a failed one must not leave it stopped) */
+    assert_true(stopped);
+    assert_int_equal(late, DT_ETIMEDOUT);
     usleep(200 * 1000);   /* its answer to "a" arrives now, late */
     store_limit(s, 0);
     memset(buf, 0, sizeof buf);
