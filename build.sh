@@ -37,7 +37,7 @@ BUILD=build
 # The core's modules (src/NAME.c), bottom layer first: the order of the
 # generated dtrain.c, and the layers docs/DESIGN.md describes.
 SRC_MODULES="context arena tensor param util record autograd ops ops_nn recompute optim ckpt dataset dataset_io data store
-             comm seg join eval launch profile codec ps ps_server zero ddp replicas hogwild steal parallel
+             comm seg join preempt eval launch profile codec ps ps_server zero ddp replicas hogwild steal parallel
              monitor"
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
@@ -303,9 +303,14 @@ build_portable_lib() {
     build_lib
 }
 
+# (only those older than their source or the library: checks running at
+# once must not relink a program another is running)
 build_examples() {
+    local f out
     for f in examples/*.c; do
-        $CC $WARN $OPT -I. "$f" $BUILD/libdtrain.a $LIBS -o "$BUILD/$(basename "${f%.c}")"
+        out=$BUILD/$(basename "${f%.c}")
+        stale "$out" "$f" examples/*.h dtrain.h $BUILD/libdtrain.a || continue
+        $CC $WARN $OPT -I. "$f" $BUILD/libdtrain.a $LIBS -o "$out.tmp" && mv "$out.tmp" "$out"
     done
 }
 
@@ -316,11 +321,15 @@ cmd_python() {
     local t0=$SECONDS
     echo "build.sh: building libdtrain.so and dtrun for any x86-64 into $BUILD/portable" \
         "(a minute or two on 2 cores the first time)"
+    build_portable_dtrun
+    echo "build.sh: built $BUILD/portable/libdtrain.so and $BUILD/portable/dtrun in $((SECONDS - t0)) s"
+}
+
+build_portable_dtrun() {
     build_portable_lib
     local BUILD=$BUILD/portable OPT="-O3 $PORTABLE_ARCH $FPFLAGS"
     [ $BUILD/dtrun -nt $BUILD/libdtrain.a ] && [ $BUILD/dtrun -nt examples/dtrun.c ] ||
         $CC $WARN $OPT -I. examples/dtrun.c $BUILD/libdtrain.a $LIBS -o $BUILD/dtrun
-    echo "build.sh: built $BUILD/libdtrain.so and $BUILD/dtrun in $((SECONDS - t0)) s"
 }
 
 cmd_build() {
@@ -819,6 +828,77 @@ kill_a_rank() {
     killed_at=$(newest_step "$dir")
     [ -n "$victim" ] && [ "$killed_at" -ge 0 ] && kill -9 "$victim" &&
         echo "elastic check: killed rank process $victim (newest checkpoint then: step $killed_at)"
+}
+
+# Graceful pre-emption end to end (docs/RELIABILITY.md, "Pre-emption"): an
+# uninterrupted 3-rank run's last checkpoint, then DT_PREEMPT_RUNS (6) runs
+# sent SIGTERM at a random moment of their training: even runs through
+# dtrun (the scheduler's signal: dtrun exits 75, and a second run resumes),
+# odd runs one random rank's process alone (a node taken back: dtrun
+# --max-restarts 1 restarts the job).  Each must stop at one step for all
+# ranks (the ranks exit 75 together; a disagreement fails a collective),
+# save that step's checkpoint, resume from it and end with the
+# uninterrupted run's bytes.  And a sharded (--zero 1) run the same.
+preempt_checks() {
+    local t=$BUILD/test/preempt fast=$BUILD/test/fashion_mnist_O2 dtrun=$BUILD/test/dtrun
+    local args="--epochs 2 --limit-batches 60 --seed 4 --threads 1" runs=${DT_PREEMPT_RUNS:-6} i
+    rm -rf "$t"
+    mkdir -p "$t"
+    for i in ref ref_zero; do
+        timeout -k 5 300 $dtrun -n 3 $fast $args $([ $i = ref ] || echo --zero 1) --save "$t/$i/" \
+            > "$t/$i.log" 2>&1 || { tail "$t/$i.log"; echo "preempt check: the $i run failed"; exit 1; }
+    done
+    for ((i = 0; i < runs; i++)); do
+        preempt_one "$t" $i "$args" || exit 1
+    done
+    preempt_one "$t" zero "$args --zero 1" || exit 1
+    echo "preempt checks: $runs runs and a sharded one, SIGTERM at a random step: each saved" \
+         "one agreed step and resumed to the uninterrupted run's bytes"
+}
+
+# preempt_one DIR I ARGS: one pre-empted run (I even or "zero": dtrun
+# signalled; odd: a rank), checked against DIR/ref (or DIR/ref_zero).
+preempt_one() {
+    local t=$1 i=$2 args=$3 d=$1/run$2 log=$1/run$2.log ref=$1/ref job dt victim n _ rc=0 ms
+    local restarts="" whom=dtrun
+    [ "$i" = zero ] && ref=$t/ref_zero
+    [[ $i =~ ^[0-9]+$ ]] && [ $((i % 2)) = 1 ] && restarts="--max-restarts 1" whom=rank
+    timeout -k 5 300 $BUILD/test/dtrun -n 3 $restarts $BUILD/test/fashion_mnist_O2 $args \
+        --save "$d/" --resume auto > "$log" 2>&1 &
+    job=$!
+    for _ in $(seq 600); do grep -q '^\[0\] model ' "$log" && break; sleep 0.1; done
+    ms=$((100 + RANDOM % 1100))   # into the 120 steps (about 1.5 s here, longer under load)
+    sleep "$((ms / 1000)).$(printf %03d $((ms % 1000)))"
+    dt=$(children $job | head -1)
+    victim=$dt
+    [ $whom = dtrun ] || victim=$(children "${dt:-0}" | shuf -n 1)
+    [ -n "$victim" ] && kill -TERM "$victim"
+    wait $job || rc=$?
+    n=$(sed -n 's/^\[0\] pre-empted at step \([0-9]*\) (SIGTERM), checkpoint saved in .*/\1/p' "$log" | head -1)
+    if [ -z "$n" ] || { [ $whom = dtrun ] && [ $rc != 75 ]; } || { [ $whom = rank ] && [ $rc != 0 ]; }; then
+        tail -20 "$log"
+        echo "preempt check: run $i (SIGTERM to the $whom after $ms ms): exit $rc, pre-empted at step '${n}'"
+        return 1
+    fi
+    if [ $whom = dtrun ]; then   # the scheduler's requeue: the job run again
+        timeout -k 5 300 $BUILD/test/dtrun -n 3 $BUILD/test/fashion_mnist_O2 $args --save "$d/" \
+            --resume auto >> "$log" 2>&1 || { tail -20 "$log"; echo "preempt check: run $i's resume failed"; return 1; }
+    fi
+    if ! grep -q "^\[0\] resumed from $d/step-$n\(\.safetensors\)\{0,1\} at step $n " "$log"; then
+        tail -20 "$log"
+        echo "preempt check: run $i did not resume from its pre-emption's checkpoint (step $n)"
+        return 1
+    fi
+    if [ "$i" = zero ]; then
+        for f in "$ref"/step-120/*; do
+            cmp -s "$f" "$d/step-120/${f##*/}" ||
+                { echo "preempt check: run $i's ${f##*/} differs from the uninterrupted run's"; return 1; }
+        done
+    elif ! cmp -s "$ref/step-120.safetensors" "$d/step-120.safetensors"; then
+        echo "preempt check: run $i (pre-empted at step $n) ends unlike the uninterrupted run"
+        return 1
+    fi
+    echo "preempt check: run $i: SIGTERM to the $whom after $ms ms, pre-empted at step $n, resumed, the same bytes at step 120"
 }
 
 elastic_checks() {
@@ -1437,7 +1517,12 @@ FUZZERS="safetensors idx npy csv tokens store comm ps"
 FUZZ_WHOLE=" store comm ps "   # these include dtrain.c, to reach internal functions
 
 fuzz_build() {
-    local f=$BUILD/fuzz cc=${FUZZ_CC:-clang} n
+    local f=$BUILD/fuzz cc=${FUZZ_CC:-clang} n current=1
+    for n in $FUZZERS; do   # built already (./build.sh test builds them first)
+        stale "$f/fuzz_$n" dtrain.c dtrain.h backends/*.c backends/*.h tests/fuzz/*.c tests/fuzz/*.h &&
+            current=0
+    done
+    [ $current = 0 ] || return 0
     local san="-g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local flags="$WARN $san -DDT_WITH_CPU -I."
     mkdir -p $f
@@ -1530,52 +1615,128 @@ multihost_check() {
     fi
 }
 
+# The SSE2 copies of the dispatched CPU kernels (backends/cpu.c), which a
+# CPU with AVX2 or AVX-512 would never pick on its own.
+baseline_kernels_check() {
+    DTRAIN_CPU_KERNELS=baseline DT_TEST_GROUPS=cpu_kernels,core_forward,core_grad,core_optim,core_amp \
+        OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests > $BUILD/test/baseline.log 2>&1 ||
+        { tail -30 $BUILD/test/baseline.log; echo "build.sh: the baseline kernels fail"; exit 1; }
+    echo "build.sh: baseline (SSE2) kernels: $(tail -1 $BUILD/test/baseline.log)"
+}
+
+# unit_shard K N: shard K of N of the cmocka suite (tests/test_util.h,
+# DT_TEST_SHARD); its summary is the last line of $BUILD/test/unit-K.log.
+# protect_shadow_gap=0: the CUDA driver maps memory where ASan's gap is,
+# and tests/lsan.supp: the driver's own allocations are not leaks of ours.
+unit_shard() {
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1${CUDA_OBJ:+:protect_shadow_gap=0} \
+        LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp UBSAN_OPTIONS=print_stacktrace=1 \
+        OPENBLAS_NUM_THREADS=1 DT_TEST_SHARD="$1/$2" $BUILD/test/dtrain_tests
+}
+
+# (the shard as one of run_checks' checks: its failures and summary shown,
+# the whole output kept in $BUILD/test/logs/unit-K.log)
+unit_shard_check() {
+    local log=$BUILD/test/logs/unit-$1.log rc=0
+    unit_shard "$1" "$2" > "$log" 2>&1 || rc=$?
+    if [ $rc != 0 ]; then
+        grep -B2 -A12 '^\[  ERROR   \]\|^\[  FAILED  \] test\|ERROR: AddressSanitizer\|runtime error' "$log" | head -80
+        tail -5 "$log"
+    fi
+    echo "unit shard $1/$2: $(tail -1 "$log")"
+    return $rc
+}
+
+# run_checks CMD...: every command (a check function, or a command line) in
+# the background, at most DT_JOBS at once (default twice the cores: most
+# checks wait on processes, sockets and timeouts more than they compute),
+# started in the order given (longest first).  Each one's output goes to
+# $BUILD/test/logs/N.log and is printed whole when it ends, with its time.
+# Returns 1 after all have ended if any failed.
+run_checks() {
+    local max=${DT_JOBS:-$(( $(nproc) * 2 ))} logs=$BUILD/test/logs failed=0 pid i=0 rc
+    local -A name_of start_of log_of
+    rm -rf "$logs"
+    mkdir -p "$logs"
+    for cmd in "$@"; do
+        while [ ${#name_of[@]} -ge "$max" ]; do check_reap || failed=1; done
+        i=$((i + 1))
+        ( eval "$cmd" ) > "$logs/$i.log" 2>&1 < /dev/null &
+        name_of[$!]=$cmd
+        start_of[$!]=$SECONDS
+        log_of[$!]=$logs/$i.log
+    done
+    while [ ${#name_of[@]} -gt 0 ]; do check_reap || failed=1; done
+    return $failed
+}
+
+# (run_checks' helper: waits for one check, prints it, forgets it)
+check_reap() {
+    local pid rc=0 what
+    wait -n -p pid || rc=$?
+    [ -n "$pid" ] || return 0
+    what=${name_of[$pid]}
+    cat "${log_of[$pid]}"
+    if [ $rc = 0 ]; then
+        echo "build.sh: $what: $((SECONDS - start_of[$pid])) s"
+    else
+        echo "build.sh: $what: FAILED (exit $rc) after $((SECONDS - start_of[$pid])) s"
+    fi
+    unset "name_of[$pid]" "start_of[$pid]" "log_of[$pid]"
+    return $rc
+}
+
+# The shards' summaries summed: the suite's last line, "N passed, N failed".
+unit_summary() {
+    local n=$1 k last passed=0 failed=0 skipped=0 p f
+    for ((k = 0; k < n; k++)); do
+        last=$(tail -1 "$BUILD/test/logs/unit-$k.log" 2>/dev/null)
+        if [[ $last =~ ^([0-9]+)\ passed,\ ([0-9]+)\ failed$ ]]; then
+            p=${BASH_REMATCH[1]} f=${BASH_REMATCH[2]}
+        else   # it crashed before its summary: counted as one failure
+            p=0 f=1
+            echo "build.sh: unit shard $k/$n ended without its summary"
+        fi
+        passed=$((passed + p)) failed=$((failed + f))
+        p=$(sed -n 's/^\([0-9]*\) skipped$/\1/p' "$BUILD/test/logs/unit-$k.log" | tail -1)
+        skipped=$((skipped + ${p:-0}))
+    done
+    [ $skipped = 0 ] || echo "$skipped skipped"
+    echo "$passed passed, $failed failed"
+    [ $failed = 0 ]
+}
+
+# ./build.sh test: everything is built first (the shared builds too, so no
+# two checks ever build the same file at once), then the checks and the
+# cmocka suite's shards run side by side (run_checks); the suite's summed
+# summary is the last line.  DT_JOBS=1 runs one thing at a time.
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ $PKGS_PYTHON python3-pip \
         python3-setuptools qemu-user iproute2 iputils-ping \
         python3-prometheus-client chromium
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-    local t0=$SECONDS
+    local t0=$SECONDS shards=${DT_TEST_SHARDS:-4} k checks=() ok=1
     amalgamation_check
     layer_checks
     build_test_programs "$san"
-    echo "build.sh: compiling the library, the tests and the examples: $((SECONDS - t0)) s"
+    build_examples
+    build_portable_dtrun
+    ! fuzz_available || fuzz_build > $BUILD/fuzz-build.log 2>&1 ||
+        { cat $BUILD/fuzz-build.log; echo "fuzz checks: the harnesses did not build"; exit 1; }
+    echo "build.sh: compiling the library, the tests, the examples and the fuzzers: $((SECONDS - t0)) s"
     [ "${DT_BUILD_ONLY:-0}" = 0 ] || return 0
-    timed example_checks
-    timed plugin_checks
-    timed embed_checks
-    timed bash tests/install_check.sh
-    timed readme_vendoring_checks
-    timed ps_checks
-    timed zero_checks
-    timed pipeline_checks
-    timed python_checks
-    timed launcher_checks
-    timed elastic_checks
-    timed multihost_check
-    timed readme_example "$san"
-    timed api_doc_checks
-    timed staged_checks
-    timed amp_checks
-    timed profile_checks
-    timed monitor_checks
-    timed gpt_checks
-    timed bash tests/args_check.sh "$PWD/$BUILD/test"
-    timed fuzz_checks
-    timed gpu_checks
-    # the SSE2 copies of the dispatched CPU kernels (backends/cpu.c), which a
-    # CPU with AVX2 or AVX-512 would never pick on its own
-    DTRAIN_CPU_KERNELS=baseline DT_TEST_GROUPS=cpu_kernels,core_forward,core_grad,core_optim,core_amp \
-        OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests > $BUILD/test/baseline.log 2>&1 ||
-        { tail -30 $BUILD/test/baseline.log; echo "build.sh: the baseline kernels fail"; exit 1; }
-    echo "build.sh: baseline (SSE2) kernels: $(tail -1 $BUILD/test/baseline.log)"
-    echo "build.sh: the checks took $SECONDS s; the unit suite follows"
-    # protect_shadow_gap=0: the CUDA driver maps memory where ASan's gap is
-    # and tests/lsan.supp: the driver's own allocations are not leaks of ours
-    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1${CUDA_OBJ:+:protect_shadow_gap=0} \
-        LSAN_OPTIONS=suppressions=$PWD/tests/lsan.supp UBSAN_OPTIONS=print_stacktrace=1 \
-        OPENBLAS_NUM_THREADS=1 $BUILD/test/dtrain_tests
+    for ((k = 0; k < shards; k++)); do
+        checks+=("unit_shard_check $k $shards")
+    done
+    checks+=(fuzz_checks staged_checks monitor_checks python_checks example_checks ps_checks
+             embed_checks "bash tests/args_check.sh $PWD/$BUILD/test" gpt_checks elastic_checks
+             multihost_check preempt_checks zero_checks amp_checks pipeline_checks readme_vendoring_checks
+             api_doc_checks "bash tests/install_check.sh" launcher_checks profile_checks
+             plugin_checks "readme_example '$san'" gpu_checks baseline_kernels_check)
+    run_checks "${checks[@]}" || ok=0
+    echo "build.sh: the checks and the suite took $((SECONDS - t0)) s in all"
+    unit_summary "$shards" && [ $ok = 1 ]
 }
 
 cmd_demo() {

@@ -107,7 +107,9 @@ typedef enum dt_status {
     DT_ESTATE,     /* call not valid in the object's current state */
     DT_ETIMEDOUT,  /* an operation did not finish in time */
     DT_EPEER,      /* a remote rank failed or sent something unexpected */
-    DT_EOF         /* a loader has no more batches in this epoch */
+    DT_EOF,        /* a loader has no more batches in this epoch */
+    DT_EPREEMPTED  /* dt_launch: the job was pre-empted; its ranks saved a checkpoint and
+                      exited DT_EXIT_PREEMPTED (dt_preempt_enable) */
 } dt_status;
 
 /* A static string describing a status ("invalid argument"); "unknown
@@ -1339,6 +1341,78 @@ DT_API dt_status dt_spawn(dt_ctx *ctx, const dt_spawn_config *cfg, int *rank);
  * before it are stopped); DT_EINVAL: argv empty. */
 DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
                            int *failed_rank);
+
+/* ---------------------------------------------------------------------------
+ * Graceful pre-emption
+ *
+ * Schedulers stop jobs far more often than jobs crash: Slurm's pre-emption
+ * and scancel send SIGTERM (with --signal=USR1@120, a warning first),
+ * Kubernetes SIGTERM and then its grace period, spot instances a notice.
+ * With dt_preempt_enable the library catches those signals (its handler
+ * only records which came), and the training loop asks once a step, on
+ * every rank at the same point, whether the job must stop:
+ *
+ *     dt_preempt_enable(ctx, NULL);                  every rank, once
+ *     for (step = start; step < steps; step++) {
+ *         ... forward, backward, dt_ddp_step(ddp) ...
+ *         int stop;
+ *         dt_preempt_agree(ctx, comm, step + 1, &stop);
+ *         if (stop) {   every rank, after the same step
+ *             save a checkpoint at step + 1 (dt_checkpoint_save on rank 0,
+ *             or every rank's shard: dt_ddp_checkpoint_save);
+ *             dt_preempt_saved(ctx, -1);
+ *             puts(dt_preempt_report(ctx));   "pre-empted at step N (SIGTERM),
+ *                                              checkpoint saved in S s"
+ *             exit(DT_EXIT_PREEMPTED);
+ *         }
+ *     }
+ *
+ * A rank that received the signal during a step finishes it; the vote is a
+ * one-float allreduce after the step, which dt_ddp_step already did (then
+ * dt_preempt_agree costs nothing).  dtrun passes DT_EXIT_PREEMPTED on when
+ * it was signalled itself (the scheduler then requeues the job: Slurm's
+ * --requeue, a Kubernetes restart), and with --max-restarts restarts the
+ * job from its newest checkpoint when only its ranks were.  A second signal
+ * ends the process at once (the signal's default action); a rank that does
+ * not exit within dtrun's grace period after the signal is killed and named.
+ * docs/RELIABILITY.md, "Pre-emption".
+ * ------------------------------------------------------------------------- */
+#define DT_EXIT_PREEMPTED 75   /* sysexits' EX_TEMPFAIL: the state is saved, run it again */
+#define DT_PREEMPT_SIGTERM 1u
+#define DT_PREEMPT_SIGUSR1 2u
+#define DT_PREEMPT_SIGUSR2 4u
+#define DT_PREEMPT_SIGINT 8u
+typedef struct dt_preempt_config {
+    size_t struct_size;        /* set by its *_init (see "Config structs" above) */
+    unsigned signals;          /* DT_PREEMPT_SIG* caught; default TERM | USR1 | USR2.
+                                  DTRAIN_PREEMPT_SIGNALS=TERM,USR1 (or none) overrides */
+} dt_preempt_config;
+DT_API void dt_preempt_config_init(dt_preempt_config *cfg);
+/* Catch cfg's signals (NULL: the defaults) in this process from now on:
+ * each only records that it came; the first of them asks the job to stop,
+ * a second ends the process.  Call it on every rank, before the first
+ * step (the ranks' votes must match).  The handlers stay installed for the
+ * process's life; a communicator made later takes them back from a
+ * transport library that installed its own.  DT_EINVAL: unknown bits or a
+ * malformed DTRAIN_PREEMPT_SIGNALS; DT_EIO: sigaction failed. */
+DT_API dt_status dt_preempt_enable(dt_ctx *ctx, const dt_preempt_config *cfg);
+/* The signal this process received (SIGTERM, ...), 0: none or not enabled.
+ * Rank-local: the job's decision is dt_preempt_agree's. */
+DT_API int dt_preempt_signal(const dt_ctx *ctx);
+/* Collective over c (NULL or one rank: this process alone), at the same
+ * point of every step on every rank: *stop = 1 on every rank when any rank
+ * received a signal before its vote.  step: the steps done, recorded for
+ * the report at the first stop.  The DDP's step already voted (dt_ddp_step
+ * and dt_ddp_sync): then no message is sent.  Not enabled: *stop = 0, no
+ * collective.  DT_EINVAL: stop NULL; the allreduce's errors. */
+DT_API dt_status dt_preempt_agree(dt_ctx *ctx, dt_comm *c, int64_t step, int *stop);
+/* The checkpoint of the agreed stop is written, in seconds (< 0: the time
+ * since the agreement).  DT_ESTATE: no stop was agreed. */
+DT_API dt_status dt_preempt_saved(dt_ctx *ctx, double seconds);
+/* "pre-empted at step N (SIGTERM), checkpoint saved in S s" (or "..., no
+ * checkpoint saved"); "" before a stop.  Borrowed: valid until the next
+ * call; dt_profile_report ends with the same line. */
+DT_API const char *dt_preempt_report(dt_ctx *ctx);
 
 /* ---------------------------------------------------------------------------
  * 11. Data parallelism (DDP)

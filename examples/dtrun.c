@@ -35,7 +35,11 @@ static void usage(FILE *f)
                "[--min-ranks M] [--no-prefix] [--no-bind] [--] prog [args...]\n"
                "  -n, --nproc N       ranks to start, 1..1024\n"
                "  --transport T       DTRAIN_TRANSPORT for the ranks\n"
-               "  --grace MS          when a rank fails, wait MS from SIGTERM to SIGKILL (default 5000)\n"
+               "  --grace MS          after a rank failed, a signal dtrun passed on, or a rank's\n"
+               "                      pre-emption exit, ranks still running after MS are killed\n"
+               "                      (default 5000)\n"
+               "Exit status: 0, 1 (a rank failed), 2 (usage), 75 (pre-empted: the ranks saved\n"
+               "a checkpoint and exited 75; run the job again to resume it)\n"
                "  --max-restarts N    start the job again after a failure, up to N times\n"
                "  --min-ranks M       with --max-restarts: leave out a rank that failed first\n"
                "                      twice in a row, down to M ranks\n"
@@ -94,5 +98,6 @@ int main(int argc, char **argv)
     if (st != DT_OK)
         fprintf(stderr, "dtrun: %s\n", dt_last_error(ctx));
     dt_ctx_free(ctx);
-    return st == DT_OK ? 0 : 1;
+    /* pre-empted: the job's state is saved; the scheduler may run it again */
+    return st == DT_OK ? 0 : st == DT_EPREEMPTED ? DT_EXIT_PREEMPTED : 1;
 }

@@ -87,7 +87,10 @@ static void usage(FILE *f)
             "  --save PATH         write a checkpoint after every epoch (PATH ending in '/':\n"
             "                      a directory, one file per epoch, DIR/step-N.safetensors;\n"
             "                      with --zero each rank writes its shard: PATH, or\n"
-            "                      DIR/step-N, is a sharded checkpoint's directory)\n"
+            "                      DIR/step-N, is a sharded checkpoint's directory).  Also\n"
+            "                      on SIGTERM, SIGUSR1 or SIGUSR2: every rank finishes its\n"
+            "                      step, the checkpoint of that step is written, and the\n"
+            "                      program exits 75 (pre-empted; --resume auto goes on)\n"
             "  --resume PATH|auto  continue from a checkpoint; auto: the newest complete one\n"
             "                      --save wrote, if any (what dtrun --max-restarts needs)\n"
             "  --data DIR          dataset directory (default /usr/share/datasets/fashion-mnist)\n"
@@ -481,6 +484,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         printf(", lr %g, %s backend, %d threads, %d parameter tensors", (double)o->lr,
                dt_backend_name(ctx), dt_ctx_threads(ctx), dt_param_count(ctx));
         printf("%s%s\n", o->amp ? ", autocast " : "", o->amp ? o->amp : "");
+        fflush(stdout);   /* training starts: a log read while it runs says so */
     }
     breakdown all = {0, 0, 0, 0, 0, 0, 0};
     double t_start = dt_now(), last_bwd = 0;
@@ -491,7 +495,11 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         double t0 = dt_now(), loss_sum = 0;
         int64_t correct = 0, seen = 0;
         dt_tensor *x, *y;
-        for (int64_t b = 0; b < per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++) {
+        int64_t b = 0;
+        if (epoch == (int)(step / per_epoch))   /* resumed mid-epoch: its first batches are done */
+            for (; b < step % per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++)
+                dt_step_reset(ctx);
+        for (; b < per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++) {
             double tf = cpu_now();
             dt_tensor *logits = model_forward(ctx, &m, x);
             dt_tensor *loss = dt_cross_entropy(ctx, logits, y);
@@ -526,6 +534,19 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             if (talk)
                 progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
                          (double)(seen * ranks) / (dt_now() - t0));
+            int stop = 0;   /* pre-empted (with --save): every rank saves after this step */
+            if (dt_preempt_agree(ctx, comm, step, &stop) != DT_OK)
+                goto fail_ctx;
+            if (stop) {
+                dt_ddp *sharded = o->zero ? ddp : NULL;
+                if ((rank == 0 || sharded) && !save_epoch(ctx, sharded, opt, o->save, step))
+                    goto fail_ctx;
+                dt_preempt_saved(ctx, -1);
+                if (talk)
+                    printf("%s%s\n", tty ? "\n" : "", dt_preempt_report(ctx));
+                ok = 2;
+                goto done;
+            }
         }
         breakdown bd = {dt_now() - t0, dt_loader_wait_seconds(train_ld), 0, 0, 0, 0, 0};
         if (ddp) {
@@ -763,6 +784,8 @@ static int run_rank(const options *o)
     int ok = dt_dist_env_detect(ctx, &env) == DT_OK;
     if (!ok)
         fail(ctx, 0, "reading the launcher's environment");
+    else if (o->save && !o->servers && dt_preempt_enable(ctx, NULL) != DT_OK)
+        ok = fail(ctx, env.rank, "catching the pre-emption signals");
     else if (env.world_size > 1 && !(comm = dt_comm_new(ctx, &env, NULL)))
         ok = fail(ctx, env.rank, "joining the job");
     if (ok && (o->monitor || getenv("DTRAIN_MONITOR"))) {
@@ -786,6 +809,12 @@ static int run_rank(const options *o)
     return ok;
 }
 
+/* run_rank's 1 (done), 2 (pre-empted, saved) or 0 (failed) as the exit status */
+static int exit_code(int ok)
+{
+    return ok == 1 ? 0 : ok == 2 ? DT_EXIT_PREEMPTED : 1;
+}
+
 int main(int argc, char **argv)
 {
     options o;
@@ -803,12 +832,12 @@ int main(int argc, char **argv)
         dt_status st = sup ? dt_spawn(sup, &sc, &rank) : DT_ENOMEM;
         if (st == DT_OK && rank >= 0) {   /* a worker */
             dt_ctx_free(sup);
-            return run_rank(&o) ? 0 : 1;
+            return exit_code(run_rank(&o));
         }
         if (st != DT_OK)
             fprintf(stderr, "fashion_mnist: %s\n", sup ? dt_last_error(sup) : "out of memory");
         dt_ctx_free(sup);
-        return st == DT_OK ? 0 : 1;
+        return st == DT_OK ? 0 : st == DT_EPREEMPTED ? DT_EXIT_PREEMPTED : 1;
     }
-    return run_rank(&o) ? 0 : 1;
+    return exit_code(run_rank(&o));
 }

@@ -39,6 +39,7 @@ size_t dt_struct_size(const char *name)
         {"dt_store_config", sizeof(dt_store_config)},
         {"dt_comm_config", sizeof(dt_comm_config)},
         {"dt_spawn_config", sizeof(dt_spawn_config)},
+        {"dt_preempt_config", sizeof(dt_preempt_config)},
         {"dt_ddp_config", sizeof(dt_ddp_config)},
         {"dt_ddp_stats", sizeof(dt_ddp_stats)},
         {"dt_dp_config", sizeof(dt_dp_config)},
@@ -74,6 +75,7 @@ const char *dt_strerror(dt_status s)
     case DT_ETIMEDOUT: return "timed out";
     case DT_EPEER: return "peer failure";
     case DT_EOF: return "end of data";
+    case DT_EPREEMPTED: return "pre-empted";
     }
     return "unknown status";
 }

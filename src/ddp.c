@@ -579,6 +579,8 @@ static dt_status ddp_finish(dt_ddp *d)
     dt_status s = ddp_finish_run(d);
     if (s == DT_OK)
         s = ddp_check_ranks(d);
+    if (s == DT_OK && !d->cfg.ps)   /* whether the job stops after this step (src/preempt.c) */
+        s = preempt_vote(d->ctx, d->comm);
     ctx_done(d->ctx, act);
     prof_end(d->ctx, PH_COMM_WAIT, t0);
     return s;

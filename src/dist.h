@@ -370,6 +370,7 @@ typedef struct spawn_stream {
 typedef struct spawn_rank {
     pid_t pid;
     int exited, status;
+    int killed_late;           /* still running at the grace period's end: SIGKILLed */
     spawn_stream s[2];
 } spawn_rank;
 /* --- src/ddp.c --- */
@@ -862,6 +863,11 @@ DT_PRIVATE dt_status seg_reduce_scatter(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_reduce_scatter_v(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_allgather_v(dt_comm *c, dt_work *w);
 DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
+
+/* src/preempt.c: graceful pre-emption */
+DT_PRIVATE void preempt_reclaim(dt_ctx *ctx);
+DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c);
+DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap);
 
 /* src/join.c: joining the job, a restarted rank */
 DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c);

@@ -298,6 +298,16 @@ struct dt_ctx {
     uint64_t errors;               /* set_error calls so far (was this error set just now?) */
     dt_log_fn log_fn;
     void *log_user;
+    struct {                       /* graceful pre-emption (src/preempt.c) */
+        int on;                    /* dt_preempt_enable was called */
+        unsigned signals;          /* DT_PREEMPT_SIG* caught */
+        int voted, verdict;        /* this step's vote is in (the DDP's), and its result: the
+                                      largest signal number any rank received, 0: none */
+        int signal;                /* the agreed stop's signal */
+        int64_t step;              /* the step the job agreed to stop after; -1: none */
+        double since, saved_s;     /* when it agreed; the checkpoint's seconds (-1: none) */
+        char line[128];            /* dt_preempt_report's text */
+    } preempt;
     int threads;
     uint64_t seed;
     uint64_t rng[4];               /* xoshiro256** state for init */

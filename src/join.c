@@ -587,6 +587,7 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     c->job.master_port = dt_store_port(c->store);
     if (comm_connect(c, &cfg) != DT_OK)
         goto fail;
+    preempt_reclaim(ctx);   /* the transport's libraries may have taken the signals */
     return c;
 fail:
     return comm_abandon(c, "");

@@ -256,7 +256,9 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
             struct signalfd_siginfo si;
             if (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {
                 signal_ranks(r, n, (int)si.ssi_signo, 1);   /* forward Ctrl-C / TERM */
-                *interrupted = 1;   /* the user's stop: no restart */
+                *interrupted = (int)si.ssi_signo;   /* the user's stop: no restart */
+                if (kill_at == 0)   /* they save and leave (dt_preempt_enable) in grace_ms */
+                    kill_at = dt_now() + grace / 1000.0;
             }
         }
         for (int i = 0; i < n; i++) {
@@ -270,7 +272,12 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
                 if (WIFSIGNALED(status))
                     remove_shm_of(r[i].pid);
                 int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-                if (!ok && *first_failed < 0) {
+                if (WIFEXITED(status) && WEXITSTATUS(status) == DT_EXIT_PREEMPTED) {
+                    /* saved at the step the ranks agreed on: the others are
+                     * saving too (a signal now would end one mid-write) */
+                    if (kill_at == 0)
+                        kill_at = dt_now() + grace / 1000.0;
+                } else if (!ok && *first_failed < 0) {
                     *first_failed = i;
                     signal_ranks(r, n, SIGTERM, 1);
                     kill_at = dt_now() + grace / 1000.0;
@@ -278,6 +285,12 @@ static int supervise(dt_ctx *ctx, const dt_spawn_config *cfg, spawn_rank *r, int
             }
         }
         if (kill_at > 0 && dt_now() >= kill_at) {   /* ranks or their children left */
+            for (int i = 0; i < n; i++)
+                if (!r[i].exited) {
+                    r[i].killed_late = 1;
+                    ctx_warn(ctx, "launch: rank %d did not exit within the %d ms grace period: "
+                             "killed", i, grace);
+                }
             signal_ranks(r, n, SIGKILL, 1);
             kill_at = 0;
         }
@@ -376,7 +389,21 @@ static dt_status spawn_once(dt_ctx *ctx, const dt_spawn_config *cfg, char *const
     if (sfd >= 0)
         close(sfd);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (st == DT_OK && first_failed >= 0) {
+    int preempted = 0, late = -1;
+    for (int i = 0; i < n; i++) {
+        preempted += WIFEXITED(r[i].status) && WEXITSTATUS(r[i].status) == DT_EXIT_PREEMPTED;
+        if (r[i].killed_late && late < 0)
+            late = i;
+    }
+    if (st == DT_OK && first_failed >= 0 && late >= 0 && (preempted || *interrupted)) {
+        first_failed = late;   /* the rank that ignored the stop, not the first reaped */
+        st = set_error(ctx, DT_EPEER, "spawn: rank %d did not exit within the %d ms grace period "
+                       "after %s and was killed", late, cfg->grace_ms > 0 ? cfg->grace_ms : 5000,
+                       preempted ? "the job agreed to stop" : "the signal");
+    } else if (st == DT_OK && first_failed < 0 && preempted) {
+        st = set_error(ctx, DT_EPREEMPTED, "spawn: the job was pre-empted: %d of %d ranks saved "
+                       "their part and exited %d", preempted, n, DT_EXIT_PREEMPTED);
+    } else if (st == DT_OK && first_failed >= 0) {
         int s = r[first_failed].status;
         if (WIFEXITED(s))
             st = set_error(ctx, DT_EPEER, "spawn: rank %d exited with code %d; the other ranks "
@@ -426,9 +453,13 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg_in, char *co
             return DT_OK;   /* a rank (dt_spawn): this process runs it */
         if (failed_out)
             *failed_out = failed;
-        if (st != DT_EPEER || interrupted || attempt >= cfg->max_restarts)
+        if ((st != DT_EPEER && st != DT_EPREEMPTED) || interrupted || attempt >= cfg->max_restarts)
             return st;
-        int drop = cfg->min_ranks > 0 && failed == last_failed && run.nranks > cfg->min_ranks;
+        /* pre-empted ranks saved and left: none of them is a failing rank */
+        int drop = st == DT_EPEER && cfg->min_ranks > 0 && failed == last_failed &&
+                   run.nranks > cfg->min_ranks;
+        if (st == DT_EPREEMPTED)
+            failed = -1;
         ctx_warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
              attempt + 1, cfg->max_restarts,
              drop ? " with one rank fewer: this rank failed first twice in a row" : "");

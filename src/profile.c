@@ -14,6 +14,26 @@
 #define PROF_LINK_FLOATS ((int64_t)2 << 20)   /* the link test: 8 MiB allreduces */
 
 
+/* The report rep (freed) with the pre-emption's line after it, when the
+ * job was pre-empted (src/preempt.c); NULL: out of memory. */
+static char *prof_add_preempt(dt_ctx *ctx, char *rep)
+{
+    char line[128];
+    preempt_line(ctx, line, sizeof line);
+    if (!rep || !line[0])
+        return rep;
+    size_t a = strlen(rep), b = strlen(line);
+    char *out = host_alloc(ctx, a + b + 2);
+    if (out) {
+        memcpy(out, rep, a);
+        memcpy(out + a, line, b);
+        out[a + b] = '\n';
+        out[a + b + 1] = '\0';
+    }
+    host_free(ctx, rep);
+    return out;
+}
+
 const char *dt_profile_report(const dt_ctx *ctx)
 {
     return ctx && ctx->prof.report ? ctx->prof.report : "";
@@ -1030,7 +1050,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
         if (st == DT_OK && trace_path)
             st = prof_write_trace(ctx, trace_path, all, stride, P);
         if (st == DT_OK) {
-            char *rep = prof_build_report(ctx, heads, P, link, trace_path);
+            char *rep = prof_add_preempt(ctx, prof_build_report(ctx, heads, P, link, trace_path));
             if (!rep)
                 st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for the report");
             host_free(ctx, p->report);

@@ -26,7 +26,7 @@ import sys
 LAYERS = [
     ("context", "arena", "tensor", "param", "util", "record"),
     ("autograd",), ("ops", "ops_nn"), ("recompute",), ("optim",), ("ckpt",), ("dataset", "dataset_io"), ("data",), ("store",),
-    ("comm", "seg"), ("join",), ("eval",), ("launch",), ("profile",), ("codec",), ("ps", "ps_server"), ("zero", "ddp"), ("replicas",),
+    ("comm", "seg"), ("join", "preempt"), ("eval",), ("launch",), ("profile",), ("codec",), ("ps", "ps_server"), ("zero", "ddp"), ("replicas",),
     ("hogwild",), ("steal",), ("parallel",), ("monitor",),
 ]
 
@@ -43,7 +43,7 @@ PREFIXES = {
     "param": ("param_",), "util": ("util_", "strbuf_"), "record": ("prof_",),
     "autograd": ("tape_", "grad_"), "ops": ("op_",), "ops_nn": ("op_",), "eval": ("eval_",), "recompute": ("recompute_",),
     "optim": ("optim_",), "ckpt": ("ckpt_",), "store": ("store_",), "data": ("loader_", "data_"), "dataset": ("dataset_",), "dataset_io": ("dataset_",),
-    "comm": ("comm_",), "seg": ("seg_",), "join": ("join_",), "launch": ("launch_",), "profile": ("prof_",), "codec": ("codec_",), "zero": ("zero_",),
+    "comm": ("comm_",), "seg": ("seg_",), "preempt": ("preempt_",), "join": ("join_",), "launch": ("launch_",), "profile": ("prof_",), "codec": ("codec_",), "zero": ("zero_",),
     "ps": ("ps_",), "ps_server": ("ps_",), "ddp": ("ddp_",), "replicas": ("replicas_",), "hogwild": ("hogwild_",),
     "steal": ("steal_",), "parallel": ("parallel_", "pipe_"), "monitor": ("mon_",),
 }

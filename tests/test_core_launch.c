@@ -7,6 +7,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -377,6 +378,73 @@ static void test_no_psm_signal_handlers(void **state)
                  WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
 }
 
+/* --- pre-empted ranks (dt_preempt_enable's DT_EXIT_PREEMPTED) -------------
+ * Ranks that exit 75 have saved their part: the job is pre-empted (not
+ * failed), restarted with max_restarts, and a rank that stays past the
+ * grace period is killed and named.  A signal to the supervisor is passed
+ * on; its ranks' 75 then means no restart. */
+static void *term_main_soon(void *arg)
+{
+    usleep(600 * 1000);
+    pthread_kill(*(pthread_t *)arg, SIGTERM);   /* read by dt_launch's signalfd */
+    return NULL;
+}
+
+static void test_launch_preempted(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = new_ctx();
+    dt_spawn_config cfg;
+    dt_spawn_config_init(&cfg);
+    cfg.nranks = 3;
+    cfg.grace_ms = 500;
+    int failed = -2;
+    char *const all75[] = {"/bin/sh", "-c", "sleep 0.$DTRAIN_RANK; exit 75", NULL};
+    assert_int_equal(dt_launch(ctx, &cfg, all75, &failed), DT_EPREEMPTED);
+    assert_int_equal(failed, -1);
+    assert_non_null(strstr(dt_last_error(ctx), "pre-empted: 3 of 3 ranks"));
+    /* restarted (DTRAIN_RESTART=1), as after a failure, and then done */
+    cfg.max_restarts = 1;
+    char *const once[] = {"/bin/sh", "-c", "[ \"${DTRAIN_RESTART:-0}\" != 0 ] || exit 75", NULL};
+    assert_int_equal(dt_launch(ctx, &cfg, once, &failed), DT_OK);
+    cfg.max_restarts = 0;
+    /* rank 1 ignores the stop: killed after the grace period, and named */
+    char *const stuck[] = {"/bin/sh", "-c",
+                           "if [ $DTRAIN_RANK = 1 ]; then trap '' TERM; sleep 30; fi; exit 75",
+                           NULL};
+    double t0 = dt_now();
+    dt_status st = dt_launch(ctx, &cfg, stuck, &failed);
+    double took = dt_now() - t0;
+    print_message("a rank past the grace period: %s (%.2f s)\n", dt_last_error(ctx), took);
+    assert_int_equal(st, DT_EPEER);
+    assert_int_equal(failed, 1);
+    assert_non_null(strstr(dt_last_error(ctx), "rank 1 did not exit within the 500 ms grace"));
+    assert_true(took >= 0.45 && took < 4.0);
+    /* the supervisor is signalled: passed on; the ranks' 75 ends the job, no
+     * restart (the scheduler's stop), and the rank that ignored it is named */
+    cfg.max_restarts = 2;
+    char *const trap75[] = {"/bin/sh", "-c",
+                            "if [ $DTRAIN_RANK = 2 ]; then trap '' TERM; sleep 30; exit 0; fi; "
+                            "trap 'exit 75' TERM; sleep 30 & wait; exit 1", NULL};
+    pthread_t me = pthread_self(), th;
+    assert_int_equal(pthread_create(&th, NULL, term_main_soon, &me), 0);
+    st = dt_launch(ctx, &cfg, trap75, &failed);
+    pthread_join(th, NULL);
+    assert_int_equal(st, DT_EPEER);
+    assert_int_equal(failed, 2);
+    assert_non_null(strstr(dt_last_error(ctx), "rank 2 did not exit within the 500 ms grace period "
+                                                "after the job agreed to stop"));
+    char *const trap75all[] = {"/bin/sh", "-c", "trap 'exit 75' TERM; sleep 30 & wait; exit 1", NULL};
+    assert_int_equal(pthread_create(&th, NULL, term_main_soon, &me), 0);
+    t0 = dt_now();
+    st = dt_launch(ctx, &cfg, trap75all, &failed);
+    took = dt_now() - t0;
+    pthread_join(th, NULL);
+    assert_int_equal(st, DT_EPREEMPTED);   /* not restarted: it returned at once */
+    assert_true(took < 3.0);
+    dt_ctx_free(ctx);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_no_psm_signal_handlers),
     cmocka_unit_test(test_spawn_binds_cpus),
@@ -384,6 +452,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_launch_failure_stops_others),
     cmocka_unit_test(test_launch_stops_whole_ranks),
     cmocka_unit_test(test_launch_restarts),
+    cmocka_unit_test(test_launch_preempted),
 };
 
 DT_TEST_GROUP(core_launch, tests)

@@ -287,8 +287,11 @@ static void test_phases_single(void **state)
     double sum = st.data_s + st.forward_s + st.backward_s + st.comm_wait_s + st.optimizer_s +
                  st.idle_s;
     assert_true(fabs(sum - st.step_s) <= 1e-9 * STEPS + 1e-6 * st.step_s);
-    /* the steps cover the loop: only the first loader_next's entry is outside */
-    assert_true(fabs(st.step_s - loop) <= 0.05 * loop);
+    /* the steps cover the loop: only the first loader_next's entry is
+     * outside.  The loop is ~10 ms: 5% of it is shorter than one time slice
+     * of a loaded machine (CI's run saw the test descheduled), hence 2 ms */
+    if (!(fabs(st.step_s - loop) <= 0.05 * loop + 2e-3))
+        fail_msg("steps %.6f s, loop %.6f s", st.step_s, loop);
     assert_true(st.forward_s > 0 && st.backward_s > 0 && st.optimizer_s > 0 && st.data_s > 0);
     assert_true(st.comm_wait_s == 0);
     /* the trace of one process: valid JSON, each step's phases and batches */

@@ -44,6 +44,19 @@
 
 /* DT_TEST_ONLY=name,name runs only the tests whose names contain one of
  * them (while developing); unset, every test. */
+/* DT_TEST_SHARD=k/n (0 <= k < n): this process runs a group's tests i with
+ * i % n == k, so n processes run the whole suite at once (build.sh's
+ * unit_suite); a group's slow tests lie apart in its list, so they land in
+ * different shards.  Unset or malformed: every test. */
+static inline int tu_in_shard(size_t i)
+{
+    const char *sh = getenv("DT_TEST_SHARD");
+    unsigned k, n;
+    if (!sh || sscanf(sh, "%u/%u", &k, &n) != 2 || n == 0 || k >= n)
+        return 1;
+    return i % n == k;
+}
+
 static inline size_t tu_pick_tests(const struct CMUnitTest *all, size_t n, struct CMUnitTest *out)
 {
     const char *only = getenv("DT_TEST_ONLY");
@@ -58,7 +71,7 @@ static inline size_t tu_pick_tests(const struct CMUnitTest *all, size_t n, struc
             take = len > 0 && strstr(all[i].name, word) != NULL;
             p = end ? end + 1 : NULL;
         }
-        if (take)
+        if (take && tu_in_shard(i))
             out[k++] = all[i];
     }
     return k;

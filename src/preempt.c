@@ -1,0 +1,208 @@
+#include "dist.h"
+
+/* ===========================================================================
+ * Graceful pre-emption
+ *
+ * A scheduler that takes the machines back sends SIGTERM (Slurm's
+ * pre-emption and scancel, Kubernetes, a spot notice), or with Slurm's
+ * --signal=USR1@120 a warning first.  dt_preempt_enable catches those
+ * signals; the handler only records which one came (preempt_got).  Each
+ * step then votes (preempt_vote, a one-float MAX allreduce: the DDP does it
+ * after the step's gradients, dt_preempt_agree for other loops), so every
+ * rank learns at the same step that the job must stop, saves its part of
+ * the checkpoint and leaves with DT_EXIT_PREEMPTED (75, sysexits'
+ * EX_TEMPFAIL: "try again"), which dtrun passes on and restarts from.
+ *
+ * A signal's arrival is process state by nature (the kernel keeps one
+ * disposition per signal for the whole process), so the one word the
+ * handler writes is the library's only static mutable state; a context
+ * reads it only once pre-emption is enabled on it.  A second signal of
+ * the set while the first is being handled takes the default action at
+ * once: a user's second Ctrl-C, or a scheduler that has waited long
+ * enough, still ends the process promptly.
+ * ======================================================================== */
+
+static volatile sig_atomic_t preempt_got;   /* the first signal received; 0: none */
+
+static void preempt_on_signal(int sig)
+{
+    if (preempt_got == 0) {
+        preempt_got = sig;
+        return;
+    }
+    signal(sig, SIG_DFL);   /* the second: what the signal does without us */
+    raise(sig);
+}
+
+static const int preempt_signals[] = {SIGTERM, SIGUSR1, SIGUSR2, SIGINT};
+static const unsigned preempt_bits[] = {DT_PREEMPT_SIGTERM, DT_PREEMPT_SIGUSR1,
+                                        DT_PREEMPT_SIGUSR2, DT_PREEMPT_SIGINT};
+
+void dt_preempt_config_init(dt_preempt_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
+    cfg->signals = DT_PREEMPT_SIGTERM | DT_PREEMPT_SIGUSR1 | DT_PREEMPT_SIGUSR2;
+}
+
+/* DTRAIN_PREEMPT_SIGNALS=TERM,USR1 (names without SIG, or "none"): the
+ * operator's choice over the program's. */
+static int preempt_signals_from_env(unsigned *out)
+{
+    const char *e = getenv("DTRAIN_PREEMPT_SIGNALS");
+    if (!e || !*e)
+        return 1;
+    unsigned bits = 0;
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", e);
+    for (char *save = NULL, *w = strtok_r(buf, ", ", &save); w; w = strtok_r(NULL, ", ", &save)) {
+        if (!strncmp(w, "SIG", 3))
+            w += 3;
+        if (!strcmp(w, "none"))
+            continue;
+        int known = 0;
+        for (size_t i = 0; i < sizeof preempt_bits / sizeof preempt_bits[0]; i++)
+            if (!strcmp(w, sigabbrev_np(preempt_signals[i]))) {
+                bits |= preempt_bits[i];
+                known = 1;
+            }
+        if (!known)
+            return 0;
+    }
+    *out = bits;
+    return 1;
+}
+
+/* Our handler for the signal, unless it is already ours. */
+static dt_status preempt_install(dt_ctx *ctx, int sig)
+{
+    struct sigaction sa;
+    if (sigaction(sig, NULL, &sa) == 0 && !(sa.sa_flags & SA_SIGINFO) &&
+        sa.sa_handler == preempt_on_signal)
+        return DT_OK;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = preempt_on_signal;
+    sa.sa_flags = SA_RESTART;   /* a read or poll the signal interrupts goes on */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(sig, &sa, NULL) != 0)
+        return set_error(ctx, DT_EIO, "preempt_enable: sigaction(%s): %s", sigabbrev_np(sig),
+                         strerror(errno));
+    return DT_OK;
+}
+
+dt_status dt_preempt_enable(dt_ctx *ctx, const dt_preempt_config *cfg_in)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    dt_preempt_config cfg;
+    dt_preempt_config_init(&cfg);
+    if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in, "preempt_enable",
+                                "dt_preempt_config") != DT_OK)
+        return ctx->last_status;
+    unsigned all = DT_PREEMPT_SIGTERM | DT_PREEMPT_SIGUSR1 | DT_PREEMPT_SIGUSR2 | DT_PREEMPT_SIGINT;
+    if (cfg.signals & ~all)
+        return set_error(ctx, DT_EINVAL, "preempt_enable: signals 0x%x: only DT_PREEMPT_SIG* bits",
+                         cfg.signals);
+    if (!preempt_signals_from_env(&cfg.signals))
+        return set_error(ctx, DT_EINVAL, "preempt_enable: DTRAIN_PREEMPT_SIGNALS='%s': a list of "
+                         "TERM, USR1, USR2, INT or none", getenv("DTRAIN_PREEMPT_SIGNALS"));
+    for (size_t i = 0; i < sizeof preempt_bits / sizeof preempt_bits[0]; i++)
+        if ((cfg.signals & preempt_bits[i]) && preempt_install(ctx, preempt_signals[i]) != DT_OK)
+            return ctx->last_status;
+    ctx->preempt.signals = cfg.signals;
+    ctx->preempt.on = 1;
+    ctx->preempt.step = -1;
+    ctx->preempt.saved_s = -1;
+    return DT_OK;
+}
+
+/* The transports' libraries may install handlers of their own when they
+ * start (libfabric's PSM providers do: backends/fabric.c), after
+ * dt_preempt_enable; a new communicator takes the signals back. */
+DT_PRIVATE void preempt_reclaim(dt_ctx *ctx)
+{
+    if (!ctx || !ctx->preempt.on)
+        return;
+    for (size_t i = 0; i < sizeof preempt_bits / sizeof preempt_bits[0]; i++)
+        if (ctx->preempt.signals & preempt_bits[i])
+            (void)preempt_install(ctx, preempt_signals[i]);
+}
+
+int dt_preempt_signal(const dt_ctx *ctx)
+{
+    return ctx && ctx->preempt.on ? (int)preempt_got : 0;
+}
+
+/* The step's vote: every rank's signal (0: none), the largest kept; after
+ * it every rank has the same verdict.  Collective over c. */
+DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c)
+{
+    if (!ctx->preempt.on)
+        return DT_OK;
+    float v = (float)preempt_got;
+    if (c && dt_comm_size(c) > 1 && dt_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
+        return set_error(ctx, ctx->last_status, "preempt: the step's vote failed: %s", ctx->err);
+    ctx->preempt.voted = 1;
+    ctx->preempt.verdict = (int)v;
+    return DT_OK;
+}
+
+dt_status dt_preempt_agree(dt_ctx *ctx, dt_comm *c, int64_t step, int *stop)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (!stop)
+        return set_error(ctx, DT_EINVAL, "preempt_agree: stop is NULL");
+    *stop = 0;
+    if (!ctx->preempt.on)
+        return DT_OK;
+    if (!ctx->preempt.voted && preempt_vote(ctx, c) != DT_OK)
+        return ctx->last_status;
+    ctx->preempt.voted = 0;   /* the next step votes again */
+    if (ctx->preempt.verdict > 0) {
+        *stop = 1;
+        if (ctx->preempt.step < 0) {
+            ctx->preempt.step = step;
+            ctx->preempt.signal = ctx->preempt.verdict;
+            ctx->preempt.since = dt_now();
+        }
+    }
+    return DT_OK;
+}
+
+dt_status dt_preempt_saved(dt_ctx *ctx, double seconds)
+{
+    if (!ctx_ok(ctx))
+        return DT_EINVAL;
+    if (ctx->preempt.step < 0)
+        return set_error(ctx, DT_ESTATE, "preempt_saved: the job has not agreed to stop "
+                         "(dt_preempt_agree)");
+    ctx->preempt.saved_s = seconds >= 0 ? seconds : dt_now() - ctx->preempt.since;
+    return DT_OK;
+}
+
+/* "pre-empted at step N (SIGTERM), checkpoint saved in S s"; "" when the
+ * job was not pre-empted.  The profile's report ends with it. */
+DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap)
+{
+    out[0] = '\0';
+    if (!ctx->preempt.on || ctx->preempt.step < 0)
+        return;
+    const char *name = sigabbrev_np(ctx->preempt.signal);
+    if (ctx->preempt.saved_s >= 0)
+        snprintf(out, cap, "pre-empted at step %lld (SIG%s), checkpoint saved in %.2f s",
+                 (long long)ctx->preempt.step, name ? name : "?", ctx->preempt.saved_s);
+    else
+        snprintf(out, cap, "pre-empted at step %lld (SIG%s), no checkpoint saved",
+                 (long long)ctx->preempt.step, name ? name : "?");
+}
+
+const char *dt_preempt_report(dt_ctx *ctx)
+{
+    if (!ctx)
+        return "";
+    preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
+    return ctx->preempt.line;
+}
