@@ -15544,19 +15544,36 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
  * disposition per signal for the whole process), so the one word the
  * handler writes is the library's only static mutable state; a context
  * reads it only once pre-emption is enabled on it.  A second signal of
- * the set while the first is being handled takes the default action at
- * once: a user's second Ctrl-C, or a scheduler that has waited long
- * enough, still ends the process promptly.
+ * the set (2 s or more after the first: PREEMPT_SAME_NOTICE_MS) takes the
+ * default action at once: a user's second Ctrl-C, or a scheduler that has
+ * waited long enough, still ends the process promptly.
  * ======================================================================== */
 
 static volatile sig_atomic_t preempt_got;   /* the first signal received; 0: none */
+static volatile sig_atomic_t preempt_got_ms; /* when (CLOCK_MONOTONIC ms, 30 bits) */
+
+/* One notice often arrives twice: Slurm's scancel signals every process
+ * of the step, dtrun included, which passes it on to its ranks.  A repeat
+ * within this long is the same notice; a later one is a second signal. */
+#define PREEMPT_SAME_NOTICE_MS 2000
+
+static int preempt_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);   /* async-signal-safe */
+    return (int)(((int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000) & 0x3fffffff);
+}
 
 static void preempt_on_signal(int sig)
 {
+    int now = preempt_now_ms();
     if (preempt_got == 0) {
+        preempt_got_ms = now;
         preempt_got = sig;
         return;
     }
+    if (((now - preempt_got_ms) & 0x3fffffff) < PREEMPT_SAME_NOTICE_MS)
+        return;
     signal(sig, SIG_DFL);   /* the second: what the signal does without us */
     raise(sig);
 }
@@ -15612,7 +15629,9 @@ static dt_status preempt_install(dt_ctx *ctx, int sig)
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = preempt_on_signal;
     sa.sa_flags = SA_RESTART;   /* a read or poll the signal interrupts goes on */
-    sigemptyset(&sa.sa_mask);
+    sigemptyset(&sa.sa_mask);   /* the handlers never nest: preempt_got_ms is written whole */
+    for (size_t i = 0; i < sizeof preempt_signals / sizeof preempt_signals[0]; i++)
+        sigaddset(&sa.sa_mask, preempt_signals[i]);
     if (sigaction(sig, &sa, NULL) != 0)
         return set_error(ctx, DT_EIO, "preempt_enable: sigaction(%s): %s", sigabbrev_np(sig),
                          strerror(errno));
@@ -16471,8 +16490,10 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg_in, char *co
         /* pre-empted ranks saved and left: none of them is a failing rank */
         int drop = st == DT_EPEER && cfg->min_ranks > 0 && failed == last_failed &&
                    run.nranks > cfg->min_ranks;
-        if (st == DT_EPREEMPTED)
+        if (st == DT_EPREEMPTED) {   /* taken back, not broken: all -n ranks again */
             failed = -1;
+            run.nranks = cfg->nranks;
+        }
         ctx_warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
              attempt + 1, cfg->max_restarts,
              drop ? " with one rank fewer: this rank failed first twice in a row" : "");

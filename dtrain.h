@@ -1373,7 +1373,9 @@ DT_API dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const 
  * it was signalled itself (the scheduler then requeues the job: Slurm's
  * --requeue, a Kubernetes restart), and with --max-restarts restarts the
  * job from its newest checkpoint when only its ranks were.  A second signal
- * ends the process at once (the signal's default action); a rank that does
+ * (2 s or more after the first: a repeat sooner, such as Slurm's signal to
+ * every process that dtrun then passes on, is the same notice) ends the
+ * process at once (the signal's default action); a rank that does
  * not exit within dtrun's grace period after the signal is killed and named.
  * docs/RELIABILITY.md, "Pre-emption".
  * ------------------------------------------------------------------------- */

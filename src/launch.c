@@ -458,8 +458,10 @@ static dt_status spawn_impl(dt_ctx *ctx, const dt_spawn_config *cfg_in, char *co
         /* pre-empted ranks saved and left: none of them is a failing rank */
         int drop = st == DT_EPEER && cfg->min_ranks > 0 && failed == last_failed &&
                    run.nranks > cfg->min_ranks;
-        if (st == DT_EPREEMPTED)
+        if (st == DT_EPREEMPTED) {   /* taken back, not broken: all -n ranks again */
             failed = -1;
+            run.nranks = cfg->nranks;
+        }
         ctx_warn(ctx, "launch: %s; restarting the job (restart %d of %d)%s", dt_last_error(ctx),
              attempt + 1, cfg->max_restarts,
              drop ? " with one rank fewer: this rank failed first twice in a row" : "");

@@ -13,6 +13,8 @@
  * group and returns the number of failed tests; dt_test_cpu_kernels_count()
  * is the number of tests in it.
  */
+#include "test_util.h"
+
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -1219,13 +1221,5 @@ static const struct CMUnitTest cpu_kernel_tests[] = {
     T(test_adam),            T(test_count_correct),
 };
 
-int dt_test_cpu_kernels(void)
-{
-    return cmocka_run_group_tests_name("cpu_kernels", cpu_kernel_tests, NULL, NULL);
-}
-
-/* number of tests in the group, for test_main's totals */
-int dt_test_cpu_kernels_count(void)
-{
-    return (int)(sizeof cpu_kernel_tests / sizeof cpu_kernel_tests[0]);
-}
+/* (test_util.h's: DT_TEST_ONLY and DT_TEST_SHARD pick from the list) */
+DT_TEST_GROUP(cpu_kernels, cpu_kernel_tests)

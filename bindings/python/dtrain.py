@@ -40,7 +40,9 @@ Lifetimes, as in C:
 import ctypes
 import ctypes.util
 import faulthandler
+import functools
 import math
+import operator
 import os
 import signal
 import threading
@@ -52,7 +54,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 __all__ = [
     "Error", "InvalidArgument", "OutOfMemory", "FileError", "CorruptFile", "Mismatch",
-    "NotSupported", "BadState", "Timeout", "PeerError",
+    "NotSupported", "BadState", "Timeout", "PeerError", "Preempted", "EXIT_PREEMPTED",
     "Context", "Tensor", "Optimizer", "ParamGroup", "Dataset", "Loader", "Comm", "DDP", "Metrics",
     "DistEnv", "evaluate", "count_correct", "checkpoint_save", "checkpoint_load", "now",
     "library_path", "version", "version_string", "dtype_name", "dtype_size", "custom_op",
@@ -334,6 +336,11 @@ class dt_monitor_config(ctypes.Structure):
                 ("listen", _S), ("interval_s", _D), ("token", _S)]
 
 
+class dt_preempt_config(ctypes.Structure):
+    _fields_ = [("struct_size", _SZ), ("signals", ctypes.c_uint)]
+
+
+_STRUCTS += [dt_preempt_config]
 _STRUCTS += [dt_checkpoint_config, dt_checkpoint_report, dt_loss_scale_config, dt_spawn_config,
              dt_dp_config, dt_hogwild_config, dt_hogwild_stats, dt_ps_table, dt_ps_config,
              dt_ps_stats, dt_monitor_config]
@@ -665,6 +672,12 @@ for _name, _res, _args in [
     ("dt_monitor_stop", None, [_P]),
     ("dt_monitor_port", _I, [_P]),
     ("dt_monitor_log", _I, [_P, _S, _I64, _D]),
+    ("dt_preempt_config_init", None, [ctypes.POINTER(dt_preempt_config)]),
+    ("dt_preempt_enable", _I, [_P, ctypes.POINTER(dt_preempt_config)]),
+    ("dt_preempt_signal", _I, [_P]),
+    ("dt_preempt_agree", _I, [_P, _P, _I64, ctypes.POINTER(_I)]),
+    ("dt_preempt_saved", _I, [_P, _D]),
+    ("dt_preempt_report", _S, [_P]),
 ]:
     setattr(_C, _name[3:], _fn(_name, _res, *_args))
 
@@ -761,8 +774,15 @@ class PeerError(Error, ConnectionError):
     """DT_EPEER: a peer died, or sent something malformed."""
 
 
+class Preempted(Error):
+    """DT_EPREEMPTED: a launched job was pre-empted (its ranks saved and exited
+    EXIT_PREEMPTED)."""
+
+
+EXIT_PREEMPTED = 75   # DT_EXIT_PREEMPTED: what a pre-empted rank exits with (sys.exit)
+
 _ERRORS = {1: InvalidArgument, 2: OutOfMemory, 3: FileError, 4: CorruptFile, 5: Mismatch,
-           6: NotSupported, 7: BadState, 8: Timeout, 9: PeerError}
+           6: NotSupported, 7: BadState, 8: Timeout, 9: PeerError, 11: Preempted}
 _EOF = 10
 
 _DTYPES = {0: np.float32, 1: np.int32, 2: np.uint8, 3: np.uint16, 4: np.float16}   # bf16: its bits
@@ -938,6 +958,47 @@ class Context:
         """What waiting peers see this rank doing: "waiting for its data loader for 25 s"
         (dt_activity)."""
         return _C.activity(self.handle).decode()
+
+    _PREEMPT_BITS = {"TERM": 1, "USR1": 2, "USR2": 4, "INT": 8}
+
+    def preempt_enable(self, signals: Sequence[str] = ("TERM", "USR1", "USR2")) -> None:
+        """Catch these signals (names without SIG) from now on: the first asks the job to
+        stop after the current step (preempt_agree), a second ends the process.  Every rank
+        calls it before its first step (dt_preempt_enable; DTRAIN_PREEMPT_SIGNALS
+        overrides).  Replaces Python's own handler for a signal named here."""
+        c = dt_preempt_config()
+        _C.preempt_config_init(ctypes.byref(c))
+        try:
+            bits = [self._PREEMPT_BITS[n.upper().replace("SIG", "", 1)] for n in signals]
+            c.signals = functools.reduce(operator.or_, bits, 0)
+        except KeyError as e:
+            raise InvalidArgument(1, "preempt_enable: unknown signal %s (TERM, USR1, USR2, INT)"
+                                  % e) from None
+        self.check(_C.preempt_enable(self.handle, ctypes.byref(c)))
+
+    @property
+    def preempt_signal(self) -> int:
+        """The pre-emption signal this process received (signal.SIGTERM, ...), 0: none."""
+        return _C.preempt_signal(self.handle)
+
+    def preempt_agree(self, comm: Optional["Comm"], step: int) -> bool:
+        """After each step, on every rank: True on every rank when any rank received a
+        pre-emption signal; then save a checkpoint, call preempt_saved() and
+        sys.exit(dtrain.EXIT_PREEMPTED).  step: the steps done (the report's N).  Free
+        after a DDP's step, which voted already (dt_preempt_agree)."""
+        stop = _I(0)
+        self.check(_C.preempt_agree(self.handle, comm.handle if comm else None, step,
+                                    ctypes.byref(stop)))
+        return bool(stop.value)
+
+    def preempt_saved(self, seconds: float = -1.0) -> None:
+        """The stop's checkpoint is written (seconds < 0: the time since the agreement)."""
+        self.check(_C.preempt_saved(self.handle, seconds))
+
+    @property
+    def preempt_report(self) -> str:
+        """"pre-empted at step N (SIGTERM), checkpoint saved in S s", or ""."""
+        return _C.preempt_report(self.handle).decode()
 
     @property
     def last_warning(self) -> str:

@@ -207,6 +207,8 @@ int main(void)
     F(dt_monitor_config, struct_size, struct_size); F(dt_monitor_config, listen, listen);
     F(dt_monitor_config, interval_s, interval_s); F(dt_monitor_config, token, token);
     END(dt_monitor_config);
+    F(dt_preempt_config, struct_size, struct_size); F(dt_preempt_config, signals, signals);
+    END(dt_preempt_config);
 
     F(dt_pipe_config, struct_size, struct_size);
     F(dt_pipe_config, micro_batches, micro_batches); F(dt_pipe_config, schedule, schedule);

@@ -826,6 +826,18 @@ class Distributed(unittest.TestCase):
         self.assertIn("rank 0: ok", r.stdout)
         self.assertIn("rank 1: ok", r.stdout)
 
+    def test_preemption_under_the_launcher(self):
+        """2 ranks under dtrun, rank 1 sent SIGTERM during step 7: both stop after step 8,
+        report it, and exit 75, which dtrun passes on (preempt_job.py)."""
+        r = subprocess.run([DTRUN, "-n", "2", sys.executable,
+                            os.path.join(HERE, "preempt_job.py")],
+                           capture_output=True, text=True, timeout=240)
+        self.assertEqual(r.returncode, dt.EXIT_PREEMPTED, r.stdout + r.stderr)
+        for rank in (0, 1):
+            self.assertIn("rank %d: pre-empted at step 8 (SIGTERM), checkpoint saved in 0.25 s"
+                          % rank, r.stdout, r.stdout + r.stderr)
+        self.assertIn("pre-empted: 2 of 2 ranks", r.stderr)
+
     def test_ddp_under_the_launcher(self):
         """2 ranks under dtrun: DDP's parameters are the same on both ranks and equal one
         process's on the global batch (within 1e-5 relative)."""
