@@ -11,6 +11,10 @@
 #   ./build.sh quick      the same build, then the cmocka suite alone (the edit
 #                         loop; one test: DT_TEST_GROUPS=comm DT_TEST_ONLY=
 #                         test_mismatch build/test/dtrain_tests)
+#   ./build.sh stress     the comm and ddp groups (collectives, DDP, the
+#                         parameter server) 30 times, 2 at once, beside a
+#                         CPU hog per core: timing flakes show here
+#                         (DT_STRESS_REPS, _GROUPS, _ONLY, _AT_ONCE, _HOGS)
 #   ./build.sh amalgamate write dtrain.c from the modules in src/ (commit it;
 #                         `test` fails when it is stale)
 #   ./build.sh gpu        the GPU checks alone (cuda group, suites on cuda,
@@ -423,8 +427,9 @@ plugin_checks() {
 # (with loss scaling) ends within 0.1 of fp32's validation loss at step 80;
 # bf16, whose 7-bit mantissa slows a model this small early on (PyTorch's
 # CPU autocast too: 3.25 against fp32's 2.74 at step 300, where dtrain's
-# gives 2.72 against 2.58), must still learn: below 3.6 and changed by the
-# rounding (not fp32's number).
+# gives 2.72 against 2.58), must still learn: 0.2 below the no-context
+# floor (gpt_checks; 2.995 measured against fp32's 2.878), within 0.25 of
+# fp32 and changed by the rounding (not fp32's number).
 gpt_amp_check() {
     local g=$1 fp32=$2 amp out vl
     for amp in fp16 bf16; do
@@ -435,25 +440,35 @@ gpt_amp_check() {
         if [ $amp = fp16 ]; then
             awk -v a="$vl" -v b="$fp32" 'BEGIN { d = a - b; exit !(d < 0.1 && d > -0.1) }' ||
                 { echo "gpt check: fp16 validation loss $vl, fp32's $fp32"; exit 1; }
-        else
-            awk -v a="$vl" -v b="$fp32" 'BEGIN { exit !(a < 3.6 && a != b) }' ||
+        else   # below the no-context floor (3.32 nats a byte), near fp32, not fp32 itself
+            awk -v a="$vl" -v b="$fp32" -v h="$GPT_H0" \
+                'BEGIN { d = a - b; exit !(a < h - 0.2 && d < 0.25 && d > -0.25 && a != b) }' ||
                 { echo "gpt check: bf16 validation loss $vl (fp32's $fp32)"; exit 1; }
         fi
         echo "gpt check: autocast $amp: validation loss $vl at step 80 (fp32: $fp32)"
     done
 }
 
+# The bars are the text's own floors (tests/text_entropy.py, on the
+# held-out tenth: 3.376 nats a byte for the best model without context,
+# 2.618 for the best that sees the previous byte).  A model 0.05 below the
+# second uses more than the byte before: its attention works.  480 steps
+# get there (2.477 measured; 2.64 at step 240).  The half-precision runs,
+# 80 steps, must be 0.2 below the first (fp32 is at 2.88 there).
 gpt_checks() {
-    local g=$BUILD/test/gpt_O2 t=$BUILD/test out first last
-    out=$(OPENBLAS_NUM_THREADS=1 timeout -k 5 300 "$g" --steps 80 --eval-every 40 --eval-batches 8 \
+    local g=$BUILD/test/gpt_O2 t=$BUILD/test out first last floors
+    floors=$(/usr/bin/python3 tests/text_entropy.py) || { echo "gpt check: no text entropies"; exit 1; }
+    GPT_H0=$(echo "$floors" | awk '{print $3}') GPT_H1=$(echo "$floors" | awk '{print $6}')
+    echo "gpt check: the text's floors: $floors"
+    out=$(OPENBLAS_NUM_THREADS=1 timeout -k 5 300 "$g" --steps 480 --eval-every 80 --eval-batches 8 \
           --sample 60) || { echo "$out" | tail -5; echo "gpt check: the run failed"; exit 1; }
-    first=$(echo "$out" | sed -n 's/^step 40: .*val loss \([0-9.]*\).*/\1/p')
-    last=$(echo "$out" | sed -n 's/^step 80: .*val loss \([0-9.]*\).*/\1/p')
+    first=$(echo "$out" | sed -n 's/^step 80: .*val loss \([0-9.]*\).*/\1/p')
+    last=$(echo "$out" | sed -n 's/^step 480: .*val loss \([0-9.]*\).*/\1/p')
     [ -n "$first" ] && [ -n "$last" ] || { echo "$out" | tail -5; echo "gpt check: no loss lines"; exit 1; }
-    awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a && b < 3.2) }' ||
-        { echo "gpt check: validation loss $first -> $last: not learning"; exit 1; }
-    echo "gpt check: validation loss $first at step 40, $last at step 80"
-    gpt_amp_check "$g" "$last"
+    awk -v a="$first" -v b="$last" -v h="$GPT_H1" 'BEGIN { exit !(b < a && b < h - 0.05) }' ||
+        { echo "gpt check: validation loss $first -> $last: not 0.05 below the previous-byte floor $GPT_H1"; exit 1; }
+    echo "gpt check: validation loss $first at step 80, $last at step 480 (previous-byte floor $GPT_H1)"
+    gpt_amp_check "$g" "$first"
     OPENBLAS_NUM_THREADS=1 timeout -k 5 300 "$g" --steps 20 --eval-every 100 --sample 0 --batch 12 \
         --optim sgd --lr 0.05 --save $t/gpt_1.safetensors > /dev/null ||
         { echo "gpt check: 1-process run failed"; exit 1; }
@@ -479,10 +494,11 @@ gpt_checks() {
 }
 
 # bf16 parameters with f32 masters (--params bf16) and bf16 moments: 2 ranks
-# at zero 3 learn as autocast bf16 alone does (below 3.6 at step 80, where
-# gpt_amp_check holds bf16); and, where Debian's python3-torch is installed
-# (the benchmarks install it), 20 steps against torch.autocast's on the same
-# weights and batches (tests/gpt_crosscheck.py --bf16: losses within 1%,
+# at zero 3 learn as autocast bf16 alone does (0.2 below the no-context
+# floor at step 80, where gpt_amp_check holds bf16); and, where Debian's python3-torch is installed
+# (./build.sh test installs it), 20 steps against torch on the same weights
+# and batches (tests/gpt_crosscheck.py: every parameter within 1e-4 of
+# torch's f32 run; --bf16 against torch.autocast: losses within 1%,
 # parameters within 5 lr, the distance of torch's own f32 run).
 gpt_half_checks() {
     local g=$1 out vl
@@ -490,15 +506,18 @@ gpt_half_checks() {
           --sample 0 --ranks 2 --batch 6 --zero 3 --params bf16 --moments bf16 --amp bf16) ||
         { echo "$out" | tail -5; echo "gpt check: --zero 3 --params bf16 --moments bf16 failed"; exit 1; }
     vl=$(echo "$out" | sed -n 's/^step 80: .*val loss \([0-9.]*\).*/\1/p')
-    awk -v a="$vl" 'BEGIN { exit !(a != "" && a < 3.6) }' ||
+    awk -v a="$vl" -v h="$GPT_H0" 'BEGIN { exit !(a != "" && a < h - 0.2) }' ||
         { echo "$out" | tail -3; echo "gpt check: bf16 parameters at zero 3: validation loss '$vl'"; exit 1; }
     echo "gpt check: 2 ranks, zero 3, bf16 parameters (f32 masters) and moments: validation loss $vl at step 80"
     if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+        out=$(/usr/bin/python3 tests/gpt_crosscheck.py "$g") ||
+            { echo "$out" | tail -4; echo "gpt check: f32 against torch"; exit 1; }
+        echo "gpt check: $(echo "$out" | tail -1)"
         out=$(/usr/bin/python3 tests/gpt_crosscheck.py "$g" --bf16) ||
             { echo "$out" | tail -4; echo "gpt check: bf16 parameters against torch.autocast"; exit 1; }
         echo "gpt check: $(echo "$out" | tail -1)"
     else
-        echo "gpt check: bf16 against torch.autocast skipped (no python3-torch; tests/bench/gpt.sh runs it)"
+        skipped "gpt check: bf16 against torch.autocast" "no python3-torch"
     fi
 }
 
@@ -1625,8 +1644,8 @@ cmd_fuzz() {
 
 # skipped WHAT REASON: a check that could not run here says so; under CI
 # (DT_CI=1, set by .ci/run), which installs what these checks need, a skip
-# is a failure, never a silent pass.  (A GPU, CUDA's nvcc and Debian's
-# python3-torch are not installed by CI: those checks skip with `echo`.)
+# is a failure, never a silent pass.  (A GPU and CUDA's nvcc are not
+# installed by CI: those checks skip with `echo`.)
 skipped() {
     echo "$1: skipped ($2)"
     if [ "${DT_CI:-0}" = 1 ]; then
@@ -1765,7 +1784,7 @@ unit_summary() {
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ $PKGS_PYTHON python3-pip \
         python3-setuptools qemu-user iproute2 iputils-ping \
-        python3-prometheus-client chromium
+        python3-prometheus-client chromium python3-torch
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local t0=$SECONDS shards=${DT_TEST_SHARDS:-4} k checks=() ok=1
@@ -1798,6 +1817,47 @@ cmd_test() {
     unit_summary "$shards" && [ $ok = 1 ]
 }
 
+# ./build.sh stress: the distributed groups of the suite (DT_STRESS_GROUPS,
+# default comm,ddp: collectives, DDP, the parameter server, ZeRO) again and
+# again, DT_STRESS_REPS times (default 30), DT_STRESS_AT_ONCE copies side by
+# side (default 2), with DT_STRESS_HOGS busy loops (default one per core)
+# taking CPU from them all the while: rare failures of timing (a rank
+# descheduled at the wrong moment) show here long before they show in CI.
+# DT_STRESS_ONLY=prefix narrows it to some tests (DT_TEST_ONLY).  Each
+# repetition's output is $BUILD/stress/rep-N.log; the last line says how
+# many failed, and which tests.
+cmd_stress() {
+    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST
+    local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+    local reps=${DT_STRESS_REPS:-30} hogs=${DT_STRESS_HOGS:-$(nproc)} i hog_pids=() failed=0 t0=$SECONDS
+    mkdir -p $BUILD/test
+    build_test_programs "$san"
+    rm -rf $BUILD/stress && mkdir -p $BUILD/stress
+    for ((i = 0; i < hogs; i++)); do
+        ( trap 'exit 0' TERM; while :; do :; done ) &
+        hog_pids+=($!)
+    done
+    trap 'kill "${hog_pids[@]}" 2>/dev/null' EXIT
+    echo "build.sh: stress: $reps repetitions of ${DT_STRESS_GROUPS:-comm,ddp}${DT_STRESS_ONLY:+ ($DT_STRESS_ONLY*)}," \
+         "${DT_STRESS_AT_ONCE:-2} at once, beside $hogs CPU hogs"
+    local cmds=()
+    for ((i = 1; i <= reps; i++)); do cmds+=("stress_rep $i"); done
+    DT_JOBS=${DT_STRESS_AT_ONCE:-2} run_checks "${cmds[@]}" > $BUILD/stress/run.log 2>&1 || failed=1
+    kill "${hog_pids[@]}" 2>/dev/null; wait "${hog_pids[@]}" 2>/dev/null || true
+    local bad
+    bad=$(grep -l '^[0-9]* passed, [1-9][0-9]* failed$\|ended without' $BUILD/stress/rep-*.log 2>/dev/null | wc -l)
+    grep -h '^\[  FAILED  \] test' $BUILD/stress/rep-*.log 2>/dev/null | sort | uniq -c || true
+    echo "build.sh: stress: $reps repetitions in $((SECONDS - t0)) s, $bad failed (logs: $BUILD/stress/)"
+    [ $failed = 0 ] && [ "$bad" = 0 ]
+}
+
+# (one repetition: the summary line or "ended without" is its log's last)
+stress_rep() {
+    local log=$BUILD/stress/rep-$1.log
+    DT_TEST_GROUPS=${DT_STRESS_GROUPS:-comm,ddp} DT_TEST_ONLY=${DT_STRESS_ONLY:-} unit_shard 0 1 > "$log" 2>&1 ||
+        { tail -1 "$log" | grep -q 'passed, .* failed$' || echo "ended without its summary" >> "$log"; return 1; }
+}
+
 cmd_demo() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA
     build_lib
@@ -1823,6 +1883,7 @@ case "${1:-build}" in
     deps) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST ;;
     test) cmd_test ;;
     quick) DT_QUICK=1 cmd_test ;;
+    stress) cmd_stress ;;
     amalgamate) cmd_amalgamate ;;
     gpu) cmd_gpu ;;
     demo) shift; cmd_demo "$@" ;;
@@ -1831,5 +1892,5 @@ case "${1:-build}" in
     bench) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_BENCH; build_lib; bash tests/bench/run.sh ;;
     install) shift; ensure_pkgs $PKGS_BUILD; cmd_install "$@" ;;
     clean) rm -rf $BUILD ;;
-    *) echo "usage: ./build.sh [build|deps|test|quick|amalgamate|gpu|demo|valgrind|bench|fuzz [SECONDS]|install|clean]" >&2; exit 2 ;;
+    *) echo "usage: ./build.sh [build|deps|test|quick|stress|amalgamate|gpu|demo|valgrind|bench|fuzz [SECONDS]|install|clean]" >&2; exit 2 ;;
 esac

@@ -1014,7 +1014,7 @@ typedef struct ps_msg {
 /* One message's data in pieces (src/ps.c): piece i of `pieces` is bytes
  * [i * chunk, ...) of buf, tagged ps_tag(type, seq, i). */
 typedef struct ps_stream {
-    int peer, sending, type;
+    int peer, via, sending, type;   /* via: the transport's peer (comm_post_via) */
     uint32_t seq, next, pieces;   /* next: the first piece not yet posted */
     char *buf;
     size_t bytes;
@@ -1065,6 +1065,8 @@ struct dt_comm {
     int collective_timeout_ms; /* progress: how long a living peer may keep a collective */
     const dt_transport_iface *tp_iface;
     dt_transport *tp;
+    int *alias, nalias;        /* transport peers world.. : the rank each is another
+                                  endpoint of (comm_add_endpoint) */
     dt_store *store;
     char provider[64];
     uint32_t next_seq;         /* caller's side: collectives issued */
@@ -1527,6 +1529,8 @@ struct dt_ps {
     /* worker */
     size_t chunk;              /* our messages' pieces, and the answers' (src/ps.c) */
     uint32_t *seq;             /* per server: our next request */
+    int ans_via[PS_MAX_SERVERS]; /* per server: the transport peer its answers come from
+                                  (its endpoint for us on shm, else its rank) */
     int64_t clock;             /* steps pushed */
     float *stage;              /* G + P floats: packing pushes, receiving pulls */
     float *stage2;             /* prefetch: G floats the next step's parameters arrive in */
@@ -1540,6 +1544,8 @@ struct dt_ps {
     int64_t *piece_lo;         /* flat offset of its first float */
     int *piece_param;          /* which parameter (registration index) */
     ps_peer *peers;            /* W */
+    dt_transport **ans;        /* shm: W endpoints, one per worker, its answers go out of
+                                  (a dead worker's sends hold back only its own) */
     float *sum;                /* G_s gradient floats being applied */
     int64_t applied;           /* BSP: steps applied */
     int initialized;
@@ -1680,6 +1686,11 @@ DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, i
 DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
                                uint64_t tag, void *buf, size_t bytes);
+DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
+                                   int via, uint64_t tag, void *buf, size_t bytes);
+DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, size_t len,
+                                       int *via, char *err, size_t err_len);
+DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x);
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
 DT_PRIVATE void comm_block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi);
 DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src, int64_t n,
@@ -1767,6 +1778,8 @@ DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
 /* src/ps_server.c */
 DT_PRIVATE void ps_free_held(dt_ps *ps, ps_peer *p);
 DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps);
+DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps);
+DT_PRIVATE void ps_close_answer_endpoints(dt_ps *ps);
 
 /* src/join.c */
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
@@ -12849,8 +12862,53 @@ static int xfer_gone(const xfers *xs, int peer)
            xs->gone[peer - xs->gone_base];
 }
 
+/* The rank a transfer is with: its transport peer, or the rank whose
+ * other endpoint that peer is. */
+DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x)
+{
+    int p = x->peer;
+    return p >= c->world && p - c->world < c->nalias ? c->alias[p - c->world] : p;
+}
+
+/* Rank `rank`'s endpoint at addr becomes transport peer *via (the caller
+ * holds the transport). */
+DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, size_t len,
+                                       int *via, char *err, size_t err_len)
+{
+    int *alias = host_alloc(c->ctx, sizeof(int) * (size_t)(c->nalias + 1));
+    if (!alias) {
+        snprintf(err, err_len, "out of memory");
+        return DT_ENOMEM;
+    }
+    dt_status s = c->tp_iface->add_peer(c->tp, addr, len, via, err, err_len);
+    if (s == DT_OK && *via != c->world + c->nalias) {
+        snprintf(err, err_len, "the transport numbered the endpoint %d, not %d", *via,
+                 c->world + c->nalias);
+        s = DT_ESTATE;
+    }
+    if (s != DT_OK) {
+        host_free(c->ctx, alias);
+        return s;
+    }
+    if (c->nalias)
+        memcpy(alias, c->alias, sizeof(int) * (size_t)c->nalias);
+    alias[c->nalias++] = rank;
+    host_free(c->ctx, c->alias);
+    c->alias = alias;
+    return DT_OK;
+}
+
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
                       void *buf, size_t bytes)
+{
+    return comm_post_via(c, w, xs, sending, peer, peer, tag, buf, bytes);
+}
+
+/* comm_post through the transport's peer `via`, another endpoint of rank
+ * `peer` (a parameter server's answers to this worker come from one of
+ * their own): deadlines, silence and blame stay with the rank. */
+DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, int via,
+                                   uint64_t tag, void *buf, size_t bytes)
 {
     char err[256] = "";
     dt_status st;
@@ -12860,9 +12918,9 @@ DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, i
     double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     for (;;) {
         memset(x, 0, sizeof *x);
-        x->peer = peer;
-        st = sending ? c->tp_iface->send(c->tp, peer, tag, buf, bytes, x, err, sizeof err)
-                     : c->tp_iface->recv(c->tp, peer, tag, 0, buf, bytes, x, err, sizeof err);
+        x->peer = via;
+        st = sending ? c->tp_iface->send(c->tp, via, tag, buf, bytes, x, err, sizeof err)
+                     : c->tp_iface->recv(c->tp, via, tag, 0, buf, bytes, x, err, sizeof err);
         if (st != DT_ETIMEDOUT || dt_now() >= deadline)
             break;
         /* back-pressured: the peer takes no data; is it alive? */
@@ -13174,7 +13232,7 @@ static int cancel_gone(dt_comm *c, xfers *xs)
 {
     int left = 0;
     for (int i = 0; i < xs->n; i++)
-        if (!xs->x[i].done && xfer_gone(xs, xs->x[i].peer)) {
+        if (!xs->x[i].done && xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]))) {
             if (!xs->cancelled[i])   /* at once: a provider may hold other peers' */
                 c->tp_iface->cancel(c->tp, &xs->x[i]);   /* completions behind it */
             xs->cancelled[i] = 1;
@@ -13198,7 +13256,7 @@ static void drain_gone(dt_comm *c, xfers *xs)
             c->tp_iface->wait(c->tp, 10);
         left = 0;
         for (int i = 0; i < xs->n; i++)
-            left |= !xs->x[i].done && xfer_gone(xs, xs->x[i].peer);
+            left |= !xs->x[i].done && xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]));
     }
     xs->orphans = left;
 }
@@ -13231,9 +13289,9 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
         if (comm_check_stall(c, w, &turn) != DT_OK)
             break;
         for (int i = 0; i < xs->n; i++) {
-            if (!xs->x[i].done && !xfer_gone(xs, xs->x[i].peer)) {
+            if (!xs->x[i].done && !xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]))) {
                 pending++;
-                silent_peer = xs->x[i].peer;
+                silent_peer = comm_xfer_rank(c, &xs->x[i]);
             }
         }
         int hdr_pending = xs->has_hdr && (!xs->hdr_recv.done || !xs->hdr_send.done);
@@ -13254,13 +13312,14 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             dt_xfer *x = done[i];
             if (!xfer_ours(xs, x))
                 continue;   /* an orphaned send (drain_gone) let go at last */
-            if (w->kind == COLL_EXT && c->ext_done_at && x->peer >= 0 && x->peer < c->world)
-                c->ext_done_at[x->peer] = dt_now();
-            if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer) &&
-                !(xs->write_off && xs->write_off(c, xs->write_off_arg, x->peer)))
+            int rank = comm_xfer_rank(c, x);
+            if (w->kind == COLL_EXT && c->ext_done_at && rank >= 0 && rank < c->world)
+                c->ext_done_at[rank] = dt_now();
+            if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, rank) &&
+                !(xs->write_off && xs->write_off(c, xs->write_off_arg, rank)))
                 comm_work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
                                "%s #%u: transfer with rank %d failed (%s)", coll_names[w->kind], w->seq,
-                               x->peer, dt_strerror(x->status));
+                               rank, dt_strerror(x->status));
         }
         if (w->status != DT_OK)
             break;
@@ -15390,6 +15449,7 @@ void dt_comm_free(dt_comm *c)
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
     host_free(c->ctx, c->ext_done_at);
+    host_free(c->ctx, c->alias);
     /* Rank 0 leaves its last collective as soon as its own part is done,
      * while others may still wait for each other's last messages and ask
      * the store about the dead meanwhile: a store gone then would read as
@@ -16117,16 +16177,17 @@ static void random_token(char *out, size_t cap)
         snprintf(out + 2 * i, 3, "%02x", r[i]);
 }
 
-/* A rank killed by a signal cannot remove its shared-memory files: the
- * libfabric shm provider's region ("<pid>:<...>") and, if it died while
- * joining, a host segment ("dtrain-<pid>-<...>").  Its launcher does. */
+/* A rank killed by a signal cannot remove its shared-memory files: its
+ * shm endpoints' regions ("dtrain_<pid>_<...>", named in backends/fabric.c)
+ * and, if it died while joining, a host segment ("dtrain-<pid>-<...>").
+ * Its launcher does. */
 static void remove_shm_of(pid_t pid)
 {
     DIR *d = opendir("/dev/shm");
     if (!d)
         return;
-    char fab[32], seg[40], path[300];
-    int nf = snprintf(fab, sizeof fab, "%d:", (int)pid);
+    char fab[40], seg[40], path[300];
+    int nf = snprintf(fab, sizeof fab, "dtrain_%d_", (int)pid);
     int ns = snprintf(seg, sizeof seg, "dtrain-%d-", (int)pid);
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
@@ -18045,7 +18106,7 @@ static int ps_write_off(dt_comm *c, void *arg, int peer)
 
 /* A message's data, to go out (or come in) in pieces as ps_pump finds
  * room for them. */
-static dt_status ps_add_stream(dt_work *w, ps_call *pc, int sending, int peer, int type,
+static dt_status ps_add_stream(dt_work *w, ps_call *pc, int sending, int peer, int via, int type,
                                uint32_t seq, void *buf, size_t bytes)
 {
     size_t chunk = pc->ps->chunk;
@@ -18055,7 +18116,7 @@ static dt_status ps_add_stream(dt_work *w, ps_call *pc, int sending, int peer, i
         return comm_work_fail(w, DT_ENOTSUP, "parameter server: a message of %zu bytes is more than "
                               "%u pieces of %zu bytes (raise dt_ps_config.chunk_bytes)", bytes,
                               PS_MAX_PIECES, chunk);
-    pc->streams[pc->nstreams++] = (ps_stream){.peer = peer, .sending = sending, .type = type,
+    pc->streams[pc->nstreams++] = (ps_stream){.peer = peer, .via = via, .sending = sending, .type = type,
                                               .seq = seq, .pieces = (uint32_t)ps_pieces(bytes, chunk),
                                               .buf = buf, .bytes = bytes};
     return DT_OK;
@@ -18078,7 +18139,7 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc,
     int peer = ps->W + s;
     if (comm_post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq, 0), hdr, sizeof *hdr) != DT_OK)
         return ps_forgive(c, w, ps, s);
-    return data ? ps_add_stream(w, pc, 1, peer, PS_TAG_DATA, seq, data, bytes) : DT_OK;
+    return data ? ps_add_stream(w, pc, 1, peer, peer, PS_TAG_DATA, seq, data, bytes) : DT_OK;
 }
 
 /* Post the receive of server s's answer header to the request about to go
@@ -18088,9 +18149,10 @@ static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
 {
     dt_ps *ps = pc->ps;
     uint32_t seq = ps->seq[s];
-    if (comm_post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq, 0), in, sizeof *in) != DT_OK)
+    if (comm_post_via(c, w, xs, 0, ps->W + s, ps->ans_via[s], ps_tag(PS_TAG_RESP, seq, 0), in,
+                      sizeof *in) != DT_OK)
         return ps_forgive(c, w, ps, s);
-    return ps_add_stream(w, pc, 0, ps->W + s, PS_TAG_RDATA, seq, data, bytes);
+    return ps_add_stream(w, pc, 0, ps->W + s, ps->ans_via[s], PS_TAG_RDATA, seq, data, bytes);
 }
 
 /* Post the streams' next pieces, taking turns, while the transfer list
@@ -18107,8 +18169,9 @@ static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
             if (st->next == st->pieces || ps->gone[s])
                 continue;
             size_t len = ps_piece_len(st->bytes, ps->chunk, st->next);
-            if (comm_post(c, w, xs, st->sending, st->peer, ps_tag(st->type, st->seq, st->next),
-                          st->buf + (size_t)st->next * ps->chunk, len) != DT_OK &&
+            if (comm_post_via(c, w, xs, st->sending, st->peer, st->via,
+                              ps_tag(st->type, st->seq, st->next),
+                              st->buf + (size_t)st->next * ps->chunk, len) != DT_OK &&
                 ps_forgive(c, w, ps, s) != DT_OK)
                 return w->status;
             st->next++;
@@ -18275,6 +18338,34 @@ DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
     return (uint32_t)strtoul(val, NULL, 10);
 }
 
+/* Where server s's answers to us come from: on shm its endpoint for us,
+ * published as ps<job>/ans/<rank>.<inc>/<worker> (ps_open_answer_endpoints in
+ * src/ps_server.c); a later incarnation's replaces the earlier one's.  The
+ * caller holds the transport. */
+static dt_status ps_answers_from(dt_ps *ps, dt_store *st, int s, uint32_t inc, char *err,
+                                 size_t err_len)
+{
+    dt_comm *c = ps->comm;
+    int rank = ps->W + s;
+    if (strcmp(c->provider, "shm") != 0) {
+        ps->ans_via[s] = rank;
+        return DT_OK;
+    }
+    char key[64];
+    unsigned char addr[512];
+    size_t len = 0;
+    snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, rank, inc, c->rank);
+    if (!st || dt_store_get(st, key, addr, sizeof addr, &len, c->timeout_ms) != DT_OK ||
+        len > sizeof addr) {
+        snprintf(err, err_len, "server rank %d published no endpoint for worker %d's answers "
+                 "within %d ms", rank, c->rank, c->timeout_ms);
+        return DT_EPEER;
+    }
+    if (ps->ans_via[s] >= c->world)   /* its restart: the same peer number, the new address */
+        return c->tp_iface->replace_peer(c->tp, ps->ans_via[s], addr, len, err, err_len);
+    return comm_add_endpoint(c, rank, addr, len, &ps->ans_via[s], err, err_len);
+}
+
 /* Servers found dead without a twin (gone 2): wait until a restarted
  * process of each has rejoined (src/join.c), swap its address in, and say hello
  * (our step, and how much of it its predecessor had); the request then
@@ -18297,7 +18388,8 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
             c->tp_iface->wait(c->tp, 50);   /* (the key may hold an older restart's number) */
         }
         char err[256] = "";
-        if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK)
+        if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
+            ps_answers_from(ps, c->watch, s, inc, err, sizeof err) != DT_OK)
             return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
                                   rank, err);
         ps->inc[s] = inc;
@@ -18888,6 +18980,15 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
+    char why[DT_MAX_ERROR], err[256] = "";
+    if (comm_take_transport(c, why, sizeof why) != DT_OK)
+        return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
+    for (int k = 0; s == DT_OK && k < ps->S; k++)
+        if ((s = ps_answers_from(ps, c->store, k, 0, err, sizeof err)) != DT_OK)
+            s = set_error(ctx, s, "ps_new: %s", err);
+    comm_release_transport(c);
+    if (s != DT_OK)
+        return s;
     if (c->rank == 0) {   /* our values are where everyone starts */
         for (int i = 0; i < ps->nparams; i++)
             be_to_host(ctx, ps->stage + ps->offset[i], ctx->params[i]->data,
@@ -18914,7 +19015,9 @@ static dt_status ps_join_server(dt_ps *ps, int job)
     ps->layout[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
     if ((s = ps_plan(ps, ps->layout)) != DT_OK)
         return s;
-    return ps_make_pieces(ps);
+    if ((s = ps_make_pieces(ps)) != DT_OK)
+        return s;
+    return ps_open_answer_endpoints(ps);
 }
 
 dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
@@ -18973,6 +19076,7 @@ void dt_ps_free(dt_ps *ps)
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
         dt_store_set(ps->comm->store, key, "1", 2);
     }
+    ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
     for (int w = 0; ps->peers && w < ps->W; w++) {
         host_free(ctx, ps->peers[w].push);
         host_free(ctx, ps->peers[w].sdata);
@@ -19447,6 +19551,85 @@ static void ps_gather(dt_ps *ps, const ps_msg *req, const int64_t *ids, float *o
     }
 }
 
+/* On shm, a send above the inject size completes only when its receiver
+ * says so, and libfabric's shm (1.17) takes those words in the order the
+ * sends went out of an endpoint: one to a worker that died holds back the
+ * completion of every later one, until the endpoint's queue is full and
+ * the other workers' answers stop.  So a server answers each worker out of
+ * an endpoint of its own, published for it as ps<job>/ans/<rank>.<inc>/<w>
+ * (ps_answers_from in src/ps.c); a dead worker stalls only its own, which
+ * ps_drop closes.  tcp orphans a send to a dead process instead: one
+ * endpoint serves. */
+DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps)
+{
+    dt_comm *c = ps->comm;
+    dt_ctx *ctx = ps->ctx;
+    if (strcmp(c->provider, "shm") != 0)
+        return DT_OK;
+    ps->ans = host_calloc(ctx, sizeof(dt_transport *) * (size_t)ps->W);
+    if (!ps->ans)
+        return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+    dt_transport_params tp = {"shm", NULL, NULL, ctx->al, c->collective_timeout_ms};
+    for (int w = 0; w < ps->W; w++) {
+        char key[64], err[256] = "";
+        unsigned char addr[512];
+        size_t len = 0, mine = sizeof addr;
+        snprintf(key, sizeof key, "addr/%d", w);
+        dt_status s = dt_store_get(c->store, key, addr, sizeof addr, &len, c->timeout_ms);
+        if (s != DT_OK)
+            return s;
+        const void *peer = addr;
+        if ((s = c->tp_iface->open(&tp, &ps->ans[w], err, sizeof err)) == DT_OK &&
+            (s = c->tp_iface->insert_peers(ps->ans[w], 1, &peer, &len, err, sizeof err)) == DT_OK)
+            s = c->tp_iface->get_addr(ps->ans[w], addr, &mine, err, sizeof err);
+        if (s != DT_OK)
+            return set_error(ctx, s, "ps_new: server rank %d's endpoint for worker %d: %s", c->rank,
+                             w, err);
+        snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, c->rank, c->inc, w);
+        if ((s = dt_store_set(c->store, key, addr, mine)) != DT_OK)
+            return s;
+    }
+    return DT_OK;
+}
+
+/* Where answers to worker w go out of, and its number there. */
+static dt_transport *ps_answer_tp(const dt_ps *ps, int w, int *peer)
+{
+    *peer = ps->ans ? 0 : w;
+    return ps->ans ? ps->ans[w] : ps->comm->tp;
+}
+
+/* Close worker w's answer endpoint: its sends end (done, DT_ESTATE). */
+static void ps_close_answers(dt_ps *ps, int w)
+{
+    if (ps->ans && ps->ans[w]) {
+        ps->comm->tp_iface->close(ps->ans[w]);
+        ps->ans[w] = NULL;
+    }
+}
+
+DT_PRIVATE void ps_close_answer_endpoints(dt_ps *ps)
+{
+    for (int w = 0; ps->ans && w < ps->W; w++)
+        ps_close_answers(ps, w);
+    host_free(ps->ctx, ps->ans);
+    ps->ans = NULL;
+}
+
+/* Poll the answer endpoints too; their completions go to done[] after
+ * the k already there (at most max in all). */
+static int ps_poll_answers(dt_ps *ps, dt_xfer **done, int k, int max)
+{
+    char err[256];
+    for (int w = 0; ps->ans && w < ps->W && k < max; w++) {
+        if (!ps->ans[w])
+            continue;
+        int got = ps->comm->tp_iface->poll(ps->ans[w], done + k, max - k, err, sizeof err);
+        k += got > 0 ? got : 0;   /* (a failing endpoint's answers fail as their worker's sends) */
+    }
+    return k;
+}
+
 /* Post the next pieces of answer r while it has free slots (none once
  * its worker was dropped: nobody will take them). */
 static dt_status ps_reply_fill(dt_ps *ps, ps_reply *r)
@@ -19461,8 +19644,10 @@ static dt_status ps_reply_fill(dt_ps *ps, ps_reply *r)
         x->user = r;
         size_t len = r->bytes ? ps_piece_len(r->bytes, r->chunk, r->posted) : 0;
         char *buf = (char *)r->data + (r->bytes ? (size_t)r->posted * r->chunk : 0);
-        if (c->tp_iface->send(c->tp, r->worker, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
-                              len, x, err, sizeof err) != DT_OK) {
+        int peer;
+        dt_transport *tp = ps_answer_tp(ps, r->worker, &peer);
+        if (!tp || c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
+                                     len, x, err, sizeof err) != DT_OK) {
             r->stopped = 1;
             return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", r->worker, err);
         }
@@ -19501,8 +19686,11 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
     if (n > 0)
         ps_gather(ps, req, ids, r->data);
     r->hdr_x.user = r;
-    dt_status s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
-                                    sizeof r->hdr, &r->hdr_x, err, sizeof err);
+    int peer;
+    dt_transport *tp = ps_answer_tp(ps, worker, &peer);
+    dt_status s = !tp ? DT_ESTATE
+                      : c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
+                                          sizeof r->hdr, &r->hdr_x, err, sizeof err);
     if (s != DT_OK) {   /* nothing posted */
         host_free(ps->ctx, r->data);
         host_free(ps->ctx, r);
@@ -19983,6 +20171,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     ps_cancel_peer(ps, p);
     for (ps_reply *r = ps->replies; r; r = r->next)   /* nobody takes their other pieces */
         r->stopped |= r->worker == w;
+    ps_close_answers(ps, w);   /* (what it held is done now: swept) */
     dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
     if (s == DT_OK)
         s = ps_sync(ps);
@@ -20070,6 +20259,18 @@ static int ps_reply_busy(const ps_reply *r)
     return 0;
 }
 
+/* Answers still on their way to a worker that can take them.  Those to a
+ * dropped worker may never complete (tcp orphans a send to a dead process,
+ * shm waits for its word), so they hold nothing up: dt_ps_serve closes the
+ * transport under them. */
+static int ps_replies_owed(const dt_ps *ps)
+{
+    for (const ps_reply *r = ps->replies; r; r = r->next)
+        if (ps->peers[r->worker].state != 2 && ps_reply_busy(r))
+            return 1;
+    return 0;
+}
+
 /* A send of an answer completed: its slot takes the next piece.  (Only
  * ours: a cancelled transfer of an earlier collective may surface here.) */
 static dt_status ps_on_sent(dt_ps *ps, dt_xfer *x)
@@ -20151,7 +20352,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         int live = 0;
         for (int w = 0; w < ps->W; w++)
             live += ps->peers[w].state == 0;
-        if (!live && !ps->replies) {
+        if (!live && !ps_replies_owed(ps)) {
             ps_meter_publish(ps, &mt, dt_now(), 1);
             return DT_OK;
         }
@@ -20162,6 +20363,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
         if (k < 0)
             return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
+        k = ps_poll_answers(ps, done, k, 16);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
             *(ps_is_peer(ps, x->user) ? &mt.sv.ps_bytes_in : &mt.sv.ps_bytes_out) += (double)x->len;
@@ -20195,16 +20397,17 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
                 if (ps_watch(ps, last_seen) != DT_OK)
                     return ps->ctx->last_status;
             }
-            mt.idle_from = dt_now();
-            c->tp_iface->wait(c->tp, (int)(PS_POLL_S * 1e3));
+            mt.idle_from = dt_now();   /* (answers in flight complete on their own endpoints) */
+            c->tp_iface->wait(c->tp, ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
         } else {
             mt.idle_from = dt_now();
         }
     }
 }
 
-/* Transfers of ours the transport still holds. */
-static int ps_outstanding(const dt_ps *ps)
+/* Transfers of ours the transport still holds (owed_only: leave out the
+ * answers to dropped workers, which may never complete). */
+static int ps_outstanding(const dt_ps *ps, int owed_only)
 {
     for (int w = 0; w < ps->W; w++) {
         const ps_peer *p = &ps->peers[w];
@@ -20214,7 +20417,7 @@ static int ps_outstanding(const dt_ps *ps)
         if (!p->hdr_x.done)
             return 1;
     }
-    return ps->replies != NULL;
+    return owed_only ? ps_replies_owed(ps) : ps->replies != NULL;
 }
 
 dt_status dt_ps_serve(dt_ps *ps)
@@ -20241,10 +20444,11 @@ dt_status dt_ps_serve(dt_ps *ps)
     /* Cancelled receives complete in a later poll, and after an error
      * answers may still be on their way: give them a second, then close the
      * transport rather than leave it holding what dt_ps_free frees. */
-    for (double end = dt_now() + 1.0; !broken && ps_outstanding(ps) && dt_now() < end;) {
+    for (double end = dt_now() + 1.0; !broken && ps_outstanding(ps, 1) && dt_now() < end;) {
         dt_xfer *done[16];
         char err[256];
         int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        k = ps_poll_answers(ps, done, k > 0 ? k : 0, 16);
         for (int i = 0; i < k; i++)
             if (!ps_is_peer(ps, done[i]->user))
                 ps_on_sent(ps, done[i]);   /* (stopped: posts nothing) */
@@ -20252,8 +20456,11 @@ dt_status dt_ps_serve(dt_ps *ps)
         if (k <= 0)
             c->tp_iface->wait(c->tp, 10);
     }
-    if (!broken && ps_outstanding(ps))
-        comm_break(c, ps->ctx->err);
+    ps_close_answer_endpoints(ps);   /* what they still held ends done */
+    ps_sweep_replies(ps);
+    if (!broken && ps_outstanding(ps, 0))
+        comm_break(c, "ps_serve: sends to a dropped worker never completed; the transport was "
+                      "closed under them");
     if (!broken)
         comm_release_transport(c);
     host_free(ps->ctx, last_seen);

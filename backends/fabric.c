@@ -878,6 +878,45 @@ static int fab_addr_ok(const dt_transport *t, const void *addr, size_t len)
     return t->info->addr_format == FI_ADDR_STR ? memchr(addr, 0, len) != NULL : len == t->addr_len;
 }
 
+/* Peers t->n_peers.. become addrs[0..n) (checked by the caller); the
+ * tables are copied into larger ones (queued posts point at their dt_xfers,
+ * not into the tables, so they may move). */
+static dt_status fab_append_peers(dt_transport *t, int n, const void *const *addrs, char *err,
+                                  size_t err_len)
+{
+    int old = t->n_peers, all = old + n;
+    fi_addr_t *fa = fab_alloc(t, (size_t)all * sizeof *fa);
+    fab_queue *dq = fab_alloc(t, (size_t)all * sizeof *dq);
+    if (!fa || !dq) {
+        fab_free(t, fa);
+        fab_free(t, dq);
+        fab_err(err, err_len, "libfabric: out of memory");
+        return DT_ENOMEM;
+    }
+    memset(dq, 0, (size_t)all * sizeof *dq);
+    for (int i = 0; i < n; i++) {
+        int r = fi_av_insert(t->av, addrs[i], 1, &fa[old + i], 0, NULL);
+        if (r != 1) {
+            if (i) fi_av_remove(t->av, fa + old, (size_t)i, 0);
+            fab_free(t, fa);
+            fab_free(t, dq);
+            fab_err(err, err_len, "libfabric: fi_av_insert(peer %d): %s", old + i,
+                    r < 0 ? fi_strerror(-r) : "address rejected");
+            return DT_EINVAL;
+        }
+    }
+    if (old) {
+        memcpy(fa, t->peers, (size_t)old * sizeof *fa);
+        memcpy(dq, t->deferred, (size_t)old * sizeof *dq);
+    }
+    fab_free(t, t->peers);
+    fab_free(t, t->deferred);
+    t->peers = fa;
+    t->deferred = dq;
+    t->n_peers = all;
+    return DT_OK;
+}
+
 static dt_status fab_insert_peers(dt_transport *t, int n, const void *const *addrs,
                                   const size_t *lens, char *err, size_t err_len)
 {
@@ -898,30 +937,7 @@ static dt_status fab_insert_peers(dt_transport *t, int n, const void *const *add
             return DT_EINVAL;
         }
     }
-    fi_addr_t *fa = fab_alloc(t, (size_t)n * sizeof *fa);
-    fab_queue *dq = fab_alloc(t, (size_t)n * sizeof *dq);
-    if (!fa || !dq) {
-        fab_free(t, fa);
-        fab_free(t, dq);
-        fab_err(err, err_len, "libfabric: out of memory");
-        return DT_ENOMEM;
-    }
-    memset(dq, 0, (size_t)n * sizeof *dq);
-    for (int i = 0; i < n; i++) {
-        int r = fi_av_insert(t->av, addrs[i], 1, &fa[i], 0, NULL);
-        if (r != 1) {
-            if (i) fi_av_remove(t->av, fa, (size_t)i, 0);
-            fab_free(t, fa);
-            fab_free(t, dq);
-            fab_err(err, err_len, "libfabric: fi_av_insert(peer %d): %s", i,
-                    r < 0 ? fi_strerror(-r) : "address rejected");
-            return DT_EINVAL;
-        }
-    }
-    t->peers = fa;
-    t->deferred = dq;
-    t->n_peers = n;
-    return DT_OK;
+    return fab_append_peers(t, n, addrs, err, err_len);
 }
 
 static void fab_cancel(dt_transport *t, dt_xfer *x);
@@ -949,6 +965,20 @@ static dt_status fab_replace_peer(dt_transport *t, int peer, const void *addr, s
     }
     t->peers[peer] = fa;
     return DT_OK;
+}
+
+/* One more peer (interface version 2). */
+static dt_status fab_add_peer(dt_transport *t, const void *addr, size_t len, int *peer,
+                              char *err, size_t err_len)
+{
+    if (!t || !t->peers || !peer || !fab_addr_ok(t, addr, len)) {
+        fab_err(err, err_len, "libfabric: add_peer: no peers inserted yet, or not a %s address",
+                t && t->info ? t->info->fabric_attr->prov_name : "?");
+        return DT_EINVAL;
+    }
+    const void *addrs[1] = {addr};
+    *peer = t->n_peers;
+    return fab_append_peers(t, 1, addrs, err, err_len);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1184,6 +1214,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
         .wait = fab_wait,
         .cancel = fab_cancel,
         .replace_peer = fab_replace_peer,
+        .add_peer = fab_add_peer,
     };
     return &iface;
 }

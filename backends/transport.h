@@ -25,7 +25,7 @@
 
 #include "../dtrain.h"
 
-#define DT_TRANSPORT_IFACE_VERSION 1
+#define DT_TRANSPORT_IFACE_VERSION 2
 
 typedef struct dt_transport dt_transport;   /* an instance, opaque to the core */
 
@@ -113,6 +113,12 @@ typedef struct dt_transport_iface {
      * cancelled here. */
     dt_status (*replace_peer)(dt_transport *t, int peer, const void *addr, size_t len,
                               char *err, size_t err_len);
+    /* One more peer, after insert_peers: an endpoint of a peer's beyond
+     * its first (a parameter server answers each worker from its own, see
+     * src/ps_server.c).  *peer is its number (the count of peers before the
+     * call).  Added in version 2. */
+    dt_status (*add_peer)(dt_transport *t, const void *addr, size_t len, int *peer,
+                          char *err, size_t err_len);
 } dt_transport_iface;
 
 /* Transports compiled in expose their interface through these. */

@@ -205,8 +205,53 @@ static int xfer_gone(const xfers *xs, int peer)
            xs->gone[peer - xs->gone_base];
 }
 
+/* The rank a transfer is with: its transport peer, or the rank whose
+ * other endpoint that peer is. */
+DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x)
+{
+    int p = x->peer;
+    return p >= c->world && p - c->world < c->nalias ? c->alias[p - c->world] : p;
+}
+
+/* Rank `rank`'s endpoint at addr becomes transport peer *via (the caller
+ * holds the transport). */
+DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, size_t len,
+                                       int *via, char *err, size_t err_len)
+{
+    int *alias = host_alloc(c->ctx, sizeof(int) * (size_t)(c->nalias + 1));
+    if (!alias) {
+        snprintf(err, err_len, "out of memory");
+        return DT_ENOMEM;
+    }
+    dt_status s = c->tp_iface->add_peer(c->tp, addr, len, via, err, err_len);
+    if (s == DT_OK && *via != c->world + c->nalias) {
+        snprintf(err, err_len, "the transport numbered the endpoint %d, not %d", *via,
+                 c->world + c->nalias);
+        s = DT_ESTATE;
+    }
+    if (s != DT_OK) {
+        host_free(c->ctx, alias);
+        return s;
+    }
+    if (c->nalias)
+        memcpy(alias, c->alias, sizeof(int) * (size_t)c->nalias);
+    alias[c->nalias++] = rank;
+    host_free(c->ctx, c->alias);
+    c->alias = alias;
+    return DT_OK;
+}
+
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
                       void *buf, size_t bytes)
+{
+    return comm_post_via(c, w, xs, sending, peer, peer, tag, buf, bytes);
+}
+
+/* comm_post through the transport's peer `via`, another endpoint of rank
+ * `peer` (a parameter server's answers to this worker come from one of
+ * their own): deadlines, silence and blame stay with the rank. */
+DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, int via,
+                                   uint64_t tag, void *buf, size_t bytes)
 {
     char err[256] = "";
     dt_status st;
@@ -216,9 +261,9 @@ DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, i
     double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     for (;;) {
         memset(x, 0, sizeof *x);
-        x->peer = peer;
-        st = sending ? c->tp_iface->send(c->tp, peer, tag, buf, bytes, x, err, sizeof err)
-                     : c->tp_iface->recv(c->tp, peer, tag, 0, buf, bytes, x, err, sizeof err);
+        x->peer = via;
+        st = sending ? c->tp_iface->send(c->tp, via, tag, buf, bytes, x, err, sizeof err)
+                     : c->tp_iface->recv(c->tp, via, tag, 0, buf, bytes, x, err, sizeof err);
         if (st != DT_ETIMEDOUT || dt_now() >= deadline)
             break;
         /* back-pressured: the peer takes no data; is it alive? */
@@ -530,7 +575,7 @@ static int cancel_gone(dt_comm *c, xfers *xs)
 {
     int left = 0;
     for (int i = 0; i < xs->n; i++)
-        if (!xs->x[i].done && xfer_gone(xs, xs->x[i].peer)) {
+        if (!xs->x[i].done && xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]))) {
             if (!xs->cancelled[i])   /* at once: a provider may hold other peers' */
                 c->tp_iface->cancel(c->tp, &xs->x[i]);   /* completions behind it */
             xs->cancelled[i] = 1;
@@ -554,7 +599,7 @@ static void drain_gone(dt_comm *c, xfers *xs)
             c->tp_iface->wait(c->tp, 10);
         left = 0;
         for (int i = 0; i < xs->n; i++)
-            left |= !xs->x[i].done && xfer_gone(xs, xs->x[i].peer);
+            left |= !xs->x[i].done && xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]));
     }
     xs->orphans = left;
 }
@@ -587,9 +632,9 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
         if (comm_check_stall(c, w, &turn) != DT_OK)
             break;
         for (int i = 0; i < xs->n; i++) {
-            if (!xs->x[i].done && !xfer_gone(xs, xs->x[i].peer)) {
+            if (!xs->x[i].done && !xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]))) {
                 pending++;
-                silent_peer = xs->x[i].peer;
+                silent_peer = comm_xfer_rank(c, &xs->x[i]);
             }
         }
         int hdr_pending = xs->has_hdr && (!xs->hdr_recv.done || !xs->hdr_send.done);
@@ -610,13 +655,14 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             dt_xfer *x = done[i];
             if (!xfer_ours(xs, x))
                 continue;   /* an orphaned send (drain_gone) let go at last */
-            if (w->kind == COLL_EXT && c->ext_done_at && x->peer >= 0 && x->peer < c->world)
-                c->ext_done_at[x->peer] = dt_now();
-            if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, x->peer) &&
-                !(xs->write_off && xs->write_off(c, xs->write_off_arg, x->peer)))
+            int rank = comm_xfer_rank(c, x);
+            if (w->kind == COLL_EXT && c->ext_done_at && rank >= 0 && rank < c->world)
+                c->ext_done_at[rank] = dt_now();
+            if (x->status != DT_OK && x != &xs->hdr_recv && !xfer_gone(xs, rank) &&
+                !(xs->write_off && xs->write_off(c, xs->write_off_arg, rank)))
                 comm_work_fail(w, x->status == DT_EMISMATCH ? DT_EMISMATCH : DT_EPEER,
                                "%s #%u: transfer with rank %d failed (%s)", coll_names[w->kind], w->seq,
-                               x->peer, dt_strerror(x->status));
+                               rank, dt_strerror(x->status));
         }
         if (w->status != DT_OK)
             break;

@@ -158,7 +158,7 @@ typedef struct ps_msg {
 /* One message's data in pieces (src/ps.c): piece i of `pieces` is bytes
  * [i * chunk, ...) of buf, tagged ps_tag(type, seq, i). */
 typedef struct ps_stream {
-    int peer, sending, type;
+    int peer, via, sending, type;   /* via: the transport's peer (comm_post_via) */
     uint32_t seq, next, pieces;   /* next: the first piece not yet posted */
     char *buf;
     size_t bytes;
@@ -209,6 +209,8 @@ struct dt_comm {
     int collective_timeout_ms; /* progress: how long a living peer may keep a collective */
     const dt_transport_iface *tp_iface;
     dt_transport *tp;
+    int *alias, nalias;        /* transport peers world.. : the rank each is another
+                                  endpoint of (comm_add_endpoint) */
     dt_store *store;
     char provider[64];
     uint32_t next_seq;         /* caller's side: collectives issued */
@@ -671,6 +673,8 @@ struct dt_ps {
     /* worker */
     size_t chunk;              /* our messages' pieces, and the answers' (src/ps.c) */
     uint32_t *seq;             /* per server: our next request */
+    int ans_via[PS_MAX_SERVERS]; /* per server: the transport peer its answers come from
+                                  (its endpoint for us on shm, else its rank) */
     int64_t clock;             /* steps pushed */
     float *stage;              /* G + P floats: packing pushes, receiving pulls */
     float *stage2;             /* prefetch: G floats the next step's parameters arrive in */
@@ -684,6 +688,8 @@ struct dt_ps {
     int64_t *piece_lo;         /* flat offset of its first float */
     int *piece_param;          /* which parameter (registration index) */
     ps_peer *peers;            /* W */
+    dt_transport **ans;        /* shm: W endpoints, one per worker, its answers go out of
+                                  (a dead worker's sends hold back only its own) */
     float *sum;                /* G_s gradient floats being applied */
     int64_t applied;           /* BSP: steps applied */
     int initialized;
@@ -824,6 +830,11 @@ DT_PRIVATE void comm_describe_call(char *out, size_t cap, int kind, int64_t n, i
 DT_PRIVATE dt_status comm_header_check(dt_work *w, int me, int left, const coll_header *h, size_t len);
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
                                uint64_t tag, void *buf, size_t bytes);
+DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer,
+                                   int via, uint64_t tag, void *buf, size_t bytes);
+DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, size_t len,
+                                       int *via, char *err, size_t err_len);
+DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x);
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
 DT_PRIVATE void comm_block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi);
 DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src, int64_t n,
@@ -911,6 +922,8 @@ DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
 /* src/ps_server.c */
 DT_PRIVATE void ps_free_held(dt_ps *ps, ps_peer *p);
 DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps);
+DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps);
+DT_PRIVATE void ps_close_answer_endpoints(dt_ps *ps);
 
 /* src/join.c */
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);

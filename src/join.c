@@ -615,6 +615,7 @@ void dt_comm_free(dt_comm *c)
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
     host_free(c->ctx, c->ext_done_at);
+    host_free(c->ctx, c->alias);
     /* Rank 0 leaves its last collective as soon as its own part is done,
      * while others may still wait for each other's last messages and ask
      * the store about the dead meanwhile: a store gone then would read as

@@ -85,16 +85,17 @@ static void random_token(char *out, size_t cap)
         snprintf(out + 2 * i, 3, "%02x", r[i]);
 }
 
-/* A rank killed by a signal cannot remove its shared-memory files: the
- * libfabric shm provider's region ("<pid>:<...>") and, if it died while
- * joining, a host segment ("dtrain-<pid>-<...>").  Its launcher does. */
+/* A rank killed by a signal cannot remove its shared-memory files: its
+ * shm endpoints' regions ("dtrain_<pid>_<...>", named in backends/fabric.c)
+ * and, if it died while joining, a host segment ("dtrain-<pid>-<...>").
+ * Its launcher does. */
 static void remove_shm_of(pid_t pid)
 {
     DIR *d = opendir("/dev/shm");
     if (!d)
         return;
-    char fab[32], seg[40], path[300];
-    int nf = snprintf(fab, sizeof fab, "%d:", (int)pid);
+    char fab[40], seg[40], path[300];
+    int nf = snprintf(fab, sizeof fab, "dtrain_%d_", (int)pid);
     int ns = snprintf(seg, sizeof seg, "dtrain-%d-", (int)pid);
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {

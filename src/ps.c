@@ -260,7 +260,7 @@ static int ps_write_off(dt_comm *c, void *arg, int peer)
 
 /* A message's data, to go out (or come in) in pieces as ps_pump finds
  * room for them. */
-static dt_status ps_add_stream(dt_work *w, ps_call *pc, int sending, int peer, int type,
+static dt_status ps_add_stream(dt_work *w, ps_call *pc, int sending, int peer, int via, int type,
                                uint32_t seq, void *buf, size_t bytes)
 {
     size_t chunk = pc->ps->chunk;
@@ -270,7 +270,7 @@ static dt_status ps_add_stream(dt_work *w, ps_call *pc, int sending, int peer, i
         return comm_work_fail(w, DT_ENOTSUP, "parameter server: a message of %zu bytes is more than "
                               "%u pieces of %zu bytes (raise dt_ps_config.chunk_bytes)", bytes,
                               PS_MAX_PIECES, chunk);
-    pc->streams[pc->nstreams++] = (ps_stream){.peer = peer, .sending = sending, .type = type,
+    pc->streams[pc->nstreams++] = (ps_stream){.peer = peer, .via = via, .sending = sending, .type = type,
                                               .seq = seq, .pieces = (uint32_t)ps_pieces(bytes, chunk),
                                               .buf = buf, .bytes = bytes};
     return DT_OK;
@@ -293,7 +293,7 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc,
     int peer = ps->W + s;
     if (comm_post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq, 0), hdr, sizeof *hdr) != DT_OK)
         return ps_forgive(c, w, ps, s);
-    return data ? ps_add_stream(w, pc, 1, peer, PS_TAG_DATA, seq, data, bytes) : DT_OK;
+    return data ? ps_add_stream(w, pc, 1, peer, peer, PS_TAG_DATA, seq, data, bytes) : DT_OK;
 }
 
 /* Post the receive of server s's answer header to the request about to go
@@ -303,9 +303,10 @@ static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
 {
     dt_ps *ps = pc->ps;
     uint32_t seq = ps->seq[s];
-    if (comm_post(c, w, xs, 0, ps->W + s, ps_tag(PS_TAG_RESP, seq, 0), in, sizeof *in) != DT_OK)
+    if (comm_post_via(c, w, xs, 0, ps->W + s, ps->ans_via[s], ps_tag(PS_TAG_RESP, seq, 0), in,
+                      sizeof *in) != DT_OK)
         return ps_forgive(c, w, ps, s);
-    return ps_add_stream(w, pc, 0, ps->W + s, PS_TAG_RDATA, seq, data, bytes);
+    return ps_add_stream(w, pc, 0, ps->W + s, ps->ans_via[s], PS_TAG_RDATA, seq, data, bytes);
 }
 
 /* Post the streams' next pieces, taking turns, while the transfer list
@@ -322,8 +323,9 @@ static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
             if (st->next == st->pieces || ps->gone[s])
                 continue;
             size_t len = ps_piece_len(st->bytes, ps->chunk, st->next);
-            if (comm_post(c, w, xs, st->sending, st->peer, ps_tag(st->type, st->seq, st->next),
-                          st->buf + (size_t)st->next * ps->chunk, len) != DT_OK &&
+            if (comm_post_via(c, w, xs, st->sending, st->peer, st->via,
+                              ps_tag(st->type, st->seq, st->next),
+                              st->buf + (size_t)st->next * ps->chunk, len) != DT_OK &&
                 ps_forgive(c, w, ps, s) != DT_OK)
                 return w->status;
             st->next++;
@@ -490,6 +492,34 @@ DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
     return (uint32_t)strtoul(val, NULL, 10);
 }
 
+/* Where server s's answers to us come from: on shm its endpoint for us,
+ * published as ps<job>/ans/<rank>.<inc>/<worker> (ps_open_answer_endpoints in
+ * src/ps_server.c); a later incarnation's replaces the earlier one's.  The
+ * caller holds the transport. */
+static dt_status ps_answers_from(dt_ps *ps, dt_store *st, int s, uint32_t inc, char *err,
+                                 size_t err_len)
+{
+    dt_comm *c = ps->comm;
+    int rank = ps->W + s;
+    if (strcmp(c->provider, "shm") != 0) {
+        ps->ans_via[s] = rank;
+        return DT_OK;
+    }
+    char key[64];
+    unsigned char addr[512];
+    size_t len = 0;
+    snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, rank, inc, c->rank);
+    if (!st || dt_store_get(st, key, addr, sizeof addr, &len, c->timeout_ms) != DT_OK ||
+        len > sizeof addr) {
+        snprintf(err, err_len, "server rank %d published no endpoint for worker %d's answers "
+                 "within %d ms", rank, c->rank, c->timeout_ms);
+        return DT_EPEER;
+    }
+    if (ps->ans_via[s] >= c->world)   /* its restart: the same peer number, the new address */
+        return c->tp_iface->replace_peer(c->tp, ps->ans_via[s], addr, len, err, err_len);
+    return comm_add_endpoint(c, rank, addr, len, &ps->ans_via[s], err, err_len);
+}
+
 /* Servers found dead without a twin (gone 2): wait until a restarted
  * process of each has rejoined (src/join.c), swap its address in, and say hello
  * (our step, and how much of it its predecessor had); the request then
@@ -512,7 +542,8 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
             c->tp_iface->wait(c->tp, 50);   /* (the key may hold an older restart's number) */
         }
         char err[256] = "";
-        if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK)
+        if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
+            ps_answers_from(ps, c->watch, s, inc, err, sizeof err) != DT_OK)
             return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
                                   rank, err);
         ps->inc[s] = inc;
@@ -1103,6 +1134,15 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
+    char why[DT_MAX_ERROR], err[256] = "";
+    if (comm_take_transport(c, why, sizeof why) != DT_OK)
+        return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
+    for (int k = 0; s == DT_OK && k < ps->S; k++)
+        if ((s = ps_answers_from(ps, c->store, k, 0, err, sizeof err)) != DT_OK)
+            s = set_error(ctx, s, "ps_new: %s", err);
+    comm_release_transport(c);
+    if (s != DT_OK)
+        return s;
     if (c->rank == 0) {   /* our values are where everyone starts */
         for (int i = 0; i < ps->nparams; i++)
             be_to_host(ctx, ps->stage + ps->offset[i], ctx->params[i]->data,
@@ -1129,7 +1169,9 @@ static dt_status ps_join_server(dt_ps *ps, int job)
     ps->layout[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
     if ((s = ps_plan(ps, ps->layout)) != DT_OK)
         return s;
-    return ps_make_pieces(ps);
+    if ((s = ps_make_pieces(ps)) != DT_OK)
+        return s;
+    return ps_open_answer_endpoints(ps);
 }
 
 dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
@@ -1188,6 +1230,7 @@ void dt_ps_free(dt_ps *ps)
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
         dt_store_set(ps->comm->store, key, "1", 2);
     }
+    ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
     for (int w = 0; ps->peers && w < ps->W; w++) {
         host_free(ctx, ps->peers[w].push);
         host_free(ctx, ps->peers[w].sdata);

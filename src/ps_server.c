@@ -412,6 +412,85 @@ static void ps_gather(dt_ps *ps, const ps_msg *req, const int64_t *ids, float *o
     }
 }
 
+/* On shm, a send above the inject size completes only when its receiver
+ * says so, and libfabric's shm (1.17) takes those words in the order the
+ * sends went out of an endpoint: one to a worker that died holds back the
+ * completion of every later one, until the endpoint's queue is full and
+ * the other workers' answers stop.  So a server answers each worker out of
+ * an endpoint of its own, published for it as ps<job>/ans/<rank>.<inc>/<w>
+ * (ps_answers_from in src/ps.c); a dead worker stalls only its own, which
+ * ps_drop closes.  tcp orphans a send to a dead process instead: one
+ * endpoint serves. */
+DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps)
+{
+    dt_comm *c = ps->comm;
+    dt_ctx *ctx = ps->ctx;
+    if (strcmp(c->provider, "shm") != 0)
+        return DT_OK;
+    ps->ans = host_calloc(ctx, sizeof(dt_transport *) * (size_t)ps->W);
+    if (!ps->ans)
+        return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
+    dt_transport_params tp = {"shm", NULL, NULL, ctx->al, c->collective_timeout_ms};
+    for (int w = 0; w < ps->W; w++) {
+        char key[64], err[256] = "";
+        unsigned char addr[512];
+        size_t len = 0, mine = sizeof addr;
+        snprintf(key, sizeof key, "addr/%d", w);
+        dt_status s = dt_store_get(c->store, key, addr, sizeof addr, &len, c->timeout_ms);
+        if (s != DT_OK)
+            return s;
+        const void *peer = addr;
+        if ((s = c->tp_iface->open(&tp, &ps->ans[w], err, sizeof err)) == DT_OK &&
+            (s = c->tp_iface->insert_peers(ps->ans[w], 1, &peer, &len, err, sizeof err)) == DT_OK)
+            s = c->tp_iface->get_addr(ps->ans[w], addr, &mine, err, sizeof err);
+        if (s != DT_OK)
+            return set_error(ctx, s, "ps_new: server rank %d's endpoint for worker %d: %s", c->rank,
+                             w, err);
+        snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, c->rank, c->inc, w);
+        if ((s = dt_store_set(c->store, key, addr, mine)) != DT_OK)
+            return s;
+    }
+    return DT_OK;
+}
+
+/* Where answers to worker w go out of, and its number there. */
+static dt_transport *ps_answer_tp(const dt_ps *ps, int w, int *peer)
+{
+    *peer = ps->ans ? 0 : w;
+    return ps->ans ? ps->ans[w] : ps->comm->tp;
+}
+
+/* Close worker w's answer endpoint: its sends end (done, DT_ESTATE). */
+static void ps_close_answers(dt_ps *ps, int w)
+{
+    if (ps->ans && ps->ans[w]) {
+        ps->comm->tp_iface->close(ps->ans[w]);
+        ps->ans[w] = NULL;
+    }
+}
+
+DT_PRIVATE void ps_close_answer_endpoints(dt_ps *ps)
+{
+    for (int w = 0; ps->ans && w < ps->W; w++)
+        ps_close_answers(ps, w);
+    host_free(ps->ctx, ps->ans);
+    ps->ans = NULL;
+}
+
+/* Poll the answer endpoints too; their completions go to done[] after
+ * the k already there (at most max in all). */
+static int ps_poll_answers(dt_ps *ps, dt_xfer **done, int k, int max)
+{
+    char err[256];
+    for (int w = 0; ps->ans && w < ps->W && k < max; w++) {
+        if (!ps->ans[w])
+            continue;
+        int got = ps->comm->tp_iface->poll(ps->ans[w], done + k, max - k, err, sizeof err);
+        k += got > 0 ? got : 0;   /* (a failing endpoint's answers fail as their worker's sends) */
+    }
+    return k;
+}
+
 /* Post the next pieces of answer r while it has free slots (none once
  * its worker was dropped: nobody will take them). */
 static dt_status ps_reply_fill(dt_ps *ps, ps_reply *r)
@@ -426,8 +505,10 @@ static dt_status ps_reply_fill(dt_ps *ps, ps_reply *r)
         x->user = r;
         size_t len = r->bytes ? ps_piece_len(r->bytes, r->chunk, r->posted) : 0;
         char *buf = (char *)r->data + (r->bytes ? (size_t)r->posted * r->chunk : 0);
-        if (c->tp_iface->send(c->tp, r->worker, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
-                              len, x, err, sizeof err) != DT_OK) {
+        int peer;
+        dt_transport *tp = ps_answer_tp(ps, r->worker, &peer);
+        if (!tp || c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
+                                     len, x, err, sizeof err) != DT_OK) {
             r->stopped = 1;
             return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", r->worker, err);
         }
@@ -466,8 +547,11 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
     if (n > 0)
         ps_gather(ps, req, ids, r->data);
     r->hdr_x.user = r;
-    dt_status s = c->tp_iface->send(c->tp, worker, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
-                                    sizeof r->hdr, &r->hdr_x, err, sizeof err);
+    int peer;
+    dt_transport *tp = ps_answer_tp(ps, worker, &peer);
+    dt_status s = !tp ? DT_ESTATE
+                      : c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
+                                          sizeof r->hdr, &r->hdr_x, err, sizeof err);
     if (s != DT_OK) {   /* nothing posted */
         host_free(ps->ctx, r->data);
         host_free(ps->ctx, r);
@@ -948,6 +1032,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     ps_cancel_peer(ps, p);
     for (ps_reply *r = ps->replies; r; r = r->next)   /* nobody takes their other pieces */
         r->stopped |= r->worker == w;
+    ps_close_answers(ps, w);   /* (what it held is done now: swept) */
     dt_status s = ps->cfg.mode == DT_PS_BSP ? ps_apply_bsp(ps) : DT_OK;
     if (s == DT_OK)
         s = ps_sync(ps);
@@ -1035,6 +1120,18 @@ static int ps_reply_busy(const ps_reply *r)
     return 0;
 }
 
+/* Answers still on their way to a worker that can take them.  Those to a
+ * dropped worker may never complete (tcp orphans a send to a dead process,
+ * shm waits for its word), so they hold nothing up: dt_ps_serve closes the
+ * transport under them. */
+static int ps_replies_owed(const dt_ps *ps)
+{
+    for (const ps_reply *r = ps->replies; r; r = r->next)
+        if (ps->peers[r->worker].state != 2 && ps_reply_busy(r))
+            return 1;
+    return 0;
+}
+
 /* A send of an answer completed: its slot takes the next piece.  (Only
  * ours: a cancelled transfer of an earlier collective may surface here.) */
 static dt_status ps_on_sent(dt_ps *ps, dt_xfer *x)
@@ -1116,7 +1213,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         int live = 0;
         for (int w = 0; w < ps->W; w++)
             live += ps->peers[w].state == 0;
-        if (!live && !ps->replies) {
+        if (!live && !ps_replies_owed(ps)) {
             ps_meter_publish(ps, &mt, dt_now(), 1);
             return DT_OK;
         }
@@ -1127,6 +1224,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
         if (k < 0)
             return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
+        k = ps_poll_answers(ps, done, k, 16);
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
             *(ps_is_peer(ps, x->user) ? &mt.sv.ps_bytes_in : &mt.sv.ps_bytes_out) += (double)x->len;
@@ -1160,16 +1258,17 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
                 if (ps_watch(ps, last_seen) != DT_OK)
                     return ps->ctx->last_status;
             }
-            mt.idle_from = dt_now();
-            c->tp_iface->wait(c->tp, (int)(PS_POLL_S * 1e3));
+            mt.idle_from = dt_now();   /* (answers in flight complete on their own endpoints) */
+            c->tp_iface->wait(c->tp, ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
         } else {
             mt.idle_from = dt_now();
         }
     }
 }
 
-/* Transfers of ours the transport still holds. */
-static int ps_outstanding(const dt_ps *ps)
+/* Transfers of ours the transport still holds (owed_only: leave out the
+ * answers to dropped workers, which may never complete). */
+static int ps_outstanding(const dt_ps *ps, int owed_only)
 {
     for (int w = 0; w < ps->W; w++) {
         const ps_peer *p = &ps->peers[w];
@@ -1179,7 +1278,7 @@ static int ps_outstanding(const dt_ps *ps)
         if (!p->hdr_x.done)
             return 1;
     }
-    return ps->replies != NULL;
+    return owed_only ? ps_replies_owed(ps) : ps->replies != NULL;
 }
 
 dt_status dt_ps_serve(dt_ps *ps)
@@ -1206,10 +1305,11 @@ dt_status dt_ps_serve(dt_ps *ps)
     /* Cancelled receives complete in a later poll, and after an error
      * answers may still be on their way: give them a second, then close the
      * transport rather than leave it holding what dt_ps_free frees. */
-    for (double end = dt_now() + 1.0; !broken && ps_outstanding(ps) && dt_now() < end;) {
+    for (double end = dt_now() + 1.0; !broken && ps_outstanding(ps, 1) && dt_now() < end;) {
         dt_xfer *done[16];
         char err[256];
         int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        k = ps_poll_answers(ps, done, k > 0 ? k : 0, 16);
         for (int i = 0; i < k; i++)
             if (!ps_is_peer(ps, done[i]->user))
                 ps_on_sent(ps, done[i]);   /* (stopped: posts nothing) */
@@ -1217,8 +1317,11 @@ dt_status dt_ps_serve(dt_ps *ps)
         if (k <= 0)
             c->tp_iface->wait(c->tp, 10);
     }
-    if (!broken && ps_outstanding(ps))
-        comm_break(c, ps->ctx->err);
+    ps_close_answer_endpoints(ps);   /* what they still held ends done */
+    ps_sweep_replies(ps);
+    if (!broken && ps_outstanding(ps, 0))
+        comm_break(c, "ps_serve: sends to a dropped worker never completed; the transport was "
+                      "closed under them");
     if (!broken)
         comm_release_transport(c);
     host_free(ps->ctx, last_seen);

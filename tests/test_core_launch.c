@@ -109,14 +109,15 @@ static void test_launch_failure_stops_others(void **state)
     assert_true(took < 10.0);
     /* a rank killed by a signal is named with the signal, and the launcher
      * removes the shared-memory files it could not (made here the way
-     * libfabric's shm provider and a joining host segment name them) */
+     * backends/fabric.c names its shm regions and a joining host segment
+     * names itself) */
     char pidfile[] = "/tmp/dtrain_killed_XXXXXX";
     int pfd = mkstemp(pidfile);
     assert_true(pfd >= 0);
     close(pfd);
     char script[256];
     snprintf(script, sizeof script,
-             "[ \"$DTRAIN_RANK\" = 2 ] && { echo $$ > %s; : > /dev/shm/$$:0:0; "
+             "[ \"$DTRAIN_RANK\" = 2 ] && { echo $$ > %s; : > /dev/shm/dtrain_$$_1; "
              ": > /dev/shm/dtrain-$$-1; kill -9 $$; }; exec sleep 30", pidfile);
     char *const killer[] = {"/bin/sh", "-c", script, NULL};
     st = dt_launch(ctx, &cfg, killer, &failed);
@@ -131,7 +132,7 @@ static void test_launch_failure_stops_others(void **state)
     unlink(pidfile);
     char left[64];
     struct stat sb;
-    snprintf(left, sizeof left, "/dev/shm/%d:0:0", killed_pid);
+    snprintf(left, sizeof left, "/dev/shm/dtrain_%d_1", killed_pid);
     assert_int_not_equal(stat(left, &sb), 0);
     snprintf(left, sizeof left, "/dev/shm/dtrain-%d-1", killed_pid);
     assert_int_not_equal(stat(left, &sb), 0);

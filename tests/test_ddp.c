@@ -1442,6 +1442,8 @@ static int ps_use_ddp = 1;              /* workers step through a DDP, else dt_p
 static int ps_slow_worker = -1;         /* sleeps each step */
 static int ps_die_worker = -1;          /* exits after 2 steps */
 static int ps_prefetch;                 /* workers prefetch the next step's parameters */
+static int ps_steps = STEPS;            /* each worker's */
+static int ps_die_ms;                   /* > 0: ps_die_worker exits this long after it started */
 static int ps_fetch_every = 1;          /* push_pull only every k-th step, else dt_ps_push */
 static int ps_replicate;                /* servers in mirrored pairs */
 static char ps_ckpt_dir[96];            /* servers checkpoint here (every ps_ckpt_every steps) */
@@ -1550,7 +1552,8 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 3;
         /* a dropped worker is a warning, through the log function */
         if (warnings != (ps_die_worker >= 0) ||
-            (ps_die_worker >= 0 && !strstr(dt_last_warning(ctx), "dropped worker 1 after 2 steps"))) {
+            (ps_die_worker >= 0 && !strstr(dt_last_warning(ctx), ps_die_ms ? "dropped worker 1 after"
+                                                                             : "dropped worker 1 after 2 steps"))) {
             fprintf(stderr, "server %d: %d warnings, last '%s'\n", rank, warnings,
                     dt_last_warning(ctx));
             return 20;
@@ -1613,8 +1616,12 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         if (!(ddp = dt_ddp_new(ctx, c, NULL, &dc)))
             return 7;
     }
-    for (int s = 0; s < STEPS; s++) {
-        if (rank == ps_die_worker && s == 2)
+    pthread_t killer;   /* at a moment of its own, likely mid-message */
+    if (rank == ps_die_worker && ps_die_ms &&
+        pthread_create(&killer, NULL, ps_killer, (void *)(intptr_t)ps_die_ms) != 0)
+        return 16;
+    for (int s = 0; s < ps_steps; s++) {
+        if (rank == ps_die_worker && s == 2 && !ps_die_ms)
             _exit(0);   /* gone without a word */
         if (rank == ps_slow_worker) {
             struct timespec nap = {0, 30 * 1000 * 1000};
@@ -1645,7 +1652,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_ps_stats st;
     dt_ps_stats_get(ps, &st);
     /* the starting pull, and each step's (prefetch: the last one is in flight) */
-    if (st.steps != STEPS || st.pulls != STEPS / ps_fetch_every + 1 - ps_prefetch)
+    if (st.steps != ps_steps || st.pulls != ps_steps / ps_fetch_every + 1 - ps_prefetch)
         return 11;
     if (st.rejoins != (ps_kill_rank >= 0)) {   /* the restarted server, seen once */
         fprintf(stderr, "worker %d: %d rejoins\n", rank, st.rejoins);
@@ -1697,6 +1704,8 @@ static void ps_reset(void)
     ps_use_ddp = 1;
     ps_slow_worker = ps_die_worker = -1;
     ps_prefetch = 0;
+    ps_steps = STEPS;
+    ps_die_ms = 0;
     ps_fetch_every = 1;
     ps_replicate = ps_kill_ms = ps_restarted = 0;
     ps_model = MLP;
@@ -1813,9 +1822,7 @@ static void run_ddp_job_restart(int world, ddp_fn fn, int again, int times, int 
             struct timespec ts = {0, 5 * 1000 * 1000};
             nanosleep(&ts, NULL);
         }
-        char path[64];   /* (it exited without closing its shm endpoint) */
-        snprintf(path, sizeof path, "/dev/shm/%d:0:0", (int)pids[again]);
-        unlink(path);
+        tr_remove_shm_of(pids[again]);   /* (it exited without closing its shm endpoints) */
         ps_restarted = n;
         pids[again] = fork();
         assert_true(pids[again] >= 0);
@@ -1936,6 +1943,43 @@ static void test_ps_dead_worker(void **state)
     ps_die_worker = 1;
     job_timeout_ms = 3000;
     expect_all_ok(3, ps_rank);
+    job_timeout_ms = 20000;
+    ps_reset();
+}
+
+/* A worker dies mid-message: a thread of its own ends it at a moment of
+ * its 300 steps (BSP with prefetch, the WIDE model: 600 KiB pushes and
+ * answers), so a push from it or an answer to it is usually on its way.
+ * On shm a send above the inject size completes only when its receiver
+ * says so, and on tcp a send to a dead process is orphaned: the server
+ * must drop the worker and finish with the other one however its sends
+ * to the dead one stand (docs/PARAMETER_SERVER.md, "Pieces").  With the
+ * default pieces (one message an answer) and with 64 KiB ones (ten: the
+ * window refills as sends complete), on shm and tcp; DT_DEAD_WORKER_RUNS
+ * runs of each (default 2), the moment of death different in each. */
+static void test_ps_dead_worker_mid_message(void **state)
+{
+    (void)state;
+    const char *transports[] = {"shm", "tcp"}, *env = getenv("DT_DEAD_WORKER_RUNS");
+    int runs = env && atoi(env) > 0 ? atoi(env) : 2;
+    for (int k = 0; k < 2; k++)
+        for (int piece = 0; piece < 2; piece++)
+            for (int run = 0; run < runs; run++) {
+                ps_reset();
+                ps_die_worker = 1;
+                ps_die_ms = 40 + (run * 97 + k * 31 + piece * 53) % 360;
+                ps_prefetch = 1;
+                ps_model = WIDE;
+                ps_bucket_bytes = 256 << 10;
+                ps_chunk = piece ? 64 << 10 : 0;
+                ps_steps = 300;
+                job_transport = transports[k];
+                job_timeout_ms = 3000;
+                print_message("%s, %s pieces, death at %d ms\n", transports[k],
+                              piece ? "64 KiB" : "default", ps_die_ms);
+                expect_all_ok(3, ps_rank);
+            }
+    job_transport = "shm";
     job_timeout_ms = 20000;
     ps_reset();
 }
@@ -3257,6 +3301,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_ssp_asp),
     cmocka_unit_test(test_ps_chunked),
     cmocka_unit_test(test_ps_dead_worker),
+    cmocka_unit_test(test_ps_dead_worker_mid_message),
     cmocka_unit_test(test_ps_replica_failover),
     cmocka_unit_test(test_ps_checkpoint),
     cmocka_unit_test(test_ps_rejoin),

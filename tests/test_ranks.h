@@ -7,6 +7,7 @@
 #define DT_TEST_RANKS_H
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -43,6 +44,27 @@ static inline dt_dist_env tr_env(int rank, int world, int port)
     return e;
 }
 
+/* A rank that died without closing (killed, or _exit mid-job on purpose)
+ * leaves its shm endpoints' regions ("dtrain_<pid>_...", backends/fabric.c)
+ * and maybe a host segment ("dtrain-<pid>-..."): remove them, or a long
+ * suite fills /dev/shm. */
+static inline void tr_remove_shm_of(pid_t pid)
+{
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return;
+    char fab[40], seg[40], path[300];
+    int nf = snprintf(fab, sizeof fab, "dtrain_%d_", (int)pid);
+    int ns = snprintf(seg, sizeof seg, "dtrain-%d-", (int)pid);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (strncmp(e->d_name, fab, (size_t)nf) == 0 || strncmp(e->d_name, seg, (size_t)ns) == 0) {
+            snprintf(path, sizeof path, "/dev/shm/%.250s", e->d_name);
+            unlink(path);
+        }
+    closedir(d);
+}
+
 /* Reap pids[0..world): codes[r] = exit code, 200 + signal when killed, or
  * -1 when it was still running at the deadline (it is killed then). */
 static inline void tr_reap(const pid_t *pids, int world, int *codes, double seconds)
@@ -54,17 +76,14 @@ static inline void tr_reap(const pid_t *pids, int world, int *codes, double seco
             pid_t got = waitpid(pids[r], &status, WNOHANG);
             if (got == pids[r]) {
                 codes[r] = WIFEXITED(status) ? WEXITSTATUS(status) : 200 + WTERMSIG(status);
-                if (!WIFEXITED(status)) {   /* a killed rank leaves its shm region */
-                    char path[64];
-                    snprintf(path, sizeof path, "/dev/shm/%d:0:0", (int)pids[r]);
-                    unlink(path);
-                }
+                tr_remove_shm_of(pids[r]);
                 break;
             }
             if (dt_now() > deadline) {
                 kill(pids[r], SIGKILL);
                 waitpid(pids[r], &status, 0);
                 codes[r] = -1;
+                tr_remove_shm_of(pids[r]);
                 break;
             }
             struct timespec ts = {0, 5 * 1000 * 1000};
