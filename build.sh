@@ -1845,7 +1845,7 @@ cmd_stress() {
     DT_JOBS=${DT_STRESS_AT_ONCE:-2} run_checks "${cmds[@]}" > $BUILD/stress/run.log 2>&1 || failed=1
     kill "${hog_pids[@]}" 2>/dev/null; wait "${hog_pids[@]}" 2>/dev/null || true
     local bad
-    bad=$(grep -l '^[0-9]* passed, [1-9][0-9]* failed$\|ended without' $BUILD/stress/rep-*.log 2>/dev/null | wc -l)
+    bad=$(grep -l '^[0-9]* passed, [1-9][0-9]* failed$\|ended without' $BUILD/stress/rep-*.log | wc -l || true)
     grep -h '^\[  FAILED  \] test' $BUILD/stress/rep-*.log 2>/dev/null | sort | uniq -c || true
     echo "build.sh: stress: $reps repetitions in $((SECONDS - t0)) s, $bad failed (logs: $BUILD/stress/)"
     [ $failed = 0 ] && [ "$bad" = 0 ]

@@ -311,8 +311,11 @@ struct dt_ctx {
     struct {                       /* graceful pre-emption (src/preempt.c) */
         int on;                    /* dt_preempt_enable was called */
         unsigned signals;          /* DT_PREEMPT_SIG* caught */
-        int voted, verdict;        /* this step's vote is in (the DDP's), and its result: the
-                                      largest signal number any rank received, 0: none */
+        int voted, verdict;        /* this step's vote is in (the DDP's, or the parameter
+                                      servers' answer), and its result: the largest signal
+                                      number any rank received, 0: none */
+        int via_ps;                /* a parameter-server worker: the servers count the vote
+                                      (src/ps.c); no allreduce over the communicator */
         int signal;                /* the agreed stop's signal */
         int64_t step;              /* the step the job agreed to stop after; -1: none */
         double since, saved_s;     /* when it agreed; the checkpoint's seconds (-1: none) */
@@ -1009,6 +1012,9 @@ typedef struct ps_msg {
     uint32_t chunk;            /* the request's data and its answer travel in pieces of
                                   this many bytes (18: "Messages") */
     int64_t k;                 /* and its entries (TOPK) */
+    int32_t vote;              /* pre-emption: a push, its worker's signal (0: none); an
+                                  answer, the last applied step's verdict (src/preempt.c) */
+    int32_t unused;
     char err[160];
 } ps_msg;
 /* One message's data in pieces (src/ps.c): piece i of `pieces` is bytes
@@ -1455,6 +1461,7 @@ typedef struct ps_peer {
                                   is not read until it is (a worker runs at most one step
                                   ahead of the slowest, its push buffer holds one step) */
     struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
+    int vote;                  /* its current step's pre-emption vote (ps_msg.vote) */
 } ps_peer;
 
 /* A sparse push kept until its step is applied (BSP). */
@@ -1557,6 +1564,7 @@ struct dt_ps {
     char *ckpt_path;           /* server: its checkpoint file, or NULL */
     int resumed;               /* server: started from it (worker 0's init is not used) */
     int syncing;               /* server, rejoined: not every live worker has said hello */
+    int vote;                  /* server: the last applied step's pre-emption verdict */
     dt_ps_stats st;
 };
 
@@ -1734,6 +1742,9 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
 /* src/preempt.c: graceful pre-emption */
 DT_PRIVATE void preempt_reclaim(dt_ctx *ctx);
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c);
+DT_PRIVATE int preempt_local(const dt_ctx *ctx);
+DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict);
+DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict);
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap);
 
 /* src/join.c: joining the job, a restarted rank */
@@ -2253,6 +2264,8 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->act_since = dt_now();
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
+    ctx->preempt.step = -1;   /* no stop agreed (a server may agree one without enabling) */
+    ctx->preempt.saved_s = -1;
     ctx->grad_enabled = 1;
     ctx->training = 1;
     size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
@@ -15741,12 +15754,39 @@ int dt_preempt_signal(const dt_ctx *ctx)
     return ctx && ctx->preempt.on ? (int)preempt_got : 0;
 }
 
+/* This rank's own vote: the signal it caught, 0: none (or not enabled). */
+DT_PRIVATE int preempt_local(const dt_ctx *ctx)
+{
+    return ctx->preempt.on ? (int)preempt_got : 0;
+}
+
+/* The step's verdict, counted elsewhere (a parameter server's answer). */
+DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict)
+{
+    ctx->preempt.voted = 1;
+    ctx->preempt.verdict = verdict;
+}
+
+/* The job agreed to stop after `step` (the first agreement stands). */
+DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict)
+{
+    if (verdict <= 0 || ctx->preempt.step >= 0)
+        return;
+    ctx->preempt.step = step;
+    ctx->preempt.signal = verdict;
+    ctx->preempt.since = dt_now();
+}
+
 /* The step's vote: every rank's signal (0: none), the largest kept; after
  * it every rank has the same verdict.  Collective over c. */
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c)
 {
     if (!ctx->preempt.on)
         return DT_OK;
+    if (ctx->preempt.via_ps)   /* the servers are in dt_ps_serve: no allreduce with them */
+        return set_error(ctx, DT_ENOTSUP, "preempt_agree: with a parameter server the vote rides "
+                         "on each step's push and pull: BSP without prefetch, dt_preempt_agree "
+                         "after dt_ps_push_pull or dt_ddp_step");
     float v = (float)preempt_got;
     if (c && dt_comm_size(c) > 1 && dt_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
         return set_error(ctx, ctx->last_status, "preempt: the step's vote failed: %s", ctx->err);
@@ -15767,14 +15807,8 @@ dt_status dt_preempt_agree(dt_ctx *ctx, dt_comm *c, int64_t step, int *stop)
     if (!ctx->preempt.voted && preempt_vote(ctx, c) != DT_OK)
         return ctx->last_status;
     ctx->preempt.voted = 0;   /* the next step votes again */
-    if (ctx->preempt.verdict > 0) {
-        *stop = 1;
-        if (ctx->preempt.step < 0) {
-            ctx->preempt.step = step;
-            ctx->preempt.signal = ctx->preempt.verdict;
-            ctx->preempt.since = dt_now();
-        }
-    }
+    *stop = ctx->preempt.verdict > 0;
+    preempt_decide(ctx, step, ctx->preempt.verdict);
     return DT_OK;
 }
 
@@ -15794,7 +15828,7 @@ dt_status dt_preempt_saved(dt_ctx *ctx, double seconds)
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap)
 {
     out[0] = '\0';
-    if (!ctx->preempt.on || ctx->preempt.step < 0)
+    if (ctx->preempt.step < 0)
         return;
     const char *name = sigabbrev_np(ctx->preempt.signal);
     if (ctx->preempt.saved_s >= 0)
@@ -18136,6 +18170,8 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc,
         hdr->code = pc->code;
         hdr->k = pc->cnt[s % ps->L];
     }
+    if (op == PS_PUSH || op == PS_CPUSH || op == PS_SPUSH)
+        hdr->vote = preempt_local(ps->ctx);   /* (src/ps_server.c, ps_count_votes) */
     int peer = ps->W + s;
     if (comm_post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq, 0), hdr, sizeof *hdr) != DT_OK)
         return ps_forgive(c, w, ps, s);
@@ -18576,6 +18612,12 @@ static dt_status ps_call_run(dt_ps *ps, int op, int64_t lo, int64_t n, float *bu
     dt_status s = w ? dt_work_wait(w) : ps->ctx->last_status;
     if (s == DT_OK && op == PS_PULL)
         ps_note_stale(ps, pc.stale);
+    if (s == DT_OK && op == PS_PULL && ps->cfg.mode == DT_PS_BSP && !ps->cfg.prefetch) {
+        int v = 0;   /* BSP: the step just applied everywhere; its verdict (ps_count_votes) */
+        for (int k = 0; k < ps->S; k++)
+            v = pc.in[k].vote > v ? pc.in[k].vote : v;
+        preempt_take(ps->ctx, v);
+    }
     return s;
 }
 
@@ -18980,6 +19022,7 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
+    ctx->preempt.via_ps = 1;   /* the servers count the pre-emption vote */
     char why[DT_MAX_ERROR], err[256] = "";
     if (comm_take_transport(c, why, sizeof why) != DT_OK)
         return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
@@ -19077,6 +19120,8 @@ void dt_ps_free(dt_ps *ps)
         dt_store_set(ps->comm->store, key, "1", 2);
     }
     ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
+    if (ps->server < 0)
+        ctx->preempt.via_ps = 0;
     for (int w = 0; ps->peers && w < ps->W; w++) {
         host_free(ctx, ps->peers[w].push);
         host_free(ctx, ps->peers[w].sdata);
@@ -19492,6 +19537,23 @@ static int64_t ps_min_clock(const dt_ps *ps)
  * gradients in worker order (as the allreduce sums ranks). */
 static dt_status ps_post_header(dt_ps *ps, int w);
 
+/* BSP: the step just applied stops the job when any live worker's push
+ * of it, or this server, caught a pre-emption signal (the largest wins).
+ * Its pulls' answers carry the verdict, so every worker learns it from the
+ * same step (dt_preempt_agree), and dt_ps_serve saves this step's state
+ * when the workers finish. */
+static void ps_count_votes(dt_ps *ps)
+{
+    int v = preempt_local(ps->ctx);
+    for (int w = 0; w < ps->W; w++) {
+        if (ps->peers[w].state == 0 && ps->peers[w].vote > v)
+            v = ps->peers[w].vote;
+        ps->peers[w].vote = 0;
+    }
+    ps->vote = v;
+    preempt_decide(ps->ctx, ps->applied, v);
+}
+
 static dt_status ps_apply_bsp(dt_ps *ps)
 {
     int64_t n = ps_my_floats(ps), gs = n - ps->P;
@@ -19517,6 +19579,7 @@ static dt_status ps_apply_bsp(dt_ps *ps)
             return s;
         ps_apply_sparse_step(ps, ps->applied, 1.0f / (float)live);
         ps->applied++;
+        ps_count_votes(ps);
         if ((s = ps_checkpoint_due(ps)) != DT_OK)
             return s;
         for (int w = 0; w < ps->W; w++)   /* their next requests may come in now */
@@ -19667,7 +19730,7 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
     r->hdr = (ps_msg){.magic = PS_MAGIC, .op = req->op, .seq = req->seq,
                       .status = (int32_t)status, .lo = req->lo, .n = req->n, .clock = req->clock,
-                      .chunk = req->chunk};
+                      .chunk = req->chunk, .vote = ps->vote};
     snprintf(r->hdr.err, sizeof r->hdr.err, "%s", why ? why : "");
     /* the worker waits for the pieces of what it asked for; a refusal sends
      * them empty (its header says why) */
@@ -20103,6 +20166,8 @@ static dt_status ps_on_header(dt_ps *ps, int w)
         return ps->ctx->last_status;
     p->seq++;
     p->op = (int)h->op;
+    if ((h->op == PS_PUSH || h->op == PS_CPUSH || h->op == PS_SPUSH) && h->vote > p->vote)
+        p->vote = h->vote;   /* (every push of a step carries it) */
     if (h->op == PS_HELLO)
         return ps_on_hello(ps, w);
     if (h->op == PS_FINISH) {
@@ -20420,6 +20485,20 @@ static int ps_outstanding(const dt_ps *ps, int owed_only)
     return owed_only ? ps_replies_owed(ps) : ps->replies != NULL;
 }
 
+/* The workers stopped after the agreed step and finished; its state is
+ * saved (ps_checkpoint, with a checkpoint_dir): say so, as a status the
+ * server's program exits DT_EXIT_PREEMPTED on. */
+static dt_status ps_preempted(dt_ps *ps)
+{
+    dt_ctx *ctx = ps->ctx;
+    if (ps->ckpt_path)
+        dt_preempt_saved(ctx, -1);
+    char line[128];
+    preempt_line(ctx, line, sizeof line);
+    return set_error(ctx, DT_EPREEMPTED, "ps_serve: %s%s%s", line, ps->ckpt_path ? " in " : "",
+                     ps->ckpt_path ? ps->ckpt_path : " (no dt_ps_config.checkpoint_dir)");
+}
+
 dt_status dt_ps_serve(dt_ps *ps)
 {
     if (!ps)
@@ -20436,6 +20515,8 @@ dt_status dt_ps_serve(dt_ps *ps)
                          : ps_serve_loop(ps, last_seen);
     if (s == DT_OK)   /* the final state, for a job that starts again */
         s = ps_checkpoint(ps);
+    if (s == DT_OK && ps->ctx->preempt.step >= 0)
+        s = ps_preempted(ps);
     for (int w = 0; !broken && w < ps->W; w++)   /* nothing of ours stays posted */
         if (ps->peers[w].state == 0)
             ps_cancel_peer(ps, &ps->peers[w]);

@@ -1405,8 +1405,13 @@ DT_API int dt_preempt_signal(const dt_ctx *ctx);
  * point of every step on every rank: *stop = 1 on every rank when any rank
  * received a signal before its vote.  step: the steps done, recorded for
  * the report at the first stop.  The DDP's step already voted (dt_ddp_step
- * and dt_ddp_sync): then no message is sent.  Not enabled: *stop = 0, no
- * collective.  DT_EINVAL: stop NULL; the allreduce's errors. */
+ * and dt_ddp_sync): then no message is sent.  A parameter server's worker
+ * (BSP without prefetch): each step's pushes carry its vote and the pull's
+ * answer the servers' verdict, so dt_preempt_agree after dt_ps_push_pull or
+ * dt_ddp_step sends nothing either (the servers stop in dt_ps_serve).  Not
+ * enabled: *stop = 0, no collective.  DT_EINVAL: stop NULL; DT_ENOTSUP: a
+ * parameter-server worker in SSP/ASP or with prefetch (no step every
+ * worker shares); the allreduce's errors. */
 DT_API dt_status dt_preempt_agree(dt_ctx *ctx, dt_comm *c, int64_t step, int *stop);
 /* The checkpoint of the agreed stop is written, in seconds (< 0: the time
  * since the agreement).  DT_ESTATE: no stop was agreed. */
@@ -1912,7 +1917,12 @@ DT_API int dt_ps_servers(const dt_ps *ps);
  * and the statistics count it; a warning, dt_set_log).  Takes the
  * transport from the comm thread meanwhile.  DT_ESTATE: a worker, or the
  * communicator failed earlier; DT_EPEER: the transport failed or a worker
- * sent a malformed request; checkpoint writing: DT_EIO. */
+ * sent a malformed request; checkpoint writing: DT_EIO.  DT_EPREEMPTED:
+ * the job agreed to stop after a step (BSP: a worker's push or this server
+ * caught a pre-emption signal, "Graceful pre-emption"), the workers
+ * finished, and that step's state is saved with a checkpoint_dir (the
+ * message and dt_preempt_report say where and how long it took): exit
+ * DT_EXIT_PREEMPTED, and the job started again resumes from it. */
 DT_API dt_status dt_ps_serve(dt_ps *ps);
 /* Workers: push every parameter's gradient (absent ones as absent) as this
  * worker's next step, then pull the parameters into the parameter

@@ -437,6 +437,8 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx->act_since = dt_now();
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
+    ctx->preempt.step = -1;   /* no stop agreed (a server may agree one without enabling) */
+    ctx->preempt.saved_s = -1;
     ctx->grad_enabled = 1;
     ctx->training = 1;
     size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;

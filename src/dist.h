@@ -153,6 +153,9 @@ typedef struct ps_msg {
     uint32_t chunk;            /* the request's data and its answer travel in pieces of
                                   this many bytes (18: "Messages") */
     int64_t k;                 /* and its entries (TOPK) */
+    int32_t vote;              /* pre-emption: a push, its worker's signal (0: none); an
+                                  answer, the last applied step's verdict (src/preempt.c) */
+    int32_t unused;
     char err[160];
 } ps_msg;
 /* One message's data in pieces (src/ps.c): piece i of `pieces` is bytes
@@ -599,6 +602,7 @@ typedef struct ps_peer {
                                   is not read until it is (a worker runs at most one step
                                   ahead of the slowest, its push buffer holds one step) */
     struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
+    int vote;                  /* its current step's pre-emption vote (ps_msg.vote) */
 } ps_peer;
 
 /* A sparse push kept until its step is applied (BSP). */
@@ -701,6 +705,7 @@ struct dt_ps {
     char *ckpt_path;           /* server: its checkpoint file, or NULL */
     int resumed;               /* server: started from it (worker 0's init is not used) */
     int syncing;               /* server, rejoined: not every live worker has said hello */
+    int vote;                  /* server: the last applied step's pre-emption verdict */
     dt_ps_stats st;
 };
 
@@ -878,6 +883,9 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w);
 /* src/preempt.c: graceful pre-emption */
 DT_PRIVATE void preempt_reclaim(dt_ctx *ctx);
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c);
+DT_PRIVATE int preempt_local(const dt_ctx *ctx);
+DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict);
+DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict);
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap);
 
 /* src/join.c: joining the job, a restarted rank */

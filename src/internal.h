@@ -301,8 +301,11 @@ struct dt_ctx {
     struct {                       /* graceful pre-emption (src/preempt.c) */
         int on;                    /* dt_preempt_enable was called */
         unsigned signals;          /* DT_PREEMPT_SIG* caught */
-        int voted, verdict;        /* this step's vote is in (the DDP's), and its result: the
-                                      largest signal number any rank received, 0: none */
+        int voted, verdict;        /* this step's vote is in (the DDP's, or the parameter
+                                      servers' answer), and its result: the largest signal
+                                      number any rank received, 0: none */
+        int via_ps;                /* a parameter-server worker: the servers count the vote
+                                      (src/ps.c); no allreduce over the communicator */
         int signal;                /* the agreed stop's signal */
         int64_t step;              /* the step the job agreed to stop after; -1: none */
         double since, saved_s;     /* when it agreed; the checkpoint's seconds (-1: none) */

@@ -154,12 +154,39 @@ int dt_preempt_signal(const dt_ctx *ctx)
     return ctx && ctx->preempt.on ? (int)preempt_got : 0;
 }
 
+/* This rank's own vote: the signal it caught, 0: none (or not enabled). */
+DT_PRIVATE int preempt_local(const dt_ctx *ctx)
+{
+    return ctx->preempt.on ? (int)preempt_got : 0;
+}
+
+/* The step's verdict, counted elsewhere (a parameter server's answer). */
+DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict)
+{
+    ctx->preempt.voted = 1;
+    ctx->preempt.verdict = verdict;
+}
+
+/* The job agreed to stop after `step` (the first agreement stands). */
+DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict)
+{
+    if (verdict <= 0 || ctx->preempt.step >= 0)
+        return;
+    ctx->preempt.step = step;
+    ctx->preempt.signal = verdict;
+    ctx->preempt.since = dt_now();
+}
+
 /* The step's vote: every rank's signal (0: none), the largest kept; after
  * it every rank has the same verdict.  Collective over c. */
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c)
 {
     if (!ctx->preempt.on)
         return DT_OK;
+    if (ctx->preempt.via_ps)   /* the servers are in dt_ps_serve: no allreduce with them */
+        return set_error(ctx, DT_ENOTSUP, "preempt_agree: with a parameter server the vote rides "
+                         "on each step's push and pull: BSP without prefetch, dt_preempt_agree "
+                         "after dt_ps_push_pull or dt_ddp_step");
     float v = (float)preempt_got;
     if (c && dt_comm_size(c) > 1 && dt_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
         return set_error(ctx, ctx->last_status, "preempt: the step's vote failed: %s", ctx->err);
@@ -180,14 +207,8 @@ dt_status dt_preempt_agree(dt_ctx *ctx, dt_comm *c, int64_t step, int *stop)
     if (!ctx->preempt.voted && preempt_vote(ctx, c) != DT_OK)
         return ctx->last_status;
     ctx->preempt.voted = 0;   /* the next step votes again */
-    if (ctx->preempt.verdict > 0) {
-        *stop = 1;
-        if (ctx->preempt.step < 0) {
-            ctx->preempt.step = step;
-            ctx->preempt.signal = ctx->preempt.verdict;
-            ctx->preempt.since = dt_now();
-        }
-    }
+    *stop = ctx->preempt.verdict > 0;
+    preempt_decide(ctx, step, ctx->preempt.verdict);
     return DT_OK;
 }
 
@@ -207,7 +228,7 @@ dt_status dt_preempt_saved(dt_ctx *ctx, double seconds)
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap)
 {
     out[0] = '\0';
-    if (!ctx->preempt.on || ctx->preempt.step < 0)
+    if (ctx->preempt.step < 0)
         return;
     const char *name = sigabbrev_np(ctx->preempt.signal);
     if (ctx->preempt.saved_s >= 0)

@@ -290,6 +290,8 @@ static dt_status ps_post_request(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc,
         hdr->code = pc->code;
         hdr->k = pc->cnt[s % ps->L];
     }
+    if (op == PS_PUSH || op == PS_CPUSH || op == PS_SPUSH)
+        hdr->vote = preempt_local(ps->ctx);   /* (src/ps_server.c, ps_count_votes) */
     int peer = ps->W + s;
     if (comm_post(c, w, xs, 1, peer, ps_tag(PS_TAG_REQ, seq, 0), hdr, sizeof *hdr) != DT_OK)
         return ps_forgive(c, w, ps, s);
@@ -730,6 +732,12 @@ static dt_status ps_call_run(dt_ps *ps, int op, int64_t lo, int64_t n, float *bu
     dt_status s = w ? dt_work_wait(w) : ps->ctx->last_status;
     if (s == DT_OK && op == PS_PULL)
         ps_note_stale(ps, pc.stale);
+    if (s == DT_OK && op == PS_PULL && ps->cfg.mode == DT_PS_BSP && !ps->cfg.prefetch) {
+        int v = 0;   /* BSP: the step just applied everywhere; its verdict (ps_count_votes) */
+        for (int k = 0; k < ps->S; k++)
+            v = pc.in[k].vote > v ? pc.in[k].vote : v;
+        preempt_take(ps->ctx, v);
+    }
     return s;
 }
 
@@ -1134,6 +1142,7 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
+    ctx->preempt.via_ps = 1;   /* the servers count the pre-emption vote */
     char why[DT_MAX_ERROR], err[256] = "";
     if (comm_take_transport(c, why, sizeof why) != DT_OK)
         return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
@@ -1231,6 +1240,8 @@ void dt_ps_free(dt_ps *ps)
         dt_store_set(ps->comm->store, key, "1", 2);
     }
     ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
+    if (ps->server < 0)
+        ctx->preempt.via_ps = 0;
     for (int w = 0; ps->peers && w < ps->W; w++) {
         host_free(ctx, ps->peers[w].push);
         host_free(ctx, ps->peers[w].sdata);

@@ -353,6 +353,23 @@ static int64_t ps_min_clock(const dt_ps *ps)
  * gradients in worker order (as the allreduce sums ranks). */
 static dt_status ps_post_header(dt_ps *ps, int w);
 
+/* BSP: the step just applied stops the job when any live worker's push
+ * of it, or this server, caught a pre-emption signal (the largest wins).
+ * Its pulls' answers carry the verdict, so every worker learns it from the
+ * same step (dt_preempt_agree), and dt_ps_serve saves this step's state
+ * when the workers finish. */
+static void ps_count_votes(dt_ps *ps)
+{
+    int v = preempt_local(ps->ctx);
+    for (int w = 0; w < ps->W; w++) {
+        if (ps->peers[w].state == 0 && ps->peers[w].vote > v)
+            v = ps->peers[w].vote;
+        ps->peers[w].vote = 0;
+    }
+    ps->vote = v;
+    preempt_decide(ps->ctx, ps->applied, v);
+}
+
 static dt_status ps_apply_bsp(dt_ps *ps)
 {
     int64_t n = ps_my_floats(ps), gs = n - ps->P;
@@ -378,6 +395,7 @@ static dt_status ps_apply_bsp(dt_ps *ps)
             return s;
         ps_apply_sparse_step(ps, ps->applied, 1.0f / (float)live);
         ps->applied++;
+        ps_count_votes(ps);
         if ((s = ps_checkpoint_due(ps)) != DT_OK)
             return s;
         for (int w = 0; w < ps->W; w++)   /* their next requests may come in now */
@@ -528,7 +546,7 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
         return set_error(ps->ctx, DT_ENOMEM, "ps_serve: out of memory");
     r->hdr = (ps_msg){.magic = PS_MAGIC, .op = req->op, .seq = req->seq,
                       .status = (int32_t)status, .lo = req->lo, .n = req->n, .clock = req->clock,
-                      .chunk = req->chunk};
+                      .chunk = req->chunk, .vote = ps->vote};
     snprintf(r->hdr.err, sizeof r->hdr.err, "%s", why ? why : "");
     /* the worker waits for the pieces of what it asked for; a refusal sends
      * them empty (its header says why) */
@@ -964,6 +982,8 @@ static dt_status ps_on_header(dt_ps *ps, int w)
         return ps->ctx->last_status;
     p->seq++;
     p->op = (int)h->op;
+    if ((h->op == PS_PUSH || h->op == PS_CPUSH || h->op == PS_SPUSH) && h->vote > p->vote)
+        p->vote = h->vote;   /* (every push of a step carries it) */
     if (h->op == PS_HELLO)
         return ps_on_hello(ps, w);
     if (h->op == PS_FINISH) {
@@ -1281,6 +1301,20 @@ static int ps_outstanding(const dt_ps *ps, int owed_only)
     return owed_only ? ps_replies_owed(ps) : ps->replies != NULL;
 }
 
+/* The workers stopped after the agreed step and finished; its state is
+ * saved (ps_checkpoint, with a checkpoint_dir): say so, as a status the
+ * server's program exits DT_EXIT_PREEMPTED on. */
+static dt_status ps_preempted(dt_ps *ps)
+{
+    dt_ctx *ctx = ps->ctx;
+    if (ps->ckpt_path)
+        dt_preempt_saved(ctx, -1);
+    char line[128];
+    preempt_line(ctx, line, sizeof line);
+    return set_error(ctx, DT_EPREEMPTED, "ps_serve: %s%s%s", line, ps->ckpt_path ? " in " : "",
+                     ps->ckpt_path ? ps->ckpt_path : " (no dt_ps_config.checkpoint_dir)");
+}
+
 dt_status dt_ps_serve(dt_ps *ps)
 {
     if (!ps)
@@ -1297,6 +1331,8 @@ dt_status dt_ps_serve(dt_ps *ps)
                          : ps_serve_loop(ps, last_seen);
     if (s == DT_OK)   /* the final state, for a job that starts again */
         s = ps_checkpoint(ps);
+    if (s == DT_OK && ps->ctx->preempt.step >= 0)
+        s = ps_preempted(ps);
     for (int w = 0; !broken && w < ps->W; w++)   /* nothing of ours stays posted */
         if (ps->peers[w].state == 0)
             ps_cancel_peer(ps, &ps->peers[w]);

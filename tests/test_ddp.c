@@ -53,7 +53,7 @@ static void ddp_rank_main(int rank, int world, int port, ddp_fn fn)
         _exit(90);
     }
     int code = fn(ctx, c, rank, world);
-    if (code)
+    if (code && code != DT_EXIT_PREEMPTED)
         fprintf(stderr, "rank %d: check %d failed: %s\n", rank, code, dt_last_error(ctx));
     struct timespec linger = {0, 300 * 1000 * 1000};   /* rank 0's store outlives the rest */
     nanosleep(&linger, NULL);
@@ -1455,10 +1455,10 @@ static size_t ps_chunk;                 /* dt_ps_config.chunk_bytes */
 
 /* Worker 0's parameters to or from a file next to the checkpoints; 0 when
  * written, or read and equal. */
-static int ps_params_file(dt_ctx *ctx, int write)
+/* Write every parameter's floats to path, or (write 0) compare them with
+ * the file's, bit for bit; nonzero: failed or different. */
+static int params_file(dt_ctx *ctx, const char *path, int write)
 {
-    char path[128];
-    snprintf(path, sizeof path, "%s/params.bin", ps_ckpt_dir);
     FILE *f = fopen(path, write ? "wb" : "rb");
     int bad = !f;
     for (int i = 0; !bad && i < dt_param_count(ctx); i++) {
@@ -1475,6 +1475,13 @@ static int ps_params_file(dt_ctx *ctx, int write)
     if (f)
         bad |= fclose(f) != 0;
     return bad;
+}
+
+static int ps_params_file(dt_ctx *ctx, int write)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/params.bin", ps_ckpt_dir);
+    return params_file(ctx, path, write);
 }
 static int ps_kill_ms;                  /* a server exits this long after serving starts: */
 static int ps_kill_rank = -1;           /* this one (-1: the first) */
@@ -1981,6 +1988,183 @@ static void test_ps_dead_worker_mid_message(void **state)
             }
     job_transport = "shm";
     job_timeout_ms = 20000;
+    ps_reset();
+}
+
+/* --- pre-emption of a parameter-server job ------------------------------ */
+
+static int64_t pre_first;          /* the workers' first step (a resumed job: the agreed one) */
+static char pre_params[160];       /* worker 0's final parameters: written, or compared */
+static int pre_write;              /* 1: write pre_params (the uninterrupted run) */
+
+/* rank's line in ps_ckpt_dir/name.<rank> */
+static void pre_note(int rank, const char *name, long long v)
+{
+    char path[200];
+    snprintf(path, sizeof path, "%s/%s.%d", ps_ckpt_dir, name, rank);
+    FILE *f = fopen(path, "w");
+    if (f) {
+        fprintf(f, "%lld\n", v);
+        fclose(f);
+    }
+}
+
+static long long pre_read(int rank, const char *name)
+{
+    char path[200];
+    long long v = -1;
+    snprintf(path, sizeof path, "%s/%s.%d", ps_ckpt_dir, name, rank);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (fscanf(f, "%lld", &v) != 1)
+            v = -1;
+        fclose(f);
+    }
+    return v;
+}
+
+/* Every rank catches the pre-emption signals (then says it is ready).  A
+ * worker trains ps_steps steps from pre_first with dt_ps_push_pull, 2 ms
+ * apart, and after each asks dt_preempt_agree; stopped, it finishes and
+ * exits DT_EXIT_PREEMPTED.  The server serves: DT_EPREEMPTED means the
+ * job agreed to stop and its state is saved.  Each rank notes the step it
+ * stopped after ("step.<rank>"); worker 0 writes or compares its final
+ * parameters (pre_params). */
+static int ps_preempt_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
+{
+    int W = world - ps_servers;
+    if (dt_preempt_enable(ctx, NULL) != DT_OK)
+        return 1;
+    pre_note(rank, "ready", 1);
+    model m;
+    if (rank < W && model_build(ctx, &m, ps_model))
+        return 2;
+    dt_ps *ps = ps_join(ctx, c);
+    if (!ps)
+        return 3;
+    if (dt_ps_is_server(ps)) {
+        dt_status st = dt_ps_serve(ps);
+        long long n = -1;
+        const char *said = dt_preempt_report(ctx);
+        if (st == DT_EPREEMPTED && (sscanf(said, "pre-empted at step %lld", &n) != 1 ||
+                                    !strstr(said, "checkpoint saved in"))) {
+            fprintf(stderr, "server: '%s' (%s)\n", said, dt_last_error(ctx));
+            return 4;
+        }
+        if (st != DT_OK && st != DT_EPREEMPTED)
+            return 5;
+        pre_note(rank, "step", n);
+        dt_ps_free(ps);
+        return dt_barrier(c) != DT_OK ? 6 : st == DT_EPREEMPTED ? DT_EXIT_PREEMPTED : 0;
+    }
+    int stop = 0;
+    int64_t s = pre_first;
+    while (s < ps_steps && !stop) {
+        struct timespec nap = {0, 2 * 1000 * 1000};
+        nanosleep(&nap, NULL);
+        dt_tensor *x, *y;
+        if (make_batch(ctx, ps_model, (int)s, (int64_t)rank * PER_RANK, (int64_t)(rank + 1) * PER_RANK,
+                       &x, &y))
+            return 8;
+        if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK ||
+            dt_ps_push_pull(ps) != DT_OK)
+            return 9;
+        dt_zero_grad(ctx);
+        dt_step_reset(ctx);
+        s++;
+        if (dt_preempt_agree(ctx, c, s, &stop) != DT_OK)
+            return 10;
+    }
+    pre_note(rank, "step", stop ? s : -1);
+    if (!stop && rank == 0 && params_file(ctx, pre_params, pre_write)) {
+        fprintf(stderr, "worker 0: the parameters after %lld steps differ from the uninterrupted "
+                "run's (resumed at %lld)\n", (long long)ps_steps, (long long)pre_first);
+        return 11;
+    }
+    if (stop && (dt_preempt_saved(ctx, -1) != DT_OK || !strstr(dt_preempt_report(ctx), "pre-empted")))
+        return 12;
+    if (dt_ps_finish(ps) != DT_OK)
+        return 13;
+    dt_ps_free(ps);
+    return dt_barrier(c) != DT_OK ? 14 : stop ? DT_EXIT_PREEMPTED : 0;
+}
+
+/* Start the 3 ranks; once each has caught the signals, SIGTERM `target`
+ * after `delay_ms`. */
+static void pre_run(int target, int delay_ms, int *codes)
+{
+    pid_t pids[3];
+    fork_ranks(3, ps_preempt_rank, pids);
+    if (target >= 0) {
+        double deadline = dt_now() + 60;
+        for (int r = 0; r < 3; r++)
+            while (pre_read(r, "ready") != 1 && dt_now() < deadline) {
+                struct timespec t = {0, 2 * 1000 * 1000};
+                nanosleep(&t, NULL);
+            }
+        struct timespec t = {0, (long)delay_ms * 1000000L};
+        nanosleep(&t, NULL);
+        kill(pids[target], SIGTERM);
+    }
+    tr_reap(pids, 3, codes, 120);
+    for (int r = 0; r < 3; r++) {
+        char path[200];
+        snprintf(path, sizeof path, "%s/ready.%d", ps_ckpt_dir, r);
+        unlink(path);
+    }
+}
+
+/* SIGTERM at a random moment (after every rank caught the signals) to a
+ * worker or the server of a BSP job, 2 workers + 1 server: every rank
+ * stops after the same step and exits 75; the server saved that step's
+ * state; the job started again from it (the workers from that step's
+ * batches) ends with the uninterrupted run's parameters bit for bit (two
+ * workers' sum is the same in either order; the server's momentum is in
+ * its checkpoint).  DT_PS_PREEMPT_RUNS runs (default 3), target and delay
+ * different in each. */
+static void test_ps_preempted(void **state)
+{
+    (void)state;
+    const char *env = getenv("DT_PS_PREEMPT_RUNS");
+    int runs = env && atoi(env) > 0 ? atoi(env) : 3, codes[3];
+    char ref_dir[48];
+    ps_reset();
+    ps_steps = 150;
+    snprintf(ref_dir, sizeof ref_dir, "/tmp/dt_ps_pre_%d", (int)getpid());
+    assert_int_equal(mkdir(ref_dir, 0700), 0);
+    snprintf(pre_params, sizeof pre_params, "%s/uninterrupted.bin", ref_dir);
+    snprintf(ps_ckpt_dir, sizeof ps_ckpt_dir, "%s/ref", ref_dir);
+    assert_int_equal(mkdir(ps_ckpt_dir, 0700), 0);
+    pre_first = 0;
+    pre_write = 1;
+    pre_run(-1, 0, codes);
+    for (int r = 0; r < 3; r++)
+        assert_int_equal(codes[r], 0);
+    pre_write = 0;
+    for (int run = 0; run < runs; run++) {
+        snprintf(ps_ckpt_dir, sizeof ps_ckpt_dir, "%s/run%d", ref_dir, run);
+        assert_int_equal(mkdir(ps_ckpt_dir, 0700), 0);
+        int target = run % 3, delay = 20 + (run * 67) % 230;
+        pre_first = 0;
+        pre_run(target, delay, codes);
+        long long agreed = pre_read(0, "step");
+        print_message("run %d: SIGTERM to rank %d %d ms in: stopped after step %lld\n", run, target,
+                      delay, agreed);
+        for (int r = 0; r < 3; r++) {
+            if (codes[r] != DT_EXIT_PREEMPTED || pre_read(r, "step") != agreed)
+                print_error("rank %d exited %d after step %lld\n", r, codes[r], pre_read(r, "step"));
+            assert_int_equal(codes[r], DT_EXIT_PREEMPTED);
+            assert_true(pre_read(r, "step") == agreed);
+        }
+        assert_true(agreed >= 1 && agreed <= ps_steps);
+        pre_first = agreed;   /* the job again, from the servers' checkpoint */
+        pre_run(-1, 0, codes);
+        for (int r = 0; r < 3; r++)
+            assert_int_equal(codes[r], 0);
+    }
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", ref_dir);
+    assert_int_equal(system(cmd), 0);
     ps_reset();
 }
 
@@ -3302,6 +3486,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_chunked),
     cmocka_unit_test(test_ps_dead_worker),
     cmocka_unit_test(test_ps_dead_worker_mid_message),
+    cmocka_unit_test(test_ps_preempted),
     cmocka_unit_test(test_ps_replica_failover),
     cmocka_unit_test(test_ps_checkpoint),
     cmocka_unit_test(test_ps_rejoin),
