@@ -877,8 +877,107 @@ preempt_checks() {
     done
     preempt_one "$t" zero "$args --zero 1" || exit 1
     preempt_grow "$t" || exit 1
+    preempt_slurm "$t" "$args" || exit 1
     echo "preempt checks: $runs runs and a sharded one, SIGTERM at a random step: each saved" \
          "one agreed step and resumed to the uninterrupted run's bytes; 2 ranks grew to 3"
+}
+
+# The same under Slurm (Debian's slurm-wlm and munge, which ./build.sh test
+# installs): a one-node cluster of our own (its config, state and ports
+# under $BUILD/test/slurm), the job submitted with sbatch --requeue, and
+# requeued mid-training with scontrol requeue, as Slurm's pre-emption
+# (PreemptMode=REQUEUE) does: Slurm signals every process of the job, the
+# ranks save and exit 75, dtrun exits 75, and Slurm runs the script again,
+# which resumes (--resume auto) and ends with the uninterrupted run's bytes.
+# (A requeued job waits 120 s before it may start again; the check lets it
+# start at once.)
+preempt_slurm() {
+    local t=$1 args=$2 s=$PWD/$BUILD/test/slurm d=$1/slurm id n state
+    if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null || [ "$(id -u)" != 0 ]; then
+        skipped "preempt check under Slurm" "no slurm-wlm and munge, or not root"
+        return 0
+    fi
+    rm -rf "$s" && mkdir -p "$s/state" "$s/spool"
+    slurm_start "$s" || return 1
+    printf '#!/bin/bash\nexec %s -n 3 %s %s --save %s/ --resume auto\n' "$PWD/$BUILD/test/dtrun" \
+        "$PWD/$BUILD/test/fashion_mnist_O2" "$args" "$d" > "$s/job.sh"
+    chmod +x "$s/job.sh"
+    id=$(SLURM_CONF=$s/slurm.conf sbatch --parsable --requeue --open-mode=append -o "$s/job.log" -n 1 "$s/job.sh") ||
+        { slurm_stop "$s"; echo "preempt check: sbatch failed"; return 1; }
+    for _ in $(seq 600); do grep -q '^\[0\] model ' "$s/job.log" 2>/dev/null && break; sleep 0.1; done
+    sleep 0.$((3 + RANDOM % 6))
+    SLURM_CONF=$s/slurm.conf scontrol requeue "$id"
+    for _ in $(seq 600); do   # pending again (its begin time 120 s away), then done
+        state=$(SLURM_CONF=$s/slurm.conf squeue -h -j "$id" -o %T 2>/dev/null || true)
+        [ "$state" = PENDING ] && SLURM_CONF=$s/slurm.conf scontrol update jobid="$id" StartTime=now
+        grep -q '^\[0\] test accuracy' "$s/job.log" && [ -z "$state" ] && break
+        sleep 0.5
+    done
+    slurm_stop "$s"
+    n=$(sed -n 's/^\[0\] pre-empted at step \([0-9]*\) (SIGTERM), checkpoint saved in .*/\1/p' "$s/job.log" | head -1)
+    if [ -z "$n" ] || ! grep -q "^dtrun: .*pre-empted: 3 of 3 ranks saved" "$s/job.log" ||
+       ! grep -q "^\[0\] resumed from $d/step-$n.safetensors at step $n " "$s/job.log" ||
+       ! cmp -s "$t/ref/step-200.safetensors" "$d/step-200.safetensors"; then
+        tail -20 "$s/job.log"
+        echo "preempt check: under Slurm: pre-empted at step '$n', resumed and ended with the uninterrupted run's bytes? no"
+        return 1
+    fi
+    echo "preempt check: under Slurm (sbatch --requeue, scontrol requeue): pre-empted at step $n, requeued, resumed, the same bytes at step 200"
+}
+
+# A one-node Slurm in DIR: munged (if none runs), slurmctld and slurmd on
+# ports of their own, as root, no cgroups.
+slurm_start() {
+    local s=$1 host cpus
+    host=$(hostname -s) cpus=$(nproc)
+    cat > "$s/slurm.conf" <<EOF2
+ClusterName=dtrain
+SlurmctldHost=$host
+SlurmctldPort=16817
+SlurmdPort=16818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$s/state
+SlurmdSpoolDir=$s/spool
+SlurmctldPidFile=$s/slurmctld.pid
+SlurmdPidFile=$s/slurmd.pid
+SlurmctldLogFile=$s/slurmctld.log
+SlurmdLogFile=$s/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+JobRequeue=1
+NodeName=$host CPUs=$cpus State=UNKNOWN
+PartitionName=dtrain Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+EOF2
+    if ! pgrep -x munged > /dev/null; then
+        mkdir -p /run/munge /var/log/munge /var/lib/munge
+        chown munge:munge /run/munge /var/log/munge /var/lib/munge
+        [ -f /etc/munge/munge.key ] || mungekey --create --keyfile=/etc/munge/munge.key
+        chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
+        runuser -u munge -- munged || { echo "preempt check: munged did not start"; return 1; }
+    fi
+    SLURM_CONF=$s/slurm.conf slurmctld && SLURM_CONF=$s/slurm.conf slurmd ||
+        { echo "preempt check: the Slurm daemons did not start"; return 1; }
+    for _ in $(seq 100); do
+        SLURM_CONF=$s/slurm.conf sinfo -h -o %t 2>/dev/null | grep -q idle && return 0
+        sleep 0.2
+    done
+    cat "$s/slurmctld.log" "$s/slurmd.log" | tail -20
+    echo "preempt check: the Slurm node never became idle"
+    return 1
+}
+
+slurm_stop() {
+    local f
+    for f in "$1/slurmd.pid" "$1/slurmctld.pid"; do
+        [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null
+    done
+    return 0
 }
 
 # Elastic growth: a 2-rank job (global batch 384) pre-empted as Slurm's
@@ -1784,7 +1883,7 @@ unit_summary() {
 cmd_test() {
     ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ $PKGS_PYTHON python3-pip \
         python3-setuptools qemu-user iproute2 iputils-ping \
-        python3-prometheus-client chromium python3-torch
+        python3-prometheus-client chromium python3-torch slurm-wlm munge
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local t0=$SECONDS shards=${DT_TEST_SHARDS:-4} k checks=() ok=1
