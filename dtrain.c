@@ -985,6 +985,8 @@ struct dt_work {
     int blame_gone;            /* the blamed rank's process fell silent (no heartbeat): the
                                   end of its waits is not the cause (follow_waits skipped) */
     int done;
+    int orphaned;              /* under mu: its waiter gave up on a wedged transport
+                                  (comm_work_finish); the comm thread frees it, if ever done */
     double run_s;              /* seconds the work ran (comm thread or inline) */
     /* its record, for the profiler: the algorithm (COMM_ALG_*); COLL_EXT:
      * what the extension did (its op code) and how stale its answer was
@@ -1062,6 +1064,9 @@ typedef struct seg_rank seg_rank;
 typedef struct comm_ext_ops {
     dt_status (*run)(dt_comm *c, struct dt_work *w, struct xfers **xsp);
     dt_status (*check_dead)(dt_comm *c, struct dt_work *w);
+    /* rank fell silent (no heartbeat for the timeout) while w waited on
+     * it: 1 if w can go on without it (a twin serves for it) */
+    int (*write_off_silent)(dt_comm *c, struct dt_work *w, int rank);
 } comm_ext_ops;
 
 struct dt_comm {
@@ -1090,6 +1095,14 @@ struct dt_comm {
     pthread_t thread;
     int has_thread, stop;
     int running;               /* a thread is inside run_work (it owns the transport) */
+    /* The transport call the comm thread is in (comm_tp_poll and the rest):
+     * since when (atomic; 0: none) and which.  A caller gives up on one that
+     * outlasts comm_wedge_s (comm_wedged): wedged, under mu, then refuses all
+     * work and dt_comm_free leaves the thread and its memory be. */
+    double tp_since;
+    const char *tp_call;
+    int wedged;
+    char wedge_msg[DT_MAX_ERROR];
     uint64_t stage_ticket;     /* the next work enqueued first waits for this backend copy
                                   (DDP on a device: its bucket's device-to-host copy) */
     int inline_small;          /* blocking calls run on the caller when the queue is empty */
@@ -1462,6 +1475,8 @@ typedef struct ps_peer {
                                   ahead of the slowest, its push buffer holds one step) */
     struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
     int vote;                  /* its current step's pre-emption vote (ps_msg.vote) */
+    unsigned long long hb_beat;  /* its heartbeat as last read (ps_worker_alive), and when */
+    double hb_seen;              /* that changed (0: not read yet) */
 } ps_peer;
 
 /* A sparse push kept until its step is applied (BSP). */
@@ -1686,6 +1701,13 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
 DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
+/* The comm thread's transport calls, watched for a wedge (comm_wedged) */
+DT_PRIVATE int comm_tp_poll(dt_comm *c, dt_xfer **done, int max, char *err, size_t err_len);
+DT_PRIVATE void comm_tp_wait(dt_comm *c, int timeout_ms);
+DT_PRIVATE int comm_thread_stuck(dt_comm *c);
+/* (the suite's fault injection only: unused in the generated dtrain.c) */
+DT_PRIVATE __attribute__((unused)) const dt_transport_iface *comm_swap_transport(
+    dt_comm *c, const dt_transport_iface *iface);
 /* How long this process did not run (stopped, starved) at a time after
  * `since` (dt_now), as its heartbeat thread saw it oversleep (a freeze
  * still under way counts too); 0: none past c's timeout, or no heartbeat. */
@@ -1785,6 +1807,7 @@ DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t 
 DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in);
 DT_PRIVATE size_t ps_piece_len(size_t bytes, size_t chunk, uint32_t i);
 DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
+DT_PRIVATE void ps_fence_key(char *key, size_t cap, int job, int rank, uint32_t inc);
 
 /* src/ps_server.c */
 DT_PRIVATE void ps_free_held(dt_ps *ps, ps_peer *p);
@@ -12911,6 +12934,127 @@ DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, s
     return DT_OK;
 }
 
+/* --- the transport, watched ------------------------------------------- */
+
+/* A transport call that never returns would hang every caller of this
+ * communicator: libfabric 1.17's shm provider spins on a lock in shared
+ * memory that a peer killed mid-send still holds (docs/RELIABILITY.md).
+ * The comm thread stamps each call it makes (tp_enter, tp_leave); a caller
+ * waiting in comm_work_finish gives up on one that outlasts comm_wedge_s. */
+static void tp_enter(dt_comm *c, const char *call)
+{
+    double now = dt_now();
+    __atomic_store_n(&c->tp_call, call, __ATOMIC_RELAXED);
+    __atomic_store(&c->tp_since, &now, __ATOMIC_RELEASE);
+}
+
+/* The call returned: 1 if its callers gave up on it meanwhile (then the
+ * work fails and run_work closes the transport: nothing more lands). */
+static int tp_leave(dt_comm *c, char *err, size_t err_len)
+{
+    double none = 0;
+    __atomic_store(&c->tp_since, &none, __ATOMIC_RELEASE);
+    if (!__atomic_load_n(&c->wedged, __ATOMIC_ACQUIRE))
+        return 0;
+    if (err && err_len)
+        snprintf(err, err_len, "the call returned after its callers gave up on it (wedged)");
+    return 1;
+}
+
+DT_PRIVATE int comm_tp_poll(dt_comm *c, dt_xfer **done, int max, char *err, size_t err_len)
+{
+    tp_enter(c, "poll");
+    int k = c->tp_iface->poll(c->tp, done, max, err, err_len);
+    return tp_leave(c, err, err_len) ? -1 : k;
+}
+
+DT_PRIVATE void comm_tp_wait(dt_comm *c, int timeout_ms)
+{
+    tp_enter(c, "wait");
+    c->tp_iface->wait(c->tp, timeout_ms);
+    tp_leave(c, NULL, 0);   /* (the poll that follows says so) */
+}
+
+static dt_status tp_send(dt_comm *c, int peer, uint64_t tag, const void *buf, size_t len,
+                         dt_xfer *x, char *err, size_t err_len)
+{
+    tp_enter(c, "send");
+    dt_status st = c->tp_iface->send(c->tp, peer, tag, buf, len, x, err, err_len);
+    return tp_leave(c, err, err_len) ? DT_EPEER : st;
+}
+
+static dt_status tp_recv(dt_comm *c, int peer, uint64_t tag, void *buf, size_t len, dt_xfer *x,
+                         char *err, size_t err_len)
+{
+    tp_enter(c, "receive");
+    dt_status st = c->tp_iface->recv(c->tp, peer, tag, 0, buf, len, x, err, err_len);
+    return tp_leave(c, err, err_len) ? DT_EPEER : st;
+}
+
+/* How long one transport call may take before its callers give up: no
+ * call blocks longer than a wait's 50 ms by design, so twice the peer
+ * timeout (at least 5 s) is a wedge, not a slow peer or a starved host. */
+static double comm_wedge_s(const dt_comm *c)
+{
+    double s = 2.0 * c->timeout_ms / 1000.0;
+    return s > 5.0 ? s : 5.0;
+}
+
+/* Under c->mu: is the comm thread wedged in the transport (see tp_enter)?
+ * Once it is, it stays so: c's transport is abandoned. */
+static int comm_wedged(dt_comm *c)
+{
+    if (c->wedged || !c->running)
+        return c->wedged;   /* (a thread that returned from a wedge stays abandoned) */
+    double since;
+    __atomic_load(&c->tp_since, &since, __ATOMIC_ACQUIRE);
+    double stuck = since > 0 ? dt_now() - since : 0;
+    if (stuck <= comm_wedge_s(c))
+        return 0;
+    snprintf(c->wedge_msg, sizeof c->wedge_msg, "the transport's %s (%s) has not returned for "
+             "%d ms, past twice the %d ms timeout: wedged (libfabric's shm provider does this "
+             "when a peer dies holding a lock in its shared memory); this communicator is "
+             "abandoned", __atomic_load_n(&c->tp_call, __ATOMIC_RELAXED), c->provider,
+             (int)(stuck * 1000.0), c->timeout_ms);
+    __atomic_store_n(&c->wedged, 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Tests put a fault injector of their own between c and its transport
+ * (tests/test_comm.c, test_wedged_transport); the one in use comes back.
+ * Only between works. */
+DT_PRIVATE const dt_transport_iface *comm_swap_transport(dt_comm *c, const dt_transport_iface *iface)
+{
+    pthread_mutex_lock(&c->mu);
+    const dt_transport_iface *was = c->tp_iface;
+    c->tp_iface = iface;
+    pthread_mutex_unlock(&c->mu);
+    return was;
+}
+
+/* Under c->mu: wait for the comm thread's news, or a second (to look
+ * again whether it is wedged: comm_wedged). */
+static void comm_wait_tick(dt_comm *c)
+{
+    struct timespec tick;
+    clock_gettime(CLOCK_REALTIME, &tick);
+    tick.tv_sec += 1;
+    pthread_cond_timedwait(&c->cv, &c->mu, &tick);
+}
+
+/* dt_comm_free: does the comm thread stay inside a wedged transport call?
+ * Waits while it runs a work that is not (yet) wedged. */
+DT_PRIVATE int comm_thread_stuck(dt_comm *c)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->running && !comm_wedged(c)) {
+        comm_wait_tick(c);
+    }
+    int stuck = c->running;
+    pthread_mutex_unlock(&c->mu);
+    return stuck;
+}
+
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
                       void *buf, size_t bytes)
 {
@@ -12932,8 +13076,8 @@ DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sendin
     for (;;) {
         memset(x, 0, sizeof *x);
         x->peer = via;
-        st = sending ? c->tp_iface->send(c->tp, via, tag, buf, bytes, x, err, sizeof err)
-                     : c->tp_iface->recv(c->tp, via, tag, 0, buf, bytes, x, err, sizeof err);
+        st = sending ? tp_send(c, via, tag, buf, bytes, x, err, sizeof err)
+                     : tp_recv(c, via, tag, buf, bytes, x, err, sizeof err);
         if (st != DT_ETIMEDOUT || dt_now() >= deadline)
             break;
         /* back-pressured: the peer takes no data; is it alive? */
@@ -13118,11 +13262,28 @@ static dt_status group_check_dead(dt_comm *c, dt_work *w)
                           "without leaving the job)", coll_names[w->kind], w->seq, g, c->members[g]);
 }
 
+/* A silent rank that an extension's work goes on without
+ * (comm_ext_ops.write_off_silent): the failure comm_check_heartbeat gave
+ * is taken back, as for a dead one (xfers.write_off). */
+static dt_status ext_forgive_silent(dt_work *w)
+{
+    w->status = DT_OK;
+    w->msg[0] = '\0';
+    w->blame = -1;
+    w->blame_ms = w->blame_gone = 0;
+    return DT_OK;
+}
+
 static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
 {
     if (w->kind == COLL_EXT) {   /* other workers may come and go: only servers matter */
         dt_status st = c->ext_ops->check_dead(c, w);
-        return st != DT_OK ? st : comm_check_heartbeat(c, w);   /* (the server waited on) */
+        if (st == DT_OK)
+            st = comm_check_heartbeat(c, w);   /* (the server waited on) */
+        if (st != DT_OK && w->blame_gone && c->ext_ops->write_off_silent &&
+            c->ext_ops->write_off_silent(c, w, w->blame))
+            return ext_forgive_silent(w);
+        return st;
     }
     char val[16] = "";
     size_t len = 0;
@@ -13265,8 +13426,8 @@ static void drain_gone(dt_comm *c, xfers *xs)
     for (double end = dt_now() + 1.0; left && dt_now() < end;) {
         dt_xfer *done[16];
         char err[256];
-        if (c->tp_iface->poll(c->tp, done, 16, err, sizeof err) <= 0)
-            c->tp_iface->wait(c->tp, 10);
+        if (comm_tp_poll(c, done, 16, err, sizeof err) <= 0)
+            comm_tp_wait(c, 10);
         left = 0;
         for (int i = 0; i < xs->n; i++)
             left |= !xs->x[i].done && xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]));
@@ -13314,17 +13475,19 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             break;
         dt_xfer *done[16];
         char err[256] = "";
-        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        int k = comm_tp_poll(c, done, 16, err, sizeof err);
         if (k < 0) {
             comm_work_fail(w, DT_EPEER, "%s #%u: transport failure: %s", coll_names[w->kind], w->seq, err);
             break;
         }
         if (k > 0)
             seg_heartbeat(c);
+        int ours = 0;
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
             if (!xfer_ours(xs, x))
                 continue;   /* an orphaned send (drain_gone) let go at last */
+            ours++;
             int rank = comm_xfer_rank(c, x);
             if (w->kind == COLL_EXT && c->ext_done_at && rank >= 0 && rank < c->world)
                 c->ext_done_at[rank] = dt_now();
@@ -13340,17 +13503,20 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
                       ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
                       : silent_peer;
         c->waiting_on = who;
-        if (k == 0 && comm_check_dead(c, w, deadline) != DT_OK)
+        if (ours)
+            continue;
+        /* no progress of ours (the completions, if any, were others'): is
+         * a rank dead or silent, is the deadline past? */
+        if (comm_check_dead(c, w, deadline) != DT_OK)
             break;
-        if (k == 0 && xs->gone)
+        if (xs->gone)
             cancel_gone(c, xs);
-        if (k == 0) {
-            if (dt_now() >= deadline) {
-                comm_blame_silent(w, who, limit_ms);
-                break;
-            }
-            c->tp_iface->wait(c->tp, store_ms_left(deadline) < 50 ? store_ms_left(deadline) : 50);
+        if (dt_now() >= deadline) {
+            comm_blame_silent(w, who, limit_ms);
+            break;
         }
+        if (k == 0)
+            comm_tp_wait(c, store_ms_left(deadline) < 50 ? store_ms_left(deadline) : 50);
     }
     if (w->status != DT_OK) {
         for (int i = 0; i < xs->n; i++)
@@ -13391,12 +13557,12 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
     uint64_t tag = make_tag(w, TAG_HEADER_STEP, 0);
     double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     dt_status st;
-    if (c->tp_iface->recv(c->tp, left, tag, 0, &xs->hdr_in, sizeof xs->hdr_in,
-                          &xs->hdr_recv, err, sizeof err) != DT_OK)
+    if (tp_recv(c, left, tag, &xs->hdr_in, sizeof xs->hdr_in, &xs->hdr_recv, err, sizeof err) !=
+        DT_OK)
         return comm_work_fail(w, DT_EPEER, "%s #%u: cannot post a receive from rank %d: %s",
                               coll_names[w->kind], w->seq, left, err);
-    while ((st = c->tp_iface->send(c->tp, right, tag, &xs->hdr_out, sizeof xs->hdr_out,
-                                   &xs->hdr_send, err, sizeof err)) == DT_ETIMEDOUT &&
+    while ((st = tp_send(c, right, tag, &xs->hdr_out, sizeof xs->hdr_out, &xs->hdr_send, err,
+                         sizeof err)) == DT_ETIMEDOUT &&
            dt_now() < deadline) {
         c->last_watch = 0;   /* back-pressured: is rank `right` alive? */
         if (comm_check_dead(c, w, deadline) != DT_OK)
@@ -14037,6 +14203,12 @@ static void run_work(dt_comm *c, dt_work *w)
 
 /* --- the comm thread and the caller's side --------------------------- */
 
+static void comm_work_free(dt_work *w)
+{
+    host_free(w->comm->ctx, w->owned);
+    host_free(w->comm->ctx, w);
+}
+
 DT_PRIVATE void *comm_main(void *arg)
 {
     dt_comm *c = arg;
@@ -14064,6 +14236,8 @@ DT_PRIVATE void *comm_main(void *arg)
         pthread_mutex_lock(&c->mu);
         c->running = 0;
         w->done = 1;
+        if (w->orphaned)   /* its waiter gave up on the wedged transport */
+            comm_work_free(w);
         pthread_cond_broadcast(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
@@ -14096,6 +14270,12 @@ DT_PRIVATE dt_work *comm_enqueue_in(dt_comm *c, int kind, float *buf, const floa
                    .aux = aux, .blame = -1, .ticket = c->stage_ticket};
     c->stage_ticket = 0;
     pthread_mutex_lock(&c->mu);
+    if (comm_wedged(c)) {
+        pthread_mutex_unlock(&c->mu);
+        host_free(ctx, w);
+        set_error(ctx, DT_ESTATE, "%s: %s%s", coll_names[kind], c->label, c->wedge_msg);
+        return NULL;
+    }
     /* collectives' order only: requests and point-to-point messages have their own */
     w->seq = kind == COLL_EXT ? c->ext_requests++ : kind == COLL_P2P ? 0 : c->next_seq++;
     if (c->tail)
@@ -14114,29 +14294,39 @@ DT_PRIVATE dt_work *comm_enqueue(dt_comm *c, int kind, float *buf, const float *
     return comm_enqueue_in(c, kind, buf, in, n, root, op, NULL);
 }
 
-/* Wait for w, free it, and give the seconds it ran (run_s may be NULL). */
+/* Wait for w, free it, and give the seconds it ran (run_s may be NULL).
+ * The wait looks every second whether the comm thread is wedged in the
+ * transport (comm_wedged): then w fails, and the thread frees it if it
+ * ever gets that far. */
 DT_PRIVATE dt_status comm_work_finish(dt_work *w, double *run_s)
 {
     dt_comm *c = w->comm;
     pthread_mutex_lock(&c->mu);
-    while (!w->done)
-        pthread_cond_wait(&c->cv, &c->mu);
+    while (!w->done && !comm_wedged(c)) {
+        comm_wait_tick(c);
+    }
+    if (!w->done) {
+        w->orphaned = 1;
+        pthread_mutex_unlock(&c->mu);
+        return set_error(c->ctx, DT_EPEER, "%s%s #%u: %s", c->label, coll_names[w->kind], w->seq,
+                         c->wedge_msg);
+    }
     pthread_mutex_unlock(&c->mu);
     dt_status st = w->status;
     if (st != DT_OK)
         set_error(c->ctx, st, "%s%s", c->label, w->msg);
     if (run_s)
         *run_s = w->run_s;
-    host_free(c->ctx, w->owned);
-    host_free(c->ctx, w);
+    comm_work_free(w);
     return st;
 }
 
-/* Has w finished (comm_work_finish would not wait)? */
+/* Has w finished (comm_work_finish would not wait)?  A work behind a
+ * wedged transport counts as finished: its wait fails at once. */
 DT_PRIVATE int comm_work_done(dt_work *w)
 {
     pthread_mutex_lock(&w->comm->mu);
-    int done = w->done;
+    int done = w->done || comm_wedged(w->comm);
     pthread_mutex_unlock(&w->comm->mu);
     return done;
 }
@@ -14194,11 +14384,11 @@ dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
 DT_PRIVATE dt_status comm_take_transport(dt_comm *c, char *why, size_t why_len)
 {
     pthread_mutex_lock(&c->mu);
-    while (c->running || c->head)
-        pthread_cond_wait(&c->cv, &c->mu);
-    int broken = c->broken;
+    while ((c->running || c->head) && !comm_wedged(c))
+        comm_wait_tick(c);
+    int broken = c->broken || c->wedged;
     if (broken)
-        snprintf(why, why_len, "%s", c->broken_msg);
+        snprintf(why, why_len, "%s", c->wedged ? c->wedge_msg : c->broken_msg);
     else
         c->running = 1;
     pthread_mutex_unlock(&c->mu);
@@ -15445,6 +15635,14 @@ void dt_comm_free(dt_comm *c)
     if (!c)
         return;
     join_stop_heartbeat(c);
+    if (c->has_thread && comm_thread_stuck(c)) {
+        /* its thread is inside the transport for good and may touch c if it
+         * ever returns: c, its transport and memory are left to the process's
+         * exit; only the store closes (rank 0's serves the others) */
+        pthread_detach(c->thread);
+        store_close(c->store, 0);
+        return;
+    }
     if (c->has_thread) {
         pthread_mutex_lock(&c->mu);
         c->stop = 1;
@@ -18363,6 +18561,13 @@ static int ps_rejoin_ms(const dt_ps *ps)
 }
 
 /* The incarnation rank's latest process published (0: none restarted). */
+/* The store key that fences off server `rank`'s incarnation inc, which
+ * the workers wrote off while it was silent (ps_write_off_silent) */
+DT_PRIVATE void ps_fence_key(char *key, size_t cap, int job, int rank, uint32_t inc)
+{
+    snprintf(key, cap, "ps%d/fenced/%d.%u", job, rank, inc);
+}
+
 DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
 {
     char key[32], val[16];
@@ -18421,7 +18626,7 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
                 return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d died and no "
                                       "restarted process rejoined within %d ms (dt_ps_config.rejoin_ms)",
                                       rank, ps_rejoin_ms(ps));
-            c->tp_iface->wait(c->tp, 50);   /* (the key may hold an older restart's number) */
+            comm_tp_wait(c, 50);   /* (the key may hold an older restart's number) */
         }
         char err[256] = "";
         if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
@@ -18574,8 +18779,13 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
     for (int s = 0; s < ps->S; s++) {
         char key[32], val[16];
         size_t len = 0;
+        if (ps->gone[s])
+            continue;
         store_dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
-        if (ps->gone[s] || dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK)
+        char fence[48];   /* written off by another worker while silent (ps_write_off_silent) */
+        ps_fence_key(fence, sizeof fence, ps->job, ps->W + s, ps->inc[s]);
+        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK &&
+            dt_store_get(c->watch, fence, val, sizeof val, &len, 1) != DT_OK)
             continue;
         if (!ps_write_off_server(c, ps, s, 1))   /* a twin serves on, or a restart is awaited */
             return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
@@ -18594,7 +18804,34 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
     return s;
 }
 
-static const comm_ext_ops ps_comm_ops = {.run = ps_run, .check_dead = ps_check_servers};
+/* comm_ext_ops.write_off_silent: server `rank` is silent (stopped, hung,
+ * cut off: no heartbeat for the timeout) while this request waits on it.
+ * A live twin serves for it as for a dead one; without one the request
+ * fails (a restarted process cannot take a living one's place). */
+static int ps_write_off_silent(dt_comm *c, dt_work *w, int rank)
+{
+    dt_ps *ps = ((const ps_call *)w->aux)->ps;
+    int s = rank - ps->W;
+    if (s < 0 || s >= ps->S)
+        return 0;
+    if (ps->gone[s])
+        return 1;   /* written off already, this very check (ps_check_servers) */
+    if (ps->L == ps->S || ps->gone[(s + ps->L) % ps->S])
+        return 0;
+    /* Fenced for good, for every worker: one that still pulled from it
+     * would read a state the others no longer push to (ps_check_servers
+     * reads the fence, and the server stops when it wakes: ps_watch). */
+    char key[48];
+    ps_fence_key(key, sizeof key, ps->job, rank, ps->inc[s]);
+    if (dt_store_set(c->watch, key, "1", 2) != DT_OK)
+        return 0;
+    ps->gone[s] = 1;
+    ps->down_since[s] = dt_now();
+    return 1;
+}
+
+static const comm_ext_ops ps_comm_ops = {.run = ps_run, .check_dead = ps_check_servers,
+                                         .write_off_silent = ps_write_off_silent};
 
 /* A pull's answer was this many steps stale: the worker's statistics. */
 static void ps_note_stale(dt_ps *ps, int64_t stale)
@@ -20263,6 +20500,44 @@ static int ps_server_down(dt_ps *ps)
 
 /* Every DT_COMM_WATCH_S: drop workers the store reports dead, and, while a
  * pull waits, live workers silent for the communicator's timeout. */
+/* Does rank 0's store hold key?  *lost is set when the store is gone
+ * (a lost connection, not a late answer). */
+static int ps_store_has(dt_comm *c, const char *key, int *lost)
+{
+    char val[16];
+    size_t len = 0;
+    if (!c->watch)
+        return 0;
+    dt_status st = dt_store_get(c->watch, key, val, sizeof val, &len, 1);
+    *lost |= st != DT_OK && st != DT_ETIMEDOUT;
+    return st == DT_OK;
+}
+
+/* Is silent worker w alive: has its heartbeat (src/join.c, join_heartbeat)
+ * changed within the timeout?  A living worker may be kept waiting itself
+ * (on a silent server it has yet to write off: ps_write_off_silent takes
+ * the same timeout), so silence alone is not death.  A store that is gone
+ * tells nothing: not alive. */
+static int ps_worker_alive(dt_ps *ps, int w, double now, int lost)
+{
+    dt_comm *c = ps->comm;
+    ps_peer *p = &ps->peers[w];
+    char key[32], val[160];
+    size_t len = 0;
+    if (!p->hb_seen)
+        p->hb_seen = now;   /* its clock starts when it first falls silent */
+    snprintf(key, sizeof key, "/hb/%d", w);
+    if (!lost && c->watch && dt_store_get(c->watch, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+        val[len < sizeof val ? len : sizeof val - 1] = '\0';
+        unsigned long long beat = strtoull(val, NULL, 10);
+        if (beat != p->hb_beat) {
+            p->hb_beat = beat;
+            p->hb_seen = now;
+        }
+    }
+    return !lost && now - p->hb_seen <= c->timeout_ms / 1000.0;
+}
+
 static dt_status ps_watch(dt_ps *ps, double *last_seen)
 {
     dt_comm *c = ps->comm;
@@ -20270,18 +20545,22 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
     int held = ps->waits != NULL;   /* does anyone wait for the others? */
     for (int w = 0; w < ps->W; w++)
         held |= ps->peers[w].state == 0 && ps->peers[w].parked;
+    int lost = 0;   /* the store (rank 0) is gone: no death is told any more */
+    char key[48];
+    ps_fence_key(key, sizeof key, ps->job, c->rank, c->inc);
+    if (ps_store_has(c, key, &lost))
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: the workers wrote this server (rank %d) off "
+                         "while it was silent for the %d ms timeout (stopped or hung?); its twin "
+                         "serves on", c->rank, c->timeout_ms);
     for (int w = 0; w < ps->W; w++) {
         if (ps->peers[w].state != 0)
             continue;
-        char key[32], val[16];
-        size_t len = 0;
         snprintf(key, sizeof key, "dead/%d", w);
-        int dead = c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK;
+        int dead = ps_store_has(c, key, &lost);
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, w);   /* left without finishing */
-        dead = dead || (c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK);
+        dead = dead || ps_store_has(c, key, &lost);
         snprintf(key, sizeof key, "ps%d/done/%d", ps->job, w);   /* finished before we restarted */
-        if (ps->peers[w].clock < 0 && c->watch &&
-            dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK) {
+        if (ps->peers[w].clock < 0 && ps_store_has(c, key, &lost)) {
             ps->peers[w].state = 1;
             c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
             if (ps_sync(ps) != DT_OK)
@@ -20291,16 +20570,25 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         int waiting = ps->peers[w].parked;   /* one waiting for us is silent by design */
         for (const ps_wait *q = ps->waits; q && !waiting; q = q->next)
             waiting = q->worker == w;
-        /* silent while others wait; or, restarted, never heard from (else we
-         * would wait forever); but not while it waits for a restarting server */
+        /* silent while others wait, or with the store gone (its death would
+         * go untold); or, restarted, never heard from (else we would wait
+         * forever); but not while it waits for a restarting server */
         double quiet = now - last_seen[w], limit = c->timeout_ms / 1000.0;
-        int silent = !waiting && ((held && quiet > limit) ||
-                                  (ps->syncing && ps->peers[w].clock < 0 && quiet > 2 * limit)) &&
-                     !ps_server_down(ps);
-        char why[64];
+        int quiet_long = !waiting && (((held || lost) && quiet > limit) ||
+                                      (ps->syncing && ps->peers[w].clock < 0 && quiet > 2 * limit)) &&
+                         !ps_server_down(ps);
+        if (!quiet_long)
+            ps->peers[w].hb_seen = 0;   /* (its heartbeat's clock restarts next time) */
+        /* alive: dropped only once it kept the others the collective timeout */
+        int alive = quiet_long && !dead && ps_worker_alive(ps, w, now, lost);
+        int silent = quiet_long && (!alive || quiet > c->collective_timeout_ms / 1000.0);
+        char why[96];
         snprintf(why, sizeof why, "%s", dead ? "it died or left without finishing" : "");
         if (!dead)
-            snprintf(why, sizeof why, "silent for %.1f s while others waited", now - last_seen[w]);
+            snprintf(why, sizeof why, "silent for %.1f s %s", now - last_seen[w],
+                     alive ? "while others waited, though alive (its heartbeat went on)"
+                     : held ? "while others waited, its heartbeat stopped"
+                            : "with the store (rank 0) gone");
         if ((dead || silent) && ps_drop(ps, w, why) != DT_OK)
             return ps->ctx->last_status;
     }
@@ -20456,12 +20744,14 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         if (k > 0)
             mt.sv.ps_busy_s += dt_now() - turn;
         ps_meter_publish(ps, &mt, dt_now(), 0);
+        /* (on every turn, not only idle ones: completions that never stop
+         * coming must not keep a dead or silent worker from being seen) */
+        if (dt_now() - last_watch > DT_COMM_WATCH_S) {
+            last_watch = dt_now();
+            if (ps_watch(ps, last_seen) != DT_OK)
+                return ps->ctx->last_status;
+        }
         if (k == 0) {
-            if (dt_now() - last_watch > DT_COMM_WATCH_S) {
-                last_watch = dt_now();
-                if (ps_watch(ps, last_seen) != DT_OK)
-                    return ps->ctx->last_status;
-            }
             mt.idle_from = dt_now();   /* (answers in flight complete on their own endpoints) */
             c->tp_iface->wait(c->tp, ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
         } else {

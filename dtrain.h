@@ -1264,8 +1264,12 @@ typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_
  * with DT_ETIMEDOUT or DT_EPEER naming the rank; after that the
  * communicator refuses further work (DT_ESTATE) instead of hanging.  Bad
  * arguments (a NULL buffer, n < 0, a root or op out of range) give
- * DT_EINVAL on this rank alone, before anything is sent.  One thread (the
- * context's) issues a communicator's calls: the ranks' order depends on it. */
+ * DT_EINVAL on this rank alone, before anything is sent.  A transport call
+ * that never returns (libfabric's shm provider, when a peer died holding a
+ * lock in shared memory) fails the wait with DT_EPEER after twice the
+ * timeout, saying "wedged"; the communicator is then abandoned (every call
+ * fails at once, dt_comm_free still returns).  One thread (the context's)
+ * issues a communicator's calls: the ranks' order depends on it. */
 typedef struct dt_work dt_work;
 /* Start an allreduce and return at once.  new: dt_work_wait frees it; NULL
  * on bad arguments.  The collective's own errors come from dt_work_wait. */
@@ -1865,7 +1869,9 @@ typedef struct dt_ps_config {
     int replicate;             /* 1: servers pair up, server s and s + servers/2 holding the
                                   same shard (servers must be even); workers push to both and
                                   pull from the first alive, so training goes on when a
-                                  server dies */
+                                  server dies, or stays silent (no heartbeat) for the
+                                  timeout: then it is fenced off, and dt_ps_serve fails
+                                  with DT_EPEER should it wake */
     const char *checkpoint_dir; /* servers: save the shard (parameters, tables, optimizer
                                   state) to <dir>/ps-server-<s>.safetensors every
                                   checkpoint_every optimizer steps and when serving ends

@@ -241,6 +241,127 @@ DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, s
     return DT_OK;
 }
 
+/* --- the transport, watched ------------------------------------------- */
+
+/* A transport call that never returns would hang every caller of this
+ * communicator: libfabric 1.17's shm provider spins on a lock in shared
+ * memory that a peer killed mid-send still holds (docs/RELIABILITY.md).
+ * The comm thread stamps each call it makes (tp_enter, tp_leave); a caller
+ * waiting in comm_work_finish gives up on one that outlasts comm_wedge_s. */
+static void tp_enter(dt_comm *c, const char *call)
+{
+    double now = dt_now();
+    __atomic_store_n(&c->tp_call, call, __ATOMIC_RELAXED);
+    __atomic_store(&c->tp_since, &now, __ATOMIC_RELEASE);
+}
+
+/* The call returned: 1 if its callers gave up on it meanwhile (then the
+ * work fails and run_work closes the transport: nothing more lands). */
+static int tp_leave(dt_comm *c, char *err, size_t err_len)
+{
+    double none = 0;
+    __atomic_store(&c->tp_since, &none, __ATOMIC_RELEASE);
+    if (!__atomic_load_n(&c->wedged, __ATOMIC_ACQUIRE))
+        return 0;
+    if (err && err_len)
+        snprintf(err, err_len, "the call returned after its callers gave up on it (wedged)");
+    return 1;
+}
+
+DT_PRIVATE int comm_tp_poll(dt_comm *c, dt_xfer **done, int max, char *err, size_t err_len)
+{
+    tp_enter(c, "poll");
+    int k = c->tp_iface->poll(c->tp, done, max, err, err_len);
+    return tp_leave(c, err, err_len) ? -1 : k;
+}
+
+DT_PRIVATE void comm_tp_wait(dt_comm *c, int timeout_ms)
+{
+    tp_enter(c, "wait");
+    c->tp_iface->wait(c->tp, timeout_ms);
+    tp_leave(c, NULL, 0);   /* (the poll that follows says so) */
+}
+
+static dt_status tp_send(dt_comm *c, int peer, uint64_t tag, const void *buf, size_t len,
+                         dt_xfer *x, char *err, size_t err_len)
+{
+    tp_enter(c, "send");
+    dt_status st = c->tp_iface->send(c->tp, peer, tag, buf, len, x, err, err_len);
+    return tp_leave(c, err, err_len) ? DT_EPEER : st;
+}
+
+static dt_status tp_recv(dt_comm *c, int peer, uint64_t tag, void *buf, size_t len, dt_xfer *x,
+                         char *err, size_t err_len)
+{
+    tp_enter(c, "receive");
+    dt_status st = c->tp_iface->recv(c->tp, peer, tag, 0, buf, len, x, err, err_len);
+    return tp_leave(c, err, err_len) ? DT_EPEER : st;
+}
+
+/* How long one transport call may take before its callers give up: no
+ * call blocks longer than a wait's 50 ms by design, so twice the peer
+ * timeout (at least 5 s) is a wedge, not a slow peer or a starved host. */
+static double comm_wedge_s(const dt_comm *c)
+{
+    double s = 2.0 * c->timeout_ms / 1000.0;
+    return s > 5.0 ? s : 5.0;
+}
+
+/* Under c->mu: is the comm thread wedged in the transport (see tp_enter)?
+ * Once it is, it stays so: c's transport is abandoned. */
+static int comm_wedged(dt_comm *c)
+{
+    if (c->wedged || !c->running)
+        return c->wedged;   /* (a thread that returned from a wedge stays abandoned) */
+    double since;
+    __atomic_load(&c->tp_since, &since, __ATOMIC_ACQUIRE);
+    double stuck = since > 0 ? dt_now() - since : 0;
+    if (stuck <= comm_wedge_s(c))
+        return 0;
+    snprintf(c->wedge_msg, sizeof c->wedge_msg, "the transport's %s (%s) has not returned for "
+             "%d ms, past twice the %d ms timeout: wedged (libfabric's shm provider does this "
+             "when a peer dies holding a lock in its shared memory); this communicator is "
+             "abandoned", __atomic_load_n(&c->tp_call, __ATOMIC_RELAXED), c->provider,
+             (int)(stuck * 1000.0), c->timeout_ms);
+    __atomic_store_n(&c->wedged, 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Tests put a fault injector of their own between c and its transport
+ * (tests/test_comm.c, test_wedged_transport); the one in use comes back.
+ * Only between works. */
+DT_PRIVATE const dt_transport_iface *comm_swap_transport(dt_comm *c, const dt_transport_iface *iface)
+{
+    pthread_mutex_lock(&c->mu);
+    const dt_transport_iface *was = c->tp_iface;
+    c->tp_iface = iface;
+    pthread_mutex_unlock(&c->mu);
+    return was;
+}
+
+/* Under c->mu: wait for the comm thread's news, or a second (to look
+ * again whether it is wedged: comm_wedged). */
+static void comm_wait_tick(dt_comm *c)
+{
+    struct timespec tick;
+    clock_gettime(CLOCK_REALTIME, &tick);
+    tick.tv_sec += 1;
+    pthread_cond_timedwait(&c->cv, &c->mu, &tick);
+}
+
+/* dt_comm_free: does the comm thread stay inside a wedged transport call?
+ * Waits while it runs a work that is not (yet) wedged. */
+DT_PRIVATE int comm_thread_stuck(dt_comm *c)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->running && !comm_wedged(c)) {
+        comm_wait_tick(c);
+    }
+    int stuck = c->running;
+    pthread_mutex_unlock(&c->mu);
+    return stuck;
+}
+
 DT_PRIVATE dt_status comm_post(dt_comm *c, dt_work *w, xfers *xs, int sending, int peer, uint64_t tag,
                       void *buf, size_t bytes)
 {
@@ -262,8 +383,8 @@ DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sendin
     for (;;) {
         memset(x, 0, sizeof *x);
         x->peer = via;
-        st = sending ? c->tp_iface->send(c->tp, via, tag, buf, bytes, x, err, sizeof err)
-                     : c->tp_iface->recv(c->tp, via, tag, 0, buf, bytes, x, err, sizeof err);
+        st = sending ? tp_send(c, via, tag, buf, bytes, x, err, sizeof err)
+                     : tp_recv(c, via, tag, buf, bytes, x, err, sizeof err);
         if (st != DT_ETIMEDOUT || dt_now() >= deadline)
             break;
         /* back-pressured: the peer takes no data; is it alive? */
@@ -448,11 +569,28 @@ static dt_status group_check_dead(dt_comm *c, dt_work *w)
                           "without leaving the job)", coll_names[w->kind], w->seq, g, c->members[g]);
 }
 
+/* A silent rank that an extension's work goes on without
+ * (comm_ext_ops.write_off_silent): the failure comm_check_heartbeat gave
+ * is taken back, as for a dead one (xfers.write_off). */
+static dt_status ext_forgive_silent(dt_work *w)
+{
+    w->status = DT_OK;
+    w->msg[0] = '\0';
+    w->blame = -1;
+    w->blame_ms = w->blame_gone = 0;
+    return DT_OK;
+}
+
 static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
 {
     if (w->kind == COLL_EXT) {   /* other workers may come and go: only servers matter */
         dt_status st = c->ext_ops->check_dead(c, w);
-        return st != DT_OK ? st : comm_check_heartbeat(c, w);   /* (the server waited on) */
+        if (st == DT_OK)
+            st = comm_check_heartbeat(c, w);   /* (the server waited on) */
+        if (st != DT_OK && w->blame_gone && c->ext_ops->write_off_silent &&
+            c->ext_ops->write_off_silent(c, w, w->blame))
+            return ext_forgive_silent(w);
+        return st;
     }
     char val[16] = "";
     size_t len = 0;
@@ -595,8 +733,8 @@ static void drain_gone(dt_comm *c, xfers *xs)
     for (double end = dt_now() + 1.0; left && dt_now() < end;) {
         dt_xfer *done[16];
         char err[256];
-        if (c->tp_iface->poll(c->tp, done, 16, err, sizeof err) <= 0)
-            c->tp_iface->wait(c->tp, 10);
+        if (comm_tp_poll(c, done, 16, err, sizeof err) <= 0)
+            comm_tp_wait(c, 10);
         left = 0;
         for (int i = 0; i < xs->n; i++)
             left |= !xs->x[i].done && xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]));
@@ -644,17 +782,19 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             break;
         dt_xfer *done[16];
         char err[256] = "";
-        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        int k = comm_tp_poll(c, done, 16, err, sizeof err);
         if (k < 0) {
             comm_work_fail(w, DT_EPEER, "%s #%u: transport failure: %s", coll_names[w->kind], w->seq, err);
             break;
         }
         if (k > 0)
             seg_heartbeat(c);
+        int ours = 0;
         for (int i = 0; i < k; i++) {
             dt_xfer *x = done[i];
             if (!xfer_ours(xs, x))
                 continue;   /* an orphaned send (drain_gone) let go at last */
+            ours++;
             int rank = comm_xfer_rank(c, x);
             if (w->kind == COLL_EXT && c->ext_done_at && rank >= 0 && rank < c->world)
                 c->ext_done_at[rank] = dt_now();
@@ -670,17 +810,20 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
                       ? grp_rank(&xs->g, (xs->g.me - 1 + xs->g.size) % xs->g.size)
                       : silent_peer;
         c->waiting_on = who;
-        if (k == 0 && comm_check_dead(c, w, deadline) != DT_OK)
+        if (ours)
+            continue;
+        /* no progress of ours (the completions, if any, were others'): is
+         * a rank dead or silent, is the deadline past? */
+        if (comm_check_dead(c, w, deadline) != DT_OK)
             break;
-        if (k == 0 && xs->gone)
+        if (xs->gone)
             cancel_gone(c, xs);
-        if (k == 0) {
-            if (dt_now() >= deadline) {
-                comm_blame_silent(w, who, limit_ms);
-                break;
-            }
-            c->tp_iface->wait(c->tp, store_ms_left(deadline) < 50 ? store_ms_left(deadline) : 50);
+        if (dt_now() >= deadline) {
+            comm_blame_silent(w, who, limit_ms);
+            break;
         }
+        if (k == 0)
+            comm_tp_wait(c, store_ms_left(deadline) < 50 ? store_ms_left(deadline) : 50);
     }
     if (w->status != DT_OK) {
         for (int i = 0; i < xs->n; i++)
@@ -721,12 +864,12 @@ static dt_status start_header(dt_comm *c, dt_work *w, xfers *xs)
     uint64_t tag = make_tag(w, TAG_HEADER_STEP, 0);
     double deadline = dt_now() + c->collective_timeout_ms / 1000.0;
     dt_status st;
-    if (c->tp_iface->recv(c->tp, left, tag, 0, &xs->hdr_in, sizeof xs->hdr_in,
-                          &xs->hdr_recv, err, sizeof err) != DT_OK)
+    if (tp_recv(c, left, tag, &xs->hdr_in, sizeof xs->hdr_in, &xs->hdr_recv, err, sizeof err) !=
+        DT_OK)
         return comm_work_fail(w, DT_EPEER, "%s #%u: cannot post a receive from rank %d: %s",
                               coll_names[w->kind], w->seq, left, err);
-    while ((st = c->tp_iface->send(c->tp, right, tag, &xs->hdr_out, sizeof xs->hdr_out,
-                                   &xs->hdr_send, err, sizeof err)) == DT_ETIMEDOUT &&
+    while ((st = tp_send(c, right, tag, &xs->hdr_out, sizeof xs->hdr_out, &xs->hdr_send, err,
+                         sizeof err)) == DT_ETIMEDOUT &&
            dt_now() < deadline) {
         c->last_watch = 0;   /* back-pressured: is rank `right` alive? */
         if (comm_check_dead(c, w, deadline) != DT_OK)
@@ -1367,6 +1510,12 @@ static void run_work(dt_comm *c, dt_work *w)
 
 /* --- the comm thread and the caller's side --------------------------- */
 
+static void comm_work_free(dt_work *w)
+{
+    host_free(w->comm->ctx, w->owned);
+    host_free(w->comm->ctx, w);
+}
+
 DT_PRIVATE void *comm_main(void *arg)
 {
     dt_comm *c = arg;
@@ -1394,6 +1543,8 @@ DT_PRIVATE void *comm_main(void *arg)
         pthread_mutex_lock(&c->mu);
         c->running = 0;
         w->done = 1;
+        if (w->orphaned)   /* its waiter gave up on the wedged transport */
+            comm_work_free(w);
         pthread_cond_broadcast(&c->cv);
     }
     pthread_mutex_unlock(&c->mu);
@@ -1426,6 +1577,12 @@ DT_PRIVATE dt_work *comm_enqueue_in(dt_comm *c, int kind, float *buf, const floa
                    .aux = aux, .blame = -1, .ticket = c->stage_ticket};
     c->stage_ticket = 0;
     pthread_mutex_lock(&c->mu);
+    if (comm_wedged(c)) {
+        pthread_mutex_unlock(&c->mu);
+        host_free(ctx, w);
+        set_error(ctx, DT_ESTATE, "%s: %s%s", coll_names[kind], c->label, c->wedge_msg);
+        return NULL;
+    }
     /* collectives' order only: requests and point-to-point messages have their own */
     w->seq = kind == COLL_EXT ? c->ext_requests++ : kind == COLL_P2P ? 0 : c->next_seq++;
     if (c->tail)
@@ -1444,29 +1601,39 @@ DT_PRIVATE dt_work *comm_enqueue(dt_comm *c, int kind, float *buf, const float *
     return comm_enqueue_in(c, kind, buf, in, n, root, op, NULL);
 }
 
-/* Wait for w, free it, and give the seconds it ran (run_s may be NULL). */
+/* Wait for w, free it, and give the seconds it ran (run_s may be NULL).
+ * The wait looks every second whether the comm thread is wedged in the
+ * transport (comm_wedged): then w fails, and the thread frees it if it
+ * ever gets that far. */
 DT_PRIVATE dt_status comm_work_finish(dt_work *w, double *run_s)
 {
     dt_comm *c = w->comm;
     pthread_mutex_lock(&c->mu);
-    while (!w->done)
-        pthread_cond_wait(&c->cv, &c->mu);
+    while (!w->done && !comm_wedged(c)) {
+        comm_wait_tick(c);
+    }
+    if (!w->done) {
+        w->orphaned = 1;
+        pthread_mutex_unlock(&c->mu);
+        return set_error(c->ctx, DT_EPEER, "%s%s #%u: %s", c->label, coll_names[w->kind], w->seq,
+                         c->wedge_msg);
+    }
     pthread_mutex_unlock(&c->mu);
     dt_status st = w->status;
     if (st != DT_OK)
         set_error(c->ctx, st, "%s%s", c->label, w->msg);
     if (run_s)
         *run_s = w->run_s;
-    host_free(c->ctx, w->owned);
-    host_free(c->ctx, w);
+    comm_work_free(w);
     return st;
 }
 
-/* Has w finished (comm_work_finish would not wait)? */
+/* Has w finished (comm_work_finish would not wait)?  A work behind a
+ * wedged transport counts as finished: its wait fails at once. */
 DT_PRIVATE int comm_work_done(dt_work *w)
 {
     pthread_mutex_lock(&w->comm->mu);
-    int done = w->done;
+    int done = w->done || comm_wedged(w->comm);
     pthread_mutex_unlock(&w->comm->mu);
     return done;
 }
@@ -1524,11 +1691,11 @@ dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
 DT_PRIVATE dt_status comm_take_transport(dt_comm *c, char *why, size_t why_len)
 {
     pthread_mutex_lock(&c->mu);
-    while (c->running || c->head)
-        pthread_cond_wait(&c->cv, &c->mu);
-    int broken = c->broken;
+    while ((c->running || c->head) && !comm_wedged(c))
+        comm_wait_tick(c);
+    int broken = c->broken || c->wedged;
     if (broken)
-        snprintf(why, why_len, "%s", c->broken_msg);
+        snprintf(why, why_len, "%s", c->wedged ? c->wedge_msg : c->broken_msg);
     else
         c->running = 1;
     pthread_mutex_unlock(&c->mu);

@@ -126,6 +126,8 @@ struct dt_work {
     int blame_gone;            /* the blamed rank's process fell silent (no heartbeat): the
                                   end of its waits is not the cause (follow_waits skipped) */
     int done;
+    int orphaned;              /* under mu: its waiter gave up on a wedged transport
+                                  (comm_work_finish); the comm thread frees it, if ever done */
     double run_s;              /* seconds the work ran (comm thread or inline) */
     /* its record, for the profiler: the algorithm (COMM_ALG_*); COLL_EXT:
      * what the extension did (its op code) and how stale its answer was
@@ -203,6 +205,9 @@ typedef struct seg_rank seg_rank;
 typedef struct comm_ext_ops {
     dt_status (*run)(dt_comm *c, struct dt_work *w, struct xfers **xsp);
     dt_status (*check_dead)(dt_comm *c, struct dt_work *w);
+    /* rank fell silent (no heartbeat for the timeout) while w waited on
+     * it: 1 if w can go on without it (a twin serves for it) */
+    int (*write_off_silent)(dt_comm *c, struct dt_work *w, int rank);
 } comm_ext_ops;
 
 struct dt_comm {
@@ -231,6 +236,14 @@ struct dt_comm {
     pthread_t thread;
     int has_thread, stop;
     int running;               /* a thread is inside run_work (it owns the transport) */
+    /* The transport call the comm thread is in (comm_tp_poll and the rest):
+     * since when (atomic; 0: none) and which.  A caller gives up on one that
+     * outlasts comm_wedge_s (comm_wedged): wedged, under mu, then refuses all
+     * work and dt_comm_free leaves the thread and its memory be. */
+    double tp_since;
+    const char *tp_call;
+    int wedged;
+    char wedge_msg[DT_MAX_ERROR];
     uint64_t stage_ticket;     /* the next work enqueued first waits for this backend copy
                                   (DDP on a device: its bucket's device-to-host copy) */
     int inline_small;          /* blocking calls run on the caller when the queue is empty */
@@ -603,6 +616,8 @@ typedef struct ps_peer {
                                   ahead of the slowest, its push buffer holds one step) */
     struct ps_sparse_msg *held; /* BSP: its sparse pushes not yet applied, oldest first */
     int vote;                  /* its current step's pre-emption vote (ps_msg.vote) */
+    unsigned long long hb_beat;  /* its heartbeat as last read (ps_worker_alive), and when */
+    double hb_seen;              /* that changed (0: not read yet) */
 } ps_peer;
 
 /* A sparse push kept until its step is applied (BSP). */
@@ -827,6 +842,13 @@ DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why);
 DT_PRIVATE dt_status comm_check_dead(dt_comm *c, dt_work *w, double deadline);
 DT_PRIVATE void comm_note_long_wait(dt_comm *c, const dt_work *w, double start);
 DT_PRIVATE dt_status comm_check_stall(dt_comm *c, dt_work *w, double *last);
+/* The comm thread's transport calls, watched for a wedge (comm_wedged) */
+DT_PRIVATE int comm_tp_poll(dt_comm *c, dt_xfer **done, int max, char *err, size_t err_len);
+DT_PRIVATE void comm_tp_wait(dt_comm *c, int timeout_ms);
+DT_PRIVATE int comm_thread_stuck(dt_comm *c);
+/* (the suite's fault injection only: unused in the generated dtrain.c) */
+DT_PRIVATE __attribute__((unused)) const dt_transport_iface *comm_swap_transport(
+    dt_comm *c, const dt_transport_iface *iface);
 /* How long this process did not run (stopped, starved) at a time after
  * `since` (dt_now), as its heartbeat thread saw it oversleep (a freeze
  * still under way counts too); 0: none past c's timeout, or no heartbeat. */
@@ -926,6 +948,7 @@ DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t 
 DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in);
 DT_PRIVATE size_t ps_piece_len(size_t bytes, size_t chunk, uint32_t i);
 DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms);
+DT_PRIVATE void ps_fence_key(char *key, size_t cap, int job, int rank, uint32_t inc);
 
 /* src/ps_server.c */
 DT_PRIVATE void ps_free_held(dt_ps *ps, ps_peer *p);

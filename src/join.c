@@ -598,6 +598,14 @@ void dt_comm_free(dt_comm *c)
     if (!c)
         return;
     join_stop_heartbeat(c);
+    if (c->has_thread && comm_thread_stuck(c)) {
+        /* its thread is inside the transport for good and may touch c if it
+         * ever returns: c, its transport and memory are left to the process's
+         * exit; only the store closes (rank 0's serves the others) */
+        pthread_detach(c->thread);
+        store_close(c->store, 0);
+        return;
+    }
     if (c->has_thread) {
         pthread_mutex_lock(&c->mu);
         c->stop = 1;

@@ -483,6 +483,13 @@ static int ps_rejoin_ms(const dt_ps *ps)
 }
 
 /* The incarnation rank's latest process published (0: none restarted). */
+/* The store key that fences off server `rank`'s incarnation inc, which
+ * the workers wrote off while it was silent (ps_write_off_silent) */
+DT_PRIVATE void ps_fence_key(char *key, size_t cap, int job, int rank, uint32_t inc)
+{
+    snprintf(key, cap, "ps%d/fenced/%d.%u", job, rank, inc);
+}
+
 DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
 {
     char key[32], val[16];
@@ -541,7 +548,7 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
                 return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d died and no "
                                       "restarted process rejoined within %d ms (dt_ps_config.rejoin_ms)",
                                       rank, ps_rejoin_ms(ps));
-            c->tp_iface->wait(c->tp, 50);   /* (the key may hold an older restart's number) */
+            comm_tp_wait(c, 50);   /* (the key may hold an older restart's number) */
         }
         char err[256] = "";
         if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
@@ -694,8 +701,13 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
     for (int s = 0; s < ps->S; s++) {
         char key[32], val[16];
         size_t len = 0;
+        if (ps->gone[s])
+            continue;
         store_dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
-        if (ps->gone[s] || dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK)
+        char fence[48];   /* written off by another worker while silent (ps_write_off_silent) */
+        ps_fence_key(fence, sizeof fence, ps->job, ps->W + s, ps->inc[s]);
+        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK &&
+            dt_store_get(c->watch, fence, val, sizeof val, &len, 1) != DT_OK)
             continue;
         if (!ps_write_off_server(c, ps, s, 1))   /* a twin serves on, or a restart is awaited */
             return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
@@ -714,7 +726,34 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
     return s;
 }
 
-static const comm_ext_ops ps_comm_ops = {.run = ps_run, .check_dead = ps_check_servers};
+/* comm_ext_ops.write_off_silent: server `rank` is silent (stopped, hung,
+ * cut off: no heartbeat for the timeout) while this request waits on it.
+ * A live twin serves for it as for a dead one; without one the request
+ * fails (a restarted process cannot take a living one's place). */
+static int ps_write_off_silent(dt_comm *c, dt_work *w, int rank)
+{
+    dt_ps *ps = ((const ps_call *)w->aux)->ps;
+    int s = rank - ps->W;
+    if (s < 0 || s >= ps->S)
+        return 0;
+    if (ps->gone[s])
+        return 1;   /* written off already, this very check (ps_check_servers) */
+    if (ps->L == ps->S || ps->gone[(s + ps->L) % ps->S])
+        return 0;
+    /* Fenced for good, for every worker: one that still pulled from it
+     * would read a state the others no longer push to (ps_check_servers
+     * reads the fence, and the server stops when it wakes: ps_watch). */
+    char key[48];
+    ps_fence_key(key, sizeof key, ps->job, rank, ps->inc[s]);
+    if (dt_store_set(c->watch, key, "1", 2) != DT_OK)
+        return 0;
+    ps->gone[s] = 1;
+    ps->down_since[s] = dt_now();
+    return 1;
+}
+
+static const comm_ext_ops ps_comm_ops = {.run = ps_run, .check_dead = ps_check_servers,
+                                         .write_off_silent = ps_write_off_silent};
 
 /* A pull's answer was this many steps stale: the worker's statistics. */
 static void ps_note_stale(dt_ps *ps, int64_t stale)

@@ -1079,6 +1079,44 @@ static int ps_server_down(dt_ps *ps)
 
 /* Every DT_COMM_WATCH_S: drop workers the store reports dead, and, while a
  * pull waits, live workers silent for the communicator's timeout. */
+/* Does rank 0's store hold key?  *lost is set when the store is gone
+ * (a lost connection, not a late answer). */
+static int ps_store_has(dt_comm *c, const char *key, int *lost)
+{
+    char val[16];
+    size_t len = 0;
+    if (!c->watch)
+        return 0;
+    dt_status st = dt_store_get(c->watch, key, val, sizeof val, &len, 1);
+    *lost |= st != DT_OK && st != DT_ETIMEDOUT;
+    return st == DT_OK;
+}
+
+/* Is silent worker w alive: has its heartbeat (src/join.c, join_heartbeat)
+ * changed within the timeout?  A living worker may be kept waiting itself
+ * (on a silent server it has yet to write off: ps_write_off_silent takes
+ * the same timeout), so silence alone is not death.  A store that is gone
+ * tells nothing: not alive. */
+static int ps_worker_alive(dt_ps *ps, int w, double now, int lost)
+{
+    dt_comm *c = ps->comm;
+    ps_peer *p = &ps->peers[w];
+    char key[32], val[160];
+    size_t len = 0;
+    if (!p->hb_seen)
+        p->hb_seen = now;   /* its clock starts when it first falls silent */
+    snprintf(key, sizeof key, "/hb/%d", w);
+    if (!lost && c->watch && dt_store_get(c->watch, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+        val[len < sizeof val ? len : sizeof val - 1] = '\0';
+        unsigned long long beat = strtoull(val, NULL, 10);
+        if (beat != p->hb_beat) {
+            p->hb_beat = beat;
+            p->hb_seen = now;
+        }
+    }
+    return !lost && now - p->hb_seen <= c->timeout_ms / 1000.0;
+}
+
 static dt_status ps_watch(dt_ps *ps, double *last_seen)
 {
     dt_comm *c = ps->comm;
@@ -1086,18 +1124,22 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
     int held = ps->waits != NULL;   /* does anyone wait for the others? */
     for (int w = 0; w < ps->W; w++)
         held |= ps->peers[w].state == 0 && ps->peers[w].parked;
+    int lost = 0;   /* the store (rank 0) is gone: no death is told any more */
+    char key[48];
+    ps_fence_key(key, sizeof key, ps->job, c->rank, c->inc);
+    if (ps_store_has(c, key, &lost))
+        return set_error(ps->ctx, DT_EPEER, "ps_serve: the workers wrote this server (rank %d) off "
+                         "while it was silent for the %d ms timeout (stopped or hung?); its twin "
+                         "serves on", c->rank, c->timeout_ms);
     for (int w = 0; w < ps->W; w++) {
         if (ps->peers[w].state != 0)
             continue;
-        char key[32], val[16];
-        size_t len = 0;
         snprintf(key, sizeof key, "dead/%d", w);
-        int dead = c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK;
+        int dead = ps_store_has(c, key, &lost);
         snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, w);   /* left without finishing */
-        dead = dead || (c->watch && dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK);
+        dead = dead || ps_store_has(c, key, &lost);
         snprintf(key, sizeof key, "ps%d/done/%d", ps->job, w);   /* finished before we restarted */
-        if (ps->peers[w].clock < 0 && c->watch &&
-            dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK) {
+        if (ps->peers[w].clock < 0 && ps_store_has(c, key, &lost)) {
             ps->peers[w].state = 1;
             c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
             if (ps_sync(ps) != DT_OK)
@@ -1107,16 +1149,25 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         int waiting = ps->peers[w].parked;   /* one waiting for us is silent by design */
         for (const ps_wait *q = ps->waits; q && !waiting; q = q->next)
             waiting = q->worker == w;
-        /* silent while others wait; or, restarted, never heard from (else we
-         * would wait forever); but not while it waits for a restarting server */
+        /* silent while others wait, or with the store gone (its death would
+         * go untold); or, restarted, never heard from (else we would wait
+         * forever); but not while it waits for a restarting server */
         double quiet = now - last_seen[w], limit = c->timeout_ms / 1000.0;
-        int silent = !waiting && ((held && quiet > limit) ||
-                                  (ps->syncing && ps->peers[w].clock < 0 && quiet > 2 * limit)) &&
-                     !ps_server_down(ps);
-        char why[64];
+        int quiet_long = !waiting && (((held || lost) && quiet > limit) ||
+                                      (ps->syncing && ps->peers[w].clock < 0 && quiet > 2 * limit)) &&
+                         !ps_server_down(ps);
+        if (!quiet_long)
+            ps->peers[w].hb_seen = 0;   /* (its heartbeat's clock restarts next time) */
+        /* alive: dropped only once it kept the others the collective timeout */
+        int alive = quiet_long && !dead && ps_worker_alive(ps, w, now, lost);
+        int silent = quiet_long && (!alive || quiet > c->collective_timeout_ms / 1000.0);
+        char why[96];
         snprintf(why, sizeof why, "%s", dead ? "it died or left without finishing" : "");
         if (!dead)
-            snprintf(why, sizeof why, "silent for %.1f s while others waited", now - last_seen[w]);
+            snprintf(why, sizeof why, "silent for %.1f s %s", now - last_seen[w],
+                     alive ? "while others waited, though alive (its heartbeat went on)"
+                     : held ? "while others waited, its heartbeat stopped"
+                            : "with the store (rank 0) gone");
         if ((dead || silent) && ps_drop(ps, w, why) != DT_OK)
             return ps->ctx->last_status;
     }
@@ -1272,12 +1323,14 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         if (k > 0)
             mt.sv.ps_busy_s += dt_now() - turn;
         ps_meter_publish(ps, &mt, dt_now(), 0);
+        /* (on every turn, not only idle ones: completions that never stop
+         * coming must not keep a dead or silent worker from being seen) */
+        if (dt_now() - last_watch > DT_COMM_WATCH_S) {
+            last_watch = dt_now();
+            if (ps_watch(ps, last_seen) != DT_OK)
+                return ps->ctx->last_status;
+        }
         if (k == 0) {
-            if (dt_now() - last_watch > DT_COMM_WATCH_S) {
-                last_watch = dt_now();
-                if (ps_watch(ps, last_seen) != DT_OK)
-                    return ps->ctx->last_status;
-            }
             mt.idle_from = dt_now();   /* (answers in flight complete on their own endpoints) */
             c->tp_iface->wait(c->tp, ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
         } else {

@@ -1046,6 +1046,80 @@ static void test_process_group_death(void **state)
 }
 
 /* (the slow ones first, in a row: DT_TEST_SHARD deals them to different shards) */
+
+/* --- a wedged transport ---------------------------------------------------
+ * Rank 1's transport stops returning from poll, as libfabric 1.17's shm
+ * provider does when a peer died holding a lock in shared memory.  Its
+ * caller's wait must fail once the call outlasts twice the 2 s timeout
+ * (5 s at least; looked at every second), naming the wedge; a later call
+ * fails at once; released, the thread leaves and dt_comm_free returns.
+ * Rank 0, waiting on rank 1 (in that allreduce or the next), fails once
+ * rank 1 has left. */
+const dt_transport_iface *comm_swap_transport(dt_comm *c, const dt_transport_iface *iface);
+
+static dt_transport_iface wedge_iface;
+static int wedge_on, wedge_released;   /* atomic */
+
+static int wedging_poll(dt_transport *t, dt_xfer **done, int max, char *err, size_t err_len)
+{
+    struct timespec ms = {0, 10 * 1000 * 1000};
+    while (__atomic_load_n(&wedge_on, __ATOMIC_ACQUIRE) &&
+           !__atomic_load_n(&wedge_released, __ATOMIC_ACQUIRE))
+        nanosleep(&ms, NULL);
+    return dt_transport_fabric_iface()->poll(t, done, max, err, err_len);
+}
+
+static int job_wedge(dt_comm *c, int rank, int world)
+{
+    float b[1000];
+    for (int i = 0; i < 1000; i++)
+        b[i] = 1;
+    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK || b[0] != (float)world)
+        return 70;
+    if (rank == 1) {
+        wedge_iface = *dt_transport_fabric_iface();
+        wedge_iface.poll = wedging_poll;
+        if (comm_swap_transport(c, &wedge_iface) != dt_transport_fabric_iface())
+            return 75;
+        __atomic_store_n(&wedge_on, 1, __ATOMIC_RELEASE);
+    }
+    double t0 = dt_now();
+    dt_status st = dt_work_wait(dt_allreduce_async(c, b, 1000, DT_REDUCE_SUM));
+    double took = dt_now() - t0;
+    if (rank == 0) {   /* (its part of a small allreduce may well have come before the wedge) */
+        if (st == DT_OK)
+            st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+        return st == DT_EPEER && dt_now() - t0 < 15.0 ? 0 : 71;
+    }
+    const char *err = dt_last_error(rank_ctx);
+    if (st != DT_EPEER || !strstr(err, "has not returned") || !strstr(err, "wedged")) {
+        fprintf(stderr, "rank 1: %s, %.1f s: %s\n", dt_strerror(st), took, err);
+        return 72;
+    }
+    if (took < 4.5 || took > 8.0) {
+        fprintf(stderr, "rank 1: the wedge was found after %.1f s (want 5 s + the 1 s tick)\n", took);
+        return 73;
+    }
+    t0 = dt_now();
+    st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    if (st == DT_OK || !strstr(dt_last_error(rank_ctx), "wedged") || dt_now() - t0 > 1.0)
+        return 74;
+    __atomic_store_n(&wedge_released, 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+static void test_wedged_transport(void **state)
+{
+    (void)state;
+    int codes[2];
+    collective_ms = 20000;   /* rank 0 fails on rank 1's exit, not its own deadline */
+    run_job(2, "shm", 2000, job_wedge, codes, 40);
+    collective_ms = 0;
+    for (int r = 0; r < 2; r++)
+        if (codes[r] != 0)
+            fail_msg("rank %d exited with %d", r, codes[r]);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_collectives_shm),
     cmocka_unit_test(test_collectives_tcp),
@@ -1064,6 +1138,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_point_to_point),
     cmocka_unit_test(test_process_groups),
     cmocka_unit_test(test_process_group_death),
+    cmocka_unit_test(test_wedged_transport),
 };
 
 DT_TEST_GROUP(comm, tests)

@@ -13,6 +13,7 @@
  */
 #include "test_util.h"
 #include "test_ranks.h"
+#include "backends/transport.h"
 
 #include <pthread.h>
 #include <sys/stat.h>
@@ -87,11 +88,11 @@ static void expect_all_ok(int world, ddp_fn fn)
 {
     int codes[8];
     run_ddp_job(world, fn, codes, 120);
-    for (int r = 0; r < world; r++) {
+    for (int r = 0; r < world; r++)   /* every rank's, for the reader of a failure */
         if (codes[r] != 0)
             print_error("rank %d of %d exited with %d\n", r, world, codes[r]);
+    for (int r = 0; r < world; r++)
         assert_int_equal(codes[r], 0);
-    }
 }
 
 /* --- models ---------------------------------------------------------------- */
@@ -1487,6 +1488,94 @@ static int ps_kill_ms;                  /* a server exits this long after servin
 static int ps_kill_rank = -1;           /* this one (-1: the first) */
 static int ps_restarted;                /* this process is the killed rank's n-th restart */
 static int ps_flaky_restart;            /* the first restart dies as it starts */
+static int ps_stop;                     /* the killer stops its server (SIGSTOP) instead */
+static int ps_expect_silent;            /* workers must fail naming the silent server */
+
+/* The killed server dies between its transport calls, never inside one:
+ * inside a call libfabric 1.17's shm provider may hold a lock in a peer's
+ * shared memory, and a process killed then wedges that peer for good (the
+ * watchdog's case: tests/test_comm.c, test_wedged_transport).  Its calls
+ * go through ps_guarded, which the killer locks before it exits. */
+const dt_transport_iface *comm_swap_transport(dt_comm *c, const dt_transport_iface *iface);
+
+static pthread_mutex_t ps_tp_guard = PTHREAD_MUTEX_INITIALIZER;
+static dt_transport_iface ps_guarded;
+#define PS_REAL dt_transport_fabric_iface()
+
+static dt_status ps_g_send(dt_transport *t, int peer, uint64_t tag, const void *buf, size_t len,
+                           dt_xfer *x, char *err, size_t err_len)
+{
+    pthread_mutex_lock(&ps_tp_guard);
+    dt_status st = PS_REAL->send(t, peer, tag, buf, len, x, err, err_len);
+    pthread_mutex_unlock(&ps_tp_guard);
+    return st;
+}
+
+static dt_status ps_g_recv(dt_transport *t, int peer, uint64_t tag, uint64_t ignore, void *buf,
+                           size_t len, dt_xfer *x, char *err, size_t err_len)
+{
+    pthread_mutex_lock(&ps_tp_guard);
+    dt_status st = PS_REAL->recv(t, peer, tag, ignore, buf, len, x, err, err_len);
+    pthread_mutex_unlock(&ps_tp_guard);
+    return st;
+}
+
+static int ps_g_poll(dt_transport *t, dt_xfer **done, int max, char *err, size_t err_len)
+{
+    pthread_mutex_lock(&ps_tp_guard);
+    int k = PS_REAL->poll(t, done, max, err, err_len);
+    pthread_mutex_unlock(&ps_tp_guard);
+    return k;
+}
+
+static dt_status ps_g_wait(dt_transport *t, int timeout_ms)
+{
+    pthread_mutex_lock(&ps_tp_guard);
+    dt_status st = PS_REAL->wait(t, timeout_ms);
+    pthread_mutex_unlock(&ps_tp_guard);
+    return st;
+}
+
+static void ps_g_cancel(dt_transport *t, dt_xfer *x)
+{
+    pthread_mutex_lock(&ps_tp_guard);
+    PS_REAL->cancel(t, x);
+    pthread_mutex_unlock(&ps_tp_guard);
+}
+
+static int ps_guard_transport(dt_comm *c)
+{
+    ps_guarded = *PS_REAL;
+    ps_guarded.send = ps_g_send;
+    ps_guarded.recv = ps_g_recv;
+    ps_guarded.poll = ps_g_poll;
+    ps_guarded.wait = ps_g_wait;
+    ps_guarded.cancel = ps_g_cancel;
+    return comm_swap_transport(c, &ps_guarded) == PS_REAL;
+}
+
+/* Where the stopped server leaves its pid for a worker to wake it (one
+ * path per test process, ps_stop_owner: suites may run side by side) */
+static pid_t ps_stop_owner;
+static const char *ps_stop_pid_path(void)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/dtrain-ps-stopped-%d", (int)ps_stop_owner);
+    return path;
+}
+
+/* Worker 0, done with its steps: wake the stopped server, which must find
+ * itself written off and stop serving (ps_rank's server side checks). */
+static void ps_wake_stopped(void)
+{
+    FILE *f = fopen(ps_stop_pid_path(), "r");
+    int pid = 0;
+    if (f && fscanf(f, "%d", &pid) == 1 && pid > 0)
+        kill(pid, SIGCONT);
+    if (f)
+        fclose(f);
+    unlink(ps_stop_pid_path());
+}
 
 static void *ps_killer(void *arg)
 {
@@ -1496,6 +1585,17 @@ static void *ps_killer(void *arg)
     while (ps_ckpt_dir[0] && ps_kill_rank >= 0 && access(path, F_OK) != 0)
         nanosleep(&poll, NULL);
     nanosleep(&t, NULL);
+    pthread_mutex_lock(&ps_tp_guard);   /* (held to the end: no transport call starts) */
+    if (ps_stop) {   /* alive, silent: a worker may wake it (SIGCONT), else the harness kills it */
+        FILE *f = fopen(ps_stop_pid_path(), "w");
+        if (f) {
+            fprintf(f, "%d\n", (int)getpid());
+            fclose(f);
+        }
+        raise(SIGSTOP);
+        pthread_mutex_unlock(&ps_tp_guard);
+        return NULL;
+    }
     _exit(0);   /* gone without a word, mid-training */
     return NULL;
 }
@@ -1549,14 +1649,21 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_ps_is_server(ps)) {
         pthread_t killer;
         if (ps_kill_ms && rank == (ps_kill_rank >= 0 ? ps_kill_rank : W) && !ps_restarted &&
-            pthread_create(&killer, NULL, ps_killer, (void *)(intptr_t)ps_kill_ms) != 0)
+            (!ps_guard_transport(c) ||
+             pthread_create(&killer, NULL, ps_killer, (void *)(intptr_t)ps_kill_ms) != 0))
             return 15;
         int warnings = 0;
         dt_set_log(ctx, ps_count_log, &warnings);
         if (strcmp(dt_last_warning(ctx), "") != 0)
             return 19;
-        if (dt_ps_serve(ps) != DT_OK)
-            return 3;
+        if (dt_ps_serve(ps) != DT_OK) {   /* the stopped one, woken: fenced off */
+            int fenced = ps_stop && strstr(dt_last_error(ctx), "wrote this server (rank 2) off");
+            if (!fenced)
+                fprintf(stderr, "server %d: %s\n", rank, dt_last_error(ctx));
+            return fenced ? 0 : 3;
+        }
+        if (ps_stop && rank == 2)
+            return 29;   /* woken, it served on: the twins would drift apart */
         /* a dropped worker is a warning, through the log function */
         if (warnings != (ps_die_worker >= 0) ||
             (ps_die_worker >= 0 && !strstr(dt_last_warning(ctx), ps_die_ms ? "dropped worker 1 after"
@@ -1641,6 +1748,13 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 9;
         dt_status st = ddp ? dt_ddp_step(ddp)
                        : (s + 1) % ps_fetch_every ? dt_ps_push(ps) : dt_ps_push_pull(ps);
+        if (st != DT_OK && ps_expect_silent) {
+            const char *e = dt_last_error(ctx);
+            int named = strstr(e, "rank 2 sent nothing") && strstr(e, "not even its heartbeat");
+            if (!named)
+                fprintf(stderr, "worker %d: %s\n", rank, e);
+            return named ? 0 : 28;
+        }
         if (st != DT_OK)
             return 10;
         dt_zero_grad(ctx);
@@ -1656,6 +1770,8 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             }
         }
     }
+    if (ps_stop && ps_replicate && rank == 0)
+        ps_wake_stopped();
     dt_ps_stats st;
     dt_ps_stats_get(ps, &st);
     /* the starting pull, and each step's (prefetch: the last one is in flight) */
@@ -1714,7 +1830,7 @@ static void ps_reset(void)
     ps_steps = STEPS;
     ps_die_ms = 0;
     ps_fetch_every = 1;
-    ps_replicate = ps_kill_ms = ps_restarted = 0;
+    ps_replicate = ps_kill_ms = ps_restarted = ps_stop = ps_expect_silent = 0;
     ps_model = MLP;
     ps_bucket_bytes = 1024;
     ps_chunk = 0;
@@ -1811,6 +1927,62 @@ static void test_ps_replica_failover(void **state)
         job_timeout_ms = 12000;
         expect_all_ok(4, ps_rank);
         job_timeout_ms = 20000;
+    }
+    ps_reset();
+}
+
+/* A silent server: the first server stops itself (SIGSTOP, between its
+ * transport calls) 250 ms into serving; alive, its store connection stays
+ * open, so only its heartbeat's silence tells.  Replicated, the workers
+ * write it off once it has been silent for the 4 s timeout and end where
+ * one process does, served by its twin; worker 0 then wakes it, and it
+ * must stop serving, fenced off (else, served on, the twins could drift
+ * apart).  Alone, the workers fail naming it, and it is killed once the
+ * others are reaped (codes[stopped]: 0). */
+static void run_ps_stopped(int world, int stopped, int *codes, double seconds)
+{
+    pid_t pids[8], rest[8];
+    int got[8], n = 0;
+    fork_ranks(world, ps_rank, pids);
+    for (int r = 0; r < world; r++)
+        if (r != stopped)
+            rest[n++] = pids[r];
+    tr_reap(rest, n, got, seconds);
+    for (int r = 0, i = 0; r < world; r++)
+        codes[r] = r == stopped ? 0 : got[i++];
+    if (ps_replicate) {
+        tr_reap(&pids[stopped], 1, &codes[stopped], 10);
+        return;
+    }
+    kill(pids[stopped], SIGKILL);
+    waitpid(pids[stopped], NULL, 0);
+    tr_remove_shm_of(pids[stopped]);
+    unlink(ps_stop_pid_path());
+}
+
+static void test_ps_silent_server(void **state)
+{
+    (void)state;
+    for (int k = 0; k < 2; k++) {
+        ps_reset();
+        ps_servers = k == 0 ? 2 : 1;
+        ps_replicate = k == 0;
+        ps_expect_silent = k == 1;
+        ps_kill_ms = 250;
+        ps_stop = 1;
+        ps_stop_owner = getpid();
+        ps_slow_worker = 1;   /* 30 ms a step: the run outlives the stop */
+        job_timeout_ms = 4000;
+        int world = 2 + ps_servers, codes[8];
+        double t0 = dt_now();
+        run_ps_stopped(world, 2, codes, 60);
+        double took = dt_now() - t0;
+        job_timeout_ms = 20000;
+        for (int r = 0; r < world; r++)
+            if (codes[r] != 0)
+                fail_msg("%s: rank %d exited with %d", k ? "alone" : "replicated", r, codes[r]);
+        if (k == 1 && took > 20.0)   /* 2x the timeout, the linger, the joins */
+            fail_msg("alone: the workers took %.1f s to give up on the silent server", took);
     }
     ps_reset();
 }
@@ -3488,6 +3660,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ps_dead_worker_mid_message),
     cmocka_unit_test(test_ps_preempted),
     cmocka_unit_test(test_ps_replica_failover),
+    cmocka_unit_test(test_ps_silent_server),
     cmocka_unit_test(test_ps_checkpoint),
     cmocka_unit_test(test_ps_rejoin),
     cmocka_unit_test(test_ps_compress),
