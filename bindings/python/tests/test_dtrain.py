@@ -9,6 +9,7 @@ launcher; default build/dtrun), CC (to compile layout.c; default cc).  Ends with
 import gc
 import inspect
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -837,6 +838,29 @@ class Distributed(unittest.TestCase):
             self.assertIn("rank %d: pre-empted at step 8 (SIGTERM), checkpoint saved in 0.25 s"
                           % rank, r.stdout, r.stdout + r.stderr)
         self.assertIn("pre-empted: 2 of 2 ranks", r.stderr)
+
+    def test_ps_preemption_under_the_launcher(self):
+        """A parameter-server job under dtrun -n 3 (2 workers, 1 server), worker 1 sent
+        SIGTERM during step 6: the vote travels through the server, both workers stop after
+        the same step, the server saves that step and serve() raises Preempted; every
+        rank and dtrun exit 75 (ps_preempt_job.py)."""
+        with tempfile.TemporaryDirectory() as d:
+            r = subprocess.run([DTRUN, "-n", "3", sys.executable,
+                                os.path.join(HERE, "ps_preempt_job.py"), d],
+                               capture_output=True, text=True, timeout=240)
+            out = r.stdout + r.stderr
+            self.assertEqual(r.returncode, dt.EXIT_PREEMPTED, out)
+            steps = {}
+            for who in ("worker 0", "worker 1", "server"):
+                m = re.search(r"^(\[\d\] )?%s: pre-empted at step (\d+)" % who, r.stdout, re.M)
+                self.assertIsNotNone(m, out)
+                steps[who] = int(m.group(2))
+            self.assertEqual(len(set(steps.values())), 1, out)   # one step, everywhere
+            self.assertGreaterEqual(steps["server"], 6, out)   # not before the signal
+            self.assertIn("checkpoint saved in", re.search(r"server: .*$", r.stdout, re.M)
+                          .group(0), out)
+            self.assertTrue(os.path.exists(os.path.join(d, "ps-server-0.safetensors")), out)
+            self.assertIn("pre-empted: 3 of 3 ranks", out)
 
     def test_ddp_under_the_launcher(self):
         """2 ranks under dtrun: DDP's parameters are the same on both ranks and equal one
