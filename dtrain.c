@@ -656,6 +656,8 @@ struct dt_loader {
     dt_dtype x_dtype, y_dtype;
     int64_t *order;            /* this shard's sample indices for the epoch */
     int64_t n_local, n_batches, next;
+    int64_t epoch;             /* the epoch last started */
+    int untouched;             /* it started and gave out nothing yet (loader_keeps_epoch) */
     ds_xform xf;
     loader_slot slot[2];
     int host_visible;
@@ -11408,10 +11410,31 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     return ld;
 }
 
+/* Starting the epoch that was just started, before a batch was given out,
+ * keeps the batch already read: dt_loader_new starts epoch 0 and a caller's
+ * loop starts it again, and a callback dataset must not see its first batch
+ * twice.  Not when that batch failed (a callback may succeed the next time)
+ * or with work stealing (its start is a collective step with the others). */
+static int loader_keeps_epoch(dt_loader *ld, int64_t epoch)
+{
+    if (!ld->untouched || ld->epoch != epoch || ld->steal)
+        return 0;
+    if (ld->has_thread)
+        pthread_mutex_lock(&ld->mu);
+    int failed = ld->slot[0].ready && ld->slot[0].status != DT_OK;
+    if (ld->has_thread)
+        pthread_mutex_unlock(&ld->mu);
+    return !failed;
+}
+
 dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
 {
     if (!ld)
         return DT_EINVAL;
+    if (loader_keeps_epoch(ld, epoch)) {
+        ld->wait_s = 0;
+        return DT_OK;
+    }
     loader_quiesce(ld);
     int64_t n = ld->ds->n, shards = ld->cfg.shard_count;
     int64_t total = (n + shards - 1) / shards * shards;
@@ -11436,6 +11459,8 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
     if (ld->steal)
         ld->source->start_epoch(ld, epoch);
     ld->next = 0;
+    ld->epoch = epoch;
+    ld->untouched = 1;
     ld->wait_s = 0;
     ld->slot[0].ready = ld->slot[1].ready = 0;
     if (ld->n_batches > 0)
@@ -11472,6 +11497,7 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     dt_ctx *ctx = ld->ctx;
     if (!x || !y)
         return set_error(ctx, DT_EINVAL, "loader_next: output pointers are NULL");
+    ld->untouched = 0;
     if (ld->next >= ld->n_batches)   /* (work stealing: set when no chunk was left) */
         return DT_EOF;
     int si = (int)(ld->next % 2);

@@ -1051,7 +1051,9 @@ DT_API void dt_loader_config_init(dt_loader_config *cfg);
 DT_API dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_config *cfg);
 DT_API void dt_loader_free(dt_loader *ld);         /* NULL is fine; stops its thread */
 /* Start epoch `epoch` (shuffled from seed and epoch); the batches given out
- * before are no longer valid.  Fails only for NULL. */
+ * before are no longer valid.  Starting again the epoch just started, before
+ * any batch was taken (dt_loader_new starts epoch 0), keeps what was read:
+ * each sample is read once.  Fails only for NULL. */
 DT_API dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch);
 /* Next batch: *x and *y are loader-owned and valid until the next call.
  * Returns DT_EOF at the end of the epoch.  DT_EINVAL: x or y NULL; with

@@ -646,6 +646,8 @@ struct dt_loader {
     dt_dtype x_dtype, y_dtype;
     int64_t *order;            /* this shard's sample indices for the epoch */
     int64_t n_local, n_batches, next;
+    int64_t epoch;             /* the epoch last started */
+    int untouched;             /* it started and gave out nothing yet (loader_keeps_epoch) */
     ds_xform xf;
     loader_slot slot[2];
     int host_visible;

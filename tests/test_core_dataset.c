@@ -660,6 +660,37 @@ static int gen_sample(void *user, int64_t i, void *input, void *target)
     return 0;
 }
 
+/* dt_loader_new starts epoch 0 and a loop starts it again: each sample is
+ * read once (the Python binding's epoch() does this), on either path; the
+ * epoch started again after its batches were taken reads them again. */
+static void test_loader_restart_reads_once(void **state)
+{
+    (void)state;
+    dt_ctx *ctx = tu_ctx_new();
+    gen_state g = {-1, 0};
+    dt_dataset *ds = dt_dataset_from_callback(ctx, N_SAMPLES, &VEC_F32, &LABEL, gen_sample, &g);
+    tu_check(ctx, ds, "callback");
+    for (int prefetch = 0; prefetch < 2; prefetch++) {
+        for (int wait = 0; wait < 2; wait++) {   /* the first batch read already, or not yet */
+            g.calls = 0;
+            dt_loader *ld = loader_for(ctx, ds, 8, 1, prefetch, 0, 1);
+            if (wait)
+                usleep(20000);
+            tu_check_status(ctx, dt_loader_start_epoch(ld, 0), "start");
+            int seen[N_SAMPLES] = {0};
+            assert_int_equal(drain(ctx, ld, sample_value, ELEMS, seen), N_SAMPLES);
+            assert_int_equal(__atomic_load_n(&g.calls, __ATOMIC_RELAXED), N_SAMPLES);
+            tu_check_status(ctx, dt_loader_start_epoch(ld, 0), "again");
+            memset(seen, 0, sizeof seen);
+            assert_int_equal(drain(ctx, ld, sample_value, ELEMS, seen), N_SAMPLES);
+            assert_int_equal(__atomic_load_n(&g.calls, __ATOMIC_RELAXED), 2 * N_SAMPLES);
+            dt_loader_free(ld);
+        }
+    }
+    dt_dataset_free(ds);
+    dt_ctx_free(ctx);
+}
+
 static void test_dataset_callback(void **state)
 {
     (void)state;
@@ -861,6 +892,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_dataset_csv_real_files),
     cmocka_unit_test(test_dataset_tokens),
     cmocka_unit_test(test_dataset_callback),
+    cmocka_unit_test(test_loader_restart_reads_once),
     cmocka_unit_test(test_dataset_subset),
     cmocka_unit_test(test_dataset_evaluate),
 };
