@@ -722,6 +722,16 @@ static int cancel_gone(dt_comm *c, xfers *xs)
     return left;
 }
 
+/* Is a transfer with a dead peer (or one cancelled, its peer since back)
+ * still held by the transport? */
+static int xfers_letting_go(const dt_comm *c, const xfers *xs)
+{
+    for (int i = 0; i < xs->n; i++)
+        if (!xs->x[i].done && (xs->cancelled[i] || xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]))))
+            return 1;
+    return 0;
+}
+
 /* Sends to a dead peer that neither complete nor cancel (a large message's
  * rendezvous on tcp;ofi_rxm, shm's answered sends) are orphaned: the
  * transport keeps them, and their records (this xfers) are kept until the
@@ -729,15 +739,14 @@ static int cancel_gone(dt_comm *c, xfers *xs)
  * (ps_run) goes on with a fresh record. */
 static void drain_gone(dt_comm *c, xfers *xs)
 {
-    int left = cancel_gone(c, xs);
+    cancel_gone(c, xs);
+    int left = xfers_letting_go(c, xs);
     for (double end = dt_now() + 1.0; left && dt_now() < end;) {
         dt_xfer *done[16];
         char err[256];
         if (comm_tp_poll(c, done, 16, err, sizeof err) <= 0)
             comm_tp_wait(c, 10);
-        left = 0;
-        for (int i = 0; i < xs->n; i++)
-            left |= !xs->x[i].done && xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]));
+        left = xfers_letting_go(c, xs);
     }
     xs->orphans = left;
 }
@@ -770,7 +779,7 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
         if (comm_check_stall(c, w, &turn) != DT_OK)
             break;
         for (int i = 0; i < xs->n; i++) {
-            if (!xs->x[i].done && !xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]))) {
+            if (!xs->x[i].done && !xs->cancelled[i] && !xfer_gone(xs, comm_xfer_rank(c, &xs->x[i]))) {
                 pending++;
                 silent_peer = comm_xfer_rank(c, &xs->x[i]);
             }
@@ -795,6 +804,8 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             if (!xfer_ours(xs, x))
                 continue;   /* an orphaned send (drain_gone) let go at last */
             ours++;
+            if (x >= xs->x && x < xs->x + xs->n && xs->cancelled[x - xs->x])
+                continue;   /* with a dead process of a rank since restarted */
             int rank = comm_xfer_rank(c, x);
             if (w->kind == COLL_EXT && c->ext_done_at && rank >= 0 && rank < c->world)
                 c->ext_done_at[rank] = dt_now();
@@ -818,6 +829,8 @@ DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs)
             break;
         if (xs->gone)
             cancel_gone(c, xs);
+        if (xs->idle && xs->idle(c, w, xs, xs->write_off_arg) != DT_OK)
+            break;
         if (dt_now() >= deadline) {
             comm_blame_silent(w, who, limit_ms);
             break;

@@ -332,7 +332,12 @@ typedef struct xfers {
      * (the peer is gone now), else 0 and the work fails */
     int (*write_off)(dt_comm *c, void *arg, int peer);
     void *write_off_arg;
-    unsigned char cancelled[DT_COMM_MAX_XFERS];
+    /* a wait that made no progress, its transfers with the dead cancelled:
+     * the owner may post more (src/ps.c greets a restarted server at once,
+     * ps_greet_restarted); not DT_OK fails the wait.  arg: write_off_arg */
+    dt_status (*idle)(dt_comm *c, struct dt_work *w, struct xfers *xs, void *arg);
+    unsigned char cancelled[DT_COMM_MAX_XFERS];   /* with a dead peer: never waited for again,
+                                                     even once it is back (restarted) */
     int orphans;               /* sends to a dead peer the transport would not let go of:
                                   this record must outlive them (kept in c->graveyard) */
     struct xfers *next_dead;

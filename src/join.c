@@ -440,7 +440,7 @@ static void join_note_oversleep(dt_comm *c, double due)
 static dt_status join_start_heartbeat(dt_comm *c)
 {
     dt_ctx *ctx = c->ctx;
-    if (c->world == 1 || c->members || c->inc)
+    if (c->world == 1 || c->members)
         return DT_OK;
     if (!(c->hb_errors = host_calloc(ctx, sizeof *c->hb_errors)))
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");

@@ -317,9 +317,10 @@ static dt_status ps_post_answer(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
 static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
 {
     dt_ps *ps = pc->ps;
-    for (int more = 1; more && xs->n < DT_COMM_MAX_XFERS;) {
+    const int room = DT_COMM_MAX_XFERS - PS_MAX_SERVERS;   /* (the rest: ps_greet_restarted's) */
+    for (int more = 1; more && xs->n < room;) {
         more = 0;
-        for (int i = 0; i < pc->nstreams && xs->n < DT_COMM_MAX_XFERS; i++) {
+        for (int i = 0; i < pc->nstreams && xs->n < room; i++) {
             ps_stream *st = &pc->streams[i];
             int s = st->peer - ps->W;
             if (st->next == st->pieces || ps->gone[s])
@@ -529,15 +530,70 @@ static dt_status ps_answers_from(dt_ps *ps, dt_store *st, int s, uint32_t inc, c
     return comm_add_endpoint(c, rank, addr, len, &ps->ans_via[s], err, err_len);
 }
 
-/* Servers found dead without a twin (gone 2): wait until a restarted
- * process of each has rejoined (src/join.c), swap its address in, and say hello
- * (our step, and how much of it its predecessor had); the request then
- * goes again to those servers `only` (their part of it was lost). */
+/* Server s (gone 2) restarted as incarnation inc: swap its addresses in
+ * and say hello (our step, and how much of it its predecessor had); what
+ * this call still had for its predecessor is dropped, and the request goes
+ * again to the servers `only` (their part of it was lost).  The caller has
+ * cancelled every transfer with the predecessor. */
+static dt_status ps_greet(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s, uint32_t inc)
+{
+    dt_ps *ps = pc->ps;
+    int rank = ps->W + s;
+    char err[256] = "";
+    if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
+        ps_answers_from(ps, c->watch, s, inc, err, sizeof err) != DT_OK)
+        return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
+                              rank, err);
+    for (int i = 0; i < pc->nstreams; i++)   /* (numbered for the predecessor) */
+        if (pc->streams[i].peer == rank)
+            pc->streams[i].next = pc->streams[i].pieces;
+    ps->inc[s] = inc;
+    ps->gone[s] = 0;
+    ps->seq[s] = 0;   /* the new process numbers our requests from 0 */
+    ps->st.rejoins++;
+    int64_t had = ps->sent_clock[s] == pc->clock ? ps->sent[s] : 0;
+    if (ps_post_request(c, w, xs, pc, s, PS_HELLO, 0, had, NULL, 0, &pc->hello[s]) != DT_OK)
+        return w->status;
+    pc->only[s] = 1;
+    pc->use_only = 1;
+    pc->posted[s] = 0;
+    pc->asked[s] = 0;
+    return DT_OK;
+}
+
+/* xfers.idle while a request waits: a server awaited (gone 2) whose
+ * restarted process has come is greeted now, not when the rest of the
+ * request is done.  The rest may wait for it: a pull from a live server
+ * waits for another worker's push, and that worker for the restarted
+ * server, which serves nobody before every live worker said hello (a
+ * deadlock, once until the timeout, test_ps_rejoin).  Only once the
+ * predecessor's transfers were let go of, or a second after it was found
+ * dead (those left are orphans, drain_gone). */
+static dt_status ps_greet_restarted(dt_comm *c, dt_work *w, xfers *xs, void *arg)
+{
+    dt_ps *ps = arg;
+    ps_call *pc = (ps_call *)w->aux;
+    for (int s = 0; s < ps->S; s++) {
+        if (ps->gone[s] != 2 || xs->n >= DT_COMM_MAX_XFERS)
+            continue;
+        int held = 0;
+        for (int i = 0; i < xs->n; i++)
+            held |= !xs->x[i].done && comm_xfer_rank(c, &xs->x[i]) == ps->W + s;
+        if (held && dt_now() - ps->down_since[s] < 1.0)
+            continue;
+        uint32_t inc = ps_published_inc(c, ps->W + s, 1);
+        if (inc > ps->inc[s] && ps_greet(c, w, xs, pc, s, inc) != DT_OK)
+            return w->status;
+    }
+    return DT_OK;
+}
+
+/* Servers still awaited (gone 2) once the rest of the request is done:
+ * wait until a restarted process of each has rejoined (src/join.c), and
+ * greet it (ps_greet). */
 static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
 {
     dt_ps *ps = pc->ps;
-    pc->use_only = 0;
-    memset(pc->only, 0, sizeof pc->only);
     for (int s = 0; s < ps->S; s++) {
         if (ps->gone[s] != 2)
             continue;
@@ -550,22 +606,8 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
                                       rank, ps_rejoin_ms(ps));
             comm_tp_wait(c, 50);   /* (the key may hold an older restart's number) */
         }
-        char err[256] = "";
-        if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
-            ps_answers_from(ps, c->watch, s, inc, err, sizeof err) != DT_OK)
-            return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
-                                  rank, err);
-        ps->inc[s] = inc;
-        ps->gone[s] = 0;
-        ps->seq[s] = 0;   /* the new process numbers our requests from 0 */
-        ps->st.rejoins++;
-        int64_t had = ps->sent_clock[s] == pc->clock ? ps->sent[s] : 0;
-        if (ps_post_request(c, w, xs, pc, s, PS_HELLO, 0, had, NULL, 0, &pc->hello[s]) != DT_OK)
+        if (ps_greet(c, w, xs, pc, s, inc) != DT_OK)
             return w->status;
-        pc->only[s] = 1;
-        pc->use_only = 1;
-        pc->posted[s] = 0;
-        pc->asked[s] = 0;
     }
     return DT_OK;
 }
@@ -604,6 +646,7 @@ static dt_status ps_fresh_xfers(dt_comm *c, dt_work *w, xfers **xsp)
     xs->gone_n = old->gone_n;
     xs->write_off = old->write_off;
     xs->write_off_arg = old->write_off_arg;
+    xs->idle = old->idle;
     old->next_dead = c->graveyard;
     c->graveyard = old;
     *xsp = xs;
@@ -625,6 +668,7 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
     xs->gone_n = ps->S;
     xs->write_off = ps_write_off;
     xs->write_off_arg = ps;
+    xs->idle = ps_greet_restarted;
     memset(pc->asked, 0, sizeof pc->asked);
     memset(pc->posted, 0, sizeof pc->posted);
     pc->use_only = 0;
@@ -634,6 +678,8 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
         nout = 0;
         if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout) != DT_OK)
             return w->status;
+        pc->use_only = 0;   /* (set again by the greetings of restarted servers: ps_greet) */
+        memset(pc->only, 0, sizeof pc->only);
         do {   /* the data's pieces, as many at a time as the transfer list holds */
             if (ps_pump(c, w, xs, pc) != DT_OK)
                 return w->status;
