@@ -15197,6 +15197,8 @@ DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char 
         snprintf(err, err_len, "rank %d's new address is too long", peer);
         return DT_EPEER;
     }
+    if (c->hb_peer == peer)   /* a new process: its silence counts from now (comm_check_heartbeat) */
+        c->hb_peer = -1;
     return c->tp_iface->replace_peer(c->tp, peer, addr, len, err, err_len);
 }
 

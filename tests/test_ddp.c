@@ -1488,6 +1488,7 @@ static int ps_kill_ms;                  /* a server exits this long after servin
 static int ps_kill_rank = -1;           /* this one (-1: the first) */
 static int ps_restarted;                /* this process is the killed rank's n-th restart */
 static int ps_flaky_restart;            /* the first restart dies as it starts */
+static int ps_late_restart_ms;          /* the restart waits this long before it starts */
 static int ps_stop;                     /* the killer stops its server (SIGSTOP) instead */
 static int ps_expect_silent;            /* workers must fail naming the silent server */
 
@@ -2005,8 +2006,11 @@ static void run_ddp_job_restart(int world, ddp_fn fn, int again, int times, int 
         ps_restarted = n;
         pids[again] = fork();
         assert_true(pids[again] >= 0);
-        if (pids[again] == 0)
+        if (pids[again] == 0) {
+            if (ps_late_restart_ms)   /* (then it joins, and beats from 1 as its predecessor did) */
+                usleep((useconds_t)ps_late_restart_ms * 1000);
             ddp_rank_main(again, world, port, fn);
+        }
         ps_restarted = 0;
     }
     tr_reap(pids, world, codes, deadline - dt_now());
@@ -2017,7 +2021,8 @@ static void run_ddp_job_restart(int world, ddp_fn fn, int again, int times, int 
  * requests again and finish; it lost at most the steps after its last
  * checkpoint (checked by the restarted server).  shm and tcp; on shm the
  * first restart dies as it starts and a second one rejoins (workers wait
- * for a process that serves, and restarts are numbered apart). */
+ * for a process that serves, and restarts are numbered apart); on tcp the
+ * restart serves only after more than the timeout. */
 static void test_ps_rejoin(void **state)
 {
     (void)state;
@@ -2038,9 +2043,14 @@ static void test_ps_rejoin(void **state)
         ps_model = WIDE;   /* pushes of 256 KiB (shm: in 4 KiB pieces, docs/PARAMETER_SERVER.md) */
         ps_bucket_bytes = 256 << 10;
         ps_flaky_restart = k == 0;   /* shm: the first restart dies before serving */
+        /* tcp: the restart serves after more than the timeout (the workers
+         * had waited on its predecessor: their clock for its silence must
+         * start again with it) */
+        ps_late_restart_ms = k == 1 ? job_timeout_ms + 1000 : 0;
         int codes[8];
         run_ddp_job_restart(4, ps_rank, 3, 1 + ps_flaky_restart, codes, 120);
         ps_flaky_restart = 0;
+        ps_late_restart_ms = 0;
         job_transport = "shm";
         job_timeout_ms = 20000;
         for (int r = 0; r < 4; r++)
