@@ -3,8 +3,12 @@
  * training framework in C.
  * SPDX-License-Identifier: MIT (the LICENSE file; copy it with this file)
  *
- * Vendor dtrain.h + dtrain.c + one compute backend (backends/cpu.c) into your
- * program, or link build/libdtrain.a.  Everything starts from a context:
+ * Vendor dtrain.h + dtrain.c into your program (cc -DDT_WITH_CPU prog.c dtrain.c
+ * -lopenblas -lz -lm -lpthread; -DDT_WITH_FABRIC -lfabric for several
+ * processes, backends/cuda.cu for a GPU), or link libdtrain.
+ * Platforms: Linux only (the core uses signalfd, futexes and /proc); tested
+ * on x86-64 with glibc (aarch64 has kernels of its own, untested here).
+ * Everything starts from a context:
  *
  *     dt_config cfg;
  *     dt_config_init(&cfg);            // defaults: cpu backend, 1 thread, seed 0

@@ -57,9 +57,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* In the repository the interfaces are beside this file; vendored, this file
+   sits beside dtrain.h and dtrain.c, which carries them (src/amalgamate.awk). */
+#if __has_include("backend.h")
 #include "backend.h"   /* extern "C" inside */
 #include "half.h"
 #include "shape.h"
+#else
+#define DT_INTERFACES_ONLY
+#include "dtrain.c"
+#endif
 
 #include <cublas_v2.h>
 #include <cuda.h>   /* the driver's virtual memory calls (section 3b): types only */

@@ -34,21 +34,19 @@ LIBS="-lopenblas -lfabric -lz -lm -lpthread"   # libdtrain.a includes the libfab
 LIBA="$ROOT/build/libdtrain.a"
 # a library built with the CUDA backend needs its libraries too (build.sh writes them)
 [[ -f "$ROOT/build/libdtrain.ldflags" ]] && LIBS=$(cat "$ROOT/build/libdtrain.ldflags")
-if [[ -f "$LIBA" && ! "$ROOT/dtrain.c" -nt "$LIBA" && ! "$ROOT/backends/cpu.c" -nt "$LIBA" &&
-      ! "$ROOT/dtrain.h" -nt "$LIBA" && ! "$ROOT/backends/backend.h" -nt "$LIBA" ]]; then
+if [[ -f "$LIBA" && ! "$ROOT/dtrain.c" -nt "$LIBA" && ! "$ROOT/dtrain.h" -nt "$LIBA" ]]; then
     echo "# build: linking $LIBA"
     $CC $BENCH_CFLAGS "$HERE/bench_train.c" "$LIBA" $LIBS -o "$BIN"
-elif [[ -f "$ROOT/dtrain.c" && -f "$ROOT/backends/cpu.c" ]]; then
+elif [[ -f "$ROOT/dtrain.c" ]]; then
     [[ -f "$LIBA" ]] && echo "# build: $LIBA is older than the sources; compiling them instead"
-    echo "# build: compiling dtrain.c + backends/cpu.c (-O3 -march=native -DDT_WITH_CPU)"
+    echo "# build: compiling dtrain.c (-O3 -march=native -DDT_WITH_CPU: the CPU backend inside)"
     # same flags as build.sh uses for build/libdtrain.a (minus -Werror)
     LIBFLAGS="-std=c11 -D_GNU_SOURCE -O3 -march=native -fno-math-errno -DDT_WITH_CPU -I$ROOT -pthread"
     $CC $LIBFLAGS -c "$ROOT/dtrain.c" -o "$OUT/dtrain.o"
-    $CC $LIBFLAGS -c "$ROOT/backends/cpu.c" -o "$OUT/cpu.o"
     $CC $BENCH_CFLAGS -c "$HERE/bench_train.c" -o "$OUT/bench_train.o"
-    $CC "$OUT/bench_train.o" "$OUT/dtrain.o" "$OUT/cpu.o" $LIBS -o "$BIN"
+    $CC "$OUT/bench_train.o" "$OUT/dtrain.o" $LIBS -o "$BIN"
 else
-    echo "run.sh: no build/libdtrain.a and no dtrain.c + backends/cpu.c to compile" >&2
+    echo "run.sh: no build/libdtrain.a and no dtrain.c to compile" >&2
     exit 1
 fi
 
