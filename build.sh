@@ -43,11 +43,10 @@ cd "$(dirname "$0")"
 
 CC=${CC:-gcc}
 BUILD=build
-# The core's modules (src/NAME.c), bottom layer first: the order of the
-# generated dtrain.c, and the layers docs/DESIGN.md describes.
-SRC_MODULES="context arena tensor param util record autograd ops ops_nn recompute optim ckpt dataset dataset_io data store
-             comm seg join preempt eval launch profile codec ps ps_server zero ddp replicas hogwild steal parallel
-             monitor"
+# The core's modules (src/NAME.c), bottom layer first: src/modules.txt, the
+# one list (the order of the generated dtrain.c; the layers tests/layers.py
+# checks and docs/DESIGN.md describes).
+SRC_MODULES=$(awk '$1 ~ /^[0-9]+$/ { printf "%s ", $2 }' src/modules.txt)
 WARN="-std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror"
 if [ "${DT_NATIVE:-1}" = 1 ]; then ARCH="-march=native"; else ARCH=""; fi
 # The installed library must run on any CPU of its architecture: the
@@ -544,9 +543,10 @@ zero_checks() {
          "test accuracy $acc% (uninterrupted $ref%)"
 }
 
-# Every module of src/ calls down only (tests/layers.py, docs/DESIGN.md).
+# Every module of src/ calls down only (tests/layers.py, docs/DESIGN.md), and
+# each of the check's rules fails on a deliberate violation.
 layer_checks() {
-    /usr/bin/python3 tests/layers.py
+    /usr/bin/python3 tests/layers.py && /usr/bin/python3 tests/layers_selftest.py
 }
 
 # The parameter server end to end.  Accuracy: the Fashion-MNIST MLP with 2

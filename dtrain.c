@@ -15414,7 +15414,24 @@ dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float 
 {
     return comm_p2p_run(c, send, ns, dst < 0 ? INT32_MAX : dst, recv, nr, src < 0 ? INT32_MAX : src);
 }
-#line 15418 "dtrain.c"
+
+/* --- what a communicator is (its owner's accessors; the higher modules,
+ * join and preempt among them, ask here) -------------------------------- */
+
+int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
+int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
+const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
+int dt_comm_hosts(const dt_comm *c) { return c ? (c->nhosts > 0 ? c->nhosts : 1) : 0; }
+uint64_t dt_comm_bytes_sent(const dt_comm *c)
+{
+    return c ? __atomic_load_n(&c->bytes_sent, __ATOMIC_RELAXED) : 0;
+}
+
+const char *dt_comm_intra_host(const dt_comm *c)
+{
+    return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
+}
+#line 15435 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -15891,7 +15908,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 15895 "dtrain.c"
+#line 15912 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -15913,20 +15930,6 @@ void dt_comm_config_init(dt_comm_config *cfg)
     memset(cfg, 0, sizeof *cfg);
     cfg->struct_size = sizeof *cfg;
     dt_store_config_init(&cfg->store);
-}
-
-int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
-int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
-const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
-int dt_comm_hosts(const dt_comm *c) { return c ? (c->nhosts > 0 ? c->nhosts : 1) : 0; }
-uint64_t dt_comm_bytes_sent(const dt_comm *c)
-{
-    return c ? __atomic_load_n(&c->bytes_sent, __ATOMIC_RELAXED) : 0;
-}
-
-const char *dt_comm_intra_host(const dt_comm *c)
-{
-    return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
 }
 
 /* A rank whose address is already in the store is a restarted process
@@ -16657,7 +16660,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 16661 "dtrain.c"
+#line 16664 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -16909,7 +16912,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 16913 "dtrain.c"
+#line 16916 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17189,7 +17192,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17193 "dtrain.c"
+#line 17196 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -17686,7 +17689,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 17690 "dtrain.c"
+#line 17693 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -18770,7 +18773,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 18774 "dtrain.c"
+#line 18777 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -18952,7 +18955,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 18956 "dtrain.c"
+#line 18959 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20344,7 +20347,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20348 "dtrain.c"
+#line 20351 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -21786,7 +21789,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 21790 "dtrain.c"
+#line 21793 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23176,7 +23179,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23180 "dtrain.c"
+#line 23183 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -24646,7 +24649,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 24650 "dtrain.c"
+#line 24653 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25032,7 +25035,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25036 "dtrain.c"
+#line 25039 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25252,7 +25255,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25256 "dtrain.c"
+#line 25259 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25410,7 +25413,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25414 "dtrain.c"
+#line 25417 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26441,7 +26444,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26445 "dtrain.c"
+#line 26448 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -30796,7 +30799,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 30800 "dtrain.c"
+#line 30803 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32021,7 +32024,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32025 "dtrain.c"
+#line 32028 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32200,6 +32203,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32204 "dtrain.c"
+#line 32207 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

@@ -1880,3 +1880,20 @@ dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float 
 {
     return comm_p2p_run(c, send, ns, dst < 0 ? INT32_MAX : dst, recv, nr, src < 0 ? INT32_MAX : src);
 }
+
+/* --- what a communicator is (its owner's accessors; the higher modules,
+ * join and preempt among them, ask here) -------------------------------- */
+
+int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
+int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
+const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
+int dt_comm_hosts(const dt_comm *c) { return c ? (c->nhosts > 0 ? c->nhosts : 1) : 0; }
+uint64_t dt_comm_bytes_sent(const dt_comm *c)
+{
+    return c ? __atomic_load_n(&c->bytes_sent, __ATOMIC_RELAXED) : 0;
+}
+
+const char *dt_comm_intra_host(const dt_comm *c)
+{
+    return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
+}

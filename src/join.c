@@ -18,20 +18,6 @@ void dt_comm_config_init(dt_comm_config *cfg)
     dt_store_config_init(&cfg->store);
 }
 
-int dt_comm_rank(const dt_comm *c) { return c ? c->rank : -1; }
-int dt_comm_size(const dt_comm *c) { return c ? c->world : 0; }
-const char *dt_comm_transport(const dt_comm *c) { return c ? c->provider : ""; }
-int dt_comm_hosts(const dt_comm *c) { return c ? (c->nhosts > 0 ? c->nhosts : 1) : 0; }
-uint64_t dt_comm_bytes_sent(const dt_comm *c)
-{
-    return c ? __atomic_load_n(&c->bytes_sent, __ATOMIC_RELAXED) : 0;
-}
-
-const char *dt_comm_intra_host(const dt_comm *c)
-{
-    return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
-}
-
 /* A rank whose address is already in the store is a restarted process
  * whose predecessor died (a launcher restarting a failed parameter server):
  * it becomes incarnation n + 1 of its rank, says so in its store hellos
