@@ -159,37 +159,9 @@ amalgamation_check() {
     echo "amalgamation check: dtrain.c is what src/ makes"
 }
 
-# Debian packages: why each is here is in docs/DEPENDENCIES.md.
-PKGS_BUILD="gcc make libopenblas-dev libfabric-dev libmicrohttpd-dev zlib1g-dev libcmocka-dev pkg-config"
-PKGS_DATA="dataset-fashion-mnist fortunes"
-PKGS_TEST="valgrind"
-PKGS_BENCH="python3-torch python3-numpy time"
-PKGS_PYTHON="python3-venv python3-numpy python3-setuptools python3-wheel"
-PKGS_FUZZ="clang libclang-rt-14-dev"   # libFuzzer (tests/fuzz/)
-
-missing_pkgs() {
-    local m=""
-    for p in "$@"; do
-        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || m="$m $p"
-    done
-    echo "$m"
-}
-
-ensure_pkgs() {
-    local m
-    m=$(missing_pkgs "$@")
-    [ -z "$m" ] && return 0
-    if [ "$(id -u)" = 0 ]; then
-        echo "build.sh: installing:$m"
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null
-        apt-get -o DPkg::Lock::Timeout=300 install -y -q $m >/dev/null
-    else
-        echo "build.sh: missing Debian packages:$m" >&2
-        echo "  run: sudo apt-get update && sudo apt-get install -y$m" >&2
-        exit 1
-    fi
-}
+# Debian packages (tests/packages.sh; why each is here: docs/DEPENDENCIES.md),
+# for the commands that set a machine up.
+packages() { bash tests/packages.sh "$@"; }
 
 # The version from dtrain.h: "0.1.0", or its major number with "major".
 dt_version() {
@@ -287,7 +259,7 @@ build_examples() {
 # ./build.sh python: the portable library and dtrun, which
 # bindings/python/setup.py puts into the wheel (dtrun as the `dtrun` command).
 cmd_python() {
-    ensure_pkgs $PKGS_BUILD $PKGS_PYTHON
+    packages build python
     local t0=$SECONDS
     echo "build.sh: building libdtrain.so and dtrun for any x86-64 into $BUILD/portable" \
         "(a minute or two on 2 cores the first time)"
@@ -303,7 +275,6 @@ build_portable_dtrun() {
 }
 
 cmd_build() {
-    ensure_pkgs $PKGS_BUILD
     build_lib
     build_examples
     echo "build.sh: built $BUILD/libdtrain.a, $BUILD/libdtrain.so and examples"
@@ -1240,7 +1211,6 @@ gpu_checks() {
 cmd_gpu() {
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     if [ "${DT_PREBUILT:-0}" != 1 ]; then
-        ensure_pkgs $PKGS_BUILD $PKGS_DATA
         mkdir -p $BUILD/test
         build_test_programs "$san"
     fi
@@ -1426,11 +1396,35 @@ obj_compile_cmds() {
     return 0
 }
 
-# The README's vendoring recipe, exactly as written: for each case of its
-# ```sh block ("# one process: FILES" or "# several processes ...: the
-# same files and MORE", then the cc line), only those files are copied into
-# an empty directory with tests/embed/vendored.c as prog.c, and the cc line
-# must build a program that runs.
+# The Makefile, as a user who is not root runs it (nobody, when this runs as
+# root): `make` on a copy of the tree builds the libraries and every
+# example, `make install` a prefix, and a program built against it with
+# pkg-config runs.  (`make check` is the unit suite this build already runs
+# under the sanitizers.)
+makefile_checks() {
+    local dir as="" who
+    dir=$(mktemp -d) who=$(id -un)
+    mkdir "$dir/tree"
+    cp -r Makefile dtrain.h dtrain.c src backends examples tests "$dir/tree/"
+    if [ "$(id -u)" = 0 ]; then
+        chown -R nobody "$dir" && as="setpriv --reuid=nobody --regid=nogroup --clear-groups --" who=nobody
+    fi
+    (cd "$dir/tree" && $as env HOME="$dir" make -j"$(nproc)" all > "$dir/make.log" 2>&1 &&
+        $as make install PREFIX="$dir/prefix" >> "$dir/make.log" 2>&1 &&
+        $as env PKG_CONFIG_PATH="$dir/prefix/lib/pkgconfig" sh -c \
+            "cc tests/embed/vendored.c \$(pkg-config --cflags --libs dtrain) -o $dir/v_make &&
+             LD_LIBRARY_PATH=$dir/prefix/lib $dir/v_make" >> "$dir/make.log" 2>&1) ||
+        { tail -20 "$dir/make.log"; echo "makefile check: make, make install or the program failed"; exit 1; }
+    echo "makefile checks: make ($(ls "$dir/tree/build/make" | grep -cv '\.\|^dev$') programs and the libraries)" \
+         "and make install as $who; $(tail -1 "$dir/make.log")"
+    rm -rf "$dir"
+}
+
+# The README's vendoring recipe, exactly as written: its ```sh block names
+# the files ("# one process: FILES", which must be dtrain.h and dtrain.c),
+# and for each cc line only those files are copied into an empty directory
+# with tests/embed/vendored.c as prog.c; the line must build a program that
+# runs.
 readme_vendoring_checks() {
     local block files="" line dir n=0
     block=$(awk '/^- \*\*Vendoring\.\*\*/ {v = 1} v && /^  ```sh$/ {f = 1; next}
@@ -1439,10 +1433,11 @@ readme_vendoring_checks() {
     while IFS= read -r line; do
         case "$line" in
             "# one process: "*) files=${line#*: } ;;
-            "# several processes"*) files="$files ${line#*the same files and }" ;;
             cc\ *)
+                [ "$files" = "dtrain.h dtrain.c" ] ||
+                    { echo "readme vendoring check: the recipe vendors '$files', not dtrain.h dtrain.c"; exit 1; }
                 dir=$(mktemp -d)
-                (cd "$dir" && mkdir backends) && for f in $files; do cp "$f" "$dir/$f"; done
+                for f in $files; do cp "$f" "$dir/$f"; done
                 cp tests/embed/vendored.c "$dir/prog.c"
                 (cd "$dir" && eval "$line" && ./a.out) > "$dir/out" 2>&1 ||
                     { cat "$dir/out"; echo "readme vendoring check: failed: $line (files: $files)"; exit 1; }
@@ -1451,7 +1446,7 @@ readme_vendoring_checks() {
         esac
     done <<< "$block"
     [ $n = 2 ] || { echo "readme vendoring check: $n cc lines, expected 2"; exit 1; }
-    echo "readme vendoring checks: both of the README's recipes build and run"
+    echo "readme vendoring checks: both of the README's recipes build and run from $files alone"
 }
 
 # Everything the checks run, on every core, with nvcc alongside, compiled
@@ -1710,7 +1705,7 @@ fuzz_checks() {
 }
 
 cmd_fuzz() {
-    ensure_pkgs $PKGS_BUILD $PKGS_FUZZ
+    packages build fuzz
     fuzz_available || { echo "build.sh fuzz: clang cannot build a libFuzzer harness"; exit 1; }
     fuzz_build || exit 1
     fuzz_run "${1:-60}"
@@ -1856,9 +1851,7 @@ unit_summary() {
 # cmocka suite's shards run side by side (run_checks); the suite's summed
 # summary is the last line.  DT_JOBS=1 runs one thing at a time.
 cmd_test() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_FUZZ $PKGS_PYTHON python3-pip \
-        python3-setuptools qemu-user iproute2 iputils-ping \
-        python3-prometheus-client chromium python3-torch slurm-wlm munge
+    packages build data fuzz python ci
     mkdir -p $BUILD/test
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local t0=$SECONDS shards=${DT_TEST_SHARDS:-4} k checks=() ok=1
@@ -1878,7 +1871,7 @@ cmd_test() {
     [ "${DT_QUICK:-0}" = 1 ] || checks+=(fuzz_checks staged_checks monitor_checks python_checks example_checks ps_checks
              embed_checks "bash tests/args_check.sh $PWD/$BUILD/test" gpt_checks elastic_checks
              multihost_check preempt_checks zero_checks amp_checks pipeline_checks readme_vendoring_checks
-             api_doc_checks "bash tests/install_check.sh" launcher_checks
+             api_doc_checks "bash tests/install_check.sh" launcher_checks makefile_checks
              plugin_checks "readme_example '$san'" gpu_checks baseline_kernels_check)
     rm -rf $BUILD/test/logs
     run_checks "${checks[@]}" || ok=0
@@ -1901,7 +1894,6 @@ cmd_test() {
 # repetition's output is $BUILD/stress/rep-N.log; the last line says how
 # many failed, and which tests.
 cmd_stress() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST
     local san="-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
     local reps=${DT_STRESS_REPS:-30} hogs=${DT_STRESS_HOGS:-$(nproc)} i hog_pids=() failed=0 t0=$SECONDS
     mkdir -p $BUILD/test
@@ -1933,7 +1925,7 @@ stress_rep() {
 }
 
 cmd_demo() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA
+    packages build data
     build_lib
     build_examples
     local ranks=${DT_RANKS:-2} threads
@@ -1943,7 +1935,7 @@ cmd_demo() {
 }
 
 cmd_valgrind() {
-    ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST
+    packages build data test
     mkdir -p $BUILD/vg
     $CC $WARN -O1 -g $CPU_DEFS -I. examples/fashion_mnist.c $CORE_SRC $CPU_LIBS -o $BUILD/vg/fashion_mnist
     OPENBLAS_NUM_THREADS=1 valgrind --leak-check=full --show-leak-kinds=definite,indirect,possible \
@@ -1954,7 +1946,7 @@ cmd_valgrind() {
 case "${1:-build}" in
     build) cmd_build ;;
     python) cmd_python ;;
-    deps) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_TEST ;;
+    deps) packages build data test ;;
     test) cmd_test ;;
     quick) DT_QUICK=1 cmd_test ;;
     stress) cmd_stress ;;
@@ -1963,8 +1955,8 @@ case "${1:-build}" in
     demo) shift; cmd_demo "$@" ;;
     valgrind) cmd_valgrind ;;
     fuzz) shift; cmd_fuzz "$@" ;;
-    bench) ensure_pkgs $PKGS_BUILD $PKGS_DATA $PKGS_BENCH; build_lib; bash tests/bench/run.sh ;;
-    install) shift; ensure_pkgs $PKGS_BUILD; cmd_install "$@" ;;
+    bench) packages build data bench; build_lib; bash tests/bench/run.sh ;;
+    install) shift; cmd_install "$@" ;;
     clean) rm -rf $BUILD ;;
     *) echo "usage: ./build.sh [build|deps|test|quick|stress|amalgamate|gpu|demo|valgrind|bench|fuzz [SECONDS]|install|clean]" >&2; exit 2 ;;
 esac
