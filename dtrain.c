@@ -1247,71 +1247,6 @@ typedef struct strbuf {
     int oom;
 } strbuf;
 
-typedef struct ckpt_item {
-    const char *name;    /* safetensors key */
-    dt_tensor *t;
-    dt_dtype store;      /* as stored: DT_F32, DT_BF16 or DT_F16 */
-    int64_t off, cnt;    /* cnt >= 0: only floats [off, off + cnt) of t, stored 1-D (a
-                            shard's slice); cnt < 0: all of t, in its shape */
-} ckpt_item;
-
-/* --- a small strict JSON reader for the safetensors header -------------- */
-
-typedef struct json {
-    const char *p, *end;
-    int depth;
-} json;
-
-/* The longest tensor name a checkpoint holds: "optim.", a parameter's name
- * (DT_MAX_NAME with its NUL), "." and a state's name, and in a shard "@"
- * and a float offset (20 digits). */
-#define ST_MAX_KEY (DT_MAX_NAME + 48)
-
-typedef struct st_entry {
-    char name[ST_MAX_KEY];
-    int dtype;           /* DT_F32, DT_BF16, DT_F16, or -1 for another type */
-    int ndim;
-    int64_t shape[DT_MAX_DIMS];
-    uint64_t begin, end;
-    int used;
-    int has_crc;         /* dtrain.crc32.<name> gave crc */
-    uint32_t crc;
-} st_entry;
-
-/* The dtrain.* metadata keys a checkpoint may hold (st_file.seen). */
-enum {
-    ST_STEP = 1, ST_OPT_KIND = 2, ST_OPT_STEPS = 4, ST_OPT_LR = 8, ST_OPT_PSTEPS = 16,
-    ST_CHECKSUM = 32, ST_HEADER_CRC = 64, ST_SHARD = 128,
-    ST_OPT_ALL = ST_OPT_KIND | ST_OPT_STEPS | ST_OPT_LR | ST_OPT_PSTEPS
-};
-
-/* A dtrain.crc32.<name> key, kept until the entries are known. */
-typedef struct st_crc {
-    char name[ST_MAX_KEY];
-    uint32_t crc;
-} st_crc;
-
-typedef struct st_file {
-    dt_ctx *ctx;               /* its allocator */
-    st_entry *e;
-    int n, cap;
-    unsigned seen;             /* ST_* keys present */
-    int64_t step, optim_steps;
-    int shard_rank, shard_world;   /* dtrain.shard "r/N": one shard of a sharded checkpoint */
-    int optim_kind;
-    int optim_nlr;             /* dtrain.optim.lr: each parameter group's base lr */
-    float optim_lr[DT_OPTIM_MAX_GROUPS];
-    uint32_t header_crc;       /* dtrain.header_crc32 */
-    char *param_steps;         /* host_alloc'ed: any length */
-    st_crc *crc;
-    int n_crc, cap_crc;
-    char *val;                 /* scratch for one metadata value (the header's length) */
-    size_t val_cap;
-    char why[ST_MAX_KEY + 96];    /* what was wrong with the metadata */
-    const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
-    char want_val[4096];
-    int found;
-} st_file;
 /* --- src/data.c --- */
 
 /* A sample's input or target (src/dataset.c): the caller's field, its
@@ -1636,46 +1571,8 @@ DT_PRIVATE void loader_quiesce(dt_loader *ld);
 
 enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_TIME = 5, OP_ADD = 6, OP_REPLY = 0x80 };
 
-typedef struct launcher_vars {
-    const char *name, *rank, *world, *local_rank, *local_world;
-} launcher_vars;
+typedef struct store_server store_server;   /* src/store.c */
 
-/* --- the store's server (rank 0, its own thread) ------------------------- */
-
-typedef struct kv_entry {
-    char *key;
-    unsigned char *val;
-    uint32_t len;
-} kv_entry;
-
-typedef struct store_client {
-    int fd;
-    int hello;                 /* 1 once the token was accepted */
-    int rank;                  /* from the hello */
-    int bye;                   /* left cleanly: its close is not a death */
-    uint32_t inc;              /* its process's incarnation (0: the first; see find_rejoin) */
-    unsigned char *buf;        /* partial incoming frame */
-    size_t have, cap;
-    unsigned char *out;        /* replies the socket has not taken yet */
-    size_t out_off, out_len, out_cap;
-    char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
-    double wait_deadline;
-    int waiting;
-} store_client;
-
-typedef struct store_server {
-    dt_allocator al;
-    int listen_fd, port, world;
-    int stop_pipe[2];
-    char token[DT_STORE_MAX_TOKEN + 1];
-    size_t token_len;
-    kv_entry *kv;
-    int nkv, cap_kv;
-    store_client *cl;
-    int ncl, cap_cl;
-    double drain_until;        /* stopping: serve until the others leave or then */
-    pthread_t thread;
-} store_server;
 
 struct dt_store {
     dt_ctx *ctx;
@@ -2001,21 +1898,6 @@ typedef struct p2p_call {
     uint32_t sseq, rseq;
 } p2p_call;
 /* --- src/launch.c --- */
-#define DT_SPAWN_LINE 4096
-
-typedef struct spawn_stream {
-    int fd;                    /* read end, -1 once closed */
-    int out;                   /* 1 or 2 */
-    char buf[DT_SPAWN_LINE];
-    size_t have;
-} spawn_stream;
-
-typedef struct spawn_rank {
-    pid_t pid;
-    int exited, status;
-    int killed_late;           /* still running at the grace period's end: SIGKILLed */
-    spawn_stream s[2];
-} spawn_rank;
 /* --- src/ddp.c --- */
 
 typedef struct ddp_bucket {
@@ -2156,15 +2038,6 @@ struct dt_ddp {
 typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first,
                                 void *acc);
 
-typedef struct eval_sums {
-    double samples, correct, loss;
-    double sum, count;         /* the metric's (LOSS, USER) */
-    const dt_eval_config *cfg;
-} eval_sums;
-
-typedef struct predict_acc {
-    float *local;              /* this rank's predictions, in its sample order */
-} predict_acc;
 /* --- src/replicas.c --- */
 
 struct dt_dp {
@@ -2609,7 +2482,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2613 "dtrain.c"
+#line 2486 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -3213,7 +3086,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3217 "dtrain.c"
+#line 3090 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3504,7 +3377,7 @@ void dt_mem_reset_peak(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3508 "dtrain.c"
+#line 3381 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -4048,7 +3921,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 4052 "dtrain.c"
+#line 3925 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4369,7 +4242,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4373 "dtrain.c"
+#line 4246 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4453,7 +4326,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4457 "dtrain.c"
+#line 4330 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -4983,7 +4856,7 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 4987 "dtrain.c"
+#line 4860 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5206,7 +5079,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5210 "dtrain.c"
+#line 5083 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -6538,7 +6411,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     nd->user = user;
     return out;
 }
-#line 6542 "dtrain.c"
+#line 6415 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -7071,7 +6944,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7075 "dtrain.c"
+#line 6948 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7235,7 +7108,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7239 "dtrain.c"
+#line 7112 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -8179,7 +8052,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8183 "dtrain.c"
+#line 8056 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -8195,6 +8068,74 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
  * optimizer state is stored as "optim.<param>.<state>".  Loading reads and
  * checks the whole file before it copies anything into the model.
  * ======================================================================== */
+
+/* The checkpoint's own types: nothing outside this file sees them. */
+
+typedef struct ckpt_item {
+    const char *name;    /* safetensors key */
+    dt_tensor *t;
+    dt_dtype store;      /* as stored: DT_F32, DT_BF16 or DT_F16 */
+    int64_t off, cnt;    /* cnt >= 0: only floats [off, off + cnt) of t, stored 1-D (a
+                            shard's slice); cnt < 0: all of t, in its shape */
+} ckpt_item;
+
+/* --- a small strict JSON reader for the safetensors header -------------- */
+
+typedef struct json {
+    const char *p, *end;
+    int depth;
+} json;
+
+/* The longest tensor name a checkpoint holds: "optim.", a parameter's name
+ * (DT_MAX_NAME with its NUL), "." and a state's name, and in a shard "@"
+ * and a float offset (20 digits). */
+#define ST_MAX_KEY (DT_MAX_NAME + 48)
+
+typedef struct st_entry {
+    char name[ST_MAX_KEY];
+    int dtype;           /* DT_F32, DT_BF16, DT_F16, or -1 for another type */
+    int ndim;
+    int64_t shape[DT_MAX_DIMS];
+    uint64_t begin, end;
+    int used;
+    int has_crc;         /* dtrain.crc32.<name> gave crc */
+    uint32_t crc;
+} st_entry;
+
+/* The dtrain.* metadata keys a checkpoint may hold (st_file.seen). */
+enum {
+    ST_STEP = 1, ST_OPT_KIND = 2, ST_OPT_STEPS = 4, ST_OPT_LR = 8, ST_OPT_PSTEPS = 16,
+    ST_CHECKSUM = 32, ST_HEADER_CRC = 64, ST_SHARD = 128,
+    ST_OPT_ALL = ST_OPT_KIND | ST_OPT_STEPS | ST_OPT_LR | ST_OPT_PSTEPS
+};
+
+/* A dtrain.crc32.<name> key, kept until the entries are known. */
+typedef struct st_crc {
+    char name[ST_MAX_KEY];
+    uint32_t crc;
+} st_crc;
+
+typedef struct st_file {
+    dt_ctx *ctx;               /* its allocator */
+    st_entry *e;
+    int n, cap;
+    unsigned seen;             /* ST_* keys present */
+    int64_t step, optim_steps;
+    int shard_rank, shard_world;   /* dtrain.shard "r/N": one shard of a sharded checkpoint */
+    int optim_kind;
+    int optim_nlr;             /* dtrain.optim.lr: each parameter group's base lr */
+    float optim_lr[DT_OPTIM_MAX_GROUPS];
+    uint32_t header_crc;       /* dtrain.header_crc32 */
+    char *param_steps;         /* host_alloc'ed: any length */
+    st_crc *crc;
+    int n_crc, cap_crc;
+    char *val;                 /* scratch for one metadata value (the header's length) */
+    size_t val_cap;
+    char why[ST_MAX_KEY + 96];    /* what was wrong with the metadata */
+    const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
+    char want_val[4096];
+    int found;
+} st_file;
 
 #define DT_CKPT_MAX_HEADER ((uint64_t)100 << 20)   /* safetensors' own limit */
 #define DT_CKPT_MAX_FILE ((uint64_t)1 << 40)
@@ -10456,7 +10397,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10460 "dtrain.c"
+#line 10401 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11029,7 +10970,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11033 "dtrain.c"
+#line 10974 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -11838,7 +11779,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 11842 "dtrain.c"
+#line 11783 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12409,7 +12350,7 @@ int64_t dt_loader_batches_stolen(const dt_loader *ld) { return ld && ld->steal ?
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12413 "dtrain.c"
+#line 12354 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -12433,6 +12374,49 @@ double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.
  * is answered with an error and disconnected; the server keeps serving the
  * others.
  * ======================================================================== */
+
+/* The store's own types: the rest of the core sees a store_server only by pointer. */
+
+typedef struct launcher_vars {
+    const char *name, *rank, *world, *local_rank, *local_world;
+} launcher_vars;
+
+/* --- the store's server (rank 0, its own thread) ------------------------- */
+
+typedef struct kv_entry {
+    char *key;
+    unsigned char *val;
+    uint32_t len;
+} kv_entry;
+
+typedef struct store_client {
+    int fd;
+    int hello;                 /* 1 once the token was accepted */
+    int rank;                  /* from the hello */
+    int bye;                   /* left cleanly: its close is not a death */
+    uint32_t inc;              /* its process's incarnation (0: the first; see find_rejoin) */
+    unsigned char *buf;        /* partial incoming frame */
+    size_t have, cap;
+    unsigned char *out;        /* replies the socket has not taken yet */
+    size_t out_off, out_len, out_cap;
+    char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
+    double wait_deadline;
+    int waiting;
+} store_client;
+
+struct store_server {
+    dt_allocator al;
+    int listen_fd, port, world;
+    int stop_pipe[2];
+    char token[DT_STORE_MAX_TOKEN + 1];
+    size_t token_len;
+    kv_entry *kv;
+    int nkv, cap_kv;
+    store_client *cl;
+    int ncl, cap_cl;
+    double drain_until;        /* stopping: serve until the others leave or then */
+    pthread_t thread;
+};
 
 #define DT_STORE_MAGIC 0x4454u          /* "DT" */
 #define DT_STORE_VERSION 1
@@ -13528,7 +13512,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13532 "dtrain.c"
+#line 13516 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -15431,7 +15415,7 @@ const char *dt_comm_intra_host(const dt_comm *c)
 {
     return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
 }
-#line 15435 "dtrain.c"
+#line 15419 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -15908,7 +15892,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 15912 "dtrain.c"
+#line 15896 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -16660,7 +16644,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 16664 "dtrain.c"
+#line 16648 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -16912,7 +16896,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 16916 "dtrain.c"
+#line 16900 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -16922,6 +16906,18 @@ const char *dt_preempt_report(dt_ctx *ctx)
  * Evaluation and inference over a dataset (dt_evaluate, dt_predict): alone,
  * or sharded over a communicator's ranks with the results combined.
  * ======================================================================== */
+
+/* The evaluation's own types: nothing outside this file sees them. */
+
+typedef struct eval_sums {
+    double samples, correct, loss;
+    double sum, count;         /* the metric's (LOSS, USER) */
+    const dt_eval_config *cfg;
+} eval_sums;
+
+typedef struct predict_acc {
+    float *local;              /* this rank's predictions, in its sample order */
+} predict_acc;
 
 void dt_eval_config_init(dt_eval_config *cfg)
 {
@@ -17192,7 +17188,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17196 "dtrain.c"
+#line 17192 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -17212,6 +17208,24 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
  * would otherwise keep the drain waiting).  Once every rank has exited the
  * drain is bounded (DT_SPAWN_DRAIN_S).
  * ======================================================================== */
+
+/* The launcher's own types: nothing outside this file sees them. */
+
+#define DT_SPAWN_LINE 4096
+
+typedef struct spawn_stream {
+    int fd;                    /* read end, -1 once closed */
+    int out;                   /* 1 or 2 */
+    char buf[DT_SPAWN_LINE];
+    size_t have;
+} spawn_stream;
+
+typedef struct spawn_rank {
+    pid_t pid;
+    int exited, status;
+    int killed_late;           /* still running at the grace period's end: SIGKILLed */
+    spawn_stream s[2];
+} spawn_rank;
 
 #define DT_SPAWN_MAX_RANKS 1024
 #define DT_SPAWN_DRAIN_S 2.0   /* output still read after the last rank exited */
@@ -17689,7 +17703,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 17693 "dtrain.c"
+#line 17707 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -18773,7 +18787,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 18777 "dtrain.c"
+#line 18791 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -18955,7 +18969,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 18959 "dtrain.c"
+#line 18973 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20347,7 +20361,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20351 "dtrain.c"
+#line 20365 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -21789,7 +21803,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 21793 "dtrain.c"
+#line 21807 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23179,7 +23193,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23183 "dtrain.c"
+#line 23197 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -24649,7 +24663,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 24653 "dtrain.c"
+#line 24667 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25035,7 +25049,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25039 "dtrain.c"
+#line 25053 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25255,7 +25269,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25259 "dtrain.c"
+#line 25273 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25413,7 +25427,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25417 "dtrain.c"
+#line 25431 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26444,7 +26458,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26448 "dtrain.c"
+#line 26462 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -30799,7 +30813,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 30803 "dtrain.c"
+#line 30817 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32024,7 +32038,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32028 "dtrain.c"
+#line 32042 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32203,6 +32217,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32207 "dtrain.c"
+#line 32221 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

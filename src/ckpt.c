@@ -11,6 +11,74 @@
  * checks the whole file before it copies anything into the model.
  * ======================================================================== */
 
+/* The checkpoint's own types: nothing outside this file sees them. */
+
+typedef struct ckpt_item {
+    const char *name;    /* safetensors key */
+    dt_tensor *t;
+    dt_dtype store;      /* as stored: DT_F32, DT_BF16 or DT_F16 */
+    int64_t off, cnt;    /* cnt >= 0: only floats [off, off + cnt) of t, stored 1-D (a
+                            shard's slice); cnt < 0: all of t, in its shape */
+} ckpt_item;
+
+/* --- a small strict JSON reader for the safetensors header -------------- */
+
+typedef struct json {
+    const char *p, *end;
+    int depth;
+} json;
+
+/* The longest tensor name a checkpoint holds: "optim.", a parameter's name
+ * (DT_MAX_NAME with its NUL), "." and a state's name, and in a shard "@"
+ * and a float offset (20 digits). */
+#define ST_MAX_KEY (DT_MAX_NAME + 48)
+
+typedef struct st_entry {
+    char name[ST_MAX_KEY];
+    int dtype;           /* DT_F32, DT_BF16, DT_F16, or -1 for another type */
+    int ndim;
+    int64_t shape[DT_MAX_DIMS];
+    uint64_t begin, end;
+    int used;
+    int has_crc;         /* dtrain.crc32.<name> gave crc */
+    uint32_t crc;
+} st_entry;
+
+/* The dtrain.* metadata keys a checkpoint may hold (st_file.seen). */
+enum {
+    ST_STEP = 1, ST_OPT_KIND = 2, ST_OPT_STEPS = 4, ST_OPT_LR = 8, ST_OPT_PSTEPS = 16,
+    ST_CHECKSUM = 32, ST_HEADER_CRC = 64, ST_SHARD = 128,
+    ST_OPT_ALL = ST_OPT_KIND | ST_OPT_STEPS | ST_OPT_LR | ST_OPT_PSTEPS
+};
+
+/* A dtrain.crc32.<name> key, kept until the entries are known. */
+typedef struct st_crc {
+    char name[ST_MAX_KEY];
+    uint32_t crc;
+} st_crc;
+
+typedef struct st_file {
+    dt_ctx *ctx;               /* its allocator */
+    st_entry *e;
+    int n, cap;
+    unsigned seen;             /* ST_* keys present */
+    int64_t step, optim_steps;
+    int shard_rank, shard_world;   /* dtrain.shard "r/N": one shard of a sharded checkpoint */
+    int optim_kind;
+    int optim_nlr;             /* dtrain.optim.lr: each parameter group's base lr */
+    float optim_lr[DT_OPTIM_MAX_GROUPS];
+    uint32_t header_crc;       /* dtrain.header_crc32 */
+    char *param_steps;         /* host_alloc'ed: any length */
+    st_crc *crc;
+    int n_crc, cap_crc;
+    char *val;                 /* scratch for one metadata value (the header's length) */
+    size_t val_cap;
+    char why[ST_MAX_KEY + 96];    /* what was wrong with the metadata */
+    const char *want_key;      /* dt_checkpoint_metadata: the key looked for, its value */
+    char want_val[4096];
+    int found;
+} st_file;
+
 #define DT_CKPT_MAX_HEADER ((uint64_t)100 << 20)   /* safetensors' own limit */
 #define DT_CKPT_MAX_FILE ((uint64_t)1 << 40)
 #define DT_JSON_MAX_DEPTH 8

@@ -16,46 +16,8 @@
 
 enum { OP_HELLO = 1, OP_SET = 2, OP_GET = 3, OP_BYE = 4, OP_TIME = 5, OP_ADD = 6, OP_REPLY = 0x80 };
 
-typedef struct launcher_vars {
-    const char *name, *rank, *world, *local_rank, *local_world;
-} launcher_vars;
+typedef struct store_server store_server;   /* src/store.c */
 
-/* --- the store's server (rank 0, its own thread) ------------------------- */
-
-typedef struct kv_entry {
-    char *key;
-    unsigned char *val;
-    uint32_t len;
-} kv_entry;
-
-typedef struct store_client {
-    int fd;
-    int hello;                 /* 1 once the token was accepted */
-    int rank;                  /* from the hello */
-    int bye;                   /* left cleanly: its close is not a death */
-    uint32_t inc;              /* its process's incarnation (0: the first; see find_rejoin) */
-    unsigned char *buf;        /* partial incoming frame */
-    size_t have, cap;
-    unsigned char *out;        /* replies the socket has not taken yet */
-    size_t out_off, out_len, out_cap;
-    char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
-    double wait_deadline;
-    int waiting;
-} store_client;
-
-typedef struct store_server {
-    dt_allocator al;
-    int listen_fd, port, world;
-    int stop_pipe[2];
-    char token[DT_STORE_MAX_TOKEN + 1];
-    size_t token_len;
-    kv_entry *kv;
-    int nkv, cap_kv;
-    store_client *cl;
-    int ncl, cap_cl;
-    double drain_until;        /* stopping: serve until the others leave or then */
-    pthread_t thread;
-} store_server;
 
 struct dt_store {
     dt_ctx *ctx;
@@ -381,21 +343,6 @@ typedef struct p2p_call {
     uint32_t sseq, rseq;
 } p2p_call;
 /* --- src/launch.c --- */
-#define DT_SPAWN_LINE 4096
-
-typedef struct spawn_stream {
-    int fd;                    /* read end, -1 once closed */
-    int out;                   /* 1 or 2 */
-    char buf[DT_SPAWN_LINE];
-    size_t have;
-} spawn_stream;
-
-typedef struct spawn_rank {
-    pid_t pid;
-    int exited, status;
-    int killed_late;           /* still running at the grace period's end: SIGKILLed */
-    spawn_stream s[2];
-} spawn_rank;
 /* --- src/ddp.c --- */
 
 typedef struct ddp_bucket {
@@ -536,15 +483,6 @@ struct dt_ddp {
 typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first,
                                 void *acc);
 
-typedef struct eval_sums {
-    double samples, correct, loss;
-    double sum, count;         /* the metric's (LOSS, USER) */
-    const dt_eval_config *cfg;
-} eval_sums;
-
-typedef struct predict_acc {
-    float *local;              /* this rank's predictions, in its sample order */
-} predict_acc;
 /* --- src/replicas.c --- */
 
 struct dt_dp {

@@ -5,6 +5,18 @@
  * or sharded over a communicator's ranks with the results combined.
  * ======================================================================== */
 
+/* The evaluation's own types: nothing outside this file sees them. */
+
+typedef struct eval_sums {
+    double samples, correct, loss;
+    double sum, count;         /* the metric's (LOSS, USER) */
+    const dt_eval_config *cfg;
+} eval_sums;
+
+typedef struct predict_acc {
+    float *local;              /* this rank's predictions, in its sample order */
+} predict_acc;
+
 void dt_eval_config_init(dt_eval_config *cfg)
 {
     if (!cfg)

@@ -15,6 +15,24 @@
  * drain is bounded (DT_SPAWN_DRAIN_S).
  * ======================================================================== */
 
+/* The launcher's own types: nothing outside this file sees them. */
+
+#define DT_SPAWN_LINE 4096
+
+typedef struct spawn_stream {
+    int fd;                    /* read end, -1 once closed */
+    int out;                   /* 1 or 2 */
+    char buf[DT_SPAWN_LINE];
+    size_t have;
+} spawn_stream;
+
+typedef struct spawn_rank {
+    pid_t pid;
+    int exited, status;
+    int killed_late;           /* still running at the grace period's end: SIGKILLed */
+    spawn_stream s[2];
+} spawn_rank;
+
 #define DT_SPAWN_MAX_RANKS 1024
 #define DT_SPAWN_DRAIN_S 2.0   /* output still read after the last rank exited */
 

@@ -19,6 +19,49 @@
  * others.
  * ======================================================================== */
 
+/* The store's own types: the rest of the core sees a store_server only by pointer. */
+
+typedef struct launcher_vars {
+    const char *name, *rank, *world, *local_rank, *local_world;
+} launcher_vars;
+
+/* --- the store's server (rank 0, its own thread) ------------------------- */
+
+typedef struct kv_entry {
+    char *key;
+    unsigned char *val;
+    uint32_t len;
+} kv_entry;
+
+typedef struct store_client {
+    int fd;
+    int hello;                 /* 1 once the token was accepted */
+    int rank;                  /* from the hello */
+    int bye;                   /* left cleanly: its close is not a death */
+    uint32_t inc;              /* its process's incarnation (0: the first; see find_rejoin) */
+    unsigned char *buf;        /* partial incoming frame */
+    size_t have, cap;
+    unsigned char *out;        /* replies the socket has not taken yet */
+    size_t out_off, out_len, out_cap;
+    char wait_key[DT_STORE_MAX_KEY + 1];   /* parked GET */
+    double wait_deadline;
+    int waiting;
+} store_client;
+
+struct store_server {
+    dt_allocator al;
+    int listen_fd, port, world;
+    int stop_pipe[2];
+    char token[DT_STORE_MAX_TOKEN + 1];
+    size_t token_len;
+    kv_entry *kv;
+    int nkv, cap_kv;
+    store_client *cl;
+    int ncl, cap_cl;
+    double drain_until;        /* stopping: serve until the others leave or then */
+    pthread_t thread;
+};
+
 #define DT_STORE_MAGIC 0x4454u          /* "DT" */
 #define DT_STORE_VERSION 1
 #define DT_STORE_MAX_FRAME (DT_STORE_MAX_VALUE + DT_STORE_MAX_KEY + 64)
