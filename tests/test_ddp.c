@@ -1565,6 +1565,33 @@ static const char *ps_stop_pid_path(void)
     return path;
 }
 
+/* ps_killer's mark, made just before the server dies or stops: the workers
+ * of a job whose first server is killed wait for it before their last step,
+ * so the death always lands mid-training (under load a 250 ms nap could
+ * outlast the whole run, and the job ended without the failover it tests). */
+static pid_t ps_kill_owner;
+static const char *ps_killed_path(void)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/dtrain-ps-killed-%d", (int)ps_kill_owner);
+    return path;
+}
+
+static void ps_await_kill(void)
+{
+    for (int i = 0; i < 3000 && access(ps_killed_path(), F_OK) != 0; i++) {
+        struct timespec nap = {0, 10 * 1000 * 1000};
+        nanosleep(&nap, NULL);
+    }
+}
+
+static void ps_mark_killed(void)
+{
+    FILE *f = fopen(ps_killed_path(), "w");
+    if (f)
+        fclose(f);
+}
+
 /* Worker 0, done with its steps: wake the stopped server, which must find
  * itself written off and stop serving (ps_rank's server side checks). */
 static void ps_wake_stopped(void)
@@ -1587,6 +1614,7 @@ static void *ps_killer(void *arg)
         nanosleep(&poll, NULL);
     nanosleep(&t, NULL);
     pthread_mutex_lock(&ps_tp_guard);   /* (held to the end: no transport call starts) */
+    ps_mark_killed();
     if (ps_stop) {   /* alive, silent: a worker may wake it (SIGCONT), else the harness kills it */
         FILE *f = fopen(ps_stop_pid_path(), "w");
         if (f) {
@@ -1738,6 +1766,8 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     for (int s = 0; s < ps_steps; s++) {
         if (rank == ps_die_worker && s == 2 && !ps_die_ms)
             _exit(0);   /* gone without a word */
+        if (ps_kill_ms && ps_kill_rank < 0 && ps_die_worker < 0 && s == ps_steps - 1)
+            ps_await_kill();   /* the first server is gone (or stopped) before the last step */
         if (rank == ps_slow_worker) {
             struct timespec nap = {0, 30 * 1000 * 1000};
             nanosleep(&nap, NULL);
@@ -1822,6 +1852,8 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 
 static void ps_reset(void)
 {
+    ps_kill_owner = getpid();
+    unlink(ps_killed_path());
     ps_servers = 1;
     ps_mode = DT_PS_BSP;
     ps_staleness = 0;
