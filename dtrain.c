@@ -890,6 +890,10 @@ struct dt_node {
     dt_segment_fn seg_fn;          /* recompute: the segment function */
     void *user;                    /* recompute, a custom op: the user pointer */
     dt_custom_backward_fn custom;  /* a custom op's backward (dt_custom_op) */
+    /* what the node reads beyond in[] (tape_node_reads): concat's inputs,
+     * kept aside as there may be any number; a recompute segment's parameters */
+    dt_tensor *const *reads;
+    int n_reads, reads_aside;      /* reads_aside: reads, not in[], is what it reads */
 };
 
 /* What an op keeps for its backward, by position in the node (iarg, farg,
@@ -902,11 +906,7 @@ typedef struct node_args {
     void *aux[4];
 } node_args;
 
-typedef struct dt_chunk {
-    struct dt_chunk *next;
-    char *base;
-    size_t size, used;
-} dt_chunk;
+typedef struct dt_chunk dt_chunk;
 
 /* A block given back to its arena before the reset (arena_give_back). */
 typedef struct dt_arena_hole {
@@ -1146,19 +1146,8 @@ typedef float (*sample_fn)(uint64_t s[4], float a, float b);
 #define IP(t) ((int32_t *)(t)->data)
 /* --- src/ops.c --- */
 
-/* The last two dims of x as a GEMM operand: row-major (t = 0) or
- * column-major (t = 1, a transposed view) with leading dimension ld. */
-typedef struct gemm_operand {
-    const float *p;
-    int64_t ld, batch_stride;
-    int t;
-} gemm_operand;
-/* --- src/recompute.c --- */
-
-typedef struct arena_switch {
-    dt_arena *dev, *host;
-    dt_arena_mark dev_mark, host_mark;
-} arena_switch;
+typedef struct gemm_operand gemm_operand;
+typedef struct arena_switch arena_switch;
 /* --- src/optim.c --- */
 
 /* One parameter's part of a sharded optimizer step (src/zero.c sets them):
@@ -1207,20 +1196,7 @@ struct dt_optim {
                                    job that no longer exists */
 };
 
-/* --- dynamic loss scaling (fp16) ------------------------------------------
- * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
- * squares the backend already has (in double, so no finite f32 gradient
- * can overflow it; an inf or NaN anywhere makes it non-finite). */
-
-struct dt_loss_scaler {
-    dt_ctx *ctx;
-    dt_loss_scale_config cfg;
-    float scale;
-    int good_steps;            /* in a row since the last overflow or growth */
-    int pending;               /* a scaled backward ran since the last step */
-    int unscaled, found_inf;   /* this step's gradients were divided by scale */
-    int64_t skipped;
-};
+struct dt_loss_scaler;
 /* A checkpoint's parameter groups' base lrs (n of them) into o's groups:
  * DT_EMISMATCH, nothing changed, when o has another number of groups. */
 /* The latest warning into out (cap bytes) and the number of warnings so
@@ -1312,30 +1288,15 @@ typedef struct loader_slot {
     int stolen;                /* it came from another shard's chunk */
 } loader_slot;
 
-/* Work stealing (dt_loader_steal): where the loader is in the chunks it
- * claimed, through its own store connection (the loader's thread claims). */
-typedef struct loader_steal {
-    dt_store *store;
-    dt_ctx *errors;            /* the connection's error sink (not the caller's ctx) */
-    int id, chunk;             /* the job-wide loader number; batches per chunk */
-    int64_t gen;               /* start_epoch calls so far: the claims' namespace (every
-                                  worker starts the same epochs, so they agree) */
-    int shard;                 /* the shard of the chunk in hand */
-    int64_t first, left;       /* its next batch (in that shard) and batches left */
-    int64_t own_next;          /* our shard's next chunk to claim */
-    unsigned char *dry;        /* per shard: nothing left to take there */
-    int64_t done, stolen;      /* batches given out this epoch, from other shards */
-    dt_status status;
-    char msg[DT_MAX_ERROR];
-} loader_steal;
-
 /* What the loader lets a higher layer decide, instead of calling it: work
- * stealing registers these in dt_loader_steal (src/steal.c, steal_source).
+ * stealing registers these in dt_loader_steal (src/steal.c, steal_source)
+ * with its state (loader_set_source), which the loader never reads.
  * next: the batch of the chunk in hand (its shard, whether stolen), -1 when
- * none is left anywhere; start_epoch: a new epoch's chunks; release: the
- * loader is being freed. */
+ * none is left anywhere (then failed says whether that was an error);
+ * start_epoch: a new epoch's chunks; release: the loader is being freed. */
 typedef struct loader_source {
     int64_t (*next)(dt_loader *ld, int *shard, int *stolen);
+    dt_status (*failed)(const dt_loader *ld, const char **msg);
     void (*start_epoch)(dt_loader *ld, int64_t epoch);
     void (*release)(dt_loader *ld);
 } loader_source;
@@ -1359,8 +1320,9 @@ struct dt_loader {
     double *split;
     uint64_t split_gen;
     int64_t cur_offset, cur_count, cur_global;   /* the batch last given out */
-    loader_steal *steal;       /* NULL: no work stealing */
-    const loader_source *source;   /* with steal: where batches come from */
+    const loader_source *source;   /* NULL, or where batches come from (work stealing) */
+    void *source_state;        /* the source's, opaque to the loader */
+    int64_t source_done, source_stolen;   /* batches given out this epoch, from other shards */
     /* background thread */
     pthread_t thread;
     int has_thread, stop;
@@ -1379,6 +1341,12 @@ enum { EV_PHASE = 1, EV_STEP, EV_COLL, EV_PS, EV_BATCH, EV_STRAGGLER };
 
 /* src/record.c */
 DT_PRIVATE int prof_recording(const dt_ctx *ctx);
+DT_PRIVATE int prof_check_every(const dt_ctx *ctx);
+DT_PRIVATE void prof_balancing(dt_ctx *ctx, int on);
+DT_PRIVATE int prof_pause(dt_ctx *ctx);
+DT_PRIVATE void prof_resume(dt_ctx *ctx, int measure);
+DT_PRIVATE void prof_pipe_wait(dt_ctx *ctx, double t0);
+DT_PRIVATE void prof_pipe_bubble(dt_ctx *ctx, double ideal);
 DT_PRIVATE void prof_init(dt_ctx *ctx);
 DT_PRIVATE void prof_release(dt_ctx *ctx);
 DT_PRIVATE double prof_begin(dt_ctx *ctx);
@@ -1431,6 +1399,15 @@ DT_PRIVATE dt_status ctx_config_in(dt_ctx *ctx, void *own, size_t own_size, cons
 DT_PRIVATE const dt_backend_iface *ctx_find_backend(const char *name);
 DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk);
 DT_PRIVATE int ctx_ok(dt_ctx *ctx);
+/* The hooks a higher layer (DDP) registers with the context, and its
+ * pointer; ctx_swap_hook_user sets the pointer (NULL: hooks off) and
+ * returns the one before. */
+/* An error sink for another thread of ctx's work (a store connection's):
+ * a context that only collects errors, with ctx's allocator; NULL when out
+ * of memory; freed with host_free(ctx, sink). */
+DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx);
+DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user);
+DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
 
 /* src/arena.c */
 DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
@@ -1472,6 +1449,12 @@ DT_PRIVATE void strbuf_printf(strbuf *b, const char *fmt, ...) __attribute__((fo
 
 /* src/autograd.c */
 DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t);
+/* The tensors a recorded node reads (its in[], or its reads when it has
+ * them), as DDP's hooks count a parameter's last use: the count, *out the
+ * array.  tape_param_uses adds each recorded node's reads of ctx's
+ * parameters into uses[param_index] (nparams of them). */
+DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out);
+DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams);
 DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
 DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
@@ -1490,7 +1473,6 @@ DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x);
 DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n);
 DT_PRIVATE dt_status op_acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha);
 DT_PRIVATE dt_tensor *op_need_contig(dt_ctx *ctx, dt_tensor *x);
-DT_PRIVATE dt_status op_concat_backward(dt_ctx *ctx, dt_node *n);
 DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
                              int64_t m, int64_t n, int64_t k, float alpha, const float *a,
                              int64_t lda, int64_t stride_a, const float *b, int64_t ldb,
@@ -1506,6 +1488,25 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
+/* on: SGD's momentum is applied before the optimizer sees the gradient
+ * (top-k DDP keeps the velocity before sparsifying), so its step has none */
+DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on);
+/* What a checkpoint reads of an optimizer (src/ckpt.c): the parameters it
+ * steps, in order, each with per state tensors (dt_optim_state_at(o, i * per
+ * + j)), each parameter's steps, its kind, each group's base lr, whether
+ * its state is sharded across ranks (then parameter i's state starts at
+ * element optim_shard_lo of the parameter), and the context it is of;
+ * optim_restore_steps puts a loaded file's steps back. */
+DT_PRIVATE int optim_param_count(const dt_optim *o);
+DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i);
+DT_PRIVATE int optim_state_per(const dt_optim *o);
+DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o);
+DT_PRIVATE int optim_kind(const dt_optim *o);
+DT_PRIVATE float optim_base_lr(const dt_optim *o, int group);
+DT_PRIVATE int optim_is_sharded(const dt_optim *o);
+DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i);
+DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o);
+DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps);
 DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);
 DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
                                             const int64_t *shape, const char *name,
@@ -1550,6 +1551,14 @@ DT_PRIVATE void dataset_token_window(const dt_dataset *ds, int64_t i, void *x, v
 
 /* src/data.c */
 DT_PRIVATE void loader_quiesce(dt_loader *ld);
+/* A batch source for a higher layer (work stealing): the loader asks it for
+ * batches from the next epoch started on; state is the source's, freed by
+ * its release.  The accessors are what a source may read of the loader. */
+DT_PRIVATE void loader_set_source(dt_loader *ld, const loader_source *src, void *state);
+DT_PRIVATE void *loader_source_state(const dt_loader *ld);
+DT_PRIVATE dt_ctx *loader_ctx(const dt_loader *ld);
+DT_PRIVATE const dt_loader_config *loader_config(const dt_loader *ld);
+DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld);
 
 #endif /* DTRAIN_INTERNAL_H */
 #line 1 "src/dist.h"
@@ -1624,6 +1633,9 @@ enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, 
 
 /* The algorithm a work ran with, as run_work chose it (src/comm.c); the
  * profiler gets it with the rest of the record (comm_record, comm_alg_name). */
+/* comm_serial's kinds: numbers every rank draws in the same order, so they
+ * agree without a message (store keys of splits and stealing loaders) */
+enum { COMM_SERIAL_SPLIT, COMM_SERIAL_STEAL, COMM_SERIALS };
 enum { COMM_ALG_NONE, COMM_ALG_SEGMENT, COMM_ALG_HIERARCHICAL, COMM_ALG_DOUBLING, COMM_ALG_RING,
        COMM_ALG_TREE, COMM_ALG_PAIRWISE, COMM_ALG_RING16, COMM_ALG_EXT, COMM_ALG_P2P };
 
@@ -1736,7 +1748,6 @@ struct dt_comm {
     dt_transport *tp;
     int *alias, nalias;        /* transport peers world.. : the rank each is another
                                   endpoint of (comm_add_endpoint) */
-    dt_store *store;
     char provider[64];
     uint32_t next_seq;         /* caller's side: collectives issued */
     size_t max_msg;
@@ -1750,8 +1761,7 @@ struct dt_comm {
     int waiting_on;            /* the rank a stalled collective waits for, -1: none */
     int wait_published;        /* this collective wrote "wait/<rank>" (cleared when it ends well) */
     char broken_msg[DT_MAX_ERROR];
-    pthread_t thread;
-    int has_thread, stop;
+    int stop;
     int running;               /* a thread is inside run_work (it owns the transport) */
     /* The transport call the comm thread is in (comm_tp_poll and the rest):
      * since when (atomic; 0: none) and which.  A caller gives up on one that
@@ -1777,38 +1787,27 @@ struct dt_comm {
     seg_head *seg;             /* NULL: this host has one rank, or no segment */
     seg_rank *seg_ranks;
     char *seg_data;
-    size_t seg_bytes, seg_slot;
+    size_t seg_slot;
     size_t seg_chunk_small;    /* chunk of buffers up to SEG_LARGE (seg_chunk_floats) */
     uint32_t seg_phase, seg_chunk;
-    char seg_name[64], seg_why[200];
-    int seg_linked;            /* we created it and its name still exists */
+    char seg_why[200];
     int ext_jobs;              /* extension jobs (parameter servers) joined so far (their store keys) */
     const comm_ext_ops *ext_ops;  /* how to run COLL_EXT work (set by dt_ps_new) */
-    int steals_made;           /* work-stealing loaders made so far (their store keys) */
     uint32_t inc;              /* 0, or this rank's n-th restarted process (find_rejoin: rejoined,
                                   only the parameter server's requests work) */
-    int announced;             /* a restarted process told its peers it serves */
     uint32_t ext_requests;     /* COLL_EXT requests issued (not collectives: no sequence) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
-    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
-    double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
     struct xfers *graveyard;   /* comm thread: records holding orphaned sends (src/comm.c) */
     /* process groups (src/join.c) */
-    dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
     int *members;              /* a group's: the job rank of each group rank; NULL: the job */
     char label[96];            /* a group's: "group [1 3]: ", before its errors */
-    int splits_made;           /* dt_comm_split calls so far (their store keys) */
+    int serials[COMM_SERIALS]; /* comm_serial: numbers handed out so far, per kind */
     uint32_t *p2p_sent, *p2p_recvd;   /* point-to-point messages to / from each rank so far
                                   (caller's side; the k-th send meets the k-th receive) */
     /* liveness apart from progress: the job communicator's heartbeat thread
      * (src/join.c, join_heartbeat) publishes "/hb/<job rank>" every beat_ms on
      * its own store connection; a wait watches its peer's (comm_check_heartbeat) */
-    dt_store *hb;
-    dt_ctx *hb_errors;
-    pthread_t hb_thread;
-    int has_hb, hb_stop, beat_ms;
-    pthread_mutex_t hb_mu;
-    pthread_cond_t hb_cv;
+    int has_hb, beat_ms;
     int hb_peer;               /* comm thread: the rank whose heartbeat it watches (-1: none) */
     unsigned long long hb_beat; /* its latest beat seen */
     double hb_seen;            /* when that beat last changed (or the watch began) */
@@ -1865,14 +1864,7 @@ typedef struct xfers {
  * after the timeout (and by every survivor, not just its neighbours). */
 #define DT_COMM_WATCH_S 0.5
 
-struct seg_rank {
-    _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
-    _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
-    _Atomic uint32_t call_phase;            /* first phase of the call described below */
-    _Atomic uint32_t progress;              /* a leader's transfers completing between hosts */
-    _Atomic uint32_t kind, seq, root, op;
-    _Atomic int64_t n;
-};
+struct seg_rank;
 
 struct seg_head {
     uint32_t magic, nlocal;
@@ -1883,20 +1875,7 @@ struct seg_head {
 
 /* --- point to point ------------------------------------------------------- */
 
-/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
- * (either may be absent), posted together so an exchange cannot deadlock.
- * Tags: the check bits say "point to point" (no collective has them), the
- * sequence is the pair's message count, so the k-th send from a rank meets
- * the k-th receive posted for it; large messages go in max_msg chunks. */
-typedef struct p2p_call {
-    const float *send;
-    int64_t ns;
-    int dst;
-    float *recv;
-    int64_t nr;
-    int src;
-    uint32_t sseq, rseq;
-} p2p_call;
+typedef struct p2p_call p2p_call;
 /* --- src/launch.c --- */
 /* --- src/ddp.c --- */
 
@@ -1924,13 +1903,7 @@ typedef struct ddp_bucket {
     int lent;                  /* zero 2: its pool buffer's index, -1: none */
 } ddp_bucket;
 
-/* --- src/zero.c --- */
-
-typedef struct zero_buf {
-    float *mem;
-    int64_t cap;               /* floats */
-    int busy;                  /* lent to a bucket */
-} zero_buf;
+typedef struct zero_buf zero_buf;
 
 /* Sharded data parallelism: what a DDP with dt_ddp_config.zero keeps. */
 typedef struct zero_state {
@@ -2038,40 +2011,7 @@ struct dt_ddp {
 typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first,
                                 void *acc);
 
-/* --- src/replicas.c --- */
-
-struct dt_dp {
-    dt_ctx *ctx;               /* the caller's: errors */
-    int K;
-    dt_ctx **rc;               /* replica contexts */
-    void **model;
-    dt_optim **opt;
-    dt_dp_loss_fn loss;
-    dt_dp_free_fn free_model;
-    void *user;
-    pthread_t *thread;
-    struct dp_arg { struct dt_dp *dp; int k; } *args;   /* each worker's */
-    int threads_started, stop;
-    pthread_barrier_t bar;
-    int has_bar;
-    pthread_mutex_t mu;        /* start-up: workers wait for go (1) or abort (-1) */
-    pthread_cond_t cv;
-    int go, has_mu;
-    /* the step's inputs, staged on the host */
-    float *xh;
-    int32_t *yh;
-    size_t x_cap;
-    int64_t B, feat, xshape[DT_MAX_DIMS];
-    int xndim;
-    /* the flat gradient: parameter p at poff[p], G floats in all */
-    int np;
-    int64_t *poff, G;
-    float *avg;
-    unsigned char *used;
-    float *losses;
-    dt_status *status;
-    char (*msg)[DT_MAX_ERROR];
-};
+struct dt_dp;
 /* --- src/ps.c --- */
 #define PS_MAGIC 0x44545053u
 /* Pieces.  A message of `bytes` is ceil(bytes / chunk) messages.  With
@@ -2118,13 +2058,7 @@ typedef struct ps_peer {
     double hb_seen;              /* that changed (0: not read yet) */
 } ps_peer;
 
-/* A sparse push kept until its step is applied (BSP). */
-typedef struct ps_sparse_msg {
-    int table;
-    int64_t k, clock;
-    void *data;                /* k local row numbers (int64), then k * dim floats */
-    struct ps_sparse_msg *next;
-} ps_sparse_msg;
+typedef struct ps_sparse_msg ps_sparse_msg;
 
 /* A sparse table.  On a server: its rows r = i * S + server, i < count. */
 typedef struct ps_tab {
@@ -2222,40 +2156,15 @@ struct dt_ps {
     dt_ps_stats st;
 };
 
-/* Sparse requests.  The asked ids are sorted (by id, then position) so
- * each distinct row moves once and repeated rows' gradients are summed in
- * the caller's order: the same request gives the same bits. */
-typedef struct ps_idpos {
-    int64_t id, pos;
-} ps_idpos;
-/* --- src/hogwild.c --- */
+typedef struct ps_idpos ps_idpos;
+typedef struct hw_thread hw_thread;
 
-typedef struct hw_thread {
-    struct hogwild *hw;
-    int k;
-    dt_ctx *ctx;
-    void *model;
-    pthread_t tid;
-    int started;
-    double loss_sum;
-    int64_t steps, rows, dense;
-} hw_thread;
-
-typedef struct hogwild {
-    dt_ctx *ctx;
-    dt_hogwild_config cfg;
-    dt_hogwild_loss_fn loss;
-    void *user;
-    hw_thread *t;
-    int stop;                  /* atomic: a thread failed */
-    pthread_mutex_t mu;
-    dt_status status;
-    char msg[DT_MAX_ERROR];
-} hogwild;
+typedef struct hogwild hogwild;
 /* --- src/profile.c --- */
 
 /* --- the profiler at the end of the job: gather, trace, report ---------------------- */
 
+/* (in the header: the tests build reports from made-up heads) */
 typedef struct prof_blob_head {
     uint64_t magic;
     int64_t nev;
@@ -2271,49 +2180,13 @@ typedef struct prof_blob_head {
  * memory.  The tests build it from made-up heads too. */
 DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                    const char *trace_path);
-/* --- src/parallel.c --- */
+typedef struct pipe_slot pipe_slot;
 
-typedef struct pipe_slot {
-    dt_arena dev, host;
-    int busy;                  /* holds a micro-batch whose backward has not run */
-} pipe_slot;
+typedef struct pipe_mb pipe_mb;
 
-typedef struct pipe_mb {
-    int64_t off, rows;         /* its rows of the batch */
-    dt_tensor *in;             /* stage > 0: the received activation (a leaf) */
-    dt_tensor *out;            /* the stage's output, or the loss on the last stage */
-    dt_node *tape;             /* its forward's tape, until its backward */
-} pipe_mb;
+struct dt_pipe;
 
-struct dt_pipe {
-    dt_ctx *ctx;
-    dt_comm *comm;
-    dt_pipe_config cfg;
-    dt_stage_fn fn;
-    void *user;
-    int stage, stages;
-    pipe_slot *slots;
-    int nslots;
-    pipe_mb *mb;
-    int failed;                /* a step failed: the neighbours were told, no more steps */
-    /* the step under way */
-    int64_t batch;
-    int in_ndim, out_ndim;     /* the input's (stage > 0) and output's (not last) shapes, */
-    int64_t in_shape[DT_MAX_DIMS], out_shape[DT_MAX_DIMS];   /* dim 0: micro-batch 0's rows */
-    int header_sent, header_recvd;
-    float *sbuf, *rbuf;        /* host staging of what is sent and received */
-    int64_t sbuf_n, rbuf_n;
-    double loss, wait_s, compute_s;
-    uint64_t bytes;
-    dt_pipe_stats st;
-};
-
-/* --- a pipeline's micro-batch forward and backward ------------------------------ */
-
-typedef struct pipe_arenas {
-    dt_arena *dev, *host;
-    dt_node *tape;
-} pipe_arenas;
+typedef struct pipe_arenas pipe_arenas;
 
 /* ===========================================================================
  * What each distributed module offers the others
@@ -2331,6 +2204,36 @@ DT_PRIVATE dt_status store_clock_offset(dt_store *s, int rounds, double *offset,
 
 /* src/comm.c: the comm thread, transfers with a deadline, the collectives */
 DT_PRIVATE const char *comm_coll_name(int kind);
+/* The next number of a kind (COMM_SERIAL_*) on this communicator: 0, 1, ... */
+DT_PRIVATE int comm_serial(dt_comm *c, int kind);
+/* What a communicator is, for the modules above: its context, liveness and
+ * progress timeouts, incarnation (0, or this process's restart), largest
+ * message, transport endpoint, its own store connection that watches for
+ * deaths (NULL: none), a group's label ("" for the job), ranks on this
+ * host, and why it broke (NULL: it did not). */
+DT_PRIVATE dt_ctx *comm_ctx(const dt_comm *c);
+DT_PRIVATE int comm_timeout_ms(const dt_comm *c);
+DT_PRIVATE int comm_collective_timeout_ms(const dt_comm *c);
+DT_PRIVATE uint32_t comm_incarnation(const dt_comm *c);
+DT_PRIVATE size_t comm_max_msg(const dt_comm *c);
+DT_PRIVATE const dt_transport_iface *comm_tp_iface(const dt_comm *c);
+DT_PRIVATE dt_transport *comm_tp(const dt_comm *c);
+DT_PRIVATE dt_store *comm_watch(const dt_comm *c);
+DT_PRIVATE const char *comm_label(const dt_comm *c);
+DT_PRIVATE int comm_local_size(const dt_comm *c);
+DT_PRIVATE const char *comm_broken_msg(const dt_comm *c);
+/* An extension (the parameter server) runs its COLL_EXT work on the comm
+ * thread with ops: the number of its job on this communicator (0, 1, ...). */
+DT_PRIVATE int comm_attach_ext(dt_comm *c, const comm_ext_ops *ops);
+/* The next work enqueued on c first waits for this backend copy (a staged
+ * gradient's, src/ddp.c); returns the ticket set before, 0 once consumed
+ * (set 0 after the enqueue: what it returns then was not consumed). */
+DT_PRIVATE uint64_t comm_stage_next(dt_comm *c, uint64_t ticket);
+/* *xsp holds orphaned sends (drain_gone): a fresh record with the same
+ * settings replaces it, and the old one waits, buried, until the transport
+ * that holds its sends is closed (comm_xfers_free_buried, at dt_comm_free). */
+DT_PRIVATE dt_status comm_xfers_renew(dt_comm *c, dt_work *w, xfers **xsp);
+DT_PRIVATE void comm_xfers_free_buried(dt_comm *c);
 DT_PRIVATE const char *comm_alg_name(int alg);
 DT_PRIVATE double comm_bus_factor(int kind, int P);
 DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, ...)
@@ -2414,6 +2317,7 @@ DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char 
 
 /* src/ddp.c */
 DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx);
+DT_PRIVATE int ddp_sync_of(const dt_ddp *d);   /* dt_ddp_set_sync's setting */
 DT_PRIVATE int ddp_bucket_of(const dt_ddp *d, int64_t flat);
 
 /* src/zero.c: the sharded mode of src/ddp.c (its hooks call these) */
@@ -2456,6 +2360,10 @@ DT_PRIVATE void ps_close_answer_endpoints(dt_ps *ps);
 
 /* src/join.c */
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
+/* The job's rendezvous store connection (the caller's thread's), and rank
+ * 0's clock minus ours as measured at the rendezvous (src/profile.c). */
+DT_PRIVATE dt_store *join_store(const dt_comm *c);
+DT_PRIVATE double join_clock_offset(const dt_comm *c);
 
 
 /* src/profile.c */
@@ -2482,7 +2390,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2486 "dtrain.c"
+#line 2394 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -3015,6 +2923,27 @@ void dt_ctx_free(dt_ctx *ctx)
 }
 
 /* Usable context: not NULL and its backend started. */
+DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx)
+{
+    dt_ctx *sink = host_calloc(ctx, sizeof *sink);
+    if (sink)
+        sink->al = ctx->al;
+    return sink;
+}
+
+DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user)
+{
+    ctx->grad_hooks = hooks;
+    ctx->hook_user = user;
+}
+
+DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user)
+{
+    void *was = ctx->hook_user;
+    ctx->hook_user = user;
+    return was;
+}
+
 DT_PRIVATE int ctx_ok(dt_ctx *ctx)
 {
     return ctx && ctx->init_status == DT_OK;
@@ -3086,7 +3015,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3090 "dtrain.c"
+#line 3019 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3107,6 +3036,12 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
  * arena_alloc_reuse hands holes out again (best fit, split), so a backward
  * holds a few live gradients rather than all of them.
  * ======================================================================== */
+
+struct dt_chunk {
+    struct dt_chunk *next;
+    char *base;
+    size_t size, used;
+};
 
 static void *raw_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
 {
@@ -3377,7 +3312,7 @@ void dt_mem_reset_peak(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3381 "dtrain.c"
+#line 3316 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -3921,7 +3856,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 3925 "dtrain.c"
+#line 3860 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4242,7 +4177,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4246 "dtrain.c"
+#line 4181 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4326,7 +4261,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4330 "dtrain.c"
+#line 4265 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -4357,6 +4292,47 @@ static int prof_measuring(const dt_ctx *ctx)
 DT_PRIVATE int prof_recording(const dt_ctx *ctx)
 {
     return ctx && __atomic_load_n(&ctx->prof.record, __ATOMIC_RELAXED);
+}
+
+/* the recorder's straggler check period, 0 when it is not recording */
+DT_PRIVATE int prof_check_every(const dt_ctx *ctx)
+{
+    return prof_recording(ctx) ? ctx->prof.cfg.check_every : 0;
+}
+
+/* DDP's load balancing needs step times even when the profiler is off:
+ * on, they are measured; off, measuring goes back to what recording wants */
+DT_PRIVATE void prof_balancing(dt_ctx *ctx, int on)
+{
+    ctx->prof.balancing = on;
+    __atomic_store_n(&ctx->prof.measure, on ? 1 : ctx->prof.record, __ATOMIC_RELAXED);
+}
+
+/* Steps that are not training steps (dt_layer_times): measuring stops and
+ * resumes where it was (prof_pause returns what prof_resume takes) */
+DT_PRIVATE int prof_pause(dt_ctx *ctx)
+{
+    int measure = ctx->prof.measure;
+    ctx->prof.measure = 0;
+    return measure;
+}
+
+DT_PRIVATE void prof_resume(dt_ctx *ctx, int measure) { ctx->prof.measure = measure; }
+
+/* A pipeline stage's wait on its neighbours since t0 (prof_begin), within
+ * the open step only */
+DT_PRIVATE void prof_pipe_wait(dt_ctx *ctx, double t0)
+{
+    if (t0 > 0 && ctx->prof.open)
+        ctx->prof.cur_pipe += dt_now() - t0;
+}
+
+/* the pipeline's ideal bubble share, (stages - 1) / (micro-batches + stages - 1) */
+DT_PRIVATE void prof_pipe_bubble(dt_ctx *ctx, double ideal)
+{
+    pthread_mutex_lock(&ctx->prof.mu);
+    ctx->prof.tot.pipe_bubble_ideal = ideal;
+    pthread_mutex_unlock(&ctx->prof.mu);
 }
 
 DT_PRIVATE void prof_init(dt_ctx *ctx)
@@ -4856,7 +4832,7 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 4860 "dtrain.c"
+#line 4836 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -4875,6 +4851,27 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
 DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t)
 {
     return ctx->grad_enabled && t && (t->flags & T_REQGRAD);
+}
+
+DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out)
+{
+    if (n->reads_aside) {
+        *out = n->reads;
+        return n->n_reads;
+    }
+    *out = n->in;
+    return n->n_in;
+}
+
+DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams)
+{
+    for (const dt_node *n = ctx->tape; n; n = n->prev) {
+        dt_tensor *const *in;
+        int nin = tape_node_reads(n, &in);
+        for (int k = 0; k < nin; k++)
+            if (in[k] && (in[k]->flags & T_PARAM) && in[k]->ctx == ctx && in[k]->param_index < nparams)
+                uses[in[k]->param_index]++;
+    }
 }
 
 DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
@@ -5079,7 +5076,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5083 "dtrain.c"
+#line 5080 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -5092,6 +5089,14 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
  * output through the backend, and records a node whose backward sits right
  * below it.  Shapes are in the comment at each op.
  * ======================================================================== */
+
+/* The last two dims of x as a GEMM operand: row-major (t = 0) or
+ * column-major (t = 1, a transposed view) with leading dimension ld. */
+struct gemm_operand {
+    const float *p;
+    int64_t ld, batch_stride;
+    int t;
+};
 
 /* Reports a NULL input unless an earlier op already failed (then its message
  * is the useful one). */
@@ -5407,7 +5412,7 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
     return y;
 }
 
-DT_PRIVATE dt_status op_concat_backward(dt_ctx *ctx, dt_node *n)
+static dt_status op_concat_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *y = n->out, **xs = n->aux[0];
     int count = (int)n->iarg[0], dim = (int)n->iarg[1];
@@ -5487,6 +5492,9 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
         nd->aux[0] = saved;
         nd->iarg[0] = n;
         nd->iarg[1] = dim;
+        nd->reads = saved;
+        nd->n_reads = n;
+        nd->reads_aside = 1;
     }
     return y;
 }
@@ -6411,7 +6419,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     nd->user = user;
     return out;
 }
-#line 6415 "dtrain.c"
+#line 6423 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -6944,7 +6952,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 6948 "dtrain.c"
+#line 6956 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -6960,6 +6968,13 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
  * empties the scratch arena again.  Peak memory drops by the segment's
  * activations; the cost is one more forward of the segment.
  * ======================================================================== */
+
+/* --- src/recompute.c --- */
+
+struct arena_switch {
+    dt_arena *dev, *host;
+    dt_arena_mark dev_mark, host_mark;
+};
 
 static arena_switch enter_scratch(dt_ctx *ctx)
 {
@@ -7105,10 +7120,13 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     nd->prec = prec;
     nd->seg_fn = fn;
     nd->user = user;
+    nd->reads = params;   /* its backward finishes them all */
+    nd->n_reads = nparams;
+    nd->reads_aside = 1;
     return y;
 }
 
-#line 7112 "dtrain.c"
+#line 7130 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -7123,6 +7141,21 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
  * the last zero_grad got no gradient this step and is skipped, as PyTorch
  * skips parameters whose .grad is None.
  * ======================================================================== */
+
+/* --- dynamic loss scaling (fp16) ------------------------------------------
+ * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
+ * squares the backend already has (in double, so no finite f32 gradient
+ * can overflow it; an inf or NaN anywhere makes it non-finite). */
+
+struct dt_loss_scaler {
+    dt_ctx *ctx;
+    dt_loss_scale_config cfg;
+    float scale;
+    int good_steps;            /* in a row since the last overflow or growth */
+    int pending;               /* a scaled backward ran since the last step */
+    int unscaled, found_inf;   /* this step's gradients were divided by scale */
+    int64_t skipped;
+};
 
 void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
 {
@@ -7363,7 +7396,7 @@ static dt_status optim_make_state(dt_optim *o, int i)
 
 /* State tensors per parameter: SGD keeps a momentum buffer when any group
  * has momentum (a group without leaves its buffers unwritten). */
-static int optim_state_per(const dt_optim *o)
+static int optim_state_per_of(const dt_optim *o)
 {
     if (o->cfg.kind == DT_ADAGRAD)
         return 1;
@@ -7394,7 +7427,7 @@ static dt_optim *optim_create(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor
     if (!o->groups || !o->group_of || !o->params || !o->param_steps)
         goto fail;
     memcpy(o->groups, groups, sizeof *groups * (size_t)ngroups);
-    o->per = optim_state_per(o);
+    o->per = optim_state_per_of(o);
     if (!(o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1))))
         goto fail;
     for (int i = 0; i < count; i++) {
@@ -7687,6 +7720,25 @@ static dt_status optim_step_run(dt_optim *o)
 }
 
 /* Parameter p's f32 master in o, or NULL (o NULL, or no masters). */
+DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on) { o->momentum_by_ddp = on; }
+
+DT_PRIVATE int optim_param_count(const dt_optim *o) { return o->n; }
+DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i) { return o->params[i]; }
+DT_PRIVATE int optim_state_per(const dt_optim *o) { return o->per; }
+DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o) { return o->param_steps; }
+DT_PRIVATE int optim_kind(const dt_optim *o) { return (int)o->cfg.kind; }
+DT_PRIVATE float optim_base_lr(const dt_optim *o, int group) { return o->groups[group].base_lr; }
+/* sharded by ZeRO, or its shards' job is gone (orphaned): not whole here */
+DT_PRIVATE int optim_is_sharded(const dt_optim *o) { return o->shard || o->orphaned; }
+DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i) { return o->shard ? o->shard[i].lo : 0; }
+DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o) { return o->ctx; }
+
+DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps)
+{
+    o->steps = steps;
+    memcpy(o->param_steps, param_steps, sizeof *param_steps * (size_t)o->n);
+}
+
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p)
 {
     for (int i = 0; o && o->master && i < o->n; i++)
@@ -8052,7 +8104,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8056 "dtrain.c"
+#line 8108 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -8182,13 +8234,14 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_ite
     for (int i = 0; i < ctx->n_ckpt_extra; i++)
         items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32, 0, -1};
     if (opt) {
-        for (int i = 0; i < opt->n * opt->per; i++) {
-            size_t len = strlen(opt->state[i]->name) + 7;
+        for (int i = 0; i < dt_optim_state_count(opt); i++) {
+            const dt_tensor *t = dt_optim_state_at(opt, i);
+            size_t len = strlen(t->name) + 7;
             names[i] = host_alloc(ctx, len);
             if (!names[i])
                 return -1;
-            snprintf(names[i], len, "optim.%s", opt->state[i]->name);
-            items[n++] = (ckpt_item){names[i], opt->state[i], DT_F32, 0, -1};
+            snprintf(names[i], len, "optim.%s", t->name);
+            items[n++] = (ckpt_item){names[i], dt_optim_state_at(opt, i), DT_F32, 0, -1};
         }
     }
     return n;
@@ -8224,13 +8277,13 @@ static ckpt_meta ckpt_meta_of(const dt_optim *opt, int64_t step, const dt_checkp
     if (!opt)
         return m;
     m.has_optim = 1;
-    m.kind = (int)opt->cfg.kind;
-    m.steps = opt->steps;
-    m.nlr = opt->ngroups;
-    for (int g = 0; g < opt->ngroups; g++)
-        m.lr[g] = opt->groups[g].base_lr;
-    m.n = opt->n;
-    m.param_steps = opt->param_steps;
+    m.kind = optim_kind(opt);
+    m.steps = dt_optim_steps(opt);
+    m.nlr = dt_optim_group_count(opt);
+    for (int g = 0; g < m.nlr; g++)
+        m.lr[g] = optim_base_lr(opt, g);
+    m.n = optim_param_count(opt);
+    m.param_steps = optim_param_steps(opt);
     return m;
 }
 
@@ -8551,16 +8604,16 @@ static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *
                          "f16, not %s", dt_dtype_name(cfg->dtype));
     if (ckpt_meta_ok(ctx, cfg) != DT_OK)
         return ctx->last_status;
-    if (opt && opt->ctx != ctx)
+    if (opt && optim_ctx(opt) != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
     for (int i = 0; i < ctx->n_params; i++)
         if (tensor_readable(ctx->params[i], "checkpoint_save") != DT_OK)
             return ctx->last_status;
-    if (opt && (opt->shard || opt->orphaned))
+    if (opt && optim_is_sharded(opt))
         return set_error(ctx, DT_ENOTSUP, "checkpoint_save: the optimizer's state is sharded across "
                          "the ranks (dt_ddp_config.zero): save with dt_ddp_checkpoint_save (each "
                          "rank its shard), or the parameters alone (optimizer NULL)");
-    int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + ctx->n_ckpt_extra + nstate;
+    int nstate = dt_optim_state_count(opt), total = ctx->n_params + ctx->n_ckpt_extra + nstate;
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(total + 1));
     char **names = host_calloc(ctx, sizeof *names * (size_t)(nstate + 1));
     dt_status s = DT_OK;
@@ -9351,7 +9404,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     memset(&rep, 0, sizeof rep);
     if (!path)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: path is NULL");
-    if (opt && opt->ctx != ctx)
+    if (opt && optim_ctx(opt) != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: optimizer belongs to another context");
     if (opt && !strict)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: a non-strict load takes no optimizer");
@@ -9367,7 +9420,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
             report->loaded = ctx->n_params;
         return ds;
     }
-    if (opt && (opt->shard || opt->orphaned))
+    if (opt && optim_is_sharded(opt))
         return set_error(ctx, DT_EINVAL, "checkpoint_load: the optimizer's state is sharded across "
                          "the ranks (dt_ddp_config.zero): load with dt_ddp_checkpoint_load");
     unsigned char *buf = NULL;
@@ -9375,7 +9428,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     uint64_t hlen = 0;
     st_file f;
     memset(&f, 0, sizeof f);
-    int nstate = opt ? opt->n * opt->per : 0, nx = ctx->n_ckpt_extra;
+    int nstate = dt_optim_state_count(opt), nx = ctx->n_ckpt_extra;
     int total = ctx->n_params + nx + nstate;
     const st_entry **map = NULL;
     int64_t *psteps = NULL;
@@ -9390,7 +9443,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     }
     uint64_t data_len = len - 8 - hlen;
     map = host_calloc(ctx, sizeof *map * (size_t)(total + 1));
-    psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? opt->n + 1 : 1));
+    psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? optim_param_count(opt) + 1 : 1));
     if (!map || !psteps) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
         goto done;
@@ -9399,18 +9452,19 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
         s = st_check(ctx, &f, ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], data_len,
                      &map[ctx->n_params + i]);
     for (int i = 0; s == DT_OK && i < nstate; i++) {
-        snprintf(key, sizeof key, "optim.%s", opt->state[i]->name);
-        s = st_check(ctx, &f, key, opt->state[i], data_len, &map[ctx->n_params + nx + i]);
+        dt_tensor *t = dt_optim_state_at(opt, i);
+        snprintf(key, sizeof key, "optim.%s", t->name);
+        s = st_check(ctx, &f, key, t, data_len, &map[ctx->n_params + nx + i]);
     }
     if (s != DT_OK || (s = st_map_params(ctx, &f, data_len, strict, map, &rep)) != DT_OK)
         goto done;
     if (opt) {
-        if ((f.seen & ST_OPT_ALL) != ST_OPT_ALL || f.optim_kind != (int)opt->cfg.kind) {
+        if ((f.seen & ST_OPT_ALL) != ST_OPT_ALL || f.optim_kind != optim_kind(opt)) {
             s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has no state for this "
                                              "kind of optimizer");
             goto done;
         }
-        if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK ||
+        if ((s = st_parse_param_steps(ctx, &f, psteps, optim_param_count(opt))) != DT_OK ||
             (s = optim_check_lrs(opt, f.optim_nlr, path)) != DT_OK)
             goto done;
     }
@@ -9421,13 +9475,12 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     for (int i = 0; s == DT_OK && i < total; i++) {
         dt_tensor *t = i < ctx->n_params ? ctx->params[i]
                        : i < ctx->n_params + nx ? ctx->ckpt_extra[i - ctx->n_params]
-                                                : opt->state[i - ctx->n_params - nx];
+                                                : dt_optim_state_at(opt, i - ctx->n_params - nx);
         if (map[i])
             s = st_copy(ctx, t, map[i], data);
     }
     if (s == DT_OK && opt) {
-        opt->steps = f.optim_steps;
-        memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
+        optim_restore_steps(opt, f.optim_steps, psteps);
         optim_set_lrs(opt, f.optim_lr);
         optim_masters_from_params(opt, 1);
     }
@@ -9683,7 +9736,7 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
             return set_error(ctx, DT_EIO, "ddp_checkpoint_save: cannot remove the old %s: %s",
                              path, strerror(errno));
     }
-    int per = opt ? opt->per : 0, cap = ctx->n_params * (1 + per) + 1, total = 0;
+    int per = opt ? optim_state_per(opt) : 0, cap = ctx->n_params * (1 + per) + 1, total = 0;
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)cap);
     char **names = host_calloc(ctx, sizeof *names * (size_t)cap);
     dt_status s = items && names ? DT_OK : set_error(ctx, DT_ENOMEM, "ddp_checkpoint_save: out of memory");
@@ -9692,12 +9745,12 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
             continue;
         dt_tensor *p = ctx->params[k];
         int oi = -1;
-        for (int i = 0; opt && i < opt->n && oi < 0; i++)
-            oi = opt->params[i] == p ? i : -1;
+        for (int i = 0; opt && i < optim_param_count(opt) && oi < 0; i++)
+            oi = optim_param_at(opt, i) == p ? i : -1;
         dt_tensor *m = optim_master_of(opt, p);   /* saved in its parameter's place */
         for (int j = -1; s == DT_OK && j < (oi >= 0 ? per : 0); j++) {
-            dt_tensor *t = j < 0 ? (m ? m : p) : opt->state[oi * per + j];
-            int64_t off = lo[k] - ((j >= 0 || m) && opt->shard ? opt->shard[oi].lo : 0);
+            dt_tensor *t = j < 0 ? (m ? m : p) : dt_optim_state_at(opt, oi * per + j);
+            int64_t off = lo[k] - ((j >= 0 || m) ? optim_shard_lo(opt, oi) : 0);
             size_t len = strlen(t->name) + 32;
             if (off < 0 || off + n[k] > dt_tensor_numel(t)) {
                 s = set_error(ctx, DT_EINVAL, "ddp_checkpoint_save: the optimizer's shard of '%s' "
@@ -9741,14 +9794,14 @@ static void index_json(strbuf *b, const dt_ctx *ctx, const dt_optim *opt, int64_
     if (opt) {
         ckpt_meta m = ckpt_meta_of(opt, step, NULL);
         strbuf_printf(b, "\"optimizer\":{\"kind\":%d,\"steps\":%lld,\"lr\":\"",
-                      (int)opt->cfg.kind, (long long)opt->steps);
+                      optim_kind(opt), (long long)dt_optim_steps(opt));
         ckpt_put_lrs(b, m.lr, m.nlr);
         strbuf_puts(b, "\",\"params\":[");
-        for (int i = 0; i < opt->n; i++)
-            strbuf_printf(b, "%s%d", i ? "," : "", opt->params[i]->param_index);
+        for (int i = 0; i < optim_param_count(opt); i++)
+            strbuf_printf(b, "%s%d", i ? "," : "", optim_param_at(opt, i)->param_index);
         strbuf_puts(b, "],\"param_steps\":[");
-        for (int i = 0; i < opt->n; i++)
-            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)opt->param_steps[i]);
+        for (int i = 0; i < optim_param_count(opt); i++)
+            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)optim_param_steps(opt)[i]);
         strbuf_puts(b, "]},\n");
     }
     strbuf_puts(b, "\"files\":[");
@@ -10130,27 +10183,28 @@ static dt_status plan_dests(ckpt_plan *pl, const int64_t *plo, const int64_t *pn
     dt_optim *o = pl->opt;
     if (!o)
         return DT_OK;
-    if (!pl->ix.has_optim || pl->ix.kind != (int)o->cfg.kind)
+    if (!pl->ix.has_optim || pl->ix.kind != optim_kind(o))
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no state for this kind of "
                          "optimizer", pl->dir);
     if (optim_check_lrs(o, pl->ix.nlr, pl->dir) != DT_OK)
         return ctx->last_status;
-    for (int i = 0; i < o->n; i++) {
+    for (int i = 0; i < optim_param_count(o); i++) {
+        const char *pname = optim_param_at(o, i)->name;
         int found = -1;
         for (int q = 0; q < pl->ix.nopt && found < 0; q++)
-            found = strcmp(pl->ix.p[pl->ix.opt_param[q]].name, o->params[i]->name) == 0 ? q : -1;
+            found = strcmp(pl->ix.p[pl->ix.opt_param[q]].name, pname) == 0 ? q : -1;
         if (found < 0)
             return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no optimizer state for "
-                             "'%s'", pl->dir, o->params[i]->name);
+                             "'%s'", pl->dir, pname);
         pl->opt_steps[i] = pl->ix.opt_steps[found];
-        for (int j = 0; j < o->per; j++) {
-            dt_tensor *t = o->state[i * o->per + j];
+        for (int j = 0; j < optim_state_per(o); j++) {
+            dt_tensor *t = dt_optim_state_at(o, i * optim_state_per(o) + j);
             char name[ST_MAX_KEY];
             snprintf(name, sizeof name, "optim.%s", t->name);
             int b = plan_base_find(pl, name);
             if (b < 0)
                 return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no '%s'", pl->dir, name);
-            int64_t at = o->shard ? o->shard[i].lo : 0;
+            int64_t at = optim_shard_lo(o, i);
             pl->base[b].t = t;
             pl->base[b].at = at;
             pl->base[b].lo = at;
@@ -10199,7 +10253,7 @@ static ckpt_plan *plan_make(dt_ctx *ctx, dt_optim *opt, const char *dir, int mod
     snprintf(pl->dir, sizeof pl->dir, "%s", dir);
     dt_status s = index_read(ctx, "checkpoint_load", dir, &pl->ix);
     if (s == DT_OK && (!(pl->hcrc = host_calloc(ctx, sizeof *pl->hcrc * (size_t)pl->ix.world)) ||
-                       !(pl->opt_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(opt ? opt->n + 1 : 1)))))
+                       !(pl->opt_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(opt ? optim_param_count(opt) + 1 : 1)))))
         s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
     for (int q = 0; s == DT_OK && q < pl->ix.n; q++) {
         if (plan_base_find(pl, pl->ix.p[q].name) >= 0)
@@ -10289,8 +10343,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
     }
     dt_optim *o = pl->opt;
     if (s == DT_OK && o) {
-        o->steps = pl->ix.steps;
-        memcpy(o->param_steps, pl->opt_steps, sizeof(int64_t) * (size_t)o->n);
+        optim_restore_steps(o, pl->ix.steps, pl->opt_steps);
         optim_set_lrs(o, pl->ix.lr);
     }
     if (s == DT_OK && step_out)
@@ -10301,7 +10354,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
 /* dt_checkpoint_load of a directory: every parameter and opt's state whole. */
 static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out)
 {
-    if (opt && (opt->shard || opt->orphaned))
+    if (opt && optim_is_sharded(opt))
         return set_error(ctx, DT_EINVAL, "checkpoint_load: the optimizer's state is sharded "
                          "(dt_ddp_config.zero): load with dt_ddp_checkpoint_load");
     ckpt_plan *pl = ckpt_plan_make(ctx, opt, dir, NULL, NULL);
@@ -10397,7 +10450,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10401 "dtrain.c"
+#line 10454 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -10970,7 +11023,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 10974 "dtrain.c"
+#line 11027 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -11779,7 +11832,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 11783 "dtrain.c"
+#line 11836 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -11898,7 +11951,7 @@ static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
     s->stolen = 0;
     if (ld->cfg.global_batches) {
         global_slice(ld, b, &start, &count, &s->offset, &s->global, &s->gen);
-    } else if (ld->steal) {   /* the batch a claimed chunk gives; -1: none left anywhere */
+    } else if (ld->source) {   /* the batch a claimed chunk gives; -1: none left anywhere */
         int shard = 0;
         int64_t j = ld->source->next(ld, &shard, &s->stolen);
         if (j < 0) {
@@ -12012,7 +12065,7 @@ void dt_loader_free(dt_loader *ld)
     host_free(ctx, ld->order);
     host_free(ctx, ld->split);
     dataset_xform_free(ctx, &ld->xf);
-    if (ld->steal)
+    if (ld->source)
         ld->source->release(ld);
     host_free(ctx, ld);
 }
@@ -12167,7 +12220,7 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
  * or with work stealing (its start is a collective step with the others). */
 static int loader_keeps_epoch(dt_loader *ld, int64_t epoch)
 {
-    if (!ld->untouched || ld->epoch != epoch || ld->steal)
+    if (!ld->untouched || ld->epoch != epoch || ld->source)
         return 0;
     if (ld->has_thread)
         pthread_mutex_lock(&ld->mu);
@@ -12204,10 +12257,13 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
     for (int64_t i = n; i < total; i++)
         perm[i] = perm[i - n];
     /* global batches and work stealing read the whole order */
-    for (int64_t i = 0; i < ld->n_local && !ld->cfg.global_batches && !ld->steal; i++)
+    for (int64_t i = 0; i < ld->n_local && !ld->cfg.global_batches && !ld->source; i++)
         perm[i] = perm[ld->cfg.shard_rank + i * shards];
-    if (ld->steal)
+    if (ld->source) {
         ld->source->start_epoch(ld, epoch);
+        ld->source_done = ld->source_stolen = 0;
+        ld->n_batches = INT64_MAX;   /* until the source has no batch left */
+    }
     ld->next = 0;
     ld->epoch = epoch;
     ld->untouched = 1;
@@ -12262,8 +12318,10 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     ld->wait_s += dt_now() - t0;
     if (s->count < 0) {   /* work stealing: no chunk left anywhere */
         ld->next = ld->n_batches;
-        if (ld->steal->status != DT_OK)
-            return set_error(ctx, ld->steal->status, "%s", ld->steal->msg);
+        const char *msg = "";
+        dt_status st = ld->source->failed(ld, &msg);
+        if (st != DT_OK)
+            return set_error(ctx, st, "%s", msg);
         return DT_EOF;
     }
     if (ld->cfg.global_batches && s->gen != ld->split_gen)
@@ -12275,9 +12333,9 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     ld->cur_offset = s->offset;
     ld->cur_count = s->count;
     ld->cur_global = s->global;
-    if (ld->steal) {
-        ld->steal->done++;
-        ld->steal->stolen += s->stolen;
+    if (ld->source) {
+        ld->source_done++;
+        ld->source_stolen += s->stolen;
     }
     if (uploads_async(ld)) {   /* started by the filler: kernels from here on wait */
         BE(ctx)->copy_join(BEI(ctx), s->ticket);
@@ -12302,7 +12360,7 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
 
 int64_t dt_loader_batches(const dt_loader *ld)
 {
-    if (ld && ld->steal)   /* its own shard's; stealing changes how many it runs */
+    if (ld && ld->source)   /* its own shard's; stealing changes how many it runs */
         return ld->cfg.drop_last ? ld->n_local / ld->cfg.batch
                                  : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
     return ld ? ld->n_batches : 0;
@@ -12343,14 +12401,25 @@ void dt_loader_batch_slice(const dt_loader *ld, int64_t *offset, int64_t *count,
 
 int64_t dt_loader_batches_done(const dt_loader *ld)
 {
-    return !ld ? 0 : ld->steal ? ld->steal->done : ld->next;
+    return !ld ? 0 : ld->source ? ld->source_done : ld->next;
 }
 
-int64_t dt_loader_batches_stolen(const dt_loader *ld) { return ld && ld->steal ? ld->steal->stolen : 0; }
+int64_t dt_loader_batches_stolen(const dt_loader *ld) { return ld && ld->source ? ld->source_stolen : 0; }
+
+DT_PRIVATE void loader_set_source(dt_loader *ld, const loader_source *src, void *state)
+{
+    ld->source = src;
+    ld->source_state = state;
+}
+
+DT_PRIVATE void *loader_source_state(const dt_loader *ld) { return ld->source_state; }
+DT_PRIVATE dt_ctx *loader_ctx(const dt_loader *ld) { return ld->ctx; }
+DT_PRIVATE const dt_loader_config *loader_config(const dt_loader *ld) { return &ld->cfg; }
+DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_local; }
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12354 "dtrain.c"
+#line 12423 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13512,7 +13581,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13516 "dtrain.c"
+#line 13585 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -13540,6 +13609,21 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
  * above; broadcast is a binomial tree; allgather and reduce-scatter are the
  * ring's halves.  Messages above DT_COMM_CHUNK bytes go in chunks.
  * ======================================================================== */
+
+/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
+ * (either may be absent), posted together so an exchange cannot deadlock.
+ * Tags: the check bits say "point to point" (no collective has them), the
+ * sequence is the pair's message count, so the k-th send from a rank meets
+ * the k-th receive posted for it; large messages go in max_msg chunks. */
+struct p2p_call {
+    const float *send;
+    int64_t ns;
+    int dst;
+    float *recv;
+    int64_t nr;
+    int src;
+    uint32_t sseq, rseq;
+};
 
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
                                          "reduce_scatter", "barrier", "alltoall",
@@ -15415,11 +15499,77 @@ const char *dt_comm_intra_host(const dt_comm *c)
 {
     return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
 }
-#line 15419 "dtrain.c"
+
+DT_PRIVATE int comm_serial(dt_comm *c, int kind) { return c->serials[kind]++; }
+
+/* for the modules above (the parameter server runs its own loop on the
+ * communicator's transport endpoint and watches deaths on its store) */
+DT_PRIVATE dt_ctx *comm_ctx(const dt_comm *c) { return c->ctx; }
+DT_PRIVATE int comm_timeout_ms(const dt_comm *c) { return c->timeout_ms; }
+DT_PRIVATE int comm_collective_timeout_ms(const dt_comm *c) { return c->collective_timeout_ms; }
+DT_PRIVATE uint32_t comm_incarnation(const dt_comm *c) { return c->inc; }
+DT_PRIVATE size_t comm_max_msg(const dt_comm *c) { return c->max_msg; }
+DT_PRIVATE const dt_transport_iface *comm_tp_iface(const dt_comm *c) { return c->tp_iface; }
+DT_PRIVATE dt_transport *comm_tp(const dt_comm *c) { return c->tp; }
+DT_PRIVATE dt_store *comm_watch(const dt_comm *c) { return c->watch; }
+DT_PRIVATE const char *comm_label(const dt_comm *c) { return c->label; }
+DT_PRIVATE int comm_local_size(const dt_comm *c) { return c->nlocal; }
+DT_PRIVATE const char *comm_broken_msg(const dt_comm *c) { return c->broken ? c->broken_msg : NULL; }
+
+DT_PRIVATE uint64_t comm_stage_next(dt_comm *c, uint64_t ticket)
+{
+    uint64_t was = c->stage_ticket;
+    c->stage_ticket = ticket;
+    return was;
+}
+
+DT_PRIVATE int comm_attach_ext(dt_comm *c, const comm_ext_ops *ops)
+{
+    c->ext_ops = ops;
+    return c->ext_jobs++;
+}
+
+DT_PRIVATE dt_status comm_xfers_renew(dt_comm *c, dt_work *w, xfers **xsp)
+{
+    xfers *old = *xsp, *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
+    if (!xs)
+        return comm_work_fail(w, DT_ENOMEM, "%s: out of memory", comm_coll_name(w->kind));
+    memset(xs, 0, sizeof *xs);
+    xs->g = old->g;
+    xs->gone = old->gone;
+    xs->gone_base = old->gone_base;
+    xs->gone_n = old->gone_n;
+    xs->write_off = old->write_off;
+    xs->write_off_arg = old->write_off_arg;
+    xs->idle = old->idle;
+    old->next_dead = c->graveyard;
+    c->graveyard = old;
+    *xsp = xs;
+    return DT_OK;
+}
+
+DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
+{
+    while (c->graveyard) {
+        xfers *x = c->graveyard;
+        c->graveyard = x->next_dead;
+        c->ctx->al.free_fn(x, c->ctx->al.user);
+    }
+}
+#line 15560 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
 /* src/dist.h: pasted above */
+
+struct seg_rank {
+    _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
+    _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
+    _Atomic uint32_t call_phase;            /* first phase of the call described below */
+    _Atomic uint32_t progress;              /* a leader's transfers completing between hosts */
+    _Atomic uint32_t kind, seq, root, op;
+    _Atomic int64_t n;
+};
 
 /* ===========================================================================
  * The host segment: collectives between the ranks of one host
@@ -15892,7 +16042,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 15896 "dtrain.c"
+#line 16046 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -15904,6 +16054,37 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
  * process groups (dt_comm_split).  The comm thread and the collectives it
  * runs are src/comm.c; the host segment's collectives src/seg.c.
  * ======================================================================== */
+
+/* What join keeps of a communicator besides comm's part: the store, the
+ * job, the comm thread, the heartbeat, the host segment's name and the
+ * clock.  join allocates every communicator (dt_comm_new, dt_comm_split),
+ * so a dt_comm is the first member of its join_comm; comm never sees this. */
+typedef struct join_comm {
+    dt_comm c;                 /* first: JC converts */
+    dt_store *store;
+    dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
+    pthread_t thread;          /* the comm thread (comm_main) */
+    int has_thread;
+    int announced;             /* a restarted process told its peers it serves */
+    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
+    double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
+    /* the host segment this rank created or opened (src/seg.c runs it) */
+    size_t seg_bytes;
+    char seg_name[64];
+    int seg_linked;            /* we created it and its name still exists */
+    /* the heartbeat thread (join_heartbeat): its own store connection */
+    dt_store *hb;
+    dt_ctx *hb_errors;
+    pthread_t hb_thread;
+    int hb_stop;
+    pthread_mutex_t hb_mu;
+    pthread_cond_t hb_cv;
+} join_comm;
+
+static join_comm *JC(const dt_comm *c) { return (join_comm *)(uintptr_t)c; }
+
+DT_PRIVATE dt_store *join_store(const dt_comm *c) { return JC(c)->store; }
+DT_PRIVATE double join_clock_offset(const dt_comm *c) { return JC(c)->clock_offset; }
 
 /* --- joining the job ------------------------------------------------- */
 
@@ -15932,7 +16113,7 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     if (c->world == 1)
         return DT_OK;
     snprintf(key, sizeof key, "addr/%d", c->rank);
-    dt_status st = dt_store_get(c->store, key, addr, sizeof addr, &len, 1);
+    dt_status st = dt_store_get(JC(c)->store, key, addr, sizeof addr, &len, 1);
     if (st == DT_ETIMEDOUT) {   /* the first process of this rank (the usual case) */
         dt_clear_error(ctx);
         return DT_OK;
@@ -15941,13 +16122,13 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
         return st;
     uint32_t before = 0;   /* the last process started for this rank (0: the first) */
     snprintf(key, sizeof key, "tries/%d", c->rank);
-    if (dt_store_get(c->store, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+    if (dt_store_get(JC(c)->store, key, val, sizeof val - 1, &len, 1) == DT_OK) {
         val[len < sizeof val ? len : sizeof val - 1] = '\0';
         before = (uint32_t)strtoul(val, NULL, 10);
     }
     dt_clear_error(ctx);
     store_dead_key(key, sizeof key, c->rank, before);
-    st = dt_store_get(c->store, key, val, sizeof val, &len, c->timeout_ms);
+    st = dt_store_get(JC(c)->store, key, val, sizeof val, &len, c->timeout_ms);
     if (st == DT_ETIMEDOUT)
         return set_error(ctx, DT_ESTATE, "comm: rank %d is already in the job and alive (its "
                          "address is registered, its process has not died): two processes "
@@ -15955,18 +16136,18 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     if (st != DT_OK)
         return st;
     dt_dist_env e = *env;
-    e.master_port = dt_store_port(c->store);
+    e.master_port = dt_store_port(JC(c)->store);
     dt_store *again = store_open(ctx, &e, &cfg->store, 0, before + 1);
     if (!again)
         return ctx->last_status;
-    dt_store_close(c->store);
-    c->store = again;
+    dt_store_close(JC(c)->store);
+    JC(c)->store = again;
     c->inc = before + 1;
     /* counted once our hellos say who we are (so our end is recorded):
      * a number is never handed out twice */
     snprintf(key, sizeof key, "tries/%d", c->rank);
     snprintf(val, sizeof val, "%u", c->inc);
-    return dt_store_set(c->store, key, val, strlen(val) + 1);
+    return dt_store_set(JC(c)->store, key, val, strlen(val) + 1);
 }
 
 /* The rejoined process is ready (its receives are posted: dt_ps_new calls
@@ -15974,12 +16155,12 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
 DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c)
 {
     char key[32], val[16];
-    if (!c->inc || c->announced)
+    if (!c->inc || JC(c)->announced)
         return DT_OK;
-    c->announced = 1;
+    JC(c)->announced = 1;
     snprintf(key, sizeof key, "inc/%d", c->rank);
     snprintf(val, sizeof val, "%u", c->inc);
-    return dt_store_set(c->store, key, val, strlen(val) + 1);
+    return dt_store_set(JC(c)->store, key, val, strlen(val) + 1);
 }
 
 /* Comm thread: rank `peer` restarted as incarnation inc; send to and
@@ -16017,7 +16198,7 @@ static dt_status find_hosts(dt_comm *c, const dt_comm_config *cfg)
     else
         gethostname(me, sizeof me - 1);
     snprintf(key, sizeof key, "host/%d", c->rank);
-    dt_status st = dt_store_set(c->store, key, me, strlen(me) + 1);
+    dt_status st = dt_store_set(JC(c)->store, key, me, strlen(me) + 1);
     char (*names)[DT_MAX_HOST] = host_calloc(ctx, sizeof *names * (size_t)c->world);
     c->local_ranks = host_alloc(ctx, sizeof(int) * (size_t)c->world);
     c->leaders = host_alloc(ctx, sizeof(int) * (size_t)c->world);
@@ -16026,7 +16207,7 @@ static dt_status find_hosts(dt_comm *c, const dt_comm_config *cfg)
     for (int r = 0; st == DT_OK && r < c->world; r++) {
         size_t len = 0;
         snprintf(key, sizeof key, "host/%d", r);
-        st = dt_store_get(c->store, key, names[r], DT_MAX_HOST - 1, &len, 0);
+        st = dt_store_get(JC(c)->store, key, names[r], DT_MAX_HOST - 1, &len, 0);
         names[r][len < DT_MAX_HOST ? len : DT_MAX_HOST - 1] = '\0';
     }
     c->leader_index = -1;
@@ -16058,7 +16239,7 @@ static dt_status map_segment(dt_comm *c, int *ok)
     *ok = 0;
     const char *sl = getenv("DTRAIN_SEGMENT_SLOT_KIB");
     c->seg_slot = sl && atoi(sl) >= 64 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
-    c->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
+    JC(c)->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
     long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);   /* the same on every rank of the host */
     size_t chunk = l2 > 0 ? (size_t)l2 / 4 : SEG_CHUNK_LARGE;
     chunk = chunk < ((size_t)64 << 10) ? (size_t)64 << 10 : chunk & ~(size_t)4095;
@@ -16067,18 +16248,18 @@ static dt_status map_segment(dt_comm *c, int *ok)
     if (c->local_index == 0) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        snprintf(c->seg_name, sizeof c->seg_name, "/dtrain-%d-%lx", (int)getpid(),
+        snprintf(JC(c)->seg_name, sizeof JC(c)->seg_name, "/dtrain-%d-%lx", (int)getpid(),
                  (unsigned long)ts.tv_nsec ^ (unsigned long)ts.tv_sec << 20);
-        fd = shm_open(c->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        fd = shm_open(JC(c)->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd >= 0)
-            c->seg_linked = 1;
+            JC(c)->seg_linked = 1;
         /* reserve the pages now: a full /dev/shm is an error here, not a
          * SIGBUS in the middle of a collective */
-        int err = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)c->seg_bytes);
+        int err = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)JC(c)->seg_bytes);
         if (err)
             snprintf(why, sizeof why, "%s", strerror(err));
-        const char *val = err ? "" : c->seg_name;
-        dt_status st = dt_store_set(c->store, key, val, strlen(val) + 1);
+        const char *val = err ? "" : JC(c)->seg_name;
+        dt_status st = dt_store_set(JC(c)->store, key, val, strlen(val) + 1);
         if ((st != DT_OK || err) && fd >= 0) {
             close(fd);
             fd = -1;
@@ -16087,23 +16268,23 @@ static dt_status map_segment(dt_comm *c, int *ok)
             return st;
     } else {
         size_t len = 0;
-        dt_status st = dt_store_get(c->store, key, c->seg_name, sizeof c->seg_name - 1, &len, 0);
+        dt_status st = dt_store_get(JC(c)->store, key, JC(c)->seg_name, sizeof JC(c)->seg_name - 1, &len, 0);
         if (st != DT_OK)
             return st;
-        c->seg_name[len < sizeof c->seg_name ? len : sizeof c->seg_name - 1] = '\0';
-        if (c->seg_name[0] && (fd = shm_open(c->seg_name, O_RDWR, 0)) < 0)
+        JC(c)->seg_name[len < sizeof JC(c)->seg_name ? len : sizeof JC(c)->seg_name - 1] = '\0';
+        if (JC(c)->seg_name[0] && (fd = shm_open(JC(c)->seg_name, O_RDWR, 0)) < 0)
             snprintf(why, sizeof why, "%s", strerror(errno));
     }
     struct stat sb;
-    if (fd >= 0 && (fstat(fd, &sb) != 0 || (size_t)sb.st_size != c->seg_bytes)) {
+    if (fd >= 0 && (fstat(fd, &sb) != 0 || (size_t)sb.st_size != JC(c)->seg_bytes)) {
         if (!why[0])
             snprintf(why, sizeof why, "its size is not %zu bytes (ranks disagree on "
-                     "DTRAIN_SEGMENT_SLOT_KIB?)", c->seg_bytes);
+                     "DTRAIN_SEGMENT_SLOT_KIB?)", JC(c)->seg_bytes);
         close(fd);
         fd = -1;
     }
     if (fd >= 0) {
-        void *p = mmap(NULL, c->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        void *p = mmap(NULL, JC(c)->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
         if (p == MAP_FAILED)
             snprintf(why, sizeof why, "mmap: %s", strerror(errno));
@@ -16121,7 +16302,7 @@ static dt_status map_segment(dt_comm *c, int *ok)
         c->seg->magic = SEG_MAGIC;
         c->seg->nlocal = (uint32_t)L;
         c->seg->slot_bytes = c->seg_slot;
-        c->seg->total_bytes = c->seg_bytes;
+        c->seg->total_bytes = JC(c)->seg_bytes;
     }
     *ok = 1;
     return DT_OK;
@@ -16130,11 +16311,11 @@ static dt_status map_segment(dt_comm *c, int *ok)
 static void unmap_segment(dt_comm *c)
 {
     if (c->seg)
-        munmap(c->seg, c->seg_bytes);
+        munmap(c->seg, JC(c)->seg_bytes);
     c->seg = NULL;
-    if (c->seg_linked)
-        shm_unlink(c->seg_name);
-    c->seg_linked = 0;
+    if (JC(c)->seg_linked)
+        shm_unlink(JC(c)->seg_name);
+    JC(c)->seg_linked = 0;
 }
 /* Segments are used only if every rank wants them and got one: a rank that
  * could not map its host's would otherwise wait on the others forever. */
@@ -16155,12 +16336,12 @@ static dt_status setup_segments(dt_comm *c, const dt_comm_config *cfg)
         return ctx->last_status;
     char key[32], val[4];
     snprintf(key, sizeof key, "segok/%d", c->rank);
-    dt_status st = dt_store_set(c->store, key, ok ? "1" : "0", 2);
+    dt_status st = dt_store_set(JC(c)->store, key, ok ? "1" : "0", 2);
     c->use_segment = 1;
     for (int r = 0; st == DT_OK && r < c->world; r++) {
         size_t len = 0;
         snprintf(key, sizeof key, "segok/%d", r);
-        st = dt_store_get(c->store, key, val, sizeof val, &len, 0);
+        st = dt_store_get(JC(c)->store, key, val, sizeof val, &len, 0);
         if (st == DT_OK && val[0] != '1')
             c->use_segment = 0;
     }
@@ -16178,10 +16359,10 @@ static dt_status exchange_addresses(dt_comm *c)
     if (c->tp_iface->get_addr(c->tp, mine, &len, err, sizeof err) != DT_OK)
         return set_error(ctx, DT_EIO, "comm: transport address: %s", err);
     snprintf(key, sizeof key, "addr/%d", c->rank);
-    dt_status st = dt_store_set(c->store, key, mine, len);
+    dt_status st = dt_store_set(JC(c)->store, key, mine, len);
     snprintf(key, sizeof key, "addr/%d.%u", c->rank, c->inc);   /* (a restart's: find_rejoin) */
     if (st == DT_OK && c->inc)
-        st = dt_store_set(c->store, key, mine, len);
+        st = dt_store_set(JC(c)->store, key, mine, len);
     unsigned char *all = host_alloc(ctx, (size_t)c->world * sizeof mine);
     const void **ptrs = host_alloc(ctx, sizeof *ptrs * (size_t)c->world);
     size_t *lens = host_alloc(ctx, sizeof *lens * (size_t)c->world);
@@ -16190,7 +16371,7 @@ static dt_status exchange_addresses(dt_comm *c)
     for (int r = 0; st == DT_OK && r < c->world; r++) {
         snprintf(key, sizeof key, "addr/%d", r);
         ptrs[r] = all + (size_t)r * sizeof mine;
-        st = dt_store_get(c->store, key, all + (size_t)r * sizeof mine, sizeof mine, &lens[r], 0);
+        st = dt_store_get(JC(c)->store, key, all + (size_t)r * sizeof mine, sizeof mine, &lens[r], 0);
         if (st == DT_OK && lens[r] > sizeof mine)
             st = set_error(ctx, DT_EPEER, "comm: rank %d's address is too long", r);
     }
@@ -16209,16 +16390,16 @@ static dt_status exchange_addresses(dt_comm *c)
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors)
 {
     dt_dist_env e = {.rank = c->rank, .world_size = c->world, .local_rank = -1,
-                     .local_world_size = -1, .master_port = dt_store_port(c->store),
+                     .local_world_size = -1, .master_port = dt_store_port(JC(c)->store),
                      .launcher = "dtrain"};
-    snprintf(e.master_addr, sizeof e.master_addr, "%s", c->store->addr);
+    snprintf(e.master_addr, sizeof e.master_addr, "%s", JC(c)->store->addr);
     dt_store_config sc;
     dt_store_config_init(&sc);
-    sc.token = c->store->token;
-    sc.timeout_ms = c->store->timeout_ms;
+    sc.token = JC(c)->store->token;
+    sc.timeout_ms = JC(c)->store->timeout_ms;
     dt_store *s = store_open(errors, &e, &sc, 0, c->inc);
     if (s)
-        snprintf(s->prefix, sizeof s->prefix, "%s", c->store->prefix);
+        snprintf(s->prefix, sizeof s->prefix, "%s", JC(c)->store->prefix);
     return s;
 }
 
@@ -16253,16 +16434,15 @@ static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
     dt_ctx *ctx = c->ctx;
     if (c->world == 1)
         return DT_OK;
-    c->watch_errors = host_calloc(ctx, sizeof *c->watch_errors);
+    c->watch_errors = ctx_new_sink(ctx);
     if (!c->watch_errors)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
-    c->watch_errors->al = ctx->al;
     dt_store_config sc = cfg->store;
-    sc.token = c->store->token;   /* (a group's cfg may not carry the job's) */
-    c->watch = store_open(c->watch_errors, &c->job, &sc, 0, c->inc);
+    sc.token = JC(c)->store->token;   /* (a group's cfg may not carry the job's) */
+    c->watch = store_open(c->watch_errors, &JC(c)->job, &sc, 0, c->inc);
     if (!c->watch)
         return set_error(ctx, c->watch_errors->last_status, "%s", c->watch_errors->err);
-    snprintf(c->watch->prefix, sizeof c->watch->prefix, "%s", c->store->prefix);
+    snprintf(c->watch->prefix, sizeof c->watch->prefix, "%s", JC(c)->store->prefix);
     /* a hung rank 0 must not hold a collective longer than its own timeout */
     if (c->watch->timeout_ms > c->timeout_ms)
         c->watch->timeout_ms = c->timeout_ms;
@@ -16281,17 +16461,17 @@ static void *join_heartbeat(void *arg)
 {
     dt_comm *c = arg;
     char key[32], val[160], doing[96];
-    snprintf(key, sizeof key, "/hb/%d", c->job.rank);
+    snprintf(key, sizeof key, "/hb/%d", JC(c)->job.rank);
     unsigned long long beat = 0;
-    pthread_mutex_lock(&c->hb_mu);
-    while (!c->hb_stop) {
-        pthread_mutex_unlock(&c->hb_mu);
+    pthread_mutex_lock(&JC(c)->hb_mu);
+    while (!JC(c)->hb_stop) {
+        pthread_mutex_unlock(&JC(c)->hb_mu);
         ctx_activity_copy(c->ctx, doing, sizeof doing);
         int waiting = __atomic_load_n(&c->waiting_on, __ATOMIC_RELAXED);
         int n = waiting >= 0 && !strncmp(doing, "in a collective", 15)
                     ? snprintf(val, sizeof val, "%llu %s, waiting for rank %d", ++beat, doing, waiting)
                     : snprintf(val, sizeof val, "%llu %s", ++beat, doing);
-        dt_store_set(c->hb, key, val, (size_t)n + 1);
+        dt_store_set(JC(c)->hb, key, val, (size_t)n + 1);
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         long ns = until.tv_nsec + (long)c->beat_ms * 1000000L;
@@ -16299,12 +16479,12 @@ static void *join_heartbeat(void *arg)
         until.tv_nsec = ns % 1000000000L;
         double due = dt_now() + c->beat_ms / 1000.0;
         __atomic_store(&c->hb_due, &due, __ATOMIC_RELEASE);
-        pthread_mutex_lock(&c->hb_mu);
-        if (!c->hb_stop)
-            pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &until);
+        pthread_mutex_lock(&JC(c)->hb_mu);
+        if (!JC(c)->hb_stop)
+            pthread_cond_timedwait(&JC(c)->hb_cv, &JC(c)->hb_mu, &until);
         join_note_oversleep(c, due);
     }
-    pthread_mutex_unlock(&c->hb_mu);
+    pthread_mutex_unlock(&JC(c)->hb_mu);
     return NULL;
 }
 
@@ -16328,17 +16508,16 @@ static dt_status join_start_heartbeat(dt_comm *c)
     dt_ctx *ctx = c->ctx;
     if (c->world == 1 || c->members)
         return DT_OK;
-    if (!(c->hb_errors = host_calloc(ctx, sizeof *c->hb_errors)))
+    if (!(JC(c)->hb_errors = ctx_new_sink(ctx)))
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
-    c->hb_errors->al = ctx->al;
-    if (!(c->hb = join_own_store(c, c->hb_errors)))
-        return set_error(ctx, c->hb_errors->last_status, "comm: the heartbeat's store "
-                         "connection: %s", c->hb_errors->err);
-    c->hb->timeout_ms = 2 * c->beat_ms > 200 ? 2 * c->beat_ms : 200;   /* a slow beat is skipped */
-    if (pthread_mutex_init(&c->hb_mu, NULL) != 0 || pthread_cond_init(&c->hb_cv, NULL) != 0 ||
-        pthread_create(&c->hb_thread, NULL, join_heartbeat, c) != 0)
+    if (!(JC(c)->hb = join_own_store(c, JC(c)->hb_errors)))
+        return set_error(ctx, JC(c)->hb_errors->last_status, "comm: the heartbeat's store "
+                         "connection: %s", JC(c)->hb_errors->err);
+    JC(c)->hb->timeout_ms = 2 * c->beat_ms > 200 ? 2 * c->beat_ms : 200;   /* a slow beat is skipped */
+    if (pthread_mutex_init(&JC(c)->hb_mu, NULL) != 0 || pthread_cond_init(&JC(c)->hb_cv, NULL) != 0 ||
+        pthread_create(&JC(c)->hb_thread, NULL, join_heartbeat, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the heartbeat thread");
-    pthread_setname_np(c->hb_thread, "dtrain-beat");
+    pthread_setname_np(JC(c)->hb_thread, "dtrain-beat");
     c->has_hb = 1;
     return DT_OK;
 }
@@ -16346,25 +16525,25 @@ static dt_status join_start_heartbeat(dt_comm *c)
 static void join_stop_heartbeat(dt_comm *c)
 {
     if (c->has_hb) {
-        pthread_mutex_lock(&c->hb_mu);
-        c->hb_stop = 1;
-        pthread_cond_broadcast(&c->hb_cv);
-        pthread_mutex_unlock(&c->hb_mu);
-        pthread_join(c->hb_thread, NULL);
-        pthread_mutex_destroy(&c->hb_mu);
-        pthread_cond_destroy(&c->hb_cv);
+        pthread_mutex_lock(&JC(c)->hb_mu);
+        JC(c)->hb_stop = 1;
+        pthread_cond_broadcast(&JC(c)->hb_cv);
+        pthread_mutex_unlock(&JC(c)->hb_mu);
+        pthread_join(JC(c)->hb_thread, NULL);
+        pthread_mutex_destroy(&JC(c)->hb_mu);
+        pthread_cond_destroy(&JC(c)->hb_cv);
         c->has_hb = 0;
     }
-    dt_store_close(c->hb);
-    c->hb = NULL;
-    host_free(c->ctx, c->hb_errors);
-    c->hb_errors = NULL;
+    dt_store_close(JC(c)->hb);
+    JC(c)->hb = NULL;
+    host_free(c->ctx, JC(c)->hb_errors);
+    JC(c)->hb_errors = NULL;
 }
 
 /* A communicator's memory and lock, before it connects. */
 static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_config *cfg)
 {
-    dt_comm *c = host_calloc(ctx, sizeof *c);
+    dt_comm *c = host_calloc(ctx, sizeof(join_comm));   /* JC */
     if (!c) {
         set_error(ctx, DT_ENOMEM, "comm: out of memory");
         return NULL;
@@ -16429,22 +16608,22 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
     if (join_start_heartbeat(c) != DT_OK)
         return ctx->last_status;
-    if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
+    if (pthread_create(&JC(c)->thread, NULL, comm_main, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
-    pthread_setname_np(c->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
-    c->has_thread = 1;
+    pthread_setname_np(JC(c)->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
+    JC(c)->has_thread = 1;
     /* everyone's endpoint is ready before anyone sends (a rejoined rank's
      * peers are mid-job: it tells them when it serves, join_announce_rejoin) */
     if (!c->inc && dt_barrier(c) != DT_OK)
         return ctx->last_status;
     /* the profiler's offset to rank 0's clock (src/profile.c), while the job is quiet */
-    if (!c->members && store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
+    if (!c->members && store_clock_offset(JC(c)->store, 8, &JC(c)->clock_offset, &JC(c)->clock_rtt) != DT_OK)
         return ctx->last_status;
     /* every local rank has mapped the segment: its name can go, so no
      * file is left behind in /dev/shm whatever happens later */
-    if (c->seg_linked) {
-        shm_unlink(c->seg_name);
-        c->seg_linked = 0;
+    if (JC(c)->seg_linked) {
+        shm_unlink(JC(c)->seg_name);
+        JC(c)->seg_linked = 0;
     }
     return DT_OK;
 }
@@ -16467,10 +16646,10 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     dt_comm *c = comm_alloc(ctx, env.rank, env.world_size, &cfg);
     if (!c)
         return NULL;
-    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
+    if (!(JC(c)->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
         goto fail;
-    c->job = env;
-    c->job.master_port = dt_store_port(c->store);
+    JC(c)->job = env;
+    JC(c)->job.master_port = dt_store_port(JC(c)->store);
     if (comm_connect(c, &cfg) != DT_OK)
         goto fail;
     preempt_reclaim(ctx);   /* the transport's libraries may have taken the signals */
@@ -16484,28 +16663,24 @@ void dt_comm_free(dt_comm *c)
     if (!c)
         return;
     join_stop_heartbeat(c);
-    if (c->has_thread && comm_thread_stuck(c)) {
+    if (JC(c)->has_thread && comm_thread_stuck(c)) {
         /* its thread is inside the transport for good and may touch c if it
          * ever returns: c, its transport and memory are left to the process's
          * exit; only the store closes (rank 0's serves the others) */
-        pthread_detach(c->thread);
-        store_close(c->store, 0);
+        pthread_detach(JC(c)->thread);
+        store_close(JC(c)->store, 0);
         return;
     }
-    if (c->has_thread) {
+    if (JC(c)->has_thread) {
         pthread_mutex_lock(&c->mu);
         c->stop = 1;
         pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
-        pthread_join(c->thread, NULL);
+        pthread_join(JC(c)->thread, NULL);
     }
     if (c->tp)
         c->tp_iface->close(c->tp);
-    while (c->graveyard) {   /* (the transport that held their sends is closed) */
-        xfers *x = c->graveyard;
-        c->graveyard = x->next_dead;
-        c->ctx->al.free_fn(x, c->ctx->al.user);
-    }
+    comm_xfers_free_buried(c);   /* (the transport that held their sends is closed) */
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
     host_free(c->ctx, c->ext_done_at);
@@ -16514,7 +16689,7 @@ void dt_comm_free(dt_comm *c)
      * while others may still wait for each other's last messages and ask
      * the store about the dead meanwhile: a store gone then would read as
      * rank 0's death.  So the store stays until they have left (bounded). */
-    store_close(c->store, c->timeout_ms < DT_COMM_DRAIN_MS ? c->timeout_ms : DT_COMM_DRAIN_MS);
+    store_close(JC(c)->store, c->timeout_ms < DT_COMM_DRAIN_MS ? c->timeout_ms : DT_COMM_DRAIN_MS);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     if (c->scratch)
@@ -16533,14 +16708,13 @@ void dt_comm_free(dt_comm *c)
 /* Every rank's (color, key) through the parent's store; the ranks of our
  * color in (key, parent rank) order, as job ranks, into members (n of them;
  * *me: our index). */
-static dt_status split_members(dt_comm *p, int color, int key, int *members, int *n, int *me)
+static dt_status split_members(dt_comm *p, int id, int color, int key, int *members, int *n, int *me)
 {
     dt_ctx *ctx = p->ctx;
     char k[48], v[32];
-    int id = p->splits_made++;
     snprintf(k, sizeof k, "split/%d/%d", id, p->rank);
     int vl = snprintf(v, sizeof v, "%d %d", color, key);
-    dt_status st = dt_store_set(p->store, k, v, (size_t)vl + 1);
+    dt_status st = dt_store_set(JC(p)->store, k, v, (size_t)vl + 1);
     int *keys = host_alloc(ctx, sizeof *keys * (size_t)p->world);
     if (st == DT_OK && !keys)
         st = set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
@@ -16549,7 +16723,7 @@ static dt_status split_members(dt_comm *p, int color, int key, int *members, int
         size_t len = 0;
         int col = 0, ky = 0;
         snprintf(k, sizeof k, "split/%d/%d", id, r);
-        st = dt_store_get(p->store, k, v, sizeof v - 1, &len, 0);
+        st = dt_store_get(JC(p)->store, k, v, sizeof v - 1, &len, 0);
         v[len < sizeof v ? len : sizeof v - 1] = '\0';
         if (st == DT_OK && sscanf(v, "%d %d", &col, &ky) != 2)
             st = set_error(ctx, DT_EPEER, "comm_split: rank %d sent '%s'", r, v);
@@ -16603,13 +16777,13 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         cfg.timeout_ms = parent->timeout_ms;
     if (!cfg.collective_timeout_ms)
         cfg.collective_timeout_ms = parent->collective_timeout_ms;
-    int id = parent->splits_made, n = 0, me = 0;
+    int id = comm_serial(parent, COMM_SERIAL_SPLIT), n = 0, me = 0;
     int *members = host_alloc(ctx, sizeof *members * (size_t)parent->world);
     if (!members) {
         set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
         return NULL;
     }
-    if (split_members(parent, color, key, members, &n, &me) != DT_OK) {
+    if (split_members(parent, id, color, key, members, &n, &me) != DT_OK) {
         host_free(ctx, members);
         return NULL;
     }
@@ -16619,15 +16793,15 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         return NULL;
     }
     c->members = members;
-    c->job = parent->job;
-    c->clock_offset = parent->clock_offset;
-    c->clock_rtt = parent->clock_rtt;
+    JC(c)->job = JC(parent)->job;
+    JC(c)->clock_offset = JC(parent)->clock_offset;
+    JC(c)->clock_rtt = JC(parent)->clock_rtt;
     group_label(c);
-    cfg.store.token = parent->store->token;
-    if (!(c->store = store_open(ctx, &c->job, &cfg.store, 0, 0)))
+    cfg.store.token = JC(parent)->store->token;
+    if (!(JC(c)->store = store_open(ctx, &JC(c)->job, &cfg.store, 0, 0)))
         goto fail;
-    if ((size_t)snprintf(c->store->prefix, sizeof c->store->prefix, "%sg%d.%d/",
-                         parent->store->prefix, id, color) >= sizeof c->store->prefix) {
+    if ((size_t)snprintf(JC(c)->store->prefix, sizeof JC(c)->store->prefix, "%sg%d.%d/",
+                         JC(parent)->store->prefix, id, color) >= sizeof JC(c)->store->prefix) {
         set_error(ctx, DT_ENOTSUP, "comm_split: groups nested too deep");
         goto fail;
     }
@@ -16644,7 +16818,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 16648 "dtrain.c"
+#line 16822 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -16896,7 +17070,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 16900 "dtrain.c"
+#line 17074 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17065,7 +17239,7 @@ static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (c && c->ctx != ctx)
+    if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
     dt_eval_config defaults;
     dt_eval_config_init(&defaults);
@@ -17151,7 +17325,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (c && c->ctx != ctx)
+    if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "predict: the communicator belongs to another context");
     int P = c ? dt_comm_size(c) : 1, r = c ? dt_comm_rank(c) : 0;
     int64_t n = dt_dataset_size(ds), per = (n + P - 1) / P;
@@ -17188,7 +17362,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17192 "dtrain.c"
+#line 17366 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -17703,7 +17877,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 17707 "dtrain.c"
+#line 17881 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -17719,6 +17893,8 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
  * store at rendezvous (Cristian's method: the best of 8 round trips, off by
  * at most half that round trip, tens of microseconds on one host).
  * ======================================================================== */
+
+/* --- the profiler at the end of the job: gather, trace, report ---------------------- */
 
 #define PROF_LINK_FLOATS ((int64_t)2 << 20)   /* the link test: 8 MiB allreduces */
 
@@ -17793,7 +17969,7 @@ DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double thres
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
 {
     prof_state *p = &ctx->prof;
-    int P = c->world;
+    int P = dt_comm_size(c);
     float mine[3] = {(float)p->win_compute, (float)p->win_steps, (float)p->win_samples};
     float *all = host_alloc(ctx, sizeof(float) * 3 * (size_t)P);
     double *per = host_alloc(ctx, sizeof(double) * (size_t)P);
@@ -17817,7 +17993,7 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
                                                 : PROF_DEFAULT_THRESHOLD, &median);
         p->straggler = s;
         if (s >= 0) {
-            if (s == c->rank) {
+            if (s == dt_comm_rank(c)) {
                 pthread_mutex_lock(&p->mu);
                 p->tot.straggler_warnings++;
                 pthread_mutex_unlock(&p->mu);
@@ -17881,7 +18057,7 @@ static dt_status prof_link_test(dt_ctx *ctx, dt_comm *c, double *busbw)
     }
     host_free(ctx, buf);
     if (st == DT_OK && best > 0 && best < INFINITY)
-        *busbw = comm_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
+        *busbw = comm_bus_factor(COLL_ALLREDUCE, dt_comm_size(c)) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
     return st;
 }
 
@@ -18594,11 +18770,11 @@ static int prof_alone_collect(dt_comm *c, prof_alone *parts, int P, int patience
         char key[48], dead[16];
         size_t len = 0;
         snprintf(key, sizeof key, "/dead/%d", r);
-        if (dt_store_get(c->store, key, dead, sizeof dead, &len, 1) == DT_OK)
+        if (dt_store_get(join_store(c), key, dead, sizeof dead, &len, 1) == DT_OK)
             continue;
         snprintf(key, sizeof key, "/prof/alone/%d", r);
         int left = (int)((deadline - dt_now()) * 1000.0);
-        if (dt_store_get(c->store, key, &parts[r], sizeof parts[r], &len, left > 1 ? left : 1) ==
+        if (dt_store_get(join_store(c), key, &parts[r], sizeof parts[r], &len, left > 1 ? left : 1) ==
                 DT_OK && len == sizeof parts[r] && parts[r].h.magic == PROF_BLOB_MAGIC) {
             parts[r].said[sizeof parts[r].said - 1] = '\0';
             got++;
@@ -18606,7 +18782,7 @@ static int prof_alone_collect(dt_comm *c, prof_alone *parts, int P, int patience
             memset(&parts[r], 0, sizeof parts[r]);
         }
     }
-    dt_clear_error(c->ctx);   /* (the parts that did not come are said in the report) */
+    dt_clear_error(comm_ctx(c));   /* (the parts that did not come are said in the report) */
     return got;
 }
 
@@ -18648,11 +18824,11 @@ static char *prof_alone_report(dt_ctx *ctx, const prof_alone *parts, int P, int 
 static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, const char *why)
 {
     prof_state *p = &ctx->prof;
-    int P = c->world, rank = c->rank;
+    int P = dt_comm_size(c), rank = dt_comm_rank(c);
     prof_alone *parts = host_calloc(ctx, sizeof *parts * (size_t)P);
     int64_t n = 0;
     pthread_mutex_lock(&p->mu);
-    float *mine = prof_pack(ctx, c->clock_offset, &n);
+    float *mine = prof_pack(ctx, join_clock_offset(c), &n);
     pthread_mutex_unlock(&p->mu);
     if (!parts || !mine) {
         host_free(ctx, parts);
@@ -18663,10 +18839,10 @@ static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, c
     snprintf(parts[rank].said, sizeof parts[rank].said, "%s", why);
     char key[48];
     snprintf(key, sizeof key, "/prof/alone/%d", rank);
-    int stored = dt_store_set(c->store, key, &parts[rank], sizeof parts[rank]) == DT_OK;
+    int stored = dt_store_set(join_store(c), key, &parts[rank], sizeof parts[rank]) == DT_OK;
     int got = 1;
     if (rank == 0 && stored)
-        got = prof_alone_collect(c, parts, P, c->timeout_ms < 3000 ? c->timeout_ms : 3000);
+        got = prof_alone_collect(c, parts, P, comm_timeout_ms(c) < 3000 ? comm_timeout_ms(c) : 3000);
     if (rank == 0 && trace_path && prof_write_trace(ctx, trace_path, mine, n, 1) != DT_OK)
         trace_path = NULL;
     char *rep = rank == 0 ? prof_alone_report(ctx, parts, P, 0, got, why, trace_path)
@@ -18686,7 +18862,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     prof_state *p = &ctx->prof;
     if (!prof_recording(ctx))
         return DT_OK;
-    if (c && c->ctx != ctx)
+    if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "profile_finish: the communicator belongs to another "
                          "context");
     /* stop recording first: the gathers below are not part of the job */
@@ -18696,12 +18872,12 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
         const char *e = getenv("DTRAIN_TRACE");
         trace_path = e && *e ? e : NULL;
     }
-    int P = c ? c->world : 1, rank = c ? c->rank : 0;
+    int P = c ? dt_comm_size(c) : 1, rank = c ? dt_comm_rank(c) : 0;
     double link = 0;
     dt_status st = c && P > 1 ? prof_link_test(ctx, c, &link) : DT_OK;
     int64_t n = 0;
     pthread_mutex_lock(&p->mu);
-    float *mine = st == DT_OK ? prof_pack(ctx, c ? c->clock_offset : 0, &n) : NULL;
+    float *mine = st == DT_OK ? prof_pack(ctx, c ? join_clock_offset(c) : 0, &n) : NULL;
     pthread_mutex_unlock(&p->mu);
     if (st == DT_OK && !mine)
         st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
@@ -18776,9 +18952,9 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     host_free(ctx, sizes);
     host_free(ctx, pad);
     host_free(ctx, all);
-    if (c && P > 1 && (cs != DT_OK || c->broken)) {   /* no exchange: a report all the same */
+    if (c && P > 1 && (cs != DT_OK || comm_broken_msg(c))) {   /* no exchange: a report all the same */
         char why[DT_MAX_ERROR];   /* the failure that broke the communicator, else the exchange's */
-        snprintf(why, sizeof why, "%s", c->broken ? c->broken_msg : ctx->err);
+        snprintf(why, sizeof why, "%s", comm_broken_msg(c) ? comm_broken_msg(c) : ctx->err);
         dt_status keep = ctx->last_status;
         prof_finish_alone(ctx, c, trace_path, why);
         set_error(ctx, keep, "profile_finish: the ranks could not exchange their profiles (%s); "
@@ -18787,7 +18963,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 18791 "dtrain.c"
+#line 18967 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -18969,7 +19145,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 18973 "dtrain.c"
+#line 19149 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -19008,6 +19184,13 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
  * steps is answered once the slowest live worker has completed c - s
  * (BSP: s = 0; ASP: always).
  * ======================================================================== */
+
+/* Sparse requests.  The asked ids are sorted (by id, then position) so
+ * each distinct row moves once and repeated rows' gradients are summed in
+ * the caller's order: the same request gives the same bits. */
+struct ps_idpos {
+    int64_t id, pos;
+};
 
 
 static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish", "sparse push",
@@ -19150,7 +19333,7 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
         return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed");
     if (servers != ps->S || repl != (ps->cfg.replicate != 0) || mode != (int)ps->cfg.mode)
         return set_error(ctx, DT_EMISMATCH, "ps_new: rank %d has %d servers, replication %d, mode "
-                         "%d; worker 0 has %d, %d, %d", ps->comm->rank, ps->S,
+                         "%d; worker 0 has %d, %d, %d", dt_comm_rank(ps->comm), ps->S,
                          ps->cfg.replicate != 0, (int)ps->cfg.mode, servers, repl, mode);
     ps->nparams = n;
     ps->ntables = nt;
@@ -19201,13 +19384,13 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
 static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
 {
     int twin = ps->L != ps->S && !ps->gone[(s + ps->L) % ps->S];
-    if ((!twin && ps->cfg.rejoin_ms < 0) || !c->watch)
+    if ((!twin && ps->cfg.rejoin_ms < 0) || !comm_watch(c))
         return 0;
     if (!known) {   /* the death is usually published a moment after it shows */
         char key[32], val[16];
         size_t len = 0;
         store_dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
-        if (dt_store_get(c->watch, key, val, sizeof val, &len, c->timeout_ms / 2) != DT_OK)
+        if (dt_store_get(comm_watch(c), key, val, sizeof val, &len, comm_timeout_ms(c) / 2) != DT_OK)
             return 0;
     }
     ps->gone[s] = twin ? 1 : 2;   /* no twin: wait for a restarted process */
@@ -19471,7 +19654,7 @@ DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
     char key[32], val[16];
     size_t len = 0;
     snprintf(key, sizeof key, "inc/%d", rank);
-    if (dt_store_get(c->watch, key, val, sizeof val - 1, &len, wait_ms) != DT_OK)
+    if (dt_store_get(comm_watch(c), key, val, sizeof val - 1, &len, wait_ms) != DT_OK)
         return 0;
     val[len < sizeof val ? len : sizeof val - 1] = '\0';
     return (uint32_t)strtoul(val, NULL, 10);
@@ -19486,22 +19669,22 @@ static dt_status ps_answers_from(dt_ps *ps, dt_store *st, int s, uint32_t inc, c
 {
     dt_comm *c = ps->comm;
     int rank = ps->W + s;
-    if (strcmp(c->provider, "shm") != 0) {
+    if (strcmp(dt_comm_transport(c), "shm") != 0) {
         ps->ans_via[s] = rank;
         return DT_OK;
     }
     char key[64];
     unsigned char addr[512];
     size_t len = 0;
-    snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, rank, inc, c->rank);
-    if (!st || dt_store_get(st, key, addr, sizeof addr, &len, c->timeout_ms) != DT_OK ||
+    snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, rank, inc, dt_comm_rank(c));
+    if (!st || dt_store_get(st, key, addr, sizeof addr, &len, comm_timeout_ms(c)) != DT_OK ||
         len > sizeof addr) {
         snprintf(err, err_len, "server rank %d published no endpoint for worker %d's answers "
-                 "within %d ms", rank, c->rank, c->timeout_ms);
+                 "within %d ms", rank, dt_comm_rank(c), comm_timeout_ms(c));
         return DT_EPEER;
     }
-    if (ps->ans_via[s] >= c->world)   /* its restart: the same peer number, the new address */
-        return c->tp_iface->replace_peer(c->tp, ps->ans_via[s], addr, len, err, err_len);
+    if (ps->ans_via[s] >= dt_comm_size(c))   /* its restart: the same peer number, the new address */
+        return comm_tp_iface(c)->replace_peer(comm_tp(c), ps->ans_via[s], addr, len, err, err_len);
     return comm_add_endpoint(c, rank, addr, len, &ps->ans_via[s], err, err_len);
 }
 
@@ -19516,7 +19699,7 @@ static dt_status ps_greet(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
     int rank = ps->W + s;
     char err[256] = "";
     if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
-        ps_answers_from(ps, c->watch, s, inc, err, sizeof err) != DT_OK)
+        ps_answers_from(ps, comm_watch(c), s, inc, err, sizeof err) != DT_OK)
         return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
                               rank, err);
     for (int i = 0; i < pc->nstreams; i++)   /* (numbered for the predecessor) */
@@ -19607,27 +19790,6 @@ static void ps_note_sent(dt_ps *ps, const ps_call *pc)
  * is written off, and a pull that was asking it asks again (pulls are
  * idempotent; pushes already went to both servers of the shard).  A dead
  * server without a twin is waited for and asked again. */
-/* The record after one that holds orphaned sends (drain_gone): a fresh
- * one with the same settings; the old one waits in the graveyard. */
-static dt_status ps_fresh_xfers(dt_comm *c, dt_work *w, xfers **xsp)
-{
-    xfers *old = *xsp, *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
-    if (!xs)
-        return comm_work_fail(w, DT_ENOMEM, "%s: out of memory", comm_coll_name(w->kind));
-    memset(xs, 0, sizeof *xs);
-    xs->g = old->g;
-    xs->gone = old->gone;
-    xs->gone_base = old->gone_base;
-    xs->gone_n = old->gone_n;
-    xs->write_off = old->write_off;
-    xs->write_off_arg = old->write_off_arg;
-    xs->idle = old->idle;
-    old->next_dead = c->graveyard;
-    c->graveyard = old;
-    *xsp = xs;
-    return DT_OK;
-}
-
 static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
 {
     xfers *xs = *xsp;
@@ -19664,7 +19826,7 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
             if (comm_wait_xfers(c, w, xs) != DT_OK)
                 return w->status;
             if (xs->orphans) {
-                if (ps_fresh_xfers(c, w, xsp) != DT_OK)
+                if (comm_xfers_renew(c, w, xsp) != DT_OK)
                     return w->status;
                 xs = *xsp;
             }
@@ -19727,8 +19889,8 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
         store_dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
         char fence[48];   /* written off by another worker while silent (ps_write_off_silent) */
         ps_fence_key(fence, sizeof fence, ps->job, ps->W + s, ps->inc[s]);
-        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK &&
-            dt_store_get(c->watch, fence, val, sizeof val, &len, 1) != DT_OK)
+        if (dt_store_get(comm_watch(c), key, val, sizeof val, &len, 1) != DT_OK &&
+            dt_store_get(comm_watch(c), fence, val, sizeof val, &len, 1) != DT_OK)
             continue;
         if (!ps_write_off_server(c, ps, s, 1))   /* a twin serves on, or a restart is awaited */
             return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
@@ -19766,7 +19928,7 @@ static int ps_write_off_silent(dt_comm *c, dt_work *w, int rank)
      * reads the fence, and the server stops when it wakes: ps_watch). */
     char key[48];
     ps_fence_key(key, sizeof key, ps->job, rank, ps->inc[s]);
-    if (dt_store_set(c->watch, key, "1", 2) != DT_OK)
+    if (dt_store_set(comm_watch(c), key, "1", 2) != DT_OK)
         return 0;
     ps->gone[s] = 1;
     ps->down_since[s] = dt_now();
@@ -19830,7 +19992,7 @@ static int ps_worker_ok(dt_ps *ps, const char *what)
     if (!ps)
         return 0;
     if (ps->server >= 0) {
-        set_error(ps->ctx, DT_ESTATE, "%s: rank %d is a server (dt_ps_serve)", what, ps->comm->rank);
+        set_error(ps->ctx, DT_ESTATE, "%s: rank %d is a server (dt_ps_serve)", what, dt_comm_rank(ps->comm));
         return 0;
     }
     return 1;
@@ -19928,8 +20090,8 @@ dt_status dt_ps_finish(dt_ps *ps)
     ps->finished = s == DT_OK;
     if (s == DT_OK) {   /* a server restarted later must not wait for our hello */
         char key[64];
-        snprintf(key, sizeof key, "ps%d/done/%d", ps->job, ps->comm->rank);
-        s = dt_store_set(ps->comm->store, key, "1", 2);
+        snprintf(key, sizeof key, "ps%d/done/%d", ps->job, dt_comm_rank(ps->comm));
+        s = dt_store_set(join_store(ps->comm), key, "1", 2);
     }
     return s;
 }
@@ -20107,13 +20269,13 @@ static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W,
         return set_error(ctx, DT_EINVAL, "ps_new: mode %d, staleness %d: need a dt_ps_mode and "
                          "staleness >= 0", (int)cfg->mode, cfg->staleness);
     *S = cfg->servers;
-    *W = c->world - *S;
+    *W = dt_comm_size(c) - *S;
     if (cfg->replicate && (*S < 2 || *S % 2))
         return set_error(ctx, DT_EINVAL, "ps_new: replication pairs the servers: %d servers is not "
                          "an even number >= 2", *S);
     if (*W < 1 || *S > 8)
         return set_error(ctx, *S > 8 ? DT_ENOTSUP : DT_EINVAL, "ps_new: %d servers among %d ranks: "
-                         "need at least one worker and at most 8 servers", *S, c->world);
+                         "need at least one worker and at most 8 servers", *S, dt_comm_size(c));
     return DT_OK;
 }
 
@@ -20142,9 +20304,9 @@ static void ps_choose_chunk(dt_ps *ps)
     dt_comm *c = ps->comm;
     size_t chunk = ps->cfg.chunk_bytes;
     if (chunk == 0)
-        chunk = !strcmp(c->provider, "shm") && (ps->cfg.replicate || ps->cfg.checkpoint_dir)
-                    ? PS_SHM_CHUNK : c->max_msg;
-    chunk = chunk < c->max_msg ? chunk : c->max_msg;
+        chunk = !strcmp(dt_comm_transport(c), "shm") && (ps->cfg.replicate || ps->cfg.checkpoint_dir)
+                    ? PS_SHM_CHUNK : comm_max_msg(c);
+    chunk = chunk < comm_max_msg(c) ? chunk : comm_max_msg(c);
     ps->chunk = chunk < UINT32_MAX ? chunk : (size_t)1 << 31;   /* (the header's field) */
 }
 
@@ -20155,17 +20317,17 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
     char key[64];
     if (ctx->n_params < 1)
         return set_error(ctx, DT_EINVAL, "ps_new: worker %d has no parameters (a step is "
-                         "counted by its dense push)", c->rank);
+                         "counted by its dense push)", dt_comm_rank(c));
     ps->layout = ps_describe(ctx, &ps->cfg);
     if (!ps->layout)
         return ctx->last_status;
-    snprintf(key, sizeof key, "ps%d/layout/%d", job, c->rank);
-    dt_status s = dt_store_set(c->store, key, ps->layout, strlen(ps->layout) + 1);
-    if (s == DT_OK && c->rank != 0) {
+    snprintf(key, sizeof key, "ps%d/layout/%d", job, dt_comm_rank(c));
+    dt_status s = dt_store_set(join_store(c), key, ps->layout, strlen(ps->layout) + 1);
+    if (s == DT_OK && dt_comm_rank(c) != 0) {
         size_t len = 0;
         char *ref = host_alloc(ctx, DT_STORE_MAX_VALUE);
         snprintf(key, sizeof key, "ps%d/layout/0", job);
-        s = ref ? dt_store_get(c->store, key, ref, DT_STORE_MAX_VALUE - 1, &len, c->timeout_ms)
+        s = ref ? dt_store_get(join_store(c), key, ref, DT_STORE_MAX_VALUE - 1, &len, comm_timeout_ms(c))
                 : set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
         if (s == DT_OK) {
             ref[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
@@ -20173,7 +20335,7 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
                 char diff[240];
                 ps_first_difference(ps->layout, ref, diff, sizeof diff);
                 s = set_error(ctx, DT_EMISMATCH, "ps_new: worker %d's model differs from worker "
-                              "0's: %s", c->rank, diff);
+                              "0's: %s", dt_comm_rank(c), diff);
             }
         }
         host_free(ctx, ref);
@@ -20207,12 +20369,12 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
     if (comm_take_transport(c, why, sizeof why) != DT_OK)
         return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
     for (int k = 0; s == DT_OK && k < ps->S; k++)
-        if ((s = ps_answers_from(ps, c->store, k, 0, err, sizeof err)) != DT_OK)
+        if ((s = ps_answers_from(ps, join_store(c), k, 0, err, sizeof err)) != DT_OK)
             s = set_error(ctx, s, "ps_new: %s", err);
     comm_release_transport(c);
     if (s != DT_OK)
         return s;
-    if (c->rank == 0) {   /* our values are where everyone starts */
+    if (dt_comm_rank(c) == 0) {   /* our values are where everyone starts */
         for (int i = 0; i < ps->nparams; i++)
             be_to_host(ctx, ps->stage + ps->offset[i], ctx->params[i]->data,
                        (size_t)ps->numel[i] * sizeof(float));
@@ -20231,8 +20393,8 @@ static dt_status ps_join_server(dt_ps *ps, int job)
     if (!ps->layout)
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
     snprintf(key, sizeof key, "ps%d/layout/0", job);
-    dt_status s = dt_store_get(ps->comm->store, key, ps->layout, DT_STORE_MAX_VALUE - 1, &len,
-                               ps->comm->timeout_ms);
+    dt_status s = dt_store_get(join_store(ps->comm), key, ps->layout, DT_STORE_MAX_VALUE - 1, &len,
+                               comm_timeout_ms(ps->comm));
     if (s != DT_OK)
         return s;
     ps->layout[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
@@ -20247,7 +20409,7 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
 {
     if (!ctx_ok(ctx))
         return NULL;
-    if (!c || c->ctx != ctx) {
+    if (!c || comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "ps_new: %s", c ? "the communicator belongs to another context"
                                                   : "communicator is NULL");
         return NULL;
@@ -20265,16 +20427,15 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
         set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
         return NULL;
     }
-    int job = c->ext_jobs++;
-    c->ext_ops = &ps_comm_ops;   /* before any request reaches the comm thread */
+    int job = comm_attach_ext(c, &ps_comm_ops);   /* before any request reaches the comm thread */
     int L = conf.replicate ? S / 2 : S;
     *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job, .L = L,
-                  .server = c->rank >= W ? c->rank - W : -1,
-                  .shard = c->rank >= W ? (c->rank - W) % L : -1};
+                  .server = dt_comm_rank(c) >= W ? dt_comm_rank(c) - W : -1,
+                  .shard = dt_comm_rank(c) >= W ? (dt_comm_rank(c) - W) % L : -1};
     dt_status s = DT_OK;
-    if (c->inc && (ps->server < 0 || conf.replicate))   /* only a server restarts */
+    if (comm_incarnation(c) && (ps->server < 0 || conf.replicate))   /* only a server restarts */
         s = set_error(ctx, DT_ENOTSUP, "ps_new: rank %d is a restarted process; only a server "
-                      "without a replica can rejoin a running job (%s)", c->rank,
+                      "without a replica can rejoin a running job (%s)", dt_comm_rank(c),
                       ps->server < 0 ? "a worker's restart is not supported"
                                      : "its twin serves on in its place");
     else
@@ -20296,8 +20457,8 @@ void dt_ps_free(dt_ps *ps)
     ps_end_prefetch(ps, 0);
     if (ps->server < 0 && !ps->finished) {   /* (also a worker whose dt_ps_new failed) */
         char key[64];
-        snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
-        dt_store_set(ps->comm->store, key, "1", 2);
+        snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, dt_comm_rank(ps->comm));
+        dt_store_set(join_store(ps->comm), key, "1", 2);
     }
     ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
     if (ps->server < 0)
@@ -20361,7 +20522,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20365 "dtrain.c"
+#line 20526 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -20373,6 +20534,14 @@ void dt_ps_free(dt_ps *ps)
  * bookkeeping, replicas and checkpoints.  The workers' side, the layout
  * and joining are src/ps.c, whose banner describes the protocol.
  * ======================================================================== */
+
+/* A sparse push kept until its step is applied (BSP). */
+struct ps_sparse_msg {
+    int table;
+    int64_t k, clock;
+    void *data;                /* k local row numbers (int64), then k * dim floats */
+    struct ps_sparse_msg *next;
+};
 
 /* --- the server's side ----------------------------------------------- */
 
@@ -20432,11 +20601,11 @@ static dt_status ps_agree_on_resume(dt_ps *ps)
     char key[64], mine[32], theirs[32];
     snprintf(mine, sizeof mine, "%lld", ps->resumed ? (long long)ps->opt->steps : -1LL);
     snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, ps->server);
-    dt_status s = dt_store_set(c->store, key, mine, strlen(mine) + 1);
+    dt_status s = dt_store_set(join_store(c), key, mine, strlen(mine) + 1);
     for (int q = 0; s == DT_OK && q < ps->S; q++) {
         size_t len = 0;
         snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, q);
-        s = dt_store_get(c->store, key, theirs, sizeof theirs - 1, &len, c->timeout_ms);
+        s = dt_store_get(join_store(c), key, theirs, sizeof theirs - 1, &len, comm_timeout_ms(c));
         theirs[s == DT_OK && len < sizeof theirs ? len : 0] = '\0';
         if (s == DT_OK && strcmp(theirs, mine) != 0)
             s = set_error(ps->ctx, DT_EMISMATCH, "ps_new: server %d starts from step %s, server %d "
@@ -20478,11 +20647,11 @@ static dt_status ps_resume(dt_ps *ps)
         ps->st.resumed = 1;
         ps->st.resumed_step = ps->opt->steps;
     }
-    if (ps->comm->inc)   /* rejoining a running job: the others started long ago */
+    if (comm_incarnation(ps->comm))   /* rejoining a running job: the others started long ago */
         return ps->resumed ? DT_OK : set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a "
                                                "restarted process, and without its checkpoint "
                                                "(%s) it has nothing to rejoin with",
-                                               ps->comm->rank, ps->ckpt_path);
+                                               dt_comm_rank(ps->comm), ps->ckpt_path);
     return ps_agree_on_resume(ps);
 }
 
@@ -20547,10 +20716,10 @@ DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps)
     for (int t = 0; t < ps->ntables; t++)
         if (ps_make_table(ps, &ps->tabs[t]) != DT_OK)
             return ps->ctx->last_status;
-    if (ps->comm->inc && !(ps->cfg.checkpoint_dir && *ps->cfg.checkpoint_dir))
+    if (comm_incarnation(ps->comm) && !(ps->cfg.checkpoint_dir && *ps->cfg.checkpoint_dir))
         return set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a restarted process; "
                          "it can rejoin only from a checkpoint (dt_ps_config.checkpoint_dir)",
-                         ps->comm->rank);
+                         dt_comm_rank(ps->comm));
     if (ps_resume(ps) != DT_OK)
         return ps->ctx->last_status;
     int64_t floats = hi - lo + ps->P;
@@ -20562,7 +20731,7 @@ DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps)
     for (int w = 0; w < ps->W; w++)
         if (!(ps->peers[w].push = host_calloc(ps->ctx, sizeof(float) * (size_t)(floats > 0 ? floats : 1))))
             return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory for %d workers' pushes", ps->W);
-    if (ps->comm->inc) {   /* a restarted server: each worker's step is learnt from its hello */
+    if (comm_incarnation(ps->comm)) {   /* a restarted server: each worker's step is learnt from its hello */
         ps->syncing = 1;
         ps->st.rejoined = 1;
         for (int w = 0; w < ps->W; w++)
@@ -20810,29 +20979,29 @@ DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
     dt_ctx *ctx = ps->ctx;
-    if (strcmp(c->provider, "shm") != 0)
+    if (strcmp(dt_comm_transport(c), "shm") != 0)
         return DT_OK;
     ps->ans = host_calloc(ctx, sizeof(dt_transport *) * (size_t)ps->W);
     if (!ps->ans)
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
-    dt_transport_params tp = {"shm", NULL, NULL, ctx->al, c->collective_timeout_ms};
+    dt_transport_params tp = {"shm", NULL, NULL, ctx->al, comm_collective_timeout_ms(c)};
     for (int w = 0; w < ps->W; w++) {
         char key[64], err[256] = "";
         unsigned char addr[512];
         size_t len = 0, mine = sizeof addr;
         snprintf(key, sizeof key, "addr/%d", w);
-        dt_status s = dt_store_get(c->store, key, addr, sizeof addr, &len, c->timeout_ms);
+        dt_status s = dt_store_get(join_store(c), key, addr, sizeof addr, &len, comm_timeout_ms(c));
         if (s != DT_OK)
             return s;
         const void *peer = addr;
-        if ((s = c->tp_iface->open(&tp, &ps->ans[w], err, sizeof err)) == DT_OK &&
-            (s = c->tp_iface->insert_peers(ps->ans[w], 1, &peer, &len, err, sizeof err)) == DT_OK)
-            s = c->tp_iface->get_addr(ps->ans[w], addr, &mine, err, sizeof err);
+        if ((s = comm_tp_iface(c)->open(&tp, &ps->ans[w], err, sizeof err)) == DT_OK &&
+            (s = comm_tp_iface(c)->insert_peers(ps->ans[w], 1, &peer, &len, err, sizeof err)) == DT_OK)
+            s = comm_tp_iface(c)->get_addr(ps->ans[w], addr, &mine, err, sizeof err);
         if (s != DT_OK)
-            return set_error(ctx, s, "ps_new: server rank %d's endpoint for worker %d: %s", c->rank,
+            return set_error(ctx, s, "ps_new: server rank %d's endpoint for worker %d: %s", dt_comm_rank(c),
                              w, err);
-        snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, c->rank, c->inc, w);
-        if ((s = dt_store_set(c->store, key, addr, mine)) != DT_OK)
+        snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, dt_comm_rank(c), comm_incarnation(c), w);
+        if ((s = dt_store_set(join_store(c), key, addr, mine)) != DT_OK)
             return s;
     }
     return DT_OK;
@@ -20842,14 +21011,14 @@ DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps)
 static dt_transport *ps_answer_tp(const dt_ps *ps, int w, int *peer)
 {
     *peer = ps->ans ? 0 : w;
-    return ps->ans ? ps->ans[w] : ps->comm->tp;
+    return ps->ans ? ps->ans[w] : comm_tp(ps->comm);
 }
 
 /* Close worker w's answer endpoint: its sends end (done, DT_ESTATE). */
 static void ps_close_answers(dt_ps *ps, int w)
 {
     if (ps->ans && ps->ans[w]) {
-        ps->comm->tp_iface->close(ps->ans[w]);
+        comm_tp_iface(ps->comm)->close(ps->ans[w]);
         ps->ans[w] = NULL;
     }
 }
@@ -20870,7 +21039,7 @@ static int ps_poll_answers(dt_ps *ps, dt_xfer **done, int k, int max)
     for (int w = 0; ps->ans && w < ps->W && k < max; w++) {
         if (!ps->ans[w])
             continue;
-        int got = ps->comm->tp_iface->poll(ps->ans[w], done + k, max - k, err, sizeof err);
+        int got = comm_tp_iface(ps->comm)->poll(ps->ans[w], done + k, max - k, err, sizeof err);
         k += got > 0 ? got : 0;   /* (a failing endpoint's answers fail as their worker's sends) */
     }
     return k;
@@ -20892,7 +21061,7 @@ static dt_status ps_reply_fill(dt_ps *ps, ps_reply *r)
         char *buf = (char *)r->data + (r->bytes ? (size_t)r->posted * r->chunk : 0);
         int peer;
         dt_transport *tp = ps_answer_tp(ps, r->worker, &peer);
-        if (!tp || c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
+        if (!tp || comm_tp_iface(c)->send(tp, peer, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
                                      len, x, err, sizeof err) != DT_OK) {
             r->stopped = 1;
             return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", r->worker, err);
@@ -20935,7 +21104,7 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
     int peer;
     dt_transport *tp = ps_answer_tp(ps, worker, &peer);
     dt_status s = !tp ? DT_ESTATE
-                      : c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
+                      : comm_tp_iface(c)->send(tp, peer, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
                                           sizeof r->hdr, &r->hdr_x, err, sizeof err);
     if (s != DT_OK) {   /* nothing posted */
         host_free(ps->ctx, r->data);
@@ -21004,7 +21173,7 @@ static dt_status ps_post_header(dt_ps *ps, int w)
     ps_peer *p = &ps->peers[w];
     memset(&p->hdr_x, 0, sizeof p->hdr_x);
     p->hdr_x.user = p;
-    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_REQ, p->seq, 0), 0, &p->hdr, sizeof p->hdr,
+    if (comm_tp_iface(c)->recv(comm_tp(c), w, ps_tag(PS_TAG_REQ, p->seq, 0), 0, &p->hdr, sizeof p->hdr,
                           &p->hdr_x, err, sizeof err) != DT_OK)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
     return DT_OK;
@@ -21165,7 +21334,7 @@ static dt_status ps_fill_recv(dt_ps *ps, int w)
         memset(x, 0, sizeof *x);
         x->user = p;
         size_t off = (size_t)p->data_next * p->hdr.chunk;
-        if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, p->hdr.seq, p->data_next), 0,
+        if (comm_tp_iface(c)->recv(comm_tp(c), w, ps_tag(PS_TAG_DATA, p->hdr.seq, p->data_next), 0,
                               p->data_buf + off, ps_piece_len(p->data_bytes, p->hdr.chunk,
                                                               p->data_next),
                               x, err, sizeof err) != DT_OK)
@@ -21249,10 +21418,10 @@ static dt_status ps_on_hello(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
     const ps_msg *h = &p->hdr;
-    if (!ps->comm->inc || p->clock >= 0 || h->clock < 0 || h->n < 0 || h->n >= ps_my_floats(ps))
+    if (!comm_incarnation(ps->comm) || p->clock >= 0 || h->clock < 0 || h->n < 0 || h->n >= ps_my_floats(ps))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d said hello (step %lld, %lld "
                          "floats in) to a server that %s", w, (long long)h->clock,
-                         (long long)h->n, ps->comm->inc ? "knows it already" : "never restarted");
+                         (long long)h->n, comm_incarnation(ps->comm) ? "knows it already" : "never restarted");
     p->clock = p->base = h->clock;
     p->got = h->n;
     dt_status s = ps_sync(ps);
@@ -21318,7 +21487,7 @@ DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t 
     const ps_peer *p = &ps->peers[w];
     if (len != sizeof *h || h->magic != PS_MAGIC || h->seq != p->seq || h->op < PS_INIT ||
         h->op > PS_CPUSH || (p->clock < 0 && h->op != PS_HELLO) || h->chunk < PS_MIN_CHUNK ||
-        h->chunk > ps->comm->max_msg)
+        h->chunk > comm_max_msg(ps->comm))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
     dt_status s = DT_OK;
     int flags;
@@ -21384,10 +21553,10 @@ static dt_status ps_on_header(dt_ps *ps, int w)
 static void ps_cancel_peer(dt_ps *ps, ps_peer *p)
 {
     dt_comm *c = ps->comm;
-    c->tp_iface->cancel(c->tp, &p->hdr_x);
+    comm_tp_iface(c)->cancel(comm_tp(c), &p->hdr_x);
     for (int i = 0; i < PS_WINDOW; i++)
         if (p->data_busy[i])
-            c->tp_iface->cancel(c->tp, &p->data_x[i]);
+            comm_tp_iface(c)->cancel(comm_tp(c), &p->data_x[i]);
 }
 
 /* Worker w died, left without finishing, or stays silent while others
@@ -21403,7 +21572,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     for (int k = 0; k < ps->W; k++)
         live += ps->peers[k].state == 0;
     ctx_warn(ps->ctx, "parameter server %d (rank %d): dropped worker %d after %lld steps: %s; "
-         "going on with %d worker%s", ps->server, ps->comm->rank, w, (long long)p->clock, why, live,
+         "going on with %d worker%s", ps->server, dt_comm_rank(ps->comm), w, (long long)p->clock, why, live,
          live == 1 ? "" : "s");
     for (ps_wait **pp = &ps->waits; *pp;) {   /* its waiting pull goes unanswered */
         ps_wait *q = *pp;
@@ -21431,14 +21600,14 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
 static int ps_server_down(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
-    for (int q = 0; q < ps->S && c->watch; q++) {
+    for (int q = 0; q < ps->S && comm_watch(c); q++) {
         char key[32], val[16];
         size_t len = 0;
         int rank = ps->W + q;
         if (q == ps->server)
             continue;
         store_dead_key(key, sizeof key, rank, ps_published_inc(c, rank, 1));
-        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK)
+        if (dt_store_get(comm_watch(c), key, val, sizeof val, &len, 1) == DT_OK)
             return 1;
     }
     return 0;
@@ -21452,9 +21621,9 @@ static int ps_store_has(dt_comm *c, const char *key, int *lost)
 {
     char val[16];
     size_t len = 0;
-    if (!c->watch)
+    if (!comm_watch(c))
         return 0;
-    dt_status st = dt_store_get(c->watch, key, val, sizeof val, &len, 1);
+    dt_status st = dt_store_get(comm_watch(c), key, val, sizeof val, &len, 1);
     *lost |= st != DT_OK && st != DT_ETIMEDOUT;
     return st == DT_OK;
 }
@@ -21473,7 +21642,7 @@ static int ps_worker_alive(dt_ps *ps, int w, double now, int lost)
     if (!p->hb_seen)
         p->hb_seen = now;   /* its clock starts when it first falls silent */
     snprintf(key, sizeof key, "/hb/%d", w);
-    if (!lost && c->watch && dt_store_get(c->watch, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+    if (!lost && comm_watch(c) && dt_store_get(comm_watch(c), key, val, sizeof val - 1, &len, 1) == DT_OK) {
         val[len < sizeof val ? len : sizeof val - 1] = '\0';
         unsigned long long beat = strtoull(val, NULL, 10);
         if (beat != p->hb_beat) {
@@ -21481,7 +21650,7 @@ static int ps_worker_alive(dt_ps *ps, int w, double now, int lost)
             p->hb_seen = now;
         }
     }
-    return !lost && now - p->hb_seen <= c->timeout_ms / 1000.0;
+    return !lost && now - p->hb_seen <= comm_timeout_ms(c) / 1000.0;
 }
 
 static dt_status ps_watch(dt_ps *ps, double *last_seen)
@@ -21493,11 +21662,11 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         held |= ps->peers[w].state == 0 && ps->peers[w].parked;
     int lost = 0;   /* the store (rank 0) is gone: no death is told any more */
     char key[48];
-    ps_fence_key(key, sizeof key, ps->job, c->rank, c->inc);
+    ps_fence_key(key, sizeof key, ps->job, dt_comm_rank(c), comm_incarnation(c));
     if (ps_store_has(c, key, &lost))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: the workers wrote this server (rank %d) off "
                          "while it was silent for the %d ms timeout (stopped or hung?); its twin "
-                         "serves on", c->rank, c->timeout_ms);
+                         "serves on", dt_comm_rank(c), comm_timeout_ms(c));
     for (int w = 0; w < ps->W; w++) {
         if (ps->peers[w].state != 0)
             continue;
@@ -21508,7 +21677,7 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         snprintf(key, sizeof key, "ps%d/done/%d", ps->job, w);   /* finished before we restarted */
         if (ps->peers[w].clock < 0 && ps_store_has(c, key, &lost)) {
             ps->peers[w].state = 1;
-            c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
+            comm_tp_iface(c)->cancel(comm_tp(c), &ps->peers[w].hdr_x);
             if (ps_sync(ps) != DT_OK)
                 return ps->ctx->last_status;
             continue;
@@ -21519,7 +21688,7 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         /* silent while others wait, or with the store gone (its death would
          * go untold); or, restarted, never heard from (else we would wait
          * forever); but not while it waits for a restarting server */
-        double quiet = now - last_seen[w], limit = c->timeout_ms / 1000.0;
+        double quiet = now - last_seen[w], limit = comm_timeout_ms(c) / 1000.0;
         int quiet_long = !waiting && (((held || lost) && quiet > limit) ||
                                       (ps->syncing && ps->peers[w].clock < 0 && quiet > 2 * limit)) &&
                          !ps_server_down(ps);
@@ -21527,7 +21696,7 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
             ps->peers[w].hb_seen = 0;   /* (its heartbeat's clock restarts next time) */
         /* alive: dropped only once it kept the others the collective timeout */
         int alive = quiet_long && !dead && ps_worker_alive(ps, w, now, lost);
-        int silent = quiet_long && (!alive || quiet > c->collective_timeout_ms / 1000.0);
+        int silent = quiet_long && (!alive || quiet > comm_collective_timeout_ms(c) / 1000.0);
         char why[96];
         snprintf(why, sizeof why, "%s", dead ? "it died or left without finishing" : "");
         if (!dead)
@@ -21659,7 +21828,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         char err[256] = "";
         double turn = dt_now();
         ps_meter_turn(&mt, turn);
-        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        int k = comm_tp_iface(c)->poll(comm_tp(c), done, 16, err, sizeof err);
         if (k < 0)
             return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
         k = ps_poll_answers(ps, done, k, 16);
@@ -21699,7 +21868,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         }
         if (k == 0) {
             mt.idle_from = dt_now();   /* (answers in flight complete on their own endpoints) */
-            c->tp_iface->wait(c->tp, ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
+            comm_tp_iface(c)->wait(comm_tp(c), ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
         } else {
             mt.idle_from = dt_now();
         }
@@ -21740,7 +21909,7 @@ dt_status dt_ps_serve(dt_ps *ps)
     if (!ps)
         return DT_EINVAL;
     if (ps->server < 0)
-        return set_error(ps->ctx, DT_ESTATE, "ps_serve: rank %d is a worker", ps->comm->rank);
+        return set_error(ps->ctx, DT_ESTATE, "ps_serve: rank %d is a worker", dt_comm_rank(ps->comm));
     dt_comm *c = ps->comm;
     double *last_seen = host_calloc(ps->ctx, sizeof(double) * (size_t)ps->W);
     if (!last_seen)
@@ -21764,14 +21933,14 @@ dt_status dt_ps_serve(dt_ps *ps)
     for (double end = dt_now() + 1.0; !broken && ps_outstanding(ps, 1) && dt_now() < end;) {
         dt_xfer *done[16];
         char err[256];
-        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        int k = comm_tp_iface(c)->poll(comm_tp(c), done, 16, err, sizeof err);
         k = ps_poll_answers(ps, done, k > 0 ? k : 0, 16);
         for (int i = 0; i < k; i++)
             if (!ps_is_peer(ps, done[i]->user))
                 ps_on_sent(ps, done[i]);   /* (stopped: posts nothing) */
         ps_sweep_replies(ps);
         if (k <= 0)
-            c->tp_iface->wait(c->tp, 10);
+            comm_tp_iface(c)->wait(comm_tp(c), 10);
     }
     ps_close_answer_endpoints(ps);   /* what they still held ends done */
     ps_sweep_replies(ps);
@@ -21794,7 +21963,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "communicator or context");
     if (ps->server >= 0)
         return set_error(ctx, DT_EINVAL, "ddp_new: rank %d is a parameter server; workers wrap "
-                         "the model, servers call dt_ps_serve", c->rank);
+                         "the model, servers call dt_ps_serve", dt_comm_rank(c));
     if (ps->nparams != ctx->n_params)
         return set_error(ctx, DT_EMISMATCH, "ddp_new: %d parameters now, %d when dt_ps_new ran",
                          ctx->n_params, ps->nparams);
@@ -21803,7 +21972,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 21807 "dtrain.c"
+#line 21976 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -21840,6 +22009,14 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
  * write into the shards.  Calls down only: comm, the backend, the
  * optimizer's shard table.
  * ======================================================================== */
+
+/* --- src/zero.c --- */
+
+struct zero_buf {
+    float *mem;
+    int64_t cap;               /* floats */
+    int busy;                  /* lent to a bucket */
+};
 
 /* Why cfg cannot shard (NULL: it can, or it does not ask to); *code the
  * status to fail with. */
@@ -22135,12 +22312,12 @@ DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
                                            DT_REDUCE_AVG, b->blocks));
         d->st.comm_s += dt_now() - t0;
     } else {   /* staged: the comm thread waits for the copy before it sends */
-        d->comm->stage_ticket = ticket;
+        comm_stage_next(d->comm, ticket);
         b->work = comm_enqueue_in(d->comm, COLL_REDUCE_SCATTER_V, buf, NULL, b->numel, 0,
                                   DT_REDUCE_AVG, b->blocks);
-        if (d->comm->stage_ticket)   /* not consumed: the launch failed; let the copy land */
-            d->be_iface->copy_wait(d->be, d->comm->stage_ticket);
-        d->comm->stage_ticket = 0;
+        uint64_t unused = comm_stage_next(d->comm, 0);
+        if (unused)   /* not consumed: the launch failed; let the copy land */
+            d->be_iface->copy_wait(d->be, unused);
         if (!b->work)
             zero_note_failure(d, d->ctx->last_status);
     }
@@ -23193,7 +23370,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23197 "dtrain.c"
+#line 23374 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -23494,7 +23671,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                    (d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)))
         d->be_iface->copy_wait(d->be, ticket);
     else
-        d->comm->stage_ticket = ticket;
+        comm_stage_next(d->comm, ticket);
     if (b == d->buckets) {   /* the step's first */
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
         d->zero_gen = d->ctx->zero_gen;
@@ -23522,9 +23699,9 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
-    if (d->comm->stage_ticket)   /* not consumed: the launch failed; let the copy land */
-        d->be_iface->copy_wait(d->be, d->comm->stage_ticket);
-    d->comm->stage_ticket = 0;
+    uint64_t unused = comm_stage_next(d->comm, 0);
+    if (unused)   /* not consumed: the launch failed; let the copy land */
+        d->be_iface->copy_wait(d->be, unused);
     if (!b->work && d->launch_status == DT_OK) {
         d->launch_status = d->ctx->last_status;
         snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
@@ -23660,23 +23837,6 @@ static void ddp_finalize_unused(dt_ddp *d)
 
 static dt_status ddp_finish(dt_ddp *d);
 
-/* A node's inputs: concat keeps its (any number of) inputs aside; for a
- * recompute segment, the parameters its ops read (its backward finishes
- * them all, src/recompute.c). */
-static int node_inputs(const dt_node *n, dt_tensor *const **out)
-{
-    if (n->backward == op_concat_backward) {
-        *out = n->aux[0];
-        return (int)n->iarg[0];
-    }
-    if (n->seg_fn) {
-        *out = n->aux[1];
-        return (int)n->iarg[2];
-    }
-    *out = n->in;
-    return n->n_in;
-}
-
 static dt_status ddp_backward_begin(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
@@ -23714,13 +23874,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
         return DT_OK;
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
-    for (const dt_node *n = ctx->tape; n; n = n->prev) {
-        dt_tensor *const *in;
-        int nin = node_inputs(n, &in);
-        for (int k = 0; k < nin; k++)
-            if (in[k] && (in[k]->flags & T_PARAM) && in[k]->ctx == ctx)
-                d->uses[in[k]->param_index]++;
-    }
+    tape_param_uses(ctx, d->uses, d->nparams);
     for (int b = 0; b < d->nbuckets; b++)
         d->buckets[b].pending = d->buckets[b].numel;
     ddp_finalize_unused(d);
@@ -23735,7 +23889,7 @@ static void ddp_node_done(dt_ddp *d, const dt_node *n)
         return;
     int launch = 0;
     dt_tensor *const *in;
-    int nin = node_inputs(n, &in);
+    int nin = tape_node_reads(n, &in);
     for (int k = 0; k < nin; k++) {
         const dt_tensor *t = in[k];
         if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0) {
@@ -23896,6 +24050,8 @@ dt_status dt_ddp_set_sync(dt_ddp *d, int sync)
     return DT_OK;
 }
 
+DT_PRIVATE int ddp_sync_of(const dt_ddp *d) { return d->sync; }
+
 dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out)
 {
     if (!d || !out)
@@ -24004,8 +24160,7 @@ dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
         d->bal_w[r] = 1.0 / P;
     d->bal_ld = ld;
     d->bal_every = every;
-    ctx->prof.balancing = 1;
-    __atomic_store_n(&ctx->prof.measure, 1, __ATOMIC_RELAXED);
+    prof_balancing(ctx, 1);
     return dt_loader_set_split(ld, d->bal_w, P);
 }
 
@@ -24291,15 +24446,15 @@ static dt_status ddp_alloc_set(dt_ddp *d)
  * unbound rank counts its share of the online CPUs). */
 static int ddp_auto_overlap(const dt_ddp *d)
 {
-    if (d->comm->nhosts > 1 || d->staged)   /* staged: the host CPUs are idle */
+    if (dt_comm_hosts(d->comm) > 1 || d->staged)   /* staged: the host CPUs are idle */
         return 1;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     cpu_set_t set;
     long cpus = online > 0 ? online : 1;
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus)
         cpus = CPU_COUNT(&set);
-    else if (d->comm->nlocal > 1)
-        cpus /= d->comm->nlocal;
+    else if (comm_local_size(d->comm) > 1)
+        cpus /= comm_local_size(d->comm);
     return cpus > d->ctx->threads;
 }
 
@@ -24381,8 +24536,7 @@ static void ddp_release(dt_ddp *d)
 {
     zero_free(d);
     if (d->bal_ld && d->ctx) {
-        d->ctx->prof.balancing = 0;
-        __atomic_store_n(&d->ctx->prof.measure, d->ctx->prof.record, __ATOMIC_RELAXED);
+        prof_balancing(d->ctx, 0);
     }
     host_free(d->ctx, d->bal_w);
     d->bal_w = NULL;
@@ -24439,7 +24593,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         set_error(ctx, DT_ESTATE, "ddp_new: this context already has a DDP; free it first");
         return NULL;
     }
-    if (c->ctx != ctx) {
+    if (comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "ddp_new: the communicator belongs to another context");
         return NULL;
     }
@@ -24484,7 +24638,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                  ddp_bucket_cap(cfg, ctx),
                  cfg->overlap < 0 ? -1 : cfg->overlap != 0, (int)cfg->compress,
                  (double)cfg->topk_ratio, cfg->topk_warmup_steps, cfg->error_feedback != 0,
-                 !ctx->be_iface->host_visible, prof_recording(ctx) ? ctx->prof.cfg.check_every : 0,
+                 !ctx->be_iface->host_visible, prof_check_every(ctx),
                  cfg->zero);
     if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
         if (ps_ddp_check(ctx, c, &conf, opt) != DT_OK)
@@ -24550,14 +24704,13 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     if (!d->z)
         d->st.grad_bytes_peak = (size_t)d->set_floats * sizeof(float);
     if (d->momentum > 0)
-        d->opt->momentum_by_ddp = 1;
+        optim_momentum_elsewhere(d->opt, 1);
     d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);
-    d->check_every = prof_recording(ctx) ? ctx->prof.cfg.check_every : 0;
+    d->check_every = prof_check_every(ctx);
     d->st.overlap = d->overlap;
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
-    ctx->hook_user = d;
-    ctx->grad_hooks = &ddp_grad_hooks;
+    ctx_set_grad_hooks(ctx, &ddp_grad_hooks, d);
     return d;
 }
 
@@ -24583,9 +24736,8 @@ static void ddp_detach(dt_ddp *d)
         g->data = d->own_grad[i];
     }
     if (d->momentum > 0 && d->opt)
-        d->opt->momentum_by_ddp = 0;
-    d->ctx->hook_user = NULL;
-    d->ctx->grad_hooks = NULL;
+        optim_momentum_elsewhere(d->opt, 0);
+    ctx_set_grad_hooks(d->ctx, NULL, NULL);
     ddp_release(d);
     d->ctx = NULL;
 }
@@ -24636,7 +24788,7 @@ static dt_status hook_node_params(void *u, const dt_node *n)
     if (!d->z || d->z->level != 3)
         return DT_OK;
     dt_tensor *const *in;
-    int nin = node_inputs(n, &in);
+    int nin = tape_node_reads(n, &in);
     dt_status s = DT_OK;
     for (int k = 0; k < nin && s == DT_OK; k++)
         if (in[k])
@@ -24663,7 +24815,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 24667 "dtrain.c"
+#line 24819 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -24683,6 +24835,41 @@ static const dt_grad_hooks ddp_grad_hooks = {
  * A replica that fails in phase 1 is seen by all after the barrier, and all
  * skip phases 2 and 3 together.
  * ======================================================================== */
+
+/* --- src/replicas.c --- */
+
+struct dt_dp {
+    dt_ctx *ctx;               /* the caller's: errors */
+    int K;
+    dt_ctx **rc;               /* replica contexts */
+    void **model;
+    dt_optim **opt;
+    dt_dp_loss_fn loss;
+    dt_dp_free_fn free_model;
+    void *user;
+    pthread_t *thread;
+    struct dp_arg { struct dt_dp *dp; int k; } *args;   /* each worker's */
+    int threads_started, stop;
+    pthread_barrier_t bar;
+    int has_bar;
+    pthread_mutex_t mu;        /* start-up: workers wait for go (1) or abort (-1) */
+    pthread_cond_t cv;
+    int go, has_mu;
+    /* the step's inputs, staged on the host */
+    float *xh;
+    int32_t *yh;
+    size_t x_cap;
+    int64_t B, feat, xshape[DT_MAX_DIMS];
+    int xndim;
+    /* the flat gradient: parameter p at poff[p], G floats in all */
+    int np;
+    int64_t *poff, G;
+    float *avg;
+    unsigned char *used;
+    float *losses;
+    dt_status *status;
+    char (*msg)[DT_MAX_ERROR];
+};
 
 void dt_dp_config_init(dt_dp_config *cfg)
 {
@@ -25049,7 +25236,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25053 "dtrain.c"
+#line 25240 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25067,6 +25254,31 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
  * just the rows it used, so a step over a table of millions of rows costs
  * the rows it touches.  Any other op's gradient makes the step dense.
  * ======================================================================== */
+
+/* --- src/hogwild.c --- */
+
+struct hw_thread {
+    struct hogwild *hw;
+    int k;
+    dt_ctx *ctx;
+    void *model;
+    pthread_t tid;
+    int started;
+    double loss_sum;
+    int64_t steps, rows, dense;
+};
+
+struct hogwild {
+    dt_ctx *ctx;
+    dt_hogwild_config cfg;
+    dt_hogwild_loss_fn loss;
+    void *user;
+    hw_thread *t;
+    int stop;                  /* atomic: a thread failed */
+    pthread_mutex_t mu;
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+};
 
 void dt_hogwild_config_init(dt_hogwild_config *cfg)
 {
@@ -25269,7 +25481,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25273 "dtrain.c"
+#line 25485 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25287,28 +25499,43 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
  * side is taken.
  * ======================================================================== */
 
+/* Where a loader is in the chunks it claimed, through its own store
+ * connection (the loader's thread claims): the loader's source state. */
+typedef struct loader_steal {
+    dt_store *store;
+    dt_ctx *errors;            /* the connection's error sink (not the caller's ctx) */
+    int id, chunk;             /* the job-wide loader number; batches per chunk */
+    int64_t gen;               /* start_epoch calls so far: the claims' namespace (every
+                                  worker starts the same epochs, so they agree) */
+    int shard;                 /* the shard of the chunk in hand */
+    int64_t first, left;       /* its next batch (in that shard) and batches left */
+    int64_t own_next;          /* our shard's next chunk to claim */
+    unsigned char *dry;        /* per shard: nothing left to take there */
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+} loader_steal;
+
 static int64_t steal_batches_per_shard(const dt_loader *ld)
 {
-    return ld->cfg.drop_last ? ld->n_local / ld->cfg.batch
-                             : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
+    const dt_loader_config *cfg = loader_config(ld);
+    int64_t n = loader_local_samples(ld);
+    return cfg->drop_last ? n / cfg->batch : (n + cfg->batch - 1) / cfg->batch;
 }
 
 static void steal_start_epoch(dt_loader *ld, int64_t epoch)
 {
-    loader_steal *st = ld->steal;
+    loader_steal *st = loader_source_state(ld);
     (void)epoch;   /* the order is the epoch's; the claims are this start's */
     st->gen++;
     st->left = 0;
     st->own_next = 0;
-    st->done = st->stolen = 0;
-    memset(st->dry, 0, (size_t)ld->cfg.shard_count);
-    ld->n_batches = INT64_MAX;   /* until no chunk is left */
+    memset(st->dry, 0, (size_t)loader_config(ld)->shard_count);
 }
 
 /* Claim chunk k of shard v: 1 ours, 0 taken, -1 the store failed. */
 static int steal_claim(dt_loader *ld, int v, int64_t k)
 {
-    loader_steal *st = ld->steal;
+    loader_steal *st = loader_source_state(ld);
     char key[96];
     snprintf(key, sizeof key, "steal/%d/%lld/%d/%lld", st->id, (long long)st->gen, v,
              (long long)k);
@@ -25324,8 +25551,8 @@ static int steal_claim(dt_loader *ld, int v, int64_t k)
 /* The next batch to prepare: its shard and index in that shard, or -1. */
 static int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
 {
-    loader_steal *st = ld->steal;
-    int W = ld->cfg.shard_count, me = ld->cfg.shard_rank;
+    loader_steal *st = loader_source_state(ld);
+    int W = loader_config(ld)->shard_count, me = loader_config(ld)->shard_rank;
     int64_t nb = steal_batches_per_shard(ld), chunks = (nb + st->chunk - 1) / st->chunk;
     while (st->left == 0 && st->status == DT_OK) {
         int v = -1;
@@ -25372,19 +25599,29 @@ static int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
     return st->first++;
 }
 
+/* why steal_next found no batch: a failed claim, or none left (DT_OK) */
+static dt_status steal_failed(const dt_loader *ld, const char **msg)
+{
+    const loader_steal *st = loader_source_state(ld);
+    *msg = st->msg;
+    return st->status;
+}
+
 /* the loader is being freed: its claims' connection and state */
 static void steal_release(dt_loader *ld)
 {
-    dt_ctx *ctx = ld->ctx;
-    dt_store_close(ld->steal->store);
-    host_free(ctx, ld->steal->errors);
-    host_free(ctx, ld->steal->dry);
-    host_free(ctx, ld->steal);
-    ld->steal = NULL;
+    dt_ctx *ctx = loader_ctx(ld);
+    loader_steal *st = loader_source_state(ld);
+    dt_store_close(st->store);
+    host_free(ctx, st->errors);
+    host_free(ctx, st->dry);
+    host_free(ctx, st);
+    loader_set_source(ld, NULL, NULL);
 }
 
 static const loader_source steal_source = {
     .next = steal_next,
+    .failed = steal_failed,
     .start_epoch = steal_start_epoch,
     .release = steal_release,
 };
@@ -25393,26 +25630,26 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
 {
     if (!ld)
         return DT_EINVAL;
-    dt_ctx *ctx = ld->ctx;
+    dt_ctx *ctx = loader_ctx(ld);
     if (!c || chunk_batches < 1)
         return set_error(ctx, DT_EINVAL, "loader_steal: need a communicator and chunk_batches "
                          ">= 1 (got %d)", chunk_batches);
-    if (ld->cfg.global_batches || ld->steal)
-        return set_error(ctx, DT_ESTATE, "loader_steal: %s", ld->steal ? "already stealing"
+    int stealing = loader_source_state(ld) != NULL;
+    if (loader_config(ld)->global_batches || stealing)
+        return set_error(ctx, DT_ESTATE, "loader_steal: %s", stealing ? "already stealing"
                          : "not with global_batches");
     loader_quiesce(ld);
     loader_steal *st = host_calloc(ctx, sizeof *st);
-    if (!st || !(st->dry = host_calloc(ctx, (size_t)ld->cfg.shard_count)) ||
-        !(st->errors = host_calloc(ctx, sizeof *st->errors))) {
+    if (!st || !(st->dry = host_calloc(ctx, (size_t)loader_config(ld)->shard_count)) ||
+        !(st->errors = ctx_new_sink(ctx))) {
         if (st) {
             host_free(ctx, st->dry);
             host_free(ctx, st);
         }
         return set_error(ctx, DT_ENOMEM, "loader_steal: out of memory");
     }
-    st->errors->al = ctx->al;
     st->chunk = chunk_batches;
-    st->id = c->steals_made++;
+    st->id = comm_serial(c, COMM_SERIAL_STEAL);
     /* the loader's thread claims: it needs a connection of its own */
     st->store = join_own_store(c, st->errors);
     if (!st->store) {
@@ -25422,12 +25659,11 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
         host_free(ctx, st);
         return s;
     }
-    ld->steal = st;
-    ld->source = &steal_source;
+    loader_set_source(ld, &steal_source, st);
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25431 "dtrain.c"
+#line 25667 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -25446,6 +25682,50 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
  * knows what to receive.  Tensor-parallel ops are autograd ops whose forward
  * or backward is a collective on a host copy.
  * ======================================================================== */
+
+/* --- src/parallel.c --- */
+
+struct pipe_slot {
+    dt_arena dev, host;
+    int busy;                  /* holds a micro-batch whose backward has not run */
+};
+
+struct pipe_mb {
+    int64_t off, rows;         /* its rows of the batch */
+    dt_tensor *in;             /* stage > 0: the received activation (a leaf) */
+    dt_tensor *out;            /* the stage's output, or the loss on the last stage */
+    dt_node *tape;             /* its forward's tape, until its backward */
+};
+
+/* --- a pipeline's micro-batch forward and backward ------------------------------ */
+
+struct pipe_arenas {
+    dt_arena *dev, *host;
+    dt_node *tape;
+};
+
+struct dt_pipe {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_pipe_config cfg;
+    dt_stage_fn fn;
+    void *user;
+    int stage, stages;
+    pipe_slot *slots;
+    int nslots;
+    pipe_mb *mb;
+    int failed;                /* a step failed: the neighbours were told, no more steps */
+    /* the step under way */
+    int64_t batch;
+    int in_ndim, out_ndim;     /* the input's (stage > 0) and output's (not last) shapes, */
+    int64_t in_shape[DT_MAX_DIMS], out_shape[DT_MAX_DIMS];   /* dim 0: micro-batch 0's rows */
+    int header_sent, header_recvd;
+    float *sbuf, *rbuf;        /* host staging of what is sent and received */
+    int64_t sbuf_n, rbuf_n;
+    double loss, wait_s, compute_s;
+    uint64_t bytes;
+    dt_pipe_stats st;
+};
 
 /* --- the pipeline's state ----------------------------------------------- */
 
@@ -25474,7 +25754,7 @@ dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg_in, dt_s
     if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
                                 "pipe_new", "dt_pipe_config") != DT_OK)
         return NULL;
-    if (!c || !fn || c->ctx != ctx) {
+    if (!c || !fn || comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "pipe_new: %s", !c ? "communicator is NULL" : !fn
                   ? "stage function is NULL" : "the communicator belongs to another context");
         return NULL;
@@ -25494,8 +25774,8 @@ dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg_in, dt_s
     p->cfg = cfg;
     p->fn = fn;
     p->user = user;
-    p->stage = c->rank;
-    p->stages = c->world;
+    p->stage = dt_comm_rank(c);
+    p->stages = dt_comm_size(c);
     int m = cfg.micro_batches, hold = p->stages - p->stage;
     p->nslots = cfg.schedule == DT_PIPE_GPIPE || m < hold ? m : hold;
     p->slots = host_calloc(ctx, sizeof *p->slots * (size_t)p->nslots);
@@ -25579,8 +25859,7 @@ static dt_status pipe_p2p(dt_pipe *p, const float *send, int64_t ns, int dst, fl
     dt_status s = comm_p2p_run(p->comm, send, ns, dst, recv, nr, src);
     double w = dt_now() - w0;
     p->wait_s += w;
-    if (t0 > 0 && ctx->prof.open)   /* (a wait before the first step opens counts nowhere) */
-        ctx->prof.cur_pipe += dt_now() - t0;
+    prof_pipe_wait(ctx, t0);   /* (a wait before the first step opens counts nowhere) */
     prof_end(ctx, PH_COMM_WAIT, t0);
     if (dst >= 0)
         p->bytes += (uint64_t)ns * sizeof(float);
@@ -25791,16 +26070,16 @@ static dt_status pipe_backward(dt_pipe *p, int i, int last_mb)
         seed = g ? FP(g) : NULL;
     }
     struct dt_ddp *d = ddp_attached(ctx);
-    int sync = d ? d->sync : 0;
+    int sync = d ? ddp_sync_of(d) : 0;
     if (d)
-        d->sync = sync && last_mb;
+        dt_ddp_set_sync(d, sync && last_mb);
     double t0 = prof_begin(ctx), w0 = dt_now();
     if (s == DT_OK)
         s = tape_backward(ctx, mb->out, seed, (float)((double)mb->rows / (double)p->batch));
     p->compute_s += dt_now() - w0;
     prof_end(ctx, PH_BACKWARD, t0);
     if (d)
-        d->sync = sync;
+        dt_ddp_set_sync(d, sync);
     mb->tape = NULL;
     if (s == DT_OK && p->stage > 0) {
         int64_t n = pipe_in_floats(p, i);
@@ -25978,10 +26257,10 @@ static void pipe_fail(dt_pipe *p, dt_status s)
     char why[DT_MAX_ERROR + 8], err[DT_MAX_ERROR];
     size_t len = 0;
     snprintf(err, sizeof err, "%s", ctx->err);   /* the store's calls report to ctx too */
-    if (c->store && dt_store_get(c->store, "abort", why, sizeof why - 1, &len, 1) != DT_OK) {
-        int n = snprintf(why, sizeof why, "%d|%spipeline stage %d failed: %s", (int)s, c->label,
+    if (join_store(c) && dt_store_get(join_store(c), "abort", why, sizeof why - 1, &len, 1) != DT_OK) {
+        int n = snprintf(why, sizeof why, "%d|%spipeline stage %d failed: %s", (int)s, comm_label(c),
                          p->stage, err);
-        dt_store_set(c->store, "abort", why,
+        dt_store_set(join_store(c), "abort", why,
                      (size_t)(n < (int)sizeof why ? n : (int)sizeof why - 1) + 1);
     }
     set_error(ctx, s, "%s", err);
@@ -26035,9 +26314,7 @@ dt_status dt_pipe_step(dt_pipe *p, const dt_tensor *x, const dt_tensor *y, float
     p->st.compute_s += p->compute_s;
     p->st.bytes_sent += p->bytes;
     int m = p->cfg.micro_batches;
-    pthread_mutex_lock(&ctx->prof.mu);
-    ctx->prof.tot.pipe_bubble_ideal = (double)(p->stages - 1) / (double)(m + p->stages - 1);
-    pthread_mutex_unlock(&ctx->prof.mu);
+    prof_pipe_bubble(ctx, (double)(p->stages - 1) / (double)(m + p->stages - 1));
     if (loss_out && pipe_last(p))
         *loss_out = (float)p->loss;
     return DT_OK;
@@ -26107,7 +26384,7 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     if (!ctx_ok(ctx))
         return DT_EINVAL;
     if (!layers || !sample || !ms_out || n < 1 || reps < 1 || sample->ctx != ctx ||
-        (c && c->ctx != ctx))
+        (c && comm_ctx(c) != ctx))
         return set_error(ctx, DT_EINVAL, "layer_times: needs layers, a sample of this context, "
                          "n >= 1, reps >= 1 and ms_out (%d layers, %d reps)", n, reps);
     for (int i = 0; i < n; i++)
@@ -26116,10 +26393,8 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     dt_tensor **in = host_calloc(ctx, sizeof *in * (size_t)n);
     if (!in)
         return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
-    int measure = ctx->prof.measure;   /* these are not training steps */
-    void *hook_user = ctx->hook_user;  /* nor are their backwards a DDP's */
-    ctx->prof.measure = 0;
-    ctx->hook_user = NULL;
+    int measure = prof_pause(ctx);     /* these are not training steps */
+    void *hook_user = ctx_swap_hook_user(ctx, NULL);   /* nor are their backwards a DDP's */
     dt_step_reset(ctx);
     dt_status s = layer_inputs(ctx, layers, users, n, sample, in);
     /* round robin over the layers, one warm-up round: a machine's slow
@@ -26145,8 +26420,8 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     for (int i = 0; i < n; i++)
         dt_tensor_free(in[i]);
     host_free(ctx, in);
-    ctx->prof.measure = measure;
-    ctx->hook_user = hook_user;
+    prof_resume(ctx, measure);
+    ctx_swap_hook_user(ctx, hook_user);
     if (s == DT_OK && c) {   /* the ranks' mean, the same on every rank */
         float *f = host_alloc(ctx, sizeof *f * (size_t)n);
         if (!f)
@@ -26225,7 +26500,7 @@ static int tp_ok(dt_ctx *ctx, const char *op, dt_comm *c, const dt_tensor *x)
 {
     if (!op_f32_ok(ctx, op, x, "input"))
         return 0;
-    if (!c || c->ctx != ctx) {
+    if (!c || comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "%s: %s", op, c ? "the communicator belongs to another context"
                                                   : "communicator is NULL");
         return 0;
@@ -26258,7 +26533,7 @@ static void tp_interleave(const float *in, float *out, int p, int64_t rows, int6
 static dt_tensor *tp_gather_rows(dt_ctx *ctx, dt_comm *c, const float *h, int64_t rows, int64_t k,
                                  int ndim, const int64_t *shape)
 {
-    int p = c->world;
+    int p = dt_comm_size(c);
     float *all = arena_alloc(ctx, ctx->cur_host, (size_t)(rows * k * p + 1) * sizeof(float));
     float *side = arena_alloc(ctx, ctx->cur_host, (size_t)(rows * k * p + 1) * sizeof(float));
     dt_tensor *y = tensor_step_new(ctx, DT_F32, ndim, shape);
@@ -26338,7 +26613,7 @@ static dt_status tp_take_columns(dt_ctx *ctx, dt_tensor *x, const float *g, int 
 static dt_status tp_gather_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_comm *c = n->aux[0];
-    return tp_take_columns(ctx, n->in[0], FP(n->out->grad), c->rank, c->world);
+    return tp_take_columns(ctx, n->in[0], FP(n->out->grad), dt_comm_rank(c), dt_comm_size(c));
 }
 
 dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
@@ -26353,7 +26628,7 @@ dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     int64_t k = x->shape[x->ndim - 1], cnt = shape_numel(x->ndim, x->shape);
     int64_t shape[DT_MAX_DIMS];
     memcpy(shape, x->shape, sizeof shape);
-    shape[x->ndim - 1] = k * c->world;
+    shape[x->ndim - 1] = k * dt_comm_size(c);
     float *h = tp_to_host(ctx, FP(x), cnt);
     dt_tensor *y = h ? tp_gather_rows(ctx, c, h, k ? cnt / k : 0, k, x->ndim, shape) : NULL;
     if (!y)
@@ -26382,17 +26657,17 @@ dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     if (!tp_ok(ctx, "tp_split", c, x))
         return NULL;
     int64_t last = x->ndim ? x->shape[x->ndim - 1] : 0;
-    if (x->ndim < 1 || last % c->world) {
+    if (x->ndim < 1 || last % dt_comm_size(c)) {
         set_error(ctx, DT_EINVAL, "tp_split: the last dim (%lld) must split evenly over %d ranks",
-                  (long long)last, c->world);
+                  (long long)last, dt_comm_size(c));
         return NULL;
     }
     dt_tensor *v = tensor_view_header(ctx, x);   /* this rank's columns, then a contiguous copy */
     if (!v)
         return NULL;
-    int64_t k = last / c->world;
+    int64_t k = last / dt_comm_size(c);
     v->shape[x->ndim - 1] = k;
-    v->data = FP(x) + (int64_t)c->rank * k * x->stride[x->ndim - 1];
+    v->data = FP(x) + (int64_t)dt_comm_rank(c) * k * x->stride[x->ndim - 1];
     tensor_materialize(x);
     dt_tensor *y = op_like(ctx, v);
     if (!y)
@@ -26429,15 +26704,15 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
         return DT_EINVAL;
     dt_ctx *ctx = shard->ctx;
     if (!c || !full || full->dtype != shard->dtype || full->ndim != shard->ndim || dim < 0 ||
-        dim >= full->ndim || full->shape[dim] % c->world)
+        dim >= full->ndim || full->shape[dim] % dt_comm_size(c))
         return set_error(ctx, DT_EINVAL, "tp_shard: needs a communicator, and a full tensor of "
                          "shard's dtype whose dim %d splits evenly over the ranks", dim);
-    int64_t blk = full->shape[dim] / c->world;
+    int64_t blk = full->shape[dim] / dt_comm_size(c);
     for (int d = 0; d < full->ndim; d++)
         if (shard->shape[d] != (d == dim ? blk : full->shape[d])) {
             char a[96], b[96];
             return set_error(ctx, DT_EINVAL, "tp_shard: shard is %s, rank %d's block of %s "
-                             "along dim %d is not", SHAPE(shard, a), c->rank, SHAPE(full, b), dim);
+                             "along dim %d is not", SHAPE(shard, a), dt_comm_rank(c), SHAPE(full, b), dim);
         }
     size_t es = dt_dtype_size(full->dtype);
     int64_t outer = shape_numel(dim, full->shape);
@@ -26448,7 +26723,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     if (s == DT_OK) {
         for (int64_t o = 0; o < outer; o++)
             memcpy(dst + (size_t)(o * blk * inner) * es,
-                   src + (size_t)((o * full->shape[dim] + c->rank * blk) * inner) * es,
+                   src + (size_t)((o * full->shape[dim] + dt_comm_rank(c) * blk) * inner) * es,
                    (size_t)(blk * inner) * es);
         s = dt_tensor_set(shard, dst, shape_numel(shard->ndim, shard->shape));
     } else if (src && dst) {
@@ -26458,7 +26733,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26462 "dtrain.c"
+#line 26737 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -27611,7 +27886,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
 {
     if (!ctx_ok(ctx))
         return NULL;
-    if (c && c->ctx != ctx) {
+    if (c && comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "monitor_start: the communicator belongs to another context");
         return NULL;
     }
@@ -27627,8 +27902,8 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     }
     m->ctx = ctx;
     m->comm = c;
-    m->rank = c ? c->rank : 0;
-    m->world = c ? c->world : 1;
+    m->rank = c ? dt_comm_rank(c) : 0;
+    m->world = c ? dt_comm_size(c) : 1;
     m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
@@ -27637,17 +27912,15 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);
     dt_status s = DT_OK;
-    if (!(m->errors = host_calloc(ctx, sizeof *m->errors)))
+    if (!(m->errors = ctx_new_sink(ctx)))
         s = set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
-    else
-        m->errors->al = ctx->al;
     if (s == DT_OK && m->rank == 0 &&
         (!(m->ranks = host_calloc(ctx, sizeof *m->ranks * (size_t)m->world)) ||
          !(m->hist = host_calloc(ctx, sizeof *m->hist * MON_HISTORY))))
         s = set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
     if (s == DT_OK && !dt_profiling(ctx))
         s = dt_profile_start(ctx, NULL);
-    if (s == DT_OK && c && c->world > 1)
+    if (s == DT_OK && c && dt_comm_size(c) > 1)
         s = mon_connect(m);
     if (s == DT_OK && m->rank == 0)
         s = mon_serve(m);
@@ -30813,7 +31086,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 30817 "dtrain.c"
+#line 31090 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32038,7 +32311,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32042 "dtrain.c"
+#line 32315 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32217,6 +32490,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32221 "dtrain.c"
+#line 32494 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

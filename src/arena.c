@@ -16,6 +16,12 @@
  * holds a few live gradients rather than all of them.
  * ======================================================================== */
 
+struct dt_chunk {
+    struct dt_chunk *next;
+    char *base;
+    size_t size, used;
+};
+
 static void *raw_alloc(dt_ctx *ctx, dt_arena *a, size_t n)
 {
     return a->on_device ? ctx->be_iface->alloc(ctx->be, n) : host_alloc(ctx, n);

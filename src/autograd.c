@@ -15,6 +15,27 @@ DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t)
     return ctx->grad_enabled && t && (t->flags & T_REQGRAD);
 }
 
+DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out)
+{
+    if (n->reads_aside) {
+        *out = n->reads;
+        return n->n_reads;
+    }
+    *out = n->in;
+    return n->n_in;
+}
+
+DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams)
+{
+    for (const dt_node *n = ctx->tape; n; n = n->prev) {
+        dt_tensor *const *in;
+        int nin = tape_node_reads(n, &in);
+        for (int k = 0; k < nin; k++)
+            if (in[k] && (in[k]->flags & T_PARAM) && in[k]->ctx == ctx && in[k]->param_index < nparams)
+                uses[in[k]->param_index]++;
+    }
+}
+
 DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c)
 {

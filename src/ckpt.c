@@ -124,13 +124,14 @@ static int ckpt_items(dt_ctx *ctx, const dt_optim *opt, dt_dtype store, ckpt_ite
     for (int i = 0; i < ctx->n_ckpt_extra; i++)
         items[n++] = (ckpt_item){ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], DT_F32, 0, -1};
     if (opt) {
-        for (int i = 0; i < opt->n * opt->per; i++) {
-            size_t len = strlen(opt->state[i]->name) + 7;
+        for (int i = 0; i < dt_optim_state_count(opt); i++) {
+            const dt_tensor *t = dt_optim_state_at(opt, i);
+            size_t len = strlen(t->name) + 7;
             names[i] = host_alloc(ctx, len);
             if (!names[i])
                 return -1;
-            snprintf(names[i], len, "optim.%s", opt->state[i]->name);
-            items[n++] = (ckpt_item){names[i], opt->state[i], DT_F32, 0, -1};
+            snprintf(names[i], len, "optim.%s", t->name);
+            items[n++] = (ckpt_item){names[i], dt_optim_state_at(opt, i), DT_F32, 0, -1};
         }
     }
     return n;
@@ -166,13 +167,13 @@ static ckpt_meta ckpt_meta_of(const dt_optim *opt, int64_t step, const dt_checkp
     if (!opt)
         return m;
     m.has_optim = 1;
-    m.kind = (int)opt->cfg.kind;
-    m.steps = opt->steps;
-    m.nlr = opt->ngroups;
-    for (int g = 0; g < opt->ngroups; g++)
-        m.lr[g] = opt->groups[g].base_lr;
-    m.n = opt->n;
-    m.param_steps = opt->param_steps;
+    m.kind = optim_kind(opt);
+    m.steps = dt_optim_steps(opt);
+    m.nlr = dt_optim_group_count(opt);
+    for (int g = 0; g < m.nlr; g++)
+        m.lr[g] = optim_base_lr(opt, g);
+    m.n = optim_param_count(opt);
+    m.param_steps = optim_param_steps(opt);
     return m;
 }
 
@@ -493,16 +494,16 @@ static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *
                          "f16, not %s", dt_dtype_name(cfg->dtype));
     if (ckpt_meta_ok(ctx, cfg) != DT_OK)
         return ctx->last_status;
-    if (opt && opt->ctx != ctx)
+    if (opt && optim_ctx(opt) != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_save: optimizer belongs to another context");
     for (int i = 0; i < ctx->n_params; i++)
         if (tensor_readable(ctx->params[i], "checkpoint_save") != DT_OK)
             return ctx->last_status;
-    if (opt && (opt->shard || opt->orphaned))
+    if (opt && optim_is_sharded(opt))
         return set_error(ctx, DT_ENOTSUP, "checkpoint_save: the optimizer's state is sharded across "
                          "the ranks (dt_ddp_config.zero): save with dt_ddp_checkpoint_save (each "
                          "rank its shard), or the parameters alone (optimizer NULL)");
-    int nstate = opt ? opt->n * opt->per : 0, total = ctx->n_params + ctx->n_ckpt_extra + nstate;
+    int nstate = dt_optim_state_count(opt), total = ctx->n_params + ctx->n_ckpt_extra + nstate;
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)(total + 1));
     char **names = host_calloc(ctx, sizeof *names * (size_t)(nstate + 1));
     dt_status s = DT_OK;
@@ -1293,7 +1294,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     memset(&rep, 0, sizeof rep);
     if (!path)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: path is NULL");
-    if (opt && opt->ctx != ctx)
+    if (opt && optim_ctx(opt) != ctx)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: optimizer belongs to another context");
     if (opt && !strict)
         return set_error(ctx, DT_EINVAL, "checkpoint_load: a non-strict load takes no optimizer");
@@ -1309,7 +1310,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
             report->loaded = ctx->n_params;
         return ds;
     }
-    if (opt && (opt->shard || opt->orphaned))
+    if (opt && optim_is_sharded(opt))
         return set_error(ctx, DT_EINVAL, "checkpoint_load: the optimizer's state is sharded across "
                          "the ranks (dt_ddp_config.zero): load with dt_ddp_checkpoint_load");
     unsigned char *buf = NULL;
@@ -1317,7 +1318,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     uint64_t hlen = 0;
     st_file f;
     memset(&f, 0, sizeof f);
-    int nstate = opt ? opt->n * opt->per : 0, nx = ctx->n_ckpt_extra;
+    int nstate = dt_optim_state_count(opt), nx = ctx->n_ckpt_extra;
     int total = ctx->n_params + nx + nstate;
     const st_entry **map = NULL;
     int64_t *psteps = NULL;
@@ -1332,7 +1333,7 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     }
     uint64_t data_len = len - 8 - hlen;
     map = host_calloc(ctx, sizeof *map * (size_t)(total + 1));
-    psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? opt->n + 1 : 1));
+    psteps = host_calloc(ctx, sizeof *psteps * (size_t)(opt ? optim_param_count(opt) + 1 : 1));
     if (!map || !psteps) {
         s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
         goto done;
@@ -1341,18 +1342,19 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
         s = st_check(ctx, &f, ctx->ckpt_extra[i]->name, ctx->ckpt_extra[i], data_len,
                      &map[ctx->n_params + i]);
     for (int i = 0; s == DT_OK && i < nstate; i++) {
-        snprintf(key, sizeof key, "optim.%s", opt->state[i]->name);
-        s = st_check(ctx, &f, key, opt->state[i], data_len, &map[ctx->n_params + nx + i]);
+        dt_tensor *t = dt_optim_state_at(opt, i);
+        snprintf(key, sizeof key, "optim.%s", t->name);
+        s = st_check(ctx, &f, key, t, data_len, &map[ctx->n_params + nx + i]);
     }
     if (s != DT_OK || (s = st_map_params(ctx, &f, data_len, strict, map, &rep)) != DT_OK)
         goto done;
     if (opt) {
-        if ((f.seen & ST_OPT_ALL) != ST_OPT_ALL || f.optim_kind != (int)opt->cfg.kind) {
+        if ((f.seen & ST_OPT_ALL) != ST_OPT_ALL || f.optim_kind != optim_kind(opt)) {
             s = set_error(ctx, DT_EMISMATCH, "checkpoint_load: the file has no state for this "
                                              "kind of optimizer");
             goto done;
         }
-        if ((s = st_parse_param_steps(ctx, &f, psteps, opt->n)) != DT_OK ||
+        if ((s = st_parse_param_steps(ctx, &f, psteps, optim_param_count(opt))) != DT_OK ||
             (s = optim_check_lrs(opt, f.optim_nlr, path)) != DT_OK)
             goto done;
     }
@@ -1363,13 +1365,12 @@ static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
     for (int i = 0; s == DT_OK && i < total; i++) {
         dt_tensor *t = i < ctx->n_params ? ctx->params[i]
                        : i < ctx->n_params + nx ? ctx->ckpt_extra[i - ctx->n_params]
-                                                : opt->state[i - ctx->n_params - nx];
+                                                : dt_optim_state_at(opt, i - ctx->n_params - nx);
         if (map[i])
             s = st_copy(ctx, t, map[i], data);
     }
     if (s == DT_OK && opt) {
-        opt->steps = f.optim_steps;
-        memcpy(opt->param_steps, psteps, sizeof *psteps * (size_t)opt->n);
+        optim_restore_steps(opt, f.optim_steps, psteps);
         optim_set_lrs(opt, f.optim_lr);
         optim_masters_from_params(opt, 1);
     }
@@ -1625,7 +1626,7 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
             return set_error(ctx, DT_EIO, "ddp_checkpoint_save: cannot remove the old %s: %s",
                              path, strerror(errno));
     }
-    int per = opt ? opt->per : 0, cap = ctx->n_params * (1 + per) + 1, total = 0;
+    int per = opt ? optim_state_per(opt) : 0, cap = ctx->n_params * (1 + per) + 1, total = 0;
     ckpt_item *items = host_calloc(ctx, sizeof *items * (size_t)cap);
     char **names = host_calloc(ctx, sizeof *names * (size_t)cap);
     dt_status s = items && names ? DT_OK : set_error(ctx, DT_ENOMEM, "ddp_checkpoint_save: out of memory");
@@ -1634,12 +1635,12 @@ DT_PRIVATE dt_status ckpt_shard_save(dt_ctx *ctx, const dt_optim *opt, const cha
             continue;
         dt_tensor *p = ctx->params[k];
         int oi = -1;
-        for (int i = 0; opt && i < opt->n && oi < 0; i++)
-            oi = opt->params[i] == p ? i : -1;
+        for (int i = 0; opt && i < optim_param_count(opt) && oi < 0; i++)
+            oi = optim_param_at(opt, i) == p ? i : -1;
         dt_tensor *m = optim_master_of(opt, p);   /* saved in its parameter's place */
         for (int j = -1; s == DT_OK && j < (oi >= 0 ? per : 0); j++) {
-            dt_tensor *t = j < 0 ? (m ? m : p) : opt->state[oi * per + j];
-            int64_t off = lo[k] - ((j >= 0 || m) && opt->shard ? opt->shard[oi].lo : 0);
+            dt_tensor *t = j < 0 ? (m ? m : p) : dt_optim_state_at(opt, oi * per + j);
+            int64_t off = lo[k] - ((j >= 0 || m) ? optim_shard_lo(opt, oi) : 0);
             size_t len = strlen(t->name) + 32;
             if (off < 0 || off + n[k] > dt_tensor_numel(t)) {
                 s = set_error(ctx, DT_EINVAL, "ddp_checkpoint_save: the optimizer's shard of '%s' "
@@ -1683,14 +1684,14 @@ static void index_json(strbuf *b, const dt_ctx *ctx, const dt_optim *opt, int64_
     if (opt) {
         ckpt_meta m = ckpt_meta_of(opt, step, NULL);
         strbuf_printf(b, "\"optimizer\":{\"kind\":%d,\"steps\":%lld,\"lr\":\"",
-                      (int)opt->cfg.kind, (long long)opt->steps);
+                      optim_kind(opt), (long long)dt_optim_steps(opt));
         ckpt_put_lrs(b, m.lr, m.nlr);
         strbuf_puts(b, "\",\"params\":[");
-        for (int i = 0; i < opt->n; i++)
-            strbuf_printf(b, "%s%d", i ? "," : "", opt->params[i]->param_index);
+        for (int i = 0; i < optim_param_count(opt); i++)
+            strbuf_printf(b, "%s%d", i ? "," : "", optim_param_at(opt, i)->param_index);
         strbuf_puts(b, "],\"param_steps\":[");
-        for (int i = 0; i < opt->n; i++)
-            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)opt->param_steps[i]);
+        for (int i = 0; i < optim_param_count(opt); i++)
+            strbuf_printf(b, "%s%lld", i ? "," : "", (long long)optim_param_steps(opt)[i]);
         strbuf_puts(b, "]},\n");
     }
     strbuf_puts(b, "\"files\":[");
@@ -2072,27 +2073,28 @@ static dt_status plan_dests(ckpt_plan *pl, const int64_t *plo, const int64_t *pn
     dt_optim *o = pl->opt;
     if (!o)
         return DT_OK;
-    if (!pl->ix.has_optim || pl->ix.kind != (int)o->cfg.kind)
+    if (!pl->ix.has_optim || pl->ix.kind != optim_kind(o))
         return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no state for this kind of "
                          "optimizer", pl->dir);
     if (optim_check_lrs(o, pl->ix.nlr, pl->dir) != DT_OK)
         return ctx->last_status;
-    for (int i = 0; i < o->n; i++) {
+    for (int i = 0; i < optim_param_count(o); i++) {
+        const char *pname = optim_param_at(o, i)->name;
         int found = -1;
         for (int q = 0; q < pl->ix.nopt && found < 0; q++)
-            found = strcmp(pl->ix.p[pl->ix.opt_param[q]].name, o->params[i]->name) == 0 ? q : -1;
+            found = strcmp(pl->ix.p[pl->ix.opt_param[q]].name, pname) == 0 ? q : -1;
         if (found < 0)
             return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no optimizer state for "
-                             "'%s'", pl->dir, o->params[i]->name);
+                             "'%s'", pl->dir, pname);
         pl->opt_steps[i] = pl->ix.opt_steps[found];
-        for (int j = 0; j < o->per; j++) {
-            dt_tensor *t = o->state[i * o->per + j];
+        for (int j = 0; j < optim_state_per(o); j++) {
+            dt_tensor *t = dt_optim_state_at(o, i * optim_state_per(o) + j);
             char name[ST_MAX_KEY];
             snprintf(name, sizeof name, "optim.%s", t->name);
             int b = plan_base_find(pl, name);
             if (b < 0)
                 return set_error(ctx, DT_EMISMATCH, "checkpoint_load: %s has no '%s'", pl->dir, name);
-            int64_t at = o->shard ? o->shard[i].lo : 0;
+            int64_t at = optim_shard_lo(o, i);
             pl->base[b].t = t;
             pl->base[b].at = at;
             pl->base[b].lo = at;
@@ -2141,7 +2143,7 @@ static ckpt_plan *plan_make(dt_ctx *ctx, dt_optim *opt, const char *dir, int mod
     snprintf(pl->dir, sizeof pl->dir, "%s", dir);
     dt_status s = index_read(ctx, "checkpoint_load", dir, &pl->ix);
     if (s == DT_OK && (!(pl->hcrc = host_calloc(ctx, sizeof *pl->hcrc * (size_t)pl->ix.world)) ||
-                       !(pl->opt_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(opt ? opt->n + 1 : 1)))))
+                       !(pl->opt_steps = host_calloc(ctx, sizeof(int64_t) * (size_t)(opt ? optim_param_count(opt) + 1 : 1)))))
         s = set_error(ctx, DT_ENOMEM, "checkpoint_load: out of memory");
     for (int q = 0; s == DT_OK && q < pl->ix.n; q++) {
         if (plan_base_find(pl, pl->ix.p[q].name) >= 0)
@@ -2231,8 +2233,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
     }
     dt_optim *o = pl->opt;
     if (s == DT_OK && o) {
-        o->steps = pl->ix.steps;
-        memcpy(o->param_steps, pl->opt_steps, sizeof(int64_t) * (size_t)o->n);
+        optim_restore_steps(o, pl->ix.steps, pl->opt_steps);
         optim_set_lrs(o, pl->ix.lr);
     }
     if (s == DT_OK && step_out)
@@ -2243,7 +2244,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
 /* dt_checkpoint_load of a directory: every parameter and opt's state whole. */
 static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out)
 {
-    if (opt && (opt->shard || opt->orphaned))
+    if (opt && optim_is_sharded(opt))
         return set_error(ctx, DT_EINVAL, "checkpoint_load: the optimizer's state is sharded "
                          "(dt_ddp_config.zero): load with dt_ddp_checkpoint_load");
     ckpt_plan *pl = ckpt_plan_make(ctx, opt, dir, NULL, NULL);

@@ -23,6 +23,21 @@
  * ring's halves.  Messages above DT_COMM_CHUNK bytes go in chunks.
  * ======================================================================== */
 
+/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
+ * (either may be absent), posted together so an exchange cannot deadlock.
+ * Tags: the check bits say "point to point" (no collective has them), the
+ * sequence is the pair's message count, so the k-th send from a rank meets
+ * the k-th receive posted for it; large messages go in max_msg chunks. */
+struct p2p_call {
+    const float *send;
+    int64_t ns;
+    int dst;
+    float *recv;
+    int64_t nr;
+    int src;
+    uint32_t sseq, rseq;
+};
+
 static const char *const coll_names[] = {"?", "allreduce", "broadcast", "allgather",
                                          "reduce_scatter", "barrier", "alltoall",
                                          "16-bit allreduce", "reduce_scatter of shards",
@@ -1896,4 +1911,61 @@ uint64_t dt_comm_bytes_sent(const dt_comm *c)
 const char *dt_comm_intra_host(const dt_comm *c)
 {
     return !c ? "" : c->use_segment ? "segment" : c->seg_why[0] ? c->seg_why : "transport";
+}
+
+DT_PRIVATE int comm_serial(dt_comm *c, int kind) { return c->serials[kind]++; }
+
+/* for the modules above (the parameter server runs its own loop on the
+ * communicator's transport endpoint and watches deaths on its store) */
+DT_PRIVATE dt_ctx *comm_ctx(const dt_comm *c) { return c->ctx; }
+DT_PRIVATE int comm_timeout_ms(const dt_comm *c) { return c->timeout_ms; }
+DT_PRIVATE int comm_collective_timeout_ms(const dt_comm *c) { return c->collective_timeout_ms; }
+DT_PRIVATE uint32_t comm_incarnation(const dt_comm *c) { return c->inc; }
+DT_PRIVATE size_t comm_max_msg(const dt_comm *c) { return c->max_msg; }
+DT_PRIVATE const dt_transport_iface *comm_tp_iface(const dt_comm *c) { return c->tp_iface; }
+DT_PRIVATE dt_transport *comm_tp(const dt_comm *c) { return c->tp; }
+DT_PRIVATE dt_store *comm_watch(const dt_comm *c) { return c->watch; }
+DT_PRIVATE const char *comm_label(const dt_comm *c) { return c->label; }
+DT_PRIVATE int comm_local_size(const dt_comm *c) { return c->nlocal; }
+DT_PRIVATE const char *comm_broken_msg(const dt_comm *c) { return c->broken ? c->broken_msg : NULL; }
+
+DT_PRIVATE uint64_t comm_stage_next(dt_comm *c, uint64_t ticket)
+{
+    uint64_t was = c->stage_ticket;
+    c->stage_ticket = ticket;
+    return was;
+}
+
+DT_PRIVATE int comm_attach_ext(dt_comm *c, const comm_ext_ops *ops)
+{
+    c->ext_ops = ops;
+    return c->ext_jobs++;
+}
+
+DT_PRIVATE dt_status comm_xfers_renew(dt_comm *c, dt_work *w, xfers **xsp)
+{
+    xfers *old = *xsp, *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
+    if (!xs)
+        return comm_work_fail(w, DT_ENOMEM, "%s: out of memory", comm_coll_name(w->kind));
+    memset(xs, 0, sizeof *xs);
+    xs->g = old->g;
+    xs->gone = old->gone;
+    xs->gone_base = old->gone_base;
+    xs->gone_n = old->gone_n;
+    xs->write_off = old->write_off;
+    xs->write_off_arg = old->write_off_arg;
+    xs->idle = old->idle;
+    old->next_dead = c->graveyard;
+    c->graveyard = old;
+    *xsp = xs;
+    return DT_OK;
+}
+
+DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
+{
+    while (c->graveyard) {
+        xfers *x = c->graveyard;
+        c->graveyard = x->next_dead;
+        c->ctx->al.free_fn(x, c->ctx->al.user);
+    }
 }

@@ -523,6 +523,27 @@ void dt_ctx_free(dt_ctx *ctx)
 }
 
 /* Usable context: not NULL and its backend started. */
+DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx)
+{
+    dt_ctx *sink = host_calloc(ctx, sizeof *sink);
+    if (sink)
+        sink->al = ctx->al;
+    return sink;
+}
+
+DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user)
+{
+    ctx->grad_hooks = hooks;
+    ctx->hook_user = user;
+}
+
+DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user)
+{
+    void *was = ctx->hook_user;
+    ctx->hook_user = user;
+    return was;
+}
+
 DT_PRIVATE int ctx_ok(dt_ctx *ctx)
 {
     return ctx && ctx->init_status == DT_OK;

@@ -113,7 +113,7 @@ static void fill_batch(dt_loader *ld, loader_slot *s, int64_t b)
     s->stolen = 0;
     if (ld->cfg.global_batches) {
         global_slice(ld, b, &start, &count, &s->offset, &s->global, &s->gen);
-    } else if (ld->steal) {   /* the batch a claimed chunk gives; -1: none left anywhere */
+    } else if (ld->source) {   /* the batch a claimed chunk gives; -1: none left anywhere */
         int shard = 0;
         int64_t j = ld->source->next(ld, &shard, &s->stolen);
         if (j < 0) {
@@ -227,7 +227,7 @@ void dt_loader_free(dt_loader *ld)
     host_free(ctx, ld->order);
     host_free(ctx, ld->split);
     dataset_xform_free(ctx, &ld->xf);
-    if (ld->steal)
+    if (ld->source)
         ld->source->release(ld);
     host_free(ctx, ld);
 }
@@ -382,7 +382,7 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
  * or with work stealing (its start is a collective step with the others). */
 static int loader_keeps_epoch(dt_loader *ld, int64_t epoch)
 {
-    if (!ld->untouched || ld->epoch != epoch || ld->steal)
+    if (!ld->untouched || ld->epoch != epoch || ld->source)
         return 0;
     if (ld->has_thread)
         pthread_mutex_lock(&ld->mu);
@@ -419,10 +419,13 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
     for (int64_t i = n; i < total; i++)
         perm[i] = perm[i - n];
     /* global batches and work stealing read the whole order */
-    for (int64_t i = 0; i < ld->n_local && !ld->cfg.global_batches && !ld->steal; i++)
+    for (int64_t i = 0; i < ld->n_local && !ld->cfg.global_batches && !ld->source; i++)
         perm[i] = perm[ld->cfg.shard_rank + i * shards];
-    if (ld->steal)
+    if (ld->source) {
         ld->source->start_epoch(ld, epoch);
+        ld->source_done = ld->source_stolen = 0;
+        ld->n_batches = INT64_MAX;   /* until the source has no batch left */
+    }
     ld->next = 0;
     ld->epoch = epoch;
     ld->untouched = 1;
@@ -477,8 +480,10 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     ld->wait_s += dt_now() - t0;
     if (s->count < 0) {   /* work stealing: no chunk left anywhere */
         ld->next = ld->n_batches;
-        if (ld->steal->status != DT_OK)
-            return set_error(ctx, ld->steal->status, "%s", ld->steal->msg);
+        const char *msg = "";
+        dt_status st = ld->source->failed(ld, &msg);
+        if (st != DT_OK)
+            return set_error(ctx, st, "%s", msg);
         return DT_EOF;
     }
     if (ld->cfg.global_batches && s->gen != ld->split_gen)
@@ -490,9 +495,9 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
     ld->cur_offset = s->offset;
     ld->cur_count = s->count;
     ld->cur_global = s->global;
-    if (ld->steal) {
-        ld->steal->done++;
-        ld->steal->stolen += s->stolen;
+    if (ld->source) {
+        ld->source_done++;
+        ld->source_stolen += s->stolen;
     }
     if (uploads_async(ld)) {   /* started by the filler: kernels from here on wait */
         BE(ctx)->copy_join(BEI(ctx), s->ticket);
@@ -517,7 +522,7 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
 
 int64_t dt_loader_batches(const dt_loader *ld)
 {
-    if (ld && ld->steal)   /* its own shard's; stealing changes how many it runs */
+    if (ld && ld->source)   /* its own shard's; stealing changes how many it runs */
         return ld->cfg.drop_last ? ld->n_local / ld->cfg.batch
                                  : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
     return ld ? ld->n_batches : 0;
@@ -558,10 +563,21 @@ void dt_loader_batch_slice(const dt_loader *ld, int64_t *offset, int64_t *count,
 
 int64_t dt_loader_batches_done(const dt_loader *ld)
 {
-    return !ld ? 0 : ld->steal ? ld->steal->done : ld->next;
+    return !ld ? 0 : ld->source ? ld->source_done : ld->next;
 }
 
-int64_t dt_loader_batches_stolen(const dt_loader *ld) { return ld && ld->steal ? ld->steal->stolen : 0; }
+int64_t dt_loader_batches_stolen(const dt_loader *ld) { return ld && ld->source ? ld->source_stolen : 0; }
+
+DT_PRIVATE void loader_set_source(dt_loader *ld, const loader_source *src, void *state)
+{
+    ld->source = src;
+    ld->source_state = state;
+}
+
+DT_PRIVATE void *loader_source_state(const dt_loader *ld) { return ld->source_state; }
+DT_PRIVATE dt_ctx *loader_ctx(const dt_loader *ld) { return ld->ctx; }
+DT_PRIVATE const dt_loader_config *loader_config(const dt_loader *ld) { return &ld->cfg; }
+DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_local; }
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 

@@ -295,7 +295,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                    (d->cfg.ps && d->cfg.compress != DT_COMPRESS_NONE)))
         d->be_iface->copy_wait(d->be, ticket);
     else
-        d->comm->stage_ticket = ticket;
+        comm_stage_next(d->comm, ticket);
     if (b == d->buckets) {   /* the step's first */
         d->sent_at_launch = dt_comm_bytes_sent(d->comm);
         d->zero_gen = d->ctx->zero_gen;
@@ -323,9 +323,9 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
-    if (d->comm->stage_ticket)   /* not consumed: the launch failed; let the copy land */
-        d->be_iface->copy_wait(d->be, d->comm->stage_ticket);
-    d->comm->stage_ticket = 0;
+    uint64_t unused = comm_stage_next(d->comm, 0);
+    if (unused)   /* not consumed: the launch failed; let the copy land */
+        d->be_iface->copy_wait(d->be, unused);
     if (!b->work && d->launch_status == DT_OK) {
         d->launch_status = d->ctx->last_status;
         snprintf(d->launch_msg, sizeof d->launch_msg, "%s", d->ctx->err);
@@ -461,23 +461,6 @@ static void ddp_finalize_unused(dt_ddp *d)
 
 static dt_status ddp_finish(dt_ddp *d);
 
-/* A node's inputs: concat keeps its (any number of) inputs aside; for a
- * recompute segment, the parameters its ops read (its backward finishes
- * them all, src/recompute.c). */
-static int node_inputs(const dt_node *n, dt_tensor *const **out)
-{
-    if (n->backward == op_concat_backward) {
-        *out = n->aux[0];
-        return (int)n->iarg[0];
-    }
-    if (n->seg_fn) {
-        *out = n->aux[1];
-        return (int)n->iarg[2];
-    }
-    *out = n->in;
-    return n->n_in;
-}
-
 static dt_status ddp_backward_begin(dt_ddp *d)
 {
     dt_ctx *ctx = d->ctx;
@@ -515,13 +498,7 @@ static dt_status ddp_backward_begin(dt_ddp *d)
         return DT_OK;
     memset(d->uses, 0, (size_t)d->nparams * sizeof *d->uses);
     memset(d->done, 0, (size_t)d->nparams * sizeof *d->done);
-    for (const dt_node *n = ctx->tape; n; n = n->prev) {
-        dt_tensor *const *in;
-        int nin = node_inputs(n, &in);
-        for (int k = 0; k < nin; k++)
-            if (in[k] && (in[k]->flags & T_PARAM) && in[k]->ctx == ctx)
-                d->uses[in[k]->param_index]++;
-    }
+    tape_param_uses(ctx, d->uses, d->nparams);
     for (int b = 0; b < d->nbuckets; b++)
         d->buckets[b].pending = d->buckets[b].numel;
     ddp_finalize_unused(d);
@@ -536,7 +513,7 @@ static void ddp_node_done(dt_ddp *d, const dt_node *n)
         return;
     int launch = 0;
     dt_tensor *const *in;
-    int nin = node_inputs(n, &in);
+    int nin = tape_node_reads(n, &in);
     for (int k = 0; k < nin; k++) {
         const dt_tensor *t = in[k];
         if (t && (t->flags & T_PARAM) && t->ctx == d->ctx && --d->uses[t->param_index] == 0) {
@@ -697,6 +674,8 @@ dt_status dt_ddp_set_sync(dt_ddp *d, int sync)
     return DT_OK;
 }
 
+DT_PRIVATE int ddp_sync_of(const dt_ddp *d) { return d->sync; }
+
 dt_status dt_ddp_stats_get(const dt_ddp *d, dt_ddp_stats *out)
 {
     if (!d || !out)
@@ -805,8 +784,7 @@ dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
         d->bal_w[r] = 1.0 / P;
     d->bal_ld = ld;
     d->bal_every = every;
-    ctx->prof.balancing = 1;
-    __atomic_store_n(&ctx->prof.measure, 1, __ATOMIC_RELAXED);
+    prof_balancing(ctx, 1);
     return dt_loader_set_split(ld, d->bal_w, P);
 }
 
@@ -1092,15 +1070,15 @@ static dt_status ddp_alloc_set(dt_ddp *d)
  * unbound rank counts its share of the online CPUs). */
 static int ddp_auto_overlap(const dt_ddp *d)
 {
-    if (d->comm->nhosts > 1 || d->staged)   /* staged: the host CPUs are idle */
+    if (dt_comm_hosts(d->comm) > 1 || d->staged)   /* staged: the host CPUs are idle */
         return 1;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     cpu_set_t set;
     long cpus = online > 0 ? online : 1;
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus)
         cpus = CPU_COUNT(&set);
-    else if (d->comm->nlocal > 1)
-        cpus /= d->comm->nlocal;
+    else if (comm_local_size(d->comm) > 1)
+        cpus /= comm_local_size(d->comm);
     return cpus > d->ctx->threads;
 }
 
@@ -1182,8 +1160,7 @@ static void ddp_release(dt_ddp *d)
 {
     zero_free(d);
     if (d->bal_ld && d->ctx) {
-        d->ctx->prof.balancing = 0;
-        __atomic_store_n(&d->ctx->prof.measure, d->ctx->prof.record, __ATOMIC_RELAXED);
+        prof_balancing(d->ctx, 0);
     }
     host_free(d->ctx, d->bal_w);
     d->bal_w = NULL;
@@ -1240,7 +1217,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
         set_error(ctx, DT_ESTATE, "ddp_new: this context already has a DDP; free it first");
         return NULL;
     }
-    if (c->ctx != ctx) {
+    if (comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "ddp_new: the communicator belongs to another context");
         return NULL;
     }
@@ -1285,7 +1262,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                  ddp_bucket_cap(cfg, ctx),
                  cfg->overlap < 0 ? -1 : cfg->overlap != 0, (int)cfg->compress,
                  (double)cfg->topk_ratio, cfg->topk_warmup_steps, cfg->error_feedback != 0,
-                 !ctx->be_iface->host_visible, prof_recording(ctx) ? ctx->prof.cfg.check_every : 0,
+                 !ctx->be_iface->host_visible, prof_check_every(ctx),
                  cfg->zero);
     if (conf.ps) {   /* dt_ps_new checked the workers' models; servers are not here */
         if (ps_ddp_check(ctx, c, &conf, opt) != DT_OK)
@@ -1351,14 +1328,13 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
     if (!d->z)
         d->st.grad_bytes_peak = (size_t)d->set_floats * sizeof(float);
     if (d->momentum > 0)
-        d->opt->momentum_by_ddp = 1;
+        optim_momentum_elsewhere(d->opt, 1);
     d->overlap = cfg->overlap >= 0 ? cfg->overlap != 0 : ddp_auto_overlap(d);
-    d->check_every = prof_recording(ctx) ? ctx->prof.cfg.check_every : 0;
+    d->check_every = prof_check_every(ctx);
     d->st.overlap = d->overlap;
     d->st.buckets = d->nbuckets;
     d->st.bucket_bytes = cap;
-    ctx->hook_user = d;
-    ctx->grad_hooks = &ddp_grad_hooks;
+    ctx_set_grad_hooks(ctx, &ddp_grad_hooks, d);
     return d;
 }
 
@@ -1384,9 +1360,8 @@ static void ddp_detach(dt_ddp *d)
         g->data = d->own_grad[i];
     }
     if (d->momentum > 0 && d->opt)
-        d->opt->momentum_by_ddp = 0;
-    d->ctx->hook_user = NULL;
-    d->ctx->grad_hooks = NULL;
+        optim_momentum_elsewhere(d->opt, 0);
+    ctx_set_grad_hooks(d->ctx, NULL, NULL);
     ddp_release(d);
     d->ctx = NULL;
 }
@@ -1437,7 +1412,7 @@ static dt_status hook_node_params(void *u, const dt_node *n)
     if (!d->z || d->z->level != 3)
         return DT_OK;
     dt_tensor *const *in;
-    int nin = node_inputs(n, &in);
+    int nin = tape_node_reads(n, &in);
     dt_status s = DT_OK;
     for (int k = 0; k < nin && s == DT_OK; k++)
         if (in[k])

@@ -69,6 +69,9 @@ enum { COLL_ALLREDUCE = 1, COLL_BROADCAST, COLL_ALLGATHER, COLL_REDUCE_SCATTER, 
 
 /* The algorithm a work ran with, as run_work chose it (src/comm.c); the
  * profiler gets it with the rest of the record (comm_record, comm_alg_name). */
+/* comm_serial's kinds: numbers every rank draws in the same order, so they
+ * agree without a message (store keys of splits and stealing loaders) */
+enum { COMM_SERIAL_SPLIT, COMM_SERIAL_STEAL, COMM_SERIALS };
 enum { COMM_ALG_NONE, COMM_ALG_SEGMENT, COMM_ALG_HIERARCHICAL, COMM_ALG_DOUBLING, COMM_ALG_RING,
        COMM_ALG_TREE, COMM_ALG_PAIRWISE, COMM_ALG_RING16, COMM_ALG_EXT, COMM_ALG_P2P };
 
@@ -181,7 +184,6 @@ struct dt_comm {
     dt_transport *tp;
     int *alias, nalias;        /* transport peers world.. : the rank each is another
                                   endpoint of (comm_add_endpoint) */
-    dt_store *store;
     char provider[64];
     uint32_t next_seq;         /* caller's side: collectives issued */
     size_t max_msg;
@@ -195,8 +197,7 @@ struct dt_comm {
     int waiting_on;            /* the rank a stalled collective waits for, -1: none */
     int wait_published;        /* this collective wrote "wait/<rank>" (cleared when it ends well) */
     char broken_msg[DT_MAX_ERROR];
-    pthread_t thread;
-    int has_thread, stop;
+    int stop;
     int running;               /* a thread is inside run_work (it owns the transport) */
     /* The transport call the comm thread is in (comm_tp_poll and the rest):
      * since when (atomic; 0: none) and which.  A caller gives up on one that
@@ -222,38 +223,27 @@ struct dt_comm {
     seg_head *seg;             /* NULL: this host has one rank, or no segment */
     seg_rank *seg_ranks;
     char *seg_data;
-    size_t seg_bytes, seg_slot;
+    size_t seg_slot;
     size_t seg_chunk_small;    /* chunk of buffers up to SEG_LARGE (seg_chunk_floats) */
     uint32_t seg_phase, seg_chunk;
-    char seg_name[64], seg_why[200];
-    int seg_linked;            /* we created it and its name still exists */
+    char seg_why[200];
     int ext_jobs;              /* extension jobs (parameter servers) joined so far (their store keys) */
     const comm_ext_ops *ext_ops;  /* how to run COLL_EXT work (set by dt_ps_new) */
-    int steals_made;           /* work-stealing loaders made so far (their store keys) */
     uint32_t inc;              /* 0, or this rank's n-th restarted process (find_rejoin: rejoined,
                                   only the parameter server's requests work) */
-    int announced;             /* a restarted process told its peers it serves */
     uint32_t ext_requests;     /* COLL_EXT requests issued (not collectives: no sequence) */
     uint64_t bytes_sent;       /* payload sent to other ranks (atomic; dt_comm_bytes_sent) */
-    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
-    double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
     struct xfers *graveyard;   /* comm thread: records holding orphaned sends (src/comm.c) */
     /* process groups (src/join.c) */
-    dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
     int *members;              /* a group's: the job rank of each group rank; NULL: the job */
     char label[96];            /* a group's: "group [1 3]: ", before its errors */
-    int splits_made;           /* dt_comm_split calls so far (their store keys) */
+    int serials[COMM_SERIALS]; /* comm_serial: numbers handed out so far, per kind */
     uint32_t *p2p_sent, *p2p_recvd;   /* point-to-point messages to / from each rank so far
                                   (caller's side; the k-th send meets the k-th receive) */
     /* liveness apart from progress: the job communicator's heartbeat thread
      * (src/join.c, join_heartbeat) publishes "/hb/<job rank>" every beat_ms on
      * its own store connection; a wait watches its peer's (comm_check_heartbeat) */
-    dt_store *hb;
-    dt_ctx *hb_errors;
-    pthread_t hb_thread;
-    int has_hb, hb_stop, beat_ms;
-    pthread_mutex_t hb_mu;
-    pthread_cond_t hb_cv;
+    int has_hb, beat_ms;
     int hb_peer;               /* comm thread: the rank whose heartbeat it watches (-1: none) */
     unsigned long long hb_beat; /* its latest beat seen */
     double hb_seen;            /* when that beat last changed (or the watch began) */
@@ -310,14 +300,7 @@ typedef struct xfers {
  * after the timeout (and by every survivor, not just its neighbours). */
 #define DT_COMM_WATCH_S 0.5
 
-struct seg_rank {
-    _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
-    _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
-    _Atomic uint32_t call_phase;            /* first phase of the call described below */
-    _Atomic uint32_t progress;              /* a leader's transfers completing between hosts */
-    _Atomic uint32_t kind, seq, root, op;
-    _Atomic int64_t n;
-};
+struct seg_rank;
 
 struct seg_head {
     uint32_t magic, nlocal;
@@ -328,20 +311,7 @@ struct seg_head {
 
 /* --- point to point ------------------------------------------------------- */
 
-/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
- * (either may be absent), posted together so an exchange cannot deadlock.
- * Tags: the check bits say "point to point" (no collective has them), the
- * sequence is the pair's message count, so the k-th send from a rank meets
- * the k-th receive posted for it; large messages go in max_msg chunks. */
-typedef struct p2p_call {
-    const float *send;
-    int64_t ns;
-    int dst;
-    float *recv;
-    int64_t nr;
-    int src;
-    uint32_t sseq, rseq;
-} p2p_call;
+typedef struct p2p_call p2p_call;
 /* --- src/launch.c --- */
 /* --- src/ddp.c --- */
 
@@ -369,13 +339,7 @@ typedef struct ddp_bucket {
     int lent;                  /* zero 2: its pool buffer's index, -1: none */
 } ddp_bucket;
 
-/* --- src/zero.c --- */
-
-typedef struct zero_buf {
-    float *mem;
-    int64_t cap;               /* floats */
-    int busy;                  /* lent to a bucket */
-} zero_buf;
+typedef struct zero_buf zero_buf;
 
 /* Sharded data parallelism: what a DDP with dt_ddp_config.zero keeps. */
 typedef struct zero_state {
@@ -483,40 +447,7 @@ struct dt_ddp {
 typedef dt_status (*eval_visit)(dt_ctx *ctx, dt_tensor *logits, dt_tensor *y, int64_t first,
                                 void *acc);
 
-/* --- src/replicas.c --- */
-
-struct dt_dp {
-    dt_ctx *ctx;               /* the caller's: errors */
-    int K;
-    dt_ctx **rc;               /* replica contexts */
-    void **model;
-    dt_optim **opt;
-    dt_dp_loss_fn loss;
-    dt_dp_free_fn free_model;
-    void *user;
-    pthread_t *thread;
-    struct dp_arg { struct dt_dp *dp; int k; } *args;   /* each worker's */
-    int threads_started, stop;
-    pthread_barrier_t bar;
-    int has_bar;
-    pthread_mutex_t mu;        /* start-up: workers wait for go (1) or abort (-1) */
-    pthread_cond_t cv;
-    int go, has_mu;
-    /* the step's inputs, staged on the host */
-    float *xh;
-    int32_t *yh;
-    size_t x_cap;
-    int64_t B, feat, xshape[DT_MAX_DIMS];
-    int xndim;
-    /* the flat gradient: parameter p at poff[p], G floats in all */
-    int np;
-    int64_t *poff, G;
-    float *avg;
-    unsigned char *used;
-    float *losses;
-    dt_status *status;
-    char (*msg)[DT_MAX_ERROR];
-};
+struct dt_dp;
 /* --- src/ps.c --- */
 #define PS_MAGIC 0x44545053u
 /* Pieces.  A message of `bytes` is ceil(bytes / chunk) messages.  With
@@ -563,13 +494,7 @@ typedef struct ps_peer {
     double hb_seen;              /* that changed (0: not read yet) */
 } ps_peer;
 
-/* A sparse push kept until its step is applied (BSP). */
-typedef struct ps_sparse_msg {
-    int table;
-    int64_t k, clock;
-    void *data;                /* k local row numbers (int64), then k * dim floats */
-    struct ps_sparse_msg *next;
-} ps_sparse_msg;
+typedef struct ps_sparse_msg ps_sparse_msg;
 
 /* A sparse table.  On a server: its rows r = i * S + server, i < count. */
 typedef struct ps_tab {
@@ -667,40 +592,15 @@ struct dt_ps {
     dt_ps_stats st;
 };
 
-/* Sparse requests.  The asked ids are sorted (by id, then position) so
- * each distinct row moves once and repeated rows' gradients are summed in
- * the caller's order: the same request gives the same bits. */
-typedef struct ps_idpos {
-    int64_t id, pos;
-} ps_idpos;
-/* --- src/hogwild.c --- */
+typedef struct ps_idpos ps_idpos;
+typedef struct hw_thread hw_thread;
 
-typedef struct hw_thread {
-    struct hogwild *hw;
-    int k;
-    dt_ctx *ctx;
-    void *model;
-    pthread_t tid;
-    int started;
-    double loss_sum;
-    int64_t steps, rows, dense;
-} hw_thread;
-
-typedef struct hogwild {
-    dt_ctx *ctx;
-    dt_hogwild_config cfg;
-    dt_hogwild_loss_fn loss;
-    void *user;
-    hw_thread *t;
-    int stop;                  /* atomic: a thread failed */
-    pthread_mutex_t mu;
-    dt_status status;
-    char msg[DT_MAX_ERROR];
-} hogwild;
+typedef struct hogwild hogwild;
 /* --- src/profile.c --- */
 
 /* --- the profiler at the end of the job: gather, trace, report ---------------------- */
 
+/* (in the header: the tests build reports from made-up heads) */
 typedef struct prof_blob_head {
     uint64_t magic;
     int64_t nev;
@@ -716,49 +616,13 @@ typedef struct prof_blob_head {
  * memory.  The tests build it from made-up heads too. */
 DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, int P, double link,
                                    const char *trace_path);
-/* --- src/parallel.c --- */
+typedef struct pipe_slot pipe_slot;
 
-typedef struct pipe_slot {
-    dt_arena dev, host;
-    int busy;                  /* holds a micro-batch whose backward has not run */
-} pipe_slot;
+typedef struct pipe_mb pipe_mb;
 
-typedef struct pipe_mb {
-    int64_t off, rows;         /* its rows of the batch */
-    dt_tensor *in;             /* stage > 0: the received activation (a leaf) */
-    dt_tensor *out;            /* the stage's output, or the loss on the last stage */
-    dt_node *tape;             /* its forward's tape, until its backward */
-} pipe_mb;
+struct dt_pipe;
 
-struct dt_pipe {
-    dt_ctx *ctx;
-    dt_comm *comm;
-    dt_pipe_config cfg;
-    dt_stage_fn fn;
-    void *user;
-    int stage, stages;
-    pipe_slot *slots;
-    int nslots;
-    pipe_mb *mb;
-    int failed;                /* a step failed: the neighbours were told, no more steps */
-    /* the step under way */
-    int64_t batch;
-    int in_ndim, out_ndim;     /* the input's (stage > 0) and output's (not last) shapes, */
-    int64_t in_shape[DT_MAX_DIMS], out_shape[DT_MAX_DIMS];   /* dim 0: micro-batch 0's rows */
-    int header_sent, header_recvd;
-    float *sbuf, *rbuf;        /* host staging of what is sent and received */
-    int64_t sbuf_n, rbuf_n;
-    double loss, wait_s, compute_s;
-    uint64_t bytes;
-    dt_pipe_stats st;
-};
-
-/* --- a pipeline's micro-batch forward and backward ------------------------------ */
-
-typedef struct pipe_arenas {
-    dt_arena *dev, *host;
-    dt_node *tape;
-} pipe_arenas;
+typedef struct pipe_arenas pipe_arenas;
 
 /* ===========================================================================
  * What each distributed module offers the others
@@ -776,6 +640,36 @@ DT_PRIVATE dt_status store_clock_offset(dt_store *s, int rounds, double *offset,
 
 /* src/comm.c: the comm thread, transfers with a deadline, the collectives */
 DT_PRIVATE const char *comm_coll_name(int kind);
+/* The next number of a kind (COMM_SERIAL_*) on this communicator: 0, 1, ... */
+DT_PRIVATE int comm_serial(dt_comm *c, int kind);
+/* What a communicator is, for the modules above: its context, liveness and
+ * progress timeouts, incarnation (0, or this process's restart), largest
+ * message, transport endpoint, its own store connection that watches for
+ * deaths (NULL: none), a group's label ("" for the job), ranks on this
+ * host, and why it broke (NULL: it did not). */
+DT_PRIVATE dt_ctx *comm_ctx(const dt_comm *c);
+DT_PRIVATE int comm_timeout_ms(const dt_comm *c);
+DT_PRIVATE int comm_collective_timeout_ms(const dt_comm *c);
+DT_PRIVATE uint32_t comm_incarnation(const dt_comm *c);
+DT_PRIVATE size_t comm_max_msg(const dt_comm *c);
+DT_PRIVATE const dt_transport_iface *comm_tp_iface(const dt_comm *c);
+DT_PRIVATE dt_transport *comm_tp(const dt_comm *c);
+DT_PRIVATE dt_store *comm_watch(const dt_comm *c);
+DT_PRIVATE const char *comm_label(const dt_comm *c);
+DT_PRIVATE int comm_local_size(const dt_comm *c);
+DT_PRIVATE const char *comm_broken_msg(const dt_comm *c);
+/* An extension (the parameter server) runs its COLL_EXT work on the comm
+ * thread with ops: the number of its job on this communicator (0, 1, ...). */
+DT_PRIVATE int comm_attach_ext(dt_comm *c, const comm_ext_ops *ops);
+/* The next work enqueued on c first waits for this backend copy (a staged
+ * gradient's, src/ddp.c); returns the ticket set before, 0 once consumed
+ * (set 0 after the enqueue: what it returns then was not consumed). */
+DT_PRIVATE uint64_t comm_stage_next(dt_comm *c, uint64_t ticket);
+/* *xsp holds orphaned sends (drain_gone): a fresh record with the same
+ * settings replaces it, and the old one waits, buried, until the transport
+ * that holds its sends is closed (comm_xfers_free_buried, at dt_comm_free). */
+DT_PRIVATE dt_status comm_xfers_renew(dt_comm *c, dt_work *w, xfers **xsp);
+DT_PRIVATE void comm_xfers_free_buried(dt_comm *c);
 DT_PRIVATE const char *comm_alg_name(int alg);
 DT_PRIVATE double comm_bus_factor(int kind, int P);
 DT_PRIVATE dt_status comm_work_fail(dt_work *w, dt_status st, const char *fmt, ...)
@@ -859,6 +753,7 @@ DT_PRIVATE dt_status join_replace_peer(dt_comm *c, int peer, uint32_t inc, char 
 
 /* src/ddp.c */
 DT_PRIVATE struct dt_ddp *ddp_attached(dt_ctx *ctx);
+DT_PRIVATE int ddp_sync_of(const dt_ddp *d);   /* dt_ddp_set_sync's setting */
 DT_PRIVATE int ddp_bucket_of(const dt_ddp *d, int64_t flat);
 
 /* src/zero.c: the sharded mode of src/ddp.c (its hooks call these) */
@@ -901,6 +796,10 @@ DT_PRIVATE void ps_close_answer_endpoints(dt_ps *ps);
 
 /* src/join.c */
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors);
+/* The job's rendezvous store connection (the caller's thread's), and rank
+ * 0's clock minus ours as measured at the rendezvous (src/profile.c). */
+DT_PRIVATE dt_store *join_store(const dt_comm *c);
+DT_PRIVATE double join_clock_offset(const dt_comm *c);
 
 
 /* src/profile.c */

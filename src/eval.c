@@ -163,7 +163,7 @@ static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (c && c->ctx != ctx)
+    if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "evaluate: the communicator belongs to another context");
     dt_eval_config defaults;
     dt_eval_config_init(&defaults);
@@ -249,7 +249,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (c && c->ctx != ctx)
+    if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "predict: the communicator belongs to another context");
     int P = c ? dt_comm_size(c) : 1, r = c ? dt_comm_rank(c) : 0;
     int64_t n = dt_dataset_size(ds), per = (n + P - 1) / P;

@@ -13,6 +13,31 @@
  * the rows it touches.  Any other op's gradient makes the step dense.
  * ======================================================================== */
 
+/* --- src/hogwild.c --- */
+
+struct hw_thread {
+    struct hogwild *hw;
+    int k;
+    dt_ctx *ctx;
+    void *model;
+    pthread_t tid;
+    int started;
+    double loss_sum;
+    int64_t steps, rows, dense;
+};
+
+struct hogwild {
+    dt_ctx *ctx;
+    dt_hogwild_config cfg;
+    dt_hogwild_loss_fn loss;
+    void *user;
+    hw_thread *t;
+    int stop;                  /* atomic: a thread failed */
+    pthread_mutex_t mu;
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+};
+
 void dt_hogwild_config_init(dt_hogwild_config *cfg)
 {
     if (!cfg)

@@ -123,6 +123,10 @@ struct dt_node {
     dt_segment_fn seg_fn;          /* recompute: the segment function */
     void *user;                    /* recompute, a custom op: the user pointer */
     dt_custom_backward_fn custom;  /* a custom op's backward (dt_custom_op) */
+    /* what the node reads beyond in[] (tape_node_reads): concat's inputs,
+     * kept aside as there may be any number; a recompute segment's parameters */
+    dt_tensor *const *reads;
+    int n_reads, reads_aside;      /* reads_aside: reads, not in[], is what it reads */
 };
 
 /* What an op keeps for its backward, by position in the node (iarg, farg,
@@ -135,11 +139,7 @@ typedef struct node_args {
     void *aux[4];
 } node_args;
 
-typedef struct dt_chunk {
-    struct dt_chunk *next;
-    char *base;
-    size_t size, used;
-} dt_chunk;
+typedef struct dt_chunk dt_chunk;
 
 /* A block given back to its arena before the reset (arena_give_back). */
 typedef struct dt_arena_hole {
@@ -379,19 +379,8 @@ typedef float (*sample_fn)(uint64_t s[4], float a, float b);
 #define IP(t) ((int32_t *)(t)->data)
 /* --- src/ops.c --- */
 
-/* The last two dims of x as a GEMM operand: row-major (t = 0) or
- * column-major (t = 1, a transposed view) with leading dimension ld. */
-typedef struct gemm_operand {
-    const float *p;
-    int64_t ld, batch_stride;
-    int t;
-} gemm_operand;
-/* --- src/recompute.c --- */
-
-typedef struct arena_switch {
-    dt_arena *dev, *host;
-    dt_arena_mark dev_mark, host_mark;
-} arena_switch;
+typedef struct gemm_operand gemm_operand;
+typedef struct arena_switch arena_switch;
 /* --- src/optim.c --- */
 
 /* One parameter's part of a sharded optimizer step (src/zero.c sets them):
@@ -440,20 +429,7 @@ struct dt_optim {
                                    job that no longer exists */
 };
 
-/* --- dynamic loss scaling (fp16) ------------------------------------------
- * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
- * squares the backend already has (in double, so no finite f32 gradient
- * can overflow it; an inf or NaN anywhere makes it non-finite). */
-
-struct dt_loss_scaler {
-    dt_ctx *ctx;
-    dt_loss_scale_config cfg;
-    float scale;
-    int good_steps;            /* in a row since the last overflow or growth */
-    int pending;               /* a scaled backward ran since the last step */
-    int unscaled, found_inf;   /* this step's gradients were divided by scale */
-    int64_t skipped;
-};
+struct dt_loss_scaler;
 /* A checkpoint's parameter groups' base lrs (n of them) into o's groups:
  * DT_EMISMATCH, nothing changed, when o has another number of groups. */
 /* The latest warning into out (cap bytes) and the number of warnings so
@@ -545,30 +521,15 @@ typedef struct loader_slot {
     int stolen;                /* it came from another shard's chunk */
 } loader_slot;
 
-/* Work stealing (dt_loader_steal): where the loader is in the chunks it
- * claimed, through its own store connection (the loader's thread claims). */
-typedef struct loader_steal {
-    dt_store *store;
-    dt_ctx *errors;            /* the connection's error sink (not the caller's ctx) */
-    int id, chunk;             /* the job-wide loader number; batches per chunk */
-    int64_t gen;               /* start_epoch calls so far: the claims' namespace (every
-                                  worker starts the same epochs, so they agree) */
-    int shard;                 /* the shard of the chunk in hand */
-    int64_t first, left;       /* its next batch (in that shard) and batches left */
-    int64_t own_next;          /* our shard's next chunk to claim */
-    unsigned char *dry;        /* per shard: nothing left to take there */
-    int64_t done, stolen;      /* batches given out this epoch, from other shards */
-    dt_status status;
-    char msg[DT_MAX_ERROR];
-} loader_steal;
-
 /* What the loader lets a higher layer decide, instead of calling it: work
- * stealing registers these in dt_loader_steal (src/steal.c, steal_source).
+ * stealing registers these in dt_loader_steal (src/steal.c, steal_source)
+ * with its state (loader_set_source), which the loader never reads.
  * next: the batch of the chunk in hand (its shard, whether stolen), -1 when
- * none is left anywhere; start_epoch: a new epoch's chunks; release: the
- * loader is being freed. */
+ * none is left anywhere (then failed says whether that was an error);
+ * start_epoch: a new epoch's chunks; release: the loader is being freed. */
 typedef struct loader_source {
     int64_t (*next)(dt_loader *ld, int *shard, int *stolen);
+    dt_status (*failed)(const dt_loader *ld, const char **msg);
     void (*start_epoch)(dt_loader *ld, int64_t epoch);
     void (*release)(dt_loader *ld);
 } loader_source;
@@ -592,8 +553,9 @@ struct dt_loader {
     double *split;
     uint64_t split_gen;
     int64_t cur_offset, cur_count, cur_global;   /* the batch last given out */
-    loader_steal *steal;       /* NULL: no work stealing */
-    const loader_source *source;   /* with steal: where batches come from */
+    const loader_source *source;   /* NULL, or where batches come from (work stealing) */
+    void *source_state;        /* the source's, opaque to the loader */
+    int64_t source_done, source_stolen;   /* batches given out this epoch, from other shards */
     /* background thread */
     pthread_t thread;
     int has_thread, stop;
@@ -612,6 +574,12 @@ enum { EV_PHASE = 1, EV_STEP, EV_COLL, EV_PS, EV_BATCH, EV_STRAGGLER };
 
 /* src/record.c */
 DT_PRIVATE int prof_recording(const dt_ctx *ctx);
+DT_PRIVATE int prof_check_every(const dt_ctx *ctx);
+DT_PRIVATE void prof_balancing(dt_ctx *ctx, int on);
+DT_PRIVATE int prof_pause(dt_ctx *ctx);
+DT_PRIVATE void prof_resume(dt_ctx *ctx, int measure);
+DT_PRIVATE void prof_pipe_wait(dt_ctx *ctx, double t0);
+DT_PRIVATE void prof_pipe_bubble(dt_ctx *ctx, double ideal);
 DT_PRIVATE void prof_init(dt_ctx *ctx);
 DT_PRIVATE void prof_release(dt_ctx *ctx);
 DT_PRIVATE double prof_begin(dt_ctx *ctx);
@@ -664,6 +632,15 @@ DT_PRIVATE dt_status ctx_config_in(dt_ctx *ctx, void *own, size_t own_size, cons
 DT_PRIVATE const dt_backend_iface *ctx_find_backend(const char *name);
 DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk);
 DT_PRIVATE int ctx_ok(dt_ctx *ctx);
+/* The hooks a higher layer (DDP) registers with the context, and its
+ * pointer; ctx_swap_hook_user sets the pointer (NULL: hooks off) and
+ * returns the one before. */
+/* An error sink for another thread of ctx's work (a store connection's):
+ * a context that only collects errors, with ctx's allocator; NULL when out
+ * of memory; freed with host_free(ctx, sink). */
+DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx);
+DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user);
+DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
 
 /* src/arena.c */
 DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
@@ -705,6 +682,12 @@ DT_PRIVATE void strbuf_printf(strbuf *b, const char *fmt, ...) __attribute__((fo
 
 /* src/autograd.c */
 DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t);
+/* The tensors a recorded node reads (its in[], or its reads when it has
+ * them), as DDP's hooks count a parameter's last use: the count, *out the
+ * array.  tape_param_uses adds each recorded node's reads of ctx's
+ * parameters into uses[param_index] (nparams of them). */
+DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out);
+DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams);
 DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
 DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
@@ -723,7 +706,6 @@ DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x);
 DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n);
 DT_PRIVATE dt_status op_acc_grad(dt_ctx *ctx, dt_tensor *x, const float *src, float alpha);
 DT_PRIVATE dt_tensor *op_need_contig(dt_ctx *ctx, dt_tensor *x);
-DT_PRIVATE dt_status op_concat_backward(dt_ctx *ctx, dt_node *n);
 DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
                              int64_t m, int64_t n, int64_t k, float alpha, const float *a,
                              int64_t lda, int64_t stride_a, const float *b, int64_t ldb,
@@ -739,6 +721,25 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
+/* on: SGD's momentum is applied before the optimizer sees the gradient
+ * (top-k DDP keeps the velocity before sparsifying), so its step has none */
+DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on);
+/* What a checkpoint reads of an optimizer (src/ckpt.c): the parameters it
+ * steps, in order, each with per state tensors (dt_optim_state_at(o, i * per
+ * + j)), each parameter's steps, its kind, each group's base lr, whether
+ * its state is sharded across ranks (then parameter i's state starts at
+ * element optim_shard_lo of the parameter), and the context it is of;
+ * optim_restore_steps puts a loaded file's steps back. */
+DT_PRIVATE int optim_param_count(const dt_optim *o);
+DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i);
+DT_PRIVATE int optim_state_per(const dt_optim *o);
+DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o);
+DT_PRIVATE int optim_kind(const dt_optim *o);
+DT_PRIVATE float optim_base_lr(const dt_optim *o, int group);
+DT_PRIVATE int optim_is_sharded(const dt_optim *o);
+DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i);
+DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o);
+DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps);
 DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);
 DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
                                             const int64_t *shape, const char *name,
@@ -783,5 +784,13 @@ DT_PRIVATE void dataset_token_window(const dt_dataset *ds, int64_t i, void *x, v
 
 /* src/data.c */
 DT_PRIVATE void loader_quiesce(dt_loader *ld);
+/* A batch source for a higher layer (work stealing): the loader asks it for
+ * batches from the next epoch started on; state is the source's, freed by
+ * its release.  The accessors are what a source may read of the loader. */
+DT_PRIVATE void loader_set_source(dt_loader *ld, const loader_source *src, void *state);
+DT_PRIVATE void *loader_source_state(const dt_loader *ld);
+DT_PRIVATE dt_ctx *loader_ctx(const dt_loader *ld);
+DT_PRIVATE const dt_loader_config *loader_config(const dt_loader *ld);
+DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld);
 
 #endif /* DTRAIN_INTERNAL_H */

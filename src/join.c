@@ -7,6 +7,37 @@
  * runs are src/comm.c; the host segment's collectives src/seg.c.
  * ======================================================================== */
 
+/* What join keeps of a communicator besides comm's part: the store, the
+ * job, the comm thread, the heartbeat, the host segment's name and the
+ * clock.  join allocates every communicator (dt_comm_new, dt_comm_split),
+ * so a dt_comm is the first member of its join_comm; comm never sees this. */
+typedef struct join_comm {
+    dt_comm c;                 /* first: JC converts */
+    dt_store *store;
+    dt_dist_env job;           /* this process in the whole job (rank, world, the store) */
+    pthread_t thread;          /* the comm thread (comm_main) */
+    int has_thread;
+    int announced;             /* a restarted process told its peers it serves */
+    double clock_offset;       /* rank 0's clock minus ours, measured at rendezvous (src/profile.c) */
+    double clock_rtt;          /* the round trip that measured it (its uncertainty x2) */
+    /* the host segment this rank created or opened (src/seg.c runs it) */
+    size_t seg_bytes;
+    char seg_name[64];
+    int seg_linked;            /* we created it and its name still exists */
+    /* the heartbeat thread (join_heartbeat): its own store connection */
+    dt_store *hb;
+    dt_ctx *hb_errors;
+    pthread_t hb_thread;
+    int hb_stop;
+    pthread_mutex_t hb_mu;
+    pthread_cond_t hb_cv;
+} join_comm;
+
+static join_comm *JC(const dt_comm *c) { return (join_comm *)(uintptr_t)c; }
+
+DT_PRIVATE dt_store *join_store(const dt_comm *c) { return JC(c)->store; }
+DT_PRIVATE double join_clock_offset(const dt_comm *c) { return JC(c)->clock_offset; }
+
 /* --- joining the job ------------------------------------------------- */
 
 void dt_comm_config_init(dt_comm_config *cfg)
@@ -34,7 +65,7 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     if (c->world == 1)
         return DT_OK;
     snprintf(key, sizeof key, "addr/%d", c->rank);
-    dt_status st = dt_store_get(c->store, key, addr, sizeof addr, &len, 1);
+    dt_status st = dt_store_get(JC(c)->store, key, addr, sizeof addr, &len, 1);
     if (st == DT_ETIMEDOUT) {   /* the first process of this rank (the usual case) */
         dt_clear_error(ctx);
         return DT_OK;
@@ -43,13 +74,13 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
         return st;
     uint32_t before = 0;   /* the last process started for this rank (0: the first) */
     snprintf(key, sizeof key, "tries/%d", c->rank);
-    if (dt_store_get(c->store, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+    if (dt_store_get(JC(c)->store, key, val, sizeof val - 1, &len, 1) == DT_OK) {
         val[len < sizeof val ? len : sizeof val - 1] = '\0';
         before = (uint32_t)strtoul(val, NULL, 10);
     }
     dt_clear_error(ctx);
     store_dead_key(key, sizeof key, c->rank, before);
-    st = dt_store_get(c->store, key, val, sizeof val, &len, c->timeout_ms);
+    st = dt_store_get(JC(c)->store, key, val, sizeof val, &len, c->timeout_ms);
     if (st == DT_ETIMEDOUT)
         return set_error(ctx, DT_ESTATE, "comm: rank %d is already in the job and alive (its "
                          "address is registered, its process has not died): two processes "
@@ -57,18 +88,18 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     if (st != DT_OK)
         return st;
     dt_dist_env e = *env;
-    e.master_port = dt_store_port(c->store);
+    e.master_port = dt_store_port(JC(c)->store);
     dt_store *again = store_open(ctx, &e, &cfg->store, 0, before + 1);
     if (!again)
         return ctx->last_status;
-    dt_store_close(c->store);
-    c->store = again;
+    dt_store_close(JC(c)->store);
+    JC(c)->store = again;
     c->inc = before + 1;
     /* counted once our hellos say who we are (so our end is recorded):
      * a number is never handed out twice */
     snprintf(key, sizeof key, "tries/%d", c->rank);
     snprintf(val, sizeof val, "%u", c->inc);
-    return dt_store_set(c->store, key, val, strlen(val) + 1);
+    return dt_store_set(JC(c)->store, key, val, strlen(val) + 1);
 }
 
 /* The rejoined process is ready (its receives are posted: dt_ps_new calls
@@ -76,12 +107,12 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
 DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c)
 {
     char key[32], val[16];
-    if (!c->inc || c->announced)
+    if (!c->inc || JC(c)->announced)
         return DT_OK;
-    c->announced = 1;
+    JC(c)->announced = 1;
     snprintf(key, sizeof key, "inc/%d", c->rank);
     snprintf(val, sizeof val, "%u", c->inc);
-    return dt_store_set(c->store, key, val, strlen(val) + 1);
+    return dt_store_set(JC(c)->store, key, val, strlen(val) + 1);
 }
 
 /* Comm thread: rank `peer` restarted as incarnation inc; send to and
@@ -119,7 +150,7 @@ static dt_status find_hosts(dt_comm *c, const dt_comm_config *cfg)
     else
         gethostname(me, sizeof me - 1);
     snprintf(key, sizeof key, "host/%d", c->rank);
-    dt_status st = dt_store_set(c->store, key, me, strlen(me) + 1);
+    dt_status st = dt_store_set(JC(c)->store, key, me, strlen(me) + 1);
     char (*names)[DT_MAX_HOST] = host_calloc(ctx, sizeof *names * (size_t)c->world);
     c->local_ranks = host_alloc(ctx, sizeof(int) * (size_t)c->world);
     c->leaders = host_alloc(ctx, sizeof(int) * (size_t)c->world);
@@ -128,7 +159,7 @@ static dt_status find_hosts(dt_comm *c, const dt_comm_config *cfg)
     for (int r = 0; st == DT_OK && r < c->world; r++) {
         size_t len = 0;
         snprintf(key, sizeof key, "host/%d", r);
-        st = dt_store_get(c->store, key, names[r], DT_MAX_HOST - 1, &len, 0);
+        st = dt_store_get(JC(c)->store, key, names[r], DT_MAX_HOST - 1, &len, 0);
         names[r][len < DT_MAX_HOST ? len : DT_MAX_HOST - 1] = '\0';
     }
     c->leader_index = -1;
@@ -160,7 +191,7 @@ static dt_status map_segment(dt_comm *c, int *ok)
     *ok = 0;
     const char *sl = getenv("DTRAIN_SEGMENT_SLOT_KIB");
     c->seg_slot = sl && atoi(sl) >= 64 ? (size_t)atoi(sl) << 10 : SEG_SLOT_DEFAULT;
-    c->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
+    JC(c)->seg_bytes = seg_data_offset(L) + (size_t)L * 2 * c->seg_slot;
     long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);   /* the same on every rank of the host */
     size_t chunk = l2 > 0 ? (size_t)l2 / 4 : SEG_CHUNK_LARGE;
     chunk = chunk < ((size_t)64 << 10) ? (size_t)64 << 10 : chunk & ~(size_t)4095;
@@ -169,18 +200,18 @@ static dt_status map_segment(dt_comm *c, int *ok)
     if (c->local_index == 0) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        snprintf(c->seg_name, sizeof c->seg_name, "/dtrain-%d-%lx", (int)getpid(),
+        snprintf(JC(c)->seg_name, sizeof JC(c)->seg_name, "/dtrain-%d-%lx", (int)getpid(),
                  (unsigned long)ts.tv_nsec ^ (unsigned long)ts.tv_sec << 20);
-        fd = shm_open(c->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        fd = shm_open(JC(c)->seg_name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd >= 0)
-            c->seg_linked = 1;
+            JC(c)->seg_linked = 1;
         /* reserve the pages now: a full /dev/shm is an error here, not a
          * SIGBUS in the middle of a collective */
-        int err = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)c->seg_bytes);
+        int err = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)JC(c)->seg_bytes);
         if (err)
             snprintf(why, sizeof why, "%s", strerror(err));
-        const char *val = err ? "" : c->seg_name;
-        dt_status st = dt_store_set(c->store, key, val, strlen(val) + 1);
+        const char *val = err ? "" : JC(c)->seg_name;
+        dt_status st = dt_store_set(JC(c)->store, key, val, strlen(val) + 1);
         if ((st != DT_OK || err) && fd >= 0) {
             close(fd);
             fd = -1;
@@ -189,23 +220,23 @@ static dt_status map_segment(dt_comm *c, int *ok)
             return st;
     } else {
         size_t len = 0;
-        dt_status st = dt_store_get(c->store, key, c->seg_name, sizeof c->seg_name - 1, &len, 0);
+        dt_status st = dt_store_get(JC(c)->store, key, JC(c)->seg_name, sizeof JC(c)->seg_name - 1, &len, 0);
         if (st != DT_OK)
             return st;
-        c->seg_name[len < sizeof c->seg_name ? len : sizeof c->seg_name - 1] = '\0';
-        if (c->seg_name[0] && (fd = shm_open(c->seg_name, O_RDWR, 0)) < 0)
+        JC(c)->seg_name[len < sizeof JC(c)->seg_name ? len : sizeof JC(c)->seg_name - 1] = '\0';
+        if (JC(c)->seg_name[0] && (fd = shm_open(JC(c)->seg_name, O_RDWR, 0)) < 0)
             snprintf(why, sizeof why, "%s", strerror(errno));
     }
     struct stat sb;
-    if (fd >= 0 && (fstat(fd, &sb) != 0 || (size_t)sb.st_size != c->seg_bytes)) {
+    if (fd >= 0 && (fstat(fd, &sb) != 0 || (size_t)sb.st_size != JC(c)->seg_bytes)) {
         if (!why[0])
             snprintf(why, sizeof why, "its size is not %zu bytes (ranks disagree on "
-                     "DTRAIN_SEGMENT_SLOT_KIB?)", c->seg_bytes);
+                     "DTRAIN_SEGMENT_SLOT_KIB?)", JC(c)->seg_bytes);
         close(fd);
         fd = -1;
     }
     if (fd >= 0) {
-        void *p = mmap(NULL, c->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        void *p = mmap(NULL, JC(c)->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         close(fd);
         if (p == MAP_FAILED)
             snprintf(why, sizeof why, "mmap: %s", strerror(errno));
@@ -223,7 +254,7 @@ static dt_status map_segment(dt_comm *c, int *ok)
         c->seg->magic = SEG_MAGIC;
         c->seg->nlocal = (uint32_t)L;
         c->seg->slot_bytes = c->seg_slot;
-        c->seg->total_bytes = c->seg_bytes;
+        c->seg->total_bytes = JC(c)->seg_bytes;
     }
     *ok = 1;
     return DT_OK;
@@ -232,11 +263,11 @@ static dt_status map_segment(dt_comm *c, int *ok)
 static void unmap_segment(dt_comm *c)
 {
     if (c->seg)
-        munmap(c->seg, c->seg_bytes);
+        munmap(c->seg, JC(c)->seg_bytes);
     c->seg = NULL;
-    if (c->seg_linked)
-        shm_unlink(c->seg_name);
-    c->seg_linked = 0;
+    if (JC(c)->seg_linked)
+        shm_unlink(JC(c)->seg_name);
+    JC(c)->seg_linked = 0;
 }
 /* Segments are used only if every rank wants them and got one: a rank that
  * could not map its host's would otherwise wait on the others forever. */
@@ -257,12 +288,12 @@ static dt_status setup_segments(dt_comm *c, const dt_comm_config *cfg)
         return ctx->last_status;
     char key[32], val[4];
     snprintf(key, sizeof key, "segok/%d", c->rank);
-    dt_status st = dt_store_set(c->store, key, ok ? "1" : "0", 2);
+    dt_status st = dt_store_set(JC(c)->store, key, ok ? "1" : "0", 2);
     c->use_segment = 1;
     for (int r = 0; st == DT_OK && r < c->world; r++) {
         size_t len = 0;
         snprintf(key, sizeof key, "segok/%d", r);
-        st = dt_store_get(c->store, key, val, sizeof val, &len, 0);
+        st = dt_store_get(JC(c)->store, key, val, sizeof val, &len, 0);
         if (st == DT_OK && val[0] != '1')
             c->use_segment = 0;
     }
@@ -280,10 +311,10 @@ static dt_status exchange_addresses(dt_comm *c)
     if (c->tp_iface->get_addr(c->tp, mine, &len, err, sizeof err) != DT_OK)
         return set_error(ctx, DT_EIO, "comm: transport address: %s", err);
     snprintf(key, sizeof key, "addr/%d", c->rank);
-    dt_status st = dt_store_set(c->store, key, mine, len);
+    dt_status st = dt_store_set(JC(c)->store, key, mine, len);
     snprintf(key, sizeof key, "addr/%d.%u", c->rank, c->inc);   /* (a restart's: find_rejoin) */
     if (st == DT_OK && c->inc)
-        st = dt_store_set(c->store, key, mine, len);
+        st = dt_store_set(JC(c)->store, key, mine, len);
     unsigned char *all = host_alloc(ctx, (size_t)c->world * sizeof mine);
     const void **ptrs = host_alloc(ctx, sizeof *ptrs * (size_t)c->world);
     size_t *lens = host_alloc(ctx, sizeof *lens * (size_t)c->world);
@@ -292,7 +323,7 @@ static dt_status exchange_addresses(dt_comm *c)
     for (int r = 0; st == DT_OK && r < c->world; r++) {
         snprintf(key, sizeof key, "addr/%d", r);
         ptrs[r] = all + (size_t)r * sizeof mine;
-        st = dt_store_get(c->store, key, all + (size_t)r * sizeof mine, sizeof mine, &lens[r], 0);
+        st = dt_store_get(JC(c)->store, key, all + (size_t)r * sizeof mine, sizeof mine, &lens[r], 0);
         if (st == DT_OK && lens[r] > sizeof mine)
             st = set_error(ctx, DT_EPEER, "comm: rank %d's address is too long", r);
     }
@@ -311,16 +342,16 @@ static dt_status exchange_addresses(dt_comm *c)
 DT_PRIVATE dt_store *join_own_store(dt_comm *c, dt_ctx *errors)
 {
     dt_dist_env e = {.rank = c->rank, .world_size = c->world, .local_rank = -1,
-                     .local_world_size = -1, .master_port = dt_store_port(c->store),
+                     .local_world_size = -1, .master_port = dt_store_port(JC(c)->store),
                      .launcher = "dtrain"};
-    snprintf(e.master_addr, sizeof e.master_addr, "%s", c->store->addr);
+    snprintf(e.master_addr, sizeof e.master_addr, "%s", JC(c)->store->addr);
     dt_store_config sc;
     dt_store_config_init(&sc);
-    sc.token = c->store->token;
-    sc.timeout_ms = c->store->timeout_ms;
+    sc.token = JC(c)->store->token;
+    sc.timeout_ms = JC(c)->store->timeout_ms;
     dt_store *s = store_open(errors, &e, &sc, 0, c->inc);
     if (s)
-        snprintf(s->prefix, sizeof s->prefix, "%s", c->store->prefix);
+        snprintf(s->prefix, sizeof s->prefix, "%s", JC(c)->store->prefix);
     return s;
 }
 
@@ -355,16 +386,15 @@ static dt_status open_watch(dt_comm *c, const dt_comm_config *cfg)
     dt_ctx *ctx = c->ctx;
     if (c->world == 1)
         return DT_OK;
-    c->watch_errors = host_calloc(ctx, sizeof *c->watch_errors);
+    c->watch_errors = ctx_new_sink(ctx);
     if (!c->watch_errors)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
-    c->watch_errors->al = ctx->al;
     dt_store_config sc = cfg->store;
-    sc.token = c->store->token;   /* (a group's cfg may not carry the job's) */
-    c->watch = store_open(c->watch_errors, &c->job, &sc, 0, c->inc);
+    sc.token = JC(c)->store->token;   /* (a group's cfg may not carry the job's) */
+    c->watch = store_open(c->watch_errors, &JC(c)->job, &sc, 0, c->inc);
     if (!c->watch)
         return set_error(ctx, c->watch_errors->last_status, "%s", c->watch_errors->err);
-    snprintf(c->watch->prefix, sizeof c->watch->prefix, "%s", c->store->prefix);
+    snprintf(c->watch->prefix, sizeof c->watch->prefix, "%s", JC(c)->store->prefix);
     /* a hung rank 0 must not hold a collective longer than its own timeout */
     if (c->watch->timeout_ms > c->timeout_ms)
         c->watch->timeout_ms = c->timeout_ms;
@@ -383,17 +413,17 @@ static void *join_heartbeat(void *arg)
 {
     dt_comm *c = arg;
     char key[32], val[160], doing[96];
-    snprintf(key, sizeof key, "/hb/%d", c->job.rank);
+    snprintf(key, sizeof key, "/hb/%d", JC(c)->job.rank);
     unsigned long long beat = 0;
-    pthread_mutex_lock(&c->hb_mu);
-    while (!c->hb_stop) {
-        pthread_mutex_unlock(&c->hb_mu);
+    pthread_mutex_lock(&JC(c)->hb_mu);
+    while (!JC(c)->hb_stop) {
+        pthread_mutex_unlock(&JC(c)->hb_mu);
         ctx_activity_copy(c->ctx, doing, sizeof doing);
         int waiting = __atomic_load_n(&c->waiting_on, __ATOMIC_RELAXED);
         int n = waiting >= 0 && !strncmp(doing, "in a collective", 15)
                     ? snprintf(val, sizeof val, "%llu %s, waiting for rank %d", ++beat, doing, waiting)
                     : snprintf(val, sizeof val, "%llu %s", ++beat, doing);
-        dt_store_set(c->hb, key, val, (size_t)n + 1);
+        dt_store_set(JC(c)->hb, key, val, (size_t)n + 1);
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         long ns = until.tv_nsec + (long)c->beat_ms * 1000000L;
@@ -401,12 +431,12 @@ static void *join_heartbeat(void *arg)
         until.tv_nsec = ns % 1000000000L;
         double due = dt_now() + c->beat_ms / 1000.0;
         __atomic_store(&c->hb_due, &due, __ATOMIC_RELEASE);
-        pthread_mutex_lock(&c->hb_mu);
-        if (!c->hb_stop)
-            pthread_cond_timedwait(&c->hb_cv, &c->hb_mu, &until);
+        pthread_mutex_lock(&JC(c)->hb_mu);
+        if (!JC(c)->hb_stop)
+            pthread_cond_timedwait(&JC(c)->hb_cv, &JC(c)->hb_mu, &until);
         join_note_oversleep(c, due);
     }
-    pthread_mutex_unlock(&c->hb_mu);
+    pthread_mutex_unlock(&JC(c)->hb_mu);
     return NULL;
 }
 
@@ -430,17 +460,16 @@ static dt_status join_start_heartbeat(dt_comm *c)
     dt_ctx *ctx = c->ctx;
     if (c->world == 1 || c->members)
         return DT_OK;
-    if (!(c->hb_errors = host_calloc(ctx, sizeof *c->hb_errors)))
+    if (!(JC(c)->hb_errors = ctx_new_sink(ctx)))
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
-    c->hb_errors->al = ctx->al;
-    if (!(c->hb = join_own_store(c, c->hb_errors)))
-        return set_error(ctx, c->hb_errors->last_status, "comm: the heartbeat's store "
-                         "connection: %s", c->hb_errors->err);
-    c->hb->timeout_ms = 2 * c->beat_ms > 200 ? 2 * c->beat_ms : 200;   /* a slow beat is skipped */
-    if (pthread_mutex_init(&c->hb_mu, NULL) != 0 || pthread_cond_init(&c->hb_cv, NULL) != 0 ||
-        pthread_create(&c->hb_thread, NULL, join_heartbeat, c) != 0)
+    if (!(JC(c)->hb = join_own_store(c, JC(c)->hb_errors)))
+        return set_error(ctx, JC(c)->hb_errors->last_status, "comm: the heartbeat's store "
+                         "connection: %s", JC(c)->hb_errors->err);
+    JC(c)->hb->timeout_ms = 2 * c->beat_ms > 200 ? 2 * c->beat_ms : 200;   /* a slow beat is skipped */
+    if (pthread_mutex_init(&JC(c)->hb_mu, NULL) != 0 || pthread_cond_init(&JC(c)->hb_cv, NULL) != 0 ||
+        pthread_create(&JC(c)->hb_thread, NULL, join_heartbeat, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the heartbeat thread");
-    pthread_setname_np(c->hb_thread, "dtrain-beat");
+    pthread_setname_np(JC(c)->hb_thread, "dtrain-beat");
     c->has_hb = 1;
     return DT_OK;
 }
@@ -448,25 +477,25 @@ static dt_status join_start_heartbeat(dt_comm *c)
 static void join_stop_heartbeat(dt_comm *c)
 {
     if (c->has_hb) {
-        pthread_mutex_lock(&c->hb_mu);
-        c->hb_stop = 1;
-        pthread_cond_broadcast(&c->hb_cv);
-        pthread_mutex_unlock(&c->hb_mu);
-        pthread_join(c->hb_thread, NULL);
-        pthread_mutex_destroy(&c->hb_mu);
-        pthread_cond_destroy(&c->hb_cv);
+        pthread_mutex_lock(&JC(c)->hb_mu);
+        JC(c)->hb_stop = 1;
+        pthread_cond_broadcast(&JC(c)->hb_cv);
+        pthread_mutex_unlock(&JC(c)->hb_mu);
+        pthread_join(JC(c)->hb_thread, NULL);
+        pthread_mutex_destroy(&JC(c)->hb_mu);
+        pthread_cond_destroy(&JC(c)->hb_cv);
         c->has_hb = 0;
     }
-    dt_store_close(c->hb);
-    c->hb = NULL;
-    host_free(c->ctx, c->hb_errors);
-    c->hb_errors = NULL;
+    dt_store_close(JC(c)->hb);
+    JC(c)->hb = NULL;
+    host_free(c->ctx, JC(c)->hb_errors);
+    JC(c)->hb_errors = NULL;
 }
 
 /* A communicator's memory and lock, before it connects. */
 static dt_comm *comm_alloc(dt_ctx *ctx, int rank, int world, const dt_comm_config *cfg)
 {
-    dt_comm *c = host_calloc(ctx, sizeof *c);
+    dt_comm *c = host_calloc(ctx, sizeof(join_comm));   /* JC */
     if (!c) {
         set_error(ctx, DT_ENOMEM, "comm: out of memory");
         return NULL;
@@ -531,22 +560,22 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
         return set_error(ctx, DT_ENOMEM, "comm: out of memory");
     if (join_start_heartbeat(c) != DT_OK)
         return ctx->last_status;
-    if (pthread_create(&c->thread, NULL, comm_main, c) != 0)
+    if (pthread_create(&JC(c)->thread, NULL, comm_main, c) != 0)
         return set_error(ctx, DT_ENOMEM, "comm: cannot start the comm thread");
-    pthread_setname_np(c->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
-    c->has_thread = 1;
+    pthread_setname_np(JC(c)->thread, "dtrain-comm");   /* for top -H, gdb, perf, renice */
+    JC(c)->has_thread = 1;
     /* everyone's endpoint is ready before anyone sends (a rejoined rank's
      * peers are mid-job: it tells them when it serves, join_announce_rejoin) */
     if (!c->inc && dt_barrier(c) != DT_OK)
         return ctx->last_status;
     /* the profiler's offset to rank 0's clock (src/profile.c), while the job is quiet */
-    if (!c->members && store_clock_offset(c->store, 8, &c->clock_offset, &c->clock_rtt) != DT_OK)
+    if (!c->members && store_clock_offset(JC(c)->store, 8, &JC(c)->clock_offset, &JC(c)->clock_rtt) != DT_OK)
         return ctx->last_status;
     /* every local rank has mapped the segment: its name can go, so no
      * file is left behind in /dev/shm whatever happens later */
-    if (c->seg_linked) {
-        shm_unlink(c->seg_name);
-        c->seg_linked = 0;
+    if (JC(c)->seg_linked) {
+        shm_unlink(JC(c)->seg_name);
+        JC(c)->seg_linked = 0;
     }
     return DT_OK;
 }
@@ -569,10 +598,10 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     dt_comm *c = comm_alloc(ctx, env.rank, env.world_size, &cfg);
     if (!c)
         return NULL;
-    if (!(c->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
+    if (!(JC(c)->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
         goto fail;
-    c->job = env;
-    c->job.master_port = dt_store_port(c->store);
+    JC(c)->job = env;
+    JC(c)->job.master_port = dt_store_port(JC(c)->store);
     if (comm_connect(c, &cfg) != DT_OK)
         goto fail;
     preempt_reclaim(ctx);   /* the transport's libraries may have taken the signals */
@@ -586,28 +615,24 @@ void dt_comm_free(dt_comm *c)
     if (!c)
         return;
     join_stop_heartbeat(c);
-    if (c->has_thread && comm_thread_stuck(c)) {
+    if (JC(c)->has_thread && comm_thread_stuck(c)) {
         /* its thread is inside the transport for good and may touch c if it
          * ever returns: c, its transport and memory are left to the process's
          * exit; only the store closes (rank 0's serves the others) */
-        pthread_detach(c->thread);
-        store_close(c->store, 0);
+        pthread_detach(JC(c)->thread);
+        store_close(JC(c)->store, 0);
         return;
     }
-    if (c->has_thread) {
+    if (JC(c)->has_thread) {
         pthread_mutex_lock(&c->mu);
         c->stop = 1;
         pthread_cond_broadcast(&c->cv);
         pthread_mutex_unlock(&c->mu);
-        pthread_join(c->thread, NULL);
+        pthread_join(JC(c)->thread, NULL);
     }
     if (c->tp)
         c->tp_iface->close(c->tp);
-    while (c->graveyard) {   /* (the transport that held their sends is closed) */
-        xfers *x = c->graveyard;
-        c->graveyard = x->next_dead;
-        c->ctx->al.free_fn(x, c->ctx->al.user);
-    }
+    comm_xfers_free_buried(c);   /* (the transport that held their sends is closed) */
     dt_store_close(c->watch);
     host_free(c->ctx, c->watch_errors);
     host_free(c->ctx, c->ext_done_at);
@@ -616,7 +641,7 @@ void dt_comm_free(dt_comm *c)
      * while others may still wait for each other's last messages and ask
      * the store about the dead meanwhile: a store gone then would read as
      * rank 0's death.  So the store stays until they have left (bounded). */
-    store_close(c->store, c->timeout_ms < DT_COMM_DRAIN_MS ? c->timeout_ms : DT_COMM_DRAIN_MS);
+    store_close(JC(c)->store, c->timeout_ms < DT_COMM_DRAIN_MS ? c->timeout_ms : DT_COMM_DRAIN_MS);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     if (c->scratch)
@@ -635,14 +660,13 @@ void dt_comm_free(dt_comm *c)
 /* Every rank's (color, key) through the parent's store; the ranks of our
  * color in (key, parent rank) order, as job ranks, into members (n of them;
  * *me: our index). */
-static dt_status split_members(dt_comm *p, int color, int key, int *members, int *n, int *me)
+static dt_status split_members(dt_comm *p, int id, int color, int key, int *members, int *n, int *me)
 {
     dt_ctx *ctx = p->ctx;
     char k[48], v[32];
-    int id = p->splits_made++;
     snprintf(k, sizeof k, "split/%d/%d", id, p->rank);
     int vl = snprintf(v, sizeof v, "%d %d", color, key);
-    dt_status st = dt_store_set(p->store, k, v, (size_t)vl + 1);
+    dt_status st = dt_store_set(JC(p)->store, k, v, (size_t)vl + 1);
     int *keys = host_alloc(ctx, sizeof *keys * (size_t)p->world);
     if (st == DT_OK && !keys)
         st = set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
@@ -651,7 +675,7 @@ static dt_status split_members(dt_comm *p, int color, int key, int *members, int
         size_t len = 0;
         int col = 0, ky = 0;
         snprintf(k, sizeof k, "split/%d/%d", id, r);
-        st = dt_store_get(p->store, k, v, sizeof v - 1, &len, 0);
+        st = dt_store_get(JC(p)->store, k, v, sizeof v - 1, &len, 0);
         v[len < sizeof v ? len : sizeof v - 1] = '\0';
         if (st == DT_OK && sscanf(v, "%d %d", &col, &ky) != 2)
             st = set_error(ctx, DT_EPEER, "comm_split: rank %d sent '%s'", r, v);
@@ -705,13 +729,13 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         cfg.timeout_ms = parent->timeout_ms;
     if (!cfg.collective_timeout_ms)
         cfg.collective_timeout_ms = parent->collective_timeout_ms;
-    int id = parent->splits_made, n = 0, me = 0;
+    int id = comm_serial(parent, COMM_SERIAL_SPLIT), n = 0, me = 0;
     int *members = host_alloc(ctx, sizeof *members * (size_t)parent->world);
     if (!members) {
         set_error(ctx, DT_ENOMEM, "comm_split: out of memory");
         return NULL;
     }
-    if (split_members(parent, color, key, members, &n, &me) != DT_OK) {
+    if (split_members(parent, id, color, key, members, &n, &me) != DT_OK) {
         host_free(ctx, members);
         return NULL;
     }
@@ -721,15 +745,15 @@ dt_comm *dt_comm_split(dt_comm *parent, int color, int key, const dt_comm_config
         return NULL;
     }
     c->members = members;
-    c->job = parent->job;
-    c->clock_offset = parent->clock_offset;
-    c->clock_rtt = parent->clock_rtt;
+    JC(c)->job = JC(parent)->job;
+    JC(c)->clock_offset = JC(parent)->clock_offset;
+    JC(c)->clock_rtt = JC(parent)->clock_rtt;
     group_label(c);
-    cfg.store.token = parent->store->token;
-    if (!(c->store = store_open(ctx, &c->job, &cfg.store, 0, 0)))
+    cfg.store.token = JC(parent)->store->token;
+    if (!(JC(c)->store = store_open(ctx, &JC(c)->job, &cfg.store, 0, 0)))
         goto fail;
-    if ((size_t)snprintf(c->store->prefix, sizeof c->store->prefix, "%sg%d.%d/",
-                         parent->store->prefix, id, color) >= sizeof c->store->prefix) {
+    if ((size_t)snprintf(JC(c)->store->prefix, sizeof JC(c)->store->prefix, "%sg%d.%d/",
+                         JC(parent)->store->prefix, id, color) >= sizeof JC(c)->store->prefix) {
         set_error(ctx, DT_ENOTSUP, "comm_split: groups nested too deep");
         goto fail;
     }

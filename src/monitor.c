@@ -1012,7 +1012,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
 {
     if (!ctx_ok(ctx))
         return NULL;
-    if (c && c->ctx != ctx) {
+    if (c && comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "monitor_start: the communicator belongs to another context");
         return NULL;
     }
@@ -1028,8 +1028,8 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     }
     m->ctx = ctx;
     m->comm = c;
-    m->rank = c ? c->rank : 0;
-    m->world = c ? c->world : 1;
+    m->rank = c ? dt_comm_rank(c) : 0;
+    m->world = c ? dt_comm_size(c) : 1;
     m->cfg = own;
     if (!(m->cfg.interval_s > 0))
         m->cfg.interval_s = 1.0;
@@ -1038,17 +1038,15 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
     pthread_mutex_init(&m->mu, NULL);
     pthread_cond_init(&m->cv, NULL);
     dt_status s = DT_OK;
-    if (!(m->errors = host_calloc(ctx, sizeof *m->errors)))
+    if (!(m->errors = ctx_new_sink(ctx)))
         s = set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
-    else
-        m->errors->al = ctx->al;
     if (s == DT_OK && m->rank == 0 &&
         (!(m->ranks = host_calloc(ctx, sizeof *m->ranks * (size_t)m->world)) ||
          !(m->hist = host_calloc(ctx, sizeof *m->hist * MON_HISTORY))))
         s = set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
     if (s == DT_OK && !dt_profiling(ctx))
         s = dt_profile_start(ctx, NULL);
-    if (s == DT_OK && c && c->world > 1)
+    if (s == DT_OK && c && dt_comm_size(c) > 1)
         s = mon_connect(m);
     if (s == DT_OK && m->rank == 0)
         s = mon_serve(m);

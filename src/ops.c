@@ -8,6 +8,14 @@
  * below it.  Shapes are in the comment at each op.
  * ======================================================================== */
 
+/* The last two dims of x as a GEMM operand: row-major (t = 0) or
+ * column-major (t = 1, a transposed view) with leading dimension ld. */
+struct gemm_operand {
+    const float *p;
+    int64_t ld, batch_stride;
+    int t;
+};
+
 /* Reports a NULL input unless an earlier op already failed (then its message
  * is the useful one). */
 /* A recompute segment's first run reads parameter p: noted once, so its
@@ -322,7 +330,7 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
     return y;
 }
 
-DT_PRIVATE dt_status op_concat_backward(dt_ctx *ctx, dt_node *n)
+static dt_status op_concat_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *y = n->out, **xs = n->aux[0];
     int count = (int)n->iarg[0], dim = (int)n->iarg[1];
@@ -402,6 +410,9 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
         nd->aux[0] = saved;
         nd->iarg[0] = n;
         nd->iarg[1] = dim;
+        nd->reads = saved;
+        nd->n_reads = n;
+        nd->reads_aside = 1;
     }
     return y;
 }

@@ -10,6 +10,21 @@
  * skips parameters whose .grad is None.
  * ======================================================================== */
 
+/* --- dynamic loss scaling (fp16) ------------------------------------------
+ * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
+ * squares the backend already has (in double, so no finite f32 gradient
+ * can overflow it; an inf or NaN anywhere makes it non-finite). */
+
+struct dt_loss_scaler {
+    dt_ctx *ctx;
+    dt_loss_scale_config cfg;
+    float scale;
+    int good_steps;            /* in a row since the last overflow or growth */
+    int pending;               /* a scaled backward ran since the last step */
+    int unscaled, found_inf;   /* this step's gradients were divided by scale */
+    int64_t skipped;
+};
+
 void dt_optim_config_init(dt_optim_config *cfg, dt_optim_kind kind)
 {
     if (!cfg)
@@ -249,7 +264,7 @@ static dt_status optim_make_state(dt_optim *o, int i)
 
 /* State tensors per parameter: SGD keeps a momentum buffer when any group
  * has momentum (a group without leaves its buffers unwritten). */
-static int optim_state_per(const dt_optim *o)
+static int optim_state_per_of(const dt_optim *o)
 {
     if (o->cfg.kind == DT_ADAGRAD)
         return 1;
@@ -280,7 +295,7 @@ static dt_optim *optim_create(dt_ctx *ctx, const dt_optim_config *cfg, dt_tensor
     if (!o->groups || !o->group_of || !o->params || !o->param_steps)
         goto fail;
     memcpy(o->groups, groups, sizeof *groups * (size_t)ngroups);
-    o->per = optim_state_per(o);
+    o->per = optim_state_per_of(o);
     if (!(o->state = host_calloc(ctx, sizeof(dt_tensor *) * (size_t)(count * o->per + 1))))
         goto fail;
     for (int i = 0; i < count; i++) {
@@ -573,6 +588,25 @@ static dt_status optim_step_run(dt_optim *o)
 }
 
 /* Parameter p's f32 master in o, or NULL (o NULL, or no masters). */
+DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on) { o->momentum_by_ddp = on; }
+
+DT_PRIVATE int optim_param_count(const dt_optim *o) { return o->n; }
+DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i) { return o->params[i]; }
+DT_PRIVATE int optim_state_per(const dt_optim *o) { return o->per; }
+DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o) { return o->param_steps; }
+DT_PRIVATE int optim_kind(const dt_optim *o) { return (int)o->cfg.kind; }
+DT_PRIVATE float optim_base_lr(const dt_optim *o, int group) { return o->groups[group].base_lr; }
+/* sharded by ZeRO, or its shards' job is gone (orphaned): not whole here */
+DT_PRIVATE int optim_is_sharded(const dt_optim *o) { return o->shard || o->orphaned; }
+DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i) { return o->shard ? o->shard[i].lo : 0; }
+DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o) { return o->ctx; }
+
+DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps)
+{
+    o->steps = steps;
+    memcpy(o->param_steps, param_steps, sizeof *param_steps * (size_t)o->n);
+}
+
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p)
 {
     for (int i = 0; o && o->master && i < o->n; i++)

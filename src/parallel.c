@@ -14,6 +14,50 @@
  * or backward is a collective on a host copy.
  * ======================================================================== */
 
+/* --- src/parallel.c --- */
+
+struct pipe_slot {
+    dt_arena dev, host;
+    int busy;                  /* holds a micro-batch whose backward has not run */
+};
+
+struct pipe_mb {
+    int64_t off, rows;         /* its rows of the batch */
+    dt_tensor *in;             /* stage > 0: the received activation (a leaf) */
+    dt_tensor *out;            /* the stage's output, or the loss on the last stage */
+    dt_node *tape;             /* its forward's tape, until its backward */
+};
+
+/* --- a pipeline's micro-batch forward and backward ------------------------------ */
+
+struct pipe_arenas {
+    dt_arena *dev, *host;
+    dt_node *tape;
+};
+
+struct dt_pipe {
+    dt_ctx *ctx;
+    dt_comm *comm;
+    dt_pipe_config cfg;
+    dt_stage_fn fn;
+    void *user;
+    int stage, stages;
+    pipe_slot *slots;
+    int nslots;
+    pipe_mb *mb;
+    int failed;                /* a step failed: the neighbours were told, no more steps */
+    /* the step under way */
+    int64_t batch;
+    int in_ndim, out_ndim;     /* the input's (stage > 0) and output's (not last) shapes, */
+    int64_t in_shape[DT_MAX_DIMS], out_shape[DT_MAX_DIMS];   /* dim 0: micro-batch 0's rows */
+    int header_sent, header_recvd;
+    float *sbuf, *rbuf;        /* host staging of what is sent and received */
+    int64_t sbuf_n, rbuf_n;
+    double loss, wait_s, compute_s;
+    uint64_t bytes;
+    dt_pipe_stats st;
+};
+
 /* --- the pipeline's state ----------------------------------------------- */
 
 #define PIPE_MAGIC 7919.0f
@@ -41,7 +85,7 @@ dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg_in, dt_s
     if (cfg_in && ctx_config_in(ctx, &cfg, sizeof cfg, cfg_in,
                                 "pipe_new", "dt_pipe_config") != DT_OK)
         return NULL;
-    if (!c || !fn || c->ctx != ctx) {
+    if (!c || !fn || comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "pipe_new: %s", !c ? "communicator is NULL" : !fn
                   ? "stage function is NULL" : "the communicator belongs to another context");
         return NULL;
@@ -61,8 +105,8 @@ dt_pipe *dt_pipe_new(dt_ctx *ctx, dt_comm *c, const dt_pipe_config *cfg_in, dt_s
     p->cfg = cfg;
     p->fn = fn;
     p->user = user;
-    p->stage = c->rank;
-    p->stages = c->world;
+    p->stage = dt_comm_rank(c);
+    p->stages = dt_comm_size(c);
     int m = cfg.micro_batches, hold = p->stages - p->stage;
     p->nslots = cfg.schedule == DT_PIPE_GPIPE || m < hold ? m : hold;
     p->slots = host_calloc(ctx, sizeof *p->slots * (size_t)p->nslots);
@@ -146,8 +190,7 @@ static dt_status pipe_p2p(dt_pipe *p, const float *send, int64_t ns, int dst, fl
     dt_status s = comm_p2p_run(p->comm, send, ns, dst, recv, nr, src);
     double w = dt_now() - w0;
     p->wait_s += w;
-    if (t0 > 0 && ctx->prof.open)   /* (a wait before the first step opens counts nowhere) */
-        ctx->prof.cur_pipe += dt_now() - t0;
+    prof_pipe_wait(ctx, t0);   /* (a wait before the first step opens counts nowhere) */
     prof_end(ctx, PH_COMM_WAIT, t0);
     if (dst >= 0)
         p->bytes += (uint64_t)ns * sizeof(float);
@@ -358,16 +401,16 @@ static dt_status pipe_backward(dt_pipe *p, int i, int last_mb)
         seed = g ? FP(g) : NULL;
     }
     struct dt_ddp *d = ddp_attached(ctx);
-    int sync = d ? d->sync : 0;
+    int sync = d ? ddp_sync_of(d) : 0;
     if (d)
-        d->sync = sync && last_mb;
+        dt_ddp_set_sync(d, sync && last_mb);
     double t0 = prof_begin(ctx), w0 = dt_now();
     if (s == DT_OK)
         s = tape_backward(ctx, mb->out, seed, (float)((double)mb->rows / (double)p->batch));
     p->compute_s += dt_now() - w0;
     prof_end(ctx, PH_BACKWARD, t0);
     if (d)
-        d->sync = sync;
+        dt_ddp_set_sync(d, sync);
     mb->tape = NULL;
     if (s == DT_OK && p->stage > 0) {
         int64_t n = pipe_in_floats(p, i);
@@ -545,10 +588,10 @@ static void pipe_fail(dt_pipe *p, dt_status s)
     char why[DT_MAX_ERROR + 8], err[DT_MAX_ERROR];
     size_t len = 0;
     snprintf(err, sizeof err, "%s", ctx->err);   /* the store's calls report to ctx too */
-    if (c->store && dt_store_get(c->store, "abort", why, sizeof why - 1, &len, 1) != DT_OK) {
-        int n = snprintf(why, sizeof why, "%d|%spipeline stage %d failed: %s", (int)s, c->label,
+    if (join_store(c) && dt_store_get(join_store(c), "abort", why, sizeof why - 1, &len, 1) != DT_OK) {
+        int n = snprintf(why, sizeof why, "%d|%spipeline stage %d failed: %s", (int)s, comm_label(c),
                          p->stage, err);
-        dt_store_set(c->store, "abort", why,
+        dt_store_set(join_store(c), "abort", why,
                      (size_t)(n < (int)sizeof why ? n : (int)sizeof why - 1) + 1);
     }
     set_error(ctx, s, "%s", err);
@@ -602,9 +645,7 @@ dt_status dt_pipe_step(dt_pipe *p, const dt_tensor *x, const dt_tensor *y, float
     p->st.compute_s += p->compute_s;
     p->st.bytes_sent += p->bytes;
     int m = p->cfg.micro_batches;
-    pthread_mutex_lock(&ctx->prof.mu);
-    ctx->prof.tot.pipe_bubble_ideal = (double)(p->stages - 1) / (double)(m + p->stages - 1);
-    pthread_mutex_unlock(&ctx->prof.mu);
+    prof_pipe_bubble(ctx, (double)(p->stages - 1) / (double)(m + p->stages - 1));
     if (loss_out && pipe_last(p))
         *loss_out = (float)p->loss;
     return DT_OK;
@@ -674,7 +715,7 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     if (!ctx_ok(ctx))
         return DT_EINVAL;
     if (!layers || !sample || !ms_out || n < 1 || reps < 1 || sample->ctx != ctx ||
-        (c && c->ctx != ctx))
+        (c && comm_ctx(c) != ctx))
         return set_error(ctx, DT_EINVAL, "layer_times: needs layers, a sample of this context, "
                          "n >= 1, reps >= 1 and ms_out (%d layers, %d reps)", n, reps);
     for (int i = 0; i < n; i++)
@@ -683,10 +724,8 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     dt_tensor **in = host_calloc(ctx, sizeof *in * (size_t)n);
     if (!in)
         return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
-    int measure = ctx->prof.measure;   /* these are not training steps */
-    void *hook_user = ctx->hook_user;  /* nor are their backwards a DDP's */
-    ctx->prof.measure = 0;
-    ctx->hook_user = NULL;
+    int measure = prof_pause(ctx);     /* these are not training steps */
+    void *hook_user = ctx_swap_hook_user(ctx, NULL);   /* nor are their backwards a DDP's */
     dt_step_reset(ctx);
     dt_status s = layer_inputs(ctx, layers, users, n, sample, in);
     /* round robin over the layers, one warm-up round: a machine's slow
@@ -712,8 +751,8 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
     for (int i = 0; i < n; i++)
         dt_tensor_free(in[i]);
     host_free(ctx, in);
-    ctx->prof.measure = measure;
-    ctx->hook_user = hook_user;
+    prof_resume(ctx, measure);
+    ctx_swap_hook_user(ctx, hook_user);
     if (s == DT_OK && c) {   /* the ranks' mean, the same on every rank */
         float *f = host_alloc(ctx, sizeof *f * (size_t)n);
         if (!f)
@@ -792,7 +831,7 @@ static int tp_ok(dt_ctx *ctx, const char *op, dt_comm *c, const dt_tensor *x)
 {
     if (!op_f32_ok(ctx, op, x, "input"))
         return 0;
-    if (!c || c->ctx != ctx) {
+    if (!c || comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "%s: %s", op, c ? "the communicator belongs to another context"
                                                   : "communicator is NULL");
         return 0;
@@ -825,7 +864,7 @@ static void tp_interleave(const float *in, float *out, int p, int64_t rows, int6
 static dt_tensor *tp_gather_rows(dt_ctx *ctx, dt_comm *c, const float *h, int64_t rows, int64_t k,
                                  int ndim, const int64_t *shape)
 {
-    int p = c->world;
+    int p = dt_comm_size(c);
     float *all = arena_alloc(ctx, ctx->cur_host, (size_t)(rows * k * p + 1) * sizeof(float));
     float *side = arena_alloc(ctx, ctx->cur_host, (size_t)(rows * k * p + 1) * sizeof(float));
     dt_tensor *y = tensor_step_new(ctx, DT_F32, ndim, shape);
@@ -905,7 +944,7 @@ static dt_status tp_take_columns(dt_ctx *ctx, dt_tensor *x, const float *g, int 
 static dt_status tp_gather_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_comm *c = n->aux[0];
-    return tp_take_columns(ctx, n->in[0], FP(n->out->grad), c->rank, c->world);
+    return tp_take_columns(ctx, n->in[0], FP(n->out->grad), dt_comm_rank(c), dt_comm_size(c));
 }
 
 dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
@@ -920,7 +959,7 @@ dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     int64_t k = x->shape[x->ndim - 1], cnt = shape_numel(x->ndim, x->shape);
     int64_t shape[DT_MAX_DIMS];
     memcpy(shape, x->shape, sizeof shape);
-    shape[x->ndim - 1] = k * c->world;
+    shape[x->ndim - 1] = k * dt_comm_size(c);
     float *h = tp_to_host(ctx, FP(x), cnt);
     dt_tensor *y = h ? tp_gather_rows(ctx, c, h, k ? cnt / k : 0, k, x->ndim, shape) : NULL;
     if (!y)
@@ -949,17 +988,17 @@ dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     if (!tp_ok(ctx, "tp_split", c, x))
         return NULL;
     int64_t last = x->ndim ? x->shape[x->ndim - 1] : 0;
-    if (x->ndim < 1 || last % c->world) {
+    if (x->ndim < 1 || last % dt_comm_size(c)) {
         set_error(ctx, DT_EINVAL, "tp_split: the last dim (%lld) must split evenly over %d ranks",
-                  (long long)last, c->world);
+                  (long long)last, dt_comm_size(c));
         return NULL;
     }
     dt_tensor *v = tensor_view_header(ctx, x);   /* this rank's columns, then a contiguous copy */
     if (!v)
         return NULL;
-    int64_t k = last / c->world;
+    int64_t k = last / dt_comm_size(c);
     v->shape[x->ndim - 1] = k;
-    v->data = FP(x) + (int64_t)c->rank * k * x->stride[x->ndim - 1];
+    v->data = FP(x) + (int64_t)dt_comm_rank(c) * k * x->stride[x->ndim - 1];
     tensor_materialize(x);
     dt_tensor *y = op_like(ctx, v);
     if (!y)
@@ -996,15 +1035,15 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
         return DT_EINVAL;
     dt_ctx *ctx = shard->ctx;
     if (!c || !full || full->dtype != shard->dtype || full->ndim != shard->ndim || dim < 0 ||
-        dim >= full->ndim || full->shape[dim] % c->world)
+        dim >= full->ndim || full->shape[dim] % dt_comm_size(c))
         return set_error(ctx, DT_EINVAL, "tp_shard: needs a communicator, and a full tensor of "
                          "shard's dtype whose dim %d splits evenly over the ranks", dim);
-    int64_t blk = full->shape[dim] / c->world;
+    int64_t blk = full->shape[dim] / dt_comm_size(c);
     for (int d = 0; d < full->ndim; d++)
         if (shard->shape[d] != (d == dim ? blk : full->shape[d])) {
             char a[96], b[96];
             return set_error(ctx, DT_EINVAL, "tp_shard: shard is %s, rank %d's block of %s "
-                             "along dim %d is not", SHAPE(shard, a), c->rank, SHAPE(full, b), dim);
+                             "along dim %d is not", SHAPE(shard, a), dt_comm_rank(c), SHAPE(full, b), dim);
         }
     size_t es = dt_dtype_size(full->dtype);
     int64_t outer = shape_numel(dim, full->shape);
@@ -1015,7 +1054,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     if (s == DT_OK) {
         for (int64_t o = 0; o < outer; o++)
             memcpy(dst + (size_t)(o * blk * inner) * es,
-                   src + (size_t)((o * full->shape[dim] + c->rank * blk) * inner) * es,
+                   src + (size_t)((o * full->shape[dim] + dt_comm_rank(c) * blk) * inner) * es,
                    (size_t)(blk * inner) * es);
         s = dt_tensor_set(shard, dst, shape_numel(shard->ndim, shard->shape));
     } else if (src && dst) {

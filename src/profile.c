@@ -11,6 +11,8 @@
  * at most half that round trip, tens of microseconds on one host).
  * ======================================================================== */
 
+/* --- the profiler at the end of the job: gather, trace, report ---------------------- */
+
 #define PROF_LINK_FLOATS ((int64_t)2 << 20)   /* the link test: 8 MiB allreduces */
 
 
@@ -84,7 +86,7 @@ DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double thres
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
 {
     prof_state *p = &ctx->prof;
-    int P = c->world;
+    int P = dt_comm_size(c);
     float mine[3] = {(float)p->win_compute, (float)p->win_steps, (float)p->win_samples};
     float *all = host_alloc(ctx, sizeof(float) * 3 * (size_t)P);
     double *per = host_alloc(ctx, sizeof(double) * (size_t)P);
@@ -108,7 +110,7 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
                                                 : PROF_DEFAULT_THRESHOLD, &median);
         p->straggler = s;
         if (s >= 0) {
-            if (s == c->rank) {
+            if (s == dt_comm_rank(c)) {
                 pthread_mutex_lock(&p->mu);
                 p->tot.straggler_warnings++;
                 pthread_mutex_unlock(&p->mu);
@@ -172,7 +174,7 @@ static dt_status prof_link_test(dt_ctx *ctx, dt_comm *c, double *busbw)
     }
     host_free(ctx, buf);
     if (st == DT_OK && best > 0 && best < INFINITY)
-        *busbw = comm_bus_factor(COLL_ALLREDUCE, c->world) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
+        *busbw = comm_bus_factor(COLL_ALLREDUCE, dt_comm_size(c)) * (double)PROF_LINK_FLOATS * 4 / best / 1e9;
     return st;
 }
 
@@ -885,11 +887,11 @@ static int prof_alone_collect(dt_comm *c, prof_alone *parts, int P, int patience
         char key[48], dead[16];
         size_t len = 0;
         snprintf(key, sizeof key, "/dead/%d", r);
-        if (dt_store_get(c->store, key, dead, sizeof dead, &len, 1) == DT_OK)
+        if (dt_store_get(join_store(c), key, dead, sizeof dead, &len, 1) == DT_OK)
             continue;
         snprintf(key, sizeof key, "/prof/alone/%d", r);
         int left = (int)((deadline - dt_now()) * 1000.0);
-        if (dt_store_get(c->store, key, &parts[r], sizeof parts[r], &len, left > 1 ? left : 1) ==
+        if (dt_store_get(join_store(c), key, &parts[r], sizeof parts[r], &len, left > 1 ? left : 1) ==
                 DT_OK && len == sizeof parts[r] && parts[r].h.magic == PROF_BLOB_MAGIC) {
             parts[r].said[sizeof parts[r].said - 1] = '\0';
             got++;
@@ -897,7 +899,7 @@ static int prof_alone_collect(dt_comm *c, prof_alone *parts, int P, int patience
             memset(&parts[r], 0, sizeof parts[r]);
         }
     }
-    dt_clear_error(c->ctx);   /* (the parts that did not come are said in the report) */
+    dt_clear_error(comm_ctx(c));   /* (the parts that did not come are said in the report) */
     return got;
 }
 
@@ -939,11 +941,11 @@ static char *prof_alone_report(dt_ctx *ctx, const prof_alone *parts, int P, int 
 static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, const char *why)
 {
     prof_state *p = &ctx->prof;
-    int P = c->world, rank = c->rank;
+    int P = dt_comm_size(c), rank = dt_comm_rank(c);
     prof_alone *parts = host_calloc(ctx, sizeof *parts * (size_t)P);
     int64_t n = 0;
     pthread_mutex_lock(&p->mu);
-    float *mine = prof_pack(ctx, c->clock_offset, &n);
+    float *mine = prof_pack(ctx, join_clock_offset(c), &n);
     pthread_mutex_unlock(&p->mu);
     if (!parts || !mine) {
         host_free(ctx, parts);
@@ -954,10 +956,10 @@ static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, c
     snprintf(parts[rank].said, sizeof parts[rank].said, "%s", why);
     char key[48];
     snprintf(key, sizeof key, "/prof/alone/%d", rank);
-    int stored = dt_store_set(c->store, key, &parts[rank], sizeof parts[rank]) == DT_OK;
+    int stored = dt_store_set(join_store(c), key, &parts[rank], sizeof parts[rank]) == DT_OK;
     int got = 1;
     if (rank == 0 && stored)
-        got = prof_alone_collect(c, parts, P, c->timeout_ms < 3000 ? c->timeout_ms : 3000);
+        got = prof_alone_collect(c, parts, P, comm_timeout_ms(c) < 3000 ? comm_timeout_ms(c) : 3000);
     if (rank == 0 && trace_path && prof_write_trace(ctx, trace_path, mine, n, 1) != DT_OK)
         trace_path = NULL;
     char *rep = rank == 0 ? prof_alone_report(ctx, parts, P, 0, got, why, trace_path)
@@ -977,7 +979,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     prof_state *p = &ctx->prof;
     if (!prof_recording(ctx))
         return DT_OK;
-    if (c && c->ctx != ctx)
+    if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "profile_finish: the communicator belongs to another "
                          "context");
     /* stop recording first: the gathers below are not part of the job */
@@ -987,12 +989,12 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
         const char *e = getenv("DTRAIN_TRACE");
         trace_path = e && *e ? e : NULL;
     }
-    int P = c ? c->world : 1, rank = c ? c->rank : 0;
+    int P = c ? dt_comm_size(c) : 1, rank = c ? dt_comm_rank(c) : 0;
     double link = 0;
     dt_status st = c && P > 1 ? prof_link_test(ctx, c, &link) : DT_OK;
     int64_t n = 0;
     pthread_mutex_lock(&p->mu);
-    float *mine = st == DT_OK ? prof_pack(ctx, c ? c->clock_offset : 0, &n) : NULL;
+    float *mine = st == DT_OK ? prof_pack(ctx, c ? join_clock_offset(c) : 0, &n) : NULL;
     pthread_mutex_unlock(&p->mu);
     if (st == DT_OK && !mine)
         st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
@@ -1067,9 +1069,9 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     host_free(ctx, sizes);
     host_free(ctx, pad);
     host_free(ctx, all);
-    if (c && P > 1 && (cs != DT_OK || c->broken)) {   /* no exchange: a report all the same */
+    if (c && P > 1 && (cs != DT_OK || comm_broken_msg(c))) {   /* no exchange: a report all the same */
         char why[DT_MAX_ERROR];   /* the failure that broke the communicator, else the exchange's */
-        snprintf(why, sizeof why, "%s", c->broken ? c->broken_msg : ctx->err);
+        snprintf(why, sizeof why, "%s", comm_broken_msg(c) ? comm_broken_msg(c) : ctx->err);
         dt_status keep = ctx->last_status;
         prof_finish_alone(ctx, c, trace_path, why);
         set_error(ctx, keep, "profile_finish: the ranks could not exchange their profiles (%s); "

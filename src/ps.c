@@ -34,6 +34,13 @@
  * (BSP: s = 0; ASP: always).
  * ======================================================================== */
 
+/* Sparse requests.  The asked ids are sorted (by id, then position) so
+ * each distinct row moves once and repeated rows' gradients are summed in
+ * the caller's order: the same request gives the same bits. */
+struct ps_idpos {
+    int64_t id, pos;
+};
+
 
 static const char *const ps_op_names[] = {"?", "init", "push", "pull", "finish", "sparse push",
                                           "sparse pull", "hello", "compressed push"};
@@ -175,7 +182,7 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
         return set_error(ctx, DT_EPEER, "ps_new: worker 0's model layout is malformed");
     if (servers != ps->S || repl != (ps->cfg.replicate != 0) || mode != (int)ps->cfg.mode)
         return set_error(ctx, DT_EMISMATCH, "ps_new: rank %d has %d servers, replication %d, mode "
-                         "%d; worker 0 has %d, %d, %d", ps->comm->rank, ps->S,
+                         "%d; worker 0 has %d, %d, %d", dt_comm_rank(ps->comm), ps->S,
                          ps->cfg.replicate != 0, (int)ps->cfg.mode, servers, repl, mode);
     ps->nparams = n;
     ps->ntables = nt;
@@ -226,13 +233,13 @@ static dt_status ps_plan(dt_ps *ps, const char *layout)
 static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
 {
     int twin = ps->L != ps->S && !ps->gone[(s + ps->L) % ps->S];
-    if ((!twin && ps->cfg.rejoin_ms < 0) || !c->watch)
+    if ((!twin && ps->cfg.rejoin_ms < 0) || !comm_watch(c))
         return 0;
     if (!known) {   /* the death is usually published a moment after it shows */
         char key[32], val[16];
         size_t len = 0;
         store_dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
-        if (dt_store_get(c->watch, key, val, sizeof val, &len, c->timeout_ms / 2) != DT_OK)
+        if (dt_store_get(comm_watch(c), key, val, sizeof val, &len, comm_timeout_ms(c) / 2) != DT_OK)
             return 0;
     }
     ps->gone[s] = twin ? 1 : 2;   /* no twin: wait for a restarted process */
@@ -496,7 +503,7 @@ DT_PRIVATE uint32_t ps_published_inc(dt_comm *c, int rank, int wait_ms)
     char key[32], val[16];
     size_t len = 0;
     snprintf(key, sizeof key, "inc/%d", rank);
-    if (dt_store_get(c->watch, key, val, sizeof val - 1, &len, wait_ms) != DT_OK)
+    if (dt_store_get(comm_watch(c), key, val, sizeof val - 1, &len, wait_ms) != DT_OK)
         return 0;
     val[len < sizeof val ? len : sizeof val - 1] = '\0';
     return (uint32_t)strtoul(val, NULL, 10);
@@ -511,22 +518,22 @@ static dt_status ps_answers_from(dt_ps *ps, dt_store *st, int s, uint32_t inc, c
 {
     dt_comm *c = ps->comm;
     int rank = ps->W + s;
-    if (strcmp(c->provider, "shm") != 0) {
+    if (strcmp(dt_comm_transport(c), "shm") != 0) {
         ps->ans_via[s] = rank;
         return DT_OK;
     }
     char key[64];
     unsigned char addr[512];
     size_t len = 0;
-    snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, rank, inc, c->rank);
-    if (!st || dt_store_get(st, key, addr, sizeof addr, &len, c->timeout_ms) != DT_OK ||
+    snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, rank, inc, dt_comm_rank(c));
+    if (!st || dt_store_get(st, key, addr, sizeof addr, &len, comm_timeout_ms(c)) != DT_OK ||
         len > sizeof addr) {
         snprintf(err, err_len, "server rank %d published no endpoint for worker %d's answers "
-                 "within %d ms", rank, c->rank, c->timeout_ms);
+                 "within %d ms", rank, dt_comm_rank(c), comm_timeout_ms(c));
         return DT_EPEER;
     }
-    if (ps->ans_via[s] >= c->world)   /* its restart: the same peer number, the new address */
-        return c->tp_iface->replace_peer(c->tp, ps->ans_via[s], addr, len, err, err_len);
+    if (ps->ans_via[s] >= dt_comm_size(c))   /* its restart: the same peer number, the new address */
+        return comm_tp_iface(c)->replace_peer(comm_tp(c), ps->ans_via[s], addr, len, err, err_len);
     return comm_add_endpoint(c, rank, addr, len, &ps->ans_via[s], err, err_len);
 }
 
@@ -541,7 +548,7 @@ static dt_status ps_greet(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
     int rank = ps->W + s;
     char err[256] = "";
     if (join_replace_peer(c, rank, inc, err, sizeof err) != DT_OK ||
-        ps_answers_from(ps, c->watch, s, inc, err, sizeof err) != DT_OK)
+        ps_answers_from(ps, comm_watch(c), s, inc, err, sizeof err) != DT_OK)
         return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d restarted, but: %s",
                               rank, err);
     for (int i = 0; i < pc->nstreams; i++)   /* (numbered for the predecessor) */
@@ -632,27 +639,6 @@ static void ps_note_sent(dt_ps *ps, const ps_call *pc)
  * is written off, and a pull that was asking it asks again (pulls are
  * idempotent; pushes already went to both servers of the shard).  A dead
  * server without a twin is waited for and asked again. */
-/* The record after one that holds orphaned sends (drain_gone): a fresh
- * one with the same settings; the old one waits in the graveyard. */
-static dt_status ps_fresh_xfers(dt_comm *c, dt_work *w, xfers **xsp)
-{
-    xfers *old = *xsp, *xs = c->ctx->al.malloc_fn(sizeof *xs, c->ctx->al.user);
-    if (!xs)
-        return comm_work_fail(w, DT_ENOMEM, "%s: out of memory", comm_coll_name(w->kind));
-    memset(xs, 0, sizeof *xs);
-    xs->g = old->g;
-    xs->gone = old->gone;
-    xs->gone_base = old->gone_base;
-    xs->gone_n = old->gone_n;
-    xs->write_off = old->write_off;
-    xs->write_off_arg = old->write_off_arg;
-    xs->idle = old->idle;
-    old->next_dead = c->graveyard;
-    c->graveyard = old;
-    *xsp = xs;
-    return DT_OK;
-}
-
 static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
 {
     xfers *xs = *xsp;
@@ -689,7 +675,7 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
             if (comm_wait_xfers(c, w, xs) != DT_OK)
                 return w->status;
             if (xs->orphans) {
-                if (ps_fresh_xfers(c, w, xsp) != DT_OK)
+                if (comm_xfers_renew(c, w, xsp) != DT_OK)
                     return w->status;
                 xs = *xsp;
             }
@@ -752,8 +738,8 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
         store_dead_key(key, sizeof key, ps->W + s, ps->inc[s]);
         char fence[48];   /* written off by another worker while silent (ps_write_off_silent) */
         ps_fence_key(fence, sizeof fence, ps->job, ps->W + s, ps->inc[s]);
-        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) != DT_OK &&
-            dt_store_get(c->watch, fence, val, sizeof val, &len, 1) != DT_OK)
+        if (dt_store_get(comm_watch(c), key, val, sizeof val, &len, 1) != DT_OK &&
+            dt_store_get(comm_watch(c), fence, val, sizeof val, &len, 1) != DT_OK)
             continue;
         if (!ps_write_off_server(c, ps, s, 1))   /* a twin serves on, or a restart is awaited */
             return comm_work_fail(w, DT_EPEER, "parameter server: server rank %d died", ps->W + s);
@@ -791,7 +777,7 @@ static int ps_write_off_silent(dt_comm *c, dt_work *w, int rank)
      * reads the fence, and the server stops when it wakes: ps_watch). */
     char key[48];
     ps_fence_key(key, sizeof key, ps->job, rank, ps->inc[s]);
-    if (dt_store_set(c->watch, key, "1", 2) != DT_OK)
+    if (dt_store_set(comm_watch(c), key, "1", 2) != DT_OK)
         return 0;
     ps->gone[s] = 1;
     ps->down_since[s] = dt_now();
@@ -855,7 +841,7 @@ static int ps_worker_ok(dt_ps *ps, const char *what)
     if (!ps)
         return 0;
     if (ps->server >= 0) {
-        set_error(ps->ctx, DT_ESTATE, "%s: rank %d is a server (dt_ps_serve)", what, ps->comm->rank);
+        set_error(ps->ctx, DT_ESTATE, "%s: rank %d is a server (dt_ps_serve)", what, dt_comm_rank(ps->comm));
         return 0;
     }
     return 1;
@@ -953,8 +939,8 @@ dt_status dt_ps_finish(dt_ps *ps)
     ps->finished = s == DT_OK;
     if (s == DT_OK) {   /* a server restarted later must not wait for our hello */
         char key[64];
-        snprintf(key, sizeof key, "ps%d/done/%d", ps->job, ps->comm->rank);
-        s = dt_store_set(ps->comm->store, key, "1", 2);
+        snprintf(key, sizeof key, "ps%d/done/%d", ps->job, dt_comm_rank(ps->comm));
+        s = dt_store_set(join_store(ps->comm), key, "1", 2);
     }
     return s;
 }
@@ -1132,13 +1118,13 @@ static dt_status ps_settings(dt_ctx *ctx, dt_comm *c, dt_ps_config *cfg, int *W,
         return set_error(ctx, DT_EINVAL, "ps_new: mode %d, staleness %d: need a dt_ps_mode and "
                          "staleness >= 0", (int)cfg->mode, cfg->staleness);
     *S = cfg->servers;
-    *W = c->world - *S;
+    *W = dt_comm_size(c) - *S;
     if (cfg->replicate && (*S < 2 || *S % 2))
         return set_error(ctx, DT_EINVAL, "ps_new: replication pairs the servers: %d servers is not "
                          "an even number >= 2", *S);
     if (*W < 1 || *S > 8)
         return set_error(ctx, *S > 8 ? DT_ENOTSUP : DT_EINVAL, "ps_new: %d servers among %d ranks: "
-                         "need at least one worker and at most 8 servers", *S, c->world);
+                         "need at least one worker and at most 8 servers", *S, dt_comm_size(c));
     return DT_OK;
 }
 
@@ -1167,9 +1153,9 @@ static void ps_choose_chunk(dt_ps *ps)
     dt_comm *c = ps->comm;
     size_t chunk = ps->cfg.chunk_bytes;
     if (chunk == 0)
-        chunk = !strcmp(c->provider, "shm") && (ps->cfg.replicate || ps->cfg.checkpoint_dir)
-                    ? PS_SHM_CHUNK : c->max_msg;
-    chunk = chunk < c->max_msg ? chunk : c->max_msg;
+        chunk = !strcmp(dt_comm_transport(c), "shm") && (ps->cfg.replicate || ps->cfg.checkpoint_dir)
+                    ? PS_SHM_CHUNK : comm_max_msg(c);
+    chunk = chunk < comm_max_msg(c) ? chunk : comm_max_msg(c);
     ps->chunk = chunk < UINT32_MAX ? chunk : (size_t)1 << 31;   /* (the header's field) */
 }
 
@@ -1180,17 +1166,17 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
     char key[64];
     if (ctx->n_params < 1)
         return set_error(ctx, DT_EINVAL, "ps_new: worker %d has no parameters (a step is "
-                         "counted by its dense push)", c->rank);
+                         "counted by its dense push)", dt_comm_rank(c));
     ps->layout = ps_describe(ctx, &ps->cfg);
     if (!ps->layout)
         return ctx->last_status;
-    snprintf(key, sizeof key, "ps%d/layout/%d", job, c->rank);
-    dt_status s = dt_store_set(c->store, key, ps->layout, strlen(ps->layout) + 1);
-    if (s == DT_OK && c->rank != 0) {
+    snprintf(key, sizeof key, "ps%d/layout/%d", job, dt_comm_rank(c));
+    dt_status s = dt_store_set(join_store(c), key, ps->layout, strlen(ps->layout) + 1);
+    if (s == DT_OK && dt_comm_rank(c) != 0) {
         size_t len = 0;
         char *ref = host_alloc(ctx, DT_STORE_MAX_VALUE);
         snprintf(key, sizeof key, "ps%d/layout/0", job);
-        s = ref ? dt_store_get(c->store, key, ref, DT_STORE_MAX_VALUE - 1, &len, c->timeout_ms)
+        s = ref ? dt_store_get(join_store(c), key, ref, DT_STORE_MAX_VALUE - 1, &len, comm_timeout_ms(c))
                 : set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
         if (s == DT_OK) {
             ref[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
@@ -1198,7 +1184,7 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
                 char diff[240];
                 ps_first_difference(ps->layout, ref, diff, sizeof diff);
                 s = set_error(ctx, DT_EMISMATCH, "ps_new: worker %d's model differs from worker "
-                              "0's: %s", c->rank, diff);
+                              "0's: %s", dt_comm_rank(c), diff);
             }
         }
         host_free(ctx, ref);
@@ -1232,12 +1218,12 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
     if (comm_take_transport(c, why, sizeof why) != DT_OK)
         return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
     for (int k = 0; s == DT_OK && k < ps->S; k++)
-        if ((s = ps_answers_from(ps, c->store, k, 0, err, sizeof err)) != DT_OK)
+        if ((s = ps_answers_from(ps, join_store(c), k, 0, err, sizeof err)) != DT_OK)
             s = set_error(ctx, s, "ps_new: %s", err);
     comm_release_transport(c);
     if (s != DT_OK)
         return s;
-    if (c->rank == 0) {   /* our values are where everyone starts */
+    if (dt_comm_rank(c) == 0) {   /* our values are where everyone starts */
         for (int i = 0; i < ps->nparams; i++)
             be_to_host(ctx, ps->stage + ps->offset[i], ctx->params[i]->data,
                        (size_t)ps->numel[i] * sizeof(float));
@@ -1256,8 +1242,8 @@ static dt_status ps_join_server(dt_ps *ps, int job)
     if (!ps->layout)
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
     snprintf(key, sizeof key, "ps%d/layout/0", job);
-    dt_status s = dt_store_get(ps->comm->store, key, ps->layout, DT_STORE_MAX_VALUE - 1, &len,
-                               ps->comm->timeout_ms);
+    dt_status s = dt_store_get(join_store(ps->comm), key, ps->layout, DT_STORE_MAX_VALUE - 1, &len,
+                               comm_timeout_ms(ps->comm));
     if (s != DT_OK)
         return s;
     ps->layout[len < DT_STORE_MAX_VALUE ? len : DT_STORE_MAX_VALUE - 1] = '\0';
@@ -1272,7 +1258,7 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
 {
     if (!ctx_ok(ctx))
         return NULL;
-    if (!c || c->ctx != ctx) {
+    if (!c || comm_ctx(c) != ctx) {
         set_error(ctx, DT_EINVAL, "ps_new: %s", c ? "the communicator belongs to another context"
                                                   : "communicator is NULL");
         return NULL;
@@ -1290,16 +1276,15 @@ dt_ps *dt_ps_new(dt_ctx *ctx, dt_comm *c, const dt_ps_config *cfg)
         set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
         return NULL;
     }
-    int job = c->ext_jobs++;
-    c->ext_ops = &ps_comm_ops;   /* before any request reaches the comm thread */
+    int job = comm_attach_ext(c, &ps_comm_ops);   /* before any request reaches the comm thread */
     int L = conf.replicate ? S / 2 : S;
     *ps = (dt_ps){.ctx = ctx, .comm = c, .cfg = conf, .W = W, .S = S, .job = job, .L = L,
-                  .server = c->rank >= W ? c->rank - W : -1,
-                  .shard = c->rank >= W ? (c->rank - W) % L : -1};
+                  .server = dt_comm_rank(c) >= W ? dt_comm_rank(c) - W : -1,
+                  .shard = dt_comm_rank(c) >= W ? (dt_comm_rank(c) - W) % L : -1};
     dt_status s = DT_OK;
-    if (c->inc && (ps->server < 0 || conf.replicate))   /* only a server restarts */
+    if (comm_incarnation(c) && (ps->server < 0 || conf.replicate))   /* only a server restarts */
         s = set_error(ctx, DT_ENOTSUP, "ps_new: rank %d is a restarted process; only a server "
-                      "without a replica can rejoin a running job (%s)", c->rank,
+                      "without a replica can rejoin a running job (%s)", dt_comm_rank(c),
                       ps->server < 0 ? "a worker's restart is not supported"
                                      : "its twin serves on in its place");
     else
@@ -1321,8 +1306,8 @@ void dt_ps_free(dt_ps *ps)
     ps_end_prefetch(ps, 0);
     if (ps->server < 0 && !ps->finished) {   /* (also a worker whose dt_ps_new failed) */
         char key[64];
-        snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, ps->comm->rank);
-        dt_store_set(ps->comm->store, key, "1", 2);
+        snprintf(key, sizeof key, "ps%d/gone/%d", ps->job, dt_comm_rank(ps->comm));
+        dt_store_set(join_store(ps->comm), key, "1", 2);
     }
     ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
     if (ps->server < 0)

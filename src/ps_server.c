@@ -7,6 +7,14 @@
  * and joining are src/ps.c, whose banner describes the protocol.
  * ======================================================================== */
 
+/* A sparse push kept until its step is applied (BSP). */
+struct ps_sparse_msg {
+    int table;
+    int64_t k, clock;
+    void *data;                /* k local row numbers (int64), then k * dim floats */
+    struct ps_sparse_msg *next;
+};
+
 /* --- the server's side ----------------------------------------------- */
 
 /* Optimizer state tensors a table row needs, by the servers' optimizer. */
@@ -65,11 +73,11 @@ static dt_status ps_agree_on_resume(dt_ps *ps)
     char key[64], mine[32], theirs[32];
     snprintf(mine, sizeof mine, "%lld", ps->resumed ? (long long)ps->opt->steps : -1LL);
     snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, ps->server);
-    dt_status s = dt_store_set(c->store, key, mine, strlen(mine) + 1);
+    dt_status s = dt_store_set(join_store(c), key, mine, strlen(mine) + 1);
     for (int q = 0; s == DT_OK && q < ps->S; q++) {
         size_t len = 0;
         snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, q);
-        s = dt_store_get(c->store, key, theirs, sizeof theirs - 1, &len, c->timeout_ms);
+        s = dt_store_get(join_store(c), key, theirs, sizeof theirs - 1, &len, comm_timeout_ms(c));
         theirs[s == DT_OK && len < sizeof theirs ? len : 0] = '\0';
         if (s == DT_OK && strcmp(theirs, mine) != 0)
             s = set_error(ps->ctx, DT_EMISMATCH, "ps_new: server %d starts from step %s, server %d "
@@ -111,11 +119,11 @@ static dt_status ps_resume(dt_ps *ps)
         ps->st.resumed = 1;
         ps->st.resumed_step = ps->opt->steps;
     }
-    if (ps->comm->inc)   /* rejoining a running job: the others started long ago */
+    if (comm_incarnation(ps->comm))   /* rejoining a running job: the others started long ago */
         return ps->resumed ? DT_OK : set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a "
                                                "restarted process, and without its checkpoint "
                                                "(%s) it has nothing to rejoin with",
-                                               ps->comm->rank, ps->ckpt_path);
+                                               dt_comm_rank(ps->comm), ps->ckpt_path);
     return ps_agree_on_resume(ps);
 }
 
@@ -180,10 +188,10 @@ DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps)
     for (int t = 0; t < ps->ntables; t++)
         if (ps_make_table(ps, &ps->tabs[t]) != DT_OK)
             return ps->ctx->last_status;
-    if (ps->comm->inc && !(ps->cfg.checkpoint_dir && *ps->cfg.checkpoint_dir))
+    if (comm_incarnation(ps->comm) && !(ps->cfg.checkpoint_dir && *ps->cfg.checkpoint_dir))
         return set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a restarted process; "
                          "it can rejoin only from a checkpoint (dt_ps_config.checkpoint_dir)",
-                         ps->comm->rank);
+                         dt_comm_rank(ps->comm));
     if (ps_resume(ps) != DT_OK)
         return ps->ctx->last_status;
     int64_t floats = hi - lo + ps->P;
@@ -195,7 +203,7 @@ DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps)
     for (int w = 0; w < ps->W; w++)
         if (!(ps->peers[w].push = host_calloc(ps->ctx, sizeof(float) * (size_t)(floats > 0 ? floats : 1))))
             return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory for %d workers' pushes", ps->W);
-    if (ps->comm->inc) {   /* a restarted server: each worker's step is learnt from its hello */
+    if (comm_incarnation(ps->comm)) {   /* a restarted server: each worker's step is learnt from its hello */
         ps->syncing = 1;
         ps->st.rejoined = 1;
         for (int w = 0; w < ps->W; w++)
@@ -443,29 +451,29 @@ DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
     dt_ctx *ctx = ps->ctx;
-    if (strcmp(c->provider, "shm") != 0)
+    if (strcmp(dt_comm_transport(c), "shm") != 0)
         return DT_OK;
     ps->ans = host_calloc(ctx, sizeof(dt_transport *) * (size_t)ps->W);
     if (!ps->ans)
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory");
-    dt_transport_params tp = {"shm", NULL, NULL, ctx->al, c->collective_timeout_ms};
+    dt_transport_params tp = {"shm", NULL, NULL, ctx->al, comm_collective_timeout_ms(c)};
     for (int w = 0; w < ps->W; w++) {
         char key[64], err[256] = "";
         unsigned char addr[512];
         size_t len = 0, mine = sizeof addr;
         snprintf(key, sizeof key, "addr/%d", w);
-        dt_status s = dt_store_get(c->store, key, addr, sizeof addr, &len, c->timeout_ms);
+        dt_status s = dt_store_get(join_store(c), key, addr, sizeof addr, &len, comm_timeout_ms(c));
         if (s != DT_OK)
             return s;
         const void *peer = addr;
-        if ((s = c->tp_iface->open(&tp, &ps->ans[w], err, sizeof err)) == DT_OK &&
-            (s = c->tp_iface->insert_peers(ps->ans[w], 1, &peer, &len, err, sizeof err)) == DT_OK)
-            s = c->tp_iface->get_addr(ps->ans[w], addr, &mine, err, sizeof err);
+        if ((s = comm_tp_iface(c)->open(&tp, &ps->ans[w], err, sizeof err)) == DT_OK &&
+            (s = comm_tp_iface(c)->insert_peers(ps->ans[w], 1, &peer, &len, err, sizeof err)) == DT_OK)
+            s = comm_tp_iface(c)->get_addr(ps->ans[w], addr, &mine, err, sizeof err);
         if (s != DT_OK)
-            return set_error(ctx, s, "ps_new: server rank %d's endpoint for worker %d: %s", c->rank,
+            return set_error(ctx, s, "ps_new: server rank %d's endpoint for worker %d: %s", dt_comm_rank(c),
                              w, err);
-        snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, c->rank, c->inc, w);
-        if ((s = dt_store_set(c->store, key, addr, mine)) != DT_OK)
+        snprintf(key, sizeof key, "ps%d/ans/%d.%u/%d", ps->job, dt_comm_rank(c), comm_incarnation(c), w);
+        if ((s = dt_store_set(join_store(c), key, addr, mine)) != DT_OK)
             return s;
     }
     return DT_OK;
@@ -475,14 +483,14 @@ DT_PRIVATE dt_status ps_open_answer_endpoints(dt_ps *ps)
 static dt_transport *ps_answer_tp(const dt_ps *ps, int w, int *peer)
 {
     *peer = ps->ans ? 0 : w;
-    return ps->ans ? ps->ans[w] : ps->comm->tp;
+    return ps->ans ? ps->ans[w] : comm_tp(ps->comm);
 }
 
 /* Close worker w's answer endpoint: its sends end (done, DT_ESTATE). */
 static void ps_close_answers(dt_ps *ps, int w)
 {
     if (ps->ans && ps->ans[w]) {
-        ps->comm->tp_iface->close(ps->ans[w]);
+        comm_tp_iface(ps->comm)->close(ps->ans[w]);
         ps->ans[w] = NULL;
     }
 }
@@ -503,7 +511,7 @@ static int ps_poll_answers(dt_ps *ps, dt_xfer **done, int k, int max)
     for (int w = 0; ps->ans && w < ps->W && k < max; w++) {
         if (!ps->ans[w])
             continue;
-        int got = ps->comm->tp_iface->poll(ps->ans[w], done + k, max - k, err, sizeof err);
+        int got = comm_tp_iface(ps->comm)->poll(ps->ans[w], done + k, max - k, err, sizeof err);
         k += got > 0 ? got : 0;   /* (a failing endpoint's answers fail as their worker's sends) */
     }
     return k;
@@ -525,7 +533,7 @@ static dt_status ps_reply_fill(dt_ps *ps, ps_reply *r)
         char *buf = (char *)r->data + (r->bytes ? (size_t)r->posted * r->chunk : 0);
         int peer;
         dt_transport *tp = ps_answer_tp(ps, r->worker, &peer);
-        if (!tp || c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
+        if (!tp || comm_tp_iface(c)->send(tp, peer, ps_tag(PS_TAG_RDATA, r->hdr.seq, r->posted), buf,
                                      len, x, err, sizeof err) != DT_OK) {
             r->stopped = 1;
             return set_error(ps->ctx, DT_EPEER, "ps_serve: answering worker %d: %s", r->worker, err);
@@ -568,7 +576,7 @@ static dt_status ps_send_answer(dt_ps *ps, int worker, const ps_msg *req, const 
     int peer;
     dt_transport *tp = ps_answer_tp(ps, worker, &peer);
     dt_status s = !tp ? DT_ESTATE
-                      : c->tp_iface->send(tp, peer, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
+                      : comm_tp_iface(c)->send(tp, peer, ps_tag(PS_TAG_RESP, req->seq, 0), &r->hdr,
                                           sizeof r->hdr, &r->hdr_x, err, sizeof err);
     if (s != DT_OK) {   /* nothing posted */
         host_free(ps->ctx, r->data);
@@ -637,7 +645,7 @@ static dt_status ps_post_header(dt_ps *ps, int w)
     ps_peer *p = &ps->peers[w];
     memset(&p->hdr_x, 0, sizeof p->hdr_x);
     p->hdr_x.user = p;
-    if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_REQ, p->seq, 0), 0, &p->hdr, sizeof p->hdr,
+    if (comm_tp_iface(c)->recv(comm_tp(c), w, ps_tag(PS_TAG_REQ, p->seq, 0), 0, &p->hdr, sizeof p->hdr,
                           &p->hdr_x, err, sizeof err) != DT_OK)
         return set_error(ps->ctx, DT_EPEER, "ps_serve: receive from worker %d: %s", w, err);
     return DT_OK;
@@ -798,7 +806,7 @@ static dt_status ps_fill_recv(dt_ps *ps, int w)
         memset(x, 0, sizeof *x);
         x->user = p;
         size_t off = (size_t)p->data_next * p->hdr.chunk;
-        if (c->tp_iface->recv(c->tp, w, ps_tag(PS_TAG_DATA, p->hdr.seq, p->data_next), 0,
+        if (comm_tp_iface(c)->recv(comm_tp(c), w, ps_tag(PS_TAG_DATA, p->hdr.seq, p->data_next), 0,
                               p->data_buf + off, ps_piece_len(p->data_bytes, p->hdr.chunk,
                                                               p->data_next),
                               x, err, sizeof err) != DT_OK)
@@ -882,10 +890,10 @@ static dt_status ps_on_hello(dt_ps *ps, int w)
 {
     ps_peer *p = &ps->peers[w];
     const ps_msg *h = &p->hdr;
-    if (!ps->comm->inc || p->clock >= 0 || h->clock < 0 || h->n < 0 || h->n >= ps_my_floats(ps))
+    if (!comm_incarnation(ps->comm) || p->clock >= 0 || h->clock < 0 || h->n < 0 || h->n >= ps_my_floats(ps))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d said hello (step %lld, %lld "
                          "floats in) to a server that %s", w, (long long)h->clock,
-                         (long long)h->n, ps->comm->inc ? "knows it already" : "never restarted");
+                         (long long)h->n, comm_incarnation(ps->comm) ? "knows it already" : "never restarted");
     p->clock = p->base = h->clock;
     p->got = h->n;
     dt_status s = ps_sync(ps);
@@ -951,7 +959,7 @@ DT_PRIVATE dt_status ps_check_request(dt_ps *ps, int w, const ps_msg *h, size_t 
     const ps_peer *p = &ps->peers[w];
     if (len != sizeof *h || h->magic != PS_MAGIC || h->seq != p->seq || h->op < PS_INIT ||
         h->op > PS_CPUSH || (p->clock < 0 && h->op != PS_HELLO) || h->chunk < PS_MIN_CHUNK ||
-        h->chunk > ps->comm->max_msg)
+        h->chunk > comm_max_msg(ps->comm))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: worker %d sent a malformed request", w);
     dt_status s = DT_OK;
     int flags;
@@ -1017,10 +1025,10 @@ static dt_status ps_on_header(dt_ps *ps, int w)
 static void ps_cancel_peer(dt_ps *ps, ps_peer *p)
 {
     dt_comm *c = ps->comm;
-    c->tp_iface->cancel(c->tp, &p->hdr_x);
+    comm_tp_iface(c)->cancel(comm_tp(c), &p->hdr_x);
     for (int i = 0; i < PS_WINDOW; i++)
         if (p->data_busy[i])
-            c->tp_iface->cancel(c->tp, &p->data_x[i]);
+            comm_tp_iface(c)->cancel(comm_tp(c), &p->data_x[i]);
 }
 
 /* Worker w died, left without finishing, or stays silent while others
@@ -1036,7 +1044,7 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
     for (int k = 0; k < ps->W; k++)
         live += ps->peers[k].state == 0;
     ctx_warn(ps->ctx, "parameter server %d (rank %d): dropped worker %d after %lld steps: %s; "
-         "going on with %d worker%s", ps->server, ps->comm->rank, w, (long long)p->clock, why, live,
+         "going on with %d worker%s", ps->server, dt_comm_rank(ps->comm), w, (long long)p->clock, why, live,
          live == 1 ? "" : "s");
     for (ps_wait **pp = &ps->waits; *pp;) {   /* its waiting pull goes unanswered */
         ps_wait *q = *pp;
@@ -1064,14 +1072,14 @@ static dt_status ps_drop(dt_ps *ps, int w, const char *why)
 static int ps_server_down(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
-    for (int q = 0; q < ps->S && c->watch; q++) {
+    for (int q = 0; q < ps->S && comm_watch(c); q++) {
         char key[32], val[16];
         size_t len = 0;
         int rank = ps->W + q;
         if (q == ps->server)
             continue;
         store_dead_key(key, sizeof key, rank, ps_published_inc(c, rank, 1));
-        if (dt_store_get(c->watch, key, val, sizeof val, &len, 1) == DT_OK)
+        if (dt_store_get(comm_watch(c), key, val, sizeof val, &len, 1) == DT_OK)
             return 1;
     }
     return 0;
@@ -1085,9 +1093,9 @@ static int ps_store_has(dt_comm *c, const char *key, int *lost)
 {
     char val[16];
     size_t len = 0;
-    if (!c->watch)
+    if (!comm_watch(c))
         return 0;
-    dt_status st = dt_store_get(c->watch, key, val, sizeof val, &len, 1);
+    dt_status st = dt_store_get(comm_watch(c), key, val, sizeof val, &len, 1);
     *lost |= st != DT_OK && st != DT_ETIMEDOUT;
     return st == DT_OK;
 }
@@ -1106,7 +1114,7 @@ static int ps_worker_alive(dt_ps *ps, int w, double now, int lost)
     if (!p->hb_seen)
         p->hb_seen = now;   /* its clock starts when it first falls silent */
     snprintf(key, sizeof key, "/hb/%d", w);
-    if (!lost && c->watch && dt_store_get(c->watch, key, val, sizeof val - 1, &len, 1) == DT_OK) {
+    if (!lost && comm_watch(c) && dt_store_get(comm_watch(c), key, val, sizeof val - 1, &len, 1) == DT_OK) {
         val[len < sizeof val ? len : sizeof val - 1] = '\0';
         unsigned long long beat = strtoull(val, NULL, 10);
         if (beat != p->hb_beat) {
@@ -1114,7 +1122,7 @@ static int ps_worker_alive(dt_ps *ps, int w, double now, int lost)
             p->hb_seen = now;
         }
     }
-    return !lost && now - p->hb_seen <= c->timeout_ms / 1000.0;
+    return !lost && now - p->hb_seen <= comm_timeout_ms(c) / 1000.0;
 }
 
 static dt_status ps_watch(dt_ps *ps, double *last_seen)
@@ -1126,11 +1134,11 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         held |= ps->peers[w].state == 0 && ps->peers[w].parked;
     int lost = 0;   /* the store (rank 0) is gone: no death is told any more */
     char key[48];
-    ps_fence_key(key, sizeof key, ps->job, c->rank, c->inc);
+    ps_fence_key(key, sizeof key, ps->job, dt_comm_rank(c), comm_incarnation(c));
     if (ps_store_has(c, key, &lost))
         return set_error(ps->ctx, DT_EPEER, "ps_serve: the workers wrote this server (rank %d) off "
                          "while it was silent for the %d ms timeout (stopped or hung?); its twin "
-                         "serves on", c->rank, c->timeout_ms);
+                         "serves on", dt_comm_rank(c), comm_timeout_ms(c));
     for (int w = 0; w < ps->W; w++) {
         if (ps->peers[w].state != 0)
             continue;
@@ -1141,7 +1149,7 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         snprintf(key, sizeof key, "ps%d/done/%d", ps->job, w);   /* finished before we restarted */
         if (ps->peers[w].clock < 0 && ps_store_has(c, key, &lost)) {
             ps->peers[w].state = 1;
-            c->tp_iface->cancel(c->tp, &ps->peers[w].hdr_x);
+            comm_tp_iface(c)->cancel(comm_tp(c), &ps->peers[w].hdr_x);
             if (ps_sync(ps) != DT_OK)
                 return ps->ctx->last_status;
             continue;
@@ -1152,7 +1160,7 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
         /* silent while others wait, or with the store gone (its death would
          * go untold); or, restarted, never heard from (else we would wait
          * forever); but not while it waits for a restarting server */
-        double quiet = now - last_seen[w], limit = c->timeout_ms / 1000.0;
+        double quiet = now - last_seen[w], limit = comm_timeout_ms(c) / 1000.0;
         int quiet_long = !waiting && (((held || lost) && quiet > limit) ||
                                       (ps->syncing && ps->peers[w].clock < 0 && quiet > 2 * limit)) &&
                          !ps_server_down(ps);
@@ -1160,7 +1168,7 @@ static dt_status ps_watch(dt_ps *ps, double *last_seen)
             ps->peers[w].hb_seen = 0;   /* (its heartbeat's clock restarts next time) */
         /* alive: dropped only once it kept the others the collective timeout */
         int alive = quiet_long && !dead && ps_worker_alive(ps, w, now, lost);
-        int silent = quiet_long && (!alive || quiet > c->collective_timeout_ms / 1000.0);
+        int silent = quiet_long && (!alive || quiet > comm_collective_timeout_ms(c) / 1000.0);
         char why[96];
         snprintf(why, sizeof why, "%s", dead ? "it died or left without finishing" : "");
         if (!dead)
@@ -1292,7 +1300,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         char err[256] = "";
         double turn = dt_now();
         ps_meter_turn(&mt, turn);
-        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        int k = comm_tp_iface(c)->poll(comm_tp(c), done, 16, err, sizeof err);
         if (k < 0)
             return set_error(ps->ctx, DT_EPEER, "ps_serve: transport failure: %s", err);
         k = ps_poll_answers(ps, done, k, 16);
@@ -1332,7 +1340,7 @@ static dt_status ps_serve_loop(dt_ps *ps, double *last_seen)
         }
         if (k == 0) {
             mt.idle_from = dt_now();   /* (answers in flight complete on their own endpoints) */
-            c->tp_iface->wait(c->tp, ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
+            comm_tp_iface(c)->wait(comm_tp(c), ps->ans && ps_replies_owed(ps) ? 1 : (int)(PS_POLL_S * 1e3));
         } else {
             mt.idle_from = dt_now();
         }
@@ -1373,7 +1381,7 @@ dt_status dt_ps_serve(dt_ps *ps)
     if (!ps)
         return DT_EINVAL;
     if (ps->server < 0)
-        return set_error(ps->ctx, DT_ESTATE, "ps_serve: rank %d is a worker", ps->comm->rank);
+        return set_error(ps->ctx, DT_ESTATE, "ps_serve: rank %d is a worker", dt_comm_rank(ps->comm));
     dt_comm *c = ps->comm;
     double *last_seen = host_calloc(ps->ctx, sizeof(double) * (size_t)ps->W);
     if (!last_seen)
@@ -1397,14 +1405,14 @@ dt_status dt_ps_serve(dt_ps *ps)
     for (double end = dt_now() + 1.0; !broken && ps_outstanding(ps, 1) && dt_now() < end;) {
         dt_xfer *done[16];
         char err[256];
-        int k = c->tp_iface->poll(c->tp, done, 16, err, sizeof err);
+        int k = comm_tp_iface(c)->poll(comm_tp(c), done, 16, err, sizeof err);
         k = ps_poll_answers(ps, done, k > 0 ? k : 0, 16);
         for (int i = 0; i < k; i++)
             if (!ps_is_peer(ps, done[i]->user))
                 ps_on_sent(ps, done[i]);   /* (stopped: posts nothing) */
         ps_sweep_replies(ps);
         if (k <= 0)
-            c->tp_iface->wait(c->tp, 10);
+            comm_tp_iface(c)->wait(comm_tp(c), 10);
     }
     ps_close_answer_endpoints(ps);   /* what they still held ends done */
     ps_sweep_replies(ps);
@@ -1427,7 +1435,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "communicator or context");
     if (ps->server >= 0)
         return set_error(ctx, DT_EINVAL, "ddp_new: rank %d is a parameter server; workers wrap "
-                         "the model, servers call dt_ps_serve", c->rank);
+                         "the model, servers call dt_ps_serve", dt_comm_rank(c));
     if (ps->nparams != ctx->n_params)
         return set_error(ctx, DT_EMISMATCH, "ddp_new: %d parameters now, %d when dt_ps_new ran",
                          ctx->n_params, ps->nparams);

@@ -11,6 +11,13 @@
  * activations; the cost is one more forward of the segment.
  * ======================================================================== */
 
+/* --- src/recompute.c --- */
+
+struct arena_switch {
+    dt_arena *dev, *host;
+    dt_arena_mark dev_mark, host_mark;
+};
+
 static arena_switch enter_scratch(dt_ctx *ctx)
 {
     arena_switch sw = {ctx->cur_dev, ctx->cur_host, arena_mark(&ctx->scratch_dev),
@@ -155,6 +162,9 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     nd->prec = prec;
     nd->seg_fn = fn;
     nd->user = user;
+    nd->reads = params;   /* its backward finishes them all */
+    nd->n_reads = nparams;
+    nd->reads_aside = 1;
     return y;
 }
 

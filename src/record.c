@@ -27,6 +27,47 @@ DT_PRIVATE int prof_recording(const dt_ctx *ctx)
     return ctx && __atomic_load_n(&ctx->prof.record, __ATOMIC_RELAXED);
 }
 
+/* the recorder's straggler check period, 0 when it is not recording */
+DT_PRIVATE int prof_check_every(const dt_ctx *ctx)
+{
+    return prof_recording(ctx) ? ctx->prof.cfg.check_every : 0;
+}
+
+/* DDP's load balancing needs step times even when the profiler is off:
+ * on, they are measured; off, measuring goes back to what recording wants */
+DT_PRIVATE void prof_balancing(dt_ctx *ctx, int on)
+{
+    ctx->prof.balancing = on;
+    __atomic_store_n(&ctx->prof.measure, on ? 1 : ctx->prof.record, __ATOMIC_RELAXED);
+}
+
+/* Steps that are not training steps (dt_layer_times): measuring stops and
+ * resumes where it was (prof_pause returns what prof_resume takes) */
+DT_PRIVATE int prof_pause(dt_ctx *ctx)
+{
+    int measure = ctx->prof.measure;
+    ctx->prof.measure = 0;
+    return measure;
+}
+
+DT_PRIVATE void prof_resume(dt_ctx *ctx, int measure) { ctx->prof.measure = measure; }
+
+/* A pipeline stage's wait on its neighbours since t0 (prof_begin), within
+ * the open step only */
+DT_PRIVATE void prof_pipe_wait(dt_ctx *ctx, double t0)
+{
+    if (t0 > 0 && ctx->prof.open)
+        ctx->prof.cur_pipe += dt_now() - t0;
+}
+
+/* the pipeline's ideal bubble share, (stages - 1) / (micro-batches + stages - 1) */
+DT_PRIVATE void prof_pipe_bubble(dt_ctx *ctx, double ideal)
+{
+    pthread_mutex_lock(&ctx->prof.mu);
+    ctx->prof.tot.pipe_bubble_ideal = ideal;
+    pthread_mutex_unlock(&ctx->prof.mu);
+}
+
 DT_PRIVATE void prof_init(dt_ctx *ctx)
 {
     prof_state *p = &ctx->prof;

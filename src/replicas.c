@@ -15,6 +15,41 @@
  * skip phases 2 and 3 together.
  * ======================================================================== */
 
+/* --- src/replicas.c --- */
+
+struct dt_dp {
+    dt_ctx *ctx;               /* the caller's: errors */
+    int K;
+    dt_ctx **rc;               /* replica contexts */
+    void **model;
+    dt_optim **opt;
+    dt_dp_loss_fn loss;
+    dt_dp_free_fn free_model;
+    void *user;
+    pthread_t *thread;
+    struct dp_arg { struct dt_dp *dp; int k; } *args;   /* each worker's */
+    int threads_started, stop;
+    pthread_barrier_t bar;
+    int has_bar;
+    pthread_mutex_t mu;        /* start-up: workers wait for go (1) or abort (-1) */
+    pthread_cond_t cv;
+    int go, has_mu;
+    /* the step's inputs, staged on the host */
+    float *xh;
+    int32_t *yh;
+    size_t x_cap;
+    int64_t B, feat, xshape[DT_MAX_DIMS];
+    int xndim;
+    /* the flat gradient: parameter p at poff[p], G floats in all */
+    int np;
+    int64_t *poff, G;
+    float *avg;
+    unsigned char *used;
+    float *losses;
+    dt_status *status;
+    char (*msg)[DT_MAX_ERROR];
+};
+
 void dt_dp_config_init(dt_dp_config *cfg)
 {
     if (!cfg)

@@ -1,5 +1,14 @@
 #include "dist.h"
 
+struct seg_rank {
+    _Alignas(128) _Atomic uint32_t phase;   /* phases this rank has published */
+    _Atomic uint32_t sleepers;              /* ranks asleep on `phase` */
+    _Atomic uint32_t call_phase;            /* first phase of the call described below */
+    _Atomic uint32_t progress;              /* a leader's transfers completing between hosts */
+    _Atomic uint32_t kind, seq, root, op;
+    _Atomic int64_t n;
+};
+
 /* ===========================================================================
  * The host segment: collectives between the ranks of one host
  *

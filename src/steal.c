@@ -12,28 +12,43 @@
  * side is taken.
  * ======================================================================== */
 
+/* Where a loader is in the chunks it claimed, through its own store
+ * connection (the loader's thread claims): the loader's source state. */
+typedef struct loader_steal {
+    dt_store *store;
+    dt_ctx *errors;            /* the connection's error sink (not the caller's ctx) */
+    int id, chunk;             /* the job-wide loader number; batches per chunk */
+    int64_t gen;               /* start_epoch calls so far: the claims' namespace (every
+                                  worker starts the same epochs, so they agree) */
+    int shard;                 /* the shard of the chunk in hand */
+    int64_t first, left;       /* its next batch (in that shard) and batches left */
+    int64_t own_next;          /* our shard's next chunk to claim */
+    unsigned char *dry;        /* per shard: nothing left to take there */
+    dt_status status;
+    char msg[DT_MAX_ERROR];
+} loader_steal;
+
 static int64_t steal_batches_per_shard(const dt_loader *ld)
 {
-    return ld->cfg.drop_last ? ld->n_local / ld->cfg.batch
-                             : (ld->n_local + ld->cfg.batch - 1) / ld->cfg.batch;
+    const dt_loader_config *cfg = loader_config(ld);
+    int64_t n = loader_local_samples(ld);
+    return cfg->drop_last ? n / cfg->batch : (n + cfg->batch - 1) / cfg->batch;
 }
 
 static void steal_start_epoch(dt_loader *ld, int64_t epoch)
 {
-    loader_steal *st = ld->steal;
+    loader_steal *st = loader_source_state(ld);
     (void)epoch;   /* the order is the epoch's; the claims are this start's */
     st->gen++;
     st->left = 0;
     st->own_next = 0;
-    st->done = st->stolen = 0;
-    memset(st->dry, 0, (size_t)ld->cfg.shard_count);
-    ld->n_batches = INT64_MAX;   /* until no chunk is left */
+    memset(st->dry, 0, (size_t)loader_config(ld)->shard_count);
 }
 
 /* Claim chunk k of shard v: 1 ours, 0 taken, -1 the store failed. */
 static int steal_claim(dt_loader *ld, int v, int64_t k)
 {
-    loader_steal *st = ld->steal;
+    loader_steal *st = loader_source_state(ld);
     char key[96];
     snprintf(key, sizeof key, "steal/%d/%lld/%d/%lld", st->id, (long long)st->gen, v,
              (long long)k);
@@ -49,8 +64,8 @@ static int steal_claim(dt_loader *ld, int v, int64_t k)
 /* The next batch to prepare: its shard and index in that shard, or -1. */
 static int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
 {
-    loader_steal *st = ld->steal;
-    int W = ld->cfg.shard_count, me = ld->cfg.shard_rank;
+    loader_steal *st = loader_source_state(ld);
+    int W = loader_config(ld)->shard_count, me = loader_config(ld)->shard_rank;
     int64_t nb = steal_batches_per_shard(ld), chunks = (nb + st->chunk - 1) / st->chunk;
     while (st->left == 0 && st->status == DT_OK) {
         int v = -1;
@@ -97,19 +112,29 @@ static int64_t steal_next(dt_loader *ld, int *shard, int *stolen)
     return st->first++;
 }
 
+/* why steal_next found no batch: a failed claim, or none left (DT_OK) */
+static dt_status steal_failed(const dt_loader *ld, const char **msg)
+{
+    const loader_steal *st = loader_source_state(ld);
+    *msg = st->msg;
+    return st->status;
+}
+
 /* the loader is being freed: its claims' connection and state */
 static void steal_release(dt_loader *ld)
 {
-    dt_ctx *ctx = ld->ctx;
-    dt_store_close(ld->steal->store);
-    host_free(ctx, ld->steal->errors);
-    host_free(ctx, ld->steal->dry);
-    host_free(ctx, ld->steal);
-    ld->steal = NULL;
+    dt_ctx *ctx = loader_ctx(ld);
+    loader_steal *st = loader_source_state(ld);
+    dt_store_close(st->store);
+    host_free(ctx, st->errors);
+    host_free(ctx, st->dry);
+    host_free(ctx, st);
+    loader_set_source(ld, NULL, NULL);
 }
 
 static const loader_source steal_source = {
     .next = steal_next,
+    .failed = steal_failed,
     .start_epoch = steal_start_epoch,
     .release = steal_release,
 };
@@ -118,26 +143,26 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
 {
     if (!ld)
         return DT_EINVAL;
-    dt_ctx *ctx = ld->ctx;
+    dt_ctx *ctx = loader_ctx(ld);
     if (!c || chunk_batches < 1)
         return set_error(ctx, DT_EINVAL, "loader_steal: need a communicator and chunk_batches "
                          ">= 1 (got %d)", chunk_batches);
-    if (ld->cfg.global_batches || ld->steal)
-        return set_error(ctx, DT_ESTATE, "loader_steal: %s", ld->steal ? "already stealing"
+    int stealing = loader_source_state(ld) != NULL;
+    if (loader_config(ld)->global_batches || stealing)
+        return set_error(ctx, DT_ESTATE, "loader_steal: %s", stealing ? "already stealing"
                          : "not with global_batches");
     loader_quiesce(ld);
     loader_steal *st = host_calloc(ctx, sizeof *st);
-    if (!st || !(st->dry = host_calloc(ctx, (size_t)ld->cfg.shard_count)) ||
-        !(st->errors = host_calloc(ctx, sizeof *st->errors))) {
+    if (!st || !(st->dry = host_calloc(ctx, (size_t)loader_config(ld)->shard_count)) ||
+        !(st->errors = ctx_new_sink(ctx))) {
         if (st) {
             host_free(ctx, st->dry);
             host_free(ctx, st);
         }
         return set_error(ctx, DT_ENOMEM, "loader_steal: out of memory");
     }
-    st->errors->al = ctx->al;
     st->chunk = chunk_batches;
-    st->id = c->steals_made++;
+    st->id = comm_serial(c, COMM_SERIAL_STEAL);
     /* the loader's thread claims: it needs a connection of its own */
     st->store = join_own_store(c, st->errors);
     if (!st->store) {
@@ -147,8 +172,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
         host_free(ctx, st);
         return s;
     }
-    ld->steal = st;
-    ld->source = &steal_source;
+    loader_set_source(ld, &steal_source, st);
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 

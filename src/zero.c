@@ -32,6 +32,14 @@
  * optimizer's shard table.
  * ======================================================================== */
 
+/* --- src/zero.c --- */
+
+struct zero_buf {
+    float *mem;
+    int64_t cap;               /* floats */
+    int busy;                  /* lent to a bucket */
+};
+
 /* Why cfg cannot shard (NULL: it can, or it does not ask to); *code the
  * status to fail with. */
 DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *opt, const dt_ctx *ctx,
@@ -326,12 +334,12 @@ DT_PRIVATE void zero_launch(dt_ddp *d, ddp_bucket *b)
                                            DT_REDUCE_AVG, b->blocks));
         d->st.comm_s += dt_now() - t0;
     } else {   /* staged: the comm thread waits for the copy before it sends */
-        d->comm->stage_ticket = ticket;
+        comm_stage_next(d->comm, ticket);
         b->work = comm_enqueue_in(d->comm, COLL_REDUCE_SCATTER_V, buf, NULL, b->numel, 0,
                                   DT_REDUCE_AVG, b->blocks);
-        if (d->comm->stage_ticket)   /* not consumed: the launch failed; let the copy land */
-            d->be_iface->copy_wait(d->be, d->comm->stage_ticket);
-        d->comm->stage_ticket = 0;
+        uint64_t unused = comm_stage_next(d->comm, 0);
+        if (unused)   /* not consumed: the launch failed; let the copy land */
+            d->be_iface->copy_wait(d->be, unused);
         if (!b->work)
             zero_note_failure(d, d->ctx->last_status);
     }

@@ -22,6 +22,19 @@ functions defined there.  The rules, each printed with what broke it:
             it goes; statics are the file's own and need none
   dist.h    modules below the rendezvous store (the first distributed
             module) include src/internal.h alone, never src/dist.h
+  owners    every struct type of src/internal.h and src/dist.h is owned by
+            one module (an "owns" line of src/modules.txt), or is a hook
+            table ("hooks": set by a higher layer, called by a lower one);
+            a type used by one module alone lives in that module's .c
+  fields    a module touches the fields of a type another module owns only
+            if the owner is of its cycle, or it reads (never writes) a type
+            declared "open" of its own layer or a lower one, or src/modules.txt declares
+            the reach ("reach MODULE TYPE... -- WHY", the debt, each to be
+            replaced by a call); a declared reach that no longer happens is
+            stale.  Field accesses are found in clang's syntax tree, with
+            their types, also where a macro of a header expands
+  foreign   a field of an owned type that its owner (with its cycle) never
+            touches, but another module does, belongs to that module
 
 Where a lower layer must let a higher one act it offers a hook the higher
 one registers (dt_grad_hooks, loader_source, comm_ext_ops in
@@ -29,11 +42,17 @@ src/internal.h), as PyTorch's autograd offers hooks to its DDP reducer.
 Prints "layer check: ..." lines; exits 1 when a rule is broken.
 """
 import glob
+import hashlib
+import json
 import os
+import pickle
 import re
+import shutil
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
-RULES = ("listed", "down", "cycles", "prefix", "dist.h")
+RULES = ("listed", "down", "cycles", "prefix", "dist.h", "owners", "fields", "foreign")
 # The context's error helpers (set_error, warn) are the whole core's vocabulary.
 EXEMPT = {"set_error", "warn"}
 OFFERED = re.compile(r"^DT_PRIVATE [A-Za-z_][\w \*]*?\b(\w+)\s*\(", re.M)
@@ -43,12 +62,21 @@ DEFINITION = re.compile(r"^(?:DT_PRIVATE |static )?[A-Za-z_][\w \*]*?\b(\w+)\s*\
 MACRO = re.compile(r"^#define (\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
 
 
-def read_modules(path):
-    """src/modules.txt -> (layer of each module in order, prefixes, cycles, errors)."""
+def read_modules(path, types=None):
+    """src/modules.txt -> (layer of each module in order, prefixes, cycles, errors).
+    types, when given, receives the ownership lines: {"owns": {type: (module, line)},
+    "open": {type: line}, "hooks": {type: line}, "reach": {(module, type): line}}."""
     layer_of, prefixes, cycles, errors = {}, {}, [], []
+    if types is not None:
+        types.update(owns={}, open={}, hooks={}, reach={})
     for n, line in enumerate(open(path), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
+            continue
+        word = line.split()[0]
+        if word in ("owns", "open", "hooks", "reach"):
+            if types is not None:
+                read_type_line(word, line, n, types, errors)
             continue
         if line.startswith("cycle "):
             mods, _, why = line[len("cycle "):].partition("--")
@@ -63,6 +91,25 @@ def read_modules(path):
         layer_of[f[1]] = int(f[0])
         prefixes[f[1]] = tuple(f[2:])
     return layer_of, prefixes, cycles, errors
+
+
+def read_type_line(word, line, n, types, errors):
+    """One owns/open/hooks/reach line of src/modules.txt into types."""
+    head, _, why = line.partition("--")
+    f = head.split()[1:]
+    if word in ("open", "hooks", "reach") and not why.strip():
+        errors.append(f"src/modules.txt:{n}: {word} without its reason (-- WHY)")
+    if word in ("owns", "reach") and len(f) < 2 or not f:
+        errors.append(f"src/modules.txt:{n}: expected {word} {'MODULE ' if word in ('owns', 'reach') else ''}TYPE...")
+        return
+    if word in ("owns", "reach"):
+        for t in f[1:]:
+            if word == "owns" and t in types["owns"]:
+                errors.append(f"src/modules.txt:{n}: {t} is owned twice")
+            key = t if word == "owns" else (f[0], t)
+            types[word][key] = (f[0], n) if word == "owns" else n
+    else:
+        types[word].update({t: n for t in f})
 
 
 def code_of(path):
@@ -143,10 +190,223 @@ def sccs(nodes, edges):
     return out
 
 
+# ---------------------------------------------------------------------------
+# Field access, from clang's syntax tree (-ast-dump=json): each member access
+# of a module's own lines with the type of the struct it reads from, and
+# whether it writes (assigns, increments or takes the address of) the field.
+
+SHARED_HEADERS = ("src/internal.h", "src/dist.h")
+_TREES = {}   # (module, hash of its sources) -> its analysis; the self-test reuses it
+# ... and so do later runs: build/layers-ast.cache beside this repository's build
+_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "layers-ast.cache")
+
+
+def clang():
+    return shutil.which("clang") or shutil.which("clang-14")
+
+
+def record_of(qual, typedefs):
+    """'const dt_loader *' -> 'dt_loader' (the struct's tag), None for a non-struct."""
+    t = re.sub(r"\b(const|volatile|_Atomic|restrict)\b|\[[^]]*\]", " ", qual)
+    base = t.replace("*", " ").strip()
+    t = typedefs.get(base, t)
+    m = re.search(r"\b(?:struct|union)\s+(\w+)", t)
+    return m.group(1) if m else None
+
+
+def _writes(node, written):
+    """Which children of node a write of node (or node itself) writes."""
+    k, inner = node.get("kind"), node.get("inner", [])
+    out = [False] * len(inner)
+    if not inner:
+        return out
+    op = node.get("opcode")
+    if k == "BinaryOperator" and op == "=" or k == "CompoundAssignOperator" or \
+            k == "UnaryOperator" and op in ("++", "--", "&"):
+        out[0] = True
+    elif written and (k == "MemberExpr" and not node.get("isArrow") or
+                      k in ("ArraySubscriptExpr", "ParenExpr") or
+                      k == "ImplicitCastExpr" and node.get("castKind") == "ArrayToPointerDecay"):
+        out[0] = True
+    return out
+
+
+def analyse_tree(tree, module, root):
+    """-> (accesses [(struct tag, field, written, line)], structs {tag: (file, [fields])},
+    typedefs {name: type}).  The dump names a node's file only when it changes, so
+    the walk keeps the last one seen, in the order the dump was written."""
+    cur = {"file": "", "line": 0}
+    acc, structs, typedefs = [], {}, {}
+    mine = os.path.join(root, f"src/{module}.c")
+
+    def see(loc):
+        if not loc:
+            return
+        if "spellingLoc" in loc:
+            see(loc["spellingLoc"])
+            see(loc["expansionLoc"])
+            return
+        cur["file"] = loc.get("file", cur["file"])
+        cur["line"] = loc.get("line", cur["line"])
+
+    def walk(node, written):
+        see(node.get("loc"))
+        rng = node.get("range") or {}
+        see(rng.get("begin"))
+        line = cur["line"]
+        see(rng.get("end"))
+        k, here, inner = node.get("kind"), cur["file"], node.get("inner", [])
+        if here.startswith(root + os.sep):
+            if k == "RecordDecl" and node.get("completeDefinition") and node.get("name"):
+                structs[node["name"]] = (os.path.relpath(here, root),
+                                         [(c["name"], c["type"]["qualType"]) for c in inner
+                                          if c.get("kind") == "FieldDecl" and c.get("name")])
+            elif k == "TypedefDecl":
+                typedefs[node["name"]] = node["type"]["qualType"]
+        if k == "MemberExpr" and here == mine and inner:
+            t = inner[0]["type"]
+            acc.append((t.get("desugaredQualType", t["qualType"]), node["name"], written, line))
+        for child, w in zip(inner, _writes(node, written)):
+            walk(child, w)
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 100000))
+    walk(tree, False)
+    structs = {t: (f, [(n, record_of(q, typedefs) if "*" not in q else None) for n, q in fl])
+               for t, (f, fl) in structs.items()}
+    return [(record_of(q, typedefs), f, w, ln) for q, f, w, ln in acc], structs, typedefs
+
+
+def sources_hash(root, module):
+    """What a module's analysis depends on: its file, every header, and this
+    check itself (a changed analysis invalidates the cache)."""
+    h = hashlib.sha256(open(os.path.abspath(__file__), "rb").read())
+    for p in [f"src/{module}.c"] + sorted(glob.glob(os.path.join(root, "src/*.h"))) + \
+            sorted(glob.glob(os.path.join(root, "backends/*.h"))) + ["dtrain.h"]:
+        h.update(open(os.path.join(root, p), "rb").read())
+    return h.hexdigest()
+
+
+def field_accesses(root, modules):
+    """{module: analysis, or the compiler's complaint (a str)} through clang, a
+    module's analysis reused while its sources are unchanged; None when there
+    is no clang."""
+    cc = clang()
+    if not cc:
+        return None
+    root = os.path.abspath(root)
+    if not _TREES and os.path.exists(_CACHE):
+        try:
+            _TREES.update(pickle.load(open(_CACHE, "rb")))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            pass
+    known = len(_TREES)
+    used = set()
+
+    def one(m):
+        key = (m, sources_hash(root, m))
+        used.add(key)
+        if key not in _TREES:
+            out = subprocess.run([cc, "-std=c11", "-D_GNU_SOURCE", "-fsyntax-only", "-Xclang", "-ast-dump=json",
+                                  "-I", os.path.join(root, "src"), "-I", os.path.join(root, "backends"),
+                                  "-I", root, os.path.join(root, f"src/{m}.c")],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:   # a tree of code that does not compile proves nothing
+                return m, f"clang could not read src/{m}.c: {out.stderr.strip().splitlines()[0:1]}"
+            _TREES[key] = analyse_tree(json.loads(out.stdout), m, root)
+        return m, _TREES[key]
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        found = dict(pool.map(one, modules))
+    if len(_TREES) != known and os.path.isdir(os.path.dirname(_CACHE)):
+        try:
+            keep = _TREES if len(_TREES) <= 400 else {k: _TREES[k] for k in used}
+            with open(_CACHE + ".tmp", "wb") as f:
+                pickle.dump(keep, f)
+            os.replace(_CACHE + ".tmp", _CACHE)
+        except OSError:
+            pass
+    return found
+
+
+def check_fields(root, modules, layer_of, cycles, types, broken):
+    """The owners, fields and foreign rules."""
+    found = field_accesses(root, modules)
+    if found is None:   # a skip is a failure only where CI installed clang (DT_CI=1)
+        if os.environ.get("DT_CI") == "1":
+            broken["fields"].append("not checked: no clang (apt-get install clang)")
+        else:
+            print("layer check: owners, fields, foreign: skipped (no clang; apt-get install clang)")
+        return 0
+    for m in sorted(m for m in found if isinstance(found[m], str)):
+        broken["fields"].append(found.pop(m))
+    modules = [m for m in modules if m in found]
+    structs = {}
+    for _, st, _ in found.values():
+        structs.update(st)
+    owns, opened, hooks, reach = types["owns"], types["open"], types["hooks"], types["reach"]
+    shared = {t for t, (f, _) in structs.items() if f in SHARED_HEADERS}
+    users = {}   # type -> the modules that touch its fields or write its name
+    for m, (acc, _, _) in found.items():
+        for t, _, _, _ in acc:
+            users.setdefault(t, set()).add(m)
+    for m in modules:
+        for t in shared & names_used(code_of(os.path.join(root, f"src/{m}.c"))):
+            users.setdefault(t, set()).add(m)
+    for path in glob.glob(os.path.join(root, "tests/*.c")):   # white-box tests need it too
+        for t in shared & names_used(code_of(path)):
+            users.setdefault(t, set()).add("tests")
+    # a type held by value in another shared struct cannot leave the header
+    embedded = {v for t in shared for _, v in structs[t][1] if v and v != t}
+    for t in sorted(shared - set(owns) - set(hooks)):
+        broken["owners"].append(f"struct {t} of {structs[t][0]} has no owner: add it to an owns line of "
+                                "src/modules.txt (or move it into the .c of the one module that uses it)")
+    for t, (m, n) in sorted(owns.items()):
+        if t not in shared:
+            broken["owners"].append(f"src/modules.txt:{n}: {t} is not a struct of src/internal.h or src/dist.h")
+        elif m not in layer_of:
+            broken["owners"].append(f"src/modules.txt:{n}: {t} is owned by {m}, which is no module")
+        elif users.get(t, set()) <= {m} and t not in hooks and t not in embedded:
+            broken["owners"].append(f"src/modules.txt:{n}: {t} is used by {m} alone: define it in src/{m}.c")
+    for t, n in sorted(list(opened.items()) + list(hooks.items())):
+        if t not in owns and t not in hooks or t not in shared:
+            broken["owners"].append(f"src/modules.txt:{n}: {t} is declared open or hooks but owned by no module")
+    group = {m: {m} for m in layer_of}
+    for c, _ in cycles:
+        for m in c:
+            group[m] = group.get(m, {m}) | set(c)
+    touched, reached, foreign = {}, set(), {}
+    for m in modules:
+        for t, field, written, line in found[m][0]:
+            if t not in owns or t in hooks:
+                continue
+            o = owns[t][0]
+            if m in group.get(o, {o}):
+                touched.setdefault(t, set()).add(field)
+                continue
+            foreign.setdefault((t, field), set()).add(m)
+            if (m, t) in reach:
+                reached.add((m, t))
+                continue
+            if not written and t in opened and layer_of.get(o, 0) <= layer_of[m]:
+                continue
+            how = "writes" if written else "reads"
+            why = "" if written or t in opened else f" ({t} is not open)"
+            if layer_of.get(o, 0) > layer_of[m]:
+                why = ", a higher layer"
+            broken["fields"].append(f"src/{m}.c:{line} {how} {t}.{field}, owned by src/{o}.c{why}: "
+                                    f"call a function of {o}, or declare the reach")
+    broken["fields"] += [f"src/modules.txt:{n}: the reach of {m} into {t} no longer happens: remove it"
+                         for (m, t), n in sorted(reach.items()) if (m, t) not in reached]
+    for (t, field), ms in sorted(foreign.items()):
+        if field not in touched.get(t, set()) and not any((m, t) in reach for m in ms):
+            broken["foreign"].append(f"{t}.{field} (owned by src/{owns[t][0]}.c) is touched only by "
+                                     f"{', '.join(f'src/{m}.c' for m in sorted(ms))}: it belongs there")
+    return len(set(reach.values()))
+
+
 def check(root):
     """{rule: [what broke it]} and the module count."""
     broken = {r: [] for r in RULES}
-    layer_of, prefixes, cycles, errors = read_modules(os.path.join(root, "src/modules.txt"))
+    types = {}
+    layer_of, prefixes, cycles, errors = read_modules(os.path.join(root, "src/modules.txt"), types)
     broken["listed"] += errors
     files = {os.path.basename(p)[:-2] for p in glob.glob(os.path.join(root, "src/*.c"))}
     broken["listed"] += [f"src/{m}.c is not in src/modules.txt" for m in sorted(files - set(layer_of))]
@@ -185,12 +445,13 @@ def check(root):
         broken["dist.h"] += [f"src/{m}.c includes dist.h, the distributed modules' header, from below store"
                              for m in modules if layer_of[m] < layer_of["store"]
                              and re.search(r'^#include "dist\.h"', open(os.path.join(root, f"src/{m}.c")).read(), re.M)]
-    return broken, len(modules), len(set(layer_of.values())), len(declared)
+    nreach = check_fields(root, modules, layer_of, cycles, types, broken)
+    return broken, len(modules), len(set(layer_of.values())), len(declared), nreach
 
 
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "."
-    broken, n, layers, ncycles = check(root)
+    broken, n, layers, ncycles, nreach = check(root)
     for rule in RULES:
         for line in broken[rule]:
             print(f"layer check: {rule}: {line}")
@@ -199,7 +460,7 @@ def main():
         print(f"layer check: failed: {', '.join(f'{r} ({len(broken[r])})' for r in bad)}")
         return 1
     print(f"layer check: {n} modules in {layers} layers; rules kept: {', '.join(RULES)} "
-          f"({ncycles} declared cycles)")
+          f"({ncycles} declared cycles; {nreach} modules declare reaches into another module's fields)")
     return 0
 
 

@@ -63,12 +63,40 @@ CASES = [
      lambda r: append(os.path.join(r, "src/tensor.c"), "\nDT_PRIVATE int unprefixed(void) { return 0; }\n")),
     ("dist.h below the store", "dist.h",
      lambda r: edit(os.path.join(r, "src/tensor.c"), '#include "internal.h"', '#include "dist.h"')),
+    ("a struct of a shared header without an owner", "owners",
+     lambda r: edit(os.path.join(r, "src/modules.txt"), "owns store dt_store\n", "")),
+    ("a field of a higher layer's struct read", "fields",
+     lambda r: append(os.path.join(r, "src/tensor.c"),
+                      "\nint64_t up_field(const dt_loader *ld);\n"
+                      "int64_t up_field(const dt_loader *ld) { return ld->n_local; }\n"),
+     "a higher layer"),
+    ("a field of a lower layer's struct written", "fields",
+     lambda r: append(os.path.join(r, "src/store.c"),
+                      "\nvoid poke_field(dt_tensor *t);\nvoid poke_field(dt_tensor *t) { t->ndim = 0; }\n"),
+     "writes dt_tensor.ndim"),
+    ("a field of a struct that is not open read", "fields",
+     lambda r: append(os.path.join(r, "src/store.c"),
+                      "\nint peek_field(const dt_optim *o);\nint peek_field(const dt_optim *o) { return o->n; }\n"),
+     "dt_optim is not open"),
+    ("a declared reach that no longer happens", "fields",
+     lambda r: append(os.path.join(r, "src/modules.txt"), "reach store dt_tensor -- none\n"),
+     "no longer happens"),
+    ("a field its owner never touches", "foreign",
+     lambda r: (edit(os.path.join(r, "src/internal.h"), "struct dt_tensor {\n",
+                     "struct dt_tensor {\n    int only_store;\n"),
+                append(os.path.join(r, "src/store.c"),
+                       "\nint peek_field(const dt_tensor *t);\n"
+                       "int peek_field(const dt_tensor *t) { return t->only_store; }\n")),
+     "dt_tensor.only_store"),
 ]
 
 
 def scratch(src):
+    """A copy of src/ beside the headers and tests it is checked with."""
     d = tempfile.mkdtemp(prefix="layers-selftest-")
     shutil.copytree(os.path.join(src, "src"), os.path.join(d, "src"))
+    for name in ("dtrain.h", "backends", "tests"):
+        os.symlink(os.path.abspath(os.path.join(src, name)), os.path.join(d, name))
     return d
 
 

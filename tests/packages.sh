@@ -14,7 +14,7 @@ set -euo pipefail
 declare -A GROUP=(
     [build]="gcc make libopenblas-dev libfabric-dev libmicrohttpd-dev zlib1g-dev libcmocka-dev pkg-config"
     [data]="dataset-fashion-mnist fortunes"
-    [test]="valgrind"
+    [test]="valgrind clang"   # clang: the layer check reads its syntax trees (tests/layers.py)
     [bench]="python3-torch python3-numpy time"
     [python]="python3-venv python3-numpy python3-setuptools python3-wheel"
     [fuzz]="clang libclang-rt-14-dev"   # libFuzzer (tests/fuzz/)
