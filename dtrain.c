@@ -883,28 +883,16 @@ struct dt_node {
     dt_tensor *out;
     dt_tensor *in[NODE_MAX_IN];
     int n_in;
-    int64_t iarg[8];
-    float farg[4];
-    void *aux[4];                  /* saved buffers (arena) */
+    void *state;                   /* what the op keeps for its backward: its own struct
+                                      (transpose_state, matmul_state, ... in its module),
+                                      copied in by tape_record_op (host arena) */
     dt_precision prec;             /* autocast when recorded: backward's GEMMs use it */
-    dt_segment_fn seg_fn;          /* recompute: the segment function */
-    void *user;                    /* recompute, a custom op: the user pointer */
-    dt_custom_backward_fn custom;  /* a custom op's backward (dt_custom_op) */
     /* what the node reads beyond in[] (tape_node_reads): concat's inputs,
      * kept aside as there may be any number; a recompute segment's parameters */
     dt_tensor *const *reads;
     int n_reads, reads_aside;      /* reads_aside: reads, not in[], is what it reads */
 };
 
-/* What an op keeps for its backward, by position in the node (iarg, farg,
- * aux): tape_record_op copies it in, so an op records with one call,
- * tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
- *           &(node_args){.i = {dim, start}}). */
-typedef struct node_args {
-    int64_t i[8];
-    float f[4];
-    void *aux[4];
-} node_args;
 
 typedef struct dt_chunk dt_chunk;
 
@@ -1455,10 +1443,21 @@ DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t);
  * parameters into uses[param_index] (nparams of them). */
 DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out);
 DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams);
+/* A node that reads other tensors than its in[] (any number of them,
+ * reads[count]); the precision its backward runs at, when not the one
+ * recorded (a recompute segment's, as its forward ran). */
+DT_PRIVATE void tape_set_reads(dt_node *n, dt_tensor *const *reads, int count);
+DT_PRIVATE void tape_set_prec(dt_node *n, dt_precision prec);
 DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
+/* tape_record, and a copy of the op's state (size bytes of the op's own
+ * struct, named fields) as the node's state for its backward: an op
+ * records with one call, tape_record_op(ctx, "slice", slice_backward, y, x,
+ * NULL, NULL, &(slice_state){dim, start}, sizeof(slice_state)).  NULL,
+ * with the context's error set, when the tape has no room. */
 DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
-                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args);
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const void *state,
+                           size_t size);
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
 DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE int grad_needed(const dt_tensor *t);
@@ -2390,7 +2389,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2394 "dtrain.c"
+#line 2393 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -3015,7 +3014,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3019 "dtrain.c"
+#line 3018 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3312,7 +3311,7 @@ void dt_mem_reset_peak(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3316 "dtrain.c"
+#line 3315 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -3856,7 +3855,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 3860 "dtrain.c"
+#line 3859 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4177,7 +4176,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4181 "dtrain.c"
+#line 4180 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4261,7 +4260,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4265 "dtrain.c"
+#line 4264 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -4832,7 +4831,7 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 4836 "dtrain.c"
+#line 4835 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -4862,6 +4861,15 @@ DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out)
     *out = n->in;
     return n->n_in;
 }
+
+DT_PRIVATE void tape_set_reads(dt_node *n, dt_tensor *const *reads, int count)
+{
+    n->reads = reads;
+    n->n_reads = count;
+    n->reads_aside = 1;
+}
+
+DT_PRIVATE void tape_set_prec(dt_node *n, dt_precision prec) { n->prec = prec; }
 
 DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams)
 {
@@ -4898,22 +4906,19 @@ DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, 
     return n;
 }
 
-/* record, then the node's arguments from args (node_args); NULL, with the
- * context's error set, when the tape has no room. */
-_Static_assert(sizeof(((node_args *)0)->i) == sizeof(((dt_node *)0)->iarg) &&
-                   sizeof(((node_args *)0)->f) == sizeof(((dt_node *)0)->farg) &&
-                   sizeof(((node_args *)0)->aux) == sizeof(((dt_node *)0)->aux),
-               "node_args mirrors dt_node's arguments");
-
 DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
-                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args)
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const void *state,
+                           size_t size)
 {
-    dt_node *n = tape_record(ctx, op, bw, out, a, b, c);
-    if (n) {
-        memcpy(n->iarg, args->i, sizeof n->iarg);
-        memcpy(n->farg, args->f, sizeof n->farg);
-        memcpy(n->aux, args->aux, sizeof n->aux);
+    void *st = arena_alloc(ctx, ctx->cur_host, size);
+    if (!st) {
+        set_error(ctx, DT_ENOMEM, "%s: out of host memory for the tape", op);
+        return NULL;
     }
+    memcpy(st, state, size);
+    dt_node *n = tape_record(ctx, op, bw, out, a, b, c);
+    if (n)
+        n->state = st;
     return n;
 }
 
@@ -5076,7 +5081,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5080 "dtrain.c"
+#line 5085 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -5285,10 +5290,14 @@ dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim)
     return dt_reshape(ctx, x, start_dim + 1, shape);
 }
 
+/* What each op keeps for its backward (its node's state, tape_record_op). */
+typedef struct transpose_state { int d0, d1; } transpose_state;
+
 static dt_status transpose_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *y = n->out;
-    int d0 = (int)n->iarg[0], d1 = (int)n->iarg[1];
+    const transpose_state *st = n->state;
+    int d0 = st->d0, d1 = st->d1;
     int acc;
     float *gx = grad_target(ctx, x, &acc);
     if (!gx)
@@ -5321,13 +5330,16 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
     y->stride[d1] = t;
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {d0, d1}}))
+                        &(transpose_state){d0, d1}, sizeof(transpose_state)))
         return NULL;
     return y;
 }
 
+typedef struct permute_state { int dims[DT_MAX_DIMS]; } permute_state;   /* y's dim i is x's dims[i] */
+
 static dt_status permute_backward(dt_ctx *ctx, dt_node *n)
 {
+    const permute_state *st = n->state;
     dt_tensor *x = n->in[0], *y = n->out;
     int acc;
     float *gx = grad_target(ctx, x, &acc);
@@ -5336,7 +5348,7 @@ static dt_status permute_backward(dt_ctx *ctx, dt_node *n)
     int64_t gy[DT_MAX_DIMS], gs[DT_MAX_DIMS], xs[DT_MAX_DIMS];
     contiguous_strides(y->ndim, y->shape, gy);   /* gy is contiguous in y's shape */
     for (int i = 0; i < y->ndim; i++)
-        gs[n->iarg[i]] = gy[i];                   /* x's dim dims[i] is y's dim i */
+        gs[st->dims[i]] = gy[i];                  /* x's dim dims[i] is y's dim i */
     contiguous_strides(x->ndim, x->shape, xs);
     BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, 4, gx, xs, FP(y->grad), gs, acc);
     return DT_OK;
@@ -5362,30 +5374,33 @@ dt_tensor *dt_permute(dt_ctx *ctx, dt_tensor *x, int ndim, const int *dims)
     dt_tensor *y = tensor_view_header(ctx, x);
     if (!y)
         return NULL;
-    node_args args;
-    memset(&args, 0, sizeof args);
+    permute_state st;
+    memset(&st, 0, sizeof st);
     for (int i = 0; i < ndim; i++) {
         y->shape[i] = x->shape[dims[i]];
         y->stride[i] = x->stride[dims[i]];
-        args.i[i] = dims[i];
+        st.dims[i] = dims[i];
     }
     if (tape_tracks(ctx, x) &&
-        !tape_record_op(ctx, "permute", permute_backward, y, x, NULL, NULL, &args))
+        !tape_record_op(ctx, "permute", permute_backward, y, x, NULL, NULL, &st, sizeof st))
         return NULL;
     return y;
 }
 
+typedef struct slice_state { int dim; int64_t start; } slice_state;
+
 static dt_status slice_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *y = n->out;
-    int dim = (int)n->iarg[0];
+    const slice_state *st = n->state;
+    int dim = st->dim;
     float *gx = grad_target_zeroed(ctx, x);
     if (!gx)
         return ctx->last_status;
     int64_t xs[DT_MAX_DIMS], ys[DT_MAX_DIMS];
     contiguous_strides(x->ndim, x->shape, xs);
     contiguous_strides(y->ndim, y->shape, ys);
-    BE(ctx)->copy_strided(BEI(ctx), y->ndim, y->shape, 4, gx + n->iarg[1] * xs[dim], xs,
+    BE(ctx)->copy_strided(BEI(ctx), y->ndim, y->shape, 4, gx + st->start * xs[dim], xs,
                           FP(y->grad), ys, 1);
     return DT_OK;
 }
@@ -5407,15 +5422,19 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
     y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {dim, start}}))
+                        &(slice_state){dim, start}, sizeof(slice_state)))
         return NULL;
     return y;
 }
 
+/* any number of inputs, kept aside (also the node's reads, tape_node_reads) */
+typedef struct concat_state { dt_tensor **xs; int count, dim; } concat_state;
+
 static dt_status op_concat_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_tensor *y = n->out, **xs = n->aux[0];
-    int count = (int)n->iarg[0], dim = (int)n->iarg[1];
+    const concat_state *st = n->state;
+    dt_tensor *y = n->out, **xs = st->xs;
+    int count = st->count, dim = st->dim;
     int64_t ys[DT_MAX_DIMS], off = 0;
     contiguous_strides(y->ndim, y->shape, ys);
     for (int i = 0; i < count; i++) {
@@ -5482,19 +5501,17 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
         off += xs[i]->shape[dim];
     }
     if (track) {
-        dt_node *nd = tape_record(ctx, "concat", op_concat_backward, y, NULL, NULL, NULL);
         dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)n);
-        if (!nd || !saved) {
+        if (!saved) {
             set_error(ctx, DT_ENOMEM, "concat: out of memory for the tape");
             return NULL;
         }
         memcpy(saved, xs, sizeof(dt_tensor *) * (size_t)n);
-        nd->aux[0] = saved;
-        nd->iarg[0] = n;
-        nd->iarg[1] = dim;
-        nd->reads = saved;
-        nd->n_reads = n;
-        nd->reads_aside = 1;
+        dt_node *nd = tape_record_op(ctx, "concat", op_concat_backward, y, NULL, NULL, NULL,
+                                     &(concat_state){saved, n, dim}, sizeof(concat_state));
+        if (!nd)
+            return NULL;
+        tape_set_reads(nd, saved, n);
     }
     return y;
 }
@@ -5571,11 +5588,15 @@ static int gemm_operand_of(const dt_tensor *x, gemm_operand *g)
     return 0;
 }
 
+/* y (batch, m, n) = op(a) (batch, m, k) op(b) (batch, k, n) */
+typedef struct matmul_state { int trans_a, trans_b; int64_t batch, m, k, n; } matmul_state;
+
 static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
-    int trans_a = (int)n->iarg[0], trans_b = (int)n->iarg[1];
-    int64_t batch = n->iarg[2], m = n->iarg[3], k = n->iarg[4], nn = n->iarg[5];
+    const matmul_state *st = n->state;
+    int trans_a = st->trans_a, trans_b = st->trans_b;
+    int64_t batch = st->batch, m = st->m, k = st->k, nn = st->n;
     gemm_operand A, B;
     gemm_operand_of(a, &A);
     gemm_operand_of(b, &B);
@@ -5666,15 +5687,18 @@ dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int t
         return NULL;
     if ((tape_tracks(ctx, a) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, "matmul", matmul_backward, y, a, b, NULL,
-                        &(node_args){.i = {trans_a, trans_b, batch, m, k, nn}}))
+                        &(matmul_state){trans_a, trans_b, batch, m, k, nn}, sizeof(matmul_state)))
         return NULL;
     return y;
 }
 
+typedef struct linear_state { int64_t rows, in, out; } linear_state;
+
 static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
-    int64_t rows = n->iarg[0], in = n->iarg[1], out = n->iarg[2];
+    const linear_state *st = n->state;
+    int64_t rows = st->rows, in = st->in, out = st->out;
     const float *dy = FP(n->out->grad);
     int acc;
     if (grad_needed(x)) {          /* dx (N,In) = dy (N,Out) w (Out,In) */
@@ -5751,7 +5775,7 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
     }
     if ((tape_tracks(ctx, x) || tape_tracks(ctx, w) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, "linear", linear_backward, y, x, w, b,
-                        &(node_args){.i = {rows, in, out}}))
+                        &(linear_state){rows, in, out}, sizeof(linear_state)))
         return NULL;
     return y;
 }
@@ -5840,10 +5864,12 @@ static dt_status pow_backward(dt_ctx *ctx, dt_node *n, int nd, const int64_t *sh
     return s;
 }
 
+typedef struct binary_state { dt_binary_op op; } binary_state;
+
 static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
-    dt_binary_op op = (dt_binary_op)n->iarg[0];
+    dt_binary_op op = ((const binary_state *)n->state)->op;
     int nd;
     int64_t shape[DT_MAX_DIMS], sa[DT_MAX_DIMS], sb[DT_MAX_DIMS], sy[DT_MAX_DIMS];
     broadcast(a, b, &nd, shape, sa, sb);
@@ -5917,7 +5943,7 @@ static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_t
     BE(ctx)->binary(BEI(ctx), op, nd, shape, FP(a), sa, FP(b), sb, FP(y));
     if ((tape_tracks(ctx, a) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, name, binary_backward, y, a, b, NULL,
-                        &(node_args){.i = {op}}))
+                        &(binary_state){op}, sizeof(binary_state)))
         return NULL;
     return y;
 }
@@ -5970,9 +5996,11 @@ dt_tensor *dt_sub(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ct
 dt_tensor *dt_mul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "mul", DT_BIN_MUL, a, b); }
 dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "div", DT_BIN_DIV, a, b); }
 
+typedef struct scale_state { float alpha; } scale_state;
+
 static dt_status scale_backward(dt_ctx *ctx, dt_node *n)
 {
-    float alpha = n->farg[0];
+    float alpha = ((const scale_state *)n->state)->alpha;
     return op_acc_grad(ctx, n->in[0], FP(n->out->grad), alpha);
 }
 
@@ -5988,7 +6016,7 @@ dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
     BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), s, FP(x), 0.0f, FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "scale", scale_backward, y, x, NULL, NULL,
-                        &(node_args){.f = {s}}))
+                        &(scale_state){s}, sizeof(scale_state)))
         return NULL;
     return y;
 }
@@ -6016,9 +6044,11 @@ static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g
     return DT_OK;
 }
 
+typedef struct sum_state { float scale; } sum_state;   /* 1, or 1/n for a mean */
+
 static dt_status sum_backward(dt_ctx *ctx, dt_node *n)
 {
-    float scale = n->farg[0];   /* 1, or 1/n for a mean */
+    float scale = ((const sum_state *)n->state)->scale;
     return broadcast_scalar_grad(ctx, n->in[0], FP(n->out->grad), scale);
 }
 
@@ -6037,7 +6067,7 @@ static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int me
         BE(ctx)->axpby(BEI(ctx), 1, scale, FP(y), 0.0f, FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, sum_backward, y, x, NULL, NULL,
-                        &(node_args){.f = {scale}}))
+                        &(sum_state){scale}, sizeof(sum_state)))
         return NULL;
     return y;
 }
@@ -6046,15 +6076,19 @@ static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int me
 dt_tensor *dt_sum(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "sum", x, 0); }
 dt_tensor *dt_mean(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "mean", x, 1); }
 
+/* x seen as (outer, len, inner), reduced over len; scale 1, or 1/len for a mean */
+typedef struct sum_dim_state { int64_t outer, len, inner; float scale; } sum_dim_state;
+
 static dt_status sum_dim_backward(dt_ctx *ctx, dt_node *n)
 {
-    int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
+    const sum_dim_state *st = n->state;
+    int64_t outer = st->outer, len = st->len, inner = st->inner;
     const float *g = FP(n->out->grad);
-    if (n->farg[0] != 1.0f) {
+    if (st->scale != 1.0f) {
         float *tmp = op_temp_floats(ctx, outer * inner);
         if (!tmp)
             return ctx->last_status;
-        BE(ctx)->axpby(BEI(ctx), outer * inner, n->farg[0], g, 0.0f, tmp);
+        BE(ctx)->axpby(BEI(ctx), outer * inner, st->scale, g, 0.0f, tmp);
         g = tmp;
     }
     int acc;
@@ -6092,7 +6126,7 @@ static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int di
         BE(ctx)->axpby(BEI(ctx), outer * inner, scale, FP(y), 0.0f, FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, sum_dim_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {outer, len, inner}, .f = {scale}}))
+                        &(sum_dim_state){outer, len, inner, scale}, sizeof(sum_dim_state)))
         return NULL;
     return y;
 }
@@ -6109,6 +6143,8 @@ dt_tensor *dt_mean_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
 
 /* --- activations and softmax ---------------------------------------- */
 
+typedef struct unary_state { dt_unary_op op; } unary_state;
+
 static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *y = n->out;
@@ -6116,7 +6152,7 @@ static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, x, &acc);
     if (!gx)
         return ctx->last_status;
-    dt_unary_op op = (dt_unary_op)n->iarg[0];
+    dt_unary_op op = ((const unary_state *)n->state)->op;
     BE(ctx)->unary_backward(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y), FP(y->grad),
                             gx, acc);
     return DT_OK;
@@ -6134,7 +6170,7 @@ static dt_tensor *unary_op(dt_ctx *ctx, const char *name, dt_unary_op op, dt_ten
     BE(ctx)->unary(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, unary_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {op}}))
+                        &(unary_state){op}, sizeof(unary_state)))
         return NULL;
     return y;
 }
@@ -6151,14 +6187,18 @@ dt_tensor *dt_exp(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "exp", DT_UN
 dt_tensor *dt_log(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "log", DT_UNARY_LOG, x); }
 dt_tensor *dt_sqrt(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "sqrt", DT_UNARY_SQRT, x); }
 
+/* x seen as (outer, len, inner), softmax over len; log: log_softmax */
+typedef struct softmax_state { int64_t outer, len, inner; int log; } softmax_state;
+
 static dt_status softmax_backward(dt_ctx *ctx, dt_node *n)
 {
     int acc;
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
-    int log = (int)n->iarg[3];
+    const softmax_state *st = n->state;
+    int64_t outer = st->outer, len = st->len, inner = st->inner;
+    int log = st->log;
     BE(ctx)->softmax_backward(BEI(ctx), outer, len, inner, FP(n->out), FP(n->out->grad), gx, log,
                               acc);
     return DT_OK;
@@ -6179,7 +6219,7 @@ static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int di
     BE(ctx)->softmax(BEI(ctx), outer, len, inner, FP(x), FP(y), log);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, softmax_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {outer, len, inner, log}}))
+                        &(softmax_state){outer, len, inner, log}, sizeof(softmax_state)))
         return NULL;
     return y;
 }
@@ -6189,14 +6229,19 @@ dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_o
 
 /* --- losses ----------------------------------------------------------- */
 
+/* probs: the softmax of the logits, kept by the forward; kept: the rows
+ * not ignored (the mean's divisor) */
+typedef struct xent_state { int64_t rows, classes, ignore, kept; const float *probs; } xent_state;
+
 static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
 {
     int acc;
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    int64_t rows = n->iarg[0], classes = n->iarg[1], ignore = n->iarg[2], kept = n->iarg[3];
-    const float *probs = n->aux[0];   /* softmax of the logits, kept by the forward */
+    const xent_state *st = n->state;
+    int64_t rows = st->rows, classes = st->classes, ignore = st->ignore, kept = st->kept;
+    const float *probs = st->probs;
     BE(ctx)->xent_backward(BEI(ctx), rows, classes, probs, IP(n->in[1]), ignore, kept,
                            FP(n->out->grad), gx, acc);
     return DT_OK;
@@ -6269,7 +6314,7 @@ static dt_tensor *xent_op(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels, int
     }
     if (tape_tracks(ctx, logits) &&
         !tape_record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
-                        &(node_args){.i = {n, c, ignore, kept}, .aux = {probs}}))
+                        &(xent_state){n, c, ignore, kept, probs}, sizeof(xent_state)))
         return NULL;
     return y;
 }
@@ -6285,6 +6330,8 @@ dt_tensor *dt_cross_entropy_ignore(dt_ctx *ctx, dt_tensor *logits, dt_tensor *la
     return xent_op(ctx, logits, labels, ignore_index);
 }
 
+typedef struct mse_state { const float *diff; } mse_state;   /* pred - target, kept by the forward */
+
 static dt_status mse_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *p = n->in[0], *t = n->in[1];
@@ -6294,7 +6341,7 @@ static dt_status mse_backward(dt_ctx *ctx, dt_node *n)
         return ctx->last_status;
     int64_t shape[1] = {cnt}, s1[1] = {1}, s0[1] = {0};
     /* tmp = diff * dloss; dpred = 2/n tmp, dtarget = -2/n tmp */
-    const float *diff = n->aux[0];   /* pred - target, kept by the forward */
+    const float *diff = ((const mse_state *)n->state)->diff;
     BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, diff, s1, FP(n->out->grad), s0, tmp);
     float k = 2.0f / (float)cnt;
     dt_status s = DT_OK;
@@ -6335,20 +6382,23 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     BE(ctx)->axpby(BEI(ctx), 1, 1.0f / (float)cnt, FP(y), 0.0f, FP(y));
     if ((tape_tracks(ctx, pred) || tape_tracks(ctx, target)) &&
         !tape_record_op(ctx, "mse", mse_backward, y, pred, target, NULL,
-                        &(node_args){.aux = {diff}}))
+                        &(mse_state){diff}, sizeof(mse_state)))
         return NULL;
     return y;
 }
 
 /* --- custom ops (dt_custom_op) ---------------------------------------------- */
 
+typedef struct custom_state { dt_custom_backward_fn backward; void *user; } custom_state;
+
 static dt_status custom_backward(dt_ctx *ctx, dt_node *n)
 {
+    const custom_state *st = n->state;
     dt_tensor *grads[NODE_MAX_IN] = {0};
     int grad = ctx->grad_enabled;
     ctx->grad_enabled = 0;
     uint64_t errors = ctx->errors;
-    dt_status s = n->custom(ctx, n->in, n->n_in, n->out, n->out->grad, grads, n->user);
+    dt_status s = st->backward(ctx, n->in, n->n_in, n->out, n->out->grad, grads, st->user);
     ctx->grad_enabled = grad;
     if (s != DT_OK)
         return ctx->errors != errors ? ctx->last_status
@@ -6406,8 +6456,9 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
         return out;
     size_t len = strlen(name) + 1;
     char *copy = arena_alloc(ctx, ctx->cur_host, len);
-    dt_node *nd = copy ? tape_record(ctx, copy, custom_backward, out, inputs[0],
-                                     n > 1 ? inputs[1] : NULL, n > 2 ? inputs[2] : NULL)
+    dt_node *nd = copy ? tape_record_op(ctx, copy, custom_backward, out, inputs[0],
+                                        n > 1 ? inputs[1] : NULL, n > 2 ? inputs[2] : NULL,
+                                        &(custom_state){backward, user}, sizeof(custom_state))
                        : NULL;
     if (!nd) {
         if (!copy)
@@ -6415,11 +6466,9 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
         return NULL;
     }
     memcpy(copy, name, len);
-    nd->custom = backward;
-    nd->user = user;
     return out;
 }
-#line 6423 "dtrain.c"
+#line 6472 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -6434,11 +6483,18 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
 
 /* --- convolution and pooling (NCHW) --------------------------------- */
 
+/* What each op keeps for its backward (its node's state, tape_record_op).
+ * A convolution: its geometry, and im2col's columns (NULL: the backend's
+ * fused convolution keeps none); a pooling: its geometry and max's argmax. */
+typedef struct conv_state { const float *col; const dt_conv_geom *g; } conv_state;
+typedef struct pool_state { const int32_t *argmax; const dt_conv_geom *g; } pool_state;
+
 static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL, *y = n->out;
-    const dt_conv_geom *g = n->aux[1];
-    const float *col = n->aux[0];
+    const conv_state *st = n->state;
+    const dt_conv_geom *g = st->g;
+    const float *col = st->col;
     int64_t o = w->shape[0], ckk = g->c * g->kh * g->kw, p = g->oh * g->ow, np = g->n * p;
     const float *gy = FP(y->grad), *dyt = gy;   /* dY' (O, N*P) */
     if (g->n > 1) {
@@ -6481,7 +6537,7 @@ static dt_status conv2d_fused_backward(dt_ctx *ctx, dt_node *n)
     float *gb = b && grad_needed(b) ? grad_target(ctx, b, &ab) : NULL;
     if ((grad_needed(x) && !gx) || (grad_needed(w) && !gw) || (b && grad_needed(b) && !gb))
         return ctx->last_status;
-    dt_status s = BE(ctx)->conv2d_backward(BEI(ctx), n->aux[1], w->shape[0], FP(x), FP(w),
+    dt_status s = BE(ctx)->conv2d_backward(BEI(ctx), ((const conv_state *)n->state)->g, w->shape[0], FP(x), FP(w),
                                            FP(n->out->grad), gx, ax, gw, aw, gb, ab);
     return s == DT_OK ? s : set_error(ctx, s, "conv2d: backend out of scratch memory");
 }
@@ -6501,13 +6557,14 @@ static dt_tensor *conv2d_fused(dt_ctx *ctx, const dt_conv_geom *geom, dt_tensor 
     if (!track)
         return y;
     dt_conv_geom *g = arena_alloc(ctx, ctx->cur_host, sizeof *g);
-    dt_node *n = g ? tape_record(ctx, "conv2d", conv2d_fused_backward, y, x, w, b) : NULL;
-    if (!n) {
+    if (!g) {
         set_error(ctx, DT_ENOMEM, "conv2d: out of memory for the tape");
         return NULL;
     }
     *g = *geom;
-    n->aux[1] = g;
+    if (!tape_record_op(ctx, "conv2d", conv2d_fused_backward, y, x, w, b, &(conv_state){NULL, g},
+                        sizeof(conv_state)))
+        return NULL;
     return y;
 }
 
@@ -6601,11 +6658,9 @@ dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int 
         arena_release(ctx->cur_dev, mark);
         return y;
     }
-    dt_node *n = tape_record(ctx, "conv2d", conv2d_backward, y, x, w, b);
-    if (!n)
+    if (!tape_record_op(ctx, "conv2d", conv2d_backward, y, x, w, b, &(conv_state){col, g},
+                        sizeof(conv_state)))
         return NULL;
-    n->aux[0] = col;
-    n->aux[1] = g;
     return y;
 }
 
@@ -6615,8 +6670,9 @@ static dt_status maxpool_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    const int32_t *argmax = n->aux[0];
-    const dt_conv_geom *g = n->aux[1];
+    const pool_state *st = n->state;
+    const int32_t *argmax = st->argmax;
+    const dt_conv_geom *g = st->g;
     BE(ctx)->maxpool_backward(BEI(ctx), g, FP(n->out->grad), argmax, gx, acc);
     return DT_OK;
 }
@@ -6627,7 +6683,7 @@ static dt_status avgpool_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    const dt_conv_geom *g = n->aux[1];
+    const dt_conv_geom *g = ((const pool_state *)n->state)->g;
     BE(ctx)->avgpool_backward(BEI(ctx), g, FP(n->out->grad), gx, acc);
     return DT_OK;
 }
@@ -6670,7 +6726,7 @@ static dt_tensor *pool_op(dt_ctx *ctx, const char *name, dt_tensor *x, int kerne
     }
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL, NULL,
-                        &(node_args){.aux = {argmax, g}}))
+                        &(pool_state){argmax, g}, sizeof(pool_state)))
         return NULL;
     return y;
 }
@@ -6762,17 +6818,26 @@ dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx)
     return y;
 }
 
+/* x seen as (rows, d); mean and rstd per row, kept by the forward; w and
+ * b as given (either may be NULL, so in[] cannot say which is which) */
+typedef struct layer_norm_state {
+    int64_t rows, d;
+    const float *mean, *rstd;
+    dt_tensor *w, *b;
+} layer_norm_state;
+
 static dt_status layer_norm_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_tensor *x = n->in[0], *w = n->aux[2], *b = n->aux[3];
-    int64_t rows = n->iarg[0], d = n->iarg[1];
+    const layer_norm_state *st = n->state;
+    dt_tensor *x = n->in[0], *w = st->w, *b = st->b;
+    int64_t rows = st->rows, d = st->d;
     int acc = 0;
     float *gx = grad_needed(x) ? grad_target(ctx, x, &acc) : op_temp_floats(ctx, rows * d);
     float *gw = w && grad_needed(w) ? grad_target_zeroed(ctx, w) : NULL;
     float *gb = b && grad_needed(b) ? grad_target_zeroed(ctx, b) : NULL;
     if (!gx || (w && grad_needed(w) && !gw) || (b && grad_needed(b) && !gb))
         return ctx->last_status;
-    const float *mean = n->aux[0], *rstd = n->aux[1];   /* per row, kept by the forward */
+    const float *mean = st->mean, *rstd = st->rstd;
     BE(ctx)->layernorm_backward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, mean, rstd,
                                 FP(n->out->grad), gx, gw, gb, acc);
     return DT_OK;
@@ -6809,10 +6874,12 @@ dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, 
                                FP(y), mean, rstd);
     if ((tape_tracks(ctx, x) || tape_tracks(ctx, w) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, "layer_norm", layer_norm_backward, y, x, w, b,
-                        &(node_args){.i = {rows, d}, .aux = {mean, rstd, w, b}}))
+                        &(layer_norm_state){rows, d, mean, rstd, w, b}, sizeof(layer_norm_state)))
         return NULL;
     return y;
 }
+
+typedef struct dropout_state { const float *mask; } dropout_state;   /* 0 or 1/(1-p) per element */
 
 static dt_status dropout_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -6825,7 +6892,7 @@ static dt_status dropout_backward(dt_ctx *ctx, dt_node *n)
     float *dst = acc ? op_temp_floats(ctx, cnt) : gx;
     if (!dst)
         return ctx->last_status;
-    const float *mask = n->aux[0];   /* 0 or 1/(1-p) per element, kept by the forward */
+    const float *mask = ((const dropout_state *)n->state)->mask;   /* kept by the forward */
     BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, FP(n->out->grad), s1, mask, s1, dst);
     if (acc)
         BE(ctx)->axpby(BEI(ctx), cnt, 1.0f, dst, 1.0f, gx);
@@ -6857,20 +6924,30 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
     BE(ctx)->dropout_forward(BEI(ctx), cnt, p, seed, FP(x), FP(y), mask);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "dropout", dropout_backward, y, x, NULL, NULL,
-                        &(node_args){.aux = {mask}}))
+                        &(dropout_state){mask}, sizeof(dropout_state)))
         return NULL;
     return y;
 }
 
 /* --- attention ----------------------------------------------------------- */
 
+/* q, k, v seen as (bh, t, d); lse: each query row's log-sum-exp, kept by
+ * the forward; mask: the caller's additive mask or NULL */
+typedef struct attention_state {
+    int64_t bh, t, d;
+    int causal;
+    float scale;
+    const float *lse, *mask;
+} attention_state;
+
 static dt_status attention_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *q = n->in[0], *k = n->in[1], *v = n->in[2], *o = n->out;
-    int64_t bh = n->iarg[0], t = n->iarg[1], d = n->iarg[2];
-    int causal = (int)n->iarg[3];
-    float scale = n->farg[0];
-    const float *lse = n->aux[0], *mask = n->aux[1];   /* kept by the forward */
+    const attention_state *st = n->state;
+    int64_t bh = st->bh, t = st->t, d = st->d;
+    int causal = st->causal;
+    float scale = st->scale;
+    const float *lse = st->lse, *mask = st->mask;
     int64_t cnt = bh * t * d;
     float *tmp = op_temp_floats(ctx, 3 * cnt);
     if (!tmp)
@@ -6947,12 +7024,12 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
     }
     if ((tape_tracks(ctx, q) || tape_tracks(ctx, k) || tape_tracks(ctx, v)) &&
         !tape_record_op(ctx, "attention", attention_backward, o, q, k, v,
-                        &(node_args){.i = {bh, t, d, causal != 0}, .f = {scale},
-                                     .aux = {lse, (void *)m}}))
+                        &(attention_state){bh, t, d, causal != 0, scale, lse, m},
+                        sizeof(attention_state)))
         return NULL;
     return o;
 }
-#line 6956 "dtrain.c"
+#line 7033 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -6995,10 +7072,22 @@ static void leave_scratch(dt_ctx *ctx, arena_switch sw, int release)
     }
 }
 
+/* A segment's node state: its inputs as given, the dropout counter it
+ * started from, and its function with the user's pointer (the parameters
+ * its ops read are the node's reads: its backward finishes them all). */
+typedef struct recompute_state {
+    dt_tensor **inputs;
+    int n;
+    uint64_t counter;
+    dt_segment_fn fn;
+    void *user;
+} recompute_state;
+
 static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
 {
-    dt_tensor **orig = nd->aux[0], *y = nd->out;
-    int n = (int)nd->iarg[0];
+    const recompute_state *st = nd->state;
+    dt_tensor **orig = st->inputs, *y = nd->out;
+    int n = st->n;
     arena_switch sw = enter_scratch(ctx);
     dt_node *saved_tape = ctx->tape;
     uint64_t saved_counter = ctx->dropout_counter;
@@ -7019,12 +7108,12 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
             leaf[i]->flags |= T_REQGRAD;
     }
     ctx->tape = NULL;
-    ctx->dropout_counter = (uint64_t)nd->iarg[1];
+    ctx->dropout_counter = st->counter;
     ctx->grad_enabled = 1;
     ctx->in_recompute = 1;
     dt_precision saved_prec = ctx->autocast;   /* rerun as the forward ran */
     ctx->autocast = nd->prec;
-    dt_tensor *y2 = nd->seg_fn(ctx, leaf, n, nd->user);
+    dt_tensor *y2 = st->fn(ctx, leaf, n, st->user);
     ctx->autocast = saved_prec;
     ctx->in_recompute = 0;
     ctx->grad_enabled = saved_grad;
@@ -7104,29 +7193,24 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     if (!y || y->dtype != DT_F32)
         return y;
     (void)track;   /* parameters inside fn may need grads even if no input does */
-    dt_node *nd = tape_record(ctx, "recompute", recompute_backward, y, NULL, NULL, NULL);
     dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)(n ? n : 1));
-    if (!nd || !saved) {
+    if (!saved) {
         set_error(ctx, DT_ENOMEM, "recompute: out of memory for the tape");
         return NULL;
     }
     if (n)
         memcpy(saved, inputs, sizeof(dt_tensor *) * (size_t)n);
-    nd->aux[0] = saved;
-    nd->aux[1] = params;
-    nd->iarg[0] = n;
-    nd->iarg[2] = nparams;
-    nd->iarg[1] = (int64_t)counter;
-    nd->prec = prec;
-    nd->seg_fn = fn;
-    nd->user = user;
-    nd->reads = params;   /* its backward finishes them all */
-    nd->n_reads = nparams;
-    nd->reads_aside = 1;
+    dt_node *nd = tape_record_op(ctx, "recompute", recompute_backward, y, NULL, NULL, NULL,
+                                 &(recompute_state){saved, n, counter, fn, user},
+                                 sizeof(recompute_state));
+    if (!nd)
+        return NULL;
+    tape_set_prec(nd, prec);
+    tape_set_reads(nd, params, nparams);   /* its backward finishes them all */
     return y;
 }
 
-#line 7130 "dtrain.c"
+#line 7214 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -8104,7 +8188,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8108 "dtrain.c"
+#line 8192 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -10450,7 +10534,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10454 "dtrain.c"
+#line 10538 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11023,7 +11107,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11027 "dtrain.c"
+#line 11111 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -11832,7 +11916,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 11836 "dtrain.c"
+#line 11920 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12419,7 +12503,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12423 "dtrain.c"
+#line 12507 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13581,7 +13665,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13585 "dtrain.c"
+#line 13669 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -15556,7 +15640,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15560 "dtrain.c"
+#line 15644 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16042,7 +16126,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16046 "dtrain.c"
+#line 16130 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -16818,7 +16902,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 16822 "dtrain.c"
+#line 16906 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17070,7 +17154,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 17074 "dtrain.c"
+#line 17158 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17362,7 +17446,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17366 "dtrain.c"
+#line 17450 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -17877,7 +17961,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 17881 "dtrain.c"
+#line 17965 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -18963,7 +19047,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 18967 "dtrain.c"
+#line 19051 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19145,7 +19229,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19149 "dtrain.c"
+#line 19233 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20522,7 +20606,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20526 "dtrain.c"
+#line 20610 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -21972,7 +22056,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 21976 "dtrain.c"
+#line 22060 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23370,7 +23454,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23374 "dtrain.c"
+#line 23458 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -24815,7 +24899,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 24819 "dtrain.c"
+#line 24903 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25236,7 +25320,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25240 "dtrain.c"
+#line 25324 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25481,7 +25565,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25485 "dtrain.c"
+#line 25569 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25663,7 +25747,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25667 "dtrain.c"
+#line 25751 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26548,6 +26632,9 @@ static dt_tensor *tp_gather_rows(dt_ctx *ctx, dt_comm *c, const float *h, int64_
     return y;
 }
 
+/* The tensor-parallel ops keep their communicator for the backward. */
+typedef struct tp_state { dt_comm *c; } tp_state;
+
 static dt_status tp_copy_backward(dt_ctx *ctx, dt_node *n)
 {
     int64_t cnt = shape_numel(n->out->ndim, n->out->shape);
@@ -26555,7 +26642,7 @@ static dt_status tp_copy_backward(dt_ctx *ctx, dt_node *n)
     float *sum = h ? op_temp_floats(ctx, cnt) : NULL;
     if (!sum)
         return ctx->last_status;
-    dt_status s = dt_allreduce(n->aux[0], h, cnt, DT_REDUCE_SUM);
+    dt_status s = dt_allreduce(((const tp_state *)n->state)->c, h, cnt, DT_REDUCE_SUM);
     if (s != DT_OK)
         return s;
     be_to_device(ctx, sum, h, (size_t)cnt * sizeof(float));
@@ -26568,10 +26655,9 @@ dt_tensor *dt_tp_copy(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
         return NULL;
     dt_tensor *y = tensor_view_header(ctx, x);
     if (y && tape_tracks(ctx, x)) {
-        dt_node *n = tape_record(ctx, "tp_copy", tp_copy_backward, y, x, NULL, NULL);
-        if (!n)
+        if (!tape_record_op(ctx, "tp_copy", tp_copy_backward, y, x, NULL, NULL, &(tp_state){c},
+                            sizeof(tp_state)))
             return NULL;
-        n->aux[0] = c;
     }
     return y;
 }
@@ -26612,7 +26698,7 @@ static dt_status tp_take_columns(dt_ctx *ctx, dt_tensor *x, const float *g, int 
 
 static dt_status tp_gather_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_comm *c = n->aux[0];
+    dt_comm *c = ((const tp_state *)n->state)->c;
     return tp_take_columns(ctx, n->in[0], FP(n->out->grad), dt_comm_rank(c), dt_comm_size(c));
 }
 
@@ -26634,17 +26720,16 @@ dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     if (!y)
         return NULL;
     if (tape_tracks(ctx, x)) {
-        dt_node *n = tape_record(ctx, "tp_gather", tp_gather_backward, y, x, NULL, NULL);
-        if (!n)
+        if (!tape_record_op(ctx, "tp_gather", tp_gather_backward, y, x, NULL, NULL, &(tp_state){c},
+                            sizeof(tp_state)))
             return NULL;
-        n->aux[0] = c;
     }
     return y;
 }
 
 static dt_status tp_split_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_comm *c = n->aux[0];
+    dt_comm *c = ((const tp_state *)n->state)->c;
     dt_tensor *y = n->out, *x = n->in[0];
     int64_t k = y->shape[y->ndim - 1], cnt = shape_numel(y->ndim, y->shape);
     float *h = tp_to_host(ctx, FP(y->grad), cnt);
@@ -26674,10 +26759,9 @@ dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
         return NULL;
     BE(ctx)->copy_strided(BEI(ctx), v->ndim, v->shape, 4, y->data, y->stride, v->data, v->stride, 0);
     if (tape_tracks(ctx, x)) {
-        dt_node *n = tape_record(ctx, "tp_split", tp_split_backward, y, x, NULL, NULL);
-        if (!n)
+        if (!tape_record_op(ctx, "tp_split", tp_split_backward, y, x, NULL, NULL, &(tp_state){c},
+                            sizeof(tp_state)))
             return NULL;
-        n->aux[0] = c;
     }
     return y;
 }
@@ -26733,7 +26817,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26737 "dtrain.c"
+#line 26821 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31086,7 +31170,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31090 "dtrain.c"
+#line 31174 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32311,7 +32395,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32315 "dtrain.c"
+#line 32399 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32490,6 +32574,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32494 "dtrain.c"
+#line 32578 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

@@ -25,6 +25,15 @@ DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out)
     return n->n_in;
 }
 
+DT_PRIVATE void tape_set_reads(dt_node *n, dt_tensor *const *reads, int count)
+{
+    n->reads = reads;
+    n->n_reads = count;
+    n->reads_aside = 1;
+}
+
+DT_PRIVATE void tape_set_prec(dt_node *n, dt_precision prec) { n->prec = prec; }
+
 DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams)
 {
     for (const dt_node *n = ctx->tape; n; n = n->prev) {
@@ -60,22 +69,19 @@ DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, 
     return n;
 }
 
-/* record, then the node's arguments from args (node_args); NULL, with the
- * context's error set, when the tape has no room. */
-_Static_assert(sizeof(((node_args *)0)->i) == sizeof(((dt_node *)0)->iarg) &&
-                   sizeof(((node_args *)0)->f) == sizeof(((dt_node *)0)->farg) &&
-                   sizeof(((node_args *)0)->aux) == sizeof(((dt_node *)0)->aux),
-               "node_args mirrors dt_node's arguments");
-
 DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
-                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args)
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const void *state,
+                           size_t size)
 {
-    dt_node *n = tape_record(ctx, op, bw, out, a, b, c);
-    if (n) {
-        memcpy(n->iarg, args->i, sizeof n->iarg);
-        memcpy(n->farg, args->f, sizeof n->farg);
-        memcpy(n->aux, args->aux, sizeof n->aux);
+    void *st = arena_alloc(ctx, ctx->cur_host, size);
+    if (!st) {
+        set_error(ctx, DT_ENOMEM, "%s: out of host memory for the tape", op);
+        return NULL;
     }
+    memcpy(st, state, size);
+    dt_node *n = tape_record(ctx, op, bw, out, a, b, c);
+    if (n)
+        n->state = st;
     return n;
 }
 

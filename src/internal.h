@@ -116,28 +116,16 @@ struct dt_node {
     dt_tensor *out;
     dt_tensor *in[NODE_MAX_IN];
     int n_in;
-    int64_t iarg[8];
-    float farg[4];
-    void *aux[4];                  /* saved buffers (arena) */
+    void *state;                   /* what the op keeps for its backward: its own struct
+                                      (transpose_state, matmul_state, ... in its module),
+                                      copied in by tape_record_op (host arena) */
     dt_precision prec;             /* autocast when recorded: backward's GEMMs use it */
-    dt_segment_fn seg_fn;          /* recompute: the segment function */
-    void *user;                    /* recompute, a custom op: the user pointer */
-    dt_custom_backward_fn custom;  /* a custom op's backward (dt_custom_op) */
     /* what the node reads beyond in[] (tape_node_reads): concat's inputs,
      * kept aside as there may be any number; a recompute segment's parameters */
     dt_tensor *const *reads;
     int n_reads, reads_aside;      /* reads_aside: reads, not in[], is what it reads */
 };
 
-/* What an op keeps for its backward, by position in the node (iarg, farg,
- * aux): tape_record_op copies it in, so an op records with one call,
- * tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
- *           &(node_args){.i = {dim, start}}). */
-typedef struct node_args {
-    int64_t i[8];
-    float f[4];
-    void *aux[4];
-} node_args;
 
 typedef struct dt_chunk dt_chunk;
 
@@ -688,10 +676,21 @@ DT_PRIVATE int tape_tracks(const dt_ctx *ctx, const dt_tensor *t);
  * parameters into uses[param_index] (nparams of them). */
 DT_PRIVATE int tape_node_reads(const dt_node *n, dt_tensor *const **out);
 DT_PRIVATE void tape_param_uses(const dt_ctx *ctx, int *uses, int nparams);
+/* A node that reads other tensors than its in[] (any number of them,
+ * reads[count]); the precision its backward runs at, when not the one
+ * recorded (a recompute segment's, as its forward ran). */
+DT_PRIVATE void tape_set_reads(dt_node *n, dt_tensor *const *reads, int count);
+DT_PRIVATE void tape_set_prec(dt_node *n, dt_precision prec);
 DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
                        dt_tensor *a, dt_tensor *b, dt_tensor *c);
+/* tape_record, and a copy of the op's state (size bytes of the op's own
+ * struct, named fields) as the node's state for its backward: an op
+ * records with one call, tape_record_op(ctx, "slice", slice_backward, y, x,
+ * NULL, NULL, &(slice_state){dim, start}, sizeof(slice_state)).  NULL,
+ * with the context's error set, when the tape has no room. */
 DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn bw, dt_tensor *out,
-                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const node_args *args);
+                           dt_tensor *a, dt_tensor *b, dt_tensor *c, const void *state,
+                           size_t size);
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc);
 DT_PRIVATE float *grad_target_zeroed(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE int grad_needed(const dt_tensor *t);

@@ -203,10 +203,14 @@ dt_tensor *dt_flatten(dt_ctx *ctx, dt_tensor *x, int start_dim)
     return dt_reshape(ctx, x, start_dim + 1, shape);
 }
 
+/* What each op keeps for its backward (its node's state, tape_record_op). */
+typedef struct transpose_state { int d0, d1; } transpose_state;
+
 static dt_status transpose_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *y = n->out;
-    int d0 = (int)n->iarg[0], d1 = (int)n->iarg[1];
+    const transpose_state *st = n->state;
+    int d0 = st->d0, d1 = st->d1;
     int acc;
     float *gx = grad_target(ctx, x, &acc);
     if (!gx)
@@ -239,13 +243,16 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
     y->stride[d1] = t;
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {d0, d1}}))
+                        &(transpose_state){d0, d1}, sizeof(transpose_state)))
         return NULL;
     return y;
 }
 
+typedef struct permute_state { int dims[DT_MAX_DIMS]; } permute_state;   /* y's dim i is x's dims[i] */
+
 static dt_status permute_backward(dt_ctx *ctx, dt_node *n)
 {
+    const permute_state *st = n->state;
     dt_tensor *x = n->in[0], *y = n->out;
     int acc;
     float *gx = grad_target(ctx, x, &acc);
@@ -254,7 +261,7 @@ static dt_status permute_backward(dt_ctx *ctx, dt_node *n)
     int64_t gy[DT_MAX_DIMS], gs[DT_MAX_DIMS], xs[DT_MAX_DIMS];
     contiguous_strides(y->ndim, y->shape, gy);   /* gy is contiguous in y's shape */
     for (int i = 0; i < y->ndim; i++)
-        gs[n->iarg[i]] = gy[i];                   /* x's dim dims[i] is y's dim i */
+        gs[st->dims[i]] = gy[i];                  /* x's dim dims[i] is y's dim i */
     contiguous_strides(x->ndim, x->shape, xs);
     BE(ctx)->copy_strided(BEI(ctx), x->ndim, x->shape, 4, gx, xs, FP(y->grad), gs, acc);
     return DT_OK;
@@ -280,30 +287,33 @@ dt_tensor *dt_permute(dt_ctx *ctx, dt_tensor *x, int ndim, const int *dims)
     dt_tensor *y = tensor_view_header(ctx, x);
     if (!y)
         return NULL;
-    node_args args;
-    memset(&args, 0, sizeof args);
+    permute_state st;
+    memset(&st, 0, sizeof st);
     for (int i = 0; i < ndim; i++) {
         y->shape[i] = x->shape[dims[i]];
         y->stride[i] = x->stride[dims[i]];
-        args.i[i] = dims[i];
+        st.dims[i] = dims[i];
     }
     if (tape_tracks(ctx, x) &&
-        !tape_record_op(ctx, "permute", permute_backward, y, x, NULL, NULL, &args))
+        !tape_record_op(ctx, "permute", permute_backward, y, x, NULL, NULL, &st, sizeof st))
         return NULL;
     return y;
 }
 
+typedef struct slice_state { int dim; int64_t start; } slice_state;
+
 static dt_status slice_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *y = n->out;
-    int dim = (int)n->iarg[0];
+    const slice_state *st = n->state;
+    int dim = st->dim;
     float *gx = grad_target_zeroed(ctx, x);
     if (!gx)
         return ctx->last_status;
     int64_t xs[DT_MAX_DIMS], ys[DT_MAX_DIMS];
     contiguous_strides(x->ndim, x->shape, xs);
     contiguous_strides(y->ndim, y->shape, ys);
-    BE(ctx)->copy_strided(BEI(ctx), y->ndim, y->shape, 4, gx + n->iarg[1] * xs[dim], xs,
+    BE(ctx)->copy_strided(BEI(ctx), y->ndim, y->shape, 4, gx + st->start * xs[dim], xs,
                           FP(y->grad), ys, 1);
     return DT_OK;
 }
@@ -325,15 +335,19 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
     y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {dim, start}}))
+                        &(slice_state){dim, start}, sizeof(slice_state)))
         return NULL;
     return y;
 }
 
+/* any number of inputs, kept aside (also the node's reads, tape_node_reads) */
+typedef struct concat_state { dt_tensor **xs; int count, dim; } concat_state;
+
 static dt_status op_concat_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_tensor *y = n->out, **xs = n->aux[0];
-    int count = (int)n->iarg[0], dim = (int)n->iarg[1];
+    const concat_state *st = n->state;
+    dt_tensor *y = n->out, **xs = st->xs;
+    int count = st->count, dim = st->dim;
     int64_t ys[DT_MAX_DIMS], off = 0;
     contiguous_strides(y->ndim, y->shape, ys);
     for (int i = 0; i < count; i++) {
@@ -400,19 +414,17 @@ dt_tensor *dt_concat(dt_ctx *ctx, dt_tensor *const *xs, int n, int dim)
         off += xs[i]->shape[dim];
     }
     if (track) {
-        dt_node *nd = tape_record(ctx, "concat", op_concat_backward, y, NULL, NULL, NULL);
         dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)n);
-        if (!nd || !saved) {
+        if (!saved) {
             set_error(ctx, DT_ENOMEM, "concat: out of memory for the tape");
             return NULL;
         }
         memcpy(saved, xs, sizeof(dt_tensor *) * (size_t)n);
-        nd->aux[0] = saved;
-        nd->iarg[0] = n;
-        nd->iarg[1] = dim;
-        nd->reads = saved;
-        nd->n_reads = n;
-        nd->reads_aside = 1;
+        dt_node *nd = tape_record_op(ctx, "concat", op_concat_backward, y, NULL, NULL, NULL,
+                                     &(concat_state){saved, n, dim}, sizeof(concat_state));
+        if (!nd)
+            return NULL;
+        tape_set_reads(nd, saved, n);
     }
     return y;
 }
@@ -489,11 +501,15 @@ static int gemm_operand_of(const dt_tensor *x, gemm_operand *g)
     return 0;
 }
 
+/* y (batch, m, n) = op(a) (batch, m, k) op(b) (batch, k, n) */
+typedef struct matmul_state { int trans_a, trans_b; int64_t batch, m, k, n; } matmul_state;
+
 static dt_status matmul_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
-    int trans_a = (int)n->iarg[0], trans_b = (int)n->iarg[1];
-    int64_t batch = n->iarg[2], m = n->iarg[3], k = n->iarg[4], nn = n->iarg[5];
+    const matmul_state *st = n->state;
+    int trans_a = st->trans_a, trans_b = st->trans_b;
+    int64_t batch = st->batch, m = st->m, k = st->k, nn = st->n;
     gemm_operand A, B;
     gemm_operand_of(a, &A);
     gemm_operand_of(b, &B);
@@ -584,15 +600,18 @@ dt_tensor *dt_matmul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b, int trans_a, int t
         return NULL;
     if ((tape_tracks(ctx, a) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, "matmul", matmul_backward, y, a, b, NULL,
-                        &(node_args){.i = {trans_a, trans_b, batch, m, k, nn}}))
+                        &(matmul_state){trans_a, trans_b, batch, m, k, nn}, sizeof(matmul_state)))
         return NULL;
     return y;
 }
 
+typedef struct linear_state { int64_t rows, in, out; } linear_state;
+
 static dt_status linear_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
-    int64_t rows = n->iarg[0], in = n->iarg[1], out = n->iarg[2];
+    const linear_state *st = n->state;
+    int64_t rows = st->rows, in = st->in, out = st->out;
     const float *dy = FP(n->out->grad);
     int acc;
     if (grad_needed(x)) {          /* dx (N,In) = dy (N,Out) w (Out,In) */
@@ -669,7 +688,7 @@ dt_tensor *dt_linear(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b)
     }
     if ((tape_tracks(ctx, x) || tape_tracks(ctx, w) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, "linear", linear_backward, y, x, w, b,
-                        &(node_args){.i = {rows, in, out}}))
+                        &(linear_state){rows, in, out}, sizeof(linear_state)))
         return NULL;
     return y;
 }
@@ -758,10 +777,12 @@ static dt_status pow_backward(dt_ctx *ctx, dt_node *n, int nd, const int64_t *sh
     return s;
 }
 
+typedef struct binary_state { dt_binary_op op; } binary_state;
+
 static dt_status binary_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *a = n->in[0], *b = n->in[1], *y = n->out;
-    dt_binary_op op = (dt_binary_op)n->iarg[0];
+    dt_binary_op op = ((const binary_state *)n->state)->op;
     int nd;
     int64_t shape[DT_MAX_DIMS], sa[DT_MAX_DIMS], sb[DT_MAX_DIMS], sy[DT_MAX_DIMS];
     broadcast(a, b, &nd, shape, sa, sb);
@@ -835,7 +856,7 @@ static dt_tensor *binary_op(dt_ctx *ctx, const char *name, dt_binary_op op, dt_t
     BE(ctx)->binary(BEI(ctx), op, nd, shape, FP(a), sa, FP(b), sb, FP(y));
     if ((tape_tracks(ctx, a) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, name, binary_backward, y, a, b, NULL,
-                        &(node_args){.i = {op}}))
+                        &(binary_state){op}, sizeof(binary_state)))
         return NULL;
     return y;
 }
@@ -888,9 +909,11 @@ dt_tensor *dt_sub(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ct
 dt_tensor *dt_mul(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "mul", DT_BIN_MUL, a, b); }
 dt_tensor *dt_div(dt_ctx *ctx, dt_tensor *a, dt_tensor *b) { return binary_op(ctx, "div", DT_BIN_DIV, a, b); }
 
+typedef struct scale_state { float alpha; } scale_state;
+
 static dt_status scale_backward(dt_ctx *ctx, dt_node *n)
 {
-    float alpha = n->farg[0];
+    float alpha = ((const scale_state *)n->state)->alpha;
     return op_acc_grad(ctx, n->in[0], FP(n->out->grad), alpha);
 }
 
@@ -906,7 +929,7 @@ dt_tensor *dt_scale(dt_ctx *ctx, dt_tensor *x, float s)
     BE(ctx)->axpby(BEI(ctx), shape_numel(x->ndim, x->shape), s, FP(x), 0.0f, FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "scale", scale_backward, y, x, NULL, NULL,
-                        &(node_args){.f = {s}}))
+                        &(scale_state){s}, sizeof(scale_state)))
         return NULL;
     return y;
 }
@@ -934,9 +957,11 @@ static dt_status broadcast_scalar_grad(dt_ctx *ctx, dt_tensor *x, const float *g
     return DT_OK;
 }
 
+typedef struct sum_state { float scale; } sum_state;   /* 1, or 1/n for a mean */
+
 static dt_status sum_backward(dt_ctx *ctx, dt_node *n)
 {
-    float scale = n->farg[0];   /* 1, or 1/n for a mean */
+    float scale = ((const sum_state *)n->state)->scale;
     return broadcast_scalar_grad(ctx, n->in[0], FP(n->out->grad), scale);
 }
 
@@ -955,7 +980,7 @@ static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int me
         BE(ctx)->axpby(BEI(ctx), 1, scale, FP(y), 0.0f, FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, sum_backward, y, x, NULL, NULL,
-                        &(node_args){.f = {scale}}))
+                        &(sum_state){scale}, sizeof(sum_state)))
         return NULL;
     return y;
 }
@@ -964,15 +989,19 @@ static dt_tensor *reduce_all(dt_ctx *ctx, const char *name, dt_tensor *x, int me
 dt_tensor *dt_sum(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "sum", x, 0); }
 dt_tensor *dt_mean(dt_ctx *ctx, dt_tensor *x) { return reduce_all(ctx, "mean", x, 1); }
 
+/* x seen as (outer, len, inner), reduced over len; scale 1, or 1/len for a mean */
+typedef struct sum_dim_state { int64_t outer, len, inner; float scale; } sum_dim_state;
+
 static dt_status sum_dim_backward(dt_ctx *ctx, dt_node *n)
 {
-    int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
+    const sum_dim_state *st = n->state;
+    int64_t outer = st->outer, len = st->len, inner = st->inner;
     const float *g = FP(n->out->grad);
-    if (n->farg[0] != 1.0f) {
+    if (st->scale != 1.0f) {
         float *tmp = op_temp_floats(ctx, outer * inner);
         if (!tmp)
             return ctx->last_status;
-        BE(ctx)->axpby(BEI(ctx), outer * inner, n->farg[0], g, 0.0f, tmp);
+        BE(ctx)->axpby(BEI(ctx), outer * inner, st->scale, g, 0.0f, tmp);
         g = tmp;
     }
     int acc;
@@ -1010,7 +1039,7 @@ static dt_tensor *reduce_dim(dt_ctx *ctx, const char *name, dt_tensor *x, int di
         BE(ctx)->axpby(BEI(ctx), outer * inner, scale, FP(y), 0.0f, FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, sum_dim_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {outer, len, inner}, .f = {scale}}))
+                        &(sum_dim_state){outer, len, inner, scale}, sizeof(sum_dim_state)))
         return NULL;
     return y;
 }
@@ -1027,6 +1056,8 @@ dt_tensor *dt_mean_dim(dt_ctx *ctx, dt_tensor *x, int dim, int keepdim)
 
 /* --- activations and softmax ---------------------------------------- */
 
+typedef struct unary_state { dt_unary_op op; } unary_state;
+
 static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *y = n->out;
@@ -1034,7 +1065,7 @@ static dt_status unary_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, x, &acc);
     if (!gx)
         return ctx->last_status;
-    dt_unary_op op = (dt_unary_op)n->iarg[0];
+    dt_unary_op op = ((const unary_state *)n->state)->op;
     BE(ctx)->unary_backward(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y), FP(y->grad),
                             gx, acc);
     return DT_OK;
@@ -1052,7 +1083,7 @@ static dt_tensor *unary_op(dt_ctx *ctx, const char *name, dt_unary_op op, dt_ten
     BE(ctx)->unary(BEI(ctx), op, shape_numel(x->ndim, x->shape), FP(x), FP(y));
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, unary_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {op}}))
+                        &(unary_state){op}, sizeof(unary_state)))
         return NULL;
     return y;
 }
@@ -1069,14 +1100,18 @@ dt_tensor *dt_exp(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "exp", DT_UN
 dt_tensor *dt_log(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "log", DT_UNARY_LOG, x); }
 dt_tensor *dt_sqrt(dt_ctx *ctx, dt_tensor *x) { return unary_op(ctx, "sqrt", DT_UNARY_SQRT, x); }
 
+/* x seen as (outer, len, inner), softmax over len; log: log_softmax */
+typedef struct softmax_state { int64_t outer, len, inner; int log; } softmax_state;
+
 static dt_status softmax_backward(dt_ctx *ctx, dt_node *n)
 {
     int acc;
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    int64_t outer = n->iarg[0], len = n->iarg[1], inner = n->iarg[2];
-    int log = (int)n->iarg[3];
+    const softmax_state *st = n->state;
+    int64_t outer = st->outer, len = st->len, inner = st->inner;
+    int log = st->log;
     BE(ctx)->softmax_backward(BEI(ctx), outer, len, inner, FP(n->out), FP(n->out->grad), gx, log,
                               acc);
     return DT_OK;
@@ -1097,7 +1132,7 @@ static dt_tensor *softmax_op(dt_ctx *ctx, const char *name, dt_tensor *x, int di
     BE(ctx)->softmax(BEI(ctx), outer, len, inner, FP(x), FP(y), log);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, softmax_backward, y, x, NULL, NULL,
-                        &(node_args){.i = {outer, len, inner, log}}))
+                        &(softmax_state){outer, len, inner, log}, sizeof(softmax_state)))
         return NULL;
     return y;
 }
@@ -1107,14 +1142,19 @@ dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_o
 
 /* --- losses ----------------------------------------------------------- */
 
+/* probs: the softmax of the logits, kept by the forward; kept: the rows
+ * not ignored (the mean's divisor) */
+typedef struct xent_state { int64_t rows, classes, ignore, kept; const float *probs; } xent_state;
+
 static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
 {
     int acc;
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    int64_t rows = n->iarg[0], classes = n->iarg[1], ignore = n->iarg[2], kept = n->iarg[3];
-    const float *probs = n->aux[0];   /* softmax of the logits, kept by the forward */
+    const xent_state *st = n->state;
+    int64_t rows = st->rows, classes = st->classes, ignore = st->ignore, kept = st->kept;
+    const float *probs = st->probs;
     BE(ctx)->xent_backward(BEI(ctx), rows, classes, probs, IP(n->in[1]), ignore, kept,
                            FP(n->out->grad), gx, acc);
     return DT_OK;
@@ -1187,7 +1227,7 @@ static dt_tensor *xent_op(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels, int
     }
     if (tape_tracks(ctx, logits) &&
         !tape_record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
-                        &(node_args){.i = {n, c, ignore, kept}, .aux = {probs}}))
+                        &(xent_state){n, c, ignore, kept, probs}, sizeof(xent_state)))
         return NULL;
     return y;
 }
@@ -1203,6 +1243,8 @@ dt_tensor *dt_cross_entropy_ignore(dt_ctx *ctx, dt_tensor *logits, dt_tensor *la
     return xent_op(ctx, logits, labels, ignore_index);
 }
 
+typedef struct mse_state { const float *diff; } mse_state;   /* pred - target, kept by the forward */
+
 static dt_status mse_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *p = n->in[0], *t = n->in[1];
@@ -1212,7 +1254,7 @@ static dt_status mse_backward(dt_ctx *ctx, dt_node *n)
         return ctx->last_status;
     int64_t shape[1] = {cnt}, s1[1] = {1}, s0[1] = {0};
     /* tmp = diff * dloss; dpred = 2/n tmp, dtarget = -2/n tmp */
-    const float *diff = n->aux[0];   /* pred - target, kept by the forward */
+    const float *diff = ((const mse_state *)n->state)->diff;
     BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, diff, s1, FP(n->out->grad), s0, tmp);
     float k = 2.0f / (float)cnt;
     dt_status s = DT_OK;
@@ -1253,20 +1295,23 @@ dt_tensor *dt_mse(dt_ctx *ctx, dt_tensor *pred, dt_tensor *target)
     BE(ctx)->axpby(BEI(ctx), 1, 1.0f / (float)cnt, FP(y), 0.0f, FP(y));
     if ((tape_tracks(ctx, pred) || tape_tracks(ctx, target)) &&
         !tape_record_op(ctx, "mse", mse_backward, y, pred, target, NULL,
-                        &(node_args){.aux = {diff}}))
+                        &(mse_state){diff}, sizeof(mse_state)))
         return NULL;
     return y;
 }
 
 /* --- custom ops (dt_custom_op) ---------------------------------------------- */
 
+typedef struct custom_state { dt_custom_backward_fn backward; void *user; } custom_state;
+
 static dt_status custom_backward(dt_ctx *ctx, dt_node *n)
 {
+    const custom_state *st = n->state;
     dt_tensor *grads[NODE_MAX_IN] = {0};
     int grad = ctx->grad_enabled;
     ctx->grad_enabled = 0;
     uint64_t errors = ctx->errors;
-    dt_status s = n->custom(ctx, n->in, n->n_in, n->out, n->out->grad, grads, n->user);
+    dt_status s = st->backward(ctx, n->in, n->n_in, n->out, n->out->grad, grads, st->user);
     ctx->grad_enabled = grad;
     if (s != DT_OK)
         return ctx->errors != errors ? ctx->last_status
@@ -1324,8 +1369,9 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
         return out;
     size_t len = strlen(name) + 1;
     char *copy = arena_alloc(ctx, ctx->cur_host, len);
-    dt_node *nd = copy ? tape_record(ctx, copy, custom_backward, out, inputs[0],
-                                     n > 1 ? inputs[1] : NULL, n > 2 ? inputs[2] : NULL)
+    dt_node *nd = copy ? tape_record_op(ctx, copy, custom_backward, out, inputs[0],
+                                        n > 1 ? inputs[1] : NULL, n > 2 ? inputs[2] : NULL,
+                                        &(custom_state){backward, user}, sizeof(custom_state))
                        : NULL;
     if (!nd) {
         if (!copy)
@@ -1333,7 +1379,5 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
         return NULL;
     }
     memcpy(copy, name, len);
-    nd->custom = backward;
-    nd->user = user;
     return out;
 }

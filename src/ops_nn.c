@@ -9,11 +9,18 @@
 
 /* --- convolution and pooling (NCHW) --------------------------------- */
 
+/* What each op keeps for its backward (its node's state, tape_record_op).
+ * A convolution: its geometry, and im2col's columns (NULL: the backend's
+ * fused convolution keeps none); a pooling: its geometry and max's argmax. */
+typedef struct conv_state { const float *col; const dt_conv_geom *g; } conv_state;
+typedef struct pool_state { const int32_t *argmax; const dt_conv_geom *g; } pool_state;
+
 static dt_status conv2d_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL, *y = n->out;
-    const dt_conv_geom *g = n->aux[1];
-    const float *col = n->aux[0];
+    const conv_state *st = n->state;
+    const dt_conv_geom *g = st->g;
+    const float *col = st->col;
     int64_t o = w->shape[0], ckk = g->c * g->kh * g->kw, p = g->oh * g->ow, np = g->n * p;
     const float *gy = FP(y->grad), *dyt = gy;   /* dY' (O, N*P) */
     if (g->n > 1) {
@@ -56,7 +63,7 @@ static dt_status conv2d_fused_backward(dt_ctx *ctx, dt_node *n)
     float *gb = b && grad_needed(b) ? grad_target(ctx, b, &ab) : NULL;
     if ((grad_needed(x) && !gx) || (grad_needed(w) && !gw) || (b && grad_needed(b) && !gb))
         return ctx->last_status;
-    dt_status s = BE(ctx)->conv2d_backward(BEI(ctx), n->aux[1], w->shape[0], FP(x), FP(w),
+    dt_status s = BE(ctx)->conv2d_backward(BEI(ctx), ((const conv_state *)n->state)->g, w->shape[0], FP(x), FP(w),
                                            FP(n->out->grad), gx, ax, gw, aw, gb, ab);
     return s == DT_OK ? s : set_error(ctx, s, "conv2d: backend out of scratch memory");
 }
@@ -76,13 +83,14 @@ static dt_tensor *conv2d_fused(dt_ctx *ctx, const dt_conv_geom *geom, dt_tensor 
     if (!track)
         return y;
     dt_conv_geom *g = arena_alloc(ctx, ctx->cur_host, sizeof *g);
-    dt_node *n = g ? tape_record(ctx, "conv2d", conv2d_fused_backward, y, x, w, b) : NULL;
-    if (!n) {
+    if (!g) {
         set_error(ctx, DT_ENOMEM, "conv2d: out of memory for the tape");
         return NULL;
     }
     *g = *geom;
-    n->aux[1] = g;
+    if (!tape_record_op(ctx, "conv2d", conv2d_fused_backward, y, x, w, b, &(conv_state){NULL, g},
+                        sizeof(conv_state)))
+        return NULL;
     return y;
 }
 
@@ -176,11 +184,9 @@ dt_tensor *dt_conv2d(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, int 
         arena_release(ctx->cur_dev, mark);
         return y;
     }
-    dt_node *n = tape_record(ctx, "conv2d", conv2d_backward, y, x, w, b);
-    if (!n)
+    if (!tape_record_op(ctx, "conv2d", conv2d_backward, y, x, w, b, &(conv_state){col, g},
+                        sizeof(conv_state)))
         return NULL;
-    n->aux[0] = col;
-    n->aux[1] = g;
     return y;
 }
 
@@ -190,8 +196,9 @@ static dt_status maxpool_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    const int32_t *argmax = n->aux[0];
-    const dt_conv_geom *g = n->aux[1];
+    const pool_state *st = n->state;
+    const int32_t *argmax = st->argmax;
+    const dt_conv_geom *g = st->g;
     BE(ctx)->maxpool_backward(BEI(ctx), g, FP(n->out->grad), argmax, gx, acc);
     return DT_OK;
 }
@@ -202,7 +209,7 @@ static dt_status avgpool_backward(dt_ctx *ctx, dt_node *n)
     float *gx = grad_target(ctx, n->in[0], &acc);
     if (!gx)
         return ctx->last_status;
-    const dt_conv_geom *g = n->aux[1];
+    const dt_conv_geom *g = ((const pool_state *)n->state)->g;
     BE(ctx)->avgpool_backward(BEI(ctx), g, FP(n->out->grad), gx, acc);
     return DT_OK;
 }
@@ -245,7 +252,7 @@ static dt_tensor *pool_op(dt_ctx *ctx, const char *name, dt_tensor *x, int kerne
     }
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, name, is_max ? maxpool_backward : avgpool_backward, y, x, NULL, NULL,
-                        &(node_args){.aux = {argmax, g}}))
+                        &(pool_state){argmax, g}, sizeof(pool_state)))
         return NULL;
     return y;
 }
@@ -337,17 +344,26 @@ dt_tensor *dt_embedding(dt_ctx *ctx, dt_tensor *weight, dt_tensor *idx)
     return y;
 }
 
+/* x seen as (rows, d); mean and rstd per row, kept by the forward; w and
+ * b as given (either may be NULL, so in[] cannot say which is which) */
+typedef struct layer_norm_state {
+    int64_t rows, d;
+    const float *mean, *rstd;
+    dt_tensor *w, *b;
+} layer_norm_state;
+
 static dt_status layer_norm_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_tensor *x = n->in[0], *w = n->aux[2], *b = n->aux[3];
-    int64_t rows = n->iarg[0], d = n->iarg[1];
+    const layer_norm_state *st = n->state;
+    dt_tensor *x = n->in[0], *w = st->w, *b = st->b;
+    int64_t rows = st->rows, d = st->d;
     int acc = 0;
     float *gx = grad_needed(x) ? grad_target(ctx, x, &acc) : op_temp_floats(ctx, rows * d);
     float *gw = w && grad_needed(w) ? grad_target_zeroed(ctx, w) : NULL;
     float *gb = b && grad_needed(b) ? grad_target_zeroed(ctx, b) : NULL;
     if (!gx || (w && grad_needed(w) && !gw) || (b && grad_needed(b) && !gb))
         return ctx->last_status;
-    const float *mean = n->aux[0], *rstd = n->aux[1];   /* per row, kept by the forward */
+    const float *mean = st->mean, *rstd = st->rstd;
     BE(ctx)->layernorm_backward(BEI(ctx), rows, d, FP(x), w ? FP(w) : NULL, mean, rstd,
                                 FP(n->out->grad), gx, gw, gb, acc);
     return DT_OK;
@@ -384,10 +400,12 @@ dt_tensor *dt_layer_norm(dt_ctx *ctx, dt_tensor *x, dt_tensor *w, dt_tensor *b, 
                                FP(y), mean, rstd);
     if ((tape_tracks(ctx, x) || tape_tracks(ctx, w) || tape_tracks(ctx, b)) &&
         !tape_record_op(ctx, "layer_norm", layer_norm_backward, y, x, w, b,
-                        &(node_args){.i = {rows, d}, .aux = {mean, rstd, w, b}}))
+                        &(layer_norm_state){rows, d, mean, rstd, w, b}, sizeof(layer_norm_state)))
         return NULL;
     return y;
 }
+
+typedef struct dropout_state { const float *mask; } dropout_state;   /* 0 or 1/(1-p) per element */
 
 static dt_status dropout_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -400,7 +418,7 @@ static dt_status dropout_backward(dt_ctx *ctx, dt_node *n)
     float *dst = acc ? op_temp_floats(ctx, cnt) : gx;
     if (!dst)
         return ctx->last_status;
-    const float *mask = n->aux[0];   /* 0 or 1/(1-p) per element, kept by the forward */
+    const float *mask = ((const dropout_state *)n->state)->mask;   /* kept by the forward */
     BE(ctx)->binary(BEI(ctx), DT_BIN_MUL, 1, shape, FP(n->out->grad), s1, mask, s1, dst);
     if (acc)
         BE(ctx)->axpby(BEI(ctx), cnt, 1.0f, dst, 1.0f, gx);
@@ -432,20 +450,30 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
     BE(ctx)->dropout_forward(BEI(ctx), cnt, p, seed, FP(x), FP(y), mask);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "dropout", dropout_backward, y, x, NULL, NULL,
-                        &(node_args){.aux = {mask}}))
+                        &(dropout_state){mask}, sizeof(dropout_state)))
         return NULL;
     return y;
 }
 
 /* --- attention ----------------------------------------------------------- */
 
+/* q, k, v seen as (bh, t, d); lse: each query row's log-sum-exp, kept by
+ * the forward; mask: the caller's additive mask or NULL */
+typedef struct attention_state {
+    int64_t bh, t, d;
+    int causal;
+    float scale;
+    const float *lse, *mask;
+} attention_state;
+
 static dt_status attention_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *q = n->in[0], *k = n->in[1], *v = n->in[2], *o = n->out;
-    int64_t bh = n->iarg[0], t = n->iarg[1], d = n->iarg[2];
-    int causal = (int)n->iarg[3];
-    float scale = n->farg[0];
-    const float *lse = n->aux[0], *mask = n->aux[1];   /* kept by the forward */
+    const attention_state *st = n->state;
+    int64_t bh = st->bh, t = st->t, d = st->d;
+    int causal = st->causal;
+    float scale = st->scale;
+    const float *lse = st->lse, *mask = st->mask;
     int64_t cnt = bh * t * d;
     float *tmp = op_temp_floats(ctx, 3 * cnt);
     if (!tmp)
@@ -522,8 +550,8 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
     }
     if ((tape_tracks(ctx, q) || tape_tracks(ctx, k) || tape_tracks(ctx, v)) &&
         !tape_record_op(ctx, "attention", attention_backward, o, q, k, v,
-                        &(node_args){.i = {bh, t, d, causal != 0}, .f = {scale},
-                                     .aux = {lse, (void *)m}}))
+                        &(attention_state){bh, t, d, causal != 0, scale, lse, m},
+                        sizeof(attention_state)))
         return NULL;
     return o;
 }

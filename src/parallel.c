@@ -879,6 +879,9 @@ static dt_tensor *tp_gather_rows(dt_ctx *ctx, dt_comm *c, const float *h, int64_
     return y;
 }
 
+/* The tensor-parallel ops keep their communicator for the backward. */
+typedef struct tp_state { dt_comm *c; } tp_state;
+
 static dt_status tp_copy_backward(dt_ctx *ctx, dt_node *n)
 {
     int64_t cnt = shape_numel(n->out->ndim, n->out->shape);
@@ -886,7 +889,7 @@ static dt_status tp_copy_backward(dt_ctx *ctx, dt_node *n)
     float *sum = h ? op_temp_floats(ctx, cnt) : NULL;
     if (!sum)
         return ctx->last_status;
-    dt_status s = dt_allreduce(n->aux[0], h, cnt, DT_REDUCE_SUM);
+    dt_status s = dt_allreduce(((const tp_state *)n->state)->c, h, cnt, DT_REDUCE_SUM);
     if (s != DT_OK)
         return s;
     be_to_device(ctx, sum, h, (size_t)cnt * sizeof(float));
@@ -899,10 +902,9 @@ dt_tensor *dt_tp_copy(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
         return NULL;
     dt_tensor *y = tensor_view_header(ctx, x);
     if (y && tape_tracks(ctx, x)) {
-        dt_node *n = tape_record(ctx, "tp_copy", tp_copy_backward, y, x, NULL, NULL);
-        if (!n)
+        if (!tape_record_op(ctx, "tp_copy", tp_copy_backward, y, x, NULL, NULL, &(tp_state){c},
+                            sizeof(tp_state)))
             return NULL;
-        n->aux[0] = c;
     }
     return y;
 }
@@ -943,7 +945,7 @@ static dt_status tp_take_columns(dt_ctx *ctx, dt_tensor *x, const float *g, int 
 
 static dt_status tp_gather_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_comm *c = n->aux[0];
+    dt_comm *c = ((const tp_state *)n->state)->c;
     return tp_take_columns(ctx, n->in[0], FP(n->out->grad), dt_comm_rank(c), dt_comm_size(c));
 }
 
@@ -965,17 +967,16 @@ dt_tensor *dt_tp_gather(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     if (!y)
         return NULL;
     if (tape_tracks(ctx, x)) {
-        dt_node *n = tape_record(ctx, "tp_gather", tp_gather_backward, y, x, NULL, NULL);
-        if (!n)
+        if (!tape_record_op(ctx, "tp_gather", tp_gather_backward, y, x, NULL, NULL, &(tp_state){c},
+                            sizeof(tp_state)))
             return NULL;
-        n->aux[0] = c;
     }
     return y;
 }
 
 static dt_status tp_split_backward(dt_ctx *ctx, dt_node *n)
 {
-    dt_comm *c = n->aux[0];
+    dt_comm *c = ((const tp_state *)n->state)->c;
     dt_tensor *y = n->out, *x = n->in[0];
     int64_t k = y->shape[y->ndim - 1], cnt = shape_numel(y->ndim, y->shape);
     float *h = tp_to_host(ctx, FP(y->grad), cnt);
@@ -1005,10 +1006,9 @@ dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
         return NULL;
     BE(ctx)->copy_strided(BEI(ctx), v->ndim, v->shape, 4, y->data, y->stride, v->data, v->stride, 0);
     if (tape_tracks(ctx, x)) {
-        dt_node *n = tape_record(ctx, "tp_split", tp_split_backward, y, x, NULL, NULL);
-        if (!n)
+        if (!tape_record_op(ctx, "tp_split", tp_split_backward, y, x, NULL, NULL, &(tp_state){c},
+                            sizeof(tp_state)))
             return NULL;
-        n->aux[0] = c;
     }
     return y;
 }

@@ -37,10 +37,22 @@ static void leave_scratch(dt_ctx *ctx, arena_switch sw, int release)
     }
 }
 
+/* A segment's node state: its inputs as given, the dropout counter it
+ * started from, and its function with the user's pointer (the parameters
+ * its ops read are the node's reads: its backward finishes them all). */
+typedef struct recompute_state {
+    dt_tensor **inputs;
+    int n;
+    uint64_t counter;
+    dt_segment_fn fn;
+    void *user;
+} recompute_state;
+
 static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
 {
-    dt_tensor **orig = nd->aux[0], *y = nd->out;
-    int n = (int)nd->iarg[0];
+    const recompute_state *st = nd->state;
+    dt_tensor **orig = st->inputs, *y = nd->out;
+    int n = st->n;
     arena_switch sw = enter_scratch(ctx);
     dt_node *saved_tape = ctx->tape;
     uint64_t saved_counter = ctx->dropout_counter;
@@ -61,12 +73,12 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
             leaf[i]->flags |= T_REQGRAD;
     }
     ctx->tape = NULL;
-    ctx->dropout_counter = (uint64_t)nd->iarg[1];
+    ctx->dropout_counter = st->counter;
     ctx->grad_enabled = 1;
     ctx->in_recompute = 1;
     dt_precision saved_prec = ctx->autocast;   /* rerun as the forward ran */
     ctx->autocast = nd->prec;
-    dt_tensor *y2 = nd->seg_fn(ctx, leaf, n, nd->user);
+    dt_tensor *y2 = st->fn(ctx, leaf, n, st->user);
     ctx->autocast = saved_prec;
     ctx->in_recompute = 0;
     ctx->grad_enabled = saved_grad;
@@ -146,25 +158,20 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     if (!y || y->dtype != DT_F32)
         return y;
     (void)track;   /* parameters inside fn may need grads even if no input does */
-    dt_node *nd = tape_record(ctx, "recompute", recompute_backward, y, NULL, NULL, NULL);
     dt_tensor **saved = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)(n ? n : 1));
-    if (!nd || !saved) {
+    if (!saved) {
         set_error(ctx, DT_ENOMEM, "recompute: out of memory for the tape");
         return NULL;
     }
     if (n)
         memcpy(saved, inputs, sizeof(dt_tensor *) * (size_t)n);
-    nd->aux[0] = saved;
-    nd->aux[1] = params;
-    nd->iarg[0] = n;
-    nd->iarg[2] = nparams;
-    nd->iarg[1] = (int64_t)counter;
-    nd->prec = prec;
-    nd->seg_fn = fn;
-    nd->user = user;
-    nd->reads = params;   /* its backward finishes them all */
-    nd->n_reads = nparams;
-    nd->reads_aside = 1;
+    dt_node *nd = tape_record_op(ctx, "recompute", recompute_backward, y, NULL, NULL, NULL,
+                                 &(recompute_state){saved, n, counter, fn, user},
+                                 sizeof(recompute_state));
+    if (!nd)
+        return NULL;
+    tape_set_prec(nd, prec);
+    tape_set_reads(nd, params, nparams);   /* its backward finishes them all */
     return y;
 }
 
