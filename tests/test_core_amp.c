@@ -12,7 +12,7 @@
  *
  * cpu-staged: the CPU kernels behind device-memory semantics, whose
  * asynchronous copies happen only when waited for; here the copies' rules,
- * and in build.sh the core and DDP suites run on it.
+ * and tests/checks/staged.sh runs the core and DDP suites on it.
  */
 #include "test_util.h"
 

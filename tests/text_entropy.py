@@ -6,7 +6,7 @@ of the best model that sees no context (the training part's byte counts)
 and of the best that sees only the previous byte (the training part's
 pair counts), both add-one smoothed.  A model whose validation loss is
 below the second uses more than the byte before it: its attention works
-(gpt_checks in build.sh).
+(gpt_checks, tests/checks/gpt.sh).
 
 usage: tests/text_entropy.py [DIR]   (default /usr/share/games/fortunes)
 """
