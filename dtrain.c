@@ -1151,13 +1151,7 @@ typedef struct optim_shard {
 
 #define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
-/* A parameter group (dt_param_group): the optimizer's config with the
- * group's values in, and its lr (what the last step used) and the base a
- * schedule scales. */
-typedef struct optim_group {
-    dt_optim_config cfg;
-    float base_lr, lr;
-} optim_group;
+typedef struct optim_group optim_group;
 
 struct dt_optim {
     dt_ctx *ctx;
@@ -1394,6 +1388,13 @@ DT_PRIVATE int ctx_ok(dt_ctx *ctx);
  * a context that only collects errors, with ctx's allocator; NULL when out
  * of memory; freed with host_free(ctx, sink). */
 DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx);
+/* the step arenas (device, host) back to at most these capacities, after a
+ * phase whose steps were larger (evaluation) */
+DT_PRIVATE void ctx_shrink_step_arenas(dt_ctx *ctx, size_t dev, size_t host);
+/* The tensors a checkpoint of ctx saves besides its parameters (a
+ * parameter server's tables): list[n], the caller's (NULL, 0: none). */
+DT_PRIVATE void ctx_set_ckpt_extra(dt_ctx *ctx, dt_tensor **list, int n);
+DT_PRIVATE void ctx_step_arena_capacity(const dt_ctx *ctx, size_t *dev, size_t *host);
 DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user);
 DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
 
@@ -1402,6 +1403,7 @@ DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n);
 DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap);
+DT_PRIVATE size_t arena_capacity(const dt_arena *a);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n);
@@ -1421,6 +1423,22 @@ DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE void tensor_free_doomed(dt_ctx *ctx);
 DT_PRIVATE void tensor_materialize(dt_tensor *t);
+/* zero: t's contents count as zero, not yet written (T_ZERO, a fresh
+ * gradient), or as written; tensor_point_at: t's data is memory another
+ * module owns (DDP's buckets), or back at its own */
+DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero);
+/* every gradient was zeroed (dt_zero_grad, an optimizer's): a DDP step
+ * that started before sees it (dt_ctx.zero_gen) */
+DT_PRIVATE void param_grads_zeroed(dt_ctx *ctx);
+/* A persistent tensor owned by an object other than the context (an
+ * optimizer's state, a server's table, a load's staging), named name +
+ * suffix; lazy: left unwritten, logically zero.  Freed with tensor_destroy. */
+DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                        const int64_t *shape, const char *name,
+                                        const char *suffix, int lazy);
+DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                                       const char *suffix, int lazy);
+DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data);
 DT_PRIVATE void host_give_back(dt_ctx *ctx);
 DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op);
 DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
@@ -1432,6 +1450,7 @@ DT_PRIVATE void param_rng_seed(uint64_t s[4], uint64_t seed);
 
 /* src/util.c */
 DT_PRIVATE void strbuf_putn(strbuf *b, const char *s, size_t n);
+DT_PRIVATE void strbuf_clear(strbuf *b);   /* empty again, its memory kept */
 DT_PRIVATE void strbuf_puts(strbuf *b, const char *s);
 DT_PRIVATE void strbuf_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
@@ -1487,6 +1506,8 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
+/* parameter i's f32 master (16-bit parameters), NULL when it has none */
+DT_PRIVATE dt_tensor *optim_master_at(const dt_optim *o, int i);
 /* on: SGD's momentum is applied before the optimizer sees the gradient
  * (top-k DDP keeps the velocity before sparsifying), so its step has none */
 DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on);
@@ -1497,6 +1518,10 @@ DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on);
  * element optim_shard_lo of the parameter), and the context it is of;
  * optim_restore_steps puts a loaded file's steps back. */
 DT_PRIVATE int optim_param_count(const dt_optim *o);
+/* the optimizer's settings; the rate group's schedule gives at its step now
+ * (rows stepped between dense steps: a parameter server's sparse tables) */
+DT_PRIVATE const dt_optim_config *optim_config(const dt_optim *o);
+DT_PRIVATE float optim_scheduled_lr(const dt_optim *o, int group);
 DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i);
 DT_PRIVATE int optim_state_per(const dt_optim *o);
 DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o);
@@ -1507,11 +1532,6 @@ DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i);
 DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o);
 DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps);
 DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);
-DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
-                                            const int64_t *shape, const char *name,
-                                            const char *suffix, int lazy);
-DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                                         const char *suffix, int lazy);
 
 /* src/ckpt.c: sharded checkpoints (a directory of shards and an index) */
 typedef struct ckpt_plan ckpt_plan;   /* a load checked and not yet copied */
@@ -2149,6 +2169,7 @@ struct dt_ps {
     double stale_sum;
     int64_t stale_n;
     char *ckpt_path;           /* server: its checkpoint file, or NULL */
+    dt_tensor **ckpt_tables;   /* server: what its checkpoint saves (ctx_set_ckpt_extra) */
     int resumed;               /* server: started from it (worker 0's init is not used) */
     int syncing;               /* server, rejoined: not every live worker has said hello */
     int vote;                  /* server: the last applied step's pre-emption verdict */
@@ -2389,7 +2410,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2393 "dtrain.c"
+#line 2414 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -2922,6 +2943,24 @@ void dt_ctx_free(dt_ctx *ctx)
 }
 
 /* Usable context: not NULL and its backend started. */
+DT_PRIVATE void ctx_step_arena_capacity(const dt_ctx *ctx, size_t *dev, size_t *host)
+{
+    *dev = arena_capacity(&ctx->dev);
+    *host = arena_capacity(&ctx->host);
+}
+
+DT_PRIVATE void ctx_set_ckpt_extra(dt_ctx *ctx, dt_tensor **list, int n)
+{
+    ctx->ckpt_extra = list;
+    ctx->n_ckpt_extra = n;
+}
+
+DT_PRIVATE void ctx_shrink_step_arenas(dt_ctx *ctx, size_t dev, size_t host)
+{
+    arena_shrink(ctx, &ctx->dev, dev);
+    arena_shrink(ctx, &ctx->host, host);
+}
+
 DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx)
 {
     dt_ctx *sink = host_calloc(ctx, sizeof *sink);
@@ -3014,7 +3053,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3018 "dtrain.c"
+#line 3057 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3185,6 +3224,8 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
 /* An empty arena back to at most `cap` bytes in one chunk (after work with
  * larger steps, such as evaluation's batches, so training does not keep
  * their memory).  Does nothing when it is not larger or holds data. */
+DT_PRIVATE size_t arena_capacity(const dt_arena *a) { return a->capacity; }
+
 DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap)
 {
     if (a->used || a->capacity <= cap)
@@ -3311,7 +3352,7 @@ void dt_mem_reset_peak(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3315 "dtrain.c"
+#line 3356 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -3597,6 +3638,50 @@ int dt_tensor_is_contiguous(const dt_tensor *t)
 }
 
 /* Write zeros into a tensor whose contents are only logically zero. */
+DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                               const char *suffix, int lazy)
+{
+    return tensor_owned_new_as(ctx, DT_F32, ndim, shape, name, suffix, lazy);
+}
+
+/* A persistent tensor of dtype owned by an object other than the context
+ * (lazy: left unwritten, logically zero). */
+DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                        const int64_t *shape, const char *name,
+                                        const char *suffix, int lazy)
+{
+    dt_tensor *t = host_alloc(ctx, sizeof *t);
+    if (!t)
+        return NULL;
+    tensor_header_init(t, ctx, dtype, ndim, shape);
+    size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
+    t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
+    t->name = host_alloc(ctx, nl);
+    if (!t->data || !t->name) {
+        if (t->data)
+            ctx->be_iface->free(ctx->be, t->data);
+        host_free(ctx, t->name);
+        host_free(ctx, t);
+        return NULL;
+    }
+    snprintf(t->name, nl, "%s%s", name, suffix);
+    if (!lazy)
+        ctx->be_iface->memset0(ctx->be, t->data, bytes);
+    t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
+    ctx->persistent_bytes += bytes;
+    return t;
+}
+
+DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero)
+{
+    if (zero)
+        t->flags |= T_ZERO;
+    else
+        t->flags &= ~(unsigned)T_ZERO;
+}
+
+DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data) { t->data = data; }
+
 DT_PRIVATE void tensor_materialize(dt_tensor *t)
 {
     if (t && (t->flags & T_ZERO)) {
@@ -3855,7 +3940,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 3859 "dtrain.c"
+#line 3944 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -3975,8 +4060,10 @@ void dt_zero_grad(dt_ctx *ctx)
     for (int i = 0; i < ctx->n_params; i++)
         if (ctx->params[i]->grad)
             ctx->params[i]->grad->flags |= T_ZERO;   /* written lazily */
-    ctx->zero_gen++;
+    param_grads_zeroed(ctx);
 }
+
+DT_PRIVATE void param_grads_zeroed(dt_ctx *ctx) { ctx->zero_gen++; }
 
 static float sample_uniform(uint64_t s[4], float lo, float hi)
 {
@@ -4176,7 +4263,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4180 "dtrain.c"
+#line 4267 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4207,6 +4294,8 @@ static int strbuf_reserve(strbuf *b, size_t n)
     }
     return 1;
 }
+
+DT_PRIVATE void strbuf_clear(strbuf *b) { b->len = 0; }
 
 DT_PRIVATE void strbuf_putn(strbuf *b, const char *s, size_t n)
 {
@@ -4260,7 +4349,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4264 "dtrain.c"
+#line 4353 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -4831,7 +4920,7 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 4835 "dtrain.c"
+#line 4924 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5081,7 +5170,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5085 "dtrain.c"
+#line 5174 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -6468,7 +6557,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     memcpy(copy, name, len);
     return out;
 }
-#line 6472 "dtrain.c"
+#line 6561 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -7029,7 +7118,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7033 "dtrain.c"
+#line 7122 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7210,7 +7299,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7214 "dtrain.c"
+#line 7303 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -7225,6 +7314,14 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
  * the last zero_grad got no gradient this step and is skipped, as PyTorch
  * skips parameters whose .grad is None.
  * ======================================================================== */
+
+/* A parameter group (dt_param_group): the optimizer's config with the
+ * group's values in, and its lr (what the last step used) and the base a
+ * schedule scales. */
+struct optim_group {
+    dt_optim_config cfg;
+    float base_lr, lr;
+};
 
 /* --- dynamic loss scaling (fp16) ------------------------------------------
  * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
@@ -7315,41 +7412,7 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
 static dt_tensor *optim_state_tensor(const dt_optim *o, int ndim, const int64_t *shape,
                                      const char *name, const char *suffix)
 {
-    return optim_owned_tensor_as(o->ctx, o->cfg.state_dtype, ndim, shape, name, suffix, 1);
-}
-
-DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                               const char *suffix, int lazy)
-{
-    return optim_owned_tensor_as(ctx, DT_F32, ndim, shape, name, suffix, lazy);
-}
-
-/* A persistent tensor of dtype owned by an object other than the context
- * (lazy: left unwritten, logically zero). */
-DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
-                                            const int64_t *shape, const char *name,
-                                            const char *suffix, int lazy)
-{
-    dt_tensor *t = host_alloc(ctx, sizeof *t);
-    if (!t)
-        return NULL;
-    tensor_header_init(t, ctx, dtype, ndim, shape);
-    size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
-    t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
-    t->name = host_alloc(ctx, nl);
-    if (!t->data || !t->name) {
-        if (t->data)
-            ctx->be_iface->free(ctx->be, t->data);
-        host_free(ctx, t->name);
-        host_free(ctx, t);
-        return NULL;
-    }
-    snprintf(t->name, nl, "%s%s", name, suffix);
-    if (!lazy)
-        ctx->be_iface->memset0(ctx->be, t->data, bytes);
-    t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
-    ctx->persistent_bytes += bytes;
-    return t;
+    return tensor_owned_new_as(o->ctx, o->cfg.state_dtype, ndim, shape, name, suffix, 1);
 }
 
 /* The scratch's chunks: one a state tensor with 16-bit state, then one for
@@ -7380,11 +7443,11 @@ static dt_status optim_make_masters(dt_optim *o)
         return DT_ENOMEM;
     for (int i = 0; i < o->n; i++) {
         dt_tensor *p = o->params[i];
-        if (!(o->master[i] = optim_owned_tensor(ctx, p->ndim, p->shape, p->name, ".master", 1)))
+        if (!(o->master[i] = tensor_owned_new(ctx, p->ndim, p->shape, p->name, ".master", 1)))
             return DT_ENOMEM;
         tensor_materialize(p);
         tensor_materialize(o->master[i]);
-        o->master[i]->flags &= ~(unsigned)T_ZERO;
+        tensor_mark_zero(o->master[i], 0);
         ctx->be_iface->copy(ctx->be, o->master[i]->data, p->data, tensor_bytes(p));
         BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), dt_tensor_numel(p), FP(p),
                             FP(p));
@@ -7807,6 +7870,13 @@ static dt_status optim_step_run(dt_optim *o)
 DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on) { o->momentum_by_ddp = on; }
 
 DT_PRIVATE int optim_param_count(const dt_optim *o) { return o->n; }
+DT_PRIVATE const dt_optim_config *optim_config(const dt_optim *o) { return &o->cfg; }
+
+DT_PRIVATE float optim_scheduled_lr(const dt_optim *o, int group)
+{
+    const optim_group *g = &o->groups[group];
+    return o->has_sched ? dt_schedule_lr(&o->sched, g->base_lr, o->steps) : g->lr;
+}
 DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i) { return o->params[i]; }
 DT_PRIVATE int optim_state_per(const dt_optim *o) { return o->per; }
 DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o) { return o->param_steps; }
@@ -7821,6 +7891,11 @@ DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *p
 {
     o->steps = steps;
     memcpy(o->param_steps, param_steps, sizeof *param_steps * (size_t)o->n);
+}
+
+DT_PRIVATE dt_tensor *optim_master_at(const dt_optim *o, int i)
+{
+    return o->master && i < o->n ? o->master[i] : NULL;
 }
 
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p)
@@ -7859,7 +7934,7 @@ static dt_status optim_shard_masters(dt_optim *o, const int64_t *lo, const int64
     dt_tensor **cut = host_calloc(ctx, sizeof *cut * (size_t)(o->n + 1));
     int ok = cut != NULL;
     for (int i = 0; ok && i < o->n; i++)
-        ok = (cut[i] = optim_owned_tensor(ctx, 1, &n[i], o->master[i]->name, "", 0)) != NULL;
+        ok = (cut[i] = tensor_owned_new(ctx, 1, &n[i], o->master[i]->name, "", 0)) != NULL;
     for (int i = 0; cut && i < o->n; i++) {
         if (ok && n[i] > 0)
             ctx->be_iface->copy(ctx->be, cut[i]->data, FP(o->master[i]) + lo[i],
@@ -7903,7 +7978,7 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
     for (int k = 0; k < total; k++) {   /* state already written (a loaded checkpoint) stays */
         if (!(o->state[k]->flags & T_ZERO) && n[k / o->per] > 0) {
             tensor_materialize(fresh[k]);
-            fresh[k]->flags &= ~(unsigned)T_ZERO;
+            tensor_mark_zero(fresh[k], 0);
             ctx->be_iface->copy(ctx->be, fresh[k]->data,
                                 (char *)o->state[k]->data + (size_t)lo[k / o->per] * es,
                                 (size_t)n[k / o->per] * es);
@@ -7924,8 +7999,8 @@ void dt_optim_zero_grad(dt_optim *o)
         return;
     for (int i = 0; i < o->n; i++)
         if (o->params[i]->grad)
-            o->params[i]->grad->flags |= T_ZERO;
-    o->ctx->zero_gen++;
+            tensor_mark_zero(o->params[i]->grad, 1);
+    param_grads_zeroed(o->ctx);
 }
 
 float dt_optim_lr(const dt_optim *o) { return o ? o->groups[0].lr : 0.0f; }
@@ -8188,7 +8263,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8192 "dtrain.c"
+#line 8267 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -8560,7 +8635,7 @@ static dt_status ckpt_finish(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf
     strbuf hdr = {ctx, NULL, 0, 0, 0};
     ckpt_header(&hdr, m, items, n, crc, 0);
     uint32_t hcrc = hdr.oom ? 0 : st_header_crc((unsigned char *)hdr.p, hdr.len);
-    hdr.len = 0;
+    strbuf_clear(&hdr);
     ckpt_header(&hdr, m, items, n, crc, hcrc);
     dt_status s = DT_OK;
     if (hdr.oom || hdr.len != first->len)
@@ -9458,7 +9533,7 @@ static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const uns
         src = (const unsigned char *)wide;
     }
     dt_status s = ckpt_put(ctx, t, 0, src, n);
-    t->flags &= ~(unsigned)T_ZERO;
+    tensor_mark_zero(t, 0);
     host_free(ctx, wide);
     return s;
 }
@@ -10410,7 +10485,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
     for (int b = 0; b < pl->nbase; b++)
         if (pl->base[b].t) {   /* a lazy state's other floats are its zeros */
             tensor_materialize(pl->base[b].t);
-            pl->base[b].t->flags &= ~(unsigned)T_ZERO;
+            tensor_mark_zero(pl->base[b].t, 0);
         }
     dt_status s = DT_OK;
     for (int r = 0; s == DT_OK && r < pl->ix.world; r++) {
@@ -10466,7 +10541,7 @@ static dt_status consolidate_tensors(ckpt_plan *pl)
             *strrchr(name, '.') = '\0';
             q = &pl->ix.p[plan_base_find(pl, name)];
         }
-        if (!(pl->own[b] = optim_owned_tensor(ctx, q->ndim, q->shape, pl->base[b].name, "", 1)))
+        if (!(pl->own[b] = tensor_owned_new(ctx, q->ndim, q->shape, pl->base[b].name, "", 1)))
             return set_error(ctx, DT_ENOMEM, "checkpoint_consolidate: out of memory for '%s'",
                              pl->base[b].name);
         pl->base[b].t = pl->own[b];
@@ -10534,7 +10609,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10538 "dtrain.c"
+#line 10613 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11107,7 +11182,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11111 "dtrain.c"
+#line 11186 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -11916,7 +11991,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 11920 "dtrain.c"
+#line 11995 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12503,7 +12578,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12507 "dtrain.c"
+#line 12582 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13665,7 +13740,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13669 "dtrain.c"
+#line 13744 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -15640,7 +15715,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15644 "dtrain.c"
+#line 15719 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16126,7 +16201,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16130 "dtrain.c"
+#line 16205 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -16902,7 +16977,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 16906 "dtrain.c"
+#line 16981 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17154,7 +17229,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 17158 "dtrain.c"
+#line 17233 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17223,12 +17298,14 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     int need_2d = visit != eval_loss && visit != eval_user;   /* classes: argmax, accuracy */
     /* evaluation batches may be larger than training's: the step arenas go
      * back to their size afterwards (arena_shrink) */
-    size_t cap_dev = ctx->dev.capacity, cap_host = ctx->host.capacity;
+    size_t cap_dev = 0, cap_host = 0;
+    ctx_step_arena_capacity(ctx, &cap_dev, &cap_host);
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
-    int grad = ctx->grad_enabled, training = ctx->training;
-    ctx->grad_enabled = ctx->training = 0;
+    int grad = dt_grad_enabled(ctx), training = dt_training(ctx);
+    dt_set_grad_enabled(ctx, 0);
+    dt_set_training(ctx, 0);
     dt_status s;
     int64_t first = 0;
     dt_tensor *x, *y;
@@ -17251,11 +17328,10 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         if (s != DT_OK)
             break;
     }
-    ctx->grad_enabled = grad;
-    ctx->training = training;
+    dt_set_grad_enabled(ctx, grad);
+    dt_set_training(ctx, training);
     dt_loader_free(ld);
-    arena_shrink(ctx, &ctx->dev, cap_dev);
-    arena_shrink(ctx, &ctx->host, cap_host);
+    ctx_shrink_step_arenas(ctx, cap_dev, cap_host);
     return s == DT_EOF ? DT_OK : s;
 }
 
@@ -17446,7 +17522,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17450 "dtrain.c"
+#line 17526 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -17961,7 +18037,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 17965 "dtrain.c"
+#line 18041 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -19047,7 +19123,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19051 "dtrain.c"
+#line 19127 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19229,7 +19305,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19233 "dtrain.c"
+#line 19309 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20580,11 +20656,9 @@ void dt_ps_free(dt_ps *ps)
         host_free(ctx, q);
     }
     dt_optim_free(ps->opt);
-    if (ps->sctx) {
-        host_free(ctx, ps->sctx->ckpt_extra);
-        ps->sctx->ckpt_extra = NULL;
-        ps->sctx->n_ckpt_extra = 0;
-    }
+    if (ps->sctx)
+        ctx_set_ckpt_extra(ps->sctx, NULL, 0);
+    host_free(ctx, ps->ckpt_tables);
     dt_ctx_free(ps->sctx);
     host_free(ctx, ps->ckpt_path);
     host_free(ctx, ps->peers);
@@ -20606,7 +20680,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20610 "dtrain.c"
+#line 20684 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -20649,11 +20723,11 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
     int kind = oc->kind == DT_SGD ? 0 : oc->kind == DT_ADAGRAD ? 2 : 1;
     char name[DT_MAX_NAME];   /* (checkpoints name it; "table." keeps it off the pieces' names) */
     snprintf(name, sizeof name, "table.%s", tb->name);
-    tb->w = optim_owned_tensor(sx, 2, shape, name, "", 0);
+    tb->w = tensor_owned_new(sx, 2, shape, name, "", 0);
     for (int j = 0; j < ps_tab_states(oc); j++)
-        tb->state[j] = optim_owned_tensor(sx, 2, shape, name, suffix[kind][j], 0);
+        tb->state[j] = tensor_owned_new(sx, 2, shape, name, suffix[kind][j], 0);
     int64_t two = 2;
-    tb->steps_t = optim_owned_tensor(sx, 1, &two, name, ".steps", 0);
+    tb->steps_t = tensor_owned_new(sx, 1, &two, name, ".steps", 0);
     size_t n = (size_t)(shape[0] * tb->dim);
     tb->acc = host_calloc(ps->ctx, n * sizeof(float));
     tb->slot = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
@@ -20683,7 +20757,7 @@ static dt_status ps_agree_on_resume(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
     char key[64], mine[32], theirs[32];
-    snprintf(mine, sizeof mine, "%lld", ps->resumed ? (long long)ps->opt->steps : -1LL);
+    snprintf(mine, sizeof mine, "%lld", ps->resumed ? (long long)dt_optim_steps(ps->opt) : -1LL);
     snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, ps->server);
     dt_status s = dt_store_set(join_store(c), key, mine, strlen(mine) + 1);
     for (int q = 0; s == DT_OK && q < ps->S; q++) {
@@ -20706,19 +20780,22 @@ static dt_status ps_resume(dt_ps *ps)
     const char *dir = ps->cfg.checkpoint_dir;
     if (!dir || !*dir)
         return DT_OK;
-    sx->ckpt_extra = host_calloc(ps->ctx, sizeof(dt_tensor *) * (size_t)(4 * ps->ntables + 1));
+    dt_tensor **list = host_calloc(ps->ctx, sizeof(dt_tensor *) * (size_t)(4 * ps->ntables + 1));
     size_t len = strlen(dir) + 48;
+    ps->ckpt_tables = list;
     ps->ckpt_path = host_alloc(ps->ctx, len);
-    if (!sx->ckpt_extra || !ps->ckpt_path)
+    if (!list || !ps->ckpt_path)
         return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory");
     snprintf(ps->ckpt_path, len, "%s/ps-server-%d.safetensors", dir, ps->server);
+    int n = 0;
     for (int t = 0; t < ps->ntables; t++) {
-        sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].w;
-        sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].steps_t;
+        list[n++] = ps->tabs[t].w;
+        list[n++] = ps->tabs[t].steps_t;
         for (int j = 0; j < 2; j++)
             if (ps->tabs[t].state[j])
-                sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].state[j];
+                list[n++] = ps->tabs[t].state[j];
     }
+    ctx_set_ckpt_extra(sx, list, n);
     if (access(ps->ckpt_path, F_OK) == 0) {
         if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
             return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
@@ -20729,7 +20806,7 @@ static dt_status ps_resume(dt_ps *ps)
         }
         ps->resumed = ps->initialized = 1;
         ps->st.resumed = 1;
-        ps->st.resumed_step = ps->opt->steps;
+        ps->st.resumed_step = dt_optim_steps(ps->opt);
     }
     if (comm_incarnation(ps->comm))   /* rejoining a running job: the others started long ago */
         return ps->resumed ? DT_OK : set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a "
@@ -20748,7 +20825,7 @@ static dt_status ps_checkpoint(dt_ps *ps)
         f[0] = (float)(ps->tabs[t].steps >> 24);
         f[1] = (float)(ps->tabs[t].steps & 0xFFFFFF);
     }
-    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, ps->opt->steps) != DT_OK)
+    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, dt_optim_steps(ps->opt)) != DT_OK)
         return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_serve: checkpoint: %s",
                          dt_last_error(ps->sctx));
     ps->st.checkpoints++;
@@ -20846,11 +20923,11 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
     for (int p = 0; p < ps->npieces; p++) {
         dt_tensor *t = ps->piece[p], *g = t->grad;
         if (!(flags[ps->piece_param[p]] > 0)) {
-            g->flags |= T_ZERO;
+            tensor_mark_zero(g, 1);
             continue;
         }
         ps->sctx->be_iface->copy(ps->sctx->be, g->data, sum + (ps->piece_lo[p] - lo), tensor_bytes(g));
-        g->flags &= ~(unsigned)T_ZERO;
+        tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(ps->opt);
     dt_zero_grad(ps->sctx);
@@ -20864,7 +20941,7 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
 static dt_status ps_checkpoint_due(dt_ps *ps)
 {
     int every = ps->cfg.checkpoint_every;
-    return every > 0 && ps->opt->steps % every == 0 ? ps_checkpoint(ps) : DT_OK;
+    return every > 0 && dt_optim_steps(ps->opt) % every == 0 ? ps_checkpoint(ps) : DT_OK;
 }
 
 /* Add k pushed rows (local row numbers ids, then k * dim floats) to the
@@ -20891,12 +20968,10 @@ static void ps_tab_apply(dt_ps *ps, ps_tab *tb, float scale)
 {
     if (!tb->ntouched)
         return;
-    const dt_optim_config *c = &ps->opt->cfg;
+    const dt_optim_config *c = optim_config(ps->opt);
     const dt_backend_iface *be = ps->sctx->be_iface;
     /* the rate the schedule gives now (ASP rows may arrive between dense steps) */
-    const optim_group *g0 = &ps->opt->groups[0];   /* the servers' optimizer has one group */
-    float lr = ps->opt->has_sched ? dt_schedule_lr(&ps->opt->sched, g0->base_lr, ps->opt->steps)
-                                  : g0->lr;
+    float lr = optim_scheduled_lr(ps->opt, 0);   /* the servers' optimizer has one group */
     float bc1 = 0, bc2 = 0;
     int64_t d = tb->dim;
     tb->steps++;
@@ -22056,7 +22131,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22060 "dtrain.c"
+#line 22135 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23454,7 +23529,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23458 "dtrain.c"
+#line 23533 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -23518,7 +23593,7 @@ static float *ddp_grads(const dt_ddp *d) { return d->staged ? d->dset : d->set; 
 static void ddp_point_grads(dt_ddp *d)
 {
     for (int i = 0; i < d->nparams; i++)
-        d->params[i]->grad->data = ddp_grads(d) + d->offset[i];
+        tensor_point_at(d->params[i]->grad, ddp_grads(d) + d->offset[i]);
 }
 
 /* Staged: start copying floats [off, off + n) of the current set's
@@ -23703,11 +23778,12 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
     int64_t biggest = 1;
     /* buffers for the largest ratio: the warm-up's first step */
     double ratio = ddp_topk_ratio(d, 0);
-    const dt_optim *o = d->opt;
+    dt_optim_config oc;
     /* (one momentum for all: with parameter groups the optimizer applies its own) */
-    if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && o && o->cfg.kind == DT_SGD &&
-        o->ngroups == 1 && o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
-        d->momentum = o->cfg.momentum;
+    if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && d->opt &&
+        dt_optim_group_count(d->opt) == 1 && dt_optim_group_config(d->opt, 0, &oc) == DT_OK &&
+        oc.kind == DT_SGD && oc.momentum > 0 && !oc.nesterov && oc.dampening == 0)
+        d->momentum = oc.momentum;
     for (int j = 0; j < d->nbuckets; j++) {
         ddp_bucket *b = &d->buckets[j];
         biggest = b->numel > biggest ? b->numel : biggest;
@@ -23761,15 +23837,15 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->zero_gen = d->ctx->zero_gen;
     }
     if (d->cfg.ps) {   /* pushed to the servers (src/ps.c); dt_ddp_sync pulls */
-        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
-                             .n = b->numel + b->count, .buf = d->set + b->offset,
+        float *buf = d->set + b->offset;
+        int64_t n = b->numel + b->count;
+        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset, .n = n, .buf = buf,
                              .clock = ps_clock(d->cfg.ps)};
         if (d->cfg.compress != DT_COMPRESS_NONE)
             ddp_ps_encode(d, b);
         else
             d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
-        b->work = comm_enqueue_in(d->comm, COLL_EXT, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
-                                  &b->pcall);
+        b->work = comm_enqueue_in(d->comm, COLL_EXT, buf, NULL, n, 0, DT_REDUCE_SUM, &b->pcall);
     } else if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
         /* reduced in 16 bits on the wire, in place (comm.c's allreduce16) */
         b->work = comm_enqueue(d->comm, COLL_ALLREDUCE16, d->set + b->offset, NULL,
@@ -24079,10 +24155,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
     const float *flags = d->set + d->grad_floats;
     for (int i = 0; i < d->nparams; i++) {
         dt_tensor *g = d->params[i]->grad;
-        if (flags[i] > 0 && !zeroed)
-            g->flags &= ~(unsigned)T_ZERO;
-        else
-            g->flags |= T_ZERO;
+        tensor_mark_zero(g, !(flags[i] > 0 && !zeroed));
     }
     d->st.steps++;
     d->st.bytes_sent += dt_comm_bytes_sent(d->comm) - d->sent_at_launch;
@@ -24205,11 +24278,11 @@ dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
         every = 10;
     /* a bad call on one rank still joins the agreement below */
     const char *bad = !ld                             ? "the loader is NULL"
-                      : ld->ctx != ctx                 ? "the loader belongs to another context"
+                      : loader_ctx(ld) != ctx          ? "the loader belongs to another context"
                       : d->cfg.ps                      ? "not with a parameter server (its workers "
                                                          "need not agree on a step)"
-                      : !ld->cfg.global_batches        ? "the loader needs global_batches"
-                      : ld->cfg.shard_count != P || ld->cfg.shard_rank != me
+                      : !loader_config(ld)->global_batches ? "the loader needs global_batches"
+                      : loader_config(ld)->shard_count != P || loader_config(ld)->shard_rank != me
                           ? "the loader's shards must be the ranks (shard_rank = rank, "
                             "shard_count = world)"
                       : P > 64                         ? "at most 64 ranks"
@@ -24557,8 +24630,8 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
 {
     dt_optim *o = d->opt;
     dt_status s = DT_OK;
-    for (int i = 0; s == DT_OK && o && o->master && i < o->n; i++) {
-        dt_tensor *m = o->master[i];
+    for (int i = 0; s == DT_OK && o && optim_master_at(o, 0) && i < optim_param_count(o); i++) {
+        dt_tensor *m = optim_master_at(o, i);
         float *buf = stage ? stage : FP(m);
         if (stage)
             be_to_host(d->ctx, stage, m->data, tensor_bytes(m));
@@ -24686,7 +24759,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                   "has no asynchronous copies to stage gradients through", ctx->be_iface->name);
         return NULL;
     }
-    if (opt && opt->ctx != ctx) {
+    if (opt && optim_ctx(opt) != ctx) {
         set_error(ctx, DT_EINVAL, "ddp_new: the optimizer belongs to another context");
         return NULL;
     }
@@ -24817,7 +24890,7 @@ static void ddp_detach(dt_ddp *d)
         dt_tensor *g = d->params[i]->grad;
         if (!(g->flags & T_ZERO))
             d->be_iface->copy(d->be, d->own_grad[i], g->data, tensor_bytes(g));
-        g->data = d->own_grad[i];
+        tensor_point_at(g, d->own_grad[i]);
     }
     if (d->momentum > 0 && d->opt)
         optim_momentum_elsewhere(d->opt, 0);
@@ -24899,7 +24972,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 24903 "dtrain.c"
+#line 24976 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25034,12 +25107,12 @@ static dt_status dp_apply(dt_dp *dp, int k)
     for (int p = 0; p < dp->np; p++) {
         dt_tensor *g = c->params[p]->grad;
         if (!dp->used[p]) {
-            g->flags |= T_ZERO;
+            tensor_mark_zero(g, 1);
             continue;
         }
         c->be_iface->copy(c->be, g->data, dp->avg + dp->poff[p],
                           (size_t)(dp->poff[p + 1] - dp->poff[p]) * sizeof(float));
-        g->flags &= ~(unsigned)T_ZERO;
+        tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(dp->opt[k]);
     dt_step_reset(c);
@@ -25320,7 +25393,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25324 "dtrain.c"
+#line 25397 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25565,7 +25638,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25569 "dtrain.c"
+#line 25642 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25747,7 +25820,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25751 "dtrain.c"
+#line 25824 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26817,7 +26890,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26821 "dtrain.c"
+#line 26894 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31170,7 +31243,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31174 "dtrain.c"
+#line 31247 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32395,7 +32468,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32399 "dtrain.c"
+#line 32472 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32574,6 +32647,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32578 "dtrain.c"
+#line 32651 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

@@ -165,6 +165,8 @@ DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a)
 /* An empty arena back to at most `cap` bytes in one chunk (after work with
  * larger steps, such as evaluation's batches, so training does not keep
  * their memory).  Does nothing when it is not larger or holds data. */
+DT_PRIVATE size_t arena_capacity(const dt_arena *a) { return a->capacity; }
+
 DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap)
 {
     if (a->used || a->capacity <= cap)

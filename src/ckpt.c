@@ -366,7 +366,7 @@ static dt_status ckpt_finish(dt_ctx *ctx, FILE *f, const char *tmp, const strbuf
     strbuf hdr = {ctx, NULL, 0, 0, 0};
     ckpt_header(&hdr, m, items, n, crc, 0);
     uint32_t hcrc = hdr.oom ? 0 : st_header_crc((unsigned char *)hdr.p, hdr.len);
-    hdr.len = 0;
+    strbuf_clear(&hdr);
     ckpt_header(&hdr, m, items, n, crc, hcrc);
     dt_status s = DT_OK;
     if (hdr.oom || hdr.len != first->len)
@@ -1264,7 +1264,7 @@ static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const uns
         src = (const unsigned char *)wide;
     }
     dt_status s = ckpt_put(ctx, t, 0, src, n);
-    t->flags &= ~(unsigned)T_ZERO;
+    tensor_mark_zero(t, 0);
     host_free(ctx, wide);
     return s;
 }
@@ -2216,7 +2216,7 @@ DT_PRIVATE dt_status ckpt_plan_apply(ckpt_plan *pl, int64_t *step_out)
     for (int b = 0; b < pl->nbase; b++)
         if (pl->base[b].t) {   /* a lazy state's other floats are its zeros */
             tensor_materialize(pl->base[b].t);
-            pl->base[b].t->flags &= ~(unsigned)T_ZERO;
+            tensor_mark_zero(pl->base[b].t, 0);
         }
     dt_status s = DT_OK;
     for (int r = 0; s == DT_OK && r < pl->ix.world; r++) {
@@ -2272,7 +2272,7 @@ static dt_status consolidate_tensors(ckpt_plan *pl)
             *strrchr(name, '.') = '\0';
             q = &pl->ix.p[plan_base_find(pl, name)];
         }
-        if (!(pl->own[b] = optim_owned_tensor(ctx, q->ndim, q->shape, pl->base[b].name, "", 1)))
+        if (!(pl->own[b] = tensor_owned_new(ctx, q->ndim, q->shape, pl->base[b].name, "", 1)))
             return set_error(ctx, DT_ENOMEM, "checkpoint_consolidate: out of memory for '%s'",
                              pl->base[b].name);
         pl->base[b].t = pl->own[b];

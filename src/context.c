@@ -523,6 +523,24 @@ void dt_ctx_free(dt_ctx *ctx)
 }
 
 /* Usable context: not NULL and its backend started. */
+DT_PRIVATE void ctx_step_arena_capacity(const dt_ctx *ctx, size_t *dev, size_t *host)
+{
+    *dev = arena_capacity(&ctx->dev);
+    *host = arena_capacity(&ctx->host);
+}
+
+DT_PRIVATE void ctx_set_ckpt_extra(dt_ctx *ctx, dt_tensor **list, int n)
+{
+    ctx->ckpt_extra = list;
+    ctx->n_ckpt_extra = n;
+}
+
+DT_PRIVATE void ctx_shrink_step_arenas(dt_ctx *ctx, size_t dev, size_t host)
+{
+    arena_shrink(ctx, &ctx->dev, dev);
+    arena_shrink(ctx, &ctx->host, host);
+}
+
 DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx)
 {
     dt_ctx *sink = host_calloc(ctx, sizeof *sink);

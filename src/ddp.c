@@ -58,7 +58,7 @@ static float *ddp_grads(const dt_ddp *d) { return d->staged ? d->dset : d->set; 
 static void ddp_point_grads(dt_ddp *d)
 {
     for (int i = 0; i < d->nparams; i++)
-        d->params[i]->grad->data = ddp_grads(d) + d->offset[i];
+        tensor_point_at(d->params[i]->grad, ddp_grads(d) + d->offset[i]);
 }
 
 /* Staged: start copying floats [off, off + n) of the current set's
@@ -243,11 +243,12 @@ static dt_status ddp_alloc_compression(dt_ddp *d)
     int64_t biggest = 1;
     /* buffers for the largest ratio: the warm-up's first step */
     double ratio = ddp_topk_ratio(d, 0);
-    const dt_optim *o = d->opt;
+    dt_optim_config oc;
     /* (one momentum for all: with parameter groups the optimizer applies its own) */
-    if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && o && o->cfg.kind == DT_SGD &&
-        o->ngroups == 1 && o->cfg.momentum > 0 && !o->cfg.nesterov && o->cfg.dampening == 0)
-        d->momentum = o->cfg.momentum;
+    if (d->cfg.compress == DT_COMPRESS_TOPK && d->cfg.error_feedback && d->opt &&
+        dt_optim_group_count(d->opt) == 1 && dt_optim_group_config(d->opt, 0, &oc) == DT_OK &&
+        oc.kind == DT_SGD && oc.momentum > 0 && !oc.nesterov && oc.dampening == 0)
+        d->momentum = oc.momentum;
     for (int j = 0; j < d->nbuckets; j++) {
         ddp_bucket *b = &d->buckets[j];
         biggest = b->numel > biggest ? b->numel : biggest;
@@ -301,15 +302,15 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
         d->zero_gen = d->ctx->zero_gen;
     }
     if (d->cfg.ps) {   /* pushed to the servers (src/ps.c); dt_ddp_sync pulls */
-        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset,
-                             .n = b->numel + b->count, .buf = d->set + b->offset,
+        float *buf = d->set + b->offset;
+        int64_t n = b->numel + b->count;
+        b->pcall = (ps_call){.ps = d->cfg.ps, .op = PS_PUSH, .lo = b->offset, .n = n, .buf = buf,
                              .clock = ps_clock(d->cfg.ps)};
         if (d->cfg.compress != DT_COMPRESS_NONE)
             ddp_ps_encode(d, b);
         else
             d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
-        b->work = comm_enqueue_in(d->comm, COLL_EXT, b->pcall.buf, NULL, b->pcall.n, 0, DT_REDUCE_SUM,
-                                  &b->pcall);
+        b->work = comm_enqueue_in(d->comm, COLL_EXT, buf, NULL, n, 0, DT_REDUCE_SUM, &b->pcall);
     } else if (d->cfg.compress == DT_COMPRESS_BF16 || d->cfg.compress == DT_COMPRESS_FP16) {
         /* reduced in 16 bits on the wire, in place (comm.c's allreduce16) */
         b->work = comm_enqueue(d->comm, COLL_ALLREDUCE16, d->set + b->offset, NULL,
@@ -619,10 +620,7 @@ static dt_status ddp_finish_run(dt_ddp *d)
     const float *flags = d->set + d->grad_floats;
     for (int i = 0; i < d->nparams; i++) {
         dt_tensor *g = d->params[i]->grad;
-        if (flags[i] > 0 && !zeroed)
-            g->flags &= ~(unsigned)T_ZERO;
-        else
-            g->flags |= T_ZERO;
+        tensor_mark_zero(g, !(flags[i] > 0 && !zeroed));
     }
     d->st.steps++;
     d->st.bytes_sent += dt_comm_bytes_sent(d->comm) - d->sent_at_launch;
@@ -745,11 +743,11 @@ dt_status dt_ddp_balance(dt_ddp *d, dt_loader *ld, int every)
         every = 10;
     /* a bad call on one rank still joins the agreement below */
     const char *bad = !ld                             ? "the loader is NULL"
-                      : ld->ctx != ctx                 ? "the loader belongs to another context"
+                      : loader_ctx(ld) != ctx          ? "the loader belongs to another context"
                       : d->cfg.ps                      ? "not with a parameter server (its workers "
                                                          "need not agree on a step)"
-                      : !ld->cfg.global_batches        ? "the loader needs global_batches"
-                      : ld->cfg.shard_count != P || ld->cfg.shard_rank != me
+                      : !loader_config(ld)->global_batches ? "the loader needs global_batches"
+                      : loader_config(ld)->shard_count != P || loader_config(ld)->shard_rank != me
                           ? "the loader's shards must be the ranks (shard_rank = rank, "
                             "shard_count = world)"
                       : P > 64                         ? "at most 64 ranks"
@@ -1097,8 +1095,8 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
 {
     dt_optim *o = d->opt;
     dt_status s = DT_OK;
-    for (int i = 0; s == DT_OK && o && o->master && i < o->n; i++) {
-        dt_tensor *m = o->master[i];
+    for (int i = 0; s == DT_OK && o && optim_master_at(o, 0) && i < optim_param_count(o); i++) {
+        dt_tensor *m = optim_master_at(o, i);
         float *buf = stage ? stage : FP(m);
         if (stage)
             be_to_host(d->ctx, stage, m->data, tensor_bytes(m));
@@ -1226,7 +1224,7 @@ dt_ddp *dt_ddp_new(dt_ctx *ctx, dt_comm *c, dt_optim *opt, const dt_ddp_config *
                   "has no asynchronous copies to stage gradients through", ctx->be_iface->name);
         return NULL;
     }
-    if (opt && opt->ctx != ctx) {
+    if (opt && optim_ctx(opt) != ctx) {
         set_error(ctx, DT_EINVAL, "ddp_new: the optimizer belongs to another context");
         return NULL;
     }
@@ -1357,7 +1355,7 @@ static void ddp_detach(dt_ddp *d)
         dt_tensor *g = d->params[i]->grad;
         if (!(g->flags & T_ZERO))
             d->be_iface->copy(d->be, d->own_grad[i], g->data, tensor_bytes(g));
-        g->data = d->own_grad[i];
+        tensor_point_at(g, d->own_grad[i]);
     }
     if (d->momentum > 0 && d->opt)
         optim_momentum_elsewhere(d->opt, 0);

@@ -586,6 +586,7 @@ struct dt_ps {
     double stale_sum;
     int64_t stale_n;
     char *ckpt_path;           /* server: its checkpoint file, or NULL */
+    dt_tensor **ckpt_tables;   /* server: what its checkpoint saves (ctx_set_ckpt_extra) */
     int resumed;               /* server: started from it (worker 0's init is not used) */
     int syncing;               /* server, rejoined: not every live worker has said hello */
     int vote;                  /* server: the last applied step's pre-emption verdict */

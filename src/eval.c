@@ -63,12 +63,14 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     int need_2d = visit != eval_loss && visit != eval_user;   /* classes: argmax, accuracy */
     /* evaluation batches may be larger than training's: the step arenas go
      * back to their size afterwards (arena_shrink) */
-    size_t cap_dev = ctx->dev.capacity, cap_host = ctx->host.capacity;
+    size_t cap_dev = 0, cap_host = 0;
+    ctx_step_arena_capacity(ctx, &cap_dev, &cap_host);
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
-    int grad = ctx->grad_enabled, training = ctx->training;
-    ctx->grad_enabled = ctx->training = 0;
+    int grad = dt_grad_enabled(ctx), training = dt_training(ctx);
+    dt_set_grad_enabled(ctx, 0);
+    dt_set_training(ctx, 0);
     dt_status s;
     int64_t first = 0;
     dt_tensor *x, *y;
@@ -91,11 +93,10 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         if (s != DT_OK)
             break;
     }
-    ctx->grad_enabled = grad;
-    ctx->training = training;
+    dt_set_grad_enabled(ctx, grad);
+    dt_set_training(ctx, training);
     dt_loader_free(ld);
-    arena_shrink(ctx, &ctx->dev, cap_dev);
-    arena_shrink(ctx, &ctx->host, cap_host);
+    ctx_shrink_step_arenas(ctx, cap_dev, cap_host);
     return s == DT_EOF ? DT_OK : s;
 }
 

@@ -384,13 +384,7 @@ typedef struct optim_shard {
 
 #define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
-/* A parameter group (dt_param_group): the optimizer's config with the
- * group's values in, and its lr (what the last step used) and the base a
- * schedule scales. */
-typedef struct optim_group {
-    dt_optim_config cfg;
-    float base_lr, lr;
-} optim_group;
+typedef struct optim_group optim_group;
 
 struct dt_optim {
     dt_ctx *ctx;
@@ -627,6 +621,13 @@ DT_PRIVATE int ctx_ok(dt_ctx *ctx);
  * a context that only collects errors, with ctx's allocator; NULL when out
  * of memory; freed with host_free(ctx, sink). */
 DT_PRIVATE dt_ctx *ctx_new_sink(dt_ctx *ctx);
+/* the step arenas (device, host) back to at most these capacities, after a
+ * phase whose steps were larger (evaluation) */
+DT_PRIVATE void ctx_shrink_step_arenas(dt_ctx *ctx, size_t dev, size_t host);
+/* The tensors a checkpoint of ctx saves besides its parameters (a
+ * parameter server's tables): list[n], the caller's (NULL, 0: none). */
+DT_PRIVATE void ctx_set_ckpt_extra(dt_ctx *ctx, dt_tensor **list, int n);
+DT_PRIVATE void ctx_step_arena_capacity(const dt_ctx *ctx, size_t *dev, size_t *host);
 DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user);
 DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
 
@@ -635,6 +636,7 @@ DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void *arena_alloc(dt_ctx *ctx, dt_arena *a, size_t n);
 DT_PRIVATE void arena_reset(dt_ctx *ctx, dt_arena *a);
 DT_PRIVATE void arena_shrink(dt_ctx *ctx, dt_arena *a, size_t cap);
+DT_PRIVATE size_t arena_capacity(const dt_arena *a);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n);
@@ -654,6 +656,22 @@ DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE void tensor_free_doomed(dt_ctx *ctx);
 DT_PRIVATE void tensor_materialize(dt_tensor *t);
+/* zero: t's contents count as zero, not yet written (T_ZERO, a fresh
+ * gradient), or as written; tensor_point_at: t's data is memory another
+ * module owns (DDP's buckets), or back at its own */
+DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero);
+/* every gradient was zeroed (dt_zero_grad, an optimizer's): a DDP step
+ * that started before sees it (dt_ctx.zero_gen) */
+DT_PRIVATE void param_grads_zeroed(dt_ctx *ctx);
+/* A persistent tensor owned by an object other than the context (an
+ * optimizer's state, a server's table, a load's staging), named name +
+ * suffix; lazy: left unwritten, logically zero.  Freed with tensor_destroy. */
+DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                        const int64_t *shape, const char *name,
+                                        const char *suffix, int lazy);
+DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                                       const char *suffix, int lazy);
+DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data);
 DT_PRIVATE void host_give_back(dt_ctx *ctx);
 DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op);
 DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
@@ -665,6 +683,7 @@ DT_PRIVATE void param_rng_seed(uint64_t s[4], uint64_t seed);
 
 /* src/util.c */
 DT_PRIVATE void strbuf_putn(strbuf *b, const char *s, size_t n);
+DT_PRIVATE void strbuf_clear(strbuf *b);   /* empty again, its memory kept */
 DT_PRIVATE void strbuf_puts(strbuf *b, const char *s);
 DT_PRIVATE void strbuf_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
@@ -720,6 +739,8 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
+/* parameter i's f32 master (16-bit parameters), NULL when it has none */
+DT_PRIVATE dt_tensor *optim_master_at(const dt_optim *o, int i);
 /* on: SGD's momentum is applied before the optimizer sees the gradient
  * (top-k DDP keeps the velocity before sparsifying), so its step has none */
 DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on);
@@ -730,6 +751,10 @@ DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on);
  * element optim_shard_lo of the parameter), and the context it is of;
  * optim_restore_steps puts a loaded file's steps back. */
 DT_PRIVATE int optim_param_count(const dt_optim *o);
+/* the optimizer's settings; the rate group's schedule gives at its step now
+ * (rows stepped between dense steps: a parameter server's sparse tables) */
+DT_PRIVATE const dt_optim_config *optim_config(const dt_optim *o);
+DT_PRIVATE float optim_scheduled_lr(const dt_optim *o, int group);
 DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i);
 DT_PRIVATE int optim_state_per(const dt_optim *o);
 DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o);
@@ -740,11 +765,6 @@ DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i);
 DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o);
 DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps);
 DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);
-DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
-                                            const int64_t *shape, const char *name,
-                                            const char *suffix, int lazy);
-DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                                         const char *suffix, int lazy);
 
 /* src/ckpt.c: sharded checkpoints (a directory of shards and an index) */
 typedef struct ckpt_plan ckpt_plan;   /* a load checked and not yet copied */

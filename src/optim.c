@@ -10,6 +10,14 @@
  * skips parameters whose .grad is None.
  * ======================================================================== */
 
+/* A parameter group (dt_param_group): the optimizer's config with the
+ * group's values in, and its lr (what the last step used) and the base a
+ * schedule scales. */
+struct optim_group {
+    dt_optim_config cfg;
+    float base_lr, lr;
+};
+
 /* --- dynamic loss scaling (fp16) ------------------------------------------
  * As torch.cuda.amp.GradScaler.  The check for inf/NaN is the sum of
  * squares the backend already has (in double, so no finite f32 gradient
@@ -99,41 +107,7 @@ static dt_status check_optim_config(dt_ctx *ctx, const dt_optim_config *c)
 static dt_tensor *optim_state_tensor(const dt_optim *o, int ndim, const int64_t *shape,
                                      const char *name, const char *suffix)
 {
-    return optim_owned_tensor_as(o->ctx, o->cfg.state_dtype, ndim, shape, name, suffix, 1);
-}
-
-DT_PRIVATE dt_tensor *optim_owned_tensor(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
-                               const char *suffix, int lazy)
-{
-    return optim_owned_tensor_as(ctx, DT_F32, ndim, shape, name, suffix, lazy);
-}
-
-/* A persistent tensor of dtype owned by an object other than the context
- * (lazy: left unwritten, logically zero). */
-DT_PRIVATE dt_tensor *optim_owned_tensor_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
-                                            const int64_t *shape, const char *name,
-                                            const char *suffix, int lazy)
-{
-    dt_tensor *t = host_alloc(ctx, sizeof *t);
-    if (!t)
-        return NULL;
-    tensor_header_init(t, ctx, dtype, ndim, shape);
-    size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
-    t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
-    t->name = host_alloc(ctx, nl);
-    if (!t->data || !t->name) {
-        if (t->data)
-            ctx->be_iface->free(ctx->be, t->data);
-        host_free(ctx, t->name);
-        host_free(ctx, t);
-        return NULL;
-    }
-    snprintf(t->name, nl, "%s%s", name, suffix);
-    if (!lazy)
-        ctx->be_iface->memset0(ctx->be, t->data, bytes);
-    t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
-    ctx->persistent_bytes += bytes;
-    return t;
+    return tensor_owned_new_as(o->ctx, o->cfg.state_dtype, ndim, shape, name, suffix, 1);
 }
 
 /* The scratch's chunks: one a state tensor with 16-bit state, then one for
@@ -164,11 +138,11 @@ static dt_status optim_make_masters(dt_optim *o)
         return DT_ENOMEM;
     for (int i = 0; i < o->n; i++) {
         dt_tensor *p = o->params[i];
-        if (!(o->master[i] = optim_owned_tensor(ctx, p->ndim, p->shape, p->name, ".master", 1)))
+        if (!(o->master[i] = tensor_owned_new(ctx, p->ndim, p->shape, p->name, ".master", 1)))
             return DT_ENOMEM;
         tensor_materialize(p);
         tensor_materialize(o->master[i]);
-        o->master[i]->flags &= ~(unsigned)T_ZERO;
+        tensor_mark_zero(o->master[i], 0);
         ctx->be_iface->copy(ctx->be, o->master[i]->data, p->data, tensor_bytes(p));
         BE(ctx)->round_prec(BEI(ctx), optim_prec(o->cfg.param_dtype), dt_tensor_numel(p), FP(p),
                             FP(p));
@@ -591,6 +565,13 @@ static dt_status optim_step_run(dt_optim *o)
 DT_PRIVATE void optim_momentum_elsewhere(dt_optim *o, int on) { o->momentum_by_ddp = on; }
 
 DT_PRIVATE int optim_param_count(const dt_optim *o) { return o->n; }
+DT_PRIVATE const dt_optim_config *optim_config(const dt_optim *o) { return &o->cfg; }
+
+DT_PRIVATE float optim_scheduled_lr(const dt_optim *o, int group)
+{
+    const optim_group *g = &o->groups[group];
+    return o->has_sched ? dt_schedule_lr(&o->sched, g->base_lr, o->steps) : g->lr;
+}
 DT_PRIVATE dt_tensor *optim_param_at(const dt_optim *o, int i) { return o->params[i]; }
 DT_PRIVATE int optim_state_per(const dt_optim *o) { return o->per; }
 DT_PRIVATE const int64_t *optim_param_steps(const dt_optim *o) { return o->param_steps; }
@@ -605,6 +586,11 @@ DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *p
 {
     o->steps = steps;
     memcpy(o->param_steps, param_steps, sizeof *param_steps * (size_t)o->n);
+}
+
+DT_PRIVATE dt_tensor *optim_master_at(const dt_optim *o, int i)
+{
+    return o->master && i < o->n ? o->master[i] : NULL;
 }
 
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p)
@@ -643,7 +629,7 @@ static dt_status optim_shard_masters(dt_optim *o, const int64_t *lo, const int64
     dt_tensor **cut = host_calloc(ctx, sizeof *cut * (size_t)(o->n + 1));
     int ok = cut != NULL;
     for (int i = 0; ok && i < o->n; i++)
-        ok = (cut[i] = optim_owned_tensor(ctx, 1, &n[i], o->master[i]->name, "", 0)) != NULL;
+        ok = (cut[i] = tensor_owned_new(ctx, 1, &n[i], o->master[i]->name, "", 0)) != NULL;
     for (int i = 0; cut && i < o->n; i++) {
         if (ok && n[i] > 0)
             ctx->be_iface->copy(ctx->be, cut[i]->data, FP(o->master[i]) + lo[i],
@@ -687,7 +673,7 @@ DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int
     for (int k = 0; k < total; k++) {   /* state already written (a loaded checkpoint) stays */
         if (!(o->state[k]->flags & T_ZERO) && n[k / o->per] > 0) {
             tensor_materialize(fresh[k]);
-            fresh[k]->flags &= ~(unsigned)T_ZERO;
+            tensor_mark_zero(fresh[k], 0);
             ctx->be_iface->copy(ctx->be, fresh[k]->data,
                                 (char *)o->state[k]->data + (size_t)lo[k / o->per] * es,
                                 (size_t)n[k / o->per] * es);
@@ -708,8 +694,8 @@ void dt_optim_zero_grad(dt_optim *o)
         return;
     for (int i = 0; i < o->n; i++)
         if (o->params[i]->grad)
-            o->params[i]->grad->flags |= T_ZERO;
-    o->ctx->zero_gen++;
+            tensor_mark_zero(o->params[i]->grad, 1);
+    param_grads_zeroed(o->ctx);
 }
 
 float dt_optim_lr(const dt_optim *o) { return o ? o->groups[0].lr : 0.0f; }

@@ -114,8 +114,10 @@ void dt_zero_grad(dt_ctx *ctx)
     for (int i = 0; i < ctx->n_params; i++)
         if (ctx->params[i]->grad)
             ctx->params[i]->grad->flags |= T_ZERO;   /* written lazily */
-    ctx->zero_gen++;
+    param_grads_zeroed(ctx);
 }
+
+DT_PRIVATE void param_grads_zeroed(dt_ctx *ctx) { ctx->zero_gen++; }
 
 static float sample_uniform(uint64_t s[4], float lo, float hi)
 {

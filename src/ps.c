@@ -1345,11 +1345,9 @@ void dt_ps_free(dt_ps *ps)
         host_free(ctx, q);
     }
     dt_optim_free(ps->opt);
-    if (ps->sctx) {
-        host_free(ctx, ps->sctx->ckpt_extra);
-        ps->sctx->ckpt_extra = NULL;
-        ps->sctx->n_ckpt_extra = 0;
-    }
+    if (ps->sctx)
+        ctx_set_ckpt_extra(ps->sctx, NULL, 0);
+    host_free(ctx, ps->ckpt_tables);
     dt_ctx_free(ps->sctx);
     host_free(ctx, ps->ckpt_path);
     host_free(ctx, ps->peers);

@@ -37,11 +37,11 @@ static dt_status ps_make_table(dt_ps *ps, ps_tab *tb)
     int kind = oc->kind == DT_SGD ? 0 : oc->kind == DT_ADAGRAD ? 2 : 1;
     char name[DT_MAX_NAME];   /* (checkpoints name it; "table." keeps it off the pieces' names) */
     snprintf(name, sizeof name, "table.%s", tb->name);
-    tb->w = optim_owned_tensor(sx, 2, shape, name, "", 0);
+    tb->w = tensor_owned_new(sx, 2, shape, name, "", 0);
     for (int j = 0; j < ps_tab_states(oc); j++)
-        tb->state[j] = optim_owned_tensor(sx, 2, shape, name, suffix[kind][j], 0);
+        tb->state[j] = tensor_owned_new(sx, 2, shape, name, suffix[kind][j], 0);
     int64_t two = 2;
-    tb->steps_t = optim_owned_tensor(sx, 1, &two, name, ".steps", 0);
+    tb->steps_t = tensor_owned_new(sx, 1, &two, name, ".steps", 0);
     size_t n = (size_t)(shape[0] * tb->dim);
     tb->acc = host_calloc(ps->ctx, n * sizeof(float));
     tb->slot = host_alloc(ps->ctx, (size_t)shape[0] * sizeof(int64_t));
@@ -71,7 +71,7 @@ static dt_status ps_agree_on_resume(dt_ps *ps)
 {
     dt_comm *c = ps->comm;
     char key[64], mine[32], theirs[32];
-    snprintf(mine, sizeof mine, "%lld", ps->resumed ? (long long)ps->opt->steps : -1LL);
+    snprintf(mine, sizeof mine, "%lld", ps->resumed ? (long long)dt_optim_steps(ps->opt) : -1LL);
     snprintf(key, sizeof key, "ps%d/resume/%d", ps->job, ps->server);
     dt_status s = dt_store_set(join_store(c), key, mine, strlen(mine) + 1);
     for (int q = 0; s == DT_OK && q < ps->S; q++) {
@@ -94,19 +94,22 @@ static dt_status ps_resume(dt_ps *ps)
     const char *dir = ps->cfg.checkpoint_dir;
     if (!dir || !*dir)
         return DT_OK;
-    sx->ckpt_extra = host_calloc(ps->ctx, sizeof(dt_tensor *) * (size_t)(4 * ps->ntables + 1));
+    dt_tensor **list = host_calloc(ps->ctx, sizeof(dt_tensor *) * (size_t)(4 * ps->ntables + 1));
     size_t len = strlen(dir) + 48;
+    ps->ckpt_tables = list;
     ps->ckpt_path = host_alloc(ps->ctx, len);
-    if (!sx->ckpt_extra || !ps->ckpt_path)
+    if (!list || !ps->ckpt_path)
         return set_error(ps->ctx, DT_ENOMEM, "ps_new: out of memory");
     snprintf(ps->ckpt_path, len, "%s/ps-server-%d.safetensors", dir, ps->server);
+    int n = 0;
     for (int t = 0; t < ps->ntables; t++) {
-        sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].w;
-        sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].steps_t;
+        list[n++] = ps->tabs[t].w;
+        list[n++] = ps->tabs[t].steps_t;
         for (int j = 0; j < 2; j++)
             if (ps->tabs[t].state[j])
-                sx->ckpt_extra[sx->n_ckpt_extra++] = ps->tabs[t].state[j];
+                list[n++] = ps->tabs[t].state[j];
     }
+    ctx_set_ckpt_extra(sx, list, n);
     if (access(ps->ckpt_path, F_OK) == 0) {
         if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
             return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
@@ -117,7 +120,7 @@ static dt_status ps_resume(dt_ps *ps)
         }
         ps->resumed = ps->initialized = 1;
         ps->st.resumed = 1;
-        ps->st.resumed_step = ps->opt->steps;
+        ps->st.resumed_step = dt_optim_steps(ps->opt);
     }
     if (comm_incarnation(ps->comm))   /* rejoining a running job: the others started long ago */
         return ps->resumed ? DT_OK : set_error(ps->ctx, DT_ESTATE, "ps_new: server rank %d is a "
@@ -136,7 +139,7 @@ static dt_status ps_checkpoint(dt_ps *ps)
         f[0] = (float)(ps->tabs[t].steps >> 24);
         f[1] = (float)(ps->tabs[t].steps & 0xFFFFFF);
     }
-    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, ps->opt->steps) != DT_OK)
+    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, dt_optim_steps(ps->opt)) != DT_OK)
         return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_serve: checkpoint: %s",
                          dt_last_error(ps->sctx));
     ps->st.checkpoints++;
@@ -234,11 +237,11 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
     for (int p = 0; p < ps->npieces; p++) {
         dt_tensor *t = ps->piece[p], *g = t->grad;
         if (!(flags[ps->piece_param[p]] > 0)) {
-            g->flags |= T_ZERO;
+            tensor_mark_zero(g, 1);
             continue;
         }
         ps->sctx->be_iface->copy(ps->sctx->be, g->data, sum + (ps->piece_lo[p] - lo), tensor_bytes(g));
-        g->flags &= ~(unsigned)T_ZERO;
+        tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(ps->opt);
     dt_zero_grad(ps->sctx);
@@ -252,7 +255,7 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
 static dt_status ps_checkpoint_due(dt_ps *ps)
 {
     int every = ps->cfg.checkpoint_every;
-    return every > 0 && ps->opt->steps % every == 0 ? ps_checkpoint(ps) : DT_OK;
+    return every > 0 && dt_optim_steps(ps->opt) % every == 0 ? ps_checkpoint(ps) : DT_OK;
 }
 
 /* Add k pushed rows (local row numbers ids, then k * dim floats) to the
@@ -279,12 +282,10 @@ static void ps_tab_apply(dt_ps *ps, ps_tab *tb, float scale)
 {
     if (!tb->ntouched)
         return;
-    const dt_optim_config *c = &ps->opt->cfg;
+    const dt_optim_config *c = optim_config(ps->opt);
     const dt_backend_iface *be = ps->sctx->be_iface;
     /* the rate the schedule gives now (ASP rows may arrive between dense steps) */
-    const optim_group *g0 = &ps->opt->groups[0];   /* the servers' optimizer has one group */
-    float lr = ps->opt->has_sched ? dt_schedule_lr(&ps->opt->sched, g0->base_lr, ps->opt->steps)
-                                  : g0->lr;
+    float lr = optim_scheduled_lr(ps->opt, 0);   /* the servers' optimizer has one group */
     float bc1 = 0, bc2 = 0;
     int64_t d = tb->dim;
     tb->steps++;

@@ -129,12 +129,12 @@ static dt_status dp_apply(dt_dp *dp, int k)
     for (int p = 0; p < dp->np; p++) {
         dt_tensor *g = c->params[p]->grad;
         if (!dp->used[p]) {
-            g->flags |= T_ZERO;
+            tensor_mark_zero(g, 1);
             continue;
         }
         c->be_iface->copy(c->be, g->data, dp->avg + dp->poff[p],
                           (size_t)(dp->poff[p + 1] - dp->poff[p]) * sizeof(float));
-        g->flags &= ~(unsigned)T_ZERO;
+        tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(dp->opt[k]);
     dt_step_reset(c);

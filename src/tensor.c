@@ -280,6 +280,50 @@ int dt_tensor_is_contiguous(const dt_tensor *t)
 }
 
 /* Write zeros into a tensor whose contents are only logically zero. */
+DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
+                               const char *suffix, int lazy)
+{
+    return tensor_owned_new_as(ctx, DT_F32, ndim, shape, name, suffix, lazy);
+}
+
+/* A persistent tensor of dtype owned by an object other than the context
+ * (lazy: left unwritten, logically zero). */
+DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
+                                        const int64_t *shape, const char *name,
+                                        const char *suffix, int lazy)
+{
+    dt_tensor *t = host_alloc(ctx, sizeof *t);
+    if (!t)
+        return NULL;
+    tensor_header_init(t, ctx, dtype, ndim, shape);
+    size_t bytes = tensor_bytes(t), nl = strlen(name) + strlen(suffix) + 1;
+    t->data = ctx->be_iface->alloc(ctx->be, bytes ? bytes : DT_ARENA_ALIGN);
+    t->name = host_alloc(ctx, nl);
+    if (!t->data || !t->name) {
+        if (t->data)
+            ctx->be_iface->free(ctx->be, t->data);
+        host_free(ctx, t->name);
+        host_free(ctx, t);
+        return NULL;
+    }
+    snprintf(t->name, nl, "%s%s", name, suffix);
+    if (!lazy)
+        ctx->be_iface->memset0(ctx->be, t->data, bytes);
+    t->flags = T_OWNS_DATA | T_EXTERNAL | (lazy ? T_ZERO : 0u);
+    ctx->persistent_bytes += bytes;
+    return t;
+}
+
+DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero)
+{
+    if (zero)
+        t->flags |= T_ZERO;
+    else
+        t->flags &= ~(unsigned)T_ZERO;
+}
+
+DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data) { t->data = data; }
+
 DT_PRIVATE void tensor_materialize(dt_tensor *t)
 {
     if (t && (t->flags & T_ZERO)) {

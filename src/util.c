@@ -26,6 +26,8 @@ static int strbuf_reserve(strbuf *b, size_t n)
     return 1;
 }
 
+DT_PRIVATE void strbuf_clear(strbuf *b) { b->len = 0; }
+
 DT_PRIVATE void strbuf_putn(strbuf *b, const char *s, size_t n)
 {
     if (!strbuf_reserve(b, n))
