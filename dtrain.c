@@ -1138,16 +1138,7 @@ typedef struct gemm_operand gemm_operand;
 typedef struct arena_switch arena_switch;
 /* --- src/optim.c --- */
 
-/* One parameter's part of a sharded optimizer step (src/zero.c sets them):
- * elements [lo, lo + n) of it, whose averaged gradient is at grad, stepped
- * when used (some rank produced a gradient for it this step). */
-typedef struct optim_shard {
-    int64_t lo, n;
-    const float *grad;
-    int used;
-    int master_only;           /* zero 3 with masters: the step updates the master alone (the
-                                  parameter's memory is not kept; its gathers round it) */
-} optim_shard;
+typedef struct optim_shard optim_shard;
 
 #define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
@@ -1439,6 +1430,9 @@ DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
 DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                        const char *suffix, int lazy);
 DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data);
+/* memory a module took for or gave back from the context's tensors (a
+ * gradient's own buffer, ZeRO): the context's persistent byte count */
+DT_PRIVATE void tensor_count_persistent(dt_ctx *ctx, int64_t bytes);
 DT_PRIVATE void host_give_back(dt_ctx *ctx);
 DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op);
 DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
@@ -1529,6 +1523,16 @@ DT_PRIVATE int optim_kind(const dt_optim *o);
 DT_PRIVATE float optim_base_lr(const dt_optim *o, int group);
 DT_PRIVATE int optim_is_sharded(const dt_optim *o);
 DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i);
+/* ZeRO's side of a sharded optimizer (src/zero.c): parameter i's shard of
+ * elements (optim_shard_count of them from optim_shard_lo), the gradient
+ * its step reads (master_only: it updates the master alone), whether this
+ * step reduced it (used), and a shard whose DDP was freed (orphaned: its
+ * state is no longer whole anywhere). */
+DT_PRIVATE int64_t optim_shard_count(const dt_optim *o, int i);
+DT_PRIVATE void optim_shard_grad(dt_optim *o, int i, const float *grad, int master_only);
+DT_PRIVATE void optim_shard_used(dt_optim *o, int i, int used);
+DT_PRIVATE void optim_orphan(dt_optim *o);
+DT_PRIVATE int optim_is_orphaned(const dt_optim *o);
 DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o);
 DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps);
 DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);
@@ -2410,7 +2414,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2414 "dtrain.c"
+#line 2418 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -3053,7 +3057,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3057 "dtrain.c"
+#line 3061 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3352,7 +3356,7 @@ void dt_mem_reset_peak(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3356 "dtrain.c"
+#line 3360 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -3682,6 +3686,11 @@ DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero)
 
 DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data) { t->data = data; }
 
+DT_PRIVATE void tensor_count_persistent(dt_ctx *ctx, int64_t bytes)
+{
+    ctx->persistent_bytes = (size_t)((int64_t)ctx->persistent_bytes + bytes);
+}
+
 DT_PRIVATE void tensor_materialize(dt_tensor *t)
 {
     if (t && (t->flags & T_ZERO)) {
@@ -3940,7 +3949,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 3944 "dtrain.c"
+#line 3953 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4263,7 +4272,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4267 "dtrain.c"
+#line 4276 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4349,7 +4358,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4353 "dtrain.c"
+#line 4362 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -4920,7 +4929,7 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 4924 "dtrain.c"
+#line 4933 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5170,7 +5179,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5174 "dtrain.c"
+#line 5183 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -6557,7 +6566,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     memcpy(copy, name, len);
     return out;
 }
-#line 6561 "dtrain.c"
+#line 6570 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -7118,7 +7127,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7122 "dtrain.c"
+#line 7131 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7299,7 +7308,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7303 "dtrain.c"
+#line 7312 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -7314,6 +7323,17 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
  * the last zero_grad got no gradient this step and is skipped, as PyTorch
  * skips parameters whose .grad is None.
  * ======================================================================== */
+
+/* One parameter's part of a sharded optimizer step (src/zero.c sets them):
+ * elements [lo, lo + n) of it, whose averaged gradient is at grad, stepped
+ * when used (some rank produced a gradient for it this step). */
+struct optim_shard {
+    int64_t lo, n;
+    const float *grad;
+    int used;
+    int master_only;           /* zero 3 with masters: the step updates the master alone (the
+                                  parameter's memory is not kept; its gathers round it) */
+};
 
 /* A parameter group (dt_param_group): the optimizer's config with the
  * group's values in, and its lr (what the last step used) and the base a
@@ -7885,6 +7905,17 @@ DT_PRIVATE float optim_base_lr(const dt_optim *o, int group) { return o->groups[
 /* sharded by ZeRO, or its shards' job is gone (orphaned): not whole here */
 DT_PRIVATE int optim_is_sharded(const dt_optim *o) { return o->shard || o->orphaned; }
 DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i) { return o->shard ? o->shard[i].lo : 0; }
+DT_PRIVATE int64_t optim_shard_count(const dt_optim *o, int i) { return o->shard ? o->shard[i].n : 0; }
+
+DT_PRIVATE void optim_shard_grad(dt_optim *o, int i, const float *grad, int master_only)
+{
+    o->shard[i].grad = grad;
+    o->shard[i].master_only = master_only;
+}
+
+DT_PRIVATE void optim_shard_used(dt_optim *o, int i, int used) { o->shard[i].used = used; }
+DT_PRIVATE void optim_orphan(dt_optim *o) { o->orphaned = 1; }
+DT_PRIVATE int optim_is_orphaned(const dt_optim *o) { return o->orphaned; }
 DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o) { return o->ctx; }
 
 DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps)
@@ -8263,7 +8294,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8267 "dtrain.c"
+#line 8298 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -10609,7 +10640,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10613 "dtrain.c"
+#line 10644 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11182,7 +11213,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11186 "dtrain.c"
+#line 11217 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -11991,7 +12022,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 11995 "dtrain.c"
+#line 12026 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12578,7 +12609,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12582 "dtrain.c"
+#line 12613 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13740,7 +13771,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13744 "dtrain.c"
+#line 13775 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -15715,7 +15746,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15719 "dtrain.c"
+#line 15750 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16201,7 +16232,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16205 "dtrain.c"
+#line 16236 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -16977,7 +17008,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 16981 "dtrain.c"
+#line 17012 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17229,7 +17260,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 17233 "dtrain.c"
+#line 17264 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17522,7 +17553,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17526 "dtrain.c"
+#line 17557 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18037,7 +18068,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18041 "dtrain.c"
+#line 18072 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -19123,7 +19154,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19127 "dtrain.c"
+#line 19158 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19305,7 +19336,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19309 "dtrain.c"
+#line 19340 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20680,7 +20711,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20684 "dtrain.c"
+#line 20715 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -22131,7 +22162,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22135 "dtrain.c"
+#line 22166 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -22190,7 +22221,7 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
     *code = DT_ENOTSUP;
     if (!opt)
         return "zero needs the optimizer whose state it shards";
-    if (opt->shard || opt->orphaned)
+    if (optim_is_sharded(opt))
         return "zero: this optimizer's state is already sharded (by another DDP)";
     if (cfg->compress != DT_COMPRESS_NONE)
         return "zero: gradient compression does not combine with sharding";
@@ -22353,7 +22384,7 @@ static void zero_point_at(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     (void)a;
     (void)e;
     const ddp_bucket *b = arg;
-    d->params[k]->grad->data = b->mem + (d->offset[k] - b->offset);
+    tensor_point_at(d->params[k]->grad, b->mem + (d->offset[k] - b->offset));
 }
 
 /* Parameter i's gradient is about to be written: give it its home (zero 1:
@@ -22363,7 +22394,7 @@ DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i)
     zero_state *z = Z(d);
     dt_tensor *g = d->params[i]->grad;
     if (z->level == 1) {
-        g->data = z->flat + d->offset[i];
+        tensor_point_at(g, z->flat + d->offset[i]);
         return DT_OK;
     }
     ddp_bucket *b = &d->buckets[ddp_bucket_of(d, d->offset[i])];
@@ -22387,8 +22418,8 @@ static void zero_park(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     (void)e;
     (void)arg;
     dt_tensor *g = d->params[k]->grad;
-    g->data = Z(d)->park;
-    g->flags |= T_ZERO;
+    tensor_point_at(g, Z(d)->park);
+    tensor_mark_zero(g, 1);
 }
 
 /* Zero 2: bucket b's reduce-scatter is done: our block goes to the shard,
@@ -22524,8 +22555,8 @@ static dt_status zero_publish(dt_ddp *d)
         return s;
     int zeroed = d->ctx->zero_gen != d->zero_gen;
     dt_optim *o = z->opt;
-    for (int i = 0; o && i < o->n; i++)
-        o->shard[i].used = !zeroed && z->used[o->params[i]->param_index] > 0;
+    for (int i = 0; o && i < optim_param_count(o); i++)
+        optim_shard_used(o, i, !zeroed && z->used[optim_param_at(o, i)->param_index] > 0);
     /* the gradients are consumed: what a caller may read of them is zeros */
     zero_each_part(d, 0, d->grad_floats, zero_park, NULL);
     return DT_OK;
@@ -22620,8 +22651,8 @@ static void zero_copy_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     int i = c->to_flat && z->opt_index ? z->opt_index[k] : -1;
     if (i >= 0) {   /* staged: rounded into the (committed) parameter, and out from there */
         dt_optim *o = z->opt;
-        const float *m = FP(o->master[i]) + (a - d->offset[k] - o->shard[i].lo);
-        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        const float *m = FP(optim_master_at(o, i)) + (a - d->offset[k] - optim_shard_lo(o, i));
+        dt_precision prec = optim_config(o)->param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
         d->be_iface->round_prec(d->be, prec, e - a, m, d->staged ? p : c->flat + a);
         if (d->staged)
             be_to_host(d->ctx, c->flat + a, p, (size_t)(e - a) * sizeof(float));
@@ -22672,8 +22703,8 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
     dt_status s = DT_OK;
     if (z->level == 3) {   /* the shards moved: every other part is stale */
         s = zero_evict_all(d);
-        for (int i = 0; i < o->n; i++)
-            o->shard[i].used = 0;
+        for (int i = 0; i < optim_param_count(o); i++)
+            optim_shard_used(o, i, 0);
         /* the next forward's first unit is the last one's (every rank runs
          * the same ops): its gather starts now, behind the caller's data
          * loading, instead of in front of the forward */
@@ -22698,8 +22729,8 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
             zero_pool_give(d, k);
         }
     }
-    for (int i = 0; i < o->n; i++)   /* stepped: a second step needs a new reduction */
-        o->shard[i].used = 0;
+    for (int i = 0; i < optim_param_count(o); i++)   /* stepped: a second step needs a new reduction */
+        optim_shard_used(o, i, 0);
     zero_note_gather(d, dt_now() - t0, dt_now() - t0);   /* the caller waits for all of it */
     return s == DT_OK ? DT_OK
                       : set_error(d->ctx, s, "optim_step: parameter all-gather failed: %s", d->ctx->err);
@@ -23129,36 +23160,39 @@ static dt_status zero_shard_optim(dt_ddp *d)
 {
     zero_state *z = Z(d);
     dt_optim *o = d->opt;
-    int64_t *lo = host_calloc(d->ctx, sizeof(int64_t) * 2 * (size_t)(o->n + 1)), *n = lo + o->n + 1;
+    int np = optim_param_count(o);
+    int64_t *lo = host_calloc(d->ctx, sizeof(int64_t) * 2 * (size_t)(np + 1)), *n = lo + np + 1;
     if (!lo)
         return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory");
-    for (int i = 0; i < o->n; i++) {
-        int k = o->params[i]->param_index;
-        if (k < 0 || k >= d->nparams || d->params[k] != o->params[i]) {
+    for (int i = 0; i < np; i++) {
+        dt_tensor *p = optim_param_at(o, i);
+        int k = p->param_index;
+        if (k < 0 || k >= d->nparams || d->params[k] != p) {
             host_free(d->ctx, lo);
             return set_error(d->ctx, DT_EINVAL, "ddp_new: the optimizer's parameter '%s' is not "
-                             "one this DDP wraps", o->params[i]->name);
+                             "one this DDP wraps", p->name);
         }
         int64_t off = d->offset[k], a = off > z->lo ? off : z->lo;
-        int64_t e = off + dt_tensor_numel(o->params[i]);
+        int64_t e = off + dt_tensor_numel(p);
         e = e < z->hi ? e : z->hi;
         lo[i] = e > a ? a - off : 0;
         n[i] = e > a ? e - a : 0;
     }
     dt_status s = optim_shard_state(o, lo, n);
-    for (int i = 0; s == DT_OK && i < o->n; i++) {
-        int64_t a = d->offset[o->params[i]->param_index] + lo[i];
-        o->shard[i].grad = z->level == 1 ? z->flat + a : z->shard_grad + (a - z->lo);
-        o->shard[i].master_only = z->level == 3 && o->master;
+    int masters = optim_master_at(o, 0) != NULL;
+    for (int i = 0; s == DT_OK && i < np; i++) {
+        int64_t a = d->offset[optim_param_at(o, i)->param_index] + lo[i];
+        optim_shard_grad(o, i, z->level == 1 ? z->flat + a : z->shard_grad + (a - z->lo),
+                         z->level == 3 && masters);
     }
     host_free(d->ctx, lo);
-    if (s == DT_OK && z->level == 3 && o->master) {
+    if (s == DT_OK && z->level == 3 && masters) {
         if (!(z->opt_index = host_calloc(d->ctx, sizeof(int) * (size_t)(d->nparams + 1))))
             return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory");
         for (int k = 0; k < d->nparams; k++)
             z->opt_index[k] = -1;
-        for (int i = 0; i < o->n; i++)
-            z->opt_index[o->params[i]->param_index] = i;
+        for (int i = 0; i < np; i++)
+            z->opt_index[optim_param_at(o, i)->param_index] = i;
     }
     if (s == DT_OK)
         z->opt = o;
@@ -23270,14 +23304,14 @@ DT_PRIVATE dt_status zero_new(dt_ddp *d)
         dt_tensor *g = d->params[i]->grad;
         void *own = g->data;
         if (g->flags & T_ZERO) {
-            g->data = z->park;
+            tensor_point_at(g, z->park);
         } else if ((s = zero_grad_memory(d, i)) != DT_OK) {
             return s;
         } else {
             d->be_iface->copy(d->be, g->data, own, tensor_bytes(g));
         }
         d->be_iface->free(d->be, own);
-        d->ctx->persistent_bytes -= tensor_bytes(g);
+        tensor_count_persistent(d->ctx, -(int64_t)tensor_bytes(g));
         d->own_grad[i] = NULL;
     }
     host_give_back(d->ctx);
@@ -23302,9 +23336,9 @@ static int zero_return_grads(dt_ddp *d)
         }
         if (!(g->flags & T_ZERO))   /* a zero one stays unwritten, as tensor_attach_grad leaves it */
             d->be_iface->copy(d->be, mem, g->data, bytes);
-        g->data = mem;
+        tensor_point_at(g, mem);
         d->own_grad[i] = mem;
-        d->ctx->persistent_bytes += bytes;
+        tensor_count_persistent(d->ctx, (int64_t)bytes);
     }
     return kept;
 }
@@ -23324,7 +23358,7 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     if (d->ctx && z->level == 3 && z->resident)
         zero_settle_params(d);
     if (z->opt)
-        z->opt->orphaned = 1;
+        optim_orphan(z->opt);
     dt_ctx *ctx = d->ctx;
     for (int j = 0; d->buckets && j < d->nbuckets; j++) {
         host_free(ctx, d->buckets[j].blocks);
@@ -23368,12 +23402,13 @@ DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o)
     zero_state *z = d->z;
     if (!z || z->opt != o)
         return;
-    for (int i = 0; z->opt_index && i < o->n; i++) {
-        const optim_shard *sh = &o->shard[i];
-        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
-        int k = o->params[i]->param_index;
-        if (sh->n > 0 && zero_commit(d, d->offset[k] + sh->lo, d->offset[k] + sh->lo + sh->n) == DT_OK)
-            d->be_iface->round_prec(d->be, prec, sh->n, FP(o->master[i]), FP(o->params[i]) + sh->lo);
+    for (int i = 0; z->opt_index && i < optim_param_count(o); i++) {
+        int64_t lo = optim_shard_lo(o, i), n = optim_shard_count(o, i);
+        dt_precision prec = optim_config(o)->param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        int k = optim_param_at(o, i)->param_index;
+        if (n > 0 && zero_commit(d, d->offset[k] + lo, d->offset[k] + lo + n) == DT_OK)
+            d->be_iface->round_prec(d->be, prec, n, FP(optim_master_at(o, i)),
+                                    FP(optim_param_at(o, i)) + lo);
     }
     host_free(d->ctx, z->opt_index);
     z->opt_index = NULL;
@@ -23439,11 +23474,11 @@ static dt_status zero_ckpt_agree(dt_ddp *d, const char *op, dt_status mine)
  * if sharded, by this DDP. */
 static dt_status zero_ckpt_optim_ok(dt_ddp *d, const dt_optim *opt, const char *op)
 {
-    if (opt && opt->ctx != d->ctx)
+    if (opt && optim_ctx(opt) != d->ctx)
         return set_error(d->ctx, DT_EINVAL, "%s: the optimizer belongs to another context", op);
-    if (opt && opt->orphaned)
+    if (opt && optim_is_orphaned(opt))
         return set_error(d->ctx, DT_EINVAL, "%s: the optimizer's shard belongs to a freed DDP", op);
-    if (opt && opt->shard && (!d->z || d->z->opt != opt))
+    if (opt && optim_is_sharded(opt) && (!d->z || d->z->opt != opt))
         return set_error(d->ctx, DT_EINVAL, "%s: the optimizer is sharded by another DDP", op);
     return DT_OK;
 }
@@ -23529,7 +23564,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23533 "dtrain.c"
+#line 23568 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -24972,7 +25007,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 24976 "dtrain.c"
+#line 25011 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25393,7 +25428,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25397 "dtrain.c"
+#line 25432 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25638,7 +25673,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25642 "dtrain.c"
+#line 25677 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25820,7 +25855,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25824 "dtrain.c"
+#line 25859 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26890,7 +26925,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26894 "dtrain.c"
+#line 26929 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31243,7 +31278,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31247 "dtrain.c"
+#line 31282 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32468,7 +32503,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32472 "dtrain.c"
+#line 32507 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32647,6 +32682,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32651 "dtrain.c"
+#line 32686 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

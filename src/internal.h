@@ -371,16 +371,7 @@ typedef struct gemm_operand gemm_operand;
 typedef struct arena_switch arena_switch;
 /* --- src/optim.c --- */
 
-/* One parameter's part of a sharded optimizer step (src/zero.c sets them):
- * elements [lo, lo + n) of it, whose averaged gradient is at grad, stepped
- * when used (some rank produced a gradient for it this step). */
-typedef struct optim_shard {
-    int64_t lo, n;
-    const float *grad;
-    int used;
-    int master_only;           /* zero 3 with masters: the step updates the master alone (the
-                                  parameter's memory is not kept; its gathers round it) */
-} optim_shard;
+typedef struct optim_shard optim_shard;
 
 #define OPTIM_CHUNK 65536   /* 16-bit state: floats widened at a time */
 
@@ -672,6 +663,9 @@ DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
 DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                        const char *suffix, int lazy);
 DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data);
+/* memory a module took for or gave back from the context's tensors (a
+ * gradient's own buffer, ZeRO): the context's persistent byte count */
+DT_PRIVATE void tensor_count_persistent(dt_ctx *ctx, int64_t bytes);
 DT_PRIVATE void host_give_back(dt_ctx *ctx);
 DT_PRIVATE dt_status tensor_readable(const dt_tensor *t, const char *op);
 DT_PRIVATE dt_status tensor_check(dt_ctx *ctx, const char *op, const dt_tensor *t, const char *what);
@@ -762,6 +756,16 @@ DT_PRIVATE int optim_kind(const dt_optim *o);
 DT_PRIVATE float optim_base_lr(const dt_optim *o, int group);
 DT_PRIVATE int optim_is_sharded(const dt_optim *o);
 DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i);
+/* ZeRO's side of a sharded optimizer (src/zero.c): parameter i's shard of
+ * elements (optim_shard_count of them from optim_shard_lo), the gradient
+ * its step reads (master_only: it updates the master alone), whether this
+ * step reduced it (used), and a shard whose DDP was freed (orphaned: its
+ * state is no longer whole anywhere). */
+DT_PRIVATE int64_t optim_shard_count(const dt_optim *o, int i);
+DT_PRIVATE void optim_shard_grad(dt_optim *o, int i, const float *grad, int master_only);
+DT_PRIVATE void optim_shard_used(dt_optim *o, int i, int used);
+DT_PRIVATE void optim_orphan(dt_optim *o);
+DT_PRIVATE int optim_is_orphaned(const dt_optim *o);
 DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o);
 DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps);
 DT_PRIVATE void optim_masters_from_params(dt_optim *o, int whole);

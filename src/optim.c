@@ -10,6 +10,17 @@
  * skips parameters whose .grad is None.
  * ======================================================================== */
 
+/* One parameter's part of a sharded optimizer step (src/zero.c sets them):
+ * elements [lo, lo + n) of it, whose averaged gradient is at grad, stepped
+ * when used (some rank produced a gradient for it this step). */
+struct optim_shard {
+    int64_t lo, n;
+    const float *grad;
+    int used;
+    int master_only;           /* zero 3 with masters: the step updates the master alone (the
+                                  parameter's memory is not kept; its gathers round it) */
+};
+
 /* A parameter group (dt_param_group): the optimizer's config with the
  * group's values in, and its lr (what the last step used) and the base a
  * schedule scales. */
@@ -580,6 +591,17 @@ DT_PRIVATE float optim_base_lr(const dt_optim *o, int group) { return o->groups[
 /* sharded by ZeRO, or its shards' job is gone (orphaned): not whole here */
 DT_PRIVATE int optim_is_sharded(const dt_optim *o) { return o->shard || o->orphaned; }
 DT_PRIVATE int64_t optim_shard_lo(const dt_optim *o, int i) { return o->shard ? o->shard[i].lo : 0; }
+DT_PRIVATE int64_t optim_shard_count(const dt_optim *o, int i) { return o->shard ? o->shard[i].n : 0; }
+
+DT_PRIVATE void optim_shard_grad(dt_optim *o, int i, const float *grad, int master_only)
+{
+    o->shard[i].grad = grad;
+    o->shard[i].master_only = master_only;
+}
+
+DT_PRIVATE void optim_shard_used(dt_optim *o, int i, int used) { o->shard[i].used = used; }
+DT_PRIVATE void optim_orphan(dt_optim *o) { o->orphaned = 1; }
+DT_PRIVATE int optim_is_orphaned(const dt_optim *o) { return o->orphaned; }
 DT_PRIVATE dt_ctx *optim_ctx(const dt_optim *o) { return o->ctx; }
 
 DT_PRIVATE void optim_restore_steps(dt_optim *o, int64_t steps, const int64_t *param_steps)

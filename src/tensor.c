@@ -324,6 +324,11 @@ DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero)
 
 DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data) { t->data = data; }
 
+DT_PRIVATE void tensor_count_persistent(dt_ctx *ctx, int64_t bytes)
+{
+    ctx->persistent_bytes = (size_t)((int64_t)ctx->persistent_bytes + bytes);
+}
+
 DT_PRIVATE void tensor_materialize(dt_tensor *t)
 {
     if (t && (t->flags & T_ZERO)) {

@@ -53,7 +53,7 @@ DT_PRIVATE const char *zero_refuses(const dt_ddp_config *cfg, const dt_optim *op
     *code = DT_ENOTSUP;
     if (!opt)
         return "zero needs the optimizer whose state it shards";
-    if (opt->shard || opt->orphaned)
+    if (optim_is_sharded(opt))
         return "zero: this optimizer's state is already sharded (by another DDP)";
     if (cfg->compress != DT_COMPRESS_NONE)
         return "zero: gradient compression does not combine with sharding";
@@ -216,7 +216,7 @@ static void zero_point_at(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     (void)a;
     (void)e;
     const ddp_bucket *b = arg;
-    d->params[k]->grad->data = b->mem + (d->offset[k] - b->offset);
+    tensor_point_at(d->params[k]->grad, b->mem + (d->offset[k] - b->offset));
 }
 
 /* Parameter i's gradient is about to be written: give it its home (zero 1:
@@ -226,7 +226,7 @@ DT_PRIVATE dt_status zero_grad_memory(dt_ddp *d, int i)
     zero_state *z = Z(d);
     dt_tensor *g = d->params[i]->grad;
     if (z->level == 1) {
-        g->data = z->flat + d->offset[i];
+        tensor_point_at(g, z->flat + d->offset[i]);
         return DT_OK;
     }
     ddp_bucket *b = &d->buckets[ddp_bucket_of(d, d->offset[i])];
@@ -250,8 +250,8 @@ static void zero_park(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     (void)e;
     (void)arg;
     dt_tensor *g = d->params[k]->grad;
-    g->data = Z(d)->park;
-    g->flags |= T_ZERO;
+    tensor_point_at(g, Z(d)->park);
+    tensor_mark_zero(g, 1);
 }
 
 /* Zero 2: bucket b's reduce-scatter is done: our block goes to the shard,
@@ -387,8 +387,8 @@ static dt_status zero_publish(dt_ddp *d)
         return s;
     int zeroed = d->ctx->zero_gen != d->zero_gen;
     dt_optim *o = z->opt;
-    for (int i = 0; o && i < o->n; i++)
-        o->shard[i].used = !zeroed && z->used[o->params[i]->param_index] > 0;
+    for (int i = 0; o && i < optim_param_count(o); i++)
+        optim_shard_used(o, i, !zeroed && z->used[optim_param_at(o, i)->param_index] > 0);
     /* the gradients are consumed: what a caller may read of them is zeros */
     zero_each_part(d, 0, d->grad_floats, zero_park, NULL);
     return DT_OK;
@@ -483,8 +483,8 @@ static void zero_copy_part(dt_ddp *d, int k, int64_t a, int64_t e, void *arg)
     int i = c->to_flat && z->opt_index ? z->opt_index[k] : -1;
     if (i >= 0) {   /* staged: rounded into the (committed) parameter, and out from there */
         dt_optim *o = z->opt;
-        const float *m = FP(o->master[i]) + (a - d->offset[k] - o->shard[i].lo);
-        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        const float *m = FP(optim_master_at(o, i)) + (a - d->offset[k] - optim_shard_lo(o, i));
+        dt_precision prec = optim_config(o)->param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
         d->be_iface->round_prec(d->be, prec, e - a, m, d->staged ? p : c->flat + a);
         if (d->staged)
             be_to_host(d->ctx, c->flat + a, p, (size_t)(e - a) * sizeof(float));
@@ -535,8 +535,8 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
     dt_status s = DT_OK;
     if (z->level == 3) {   /* the shards moved: every other part is stale */
         s = zero_evict_all(d);
-        for (int i = 0; i < o->n; i++)
-            o->shard[i].used = 0;
+        for (int i = 0; i < optim_param_count(o); i++)
+            optim_shard_used(o, i, 0);
         /* the next forward's first unit is the last one's (every rank runs
          * the same ops): its gather starts now, behind the caller's data
          * loading, instead of in front of the forward */
@@ -561,8 +561,8 @@ DT_PRIVATE dt_status zero_after_step(dt_ddp *d, dt_optim *o)
             zero_pool_give(d, k);
         }
     }
-    for (int i = 0; i < o->n; i++)   /* stepped: a second step needs a new reduction */
-        o->shard[i].used = 0;
+    for (int i = 0; i < optim_param_count(o); i++)   /* stepped: a second step needs a new reduction */
+        optim_shard_used(o, i, 0);
     zero_note_gather(d, dt_now() - t0, dt_now() - t0);   /* the caller waits for all of it */
     return s == DT_OK ? DT_OK
                       : set_error(d->ctx, s, "optim_step: parameter all-gather failed: %s", d->ctx->err);
@@ -992,36 +992,39 @@ static dt_status zero_shard_optim(dt_ddp *d)
 {
     zero_state *z = Z(d);
     dt_optim *o = d->opt;
-    int64_t *lo = host_calloc(d->ctx, sizeof(int64_t) * 2 * (size_t)(o->n + 1)), *n = lo + o->n + 1;
+    int np = optim_param_count(o);
+    int64_t *lo = host_calloc(d->ctx, sizeof(int64_t) * 2 * (size_t)(np + 1)), *n = lo + np + 1;
     if (!lo)
         return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory");
-    for (int i = 0; i < o->n; i++) {
-        int k = o->params[i]->param_index;
-        if (k < 0 || k >= d->nparams || d->params[k] != o->params[i]) {
+    for (int i = 0; i < np; i++) {
+        dt_tensor *p = optim_param_at(o, i);
+        int k = p->param_index;
+        if (k < 0 || k >= d->nparams || d->params[k] != p) {
             host_free(d->ctx, lo);
             return set_error(d->ctx, DT_EINVAL, "ddp_new: the optimizer's parameter '%s' is not "
-                             "one this DDP wraps", o->params[i]->name);
+                             "one this DDP wraps", p->name);
         }
         int64_t off = d->offset[k], a = off > z->lo ? off : z->lo;
-        int64_t e = off + dt_tensor_numel(o->params[i]);
+        int64_t e = off + dt_tensor_numel(p);
         e = e < z->hi ? e : z->hi;
         lo[i] = e > a ? a - off : 0;
         n[i] = e > a ? e - a : 0;
     }
     dt_status s = optim_shard_state(o, lo, n);
-    for (int i = 0; s == DT_OK && i < o->n; i++) {
-        int64_t a = d->offset[o->params[i]->param_index] + lo[i];
-        o->shard[i].grad = z->level == 1 ? z->flat + a : z->shard_grad + (a - z->lo);
-        o->shard[i].master_only = z->level == 3 && o->master;
+    int masters = optim_master_at(o, 0) != NULL;
+    for (int i = 0; s == DT_OK && i < np; i++) {
+        int64_t a = d->offset[optim_param_at(o, i)->param_index] + lo[i];
+        optim_shard_grad(o, i, z->level == 1 ? z->flat + a : z->shard_grad + (a - z->lo),
+                         z->level == 3 && masters);
     }
     host_free(d->ctx, lo);
-    if (s == DT_OK && z->level == 3 && o->master) {
+    if (s == DT_OK && z->level == 3 && masters) {
         if (!(z->opt_index = host_calloc(d->ctx, sizeof(int) * (size_t)(d->nparams + 1))))
             return set_error(d->ctx, DT_ENOMEM, "ddp_new: out of memory");
         for (int k = 0; k < d->nparams; k++)
             z->opt_index[k] = -1;
-        for (int i = 0; i < o->n; i++)
-            z->opt_index[o->params[i]->param_index] = i;
+        for (int i = 0; i < np; i++)
+            z->opt_index[optim_param_at(o, i)->param_index] = i;
     }
     if (s == DT_OK)
         z->opt = o;
@@ -1133,14 +1136,14 @@ DT_PRIVATE dt_status zero_new(dt_ddp *d)
         dt_tensor *g = d->params[i]->grad;
         void *own = g->data;
         if (g->flags & T_ZERO) {
-            g->data = z->park;
+            tensor_point_at(g, z->park);
         } else if ((s = zero_grad_memory(d, i)) != DT_OK) {
             return s;
         } else {
             d->be_iface->copy(d->be, g->data, own, tensor_bytes(g));
         }
         d->be_iface->free(d->be, own);
-        d->ctx->persistent_bytes -= tensor_bytes(g);
+        tensor_count_persistent(d->ctx, -(int64_t)tensor_bytes(g));
         d->own_grad[i] = NULL;
     }
     host_give_back(d->ctx);
@@ -1165,9 +1168,9 @@ static int zero_return_grads(dt_ddp *d)
         }
         if (!(g->flags & T_ZERO))   /* a zero one stays unwritten, as tensor_attach_grad leaves it */
             d->be_iface->copy(d->be, mem, g->data, bytes);
-        g->data = mem;
+        tensor_point_at(g, mem);
         d->own_grad[i] = mem;
-        d->ctx->persistent_bytes += bytes;
+        tensor_count_persistent(d->ctx, (int64_t)bytes);
     }
     return kept;
 }
@@ -1187,7 +1190,7 @@ DT_PRIVATE void zero_free(dt_ddp *d)
     if (d->ctx && z->level == 3 && z->resident)
         zero_settle_params(d);
     if (z->opt)
-        z->opt->orphaned = 1;
+        optim_orphan(z->opt);
     dt_ctx *ctx = d->ctx;
     for (int j = 0; d->buckets && j < d->nbuckets; j++) {
         host_free(ctx, d->buckets[j].blocks);
@@ -1231,12 +1234,13 @@ DT_PRIVATE void zero_forget_optim(dt_ddp *d, const dt_optim *o)
     zero_state *z = d->z;
     if (!z || z->opt != o)
         return;
-    for (int i = 0; z->opt_index && i < o->n; i++) {
-        const optim_shard *sh = &o->shard[i];
-        dt_precision prec = o->cfg.param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
-        int k = o->params[i]->param_index;
-        if (sh->n > 0 && zero_commit(d, d->offset[k] + sh->lo, d->offset[k] + sh->lo + sh->n) == DT_OK)
-            d->be_iface->round_prec(d->be, prec, sh->n, FP(o->master[i]), FP(o->params[i]) + sh->lo);
+    for (int i = 0; z->opt_index && i < optim_param_count(o); i++) {
+        int64_t lo = optim_shard_lo(o, i), n = optim_shard_count(o, i);
+        dt_precision prec = optim_config(o)->param_dtype == DT_BF16 ? DT_PREC_BF16 : DT_PREC_F16;
+        int k = optim_param_at(o, i)->param_index;
+        if (n > 0 && zero_commit(d, d->offset[k] + lo, d->offset[k] + lo + n) == DT_OK)
+            d->be_iface->round_prec(d->be, prec, n, FP(optim_master_at(o, i)),
+                                    FP(optim_param_at(o, i)) + lo);
     }
     host_free(d->ctx, z->opt_index);
     z->opt_index = NULL;
@@ -1302,11 +1306,11 @@ static dt_status zero_ckpt_agree(dt_ddp *d, const char *op, dt_status mine)
  * if sharded, by this DDP. */
 static dt_status zero_ckpt_optim_ok(dt_ddp *d, const dt_optim *opt, const char *op)
 {
-    if (opt && opt->ctx != d->ctx)
+    if (opt && optim_ctx(opt) != d->ctx)
         return set_error(d->ctx, DT_EINVAL, "%s: the optimizer belongs to another context", op);
-    if (opt && opt->orphaned)
+    if (opt && optim_is_orphaned(opt))
         return set_error(d->ctx, DT_EINVAL, "%s: the optimizer's shard belongs to a freed DDP", op);
-    if (opt && opt->shard && (!d->z || d->z->opt != opt))
+    if (opt && optim_is_sharded(opt) && (!d->z || d->z->opt != opt))
         return set_error(d->ctx, DT_EINVAL, "%s: the optimizer is sharded by another DDP", op);
     return DT_OK;
 }
