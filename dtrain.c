@@ -863,14 +863,7 @@ struct dt_tensor {
     struct row_log *rowlog;        /* Hogwild! (src/hogwild.c): the gradient rows embedding wrote */
 };
 
-/* The rows of a 2-D parameter's gradient that backward wrote through
- * dt_embedding, while the gradient's memory is known to be zero elsewhere;
- * dense: another op wrote all of it this step. */
-typedef struct row_log {
-    int64_t *rows, n, cap;
-    int dense;
-    unsigned char *mark;       /* per row: already in rows (while applying) */
-} row_log;
+typedef struct row_log row_log;
 
 typedef struct dt_node dt_node;
 typedef dt_status (*dt_backward_fn)(dt_ctx *ctx, dt_node *n);
@@ -1430,6 +1423,19 @@ DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
 DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                        const char *suffix, int lazy);
 DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data);
+/* Row logs (Hogwild!): start logging the gradient rows of a 2-D parameter
+ * t; log the rows idx[n] an embedding writes (0: no log, or it is dense or
+ * cannot grow: write densely); a dense write (tensor_rows_all); the rows
+ * logged since the reset, each once (0: none logged, update densely; *st
+ * an error, with ctx's message); tensor_rows_reset for the next step.
+ * tensor_share_data: t's data is with's (its own freed). */
+DT_PRIVATE dt_status tensor_rows_log_start(dt_ctx *ctx, dt_tensor *t);
+DT_PRIVATE int tensor_rows_log(dt_ctx *ctx, dt_tensor *t, const int32_t *idx, int64_t n);
+DT_PRIVATE void tensor_rows_all(dt_tensor *t);
+DT_PRIVATE int tensor_rows_logged(dt_ctx *ctx, dt_tensor *t, const int64_t **rows, int64_t *n,
+                                  dt_status *st);
+DT_PRIVATE void tensor_rows_reset(dt_tensor *t);
+DT_PRIVATE void tensor_share_data(dt_ctx *ctx, dt_tensor *t, const dt_tensor *with);
 /* memory a module took for or gave back from the context's tensors (a
  * gradient's own buffer, ZeRO): the context's persistent byte count */
 DT_PRIVATE void tensor_count_persistent(dt_ctx *ctx, int64_t bytes);
@@ -2414,7 +2420,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2418 "dtrain.c"
+#line 2424 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -3057,7 +3063,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3061 "dtrain.c"
+#line 3067 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3356,7 +3362,7 @@ void dt_mem_reset_peak(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3360 "dtrain.c"
+#line 3366 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -3370,6 +3376,15 @@ void dt_mem_reset_peak(dt_ctx *ctx)
  * data, so ops pass non-contiguous inputs through dt_contiguous first.
  * Gradient buffers are always contiguous in the tensor's logical shape.
  * ======================================================================== */
+
+/* The rows of a 2-D parameter's gradient that backward wrote through
+ * dt_embedding, while the gradient's memory is known to be zero elsewhere;
+ * dense: another op wrote all of it this step. */
+struct row_log {
+    int64_t *rows, n, cap;
+    int dense;
+    unsigned char *mark;       /* per row: already in rows (while applying) */
+};
 
 size_t dt_dtype_size(dt_dtype t)
 {
@@ -3545,6 +3560,83 @@ dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *
     if (t)
         ctx->be_iface->memset0(ctx->be, t->data, tensor_bytes(t));
     return t;
+}
+
+/* --- row logs (Hogwild!, src/hogwild.c): the rows of a 2-D parameter's
+ * gradient that the embedding's backward wrote, so a step updates those
+ * alone; dense once any other op wrote the gradient ------------------- */
+
+DT_PRIVATE dt_status tensor_rows_log_start(dt_ctx *ctx, dt_tensor *t)
+{
+    if (t->ndim == 2 && !t->rowlog && !(t->rowlog = host_calloc(ctx, sizeof *t->rowlog)))
+        return DT_ENOMEM;
+    return DT_OK;
+}
+
+DT_PRIVATE int tensor_rows_log(dt_ctx *ctx, dt_tensor *t, const int32_t *idx, int64_t n)
+{
+    row_log *l = t->rowlog;
+    if (!l || l->dense)
+        return 0;
+    if (l->n + n > l->cap) {
+        int64_t cap = (l->n + n) * 2;
+        int64_t *r = ctx->al.realloc_fn(l->rows, (size_t)cap * sizeof *r, ctx->al.user);
+        if (!r)
+            return 0;
+        l->rows = r;
+        l->cap = cap;
+    }
+    for (int64_t i = 0; i < n; i++)
+        l->rows[l->n++] = idx[i];
+    return 1;
+}
+
+DT_PRIVATE void tensor_rows_all(dt_tensor *t)
+{
+    if (t->rowlog)
+        t->rowlog->dense = 1;
+}
+
+DT_PRIVATE int tensor_rows_logged(dt_ctx *ctx, dt_tensor *t, const int64_t **rows, int64_t *n,
+                                  dt_status *st)
+{
+    row_log *l = t->rowlog;
+    *st = DT_OK;
+    if (!l || l->dense)
+        return 0;
+    /* each row once, in the order first logged (marks: per row, seen) */
+    if (!l->mark && !(l->mark = host_calloc(ctx, (size_t)t->shape[0]))) {
+        *st = set_error(ctx, DT_ENOMEM, "out of memory for a row log's marks");
+        return 1;
+    }
+    int64_t k = 0;
+    for (int64_t j = 0; j < l->n; j++)
+        if (!l->mark[l->rows[j]]) {
+            l->mark[l->rows[j]] = 1;
+            l->rows[k++] = l->rows[j];
+        }
+    for (int64_t j = 0; j < k; j++)
+        l->mark[l->rows[j]] = 0;
+    l->n = k;
+    *rows = l->rows;
+    *n = k;
+    return 1;
+}
+
+DT_PRIVATE void tensor_rows_reset(dt_tensor *t)
+{
+    if (t->rowlog)
+        t->rowlog->n = 0, t->rowlog->dense = 0;
+}
+
+DT_PRIVATE void tensor_share_data(dt_ctx *ctx, dt_tensor *t, const dt_tensor *with)
+{
+    if (t->flags & T_OWNS_DATA) {
+        ctx->persistent_bytes -= tensor_bytes(t);
+        ctx->be_iface->free(ctx->be, t->data);
+    }
+    t->data = with->data;
+    t->flags &= ~(unsigned)T_OWNS_DATA;
 }
 
 static void row_log_free(dt_ctx *ctx, row_log *l)
@@ -3949,7 +4041,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 3953 "dtrain.c"
+#line 4045 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4272,7 +4364,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4276 "dtrain.c"
+#line 4368 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4358,7 +4450,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4362 "dtrain.c"
+#line 4454 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -4929,7 +5021,7 @@ dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 4933 "dtrain.c"
+#line 5025 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5024,8 +5116,7 @@ DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn b
  * already holds values to add to. */
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
 {
-    if (t->rowlog)   /* this op may write every row */
-        t->rowlog->dense = 1;
+    tensor_rows_all(t);   /* this op may write every row */
     if (!t->grad) {
         t->grad = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
         if (!t->grad)
@@ -5179,7 +5270,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5183 "dtrain.c"
+#line 5274 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -6566,7 +6657,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     memcpy(copy, name, len);
     return out;
 }
-#line 6570 "dtrain.c"
+#line 6661 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -6841,32 +6932,16 @@ dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int 
 
 /* --- embedding, layer norm, dropout ----------------------------------- */
 
-/* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
- * (its memory is zero outside the logged rows), so a step costs the rows it
- * touches.  0: the log cannot grow (the caller goes dense). */
-static int row_log_add(dt_ctx *ctx, row_log *l, const int32_t *idx, int64_t n)
-{
-    if (l->n + n > l->cap) {
-        int64_t cap = (l->n + n) * 2;
-        int64_t *r = ctx->al.realloc_fn(l->rows, (size_t)cap * sizeof *r, ctx->al.user);
-        if (!r)
-            return 0;
-        l->rows = r;
-        l->cap = cap;
-    }
-    for (int64_t i = 0; i < n; i++)
-        l->rows[l->n++] = idx[i];
-    return 1;
-}
-
 static dt_status embedding_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *w = n->in[0], *idx = n->in[1];
     int64_t count = shape_numel(idx->ndim, idx->shape);
     float *gw;
-    if (w->rowlog && !w->rowlog->dense && w->grad && ctx->be_iface->host_visible &&
-        row_log_add(ctx, w->rowlog, IP(idx), count)) {
-        w->grad->flags &= ~(unsigned)T_ZERO;   /* zero already, outside the logged rows */
+    /* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
+     * (its memory is zero outside the logged rows), so a step costs the
+     * rows it touches */
+    if (w->grad && ctx->be_iface->host_visible && tensor_rows_log(ctx, w, IP(idx), count)) {
+        tensor_mark_zero(w->grad, 0);   /* zero already, outside the logged rows */
         gw = FP(w->grad);
     } else {
         gw = grad_target_zeroed(ctx, w);
@@ -7127,7 +7202,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7131 "dtrain.c"
+#line 7206 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7308,7 +7383,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7312 "dtrain.c"
+#line 7387 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -8294,7 +8369,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8298 "dtrain.c"
+#line 8373 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -10640,7 +10715,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10644 "dtrain.c"
+#line 10719 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11213,7 +11288,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11217 "dtrain.c"
+#line 11292 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -12022,7 +12097,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 12026 "dtrain.c"
+#line 12101 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12609,7 +12684,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12613 "dtrain.c"
+#line 12688 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13771,7 +13846,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13775 "dtrain.c"
+#line 13850 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -15746,7 +15821,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15750 "dtrain.c"
+#line 15825 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16232,7 +16307,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16236 "dtrain.c"
+#line 16311 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -17008,7 +17083,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 17012 "dtrain.c"
+#line 17087 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17260,7 +17335,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 17264 "dtrain.c"
+#line 17339 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17553,7 +17628,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17557 "dtrain.c"
+#line 17632 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18068,7 +18143,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18072 "dtrain.c"
+#line 18147 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -19154,7 +19229,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19158 "dtrain.c"
+#line 19233 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19336,7 +19411,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19340 "dtrain.c"
+#line 19415 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20711,7 +20786,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20715 "dtrain.c"
+#line 20790 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -22162,7 +22237,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22166 "dtrain.c"
+#line 22241 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23564,7 +23639,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23568 "dtrain.c"
+#line 23643 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -25007,7 +25082,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 25011 "dtrain.c"
+#line 25086 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25428,7 +25503,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25432 "dtrain.c"
+#line 25507 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25499,15 +25574,10 @@ static dt_status hw_share(hogwild *hw, hw_thread *t)
             memcmp(p->shape, m->shape, sizeof(int64_t) * (size_t)p->ndim))
             return set_error(ctx, DT_EMISMATCH, "hogwild: thread %d's parameter %d is '%s', the "
                              "context's '%s' (or the shapes differ)", t->k, i, p->name, m->name);
-        if (p->flags & T_OWNS_DATA) {
-            tc->persistent_bytes -= tensor_bytes(p);
-            tc->be_iface->free(tc->be, p->data);
-        }
-        p->data = m->data;
-        p->flags &= ~(unsigned)T_OWNS_DATA;
+        tensor_share_data(tc, p, m);
         tc->be_iface->memset0(tc->be, p->grad->data, tensor_bytes(p->grad));
-        p->grad->flags |= T_ZERO;
-        if (p->ndim == 2 && !(p->rowlog = host_calloc(tc, sizeof *p->rowlog)))
+        tensor_mark_zero(p->grad, 1);
+        if (tensor_rows_log_start(tc, p) != DT_OK)
             return set_error(ctx, DT_ENOMEM, "hogwild: out of memory");
     }
     return DT_OK;
@@ -25522,38 +25592,33 @@ static dt_status hw_apply(hogwild *hw, hw_thread *t)
     float lr = hw->cfg.lr;
     for (int i = 0; i < tc->n_params; i++) {
         dt_tensor *p = tc->params[i], *g = p->grad;
-        row_log *l = p->rowlog;
         if (g->flags & T_ZERO) {
-            if (l)
-                l->dense = 0;   /* (an op that wrote nothing) */
+            tensor_rows_reset(p);   /* (an op that wrote nothing) */
             continue;
         }
-        if (l && !l->dense) {
+        const int64_t *rows;
+        int64_t nrows;
+        dt_status st;
+        /* (an error goes in the worker's own ctx: hw_fail reads it from
+         * there, and the caller's ctx belongs to the caller's thread) */
+        if (tensor_rows_logged(tc, p, &rows, &nrows, &st)) {
+            if (st != DT_OK)
+                return st;
             int64_t d = p->shape[1];
-            /* the error goes in the worker's own ctx: hw_fail reads it from
-             * there, and the caller's ctx belongs to the caller's thread */
-            if (!l->mark && !(l->mark = host_calloc(tc, (size_t)p->shape[0])))
-                return set_error(tc, DT_ENOMEM, "out of memory for a row log's marks");
-            for (int64_t j = 0; j < l->n; j++) {
-                int64_t r = l->rows[j];
-                if (l->mark[r])
-                    continue;
-                l->mark[r] = 1;
+            for (int64_t j = 0; j < nrows; j++) {
+                int64_t r = rows[j];
                 be->sgd_update(tc->be, d, FP(p) + r * d, FP(g) + r * d, NULL, lr, 0, 0, 0, 0, 0);
                 memset(FP(g) + r * d, 0, (size_t)d * sizeof(float));
                 t->rows++;
             }
-            for (int64_t j = 0; j < l->n; j++)
-                l->mark[l->rows[j]] = 0;
         } else {
             int64_t n = shape_numel(p->ndim, p->shape);
             be->sgd_update(tc->be, n, FP(p), FP(g), NULL, lr, 0, 0, 0, 0, 0);
             be->memset0(tc->be, g->data, tensor_bytes(g));
             t->dense++;
         }
-        if (l)
-            l->n = 0, l->dense = 0;
-        g->flags |= T_ZERO;
+        tensor_rows_reset(p);
+        tensor_mark_zero(g, 1);
     }
     return DT_OK;
 }
@@ -25673,7 +25738,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25677 "dtrain.c"
+#line 25742 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25855,7 +25920,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25859 "dtrain.c"
+#line 25924 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26925,7 +26990,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26929 "dtrain.c"
+#line 26994 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31278,7 +31343,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31282 "dtrain.c"
+#line 31347 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32503,7 +32568,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32507 "dtrain.c"
+#line 32572 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32682,6 +32747,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32686 "dtrain.c"
+#line 32751 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

@@ -89,8 +89,7 @@ DT_PRIVATE dt_node *tape_record_op(dt_ctx *ctx, const char *op, dt_backward_fn b
  * already holds values to add to. */
 DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
 {
-    if (t->rowlog)   /* this op may write every row */
-        t->rowlog->dense = 1;
+    tensor_rows_all(t);   /* this op may write every row */
     if (!t->grad) {
         t->grad = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
         if (!t->grad)

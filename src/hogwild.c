@@ -65,15 +65,10 @@ static dt_status hw_share(hogwild *hw, hw_thread *t)
             memcmp(p->shape, m->shape, sizeof(int64_t) * (size_t)p->ndim))
             return set_error(ctx, DT_EMISMATCH, "hogwild: thread %d's parameter %d is '%s', the "
                              "context's '%s' (or the shapes differ)", t->k, i, p->name, m->name);
-        if (p->flags & T_OWNS_DATA) {
-            tc->persistent_bytes -= tensor_bytes(p);
-            tc->be_iface->free(tc->be, p->data);
-        }
-        p->data = m->data;
-        p->flags &= ~(unsigned)T_OWNS_DATA;
+        tensor_share_data(tc, p, m);
         tc->be_iface->memset0(tc->be, p->grad->data, tensor_bytes(p->grad));
-        p->grad->flags |= T_ZERO;
-        if (p->ndim == 2 && !(p->rowlog = host_calloc(tc, sizeof *p->rowlog)))
+        tensor_mark_zero(p->grad, 1);
+        if (tensor_rows_log_start(tc, p) != DT_OK)
             return set_error(ctx, DT_ENOMEM, "hogwild: out of memory");
     }
     return DT_OK;
@@ -88,38 +83,33 @@ static dt_status hw_apply(hogwild *hw, hw_thread *t)
     float lr = hw->cfg.lr;
     for (int i = 0; i < tc->n_params; i++) {
         dt_tensor *p = tc->params[i], *g = p->grad;
-        row_log *l = p->rowlog;
         if (g->flags & T_ZERO) {
-            if (l)
-                l->dense = 0;   /* (an op that wrote nothing) */
+            tensor_rows_reset(p);   /* (an op that wrote nothing) */
             continue;
         }
-        if (l && !l->dense) {
+        const int64_t *rows;
+        int64_t nrows;
+        dt_status st;
+        /* (an error goes in the worker's own ctx: hw_fail reads it from
+         * there, and the caller's ctx belongs to the caller's thread) */
+        if (tensor_rows_logged(tc, p, &rows, &nrows, &st)) {
+            if (st != DT_OK)
+                return st;
             int64_t d = p->shape[1];
-            /* the error goes in the worker's own ctx: hw_fail reads it from
-             * there, and the caller's ctx belongs to the caller's thread */
-            if (!l->mark && !(l->mark = host_calloc(tc, (size_t)p->shape[0])))
-                return set_error(tc, DT_ENOMEM, "out of memory for a row log's marks");
-            for (int64_t j = 0; j < l->n; j++) {
-                int64_t r = l->rows[j];
-                if (l->mark[r])
-                    continue;
-                l->mark[r] = 1;
+            for (int64_t j = 0; j < nrows; j++) {
+                int64_t r = rows[j];
                 be->sgd_update(tc->be, d, FP(p) + r * d, FP(g) + r * d, NULL, lr, 0, 0, 0, 0, 0);
                 memset(FP(g) + r * d, 0, (size_t)d * sizeof(float));
                 t->rows++;
             }
-            for (int64_t j = 0; j < l->n; j++)
-                l->mark[l->rows[j]] = 0;
         } else {
             int64_t n = shape_numel(p->ndim, p->shape);
             be->sgd_update(tc->be, n, FP(p), FP(g), NULL, lr, 0, 0, 0, 0, 0);
             be->memset0(tc->be, g->data, tensor_bytes(g));
             t->dense++;
         }
-        if (l)
-            l->n = 0, l->dense = 0;
-        g->flags |= T_ZERO;
+        tensor_rows_reset(p);
+        tensor_mark_zero(g, 1);
     }
     return DT_OK;
 }

@@ -96,14 +96,7 @@ struct dt_tensor {
     struct row_log *rowlog;        /* Hogwild! (src/hogwild.c): the gradient rows embedding wrote */
 };
 
-/* The rows of a 2-D parameter's gradient that backward wrote through
- * dt_embedding, while the gradient's memory is known to be zero elsewhere;
- * dense: another op wrote all of it this step. */
-typedef struct row_log {
-    int64_t *rows, n, cap;
-    int dense;
-    unsigned char *mark;       /* per row: already in rows (while applying) */
-} row_log;
+typedef struct row_log row_log;
 
 typedef struct dt_node dt_node;
 typedef dt_status (*dt_backward_fn)(dt_ctx *ctx, dt_node *n);
@@ -663,6 +656,19 @@ DT_PRIVATE dt_tensor *tensor_owned_new_as(dt_ctx *ctx, dt_dtype dtype, int ndim,
 DT_PRIVATE dt_tensor *tensor_owned_new(dt_ctx *ctx, int ndim, const int64_t *shape, const char *name,
                                        const char *suffix, int lazy);
 DT_PRIVATE void tensor_point_at(dt_tensor *t, void *data);
+/* Row logs (Hogwild!): start logging the gradient rows of a 2-D parameter
+ * t; log the rows idx[n] an embedding writes (0: no log, or it is dense or
+ * cannot grow: write densely); a dense write (tensor_rows_all); the rows
+ * logged since the reset, each once (0: none logged, update densely; *st
+ * an error, with ctx's message); tensor_rows_reset for the next step.
+ * tensor_share_data: t's data is with's (its own freed). */
+DT_PRIVATE dt_status tensor_rows_log_start(dt_ctx *ctx, dt_tensor *t);
+DT_PRIVATE int tensor_rows_log(dt_ctx *ctx, dt_tensor *t, const int32_t *idx, int64_t n);
+DT_PRIVATE void tensor_rows_all(dt_tensor *t);
+DT_PRIVATE int tensor_rows_logged(dt_ctx *ctx, dt_tensor *t, const int64_t **rows, int64_t *n,
+                                  dt_status *st);
+DT_PRIVATE void tensor_rows_reset(dt_tensor *t);
+DT_PRIVATE void tensor_share_data(dt_ctx *ctx, dt_tensor *t, const dt_tensor *with);
 /* memory a module took for or gave back from the context's tensors (a
  * gradient's own buffer, ZeRO): the context's persistent byte count */
 DT_PRIVATE void tensor_count_persistent(dt_ctx *ctx, int64_t bytes);

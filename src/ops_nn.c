@@ -269,32 +269,16 @@ dt_tensor *dt_avg_pool2d(dt_ctx *ctx, dt_tensor *x, int kernel, int stride, int 
 
 /* --- embedding, layer norm, dropout ----------------------------------- */
 
-/* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
- * (its memory is zero outside the logged rows), so a step costs the rows it
- * touches.  0: the log cannot grow (the caller goes dense). */
-static int row_log_add(dt_ctx *ctx, row_log *l, const int32_t *idx, int64_t n)
-{
-    if (l->n + n > l->cap) {
-        int64_t cap = (l->n + n) * 2;
-        int64_t *r = ctx->al.realloc_fn(l->rows, (size_t)cap * sizeof *r, ctx->al.user);
-        if (!r)
-            return 0;
-        l->rows = r;
-        l->cap = cap;
-    }
-    for (int64_t i = 0; i < n; i++)
-        l->rows[l->n++] = idx[i];
-    return 1;
-}
-
 static dt_status embedding_backward(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *w = n->in[0], *idx = n->in[1];
     int64_t count = shape_numel(idx->ndim, idx->shape);
     float *gw;
-    if (w->rowlog && !w->rowlog->dense && w->grad && ctx->be_iface->host_visible &&
-        row_log_add(ctx, w->rowlog, IP(idx), count)) {
-        w->grad->flags &= ~(unsigned)T_ZERO;   /* zero already, outside the logged rows */
+    /* Hogwild!: log the rows idx uses instead of zeroing the whole gradient
+     * (its memory is zero outside the logged rows), so a step costs the
+     * rows it touches */
+    if (w->grad && ctx->be_iface->host_visible && tensor_rows_log(ctx, w, IP(idx), count)) {
+        tensor_mark_zero(w->grad, 0);   /* zero already, outside the logged rows */
         gw = FP(w->grad);
     } else {
         gw = grad_target_zeroed(ctx, w);

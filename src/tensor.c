@@ -9,6 +9,15 @@
  * Gradient buffers are always contiguous in the tensor's logical shape.
  * ======================================================================== */
 
+/* The rows of a 2-D parameter's gradient that backward wrote through
+ * dt_embedding, while the gradient's memory is known to be zero elsewhere;
+ * dense: another op wrote all of it this step. */
+struct row_log {
+    int64_t *rows, n, cap;
+    int dense;
+    unsigned char *mark;       /* per row: already in rows (while applying) */
+};
+
 size_t dt_dtype_size(dt_dtype t)
 {
     switch (t) {
@@ -183,6 +192,83 @@ dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *
     if (t)
         ctx->be_iface->memset0(ctx->be, t->data, tensor_bytes(t));
     return t;
+}
+
+/* --- row logs (Hogwild!, src/hogwild.c): the rows of a 2-D parameter's
+ * gradient that the embedding's backward wrote, so a step updates those
+ * alone; dense once any other op wrote the gradient ------------------- */
+
+DT_PRIVATE dt_status tensor_rows_log_start(dt_ctx *ctx, dt_tensor *t)
+{
+    if (t->ndim == 2 && !t->rowlog && !(t->rowlog = host_calloc(ctx, sizeof *t->rowlog)))
+        return DT_ENOMEM;
+    return DT_OK;
+}
+
+DT_PRIVATE int tensor_rows_log(dt_ctx *ctx, dt_tensor *t, const int32_t *idx, int64_t n)
+{
+    row_log *l = t->rowlog;
+    if (!l || l->dense)
+        return 0;
+    if (l->n + n > l->cap) {
+        int64_t cap = (l->n + n) * 2;
+        int64_t *r = ctx->al.realloc_fn(l->rows, (size_t)cap * sizeof *r, ctx->al.user);
+        if (!r)
+            return 0;
+        l->rows = r;
+        l->cap = cap;
+    }
+    for (int64_t i = 0; i < n; i++)
+        l->rows[l->n++] = idx[i];
+    return 1;
+}
+
+DT_PRIVATE void tensor_rows_all(dt_tensor *t)
+{
+    if (t->rowlog)
+        t->rowlog->dense = 1;
+}
+
+DT_PRIVATE int tensor_rows_logged(dt_ctx *ctx, dt_tensor *t, const int64_t **rows, int64_t *n,
+                                  dt_status *st)
+{
+    row_log *l = t->rowlog;
+    *st = DT_OK;
+    if (!l || l->dense)
+        return 0;
+    /* each row once, in the order first logged (marks: per row, seen) */
+    if (!l->mark && !(l->mark = host_calloc(ctx, (size_t)t->shape[0]))) {
+        *st = set_error(ctx, DT_ENOMEM, "out of memory for a row log's marks");
+        return 1;
+    }
+    int64_t k = 0;
+    for (int64_t j = 0; j < l->n; j++)
+        if (!l->mark[l->rows[j]]) {
+            l->mark[l->rows[j]] = 1;
+            l->rows[k++] = l->rows[j];
+        }
+    for (int64_t j = 0; j < k; j++)
+        l->mark[l->rows[j]] = 0;
+    l->n = k;
+    *rows = l->rows;
+    *n = k;
+    return 1;
+}
+
+DT_PRIVATE void tensor_rows_reset(dt_tensor *t)
+{
+    if (t->rowlog)
+        t->rowlog->n = 0, t->rowlog->dense = 0;
+}
+
+DT_PRIVATE void tensor_share_data(dt_ctx *ctx, dt_tensor *t, const dt_tensor *with)
+{
+    if (t->flags & T_OWNS_DATA) {
+        ctx->persistent_bytes -= tensor_bytes(t);
+        ctx->be_iface->free(ctx->be, t->data);
+    }
+    t->data = with->data;
+    t->flags &= ~(unsigned)T_OWNS_DATA;
 }
 
 static void row_log_free(dt_ctx *ctx, row_log *l)
