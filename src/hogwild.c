@@ -87,9 +87,9 @@ static dt_status hw_apply(hogwild *hw, hw_thread *t)
             tensor_rows_reset(p);   /* (an op that wrote nothing) */
             continue;
         }
-        const int64_t *rows;
-        int64_t nrows;
-        dt_status st;
+        const int64_t *rows = NULL;
+        int64_t nrows = 0;
+        dt_status st = DT_OK;
         /* (an error goes in the worker's own ctx: hw_fail reads it from
          * there, and the caller's ctx belongs to the caller's thread) */
         if (tensor_rows_logged(tc, p, &rows, &nrows, &st)) {

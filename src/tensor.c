@@ -234,6 +234,8 @@ DT_PRIVATE int tensor_rows_logged(dt_ctx *ctx, dt_tensor *t, const int64_t **row
 {
     row_log *l = t->rowlog;
     *st = DT_OK;
+    *rows = NULL;
+    *n = 0;
     if (!l || l->dense)
         return 0;
     /* each row once, in the order first logged (marks: per row, seen) */
