@@ -382,10 +382,10 @@ def check_fields(root, modules, layer_of, cycles, types, broken):
                 touched.setdefault(t, set()).add(field)
                 continue
             foreign.setdefault((t, field), set()).add(m)
+            if not written and t in opened and layer_of.get(o, 0) <= layer_of[m]:
+                continue   # (a reach is stale when only such reads are left)
             if (m, t) in reach:
                 reached.add((m, t))
-                continue
-            if not written and t in opened and layer_of.get(o, 0) <= layer_of[m]:
                 continue
             how = "writes" if written else "reads"
             why = "" if written or t in opened else f" ({t} is not open)"
