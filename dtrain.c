@@ -1899,7 +1899,7 @@ struct seg_head {
     uint32_t magic, nlocal;
     uint64_t slot_bytes, total_bytes;
     _Atomic uint32_t aborted;
-    char why[DT_MAX_ERROR + 4];             /* status digit, '|', message */
+    char why[DT_MAX_ERROR + 16];   /* "<status>|@<seq>|<message>": comm_fail_with_reason */
 };
 
 /* --- point to point ------------------------------------------------------- */
@@ -14325,29 +14325,58 @@ static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
 
 /* How long rank 0's dt_comm_free waits for the others to leave (src/store.c). */
 
-/* A failure reason as ranks publish it: "<status>|<message>". */
-DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
+/* A failure reason as ranks publish it: "<status>|@<seq>|<message>", seq
+ * the failed collective's number (older writers: "<status>|<message>").
+ * *seq is set when the reason has one, else left as it is. */
+static const char *comm_parse_reason(const char *why, dt_status *st, unsigned *seq)
 {
     char *end;
-    long st = strtol(why, &end, 10);
-    int coded = *end == '|' && st > DT_OK && st <= DT_EPEER;
-    const char *text = coded ? end + 1 : why;
+    long code = strtol(why, &end, 10);
+    *st = DT_EPEER;
+    if (*end != '|' || code <= DT_OK || code > DT_EPEER)
+        return why;
+    *st = (dt_status)code;
+    const char *text = end + 1;
+    if (*text == '@') {
+        unsigned long n = strtoul(text + 1, &end, 10);
+        if (*end == '|' && end > text + 1) {
+            *seq = (unsigned)n;
+            text = end + 1;
+        }
+    }
+    return text;
+}
+
+DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
+{
+    dt_status st;
+    unsigned seq = 0;
+    const char *text = comm_parse_reason(why, &st, &seq);
     if (!*text)   /* (the store holds whatever a rank wrote) */
         text = "another rank failed and gave no reason";
-    return comm_work_fail(w, coded ? (dt_status)st : DT_EPEER, "%s", text);
+    return comm_work_fail(w, st, "%s", text);
 }
 
 /* The first rank to fail publishes why ("abort" in the store), so ranks
  * that only see its consequences (a closed connection, silence) report the
- * cause instead.  DT_OK: nobody has (within park_ms).  */
-static dt_status published_failure(dt_comm *c, dt_work *w, int park_ms)
+ * cause instead.  DT_OK: nobody has (within park_ms).  With only_ours, a
+ * failure of a later collective than w's is not adopted: a slow rank still
+ * in an earlier one (its peers finished their part of it, which is why they
+ * could go on) would fail a collective that is completing well; its next
+ * collective meets the failure. */
+static dt_status published_failure(dt_comm *c, dt_work *w, int park_ms, int only_ours)
 {
-    char why[DT_MAX_ERROR + 8];
+    char why[DT_MAX_ERROR + 24];
     size_t len = 0;
     if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, park_ms) != DT_OK ||
         len < 3)
         return DT_OK;
     why[len < sizeof why ? len : sizeof why - 1] = '\0';
+    dt_status st;
+    unsigned seq = w->seq;
+    comm_parse_reason(why, &st, &seq);
+    if (only_ours && w->kind != COLL_P2P && seq > w->seq)
+        return DT_OK;
     w->status = DT_OK;   /* replace a consequence by the cause */
     return comm_fail_with_reason(w, why);
 }
@@ -14399,11 +14428,11 @@ static void follow_waits(dt_comm *c, dt_work *w)
 
 static void publish_failure(dt_comm *c, const dt_work *w)
 {
-    char why[DT_MAX_ERROR + 8];
+    char why[DT_MAX_ERROR + 24];
     size_t len = 0;
     if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1) == DT_OK)
         return;   /* someone was first */
-    int n = snprintf(why, sizeof why, "%d|%s", (int)w->status, w->msg);
+    int n = snprintf(why, sizeof why, "%d|@%u|%s", (int)w->status, w->seq, w->msg);
     dt_store_set(c->watch, "abort", why, (size_t)(n < (int)sizeof why ? n : (int)sizeof why - 1) + 1);
 }
 
@@ -14464,7 +14493,7 @@ static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
     char val[16] = "";
     size_t len = 0;
     /* a rank that failed published why: fail with its words */
-    if (published_failure(c, w, 1) != DT_OK)
+    if (published_failure(c, w, 1, 1) != DT_OK)
         return w->status;
     dt_status st;
     if (c->members)
@@ -14559,7 +14588,7 @@ static void explain_failure(dt_comm *c, dt_work *w)
     store_limit(c->watch, dt_now() + store_patience_s(c));
     int silent = store_silent_ms(c->watch) > 0;   /* already, in a wait's check */
     if (!silent && (w->status == DT_EPEER || w->status == DT_ETIMEDOUT))
-        published_failure(c, w, 1);
+        published_failure(c, w, 1, 0);
     silent = silent || store_silent_ms(c->watch) > 0;
     if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0 && !w->blame_gone)
         follow_waits(c, w);
@@ -15823,7 +15852,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15827 "dtrain.c"
+#line 15856 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -15918,7 +15947,7 @@ DT_PRIVATE void seg_abort(dt_comm *c, const dt_work *w)
     uint32_t none = 0;
     if (!h || !atomic_compare_exchange_strong(&h->aborted, &none, 2))
         return;   /* another rank's reason is there (or being written) */
-    snprintf(h->why, sizeof h->why, "%d|%s", (int)w->status, w->msg);
+    snprintf(h->why, sizeof h->why, "%d|@%u|%s", (int)w->status, w->seq, w->msg);
     atomic_store(&h->aborted, 1);   /* 1: the reason is complete */
     for (int q = 0; q < c->nlocal; q++)
         futex_wake_all(&c->seg_ranks[q].phase);
@@ -15952,8 +15981,12 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
             comm_note_long_wait(c, w, start);
             return DT_OK;
         }
+        /* (q may have published the phase, then failed a later call: the
+         * abort's acquire makes that phase visible, and it stands) */
         if (atomic_load_explicit(&c->seg->aborted, memory_order_acquire))
-            return seg_aborted(c, w);
+            return phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want)
+                       ? DT_OK
+                       : seg_aborted(c, w);
         if (spin % 16) {
             cpu_relax();
             continue;
@@ -16309,7 +16342,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16313 "dtrain.c"
+#line 16346 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -17085,7 +17118,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 17089 "dtrain.c"
+#line 17122 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17337,7 +17370,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 17341 "dtrain.c"
+#line 17374 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17630,7 +17663,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17634 "dtrain.c"
+#line 17667 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18145,7 +18178,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18149 "dtrain.c"
+#line 18182 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -19231,7 +19264,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19235 "dtrain.c"
+#line 19268 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19413,7 +19446,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19417 "dtrain.c"
+#line 19450 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20788,7 +20821,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20792 "dtrain.c"
+#line 20825 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -22239,7 +22272,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22243 "dtrain.c"
+#line 22276 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23641,7 +23674,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23645 "dtrain.c"
+#line 23678 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -25084,7 +25117,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 25088 "dtrain.c"
+#line 25121 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25505,7 +25538,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25509 "dtrain.c"
+#line 25542 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25740,7 +25773,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25744 "dtrain.c"
+#line 25777 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25922,7 +25955,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25926 "dtrain.c"
+#line 25959 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26992,7 +27025,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26996 "dtrain.c"
+#line 27029 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31345,7 +31378,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31349 "dtrain.c"
+#line 31382 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32570,7 +32603,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32574 "dtrain.c"
+#line 32607 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32749,6 +32782,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32753 "dtrain.c"
+#line 32786 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

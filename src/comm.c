@@ -471,29 +471,58 @@ static dt_status check_header(dt_comm *c, dt_work *w, xfers *xs)
 
 /* How long rank 0's dt_comm_free waits for the others to leave (src/store.c). */
 
-/* A failure reason as ranks publish it: "<status>|<message>". */
-DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
+/* A failure reason as ranks publish it: "<status>|@<seq>|<message>", seq
+ * the failed collective's number (older writers: "<status>|<message>").
+ * *seq is set when the reason has one, else left as it is. */
+static const char *comm_parse_reason(const char *why, dt_status *st, unsigned *seq)
 {
     char *end;
-    long st = strtol(why, &end, 10);
-    int coded = *end == '|' && st > DT_OK && st <= DT_EPEER;
-    const char *text = coded ? end + 1 : why;
+    long code = strtol(why, &end, 10);
+    *st = DT_EPEER;
+    if (*end != '|' || code <= DT_OK || code > DT_EPEER)
+        return why;
+    *st = (dt_status)code;
+    const char *text = end + 1;
+    if (*text == '@') {
+        unsigned long n = strtoul(text + 1, &end, 10);
+        if (*end == '|' && end > text + 1) {
+            *seq = (unsigned)n;
+            text = end + 1;
+        }
+    }
+    return text;
+}
+
+DT_PRIVATE dt_status comm_fail_with_reason(dt_work *w, const char *why)
+{
+    dt_status st;
+    unsigned seq = 0;
+    const char *text = comm_parse_reason(why, &st, &seq);
     if (!*text)   /* (the store holds whatever a rank wrote) */
         text = "another rank failed and gave no reason";
-    return comm_work_fail(w, coded ? (dt_status)st : DT_EPEER, "%s", text);
+    return comm_work_fail(w, st, "%s", text);
 }
 
 /* The first rank to fail publishes why ("abort" in the store), so ranks
  * that only see its consequences (a closed connection, silence) report the
- * cause instead.  DT_OK: nobody has (within park_ms).  */
-static dt_status published_failure(dt_comm *c, dt_work *w, int park_ms)
+ * cause instead.  DT_OK: nobody has (within park_ms).  With only_ours, a
+ * failure of a later collective than w's is not adopted: a slow rank still
+ * in an earlier one (its peers finished their part of it, which is why they
+ * could go on) would fail a collective that is completing well; its next
+ * collective meets the failure. */
+static dt_status published_failure(dt_comm *c, dt_work *w, int park_ms, int only_ours)
 {
-    char why[DT_MAX_ERROR + 8];
+    char why[DT_MAX_ERROR + 24];
     size_t len = 0;
     if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, park_ms) != DT_OK ||
         len < 3)
         return DT_OK;
     why[len < sizeof why ? len : sizeof why - 1] = '\0';
+    dt_status st;
+    unsigned seq = w->seq;
+    comm_parse_reason(why, &st, &seq);
+    if (only_ours && w->kind != COLL_P2P && seq > w->seq)
+        return DT_OK;
     w->status = DT_OK;   /* replace a consequence by the cause */
     return comm_fail_with_reason(w, why);
 }
@@ -545,11 +574,11 @@ static void follow_waits(dt_comm *c, dt_work *w)
 
 static void publish_failure(dt_comm *c, const dt_work *w)
 {
-    char why[DT_MAX_ERROR + 8];
+    char why[DT_MAX_ERROR + 24];
     size_t len = 0;
     if (!c->watch || dt_store_get(c->watch, "abort", why, sizeof why - 1, &len, 1) == DT_OK)
         return;   /* someone was first */
-    int n = snprintf(why, sizeof why, "%d|%s", (int)w->status, w->msg);
+    int n = snprintf(why, sizeof why, "%d|@%u|%s", (int)w->status, w->seq, w->msg);
     dt_store_set(c->watch, "abort", why, (size_t)(n < (int)sizeof why ? n : (int)sizeof why - 1) + 1);
 }
 
@@ -610,7 +639,7 @@ static dt_status check_dead_in_store(dt_comm *c, dt_work *w)
     char val[16] = "";
     size_t len = 0;
     /* a rank that failed published why: fail with its words */
-    if (published_failure(c, w, 1) != DT_OK)
+    if (published_failure(c, w, 1, 1) != DT_OK)
         return w->status;
     dt_status st;
     if (c->members)
@@ -705,7 +734,7 @@ static void explain_failure(dt_comm *c, dt_work *w)
     store_limit(c->watch, dt_now() + store_patience_s(c));
     int silent = store_silent_ms(c->watch) > 0;   /* already, in a wait's check */
     if (!silent && (w->status == DT_EPEER || w->status == DT_ETIMEDOUT))
-        published_failure(c, w, 1);
+        published_failure(c, w, 1, 0);
     silent = silent || store_silent_ms(c->watch) > 0;
     if (!silent && w->status == DT_ETIMEDOUT && w->blame >= 0 && !w->blame_gone)
         follow_waits(c, w);

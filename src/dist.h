@@ -306,7 +306,7 @@ struct seg_head {
     uint32_t magic, nlocal;
     uint64_t slot_bytes, total_bytes;
     _Atomic uint32_t aborted;
-    char why[DT_MAX_ERROR + 4];             /* status digit, '|', message */
+    char why[DT_MAX_ERROR + 16];   /* "<status>|@<seq>|<message>": comm_fail_with_reason */
 };
 
 /* --- point to point ------------------------------------------------------- */

@@ -89,7 +89,7 @@ DT_PRIVATE void seg_abort(dt_comm *c, const dt_work *w)
     uint32_t none = 0;
     if (!h || !atomic_compare_exchange_strong(&h->aborted, &none, 2))
         return;   /* another rank's reason is there (or being written) */
-    snprintf(h->why, sizeof h->why, "%d|%s", (int)w->status, w->msg);
+    snprintf(h->why, sizeof h->why, "%d|@%u|%s", (int)w->status, w->seq, w->msg);
     atomic_store(&h->aborted, 1);   /* 1: the reason is complete */
     for (int q = 0; q < c->nlocal; q++)
         futex_wake_all(&c->seg_ranks[q].phase);
@@ -123,8 +123,12 @@ static dt_status seg_wait(dt_comm *c, dt_work *w, int q, uint32_t want, double p
             comm_note_long_wait(c, w, start);
             return DT_OK;
         }
+        /* (q may have published the phase, then failed a later call: the
+         * abort's acquire makes that phase visible, and it stands) */
         if (atomic_load_explicit(&c->seg->aborted, memory_order_acquire))
-            return seg_aborted(c, w);
+            return phase_reached(atomic_load_explicit(&r->phase, memory_order_acquire), want)
+                       ? DT_OK
+                       : seg_aborted(c, w);
         if (spin % 16) {
             cpu_relax();
             continue;

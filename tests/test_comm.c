@@ -386,6 +386,50 @@ static void test_mismatch(void **state)
     host_groups = 0;
 }
 
+/* A failure published for a later collective ("abort", as publish_failure
+ * writes it: status|@seq|message) must not fail a rank still in an earlier
+ * one: its peers finished their part of that (the hierarchical mismatch
+ * case's slow rank, still in dt_comm_new's barrier, once adopted its
+ * leader's failure of the next call and could not join).  Rank 0 plants
+ * the failure of collective #2 and is late to #1, so rank 1 watches the
+ * store throughout #1 (and must finish it), then is late to #2 as well,
+ * where both must fail with the planted words. */
+static int job_later_failure(dt_comm *c, int rank, int world)
+{
+    if (rank == 0) {
+        dt_ctx *ctx = dt_ctx_new(NULL);
+        dt_dist_env e = tr_env(1, world, job_port);   /* (rank 0's would serve a store) */
+        dt_store_config sc;
+        dt_store_config_init(&sc);
+        dt_store *st = ctx ? dt_store_open(ctx, &e, &sc) : NULL;
+        char why[64];
+        int n = snprintf(why, sizeof why, "%d|@2|planted failure of collective #2", (int)DT_EMISMATCH);
+        if (!st || dt_store_set(st, "abort", why, (size_t)n + 1) != DT_OK)
+            return 60;
+        dt_store_close(st);
+        dt_ctx_free(ctx);
+        usleep(1500 * 1000);   /* three of rank 1's store checks (DT_COMM_WATCH_S) */
+    }
+    if (dt_barrier(c) != DT_OK) {
+        fprintf(stderr, "rank %d: barrier #1: %s\n", rank, dt_last_error(dt_comm_ctx_for_test(c)));
+        return 61;
+    }
+    if (rank == 0)
+        usleep(1500 * 1000);
+    float x = 1.0f;
+    if (dt_allreduce(c, &x, 1, DT_REDUCE_SUM) != DT_EMISMATCH)
+        return 62;
+    return strstr(dt_last_error(dt_comm_ctx_for_test(c)), "planted failure") ? 0 : 63;
+}
+
+static void test_later_failure_spares_earlier_call(void **state)
+{
+    (void)state;
+    int codes[2];
+    run_job(2, "tcp", 10000, job_later_failure, codes, 60);
+    expect_all_zero(2, codes, "a later collective's published failure, during an earlier one");
+}
+
 /* rank 2 dies (SIGKILL) between two allreduces; the others must fail
  * naming it, well within the timeout */
 static int job_kill(dt_comm *c, int rank, int world)
@@ -1138,6 +1182,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_silent_rank_any_shm),
     cmocka_unit_test(test_barrier_waits_for_all),
     cmocka_unit_test(test_mismatch),
+    cmocka_unit_test(test_later_failure_spares_earlier_call),
     cmocka_unit_test(test_killed_rank),
     cmocka_unit_test(test_duplicate_rank),
     cmocka_unit_test(test_point_to_point),
