@@ -828,7 +828,7 @@ const dt_http_iface *dt_http_mhd_iface(void);
  * Internal types
  *
  * A tensor is a header (shape, strides, data pointer) plus flags.  Step
- * tensors live in the context's arenas and die at dt_step_reset; persistent
+ * tensors live in the context's arenas and die at dt_ctx_step_reset; persistent
  * tensors (parameters, optimizer state, loader batches) are allocated one by
  * one and kept on a list so the context can free them.  A node is one op on
  * the tape: its output, its inputs and what backward needs.
@@ -842,7 +842,7 @@ enum {
     T_ZERO = 1u << 4,       /* contents are logically zero, not yet written */
     T_EXTERNAL = 1u << 5,   /* header owned by another object (loader) */
     T_GRADBUF = 1u << 6,    /* persistent gradient owned by its tensor */
-    T_RETAIN = 1u << 7      /* dt_retain_grad: backward keeps this op output's gradient */
+    T_RETAIN = 1u << 7      /* dt_tensor_retain_grad: backward keeps this op output's gradient */
 };
 
 struct dt_node;
@@ -967,7 +967,7 @@ typedef struct prof_state {
     int64_t *srv_calls;        /* and their count (srv_n ranks, allocated at the first) */
     int srv_n;
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
-    /* rank 0 after dt_profile_finish */
+    /* rank 0 after dt_profile_stop */
     char *report;
     dt_profile_stats *ranks;
     int nranks;
@@ -1019,7 +1019,7 @@ typedef struct dt_grad_hooks {
     dt_status (*after_step)(void *user, dt_optim *o);
 } dt_grad_hooks;
 
-/* What a rank is doing, for peers that wait on it (dt_set_activity): the
+/* What a rank is doing, for peers that wait on it (dt_ctx_set_activity): the
  * ones from ACT_CKPT_SAVE on are outer (ctx_doing keeps them). */
 enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
        ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
@@ -1036,10 +1036,10 @@ struct dt_ctx {
     int64_t warnings;              /* ctx_warn calls so far */
     int act;                       /* what the caller's thread is doing (ctx_doing: ACT_*) */
     double act_since;              /* since when (dt_now) */
-    char act_user[64];             /* dt_set_activity's text ("": none) */
+    char act_user[64];             /* dt_ctx_set_activity's text ("": none) */
     double aside_s[ACT_COUNT];     /* time each activity took, summed as it ends (ctx_done):
                                       the profile's eval_s and ckpt_s read it */
-    char act_text[96];             /* dt_activity's answer */
+    char act_text[96];             /* dt_ctx_activity's answer */
     pthread_mutex_t warn_mu;       /* the warning and the activity: the monitor's and
                                       heartbeat's threads read them (ctx_warning_copy,
                                       ctx_activity_copy) while the caller's may write */
@@ -1076,10 +1076,10 @@ struct dt_ctx {
 
     dt_node *tape;                 /* newest node */
     dt_tensor *persist;            /* persistent tensors */
-    dt_tensor *doomed;             /* freed while the tape may read them: at dt_step_reset */
+    dt_tensor *doomed;             /* freed while the tape may read them: at dt_ctx_step_reset */
     size_t persistent_bytes;
-    size_t arena_max;              /* dt_config.arena_max_bytes resolved */
-    int backwards;                 /* backward passes since the last dt_step_reset */
+    size_t arena_max;              /* dt_ctx_config.arena_max_bytes resolved */
+    int backwards;                 /* backward passes since the last dt_ctx_step_reset */
     int arena_warned;              /* the growth warning given since then */
     int arena_refused;             /* the cap refused the last allocation; its message is set */
     dt_tensor **params;
@@ -1351,7 +1351,7 @@ DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t by
 DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* A warning: kept for dt_last_warning, and told as dt_set_log says. */
+/* A warning: kept for dt_last_warning, and told as dt_ctx_set_log says. */
 DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
@@ -1411,7 +1411,7 @@ DT_PRIVATE void tensor_materialize(dt_tensor *t);
  * gradient), or as written; tensor_point_at: t's data is memory another
  * module owns (DDP's buckets), or back at its own */
 DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero);
-/* every gradient was zeroed (dt_zero_grad, an optimizer's): a DDP step
+/* every gradient was zeroed (dt_ctx_zero_grad, an optimizer's): a DDP step
  * that started before sees it (dt_ctx.zero_gen) */
 DT_PRIVATE void param_grads_zeroed(dt_ctx *ctx);
 /* A persistent tensor owned by an object other than the context (an
@@ -2453,7 +2453,7 @@ size_t dt_struct_size(const char *name)
         size_t size;
     } sizes[] = {
         {"dt_allocator", sizeof(dt_allocator)},
-        {"dt_config", sizeof(dt_config)},
+        {"dt_ctx_config", sizeof(dt_ctx_config)},
         {"dt_mem_stats", sizeof(dt_mem_stats)},
         {"dt_optim_config", sizeof(dt_optim_config)},
         {"dt_param_group", sizeof(dt_param_group)},
@@ -2528,7 +2528,7 @@ DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
 const char *dt_last_error(const dt_ctx *ctx) { return ctx ? ctx->err : "context is NULL"; }
 const char *dt_last_warning(const dt_ctx *ctx) { return ctx ? ctx->warning : ""; }
 
-void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
+void dt_ctx_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
 {
     if (!ctx)
         return;
@@ -2621,7 +2621,7 @@ DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap)
     pthread_mutex_unlock(&ctx->warn_mu);
 }
 
-dt_status dt_set_activity(dt_ctx *ctx, const char *what)
+dt_status dt_ctx_set_activity(dt_ctx *ctx, const char *what)
 {
     if (!ctx)
         return DT_EINVAL;
@@ -2637,7 +2637,7 @@ dt_status dt_set_activity(dt_ctx *ctx, const char *what)
     return DT_OK;
 }
 
-const char *dt_activity(dt_ctx *ctx)
+const char *dt_ctx_activity(dt_ctx *ctx)
 {
     if (!ctx)
         return "";
@@ -2696,7 +2696,7 @@ DT_PRIVATE char *host_strdup(dt_ctx *ctx, const char *s)
     return p;
 }
 
-void dt_config_init(dt_config *cfg)
+void dt_ctx_config_init(dt_ctx_config *cfg)
 {
     if (!cfg)
         return;
@@ -2839,16 +2839,16 @@ DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk)
     a->on_device = on_device;
     a->min_chunk = min_chunk;
 }
-void dt_seed(dt_ctx *ctx, uint64_t seed);
+void dt_ctx_seed(dt_ctx *ctx, uint64_t seed);
 
-dt_ctx *dt_ctx_new(const dt_config *cfg_in)
+dt_ctx *dt_ctx_new(const dt_ctx_config *cfg_in)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     char bad_cfg[320] = "";   /* a refused cfg_in: a context of defaults that says why */
-    if (cfg_in && !ctx_config_read(&cfg, sizeof cfg, cfg_in, "ctx_new", "dt_config", bad_cfg,
+    if (cfg_in && !ctx_config_read(&cfg, sizeof cfg, cfg_in, "ctx_new", "dt_ctx_config", bad_cfg,
                                    sizeof bad_cfg))
-        dt_config_init(&cfg);
+        dt_ctx_config_init(&cfg);
     dt_allocator al = cfg.allocator;
     if (!al.malloc_fn || !al.free_fn || !al.realloc_fn) {
         /* all three hooks or none: mixing allocators would free foreign memory */
@@ -2881,7 +2881,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx_arena_init(&ctx->scratch_host, 0, (size_t)64 << 10);
     ctx->cur_dev = &ctx->dev;
     ctx->cur_host = &ctx->host;
-    dt_seed(ctx, cfg.seed);
+    dt_ctx_seed(ctx, cfg.seed);
     prof_init(ctx);
 
     if (bad_cfg[0]) {
@@ -3002,12 +3002,12 @@ const char *dt_backend_name(const dt_ctx *ctx)
     return ctx && ctx->be_iface ? ctx->be_iface->name : "";
 }
 int dt_ctx_threads(const dt_ctx *ctx) { return ctx ? ctx->threads : 0; }
-void dt_set_grad_enabled(dt_ctx *ctx, int e) { if (ctx) ctx->grad_enabled = e != 0; }
-int dt_grad_enabled(const dt_ctx *ctx) { return ctx ? ctx->grad_enabled : 0; }
-void dt_set_training(dt_ctx *ctx, int t) { if (ctx) ctx->training = t != 0; }
-int dt_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
+void dt_ctx_set_grad_enabled(dt_ctx *ctx, int e) { if (ctx) ctx->grad_enabled = e != 0; }
+int dt_ctx_grad_enabled(const dt_ctx *ctx) { return ctx ? ctx->grad_enabled : 0; }
+void dt_ctx_set_training(dt_ctx *ctx, int t) { if (ctx) ctx->training = t != 0; }
+int dt_ctx_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
 
-dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
+dt_status dt_ctx_set_autocast(dt_ctx *ctx, dt_precision p)
 {
     if (!ctx_ok(ctx))   /* a failed context has no backend to ask */
         return DT_EINVAL;
@@ -3020,7 +3020,7 @@ dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
     return DT_OK;
 }
 
-dt_precision dt_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
+dt_precision dt_ctx_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
 
 /* --- the backend, as the other modules reach it ---------------------------- */
 
@@ -3074,7 +3074,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
  *
  * Step tensors and tape nodes are bump-allocated from chunked arenas.  When
  * a step needs more than the arena holds, a new chunk is added (a heap
- * allocation); at dt_step_reset an arena with several chunks is replaced by
+ * allocation); at dt_ctx_step_reset an arena with several chunks is replaced by
  * one chunk of the combined size.  After a step or two the arena fits the
  * whole step and training allocates nothing (tests/ checks this with a
  * counting allocator).
@@ -3147,7 +3147,7 @@ static size_t arena_total(const dt_ctx *ctx)
            ctx->scratch_host.capacity;
 }
 
-/* Growing by *want bytes (n at least) would pass dt_config.arena_max_bytes:
+/* Growing by *want bytes (n at least) would pass dt_ctx_config.arena_max_bytes:
  * less if n fits, else refused with the reason as the context's error
  * (ctx->arena_refused: step_new keeps it) -- 1. */
 static int arena_over_cap(dt_ctx *ctx, size_t *want, size_t n)
@@ -3160,22 +3160,22 @@ static int arena_over_cap(dt_ctx *ctx, size_t *want, size_t n)
         return 0;
     }
     set_error(ctx, DT_ENOMEM, "step arena: %zu MiB more of step tensors would pass its cap of %zu "
-              "MiB (dt_config.arena_max_bytes); %d backward passes since the last dt_step_reset: "
-              "step tensors live until dt_step_reset, so call it after each step",
+              "MiB (dt_ctx_config.arena_max_bytes); %d backward passes since the last dt_ctx_step_reset: "
+              "step tensors live until dt_ctx_step_reset, so call it after each step",
               (n + ((size_t)1 << 20) - 1) >> 20, max >> 20, ctx->backwards);
     ctx->arena_refused = 1;
     return 1;
 }
 
-/* The arena grew: after many backward passes with no dt_step_reset, that is
+/* The arena grew: after many backward passes with no dt_ctx_step_reset, that is
  * most likely a loop that never calls it. */
 static void arena_grew(dt_ctx *ctx)
 {
     if (ctx->backwards < DT_ARENA_WARN_BACKWARDS || ctx->arena_warned)
         return;
     ctx->arena_warned = 1;
-    ctx_warn(ctx, "the step arena grew to %zu MiB over %d backward passes without dt_step_reset: "
-         "step tensors live until dt_step_reset, so call it after each step",
+    ctx_warn(ctx, "the step arena grew to %zu MiB over %d backward passes without dt_ctx_step_reset: "
+         "step tensors live until dt_ctx_step_reset, so call it after each step",
          arena_total(ctx) >> 20, ctx->backwards);
 }
 
@@ -3323,7 +3323,7 @@ DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n)
     return p;   /* a->used (the bump extent, what the step touched) is unchanged */
 }
 
-void dt_step_reset(dt_ctx *ctx)
+void dt_ctx_step_reset(dt_ctx *ctx)
 {
     if (!ctx)
         return;
@@ -3354,7 +3354,7 @@ void dt_mem_stats_get(const dt_ctx *ctx, dt_mem_stats *out)
                        ctx->scratch_host.grows;
 }
 
-void dt_mem_reset_peak(dt_ctx *ctx)
+void dt_mem_peak_reset(dt_ctx *ctx)
 {
     if (!ctx)
         return;
@@ -3696,7 +3696,7 @@ static void persistent_destroy(dt_ctx *ctx, dt_tensor *t)
 void dt_tensor_free(dt_tensor *t)
 {
     if (!t || !(t->flags & T_PERSIST) || (t->flags & (T_PARAM | T_EXTERNAL)))
-        return;   /* step tensors die at dt_step_reset; params with the ctx */
+        return;   /* step tensors die at dt_ctx_step_reset; params with the ctx */
     dt_ctx *ctx = t->ctx;
     if (t->prev)
         t->prev->next = t->next;
@@ -4015,7 +4015,7 @@ dt_tensor *dt_tensor_grad(const dt_tensor *t)
     return t->grad;
 }
 
-dt_status dt_retain_grad(dt_tensor *t)
+dt_status dt_tensor_retain_grad(dt_tensor *t)
 {
     if (!t)
         return DT_EINVAL;
@@ -4091,7 +4091,7 @@ DT_PRIVATE void param_rng_seed(uint64_t s[4], uint64_t seed)
 /* uniform in [0, 1) with 24 random bits (exact in float) */
 static float rng_uniform(uint64_t s[4]) { return (float)(param_rng_next(s) >> 40) * 0x1.0p-24f; }
 
-void dt_seed(dt_ctx *ctx, uint64_t seed)
+void dt_ctx_seed(dt_ctx *ctx, uint64_t seed)
 {
     if (!ctx)
         return;
@@ -4156,7 +4156,7 @@ dt_tensor *dt_param_find(const dt_ctx *ctx, const char *name)
     return NULL;
 }
 
-void dt_zero_grad(dt_ctx *ctx)
+void dt_ctx_zero_grad(dt_ctx *ctx)
 {
     if (!ctx)
         return;
@@ -4199,12 +4199,12 @@ static dt_status init_fill(dt_ctx *ctx, dt_tensor *t, const char *op, sample_fn 
     return s;
 }
 
-dt_status dt_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi)
+dt_status dt_tensor_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi)
 {
     return init_fill(ctx, t, "init_uniform", sample_uniform, lo, hi);
 }
 
-dt_status dt_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std)
+dt_status dt_tensor_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std)
 {
     return init_fill(ctx, t, "init_normal", sample_normal, mean, std);
 }
@@ -4227,7 +4227,7 @@ static dt_status fans(dt_ctx *ctx, const char *op, const dt_tensor *t, double *f
     return DT_OK;
 }
 
-dt_status dt_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a)
+dt_status dt_tensor_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_kaiming_uniform", t, &fin, &fout) != DT_OK)
@@ -4236,7 +4236,7 @@ dt_status dt_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a)
     return init_fill(ctx, t, "init_kaiming_uniform", sample_uniform, (float)-bound, (float)bound);
 }
 
-dt_status dt_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a)
+dt_status dt_tensor_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_kaiming_normal", t, &fin, &fout) != DT_OK)
@@ -4245,7 +4245,7 @@ dt_status dt_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a)
     return init_fill(ctx, t, "init_kaiming_normal", sample_normal, 0.0f, (float)std);
 }
 
-dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain)
+dt_status dt_tensor_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_xavier_uniform", t, &fin, &fout) != DT_OK)
@@ -4254,7 +4254,7 @@ dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain)
     return init_fill(ctx, t, "init_xavier_uniform", sample_uniform, (float)-bound, (float)bound);
 }
 
-dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain)
+dt_status dt_tensor_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_xavier_normal", t, &fin, &fout) != DT_OK)
@@ -4263,7 +4263,7 @@ dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain)
     return init_fill(ctx, t, "init_xavier_normal", sample_normal, 0.0f, (float)std);
 }
 
-dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
+dt_status dt_tensor_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
@@ -4304,7 +4304,7 @@ static dt_status layer_weight_bias(dt_ctx *ctx, const char *fn, const char *name
         if (wshape[d] < 1)
             return set_error(ctx, DT_EINVAL, "%s: sizes must be >= 1", fn);
     dt_tensor *wt = layer_param(ctx, fn, name, "weight", ndim, wshape);
-    if (!wt || dt_init_kaiming_uniform(ctx, wt, sqrtf(5.0f)) != DT_OK)
+    if (!wt || dt_tensor_init_kaiming_uniform(ctx, wt, sqrtf(5.0f)) != DT_OK)
         return ctx->last_status;
     *w = wt;
     if (!bias) {
@@ -4313,7 +4313,7 @@ static dt_status layer_weight_bias(dt_ctx *ctx, const char *fn, const char *name
         return DT_OK;
     }
     dt_tensor *bt = layer_param(ctx, fn, name, "bias", 1, wshape);
-    if (!bt || dt_init_bias(ctx, bt, fan_in) != DT_OK)
+    if (!bt || dt_tensor_init_bias(ctx, bt, fan_in) != DT_OK)
         return ctx->last_status;
     *b = bt;
     return DT_OK;
@@ -4345,7 +4345,7 @@ dt_tensor *dt_embedding_params(dt_ctx *ctx, const char *name, int64_t num, int64
     }
     int64_t shape[2] = {num, dim};
     dt_tensor *w = layer_param(ctx, "embedding_params", name, "weight", 2, shape);
-    return w && dt_init_normal(ctx, w, 0.0f, 1.0f) == DT_OK ? w : NULL;   /* as nn.Embedding */
+    return w && dt_tensor_init_normal(ctx, w, 0.0f, 1.0f) == DT_OK ? w : NULL;   /* as nn.Embedding */
 }
 
 dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int bias,
@@ -4499,7 +4499,7 @@ DT_PRIVATE void prof_balancing(dt_ctx *ctx, int on)
     __atomic_store_n(&ctx->prof.measure, on ? 1 : ctx->prof.record, __ATOMIC_RELAXED);
 }
 
-/* Steps that are not training steps (dt_layer_times): measuring stops and
+/* Steps that are not training steps (dt_profile_layer_times): measuring stops and
  * resumes where it was (prof_pause returns what prof_resume takes) */
 DT_PRIVATE int prof_pause(dt_ctx *ctx)
 {
@@ -4610,7 +4610,7 @@ DT_PRIVATE void prof_samples(dt_ctx *ctx, int64_t n)
         ctx->prof.cur_samples += n;
 }
 
-/* dt_step_reset: the step ends if it ran a backward (an evaluation's steps
+/* dt_ctx_step_reset: the step ends if it ran a backward (an evaluation's steps
  * stay inside the training step they interrupt, as idle time). */
 DT_PRIVATE void prof_step_end(dt_ctx *ctx)
 {
@@ -4873,7 +4873,7 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     return DT_OK;
 }
 
-int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
+int dt_profile_active(const dt_ctx *ctx) { return prof_recording(ctx); }
 
 DT_PRIVATE double prof_median(double *v, int n)
 {
@@ -5012,7 +5012,7 @@ DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv)
     pthread_mutex_unlock(&p->mu);
 }
 
-dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
+dt_status dt_profile_stats_get(const dt_ctx *ctx, dt_profile_stats *out)
 {
     if (!ctx || !out)
         return DT_EINVAL;
@@ -5151,7 +5151,7 @@ DT_PRIVATE int grad_needed(const dt_tensor *t) { return t && (t->flags & T_REQGR
  * runs newest first and every reader of n->out comes after n), so its
  * memory goes back to the arena for the gradients still to come, as
  * PyTorch frees a non-leaf's grad.  Kept: leaves, persistent tensors,
- * outputs a later node re-recorded, and dt_retain_grad's. */
+ * outputs a later node re-recorded, and dt_tensor_retain_grad's. */
 static void grad_release(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *t = n->out, *g = t->grad;
@@ -5721,7 +5721,7 @@ static int64_t operand_extent(int t, int64_t rows, int64_t cols, int64_t ld, int
 }
 
 /* Every GEMM of the ops goes through here.  At a reduced precision
- * (autocast, dt_set_autocast) the backend's mixed-precision GEMM runs it; a backend
+ * (autocast, dt_ctx_set_autocast) the backend's mixed-precision GEMM runs it; a backend
  * without one gets operands rounded into temporaries and its f32 GEMM,
  * which gives the same numbers: inputs at prec, products summed in f32. */
 DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,
@@ -8202,7 +8202,7 @@ static dt_status optim_clip_shards(dt_ctx *ctx, float max_norm, float *norm_out)
     return be_fault(ctx, "clip_grad_norm");
 }
 
-dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
+dt_status dt_ctx_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
@@ -8848,12 +8848,7 @@ static dt_status ckpt_meta_ok(dt_ctx *ctx, const dt_checkpoint_config *cfg)
     return DT_OK;
 }
 
-dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step)
-{
-    return dt_checkpoint_save_ex(ctx, opt, path, step, NULL);
-}
-
-static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+static dt_status ckpt_save_run(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
                                 const dt_checkpoint_config *cfg)
 {
     if (!ctx_ok(ctx))
@@ -8897,13 +8892,13 @@ static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *
     return s;
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
-dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+/* (what peers waiting on this rank see: dt_ctx_activity) */
+dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
                                 const dt_checkpoint_config *cfg)
 {
     dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
     int act = ctx_doing(actx, ACT_CKPT_SAVE);
-    dt_status s = ckpt_save_ex_run(ctx, opt, path, step, cfg);
+    dt_status s = ckpt_save_run(ctx, opt, path, step, cfg);
     ctx_done(actx, act);
     return s;
 }
@@ -9562,7 +9557,7 @@ static dt_status st_open(dt_ctx *ctx, const char *path, unsigned char **buf, siz
 }
 
 /* Every entry's data against its checksum; a file without any (another
- * tool's) is loaded with a note (dt_set_log). */
+ * tool's) is loaded with a note (dt_ctx_set_log). */
 static dt_status st_verify(dt_ctx *ctx, const char *path, const st_file *f,
                            const unsigned char *data)
 {
@@ -9649,12 +9644,7 @@ static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const uns
 static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out);
 static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step);
 
-dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64_t *step_out)
-{
-    return dt_checkpoint_load_ex(ctx, opt, path, NULL, step_out, NULL);
-}
-
-static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
+static dt_status ckpt_load_run(dt_ctx *ctx, dt_optim *opt, const char *path,
                                 const dt_checkpoint_config *cfg, int64_t *step_out,
                                 dt_checkpoint_report *report)
 {
@@ -9763,14 +9753,14 @@ done:
     return s;
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
-dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+/* (what peers waiting on this rank see: dt_ctx_activity) */
+dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
                                 const dt_checkpoint_config *cfg, int64_t *step_out,
                                 dt_checkpoint_report *report)
 {
     dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
     int act = ctx_doing(actx, ACT_CKPT_LOAD);
-    dt_status s = ckpt_load_ex_run(ctx, opt, path, cfg, step_out, report);
+    dt_status s = ckpt_load_run(ctx, opt, path, cfg, step_out, report);
     ctx_done(actx, act);
     return s;
 }
@@ -10717,7 +10707,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10721 "dtrain.c"
+#line 10711 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11290,7 +11280,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11294 "dtrain.c"
+#line 11284 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -11434,39 +11424,6 @@ fail:
     host_free(ctx, images);
     host_free(ctx, labels);
     return NULL;
-}
-
-/* path of dir/name, preferring the .gz file when both could exist */
-static void dataset_path(char *out, size_t cap, const char *dir, const char *name)
-{
-    snprintf(out, cap, "%s/%s.gz", dir, name);
-    if (access(out, R_OK) != 0)
-        snprintf(out, cap, "%s/%s", dir, name);
-}
-
-dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split)
-{
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (split != 0 && split != 1) {
-        set_error(ctx, DT_EINVAL, "dataset: split must be 0 (train) or 1 (test), got %d", split);
-        return NULL;
-    }
-    if (!dir)
-        dir = "/usr/share/datasets/fashion-mnist";
-    char img[4096], lab[4096];
-    const char *pre = split ? "t10k" : "train";
-    char iname[64], lname[64];
-    snprintf(iname, sizeof iname, "%s-images-idx3-ubyte", pre);
-    snprintf(lname, sizeof lname, "%s-labels-idx1-ubyte", pre);
-    dataset_path(img, sizeof img, dir, iname);
-    dataset_path(lab, sizeof lab, dir, lname);
-    if (access(img, R_OK) != 0) {
-        set_error(ctx, DT_EIO, "dataset: Fashion-MNIST not found in %s (install Debian's "
-                               "dataset-fashion-mnist: apt-get install dataset-fashion-mnist)", dir);
-        return NULL;
-    }
-    return dt_dataset_load_idx(ctx, img, lab);
 }
 
 /* --- NumPy .npy ------------------------------------------------------------ */
@@ -12099,7 +12056,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 12103 "dtrain.c"
+#line 12060 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12686,7 +12643,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12690 "dtrain.c"
+#line 12647 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13614,7 +13571,7 @@ static dt_status store_hello(dt_store *s, const char *token)
     return DT_OK;
 }
 
-dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
+dt_store *dt_store_new(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
 {
     dt_store_config own;
     dt_store_config_init(&own);
@@ -13668,11 +13625,11 @@ DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_st
     if (s->fd < 0) {
         set_error(ctx, DT_ETIMEDOUT, "store: rank %d cannot reach rank 0 at %s:%d within %d ms: %s",
                   s->rank, s->addr, s->port, s->timeout_ms, why);
-        dt_store_close(s);
+        dt_store_free(s);
         return NULL;
     }
     if (store_hello(s, token) != DT_OK) {
-        dt_store_close(s);
+        dt_store_free(s);
         return NULL;
     }
     return s;
@@ -13698,7 +13655,7 @@ DT_PRIVATE void store_close(dt_store *s, int drain_ms)
     host_free(s->ctx, s);
 }
 
-void dt_store_close(dt_store *s) { store_close(s, 0); }
+void dt_store_free(dt_store *s) { store_close(s, 0); }
 
 int dt_store_port(const dt_store *s) { return s ? s->port : -1; }
 
@@ -13848,7 +13805,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13852 "dtrain.c"
+#line 13809 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -13877,7 +13834,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
  * ring's halves.  Messages above DT_COMM_CHUNK bytes go in chunks.
  * ======================================================================== */
 
-/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
+/* One dt_comm_send / dt_comm_recv / dt_comm_sendrecv: a send to dst and a receive from src
  * (either may be absent), posted together so an exchange cannot deadlock.
  * Tags: the check bits say "point to point" (no collective has them), the
  * sequence is the pair's message count, so the k-th send from a rank meets
@@ -15583,7 +15540,7 @@ static int op_ok(dt_comm *c, const char *name, dt_reduce_op op)
     return 1;
 }
 
-dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
+dt_work *dt_comm_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
 {
     if (!coll_args_ok(c, "allreduce", buf, n) || !op_ok(c, "allreduce", op))
         return NULL;
@@ -15690,7 +15647,7 @@ static dt_status run_collective(dt_comm *c, int kind, float *buf, const float *i
     return comm_run_in(c, kind, buf, in, n, root, op, NULL);
 }
 
-dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
+dt_status dt_comm_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
 {
     if (!c)
         return DT_EINVAL;
@@ -15699,7 +15656,7 @@ dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
     return run_collective(c, COLL_ALLREDUCE, buf, NULL, n, 0, op);
 }
 
-dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root)
+dt_status dt_comm_broadcast(dt_comm *c, float *buf, int64_t n, int root)
 {
     if (!coll_args_ok(c, "broadcast", buf, n))
         return DT_EINVAL;
@@ -15709,14 +15666,14 @@ dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root)
     return run_collective(c, COLL_BROADCAST, buf, NULL, n, root, DT_REDUCE_SUM);
 }
 
-dt_status dt_allgather(dt_comm *c, const float *in, int64_t n, float *out)
+dt_status dt_comm_allgather(dt_comm *c, const float *in, int64_t n, float *out)
 {
     if (!coll_args_ok(c, "allgather", in, n) || !coll_args_ok(c, "allgather", out, n))
         return DT_EINVAL;
     return run_collective(c, COLL_ALLGATHER, out, in, n, 0, DT_REDUCE_SUM);
 }
 
-dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, dt_reduce_op op)
+dt_status dt_comm_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, dt_reduce_op op)
 {
     if (!coll_args_ok(c, "reduce_scatter", in, n) || !coll_args_ok(c, "reduce_scatter", out, n) ||
         !op_ok(c, "reduce_scatter", op))
@@ -15724,14 +15681,14 @@ dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, 
     return run_collective(c, COLL_REDUCE_SCATTER, out, in, n, 0, op);
 }
 
-dt_status dt_alltoall(dt_comm *c, const float *in, int64_t n, float *out)
+dt_status dt_comm_alltoall(dt_comm *c, const float *in, int64_t n, float *out)
 {
     if (!coll_args_ok(c, "alltoall", in, n) || !coll_args_ok(c, "alltoall", out, n))
         return DT_EINVAL;
     return run_collective(c, COLL_ALLTOALL, out, in, n, 0, DT_REDUCE_SUM);
 }
 
-dt_status dt_barrier(dt_comm *c)
+dt_status dt_comm_barrier(dt_comm *c)
 {
     if (!c)
         return DT_EINVAL;
@@ -15763,17 +15720,17 @@ DT_PRIVATE dt_status comm_p2p_run(dt_comm *c, const float *send, int64_t ns, int
                              DT_REDUCE_SUM, &call);
 }
 
-dt_status dt_send(dt_comm *c, const float *buf, int64_t n, int dst)
+dt_status dt_comm_send(dt_comm *c, const float *buf, int64_t n, int dst)
 {
     return comm_p2p_run(c, buf, n, dst < 0 ? INT32_MAX : dst, NULL, 0, -1);
 }
 
-dt_status dt_recv(dt_comm *c, float *buf, int64_t n, int src)
+dt_status dt_comm_recv(dt_comm *c, float *buf, int64_t n, int src)
 {
     return comm_p2p_run(c, NULL, 0, -1, buf, n, src < 0 ? INT32_MAX : src);
 }
 
-dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv, int64_t nr,
+dt_status dt_comm_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv, int64_t nr,
                       int src)
 {
     return comm_p2p_run(c, send, ns, dst < 0 ? INT32_MAX : dst, recv, nr, src < 0 ? INT32_MAX : src);
@@ -15852,7 +15809,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15856 "dtrain.c"
+#line 15813 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16342,7 +16299,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16346 "dtrain.c"
+#line 16303 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -16440,7 +16397,7 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     dt_store *again = store_open(ctx, &e, &cfg->store, 0, before + 1);
     if (!again)
         return ctx->last_status;
-    dt_store_close(JC(c)->store);
+    dt_store_free(JC(c)->store);
     JC(c)->store = again;
     c->inc = before + 1;
     /* counted once our hellos say who we are (so our end is recorded):
@@ -16834,7 +16791,7 @@ static void join_stop_heartbeat(dt_comm *c)
         pthread_cond_destroy(&JC(c)->hb_cv);
         c->has_hb = 0;
     }
-    dt_store_close(JC(c)->hb);
+    dt_store_free(JC(c)->hb);
     JC(c)->hb = NULL;
     host_free(c->ctx, JC(c)->hb_errors);
     JC(c)->hb_errors = NULL;
@@ -16914,7 +16871,7 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
     JC(c)->has_thread = 1;
     /* everyone's endpoint is ready before anyone sends (a rejoined rank's
      * peers are mid-job: it tells them when it serves, join_announce_rejoin) */
-    if (!c->inc && dt_barrier(c) != DT_OK)
+    if (!c->inc && dt_comm_barrier(c) != DT_OK)
         return ctx->last_status;
     /* the profiler's offset to rank 0's clock (src/profile.c), while the job is quiet */
     if (!c->members && store_clock_offset(JC(c)->store, 8, &JC(c)->clock_offset, &JC(c)->clock_rtt) != DT_OK)
@@ -16946,7 +16903,7 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     dt_comm *c = comm_alloc(ctx, env.rank, env.world_size, &cfg);
     if (!c)
         return NULL;
-    if (!(JC(c)->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
+    if (!(JC(c)->store = dt_store_new(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
         goto fail;
     JC(c)->job = env;
     JC(c)->job.master_port = dt_store_port(JC(c)->store);
@@ -16981,7 +16938,7 @@ void dt_comm_free(dt_comm *c)
     if (c->tp)
         c->tp_iface->close(c->tp);
     comm_xfers_free_buried(c);   /* (the transport that held their sends is closed) */
-    dt_store_close(c->watch);
+    dt_store_free(c->watch);
     host_free(c->ctx, c->watch_errors);
     host_free(c->ctx, c->ext_done_at);
     host_free(c->ctx, c->alias);
@@ -17118,7 +17075,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 17122 "dtrain.c"
+#line 17079 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17312,7 +17269,7 @@ DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c)
                          "on each step's push and pull: BSP without prefetch, dt_preempt_agree "
                          "after dt_ps_push_pull or dt_ddp_step");
     float v = (float)preempt_got;
-    if (c && dt_comm_size(c) > 1 && dt_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
+    if (c && dt_comm_size(c) > 1 && dt_comm_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
         return set_error(ctx, ctx->last_status, "preempt: the step's vote failed: %s", ctx->err);
     ctx->preempt.voted = 1;
     ctx->preempt.verdict = (int)v;
@@ -17370,7 +17327,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
     return ctx->preempt.line;
 }
-#line 17374 "dtrain.c"
+#line 17331 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17444,9 +17401,9 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
-    int grad = dt_grad_enabled(ctx), training = dt_training(ctx);
-    dt_set_grad_enabled(ctx, 0);
-    dt_set_training(ctx, 0);
+    int grad = dt_ctx_grad_enabled(ctx), training = dt_ctx_training(ctx);
+    dt_ctx_set_grad_enabled(ctx, 0);
+    dt_ctx_set_training(ctx, 0);
     dt_status s;
     int64_t first = 0;
     dt_tensor *x, *y;
@@ -17465,12 +17422,12 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         else
             s = visit(ctx, logits, y, first, acc);
         first += y->shape[0];
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         if (s != DT_OK)
             break;
     }
-    dt_set_grad_enabled(ctx, grad);
-    dt_set_training(ctx, training);
+    dt_ctx_set_grad_enabled(ctx, grad);
+    dt_ctx_set_training(ctx, training);
     dt_loader_free(ld);
     ctx_shrink_step_arenas(ctx, cap_dev, cap_host);
     return s == DT_EOF ? DT_OK : s;
@@ -17567,7 +17524,7 @@ static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds
                      (float)e.loss, (float)e.sum, (float)(m / 4096), (float)(m % 4096),
                      s == DT_OK ? 0.0f : 1.0f};
     if (c) {
-        dt_status cs = dt_allreduce(c, sums, 9, DT_REDUCE_SUM);
+        dt_status cs = dt_comm_allreduce(c, sums, 9, DT_REDUCE_SUM);
         if (cs != DT_OK)
             return cs;
     }
@@ -17590,7 +17547,7 @@ static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds
     return DT_OK;
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
+/* (what peers waiting on this rank see: dt_ctx_activity) */
 dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
                       dt_forward_fn forward, void *user, dt_metrics *out)
 {
@@ -17645,7 +17602,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
     dt_status s = r == 0 && !pred ? set_error(ctx, DT_EINVAL, "predict: rank 0 needs an output array")
                                   : eval_run(ctx, c, ds, cfg, forward, user, eval_argmax, &acc);
     mine[per] = s == DT_OK ? 0.0f : 1.0f;
-    dt_status cs = c ? dt_allgather(c, mine, per + 1, all) : DT_OK;
+    dt_status cs = c ? dt_comm_allgather(c, mine, per + 1, all) : DT_OK;
     if (!c)
         memcpy(all, mine, sizeof(float) * (size_t)(per + 1));
     int failed = 0;
@@ -17663,7 +17620,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17667 "dtrain.c"
+#line 17624 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18178,7 +18135,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18182 "dtrain.c"
+#line 18139 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -18225,13 +18182,13 @@ const char *dt_profile_report(const dt_ctx *ctx)
     return ctx && ctx->prof.report ? ctx->prof.report : "";
 }
 
-dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *out)
+dt_status dt_profile_rank_stats_get(const dt_ctx *ctx, int rank, dt_profile_stats *out)
 {
     if (!ctx || !out)
         return DT_EINVAL;
     if (!ctx->prof.ranks || rank < 0 || rank >= ctx->prof.nranks)
         return set_error((dt_ctx *)ctx, DT_ESTATE, "profile_rank_stats: no totals for rank %d "
-                         "(they are on rank 0 after dt_profile_finish)", rank);
+                         "(they are on rank 0 after dt_profile_stop)", rank);
     *out = ctx->prof.ranks[rank];
     return DT_OK;
 }
@@ -19038,7 +18995,7 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
                       "bubble; %s\n", 100 * pipe_wait / tot_step, 100 * pipe_ideal,
                       pipe_wait / tot_step > pipe_ideal + 0.1
                       ? "beyond the ideal, the stages are unequal: split by measured time "
-                        "(dt_layer_times, dt_pipe_partition)"
+                        "(dt_profile_layer_times, dt_pipe_partition)"
                       : "the rest is the schedule's fill and drain");
         hints++;
     }
@@ -19156,7 +19113,7 @@ static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, c
     host_free(ctx, mine);
 }
 
-dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
+dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
@@ -19264,7 +19221,7 @@ dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19268 "dtrain.c"
+#line 19225 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19446,7 +19403,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19450 "dtrain.c"
+#line 19407 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20821,7 +20778,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20825 "dtrain.c"
+#line 20782 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -20938,7 +20895,7 @@ static dt_status ps_resume(dt_ps *ps)
     }
     ctx_set_ckpt_extra(sx, list, n);
     if (access(ps->ckpt_path, F_OK) == 0) {
-        if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
+        if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL, NULL, NULL) != DT_OK)
             return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
                              ps->server, dt_last_error(sx));
         for (int t = 0; t < ps->ntables; t++) {   /* (Adam's bias correction goes on) */
@@ -20966,7 +20923,7 @@ static dt_status ps_checkpoint(dt_ps *ps)
         f[0] = (float)(ps->tabs[t].steps >> 24);
         f[1] = (float)(ps->tabs[t].steps & 0xFFFFFF);
     }
-    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, dt_optim_steps(ps->opt)) != DT_OK)
+    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, dt_optim_steps(ps->opt), NULL) != DT_OK)
         return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_serve: checkpoint: %s",
                          dt_last_error(ps->sctx));
     ps->st.checkpoints++;
@@ -20978,8 +20935,8 @@ static dt_status ps_checkpoint(dt_ps *ps)
  * them. */
 DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps)
 {
-    dt_config cc;
-    dt_config_init(&cc);
+    dt_ctx_config cc;
+    dt_ctx_config_init(&cc);
     cc.allocator = ps->ctx->al;
     /* a server's shard is host memory whatever the workers compute on */
     cc.custom_backend = ctx_find_backend("cpu");
@@ -21071,7 +21028,7 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
         tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(ps->opt);
-    dt_zero_grad(ps->sctx);
+    dt_ctx_zero_grad(ps->sctx);
     if (s != DT_OK)
         return set_error(ps->ctx, s, "ps_serve: optimizer step: %s", dt_last_error(ps->sctx));
     ps->st.steps++;
@@ -22272,7 +22229,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22276 "dtrain.c"
+#line 22233 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23620,7 +23577,7 @@ static dt_status zero_ckpt_save_run(dt_ddp *d, const dt_optim *opt, const char *
     return zero_ckpt_agree(d, op, s);
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
+/* (what peers waiting on this rank see: dt_ctx_activity) */
 dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
 {
     dt_ctx *actx = d ? d->ctx : NULL;
@@ -23665,7 +23622,7 @@ static dt_status zero_ckpt_load_run(dt_ddp *d, dt_optim *opt, const char *dir, i
     return zero_ckpt_agree(d, op, s);
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
+/* (what peers waiting on this rank see: dt_ctx_activity) */
 dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
 {
     dt_ctx *actx = d ? d->ctx : NULL;
@@ -23674,7 +23631,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23678 "dtrain.c"
+#line 23635 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -24000,7 +23957,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set + b->offset, flags);
     } else {
-        b->work = dt_allreduce_async(d->comm, d->set + b->offset, b->numel + b->count,
+        b->work = dt_comm_allreduce_async(d->comm, d->set + b->offset, b->numel + b->count,
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
@@ -24031,7 +23988,7 @@ static void ddp_reduce_whole(dt_ddp *d)
     uint64_t ticket = ddp_stage_out(d, 0, d->grad_floats);
     if (ticket)
         d->be_iface->copy_wait(d->be, ticket);
-    dt_status s = dt_allreduce(d->comm, d->set, d->set_floats, DT_REDUCE_AVG);
+    dt_status s = dt_comm_allreduce(d->comm, d->set, d->set_floats, DT_REDUCE_AVG);
     d->st.comm_s += dt_now() - t0;
     if (s != DT_OK && d->launch_status == DT_OK) {
         d->launch_status = s;
@@ -24569,7 +24526,7 @@ static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
         goto out;
     if (len > (1u << 24))
         { s = set_error(ctx, DT_ENOTSUP, "ddp_new: model description too long"); goto out; }
-    if ((s = dt_broadcast(c, &flen, 1, 0)) != DT_OK)
+    if ((s = dt_comm_broadcast(c, &flen, 1, 0)) != DT_OK)
         goto out;
     size_t rlen = (size_t)flen;
     size_t nf = rlen > (size_t)DT_DDP_DIFF * (size_t)world ? rlen : (size_t)DT_DDP_DIFF * (size_t)world;
@@ -24580,7 +24537,7 @@ static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
         goto out;
     for (size_t i = 0; i < rlen; i++)
         buf[i] = rank == 0 ? (float)(unsigned char)mine[i] : 0.0f;
-    if ((s = dt_broadcast(c, buf, (int64_t)rlen, 0)) != DT_OK)
+    if ((s = dt_comm_broadcast(c, buf, (int64_t)rlen, 0)) != DT_OK)
         goto out;
     for (size_t i = 0; i < rlen; i++)
         root[i] = (char)(unsigned char)buf[i];
@@ -24590,7 +24547,7 @@ static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
     float *my = buf + nf;
     for (int i = 0; i < DT_DDP_DIFF; i++)
         my[i] = (float)(unsigned char)diff[i];
-    if ((s = dt_allgather(c, my, DT_DDP_DIFF, buf)) != DT_OK)
+    if ((s = dt_comm_allgather(c, my, DT_DDP_DIFF, buf)) != DT_OK)
         goto out;
     for (int r = 0; r < world; r++) {
         if (buf[(size_t)r * DT_DDP_DIFF] == 0.0f)
@@ -24780,7 +24737,7 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
         float *buf = stage ? stage : FP(m);
         if (stage)
             be_to_host(d->ctx, stage, m->data, tensor_bytes(m));
-        s = dt_broadcast(d->comm, buf, dt_tensor_numel(m), 0);
+        s = dt_comm_broadcast(d->comm, buf, dt_tensor_numel(m), 0);
         if (s == DT_OK && stage)
             be_to_device(d->ctx, m->data, stage, tensor_bytes(m));
     }
@@ -24802,7 +24759,7 @@ static dt_status ddp_broadcast_each(dt_ddp *d)
     for (int i = 0; s == DT_OK && i < d->nparams; i++) {
         dt_tensor *p = d->params[i];
         be_to_host(d->ctx, stage, p->data, tensor_bytes(p));
-        if ((s = dt_broadcast(d->comm, stage, dt_tensor_numel(p), 0)) == DT_OK)
+        if ((s = dt_comm_broadcast(d->comm, stage, dt_tensor_numel(p), 0)) == DT_OK)
             be_to_device(d->ctx, p->data, stage, tensor_bytes(p));
     }
     if (s == DT_OK)
@@ -24819,14 +24776,14 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
     if (d->cfg.zero && !d->staged) {   /* no set yet: in place (host memory) */
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
-            s = dt_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
+            s = dt_comm_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
         return s == DT_OK ? ddp_broadcast_masters(d, NULL) : s;
     }
     if (d->cfg.zero)   /* staged, no set yet: one tensor at a time */
         return ddp_broadcast_each(d);
     for (int i = 0; i < d->nparams; i++)
         be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
-    dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);
+    dt_status s = dt_comm_broadcast(d->comm, stage, d->set_floats, 0);
     if (s != DT_OK)
         return s;
     for (int i = 0; i < d->nparams; i++)
@@ -25117,7 +25074,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 25121 "dtrain.c"
+#line 25078 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25180,7 +25137,7 @@ void dt_dp_config_init(dt_dp_config *cfg)
     memset(cfg, 0, sizeof *cfg);
     cfg->struct_size = sizeof *cfg;
     cfg->replicas = 2;
-    dt_config_init(&cfg->replica);
+    dt_ctx_config_init(&cfg->replica);
     dt_optim_config_init(&cfg->optim, DT_SGD);
 }
 
@@ -25190,7 +25147,7 @@ static int64_t dp_row(const dt_dp *dp, int k) { return dp->B * k / dp->K; }
 static dt_status dp_compute(dt_dp *dp, int k)
 {
     dt_ctx *c = dp->rc[k];
-    dt_zero_grad(c);
+    dt_ctx_zero_grad(c);
     dp->losses[k] = 0;
     int64_t r0 = dp_row(dp, k), n = dp_row(dp, k + 1) - r0;
     if (n == 0)
@@ -25260,7 +25217,7 @@ static dt_status dp_apply(dt_dp *dp, int k)
         tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(dp->opt[k]);
-    dt_step_reset(c);
+    dt_ctx_step_reset(c);
     return s;
 }
 
@@ -25281,7 +25238,7 @@ static void dp_replica_step(dt_dp *dp, int k)
     if (dp->K > 1)
         pthread_barrier_wait(&dp->bar);
     if (failed) {
-        dt_step_reset(dp->rc[k]);
+        dt_ctx_step_reset(dp->rc[k]);
         return;
     }
     s = dp_apply(dp, k);
@@ -25500,7 +25457,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
                           dp->status && dp->msg
                       ? DT_OK : set_error(ctx, DT_ENOMEM, "dp_new: out of memory");
     for (int k = 0; s == DT_OK && k < K; k++) {
-        dt_config rcfg = cfg->replica;
+        dt_ctx_config rcfg = cfg->replica;
         rcfg.seed += (uint64_t)k;
         rcfg.device += k;
         dp->rc[k] = dt_ctx_new(&rcfg);
@@ -25538,7 +25495,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25542 "dtrain.c"
+#line 25499 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25591,7 +25548,7 @@ void dt_hogwild_config_init(dt_hogwild_config *cfg)
     cfg->threads = 2;
     cfg->steps = 1000;
     cfg->lr = 0.01f;
-    dt_config_init(&cfg->thread);
+    dt_ctx_config_init(&cfg->thread);
     cfg->thread.threads = 1;
 }
 
@@ -25685,7 +25642,7 @@ static void *hw_main(void *arg)
         }
         t->loss_sum += dt_tensor_item(loss);
         t->steps++;
-        dt_step_reset(t->ctx);
+        dt_ctx_step_reset(t->ctx);
     }
     return NULL;
 }
@@ -25727,7 +25684,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     hw.t = host_calloc(ctx, sizeof *hw.t * (size_t)K);
     dt_status s = hw.t ? DT_OK : set_error(ctx, DT_ENOMEM, "hogwild: out of memory");
     for (int k = 0; s == DT_OK && k < K; k++) {
-        dt_config tcfg = cfg->thread;
+        dt_ctx_config tcfg = cfg->thread;
         tcfg.seed += (uint64_t)k;
         hw_thread *t = &hw.t[k];
         *t = (hw_thread){.hw = &hw, .k = k, .ctx = dt_ctx_new(&tcfg)};
@@ -25773,7 +25730,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25777 "dtrain.c"
+#line 25734 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25904,7 +25861,7 @@ static void steal_release(dt_loader *ld)
 {
     dt_ctx *ctx = loader_ctx(ld);
     loader_steal *st = loader_source_state(ld);
-    dt_store_close(st->store);
+    dt_store_free(st->store);
     host_free(ctx, st->errors);
     host_free(ctx, st->dry);
     host_free(ctx, st);
@@ -25955,7 +25912,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25959 "dtrain.c"
+#line 25916 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26632,7 +26589,7 @@ static dt_status layer_time(dt_ctx *ctx, dt_layer_fn fn, void *user, dt_tensor *
     else
         (void)dt_tensor_item(loss);
     *out_s = dt_now() - t0;
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     return DT_OK;
 }
 
@@ -26670,7 +26627,7 @@ static dt_status layer_inputs(dt_ctx *ctx, dt_layer_fn const *layers, void *cons
     return s;
 }
 
-dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, void *const *users,
+dt_status dt_profile_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, void *const *users,
                          int n, const dt_tensor *sample, int reps, double *ms_out)
 {
     if (!ctx_ok(ctx))
@@ -26687,7 +26644,7 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
         return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
     int measure = prof_pause(ctx);     /* these are not training steps */
     void *hook_user = ctx_swap_hook_user(ctx, NULL);   /* nor are their backwards a DDP's */
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_status s = layer_inputs(ctx, layers, users, n, sample, in);
     /* round robin over the layers, one warm-up round: a machine's slow
      * spells then touch every layer alike instead of one layer's runs */
@@ -26707,8 +26664,8 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
         ms_out[i] = (reps % 2 ? ti[reps / 2] : (ti[reps / 2 - 1] + ti[reps / 2]) / 2) * 1e3;
     }
     host_free(ctx, t);
-    dt_step_reset(ctx);
-    dt_zero_grad(ctx);
+    dt_ctx_step_reset(ctx);
+    dt_ctx_zero_grad(ctx);
     for (int i = 0; i < n; i++)
         dt_tensor_free(in[i]);
     host_free(ctx, in);
@@ -26720,7 +26677,7 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
             return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
         for (int i = 0; i < n; i++)
             f[i] = (float)ms_out[i];
-        s = dt_allreduce(c, f, n, DT_REDUCE_AVG);
+        s = dt_comm_allreduce(c, f, n, DT_REDUCE_AVG);
         for (int i = 0; s == DT_OK && i < n; i++)
             ms_out[i] = f[i];
         host_free(ctx, f);
@@ -26833,7 +26790,7 @@ static dt_tensor *tp_gather_rows(dt_ctx *ctx, dt_comm *c, const float *h, int64_
         set_error(ctx, DT_ENOMEM, "tensor parallel: out of memory for a gather");
         return NULL;
     }
-    if (dt_allgather(c, h, rows * k, all) != DT_OK)
+    if (dt_comm_allgather(c, h, rows * k, all) != DT_OK)
         return NULL;
     tp_interleave(all, side, p, rows, k);
     be_to_device(ctx, y->data, side, (size_t)(rows * k * p) * sizeof(float));
@@ -26850,7 +26807,7 @@ static dt_status tp_copy_backward(dt_ctx *ctx, dt_node *n)
     float *sum = h ? op_temp_floats(ctx, cnt) : NULL;
     if (!sum)
         return ctx->last_status;
-    dt_status s = dt_allreduce(((const tp_state *)n->state)->c, h, cnt, DT_REDUCE_SUM);
+    dt_status s = dt_comm_allreduce(((const tp_state *)n->state)->c, h, cnt, DT_REDUCE_SUM);
     if (s != DT_OK)
         return s;
     be_to_device(ctx, sum, h, (size_t)cnt * sizeof(float));
@@ -26883,7 +26840,7 @@ dt_tensor *dt_tp_reduce(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     int64_t cnt = shape_numel(x->ndim, x->shape);
     float *h = tp_to_host(ctx, FP(x), cnt);
     dt_tensor *y = h ? op_like(ctx, x) : NULL;
-    if (!y || dt_allreduce(c, h, cnt, DT_REDUCE_SUM) != DT_OK)
+    if (!y || dt_comm_allreduce(c, h, cnt, DT_REDUCE_SUM) != DT_OK)
         return NULL;
     be_to_device(ctx, y->data, h, (size_t)cnt * sizeof(float));
     if (tape_tracks(ctx, x) && !tape_record(ctx, "tp_reduce", tp_reduce_backward, y, x, NULL, NULL))
@@ -27025,7 +26982,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 27029 "dtrain.c"
+#line 26986 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -27172,7 +27129,7 @@ static const char mon_page[] =
  * The live monitor: a web page and Prometheus metrics of a running job
  *
  * Every rank runs a thread that, each interval, summarises its profiler's
- * totals (dt_profile_get) and its scalars (dt_monitor_log) in one line of
+ * totals (dt_profile_stats_get) and its scalars (dt_monitor_log) in one line of
  * text and publishes it in the store under "mon/<rank>" (overwritten: the
  * store keeps one line per rank), on a store connection of its own.  Rank
  * 0's thread reads the lines, turns two successive ones into the last
@@ -27285,7 +27242,7 @@ static void mon_take(dt_monitor *m, mon_summary *s)
 {
     dt_profile_stats st;
     memset(s, 0, sizeof *s);
-    dt_profile_get(m->ctx, &st);
+    dt_profile_stats_get(m->ctx, &st);
     s->t = dt_now();
     s->steps = st.steps;
     s->samples = st.samples;
@@ -28174,7 +28131,7 @@ static dt_status mon_connect(dt_monitor *m)
     return DT_OK;
 }
 
-dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *cfg)
+dt_monitor *dt_monitor_new(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *cfg)
 {
     if (!ctx_ok(ctx))
         return NULL;
@@ -28210,7 +28167,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
         (!(m->ranks = host_calloc(ctx, sizeof *m->ranks * (size_t)m->world)) ||
          !(m->hist = host_calloc(ctx, sizeof *m->hist * MON_HISTORY))))
         s = set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
-    if (s == DT_OK && !dt_profiling(ctx))
+    if (s == DT_OK && !dt_profile_active(ctx))
         s = dt_profile_start(ctx, NULL);
     if (s == DT_OK && c && dt_comm_size(c) > 1)
         s = mon_connect(m);
@@ -28223,7 +28180,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
             m->started = 1;
     }
     if (s != DT_OK) {
-        dt_monitor_stop(m);
+        dt_monitor_free(m);
         return NULL;
     }
     return m;
@@ -28260,7 +28217,7 @@ dt_status dt_monitor_log(dt_monitor *m, const char *name, int64_t step, double v
 
 int dt_monitor_port(const dt_monitor *m) { return m && m->srv ? m->port : -1; }
 
-void dt_monitor_stop(dt_monitor *m)
+void dt_monitor_free(dt_monitor *m)
 {
     if (!m)
         return;
@@ -28272,7 +28229,7 @@ void dt_monitor_stop(dt_monitor *m)
         pthread_join(m->tid, NULL);
     if (m->srv)
         m->http->stop(m->srv);   /* its streams see stop and end */
-    dt_store_close(m->store);
+    dt_store_free(m->store);
     dt_ctx *ctx = m->ctx;
     if (m->errors) {
         host_free(ctx, m->state);
@@ -31378,7 +31335,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31382 "dtrain.c"
+#line 31339 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32603,7 +32560,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32607 "dtrain.c"
+#line 32564 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32782,6 +32739,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32786 "dtrain.c"
+#line 32743 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

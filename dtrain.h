@@ -10,8 +10,8 @@
  * on x86-64 with glibc (aarch64 has kernels of its own, untested here).
  * Everything starts from a context:
  *
- *     dt_config cfg;
- *     dt_config_init(&cfg);            // defaults: cpu backend, 1 thread, seed 0
+ *     dt_ctx_config cfg;
+ *     dt_ctx_config_init(&cfg);            // defaults: cpu backend, 1 thread, seed 0
  *     dt_ctx *ctx = dt_ctx_new(&cfg);  // NULL only when out of memory
  *     if (dt_ctx_status(ctx) != DT_OK) puts(dt_last_error(ctx));
  *
@@ -27,7 +27,7 @@
  *  - Ownership is written on each function: "borrows" (the caller keeps
  *    ownership), "new" (the caller frees it with the named function),
  *    "ctx-owned" (freed with the context), "step" (lives until
- *    dt_step_reset()).
+ *    dt_ctx_step_reset()).
  *  - A call whose first argument (the context or object it works on) is
  *    NULL gives DT_EINVAL (or a NULL, 0, -1, NAN or "" result) and no
  *    message: there is no context to keep one.  A context whose backend
@@ -36,7 +36,7 @@
  *    below.  Each function lists the other statuses it can give.
  *  - dt_*_config_init(cfg) fills *cfg with the defaults written at its fields
  *    (NULL is ignored).
- *  - Config structs (dt_*_config, dt_config) begin with struct_size, which
+ *  - Config structs (dt_*_config, dt_ctx_config) begin with struct_size, which
  *    their *_init sets to the struct's size in the header the program was
  *    built with.  The library reads the first struct_size bytes and gives
  *    the fields past them their *_init defaults, so a program built against
@@ -57,6 +57,20 @@
  *    where they are), and any value the program writes is kept whatever the
  *    environment says.  Variables that switch a feature on (DTRAIN_PROFILE,
  *    DTRAIN_LOG) only add what no call asked for.
+ *  - Names.  A function that works on an object is named for it first,
+ *    then the verb: dt_ctx_set_training, dt_tensor_init_normal,
+ *    dt_comm_allreduce, dt_ddp_step.  Every kind of object has one
+ *    lifecycle pair, dt_<kind>_new / dt_<kind>_free (a family of sources
+ *    may name its makers by source, dt_dataset_load_csv, dt_optim_new_groups,
+ *    freed the same way); the profiler, which is no object but records
+ *    into its context, has dt_profile_start / dt_profile_stop; counters are
+ *    read with dt_<kind>_stats_get.
+ *    Options come in one way: a dt_<kind>_config filled by its
+ *    dt_<kind>_config_init and passed as a const pointer, NULL meaning the
+ *    defaults.  The exceptions are the ops that build the graph, named as
+ *    PyTorch names them (dt_matmul, dt_softmax, dt_backward), the errors
+ *    (dt_last_error, dt_last_status), and a few free functions (dt_now,
+ *    dt_strerror, dt_spawn, dt_launch).
  *  - Free what you made with a context (optimizers, datasets, loaders,
  *    communicators, ...) before the context; its tensors go with it.
  *  - Threads.  No global mutable state: two contexts never share anything,
@@ -126,7 +140,7 @@ DT_API const char *dt_strerror(dt_status s);
  * binding that loads libdtrain.so compares them with what it was built for. */
 DT_API int dt_version(void);
 DT_API const char *dt_version_string(void);
-/* sizeof the public struct named name ("dt_config", "dt_ddp_config", ...,
+/* sizeof the public struct named name ("dt_ctx_config", "dt_ddp_config", ...,
  * every struct this header defines) as this library was built, 0 for a
  * name it does not know: what a binding that mirrors the structs compares
  * its own layouts with when it loads the library. */
@@ -149,7 +163,7 @@ typedef struct dt_allocator {
     void *user;
 } dt_allocator;
 
-typedef struct dt_config {
+typedef struct dt_ctx_config {
     size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     const char *backend;      /* "cpu" (default) or "cuda" */
     int threads;              /* compute threads; 0 means 1 */
@@ -163,16 +177,16 @@ typedef struct dt_config {
     const struct dt_backend_iface *custom_backend;
     /* The step arenas together grow to at most this many bytes (0: the
      * host's physical memory).  Past it a step tensor is refused with
-     * DT_ENOMEM, saying so: step tensors live until dt_step_reset, and a
+     * DT_ENOMEM, saying so: step tensors live until dt_ctx_step_reset, and a
      * loop that never calls it grows without end.  When they grow after
-     * DT_ARENA_WARN_BACKWARDS backward passes with no dt_step_reset,
+     * DT_ARENA_WARN_BACKWARDS backward passes with no dt_ctx_step_reset,
      * dt_last_warning says so (once until the next reset). */
     size_t arena_max_bytes;
-} dt_config;
+} dt_ctx_config;
 #define DT_ARENA_WARN_BACKWARDS 8
 
 /* Fill *cfg with the defaults. */
-DT_API void dt_config_init(dt_config *cfg);
+DT_API void dt_ctx_config_init(dt_ctx_config *cfg);
 
 /* New context.  Returns NULL only if the context itself cannot be allocated;
  * otherwise check dt_ctx_status(): a context whose backend failed to start
@@ -181,7 +195,7 @@ DT_API void dt_config_init(dt_config *cfg);
  * ("cuda": libdtrain_cuda.so, see docs/GPU.md), or of another interface
  * version; or the backend's own status).  cfg may be NULL (defaults).  new: free with
  * dt_ctx_free.  Safe on any thread (it touches no other context). */
-DT_API dt_ctx *dt_ctx_new(const dt_config *cfg);
+DT_API dt_ctx *dt_ctx_new(const dt_ctx_config *cfg);
 /* Frees its tensors and parameters and detaches a DDP (waiting for a step
  * still being reduced).  NULL is fine. */
 DT_API void dt_ctx_free(dt_ctx *ctx);
@@ -200,7 +214,7 @@ DT_API void dt_clear_error(dt_ctx *ctx);
  * calls that hand results back check for it and fail with DT_EIO (DT_ENOMEM
  * for device memory) and "device failure: ..." in the message:
  * dt_tensor_get, dt_tensor_item (NaN), dt_cross_entropy and dt_embedding
- * (NULL), dt_count_correct, dt_backward, dt_optim_step, dt_clip_grad_norm
+ * (NULL), dt_count_correct, dt_backward, dt_optim_step, dt_ctx_clip_grad_norm
  * and the loss scaler's calls.  Such a failure is sticky: the context's
  * device computes nothing trustworthy after it; free the context. */
 
@@ -212,7 +226,7 @@ DT_API void dt_clear_error(dt_ctx *ctx);
  * with no fn, to stderr only when DTRAIN_LOG is set.  fn NULL: back to that.
  * dt_last_warning: the latest one ("" if none), ctx-owned. */
 typedef void (*dt_log_fn)(void *user, const char *msg);
-DT_API void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user);
+DT_API void dt_ctx_set_log(dt_ctx *ctx, dt_log_fn fn, void *user);
 DT_API const char *dt_last_warning(const dt_ctx *ctx);
 
 /* What this rank is doing, in a few words ("compiling", "evaluating"):
@@ -220,12 +234,12 @@ DT_API const char *dt_last_warning(const dt_ctx *ctx);
  * what the monitor shows.  The library says it itself while it waits
  * for a batch, runs backward, steps the optimizer, writes or reads a
  * checkpoint, evaluates or waits in a collective; a text set here is
- * shown instead until dt_set_activity(ctx, NULL).  Copied (at most 63
+ * shown instead until dt_ctx_set_activity(ctx, NULL).  Copied (at most 63
  * bytes).  DT_EINVAL: ctx NULL. */
-DT_API dt_status dt_set_activity(dt_ctx *ctx, const char *what);
+DT_API dt_status dt_ctx_set_activity(dt_ctx *ctx, const char *what);
 /* The activity as waiting peers see it: "waiting for its data loader for
  * 25 s" ("computing" between the library's own).  ctx-owned; "" for NULL. */
-DT_API const char *dt_activity(dt_ctx *ctx);
+DT_API const char *dt_ctx_activity(dt_ctx *ctx);
 
 /* The backend's name ("cpu"; "" if none) and its compute threads. */
 DT_API const char *dt_backend_name(const dt_ctx *ctx);
@@ -233,10 +247,10 @@ DT_API int dt_ctx_threads(const dt_ctx *ctx);
 
 /* Autograd switches.  grad enabled (default 1): ops record the tape.
  * training (default 1): dropout is active. */
-DT_API void dt_set_grad_enabled(dt_ctx *ctx, int enabled);
-DT_API int dt_grad_enabled(const dt_ctx *ctx);
-DT_API void dt_set_training(dt_ctx *ctx, int training);
-DT_API int dt_training(const dt_ctx *ctx);
+DT_API void dt_ctx_set_grad_enabled(dt_ctx *ctx, int enabled);
+DT_API int dt_ctx_grad_enabled(const dt_ctx *ctx);
+DT_API void dt_ctx_set_training(dt_ctx *ctx, int training);
+DT_API int dt_ctx_training(const dt_ctx *ctx);
 
 /* Memory accounting of the step arena and persistent tensors, in bytes. */
 typedef struct dt_mem_stats {
@@ -248,12 +262,12 @@ typedef struct dt_mem_stats {
 } dt_mem_stats;
 /* Fill *out (zeros for a NULL ctx); reset_peak: arena_peak = arena_used. */
 DT_API void dt_mem_stats_get(const dt_ctx *ctx, dt_mem_stats *out);
-DT_API void dt_mem_reset_peak(dt_ctx *ctx);
+DT_API void dt_mem_peak_reset(dt_ctx *ctx);
 
 /* Free every step tensor and the tape made since the last reset.  Call it
  * once per training step (after the optimizer step).  After the first few
  * steps the arena has its final size and a step allocates nothing. */
-DT_API void dt_step_reset(dt_ctx *ctx);
+DT_API void dt_ctx_step_reset(dt_ctx *ctx);
 
 /* ---------------------------------------------------------------------------
  * 3. Tensors
@@ -288,10 +302,10 @@ DT_API dt_tensor *dt_tensor_new(dt_ctx *ctx, dt_dtype dtype, int ndim,
 /* NULL is fine; does nothing to parameters (freed with the context), step
  * tensors and a loader's batches.  The tensor is gone for the caller at
  * once; while the step's ops are recorded (before dt_backward), its memory
- * is kept until dt_step_reset, since backward may still read it. */
+ * is kept until dt_ctx_step_reset, since backward may still read it. */
 DT_API void dt_tensor_free(dt_tensor *t);
 
-/* New step tensor (lives until dt_step_reset), zero-filled.  Errors as
+/* New step tensor (lives until dt_ctx_step_reset), zero-filled.  Errors as
  * dt_tensor_new. */
 DT_API dt_tensor *dt_tensor_temp(dt_ctx *ctx, dt_dtype dtype, int ndim,
                                  const int64_t *shape);
@@ -318,8 +332,8 @@ DT_API float dt_tensor_item(const dt_tensor *t);
  *
  * dt_tensor_data: the address of element (0,...,0); the tensor's strides
  * (dt_tensor_stride, in elements) say where the others are.  Valid while
- * the tensor lives (a step tensor until dt_step_reset).  A gradient that
- * dt_zero_grad zeroed lazily is written with zeros first, so call it again
+ * the tensor lives (a step tensor until dt_ctx_step_reset).  A gradient that
+ * dt_ctx_zero_grad zeroed lazily is written with zeros first, so call it again
  * after a zero_grad rather than keep an old pointer's view of one. */
 DT_API dt_tensor *dt_tensor_wrap(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape,
                                  void *host);
@@ -341,16 +355,16 @@ DT_API const char *dt_tensor_name(const dt_tensor *t);   /* "" if unnamed; borro
 DT_API dt_status dt_tensor_set_name(dt_tensor *t, const char *name);
 
 /* Gradient tensor after dt_backward, or NULL if none.  Borrowed: a
- * persistent tensor's lives with it, a step tensor's until dt_step_reset.  A
- * gradient zeroed lazily by dt_zero_grad is written with zeros first.  As in
+ * persistent tensor's lives with it, a step tensor's until dt_ctx_step_reset.  A
+ * gradient zeroed lazily by dt_ctx_zero_grad is written with zeros first.  As in
  * PyTorch, an op's output (a tensor that is not a leaf) keeps its gradient
- * only after dt_retain_grad: backward reuses that memory once the op's
+ * only after dt_tensor_retain_grad: backward reuses that memory once the op's
  * backward has run, so a step holds a few such gradients, not all. */
 DT_API dt_tensor *dt_tensor_grad(const dt_tensor *t);
 /* Keep t's gradient through dt_backward (PyTorch's retain_grad); call it
  * before the backward.  Leaves and parameters always keep theirs.
  * DT_EINVAL: t NULL. */
-DT_API dt_status dt_retain_grad(dt_tensor *t);
+DT_API dt_status dt_tensor_retain_grad(dt_tensor *t);
 DT_API int dt_tensor_requires_grad(const dt_tensor *t);
 /* requires 1: backward gives t a gradient (a persistent tensor gets a
  * persistent buffer).  DT_EINVAL: t is not f32, or is a step tensor no op
@@ -374,22 +388,22 @@ DT_API dt_tensor *dt_param_at(const dt_ctx *ctx, int i);
 DT_API dt_tensor *dt_param_find(const dt_ctx *ctx, const char *name);
 /* Zero every parameter's gradient (lazily: a flag, written on first use).
  * With a DDP, a zero_grad before dt_ddp_sync discards that step. */
-DT_API void dt_zero_grad(dt_ctx *ctx);
+DT_API void dt_ctx_zero_grad(dt_ctx *ctx);
 
 /* Initialisers draw from the context's seeded generator on the host.
  * fan_in = dim(1) * receptive field, as PyTorch counts it.  DT_EINVAL: t
  * NULL, of another context or not f32; kaiming and xavier: fewer than 2
  * dims or a zero one; init_bias: fan_in <= 0. */
-DT_API dt_status dt_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi);
-DT_API dt_status dt_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std);
+DT_API dt_status dt_tensor_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi);
+DT_API dt_status dt_tensor_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std);
 /* Kaiming (He), gain sqrt(2/(1+a^2)) on fan_in: a = 0 for ReLU, a = sqrt(5)
  * gives PyTorch's nn.Linear / nn.Conv2d default. */
-DT_API dt_status dt_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a);
-DT_API dt_status dt_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a);
-DT_API dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain);
-DT_API dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain);
+DT_API dt_status dt_tensor_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a);
+DT_API dt_status dt_tensor_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a);
+DT_API dt_status dt_tensor_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain);
+DT_API dt_status dt_tensor_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain);
 /* PyTorch's bias default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)). */
-DT_API dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in);
+DT_API dt_status dt_tensor_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in);
 /* Layers: a model in a few lines, without init constants.  Each makes
  * parameters named "<name>.weight" and "<name>.bias" (PyTorch's names, so
  * checkpoints line up) with PyTorch's default initialisation:
@@ -412,12 +426,12 @@ DT_API dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim
                                       dt_tensor **w, dt_tensor **b);
 /* Reseed the context's generator (init and dropout derive from it; a
  * loader shuffles from its own seed); dropout's step counter restarts. */
-DT_API void dt_seed(dt_ctx *ctx, uint64_t seed);
+DT_API void dt_ctx_seed(dt_ctx *ctx, uint64_t seed);
 
 /* ---------------------------------------------------------------------------
  * 5. Ops (define-by-run autograd)
  *
- * Every op returns a new step tensor (freed by dt_step_reset) and records
+ * Every op returns a new step tensor (freed by dt_ctx_step_reset) and records
  * itself on the tape when grad is enabled and an input requires grad.
  * Shapes are written as in PyTorch.  Inputs are borrowed.  On failure an op
  * returns NULL with the reason in the context: DT_EINVAL for an input of
@@ -561,9 +575,9 @@ DT_API dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *
  * 6. Autograd
  * ------------------------------------------------------------------------- */
 /* Back-propagate from a scalar loss.  Parameter gradients accumulate (+=)
- * until dt_zero_grad, so several micro-batches can be summed before one
+ * until dt_ctx_zero_grad, so several micro-batches can be summed before one
  * optimizer step.  The graph is used up: its tensors stay until
- * dt_step_reset, but a second backward through it gives DT_ESTATE (run the
+ * dt_ctx_step_reset, but a second backward through it gives DT_ESTATE (run the
  * forward again).  DT_EINVAL: loss NULL, of another context, not one f32
  * value, or not requiring grad.  With a DDP: DT_ESTATE for parameters
  * registered after dt_ddp_new, or a compressed DDP not synced since the
@@ -579,8 +593,8 @@ DT_API dt_status dt_backward(dt_ctx *ctx, dt_tensor *loss);
  * runs each product at the precision its forward used.  DT_PREC_F32 turns it
  * off.  Per context; set it around the forward.  DT_EINVAL: p is not a
  * dt_precision; DT_ENOTSUP: the backend cannot round to it. */
-DT_API dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p);
-DT_API dt_precision dt_autocast(const dt_ctx *ctx);
+DT_API dt_status dt_ctx_set_autocast(dt_ctx *ctx, dt_precision p);
+DT_API dt_precision dt_ctx_autocast(const dt_ctx *ctx);
 
 
 /* ---------------------------------------------------------------------------
@@ -671,7 +685,7 @@ DT_API void dt_optim_free(dt_optim *opt);          /* NULL is fine */
  * gradient since the last zero_grad are skipped (as PyTorch skips None).
  * Fails for NULL, or a device failure (section 2). */
 DT_API dt_status dt_optim_step(dt_optim *opt);
-/* dt_zero_grad for this optimizer's parameters only. */
+/* dt_ctx_zero_grad for this optimizer's parameters only. */
 DT_API void dt_optim_zero_grad(dt_optim *opt);
 /* The learning rate the last step used (before any: the base); with
  * parameter groups, group 0's (dt_optim_group_config for the others). */
@@ -709,7 +723,7 @@ DT_API dt_status dt_optim_set_schedule(dt_optim *opt, const dt_schedule *s);
 /* Scale all gradients so their global L2 norm is at most max_norm.  The norm
  * before clipping goes to *norm_out if not NULL.  With a DDP, call it after
  * dt_ddp_sync.  DT_EINVAL: max_norm <= 0. */
-DT_API dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out);
+DT_API dt_status dt_ctx_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out);
 
 /* Dynamic loss scaling for fp16 (torch.cuda.amp.GradScaler): small
  * gradients that fp16 would flush to zero are kept by scaling the loss
@@ -760,37 +774,8 @@ DT_API int64_t dt_loss_scaler_skipped(const dt_loss_scaler *sc);
 /* ---------------------------------------------------------------------------
  * 8. Checkpoints (safetensors)
  * ------------------------------------------------------------------------- */
-/* Save every parameter, the optimizer's state (if opt is not NULL) and the
- * step to path, in the safetensors format, with a CRC-32 (zlib's) of each
- * tensor's data and of the header in the metadata ("dtrain.crc32.<name>",
- * "dtrain.header_crc32").  Written to path.tmp, fsync'd, then renamed, so a
- * crash mid-write leaves the old file.  DT_EINVAL: path empty, opt of
- * another context; DT_EIO: path.tmp cannot be written, synced or renamed. */
-DT_API dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
-                                    int64_t step);
-/* Load a checkpoint into the parameters (and opt's state if not NULL).
- * The file is checked whole before anything is copied, and a refused file
- * changes nothing (parameters, optimizer, *step_out).  DT_ECORRUPT: truncated;
- * a malformed header; tensors whose data offsets do not tile the data
- * exactly (overlaps, holes, out of range) or that are named twice;
- * dtrain's metadata incomplete, unknown ("dtrain.*" keys this version does
- * not write), malformed or inconsistent; a checksum that does not match
- * (any flipped bit of a file dtrain wrote).  A file without checksums (from
- * another tool) loads, with a note through dt_set_log.  DT_EMISMATCH: a
- * parameter missing, extra or of another shape; no state for opt's kind.
- * DT_EIO: not a regular file (a FIFO, a directory, a device: opened without
- * blocking, never read) or unreadable; DT_EINVAL: path NULL, opt of another
- * context.  step_out may be NULL.  path may also be the directory of a
- * sharded checkpoint (dt_ddp_checkpoint_save): every parameter and opt's
- * state are then loaded whole from its shards, whatever the world size and
- * sharding level it was saved at (each shard checked first, as a file is;
- * a shard missing, from another step or corrupt: refused, naming it).
- * DT_EINVAL also: opt's state is sharded (dt_ddp_checkpoint_load), or path
- * is one shard file of such a checkpoint. */
-DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
-                                    int64_t *step_out);
-
-/* More control, as torch's save and load_state_dict(strict=False) give. */
+/* Options of a save and a load (NULL: the defaults), as torch's save and
+ * load_state_dict(strict=False) give. */
 typedef struct dt_checkpoint_config {
     size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     dt_dtype dtype;            /* save: parameters as DT_F32 (default), DT_BF16 or DT_F16
@@ -799,7 +784,7 @@ typedef struct dt_checkpoint_config {
                                   keys other than "format" and those starting "dtrain." */
     const char *const *meta_keys;
     const char *const *meta_values;
-    int strict;                /* load: 1 (default) as dt_checkpoint_load; 0: load each
+    int strict;                /* load: 1 (default): every parameter, exactly; 0: load each
                                   parameter the file has with its shape, leave the others,
                                   ignore the file's extra tensors, and report them */
 } dt_checkpoint_config;
@@ -812,24 +797,47 @@ typedef struct dt_checkpoint_report {
     char names[512];
 } dt_checkpoint_report;
 DT_API void dt_checkpoint_config_init(dt_checkpoint_config *cfg);
-/* dt_checkpoint_save with cfg (NULL: the defaults).  DT_EINVAL also: a
- * dtype other than f32, bf16, f16; a metadata key NULL, empty, reserved or
- * repeated, a value NULL. */
-DT_API dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path,
-                                       int64_t step, const dt_checkpoint_config *cfg);
-/* dt_checkpoint_load with cfg (NULL: strict); F32, BF16 and F16 tensors are
- * read (widened to f32).  report may be NULL.  A non-strict load takes no
- * optimizer (opt must be NULL: DT_EINVAL), and a file that is truncated or
- * corrupt is still refused whole. */
-DT_API dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
-                                       const dt_checkpoint_config *cfg, int64_t *step_out,
-                                       dt_checkpoint_report *report);
+
+/* Save every parameter, the optimizer's state (if opt is not NULL) and the
+ * step to path, in the safetensors format, with a CRC-32 (zlib's) of each
+ * tensor's data and of the header in the metadata ("dtrain.crc32.<name>",
+ * "dtrain.header_crc32").  Written to path.tmp, fsync'd, then renamed, so a
+ * crash mid-write leaves the old file.  cfg may be NULL (f32, no metadata of
+ * yours).  DT_EINVAL: path empty, opt of another context, a dtype other than
+ * f32, bf16, f16; a metadata key NULL, empty, reserved or repeated, a value
+ * NULL; DT_EIO: path.tmp cannot be written, synced or renamed.  Borrows all. */
+DT_API dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path,
+                                    int64_t step, const dt_checkpoint_config *cfg);
+/* Load a checkpoint into the parameters (and opt's state if not NULL); F32,
+ * BF16 and F16 tensors are read (widened to f32).  cfg may be NULL (strict),
+ * step_out and report may be NULL.  The file is checked whole before
+ * anything is copied, and a refused file changes nothing (parameters,
+ * optimizer, *step_out).  DT_ECORRUPT: truncated;
+ * a malformed header; tensors whose data offsets do not tile the data
+ * exactly (overlaps, holes, out of range) or that are named twice;
+ * dtrain's metadata incomplete, unknown ("dtrain.*" keys this version does
+ * not write), malformed or inconsistent; a checksum that does not match
+ * (any flipped bit of a file dtrain wrote).  A file without checksums (from
+ * another tool) loads, with a note through dt_ctx_set_log.  DT_EMISMATCH
+ * (strict): a parameter missing, extra or of another shape; no state for
+ * opt's kind.  DT_EIO: not a regular file (a FIFO, a directory, a device:
+ * opened without blocking, never read) or unreadable; DT_EINVAL: path NULL,
+ * opt of another context, a non-strict load with an optimizer.  path may
+ * also be the directory of a sharded checkpoint (dt_ddp_checkpoint_save):
+ * every parameter and opt's state are then loaded whole from its shards,
+ * whatever the world size and sharding level it was saved at (each shard
+ * checked first, as a file is; a shard missing, from another step or
+ * corrupt: refused, naming it).  DT_EINVAL also: opt's state is sharded
+ * (dt_ddp_checkpoint_load), or path is one shard file of such a checkpoint. */
+DT_API dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
+                                    const dt_checkpoint_config *cfg, int64_t *step_out,
+                                    dt_checkpoint_report *report);
 /* The newest complete checkpoint in dir: of its regular files named
  * "*.safetensors", the one with the highest "dtrain.step" among those that
  * pass every check of a load (layout, metadata, checksums), its path into
  * path (cut at cap: DT_EINVAL) and its step into *step (may be NULL).  None:
  * DT_OK with path "" and *step -1.  Files that fail the checks are skipped
- * with a note through dt_set_log.  What an elastic restart resumes from
+ * with a note through dt_ctx_set_log.  What an elastic restart resumes from
  * (dtrun --max-restarts; the examples' --resume auto).  Subdirectories
  * that are sharded checkpoints (an index.json and every shard passing the
  * same checks) count too; path is then the directory.  DT_EINVAL: NULLs,
@@ -870,10 +878,6 @@ typedef struct dt_comm dt_comm;     /* a communicator (section 10) */
  * differ. */
 DT_API dt_dataset *dt_dataset_load_idx(dt_ctx *ctx, const char *images_path,
                                        const char *labels_path);
-/* Fashion-MNIST as Debian's dataset-fashion-mnist installs it: dir NULL means
- * /usr/share/datasets/fashion-mnist; split 0 = train (60000), 1 = test.
- * DT_EINVAL: another split; DT_EIO: not installed there; as load_idx. */
-DT_API dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split);
 DT_API void dt_dataset_free(dt_dataset *ds);       /* NULL is fine */
 DT_API int64_t dt_dataset_size(const dt_dataset *ds);   /* samples; 0 for NULL */
 /* The input's shape without the batch dim, e.g. {1, 28, 28}, into
@@ -1144,16 +1148,16 @@ DT_API void dt_store_config_init(dt_store_config *cfg);
 /* Rank 0 starts the server (on env->master_port; 0 picks a free port, see
  * dt_store_port) and every rank, 0 included, connects and presents the
  * token.  Connecting retries until the timeout, so ranks may start in any
- * order.  new: free with dt_store_close.  Allocator hooks must be
+ * order.  new: free with dt_store_free.  Allocator hooks must be
  * thread-safe: the server runs on its own thread.  DT_EINVAL: env invalid,
  * token over 256 bytes, bind_addr not IPv4; DT_EIO: rank 0 cannot listen;
  * DT_ETIMEDOUT: rank 0 not reached in time; DT_EPEER: refused (token).
  * The calls on one dt_store are not thread-safe (one connection); use it
  * on its context's thread. */
-DT_API dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg);
+DT_API dt_store *dt_store_new(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg);
 /* NULL is fine.  On rank 0 this stops the server: the other ranks' calls
  * then fail (DT_EPEER). */
-DT_API void dt_store_close(dt_store *s);
+DT_API void dt_store_free(dt_store *s);
 DT_API int dt_store_port(const dt_store *s);      /* rank 0's port; -1 for NULL */
 #define DT_STORE_MAX_KEY 256
 #define DT_STORE_MAX_VALUE ((size_t)1 << 20)
@@ -1203,14 +1207,14 @@ typedef struct dt_comm_config {
                                   alive (its heartbeat goes on) but has not reached it (a
                                   slow data loader, evaluation or checkpoint, a first-step
                                   compilation, a page-cache miss); then it fails naming the
-                                  peer and what it was doing (dt_set_activity).  0:
+                                  peer and what it was doing (dt_ctx_set_activity).  0:
                                   DTRAIN_COLLECTIVE_TIMEOUT_MS, else 600000 (10 minutes,
                                   NCCL's default watchdog), and never below timeout_ms */
 } dt_comm_config;
 DT_API void dt_comm_config_init(dt_comm_config *cfg);
 /* Join the job: rendezvous through the store, open the transport, swap
  * addresses.  env NULL: dt_dist_env_detect.  Collective over all ranks.
- * new: free with dt_comm_free.  Errors: dt_store_open's; DT_ENOTSUP: no
+ * new: free with dt_comm_free.  Errors: dt_store_new's; DT_ENOTSUP: no
  * transport compiled in; DT_EIO (or the transport's own status): the
  * transport failed; DT_ETIMEDOUT, DT_EPEER: a rank did not join. */
 DT_API dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env, const dt_comm_config *cfg);
@@ -1230,25 +1234,25 @@ DT_API const char *dt_comm_intra_host(const dt_comm *c);
 DT_API uint64_t dt_comm_bytes_sent(const dt_comm *c);
 
 /* Point to point, for pipelines (activations forward, their gradients
- * back): host float buffers, borrowed for the call.  dt_send returns when
+ * back): host float buffers, borrowed for the call.  dt_comm_send returns when
  * the message has left buf, which for a large one means once dst has posted
- * its receive (as MPI_Send may wait); dt_recv when n floats from src have
+ * its receive (as MPI_Send may wait); dt_comm_recv when n floats from src have
  * arrived.  Messages between two ranks pair in order: the k-th send to a
- * rank meets its k-th receive from us.  dt_sendrecv posts both together,
+ * rank meets its k-th receive from us.  dt_comm_sendrecv posts both together,
  * so two ranks exchanging with each other cannot deadlock.  Not
  * collectives: other ranks take no part and do not count them.  A dead or
  * silent peer fails the call naming it (and, as for collectives, the
  * communicator then refuses further work).  DT_EINVAL: a peer out of range
  * or this rank; DT_EMISMATCH: src sent a different number of floats. */
-DT_API dt_status dt_send(dt_comm *c, const float *buf, int64_t n, int dst);
-DT_API dt_status dt_recv(dt_comm *c, float *buf, int64_t n, int src);
-DT_API dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
+DT_API dt_status dt_comm_send(dt_comm *c, const float *buf, int64_t n, int dst);
+DT_API dt_status dt_comm_recv(dt_comm *c, float *buf, int64_t n, int src);
+DT_API dt_status dt_comm_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv,
                              int64_t nr, int src);
 
 /* Process groups (sub-communicators), as MPI_Comm_split / ncclCommSplit:
  * collective over parent's ranks; the ranks that pass the same color (>= 0)
  * form one new communicator, ranked by key then parent rank.  It is a whole
- * dt_comm: every collective, DDP, dt_send/dt_recv work on it, in ranks
+ * dt_comm: every collective, DDP, dt_comm_send/dt_comm_recv work on it, in ranks
  * 0..size-1 of the group, with its own endpoint, comm thread and host
  * segment (a group's calls never wait for another group's).  Its errors
  * start "group [job ranks]: ", then name group ranks.  cfg NULL: the
@@ -1279,21 +1283,21 @@ typedef enum dt_reduce_op { DT_REDUCE_SUM = 0, DT_REDUCE_AVG, DT_REDUCE_MAX, DT_
 typedef struct dt_work dt_work;
 /* Start an allreduce and return at once.  new: dt_work_wait frees it; NULL
  * on bad arguments.  The collective's own errors come from dt_work_wait. */
-DT_API dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
+DT_API dt_work *dt_comm_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
 /* Wait for w, free it and return its status.  Call it once, on the
  * context's thread (it writes the context's error); DT_EINVAL for NULL. */
 DT_API dt_status dt_work_wait(dt_work *w);
-DT_API dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
-DT_API dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root);
+DT_API dt_status dt_comm_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op);
+DT_API dt_status dt_comm_broadcast(dt_comm *c, float *buf, int64_t n, int root);
 /* out (world * n) = every rank's in (n), in rank order */
-DT_API dt_status dt_allgather(dt_comm *c, const float *in, int64_t n, float *out);
+DT_API dt_status dt_comm_allgather(dt_comm *c, const float *in, int64_t n, float *out);
 /* in (world * n) reduced over ranks; out (n) = this rank's block */
-DT_API dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out,
+DT_API dt_status dt_comm_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out,
                                    dt_reduce_op op);
 /* in (world * n): block q goes to rank q; out (world * n): block p came
  * from rank p (the personalised exchange of MPI_Alltoall) */
-DT_API dt_status dt_alltoall(dt_comm *c, const float *in, int64_t n, float *out);
-DT_API dt_status dt_barrier(dt_comm *c);
+DT_API dt_status dt_comm_alltoall(dt_comm *c, const float *in, int64_t n, float *out);
+DT_API dt_status dt_comm_barrier(dt_comm *c);
 
 /* Launching ranks on one host, like torchrun / mpirun.  Each rank gets
  * DTRAIN_RANK, DTRAIN_WORLD_SIZE, DTRAIN_LOCAL_RANK, DTRAIN_LOCAL_WORLD_SIZE,
@@ -1315,7 +1319,7 @@ typedef struct dt_spawn_config {
     int max_restarts;          /* 0 (default): a failed rank ends the job; N: the job is
                                   started again (all ranks, a new rendezvous, each with
                                   DTRAIN_RESTART=1, 2, ...) up to N times, as torchrun's
-                                  --max-restarts; each restart is told through dt_set_log.
+                                  --max-restarts; each restart is told through dt_ctx_set_log.
                                   Not after SIGINT/SIGTERM, nor when the program cannot
                                   be started.  The program resumes from its newest
                                   checkpoint (dt_checkpoint_latest) */
@@ -1442,8 +1446,8 @@ DT_API const char *dt_preempt_report(dt_ctx *ctx);
  *         dt_tensor *loss = dt_cross_entropy(ctx, model(ctx, x), y);
  *         dt_backward(ctx, loss);   // buckets' allreduces start as they fill
  *         dt_ddp_step(ddp);         // wait for the rest, average, optimizer step
- *         dt_zero_grad(ctx);
- *         dt_step_reset(ctx);
+ *         dt_ctx_zero_grad(ctx);
+ *         dt_ctx_step_reset(ctx);
  *     }
  *
  * While a DDP is attached, each parameter's gradient lives in a
@@ -1464,7 +1468,7 @@ DT_API const char *dt_preempt_report(dt_ctx *ctx);
  * [r*N/world, (r+1)*N/world) of the N gradients laid out as the buckets lay
  * them (reverse registration order; the first N % world ranks one more).
  * dt_ddp_sync leaves each rank only its shard of the averaged gradients:
- * the parameters' gradients read as zero after it.  dt_clip_grad_norm and
+ * the parameters' gradients read as zero after it.  dt_ctx_clip_grad_norm and
  * the loss scaler work on the shards (collective then: every rank calls
  * them).  dt_optim_step (or dt_ddp_step) steps this rank's shard and
  * all-gathers the parameters (collective).  The optimizer's state tensors
@@ -1569,8 +1573,8 @@ DT_API void dt_ddp_free(dt_ddp *d);
  * accumulated sum.  Default 1.  Fails only for NULL. */
 DT_API dt_status dt_ddp_set_sync(dt_ddp *d, int sync);
 /* Wait until every bucket of this step is reduced: gradients are then the
- * average over ranks (e.g. for dt_clip_grad_norm).  Nothing to do: DT_OK.
- * A dt_zero_grad between dt_backward and this call discards the step's
+ * average over ranks (e.g. for dt_ctx_clip_grad_norm).  Nothing to do: DT_OK.
+ * A dt_ctx_zero_grad between dt_backward and this call discards the step's
  * gradients (e.g. to skip a bad batch).  With compression, call this (or
  * dt_ddp_step) before the next dt_backward; accumulate with no_sync. */
 DT_API dt_status dt_ddp_sync(dt_ddp *d);
@@ -1695,7 +1699,7 @@ typedef dt_tensor *(*dt_dp_loss_fn)(dt_ctx *ctx, void *model, dt_tensor *x, dt_t
 typedef struct dt_dp_config {
     size_t struct_size;        /* set by its *_init (see "Config structs" above) */
     int replicas;              /* K >= 1 (default 2) */
-    dt_config replica;         /* each replica's context; replica k is seeded seed + k (its
+    dt_ctx_config replica;         /* each replica's context; replica k is seeded seed + k (its
                                   dropout differs), then all copy replica 0's weights */
     dt_optim_config optim;     /* each replica's optimizer (default SGD) */
 } dt_dp_config;
@@ -1745,7 +1749,7 @@ typedef struct dt_hogwild_config {
     int threads;               /* K >= 1 (default 2) */
     int64_t steps;             /* over all threads (default 1000) */
     float lr;                  /* SGD learning rate (default 0.01) */
-    dt_config thread;          /* each thread's context (1 compute thread); thread k's is
+    dt_ctx_config thread;          /* each thread's context (1 compute thread); thread k's is
                                   seeded seed + k */
 } dt_hogwild_config;
 DT_API void dt_hogwild_config_init(dt_hogwild_config *cfg);
@@ -1801,7 +1805,7 @@ typedef struct dt_metrics {
 } dt_metrics;
 /* Collective when c is not NULL: every rank gets the whole dataset's
  * metrics.  ds and forward's user data are borrowed.  It runs a loader of
- * its own and calls dt_step_reset(ctx) after each batch, so step tensors
+ * its own and calls dt_ctx_step_reset(ctx) after each batch, so step tensors
  * made before the call are gone after it.  DT_EINVAL: ds, forward or out
  * NULL, std <= 0, c of another context, an unknown metric or USER without
  * metric_fn, forward returned NULL or (CLASSIFY) not (B, classes) f32;
@@ -1926,7 +1930,7 @@ DT_API int dt_ps_workers(const dt_ps *ps);
 DT_API int dt_ps_servers(const dt_ps *ps);
 /* Servers: serve pushes and pulls until every worker has called
  * dt_ps_finish (or died: it is dropped after the communicator's timeout,
- * and the statistics count it; a warning, dt_set_log).  Takes the
+ * and the statistics count it; a warning, dt_ctx_set_log).  Takes the
  * transport from the comm thread meanwhile.  DT_ESTATE: a worker, or the
  * communicator failed earlier; DT_EPEER: the transport failed or a worker
  * sent a malformed request; checkpoint writing: DT_EIO.  DT_EPREEMPTED:
@@ -2011,7 +2015,7 @@ DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
  *   optimizer    inside dt_optim_step
  *   idle         the rest: the caller's own code between dtrain's calls
  * and these add up to the step's wall time.  A step ends at the
- * dt_step_reset after a dt_backward.  The comm thread times every
+ * dt_ctx_step_reset after a dt_backward.  The comm thread times every
  * collective (bytes, algorithm, algbw, busbw) and parameter-server call
  * (latency, staleness of the answer), the loader's thread every batch it
  * prepares; with the phases they make a timeline kept in memory.
@@ -2023,10 +2027,10 @@ DT_API dt_status dt_ps_stats_get(const dt_ps *ps, dt_ps_stats *out);
  * With a DDP made after the profiler started, the ranks swap their compute
  * times every check_every steps; a rank whose compute per step exceeds the
  * median by more than straggler_threshold is a straggler, told as a warning
- * (dt_set_log) naming it.
+ * (dt_ctx_set_log) naming it.
  *
  * The comm and loader threads add their events under the profiler's mutex,
- * so dt_profiling and dt_profile_get may be called from any thread while
+ * so dt_profile_active and dt_profile_stats_get may be called from any thread while
  * the context lives; the other calls belong to the context's thread.
  * ------------------------------------------------------------------------- */
 typedef struct dt_profile_config {
@@ -2040,7 +2044,7 @@ DT_API void dt_profile_config_init(dt_profile_config *cfg);
 /* Start (or restart, clearing what was recorded) profiling ctx.  cfg may be
  * NULL (defaults).  DT_ENOMEM when the event buffer cannot be had. */
 DT_API dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg);
-DT_API int dt_profiling(const dt_ctx *ctx);       /* 1 while recording */
+DT_API int dt_profile_active(const dt_ctx *ctx);       /* 1 while recording */
 
 typedef struct dt_profile_stats {
     int rank;                  /* the communicator's, 0 without one */
@@ -2101,10 +2105,10 @@ typedef struct dt_profile_stats {
     double eval_s;             /* time in dt_evaluate */
     double ckpt_s;             /* time saving and loading checkpoints (dt_checkpoint_*,
                                   dt_ddp_checkpoint_*) */
-    int threads;               /* the context's compute threads (dt_config.threads) */
+    int threads;               /* the context's compute threads (dt_ctx_config.threads) */
 } dt_profile_stats;
 /* This rank's totals so far.  ctx borrowed.  DT_EINVAL: ctx or out NULL. */
-DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);
+DT_API dt_status dt_profile_stats_get(const dt_ctx *ctx, dt_profile_stats *out);
 
 /* End of the job, collective over c (NULL: this process alone): every
  * rank's totals and timeline go to rank 0, which writes the merged
@@ -2125,11 +2129,11 @@ DT_API dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out);
  * DT_EINVAL: c of another context; DT_EIO: the trace cannot be written;
  * DT_EPEER: a rank's profile is missing or malformed; and the collectives'
  * errors. */
-DT_API dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path);
-/* Rank 0, after dt_profile_finish: the report (ctx-owned text, "" before or
+DT_API dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path);
+/* Rank 0, after dt_profile_stop: the report (ctx-owned text, "" before or
  * elsewhere), and rank r's totals (DT_ESTATE where there are none). */
 DT_API const char *dt_profile_report(const dt_ctx *ctx);
-DT_API dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *out);
+DT_API dt_status dt_profile_rank_stats_get(const dt_ctx *ctx, int rank, dt_profile_stats *out);
 /* The rank the latest check named a straggler (the slowest, if several), or
  * -1.  Every rank gets the same answer. */
 DT_API int dt_profile_straggler(const dt_ctx *ctx);
@@ -2145,7 +2149,7 @@ DT_API int dt_profile_straggler(const dt_ctx *ctx);
  * A pipeline puts consecutive stages of a sequential model on the ranks of
  * its communicator (stage = rank), splits each batch into micro-batches and
  * runs them so that stages work at once: activations go forward and their
- * gradients back with dt_send/dt_recv.  Two schedules:
+ * gradients back with dt_comm_send/dt_comm_recv.  Two schedules:
  *   DT_PIPE_GPIPE  fill-drain: all forwards, then all backwards; a stage
  *                  holds every micro-batch's activations.
  *   DT_PIPE_1F1B   one forward, one backward in the steady state (PipeDream-
@@ -2196,7 +2200,7 @@ DT_API void dt_pipe_free(dt_pipe *p);              /* NULL is fine */
  * targets on the last stage (ignored elsewhere); both borrowed, rows in dim
  * 0.  loss_out (may be NULL): the last stage's batch mean loss; NAN on the
  * others.  Needs grad enabled.  The micro-batches' memory is the pipeline's
- * and is reused next step (call dt_step_reset between steps as usual).
+ * and is reused next step (call dt_ctx_step_reset between steps as usual).
  * DT_EINVAL: x or y missing where needed, B < m, a stage output of the wrong
  * kind or shape; DT_EMISMATCH: the stages disagree on B, m or the schedule;
  * a neighbour's failure or death fails the step naming it (a stage that
@@ -2221,7 +2225,7 @@ typedef struct dt_pipe_stats {
 DT_API dt_status dt_pipe_stats_get(const dt_pipe *p, dt_pipe_stats *out);
 DT_API void dt_pipe_stats_reset(dt_pipe *p);
 
-/* Balanced partitioning.  dt_layer_times measures, on this rank, each
+/* Balanced partitioning.  dt_profile_layer_times measures, on this rank, each
  * layer of a sequential model (layer i maps the previous one's output to
  * its own): forward and backward of each alone, on its input computed
  * from sample, in milliseconds (ms_out[i], n entries): the median of reps
@@ -2232,7 +2236,7 @@ DT_API void dt_pipe_stats_reset(dt_pipe *p);
  * reset.  DT_EINVAL: a
  * NULL argument, n < 1, reps < 1; a layer's failure with its error. */
 typedef dt_tensor *(*dt_layer_fn)(dt_ctx *ctx, dt_tensor *x, void *user);
-DT_API dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers,
+DT_API dt_status dt_profile_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers,
                                 void *const *users, int n, const dt_tensor *sample, int reps,
                                 double *ms_out);
 /* Split n layers of costs cost[0..n-1] (>= 0) into `stages` consecutive
@@ -2278,9 +2282,9 @@ DT_API dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, d
 /* ---------------------------------------------------------------------------
  * 14b. Live monitoring: a web page and Prometheus metrics of a running job
  *
- * Opt-in.  Every rank calls dt_monitor_start (not collective: no rank waits
+ * Opt-in.  Every rank calls dt_monitor_new (not collective: no rank waits
  * for another); each starts a thread that, every interval, reads its
- * profiler's totals (dt_profile_get; the profiler is started if it was not)
+ * profiler's totals (dt_profile_stats_get; the profiler is started if it was not)
  * and the scalars given to dt_monitor_log, and publishes a small summary
  * through the rendezvous store on a connection of its own.  Rank 0's thread
  * gathers the summaries, works out each rank's step phases, throughput and
@@ -2308,11 +2312,11 @@ typedef struct dt_monitor_config {
 } dt_monitor_config;
 DT_API void dt_monitor_config_init(dt_monitor_config *cfg);
 /* Start monitoring ctx (and c's ranks; c NULL: this process alone).  cfg
- * may be NULL.  Returns a new monitor, freed by dt_monitor_stop, or NULL
+ * may be NULL.  Returns a new monitor, freed by dt_monitor_free, or NULL
  * with ctx's error: DT_ENOTSUP when dtrain was built without an HTTP server
  * (rank 0 only); DT_EINVAL: a bad listen address, or one off loopback
  * without a token; DT_EIO: the address cannot be bound; the store's errors. */
-DT_API dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *cfg);
+DT_API dt_monitor *dt_monitor_new(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *cfg);
 /* Record a scalar of this rank at step (a training loss, a learning rate,
  * a validation loss...): the page plots its history, /metrics gives the
  * latest.  name: letters, digits and '_' (at most 23); "loss", "lr" and
@@ -2324,7 +2328,7 @@ DT_API dt_status dt_monitor_log(dt_monitor *m, const char *name, int64_t step, d
 /* Rank 0: the port it serves on; -1 elsewhere or for NULL. */
 DT_API int dt_monitor_port(const dt_monitor *m);
 /* Stop the threads and the server; closes open streams.  NULL is a no-op. */
-DT_API void dt_monitor_stop(dt_monitor *m);
+DT_API void dt_monitor_free(dt_monitor *m);
 
 /* ---------------------------------------------------------------------------
  * 15. Utilities

@@ -22,7 +22,7 @@ static int big_sum_ok(dt_comm *comm, int rank, int world)
         return 0;
     for (int64_t i = 0; i < n; i++)
         b[i] = (float)((i % 13) * (rank + 1));
-    int ok = dt_allreduce(comm, b, n, DT_REDUCE_SUM) == DT_OK;
+    int ok = dt_comm_allreduce(comm, b, n, DT_REDUCE_SUM) == DT_OK;
     for (int64_t i = 0; ok && i < n; i++)
         ok = b[i] == (float)((i % 13) * world * (world + 1) / 2);
     free(b);
@@ -51,7 +51,7 @@ int main(int argc, char **argv)
     }
     int rank = dt_comm_rank(comm), world = dt_comm_size(comm);
     float v[4] = {(float)rank, 1.0f, (float)(rank * rank), 2.0f};
-    int ok = dt_allreduce(comm, v, 4, DT_REDUCE_SUM) == DT_OK;
+    int ok = dt_comm_allreduce(comm, v, 4, DT_REDUCE_SUM) == DT_OK;
     if (ok)
         printf("rank %d of %d over %s: sums %.0f %.0f %.0f %.0f (%d host%s; inside a host: %s)\n",
                rank, world, dt_comm_transport(comm), v[0], v[1], v[2], v[3], dt_comm_hosts(comm),

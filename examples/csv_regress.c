@@ -134,8 +134,8 @@ int main(int argc, char **argv)
         ys[r] = (float)((t.v[r * t.cols + d] - mean[d]) / sd[d]);
     }
 
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 1;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     if (!ctx || !check(ctx, dt_ctx_status(ctx) == DT_OK, "starting"))
@@ -150,8 +150,8 @@ int main(int argc, char **argv)
     int ok = check(ctx, xs && ys && x && y && w1 && b1 && (!hidden || (w2 && b2)), "allocating") &&
              check(ctx, dt_tensor_set(x, xs, (int64_t)n * d) == DT_OK &&
                         dt_tensor_set(y, ys, n) == DT_OK &&
-                        dt_init_kaiming_uniform(ctx, w1, 2.2360679775f) == DT_OK &&
-                        (!hidden || dt_init_kaiming_uniform(ctx, w2, 2.2360679775f) == DT_OK),
+                        dt_tensor_init_kaiming_uniform(ctx, w1, 2.2360679775f) == DT_OK &&
+                        (!hidden || dt_tensor_init_kaiming_uniform(ctx, w2, 2.2360679775f) == DT_OK),
                    "initialising");
     dt_optim_config oc;
     dt_optim_config_init(&oc, DT_ADAM);
@@ -169,7 +169,7 @@ int main(int argc, char **argv)
         if (ok)
             mse = dt_tensor_item(loss);
         dt_optim_zero_grad(opt);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     if (ok) {
         /* the target was standardised: the MSE is the unexplained share */

@@ -84,15 +84,15 @@ int main(int argc, char **argv)
     int i = parse_args(argc, argv, &cfg);
     if (i < 0)
         return 2;
-    dt_config c;
-    dt_config_init(&c);
+    dt_ctx_config c;
+    dt_ctx_config_init(&c);
     dt_ctx *ctx = dt_ctx_new(&c);
     if (!ctx || dt_ctx_status(ctx) != DT_OK) {
         fprintf(stderr, "dtrun: %s\n", ctx ? dt_last_error(ctx) : "out of memory");
         dt_ctx_free(ctx);
         return 1;
     }
-    dt_set_log(ctx, say, NULL);
+    dt_ctx_set_log(ctx, say, NULL);
     int failed = -1;
     dt_status st = dt_launch(ctx, &cfg, argv + i, &failed);
     if (st != DT_OK)

@@ -29,6 +29,7 @@
  */
 #include "dtrain.h"
 #include "args.h"
+#include "fmnist.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -194,8 +195,8 @@ static int linear_params(dt_ctx *ctx, const char *name, int64_t in, int64_t out,
     *w = dt_param_new(ctx, n, 2, (int64_t[]){out, in});
     snprintf(n, sizeof n, "%s.bias", name);
     *b = dt_param_new(ctx, n, 1, (int64_t[]){out});
-    return *w && *b && dt_init_kaiming_uniform(ctx, *w, 2.2360679775f) == DT_OK &&
-           dt_init_bias(ctx, *b, in) == DT_OK;
+    return *w && *b && dt_tensor_init_kaiming_uniform(ctx, *w, 2.2360679775f) == DT_OK &&
+           dt_tensor_init_bias(ctx, *b, in) == DT_OK;
 }
 
 static int conv_params(dt_ctx *ctx, const char *name, int64_t cin, int64_t cout, dt_tensor **w,
@@ -206,8 +207,8 @@ static int conv_params(dt_ctx *ctx, const char *name, int64_t cin, int64_t cout,
     *w = dt_param_new(ctx, n, 4, (int64_t[]){cout, cin, 3, 3});
     snprintf(n, sizeof n, "%s.bias", name);
     *b = dt_param_new(ctx, n, 1, (int64_t[]){cout});
-    return *w && *b && dt_init_kaiming_uniform(ctx, *w, 2.2360679775f) == DT_OK &&
-           dt_init_bias(ctx, *b, cin * 9) == DT_OK;
+    return *w && *b && dt_tensor_init_kaiming_uniform(ctx, *w, 2.2360679775f) == DT_OK &&
+           dt_tensor_init_bias(ctx, *b, cin * 9) == DT_OK;
 }
 
 static int model_build(dt_ctx *ctx, model *m, int cnn)
@@ -257,7 +258,7 @@ static int save_epoch(dt_ctx *ctx, dt_ddp *sharded, dt_optim *opt, const char *s
         snprintf(path, sizeof path, "%s", save);
     }
     return (sharded ? dt_ddp_checkpoint_save(sharded, opt, path, step)
-                    : dt_checkpoint_save(ctx, opt, path, step)) == DT_OK;
+                    : dt_checkpoint_save(ctx, opt, path, step, NULL)) == DT_OK;
 }
 
 /* Where to resume from: --resume PATH, or with "auto" the newest complete
@@ -369,9 +370,9 @@ static void log_loss(FILE *f, double t, double loss)
 /* The profiler's end: every rank joins; rank 0 prints the report. */
 static int finish_profile(const options *o, dt_ctx *ctx, dt_comm *comm, int talk)
 {
-    if (!dt_profiling(ctx))
+    if (!dt_profile_active(ctx))
         return 1;
-    if (dt_profile_finish(ctx, comm, o->trace) != DT_OK)
+    if (dt_profile_stop(ctx, comm, o->trace) != DT_OK)
         return 0;
     if (talk)
         printf("%s", dt_profile_report(ctx));
@@ -391,7 +392,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_loss_scaler *scaler = NULL;
     if (!model_build(ctx, &m, !strcmp(o->model, "cnn")))
         return fail(ctx, rank, "building the model");
-    if (o->profile && !dt_profiling(ctx) && dt_profile_start(ctx, NULL) != DT_OK)
+    if (o->profile && !dt_profile_active(ctx) && dt_profile_start(ctx, NULL) != DT_OK)
         return fail(ctx, rank, "starting the profiler");
     FILE *loss_log = talk && o->loss_log ? fopen(o->loss_log, "w") : NULL;
     if (loss_log)
@@ -402,11 +403,11 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                        : !strcmp(o->amp, "bf16") ? DT_PREC_BF16
                        : !strcmp(o->amp, "fp16") ? DT_PREC_F16
                        : !strcmp(o->amp, "tf32") ? DT_PREC_TF32 : DT_PREC_F32;
-    if (dt_set_autocast(ctx, amp) != DT_OK ||
+    if (dt_ctx_set_autocast(ctx, amp) != DT_OK ||
         (amp == DT_PREC_F16 && !(scaler = dt_loss_scaler_new(ctx, NULL))))
         return fail(ctx, rank, "setting up mixed precision");
-    if (!(train_ds = dt_dataset_fashion_mnist(ctx, o->data, 0)) ||
-        !(test_ds = dt_dataset_fashion_mnist(ctx, o->data, 1))) {
+    if (!(train_ds = fmnist_load(ctx, o->data, 0)) ||
+        !(test_ds = fmnist_load(ctx, o->data, 1))) {
         fail(ctx, rank, "loading the dataset");
         goto done;
     }
@@ -455,7 +456,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
      * each rank then reads only its part */
     struct stat from_st;
     int from_dir = from[0] && stat(from, &from_st) == 0 && S_ISDIR(from_st.st_mode) && comm;
-    if (from[0] && !from_dir && dt_checkpoint_load(ctx, opt, from, &step) != DT_OK)
+    if (from[0] && !from_dir && dt_checkpoint_load(ctx, opt, from, NULL, &step, NULL) != DT_OK)
         goto fail_ctx;
     if (!from[0] && talk && o->resume) {
         printf("resumed from nothing: no checkpoint yet, starting at step 0 (restart %s)\n",
@@ -498,7 +499,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         int64_t b = 0;
         if (epoch == (int)(step / per_epoch))   /* resumed mid-epoch: its first batches are done */
             for (; b < step % per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++)
-                dt_step_reset(ctx);
+                dt_ctx_step_reset(ctx);
         for (; b < per_epoch && dt_loader_next(train_ld, &x, &y) == DT_OK; b++) {
             double tf = cpu_now();
             dt_tensor *logits = model_forward(ctx, &m, x);
@@ -529,7 +530,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                 log_loss(loss_log, dt_now() - t_start, dt_tensor_item(loss));
             correct += c;
             seen += dt_tensor_dim(x, 0);
-            dt_step_reset(ctx);
+            dt_ctx_step_reset(ctx);
             step++;
             if (talk)
                 progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
@@ -564,7 +565,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         all.comm += bd.comm;
         /* the epoch's training numbers over all ranks */
         float sums[3] = {(float)loss_sum, (float)correct, (float)seen};
-        if (comm && dt_allreduce(comm, sums, 3, DT_REDUCE_SUM) != DT_OK)
+        if (comm && dt_comm_allreduce(comm, sums, 3, DT_REDUCE_SUM) != DT_OK)
             goto fail_ctx;
         dt_metrics tm;
         /* zero 3: evaluation on whole parameters (each rank runs its own
@@ -633,7 +634,7 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_ddp *ddp = NULL;
     if (rank < W && !model_build(ctx, &m, !strcmp(o->model, "cnn")))
         return fail(ctx, rank, "building the model");
-    if (o->profile && !dt_profiling(ctx) && dt_profile_start(ctx, NULL) != DT_OK)
+    if (o->profile && !dt_profile_active(ctx) && dt_profile_start(ctx, NULL) != DT_OK)
         return fail(ctx, rank, "starting the profiler");
     dt_ps_config pc;
     dt_ps_config_init(&pc);
@@ -667,8 +668,8 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
             fail(ctx, rank, "serving");
         goto done;
     }
-    if (!(train_ds = dt_dataset_fashion_mnist(ctx, o->data, 0)) ||
-        !(test_ds = dt_dataset_fashion_mnist(ctx, o->data, 1)))
+    if (!(train_ds = fmnist_load(ctx, o->data, 0)) ||
+        !(test_ds = fmnist_load(ctx, o->data, 1)))
         goto fail_ctx;
     dt_ddp_config dc;
     dt_ddp_config_init(&dc);
@@ -706,8 +707,8 @@ static int train_ps(const options *o, dt_ctx *ctx, dt_comm *comm)
             if (!loss || dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
                 goto fail_ctx;
             loss_sum += dt_tensor_item(loss);
-            dt_zero_grad(ctx);
-            dt_step_reset(ctx);
+            dt_ctx_zero_grad(ctx);
+            dt_ctx_step_reset(ctx);
             if (talk && per_epoch < INT64_MAX)
                 progress(tty, epoch + 1, o->epochs, b + 1, per_epoch, loss_sum / (double)(b + 1),
                          (double)((b + 1) * o->batch) / (dt_now() - t0));
@@ -757,7 +758,7 @@ done:
     dt_loader_free(ld);
     dt_dataset_free(train_ds);
     dt_dataset_free(test_ds);
-    if (ok && dt_barrier(comm) != DT_OK)   /* rank 0 hosts the store: leave together */
+    if (ok && dt_comm_barrier(comm) != DT_OK)   /* rank 0 hosts the store: leave together */
         ok = fail(ctx, rank, "leaving");
     return ok;
 }
@@ -765,8 +766,8 @@ done:
 /* This process's part: one rank of a job (world > 1) or the whole run. */
 static int run_rank(const options *o)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.threads = o->threads;
     cfg.seed = o->seed;
     if (o->backend)
@@ -792,7 +793,7 @@ static int run_rank(const options *o)
         dt_monitor_config mc;
         dt_monitor_config_init(&mc);
         mc.listen = o->monitor;
-        if (!(monitor = dt_monitor_start(ctx, comm, &mc)))
+        if (!(monitor = dt_monitor_new(ctx, comm, &mc)))
             ok = fail(ctx, comm ? dt_comm_rank(comm) : 0, "starting the monitor");
         else if (dt_monitor_port(monitor) >= 0)
             printf("monitor: http://127.0.0.1:%d/ (metrics at /metrics)\n", dt_monitor_port(monitor));
@@ -802,7 +803,7 @@ static int run_rank(const options *o)
         ok = fail(ctx, 0, "--servers needs a job of several ranks");
     else if (ok)
         ok = o->servers ? train_ps(o, ctx, comm) : train(o, ctx, comm);
-    dt_monitor_stop(monitor);
+    dt_monitor_free(monitor);
     monitor = NULL;
     dt_comm_free(comm);
     dt_ctx_free(ctx);

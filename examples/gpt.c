@@ -139,7 +139,7 @@ static int gpt_init(dt_ctx *ctx, gpt *m)
     float std = 0.02f, proj_std = 0.02f / sqrtf(2.0f * (float)m->layers);
     if (!(m->wte = dt_embedding_params(ctx, "wte", m->vocab, C)) ||
         !(m->wpe = dt_embedding_params(ctx, "wpe", m->context, C)) ||
-        dt_init_normal(ctx, m->wte, 0, std) != DT_OK || dt_init_normal(ctx, m->wpe, 0, std) != DT_OK)
+        dt_tensor_init_normal(ctx, m->wte, 0, std) != DT_OK || dt_tensor_init_normal(ctx, m->wpe, 0, std) != DT_OK)
         return 0;
     m->h = calloc((size_t)m->layers, sizeof *m->h);
     m->run = calloc((size_t)m->layers, sizeof *m->run);
@@ -159,7 +159,7 @@ static int gpt_init(dt_ctx *ctx, gpt *m)
         for (int k = 0; k < 4; k++) {
             snprintf(nm, sizeof nm, "h.%d.%s", l, lin[k].name);
             if (dt_linear_params(ctx, nm, lin[k].in, lin[k].out, 1, lin[k].w, lin[k].b) != DT_OK ||
-                dt_init_normal(ctx, *lin[k].w, 0, lin[k].std) != DT_OK ||
+                dt_tensor_init_normal(ctx, *lin[k].w, 0, lin[k].std) != DT_OK ||
                 dt_tensor_fill(*lin[k].b, 0.0f) != DT_OK)
                 return 0;
         }
@@ -247,7 +247,7 @@ static dt_loader *make_loader(dt_ctx *ctx, const dt_dataset *ds, const options *
 /* The mean loss over the first n batches of the validation windows. */
 static double val_loss(dt_ctx *ctx, gpt *m, dt_loader *ld, int n)
 {
-    dt_set_grad_enabled(ctx, 0);
+    dt_ctx_set_grad_enabled(ctx, 0);
     dt_loader_start_epoch(ld, 0);
     double sum = 0;
     int k = 0;
@@ -258,9 +258,9 @@ static double val_loss(dt_ctx *ctx, gpt *m, dt_loader *ld, int n)
             break;
         sum += dt_tensor_item(loss);
         k++;
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
-    dt_set_grad_enabled(ctx, 1);
+    dt_ctx_set_grad_enabled(ctx, 1);
     return k ? sum / k : NAN;
 }
 
@@ -276,7 +276,7 @@ static void sample(dt_ctx *ctx, gpt *m, int n, uint64_t seed)
     if (!text || !all)
         goto done;
     text[0] = '\n';
-    dt_set_grad_enabled(ctx, 0);
+    dt_ctx_set_grad_enabled(ctx, 0);
     for (int i = 0; i < n; i++) {
         int start = len > m->context ? len - m->context : 0, T = len - start;
         int64_t shape[2] = {1, T};
@@ -300,10 +300,10 @@ static void sample(dt_ctx *ctx, gpt *m, int n, uint64_t seed)
             c++;
         putchar(c);
         text[len++] = c;
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     putchar('\n');
-    dt_set_grad_enabled(ctx, 1);
+    dt_ctx_set_grad_enabled(ctx, 1);
 done:
     free(text);
     free(all);
@@ -405,7 +405,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     dt_precision amp = !o->amp                   ? DT_PREC_F32
                        : !strcmp(o->amp, "bf16") ? DT_PREC_BF16
                        : !strcmp(o->amp, "fp16") ? DT_PREC_F16 : DT_PREC_TF32;
-    if (dt_set_autocast(ctx, amp) != DT_OK ||
+    if (dt_ctx_set_autocast(ctx, amp) != DT_OK ||
         (amp == DT_PREC_F16 && !(scaler = dt_loss_scaler_new(ctx, NULL)))) {
         fail(ctx, "setting up mixed precision");
         goto done;
@@ -442,7 +442,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
                o->params == DT_BF16 ? ", bf16 parameters (f32 masters)"
                : o->params == DT_F16 ? ", fp16 parameters (f32 masters)" : "",
                o->moments == DT_BF16 ? ", bf16 moments" : "");
-    if (rank == 0 && o->save_init && dt_checkpoint_save(ctx, NULL, o->save_init, 0) != DT_OK) {
+    if (rank == 0 && o->save_init && dt_checkpoint_save(ctx, NULL, o->save_init, 0, NULL) != DT_OK) {
         fail(ctx, "saving the initial weights");
         goto done;
     }
@@ -480,7 +480,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
             dt_monitor_log(monitor, "lr", step, o->lr);
         }
         dt_optim_zero_grad(opt);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         if (step == 5)   /* the timing starts after 5 warm-up steps */
             t5 = dt_now(), eval_s = 0;
         if (o->seconds > 0 && dt_now() - t0 - eval_all >= o->seconds)
@@ -508,7 +508,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
     if (dump)
         fclose(dump);
     /* profiling (DTRAIN_PROFILE=1): every rank joins, rank 0 prints the report */
-    if (dt_profiling(ctx) && dt_profile_finish(ctx, comm, NULL) != DT_OK) {
+    if (dt_profile_active(ctx) && dt_profile_stop(ctx, comm, NULL) != DT_OK) {
         fail(ctx, "finishing the profile");
         goto done;
     }
@@ -527,7 +527,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         printf("loss scale %g, %lld steps skipped for overflow\n",
                (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));
     if (rank == 0 && o->save && !(o->zero && ddp) &&
-        dt_checkpoint_save(ctx, opt, o->save, o->steps) != DT_OK) {
+        dt_checkpoint_save(ctx, opt, o->save, o->steps, NULL) != DT_OK) {
         fail(ctx, "saving");
         goto done;
     }
@@ -535,7 +535,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         printf("sample:\n");
         sample(ctx, &m, o->sample, o->seed);
     }
-    ok = !comm || dt_barrier(comm) == DT_OK;
+    ok = !comm || dt_comm_barrier(comm) == DT_OK;
 done:
     dt_loss_scaler_free(scaler);
     dt_ddp_free(ddp);
@@ -647,8 +647,8 @@ static int parse_args(int argc, char **argv, options *o)
 
 static int run_rank(const options *o)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.threads = o->threads;
     cfg.seed = o->seed;
     if (o->backend)
@@ -668,7 +668,7 @@ static int run_rank(const options *o)
         dt_monitor_config mc;
         dt_monitor_config_init(&mc);
         mc.listen = o->monitor;
-        if (!(monitor = dt_monitor_start(ctx, comm, &mc)))
+        if (!(monitor = dt_monitor_new(ctx, comm, &mc)))
             ok = fail(ctx, "starting the monitor");
         else if (dt_monitor_port(monitor) >= 0)
             printf("monitor: http://127.0.0.1:%d/ (metrics at /metrics)\n", dt_monitor_port(monitor));
@@ -676,7 +676,7 @@ static int run_rank(const options *o)
     }
     if (ok)
         ok = train(o, ctx, comm);
-    dt_monitor_stop(monitor);
+    dt_monitor_free(monitor);
     monitor = NULL;
     dt_comm_free(comm);
     dt_ctx_free(ctx);

@@ -8,17 +8,18 @@
  *   build/dtrun -n 4 build/pipeline_mnist --stages 2 --replicas 2   (any launcher)
  *   build/pipeline_mnist --stages 1                  (one process: the unsplit model)
  *
- * The layers are split between the stages by measured time (dt_layer_times,
+ * The layers are split between the stages by measured time (dt_profile_layer_times,
  * dt_pipe_partition), not by count.  Every rank starts from the same seeded
  * weights and keeps only its stage's layers.  Job rank r is stage r % S of
  * replica r / S.  Each replica trains on its shard of every epoch, and the
  * replicas of a stage average their gradients (dt_ddp over a group).
- * Evaluation also runs through the stages, forward only, with dt_send and
- * dt_recv.  Rank 0 prints the split, the loss, each stage's bubble, and last
+ * Evaluation also runs through the stages, forward only, with dt_comm_send and
+ * dt_comm_recv.  Rank 0 prints the split, the loss, each stage's bubble, and last
  * "test accuracy: NN.NN%".
  */
 #include "dtrain.h"
 #include "args.h"
+#include "fmnist.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,7 +62,7 @@ static dt_tensor *stage_fn(dt_ctx *ctx, dt_tensor *x, dt_tensor *y, void *user)
     return s->hi == NL ? dt_cross_entropy(ctx, h, y) : h;
 }
 
-/* For dt_layer_times: layer i alone. */
+/* For dt_profile_layer_times: layer i alone. */
 typedef struct one_layer { const stage *s; int i; } one_layer;
 static dt_tensor *layer_fn(dt_ctx *ctx, dt_tensor *x, void *user)
 {
@@ -83,8 +84,8 @@ static int make_layers(dt_ctx *ctx, stage *s, int lo, int hi, const stage *from)
         if (!s->w[i] || !s->b[i])
             return 0;
         if (!from) {
-            if (dt_init_kaiming_uniform(ctx, s->w[i], 2.2360680f) != DT_OK ||
-                dt_init_bias(ctx, s->b[i], width[i]) != DT_OK)
+            if (dt_tensor_init_kaiming_uniform(ctx, s->w[i], 2.2360680f) != DT_OK ||
+                dt_tensor_init_bias(ctx, s->b[i], width[i]) != DT_OK)
                 return 0;
             continue;
         }
@@ -114,12 +115,12 @@ static int split_layers(const options *o, dt_ctx *ctx, dt_comm *job, const stage
         fns[i] = layer_fn;
         users[i] = &ls[i];
     }
-    if (dt_layer_times(ctx, NULL, fns, users, NL, sample, 5, ms) != DT_OK)
+    if (dt_profile_layer_times(ctx, NULL, fns, users, NL, sample, 5, ms) != DT_OK)
         return 0;
     float f[NL];
     for (int i = 0; i < NL; i++)
         f[i] = (float)ms[i];
-    if (job && dt_allreduce(job, f, NL, DT_REDUCE_AVG) != DT_OK)
+    if (job && dt_comm_allreduce(job, f, NL, DT_REDUCE_AVG) != DT_OK)
         return 0;
     for (int i = 0; i < NL; i++)
         ms[i] = f[i];
@@ -146,13 +147,13 @@ static int evaluate(const options *o, dt_ctx *ctx, dt_comm *pipe, const stage *s
     int st = pipe ? dt_comm_rank(pipe) : 0, last = s->hi == NL, ok = ld != NULL;
     float *buf = malloc(sizeof(float) * 500 * 512);
     dt_tensor *x, *y;
-    dt_set_grad_enabled(ctx, 0);
+    dt_ctx_set_grad_enabled(ctx, 0);
     while (ok && buf && dt_loader_next(ld, &x, &y) == DT_OK) {
         int64_t rows = dt_tensor_dim(x, 0), in = width[s->lo], out = width[s->hi];
         dt_tensor *h = x;
         if (st > 0) {   /* the previous stage's activations */
             h = dt_tensor_temp(ctx, DT_F32, 2, (const int64_t[]){rows, in});
-            ok = h && dt_recv(pipe, buf, rows * in, st - 1) == DT_OK &&
+            ok = h && dt_comm_recv(pipe, buf, rows * in, st - 1) == DT_OK &&
                  dt_tensor_set(h, buf, rows * in) == DT_OK;
         }
         h = ok ? stage_forward(ctx, s, h) : NULL;
@@ -163,11 +164,11 @@ static int evaluate(const options *o, dt_ctx *ctx, dt_comm *pipe, const stage *s
             ok = dt_count_correct(ctx, h, y, &c) == DT_OK;
         else
             ok = dt_tensor_get(h, buf, rows * out) == DT_OK &&
-                 dt_send(pipe, buf, rows * out, st + 1) == DT_OK;
+                 dt_comm_send(pipe, buf, rows * out, st + 1) == DT_OK;
         *correct += c;
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
-    dt_set_grad_enabled(ctx, 1);
+    dt_ctx_set_grad_enabled(ctx, 1);
     free(buf);
     dt_loader_free(ld);
     return ok;
@@ -188,14 +189,14 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *job)
         return fail(ctx, rank, "making the pipeline's group");
     if (job && o->replicas > 1 && !(dp = dt_comm_split(job, st, replica, NULL)))
         return fail(ctx, rank, "making the replicas' group");
-    dt_dataset *train_ds = dt_dataset_fashion_mnist(ctx, o->data, 0);
-    dt_dataset *test_ds = train_ds ? dt_dataset_fashion_mnist(ctx, o->data, 1) : NULL;
+    dt_dataset *train_ds = fmnist_load(ctx, o->data, 0);
+    dt_dataset *test_ds = train_ds ? fmnist_load(ctx, o->data, 1) : NULL;
     if (!test_ds)
         return fail(ctx, rank, "loading the dataset");
     /* the whole model, seeded, in a context of its own: to time the layers
      * and to copy this stage's starting weights from */
-    dt_config pc;
-    dt_config_init(&pc);
+    dt_ctx_config pc;
+    dt_ctx_config_init(&pc);
     pc.seed = o->seed;
     dt_ctx *probe = dt_ctx_new(&pc);
     stage full = {0}, mine = {0};
@@ -204,7 +205,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *job)
                                               (const int64_t[]){o->batch / o->micro, 1, 28, 28})
                               : NULL;
     int ok = sample && make_layers(probe, &full, 0, NL, NULL) &&
-             dt_init_normal(probe, sample, 0, 1) == DT_OK &&
+             dt_tensor_init_normal(probe, sample, 0, 1) == DT_OK &&
              (S == 1 || split_layers(o, probe, job, &full, sample, first)) &&
              make_layers(ctx, &mine, first[st], first[st + 1], &full);
     if (!ok) {
@@ -261,8 +262,8 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *job)
             }
             ok = ok && (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) == DT_OK;
             loss_sum += loss;
-            dt_zero_grad(ctx);
-            dt_step_reset(ctx);
+            dt_ctx_zero_grad(ctx);
+            dt_ctx_step_reset(ctx);
         }
         if (!ok)
             fail(ctx, rank, "training");
@@ -289,7 +290,7 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *job)
         tot[3 + 3 * rank] = (float)ps.bubble_ideal;
         tot[4 + 3 * rank] = (float)ps.in_flight_peak;
     }
-    if (job && dt_allreduce(job, tot, 2 + 3 * n, DT_REDUCE_SUM) != DT_OK)
+    if (job && dt_comm_allreduce(job, tot, 2 + 3 * n, DT_REDUCE_SUM) != DT_OK)
         ok = fail(ctx, rank, "summing the test results");
     for (int r = 0; ok && p && rank == 0 && r < n; r++)
         printf("stage %d of replica %d: bubble %.1f%% of the step (ideal %.1f%%), held at most "

@@ -179,9 +179,9 @@ static int model_build(dt_ctx *ctx, model *m, int dim)
     m->b1 = dt_param_new(ctx, "fc1.bias", 1, (int64_t[]){HIDDEN});
     m->w2 = dt_param_new(ctx, "fc2.weight", 2, (int64_t[]){2, HIDDEN});
     m->b2 = dt_param_new(ctx, "fc2.bias", 1, (int64_t[]){2});
-    return m->w1 && m->b1 && m->w2 && m->b2 && dt_init_kaiming_uniform(ctx, m->w1, sqrtf(5)) == DT_OK &&
-           dt_init_bias(ctx, m->b1, in) == DT_OK && dt_init_kaiming_uniform(ctx, m->w2, sqrtf(5)) == DT_OK &&
-           dt_init_bias(ctx, m->b2, HIDDEN) == DT_OK;
+    return m->w1 && m->b1 && m->w2 && m->b2 && dt_tensor_init_kaiming_uniform(ctx, m->w1, sqrtf(5)) == DT_OK &&
+           dt_tensor_init_bias(ctx, m->b1, in) == DT_OK && dt_tensor_init_kaiming_uniform(ctx, m->w2, sqrtf(5)) == DT_OK &&
+           dt_tensor_init_bias(ctx, m->b2, HIDDEN) == DT_OK;
 }
 
 /* Logits (n, 2) of a batch whose rows are in b->rows. */
@@ -285,7 +285,7 @@ static int evaluate(const options *o, dt_ctx *ctx, dt_ps *ps, model *m, batch *b
             correct += (p > 0.5) == y;
             pr[lo + i] = (pred){(float)p, y};
         }
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     out[0] = loss / (double)o->test;
     out[1] = (double)correct / (double)o->test;
@@ -339,8 +339,8 @@ static int train_worker(const options *o, dt_ctx *ctx, dt_ps *ps, model *m, int 
             goto fail_ctx;
         loss_sum += dt_tensor_item(loss);
         seen += cur.n;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
         if (have_next && !o->prefetch && pull_rows(ps, &next, 0) != DT_OK)
             goto fail_ctx;
         batch t = cur;
@@ -382,8 +382,8 @@ out:
 
 static int run_rank(const options *o)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = o->seed;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     dt_dist_env env;
@@ -428,7 +428,7 @@ static int run_rank(const options *o)
         dt_tensor_free(m.rows);
     }
     dt_ps_free(ps);
-    if (comm && ok && dt_barrier(comm) != DT_OK)   /* rank 0 hosts the store: leave together */
+    if (comm && ok && dt_comm_barrier(comm) != DT_OK)   /* rank 0 hosts the store: leave together */
         ok = fail(ctx, env.rank, "leaving");
     dt_comm_free(comm);
     dt_ctx_free(ctx);

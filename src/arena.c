@@ -5,7 +5,7 @@
  *
  * Step tensors and tape nodes are bump-allocated from chunked arenas.  When
  * a step needs more than the arena holds, a new chunk is added (a heap
- * allocation); at dt_step_reset an arena with several chunks is replaced by
+ * allocation); at dt_ctx_step_reset an arena with several chunks is replaced by
  * one chunk of the combined size.  After a step or two the arena fits the
  * whole step and training allocates nothing (tests/ checks this with a
  * counting allocator).
@@ -78,7 +78,7 @@ static size_t arena_total(const dt_ctx *ctx)
            ctx->scratch_host.capacity;
 }
 
-/* Growing by *want bytes (n at least) would pass dt_config.arena_max_bytes:
+/* Growing by *want bytes (n at least) would pass dt_ctx_config.arena_max_bytes:
  * less if n fits, else refused with the reason as the context's error
  * (ctx->arena_refused: step_new keeps it) -- 1. */
 static int arena_over_cap(dt_ctx *ctx, size_t *want, size_t n)
@@ -91,22 +91,22 @@ static int arena_over_cap(dt_ctx *ctx, size_t *want, size_t n)
         return 0;
     }
     set_error(ctx, DT_ENOMEM, "step arena: %zu MiB more of step tensors would pass its cap of %zu "
-              "MiB (dt_config.arena_max_bytes); %d backward passes since the last dt_step_reset: "
-              "step tensors live until dt_step_reset, so call it after each step",
+              "MiB (dt_ctx_config.arena_max_bytes); %d backward passes since the last dt_ctx_step_reset: "
+              "step tensors live until dt_ctx_step_reset, so call it after each step",
               (n + ((size_t)1 << 20) - 1) >> 20, max >> 20, ctx->backwards);
     ctx->arena_refused = 1;
     return 1;
 }
 
-/* The arena grew: after many backward passes with no dt_step_reset, that is
+/* The arena grew: after many backward passes with no dt_ctx_step_reset, that is
  * most likely a loop that never calls it. */
 static void arena_grew(dt_ctx *ctx)
 {
     if (ctx->backwards < DT_ARENA_WARN_BACKWARDS || ctx->arena_warned)
         return;
     ctx->arena_warned = 1;
-    ctx_warn(ctx, "the step arena grew to %zu MiB over %d backward passes without dt_step_reset: "
-         "step tensors live until dt_step_reset, so call it after each step",
+    ctx_warn(ctx, "the step arena grew to %zu MiB over %d backward passes without dt_ctx_step_reset: "
+         "step tensors live until dt_ctx_step_reset, so call it after each step",
          arena_total(ctx) >> 20, ctx->backwards);
 }
 
@@ -254,7 +254,7 @@ DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n)
     return p;   /* a->used (the bump extent, what the step touched) is unchanged */
 }
 
-void dt_step_reset(dt_ctx *ctx)
+void dt_ctx_step_reset(dt_ctx *ctx)
 {
     if (!ctx)
         return;
@@ -285,7 +285,7 @@ void dt_mem_stats_get(const dt_ctx *ctx, dt_mem_stats *out)
                        ctx->scratch_host.grows;
 }
 
-void dt_mem_reset_peak(dt_ctx *ctx)
+void dt_mem_peak_reset(dt_ctx *ctx)
 {
     if (!ctx)
         return;

@@ -122,7 +122,7 @@ DT_PRIVATE int grad_needed(const dt_tensor *t) { return t && (t->flags & T_REQGR
  * runs newest first and every reader of n->out comes after n), so its
  * memory goes back to the arena for the gradients still to come, as
  * PyTorch frees a non-leaf's grad.  Kept: leaves, persistent tensors,
- * outputs a later node re-recorded, and dt_retain_grad's. */
+ * outputs a later node re-recorded, and dt_tensor_retain_grad's. */
 static void grad_release(dt_ctx *ctx, dt_node *n)
 {
     dt_tensor *t = n->out, *g = t->grad;

@@ -471,12 +471,7 @@ static dt_status ckpt_meta_ok(dt_ctx *ctx, const dt_checkpoint_config *cfg)
     return DT_OK;
 }
 
-dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step)
-{
-    return dt_checkpoint_save_ex(ctx, opt, path, step, NULL);
-}
-
-static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+static dt_status ckpt_save_run(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
                                 const dt_checkpoint_config *cfg)
 {
     if (!ctx_ok(ctx))
@@ -520,13 +515,13 @@ static dt_status ckpt_save_ex_run(dt_ctx *ctx, const dt_optim *opt, const char *
     return s;
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
-dt_status dt_checkpoint_save_ex(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
+/* (what peers waiting on this rank see: dt_ctx_activity) */
+dt_status dt_checkpoint_save(dt_ctx *ctx, const dt_optim *opt, const char *path, int64_t step,
                                 const dt_checkpoint_config *cfg)
 {
     dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
     int act = ctx_doing(actx, ACT_CKPT_SAVE);
-    dt_status s = ckpt_save_ex_run(ctx, opt, path, step, cfg);
+    dt_status s = ckpt_save_run(ctx, opt, path, step, cfg);
     ctx_done(actx, act);
     return s;
 }
@@ -1185,7 +1180,7 @@ static dt_status st_open(dt_ctx *ctx, const char *path, unsigned char **buf, siz
 }
 
 /* Every entry's data against its checksum; a file without any (another
- * tool's) is loaded with a note (dt_set_log). */
+ * tool's) is loaded with a note (dt_ctx_set_log). */
 static dt_status st_verify(dt_ctx *ctx, const char *path, const st_file *f,
                            const unsigned char *data)
 {
@@ -1272,12 +1267,7 @@ static dt_status st_copy(dt_ctx *ctx, dt_tensor *t, const st_entry *e, const uns
 static dt_status ckpt_load_sharded(dt_ctx *ctx, dt_optim *opt, const char *dir, int64_t *step_out);
 static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step);
 
-dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path, int64_t *step_out)
-{
-    return dt_checkpoint_load_ex(ctx, opt, path, NULL, step_out, NULL);
-}
-
-static dt_status ckpt_load_ex_run(dt_ctx *ctx, dt_optim *opt, const char *path,
+static dt_status ckpt_load_run(dt_ctx *ctx, dt_optim *opt, const char *path,
                                 const dt_checkpoint_config *cfg, int64_t *step_out,
                                 dt_checkpoint_report *report)
 {
@@ -1386,14 +1376,14 @@ done:
     return s;
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
-dt_status dt_checkpoint_load_ex(dt_ctx *ctx, dt_optim *opt, const char *path,
+/* (what peers waiting on this rank see: dt_ctx_activity) */
+dt_status dt_checkpoint_load(dt_ctx *ctx, dt_optim *opt, const char *path,
                                 const dt_checkpoint_config *cfg, int64_t *step_out,
                                 dt_checkpoint_report *report)
 {
     dt_ctx *actx = ctx_ok(ctx) ? ctx : NULL;
     int act = ctx_doing(actx, ACT_CKPT_LOAD);
-    dt_status s = ckpt_load_ex_run(ctx, opt, path, cfg, step_out, report);
+    dt_status s = ckpt_load_run(ctx, opt, path, cfg, step_out, report);
     ctx_done(actx, act);
     return s;
 }

@@ -23,7 +23,7 @@
  * ring's halves.  Messages above DT_COMM_CHUNK bytes go in chunks.
  * ======================================================================== */
 
-/* One dt_send / dt_recv / dt_sendrecv: a send to dst and a receive from src
+/* One dt_comm_send / dt_comm_recv / dt_comm_sendrecv: a send to dst and a receive from src
  * (either may be absent), posted together so an exchange cannot deadlock.
  * Tags: the check bits say "point to point" (no collective has them), the
  * sequence is the pair's message count, so the k-th send from a rank meets
@@ -1729,7 +1729,7 @@ static int op_ok(dt_comm *c, const char *name, dt_reduce_op op)
     return 1;
 }
 
-dt_work *dt_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
+dt_work *dt_comm_allreduce_async(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
 {
     if (!coll_args_ok(c, "allreduce", buf, n) || !op_ok(c, "allreduce", op))
         return NULL;
@@ -1836,7 +1836,7 @@ static dt_status run_collective(dt_comm *c, int kind, float *buf, const float *i
     return comm_run_in(c, kind, buf, in, n, root, op, NULL);
 }
 
-dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
+dt_status dt_comm_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
 {
     if (!c)
         return DT_EINVAL;
@@ -1845,7 +1845,7 @@ dt_status dt_allreduce(dt_comm *c, float *buf, int64_t n, dt_reduce_op op)
     return run_collective(c, COLL_ALLREDUCE, buf, NULL, n, 0, op);
 }
 
-dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root)
+dt_status dt_comm_broadcast(dt_comm *c, float *buf, int64_t n, int root)
 {
     if (!coll_args_ok(c, "broadcast", buf, n))
         return DT_EINVAL;
@@ -1855,14 +1855,14 @@ dt_status dt_broadcast(dt_comm *c, float *buf, int64_t n, int root)
     return run_collective(c, COLL_BROADCAST, buf, NULL, n, root, DT_REDUCE_SUM);
 }
 
-dt_status dt_allgather(dt_comm *c, const float *in, int64_t n, float *out)
+dt_status dt_comm_allgather(dt_comm *c, const float *in, int64_t n, float *out)
 {
     if (!coll_args_ok(c, "allgather", in, n) || !coll_args_ok(c, "allgather", out, n))
         return DT_EINVAL;
     return run_collective(c, COLL_ALLGATHER, out, in, n, 0, DT_REDUCE_SUM);
 }
 
-dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, dt_reduce_op op)
+dt_status dt_comm_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, dt_reduce_op op)
 {
     if (!coll_args_ok(c, "reduce_scatter", in, n) || !coll_args_ok(c, "reduce_scatter", out, n) ||
         !op_ok(c, "reduce_scatter", op))
@@ -1870,14 +1870,14 @@ dt_status dt_reduce_scatter(dt_comm *c, const float *in, int64_t n, float *out, 
     return run_collective(c, COLL_REDUCE_SCATTER, out, in, n, 0, op);
 }
 
-dt_status dt_alltoall(dt_comm *c, const float *in, int64_t n, float *out)
+dt_status dt_comm_alltoall(dt_comm *c, const float *in, int64_t n, float *out)
 {
     if (!coll_args_ok(c, "alltoall", in, n) || !coll_args_ok(c, "alltoall", out, n))
         return DT_EINVAL;
     return run_collective(c, COLL_ALLTOALL, out, in, n, 0, DT_REDUCE_SUM);
 }
 
-dt_status dt_barrier(dt_comm *c)
+dt_status dt_comm_barrier(dt_comm *c)
 {
     if (!c)
         return DT_EINVAL;
@@ -1909,17 +1909,17 @@ DT_PRIVATE dt_status comm_p2p_run(dt_comm *c, const float *send, int64_t ns, int
                              DT_REDUCE_SUM, &call);
 }
 
-dt_status dt_send(dt_comm *c, const float *buf, int64_t n, int dst)
+dt_status dt_comm_send(dt_comm *c, const float *buf, int64_t n, int dst)
 {
     return comm_p2p_run(c, buf, n, dst < 0 ? INT32_MAX : dst, NULL, 0, -1);
 }
 
-dt_status dt_recv(dt_comm *c, float *buf, int64_t n, int src)
+dt_status dt_comm_recv(dt_comm *c, float *buf, int64_t n, int src)
 {
     return comm_p2p_run(c, NULL, 0, -1, buf, n, src < 0 ? INT32_MAX : src);
 }
 
-dt_status dt_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv, int64_t nr,
+dt_status dt_comm_sendrecv(dt_comm *c, const float *send, int64_t ns, int dst, float *recv, int64_t nr,
                       int src)
 {
     return comm_p2p_run(c, send, ns, dst < 0 ? INT32_MAX : dst, recv, nr, src < 0 ? INT32_MAX : src);

@@ -23,7 +23,7 @@ size_t dt_struct_size(const char *name)
         size_t size;
     } sizes[] = {
         {"dt_allocator", sizeof(dt_allocator)},
-        {"dt_config", sizeof(dt_config)},
+        {"dt_ctx_config", sizeof(dt_ctx_config)},
         {"dt_mem_stats", sizeof(dt_mem_stats)},
         {"dt_optim_config", sizeof(dt_optim_config)},
         {"dt_param_group", sizeof(dt_param_group)},
@@ -98,7 +98,7 @@ DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
 const char *dt_last_error(const dt_ctx *ctx) { return ctx ? ctx->err : "context is NULL"; }
 const char *dt_last_warning(const dt_ctx *ctx) { return ctx ? ctx->warning : ""; }
 
-void dt_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
+void dt_ctx_set_log(dt_ctx *ctx, dt_log_fn fn, void *user)
 {
     if (!ctx)
         return;
@@ -191,7 +191,7 @@ DT_PRIVATE void ctx_activity_copy(dt_ctx *ctx, char *out, size_t cap)
     pthread_mutex_unlock(&ctx->warn_mu);
 }
 
-dt_status dt_set_activity(dt_ctx *ctx, const char *what)
+dt_status dt_ctx_set_activity(dt_ctx *ctx, const char *what)
 {
     if (!ctx)
         return DT_EINVAL;
@@ -207,7 +207,7 @@ dt_status dt_set_activity(dt_ctx *ctx, const char *what)
     return DT_OK;
 }
 
-const char *dt_activity(dt_ctx *ctx)
+const char *dt_ctx_activity(dt_ctx *ctx)
 {
     if (!ctx)
         return "";
@@ -266,7 +266,7 @@ DT_PRIVATE char *host_strdup(dt_ctx *ctx, const char *s)
     return p;
 }
 
-void dt_config_init(dt_config *cfg)
+void dt_ctx_config_init(dt_ctx_config *cfg)
 {
     if (!cfg)
         return;
@@ -409,16 +409,16 @@ DT_PRIVATE void ctx_arena_init(dt_arena *a, int on_device, size_t min_chunk)
     a->on_device = on_device;
     a->min_chunk = min_chunk;
 }
-void dt_seed(dt_ctx *ctx, uint64_t seed);
+void dt_ctx_seed(dt_ctx *ctx, uint64_t seed);
 
-dt_ctx *dt_ctx_new(const dt_config *cfg_in)
+dt_ctx *dt_ctx_new(const dt_ctx_config *cfg_in)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     char bad_cfg[320] = "";   /* a refused cfg_in: a context of defaults that says why */
-    if (cfg_in && !ctx_config_read(&cfg, sizeof cfg, cfg_in, "ctx_new", "dt_config", bad_cfg,
+    if (cfg_in && !ctx_config_read(&cfg, sizeof cfg, cfg_in, "ctx_new", "dt_ctx_config", bad_cfg,
                                    sizeof bad_cfg))
-        dt_config_init(&cfg);
+        dt_ctx_config_init(&cfg);
     dt_allocator al = cfg.allocator;
     if (!al.malloc_fn || !al.free_fn || !al.realloc_fn) {
         /* all three hooks or none: mixing allocators would free foreign memory */
@@ -451,7 +451,7 @@ dt_ctx *dt_ctx_new(const dt_config *cfg_in)
     ctx_arena_init(&ctx->scratch_host, 0, (size_t)64 << 10);
     ctx->cur_dev = &ctx->dev;
     ctx->cur_host = &ctx->host;
-    dt_seed(ctx, cfg.seed);
+    dt_ctx_seed(ctx, cfg.seed);
     prof_init(ctx);
 
     if (bad_cfg[0]) {
@@ -572,12 +572,12 @@ const char *dt_backend_name(const dt_ctx *ctx)
     return ctx && ctx->be_iface ? ctx->be_iface->name : "";
 }
 int dt_ctx_threads(const dt_ctx *ctx) { return ctx ? ctx->threads : 0; }
-void dt_set_grad_enabled(dt_ctx *ctx, int e) { if (ctx) ctx->grad_enabled = e != 0; }
-int dt_grad_enabled(const dt_ctx *ctx) { return ctx ? ctx->grad_enabled : 0; }
-void dt_set_training(dt_ctx *ctx, int t) { if (ctx) ctx->training = t != 0; }
-int dt_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
+void dt_ctx_set_grad_enabled(dt_ctx *ctx, int e) { if (ctx) ctx->grad_enabled = e != 0; }
+int dt_ctx_grad_enabled(const dt_ctx *ctx) { return ctx ? ctx->grad_enabled : 0; }
+void dt_ctx_set_training(dt_ctx *ctx, int t) { if (ctx) ctx->training = t != 0; }
+int dt_ctx_training(const dt_ctx *ctx) { return ctx ? ctx->training : 0; }
 
-dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
+dt_status dt_ctx_set_autocast(dt_ctx *ctx, dt_precision p)
 {
     if (!ctx_ok(ctx))   /* a failed context has no backend to ask */
         return DT_EINVAL;
@@ -590,7 +590,7 @@ dt_status dt_set_autocast(dt_ctx *ctx, dt_precision p)
     return DT_OK;
 }
 
-dt_precision dt_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
+dt_precision dt_ctx_autocast(const dt_ctx *ctx) { return ctx ? ctx->autocast : DT_PREC_F32; }
 
 /* --- the backend, as the other modules reach it ---------------------------- */
 

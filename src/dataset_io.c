@@ -140,39 +140,6 @@ fail:
     return NULL;
 }
 
-/* path of dir/name, preferring the .gz file when both could exist */
-static void dataset_path(char *out, size_t cap, const char *dir, const char *name)
-{
-    snprintf(out, cap, "%s/%s.gz", dir, name);
-    if (access(out, R_OK) != 0)
-        snprintf(out, cap, "%s/%s", dir, name);
-}
-
-dt_dataset *dt_dataset_fashion_mnist(dt_ctx *ctx, const char *dir, int split)
-{
-    if (!ctx_ok(ctx))
-        return NULL;
-    if (split != 0 && split != 1) {
-        set_error(ctx, DT_EINVAL, "dataset: split must be 0 (train) or 1 (test), got %d", split);
-        return NULL;
-    }
-    if (!dir)
-        dir = "/usr/share/datasets/fashion-mnist";
-    char img[4096], lab[4096];
-    const char *pre = split ? "t10k" : "train";
-    char iname[64], lname[64];
-    snprintf(iname, sizeof iname, "%s-images-idx3-ubyte", pre);
-    snprintf(lname, sizeof lname, "%s-labels-idx1-ubyte", pre);
-    dataset_path(img, sizeof img, dir, iname);
-    dataset_path(lab, sizeof lab, dir, lname);
-    if (access(img, R_OK) != 0) {
-        set_error(ctx, DT_EIO, "dataset: Fashion-MNIST not found in %s (install Debian's "
-                               "dataset-fashion-mnist: apt-get install dataset-fashion-mnist)", dir);
-        return NULL;
-    }
-    return dt_dataset_load_idx(ctx, img, lab);
-}
-
 /* --- NumPy .npy ------------------------------------------------------------ */
 
 #define NPY_MAX_HEADER ((size_t)1 << 20)

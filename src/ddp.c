@@ -320,7 +320,7 @@ static void ddp_launch(dt_ddp *d, ddp_bucket *b)
     } else if (d->cfg.compress != DT_COMPRESS_NONE) {
         b->work = ddp_launch_compressed(d, b, d->set + b->offset, flags);
     } else {
-        b->work = dt_allreduce_async(d->comm, d->set + b->offset, b->numel + b->count,
+        b->work = dt_comm_allreduce_async(d->comm, d->set + b->offset, b->numel + b->count,
                                      DT_REDUCE_AVG);
         d->st.payload_bytes += (uint64_t)b->numel * sizeof(float);
     }
@@ -351,7 +351,7 @@ static void ddp_reduce_whole(dt_ddp *d)
     uint64_t ticket = ddp_stage_out(d, 0, d->grad_floats);
     if (ticket)
         d->be_iface->copy_wait(d->be, ticket);
-    dt_status s = dt_allreduce(d->comm, d->set, d->set_floats, DT_REDUCE_AVG);
+    dt_status s = dt_comm_allreduce(d->comm, d->set, d->set_floats, DT_REDUCE_AVG);
     d->st.comm_s += dt_now() - t0;
     if (s != DT_OK && d->launch_status == DT_OK) {
         d->launch_status = s;
@@ -889,7 +889,7 @@ static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
         goto out;
     if (len > (1u << 24))
         { s = set_error(ctx, DT_ENOTSUP, "ddp_new: model description too long"); goto out; }
-    if ((s = dt_broadcast(c, &flen, 1, 0)) != DT_OK)
+    if ((s = dt_comm_broadcast(c, &flen, 1, 0)) != DT_OK)
         goto out;
     size_t rlen = (size_t)flen;
     size_t nf = rlen > (size_t)DT_DDP_DIFF * (size_t)world ? rlen : (size_t)DT_DDP_DIFF * (size_t)world;
@@ -900,7 +900,7 @@ static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
         goto out;
     for (size_t i = 0; i < rlen; i++)
         buf[i] = rank == 0 ? (float)(unsigned char)mine[i] : 0.0f;
-    if ((s = dt_broadcast(c, buf, (int64_t)rlen, 0)) != DT_OK)
+    if ((s = dt_comm_broadcast(c, buf, (int64_t)rlen, 0)) != DT_OK)
         goto out;
     for (size_t i = 0; i < rlen; i++)
         root[i] = (char)(unsigned char)buf[i];
@@ -910,7 +910,7 @@ static dt_status ddp_check_models(dt_ctx *ctx, dt_comm *c, const char *settings)
     float *my = buf + nf;
     for (int i = 0; i < DT_DDP_DIFF; i++)
         my[i] = (float)(unsigned char)diff[i];
-    if ((s = dt_allgather(c, my, DT_DDP_DIFF, buf)) != DT_OK)
+    if ((s = dt_comm_allgather(c, my, DT_DDP_DIFF, buf)) != DT_OK)
         goto out;
     for (int r = 0; r < world; r++) {
         if (buf[(size_t)r * DT_DDP_DIFF] == 0.0f)
@@ -1100,7 +1100,7 @@ static dt_status ddp_broadcast_masters(dt_ddp *d, float *stage)
         float *buf = stage ? stage : FP(m);
         if (stage)
             be_to_host(d->ctx, stage, m->data, tensor_bytes(m));
-        s = dt_broadcast(d->comm, buf, dt_tensor_numel(m), 0);
+        s = dt_comm_broadcast(d->comm, buf, dt_tensor_numel(m), 0);
         if (s == DT_OK && stage)
             be_to_device(d->ctx, m->data, stage, tensor_bytes(m));
     }
@@ -1122,7 +1122,7 @@ static dt_status ddp_broadcast_each(dt_ddp *d)
     for (int i = 0; s == DT_OK && i < d->nparams; i++) {
         dt_tensor *p = d->params[i];
         be_to_host(d->ctx, stage, p->data, tensor_bytes(p));
-        if ((s = dt_broadcast(d->comm, stage, dt_tensor_numel(p), 0)) == DT_OK)
+        if ((s = dt_comm_broadcast(d->comm, stage, dt_tensor_numel(p), 0)) == DT_OK)
             be_to_device(d->ctx, p->data, stage, tensor_bytes(p));
     }
     if (s == DT_OK)
@@ -1139,14 +1139,14 @@ static dt_status ddp_broadcast_params(dt_ddp *d)
     if (d->cfg.zero && !d->staged) {   /* no set yet: in place (host memory) */
         dt_status s = DT_OK;
         for (int i = 0; s == DT_OK && i < d->nparams; i++)
-            s = dt_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
+            s = dt_comm_broadcast(d->comm, FP(d->params[i]), dt_tensor_numel(d->params[i]), 0);
         return s == DT_OK ? ddp_broadcast_masters(d, NULL) : s;
     }
     if (d->cfg.zero)   /* staged, no set yet: one tensor at a time */
         return ddp_broadcast_each(d);
     for (int i = 0; i < d->nparams; i++)
         be_to_host(d->ctx, stage + d->offset[i], d->params[i]->data, tensor_bytes(d->params[i]));
-    dt_status s = dt_broadcast(d->comm, stage, d->set_floats, 0);
+    dt_status s = dt_comm_broadcast(d->comm, stage, d->set_floats, 0);
     if (s != DT_OK)
         return s;
     for (int i = 0; i < d->nparams; i++)

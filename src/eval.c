@@ -68,9 +68,9 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
     dt_loader *ld = eval_loader(ctx, c, ds, cfg);
     if (!ld)
         return ctx->last_status;
-    int grad = dt_grad_enabled(ctx), training = dt_training(ctx);
-    dt_set_grad_enabled(ctx, 0);
-    dt_set_training(ctx, 0);
+    int grad = dt_ctx_grad_enabled(ctx), training = dt_ctx_training(ctx);
+    dt_ctx_set_grad_enabled(ctx, 0);
+    dt_ctx_set_training(ctx, 0);
     dt_status s;
     int64_t first = 0;
     dt_tensor *x, *y;
@@ -89,12 +89,12 @@ static dt_status eval_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const d
         else
             s = visit(ctx, logits, y, first, acc);
         first += y->shape[0];
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         if (s != DT_OK)
             break;
     }
-    dt_set_grad_enabled(ctx, grad);
-    dt_set_training(ctx, training);
+    dt_ctx_set_grad_enabled(ctx, grad);
+    dt_ctx_set_training(ctx, training);
     dt_loader_free(ld);
     ctx_shrink_step_arenas(ctx, cap_dev, cap_host);
     return s == DT_EOF ? DT_OK : s;
@@ -191,7 +191,7 @@ static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds
                      (float)e.loss, (float)e.sum, (float)(m / 4096), (float)(m % 4096),
                      s == DT_OK ? 0.0f : 1.0f};
     if (c) {
-        dt_status cs = dt_allreduce(c, sums, 9, DT_REDUCE_SUM);
+        dt_status cs = dt_comm_allreduce(c, sums, 9, DT_REDUCE_SUM);
         if (cs != DT_OK)
             return cs;
     }
@@ -214,7 +214,7 @@ static dt_status eval_evaluate_run(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds
     return DT_OK;
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
+/* (what peers waiting on this rank see: dt_ctx_activity) */
 dt_status dt_evaluate(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eval_config *cfg,
                       dt_forward_fn forward, void *user, dt_metrics *out)
 {
@@ -269,7 +269,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
     dt_status s = r == 0 && !pred ? set_error(ctx, DT_EINVAL, "predict: rank 0 needs an output array")
                                   : eval_run(ctx, c, ds, cfg, forward, user, eval_argmax, &acc);
     mine[per] = s == DT_OK ? 0.0f : 1.0f;
-    dt_status cs = c ? dt_allgather(c, mine, per + 1, all) : DT_OK;
+    dt_status cs = c ? dt_comm_allgather(c, mine, per + 1, all) : DT_OK;
     if (!c)
         memcpy(all, mine, sizeof(float) * (size_t)(per + 1));
     int failed = 0;

@@ -47,7 +47,7 @@ void dt_hogwild_config_init(dt_hogwild_config *cfg)
     cfg->threads = 2;
     cfg->steps = 1000;
     cfg->lr = 0.01f;
-    dt_config_init(&cfg->thread);
+    dt_ctx_config_init(&cfg->thread);
     cfg->thread.threads = 1;
 }
 
@@ -141,7 +141,7 @@ static void *hw_main(void *arg)
         }
         t->loss_sum += dt_tensor_item(loss);
         t->steps++;
-        dt_step_reset(t->ctx);
+        dt_ctx_step_reset(t->ctx);
     }
     return NULL;
 }
@@ -183,7 +183,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     hw.t = host_calloc(ctx, sizeof *hw.t * (size_t)K);
     dt_status s = hw.t ? DT_OK : set_error(ctx, DT_ENOMEM, "hogwild: out of memory");
     for (int k = 0; s == DT_OK && k < K; k++) {
-        dt_config tcfg = cfg->thread;
+        dt_ctx_config tcfg = cfg->thread;
         tcfg.seed += (uint64_t)k;
         hw_thread *t = &hw.t[k];
         *t = (hw_thread){.hw = &hw, .k = k, .ctx = dt_ctx_new(&tcfg)};

@@ -61,7 +61,7 @@
  * Internal types
  *
  * A tensor is a header (shape, strides, data pointer) plus flags.  Step
- * tensors live in the context's arenas and die at dt_step_reset; persistent
+ * tensors live in the context's arenas and die at dt_ctx_step_reset; persistent
  * tensors (parameters, optimizer state, loader batches) are allocated one by
  * one and kept on a list so the context can free them.  A node is one op on
  * the tape: its output, its inputs and what backward needs.
@@ -75,7 +75,7 @@ enum {
     T_ZERO = 1u << 4,       /* contents are logically zero, not yet written */
     T_EXTERNAL = 1u << 5,   /* header owned by another object (loader) */
     T_GRADBUF = 1u << 6,    /* persistent gradient owned by its tensor */
-    T_RETAIN = 1u << 7      /* dt_retain_grad: backward keeps this op output's gradient */
+    T_RETAIN = 1u << 7      /* dt_tensor_retain_grad: backward keeps this op output's gradient */
 };
 
 struct dt_node;
@@ -200,7 +200,7 @@ typedef struct prof_state {
     int64_t *srv_calls;        /* and their count (srv_n ranks, allocated at the first) */
     int srv_n;
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
-    /* rank 0 after dt_profile_finish */
+    /* rank 0 after dt_profile_stop */
     char *report;
     dt_profile_stats *ranks;
     int nranks;
@@ -252,7 +252,7 @@ typedef struct dt_grad_hooks {
     dt_status (*after_step)(void *user, dt_optim *o);
 } dt_grad_hooks;
 
-/* What a rank is doing, for peers that wait on it (dt_set_activity): the
+/* What a rank is doing, for peers that wait on it (dt_ctx_set_activity): the
  * ones from ACT_CKPT_SAVE on are outer (ctx_doing keeps them). */
 enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
        ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
@@ -269,10 +269,10 @@ struct dt_ctx {
     int64_t warnings;              /* ctx_warn calls so far */
     int act;                       /* what the caller's thread is doing (ctx_doing: ACT_*) */
     double act_since;              /* since when (dt_now) */
-    char act_user[64];             /* dt_set_activity's text ("": none) */
+    char act_user[64];             /* dt_ctx_set_activity's text ("": none) */
     double aside_s[ACT_COUNT];     /* time each activity took, summed as it ends (ctx_done):
                                       the profile's eval_s and ckpt_s read it */
-    char act_text[96];             /* dt_activity's answer */
+    char act_text[96];             /* dt_ctx_activity's answer */
     pthread_mutex_t warn_mu;       /* the warning and the activity: the monitor's and
                                       heartbeat's threads read them (ctx_warning_copy,
                                       ctx_activity_copy) while the caller's may write */
@@ -309,10 +309,10 @@ struct dt_ctx {
 
     dt_node *tape;                 /* newest node */
     dt_tensor *persist;            /* persistent tensors */
-    dt_tensor *doomed;             /* freed while the tape may read them: at dt_step_reset */
+    dt_tensor *doomed;             /* freed while the tape may read them: at dt_ctx_step_reset */
     size_t persistent_bytes;
-    size_t arena_max;              /* dt_config.arena_max_bytes resolved */
-    int backwards;                 /* backward passes since the last dt_step_reset */
+    size_t arena_max;              /* dt_ctx_config.arena_max_bytes resolved */
+    int backwards;                 /* backward passes since the last dt_ctx_step_reset */
     int arena_warned;              /* the growth warning given since then */
     int arena_refused;             /* the cap refused the last allocation; its message is set */
     dt_tensor **params;
@@ -584,7 +584,7 @@ DT_PRIVATE void be_to_device(dt_ctx *ctx, void *dst, const void *host, size_t by
 DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what);
 DT_PRIVATE dt_status set_error(dt_ctx *ctx, dt_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* A warning: kept for dt_last_warning, and told as dt_set_log says. */
+/* A warning: kept for dt_last_warning, and told as dt_ctx_set_log says. */
 DT_PRIVATE void ctx_warn(dt_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 DT_PRIVATE void *host_alloc(dt_ctx *ctx, size_t n);
 DT_PRIVATE void host_free(dt_ctx *ctx, void *p);
@@ -644,7 +644,7 @@ DT_PRIVATE void tensor_materialize(dt_tensor *t);
  * gradient), or as written; tensor_point_at: t's data is memory another
  * module owns (DDP's buckets), or back at its own */
 DT_PRIVATE void tensor_mark_zero(dt_tensor *t, int zero);
-/* every gradient was zeroed (dt_zero_grad, an optimizer's): a DDP step
+/* every gradient was zeroed (dt_ctx_zero_grad, an optimizer's): a DDP step
  * that started before sees it (dt_ctx.zero_gen) */
 DT_PRIVATE void param_grads_zeroed(dt_ctx *ctx);
 /* A persistent tensor owned by an object other than the context (an

@@ -92,7 +92,7 @@ static dt_status find_rejoin(dt_comm *c, const dt_dist_env *env, const dt_comm_c
     dt_store *again = store_open(ctx, &e, &cfg->store, 0, before + 1);
     if (!again)
         return ctx->last_status;
-    dt_store_close(JC(c)->store);
+    dt_store_free(JC(c)->store);
     JC(c)->store = again;
     c->inc = before + 1;
     /* counted once our hellos say who we are (so our end is recorded):
@@ -486,7 +486,7 @@ static void join_stop_heartbeat(dt_comm *c)
         pthread_cond_destroy(&JC(c)->hb_cv);
         c->has_hb = 0;
     }
-    dt_store_close(JC(c)->hb);
+    dt_store_free(JC(c)->hb);
     JC(c)->hb = NULL;
     host_free(c->ctx, JC(c)->hb_errors);
     JC(c)->hb_errors = NULL;
@@ -566,7 +566,7 @@ static dt_status comm_connect(dt_comm *c, const dt_comm_config *cfg)
     JC(c)->has_thread = 1;
     /* everyone's endpoint is ready before anyone sends (a rejoined rank's
      * peers are mid-job: it tells them when it serves, join_announce_rejoin) */
-    if (!c->inc && dt_barrier(c) != DT_OK)
+    if (!c->inc && dt_comm_barrier(c) != DT_OK)
         return ctx->last_status;
     /* the profiler's offset to rank 0's clock (src/profile.c), while the job is quiet */
     if (!c->members && store_clock_offset(JC(c)->store, 8, &JC(c)->clock_offset, &JC(c)->clock_rtt) != DT_OK)
@@ -598,7 +598,7 @@ dt_comm *dt_comm_new(dt_ctx *ctx, const dt_dist_env *env_in, const dt_comm_confi
     dt_comm *c = comm_alloc(ctx, env.rank, env.world_size, &cfg);
     if (!c)
         return NULL;
-    if (!(JC(c)->store = dt_store_open(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
+    if (!(JC(c)->store = dt_store_new(ctx, &env, &cfg.store)) || find_rejoin(c, &env, &cfg) != DT_OK)
         goto fail;
     JC(c)->job = env;
     JC(c)->job.master_port = dt_store_port(JC(c)->store);
@@ -633,7 +633,7 @@ void dt_comm_free(dt_comm *c)
     if (c->tp)
         c->tp_iface->close(c->tp);
     comm_xfers_free_buried(c);   /* (the transport that held their sends is closed) */
-    dt_store_close(c->watch);
+    dt_store_free(c->watch);
     host_free(c->ctx, c->watch_errors);
     host_free(c->ctx, c->ext_done_at);
     host_free(c->ctx, c->alias);

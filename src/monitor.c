@@ -6,7 +6,7 @@
  * The live monitor: a web page and Prometheus metrics of a running job
  *
  * Every rank runs a thread that, each interval, summarises its profiler's
- * totals (dt_profile_get) and its scalars (dt_monitor_log) in one line of
+ * totals (dt_profile_stats_get) and its scalars (dt_monitor_log) in one line of
  * text and publishes it in the store under "mon/<rank>" (overwritten: the
  * store keeps one line per rank), on a store connection of its own.  Rank
  * 0's thread reads the lines, turns two successive ones into the last
@@ -119,7 +119,7 @@ static void mon_take(dt_monitor *m, mon_summary *s)
 {
     dt_profile_stats st;
     memset(s, 0, sizeof *s);
-    dt_profile_get(m->ctx, &st);
+    dt_profile_stats_get(m->ctx, &st);
     s->t = dt_now();
     s->steps = st.steps;
     s->samples = st.samples;
@@ -1008,7 +1008,7 @@ static dt_status mon_connect(dt_monitor *m)
     return DT_OK;
 }
 
-dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *cfg)
+dt_monitor *dt_monitor_new(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *cfg)
 {
     if (!ctx_ok(ctx))
         return NULL;
@@ -1044,7 +1044,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
         (!(m->ranks = host_calloc(ctx, sizeof *m->ranks * (size_t)m->world)) ||
          !(m->hist = host_calloc(ctx, sizeof *m->hist * MON_HISTORY))))
         s = set_error(ctx, DT_ENOMEM, "monitor_start: out of memory");
-    if (s == DT_OK && !dt_profiling(ctx))
+    if (s == DT_OK && !dt_profile_active(ctx))
         s = dt_profile_start(ctx, NULL);
     if (s == DT_OK && c && dt_comm_size(c) > 1)
         s = mon_connect(m);
@@ -1057,7 +1057,7 @@ dt_monitor *dt_monitor_start(dt_ctx *ctx, dt_comm *c, const dt_monitor_config *c
             m->started = 1;
     }
     if (s != DT_OK) {
-        dt_monitor_stop(m);
+        dt_monitor_free(m);
         return NULL;
     }
     return m;
@@ -1094,7 +1094,7 @@ dt_status dt_monitor_log(dt_monitor *m, const char *name, int64_t step, double v
 
 int dt_monitor_port(const dt_monitor *m) { return m && m->srv ? m->port : -1; }
 
-void dt_monitor_stop(dt_monitor *m)
+void dt_monitor_free(dt_monitor *m)
 {
     if (!m)
         return;
@@ -1106,7 +1106,7 @@ void dt_monitor_stop(dt_monitor *m)
         pthread_join(m->tid, NULL);
     if (m->srv)
         m->http->stop(m->srv);   /* its streams see stop and end */
-    dt_store_close(m->store);
+    dt_store_free(m->store);
     dt_ctx *ctx = m->ctx;
     if (m->errors) {
         host_free(ctx, m->state);

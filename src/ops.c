@@ -443,7 +443,7 @@ static int64_t operand_extent(int t, int64_t rows, int64_t cols, int64_t ld, int
 }
 
 /* Every GEMM of the ops goes through here.  At a reduced precision
- * (autocast, dt_set_autocast) the backend's mixed-precision GEMM runs it; a backend
+ * (autocast, dt_ctx_set_autocast) the backend's mixed-precision GEMM runs it; a backend
  * without one gets operands rounded into temporaries and its f32 GEMM,
  * which gives the same numbers: inputs at prec, products summed in f32. */
 DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int ta, int tb,

@@ -811,7 +811,7 @@ static dt_status optim_clip_shards(dt_ctx *ctx, float max_norm, float *norm_out)
     return be_fault(ctx, "clip_grad_norm");
 }
 
-dt_status dt_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
+dt_status dt_ctx_clip_grad_norm(dt_ctx *ctx, float max_norm, float *norm_out)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;

@@ -671,7 +671,7 @@ static dt_status layer_time(dt_ctx *ctx, dt_layer_fn fn, void *user, dt_tensor *
     else
         (void)dt_tensor_item(loss);
     *out_s = dt_now() - t0;
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     return DT_OK;
 }
 
@@ -709,7 +709,7 @@ static dt_status layer_inputs(dt_ctx *ctx, dt_layer_fn const *layers, void *cons
     return s;
 }
 
-dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, void *const *users,
+dt_status dt_profile_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, void *const *users,
                          int n, const dt_tensor *sample, int reps, double *ms_out)
 {
     if (!ctx_ok(ctx))
@@ -726,7 +726,7 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
         return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
     int measure = prof_pause(ctx);     /* these are not training steps */
     void *hook_user = ctx_swap_hook_user(ctx, NULL);   /* nor are their backwards a DDP's */
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_status s = layer_inputs(ctx, layers, users, n, sample, in);
     /* round robin over the layers, one warm-up round: a machine's slow
      * spells then touch every layer alike instead of one layer's runs */
@@ -746,8 +746,8 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
         ms_out[i] = (reps % 2 ? ti[reps / 2] : (ti[reps / 2 - 1] + ti[reps / 2]) / 2) * 1e3;
     }
     host_free(ctx, t);
-    dt_step_reset(ctx);
-    dt_zero_grad(ctx);
+    dt_ctx_step_reset(ctx);
+    dt_ctx_zero_grad(ctx);
     for (int i = 0; i < n; i++)
         dt_tensor_free(in[i]);
     host_free(ctx, in);
@@ -759,7 +759,7 @@ dt_status dt_layer_times(dt_ctx *ctx, dt_comm *c, dt_layer_fn const *layers, voi
             return set_error(ctx, DT_ENOMEM, "layer_times: out of memory");
         for (int i = 0; i < n; i++)
             f[i] = (float)ms_out[i];
-        s = dt_allreduce(c, f, n, DT_REDUCE_AVG);
+        s = dt_comm_allreduce(c, f, n, DT_REDUCE_AVG);
         for (int i = 0; s == DT_OK && i < n; i++)
             ms_out[i] = f[i];
         host_free(ctx, f);
@@ -872,7 +872,7 @@ static dt_tensor *tp_gather_rows(dt_ctx *ctx, dt_comm *c, const float *h, int64_
         set_error(ctx, DT_ENOMEM, "tensor parallel: out of memory for a gather");
         return NULL;
     }
-    if (dt_allgather(c, h, rows * k, all) != DT_OK)
+    if (dt_comm_allgather(c, h, rows * k, all) != DT_OK)
         return NULL;
     tp_interleave(all, side, p, rows, k);
     be_to_device(ctx, y->data, side, (size_t)(rows * k * p) * sizeof(float));
@@ -889,7 +889,7 @@ static dt_status tp_copy_backward(dt_ctx *ctx, dt_node *n)
     float *sum = h ? op_temp_floats(ctx, cnt) : NULL;
     if (!sum)
         return ctx->last_status;
-    dt_status s = dt_allreduce(((const tp_state *)n->state)->c, h, cnt, DT_REDUCE_SUM);
+    dt_status s = dt_comm_allreduce(((const tp_state *)n->state)->c, h, cnt, DT_REDUCE_SUM);
     if (s != DT_OK)
         return s;
     be_to_device(ctx, sum, h, (size_t)cnt * sizeof(float));
@@ -922,7 +922,7 @@ dt_tensor *dt_tp_reduce(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
     int64_t cnt = shape_numel(x->ndim, x->shape);
     float *h = tp_to_host(ctx, FP(x), cnt);
     dt_tensor *y = h ? op_like(ctx, x) : NULL;
-    if (!y || dt_allreduce(c, h, cnt, DT_REDUCE_SUM) != DT_OK)
+    if (!y || dt_comm_allreduce(c, h, cnt, DT_REDUCE_SUM) != DT_OK)
         return NULL;
     be_to_device(ctx, y->data, h, (size_t)cnt * sizeof(float));
     if (tape_tracks(ctx, x) && !tape_record(ctx, "tp_reduce", tp_reduce_backward, y, x, NULL, NULL))

@@ -42,7 +42,7 @@ DT_PRIVATE void param_rng_seed(uint64_t s[4], uint64_t seed)
 /* uniform in [0, 1) with 24 random bits (exact in float) */
 static float rng_uniform(uint64_t s[4]) { return (float)(param_rng_next(s) >> 40) * 0x1.0p-24f; }
 
-void dt_seed(dt_ctx *ctx, uint64_t seed)
+void dt_ctx_seed(dt_ctx *ctx, uint64_t seed)
 {
     if (!ctx)
         return;
@@ -107,7 +107,7 @@ dt_tensor *dt_param_find(const dt_ctx *ctx, const char *name)
     return NULL;
 }
 
-void dt_zero_grad(dt_ctx *ctx)
+void dt_ctx_zero_grad(dt_ctx *ctx)
 {
     if (!ctx)
         return;
@@ -150,12 +150,12 @@ static dt_status init_fill(dt_ctx *ctx, dt_tensor *t, const char *op, sample_fn 
     return s;
 }
 
-dt_status dt_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi)
+dt_status dt_tensor_init_uniform(dt_ctx *ctx, dt_tensor *t, float lo, float hi)
 {
     return init_fill(ctx, t, "init_uniform", sample_uniform, lo, hi);
 }
 
-dt_status dt_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std)
+dt_status dt_tensor_init_normal(dt_ctx *ctx, dt_tensor *t, float mean, float std)
 {
     return init_fill(ctx, t, "init_normal", sample_normal, mean, std);
 }
@@ -178,7 +178,7 @@ static dt_status fans(dt_ctx *ctx, const char *op, const dt_tensor *t, double *f
     return DT_OK;
 }
 
-dt_status dt_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a)
+dt_status dt_tensor_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_kaiming_uniform", t, &fin, &fout) != DT_OK)
@@ -187,7 +187,7 @@ dt_status dt_init_kaiming_uniform(dt_ctx *ctx, dt_tensor *t, float a)
     return init_fill(ctx, t, "init_kaiming_uniform", sample_uniform, (float)-bound, (float)bound);
 }
 
-dt_status dt_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a)
+dt_status dt_tensor_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_kaiming_normal", t, &fin, &fout) != DT_OK)
@@ -196,7 +196,7 @@ dt_status dt_init_kaiming_normal(dt_ctx *ctx, dt_tensor *t, float a)
     return init_fill(ctx, t, "init_kaiming_normal", sample_normal, 0.0f, (float)std);
 }
 
-dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain)
+dt_status dt_tensor_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_xavier_uniform", t, &fin, &fout) != DT_OK)
@@ -205,7 +205,7 @@ dt_status dt_init_xavier_uniform(dt_ctx *ctx, dt_tensor *t, float gain)
     return init_fill(ctx, t, "init_xavier_uniform", sample_uniform, (float)-bound, (float)bound);
 }
 
-dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain)
+dt_status dt_tensor_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain)
 {
     double fin = 0, fout = 0;
     if (!ctx_ok(ctx) || fans(ctx, "init_xavier_normal", t, &fin, &fout) != DT_OK)
@@ -214,7 +214,7 @@ dt_status dt_init_xavier_normal(dt_ctx *ctx, dt_tensor *t, float gain)
     return init_fill(ctx, t, "init_xavier_normal", sample_normal, 0.0f, (float)std);
 }
 
-dt_status dt_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
+dt_status dt_tensor_init_bias(dt_ctx *ctx, dt_tensor *bias, int64_t fan_in)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
@@ -255,7 +255,7 @@ static dt_status layer_weight_bias(dt_ctx *ctx, const char *fn, const char *name
         if (wshape[d] < 1)
             return set_error(ctx, DT_EINVAL, "%s: sizes must be >= 1", fn);
     dt_tensor *wt = layer_param(ctx, fn, name, "weight", ndim, wshape);
-    if (!wt || dt_init_kaiming_uniform(ctx, wt, sqrtf(5.0f)) != DT_OK)
+    if (!wt || dt_tensor_init_kaiming_uniform(ctx, wt, sqrtf(5.0f)) != DT_OK)
         return ctx->last_status;
     *w = wt;
     if (!bias) {
@@ -264,7 +264,7 @@ static dt_status layer_weight_bias(dt_ctx *ctx, const char *fn, const char *name
         return DT_OK;
     }
     dt_tensor *bt = layer_param(ctx, fn, name, "bias", 1, wshape);
-    if (!bt || dt_init_bias(ctx, bt, fan_in) != DT_OK)
+    if (!bt || dt_tensor_init_bias(ctx, bt, fan_in) != DT_OK)
         return ctx->last_status;
     *b = bt;
     return DT_OK;
@@ -296,7 +296,7 @@ dt_tensor *dt_embedding_params(dt_ctx *ctx, const char *name, int64_t num, int64
     }
     int64_t shape[2] = {num, dim};
     dt_tensor *w = layer_param(ctx, "embedding_params", name, "weight", 2, shape);
-    return w && dt_init_normal(ctx, w, 0.0f, 1.0f) == DT_OK ? w : NULL;   /* as nn.Embedding */
+    return w && dt_tensor_init_normal(ctx, w, 0.0f, 1.0f) == DT_OK ? w : NULL;   /* as nn.Embedding */
 }
 
 dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int bias,

@@ -188,7 +188,7 @@ DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c)
                          "on each step's push and pull: BSP without prefetch, dt_preempt_agree "
                          "after dt_ps_push_pull or dt_ddp_step");
     float v = (float)preempt_got;
-    if (c && dt_comm_size(c) > 1 && dt_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
+    if (c && dt_comm_size(c) > 1 && dt_comm_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
         return set_error(ctx, ctx->last_status, "preempt: the step's vote failed: %s", ctx->err);
     ctx->preempt.voted = 1;
     ctx->preempt.verdict = (int)v;

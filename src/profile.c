@@ -41,13 +41,13 @@ const char *dt_profile_report(const dt_ctx *ctx)
     return ctx && ctx->prof.report ? ctx->prof.report : "";
 }
 
-dt_status dt_profile_rank_stats(const dt_ctx *ctx, int rank, dt_profile_stats *out)
+dt_status dt_profile_rank_stats_get(const dt_ctx *ctx, int rank, dt_profile_stats *out)
 {
     if (!ctx || !out)
         return DT_EINVAL;
     if (!ctx->prof.ranks || rank < 0 || rank >= ctx->prof.nranks)
         return set_error((dt_ctx *)ctx, DT_ESTATE, "profile_rank_stats: no totals for rank %d "
-                         "(they are on rank 0 after dt_profile_finish)", rank);
+                         "(they are on rank 0 after dt_profile_stop)", rank);
     *out = ctx->prof.ranks[rank];
     return DT_OK;
 }
@@ -854,7 +854,7 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
                       "bubble; %s\n", 100 * pipe_wait / tot_step, 100 * pipe_ideal,
                       pipe_wait / tot_step > pipe_ideal + 0.1
                       ? "beyond the ideal, the stages are unequal: split by measured time "
-                        "(dt_layer_times, dt_pipe_partition)"
+                        "(dt_profile_layer_times, dt_pipe_partition)"
                       : "the rest is the schedule's fill and drain");
         hints++;
     }
@@ -972,7 +972,7 @@ static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, c
     host_free(ctx, mine);
 }
 
-dt_status dt_profile_finish(dt_ctx *ctx, dt_comm *c, const char *trace_path)
+dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;

@@ -111,7 +111,7 @@ static dt_status ps_resume(dt_ps *ps)
     }
     ctx_set_ckpt_extra(sx, list, n);
     if (access(ps->ckpt_path, F_OK) == 0) {
-        if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL) != DT_OK)
+        if (dt_checkpoint_load(sx, ps->opt, ps->ckpt_path, NULL, NULL, NULL) != DT_OK)
             return set_error(ps->ctx, dt_last_status(sx), "ps_new: server %d cannot resume: %s",
                              ps->server, dt_last_error(sx));
         for (int t = 0; t < ps->ntables; t++) {   /* (Adam's bias correction goes on) */
@@ -139,7 +139,7 @@ static dt_status ps_checkpoint(dt_ps *ps)
         f[0] = (float)(ps->tabs[t].steps >> 24);
         f[1] = (float)(ps->tabs[t].steps & 0xFFFFFF);
     }
-    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, dt_optim_steps(ps->opt)) != DT_OK)
+    if (dt_checkpoint_save(ps->sctx, ps->opt, ps->ckpt_path, dt_optim_steps(ps->opt), NULL) != DT_OK)
         return set_error(ps->ctx, dt_last_status(ps->sctx), "ps_serve: checkpoint: %s",
                          dt_last_error(ps->sctx));
     ps->st.checkpoints++;
@@ -151,8 +151,8 @@ static dt_status ps_checkpoint(dt_ps *ps)
  * them. */
 DT_PRIVATE dt_status ps_make_pieces(dt_ps *ps)
 {
-    dt_config cc;
-    dt_config_init(&cc);
+    dt_ctx_config cc;
+    dt_ctx_config_init(&cc);
     cc.allocator = ps->ctx->al;
     /* a server's shard is host memory whatever the workers compute on */
     cc.custom_backend = ctx_find_backend("cpu");
@@ -244,7 +244,7 @@ static dt_status ps_step(dt_ps *ps, float *sum, float scale)
         tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(ps->opt);
-    dt_zero_grad(ps->sctx);
+    dt_ctx_zero_grad(ps->sctx);
     if (s != DT_OK)
         return set_error(ps->ctx, s, "ps_serve: optimizer step: %s", dt_last_error(ps->sctx));
     ps->st.steps++;

@@ -41,7 +41,7 @@ DT_PRIVATE void prof_balancing(dt_ctx *ctx, int on)
     __atomic_store_n(&ctx->prof.measure, on ? 1 : ctx->prof.record, __ATOMIC_RELAXED);
 }
 
-/* Steps that are not training steps (dt_layer_times): measuring stops and
+/* Steps that are not training steps (dt_profile_layer_times): measuring stops and
  * resumes where it was (prof_pause returns what prof_resume takes) */
 DT_PRIVATE int prof_pause(dt_ctx *ctx)
 {
@@ -152,7 +152,7 @@ DT_PRIVATE void prof_samples(dt_ctx *ctx, int64_t n)
         ctx->prof.cur_samples += n;
 }
 
-/* dt_step_reset: the step ends if it ran a backward (an evaluation's steps
+/* dt_ctx_step_reset: the step ends if it ran a backward (an evaluation's steps
  * stay inside the training step they interrupt, as idle time). */
 DT_PRIVATE void prof_step_end(dt_ctx *ctx)
 {
@@ -415,7 +415,7 @@ dt_status dt_profile_start(dt_ctx *ctx, const dt_profile_config *cfg)
     return DT_OK;
 }
 
-int dt_profiling(const dt_ctx *ctx) { return prof_recording(ctx); }
+int dt_profile_active(const dt_ctx *ctx) { return prof_recording(ctx); }
 
 DT_PRIVATE double prof_median(double *v, int n)
 {
@@ -554,7 +554,7 @@ DT_PRIVATE void prof_ps_serving(dt_ctx *ctx, const dt_profile_stats *sv)
     pthread_mutex_unlock(&p->mu);
 }
 
-dt_status dt_profile_get(const dt_ctx *ctx, dt_profile_stats *out)
+dt_status dt_profile_stats_get(const dt_ctx *ctx, dt_profile_stats *out)
 {
     if (!ctx || !out)
         return DT_EINVAL;

@@ -57,7 +57,7 @@ void dt_dp_config_init(dt_dp_config *cfg)
     memset(cfg, 0, sizeof *cfg);
     cfg->struct_size = sizeof *cfg;
     cfg->replicas = 2;
-    dt_config_init(&cfg->replica);
+    dt_ctx_config_init(&cfg->replica);
     dt_optim_config_init(&cfg->optim, DT_SGD);
 }
 
@@ -67,7 +67,7 @@ static int64_t dp_row(const dt_dp *dp, int k) { return dp->B * k / dp->K; }
 static dt_status dp_compute(dt_dp *dp, int k)
 {
     dt_ctx *c = dp->rc[k];
-    dt_zero_grad(c);
+    dt_ctx_zero_grad(c);
     dp->losses[k] = 0;
     int64_t r0 = dp_row(dp, k), n = dp_row(dp, k + 1) - r0;
     if (n == 0)
@@ -137,7 +137,7 @@ static dt_status dp_apply(dt_dp *dp, int k)
         tensor_mark_zero(g, 0);
     }
     dt_status s = dt_optim_step(dp->opt[k]);
-    dt_step_reset(c);
+    dt_ctx_step_reset(c);
     return s;
 }
 
@@ -158,7 +158,7 @@ static void dp_replica_step(dt_dp *dp, int k)
     if (dp->K > 1)
         pthread_barrier_wait(&dp->bar);
     if (failed) {
-        dt_step_reset(dp->rc[k]);
+        dt_ctx_step_reset(dp->rc[k]);
         return;
     }
     s = dp_apply(dp, k);
@@ -377,7 +377,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
                           dp->status && dp->msg
                       ? DT_OK : set_error(ctx, DT_ENOMEM, "dp_new: out of memory");
     for (int k = 0; s == DT_OK && k < K; k++) {
-        dt_config rcfg = cfg->replica;
+        dt_ctx_config rcfg = cfg->replica;
         rcfg.seed += (uint64_t)k;
         rcfg.device += k;
         dp->rc[k] = dt_ctx_new(&rcfg);

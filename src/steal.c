@@ -125,7 +125,7 @@ static void steal_release(dt_loader *ld)
 {
     dt_ctx *ctx = loader_ctx(ld);
     loader_steal *st = loader_source_state(ld);
-    dt_store_close(st->store);
+    dt_store_free(st->store);
     host_free(ctx, st->errors);
     host_free(ctx, st->dry);
     host_free(ctx, st);

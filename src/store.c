@@ -922,7 +922,7 @@ static dt_status store_hello(dt_store *s, const char *token)
     return DT_OK;
 }
 
-dt_store *dt_store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
+dt_store *dt_store_new(dt_ctx *ctx, const dt_dist_env *env, const dt_store_config *cfg)
 {
     dt_store_config own;
     dt_store_config_init(&own);
@@ -976,11 +976,11 @@ DT_PRIVATE dt_store *store_open(dt_ctx *ctx, const dt_dist_env *env, const dt_st
     if (s->fd < 0) {
         set_error(ctx, DT_ETIMEDOUT, "store: rank %d cannot reach rank 0 at %s:%d within %d ms: %s",
                   s->rank, s->addr, s->port, s->timeout_ms, why);
-        dt_store_close(s);
+        dt_store_free(s);
         return NULL;
     }
     if (store_hello(s, token) != DT_OK) {
-        dt_store_close(s);
+        dt_store_free(s);
         return NULL;
     }
     return s;
@@ -1006,7 +1006,7 @@ DT_PRIVATE void store_close(dt_store *s, int drain_ms)
     host_free(s->ctx, s);
 }
 
-void dt_store_close(dt_store *s) { store_close(s, 0); }
+void dt_store_free(dt_store *s) { store_close(s, 0); }
 
 int dt_store_port(const dt_store *s) { return s ? s->port : -1; }
 

@@ -328,7 +328,7 @@ static void persistent_destroy(dt_ctx *ctx, dt_tensor *t)
 void dt_tensor_free(dt_tensor *t)
 {
     if (!t || !(t->flags & T_PERSIST) || (t->flags & (T_PARAM | T_EXTERNAL)))
-        return;   /* step tensors die at dt_step_reset; params with the ctx */
+        return;   /* step tensors die at dt_ctx_step_reset; params with the ctx */
     dt_ctx *ctx = t->ctx;
     if (t->prev)
         t->prev->next = t->next;
@@ -647,7 +647,7 @@ dt_tensor *dt_tensor_grad(const dt_tensor *t)
     return t->grad;
 }
 
-dt_status dt_retain_grad(dt_tensor *t)
+dt_status dt_tensor_retain_grad(dt_tensor *t)
 {
     if (!t)
         return DT_EINVAL;

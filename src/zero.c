@@ -1342,7 +1342,7 @@ static dt_status zero_ckpt_save_run(dt_ddp *d, const dt_optim *opt, const char *
     return zero_ckpt_agree(d, op, s);
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
+/* (what peers waiting on this rank see: dt_ctx_activity) */
 dt_status dt_ddp_checkpoint_save(dt_ddp *d, const dt_optim *opt, const char *dir, int64_t step)
 {
     dt_ctx *actx = d ? d->ctx : NULL;
@@ -1387,7 +1387,7 @@ static dt_status zero_ckpt_load_run(dt_ddp *d, dt_optim *opt, const char *dir, i
     return zero_ckpt_agree(d, op, s);
 }
 
-/* (what peers waiting on this rank see: dt_activity) */
+/* (what peers waiting on this rank see: dt_ctx_activity) */
 dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int64_t *step_out)
 {
     dt_ctx *actx = d ? d->ctx : NULL;

@@ -95,7 +95,7 @@ static int check_allreduce(dt_comm *c, int rank, int world, int64_t n)
             break;   /* 64 MiB: sum only, to keep the suite quick */
         for (int64_t i = 0; i < n; i++)
             buf[i] = (float)((rank + 1) * (int)(i % 97));
-        if (dt_allreduce(c, buf, n, ops[k]) != DT_OK) {
+        if (dt_comm_allreduce(c, buf, n, ops[k]) != DT_OK) {
             free(buf);
             return 2 + k;
         }
@@ -122,7 +122,7 @@ static int check_others(dt_comm *c, int rank, int world)
     float b[1001];
     for (int i = 0; i < 1001; i++)   /* broadcast from the last rank */
         b[i] = rank == world - 1 ? (float)i + 0.5f : -1.0f;
-    if (dt_broadcast(c, b, 1001, world - 1) != DT_OK)
+    if (dt_comm_broadcast(c, b, 1001, world - 1) != DT_OK)
         return 20;
     for (int i = 0; i < 1001; i++)
         if (b[i] != (float)i + 0.5f)
@@ -130,7 +130,7 @@ static int check_others(dt_comm *c, int rank, int world)
     float in[5], out[16 * 5];
     for (int i = 0; i < 5; i++)
         in[i] = (float)(rank * 10 + i);
-    if (dt_allgather(c, in, 5, out) != DT_OK)
+    if (dt_comm_allgather(c, in, 5, out) != DT_OK)
         return 22;
     for (int r = 0; r < world; r++)
         for (int i = 0; i < 5; i++)
@@ -139,7 +139,7 @@ static int check_others(dt_comm *c, int rank, int world)
     float rin[16 * 6], rout[6];
     for (int j = 0; j < world * 6; j++)
         rin[j] = (float)(rank + j);
-    if (dt_reduce_scatter(c, rin, 6, rout, DT_REDUCE_SUM) != DT_OK)
+    if (dt_comm_reduce_scatter(c, rin, 6, rout, DT_REDUCE_SUM) != DT_OK)
         return 24;
     for (int i = 0; i < 6; i++)
         if (rout[i] != (float)(world * (world - 1) / 2 + world * (rank * 6 + i)))
@@ -149,20 +149,20 @@ static int check_others(dt_comm *c, int rank, int world)
     for (int q = 0; q < world; q++)
         for (int i = 0; i < 3; i++)
             ain[q * 3 + i] = (float)(100 * rank + q) + (float)i / 8;
-    if (dt_alltoall(c, ain, 3, aout) != DT_OK)
+    if (dt_comm_alltoall(c, ain, 3, aout) != DT_OK)
         return 29;
     for (int p = 0; p < world; p++)
         for (int i = 0; i < 3; i++)
             if (aout[p * 3 + i] != (float)(100 * p + rank) + (float)i / 8)
                 return 30;
-    if (dt_alltoall(c, ain, 0, aout) != DT_OK)
+    if (dt_comm_alltoall(c, ain, 0, aout) != DT_OK)
         return 31;
-    if (dt_barrier(c) != DT_OK)
+    if (dt_comm_barrier(c) != DT_OK)
         return 26;
     /* two allreduces in flight at once, kept apart by their tags */
     float x[3] = {1, 2, 3}, y[2] = {10, 20};
-    dt_work *w1 = dt_allreduce_async(c, x, 3, DT_REDUCE_SUM);
-    dt_work *w2 = dt_allreduce_async(c, y, 2, DT_REDUCE_MAX);
+    dt_work *w1 = dt_comm_allreduce_async(c, x, 3, DT_REDUCE_SUM);
+    dt_work *w2 = dt_comm_allreduce_async(c, y, 2, DT_REDUCE_MAX);
     if (!w1 || !w2 || dt_work_wait(w1) != DT_OK || dt_work_wait(w2) != DT_OK)
         return 27;
     if (x[0] != (float)world || x[2] != 3.0f * world || y[1] != 20.0f)
@@ -275,7 +275,7 @@ static int job_barrier_waits(dt_comm *c, int rank, int world)
      * and lo, summed with zeros so they arrive exact), and every rank must
      * have left after it.  No margins: a loaded machine cannot fail this,
      * a barrier that lets a rank through early always does. */
-    if (dt_barrier(c) != DT_OK)
+    if (dt_comm_barrier(c) != DT_OK)
         return 62;
     for (int round = 0; round < 2; round++) {
         double entered = 0;
@@ -284,12 +284,12 @@ static int job_barrier_waits(dt_comm *c, int rank, int world)
             nanosleep(&ts, NULL);
             entered = dt_now();
         }
-        if (dt_barrier(c) != DT_OK)
+        if (dt_comm_barrier(c) != DT_OK)
             return 60;
         double left = dt_now();
         float t[2] = {(float)entered, 0};
         t[1] = (float)(entered - (double)t[0]);
-        if (dt_allreduce(c, t, 2, DT_REDUCE_SUM) != DT_OK)
+        if (dt_comm_allreduce(c, t, 2, DT_REDUCE_SUM) != DT_OK)
             return 63;
         double last_in = (double)t[0] + (double)t[1];
         if (left < last_in) {
@@ -326,7 +326,7 @@ static int job_mismatch(dt_comm *c, int rank, int world)
 {
     (void)world;
     float b[10] = {0};
-    dt_status st = rank == 0 ? dt_allreduce(c, b, 10, DT_REDUCE_SUM) : dt_broadcast(c, b, 10, 0);
+    dt_status st = rank == 0 ? dt_comm_allreduce(c, b, 10, DT_REDUCE_SUM) : dt_comm_broadcast(c, b, 10, 0);
     if (st != DT_EMISMATCH)
         return 30;
     const char *m = dt_last_error(dt_comm_ctx_for_test(c));
@@ -339,7 +339,7 @@ static int job_mismatch_msg(dt_comm *c, int rank, int world)
 {
     (void)world;
     float b[11] = {0};
-    dt_status st = dt_allreduce(c, b, rank == 0 ? 10 : 11, DT_REDUCE_SUM);
+    dt_status st = dt_comm_allreduce(c, b, rank == 0 ? 10 : 11, DT_REDUCE_SUM);
     if (st != DT_EMISMATCH)
         return 31;
     /* every rank names both calls, the one whose neighbours agreed included */
@@ -347,7 +347,7 @@ static int job_mismatch_msg(dt_comm *c, int rank, int world)
     if (!strstr(m, "n=10") || !strstr(m, "n=11"))
         return 33;
     /* after a failure the communicator refuses work instead of hanging */
-    if (dt_allreduce(c, b, 10, DT_REDUCE_SUM) != DT_ESTATE)
+    if (dt_comm_allreduce(c, b, 10, DT_REDUCE_SUM) != DT_ESTATE)
         return 32;
     return 0;
 }
@@ -358,7 +358,7 @@ static int job_mismatch_hosts(dt_comm *c, int rank, int world)
 {
     (void)world;
     float b[11] = {0};
-    if (dt_allreduce(c, b, rank % 2 ? 11 : 10, DT_REDUCE_SUM) != DT_EMISMATCH)
+    if (dt_comm_allreduce(c, b, rank % 2 ? 11 : 10, DT_REDUCE_SUM) != DT_EMISMATCH)
         return 35;
     const char *m = dt_last_error(dt_comm_ctx_for_test(c));
     return strstr(m, "n=10") && strstr(m, "n=11") ? 0 : 36;
@@ -401,23 +401,23 @@ static int job_later_failure(dt_comm *c, int rank, int world)
         dt_dist_env e = tr_env(1, world, job_port);   /* (rank 0's would serve a store) */
         dt_store_config sc;
         dt_store_config_init(&sc);
-        dt_store *st = ctx ? dt_store_open(ctx, &e, &sc) : NULL;
+        dt_store *st = ctx ? dt_store_new(ctx, &e, &sc) : NULL;
         char why[64];
         int n = snprintf(why, sizeof why, "%d|@2|planted failure of collective #2", (int)DT_EMISMATCH);
         if (!st || dt_store_set(st, "abort", why, (size_t)n + 1) != DT_OK)
             return 60;
-        dt_store_close(st);
+        dt_store_free(st);
         dt_ctx_free(ctx);
         usleep(1500 * 1000);   /* three of rank 1's store checks (DT_COMM_WATCH_S) */
     }
-    if (dt_barrier(c) != DT_OK) {
+    if (dt_comm_barrier(c) != DT_OK) {
         fprintf(stderr, "rank %d: barrier #1: %s\n", rank, dt_last_error(dt_comm_ctx_for_test(c)));
         return 61;
     }
     if (rank == 0)
         usleep(1500 * 1000);
     float x = 1.0f;
-    if (dt_allreduce(c, &x, 1, DT_REDUCE_SUM) != DT_EMISMATCH)
+    if (dt_comm_allreduce(c, &x, 1, DT_REDUCE_SUM) != DT_EMISMATCH)
         return 62;
     return strstr(dt_last_error(dt_comm_ctx_for_test(c)), "planted failure") ? 0 : 63;
 }
@@ -438,12 +438,12 @@ static int job_kill(dt_comm *c, int rank, int world)
     float b[1000];
     for (int i = 0; i < 1000; i++)
         b[i] = 1;
-    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
+    if (dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
         return 40;
     if (rank == 2)
         kill(getpid(), SIGKILL);
     double t0 = dt_now();
-    dt_status st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    dt_status st = dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM);
     double took = dt_now() - t0;
     if (st == DT_OK)
         return 41;
@@ -494,7 +494,7 @@ static void forger_main(int port, const void *bad, size_t len)
     dt_store_config sc;
     dt_store_config_init(&sc);
     sc.timeout_ms = 10000;
-    dt_store *st = ctx ? dt_store_open(ctx, &e, &sc) : NULL;
+    dt_store *st = ctx ? dt_store_new(ctx, &e, &sc) : NULL;
     if (!st)
         _exit(80);
     const dt_transport_iface *f = dt_transport_fabric_iface();
@@ -534,7 +534,7 @@ static void forger_main(int port, const void *bad, size_t len)
     struct timespec ts = {2, 0};
     nanosleep(&ts, NULL);
     f->close(t);
-    dt_store_close(st);
+    dt_store_free(st);
     dt_ctx_free(ctx);
     _exit(code);
 }
@@ -618,12 +618,12 @@ static int job_hang(dt_comm *c, int rank, int world)
     float b[1000];
     for (int i = 0; i < 1000; i++)
         b[i] = 1;
-    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
+    if (dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
         return 70;
     if (rank == 2)
         raise(SIGSTOP);
     double t0 = dt_now();
-    dt_status st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    dt_status st = dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM);
     double took = dt_now() - t0;
     const char *m = dt_last_error(dt_comm_ctx_for_test(c));
     fprintf(stderr, "rank %d noticed in %.2f s: %s\n", rank, took, m);
@@ -679,7 +679,7 @@ static int job_silent(dt_comm *c, int rank, int world)
     float b[1000];
     for (int i = 0; i < 1000; i++)
         b[i] = 1;
-    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK || b[0] != (float)world)
+    if (dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK || b[0] != (float)world)
         return 70;
     pthread_t th;
     if (rank == silent_victim) {
@@ -696,7 +696,7 @@ static int job_silent(dt_comm *c, int rank, int world)
     int k;
     for (k = 2; k < 6 && st == DT_OK; k++) {
         t1 = dt_now();
-        st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+        st = dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM);
     }
     double now = dt_now();
     const char *m = dt_last_error(dt_comm_ctx_for_test(c));
@@ -812,7 +812,7 @@ static void test_silent_rank_any_segment(void **state) { (void)state; silent_cas
 
 /* --- slow is not dead -------------------------------------------------------
  * Rank 1 is busy for late_ms before the second allreduce (a checkpoint it
- * writes, saying so with dt_set_activity): 3 peer timeouts, which its
+ * writes, saying so with dt_ctx_set_activity): 3 peer timeouts, which its
  * heartbeat covers, so the others wait and the allreduce is whole.  With a
  * collective timeout below late_ms, the others fail after it, naming rank
  * 1 (at the end of the ring's waits) and what it said it was doing. */
@@ -825,17 +825,17 @@ static int job_late(dt_comm *c, int rank, int world)
     float b[1000];
     for (int i = 0; i < 1000; i++)
         b[i] = 1;
-    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
+    if (dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK)
         return 70;
     if (rank == 1) {
-        dt_set_activity(rank_ctx, "writing a checkpoint");
+        dt_ctx_set_activity(rank_ctx, "writing a checkpoint");
         usleep((useconds_t)late_ms * 1000);
-        dt_set_activity(rank_ctx, NULL);
+        dt_ctx_set_activity(rank_ctx, NULL);
     }
     for (int i = 0; i < 1000; i++)
         b[i] = (float)(rank + 1);
     double t0 = dt_now();
-    dt_status st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    dt_status st = dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM);
     double took = dt_now() - t0;
     const char *m = dt_last_error(rank_ctx);
     fprintf(stderr, "rank %d: %s after %.2f s%s%s\n", rank, st == DT_OK ? "ok" : "failed", took,
@@ -847,10 +847,10 @@ static int job_late(dt_comm *c, int rank, int world)
             return 72;
         /* the wait is named: rank 0's report has the others' longest waits */
         dt_profile_stats ps;
-        dt_profile_get(rank_ctx, &ps);
+        dt_profile_stats_get(rank_ctx, &ps);
         if (rank != 1 && (ps.longest_wait_s < late_ms / 2000.0 || ps.longest_wait_rank < 0))
             return 77;
-        if (dt_profile_finish(rank_ctx, c, NULL) != DT_OK)
+        if (dt_profile_stop(rank_ctx, c, NULL) != DT_OK)
             return 78;
         const char *rep = dt_profile_report(rank_ctx);
         if (rank == 0 && (!strstr(rep, "long wait, rank 0: allreduce #2 waited") ||
@@ -862,7 +862,7 @@ static int job_late(dt_comm *c, int rank, int world)
     }
     if (rank == 1)   /* the others gave up on it: this one (its data may have been whole) or
                         the next fails with their reason */
-        return st != DT_OK || dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK ? 0 : 73;
+        return st != DT_OK || dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK ? 0 : 73;
     if (st == DT_OK || !strstr(m, "rank 1 ") || !strstr(m, "writing a checkpoint") ||
         !strstr(m, "collective timeout"))
         return 74;
@@ -910,7 +910,7 @@ static int job_duplicate_rank(dt_comm *c, int rank, int world)
             return 1;
     }
     float x = 1.0f;
-    return dt_allreduce(c, &x, 1, DT_REDUCE_SUM) != DT_OK || x != 2.0f ? 2 : 0;
+    return dt_comm_allreduce(c, &x, 1, DT_REDUCE_SUM) != DT_OK || x != 2.0f ? 2 : 0;
 }
 
 static void test_duplicate_rank(void **state)
@@ -923,7 +923,7 @@ static void test_duplicate_rank(void **state)
 
 /* --- point to point ---------------------------------------------------- */
 
-/* 3 ranks: a ring exchange by dt_sendrecv (a large message, in chunks, and
+/* 3 ranks: a ring exchange by dt_comm_sendrecv (a large message, in chunks, and
  * an empty one), ordered sends of several sizes from rank 0 to rank 1,
  * then a receive expecting more than was sent fails with DT_EMISMATCH.
  * That failure poisons the communicator on every rank (rank 0 publishes
@@ -939,36 +939,36 @@ static int job_p2p(dt_comm *c, int rank, int world)
     for (int64_t i = 0; i < big; i++)
         out[i] = (float)(rank * 1000 + i % 997);
     int right = (rank + 1) % world, left = (rank + world - 1) % world;
-    if (dt_sendrecv(c, out, big, right, in, big, left) != DT_OK)
+    if (dt_comm_sendrecv(c, out, big, right, in, big, left) != DT_OK)
         return 91;
     for (int64_t i = 0; i < big; i += 4099)
         if (in[i] != (float)(left * 1000 + i % 997))
             return 92;
-    if (dt_sendrecv(c, out, 0, right, in, 0, left) != DT_OK)
+    if (dt_comm_sendrecv(c, out, 0, right, in, 0, left) != DT_OK)
         return 93;
     float v[4];
     if (rank == 0) {
         for (int k = 1; k <= 3; k++) {
             for (int i = 0; i < k; i++)
                 v[i] = (float)(10 * k + i);
-            if (dt_send(c, v, k, 1) != DT_OK)
+            if (dt_comm_send(c, v, k, 1) != DT_OK)
                 return 94;
         }
     } else if (rank == 1) {
         for (int k = 1; k <= 3; k++)
-            if (dt_recv(c, v, k, 0) != DT_OK || v[0] != (float)(10 * k) ||
+            if (dt_comm_recv(c, v, k, 0) != DT_OK || v[0] != (float)(10 * k) ||
                 v[k - 1] != (float)(10 * k + k - 1))
                 return 95;
     }
-    if (dt_send(c, v, 1, rank) != DT_EINVAL || dt_recv(c, v, 1, world) != DT_EINVAL)
+    if (dt_comm_send(c, v, 1, rank) != DT_EINVAL || dt_comm_recv(c, v, 1, world) != DT_EINVAL)
         return 96;
-    if (dt_barrier(c) != DT_OK)
+    if (dt_comm_barrier(c) != DT_OK)
         return 100;
     int code = 0;
-    if (rank == 2 && dt_send(c, v, 2, 0) != DT_OK)
+    if (rank == 2 && dt_comm_send(c, v, 2, 0) != DT_OK)
         code = 97;
     if (rank == 0) {
-        dt_status st = dt_recv(c, v, 3, 2);
+        dt_status st = dt_comm_recv(c, v, 3, 2);
         if (st != DT_EMISMATCH && st != DT_EPEER)
             code = 98;
         else if (!strstr(dt_last_error(ctx), "rank 2"))
@@ -1012,26 +1012,26 @@ static int job_split(dt_comm *c, int rank, int world)
         return 72;
     for (int round = 0; round < 3; round++) {
         float x = (float)(rank + 1), y = 1;
-        if (dt_allreduce(g, &x, 1, DT_REDUCE_SUM) != DT_OK || x != (rank % 2 ? 6.0f : 4.0f))
+        if (dt_comm_allreduce(g, &x, 1, DT_REDUCE_SUM) != DT_OK || x != (rank % 2 ? 6.0f : 4.0f))
             return 73;
-        if (dt_allreduce(c, &y, 1, DT_REDUCE_SUM) != DT_OK || y != (float)world)
+        if (dt_comm_allreduce(c, &y, 1, DT_REDUCE_SUM) != DT_OK || y != (float)world)
             return 74;
     }
     float b[3] = {(float)rank, (float)rank, (float)rank};   /* group rank 0: job rank 2 or 3 */
-    if (dt_broadcast(g, b, 3, 0) != DT_OK || b[2] != (rank % 2 ? 3.0f : 2.0f))
+    if (dt_comm_broadcast(g, b, 3, 0) != DT_OK || b[2] != (rank % 2 ? 3.0f : 2.0f))
         return 75;
     float mine[2] = {(float)rank, 1}, theirs[2] = {-1, -1};   /* the partner: rank ^ 2 */
-    if (dt_sendrecv(g, mine, 2, 1 - gr, theirs, 2, 1 - gr) != DT_OK || theirs[0] != (float)(rank ^ 2))
+    if (dt_comm_sendrecv(g, mine, 2, 1 - gr, theirs, 2, 1 - gr) != DT_OK || theirs[0] != (float)(rank ^ 2))
         return 79;
     dt_comm *h = dt_comm_split(g, gr, 0, NULL);
     float z = 5;
     if (!h || dt_comm_size(h) != 1 || dt_comm_job_rank(h, 0) != rank ||
-        dt_allreduce(h, &z, 1, DT_REDUCE_SUM) != DT_OK || z != 5)
+        dt_comm_allreduce(h, &z, 1, DT_REDUCE_SUM) != DT_OK || z != 5)
         return 76;
     dt_comm_free(h);
     if (dt_comm_split(c, -1, 0, NULL) || dt_last_status(ctx) != DT_EINVAL)
         return 77;
-    if (dt_barrier(g) != DT_OK)
+    if (dt_comm_barrier(g) != DT_OK)
         return 78;
     dt_comm_free(g);
     return 0;
@@ -1060,12 +1060,12 @@ static int job_group_death(dt_comm *c, int rank, int world)
     (void)world;
     dt_comm *g = dt_comm_split(c, rank % 2, rank, NULL);
     float x = 1;
-    if (!g || dt_allreduce(g, &x, 1, DT_REDUCE_SUM) != DT_OK)
+    if (!g || dt_comm_allreduce(g, &x, 1, DT_REDUCE_SUM) != DT_OK)
         return 80;
     if (rank == 3)
         kill(getpid(), SIGKILL);
     double t0 = dt_now();
-    dt_status st = dt_allreduce(g, &x, 1, DT_REDUCE_SUM);
+    dt_status st = dt_comm_allreduce(g, &x, 1, DT_REDUCE_SUM);
     const char *m = dt_last_error(dt_comm_ctx_for_test(c));
     if (rank == 1) {
         fprintf(stderr, "rank 1 noticed in %.2f s: %s\n", dt_now() - t0, m);
@@ -1123,7 +1123,7 @@ static int job_wedge(dt_comm *c, int rank, int world)
     float b[1000];
     for (int i = 0; i < 1000; i++)
         b[i] = 1;
-    if (dt_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK || b[0] != (float)world)
+    if (dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM) != DT_OK || b[0] != (float)world)
         return 70;
     if (rank == 1) {
         wedge_iface = *dt_transport_fabric_iface();
@@ -1133,11 +1133,11 @@ static int job_wedge(dt_comm *c, int rank, int world)
         __atomic_store_n(&wedge_on, 1, __ATOMIC_RELEASE);
     }
     double t0 = dt_now();
-    dt_status st = dt_work_wait(dt_allreduce_async(c, b, 1000, DT_REDUCE_SUM));
+    dt_status st = dt_work_wait(dt_comm_allreduce_async(c, b, 1000, DT_REDUCE_SUM));
     double took = dt_now() - t0;
     if (rank == 0) {   /* (its part of a small allreduce may well have come before the wedge) */
         if (st == DT_OK)
-            st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+            st = dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM);
         return st == DT_EPEER && dt_now() - t0 < 15.0 ? 0 : 71;
     }
     const char *err = dt_last_error(rank_ctx);
@@ -1150,7 +1150,7 @@ static int job_wedge(dt_comm *c, int rank, int world)
         return 73;
     }
     t0 = dt_now();
-    st = dt_allreduce(c, b, 1000, DT_REDUCE_SUM);
+    st = dt_comm_allreduce(c, b, 1000, DT_REDUCE_SUM);
     if (st == DT_OK || !strstr(dt_last_error(rank_ctx), "wedged") || dt_now() - t0 > 1.0)
         return 74;
     __atomic_store_n(&wedge_released, 1, __ATOMIC_RELEASE);

@@ -94,7 +94,7 @@ static void test_amp_rounding(void **state)
     }
     for (dt_precision p = DT_PREC_TF32; p <= DT_PREC_F16; p++) {
         dt_tensor *t = tu_tensor(ctx, SHP(N), x);
-        tu_check_status(ctx, dt_set_autocast(ctx, p), "set_autocast");
+        tu_check_status(ctx, dt_ctx_set_autocast(ctx, p), "set_autocast");
         /* y = x @ I under autocast rounds x (the identity is exact) */
         dt_tensor *eye = tu_tensor(ctx, SHP(1, 1), (const float[]){1.0f});
         dt_tensor *col = dt_reshape(ctx, t, 2, (const int64_t[]){N, 1});
@@ -108,7 +108,7 @@ static void test_amp_rounding(void **state)
                 fail_msg("precision %d: round(%a) = %a, want %a", (int)p, (double)x[i],
                          (double)y[i], (double)want);
         }
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     dt_ctx_free(ctx);
 }
@@ -128,8 +128,8 @@ static void test_amp_matmul(void **state)
     dt_tensor *ta = tu_tensor(ctx, SHP(B, M, K), a), *tb = tu_tensor(ctx, SHP(K, N), bm);
     float y32[B * M * N];
     for (dt_precision p = DT_PREC_F32; p <= DT_PREC_F16; p++) {
-        tu_check_status(ctx, dt_set_autocast(ctx, p), "set_autocast");
-        assert_int_equal(dt_autocast(ctx), p);
+        tu_check_status(ctx, dt_ctx_set_autocast(ctx, p), "set_autocast");
+        assert_int_equal(dt_ctx_autocast(ctx), p);
         dt_tensor *out = dt_matmul(ctx, ta, tb, 0, 0);
         tu_check(ctx, out, "matmul");
         tu_check_status(ctx, dt_tensor_get(out, y, B * M * N), "get");
@@ -145,7 +145,7 @@ static void test_amp_matmul(void **state)
                 most = fmax(most, fabs(y[i] - y32[i]));
             assert_true(most > 1e-3);   /* bf16 keeps ~3 digits: visibly not f32 */
         }
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     dt_ctx_free(ctx);
 }
@@ -167,11 +167,11 @@ static void test_amp_linear_backward(void **state)
     dt_ctx *ctx = tu_ctx_new();
     dt_tensor *tx = tu_param(ctx, "x", SHP(R, IN), x), *tw = tu_param(ctx, "w", SHP(OUT, IN), w);
     dt_tensor *tb = tu_param(ctx, "b", SHP(OUT), bias), *tc = tu_tensor(ctx, SHP(R, OUT), c);
-    tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_BF16), "set_autocast");
+    tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_BF16), "set_autocast");
     dt_tensor *y = dt_linear(ctx, tx, tw, tb);
     dt_tensor *loss = dt_sum(ctx, dt_mul(ctx, y, tc));
     tu_check(ctx, loss, "forward");
-    tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_F32), "autocast off");
+    tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_F32), "autocast off");
     tu_check_status(ctx, dt_backward(ctx, loss), "backward");
     tu_check_status(ctx, dt_tensor_get(dt_tensor_grad(tx), gx, R * IN), "gx");
     tu_check_status(ctx, dt_tensor_get(dt_tensor_grad(tw), gw, OUT * IN), "gw");
@@ -214,11 +214,11 @@ static void test_amp_recompute(void **state)
     for (int pass = 0; pass < 2; pass++) {
         dt_ctx *ctx = tu_ctx_new();
         dt_tensor *tx = tu_tensor(ctx, SHP(R, IN), x), *tw = tu_param(ctx, "w", SHP(OUT, IN), w);
-        tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_BF16), "set_autocast");
+        tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_BF16), "set_autocast");
         dt_tensor *y = pass ? dt_recompute(ctx, amp_segment, &tx, 1, tw) : amp_segment(ctx, &tx, 1, tw);
         dt_tensor *loss = dt_sum(ctx, y);
         tu_check(ctx, loss, "forward");
-        tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_F32), "autocast off");
+        tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_F32), "autocast off");
         tu_check_status(ctx, dt_backward(ctx, loss), "backward");
         tu_check_status(ctx, dt_tensor_get(dt_tensor_grad(tw), pass ? g_re : g_plain, OUT * IN),
                         "grad");
@@ -242,11 +242,11 @@ static void test_amp_conv2d(void **state)
     dt_ctx *ctx = tu_ctx_new();
     dt_tensor *tx = tu_tensor(ctx, SHP(2, 3, 9, 9), x), *tw = tu_tensor(ctx, SHP(4, 3, 3, 3), w);
     dt_tensor *txr = tu_tensor(ctx, SHP(2, 3, 9, 9), xr), *twr = tu_tensor(ctx, SHP(4, 3, 3, 3), wr);
-    tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_F16), "set_autocast");
+    tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_F16), "set_autocast");
     dt_tensor *out = dt_conv2d(ctx, tx, tw, NULL, 2, 1);
     tu_check(ctx, out, "conv2d f16");
     tu_check_status(ctx, dt_tensor_get(out, y, NY), "get");
-    tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_F32), "autocast off");
+    tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_F32), "autocast off");
     out = dt_conv2d(ctx, txr, twr, NULL, 2, 1);
     tu_check(ctx, out, "conv2d f32");
     tu_check_status(ctx, dt_tensor_get(out, yr, NY), "get");
@@ -263,14 +263,14 @@ static void test_amp_f16_overflow(void **state)
     dt_ctx *ctx = tu_ctx_new();
     dt_tensor *a = tu_tensor(ctx, SHP(1, 2), (const float[]){70000.0f, 1.0f});
     dt_tensor *b = tu_tensor(ctx, SHP(2, 1), (const float[]){1.0f, 1.0f});
-    tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_F16), "set_autocast");
+    tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_F16), "set_autocast");
     float v = dt_tensor_item(dt_matmul(ctx, a, b, 0, 0));
     assert_true(isinf(v) && v > 0);
-    tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_BF16), "set_autocast");
+    tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_BF16), "set_autocast");
     v = dt_tensor_item(dt_matmul(ctx, a, b, 0, 0));
     assert_true(fabsf(v - 70001.0f) <= 512.0f);   /* bf16 keeps the range */
-    assert_int_equal(dt_set_autocast(ctx, (dt_precision)9), DT_EINVAL);
-    assert_int_equal(dt_autocast(ctx), DT_PREC_BF16);   /* unchanged by the refusal */
+    assert_int_equal(dt_ctx_set_autocast(ctx, (dt_precision)9), DT_EINVAL);
+    assert_int_equal(dt_ctx_autocast(ctx), DT_PREC_BF16);   /* unchanged by the refusal */
     dt_ctx_free(ctx);
 }
 
@@ -357,7 +357,7 @@ static void test_loss_scaler_overflow_and_growth(void **state)
     cfg.growth_interval = 2;
     dt_loss_scaler *sc = dt_loss_scaler_new(ctx, &cfg);
     tu_check(ctx, sc, "scaler_new");
-    tu_check_status(ctx, dt_set_autocast(ctx, DT_PREC_F16), "set_autocast");
+    tu_check_status(ctx, dt_ctx_set_autocast(ctx, DT_PREC_F16), "set_autocast");
     float w0[6], w1[6];
     tu_check_status(ctx, dt_tensor_get(w, w0, 6), "w");
     float scales[8];
@@ -371,8 +371,8 @@ static void test_loss_scaler_overflow_and_growth(void **state)
             tu_check_status(ctx, dt_tensor_get(w, w1, 6), "w");
             assert_memory_equal(w0, w1, sizeof w0);
         }
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     /* 2^20 -> 2^19 -> ... each overflow halves until 2^15 (32768 < 65504):
      * overflows at 2^20..2^16 (5 skips), then 2 good steps double it back to
@@ -418,7 +418,7 @@ static void test_loss_scaler_misuse(void **state)
     assert_int_equal(took, 0);
     tu_check_status(f.ctx, dt_loss_scaler_backward(sc, sfix_loss(&f)), "backward");
     tu_check_status(f.ctx, dt_loss_scaler_unscale(sc, NULL), "unscale");
-    dt_step_reset(f.ctx);
+    dt_ctx_step_reset(f.ctx);
     assert_int_equal(dt_loss_scaler_backward(sc, sfix_loss(&f)), DT_ESTATE);   /* after unscale */
     tu_check_status(f.ctx, dt_loss_scaler_step(sc, f.opt, &took), "step");
     assert_int_equal(took, 1);
@@ -446,8 +446,8 @@ static void test_staged_copies_deferred(void **state)
     const dt_backend_iface *be = dt_backend_cpu_staged_iface();
     assert_int_equal(be->host_visible, 0);
     assert_non_null(be->copy_async);
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.backend = "cpu-staged";
     dt_ctx *ctx = dt_ctx_new(&cfg);
     tu_check(ctx, ctx, "ctx");

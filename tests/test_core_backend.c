@@ -5,7 +5,7 @@
  * (conv2d_forward == NULL) gets the core's composed path: im2col of the
  * whole batch, one GEMM, a permute.  Both must agree.  The second backend is
  * the CPU backend's interface with the fused entries removed, plugged in
- * through dt_config.custom_backend, which also tests that hook.
+ * through dt_ctx_config.custom_backend, which also tests that hook.
  */
 #include "test_util.h"
 
@@ -44,8 +44,8 @@ static float *fetch(dt_tensor *t, int64_t *n)
 /* conv forward + backward of sum(y * r) on a context using `iface` */
 static conv_result run_conv(const dt_backend_iface *iface, const conv_case *cc, int threads)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.threads = threads;
     cfg.custom_backend = iface;
     dt_ctx *ctx = dt_ctx_new(&cfg);
@@ -161,8 +161,8 @@ static void test_custom_backend_version(void **state)
     (void)state;
     dt_backend_iface old = *dt_backend_cpu_iface();
     old.version = DT_BACKEND_IFACE_VERSION + 1;
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.custom_backend = &old;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     assert_non_null(ctx);
@@ -199,8 +199,8 @@ static void test_backend_fault_reaches_the_user(void **state)
     (void)state;
     dt_backend_iface faulty = *dt_backend_cpu_iface();
     faulty.fault = fault_report;
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.custom_backend = &faulty;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     assert_int_equal(dt_ctx_status(ctx), DT_OK);
@@ -226,7 +226,7 @@ static void test_backend_fault_reaches_the_user(void **state)
     assert_non_null(loss);
     assert_int_equal(dt_backward(ctx, loss), DT_OK);
     assert_int_equal(dt_optim_step(opt), DT_OK);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
 
     /* the device dies between the forward and each result */
     logits = dt_linear(ctx, x, w, NULL);
@@ -240,7 +240,7 @@ static void test_backend_fault_reaches_the_user(void **state)
     int64_t correct = 12345;
     assert_device_failure(ctx, dt_count_correct(ctx, logits, y, &correct));
     assert_int_equal(correct, 12345);   /* not overwritten with a made-up count */
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
 
     fault_on = 0;
     logits = dt_linear(ctx, x, w, NULL);
@@ -249,10 +249,10 @@ static void test_backend_fault_reaches_the_user(void **state)
     fault_on = 1;
     assert_device_failure(ctx, dt_backward(ctx, loss));
     float norm = -1;
-    assert_device_failure(ctx, dt_clip_grad_norm(ctx, 1.0f, &norm));
+    assert_device_failure(ctx, dt_ctx_clip_grad_norm(ctx, 1.0f, &norm));
     assert_device_failure(ctx, dt_optim_step(opt));
     fault_on = 0;
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_optim_free(opt);
     dt_ctx_free(ctx);
 }

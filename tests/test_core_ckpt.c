@@ -64,7 +64,7 @@ static void fx_step(fixture *f, tu_rng *r)
                              dt_sum(ctx, dt_mul(ctx, f->b, f->cb)));
     tu_check_status(ctx, dt_backward(ctx, loss), "backward");
     tu_check_status(ctx, dt_optim_step(f->opt), "optim step");
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
 }
 
 static void fx_get(fixture *f, float *w, float *b)
@@ -230,7 +230,7 @@ static void test_ckpt_roundtrip(void **state)
     tu_rng ra = {500};
     fx_step(&a, &ra);
     fx_step(&a, &ra);
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 7), "dt_checkpoint_save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 7, NULL), "dt_checkpoint_save");
     assert_int_not_equal(access(path, F_OK), -1);
     if (access(tmp, F_OK) == 0) fail_msg("%s left behind after a successful save", tmp);
     assert_int_equal(dir_entries(dir), 1);
@@ -238,7 +238,7 @@ static void test_ckpt_roundtrip(void **state)
     /* Fresh context, different initial values, fresh optimizer. */
     fx_init(&b, 2, 1);
     int64_t step = -1;
-    tu_check_status(b.ctx, dt_checkpoint_load(b.ctx, b.opt, path, &step), "dt_checkpoint_load");
+    tu_check_status(b.ctx, dt_checkpoint_load(b.ctx, b.opt, path, NULL, &step, NULL), "dt_checkpoint_load");
     assert_int_equal(step, 7);
     float wa[NW], ba[NB], wb[NW], bb[NB], wsaved[NW], bsaved[NB];
     fx_get(&a, wa, ba);
@@ -278,7 +278,7 @@ static void test_ckpt_roundtrip(void **state)
     /* Parameters only: loads into a context without an optimizer. */
     fixture c;
     fx_init(&c, 3, 0);
-    tu_check_status(c.ctx, dt_checkpoint_load(c.ctx, NULL, path, NULL), "load without optimizer");
+    tu_check_status(c.ctx, dt_checkpoint_load(c.ctx, NULL, path, NULL, NULL, NULL), "load without optimizer");
     float wc[NW], bc[NB];
     fx_get(&c, wc, bc);
     assert_memory_equal(wc, wsaved, sizeof wc);
@@ -286,11 +286,11 @@ static void test_ckpt_roundtrip(void **state)
     fx_free(&c);
 
     /* Saving again over an existing file replaces it. */
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 8), "save again");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 8, NULL), "save again");
     assert_int_equal(dir_entries(dir), 1);
     fixture d;
     fx_init(&d, 4, 0);
-    tu_check_status(d.ctx, dt_checkpoint_load(d.ctx, NULL, path, &step), "load again");
+    tu_check_status(d.ctx, dt_checkpoint_load(d.ctx, NULL, path, NULL, &step, NULL), "load again");
     assert_int_equal(step, 8);
     float wd[NW], bd[NB];
     fx_get(&d, wd, bd);
@@ -313,7 +313,7 @@ static void test_ckpt_file_layout(void **state)
     fx_init(&a, 5, 1);
     tu_rng r = {502};
     fx_step(&a, &r);
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 1), "save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 1, NULL), "save");
 
     size_t len = 0;
     unsigned char *buf = tu_read_file(path, &len);
@@ -400,8 +400,8 @@ static void test_ckpt_load_foreign_file(void **state)
     fixture f;
     fx_init(&f, 6, 0);
     char note[512] = "";
-    dt_set_log(f.ctx, keep_note, note);
-    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, NULL, path, NULL), "load foreign file");
+    dt_ctx_set_log(f.ctx, keep_note, note);
+    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, NULL, path, NULL, NULL, NULL), "load foreign file");
     /* loaded, with a note that nothing could verify its data */
     if (!strstr(note, "no checksums") || !strstr(note, path)) fail_msg("note: '%s'", note);
     float gw[NW], gb[NB];
@@ -445,7 +445,7 @@ static int check_refused(fixture *f, dt_optim *opt, const char *path, const char
     float *s0 = opt_snapshot(opt, &ns0);
     int64_t step = 12345;
     int ok = 1;
-    dt_status s = dt_checkpoint_load(f->ctx, opt, path, &step);
+    dt_status s = dt_checkpoint_load(f->ctx, opt, path, NULL, &step, NULL);
     if (s == DT_OK) {
         print_error("%s (optimizer %s): dt_checkpoint_load returned DT_OK\n", what,
                     opt ? "given" : "NULL");
@@ -489,7 +489,7 @@ static void test_ckpt_corrupt_truncated(void **state)
     fx_init(&a, 7, 1);
     tu_rng r = {503};
     fx_step(&a, &r);
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 3), "save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 3, NULL), "save");
     size_t len = 0;
     unsigned char *buf = tu_read_file(path, &len);
     assert_non_null(buf);
@@ -508,7 +508,7 @@ static void test_ckpt_corrupt_truncated(void **state)
     }
     if (bad_cuts) fail_msg("%d truncated files were not refused cleanly", bad_cuts);
     /* The untouched file still loads. */
-    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, f.opt, path, NULL), "load good file");
+    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, f.opt, path, NULL, NULL, NULL), "load good file");
     free(buf);
     fx_free(&a);
     fx_free(&f);
@@ -524,7 +524,7 @@ static void test_ckpt_corrupt_header(void **state)
     snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
     fixture a, f;
     fx_init(&a, 9, 0);
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 3), "save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 3, NULL), "save");
     size_t len = 0;
     unsigned char *buf = tu_read_file(path, &len);
     assert_non_null(buf);
@@ -599,7 +599,7 @@ static void test_ckpt_corrupt_entries(void **state)
         float w0[NW], b0[NB];
         fx_get(&f, w0, b0);
         st_write(bad, e, 2, NULL);
-        tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, NULL, bad, NULL), "baseline file");
+        tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, NULL, bad, NULL, NULL, NULL), "baseline file");
         dt_tensor_set(f.w, w0, NW);
         dt_tensor_set(f.b, b0, NB);
     }
@@ -656,7 +656,7 @@ static void test_ckpt_corrupt_entries(void **state)
     /* Saving where it cannot be written fails cleanly. */
     char nodir[160];
     snprintf(nodir, sizeof nodir, "%s/no/such/dir/x.safetensors", dir);
-    assert_int_not_equal(dt_checkpoint_save(f.ctx, NULL, nodir, 0), DT_OK);
+    assert_int_not_equal(dt_checkpoint_save(f.ctx, NULL, nodir, 0, NULL), DT_OK);
     assert_true(dt_last_error(f.ctx)[0] != '\0');
 
     fx_free(&f);
@@ -959,7 +959,7 @@ static void test_ckpt_corruption_sweep(void **state)
     tu_rng r = {505};
     fx_step(&a, &r);
     fx_step(&a, &r);
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 2), "save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 2, NULL), "save");
     size_t len = 0;
     unsigned char *buf = tu_read_file(path, &len);
     assert_non_null(buf);
@@ -976,7 +976,7 @@ static void test_ckpt_corruption_sweep(void **state)
     if (w.failures) fail_msg("%d corrupt checkpoints were not refused cleanly", w.failures);
     /* nothing was trained: the good file still loads, and training goes on */
     int64_t step = 0;
-    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, f.opt, path, &step), "load the good file");
+    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, f.opt, path, NULL, &step, NULL), "load the good file");
     assert_int_equal(step, 2);
     float w0[NW], b0[NB], w1[NW], b1[NB];
     fx_get(&a, w0, b0);
@@ -1001,7 +1001,7 @@ static void test_ckpt_latest(void **state)
     fixture f;
     fx_init(&f, 31, 1);
     char note[512] = "";
-    dt_set_log(f.ctx, keep_note, note);
+    dt_ctx_set_log(f.ctx, keep_note, note);
     int64_t step = 99;
     tu_check_status(f.ctx, dt_checkpoint_latest(f.ctx, dir, got, sizeof got, &step), "empty dir");
     assert_string_equal(got, "");
@@ -1012,7 +1012,7 @@ static void test_ckpt_latest(void **state)
     const int steps[] = {2, 10, 7, 30};
     for (int i = 0; i < 4; i++) {
         snprintf(p, sizeof p, "%s/step-%d.safetensors", dir, steps[i]);
-        tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, f.opt, p, steps[i]), "save");
+        tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, f.opt, p, steps[i], NULL), "save");
         usleep(20 * 1000);   /* mtimes apart */
     }
     snprintf(p, sizeof p, "%s/notes.txt", dir);
@@ -1077,8 +1077,8 @@ static void test_ckpt_long_names(void **state)
     tu_check_status(ctx[0], dt_backward(ctx[0], dt_sum(ctx[0], w[0])), "backward");
     tu_check_status(ctx[0], dt_optim_step(opt[0]), "step");
     tu_check_status(ctx[0], dt_tensor_get(w[0], want, 4), "get");
-    tu_check_status(ctx[0], dt_checkpoint_save(ctx[0], opt[0], path, 1), "save");
-    tu_check_status(ctx[1], dt_checkpoint_load(ctx[1], opt[1], path, NULL), "load");
+    tu_check_status(ctx[0], dt_checkpoint_save(ctx[0], opt[0], path, 1, NULL), "save");
+    tu_check_status(ctx[1], dt_checkpoint_load(ctx[1], opt[1], path, NULL, NULL, NULL), "load");
     tu_check_status(ctx[1], dt_tensor_get(w[1], got, 4), "get");
     assert_memory_equal(want, got, sizeof want);
     assert_int_equal(dt_optim_steps(opt[1]), 1);
@@ -1098,7 +1098,7 @@ static void test_ckpt_mismatched_model(void **state)
     snprintf(path, sizeof path, "%s/m.safetensors", dir);
     fixture a;
     fx_init(&a, 12, 0);
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 0), "save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 0, NULL), "save");
 
     /* same names, one more parameter in the loading context */
     fixture f;
@@ -1114,7 +1114,7 @@ static void test_ckpt_mismatched_model(void **state)
     dt_tensor *b = tu_param(ctx, "fc.bias", SHP(3), NULL);
     dt_tensor_fill(w, 1.5f);
     dt_tensor_fill(b, 2.5f);
-    assert_int_not_equal(dt_checkpoint_load(ctx, NULL, path, NULL), DT_OK);
+    assert_int_not_equal(dt_checkpoint_load(ctx, NULL, path, NULL, NULL, NULL), DT_OK);
     TU_EXPECT(ctx, w, 0, 0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5);
     TU_EXPECT(ctx, b, 0, 0, 2.5, 2.5, 2.5);
     dt_ctx_free(ctx);
@@ -1151,14 +1151,14 @@ static void test_ckpt_16bit(void **state)
         dt_checkpoint_config cc;
         dt_checkpoint_config_init(&cc);
         cc.dtype = dt;
-        tu_check_status(a.ctx, dt_checkpoint_save_ex(a.ctx, a.opt, path, 1, &cc), "save 16-bit");
+        tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, a.opt, path, 1, &cc), "save 16-bit");
         size_t len;
         unsigned char *raw = tu_read_file(path, &len);
         assert_non_null(strstr((const char *)raw + 8, k ? "\"F16\"" : "\"BF16\""));
         free(raw);
         fixture b;
         fx_init(&b, 22, 1);
-        tu_check_status(b.ctx, dt_checkpoint_load(b.ctx, b.opt, path, NULL), "load 16-bit");
+        tu_check_status(b.ctx, dt_checkpoint_load(b.ctx, b.opt, path, NULL, NULL, NULL), "load 16-bit");
         float *wa = tu_read(a.ctx, a.w, NULL), *wb = tu_read(b.ctx, b.w, NULL);
         for (int i = 0; i < NW; i++)
             assert_true(k ? fabs(wb[i] - wa[i]) <= fabs(wa[i]) * 0x1p-11 : wb[i] == ref_bf16(wa[i]));
@@ -1176,7 +1176,7 @@ static void test_ckpt_16bit(void **state)
     dt_checkpoint_config cc;
     dt_checkpoint_config_init(&cc);
     cc.dtype = DT_I32;
-    assert_int_equal(dt_checkpoint_save_ex(ctx, NULL, path, 0, &cc), DT_EINVAL);
+    assert_int_equal(dt_checkpoint_save(ctx, NULL, path, 0, &cc), DT_EINVAL);
     dt_ctx_free(ctx);
     tu_rmdir(dir);
 }
@@ -1197,7 +1197,7 @@ static void test_ckpt_metadata(void **state)
     cc.n_meta = 2;
     cc.meta_keys = keys;
     cc.meta_values = vals;
-    tu_check_status(a.ctx, dt_checkpoint_save_ex(a.ctx, NULL, path, 7, &cc), "save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 7, &cc), "save");
     tu_check_status(a.ctx, dt_checkpoint_metadata(a.ctx, path, "note", val, sizeof val), "note");
     assert_string_equal(val, "a \"quoted\" note");
     tu_check_status(a.ctx, dt_checkpoint_metadata(a.ctx, path, "model", val, sizeof val), "model");
@@ -1206,9 +1206,9 @@ static void test_ckpt_metadata(void **state)
     assert_string_equal(val, "7");
     assert_int_equal(dt_checkpoint_metadata(a.ctx, path, "nope", val, sizeof val), DT_EMISMATCH);
     keys[1] = "dtrain.x";
-    assert_int_equal(dt_checkpoint_save_ex(a.ctx, NULL, path, 0, &cc), DT_EINVAL);
+    assert_int_equal(dt_checkpoint_save(a.ctx, NULL, path, 0, &cc), DT_EINVAL);
     keys[1] = "model";
-    assert_int_equal(dt_checkpoint_save_ex(a.ctx, NULL, path, 0, &cc), DT_EINVAL);
+    assert_int_equal(dt_checkpoint_save(a.ctx, NULL, path, 0, &cc), DT_EINVAL);
     tu_assert_error_mentions(a.ctx, "twice");
     fx_free(&a);
     tu_rmdir(dir);
@@ -1226,7 +1226,7 @@ static void test_ckpt_non_strict(void **state)
     fx_init(&a, 24, 0);
     dt_tensor *head = tu_param(a.ctx, "head.weight", SHP(2), (const float[]){7, 8});
     (void)head;
-    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 0), "save");
+    tu_check_status(a.ctx, dt_checkpoint_save(a.ctx, NULL, path, 0, NULL), "save");
     dt_ctx *ctx = tu_ctx_new();
     dt_tensor *w = tu_param(ctx, "fc.weight", SHP(3, 4), NULL);       /* fits */
     dt_tensor *b = tu_param(ctx, "fc.bias", SHP(5), NULL);            /* another shape */
@@ -1236,7 +1236,7 @@ static void test_ckpt_non_strict(void **state)
     dt_checkpoint_config_init(&cc);
     cc.strict = 0;
     dt_checkpoint_report rep;
-    tu_check_status(ctx, dt_checkpoint_load_ex(ctx, NULL, path, &cc, NULL, &rep), "non-strict");
+    tu_check_status(ctx, dt_checkpoint_load(ctx, NULL, path, &cc, NULL, &rep), "non-strict");
     assert_int_equal(rep.loaded, 1);
     assert_int_equal(rep.missing, 1);
     assert_int_equal(rep.mismatched, 1);
@@ -1249,11 +1249,11 @@ static void test_ckpt_non_strict(void **state)
     TU_EXPECT(ctx, b, 0, 0, 3, 3, 3, 3, 3);
     TU_EXPECT(ctx, n, 0, 0, 1, 2);
     /* strict refuses the same file; a non-strict load takes no optimizer */
-    assert_int_equal(dt_checkpoint_load(ctx, NULL, path, NULL), DT_EMISMATCH);
+    assert_int_equal(dt_checkpoint_load(ctx, NULL, path, NULL, NULL, NULL), DT_EMISMATCH);
     dt_optim_config oc;
     dt_optim_config_init(&oc, DT_SGD);
     dt_optim *opt = dt_optim_new(ctx, &oc, NULL, 0);
-    assert_int_equal(dt_checkpoint_load_ex(ctx, opt, path, &cc, NULL, NULL), DT_EINVAL);
+    assert_int_equal(dt_checkpoint_load(ctx, opt, path, &cc, NULL, NULL), DT_EINVAL);
     dt_optim_free(opt);
     dt_ctx_free(ctx);
     fx_free(&a);
@@ -1277,7 +1277,7 @@ static void kill_saver(const char *path, int value, int ready)
     for (int j = 0;; j++) {
         int v = value * 1000 + j;
         if (dt_tensor_fill(p, (float)v) != DT_OK || write(ready, "s", 1) != 1 ||
-            dt_checkpoint_save(ctx, NULL, path, v) != DT_OK)
+            dt_checkpoint_save(ctx, NULL, path, v, NULL) != DT_OK)
             _exit(3);
     }
 }
@@ -1287,7 +1287,7 @@ static void kill_saver(const char *path, int value, int ready)
 static int kill_loaded_value(dt_ctx *ctx, dt_tensor *p, float *buf, const char *path)
 {
     int64_t step = -1;
-    tu_check_status(ctx, dt_checkpoint_load(ctx, NULL, path, &step), "load after the kill");
+    tu_check_status(ctx, dt_checkpoint_load(ctx, NULL, path, NULL, &step, NULL), "load after the kill");
     assert_int_equal(dt_tensor_get(p, buf, KILL_N), DT_OK);
     for (int64_t i = 1; i < KILL_N; i++)
         if (buf[i] != buf[0])
@@ -1313,7 +1313,7 @@ static void test_ckpt_kill_during_save(void **state)
     tu_check(ctx, p, "param");
     dt_tensor_fill(p, 1.0f);
     double t0 = dt_now();
-    tu_check_status(ctx, dt_checkpoint_save(ctx, NULL, path, 1), "first save");
+    tu_check_status(ctx, dt_checkpoint_save(ctx, NULL, path, 1, NULL), "first save");
     double save_s = dt_now() - t0;
     float *buf = malloc(sizeof(float) * KILL_N);
     assert_non_null(buf);
@@ -1352,7 +1352,7 @@ static void test_ckpt_kill_during_save(void **state)
     assert_string_equal(got, path);
     assert_int_equal(step, newest);
     dt_tensor_fill(p, 5.0f);   /* a save over a leftover .tmp */
-    tu_check_status(ctx, dt_checkpoint_save(ctx, NULL, path, 5), "save after the kills");
+    tu_check_status(ctx, dt_checkpoint_save(ctx, NULL, path, 5, NULL), "save after the kills");
     assert_int_equal(kill_loaded_value(ctx, p, buf, path), 5);
     assert_int_equal(access(tmp, F_OK), -1);
     free(buf);
@@ -1360,7 +1360,7 @@ static void test_ckpt_kill_during_save(void **state)
     tu_rmdir(dir);
 }
 
-/* What peers waiting on this rank see while it saves (dt_activity): a
+/* What peers waiting on this rank see while it saves (dt_ctx_activity): a
  * save into a FIFO blocks until the reader thread opens it, 300 ms in. */
 typedef struct activity_probe {
     dt_ctx *ctx;
@@ -1371,7 +1371,7 @@ static void *probe_then_drain(void *arg)
 {
     activity_probe *a = arg;
     usleep(300 * 1000);
-    snprintf(a->seen, sizeof a->seen, "%s", dt_activity(a->ctx));
+    snprintf(a->seen, sizeof a->seen, "%s", dt_ctx_activity(a->ctx));
     int fd = open(a->fifo, O_RDONLY);
     char buf[4096];
     while (fd >= 0 && read(fd, buf, sizeof buf) > 0)
@@ -1394,11 +1394,11 @@ static void test_activity_during_save(void **state)
     assert_int_equal(mkfifo(a.fifo, 0600), 0);
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, probe_then_drain, &a), 0);
-    dt_checkpoint_save(ctx, NULL, path, 1);   /* (a FIFO cannot be synced: it may fail) */
+    dt_checkpoint_save(ctx, NULL, path, 1, NULL);   /* (a FIFO cannot be synced: it may fail) */
     pthread_join(th, NULL);
     if (!strstr(a.seen, "writing a checkpoint for "))
-        fail_msg("during the save, dt_activity said '%s'", a.seen);
-    assert_string_equal(dt_activity(ctx), "computing");   /* and after */
+        fail_msg("during the save, dt_ctx_activity said '%s'", a.seen);
+    assert_string_equal(dt_ctx_activity(ctx), "computing");   /* and after */
     dt_ctx_free(ctx);
     tu_rmdir(dir);
 }

@@ -489,8 +489,8 @@ static void test_data_idx_header_claims_too_much(void **state)
     for (int gz = 0; gz < 2; gz++) {
         write_bytes(img, gz, hdr, sizeof hdr);
         write_labels(lab, gz, N, 0x801, SIZE_MAX);
-        dt_config cfg;
-        dt_config_init(&cfg);
+        dt_ctx_config cfg;
+        dt_ctx_config_init(&cfg);
         cfg.allocator = (dt_allocator){small_malloc, small_realloc, small_free, NULL};
         dt_ctx *ctx = dt_ctx_new(&cfg);
         assert_non_null(ctx);
@@ -535,8 +535,9 @@ static void test_data_fashion_mnist(void **state)
     assert_int_equal(llen, 8 + 10000);
 
     dt_ctx *ctx = tu_ctx_new();
-    dt_dataset *ds = dt_dataset_fashion_mnist(ctx, NULL, 1);
-    tu_check(ctx, ds, "dt_dataset_fashion_mnist");
+    dt_dataset *ds = dt_dataset_load_idx(ctx, FMNIST_DIR "/t10k-images-idx3-ubyte.gz",
+                                         FMNIST_DIR "/t10k-labels-idx1-ubyte.gz");
+    tu_check(ctx, ds, "dt_dataset_load_idx(fashion-mnist test)");
     assert_int_equal(dt_dataset_size(ds), 10000);
     assert_int_equal(dt_dataset_classes(ds), 10);
     int64_t shape[DT_MAX_DIMS];
@@ -583,12 +584,14 @@ static void test_data_fashion_mnist(void **state)
     dt_dataset_free(ds);
 
     /* the train split has 60000 */
-    ds = dt_dataset_fashion_mnist(ctx, FMNIST_DIR, 0);
+    ds = dt_dataset_load_idx(ctx, FMNIST_DIR "/train-images-idx3-ubyte.gz",
+                             FMNIST_DIR "/train-labels-idx1-ubyte.gz");
     tu_check(ctx, ds, "fashion-mnist train");
     assert_int_equal(dt_dataset_size(ds), 60000);
     dt_dataset_free(ds);
-    /* a directory without the files */
-    assert_null(dt_dataset_fashion_mnist(ctx, "/nonexistent-dir", 0));
+    /* files that are not there */
+    assert_null(dt_dataset_load_idx(ctx, "/nonexistent-dir/images", "/nonexistent-dir/labels"));
+    assert_int_equal(dt_last_status(ctx), DT_EIO);
     assert_true(dt_last_error(ctx)[0] != '\0');
     dt_ctx_free(ctx);
     free(img);

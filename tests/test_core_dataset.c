@@ -855,7 +855,7 @@ static void test_dataset_evaluate(void **state)
     assert_int_equal(dt_evaluate(ctx, NULL, ds, &ec, lin_forward, &m, &out), DT_EINVAL);
     /* evaluation's larger steps do not stay in the arena */
     ec.metric = DT_METRIC_CLASSIFY;
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_mem_stats before, after;
     dt_mem_stats_get(ctx, &before);
     tu_check_status(ctx, dt_evaluate(ctx, NULL, ds, &ec, big_forward, &m, &out), "big steps");

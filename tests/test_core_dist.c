@@ -151,7 +151,7 @@ static void test_store_single(void **state)
     clear_env();
     dt_ctx *ctx = new_ctx();
     dt_dist_env e = tr_env(0, 1, 0);
-    dt_store *s = dt_store_open(ctx, &e, NULL);
+    dt_store *s = dt_store_new(ctx, &e, NULL);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
     assert_true(dt_store_port(s) > 0);
@@ -175,7 +175,7 @@ static void test_store_single(void **state)
     assert_non_null(strstr(dt_last_error(ctx), "missing"));
     assert_int_equal(dt_store_set(s, "", "x", 1), DT_EINVAL);
     assert_int_equal(dt_store_get(s, NULL, buf, 1, &len, 0), DT_EINVAL);
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
 }
 
@@ -189,7 +189,7 @@ static void child_rank(int rank, int world, int port, const char *token)
     dt_store_config_init(&cfg);
     cfg.token = token;
     cfg.timeout_ms = 5000;
-    dt_store *s = ctx ? dt_store_open(ctx, &e, &cfg) : NULL;
+    dt_store *s = ctx ? dt_store_new(ctx, &e, &cfg) : NULL;
     if (!s)
         _exit(strstr(dt_last_error(ctx), "job token") ? 3 : 10);
     char key[32], val[32], got[32];
@@ -206,7 +206,7 @@ static void child_rank(int rank, int world, int port, const char *token)
         if (len != strlen(val) + 1 || memcmp(got, val, len) != 0)
             _exit(13);
     }
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
     _exit(0);
 }
@@ -252,7 +252,7 @@ static void test_store_many_ranks(void **state)
     dt_store_config cfg;
     dt_store_config_init(&cfg);
     cfg.token = "s3cret";
-    dt_store *s = dt_store_open(ctx, &e, &cfg);
+    dt_store *s = dt_store_new(ctx, &e, &cfg);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
     pid_t kids[WORLD];
@@ -264,7 +264,7 @@ static void test_store_many_ranks(void **state)
         if (code != 0)
             fail_msg("rank %d exited with %d", r, code);
     }
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
 }
 
@@ -277,7 +277,7 @@ static void test_store_token_refused(void **state)
     dt_store_config cfg;
     dt_store_config_init(&cfg);
     cfg.token = "right-token";
-    dt_store *s = dt_store_open(ctx, &e, &cfg);
+    dt_store *s = dt_store_new(ctx, &e, &cfg);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
     /* in-process clients: wrong token, missing token, rank out of range */
@@ -286,27 +286,27 @@ static void test_store_token_refused(void **state)
     dt_store_config bad;
     dt_store_config_init(&bad);
     bad.token = "wrong-token";
-    assert_null(dt_store_open(c2, &e1, &bad));
+    assert_null(dt_store_new(c2, &e1, &bad));
     assert_int_equal(dt_last_status(c2), DT_EPEER);
     assert_non_null(strstr(dt_last_error(c2), "job token"));
     bad.token = "";
-    assert_null(dt_store_open(c2, &e1, &bad));
+    assert_null(dt_store_new(c2, &e1, &bad));
     assert_non_null(strstr(dt_last_error(c2), "job token"));
     dt_dist_env e9 = tr_env(2, 9, dt_store_port(s));   /* claims a bigger job */
     bad.token = "right-token";
-    dt_store *s9 = dt_store_open(c2, &e9, &bad);
-    dt_store_close(s9);
+    dt_store *s9 = dt_store_new(c2, &e9, &bad);
+    dt_store_free(s9);
     /* world 9 passes the client's check; rank 2 < 3 passes the server's */
     assert_non_null(s9);
     dt_dist_env e5 = tr_env(5, 9, dt_store_port(s));
-    assert_null(dt_store_open(c2, &e5, &bad));
+    assert_null(dt_store_new(c2, &e5, &bad));
     assert_non_null(strstr(dt_last_error(c2), "rank out of range"));
     /* a forked child with the wrong token is refused too (exit 3) */
     assert_int_equal(reap(spawn_rank(1, 3, dt_store_port(s), "nope"), 15.0), 3);
     /* and the store still serves a good client */
     assert_int_equal(dt_store_set(s, "still", "ok", 2), DT_OK);
     dt_ctx_free(c2);
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
 }
 
@@ -330,7 +330,7 @@ static void test_store_malformed_clients(void **state)
     clear_env();
     dt_ctx *ctx = new_ctx();
     dt_dist_env e = tr_env(0, 2, 0);
-    dt_store *s = dt_store_open(ctx, &e, NULL);
+    dt_store *s = dt_store_new(ctx, &e, NULL);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
     const unsigned char garbage[] = {5, 0, 0, 0, 0x42, 1, 2, 3, 4};
@@ -352,7 +352,7 @@ static void test_store_malformed_clients(void **state)
         close(fd);
     }
     assert_int_equal(dt_store_set(s, "after", "fine", 4), DT_OK);
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
 }
 
@@ -367,7 +367,7 @@ static void test_store_unreachable(void **state)
     dt_store_config_init(&cfg);
     cfg.timeout_ms = 300;
     double t0 = dt_now();
-    assert_null(dt_store_open(ctx, &e, &cfg));
+    assert_null(dt_store_new(ctx, &e, &cfg));
     double dt = dt_now() - t0;
     assert_int_equal(dt_last_status(ctx), DT_ETIMEDOUT);
     assert_non_null(strstr(dt_last_error(ctx), "127.0.0.1"));
@@ -384,7 +384,7 @@ static void test_store_slow_reader(void **state)
     clear_env();
     dt_ctx *ctx = new_ctx();
     dt_dist_env e = tr_env(0, 3, 0);
-    dt_store *s = dt_store_open(ctx, &e, NULL);
+    dt_store *s = dt_store_new(ctx, &e, NULL);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
     size_t big = (size_t)1 << 20;
@@ -404,7 +404,7 @@ static void test_store_slow_reader(void **state)
     dt_ctx *c1 = new_ctx();
     dt_dist_env e1 = tr_env(1, 3, dt_store_port(s));
     double t_open = dt_now();
-    dt_store *s1 = dt_store_open(c1, &e1, NULL);
+    dt_store *s1 = dt_store_new(c1, &e1, NULL);
     if (!s1)
         fail_msg("%s", dt_last_error(c1));
     double worst = dt_now() - t_open;
@@ -420,9 +420,9 @@ static void test_store_slow_reader(void **state)
     if (worst > 1.0)
         fail_msg("another rank waited %.2f s behind a client that does not read", worst);
     close(fd);
-    dt_store_close(s1);
+    dt_store_free(s1);
     dt_ctx_free(c1);
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
     free(val);
 }
@@ -441,13 +441,13 @@ static void store_holder(int port)
 {
     dt_ctx *ctx = dt_ctx_new(NULL);
     dt_dist_env e = tr_env(0, 2, port);
-    dt_store *s = ctx ? dt_store_open(ctx, &e, NULL) : NULL;
+    dt_store *s = ctx ? dt_store_new(ctx, &e, NULL) : NULL;
     char buf[8];
     size_t len = 0;
     if (!s || dt_store_set(s, "a", "AAAA", 4) != DT_OK || dt_store_set(s, "b", "BBBB", 4) != DT_OK)
         _exit(10);
     int code = dt_store_get(s, "done", buf, sizeof buf, &len, 15000) == DT_OK ? 0 : 11;
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
     _exit(code);
 }
@@ -469,7 +469,7 @@ static void test_store_late_answer_skipped(void **state)
     dt_store_config cfg;
     dt_store_config_init(&cfg);
     cfg.timeout_ms = 5000;
-    dt_store *s = dt_store_open(ctx, &e, &cfg);
+    dt_store *s = dt_store_new(ctx, &e, &cfg);
     if (!s)
         fail_msg("%s", dt_last_error(ctx));
     char buf[8] = {0};
@@ -492,7 +492,7 @@ static void test_store_late_answer_skipped(void **state)
         fail_msg("the call for b got '%.*s' (%zu bytes): the late answer to a", (int)len, buf, len);
     tu_check_status(ctx, dt_store_set(s, "done", "1", 1), "done");
     assert_int_equal(reap(holder, 10.0), 0);
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
 }
 

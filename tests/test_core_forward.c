@@ -10,8 +10,8 @@
 static void test_fwd_context_basics(void **state)
 {
     (void)state;
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     assert_string_equal(cfg.backend, "cpu");
     assert_int_equal(cfg.seed, 0);
     dt_ctx *ctx = dt_ctx_new(NULL);
@@ -23,10 +23,10 @@ static void test_fwd_context_basics(void **state)
     assert_int_equal(dt_ctx_threads(ctx), 1);
     assert_string_equal(dt_last_error(ctx), "");
     assert_int_equal(dt_last_status(ctx), DT_OK);
-    assert_int_equal(dt_grad_enabled(ctx), 1);
-    assert_int_equal(dt_training(ctx), 1);
-    dt_set_grad_enabled(ctx, 0);
-    assert_int_equal(dt_grad_enabled(ctx), 0);
+    assert_int_equal(dt_ctx_grad_enabled(ctx), 1);
+    assert_int_equal(dt_ctx_training(ctx), 1);
+    dt_ctx_set_grad_enabled(ctx, 0);
+    assert_int_equal(dt_ctx_grad_enabled(ctx), 0);
     dt_ctx_free(ctx);
 
     cfg.threads = 2;
@@ -90,7 +90,7 @@ static void test_fwd_tensor_basics(void **state)
     dt_tensor *tmp = dt_tensor_temp(ctx, DT_F32, SHP(5));
     tu_check(ctx, tmp, "dt_tensor_temp");
     TU_EXPECT(ctx, tmp, 0, 0, 0, 0, 0, 0, 0);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
 
     dt_tensor_free(t);
     dt_tensor_free(ti);
@@ -192,7 +192,7 @@ static void test_fwd_init(void **state)
     int64_t n;
 
     /* kaiming_uniform a=0: bound = sqrt(2) * sqrt(3 / fan_in) */
-    tu_check_status(ctx, dt_init_kaiming_uniform(ctx, w, 0.0f), "kaiming_uniform");
+    tu_check_status(ctx, dt_tensor_init_kaiming_uniform(ctx, w, 0.0f), "kaiming_uniform");
     float *v = tu_read(ctx, w, &n);
     double bound = sqrt(2.0) * sqrt(3.0 / I), mx = 0, s2 = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -206,7 +206,7 @@ static void test_fwd_init(void **state)
     free(v);
 
     /* kaiming_normal a=sqrt(5): std = sqrt(2/6)/sqrt(fan_in) */
-    tu_check_status(ctx, dt_init_kaiming_normal(ctx, w, sqrtf(5.0f)), "kaiming_normal");
+    tu_check_status(ctx, dt_tensor_init_kaiming_normal(ctx, w, sqrtf(5.0f)), "kaiming_normal");
     v = tu_read(ctx, w, &n);
     double m = 0;
     s2 = 0;
@@ -221,7 +221,7 @@ static void test_fwd_init(void **state)
     free(v);
 
     /* xavier_uniform gain 1: bound = sqrt(6/(fan_in+fan_out)) */
-    tu_check_status(ctx, dt_init_xavier_uniform(ctx, w, 1.0f), "xavier_uniform");
+    tu_check_status(ctx, dt_tensor_init_xavier_uniform(ctx, w, 1.0f), "xavier_uniform");
     v = tu_read(ctx, w, &n);
     bound = sqrt(6.0 / (I + O));
     mx = 0;
@@ -230,7 +230,7 @@ static void test_fwd_init(void **state)
     free(v);
 
     /* xavier_normal gain 2: std = 2 sqrt(2/(fan_in+fan_out)) */
-    tu_check_status(ctx, dt_init_xavier_normal(ctx, w, 2.0f), "xavier_normal");
+    tu_check_status(ctx, dt_tensor_init_xavier_normal(ctx, w, 2.0f), "xavier_normal");
     v = tu_read(ctx, w, &n);
     s2 = 0;
     for (int64_t i = 0; i < n; i++) s2 += (double)v[i] * v[i];
@@ -239,11 +239,11 @@ static void test_fwd_init(void **state)
     free(v);
 
     /* uniform and normal */
-    tu_check_status(ctx, dt_init_uniform(ctx, w, 2.0f, 3.0f), "uniform");
+    tu_check_status(ctx, dt_tensor_init_uniform(ctx, w, 2.0f, 3.0f), "uniform");
     v = tu_read(ctx, w, &n);
     for (int64_t i = 0; i < n; i++) assert_true(v[i] >= 2.0f && v[i] <= 3.0f);
     free(v);
-    tu_check_status(ctx, dt_init_normal(ctx, w, 1.0f, 0.5f), "normal");
+    tu_check_status(ctx, dt_tensor_init_normal(ctx, w, 1.0f, 0.5f), "normal");
     v = tu_read(ctx, w, &n);
     m = 0;
     s2 = 0;
@@ -256,7 +256,7 @@ static void test_fwd_init(void **state)
 
     /* bias: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) */
     dt_tensor *b = tu_param(ctx, "b", SHP(O), NULL);
-    tu_check_status(ctx, dt_init_bias(ctx, b, 16), "init_bias");
+    tu_check_status(ctx, dt_tensor_init_bias(ctx, b, 16), "init_bias");
     v = tu_read(ctx, b, &n);
     mx = 0;
     for (int64_t i = 0; i < n; i++) mx = fmax(mx, fabs(v[i]));
@@ -264,11 +264,11 @@ static void test_fwd_init(void **state)
     free(v);
 
     /* Reseeding reproduces the draw. */
-    dt_seed(ctx, 99);
-    dt_init_uniform(ctx, b, -1, 1);
+    dt_ctx_seed(ctx, 99);
+    dt_tensor_init_uniform(ctx, b, -1, 1);
     float *v1 = tu_read(ctx, b, NULL);
-    dt_seed(ctx, 99);
-    dt_init_uniform(ctx, b, -1, 1);
+    dt_ctx_seed(ctx, 99);
+    dt_tensor_init_uniform(ctx, b, -1, 1);
     float *v2 = tu_read(ctx, b, NULL);
     assert_memory_equal(v1, v2, sizeof(float) * O);
     free(v1);
@@ -321,7 +321,7 @@ static void test_fwd_matmul(void **state)
     TU_EXPECT(ctx, y, RT, AT, 8, 23, 8, 27.5);
     y = dt_linear(ctx, a, w, NULL);
     TU_EXPECT(ctx, y, RT, AT, -2, 3, -2, 7.5);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -367,7 +367,7 @@ static void test_fwd_broadcast(void **state)
             for (int j = 0; j < 4; j++) want[b * 12 + i * 4 + j] = b * 12 + i * 4 + j + 1000.0 * (i + 1);
     tu_assert_close_arr("(2,3,4)+(3,1)", got, want, 24, RT, AT);
     free(got);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -407,7 +407,7 @@ static void test_fwd_reductions(void **state)
     y = dt_mean_dim(ctx, x3, 1, 1);
     tu_assert_shape(y, SHP(2, 1, 2));
     TU_EXPECT(ctx, y, RT, AT, 2, 3, 8, 9);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -428,7 +428,7 @@ static void test_fwd_activations(void **state)
     dt_tensor *big = tu_tensor(ctx, SHP(2), (const float[]){-100, 100});
     TU_EXPECT(ctx, dt_sigmoid(ctx, big), RT, AT, 0, 1);
     TU_EXPECT(ctx, dt_tanh(ctx, big), RT, AT, -1, 1);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -452,7 +452,7 @@ static void test_fwd_softmax(void **state)
     TU_EXPECT(ctx, dt_softmax(ctx, h, 0), 1e-4, 1e-6, 0.090030573, 0.244728471, 0.665240956);
     TU_EXPECT(ctx, dt_log_softmax(ctx, h, -1), 1e-4, 1e-5, -2.407605964, -1.407605964,
               -0.407605964);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -487,7 +487,7 @@ static void test_fwd_losses(void **state)
     dt_tensor *lab2 = tu_tensor_i32(ctx, SHP(2), (const int32_t[]){1, 0});
     assert_int_equal(dt_count_correct(ctx, lg, lab2, &correct), DT_OK);
     assert_int_equal(correct, 1);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_tensor_free(labels);
     dt_tensor_free(lab0);
     dt_tensor_free(lab2);
@@ -562,7 +562,7 @@ static void test_fwd_conv2d(void **state)
         tu_assert_close_arr("conv2d vs naive loop", got, ref, 2 * 4 * oh * ow, 1e-5, 1e-5);
         free(got);
     }
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -596,7 +596,7 @@ static void test_fwd_pool(void **state)
     y = dt_max_pool2d(ctx, neg, 2, 2, 1);
     tu_assert_shape(y, SHP(1, 1, 3, 3));
     TU_EXPECT(ctx, y, RT, AT, -1, -2, -4, -5, -6, -8, -13, -14, -16);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -620,7 +620,7 @@ static void test_fwd_layer_norm(void **state)
     double want2[8] = {-1.5 * s, -1.0 * s + 1, 1.5 * s, 6 * s - 1, 0, 1, 0, -1};
     tu_assert_close_arr("layer_norm w,b", got, want2, 8, 1e-5, 1e-5);
     free(got);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -677,7 +677,7 @@ static void test_fwd_views(void **state)
     TU_EXPECT(ctx, y, 0, 0, 1, 2, 7, 3, 4, 8);
     y = dt_concat(ctx, ac, 2, -1);
     TU_EXPECT(ctx, y, 0, 0, 1, 2, 7, 3, 4, 8);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -690,7 +690,7 @@ static void test_fwd_embedding(void **state)
     dt_tensor *y = dt_embedding(ctx, w, idx);
     tu_assert_shape(y, SHP(2, 2, 2));
     TU_EXPECT(ctx, y, 0, 0, 30, 31, 0, 1, 10, 11, 30, 31);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_tensor_free(idx);
     dt_ctx_free(ctx);
 }
@@ -707,12 +707,12 @@ static void test_fwd_dropout(void **state)
     float *got = tu_read(ctx, y, NULL);
     assert_memory_equal(got, v, sizeof v);
     free(got);
-    dt_set_training(ctx, 0);
+    dt_ctx_set_training(ctx, 0);
     y = dt_dropout(ctx, x, 0.9f);
     got = tu_read(ctx, y, NULL);
     assert_memory_equal(got, v, sizeof v);
     free(got);
-    dt_set_training(ctx, 1);
+    dt_ctx_set_training(ctx, 1);
     /* two calls in one step draw different masks */
     float *m1 = tu_read(ctx, dt_dropout(ctx, x, 0.5f), NULL);
     float *m2 = tu_read(ctx, dt_dropout(ctx, x, 0.5f), NULL);
@@ -721,7 +721,7 @@ static void test_fwd_dropout(void **state)
     assert_false(same);
     free(m1);
     free(m2);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 

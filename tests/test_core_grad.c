@@ -266,7 +266,7 @@ static void test_grad_leaf_tensor(void **state)
     tu_check(ctx, loss, "loss");
     tu_check_status(ctx, dt_backward(ctx, loss), "dt_backward");
     assert_null(dt_tensor_grad(c));
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_tensor_free(leaf);
     dt_tensor_free(c);
     dt_ctx_free(ctx);
@@ -618,7 +618,7 @@ static void test_grad_embedding(void **state)
     tu_grad_check(ctx, "embedding", f_embedding, &a, w, 1, EPS, RTOL, ATOL);
 
     /* Exact zeros in the unused rows (finite differences only see ~0). */
-    dt_zero_grad(ctx);
+    dt_ctx_zero_grad(ctx);
     dt_tensor *y = dt_embedding(ctx, w[0], a.aux);
     tu_check(ctx, y, "embedding");
     tu_assert_shape(y, SHP(2, 2, 3));
@@ -632,7 +632,7 @@ static void test_grad_embedding(void **state)
                 fail_msg("embedding grad row %d col %d: expected exactly %g, got %.9g", row, j,
                          (double)count[row], (double)g[row * 3 + j]);
     free(g);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_tensor_free(a.aux);
     dt_ctx_free(ctx);
 }
@@ -935,17 +935,17 @@ static void test_grad_dropout(void **state)
         tu_check(ctx, y, "dropout");
         tu_check_status(ctx, dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, y, Rt))), "dt_backward");
         check_dropout_grad(ctx, x, y, R, N, ps[k], ps[k]);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
 
         /* Not training: identity, gradient R. */
-        dt_set_training(ctx, 0);
-        assert_int_equal(dt_training(ctx), 0);
-        dt_zero_grad(ctx);
+        dt_ctx_set_training(ctx, 0);
+        assert_int_equal(dt_ctx_training(ctx), 0);
+        dt_ctx_zero_grad(ctx);
         y = dt_dropout(ctx, x, 0.5f);
         tu_check(ctx, y, "dropout (eval)");
         tu_check_status(ctx, dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, y, Rt))), "dt_backward");
         check_dropout_grad(ctx, x, y, R, N, 0.0f, 0.0);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         dt_tensor_free(Rt);
         dt_ctx_free(ctx);
     }
@@ -1007,12 +1007,12 @@ static void test_grad_recompute(void **state)
         make_seg_params(ctx, in);
         if (re) tu_grad_check(ctx, "recompute segment", f_recompute, &s, in, 5, EPS, RTOL, ATOL);
         /* The same loss with and without recompute. */
-        dt_zero_grad(ctx);
+        dt_ctx_zero_grad(ctx);
         dt_tensor *y = re ? f_recompute(ctx, in, &s) : f_plain(ctx, in, &s);
         tu_check(ctx, y, "segment output");
         tu_check_status(ctx, dt_backward(ctx, dt_sum(ctx, y)), "dt_backward");
         for (int i = 0; i < 5; i++) (re ? g_re : g_plain)[i] = tu_read(ctx, dt_tensor_grad(in[i]), NULL);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         dt_ctx_free(ctx);
     }
     static const int64_t sizes[5] = {12, 24, 6, 24, 4};
@@ -1052,7 +1052,7 @@ static void test_grad_recompute_dropout(void **state)
     tu_check(ctx, y, "recompute(dropout)");
     tu_check_status(ctx, dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, y, Rt))), "dt_backward");
     check_dropout_grad(ctx, in[0], y, R, N, 0.5f, 0.5);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_tensor_free(Rt);
     dt_ctx_free(ctx);
 }

@@ -256,7 +256,7 @@ static void test_launch_restarts(void **state)
     (void)state;
     dt_ctx *ctx = new_ctx();
     char notes[4096] = "";
-    dt_set_log(ctx, keep_notes, notes);
+    dt_ctx_set_log(ctx, keep_notes, notes);
     dt_spawn_config cfg;
     dt_spawn_config_init(&cfg);
     cfg.nranks = 3;

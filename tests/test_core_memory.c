@@ -5,7 +5,7 @@
  *  - activation checkpointing (dt_recompute) lowers the step arena's peak
  *    and leaves the gradients unchanged;
  *  - backward gives op outputs' gradients back to the arena (a chain of k
- *    ops holds a few, not k), and dt_retain_grad keeps one;
+ *    ops holds a few, not k), and dt_tensor_retain_grad keeps one;
  *  - the same seed and thread count give bit-identical training.
  */
 #include "test_util.h"
@@ -57,10 +57,10 @@ static void mlp_init(dt_ctx *ctx, mlp *m, dt_optim_kind kind, float dropout)
     m->b1 = tu_param(ctx, "fc1.bias", SHP(HID), NULL);
     m->w2 = tu_param(ctx, "fc2.weight", SHP(OUT, HID), NULL);
     m->b2 = tu_param(ctx, "fc2.bias", SHP(OUT), NULL);
-    tu_check_status(ctx, dt_init_kaiming_uniform(ctx, m->w1, sqrtf(5.0f)), "init w1");
-    tu_check_status(ctx, dt_init_bias(ctx, m->b1, IN), "init b1");
-    tu_check_status(ctx, dt_init_kaiming_uniform(ctx, m->w2, sqrtf(5.0f)), "init w2");
-    tu_check_status(ctx, dt_init_bias(ctx, m->b2, HID), "init b2");
+    tu_check_status(ctx, dt_tensor_init_kaiming_uniform(ctx, m->w1, sqrtf(5.0f)), "init w1");
+    tu_check_status(ctx, dt_tensor_init_bias(ctx, m->b1, IN), "init b1");
+    tu_check_status(ctx, dt_tensor_init_kaiming_uniform(ctx, m->w2, sqrtf(5.0f)), "init w2");
+    tu_check_status(ctx, dt_tensor_init_bias(ctx, m->b2, HID), "init b2");
     tu_rng r = {777};
     float xv[BATCH * IN];
     int32_t yv[BATCH];
@@ -89,9 +89,9 @@ static float mlp_step(dt_ctx *ctx, mlp *m)
     tu_check(ctx, loss, "mlp loss");
     float l = dt_tensor_item(loss);
     tu_check_status(ctx, dt_backward(ctx, loss), "dt_backward");
-    tu_check_status(ctx, dt_clip_grad_norm(ctx, 1.0f, NULL), "clip");
+    tu_check_status(ctx, dt_ctx_clip_grad_norm(ctx, 1.0f, NULL), "clip");
     tu_check_status(ctx, dt_optim_step(m->opt), "dt_optim_step");
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     return l;
 }
 
@@ -105,8 +105,8 @@ static void mlp_free(mlp *m)
 static void run_no_alloc(int threads, dt_optim_kind kind, float dropout)
 {
     counts c = {0};
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.threads = threads;
     cfg.allocator.malloc_fn = c_malloc;
     cfg.allocator.realloc_fn = c_realloc;
@@ -162,33 +162,33 @@ static void test_mem_stats(void **state)
     dt_mem_stats_get(ctx, &s1);
     /* a parameter and its gradient: at least 2 x 40000 bytes */
     assert_true(s1.persistent_bytes >= s0.persistent_bytes + 2 * 40000);
-    dt_mem_reset_peak(ctx);
+    dt_mem_peak_reset(ctx);
     dt_tensor *y = dt_relu(ctx, dt_matmul(ctx, w, w, 0, 0));
     tu_check(ctx, y, "ops");
     dt_mem_stats_get(ctx, &s2);
     assert_true(s2.arena_used >= 2 * 40000); /* two (100,100) step tensors */
     assert_true(s2.arena_peak >= s2.arena_used);
     assert_true(s2.arena_capacity >= s2.arena_used);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_mem_stats_get(ctx, &s3);
     assert_int_equal(s3.arena_used, 0);
     assert_true(s3.arena_peak >= s2.arena_used); /* the peak survives the reset */
-    dt_mem_reset_peak(ctx);
+    dt_mem_peak_reset(ctx);
     dt_mem_stats_get(ctx, &s3);
     assert_true(s3.arena_peak < s2.arena_used);
     dt_ctx_free(ctx);
 }
 
-/* A training loop that forgets dt_step_reset (issue 35: 3 GiB after 3,000
+/* A training loop that forgets dt_ctx_step_reset (issue 35: 3 GiB after 3,000
  * steps, no word).  After DT_ARENA_WARN_BACKWARDS backward passes the
- * arena's next growth is a warning naming dt_step_reset; at the cap
- * (dt_config.arena_max_bytes, 8 MiB here) the step tensor is refused with
- * DT_ENOMEM saying the same, and after a dt_step_reset training goes on. */
+ * arena's next growth is a warning naming dt_ctx_step_reset; at the cap
+ * (dt_ctx_config.arena_max_bytes, 8 MiB here) the step tensor is refused with
+ * DT_ENOMEM saying the same, and after a dt_ctx_step_reset training goes on. */
 static void test_mem_arena_cap(void **state)
 {
     (void)state;
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.backend = getenv("DTRAIN_BACKEND") ? getenv("DTRAIN_BACKEND") : "cpu";
     cfg.arena_bytes = (size_t)256 << 10;
     cfg.arena_max_bytes = (size_t)8 << 20;
@@ -206,16 +206,16 @@ static void test_mem_arena_cap(void **state)
     assert_int_equal(s, DT_ENOMEM);
     assert_true(steps > DT_ARENA_WARN_BACKWARDS && steps < 1000);
     tu_assert_error_mentions(ctx, "arena_max_bytes");
-    tu_assert_error_mentions(ctx, "dt_step_reset");
-    assert_non_null(strstr(dt_last_warning(ctx), "without dt_step_reset"));
+    tu_assert_error_mentions(ctx, "dt_ctx_step_reset");
+    assert_non_null(strstr(dt_last_warning(ctx), "without dt_ctx_step_reset"));
     dt_mem_stats st;
     dt_mem_stats_get(ctx, &st);
     assert_true(st.arena_capacity <= cfg.arena_max_bytes);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_tensor *loss = dt_sum(ctx, dt_relu(ctx, dt_matmul(ctx, w, w, 0, 0)));
     tu_check(ctx, loss, "a step after the reset");
     tu_check_status(ctx, dt_backward(ctx, loss), "its backward");
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -246,11 +246,11 @@ static void test_mem_backward_reuses_grads(void **state)
     size_t one = CHAIN_R * CHAIN_R * sizeof(float);
     dt_mem_stats fwd, bwd;
     for (int retain = 0; retain < 2; retain++) {
-        dt_mem_reset_peak(ctx);
+        dt_mem_peak_reset(ctx);
         dt_tensor *mid = NULL, *loss = chain_forward(ctx, x, &mid);
         tu_check(ctx, loss, "chain");
         if (retain)
-            tu_check_status(ctx, dt_retain_grad(mid), "retain_grad");
+            tu_check_status(ctx, dt_tensor_retain_grad(mid), "retain_grad");
         dt_mem_stats_get(ctx, &fwd);
         tu_check_status(ctx, dt_backward(ctx, loss), "backward");
         dt_mem_stats_get(ctx, &bwd);
@@ -279,8 +279,8 @@ static void test_mem_backward_reuses_grads(void **state)
             free(m);
             free(g);
         }
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     free(v);
     dt_ctx_free(ctx);
@@ -354,8 +354,8 @@ static void test_mem_recompute_lowers_peak(void **state)
     /* run each variant twice; measure the second (the arena is warm) */
     for (int rep = 0; rep < 2; rep++) {
         for (int re = 0; re < 2; re++) {
-            dt_zero_grad(ctx);
-            dt_mem_reset_peak(ctx);
+            dt_ctx_zero_grad(ctx);
+            dt_mem_peak_reset(ctx);
             dt_tensor *loss = deep_loss(ctx, &d, re);
             tu_check(ctx, loss, re ? "loss with recompute" : "loss");
             tu_check_status(ctx, dt_backward(ctx, loss), "dt_backward");
@@ -364,7 +364,7 @@ static void test_mem_recompute_lowers_peak(void **state)
             peak[re] = st.arena_peak;
             if (rep == 1)
                 for (int i = 0; i < np; i++) grads[re][i] = tu_read(ctx, dt_tensor_grad(dt_param_at(ctx, i)), NULL);
-            dt_step_reset(ctx);
+            dt_ctx_step_reset(ctx);
         }
     }
     print_message("[   INFO   ] arena peak: %zu bytes plain, %zu bytes with recompute\n", peak[0], peak[1]);
@@ -453,7 +453,7 @@ static void test_zero_copy(void **state)
     assert_int_equal(dt_tensor_stride(t, 0), 1);
     assert_int_equal(dt_tensor_stride(t, -1), 3);
     assert_int_equal(dt_tensor_stride(t, 2), 0);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_tensor_free(a);   /* leaves buf alone (ASan would see a bad free) */
     buf[1] = 7;
     /* a lazily zeroed gradient reads as zeros through its pointer */
@@ -464,8 +464,8 @@ static void test_zero_copy(void **state)
     assert_int_equal(dt_backward(ctx, loss), DT_OK);
     float *g = dt_tensor_data(dt_tensor_grad(w));
     assert_true(g[0] == 2.0f && g[3] == 2.0f);
-    dt_step_reset(ctx);
-    dt_zero_grad(ctx);
+    dt_ctx_step_reset(ctx);
+    dt_ctx_zero_grad(ctx);
     g = dt_tensor_data(dt_tensor_grad(w));
     assert_true(g[0] == 0.0f && g[3] == 0.0f);
     /* refused: misaligned, NULL */
@@ -477,8 +477,8 @@ static void test_zero_copy(void **state)
     assert_null(dt_tensor_data(NULL));
     dt_ctx_free(ctx);
     /* a backend whose memory is not the host's */
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.backend = "cpu-staged";
     ctx = dt_ctx_new(&cfg);
     assert_int_equal(dt_ctx_status(ctx), DT_OK);
@@ -493,7 +493,7 @@ static void test_zero_copy(void **state)
 }
 
 /* A persistent tensor freed while the step's tape still reads it (before
- * backward): its memory stays until dt_step_reset, so backward computes
+ * backward): its memory stays until dt_ctx_step_reset, so backward computes
  * from the right values (ASan would report a use after free otherwise). */
 static void test_free_during_step(void **state)
 {
@@ -517,7 +517,7 @@ static void test_free_during_step(void **state)
         assert_float_equal(g[i], want[i], 0);
     dt_tensor *after = tu_tensor(ctx, SHP(2), NULL);
     dt_tensor_free(after);   /* no tape now: freed at once */
-    dt_step_reset(ctx);      /* the kept ones go here (LeakSanitizer checks) */
+    dt_ctx_step_reset(ctx);      /* the kept ones go here (LeakSanitizer checks) */
     dt_ctx_free(ctx);
 }
 

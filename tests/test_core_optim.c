@@ -54,7 +54,7 @@ static void fx_backward(fixture *f, const float *gw, const float *gb)
                              dt_sum(ctx, dt_mul(ctx, f->b, f->cb)));
     tu_check(ctx, loss, "loss");
     tu_check_status(ctx, dt_backward(ctx, loss), "dt_backward");
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
 }
 
 /* Hand-computed reference, one parameter element at a time. */
@@ -340,9 +340,9 @@ static void test_optim_subset_and_accessors(void **state)
     free(bv);
     dt_optim_zero_grad(opt);
     TU_EXPECT(f.ctx, dt_tensor_grad(f.b), 0, 0, 0, 0, 0);
-    /* dt_zero_grad clears every parameter's gradient */
+    /* dt_ctx_zero_grad clears every parameter's gradient */
     TU_EXPECT(f.ctx, dt_tensor_grad(f.w), RT, AT, 0.1, -0.2, 0.3, 1.0);
-    dt_zero_grad(f.ctx);
+    dt_ctx_zero_grad(f.ctx);
     TU_EXPECT(f.ctx, dt_tensor_grad(f.w), 0, 0, 0, 0, 0, 0);
     dt_optim_free(opt);
     dt_optim_free(NULL);
@@ -461,25 +461,25 @@ static void test_clip_grad_norm(void **state)
     dt_tensor *ca = tu_tensor(ctx, SHP(2), (const float[]){3, 4});
     dt_tensor *cb = tu_tensor(ctx, SHP(1), (const float[]){12});
     for (int round = 0; round < 2; round++) {
-        dt_zero_grad(ctx);
+        dt_ctx_zero_grad(ctx);
         dt_tensor *loss = dt_add(ctx, dt_sum(ctx, dt_mul(ctx, a, ca)), dt_sum(ctx, dt_mul(ctx, b, cb)));
         tu_check_status(ctx, dt_backward(ctx, loss), "backward");
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         /* global norm sqrt(9 + 16 + 144) = 13 */
         float norm = -1;
         if (round == 0) {
             /* max 6.5: scale by 6.5 / 13 = 0.5 */
-            assert_int_equal(dt_clip_grad_norm(ctx, 6.5f, &norm), DT_OK);
+            assert_int_equal(dt_ctx_clip_grad_norm(ctx, 6.5f, &norm), DT_OK);
             assert_true(tu_close(norm, 13.0, 1e-6, 0));
             TU_EXPECT(ctx, dt_tensor_grad(a), 1e-5, 0, 1.5, 2.0);
             TU_EXPECT(ctx, dt_tensor_grad(b), 1e-5, 0, 6.0);
         } else {
             /* max above the norm: unchanged */
-            assert_int_equal(dt_clip_grad_norm(ctx, 100.0f, &norm), DT_OK);
+            assert_int_equal(dt_ctx_clip_grad_norm(ctx, 100.0f, &norm), DT_OK);
             assert_true(tu_close(norm, 13.0, 1e-6, 0));
             TU_EXPECT(ctx, dt_tensor_grad(a), 0, 0, 3, 4);
             TU_EXPECT(ctx, dt_tensor_grad(b), 0, 0, 12);
-            assert_int_equal(dt_clip_grad_norm(ctx, 100.0f, NULL), DT_OK);
+            assert_int_equal(dt_ctx_clip_grad_norm(ctx, 100.0f, NULL), DT_OK);
         }
     }
     dt_tensor_free(ca);
@@ -504,12 +504,12 @@ static void test_grad_accumulation(void **state)
     static const int64_t n[3] = {15, 5, 10};
     float *one[3], *two[3];
     for (int k = 1; k <= 2; k++) {
-        dt_zero_grad(ctx);
+        dt_ctx_zero_grad(ctx);
         for (int rep = 0; rep < k; rep++) {
             dt_tensor *h = dt_gelu(ctx, dt_linear(ctx, x, w1, b1));
             dt_tensor *loss = dt_cross_entropy(ctx, dt_linear(ctx, h, w2, NULL), y);
             tu_check_status(ctx, dt_backward(ctx, loss), "backward");
-            dt_step_reset(ctx);
+            dt_ctx_step_reset(ctx);
         }
         for (int i = 0; i < 3; i++) (k == 1 ? one : two)[i] = tu_read(ctx, dt_tensor_grad(ps[i]), NULL);
     }
@@ -578,11 +578,11 @@ static void test_optim_master_weights(void **state)
             fail_msg("w[%d] = %.9g: not the master %.9g rounded to bf16", i, (double)w[i], rw[i].w);
     }
     assert_float_equal(w[0], 0.5f, 0);   /* 3e-4 below 0.5: still 0.5 in bf16 */
-    tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, opt, path, 3), "save");
+    tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, opt, path, 3, NULL), "save");
     /* the file holds the masters: f32 values the steps moved */
     fixture g;
     fx_init(&g);
-    tu_check_status(g.ctx, dt_checkpoint_load(g.ctx, NULL, path, NULL), "load plain");
+    tu_check_status(g.ctx, dt_checkpoint_load(g.ctx, NULL, path, NULL, NULL, NULL), "load plain");
     float mw[NW];
     dt_tensor_get(g.w, mw, NW);
     for (int i = 0; i < NW; i++)
@@ -614,13 +614,13 @@ static void test_optim_master_weights(void **state)
         tu_check(h.ctx, opt, "optim");
         for (int t = 1; t <= 4; t++) {
             if (t == 3 && run == 0)
-                tu_check_status(h.ctx, dt_checkpoint_save(h.ctx, opt, path, 2), "save at 2");
+                tu_check_status(h.ctx, dt_checkpoint_save(h.ctx, opt, path, 2, NULL), "save at 2");
             if (t == 3 && run == 1) {
                 dt_optim_free(opt);
                 fx_free(&h);
                 fx_init(&h);
                 opt = dt_optim_new(h.ctx, &c, NULL, 0);
-                tu_check_status(h.ctx, dt_checkpoint_load(h.ctx, opt, path, NULL), "resume");
+                tu_check_status(h.ctx, dt_checkpoint_load(h.ctx, opt, path, NULL, NULL, NULL), "resume");
             }
             dt_optim_zero_grad(opt);
             fx_backward(&h, GW[t % NSTEP], GB[t % NSTEP]);
@@ -909,10 +909,10 @@ static void test_optim_param_groups_checkpoint(void **state)
     fx_backward(&f, GW[0], GB[0]);
     tu_check_status(f.ctx, dt_optim_step(a), "step");
     assert_int_equal(dt_optim_set_group_lr(a, 1, 0.002f), DT_OK);
-    tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, a, path, 1), "save");
+    tu_check_status(f.ctx, dt_checkpoint_save(f.ctx, a, path, 1, NULL), "save");
     dt_optim *b = dt_optim_new_groups(f.ctx, &c, g, 2);
     tu_check(f.ctx, b, "groups again");
-    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, b, path, NULL), "load");
+    tu_check_status(f.ctx, dt_checkpoint_load(f.ctx, b, path, NULL, NULL, NULL), "load");
     dt_optim_config got;
     assert_int_equal(dt_optim_group_config(b, 1, &got), DT_OK);
     assert_true(got.lr == 0.002f);
@@ -922,7 +922,7 @@ static void test_optim_param_groups_checkpoint(void **state)
     assert_int_equal(dt_optim_steps(b), 1);
     dt_optim *one = dt_optim_new(f.ctx, &c, NULL, 0);
     tu_check(f.ctx, one, "one group");
-    assert_int_equal(dt_checkpoint_load(f.ctx, one, path, NULL), DT_EMISMATCH);
+    assert_int_equal(dt_checkpoint_load(f.ctx, one, path, NULL, NULL, NULL), DT_EMISMATCH);
     assert_non_null(strstr(dt_last_error(f.ctx), "2 parameter groups, this one 1"));
     assert_int_equal(dt_optim_steps(one), 0);
     assert_true(dt_optim_lr(one) == 0.01f);

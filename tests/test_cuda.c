@@ -2559,8 +2559,8 @@ typedef struct cu_trained {
  * freed in teardown if a check fails on the way */
 static void cu_train(cu_fix *f, const dt_backend_iface *be, int cnn, cu_trained *out)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.backend = be->name;
     cfg.custom_backend = be;
     cfg.threads = 1;
@@ -2621,7 +2621,7 @@ static void cu_train(cu_fix *f, const dt_backend_iface *be, int cnn, cu_trained 
         out->loss[step] = dt_tensor_item(loss);
         tu_check_status(ctx, dt_backward(ctx, loss), "dt_backward");
         tu_check_status(ctx, dt_optim_step(opt), "dt_optim_step");
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     out->np = 4;
     for (int i = 0; i < 4; i++) {

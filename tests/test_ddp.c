@@ -31,8 +31,8 @@ static int job_host_groups;                    /* > 0: rank r claims host "h<r %
 static void ddp_rank_main(int rank, int world, int port, ddp_fn fn)
 {
     alarm(90);
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 1000 + (uint64_t)rank;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     dt_dist_env e = tr_env(rank, world, port);
@@ -131,8 +131,8 @@ static int model_build(dt_ctx *ctx, model *m, int kind)
         return 1;
     int64_t fan1 = cnn ? 9 : in_features(kind);
     int64_t fan2 = cnn ? 4 * (IMG / 2) * (IMG / 2) : kind == WIDE ? WIDE_HID : HID;
-    return dt_init_kaiming_uniform(ctx, m->w1, sqrtf(5.0f)) || dt_init_bias(ctx, m->b1, fan1) ||
-           dt_init_kaiming_uniform(ctx, m->w2, sqrtf(5.0f)) || dt_init_bias(ctx, m->b2, fan2);
+    return dt_tensor_init_kaiming_uniform(ctx, m->w1, sqrtf(5.0f)) || dt_tensor_init_bias(ctx, m->b1, fan1) ||
+           dt_tensor_init_kaiming_uniform(ctx, m->w2, sqrtf(5.0f)) || dt_tensor_init_bias(ctx, m->b2, fan2);
 }
 
 static dt_tensor *model_forward(dt_ctx *ctx, const model *m, dt_tensor *x)
@@ -230,7 +230,7 @@ static int params_agree(dt_ctx *ctx, dt_comm *c)
         if (!bad) {
             memcpy(hi, v, sizeof(float) * (size_t)n);
             memcpy(lo, v, sizeof(float) * (size_t)n);
-            bad = dt_allreduce(c, hi, n, DT_REDUCE_MAX) || dt_allreduce(c, lo, n, DT_REDUCE_MIN) ||
+            bad = dt_comm_allreduce(c, hi, n, DT_REDUCE_MAX) || dt_comm_allreduce(c, lo, n, DT_REDUCE_MIN) ||
                   memcmp(hi, v, sizeof(float) * (size_t)n) || memcmp(lo, v, sizeof(float) * (size_t)n);
         }
         free(v);
@@ -280,8 +280,8 @@ static uint64_t params_hash(dt_ctx *ctx)
 /* The reference: one process, batch world * PER_RANK, seeded as rank 0. */
 static dt_ctx *reference_run_steps(int kind, int world, int steps)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 1000;
     dt_ctx *ref = dt_ctx_new(&cfg);
     model m;
@@ -299,8 +299,8 @@ static dt_ctx *reference_run_steps(int kind, int world, int steps)
             dt_ctx_free(ref);
             return NULL;
         }
-        dt_zero_grad(ref);
-        dt_step_reset(ref);
+        dt_ctx_zero_grad(ref);
+        dt_ctx_step_reset(ref);
     }
     dt_optim_free(opt);
     return ref;
@@ -333,8 +333,8 @@ static int equivalence_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 4;
         if (dt_ddp_step(ddp) != DT_OK)
             return 5;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     dt_ddp_stats st;
     dt_ddp_stats_get(ddp, &st);
@@ -484,11 +484,11 @@ static int no_sync_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         }
         if (dt_ddp_step(ddp) != DT_OK)
             return 7;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 1000;
     dt_ctx *ref = dt_ctx_new(&cfg);
     model rm;
@@ -505,8 +505,8 @@ static int no_sync_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         }
         if (dt_optim_step(ro))
             return 10;
-        dt_zero_grad(ref);
-        dt_step_reset(ref);
+        dt_ctx_zero_grad(ref);
+        dt_ctx_step_reset(ref);
     }
     double rel = param_rel_diff(ctx, ref);
     dt_optim_free(ro);
@@ -580,8 +580,8 @@ static int unused_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 9;
         }
     }
-    dt_zero_grad(ctx);
-    dt_step_reset(ctx);
+    dt_ctx_zero_grad(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ddp_free(ddp);
     dt_optim_free(opt);
     return 0;
@@ -597,7 +597,7 @@ static void test_unused_params(void **state)
 
 /* loss = sum(concat(p, q) * z): p and q are concat's inputs, which concat
  * keeps aside; their gradients (z's parts) must still be waited for.  Then
- * a dt_zero_grad between backward and step discards the step. */
+ * a dt_ctx_zero_grad between backward and step discards the step. */
 static int concat_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     (void)rank;
@@ -622,11 +622,11 @@ static int concat_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, dt_concat(ctx, pq, 2, 0), zt))))
             return 2;
         if (step == 1)
-            dt_zero_grad(ctx);   /* changed my mind: no update this step */
+            dt_ctx_zero_grad(ctx);   /* changed my mind: no update this step */
         if (dt_ddp_step(ddp))
             return 3;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     float pv[5], qv[3];
     if (dt_tensor_get(p, pv, 5) || dt_tensor_get(q, qv, 3))
@@ -672,7 +672,7 @@ static int settings_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 5;
     if (dt_ddp_sync(d) != DT_OK)
         return 6;
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ddp_free(d);
     return 0;
 }
@@ -713,7 +713,7 @@ static int mismatch_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     }
     /* the communicator is still usable after the refusal */
     float v = 1;
-    return dt_allreduce(c, &v, 1, DT_REDUCE_SUM) == DT_OK && v == (float)world ? 0 : 5;
+    return dt_comm_allreduce(c, &v, 1, DT_REDUCE_SUM) == DT_OK && v == (float)world ? 0 : 5;
 }
 
 static void test_model_mismatch(void **state)
@@ -751,7 +751,7 @@ static int misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_ESTATE ||
         !strstr(dt_last_error(ctx), "registered after"))
         return 9;
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     if (dt_ddp_sync(NULL) != DT_EINVAL || dt_ddp_set_sync(NULL, 0) != DT_EINVAL ||
         dt_ddp_stats_get(ddp, NULL) != DT_EINVAL)
         return 10;
@@ -799,8 +799,8 @@ static int dead_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                 return 6;
             return 0;
         }
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     return 7;
 }
@@ -827,8 +827,8 @@ static int grads_after(dt_ctx *ctx, dt_ddp *ddp, dt_tensor *w, const float *x, f
     if (!xt || dt_tensor_set(xt, x, 8) || dt_backward(ctx, dt_sum(ctx, dt_mul(ctx, w, xt))) ||
         dt_ddp_sync(ddp) || dt_tensor_get(dt_tensor_grad(w), g, 8))
         return 1;
-    dt_zero_grad(ctx);
-    dt_step_reset(ctx);
+    dt_ctx_zero_grad(ctx);
+    dt_ctx_step_reset(ctx);
     return 0;
 }
 
@@ -925,8 +925,8 @@ static int momentum_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         for (int i = 0; i < 8; i++)
             if (g[i] != want[step][i])
                 return 3 + step;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     /* plain steps of lr 1: w = 0 - 16.. - 25..; with momentum again it would differ */
     if (dt_tensor_get(w, v, 8))
@@ -1003,8 +1003,8 @@ static int bytes_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                 first_loss = dt_tensor_item(loss);
             if (k == DT_COMPRESS_TOPK)
                 last_loss = dt_tensor_item(loss);
-            dt_zero_grad(ctx);
-            dt_step_reset(ctx);
+            dt_ctx_zero_grad(ctx);
+            dt_ctx_step_reset(ctx);
         }
         sent[k] = dt_comm_bytes_sent(c) - before;
         dt_ddp_stats st;
@@ -1093,8 +1093,8 @@ static int env_rule_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         dt_tensor *loss = dt_cross_entropy(ctx, model_forward(ctx, &m, x), y);
         if (dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
             return 4;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
         dt_ddp_stats st;
         dt_ddp_stats_get(ddp, &st);
         dt_ddp_free(ddp);
@@ -1212,7 +1212,7 @@ static void dp_equivalence(int K, int kind)
         if (dt_dp_step(dp, x, y, &loss) != DT_OK)
             fail_msg("dt_dp_step: %s", dt_last_error(ctx));
         assert_true(loss > 0);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     dt_ctx *ref = reference_run(kind, 2);
     assert_non_null(ref);
@@ -1288,7 +1288,7 @@ static void test_dp_unused_and_errors(void **state)
     cfg.replicas = 0;
     assert_null(dt_dp_new(ctx, &cfg, dp_build, dp_loss, dp_free_model, NULL));
     assert_int_equal(dt_last_status(ctx), DT_EINVAL);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     dt_ctx_free(ctx);
 }
 
@@ -1405,7 +1405,7 @@ static int eval_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                 want_loss);
         return 4;
     }
-    if (!dt_grad_enabled(ctx) || !dt_training(ctx))
+    if (!dt_ctx_grad_enabled(ctx) || !dt_ctx_training(ctx))
         return 5;   /* restored */
     memset(got, 0xff, sizeof got);
     if (dt_predict(ctx, c, ds, &ec, ev_forward, wb, rank == 0 ? got : NULL) != DT_OK)
@@ -1682,7 +1682,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
              pthread_create(&killer, NULL, ps_killer, (void *)(intptr_t)ps_kill_ms) != 0))
             return 15;
         int warnings = 0;
-        dt_set_log(ctx, ps_count_log, &warnings);
+        dt_ctx_set_log(ctx, ps_count_log, &warnings);
         if (strcmp(dt_last_warning(ctx), "") != 0)
             return 19;
         if (dt_ps_serve(ps) != DT_OK) {   /* the stopped one, woken: fenced off */
@@ -1716,7 +1716,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             }
             dt_ps_free(ps);
             /* the others are mid-job: no collective on a rejoined communicator */
-            return dt_barrier(c) != DT_ESTATE || !strstr(dt_last_error(ctx), "rejoined") ? 26 : 0;
+            return dt_comm_barrier(c) != DT_ESTATE || !strstr(dt_last_error(ctx), "rejoined") ? 26 : 0;
         }
         int expect_steps = ps_mode == DT_PS_BSP ? STEPS : STEPS * W;
         if (ps_die_worker >= 0)
@@ -1743,7 +1743,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 16;
         }
         dt_ps_free(ps);
-        return ps_die_worker < 0 && !ps_kill_ms && dt_barrier(c) != DT_OK ? 14 : 0;
+        return ps_die_worker < 0 && !ps_kill_ms && dt_comm_barrier(c) != DT_OK ? 14 : 0;
     }
     if (ps_ckpt_phase == 2 && rank == 0 && ps_params_file(ctx, 0))
         return 17;   /* the job starts from where the last one ended */
@@ -1788,8 +1788,8 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         }
         if (st != DT_OK)
             return 10;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
         if (ps_prefetch && ps_mode == DT_PS_BSP && s < 2) {   /* after step s: those of s - 1 */
             dt_ctx *ref = reference_run_steps(ps_model, W, s);
             double rel = ref ? param_rel_diff(ctx, ref) : 1.0;
@@ -1847,7 +1847,7 @@ static int ps_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         nanosleep(&t, NULL);
         return 0;
     }
-    return ps_die_worker < 0 && dt_barrier(c) != DT_OK ? 14 : 0;   /* rank 0's store stays up */
+    return ps_die_worker < 0 && dt_comm_barrier(c) != DT_OK ? 14 : 0;   /* rank 0's store stays up */
 }
 
 static void ps_reset(void)
@@ -2269,7 +2269,7 @@ static int ps_preempt_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 5;
         pre_note(rank, "step", n);
         dt_ps_free(ps);
-        return dt_barrier(c) != DT_OK ? 6 : st == DT_EPREEMPTED ? DT_EXIT_PREEMPTED : 0;
+        return dt_comm_barrier(c) != DT_OK ? 6 : st == DT_EPREEMPTED ? DT_EXIT_PREEMPTED : 0;
     }
     int stop = 0;
     int64_t s = pre_first;
@@ -2283,8 +2283,8 @@ static int ps_preempt_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         if (dt_backward(ctx, dt_cross_entropy(ctx, model_forward(ctx, &m, x), y)) != DT_OK ||
             dt_ps_push_pull(ps) != DT_OK)
             return 9;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
         s++;
         if (dt_preempt_agree(ctx, c, s, &stop) != DT_OK)
             return 10;
@@ -2300,7 +2300,7 @@ static int ps_preempt_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_ps_finish(ps) != DT_OK)
         return 13;
     dt_ps_free(ps);
-    return dt_barrier(c) != DT_OK ? 14 : stop ? DT_EXIT_PREEMPTED : 0;
+    return dt_comm_barrier(c) != DT_OK ? 14 : stop ? DT_EXIT_PREEMPTED : 0;
 }
 
 /* Start the 3 ranks; once each has caught the signals, SIGTERM `target`
@@ -2414,7 +2414,7 @@ static int ps_misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_ps *ps = dt_ps_new(ctx, c, &pc);
     if (rank == 1)   /* (the barrier keeps rank 0's store up until the server is done) */
         return ps || dt_last_status(ctx) != DT_EMISMATCH || !strstr(dt_last_error(ctx), "'enc w 15'") ||
-                       dt_barrier(c) != DT_OK
+                       dt_comm_barrier(c) != DT_OK
                    ? 4 : 0;
     if (!ps)
         return 5;
@@ -2445,7 +2445,7 @@ static int ps_misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 12;
     }
     dt_ps_free(ps);
-    return dt_barrier(c) != DT_OK ? 13 : 0;
+    return dt_comm_barrier(c) != DT_OK ? 13 : 0;
 }
 
 static void test_ps_misuse(void **state)
@@ -2524,7 +2524,7 @@ static int ps_sparse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             return 5;
         }
         dt_ps_free(ps);
-        return dt_barrier(c) != DT_OK ? 6 : 0;
+        return dt_comm_barrier(c) != DT_OK ? 6 : 0;
     }
     float before[SP_NLOOK][SP_DIM], after[SP_NLOOK][SP_DIM], again[SP_NLOOK][SP_DIM];
     if (dt_ps_sparse_pull(ps, 0, sp_look, SP_NLOOK, &before[0][0]) != DT_OK)
@@ -2590,7 +2590,7 @@ static int ps_sparse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_ps_finish(ps) != DT_OK)
         return 18;
     dt_ps_free(ps);
-    return dt_barrier(c) != DT_OK ? 19 : 0;
+    return dt_comm_barrier(c) != DT_OK ? 19 : 0;
 }
 
 /* Sparse push/pull with 1 and 2 servers: the same starting table either
@@ -2648,7 +2648,7 @@ static int ps_adam_table_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_ps_is_server(ps)) {
         dt_status st = dt_ps_serve(ps);
         dt_ps_free(ps);
-        return st != DT_OK || dt_barrier(c) != DT_OK ? 3 : 0;
+        return st != DT_OK || dt_comm_barrier(c) != DT_OK ? 3 : 0;
     }
     const int64_t row = 0;
     float before, after, g = sp_adam_phase == 1 ? 1.0f : 3.0f;
@@ -2666,7 +2666,7 @@ static int ps_adam_table_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 5;
     }
     dt_ps_free(ps);
-    return dt_barrier(c) != DT_OK ? 6 : 0;
+    return dt_comm_barrier(c) != DT_OK ? 6 : 0;
 }
 
 static void test_ps_table_adam_resume(void **state)
@@ -2755,7 +2755,7 @@ static double hw_eval(dt_ctx *ctx, hw_model *m)
     double sum = 0;
     for (int b = 0; b < 64; b++) {
         sum += dt_tensor_item(hw_batch_loss(ctx, m, 1000000 + b * HW_B));
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     return sum / 64;
 }
@@ -2778,15 +2778,15 @@ static int64_t hw_distinct_rows(int64_t step)
 
 static dt_ctx *hw_ctx(hw_model **m)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 5;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     assert_non_null(ctx);
     *m = hw_build(ctx, 0, NULL);
     assert_non_null(*m);
-    tu_check_status(ctx, dt_init_normal(ctx, (*m)->emb, 0, 0.1f), "init emb");
-    tu_check_status(ctx, dt_init_kaiming_uniform(ctx, (*m)->w, sqrtf(5)), "init w");
+    tu_check_status(ctx, dt_tensor_init_normal(ctx, (*m)->emb, 0, 0.1f), "init emb");
+    tu_check_status(ctx, dt_tensor_init_kaiming_uniform(ctx, (*m)->w, sqrtf(5)), "init w");
     return ctx;
 }
 
@@ -2890,7 +2890,7 @@ static int zero_gpt_build(dt_ctx *ctx)
     char nm[32];
     if (!(zg.wte = dt_embedding_params(ctx, "wte", ZG_V, ZG_C)) ||
         !(zg.wpe = dt_embedding_params(ctx, "wpe", ZG_T, ZG_C)) ||
-        dt_init_normal(ctx, zg.wte, 0, 0.3f) || dt_init_normal(ctx, zg.wpe, 0, 0.3f))
+        dt_tensor_init_normal(ctx, zg.wte, 0, 0.3f) || dt_tensor_init_normal(ctx, zg.wpe, 0, 0.3f))
         return 1;
     for (int l = 0; l < ZG_L; l++) {
         dt_tensor **p = zg.p[l];
@@ -2906,7 +2906,7 @@ static int zero_gpt_build(dt_ctx *ctx)
             int at = k < 2 ? 2 + 2 * k : 4 + 2 * k;
             snprintf(nm, sizeof nm, "h.%d.%s", l, lin[k]);
             if (dt_linear_params(ctx, nm, io[k][0], io[k][1], 1, &p[at], &p[at + 1]) ||
-                dt_init_normal(ctx, p[at], 0, 0.3f) || dt_init_normal(ctx, p[at + 1], 0, 0.1f))
+                dt_tensor_init_normal(ctx, p[at], 0, 0.3f) || dt_tensor_init_normal(ctx, p[at + 1], 0, 0.1f))
                 return 1;
         }
     }
@@ -2982,8 +2982,8 @@ static int zero_build(dt_ctx *ctx, dt_tensor **w)
         snprintf(nb, sizeof nb, "fc%d.bias", l + 1);
         w[2 * l] = dt_param_new(ctx, nw, SHP(out, in));
         w[2 * l + 1] = dt_param_new(ctx, nb, SHP(out));
-        if (!w[2 * l] || !w[2 * l + 1] || dt_init_kaiming_uniform(ctx, w[2 * l], sqrtf(5.0f)) ||
-            dt_init_bias(ctx, w[2 * l + 1], in))
+        if (!w[2 * l] || !w[2 * l + 1] || dt_tensor_init_kaiming_uniform(ctx, w[2 * l], sqrtf(5.0f)) ||
+            dt_tensor_init_bias(ctx, w[2 * l + 1], in))
             return 1;
     }
     return 0;
@@ -3075,15 +3075,15 @@ static int zero_train(dt_ctx *ctx, dt_comm *c, dt_tensor **w, const float *init,
                 return 22;
         }
         float norm = 0;
-        if (zc->clip ? dt_ddp_sync(ddp) || dt_clip_grad_norm(ctx, 0.05f, &norm) || dt_optim_step(opt)
+        if (zc->clip ? dt_ddp_sync(ddp) || dt_ctx_clip_grad_norm(ctx, 0.05f, &norm) || dt_optim_step(opt)
                      : dt_ddp_step(ddp) != DT_OK)
             return 23;
         if (zc->clip && !(norm > 0.05f)) {   /* the clip must bite for the case to test it */
             fprintf(stderr, "step %lld: gradient norm %g\n", (long long)s, (double)norm);
             return 24;
         }
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     /* zero 3: a parameter is a shard until gathered for reading */
     if (level == 3 && (dt_tensor_get(w[0], out, dt_tensor_numel(w[0])) != DT_ESTATE ||
@@ -3155,8 +3155,8 @@ static int zero_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     /* the shards: every float owned once, balanced to within one */
     float sh[3] = {(float)s1.shard_floats, (float)s1.shard_floats, (float)s1.shard_floats};
     if (code == 0 && (s1.zero != zc->level || s0.zero != 0 ||
-                      dt_allreduce(c, &sh[0], 1, DT_REDUCE_SUM) || dt_allreduce(c, &sh[1], 1, DT_REDUCE_MAX) ||
-                      dt_allreduce(c, &sh[2], 1, DT_REDUCE_MIN) || sh[0] != (float)n ||
+                      dt_comm_allreduce(c, &sh[0], 1, DT_REDUCE_SUM) || dt_comm_allreduce(c, &sh[1], 1, DT_REDUCE_MAX) ||
+                      dt_comm_allreduce(c, &sh[2], 1, DT_REDUCE_MIN) || sh[0] != (float)n ||
                       sh[1] - sh[2] > 1.0f || s1.shard_floats != (n + world - 1 - rank) / world))
         code = 7;
     /* zero 2 and 3 never hold a whole gradient (without no_sync, and with
@@ -3252,12 +3252,12 @@ static int zero_refused_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dt_ddp *ddp = dt_ddp_new(ctx, c, opt, &dc);
     char path[64];
     snprintf(path, sizeof path, "/tmp/dt_zero_ckpt_%d.safetensors", (int)getpid());
-    if (!ddp || dt_checkpoint_save(ctx, opt, path, 0) != DT_ENOTSUP || access(path, F_OK) == 0 ||
+    if (!ddp || dt_checkpoint_save(ctx, opt, path, 0, NULL) != DT_ENOTSUP || access(path, F_OK) == 0 ||
         !strstr(dt_last_error(ctx), "dt_ddp_checkpoint_save"))
         return 10;
-    if (dt_checkpoint_save(ctx, NULL, path, 0) != DT_OK)   /* the parameters alone: fine */
+    if (dt_checkpoint_save(ctx, NULL, path, 0, NULL) != DT_OK)   /* the parameters alone: fine */
         return 11;
-    if (dt_checkpoint_load(ctx, opt, path, NULL) != DT_EINVAL ||
+    if (dt_checkpoint_load(ctx, opt, path, NULL, NULL, NULL) != DT_EINVAL ||
         !strstr(dt_last_error(ctx), "dt_ddp_checkpoint_load"))
         return 12;
     unlink(path);
@@ -3298,8 +3298,8 @@ static int zero_free_sharded_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         int64_t at = (int64_t)rank * PER_RANK;
         if (dt_backward(ctx, zero_loss(ctx, w, s, at, at + PER_RANK)) || dt_ddp_step(ddp))
             return 3;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     if (!ddp)
         return 4;
@@ -3382,13 +3382,13 @@ static int rs_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     dc.zero = rr->level;
     dc.bucket_bytes = 512;
     int64_t at = 0;
-    if (rr->load && rr->load_first && dt_checkpoint_load(ctx, opt, rr->load, &at))
+    if (rr->load && rr->load_first && dt_checkpoint_load(ctx, opt, rr->load, NULL, &at, NULL))
         return 3;
     dt_ddp *ddp = rr->single ? NULL : dt_ddp_new(ctx, c, opt, &dc);
     if (!opt || (!rr->single && !ddp))
         return 2;
     if (rr->load && !rr->load_first && (ddp ? dt_ddp_checkpoint_load(ddp, opt, rr->load, &at)
-                                            : dt_checkpoint_load(ctx, opt, rr->load, &at)))
+                                            : dt_checkpoint_load(ctx, opt, rr->load, NULL, &at, NULL)))
         return 3;
     if (at != rr->start)
         return 4;
@@ -3398,8 +3398,8 @@ static int rs_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         if (dt_backward(ctx, zero_loss(ctx, w, s, lo, lo + share)) ||
             (ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)))
             return 5;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
         const char *save = s + 1 == RS_HALF ? rr->save_at_half : s + 1 == 2 * RS_HALF ? rr->save_at_end
                            : s + 1 == RS_HALF + RS_HALF / 2 ? rr->save_mid : NULL;
         if (save && dt_ddp_checkpoint_save(ddp, opt, save, s + 1))
@@ -3496,7 +3496,7 @@ static void test_zero_reshard(void **state)
     dt_optim *opt = zero_optim(ctx, DT_ADAMW);
     int64_t step = -1;
     float *got = malloc(sizeof(float) * (size_t)n);
-    tu_check_status(ctx, dt_checkpoint_load(ctx, opt, a20, &step), "load a20");
+    tu_check_status(ctx, dt_checkpoint_load(ctx, opt, a20, NULL, &step, NULL), "load a20");
     assert_int_equal(step, 2 * RS_HALF);
     assert_int_equal(zero_params(ctx, got, 0), 0);
     rs_compare(ctx, "A's step-20 checkpoint", v[0], got, 0);
@@ -3576,7 +3576,7 @@ static void rs_refused(dt_ctx *ctx, dt_optim *opt, const char *dir, dt_status wa
     int64_t n = zero_numel(ctx), step = -7;
     float *before = malloc(sizeof(float) * (size_t)n * 2), *after = before + n;
     assert_int_equal(zero_params(ctx, before, 0), 0);
-    dt_status s = dt_checkpoint_load(ctx, opt, dir, &step);
+    dt_status s = dt_checkpoint_load(ctx, opt, dir, NULL, &step, NULL);
     if (s != want || !strstr(dt_last_error(ctx), what))
         print_error("want status %d naming '%s', got %d: %s\n", want, what, s, dt_last_error(ctx));
     assert_int_equal(s, want);
@@ -3656,12 +3656,12 @@ static void test_zero_checkpoint_refused(void **state)
     dt_ctx *other = tu_ctx_new();
     dt_tensor *w2 = dt_param_new(other, "fc1.weight", SHP(3, 3));
     assert_non_null(w2);
-    assert_int_equal(dt_checkpoint_load(other, NULL, good10, NULL), DT_EMISMATCH);
+    assert_int_equal(dt_checkpoint_load(other, NULL, good10, NULL, NULL, NULL), DT_EMISMATCH);
     assert_non_null(strstr(dt_last_error(other), "fc1.weight"));
     dt_ctx_free(other);
     /* and the whole one loads */
     int64_t step = -1;
-    tu_check_status(ctx, dt_checkpoint_load(ctx, opt, good10, &step), "load");
+    tu_check_status(ctx, dt_checkpoint_load(ctx, opt, good10, NULL, &step, NULL), "load");
     assert_int_equal(step, RS_HALF);
     dt_optim_free(opt);
     dt_ctx_free(ctx);

@@ -112,8 +112,8 @@ static int mlp_make(dt_ctx *ctx, const char *tag, mlp *m, int lo, int hi, const 
                 dt_tensor_get(from->b[i], buf, widths[i + 1]) != DT_OK ||
                 dt_tensor_set(m->b[i], buf, widths[i + 1]) != DT_OK)
                 return 2;
-        } else if (dt_init_kaiming_uniform(ctx, m->w[i], sqrtf(5.0f)) != DT_OK ||
-                   dt_init_uniform(ctx, m->b[i], -0.3f, 0.3f) != DT_OK) {
+        } else if (dt_tensor_init_kaiming_uniform(ctx, m->w[i], sqrtf(5.0f)) != DT_OK ||
+                   dt_tensor_init_uniform(ctx, m->b[i], -0.3f, 0.3f) != DT_OK) {
             return 3;
         }
     }
@@ -164,7 +164,7 @@ static dt_optim *sgd(dt_ctx *ctx, const mlp *m)
  * holds its starting weights, full is trained STEPS steps on whole batches. */
 static int reference(dt_ctx *ref, mlp *init, mlp *full)
 {
-    dt_seed(ref, 42);
+    dt_ctx_seed(ref, 42);
     if (mlp_make(ref, "init", init, 0, NL, NULL) || mlp_make(ref, "full", full, 0, NL, init))
         return 1;
     dt_optim *opt = sgd(ref, full);
@@ -181,8 +181,8 @@ static int reference(dt_ctx *ref, mlp *init, mlp *full)
         dt_tensor *loss = dt_cross_entropy(ref, mlp_layers(ref, full, x), y);
         if (!loss || dt_backward(ref, loss) != DT_OK || dt_optim_step(opt) != DT_OK)
             return 3;
-        dt_zero_grad(ref);
-        dt_step_reset(ref);
+        dt_ctx_zero_grad(ref);
+        dt_ctx_step_reset(ref);
     }
     dt_optim_free(opt);
     dt_tensor_free(x);
@@ -231,14 +231,14 @@ static int check_profile(dt_comm *c, const pipe_run *r)
     dt_ctx *ctx = rank_ctx;
     dt_profile_stats ps;
     int m = r->cfg.micro_batches;
-    if (dt_profile_get(ctx, &ps) != DT_OK || ps.steps != STEPS || !(ps.pipe_wait_s > 0) ||
+    if (dt_profile_stats_get(ctx, &ps) != DT_OK || ps.steps != STEPS || !(ps.pipe_wait_s > 0) ||
         ps.pipe_wait_s > ps.comm_wait_s + 1e-9 || !(ps.forward_s > 0) || !(ps.backward_s > 0) ||
         fabs(ps.pipe_bubble_ideal - 1.0 / (m + 1)) > 1e-12) {
         fprintf(stderr, "profile: %lld steps, pipe wait %.4f of comm wait %.4f s, ideal %.4f\n",
                 (long long)ps.steps, ps.pipe_wait_s, ps.comm_wait_s, ps.pipe_bubble_ideal);
         return 1;
     }
-    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, NULL) != DT_OK)
         return 2;
     if (dt_comm_rank(c) == 0 && (!strstr(dt_profile_report(ctx), "pipeline, rank 0: waits") ||
                                  !strstr(dt_profile_report(ctx), "pipeline, rank 1: waits"))) {
@@ -283,8 +283,8 @@ static int pipe_train(dt_comm *c, pipe_run *r, const char *tag, mlp *part)
             code = 13;
         else if ((ddp ? dt_ddp_step(ddp) : dt_optim_step(opt)) != DT_OK)
             code = 14;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     if (code == 0 && (s == S - 1) != !isnan(r->loss))
         code = 15;   /* the loss is the last stage's */
@@ -477,7 +477,7 @@ static int half_model(int rank, mlp *part)
     dt_ctx *ref = dt_ctx_new(NULL);
     if (!ref)
         return 1;
-    dt_seed(ref, 42);
+    dt_ctx_seed(ref, 42);
     int bad = mlp_make(ref, "i", &init, 0, NL, NULL) ||
               mlp_make(rank_ctx, "e", part, first[rank], first[rank + 1], &init);
     dt_ctx_free(ref);
@@ -527,8 +527,8 @@ static int job_pipe_errors(dt_comm *c, int rank, int world)
         double t0 = dt_now();
         dt_status st = dt_pipe_step(p, rank == 0 ? x : NULL, rank == 1 ? y : NULL, &loss);
         double took = dt_now() - t0;
-        dt_step_reset(ctx);
-        dt_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
         if (k < 2 && st != DT_OK)
             code = 56;
         if (k == 2) {
@@ -605,8 +605,8 @@ static int job_pipe_death(dt_comm *c, int rank, int world)
     for (int k = 0; k < 4 && code == 0; k++) {
         double t0 = dt_now();
         dt_status st = dt_pipe_step(p, rank == 0 ? x : NULL, rank == 1 ? y : NULL, NULL);
-        dt_step_reset(ctx);
-        dt_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
         if (k < 2 && st != DT_OK)
             code = 65;
         if (k == 2) {
@@ -677,7 +677,7 @@ static int job_tp(dt_comm *c, int rank, int world)
     dt_ctx *ctx = rank_ctx, *ref = dt_ctx_new(NULL);
     static const int64_t shp[5][2] = {{24, 12}, {24, 0}, {20, 24}, {20, 0}, {12, 12}};
     static const int dims[5] = {0, 0, 1, -1, -1};   /* the dim each is split along; -1 whole */
-    dt_seed(ref, 7);
+    dt_ctx_seed(ref, 7);
     for (int variant = 0; variant < 4; variant++) {
         dt_tensor *full[5], *init[5], *part[5];
         for (int i = 0; i < 5; i++) {
@@ -692,7 +692,7 @@ static int job_tp(dt_comm *c, int rank, int world)
                 ps[dims[i]] /= world;
             snprintf(name, sizeof name, "v%d.part%d", variant, i);
             part[i] = dt_param_new(ctx, name, nd, ps);
-            if (!full[i] || !init[i] || !part[i] || dt_init_uniform(ref, init[i], -0.4f, 0.4f) ||
+            if (!full[i] || !init[i] || !part[i] || dt_tensor_init_uniform(ref, init[i], -0.4f, 0.4f) ||
                 dt_tp_shard(c, init[i], dims[i] >= 0 ? dims[i] : 0, part[i]) != (dims[i] >= 0 ? DT_OK : DT_EINVAL))
                 return 70;
             float buf[WMAX];
@@ -729,10 +729,10 @@ static int job_tp(dt_comm *c, int rank, int world)
                 return 72;
             if (k == 0 && fabsf(dt_tensor_item(l1) - dt_tensor_item(l0)) > 1e-5f * fabsf(dt_tensor_item(l0)))
                 return 73;
-            dt_zero_grad(ctx);
-            dt_zero_grad(ref);
-            dt_step_reset(ctx);
-            dt_step_reset(ref);
+            dt_ctx_zero_grad(ctx);
+            dt_ctx_zero_grad(ref);
+            dt_ctx_step_reset(ctx);
+            dt_ctx_step_reset(ref);
         }
         for (int i = 0; i < 5; i++) {
             char name[48];
@@ -854,7 +854,7 @@ static void test_partition(void **state)
     assert_int_equal(dt_pipe_partition(c1, 8, 0, first), DT_EINVAL);
 }
 
-/* dt_layer_times on a model whose layers 1 and 2 each do 16 times layer
+/* dt_profile_layer_times on a model whose layers 1 and 2 each do 16 times layer
  * 0's matrix work: measured as more than 3 times as long.  On a GPU
  * (DTRAIN_BACKEND=cuda) the CPU's sizes are a few microseconds of work
  * under ~10 us launches each, so there every dimension is 8 times larger
@@ -878,7 +878,7 @@ static void test_layer_times(void **state)
         char name[48];
         snprintf(name, sizeof name, "l%d", i);
         l[i].w = dt_param_new(ctx, name, 2, shapes[i]);
-        assert_int_equal(dt_init_uniform(ctx, l[i].w, -0.1f, 0.1f), DT_OK);
+        assert_int_equal(dt_tensor_init_uniform(ctx, l[i].w, -0.1f, 0.1f), DT_OK);
     }
     /* layer 1 maps 128 -> 2048, layer 2 2048 -> 128: 16x layer 0's work each */
     dt_layer_fn fns[3] = {lin_layer, lin_layer, lin_layer};
@@ -886,7 +886,7 @@ static void test_layer_times(void **state)
     dt_tensor *x = dt_tensor_new(ctx, DT_F32, 2, (const int64_t[]){512 * u, 128 * u});
     dt_tensor_fill(x, 0.5f);
     double ms[3];
-    assert_int_equal(dt_layer_times(ctx, NULL, fns, users, 3, x, 5, ms), DT_OK);
+    assert_int_equal(dt_profile_layer_times(ctx, NULL, fns, users, 3, x, 5, ms), DT_OK);
     for (int i = 0; i < 3; i++)
         assert_true(ms[i] > 0);
     /* gradients are left zero (the optimizer sees none of this) */
@@ -904,9 +904,9 @@ static void test_layer_times(void **state)
     if (!(ms[1] > 3 * ms[0] && ms[2] > 3 * ms[0]))
         fail_msg("layers with 16x the work measured %.3f and %.3f ms against %.3f", ms[1], ms[2], ms[0]);
     /* errors */
-    assert_int_equal(dt_layer_times(ctx, NULL, fns, users, 0, x, 5, ms), DT_EINVAL);
-    assert_int_equal(dt_layer_times(ctx, NULL, NULL, users, 3, x, 5, ms), DT_EINVAL);
-    assert_int_equal(dt_layer_times(ctx, NULL, fns, users, 3, x, 0, ms), DT_EINVAL);
+    assert_int_equal(dt_profile_layer_times(ctx, NULL, fns, users, 0, x, 5, ms), DT_EINVAL);
+    assert_int_equal(dt_profile_layer_times(ctx, NULL, NULL, users, 3, x, 5, ms), DT_EINVAL);
+    assert_int_equal(dt_profile_layer_times(ctx, NULL, fns, users, 3, x, 0, ms), DT_EINVAL);
     dt_tensor_free(x);
     dt_ctx_free(ctx);
 }

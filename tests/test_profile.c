@@ -100,10 +100,10 @@ static int mlp_build(dt_ctx *ctx, mlp *m)
     m->b2 = dt_param_new(ctx, "fc2.bias", SHP(CLASSES));
     if (!m->w1 || !m->b1 || !m->w2 || !m->b2)
         return 1;
-    return dt_init_kaiming_uniform(ctx, m->w1, 2.2360679775f) != DT_OK ||
-           dt_init_bias(ctx, m->b1, PIXELS) != DT_OK ||
-           dt_init_kaiming_uniform(ctx, m->w2, 2.2360679775f) != DT_OK ||
-           dt_init_bias(ctx, m->b2, HID) != DT_OK;
+    return dt_tensor_init_kaiming_uniform(ctx, m->w1, 2.2360679775f) != DT_OK ||
+           dt_tensor_init_bias(ctx, m->b1, PIXELS) != DT_OK ||
+           dt_tensor_init_kaiming_uniform(ctx, m->w2, 2.2360679775f) != DT_OK ||
+           dt_tensor_init_bias(ctx, m->b2, HID) != DT_OK;
 }
 
 static dt_tensor *mlp_loss(dt_ctx *ctx, const mlp *m, dt_tensor *x, dt_tensor *y)
@@ -255,7 +255,7 @@ static void test_phases_single(void **state)
     data_make(&d, NSAMPLES);
     dt_ctx *ctx = tu_ctx_new();
     assert_int_equal(dt_profile_start(ctx, NULL), DT_OK);
-    assert_true(dt_profiling(ctx));
+    assert_true(dt_profile_active(ctx));
     dt_dataset *ds = dt_dataset_load_idx(ctx, d.img, d.lab);
     tu_check(ctx, ds, "load");
     dt_loader_config lc;
@@ -277,11 +277,11 @@ static void test_phases_single(void **state)
         assert_int_equal(dt_backward(ctx, loss), DT_OK);
         assert_int_equal(dt_optim_step(opt), DT_OK);
         dt_optim_zero_grad(opt);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     double loop = dt_now() - t0;
     dt_profile_stats st;
-    assert_int_equal(dt_profile_get(ctx, &st), DT_OK);
+    assert_int_equal(dt_profile_stats_get(ctx, &st), DT_OK);
     assert_int_equal(st.steps, STEPS);
     assert_int_equal(st.samples, STEPS * 32);
     double sum = st.data_s + st.forward_s + st.backward_s + st.comm_wait_s + st.optimizer_s +
@@ -297,8 +297,8 @@ static void test_phases_single(void **state)
     /* the trace of one process: valid JSON, each step's phases and batches */
     char path[160];
     snprintf(path, sizeof path, "%s/trace.json", d.dir);
-    assert_int_equal(dt_profile_finish(ctx, NULL, path), DT_OK);
-    assert_false(dt_profiling(ctx));
+    assert_int_equal(dt_profile_stop(ctx, NULL, path), DT_OK);
+    assert_false(dt_profile_active(ctx));
     size_t len = 0;
     char *js = read_all(path, &len);
     assert_non_null(js);
@@ -313,11 +313,11 @@ static void test_phases_single(void **state)
     assert_non_null(strstr(rep, "dtrain profile: 1 rank"));
     assert_non_null(strstr(rep, "backward"));
     dt_profile_stats r0;
-    assert_int_equal(dt_profile_rank_stats(ctx, 0, &r0), DT_OK);
+    assert_int_equal(dt_profile_rank_stats_get(ctx, 0, &r0), DT_OK);
     assert_int_equal(r0.steps, STEPS);
-    assert_int_equal(dt_profile_rank_stats(ctx, 1, &r0), DT_ESTATE);
+    assert_int_equal(dt_profile_rank_stats_get(ctx, 1, &r0), DT_ESTATE);
     /* off: finish is a no-op, nothing is measured */
-    assert_int_equal(dt_profile_finish(ctx, NULL, path), DT_OK);
+    assert_int_equal(dt_profile_stop(ctx, NULL, path), DT_OK);
     dt_optim_free(opt);
     dt_loader_free(ld);
     dt_dataset_free(ds);
@@ -356,9 +356,9 @@ static void test_data_hint(void **state)
                 }
             }
             assert_int_equal(dt_backward(ctx, dt_sum(ctx, w)), DT_OK);
-            dt_step_reset(ctx);
+            dt_ctx_step_reset(ctx);
         }
-        assert_int_equal(dt_profile_finish(ctx, NULL, NULL), DT_OK);
+        assert_int_equal(dt_profile_stop(ctx, NULL, NULL), DT_OK);
         const char *rep = dt_profile_report(ctx);
         const char *want = prefetch ? "prefetch is on, so its thread cannot keep up"
                                     : "turn on prefetch (dt_loader_config.prefetch)";
@@ -377,13 +377,13 @@ typedef int (*rank_fn)(dt_ctx *ctx, dt_comm *c, int rank, int world);
 static data job_data;           /* set before forking: inherited */
 static char job_trace[192];
 static int job_timeout_ms = 20000;   /* the ranks' dt_comm_config.timeout_ms */
-static int job_threads[8];           /* the ranks' dt_config.threads (0: 1) */
+static int job_threads[8];           /* the ranks' dt_ctx_config.threads (0: 1) */
 
 static void rank_main(int rank, int world, int port, rank_fn fn)
 {
     alarm(100);
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 7;
     cfg.threads = job_threads[rank];
     dt_ctx *ctx = dt_ctx_new(&cfg);
@@ -446,8 +446,8 @@ static int ddp_train(dt_ctx *ctx, dt_comm *c, dt_loader *ld, dt_ddp *ddp, dt_opt
         if (dt_backward(ctx, loss) != DT_OK || dt_ddp_step(ddp) != DT_OK)
             return 11;
         (void)opt;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     *loop = dt_now() - t0;
     return 0;
@@ -510,14 +510,14 @@ static int trace_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 3;
     /* every rank's own loop time, for rank 0 to compare with its phases */
     float mine = (float)loop, loops[2] = {0, 0};
-    if (dt_allgather(c, &mine, 1, loops) != DT_OK)
+    if (dt_comm_allgather(c, &mine, 1, loops) != DT_OK)
         return 4;
-    if (dt_profile_finish(ctx, c, rank == 0 ? job_trace : NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, rank == 0 ? job_trace : NULL) != DT_OK)
         return 5;
     if (rank == 0) {
         for (int r = 0; r < 2; r++) {
             dt_profile_stats st;
-            if (dt_profile_rank_stats(ctx, r, &st) != DT_OK)
+            if (dt_profile_rank_stats_get(ctx, r, &st) != DT_OK)
                 return 6;
             double sum = st.data_s + st.forward_s + st.backward_s + st.comm_wait_s +
                          st.optimizer_s + st.idle_s;
@@ -600,7 +600,7 @@ static int slow_loader_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 3;
     if (loop < 3.0)   /* the two slow batches were there */
         return 4;
-    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, NULL) != DT_OK)
         return 5;
     const char *rep = dt_profile_report(ctx);
     if (rank == 0 && (!strstr(rep, "slowest rank: 1") || !strstr(rep, "largest phase: data wait") ||
@@ -654,10 +654,10 @@ static int eval_stall_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (ddp_train(ctx, c, j.ld, j.ddp, j.opt, &j.m, 8, -1, 0, &loop))
         return 3;   /* (a failure here: the wait was taken for death) */
     dt_profile_stats st;
-    dt_profile_get(ctx, &st);
+    dt_profile_stats_get(ctx, &st);
     if (rank == 0 && !(st.eval_s >= 1.4))
         return 4;
-    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, NULL) != DT_OK)
         return 5;
     const char *rep = dt_profile_report(ctx);
     if (rank == 0 && (!strstr(rep, "stall: rank 0 kept the others waiting while it evaluated") ||
@@ -721,7 +721,7 @@ static int threads_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         w[l] = dt_param_new(ctx, name, 2, (const int64_t[]){dims[l + 1], dims[l]});
         snprintf(name, sizeof name, "b%d", l);
         b[l] = dt_param_new(ctx, name, 1, (const int64_t[]){dims[l + 1]});
-        if (!w[l] || !b[l] || dt_init_kaiming_uniform(ctx, w[l], 2.2360679775f) != DT_OK)
+        if (!w[l] || !b[l] || dt_tensor_init_kaiming_uniform(ctx, w[l], 2.2360679775f) != DT_OK)
             return 2;
     }
     dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
@@ -749,10 +749,10 @@ static int threads_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
             h = l < 2 ? dt_relu(ctx, dt_linear(ctx, h, w[l], b[l])) : dt_linear(ctx, h, w[l], b[l]);
         if (dt_backward(ctx, dt_cross_entropy(ctx, h, y)) != DT_OK || dt_ddp_step(ddp) != DT_OK)
             return 5;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
-    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, NULL) != DT_OK)
         return 6;
     const char *rep = dt_profile_report(ctx);
     if (rank == 0) {
@@ -793,7 +793,7 @@ static void test_thread_counts(void **state)
 
 /* --- a report even when the job fails ---------------------------------------
  * 3 ranks train with DDP; rank 2 is killed (SIGKILL) after 4 steps.  The
- * survivors' steps fail; dt_profile_finish cannot exchange, and says so,
+ * survivors' steps fail; dt_profile_stop cannot exchange, and says so,
  * but rank 0's report covers both survivors (what each was doing: its
  * error) and names rank 2's missing part, and its trace is written. */
 static int failed_job_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
@@ -812,12 +812,12 @@ static int failed_job_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         st = loss ? dt_backward(ctx, loss) : dt_last_status(ctx);
         if (st == DT_OK)
             st = dt_ddp_step(j.ddp);
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     if (st == DT_OK)
         return 2;   /* the death must have failed a step */
-    if (dt_profile_finish(ctx, c, rank == 0 ? job_trace : NULL) == DT_OK)
+    if (dt_profile_stop(ctx, c, rank == 0 ? job_trace : NULL) == DT_OK)
         return 3;
     const char *rep = dt_profile_report(ctx), *m = dt_last_error(ctx);
     if (!strstr(m, "could not exchange") || !strstr(rep, "dtrain profile of a failed job")) {
@@ -900,7 +900,7 @@ static int zero_report_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 3;
     dt_ddp_stats ds;
     dt_profile_stats ps;
-    if (dt_ddp_stats_get(j.ddp, &ds) || dt_profile_get(ctx, &ps))
+    if (dt_ddp_stats_get(j.ddp, &ds) || dt_profile_stats_get(ctx, &ps))
         return 4;
     if (!(ds.gather_s > 0) || ps.gather_s != ds.gather_s || ps.gather_exposed_s != ds.gather_exposed_s ||
         ds.gathers < 12 || ps.gathers != ds.gathers || ps.gathers_on_demand != ds.gathers_on_demand) {
@@ -909,7 +909,7 @@ static int zero_report_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                 ps.gather_exposed_s);
         return 5;
     }
-    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, NULL) != DT_OK)
         return 6;
     const char *rep = dt_profile_report(ctx);
     char units[96];
@@ -946,7 +946,7 @@ static void keep_warning(void *user, const char *msg)
 static int straggler_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
 {
     (void)world;
-    dt_set_log(ctx, keep_warning, NULL);
+    dt_ctx_set_log(ctx, keep_warning, NULL);
     job j;
     double loop;
     if (job_start(ctx, c, 1, &j) || ddp_train(ctx, c, j.ld, j.ddp, j.opt, &j.m, 16, 1, 2.0, &loop))
@@ -956,7 +956,7 @@ static int straggler_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         fprintf(stderr, "straggler %d, warning '%s'\n", dt_profile_straggler(ctx), last_warning);
         return 4;
     }
-    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, NULL) != DT_OK)
         return 5;
     if (rank == 0 && (!strstr(dt_profile_report(ctx), "straggler: rank 1 computes") ||
                       !strstr(dt_profile_report(ctx), "hint: dt_ddp_balance(ddp, loader, 50)") ||
@@ -965,7 +965,7 @@ static int straggler_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 6;
     }
     dt_profile_stats st;
-    dt_profile_get(ctx, &st);
+    dt_profile_stats_get(ctx, &st);
     if ((rank == 1) != (st.straggler_warnings > 0))
         return 7;
     job_end(&j);
@@ -1072,8 +1072,8 @@ enum { BAL_STEPS = 18, BAL_BATCH = 16 };
 
 static int train_reference(float *out, int64_t nfloats)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 7;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     dt_dataset *ds = dt_dataset_load_idx(ctx, job_data.img, job_data.lab);
@@ -1095,7 +1095,7 @@ static int train_reference(float *out, int64_t nfloats)
             dt_optim_step(opt))
             return 2;
         dt_optim_zero_grad(opt);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     int64_t k = 0;
     for (int i = 0; i < dt_param_count(ctx); i++) {
@@ -1143,7 +1143,7 @@ static int balance_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     int64_t cnt, glob;
     dt_loader_batch_slice(ld, NULL, &cnt, &glob);
     float mine[2] = {(float)share, (float)cnt}, all[4];
-    if (dt_allgather(c, mine, 2, all) != DT_OK)
+    if (dt_comm_allgather(c, mine, 2, all) != DT_OK)
         return 4;
     if (!(all[0] > 0.55f) || all[1] + all[3] != (float)glob) {
         fprintf(stderr, "shares %.3f %.3f, counts %g + %g of %lld\n", (double)all[0],
@@ -1221,7 +1221,7 @@ static int steal_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     }
     seen[NSAMPLES] = (float)dt_loader_batches_stolen(ld);
     float all[3 * (NSAMPLES + 1)];
-    if (dt_allgather(c, seen, NSAMPLES + 1, all) != DT_OK)
+    if (dt_comm_allgather(c, seen, NSAMPLES + 1, all) != DT_OK)
         return 4;
     for (int k = 0; k < NSAMPLES; k++) {
         float tot = 0;
@@ -1278,12 +1278,12 @@ static int misuse_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     if (dt_loader_steal(j.ld, c, 0) != DT_EINVAL || dt_loader_steal(j.ld, NULL, 2) != DT_EINVAL)
         return 4;
     /* profiling off: finish is a no-op on every rank */
-    if (dt_profile_finish(ctx, c, "/nonexistent/x.json") != DT_OK || dt_profiling(ctx))
+    if (dt_profile_stop(ctx, c, "/nonexistent/x.json") != DT_OK || dt_profile_active(ctx))
         return 5;
     /* on, a trace path rank 0 cannot write: rank 0 fails, saying so */
     if (dt_profile_start(ctx, NULL) != DT_OK)
         return 6;
-    dt_status st = dt_profile_finish(ctx, c, rank == 0 ? "/nonexistent/dir/x.json" : NULL);
+    dt_status st = dt_profile_stop(ctx, c, rank == 0 ? "/nonexistent/dir/x.json" : NULL);
     if (rank == 0 && (st != DT_EIO || !strstr(dt_last_error(ctx), "/nonexistent/dir/x.json")))
         return 7;
     if (rank == 1 && st != DT_OK)
@@ -1298,7 +1298,7 @@ static void test_misuse(void **state)
     data_make(&job_data, 200);
     run_ranks(2, misuse_rank);
     /* arguments */
-    assert_int_equal(dt_profile_get(NULL, NULL), DT_EINVAL);
+    assert_int_equal(dt_profile_stats_get(NULL, NULL), DT_EINVAL);
     assert_int_equal(dt_profile_start(NULL, NULL), DT_EINVAL);
     assert_int_equal(dt_profile_straggler(NULL), -1);
     assert_string_equal(dt_profile_report(NULL), "");
@@ -1392,7 +1392,7 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         dt_monitor_config mc;
         dt_monitor_config_init(&mc);
         mc.interval_s = 0.25;
-        if (!(mon = dt_monitor_start(ctx, c, &mc)))
+        if (!(mon = dt_monitor_new(ctx, c, &mc)))
             return 13;
     }
     dt_ps_config pc;
@@ -1420,11 +1420,11 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
                 return 5;
             if (rank == 1)
                 spin(0.002);
-            dt_zero_grad(ctx);
-            dt_step_reset(ctx);
+            dt_ctx_zero_grad(ctx);
+            dt_ctx_step_reset(ctx);
         }
         dt_profile_stats st;
-        dt_profile_get(ctx, &st);
+        dt_profile_stats_get(ctx, &st);
         if (!ld || st.steps != 12 || st.ps_calls < 24 || !(st.ps_latency_s > 0) ||
             st.ps_max_staleness < 0)
             return 6;
@@ -1439,8 +1439,8 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         if (dt_ps_finish(ps) != DT_OK)
             return 7;
     }
-    dt_monitor_stop(mon);
-    if (dt_profile_finish(ctx, c, rank == 0 ? job_trace : NULL) != DT_OK)
+    dt_monitor_free(mon);
+    if (dt_profile_stop(ctx, c, rank == 0 ? job_trace : NULL) != DT_OK)
         return 8;
     if (rank == 0 && (!strstr(dt_profile_report(ctx), "parameter server, rank 0:") ||
                       !strstr(dt_profile_report(ctx), "no training steps")))
@@ -1451,7 +1451,7 @@ static int ps_profile_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 12;
     }
     dt_ps_free(ps);
-    return dt_barrier(c) != DT_OK ? 10 : 0;
+    return dt_comm_barrier(c) != DT_OK ? 10 : 0;
 }
 
 /* --- a hot shard from skewed keys ----------------------------------------------
@@ -1497,8 +1497,8 @@ static int zipf_worker(dt_ctx *ctx, dt_ps *ps, int rank, dt_tensor *w)
         bad = dt_ps_sparse_pull(ps, 0, ids, ZIPF_IDS, rows) != DT_OK ||
               dt_ps_sparse_push(ps, 0, ids, ZIPF_IDS, rows) != DT_OK ||
               dt_backward(ctx, dt_sum(ctx, w)) != DT_OK || dt_ps_push_pull(ps) != DT_OK;
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     free(cdf);
     free(ids);
@@ -1524,7 +1524,7 @@ static int zipf_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
         return 2;
     if (dt_ps_is_server(ps) ? dt_ps_serve(ps) != DT_OK : zipf_worker(ctx, ps, rank, w) != 0)
         return 3;
-    if (dt_profile_finish(ctx, c, NULL) != DT_OK)
+    if (dt_profile_stop(ctx, c, NULL) != DT_OK)
         return 4;
     const char *rep = dt_profile_report(ctx);
     if (rank == 0) {
@@ -1541,7 +1541,7 @@ static int zipf_rank(dt_ctx *ctx, dt_comm *c, int rank, int world)
     }
     dt_ps_free(ps);
     (void)world;
-    return dt_barrier(c) != DT_OK ? 6 : 0;
+    return dt_comm_barrier(c) != DT_OK ? 6 : 0;
 }
 
 static void test_zipf_hot_shard(void **state)
@@ -1608,7 +1608,7 @@ static void test_store_add(void **state)
     (void)state;
     dt_ctx *ctx = tu_ctx_new();
     dt_dist_env e = tr_env(0, 1, 0);
-    dt_store *s = dt_store_open(ctx, &e, NULL);
+    dt_store *s = dt_store_new(ctx, &e, NULL);
     tu_check(ctx, s, "store");
     int64_t v = 0;
     assert_int_equal(dt_store_add(s, "n", 5, &v), DT_OK);
@@ -1626,7 +1626,7 @@ static void test_store_add(void **state)
     /* refused, not dropped: the connection still works */
     assert_int_equal(dt_store_add(s, "n", 2, NULL), DT_OK);
     assert_int_equal(dt_store_add(s, "", 1, &v), DT_EINVAL);
-    dt_store_close(s);
+    dt_store_free(s);
     dt_ctx_free(ctx);
 }
 
@@ -1678,19 +1678,19 @@ static void test_monitor_one_process(void **state)
     const char *bad[] = {"http://x", "127.0.0.1:99999", "nohost:80"};
     for (int i = 0; i < 3; i++) {   /* not [host:]port with an IPv4 host */
         mc.listen = bad[i];
-        assert_null(dt_monitor_start(ctx, NULL, &mc));
+        assert_null(dt_monitor_new(ctx, NULL, &mc));
         assert_int_equal(dt_last_status(ctx), DT_EINVAL);
     }
     mc.listen = "0.0.0.0:0";   /* off loopback, no token */
     mc.token = "";
-    assert_null(dt_monitor_start(ctx, NULL, &mc));
+    assert_null(dt_monitor_new(ctx, NULL, &mc));
     assert_non_null(strstr(dt_last_error(ctx), "needs a token"));
     mc.listen = "127.0.0.1:0";
     mc.token = NULL;
     mc.interval_s = 0.2;
-    dt_monitor *m = dt_monitor_start(ctx, NULL, &mc);
+    dt_monitor *m = dt_monitor_new(ctx, NULL, &mc);
     tu_check(ctx, m, "monitor_start");
-    assert_true(dt_profiling(ctx));   /* started for it */
+    assert_true(dt_profile_active(ctx));   /* started for it */
     int port = dt_monitor_port(m);
     assert_true(port > 0);
     assert_int_equal(dt_monitor_port(NULL), -1);
@@ -1714,20 +1714,20 @@ static void test_monitor_one_process(void **state)
     assert_served(port, "/metrics", body, "# TYPE dtrain_steps_total counter");
     assert_served(port, "/", body, "<title>dtrain monitor</title>");
     assert_int_equal(http_get(port, "/nothing", body, 1 << 16), 404);
-    dt_monitor_stop(m);
+    dt_monitor_free(m);
     assert_int_equal(http_get(port, "/metrics", body, 1 << 16), -1);   /* nobody listens */
-    dt_monitor_stop(NULL);
+    dt_monitor_free(NULL);
     free(body);
     dt_ctx_free(ctx);
 }
 
-/* A loop that forgets dt_step_reset: the arena's warning (dt_last_warning)
+/* A loop that forgets dt_ctx_step_reset: the arena's warning (dt_last_warning)
  * reaches the monitor's state, its page's data, and /metrics. */
 static void test_monitor_shows_warnings(void **state)
 {
     (void)state;
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.arena_bytes = (size_t)256 << 10;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     tu_check_status(ctx, dt_ctx_status(ctx), "context");
@@ -1735,7 +1735,7 @@ static void test_monitor_shows_warnings(void **state)
     dt_monitor_config_init(&mc);
     mc.listen = "127.0.0.1:0";
     mc.interval_s = 0.1;
-    dt_monitor *m = dt_monitor_start(ctx, NULL, &mc);
+    dt_monitor *m = dt_monitor_new(ctx, NULL, &mc);
     tu_check(ctx, m, "monitor_start");
     int port = dt_monitor_port(m);
     char *body = malloc(1 << 16);
@@ -1747,14 +1747,14 @@ static void test_monitor_shows_warnings(void **state)
         dt_tensor *loss = dt_sum(ctx, dt_relu(ctx, dt_matmul(ctx, w, w, 0, 0)));
         tu_check_status(ctx, loss ? dt_backward(ctx, loss) : dt_last_status(ctx), "backward");
     }
-    assert_non_null(strstr(dt_last_warning(ctx), "without dt_step_reset"));
+    assert_non_null(strstr(dt_last_warning(ctx), "without dt_ctx_step_reset"));
     usleep(400 * 1000);
     assert_served(port, "/api/state", body, "\"warnings\":1,\"warning\":\"the step arena grew");
-    assert_served(port, "/api/state", body, "without dt_step_reset");
+    assert_served(port, "/api/state", body, "without dt_ctx_step_reset");
     assert_served(port, "/metrics", body, "# TYPE dtrain_warnings_total counter");
     assert_served(port, "/metrics", body, "dtrain_warnings_total{rank=\"0\"} 1\n");
-    dt_step_reset(ctx);
-    dt_monitor_stop(m);
+    dt_ctx_step_reset(ctx);
+    dt_monitor_free(m);
     free(body);
     dt_ctx_free(ctx);
 }
@@ -1978,7 +1978,7 @@ static int starved_child(int threads)
     for (int i = 0; i < threads; i++)
         pthread_join(th[i], NULL);
     dt_profile_stats st;
-    if (dt_profile_get(ctx, &st) != DT_OK || dt_profile_finish(ctx, NULL, NULL) != DT_OK)
+    if (dt_profile_stats_get(ctx, &st) != DT_OK || dt_profile_stop(ctx, NULL, NULL) != DT_OK)
         return 3;
     fprintf(stderr, "child: wall %.2f s, cpu %.2f s, run-queue wait %.2f s, throttled %.2f s "
             "(%lld of %lld periods)\n%s", st.wall_s, st.cpu_s, st.cpu_wait_s, st.throttled_s,

@@ -157,8 +157,8 @@ static inline void tu_fill_distinct(tu_rng *r, float *x, int64_t n, float gap)
  * ------------------------------------------------------------------------- */
 static inline dt_ctx *tu_ctx_new_with(uint64_t seed, int threads)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = seed;
     cfg.threads = threads;
     dt_ctx *ctx = dt_ctx_new(&cfg);
@@ -328,7 +328,7 @@ static inline double tu_eval_loss(dt_ctx *ctx, tu_fn fn, dt_tensor *const *in, v
     double s = 0;
     for (int64_t i = 0; i < n; i++) s += (double)y[i] * (double)R[i];
     free(y);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     return s;
 }
 
@@ -337,8 +337,8 @@ static inline void tu_grad_check(dt_ctx *ctx, const char *what, tu_fn fn, void *
                                  double atol)
 {
     tu_rng rng = {0xC0FFEEull};
-    dt_set_grad_enabled(ctx, 1);
-    dt_zero_grad(ctx);
+    dt_ctx_set_grad_enabled(ctx, 1);
+    dt_ctx_zero_grad(ctx);
 
     dt_tensor *out = fn(ctx, in, user);
     tu_check(ctx, out, what);
@@ -364,9 +364,9 @@ static inline void tu_grad_check(dt_ctx *ctx, const char *what, tu_fn fn, void *
         grads[i] = tu_read(ctx, g, &ng);
         assert_int_equal(ng, dt_tensor_numel(in[i]));
     }
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
 
-    dt_set_grad_enabled(ctx, 0);
+    dt_ctx_set_grad_enabled(ctx, 0);
     int bad = 0;
     double worst = 0;
     for (int i = 0; i < n_in; i++) {
@@ -398,7 +398,7 @@ static inline void tu_grad_check(dt_ctx *ctx, const char *what, tu_fn fn, void *
         }
         free(x);
     }
-    dt_set_grad_enabled(ctx, 1);
+    dt_ctx_set_grad_enabled(ctx, 1);
     for (int i = 0; i < n_in; i++) free(grads[i]);
     free(R);
     dt_tensor_free(Rt);

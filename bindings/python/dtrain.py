@@ -19,7 +19,7 @@ also a ValueError, Timeout a TimeoutError, PeerError a ConnectionError, ...)
 whose message is the C library's own (dt_last_error).
 
 Lifetimes, as in C:
-  - tensors made by ops are step tensors: dt_step_reset (ctx.step_reset())
+  - tensors made by ops are step tensors: dt_ctx_step_reset (ctx.step_reset())
     frees them.  Using one afterwards raises BadState instead of reading
     freed memory; so does a loader batch after the loader's next batch.
   - parameters live as long as the context; Context.tensor / from_numpy
@@ -58,7 +58,7 @@ __all__ = [
     "Context", "Tensor", "Optimizer", "ParamGroup", "Dataset", "Loader", "Comm", "DDP", "Metrics",
     "DistEnv", "evaluate", "count_correct", "checkpoint_save", "checkpoint_load", "now",
     "library_path", "version", "version_string", "dtype_name", "dtype_size", "custom_op",
-    "recompute", "LossScaler", "checkpoint_save_ex", "checkpoint_load_ex", "checkpoint_latest",
+    "recompute", "LossScaler", "checkpoint_latest",
     "checkpoint_metadata", "checkpoint_consolidate", "checkpoint_arrays", "CheckpointReport", "Store", "Work", "spawn", "launch", "Replicas",
     "hogwild", "HogwildStats", "ParameterServer", "predict", "Monitor", "profile_rank_stats", "dtrun_main",
     "profiling", "profile_straggler", "schedule_lr", "strerror",
@@ -130,7 +130,7 @@ def _fn(name, restype, *argtypes):
 
 # --- 2. the C structs (bindings/python/tests checks their layout against C's) -------------
 
-class dt_config(ctypes.Structure):
+class dt_ctx_config(ctypes.Structure):
     _fields_ = [("struct_size", _SZ),
                 ("backend", _S), ("threads", _I), ("seed", _U64),
                 ("malloc_fn", _P), ("realloc_fn", _P), ("free_fn", _P), ("alloc_user", _P),
@@ -253,7 +253,7 @@ class dt_profile_stats(ctypes.Structure):
                 ("threads", _I)]
 
 
-_STRUCTS = [dt_config, dt_mem_stats, dt_optim_config, dt_param_group, dt_schedule, dt_loader_config,
+_STRUCTS = [dt_ctx_config, dt_mem_stats, dt_optim_config, dt_param_group, dt_schedule, dt_loader_config,
             dt_dist_env, dt_store_config, dt_comm_config, dt_ddp_config, dt_ddp_stats,
             dt_eval_config, dt_metrics, dt_profile_config, dt_profile_stats]
 
@@ -296,12 +296,12 @@ class dt_spawn_config(ctypes.Structure):
 
 class dt_dp_config(ctypes.Structure):
     _fields_ = [("struct_size", _SZ),
-                ("replicas", _I), ("replica", dt_config), ("optim", dt_optim_config)]
+                ("replicas", _I), ("replica", dt_ctx_config), ("optim", dt_optim_config)]
 
 
 class dt_hogwild_config(ctypes.Structure):
     _fields_ = [("struct_size", _SZ),
-                ("threads", _I), ("steps", _I64), ("lr", _F), ("thread", dt_config)]
+                ("threads", _I), ("steps", _I64), ("lr", _F), ("thread", dt_ctx_config)]
 
 
 class dt_hogwild_stats(ctypes.Structure):
@@ -354,24 +354,24 @@ _LOG_FN = ctypes.CFUNCTYPE(None, _P, _S)
 _C = type("C", (), {})()   # a namespace of the declared C functions
 for _name, _res, _args in [
     ("dt_strerror", _S, [_I]),
-    ("dt_config_init", None, [ctypes.POINTER(dt_config)]),
-    ("dt_ctx_new", _P, [ctypes.POINTER(dt_config)]),
+    ("dt_ctx_config_init", None, [ctypes.POINTER(dt_ctx_config)]),
+    ("dt_ctx_new", _P, [ctypes.POINTER(dt_ctx_config)]),
     ("dt_ctx_free", None, [_P]),
     ("dt_ctx_status", _I, [_P]),
     ("dt_last_error", _S, [_P]),
     ("dt_last_status", _I, [_P]),
     ("dt_clear_error", None, [_P]),
-    ("dt_set_log", None, [_P, _LOG_FN, _P]),
+    ("dt_ctx_set_log", None, [_P, _LOG_FN, _P]),
     ("dt_last_warning", _S, [_P]),
     ("dt_backend_name", _S, [_P]),
     ("dt_ctx_threads", _I, [_P]),
-    ("dt_set_grad_enabled", None, [_P, _I]),
-    ("dt_grad_enabled", _I, [_P]),
-    ("dt_set_training", None, [_P, _I]),
-    ("dt_training", _I, [_P]),
+    ("dt_ctx_set_grad_enabled", None, [_P, _I]),
+    ("dt_ctx_grad_enabled", _I, [_P]),
+    ("dt_ctx_set_training", None, [_P, _I]),
+    ("dt_ctx_training", _I, [_P]),
     ("dt_mem_stats_get", None, [_P, ctypes.POINTER(dt_mem_stats)]),
-    ("dt_step_reset", None, [_P]),
-    ("dt_seed", None, [_P, _U64]),
+    ("dt_ctx_step_reset", None, [_P]),
+    ("dt_ctx_seed", None, [_P, _U64]),
     # tensors
     ("dt_tensor_new", _P, [_P, _I, _I, _I64P]),
     ("dt_tensor_wrap", _P, [_P, _I, _I, _I64P, _P]),
@@ -388,7 +388,7 @@ for _name, _res, _args in [
     ("dt_tensor_dtype", _I, [_P]),
     ("dt_tensor_name", _S, [_P]),
     ("dt_tensor_grad", _P, [_P]),
-    ("dt_retain_grad", _I, [_P]),
+    ("dt_tensor_retain_grad", _I, [_P]),
     ("dt_tensor_requires_grad", _I, [_P]),
     ("dt_tensor_set_requires_grad", _I, [_P, _I]),
     # parameters and init
@@ -396,14 +396,14 @@ for _name, _res, _args in [
     ("dt_param_count", _I, [_P]),
     ("dt_param_at", _P, [_P, _I]),
     ("dt_param_find", _P, [_P, _S]),
-    ("dt_zero_grad", None, [_P]),
-    ("dt_init_uniform", _I, [_P, _P, _F, _F]),
-    ("dt_init_normal", _I, [_P, _P, _F, _F]),
-    ("dt_init_kaiming_uniform", _I, [_P, _P, _F]),
-    ("dt_init_kaiming_normal", _I, [_P, _P, _F]),
-    ("dt_init_xavier_uniform", _I, [_P, _P, _F]),
-    ("dt_init_xavier_normal", _I, [_P, _P, _F]),
-    ("dt_init_bias", _I, [_P, _P, _I64]),
+    ("dt_ctx_zero_grad", None, [_P]),
+    ("dt_tensor_init_uniform", _I, [_P, _P, _F, _F]),
+    ("dt_tensor_init_normal", _I, [_P, _P, _F, _F]),
+    ("dt_tensor_init_kaiming_uniform", _I, [_P, _P, _F]),
+    ("dt_tensor_init_kaiming_normal", _I, [_P, _P, _F]),
+    ("dt_tensor_init_xavier_uniform", _I, [_P, _P, _F]),
+    ("dt_tensor_init_xavier_normal", _I, [_P, _P, _F]),
+    ("dt_tensor_init_bias", _I, [_P, _P, _I64]),
     # ops
     ("dt_reshape", _P, [_P, _P, _I, _I64P]),
     ("dt_flatten", _P, [_P, _P, _I]),
@@ -453,14 +453,14 @@ for _name, _res, _args in [
     ("dt_layer_norm", _P, [_P, _P, _P, _P, _F]),
     ("dt_dropout", _P, [_P, _P, _F]),
     ("dt_backward", _I, [_P, _P]),
-    ("dt_clip_grad_norm", _I, [_P, _F, ctypes.POINTER(_F)]),
+    ("dt_ctx_clip_grad_norm", _I, [_P, _F, ctypes.POINTER(_F)]),
     ("dt_count_correct", _I, [_P, _P, _P, ctypes.POINTER(_I64)]),
     ("dt_now", _D, []),
     # optimizers
     ("dt_optim_config_init", None, [ctypes.POINTER(dt_optim_config), _I]),
     ("dt_optim_new", _P, [_P, ctypes.POINTER(dt_optim_config), ctypes.POINTER(_P), _I]),
-    ("dt_set_activity", _I, [_P, _S]),
-    ("dt_activity", _S, [_P]),
+    ("dt_ctx_set_activity", _I, [_P, _S]),
+    ("dt_ctx_activity", _S, [_P]),
     ("dt_param_group_init", None, [ctypes.POINTER(dt_param_group), ctypes.POINTER(_P), _I]),
     ("dt_optim_new_groups", _P, [_P, ctypes.POINTER(dt_optim_config),
                                  ctypes.POINTER(dt_param_group), _I]),
@@ -477,11 +477,8 @@ for _name, _res, _args in [
     ("dt_optim_set_schedule", _I, [_P, ctypes.POINTER(dt_schedule)]),
     ("dt_schedule_lr", _F, [ctypes.POINTER(dt_schedule), _F, _I64]),
     # checkpoints
-    ("dt_checkpoint_save", _I, [_P, _P, _S, _I64]),
-    ("dt_checkpoint_load", _I, [_P, _P, _S, ctypes.POINTER(_I64)]),
     # data
     ("dt_dataset_load_idx", _P, [_P, _S, _S]),
-    ("dt_dataset_fashion_mnist", _P, [_P, _S, _I]),
     ("dt_dataset_free", None, [_P]),
     ("dt_dataset_size", _I64, [_P]),
     ("dt_dataset_sample_shape", _I, [_P, _I64P]),
@@ -513,10 +510,10 @@ for _name, _res, _args in [
     ("dt_comm_rank", _I, [_P]),
     ("dt_comm_size", _I, [_P]),
     ("dt_comm_transport", _S, [_P]),
-    ("dt_allreduce", _I, [_P, _P, _I64, _I]),
-    ("dt_broadcast", _I, [_P, _P, _I64, _I]),
-    ("dt_allgather", _I, [_P, _P, _I64, _P]),
-    ("dt_barrier", _I, [_P]),
+    ("dt_comm_allreduce", _I, [_P, _P, _I64, _I]),
+    ("dt_comm_broadcast", _I, [_P, _P, _I64, _I]),
+    ("dt_comm_allgather", _I, [_P, _P, _I64, _P]),
+    ("dt_comm_barrier", _I, [_P]),
     # DDP and evaluation
     ("dt_ddp_config_init", None, [ctypes.POINTER(dt_ddp_config)]),
     ("dt_ddp_new", _P, [_P, _P, _P, ctypes.POINTER(dt_ddp_config)]),
@@ -536,9 +533,9 @@ for _name, _res, _args in [
     # point to point, groups, model parallelism
     ("dt_comm_split", _P, [_P, _I, _I, ctypes.POINTER(dt_comm_config)]),
     ("dt_comm_job_rank", _I, [_P, _I]),
-    ("dt_send", _I, [_P, _P, _I64, _I]),
-    ("dt_recv", _I, [_P, _P, _I64, _I]),
-    ("dt_sendrecv", _I, [_P, _P, _I64, _I, _P, _I64, _I]),
+    ("dt_comm_send", _I, [_P, _P, _I64, _I]),
+    ("dt_comm_recv", _I, [_P, _P, _I64, _I]),
+    ("dt_comm_sendrecv", _I, [_P, _P, _I64, _I, _P, _I64, _I]),
     ("dt_pipe_config_init", None, [ctypes.POINTER(dt_pipe_config)]),
     ("dt_pipe_new", _P, [_P, _P, ctypes.POINTER(dt_pipe_config), _STAGE_FN, _P]),
     ("dt_pipe_free", None, [_P]),
@@ -547,7 +544,7 @@ for _name, _res, _args in [
     ("dt_pipe_stages", _I, [_P]),
     ("dt_pipe_stats_get", _I, [_P, ctypes.POINTER(dt_pipe_stats)]),
     ("dt_pipe_stats_reset", None, [_P]),
-    ("dt_layer_times", _I, [_P, _P, _P, _P, _I, _P, _I, ctypes.POINTER(_D)]),
+    ("dt_profile_layer_times", _I, [_P, _P, _P, _P, _I, _P, _I, ctypes.POINTER(_D)]),
     ("dt_pipe_partition", _I, [ctypes.POINTER(_D), _I, _I, ctypes.POINTER(_I)]),
     ("dt_tp_copy", _P, [_P, _P, _P]),
     ("dt_tp_reduce", _P, [_P, _P, _P]),
@@ -559,9 +556,9 @@ for _name, _res, _args in [
     # profiler
     ("dt_profile_config_init", None, [ctypes.POINTER(dt_profile_config)]),
     ("dt_profile_start", _I, [_P, ctypes.POINTER(dt_profile_config)]),
-    ("dt_profiling", _I, [_P]),
-    ("dt_profile_get", _I, [_P, ctypes.POINTER(dt_profile_stats)]),
-    ("dt_profile_finish", _I, [_P, _P, _S]),
+    ("dt_profile_active", _I, [_P]),
+    ("dt_profile_stats_get", _I, [_P, ctypes.POINTER(dt_profile_stats)]),
+    ("dt_profile_stop", _I, [_P, _P, _S]),
     ("dt_profile_report", _S, [_P]),
     ("dt_profile_straggler", _I, [_P]),
 ]:
@@ -582,14 +579,14 @@ for _name, _res, _args in [
     ("dt_version_string", _S, []),
     ("dt_dtype_name", _S, [_I]),
     ("dt_dtype_size", _SZ, [_I]),
-    ("dt_mem_reset_peak", None, [_P]),
+    ("dt_mem_peak_reset", None, [_P]),
     ("dt_tensor_temp", _P, [_P, _I, _I, _I64P]),
     ("dt_tensor_is_contiguous", _I, [_P]),
     ("dt_tensor_set_name", _I, [_P, _S]),
     ("dt_custom_op", _P, [_P, _S, ctypes.POINTER(_P), _I, _CUSTOM_FWD, _CUSTOM_BWD, _P]),
     ("dt_recompute", _P, [_P, _SEGMENT_FN, ctypes.POINTER(_P), _I, _P]),
-    ("dt_set_autocast", _I, [_P, _I]),
-    ("dt_autocast", _I, [_P]),
+    ("dt_ctx_set_autocast", _I, [_P, _I]),
+    ("dt_ctx_autocast", _I, [_P]),
     ("dt_optim_state_count", _I, [_P]),
     ("dt_optim_state_at", _P, [_P, _I]),
     ("dt_loss_scale_config_init", None, [ctypes.POINTER(dt_loss_scale_config)]),
@@ -601,9 +598,9 @@ for _name, _res, _args in [
     ("dt_loss_scaler_scale", _F, [_P]),
     ("dt_loss_scaler_skipped", _I64, [_P]),
     ("dt_checkpoint_config_init", None, [ctypes.POINTER(dt_checkpoint_config)]),
-    ("dt_checkpoint_save_ex", _I, [_P, _P, _S, _I64, ctypes.POINTER(dt_checkpoint_config)]),
-    ("dt_checkpoint_load_ex", _I, [_P, _P, _S, ctypes.POINTER(dt_checkpoint_config),
-                                   ctypes.POINTER(_I64), ctypes.POINTER(dt_checkpoint_report)]),
+    ("dt_checkpoint_save", _I, [_P, _P, _S, _I64, ctypes.POINTER(dt_checkpoint_config)]),
+    ("dt_checkpoint_load", _I, [_P, _P, _S, ctypes.POINTER(dt_checkpoint_config),
+                                ctypes.POINTER(_I64), ctypes.POINTER(dt_checkpoint_report)]),
     ("dt_checkpoint_latest", _I, [_P, _S, ctypes.c_char_p, _SZ, ctypes.POINTER(_I64)]),
     ("dt_checkpoint_metadata", _I, [_P, _S, _S, ctypes.c_char_p, _SZ]),
     ("dt_dataset_load_raw", _P, [_P, _S, ctypes.POINTER(dt_sample_field), _S,
@@ -620,8 +617,8 @@ for _name, _res, _args in [
     ("dt_loader_batches_done", _I64, [_P]),
     ("dt_loader_batches_stolen", _I64, [_P]),
     ("dt_store_config_init", None, [ctypes.POINTER(dt_store_config)]),
-    ("dt_store_open", _P, [_P, ctypes.POINTER(dt_dist_env), ctypes.POINTER(dt_store_config)]),
-    ("dt_store_close", None, [_P]),
+    ("dt_store_new", _P, [_P, ctypes.POINTER(dt_dist_env), ctypes.POINTER(dt_store_config)]),
+    ("dt_store_free", None, [_P]),
     ("dt_store_port", _I, [_P]),
     ("dt_store_set", _I, [_P, _S, _P, _SZ]),
     ("dt_store_get", _I, [_P, _S, _P, _SZ, ctypes.POINTER(_SZ), _I]),
@@ -629,10 +626,10 @@ for _name, _res, _args in [
     ("dt_comm_hosts", _I, [_P]),
     ("dt_comm_intra_host", _S, [_P]),
     ("dt_comm_bytes_sent", _U64, [_P]),
-    ("dt_allreduce_async", _P, [_P, _P, _I64, _I]),
+    ("dt_comm_allreduce_async", _P, [_P, _P, _I64, _I]),
     ("dt_work_wait", _I, [_P]),
-    ("dt_reduce_scatter", _I, [_P, _P, _I64, _P, _I]),
-    ("dt_alltoall", _I, [_P, _P, _I64, _P]),
+    ("dt_comm_reduce_scatter", _I, [_P, _P, _I64, _P, _I]),
+    ("dt_comm_alltoall", _I, [_P, _P, _I64, _P]),
     ("dt_spawn_config_init", None, [ctypes.POINTER(dt_spawn_config)]),
     ("dt_spawn", _I, [_P, ctypes.POINTER(dt_spawn_config), ctypes.POINTER(_I)]),
     ("dt_launch", _I, [_P, ctypes.POINTER(dt_spawn_config), ctypes.POINTER(_S),
@@ -666,10 +663,10 @@ for _name, _res, _args in [
     ("dt_ps_sparse_pull_async", _P, [_P, _I, _I64P, _I64, _FP]),
     ("dt_ps_sparse_push", _I, [_P, _I, _I64P, _I64, _FP]),
     ("dt_ps_stats_get", _I, [_P, ctypes.POINTER(dt_ps_stats)]),
-    ("dt_profile_rank_stats", _I, [_P, _I, ctypes.POINTER(dt_profile_stats)]),
+    ("dt_profile_rank_stats_get", _I, [_P, _I, ctypes.POINTER(dt_profile_stats)]),
     ("dt_monitor_config_init", None, [ctypes.POINTER(dt_monitor_config)]),
-    ("dt_monitor_start", _P, [_P, _P, ctypes.POINTER(dt_monitor_config)]),
-    ("dt_monitor_stop", None, [_P]),
+    ("dt_monitor_new", _P, [_P, _P, ctypes.POINTER(dt_monitor_config)]),
+    ("dt_monitor_free", None, [_P]),
     ("dt_monitor_port", _I, [_P]),
     ("dt_monitor_log", _I, [_P, _S, _I64, _D]),
     ("dt_preempt_config_init", None, [ctypes.POINTER(dt_preempt_config)]),
@@ -810,12 +807,12 @@ class Context:
     from it: optimizers, loaders, DDPs, communicators and tensors.
     arena_max_bytes caps the step arena (0: the host's memory): step tensors
     live until step_reset(), and past the cap a step raises OutOfMemory
-    saying to call it (dt_config.arena_max_bytes)."""
+    saying to call it (dt_ctx_config.arena_max_bytes)."""
 
     def __init__(self, backend: str = "cpu", threads: int = 1, seed: int = 0, device: int = 0,
                  arena_bytes: int = 0, arena_max_bytes: int = 0) -> None:
-        cfg = dt_config()
-        _C.config_init(ctypes.byref(cfg))
+        cfg = dt_ctx_config()
+        _C.ctx_config_init(ctypes.byref(cfg))
         cfg.backend = _b(backend)
         cfg.threads = threads
         cfg.seed = seed
@@ -918,46 +915,46 @@ class Context:
     @property
     def grad_enabled(self) -> bool:
         """Whether ops record the tape (see no_grad)."""
-        return bool(_C.grad_enabled(self.handle))
+        return bool(_C.ctx_grad_enabled(self.handle))
 
     @grad_enabled.setter
     def grad_enabled(self, on: bool) -> None:
-        _C.set_grad_enabled(self.handle, int(bool(on)))
+        _C.ctx_set_grad_enabled(self.handle, int(bool(on)))
 
     @property
     def training(self) -> bool:
         """Training mode (dropout on); False for evaluation."""
-        return bool(_C.training(self.handle))
+        return bool(_C.ctx_training(self.handle))
 
     @training.setter
     def training(self, on: bool) -> None:
-        _C.set_training(self.handle, int(bool(on)))
+        _C.ctx_set_training(self.handle, int(bool(on)))
 
     def seed(self, seed: int) -> None:
         """Reseed the context's generator (init and dropout derive from it)."""
-        _C.seed(self.handle, seed)
+        _C.ctx_seed(self.handle, seed)
 
     def set_log(self, fn: Optional[Callable[[str], None]]) -> None:
         """Warnings go to fn(message) (on the thread that met them); None: back to stderr
         when DTRAIN_LOG is set."""
         if fn is None:
             self._log = None
-            _C.set_log(self.handle, _LOG_FN(), None)
+            _C.ctx_set_log(self.handle, _LOG_FN(), None)
             return
         self._log = _LOG_FN(lambda user, msg: fn(msg.decode(errors="replace")))
-        _C.set_log(self.handle, self._log, None)
+        _C.ctx_set_log(self.handle, self._log, None)
 
     def set_activity(self, what: Optional[str]) -> None:
         """Say what this rank is doing ("evaluating", "compiling"): ranks waiting for it in
         a collective show it in their errors, and the monitor shows it; None: the library's
-        own again (dt_set_activity)."""
-        self.check(_C.set_activity(self.handle, _b(what)))
+        own again (dt_ctx_set_activity)."""
+        self.check(_C.ctx_set_activity(self.handle, _b(what)))
 
     @property
     def activity(self) -> str:
         """What waiting peers see this rank doing: "waiting for its data loader for 25 s"
-        (dt_activity)."""
-        return _C.activity(self.handle).decode()
+        (dt_ctx_activity)."""
+        return _C.ctx_activity(self.handle).decode()
 
     _PREEMPT_BITS = {"TERM": 1, "USR1": 2, "USR2": 4, "INT": 8}
 
@@ -1013,8 +1010,8 @@ class Context:
 
     # the step
     def step_reset(self) -> None:
-        """Free this step's tensors and tape (dt_step_reset): once per training step."""
-        _C.step_reset(self.handle)
+        """Free this step's tensors and tape (dt_ctx_step_reset): once per training step."""
+        _C.ctx_step_reset(self.handle)
         self._step_ended()
 
     def _step_ended(self):
@@ -1054,13 +1051,13 @@ class Context:
     @property
     def autocast_precision(self) -> str:
         """The mixed precision matmul, linear and conv2d run at: f32, tf32, bf16 or fp16."""
-        return _PRECISION_NAMES[_C.autocast(self.handle)]
+        return _PRECISION_NAMES[_C.ctx_autocast(self.handle)]
 
     def set_autocast(self, precision: str) -> None:
         """Set the mixed precision of matmul, linear and conv2d: "f32", "tf32", "bf16" or "fp16"."""
         if precision not in _PRECISIONS:
             raise InvalidArgument(1, "autocast: one of %s" % ", ".join(_PRECISIONS))
-        self.check(_C.set_autocast(self.handle, _PRECISIONS[precision]))
+        self.check(_C.ctx_set_autocast(self.handle, _PRECISIONS[precision]))
 
     def autocast(self, precision: str = "bf16") -> "_Scoped":
         """with ctx.autocast("bf16"): mixed precision for the forward (torch.autocast)."""
@@ -1073,7 +1070,7 @@ class Context:
 
     def mem_reset_peak(self) -> None:
         """Start mem_stats()' arena_peak again from what is used now."""
-        _C.mem_reset_peak(self.handle)
+        _C.mem_peak_reset(self.handle)
 
     def temp(self, shape: Sequence[int], dtype: Any = np.float32) -> "Tensor":
         """A zero-filled step tensor (gone at step_reset), e.g. a custom op's output."""
@@ -1083,12 +1080,12 @@ class Context:
 
     def zero_grad(self) -> None:
         """Zero every parameter's gradient."""
-        _C.zero_grad(self.handle)
+        _C.ctx_zero_grad(self.handle)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradients to a global L2 norm of at most max_norm; the norm before."""
         norm = _F()
-        self.check(_C.clip_grad_norm(self.handle, max_norm, ctypes.byref(norm)))
+        self.check(_C.ctx_clip_grad_norm(self.handle, max_norm, ctypes.byref(norm)))
         return norm.value
 
     # tensors
@@ -1337,7 +1334,7 @@ class Tensor:
     def retain_grad(self) -> None:
         """Keep this op output's gradient through the next backward (as
         torch.Tensor.retain_grad); without it .grad of a non-leaf is None."""
-        self.ctx.check(_C.retain_grad(self.handle))
+        self.ctx.check(_C.tensor_retain_grad(self.handle))
         return self
 
     @property
@@ -1576,25 +1573,25 @@ def _init(fn, t, *args):
 
 def init_uniform(t: "Tensor", lo: float, hi: float) -> None:
     """Fill t uniformly in [lo, hi) from the context's generator."""
-    _init(_C.init_uniform, t, lo, hi)
+    _init(_C.tensor_init_uniform, t, lo, hi)
 def init_normal(t: "Tensor", mean: float = 0.0, std: float = 1.0) -> None:
     """Fill t with normal samples (mean, std)."""
-    _init(_C.init_normal, t, mean, std)
+    _init(_C.tensor_init_normal, t, mean, std)
 def init_kaiming_uniform(t: "Tensor", a: float = 0.0) -> None:
     """Kaiming-uniform init, as torch.nn.init.kaiming_uniform_(t, a)."""
-    _init(_C.init_kaiming_uniform, t, a)
+    _init(_C.tensor_init_kaiming_uniform, t, a)
 def init_kaiming_normal(t: "Tensor", a: float = 0.0) -> None:
     """Kaiming-normal init, as torch.nn.init.kaiming_normal_(t, a)."""
-    _init(_C.init_kaiming_normal, t, a)
+    _init(_C.tensor_init_kaiming_normal, t, a)
 def init_xavier_uniform(t: "Tensor", gain: float = 1.0) -> None:
     """Xavier-uniform init with gain."""
-    _init(_C.init_xavier_uniform, t, gain)
+    _init(_C.tensor_init_xavier_uniform, t, gain)
 def init_xavier_normal(t: "Tensor", gain: float = 1.0) -> None:
     """Xavier-normal init with gain."""
-    _init(_C.init_xavier_normal, t, gain)
+    _init(_C.tensor_init_xavier_normal, t, gain)
 def init_bias(t: "Tensor", fan_in: int) -> None:
     """A bias as torch.nn.Linear/Conv2d initialise it: uniform +-1/sqrt(fan_in)."""
-    _init(_C.init_bias, t, fan_in)
+    _init(_C.tensor_init_bias, t, fan_in)
 
 
 # --- 8. optimizers --------------------------------------------------------------------------
@@ -1847,12 +1844,6 @@ def _schedule_of(kind="cosine", total_steps=0, warmup_steps=0, min_lr=0.0, step_
 
 
 
-def checkpoint_save(ctx: "Context", path: str, opt: Optional["Optimizer"] = None,
-                    step: int = 0) -> None:
-    """Parameters, opt's state and the step to path (safetensors, written atomically)."""
-    ctx.check(_C.checkpoint_save(ctx.handle, opt.handle if opt else None, _b(path), step))
-
-
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "I32": "<i4", "I64": "<i8", "U8": "u1", "BF16": "<u2"}
 
 
@@ -1892,15 +1883,6 @@ def checkpoint_arrays(path: str, optimizer: bool = False) -> Dict[str, np.ndarra
         return out
     except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
         raise CorruptFile(4, "checkpoint_arrays: %s: %s" % (path, e)) from e
-
-
-def checkpoint_load(ctx: "Context", path: str, opt: Optional["Optimizer"] = None) -> int:
-    """Load a checkpoint (checked whole first: a bad file changes nothing); its step.  path
-    may be a sharded checkpoint's directory (DDP.checkpoint_save): loaded whole."""
-    step = ctypes.c_int64()
-    ctx.check(_C.checkpoint_load(ctx.handle, opt.handle if opt else None, _b(path),
-                                 ctypes.byref(step)))
-    return step.value
 
 
 # --- 9. data --------------------------------------------------------------------------------
@@ -2025,8 +2007,21 @@ class Dataset(_Handle):
     @classmethod
     def fashion_mnist(cls, ctx: "Context", split: str = "train",
                       dir: Optional[str] = None) -> "Dataset":
-        """Fashion-MNIST as Debian's dataset-fashion-mnist installs it (dir None)."""
-        return cls(ctx, _C.dataset_fashion_mnist(ctx.handle, _b(dir), 0 if split == "train" else 1))
+        """Fashion-MNIST as Debian's dataset-fashion-mnist installs it (dir None:
+        /usr/share/datasets/fashion-mnist), split "train" (60000) or "test" (10000); the
+        .gz files when both are there.  FileError: not found (with the apt-get line)."""
+        if split not in ("train", "test"):
+            raise InvalidArgument(1, "fashion_mnist: split is \"train\" or \"test\", got %r" % split)
+        d = dir or "/usr/share/datasets/fashion-mnist"
+        pre = "train" if split == "train" else "t10k"
+        def path(name):
+            p = os.path.join(d, "%s-%s.gz" % (pre, name))
+            return p if os.access(p, os.R_OK) else os.path.join(d, "%s-%s" % (pre, name))
+        images, labels = path("images-idx3-ubyte"), path("labels-idx1-ubyte")
+        if not os.access(images, os.R_OK):
+            raise FileError(3, "fashion_mnist: Fashion-MNIST not found in %s (install Debian's "
+                            "dataset-fashion-mnist: apt-get install dataset-fashion-mnist)" % d)
+        return cls.load_idx(ctx, images, labels)
 
     @classmethod
     def load_idx(cls, ctx: "Context", images_path: str, labels_path: str) -> "Dataset":
@@ -2188,13 +2183,13 @@ class Comm(_Handle):
 
     def allreduce(self, array: np.ndarray, op: str = "sum") -> None:
         """In place on a float32 array (its memory is the buffer: no copy)."""
-        self.ctx.check(_C.allreduce(self.handle, _f32_buffer(array, "allreduce"), array.size,
+        self.ctx.check(_C.comm_allreduce(self.handle, _f32_buffer(array, "allreduce"), array.size,
                                     _REDUCE[op]))
         return array
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> None:
         """Rank root's array to every rank, in place (float32)."""
-        self.ctx.check(_C.broadcast(self.handle, _f32_buffer(array, "broadcast"), array.size,
+        self.ctx.check(_C.comm_broadcast(self.handle, _f32_buffer(array, "broadcast"), array.size,
                                     root))
         return array
 
@@ -2202,28 +2197,28 @@ class Comm(_Handle):
         """Every rank's array, stacked in rank order: shape (size, *array.shape)."""
         a = np.ascontiguousarray(array, dtype=np.float32)
         out = np.empty((self.size,) + a.shape, np.float32)
-        self.ctx.check(_C.allgather(self.handle, a.ctypes.data, a.size, out.ctypes.data))
+        self.ctx.check(_C.comm_allgather(self.handle, a.ctypes.data, a.size, out.ctypes.data))
         return out
 
     def barrier(self) -> None:
         """Wait until every rank has reached it."""
-        self.ctx.check(_C.barrier(self.handle))
+        self.ctx.check(_C.comm_barrier(self.handle))
 
     # point to point: float32 arrays, borrowed for the call
     def send(self, array: np.ndarray, dst: int) -> None:
         """Send a float32 array to rank dst (pipelines: activations forward, gradients back)."""
         a = np.ascontiguousarray(array, dtype=np.float32)
-        self.ctx.check(_C.send(self.handle, a.ctypes.data, a.size, dst))
+        self.ctx.check(_C.comm_send(self.handle, a.ctypes.data, a.size, dst))
 
     def recv(self, array: np.ndarray, src: int) -> None:
         """Into a float32 array in place; the sender must send exactly array.size floats."""
-        self.ctx.check(_C.recv(self.handle, _f32_buffer(array, "recv"), array.size, src))
+        self.ctx.check(_C.comm_recv(self.handle, _f32_buffer(array, "recv"), array.size, src))
         return array
 
     def sendrecv(self, send: np.ndarray, dst: int, recv: np.ndarray, src: int) -> None:
         """Send to dst and receive from src at once (no deadlock between neighbours)."""
         a = np.ascontiguousarray(send, dtype=np.float32)
-        self.ctx.check(_C.sendrecv(self.handle, a.ctypes.data, a.size, dst,
+        self.ctx.check(_C.comm_sendrecv(self.handle, a.ctypes.data, a.size, dst,
                                    _f32_buffer(recv, "sendrecv"), recv.size, src))
         return recv
 
@@ -2394,7 +2389,7 @@ _LAYER_FN = ctypes.CFUNCTYPE(_P, _P, _P, _P)
 
 def layer_times(ctx: "Context", layers: Sequence[Callable[["Tensor"], "Tensor"]], sample: "Tensor",
                 reps: int = 5, comm: Optional["Comm"] = None) -> List[float]:
-    """dt_layer_times: each layer(x) -> y of a sequential model timed forward and backward
+    """dt_profile_layer_times: each layer(x) -> y of a sequential model timed forward and backward
     alone, in ms (averaged over comm's ranks when given).  Leaves gradients zeroed."""
     n = len(layers)
     failure = []
@@ -2412,7 +2407,7 @@ def layer_times(ctx: "Context", layers: Sequence[Callable[["Tensor"], "Tensor"]]
     cbs = [make(fn) for fn in layers]
     fns = (_LAYER_FN * n)(*cbs)
     out = (_D * n)()
-    st = _C.layer_times(ctx.handle, comm.handle if comm else None, fns, None, n,
+    st = _C.profile_layer_times(ctx.handle, comm.handle if comm else None, fns, None, n,
                         sample.handle, reps, out)
     life.gen += 1
     ctx._step_ended()
@@ -2521,7 +2516,7 @@ def profile_start(ctx: "Context", max_events: int = 0, straggler_threshold: floa
 def profile_stats(ctx: "Context") -> Dict[str, Any]:
     """This rank's profile totals so far, as a dict."""
     s = dt_profile_stats()
-    ctx.check(_C.profile_get(ctx.handle, ctypes.byref(s)))
+    ctx.check(_C.profile_stats_get(ctx.handle, ctypes.byref(s)))
     return {f: getattr(s, f) for f, _ in s._fields_}
 
 
@@ -2529,14 +2524,14 @@ def profile_finish(ctx: "Context", comm: Optional["Comm"] = None,
                    trace_path: Optional[str] = None) -> str:
     """Collective: the timeline to trace_path (rank 0) and the report; rank 0 gets the
     report's text, other ranks ""."""
-    ctx.check(_C.profile_finish(ctx.handle, comm.handle if comm else None, _b(trace_path)))
+    ctx.check(_C.profile_stop(ctx.handle, comm.handle if comm else None, _b(trace_path)))
     return _C.profile_report(ctx.handle).decode()
 
 
 def profile_rank_stats(ctx: "Context", rank: int) -> Dict[str, Any]:
     """Rank `rank`'s totals as gathered by profile_finish (rank 0, after it), as a dict."""
     s = dt_profile_stats()
-    ctx.check(_C.profile_rank_stats(ctx.handle, rank, ctypes.byref(s)))
+    ctx.check(_C.profile_rank_stats_get(ctx.handle, rank, ctypes.byref(s)))
     return {f: getattr(s, f) for f, _ in s._fields_}
 
 
@@ -2711,10 +2706,11 @@ class LossScaler(_Handle):
 _SAVE_DTYPES = {"f32": 0, "bf16": 3, "f16": 4}
 
 
-def checkpoint_save_ex(ctx: "Context", path: str, opt: Optional["Optimizer"] = None, step: int = 0,
-                       dtype: str = "f32", metadata: Optional[Dict[str, str]] = None) -> None:
-    """checkpoint_save with the parameters stored as dtype ("f32", "bf16", "f16") and your
-    own metadata (a dict of str -> str, read back with checkpoint_metadata)."""
+def checkpoint_save(ctx: "Context", path: str, opt: Optional["Optimizer"] = None, step: int = 0,
+                    dtype: str = "f32", metadata: Optional[Dict[str, str]] = None) -> None:
+    """Parameters, opt's state and the step to path (safetensors, written atomically), the
+    parameters stored as dtype ("f32", "bf16", "f16"), with your own metadata (a dict of
+    str -> str, read back with checkpoint_metadata)."""
     c = dt_checkpoint_config()
     _C.checkpoint_config_init(ctypes.byref(c))
     if dtype not in _SAVE_DTYPES:
@@ -2724,24 +2720,28 @@ def checkpoint_save_ex(ctx: "Context", path: str, opt: Optional["Optimizer"] = N
     keys = (_S * max(len(meta), 1))(*[_b(k) for k in meta])
     vals = (_S * max(len(meta), 1))(*[_b(v) for v in meta.values()])
     c.n_meta, c.meta_keys, c.meta_values = len(meta), keys, vals
-    ctx.check(_C.checkpoint_save_ex(ctx.handle, opt.handle if opt else None, _b(path), step,
-                                    ctypes.byref(c)))
+    ctx.check(_C.checkpoint_save(ctx.handle, opt.handle if opt else None, _b(path), step,
+                                 ctypes.byref(c)))
 
 
 CheckpointReport = namedtuple("CheckpointReport", "step loaded missing unexpected mismatched names")
 
 
-def checkpoint_load_ex(ctx: "Context", path: str, opt: Optional["Optimizer"] = None,
-                       strict: bool = True) -> "CheckpointReport":
-    """checkpoint_load; strict=False loads every parameter the file has with its shape and
-    leaves the others (fine-tuning).  Returns a CheckpointReport (step, counts, and the
-    names of those missing, unexpected or mismatched)."""
+def checkpoint_load(ctx: "Context", path: str, opt: Optional["Optimizer"] = None,
+                    strict: bool = True) -> Any:
+    """Load a checkpoint (checked whole first: a bad file changes nothing) and return its
+    step.  path may be a sharded checkpoint's directory (DDP.checkpoint_save): loaded
+    whole.  strict=False loads every parameter the file has with its shape and leaves the
+    others (fine-tuning; no optimizer), and returns a CheckpointReport instead (step,
+    counts, and the names of those missing, unexpected or mismatched)."""
     c = dt_checkpoint_config()
     _C.checkpoint_config_init(ctypes.byref(c))
     c.strict = int(bool(strict))
     step, rep = _I64(), dt_checkpoint_report()
-    ctx.check(_C.checkpoint_load_ex(ctx.handle, opt.handle if opt else None, _b(path),
-                                    ctypes.byref(c), ctypes.byref(step), ctypes.byref(rep)))
+    ctx.check(_C.checkpoint_load(ctx.handle, opt.handle if opt else None, _b(path),
+                                 ctypes.byref(c), ctypes.byref(step), ctypes.byref(rep)))
+    if strict:
+        return step.value
     return CheckpointReport(step.value, rep.loaded, rep.missing, rep.unexpected, rep.mismatched,
                             rep.names.decode(errors="replace"))
 
@@ -2904,7 +2904,7 @@ class Store(_Handle):
     env: a DistEnv (default: this process's, dist_env(ctx))."""
     _close_order = 3
     _what = "store"
-    _free = staticmethod(_C.store_close)
+    _free = staticmethod(_C.store_free)
 
     def __init__(self, ctx: "Context", env: Optional["DistEnv"] = None, token: Optional[str] = None,
                  bind_addr: Optional[str] = None, timeout_ms: int = 0) -> None:
@@ -2918,7 +2918,7 @@ class Store(_Handle):
         _C.store_config_init(ctypes.byref(c))
         self._strings = (_b(token), _b(bind_addr))   # borrowed by C until open returns
         c.token, c.bind_addr, c.timeout_ms = self._strings[0], self._strings[1], timeout_ms
-        self._own(ctx, _C.store_open(ctx.handle, ctypes.byref(e), ctypes.byref(c)))
+        self._own(ctx, _C.store_new(ctx.handle, ctypes.byref(e), ctypes.byref(c)))
 
     @property
     def port(self) -> int:
@@ -2971,13 +2971,13 @@ class Work:
 def _comm_allreduce_async(self, array: np.ndarray, op: str = "sum") -> "Work":
     """allreduce in the background: array is reduced in place once the Work's wait() returns."""
     p = _f32_buffer(array, "allreduce_async")
-    return Work(self.ctx, _C.allreduce_async(self.handle, p, array.size, _REDUCE[op]), array)
+    return Work(self.ctx, _C.comm_allreduce_async(self.handle, p, array.size, _REDUCE[op]), array)
 
 
 def _comm_reduce_scatter(self, array: np.ndarray, out: np.ndarray, op: str = "sum") -> None:
     """Reduce array (size * n floats) over the ranks; rank r gets part r (n floats) in out."""
     _f32_buffer(array, "reduce_scatter")
-    self.ctx.check(_C.reduce_scatter(self.handle, array.ctypes.data, out.size,
+    self.ctx.check(_C.comm_reduce_scatter(self.handle, array.ctypes.data, out.size,
                                      _f32_buffer(out, "reduce_scatter"), _REDUCE[op]))
 
 
@@ -2985,7 +2985,7 @@ def _comm_alltoall(self, array: np.ndarray, out: np.ndarray) -> None:
     """Part j (n floats) of array goes to rank j; out's part i comes from rank i."""
     _f32_buffer(array, "alltoall")
     n = array.size // self.size
-    self.ctx.check(_C.alltoall(self.handle, array.ctypes.data, n, _f32_buffer(out, "alltoall")))
+    self.ctx.check(_C.comm_alltoall(self.handle, array.ctypes.data, n, _f32_buffer(out, "alltoall")))
 
 
 Comm.allreduce_async = _comm_allreduce_async
@@ -3367,12 +3367,12 @@ def predict(ctx: "Context", dataset: "Dataset", forward: Callable[["Tensor"], "T
 
 
 class Monitor(_Handle):
-    """The live monitor (dt_monitor_start): rank 0 serves a page, /api/state, /events and
+    """The live monitor (dt_monitor_new): rank 0 serves a page, /api/state, /events and
     Prometheus /metrics on listen ("[host:]port"; None: DTRAIN_MONITOR, else a free
     loopback port, see .port); other ranks publish.  Collective with comm."""
     _close_order = 0
     _what = "monitor"
-    _free = staticmethod(_C.monitor_stop)
+    _free = staticmethod(_C.monitor_free)
 
     def __init__(self, ctx: "Context", comm: Optional["Comm"] = None, listen: Optional[str] = None,
                  interval_s: float = 1.0, token: Optional[str] = None) -> None:
@@ -3381,7 +3381,7 @@ class Monitor(_Handle):
         self._strings = (_b(listen), _b(token))
         c.listen, c.token, c.interval_s = self._strings[0], self._strings[1], interval_s
         self.comm = comm
-        self._own(ctx, _C.monitor_start(ctx.handle, comm.handle if comm else None, ctypes.byref(c)))
+        self._own(ctx, _C.monitor_new(ctx.handle, comm.handle if comm else None, ctypes.byref(c)))
         self._borrow(comm)
 
     @property
@@ -3396,7 +3396,7 @@ class Monitor(_Handle):
 
 def profiling(ctx: "Context") -> bool:
     """True while ctx's profiler records (profile_start, or DTRAIN_PROFILE=1)."""
-    return bool(_C.profiling(ctx.handle))
+    return bool(_C.profile_active(ctx.handle))
 
 
 def profile_straggler(ctx: "Context") -> int:

@@ -1,5 +1,5 @@
 /*
- * tests/bench/bench_allreduce.c - dt_allreduce(SUM) latency and bus bandwidth.
+ * tests/bench/bench_allreduce.c - dt_comm_allreduce(SUM) latency and bus bandwidth.
  *
  *   bench_allreduce [--ranks 2] [--min-time 0.5] [--min-iters 5]
  *                   [--min-bytes 4096] [--max-bytes 67108864] [--no-memcpy]
@@ -130,7 +130,7 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
         /* 1. correctness, once per size: every rank checks its result */
         for (int64_t i = 0; i < n; i++)
             buf[i] = input(i, rank);
-        if ((st = dt_allreduce(c, buf, n, DT_REDUCE_SUM)) != DT_OK) {
+        if ((st = dt_comm_allreduce(c, buf, n, DT_REDUCE_SUM)) != DT_OK) {
             fprintf(stderr, "bench_allreduce: rank %d: %s\n", rank, dt_last_error(ctx));
             rc = 1;
             break;
@@ -148,7 +148,7 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
                     rank, bytes, (long long)bad, (long long)first_bad);
         /* every rank learns whether any rank failed (the count, summed) */
         float nbad = (float)(bad > 0);
-        if (dt_allreduce(c, &nbad, 1, DT_REDUCE_SUM) != DT_OK) {
+        if (dt_comm_allreduce(c, &nbad, 1, DT_REDUCE_SUM) != DT_OK) {
             rc = 1;
             break;
         }
@@ -157,11 +157,11 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
          * again timed: rank 0 picks the iteration count from those */
         int warm = bytes <= (256u << 10) ? 50 : bytes <= (4u << 20) ? 10 : 3;
         for (int i = 0; i < warm && st == DT_OK; i++)
-            st = dt_allreduce(c, buf, n, DT_REDUCE_SUM);
-        dt_barrier(c);
+            st = dt_comm_allreduce(c, buf, n, DT_REDUCE_SUM);
+        dt_comm_barrier(c);
         double t0 = dt_now();
         for (int i = 0; i < warm && st == DT_OK; i++)
-            st = dt_allreduce(c, buf, n, DT_REDUCE_SUM);
+            st = dt_comm_allreduce(c, buf, n, DT_REDUCE_SUM);
         double per = (dt_now() - t0) / warm + late_us * 1e-6;
         float iters_f = (float)(per > 0 ? min_time / per : 1e6);
         if (iters_f < (float)min_iters)
@@ -169,7 +169,7 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
         if (iters_f > 1e6f)
             iters_f = 1e6f;
         iters_f = (float)(int64_t)iters_f;
-        if (st != DT_OK || dt_broadcast(c, &iters_f, 1, 0) != DT_OK) {
+        if (st != DT_OK || dt_comm_broadcast(c, &iters_f, 1, 0) != DT_OK) {
             fprintf(stderr, "bench_allreduce: rank %d: %s\n", rank, dt_last_error(ctx));
             rc = 1;
             break;
@@ -186,7 +186,7 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
         }
 
         /* 3. timed: each call on its own, the median reported */
-        dt_barrier(c);
+        dt_comm_barrier(c);
         for (size_t i = 0; i < iters && st == DT_OK; i++) {
             if (rank == 0 && late_us > 0) {   /* busy, so this CPU stays awake and warm */
                 double until = dt_now() + late_us * 1e-6;
@@ -194,7 +194,7 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
                     ;
             }
             double a = dt_now();
-            st = dt_allreduce(c, buf, n, DT_REDUCE_SUM);
+            st = dt_comm_allreduce(c, buf, n, DT_REDUCE_SUM);
             times[i] = dt_now() - a;
         }
         if (st != DT_OK) {
@@ -212,7 +212,7 @@ static int run_rank(int min_iters, double min_time, size_t min_bytes, size_t max
         if (nbad != 0)
             rc = 1;
     }
-    if (rc == 0 && dt_barrier(c) != DT_OK)
+    if (rc == 0 && dt_comm_barrier(c) != DT_OK)
         rc = 1;
 out:
     free(times);

@@ -16,9 +16,9 @@
  *   bf16   cublasGemmEx, bf16 A B (converted once, before timing), f32 C,
  *          CUBLAS_COMPUTE_32F
  * dtrain's side: dt_matmul(a, b) of persistent f32 tensors with grad off,
- * under dt_set_autocast (fp32 and fp32p: DT_PREC_F32; tf32: DT_PREC_TF32;
+ * under dt_ctx_set_autocast (fp32 and fp32p: DT_PREC_F32; tf32: DT_PREC_TF32;
  * bf16: DT_PREC_BF16, so dtrain also rounds its f32 inputs on every call),
- * dt_step_reset after each product.
+ * dt_ctx_step_reset after each product.
  *
  * Timing: rounds of `per` back-to-back calls (about round_ms of work), the
  * host clock stopped after the device finished (cudaDeviceSynchronize for
@@ -244,7 +244,7 @@ static dt_precision dt_prec_of(prec p)
     return p == P_TF32 ? DT_PREC_TF32 : p == P_BF16 ? DT_PREC_BF16 : DT_PREC_F32;
 }
 
-/* `per` dt_matmul products, each followed by dt_step_reset except the
+/* `per` dt_matmul products, each followed by dt_ctx_step_reset except the
  * last, whose first element is read (that waits for the device).  Seconds
  * per product, < 0 on error.  keep: copy the last product to s->hc_dt. */
 static double dt_round(dt_ctx *ctx, const shape_bufs *s, int per, int keep)
@@ -252,11 +252,11 @@ static double dt_round(dt_ctx *ctx, const shape_bufs *s, int per, int keep)
     double t0 = now_s();
     dt_tensor *c = NULL;
     for (int i = 0; i < per; i++) {
-        if (c) dt_step_reset(ctx);
+        if (c) dt_ctx_step_reset(ctx);
         c = dt_matmul(ctx, s->ta, s->tb, 0, 0);
         if (!c) {
             fprintf(stderr, "bench_cublas: dt_matmul: %s\n", dt_last_error(ctx));
-            dt_step_reset(ctx);
+            dt_ctx_step_reset(ctx);
             return -1;
         }
     }
@@ -265,7 +265,7 @@ static double dt_round(dt_ctx *ctx, const shape_bufs *s, int per, int keep)
     int bad = !isfinite(v);
     if (!bad && keep && dt_tensor_get(c, s->hc_dt, s->m * s->n) != DT_OK) bad = 1;
     if (bad) fprintf(stderr, "bench_cublas: dt_matmul result: %s\n", dt_last_error(ctx));
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     return bad ? -1 : t;
 }
 #endif
@@ -295,8 +295,8 @@ static int bench_one(const opts *o, cublasHandle_t h, void *ctx_v, shape_bufs *s
 #ifndef BENCH_RAW_ONLY
     dt_ctx *ctx = ctx_v;
     if (ok_dt) {
-        if (dt_set_autocast(ctx, dt_prec_of(p)) != DT_OK) {
-            fprintf(stderr, "bench_cublas: dt_set_autocast(%s): %s\n", prec_names[p],
+        if (dt_ctx_set_autocast(ctx, dt_prec_of(p)) != DT_OK) {
+            fprintf(stderr, "bench_cublas: dt_ctx_set_autocast(%s): %s\n", prec_names[p],
                     dt_last_error(ctx));
             ok_dt = 0;
         }
@@ -431,8 +431,8 @@ int main(int argc, char **argv)
         printf("# WARNING: NVIDIA_TF32_OVERRIDE=%s: fp32 may run on TF32 tensor cores\n", ovr);
 
 #ifndef BENCH_RAW_ONLY
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.backend = "cuda";
     cfg.device = o.device;
     cfg.seed = 1;
@@ -443,7 +443,7 @@ int main(int argc, char **argv)
         dt_ctx_free(ctx);
         ctx = NULL;
     } else {
-        dt_set_grad_enabled(ctx, 0);
+        dt_ctx_set_grad_enabled(ctx, 0);
         printf("# dtrain %s, backend %s\n", DTRAIN_VERSION_STRING, dt_backend_name(ctx));
     }
     ctx_v = ctx;

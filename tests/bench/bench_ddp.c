@@ -165,7 +165,7 @@ static int run(const bopts *o)
         check(ctx, dt_backward(ctx, loss), "dt_backward");
         check(ctx, ddp ? dt_ddp_step(ddp) : dt_optim_step(opt), "step");
         dt_optim_zero_grad(opt);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         if (s >= 0)
             t[s] = now_s() - t0;
     }

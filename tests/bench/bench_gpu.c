@@ -10,14 +10,14 @@
  *             [--no-fork]
  *
  * A configuration is model x batch x precision x feed:
- *   precision  fp32: plain f32 (no TF32); tf32, bf16: dt_set_autocast with
+ *   precision  fp32: plain f32 (no TF32); tf32, bf16: dt_ctx_set_autocast with
  *              DT_PREC_TF32 / DT_PREC_BF16 (matmul, linear, conv2d inputs
  *              rounded, f32 accumulation; parameters and SGD stay f32)
  *   feed       device: x and y filled once before timing, so no input copy
  *              is timed; host: every step first copies the next of 4 host
  *              batches in with dt_tensor_set (the copy cost)
  * A step is zero_grad, forward, cross entropy, backward, SGD (momentum 0.9,
- * lr 0.01), dt_step_reset.
+ * lr 0.01), dt_ctx_step_reset.
  *
  * Output: one line per configuration, the identifying fields first, then
  * "key value" pairs:
@@ -120,8 +120,8 @@ static void print_id(const config *c)
 
 static dt_ctx *make_backend_ctx(const opts *o, uint64_t seed)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.backend = o->backend;
     cfg.device = o->device;
     cfg.threads = 1;
@@ -146,7 +146,7 @@ static void bench_init(bench *b, const opts *o, const config *c)
         fprintf(stderr, "bench_gpu: unknown precision '%s'\n", c->prec);
         exit(1);
     }
-    check(b->ctx, dt_set_autocast(b->ctx, p), "dt_set_autocast");
+    check(b->ctx, dt_ctx_set_autocast(b->ctx, p), "dt_ctx_set_autocast");
 
     int64_t xs[4] = {c->batch, 1, 28, 28};
     if (c->model == MODEL_MLP) {
@@ -205,7 +205,7 @@ static float train_step(bench *b, int read_loss)
     check(ctx, dt_backward(ctx, loss), "dt_backward");
     check(ctx, dt_optim_step(b->opt), "dt_optim_step");
     float l = read_loss ? dt_tensor_item(loss) : 0.0f;
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     return l;
 }
 

@@ -92,8 +92,8 @@ static inline long maxrss_kb(void)
 
 static inline dt_ctx *make_ctx(int threads, uint64_t seed)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.threads = threads;
     cfg.seed = seed;
     dt_ctx *ctx = dt_ctx_new(&cfg);
@@ -138,9 +138,9 @@ static inline dt_tensor *param(dt_ctx *ctx, const char *name, int ndim, const in
     dt_tensor *p = dt_param_new(ctx, name, ndim, shape);
     if (!p) die_ctx(ctx, name);
     if (is_bias)
-        check(ctx, dt_init_bias(ctx, p, fan_in), name);
+        check(ctx, dt_tensor_init_bias(ctx, p, fan_in), name);
     else
-        check(ctx, dt_init_kaiming_uniform(ctx, p, sqrtf(5.0f)), name);
+        check(ctx, dt_tensor_init_kaiming_uniform(ctx, p, sqrtf(5.0f)), name);
     return p;
 }
 

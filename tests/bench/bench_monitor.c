@@ -9,7 +9,7 @@
  * the models of bench_models.h on Fashion-MNIST.  The steps are timed in
  * blocks of S steps, the monitor off in one block of a pair and on in the
  * other, the order alternating from pair to pair.  "On" is what a user who
- * watches has: every rank's monitor (dt_monitor_start, which turns the
+ * watches has: every rank's monitor (dt_monitor_new, which turns the
  * profiler on), and on rank 0 a client thread that holds the page's /events
  * stream open and scrapes /metrics every second, as a browser and a
  * Prometheus on the same host would.  Starting and stopping (and the
@@ -38,6 +38,7 @@
 #include "dtrain.h"
 
 #include "bench_models.h"
+#include "../../examples/fmnist.h"
 
 enum { MODEL_MLP, MODEL_CNN };
 
@@ -133,7 +134,7 @@ static void step(bench *b)
     check(b->ctx, dt_backward(b->ctx, loss), "dt_backward");
     check(b->ctx, dt_ddp_step(b->ddp), "dt_ddp_step");
     b->last = dt_tensor_item(loss);
-    dt_step_reset(b->ctx);
+    dt_ctx_step_reset(b->ctx);
 }
 
 /* S timed steps into t[0..S), with the monitor (and on rank 0 the watcher)
@@ -146,13 +147,13 @@ static void block(bench *b, int S, int mon, double *t, long *scrapes, long *even
         dt_monitor_config mc;
         dt_monitor_config_init(&mc);
         mc.listen = "127.0.0.1:0";
-        if (!(m = dt_monitor_start(b->ctx, b->comm, &mc))) die_ctx(b->ctx, "dt_monitor_start");
+        if (!(m = dt_monitor_new(b->ctx, b->comm, &mc))) die_ctx(b->ctx, "dt_monitor_new");
         if (b->rank == 0) {
             w.port = dt_monitor_port(m);
             pthread_create(&w.tid, NULL, watch, &w);
         }
     }
-    check(b->ctx, dt_barrier(b->comm), "dt_barrier");   /* every rank's block starts together */
+    check(b->ctx, dt_comm_barrier(b->comm), "dt_comm_barrier");   /* every rank's block starts together */
     for (int i = 0; i < S; i++) {
         double t0 = now_s();
         step(b);
@@ -165,8 +166,8 @@ static void block(bench *b, int S, int mon, double *t, long *scrapes, long *even
             if (scrapes) *scrapes += w.scrapes;
             if (events) *events += w.events;
         }
-        dt_monitor_stop(m);
-        check(b->ctx, dt_profile_finish(b->ctx, NULL, NULL), "dt_profile_finish");   /* off again */
+        dt_monitor_free(m);
+        check(b->ctx, dt_profile_stop(b->ctx, NULL, NULL), "dt_profile_stop");   /* off again */
     }
 }
 
@@ -185,8 +186,8 @@ static int run_rank(int model, int pairs, int S, int warmup, const char *data)
     check(b.ctx, dt_dist_env_detect(b.ctx, &env), "dt_dist_env_detect");
     if (!(b.comm = dt_comm_new(b.ctx, &env, NULL))) die_ctx(b.ctx, "dt_comm_new");
     b.rank = dt_comm_rank(b.comm);
-    dt_dataset *ds = dt_dataset_fashion_mnist(b.ctx, data, 0);
-    if (!ds) die_ctx(b.ctx, "dt_dataset_fashion_mnist");
+    dt_dataset *ds = fmnist_load(b.ctx, data, 0);
+    if (!ds) die_ctx(b.ctx, "loading Fashion-MNIST");
     dt_loader_config lc;
     dt_loader_config_init(&lc);
     lc.batch = model == MODEL_MLP ? 128 : 64;

@@ -9,7 +9,7 @@
  *
  * --ranks 1 trains the whole model alone (no communicator); --ranks P > 1
  * forks P local ranks (dt_spawn, one thread each), splits the layers by
- * measured time (dt_layer_times averaged over the ranks, then
+ * measured time (dt_profile_layer_times averaged over the ranks, then
  * dt_pipe_partition) and trains with dt_pipe_step.  Every step is a fixed
  * synthetic batch of B rows.  Rank 0 prints one line:
  *   pipe ranks=P micro=M schedule=S layers=L width=W batch=B split=a-b|c-d
@@ -97,7 +97,7 @@ static int run(const opts *o)
             users[i] = &l[i];
         }
         dt_tensor *sample = random_input(ctx, 2, (const int64_t[]){o->batch / o->micro, o->width});
-        check(ctx, dt_layer_times(ctx, comm, fns, users, o->layers, sample, 5, ms), "layer_times");
+        check(ctx, dt_profile_layer_times(ctx, comm, fns, users, o->layers, sample, 5, ms), "layer_times");
         check(ctx, dt_pipe_partition(ms, o->layers, P, first) == DT_OK ? DT_OK : DT_EINVAL,
               "pipe_partition");
         dt_tensor_free(sample);
@@ -127,7 +127,7 @@ static int run(const opts *o)
     double *t = calloc((size_t)o->steps, sizeof *t);
     for (int k = 0; k < o->warmup + o->steps; k++) {
         if (k == o->warmup && p) {
-            check(ctx, dt_barrier(comm), "barrier");
+            check(ctx, dt_comm_barrier(comm), "barrier");
             dt_pipe_stats_reset(p);
         }
         double t0 = now_s();
@@ -138,8 +138,8 @@ static int run(const opts *o)
             check(ctx, loss ? dt_backward(ctx, loss) : dt_last_status(ctx), "backward");
         }
         check(ctx, dt_optim_step(opt), "optim_step");
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
         if (k >= o->warmup)
             t[k - o->warmup] = now_s() - t0;
     }
@@ -154,10 +154,10 @@ static int run(const opts *o)
         mine[2] = (float)s.in_flight_peak;
         mine[3] = (float)s.act_bytes_peak / 1024.0f;
         mine[4] = (float)(s.compute_s / (double)(s.steps ? s.steps : 1));
-        check(ctx, dt_allgather(comm, mine, 5, all), "allgather");
+        check(ctx, dt_comm_allgather(comm, mine, 5, all), "allgather");
         /* the pipeline's step time is its slowest stage's */
         float st_ms = (float)step;
-        check(ctx, dt_allreduce(comm, &st_ms, 1, DT_REDUCE_MAX), "allreduce");
+        check(ctx, dt_comm_allreduce(comm, &st_ms, 1, DT_REDUCE_MAX), "allreduce");
         step = st_ms;
     } else {
         memcpy(all, mine, sizeof mine);

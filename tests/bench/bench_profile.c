@@ -10,11 +10,11 @@
  * Fashion-MNIST through dtrain's loader (prefetching, so the profiler's
  * loader hooks run too).  The steps are timed in blocks of S steps, the
  * profiler off in one block of a pair and on (dt_profile_start ...
- * dt_profile_finish) in the other, the order alternating from pair to pair
+ * dt_profile_stop) in the other, the order alternating from pair to pair
  * so a drift of the machine's speed falls on both sides alike.  Starting
  * and finishing the profiler happen outside the timed steps: the number is
  * the steady cost per step.  A step is everything from dt_loader_next to
- * dt_step_reset.
+ * dt_ctx_step_reset.
  *
  * One result line, key=value separated by spaces:
  *   profile impl=dtrain model=mlp off_ms=.. on_ms=.. ratio=.. pooled_ratio=..
@@ -37,6 +37,7 @@
 #include "dtrain.h"
 
 #include "bench_models.h"
+#include "../../examples/fmnist.h"
 
 enum { MODEL_MLP, MODEL_CNN };
 
@@ -68,7 +69,7 @@ static void step(bench *b)
     check(b->ctx, dt_backward(b->ctx, loss), "dt_backward");
     check(b->ctx, dt_optim_step(b->opt), "dt_optim_step");
     b->last = dt_tensor_item(loss);
-    dt_step_reset(b->ctx);
+    dt_ctx_step_reset(b->ctx);
 }
 
 /* S timed steps into t[0..S); with the profiler on when prof, adding the
@@ -84,13 +85,13 @@ static void block(bench *b, int S, int prof, double *t, int64_t *prof_steps, int
     }
     if (prof) {
         dt_profile_stats ps;
-        check(b->ctx, dt_profile_get(b->ctx, &ps), "dt_profile_get");
+        check(b->ctx, dt_profile_stats_get(b->ctx, &ps), "dt_profile_stats_get");
         if (prof_steps) *prof_steps += ps.steps;
         if (events) *events += ps.events;
         if (dropped) *dropped += ps.dropped;
-        check(b->ctx, dt_profile_finish(b->ctx, NULL, NULL), "dt_profile_finish");
-        if (dt_profiling(b->ctx)) {
-            fprintf(stderr, "bench_profile: still profiling after dt_profile_finish\n");
+        check(b->ctx, dt_profile_stop(b->ctx, NULL, NULL), "dt_profile_stop");
+        if (dt_profile_active(b->ctx)) {
+            fprintf(stderr, "bench_profile: still profiling after dt_profile_stop\n");
             exit(1);
         }
     }
@@ -134,8 +135,8 @@ int main(int argc, char **argv)
     }
 
     b.ctx = make_ctx(threads, 1234);
-    dt_dataset *ds = dt_dataset_fashion_mnist(b.ctx, data, 0);
-    if (!ds) die_ctx(b.ctx, "dt_dataset_fashion_mnist");
+    dt_dataset *ds = fmnist_load(b.ctx, data, 0);
+    if (!ds) die_ctx(b.ctx, "loading Fashion-MNIST");
     dt_loader_config lc;
     dt_loader_config_init(&lc);
     lc.batch = b.model == MODEL_MLP ? 128 : 64;

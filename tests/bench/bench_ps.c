@@ -117,8 +117,8 @@ static void bench_train(const bopts *o, dt_ctx *ctx, dt_ps *ps, mlp *m, int rank
             nap(compute);
         if (dt_ps_push_pull(ps) != DT_OK)
             fail(ctx, "push_pull");
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     double secs = now_s() - t0;
     printf("ps_train worker=%d mode=%s slow=%d samples_per_s=%.1f\n", rank, o->mode, o->slow,
@@ -173,7 +173,7 @@ static int run_rank(const bopts *o)
             fail(ctx, "finish");
     }
     dt_ps_free(ps);
-    if (dt_barrier(comm) != DT_OK)   /* rank 0 hosts the store */
+    if (dt_comm_barrier(comm) != DT_OK)   /* rank 0 hosts the store */
         fail(ctx, "barrier");
     dt_comm_free(comm);
     dt_ctx_free(ctx);

@@ -29,6 +29,7 @@
 #include "dtrain.h"
 
 #include "bench_models.h"
+#include "../../examples/fmnist.h"
 
 /* ------------------------------------------------------------------------ */
 /* training-step benchmark                                                   */
@@ -61,7 +62,7 @@ static float train_step(dt_ctx *ctx, dt_optim *opt, int model, const void *m, dt
     /* Read the loss before the reset frees it; this is also the sync point
      * (a no-op copy of one float on the CPU backend). */
     float l = dt_tensor_item(loss);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     return l;
 }
 
@@ -172,10 +173,10 @@ static void bench_matmul_shape(const opts *o, dt_ctx *ctx, int64_t M, int64_t K,
     for (int i = 0; i < 3; i++) {
         c = dt_matmul(ctx, a, b, 0, 0);
         if (!c) die_ctx(ctx, "dt_matmul");
-        if (i < 2) dt_step_reset(ctx);
+        if (i < 2) dt_ctx_step_reset(ctx);
     }
     check(ctx, dt_tensor_get(c, hd, M * N), "dt_tensor_get(c)");
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
     openblas_set_num_threads(o->threads);
     for (int i = 0; i < 3; i++)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)M, (int)N, (int)K, 1.0f, ha,
@@ -206,7 +207,7 @@ static void bench_matmul_shape(const opts *o, dt_ctx *ctx, int64_t M, int64_t K,
         for (int i = 0; i < per; i++) {
             dt_tensor *r = dt_matmul(ctx, a, b, 0, 0);
             if (!r) die_ctx(ctx, "dt_matmul");
-            dt_step_reset(ctx);
+            dt_ctx_step_reset(ctx);
         }
         td[rounds++] = (now_s() - t0) / per;
         if (rounds >= 7 && now_s() - t_start > 1.0) break;
@@ -240,7 +241,7 @@ static void bench_matmul_shape(const opts *o, dt_ctx *ctx, int64_t M, int64_t K,
 static void bench_matmul(const opts *o)
 {
     dt_ctx *ctx = make_ctx(o->threads, 99);
-    dt_set_grad_enabled(ctx, 0);
+    dt_ctx_set_grad_enabled(ctx, 0);
     static const int64_t shapes[][3] = {{128, 784, 512}, {512, 512, 512}, {1024, 1024, 1024}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         bench_matmul_shape(o, ctx, shapes[i][0], shapes[i][1], shapes[i][2]);
@@ -254,8 +255,8 @@ static void bench_matmul(const opts *o)
 static void rss_epoch(const opts *o)
 {
     dt_ctx *ctx = make_ctx(o->threads, 1);
-    dt_dataset *ds = dt_dataset_fashion_mnist(ctx, o->data_dir, 0);
-    if (!ds) die_ctx(ctx, "dt_dataset_fashion_mnist");
+    dt_dataset *ds = fmnist_load(ctx, o->data_dir, 0);
+    if (!ds) die_ctx(ctx, "loading Fashion-MNIST");
     dt_loader_config lc;
     dt_loader_config_init(&lc);
     lc.batch = 128;
@@ -286,7 +287,7 @@ static void rss_epoch(const opts *o)
         check(ctx, dt_optim_step(opt), "dt_optim_step");
         last = dt_tensor_item(loss);
         loss_sum += last;
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
         batches++;
     }
     double secs = now_s() - t0;

@@ -58,7 +58,7 @@ medof() { sort -g | awk '{ v[NR] = $1 } END { printf "%.3f", (NR ? v[int((NR + 1
 
 echo
 echo "pipeline: $LAYERS-layer MLP (width $WIDTH, the last a 10-way head), batch $BATCH, 2 stages on 2 ranks (1 thread each), $STEPS steps,"
-echo "medians over $REPEATS passes of per-pass ratios; split by dt_layer_times + dt_pipe_partition:"
+echo "medians over $REPEATS passes of per-pass ratios; split by dt_profile_layer_times + dt_pipe_partition:"
 echo "  split $(get 1 1f1b_m4 split)"
 printf "\n| schedule | micro-batches | bubble, ideal | bubble, measured | samples/s | unsplit samples/s | speed-up | ideal speed-up | ideal x micro-batch cost | stage 0 held | stage 0 act. KiB |\n"
 printf "|---|---|---|---|---|---|---|---|---|---|---|\n"

@@ -126,12 +126,12 @@ static int train(dt_ctx *ctx)
     for (int step = 0; step < 5 && !bad; step++) {
         dt_tensor *loss = forward(ctx, &m, x, y);
         bad = !loss || dt_backward(ctx, loss) != DT_OK ||
-              dt_clip_grad_norm(ctx, 1.0f, NULL) != DT_OK || dt_optim_step(adamw) != DT_OK ||
+              dt_ctx_clip_grad_norm(ctx, 1.0f, NULL) != DT_OK || dt_optim_step(adamw) != DT_OK ||
               dt_optim_step(adagrad) != DT_OK;
         if (!bad) printf(" %a", dt_tensor_item(loss));
         dt_optim_zero_grad(adamw);
         dt_optim_zero_grad(adagrad);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     printf("\n");
     uint64_t hash = 0;
@@ -147,8 +147,8 @@ static int train(dt_ctx *ctx)
 int main(void)
 {
     printf("cpu supports: %s\n", cpu_supports());
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 7;
     cfg.threads = 2;
     dt_ctx *ctx = dt_ctx_new(&cfg);

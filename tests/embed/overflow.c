@@ -14,8 +14,8 @@
 
 int main(void)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     dt_ctx *ctx = dt_ctx_new(&cfg);
     if (!ctx || dt_ctx_status(ctx) != DT_OK) {
         fprintf(stderr, "overflow: %s\n", ctx ? dt_last_error(ctx) : "out of memory");

@@ -12,8 +12,8 @@
 
 int main(void)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 3;
     dt_ctx *ctx = dt_ctx_new(&cfg);
     if (!ctx || dt_ctx_status(ctx) != DT_OK) {
@@ -46,7 +46,7 @@ int main(void)
         }
         loss = dt_tensor_item(l);
         dt_optim_zero_grad(opt);
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     }
     printf("vendored: dtrain %s, %s backend, loss %.2e after 200 steps\n", DTRAIN_VERSION_STRING,
            dt_backend_name(ctx), (double)loss);

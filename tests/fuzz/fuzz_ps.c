@@ -22,12 +22,12 @@ static dt_ctx *fz_ps_ctx(void)
 {
     static dt_ctx *ctx;
     if (!ctx) {
-        dt_config cfg;
-        dt_config_init(&cfg);
+        dt_ctx_config cfg;
+        dt_ctx_config_init(&cfg);
         cfg.threads = 1;
         if (!(ctx = dt_ctx_new(&cfg)) || dt_ctx_status(ctx) != DT_OK)
             abort();
-        dt_set_log(ctx, fz_quiet, NULL);
+        dt_ctx_set_log(ctx, fz_quiet, NULL);
     }
     dt_clear_error(ctx);
     return ctx;

@@ -34,7 +34,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     dt_tensor_get(w, before, 12);
     dt_tensor_get(b, before + 12, 3);
     int64_t step = 0;
-    if (dt_checkpoint_load(ctx, opt, path, &step) != DT_OK) {
+    if (dt_checkpoint_load(ctx, opt, path, NULL, &step, NULL) != DT_OK) {
         dt_tensor_get(w, after, 12);
         dt_tensor_get(b, after + 12, 3);
         if (memcmp(before, after, sizeof before) != 0)
@@ -44,7 +44,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     dt_checkpoint_config_init(&cfg);
     cfg.strict = 0;
     dt_checkpoint_report rep;
-    dt_checkpoint_load_ex(ctx, NULL, path, &cfg, &step, &rep);
+    dt_checkpoint_load(ctx, NULL, path, &cfg, &step, &rep);
     char val[64];
     dt_checkpoint_metadata(ctx, path, "dtrain.step", val, sizeof val);
     return 0;

@@ -25,13 +25,13 @@ static inline dt_ctx *fz_ctx(void)
 {
     static dt_ctx *ctx;
     if (!ctx) {
-        dt_config cfg;
-        dt_config_init(&cfg);
+        dt_ctx_config cfg;
+        dt_ctx_config_init(&cfg);
         cfg.threads = 1;
         ctx = dt_ctx_new(&cfg);
         if (!ctx || dt_ctx_status(ctx) != DT_OK)
             abort();
-        dt_set_log(ctx, fz_quiet, NULL);
+        dt_ctx_set_log(ctx, fz_quiet, NULL);
     }
     dt_clear_error(ctx);
     return ctx;
@@ -65,9 +65,9 @@ static inline void fz_read_batches(dt_ctx *ctx, dt_dataset *ds, int batch, int n
     dt_loader *ld = dt_loader_new(ctx, ds, &lc);
     dt_tensor *x, *y;
     for (int i = 0; ld && i < n && dt_loader_next(ld, &x, &y) == DT_OK; i++)
-        dt_step_reset(ctx);
+        dt_ctx_step_reset(ctx);
     dt_loader_free(ld);
-    dt_step_reset(ctx);
+    dt_ctx_step_reset(ctx);
 }
 
 /* The input cut in two at a place its first byte chooses. */

@@ -13,13 +13,13 @@
 
 int main(void)
 {
-    F(dt_config, struct_size, struct_size);
-    F(dt_config, backend, backend); F(dt_config, threads, threads); F(dt_config, seed, seed);
-    F(dt_config, malloc_fn, allocator.malloc_fn); F(dt_config, realloc_fn, allocator.realloc_fn);
-    F(dt_config, free_fn, allocator.free_fn); F(dt_config, alloc_user, allocator.user);
-    F(dt_config, arena_bytes, arena_bytes); F(dt_config, device, device);
-    F(dt_config, custom_backend, custom_backend); F(dt_config, arena_max_bytes, arena_max_bytes);
-    END(dt_config);
+    F(dt_ctx_config, struct_size, struct_size);
+    F(dt_ctx_config, backend, backend); F(dt_ctx_config, threads, threads); F(dt_ctx_config, seed, seed);
+    F(dt_ctx_config, malloc_fn, allocator.malloc_fn); F(dt_ctx_config, realloc_fn, allocator.realloc_fn);
+    F(dt_ctx_config, free_fn, allocator.free_fn); F(dt_ctx_config, alloc_user, allocator.user);
+    F(dt_ctx_config, arena_bytes, arena_bytes); F(dt_ctx_config, device, device);
+    F(dt_ctx_config, custom_backend, custom_backend); F(dt_ctx_config, arena_max_bytes, arena_max_bytes);
+    END(dt_ctx_config);
 
     F(dt_mem_stats, arena_capacity, arena_capacity); F(dt_mem_stats, arena_used, arena_used);
     F(dt_mem_stats, arena_peak, arena_peak); F(dt_mem_stats, persistent_bytes, persistent_bytes);

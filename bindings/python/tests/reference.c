@@ -38,8 +38,8 @@ static void make_data(void)
 
 static dt_ctx *new_ctx(void)
 {
-    dt_config cfg;
-    dt_config_init(&cfg);
+    dt_ctx_config cfg;
+    dt_ctx_config_init(&cfg);
     cfg.seed = 7;
     return dt_ctx_new(&cfg);
 }
@@ -110,16 +110,16 @@ static void train(const char *name, dt_precision p, int recompute, int scaled, d
     batch(ctx, &x, &y);
     printf("%s", name);
     for (int s = 0; s < steps; s++) {
-        if (dt_set_autocast(ctx, p) != DT_OK)
+        if (dt_ctx_set_autocast(ctx, p) != DT_OK)
             fail(ctx, "autocast");
         dt_tensor *loss = dt_cross_entropy(ctx, forward(ctx, &m, x, recompute), y);
-        dt_set_autocast(ctx, DT_PREC_F32);
+        dt_ctx_set_autocast(ctx, DT_PREC_F32);
         if (!loss || (sc ? dt_loss_scaler_backward(sc, loss) : dt_backward(ctx, loss)) != DT_OK ||
             (sc ? dt_loss_scaler_step(sc, o, NULL) : dt_optim_step(o)) != DT_OK)
             fail(ctx, name);
         printf(" %a", (double)dt_tensor_item(loss));
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     if (sc)
         printf(" %a", (double)dt_loss_scaler_scale(sc));
@@ -220,8 +220,8 @@ static void dataset_and_predict(void)
         dt_tensor *loss = dt_cross_entropy(ctx, forward(ctx, &m, bx, 0), by);
         if (!loss || dt_backward(ctx, loss) != DT_OK || dt_optim_step(o) != DT_OK)
             fail(ctx, "train");
-        dt_zero_grad(ctx);
-        dt_step_reset(ctx);
+        dt_ctx_zero_grad(ctx);
+        dt_ctx_step_reset(ctx);
     }
     int32_t pred[N];
     if (dt_predict(ctx, NULL, ds, NULL, eval_forward, &m, pred) != DT_OK)

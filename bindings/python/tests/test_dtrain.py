@@ -373,7 +373,7 @@ class Lifetimes(unittest.TestCase):
                     ctx.backward(dt.sum(dt.relu(dt.matmul(w, w))))
             self.assertIn("step_reset", str(cm.exception))
             self.assertIn("arena_max_bytes", str(cm.exception))
-            self.assertIn("without dt_step_reset", ctx.last_warning)
+            self.assertIn("without dt_ctx_step_reset", ctx.last_warning)
             ctx.step_reset()
             ctx.backward(dt.sum(dt.relu(dt.matmul(w, w))))   # and on it goes
 
@@ -408,7 +408,7 @@ class Lifetimes(unittest.TestCase):
                 x.shape
 
     def test_activity(self):
-        # what waiting peers and the monitor see (dt_set_activity, dt_activity)
+        # what waiting peers and the monitor see (dt_ctx_set_activity, dt_ctx_activity)
         with dt.Context() as ctx:
             self.assertEqual(ctx.activity, "computing")
             ctx.set_activity("compiling\nthe model")
@@ -1116,8 +1116,8 @@ class CheckpointsEx(unittest.TestCase):
             layers = small_mlp(ctx)
             opt = dt.Optimizer(ctx, "adam")
             for step in (5, 9):
-                dt.checkpoint_save_ex(ctx, os.path.join(d, "s%d.safetensors" % step), opt, step,
-                                      dtype="bf16", metadata={"note": "step %d" % step})
+                dt.checkpoint_save(ctx, os.path.join(d, "s%d.safetensors" % step), opt, step,
+                                  dtype="bf16", metadata={"note": "step %d" % step})
             path, step = dt.checkpoint_latest(ctx, d)
             self.assertEqual((os.path.basename(path), step), ("s9.safetensors", 9))
             self.assertEqual(dt.checkpoint_metadata(ctx, path, "note"), "step 9")
@@ -1127,7 +1127,7 @@ class CheckpointsEx(unittest.TestCase):
                 self.assertIsNone(dt.checkpoint_latest(ctx, empty))
             with dt.Context() as other:   # a model with one more layer: non-strict load
                 small_mlp(other, (6, 5, 3, 2))
-                rep = dt.checkpoint_load_ex(other, path, strict=False)
+                rep = dt.checkpoint_load(other, path, strict=False)
                 self.assertEqual((rep.step, rep.loaded, rep.missing), (9, 4, 2))
                 self.assertIn("l2.weight", rep.names)
             self.assertEqual(len(layers), 2)
