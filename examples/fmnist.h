@@ -36,8 +36,9 @@ static inline dt_dataset *fmnist_load(dt_ctx *ctx, const char *dir, int split)
     fmnist_path(img, sizeof img, dir, pre, "images-idx3-ubyte");
     fmnist_path(lab, sizeof lab, dir, pre, "labels-idx1-ubyte");
     if (access(img, R_OK) != 0)
-        fprintf(stderr, "Fashion-MNIST is not in %s: apt-get install dataset-fashion-mnist "
-                        "(Debian), or give the directory that holds it\n", dir);
+        fprintf(stderr, "Fashion-MNIST not found in %s (install Debian's dataset-fashion-mnist: "
+                        "apt-get install dataset-fashion-mnist; or give the directory that holds "
+                        "it)\n", dir);
     return dt_dataset_load_idx(ctx, img, lab);
 }
 
