@@ -524,6 +524,7 @@ cmd_stress() {
     for ((i = 1; i <= reps; i++)); do cmds+=("stress_rep $i"); done
     DT_JOBS=${DT_STRESS_AT_ONCE:-2} run_checks "${cmds[@]}" > $BUILD/stress/run.log 2>&1 || failed=1
     kill "${hog_pids[@]}" 2>/dev/null; wait "${hog_pids[@]}" 2>/dev/null || true
+    trap - EXIT   # (at exit hog_pids, local here, is gone: a bare kill would fail the run)
     local bad
     bad=$(grep -l '^[0-9]* passed, [1-9][0-9]* failed$\|ended without' $BUILD/stress/rep-*.log | wc -l || true)
     grep -h '^\[  FAILED  \] test' $BUILD/stress/rep-*.log 2>/dev/null | sort | uniq -c || true
