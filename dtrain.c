@@ -1024,6 +1024,12 @@ typedef struct dt_grad_hooks {
 enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
        ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
 
+/* The slots of dt_ctx.ext: a higher layer's state per context, made on
+ * first use (ctx_ext_make) by the module named. */
+enum { CTX_EXT_PREEMPT,        /* src/preempt.c: the pre-emption vote and its agreed stop */
+       CTX_EXT_RECOMPUTE,      /* src/recompute.c: which segment run is in progress */
+       CTX_EXT_COUNT };
+
 struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
@@ -1046,19 +1052,9 @@ struct dt_ctx {
     uint64_t errors;               /* set_error calls so far (was this error set just now?) */
     dt_log_fn log_fn;
     void *log_user;
-    struct {                       /* graceful pre-emption (src/preempt.c) */
-        int on;                    /* dt_preempt_enable was called */
-        unsigned signals;          /* DT_PREEMPT_SIG* caught */
-        int voted, verdict;        /* this step's vote is in (the DDP's, or the parameter
-                                      servers' answer), and its result: the largest signal
-                                      number any rank received, 0: none */
-        int via_ps;                /* a parameter-server worker: the servers count the vote
-                                      (src/ps.c); no allreduce over the communicator */
-        int signal;                /* the agreed stop's signal */
-        int64_t step;              /* the step the job agreed to stop after; -1: none */
-        double since, saved_s;     /* when it agreed; the checkpoint's seconds (-1: none) */
-        char line[128];            /* dt_preempt_report's text */
-    } preempt;
+    /* state a higher layer keeps with this context (CTX_EXT_*: ctx_ext),
+     * plain memory freed with it */
+    void *ext[CTX_EXT_COUNT];
     int threads;
     uint64_t seed;
     uint64_t rng[4];               /* xoshiro256** state for init */
@@ -1069,10 +1065,8 @@ struct dt_ctx {
     dt_arena dev, host;            /* step memory */
     dt_arena scratch_dev, scratch_host; /* recompute segments */
     dt_arena *cur_dev, *cur_host;
-    int in_recompute;
-    int seg_backward;              /* a recompute segment's own backward is running */
-    dt_tensor **seg_params;        /* a segment's first run: the parameters its ops read */
-    int seg_nparams;               /* (op_input_ok notes them; seg_params NULL: none) */
+    dt_tensor **noted;             /* the parameters ops read, while a caller notes them */
+    int n_noted;                   /* (ctx_note_params; noted NULL: nobody does) */
 
     dt_node *tape;                 /* newest node */
     dt_tensor *persist;            /* persistent tensors */
@@ -1381,6 +1375,32 @@ DT_PRIVATE void ctx_set_ckpt_extra(dt_ctx *ctx, dt_tensor **list, int n);
 DT_PRIVATE void ctx_step_arena_capacity(const dt_ctx *ctx, size_t *dev, size_t *host);
 DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user);
 DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
+/* A higher layer's state kept with ctx (slot CTX_EXT_*): NULL until made;
+ * ctx_ext_make makes it zeroed, size bytes, once (NULL: out of memory,
+ * with the error set); freed with the context. */
+DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot);
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size);
+/* What a recompute segment and a pipeline's micro-batch change while they
+ * run and put back after (src/recompute.c, src/parallel.c); each returns
+ * the value it replaced.  ctx_swap_arenas: the arenas step tensors come
+ * from, *dev and *host in, the ones before out. */
+DT_PRIVATE dt_node *ctx_swap_tape(dt_ctx *ctx, dt_node *tape);
+DT_PRIVATE int ctx_swap_grad_enabled(dt_ctx *ctx, int on);
+DT_PRIVATE dt_precision ctx_swap_autocast(dt_ctx *ctx, dt_precision p);
+DT_PRIVATE uint64_t ctx_swap_dropout_counter(dt_ctx *ctx, uint64_t counter);
+DT_PRIVATE void ctx_swap_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host);
+/* the arenas a recompute segment's first run and rerun allocate from */
+DT_PRIVATE void ctx_scratch_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host);
+/* The next dropout mask's number (each dt_dropout takes one). */
+DT_PRIVATE uint64_t ctx_dropout_next(dt_ctx *ctx);
+/* A backward pass began (the step arena's growth warning counts them). */
+DT_PRIVATE void ctx_backward_begun(dt_ctx *ctx);
+/* Note every parameter the ops read (ctx_note_param, from op_input_ok)
+ * into list, room for every parameter of ctx, until ctx_note_params(ctx,
+ * NULL), which returns how many were noted: a recompute segment's node
+ * says which parameters its backward finishes. */
+DT_PRIVATE int ctx_note_params(dt_ctx *ctx, dt_tensor **list);
+DT_PRIVATE void ctx_note_param(dt_ctx *ctx, const dt_tensor *p);
 
 /* src/arena.c */
 DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
@@ -1391,6 +1411,13 @@ DT_PRIVATE size_t arena_capacity(const dt_arena *a);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n);
+DT_PRIVATE size_t arena_used(const dt_arena *a);
+/* A gradient's memory back to the step or scratch arena it came from
+ * (0: from neither, kept). */
+DT_PRIVATE int arena_step_give_back(dt_ctx *ctx, void *p, size_t n);
+/* Did the cap refuse the last allocation (its message is then the
+ * context's error)?  Asking forgets it. */
+DT_PRIVATE int arena_refused_take(dt_ctx *ctx);
 DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n);
 
 /* src/tensor.c */
@@ -1402,6 +1429,19 @@ DT_PRIVATE dt_tensor *tensor_step_new_reusing(dt_ctx *ctx, dt_dtype dtype, int n
                                               const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x);
+/* A view of x's memory with a geometry of its own: ndim dims of shape and
+ * stride (elements), starting at data (NULL: where x starts). */
+DT_PRIVATE dt_tensor *tensor_view_as(dt_ctx *ctx, const dt_tensor *x, int ndim, const int64_t *shape,
+                                     const int64_t *stride, void *data);
+/* A loader's batch: *view becomes full's first count rows, outside the
+ * context's lists (the loader owns full). */
+DT_PRIVATE void tensor_batch_view(dt_tensor *view, const dt_tensor *full, int64_t count);
+/* Autograd's marks on a tensor: its gradient (NULL: none), the tape node
+ * that made it (NULL: none, a leaf or a consumed tape), and that
+ * gradients flow to it. */
+DT_PRIVATE void tensor_set_grad(dt_tensor *t, dt_tensor *grad);
+DT_PRIVATE void tensor_set_node(dt_tensor *t, dt_node *n);
+DT_PRIVATE void tensor_require_grad(dt_tensor *t);
 DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t);
@@ -1503,6 +1543,10 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
             return ctx->last_status;                                                           \
     } while (0)
 
+/* src/recompute.c: is a segment's own backward running (DDP may not call
+ * a parameter's gradient final inside it: the segment may read it again)? */
+DT_PRIVATE int recompute_in_backward(const dt_ctx *ctx);
+
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
@@ -1573,7 +1617,7 @@ DT_PRIVATE dt_status dataset_raw(const dt_dataset *ds, int64_t i, void *x, void 
                                  size_t err_len);
 DT_PRIVATE dt_status dataset_xform_init(const dt_dataset *ds, float mean, float std, ds_xform *xf);
 DT_PRIVATE void dataset_xform_free(dt_ctx *ctx, ds_xform *xf);
-DT_PRIVATE dt_dtype dataset_batch_dtype(const ds_field *f, int target);
+DT_PRIVATE dt_dtype dataset_batch_dtype(const dt_sample_field *f, int target);
 DT_PRIVATE dt_status dataset_read(const dt_dataset *ds, const ds_xform *xf, int64_t i, void *x,
                                   void *y, char *err, size_t err_len);
 DT_PRIVATE void dataset_token_window(const dt_dataset *ds, int64_t i, void *x, void *y);
@@ -2338,8 +2382,12 @@ DT_PRIVATE void preempt_reclaim(dt_ctx *ctx);
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c);
 DT_PRIVATE int preempt_local(const dt_ctx *ctx);
 DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict);
-DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict);
+DT_PRIVATE dt_status preempt_decide(dt_ctx *ctx, int64_t step, int verdict);
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap);
+/* The step the job agreed to stop after, -1: none agreed. */
+DT_PRIVATE int64_t preempt_stop_step(const dt_ctx *ctx);
+/* A parameter-server worker (on) or not: the servers count its votes. */
+DT_PRIVATE dt_status preempt_set_via_ps(dt_ctx *ctx, int on);
 
 /* src/join.c: joining the job, a restarted rank */
 DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c);
@@ -2420,7 +2468,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2424 "dtrain.c"
+#line 2472 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -2867,8 +2915,6 @@ dt_ctx *dt_ctx_new(const dt_ctx_config *cfg_in)
     ctx->act_since = dt_now();
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
-    ctx->preempt.step = -1;   /* no stop agreed (a server may agree one without enabling) */
-    ctx->preempt.saved_s = -1;
     ctx->grad_enabled = 1;
     ctx->training = 1;
     size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
@@ -2939,6 +2985,8 @@ void dt_ctx_free(dt_ctx *ctx)
         dt_tensor_free(t);
     }
     host_free(ctx, ctx->params);
+    for (int i = 0; i < CTX_EXT_COUNT; i++)
+        host_free(ctx, ctx->ext[i]);
     arena_destroy(ctx, &ctx->dev);
     arena_destroy(ctx, &ctx->host);
     arena_destroy(ctx, &ctx->scratch_dev);
@@ -2990,6 +3038,81 @@ DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user)
     void *was = ctx->hook_user;
     ctx->hook_user = user;
     return was;
+}
+
+DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot) { return ctx->ext[slot]; }
+
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size)
+{
+    if (!ctx->ext[slot] && !(ctx->ext[slot] = host_calloc(ctx, size)))
+        set_error(ctx, DT_ENOMEM, "out of host memory for the context's state");
+    return ctx->ext[slot];
+}
+
+DT_PRIVATE dt_node *ctx_swap_tape(dt_ctx *ctx, dt_node *tape)
+{
+    dt_node *was = ctx->tape;
+    ctx->tape = tape;
+    return was;
+}
+
+DT_PRIVATE int ctx_swap_grad_enabled(dt_ctx *ctx, int on)
+{
+    int was = ctx->grad_enabled;
+    ctx->grad_enabled = on;
+    return was;
+}
+
+DT_PRIVATE dt_precision ctx_swap_autocast(dt_ctx *ctx, dt_precision p)
+{
+    dt_precision was = ctx->autocast;
+    ctx->autocast = p;
+    return was;
+}
+
+DT_PRIVATE uint64_t ctx_swap_dropout_counter(dt_ctx *ctx, uint64_t counter)
+{
+    uint64_t was = ctx->dropout_counter;
+    ctx->dropout_counter = counter;
+    return was;
+}
+
+DT_PRIVATE void ctx_swap_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host)
+{
+    dt_arena *d = ctx->cur_dev, *h = ctx->cur_host;
+    ctx->cur_dev = *dev;
+    ctx->cur_host = *host;
+    *dev = d;
+    *host = h;
+}
+
+DT_PRIVATE void ctx_scratch_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host)
+{
+    *dev = &ctx->scratch_dev;
+    *host = &ctx->scratch_host;
+}
+
+DT_PRIVATE uint64_t ctx_dropout_next(dt_ctx *ctx) { return ctx->dropout_counter++; }
+
+DT_PRIVATE void ctx_backward_begun(dt_ctx *ctx) { ctx->backwards++; }
+
+DT_PRIVATE int ctx_note_params(dt_ctx *ctx, dt_tensor **list)
+{
+    int n = ctx->n_noted;
+    ctx->noted = list;
+    ctx->n_noted = 0;
+    return n;
+}
+
+DT_PRIVATE void ctx_note_param(dt_ctx *ctx, const dt_tensor *p)
+{
+    if (!ctx->noted)
+        return;
+    for (int i = 0; i < ctx->n_noted; i++)
+        if (ctx->noted[i] == p)
+            return;
+    if (ctx->n_noted < ctx->n_params)
+        ctx->noted[ctx->n_noted++] = (dt_tensor *)p;
 }
 
 DT_PRIVATE int ctx_ok(dt_ctx *ctx)
@@ -3063,7 +3186,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3067 "dtrain.c"
+#line 3190 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3303,6 +3426,20 @@ DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n)
     return 0;
 }
 
+DT_PRIVATE size_t arena_used(const dt_arena *a) { return a->used; }
+
+DT_PRIVATE int arena_step_give_back(dt_ctx *ctx, void *p, size_t n)
+{
+    return arena_give_back(&ctx->dev, p, n) || arena_give_back(&ctx->scratch_dev, p, n);
+}
+
+DT_PRIVATE int arena_refused_take(dt_ctx *ctx)
+{
+    int refused = ctx->arena_refused;
+    ctx->arena_refused = 0;
+    return refused;
+}
+
 /* n bytes from the smallest hole that holds them (its rest stays a hole),
  * else from the bump pointer as arena_alloc. */
 DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n)
@@ -3362,7 +3499,7 @@ void dt_mem_peak_reset(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3366 "dtrain.c"
+#line 3503 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -3459,19 +3596,17 @@ static dt_tensor *step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t 
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
-        if (!ctx->arena_refused)   /* else its message says why */
+        if (!arena_refused_take(ctx))   /* else its message says why */
             set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
-        ctx->arena_refused = 0;
         return NULL;
     }
     tensor_header_init(t, ctx, dtype, ndim, shape);
     t->data = reuse ? arena_alloc_reuse(ctx, ctx->cur_dev, tensor_bytes(t))
                     : arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
     if (!t->data) {
-        if (!ctx->arena_refused)
+        if (!arena_refused_take(ctx))
             set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
                       tensor_bytes(t));
-        ctx->arena_refused = 0;
         return NULL;
     }
     return t;
@@ -3504,6 +3639,34 @@ DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x)
     t->data = x->data;
     return t;
 }
+
+DT_PRIVATE dt_tensor *tensor_view_as(dt_ctx *ctx, const dt_tensor *x, int ndim, const int64_t *shape,
+                                     const int64_t *stride, void *data)
+{
+    dt_tensor *t = tensor_view_header(ctx, x);
+    if (!t)
+        return NULL;
+    t->ndim = ndim;
+    memcpy(t->shape, shape, sizeof(int64_t) * (size_t)ndim);
+    memcpy(t->stride, stride, sizeof(int64_t) * (size_t)ndim);
+    if (data)
+        t->data = data;
+    return t;
+}
+
+DT_PRIVATE void tensor_batch_view(dt_tensor *view, const dt_tensor *full, int64_t count)
+{
+    *view = *full;
+    view->shape[0] = count;
+    view->flags = T_EXTERNAL;
+    view->next = view->prev = NULL;
+}
+
+DT_PRIVATE void tensor_set_grad(dt_tensor *t, dt_tensor *grad) { t->grad = grad; }
+
+DT_PRIVATE void tensor_set_node(dt_tensor *t, dt_node *n) { t->node = n; }
+
+DT_PRIVATE void tensor_require_grad(dt_tensor *t) { t->flags |= T_REQGRAD; }
 
 DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {
@@ -4043,7 +4206,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 4047 "dtrain.c"
+#line 4210 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4366,7 +4529,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4370 "dtrain.c"
+#line 4533 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4452,7 +4615,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4456 "dtrain.c"
+#line 4619 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -5023,7 +5186,7 @@ dt_status dt_profile_stats_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 5027 "dtrain.c"
+#line 5190 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5091,10 +5254,9 @@ DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, 
     for (int i = 0; i < 3; i++)
         if (ins[i])
             n->in[n->n_in++] = ins[i];
-    n->prev = ctx->tape;
-    ctx->tape = n;
-    out->node = n;
-    out->flags |= T_REQGRAD;
+    n->prev = ctx_swap_tape(ctx, n);
+    tensor_set_node(out, n);
+    tensor_require_grad(out);
     return n;
 }
 
@@ -5120,10 +5282,11 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
 {
     tensor_rows_all(t);   /* this op may write every row */
     if (!t->grad) {
-        t->grad = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
-        if (!t->grad)
+        dt_tensor *g = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
+        if (!g)
             return NULL;
-        t->grad->flags |= T_ZERO;
+        tensor_mark_zero(g, 1);
+        tensor_set_grad(t, g);
     }
     /* a sharded DDP lends a parameter's gradient memory only from its
      * first write of the step (src/zero.c) */
@@ -5131,7 +5294,7 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
         ctx->grad_hooks->grad_memory && ctx->grad_hooks->grad_memory(ctx->hook_user, t) != DT_OK)
         return NULL;
     *acc = !(t->grad->flags & T_ZERO);
-    t->grad->flags &= ~(unsigned)T_ZERO;
+    tensor_mark_zero(t->grad, 0);
     return FP(t->grad);
 }
 
@@ -5158,9 +5321,8 @@ static void grad_release(dt_ctx *ctx, dt_node *n)
     if (!g || t->node != n || (t->flags & (T_PERSIST | T_RETAIN)) || (g->flags & T_PERSIST))
         return;
     size_t bytes = tensor_bytes(g);
-    if (arena_give_back(&ctx->dev, g->data, bytes) ||
-        arena_give_back(&ctx->scratch_dev, g->data, bytes))
-        t->grad = NULL;
+    if (arena_step_give_back(ctx, g->data, bytes))
+        tensor_set_grad(t, NULL);
 }
 
 /* With hooked (the top-level walk only), the attached DDP hears of every
@@ -5194,7 +5356,7 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed);
 DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
     if (ctx)
-        ctx->backwards++;   /* arena_grew's count */
+        ctx_backward_begun(ctx);   /* arena_grew's count */
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
     int act = ctx_doing(ctx, ACT_BACKWARD);
     dt_status s = backward_run(ctx, loss, seed);
@@ -5267,12 +5429,12 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     /* The tape is consumed: its outputs become plain tensors, so a second
      * backward through the same graph is refused instead of double-counting. */
     for (dt_node *n = ctx->tape; n; n = n->prev)
-        n->out->node = NULL;
-    ctx->tape = NULL;
+        tensor_set_node(n->out, NULL);
+    ctx_swap_tape(ctx, NULL);
     return backward_ended(ctx, s);
 }
 
-#line 5276 "dtrain.c"
+#line 5438 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -5296,18 +5458,6 @@ struct gemm_operand {
 
 /* Reports a NULL input unless an earlier op already failed (then its message
  * is the useful one). */
-/* A recompute segment's first run reads parameter p: noted once, so its
- * node can say which parameters its backward finishes (src/recompute.c;
- * room for every parameter was made). */
-static void op_note_seg_param(dt_ctx *ctx, const dt_tensor *p)
-{
-    for (int i = 0; i < ctx->seg_nparams; i++)
-        if (ctx->seg_params[i] == p)
-            return;
-    if (ctx->seg_nparams < ctx->n_params)
-        ctx->seg_params[ctx->seg_nparams++] = (dt_tensor *)p;
-}
-
 DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
 {
     if (!ctx_ok(ctx))
@@ -5325,8 +5475,8 @@ DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, cons
     if (ctx->hook_user && ctx->grad_hooks->param_use &&
         ctx->grad_hooks->param_use(ctx->hook_user, x->data, 0) != DT_OK)
         return 0;
-    if (ctx->seg_params && (x->flags & T_PARAM))
-        op_note_seg_param(ctx, x);
+    if (ctx->noted && (x->flags & T_PARAM))   /* a recompute segment's first run */
+        ctx_note_param(ctx, x);
     return 1;
 }
 
@@ -5361,9 +5511,8 @@ DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x)
 DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n)
 {
     float *p = arena_alloc(ctx, ctx->cur_dev, (size_t)n * sizeof(float));
-    if (!p && !ctx->arena_refused)   /* else its message says why */
+    if (!p && !arena_refused_take(ctx))   /* else its message says why */
         set_error(ctx, DT_ENOMEM, "out of device memory for a %lld-float temporary", (long long)n);
-    ctx->arena_refused = 0;
     return p;
 }
 
@@ -5454,12 +5603,11 @@ dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape)
     dt_tensor *c = op_need_contig(ctx, x);
     if (!c)
         return NULL;
-    dt_tensor *y = tensor_view_header(ctx, c);
+    int64_t stride[DT_MAX_DIMS];
+    contiguous_strides(ndim, want, stride);
+    dt_tensor *y = tensor_view_as(ctx, c, ndim, want, stride, NULL);
     if (!y)
         return NULL;
-    y->ndim = ndim;
-    memcpy(y->shape, want, sizeof(int64_t) * (size_t)ndim);
-    contiguous_strides(ndim, y->shape, y->stride);
     if (tape_tracks(ctx, c) && !tape_record(ctx, "reshape", reshape_backward, y, c, NULL, NULL))
         return NULL;
     return y;
@@ -5510,15 +5658,16 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
         return NULL;
     if (!norm_dim(ctx, "transpose", x, &d0) || !norm_dim(ctx, "transpose", x, &d1))
         return NULL;
-    dt_tensor *y = tensor_view_header(ctx, x);
+    int64_t shape[DT_MAX_DIMS], stride[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    memcpy(stride, x->stride, sizeof stride);
+    shape[d0] = x->shape[d1];
+    shape[d1] = x->shape[d0];
+    stride[d0] = x->stride[d1];
+    stride[d1] = x->stride[d0];
+    dt_tensor *y = tensor_view_as(ctx, x, x->ndim, shape, stride, NULL);
     if (!y)
         return NULL;
-    int64_t t = y->shape[d0];
-    y->shape[d0] = y->shape[d1];
-    y->shape[d1] = t;
-    t = y->stride[d0];
-    y->stride[d0] = y->stride[d1];
-    y->stride[d1] = t;
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
                         &(transpose_state){d0, d1}, sizeof(transpose_state)))
@@ -5562,16 +5711,17 @@ dt_tensor *dt_permute(dt_ctx *ctx, dt_tensor *x, int ndim, const int *dims)
                   "dims", ndim, SHAPE(x, sx), x->ndim);
         return NULL;
     }
-    dt_tensor *y = tensor_view_header(ctx, x);
-    if (!y)
-        return NULL;
     permute_state st;
     memset(&st, 0, sizeof st);
+    int64_t shape[DT_MAX_DIMS], stride[DT_MAX_DIMS];
     for (int i = 0; i < ndim; i++) {
-        y->shape[i] = x->shape[dims[i]];
-        y->stride[i] = x->stride[dims[i]];
+        shape[i] = x->shape[dims[i]];
+        stride[i] = x->stride[dims[i]];
         st.dims[i] = dims[i];
     }
+    dt_tensor *y = tensor_view_as(ctx, x, ndim, shape, stride, NULL);
+    if (!y)
+        return NULL;
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "permute", permute_backward, y, x, NULL, NULL, &st, sizeof st))
         return NULL;
@@ -5606,11 +5756,14 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
                   (long long)start, (long long)end, dim, (long long)x->shape[dim]);
         return NULL;
     }
-    dt_tensor *y = tensor_view_header(ctx, x);
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    shape[dim] = end - start;
+    dt_tensor *y = tensor_view_as(ctx, x, x->ndim, shape, x->stride,
+                                  (char *)x->data + (size_t)(start * x->stride[dim]) *
+                                                        dt_dtype_size(x->dtype));
     if (!y)
         return NULL;
-    y->shape[dim] = end - start;
-    y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
                         &(slice_state){dim, start}, sizeof(slice_state)))
@@ -6586,11 +6739,10 @@ static dt_status custom_backward(dt_ctx *ctx, dt_node *n)
 {
     const custom_state *st = n->state;
     dt_tensor *grads[NODE_MAX_IN] = {0};
-    int grad = ctx->grad_enabled;
-    ctx->grad_enabled = 0;
+    int grad = ctx_swap_grad_enabled(ctx, 0);
     uint64_t errors = ctx->errors;
     dt_status s = st->backward(ctx, n->in, n->n_in, n->out, n->out->grad, grads, st->user);
-    ctx->grad_enabled = grad;
+    ctx_swap_grad_enabled(ctx, grad);
     if (s != DT_OK)
         return ctx->errors != errors ? ctx->last_status
                                      : set_error(ctx, s, "%s: its backward returned %d", n->op, (int)s);
@@ -6626,13 +6778,13 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     for (int i = 0; i < n; i++)
         if (!op_input_ok(ctx, name, inputs[i], "input"))
             return NULL;
-    int grad = ctx->grad_enabled, tracks = 0;
+    int tracks = 0;
     for (int i = 0; i < n; i++)
         tracks |= tape_tracks(ctx, inputs[i]);
-    ctx->grad_enabled = 0;
+    int grad = ctx_swap_grad_enabled(ctx, 0);
     uint64_t errors = ctx->errors;
     dt_tensor *out = forward(ctx, inputs, n, user);
-    ctx->grad_enabled = grad;
+    ctx_swap_grad_enabled(ctx, grad);
     int is_input = 0;
     for (int i = 0; out && i < n; i++)
         is_input |= out == inputs[i];
@@ -6659,7 +6811,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     memcpy(copy, name, len);
     return out;
 }
-#line 6663 "dtrain.c"
+#line 6815 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -7089,7 +7241,7 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
         return NULL;
     tensor_materialize(x);
     uint64_t sm = ctx->seed ^ 0xD1B54A32D192ED03ull;
-    sm += 0x9E3779B97F4A7C15ull * (ctx->dropout_counter++ + 1);
+    sm += 0x9E3779B97F4A7C15ull * (ctx_dropout_next(ctx) + 1);
     uint64_t seed = param_splitmix64(&sm);
     int64_t cnt = shape_numel(x->ndim, x->shape);
     dt_tensor *y = op_like(ctx, x);
@@ -7204,7 +7356,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7208 "dtrain.c"
+#line 7360 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7223,27 +7375,51 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
 
 /* --- src/recompute.c --- */
 
+/* Which run of a segment is in progress (the context's CTX_EXT_RECOMPUTE
+ * slot, made by the first dt_recompute that records). */
+typedef struct recompute_runs {
+    int rerun;      /* a backward is running a segment's function again */
+    int backward;   /* a segment's own backward (its sub-tape) is running */
+} recompute_runs;
+
+DT_PRIVATE int recompute_in_backward(const dt_ctx *ctx)
+{
+    const recompute_runs *r = ctx_ext(ctx, CTX_EXT_RECOMPUTE);
+    return r && r->backward;
+}
+
 struct arena_switch {
-    dt_arena *dev, *host;
+    dt_arena *dev, *host;              /* where step tensors came from before */
+    dt_arena *sdev, *shost;            /* the scratch arenas, and where they stood */
     dt_arena_mark dev_mark, host_mark;
 };
 
 static arena_switch enter_scratch(dt_ctx *ctx)
 {
-    arena_switch sw = {ctx->cur_dev, ctx->cur_host, arena_mark(&ctx->scratch_dev),
-                       arena_mark(&ctx->scratch_host)};
-    ctx->cur_dev = &ctx->scratch_dev;
-    ctx->cur_host = &ctx->scratch_host;
+    arena_switch sw;
+    ctx_scratch_arenas(ctx, &sw.sdev, &sw.shost);
+    sw.dev_mark = arena_mark(sw.sdev);
+    sw.host_mark = arena_mark(sw.shost);
+    sw.dev = sw.sdev;
+    sw.host = sw.shost;
+    ctx_swap_arenas(ctx, &sw.dev, &sw.host);
     return sw;
+}
+
+/* Step tensors from the arenas of before again (the scratch ones keep
+ * what is in them until leave_scratch). */
+static void scratch_pause(dt_ctx *ctx, const arena_switch *sw)
+{
+    dt_arena *dev = sw->dev, *host = sw->host;
+    ctx_swap_arenas(ctx, &dev, &host);
 }
 
 static void leave_scratch(dt_ctx *ctx, arena_switch sw, int release)
 {
-    ctx->cur_dev = sw.dev;
-    ctx->cur_host = sw.host;
+    scratch_pause(ctx, &sw);
     if (release) {
-        arena_release(&ctx->scratch_dev, sw.dev_mark);
-        arena_release(&ctx->scratch_host, sw.host_mark);
+        arena_release(sw.sdev, sw.dev_mark);
+        arena_release(sw.shost, sw.host_mark);
     }
 }
 
@@ -7263,10 +7439,9 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
     const recompute_state *st = nd->state;
     dt_tensor **orig = st->inputs, *y = nd->out;
     int n = st->n;
+    recompute_runs *runs = ctx_ext(ctx, CTX_EXT_RECOMPUTE);   /* (made when nd was recorded) */
     arena_switch sw = enter_scratch(ctx);
     dt_node *saved_tape = ctx->tape;
-    uint64_t saved_counter = ctx->dropout_counter;
-    int saved_grad = ctx->grad_enabled;
     dt_status s = DT_OK;
     dt_tensor **leaf = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)(n ? n : 1));
     if (!leaf) {
@@ -7280,31 +7455,29 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
             goto done;
         }
         if (grad_needed(orig[i]))
-            leaf[i]->flags |= T_REQGRAD;
+            tensor_require_grad(leaf[i]);
     }
-    ctx->tape = NULL;
-    ctx->dropout_counter = st->counter;
-    ctx->grad_enabled = 1;
-    ctx->in_recompute = 1;
-    dt_precision saved_prec = ctx->autocast;   /* rerun as the forward ran */
-    ctx->autocast = nd->prec;
+    ctx_swap_tape(ctx, NULL);
+    uint64_t saved_counter = ctx_swap_dropout_counter(ctx, st->counter);
+    int saved_grad = ctx_swap_grad_enabled(ctx, 1);
+    runs->rerun = 1;
+    dt_precision saved_prec = ctx_swap_autocast(ctx, nd->prec);   /* rerun as the forward ran */
     dt_tensor *y2 = st->fn(ctx, leaf, n, st->user);
-    ctx->autocast = saved_prec;
-    ctx->in_recompute = 0;
-    ctx->grad_enabled = saved_grad;
-    ctx->dropout_counter = saved_counter;
+    ctx_swap_autocast(ctx, saved_prec);
+    runs->rerun = 0;
+    ctx_swap_grad_enabled(ctx, saved_grad);
+    ctx_swap_dropout_counter(ctx, saved_counter);
     if (!y2 || y2->ndim != y->ndim || memcmp(y2->shape, y->shape, sizeof(int64_t) * (size_t)y->ndim)) {
         s = y2 ? set_error(ctx, DT_ESTATE, "recompute: the segment returned a different shape "
                                            "when run again (it must be deterministic)")
                : ctx->last_status;
         goto done;
     }
-    y2->grad = y->grad;                    /* seed with the segment output's gradient */
-    ctx->seg_backward++;
+    tensor_set_grad(y2, y->grad);          /* seed with the segment output's gradient */
+    runs->backward++;
     s = tape_run(ctx, ctx->tape, NULL, 0);
-    ctx->seg_backward--;
-    ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
-    ctx->cur_host = sw.host;
+    runs->backward--;
+    scratch_pause(ctx, &sw);               /* input gradients go to the step arena */
     for (int i = 0; s == DT_OK && i < n; i++) {
         dt_tensor *g = leaf[i]->grad;
         if (grad_needed(orig[i]) && g && !(g->flags & T_ZERO) && leaf[i] != y2)
@@ -7313,7 +7486,7 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
             s = op_acc_grad(ctx, orig[i], FP(y->grad), 1.0f);
     }
 done:
-    ctx->tape = saved_tape;
+    ctx_swap_tape(ctx, saved_tape);
     leave_scratch(ctx, sw, 1);
     return s;
 }
@@ -7326,7 +7499,8 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
         set_error(ctx, DT_EINVAL, "recompute: needs a function and %d inputs", n);
         return NULL;
     }
-    if (!ctx->grad_enabled || ctx->in_recompute) {
+    const recompute_runs *r = ctx_ext(ctx, CTX_EXT_RECOMPUTE);
+    if (!ctx->grad_enabled || (r && r->rerun)) {
         dt_tensor *y = fn(ctx, inputs, n, user);
         if (!y && ctx->last_status == DT_OK)
             set_error(ctx, DT_EINVAL, "recompute: the segment function returned NULL");
@@ -7338,6 +7512,8 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
             return NULL;
         track |= tape_tracks(ctx, inputs[i]);
     }
+    if (!ctx_ext_make(ctx, CTX_EXT_RECOMPUTE, sizeof(recompute_runs)))
+        return NULL;
     uint64_t counter = ctx->dropout_counter;
     dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */
     /* the parameters fn reads (op_input_ok notes them): what its node's
@@ -7349,15 +7525,12 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
         return NULL;
     }
     arena_switch sw = enter_scratch(ctx);
-    ctx->grad_enabled = 0;
-    ctx->seg_params = params;
-    ctx->seg_nparams = 0;
+    ctx_swap_grad_enabled(ctx, 0);
+    ctx_note_params(ctx, params);
     dt_tensor *out = fn(ctx, inputs, n, user);
-    int nparams = ctx->seg_nparams;
-    ctx->seg_params = NULL;
-    ctx->grad_enabled = 1;
-    ctx->cur_dev = sw.dev;
-    ctx->cur_host = sw.host;
+    int nparams = ctx_note_params(ctx, NULL);
+    ctx_swap_grad_enabled(ctx, 1);
+    scratch_pause(ctx, &sw);
     if (!out && ctx->last_status == DT_OK)
         set_error(ctx, DT_EINVAL, "recompute: the segment function returned NULL");
     dt_tensor *y = out ? op_like(ctx, out) : NULL;
@@ -7385,7 +7558,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7389 "dtrain.c"
+#line 7562 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -8371,7 +8544,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8375 "dtrain.c"
+#line 8548 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -10707,7 +10880,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10711 "dtrain.c"
+#line 10884 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11213,11 +11386,11 @@ static void convert_target(const ds_field *f, const uint8_t *p, void *out)
     }
 }
 
-DT_PRIVATE dt_dtype dataset_batch_dtype(const ds_field *f, int target)
+DT_PRIVATE dt_dtype dataset_batch_dtype(const dt_sample_field *f, int target)
 {
     if (target)
-        return f->f.dtype == DT_I32 || f->f.dtype == DT_U8 ? DT_I32 : DT_F32;
-    return f->f.dtype == DT_I32 ? DT_I32 : DT_F32;
+        return f->dtype == DT_I32 || f->dtype == DT_U8 ? DT_I32 : DT_F32;
+    return f->dtype == DT_I32 ? DT_I32 : DT_F32;
 }
 
 DT_PRIVATE dt_status dataset_read(const dt_dataset *ds, const ds_xform *xf, int64_t i, void *x,
@@ -11280,7 +11453,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11284 "dtrain.c"
+#line 11457 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -12056,7 +12229,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 12060 "dtrain.c"
+#line 12233 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12150,7 +12323,7 @@ static void global_slice(dt_loader *ld, int64_t b, int64_t *start, int64_t *coun
                          int64_t *offset, int64_t *global, uint64_t *gen)
 {
     int P = ld->cfg.shard_count, me = ld->cfg.shard_rank;
-    int64_t G = (int64_t)ld->cfg.batch * P, n = ld->ds->n;
+    int64_t G = (int64_t)ld->cfg.batch * P, n = dt_dataset_size(ld->ds);
     int64_t total = n - b * G < G ? n - b * G : G, counts[64];
     if (ld->has_thread)
         pthread_mutex_lock(&ld->mu);
@@ -12319,16 +12492,17 @@ static dt_status loader_alloc_slots(dt_loader *ld)
 {
     dt_ctx *ctx = ld->ctx;
     int64_t b = ld->cap, xs[DT_MAX_DIMS] = {b}, ys[DT_MAX_DIMS] = {b};
-    const ds_field *in = &ld->ds->in, *tgt = &ld->ds->tgt;
-    for (int d = 0; d < in->f.ndim; d++)
-        xs[d + 1] = in->f.shape[d];
-    for (int d = 0; d < tgt->f.ndim; d++)
-        ys[d + 1] = tgt->f.shape[d];
+    dt_sample_field in, tgt;
+    dt_dataset_fields(ld->ds, &in, &tgt);
+    for (int d = 0; d < in.ndim; d++)
+        xs[d + 1] = in.shape[d];
+    for (int d = 0; d < tgt.ndim; d++)
+        ys[d + 1] = tgt.shape[d];
     for (int i = 0; i < 2; i++) {
         loader_slot *s = &ld->slot[i];
         s->batch_index = -1;
-        if (!(s->x = dt_tensor_new(ctx, ld->x_dtype, in->f.ndim + 1, xs)) ||
-            !(s->y = dt_tensor_new(ctx, ld->y_dtype, tgt->f.ndim + 1, ys)))
+        if (!(s->x = dt_tensor_new(ctx, ld->x_dtype, in.ndim + 1, xs)) ||
+            !(s->y = dt_tensor_new(ctx, ld->y_dtype, tgt.ndim + 1, ys)))
             return ctx->last_status;
         if (ld->host_visible) {
             s->hx = s->x->data;
@@ -12363,7 +12537,9 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
                   cfg->shard_rank, cfg->shard_count);
         return NULL;
     }
-    if (ds->in.f.dtype == DT_I32 && (cfg->mean != 0.0f || cfg->std != 1.0f)) {
+    dt_sample_field in, tgt;
+    dt_dataset_fields(ds, &in, &tgt);
+    if (in.dtype == DT_I32 && (cfg->mean != 0.0f || cfg->std != 1.0f)) {
         set_error(ctx, DT_EINVAL, "loader: mean %g and std %g apply to f32 inputs; this dataset's "
                   "inputs are i32 (token ids)", (double)cfg->mean, (double)cfg->std);
         return NULL;
@@ -12377,10 +12553,10 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     ld->ds = ds;
     ld->cfg = *cfg;
     ld->cfg.shard_count = shards;
-    ld->x_elems = ds->in.elems;
-    ld->y_elems = ds->tgt.elems;
-    ld->x_dtype = dataset_batch_dtype(&ds->in, 0);
-    ld->y_dtype = dataset_batch_dtype(&ds->tgt, 1);
+    ld->x_elems = shape_numel(in.ndim, in.shape);
+    ld->y_elems = shape_numel(tgt.ndim, tgt.shape);
+    ld->x_dtype = dataset_batch_dtype(&in, 0);
+    ld->y_dtype = dataset_batch_dtype(&tgt, 1);
     ld->host_visible = BE(ctx)->host_visible;
     ld->request = -1;
     ld->cap = cfg->batch;
@@ -12403,10 +12579,10 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     }
     /* shards as torch's DistributedSampler: pad to a multiple of the count
      * (every rank runs as many batches), or for evaluation each sample once */
-    ld->n_local = (ds->n + shards - 1) / shards;
+    ld->n_local = (dt_dataset_size(ds) + shards - 1) / shards;
     if (cfg->shard_no_pad)
-        ld->n_local = (ds->n - cfg->shard_rank + shards - 1) / shards;
-    ld->order = host_alloc(ctx, sizeof(int64_t) * (size_t)(ds->n + shards));
+        ld->n_local = (dt_dataset_size(ds) - cfg->shard_rank + shards - 1) / shards;
+    ld->order = host_alloc(ctx, sizeof(int64_t) * (size_t)(dt_dataset_size(ds) + shards));
     if (!ld->order || dataset_xform_init(ds, cfg->mean, cfg->std, &ld->xf) != DT_OK ||
         loader_alloc_slots(ld) != DT_OK) {
         if (ctx->last_status == DT_OK)
@@ -12417,8 +12593,8 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     ld->n_batches = cfg->drop_last ? ld->n_local / cfg->batch
                                    : (ld->n_local + cfg->batch - 1) / cfg->batch;
     if (cfg->global_batches) {   /* whole global batches, and a last one with a sample a shard */
-        int64_t G = ld->cap, rest = ds->n % G;
-        ld->n_batches = ds->n / G + (!cfg->drop_last && rest >= shards ? 1 : 0);
+        int64_t G = ld->cap, rest = dt_dataset_size(ds) % G;
+        ld->n_batches = dt_dataset_size(ds) / G + (!cfg->drop_last && rest >= shards ? 1 : 0);
     }
     if (cfg->prefetch) {
         if (pthread_mutex_init(&ld->mu, NULL) != 0 || pthread_cond_init(&ld->cv, NULL) != 0 ||
@@ -12463,7 +12639,7 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
         return DT_OK;
     }
     loader_quiesce(ld);
-    int64_t n = ld->ds->n, shards = ld->cfg.shard_count;
+    int64_t n = dt_dataset_size(ld->ds), shards = ld->cfg.shard_count;
     int64_t total = (n + shards - 1) / shards * shards;
     int64_t *perm = ld->order;   /* build the global order in place, then keep our shard */
     for (int64_t i = 0; i < n; i++)
@@ -12496,14 +12672,6 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
     if (ld->n_batches > 0)
         loader_request(ld, 0, 0);
     return DT_OK;
-}
-
-static void set_batch_view(dt_tensor *view, const dt_tensor *full, int count)
-{
-    *view = *full;
-    view->shape[0] = count;
-    view->flags = T_EXTERNAL;
-    view->next = view->prev = NULL;
 }
 
 static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y);
@@ -12574,8 +12742,8 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
         *x = s->x;
         *y = s->y;
     } else {
-        set_batch_view(&s->xv, s->x, s->count);
-        set_batch_view(&s->yv, s->y, s->count);
+        tensor_batch_view(&s->xv, s->x, s->count);
+        tensor_batch_view(&s->yv, s->y, s->count);
         *x = &s->xv;
         *y = &s->yv;
     }
@@ -12643,7 +12811,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12647 "dtrain.c"
+#line 12815 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13805,7 +13973,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13809 "dtrain.c"
+#line 13977 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -15809,7 +15977,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15813 "dtrain.c"
+#line 15981 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16299,7 +16467,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16303 "dtrain.c"
+#line 16471 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -17075,7 +17243,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 17079 "dtrain.c"
+#line 17247 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17130,6 +17298,44 @@ static void preempt_on_signal(int sig)
         return;
     signal(sig, SIG_DFL);   /* the second: what the signal does without us */
     raise(sig);
+}
+
+/* A context's pre-emption state (its CTX_EXT_PREEMPT slot), made by
+ * dt_preempt_enable, by a parameter server's worker, or by a server that
+ * agrees a stop without enabling; none: nothing enabled or agreed. */
+typedef struct preempt_state {
+    int on;                    /* dt_preempt_enable was called */
+    unsigned signals;          /* DT_PREEMPT_SIG* caught */
+    int voted, verdict;        /* this step's vote is in (the DDP's, or the parameter
+                                  servers' answer), and its result: the largest signal
+                                  number any rank received, 0: none */
+    int via_ps;                /* a parameter-server worker: the servers count the vote
+                                  (src/ps.c); no allreduce over the communicator */
+    int agreed;                /* the job agreed to stop after step */
+    int signal;                /* the agreed stop's signal */
+    int64_t step;
+    double since, saved_s;     /* when it agreed; the checkpoint's seconds (-1: none) */
+    char line[128];            /* dt_preempt_report's text */
+} preempt_state;
+
+static preempt_state *preempt_of(const dt_ctx *ctx) { return ctx_ext(ctx, CTX_EXT_PREEMPT); }
+
+/* The state, made on first use (NULL: out of memory, the error set). */
+static preempt_state *preempt_made(dt_ctx *ctx)
+{
+    preempt_state *st = preempt_of(ctx);
+    if (st)
+        return st;
+    if (!(st = ctx_ext_make(ctx, CTX_EXT_PREEMPT, sizeof *st)))
+        return NULL;
+    st->saved_s = -1;
+    return st;
+}
+
+static int preempt_on(const dt_ctx *ctx)
+{
+    const preempt_state *st = preempt_of(ctx);
+    return st && st->on;
 }
 
 static const int preempt_signals[] = {SIGTERM, SIGUSR1, SIGUSR2, SIGINT};
@@ -17211,10 +17417,11 @@ dt_status dt_preempt_enable(dt_ctx *ctx, const dt_preempt_config *cfg_in)
     for (size_t i = 0; i < sizeof preempt_bits / sizeof preempt_bits[0]; i++)
         if ((cfg.signals & preempt_bits[i]) && preempt_install(ctx, preempt_signals[i]) != DT_OK)
             return ctx->last_status;
-    ctx->preempt.signals = cfg.signals;
-    ctx->preempt.on = 1;
-    ctx->preempt.step = -1;
-    ctx->preempt.saved_s = -1;
+    preempt_state *st = preempt_made(ctx);
+    if (!st)
+        return ctx->last_status;
+    st->signals = cfg.signals;
+    st->on = 1;
     return DT_OK;
 }
 
@@ -17223,56 +17430,80 @@ dt_status dt_preempt_enable(dt_ctx *ctx, const dt_preempt_config *cfg_in)
  * dt_preempt_enable; a new communicator takes the signals back. */
 DT_PRIVATE void preempt_reclaim(dt_ctx *ctx)
 {
-    if (!ctx || !ctx->preempt.on)
+    if (!ctx || !preempt_on(ctx))
         return;
     for (size_t i = 0; i < sizeof preempt_bits / sizeof preempt_bits[0]; i++)
-        if (ctx->preempt.signals & preempt_bits[i])
+        if (preempt_of(ctx)->signals & preempt_bits[i])
             (void)preempt_install(ctx, preempt_signals[i]);
 }
 
 int dt_preempt_signal(const dt_ctx *ctx)
 {
-    return ctx && ctx->preempt.on ? (int)preempt_got : 0;
+    return ctx && preempt_on(ctx) ? (int)preempt_got : 0;
 }
 
 /* This rank's own vote: the signal it caught, 0: none (or not enabled). */
 DT_PRIVATE int preempt_local(const dt_ctx *ctx)
 {
-    return ctx->preempt.on ? (int)preempt_got : 0;
+    return preempt_on(ctx) ? (int)preempt_got : 0;
 }
 
 /* The step's verdict, counted elsewhere (a parameter server's answer). */
 DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict)
 {
-    ctx->preempt.voted = 1;
-    ctx->preempt.verdict = verdict;
+    preempt_state *st = preempt_of(ctx);   /* (a worker's: preempt_set_via_ps made it) */
+    if (!st)
+        return;
+    st->voted = 1;
+    st->verdict = verdict;
+}
+
+DT_PRIVATE dt_status preempt_set_via_ps(dt_ctx *ctx, int on)
+{
+    preempt_state *st = on ? preempt_made(ctx) : preempt_of(ctx);
+    if (!st)
+        return on ? ctx->last_status : DT_OK;
+    st->via_ps = on;
+    return DT_OK;
+}
+
+DT_PRIVATE int64_t preempt_stop_step(const dt_ctx *ctx)
+{
+    const preempt_state *st = preempt_of(ctx);
+    return st && st->agreed ? st->step : -1;
 }
 
 /* The job agreed to stop after `step` (the first agreement stands). */
-DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict)
+DT_PRIVATE dt_status preempt_decide(dt_ctx *ctx, int64_t step, int verdict)
 {
-    if (verdict <= 0 || ctx->preempt.step >= 0)
-        return;
-    ctx->preempt.step = step;
-    ctx->preempt.signal = verdict;
-    ctx->preempt.since = dt_now();
+    if (verdict <= 0 || preempt_stop_step(ctx) >= 0)
+        return DT_OK;
+    preempt_state *st = preempt_made(ctx);   /* a server may agree without enabling */
+    if (!st)
+        return ctx->last_status;
+    st->agreed = 1;
+    st->step = step;
+    st->signal = verdict;
+    st->since = dt_now();
+    return DT_OK;
 }
 
 /* The step's vote: every rank's signal (0: none), the largest kept; after
  * it every rank has the same verdict.  Collective over c. */
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c)
 {
-    if (!ctx->preempt.on)
+    preempt_state *st = preempt_of(ctx);
+    if (!st || !st->on)
         return DT_OK;
-    if (ctx->preempt.via_ps)   /* the servers are in dt_ps_serve: no allreduce with them */
+    if (st->via_ps)   /* the servers are in dt_ps_serve: no allreduce with them */
         return set_error(ctx, DT_ENOTSUP, "preempt_agree: with a parameter server the vote rides "
                          "on each step's push and pull: BSP without prefetch, dt_preempt_agree "
                          "after dt_ps_push_pull or dt_ddp_step");
     float v = (float)preempt_got;
     if (c && dt_comm_size(c) > 1 && dt_comm_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
         return set_error(ctx, ctx->last_status, "preempt: the step's vote failed: %s", ctx->err);
-    ctx->preempt.voted = 1;
-    ctx->preempt.verdict = (int)v;
+    st->voted = 1;
+    st->verdict = (int)v;
     return DT_OK;
 }
 
@@ -17283,24 +17514,25 @@ dt_status dt_preempt_agree(dt_ctx *ctx, dt_comm *c, int64_t step, int *stop)
     if (!stop)
         return set_error(ctx, DT_EINVAL, "preempt_agree: stop is NULL");
     *stop = 0;
-    if (!ctx->preempt.on)
+    preempt_state *st = preempt_of(ctx);
+    if (!st || !st->on)
         return DT_OK;
-    if (!ctx->preempt.voted && preempt_vote(ctx, c) != DT_OK)
+    if (!st->voted && preempt_vote(ctx, c) != DT_OK)
         return ctx->last_status;
-    ctx->preempt.voted = 0;   /* the next step votes again */
-    *stop = ctx->preempt.verdict > 0;
-    preempt_decide(ctx, step, ctx->preempt.verdict);
-    return DT_OK;
+    st->voted = 0;   /* the next step votes again */
+    *stop = st->verdict > 0;
+    return preempt_decide(ctx, step, st->verdict);
 }
 
 dt_status dt_preempt_saved(dt_ctx *ctx, double seconds)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (ctx->preempt.step < 0)
+    preempt_state *st = preempt_of(ctx);
+    if (preempt_stop_step(ctx) < 0)
         return set_error(ctx, DT_ESTATE, "preempt_saved: the job has not agreed to stop "
                          "(dt_preempt_agree)");
-    ctx->preempt.saved_s = seconds >= 0 ? seconds : dt_now() - ctx->preempt.since;
+    st->saved_s = seconds >= 0 ? seconds : dt_now() - st->since;
     return DT_OK;
 }
 
@@ -17309,25 +17541,27 @@ dt_status dt_preempt_saved(dt_ctx *ctx, double seconds)
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap)
 {
     out[0] = '\0';
-    if (ctx->preempt.step < 0)
+    const preempt_state *st = preempt_of(ctx);
+    if (preempt_stop_step(ctx) < 0)
         return;
-    const char *name = sigabbrev_np(ctx->preempt.signal);
-    if (ctx->preempt.saved_s >= 0)
+    const char *name = sigabbrev_np(st->signal);
+    if (st->saved_s >= 0)
         snprintf(out, cap, "pre-empted at step %lld (SIG%s), checkpoint saved in %.2f s",
-                 (long long)ctx->preempt.step, name ? name : "?", ctx->preempt.saved_s);
+                 (long long)st->step, name ? name : "?", st->saved_s);
     else
         snprintf(out, cap, "pre-empted at step %lld (SIG%s), no checkpoint saved",
-                 (long long)ctx->preempt.step, name ? name : "?");
+                 (long long)st->step, name ? name : "?");
 }
 
 const char *dt_preempt_report(dt_ctx *ctx)
 {
-    if (!ctx)
+    preempt_state *st = ctx ? preempt_of(ctx) : NULL;
+    if (!st)
         return "";
-    preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
-    return ctx->preempt.line;
+    preempt_line(ctx, st->line, sizeof st->line);
+    return st->line;
 }
-#line 17331 "dtrain.c"
+#line 17565 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17620,7 +17854,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17624 "dtrain.c"
+#line 17858 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18135,7 +18369,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18139 "dtrain.c"
+#line 18373 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -19221,7 +19455,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19225 "dtrain.c"
+#line 19459 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19403,7 +19637,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19407 "dtrain.c"
+#line 19641 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -20622,7 +20856,8 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
-    ctx->preempt.via_ps = 1;   /* the servers count the pre-emption vote */
+    if (preempt_set_via_ps(ctx, 1) != DT_OK)   /* the servers count the pre-emption vote */
+        return ctx->last_status;
     char why[DT_MAX_ERROR], err[256] = "";
     if (comm_take_transport(c, why, sizeof why) != DT_OK)
         return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
@@ -20720,7 +20955,7 @@ void dt_ps_free(dt_ps *ps)
     }
     ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
     if (ps->server < 0)
-        ctx->preempt.via_ps = 0;
+        (void)preempt_set_via_ps(ctx, 0);   /* (never fails: it makes nothing) */
     for (int w = 0; ps->peers && w < ps->W; w++) {
         host_free(ctx, ps->peers[w].push);
         host_free(ctx, ps->peers[w].sdata);
@@ -20778,7 +21013,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 20782 "dtrain.c"
+#line 21017 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -21160,7 +21395,7 @@ static void ps_count_votes(dt_ps *ps)
         ps->peers[w].vote = 0;
     }
     ps->vote = v;
-    preempt_decide(ps->ctx, ps->applied, v);
+    (void)preempt_decide(ps->ctx, ps->applied, v);   /* (its state was made by dt_ps_new) */
 }
 
 static dt_status ps_apply_bsp(dt_ps *ps)
@@ -22177,7 +22412,7 @@ dt_status dt_ps_serve(dt_ps *ps)
                          : ps_serve_loop(ps, last_seen);
     if (s == DT_OK)   /* the final state, for a job that starts again */
         s = ps_checkpoint(ps);
-    if (s == DT_OK && ps->ctx->preempt.step >= 0)
+    if (s == DT_OK && preempt_stop_step(ps->ctx) >= 0)
         s = ps_preempted(ps);
     for (int w = 0; !broken && w < ps->W; w++)   /* nothing of ours stays posted */
         if (ps->peers[w].state == 0)
@@ -22229,7 +22464,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22233 "dtrain.c"
+#line 22468 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23631,7 +23866,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23635 "dtrain.c"
+#line 23870 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -24066,7 +24301,7 @@ static int64_t ddp_grad_chunk_rows(void *user, const dt_tensor *w, int64_t rows,
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
-        d->uses[w->param_index] != 1 || ctx->seg_backward ||
+        d->uses[w->param_index] != 1 || recompute_in_backward(ctx) ||
         rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
         return 0;
     int64_t target = rows * cols / 4;   /* at least four blocks, at most a bucket each */
@@ -24081,7 +24316,7 @@ static void ddp_grad_rows_done(void *user, const dt_tensor *w, int64_t rows_done
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
-        d->uses[w->param_index] != 1 || ctx->seg_backward)
+        d->uses[w->param_index] != 1 || recompute_in_backward(ctx))
         return;   /* not this op's to declare final (inside a segment it may read w again) */
     ddp_mark_final(d, w->param_index, rows_done * cols);
     int before = d->next_launch;
@@ -25074,7 +25309,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 25078 "dtrain.c"
+#line 25313 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25495,7 +25730,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25499 "dtrain.c"
+#line 25734 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25730,7 +25965,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25734 "dtrain.c"
+#line 25969 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -25912,7 +26147,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 25916 "dtrain.c"
+#line 26151 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -26173,20 +26408,17 @@ static dt_status pipe_recv_header(dt_pipe *p)
 /* Run on micro-batch i's slot and tape (its forward's, or a fresh one). */
 static pipe_arenas pipe_enter(dt_pipe *p, int i, dt_node *tape)
 {
-    dt_ctx *ctx = p->ctx;
-    pipe_arenas saved = {ctx->cur_dev, ctx->cur_host, ctx->tape};
     pipe_slot *sl = &p->slots[i % p->nslots];
-    ctx->cur_dev = &sl->dev;
-    ctx->cur_host = &sl->host;
-    ctx->tape = tape;
+    pipe_arenas saved = {&sl->dev, &sl->host, NULL};
+    ctx_swap_arenas(p->ctx, &saved.dev, &saved.host);
+    saved.tape = ctx_swap_tape(p->ctx, tape);
     return saved;
 }
 
 static void pipe_leave(dt_pipe *p, pipe_arenas saved)
 {
-    p->ctx->cur_dev = saved.dev;
-    p->ctx->cur_host = saved.host;
-    p->ctx->tape = saved.tape;
+    ctx_swap_arenas(p->ctx, &saved.dev, &saved.host);
+    ctx_swap_tape(p->ctx, saved.tape);
 }
 
 static dt_status pipe_output_ok(dt_pipe *p, int i, dt_tensor *out, uint64_t errors_before)
@@ -26237,7 +26469,7 @@ static dt_status pipe_forward_run(dt_pipe *p, int i, const dt_tensor *x, const d
         shape[0] = mb->rows;
         if ((xi = tensor_step_new(ctx, DT_F32, p->in_ndim, shape))) {
             be_to_device(ctx, xi->data, p->rbuf, tensor_bytes(xi));
-            xi->flags |= T_REQGRAD;
+            tensor_require_grad(xi);
         }
     }
     if (xi && pipe_last(p))
@@ -26276,7 +26508,7 @@ static void pipe_count_held(dt_pipe *p)
     for (int k = 0; k < p->nslots; k++)
         if (p->slots[k].busy) {
             held++;
-            bytes += p->slots[k].dev.used;
+            bytes += arena_used(&p->slots[k].dev);
         }
     if (held > p->st.in_flight_peak)
         p->st.in_flight_peak = held;
@@ -26604,8 +26836,7 @@ static int cmp_double_asc(const void *a, const void *b)
 static dt_status layer_inputs(dt_ctx *ctx, dt_layer_fn const *layers, void *const *users, int n,
                               const dt_tensor *sample, dt_tensor **in)
 {
-    int grad = ctx->grad_enabled;
-    ctx->grad_enabled = 0;
+    int grad = ctx_swap_grad_enabled(ctx, 0);
     dt_tensor *x = (dt_tensor *)sample;
     dt_status s = DT_OK;
     for (int i = 0; i < n && s == DT_OK; i++) {
@@ -26623,7 +26854,7 @@ static dt_status layer_inputs(dt_ctx *ctx, dt_layer_fn const *layers, void *cons
             s = ctx->errors != errors ? ctx->last_status
                 : set_error(ctx, DT_EINVAL, "layer_times: layer %d returned NULL", i);
     }
-    ctx->grad_enabled = grad;
+    ctx_swap_grad_enabled(ctx, grad);
     return s;
 }
 
@@ -26912,12 +27143,13 @@ dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
                   (long long)last, dt_comm_size(c));
         return NULL;
     }
-    dt_tensor *v = tensor_view_header(ctx, x);   /* this rank's columns, then a contiguous copy */
+    int64_t k = last / dt_comm_size(c), shape[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    shape[x->ndim - 1] = k;   /* this rank's columns, then a contiguous copy */
+    dt_tensor *v = tensor_view_as(ctx, x, x->ndim, shape, x->stride,
+                                  FP(x) + (int64_t)dt_comm_rank(c) * k * x->stride[x->ndim - 1]);
     if (!v)
         return NULL;
-    int64_t k = last / dt_comm_size(c);
-    v->shape[x->ndim - 1] = k;
-    v->data = FP(x) + (int64_t)dt_comm_rank(c) * k * x->stride[x->ndim - 1];
     tensor_materialize(x);
     dt_tensor *y = op_like(ctx, v);
     if (!y)
@@ -26982,7 +27214,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 26986 "dtrain.c"
+#line 27218 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31335,7 +31567,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31339 "dtrain.c"
+#line 31571 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32560,7 +32792,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32564 "dtrain.c"
+#line 32796 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32739,6 +32971,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32743 "dtrain.c"
+#line 32975 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

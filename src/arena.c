@@ -234,6 +234,20 @@ DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n)
     return 0;
 }
 
+DT_PRIVATE size_t arena_used(const dt_arena *a) { return a->used; }
+
+DT_PRIVATE int arena_step_give_back(dt_ctx *ctx, void *p, size_t n)
+{
+    return arena_give_back(&ctx->dev, p, n) || arena_give_back(&ctx->scratch_dev, p, n);
+}
+
+DT_PRIVATE int arena_refused_take(dt_ctx *ctx)
+{
+    int refused = ctx->arena_refused;
+    ctx->arena_refused = 0;
+    return refused;
+}
+
 /* n bytes from the smallest hole that holds them (its rest stays a hole),
  * else from the bump pointer as arena_alloc. */
 DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n)

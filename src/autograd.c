@@ -62,10 +62,9 @@ DT_PRIVATE dt_node *tape_record(dt_ctx *ctx, const char *op, dt_backward_fn bw, 
     for (int i = 0; i < 3; i++)
         if (ins[i])
             n->in[n->n_in++] = ins[i];
-    n->prev = ctx->tape;
-    ctx->tape = n;
-    out->node = n;
-    out->flags |= T_REQGRAD;
+    n->prev = ctx_swap_tape(ctx, n);
+    tensor_set_node(out, n);
+    tensor_require_grad(out);
     return n;
 }
 
@@ -91,10 +90,11 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
 {
     tensor_rows_all(t);   /* this op may write every row */
     if (!t->grad) {
-        t->grad = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
-        if (!t->grad)
+        dt_tensor *g = tensor_step_new_reusing(ctx, DT_F32, t->ndim, t->shape);
+        if (!g)
             return NULL;
-        t->grad->flags |= T_ZERO;
+        tensor_mark_zero(g, 1);
+        tensor_set_grad(t, g);
     }
     /* a sharded DDP lends a parameter's gradient memory only from its
      * first write of the step (src/zero.c) */
@@ -102,7 +102,7 @@ DT_PRIVATE float *grad_target(dt_ctx *ctx, dt_tensor *t, int *acc)
         ctx->grad_hooks->grad_memory && ctx->grad_hooks->grad_memory(ctx->hook_user, t) != DT_OK)
         return NULL;
     *acc = !(t->grad->flags & T_ZERO);
-    t->grad->flags &= ~(unsigned)T_ZERO;
+    tensor_mark_zero(t->grad, 0);
     return FP(t->grad);
 }
 
@@ -129,9 +129,8 @@ static void grad_release(dt_ctx *ctx, dt_node *n)
     if (!g || t->node != n || (t->flags & (T_PERSIST | T_RETAIN)) || (g->flags & T_PERSIST))
         return;
     size_t bytes = tensor_bytes(g);
-    if (arena_give_back(&ctx->dev, g->data, bytes) ||
-        arena_give_back(&ctx->scratch_dev, g->data, bytes))
-        t->grad = NULL;
+    if (arena_step_give_back(ctx, g->data, bytes))
+        tensor_set_grad(t, NULL);
 }
 
 /* With hooked (the top-level walk only), the attached DDP hears of every
@@ -165,7 +164,7 @@ static dt_status backward_run(dt_ctx *ctx, dt_tensor *loss, float seed);
 DT_PRIVATE dt_status tape_backward_seeded(dt_ctx *ctx, dt_tensor *loss, float seed)
 {
     if (ctx)
-        ctx->backwards++;   /* arena_grew's count */
+        ctx_backward_begun(ctx);   /* arena_grew's count */
     double t0 = ctx && ctx_ok(ctx) ? prof_begin(ctx) : 0;
     int act = ctx_doing(ctx, ACT_BACKWARD);
     dt_status s = backward_run(ctx, loss, seed);
@@ -238,8 +237,8 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     /* The tape is consumed: its outputs become plain tensors, so a second
      * backward through the same graph is refused instead of double-counting. */
     for (dt_node *n = ctx->tape; n; n = n->prev)
-        n->out->node = NULL;
-    ctx->tape = NULL;
+        tensor_set_node(n->out, NULL);
+    ctx_swap_tape(ctx, NULL);
     return backward_ended(ctx, s);
 }
 

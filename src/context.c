@@ -437,8 +437,6 @@ dt_ctx *dt_ctx_new(const dt_ctx_config *cfg_in)
     ctx->act_since = dt_now();
     ctx->al = al;
     ctx->threads = cfg.threads > 0 ? cfg.threads : 1;
-    ctx->preempt.step = -1;   /* no stop agreed (a server may agree one without enabling) */
-    ctx->preempt.saved_s = -1;
     ctx->grad_enabled = 1;
     ctx->training = 1;
     size_t arena_bytes = cfg.arena_bytes ? cfg.arena_bytes : DT_DEFAULT_ARENA_BYTES;
@@ -509,6 +507,8 @@ void dt_ctx_free(dt_ctx *ctx)
         dt_tensor_free(t);
     }
     host_free(ctx, ctx->params);
+    for (int i = 0; i < CTX_EXT_COUNT; i++)
+        host_free(ctx, ctx->ext[i]);
     arena_destroy(ctx, &ctx->dev);
     arena_destroy(ctx, &ctx->host);
     arena_destroy(ctx, &ctx->scratch_dev);
@@ -560,6 +560,81 @@ DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user)
     void *was = ctx->hook_user;
     ctx->hook_user = user;
     return was;
+}
+
+DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot) { return ctx->ext[slot]; }
+
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size)
+{
+    if (!ctx->ext[slot] && !(ctx->ext[slot] = host_calloc(ctx, size)))
+        set_error(ctx, DT_ENOMEM, "out of host memory for the context's state");
+    return ctx->ext[slot];
+}
+
+DT_PRIVATE dt_node *ctx_swap_tape(dt_ctx *ctx, dt_node *tape)
+{
+    dt_node *was = ctx->tape;
+    ctx->tape = tape;
+    return was;
+}
+
+DT_PRIVATE int ctx_swap_grad_enabled(dt_ctx *ctx, int on)
+{
+    int was = ctx->grad_enabled;
+    ctx->grad_enabled = on;
+    return was;
+}
+
+DT_PRIVATE dt_precision ctx_swap_autocast(dt_ctx *ctx, dt_precision p)
+{
+    dt_precision was = ctx->autocast;
+    ctx->autocast = p;
+    return was;
+}
+
+DT_PRIVATE uint64_t ctx_swap_dropout_counter(dt_ctx *ctx, uint64_t counter)
+{
+    uint64_t was = ctx->dropout_counter;
+    ctx->dropout_counter = counter;
+    return was;
+}
+
+DT_PRIVATE void ctx_swap_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host)
+{
+    dt_arena *d = ctx->cur_dev, *h = ctx->cur_host;
+    ctx->cur_dev = *dev;
+    ctx->cur_host = *host;
+    *dev = d;
+    *host = h;
+}
+
+DT_PRIVATE void ctx_scratch_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host)
+{
+    *dev = &ctx->scratch_dev;
+    *host = &ctx->scratch_host;
+}
+
+DT_PRIVATE uint64_t ctx_dropout_next(dt_ctx *ctx) { return ctx->dropout_counter++; }
+
+DT_PRIVATE void ctx_backward_begun(dt_ctx *ctx) { ctx->backwards++; }
+
+DT_PRIVATE int ctx_note_params(dt_ctx *ctx, dt_tensor **list)
+{
+    int n = ctx->n_noted;
+    ctx->noted = list;
+    ctx->n_noted = 0;
+    return n;
+}
+
+DT_PRIVATE void ctx_note_param(dt_ctx *ctx, const dt_tensor *p)
+{
+    if (!ctx->noted)
+        return;
+    for (int i = 0; i < ctx->n_noted; i++)
+        if (ctx->noted[i] == p)
+            return;
+    if (ctx->n_noted < ctx->n_params)
+        ctx->noted[ctx->n_noted++] = (dt_tensor *)p;
 }
 
 DT_PRIVATE int ctx_ok(dt_ctx *ctx)

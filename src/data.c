@@ -88,7 +88,7 @@ static void global_slice(dt_loader *ld, int64_t b, int64_t *start, int64_t *coun
                          int64_t *offset, int64_t *global, uint64_t *gen)
 {
     int P = ld->cfg.shard_count, me = ld->cfg.shard_rank;
-    int64_t G = (int64_t)ld->cfg.batch * P, n = ld->ds->n;
+    int64_t G = (int64_t)ld->cfg.batch * P, n = dt_dataset_size(ld->ds);
     int64_t total = n - b * G < G ? n - b * G : G, counts[64];
     if (ld->has_thread)
         pthread_mutex_lock(&ld->mu);
@@ -257,16 +257,17 @@ static dt_status loader_alloc_slots(dt_loader *ld)
 {
     dt_ctx *ctx = ld->ctx;
     int64_t b = ld->cap, xs[DT_MAX_DIMS] = {b}, ys[DT_MAX_DIMS] = {b};
-    const ds_field *in = &ld->ds->in, *tgt = &ld->ds->tgt;
-    for (int d = 0; d < in->f.ndim; d++)
-        xs[d + 1] = in->f.shape[d];
-    for (int d = 0; d < tgt->f.ndim; d++)
-        ys[d + 1] = tgt->f.shape[d];
+    dt_sample_field in, tgt;
+    dt_dataset_fields(ld->ds, &in, &tgt);
+    for (int d = 0; d < in.ndim; d++)
+        xs[d + 1] = in.shape[d];
+    for (int d = 0; d < tgt.ndim; d++)
+        ys[d + 1] = tgt.shape[d];
     for (int i = 0; i < 2; i++) {
         loader_slot *s = &ld->slot[i];
         s->batch_index = -1;
-        if (!(s->x = dt_tensor_new(ctx, ld->x_dtype, in->f.ndim + 1, xs)) ||
-            !(s->y = dt_tensor_new(ctx, ld->y_dtype, tgt->f.ndim + 1, ys)))
+        if (!(s->x = dt_tensor_new(ctx, ld->x_dtype, in.ndim + 1, xs)) ||
+            !(s->y = dt_tensor_new(ctx, ld->y_dtype, tgt.ndim + 1, ys)))
             return ctx->last_status;
         if (ld->host_visible) {
             s->hx = s->x->data;
@@ -301,7 +302,9 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
                   cfg->shard_rank, cfg->shard_count);
         return NULL;
     }
-    if (ds->in.f.dtype == DT_I32 && (cfg->mean != 0.0f || cfg->std != 1.0f)) {
+    dt_sample_field in, tgt;
+    dt_dataset_fields(ds, &in, &tgt);
+    if (in.dtype == DT_I32 && (cfg->mean != 0.0f || cfg->std != 1.0f)) {
         set_error(ctx, DT_EINVAL, "loader: mean %g and std %g apply to f32 inputs; this dataset's "
                   "inputs are i32 (token ids)", (double)cfg->mean, (double)cfg->std);
         return NULL;
@@ -315,10 +318,10 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     ld->ds = ds;
     ld->cfg = *cfg;
     ld->cfg.shard_count = shards;
-    ld->x_elems = ds->in.elems;
-    ld->y_elems = ds->tgt.elems;
-    ld->x_dtype = dataset_batch_dtype(&ds->in, 0);
-    ld->y_dtype = dataset_batch_dtype(&ds->tgt, 1);
+    ld->x_elems = shape_numel(in.ndim, in.shape);
+    ld->y_elems = shape_numel(tgt.ndim, tgt.shape);
+    ld->x_dtype = dataset_batch_dtype(&in, 0);
+    ld->y_dtype = dataset_batch_dtype(&tgt, 1);
     ld->host_visible = BE(ctx)->host_visible;
     ld->request = -1;
     ld->cap = cfg->batch;
@@ -341,10 +344,10 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     }
     /* shards as torch's DistributedSampler: pad to a multiple of the count
      * (every rank runs as many batches), or for evaluation each sample once */
-    ld->n_local = (ds->n + shards - 1) / shards;
+    ld->n_local = (dt_dataset_size(ds) + shards - 1) / shards;
     if (cfg->shard_no_pad)
-        ld->n_local = (ds->n - cfg->shard_rank + shards - 1) / shards;
-    ld->order = host_alloc(ctx, sizeof(int64_t) * (size_t)(ds->n + shards));
+        ld->n_local = (dt_dataset_size(ds) - cfg->shard_rank + shards - 1) / shards;
+    ld->order = host_alloc(ctx, sizeof(int64_t) * (size_t)(dt_dataset_size(ds) + shards));
     if (!ld->order || dataset_xform_init(ds, cfg->mean, cfg->std, &ld->xf) != DT_OK ||
         loader_alloc_slots(ld) != DT_OK) {
         if (ctx->last_status == DT_OK)
@@ -355,8 +358,8 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
     ld->n_batches = cfg->drop_last ? ld->n_local / cfg->batch
                                    : (ld->n_local + cfg->batch - 1) / cfg->batch;
     if (cfg->global_batches) {   /* whole global batches, and a last one with a sample a shard */
-        int64_t G = ld->cap, rest = ds->n % G;
-        ld->n_batches = ds->n / G + (!cfg->drop_last && rest >= shards ? 1 : 0);
+        int64_t G = ld->cap, rest = dt_dataset_size(ds) % G;
+        ld->n_batches = dt_dataset_size(ds) / G + (!cfg->drop_last && rest >= shards ? 1 : 0);
     }
     if (cfg->prefetch) {
         if (pthread_mutex_init(&ld->mu, NULL) != 0 || pthread_cond_init(&ld->cv, NULL) != 0 ||
@@ -401,7 +404,7 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
         return DT_OK;
     }
     loader_quiesce(ld);
-    int64_t n = ld->ds->n, shards = ld->cfg.shard_count;
+    int64_t n = dt_dataset_size(ld->ds), shards = ld->cfg.shard_count;
     int64_t total = (n + shards - 1) / shards * shards;
     int64_t *perm = ld->order;   /* build the global order in place, then keep our shard */
     for (int64_t i = 0; i < n; i++)
@@ -434,14 +437,6 @@ dt_status dt_loader_start_epoch(dt_loader *ld, int64_t epoch)
     if (ld->n_batches > 0)
         loader_request(ld, 0, 0);
     return DT_OK;
-}
-
-static void set_batch_view(dt_tensor *view, const dt_tensor *full, int count)
-{
-    *view = *full;
-    view->shape[0] = count;
-    view->flags = T_EXTERNAL;
-    view->next = view->prev = NULL;
 }
 
 static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y);
@@ -512,8 +507,8 @@ static dt_status loader_next_run(dt_loader *ld, dt_tensor **x, dt_tensor **y)
         *x = s->x;
         *y = s->y;
     } else {
-        set_batch_view(&s->xv, s->x, s->count);
-        set_batch_view(&s->yv, s->y, s->count);
+        tensor_batch_view(&s->xv, s->x, s->count);
+        tensor_batch_view(&s->yv, s->y, s->count);
         *x = &s->xv;
         *y = &s->yv;
     }

@@ -500,11 +500,11 @@ static void convert_target(const ds_field *f, const uint8_t *p, void *out)
     }
 }
 
-DT_PRIVATE dt_dtype dataset_batch_dtype(const ds_field *f, int target)
+DT_PRIVATE dt_dtype dataset_batch_dtype(const dt_sample_field *f, int target)
 {
     if (target)
-        return f->f.dtype == DT_I32 || f->f.dtype == DT_U8 ? DT_I32 : DT_F32;
-    return f->f.dtype == DT_I32 ? DT_I32 : DT_F32;
+        return f->dtype == DT_I32 || f->dtype == DT_U8 ? DT_I32 : DT_F32;
+    return f->dtype == DT_I32 ? DT_I32 : DT_F32;
 }
 
 DT_PRIVATE dt_status dataset_read(const dt_dataset *ds, const ds_xform *xf, int64_t i, void *x,

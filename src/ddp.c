@@ -429,7 +429,7 @@ static int64_t ddp_grad_chunk_rows(void *user, const dt_tensor *w, int64_t rows,
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx || cols <= 0 ||
-        d->uses[w->param_index] != 1 || ctx->seg_backward ||
+        d->uses[w->param_index] != 1 || recompute_in_backward(ctx) ||
         rows * cols < 2 * DDP_CHUNK_MIN_FLOATS)
         return 0;
     int64_t target = rows * cols / 4;   /* at least four blocks, at most a bucket each */
@@ -444,7 +444,7 @@ static void ddp_grad_rows_done(void *user, const dt_tensor *w, int64_t rows_done
     dt_ddp *d = user;
     dt_ctx *ctx = d->ctx;
     if (!d || !d->hooks || !(w->flags & T_PARAM) || w->ctx != ctx ||
-        d->uses[w->param_index] != 1 || ctx->seg_backward)
+        d->uses[w->param_index] != 1 || recompute_in_backward(ctx))
         return;   /* not this op's to declare final (inside a segment it may read w again) */
     ddp_mark_final(d, w->param_index, rows_done * cols);
     int before = d->next_launch;

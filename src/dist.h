@@ -745,8 +745,12 @@ DT_PRIVATE void preempt_reclaim(dt_ctx *ctx);
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c);
 DT_PRIVATE int preempt_local(const dt_ctx *ctx);
 DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict);
-DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict);
+DT_PRIVATE dt_status preempt_decide(dt_ctx *ctx, int64_t step, int verdict);
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap);
+/* The step the job agreed to stop after, -1: none agreed. */
+DT_PRIVATE int64_t preempt_stop_step(const dt_ctx *ctx);
+/* A parameter-server worker (on) or not: the servers count its votes. */
+DT_PRIVATE dt_status preempt_set_via_ps(dt_ctx *ctx, int on);
 
 /* src/join.c: joining the job, a restarted rank */
 DT_PRIVATE dt_status join_announce_rejoin(dt_comm *c);

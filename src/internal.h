@@ -257,6 +257,12 @@ typedef struct dt_grad_hooks {
 enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_CKPT_SAVE,
        ACT_CKPT_LOAD, ACT_EVAL, ACT_COUNT };
 
+/* The slots of dt_ctx.ext: a higher layer's state per context, made on
+ * first use (ctx_ext_make) by the module named. */
+enum { CTX_EXT_PREEMPT,        /* src/preempt.c: the pre-emption vote and its agreed stop */
+       CTX_EXT_RECOMPUTE,      /* src/recompute.c: which segment run is in progress */
+       CTX_EXT_COUNT };
+
 struct dt_ctx {
     dt_allocator al;
     const dt_backend_iface *be_iface;
@@ -279,19 +285,9 @@ struct dt_ctx {
     uint64_t errors;               /* set_error calls so far (was this error set just now?) */
     dt_log_fn log_fn;
     void *log_user;
-    struct {                       /* graceful pre-emption (src/preempt.c) */
-        int on;                    /* dt_preempt_enable was called */
-        unsigned signals;          /* DT_PREEMPT_SIG* caught */
-        int voted, verdict;        /* this step's vote is in (the DDP's, or the parameter
-                                      servers' answer), and its result: the largest signal
-                                      number any rank received, 0: none */
-        int via_ps;                /* a parameter-server worker: the servers count the vote
-                                      (src/ps.c); no allreduce over the communicator */
-        int signal;                /* the agreed stop's signal */
-        int64_t step;              /* the step the job agreed to stop after; -1: none */
-        double since, saved_s;     /* when it agreed; the checkpoint's seconds (-1: none) */
-        char line[128];            /* dt_preempt_report's text */
-    } preempt;
+    /* state a higher layer keeps with this context (CTX_EXT_*: ctx_ext),
+     * plain memory freed with it */
+    void *ext[CTX_EXT_COUNT];
     int threads;
     uint64_t seed;
     uint64_t rng[4];               /* xoshiro256** state for init */
@@ -302,10 +298,8 @@ struct dt_ctx {
     dt_arena dev, host;            /* step memory */
     dt_arena scratch_dev, scratch_host; /* recompute segments */
     dt_arena *cur_dev, *cur_host;
-    int in_recompute;
-    int seg_backward;              /* a recompute segment's own backward is running */
-    dt_tensor **seg_params;        /* a segment's first run: the parameters its ops read */
-    int seg_nparams;               /* (op_input_ok notes them; seg_params NULL: none) */
+    dt_tensor **noted;             /* the parameters ops read, while a caller notes them */
+    int n_noted;                   /* (ctx_note_params; noted NULL: nobody does) */
 
     dt_node *tape;                 /* newest node */
     dt_tensor *persist;            /* persistent tensors */
@@ -614,6 +608,32 @@ DT_PRIVATE void ctx_set_ckpt_extra(dt_ctx *ctx, dt_tensor **list, int n);
 DT_PRIVATE void ctx_step_arena_capacity(const dt_ctx *ctx, size_t *dev, size_t *host);
 DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void *user);
 DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
+/* A higher layer's state kept with ctx (slot CTX_EXT_*): NULL until made;
+ * ctx_ext_make makes it zeroed, size bytes, once (NULL: out of memory,
+ * with the error set); freed with the context. */
+DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot);
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size);
+/* What a recompute segment and a pipeline's micro-batch change while they
+ * run and put back after (src/recompute.c, src/parallel.c); each returns
+ * the value it replaced.  ctx_swap_arenas: the arenas step tensors come
+ * from, *dev and *host in, the ones before out. */
+DT_PRIVATE dt_node *ctx_swap_tape(dt_ctx *ctx, dt_node *tape);
+DT_PRIVATE int ctx_swap_grad_enabled(dt_ctx *ctx, int on);
+DT_PRIVATE dt_precision ctx_swap_autocast(dt_ctx *ctx, dt_precision p);
+DT_PRIVATE uint64_t ctx_swap_dropout_counter(dt_ctx *ctx, uint64_t counter);
+DT_PRIVATE void ctx_swap_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host);
+/* the arenas a recompute segment's first run and rerun allocate from */
+DT_PRIVATE void ctx_scratch_arenas(dt_ctx *ctx, dt_arena **dev, dt_arena **host);
+/* The next dropout mask's number (each dt_dropout takes one). */
+DT_PRIVATE uint64_t ctx_dropout_next(dt_ctx *ctx);
+/* A backward pass began (the step arena's growth warning counts them). */
+DT_PRIVATE void ctx_backward_begun(dt_ctx *ctx);
+/* Note every parameter the ops read (ctx_note_param, from op_input_ok)
+ * into list, room for every parameter of ctx, until ctx_note_params(ctx,
+ * NULL), which returns how many were noted: a recompute segment's node
+ * says which parameters its backward finishes. */
+DT_PRIVATE int ctx_note_params(dt_ctx *ctx, dt_tensor **list);
+DT_PRIVATE void ctx_note_param(dt_ctx *ctx, const dt_tensor *p);
 
 /* src/arena.c */
 DT_PRIVATE void arena_destroy(dt_ctx *ctx, dt_arena *a);
@@ -624,6 +644,13 @@ DT_PRIVATE size_t arena_capacity(const dt_arena *a);
 DT_PRIVATE dt_arena_mark arena_mark(const dt_arena *a);
 DT_PRIVATE void arena_release(dt_arena *a, dt_arena_mark m);
 DT_PRIVATE int arena_give_back(dt_arena *a, void *p, size_t n);
+DT_PRIVATE size_t arena_used(const dt_arena *a);
+/* A gradient's memory back to the step or scratch arena it came from
+ * (0: from neither, kept). */
+DT_PRIVATE int arena_step_give_back(dt_ctx *ctx, void *p, size_t n);
+/* Did the cap refuse the last allocation (its message is then the
+ * context's error)?  Asking forgets it. */
+DT_PRIVATE int arena_refused_take(dt_ctx *ctx);
 DT_PRIVATE void *arena_alloc_reuse(dt_ctx *ctx, dt_arena *a, size_t n);
 
 /* src/tensor.c */
@@ -635,6 +662,19 @@ DT_PRIVATE dt_tensor *tensor_step_new_reusing(dt_ctx *ctx, dt_dtype dtype, int n
                                               const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x);
+/* A view of x's memory with a geometry of its own: ndim dims of shape and
+ * stride (elements), starting at data (NULL: where x starts). */
+DT_PRIVATE dt_tensor *tensor_view_as(dt_ctx *ctx, const dt_tensor *x, int ndim, const int64_t *shape,
+                                     const int64_t *stride, void *data);
+/* A loader's batch: *view becomes full's first count rows, outside the
+ * context's lists (the loader owns full). */
+DT_PRIVATE void tensor_batch_view(dt_tensor *view, const dt_tensor *full, int64_t count);
+/* Autograd's marks on a tensor: its gradient (NULL: none), the tape node
+ * that made it (NULL: none, a leaf or a consumed tape), and that
+ * gradients flow to it. */
+DT_PRIVATE void tensor_set_grad(dt_tensor *t, dt_tensor *grad);
+DT_PRIVATE void tensor_set_node(dt_tensor *t, dt_node *n);
+DT_PRIVATE void tensor_require_grad(dt_tensor *t);
 DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape);
 DT_PRIVATE void tensor_destroy(dt_ctx *ctx, dt_tensor *t);
 DT_PRIVATE dt_status tensor_attach_grad(dt_ctx *ctx, dt_tensor *t);
@@ -736,6 +776,10 @@ DT_PRIVATE dt_status op_gemm(dt_ctx *ctx, dt_precision prec, int64_t batch, int 
             return ctx->last_status;                                                           \
     } while (0)
 
+/* src/recompute.c: is a segment's own backward running (DDP may not call
+ * a parameter's gradient final inside it: the segment may read it again)? */
+DT_PRIVATE int recompute_in_backward(const dt_ctx *ctx);
+
 /* src/optim.c */
 DT_PRIVATE dt_status optim_shard_state(dt_optim *o, const int64_t *lo, const int64_t *n);
 DT_PRIVATE dt_tensor *optim_master_of(const dt_optim *o, const dt_tensor *p);
@@ -806,7 +850,7 @@ DT_PRIVATE dt_status dataset_raw(const dt_dataset *ds, int64_t i, void *x, void 
                                  size_t err_len);
 DT_PRIVATE dt_status dataset_xform_init(const dt_dataset *ds, float mean, float std, ds_xform *xf);
 DT_PRIVATE void dataset_xform_free(dt_ctx *ctx, ds_xform *xf);
-DT_PRIVATE dt_dtype dataset_batch_dtype(const ds_field *f, int target);
+DT_PRIVATE dt_dtype dataset_batch_dtype(const dt_sample_field *f, int target);
 DT_PRIVATE dt_status dataset_read(const dt_dataset *ds, const ds_xform *xf, int64_t i, void *x,
                                   void *y, char *err, size_t err_len);
 DT_PRIVATE void dataset_token_window(const dt_dataset *ds, int64_t i, void *x, void *y);

@@ -18,18 +18,6 @@ struct gemm_operand {
 
 /* Reports a NULL input unless an earlier op already failed (then its message
  * is the useful one). */
-/* A recompute segment's first run reads parameter p: noted once, so its
- * node can say which parameters its backward finishes (src/recompute.c;
- * room for every parameter was made). */
-static void op_note_seg_param(dt_ctx *ctx, const dt_tensor *p)
-{
-    for (int i = 0; i < ctx->seg_nparams; i++)
-        if (ctx->seg_params[i] == p)
-            return;
-    if (ctx->seg_nparams < ctx->n_params)
-        ctx->seg_params[ctx->seg_nparams++] = (dt_tensor *)p;
-}
-
 DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, const char *what)
 {
     if (!ctx_ok(ctx))
@@ -47,8 +35,8 @@ DT_PRIVATE int op_input_ok(dt_ctx *ctx, const char *op, const dt_tensor *x, cons
     if (ctx->hook_user && ctx->grad_hooks->param_use &&
         ctx->grad_hooks->param_use(ctx->hook_user, x->data, 0) != DT_OK)
         return 0;
-    if (ctx->seg_params && (x->flags & T_PARAM))
-        op_note_seg_param(ctx, x);
+    if (ctx->noted && (x->flags & T_PARAM))   /* a recompute segment's first run */
+        ctx_note_param(ctx, x);
     return 1;
 }
 
@@ -83,9 +71,8 @@ DT_PRIVATE dt_tensor *op_like(dt_ctx *ctx, const dt_tensor *x)
 DT_PRIVATE float *op_temp_floats(dt_ctx *ctx, int64_t n)
 {
     float *p = arena_alloc(ctx, ctx->cur_dev, (size_t)n * sizeof(float));
-    if (!p && !ctx->arena_refused)   /* else its message says why */
+    if (!p && !arena_refused_take(ctx))   /* else its message says why */
         set_error(ctx, DT_ENOMEM, "out of device memory for a %lld-float temporary", (long long)n);
-    ctx->arena_refused = 0;
     return p;
 }
 
@@ -176,12 +163,11 @@ dt_tensor *dt_reshape(dt_ctx *ctx, dt_tensor *x, int ndim, const int64_t *shape)
     dt_tensor *c = op_need_contig(ctx, x);
     if (!c)
         return NULL;
-    dt_tensor *y = tensor_view_header(ctx, c);
+    int64_t stride[DT_MAX_DIMS];
+    contiguous_strides(ndim, want, stride);
+    dt_tensor *y = tensor_view_as(ctx, c, ndim, want, stride, NULL);
     if (!y)
         return NULL;
-    y->ndim = ndim;
-    memcpy(y->shape, want, sizeof(int64_t) * (size_t)ndim);
-    contiguous_strides(ndim, y->shape, y->stride);
     if (tape_tracks(ctx, c) && !tape_record(ctx, "reshape", reshape_backward, y, c, NULL, NULL))
         return NULL;
     return y;
@@ -232,15 +218,16 @@ dt_tensor *dt_transpose(dt_ctx *ctx, dt_tensor *x, int d0, int d1)
         return NULL;
     if (!norm_dim(ctx, "transpose", x, &d0) || !norm_dim(ctx, "transpose", x, &d1))
         return NULL;
-    dt_tensor *y = tensor_view_header(ctx, x);
+    int64_t shape[DT_MAX_DIMS], stride[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    memcpy(stride, x->stride, sizeof stride);
+    shape[d0] = x->shape[d1];
+    shape[d1] = x->shape[d0];
+    stride[d0] = x->stride[d1];
+    stride[d1] = x->stride[d0];
+    dt_tensor *y = tensor_view_as(ctx, x, x->ndim, shape, stride, NULL);
     if (!y)
         return NULL;
-    int64_t t = y->shape[d0];
-    y->shape[d0] = y->shape[d1];
-    y->shape[d1] = t;
-    t = y->stride[d0];
-    y->stride[d0] = y->stride[d1];
-    y->stride[d1] = t;
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "transpose", transpose_backward, y, x, NULL, NULL,
                         &(transpose_state){d0, d1}, sizeof(transpose_state)))
@@ -284,16 +271,17 @@ dt_tensor *dt_permute(dt_ctx *ctx, dt_tensor *x, int ndim, const int *dims)
                   "dims", ndim, SHAPE(x, sx), x->ndim);
         return NULL;
     }
-    dt_tensor *y = tensor_view_header(ctx, x);
-    if (!y)
-        return NULL;
     permute_state st;
     memset(&st, 0, sizeof st);
+    int64_t shape[DT_MAX_DIMS], stride[DT_MAX_DIMS];
     for (int i = 0; i < ndim; i++) {
-        y->shape[i] = x->shape[dims[i]];
-        y->stride[i] = x->stride[dims[i]];
+        shape[i] = x->shape[dims[i]];
+        stride[i] = x->stride[dims[i]];
         st.dims[i] = dims[i];
     }
+    dt_tensor *y = tensor_view_as(ctx, x, ndim, shape, stride, NULL);
+    if (!y)
+        return NULL;
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "permute", permute_backward, y, x, NULL, NULL, &st, sizeof st))
         return NULL;
@@ -328,11 +316,14 @@ dt_tensor *dt_slice(dt_ctx *ctx, dt_tensor *x, int dim, int64_t start, int64_t e
                   (long long)start, (long long)end, dim, (long long)x->shape[dim]);
         return NULL;
     }
-    dt_tensor *y = tensor_view_header(ctx, x);
+    int64_t shape[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    shape[dim] = end - start;
+    dt_tensor *y = tensor_view_as(ctx, x, x->ndim, shape, x->stride,
+                                  (char *)x->data + (size_t)(start * x->stride[dim]) *
+                                                        dt_dtype_size(x->dtype));
     if (!y)
         return NULL;
-    y->shape[dim] = end - start;
-    y->data = (char *)x->data + (size_t)(start * x->stride[dim]) * dt_dtype_size(x->dtype);
     if (tape_tracks(ctx, x) &&
         !tape_record_op(ctx, "slice", slice_backward, y, x, NULL, NULL,
                         &(slice_state){dim, start}, sizeof(slice_state)))
@@ -1308,11 +1299,10 @@ static dt_status custom_backward(dt_ctx *ctx, dt_node *n)
 {
     const custom_state *st = n->state;
     dt_tensor *grads[NODE_MAX_IN] = {0};
-    int grad = ctx->grad_enabled;
-    ctx->grad_enabled = 0;
+    int grad = ctx_swap_grad_enabled(ctx, 0);
     uint64_t errors = ctx->errors;
     dt_status s = st->backward(ctx, n->in, n->n_in, n->out, n->out->grad, grads, st->user);
-    ctx->grad_enabled = grad;
+    ctx_swap_grad_enabled(ctx, grad);
     if (s != DT_OK)
         return ctx->errors != errors ? ctx->last_status
                                      : set_error(ctx, s, "%s: its backward returned %d", n->op, (int)s);
@@ -1348,13 +1338,13 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     for (int i = 0; i < n; i++)
         if (!op_input_ok(ctx, name, inputs[i], "input"))
             return NULL;
-    int grad = ctx->grad_enabled, tracks = 0;
+    int tracks = 0;
     for (int i = 0; i < n; i++)
         tracks |= tape_tracks(ctx, inputs[i]);
-    ctx->grad_enabled = 0;
+    int grad = ctx_swap_grad_enabled(ctx, 0);
     uint64_t errors = ctx->errors;
     dt_tensor *out = forward(ctx, inputs, n, user);
-    ctx->grad_enabled = grad;
+    ctx_swap_grad_enabled(ctx, grad);
     int is_input = 0;
     for (int i = 0; out && i < n; i++)
         is_input |= out == inputs[i];

@@ -424,7 +424,7 @@ dt_tensor *dt_dropout(dt_ctx *ctx, dt_tensor *x, float p)
         return NULL;
     tensor_materialize(x);
     uint64_t sm = ctx->seed ^ 0xD1B54A32D192ED03ull;
-    sm += 0x9E3779B97F4A7C15ull * (ctx->dropout_counter++ + 1);
+    sm += 0x9E3779B97F4A7C15ull * (ctx_dropout_next(ctx) + 1);
     uint64_t seed = param_splitmix64(&sm);
     int64_t cnt = shape_numel(x->ndim, x->shape);
     dt_tensor *y = op_like(ctx, x);

@@ -255,20 +255,17 @@ static dt_status pipe_recv_header(dt_pipe *p)
 /* Run on micro-batch i's slot and tape (its forward's, or a fresh one). */
 static pipe_arenas pipe_enter(dt_pipe *p, int i, dt_node *tape)
 {
-    dt_ctx *ctx = p->ctx;
-    pipe_arenas saved = {ctx->cur_dev, ctx->cur_host, ctx->tape};
     pipe_slot *sl = &p->slots[i % p->nslots];
-    ctx->cur_dev = &sl->dev;
-    ctx->cur_host = &sl->host;
-    ctx->tape = tape;
+    pipe_arenas saved = {&sl->dev, &sl->host, NULL};
+    ctx_swap_arenas(p->ctx, &saved.dev, &saved.host);
+    saved.tape = ctx_swap_tape(p->ctx, tape);
     return saved;
 }
 
 static void pipe_leave(dt_pipe *p, pipe_arenas saved)
 {
-    p->ctx->cur_dev = saved.dev;
-    p->ctx->cur_host = saved.host;
-    p->ctx->tape = saved.tape;
+    ctx_swap_arenas(p->ctx, &saved.dev, &saved.host);
+    ctx_swap_tape(p->ctx, saved.tape);
 }
 
 static dt_status pipe_output_ok(dt_pipe *p, int i, dt_tensor *out, uint64_t errors_before)
@@ -319,7 +316,7 @@ static dt_status pipe_forward_run(dt_pipe *p, int i, const dt_tensor *x, const d
         shape[0] = mb->rows;
         if ((xi = tensor_step_new(ctx, DT_F32, p->in_ndim, shape))) {
             be_to_device(ctx, xi->data, p->rbuf, tensor_bytes(xi));
-            xi->flags |= T_REQGRAD;
+            tensor_require_grad(xi);
         }
     }
     if (xi && pipe_last(p))
@@ -358,7 +355,7 @@ static void pipe_count_held(dt_pipe *p)
     for (int k = 0; k < p->nslots; k++)
         if (p->slots[k].busy) {
             held++;
-            bytes += p->slots[k].dev.used;
+            bytes += arena_used(&p->slots[k].dev);
         }
     if (held > p->st.in_flight_peak)
         p->st.in_flight_peak = held;
@@ -686,8 +683,7 @@ static int cmp_double_asc(const void *a, const void *b)
 static dt_status layer_inputs(dt_ctx *ctx, dt_layer_fn const *layers, void *const *users, int n,
                               const dt_tensor *sample, dt_tensor **in)
 {
-    int grad = ctx->grad_enabled;
-    ctx->grad_enabled = 0;
+    int grad = ctx_swap_grad_enabled(ctx, 0);
     dt_tensor *x = (dt_tensor *)sample;
     dt_status s = DT_OK;
     for (int i = 0; i < n && s == DT_OK; i++) {
@@ -705,7 +701,7 @@ static dt_status layer_inputs(dt_ctx *ctx, dt_layer_fn const *layers, void *cons
             s = ctx->errors != errors ? ctx->last_status
                 : set_error(ctx, DT_EINVAL, "layer_times: layer %d returned NULL", i);
     }
-    ctx->grad_enabled = grad;
+    ctx_swap_grad_enabled(ctx, grad);
     return s;
 }
 
@@ -994,12 +990,13 @@ dt_tensor *dt_tp_split(dt_ctx *ctx, dt_comm *c, dt_tensor *x)
                   (long long)last, dt_comm_size(c));
         return NULL;
     }
-    dt_tensor *v = tensor_view_header(ctx, x);   /* this rank's columns, then a contiguous copy */
+    int64_t k = last / dt_comm_size(c), shape[DT_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof shape);
+    shape[x->ndim - 1] = k;   /* this rank's columns, then a contiguous copy */
+    dt_tensor *v = tensor_view_as(ctx, x, x->ndim, shape, x->stride,
+                                  FP(x) + (int64_t)dt_comm_rank(c) * k * x->stride[x->ndim - 1]);
     if (!v)
         return NULL;
-    int64_t k = last / dt_comm_size(c);
-    v->shape[x->ndim - 1] = k;
-    v->data = FP(x) + (int64_t)dt_comm_rank(c) * k * x->stride[x->ndim - 1];
     tensor_materialize(x);
     dt_tensor *y = op_like(ctx, v);
     if (!y)

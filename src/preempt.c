@@ -51,6 +51,44 @@ static void preempt_on_signal(int sig)
     raise(sig);
 }
 
+/* A context's pre-emption state (its CTX_EXT_PREEMPT slot), made by
+ * dt_preempt_enable, by a parameter server's worker, or by a server that
+ * agrees a stop without enabling; none: nothing enabled or agreed. */
+typedef struct preempt_state {
+    int on;                    /* dt_preempt_enable was called */
+    unsigned signals;          /* DT_PREEMPT_SIG* caught */
+    int voted, verdict;        /* this step's vote is in (the DDP's, or the parameter
+                                  servers' answer), and its result: the largest signal
+                                  number any rank received, 0: none */
+    int via_ps;                /* a parameter-server worker: the servers count the vote
+                                  (src/ps.c); no allreduce over the communicator */
+    int agreed;                /* the job agreed to stop after step */
+    int signal;                /* the agreed stop's signal */
+    int64_t step;
+    double since, saved_s;     /* when it agreed; the checkpoint's seconds (-1: none) */
+    char line[128];            /* dt_preempt_report's text */
+} preempt_state;
+
+static preempt_state *preempt_of(const dt_ctx *ctx) { return ctx_ext(ctx, CTX_EXT_PREEMPT); }
+
+/* The state, made on first use (NULL: out of memory, the error set). */
+static preempt_state *preempt_made(dt_ctx *ctx)
+{
+    preempt_state *st = preempt_of(ctx);
+    if (st)
+        return st;
+    if (!(st = ctx_ext_make(ctx, CTX_EXT_PREEMPT, sizeof *st)))
+        return NULL;
+    st->saved_s = -1;
+    return st;
+}
+
+static int preempt_on(const dt_ctx *ctx)
+{
+    const preempt_state *st = preempt_of(ctx);
+    return st && st->on;
+}
+
 static const int preempt_signals[] = {SIGTERM, SIGUSR1, SIGUSR2, SIGINT};
 static const unsigned preempt_bits[] = {DT_PREEMPT_SIGTERM, DT_PREEMPT_SIGUSR1,
                                         DT_PREEMPT_SIGUSR2, DT_PREEMPT_SIGINT};
@@ -130,10 +168,11 @@ dt_status dt_preempt_enable(dt_ctx *ctx, const dt_preempt_config *cfg_in)
     for (size_t i = 0; i < sizeof preempt_bits / sizeof preempt_bits[0]; i++)
         if ((cfg.signals & preempt_bits[i]) && preempt_install(ctx, preempt_signals[i]) != DT_OK)
             return ctx->last_status;
-    ctx->preempt.signals = cfg.signals;
-    ctx->preempt.on = 1;
-    ctx->preempt.step = -1;
-    ctx->preempt.saved_s = -1;
+    preempt_state *st = preempt_made(ctx);
+    if (!st)
+        return ctx->last_status;
+    st->signals = cfg.signals;
+    st->on = 1;
     return DT_OK;
 }
 
@@ -142,56 +181,80 @@ dt_status dt_preempt_enable(dt_ctx *ctx, const dt_preempt_config *cfg_in)
  * dt_preempt_enable; a new communicator takes the signals back. */
 DT_PRIVATE void preempt_reclaim(dt_ctx *ctx)
 {
-    if (!ctx || !ctx->preempt.on)
+    if (!ctx || !preempt_on(ctx))
         return;
     for (size_t i = 0; i < sizeof preempt_bits / sizeof preempt_bits[0]; i++)
-        if (ctx->preempt.signals & preempt_bits[i])
+        if (preempt_of(ctx)->signals & preempt_bits[i])
             (void)preempt_install(ctx, preempt_signals[i]);
 }
 
 int dt_preempt_signal(const dt_ctx *ctx)
 {
-    return ctx && ctx->preempt.on ? (int)preempt_got : 0;
+    return ctx && preempt_on(ctx) ? (int)preempt_got : 0;
 }
 
 /* This rank's own vote: the signal it caught, 0: none (or not enabled). */
 DT_PRIVATE int preempt_local(const dt_ctx *ctx)
 {
-    return ctx->preempt.on ? (int)preempt_got : 0;
+    return preempt_on(ctx) ? (int)preempt_got : 0;
 }
 
 /* The step's verdict, counted elsewhere (a parameter server's answer). */
 DT_PRIVATE void preempt_take(dt_ctx *ctx, int verdict)
 {
-    ctx->preempt.voted = 1;
-    ctx->preempt.verdict = verdict;
+    preempt_state *st = preempt_of(ctx);   /* (a worker's: preempt_set_via_ps made it) */
+    if (!st)
+        return;
+    st->voted = 1;
+    st->verdict = verdict;
+}
+
+DT_PRIVATE dt_status preempt_set_via_ps(dt_ctx *ctx, int on)
+{
+    preempt_state *st = on ? preempt_made(ctx) : preempt_of(ctx);
+    if (!st)
+        return on ? ctx->last_status : DT_OK;
+    st->via_ps = on;
+    return DT_OK;
+}
+
+DT_PRIVATE int64_t preempt_stop_step(const dt_ctx *ctx)
+{
+    const preempt_state *st = preempt_of(ctx);
+    return st && st->agreed ? st->step : -1;
 }
 
 /* The job agreed to stop after `step` (the first agreement stands). */
-DT_PRIVATE void preempt_decide(dt_ctx *ctx, int64_t step, int verdict)
+DT_PRIVATE dt_status preempt_decide(dt_ctx *ctx, int64_t step, int verdict)
 {
-    if (verdict <= 0 || ctx->preempt.step >= 0)
-        return;
-    ctx->preempt.step = step;
-    ctx->preempt.signal = verdict;
-    ctx->preempt.since = dt_now();
+    if (verdict <= 0 || preempt_stop_step(ctx) >= 0)
+        return DT_OK;
+    preempt_state *st = preempt_made(ctx);   /* a server may agree without enabling */
+    if (!st)
+        return ctx->last_status;
+    st->agreed = 1;
+    st->step = step;
+    st->signal = verdict;
+    st->since = dt_now();
+    return DT_OK;
 }
 
 /* The step's vote: every rank's signal (0: none), the largest kept; after
  * it every rank has the same verdict.  Collective over c. */
 DT_PRIVATE dt_status preempt_vote(dt_ctx *ctx, dt_comm *c)
 {
-    if (!ctx->preempt.on)
+    preempt_state *st = preempt_of(ctx);
+    if (!st || !st->on)
         return DT_OK;
-    if (ctx->preempt.via_ps)   /* the servers are in dt_ps_serve: no allreduce with them */
+    if (st->via_ps)   /* the servers are in dt_ps_serve: no allreduce with them */
         return set_error(ctx, DT_ENOTSUP, "preempt_agree: with a parameter server the vote rides "
                          "on each step's push and pull: BSP without prefetch, dt_preempt_agree "
                          "after dt_ps_push_pull or dt_ddp_step");
     float v = (float)preempt_got;
     if (c && dt_comm_size(c) > 1 && dt_comm_allreduce(c, &v, 1, DT_REDUCE_MAX) != DT_OK)
         return set_error(ctx, ctx->last_status, "preempt: the step's vote failed: %s", ctx->err);
-    ctx->preempt.voted = 1;
-    ctx->preempt.verdict = (int)v;
+    st->voted = 1;
+    st->verdict = (int)v;
     return DT_OK;
 }
 
@@ -202,24 +265,25 @@ dt_status dt_preempt_agree(dt_ctx *ctx, dt_comm *c, int64_t step, int *stop)
     if (!stop)
         return set_error(ctx, DT_EINVAL, "preempt_agree: stop is NULL");
     *stop = 0;
-    if (!ctx->preempt.on)
+    preempt_state *st = preempt_of(ctx);
+    if (!st || !st->on)
         return DT_OK;
-    if (!ctx->preempt.voted && preempt_vote(ctx, c) != DT_OK)
+    if (!st->voted && preempt_vote(ctx, c) != DT_OK)
         return ctx->last_status;
-    ctx->preempt.voted = 0;   /* the next step votes again */
-    *stop = ctx->preempt.verdict > 0;
-    preempt_decide(ctx, step, ctx->preempt.verdict);
-    return DT_OK;
+    st->voted = 0;   /* the next step votes again */
+    *stop = st->verdict > 0;
+    return preempt_decide(ctx, step, st->verdict);
 }
 
 dt_status dt_preempt_saved(dt_ctx *ctx, double seconds)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    if (ctx->preempt.step < 0)
+    preempt_state *st = preempt_of(ctx);
+    if (preempt_stop_step(ctx) < 0)
         return set_error(ctx, DT_ESTATE, "preempt_saved: the job has not agreed to stop "
                          "(dt_preempt_agree)");
-    ctx->preempt.saved_s = seconds >= 0 ? seconds : dt_now() - ctx->preempt.since;
+    st->saved_s = seconds >= 0 ? seconds : dt_now() - st->since;
     return DT_OK;
 }
 
@@ -228,21 +292,23 @@ dt_status dt_preempt_saved(dt_ctx *ctx, double seconds)
 DT_PRIVATE void preempt_line(const dt_ctx *ctx, char *out, size_t cap)
 {
     out[0] = '\0';
-    if (ctx->preempt.step < 0)
+    const preempt_state *st = preempt_of(ctx);
+    if (preempt_stop_step(ctx) < 0)
         return;
-    const char *name = sigabbrev_np(ctx->preempt.signal);
-    if (ctx->preempt.saved_s >= 0)
+    const char *name = sigabbrev_np(st->signal);
+    if (st->saved_s >= 0)
         snprintf(out, cap, "pre-empted at step %lld (SIG%s), checkpoint saved in %.2f s",
-                 (long long)ctx->preempt.step, name ? name : "?", ctx->preempt.saved_s);
+                 (long long)st->step, name ? name : "?", st->saved_s);
     else
         snprintf(out, cap, "pre-empted at step %lld (SIG%s), no checkpoint saved",
-                 (long long)ctx->preempt.step, name ? name : "?");
+                 (long long)st->step, name ? name : "?");
 }
 
 const char *dt_preempt_report(dt_ctx *ctx)
 {
-    if (!ctx)
+    preempt_state *st = ctx ? preempt_of(ctx) : NULL;
+    if (!st)
         return "";
-    preempt_line(ctx, ctx->preempt.line, sizeof ctx->preempt.line);
-    return ctx->preempt.line;
+    preempt_line(ctx, st->line, sizeof st->line);
+    return st->line;
 }

@@ -1213,7 +1213,8 @@ static dt_status ps_join_worker(dt_ps *ps, int job)
         !ps->stage || (ps->cfg.prefetch && !ps->stage2))
         return set_error(ctx, DT_ENOMEM, "ps_new: out of memory for %lld floats",
                          (long long)(ps->G + ps->P));
-    ctx->preempt.via_ps = 1;   /* the servers count the pre-emption vote */
+    if (preempt_set_via_ps(ctx, 1) != DT_OK)   /* the servers count the pre-emption vote */
+        return ctx->last_status;
     char why[DT_MAX_ERROR], err[256] = "";
     if (comm_take_transport(c, why, sizeof why) != DT_OK)
         return set_error(ctx, DT_ESTATE, "ps_new: communicator failed earlier: %s", why);
@@ -1311,7 +1312,7 @@ void dt_ps_free(dt_ps *ps)
     }
     ps_close_answer_endpoints(ps);   /* (dt_ps_serve closed them, unless it never ran) */
     if (ps->server < 0)
-        ctx->preempt.via_ps = 0;
+        (void)preempt_set_via_ps(ctx, 0);   /* (never fails: it makes nothing) */
     for (int w = 0; ps->peers && w < ps->W; w++) {
         host_free(ctx, ps->peers[w].push);
         host_free(ctx, ps->peers[w].sdata);

@@ -376,7 +376,7 @@ static void ps_count_votes(dt_ps *ps)
         ps->peers[w].vote = 0;
     }
     ps->vote = v;
-    preempt_decide(ps->ctx, ps->applied, v);
+    (void)preempt_decide(ps->ctx, ps->applied, v);   /* (its state was made by dt_ps_new) */
 }
 
 static dt_status ps_apply_bsp(dt_ps *ps)
@@ -1393,7 +1393,7 @@ dt_status dt_ps_serve(dt_ps *ps)
                          : ps_serve_loop(ps, last_seen);
     if (s == DT_OK)   /* the final state, for a job that starts again */
         s = ps_checkpoint(ps);
-    if (s == DT_OK && ps->ctx->preempt.step >= 0)
+    if (s == DT_OK && preempt_stop_step(ps->ctx) >= 0)
         s = ps_preempted(ps);
     for (int w = 0; !broken && w < ps->W; w++)   /* nothing of ours stays posted */
         if (ps->peers[w].state == 0)

@@ -13,27 +13,51 @@
 
 /* --- src/recompute.c --- */
 
+/* Which run of a segment is in progress (the context's CTX_EXT_RECOMPUTE
+ * slot, made by the first dt_recompute that records). */
+typedef struct recompute_runs {
+    int rerun;      /* a backward is running a segment's function again */
+    int backward;   /* a segment's own backward (its sub-tape) is running */
+} recompute_runs;
+
+DT_PRIVATE int recompute_in_backward(const dt_ctx *ctx)
+{
+    const recompute_runs *r = ctx_ext(ctx, CTX_EXT_RECOMPUTE);
+    return r && r->backward;
+}
+
 struct arena_switch {
-    dt_arena *dev, *host;
+    dt_arena *dev, *host;              /* where step tensors came from before */
+    dt_arena *sdev, *shost;            /* the scratch arenas, and where they stood */
     dt_arena_mark dev_mark, host_mark;
 };
 
 static arena_switch enter_scratch(dt_ctx *ctx)
 {
-    arena_switch sw = {ctx->cur_dev, ctx->cur_host, arena_mark(&ctx->scratch_dev),
-                       arena_mark(&ctx->scratch_host)};
-    ctx->cur_dev = &ctx->scratch_dev;
-    ctx->cur_host = &ctx->scratch_host;
+    arena_switch sw;
+    ctx_scratch_arenas(ctx, &sw.sdev, &sw.shost);
+    sw.dev_mark = arena_mark(sw.sdev);
+    sw.host_mark = arena_mark(sw.shost);
+    sw.dev = sw.sdev;
+    sw.host = sw.shost;
+    ctx_swap_arenas(ctx, &sw.dev, &sw.host);
     return sw;
+}
+
+/* Step tensors from the arenas of before again (the scratch ones keep
+ * what is in them until leave_scratch). */
+static void scratch_pause(dt_ctx *ctx, const arena_switch *sw)
+{
+    dt_arena *dev = sw->dev, *host = sw->host;
+    ctx_swap_arenas(ctx, &dev, &host);
 }
 
 static void leave_scratch(dt_ctx *ctx, arena_switch sw, int release)
 {
-    ctx->cur_dev = sw.dev;
-    ctx->cur_host = sw.host;
+    scratch_pause(ctx, &sw);
     if (release) {
-        arena_release(&ctx->scratch_dev, sw.dev_mark);
-        arena_release(&ctx->scratch_host, sw.host_mark);
+        arena_release(sw.sdev, sw.dev_mark);
+        arena_release(sw.shost, sw.host_mark);
     }
 }
 
@@ -53,10 +77,9 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
     const recompute_state *st = nd->state;
     dt_tensor **orig = st->inputs, *y = nd->out;
     int n = st->n;
+    recompute_runs *runs = ctx_ext(ctx, CTX_EXT_RECOMPUTE);   /* (made when nd was recorded) */
     arena_switch sw = enter_scratch(ctx);
     dt_node *saved_tape = ctx->tape;
-    uint64_t saved_counter = ctx->dropout_counter;
-    int saved_grad = ctx->grad_enabled;
     dt_status s = DT_OK;
     dt_tensor **leaf = arena_alloc(ctx, ctx->cur_host, sizeof(dt_tensor *) * (size_t)(n ? n : 1));
     if (!leaf) {
@@ -70,31 +93,29 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
             goto done;
         }
         if (grad_needed(orig[i]))
-            leaf[i]->flags |= T_REQGRAD;
+            tensor_require_grad(leaf[i]);
     }
-    ctx->tape = NULL;
-    ctx->dropout_counter = st->counter;
-    ctx->grad_enabled = 1;
-    ctx->in_recompute = 1;
-    dt_precision saved_prec = ctx->autocast;   /* rerun as the forward ran */
-    ctx->autocast = nd->prec;
+    ctx_swap_tape(ctx, NULL);
+    uint64_t saved_counter = ctx_swap_dropout_counter(ctx, st->counter);
+    int saved_grad = ctx_swap_grad_enabled(ctx, 1);
+    runs->rerun = 1;
+    dt_precision saved_prec = ctx_swap_autocast(ctx, nd->prec);   /* rerun as the forward ran */
     dt_tensor *y2 = st->fn(ctx, leaf, n, st->user);
-    ctx->autocast = saved_prec;
-    ctx->in_recompute = 0;
-    ctx->grad_enabled = saved_grad;
-    ctx->dropout_counter = saved_counter;
+    ctx_swap_autocast(ctx, saved_prec);
+    runs->rerun = 0;
+    ctx_swap_grad_enabled(ctx, saved_grad);
+    ctx_swap_dropout_counter(ctx, saved_counter);
     if (!y2 || y2->ndim != y->ndim || memcmp(y2->shape, y->shape, sizeof(int64_t) * (size_t)y->ndim)) {
         s = y2 ? set_error(ctx, DT_ESTATE, "recompute: the segment returned a different shape "
                                            "when run again (it must be deterministic)")
                : ctx->last_status;
         goto done;
     }
-    y2->grad = y->grad;                    /* seed with the segment output's gradient */
-    ctx->seg_backward++;
+    tensor_set_grad(y2, y->grad);          /* seed with the segment output's gradient */
+    runs->backward++;
     s = tape_run(ctx, ctx->tape, NULL, 0);
-    ctx->seg_backward--;
-    ctx->cur_dev = sw.dev;                 /* input gradients go to the step arena */
-    ctx->cur_host = sw.host;
+    runs->backward--;
+    scratch_pause(ctx, &sw);               /* input gradients go to the step arena */
     for (int i = 0; s == DT_OK && i < n; i++) {
         dt_tensor *g = leaf[i]->grad;
         if (grad_needed(orig[i]) && g && !(g->flags & T_ZERO) && leaf[i] != y2)
@@ -103,7 +124,7 @@ static dt_status recompute_backward(dt_ctx *ctx, dt_node *nd)
             s = op_acc_grad(ctx, orig[i], FP(y->grad), 1.0f);
     }
 done:
-    ctx->tape = saved_tape;
+    ctx_swap_tape(ctx, saved_tape);
     leave_scratch(ctx, sw, 1);
     return s;
 }
@@ -116,7 +137,8 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
         set_error(ctx, DT_EINVAL, "recompute: needs a function and %d inputs", n);
         return NULL;
     }
-    if (!ctx->grad_enabled || ctx->in_recompute) {
+    const recompute_runs *r = ctx_ext(ctx, CTX_EXT_RECOMPUTE);
+    if (!ctx->grad_enabled || (r && r->rerun)) {
         dt_tensor *y = fn(ctx, inputs, n, user);
         if (!y && ctx->last_status == DT_OK)
             set_error(ctx, DT_EINVAL, "recompute: the segment function returned NULL");
@@ -128,6 +150,8 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
             return NULL;
         track |= tape_tracks(ctx, inputs[i]);
     }
+    if (!ctx_ext_make(ctx, CTX_EXT_RECOMPUTE, sizeof(recompute_runs)))
+        return NULL;
     uint64_t counter = ctx->dropout_counter;
     dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */
     /* the parameters fn reads (op_input_ok notes them): what its node's
@@ -139,15 +163,12 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
         return NULL;
     }
     arena_switch sw = enter_scratch(ctx);
-    ctx->grad_enabled = 0;
-    ctx->seg_params = params;
-    ctx->seg_nparams = 0;
+    ctx_swap_grad_enabled(ctx, 0);
+    ctx_note_params(ctx, params);
     dt_tensor *out = fn(ctx, inputs, n, user);
-    int nparams = ctx->seg_nparams;
-    ctx->seg_params = NULL;
-    ctx->grad_enabled = 1;
-    ctx->cur_dev = sw.dev;
-    ctx->cur_host = sw.host;
+    int nparams = ctx_note_params(ctx, NULL);
+    ctx_swap_grad_enabled(ctx, 1);
+    scratch_pause(ctx, &sw);
     if (!out && ctx->last_status == DT_OK)
         set_error(ctx, DT_EINVAL, "recompute: the segment function returned NULL");
     dt_tensor *y = out ? op_like(ctx, out) : NULL;

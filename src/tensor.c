@@ -91,19 +91,17 @@ static dt_tensor *step_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t 
 {
     dt_tensor *t = arena_alloc(ctx, ctx->cur_host, sizeof *t);
     if (!t) {
-        if (!ctx->arena_refused)   /* else its message says why */
+        if (!arena_refused_take(ctx))   /* else its message says why */
             set_error(ctx, DT_ENOMEM, "out of host memory for a tensor header");
-        ctx->arena_refused = 0;
         return NULL;
     }
     tensor_header_init(t, ctx, dtype, ndim, shape);
     t->data = reuse ? arena_alloc_reuse(ctx, ctx->cur_dev, tensor_bytes(t))
                     : arena_alloc(ctx, ctx->cur_dev, tensor_bytes(t));
     if (!t->data) {
-        if (!ctx->arena_refused)
+        if (!arena_refused_take(ctx))
             set_error(ctx, DT_ENOMEM, "out of device memory: step tensor of %zu bytes",
                       tensor_bytes(t));
-        ctx->arena_refused = 0;
         return NULL;
     }
     return t;
@@ -136,6 +134,34 @@ DT_PRIVATE dt_tensor *tensor_view_header(dt_ctx *ctx, const dt_tensor *x)
     t->data = x->data;
     return t;
 }
+
+DT_PRIVATE dt_tensor *tensor_view_as(dt_ctx *ctx, const dt_tensor *x, int ndim, const int64_t *shape,
+                                     const int64_t *stride, void *data)
+{
+    dt_tensor *t = tensor_view_header(ctx, x);
+    if (!t)
+        return NULL;
+    t->ndim = ndim;
+    memcpy(t->shape, shape, sizeof(int64_t) * (size_t)ndim);
+    memcpy(t->stride, stride, sizeof(int64_t) * (size_t)ndim);
+    if (data)
+        t->data = data;
+    return t;
+}
+
+DT_PRIVATE void tensor_batch_view(dt_tensor *view, const dt_tensor *full, int64_t count)
+{
+    *view = *full;
+    view->shape[0] = count;
+    view->flags = T_EXTERNAL;
+    view->next = view->prev = NULL;
+}
+
+DT_PRIVATE void tensor_set_grad(dt_tensor *t, dt_tensor *grad) { t->grad = grad; }
+
+DT_PRIVATE void tensor_set_node(dt_tensor *t, dt_node *n) { t->node = n; }
+
+DT_PRIVATE void tensor_require_grad(dt_tensor *t) { t->flags |= T_REQGRAD; }
 
 DT_PRIVATE dt_tensor *tensor_persistent_new(dt_ctx *ctx, dt_dtype dtype, int ndim, const int64_t *shape)
 {

@@ -384,10 +384,33 @@ static void test_no_psm_signal_handlers(void **state)
  * failed), restarted with max_restarts, and a rank that stays past the
  * grace period is killed and named.  A signal to the supervisor is passed
  * on; its ranks' 75 then means no restart. */
+/* The supervisor's stop, sent once every rank has set its trap (each
+ * touches DIR/ready.RANK after its `trap`): a fixed delay was too short for
+ * /bin/sh to start under load, and the untrapped rank died of the signal. */
+typedef struct term_when_ready {
+    pthread_t main;
+    const char *dir;
+    int nranks;
+    double sent;   /* dt_now() when the signal went */
+} term_when_ready;
+
 static void *term_main_soon(void *arg)
 {
-    usleep(600 * 1000);
-    pthread_kill(*(pthread_t *)arg, SIGTERM);   /* read by dt_launch's signalfd */
+    term_when_ready *t = arg;
+    for (int waited = 0; waited < 30000; waited += 10) {
+        int ready = 0;
+        for (int r = 0; r < t->nranks; r++) {
+            char path[512];
+            snprintf(path, sizeof path, "%s/ready.%d", t->dir, r);
+            ready += access(path, F_OK) == 0;
+        }
+        if (ready == t->nranks)
+            break;
+        usleep(10 * 1000);
+    }
+    usleep(100 * 1000);   /* (the ranks are in their `wait`) */
+    t->sent = dt_now();
+    pthread_kill(t->main, SIGTERM);   /* read by dt_launch's signalfd */
     return NULL;
 }
 
@@ -424,25 +447,36 @@ static void test_launch_preempted(void **state)
     /* the supervisor is signalled: passed on; the ranks' 75 ends the job, no
      * restart (the scheduler's stop), and the rank that ignored it is named */
     cfg.max_restarts = 2;
+    char dir[64];
+    tu_tmpdir(dir, sizeof dir);
+    setenv("READY_DIR", dir, 1);
     char *const trap75[] = {"/bin/sh", "-c",
-                            "if [ $DTRAIN_RANK = 2 ]; then trap '' TERM; sleep 30; exit 0; fi; "
-                            "trap 'exit 75' TERM; sleep 30 & wait; exit 1", NULL};
-    pthread_t me = pthread_self(), th;
-    assert_int_equal(pthread_create(&th, NULL, term_main_soon, &me), 0);
+                            "if [ $DTRAIN_RANK = 2 ]; then trap '' TERM; touch $READY_DIR/ready.2; "
+                            "sleep 30; exit 0; fi; "
+                            "trap 'exit 75' TERM; touch $READY_DIR/ready.$DTRAIN_RANK; "
+                            "sleep 30 & wait; exit 1", NULL};
+    term_when_ready when = {pthread_self(), dir, 3, 0};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, term_main_soon, &when), 0);
     st = dt_launch(ctx, &cfg, trap75, &failed);
     pthread_join(th, NULL);
     assert_int_equal(st, DT_EPEER);
     assert_int_equal(failed, 2);
     assert_non_null(strstr(dt_last_error(ctx), "rank 2 did not exit within the 500 ms grace period "
                                                 "after the job agreed to stop"));
-    char *const trap75all[] = {"/bin/sh", "-c", "trap 'exit 75' TERM; sleep 30 & wait; exit 1", NULL};
-    assert_int_equal(pthread_create(&th, NULL, term_main_soon, &me), 0);
-    t0 = dt_now();
+    char *const trap75all[] = {"/bin/sh", "-c", "trap 'exit 75' TERM; touch $READY_DIR/ready.$DTRAIN_RANK; "
+                               "sleep 30 & wait; exit 1", NULL};
+    tu_rmdir(dir);
+    tu_tmpdir(dir, sizeof dir);
+    setenv("READY_DIR", dir, 1);
+    assert_int_equal(pthread_create(&th, NULL, term_main_soon, &when), 0);
     st = dt_launch(ctx, &cfg, trap75all, &failed);
-    took = dt_now() - t0;
+    took = dt_now();
     pthread_join(th, NULL);
     assert_int_equal(st, DT_EPREEMPTED);   /* not restarted: it returned at once */
-    assert_true(took < 3.0);
+    assert_true(took - when.sent < 3.0);
+    tu_rmdir(dir);
+    unsetenv("READY_DIR");
     dt_ctx_free(ctx);
 }
 
