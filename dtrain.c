@@ -967,11 +967,19 @@ typedef struct prof_state {
     int64_t *srv_calls;        /* and their count (srv_n ranks, allocated at the first) */
     int srv_n;
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
-    /* rank 0 after dt_profile_stop */
-    char *report;
-    dt_profile_stats *ranks;
-    int nranks;
 } prof_state;
+
+/* What one rank recorded, consistent: its totals, the loader's batches, the
+ * longest wait's story and its events (the recorder's own buffer, read
+ * between prof_snapshot_begin and prof_snapshot_end, under its lock). */
+typedef struct prof_snapshot {
+    dt_profile_stats st;
+    double batch_s;
+    int64_t batches, batches_prefetched;
+    char long_wait[200];
+    const prof_event *ev;
+    int64_t nev;
+} prof_snapshot;
 
 /* What the lower layers let a higher one do inside their work, instead of
  * calling up: DDP registers these while it is attached (src/ddp.c,
@@ -1028,6 +1036,7 @@ enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_C
  * first use (ctx_ext_make) by the module named. */
 enum { CTX_EXT_PREEMPT,        /* src/preempt.c: the pre-emption vote and its agreed stop */
        CTX_EXT_RECOMPUTE,      /* src/recompute.c: which segment run is in progress */
+       CTX_EXT_PROFILE,        /* src/profile.c: rank 0's report and every rank's totals */
        CTX_EXT_COUNT };
 
 struct dt_ctx {
@@ -1055,6 +1064,7 @@ struct dt_ctx {
     /* state a higher layer keeps with this context (CTX_EXT_*: ctx_ext),
      * plain memory freed with it */
     void *ext[CTX_EXT_COUNT];
+    void (*ext_fini[CTX_EXT_COUNT])(dt_ctx *ctx, void *state);   /* NULL: plain memory */
     int threads;
     uint64_t seed;
     uint64_t rng[4];               /* xoshiro256** state for init */
@@ -1320,6 +1330,19 @@ DT_PRIVATE void prof_ext(dt_ctx *ctx, double t0, double t1, int what, int64_t n,
 DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
 DT_PRIVATE void prof_push(prof_state *p, prof_event e);
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
+DT_PRIVATE void prof_snapshot_begin(dt_ctx *ctx, prof_snapshot *out);
+DT_PRIVATE void prof_snapshot_end(dt_ctx *ctx);
+/* The cross-rank check (src/profile.c, prof_exchange): this rank's window
+ * since the last check (compute seconds, steps, samples), a new window
+ * begun once the ranks have them (prof_window_reset); the straggler
+ * threshold in force; the check's finding, straggler s (-1: none) that
+ * computes per_ns per sample (mine: this rank), which returns 1 when s is
+ * new to warn of.  prof_stop_recording: dt_profile_stop's first act. */
+DT_PRIVATE void prof_window(const dt_ctx *ctx, float out[3]);
+DT_PRIVATE void prof_window_reset(dt_ctx *ctx);
+DT_PRIVATE double prof_threshold(const dt_ctx *ctx);
+DT_PRIVATE int prof_straggler_found(dt_ctx *ctx, int s, int mine, int64_t per_ns);
+DT_PRIVATE void prof_stop_recording(dt_ctx *ctx);
 /* The median of the n values v (the lower middle one; v sorted in place);
  * 0 when n is 0. */
 DT_PRIVATE double prof_median(double *v, int n);
@@ -1377,9 +1400,11 @@ DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void
 DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
 /* A higher layer's state kept with ctx (slot CTX_EXT_*): NULL until made;
  * ctx_ext_make makes it zeroed, size bytes, once (NULL: out of memory,
- * with the error set); freed with the context. */
+ * with the error set); freed with the context, after fini(ctx, state)
+ * has freed what it holds (fini NULL: nothing). */
 DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot);
-DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size);
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size,
+                              void (*fini)(dt_ctx *ctx, void *state));
 /* What a recompute segment and a pipeline's micro-batch change while they
  * run and put back after (src/recompute.c, src/parallel.c); each returns
  * the value it replaced.  ctx_swap_arenas: the arenas step tensors come
@@ -2468,7 +2493,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2472 "dtrain.c"
+#line 2497 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -2985,8 +3010,11 @@ void dt_ctx_free(dt_ctx *ctx)
         dt_tensor_free(t);
     }
     host_free(ctx, ctx->params);
-    for (int i = 0; i < CTX_EXT_COUNT; i++)
+    for (int i = 0; i < CTX_EXT_COUNT; i++) {
+        if (ctx->ext[i] && ctx->ext_fini[i])
+            ctx->ext_fini[i](ctx, ctx->ext[i]);
         host_free(ctx, ctx->ext[i]);
+    }
     arena_destroy(ctx, &ctx->dev);
     arena_destroy(ctx, &ctx->host);
     arena_destroy(ctx, &ctx->scratch_dev);
@@ -3042,10 +3070,15 @@ DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user)
 
 DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot) { return ctx->ext[slot]; }
 
-DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size)
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size,
+                              void (*fini)(dt_ctx *ctx, void *state))
 {
-    if (!ctx->ext[slot] && !(ctx->ext[slot] = host_calloc(ctx, size)))
+    if (ctx->ext[slot])
+        return ctx->ext[slot];
+    if (!(ctx->ext[slot] = host_calloc(ctx, size)))
         set_error(ctx, DT_ENOMEM, "out of host memory for the context's state");
+    else
+        ctx->ext_fini[slot] = fini;
     return ctx->ext[slot];
 }
 
@@ -3186,7 +3219,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3190 "dtrain.c"
+#line 3223 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3499,7 +3532,7 @@ void dt_mem_peak_reset(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3503 "dtrain.c"
+#line 3536 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -4206,7 +4239,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 4210 "dtrain.c"
+#line 4243 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4529,7 +4562,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4533 "dtrain.c"
+#line 4566 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4615,7 +4648,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4619 "dtrain.c"
+#line 4652 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -4703,8 +4736,6 @@ DT_PRIVATE void prof_release(dt_ctx *ctx)
 {
     prof_state *p = &ctx->prof;
     host_free(ctx, p->ev);
-    host_free(ctx, p->report);
-    host_free(ctx, p->ranks);
     host_free(ctx, p->srv_lat_s);
     host_free(ctx, p->srv_calls);
     pthread_mutex_destroy(&p->mu);
@@ -5089,6 +5120,69 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
     }
 }
 
+DT_PRIVATE void prof_snapshot_begin(dt_ctx *ctx, prof_snapshot *out)
+{
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    prof_fill(p, &out->st);
+    out->batch_s = p->batch_s;
+    out->batches = p->batches;
+    out->batches_prefetched = p->batches_prefetched;
+    snprintf(out->long_wait, sizeof out->long_wait, "%s", p->long_wait);
+    out->ev = p->ev;
+    out->nev = p->nev;
+}
+
+DT_PRIVATE void prof_snapshot_end(dt_ctx *ctx) { pthread_mutex_unlock(&ctx->prof.mu); }
+
+DT_PRIVATE void prof_window(const dt_ctx *ctx, float out[3])
+{
+    const prof_state *p = &ctx->prof;
+    out[0] = (float)p->win_compute;
+    out[1] = (float)p->win_steps;
+    out[2] = (float)p->win_samples;
+}
+
+DT_PRIVATE void prof_window_reset(dt_ctx *ctx)
+{
+    ctx->prof.win_compute = 0;
+    ctx->prof.win_steps = ctx->prof.win_samples = 0;
+}
+
+DT_PRIVATE double prof_threshold(const dt_ctx *ctx)
+{
+    double t = ctx->prof.cfg.straggler_threshold;
+    return t > 0 ? t : PROF_DEFAULT_THRESHOLD;
+}
+
+DT_PRIVATE int prof_straggler_found(dt_ctx *ctx, int s, int mine, int64_t per_ns)
+{
+    prof_state *p = &ctx->prof;
+    p->straggler = s;
+    int warn = 0;
+    if (s >= 0) {
+        double now = dt_now();
+        pthread_mutex_lock(&p->mu);
+        if (mine)
+            p->tot.straggler_warnings++;
+        prof_push(p, (prof_event){.t0 = now, .t1 = now, .type = EV_STRAGGLER,
+                                  .tid = TID_COMPUTE, .a = s, .b = per_ns});
+        pthread_mutex_unlock(&p->mu);
+        warn = s != p->warned_rank;
+    }
+    p->warned_rank = s;
+    return warn;
+}
+
+int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
+
+DT_PRIVATE void prof_stop_recording(dt_ctx *ctx)
+{
+    /* (the gathers of dt_profile_stop are not part of the job) */
+    __atomic_store_n(&ctx->prof.record, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&ctx->prof.measure, ctx->prof.balancing, __ATOMIC_RELAXED);
+}
+
 DT_PRIVATE void prof_fill_ctx(dt_ctx *ctx, dt_profile_stats *out)
 {
     const prof_state *p = &ctx->prof;
@@ -5186,7 +5280,7 @@ dt_status dt_profile_stats_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 5190 "dtrain.c"
+#line 5284 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5434,7 +5528,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5438 "dtrain.c"
+#line 5532 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -6811,7 +6905,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     memcpy(copy, name, len);
     return out;
 }
-#line 6815 "dtrain.c"
+#line 6909 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -7356,7 +7450,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7360 "dtrain.c"
+#line 7454 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7512,7 +7606,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
             return NULL;
         track |= tape_tracks(ctx, inputs[i]);
     }
-    if (!ctx_ext_make(ctx, CTX_EXT_RECOMPUTE, sizeof(recompute_runs)))
+    if (!ctx_ext_make(ctx, CTX_EXT_RECOMPUTE, sizeof(recompute_runs), NULL))
         return NULL;
     uint64_t counter = ctx->dropout_counter;
     dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */
@@ -7558,7 +7652,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7562 "dtrain.c"
+#line 7656 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -8544,7 +8638,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8548 "dtrain.c"
+#line 8642 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -10880,7 +10974,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10884 "dtrain.c"
+#line 10978 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11453,7 +11547,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11457 "dtrain.c"
+#line 11551 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -12229,7 +12323,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 12233 "dtrain.c"
+#line 12327 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12811,7 +12905,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12815 "dtrain.c"
+#line 12909 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -13973,7 +14067,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 13977 "dtrain.c"
+#line 14071 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -15977,7 +16071,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 15981 "dtrain.c"
+#line 16075 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16467,7 +16561,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16471 "dtrain.c"
+#line 16565 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -17243,7 +17337,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 17247 "dtrain.c"
+#line 17341 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17326,7 +17420,7 @@ static preempt_state *preempt_made(dt_ctx *ctx)
     preempt_state *st = preempt_of(ctx);
     if (st)
         return st;
-    if (!(st = ctx_ext_make(ctx, CTX_EXT_PREEMPT, sizeof *st)))
+    if (!(st = ctx_ext_make(ctx, CTX_EXT_PREEMPT, sizeof *st, NULL)))
         return NULL;
     st->saved_s = -1;
     return st;
@@ -17561,7 +17655,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, st->line, sizeof st->line);
     return st->line;
 }
-#line 17565 "dtrain.c"
+#line 17659 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17854,7 +17948,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17858 "dtrain.c"
+#line 17952 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18369,7 +18463,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18373 "dtrain.c"
+#line 18467 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -18389,6 +18483,44 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
 /* --- the profiler at the end of the job: gather, trace, report ---------------------- */
 
 #define PROF_LINK_FLOATS ((int64_t)2 << 20)   /* the link test: 8 MiB allreduces */
+
+/* What dt_profile_stop leaves (the context's CTX_EXT_PROFILE slot): rank
+ * 0's report and every rank's totals, or a rank's own report when the
+ * ranks could not exchange. */
+typedef struct prof_result {
+    char *report;
+    dt_profile_stats *ranks;
+    int nranks;
+} prof_result;
+
+static void prof_result_free(dt_ctx *ctx, void *state)
+{
+    prof_result *r = state;
+    host_free(ctx, r->report);
+    host_free(ctx, r->ranks);
+}
+
+static const prof_result *prof_result_of(const dt_ctx *ctx) { return ctx_ext(ctx, CTX_EXT_PROFILE); }
+
+/* Keep rep as the report (NULL: none, out of memory), and ranks[n] as the
+ * ranks' totals when given; both are taken over (freed here when they
+ * cannot be kept). */
+static void prof_result_keep(dt_ctx *ctx, char *rep, dt_profile_stats *ranks, int n)
+{
+    prof_result *r = ctx_ext_make(ctx, CTX_EXT_PROFILE, sizeof *r, prof_result_free);
+    if (!r) {
+        host_free(ctx, rep);
+        host_free(ctx, ranks);
+        return;
+    }
+    host_free(ctx, r->report);
+    r->report = rep;
+    if (ranks) {
+        host_free(ctx, r->ranks);
+        r->ranks = ranks;
+        r->nranks = n;
+    }
+}
 
 
 /* The report rep (freed) with the pre-emption's line after it, when the
@@ -18413,21 +18545,21 @@ static char *prof_add_preempt(dt_ctx *ctx, char *rep)
 
 const char *dt_profile_report(const dt_ctx *ctx)
 {
-    return ctx && ctx->prof.report ? ctx->prof.report : "";
+    const prof_result *r = ctx ? prof_result_of(ctx) : NULL;
+    return r && r->report ? r->report : "";
 }
 
 dt_status dt_profile_rank_stats_get(const dt_ctx *ctx, int rank, dt_profile_stats *out)
 {
     if (!ctx || !out)
         return DT_EINVAL;
-    if (!ctx->prof.ranks || rank < 0 || rank >= ctx->prof.nranks)
+    const prof_result *r = prof_result_of(ctx);
+    if (!r || !r->ranks || rank < 0 || rank >= r->nranks)
         return set_error((dt_ctx *)ctx, DT_ESTATE, "profile_rank_stats: no totals for rank %d "
                          "(they are on rank 0 after dt_profile_stop)", rank);
-    *out = ctx->prof.ranks[rank];
+    *out = r->ranks[rank];
     return DT_OK;
 }
-
-int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
 
 /* --- the ranks' check during training (DDP's step calls it) ----------- */
 
@@ -18460,9 +18592,9 @@ DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double thres
  * done when no rank has a closed step yet. */
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
 {
-    prof_state *p = &ctx->prof;
     int P = dt_comm_size(c);
-    float mine[3] = {(float)p->win_compute, (float)p->win_steps, (float)p->win_samples};
+    float mine[3];
+    prof_window(ctx, mine);
     float *all = host_alloc(ctx, sizeof(float) * 3 * (size_t)P);
     double *per = host_alloc(ctx, sizeof(double) * (size_t)P);
     if (!all || !per) {
@@ -18472,35 +18604,18 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
     }
     dt_status st = comm_run_wait(c, COLL_ALLGATHER, all, mine, 3, 0, DT_REDUCE_SUM, NULL);
     if (st == DT_OK) {
-        p->win_compute = 0;
-        p->win_steps = p->win_samples = 0;
+        prof_window_reset(ctx);
         for (int r = 0; r < P; r++) {
             double comp = all[3 * r], samples = all[3 * r + 2];
             per[r] = samples > 0 ? comp / samples : 0;
             rates[r] = comp > 0 ? samples / comp : 0;
         }
         double median = 0;
-        int s = prof_find_straggler(per, P, p->cfg.straggler_threshold > 0
-                                                ? p->cfg.straggler_threshold
-                                                : PROF_DEFAULT_THRESHOLD, &median);
-        p->straggler = s;
-        if (s >= 0) {
-            if (s == dt_comm_rank(c)) {
-                pthread_mutex_lock(&p->mu);
-                p->tot.straggler_warnings++;
-                pthread_mutex_unlock(&p->mu);
-            }
-            double now = dt_now();
-            pthread_mutex_lock(&p->mu);
-            prof_push(p, (prof_event){.t0 = now, .t1 = now, .type = EV_STRAGGLER,
-                                      .tid = TID_COMPUTE, .a = s, .b = (int64_t)(per[s] * 1e9)});
-            pthread_mutex_unlock(&p->mu);
-            if (s != p->warned_rank)
-                ctx_warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
+        int s = prof_find_straggler(per, P, prof_threshold(ctx), &median);
+        if (prof_straggler_found(ctx, s, s == dt_comm_rank(c), s >= 0 ? (int64_t)(per[s] * 1e9) : 0))
+            ctx_warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
                      "median %.3f ms of %d ranks (dt_ddp_balance evens this out)", s,
                      per[s] * 1e3, 100 * (per[s] / median - 1), median * 1e3, P);
-        }
-        p->warned_rank = s;
     }
     host_free(ctx, all);
     host_free(ctx, per);
@@ -18511,21 +18626,24 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
 /* This rank's totals and events, laid out in floats for the allgather. */
 static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
 {
-    prof_state *p = &ctx->prof;
-    size_t bytes = sizeof(prof_blob_head) + (size_t)p->nev * sizeof(prof_event);
+    prof_snapshot snap;
+    prof_snapshot_begin(ctx, &snap);
+    size_t bytes = sizeof(prof_blob_head) + (size_t)snap.nev * sizeof(prof_event);
     *nfloats = (int64_t)((bytes + 3) / 4);
     float *buf = host_calloc(ctx, (size_t)*nfloats * sizeof(float));
-    if (!buf)
+    if (!buf) {
+        prof_snapshot_end(ctx);
         return NULL;
-    prof_blob_head h = {.magic = PROF_BLOB_MAGIC, .nev = p->nev, .offset = offset,
-                        .batch_s = p->batch_s, .batches = p->batches,
-                        .batches_prefetched = p->batches_prefetched};
-    prof_fill(p, &h.st);
+    }
+    prof_blob_head h = {.magic = PROF_BLOB_MAGIC, .nev = snap.nev, .offset = offset,
+                        .batch_s = snap.batch_s, .batches = snap.batches,
+                        .batches_prefetched = snap.batches_prefetched, .st = snap.st};
     prof_fill_ctx(ctx, &h.st);
-    snprintf(h.long_wait, sizeof h.long_wait, "%s", p->long_wait);
+    snprintf(h.long_wait, sizeof h.long_wait, "%s", snap.long_wait);
     memcpy(buf, &h, sizeof h);
-    if (p->nev)
-        memcpy((char *)buf + sizeof h, p->ev, (size_t)p->nev * sizeof(prof_event));
+    if (snap.nev)
+        memcpy((char *)buf + sizeof h, snap.ev, (size_t)snap.nev * sizeof(prof_event));
+    prof_snapshot_end(ctx);
     return buf;
 }
 
@@ -19060,8 +19178,7 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
         const dt_profile_stats *s = &h[r]->st;
         per[r] = s->samples ? (s->forward_s + s->backward_s) / (double)s->samples : 0;
     }
-    double thr = ctx->prof.cfg.straggler_threshold > 0 ? ctx->prof.cfg.straggler_threshold
-                                                       : PROF_DEFAULT_THRESHOLD;
+    double thr = prof_threshold(ctx);
     int strag = prof_find_straggler(per, Pm, thr, &median);
     if (strag >= 0 && !prof_straggler_matters(&h[strag]->st, per[strag], median))
         strag = -1;
@@ -19315,13 +19432,10 @@ static char *prof_alone_report(dt_ctx *ctx, const prof_alone *parts, int P, int 
  * trace holds its own timeline.  why: the failure, for the header. */
 static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, const char *why)
 {
-    prof_state *p = &ctx->prof;
     int P = dt_comm_size(c), rank = dt_comm_rank(c);
     prof_alone *parts = host_calloc(ctx, sizeof *parts * (size_t)P);
     int64_t n = 0;
-    pthread_mutex_lock(&p->mu);
     float *mine = prof_pack(ctx, join_clock_offset(c), &n);
-    pthread_mutex_unlock(&p->mu);
     if (!parts || !mine) {
         host_free(ctx, parts);
         host_free(ctx, mine);
@@ -19339,10 +19453,8 @@ static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, c
         trace_path = NULL;
     char *rep = rank == 0 ? prof_alone_report(ctx, parts, P, 0, got, why, trace_path)
                           : prof_alone_report(ctx, parts + rank, 1, rank, 1, why, NULL);
-    if (rep) {
-        host_free(ctx, p->report);
-        p->report = rep;
-    }
+    if (rep)
+        prof_result_keep(ctx, rep, NULL, 0);
     host_free(ctx, parts);
     host_free(ctx, mine);
 }
@@ -19351,15 +19463,12 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    prof_state *p = &ctx->prof;
     if (!prof_recording(ctx))
         return DT_OK;
     if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "profile_finish: the communicator belongs to another "
                          "context");
-    /* stop recording first: the gathers below are not part of the job */
-    __atomic_store_n(&p->record, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&p->measure, p->balancing, __ATOMIC_RELAXED);
+    prof_stop_recording(ctx);   /* first: the gathers below are not part of the job */
     if (!trace_path) {
         const char *e = getenv("DTRAIN_TRACE");
         trace_path = e && *e ? e : NULL;
@@ -19368,9 +19477,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     double link = 0;
     dt_status st = c && P > 1 ? prof_link_test(ctx, c, &link) : DT_OK;
     int64_t n = 0;
-    pthread_mutex_lock(&p->mu);
     float *mine = st == DT_OK ? prof_pack(ctx, c ? join_clock_offset(c) : 0, &n) : NULL;
-    pthread_mutex_unlock(&p->mu);
     if (st == DT_OK && !mine)
         st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
     /* everyone's size, then everyone's block padded to the largest; a rank
@@ -19430,11 +19537,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
             char *rep = prof_add_preempt(ctx, prof_build_report(ctx, heads, P, link, trace_path));
             if (!rep)
                 st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for the report");
-            host_free(ctx, p->report);
-            p->report = rep;
-            host_free(ctx, p->ranks);
-            p->ranks = ranks;
-            p->nranks = P;
+            prof_result_keep(ctx, rep, ranks, P);
             ranks = NULL;
         }
         host_free(ctx, heads);
@@ -19455,7 +19558,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19459 "dtrain.c"
+#line 19562 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19637,7 +19740,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19641 "dtrain.c"
+#line 19744 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -21013,7 +21116,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 21017 "dtrain.c"
+#line 21120 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -22464,7 +22567,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22468 "dtrain.c"
+#line 22571 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23866,7 +23969,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23870 "dtrain.c"
+#line 23973 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -25309,7 +25412,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 25313 "dtrain.c"
+#line 25416 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25730,7 +25833,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25734 "dtrain.c"
+#line 25837 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -25965,7 +26068,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 25969 "dtrain.c"
+#line 26072 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -26147,7 +26250,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 26151 "dtrain.c"
+#line 26254 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -27214,7 +27317,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 27218 "dtrain.c"
+#line 27321 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31567,7 +31670,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31571 "dtrain.c"
+#line 31674 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32792,7 +32895,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32796 "dtrain.c"
+#line 32899 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -32971,6 +33074,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 32975 "dtrain.c"
+#line 33078 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

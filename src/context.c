@@ -507,8 +507,11 @@ void dt_ctx_free(dt_ctx *ctx)
         dt_tensor_free(t);
     }
     host_free(ctx, ctx->params);
-    for (int i = 0; i < CTX_EXT_COUNT; i++)
+    for (int i = 0; i < CTX_EXT_COUNT; i++) {
+        if (ctx->ext[i] && ctx->ext_fini[i])
+            ctx->ext_fini[i](ctx, ctx->ext[i]);
         host_free(ctx, ctx->ext[i]);
+    }
     arena_destroy(ctx, &ctx->dev);
     arena_destroy(ctx, &ctx->host);
     arena_destroy(ctx, &ctx->scratch_dev);
@@ -564,10 +567,15 @@ DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user)
 
 DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot) { return ctx->ext[slot]; }
 
-DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size)
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size,
+                              void (*fini)(dt_ctx *ctx, void *state))
 {
-    if (!ctx->ext[slot] && !(ctx->ext[slot] = host_calloc(ctx, size)))
+    if (ctx->ext[slot])
+        return ctx->ext[slot];
+    if (!(ctx->ext[slot] = host_calloc(ctx, size)))
         set_error(ctx, DT_ENOMEM, "out of host memory for the context's state");
+    else
+        ctx->ext_fini[slot] = fini;
     return ctx->ext[slot];
 }
 

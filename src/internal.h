@@ -200,11 +200,19 @@ typedef struct prof_state {
     int64_t *srv_calls;        /* and their count (srv_n ranks, allocated at the first) */
     int srv_n;
     char cpu_stat[160];        /* this process's cgroup cpu.stat ("": none found) */
-    /* rank 0 after dt_profile_stop */
-    char *report;
-    dt_profile_stats *ranks;
-    int nranks;
 } prof_state;
+
+/* What one rank recorded, consistent: its totals, the loader's batches, the
+ * longest wait's story and its events (the recorder's own buffer, read
+ * between prof_snapshot_begin and prof_snapshot_end, under its lock). */
+typedef struct prof_snapshot {
+    dt_profile_stats st;
+    double batch_s;
+    int64_t batches, batches_prefetched;
+    char long_wait[200];
+    const prof_event *ev;
+    int64_t nev;
+} prof_snapshot;
 
 /* What the lower layers let a higher one do inside their work, instead of
  * calling up: DDP registers these while it is attached (src/ddp.c,
@@ -261,6 +269,7 @@ enum { ACT_COMPUTE = 0, ACT_DATA, ACT_BACKWARD, ACT_OPTIM, ACT_COLLECTIVE, ACT_C
  * first use (ctx_ext_make) by the module named. */
 enum { CTX_EXT_PREEMPT,        /* src/preempt.c: the pre-emption vote and its agreed stop */
        CTX_EXT_RECOMPUTE,      /* src/recompute.c: which segment run is in progress */
+       CTX_EXT_PROFILE,        /* src/profile.c: rank 0's report and every rank's totals */
        CTX_EXT_COUNT };
 
 struct dt_ctx {
@@ -288,6 +297,7 @@ struct dt_ctx {
     /* state a higher layer keeps with this context (CTX_EXT_*: ctx_ext),
      * plain memory freed with it */
     void *ext[CTX_EXT_COUNT];
+    void (*ext_fini[CTX_EXT_COUNT])(dt_ctx *ctx, void *state);   /* NULL: plain memory */
     int threads;
     uint64_t seed;
     uint64_t rng[4];               /* xoshiro256** state for init */
@@ -553,6 +563,19 @@ DT_PRIVATE void prof_ext(dt_ctx *ctx, double t0, double t1, int what, int64_t n,
 DT_PRIVATE void prof_batch(dt_ctx *ctx, int64_t samples, double t0, double t1, int on_thread);
 DT_PRIVATE void prof_push(prof_state *p, prof_event e);
 DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out);
+DT_PRIVATE void prof_snapshot_begin(dt_ctx *ctx, prof_snapshot *out);
+DT_PRIVATE void prof_snapshot_end(dt_ctx *ctx);
+/* The cross-rank check (src/profile.c, prof_exchange): this rank's window
+ * since the last check (compute seconds, steps, samples), a new window
+ * begun once the ranks have them (prof_window_reset); the straggler
+ * threshold in force; the check's finding, straggler s (-1: none) that
+ * computes per_ns per sample (mine: this rank), which returns 1 when s is
+ * new to warn of.  prof_stop_recording: dt_profile_stop's first act. */
+DT_PRIVATE void prof_window(const dt_ctx *ctx, float out[3]);
+DT_PRIVATE void prof_window_reset(dt_ctx *ctx);
+DT_PRIVATE double prof_threshold(const dt_ctx *ctx);
+DT_PRIVATE int prof_straggler_found(dt_ctx *ctx, int s, int mine, int64_t per_ns);
+DT_PRIVATE void prof_stop_recording(dt_ctx *ctx);
 /* The median of the n values v (the lower middle one; v sorted in place);
  * 0 when n is 0. */
 DT_PRIVATE double prof_median(double *v, int n);
@@ -610,9 +633,11 @@ DT_PRIVATE void ctx_set_grad_hooks(dt_ctx *ctx, const dt_grad_hooks *hooks, void
 DT_PRIVATE void *ctx_swap_hook_user(dt_ctx *ctx, void *user);
 /* A higher layer's state kept with ctx (slot CTX_EXT_*): NULL until made;
  * ctx_ext_make makes it zeroed, size bytes, once (NULL: out of memory,
- * with the error set); freed with the context. */
+ * with the error set); freed with the context, after fini(ctx, state)
+ * has freed what it holds (fini NULL: nothing). */
 DT_PRIVATE void *ctx_ext(const dt_ctx *ctx, int slot);
-DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size);
+DT_PRIVATE void *ctx_ext_make(dt_ctx *ctx, int slot, size_t size,
+                              void (*fini)(dt_ctx *ctx, void *state));
 /* What a recompute segment and a pipeline's micro-batch change while they
  * run and put back after (src/recompute.c, src/parallel.c); each returns
  * the value it replaced.  ctx_swap_arenas: the arenas step tensors come

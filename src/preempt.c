@@ -77,7 +77,7 @@ static preempt_state *preempt_made(dt_ctx *ctx)
     preempt_state *st = preempt_of(ctx);
     if (st)
         return st;
-    if (!(st = ctx_ext_make(ctx, CTX_EXT_PREEMPT, sizeof *st)))
+    if (!(st = ctx_ext_make(ctx, CTX_EXT_PREEMPT, sizeof *st, NULL)))
         return NULL;
     st->saved_s = -1;
     return st;

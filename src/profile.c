@@ -15,6 +15,44 @@
 
 #define PROF_LINK_FLOATS ((int64_t)2 << 20)   /* the link test: 8 MiB allreduces */
 
+/* What dt_profile_stop leaves (the context's CTX_EXT_PROFILE slot): rank
+ * 0's report and every rank's totals, or a rank's own report when the
+ * ranks could not exchange. */
+typedef struct prof_result {
+    char *report;
+    dt_profile_stats *ranks;
+    int nranks;
+} prof_result;
+
+static void prof_result_free(dt_ctx *ctx, void *state)
+{
+    prof_result *r = state;
+    host_free(ctx, r->report);
+    host_free(ctx, r->ranks);
+}
+
+static const prof_result *prof_result_of(const dt_ctx *ctx) { return ctx_ext(ctx, CTX_EXT_PROFILE); }
+
+/* Keep rep as the report (NULL: none, out of memory), and ranks[n] as the
+ * ranks' totals when given; both are taken over (freed here when they
+ * cannot be kept). */
+static void prof_result_keep(dt_ctx *ctx, char *rep, dt_profile_stats *ranks, int n)
+{
+    prof_result *r = ctx_ext_make(ctx, CTX_EXT_PROFILE, sizeof *r, prof_result_free);
+    if (!r) {
+        host_free(ctx, rep);
+        host_free(ctx, ranks);
+        return;
+    }
+    host_free(ctx, r->report);
+    r->report = rep;
+    if (ranks) {
+        host_free(ctx, r->ranks);
+        r->ranks = ranks;
+        r->nranks = n;
+    }
+}
+
 
 /* The report rep (freed) with the pre-emption's line after it, when the
  * job was pre-empted (src/preempt.c); NULL: out of memory. */
@@ -38,21 +76,21 @@ static char *prof_add_preempt(dt_ctx *ctx, char *rep)
 
 const char *dt_profile_report(const dt_ctx *ctx)
 {
-    return ctx && ctx->prof.report ? ctx->prof.report : "";
+    const prof_result *r = ctx ? prof_result_of(ctx) : NULL;
+    return r && r->report ? r->report : "";
 }
 
 dt_status dt_profile_rank_stats_get(const dt_ctx *ctx, int rank, dt_profile_stats *out)
 {
     if (!ctx || !out)
         return DT_EINVAL;
-    if (!ctx->prof.ranks || rank < 0 || rank >= ctx->prof.nranks)
+    const prof_result *r = prof_result_of(ctx);
+    if (!r || !r->ranks || rank < 0 || rank >= r->nranks)
         return set_error((dt_ctx *)ctx, DT_ESTATE, "profile_rank_stats: no totals for rank %d "
                          "(they are on rank 0 after dt_profile_stop)", rank);
-    *out = ctx->prof.ranks[rank];
+    *out = r->ranks[rank];
     return DT_OK;
 }
-
-int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
 
 /* --- the ranks' check during training (DDP's step calls it) ----------- */
 
@@ -85,9 +123,9 @@ DT_PRIVATE int prof_find_straggler(const double *per_sample, int P, double thres
  * done when no rank has a closed step yet. */
 DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
 {
-    prof_state *p = &ctx->prof;
     int P = dt_comm_size(c);
-    float mine[3] = {(float)p->win_compute, (float)p->win_steps, (float)p->win_samples};
+    float mine[3];
+    prof_window(ctx, mine);
     float *all = host_alloc(ctx, sizeof(float) * 3 * (size_t)P);
     double *per = host_alloc(ctx, sizeof(double) * (size_t)P);
     if (!all || !per) {
@@ -97,35 +135,18 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
     }
     dt_status st = comm_run_wait(c, COLL_ALLGATHER, all, mine, 3, 0, DT_REDUCE_SUM, NULL);
     if (st == DT_OK) {
-        p->win_compute = 0;
-        p->win_steps = p->win_samples = 0;
+        prof_window_reset(ctx);
         for (int r = 0; r < P; r++) {
             double comp = all[3 * r], samples = all[3 * r + 2];
             per[r] = samples > 0 ? comp / samples : 0;
             rates[r] = comp > 0 ? samples / comp : 0;
         }
         double median = 0;
-        int s = prof_find_straggler(per, P, p->cfg.straggler_threshold > 0
-                                                ? p->cfg.straggler_threshold
-                                                : PROF_DEFAULT_THRESHOLD, &median);
-        p->straggler = s;
-        if (s >= 0) {
-            if (s == dt_comm_rank(c)) {
-                pthread_mutex_lock(&p->mu);
-                p->tot.straggler_warnings++;
-                pthread_mutex_unlock(&p->mu);
-            }
-            double now = dt_now();
-            pthread_mutex_lock(&p->mu);
-            prof_push(p, (prof_event){.t0 = now, .t1 = now, .type = EV_STRAGGLER,
-                                      .tid = TID_COMPUTE, .a = s, .b = (int64_t)(per[s] * 1e9)});
-            pthread_mutex_unlock(&p->mu);
-            if (s != p->warned_rank)
-                ctx_warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
+        int s = prof_find_straggler(per, P, prof_threshold(ctx), &median);
+        if (prof_straggler_found(ctx, s, s == dt_comm_rank(c), s >= 0 ? (int64_t)(per[s] * 1e9) : 0))
+            ctx_warn(ctx, "straggler: rank %d computes %.3f ms per sample, %.0f%% above the "
                      "median %.3f ms of %d ranks (dt_ddp_balance evens this out)", s,
                      per[s] * 1e3, 100 * (per[s] / median - 1), median * 1e3, P);
-        }
-        p->warned_rank = s;
     }
     host_free(ctx, all);
     host_free(ctx, per);
@@ -136,21 +157,24 @@ DT_PRIVATE dt_status prof_exchange(dt_ctx *ctx, dt_comm *c, double *rates)
 /* This rank's totals and events, laid out in floats for the allgather. */
 static float *prof_pack(dt_ctx *ctx, double offset, int64_t *nfloats)
 {
-    prof_state *p = &ctx->prof;
-    size_t bytes = sizeof(prof_blob_head) + (size_t)p->nev * sizeof(prof_event);
+    prof_snapshot snap;
+    prof_snapshot_begin(ctx, &snap);
+    size_t bytes = sizeof(prof_blob_head) + (size_t)snap.nev * sizeof(prof_event);
     *nfloats = (int64_t)((bytes + 3) / 4);
     float *buf = host_calloc(ctx, (size_t)*nfloats * sizeof(float));
-    if (!buf)
+    if (!buf) {
+        prof_snapshot_end(ctx);
         return NULL;
-    prof_blob_head h = {.magic = PROF_BLOB_MAGIC, .nev = p->nev, .offset = offset,
-                        .batch_s = p->batch_s, .batches = p->batches,
-                        .batches_prefetched = p->batches_prefetched};
-    prof_fill(p, &h.st);
+    }
+    prof_blob_head h = {.magic = PROF_BLOB_MAGIC, .nev = snap.nev, .offset = offset,
+                        .batch_s = snap.batch_s, .batches = snap.batches,
+                        .batches_prefetched = snap.batches_prefetched, .st = snap.st};
     prof_fill_ctx(ctx, &h.st);
-    snprintf(h.long_wait, sizeof h.long_wait, "%s", p->long_wait);
+    snprintf(h.long_wait, sizeof h.long_wait, "%s", snap.long_wait);
     memcpy(buf, &h, sizeof h);
-    if (p->nev)
-        memcpy((char *)buf + sizeof h, p->ev, (size_t)p->nev * sizeof(prof_event));
+    if (snap.nev)
+        memcpy((char *)buf + sizeof h, snap.ev, (size_t)snap.nev * sizeof(prof_event));
+    prof_snapshot_end(ctx);
     return buf;
 }
 
@@ -685,8 +709,7 @@ DT_PRIVATE char *prof_build_report(dt_ctx *ctx, const prof_blob_head *const *h, 
         const dt_profile_stats *s = &h[r]->st;
         per[r] = s->samples ? (s->forward_s + s->backward_s) / (double)s->samples : 0;
     }
-    double thr = ctx->prof.cfg.straggler_threshold > 0 ? ctx->prof.cfg.straggler_threshold
-                                                       : PROF_DEFAULT_THRESHOLD;
+    double thr = prof_threshold(ctx);
     int strag = prof_find_straggler(per, Pm, thr, &median);
     if (strag >= 0 && !prof_straggler_matters(&h[strag]->st, per[strag], median))
         strag = -1;
@@ -940,13 +963,10 @@ static char *prof_alone_report(dt_ctx *ctx, const prof_alone *parts, int P, int 
  * trace holds its own timeline.  why: the failure, for the header. */
 static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, const char *why)
 {
-    prof_state *p = &ctx->prof;
     int P = dt_comm_size(c), rank = dt_comm_rank(c);
     prof_alone *parts = host_calloc(ctx, sizeof *parts * (size_t)P);
     int64_t n = 0;
-    pthread_mutex_lock(&p->mu);
     float *mine = prof_pack(ctx, join_clock_offset(c), &n);
-    pthread_mutex_unlock(&p->mu);
     if (!parts || !mine) {
         host_free(ctx, parts);
         host_free(ctx, mine);
@@ -964,10 +984,8 @@ static void prof_finish_alone(dt_ctx *ctx, dt_comm *c, const char *trace_path, c
         trace_path = NULL;
     char *rep = rank == 0 ? prof_alone_report(ctx, parts, P, 0, got, why, trace_path)
                           : prof_alone_report(ctx, parts + rank, 1, rank, 1, why, NULL);
-    if (rep) {
-        host_free(ctx, p->report);
-        p->report = rep;
-    }
+    if (rep)
+        prof_result_keep(ctx, rep, NULL, 0);
     host_free(ctx, parts);
     host_free(ctx, mine);
 }
@@ -976,15 +994,12 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
 {
     if (!ctx_ok(ctx))
         return DT_EINVAL;
-    prof_state *p = &ctx->prof;
     if (!prof_recording(ctx))
         return DT_OK;
     if (c && comm_ctx(c) != ctx)
         return set_error(ctx, DT_EINVAL, "profile_finish: the communicator belongs to another "
                          "context");
-    /* stop recording first: the gathers below are not part of the job */
-    __atomic_store_n(&p->record, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&p->measure, p->balancing, __ATOMIC_RELAXED);
+    prof_stop_recording(ctx);   /* first: the gathers below are not part of the job */
     if (!trace_path) {
         const char *e = getenv("DTRAIN_TRACE");
         trace_path = e && *e ? e : NULL;
@@ -993,9 +1008,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     double link = 0;
     dt_status st = c && P > 1 ? prof_link_test(ctx, c, &link) : DT_OK;
     int64_t n = 0;
-    pthread_mutex_lock(&p->mu);
     float *mine = st == DT_OK ? prof_pack(ctx, c ? join_clock_offset(c) : 0, &n) : NULL;
-    pthread_mutex_unlock(&p->mu);
     if (st == DT_OK && !mine)
         st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory");
     /* everyone's size, then everyone's block padded to the largest; a rank
@@ -1055,11 +1068,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
             char *rep = prof_add_preempt(ctx, prof_build_report(ctx, heads, P, link, trace_path));
             if (!rep)
                 st = set_error(ctx, DT_ENOMEM, "profile_finish: out of memory for the report");
-            host_free(ctx, p->report);
-            p->report = rep;
-            host_free(ctx, p->ranks);
-            p->ranks = ranks;
-            p->nranks = P;
+            prof_result_keep(ctx, rep, ranks, P);
             ranks = NULL;
         }
         host_free(ctx, heads);

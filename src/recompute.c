@@ -150,7 +150,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
             return NULL;
         track |= tape_tracks(ctx, inputs[i]);
     }
-    if (!ctx_ext_make(ctx, CTX_EXT_RECOMPUTE, sizeof(recompute_runs)))
+    if (!ctx_ext_make(ctx, CTX_EXT_RECOMPUTE, sizeof(recompute_runs), NULL))
         return NULL;
     uint64_t counter = ctx->dropout_counter;
     dt_precision prec = ctx->autocast;   /* the rerun starts as this run did */

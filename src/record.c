@@ -82,8 +82,6 @@ DT_PRIVATE void prof_release(dt_ctx *ctx)
 {
     prof_state *p = &ctx->prof;
     host_free(ctx, p->ev);
-    host_free(ctx, p->report);
-    host_free(ctx, p->ranks);
     host_free(ctx, p->srv_lat_s);
     host_free(ctx, p->srv_calls);
     pthread_mutex_destroy(&p->mu);
@@ -466,6 +464,69 @@ DT_PRIVATE void prof_fill(const prof_state *p, dt_profile_stats *out)
         out->cpu_periods = now.periods - p->cpu0.periods;
         out->cpu_throttled_periods = now.nr_throttled - p->cpu0.nr_throttled;
     }
+}
+
+DT_PRIVATE void prof_snapshot_begin(dt_ctx *ctx, prof_snapshot *out)
+{
+    prof_state *p = &ctx->prof;
+    pthread_mutex_lock(&p->mu);
+    prof_fill(p, &out->st);
+    out->batch_s = p->batch_s;
+    out->batches = p->batches;
+    out->batches_prefetched = p->batches_prefetched;
+    snprintf(out->long_wait, sizeof out->long_wait, "%s", p->long_wait);
+    out->ev = p->ev;
+    out->nev = p->nev;
+}
+
+DT_PRIVATE void prof_snapshot_end(dt_ctx *ctx) { pthread_mutex_unlock(&ctx->prof.mu); }
+
+DT_PRIVATE void prof_window(const dt_ctx *ctx, float out[3])
+{
+    const prof_state *p = &ctx->prof;
+    out[0] = (float)p->win_compute;
+    out[1] = (float)p->win_steps;
+    out[2] = (float)p->win_samples;
+}
+
+DT_PRIVATE void prof_window_reset(dt_ctx *ctx)
+{
+    ctx->prof.win_compute = 0;
+    ctx->prof.win_steps = ctx->prof.win_samples = 0;
+}
+
+DT_PRIVATE double prof_threshold(const dt_ctx *ctx)
+{
+    double t = ctx->prof.cfg.straggler_threshold;
+    return t > 0 ? t : PROF_DEFAULT_THRESHOLD;
+}
+
+DT_PRIVATE int prof_straggler_found(dt_ctx *ctx, int s, int mine, int64_t per_ns)
+{
+    prof_state *p = &ctx->prof;
+    p->straggler = s;
+    int warn = 0;
+    if (s >= 0) {
+        double now = dt_now();
+        pthread_mutex_lock(&p->mu);
+        if (mine)
+            p->tot.straggler_warnings++;
+        prof_push(p, (prof_event){.t0 = now, .t1 = now, .type = EV_STRAGGLER,
+                                  .tid = TID_COMPUTE, .a = s, .b = per_ns});
+        pthread_mutex_unlock(&p->mu);
+        warn = s != p->warned_rank;
+    }
+    p->warned_rank = s;
+    return warn;
+}
+
+int dt_profile_straggler(const dt_ctx *ctx) { return ctx ? ctx->prof.straggler : -1; }
+
+DT_PRIVATE void prof_stop_recording(dt_ctx *ctx)
+{
+    /* (the gathers of dt_profile_stop are not part of the job) */
+    __atomic_store_n(&ctx->prof.record, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&ctx->prof.measure, ctx->prof.balancing, __ATOMIC_RELAXED);
 }
 
 DT_PRIVATE void prof_fill_ctx(dt_ctx *ctx, dt_profile_stats *out)
