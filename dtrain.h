@@ -15,6 +15,22 @@
  *     dt_ctx *ctx = dt_ctx_new(&cfg);  // NULL only when out of memory
  *     if (dt_ctx_status(ctx) != DT_OK) puts(dt_last_error(ctx));
  *
+ * Contents.  One header, in numbered parts; a one-process program needs
+ * only the core's:
+ *   core         1 status codes and errors, 2 the context, 3 tensors,
+ *                4 parameters and initialisation, 5 ops, 6 autograd,
+ *                7 optimizers and schedules, 8 checkpoints, 9 data,
+ *                15 utilities
+ *   distributed  10 processes (launcher environment, rendezvous store,
+ *                communicators and collectives, dt_spawn, dt_launch),
+ *                11 data parallelism (DDP, ZeRO, in-process replicas,
+ *                Hogwild!), 12 parameter server, 13 profiler,
+ *                14 model parallelism (pipelines, tensor-parallel layers),
+ *                14b live monitoring
+ * Both halves are in dtrain.c.  Several processes need the transport,
+ * compiled in with DT_WITH_FABRIC (without it dt_comm_new gives
+ * DT_ENOTSUP); the monitor's web server comes with DT_WITH_HTTP.
+ *
  * Conventions (they hold for every function below):
  *  - Fallible functions return dt_status.  Functions that return a handle return
  *    NULL on failure and leave the reason in the context: dt_last_error(ctx).
