@@ -2362,6 +2362,30 @@ DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sendin
 DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, size_t len,
                                        int *via, char *err, size_t err_len);
 DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x);
+/* What an extension's request (src/ps.c) reads and sets of its work and
+ * of the work's transfer record, through comm: the work's status so far
+ * and its request (aux); a first failure forgiven (the work goes on:
+ * status DT_OK, no message); what the request did and how stale its
+ * answer came (ext_what, ext_stale: the profiler's record); memory freed
+ * with the work (owned).  Of the record: its transfers posted, and the
+ * sends to the dead it must outlive (orphans); whether rank has a
+ * transfer not yet done in it; the peers whose death the work survives
+ * (gone[n] of ranks base + i, write_off asked when one fails, idle when a
+ * wait makes no progress, both given arg); how much longer than the
+ * timeout its waits may take (patience, 0 means 1). */
+DT_PRIVATE dt_status comm_work_status(const dt_work *w);
+DT_PRIVATE const void *comm_work_request(const dt_work *w);
+DT_PRIVATE void comm_work_forgive(dt_work *w);
+DT_PRIVATE void comm_work_record_ext(dt_work *w, int what, int64_t stale);
+DT_PRIVATE void comm_work_own(dt_work *w, void *owned);
+DT_PRIVATE int comm_xfers_count(const xfers *xs);
+DT_PRIVATE int comm_xfers_orphans(const xfers *xs);
+DT_PRIVATE int comm_xfers_pending_with(const dt_comm *c, const xfers *xs, int rank);
+DT_PRIVATE void comm_xfers_survive(xfers *xs, const unsigned char *gone, int base, int n,
+                                   int (*write_off)(dt_comm *c, void *arg, int peer),
+                                   dt_status (*idle)(dt_comm *c, dt_work *w, xfers *xs, void *arg),
+                                   void *arg);
+DT_PRIVATE void comm_xfers_set_patience(xfers *xs, double patience);
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
 DT_PRIVATE void comm_block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi);
 DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src, int64_t n,
@@ -2493,7 +2517,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2497 "dtrain.c"
+#line 2521 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -3219,7 +3243,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3223 "dtrain.c"
+#line 3247 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3532,7 +3556,7 @@ void dt_mem_peak_reset(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3536 "dtrain.c"
+#line 3560 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -4239,7 +4263,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 4243 "dtrain.c"
+#line 4267 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4562,7 +4586,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4566 "dtrain.c"
+#line 4590 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4648,7 +4672,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4652 "dtrain.c"
+#line 4676 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -5280,7 +5304,7 @@ dt_status dt_profile_stats_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 5284 "dtrain.c"
+#line 5308 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5528,7 +5552,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5532 "dtrain.c"
+#line 5556 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -6905,7 +6929,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     memcpy(copy, name, len);
     return out;
 }
-#line 6909 "dtrain.c"
+#line 6933 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -7450,7 +7474,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7454 "dtrain.c"
+#line 7478 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7652,7 +7676,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7656 "dtrain.c"
+#line 7680 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -8638,7 +8662,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8642 "dtrain.c"
+#line 8666 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -10974,7 +10998,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 10978 "dtrain.c"
+#line 11002 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11547,7 +11571,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11551 "dtrain.c"
+#line 11575 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -12323,7 +12347,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 12327 "dtrain.c"
+#line 12351 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12905,7 +12929,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12909 "dtrain.c"
+#line 12933 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -14067,7 +14091,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 14071 "dtrain.c"
+#line 14095 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -14300,6 +14324,51 @@ DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x)
     int p = x->peer;
     return p >= c->world && p - c->world < c->nalias ? c->alias[p - c->world] : p;
 }
+
+DT_PRIVATE dt_status comm_work_status(const dt_work *w) { return w->status; }
+
+DT_PRIVATE const void *comm_work_request(const dt_work *w) { return w->aux; }
+
+DT_PRIVATE void comm_work_forgive(dt_work *w)
+{
+    w->status = DT_OK;
+    w->msg[0] = '\0';
+}
+
+DT_PRIVATE void comm_work_record_ext(dt_work *w, int what, int64_t stale)
+{
+    w->ext_what = what;
+    w->ext_stale = stale;
+}
+
+DT_PRIVATE void comm_work_own(dt_work *w, void *owned) { w->owned = owned; }
+
+DT_PRIVATE int comm_xfers_count(const xfers *xs) { return xs->n; }
+
+DT_PRIVATE int comm_xfers_orphans(const xfers *xs) { return xs->orphans; }
+
+DT_PRIVATE int comm_xfers_pending_with(const dt_comm *c, const xfers *xs, int rank)
+{
+    for (int i = 0; i < xs->n; i++)
+        if (!xs->x[i].done && comm_xfer_rank(c, &xs->x[i]) == rank)
+            return 1;
+    return 0;
+}
+
+DT_PRIVATE void comm_xfers_survive(xfers *xs, const unsigned char *gone, int base, int n,
+                                   int (*write_off)(dt_comm *c, void *arg, int peer),
+                                   dt_status (*idle)(dt_comm *c, dt_work *w, xfers *xs, void *arg),
+                                   void *arg)
+{
+    xs->gone = gone;
+    xs->gone_base = base;
+    xs->gone_n = n;
+    xs->write_off = write_off;
+    xs->write_off_arg = arg;
+    xs->idle = idle;
+}
+
+DT_PRIVATE void comm_xfers_set_patience(xfers *xs, double patience) { xs->patience = patience; }
 
 /* Rank `rank`'s endpoint at addr becomes transport peer *via (the caller
  * holds the transport). */
@@ -16071,7 +16140,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 16075 "dtrain.c"
+#line 16144 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16561,7 +16630,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16565 "dtrain.c"
+#line 16634 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -17337,7 +17406,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 17341 "dtrain.c"
+#line 17410 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17655,7 +17724,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, st->line, sizeof st->line);
     return st->line;
 }
-#line 17659 "dtrain.c"
+#line 17728 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -17948,7 +18017,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 17952 "dtrain.c"
+#line 18021 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18463,7 +18532,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18467 "dtrain.c"
+#line 18536 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -19558,7 +19627,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19562 "dtrain.c"
+#line 19631 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19740,7 +19809,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19744 "dtrain.c"
+#line 19813 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -19998,9 +20067,8 @@ static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
 static dt_status ps_forgive(dt_comm *c, dt_work *w, dt_ps *ps, int s)
 {
     if (!ps_write_off_server(c, ps, s, 0))
-        return w->status;
-    w->status = DT_OK;
-    w->msg[0] = '\0';
+        return comm_work_status(w);
+    comm_work_forgive(w);
     return DT_OK;
 }
 
@@ -20071,9 +20139,9 @@ static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
 {
     dt_ps *ps = pc->ps;
     const int room = DT_COMM_MAX_XFERS - PS_MAX_SERVERS;   /* (the rest: ps_greet_restarted's) */
-    for (int more = 1; more && xs->n < room;) {
+    for (int more = 1; more && comm_xfers_count(xs) < room;) {
         more = 0;
-        for (int i = 0; i < pc->nstreams && xs->n < room; i++) {
+        for (int i = 0; i < pc->nstreams && comm_xfers_count(xs) < room; i++) {
             ps_stream *st = &pc->streams[i];
             int s = st->peer - ps->W;
             if (st->next == st->pieces || ps->gone[s])
@@ -20083,7 +20151,7 @@ static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
                               ps_tag(st->type, st->seq, st->next),
                               st->buf + (size_t)st->next * ps->chunk, len) != DT_OK &&
                 ps_forgive(c, w, ps, s) != DT_OK)
-                return w->status;
+                return comm_work_status(w);
             st->next++;
             more = 1;
         }
@@ -20122,7 +20190,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
             continue;
         if (pc->op == PS_FINISH) {
             if (ps_post_request(c, w, xs, pc, s, PS_FINISH, 0, 0, NULL, 0, &pc->out[(*nout)++]))
-                return w->status;
+                return comm_work_status(w);
             continue;
         }
         if (pc->op == PS_PULL) {
@@ -20132,7 +20200,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
                                (size_t)(b - a) * sizeof(float)) ||
                 (!ps->gone[s] &&
                  ps_post_request(c, w, xs, pc, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++])))
-                return w->status;
+                return comm_work_status(w);
             pc->asked[s] = !ps->gone[s];
             continue;
         }
@@ -20145,13 +20213,13 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
                                                           pc->buf + (a - pc->lo),
                                                           (size_t)(b - a) * sizeof(float),
                                                           &pc->out[(*nout)++]))
-            return w->status;
+            return comm_work_status(w);
         pc->posted[s] += a < b ? b - a : 0;
         int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
         if ((pc->op == PS_PUSH || pc->op == PS_CPUSH) && hi > flo && !ps->gone[s] &&
             ps_post_request(c, w, xs, pc, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
                             (size_t)(hi - flo) * sizeof(float), &pc->out[(*nout)++]))
-            return w->status;
+            return comm_work_status(w);
         pc->posted[s] += (pc->op == PS_PUSH || pc->op == PS_CPUSH) && hi > flo ? hi - flo : 0;
     }
     return DT_OK;
@@ -20210,13 +20278,13 @@ static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
         size_t idb = (size_t)k * sizeof(int64_t), rowb = (size_t)(k * dim) * sizeof(float);
         if (pc->op == PS_SPULL &&
             ps_post_answer(c, w, xs, pc, s, &pc->in[s], pc->rows[j], rowb) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         if (ps->gone[s])
             continue;
         pc->asked[s] = pc->op == PS_SPULL;
         if (ps_post_request(c, w, xs, pc, s, pc->op, pc->lo, k, pc->msg[j],
                             pc->op == PS_SPUSH ? idb + rowb : idb, &pc->out[(*nout)++]) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
     }
     return DT_OK;
 }
@@ -20306,7 +20374,7 @@ static dt_status ps_greet(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
     ps->st.rejoins++;
     int64_t had = ps->sent_clock[s] == pc->clock ? ps->sent[s] : 0;
     if (ps_post_request(c, w, xs, pc, s, PS_HELLO, 0, had, NULL, 0, &pc->hello[s]) != DT_OK)
-        return w->status;
+        return comm_work_status(w);
     pc->only[s] = 1;
     pc->use_only = 1;
     pc->posted[s] = 0;
@@ -20325,18 +20393,16 @@ static dt_status ps_greet(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
 static dt_status ps_greet_restarted(dt_comm *c, dt_work *w, xfers *xs, void *arg)
 {
     dt_ps *ps = arg;
-    ps_call *pc = (ps_call *)w->aux;
+    ps_call *pc = (ps_call *)comm_work_request(w);
     for (int s = 0; s < ps->S; s++) {
-        if (ps->gone[s] != 2 || xs->n >= DT_COMM_MAX_XFERS)
+        if (ps->gone[s] != 2 || comm_xfers_count(xs) >= DT_COMM_MAX_XFERS)
             continue;
-        int held = 0;
-        for (int i = 0; i < xs->n; i++)
-            held |= !xs->x[i].done && comm_xfer_rank(c, &xs->x[i]) == ps->W + s;
+        int held = comm_xfers_pending_with(c, xs, ps->W + s);
         if (held && dt_now() - ps->down_since[s] < 1.0)
             continue;
         uint32_t inc = ps_published_inc(c, ps->W + s, 1);
         if (inc > ps->inc[s] && ps_greet(c, w, xs, pc, s, inc) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
     }
     return DT_OK;
 }
@@ -20360,7 +20426,7 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
             comm_tp_wait(c, 50);   /* (the key may hold an older restart's number) */
         }
         if (ps_greet(c, w, xs, pc, s, inc) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
     }
     return DT_OK;
 }
@@ -20388,19 +20454,14 @@ static void ps_note_sent(dt_ps *ps, const ps_call *pc)
 static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
 {
     xfers *xs = *xsp;
-    ps_call *pc = (ps_call *)w->aux;
+    ps_call *pc = (ps_call *)comm_work_request(w);
     dt_ps *ps = pc->ps;
     int nout = 0, sparse = pc->op == PS_SPUSH || pc->op == PS_SPULL;
     int pull = pc->op == PS_PULL || pc->op == PS_SPULL;
     if (ps->S > PS_MAX_SERVERS)
         return comm_work_fail(w, DT_ENOTSUP, "parameter server: at most %d servers in this build",
                               PS_MAX_SERVERS);
-    xs->gone = ps->gone;
-    xs->gone_base = ps->W;
-    xs->gone_n = ps->S;
-    xs->write_off = ps_write_off;
-    xs->write_off_arg = ps;
-    xs->idle = ps_greet_restarted;
+    comm_xfers_survive(xs, ps->gone, ps->W, ps->S, ps_write_off, ps_greet_restarted, ps);
     memset(pc->asked, 0, sizeof pc->asked);
     memset(pc->posted, 0, sizeof pc->posted);
     pc->use_only = 0;
@@ -20409,25 +20470,25 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
     for (int round = 0, lost = 0;; round++) {
         nout = 0;
         if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         pc->use_only = 0;   /* (set again by the greetings of restarted servers: ps_greet) */
         memset(pc->only, 0, sizeof pc->only);
         do {   /* the data's pieces, as many at a time as the transfer list holds */
             if (ps_pump(c, w, xs, pc) != DT_OK)
-                return w->status;
+                return comm_work_status(w);
             /* a BSP pull waits for the slowest worker, and so may a parked push: the
              * server drops a silent worker after 1x, so we must outlast that */
-            xs->patience = 2.0;
+            comm_xfers_set_patience(xs, 2.0);
             if (comm_wait_xfers(c, w, xs) != DT_OK)
-                return w->status;
-            if (xs->orphans) {
+                return comm_work_status(w);
+            if (comm_xfers_orphans(xs)) {
                 if (comm_xfers_renew(c, w, xsp) != DT_OK)
-                    return w->status;
+                    return comm_work_status(w);
                 xs = *xsp;
             }
         } while (ps_streams_left(pc));
         if (ps_await_rejoins(c, w, xs, pc) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         if (pc->use_only) {
             if (round > 16 * ps->S)
                 return comm_work_fail(w, DT_EPEER, "parameter server: servers keep dying");
@@ -20444,7 +20505,7 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
         if (!pc->asked[s])
             continue;
         if (ps_answer_check(w, &pc->in[s]) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         pc->stale = pc->in[s].clock > pc->stale ? pc->in[s].clock : pc->stale;
     }
     ps_note_sent(ps, pc);
@@ -20474,7 +20535,7 @@ DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in)
 /* A worker's request stalls: is one of the servers dead? */
 static dt_status ps_check_servers(dt_comm *c, dt_work *w)
 {
-    const ps_call *pc = w->aux;
+    const ps_call *pc = comm_work_request(w);
     dt_ps *ps = pc->ps;
     for (int s = 0; s < ps->S; s++) {
         char key[32], val[16];
@@ -20497,10 +20558,9 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
  * (prof_coll reads what it was and how stale a pull's answer came) */
 static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
 {
-    const ps_call *pc = w->aux;
+    const ps_call *pc = comm_work_request(w);
     dt_status s = ps_run_call(c, w, xsp);
-    w->ext_what = pc->op;
-    w->ext_stale = pc->op == PS_PULL || pc->op == PS_SPULL ? pc->stale : -1;
+    comm_work_record_ext(w, pc->op, pc->op == PS_PULL || pc->op == PS_SPULL ? pc->stale : -1);
     return s;
 }
 
@@ -20510,7 +20570,7 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
  * fails (a restarted process cannot take a living one's place). */
 static int ps_write_off_silent(dt_comm *c, dt_work *w, int rank)
 {
-    dt_ps *ps = ((const ps_call *)w->aux)->ps;
+    dt_ps *ps = ((const ps_call *)comm_work_request(w))->ps;
     int s = rank - ps->W;
     if (s < 0 || s >= ps->S)
         return 0;
@@ -20810,7 +20870,7 @@ dt_work *dt_ps_sparse_pull_async(dt_ps *ps, int table, const int64_t *ids, int64
         host_free(ps->ctx, pc);
         return NULL;
     }
-    w->owned = pc;   /* freed by dt_work_wait */
+    comm_work_own(w, pc);   /* freed by dt_work_wait */
     ps->st.pulls++;
     ps->st.rows_pulled += ps_rows_in(pc);
     return w;
@@ -21116,7 +21176,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 21120 "dtrain.c"
+#line 21180 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -22567,7 +22627,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22571 "dtrain.c"
+#line 22631 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -23969,7 +24029,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 23973 "dtrain.c"
+#line 24033 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -25412,7 +25472,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 25416 "dtrain.c"
+#line 25476 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25833,7 +25893,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25837 "dtrain.c"
+#line 25897 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -26068,7 +26128,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 26072 "dtrain.c"
+#line 26132 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -26250,7 +26310,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 26254 "dtrain.c"
+#line 26314 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -27317,7 +27377,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 27321 "dtrain.c"
+#line 27381 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -31670,7 +31730,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31674 "dtrain.c"
+#line 31734 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32895,7 +32955,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32899 "dtrain.c"
+#line 32959 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -33074,6 +33134,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 33078 "dtrain.c"
+#line 33138 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

@@ -228,6 +228,51 @@ DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x)
     return p >= c->world && p - c->world < c->nalias ? c->alias[p - c->world] : p;
 }
 
+DT_PRIVATE dt_status comm_work_status(const dt_work *w) { return w->status; }
+
+DT_PRIVATE const void *comm_work_request(const dt_work *w) { return w->aux; }
+
+DT_PRIVATE void comm_work_forgive(dt_work *w)
+{
+    w->status = DT_OK;
+    w->msg[0] = '\0';
+}
+
+DT_PRIVATE void comm_work_record_ext(dt_work *w, int what, int64_t stale)
+{
+    w->ext_what = what;
+    w->ext_stale = stale;
+}
+
+DT_PRIVATE void comm_work_own(dt_work *w, void *owned) { w->owned = owned; }
+
+DT_PRIVATE int comm_xfers_count(const xfers *xs) { return xs->n; }
+
+DT_PRIVATE int comm_xfers_orphans(const xfers *xs) { return xs->orphans; }
+
+DT_PRIVATE int comm_xfers_pending_with(const dt_comm *c, const xfers *xs, int rank)
+{
+    for (int i = 0; i < xs->n; i++)
+        if (!xs->x[i].done && comm_xfer_rank(c, &xs->x[i]) == rank)
+            return 1;
+    return 0;
+}
+
+DT_PRIVATE void comm_xfers_survive(xfers *xs, const unsigned char *gone, int base, int n,
+                                   int (*write_off)(dt_comm *c, void *arg, int peer),
+                                   dt_status (*idle)(dt_comm *c, dt_work *w, xfers *xs, void *arg),
+                                   void *arg)
+{
+    xs->gone = gone;
+    xs->gone_base = base;
+    xs->gone_n = n;
+    xs->write_off = write_off;
+    xs->write_off_arg = arg;
+    xs->idle = idle;
+}
+
+DT_PRIVATE void comm_xfers_set_patience(xfers *xs, double patience) { xs->patience = patience; }
+
 /* Rank `rank`'s endpoint at addr becomes transport peer *via (the caller
  * holds the transport). */
 DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, size_t len,

@@ -700,6 +700,30 @@ DT_PRIVATE dt_status comm_post_via(dt_comm *c, dt_work *w, xfers *xs, int sendin
 DT_PRIVATE dt_status comm_add_endpoint(dt_comm *c, int rank, const void *addr, size_t len,
                                        int *via, char *err, size_t err_len);
 DT_PRIVATE int comm_xfer_rank(const dt_comm *c, const dt_xfer *x);
+/* What an extension's request (src/ps.c) reads and sets of its work and
+ * of the work's transfer record, through comm: the work's status so far
+ * and its request (aux); a first failure forgiven (the work goes on:
+ * status DT_OK, no message); what the request did and how stale its
+ * answer came (ext_what, ext_stale: the profiler's record); memory freed
+ * with the work (owned).  Of the record: its transfers posted, and the
+ * sends to the dead it must outlive (orphans); whether rank has a
+ * transfer not yet done in it; the peers whose death the work survives
+ * (gone[n] of ranks base + i, write_off asked when one fails, idle when a
+ * wait makes no progress, both given arg); how much longer than the
+ * timeout its waits may take (patience, 0 means 1). */
+DT_PRIVATE dt_status comm_work_status(const dt_work *w);
+DT_PRIVATE const void *comm_work_request(const dt_work *w);
+DT_PRIVATE void comm_work_forgive(dt_work *w);
+DT_PRIVATE void comm_work_record_ext(dt_work *w, int what, int64_t stale);
+DT_PRIVATE void comm_work_own(dt_work *w, void *owned);
+DT_PRIVATE int comm_xfers_count(const xfers *xs);
+DT_PRIVATE int comm_xfers_orphans(const xfers *xs);
+DT_PRIVATE int comm_xfers_pending_with(const dt_comm *c, const xfers *xs, int rank);
+DT_PRIVATE void comm_xfers_survive(xfers *xs, const unsigned char *gone, int base, int n,
+                                   int (*write_off)(dt_comm *c, void *arg, int peer),
+                                   dt_status (*idle)(dt_comm *c, dt_work *w, xfers *xs, void *arg),
+                                   void *arg);
+DT_PRIVATE void comm_xfers_set_patience(xfers *xs, double patience);
 DT_PRIVATE dt_status comm_wait_xfers(dt_comm *c, dt_work *w, xfers *xs);
 DT_PRIVATE void comm_block_range(int64_t n, int parts, int b, int64_t *lo, int64_t *hi);
 DT_PRIVATE void comm_reduce_into(float *restrict dst, const float *restrict src, int64_t n,

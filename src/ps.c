@@ -252,9 +252,8 @@ static int ps_write_off_server(dt_comm *c, dt_ps *ps, int s, int known)
 static dt_status ps_forgive(dt_comm *c, dt_work *w, dt_ps *ps, int s)
 {
     if (!ps_write_off_server(c, ps, s, 0))
-        return w->status;
-    w->status = DT_OK;
-    w->msg[0] = '\0';
+        return comm_work_status(w);
+    comm_work_forgive(w);
     return DT_OK;
 }
 
@@ -325,9 +324,9 @@ static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
 {
     dt_ps *ps = pc->ps;
     const int room = DT_COMM_MAX_XFERS - PS_MAX_SERVERS;   /* (the rest: ps_greet_restarted's) */
-    for (int more = 1; more && xs->n < room;) {
+    for (int more = 1; more && comm_xfers_count(xs) < room;) {
         more = 0;
-        for (int i = 0; i < pc->nstreams && xs->n < room; i++) {
+        for (int i = 0; i < pc->nstreams && comm_xfers_count(xs) < room; i++) {
             ps_stream *st = &pc->streams[i];
             int s = st->peer - ps->W;
             if (st->next == st->pieces || ps->gone[s])
@@ -337,7 +336,7 @@ static dt_status ps_pump(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc)
                               ps_tag(st->type, st->seq, st->next),
                               st->buf + (size_t)st->next * ps->chunk, len) != DT_OK &&
                 ps_forgive(c, w, ps, s) != DT_OK)
-                return w->status;
+                return comm_work_status(w);
             st->next++;
             more = 1;
         }
@@ -376,7 +375,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
             continue;
         if (pc->op == PS_FINISH) {
             if (ps_post_request(c, w, xs, pc, s, PS_FINISH, 0, 0, NULL, 0, &pc->out[(*nout)++]))
-                return w->status;
+                return comm_work_status(w);
             continue;
         }
         if (pc->op == PS_PULL) {
@@ -386,7 +385,7 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
                                (size_t)(b - a) * sizeof(float)) ||
                 (!ps->gone[s] &&
                  ps_post_request(c, w, xs, pc, s, PS_PULL, a, b - a, NULL, 0, &pc->out[(*nout)++])))
-                return w->status;
+                return comm_work_status(w);
             pc->asked[s] = !ps->gone[s];
             continue;
         }
@@ -399,13 +398,13 @@ static dt_status ps_post_dense(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, i
                                                           pc->buf + (a - pc->lo),
                                                           (size_t)(b - a) * sizeof(float),
                                                           &pc->out[(*nout)++]))
-            return w->status;
+            return comm_work_status(w);
         pc->posted[s] += a < b ? b - a : 0;
         int64_t flo = pc->lo > ps->G ? pc->lo : ps->G;
         if ((pc->op == PS_PUSH || pc->op == PS_CPUSH) && hi > flo && !ps->gone[s] &&
             ps_post_request(c, w, xs, pc, s, PS_PUSH, flo, hi - flo, pc->buf + (flo - pc->lo),
                             (size_t)(hi - flo) * sizeof(float), &pc->out[(*nout)++]))
-            return w->status;
+            return comm_work_status(w);
         pc->posted[s] += (pc->op == PS_PUSH || pc->op == PS_CPUSH) && hi > flo ? hi - flo : 0;
     }
     return DT_OK;
@@ -464,13 +463,13 @@ static dt_status ps_post_sparse(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, 
         size_t idb = (size_t)k * sizeof(int64_t), rowb = (size_t)(k * dim) * sizeof(float);
         if (pc->op == PS_SPULL &&
             ps_post_answer(c, w, xs, pc, s, &pc->in[s], pc->rows[j], rowb) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         if (ps->gone[s])
             continue;
         pc->asked[s] = pc->op == PS_SPULL;
         if (ps_post_request(c, w, xs, pc, s, pc->op, pc->lo, k, pc->msg[j],
                             pc->op == PS_SPUSH ? idb + rowb : idb, &pc->out[(*nout)++]) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
     }
     return DT_OK;
 }
@@ -560,7 +559,7 @@ static dt_status ps_greet(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
     ps->st.rejoins++;
     int64_t had = ps->sent_clock[s] == pc->clock ? ps->sent[s] : 0;
     if (ps_post_request(c, w, xs, pc, s, PS_HELLO, 0, had, NULL, 0, &pc->hello[s]) != DT_OK)
-        return w->status;
+        return comm_work_status(w);
     pc->only[s] = 1;
     pc->use_only = 1;
     pc->posted[s] = 0;
@@ -579,18 +578,16 @@ static dt_status ps_greet(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc, int s,
 static dt_status ps_greet_restarted(dt_comm *c, dt_work *w, xfers *xs, void *arg)
 {
     dt_ps *ps = arg;
-    ps_call *pc = (ps_call *)w->aux;
+    ps_call *pc = (ps_call *)comm_work_request(w);
     for (int s = 0; s < ps->S; s++) {
-        if (ps->gone[s] != 2 || xs->n >= DT_COMM_MAX_XFERS)
+        if (ps->gone[s] != 2 || comm_xfers_count(xs) >= DT_COMM_MAX_XFERS)
             continue;
-        int held = 0;
-        for (int i = 0; i < xs->n; i++)
-            held |= !xs->x[i].done && comm_xfer_rank(c, &xs->x[i]) == ps->W + s;
+        int held = comm_xfers_pending_with(c, xs, ps->W + s);
         if (held && dt_now() - ps->down_since[s] < 1.0)
             continue;
         uint32_t inc = ps_published_inc(c, ps->W + s, 1);
         if (inc > ps->inc[s] && ps_greet(c, w, xs, pc, s, inc) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
     }
     return DT_OK;
 }
@@ -614,7 +611,7 @@ static dt_status ps_await_rejoins(dt_comm *c, dt_work *w, xfers *xs, ps_call *pc
             comm_tp_wait(c, 50);   /* (the key may hold an older restart's number) */
         }
         if (ps_greet(c, w, xs, pc, s, inc) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
     }
     return DT_OK;
 }
@@ -642,19 +639,14 @@ static void ps_note_sent(dt_ps *ps, const ps_call *pc)
 static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
 {
     xfers *xs = *xsp;
-    ps_call *pc = (ps_call *)w->aux;
+    ps_call *pc = (ps_call *)comm_work_request(w);
     dt_ps *ps = pc->ps;
     int nout = 0, sparse = pc->op == PS_SPUSH || pc->op == PS_SPULL;
     int pull = pc->op == PS_PULL || pc->op == PS_SPULL;
     if (ps->S > PS_MAX_SERVERS)
         return comm_work_fail(w, DT_ENOTSUP, "parameter server: at most %d servers in this build",
                               PS_MAX_SERVERS);
-    xs->gone = ps->gone;
-    xs->gone_base = ps->W;
-    xs->gone_n = ps->S;
-    xs->write_off = ps_write_off;
-    xs->write_off_arg = ps;
-    xs->idle = ps_greet_restarted;
+    comm_xfers_survive(xs, ps->gone, ps->W, ps->S, ps_write_off, ps_greet_restarted, ps);
     memset(pc->asked, 0, sizeof pc->asked);
     memset(pc->posted, 0, sizeof pc->posted);
     pc->use_only = 0;
@@ -663,25 +655,25 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
     for (int round = 0, lost = 0;; round++) {
         nout = 0;
         if ((sparse ? ps_post_sparse : ps_post_dense)(c, w, xs, pc, &nout) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         pc->use_only = 0;   /* (set again by the greetings of restarted servers: ps_greet) */
         memset(pc->only, 0, sizeof pc->only);
         do {   /* the data's pieces, as many at a time as the transfer list holds */
             if (ps_pump(c, w, xs, pc) != DT_OK)
-                return w->status;
+                return comm_work_status(w);
             /* a BSP pull waits for the slowest worker, and so may a parked push: the
              * server drops a silent worker after 1x, so we must outlast that */
-            xs->patience = 2.0;
+            comm_xfers_set_patience(xs, 2.0);
             if (comm_wait_xfers(c, w, xs) != DT_OK)
-                return w->status;
-            if (xs->orphans) {
+                return comm_work_status(w);
+            if (comm_xfers_orphans(xs)) {
                 if (comm_xfers_renew(c, w, xsp) != DT_OK)
-                    return w->status;
+                    return comm_work_status(w);
                 xs = *xsp;
             }
         } while (ps_streams_left(pc));
         if (ps_await_rejoins(c, w, xs, pc) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         if (pc->use_only) {
             if (round > 16 * ps->S)
                 return comm_work_fail(w, DT_EPEER, "parameter server: servers keep dying");
@@ -698,7 +690,7 @@ static dt_status ps_run_call(dt_comm *c, dt_work *w, xfers **xsp)
         if (!pc->asked[s])
             continue;
         if (ps_answer_check(w, &pc->in[s]) != DT_OK)
-            return w->status;
+            return comm_work_status(w);
         pc->stale = pc->in[s].clock > pc->stale ? pc->in[s].clock : pc->stale;
     }
     ps_note_sent(ps, pc);
@@ -728,7 +720,7 @@ DT_PRIVATE dt_status ps_answer_check(dt_work *w, ps_msg *in)
 /* A worker's request stalls: is one of the servers dead? */
 static dt_status ps_check_servers(dt_comm *c, dt_work *w)
 {
-    const ps_call *pc = w->aux;
+    const ps_call *pc = comm_work_request(w);
     dt_ps *ps = pc->ps;
     for (int s = 0; s < ps->S; s++) {
         char key[32], val[16];
@@ -751,10 +743,9 @@ static dt_status ps_check_servers(dt_comm *c, dt_work *w)
  * (prof_coll reads what it was and how stale a pull's answer came) */
 static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
 {
-    const ps_call *pc = w->aux;
+    const ps_call *pc = comm_work_request(w);
     dt_status s = ps_run_call(c, w, xsp);
-    w->ext_what = pc->op;
-    w->ext_stale = pc->op == PS_PULL || pc->op == PS_SPULL ? pc->stale : -1;
+    comm_work_record_ext(w, pc->op, pc->op == PS_PULL || pc->op == PS_SPULL ? pc->stale : -1);
     return s;
 }
 
@@ -764,7 +755,7 @@ static dt_status ps_run(dt_comm *c, dt_work *w, xfers **xsp)
  * fails (a restarted process cannot take a living one's place). */
 static int ps_write_off_silent(dt_comm *c, dt_work *w, int rank)
 {
-    dt_ps *ps = ((const ps_call *)w->aux)->ps;
+    dt_ps *ps = ((const ps_call *)comm_work_request(w))->ps;
     int s = rank - ps->W;
     if (s < 0 || s >= ps->S)
         return 0;
@@ -1064,7 +1055,7 @@ dt_work *dt_ps_sparse_pull_async(dt_ps *ps, int table, const int64_t *ids, int64
         host_free(ps->ctx, pc);
         return NULL;
     }
-    w->owned = pc;   /* freed by dt_work_wait */
+    comm_work_own(w, pc);   /* freed by dt_work_wait */
     ps->st.pulls++;
     ps->st.rows_pulled += ps_rows_in(pc);
     return w;

@@ -460,7 +460,8 @@ def main():
         print(f"layer check: failed: {', '.join(f'{r} ({len(broken[r])})' for r in bad)}")
         return 1
     print(f"layer check: {n} modules in {layers} layers; rules kept: {', '.join(RULES)} "
-          f"({ncycles} declared cycles; {nreach} modules declare reaches into another module's fields)")
+          f"({ncycles} declared cycles; {nreach} module{'s' if nreach != 1 else ''} "
+          f"declare{'' if nreach != 1 else 's'} reaches into another module's fields)")
     return 0
 
 
