@@ -523,6 +523,13 @@ static int train(const options *o, dt_ctx *ctx, dt_comm *comm)
         fail(ctx, "gathering the parameters");
         goto done;
     }
+    if (rank == 0) {   /* the step's memory on the backend's device (tests/bench/gpu.sh) */
+        dt_mem_stats ms;
+        dt_mem_stats_get(ctx, &ms);
+        printf("memory: step arena peak %.1f MiB, persistent %.1f MiB (parameters, gradients, "
+               "optimizer state), %s\n", ms.arena_peak / 1048576.0, ms.persistent_bytes / 1048576.0,
+               dt_backend_name(ctx));
+    }
     if (rank == 0 && scaler)
         printf("loss scale %g, %lld steps skipped for overflow\n",
                (double)dt_loss_scaler_scale(scaler), (long long)dt_loss_scaler_skipped(scaler));

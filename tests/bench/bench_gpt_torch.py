@@ -7,10 +7,18 @@ embeddings, pre-norm blocks, causal attention, GPT-2's tanh gelu), AdamW
                      --vocab V --steps N --threads K [--device cuda] [--amp bf16]
 
 --amp bf16 runs the forward under torch.autocast (bf16 products, f32 weights
-and optimizer), as examples/gpt.c --amp bf16 does (tests/bench/gpu.sh).
+and optimizer), as examples/gpt.c --amp bf16 does (tests/bench/gpu.sh);
+--amp tf32 keeps f32 and lets matrix products use TF32 (allow_tf32).
+
+--attn sdpa writes attention as F.scaled_dot_product_attention (PyTorch 2's
+fused kernels: what a PyTorch user writes today), manual as nanoGPT does
+without it; auto (the default) takes sdpa where this PyTorch has it.
+--compile runs the model through torch.compile; on a GPU AdamW is the fused
+one where this PyTorch has it (nanoGPT's choice).
 
 Prints "gpt impl=torch ms=<mean ms per step after 5 warm-up steps> steps=N
-maxrss_kb=<peak RSS>"; other lines start with '#'.
+maxrss_kb=<peak RSS> [max_alloc_mib=<torch.cuda.max_memory_allocated>]";
+other lines start with '#'.
 
 With --seconds S it trains on the text of --data (Debian's fortunes, read
 and split 90/10 as examples/gpt.c does: random windows of the first 90%)
@@ -41,12 +49,17 @@ class Block(nn.Module):
         self.attn, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
         self.fc, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
 
+    sdpa = False   # F.scaled_dot_product_attention (set by main from --attn)
+
     def forward(self, x, mask):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2)
                    for t in self.attn(self.ln1(x)).split(C, dim=2))
-        att = (q @ k.transpose(-2, -1)) * (C // self.H) ** -0.5
-        y = F.softmax(att.masked_fill(mask[:T, :T], float("-inf")), dim=-1) @ v
+        if Block.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (C // self.H) ** -0.5
+            y = F.softmax(att.masked_fill(mask[:T, :T], float("-inf")), dim=-1) @ v
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.fc2(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
@@ -130,13 +143,31 @@ def main():
     p.add_argument("--seconds", type=float, default=0)
     p.add_argument("--eval-batches", type=int, default=100)
     p.add_argument("--data", default="/usr/share/games/fortunes")
-    p.add_argument("--amp", choices=["off", "bf16"], default="off")
+    p.add_argument("--amp", choices=["off", "bf16", "tf32"], default="off")
+    p.add_argument("--attn", choices=["auto", "sdpa", "manual"], default="auto")
+    p.add_argument("--compile", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1337)
     dev = torch.device(a.device)
+    # tf32: f32 tensors, TF32 products (examples/gpt.c --amp tf32; llm.c's fp32 trainer)
+    torch.backends.cuda.matmul.allow_tf32 = a.amp == "tf32"
+    torch.backends.cudnn.allow_tf32 = a.amp == "tf32"
+    have_sdpa = hasattr(F, "scaled_dot_product_attention")
+    if a.attn == "sdpa" and not have_sdpa:
+        p.error("--attn sdpa: this PyTorch (%s) has no F.scaled_dot_product_attention" % torch.__version__)
+    Block.sdpa = a.attn == "sdpa" or (a.attn == "auto" and have_sdpa)
     m = GPT(a.vocab, a.context, a.layers, a.heads, a.embd).to(dev)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    fused = {}
+    if dev.type == "cuda" and "fused" in torch.optim.AdamW.__init__.__code__.co_varnames:
+        fused = {"fused": True}
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, **fused)
+    if a.compile and not hasattr(torch, "compile"):
+        print("# torch %s has no torch.compile" % torch.__version__)
+        print("gpt impl=torch unavailable=compile")
+        return
+    if a.compile:
+        m = torch.compile(m)
     if a.seconds > 0:
         budget_run(m, opt, a)
         return
@@ -156,10 +187,14 @@ def main():
             t5 = time.perf_counter()
     sync(dev)
     ms = (time.perf_counter() - t5) * 1e3 / (a.steps - 5)
-    print("# torch %s, %d threads, %s, amp %s, loss %.4f" % (torch.__version__, a.threads, dev,
-                                                           a.amp, loss.item()))
-    print("gpt impl=torch ms=%.2f steps=%d maxrss_kb=%d" % (
-        ms, a.steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    print("# torch %s, %d threads, %s, amp %s, attention %s, compile %d, fused AdamW %d, loss %.4f" % (
+        torch.__version__, a.threads, dev, a.amp, "sdpa" if Block.sdpa else "manual", a.compile,
+        bool(fused), loss.item()))
+    mem = ""
+    if dev.type == "cuda":
+        mem = " max_alloc_mib=%.0f" % (torch.cuda.max_memory_allocated() / 2**20)
+    print("gpt impl=torch ms=%.2f steps=%d maxrss_kb=%d%s" % (
+        ms, a.steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, mem))
 
 
 if __name__ == "__main__":

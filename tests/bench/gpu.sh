@@ -22,6 +22,18 @@
 #      faster than its fp32 step).  dtrain reads a made-up text (random
 #      bytes, written here): the step's time does not depend on the text
 #
+#   4. real sizes: GPT-2 124M (12 layers, 12 heads, 768 channels,
+#      vocabulary 50257, context 1024, AdamW) at batch 8 (REAL_BATCHES), in
+#      fp32, tf32 and bf16: tokens per second and peak device memory of
+#      examples/gpt.c, llm.c's CUDA trainers (../shared/peers/llm.c:
+#      train_gpt2cu for bf16, train_gpt2fp32cu for tf32, built here with
+#      nvcc), PyTorch eager and torch.compile (F.scaled_dot_product_attention,
+#      fused AdamW), and the model FLOPs utilisation (6 x 124.44M parameters
+#      x tokens/s over the GPU's dense peak).  Targets: bf16 tokens/s >= 1.0x
+#      llm.c, >= 1.3x PyTorch eager, >= 1.0x torch.compile; bf16 >= 1.5x fp32;
+#      tf32 >= 1.0x llm.c's fp32 trainer; peak memory <= PyTorch eager's
+#      (both the device memory nvidia-smi sees the process use)
+#
 #   bash tests/bench/gpu.sh      (from any cwd; builds what it needs itself)
 #
 # Without a GPU it prints "skipped: no GPU" and exits 0.  Everything goes to
@@ -29,7 +41,10 @@
 # lines of every run to gpu_results.txt beside it).
 #
 # Knobs: REPEATS=3 (process runs per side, the sides alternating; medians
-# over runs), SECTIONS="1 2 3", GPT_CONFIGS=small,124M, CONFIGS=mlp:128,mlp:1024,cnn:128,
+# over runs), SECTIONS="1 2 3 4", GPT_CONFIGS=small (section 3; 124M is
+# section 4's), REAL_BATCHES=8, REAL_PRECS=fp32,tf32,bf16, REAL_STEPS=15,
+# REAL_REPEATS=1, REAL_COMPILE_PRECS=bf16 (the precisions torch.compile runs
+# in), LLMC (llm.c's directory), CONFIGS=mlp:128,mlp:1024,cnn:128,
 # PRECS=fp32,bf16 (also tf32), FEEDS=device,host, SHAPES (bench_cublas
 # --shapes), TORCH_PYTHON (default: the first of /usr/bin/python3, python3
 # whose torch sees a GPU), STRICT=1 (exit 1 on a missed target),
@@ -48,8 +63,14 @@ ROOT=$(cd "$HERE/../.." && pwd)
 cd "$ROOT" || exit 1
 
 REPEATS=${REPEATS:-3}
-SECTIONS=${SECTIONS:-"1 2 3"}
-GPT_CONFIGS=${GPT_CONFIGS:-small,124M}
+SECTIONS=${SECTIONS:-"1 2 3 4"}
+GPT_CONFIGS=${GPT_CONFIGS:-small}
+REAL_BATCHES=${REAL_BATCHES:-8}
+REAL_PRECS=${REAL_PRECS:-fp32,tf32,bf16}
+REAL_STEPS=${REAL_STEPS:-15}            # each run's steps; its first 5 are warm-up
+REAL_REPEATS=${REAL_REPEATS:-1}
+REAL_COMPILE_PRECS=${REAL_COMPILE_PRECS:-bf16}   # torch.compile compiles for a minute a run
+LLMC=${LLMC:-$ROOT/../shared/peers/llm.c}
 GPT_DEVICE=${GPT_DEVICE:-cuda}
 CONFIGS=${CONFIGS:-mlp:128,mlp:1024,cnn:128}
 PRECS=${PRECS:-fp32,bf16}
@@ -89,8 +110,8 @@ main() {
             gpu=$("$B/probe" --probe)
         fi
     fi
-    if [[ $GPT_DEVICE == cpu ]]; then   # the dry run: section 3 on the CPU
-        SECTIONS="3"
+    if [[ $GPT_DEVICE == cpu ]]; then   # the dry run: sections 3 and 4 on the CPU
+        SECTIONS="3 4"
         gpu="(none: GPT_DEVICE=cpu dry run)"
     fi
     if [[ -z $gpu && $BUILD_ONLY != 1 ]]; then
@@ -183,10 +204,21 @@ main() {
         gpt_section "$py"
     fi
 
+    # ------------------------------------------------------ 4. real sizes ---
+    if [[ " $SECTIONS " == *" 4 "* ]]; then
+        echo
+        real_section "$py"
+    fi
+
     # --------------------------------------------------------------- tables ---
     echo
     table "$RES"
     local miss=$?
+    if [[ " $SECTIONS " == *" 4 "* ]]; then
+        real_table "$RES" "$gpu"
+        miss=$((miss + $?))
+        echo "$miss target(s) missed in all"
+    fi
     echo "# gpu.sh: $((SECONDS - t_begin)) s; results in $RES"
     [[ -n $build_err ]] && return 1
     ((STRICT && miss)) && return 1
@@ -231,6 +263,140 @@ gpt_section() {
     done
 }
 
+# Section 4.  Result lines "real BATCH PREC IMPL ms=X peak_mib=Y [alloc_mib=Z]"
+# into $RES; IMPL: dtrain, llmc, torch (eager), torchc (torch.compile).
+real_section() {
+    # the model (a GPT_DEVICE=cpu dry run: a small one, same code paths)
+    local L=12 H=12 C=768 T=1024 V=50257
+    [[ $GPT_DEVICE == cpu ]] && L=2 H=2 C=64 T=128 V=512 REAL_BATCHES=2 REAL_STEPS=7
+    REAL_T=$T REAL_L=$L REAL_H=$H
+    REAL_ARGS="--layers $L --heads $H --embd $C --context $T --vocab $V"
+    echo "## 4. real sizes: $REAL_ARGS, batches $REAL_BATCHES, $REAL_PRECS, $REAL_STEPS steps, on $GPT_DEVICE$(
+        [[ $GPT_DEVICE == cpu ]] && echo " (dry run: a small model)")"
+    local py=$1 d=$B/real gpt=$B/gpt b prec r amp ms peak out
+    [[ $GPT_DEVICE == cpu ]] && gpt=$ROOT/build/gpt
+    mkdir -p "$d" "$B/gpt_text"
+    [[ -s $B/gpt_text/text ]] || head -c 4000000 /dev/urandom > "$B/gpt_text/text"
+    real_llmc_inputs "$py" "$gpt" "$d"
+    for b in ${REAL_BATCHES//,/ }; do
+        for prec in ${REAL_PRECS//,/ }; do
+            amp=$prec
+            [[ $prec == fp32 ]] && amp=off
+            for r in $(seq 1 "$REAL_REPEATS"); do
+                [[ -x $gpt ]] && real_run "$b $prec dtrain" "$d/dtrain_${b}_$prec.log" \
+                    "$gpt" $REAL_ARGS --batch "$b" --backend "$GPT_DEVICE" --amp "$amp" \
+                    --steps "$REAL_STEPS" --eval-every "$REAL_STEPS" --eval-batches 1 --sample 0 \
+                    --data "$B/gpt_text"
+                real_llmc "$b" "$prec" "$d"
+                if [[ -n $py ]]; then
+                    real_run "$b $prec torch" "$d/torch_${b}_$prec.log" "$py" "$HERE/bench_gpt_torch.py" \
+                        $REAL_ARGS --batch "$b" --steps "$REAL_STEPS" --device "$GPT_DEVICE" --amp "$amp"
+                    [[ ,$REAL_COMPILE_PRECS, == *,$prec,* ]] &&
+                        real_run "$b $prec torchc" "$d/torchc_${b}_$prec.log" "$py" "$HERE/bench_gpt_torch.py" \
+                            $REAL_ARGS --batch "$b" --steps "$REAL_STEPS" --device "$GPT_DEVICE" --amp "$amp" --compile
+                fi
+            done
+        done
+    done
+}
+
+# The device memory this run's processes use, sampled every 0.2 s by
+# nvidia-smi (the largest sum over the compute processes), into $1 until
+# the file $1.stop appears; nothing without nvidia-smi.
+real_watch_memory() {
+    local out=$1 max=0 now
+    command -v nvidia-smi >/dev/null 2>&1 || return 0
+    while [[ ! -e $out.stop ]]; do
+        now=$(nvidia-smi --query-compute-apps=used_memory --format=csv,noheader,nounits 2>/dev/null |
+              awk '{ s += $1 } END { print s + 0 }')
+        ((now > max)) && max=$now && echo "$max" > "$out"
+        sleep 0.2
+    done
+}
+
+# real_run "BATCH PREC IMPL" LOG CMD...: run it with its memory watched and
+# write its result line.  ms: examples/gpt.c's last "ms/step", or the
+# torch bench's ms=; a torch line "unavailable=compile" gives ms=unavailable.
+real_run() {
+    local what=$1 log=$2 ms peak alloc
+    shift 2
+    rm -f "$log.mem" "$log.mem.stop"
+    real_watch_memory "$log.mem" &
+    local watch=$!
+    timeout -k 10 "$TIMEOUT" "$@" > "$log" 2>&1
+    touch "$log.mem.stop"
+    wait "$watch" 2>/dev/null
+    ms=$(sed -n 's/^step [0-9]*: .* \([0-9.]*\) ms\/step$/\1/p' "$log" | tail -1)
+    [[ -n $ms ]] || ms=$(sed -n 's/^gpt impl=torch ms=\([0-9.]*\).*/\1/p' "$log")
+    grep -q "unavailable=compile" "$log" && ms=unavailable
+    alloc=$(sed -n 's/.* max_alloc_mib=\([0-9.]*\).*/ alloc_mib=\1/p' "$log")
+    [[ -z $alloc ]] && alloc=$(sed -n 's/^memory: step arena peak \([0-9.]*\) MiB, persistent \([0-9.]*\) MiB.*/ arena_mib=\1 persistent_mib=\2/p' "$log")
+    peak=$(cat "$log.mem" 2>/dev/null)
+    echo "real $what ms=${ms:-error} peak_mib=${peak:-n/a}$alloc" | tee -a "$RES"
+    [[ -n $ms ]] || tail -3 "$log"
+}
+
+# llm.c's inputs in $3/llmc: random tokens in its file format (256 int32s:
+# magic 20240520, version 1, count; then uint16 tokens), REAL_STEPS + 1
+# batches of each REAL_BATCHES' size (its fp32 trainer runs one epoch of its
+# file), and for the fp32 trainer a gpt2_124M.bin of dtrain's initial
+# weights (examples/gpt.c --save-init, tests/bench/llmc_files.py)
+real_llmc_inputs() {
+    local py=$1 gpt=$2 d=$3 b
+    [[ -x $B/llmc/train_gpt2cu || -x $B/llmc/train_gpt2fp32cu ]] || return 0
+    [[ -n $py ]] || { echo "# llm.c: no python to write its inputs"; return 0; }
+    mkdir -p "$d/llmc"
+    for b in ${REAL_BATCHES//,/ }; do
+        "$py" -c 'import sys, numpy as np
+n = int(sys.argv[2]) * int(sys.argv[4]) * (int(sys.argv[3]) + 1) + 1
+h = np.zeros(256, np.int32); h[:3] = (20240520, 1, n)
+t = np.random.default_rng(5).integers(0, 256, n).astype(np.uint16)
+open(sys.argv[1], "wb").write(h.tobytes() + t.tobytes())' "$d/llmc/tokens_$b.bin" "$b" "$REAL_STEPS" "$REAL_T" ||
+            echo "# llm.c: could not write its tokens"
+    done
+    if [[ -x $B/llmc/train_gpt2fp32cu && -x $gpt && ! -s $d/llmc/gpt2_124M.bin ]]; then
+        timeout -k 10 "$TIMEOUT" "$gpt" $REAL_ARGS --batch 1 --steps 1 --eval-batches 1 --sample 0 \
+            --backend "$GPT_DEVICE" --data "$B/gpt_text" --save-init "$d/init.st" > "$d/init.log" 2>&1 &&
+            "$py" "$HERE/llmc_files.py" "$d/init.st" "$B/gpt_text" "$d/llmc" "$REAL_L" "$REAL_H" "$REAL_T" \
+                > "$d/llmc_files.log" 2>&1 ||
+            { echo "# llm.c: no gpt2_124M.bin for its fp32 trainer:"; tail -3 "$d/init.log" "$d/llmc_files.log"; }
+        rm -f "$d/init.st"
+    fi
+}
+
+# llm.c at batch $1, precision $2: train_gpt2cu (bf16, random weights: -e
+# d12) or train_gpt2fp32cu (tf32: it enables TF32 itself; dtrain's initial
+# weights), its mean ms per step after 5, and the memory it used.
+real_llmc() {
+    local b=$1 prec=$2 d=$3 bin log ms
+    case $prec in
+        bf16) bin=$B/llmc/train_gpt2cu ;;
+        tf32) bin=$B/llmc/train_gpt2fp32cu ;;
+        *) return 0 ;;
+    esac
+    [[ -x $bin && -s $d/llmc/tokens_$b.bin ]] || { echo "real $b $prec llmc ms=n/a peak_mib=n/a"; return 0; }
+    log=$d/llmc_${b}_$prec.log
+    rm -f "$log.mem" "$log.mem.stop"
+    real_watch_memory "$log.mem" &
+    local watch=$!
+    if [[ $prec == bf16 ]]; then
+        (cd "$d/llmc" && timeout -k 10 "$TIMEOUT" "$bin" -i "tokens_$b.bin" -j "tokens_$b.bin" -e d12 \
+            -b "$b" -t "$REAL_T" -d $((b * REAL_T)) -x "$REAL_STEPS" -v 100000 -m 1 -s 100000 -n 0 -h 0 -y 0) \
+            > "$log" 2>&1
+        ms=$(sed -n 's/^step *\([0-9]*\)\/.*| \([0-9.]*\) ms |.*/\1 \2/p' "$log" |
+             awk '$1 > 5 { s += $2; n++ } END { if (n) printf "%.2f", s / n }')
+    else
+        (cd "$d/llmc" && timeout -k 10 "$TIMEOUT" "$bin" -i "tokens_$b.bin" -j "tokens_$b.bin" \
+            -b "$b" -t "$REAL_T" -v 100000 -m 1 -s 100000) > "$log" 2>&1
+        ms=$(sed -n 's/^step *\([0-9]*\)\/[0-9]*: train loss [0-9.]* (\([0-9.]*\) ms,.*/\1 \2/p' "$log" |
+             awk '$1 > 5 { s += $2; n++ } END { if (n) printf "%.2f", s / n }')
+    fi
+    touch "$log.mem.stop"
+    wait "$watch" 2>/dev/null
+    echo "real $b $prec llmc ms=${ms:-error} peak_mib=$(cat "$log.mem" 2>/dev/null || echo n/a)" | tee -a "$RES"
+    [[ -n $ms ]] || tail -3 "$log"
+}
+
 # Build the benchmarks into $B.  Returns 1 with BUILD_ERR set when dtrain
 # with its CUDA backend cannot be built; the raw-cuBLAS-only bench_cublas is
 # built whenever the CUDA toolkit is there.
@@ -268,7 +434,9 @@ build() {
         return 1
     fi
 
-    # nvcc in the background while gcc does the rest
+    # nvcc in the background while gcc does the rest (llm.c's trainers too)
+    build_llmc > "$B/llmc.log" 2>&1 &
+    local llmc_pid=$!
     echo "# build: $NVCC backends/cuda.cu ($NVCC_GENCODE; $("$NVCC" --version | grep -o 'release [0-9.]*'))"
     "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC $NVCC_GENCODE -DDT_WITH_CUDA -I. \
         -c backends/cuda.cu -o "$B/cuda.o" > "$B/nvcc.log" 2>&1 &
@@ -302,6 +470,8 @@ build() {
         return 1
     fi
     grep -v '^$' "$B/nvcc.log" | head -20
+    wait "$llmc_pid"
+    grep '^# ' "$B/llmc.log"
     if ((!ok)); then
         BUILD_ERR="dtrain.c or a benchmark does not compile"
         return 1
@@ -315,6 +485,26 @@ build() {
     }
     echo "# build: done in $((SECONDS - t0)) s"
     return 0
+}
+
+# llm.c's CUDA trainers (section 4's peers), from a copy of $LLMC in
+# $B/llmc, as its Makefile builds them (make train_gpt2cu train_gpt2fp32cu
+# NO_MULTI_GPU=1 USE_CUDNN=0) but by these nvcc lines: for sm_90 (NVCC_ARCH)
+# and with tests/bench/llmc_cuda13.h force-included, which adapts its one
+# cudaMemAdvise call to CUDA 13; without NVML (it only reports clocks).
+build_llmc() {
+    local src=$B/llmc/src arch=${NVCC_ARCH:-90}
+    rm -f "$B/llmc/train_gpt2cu" "$B/llmc/train_gpt2fp32cu"
+    [[ -f $LLMC/train_gpt2.cu ]] || { echo "# build: note: no llm.c at $LLMC: section 4 without it"; return 0; }
+    mkdir -p "$B/llmc" && rm -rf "$src" && cp -r "$LLMC" "$src" || return 0
+    local flags="--threads=0 -t=0 --use_fast_math -std=c++17 -O3
+                 --generate-code arch=compute_$arch,code=[compute_$arch,sm_$arch] -include $HERE/llmc_cuda13.h"
+    # shellcheck disable=SC2086
+    (cd "$src" && "$NVCC" $flags -DENABLE_BF16 train_gpt2.cu -lcublas -lcublasLt -o "$B/llmc/train_gpt2cu") &&
+        (cd "$src" && "$NVCC" $flags train_gpt2_fp32.cu -lcublas -lcublasLt -o "$B/llmc/train_gpt2fp32cu") &&
+        echo "# build: llm.c's train_gpt2cu and train_gpt2fp32cu ($(sed -n 's/.*at commit \([0-9a-f]*\).*/llm.c \1/p' \
+             "$LLMC/README.md" | head -1), sm_$arch)" ||
+        echo "# build: note: llm.c's CUDA trainers did not build ($B/llmc.log): section 4 without them"
 }
 
 # The side-by-side tables from the result lines; returns the number of
@@ -439,6 +629,86 @@ table() {
             printf "\n"
         } else if (index(sections, " 3 ")) { printf "== 3. GPT: no results ==\n\n"; miss++ }
         printf "%d target(s) missed\n", miss
+        exit (miss > 255 ? 255 : miss)
+    }' "$1"
+}
+
+# Section 4's table; returns its missed targets.  MFU: 6 x 124.44M (GPT-2
+# 124M's parameters, the vocabulary unpadded) x tokens/s over the GPU's
+# dense peak for the precision (H100 SXM and H200: bf16 989.4, TF32 494.7,
+# fp32 66.9 TFLOP/s; H100 PCIe: 756.5, 378.0, 51.2; unknown GPU: no MFU).
+real_table() {
+    local gpu=$2 pb=0 pt=0 pf=0
+    case $gpu in
+        *H100*PCIe*) pb=756.5 pt=378.0 pf=51.2 ;;
+        *H100*|*H200*) pb=989.4 pt=494.7 pf=66.9 ;;
+    esac
+    awk -v T="${REAL_T:-1024}" -v N=124439808 -v pb="$pb" -v pt="$pt" -v pf="$pf" -v runs="$REAL_REPEATS" '
+    function med(list,    n, v, i, j, t) {
+        n = split(list, v, " ")
+        if (n == 0) return ""
+        for (i = 2; i <= n; i++) { t = v[i] + 0; for (j = i - 1; j >= 1 && v[j] + 0 > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
+        return (n % 2) ? v[(n + 1) / 2] + 0 : (v[n / 2] + v[n / 2 + 1]) / 2
+    }
+    function add(arr, k, x) { arr[k] = (k in arr) ? arr[k] " " x : x }
+    function tok(b, ms) { return ms > 0 ? b * T * 1000 / ms : 0 }
+    function fmt(x) { return x > 0 ? sprintf("%.0f", x) : "-" }
+    function ratio(a, b) { return (a > 0 && b > 0) ? sprintf("%.3f", a / b) : "-" }
+    function check(name, ok) { if (!ok) { miss++; bad = bad " " name } }
+    $1 == "real" && NF >= 6 {
+        k = $2 " " $3
+        if (!(k in seen)) { seen[k] = 1; keys[++nk] = k }
+        for (i = 5; i <= NF; i++) {
+            split($i, kv, "=")
+            if (kv[1] == "ms" && kv[2] ~ /^[0-9.]+$/) add(ms, $4 SUBSEP k, kv[2])
+            if (kv[1] == "ms" && kv[2] == "unavailable") unavail[$4 SUBSEP k] = 1
+            if (kv[1] == "peak_mib" && kv[2] ~ /^[0-9.]+$/) add(pk, $4 SUBSEP k, kv[2])
+            if (kv[1] == "alloc_mib") add(al, $4 SUBSEP k, kv[2])
+            if (kv[1] == "arena_mib") add(ar, $4 SUBSEP k, kv[2])
+            if (kv[1] == "persistent_mib") add(ps, $4 SUBSEP k, kv[2])
+        }
+    }
+    END {
+        if (!nk) { printf "== 4. real sizes: no results ==\n1 target(s) missed in section 4\n"; exit 1 }
+        printf "== 4. real sizes: %s, context %d: tokens/s (median over %d runs), MFU, peak device MiB ==\n", \
+            (T == 1024 ? "GPT-2 124M shape" : "dry run"), T, runs
+        printf "%-5s %-5s| %8s %8s %8s %8s | %8s %8s %8s | %6s %6s | %7s %7s %7s %7s | %s\n", "batch", "prec", \
+            "dtrain", "llm.c", "torch", "compile", "dt/llmc", "dt/torch", "dt/comp", "MFU dt", "llm.c", \
+            "dt MiB", "torch", "llm.c", "compile", "targets missed"
+        for (i = 1; i <= nk; i++) {
+            k = keys[i]; split(k, id, " "); b = id[1]; p = id[2]; bad = ""
+            d = tok(b, med(ms["dtrain" SUBSEP k])); l = tok(b, med(ms["llmc" SUBSEP k]))
+            t = tok(b, med(ms["torch" SUBSEP k])); c = tok(b, med(ms["torchc" SUBSEP k]))
+            peak = p == "bf16" ? pb : p == "tf32" ? pt : pf
+            mfu_d = (peak > 0 && d > 0) ? sprintf("%.1f%%", 600 * N * d / (peak * 1e12)) : "-"
+            mfu_l = (peak > 0 && l > 0) ? sprintf("%.1f%%", 600 * N * l / (peak * 1e12)) : "-"
+            md = med(pk["dtrain" SUBSEP k]); mt = med(pk["torch" SUBSEP k])
+            ml = med(pk["llmc" SUBSEP k]); mc = med(pk["torchc" SUBSEP k])
+            if (p == "bf16") {
+                check("llm.c>=1.0", d > 0 && l > 0 && d / l >= 1.0)
+                check("torch>=1.3", d > 0 && t > 0 && d / t >= 1.3)
+                if (!(("torchc" SUBSEP k) in unavail)) check("compile>=1.0", d > 0 && c > 0 && d / c >= 1.0)
+            }
+            if (p == "tf32") check("llm.c-fp32>=1.0", d > 0 && l > 0 && d / l >= 1.0)
+            if (md != "" && mt != "") check("memory<=torch", md + 0 <= mt + 0)
+            tk[b " " p] = d
+            printf "%-5s %-5s| %8s %8s %8s %8s | %8s %8s %8s | %6s %6s | %7s %7s %7s %7s | %s\n", b, p, fmt(d), \
+                (p == "fp32" ? "(none)" : fmt(l)), fmt(t), ((("torchc" SUBSEP k) in unavail) ? "n/a" : fmt(c)), \
+                ratio(d, l), ratio(d, t), ratio(d, c), mfu_d, mfu_l, (md == "" ? "-" : md), (mt == "" ? "-" : mt), \
+                (ml == "" ? "-" : ml), (mc == "" ? "-" : mc), (bad == "" ? "none" : bad)
+            if (("dtrain" SUBSEP k) in ar)
+                printf "      dtrain: step arena peak %s MiB + persistent %s MiB (dt_mem_stats)%s\n", med(ar["dtrain" SUBSEP k]), \
+                    med(ps["dtrain" SUBSEP k]), (("torch" SUBSEP k) in al) ? sprintf("; torch.cuda.max_memory_allocated %s MiB", med(al["torch" SUBSEP k])) : ""
+        }
+        for (kk in tk) {
+            split(kk, id, " ")
+            if (id[2] != "bf16" || !((id[1] " fp32") in tk)) continue
+            f = tk[id[1] " fp32"]; g = tk[kk]
+            printf "batch %s: dtrain bf16 is %sx its fp32 tokens/s (target >= 1.50)\n", id[1], ratio(g, f)
+            if (!(g > 0 && f > 0 && g / f >= 1.5)) miss++
+        }
+        printf "(tokens/s: batch x context / the median ms per step after 5 warm-up steps; MiB: the most device memory nvidia-smi saw the run use, CUDA context and allocator caches included; llm.c: train_gpt2cu for bf16 (random weights, -e d12), train_gpt2fp32cu for tf32 (dtrain'"'"'s initial weights); compile n/a: this PyTorch has no torch.compile)\n"
+        printf "%d target(s) missed in section 4\n", miss
         exit (miss > 255 ? 255 : miss)
     }' "$1"
 }
