@@ -222,7 +222,7 @@ DT_HALF_FN float round_f16(float x)
 extern "C" {
 #endif
 
-#define DT_BACKEND_IFACE_VERSION 7
+#define DT_BACKEND_IFACE_VERSION 8
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -377,18 +377,21 @@ typedef struct dt_backend_iface {
                              const float *y, const float *dy, float *dx, int log, int accumulate);
     /* Cross entropy: logits (n,c), labels (n) i32.  Rows whose label equals
      * ignore are skipped (no loss, no gradient); DT_XENT_KEEP_ALL skips none.
-     * Writes probs (n,c) = softmax(logits) and loss (device scalar) = the sum
-     * over the other rows of -log p[label], divided by `kept` (their count,
-     * which the core knows).  Returns the first index of a label that is
-     * neither in range nor ignored, or -1 if there is none. */
+     * Writes rows (2n): each row's max m and 1/sum(exp(logit - m)), every
+     * row's, so that backward rebuilds softmax = exp(logit - m) * (1/sum)
+     * without an (n,c) buffer; and loss (device scalar) = the sum over the
+     * other rows of -log p[label], divided by `kept` (their count, which the
+     * core knows).  Returns the first index of a label that is neither in
+     * range nor ignored, or -1 if there is none. */
     int64_t (*xent_forward)(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                            const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                            const int32_t *labels, int64_t ignore, int64_t kept, float *rows,
                             float *loss);
-    /* dlogits (+)= (probs - onehot(labels)) * (*dloss) / kept on the rows not
-     * ignored; ignored rows get 0 (or keep their value when accumulating).
-     * dloss is a device scalar. */
-    void (*xent_backward)(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                          const int32_t *labels, int64_t ignore, int64_t kept,
+    /* dlogits (+)= (softmax(logits) - onehot(labels)) * (*dloss) / kept on
+     * the rows not ignored, softmax from the forward's rows; ignored rows
+     * get 0 (or keep their value when accumulating).  dloss is a device
+     * scalar. */
+    void (*xent_backward)(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                          const float *rows, const int32_t *labels, int64_t ignore, int64_t kept,
                           const float *dloss, float *dlogits, int accumulate);
 
     /* --- convolution helpers, NCHW ------------------------------------- */
@@ -555,7 +558,7 @@ const dt_backend_iface *dt_backend_cpu_staged_iface(void);
 #endif
 
 #endif /* DTRAIN_BACKEND_H */
-#line 559 "dtrain.c"
+#line 562 "dtrain.c"
 
 /* A backend plugin compiled on its own (backends/cuda.cu) takes the interfaces
    above and stops here. */
@@ -2517,7 +2520,7 @@ DT_PRIVATE int prof_aside_stall(const dt_profile_stats *const *st, int P, char *
 /* src/steal.c */
 
 #endif /* DTRAIN_DIST_H */
-#line 2521 "dtrain.c"
+#line 2524 "dtrain.c"
 
 #if DTRAIN_VERSION_MAJOR != 0 || DTRAIN_VERSION_MINOR != 1 || DTRAIN_VERSION_PATCH != 0
 #error "dtrain.c was generated for dtrain.h 0.1.0: use the dtrain.h of the same release"
@@ -3243,7 +3246,7 @@ DT_PRIVATE dt_status be_fault(dt_ctx *ctx, const char *what)
         return DT_OK;
     return set_error(ctx, s, "%s: device failure: %s", what, msg[0] ? msg : "no message");
 }
-#line 3247 "dtrain.c"
+#line 3250 "dtrain.c"
 
 /* ======= src/arena.c ======= */
 #line 1 "src/arena.c"
@@ -3556,7 +3559,7 @@ void dt_mem_peak_reset(dt_ctx *ctx)
     ctx->scratch_dev.peak = ctx->scratch_dev.used;
 }
 
-#line 3560 "dtrain.c"
+#line 3563 "dtrain.c"
 
 /* ======= src/tensor.c ======= */
 #line 1 "src/tensor.c"
@@ -4263,7 +4266,7 @@ dt_status dt_tensor_set_requires_grad(dt_tensor *t, int requires)
     return DT_OK;
 }
 
-#line 4267 "dtrain.c"
+#line 4270 "dtrain.c"
 
 /* ======= src/param.c ======= */
 #line 1 "src/param.c"
@@ -4586,7 +4589,7 @@ dt_status dt_layer_norm_params(dt_ctx *ctx, const char *name, int64_t dim, int b
         return ctx->last_status;
     return DT_OK;
 }
-#line 4590 "dtrain.c"
+#line 4593 "dtrain.c"
 
 /* ======= src/util.c ======= */
 #line 1 "src/util.c"
@@ -4672,7 +4675,7 @@ dt_status dt_count_correct(dt_ctx *ctx, const dt_tensor *logits, const dt_tensor
 }
 
 
-#line 4676 "dtrain.c"
+#line 4679 "dtrain.c"
 
 /* ======= src/record.c ======= */
 #line 1 "src/record.c"
@@ -5304,7 +5307,7 @@ dt_status dt_profile_stats_get(const dt_ctx *ctx, dt_profile_stats *out)
     prof_fill_ctx((dt_ctx *)ctx, out);
     return DT_OK;
 }
-#line 5308 "dtrain.c"
+#line 5311 "dtrain.c"
 
 /* ======= src/autograd.c ======= */
 #line 1 "src/autograd.c"
@@ -5552,7 +5555,7 @@ DT_PRIVATE dt_status tape_backward(dt_ctx *ctx, dt_tensor *out, const float *see
     return backward_ended(ctx, s);
 }
 
-#line 5556 "dtrain.c"
+#line 5559 "dtrain.c"
 
 /* ======= src/ops.c ======= */
 #line 1 "src/ops.c"
@@ -6691,9 +6694,10 @@ dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_o
 
 /* --- losses ----------------------------------------------------------- */
 
-/* probs: the softmax of the logits, kept by the forward; kept: the rows
- * not ignored (the mean's divisor) */
-typedef struct xent_state { int64_t rows, classes, ignore, kept; const float *probs; } xent_state;
+/* row_stats: each row's max and 1/sum from the forward (2 floats a row,
+ * not the (rows, classes) softmax: backward rebuilds it from the logits);
+ * kept: the rows not ignored (the mean's divisor) */
+typedef struct xent_state { int64_t rows, classes, ignore, kept; const float *row_stats; } xent_state;
 
 static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -6703,9 +6707,8 @@ static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
         return ctx->last_status;
     const xent_state *st = n->state;
     int64_t rows = st->rows, classes = st->classes, ignore = st->ignore, kept = st->kept;
-    const float *probs = st->probs;
-    BE(ctx)->xent_backward(BEI(ctx), rows, classes, probs, IP(n->in[1]), ignore, kept,
-                           FP(n->out->grad), gx, acc);
+    BE(ctx)->xent_backward(BEI(ctx), rows, classes, FP(n->in[0]), st->row_stats, IP(n->in[1]),
+                           ignore, kept, FP(n->out->grad), gx, acc);
     return DT_OK;
 }
 
@@ -6759,12 +6762,12 @@ static dt_tensor *xent_op(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels, int
     tensor_materialize(labels);
     int64_t c = logits->shape[logits->ndim - 1], n = dt_tensor_numel(labels);
     int64_t kept = xent_kept(ctx, labels, n, ignore);
-    float *probs = kept >= 0 ? op_temp_floats(ctx, n * c) : NULL;
-    dt_tensor *y = probs ? tensor_step_new(ctx, DT_F32, 0, NULL) : NULL;
+    float *row_stats = kept >= 0 ? op_temp_floats(ctx, 2 * n) : NULL;
+    dt_tensor *y = row_stats ? tensor_step_new(ctx, DT_F32, 0, NULL) : NULL;
     if (!y)
         return NULL;
     int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), ignore, kept,
-                                        probs, FP(y));
+                                        row_stats, FP(y));
     if (be_fault(ctx, "cross_entropy") != DT_OK)
         return NULL;
     if (bad >= 0) {
@@ -6776,7 +6779,7 @@ static dt_tensor *xent_op(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels, int
     }
     if (tape_tracks(ctx, logits) &&
         !tape_record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
-                        &(xent_state){n, c, ignore, kept, probs}, sizeof(xent_state)))
+                        &(xent_state){n, c, ignore, kept, row_stats}, sizeof(xent_state)))
         return NULL;
     return y;
 }
@@ -6929,7 +6932,7 @@ dt_tensor *dt_custom_op(dt_ctx *ctx, const char *name, dt_tensor *const *inputs,
     memcpy(copy, name, len);
     return out;
 }
-#line 6933 "dtrain.c"
+#line 6936 "dtrain.c"
 
 /* ======= src/ops_nn.c ======= */
 #line 1 "src/ops_nn.c"
@@ -7474,7 +7477,7 @@ dt_tensor *dt_attention(dt_ctx *ctx, dt_tensor *q, dt_tensor *k, dt_tensor *v, d
         return NULL;
     return o;
 }
-#line 7478 "dtrain.c"
+#line 7481 "dtrain.c"
 
 /* ======= src/recompute.c ======= */
 #line 1 "src/recompute.c"
@@ -7676,7 +7679,7 @@ dt_tensor *dt_recompute(dt_ctx *ctx, dt_segment_fn fn, dt_tensor *const *inputs,
     return y;
 }
 
-#line 7680 "dtrain.c"
+#line 7683 "dtrain.c"
 
 /* ======= src/optim.c ======= */
 #line 1 "src/optim.c"
@@ -8662,7 +8665,7 @@ dt_status dt_loss_scaler_step(dt_loss_scaler *sc, dt_optim *opt, int *stepped)
     return DT_OK;
 }
 
-#line 8666 "dtrain.c"
+#line 8669 "dtrain.c"
 
 /* ======= src/ckpt.c ======= */
 #line 1 "src/ckpt.c"
@@ -10998,7 +11001,7 @@ static int ckpt_sharded_complete(dt_ctx *ctx, const char *dir, int64_t *step)
     ckpt_plan_free(pl);
     return 1;
 }
-#line 11002 "dtrain.c"
+#line 11005 "dtrain.c"
 
 /* ======= src/dataset.c ======= */
 #line 1 "src/dataset.c"
@@ -11571,7 +11574,7 @@ dt_status dt_dataset_stats(const dt_dataset *ds, int n, float *mean, float *std)
     host_free(ctx, raw);
     return s;
 }
-#line 11575 "dtrain.c"
+#line 11578 "dtrain.c"
 
 /* ======= src/dataset_io.c ======= */
 #line 1 "src/dataset_io.c"
@@ -12347,7 +12350,7 @@ dt_dataset *dt_dataset_load_tokens(dt_ctx *ctx, const char *path, int token_byte
     ds->map_len[0] = len;
     return ds;
 }
-#line 12351 "dtrain.c"
+#line 12354 "dtrain.c"
 
 /* ======= src/data.c ======= */
 #line 1 "src/data.c"
@@ -12929,7 +12932,7 @@ DT_PRIVATE int64_t loader_local_samples(const dt_loader *ld) { return ld->n_loca
 
 double dt_loader_wait_seconds(const dt_loader *ld) { return ld ? ld->wait_s : 0.0; }
 
-#line 12933 "dtrain.c"
+#line 12936 "dtrain.c"
 
 /* ======= src/store.c ======= */
 #line 1 "src/store.c"
@@ -14091,7 +14094,7 @@ dt_status dt_store_get(dt_store *s, const char *key_in, void *buf, size_t cap, s
     return st;
 }
 
-#line 14095 "dtrain.c"
+#line 14098 "dtrain.c"
 
 /* ======= src/comm.c ======= */
 #line 1 "src/comm.c"
@@ -16140,7 +16143,7 @@ DT_PRIVATE void comm_xfers_free_buried(dt_comm *c)
         c->ctx->al.free_fn(x, c->ctx->al.user);
     }
 }
-#line 16144 "dtrain.c"
+#line 16147 "dtrain.c"
 
 /* ======= src/seg.c ======= */
 #line 1 "src/seg.c"
@@ -16630,7 +16633,7 @@ DT_PRIVATE dt_status seg_alltoall(dt_comm *c, dt_work *w)
     } while (off < n);
     return DT_OK;
 }
-#line 16634 "dtrain.c"
+#line 16637 "dtrain.c"
 
 /* ======= src/join.c ======= */
 #line 1 "src/join.c"
@@ -17406,7 +17409,7 @@ int dt_comm_job_rank(const dt_comm *c, int rank)
         return -1;
     return c->members ? c->members[rank] : rank;
 }
-#line 17410 "dtrain.c"
+#line 17413 "dtrain.c"
 
 /* ======= src/preempt.c ======= */
 #line 1 "src/preempt.c"
@@ -17724,7 +17727,7 @@ const char *dt_preempt_report(dt_ctx *ctx)
     preempt_line(ctx, st->line, sizeof st->line);
     return st->line;
 }
-#line 17728 "dtrain.c"
+#line 17731 "dtrain.c"
 
 /* ======= src/eval.c ======= */
 #line 1 "src/eval.c"
@@ -18017,7 +18020,7 @@ dt_status dt_predict(dt_ctx *ctx, dt_comm *c, const dt_dataset *ds, const dt_eva
                          failed);
     return DT_OK;
 }
-#line 18021 "dtrain.c"
+#line 18024 "dtrain.c"
 
 /* ======= src/launch.c ======= */
 #line 1 "src/launch.c"
@@ -18532,7 +18535,7 @@ dt_status dt_launch(dt_ctx *ctx, const dt_spawn_config *cfg, char *const argv[],
     return spawn_impl(ctx, cfg, argv, &unused, failed_rank);
 }
 
-#line 18536 "dtrain.c"
+#line 18539 "dtrain.c"
 
 /* ======= src/profile.c ======= */
 #line 1 "src/profile.c"
@@ -19627,7 +19630,7 @@ dt_status dt_profile_stop(dt_ctx *ctx, dt_comm *c, const char *trace_path)
     return st;
 }
 
-#line 19631 "dtrain.c"
+#line 19634 "dtrain.c"
 
 /* ======= src/codec.c ======= */
 #line 1 "src/codec.c"
@@ -19809,7 +19812,7 @@ DT_PRIVATE void codec_decode_add(dt_compress kind, const char *code, int64_t n, 
         break;
     }
 }
-#line 19813 "dtrain.c"
+#line 19816 "dtrain.c"
 
 /* ======= src/ps.c ======= */
 #line 1 "src/ps.c"
@@ -21176,7 +21179,7 @@ void dt_ps_free(dt_ps *ps)
     host_free(ctx, ps->stage2);
     host_free(ctx, ps);
 }
-#line 21180 "dtrain.c"
+#line 21183 "dtrain.c"
 
 /* ======= src/ps_server.c ======= */
 #line 1 "src/ps_server.c"
@@ -22627,7 +22630,7 @@ DT_PRIVATE dt_status ps_ddp_check(dt_ctx *ctx, dt_comm *c, const dt_ddp_config *
                          "(dt_ps_config.optim); pass no optimizer");
     return DT_OK;
 }
-#line 22631 "dtrain.c"
+#line 22634 "dtrain.c"
 
 /* ======= src/zero.c ======= */
 #line 1 "src/zero.c"
@@ -24029,7 +24032,7 @@ dt_status dt_ddp_checkpoint_load(dt_ddp *d, dt_optim *opt, const char *dir, int6
     ctx_done(actx, act);
     return s;
 }
-#line 24033 "dtrain.c"
+#line 24036 "dtrain.c"
 
 /* ======= src/ddp.c ======= */
 #line 1 "src/ddp.c"
@@ -25472,7 +25475,7 @@ static const dt_grad_hooks ddp_grad_hooks = {
     .node_params = hook_node_params,
     .param_whole = hook_param_whole,
 };
-#line 25476 "dtrain.c"
+#line 25479 "dtrain.c"
 
 /* ======= src/replicas.c ======= */
 #line 1 "src/replicas.c"
@@ -25893,7 +25896,7 @@ dt_dp *dt_dp_new(dt_ctx *ctx, const dt_dp_config *cfg_in, dt_dp_build_fn build, 
     return dp;
 }
 
-#line 25897 "dtrain.c"
+#line 25900 "dtrain.c"
 
 /* ======= src/hogwild.c ======= */
 #line 1 "src/hogwild.c"
@@ -26128,7 +26131,7 @@ dt_status dt_hogwild_run(dt_ctx *ctx, const dt_hogwild_config *cfg, dt_dp_build_
     return s;
 }
 
-#line 26132 "dtrain.c"
+#line 26135 "dtrain.c"
 
 /* ======= src/steal.c ======= */
 #line 1 "src/steal.c"
@@ -26310,7 +26313,7 @@ dt_status dt_loader_steal(dt_loader *ld, dt_comm *c, int chunk_batches)
     return dt_loader_start_epoch(ld, 0);   /* the whole order, and chunks from 0 */
 }
 
-#line 26314 "dtrain.c"
+#line 26317 "dtrain.c"
 
 /* ======= src/parallel.c ======= */
 #line 1 "src/parallel.c"
@@ -27377,7 +27380,7 @@ dt_status dt_tp_shard(const dt_comm *c, const dt_tensor *full, int dim, dt_tenso
     host_free(ctx, dst);
     return s;
 }
-#line 27381 "dtrain.c"
+#line 27384 "dtrain.c"
 
 /* ======= src/monitor.c ======= */
 #line 1 "src/monitor.c"
@@ -30328,7 +30331,7 @@ typedef struct xent_args {
     int64_t c, r0, ignore;
     const float *logits;
     const int32_t *labels;
-    float *probs;
+    float *rows;        /* each row's max and 1/sum (backward rebuilds the softmax) */
     double *row_loss;   /* this round's rows, summed in order by the caller */
 } xent_args;
 
@@ -30340,27 +30343,31 @@ DT_CPU_KERNEL(xent_rows, p, lo, hi)
     for (int64_t i = lo; i < hi; i++) {
         int64_t r = A->r0 + i;
         const float *x = A->logits + r * c;
-        float *pr = A->probs + r * c;
-        float m = row_max(x, c);
-        for (int64_t j = 0; j < c; j++) pr[j] = dt_expf(x[j] - m);
-        double sum = run_sum(pr, c, 0);
+        float m = row_max(x, c), e[DT_CPU_RED_BLOCK];
+        double sum = 0.0;   /* run_sum's blocks, each exp'd into e first */
+        for (int64_t b = 0; b < c; b += DT_CPU_RED_BLOCK) {
+            int64_t len = min64(DT_CPU_RED_BLOCK, c - b);
+            for (int64_t j = 0; j < len; j++) e[j] = dt_expf(x[b + j] - m);
+            sum += block_sum(e, len, 0);
+        }
         float inv = (float)(1.0 / sum);
-        for (int64_t j = 0; j < c; j++) pr[j] *= inv;
+        A->rows[2 * r] = m;
+        A->rows[2 * r + 1] = inv;
         A->row_loss[i] = A->labels[r] == A->ignore ? 0.0
                                                    : log(sum) + (double)m - (double)x[A->labels[r]];
     }
 }
 
-/* logits (n,c), labels (n) -> probs (n,c), *loss = sum over kept rows of
- * (logsumexp - logit[label]) / kept */
+/* logits (n,c), labels (n) -> rows (2n: max, 1/sum), *loss = sum over kept
+ * rows of (logsumexp - logit[label]) / kept */
 static int64_t cpu_xent_forward(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                                const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                                const int32_t *labels, int64_t ignore, int64_t kept, float *rows,
                                 float *loss)
 {
     for (int64_t i = 0; i < n; i++)
         if ((labels[i] < 0 || labels[i] >= c) && labels[i] != ignore) return i;
     double row_loss[DT_CPU_RED_ROUND], total = 0.0;
-    xent_args A = {.c = c, .ignore = ignore, .logits = logits, .labels = labels, .probs = probs,
+    xent_args A = {.c = c, .ignore = ignore, .logits = logits, .labels = labels, .rows = rows,
                    .row_loss = row_loss};
     for (A.r0 = 0; A.r0 < n; A.r0 += DT_CPU_RED_ROUND) {
         int64_t nr = min64(DT_CPU_RED_ROUND, n - A.r0);
@@ -30374,7 +30381,7 @@ static int64_t cpu_xent_forward(dt_backend *be, int64_t n, int64_t c, const floa
 typedef struct xentb_args {
     int64_t c, ignore;
     float scale;
-    const float *probs;
+    const float *logits, *rows;
     const int32_t *labels;
     float *dlogits;
     int accumulate;
@@ -30386,28 +30393,37 @@ static void xent_bwd_rows(void *p, int64_t lo, int64_t hi)
     int64_t c = A->c;
     float s = A->scale;
     for (int64_t r = lo; r < hi; r++) {
-        const float *pr = A->probs + r * c;
-        float *d = A->dlogits + r * c;
+        const float *x = A->logits + r * c;
+        float *d = A->dlogits + r * c, m = A->rows[2 * r], inv = A->rows[2 * r + 1];
         if (A->labels[r] == A->ignore) {   /* no gradient */
             for (int64_t j = 0; !A->accumulate && j < c; j++) d[j] = 0.0f;
             continue;
         }
+        /* the softmax as the forward made it: exp(x - m), then times 1/sum */
         if (A->accumulate)
-            for (int64_t j = 0; j < c; j++) d[j] += pr[j] * s;
+            for (int64_t j = 0; j < c; j++) {
+                float p = dt_expf(x[j] - m);
+                p *= inv;
+                d[j] += p * s;
+            }
         else
-            for (int64_t j = 0; j < c; j++) d[j] = pr[j] * s;
+            for (int64_t j = 0; j < c; j++) {
+                float p = dt_expf(x[j] - m);
+                p *= inv;
+                d[j] = p * s;
+            }
         d[A->labels[r]] -= s;
     }
 }
 
-/* dlogits (n,c) (+)= (probs - onehot(labels)) * dloss / kept, kept rows only */
-static void cpu_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                              const int32_t *labels, int64_t ignore, int64_t kept,
-                              const float *dloss, float *dlogits, int accumulate)
+/* dlogits (n,c) (+)= (softmax - onehot(labels)) * dloss / kept, kept rows only */
+static void cpu_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                              const float *rows, const int32_t *labels, int64_t ignore,
+                              int64_t kept, const float *dloss, float *dlogits, int accumulate)
 {
     if (n <= 0) return;
-    xentb_args A = {.c = c, .ignore = ignore, .scale = *dloss / (float)kept, .probs = probs,
-                    .labels = labels, .dlogits = dlogits, .accumulate = accumulate};
+    xentb_args A = {.c = c, .ignore = ignore, .scale = *dloss / (float)kept, .logits = logits,
+                    .rows = rows, .labels = labels, .dlogits = dlogits, .accumulate = accumulate};
     parallel_for(be, n, grain_units(DT_CPU_GRAIN_MEM, c), xent_bwd_rows, &A);
 }
 
@@ -31730,7 +31746,7 @@ static const dt_backend_iface dt_cpu_staged_iface = {
 
 const dt_backend_iface *dt_backend_cpu_iface(void) { return &dt_cpu_iface; }
 const dt_backend_iface *dt_backend_cpu_staged_iface(void) { return &dt_cpu_staged_iface; }
-#line 31734 "dtrain.c"
+#line 31750 "dtrain.c"
 #endif /* DT_WITH_CPU */
 
 #ifdef DT_WITH_FABRIC
@@ -32955,7 +32971,7 @@ const dt_transport_iface *dt_transport_fabric_iface(void)
     };
     return &iface;
 }
-#line 32959 "dtrain.c"
+#line 32975 "dtrain.c"
 #endif /* DT_WITH_FABRIC */
 
 #ifdef DT_WITH_HTTP
@@ -33134,6 +33150,6 @@ static const dt_http_iface http_iface = {DT_HTTP_IFACE_VERSION, "libmicrohttpd",
                                          http_port, http_stop};
 
 const dt_http_iface *dt_http_mhd_iface(void) { return &http_iface; }
-#line 33138 "dtrain.c"
+#line 33154 "dtrain.c"
 #endif /* DT_WITH_HTTP */
 #endif /* DT_INTERFACES_ONLY */

@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-#define DT_BACKEND_IFACE_VERSION 7
+#define DT_BACKEND_IFACE_VERSION 8
 
 typedef struct dt_backend dt_backend;   /* a backend instance, opaque to the core */
 
@@ -188,18 +188,21 @@ typedef struct dt_backend_iface {
                              const float *y, const float *dy, float *dx, int log, int accumulate);
     /* Cross entropy: logits (n,c), labels (n) i32.  Rows whose label equals
      * ignore are skipped (no loss, no gradient); DT_XENT_KEEP_ALL skips none.
-     * Writes probs (n,c) = softmax(logits) and loss (device scalar) = the sum
-     * over the other rows of -log p[label], divided by `kept` (their count,
-     * which the core knows).  Returns the first index of a label that is
-     * neither in range nor ignored, or -1 if there is none. */
+     * Writes rows (2n): each row's max m and 1/sum(exp(logit - m)), every
+     * row's, so that backward rebuilds softmax = exp(logit - m) * (1/sum)
+     * without an (n,c) buffer; and loss (device scalar) = the sum over the
+     * other rows of -log p[label], divided by `kept` (their count, which the
+     * core knows).  Returns the first index of a label that is neither in
+     * range nor ignored, or -1 if there is none. */
     int64_t (*xent_forward)(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                            const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                            const int32_t *labels, int64_t ignore, int64_t kept, float *rows,
                             float *loss);
-    /* dlogits (+)= (probs - onehot(labels)) * (*dloss) / kept on the rows not
-     * ignored; ignored rows get 0 (or keep their value when accumulating).
-     * dloss is a device scalar. */
-    void (*xent_backward)(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                          const int32_t *labels, int64_t ignore, int64_t kept,
+    /* dlogits (+)= (softmax(logits) - onehot(labels)) * (*dloss) / kept on
+     * the rows not ignored, softmax from the forward's rows; ignored rows
+     * get 0 (or keep their value when accumulating).  dloss is a device
+     * scalar. */
+    void (*xent_backward)(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                          const float *rows, const int32_t *labels, int64_t ignore, int64_t kept,
                           const float *dloss, float *dlogits, int accumulate);
 
     /* --- convolution helpers, NCHW ------------------------------------- */

@@ -1685,7 +1685,7 @@ typedef struct xent_args {
     int64_t c, r0, ignore;
     const float *logits;
     const int32_t *labels;
-    float *probs;
+    float *rows;        /* each row's max and 1/sum (backward rebuilds the softmax) */
     double *row_loss;   /* this round's rows, summed in order by the caller */
 } xent_args;
 
@@ -1697,27 +1697,31 @@ DT_CPU_KERNEL(xent_rows, p, lo, hi)
     for (int64_t i = lo; i < hi; i++) {
         int64_t r = A->r0 + i;
         const float *x = A->logits + r * c;
-        float *pr = A->probs + r * c;
-        float m = row_max(x, c);
-        for (int64_t j = 0; j < c; j++) pr[j] = dt_expf(x[j] - m);
-        double sum = run_sum(pr, c, 0);
+        float m = row_max(x, c), e[DT_CPU_RED_BLOCK];
+        double sum = 0.0;   /* run_sum's blocks, each exp'd into e first */
+        for (int64_t b = 0; b < c; b += DT_CPU_RED_BLOCK) {
+            int64_t len = min64(DT_CPU_RED_BLOCK, c - b);
+            for (int64_t j = 0; j < len; j++) e[j] = dt_expf(x[b + j] - m);
+            sum += block_sum(e, len, 0);
+        }
         float inv = (float)(1.0 / sum);
-        for (int64_t j = 0; j < c; j++) pr[j] *= inv;
+        A->rows[2 * r] = m;
+        A->rows[2 * r + 1] = inv;
         A->row_loss[i] = A->labels[r] == A->ignore ? 0.0
                                                    : log(sum) + (double)m - (double)x[A->labels[r]];
     }
 }
 
-/* logits (n,c), labels (n) -> probs (n,c), *loss = sum over kept rows of
- * (logsumexp - logit[label]) / kept */
+/* logits (n,c), labels (n) -> rows (2n: max, 1/sum), *loss = sum over kept
+ * rows of (logsumexp - logit[label]) / kept */
 static int64_t cpu_xent_forward(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                                const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                                const int32_t *labels, int64_t ignore, int64_t kept, float *rows,
                                 float *loss)
 {
     for (int64_t i = 0; i < n; i++)
         if ((labels[i] < 0 || labels[i] >= c) && labels[i] != ignore) return i;
     double row_loss[DT_CPU_RED_ROUND], total = 0.0;
-    xent_args A = {.c = c, .ignore = ignore, .logits = logits, .labels = labels, .probs = probs,
+    xent_args A = {.c = c, .ignore = ignore, .logits = logits, .labels = labels, .rows = rows,
                    .row_loss = row_loss};
     for (A.r0 = 0; A.r0 < n; A.r0 += DT_CPU_RED_ROUND) {
         int64_t nr = min64(DT_CPU_RED_ROUND, n - A.r0);
@@ -1731,7 +1735,7 @@ static int64_t cpu_xent_forward(dt_backend *be, int64_t n, int64_t c, const floa
 typedef struct xentb_args {
     int64_t c, ignore;
     float scale;
-    const float *probs;
+    const float *logits, *rows;
     const int32_t *labels;
     float *dlogits;
     int accumulate;
@@ -1743,28 +1747,37 @@ static void xent_bwd_rows(void *p, int64_t lo, int64_t hi)
     int64_t c = A->c;
     float s = A->scale;
     for (int64_t r = lo; r < hi; r++) {
-        const float *pr = A->probs + r * c;
-        float *d = A->dlogits + r * c;
+        const float *x = A->logits + r * c;
+        float *d = A->dlogits + r * c, m = A->rows[2 * r], inv = A->rows[2 * r + 1];
         if (A->labels[r] == A->ignore) {   /* no gradient */
             for (int64_t j = 0; !A->accumulate && j < c; j++) d[j] = 0.0f;
             continue;
         }
+        /* the softmax as the forward made it: exp(x - m), then times 1/sum */
         if (A->accumulate)
-            for (int64_t j = 0; j < c; j++) d[j] += pr[j] * s;
+            for (int64_t j = 0; j < c; j++) {
+                float p = dt_expf(x[j] - m);
+                p *= inv;
+                d[j] += p * s;
+            }
         else
-            for (int64_t j = 0; j < c; j++) d[j] = pr[j] * s;
+            for (int64_t j = 0; j < c; j++) {
+                float p = dt_expf(x[j] - m);
+                p *= inv;
+                d[j] = p * s;
+            }
         d[A->labels[r]] -= s;
     }
 }
 
-/* dlogits (n,c) (+)= (probs - onehot(labels)) * dloss / kept, kept rows only */
-static void cpu_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                              const int32_t *labels, int64_t ignore, int64_t kept,
-                              const float *dloss, float *dlogits, int accumulate)
+/* dlogits (n,c) (+)= (softmax - onehot(labels)) * dloss / kept, kept rows only */
+static void cpu_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                              const float *rows, const int32_t *labels, int64_t ignore,
+                              int64_t kept, const float *dloss, float *dlogits, int accumulate)
 {
     if (n <= 0) return;
-    xentb_args A = {.c = c, .ignore = ignore, .scale = *dloss / (float)kept, .probs = probs,
-                    .labels = labels, .dlogits = dlogits, .accumulate = accumulate};
+    xentb_args A = {.c = c, .ignore = ignore, .scale = *dloss / (float)kept, .logits = logits,
+                    .rows = rows, .labels = labels, .dlogits = dlogits, .accumulate = accumulate};
     parallel_for(be, n, grain_units(DT_CPU_GRAIN_MEM, c), xent_bwd_rows, &A);
 }
 

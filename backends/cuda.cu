@@ -2280,7 +2280,7 @@ static int64_t index_check_run(dt_backend *be, int64_t n, const int32_t *idx, in
  * turn, each warp adding its rows' losses in order; the block adds the warps'
  * sums in warp order into part[p]; sum_finish adds the parts (fixed tree). */
 static __global__ void xent_rows_kernel(int64_t n, int64_t c, const float *logits,
-                                        const int32_t *labels, int64_t ignore, float *probs,
+                                        const int32_t *labels, int64_t ignore, float *rows,
                                         int nparts, double *part)
 {
     __shared__ double wsum[DT_CUDA_THREADS / 32];
@@ -2289,18 +2289,16 @@ static __global__ void xent_rows_kernel(int64_t n, int64_t c, const float *logit
     double acc = 0.0;
     for (int64_t r = lo + w; r < hi; r += nw) {
         const float *x = logits + r * c;
-        float *pr = probs + r * c, m = -INFINITY;
+        float m = -INFINITY;
         for (int64_t j = lane; j < c; j += 32) m = max_nan(m, x[j]);
         m = warp_max(m);
         double s = 0.0;
-        for (int64_t j = lane; j < c; j += 32) {
-            float e = expf(x[j] - m);
-            pr[j] = e;
-            s += (double)e;
-        }
+        for (int64_t j = lane; j < c; j += 32) s += (double)expf(x[j] - m);
         s = warp_sum(s);
-        float inv = (float)(1.0 / s);
-        for (int64_t j = lane; j < c; j += 32) pr[j] *= inv;
+        if (lane == 0) {   /* the row's max and 1/sum: backward rebuilds the softmax */
+            rows[2 * r] = m;
+            rows[2 * r + 1] = (float)(1.0 / s);
+        }
         if ((int64_t)labels[r] != ignore)   /* logsumexp - logit[label] */
             acc += log(s) + (double)m - (double)x[labels[r]];
     }
@@ -2313,11 +2311,11 @@ static __global__ void xent_rows_kernel(int64_t n, int64_t c, const float *logit
     }
 }
 
-/* logits (n,c), labels (n) -> probs (n,c), *loss = mean_r (logsumexp - logit[label]).
+/* logits (n,c), labels (n) -> rows (2n: max, 1/sum), *loss = mean_r (logsumexp - logit[label]).
  * Labels are checked first (one wait), as the CPU does, so nothing is
  * written when one is out of range. */
 static int64_t cuda_xent_forward(dt_backend *be, int64_t n, int64_t c, const float *logits,
-                                 const int32_t *labels, int64_t ignore, int64_t kept, float *probs,
+                                 const int32_t *labels, int64_t ignore, int64_t kept, float *rows,
                                  float *loss)
 {
     if (cuda_faulted(be)) return -1;   /* the caller asks fault() */
@@ -2333,7 +2331,7 @@ static int64_t cuda_xent_forward(dt_backend *be, int64_t n, int64_t c, const flo
     int np = (int)min64((n + 63) / 64, DT_CUDA_RED_PARTS);
     dt_cuda_dims K;
     memset(&K, 0, sizeof K);
-    xent_rows_kernel<<<np, DT_CUDA_THREADS, 0, be->compute>>>(n, c, logits, labels, ignore, probs,
+    xent_rows_kernel<<<np, DT_CUDA_THREADS, 0, be->compute>>>(n, c, logits, labels, ignore, rows,
                                                              np, be->red);
     DT_LAUNCHED(be);
     sum_finish_kernel<<<1, DT_CUDA_THREADS, 0, be->compute>>>(1, K, np, be->red, (double)kept,
@@ -2342,10 +2340,11 @@ static int64_t cuda_xent_forward(dt_backend *be, int64_t n, int64_t c, const flo
     return -1;
 }
 
-/* dlogits (n,c) (+)= (probs - onehot(labels)) * dloss / n, in cpu.c's order */
-static __global__ void xent_bwd_kernel(int64_t n, int64_t c, const float *probs,
-                                       const int32_t *labels, int64_t ignore, int64_t kept,
-                                       const float *dloss, float *dlogits, int acc)
+/* dlogits (n,c) (+)= (softmax - onehot(labels)) * dloss / n, in cpu.c's
+ * order; softmax = exp(logit - max) * (1/sum) from the forward's rows */
+static __global__ void xent_bwd_kernel(int64_t n, int64_t c, const float *logits,
+                                       const float *rows, const int32_t *labels, int64_t ignore,
+                                       int64_t kept, const float *dloss, float *dlogits, int acc)
 {
     float s = *dloss / (float)kept;
     DT_GRID_LOOP(i, n * c) {
@@ -2354,20 +2353,21 @@ static __global__ void xent_bwd_kernel(int64_t n, int64_t c, const float *probs,
             if (!acc) dlogits[i] = 0.0f;
             continue;
         }
-        float v = acc ? dlogits[i] + probs[i] * s : probs[i] * s;
+        float p = expf(logits[i] - rows[2 * r]) * rows[2 * r + 1];
+        float v = acc ? dlogits[i] + p * s : p * s;
         if (j == (int64_t)labels[r]) v -= s;
         dlogits[i] = v;
     }
 }
 
-static void cuda_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *probs,
-                               const int32_t *labels, int64_t ignore, int64_t kept,
-                               const float *dloss, float *dlogits, int accumulate)
+static void cuda_xent_backward(dt_backend *be, int64_t n, int64_t c, const float *logits,
+                               const float *rows, const int32_t *labels, int64_t ignore,
+                               int64_t kept, const float *dloss, float *dlogits, int accumulate)
 {
     if (n <= 0 || c <= 0) return;
     cuda_enter(be);
     xent_bwd_kernel<<<grid_for(n * c, DT_CUDA_THREADS), DT_CUDA_THREADS, 0, be->compute>>>(
-        n, c, probs, labels, ignore, kept, dloss, dlogits, accumulate);
+        n, c, logits, rows, labels, ignore, kept, dloss, dlogits, accumulate);
     DT_LAUNCHED(be);
 }
 

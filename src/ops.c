@@ -1133,9 +1133,10 @@ dt_tensor *dt_log_softmax(dt_ctx *ctx, dt_tensor *x, int dim) { return softmax_o
 
 /* --- losses ----------------------------------------------------------- */
 
-/* probs: the softmax of the logits, kept by the forward; kept: the rows
- * not ignored (the mean's divisor) */
-typedef struct xent_state { int64_t rows, classes, ignore, kept; const float *probs; } xent_state;
+/* row_stats: each row's max and 1/sum from the forward (2 floats a row,
+ * not the (rows, classes) softmax: backward rebuilds it from the logits);
+ * kept: the rows not ignored (the mean's divisor) */
+typedef struct xent_state { int64_t rows, classes, ignore, kept; const float *row_stats; } xent_state;
 
 static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
 {
@@ -1145,9 +1146,8 @@ static dt_status xent_backward(dt_ctx *ctx, dt_node *n)
         return ctx->last_status;
     const xent_state *st = n->state;
     int64_t rows = st->rows, classes = st->classes, ignore = st->ignore, kept = st->kept;
-    const float *probs = st->probs;
-    BE(ctx)->xent_backward(BEI(ctx), rows, classes, probs, IP(n->in[1]), ignore, kept,
-                           FP(n->out->grad), gx, acc);
+    BE(ctx)->xent_backward(BEI(ctx), rows, classes, FP(n->in[0]), st->row_stats, IP(n->in[1]),
+                           ignore, kept, FP(n->out->grad), gx, acc);
     return DT_OK;
 }
 
@@ -1201,12 +1201,12 @@ static dt_tensor *xent_op(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels, int
     tensor_materialize(labels);
     int64_t c = logits->shape[logits->ndim - 1], n = dt_tensor_numel(labels);
     int64_t kept = xent_kept(ctx, labels, n, ignore);
-    float *probs = kept >= 0 ? op_temp_floats(ctx, n * c) : NULL;
-    dt_tensor *y = probs ? tensor_step_new(ctx, DT_F32, 0, NULL) : NULL;
+    float *row_stats = kept >= 0 ? op_temp_floats(ctx, 2 * n) : NULL;
+    dt_tensor *y = row_stats ? tensor_step_new(ctx, DT_F32, 0, NULL) : NULL;
     if (!y)
         return NULL;
     int64_t bad = BE(ctx)->xent_forward(BEI(ctx), n, c, FP(logits), IP(labels), ignore, kept,
-                                        probs, FP(y));
+                                        row_stats, FP(y));
     if (be_fault(ctx, "cross_entropy") != DT_OK)
         return NULL;
     if (bad >= 0) {
@@ -1218,7 +1218,7 @@ static dt_tensor *xent_op(dt_ctx *ctx, dt_tensor *logits, dt_tensor *labels, int
     }
     if (tape_tracks(ctx, logits) &&
         !tape_record_op(ctx, "cross_entropy", xent_backward, y, logits, labels, NULL,
-                        &(xent_state){n, c, ignore, kept, probs}, sizeof(xent_state)))
+                        &(xent_state){n, c, ignore, kept, row_stats}, sizeof(xent_state)))
         return NULL;
     return y;
 }

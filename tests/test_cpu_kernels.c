@@ -700,44 +700,60 @@ static void test_softmax(void **state)
     free(x); free(y); free(dy); free(dx); free(dx0); free(want); free(p);
 }
 
-static void test_xent(void **state)
+/* xent over n rows of c classes (large logits: they need the max shift):
+ * each row's max and 1/sum, the loss and the gradient against fp64 */
+static void xent_case(fix *f, int n, int c, uint32_t seed)
 {
-    fix *f = *state;
-    const int n = 5, c = 7;
-    float *x = fvec(n * c), *probs = fvec(n * c), *d = fvec(n * c), *d0 = fvec(n * c), loss;
-    double *want = dvec(n * c);
-    int32_t labels[5] = {0, 6, 3, 3, 1};
-    rfill(x, n * c, 26);
-    for (int i = 0; i < n * c; i++) x[i] = x[i] * 30.0f + 50.0f; /* large: needs the max shift */
-    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, labels, DT_XENT_KEEP_ALL, n, probs, &loss), -1);
+    float *x = fvec(n * c), *rows = fvec(2 * n), *d = fvec(n * c), *d0 = fvec(n * c), loss;
+    double *p = dvec(n * c), *want = dvec(n * c);
+    int32_t *labels = malloc(sizeof(int32_t) * (size_t)n);
+    rfill(x, n * c, seed);
+    for (int i = 0; i < n * c; i++) x[i] = x[i] * 30.0f + 50.0f;
+    for (int r = 0; r < n; r++) labels[r] = (int32_t)((r * 5 + 3) % c);
+    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, labels, DT_XENT_KEEP_ALL, n, rows, &loss), -1);
     double total = 0;
     for (int r = 0; r < n; r++) {
         double m = -INFINITY, z = 0;
         for (int j = 0; j < c; j++) m = fmax(m, x[r * c + j]);
         for (int j = 0; j < c; j++) z += exp(x[r * c + j] - m);
-        for (int j = 0; j < c; j++) want[r * c + j] = exp(x[r * c + j] - m) / z;
+        for (int j = 0; j < c; j++) p[r * c + j] = exp(x[r * c + j] - m) / z;
         total += log(z) + m - x[r * c + labels[r]];
+        if (rows[2 * r] != (float)m) fail_msg("xent row %d: max %g, want %g", r, rows[2 * r], m);
+        want[r] = 1.0 / z;
     }
-    check_close(probs, want, n * c, 1e-5, "xent probs");
+    for (int r = 0; r < n; r++)   /* 1/sum, rows[2r + 1], against want[0..n) */
+        if (fabs(rows[2 * r + 1] - want[r]) > 1e-5 * fabs(want[r]))
+            fail_msg("xent row %d (c %d): 1/sum %g, want %g", r, c, rows[2 * r + 1], want[r]);
     assert_true(fabs(loss - total / n) < 1e-5 * (1 + total / n));
-    /* backward: (p - onehot) * dloss / n */
+    /* backward: (p - onehot) * dloss / n, the softmax rebuilt from rows */
     float dloss = 2.0f;
-    rfill(d0, n * c, 27);
+    rfill(d0, n * c, seed + 1);
     for (int acc = 0; acc < 2; acc++) {
         memcpy(d, d0, sizeof(float) * n * c);
-        f->I->xent_backward(f->be1, n, c, probs, labels, DT_XENT_KEEP_ALL, n, &dloss, d, acc);
+        f->I->xent_backward(f->be1, n, c, x, rows, labels, DT_XENT_KEEP_ALL, n, &dloss, d, acc);
         for (int r = 0; r < n; r++)
             for (int j = 0; j < c; j++)
-                want[r * c + j] = ((double)probs[r * c + j] - (j == labels[r])) * 2.0 / n +
+                want[r * c + j] = (p[r * c + j] - (j == labels[r])) * 2.0 / n +
                                   (acc ? d0[r * c + j] : 0.0);
         check_close(d, want, n * c, 1e-6, "xent_backward");
     }
+    free(x); free(rows); free(d); free(d0); free(p); free(want); free(labels);
+}
+
+static void test_xent(void **state)
+{
+    fix *f = *state;
+    xent_case(f, 5, 7, 26);
+    xent_case(f, 3, 5000, 28);   /* rows longer than a summation block (DT_CPU_RED_BLOCK) */
     /* bad labels: the first one is reported */
+    const int n = 5, c = 7;
+    float *x = fvec(n * c), *rows = fvec(2 * n), loss;
+    rfill(x, n * c, 26);
     int32_t bad[5] = {0, -1, 7, 3, 1};
-    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, DT_XENT_KEEP_ALL, n, probs, &loss), 1);
+    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, DT_XENT_KEEP_ALL, n, rows, &loss), 1);
     bad[1] = 2;
-    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, DT_XENT_KEEP_ALL, n, probs, &loss), 2);
-    free(x); free(probs); free(d); free(d0); free(want);
+    assert_int_equal(f->I->xent_forward(f->be1, n, c, x, bad, DT_XENT_KEEP_ALL, n, rows, &loss), 2);
+    free(x); free(rows);
 }
 
 /* ---------------------------------------------------------------------------

@@ -1387,26 +1387,26 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
     float *hl = cu_rand(f, r, n * c, -4, 4);
     int32_t *lab = cu_rand_idx(f, r, n, c);
     cu_buf lg = cu_putf(f, hl, n * c), lb = cu_puti(f, lab, n);
-    cu_buf pr = cu_junk(f, n * c), loss = cu_junk(f, 1);
+    cu_buf pr = cu_junk(f, 2 * n), loss = cu_junk(f, 1);   /* each row's max and 1/sum */
     int64_t ret[2];
     BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb), DT_XENT_KEEP_ALL, n, P(pr), P(loss));
     if (ret[0] != -1) fail_msg("xent_forward n=%lld c=%lld: cpu returned %lld for valid labels",
                                (long long)n, (long long)c, (long long)ret[0]);
     cu_expect_int(f, ret[0], ret[1], "xent_forward n=%lld c=%lld return (valid labels)",
                   (long long)n, (long long)c);
-    cu_expect(f, pr, n * c, TOL_TRANSC, "xent_forward n=%lld c=%lld probs", (long long)n,
+    cu_expect(f, pr, 2 * n, TOL_TRANSC, "xent_forward n=%lld c=%lld rows (max, 1/sum)", (long long)n,
               (long long)c);
     cu_expect(f, loss, 1, TOL_TRANSC, "xent_forward n=%lld c=%lld loss", (long long)n,
               (long long)c);
 
-    /* backward from the CPU's probs, dloss a device scalar */
-    cu_buf pb = cu_putf(f, CF(pr), n * c);
+    /* backward from the CPU's rows, dloss a device scalar */
+    cu_buf pb = cu_putf(f, CF(pr), 2 * n);
     float *h0 = cu_rand(f, r, n * c, -1, 1);
     static const float dls[2] = {1.0f, 0.7f};
     for (int acc = 0; acc < 2; acc++) {
         cu_buf dl = cu_putf(f, &dls[acc], 1);
         cu_buf dx = acc ? cu_putf(f, h0, n * c) : cu_junk(f, n * c);
-        BOTH(xent_backward, n, c, P(pb), P(lb), DT_XENT_KEEP_ALL, n, P(dl), P(dx), acc);
+        BOTH(xent_backward, n, c, P(lg), P(pb), P(lb), DT_XENT_KEEP_ALL, n, P(dl), P(dx), acc);
         cu_expect(f, dx, n * c, TOL_ARITH, "xent_backward n=%lld c=%lld dloss=%g accumulate=%d",
                   (long long)n, (long long)c, (double)dls[acc], acc);
     }
@@ -1421,7 +1421,7 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
         l2[first] = (int32_t)(bad[i].value ? bad[i].value : c);
         if (bad[i].at2 >= 0 && bad[i].at2 < n)
             l2[bad[i].at2] = (int32_t)(bad[i].value2 ? bad[i].value2 : c);
-        cu_buf lb2 = cu_puti(f, l2, n), pr2 = cu_junk(f, n * c), loss2 = cu_junk(f, 1);
+        cu_buf lb2 = cu_puti(f, l2, n), pr2 = cu_junk(f, 2 * n), loss2 = cu_junk(f, 1);
         BOTH_RET(ret, xent_forward, n, c, P(lg), P(lb2), DT_XENT_KEEP_ALL, n, P(pr2), P(loss2));
         if (ret[0] != first)
             fail_msg("xent_forward: cpu returned %lld, label %lld is the first bad",
@@ -1436,17 +1436,17 @@ static void cu_xent_case(cu_fix *f, tu_rng *r, int64_t n, int64_t c)
         li[i] = i % 3 == 1 ? -100 : lab[i];
         kept += li[i] != -100;
     }
-    cu_buf lbi = cu_puti(f, li, n), pri = cu_junk(f, n * c), lossi = cu_junk(f, 1);
+    cu_buf lbi = cu_puti(f, li, n), pri = cu_junk(f, 2 * n), lossi = cu_junk(f, 1);
     BOTH_RET(ret, xent_forward, n, c, P(lg), P(lbi), -100, kept, P(pri), P(lossi));
     assert_int_equal(ret[0], -1);
     cu_expect_int(f, ret[0], ret[1], "xent_forward ignore -100 return");
     cu_expect(f, lossi, 1, TOL_TRANSC, "xent_forward n=%lld c=%lld ignore -100 loss", (long long)n,
               (long long)c);
-    cu_buf pbi = cu_putf(f, CF(pri), n * c);
+    cu_buf pbi = cu_putf(f, CF(pri), 2 * n);
     for (int acc = 0; acc < 2; acc++) {
         cu_buf dl = cu_putf(f, &dls[acc], 1);
         cu_buf dx = acc ? cu_putf(f, h0, n * c) : cu_junk(f, n * c);
-        BOTH(xent_backward, n, c, P(pbi), P(lbi), -100, kept, P(dl), P(dx), acc);
+        BOTH(xent_backward, n, c, P(lg), P(pbi), P(lbi), -100, kept, P(dl), P(dx), acc);
         cu_expect(f, dx, n * c, TOL_ARITH, "xent_backward ignore -100 accumulate=%d", acc);
     }
 }
