@@ -301,14 +301,21 @@ real_section() {
 }
 
 # The device memory this run's processes use, sampled every 0.2 s by
-# nvidia-smi (the largest sum over the compute processes), into $1 until
-# the file $1.stop appears; nothing without nvidia-smi.
+# nvidia-smi, into $1 until the file $1.stop appears: the largest sum over
+# the compute processes, or where nvidia-smi lists none (a container's own
+# PID namespace) the GPU's used memory above what it was before the run;
+# nothing without nvidia-smi, and nothing when neither ever rose above 0.
 real_watch_memory() {
-    local out=$1 max=0 now
+    local out=$1 max=0 now base
     command -v nvidia-smi >/dev/null 2>&1 || return 0
+    base=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)
     while [[ ! -e $out.stop ]]; do
         now=$(nvidia-smi --query-compute-apps=used_memory --format=csv,noheader,nounits 2>/dev/null |
-              awk '{ s += $1 } END { print s + 0 }')
+              awk '$1 ~ /^[0-9]+$/ { s += $1 } END { print s + 0 }')
+        if ((now == 0)) && [[ $base =~ ^[0-9]+$ ]]; then
+            now=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)
+            [[ $now =~ ^[0-9]+$ ]] && now=$((now - base)) || now=0
+        fi
         ((now > max)) && max=$now && echo "$max" > "$out"
         sleep 0.2
     done
@@ -662,7 +669,7 @@ real_table() {
             split($i, kv, "=")
             if (kv[1] == "ms" && kv[2] ~ /^[0-9.]+$/) add(ms, $4 SUBSEP k, kv[2])
             if (kv[1] == "ms" && kv[2] == "unavailable") unavail[$4 SUBSEP k] = 1
-            if (kv[1] == "peak_mib" && kv[2] ~ /^[0-9.]+$/) add(pk, $4 SUBSEP k, kv[2])
+            if (kv[1] == "peak_mib" && kv[2] ~ /^[0-9.]+$/ && kv[2] + 0 > 0) add(pk, $4 SUBSEP k, kv[2])
             if (kv[1] == "alloc_mib") add(al, $4 SUBSEP k, kv[2])
             if (kv[1] == "arena_mib") add(ar, $4 SUBSEP k, kv[2])
             if (kv[1] == "persistent_mib") add(ps, $4 SUBSEP k, kv[2])
@@ -690,7 +697,7 @@ real_table() {
                 if (!(("torchc" SUBSEP k) in unavail)) check("compile>=1.0", d > 0 && c > 0 && d / c >= 1.0)
             }
             if (p == "tf32") check("llm.c-fp32>=1.0", d > 0 && l > 0 && d / l >= 1.0)
-            if (md != "" && mt != "") check("memory<=torch", md + 0 <= mt + 0)
+            check((md != "" && mt != "") ? "memory<=torch" : "memory-not-measured", md != "" && mt != "" && md + 0 <= mt + 0)
             tk[b " " p] = d
             printf "%-5s %-5s| %8s %8s %8s %8s | %8s %8s %8s | %6s %6s | %7s %7s %7s %7s | %s\n", b, p, fmt(d), \
                 (p == "fp32" ? "(none)" : fmt(l)), fmt(t), ((("torchc" SUBSEP k) in unavail) ? "n/a" : fmt(c)), \
