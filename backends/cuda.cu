@@ -3293,6 +3293,18 @@ static void attn_probs(dt_backend *be, int64_t bh, int64_t t, int64_t d, float s
     DT_LAUNCHED(be);
 }
 
+/* The scores of at most this many bytes exist at a time: heads go through
+ * in chunks (every head alone is a batch entry, so a chunk's results are
+ * the whole batch's; the mask is per (t, t), the same for every head). */
+#define DT_CUDA_ATTN_CHUNK_BYTES ((size_t)64 << 20)
+
+/* Heads a chunk holds when each needs `per_head` floats of scores. */
+static int64_t attn_chunk_heads(int64_t bh, int64_t per_head)
+{
+    int64_t h = (int64_t)(DT_CUDA_ATTN_CHUNK_BYTES / sizeof(float)) / (per_head > 0 ? per_head : 1);
+    return h < 1 ? 1 : h < bh ? h : bh;
+}
+
 static dt_status cuda_attention_forward(dt_backend *be, int64_t bh, int64_t t, int64_t d,
                                         float scale, int causal, const float *mask,
                                         const float *q, const float *k, const float *v, float *o,
@@ -3300,11 +3312,16 @@ static dt_status cuda_attention_forward(dt_backend *be, int64_t bh, int64_t t, i
 {
     if (bh <= 0 || t <= 0 || d <= 0) return DT_OK;
     cuda_enter(be);
-    float *p = (float *)cuda_alloc(be, sizeof(float) * (size_t)(bh * t * t));
+    int64_t hc = attn_chunk_heads(bh, t * t);
+    float *p = (float *)cuda_alloc(be, sizeof(float) * (size_t)(hc * t * t));
     if (!p) return DT_ENOMEM;
-    attn_probs(be, bh, t, d, scale, causal, mask, q, k, p, lse, 0);
-    gemm_args O = {0, 0, bh, t, d, t, 1.0f, 0.0f, p, v, o, t, d, d, t * t, t * d, t * d};
-    gemm_f32(be, &O);
+    for (int64_t h0 = 0; h0 < bh; h0 += hc) {
+        int64_t n = bh - h0 < hc ? bh - h0 : hc, off = h0 * t * d;
+        attn_probs(be, n, t, d, scale, causal, mask, q + off, k + off, p, lse + h0 * t, 0);
+        gemm_args O = {0, 0, n, t, d, t, 1.0f, 0.0f, p, v + off, o + off, t, d, d, t * t, t * d,
+                       t * d};
+        gemm_f32(be, &O);
+    }
     cuda_free(be, p);
     return DT_OK;
 }
@@ -3317,21 +3334,26 @@ static dt_status cuda_attention_backward(dt_backend *be, int64_t bh, int64_t t, 
 {
     if (bh <= 0 || t <= 0 || d <= 0) return DT_OK;
     cuda_enter(be);
-    float *p = (float *)cuda_alloc(be, sizeof(float) * (size_t)(2 * bh * t * t));
+    int64_t hc = attn_chunk_heads(bh, 2 * t * t);
+    float *p = (float *)cuda_alloc(be, sizeof(float) * (size_t)(2 * hc * t * t));
     if (!p) return DT_ENOMEM;
-    float *ds = p + bh * t * t;
-    attn_probs(be, bh, t, d, scale, causal, mask, q, k, p, (float *)lse, 1);
-    gemm_args dV = {1, 0, bh, t, d, t, 1.0f, 0.0f, p, dout, dv, t, d, d, t * t, t * d, t * d};
-    gemm_args dP = {0, 1, bh, t, t, d, 1.0f, 0.0f, dout, v, ds, d, d, t, t * d, t * d, t * t};
-    gemm_f32(be, &dV);
-    gemm_f32(be, &dP);
-    attn_ds_kernel<<<attn_grid(bh * t), DT_CUDA_THREADS, 0, be->compute>>>(bh * t, t, d, p, dout,
-                                                                         o, ds);
-    DT_LAUNCHED(be);
-    gemm_args dQ = {0, 0, bh, t, d, t, scale, 0.0f, ds, k, dq, t, d, d, t * t, t * d, t * d};
-    gemm_args dK = {1, 0, bh, t, d, t, scale, 0.0f, ds, q, dk, t, d, d, t * t, t * d, t * d};
-    gemm_f32(be, &dQ);
-    gemm_f32(be, &dK);
+    float *ds = p + hc * t * t;
+    for (int64_t h0 = 0; h0 < bh; h0 += hc) {
+        int64_t n = bh - h0 < hc ? bh - h0 : hc, off = h0 * t * d;
+        const float *qc = q + off, *kc = k + off, *vc = v + off, *oc = o + off, *gc = dout + off;
+        attn_probs(be, n, t, d, scale, causal, mask, qc, kc, p, (float *)lse + h0 * t, 1);
+        gemm_args dV = {1, 0, n, t, d, t, 1.0f, 0.0f, p, gc, dv + off, t, d, d, t * t, t * d, t * d};
+        gemm_args dP = {0, 1, n, t, t, d, 1.0f, 0.0f, gc, vc, ds, d, d, t, t * d, t * d, t * t};
+        gemm_f32(be, &dV);
+        gemm_f32(be, &dP);
+        attn_ds_kernel<<<attn_grid(n * t), DT_CUDA_THREADS, 0, be->compute>>>(n * t, t, d, p, gc,
+                                                                            oc, ds);
+        DT_LAUNCHED(be);
+        gemm_args dQ = {0, 0, n, t, d, t, scale, 0.0f, ds, kc, dq + off, t, d, d, t * t, t * d, t * d};
+        gemm_args dK = {1, 0, n, t, d, t, scale, 0.0f, ds, qc, dk + off, t, d, d, t * t, t * d, t * d};
+        gemm_f32(be, &dQ);
+        gemm_f32(be, &dK);
+    }
     cuda_free(be, p);
     return DT_OK;
 }

@@ -1866,6 +1866,9 @@ static void test_cuda_embedding_layernorm_dropout(void **state)
     cu_attention_case(f, &r, 6, 37, 16, 1, 1);
     cu_attention_case(f, &r, 2, 130, 64, 0, 0);
     cu_attention_case(f, &r, 48, 64, 32, 1, 0);
+    /* more scores than DT_CUDA_ATTN_CHUNK_BYTES (64 MiB): forward in chunks of
+     * 16 heads and 4, backward in 8, 8 and 4 */
+    cu_attention_case(f, &r, 20, 1024, 16, 1, 1);
 
     for (int affine = 0; affine < 2; affine++) {
         cu_layernorm_case(f, &r, 13, 67, affine);
