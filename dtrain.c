@@ -12613,7 +12613,7 @@ static dt_status loader_alloc_slots(dt_loader *ld)
 {
     dt_ctx *ctx = ld->ctx;
     int64_t b = ld->cap, xs[DT_MAX_DIMS] = {b}, ys[DT_MAX_DIMS] = {b};
-    dt_sample_field in, tgt;
+    dt_sample_field in = {0}, tgt = {0};   /* (dt_dataset_fields fills both for a dataset) */
     dt_dataset_fields(ld->ds, &in, &tgt);
     for (int d = 0; d < in.ndim; d++)
         xs[d + 1] = in.shape[d];
@@ -12658,7 +12658,7 @@ dt_loader *dt_loader_new(dt_ctx *ctx, const dt_dataset *ds, const dt_loader_conf
                   cfg->shard_rank, cfg->shard_count);
         return NULL;
     }
-    dt_sample_field in, tgt;
+    dt_sample_field in = {0}, tgt = {0};   /* (dt_dataset_fields fills both for a dataset) */
     dt_dataset_fields(ds, &in, &tgt);
     if (in.dtype == DT_I32 && (cfg->mean != 0.0f || cfg->std != 1.0f)) {
         set_error(ctx, DT_EINVAL, "loader: mean %g and std %g apply to f32 inputs; this dataset's "
